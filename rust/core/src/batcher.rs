@@ -1,0 +1,454 @@
+//! The batcher: submit on one side, gather + collate + route on the other.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::queue::Popped;
+use crate::{
+    CoreError, Decision, DispatchRule, InputBytes, Request, RequestQueue, RequestState, Routes,
+    SlotBuffer, StagingRing,
+};
+
+#[derive(Debug, Clone)]
+pub struct BatcherConfig {
+    pub rule: DispatchRule,
+    /// Bytes per row of each input, in the model's input order.
+    pub row_nbytes: Vec<usize>,
+    pub max_queue_size: usize,
+    /// Worker threads that will call `next_batch` (one per model instance).
+    pub workers: usize,
+}
+
+/// Counters, updated with relaxed atomics (a snapshot may be torn across fields).
+#[derive(Debug, Default)]
+pub struct Stats {
+    pub batches: AtomicU64,
+    pub rows: AtomicU64,
+    pub requests: AtomicU64,
+    /// Requests a worker found cancelled / closed by their caller, and skipped.
+    pub skipped_withdrawn: AtomicU64,
+    /// Requests a worker found past their deadline, and skipped.
+    pub skipped_expired: AtomicU64,
+    /// Sum over taken requests of the time from submit to being taken.
+    pub queue_ns: AtomicU64,
+}
+
+/// A worker's own state between batches.
+#[derive(Debug, Default)]
+pub struct Worker {
+    /// A request popped that did not fit the last batch; it leads the next.
+    carry: Option<Arc<Request>>,
+    closed: bool,
+}
+
+impl Worker {
+    pub fn new() -> Worker {
+        Worker::default()
+    }
+}
+
+/// A collated batch: `rows` rows of every input sit in staging slot `slot`.
+#[derive(Debug)]
+pub struct Batch {
+    pub slot: usize,
+    pub rows: usize,
+    pub routes: Routes,
+    /// Sum over the batch's requests of their time in the queue.
+    pub queue_ns: u64,
+}
+
+#[derive(Debug)]
+pub struct Batcher {
+    rule: DispatchRule,
+    queue: RequestQueue,
+    ring: StagingRing,
+    workers: usize,
+    next_id: AtomicU64,
+    stats: Stats,
+}
+
+impl Batcher {
+    pub fn new(config: BatcherConfig, slots: Vec<Vec<SlotBuffer>>) -> Result<Batcher, CoreError> {
+        if config.max_queue_size == 0 {
+            return Err(CoreError::InvalidConfig("max_queue_size must be at least 1".into()));
+        }
+        if config.workers == 0 {
+            return Err(CoreError::InvalidConfig("at least one worker is needed".into()));
+        }
+        let ring = StagingRing::new(config.row_nbytes, config.rule.max_batch_size, slots)?;
+        Ok(Batcher {
+            queue: RequestQueue::new(config.max_queue_size, config.workers),
+            rule: config.rule,
+            ring,
+            workers: config.workers,
+            next_id: AtomicU64::new(1),
+            stats: Stats::default(),
+        })
+    }
+
+    pub fn rule(&self) -> &DispatchRule {
+        &self.rule
+    }
+
+    pub fn stats(&self) -> &Stats {
+        &self.stats
+    }
+
+    pub fn queue_len(&self) -> usize {
+        self.queue.len()
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.queue.is_closed()
+    }
+
+    /// Validates and enqueues a request of `rows` rows.
+    ///
+    /// The caller keeps the memory behind `inputs` alive until the request is
+    /// resolved (the contract of [`Request`]).
+    pub fn submit(
+        &self,
+        loop_id: u32,
+        rows: usize,
+        inputs: Box<[InputBytes]>,
+        timeout: Option<Duration>,
+    ) -> Result<Arc<Request>, CoreError> {
+        let row_nbytes = self.ring.row_nbytes();
+        if rows == 0 {
+            return Err(CoreError::InvalidInput("a request must carry at least one row".into()));
+        }
+        if rows > self.rule.max_batch_size {
+            return Err(CoreError::InvalidInput(format!(
+                "a request of {rows} rows exceeds max_batch_size ({})",
+                self.rule.max_batch_size
+            )));
+        }
+        if inputs.len() != row_nbytes.len() {
+            return Err(CoreError::InvalidInput(format!(
+                "expected {} inputs, got {}",
+                row_nbytes.len(),
+                inputs.len()
+            )));
+        }
+        for (i, (input, row)) in inputs.iter().zip(row_nbytes).enumerate() {
+            if input.len() != rows * row {
+                return Err(CoreError::InvalidInput(format!(
+                    "input {i}: expected {} bytes ({rows} rows of {row}), got {}",
+                    rows * row,
+                    input.len()
+                )));
+            }
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let request = Arc::new(Request::new(id, loop_id, rows as u32, inputs, deadline));
+        self.queue.push(request.clone())?;
+        Ok(request)
+    }
+
+    /// Gathers the next batch by the dispatch rule and collates it into a
+    /// staging slot the caller then holds. Blocks; call it without any lock
+    /// the submitters need. `None` once the batcher is closed and this worker
+    /// has dispatched everything it was given.
+    pub fn next_batch(&self, worker: &mut Worker) -> Option<Batch> {
+        if worker.closed && worker.carry.is_none() {
+            return None;
+        }
+        let slot = self.ring.acquire();
+        let mut gathered: Vec<Arc<Request>> = Vec::with_capacity(self.rule.max_batch_size);
+        let mut rows = 0usize;
+        if let Some(r) = worker.carry.take() {
+            self.admit(r, Instant::now(), worker, &mut gathered, &mut rows);
+        }
+        loop {
+            // Take what is already queued, without blocking.
+            let now = Instant::now();
+            while rows < self.rule.max_batch_size && worker.carry.is_none() && !worker.closed {
+                match self.queue.try_pop() {
+                    Popped::Request(r) => self.admit(r, now, worker, &mut gathered, &mut rows),
+                    Popped::Close => worker.closed = true,
+                    Popped::Empty => break,
+                }
+            }
+            if worker.closed || worker.carry.is_some() || rows >= self.rule.max_batch_size {
+                break;
+            }
+            let wait_until = if gathered.is_empty() {
+                None
+            } else {
+                let oldest_age = now.saturating_duration_since(gathered[0].enqueued_at);
+                match self.rule.decide(rows, oldest_age, !self.queue.is_empty()) {
+                    Decision::Dispatch => break,
+                    Decision::Wait(limit) => limit.map(|l| now + l),
+                }
+            };
+            match self.queue.pop_until(wait_until) {
+                Popped::Request(r) => self.admit(r, Instant::now(), worker, &mut gathered, &mut rows),
+                Popped::Close => worker.closed = true,
+                Popped::Empty => {}
+            }
+        }
+        if gathered.is_empty() {
+            self.ring.release(slot);
+            return if worker.carry.is_some() { self.next_batch(worker) } else { None };
+        }
+        let collated = self.ring.collate(slot, &gathered);
+        debug_assert_eq!(collated, rows);
+        let taken_at = Instant::now();
+        let queue_ns: u64 = gathered
+            .iter()
+            .map(|r| taken_at.saturating_duration_since(r.enqueued_at).as_nanos() as u64)
+            .sum();
+        self.stats.batches.fetch_add(1, Ordering::Relaxed);
+        self.stats.rows.fetch_add(rows as u64, Ordering::Relaxed);
+        self.stats.requests.fetch_add(gathered.len() as u64, Ordering::Relaxed);
+        self.stats.queue_ns.fetch_add(queue_ns, Ordering::Relaxed);
+        Some(Batch { slot, rows, routes: Routes::for_batch(&gathered), queue_ns })
+    }
+
+    /// Takes `r` into the batch if it is still queued, within its deadline and fits.
+    fn admit(
+        &self,
+        r: Arc<Request>,
+        now: Instant,
+        worker: &mut Worker,
+        gathered: &mut Vec<Arc<Request>>,
+        rows: &mut usize,
+    ) {
+        if r.is_past_deadline(now) {
+            // The caller's own timer reports the deadline; we only never run it.
+            r.withdraw(RequestState::Expired);
+            self.stats.skipped_expired.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        if *rows + r.rows as usize > self.rule.max_batch_size {
+            worker.carry = Some(r);
+            return;
+        }
+        if !r.take() {
+            self.stats.skipped_withdrawn.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        *rows += r.rows as usize;
+        gathered.push(r);
+    }
+
+    /// Gives back the staging slot of a finished batch (after its bytes have
+    /// been consumed: copied to the device, or the model call returned).
+    pub fn release_slot(&self, slot: usize) -> bool {
+        self.ring.release(slot)
+    }
+
+    /// Refuses new requests; each worker dispatches what it holds, then stops.
+    pub fn close(&self) {
+        self.queue.close(self.workers);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+    use std::sync::Mutex;
+
+    const ROW: usize = 8;
+
+    /// A batcher over heap slots, with the slot memory kept alive by the test.
+    struct Fixture {
+        batcher: Arc<Batcher>,
+        _slots: Vec<Vec<u8>>,
+    }
+
+    fn fixture(max: usize, delay: Duration, min: usize, queue: usize, workers: usize) -> Fixture {
+        let mut store: Vec<Vec<u8>> = (0..workers + 1).map(|_| vec![0u8; max * ROW]).collect();
+        let slots = store
+            .iter_mut()
+            // SAFETY: `store` moves into the fixture, which outlives the batcher's use.
+            .map(|v| vec![unsafe { SlotBuffer::new(v.as_mut_ptr(), v.len()) }])
+            .collect();
+        let rule = DispatchRule::new(max, delay, min, vec![]).unwrap();
+        let config = BatcherConfig { rule, row_nbytes: vec![ROW], max_queue_size: queue, workers };
+        Fixture { batcher: Arc::new(Batcher::new(config, slots).unwrap()), _slots: store }
+    }
+
+    fn submit(b: &Batcher, bytes: &'static [u8], timeout: Option<Duration>) -> Arc<Request> {
+        // SAFETY: static bytes outlive everything.
+        let input = unsafe { InputBytes::new(bytes.as_ptr(), bytes.len()) };
+        b.submit(0, bytes.len() / ROW, Box::new([input]), timeout).unwrap()
+    }
+
+    static ROW_A: [u8; ROW] = [7; ROW];
+    static ROWS_3: [u8; 3 * ROW] = [9; 3 * ROW];
+
+    #[test]
+    fn greedy_takes_everything_queued_up_to_max() {
+        let f = fixture(4, Duration::ZERO, 1, 100, 1);
+        let mut w = Worker::new();
+        for _ in 0..6 {
+            submit(&f.batcher, &ROW_A, None);
+        }
+        let b = f.batcher.next_batch(&mut w).unwrap();
+        assert_eq!(b.rows, 4);
+        f.batcher.release_slot(b.slot);
+        let b = f.batcher.next_batch(&mut w).unwrap();
+        assert_eq!(b.rows, 2);
+    }
+
+    #[test]
+    fn a_request_that_does_not_fit_leads_the_next_batch() {
+        let f = fixture(4, Duration::ZERO, 1, 100, 1);
+        let mut w = Worker::new();
+        let a = submit(&f.batcher, &ROWS_3, None);
+        let b = submit(&f.batcher, &ROWS_3, None);
+        let first = f.batcher.next_batch(&mut w).unwrap();
+        assert_eq!(first.routes.groups[0].1[0].id, a.id);
+        assert_eq!(first.rows, 3);
+        f.batcher.release_slot(first.slot);
+        let second = f.batcher.next_batch(&mut w).unwrap();
+        assert_eq!(second.routes.groups[0].1, vec![crate::Route { id: b.id, start: 0, rows: 3 }]);
+    }
+
+    #[test]
+    fn refuses_bad_requests_before_they_are_queued() {
+        let f = fixture(2, Duration::ZERO, 1, 1, 1);
+        static SHORT: [u8; 3] = [0; 3];
+        let input = unsafe { InputBytes::new(SHORT.as_ptr(), SHORT.len()) };
+        let err = f.batcher.submit(0, 1, Box::new([input]), None).unwrap_err();
+        assert!(matches!(err, CoreError::InvalidInput(m) if m.contains("expected 8 bytes")));
+        static BIG: [u8; 3 * ROW] = [0; 3 * ROW];
+        let input = unsafe { InputBytes::new(BIG.as_ptr(), BIG.len()) };
+        let err = f.batcher.submit(0, 3, Box::new([input]), None).unwrap_err();
+        assert!(err.to_string().contains("exceeds max_batch_size"));
+        assert_eq!(f.batcher.queue_len(), 0);
+        submit(&f.batcher, &ROW_A, None);
+        let input = unsafe { InputBytes::new(ROW_A.as_ptr(), ROW) };
+        assert!(matches!(
+            f.batcher.submit(0, 1, Box::new([input]), None),
+            Err(CoreError::QueueFull { capacity: 1 })
+        ));
+    }
+
+    #[test]
+    fn waits_max_delay_for_a_fuller_batch() {
+        let f = fixture(8, Duration::from_millis(30), 1, 100, 1);
+        let batcher = f.batcher.clone();
+        submit(&batcher, &ROW_A, None);
+        let late = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(5));
+            submit(&batcher, &ROW_A, None);
+        });
+        let started = Instant::now();
+        let b = f.batcher.next_batch(&mut Worker::new()).unwrap();
+        late.join().unwrap();
+        assert_eq!(b.rows, 2, "the late request joined the open batch");
+        assert!(started.elapsed() >= Duration::from_millis(20));
+    }
+
+    #[test]
+    fn cancelled_and_expired_requests_are_never_taken() {
+        let f = fixture(8, Duration::ZERO, 1, 100, 1);
+        let cancelled = submit(&f.batcher, &ROW_A, None);
+        let expired = submit(&f.batcher, &ROW_A, Some(Duration::ZERO));
+        let kept = submit(&f.batcher, &ROW_A, None);
+        assert!(cancelled.withdraw(RequestState::Cancelled));
+        let b = f.batcher.next_batch(&mut Worker::new()).unwrap();
+        assert_eq!(b.routes.groups[0].1.iter().map(|r| r.id).collect::<Vec<_>>(), vec![kept.id]);
+        assert_eq!(expired.state(), RequestState::Expired);
+        assert_eq!(f.batcher.stats().skipped_withdrawn.load(Ordering::Relaxed), 1);
+        assert_eq!(f.batcher.stats().skipped_expired.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn close_dispatches_what_was_accepted_then_stops() {
+        let f = fixture(8, Duration::from_secs(60), 8, 100, 1);
+        submit(&f.batcher, &ROW_A, None);
+        f.batcher.close();
+        let mut w = Worker::new();
+        let b = f.batcher.next_batch(&mut w).expect("below min_batch_size, still flushed");
+        assert_eq!(b.rows, 1);
+        f.batcher.release_slot(b.slot);
+        assert!(f.batcher.next_batch(&mut w).is_none());
+    }
+
+    /// Producers submit and randomly cancel while workers batch: every request
+    /// is either taken exactly once or withdrawn, never both, never lost.
+    #[test]
+    fn stress_every_request_taken_or_withdrawn_exactly_once() {
+        const PRODUCERS: usize = 4;
+        const PER_PRODUCER: usize = 20_000;
+        const WORKERS: usize = 3;
+        let f = fixture(16, Duration::from_micros(50), 1, 1024, WORKERS);
+        let taken: Arc<Mutex<Vec<u64>>> = Arc::default();
+        let workers: Vec<_> = (0..WORKERS)
+            .map(|_| {
+                let (b, taken) = (f.batcher.clone(), taken.clone());
+                std::thread::spawn(move || {
+                    let mut w = Worker::new();
+                    let mut mine = Vec::new();
+                    while let Some(batch) = b.next_batch(&mut w) {
+                        for (_, routes) in &batch.routes.groups {
+                            mine.extend(routes.iter().map(|r| r.id));
+                        }
+                        assert!(b.release_slot(batch.slot));
+                    }
+                    taken.lock().unwrap().extend(mine);
+                })
+            })
+            .collect();
+        let producers: Vec<_> = (0..PRODUCERS)
+            .map(|p| {
+                let b = f.batcher.clone();
+                std::thread::spawn(move || {
+                    let mut submitted = Vec::new();
+                    let mut x = p as u64 + 1;
+                    for _ in 0..PER_PRODUCER {
+                        let input = unsafe { InputBytes::new(ROW_A.as_ptr(), ROW) };
+                        loop {
+                            match b.submit(0, 1, Box::new([input]), None) {
+                                Ok(r) => {
+                                    submitted.push(r);
+                                    break;
+                                }
+                                Err(CoreError::QueueFull { .. }) => std::thread::yield_now(),
+                                Err(e) => panic!("{e}"),
+                            }
+                        }
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        if x % 4 == 0 {
+                            let r = &submitted[(x as usize / 4) % submitted.len()];
+                            r.withdraw(RequestState::Cancelled);
+                        }
+                    }
+                    submitted
+                })
+            })
+            .collect();
+        let submitted: Vec<Arc<Request>> =
+            producers.into_iter().flat_map(|p| p.join().unwrap()).collect();
+        f.batcher.close();
+        for w in workers {
+            w.join().unwrap();
+        }
+        let taken = taken.lock().unwrap();
+        let unique: HashSet<u64> = taken.iter().copied().collect();
+        assert_eq!(unique.len(), taken.len(), "a request was taken twice");
+        for r in &submitted {
+            let in_batch = unique.contains(&r.id);
+            match r.state() {
+                RequestState::Taken => assert!(in_batch, "request {} taken but lost", r.id),
+                RequestState::Cancelled => assert!(!in_batch, "cancelled request {} ran", r.id),
+                s => panic!("request {} left in state {s:?}", r.id),
+            }
+        }
+        assert_eq!(submitted.len(), PRODUCERS * PER_PRODUCER);
+        let stats = f.batcher.stats();
+        assert_eq!(stats.requests.load(Ordering::Relaxed) as usize, taken.len());
+        assert_eq!(
+            taken.len() + stats.skipped_withdrawn.load(Ordering::Relaxed) as usize,
+            submitted.len()
+        );
+    }
+}
