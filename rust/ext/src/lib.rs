@@ -1,1 +1,31 @@
+//! `ferrobatch._core`: thin pyo3 bindings over `ferrobatch-core`.
+//!
+//! This crate only converts: Python objects to byte views and ids, core
+//! results to Python objects, `CoreError` to the `ferrobatch.errors`
+//! hierarchy. The GIL is released in one place, [`without_gil`].
 
+mod batcher;
+mod errors;
+mod inputs;
+
+use pyo3::prelude::*;
+
+/// Runs slow native work with the GIL released (the one place that does).
+pub(crate) fn without_gil<T, F>(py: Python<'_>, f: F) -> T
+where
+    F: Send + FnOnce() -> T,
+    T: Send,
+{
+    py.detach(f)
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_class::<batcher::Batcher>()?;
+    m.add_class::<batcher::Ticket>()?;
+    m.add_class::<batcher::Worker>()?;
+    m.add_class::<batcher::Batch>()?;
+    m.add_class::<batcher::Routes>()?;
+    Ok(())
+}

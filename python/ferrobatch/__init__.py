@@ -1,0 +1,33 @@
+"""ferrobatch: asyncio-native auto-batching of model inference, with a Rust hot path.
+
+    server = fb.Server(model, inputs=[fb.TensorSpec("x", "float32", (256,))],
+                       outputs=[fb.TensorSpec("y", "float32", (256,))])
+    async with server:
+        out = await server.client().infer({"x": torch.randn(256)})
+"""
+
+from ._core import __version__
+from .client import Client
+from .errors import (
+    DeadlineExceededError,
+    FerrobatchError,
+    InvalidInputError,
+    ModelError,
+    QueueFullError,
+    ServerClosedError,
+)
+from .server import Server
+from .specs import TensorSpec
+
+__all__ = [
+    "Client",
+    "DeadlineExceededError",
+    "FerrobatchError",
+    "InvalidInputError",
+    "ModelError",
+    "QueueFullError",
+    "Server",
+    "ServerClosedError",
+    "TensorSpec",
+    "__version__",
+]

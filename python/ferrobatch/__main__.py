@@ -1,0 +1,37 @@
+"""Command line: ``python -m ferrobatch demo`` (and ``ferrobatch demo``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ferrobatch", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    demo = commands.add_parser("demo", help="serve a built-in MLP in process to concurrent callers")
+    demo.add_argument("--callers", type=int, default=256, help="concurrent callers (default 256)")
+    demo.add_argument("--seconds", type=float, default=5.0, help="how long to run (default 5)")
+    demo.add_argument("--max-batch-size", type=int, default=64)
+    demo.add_argument("--max-delay", type=float, default=0.001, help="seconds (default 0.001)")
+    demo.add_argument("--width", type=int, default=256, help="MLP width (default 256)")
+
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from .demo import run_demo
+
+        return run_demo(
+            callers=args.callers,
+            seconds=args.seconds,
+            max_batch_size=args.max_batch_size,
+            max_delay=args.max_delay,
+            width=args.width,
+        )
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""The exceptions ferrobatch raises; every one is a :class:`FerrobatchError`.
+
+A request resolves exactly once: with its result, or with one of these.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "FerrobatchError",
+    "InvalidInputError",
+    "QueueFullError",
+    "DeadlineExceededError",
+    "ServerClosedError",
+    "ModelError",
+]
+
+
+class FerrobatchError(Exception):
+    """Base class of every error ferrobatch raises for a request."""
+
+
+class InvalidInputError(FerrobatchError, ValueError):
+    """The inputs do not match the model's specs (names, dtype, shape, device).
+
+    Raised at submit: such a request never enters the queue.
+    """
+
+
+class QueueFullError(FerrobatchError):
+    """``max_queue_size`` requests are already waiting; raised at once."""
+
+
+class DeadlineExceededError(FerrobatchError, TimeoutError):
+    """The request's ``timeout`` passed before its result was ready."""
+
+
+class ServerClosedError(FerrobatchError):
+    """The server is not running, or stopped before the request could run."""
+
+
+class ModelError(FerrobatchError):
+    """The model call for the request's batch failed, or returned bad outputs.
+
+    When the model raised, ``__cause__`` is the original exception.
+    """

@@ -1,0 +1,83 @@
+"""Tensor specs: the name, dtype and per-sample shape of a model input or output."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["TensorSpec"]
+
+_DTYPES: dict[str, torch.dtype] = {
+    "bool": torch.bool,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "uint8": torch.uint8,
+    "uint16": torch.uint16,
+    "uint32": torch.uint32,
+    "uint64": torch.uint64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
+_ALIASES = {"float": "float32", "double": "float64", "half": "float16", "long": "int64", "int": "int32"}
+
+
+def dtype_name(dtype: Any) -> str:
+    """Canonical name ("float32") of a dtype given as a string, torch or numpy dtype."""
+    if isinstance(dtype, torch.dtype):
+        name = str(dtype).removeprefix("torch.")
+    elif isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+    else:
+        name = str(getattr(dtype, "name", dtype))  # numpy dtype or scalar type
+        if name.startswith("<class"):
+            name = getattr(dtype, "__name__", name)
+    name = _ALIASES.get(name, name)
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; supported: {', '.join(_DTYPES)}")
+    return name
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One model input or output: ``TensorSpec("x", "float32", (256,))``.
+
+    ``shape`` is the shape of one sample, without the batch dimension. ``dtype``
+    may be a string ("float32"), a ``torch.dtype`` or a numpy dtype; it is
+    stored as its canonical name. Inputs are never cast: a request of another
+    dtype is refused with :class:`~ferrobatch.InvalidInputError`.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"TensorSpec name must be a non-empty string, got {self.name!r}")
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        shape = tuple(self.shape)
+        for dim in shape:
+            if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
+                raise ValueError(
+                    f"TensorSpec {self.name!r}: dimensions must be non-negative ints, got {shape}"
+                    " (variable-length dimensions are not supported)"
+                )
+        object.__setattr__(self, "shape", shape)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes of one sample."""
+        n = self.torch_dtype.itemsize
+        for dim in self.shape:
+            n *= dim
+        return n
