@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.utils.dlpack
 
 from .errors import InvalidInputError, ModelError
 from .specs import TensorSpec
@@ -19,10 +20,10 @@ def resolve_device(model: Model, device: str | torch.device | None) -> torch.dev
     if device is not None:
         return torch.device(device)
     if isinstance(model, torch.nn.Module):
-        for tensor in model.parameters():
-            return tensor.device
-        for tensor in model.buffers():
-            return tensor.device
+        for param in model.parameters():
+            return param.device
+        for buffer in model.buffers():
+            return buffer.device
     return torch.device("cpu")
 
 
@@ -48,7 +49,7 @@ def make_coerce(specs: Sequence[TensorSpec]) -> Callable[[Any, int, bool], torch
     def coerce(value: Any, index: int, batched: bool) -> torch.Tensor:
         spec = specs[index]
         if hasattr(value, "__dlpack__"):
-            tensor = torch.from_dlpack(value)
+            tensor = torch.utils.dlpack.from_dlpack(value)
         else:
             try:
                 view = memoryview(value)
@@ -157,7 +158,7 @@ class CudaExecutor:
         self.model = model
         self.device = device
         self.outputs = outputs
-        self.stream = torch.cuda.Stream(device=device)
+        self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
 
     def run(
         self, staged: dict[str, torch.Tensor], rows: int, release: Callable[[], None]
@@ -166,7 +167,7 @@ class CudaExecutor:
         try:
             with torch.cuda.stream(self.stream), torch.inference_mode():
                 on_device = {k: v.to(self.device, non_blocking=True) for k, v in staged.items()}
-                copied_in = torch.cuda.Event()
+                copied_in = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 copied_in.record(self.stream)
                 outputs = normalize_outputs(self.model(on_device), self.outputs, rows)
                 host = {}
@@ -174,7 +175,7 @@ class CudaExecutor:
                     buf = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
                     buf.copy_(out, non_blocking=True)
                     host[name] = buf
-                copied_out = torch.cuda.Event()
+                copied_out = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 copied_out.record(self.stream)
             # The slot may be rewritten once its host-to-device copy completed.
             copied_in.synchronize()

@@ -78,7 +78,9 @@ class Server:
         device: str | torch.device | None = None,
         name: str = "model",
     ) -> None:
-        self._models: list[Model] = list(model) if isinstance(model, (list, tuple)) else [model]
+        self._models: list[Model] = (
+            list(model) if isinstance(model, (list, tuple)) else [model]  # type: ignore[list-item]
+        )
         if not self._models or not all(callable(m) for m in self._models):
             raise TypeError("model must be a callable or a non-empty list of callables")
         self.inputs = tuple(_check_specs("inputs", inputs))

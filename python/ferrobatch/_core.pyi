@@ -1,0 +1,84 @@
+"""Type stubs for the Rust extension ``ferrobatch._core`` (checked by mypy.stubtest)."""
+
+from collections.abc import Callable
+from typing import Any, final
+
+import torch
+
+__all__ = ["Batch", "Batcher", "Routes", "Ticket", "Worker"]
+__version__: str
+
+@final
+class Batcher:
+    """The submit side of one model's batcher."""
+
+    def __new__(
+        cls,
+        inputs: list[tuple[str, str, list[int], torch.dtype]],
+        slots: list[list[torch.Tensor]],
+        *,
+        tensor_type: type[torch.Tensor],
+        coerce: Callable[[Any, int, bool], torch.Tensor],
+        max_batch_size: int,
+        max_delay: float,
+        min_batch_size: int,
+        preferred_batch_sizes: list[int],
+        max_queue_size: int,
+        workers: int,
+    ) -> Batcher: ...
+    def submit(
+        self,
+        inputs: Any,
+        loop_id: int,
+        timeout: float | None = None,
+        batched: bool = False,
+    ) -> Ticket: ...
+    def release_slot(self, slot: int) -> bool: ...
+    def close(self) -> None: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def queue_len(self) -> int: ...
+    @property
+    def max_batch_size(self) -> int: ...
+    def stats(self) -> dict[str, int]: ...
+
+@final
+class Ticket:
+    """One submitted request; keeps its inputs alive."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def rows(self) -> int: ...
+    @property
+    def state(self) -> str: ...
+    def withdraw(self, reason: str) -> bool: ...
+
+@final
+class Worker:
+    """The batch side for one model instance."""
+
+    def __new__(cls, batcher: Batcher) -> Worker: ...
+    def next_batch(self) -> Batch | None: ...
+
+@final
+class Batch:
+    """A collated batch in a staging slot."""
+
+    @property
+    def slot(self) -> int: ...
+    @property
+    def rows(self) -> int: ...
+    @property
+    def queue_ns(self) -> int: ...
+    @property
+    def n_requests(self) -> int: ...
+    def groups(self) -> list[tuple[int, Routes]]: ...
+
+@final
+class Routes:
+    """The rows of a batch that belong to one event loop's requests."""
+
+    def __len__(self) -> int: ...
+    def entries(self) -> list[tuple[int, int, int]]: ...
