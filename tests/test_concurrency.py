@@ -1,0 +1,81 @@
+"""Clients on several event loops and threads share one server at the same time."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+import ferrobatch as fb
+from conftest import make_server, sample
+
+
+async def test_three_threads_with_their_own_event_loops_share_one_server() -> None:
+    per_thread = 200
+    async with make_server(max_batch_size=32, max_delay=0.002) as server:
+        client = server.client()
+        failures: list[BaseException] = []
+
+        def run_loop(t: int) -> None:
+            async def callers() -> None:
+                base = 1000 * t
+                outs = await asyncio.gather(
+                    *(client.infer({"x": sample(base + i)}) for i in range(per_thread))
+                )
+                for i, out in enumerate(outs):
+                    torch.testing.assert_close(out["y"], sample(2 * (base + i)))
+
+            try:
+                asyncio.run(callers())
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                failures.append(exc)
+
+        threads = [threading.Thread(target=run_loop, args=(t,)) for t in range(3)]
+        for thread in threads:
+            thread.start()
+        # The server's own loop keeps serving callers meanwhile.
+        local = await asyncio.gather(*(client.infer({"x": sample(-i)}) for i in range(50)))
+        await asyncio.to_thread(lambda: [th.join(30) for th in threads])
+        assert not failures, failures
+        for i, out in enumerate(local):
+            torch.testing.assert_close(out["y"], sample(-2 * i))
+        stats = server.stats()
+    assert stats["requests_succeeded"] == 3 * per_thread + 50
+
+
+async def test_infer_sync_from_a_thread_pool() -> None:
+    async with make_server(max_batch_size=16, max_delay=0.002) as server:
+        client = server.client()
+
+        def call(i: int) -> torch.Tensor:
+            return client.infer_sync({"x": sample(i)}, timeout=10)["y"]
+
+        def run_pool() -> list[torch.Tensor]:
+            with ThreadPoolExecutor(max_workers=16) as pool:
+                return list(pool.map(call, range(200)))
+
+        results = await asyncio.to_thread(run_pool)
+        stats = server.stats()
+    for i, y in enumerate(results):
+        torch.testing.assert_close(y, sample(2 * i))
+    assert stats["requests_succeeded"] == 200
+    assert stats["mean_batch_size"] > 1, "threads' requests are batched together"
+
+
+async def test_infer_sync_after_stop_raises_server_closed() -> None:
+    server = make_server()
+    async with server:
+        pass
+    client = server.client()
+    error: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            client.infer_sync({"x": sample(1)})
+        except BaseException as exc:  # noqa: BLE001
+            error.append(exc)
+
+    await asyncio.to_thread(call)
+    assert len(error) == 1 and isinstance(error[0], fb.ServerClosedError)

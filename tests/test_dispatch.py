@@ -1,0 +1,67 @@
+"""When batches are dispatched: greedy, max_delay, preferred sizes, min_batch_size."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from conftest import make_server, sample
+
+
+async def test_greedy_serves_a_lone_caller_one_request_per_batch() -> None:
+    async with make_server(max_delay=0) as server:
+        client = server.client()
+        for i in range(20):
+            out = await client.infer({"x": sample(i)})
+            torch.testing.assert_close(out["y"], sample(2 * i))
+        assert server.stats()["batches"] == 20
+
+
+async def test_full_batch_dispatches_without_waiting_for_max_delay() -> None:
+    async with make_server(max_batch_size=8, max_delay=30.0) as server:
+        client = server.client()
+        await asyncio.wait_for(
+            asyncio.gather(*(client.infer({"x": sample(i)}) for i in range(8))), timeout=10
+        )
+        assert server.stats()["batches"] == 1
+
+
+async def test_max_delay_gathers_concurrent_callers_into_one_batch() -> None:
+    async with make_server(max_batch_size=64, max_delay=0.2) as server:
+        client = server.client()
+        await asyncio.gather(*(client.infer({"x": sample(i)}) for i in range(5)))
+        stats = server.stats()
+    assert stats["batches"] == 1
+    assert stats["mean_batch_size"] == 5
+
+
+async def test_preferred_batch_size_dispatches_before_max_delay() -> None:
+    async with make_server(max_batch_size=16, max_delay=30.0, preferred_batch_sizes=(4,)) as server:
+        client = server.client()
+        await asyncio.wait_for(
+            asyncio.gather(*(client.infer({"x": sample(i)}) for i in range(4))), timeout=10
+        )
+        assert server.stats()["batches"] == 1
+
+
+async def test_min_batch_size_holds_small_batches_until_enough_rows() -> None:
+    async with make_server(max_batch_size=8, max_delay=0, min_batch_size=4) as server:
+        client = server.client()
+        early = [asyncio.ensure_future(client.infer({"x": sample(i)})) for i in range(3)]
+        await asyncio.sleep(0.1)
+        assert not any(t.done() for t in early), "three rows are below min_batch_size"
+        last = await asyncio.wait_for(client.infer({"x": sample(3)}), timeout=10)
+        outs = await asyncio.gather(*early)
+        assert server.stats()["batches"] == 1
+    torch.testing.assert_close(last["y"], sample(6))
+    torch.testing.assert_close(outs[2]["y"], sample(4))
+
+
+async def test_stop_flushes_a_batch_below_min_batch_size() -> None:
+    server = make_server(max_batch_size=8, max_delay=0, min_batch_size=4)
+    await server.start()
+    task = asyncio.ensure_future(server.client().infer({"x": sample(1)}))
+    await asyncio.sleep(0.05)
+    await server.stop()
+    torch.testing.assert_close((await task)["y"], sample(2))

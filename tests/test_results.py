@@ -1,0 +1,130 @@
+"""Every caller gets its own row of the batch output, whatever the model returns."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+import ferrobatch as fb
+from conftest import WIDTH, X, Y, make_server, sample
+
+
+async def test_a_thousand_concurrent_callers_each_get_their_own_row() -> None:
+    async with make_server(max_batch_size=64, max_delay=0.002) as server:
+        client = server.client()
+        outs = await asyncio.gather(*(client.infer({"x": sample(i)}) for i in range(1000)))
+        for i, out in enumerate(outs):
+            torch.testing.assert_close(out["y"], sample(2 * i), msg=f"caller {i} got another's row")
+        stats = server.stats()
+    assert stats["requests_succeeded"] == 1000
+    assert stats["rows"] == 1000
+    assert stats["mean_batch_size"] > 1, "concurrent callers are batched"
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        pytest.param(lambda d: {"y": d["x"] * 2, "extra": d["x"]}, id="dict"),
+        pytest.param(lambda d: d["x"] * 2, id="tensor"),
+        pytest.param(lambda d: (d["x"] * 2,), id="tuple"),
+    ],
+)
+async def test_model_may_return_a_dict_a_tensor_or_a_tuple(model: object) -> None:
+    async with make_server(model) as server:  # type: ignore[arg-type]
+        out = await server.client().infer({"x": sample(3)})
+    assert set(out) == {"y"}
+    torch.testing.assert_close(out["y"], sample(6))
+
+
+async def test_identity_model_outputs_do_not_alias_the_reused_staging_slot() -> None:
+    async with make_server(lambda d: {"y": d["x"]}, max_batch_size=4) as server:
+        client = server.client()
+        first = await asyncio.gather(*(client.infer({"x": sample(i)}) for i in range(4)))
+        await asyncio.gather(*(client.infer({"x": sample(-1)}) for _ in range(32)))
+    for i, out in enumerate(first):
+        torch.testing.assert_close(out["y"], sample(i))
+
+
+async def test_results_for_rows_of_multi_row_and_single_requests_in_one_batch() -> None:
+    async with make_server(max_batch_size=16, max_delay=0.01) as server:
+        client = server.client()
+        rng = random.Random(0)
+        jobs = []
+        for i in range(40):
+            n = rng.randint(1, 4)
+            if rng.random() < 0.5:
+                x = torch.arange(n * WIDTH, dtype=torch.float32).reshape(n, WIDTH) + 100 * i
+                jobs.append((x * 2, client.infer_batch({"x": x})))
+            else:
+                jobs.append((sample(i) * 2, client.infer({"x": sample(i)})))
+        outs = await asyncio.gather(*(job for _, job in jobs))
+    for (want, _), out in zip(jobs, outs):
+        torch.testing.assert_close(out["y"], want)
+
+
+async def test_one_loop_wakeup_per_batch_not_per_request() -> None:
+    loop = asyncio.get_running_loop()
+    calls = 0
+    original = loop.call_soon_threadsafe
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        return original(*args, **kwargs)
+
+    server = make_server(max_batch_size=64, max_delay=0.05)
+    await server.start()
+    try:
+        client = server.client()
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        try:
+            outs = await asyncio.gather(*(client.infer({"x": sample(i)}) for i in range(64)))
+        finally:
+            loop.call_soon_threadsafe = original  # type: ignore[method-assign]
+        assert server.stats()["batches"] == 1
+        assert calls == 1, f"{calls} cross-thread wake-ups for one batch of 64"
+        torch.testing.assert_close(outs[63]["y"], sample(126))
+    finally:
+        await server.stop()
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        (lambda d: {"z": d["x"]}, "model output is missing 'y'"),
+        (lambda d: {"y": d["x"][:1]}, "output 'y': expected leading dimension"),
+        (lambda d: {"y": d["x"].double()}, "output 'y': expected dtype float32, got torch.float64"),
+        (lambda d: {"y": d["x"][:, :2]}, "output 'y': expected shape"),
+        (lambda d: 42, "model returned int"),
+        (lambda d: (d["x"], d["x"]), "model returned 2 values, expected 1 outputs"),
+    ],
+)
+async def test_wrong_model_outputs_are_a_model_error_with_a_clear_message(
+    model: object, message: str
+) -> None:
+    async with make_server(model, max_delay=0.005) as server:  # type: ignore[arg-type]
+        client = server.client()
+        results = await asyncio.gather(
+            *(client.infer({"x": sample(i)}) for i in range(3)), return_exceptions=True
+        )
+    for r in results:
+        assert isinstance(r, fb.ModelError), r
+        assert message in str(r)
+
+
+def test_server_rejects_bad_configuration() -> None:
+    with pytest.raises(ValueError, match="max_batch_size"):
+        fb.Server(lambda d: d, inputs=[X], outputs=[Y], max_batch_size=0)
+    with pytest.raises(ValueError, match="min_batch_size"):
+        fb.Server(lambda d: d, inputs=[X], outputs=[Y], max_batch_size=4, min_batch_size=5)
+    with pytest.raises(ValueError, match="preferred_batch_sizes"):
+        fb.Server(lambda d: d, inputs=[X], outputs=[Y], max_batch_size=4, preferred_batch_sizes=[8])
+    with pytest.raises(ValueError, match="max_delay"):
+        fb.Server(lambda d: d, inputs=[X], outputs=[Y], max_delay=-1)
+    with pytest.raises(ValueError, match="unique"):
+        fb.Server(lambda d: d, inputs=[X, X], outputs=[Y])
+    with pytest.raises(TypeError, match="callable"):
+        fb.Server(42, inputs=[X], outputs=[Y])  # type: ignore[arg-type]
