@@ -1,8 +1,10 @@
 """Everything that touches torch on the worker side: devices, staging memory,
-input coercion, running a model on a collated batch and checking its outputs."""
+input coercion, batch buckets and warm-up batches, running a model on a
+collated batch and checking its outputs. The CUDA executor is in ``_cuda``."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -27,6 +29,48 @@ def resolve_device(model: Model, device: str | torch.device | None) -> torch.dev
     return torch.device("cpu")
 
 
+def resolve_instances(
+    model: Model | Sequence[Model],
+    device: str | torch.device | None | Sequence[str | torch.device | None],
+) -> tuple[list[Model], list[torch.device]]:
+    """The model instances and the device of each.
+
+    ``model`` may be one callable or a list (one per instance); ``device`` one
+    device for every instance or a list (one per instance). With one model and
+    a list of devices, a ``torch.nn.Module`` is copied once per distinct device
+    (instances on the same device share one copy, each with its own stream);
+    another callable is shared as is. A module is moved to a device given
+    explicitly.
+    """
+    models: list[Model] = list(model) if isinstance(model, (list, tuple)) else [model]  # type: ignore[list-item]
+    if not models or not all(callable(m) for m in models):
+        raise TypeError("model must be a callable or a non-empty list of callables")
+    if isinstance(device, (list, tuple)):
+        devices: list[str | torch.device | None] = list(device)
+        if not devices:
+            raise ValueError("device must not be an empty list")
+        if len(models) == 1:
+            models = models * len(devices)
+        elif len(models) != len(devices):
+            raise ValueError(
+                f"{len(models)} models but {len(devices)} devices; give one device per model"
+            )
+    else:
+        devices = [device] * len(models)  # type: ignore[list-item]
+    resolved = [resolve_device(m, d) for m, d in zip(models, devices)]
+    # One copy of a shared module per device it is asked to run on.
+    placed: dict[tuple[int, torch.device], Model] = {}
+    for i, (m, wanted, dev) in enumerate(zip(models, devices, resolved)):
+        if not isinstance(m, torch.nn.Module) or wanted is None:
+            continue
+        key = (id(m), dev)
+        if key not in placed:
+            first_use = all(k[0] != id(m) for k in placed)
+            placed[key] = (m if first_use else copy.deepcopy(m)).to(dev)
+        models[i] = placed[key]
+    return models, resolved
+
+
 def pinned_memory_available() -> bool:
     return torch.cuda.is_available()
 
@@ -34,12 +78,100 @@ def pinned_memory_available() -> bool:
 def allocate_slot(
     specs: Sequence[TensorSpec], max_batch_size: int, pin: bool
 ) -> list[torch.Tensor]:
-    """One staging slot: a (max_batch_size, *shape) tensor per input, pinned if asked."""
+    """One staging slot: a (max_batch_size, *shape) tensor per input, pinned if
+    asked and CUDA is there. Zeroed, so rows past a batch (padding up to a
+    bucket) always hold valid inputs: zeros or an earlier request's."""
     pin = pin and pinned_memory_available()
     return [
-        torch.empty((max_batch_size, *s.shape), dtype=s.torch_dtype, pin_memory=pin)
+        torch.zeros((max_batch_size, *s.shape), dtype=s.torch_dtype, pin_memory=pin)
         for s in specs
     ]
+
+
+def batch_buckets(max_batch_size: int, preferred_batch_sizes: Sequence[int]) -> tuple[int, ...]:
+    """The batch sizes a padded batch is rounded up to (CUDA graphs, ``compile``):
+    the preferred sizes if any, else the powers of two below ``max_batch_size``;
+    and ``max_batch_size`` itself, so every batch has a bucket."""
+    if preferred_batch_sizes:
+        sizes = set(preferred_batch_sizes)
+    else:
+        sizes = {1 << i for i in range(max_batch_size.bit_length()) if 1 << i <= max_batch_size}
+    sizes.add(max_batch_size)
+    return tuple(sorted(sizes))
+
+
+def padding_table(buckets: Sequence[int]) -> list[int]:
+    """``table[rows]``: the smallest bucket that holds ``rows`` rows."""
+    table = [0] * (max(buckets) + 1)
+    it = iter(sorted(buckets))
+    bucket = next(it)
+    for rows in range(1, len(table)):
+        while bucket < rows:
+            bucket = next(it)
+        table[rows] = bucket
+    return table
+
+
+WarmupBatch = Callable[[int], dict[str, torch.Tensor]]
+
+
+def warmup_batches(specs: Sequence[TensorSpec], samples: Mapping[str, Any] | None) -> WarmupBatch:
+    """A function ``rows -> {input: (rows, *shape) CPU tensor}`` for warm-up.
+
+    With ``samples=None`` every input is zeros. Otherwise ``samples`` maps each
+    input to one sample (the spec's shape) or to ``n`` samples (leading
+    dimension ``n``), which are repeated to fill the batch. Raises
+    :class:`InvalidInputError` if a sample does not match its spec.
+    """
+    if samples is None:
+
+        def zeros(rows: int) -> dict[str, torch.Tensor]:
+            return {s.name: torch.zeros((rows, *s.shape), dtype=s.torch_dtype) for s in specs}
+
+        return zeros
+    if not isinstance(samples, Mapping):
+        raise InvalidInputError(
+            f"warmup must be a dict of input name to sample(s), got {type(samples).__name__}"
+        )
+    names = [s.name for s in specs]
+    extra = sorted(set(map(str, samples)) - set(names))
+    if extra:
+        raise InvalidInputError(f"warmup has unexpected inputs {extra}; the model takes {names}")
+    base: dict[str, torch.Tensor] = {}
+    for spec in specs:
+        if spec.name not in samples:
+            raise InvalidInputError(f"warmup is missing input '{spec.name}'")
+        value = torch.as_tensor(samples[spec.name]).cpu()
+        if value.dtype != spec.torch_dtype:
+            raise InvalidInputError(
+                f"warmup input '{spec.name}': expected dtype {spec.dtype}, got {value.dtype}"
+            )
+        if tuple(value.shape) == spec.shape:
+            value = value.unsqueeze(0)
+        if tuple(value.shape[1:]) != spec.shape or value.shape[0] == 0:
+            raise InvalidInputError(
+                f"warmup input '{spec.name}': expected shape {spec.shape} or (n, *{spec.shape}),"
+                f" got {tuple(value.shape)}"
+            )
+        base[spec.name] = value.contiguous()
+
+    def repeated(rows: int) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, value in base.items():
+            index = torch.arange(rows) % value.shape[0]
+            out[name] = value.index_select(0, index)
+        return out
+
+    return repeated
+
+
+def compile_model(model: Model, options: bool | Mapping[str, Any]) -> Model:
+    """``torch.compile(model, **options)``, or the model itself when ``options`` is False."""
+    if options is False:
+        return model
+    kwargs = dict(options) if isinstance(options, Mapping) else {}
+    compiled: Model = torch.compile(model, **kwargs)
+    return compiled
 
 
 def make_coerce(specs: Sequence[TensorSpec]) -> Callable[[Any, int, bool], torch.Tensor]:
@@ -123,75 +255,44 @@ def _storage_ptr(t: torch.Tensor) -> int:
 
 
 class CpuExecutor:
-    """Runs the model straight on the staging slot (no copy); the slot is freed
-    once outputs no longer alias it."""
+    """Runs the model straight on the staging slot (no copy). The caller may
+    reuse the slot as soon as :meth:`run` returns: outputs never alias it.
 
-    def __init__(self, model: Model, device: torch.device, outputs: Sequence[TensorSpec]):
+    With ``pad_to`` (``compile=True``), a batch runs padded up to its bucket,
+    so a compiled model only ever sees the bucket sizes it was warmed with.
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        device: torch.device,
+        outputs: Sequence[TensorSpec],
+        pad_to: Sequence[int] | None = None,
+    ) -> None:
         self.model = model
         self.device = device
         self.outputs = outputs
+        self.pad_to = pad_to
 
-    def run(
-        self, staged: dict[str, torch.Tensor], rows: int, release: Callable[[], None]
-    ) -> dict[str, torch.Tensor]:
-        try:
-            with torch.inference_mode():
-                outputs = normalize_outputs(self.model(staged), self.outputs, rows)
-            staging = {_storage_ptr(t) for t in staged.values()}
-            for name, out in outputs.items():
-                if out.device.type != "cpu":
-                    out = out.cpu()
-                if _storage_ptr(out) in staging:
-                    out = out.clone()  # the slot is reused by the next batch
-                outputs[name] = out
-            return outputs
-        finally:
-            release()
+    def warm_up(self, batch_for: WarmupBatch, buckets: Sequence[int]) -> None:
+        """Runs the model once per bucket size on warm-up inputs; raises what it raised."""
+        with torch.inference_mode():
+            for rows in buckets:
+                normalize_outputs(self.model(batch_for(rows)), self.outputs, rows)
 
-
-class CudaExecutor:
-    """Copies the staged batch to the device on the instance's own stream, runs
-    the model there and copies the outputs back into pinned host memory. Waits
-    happen on CUDA events, whose synchronize releases the GIL."""
-
-    def __init__(self, model: Model, device: torch.device, outputs: Sequence[TensorSpec]):
-        self.model = model
-        self.device = device
-        self.outputs = outputs
-        self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
-
-    def run(
-        self, staged: dict[str, torch.Tensor], rows: int, release: Callable[[], None]
-    ) -> dict[str, torch.Tensor]:
-        released = False
-        try:
-            with torch.cuda.stream(self.stream), torch.inference_mode():
-                on_device = {k: v.to(self.device, non_blocking=True) for k, v in staged.items()}
-                copied_in = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                copied_in.record(self.stream)
-                outputs = normalize_outputs(self.model(on_device), self.outputs, rows)
-                host = {}
-                for name, out in outputs.items():
-                    buf = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
-                    buf.copy_(out, non_blocking=True)
-                    host[name] = buf
-                copied_out = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                copied_out.record(self.stream)
-            # The slot may be rewritten once its host-to-device copy completed.
-            copied_in.synchronize()
-            release()
-            released = True
-            copied_out.synchronize()
-            return host
-        finally:
-            if not released:
-                # An exception on the way: nothing more will read the slot
-                # once the stream has drained.
-                self.stream.synchronize()
-                release()
-
-
-def make_executor(model: Model, device: torch.device, outputs: Sequence[TensorSpec]) -> Any:
-    if device.type == "cuda":
-        return CudaExecutor(model, device, outputs)
-    return CpuExecutor(model, device, outputs)
+    def run(self, slot: Mapping[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
+        """The outputs for the first ``rows`` rows of the staging slot."""
+        n = self.pad_to[rows] if self.pad_to else rows
+        staged = {name: t[:n] for name, t in slot.items()}
+        with torch.inference_mode():
+            outputs = normalize_outputs(self.model(staged), self.outputs, n)
+        staging = {_storage_ptr(t) for t in slot.values()}
+        for name, out in outputs.items():
+            if n != rows:
+                out = out[:rows]
+            if out.device.type != "cpu":
+                out = out.cpu()
+            if _storage_ptr(out) in staging:
+                out = out.clone()  # the slot is reused by the next batch
+            outputs[name] = out
+        return outputs

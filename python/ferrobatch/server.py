@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import logging
 import math
+import queue
 import threading
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
 from time import perf_counter_ns
 from types import TracebackType
 from typing import Any
@@ -19,10 +20,21 @@ import anyio.to_thread
 import torch
 
 from . import _core
+from ._cuda import IN_FLIGHT, CudaExecutor, InFlight, cuda_graph_fallback_warning
 from ._loops import FAILURE_REASONS, LoopRegistry
-from ._torch import Model, allocate_slot, make_coerce, make_executor, resolve_device
+from ._torch import (
+    CpuExecutor,
+    Model,
+    allocate_slot,
+    batch_buckets,
+    compile_model,
+    make_coerce,
+    padding_table,
+    resolve_instances,
+    warmup_batches,
+)
 from .client import Client
-from .errors import ServerClosedError
+from .errors import ModelError, ServerClosedError
 from .specs import TensorSpec
 
 __all__ = ["Server"]
@@ -44,7 +56,9 @@ class Server:
     Args:
         model: ``callable(dict[str, Tensor]) -> dict | Tensor | tuple``, called
             with a batch (leading dimension = rows) of every input; or a list
-            of such callables, one per model instance (one worker thread each).
+            of such callables, one per model instance. Each instance has its
+            own worker (and CUDA stream); a batch goes to whichever instance is
+            free. The same module listed twice is two instances sharing weights.
         inputs, outputs: the :class:`TensorSpec` of every input and output
             (per-sample shapes, without the batch dimension).
         max_batch_size: most rows per model call (default 64).
@@ -60,8 +74,26 @@ class Server:
             :class:`QueueFullError` at once (default 10000).
         device: where the model runs ("cpu", "cuda", "cuda:1", a
             ``torch.device``); ``None``: the device of the model's parameters,
-            else CPU. A ``torch.nn.Module`` is moved there.
+            else CPU. A ``torch.nn.Module`` is moved there. A list gives one
+            device per instance (``["cuda:0", "cuda:1", "cpu"]``); with a single
+            model, a module is then copied once per distinct device.
         name: the model's name in errors, stats and serving.
+        cuda_graphs: capture one CUDA graph per batch bucket (the preferred
+            batch sizes, or the powers of two, and ``max_batch_size``) and
+            replay it, each batch padded to its bucket. Only for CUDA
+            instances; a model that cannot be captured runs eagerly, with one
+            ``RuntimeWarning``.
+        compile: ``torch.compile`` the model (a dict gives its keyword
+            arguments). Batches are padded to the buckets, and every bucket is
+            compiled during warm-up, so no request pays for compilation.
+        warmup: ``None`` (default): warm up with zeros where it pays — CUDA
+            instances, ``cuda_graphs``, ``compile`` — and not for plain CPU
+            models. ``True``: always with zeros. A dict ``{input: sample}``
+            (one sample, or ``n`` stacked): with those samples. ``False``:
+            never (not allowed with ``cuda_graphs`` or ``compile``). Warm-up
+            runs every bucket size once in ``start()``, which returns once it
+            is done; a model error there fails ``start()`` with
+            :class:`ModelError`.
     """
 
     def __init__(
@@ -75,8 +107,11 @@ class Server:
         min_batch_size: int = 1,
         preferred_batch_sizes: Sequence[int] = (),
         max_queue_size: int = 10_000,
-        device: str | torch.device | None = None,
+        device: str | torch.device | None | Sequence[str | torch.device | None] = None,
         name: str = "model",
+        cuda_graphs: bool = False,
+        compile: bool | Mapping[str, Any] = False,
+        warmup: bool | Mapping[str, Any] | None = None,
     ) -> None:
         self._models: list[Model] = (
             list(model) if isinstance(model, (list, tuple)) else [model]  # type: ignore[list-item]
@@ -102,31 +137,105 @@ class Server:
         self.min_batch_size = min_batch_size
         self.preferred_batch_sizes = tuple(sorted(set(preferred_batch_sizes)))
         self.max_queue_size = max_queue_size
-        self.devices = [resolve_device(m, device) for m in self._models]
-        if device is not None:
-            for m in self._models:
-                if isinstance(m, torch.nn.Module):
-                    m.to(self.devices[0])
+        self._init_instances(device, cuda_graphs, compile, warmup)
         self._loops = LoopRegistry(name)
         self._batcher: _core.Batcher | None = None
         self._slots: list[dict[str, torch.Tensor]] = []
         self._threads: list[threading.Thread] = []
         self._counters: list[_WorkerCounters] = []
+        self._executors: list[CpuExecutor | CudaExecutor] = []
         self._token: anyio.lowlevel.EventLoopToken | None = None
-        self._phase = "created"  # created -> running -> stopping -> stopped
+        self._phase = "created"  # created -> starting (warm-up) -> running -> stopping -> stopped
+
+    def _init_instances(
+        self,
+        device: str | torch.device | None | Sequence[str | torch.device | None],
+        cuda_graphs: bool,
+        compile: bool | Mapping[str, Any],
+        warmup: bool | Mapping[str, Any] | None,
+    ) -> None:
+        """Resolves the instances and their devices, and checks the
+        ``cuda_graphs`` / ``compile`` / ``warmup`` options."""
+        self._models, self.devices = resolve_instances(self._models, device)
+        if warmup is False and (cuda_graphs or compile is not False):
+            raise ValueError("cuda_graphs and compile need warm-up: warmup=False is not allowed with them")
+        if cuda_graphs and not any(d.type == "cuda" for d in self.devices):
+            warnings.warn(
+                f"model '{self.name}': cuda_graphs=True has no effect without a CUDA device"
+                f" (instances on {', '.join(map(str, self.devices))}); it runs eagerly",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        self.cuda_graphs = bool(cuda_graphs)
+        self._compile = compile
+        self._warmup = warmup
+        self._warmup_batch = warmup_batches(self.inputs, warmup if isinstance(warmup, Mapping) else None)
+        self.buckets = batch_buckets(self.max_batch_size, self.preferred_batch_sizes)
+
+    def _make_executor(self, i: int) -> CpuExecutor | CudaExecutor:
+        model = compile_model(self._models[i], self._compile)
+        device = self.devices[i]
+        padded = padding_table(self.buckets)
+        if device.type == "cuda":
+            pad = self.cuda_graphs or self._compile is not False
+            return CudaExecutor(
+                model, device, self.inputs, self.outputs, self.max_batch_size,
+                pad_to=padded if pad else None, cuda_graphs=self.cuda_graphs,
+            )  # fmt: skip
+        return CpuExecutor(model, device, self.outputs, pad_to=padded if self._compile is not False else None)
+
+    def _prepare_instances(self) -> tuple[list[CpuExecutor | CudaExecutor], dict[int, str]]:
+        """Builds every instance's executor and warms it up (on a worker thread).
+        Returns the executors and, by instance, why a CUDA graph capture failed."""
+        executors: list[CpuExecutor | CudaExecutor] = []
+        capture_failures: dict[int, str] = {}
+        for i, device in enumerate(self.devices):
+            executor = self._make_executor(i)
+            executors.append(executor)
+            warm = self._warmup is True or isinstance(self._warmup, Mapping)
+            if self._warmup is None:
+                warm = device.type == "cuda" or self._compile is not False
+            if not warm:
+                continue
+            try:
+                why = executor.warm_up(self._warmup_batch, self.buckets)
+            except Exception as exc:  # noqa: BLE001 - reported with the instance and size
+                raise ModelError(
+                    f"model '{self.name}' (instance {i} on {device}) failed during warm-up:"
+                    f" {type(exc).__name__}: {exc}. Pass warmup={{input: sample}} with"
+                    " representative inputs, or warmup=False to skip warm-up."
+                ) from exc
+            if why is not None:
+                capture_failures[i] = why
+        return executors, capture_failures
 
     # -- lifecycle ------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Allocates the staging ring and starts one worker thread per instance."""
+        """Warms every instance up (see ``warmup``), allocates the staging ring
+        and starts the workers. Returns once the server is :attr:`ready`.
+
+        Raises :class:`ModelError` if the model fails during warm-up; the
+        server is then left as it was before ``start()``.
+        """
         if self._phase != "created":
             raise RuntimeError(f"server '{self.name}' was already started")
+        self._phase = "starting"
+        try:
+            # Off the event loop: warm-up may compile and capture for seconds.
+            executors, capture_failures = await anyio.to_thread.run_sync(self._prepare_instances)
+        except BaseException:
+            self._phase = "created"
+            raise
+        if capture_failures:
+            log.warning("ferrobatch: model '%s' runs eagerly: %s", self.name, capture_failures)
+            cuda_graph_fallback_warning(self.name, capture_failures)
+        self._executors = executors
         pin = any(d.type == "cuda" for d in self.devices)
-        # Two slots per instance: one being collated while another is in flight.
-        slots = [
-            allocate_slot(self.inputs, self.max_batch_size, pin)
-            for _ in range(2 * len(self._models))
-        ]
+        # Per CPU instance, two slots: one being collated while another runs.
+        # Per CUDA instance, one for each batch it may hold (IN_FLIGHT).
+        per_instance = [IN_FLIGHT if isinstance(e, CudaExecutor) else 2 for e in executors]
+        slots = [allocate_slot(self.inputs, self.max_batch_size, pin) for _ in range(sum(per_instance))]
         self._slots = [{s.name: t for s, t in zip(self.inputs, slot)} for slot in slots]
         self._batcher = _core.Batcher(
             [(s.name, s.dtype, list(s.shape), s.torch_dtype) for s in self.inputs],
@@ -141,16 +250,34 @@ class Server:
             workers=len(self._models),
         )
         self._token = anyio.lowlevel.current_token()
-        for i, (model, device) in enumerate(zip(self._models, self.devices)):
+        for i, executor in enumerate(executors):
             counters = _WorkerCounters()
             self._counters.append(counters)
-            thread = threading.Thread(
-                target=self._work,
-                args=(make_executor(model, device, self.outputs), _core.Worker(self._batcher), counters),
-                name=f"ferrobatch-{self.name}-{i}",
-                daemon=True,
-            )
-            self._threads.append(thread)
+            worker = _core.Worker(self._batcher)
+            thread_name = f"ferrobatch-{self.name}-{i}"
+            if isinstance(executor, CudaExecutor):
+                handoff: queue.SimpleQueue[tuple[_core.Batch, InFlight] | None] = queue.SimpleQueue()
+                tokens = threading.Semaphore(IN_FLIGHT)
+                self._threads += [
+                    threading.Thread(
+                        target=self._launch,
+                        args=(executor, worker, handoff, tokens),
+                        name=f"{thread_name}-launch",
+                        daemon=True,
+                    ),
+                    threading.Thread(
+                        target=self._complete,
+                        args=(handoff, tokens, counters),
+                        name=f"{thread_name}-complete",
+                        daemon=True,
+                    ),
+                ]
+            else:
+                self._threads.append(
+                    threading.Thread(
+                        target=self._work, args=(executor, worker, counters), name=thread_name, daemon=True
+                    )
+                )
         self._phase = "running"
         for thread in self._threads:
             thread.start()
@@ -196,6 +323,12 @@ class Server:
     def running(self) -> bool:
         return self._phase == "running"
 
+    @property
+    def ready(self) -> bool:
+        """True once ``start()`` has warmed every instance up and the workers
+        run; False before, during warm-up, and from ``stop()`` on."""
+        return self._phase == "running"
+
     def client(self) -> Client:
         """A client for this server (cheap; share it or make many)."""
         return Client(self)
@@ -210,36 +343,100 @@ class Server:
             raise ServerClosedError(f"server '{self.name}' is not running ({self._phase})")
         return self._token
 
-    # -- the worker thread --------------------------------------------------------------
+    # -- the worker threads -------------------------------------------------------------
 
-    def _work(self, executor: Any, worker: _core.Worker, counters: _WorkerCounters) -> None:
+    def _work(self, executor: CpuExecutor, worker: _core.Worker, counters: _WorkerCounters) -> None:
+        """A CPU instance: collate, run on the slot, give it back, fan out."""
         batcher = self._batcher
         assert batcher is not None
-        states = self._loops.states
         while True:
             batch = worker.next_batch()  # GIL released while it waits and collates
             if batch is None:
                 return
-            slot = self._slots[batch.slot]
-            staged = {name: t[: batch.rows] for name, t in slot.items()}
-            release: Callable[[], Any] = partial(batcher.release_slot, batch.slot)
             outputs: dict[str, torch.Tensor] | None = None
             rows: dict[str, tuple[torch.Tensor, ...]] | None = None
             error: BaseException | None = None
             started = perf_counter_ns()
             try:
-                outputs = executor.run(staged, batch.rows, release)
+                outputs = executor.run(self._slots[batch.slot], batch.rows)
                 rows = {name: out.unbind(0) for name, out in outputs.items()}
             except BaseException as exc:  # noqa: BLE001 - even SystemExit: the worker survives
                 error, outputs, rows = exc, None, None
                 counters.failed_batches += 1
-                batcher.release_slot(batch.slot)  # no-op if the executor released it
+            batcher.release_slot(batch.slot)  # outputs never alias the slot
             counters.compute_ns += perf_counter_ns() - started
+            self._fan_out(batch, outputs, rows, error)
+
+    def _launch(
+        self,
+        executor: CudaExecutor,
+        worker: _core.Worker,
+        handoff: queue.SimpleQueue[tuple[_core.Batch, InFlight] | None],
+        tokens: threading.Semaphore,
+    ) -> None:
+        """A CUDA instance's first thread: collates a batch and enqueues it on
+        the instance's stream, then collates the next while the GPU computes.
+        ``tokens`` bounds the batches it holds (and so the slots) to IN_FLIGHT."""
+        try:
+            executor.bind_thread()
+            while True:
+                tokens.acquire()  # GIL released while it waits
+                batch = worker.next_batch()
+                if batch is None:
+                    return
+                handoff.put((batch, executor.launch(self._slots[batch.slot], batch.rows)))
+        except BaseException:  # noqa: BLE001 - other instances keep serving
+            log.exception("ferrobatch: instance of model '%s' on %s stopped", self.name, executor.device)
+        finally:
+            handoff.put(None)
+
+    def _complete(
+        self,
+        handoff: queue.SimpleQueue[tuple[_core.Batch, InFlight] | None],
+        tokens: threading.Semaphore,
+        counters: _WorkerCounters,
+    ) -> None:
+        """A CUDA instance's second thread: for each launched batch, in order,
+        waits (GIL released) for its host-to-device copy and only then gives
+        the slot back, waits for its outputs, and fans them out."""
+        batcher = self._batcher
+        assert batcher is not None
+        while (item := handoff.get()) is not None:
+            batch, flight = item
+            outputs: dict[str, torch.Tensor] | None = None
+            rows: dict[str, tuple[torch.Tensor, ...]] | None = None
+            error: BaseException | None = None
             try:
-                for loop_id, routes in batch.groups():
-                    states[loop_id].deliver(routes, outputs, rows, error)
-            except BaseException:  # noqa: BLE001
-                log.exception("ferrobatch: fan-out of a batch of model '%s' failed", self.name)
+                flight.wait_staged()
+            except BaseException as exc:  # noqa: BLE001 - the CUDA context is broken
+                error = exc
+            batcher.release_slot(batch.slot)
+            if error is None:
+                try:
+                    outputs = flight.wait()
+                    rows = {name: out.unbind(0) for name, out in outputs.items()}
+                except BaseException as exc:  # noqa: BLE001 - delivered to the callers
+                    error, outputs, rows = exc, None, None
+            if error is not None:
+                counters.failed_batches += 1
+            counters.compute_ns += perf_counter_ns() - flight.started_ns
+            self._fan_out(batch, outputs, rows, error)
+            tokens.release()
+
+    def _fan_out(
+        self,
+        batch: _core.Batch,
+        outputs: dict[str, torch.Tensor] | None,
+        rows: dict[str, tuple[torch.Tensor, ...]] | None,
+        error: BaseException | None,
+    ) -> None:
+        """One wake-up per event loop with requests in the batch."""
+        states = self._loops.states
+        try:
+            for loop_id, routes in batch.groups():
+                states[loop_id].deliver(routes, outputs, rows, error)
+        except BaseException:  # noqa: BLE001
+            log.exception("ferrobatch: fan-out of a batch of model '%s' failed", self.name)
 
     # -- introspection ------------------------------------------------------------------
 
