@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from time import perf_counter_ns
 import torch
 
-from ._torch import Model, WarmupBatch, normalize_outputs
+from ._torch import Model, WarmupBatch, fill_slot, normalize_outputs
 from .specs import TensorSpec
 
 __all__ = ["IN_FLIGHT", "CudaExecutor", "InFlight", "cuda_graph_fallback_warning"]
@@ -118,41 +118,37 @@ class CudaExecutor:
 
     # -- warm-up --------------------------------------------------------------------
 
-    def warm_up(self, batch_for: WarmupBatch, buckets: Sequence[int]) -> str | None:
-        """Runs the model once per bucket size on warm-up inputs (compiling it if
-        it is compiled), then captures one CUDA graph per bucket if asked.
+    def warm_up(
+        self, batch_for: WarmupBatch, buckets: Sequence[int], slot: Mapping[str, torch.Tensor]
+    ) -> str | None:
+        """Runs each bucket size through :meth:`launch` from ``slot`` (a pinned
+        staging slot the caller owns), just as requests will — compiling the
+        model if it is compiled — then captures one CUDA graph per bucket if
+        asked.
 
-        Raises what the model raised during the eager runs. Returns why the
-        capture failed (the instance then runs eagerly), else None.
+        Raises what the model raised. Returns why the capture failed (the
+        instance then runs eagerly), else None.
         """
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream), torch.inference_mode():
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             # Twice when capturing: lazy initialisations (cuBLAS workspaces,
             # autotuning, allocator pools) must not happen inside a capture.
             for _ in range(2 if self.cuda_graphs else 1):
                 for rows in buckets:
-                    self._run_eager(self._stage_warmup(batch_for(rows)), rows)
-            self.stream.synchronize()
-        if not self.cuda_graphs:
-            return None
-        try:
-            with torch.cuda.device(self.device):
-                self._capture(buckets)
-        except Exception as exc:  # noqa: BLE001 - any failure means "run eagerly"
-            self._graphs.clear()
+                    fill_slot(slot, batch_for(rows))
+                    flight = self.launch(slot, rows)
+                    flight.wait()
+            if not self.cuda_graphs:
+                return None
             try:
-                torch.cuda.synchronize(self.device)
-            except Exception:  # noqa: BLE001 - best effort: the error is reported below
-                pass
-            return f"{type(exc).__name__}: {exc}"
+                self._capture(buckets)
+            except Exception as exc:  # noqa: BLE001 - any failure means "run eagerly"
+                self._graphs.clear()
+                try:
+                    torch.cuda.synchronize(self.device)
+                except Exception:  # noqa: BLE001 - best effort: the error is reported below
+                    pass
+                return f"{type(exc).__name__}: {exc}"
         return None
-
-    def _stage_warmup(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        rows = next(iter(batch.values())).shape[0]
-        if self._padded:
-            for name, buf in self._padded.items():
-                buf[:rows].copy_(batch[name])
-            return {name: buf[:rows] for name, buf in self._padded.items()}
-        return {name: t.to(self.device) for name, t in batch.items()}
 
     def _run_eager(self, on_device: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
         return normalize_outputs(self.model(on_device), self.outputs, rows)

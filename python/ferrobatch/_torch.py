@@ -58,6 +58,11 @@ def resolve_instances(
     else:
         devices = [device] * len(models)  # type: ignore[list-item]
     resolved = [resolve_device(m, d) for m, d in zip(models, devices)]
+    for dev in resolved:
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {dev} was asked for, but CUDA is not available here")
+        if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {dev} was asked for, but there are {torch.cuda.device_count()} GPUs")
     # One copy of a shared module per device it is asked to run on.
     placed: dict[tuple[int, torch.device], Model] = {}
     for i, (m, wanted, dev) in enumerate(zip(models, devices, resolved)):
@@ -163,6 +168,12 @@ def warmup_batches(specs: Sequence[TensorSpec], samples: Mapping[str, Any] | Non
         return out
 
     return repeated
+
+
+def fill_slot(slot: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> None:
+    """Writes a warm-up batch into the first rows of a staging slot."""
+    for name, t in slot.items():
+        t[: batch[name].shape[0]].copy_(batch[name])
 
 
 def compile_model(model: Model, options: bool | Mapping[str, Any]) -> Model:
@@ -274,11 +285,15 @@ class CpuExecutor:
         self.outputs = outputs
         self.pad_to = pad_to
 
-    def warm_up(self, batch_for: WarmupBatch, buckets: Sequence[int]) -> None:
-        """Runs the model once per bucket size on warm-up inputs; raises what it raised."""
-        with torch.inference_mode():
-            for rows in buckets:
-                normalize_outputs(self.model(batch_for(rows)), self.outputs, rows)
+    def warm_up(
+        self, batch_for: WarmupBatch, buckets: Sequence[int], slot: Mapping[str, torch.Tensor]
+    ) -> None:
+        """Runs each bucket size once through :meth:`run`, from ``slot`` (a
+        staging slot the caller owns), just as requests will; raises what the
+        model raised."""
+        for rows in buckets:
+            fill_slot(slot, batch_for(rows))
+            self.run(slot, rows)
 
     def run(self, slot: Mapping[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
         """The outputs for the first ``rows`` rows of the staging slot."""

@@ -189,6 +189,9 @@ class Server:
         Returns the executors and, by instance, why a CUDA graph capture failed."""
         executors: list[CpuExecutor | CudaExecutor] = []
         capture_failures: dict[int, str] = {}
+        pin = any(d.type == "cuda" for d in self.devices)
+        # Warm-up goes through a staging slot of its own, as requests will.
+        slot = dict(zip((s.name for s in self.inputs), allocate_slot(self.inputs, self.max_batch_size, pin)))
         for i, device in enumerate(self.devices):
             executor = self._make_executor(i)
             executors.append(executor)
@@ -198,7 +201,7 @@ class Server:
             if not warm:
                 continue
             try:
-                why = executor.warm_up(self._warmup_batch, self.buckets)
+                why = executor.warm_up(self._warmup_batch, self.buckets, slot)
             except Exception as exc:  # noqa: BLE001 - reported with the instance and size
                 raise ModelError(
                     f"model '{self.name}' (instance {i} on {device}) failed during warm-up:"
