@@ -18,6 +18,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--max-delay", type=float, default=0.001, help="seconds (default 0.001)")
     demo.add_argument("--width", type=int, default=256, help="MLP width (default 256)")
 
+    from .serve import add_arguments as add_serve_arguments
+
+    add_serve_arguments(
+        commands.add_parser("serve", help="serve models over HTTP and gRPC (Open Inference Protocol v2)")
+    )
+
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .demo import run_demo
@@ -29,6 +35,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_delay=args.max_delay,
             width=args.width,
         )
+    if args.command == "serve":
+        from .serve import main as serve_main
+
+        return serve_main(args)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

@@ -1,0 +1,72 @@
+"""Serving :class:`~ferrobatch.Server` objects over gRPC with the Open Inference
+Protocol v2 ``GRPCInferenceService`` (as ``tritonclient.grpc`` speaks it), on
+grpcio's asyncio server.
+
+    grpc_server = ferrobatch.grpc.grpc_server([server], "127.0.0.1:8001")
+    await grpc_server.start()
+    ...
+    await grpc_server.stop(grace=5.0)
+
+RPCs: ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata and
+ModelInfer (``raw_input_contents`` / ``raw_output_contents``; typed
+``contents`` are accepted too). Other RPCs answer UNIMPLEMENTED. Error
+statuses: see :class:`InferenceServicer`.
+
+The messages come from ``grpc_predict_v2.proto`` (vendored here); see
+``_codegen.py`` to regenerate them. They live in a private protobuf descriptor
+pool, so this module and tritonclient can be imported in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import grpc.aio
+
+    from ..http.protocol import ModelRepository
+    from ..server import Server
+    from ._service import InferenceServicer
+
+__all__ = ["InferenceServicer", "grpc_server"]
+
+#: Default gRPC message size limit, both ways (bytes).
+MAX_MESSAGE_SIZE = 64 * 1024 * 1024
+
+
+def grpc_server(
+    servers: Server | Iterable[Server] | ModelRepository,
+    address: str | None = "127.0.0.1:8001",
+    *,
+    max_message_size: int = MAX_MESSAGE_SIZE,
+    options: Sequence[tuple[str, int | str]] = (),
+) -> grpc.aio.Server:
+    """A ``grpc.aio.Server`` with the v2 service for ``servers``, bound to
+    ``address`` (``None``: bind nothing; call ``add_insecure_port`` yourself).
+    It is not started, and it does not start or stop the ferrobatch servers.
+    Call it on the event loop that will run it.
+    """
+    import grpc.aio
+
+    from ._service import InferenceServicer, add_to_server
+
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", max_message_size),
+            ("grpc.max_send_message_length", max_message_size),
+            *options,
+        ]
+    )
+    add_to_server(InferenceServicer(servers), server)
+    if address is not None:
+        server.add_insecure_port(address)
+    return server
+
+
+def __getattr__(name: str) -> object:
+    if name == "InferenceServicer":
+        from ._service import InferenceServicer
+
+        return InferenceServicer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,199 @@
+"""The v2 ``GRPCInferenceService`` on grpcio's asyncio server."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from ..http.protocol import (
+    MODEL_VERSION,
+    ModelRepository,
+    ProtocolError,
+    UnknownModelError,
+    check_tensor_header,
+    decode_bytes,
+    decode_list,
+    encode_bytes,
+    error_message,
+    error_status,
+    output_datatypes,
+)
+from ..server import Server
+from . import grpc_predict_v2_pb2 as pb
+from . import grpc_predict_v2_pb2_grpc as pb_grpc
+
+log = logging.getLogger("ferrobatch.grpc")
+
+_STATUS = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+    500: grpc.StatusCode.INTERNAL,
+}
+# Typed contents field of each datatype (FP16 and BF16 travel only as raw bytes).
+_CONTENTS = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+}
+
+Context = grpc.aio.ServicerContext[Any, Any]
+
+
+def status_code(exc: BaseException) -> grpc.StatusCode:
+    """The gRPC status of a failed request (the HTTP mapping, translated)."""
+    if isinstance(exc, UnknownModelError):
+        return grpc.StatusCode.NOT_FOUND
+    return _STATUS.get(error_status(exc), grpc.StatusCode.INTERNAL)
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    """Implements ServerLive, ServerReady, ModelReady, ServerMetadata,
+    ModelMetadata and ModelInfer for ``servers`` (or a shared repository).
+
+    Failures are the call's status: INVALID_ARGUMENT (bad request), NOT_FOUND
+    (unknown model or version), UNAVAILABLE (queue full, not ready, shutting
+    down), DEADLINE_EXCEEDED (the ``timeout`` parameter in microseconds, or
+    the call's deadline, passed), INTERNAL (model failure).
+    """
+
+    def __init__(self, servers: Server | Iterable[Server] | ModelRepository) -> None:
+        self.repository = (
+            servers if isinstance(servers, ModelRepository) else ModelRepository(servers)
+        )
+
+    async def ServerLive(self, request: pb.ServerLiveRequest, context: Context) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: pb.ServerReadyRequest, context: Context) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self.repository.ready)
+
+    async def ModelReady(self, request: pb.ModelReadyRequest, context: Context) -> pb.ModelReadyResponse:
+        try:
+            ready = self.repository.model_ready(request.name, request.version)
+        except ProtocolError as exc:
+            _fail(context, exc)
+            return pb.ModelReadyResponse()
+        return pb.ModelReadyResponse(ready=ready)
+
+    async def ServerMetadata(
+        self, request: pb.ServerMetadataRequest, context: Context
+    ) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(**self.repository.server_metadata())
+
+    async def ModelMetadata(
+        self, request: pb.ModelMetadataRequest, context: Context
+    ) -> pb.ModelMetadataResponse:
+        try:
+            meta = self.repository.model_metadata(request.name, request.version)
+        except ProtocolError as exc:
+            _fail(context, exc)
+            return pb.ModelMetadataResponse()
+        tensor = pb.ModelMetadataResponse.TensorMetadata
+        return pb.ModelMetadataResponse(
+            name=meta["name"],
+            versions=meta["versions"],
+            platform=meta["platform"],
+            inputs=[tensor(**t) for t in meta["inputs"]],
+            outputs=[tensor(**t) for t in meta["outputs"]],
+        )
+
+    async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
+        name = request.model_name
+        try:
+            server = self.repository.get(name, request.model_version)
+            inputs = _decode_inputs(request)
+            outputs = _requested_outputs(request, server)
+            timeout = _timeout(request.parameters, context)
+            results = await self.repository.infer(name, request.model_version, inputs, timeout)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes the call's status
+            if error_status(exc) == 500 and not isinstance(exc, ProtocolError):
+                log.warning("model '%s': %s", name, error_message(exc))
+            _fail(context, exc)
+            return pb.ModelInferResponse()
+        response = pb.ModelInferResponse(model_name=server.name, model_version=MODEL_VERSION, id=request.id)
+        datatypes = output_datatypes(server)
+        raw = response.raw_output_contents
+        for out_name in outputs:
+            tensor = results[out_name]
+            response.outputs.add(name=out_name, datatype=datatypes[out_name], shape=tensor.shape)
+            raw.append(encode_bytes(tensor))
+        return response
+
+
+def _fail(context: Context, exc: BaseException) -> None:
+    context.set_code(status_code(exc))
+    context.set_details(error_message(exc))
+
+
+def _decode_inputs(request: pb.ModelInferRequest) -> dict[str, Any]:
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise ProtocolError(
+            400,
+            f"raw_input_contents has {len(raw)} entries but the request has {len(request.inputs)}"
+            " inputs; give one per input, in order",
+        )
+    inputs: dict[str, Any] = {}
+    for i, tensor in enumerate(request.inputs):
+        name, datatype, shape = check_tensor_header(tensor.name, tensor.datatype, list(tensor.shape))
+        if name in inputs:
+            raise ProtocolError(400, f"input '{name}' is given twice")
+        if raw:
+            if tensor.HasField("contents"):
+                raise ProtocolError(400, f"input '{name}' has both contents and raw_input_contents")
+            inputs[name] = decode_bytes(name, datatype, shape, raw[i])
+            continue
+        field = _CONTENTS.get(datatype)
+        if field is None:
+            raise ProtocolError(400, f"input '{name}': {datatype} data must be sent in raw_input_contents")
+        inputs[name] = decode_list(name, datatype, shape, list(getattr(tensor.contents, field)))
+    if not inputs:
+        raise ProtocolError(400, "the request has no inputs")
+    return inputs
+
+
+def _requested_outputs(request: pb.ModelInferRequest, server: Server) -> list[str]:
+    known = output_datatypes(server)
+    if not request.outputs:
+        return list(known)
+    names = []
+    for out in request.outputs:
+        if out.name not in known:
+            raise ProtocolError(
+                400, f"unknown output {out.name!r} for model '{server.name}'; outputs: {', '.join(known)}"
+            )
+        if "classification" in out.parameters:
+            raise ProtocolError(400, f"output '{out.name}': the classification extension is not supported")
+        names.append(out.name)
+    return names
+
+
+def _timeout(parameters: Mapping[str, pb.InferParameter], context: Context) -> float | None:
+    timeout: float | None = None
+    if "timeout" in parameters:
+        param = parameters["timeout"]
+        if param.WhichOneof("parameter_choice") != "int64_param" or param.int64_param < 0:
+            raise ProtocolError(400, "parameter 'timeout' must be an int64 of microseconds >= 0")
+        timeout = param.int64_param / 1e6 or None
+    remaining = context.time_remaining()
+    if remaining is not None:
+        timeout = remaining if timeout is None else min(timeout, remaining)
+    return timeout
+
+
+def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
+    """Registers ``servicer`` as ``inference.GRPCInferenceService`` on ``server``."""
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]

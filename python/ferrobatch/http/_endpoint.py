@@ -1,0 +1,278 @@
+"""The v2 REST endpoints, independent of the web framework.
+
+Each handler returns a :class:`Reply` (status, body bytes, headers); the
+Starlette and aiohttp adapters only move bytes in and out. JSON versus the
+binary tensor data extension is decided by ``Inference-Header-Content-Length``
+(present: the body is a JSON header of that many bytes, then the binary
+tensors), never by ``Content-Type``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import zlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from .. import metrics
+from ..server import Server
+from .protocol import (
+    ModelRepository,
+    ProtocolError,
+    check_tensor_header,
+    decode_bytes,
+    decode_list,
+    encode_bytes,
+    encode_list,
+    error_message,
+    error_status,
+    output_datatypes,
+    timeout_from_parameters,
+)
+
+log = logging.getLogger("ferrobatch.http")
+
+HEADER_LENGTH = "inference-header-content-length"
+_JSON = "application/json"
+_BINARY = "application/octet-stream"
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    status: int
+    body: bytes
+    content_type: str = _JSON
+    header_length: int | None = None  # Inference-Header-Content-Length of a binary reply
+
+    @property
+    def headers(self) -> dict[str, str]:
+        headers = {"content-type": self.content_type}
+        if self.header_length is not None:
+            headers[HEADER_LENGTH] = str(self.header_length)
+        return headers
+
+
+def _json(status: int, document: Any) -> Reply:
+    return Reply(status, json.dumps(document, separators=(",", ":")).encode())
+
+
+def error_reply(exc: BaseException) -> Reply:
+    return _json(error_status(exc), {"error": error_message(exc)})
+
+
+_EMPTY_OK = Reply(200, b"", "text/plain")
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: Any
+    inputs: dict[str, Any]
+    outputs: list[tuple[str, bool]] | None  # requested (name, binary), None: all
+    binary_default: bool
+    timeout: float | None
+
+
+class Endpoint:
+    """Serves the v2 REST API for ``servers`` (see :mod:`ferrobatch.http`)."""
+
+    def __init__(self, servers: Server | Iterable[Server] | ModelRepository) -> None:
+        self.repository = servers if isinstance(servers, ModelRepository) else ModelRepository(servers)
+        self.registry = metrics.registry(self.repository.servers)
+
+    # -- health and metadata --------------------------------------------------------
+
+    def live(self) -> Reply:
+        return _EMPTY_OK
+
+    def ready(self) -> Reply:
+        return _EMPTY_OK if self.repository.ready else Reply(503, b"", "text/plain")
+
+    def server_metadata(self) -> Reply:
+        return _json(200, self.repository.server_metadata())
+
+    def model_metadata(self, name: str, version: str = "") -> Reply:
+        try:
+            return _json(200, self.repository.model_metadata(name, version))
+        except ProtocolError as exc:
+            return error_reply(exc)
+
+    def model_config(self, name: str, version: str = "") -> Reply:
+        try:
+            return _json(200, self.repository.model_config(name, version))
+        except ProtocolError as exc:
+            return error_reply(exc)
+
+    def model_ready(self, name: str, version: str = "") -> Reply:
+        try:
+            ready = self.repository.model_ready(name, version)
+        except ProtocolError as exc:
+            return error_reply(exc)
+        return _EMPTY_OK if ready else Reply(503, b"", "text/plain")
+
+    def metrics(self) -> Reply:
+        return Reply(200, generate_latest(self.registry), CONTENT_TYPE_LATEST)
+
+    # -- inference --------------------------------------------------------------------
+
+    async def infer(
+        self,
+        name: str,
+        version: str,
+        body: bytes,
+        header_length: str | None,
+        content_encoding: str | None = None,
+    ) -> Reply:
+        """``POST /v2/models/{name}[/versions/{version}]/infer``; never raises."""
+        try:
+            server = self.repository.get(name, version)
+            body = _decompress(body, content_encoding)
+            request = _decode_request(body, header_length, server)
+            results = await self.repository.infer(name, version, request.inputs, request.timeout)
+            return _encode_response(server, request, results)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a reply
+            if error_status(exc) == 500 and not isinstance(exc, ProtocolError):
+                log.warning("model '%s': %s", name, error_message(exc))
+            return error_reply(exc)
+
+
+def _decompress(body: bytes, encoding: str | None) -> bytes:
+    if not encoding or encoding == "identity":
+        return body
+    try:
+        if encoding == "gzip":
+            return gzip.decompress(body)
+        if encoding == "deflate":
+            return zlib.decompress(body)
+    except (OSError, EOFError, zlib.error) as exc:
+        raise ProtocolError(400, f"body is not valid {encoding}: {exc}") from None
+    raise ProtocolError(400, f"unsupported Content-Encoding {encoding!r}; use gzip or deflate")
+
+
+def _decode_request(body: bytes, header_length: str | None, server: Server) -> _Request:
+    if header_length is None:
+        header, binary = body, memoryview(b"")
+    else:
+        try:
+            length = int(header_length)
+        except ValueError:
+            length = -1
+        if not 0 <= length <= len(body):
+            raise ProtocolError(
+                400,
+                f"Inference-Header-Content-Length must be 0..{len(body)} (the body's size),"
+                f" got {header_length!r}",
+            )
+        header, binary = body[:length], memoryview(body)[length:]
+    try:
+        document = json.loads(header)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProtocolError(400, f"malformed JSON in the request: {exc}") from None
+    if not isinstance(document, dict):
+        raise ProtocolError(400, "the request must be a JSON object")
+    parameters = _parameters(document, "the request")
+    timeout = timeout_from_parameters(parameters)
+    binary_default = parameters.get("binary_data_output", False)
+    if not isinstance(binary_default, bool):
+        raise ProtocolError(400, "parameter 'binary_data_output' must be true or false")
+
+    raw_inputs = document.get("inputs")
+    if not isinstance(raw_inputs, list) or not raw_inputs:
+        raise ProtocolError(400, "the request needs a non-empty 'inputs' list")
+    inputs: dict[str, Any] = {}
+    offset = 0
+    for raw in raw_inputs:
+        if not isinstance(raw, dict):
+            raise ProtocolError(400, "every entry of 'inputs' must be an object")
+        name, datatype, shape = check_tensor_header(raw.get("name"), raw.get("datatype"), raw.get("shape"))
+        if name in inputs:
+            raise ProtocolError(400, f"input '{name}' is given twice")
+        size = _parameters(raw, f"input '{name}'").get("binary_data_size")
+        if size is not None:
+            if "data" in raw:
+                raise ProtocolError(400, f"input '{name}' has both 'data' and 'binary_data_size'")
+            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+                raise ProtocolError(400, f"input '{name}': binary_data_size must be an int >= 0")
+            if offset + size > len(binary):
+                raise ProtocolError(
+                    400,
+                    f"input '{name}': binary_data_size {size} runs past the end of the body"
+                    f" ({len(binary) - offset} binary bytes left)",
+                )
+            inputs[name] = decode_bytes(name, datatype, shape, binary[offset : offset + size])
+            offset += size
+        elif "data" in raw:
+            inputs[name] = decode_list(name, datatype, shape, raw["data"])
+        else:
+            raise ProtocolError(400, f"input '{name}' has neither 'data' nor 'binary_data_size'")
+    if offset != len(binary):
+        raise ProtocolError(
+            400,
+            f"the inputs' binary_data_size add up to {offset} bytes, but {len(binary)} binary"
+            " bytes follow the JSON header",
+        )
+
+    outputs: list[tuple[str, bool]] | None = None
+    raw_outputs = document.get("outputs")
+    if raw_outputs is not None:
+        if not isinstance(raw_outputs, list):
+            raise ProtocolError(400, "'outputs' must be a list")
+        known = output_datatypes(server)
+        outputs = []
+        for raw in raw_outputs:
+            out_name = raw.get("name") if isinstance(raw, dict) else None
+            if not isinstance(out_name, str) or out_name not in known:
+                raise ProtocolError(
+                    400,
+                    f"unknown output {out_name!r} for model '{server.name}'; outputs: {', '.join(known)}",
+                )
+            name = out_name
+            out_params = _parameters(raw, f"output '{name}'")
+            if "classification" in out_params:
+                raise ProtocolError(400, f"output '{name}': the classification extension is not supported")
+            binary = out_params.get("binary_data", binary_default)
+            if not isinstance(binary, bool):
+                raise ProtocolError(400, f"output '{name}': binary_data must be true or false")
+            outputs.append((name, binary))
+    return _Request(document.get("id"), inputs, outputs, binary_default, timeout)
+
+
+def _parameters(document: Mapping[str, Any], what: str) -> Mapping[str, Any]:
+    parameters = document.get("parameters")
+    if parameters is None:
+        return {}
+    if not isinstance(parameters, dict):
+        raise ProtocolError(400, f"'parameters' of {what} must be an object")
+    return parameters
+
+
+def _encode_response(server: Server, request: _Request, results: Mapping[str, torch.Tensor]) -> Reply:
+    datatypes = output_datatypes(server)
+    selected = request.outputs
+    if selected is None:
+        selected = [(name, request.binary_default) for name in datatypes]
+    entries: list[dict[str, Any]] = []
+    blobs: list[bytes] = []
+    for name, binary in selected:
+        tensor = results[name]
+        entry: dict[str, Any] = {"name": name, "datatype": datatypes[name], "shape": list(tensor.shape)}
+        if binary:
+            raw = encode_bytes(tensor)
+            entry["parameters"] = {"binary_data_size": len(raw)}
+            blobs.append(raw)
+        else:
+            entry["data"] = encode_list(tensor)
+        entries.append(entry)
+    document: dict[str, Any] = {"model_name": server.name, "model_version": "1"}
+    if request.request_id is not None:
+        document["id"] = request.request_id
+    document["outputs"] = entries
+    header = json.dumps(document, separators=(",", ":")).encode()
+    if not blobs:
+        return Reply(200, header)
+    return Reply(200, b"".join([header, *blobs]), _BINARY, len(header))

@@ -1,0 +1,348 @@
+"""The Open Inference Protocol v2 (KServe v2), independent of the transport.
+
+What the HTTP apps and the gRPC service share: the registry of served models,
+the v2 datatypes, metadata documents, tensor (de)serialisation, running a
+request through a :class:`~ferrobatch.Client`, and the mapping of errors to
+status codes. Nothing here imports a web framework.
+
+Batching convention (Triton's, for models with ``max_batch_size > 0``): the
+metadata shows every tensor as ``[-1, *shape]``; a request carries ``n >= 1``
+rows (``[n, *shape]``), which join one batch together and are never split;
+``n > max_batch_size`` is a bad request.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._core import __version__
+from ..errors import (
+    DeadlineExceededError,
+    FerrobatchError,
+    InvalidInputError,
+    ModelError,
+    QueueFullError,
+    ServerClosedError,
+)
+from ..server import Server
+from ..specs import TensorSpec
+
+__all__ = [
+    "DATATYPES",
+    "EXTENSIONS",
+    "MODEL_VERSION",
+    "InferInput",
+    "ModelRepository",
+    "ProtocolError",
+    "UnknownModelError",
+    "datatype_of",
+    "decode_bytes",
+    "decode_list",
+    "encode_bytes",
+    "encode_list",
+    "error_status",
+    "timeout_from_parameters",
+]
+
+#: The one version every model is served as.
+MODEL_VERSION = "1"
+#: Protocol extensions announced in the server metadata.
+EXTENSIONS = ("binary_tensor_data",)
+
+#: v2 datatype -> ferrobatch dtype name. BF16 travels as raw 2-byte words.
+DATATYPES: dict[str, str] = {
+    "BOOL": "bool",
+    "INT8": "int8",
+    "INT16": "int16",
+    "INT32": "int32",
+    "INT64": "int64",
+    "UINT8": "uint8",
+    "UINT16": "uint16",
+    "UINT32": "uint32",
+    "UINT64": "uint64",
+    "FP16": "float16",
+    "FP32": "float32",
+    "FP64": "float64",
+    "BF16": "bfloat16",
+}
+_V2_OF = {dtype: v2 for v2, dtype in DATATYPES.items()}
+# numpy dtype of each datatype's wire format (BF16: its raw 16-bit words).
+_NUMPY: dict[str, np.dtype[Any]] = {
+    v2: np.dtype("uint16" if dtype == "bfloat16" else dtype) for v2, dtype in DATATYPES.items()
+}
+
+
+def datatype_of(spec: TensorSpec) -> str:
+    """The v2 datatype ("FP32") of a tensor spec."""
+    return _V2_OF[spec.dtype]
+
+
+class ProtocolError(Exception):
+    """A request the protocol layer refuses; ``status`` is its HTTP status."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class UnknownModelError(ProtocolError):
+    """No such model (or version): 400 over HTTP, NOT_FOUND over gRPC."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(400, message)
+
+
+def error_status(exc: BaseException) -> int:
+    """The HTTP status of an error raised while serving a request.
+
+    400 bad request (including :class:`InvalidInputError`), 503 queue full or
+    not running, 504 deadline passed, 500 model failure or anything unexpected.
+    """
+    if isinstance(exc, ProtocolError):
+        return exc.status
+    if isinstance(exc, InvalidInputError):
+        return 400
+    if isinstance(exc, (QueueFullError, ServerClosedError)):
+        return 503
+    if isinstance(exc, DeadlineExceededError):
+        return 504
+    if isinstance(exc, ModelError):
+        return 500
+    return 500
+
+
+def error_message(exc: BaseException) -> str:
+    if isinstance(exc, (ProtocolError, FerrobatchError)):
+        return str(exc)
+    return f"internal error: {type(exc).__name__}: {exc}"
+
+
+# -- the models served -----------------------------------------------------------------
+
+
+class ModelRepository:
+    """The named :class:`~ferrobatch.Server` objects one endpoint serves.
+
+    Ready when every server is running and :meth:`close` was not called.
+    The servers' lifecycle belongs to whoever started them.
+    """
+
+    def __init__(self, servers: Server | Iterable[Server]) -> None:
+        listed = [servers] if isinstance(servers, Server) else list(servers)
+        if not listed:
+            raise ValueError("serve at least one Server")
+        self._models: dict[str, Server] = {}
+        for server in listed:
+            if not isinstance(server, Server):
+                raise TypeError(f"expected ferrobatch.Server objects, got {type(server).__name__}")
+            if server.name in self._models:
+                raise ValueError(f"two servers are named {server.name!r}; model names must be unique")
+            self._models[server.name] = server
+        self._clients = {name: s.client() for name, s in self._models.items()}
+        self._closing = False
+
+    @property
+    def servers(self) -> list[Server]:
+        return list(self._models.values())
+
+    def close(self) -> None:
+        """Marks the endpoint as shutting down: not ready, new requests refused (503)."""
+        self._closing = True
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    @property
+    def ready(self) -> bool:
+        return not self._closing and all(s.running for s in self._models.values())
+
+    def get(self, name: str, version: str = "") -> Server:
+        """The server for ``name`` (and ``version``: "" or "1"); 400 if unknown."""
+        server = self._models.get(name)
+        if server is None:
+            raise UnknownModelError(f"Request for unknown model: '{name}' is not found")
+        if version not in ("", MODEL_VERSION):
+            raise UnknownModelError(f"Request for unknown model: '{name}' version {version} is not found")
+        return server
+
+    def model_ready(self, name: str, version: str = "") -> bool:
+        return not self._closing and self.get(name, version).running
+
+    def server_metadata(self) -> dict[str, Any]:
+        return {"name": "ferrobatch", "version": __version__, "extensions": list(EXTENSIONS)}
+
+    def model_metadata(self, name: str, version: str = "") -> dict[str, Any]:
+        server = self.get(name, version)
+
+        def tensors(specs: Sequence[TensorSpec]) -> list[dict[str, Any]]:
+            return [
+                {"name": s.name, "datatype": datatype_of(s), "shape": [-1, *s.shape]}
+                for s in specs
+            ]
+
+        return {
+            "name": server.name,
+            "versions": [MODEL_VERSION],
+            "platform": "pytorch",
+            "inputs": tensors(server.inputs),
+            "outputs": tensors(server.outputs),
+        }
+
+    def model_config(self, name: str, version: str = "") -> dict[str, Any]:
+        """A Triton-style model configuration (what ``perf_analyzer`` reads)."""
+        server = self.get(name, version)
+
+        def tensors(specs: Sequence[TensorSpec]) -> list[dict[str, Any]]:
+            return [
+                {"name": s.name, "data_type": "TYPE_" + datatype_of(s), "dims": list(s.shape)}
+                for s in specs
+            ]
+
+        return {
+            "name": server.name,
+            "platform": "pytorch",
+            "backend": "ferrobatch",
+            "max_batch_size": server.max_batch_size,
+            "input": tensors(server.inputs),
+            "output": tensors(server.outputs),
+            "dynamic_batching": {
+                "preferred_batch_size": list(server.preferred_batch_sizes),
+                "max_queue_delay_microseconds": round(server.max_delay * 1e6),
+            },
+            "instance_group": [{"count": len(server.devices), "kind": _instance_kind(server)}],
+        }
+
+    async def infer(
+        self, name: str, version: str, inputs: Mapping[str, Any], timeout: float | None
+    ) -> dict[str, torch.Tensor]:
+        """Runs ``n`` rows through model ``name``; every output has leading dimension ``n``."""
+        server = self.get(name, version)
+        if self._closing:
+            raise ServerClosedError(f"server is shutting down; model '{name}' takes no new requests")
+        return await self._clients[name].infer_batch(dict(inputs), timeout=timeout)
+
+
+def _instance_kind(server: Server) -> str:
+    return "KIND_GPU" if any(d.type == "cuda" for d in server.devices) else "KIND_CPU"
+
+
+# -- request parameters ----------------------------------------------------------------
+
+
+def timeout_from_parameters(parameters: Mapping[str, Any]) -> float | None:
+    """The request's ``timeout`` parameter (microseconds, as Triton) in seconds."""
+    value = parameters.get("timeout")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ProtocolError(400, f"parameter 'timeout' must be microseconds >= 0, got {value!r}")
+    return float(value) / 1e6 if value else None
+
+
+# -- tensors ---------------------------------------------------------------------------
+
+
+@dataclass
+class InferInput:
+    """One decoded input tensor: its declared datatype and shape, and its value
+    (a numpy array, or a torch tensor for BF16) ready for ``infer_batch``."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    value: Any = field(repr=False, default=None)
+
+
+def check_tensor_header(name: Any, datatype: Any, shape: Any) -> tuple[str, str, tuple[int, ...]]:
+    """Validates a tensor's name, datatype and shape as sent by a client."""
+    if not isinstance(name, str) or not name:
+        raise ProtocolError(400, f"every tensor needs a non-empty 'name', got {name!r}")
+    if datatype not in DATATYPES:
+        if datatype == "BYTES":
+            raise ProtocolError(400, f"input '{name}': datatype BYTES is not supported")
+        raise ProtocolError(
+            400, f"input '{name}': unknown datatype {datatype!r}; expected one of {', '.join(DATATYPES)}"
+        )
+    if not isinstance(shape, (list, tuple)) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise ProtocolError(
+            400, f"input '{name}': 'shape' must be a list of non-negative integers, got {shape!r}"
+        )
+    return name, datatype, tuple(shape)
+
+
+def byte_size(datatype: str, shape: Sequence[int]) -> int:
+    return math.prod(shape) * _NUMPY[datatype].itemsize
+
+
+def decode_bytes(
+    name: str, datatype: str, shape: tuple[int, ...], data: bytes | memoryview
+) -> Any:
+    """A tensor from its raw little-endian, row-major bytes (no copy but for BF16)."""
+    expected = byte_size(datatype, shape)
+    if len(data) != expected:
+        raise ProtocolError(
+            400,
+            f"input '{name}': {datatype} shape {list(shape)} needs {expected} bytes, got {len(data)}",
+        )
+    array = np.frombuffer(data, dtype=_NUMPY[datatype]).reshape(shape)
+    if datatype == "BOOL" and array.size and int(array.view(np.uint8).max()) > 1:
+        raise ProtocolError(400, f"input '{name}': BOOL bytes must be 0 or 1")
+    if datatype == "BF16":
+        # numpy has no bfloat16: reinterpret a writable copy of the raw words.
+        return torch.from_numpy(array.copy()).view(torch.bfloat16)
+    return array
+
+
+def decode_list(name: str, datatype: str, shape: tuple[int, ...], data: Any) -> Any:
+    """A tensor from JSON ``data`` (flat or nested, row-major)."""
+    flat: Any
+    try:
+        if datatype == "BF16":
+            flat = torch.tensor(data, dtype=torch.float32).to(torch.bfloat16).reshape(-1)
+        else:
+            flat = np.asarray(data, dtype=_NUMPY[datatype]).reshape(-1)
+            if datatype == "BOOL" and not _all_bools(data):
+                raise ProtocolError(400, f"input '{name}': BOOL data must be true or false")
+    except ProtocolError:
+        raise
+    except (ValueError, TypeError, OverflowError, RuntimeError) as exc:
+        raise ProtocolError(400, f"input '{name}': data is not valid {datatype}: {exc}") from None
+    count = math.prod(shape)
+    if flat.shape[0] != count:
+        raise ProtocolError(
+            400, f"input '{name}': shape {list(shape)} needs {count} values, got {flat.shape[0]}"
+        )
+    return flat.reshape(shape)
+
+
+def _all_bools(data: Any) -> bool:
+    if isinstance(data, list):
+        return all(_all_bools(d) for d in data)
+    return isinstance(data, bool)
+
+
+def encode_bytes(tensor: torch.Tensor) -> bytes:
+    """The raw little-endian, row-major bytes of an output tensor."""
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.int16)
+    return tensor.numpy().tobytes()
+
+
+def encode_list(tensor: torch.Tensor) -> list[Any]:
+    """The flat, row-major JSON values of an output tensor."""
+    result: list[Any] = tensor.reshape(-1).tolist()
+    return result
+
+
+def output_datatypes(server: Server) -> dict[str, str]:
+    return {s.name: datatype_of(s) for s in server.outputs}

@@ -1,0 +1,115 @@
+"""Prometheus metrics under Triton's names, read from ``Server.stats()``.
+
+    registry = ferrobatch.metrics.registry([server])
+    prometheus_client.generate_latest(registry)   # what GET /metrics serves
+
+The values are read when Prometheus scrapes (a custom ``Collector``); nothing
+is added to the per-request path. Every metric is labelled ``model`` (the
+server's name) and ``version`` ("1"):
+
+- ``nv_inference_request_success``: requests that returned a result;
+- ``nv_inference_request_failure{reason=...}``: failed requests, by ferrobatch
+  reason (invalid_input, queue_full, deadline_exceeded, cancelled,
+  model_error, server_closed); requests refused before reaching the model
+  (unknown model, malformed body) are not counted;
+- ``nv_inference_count``: rows (samples) run through the model;
+- ``nv_inference_exec_count``: model calls (batches);
+- ``nv_inference_request_duration_us``: summed submit-to-result time of
+  successful requests;
+- ``nv_inference_queue_duration_us``: summed time requests waited in the queue;
+- ``nv_inference_compute_infer_duration_us``: summed model-call time, per
+  batch (Triton sums it per request; divide by ``nv_inference_exec_count``
+  for the mean model call);
+- ``nv_inference_pending_request_count``: requests waiting now (a gauge).
+
+The cumulative ones are exposed untyped rather than as counters because
+prometheus_client renames counters to ``*_total``; Triton's exact names are
+what existing dashboards query, and PromQL's ``rate()`` treats both alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import GaugeMetricFamily, Metric, UnknownMetricFamily
+from prometheus_client.registry import Collector, CollectorRegistry
+
+if TYPE_CHECKING:
+    from .server import Server
+
+__all__ = ["TritonCollector", "registry"]
+
+_VERSION = "1"
+
+
+class TritonCollector(Collector):
+    """Yields Triton-named metrics for each server, from ``server.stats()``."""
+
+    def __init__(self, servers: Server | Iterable[Server]) -> None:
+        from .server import Server
+
+        self._servers = [servers] if isinstance(servers, Server) else list(servers)
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["model", "version"]
+        success = UnknownMetricFamily(
+            "nv_inference_request_success",
+            "Number of successful inference requests, all batch sizes",
+            labels=labels,
+        )
+        failure = UnknownMetricFamily(
+            "nv_inference_request_failure",
+            "Number of failed inference requests, all batch sizes",
+            labels=[*labels, "reason"],
+        )
+        count = UnknownMetricFamily(
+            "nv_inference_count",
+            "Number of inferences performed (rows run through the model)",
+            labels=labels,
+        )
+        exec_count = UnknownMetricFamily(
+            "nv_inference_exec_count",
+            "Number of model executions performed (batches)",
+            labels=labels,
+        )
+        request_us = UnknownMetricFamily(
+            "nv_inference_request_duration_us",
+            "Cumulative inference request duration in microseconds (successful requests)",
+            labels=labels,
+        )
+        queue_us = UnknownMetricFamily(
+            "nv_inference_queue_duration_us",
+            "Cumulative inference queuing duration in microseconds",
+            labels=labels,
+        )
+        compute_us = UnknownMetricFamily(
+            "nv_inference_compute_infer_duration_us",
+            "Cumulative model execution duration in microseconds, summed per batch",
+            labels=labels,
+        )
+        pending = GaugeMetricFamily(
+            "nv_inference_pending_request_count",
+            "Instantaneous number of pending requests awaiting execution",
+            labels=labels,
+        )
+        for server in self._servers:
+            stats = server.stats()
+            model = [server.name, _VERSION]
+            success.add_metric(model, stats["requests_succeeded"])
+            for reason, n in stats["requests_failed"].items():
+                failure.add_metric([*model, reason], n)
+            count.add_metric(model, stats["rows"])
+            exec_count.add_metric(model, stats["batches"])
+            request_us.add_metric(model, stats["request_ns"] // 1000)
+            queue_us.add_metric(model, stats["queue_ns"] // 1000)
+            compute_us.add_metric(model, stats["compute_ns"] // 1000)
+            pending.add_metric(model, stats["queue_depth"])
+        yield from (success, failure, count, exec_count, request_us, queue_us, compute_us, pending)
+
+
+def registry(servers: Server | Iterable[Server]) -> CollectorRegistry:
+    """A fresh registry holding only a :class:`TritonCollector` for ``servers``."""
+    result = CollectorRegistry(auto_describe=False)
+    result.register(TritonCollector(servers))
+    return result

@@ -1,0 +1,347 @@
+"""``ferrobatch serve``: run servers behind HTTP (uvicorn) and gRPC in one process.
+
+    ferrobatch serve myapp.models:server --http-port 8000 --grpc-port 8001
+    ferrobatch serve path/to/models.py:make_servers
+    ferrobatch serve --demo
+
+The target ``module:attr`` (or ``file.py:attr``) names a :class:`~ferrobatch.Server`,
+a list of them, or a zero-argument callable returning either. Both endpoints
+share one event loop with the servers.
+
+SIGINT or SIGTERM shuts down gracefully: readiness turns to 503 and new
+requests are refused (HTTP 503 / gRPC UNAVAILABLE), the listeners close,
+every request already accepted is answered, then the servers stop. A second
+signal, or ``--graceful-timeout`` seconds, cuts the wait short.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import importlib.util
+import logging
+import math
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .server import Server
+
+if TYPE_CHECKING:
+    import grpc.aio
+    import uvicorn
+
+__all__ = ["ServeConfig", "load_servers", "serve"]
+
+log = logging.getLogger("ferrobatch.serve")
+
+
+def load_servers(target: str) -> list[Server]:
+    """The servers named by ``module:attr`` or ``path/to/file.py:attr``.
+
+    ``attr`` may be a Server, a list or tuple of them, or a zero-argument
+    callable returning either. Raises ``ValueError`` saying what was wrong.
+    """
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"expected 'module:attr' or 'file.py:attr', got {target!r}")
+    if module_name.endswith(".py"):
+        path = Path(module_name)
+        if not path.is_file():
+            raise ValueError(f"no such file: {module_name}")
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        if spec is None or spec.loader is None:
+            raise ValueError(f"cannot import {module_name}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[path.stem] = module
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(module_name)
+    obj: Any = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(f"{module_name} has no attribute {attr!r}") from None
+    if callable(obj) and not isinstance(obj, Server):
+        obj = obj()
+    servers = [obj] if isinstance(obj, Server) else obj
+    if not isinstance(servers, (list, tuple)) or not servers or not all(
+        isinstance(s, Server) for s in servers
+    ):
+        raise ValueError(
+            f"{target} must be a ferrobatch.Server, a list of them, or a zero-argument callable"
+            f" returning either; got {type(obj).__name__}"
+        )
+    return list(servers)
+
+
+@dataclass
+class ServeConfig:
+    """Where and how :func:`serve` listens. A port of ``None`` disables that
+    endpoint; ``0`` picks a free one (see the ``on_ready`` callback)."""
+
+    host: str = "127.0.0.1"
+    http_port: int | None = 8000
+    grpc_port: int | None = 8001
+    graceful_timeout: float = 30.0
+    log_level: str = "info"
+    access_log: bool = False
+
+
+@dataclass(frozen=True)
+class Listening:
+    """What :func:`serve` reports once it accepts requests."""
+
+    http_port: int | None
+    grpc_port: int | None
+    models: list[str]
+
+
+async def serve(
+    servers: Sequence[Server],
+    config: ServeConfig | None = None,
+    *,
+    on_ready: Callable[[Listening], None] | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Serves ``servers`` over HTTP and gRPC until SIGINT/SIGTERM (when on the
+    main thread) or until ``stop`` is set, then shuts down gracefully.
+
+    Servers that are not running are started here and stopped on the way out.
+    """
+    import uvicorn
+
+    from .grpc import grpc_server
+    from .http import starlette_app
+    from .http.protocol import ModelRepository
+
+    config = config or ServeConfig()
+    if config.http_port is None and config.grpc_port is None:
+        raise ValueError("nothing to serve: both the HTTP and the gRPC endpoint are disabled")
+    repository = ModelRepository(servers)
+    stop = stop or asyncio.Event()
+    forced = asyncio.Event()
+    started: list[Server] = []
+    http: uvicorn.Server | None = None
+    http_task: asyncio.Task[None] | None = None
+    rpc: grpc.aio.Server | None = None
+    with _signals(stop, forced):
+        try:
+            for server in repository.servers:
+                if not server.running:
+                    await server.start()
+                    started.append(server)
+            grpc_port = None
+            if config.grpc_port is not None:
+                rpc = grpc_server(repository, None)
+                grpc_port = rpc.add_insecure_port(f"{_bracket(config.host)}:{config.grpc_port}")
+                await rpc.start()
+            http_port = None
+            if config.http_port is not None:
+                http = _uvicorn_server(
+                    uvicorn.Config(
+                        starlette_app(repository, manage_servers=False),
+                        host=config.host,
+                        port=config.http_port,
+                        lifespan="off",
+                        log_level=config.log_level,
+                        access_log=config.access_log,
+                        timeout_graceful_shutdown=math.ceil(config.graceful_timeout),
+                        http="httptools" if _has("httptools") else "h11",
+                    )
+                )
+                http_task = asyncio.create_task(http.serve())
+                http_port = await _bound_port(http, http_task)
+            listening = Listening(http_port, grpc_port, [s.name for s in repository.servers])
+            log.info(
+                "serving %s: HTTP %s, gRPC %s",
+                ", ".join(listening.models),
+                f"http://{config.host}:{http_port}" if http_port is not None else "off",
+                f"{config.host}:{grpc_port}" if grpc_port is not None else "off",
+            )
+            if on_ready is not None:
+                on_ready(listening)
+            waiters: list[asyncio.Future[Any]] = [asyncio.ensure_future(stop.wait())]
+            if http_task is not None:
+                waiters.append(asyncio.ensure_future(asyncio.shield(http_task)))
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            for waiter in waiters:
+                waiter.cancel()
+        finally:
+            log.info("shutting down: refusing new requests, draining accepted ones")
+            repository.close()
+            await _drain(http, http_task, rpc, forced, config.graceful_timeout)
+            for server in reversed(started):
+                await server.stop(timeout=0 if forced.is_set() else config.graceful_timeout)
+            log.info("stopped")
+
+
+async def _drain(
+    http: uvicorn.Server | None,
+    http_task: asyncio.Task[None] | None,
+    rpc: grpc.aio.Server | None,
+    forced: asyncio.Event,
+    timeout: float,
+) -> None:
+    """Closes the listeners and waits for requests in flight, at most ``timeout``
+    seconds (or until ``forced``)."""
+    waits: list[Awaitable[Any]] = []
+    if rpc is not None:
+        waits.append(rpc.stop(grace=timeout))
+    if http is not None and http_task is not None:
+        http.should_exit = True
+        waits.append(http_task)
+
+    async def force() -> None:
+        await forced.wait()
+        if http is not None:
+            http.force_exit = True
+        if rpc is not None:
+            await rpc.stop(grace=0)
+
+    forcing = asyncio.ensure_future(force())
+    try:
+        results = await asyncio.gather(*waits, return_exceptions=True)
+    finally:
+        forcing.cancel()
+    for result in results:
+        if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
+            log.warning("shutdown: %s", result)
+
+
+def _uvicorn_server(config: uvicorn.Config) -> uvicorn.Server:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server minus its signal handlers: serve() owns the signals."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    return Server(config)
+
+
+async def _bound_port(http: uvicorn.Server, task: asyncio.Task[None]) -> int:
+    """Waits for uvicorn to listen; the port it bound (the one given, or the
+    one picked for port 0)."""
+    while not http.started:
+        if task.done():
+            task.result()  # raises what made uvicorn fail
+            raise RuntimeError("the HTTP server stopped before it started listening")
+        await asyncio.sleep(0.01)
+    port: int = http.servers[0].sockets[0].getsockname()[1]
+    return port
+
+
+@contextlib.contextmanager
+def _signals(stop: asyncio.Event, forced: asyncio.Event) -> Iterator[None]:
+    """SIGINT/SIGTERM: the first sets ``stop``, the next ``forced``."""
+    loop = asyncio.get_running_loop()
+    installed: list[signal.Signals] = []
+
+    def handle(sig: signal.Signals) -> None:
+        if stop.is_set():
+            log.warning("%s again: not waiting for requests in flight", sig.name)
+            forced.set()
+        else:
+            log.info("%s: shutting down gracefully", sig.name)
+            stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, handle, sig)
+        except (NotImplementedError, RuntimeError, ValueError):
+            continue  # not the main thread, or no signal support: rely on `stop`
+        installed.append(sig)
+    try:
+        yield
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def _has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def run(
+    servers: Sequence[Server],
+    config: ServeConfig | None = None,
+    *,
+    loop: str = "auto",
+) -> int:
+    """Blocking :func:`serve` on a fresh event loop (uvloop when installed and
+    ``loop`` is "auto" or "uvloop"). Returns the process exit status."""
+    config = config or ServeConfig()
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    factory: Callable[[], asyncio.AbstractEventLoop] | None = None
+    if loop == "uvloop" or (loop == "auto" and _has("uvloop")):
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(serve(servers, config))
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``ferrobatch serve`` command line."""
+    parser.add_argument(
+        "target",
+        nargs="?",
+        help="module:attr or file.py:attr naming a Server, a list of them, or a factory",
+    )
+    parser.add_argument("--demo", action="store_true", help="serve the built-in demo MLP as 'mlp'")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--http-port", type=int, default=8000, help="HTTP port (default 8000; 0: any free)")
+    parser.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (default 8001; 0: any free)")
+    parser.add_argument("--no-http", action="store_true", help="serve gRPC only")
+    parser.add_argument("--no-grpc", action="store_true", help="serve HTTP only")
+    parser.add_argument(
+        "--graceful-timeout",
+        type=float,
+        default=30.0,
+        help="seconds to wait for accepted requests on shutdown (default 30)",
+    )
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    parser.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"])
+
+
+def main(args: argparse.Namespace) -> int:
+    """Runs ``ferrobatch serve`` with parsed ``args``; returns the exit status."""
+    if args.demo == (args.target is not None):
+        print("ferrobatch serve: give either a target (module:attr) or --demo", file=sys.stderr)
+        return 2
+    try:
+        if args.demo:
+            from .demo import make_demo_server
+
+            servers = [make_demo_server()]
+        else:
+            servers = load_servers(args.target)
+    except (ValueError, ImportError) as exc:
+        print(f"ferrobatch serve: {exc}", file=sys.stderr)
+        return 2
+    config = ServeConfig(
+        host=args.host,
+        http_port=None if args.no_http else args.http_port,
+        grpc_port=None if args.no_grpc else args.grpc_port,
+        graceful_timeout=args.graceful_timeout,
+        log_level=args.log_level,
+        access_log=args.access_log,
+    )
+    return run(servers, config, loop=args.loop)
