@@ -23,8 +23,10 @@ import importlib
 import importlib.util
 import logging
 import math
+import queue
 import signal
 import sys
+import threading
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +38,7 @@ if TYPE_CHECKING:
     import grpc.aio
     import uvicorn
 
-__all__ = ["ServeConfig", "load_servers", "serve"]
+__all__ = ["Listening", "ServeConfig", "load_servers", "serve", "serve_in_thread"]
 
 log = logging.getLogger("ferrobatch.serve")
 
@@ -265,6 +267,51 @@ def _signals(stop: asyncio.Event, forced: asyncio.Event) -> Iterator[None]:
     finally:
         for sig in installed:
             loop.remove_signal_handler(sig)
+
+
+@contextlib.contextmanager
+def serve_in_thread(
+    servers: Sequence[Server], config: ServeConfig | None = None, *, start_timeout: float = 60.0
+) -> Iterator[Listening]:
+    """Runs :func:`serve` on a background thread with its own event loop while
+    inside the block (for tests, notebooks, or a synchronous program); yields
+    where it listens. Leaving the block shuts it down gracefully and joins.
+
+    The servers must not be running yet: they are started on that loop.
+    """
+    ready: queue.SimpleQueue[Listening | BaseException] = queue.SimpleQueue()
+    loop_box: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop_box.append((asyncio.get_running_loop(), stop))
+        await serve(servers, config, on_ready=ready.put, stop=stop)
+
+    def target() -> None:
+        try:
+            asyncio.run(main())
+        except BaseException as exc:  # noqa: BLE001 - reported to the caller
+            ready.put(exc)
+
+    thread = threading.Thread(target=target, name="ferrobatch-serve", daemon=True)
+    thread.start()
+    try:
+        first = ready.get(timeout=start_timeout)
+    except queue.Empty:
+        raise RuntimeError(f"serve did not start listening within {start_timeout}s") from None
+    if isinstance(first, BaseException):
+        thread.join()
+        raise first
+    try:
+        yield first
+    finally:
+        loop, stop = loop_box[0]
+        loop.call_soon_threadsafe(stop.set)
+        thread.join()
+        if not ready.empty():
+            leftover = ready.get()
+            if isinstance(leftover, BaseException):
+                raise leftover
 
 
 def _bracket(host: str) -> str:

@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterable
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from ..server import Server
-from ._endpoint import HEADER_LENGTH, Endpoint, Reply
+from ._endpoint import HEADER_LENGTH, Endpoint, Reply, error_reply
 from ._lifecycle import serving
-from .protocol import ModelRepository
+from .protocol import ModelRepository, ProtocolError
 
 #: Where the app keeps its :class:`Endpoint` (``app[ENDPOINT_KEY]``).
 ENDPOINT_KEY = web.AppKey("ferrobatch_endpoint", Endpoint)
@@ -51,14 +52,13 @@ def aiohttp_app(
 
     async def infer(request: web.Request) -> web.Response:
         m = request.match_info
-        # read() is the body as sent: aiohttp does not decode Content-Encoding
-        # of requests, so the endpoint does.
+        try:
+            # aiohttp has already undone a gzip or deflate Content-Encoding.
+            body = await request.read()
+        except RequestPayloadError as exc:
+            return _response(error_reply(ProtocolError(400, f"unreadable request body: {exc}")))
         reply = await endpoint.infer(
-            m["name"],
-            m.get("version", ""),
-            await request.read(),
-            request.headers.get(HEADER_LENGTH),
-            request.headers.get("Content-Encoding"),
+            m["name"], m.get("version", ""), body, request.headers.get(HEADER_LENGTH)
         )
         return _response(reply)
 
