@@ -1,0 +1,108 @@
+"""GET /metrics: Triton's metric names, with values from Server.stats()."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from test_http import WIDTH, X, Y, broken, double, serving
+from tritonclient.utils import InferenceServerException
+
+import ferrobatch as fb
+from ferrobatch.metrics import registry
+
+NAMES = {
+    "nv_inference_request_success",
+    "nv_inference_request_failure",
+    "nv_inference_count",
+    "nv_inference_exec_count",
+    "nv_inference_request_duration_us",
+    "nv_inference_queue_duration_us",
+    "nv_inference_compute_infer_duration_us",
+    "nv_inference_pending_request_count",
+}
+
+
+def scrape(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return samples
+
+
+def value(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
+    return samples[(name, frozenset({"version": "1", **labels}.items()))]
+
+
+@pytest.mark.parametrize("kind", ["starlette", "aiohttp"])
+def test_metrics_count_known_requests(kind: str) -> None:
+    servers = [
+        fb.Server(double, inputs=[X], outputs=[Y], max_batch_size=8, name="double"),
+        fb.Server(broken, inputs=[X], outputs=[Y], name="broken"),
+    ]
+    with serving(kind, servers) as url:
+        client = httpclient.InferenceServerClient(url)
+        try:
+            rows = 0
+            # One at a time: each request is its own batch, so every count is exact.
+            for i in range(5):
+                n = 1 + i % 3
+                tensor = httpclient.InferInput("x", [n, WIDTH], "FP32")
+                tensor.set_data_from_numpy(np.zeros((n, WIDTH), np.float32))
+                client.infer("double", [tensor])
+                rows += n
+            bad = httpclient.InferInput("x", [1, WIDTH + 1], "FP32")
+            bad.set_data_from_numpy(np.zeros((1, WIDTH + 1), np.float32))
+            for _ in range(2):
+                with pytest.raises(InferenceServerException):
+                    client.infer("double", [bad])
+            for _ in range(3):
+                tensor = httpclient.InferInput("x", [1, WIDTH], "FP32")
+                tensor.set_data_from_numpy(np.zeros((1, WIDTH), np.float32))
+                with pytest.raises(InferenceServerException):
+                    client.infer("broken", [tensor])
+        finally:
+            client.close()
+        response = httpx.get(f"http://{url}/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    samples = scrape(response.text)
+    assert {name for name, _ in samples} == NAMES
+
+    assert value(samples, "nv_inference_request_success", model="double") == 5
+    assert value(samples, "nv_inference_count", model="double") == rows
+    assert value(samples, "nv_inference_exec_count", model="double") == 5
+    assert value(samples, "nv_inference_request_failure", model="double", reason="invalid_input") == 2
+    assert value(samples, "nv_inference_request_failure", model="double", reason="model_error") == 0
+    assert value(samples, "nv_inference_request_success", model="broken") == 0
+    assert value(samples, "nv_inference_request_failure", model="broken", reason="model_error") == 3
+    assert value(samples, "nv_inference_exec_count", model="broken") == 3
+    for reason in ("queue_full", "deadline_exceeded", "cancelled", "server_closed"):
+        assert value(samples, "nv_inference_request_failure", model="double", reason=reason) == 0
+    assert value(samples, "nv_inference_request_duration_us", model="double") > 0
+    assert value(samples, "nv_inference_compute_infer_duration_us", model="double") > 0
+    assert value(samples, "nv_inference_queue_duration_us", model="double") >= 0
+    assert value(samples, "nv_inference_pending_request_count", model="double") == 0
+
+
+async def test_collector_reads_stats_at_scrape_time() -> None:
+    server = fb.Server(double, inputs=[X], outputs=[Y], name="m")
+    reg = registry([server])
+    before = scrape(generate_latest(reg).decode())
+    assert value(before, "nv_inference_request_success", model="m") == 0
+    async with server:
+        client = server.client()
+        for i in range(4):
+            await client.infer({"x": np.full(WIDTH, i, np.float32)})
+    stats = server.stats()
+    after = scrape(generate_latest(reg).decode())
+    assert value(after, "nv_inference_request_success", model="m") == 4
+    assert value(after, "nv_inference_count", model="m") == stats["rows"] == 4
+    assert value(after, "nv_inference_exec_count", model="m") == stats["batches"]
+    assert value(after, "nv_inference_request_duration_us", model="m") == stats["request_ns"] // 1000
+    assert value(after, "nv_inference_queue_duration_us", model="m") == stats["queue_ns"] // 1000
+    assert value(after, "nv_inference_compute_infer_duration_us", model="m") == stats["compute_ns"] // 1000

@@ -1,0 +1,219 @@
+"""``ferrobatch serve``: loading the target, and the process end to end —
+HTTP and gRPC on one port each, graceful shutdown on SIGTERM and SIGINT."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+import ferrobatch as fb
+from ferrobatch.serve import load_servers
+
+HERE = Path(__file__).resolve()
+WIDTH = 4
+X = fb.TensorSpec("x", "float32", (WIDTH,))
+Y = fb.TensorSpec("y", "float32", (WIDTH,))
+
+
+def double(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {"y": inputs["x"] * 2}
+
+
+def gated(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Holds each batch until the test creates ``release`` in $GATE_DIR
+    (it runs in the serve process, so the gate is a pair of files)."""
+    gate = Path(os.environ["GATE_DIR"])
+    (gate / "entered").touch()
+    deadline = time.monotonic() + 60
+    while not (gate / "release").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return {"y": inputs["x"] * 2}
+
+
+SERVER = fb.Server(double, inputs=[X], outputs=[Y], name="one")
+
+
+def make_servers() -> list[fb.Server]:
+    return [
+        fb.Server(double, inputs=[X], outputs=[Y], name="a"),
+        fb.Server(double, inputs=[X], outputs=[Y], name="b"),
+    ]
+
+
+def make_gated() -> fb.Server:
+    return fb.Server(gated, inputs=[X], outputs=[Y], max_batch_size=1, name="gated")
+
+
+# -- load_servers ------------------------------------------------------------------------------
+
+
+def test_load_servers_accepts_a_server_a_list_or_a_factory() -> None:
+    assert [s.name for s in load_servers("test_serve:SERVER")] == ["one"]
+    assert [s.name for s in load_servers("test_serve:make_servers")] == ["a", "b"]
+    assert [s.name for s in load_servers(f"{HERE}:make_gated")] == ["gated"]
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("test_serve", "module:attr"),
+        ("test_serve:missing", "no attribute"),
+        ("test_serve:WIDTH", "ferrobatch.Server"),
+        ("no/such/file.py:x", "no such file"),
+    ],
+)
+def test_load_servers_says_what_is_wrong(target: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        load_servers(target)
+
+
+# -- the process ------------------------------------------------------------------------------
+
+
+@dataclass
+class Process:
+    proc: subprocess.Popen[str]
+    http: str
+    grpc: str
+    lines: queue.SimpleQueue[str]
+
+    def log(self) -> str:
+        out = []
+        while not self.lines.empty():
+            out.append(self.lines.get())
+        return "".join(out)
+
+
+@pytest.fixture
+def serve_process(tmp_path: Path) -> Iterator[Callable[..., Process]]:
+    started: list[subprocess.Popen[str]] = []
+
+    def start(*args: str) -> Process:
+        env = {**os.environ, "GATE_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ferrobatch", "serve", *args, "--http-port", "0", "--grpc-port", "0"],
+            stderr=subprocess.STDOUT,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        started.append(proc)
+        lines: queue.SimpleQueue[str] = queue.SimpleQueue()
+        assert proc.stdout is not None
+        stdout = proc.stdout
+        threading.Thread(target=lambda: [lines.put(line) for line in stdout], daemon=True).start()
+        seen = []
+        while True:
+            try:
+                line = lines.get(timeout=60)
+            except queue.Empty:
+                raise AssertionError("serve did not report its ports:\n" + "".join(seen)) from None
+            seen.append(line)
+            found = re.search(r"HTTP http://([\d.]+:\d+), gRPC ([\d.]+:\d+)", line)
+            if found:
+                return Process(proc, found.group(1), found.group(2), lines)
+            if proc.poll() is not None and lines.empty():
+                raise AssertionError("serve exited:\n" + "".join(seen))
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def test_serve_demo_answers_http_and_grpc_then_stops_on_sigint(
+    serve_process: Callable[..., Process],
+) -> None:
+    served = serve_process("--demo")
+    x = np.random.default_rng(0).standard_normal((2, 256)).astype(np.float32)
+    http = httpclient.InferenceServerClient(served.http)
+    tensor = httpclient.InferInput("x", [2, 256], "FP32")
+    tensor.set_data_from_numpy(x)
+    y_http = http.infer("mlp", [tensor]).as_numpy("y")
+    http.close()
+    grpc = grpcclient.InferenceServerClient(served.grpc)
+    gtensor = grpcclient.InferInput("x", [2, 256], "FP32")
+    gtensor.set_data_from_numpy(x)
+    y_grpc = grpc.infer("mlp", [gtensor]).as_numpy("y")
+    grpc.close()
+    from ferrobatch.demo import make_demo_model
+
+    expected = make_demo_model()({"x": torch.from_numpy(x)})["y"].detach().numpy()
+    np.testing.assert_allclose(y_http, expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(y_http, y_grpc)
+    served.proc.send_signal(signal.SIGINT)
+    assert served.proc.wait(60) == 0, served.log()
+
+
+def test_sigterm_drains_accepted_requests_and_refuses_new_ones(
+    serve_process: Callable[..., Process], tmp_path: Path
+) -> None:
+    served = serve_process(f"{HERE}:make_gated")
+    body = b'{"inputs":[{"name":"x","datatype":"FP32","shape":[1,4],"data":[1,2,3,4]}]}'
+    url = f"http://{served.http}"
+
+    def grpc_call() -> np.ndarray:
+        client = grpcclient.InferenceServerClient(served.grpc)
+        tensor = grpcclient.InferInput("x", [1, WIDTH], "FP32")
+        tensor.set_data_from_numpy(np.ones((1, WIDTH), np.float32))
+        try:
+            return client.infer("gated", [tensor]).as_numpy("y")  # type: ignore[no-any-return]
+        finally:
+            client.close()
+
+    with ThreadPoolExecutor(2) as pool:
+        in_model = pool.submit(httpx.post, f"{url}/v2/models/gated/infer", content=body, timeout=60)
+        assert _wait_for(lambda: (tmp_path / "entered").exists())
+        in_queue = pool.submit(grpc_call)
+
+        def pending() -> float:
+            text = httpx.get(f"{url}/metrics").text
+            found = re.search(r'nv_inference_pending_request_count\{[^}]*\} (\S+)', text)
+            return float(found.group(1)) if found else 0.0
+
+        assert _wait_for(lambda: pending() == 1)
+        served.proc.send_signal(signal.SIGTERM)
+
+        def refused() -> bool:
+            try:
+                response = httpx.get(f"{url}/v2/health/ready", timeout=5)
+            except httpx.TransportError:
+                return True  # the listener is closed
+            return response.status_code == 503
+
+        assert _wait_for(refused)
+        assert served.proc.poll() is None  # still draining
+        (tmp_path / "release").touch()
+        response = in_model.result(timeout=60)
+        assert response.status_code == 200, response.text
+        assert response.json()["outputs"][0]["data"] == [2, 4, 6, 8]
+        np.testing.assert_array_equal(in_queue.result(timeout=60), np.full((1, WIDTH), 2.0))
+    assert served.proc.wait(60) == 0, served.log()
+
+
+def _wait_for(condition: Callable[[], bool], seconds: float = 60) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return False
+
