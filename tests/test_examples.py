@@ -1,0 +1,145 @@
+"""The embedding examples: each app is started for real on 127.0.0.1 (its
+lifespan or cleanup_ctx starts the ferrobatch server), called concurrently,
+then shut down (which stops the server)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def load(name: str) -> ModuleType:
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    return importlib.import_module(name)
+
+
+@contextlib.contextmanager
+def run_in_thread(app: Any, kind: str) -> Iterator[str]:
+    """Runs ``app`` (ASGI under uvicorn, or aiohttp) on its own loop and
+    thread; yields its base URL; shuts it down on exit."""
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    ready = threading.Event()
+    base: list[str] = []
+    failure: list[BaseException] = []
+
+    async def main() -> None:
+        if kind == "asgi":
+            import uvicorn
+
+            config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+            server = uvicorn.Server(config)
+            task = asyncio.create_task(server.serve())
+            while not server.started:
+                if task.done():
+                    task.result()
+                await asyncio.sleep(0.01)
+            base.append(f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}")
+            ready.set()
+            await stop.wait()
+            server.should_exit = True
+            await task
+        else:
+            from aiohttp import web
+
+            runner = web.AppRunner(app)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            base.append(f"http://127.0.0.1:{runner.addresses[0][1]}")
+            ready.set()
+            await stop.wait()
+            await runner.cleanup()
+
+    def target() -> None:
+        try:
+            loop.run_until_complete(main())
+        except BaseException as exc:  # noqa: BLE001
+            failure.append(exc)
+            ready.set()
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    assert ready.wait(60)
+    if failure:
+        raise failure[0]
+    try:
+        yield base[0]
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(60)
+        loop.close()
+    if failure:
+        raise failure[0]
+
+
+def expected_probs(features: torch.Tensor) -> torch.Tensor:
+    model = load("_model").make_server()._models[0]
+    with torch.no_grad():
+        result: torch.Tensor = model({"features": features[None]})["probs"][0]
+    return result
+
+
+@pytest.mark.parametrize(
+    ("module", "kind", "v2_prefix"),
+    [("starlette_app", "asgi", ""), ("fastapi_app", "asgi", None), ("aiohttp_app", "aiohttp", "/triton")],
+)
+def test_example_app_batches_its_own_route(module: str, kind: str, v2_prefix: str | None) -> None:
+    example = load(module)
+    app = example.make_app()
+    features = [torch.linspace(-1, 1, 16) * (i + 1) for i in range(24)]
+
+    async def call_all(base: str) -> list[dict[str, Any]]:
+        async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+            responses = await asyncio.gather(
+                *(http.post("/predict", json={"features": f.tolist()}) for f in features)
+            )
+            for response in responses:
+                assert response.status_code == 200, response.text
+            bad = await http.post("/predict", json={"features": [1.0, 2.0]})
+            assert bad.status_code in (400, 422)
+            if v2_prefix is not None:
+                meta = await http.get(f"{v2_prefix}/v2/models/scorer")
+                assert meta.status_code == 200
+                assert meta.json()["inputs"] == [
+                    {"name": "features", "datatype": "FP32", "shape": [-1, 16]}
+                ]
+                infer = await http.post(
+                    f"{v2_prefix}/v2/models/scorer/infer",
+                    json={
+                        "inputs": [
+                            {"name": "features", "datatype": "FP32", "shape": [1, 16], "data": features[0].tolist()}
+                        ]
+                    },
+                )
+                assert infer.status_code == 200, infer.text
+                torch.testing.assert_close(
+                    torch.tensor(infer.json()["outputs"][0]["data"]), expected_probs(features[0])
+                )
+            return [r.json() for r in responses]
+
+    server = app[example.SERVER] if kind == "aiohttp" else app.state.server
+    assert not server.running
+    with run_in_thread(app, kind) as base:
+        assert server.running  # started by the app's lifespan / cleanup_ctx
+        results = asyncio.run(call_all(base))
+    assert not server.running  # and stopped with it
+    assert server.stats()["requests_succeeded"] >= len(features)
+    for f, result in zip(features, results):
+        probs = expected_probs(f)
+        torch.testing.assert_close(torch.tensor(result["probs"]), probs)
+        assert result["label"] == int(probs.argmax())
