@@ -387,7 +387,16 @@ class Server:
                 batch = worker.next_batch()
                 if batch is None:
                     return
-                handoff.put((batch, executor.launch(self._slots[batch.slot], batch.rows)))
+                try:
+                    flight = executor.launch(self._slots[batch.slot], batch.rows)
+                except BaseException as exc:  # noqa: BLE001 - launch keeps model errors; not this
+                    flight = InFlight(batch.rows)
+                    flight.error = exc
+                    try:
+                        executor.stream.synchronize()  # nothing enqueued may still read the slot
+                    except BaseException:  # noqa: BLE001 - a broken context: nothing to wait on
+                        pass
+                handoff.put((batch, flight))
         except BaseException:  # noqa: BLE001 - other instances keep serving
             log.exception("ferrobatch: instance of model '%s' on %s stopped", self.name, executor.device)
         finally:
