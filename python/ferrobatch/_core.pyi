@@ -1,11 +1,12 @@
 """Type stubs for the Rust extension ``ferrobatch._core`` (checked by mypy.stubtest)."""
 
+import asyncio
 from collections.abc import Callable
 from typing import Any, final
 
 import torch
 
-__all__ = ["Batch", "Batcher", "Routes", "Ticket", "Worker"]
+__all__ = ["Batch", "Batcher", "LoopCounters", "Routes", "Ticket", "Worker", "__version__"]
 __version__: str
 
 @final
@@ -82,3 +83,20 @@ class Routes:
 
     def __len__(self) -> int: ...
     def entries(self) -> list[tuple[int, int, int]]: ...
+    def resolve(
+        self,
+        pending: dict[int, tuple[asyncio.Future[dict[str, Any]], Ticket, asyncio.TimerHandle | None, bool]],
+        rows: dict[str, tuple[torch.Tensor, ...]],
+        outputs: dict[str, torch.Tensor],
+        counters: LoopCounters,
+    ) -> None: ...
+
+@final
+class LoopCounters:
+    """Per-loop counters updated by the Rust fan-out."""
+
+    def __new__(cls) -> LoopCounters: ...
+    @property
+    def succeeded(self) -> int: ...
+    @property
+    def request_ns(self) -> int: ...

@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import Counter
-from time import perf_counter_ns
 from typing import Any
+
+import torch
 
 from . import _core
 from .errors import (
@@ -47,23 +48,10 @@ def failure_reason(exc: BaseException) -> str:
     return "model_error"
 
 
-class Pending:
-    """A request awaiting its result. The ticket keeps its inputs alive."""
-
-    __slots__ = ("future", "ticket", "timer", "batched", "started_ns")
-
-    def __init__(
-        self,
-        future: asyncio.Future[dict[str, Any]],
-        ticket: _core.Ticket,
-        timer: asyncio.TimerHandle | None,
-        batched: bool,
-    ) -> None:
-        self.future = future
-        self.ticket = ticket
-        self.timer = timer
-        self.batched = batched
-        self.started_ns = perf_counter_ns()
+# A pending request: (future, ticket, deadline timer or None, batched).
+# A plain tuple, because the Rust fan-out (Routes.resolve) reads it directly;
+# the ticket keeps the request's inputs alive until it is resolved or withdrawn.
+Pending = tuple[asyncio.Future[dict[str, Any]], _core.Ticket, asyncio.TimerHandle | None, bool]
 
 
 class LoopState:
@@ -72,9 +60,8 @@ class LoopState:
         self.loop_id = loop_id
         self.model_name = model_name
         self.pending: dict[int, Pending] = {}
-        self.succeeded = 0
+        self.counters = _core.LoopCounters()  # successes, counted by the Rust fan-out
         self.failed: Counter[str] = Counter()
-        self.request_ns = 0  # sum of submit-to-result times of succeeded requests
 
     # -- submit side (loop thread) -------------------------------------------------
 
@@ -88,10 +75,8 @@ class LoopState:
             raise
         future = self.loop.create_future()
         rid = ticket.id
-        timer = None
-        if timeout is not None:
-            timer = self.loop.call_later(timeout, self._expire, rid, timeout)
-        self.pending[rid] = Pending(future, ticket, timer, batched)
+        timer = None if timeout is None else self.loop.call_later(timeout, self._expire, rid, timeout)
+        self.pending[rid] = (future, ticket, timer, batched)
         return rid, future
 
     def cancel(self, rid: int) -> None:
@@ -99,20 +84,22 @@ class LoopState:
         p = self.pending.get(rid)
         if p is None:
             return
-        if p.timer is not None:
-            p.timer.cancel()
-        if p.ticket.withdraw("cancelled"):
+        future, ticket, timer, _ = p
+        if timer is not None:
+            timer.cancel()
+        if ticket.withdraw("cancelled"):
             del self.pending[rid]  # never runs: its inputs may go
         self.failed["cancelled"] += 1
 
     def _expire(self, rid: int, timeout: float) -> None:
         p = self.pending.get(rid)
-        if p is None or p.future.done():
+        if p is None or p[0].done():
             return
-        if p.ticket.withdraw("expired"):
+        future, ticket, _, _ = p
+        if ticket.withdraw("expired"):
             del self.pending[rid]
         # else: a batch took it; keep the ticket (and inputs) until it resolves.
-        p.future.set_exception(
+        future.set_exception(
             DeadlineExceededError(f"request to model '{self.model_name}' exceeded its {timeout}s timeout")
         )
         self.failed["deadline_exceeded"] += 1
@@ -122,58 +109,42 @@ class LoopState:
     def deliver(
         self,
         routes: _core.Routes,
-        outputs: dict[str, Any] | None,
-        rows: dict[str, tuple[Any, ...]] | None,
+        outputs: dict[str, torch.Tensor] | None,
+        rows: dict[str, tuple[torch.Tensor, ...]] | None,
         error: BaseException | None,
     ) -> None:
         """Called on a worker thread: one wake-up of this loop for the whole batch."""
         try:
-            self.loop.call_soon_threadsafe(self._resolve, routes, outputs, rows, error)
+            if error is None:
+                assert rows is not None and outputs is not None
+                self.loop.call_soon_threadsafe(routes.resolve, self.pending, rows, outputs, self.counters)
+            else:
+                self.loop.call_soon_threadsafe(self._fail_batch, routes, error)
         except RuntimeError:
             pass  # the loop is closed: nobody is left to await these requests
 
-    def _resolve(
-        self,
-        routes: _core.Routes,
-        outputs: dict[str, Any] | None,
-        rows: dict[str, tuple[Any, ...]] | None,
-        error: BaseException | None,
-    ) -> None:
-        pending = self.pending
-        now = perf_counter_ns()
-        for rid, start, n in routes.entries():
-            p = pending.pop(rid, None)
+    def _fail_batch(self, routes: _core.Routes, error: BaseException) -> None:
+        for rid, _, _ in routes.entries():
+            p = self.pending.pop(rid, None)
             if p is None:
                 continue
-            if p.timer is not None:
-                p.timer.cancel()
-            future = p.future
-            if future.done():
-                continue  # cancelled or past its deadline: already resolved
-            if error is not None:
+            future, _, timer, _ = p
+            if timer is not None:
+                timer.cancel()
+            if not future.done():
                 future.set_exception(_model_error(self.model_name, error))
                 self.failed["model_error"] += 1
-                continue
-            assert outputs is not None and rows is not None
-            if p.batched:
-                result = {name: out[start : start + n] for name, out in outputs.items()}
-            else:
-                result = {name: r[start] for name, r in rows.items()}
-            future.set_result(result)
-            self.succeeded += 1
-            self.request_ns += now - p.started_ns
 
     def fail_all(self, message: str) -> None:
         """Fails every request still pending with ServerClosedError (loop thread)."""
-        for rid, p in list(self.pending.items()):
-            never_runs = p.ticket.withdraw("closed")
-            if never_runs:
+        for rid, (future, ticket, timer, _) in list(self.pending.items()):
+            if ticket.withdraw("closed"):
                 del self.pending[rid]
-            if p.future.done():
+            if future.done():
                 continue
-            if p.timer is not None:
-                p.timer.cancel()
-            p.future.set_exception(ServerClosedError(message))
+            if timer is not None:
+                timer.cancel()
+            future.set_exception(ServerClosedError(message))
             self.failed["server_closed"] += 1
 
     def fail_all_threadsafe(self, message: str) -> None:

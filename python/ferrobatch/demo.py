@@ -46,7 +46,7 @@ def make_demo_server(
 
 
 async def _demo(callers: int, seconds: float, server: Server, width: int) -> dict[str, float]:
-    from tqdm import tqdm
+    from tqdm import tqdm  # type: ignore[import-untyped]
 
     latencies: list[float] = []
     async with server:

@@ -1,6 +1,7 @@
 //! The Python classes: `Batcher` (submit side), `Ticket` (one request),
 //! `Worker` (batch side), `Batch` and `Routes` (what a worker got).
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -9,7 +10,7 @@ use ferrobatch_core::{BatcherConfig, DType, DispatchRule, RequestState, Route, S
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyTuple, PyType};
+use pyo3::types::{PyDict, PyList, PySlice, PyTuple, PyType};
 
 use crate::errors::{invalid_input, to_pyerr};
 use crate::inputs::{Converter, InputSpec, Keep};
@@ -195,7 +196,7 @@ impl Batcher {
     /// Counters since start: batches, rows, requests, skipped_withdrawn,
     /// skipped_expired, queue_ns.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        use std::sync::atomic::Ordering::Relaxed;
+        use Ordering::Relaxed;
         let s = self.core.stats();
         let d = PyDict::new(py);
         d.set_item("batches", s.batches.load(Relaxed))?;
@@ -339,5 +340,101 @@ impl Routes {
             .map(|r| (r.id, r.start, r.rows).into_pyobject(py))
             .collect::<PyResult<Vec<_>>>()?;
         PyList::new(py, items)
+    }
+
+    /// Resolves this loop's requests of a successful batch, on the loop's thread.
+    ///
+    /// `pending` maps request id to `(future, ticket, timer | None, batched)`;
+    /// each entry found is removed, its timer cancelled and, unless its future
+    /// is already done (cancelled, past its deadline), its future gets
+    /// `{name: row}` (one-sample requests: `rows[name][first_row]`) or
+    /// `{name: outputs[name][first:first + n]}` (multi-row requests).
+    fn resolve(
+        &self,
+        py: Python<'_>,
+        pending: &Bound<'_, PyDict>,
+        rows: &Bound<'_, PyDict>,
+        outputs: &Bound<'_, PyDict>,
+        counters: &LoopCounters,
+    ) -> PyResult<()> {
+        let columns = rows
+            .iter()
+            .map(|(name, per_row)| {
+                let whole = outputs.get_item(&name)?.ok_or_else(|| {
+                    PyValueError::new_err(format!("output {name} has rows but no batch tensor"))
+                })?;
+                Ok((name, per_row.cast_into::<PyTuple>()?, whole))
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let (mut succeeded, mut request_ns) = (0u64, 0u64);
+        for route in self.routes.iter() {
+            let key = route.id.into_pyobject(py)?;
+            let Some(entry) = pending.get_item(&key)? else { continue };
+            pending.del_item(&key)?;
+            let entry = entry.cast_into::<PyTuple>()?;
+            let future = entry.get_item(0)?;
+            let timer = entry.get_item(2)?;
+            if !timer.is_none() {
+                timer.call_method0(intern!(py, "cancel"))?;
+            }
+            if future.call_method0(intern!(py, "done"))?.is_truthy()? {
+                continue;
+            }
+            let batched = entry.get_item(3)?.is_truthy()?;
+            let result = PyDict::new(py);
+            let built = columns.iter().try_for_each(|(name, per_row, whole)| {
+                let value = if batched {
+                    let end = (route.start + route.rows) as isize;
+                    whole.get_item(PySlice::new(py, route.start as isize, end, 1))?
+                } else {
+                    per_row.get_item(route.start as usize)?
+                };
+                result.set_item(name, value)
+            });
+            match built {
+                Ok(()) => {
+                    future.call_method1(intern!(py, "set_result"), (result,))?;
+                    succeeded += 1;
+                    if let Ok(ticket) = entry.get_item(1)?.cast::<Ticket>() {
+                        request_ns += ticket.get().request.enqueued_at.elapsed().as_nanos() as u64;
+                    }
+                }
+                // Never leave a caller hanging: hand it the error instead.
+                Err(err) => {
+                    future.call_method1(intern!(py, "set_exception"), (err.value(py),))?;
+                }
+            }
+        }
+        counters.succeeded.fetch_add(succeeded, Ordering::Relaxed);
+        counters.request_ns.fetch_add(request_ns, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+/// Per-loop counters the Rust fan-out updates (read from any thread).
+#[pyclass(frozen, module = "ferrobatch._core")]
+#[derive(Default)]
+pub struct LoopCounters {
+    succeeded: AtomicU64,
+    request_ns: AtomicU64,
+}
+
+#[pymethods]
+impl LoopCounters {
+    #[new]
+    fn new() -> LoopCounters {
+        LoopCounters::default()
+    }
+
+    /// Requests resolved with a result.
+    #[getter]
+    fn succeeded(&self) -> u64 {
+        self.succeeded.load(Ordering::Relaxed)
+    }
+
+    /// Sum over those requests of the time from submit to result, in nanoseconds.
+    #[getter]
+    fn request_ns(&self) -> u64 {
+        self.request_ns.load(Ordering::Relaxed)
     }
 }

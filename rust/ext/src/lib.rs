@@ -27,5 +27,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<batcher::Worker>()?;
     m.add_class::<batcher::Batch>()?;
     m.add_class::<batcher::Routes>()?;
+    m.add_class::<batcher::LoopCounters>()?;
     Ok(())
 }
