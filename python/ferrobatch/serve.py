@@ -154,6 +154,7 @@ async def serve(
                         lifespan="off",
                         log_level=config.log_level,
                         access_log=config.access_log,
+                        proxy_headers=False,  # bound to a known host; no X-Forwarded-* rewriting
                         timeout_graceful_shutdown=math.ceil(config.graceful_timeout),
                         http="httptools" if _has("httptools") else "h11",
                     )

@@ -13,6 +13,7 @@ from ..http.protocol import (
     MODEL_VERSION,
     ModelRepository,
     ProtocolError,
+    ServedModel,
     UnknownModelError,
     check_tensor_header,
     decode_bytes,
@@ -20,7 +21,6 @@ from ..http.protocol import (
     encode_bytes,
     error_message,
     error_status,
-    output_datatypes,
 )
 from ..server import Server
 from . import grpc_predict_v2_pb2 as pb
@@ -113,18 +113,18 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
         name = request.model_name
         try:
-            server = self.repository.get(name, request.model_version)
+            model = self.repository.model(name, request.model_version)
             inputs = _decode_inputs(request)
-            outputs = _requested_outputs(request, server)
+            outputs = _requested_outputs(request, model)
             timeout = _timeout(request.parameters, context)
-            results = await self.repository.infer(name, request.model_version, inputs, timeout)
+            results = await self.repository.infer(model, inputs, timeout)
         except Exception as exc:  # noqa: BLE001 - every failure becomes the call's status
             if error_status(exc) == 500 and not isinstance(exc, ProtocolError):
                 log.warning("model '%s': %s", name, error_message(exc))
             _fail(context, exc)
             return pb.ModelInferResponse()
-        response = pb.ModelInferResponse(model_name=server.name, model_version=MODEL_VERSION, id=request.id)
-        datatypes = output_datatypes(server)
+        response = pb.ModelInferResponse(model_name=name, model_version=MODEL_VERSION, id=request.id)
+        datatypes = model.output_types
         raw = response.raw_output_contents
         for out_name in outputs:
             tensor = results[out_name]
@@ -165,15 +165,16 @@ def _decode_inputs(request: pb.ModelInferRequest) -> dict[str, Any]:
     return inputs
 
 
-def _requested_outputs(request: pb.ModelInferRequest, server: Server) -> list[str]:
-    known = output_datatypes(server)
+def _requested_outputs(request: pb.ModelInferRequest, model: ServedModel) -> list[str]:
+    known = model.output_types
     if not request.outputs:
         return list(known)
     names = []
     for out in request.outputs:
         if out.name not in known:
             raise ProtocolError(
-                400, f"unknown output {out.name!r} for model '{server.name}'; outputs: {', '.join(known)}"
+                400,
+                f"unknown output {out.name!r} for model '{model.server.name}'; outputs: {', '.join(known)}",
             )
         if "classification" in out.parameters:
             raise ProtocolError(400, f"output '{out.name}': the classification extension is not supported")

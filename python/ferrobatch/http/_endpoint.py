@@ -23,8 +23,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from .. import metrics
 from ..server import Server
 from .protocol import (
+    MODEL_VERSION,
     ModelRepository,
     ProtocolError,
+    ServedModel,
     check_tensor_header,
     decode_bytes,
     decode_list,
@@ -32,7 +34,6 @@ from .protocol import (
     encode_list,
     error_message,
     error_status,
-    output_datatypes,
     timeout_from_parameters,
 )
 
@@ -67,6 +68,8 @@ def error_reply(exc: BaseException) -> Reply:
 
 
 _EMPTY_OK = Reply(200, b"", "text/plain")
+_decode_json = json.JSONDecoder().decode
+_encode_json = json.JSONEncoder(separators=(",", ":")).encode
 
 
 @dataclass(slots=True)
@@ -84,6 +87,9 @@ class Endpoint:
     def __init__(self, servers: Server | Iterable[Server] | ModelRepository) -> None:
         self.repository = servers if isinstance(servers, ModelRepository) else ModelRepository(servers)
         self.registry = metrics.registry(self.repository.servers)
+        self._prefixes = {
+            s.name: _json_prefixes(self.repository.model(s.name)) for s in self.repository.servers
+        }
 
     # -- health and metadata --------------------------------------------------------
 
@@ -130,19 +136,20 @@ class Endpoint:
     ) -> Reply:
         """``POST /v2/models/{name}[/versions/{version}]/infer``; never raises."""
         try:
-            server = self.repository.get(name, version)
-            body = _decompress(body, content_encoding)
-            request = _decode_request(body, header_length, server)
-            results = await self.repository.infer(name, version, request.inputs, request.timeout)
-            return _encode_response(server, request, results)
+            model = self.repository.model(name, version)
+            if content_encoding:
+                body = _decompress(body, content_encoding)
+            request = _decode_request(body, header_length, model)
+            results = await self.repository.infer(model, request.inputs, request.timeout)
+            return _encode_response(model, self._prefixes[name], request, results)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a reply
             if error_status(exc) == 500 and not isinstance(exc, ProtocolError):
                 log.warning("model '%s': %s", name, error_message(exc))
             return error_reply(exc)
 
 
-def _decompress(body: bytes, encoding: str | None) -> bytes:
-    if not encoding or encoding == "identity":
+def _decompress(body: bytes, encoding: str) -> bytes:
+    if encoding == "identity":
         return body
     try:
         if encoding == "gzip":
@@ -154,7 +161,7 @@ def _decompress(body: bytes, encoding: str | None) -> bytes:
     raise ProtocolError(400, f"unsupported Content-Encoding {encoding!r}; use gzip or deflate")
 
 
-def _decode_request(body: bytes, header_length: str | None, server: Server) -> _Request:
+def _decode_request(body: bytes, header_length: str | None, model: ServedModel) -> _Request:
     if header_length is None:
         header, binary = body, memoryview(b"")
     else:
@@ -170,7 +177,7 @@ def _decode_request(body: bytes, header_length: str | None, server: Server) -> _
             )
         header, binary = body[:length], memoryview(body)[length:]
     try:
-        document = json.loads(header)
+        document = _decode_json(header.decode())  # UTF-8, as RFC 8259 requires
     except (ValueError, UnicodeDecodeError) as exc:
         raise ProtocolError(400, f"malformed JSON in the request: {exc}") from None
     if not isinstance(document, dict):
@@ -222,14 +229,15 @@ def _decode_request(body: bytes, header_length: str | None, server: Server) -> _
     if raw_outputs is not None:
         if not isinstance(raw_outputs, list):
             raise ProtocolError(400, "'outputs' must be a list")
-        known = output_datatypes(server)
+        known = model.output_types
         outputs = []
         for raw in raw_outputs:
             out_name = raw.get("name") if isinstance(raw, dict) else None
             if not isinstance(out_name, str) or out_name not in known:
                 raise ProtocolError(
                     400,
-                    f"unknown output {out_name!r} for model '{server.name}'; outputs: {', '.join(known)}",
+                    f"unknown output {out_name!r} for model '{model.server.name}';"
+                    f" outputs: {', '.join(known)}",
                 )
             name = out_name
             out_params = _parameters(raw, f"output '{name}'")
@@ -251,28 +259,39 @@ def _parameters(document: Mapping[str, Any], what: str) -> Mapping[str, Any]:
     return parameters
 
 
-def _encode_response(server: Server, request: _Request, results: Mapping[str, torch.Tensor]) -> Reply:
-    datatypes = output_datatypes(server)
+def _encode_response(
+    model: ServedModel,
+    prefixes: dict[str, str],
+    request: _Request,
+    results: Mapping[str, torch.Tensor],
+) -> Reply:
+    # The JSON header is assembled from pre-encoded pieces: names and
+    # datatypes are fixed per model, so only shapes, sizes and data vary.
     selected = request.outputs
     if selected is None:
-        selected = [(name, request.binary_default) for name in datatypes]
-    entries: list[dict[str, Any]] = []
+        selected = [(name, request.binary_default) for name in model.output_types]
+    entries: list[str] = []
     blobs: list[bytes] = []
     for name, binary in selected:
         tensor = results[name]
-        entry: dict[str, Any] = {"name": name, "datatype": datatypes[name], "shape": list(tensor.shape)}
+        shape = ",".join(map(str, tensor.shape))
         if binary:
             raw = encode_bytes(tensor)
-            entry["parameters"] = {"binary_data_size": len(raw)}
             blobs.append(raw)
+            entries.append(f'{prefixes[name]}{shape}],"parameters":{{"binary_data_size":{len(raw)}}}}}')
         else:
-            entry["data"] = encode_list(tensor)
-        entries.append(entry)
-    document: dict[str, Any] = {"model_name": server.name, "model_version": "1"}
-    if request.request_id is not None:
-        document["id"] = request.request_id
-    document["outputs"] = entries
-    header = json.dumps(document, separators=(",", ":")).encode()
+            entries.append(f'{prefixes[name]}{shape}],"data":{_encode_json(encode_list(tensor))}}}')
+    request_id = "" if request.request_id is None else f',"id":{_encode_json(request.request_id)}'
+    header = f'{prefixes[""]}{request_id},"outputs":[{",".join(entries)}]}}'.encode()
     if not blobs:
         return Reply(200, header)
     return Reply(200, b"".join([header, *blobs]), _BINARY, len(header))
+
+
+def _json_prefixes(model: ServedModel) -> dict[str, str]:
+    """JSON openings of a response ("") and of each of its output entries."""
+    name = _encode_json(model.server.name)
+    prefixes = {"": f'{{"model_name":{name},"model_version":"{MODEL_VERSION}"'}
+    for output, datatype in model.output_types.items():
+        prefixes[output] = f'{{"name":{_encode_json(output)},"datatype":"{datatype}","shape":['
+    return prefixes

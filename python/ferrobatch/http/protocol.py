@@ -30,6 +30,7 @@ from ..errors import (
     QueueFullError,
     ServerClosedError,
 )
+from ..client import Client
 from ..server import Server
 from ..specs import TensorSpec
 
@@ -40,6 +41,7 @@ __all__ = [
     "InferInput",
     "ModelRepository",
     "ProtocolError",
+    "ServedModel",
     "UnknownModelError",
     "datatype_of",
     "decode_bytes",
@@ -127,6 +129,20 @@ def error_message(exc: BaseException) -> str:
 # -- the models served -----------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """One served :class:`~ferrobatch.Server` and what every request to it
+    needs, computed once: its client and its outputs' v2 datatypes."""
+
+    server: Server
+    client: Client
+    output_types: dict[str, str]  # output name -> v2 datatype, in spec order
+
+    @classmethod
+    def of(cls, server: Server) -> ServedModel:
+        return cls(server, server.client(), {s.name: datatype_of(s) for s in server.outputs})
+
+
 class ModelRepository:
     """The named :class:`~ferrobatch.Server` objects one endpoint serves.
 
@@ -138,19 +154,18 @@ class ModelRepository:
         listed = [servers] if isinstance(servers, Server) else list(servers)
         if not listed:
             raise ValueError("serve at least one Server")
-        self._models: dict[str, Server] = {}
+        self._models: dict[str, ServedModel] = {}
         for server in listed:
             if not isinstance(server, Server):
                 raise TypeError(f"expected ferrobatch.Server objects, got {type(server).__name__}")
             if server.name in self._models:
                 raise ValueError(f"two servers are named {server.name!r}; model names must be unique")
-            self._models[server.name] = server
-        self._clients = {name: s.client() for name, s in self._models.items()}
+            self._models[server.name] = ServedModel.of(server)
         self._closing = False
 
     @property
     def servers(self) -> list[Server]:
-        return list(self._models.values())
+        return [m.server for m in self._models.values()]
 
     def close(self) -> None:
         """Marks the endpoint as shutting down: not ready, new requests refused (503)."""
@@ -162,16 +177,20 @@ class ModelRepository:
 
     @property
     def ready(self) -> bool:
-        return not self._closing and all(s.running for s in self._models.values())
+        return not self._closing and all(m.server.running for m in self._models.values())
+
+    def model(self, name: str, version: str = "") -> ServedModel:
+        """Model ``name`` (``version``: "" or "1"); :class:`UnknownModelError` if unknown."""
+        model = self._models.get(name)
+        if model is None:
+            raise UnknownModelError(f"Request for unknown model: '{name}' is not found")
+        if version and version != MODEL_VERSION:
+            raise UnknownModelError(f"Request for unknown model: '{name}' version {version} is not found")
+        return model
 
     def get(self, name: str, version: str = "") -> Server:
         """The server for ``name`` (and ``version``: "" or "1"); 400 if unknown."""
-        server = self._models.get(name)
-        if server is None:
-            raise UnknownModelError(f"Request for unknown model: '{name}' is not found")
-        if version not in ("", MODEL_VERSION):
-            raise UnknownModelError(f"Request for unknown model: '{name}' version {version} is not found")
-        return server
+        return self.model(name, version).server
 
     def model_ready(self, name: str, version: str = "") -> bool:
         return not self._closing and self.get(name, version).running
@@ -221,13 +240,14 @@ class ModelRepository:
         }
 
     async def infer(
-        self, name: str, version: str, inputs: Mapping[str, Any], timeout: float | None
+        self, model: ServedModel, inputs: dict[str, Any], timeout: float | None
     ) -> dict[str, torch.Tensor]:
-        """Runs ``n`` rows through model ``name``; every output has leading dimension ``n``."""
-        server = self.get(name, version)
+        """Runs ``n`` rows through ``model``; every output has leading dimension ``n``."""
         if self._closing:
-            raise ServerClosedError(f"server is shutting down; model '{name}' takes no new requests")
-        return await self._clients[name].infer_batch(dict(inputs), timeout=timeout)
+            raise ServerClosedError(
+                f"server is shutting down; model '{model.server.name}' takes no new requests"
+            )
+        return await model.client.infer_batch(inputs, timeout=timeout)
 
 
 def _instance_kind(server: Server) -> str:
@@ -343,6 +363,3 @@ def encode_list(tensor: torch.Tensor) -> list[Any]:
     result: list[Any] = tensor.reshape(-1).tolist()
     return result
 
-
-def output_datatypes(server: Server) -> dict[str, str]:
-    return {s.name: datatype_of(s) for s in server.outputs}
