@@ -10,7 +10,7 @@ use ferrobatch_core::{BatcherConfig, DType, DispatchRule, RequestState, Route, S
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PySlice, PyTuple, PyType};
+use pyo3::types::{PyDict, PyList, PySlice, PyString, PyTuple, PyType};
 
 use crate::errors::{invalid_input, to_pyerr};
 use crate::inputs::{Converter, InputSpec, Keep};
@@ -55,7 +55,8 @@ impl Batcher {
             let dtype = DType::parse(&dtype)
                 .ok_or_else(|| PyValueError::new_err(format!("input '{name}': unknown dtype '{dtype}'")))?;
             let row_nbytes = shape.iter().product::<usize>() * dtype.itemsize();
-            specs.push(InputSpec { name, dtype, torch_dtype, shape, row_nbytes });
+            let key = PyString::intern(py, &name).unbind();
+            specs.push(InputSpec { name, key, dtype, torch_dtype, shape, row_nbytes });
         }
         let mut slot_tensors = Vec::new();
         let mut slot_buffers = Vec::with_capacity(slots.len());
@@ -117,7 +118,7 @@ impl Batcher {
         let mut keep = Vec::with_capacity(specs.len());
         let mut rows = None;
         for (index, spec) in specs.iter().enumerate() {
-            let Some(value) = inputs.get_item(spec.name.as_str())? else {
+            let Some(value) = inputs.get_item(spec.key.bind(py))? else {
                 return Err(invalid_input(py, format!("missing input '{}'", spec.name)));
             };
             let converted = self.converter.convert(py, index, &value, batched)?;

@@ -7,13 +7,15 @@ use ferrobatch_core::{DType, InputBytes};
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyTuple, PyType};
+use pyo3::types::{PyString, PyTuple, PyType};
 
 use crate::errors::invalid_input;
 
 /// One declared model input.
 pub(crate) struct InputSpec {
     pub name: String,
+    /// `name` as an interned Python string, for dict lookups without allocating.
+    pub key: Py<PyString>,
     pub dtype: DType,
     pub torch_dtype: Py<PyAny>,
     pub shape: Vec<usize>,
