@@ -1,0 +1,628 @@
+"""End-to-end: the same workload through several batching systems, in one run.
+
+C concurrent callers (asyncio tasks; threads for TorchRL) each await one
+request at a time until N requests are done; a request is ``{"x": float32[256]}``
+and the model ``identity`` or ``mlp`` (Linear 256->256, ReLU, Linear 256->256);
+``max_batch_size=64``; ``max_delay`` 1 ms or 0 (greedy). For every system and
+configuration it reports requests/s, p50 and p99 latency (submit to result, as
+the caller sees it), mean batch size, and whether every response equals the
+model's output for that request.
+
+Systems (see ``e2e_systems.py``): ferrobatch on the default event loop and on
+uvloop (if installed); the asyncio floor (bare futures resolved 64 at a time:
+an upper bound); a naive asyncio batcher; TorchRL's InferenceServer with its
+ThreadingTransport (if ``torchrl`` is installed).
+
+Output: JSON lines and a PNG plot under ``benches/results/``, a table on stdout
+(medians over ``--runs``; ratios are taken within each run, then the median),
+and the targets met or not.
+
+    python benches/python/bench_e2e.py                 # the full run (minutes)
+    python benches/python/bench_e2e.py --quick         # a smoke run (seconds)
+    python benches/python/bench_e2e.py --runs 3 --callers 1,512 --systems ferrobatch,floor,naive
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import e2e_systems as systems  # noqa: E402
+
+uvloop: Any
+try:
+    import uvloop
+except ImportError:  # optional: the `bench` extra
+    uvloop = None
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+ALL_SYSTEMS = ("ferrobatch", "ferrobatch-uvloop", "floor", "naive", "torchrl")
+LABELS = {
+    "ferrobatch": "ferrobatch",
+    "ferrobatch-uvloop": "ferrobatch (uvloop)",
+    "floor": "asyncio floor",
+    "naive": "naive asyncio batcher",
+    "torchrl": "torchrl InferenceServer",
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    model: str
+    max_delay: float
+    callers: int
+    requests: int
+
+
+@dataclass
+class Result:
+    run: int
+    system: str
+    model: str
+    max_delay: float | None  # None: the system has no delay setting (the floor)
+    callers: int
+    requests: int
+    seconds: float
+    requests_per_s: float
+    p50_us: float
+    p99_us: float
+    mean_batch_size: float
+    # CPU time per request: the whole process (every thread), and the event
+    # loop thread alone (None for thread-based callers). Unlike wall time these
+    # hold up when other processes compete for the CPUs.
+    cpu_us: float
+    loop_cpu_us: float | None
+    correct: bool
+    max_abs_error: float
+    kind: str = field(default="result")
+
+
+# -- driving one configuration --------------------------------------------------------
+
+
+class Workload:
+    """The inputs of one configuration and the model's output for each."""
+
+    def __init__(self, model: systems.Model, n: int, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, systems.FEATURES, generator=gen)
+        # One view per request, made before timing (indexing a tensor costs ~1 us).
+        self.rows = list(self.x.unbind(0))
+        self.expected = model({"x": self.x})["y"]
+
+    def check(self, outputs: list[Any], exact: bool) -> tuple[bool, float]:
+        """Every response against the model's output for its request. Exact for
+        the identity; for other models within float32 rounding, because batch
+        composition changes the order of the GEMM's sums."""
+        got = torch.stack([o["y"] for o in outputs])
+        err = float((got - self.expected).abs().max()) if got.numel() else 0.0
+        if exact:
+            return bool(torch.equal(got, self.expected)), err
+        return bool(torch.allclose(got, self.expected, rtol=1e-4, atol=1e-5)), err
+
+
+@dataclass
+class Drive:
+    """What driving one workload measured."""
+
+    seconds: float
+    latency_ns: list[int]
+    outputs: list[Any]
+    cpu_s: float  # process CPU time, every thread
+    loop_cpu_s: float | None  # CPU time of the event loop's thread
+
+
+async def drive_async(call: systems.AsyncCall, rows: list[torch.Tensor], callers: int) -> Drive:
+    """C tasks, each awaiting one request at a time, over ``rows`` (request i is
+    made by task i % C)."""
+    n = len(rows)
+    latency = [0] * n
+    outputs: list[Any] = [None] * n
+    clock = time.perf_counter_ns
+
+    async def caller(first: int) -> None:
+        for i in range(first, n, callers):
+            x = rows[i]
+            t0 = clock()
+            out = await call(x)
+            latency[i] = clock() - t0
+            outputs[i] = out
+
+    cpu, loop_cpu, started = time.process_time(), time.thread_time(), time.perf_counter()
+    await asyncio.gather(*(caller(k) for k in range(min(callers, n))))
+    seconds = time.perf_counter() - started
+    return Drive(
+        seconds, latency, outputs, time.process_time() - cpu, time.thread_time() - loop_cpu
+    )
+
+
+def drive_threads(call: systems.SyncCall, rows: list[torch.Tensor], callers: int) -> Drive:
+    """As ``drive_async``, with C threads released together by a barrier."""
+    n = len(rows)
+    latency = [0] * n
+    outputs: list[Any] = [None] * n
+    clock = time.perf_counter_ns
+    count = min(callers, n)
+    barrier = threading.Barrier(count + 1)
+
+    def caller(first: int) -> None:
+        barrier.wait()
+        for i in range(first, n, callers):
+            x = rows[i]
+            t0 = clock()
+            out = call(x)
+            latency[i] = clock() - t0
+            outputs[i] = out
+
+    threads = [threading.Thread(target=caller, args=(k,), daemon=True) for k in range(count)]
+    for t in threads:
+        t.start()
+    cpu = time.process_time()
+    barrier.wait()
+    started = time.perf_counter()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - started
+    return Drive(seconds, latency, outputs, time.process_time() - cpu, None)
+
+
+@contextlib.contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Moves every object alive now (the workload's tens of thousands of
+    tensors, earlier results) out of the garbage collector's sight while the
+    block runs, so collections triggered by the system under test cost what
+    they would in a service that holds no such heap."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def warmup_rows(work: Workload, callers: int) -> list[torch.Tensor]:
+    """Enough requests to start threads and touch every code path at this C."""
+    return work.rows[: min(len(work.rows), max(1_000, 4 * callers))]
+
+
+def run_async_system(
+    make: Callable[[], systems.AsyncSystem],
+    work: Workload,
+    callers: int,
+    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None,
+) -> tuple[Drive, float]:
+    async def main() -> tuple[Drive, float]:
+        system = make()
+        await system.start()
+        try:
+            await drive_async(system.call, warmup_rows(work, callers), callers)
+            system.reset_counters()
+            with frozen_heap():
+                drive = await drive_async(system.call, work.rows, callers)
+            return drive, system.mean_batch_size()
+        finally:
+            await system.stop()
+
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        return runner.run(main())
+
+
+def run_thread_system(
+    system: systems.TorchRL, work: Workload, callers: int
+) -> tuple[Drive, float]:
+    system.start()
+    try:
+        drive_threads(system.call, warmup_rows(work, callers), callers)
+        system.reset_counters()
+        with frozen_heap():
+            drive = drive_threads(system.call, work.rows, callers)
+        return drive, system.mean_batch_size()
+    finally:
+        system.stop()
+
+
+def measure(system: str, cfg: Config, model: systems.Model, work: Workload, run: int) -> Result:
+    if system in ("ferrobatch", "ferrobatch-uvloop"):
+        factory = uvloop.new_event_loop if system == "ferrobatch-uvloop" and uvloop else None
+        out = run_async_system(
+            lambda: systems.Ferrobatch(model, cfg.max_delay), work, cfg.callers, factory
+        )
+    elif system == "floor":
+        out = run_async_system(
+            lambda: systems.AsyncioFloor(model, identity=cfg.model == "identity"),
+            work,
+            cfg.callers,
+            None,
+        )
+    elif system == "naive":
+        out = run_async_system(
+            lambda: systems.NaiveBatcher(model, cfg.max_delay), work, cfg.callers, None
+        )
+    elif system == "torchrl":
+        out = run_thread_system(systems.TorchRL(model, cfg.max_delay), work, cfg.callers)
+    else:
+        raise ValueError(f"unknown system {system!r}")
+    drive, batch = out
+    n = len(work.rows)
+    correct, err = work.check(drive.outputs, exact=cfg.model == "identity")
+    p50, p99 = np.percentile(np.asarray(drive.latency_ns, dtype=np.float64), [50, 99]) / 1e3
+    return Result(
+        run=run,
+        system=system,
+        model=cfg.model,
+        max_delay=None if system == "floor" else cfg.max_delay,
+        callers=cfg.callers,
+        requests=n,
+        seconds=drive.seconds,
+        requests_per_s=n / drive.seconds,
+        p50_us=float(p50),
+        p99_us=float(p99),
+        mean_batch_size=batch,
+        cpu_us=drive.cpu_s / n * 1e6,
+        loop_cpu_us=None if drive.loop_cpu_s is None else drive.loop_cpu_s / n * 1e6,
+        correct=correct,
+        max_abs_error=err,
+    )
+
+
+# -- the plan ----------------------------------------------------------------------------
+
+
+def plan(args: argparse.Namespace) -> Iterator[tuple[str, Config]]:
+    """Every (system, configuration) of one run. The floor has no delay
+    setting, so it runs once per model and C (with the first delay)."""
+    for model in args.models:
+        for delay in args.delays:
+            for callers in args.callers:
+                n = args.requests_c1 if callers == 1 else args.requests
+                cfg = Config(model, delay, callers, n)
+                for system in args.systems:
+                    if system == "floor" and delay != args.delays[0]:
+                        continue
+                    yield system, cfg
+
+
+# -- reporting ----------------------------------------------------------------------------
+
+
+def key(r: dict[str, Any]) -> tuple[str, float | None, int, str]:
+    return (r["model"], r["max_delay"], r["callers"], r["system"])
+
+
+def median_table(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (model, delay, C, system): the median of each figure over runs."""
+    groups: dict[tuple[str, float | None, int, str], list[dict[str, Any]]] = {}
+    for r in results:
+        groups.setdefault(key(r), []).append(r)
+    rows = []
+    for (model, delay, callers, system), rs in groups.items():
+        rows.append(
+            {
+                "kind": "median",
+                "model": model,
+                "max_delay": delay,
+                "callers": callers,
+                "system": system,
+                "runs": len(rs),
+                "requests_per_s": statistics.median(r["requests_per_s"] for r in rs),
+                "p50_us": statistics.median(r["p50_us"] for r in rs),
+                "p99_us": statistics.median(r["p99_us"] for r in rs),
+                "mean_batch_size": statistics.median(r["mean_batch_size"] for r in rs),
+                "cpu_us": statistics.median(r["cpu_us"] for r in rs),
+                "loop_cpu_us": (
+                    None
+                    if rs[0]["loop_cpu_us"] is None
+                    else statistics.median(r["loop_cpu_us"] for r in rs)
+                ),
+                "correct": all(r["correct"] for r in rs),
+            }
+        )
+    return rows
+
+
+def find(
+    results: list[dict[str, Any]], run: int, system: str, model: str, delay: float, callers: int
+) -> dict[str, Any] | None:
+    for r in results:
+        if (
+            r["run"] == run
+            and r["system"] == system
+            and r["model"] == model
+            and r["callers"] == callers
+            and (r["max_delay"] == delay or r["max_delay"] is None)
+        ):
+            return r
+    return None
+
+
+def ratio(
+    results: list[dict[str, Any]], runs: int, a: str, b: str, model: str, delay: float, callers: int
+) -> float | None:
+    """Median over runs of (a's requests/s) / (b's requests/s) within the run."""
+    found = []
+    for run in range(runs):
+        ra = find(results, run, a, model, delay, callers)
+        rb = find(results, run, b, model, delay, callers)
+        if ra and rb:
+            found.append(ra["requests_per_s"] / rb["requests_per_s"])
+    return statistics.median(found) if found else None
+
+
+def fmt_delay(delay: float | None) -> str:
+    if delay is None:
+        return "-"
+    return "greedy" if delay == 0 else f"{delay * 1e3:g} ms"
+
+
+def print_table(medians: list[dict[str, Any]], order: list[str], delays: list[float]) -> None:
+    header = (
+        f"{'model':<9} {'max_delay':<9} {'C':>4}  {'system':<24} {'req/s':>9} "
+        f"{'p50 us':>8} {'p99 us':>8} {'batch':>6} {'cpu us':>7} {'loop us':>7}  ok"
+    )
+    print(header)
+    print("-" * len(header))
+    rank = {s: i for i, s in enumerate(order)}
+
+    def group(m: dict[str, Any]) -> tuple[str, int, int]:
+        # The floor has no delay: it is listed with the first delay of the plan.
+        delay = delays[0] if m["max_delay"] is None else m["max_delay"]
+        return (m["model"], delays.index(delay), m["callers"])
+
+    last = None
+    for m in sorted(medians, key=lambda m: (group(m), rank[m["system"]])):
+        if last is not None and group(m) != last:
+            print()
+        last = group(m)
+        loop_cpu = "-" if m["loop_cpu_us"] is None else f"{m['loop_cpu_us']:.1f}"
+        print(
+            f"{m['model']:<9} {fmt_delay(m['max_delay']):<9} {m['callers']:>4}  "
+            f"{LABELS[m['system']]:<24} {m['requests_per_s']:>9,.0f} {m['p50_us']:>8,.0f} "
+            f"{m['p99_us']:>8,.0f} {m['mean_batch_size']:>6.1f} {m['cpu_us']:>7.1f} "
+            f"{loop_cpu:>7}  {'yes' if m['correct'] else 'NO'}"
+        )
+    print(
+        "\nreq/s: requests per second; p50/p99: latency from the call to its result;"
+        " batch: mean rows per model call;\ncpu us: process CPU time per request (every"
+        " thread); loop us: CPU time of the event-loop thread per request;\nok: every"
+        " response equals the model's output for its request."
+    )
+
+
+def targets(results: list[dict[str, Any]], medians: list[dict[str, Any]], runs: int) -> list[dict[str, Any]]:
+    """The targets of the end-to-end bench, each with its measured figure."""
+
+    def med(system: str, model: str, delay: float, callers: int) -> dict[str, Any] | None:
+        for m in medians:
+            if (m["system"], m["model"], m["callers"]) == (system, model, callers) and m[
+                "max_delay"
+            ] == delay:
+                return m
+        return None
+
+    checks: list[dict[str, Any]] = []
+
+    def add(name: str, value: float | None, goal: float, at_least: bool, unit: str) -> None:
+        met = None if value is None else (value >= goal if at_least else value <= goal)
+        checks.append(
+            {"kind": "target", "target": name, "value": value, "goal": goal,
+             "at_least": at_least, "unit": unit, "met": met}
+        )
+
+    add("identity C=512 1ms: ferrobatch / asyncio floor",
+        ratio(results, runs, "ferrobatch", "floor", "identity", 0.001, 512), 0.6, True, "x")
+    add("identity C=512 1ms: ferrobatch / naive batcher",
+        ratio(results, runs, "ferrobatch", "naive", "identity", 0.001, 512), 4.0, True, "x")
+    m = med("ferrobatch", "identity", 0.001, 512)
+    add("identity C=512 1ms: ferrobatch p99", m["p99_us"] if m else None, 2000.0, False, "us")
+    for delay in (0.001, 0.0):
+        add(f"mlp C=512 {fmt_delay(delay)}: ferrobatch / naive batcher",
+            ratio(results, runs, "ferrobatch", "naive", "mlp", delay, 512), 2.0, True, "x")
+    for model in ("identity", "mlp"):
+        m = med("ferrobatch", model, 0.0, 1)
+        add(f"{model} C=1 greedy: ferrobatch p50", m["p50_us"] if m else None, 60.0, False, "us")
+    return checks
+
+
+def print_ratios(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    others = [s for s in ("floor", "naive", "torchrl", "ferrobatch-uvloop") if s in args.systems]
+    if "ferrobatch" not in args.systems or not others:
+        return
+    print("\nferrobatch throughput / other system's (median over runs of in-run ratios)")
+    print(f"{'model':<9} {'max_delay':<9} {'C':>4}  " + " ".join(f"{LABELS[s]:>24}" for s in others))
+    for model in args.models:
+        for delay in args.delays:
+            for callers in args.callers:
+                cells = []
+                for s in others:
+                    r = ratio(results, args.runs, "ferrobatch", s, model, delay, callers)
+                    cells.append(f"{'-' if r is None else f'{r:.2f}x':>24}")
+                print(f"{model:<9} {fmt_delay(delay):<9} {callers:>4}  " + " ".join(cells))
+
+
+def plot(medians: list[dict[str, Any]], args: argparse.Namespace, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+        return False
+    panels = [(m, d) for m in args.models for d in args.delays]
+    fig, axes = plt.subplots(len(panels), 2, figsize=(11, 3.2 * len(panels)), squeeze=False)
+    for row, (model, delay) in enumerate(panels):
+        ax_t, ax_p = axes[row]
+        for system in args.systems:
+            pts = sorted(
+                (m["callers"], m["requests_per_s"], m["p99_us"])
+                for m in medians
+                if m["system"] == system
+                and m["model"] == model
+                and (m["max_delay"] == delay or m["max_delay"] is None)
+            )
+            if not pts:
+                continue
+            cs = [p[0] for p in pts]
+            ax_t.plot(cs, [p[1] for p in pts], marker="o", label=LABELS[system])
+            ax_p.plot(cs, [p[2] / 1e3 for p in pts], marker="o", label=LABELS[system])
+        for ax, ylabel in ((ax_t, "requests/s"), (ax_p, "p99 latency (ms)")):
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("concurrent callers")
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"{model}, max_delay {fmt_delay(delay)}")
+            ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"ferrobatch end to end ({os.cpu_count()} CPUs, median of {args.runs} run(s))")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# -- main ---------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    def csv(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
+        return lambda text: [kind(v) for v in text.split(",") if v]
+
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run: 5,000 requests (1,000 at C=1), one run")
+    p.add_argument("--requests", type=int, default=50_000, help="requests per configuration")
+    p.add_argument("--requests-c1", type=int, default=None,
+                   help="requests at C=1 (default: --requests / 10)")
+    p.add_argument("--callers", type=csv(int), default=[1, 64, 512], help="e.g. 1,64,512")
+    p.add_argument("--models", type=csv(str), default=["identity", "mlp"], help="identity,mlp")
+    p.add_argument("--delays", type=csv(float), default=[0.001, 0.0],
+                   help="max_delay values in seconds, e.g. 0.001,0")
+    p.add_argument("--systems", type=csv(str), default=list(ALL_SYSTEMS),
+                   help=f"any of {','.join(ALL_SYSTEMS)}")
+    p.add_argument("--runs", type=int, default=1,
+                   help="repeat the whole plan; figures are medians, ratios taken within runs")
+    p.add_argument("--out", type=Path, default=None,
+                   help="output prefix (default benches/results/e2e-<UTC time>)")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--torch-threads", type=int, default=1,
+                   help="torch intra-op threads (default 1: on a small machine the event loop and"
+                        " the model thread each need a core, and intra-op threads that lose their"
+                        " core stall every model call; 0: torch's default)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.requests = 5_000
+        args.requests_c1 = args.requests_c1 or 1_000
+    if args.requests_c1 is None:
+        args.requests_c1 = max(1, args.requests // 10)
+    unknown = set(args.systems) - set(ALL_SYSTEMS)
+    if unknown:
+        p.error(f"unknown systems {sorted(unknown)}; choose from {','.join(ALL_SYSTEMS)}")
+    skipped = []
+    if "ferrobatch-uvloop" in args.systems and uvloop is None:
+        skipped.append("ferrobatch-uvloop (uvloop is not installed)")
+    if "torchrl" in args.systems and not systems.torchrl_available():
+        skipped.append("torchrl (torchrl is not installed: pip install torchrl)")
+    for s in skipped:
+        print(f"skipping {s}", file=sys.stderr)
+        args.systems.remove(s.split()[0])
+    for m in args.models:
+        if m not in ("identity", "mlp"):
+            p.error(f"unknown model {m!r}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
+    stamp = dt.datetime.now(dt.timezone.utc)
+    prefix = args.out or RESULTS / f"e2e-{stamp:%Y%m%d-%H%M%S}"
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    jsonl = prefix.with_suffix(".jsonl")
+    meta = {
+        "kind": "meta",
+        "command": " ".join(["python", "benches/python/bench_e2e.py", *(argv or sys.argv[1:])]),
+        "date": stamp.isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "uvloop": getattr(uvloop, "__version__", None),
+        "systems": args.systems,
+        "max_batch_size": systems.MAX_BATCH_SIZE,
+    }
+    models = {m: systems.make_model(m) for m in args.models}
+    cells = [c for _ in range(args.runs) for c in plan(args)]
+    results: list[dict[str, Any]] = []
+    workloads: dict[tuple[str, int], Workload] = {}
+    with jsonl.open("w") as out:
+        out.write(json.dumps(meta) + "\n")
+        bar = tqdm(total=len(cells), unit="cfg", desc="bench_e2e", file=sys.stderr)
+        for run in range(args.runs):
+            for system, cfg in plan(args):
+                wkey = (cfg.model, cfg.requests)
+                if wkey not in workloads:
+                    workloads[wkey] = Workload(models[cfg.model], cfg.requests, seed=cfg.requests)
+                bar.set_postfix_str(
+                    f"run {run + 1} {system} {cfg.model} {fmt_delay(cfg.max_delay)} C={cfg.callers}"
+                )
+                r = asdict(measure(system, cfg, models[cfg.model], workloads[wkey], run))
+                results.append(r)
+                out.write(json.dumps(r) + "\n")
+                out.flush()
+                bar.update()
+        bar.close()
+        medians = median_table(results)
+        checks = targets(results, medians, args.runs)
+        for row in (*medians, *checks):
+            out.write(json.dumps(row) + "\n")
+
+    print(f"\n{meta['command']}  ({meta['date']}, {meta['cpus']} CPUs, torch {meta['torch']}, "
+          f"python {meta['python']}; medians of {args.runs} run(s))\n")
+    print_table(medians, [s for s in ALL_SYSTEMS if s in args.systems], args.delays)
+    print_ratios(results, args)
+    print("\ntargets")
+    for c in checks:
+        if c["value"] is None:
+            status, value = "n/a", "-"
+        else:
+            status = "met" if c["met"] else "NOT MET"
+            value = f"{c['value']:.2f}{c['unit']}" if c["unit"] == "x" else f"{c['value']:,.0f} us"
+        bound = ">=" if c["at_least"] else "<="
+        print(f"  {c['target']:<48} {value:>10}  ({bound} {c['goal']:g}{c['unit']})  {status}")
+    print(f"\nresults: {jsonl}")
+    if not args.no_plot:
+        png = prefix.with_suffix(".png")
+        if plot(medians, args, png):
+            print(f"plot:    {png}")
+    wrong = [r for r in results if not r["correct"]]
+    if wrong:
+        print(f"\n{len(wrong)} configuration(s) returned wrong responses", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
