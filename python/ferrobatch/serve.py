@@ -94,6 +94,12 @@ class ServeConfig:
     graceful_timeout: float = 30.0
     log_level: str = "info"
     access_log: bool = False
+    #: ``sys.setswitchinterval`` for the process, set by :func:`run` only (None:
+    #: leave it). A model's worker thread takes the GIL back after every torch
+    #: op; under load the event-loop thread holds it for up to this long each
+    #: time, so Python's 5 ms default stretches a small model's call to tens
+    #: of milliseconds.
+    switch_interval: float | None = 0.001
 
 
 @dataclass(frozen=True)
@@ -332,6 +338,8 @@ def run(
     """Blocking :func:`serve` on a fresh event loop (uvloop when installed and
     ``loop`` is "auto" or "uvloop"). Returns the process exit status."""
     config = config or ServeConfig()
+    if config.switch_interval is not None:
+        sys.setswitchinterval(config.switch_interval)
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -367,6 +375,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
     parser.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"])
+    parser.add_argument(
+        "--switch-interval",
+        type=float,
+        default=0.001,
+        help="the interpreter's GIL switch interval in seconds (default 0.001; 0: Python's own)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -391,5 +405,6 @@ def main(args: argparse.Namespace) -> int:
         graceful_timeout=args.graceful_timeout,
         log_level=args.log_level,
         access_log=args.access_log,
+        switch_interval=args.switch_interval or None,
     )
     return run(servers, config, loop=args.loop)
