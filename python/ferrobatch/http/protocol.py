@@ -146,7 +146,8 @@ class ServedModel:
 class ModelRepository:
     """The named :class:`~ferrobatch.Server` objects one endpoint serves.
 
-    Ready when every server is running and :meth:`close` was not called.
+    Ready when every server is ready (started and warmed up) and :meth:`close`
+    was not called.
     The servers' lifecycle belongs to whoever started them.
     """
 
@@ -177,7 +178,7 @@ class ModelRepository:
 
     @property
     def ready(self) -> bool:
-        return not self._closing and all(m.server.running for m in self._models.values())
+        return not self._closing and all(m.server.ready for m in self._models.values())
 
     def model(self, name: str, version: str = "") -> ServedModel:
         """Model ``name`` (``version``: "" or "1"); :class:`UnknownModelError` if unknown."""
@@ -193,7 +194,7 @@ class ModelRepository:
         return self.model(name, version).server
 
     def model_ready(self, name: str, version: str = "") -> bool:
-        return not self._closing and self.get(name, version).running
+        return not self._closing and self.get(name, version).ready
 
     def server_metadata(self) -> dict[str, Any]:
         return {"name": "ferrobatch", "version": __version__, "extensions": list(EXTENSIONS)}
