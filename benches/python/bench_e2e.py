@@ -33,6 +33,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -48,6 +49,8 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import e2e_systems as systems  # noqa: E402
+
+import ferrobatch as fb  # noqa: E402
 
 uvloop: Any
 try:
@@ -487,14 +490,16 @@ def plot(medians: list[dict[str, Any]], args: argparse.Namespace, path: Path) ->
             ax_p.plot(cs, [p[2] / 1e3 for p in pts], marker="o", label=LABELS[system])
         for ax, ylabel in ((ax_t, "requests/s"), (ax_p, "p99 latency (ms)")):
             ax.set_xscale("log", base=2)
+            ax.set_xticks(args.callers, [str(c) for c in args.callers])
             ax.set_yscale("log")
             ax.set_xlabel("concurrent callers")
             ax.set_ylabel(ylabel)
             ax.set_title(f"{model}, max_delay {fmt_delay(delay)}")
             ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend(fontsize=8)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
     fig.suptitle(f"ferrobatch end to end ({os.cpu_count()} CPUs, median of {args.runs} run(s))")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
@@ -525,6 +530,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None,
                    help="output prefix (default benches/results/e2e-<UTC time>)")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--report", type=Path, default=None, metavar="RESULTS.jsonl",
+                   help="run nothing: print the table and redraw the plot of an earlier run")
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch intra-op threads (default 1: on a small machine the event loop and"
                         " the model thread each need a core, and intra-op threads that lose their"
@@ -552,18 +559,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.torch_threads > 0:
-        torch.set_num_threads(args.torch_threads)
+def ferrobatch_commit() -> str | None:
+    """The git commit of the ferrobatch under test, if it runs from a checkout."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(str(fb.__file__)).parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def run_plan(args: argparse.Namespace, argv: list[str], jsonl: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Runs every (system, configuration) ``args.runs`` times, writing each
+    result to ``jsonl`` as it comes."""
     stamp = dt.datetime.now(dt.timezone.utc)
-    prefix = args.out or RESULTS / f"e2e-{stamp:%Y%m%d-%H%M%S}"
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    jsonl = prefix.with_suffix(".jsonl")
     meta = {
         "kind": "meta",
-        "command": " ".join(["python", "benches/python/bench_e2e.py", *(argv or sys.argv[1:])]),
+        "command": " ".join(["python", "benches/python/bench_e2e.py", *argv]),
         "date": stamp.isoformat(timespec="seconds"),
+        "ferrobatch_commit": ferrobatch_commit(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
@@ -571,6 +590,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": platform.machine(),
         "uvloop": getattr(uvloop, "__version__", None),
         "systems": args.systems,
+        "runs": args.runs,
         "max_batch_size": systems.MAX_BATCH_SIZE,
     }
     models = {m: systems.make_model(m) for m in args.models}
@@ -595,16 +615,37 @@ def main(argv: list[str] | None = None) -> int:
                 bar.update()
         bar.close()
         medians = median_table(results)
-        checks = targets(results, medians, args.runs)
-        for row in (*medians, *checks):
+        for row in (*medians, *targets(results, medians, args.runs)):
             out.write(json.dumps(row) + "\n")
+    return meta, results
 
-    print(f"\n{meta['command']}  ({meta['date']}, {meta['cpus']} CPUs, torch {meta['torch']}, "
-          f"python {meta['python']}; medians of {args.runs} run(s))\n")
+
+def load(path: Path, args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The meta line and results of an earlier run; sets the plan's axes in
+    ``args`` from what the file holds."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    meta = next(r for r in rows if r["kind"] == "meta")
+    results = [r for r in rows if r["kind"] == "result"]
+    args.systems = [s for s in ALL_SYSTEMS if any(r["system"] == s for r in results)]
+    args.models = [m for m in ("identity", "mlp") if any(r["model"] == m for r in results)]
+    args.callers = sorted({r["callers"] for r in results})
+    delays = {r["max_delay"] for r in results if r["max_delay"] is not None}
+    args.delays = sorted(delays, reverse=True)
+    args.runs = max(r["run"] for r in results) + 1
+    return meta, results
+
+
+def report(meta: dict[str, Any], results: list[dict[str, Any]], args: argparse.Namespace, prefix: Path) -> int:
+    """The table, the in-run ratios, the targets, and the plot next to ``prefix``."""
+    medians = median_table(results)
+    commit = f"ferrobatch {meta['ferrobatch_commit']}, " if meta.get("ferrobatch_commit") else ""
+    print(f"\n{meta['command']}\n({meta['date']}, {commit}{meta['cpus']} CPUs, "
+          f"torch {meta['torch']} with {meta['torch_threads']} thread(s), python {meta['python']};"
+          f" medians of {args.runs} run(s))\n")
     print_table(medians, [s for s in ALL_SYSTEMS if s in args.systems], args.delays)
     print_ratios(results, args)
     print("\ntargets")
-    for c in checks:
+    for c in targets(results, medians, args.runs):
         if c["value"] is None:
             status, value = "n/a", "-"
         else:
@@ -612,7 +653,7 @@ def main(argv: list[str] | None = None) -> int:
             value = f"{c['value']:.2f}{c['unit']}" if c["unit"] == "x" else f"{c['value']:,.0f} us"
         bound = ">=" if c["at_least"] else "<="
         print(f"  {c['target']:<48} {value:>10}  ({bound} {c['goal']:g}{c['unit']})  {status}")
-    print(f"\nresults: {jsonl}")
+    print(f"\nresults: {prefix.with_suffix('.jsonl')}")
     if not args.no_plot:
         png = prefix.with_suffix(".png")
         if plot(medians, args, png):
@@ -622,6 +663,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{len(wrong)} configuration(s) returned wrong responses", file=sys.stderr)
         return 1
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.report:
+        meta, results = load(args.report, args)
+        return report(meta, results, args, args.report.with_suffix(""))
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
+    stamp = dt.datetime.now(dt.timezone.utc)
+    prefix = args.out or RESULTS / f"e2e-{stamp:%Y%m%d-%H%M%S}"
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    meta, results = run_plan(args, argv, prefix.with_suffix(".jsonl"))
+    return report(meta, results, args, prefix)
 
 
 if __name__ == "__main__":
