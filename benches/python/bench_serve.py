@@ -20,7 +20,12 @@ The callers run in ``--client-procs`` processes (C split between them) so the
 client is less of a bottleneck; on a small machine clients and server share
 the cores, the same for every server.
 
-Output: a table on stdout, JSON lines under ``benches/results/``.
+The servers take turns case by case over ``--runs`` repetitions (so a busy
+machine affects them alike); the table shows the medians. Besides req/s and
+latency it shows the server's CPU time per request (its process tree, in the
+measured window), which does not depend on how fast the client is.
+
+Output: a table on stdout, JSON lines (every run) under ``benches/results/``.
 
     python benches/python/bench_serve.py
     python benches/python/bench_serve.py --pytriton-python /path/to/venv/bin/python
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import multiprocessing as mp
@@ -40,13 +46,14 @@ import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -426,6 +433,23 @@ def measure(endpoint: Endpoint, protocol: str, model: str, callers: int, args: a
 # -- reporting ---------------------------------------------------------------------------------
 
 
+def medians(results: list[Result]) -> list[Result]:
+    """One result per case: the median of each figure over the runs."""
+    cases: dict[tuple[str, str, str, int], list[Result]] = {}
+    for r in results:
+        cases.setdefault((r.server, r.protocol, r.model, r.callers), []).append(r)
+    merged = []
+    for runs in cases.values():
+        first = runs[0]
+        figures = {
+            f: statistics.median(getattr(r, f) for r in runs)
+            for f in ("rps", "p50_ms", "p99_ms", "mean_batch", "server_cpu_us")
+        }
+        errors = sum(r.errors for r in runs)
+        merged.append(replace(first, **figures, errors=errors, requests=sum(r.requests for r in runs)))
+    return merged
+
+
 def print_table(results: list[Result]) -> None:
     header = (
         f"{'server':<11}{'proto':<6}{'model':<9}{'C':>5}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}"
@@ -470,6 +494,7 @@ def main() -> int:
     parser.add_argument("--servers", default="ferrobatch,pytriton")
     parser.add_argument("--seconds", type=float, default=5.0, help="measured seconds per case (default 5)")
     parser.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds first (default 2)")
+    parser.add_argument("--runs", type=int, default=3, help="repetitions; the table shows medians (default 3)")
     parser.add_argument("--client-procs", type=int, default=max(1, min(4, (os.cpu_count() or 2) // 2)))
     parser.add_argument("--pytriton-python", help="interpreter with nvidia-pytriton (default: this one)")
     parser.add_argument(
@@ -490,7 +515,7 @@ def main() -> int:
         run_pytriton(args.http_port, args.grpc_port, args.metrics_port)
         return 0
     if args.quick:
-        args.callers, args.seconds, args.warmup = "1,64", 1.0, 0.5
+        args.callers, args.seconds, args.warmup, args.runs = "1,64", 1.0, 0.5, 1
 
     os.environ["BENCH_TORCH_THREADS"] = str(args.torch_threads)  # inherited by the servers
     callers = [int(c) for c in args.callers.split(",")]
@@ -513,33 +538,37 @@ def main() -> int:
 
     results: list[Result] = []
     jsonl = prefix.with_suffix(".jsonl")
-    with jsonl.open("w") as out:
+    with contextlib.ExitStack() as stack, jsonl.open("w") as out:
+        endpoints = []
         for server in servers:
             if server == "pytriton":
                 python = pytriton_python(args.pytriton_python)
                 if python is None:
                     print("# pytriton: skipped (nvidia-pytriton is not importable; see --pytriton-python)")
                     continue
-                context = pytriton_server(python, logs / "pytriton.log")
+                endpoints.append(stack.enter_context(pytriton_server(python, logs / "pytriton.log")))
             elif server == "ferrobatch":
-                context = ferrobatch_server(logs / "ferrobatch.log")
+                endpoints.append(stack.enter_context(ferrobatch_server(logs / "ferrobatch.log")))
             else:
                 parser.error(f"unknown server {server!r}")
-            with context as endpoint:
-                for protocol in protocols:
-                    for model in models:
-                        for c in callers:
+        # Servers take turns case by case, so a noisy machine affects them alike.
+        for run in range(args.runs):
+            for protocol in protocols:
+                for model in models:
+                    for c in callers:
+                        for endpoint in endpoints:
                             r = measure(endpoint, protocol, model, c, args)
                             results.append(r)
-                            out.write(json.dumps({**meta, **asdict(r)}) + "\n")
+                            out.write(json.dumps({**meta, "run": run, **asdict(r)}) + "\n")
                             out.flush()
                             print(
-                                f"  {r.server} {r.protocol} {r.model} C={r.callers}: {r.rps:.0f} req/s,"
+                                f"  [{run}] {r.server} {r.protocol} {r.model} C={r.callers}: {r.rps:.0f} req/s,"
                                 f" p50 {r.p50_ms:.2f} ms, p99 {r.p99_ms:.2f} ms, batch {r.mean_batch:.1f},"
                                 f" server CPU {r.server_cpu_us:.0f} us/request,"
                                 f" errors {r.errors}" + (f" ({r.first_error})" if r.first_error else ""),
                                 flush=True,
                             )
+    results = medians(results)
     print()
     print_table(results)
     print_ratios(results)
