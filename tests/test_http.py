@@ -608,3 +608,22 @@ def test_two_servers_with_one_name_are_refused() -> None:
     b = fb.Server(double, inputs=[X], outputs=[Y], name="same")
     with pytest.raises(ValueError, match="unique"):
         starlette_app([a, b])
+
+
+async def test_starlette_app_mounted_under_a_prefix() -> None:
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+
+    from ferrobatch.http import starlette_app
+
+    server = fb.Server(double, inputs=[X], outputs=[Y], name="double")
+    app = Starlette(routes=[Mount("/triton", starlette_app(server, manage_servers=False))])
+    body, _ = infer_body([x_input(data=[1, 2, 3, 4])])
+    async with server, httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://test"
+    ) as http:
+        response = await http.post("/triton/v2/models/double/infer", content=body)
+        assert response.status_code == 200, response.text
+        assert response.json()["outputs"][0]["data"] == [2, 4, 6, 8]
+        assert (await http.get("/triton/v2/models/double")).json()["name"] == "double"
+        assert (await http.post("/v2/models/double/infer", content=body)).status_code == 404

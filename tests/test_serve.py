@@ -217,3 +217,24 @@ def _wait_for(condition: Callable[[], bool], seconds: float = 60) -> bool:
         time.sleep(0.01)
     return False
 
+
+
+@pytest.mark.parametrize("endpoint", ["http", "grpc"])
+def test_a_port_in_use_fails_the_start_with_a_message(endpoint: str) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        ports = ["--http-port", port, "--grpc-port", "0"]
+        if endpoint == "grpc":
+            ports = ["--http-port", "0", "--grpc-port", port]
+        done = subprocess.run(
+            [sys.executable, "-m", "ferrobatch", "serve", f"{HERE}:SERVER", *ports],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert {"http": "HTTP", "grpc": "gRPC"}[endpoint] + ": cannot listen" in done.stderr

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     import grpc.aio
     import uvicorn
 
-__all__ = ["Listening", "ServeConfig", "load_servers", "serve", "serve_in_thread"]
+__all__ = ["Listening", "ServeConfig", "StartupError", "load_servers", "serve", "serve_in_thread"]
 
 log = logging.getLogger("ferrobatch.serve")
 
@@ -81,6 +81,10 @@ def load_servers(target: str) -> list[Server]:
             f" returning either; got {type(obj).__name__}"
         )
     return list(servers)
+
+
+class StartupError(RuntimeError):
+    """An endpoint could not start listening (the reason is in the message)."""
 
 
 @dataclass
@@ -148,7 +152,11 @@ async def serve(
             grpc_port = None
             if config.grpc_port is not None:
                 rpc = grpc_server(repository, None)
-                grpc_port = rpc.add_insecure_port(f"{_bracket(config.host)}:{config.grpc_port}")
+                address = f"{_bracket(config.host)}:{config.grpc_port}"
+                try:
+                    grpc_port = rpc.add_insecure_port(address)
+                except RuntimeError as exc:
+                    raise StartupError(f"gRPC: cannot listen on {address}: {exc}") from None
                 await rpc.start()
             http_port = None
             if config.http_port is not None:
@@ -165,7 +173,7 @@ async def serve(
                         http="httptools" if _has("httptools") else "h11",
                     )
                 )
-                http_task = asyncio.create_task(http.serve())
+                http_task = asyncio.create_task(_serve_http(http))
                 http_port = await _bound_port(http, http_task)
             listening = Listening(http_port, grpc_port, [s.name for s in repository.servers])
             log.info(
@@ -203,7 +211,7 @@ async def _drain(
     waits: list[Awaitable[Any]] = []
     if rpc is not None:
         waits.append(rpc.stop(grace=timeout))
-    if http is not None and http_task is not None:
+    if http is not None and http_task is not None and http.started:
         http.should_exit = True
         waits.append(http_task)
 
@@ -237,13 +245,21 @@ def _uvicorn_server(config: uvicorn.Config) -> uvicorn.Server:
     return Server(config)
 
 
+async def _serve_http(http: uvicorn.Server) -> None:
+    try:
+        await http.serve()
+    except SystemExit:
+        pass  # uvicorn's way to fail a start; it has logged why (a port in use, say)
+
+
 async def _bound_port(http: uvicorn.Server, task: asyncio.Task[None]) -> int:
     """Waits for uvicorn to listen; the port it bound (the one given, or the
     one picked for port 0)."""
     while not http.started:
         if task.done():
-            task.result()  # raises what made uvicorn fail
-            raise RuntimeError("the HTTP server stopped before it started listening")
+            task.result()
+            config = http.config
+            raise StartupError(f"HTTP: cannot listen on {config.host}:{config.port}")
         await asyncio.sleep(0.01)
     port: int = http.servers[0].sockets[0].getsockname()[1]
     return port
@@ -407,4 +423,8 @@ def main(args: argparse.Namespace) -> int:
         access_log=args.access_log,
         switch_interval=args.switch_interval or None,
     )
-    return run(servers, config, loop=args.loop)
+    try:
+        return run(servers, config, loop=args.loop)
+    except StartupError as exc:
+        print(f"ferrobatch serve: {exc}", file=sys.stderr)
+        return 1

@@ -55,6 +55,8 @@ def grpc_server(
         options=[
             ("grpc.max_receive_message_length", max_message_size),
             ("grpc.max_send_message_length", max_message_size),
+            # A port in use is an error, not a port shared with another process.
+            ("grpc.so_reuseport", 0),
             *options,
         ]
     )
