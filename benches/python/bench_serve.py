@@ -38,6 +38,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime as dt
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -51,7 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -68,20 +69,30 @@ MAX_DELAY = 0.001
 # -- the models (imported by `ferrobatch serve` and by the PyTriton process) -------------------
 
 
-def _torch_threads() -> None:
-    """Both servers run torch with the same intra-op threads (--torch-threads)."""
+def _torch_threads(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run with --torch-threads intra-op threads on whatever thread calls
+    it: torch's setting is per thread (OpenMP's), and both servers call their
+    model on threads of their own."""
+    import threading
+
     import torch
 
     threads = int(os.environ.get("BENCH_TORCH_THREADS", "0"))
-    if threads > 0:
-        torch.set_num_threads(threads)
+    done = threading.local()
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if threads > 0 and not getattr(done, "set", False):
+            torch.set_num_threads(threads)
+            done.set = True
+        return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def make_servers() -> list[Any]:
     """The ferrobatch servers: ``identity`` and ``mlp``."""
     import torch
-
-    _torch_threads()
 
     import ferrobatch as fb
     from ferrobatch.demo import make_demo_model
@@ -96,8 +107,8 @@ def make_servers() -> list[Any]:
         "max_delay": MAX_DELAY,
     }
     return [
-        fb.Server(identity, name="identity", **specs),
-        fb.Server(make_demo_model(WIDTH), name="mlp", **specs),
+        fb.Server(_torch_threads(identity), name="identity", **specs),
+        fb.Server(_torch_threads(make_demo_model(WIDTH)), name="mlp", **specs),
     ]
 
 
@@ -112,14 +123,15 @@ def run_pytriton(http_port: int, grpc_port: int, metrics_port: int) -> None:
     sys.path.insert(0, str(ROOT / "python"))
     from ferrobatch.demo import make_demo_model
 
-    _torch_threads()
     mlp = make_demo_model(WIDTH)
 
     @batch  # type: ignore[misc]
+    @_torch_threads
     def identity_fn(x: np.ndarray) -> dict[str, np.ndarray]:
         return {"y": x}
 
     @batch  # type: ignore[misc]
+    @_torch_threads
     def mlp_fn(x: np.ndarray) -> dict[str, np.ndarray]:
         with torch.inference_mode():
             return {"y": mlp({"x": torch.from_numpy(x)})["y"].numpy()}
