@@ -65,19 +65,8 @@ class LoopState:
 
     # -- submit side (loop thread) -------------------------------------------------
 
-    def submit(
-        self, batcher: _core.Batcher, inputs: Any, timeout: float | None, batched: bool
-    ) -> tuple[int, asyncio.Future[dict[str, Any]]]:
-        try:
-            ticket = batcher.submit(inputs, self.loop_id, timeout, batched)
-        except FerrobatchError as exc:
-            self.failed[failure_reason(exc)] += 1
-            raise
-        future = self.loop.create_future()
-        rid = ticket.id
-        timer = None if timeout is None else self.loop.call_later(timeout, self._expire, rid, timeout)
-        self.pending[rid] = (future, ticket, timer, batched)
-        return rid, future
+    def count_failure(self, exc: FerrobatchError) -> None:
+        self.failed[failure_reason(exc)] += 1
 
     def cancel(self, rid: int) -> None:
         """The awaiting task was cancelled: withdraw the request if not yet taken."""
@@ -91,7 +80,8 @@ class LoopState:
             del self.pending[rid]  # never runs: its inputs may go
         self.failed["cancelled"] += 1
 
-    def _expire(self, rid: int, timeout: float) -> None:
+    def expire(self, rid: int, timeout: float) -> None:
+        """The request's deadline passed (its timer fired)."""
         p = self.pending.get(rid)
         if p is None or p[0].done():
             return

@@ -9,7 +9,7 @@ import anyio.from_thread
 import torch
 
 from ._loops import LoopState
-from .errors import ServerClosedError
+from .errors import FerrobatchError, ServerClosedError
 
 if TYPE_CHECKING:
     from .server import Server
@@ -37,12 +37,9 @@ class Client:
     def server(self) -> Server:
         return self._server
 
-    def _state(self) -> LoopState:
-        loop = asyncio.get_running_loop()
-        cached_loop, state = self._cached
-        if cached_loop is not loop or state is None:
-            state = self._server._loops.state_for(loop)
-            self._cached = (loop, state)
+    def _state_for(self, loop: asyncio.AbstractEventLoop) -> LoopState:
+        state = self._server._loops.state_for(loop)
+        self._cached = (loop, state)
         return state
 
     async def infer(self, inputs: Inputs, timeout: float | None = None) -> Outputs:
@@ -60,20 +57,32 @@ class Client:
         awaiting task withdraws the request if no batch has taken it yet.
         The inputs must not be modified until this returns.
         """
-        state = self._state()
-        rid, future = state.submit(self._server._running_batcher(), inputs, timeout, False)
-        try:
-            return await future
-        except asyncio.CancelledError:
-            state.cancel(rid)
-            raise
+        return await self._infer(inputs, timeout, False)
 
     async def infer_batch(self, inputs: Inputs, timeout: float | None = None) -> Outputs:
         """Like :meth:`infer` for ``n >= 1`` samples at once: every input has a
         leading dimension ``n`` (at most ``max_batch_size``), and so does every
         output. The rows join a batch together and are never split."""
-        state = self._state()
-        rid, future = state.submit(self._server._running_batcher(), inputs, timeout, True)
+        return await self._infer(inputs, timeout, True)
+
+    async def _infer(self, inputs: Inputs, timeout: float | None, batched: bool) -> Outputs:
+        # The per-request path: one call into Rust, one future, one dict entry.
+        loop = asyncio.get_running_loop()
+        cached_loop, state = self._cached
+        if cached_loop is not loop or state is None:
+            state = self._state_for(loop)
+        batcher = self._server._accepting
+        if batcher is None:
+            raise self._server._not_running()
+        try:
+            ticket = batcher.submit(inputs, state.loop_id, timeout, batched)
+        except FerrobatchError as exc:
+            state.count_failure(exc)
+            raise
+        future: asyncio.Future[Outputs] = loop.create_future()
+        rid = ticket.id
+        timer = None if timeout is None else loop.call_later(timeout, state.expire, rid, timeout)
+        state.pending[rid] = (future, ticket, timer, batched)
         try:
             return await future
         except asyncio.CancelledError:

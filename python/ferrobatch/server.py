@@ -140,6 +140,7 @@ class Server:
         self._init_instances(device, cuda_graphs, compile, warmup)
         self._loops = LoopRegistry(name)
         self._batcher: _core.Batcher | None = None
+        self._accepting: _core.Batcher | None = None  # the batcher while running, else None
         self._slots: list[dict[str, torch.Tensor]] = []
         self._threads: list[threading.Thread] = []
         self._counters: list[_WorkerCounters] = []
@@ -282,6 +283,7 @@ class Server:
                     )
                 )
         self._phase = "running"
+        self._accepting = self._batcher
         for thread in self._threads:
             thread.start()
 
@@ -295,6 +297,7 @@ class Server:
         if self._phase != "running":
             return
         self._phase = "stopping"
+        self._accepting = None
         assert self._batcher is not None
         self._batcher.close()
         threads = list(self._threads)
@@ -336,10 +339,8 @@ class Server:
         """A client for this server (cheap; share it or make many)."""
         return Client(self)
 
-    def _running_batcher(self) -> _core.Batcher:
-        if self._batcher is None or self._phase != "running":
-            raise ServerClosedError(f"server '{self.name}' is not running ({self._phase})")
-        return self._batcher
+    def _not_running(self) -> ServerClosedError:
+        return ServerClosedError(f"server '{self.name}' is not running ({self._phase})")
 
     def _loop_token(self) -> anyio.lowlevel.EventLoopToken:
         if self._token is None or self._phase != "running":
