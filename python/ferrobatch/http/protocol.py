@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -38,7 +38,6 @@ __all__ = [
     "DATATYPES",
     "EXTENSIONS",
     "MODEL_VERSION",
-    "InferInput",
     "ModelRepository",
     "ProtocolError",
     "ServedModel",
@@ -269,17 +268,6 @@ def timeout_from_parameters(parameters: Mapping[str, Any]) -> float | None:
 
 
 # -- tensors ---------------------------------------------------------------------------
-
-
-@dataclass
-class InferInput:
-    """One decoded input tensor: its declared datatype and shape, and its value
-    (a numpy array, or a torch tensor for BF16) ready for ``infer_batch``."""
-
-    name: str
-    datatype: str
-    shape: tuple[int, ...]
-    value: Any = field(repr=False, default=None)
 
 
 def check_tensor_header(name: Any, datatype: Any, shape: Any) -> tuple[str, str, tuple[int, ...]]:
