@@ -543,7 +543,10 @@ def main() -> int:
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        # The interpreter's path says nothing about the run: left out.
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]).replace(
+            str(args.pytriton_python), "PYTRITON_PYTHON"
+        ),
         "torch_threads": args.torch_threads,
     }
     print(f"# bench_serve {meta['date']}  {meta['cpus']} CPUs  python {meta['python']}")
