@@ -544,8 +544,9 @@ def main() -> int:
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         # The interpreter's path says nothing about the run: left out.
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]).replace(
-            str(args.pytriton_python), "PYTRITON_PYTHON"
+        "command": " ".join(
+            [Path(sys.argv[0]).name]
+            + ["PYTRITON_PYTHON" if a == args.pytriton_python else a for a in sys.argv[1:]]
         ),
         "torch_threads": args.torch_threads,
     }
