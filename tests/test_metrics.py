@@ -105,4 +105,4 @@ async def test_collector_reads_stats_at_scrape_time() -> None:
     assert value(after, "nv_inference_exec_count", model="m") == stats["batches"]
     assert value(after, "nv_inference_request_duration_us", model="m") == stats["request_ns"] // 1000
     assert value(after, "nv_inference_queue_duration_us", model="m") == stats["queue_ns"] // 1000
-    assert value(after, "nv_inference_compute_infer_duration_us", model="m") == stats["compute_ns"] // 1000
+    assert value(after, "nv_inference_compute_infer_duration_us", model="m") == stats["request_compute_ns"] // 1000

@@ -17,9 +17,8 @@ server's name) and ``version`` ("1"):
 - ``nv_inference_request_duration_us``: summed submit-to-result time of
   successful requests;
 - ``nv_inference_queue_duration_us``: summed time requests waited in the queue;
-- ``nv_inference_compute_infer_duration_us``: summed model-call time, per
-  batch (Triton sums it per request; divide by ``nv_inference_exec_count``
-  for the mean model call);
+- ``nv_inference_compute_infer_duration_us``: summed model-call time, counted
+  once per request of each batch, as Triton counts it;
 - ``nv_inference_pending_request_count``: requests waiting now (a gauge).
 
 The cumulative ones are exposed untyped rather than as counters because
@@ -85,7 +84,7 @@ class TritonCollector(Collector):
         )
         compute_us = UnknownMetricFamily(
             "nv_inference_compute_infer_duration_us",
-            "Cumulative model execution duration in microseconds, summed per batch",
+            "Cumulative compute inference duration in microseconds, summed per request",
             labels=labels,
         )
         pending = GaugeMetricFamily(
@@ -103,7 +102,7 @@ class TritonCollector(Collector):
             exec_count.add_metric(model, stats["batches"])
             request_us.add_metric(model, stats["request_ns"] // 1000)
             queue_us.add_metric(model, stats["queue_ns"] // 1000)
-            compute_us.add_metric(model, stats["compute_ns"] // 1000)
+            compute_us.add_metric(model, stats["request_compute_ns"] // 1000)
             pending.add_metric(model, stats["queue_depth"])
         yield from (success, failure, count, exec_count, request_us, queue_us, compute_us, pending)
 

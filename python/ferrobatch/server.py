@@ -8,7 +8,7 @@ import math
 import queue
 import threading
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from time import perf_counter_ns
 from types import TracebackType
@@ -46,7 +46,8 @@ log = logging.getLogger("ferrobatch")
 class _WorkerCounters:
     """Written by one worker thread only; summed by stats()."""
 
-    compute_ns: int = 0
+    compute_ns: int = 0  # per batch
+    request_compute_ns: int = 0  # per request: a batch's compute time counts once per request
     failed_batches: int = 0
 
 
@@ -254,6 +255,9 @@ class Server:
             workers=len(self._models),
         )
         self._token = anyio.lowlevel.current_token()
+        # torch's intra-op thread count is per OpenMP thread once set: pin each
+        # worker to the value the caller has now, whatever ran before on it.
+        torch_threads = torch.get_num_threads()
         for i, executor in enumerate(executors):
             counters = _WorkerCounters()
             self._counters.append(counters)
@@ -264,14 +268,14 @@ class Server:
                 tokens = threading.Semaphore(IN_FLIGHT)
                 self._threads += [
                     threading.Thread(
-                        target=self._launch,
-                        args=(executor, worker, handoff, tokens),
+                        target=_with_torch_threads,
+                        args=(torch_threads, self._launch, executor, worker, handoff, tokens),
                         name=f"{thread_name}-launch",
                         daemon=True,
                     ),
                     threading.Thread(
-                        target=self._complete,
-                        args=(handoff, tokens, counters),
+                        target=_with_torch_threads,
+                        args=(torch_threads, self._complete, handoff, tokens, counters),
                         name=f"{thread_name}-complete",
                         daemon=True,
                     ),
@@ -279,7 +283,10 @@ class Server:
             else:
                 self._threads.append(
                     threading.Thread(
-                        target=self._work, args=(executor, worker, counters), name=thread_name, daemon=True
+                        target=_with_torch_threads,
+                        args=(torch_threads, self._work, executor, worker, counters),
+                        name=thread_name,
+                        daemon=True,
                     )
                 )
         self._phase = "running"
@@ -369,7 +376,9 @@ class Server:
                 error, outputs, rows = exc, None, None
                 counters.failed_batches += 1
             batcher.release_slot(batch.slot)  # outputs never alias the slot
-            counters.compute_ns += perf_counter_ns() - started
+            elapsed = perf_counter_ns() - started
+            counters.compute_ns += elapsed
+            counters.request_compute_ns += elapsed * batch.n_requests
             self._fan_out(batch, outputs, rows, error)
 
     @torch.inference_mode()  # once per thread: entering it per batch costs microseconds
@@ -435,7 +444,9 @@ class Server:
                     error, outputs, rows = exc, None, None
             if error is not None:
                 counters.failed_batches += 1
-            counters.compute_ns += perf_counter_ns() - flight.started_ns
+            elapsed = perf_counter_ns() - flight.started_ns
+            counters.compute_ns += elapsed
+            counters.request_compute_ns += elapsed * batch.n_requests
             self._fan_out(batch, outputs, rows, error)
             tokens.release()
 
@@ -462,9 +473,11 @@ class Server:
         ``requests_succeeded``; ``requests_failed`` by reason (invalid_input,
         queue_full, deadline_exceeded, cancelled, model_error, server_closed);
         ``batches``, ``rows`` and ``mean_batch_size`` (rows per batch);
-        ``queue_depth`` (requests waiting now); ``queue_ns`` and ``compute_ns``
-        (summed over requests and batches); ``request_ns`` (summed submit to
-        result over succeeded requests).
+        ``queue_depth`` (requests waiting now); ``queue_ns`` (time queued,
+        summed over requests); ``compute_ns`` (model time, summed over
+        batches) and ``request_compute_ns`` (the same counted once per request
+        of each batch, as Triton counts it); ``request_ns`` (submit to result,
+        summed over succeeded requests).
         """
         failed = dict.fromkeys(FAILURE_REASONS, 0)
         succeeded = request_ns = 0
@@ -485,6 +498,7 @@ class Server:
             "queue_depth": int(core.get("queue_len", 0)),
             "queue_ns": int(core.get("queue_ns", 0)),
             "compute_ns": sum(c.compute_ns for c in self._counters),
+            "request_compute_ns": sum(c.request_compute_ns for c in self._counters),
             "request_ns": request_ns,
             "failed_batches": sum(c.failed_batches for c in self._counters),
         }
@@ -494,6 +508,11 @@ class Server:
             f"Server(name={self.name!r}, instances={len(self._models)}, "
             f"max_batch_size={self.max_batch_size}, max_delay={self.max_delay}, {self._phase})"
         )
+
+
+def _with_torch_threads(threads: int, target: Callable[..., None], *args: Any) -> None:
+    torch.set_num_threads(threads)
+    target(*args)
 
 
 def _split_rows(outputs: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, ...]]:
