@@ -13,6 +13,11 @@ uvloop (if installed); the asyncio floor (bare futures resolved 64 at a time:
 an upper bound); a naive asyncio batcher; TorchRL's InferenceServer with its
 ThreadingTransport (if ``torchrl`` is installed).
 
+Every system runs with torch's intra-op threads set to 1 (``--torch-threads``):
+on a small machine the event loop and the model thread each need a core. The
+timed section runs with the garbage collector as a service sees it (see
+``quiet_gc``).
+
 Output: JSON lines and a PNG plot under ``benches/results/``, a table on stdout
 (medians over ``--runs``; ratios are taken within each run, then the median),
 and the targets met or not.
@@ -124,7 +129,7 @@ class Workload:
         return bool(torch.allclose(got, self.expected, rtol=1e-4, atol=1e-5)), err
 
 
-@dataclass
+@dataclass(repr=False)  # its outputs are tens of thousands of tensors: never print them
 class Drive:
     """What driving one workload measured."""
 
@@ -190,16 +195,24 @@ def drive_threads(call: systems.SyncCall, rows: list[torch.Tensor], callers: int
 
 
 @contextlib.contextmanager
-def frozen_heap() -> Iterator[None]:
-    """Moves every object alive now (the workload's tens of thousands of
-    tensors, earlier results) out of the garbage collector's sight while the
-    block runs, so collections triggered by the system under test cost what
-    they would in a service that holds no such heap."""
+def quiet_gc() -> Iterator[None]:
+    """The garbage collector as a long-running service sees it.
+
+    Objects alive now (the workload's tensors, earlier results) are frozen out
+    of the collector's sight, and no full collection runs while the block
+    does: the bench keeps every response for its check, and that growing heap
+    would otherwise trigger full collections (pauses of many milliseconds)
+    that a service, which drops its results, never pays. Young-generation
+    collections run as usual, so garbage the system under test makes still
+    costs what it costs."""
     gc.collect()
     gc.freeze()
+    threshold = gc.get_threshold()
+    gc.set_threshold(threshold[0], threshold[1], 1 << 30)
     try:
         yield
     finally:
+        gc.set_threshold(*threshold)
         gc.unfreeze()
 
 
@@ -220,7 +233,7 @@ def run_async_system(
         try:
             await drive_async(system.call, warmup_rows(work, callers), callers)
             system.reset_counters()
-            with frozen_heap():
+            with quiet_gc():
                 drive = await drive_async(system.call, work.rows, callers)
             return drive, system.mean_batch_size()
         finally:
@@ -237,7 +250,7 @@ def run_thread_system(
     try:
         drive_threads(system.call, warmup_rows(work, callers), callers)
         system.reset_counters()
-        with frozen_heap():
+        with quiet_gc():
             drive = drive_threads(system.call, work.rows, callers)
         return drive, system.mean_batch_size()
     finally:
