@@ -245,3 +245,23 @@ async def test_infer_sync_on_the_event_loop_thread_raises_instead_of_deadlocking
 ) -> None:
     with pytest.raises(RuntimeError, match="await client.infer"):
         server.client().infer_sync({"x": sample(1)})
+
+
+async def test_expired_and_cancelled_requests_free_their_queue_place_at_once(gate: Gate) -> None:
+    async with make_server(gate, max_batch_size=1, max_delay=0, max_queue_size=1) as server:
+        client = server.client()
+        running = asyncio.ensure_future(client.infer({"x": sample(0)}))
+        await wait_entered(gate)  # the worker is busy; nothing will be popped
+        with pytest.raises(fb.DeadlineExceededError):
+            await client.infer({"x": sample(1)}, timeout=0.02)
+        cancelled = asyncio.ensure_future(client.infer({"x": sample(2)}))
+        await asyncio.sleep(0.01)
+        cancelled.cancel()
+        await asyncio.gather(cancelled, return_exceptions=True)
+        assert server.stats()["queue_depth"] == 0
+        live = asyncio.ensure_future(client.infer({"x": sample(3)}))  # not QueueFullError
+        await asyncio.sleep(0)
+        gate.release.set()
+        await running
+        torch.testing.assert_close((await live)["y"], sample(6))
+    assert gate.seen == [0.0, 3.0]

@@ -218,8 +218,12 @@ impl Batcher {
     ) {
         if r.is_past_deadline(now) {
             // The caller's own timer reports the deadline; we only never run it.
-            r.withdraw(RequestState::Expired);
-            self.stats.skipped_expired.fetch_add(1, Ordering::Relaxed);
+            if r.transition(RequestState::Expired) {
+                self.queue.left();
+                self.stats.skipped_expired.fetch_add(1, Ordering::Relaxed);
+            } else {
+                self.stats.skipped_withdrawn.fetch_add(1, Ordering::Relaxed);
+            }
             return;
         }
         if *rows + r.rows as usize > self.rule.max_batch_size {
@@ -230,8 +234,23 @@ impl Batcher {
             self.stats.skipped_withdrawn.fetch_add(1, Ordering::Relaxed);
             return;
         }
+        self.queue.left();
         *rows += r.rows as usize;
         gathered.push(r);
+    }
+
+    /// The submitter withdraws `request` (`to`: `Cancelled`, `Expired` or `Closed`).
+    ///
+    /// Returns true when the request will never be read by a worker: this call
+    /// withdrew it, or it was already withdrawn. False means a batch has taken
+    /// it: its inputs must stay alive until that batch resolves it.
+    pub fn withdraw(&self, request: &Request, to: RequestState) -> bool {
+        debug_assert!(!matches!(to, RequestState::Queued | RequestState::Taken));
+        if request.transition(to) {
+            self.queue.left();
+            return true;
+        }
+        request.state() != RequestState::Taken
     }
 
     /// Gives back the staging slot of a finished batch (after its bytes have
@@ -351,7 +370,8 @@ mod tests {
         let cancelled = submit(&f.batcher, &ROW_A, None);
         let expired = submit(&f.batcher, &ROW_A, Some(Duration::ZERO));
         let kept = submit(&f.batcher, &ROW_A, None);
-        assert!(cancelled.withdraw(RequestState::Cancelled));
+        assert!(f.batcher.withdraw(&cancelled, RequestState::Cancelled));
+        assert_eq!(f.batcher.queue_len(), 2);
         let b = f.batcher.next_batch(&mut Worker::new()).unwrap();
         assert_eq!(b.routes.groups[0].1.iter().map(|r| r.id).collect::<Vec<_>>(), vec![kept.id]);
         assert_eq!(expired.state(), RequestState::Expired);
@@ -419,7 +439,7 @@ mod tests {
                         x ^= x << 17;
                         if x % 4 == 0 {
                             let r = &submitted[(x as usize / 4) % submitted.len()];
-                            r.withdraw(RequestState::Cancelled);
+                            b.withdraw(r, RequestState::Cancelled);
                         }
                     }
                     submitted
@@ -450,5 +470,6 @@ mod tests {
             taken.len() + stats.skipped_withdrawn.load(Ordering::Relaxed) as usize,
             submitted.len()
         );
+        assert_eq!(f.batcher.queue_len(), 0, "every request left the queue exactly once");
     }
 }

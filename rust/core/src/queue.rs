@@ -1,10 +1,16 @@
 //! The bounded request queue: crossbeam's array channel (lock-free push and
 //! pop; blocking waits park the thread) plus admission control.
 //!
-//! Admission counts *requests* waiting: `waiting` is raised before a push and
-//! lowered when a worker pops, so at most `capacity` requests are ever queued.
-//! The channel itself has room for `capacity + wake_slots` messages, so the
-//! close messages (one per worker) always fit.
+//! Admission counts *live* requests: `waiting` is raised before a push and
+//! lowered when a request leaves the queued state (taken into a batch, or
+//! withdrawn by its caller: cancelled, expired, closed), so at most `capacity`
+//! live requests wait, and withdrawn ones never crowd out new ones.
+//!
+//! Withdrawn requests stay in the channel until a worker pops and skips them,
+//! so the channel has room for more request messages than live ones
+//! (`room`, counted by `in_channel`; past that, a push is refused as full, which
+//! only a worker stuck for long under many timeouts reaches) plus `wake_slots`
+//! places that only close messages use: closing never blocks.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -27,7 +33,10 @@ pub struct RequestQueue {
     tx: Sender<Message>,
     rx: Receiver<Message>,
     capacity: usize,
+    /// Request messages the channel may hold, withdrawn ones included.
+    room: usize,
     waiting: AtomicUsize,
+    in_channel: AtomicUsize,
     closed: AtomicBool,
 }
 
@@ -42,8 +51,17 @@ pub enum Popped {
 
 impl RequestQueue {
     pub fn new(capacity: usize, wake_slots: usize) -> RequestQueue {
-        let (tx, rx) = crossbeam_channel::bounded(capacity + wake_slots.max(1));
-        RequestQueue { tx, rx, capacity, waiting: AtomicUsize::new(0), closed: AtomicBool::new(false) }
+        let room = (2 * capacity).max(capacity + 1024);
+        let (tx, rx) = crossbeam_channel::bounded(room + wake_slots.max(1));
+        RequestQueue {
+            tx,
+            rx,
+            capacity,
+            room,
+            waiting: AtomicUsize::new(0),
+            in_channel: AtomicUsize::new(0),
+            closed: AtomicBool::new(false),
+        }
     }
 
     /// Pushes a request, or refuses it at once when full or closed.
@@ -55,11 +73,17 @@ impl RequestQueue {
             self.waiting.fetch_sub(1, Ordering::AcqRel);
             return Err(CoreError::QueueFull { capacity: self.capacity });
         }
-        // Cannot fail for lack of room: `waiting` reserved a place, and close
+        if self.in_channel.fetch_add(1, Ordering::AcqRel) >= self.room {
+            // Full of withdrawn requests no worker has popped yet (a stuck model).
+            self.in_channel.fetch_sub(1, Ordering::AcqRel);
+            self.waiting.fetch_sub(1, Ordering::AcqRel);
+            return Err(CoreError::QueueFull { capacity: self.capacity });
+        }
+        // Cannot fail for lack of room: `in_channel` reserved a place, and close
         // messages have places of their own.
         self.tx
             .try_send(Message::Request(request))
-            .expect("admission control reserved a place in the channel");
+            .expect("in_channel reserved a place in the channel");
         Ok(())
     }
 
@@ -86,11 +110,17 @@ impl RequestQueue {
     fn popped(&self, msg: Message) -> Popped {
         match msg {
             Message::Request(r) => {
-                self.waiting.fetch_sub(1, Ordering::AcqRel);
+                self.in_channel.fetch_sub(1, Ordering::AcqRel);
                 Popped::Request(r)
             }
             Message::Close => Popped::Close,
         }
+    }
+
+    /// Records that one pushed request left the queued state (taken or withdrawn).
+    /// Call exactly once per request, by whoever won its transition.
+    pub(crate) fn left(&self) {
+        self.waiting.fetch_sub(1, Ordering::AcqRel);
     }
 
     /// Refuses new requests from now on and sends one close message per
@@ -100,8 +130,8 @@ impl RequestQueue {
             return;
         }
         for _ in 0..workers {
-            // Blocking send: the channel has a place per worker beyond capacity.
-            let _ = self.tx.send(Message::Close);
+            // Never blocks: request messages cannot take the last `wake_slots` places.
+            let _ = self.tx.try_send(Message::Close);
         }
     }
 
@@ -109,7 +139,7 @@ impl RequestQueue {
         self.closed.load(Ordering::Acquire)
     }
 
-    /// Requests queued and not yet popped by a worker.
+    /// Live requests waiting: pushed and not yet taken or withdrawn.
     pub fn len(&self) -> usize {
         self.waiting.load(Ordering::Acquire)
     }
@@ -132,14 +162,30 @@ mod tests {
     }
 
     #[test]
-    fn refuses_beyond_capacity_then_admits_after_a_pop() {
+    fn refuses_beyond_capacity_then_admits_once_a_request_left() {
         let q = RequestQueue::new(2, 1);
         q.push(req(1)).unwrap();
         q.push(req(2)).unwrap();
         assert_eq!(q.push(req(3)), Err(CoreError::QueueFull { capacity: 2 }));
         assert!(matches!(q.try_pop(), Popped::Request(r) if r.id == 1));
+        assert_eq!(q.len(), 2, "popped is not yet taken");
+        q.left();
         q.push(req(3)).unwrap();
         assert_eq!(q.len(), 2);
+    }
+
+    #[test]
+    fn withdrawn_requests_do_not_crowd_out_new_ones_until_the_channel_is_full() {
+        let q = RequestQueue::new(2, 1);
+        for id in 0..q.room as u64 {
+            q.push(req(id)).unwrap();
+            q.left(); // withdrawn at once; still in the channel
+        }
+        assert_eq!(q.len(), 0);
+        assert!(matches!(q.push(req(9)), Err(CoreError::QueueFull { .. })), "channel full");
+        assert!(matches!(q.try_pop(), Popped::Request(r) if r.id == 0));
+        q.push(req(10)).unwrap();
+        q.close(1); // fits in the wake slot
     }
 
     #[test]

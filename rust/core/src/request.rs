@@ -123,7 +123,7 @@ impl Request {
     }
 
     /// Moves `Queued -> to`; true if this call made the transition.
-    fn transition(&self, to: RequestState) -> bool {
+    pub(crate) fn transition(&self, to: RequestState) -> bool {
         self.state
             .compare_exchange(
                 RequestState::Queued as u8,
@@ -135,19 +135,12 @@ impl Request {
     }
 
     /// The worker's claim. True means this worker (alone) may read the inputs.
+    /// [`crate::Batcher::next_batch`] makes it (and keeps the queue's count);
+    /// it is public for collation benches and tests that act as a worker.
     pub fn take(&self) -> bool {
         self.transition(RequestState::Taken)
     }
 
-    /// The submitter's withdrawal (`to` is `Cancelled`, `Expired` or `Closed`).
-    ///
-    /// Returns true when the request will never be read by a worker: either
-    /// this call withdrew it, or it was already withdrawn. False means a batch
-    /// has taken it: its inputs must stay alive until that batch resolves it.
-    pub fn withdraw(&self, to: RequestState) -> bool {
-        debug_assert!(!matches!(to, RequestState::Queued | RequestState::Taken));
-        self.transition(to) || self.state() != RequestState::Taken
-    }
 
     /// True if the deadline has passed at `now`.
     pub fn is_past_deadline(&self, now: Instant) -> bool {
@@ -170,13 +163,13 @@ mod tests {
         let r = request(1);
         assert!(r.take());
         assert!(!r.take());
-        assert!(!r.withdraw(RequestState::Cancelled), "taken requests stay alive");
+        assert!(!r.transition(RequestState::Cancelled));
         assert_eq!(r.state(), RequestState::Taken);
 
         let r = request(2);
-        assert!(r.withdraw(RequestState::Expired));
+        assert!(r.transition(RequestState::Expired));
         assert!(!r.take());
-        assert!(r.withdraw(RequestState::Cancelled), "already withdrawn: never read");
+        assert!(!r.transition(RequestState::Cancelled));
         assert_eq!(r.state(), RequestState::Expired);
     }
 

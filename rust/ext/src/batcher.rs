@@ -166,7 +166,7 @@ impl Batcher {
             .core
             .submit(loop_id, rows.unwrap_or(1), bytes.into_boxed_slice(), timeout)
             .map_err(|e| to_pyerr(py, e))?;
-        Ok(Ticket { request, _keep: keep })
+        Ok(Ticket { request, batcher: self.core.clone(), _keep: keep })
     }
 
     /// Gives back a batch's staging slot once its bytes have been consumed.
@@ -216,6 +216,7 @@ impl Batcher {
 #[pyclass(frozen, module = "ferrobatch._core")]
 pub struct Ticket {
     request: Arc<core::Request>,
+    batcher: Arc<core::Batcher>,
     _keep: Vec<Keep>,
 }
 
@@ -252,7 +253,7 @@ impl Ticket {
             "closed" => RequestState::Closed,
             _ => return Err(PyValueError::new_err(format!("unknown withdraw reason '{reason}'"))),
         };
-        Ok(self.request.withdraw(to))
+        Ok(self.batcher.withdraw(&self.request, to))
     }
 }
 
