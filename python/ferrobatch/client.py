@@ -87,6 +87,10 @@ class Client:
             return await future
         except asyncio.CancelledError:
             state.cancel(rid)
+            if future.done() and not future.cancelled():
+                # Resolved with an error just before the task was cancelled:
+                # mark it retrieved, or asyncio logs "exception was never retrieved".
+                future.exception()
             raise
 
     def infer_sync(self, inputs: Inputs, timeout: float | None = None) -> Outputs:
