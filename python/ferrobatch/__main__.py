@@ -17,6 +17,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--max-batch-size", type=int, default=64)
     demo.add_argument("--max-delay", type=float, default=0.001, help="seconds (default 0.001)")
     demo.add_argument("--width", type=int, default=256, help="MLP width (default 256)")
+    demo.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads for the model (default 1: batches this small gain nothing "
+        "from more, and extra threads fight the event loop for the cores)",
+    )
 
     from .serve import add_arguments as add_serve_arguments
 
@@ -34,6 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_batch_size=args.max_batch_size,
             max_delay=args.max_delay,
             width=args.width,
+            torch_threads=args.torch_threads,
         )
     if args.command == "serve":
         from .serve import main as serve_main

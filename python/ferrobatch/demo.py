@@ -94,11 +94,15 @@ def run_demo(
     max_batch_size: int = 64,
     max_delay: float = 0.001,
     width: int = 256,
+    torch_threads: int | None = None,
 ) -> int:
+    if torch_threads is not None:
+        torch.set_num_threads(torch_threads)  # workers take the caller's setting
     server = make_demo_server(width, max_batch_size, max_delay)
     print(
         f"ferrobatch demo: MLP {width}->{width}->{width} on CPU, {callers} concurrent callers, "
-        f"{seconds:g} s, max_batch_size={max_batch_size}, max_delay={max_delay * 1e3:g} ms"
+        f"{seconds:g} s, max_batch_size={max_batch_size}, max_delay={max_delay * 1e3:g} ms, "
+        f"{torch.get_num_threads()} torch thread(s)"
     )
     r = asyncio.run(_demo(callers, seconds, server, width))
     rows = [
