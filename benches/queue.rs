@@ -11,7 +11,9 @@
 //!
 //! Requests are made before the clock starts and dropped after it stops, so
 //! no allocation or reference counting is timed; the consumer keeps what it
-//! pops in a pre-sized vector for the same reason.
+//! pops in a pre-sized vector for the same reason. A pop from `RequestQueue`
+//! is followed by `left()`, as the batcher does once it has taken the
+//! request: that is what frees its place under `max_queue_size`.
 //!
 //! Run: `cargo bench --bench queue`.
 
@@ -65,7 +67,8 @@ impl BenchQueue for Ferrobatch {
         // `push` drops the request when it refuses it (QueueFull), so keep
         // `producers` places of headroom: then no push racing this one can
         // fill the queue between the check and the push. This costs one load
-        // of the counter that `push` updates next anyway.
+        // of the counter that `push` updates next anyway. (Requests leave as
+        // soon as they are popped, so the channel's own room never runs out.)
         if self.queue.len() + self.producers > self.queue.capacity() {
             return Err(r);
         }
@@ -75,7 +78,10 @@ impl BenchQueue for Ferrobatch {
 
     fn try_pop(&self) -> Option<Arc<Request>> {
         match self.queue.try_pop() {
-            Popped::Request(r) => Some(r),
+            Popped::Request(r) => {
+                self.queue.left();
+                Some(r)
+            }
             Popped::Close | Popped::Empty => None,
         }
     }
