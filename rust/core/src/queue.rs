@@ -119,7 +119,7 @@ impl RequestQueue {
 
     /// Records that one pushed request left the queued state (taken or withdrawn).
     /// Call exactly once per request, by whoever won its transition.
-    pub(crate) fn left(&self) {
+    pub fn left(&self) {
         self.waiting.fetch_sub(1, Ordering::AcqRel);
     }
 
