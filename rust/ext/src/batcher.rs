@@ -261,14 +261,21 @@ impl Ticket {
 #[pyclass(frozen, module = "ferrobatch._core")]
 pub struct Worker {
     core: Arc<core::Batcher>,
+    /// Keeps the Python Batcher, and so the staging tensors the core writes
+    /// into during `next_batch`, alive for as long as this worker exists.
+    _batcher: Py<Batcher>,
     state: Mutex<core::Worker>,
 }
 
 #[pymethods]
 impl Worker {
     #[new]
-    fn new(batcher: &Batcher) -> Worker {
-        Worker { core: batcher.core.clone(), state: Mutex::new(core::Worker::new()) }
+    fn new(batcher: Bound<'_, Batcher>) -> Worker {
+        Worker {
+            core: batcher.get().core.clone(),
+            _batcher: batcher.unbind(),
+            state: Mutex::new(core::Worker::new()),
+        }
     }
 
     /// Blocks (GIL released) until a batch is gathered and collated into a
