@@ -15,8 +15,8 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 
-$(DEPS_STAMP): $(PY) requirements-dev.txt
-	$(PIP) install --quiet -r requirements-dev.txt
+$(DEPS_STAMP): $(PY) requirements-dev.txt constraints-dev.txt
+	$(PIP) install --quiet -r requirements-dev.txt -c constraints-dev.txt
 	touch $@
 
 $(BUILD_STAMP): $(DEPS_STAMP) $(RUST_SOURCES)
