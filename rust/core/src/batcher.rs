@@ -54,8 +54,6 @@ pub struct Batch {
     pub slot: usize,
     pub rows: usize,
     pub routes: Routes,
-    /// Sum over the batch's requests of their time in the queue.
-    pub queue_ns: u64,
 }
 
 #[derive(Debug)]
@@ -204,7 +202,7 @@ impl Batcher {
         self.stats.rows.fetch_add(rows as u64, Ordering::Relaxed);
         self.stats.requests.fetch_add(gathered.len() as u64, Ordering::Relaxed);
         self.stats.queue_ns.fetch_add(queue_ns, Ordering::Relaxed);
-        Some(Batch { slot, rows, routes: Routes::for_batch(&gathered), queue_ns })
+        Some(Batch { slot, rows, routes: Routes::for_batch(&gathered) })
     }
 
     /// Takes `r` into the batch if it is still queued, within its deadline and fits.

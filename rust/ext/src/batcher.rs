@@ -179,21 +179,6 @@ impl Batcher {
         self.core.close()
     }
 
-    #[getter]
-    fn closed(&self) -> bool {
-        self.core.is_closed()
-    }
-
-    #[getter]
-    fn queue_len(&self) -> usize {
-        self.core.queue_len()
-    }
-
-    #[getter]
-    fn max_batch_size(&self) -> usize {
-        self.core.rule().max_batch_size
-    }
-
     /// Counters since start: batches, rows, requests, skipped_withdrawn,
     /// skipped_expired, queue_ns.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
@@ -225,23 +210,6 @@ impl Ticket {
     #[getter]
     fn id(&self) -> u64 {
         self.request.id
-    }
-
-    #[getter]
-    fn rows(&self) -> u32 {
-        self.request.rows
-    }
-
-    /// One of "queued", "taken", "cancelled", "expired", "closed".
-    #[getter]
-    fn state(&self) -> &'static str {
-        match self.request.state() {
-            RequestState::Queued => "queued",
-            RequestState::Taken => "taken",
-            RequestState::Cancelled => "cancelled",
-            RequestState::Expired => "expired",
-            RequestState::Closed => "closed",
-        }
     }
 
     /// Withdraws the request ("cancelled", "expired" or "closed"). True if it
@@ -289,7 +257,6 @@ impl Worker {
         Ok(batch.map(|b| Batch {
             slot: b.slot,
             rows: b.rows,
-            queue_ns: b.queue_ns,
             groups: b.routes.groups.into_iter().map(|(l, r)| (l, Arc::new(r))).collect(),
         }))
     }
@@ -302,9 +269,6 @@ pub struct Batch {
     slot: usize,
     #[pyo3(get)]
     rows: usize,
-    /// Sum over the batch's requests of their time queued, in nanoseconds.
-    #[pyo3(get)]
-    queue_ns: u64,
     groups: Vec<(u32, Arc<Vec<Route>>)>,
 }
 
@@ -337,10 +301,6 @@ pub struct Routes {
 
 #[pymethods]
 impl Routes {
-    fn __len__(&self) -> usize {
-        self.routes.len()
-    }
-
     /// `[(request_id, first_row, rows)]` in batch order.
     fn entries<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let items = self
