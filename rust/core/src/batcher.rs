@@ -1,7 +1,7 @@
 //! The batcher: submit on one side, gather + collate + route on the other.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::queue::Popped;
@@ -37,8 +37,7 @@ pub struct Stats {
 /// A worker's own state between batches.
 #[derive(Debug, Default)]
 pub struct Worker {
-    /// A request popped that did not fit the last batch; it leads the next.
-    carry: Option<Arc<Request>>,
+    /// This worker has popped its close message: it only flushes the carry.
     closed: bool,
 }
 
@@ -61,6 +60,9 @@ pub struct Batcher {
     rule: DispatchRule,
     queue: RequestQueue,
     ring: StagingRing,
+    /// Held by the one worker gathering; holds the request popped that did
+    /// not fit the last batch (it leads the next).
+    gather: Mutex<Option<Arc<Request>>>,
     workers: usize,
     next_id: AtomicU64,
     stats: Stats,
@@ -79,6 +81,7 @@ impl Batcher {
             queue: RequestQueue::new(config.max_queue_size, config.workers),
             rule: config.rule,
             ring,
+            gather: Mutex::new(None),
             workers: config.workers,
             next_id: AtomicU64::new(1),
             stats: Stats::default(),
@@ -149,47 +152,21 @@ impl Batcher {
     /// staging slot the caller then holds. Blocks; call it without any lock
     /// the submitters need. `None` once the batcher is closed and this worker
     /// has dispatched everything it was given.
+    ///
+    /// One worker gathers at a time (the others wait for the gather lock), so
+    /// batches fill instead of being split between idle workers, and one
+    /// sleeper at most waits on the queue's doorbell. Collation runs after the
+    /// lock is released: the next worker gathers while this one copies.
     pub fn next_batch(&self, worker: &mut Worker) -> Option<Batch> {
-        if worker.closed && worker.carry.is_none() {
-            return None;
-        }
         let slot = self.ring.acquire();
         let mut gathered: Vec<Arc<Request>> = Vec::with_capacity(self.rule.max_batch_size);
-        let mut rows = 0usize;
-        if let Some(r) = worker.carry.take() {
-            self.admit(r, Instant::now(), worker, &mut gathered, &mut rows);
-        }
-        loop {
-            // Take what is already queued, without blocking.
-            let now = Instant::now();
-            while rows < self.rule.max_batch_size && worker.carry.is_none() && !worker.closed {
-                match self.queue.try_pop() {
-                    Popped::Request(r) => self.admit(r, now, worker, &mut gathered, &mut rows),
-                    Popped::Close => worker.closed = true,
-                    Popped::Empty => break,
-                }
-            }
-            if worker.closed || worker.carry.is_some() || rows >= self.rule.max_batch_size {
-                break;
-            }
-            let wait_until = if gathered.is_empty() {
-                None
-            } else {
-                let oldest_age = now.saturating_duration_since(gathered[0].enqueued_at);
-                match self.rule.decide(rows, oldest_age, !self.queue.is_empty()) {
-                    Decision::Dispatch => break,
-                    Decision::Wait(limit) => limit.map(|l| now + l),
-                }
-            };
-            match self.queue.pop_until(wait_until) {
-                Popped::Request(r) => self.admit(r, Instant::now(), worker, &mut gathered, &mut rows),
-                Popped::Close => worker.closed = true,
-                Popped::Empty => {}
-            }
-        }
+        let rows = {
+            let mut carry = self.gather.lock().unwrap_or_else(|e| e.into_inner());
+            self.gather(&mut carry, worker, &mut gathered)
+        };
         if gathered.is_empty() {
             self.ring.release(slot);
-            return if worker.carry.is_some() { self.next_batch(worker) } else { None };
+            return None;
         }
         let collated = self.ring.collate(slot, &gathered);
         debug_assert_eq!(collated, rows);
@@ -205,12 +182,55 @@ impl Batcher {
         Some(Batch { slot, rows, routes: Routes::for_batch(&gathered) })
     }
 
-    /// Takes `r` into the batch if it is still queued, within its deadline and fits.
+    /// Fills `gathered` by the dispatch rule; returns its rows. Empty only
+    /// once this worker has seen its close message and no carried request is
+    /// left. Called with the gather lock held (`carry` lives under it).
+    fn gather(
+        &self,
+        carry: &mut Option<Arc<Request>>,
+        worker: &mut Worker,
+        gathered: &mut Vec<Arc<Request>>,
+    ) -> usize {
+        let max = self.rule.max_batch_size;
+        let mut rows = 0usize;
+        if let Some(r) = carry.take() {
+            self.admit(r, Instant::now(), carry, gathered, &mut rows);
+        }
+        while !worker.closed {
+            // Take what is already queued, without blocking.
+            let now = Instant::now();
+            while rows < max && carry.is_none() && !worker.closed {
+                match self.queue.try_pop() {
+                    Popped::Request(r) => self.admit(r, now, carry, gathered, &mut rows),
+                    Popped::Close => worker.closed = true,
+                    Popped::Empty => break,
+                }
+            }
+            if worker.closed || carry.is_some() || rows >= max {
+                break;
+            }
+            let wait_until = if gathered.is_empty() {
+                None
+            } else {
+                let oldest_age = now.saturating_duration_since(gathered[0].enqueued_at);
+                match self.rule.decide(rows, oldest_age, !self.queue.is_empty()) {
+                    Decision::Dispatch => break,
+                    Decision::Wait(limit) => limit.map(|l| now + l),
+                }
+            };
+            // Sleep until the decision can change: enough rows, or the deadline.
+            self.queue.wait_for_rows(self.rule.recheck_at(rows) - rows, wait_until);
+        }
+        rows
+    }
+
+    /// Takes `r` into the batch if it is still queued, within its deadline and
+    /// fits; one that does not fit becomes the carry, to lead the next batch.
     fn admit(
         &self,
         r: Arc<Request>,
         now: Instant,
-        worker: &mut Worker,
+        carry: &mut Option<Arc<Request>>,
         gathered: &mut Vec<Arc<Request>>,
         rows: &mut usize,
     ) {
@@ -225,7 +245,7 @@ impl Batcher {
             return;
         }
         if *rows + r.rows as usize > self.rule.max_batch_size {
-            worker.carry = Some(r);
+            *carry = Some(r);
             return;
         }
         if !r.take() {

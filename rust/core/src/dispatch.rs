@@ -74,6 +74,19 @@ impl DispatchRule {
             _ => Decision::Dispatch,
         }
     }
+
+    /// The batch size at which `decide` may next answer differently for a
+    /// batch of `rows` rows that is waiting: `min_batch_size` while below it,
+    /// else the next preferred size, else `max_batch_size`. A worker sleeps
+    /// until that many rows are gathered (or its deadline passes) instead of
+    /// waking for every request.
+    pub fn recheck_at(&self, rows: usize) -> usize {
+        if rows < self.min_batch_size {
+            return self.min_batch_size;
+        }
+        let next_preferred = self.preferred_batch_sizes.iter().copied().find(|&s| s > rows);
+        next_preferred.unwrap_or(self.max_batch_size).min(self.max_batch_size)
+    }
 }
 
 #[cfg(test)]
@@ -121,6 +134,17 @@ mod tests {
         let r = rule(8, Duration::ZERO, 4, &[]);
         assert_eq!(r.decide(3, 100 * MS, false), Decision::Wait(None));
         assert_eq!(r.decide(4, Duration::ZERO, false), Decision::Dispatch);
+    }
+
+    #[test]
+    fn rechecks_at_the_next_size_where_the_decision_can_change() {
+        let r = rule(16, 10 * MS, 3, &[4, 8]);
+        assert_eq!(r.recheck_at(0), 3, "below min: the min");
+        assert_eq!(r.recheck_at(2), 3);
+        assert_eq!(r.recheck_at(3), 4, "then each preferred size");
+        assert_eq!(r.recheck_at(4), 8);
+        assert_eq!(r.recheck_at(9), 16, "then the max");
+        assert_eq!(rule(8, MS, 1, &[]).recheck_at(5), 8);
     }
 
     #[test]

@@ -11,12 +11,23 @@
 //! (`room`, counted by `in_channel`; past that, a push is refused as full, which
 //! only a worker stuck for long under many timeouts reaches) plus `wake_slots`
 //! places that only close messages use: closing never blocks.
+//!
+//! Waiting is a doorbell, not a blocking pop: a worker gathering a batch
+//! sleeps until enough rows for its next decision have arrived
+//! ([`RequestQueue::wait_for_rows`]), so a submitter makes a wake-up syscall
+//! once per batch at most, not once per request. `ready_rows` counts the rows
+//! of request messages sent and not yet popped; a sleeping worker publishes in
+//! `wake_at` the count it waits for, and the push that reaches it rings. Both
+//! sides use SeqCst on those two counters (a store then a load each), so either
+//! the push sees the worker's `wake_at` or the worker sees the push's rows:
+//! no wake-up is lost. Ringing takes the sleep lock, which the worker holds
+//! from its check until it sleeps.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicIsize, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
-use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
+use crossbeam_channel::{Receiver, Sender, TryRecvError};
 
 use crate::{CoreError, Request};
 
@@ -38,7 +49,18 @@ pub struct RequestQueue {
     waiting: AtomicUsize,
     in_channel: AtomicUsize,
     closed: AtomicBool,
+    /// Rows of request messages sent and not yet popped (signed: a pop may
+    /// count its rows off before the push that sent them counted them on).
+    ready_rows: AtomicIsize,
+    /// `ready_rows` a sleeping worker waits for; `NOBODY_WAITS` otherwise.
+    wake_at: AtomicIsize,
+    sleep_lock: Mutex<()>,
+    bell: Condvar,
+    /// Times a push or close rang the doorbell (for tests and stats).
+    rings: AtomicUsize,
 }
+
+const NOBODY_WAITS: isize = isize::MAX;
 
 /// What a pop saw.
 #[derive(Debug)]
@@ -61,6 +83,11 @@ impl RequestQueue {
             waiting: AtomicUsize::new(0),
             in_channel: AtomicUsize::new(0),
             closed: AtomicBool::new(false),
+            ready_rows: AtomicIsize::new(0),
+            wake_at: AtomicIsize::new(NOBODY_WAITS),
+            sleep_lock: Mutex::new(()),
+            bell: Condvar::new(),
+            rings: AtomicUsize::new(0),
         }
     }
 
@@ -81,10 +108,53 @@ impl RequestQueue {
         }
         // Cannot fail for lack of room: `in_channel` reserved a place, and close
         // messages have places of their own.
+        let rows = request.rows as isize;
         self.tx
             .try_send(Message::Request(request))
             .expect("in_channel reserved a place in the channel");
+        let ready = self.ready_rows.fetch_add(rows, Ordering::SeqCst) + rows;
+        if ready >= self.wake_at.load(Ordering::SeqCst) {
+            self.ring();
+        }
         Ok(())
+    }
+
+    /// Wakes the sleeping worker, if any; later pushes do not ring again
+    /// until it sleeps anew.
+    fn ring(&self) {
+        let _held = self.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
+        self.wake_at.store(NOBODY_WAITS, Ordering::SeqCst);
+        self.bell.notify_all();
+        self.rings.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Times the doorbell rang since the queue was made.
+    pub fn rings(&self) -> usize {
+        self.rings.load(Ordering::Relaxed)
+    }
+
+    /// Sleeps until at least `rows` rows of requests are ready to pop, the
+    /// queue is closed, or `deadline` passes. One worker at a time may wait.
+    pub fn wait_for_rows(&self, rows: usize, deadline: Option<Instant>) {
+        let rows = rows.clamp(1, NOBODY_WAITS as usize - 1) as isize;
+        let mut held = self.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            self.wake_at.store(rows, Ordering::SeqCst);
+            if self.ready_rows.load(Ordering::SeqCst) >= rows || self.closed.load(Ordering::SeqCst) {
+                break;
+            }
+            held = match deadline {
+                None => self.bell.wait(held).unwrap_or_else(|e| e.into_inner()),
+                Some(d) => {
+                    let now = Instant::now();
+                    if now >= d {
+                        break;
+                    }
+                    self.bell.wait_timeout(held, d - now).unwrap_or_else(|e| e.into_inner()).0
+                }
+            };
+        }
+        self.wake_at.store(NOBODY_WAITS, Ordering::SeqCst);
     }
 
     /// Pops without blocking.
@@ -95,21 +165,10 @@ impl RequestQueue {
         }
     }
 
-    /// Pops, blocking until a message arrives or `deadline` passes.
-    pub fn pop_until(&self, deadline: Option<Instant>) -> Popped {
-        let msg = match deadline {
-            None => self.rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
-            Some(d) => self.rx.recv_deadline(d),
-        };
-        match msg {
-            Ok(msg) => self.popped(msg),
-            Err(_) => Popped::Empty,
-        }
-    }
-
     fn popped(&self, msg: Message) -> Popped {
         match msg {
             Message::Request(r) => {
+                self.ready_rows.fetch_sub(r.rows as isize, Ordering::SeqCst);
                 self.in_channel.fetch_sub(1, Ordering::AcqRel);
                 Popped::Request(r)
             }
@@ -133,6 +192,7 @@ impl RequestQueue {
             // Never blocks: request messages cannot take the last `wake_slots` places.
             let _ = self.tx.try_send(Message::Close);
         }
+        self.ring();
     }
 
     pub fn is_closed(&self) -> bool {
@@ -198,6 +258,67 @@ mod tests {
         assert!(matches!(q.try_pop(), Popped::Close));
         assert!(matches!(q.try_pop(), Popped::Close));
         assert!(matches!(q.try_pop(), Popped::Empty));
+    }
+
+    #[test]
+    fn a_waiting_worker_wakes_once_enough_rows_arrived_and_not_before() {
+        let q = Arc::new(RequestQueue::new(64, 1));
+        let waiter = {
+            let q = q.clone();
+            std::thread::spawn(move || {
+                let started = Instant::now();
+                q.wait_for_rows(4, Some(started + std::time::Duration::from_secs(30)));
+                started.elapsed()
+            })
+        };
+        while q.wake_at.load(Ordering::SeqCst) == NOBODY_WAITS {
+            std::thread::yield_now();
+        }
+        for id in 0..3 {
+            q.push(req(id)).unwrap();
+        }
+        assert_eq!(q.rings(), 0, "three rows of four wake nobody");
+        q.push(req(3)).unwrap();
+        let waited = waiter.join().unwrap();
+        assert_eq!(q.rings(), 1);
+        assert!(waited < std::time::Duration::from_secs(20), "woken by the 4th row, not the deadline");
+        q.push(req(4)).unwrap();
+        assert_eq!(q.rings(), 1, "nobody sleeps: pushes do not ring");
+    }
+
+    #[test]
+    fn wait_returns_at_once_when_rows_are_ready_and_at_the_deadline_when_not() {
+        let q = RequestQueue::new(8, 1);
+        q.push(req(1)).unwrap();
+        q.wait_for_rows(1, None); // would hang if the ready row were missed
+        let deadline = Instant::now() + std::time::Duration::from_millis(20);
+        q.wait_for_rows(5, Some(deadline));
+        assert!(Instant::now() >= deadline);
+    }
+
+    #[test]
+    fn no_wake_up_is_lost_between_check_and_sleep() {
+        // Each round the waiter wants exactly the one row the pusher sends;
+        // a lost wake-up hangs the round (and the test) on `None` deadline.
+        let q = Arc::new(RequestQueue::new(4, 1));
+        let rounds = 2_000;
+        let pusher = {
+            let q = q.clone();
+            std::thread::spawn(move || {
+                for id in 0..rounds {
+                    while !q.is_empty() {
+                        std::thread::yield_now();
+                    }
+                    q.push(req(id)).unwrap();
+                }
+            })
+        };
+        for _ in 0..rounds {
+            q.wait_for_rows(1, None);
+            assert!(matches!(q.try_pop(), Popped::Request(_)));
+            q.left();
+        }
+        pusher.join().unwrap();
     }
 
     #[test]
