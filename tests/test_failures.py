@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import ferrobatch as fb
+from ferrobatch import _loops
 from conftest import make_server, sample
 
 
@@ -73,6 +74,28 @@ async def test_model_exception_fails_its_batch_and_the_worker_survives(exc: Base
     assert stats["requests_failed"]["model_error"] == 5
     assert stats["requests_succeeded"] == 1
     assert stats["failed_batches"] == 1
+
+
+async def test_callers_hear_an_error_even_when_the_fan_out_itself_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bug in the Python error path must not leave callers waiting: the
+    Rust fan-out hands them the error it got instead."""
+
+    def broken(model_inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        raise RuntimeError("model failed")
+
+    def fail_batch_bug(self: object, routes: object, error: BaseException) -> None:
+        raise KeyError("a bug in the error path")
+
+    monkeypatch.setattr(_loops.LoopState, "_fail_batch", fail_batch_bug)
+    async with make_server(broken, max_batch_size=4, max_delay=0.01) as server:
+        client = server.client()
+        results = await asyncio.wait_for(
+            asyncio.gather(*(client.infer({"x": sample(i)}) for i in range(4)), return_exceptions=True),
+            timeout=10,
+        )
+    assert all(isinstance(r, KeyError) for r in results), results
 
 
 async def test_queue_full_is_raised_at_once(gate: Gate) -> None:

@@ -6,7 +6,7 @@ from typing import Any, final
 
 import torch
 
-__all__ = ["Batch", "Batcher", "LoopCounters", "Routes", "Ticket", "Worker", "__version__"]
+__all__ = ["Batch", "Batcher", "LoopCounters", "LoopMailbox", "Routes", "Ticket", "Worker", "__version__"]
 __version__: str
 
 @final
@@ -30,7 +30,7 @@ class Batcher:
     def submit(
         self,
         inputs: Any,
-        loop_id: int,
+        mailbox: LoopMailbox,
         timeout: float | None = None,
         batched: bool = False,
     ) -> Ticket: ...
@@ -40,10 +40,14 @@ class Batcher:
 
 @final
 class Ticket:
-    """One submitted request; keeps its inputs alive."""
+    """One submitted request: its future and deadline timer; keeps its inputs alive."""
 
     @property
     def id(self) -> int: ...
+    @property
+    def future(self) -> asyncio.Future[dict[str, torch.Tensor]]: ...
+    def set_timer(self, handle: asyncio.TimerHandle) -> None: ...
+    def cancel_timer(self) -> None: ...
     def withdraw(self, reason: str) -> bool: ...
 
 @final
@@ -51,6 +55,13 @@ class Worker:
     """The batch side for one model instance."""
 
     def __new__(cls, batcher: Batcher) -> Worker: ...
+    def deliver(
+        self,
+        mailbox: LoopMailbox,
+        routes: Routes,
+        outputs: dict[str, torch.Tensor] | None,
+        error: BaseException | None,
+    ) -> bool: ...
     def next_batch(self) -> Batch | None: ...
 
 @final
@@ -70,13 +81,36 @@ class Routes:
     """The rows of a batch that belong to one event loop's requests."""
 
     def entries(self) -> list[tuple[int, int, int]]: ...
-    def resolve(
+
+@final
+class LoopMailbox:
+    """One event loop's side of the fan-out: pending tickets, posted batches, doorbell."""
+
+    def __new__(
+        cls,
+        loop_id: int,
+        event_loop: asyncio.AbstractEventLoop,
+        on_error: Callable[[Routes, BaseException], None],
+    ) -> LoopMailbox: ...
+    @property
+    def loop_id(self) -> int: ...
+    @property
+    def pending(self) -> dict[int, Ticket]: ...
+    @property
+    def counters(self) -> LoopCounters: ...
+    @property
+    def doorbell_fd(self) -> int | None: ...
+    @property
+    def wakeups(self) -> int: ...
+    def set_doorbell(self, read_fd: int, write_fd: int, eventfd: bool) -> None: ...
+    def post(
         self,
-        pending: dict[int, tuple[asyncio.Future[dict[str, Any]], Ticket, asyncio.TimerHandle | None, bool]],
-        rows: dict[str, tuple[torch.Tensor, ...]],
-        outputs: dict[str, torch.Tensor],
-        counters: LoopCounters,
-    ) -> None: ...
+        routes: Routes,
+        outputs: dict[str, torch.Tensor] | None,
+        error: BaseException | None,
+    ) -> bool: ...
+    def ring(self) -> bool: ...
+    def drain(self) -> None: ...
 
 @final
 class LoopCounters:

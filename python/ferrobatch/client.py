@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import anyio.from_thread
 import torch
 
+from . import _core
 from ._loops import LoopState
 from .errors import FerrobatchError, ServerClosedError
 
@@ -15,6 +16,8 @@ if TYPE_CHECKING:
     from .server import Server
 
 __all__ = ["Client"]
+
+_get_running_loop = asyncio.get_running_loop
 
 Inputs = dict[str, Any]
 Outputs = dict[str, torch.Tensor]
@@ -57,17 +60,28 @@ class Client:
         awaiting task withdraws the request if no batch has taken it yet.
         The inputs must not be modified until this returns.
         """
-        return await self._infer(inputs, timeout, False)
+        state, ticket = self._submit(inputs, timeout, False)
+        try:
+            return await ticket.future
+        except asyncio.CancelledError:
+            state.cancel(ticket)
+            raise
 
     async def infer_batch(self, inputs: Inputs, timeout: float | None = None) -> Outputs:
         """Like :meth:`infer` for ``n >= 1`` samples at once: every input has a
         leading dimension ``n`` (at most ``max_batch_size``), and so does every
         output. The rows join a batch together and are never split."""
-        return await self._infer(inputs, timeout, True)
+        state, ticket = self._submit(inputs, timeout, True)
+        try:
+            return await ticket.future
+        except asyncio.CancelledError:
+            state.cancel(ticket)
+            raise
 
-    async def _infer(self, inputs: Inputs, timeout: float | None, batched: bool) -> Outputs:
-        # The per-request path: one call into Rust, one future, one dict entry.
-        loop = asyncio.get_running_loop()
+    def _submit(self, inputs: Inputs, timeout: float | None, batched: bool) -> tuple[LoopState, _core.Ticket]:
+        # The per-request path: one call into Rust, which queues the request,
+        # makes its future and registers its ticket with this loop's mailbox.
+        loop = _get_running_loop()
         cached_loop, state = self._cached
         if cached_loop is not loop or state is None:
             state = self._state_for(loop)
@@ -75,23 +89,13 @@ class Client:
         if batcher is None:
             raise self._server._not_running()
         try:
-            ticket = batcher.submit(inputs, state.loop_id, timeout, batched)
+            ticket = batcher.submit(inputs, state.mailbox, timeout, batched)
         except FerrobatchError as exc:
             state.count_failure(exc)
             raise
-        future: asyncio.Future[Outputs] = loop.create_future()
-        rid = ticket.id
-        timer = None if timeout is None else loop.call_later(timeout, state.expire, rid, timeout)
-        state.pending[rid] = (future, ticket, timer, batched)
-        try:
-            return await future
-        except asyncio.CancelledError:
-            state.cancel(rid)
-            if future.done() and not future.cancelled():
-                # Resolved with an error just before the task was cancelled:
-                # mark it retrieved, or asyncio logs "exception was never retrieved".
-                future.exception()
-            raise
+        if timeout is not None:
+            state.arm_timer(ticket, timeout)
+        return state, ticket
 
     def infer_sync(self, inputs: Inputs, timeout: float | None = None) -> Outputs:
         """Blocking :meth:`infer`, for threads other than the event loop's.

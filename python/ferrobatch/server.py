@@ -8,6 +8,7 @@ import math
 import queue
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from time import perf_counter_ns
@@ -140,6 +141,8 @@ class Server:
         self.max_queue_size = max_queue_size
         self._init_instances(device, cuda_graphs, compile, warmup)
         self._loops = LoopRegistry(name)
+        # Event loops stop watching this server's doorbells once it is freed.
+        weakref.finalize(self, self._loops.close)
         self._batcher: _core.Batcher | None = None
         self._accepting: _core.Batcher | None = None  # the batcher while running, else None
         self._slots: list[dict[str, torch.Tensor]] = []
@@ -366,20 +369,18 @@ class Server:
             if batch is None:
                 return
             outputs: dict[str, torch.Tensor] | None = None
-            rows: dict[str, tuple[torch.Tensor, ...]] | None = None
             error: BaseException | None = None
             started = perf_counter_ns()
             try:
                 outputs = executor.run(self._slots[batch.slot], batch.rows)
-                rows = _split_rows(outputs)
             except BaseException as exc:  # noqa: BLE001 - even SystemExit: the worker survives
-                error, outputs, rows = exc, None, None
+                error, outputs = exc, None
                 counters.failed_batches += 1
             batcher.release_slot(batch.slot)  # outputs never alias the slot
             elapsed = perf_counter_ns() - started
             counters.compute_ns += elapsed
             counters.request_compute_ns += elapsed * batch.n_requests
-            self._fan_out(batch, outputs, rows, error)
+            self._fan_out(batch, outputs, error, worker)
 
     @torch.inference_mode()  # once per thread: entering it per batch costs microseconds
     def _launch(
@@ -429,7 +430,6 @@ class Server:
         while (item := handoff.get()) is not None:
             batch, flight = item
             outputs: dict[str, torch.Tensor] | None = None
-            rows: dict[str, tuple[torch.Tensor, ...]] | None = None
             error: BaseException | None = None
             try:
                 flight.wait_staged()
@@ -439,29 +439,29 @@ class Server:
             if error is None:
                 try:
                     outputs = flight.wait()
-                    rows = _split_rows(outputs)
                 except BaseException as exc:  # noqa: BLE001 - delivered to the callers
-                    error, outputs, rows = exc, None, None
+                    error, outputs = exc, None
             if error is not None:
                 counters.failed_batches += 1
             elapsed = perf_counter_ns() - flight.started_ns
             counters.compute_ns += elapsed
             counters.request_compute_ns += elapsed * batch.n_requests
-            self._fan_out(batch, outputs, rows, error)
+            self._fan_out(batch, outputs, error, None)
             tokens.release()
 
     def _fan_out(
         self,
         batch: _core.Batch,
         outputs: dict[str, torch.Tensor] | None,
-        rows: dict[str, tuple[torch.Tensor, ...]] | None,
         error: BaseException | None,
+        worker: _core.Worker | None,
     ) -> None:
-        """One wake-up per event loop with requests in the batch."""
+        """Posts the batch to each event loop with requests in it; ``worker``
+        (if given) rings their doorbells once it releases the GIL."""
         states = self._loops.states
         try:
             for loop_id, routes in batch.groups():
-                states[loop_id].deliver(routes, outputs, rows, error)
+                states[loop_id].deliver(worker, routes, outputs, error)
         except BaseException:  # noqa: BLE001
             log.exception("ferrobatch: fan-out of a batch of model '%s' failed", self.name)
 
@@ -513,12 +513,6 @@ class Server:
 def _with_torch_threads(threads: int, target: Callable[..., None], *args: Any) -> None:
     torch.set_num_threads(threads)
     target(*args)
-
-
-def _split_rows(outputs: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, ...]]:
-    """Per-row views of each output, made once per batch on the worker thread
-    (which runs in inference mode: views of inference tensors are cheapest there)."""
-    return {name: out.unbind(0) for name, out in outputs.items()}
 
 
 def _check_specs(kind: str, specs: Sequence[TensorSpec]) -> list[TensorSpec]:

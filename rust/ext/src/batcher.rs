@@ -1,18 +1,19 @@
 //! The Python classes: `Batcher` (submit side), `Ticket` (one request),
-//! `Worker` (batch side), `Batch` and `Routes` (what a worker got).
+//! `Worker` (batch side) and `Batch` (what a worker got).
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use ferrobatch_core as core;
 use ferrobatch_core::{BatcherConfig, DType, DispatchRule, RequestState, Route, SlotBuffer};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PySlice, PyString, PyTuple, PyType};
+use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
 
 use crate::errors::{invalid_input, to_pyerr};
+use crate::fanout::{ring_fd, LoopMailbox, Routes};
 use crate::inputs::{Converter, InputSpec, Keep};
 use crate::without_gil;
 
@@ -94,16 +95,18 @@ impl Batcher {
         })
     }
 
-    /// Validates `inputs` against the specs and queues the request.
-    #[pyo3(signature = (inputs, loop_id, timeout=None, batched=false))]
-    fn submit(
+    /// Validates `inputs` against the specs, queues the request and registers
+    /// its ticket (with a new future of the mailbox's loop) in
+    /// `mailbox.pending`. Call on the mailbox's loop thread.
+    #[pyo3(signature = (inputs, mailbox, timeout=None, batched=false))]
+    fn submit<'py>(
         &self,
-        py: Python<'_>,
-        inputs: &Bound<'_, PyAny>,
-        loop_id: u32,
+        py: Python<'py>,
+        inputs: &Bound<'py, PyAny>,
+        mailbox: &Bound<'py, LoopMailbox>,
         timeout: Option<f64>,
         batched: bool,
-    ) -> PyResult<Ticket> {
+    ) -> PyResult<Bound<'py, Ticket>> {
         let Ok(inputs) = inputs.cast::<PyDict>() else {
             return Err(invalid_input(
                 py,
@@ -162,11 +165,25 @@ impl Batcher {
             Some(t) => Some(Duration::try_from_secs_f64(t).unwrap_or(Duration::MAX)),
             None => None,
         };
+        let mailbox = mailbox.get();
+        // Made before the request is queued: once queued, nothing may fail.
+        let future = mailbox.new_future(py)?;
         let request = self
             .core
-            .submit(loop_id, rows.unwrap_or(1), bytes.into_boxed_slice(), timeout)
+            .submit(mailbox.loop_id(), rows.unwrap_or(1), bytes.into_boxed_slice(), timeout)
             .map_err(|e| to_pyerr(py, e))?;
-        Ok(Ticket { request, batcher: self.core.clone(), _keep: keep })
+        let id = request.id;
+        let ticket = Ticket {
+            request,
+            batcher: self.core.clone(),
+            future,
+            timer: OnceLock::new(),
+            batched,
+            _keep: keep,
+        };
+        let ticket = Bound::new(py, ticket)?;
+        mailbox.pending(py).set_item(id, &ticket)?;
+        Ok(ticket)
     }
 
     /// Gives back a batch's staging slot once its bytes have been consumed.
@@ -196,13 +213,25 @@ impl Batcher {
     }
 }
 
-/// One submitted request. Holds the caller's input objects alive; drop it
-/// only once the request is resolved or withdrawn (`withdraw` returned True).
+/// One submitted request: its future, deadline timer, and the caller's input
+/// objects, held alive until the request is resolved or withdrawn
+/// (`withdraw` returned True); its loop's `pending` holds it until then.
 #[pyclass(frozen, module = "ferrobatch._core")]
 pub struct Ticket {
     request: Arc<core::Request>,
     batcher: Arc<core::Batcher>,
+    /// Resolved once, on the submitting loop, with the outputs or an error.
+    pub(crate) future: Py<PyAny>,
+    timer: OnceLock<Py<PyAny>>,
+    /// A multi-row request (`infer_batch`): its result keeps the batch dimension.
+    pub(crate) batched: bool,
     _keep: Vec<Keep>,
+}
+
+impl Ticket {
+    pub(crate) fn enqueued_at(&self) -> Instant {
+        self.request.enqueued_at
+    }
 }
 
 #[pymethods]
@@ -210,6 +239,24 @@ impl Ticket {
     #[getter]
     fn id(&self) -> u64 {
         self.request.id
+    }
+
+    #[getter]
+    fn future(&self, py: Python<'_>) -> Py<PyAny> {
+        self.future.clone_ref(py)
+    }
+
+    /// Remembers the request's deadline timer (set once), cancelled on resolve.
+    fn set_timer(&self, handle: Py<PyAny>) -> PyResult<()> {
+        self.timer.set(handle).map_err(|_| PyValueError::new_err("the ticket already has a timer"))
+    }
+
+    /// Cancels the deadline timer, if any.
+    pub(crate) fn cancel_timer(&self, py: Python<'_>) -> PyResult<()> {
+        if let Some(timer) = self.timer.get() {
+            timer.call_method0(py, intern!(py, "cancel"))?;
+        }
+        Ok(())
     }
 
     /// Withdraws the request ("cancelled", "expired" or "closed"). True if it
@@ -233,6 +280,8 @@ pub struct Worker {
     /// into during `next_batch`, alive for as long as this worker exists.
     _batcher: Py<Batcher>,
     state: Mutex<core::Worker>,
+    /// Mailboxes posted to since the last `next_batch`: rung once the GIL is released.
+    to_ring: Mutex<Vec<Py<LoopMailbox>>>,
 }
 
 #[pymethods]
@@ -243,17 +292,47 @@ impl Worker {
             core: batcher.get().core.clone(),
             _batcher: batcher.unbind(),
             state: Mutex::new(core::Worker::new()),
+            to_ring: Mutex::new(Vec::new()),
         }
     }
 
-    /// Blocks (GIL released) until a batch is gathered and collated into a
-    /// staging slot; None once the batcher is closed and drained.
+    /// Posts a batch's outcome to a loop's mailbox; its doorbell rings at
+    /// this worker's next `next_batch`, after the GIL is released. True when
+    /// the mailbox has no doorbell: the caller then wakes the loop itself.
+    #[pyo3(signature = (mailbox, routes, outputs, error))]
+    fn deliver(
+        &self,
+        mailbox: Bound<'_, LoopMailbox>,
+        routes: &Routes,
+        outputs: Option<Py<PyDict>>,
+        error: Option<Py<PyAny>>,
+    ) -> PyResult<bool> {
+        if !mailbox.get().post(routes, outputs, error)? {
+            return Ok(false); // the loop is already due to drain
+        }
+        if mailbox.get().doorbell_fd().is_none() {
+            return Ok(true);
+        }
+        self.to_ring.lock().unwrap_or_else(|e| e.into_inner()).push(mailbox.unbind());
+        Ok(false)
+    }
+
+    /// Rings the doorbells of what was delivered, then blocks (GIL released)
+    /// until a batch is gathered and collated into a staging slot; None once
+    /// the batcher is closed and drained.
     fn next_batch(&self, py: Python<'_>) -> PyResult<Option<Batch>> {
+        let to_ring = std::mem::take(&mut *self.to_ring.lock().unwrap_or_else(|e| e.into_inner()));
+        let doorbells: Vec<_> = to_ring.iter().filter_map(|m| m.get().doorbell_target()).collect();
         let batch = without_gil(py, || {
+            // `to_ring` keeps each mailbox, and so its fd, alive meanwhile.
+            for (fd, eventfd) in doorbells {
+                ring_fd(fd, eventfd);
+            }
             let mut state = self.state.lock().map_err(|_| "worker state poisoned")?;
             Ok::<_, &str>(self.core.next_batch(&mut state))
         })
         .map_err(PyTypeError::new_err)?;
+        drop(to_ring);
         Ok(batch.map(|b| Batch {
             slot: b.slot,
             rows: b.rows,
@@ -290,120 +369,5 @@ impl Batch {
             })
             .collect::<PyResult<Vec<_>>>()?;
         PyList::new(py, items)
-    }
-}
-
-/// The rows of a batch that belong to the requests of one event loop.
-#[pyclass(frozen, module = "ferrobatch._core")]
-pub struct Routes {
-    routes: Arc<Vec<Route>>,
-}
-
-#[pymethods]
-impl Routes {
-    /// `[(request_id, first_row, rows)]` in batch order.
-    fn entries<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let items = self
-            .routes
-            .iter()
-            .map(|r| (r.id, r.start, r.rows).into_pyobject(py))
-            .collect::<PyResult<Vec<_>>>()?;
-        PyList::new(py, items)
-    }
-
-    /// Resolves this loop's requests of a successful batch, on the loop's thread.
-    ///
-    /// `pending` maps request id to `(future, ticket, timer | None, batched)`;
-    /// each entry found is removed, its timer cancelled and, unless its future
-    /// is already done (cancelled, past its deadline), its future gets
-    /// `{name: row}` (one-sample requests: `rows[name][first_row]`) or
-    /// `{name: outputs[name][first:first + n]}` (multi-row requests).
-    fn resolve(
-        &self,
-        py: Python<'_>,
-        pending: &Bound<'_, PyDict>,
-        rows: &Bound<'_, PyDict>,
-        outputs: &Bound<'_, PyDict>,
-        counters: &LoopCounters,
-    ) -> PyResult<()> {
-        let columns = rows
-            .iter()
-            .map(|(name, per_row)| {
-                let whole = outputs.get_item(&name)?.ok_or_else(|| {
-                    PyValueError::new_err(format!("output {name} has rows but no batch tensor"))
-                })?;
-                Ok((name, per_row.cast_into::<PyTuple>()?, whole))
-            })
-            .collect::<PyResult<Vec<_>>>()?;
-        let (mut succeeded, mut request_ns) = (0u64, 0u64);
-        for route in self.routes.iter() {
-            let key = route.id.into_pyobject(py)?;
-            let Some(entry) = pending.get_item(&key)? else { continue };
-            pending.del_item(&key)?;
-            let entry = entry.cast_into::<PyTuple>()?;
-            let future = entry.get_item(0)?;
-            let timer = entry.get_item(2)?;
-            if !timer.is_none() {
-                timer.call_method0(intern!(py, "cancel"))?;
-            }
-            if future.call_method0(intern!(py, "done"))?.is_truthy()? {
-                continue;
-            }
-            let batched = entry.get_item(3)?.is_truthy()?;
-            let result = PyDict::new(py);
-            let built = columns.iter().try_for_each(|(name, per_row, whole)| {
-                let value = if batched {
-                    let end = (route.start + route.rows) as isize;
-                    whole.get_item(PySlice::new(py, route.start as isize, end, 1))?
-                } else {
-                    per_row.get_item(route.start as usize)?
-                };
-                result.set_item(name, value)
-            });
-            match built {
-                Ok(()) => {
-                    future.call_method1(intern!(py, "set_result"), (result,))?;
-                    succeeded += 1;
-                    if let Ok(ticket) = entry.get_item(1)?.cast::<Ticket>() {
-                        request_ns += ticket.get().request.enqueued_at.elapsed().as_nanos() as u64;
-                    }
-                }
-                // Never leave a caller hanging: hand it the error instead.
-                Err(err) => {
-                    future.call_method1(intern!(py, "set_exception"), (err.value(py),))?;
-                }
-            }
-        }
-        counters.succeeded.fetch_add(succeeded, Ordering::Relaxed);
-        counters.request_ns.fetch_add(request_ns, Ordering::Relaxed);
-        Ok(())
-    }
-}
-
-/// Per-loop counters the Rust fan-out updates (read from any thread).
-#[pyclass(frozen, module = "ferrobatch._core")]
-#[derive(Default)]
-pub struct LoopCounters {
-    succeeded: AtomicU64,
-    request_ns: AtomicU64,
-}
-
-#[pymethods]
-impl LoopCounters {
-    #[new]
-    fn new() -> LoopCounters {
-        LoopCounters::default()
-    }
-
-    /// Requests resolved with a result.
-    #[getter]
-    fn succeeded(&self) -> u64 {
-        self.succeeded.load(Ordering::Relaxed)
-    }
-
-    /// Sum over those requests of the time from submit to result, in nanoseconds.
-    #[getter]
-    fn request_ns(&self) -> u64 {
-        self.request_ns.load(Ordering::Relaxed)
     }
 }

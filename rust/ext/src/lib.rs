@@ -6,6 +6,7 @@
 
 mod batcher;
 mod errors;
+mod fanout;
 mod inputs;
 
 use pyo3::prelude::*;
@@ -26,7 +27,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<batcher::Ticket>()?;
     m.add_class::<batcher::Worker>()?;
     m.add_class::<batcher::Batch>()?;
-    m.add_class::<batcher::Routes>()?;
-    m.add_class::<batcher::LoopCounters>()?;
+    m.add_class::<fanout::Routes>()?;
+    m.add_class::<fanout::LoopCounters>()?;
+    m.add_class::<fanout::LoopMailbox>()?;
     Ok(())
 }
