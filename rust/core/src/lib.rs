@@ -13,6 +13,9 @@
 //!   behind those pointers alive until the request is resolved (see
 //!   [`Request`]). Nothing else crosses threads.
 //! * **Workers** (one thread per model instance) call [`Batcher::next_batch`].
+//!   One worker gathers at a time (the gather lock), sleeping on the queue's
+//!   doorbell until enough rows for its next dispatch decision have arrived
+//!   or its deadline passes, so a submit wakes it at most once per batch.
 //!   A worker owns the staging slot it acquired from the [`StagingRing`] until
 //!   it calls [`Batcher::release_slot`]. It reads a request's input bytes only
 //!   after it won the `Queued -> Taken` transition for that request, and only

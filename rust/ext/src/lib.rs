@@ -1,8 +1,10 @@
 //! `ferrobatch._core`: thin pyo3 bindings over `ferrobatch-core`.
 //!
-//! This crate only converts: Python objects to byte views and ids, core
-//! results to Python objects, `CoreError` to the `ferrobatch.errors`
-//! hierarchy. The GIL is released in one place, [`without_gil`].
+//! This crate converts: Python objects to byte views and ids, core results
+//! to Python objects, `CoreError` to the `ferrobatch.errors` hierarchy; and
+//! it holds the part of fan-out that needs Python objects, each event loop's
+//! mailbox of finished batches (`fanout.rs`). The GIL is released in one
+//! place, [`without_gil`].
 
 mod batcher;
 mod errors;
