@@ -4,7 +4,9 @@ the deadline, the queue or the server."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
+import sys
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -127,6 +129,46 @@ async def test_a_request_past_its_deadline_while_queued_is_never_run(gate: Gate)
         torch.testing.assert_close(after["y"], sample(2))
     assert 42.0 not in gate.seen
     assert server.stats()["requests_failed"]["deadline_exceeded"] == 1
+
+
+async def test_requests_with_deadlines_let_go_of_their_inputs_however_they_end(gate: Gate) -> None:
+    """A deadline timer and its ticket refer to each other; every way a
+    request ends must break that, or its inputs would never be freed."""
+    x = sample(7)
+    before = sys.getrefcount(x)
+    async with make_server(gate, max_batch_size=1, max_delay=0) as server:
+        client = server.client()
+        first = asyncio.ensure_future(client.infer({"x": sample(0)}, timeout=30))
+        await wait_entered(gate)
+        for _ in range(3):  # expire while queued
+            with pytest.raises(fb.DeadlineExceededError):
+                await client.infer({"x": x}, timeout=0.01)
+        cancelled = asyncio.ensure_future(client.infer({"x": x}, timeout=30))
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        gate.release.set()
+        await first  # resolved with its timer pending
+        ok = await client.infer({"x": x}, timeout=30)
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        del ok, cancelled, first  # the cancelled task keeps its traceback, and so its inputs
+    gc.collect()
+    assert sys.getrefcount(x) == before
+
+
+async def test_failed_requests_let_go_of_their_inputs() -> None:
+    def broken(model_inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        raise RuntimeError("model failed")
+
+    x = sample(3)
+    before = sys.getrefcount(x)
+    async with make_server(broken, max_batch_size=4, max_delay=0.001) as server:
+        client = server.client()
+        for _ in range(5):
+            with pytest.raises(fb.ModelError):
+                await client.infer({"x": x})
+    gc.collect()
+    assert sys.getrefcount(x) == before
 
 
 async def test_deadline_while_in_a_batch_resolves_once_with_the_error(gate: Gate) -> None:

@@ -75,18 +75,20 @@ class LoopState:
     def arm_timer(self, ticket: _core.Ticket, timeout: float) -> None:
         ticket.set_timer(self.loop.call_later(timeout, self.expire, ticket, timeout))
 
-    def cancel(self, ticket: _core.Ticket) -> None:
+    def cancel(self, rid: int) -> None:
         """The awaiting task was cancelled: withdraw the request if not yet taken."""
-        if ticket.id not in self.pending:
+        ticket = self.pending.get(rid)
+        if ticket is None:
             return  # already resolved
         ticket.cancel_timer()
         if ticket.withdraw("cancelled"):
-            del self.pending[ticket.id]  # never runs: its inputs may go
+            del self.pending[rid]  # never runs: its inputs may go
         # else: a batch took it; the ticket (and inputs) stay until it resolves.
         self.failed["cancelled"] += 1
 
     def expire(self, ticket: _core.Ticket, timeout: float) -> None:
         """The request's deadline passed (its timer fired)."""
+        ticket.cancel_timer()  # already fired: only lets go of the handle
         future = ticket.future
         if future.done() or ticket.id not in self.pending:
             return

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any
 import anyio.from_thread
 import torch
 
-from . import _core
 from ._loops import LoopState
 from .errors import FerrobatchError, ServerClosedError
 
@@ -60,27 +59,32 @@ class Client:
         awaiting task withdraws the request if no batch has taken it yet.
         The inputs must not be modified until this returns.
         """
-        state, ticket = self._submit(inputs, timeout, False)
+        state, future, rid = self._submit(inputs, timeout, False)
         try:
-            return await ticket.future
+            return await future
         except asyncio.CancelledError:
-            state.cancel(ticket)
+            state.cancel(rid)
             raise
 
     async def infer_batch(self, inputs: Inputs, timeout: float | None = None) -> Outputs:
         """Like :meth:`infer` for ``n >= 1`` samples at once: every input has a
         leading dimension ``n`` (at most ``max_batch_size``), and so does every
         output. The rows join a batch together and are never split."""
-        state, ticket = self._submit(inputs, timeout, True)
+        state, future, rid = self._submit(inputs, timeout, True)
         try:
-            return await ticket.future
+            return await future
         except asyncio.CancelledError:
-            state.cancel(ticket)
+            state.cancel(rid)
             raise
 
-    def _submit(self, inputs: Inputs, timeout: float | None, batched: bool) -> tuple[LoopState, _core.Ticket]:
+    def _submit(
+        self, inputs: Inputs, timeout: float | None, batched: bool
+    ) -> tuple[LoopState, asyncio.Future[Outputs], int]:
         # The per-request path: one call into Rust, which queues the request,
         # makes its future and registers its ticket with this loop's mailbox.
+        # The caller keeps the future and id, never the ticket: a failed
+        # future's traceback holds the caller's frame, and the ticket (which
+        # the cycle collector does not see) holds the future.
         loop = _get_running_loop()
         cached_loop, state = self._cached
         if cached_loop is not loop or state is None:
@@ -95,7 +99,7 @@ class Client:
             raise
         if timeout is not None:
             state.arm_timer(ticket, timeout)
-        return state, ticket
+        return state, ticket.future, ticket.id
 
     def infer_sync(self, inputs: Inputs, timeout: float | None = None) -> Outputs:
         """Blocking :meth:`infer`, for threads other than the event loop's.

@@ -2,7 +2,7 @@
 //! `Worker` (batch side) and `Batch` (what a worker got).
 
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ferrobatch_core as core;
@@ -177,7 +177,7 @@ impl Batcher {
             request,
             batcher: self.core.clone(),
             future,
-            timer: OnceLock::new(),
+            timer: Mutex::new(None),
             batched,
             _keep: keep,
         };
@@ -216,13 +216,20 @@ impl Batcher {
 /// One submitted request: its future, deadline timer, and the caller's input
 /// objects, held alive until the request is resolved or withdrawn
 /// (`withdraw` returned True); its loop's `pending` holds it until then.
+///
+/// Not seen by Python's cycle collector (cheaper per request), so nothing the
+/// ticket refers to may refer back to it once it is resolved: callers await
+/// its future without keeping the ticket, and the deadline timer (whose
+/// callback holds the ticket) is dropped by `cancel_timer` on every path.
 #[pyclass(frozen, module = "ferrobatch._core")]
 pub struct Ticket {
     request: Arc<core::Request>,
     batcher: Arc<core::Batcher>,
     /// Resolved once, on the submitting loop, with the outputs or an error.
     pub(crate) future: Py<PyAny>,
-    timer: OnceLock<Py<PyAny>>,
+    /// The deadline's TimerHandle, whose callback args hold this ticket: taken
+    /// out when cancelled, so the cycle never outlives the request.
+    timer: Mutex<Option<Py<PyAny>>>,
     /// A multi-row request (`infer_batch`): its result keeps the batch dimension.
     pub(crate) batched: bool,
     _keep: Vec<Keep>,
@@ -248,12 +255,18 @@ impl Ticket {
 
     /// Remembers the request's deadline timer (set once), cancelled on resolve.
     fn set_timer(&self, handle: Py<PyAny>) -> PyResult<()> {
-        self.timer.set(handle).map_err(|_| PyValueError::new_err("the ticket already has a timer"))
+        let mut timer = self.timer.lock().unwrap_or_else(|e| e.into_inner());
+        if timer.is_some() {
+            return Err(PyValueError::new_err("the ticket already has a timer"));
+        }
+        *timer = Some(handle);
+        Ok(())
     }
 
-    /// Cancels the deadline timer, if any.
+    /// Cancels the deadline timer, if any, and lets go of it.
     pub(crate) fn cancel_timer(&self, py: Python<'_>) -> PyResult<()> {
-        if let Some(timer) = self.timer.get() {
+        let timer = self.timer.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(timer) = timer {
             timer.call_method0(py, intern!(py, "cancel"))?;
         }
         Ok(())
