@@ -253,7 +253,6 @@ impl LoopMailbox {
         }
         first_error.map_or(Ok(()), Err)
     }
-
 }
 
 impl LoopMailbox {
