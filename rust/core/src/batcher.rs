@@ -100,10 +100,6 @@ impl Batcher {
         self.queue.len()
     }
 
-    pub fn is_closed(&self) -> bool {
-        self.queue.is_closed()
-    }
-
     /// Validates and enqueues a request of `rows` rows.
     ///
     /// The caller keeps the memory behind `inputs` alive until the request is

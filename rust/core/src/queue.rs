@@ -67,7 +67,7 @@ const NOBODY_WAITS: isize = isize::MAX;
 pub enum Popped {
     Request(Arc<Request>),
     Close,
-    /// Nothing arrived (non-blocking pop, or the wait timed out).
+    /// Nothing is queued.
     Empty,
 }
 
@@ -193,10 +193,6 @@ impl RequestQueue {
             let _ = self.tx.try_send(Message::Close);
         }
         self.ring();
-    }
-
-    pub fn is_closed(&self) -> bool {
-        self.closed.load(Ordering::Acquire)
     }
 
     /// Live requests waiting: pushed and not yet taken or withdrawn.

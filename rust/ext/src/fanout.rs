@@ -60,11 +60,6 @@ pub struct LoopCounters {
 
 #[pymethods]
 impl LoopCounters {
-    #[new]
-    fn new() -> LoopCounters {
-        LoopCounters::default()
-    }
-
     /// Requests resolved with a result.
     #[getter]
     fn succeeded(&self) -> u64 {
@@ -119,7 +114,6 @@ pub(crate) fn ring_fd(fd: RawFd, eventfd: bool) {
 /// loop's thread.
 #[pyclass(frozen, module = "ferrobatch._core")]
 pub struct LoopMailbox {
-    #[pyo3(get)]
     loop_id: u32,
     /// Request id -> Ticket, for requests submitted from this loop.
     #[pyo3(get)]
@@ -295,8 +289,9 @@ impl LoopMailbox {
     ///
     /// Each pending ticket found is removed, its timer cancelled, and its
     /// future given `{name: row}` (one-sample requests: a row of
-    /// `outputs[name].unbind(0)`, made here once per batch: the loop thread
-    /// runs it, so the worker never drops the GIL for it) or
+    /// `outputs[name].unbind(0)`, made here at most once per batch, and only
+    /// if a one-sample request is in it: the loop thread runs it, so the
+    /// worker never drops the GIL for it) or
     /// `{name: outputs[name][first:first + n]}` (multi-row requests). A
     /// future already done (its task was cancelled, or its deadline passed)
     /// refuses the result, and that is fine: it was resolved once already.
@@ -306,13 +301,8 @@ impl LoopMailbox {
         routes: &[Route],
         outputs: &Bound<'_, PyDict>,
     ) -> PyResult<()> {
-        let columns = outputs
-            .iter()
-            .map(|(name, whole)| {
-                let per_row = whole.call_method1(intern!(py, "unbind"), (0,))?.cast_into::<PyTuple>()?;
-                Ok((name, per_row, whole))
-            })
-            .collect::<PyResult<Vec<_>>>()?;
+        // (name, batch tensor, its rows once a one-sample request needs them)
+        let mut columns: Vec<_> = outputs.iter().map(|(name, whole)| (name, whole, None)).collect();
         let pending = self.pending.bind(py);
         let now = Instant::now();
         let (mut succeeded, mut request_ns) = (0u64, 0u64);
@@ -324,14 +314,20 @@ impl LoopMailbox {
             let ticket = entry.get();
             ticket.cancel_timer(py)?;
             let result = PyDict::new(py);
-            let built = columns.iter().try_for_each(|(name, per_row, whole)| {
+            let built = columns.iter_mut().try_for_each(|(name, whole, per_row)| {
                 let value = if ticket.batched {
                     let end = (route.start + route.rows) as isize;
                     whole.get_item(PySlice::new(py, route.start as isize, end, 1))?
                 } else {
+                    let per_row = match per_row {
+                        Some(rows) => rows,
+                        None => per_row.insert(
+                            whole.call_method1(intern!(py, "unbind"), (0,))?.cast_into::<PyTuple>()?,
+                        ),
+                    };
                     per_row.get_item(route.start as usize)?
                 };
-                result.set_item(name, value)
+                result.set_item(&*name, value)
             });
             let future = ticket.future.bind(py);
             let is_result = built.is_ok();

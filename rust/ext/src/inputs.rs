@@ -90,7 +90,7 @@ impl Converter {
     ) -> PyResult<Converted> {
         let spec = &self.specs[index];
         if value.is_instance(self.tensor_type.bind(py))? {
-            return self.from_tensor(py, spec, value.clone(), batched);
+            return self.convert_tensor(py, spec, value.clone(), batched);
         }
         if let Ok(buffer) = PyUntypedBuffer::get(value) {
             if buffer.is_c_contiguous() {
@@ -98,10 +98,10 @@ impl Converter {
             }
         }
         let tensor = self.coerce.bind(py).call1((value, index, batched))?;
-        self.from_tensor(py, spec, tensor, batched)
+        self.convert_tensor(py, spec, tensor, batched)
     }
 
-    fn from_tensor(
+    fn convert_tensor(
         &self,
         py: Python<'_>,
         spec: &InputSpec,
