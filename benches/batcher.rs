@@ -11,7 +11,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use ferrobatch_core::{Batcher, BatcherConfig, DispatchRule, InputBytes, Request, SlotBuffer, Worker};
+use ferrobatch_core::{
+    Batcher, BatcherConfig, DispatchRule, InputBytes, Request, SlotBuffer, Worker,
+};
 
 const MAX_BATCH: usize = 64;
 /// One float32[256] sample, as in the end-to-end bench.
@@ -26,8 +28,12 @@ fn bench_batcher(c: &mut Criterion) {
         .map(|v| vec![unsafe { SlotBuffer::new(v.as_mut_ptr(), v.len()) }])
         .collect();
     let rule = DispatchRule::new(MAX_BATCH, Duration::ZERO, 1, vec![]).expect("a valid rule");
-    let config =
-        BatcherConfig { rule, row_nbytes: vec![ROW], max_queue_size: 10_000, workers: 1 };
+    let config = BatcherConfig {
+        rule,
+        row_nbytes: vec![ROW],
+        max_queue_size: 10_000,
+        workers: 1,
+    };
     let batcher = Batcher::new(config, slots).expect("a valid batcher");
     let mut worker = Worker::new();
     let mut tickets: Vec<Arc<Request>> = Vec::with_capacity(MAX_BATCH);
@@ -40,7 +46,11 @@ fn bench_batcher(c: &mut Criterion) {
                 for _ in 0..n {
                     // SAFETY: `SAMPLE` is static, so it outlives the request.
                     let input = unsafe { InputBytes::new(SAMPLE.as_ptr(), ROW) };
-                    tickets.push(batcher.submit(0, 1, Box::new([input]), None).expect("admitted"));
+                    tickets.push(
+                        batcher
+                            .submit(0, 1, Box::new([input]), None)
+                            .expect("admitted"),
+                    );
                 }
                 let batch = batcher.next_batch(&mut worker).expect("a batch");
                 assert_eq!(batch.rows, n);

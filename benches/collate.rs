@@ -28,8 +28,12 @@ use criterion::{
 use ferrobatch_core::{InputBytes, Request, SlotBuffer, StagingRing};
 
 const REQUESTS: [usize; 3] = [1, 64, 256];
-const SIZES: [(usize, &str); 4] =
-    [(16, "16B"), (1024, "1KiB"), (64 * 1024, "64KiB"), (600 * 1024, "600KiB")];
+const SIZES: [(usize, &str); 4] = [
+    (16, "16B"),
+    (1024, "1KiB"),
+    (64 * 1024, "64KiB"),
+    (600 * 1024, "600KiB"),
+];
 const ALIGN: usize = 64;
 const PAGE: usize = 4096;
 
@@ -105,7 +109,13 @@ fn setup(n: usize, size: usize, behind_rows: bool) -> Setup {
         })
         .collect();
     let slot = ring.acquire();
-    Setup { ring, slot, requests, _sources: sources, _slot_memory: slot_memory }
+    Setup {
+        ring,
+        slot,
+        requests,
+        _sources: sources,
+        _slot_memory: slot_memory,
+    }
 }
 
 fn bench_collate(c: &mut Criterion) {

@@ -14,7 +14,15 @@ use ferrobatch_core::{Request, Routes};
 
 fn batch(n: usize, loops: u32) -> Vec<Arc<Request>> {
     (0..n)
-        .map(|i| Arc::new(Request::new(i as u64, i as u32 % loops, 1, Box::new([]), None)))
+        .map(|i| {
+            Arc::new(Request::new(
+                i as u64,
+                i as u32 % loops,
+                1,
+                Box::new([]),
+                None,
+            ))
+        })
         .collect()
 }
 

@@ -60,7 +60,10 @@ impl BenchQueue for Ferrobatch {
     const NAME: &'static str = "ferrobatch RequestQueue";
 
     fn make(producers: usize) -> Self {
-        Ferrobatch { queue: RequestQueue::new(CAPACITY, 1), producers }
+        Ferrobatch {
+            queue: RequestQueue::new(CAPACITY, 1),
+            producers,
+        }
     }
 
     fn try_push(&self, r: Arc<Request>) -> Result<(), Arc<Request>> {
@@ -72,7 +75,9 @@ impl BenchQueue for Ferrobatch {
         if self.queue.len() + self.producers > self.queue.capacity() {
             return Err(r);
         }
-        self.queue.push(r).expect("headroom was checked and the queue is never closed");
+        self.queue
+            .push(r)
+            .expect("headroom was checked and the queue is never closed");
         Ok(())
     }
 
@@ -144,7 +149,11 @@ fn contended<Q: BenchQueue>(iters: u64, producers: usize) -> Duration {
     let per = iters / producers as u64;
     let batches: Vec<Vec<Arc<Request>>> = (0..producers as u64)
         .map(|p| {
-            let n = if p + 1 == producers as u64 { iters - per * p } else { per };
+            let n = if p + 1 == producers as u64 {
+                iters - per * p
+            } else {
+                per
+            };
             requests(n, p * per)
         })
         .collect();
@@ -184,7 +193,11 @@ fn contended<Q: BenchQueue>(iters: u64, producers: usize) -> Duration {
         }
         last.duration_since(first)
     });
-    assert_eq!(popped.len() as u64, iters, "every request pushed was popped");
+    assert_eq!(
+        popped.len() as u64,
+        iters,
+        "every request pushed was popped"
+    );
     drop(popped);
     elapsed
 }
@@ -192,7 +205,9 @@ fn contended<Q: BenchQueue>(iters: u64, producers: usize) -> Duration {
 fn bench_queues(c: &mut Criterion) {
     let mut group = c.benchmark_group("queue/uncontended");
     group.throughput(Throughput::Elements(1));
-    group.bench_function(Ferrobatch::NAME, |b| b.iter_custom(uncontended::<Ferrobatch>));
+    group.bench_function(Ferrobatch::NAME, |b| {
+        b.iter_custom(uncontended::<Ferrobatch>)
+    });
     group.bench_function(Array::NAME, |b| b.iter_custom(uncontended::<Array>));
     group.bench_function(Seg::NAME, |b| b.iter_custom(uncontended::<Seg>));
     group.finish();
@@ -203,15 +218,21 @@ fn bench_queues(c: &mut Criterion) {
         // Two-thread runs vary with scheduling on a small machine: fewer,
         // longer samples.
         group.sample_size(20);
-        group.bench_with_input(BenchmarkId::new(Ferrobatch::NAME, producers), &producers, |b, &p| {
-            b.iter_custom(|iters| contended::<Ferrobatch>(iters, p))
-        });
-        group.bench_with_input(BenchmarkId::new(Array::NAME, producers), &producers, |b, &p| {
-            b.iter_custom(|iters| contended::<Array>(iters, p))
-        });
-        group.bench_with_input(BenchmarkId::new(Seg::NAME, producers), &producers, |b, &p| {
-            b.iter_custom(|iters| contended::<Seg>(iters, p))
-        });
+        group.bench_with_input(
+            BenchmarkId::new(Ferrobatch::NAME, producers),
+            &producers,
+            |b, &p| b.iter_custom(|iters| contended::<Ferrobatch>(iters, p)),
+        );
+        group.bench_with_input(
+            BenchmarkId::new(Array::NAME, producers),
+            &producers,
+            |b, &p| b.iter_custom(|iters| contended::<Array>(iters, p)),
+        );
+        group.bench_with_input(
+            BenchmarkId::new(Seg::NAME, producers),
+            &producers,
+            |b, &p| b.iter_custom(|iters| contended::<Seg>(iters, p)),
+        );
         group.finish();
     }
 }

@@ -71,10 +71,14 @@ pub struct Batcher {
 impl Batcher {
     pub fn new(config: BatcherConfig, slots: Vec<Vec<SlotBuffer>>) -> Result<Batcher, CoreError> {
         if config.max_queue_size == 0 {
-            return Err(CoreError::InvalidConfig("max_queue_size must be at least 1".into()));
+            return Err(CoreError::InvalidConfig(
+                "max_queue_size must be at least 1".into(),
+            ));
         }
         if config.workers == 0 {
-            return Err(CoreError::InvalidConfig("at least one worker is needed".into()));
+            return Err(CoreError::InvalidConfig(
+                "at least one worker is needed".into(),
+            ));
         }
         let ring = StagingRing::new(config.row_nbytes, config.rule.max_batch_size, slots)?;
         Ok(Batcher {
@@ -113,7 +117,9 @@ impl Batcher {
     ) -> Result<Arc<Request>, CoreError> {
         let row_nbytes = self.ring.row_nbytes();
         if rows == 0 {
-            return Err(CoreError::InvalidInput("a request must carry at least one row".into()));
+            return Err(CoreError::InvalidInput(
+                "a request must carry at least one row".into(),
+            ));
         }
         if rows > self.rule.max_batch_size {
             return Err(CoreError::InvalidInput(format!(
@@ -173,9 +179,15 @@ impl Batcher {
             .sum();
         self.stats.batches.fetch_add(1, Ordering::Relaxed);
         self.stats.rows.fetch_add(rows as u64, Ordering::Relaxed);
-        self.stats.requests.fetch_add(gathered.len() as u64, Ordering::Relaxed);
+        self.stats
+            .requests
+            .fetch_add(gathered.len() as u64, Ordering::Relaxed);
         self.stats.queue_ns.fetch_add(queue_ns, Ordering::Relaxed);
-        Some(Batch { slot, rows, routes: Routes::for_batch(&gathered) })
+        Some(Batch {
+            slot,
+            rows,
+            routes: Routes::for_batch(&gathered),
+        })
     }
 
     /// Fills `gathered` by the dispatch rule; returns its rows. Empty only
@@ -215,7 +227,8 @@ impl Batcher {
                 }
             };
             // Sleep until the decision can change: enough rows, or the deadline.
-            self.queue.wait_for_rows(self.rule.recheck_at(rows) - rows, wait_until);
+            self.queue
+                .wait_for_rows(self.rule.recheck_at(rows) - rows, wait_until);
         }
         rows
     }
@@ -301,14 +314,23 @@ mod tests {
             .map(|v| vec![unsafe { SlotBuffer::new(v.as_mut_ptr(), v.len()) }])
             .collect();
         let rule = DispatchRule::new(max, delay, min, vec![]).unwrap();
-        let config = BatcherConfig { rule, row_nbytes: vec![ROW], max_queue_size: queue, workers };
-        Fixture { batcher: Arc::new(Batcher::new(config, slots).unwrap()), _slots: store }
+        let config = BatcherConfig {
+            rule,
+            row_nbytes: vec![ROW],
+            max_queue_size: queue,
+            workers,
+        };
+        Fixture {
+            batcher: Arc::new(Batcher::new(config, slots).unwrap()),
+            _slots: store,
+        }
     }
 
     fn submit(b: &Batcher, bytes: &'static [u8], timeout: Option<Duration>) -> Arc<Request> {
         // SAFETY: static bytes outlive everything.
         let input = unsafe { InputBytes::new(bytes.as_ptr(), bytes.len()) };
-        b.submit(0, bytes.len() / ROW, Box::new([input]), timeout).unwrap()
+        b.submit(0, bytes.len() / ROW, Box::new([input]), timeout)
+            .unwrap()
     }
 
     static ROW_A: [u8; ROW] = [7; ROW];
@@ -339,7 +361,14 @@ mod tests {
         assert_eq!(first.rows, 3);
         f.batcher.release_slot(first.slot);
         let second = f.batcher.next_batch(&mut w).unwrap();
-        assert_eq!(second.routes.groups[0].1, vec![crate::Route { id: b.id, start: 0, rows: 3 }]);
+        assert_eq!(
+            second.routes.groups[0].1,
+            vec![crate::Route {
+                id: b.id,
+                start: 0,
+                rows: 3
+            }]
+        );
     }
 
     #[test]
@@ -387,9 +416,19 @@ mod tests {
         assert!(f.batcher.withdraw(&cancelled, RequestState::Cancelled));
         assert_eq!(f.batcher.queue_len(), 2);
         let b = f.batcher.next_batch(&mut Worker::new()).unwrap();
-        assert_eq!(b.routes.groups[0].1.iter().map(|r| r.id).collect::<Vec<_>>(), vec![kept.id]);
+        assert_eq!(
+            b.routes.groups[0]
+                .1
+                .iter()
+                .map(|r| r.id)
+                .collect::<Vec<_>>(),
+            vec![kept.id]
+        );
         assert_eq!(expired.state(), RequestState::Expired);
-        assert_eq!(f.batcher.stats().skipped_withdrawn.load(Ordering::Relaxed), 1);
+        assert_eq!(
+            f.batcher.stats().skipped_withdrawn.load(Ordering::Relaxed),
+            1
+        );
         assert_eq!(f.batcher.stats().skipped_expired.load(Ordering::Relaxed), 1);
     }
 
@@ -399,7 +438,10 @@ mod tests {
         submit(&f.batcher, &ROW_A, None);
         f.batcher.close();
         let mut w = Worker::new();
-        let b = f.batcher.next_batch(&mut w).expect("below min_batch_size, still flushed");
+        let b = f
+            .batcher
+            .next_batch(&mut w)
+            .expect("below min_batch_size, still flushed");
         assert_eq!(b.rows, 1);
         f.batcher.release_slot(b.slot);
         assert!(f.batcher.next_batch(&mut w).is_none());
@@ -460,8 +502,10 @@ mod tests {
                 })
             })
             .collect();
-        let submitted: Vec<Arc<Request>> =
-            producers.into_iter().flat_map(|p| p.join().unwrap()).collect();
+        let submitted: Vec<Arc<Request>> = producers
+            .into_iter()
+            .flat_map(|p| p.join().unwrap())
+            .collect();
         f.batcher.close();
         for w in workers {
             w.join().unwrap();
@@ -484,6 +528,10 @@ mod tests {
             taken.len() + stats.skipped_withdrawn.load(Ordering::Relaxed) as usize,
             submitted.len()
         );
-        assert_eq!(f.batcher.queue_len(), 0, "every request left the queue exactly once");
+        assert_eq!(
+            f.batcher.queue_len(),
+            0,
+            "every request left the queue exactly once"
+        );
     }
 }

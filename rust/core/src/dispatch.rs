@@ -40,7 +40,9 @@ impl DispatchRule {
         mut preferred_batch_sizes: Vec<usize>,
     ) -> Result<DispatchRule, CoreError> {
         if max_batch_size == 0 {
-            return Err(CoreError::InvalidConfig("max_batch_size must be at least 1".into()));
+            return Err(CoreError::InvalidConfig(
+                "max_batch_size must be at least 1".into(),
+            ));
         }
         if min_batch_size == 0 || min_batch_size > max_batch_size {
             return Err(CoreError::InvalidConfig(format!(
@@ -49,12 +51,20 @@ impl DispatchRule {
         }
         preferred_batch_sizes.sort_unstable();
         preferred_batch_sizes.dedup();
-        if let Some(&bad) = preferred_batch_sizes.iter().find(|&&s| s == 0 || s > max_batch_size) {
+        if let Some(&bad) = preferred_batch_sizes
+            .iter()
+            .find(|&&s| s == 0 || s > max_batch_size)
+        {
             return Err(CoreError::InvalidConfig(format!(
                 "preferred_batch_sizes must be in 1..={max_batch_size} (max_batch_size), got {bad}"
             )));
         }
-        Ok(DispatchRule { max_batch_size, max_delay, min_batch_size, preferred_batch_sizes })
+        Ok(DispatchRule {
+            max_batch_size,
+            max_delay,
+            min_batch_size,
+            preferred_batch_sizes,
+        })
     }
 
     /// Decides for a batch of `rows` rows whose oldest request is `oldest_age`
@@ -84,8 +94,14 @@ impl DispatchRule {
         if rows < self.min_batch_size {
             return self.min_batch_size;
         }
-        let next_preferred = self.preferred_batch_sizes.iter().copied().find(|&s| s > rows);
-        next_preferred.unwrap_or(self.max_batch_size).min(self.max_batch_size)
+        let next_preferred = self
+            .preferred_batch_sizes
+            .iter()
+            .copied()
+            .find(|&s| s > rows);
+        next_preferred
+            .unwrap_or(self.max_batch_size)
+            .min(self.max_batch_size)
     }
 }
 

@@ -20,7 +20,10 @@ impl fmt::Display for CoreError {
         match self {
             CoreError::InvalidInput(msg) => f.write_str(msg),
             CoreError::QueueFull { capacity } => {
-                write!(f, "queue is full: {capacity} requests are already waiting (max_queue_size)")
+                write!(
+                    f,
+                    "queue is full: {capacity} requests are already waiting (max_queue_size)"
+                )
             }
             CoreError::Closed => f.write_str("server is closed to new requests"),
             CoreError::InvalidConfig(msg) => f.write_str(msg),

@@ -25,7 +25,11 @@ impl Routes {
         let mut groups: Vec<(u32, Vec<Route>)> = Vec::new();
         let mut start = 0u32;
         for r in requests {
-            let route = Route { id: r.id, start, rows: r.rows };
+            let route = Route {
+                id: r.id,
+                start,
+                rows: r.rows,
+            };
             start += r.rows;
             // Few loops per batch: a linear search beats hashing here.
             match groups.iter_mut().find(|(loop_id, _)| *loop_id == r.loop_id) {
@@ -59,9 +63,37 @@ mod tests {
         assert_eq!(
             routes.groups,
             vec![
-                (0, vec![Route { id: 10, start: 0, rows: 1 }, Route { id: 12, start: 3, rows: 3 }]),
-                (1, vec![Route { id: 11, start: 1, rows: 2 }]),
-                (2, vec![Route { id: 13, start: 6, rows: 1 }]),
+                (
+                    0,
+                    vec![
+                        Route {
+                            id: 10,
+                            start: 0,
+                            rows: 1
+                        },
+                        Route {
+                            id: 12,
+                            start: 3,
+                            rows: 3
+                        }
+                    ]
+                ),
+                (
+                    1,
+                    vec![Route {
+                        id: 11,
+                        start: 1,
+                        rows: 2
+                    }]
+                ),
+                (
+                    2,
+                    vec![Route {
+                        id: 13,
+                        start: 6,
+                        rows: 1
+                    }]
+                ),
             ]
         );
         assert_eq!(routes.len(), 4);

@@ -31,6 +31,7 @@
 //! The dispatch rule ([`DispatchRule`]) is a pure function of the batch being
 //! gathered, so it is tested without threads or clocks.
 
+mod batcher;
 pub mod dispatch;
 pub mod dtype;
 pub mod error;
@@ -38,7 +39,6 @@ pub mod fanout;
 pub mod queue;
 pub mod request;
 pub mod staging;
-mod batcher;
 
 pub use batcher::{Batch, Batcher, BatcherConfig, Stats, Worker};
 pub use dispatch::{Decision, DispatchRule};

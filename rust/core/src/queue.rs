@@ -98,13 +98,17 @@ impl RequestQueue {
         }
         if self.waiting.fetch_add(1, Ordering::AcqRel) >= self.capacity {
             self.waiting.fetch_sub(1, Ordering::AcqRel);
-            return Err(CoreError::QueueFull { capacity: self.capacity });
+            return Err(CoreError::QueueFull {
+                capacity: self.capacity,
+            });
         }
         if self.in_channel.fetch_add(1, Ordering::AcqRel) >= self.room {
             // Full of withdrawn requests no worker has popped yet (a stuck model).
             self.in_channel.fetch_sub(1, Ordering::AcqRel);
             self.waiting.fetch_sub(1, Ordering::AcqRel);
-            return Err(CoreError::QueueFull { capacity: self.capacity });
+            return Err(CoreError::QueueFull {
+                capacity: self.capacity,
+            });
         }
         // Cannot fail for lack of room: `in_channel` reserved a place, and close
         // messages have places of their own.
@@ -140,7 +144,8 @@ impl RequestQueue {
         let mut held = self.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             self.wake_at.store(rows, Ordering::SeqCst);
-            if self.ready_rows.load(Ordering::SeqCst) >= rows || self.closed.load(Ordering::SeqCst) {
+            if self.ready_rows.load(Ordering::SeqCst) >= rows || self.closed.load(Ordering::SeqCst)
+            {
                 break;
             }
             held = match deadline {
@@ -150,7 +155,10 @@ impl RequestQueue {
                     if now >= d {
                         break;
                     }
-                    self.bell.wait_timeout(held, d - now).unwrap_or_else(|e| e.into_inner()).0
+                    self.bell
+                        .wait_timeout(held, d - now)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0
                 }
             };
         }
@@ -238,7 +246,10 @@ mod tests {
             q.left(); // withdrawn at once; still in the channel
         }
         assert_eq!(q.len(), 0);
-        assert!(matches!(q.push(req(9)), Err(CoreError::QueueFull { .. })), "channel full");
+        assert!(
+            matches!(q.push(req(9)), Err(CoreError::QueueFull { .. })),
+            "channel full"
+        );
         assert!(matches!(q.try_pop(), Popped::Request(r) if r.id == 0));
         q.push(req(10)).unwrap();
         q.close(1); // fits in the wake slot
@@ -277,7 +288,10 @@ mod tests {
         q.push(req(3)).unwrap();
         let waited = waiter.join().unwrap();
         assert_eq!(q.rings(), 1);
-        assert!(waited < std::time::Duration::from_secs(20), "woken by the 4th row, not the deadline");
+        assert!(
+            waited < std::time::Duration::from_secs(20),
+            "woken by the 4th row, not the deadline"
+        );
         q.push(req(4)).unwrap();
         assert_eq!(q.rings(), 1, "nobody sleeps: pushes do not ring");
     }

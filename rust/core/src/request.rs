@@ -141,7 +141,6 @@ impl Request {
         self.transition(RequestState::Taken)
     }
 
-
     /// True if the deadline has passed at `now`.
     pub fn is_past_deadline(&self, now: Instant) -> bool {
         self.deadline.is_some_and(|d| now >= d)

@@ -63,7 +63,9 @@ impl StagingRing {
         slots: Vec<Vec<SlotBuffer>>,
     ) -> Result<StagingRing, CoreError> {
         if slots.is_empty() {
-            return Err(CoreError::InvalidConfig("the staging ring needs at least one slot".into()));
+            return Err(CoreError::InvalidConfig(
+                "the staging ring needs at least one slot".into(),
+            ));
         }
         for (s, buffers) in slots.iter().enumerate() {
             if buffers.len() != row_nbytes.len() {
@@ -109,7 +111,10 @@ impl StagingRing {
 
     /// Takes a free slot, blocking until one is released.
     pub fn acquire(&self) -> usize {
-        let slot = self.free_rx.recv().expect("the ring owns both ends of its free list");
+        let slot = self
+            .free_rx
+            .recv()
+            .expect("the ring owns both ends of its free list");
         let was = self.in_flight[slot].swap(true, Ordering::AcqRel);
         debug_assert!(!was, "slot {slot} was in the free list while in flight");
         slot
@@ -120,7 +125,9 @@ impl StagingRing {
         if slot >= self.slots.len() || !self.in_flight[slot].swap(false, Ordering::AcqRel) {
             return false;
         }
-        self.free_tx.send(slot).expect("free list has room for every slot");
+        self.free_tx
+            .send(slot)
+            .expect("free list has room for every slot");
         true
     }
 
@@ -133,14 +140,20 @@ impl StagingRing {
     /// The caller must hold `slot` and must have won [`Request::take`] for
     /// every request, and the requests must fit (`sum(rows) <= max_rows`).
     pub fn collate(&self, slot: usize, requests: &[Arc<Request>]) -> usize {
-        assert!(self.is_in_flight(slot), "collate into slot {slot}, which is not held");
+        assert!(
+            self.is_in_flight(slot),
+            "collate into slot {slot}, which is not held"
+        );
         let buffers = &self.slots[slot];
         for (i, (buf, &row_nbytes)) in buffers.iter().zip(self.row_nbytes.iter()).enumerate() {
             let mut offset = 0usize;
             for r in requests {
                 let src = &r.inputs()[i];
                 debug_assert_eq!(src.len(), r.rows as usize * row_nbytes);
-                assert!(offset + src.len() <= buf.capacity, "batch overflows staging slot {slot}");
+                assert!(
+                    offset + src.len() <= buf.capacity,
+                    "batch overflows staging slot {slot}"
+                );
                 // SAFETY: the caller won `take()` for `r`, so its submitter keeps
                 // the input bytes alive until this batch resolves it; the slot is
                 // held by this worker alone (module invariant) and the bounds

@@ -49,15 +49,25 @@ impl Batcher {
         workers: usize,
     ) -> PyResult<Batcher> {
         if !(max_delay.is_finite() && max_delay >= 0.0) {
-            return Err(PyValueError::new_err(format!("max_delay must be >= 0 seconds, got {max_delay}")));
+            return Err(PyValueError::new_err(format!(
+                "max_delay must be >= 0 seconds, got {max_delay}"
+            )));
         }
         let mut specs = Vec::with_capacity(inputs.len());
         for (name, dtype, shape, torch_dtype) in inputs {
-            let dtype = DType::parse(&dtype)
-                .ok_or_else(|| PyValueError::new_err(format!("input '{name}': unknown dtype '{dtype}'")))?;
+            let dtype = DType::parse(&dtype).ok_or_else(|| {
+                PyValueError::new_err(format!("input '{name}': unknown dtype '{dtype}'"))
+            })?;
             let row_nbytes = shape.iter().product::<usize>() * dtype.itemsize();
             let key = PyString::intern(py, &name).unbind();
-            specs.push(InputSpec { name, key, dtype, torch_dtype, shape, row_nbytes });
+            specs.push(InputSpec {
+                name,
+                key,
+                dtype,
+                torch_dtype,
+                shape,
+                row_nbytes,
+            });
         }
         let mut slot_tensors = Vec::new();
         let mut slot_buffers = Vec::with_capacity(slots.len());
@@ -90,7 +100,11 @@ impl Batcher {
         let core = core::Batcher::new(config, slot_buffers).map_err(|e| to_pyerr(py, e))?;
         Ok(Batcher {
             core: Arc::new(core),
-            converter: Converter { specs, tensor_type, coerce },
+            converter: Converter {
+                specs,
+                tensor_type,
+                coerce,
+            },
             _slot_tensors: slot_tensors,
         })
     }
@@ -154,13 +168,19 @@ impl Batcher {
                 format!(
                     "unexpected input {}; the model takes {}",
                     extra.join(", "),
-                    specs.iter().map(|s| format!("'{}'", s.name)).collect::<Vec<_>>().join(", ")
+                    specs
+                        .iter()
+                        .map(|s| format!("'{}'", s.name))
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 ),
             ));
         }
         let timeout = match timeout {
             Some(t) if t.is_nan() || t < 0.0 => {
-                return Err(PyValueError::new_err(format!("timeout must be >= 0 seconds, got {t}")))
+                return Err(PyValueError::new_err(format!(
+                    "timeout must be >= 0 seconds, got {t}"
+                )))
             }
             Some(t) => Some(Duration::try_from_secs_f64(t).unwrap_or(Duration::MAX)),
             None => None,
@@ -170,7 +190,12 @@ impl Batcher {
         let future = mailbox.new_future(py)?;
         let request = self
             .core
-            .submit(mailbox.loop_id(), rows.unwrap_or(1), bytes.into_boxed_slice(), timeout)
+            .submit(
+                mailbox.loop_id(),
+                rows.unwrap_or(1),
+                bytes.into_boxed_slice(),
+                timeout,
+            )
             .map_err(|e| to_pyerr(py, e))?;
         let id = request.id;
         let ticket = Ticket {
@@ -279,7 +304,11 @@ impl Ticket {
             "cancelled" => RequestState::Cancelled,
             "expired" => RequestState::Expired,
             "closed" => RequestState::Closed,
-            _ => return Err(PyValueError::new_err(format!("unknown withdraw reason '{reason}'"))),
+            _ => {
+                return Err(PyValueError::new_err(format!(
+                    "unknown withdraw reason '{reason}'"
+                )))
+            }
         };
         Ok(self.batcher.withdraw(&self.request, to))
     }
@@ -326,7 +355,10 @@ impl Worker {
         if mailbox.get().doorbell_fd().is_none() {
             return Ok(true);
         }
-        self.to_ring.lock().unwrap_or_else(|e| e.into_inner()).push(mailbox.unbind());
+        self.to_ring
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(mailbox.unbind());
         Ok(false)
     }
 
@@ -335,7 +367,10 @@ impl Worker {
     /// the batcher is closed and drained.
     fn next_batch(&self, py: Python<'_>) -> PyResult<Option<Batch>> {
         let to_ring = std::mem::take(&mut *self.to_ring.lock().unwrap_or_else(|e| e.into_inner()));
-        let doorbells: Vec<_> = to_ring.iter().filter_map(|m| m.get().doorbell_target()).collect();
+        let doorbells: Vec<_> = to_ring
+            .iter()
+            .filter_map(|m| m.get().doorbell_target())
+            .collect();
         let batch = without_gil(py, || {
             // `to_ring` keeps each mailbox, and so its fd, alive meanwhile.
             for (fd, eventfd) in doorbells {
@@ -349,7 +384,12 @@ impl Worker {
         Ok(batch.map(|b| Batch {
             slot: b.slot,
             rows: b.rows,
-            groups: b.routes.groups.into_iter().map(|(l, r)| (l, Arc::new(r))).collect(),
+            groups: b
+                .routes
+                .groups
+                .into_iter()
+                .map(|(l, r)| (l, Arc::new(r)))
+                .collect(),
         }))
     }
 }
@@ -377,8 +417,16 @@ impl Batch {
             .groups
             .iter()
             .map(|(loop_id, routes)| {
-                let routes = Bound::new(py, Routes { routes: routes.clone() })?;
-                PyTuple::new(py, [loop_id.into_pyobject(py)?.into_any(), routes.into_any()])
+                let routes = Bound::new(
+                    py,
+                    Routes {
+                        routes: routes.clone(),
+                    },
+                )?;
+                PyTuple::new(
+                    py,
+                    [loop_id.into_pyobject(py)?.into_any(), routes.into_any()],
+                )
             })
             .collect::<PyResult<Vec<_>>>()?;
         PyList::new(py, items)

@@ -106,7 +106,11 @@ pub(crate) fn ring_fd(fd: RawFd, eventfd: bool) {
     // SAFETY: the fd stays open while its mailbox lives, and callers hold a
     // reference to the mailbox across this call; ManuallyDrop never closes it.
     let mut file = ManuallyDrop::new(unsafe { File::from_raw_fd(fd) });
-    let _ = if eventfd { file.write(&1u64.to_ne_bytes()) } else { file.write(&[1u8]) };
+    let _ = if eventfd {
+        file.write(&1u64.to_ne_bytes())
+    } else {
+        file.write(&[1u8])
+    };
 }
 
 /// One event loop's side of the fan-out: its pending requests, counters,
@@ -160,7 +164,11 @@ impl LoopMailbox {
         let read = unsafe { OwnedFd::from_raw_fd(read_fd) };
         let write = (!eventfd).then(|| unsafe { OwnedFd::from_raw_fd(write_fd) });
         self.doorbell
-            .set(Doorbell { read, write, eventfd })
+            .set(Doorbell {
+                read,
+                write,
+                eventfd,
+            })
             .map_err(|_| PyRuntimeError::new_err("this mailbox already has a doorbell"))
     }
 
@@ -193,7 +201,10 @@ impl LoopMailbox {
             _ => return Err(PyValueError::new_err("post needs outputs or an error")),
         };
         let mut inbox = self.inbox.lock().unwrap_or_else(|e| e.into_inner());
-        inbox.posts.push(Post { routes: routes.routes.clone(), outcome });
+        inbox.posts.push(Post {
+            routes: routes.routes.clone(),
+            outcome,
+        });
         let wake = !inbox.armed;
         inbox.armed = true;
         Ok(wake)
@@ -234,7 +245,9 @@ impl LoopMailbox {
             let done = match post.outcome {
                 Ok(outputs) => self.resolve(py, &post.routes, outputs.bind(py)),
                 Err(error) => {
-                    let routes = Routes { routes: post.routes.clone() };
+                    let routes = Routes {
+                        routes: post.routes.clone(),
+                    };
                     self.on_error.call1(py, (routes, error)).map(drop)
                 }
             };
@@ -268,13 +281,20 @@ impl LoopMailbox {
     fn fail_routes(&self, py: Python<'_>, routes: &[Route], error: &PyErr) {
         let pending = self.pending.bind(py);
         for route in routes {
-            let Ok(Some(entry)) = pending.get_item(route.id) else { continue };
+            let Ok(Some(entry)) = pending.get_item(route.id) else {
+                continue;
+            };
             let _ = pending.del_item(route.id);
-            let Ok(ticket) = entry.cast_into::<Ticket>() else { continue };
+            let Ok(ticket) = entry.cast_into::<Ticket>() else {
+                continue;
+            };
             let ticket = ticket.get();
             let _ = ticket.cancel_timer(py);
             let future = ticket.future.bind(py);
-            if let Ok(false) = future.call_method0(intern!(py, "done")).and_then(|d| d.is_truthy()) {
+            if let Ok(false) = future
+                .call_method0(intern!(py, "done"))
+                .and_then(|d| d.is_truthy())
+            {
                 let _ = future.call_method1(intern!(py, "set_exception"), (error.value(py),));
             }
         }
@@ -302,13 +322,18 @@ impl LoopMailbox {
         outputs: &Bound<'_, PyDict>,
     ) -> PyResult<()> {
         // (name, batch tensor, its rows once a one-sample request needs them)
-        let mut columns: Vec<_> = outputs.iter().map(|(name, whole)| (name, whole, None)).collect();
+        let mut columns: Vec<_> = outputs
+            .iter()
+            .map(|(name, whole)| (name, whole, None))
+            .collect();
         let pending = self.pending.bind(py);
         let now = Instant::now();
         let (mut succeeded, mut request_ns) = (0u64, 0u64);
         for route in routes {
             let key = route.id.into_pyobject(py)?;
-            let Some(entry) = pending.get_item(&key)? else { continue };
+            let Some(entry) = pending.get_item(&key)? else {
+                continue;
+            };
             pending.del_item(&key)?;
             let entry = entry.cast_into::<Ticket>()?;
             let ticket = entry.get();
@@ -322,7 +347,9 @@ impl LoopMailbox {
                     let per_row = match per_row {
                         Some(rows) => rows,
                         None => per_row.insert(
-                            whole.call_method1(intern!(py, "unbind"), (0,))?.cast_into::<PyTuple>()?,
+                            whole
+                                .call_method1(intern!(py, "unbind"), (0,))?
+                                .cast_into::<PyTuple>()?,
                         ),
                     };
                     per_row.get_item(route.start as usize)?
@@ -339,7 +366,9 @@ impl LoopMailbox {
             match set {
                 Ok(_) if is_result => {
                     succeeded += 1;
-                    request_ns += now.saturating_duration_since(ticket.enqueued_at()).as_nanos() as u64;
+                    request_ns += now
+                        .saturating_duration_since(ticket.enqueued_at())
+                        .as_nanos() as u64;
                 }
                 Ok(_) => {}
                 // Already resolved (cancelled, or past its deadline): drop the result.

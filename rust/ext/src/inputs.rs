@@ -48,7 +48,14 @@ impl InputSpec {
         }
         let got = match actual.len() {
             1 => format!("({},)", actual[0]),
-            _ => format!("({})", actual.iter().map(usize::to_string).collect::<Vec<_>>().join(", ")),
+            _ => format!(
+                "({})",
+                actual
+                    .iter()
+                    .map(usize::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
         };
         Err(invalid_input(
             py,
@@ -112,7 +119,11 @@ impl Converter {
         if !dtype.is(spec.torch_dtype.bind(py)) {
             return Err(invalid_input(
                 py,
-                format!("input '{}': expected dtype {}, got {dtype}", spec.name, spec.dtype.name()),
+                format!(
+                    "input '{}': expected dtype {}, got {dtype}",
+                    spec.name,
+                    spec.dtype.name()
+                ),
             ));
         }
         if !tensor.getattr(intern!(py, "is_cpu"))?.is_truthy()? {
@@ -127,9 +138,15 @@ impl Converter {
         }
         let shape = tensor.getattr(intern!(py, "shape"))?;
         let shape = shape.cast::<PyTuple>()?;
-        let dims = shape.iter().map(|d| d.extract::<usize>()).collect::<PyResult<Vec<_>>>()?;
+        let dims = shape
+            .iter()
+            .map(|d| d.extract::<usize>())
+            .collect::<PyResult<Vec<_>>>()?;
         let rows = spec.rows_for_shape(py, &dims, batched)?;
-        let tensor = if tensor.call_method0(intern!(py, "is_contiguous"))?.is_truthy()? {
+        let tensor = if tensor
+            .call_method0(intern!(py, "is_contiguous"))?
+            .is_truthy()?
+        {
             tensor
         } else {
             tensor.call_method0(intern!(py, "contiguous"))?
@@ -139,7 +156,11 @@ impl Converter {
         // `row_nbytes` bytes at `ptr`; the returned `Keep` owns a reference to it,
         // and the ticket holding that `Keep` lives until the request is resolved.
         let bytes = unsafe { InputBytes::new(ptr as *const u8, rows * spec.row_nbytes) };
-        Ok(Converted { bytes, rows, keep: Keep::Object(tensor.unbind()) })
+        Ok(Converted {
+            bytes,
+            rows,
+            keep: Keep::Object(tensor.unbind()),
+        })
     }
 }
 
@@ -154,10 +175,17 @@ fn from_buffer(
         let got = DType::ALL
             .iter()
             .find(|d| d.matches_buffer_format(&format))
-            .map_or_else(|| format!("buffer format '{format}'"), |d| d.name().to_string());
+            .map_or_else(
+                || format!("buffer format '{format}'"),
+                |d| d.name().to_string(),
+            );
         return Err(invalid_input(
             py,
-            format!("input '{}': expected dtype {}, got {got}", spec.name, spec.dtype.name()),
+            format!(
+                "input '{}': expected dtype {}, got {got}",
+                spec.name,
+                spec.dtype.name()
+            ),
         ));
     }
     let rows = spec.rows_for_shape(py, buffer.shape(), batched)?;
@@ -165,7 +193,10 @@ fn from_buffer(
     // (its format's item size equals the dtype's); the exporter keeps that
     // memory valid and unresized until the buffer is released, which happens
     // when the returned `Keep` drops, after the request is resolved.
-    let bytes =
-        unsafe { InputBytes::new(buffer.buf_ptr() as *const u8, rows * spec.row_nbytes) };
-    Ok(Converted { bytes, rows, keep: Keep::Buffer(buffer) })
+    let bytes = unsafe { InputBytes::new(buffer.buf_ptr() as *const u8, rows * spec.row_nbytes) };
+    Ok(Converted {
+        bytes,
+        rows,
+        keep: Keep::Buffer(buffer),
+    })
 }
