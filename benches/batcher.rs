@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use ferrobatch_core::{
-    Batcher, BatcherConfig, DispatchRule, InputBytes, Request, SlotBuffer, Worker,
+    Batcher, BatcherConfig, DispatchRule, InputBytes, Readiness, Request, SlotBuffer, Worker,
 };
 
 const MAX_BATCH: usize = 64;
@@ -33,6 +33,7 @@ fn bench_batcher(c: &mut Criterion) {
         row_nbytes: vec![ROW],
         max_queue_size: 10_000,
         workers: 1,
+        readiness: Readiness::OnPush,
     };
     let batcher = Batcher::new(config, slots).expect("a valid batcher");
     let mut worker = Worker::new();

@@ -18,6 +18,34 @@ async def test_greedy_serves_a_lone_caller_one_request_per_batch() -> None:
         assert server.stats()["batches"] == 20
 
 
+async def test_greedy_batches_what_the_loop_submitted_in_one_iteration() -> None:
+    # Greedy does not mean "the first request alone": requests an event loop
+    # submits in one iteration are released to the worker together, at the
+    # end of it, so a burst of callers is one batch however fast the worker
+    # wakes. Done several times: each burst is one batch, every time.
+    async with make_server(max_batch_size=64, max_delay=0) as server:
+        client = server.client()
+        for burst in range(5):
+            outs = await asyncio.gather(*(client.infer({"x": sample(i)}) for i in range(64)))
+            for i, out in enumerate(outs):
+                torch.testing.assert_close(out["y"], sample(2 * i))
+            assert server.stats()["batches"] == burst + 1
+        # A burst larger than a batch fills batches, then the rest follows.
+        await asyncio.gather(*(client.infer({"x": sample(i)}) for i in range(100)))
+        assert server.stats()["batches"] == 5 + 2
+
+
+async def test_greedy_serves_requests_submitted_from_threads() -> None:
+    # infer_sync runs on the server's loop, which flushes them like its own.
+    async with make_server(max_batch_size=8, max_delay=0) as server:
+        client = server.client()
+        outs = await asyncio.gather(
+            *(asyncio.to_thread(client.infer_sync, {"x": sample(i)}) for i in range(20))
+        )
+        for i, out in enumerate(outs):
+            torch.testing.assert_close(out["y"], sample(2 * i))
+
+
 async def test_full_batch_dispatches_without_waiting_for_max_delay() -> None:
     async with make_server(max_batch_size=8, max_delay=30.0) as server:
         client = server.client()

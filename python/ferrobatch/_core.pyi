@@ -108,6 +108,9 @@ class LoopMailbox:
         error: BaseException | None,
     ) -> bool: ...
     def ring(self) -> bool: ...
+    def flush(self) -> None:
+        """Releases to the workers the requests this loop submitted in its
+        iteration (greedy batchers; scheduled with ``call_soon`` by submit)."""
     def drain(self) -> None: ...
 
 @final

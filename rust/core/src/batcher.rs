@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::queue::Popped;
+use crate::queue::{Popped, Readiness};
 use crate::{
     CoreError, Decision, DispatchRule, InputBytes, Request, RequestQueue, RequestState, Routes,
     SlotBuffer, StagingRing,
@@ -18,6 +18,9 @@ pub struct BatcherConfig {
     pub max_queue_size: usize,
     /// Worker threads that will call `next_batch` (one per model instance).
     pub workers: usize,
+    /// When submitted rows may be taken: at once, or once their submitter
+    /// calls [`Batcher::flush`] (an event loop, at the end of an iteration).
+    pub readiness: Readiness,
 }
 
 /// Counters, updated with relaxed atomics (a snapshot may be torn across fields).
@@ -82,7 +85,7 @@ impl Batcher {
         }
         let ring = StagingRing::new(config.row_nbytes, config.rule.max_batch_size, slots)?;
         Ok(Batcher {
-            queue: RequestQueue::new(config.max_queue_size, config.workers),
+            queue: RequestQueue::new(config.max_queue_size, config.workers, config.readiness),
             rule: config.rule,
             ring,
             gather: Mutex::new(None),
@@ -90,6 +93,10 @@ impl Batcher {
             next_id: AtomicU64::new(1),
             stats: Stats::default(),
         })
+    }
+
+    pub fn readiness(&self) -> Readiness {
+        self.queue.readiness()
     }
 
     pub fn rule(&self) -> &DispatchRule {
@@ -150,6 +157,12 @@ impl Batcher {
         Ok(request)
     }
 
+    /// Makes `rows` rows submitted since the submitter's last flush ready
+    /// for workers (`Readiness::OnFlush`; a no-op with `OnPush`).
+    pub fn flush(&self, rows: usize) {
+        self.queue.flush(rows)
+    }
+
     /// Gathers the next batch by the dispatch rule and collates it into a
     /// staging slot the caller then holds. Blocks; call it without any lock
     /// the submitters need. `None` once the batcher is closed and this worker
@@ -207,7 +220,7 @@ impl Batcher {
         while !worker.closed {
             // Take what is already queued, without blocking.
             let now = Instant::now();
-            while rows < max && carry.is_none() && !worker.closed {
+            while rows < max && carry.is_none() && !worker.closed && self.queue.may_pop() {
                 match self.queue.try_pop() {
                     Popped::Request(r) => self.admit(r, now, carry, gathered, &mut rows),
                     Popped::Close => worker.closed = true,
@@ -314,11 +327,13 @@ mod tests {
             .map(|v| vec![unsafe { SlotBuffer::new(v.as_mut_ptr(), v.len()) }])
             .collect();
         let rule = DispatchRule::new(max, delay, min, vec![]).unwrap();
+        let readiness = Readiness::OnPush;
         let config = BatcherConfig {
             rule,
             row_nbytes: vec![ROW],
             max_queue_size: queue,
             workers,
+            readiness,
         };
         Fixture {
             batcher: Arc::new(Batcher::new(config, slots).unwrap()),

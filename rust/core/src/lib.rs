@@ -45,6 +45,6 @@ pub use dispatch::{Decision, DispatchRule};
 pub use dtype::DType;
 pub use error::CoreError;
 pub use fanout::{Route, Routes};
-pub use queue::{Message, RequestQueue};
+pub use queue::{Message, Readiness, RequestQueue};
 pub use request::{InputBytes, Request, RequestState};
 pub use staging::{SlotBuffer, StagingRing};

@@ -22,6 +22,13 @@
 //! the push sees the worker's `wake_at` or the worker sees the push's rows:
 //! no wake-up is lost. Ringing takes the sleep lock, which the worker holds
 //! from its check until it sleeps.
+//!
+//! With [`Readiness::OnFlush`] (greedy batching) pushed rows count as ready
+//! only once their submitter flushes them: an event loop flushes once per
+//! iteration, so a worker takes everything the loop submitted in that
+//! iteration as one batch instead of waking at its first request. A worker
+//! pops only while ready rows remain (or the queue is closed), so it never
+//! takes part of an iteration's requests before the flush.
 
 use std::sync::atomic::{AtomicBool, AtomicIsize, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -30,6 +37,15 @@ use std::time::Instant;
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 
 use crate::{CoreError, Request};
+
+/// When pushed rows become ready for a worker to take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Readiness {
+    /// At once.
+    OnPush,
+    /// When the submitter calls [`RequestQueue::flush`] for them.
+    OnFlush,
+}
 
 /// What travels on the queue.
 #[derive(Debug)]
@@ -49,8 +65,10 @@ pub struct RequestQueue {
     waiting: AtomicUsize,
     in_channel: AtomicUsize,
     closed: AtomicBool,
-    /// Rows of request messages sent and not yet popped (signed: a pop may
-    /// count its rows off before the push that sent them counted them on).
+    readiness: Readiness,
+    /// Rows of request messages sent (`OnPush`) or flushed (`OnFlush`) and
+    /// not yet popped (signed: a pop may count its rows off before the push
+    /// or flush that readied them counted them on).
     ready_rows: AtomicIsize,
     /// `ready_rows` a sleeping worker waits for; `NOBODY_WAITS` otherwise.
     wake_at: AtomicIsize,
@@ -72,7 +90,7 @@ pub enum Popped {
 }
 
 impl RequestQueue {
-    pub fn new(capacity: usize, wake_slots: usize) -> RequestQueue {
+    pub fn new(capacity: usize, wake_slots: usize, readiness: Readiness) -> RequestQueue {
         let room = (2 * capacity).max(capacity + 1024);
         let (tx, rx) = crossbeam_channel::bounded(room + wake_slots.max(1));
         RequestQueue {
@@ -83,6 +101,7 @@ impl RequestQueue {
             waiting: AtomicUsize::new(0),
             in_channel: AtomicUsize::new(0),
             closed: AtomicBool::new(false),
+            readiness,
             ready_rows: AtomicIsize::new(0),
             wake_at: AtomicIsize::new(NOBODY_WAITS),
             sleep_lock: Mutex::new(()),
@@ -112,15 +131,38 @@ impl RequestQueue {
         }
         // Cannot fail for lack of room: `in_channel` reserved a place, and close
         // messages have places of their own.
-        let rows = request.rows as isize;
+        let rows = request.rows as usize;
         self.tx
             .try_send(Message::Request(request))
             .expect("in_channel reserved a place in the channel");
+        if self.readiness == Readiness::OnPush {
+            self.make_ready(rows);
+        }
+        Ok(())
+    }
+
+    /// Readies `rows` rows pushed since the submitter's last flush
+    /// (`Readiness::OnFlush`; with `OnPush` pushes are ready already).
+    pub fn flush(&self, rows: usize) {
+        if self.readiness == Readiness::OnFlush && rows > 0 {
+            self.make_ready(rows);
+        }
+    }
+
+    fn make_ready(&self, rows: usize) {
+        let rows = rows as isize;
         let ready = self.ready_rows.fetch_add(rows, Ordering::SeqCst) + rows;
         if ready >= self.wake_at.load(Ordering::SeqCst) {
             self.ring();
         }
-        Ok(())
+    }
+
+    /// Whether a worker may pop now: ready rows remain, or the queue is
+    /// closed (then everything accepted goes out).
+    pub fn may_pop(&self) -> bool {
+        self.readiness == Readiness::OnPush
+            || self.ready_rows.load(Ordering::SeqCst) > 0
+            || self.closed.load(Ordering::SeqCst)
     }
 
     /// Wakes the sleeping worker, if any; later pushes do not ring again
@@ -130,6 +172,10 @@ impl RequestQueue {
         self.wake_at.store(NOBODY_WAITS, Ordering::SeqCst);
         self.bell.notify_all();
         self.rings.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn readiness(&self) -> Readiness {
+        self.readiness
     }
 
     /// Times the doorbell rang since the queue was made.
@@ -220,14 +266,43 @@ impl RequestQueue {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     fn req(id: u64) -> Arc<Request> {
         Arc::new(Request::new(id, 0, 1, Box::new([]), None))
     }
 
     #[test]
+    fn on_flush_pushes_wait_for_their_flush_until_close() {
+        let q = Arc::new(RequestQueue::new(8, 1, Readiness::OnFlush));
+        q.push(req(1)).unwrap();
+        q.push(req(2)).unwrap();
+        assert!(!q.may_pop(), "pushed, not yet flushed");
+        let waiter = {
+            let q = q.clone();
+            std::thread::spawn(move || {
+                q.wait_for_rows(2, Some(Instant::now() + Duration::from_secs(10)))
+            })
+        };
+        std::thread::sleep(Duration::from_millis(20));
+        assert_eq!(q.rings(), 0, "a push alone does not wake the worker");
+        q.flush(2);
+        waiter.join().unwrap();
+        assert_eq!(q.rings(), 1);
+        assert!(matches!(q.try_pop(), Popped::Request(r) if r.id == 1));
+        assert!(q.may_pop());
+        assert!(matches!(q.try_pop(), Popped::Request(r) if r.id == 2));
+        assert!(!q.may_pop());
+        q.push(req(3)).unwrap();
+        assert!(!q.may_pop());
+        q.close(1);
+        assert!(q.may_pop(), "closing releases everything accepted");
+        assert!(matches!(q.try_pop(), Popped::Request(r) if r.id == 3));
+    }
+
+    #[test]
     fn refuses_beyond_capacity_then_admits_once_a_request_left() {
-        let q = RequestQueue::new(2, 1);
+        let q = RequestQueue::new(2, 1, Readiness::OnPush);
         q.push(req(1)).unwrap();
         q.push(req(2)).unwrap();
         assert_eq!(q.push(req(3)), Err(CoreError::QueueFull { capacity: 2 }));
@@ -240,7 +315,7 @@ mod tests {
 
     #[test]
     fn withdrawn_requests_do_not_crowd_out_new_ones_until_the_channel_is_full() {
-        let q = RequestQueue::new(2, 1);
+        let q = RequestQueue::new(2, 1, Readiness::OnPush);
         for id in 0..q.room as u64 {
             q.push(req(id)).unwrap();
             q.left(); // withdrawn at once; still in the channel
@@ -257,7 +332,7 @@ mod tests {
 
     #[test]
     fn close_refuses_new_requests_and_queues_behind_accepted_ones() {
-        let q = RequestQueue::new(4, 2);
+        let q = RequestQueue::new(4, 2, Readiness::OnPush);
         q.push(req(1)).unwrap();
         q.close(2);
         assert_eq!(q.push(req(2)), Err(CoreError::Closed));
@@ -269,7 +344,7 @@ mod tests {
 
     #[test]
     fn a_waiting_worker_wakes_once_enough_rows_arrived_and_not_before() {
-        let q = Arc::new(RequestQueue::new(64, 1));
+        let q = Arc::new(RequestQueue::new(64, 1, Readiness::OnPush));
         let waiter = {
             let q = q.clone();
             std::thread::spawn(move || {
@@ -298,7 +373,7 @@ mod tests {
 
     #[test]
     fn wait_returns_at_once_when_rows_are_ready_and_at_the_deadline_when_not() {
-        let q = RequestQueue::new(8, 1);
+        let q = RequestQueue::new(8, 1, Readiness::OnPush);
         q.push(req(1)).unwrap();
         q.wait_for_rows(1, None); // would hang if the ready row were missed
         let deadline = Instant::now() + std::time::Duration::from_millis(20);
@@ -310,7 +385,7 @@ mod tests {
     fn no_wake_up_is_lost_between_check_and_sleep() {
         // Each round the waiter wants exactly the one row the pusher sends;
         // a lost wake-up hangs the round (and the test) on `None` deadline.
-        let q = Arc::new(RequestQueue::new(4, 1));
+        let q = Arc::new(RequestQueue::new(4, 1, Readiness::OnPush));
         let rounds = 2_000;
         let pusher = {
             let q = q.clone();
@@ -333,7 +408,7 @@ mod tests {
 
     #[test]
     fn close_fits_even_when_the_queue_is_full() {
-        let q = RequestQueue::new(1, 3);
+        let q = RequestQueue::new(1, 3, Readiness::OnPush);
         q.push(req(1)).unwrap();
         q.close(3); // must not block
         assert_eq!(q.len(), 1);

@@ -6,7 +6,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ferrobatch_core as core;
-use ferrobatch_core::{BatcherConfig, DType, DispatchRule, RequestState, Route, SlotBuffer};
+use ferrobatch_core::{
+    BatcherConfig, DType, DispatchRule, Readiness, RequestState, Route, SlotBuffer,
+};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -96,6 +98,13 @@ impl Batcher {
             row_nbytes: specs.iter().map(|s| s.row_nbytes).collect(),
             max_queue_size,
             workers,
+            // Greedy: a batch takes what an event loop submitted in a whole
+            // iteration (it flushes at the end), not just its first request.
+            readiness: if max_delay == 0.0 {
+                Readiness::OnFlush
+            } else {
+                Readiness::OnPush
+            },
         };
         let core = core::Batcher::new(config, slot_buffers).map_err(|e| to_pyerr(py, e))?;
         Ok(Batcher {
@@ -111,7 +120,9 @@ impl Batcher {
 
     /// Validates `inputs` against the specs, queues the request and registers
     /// its ticket (with a new future of the mailbox's loop) in
-    /// `mailbox.pending`. Call on the mailbox's loop thread.
+    /// `mailbox.pending`. Call on the mailbox's loop thread. A greedy batcher
+    /// (`max_delay=0`) lets workers take the request once the loop runs the
+    /// `mailbox.flush` the first submit of its iteration schedules.
     #[pyo3(signature = (inputs, mailbox, timeout=None, batched=false))]
     fn submit<'py>(
         &self,
@@ -185,18 +196,16 @@ impl Batcher {
             Some(t) => Some(Duration::try_from_secs_f64(t).unwrap_or(Duration::MAX)),
             None => None,
         };
-        let mailbox = mailbox.get();
         // Made before the request is queued: once queued, nothing may fail.
-        let future = mailbox.new_future(py)?;
+        let future = mailbox.get().new_future(py)?;
+        LoopMailbox::schedule_flush(mailbox, &self.core)?;
+        let mailbox = mailbox.get();
+        let rows = rows.unwrap_or(1);
         let request = self
             .core
-            .submit(
-                mailbox.loop_id(),
-                rows.unwrap_or(1),
-                bytes.into_boxed_slice(),
-                timeout,
-            )
+            .submit(mailbox.loop_id(), rows, bytes.into_boxed_slice(), timeout)
             .map_err(|e| to_pyerr(py, e))?;
+        mailbox.add_unflushed(rows);
         let id = request.id;
         let ticket = Ticket {
             request,

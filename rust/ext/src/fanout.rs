@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
-use ferrobatch_core::Route;
+use ferrobatch_core::{Readiness, Route};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -125,6 +125,11 @@ pub struct LoopMailbox {
     #[pyo3(get)]
     counters: Py<LoopCounters>,
     create_future: Py<PyAny>,
+    call_soon: Py<PyAny>,
+    /// Rows this loop submitted in its current iteration, and the batcher
+    /// they went to: made ready at once by `flush`, which `call_soon` runs
+    /// after everything else the iteration does (greedy batchers only).
+    unflushed: Mutex<Option<(Arc<ferrobatch_core::Batcher>, usize)>>,
     /// `on_error(routes, error)`: fails a batch's requests (Python, rare path).
     on_error: Py<PyAny>,
     inbox: Mutex<Inbox>,
@@ -146,6 +151,8 @@ impl LoopMailbox {
             pending: PyDict::new(py).unbind(),
             counters: Py::new(py, LoopCounters::default())?,
             create_future: event_loop.getattr(intern!(py, "create_future"))?.unbind(),
+            call_soon: event_loop.getattr(intern!(py, "call_soon"))?.unbind(),
+            unflushed: Mutex::new(None),
             on_error,
             inbox: Mutex::new(Inbox::default()),
             doorbell: OnceLock::new(),
@@ -221,6 +228,19 @@ impl LoopMailbox {
         }
     }
 
+    /// Readies for the workers the requests this loop submitted since the
+    /// last flush (loop thread, scheduled by the first submit after it).
+    fn flush(&self) {
+        let unflushed = self
+            .unflushed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some((batcher, rows)) = unflushed {
+            batcher.flush(rows);
+        }
+    }
+
     /// Resolves everything posted since the last drain (loop thread; the
     /// doorbell's reader callback).
     fn drain(&self, py: Python<'_>) -> PyResult<()> {
@@ -266,6 +286,39 @@ impl LoopMailbox {
     /// Submit side (loop thread): a new future of this loop, for a ticket.
     pub(crate) fn new_future(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         self.create_future.call0(py)
+    }
+
+    /// Submit side (loop thread), before a request to `batcher` is queued:
+    /// makes sure a flush of this iteration's requests is scheduled. Only
+    /// for batchers that wait for it (`Readiness::OnFlush`).
+    pub(crate) fn schedule_flush(
+        this: &Bound<'_, LoopMailbox>,
+        batcher: &Arc<ferrobatch_core::Batcher>,
+    ) -> PyResult<()> {
+        if batcher.readiness() != Readiness::OnFlush {
+            return Ok(());
+        }
+        let py = this.py();
+        let mut unflushed = this
+            .get()
+            .unflushed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if unflushed.is_none() {
+            // A mailbox belongs to one server, so it only ever sees one batcher.
+            this.get()
+                .call_soon
+                .call1(py, (this.getattr(intern!(py, "flush"))?,))?;
+            *unflushed = Some((batcher.clone(), 0));
+        }
+        Ok(())
+    }
+
+    /// Counts `rows` more rows for the scheduled flush.
+    pub(crate) fn add_unflushed(&self, rows: usize) {
+        if let Some((_, n)) = &mut *self.unflushed.lock().unwrap_or_else(|e| e.into_inner()) {
+            *n += rows;
+        }
     }
 
     pub(crate) fn loop_id(&self) -> u32 {
