@@ -49,6 +49,39 @@ async def test_identity_model_outputs_do_not_alias_the_reused_staging_slot() -> 
         torch.testing.assert_close(out["y"], sample(i))
 
 
+async def test_a_model_that_changes_its_input_views_in_place_still_gets_correct_ones() -> None:
+    # The executor reuses its views of the staging slot from batch to batch;
+    # a model that reshapes one in place must not leave the next batch a
+    # mangled view.
+    def doubles_then_mangles(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        x = inputs["x"]
+        y = x * 2
+        x.unsqueeze_(0)
+        return {"y": y}
+
+    async with make_server(doubles_then_mangles, max_batch_size=4, max_delay=0) as server:
+        client = server.client()
+        for i in range(12):
+            out = await asyncio.wait_for(client.infer({"x": sample(i)}), timeout=10)
+            torch.testing.assert_close(out["y"], sample(2 * i))
+
+
+def test_the_cpu_executor_reuses_its_views_of_a_slot() -> None:
+    from ferrobatch._torch import CpuExecutor
+
+    executor = CpuExecutor(lambda d: {"y": d["x"] + 1}, torch.device("cpu"), [Y])
+    slot = {"x": torch.zeros(4, WIDTH)}
+    seen = []
+    for rows in (3, 3, 2, 3):
+        slot["x"][:rows] = torch.arange(rows, dtype=torch.float32)[:, None]
+        out = executor.run(slot, rows)["y"]
+        expected = torch.arange(rows, dtype=torch.float32)[:, None].expand(rows, WIDTH) + 1
+        torch.testing.assert_close(out, expected)
+        seen.append(executor._staged(slot, rows))
+    assert seen[0] is seen[1] is seen[3], "one set of views per (slot, rows), made once"
+    assert seen[2] is not seen[0]
+
+
 async def test_results_for_rows_of_multi_row_and_single_requests_in_one_batch() -> None:
     async with make_server(max_batch_size=16, max_delay=0.01) as server:
         client = server.client()
