@@ -16,6 +16,9 @@
 //!   One worker gathers at a time (the gather lock), sleeping on the queue's
 //!   doorbell until enough rows for its next dispatch decision have arrived
 //!   or its deadline passes, so a submit wakes it at most once per batch.
+//!   With [`Readiness::OnFlush`] (greedy batching) a submitter's rows count
+//!   only once it calls [`Batcher::flush`]; an event loop does so once per
+//!   iteration, so a burst of requests is taken as one batch.
 //!   A worker owns the staging slot it acquired from the [`StagingRing`] until
 //!   it calls [`Batcher::release_slot`]. It reads a request's input bytes only
 //!   after it won the `Queued -> Taken` transition for that request, and only
