@@ -6,26 +6,31 @@ import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
 
 import ferrobatch as fb
 from conftest import make_server, sample
 
 
-async def test_three_threads_with_their_own_event_loops_share_one_server() -> None:
-    per_thread = 200
-    async with make_server(max_batch_size=32, max_delay=0.002) as server:
+@pytest.mark.parametrize("max_delay", [0.002, 0.0], ids=["max_delay", "greedy"])
+async def test_three_threads_with_their_own_event_loops_share_one_server(max_delay: float) -> None:
+    # Greedy: each loop releases its requests at the end of its own
+    # iterations (a flush per loop); none may be left waiting for another's.
+    per_thread, rounds = 200, 4
+    async with make_server(max_batch_size=32, max_delay=max_delay) as server:
         client = server.client()
         failures: list[BaseException] = []
 
         def run_loop(t: int) -> None:
             async def callers() -> None:
-                base = 1000 * t
-                outs = await asyncio.gather(
-                    *(client.infer({"x": sample(base + i)}) for i in range(per_thread))
-                )
-                for i, out in enumerate(outs):
-                    torch.testing.assert_close(out["y"], sample(2 * (base + i)))
+                size = per_thread // rounds
+                for r in range(rounds):
+                    base = 1000 * t + r * size
+                    calls = (client.infer({"x": sample(base + i)}) for i in range(size))
+                    outs = await asyncio.wait_for(asyncio.gather(*calls), timeout=20)
+                    for i, out in enumerate(outs):
+                        torch.testing.assert_close(out["y"], sample(2 * (base + i)))
 
             try:
                 asyncio.run(callers())
