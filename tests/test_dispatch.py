@@ -26,12 +26,14 @@ async def test_greedy_batches_what_the_loop_submitted_in_one_iteration() -> None
     async with make_server(max_batch_size=64, max_delay=0) as server:
         client = server.client()
         for burst in range(5):
-            outs = await asyncio.gather(*(client.infer({"x": sample(i)}) for i in range(64)))
+            calls = (client.infer({"x": sample(i)}) for i in range(64))
+            outs = await asyncio.wait_for(asyncio.gather(*calls), timeout=10)
             for i, out in enumerate(outs):
                 torch.testing.assert_close(out["y"], sample(2 * i))
             assert server.stats()["batches"] == burst + 1
         # A burst larger than a batch fills batches, then the rest follows.
-        await asyncio.gather(*(client.infer({"x": sample(i)}) for i in range(100)))
+        calls = (client.infer({"x": sample(i)}) for i in range(100))
+        await asyncio.wait_for(asyncio.gather(*calls), timeout=10)
         assert server.stats()["batches"] == 5 + 2
 
 
@@ -40,7 +42,7 @@ async def test_greedy_serves_requests_submitted_from_threads() -> None:
     async with make_server(max_batch_size=8, max_delay=0) as server:
         client = server.client()
         outs = await asyncio.gather(
-            *(asyncio.to_thread(client.infer_sync, {"x": sample(i)}) for i in range(20))
+            *(asyncio.to_thread(client.infer_sync, {"x": sample(i)}, 10) for i in range(20))
         )
         for i, out in enumerate(outs):
             torch.testing.assert_close(out["y"], sample(2 * i))

@@ -205,7 +205,9 @@ impl Batcher {
             .core
             .submit(mailbox.loop_id(), rows, bytes.into_boxed_slice(), timeout)
             .map_err(|e| to_pyerr(py, e))?;
-        mailbox.add_unflushed(rows);
+        if self.core.readiness() == Readiness::OnFlush {
+            mailbox.add_unflushed(rows);
+        }
         let id = request.id;
         let ticket = Ticket {
             request,

@@ -314,7 +314,8 @@ impl LoopMailbox {
         Ok(())
     }
 
-    /// Counts `rows` more rows for the scheduled flush.
+    /// Counts `rows` more rows for the scheduled flush (`Readiness::OnFlush`
+    /// batchers only, after `schedule_flush`).
     pub(crate) fn add_unflushed(&self, rows: usize) {
         if let Some((_, n)) = &mut *self.unflushed.lock().unwrap_or_else(|e| e.into_inner()) {
             *n += rows;
