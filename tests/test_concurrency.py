@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import ferrobatch as fb
+from ferrobatch import _core
 from conftest import make_server, sample
 
 
@@ -84,3 +85,58 @@ async def test_infer_sync_after_stop_raises_server_closed() -> None:
 
     await asyncio.to_thread(call)
     assert len(error) == 1 and isinstance(error[0], fb.ServerClosedError)
+
+
+async def test_a_thread_running_event_loops_one_after_another() -> None:
+    # The client caches the last loop it saw; each new loop on the same
+    # thread must get its own mailbox (a future of a finished loop would
+    # fail to await: "attached to a different loop").
+    async with make_server() as server:
+        client = server.client()
+
+        def run_loops() -> list[torch.Tensor]:
+            outs = []
+            for i in range(3):
+                out = asyncio.run(asyncio.wait_for(client.infer({"x": sample(i)}), timeout=10))
+                outs.append(out["y"])
+            return outs
+
+        outs = await asyncio.to_thread(run_loops)
+        # And the server's own loop again, after the thread's.
+        mine = await client.infer({"x": sample(7)})
+    for i, y in enumerate(outs):
+        torch.testing.assert_close(y, sample(2 * i))
+    torch.testing.assert_close(mine["y"], sample(14))
+
+
+async def test_the_submitter_looks_a_loop_up_once_until_it_changes_or_the_process_forks() -> None:
+    async with make_server() as server:
+        lookups: list[asyncio.AbstractEventLoop] = []
+
+        def state_for(loop: asyncio.AbstractEventLoop) -> object:
+            lookups.append(loop)
+            return server._loops.state_for(loop)
+
+        submitter = _core.Submitter(state_for, server._not_running)
+        submitter.accept(server._batcher)
+        futures = [submitter.submit({"x": sample(i)})[0] for i in range(5)]
+        assert len(lookups) == 1
+        _core.after_fork_in_child()  # as in a forked child: the cache is void
+        futures.append(submitter.submit({"x": sample(5)})[0])
+        assert len(lookups) == 2
+        outs = await asyncio.wait_for(asyncio.gather(*futures), timeout=10)
+        for i, out in enumerate(outs):
+            torch.testing.assert_close(out["y"], sample(2 * i))
+
+        def other_loop() -> None:
+            async def one() -> None:
+                future, _ = submitter.submit({"x": sample(9)})
+                torch.testing.assert_close((await future)["y"], sample(18))
+
+            asyncio.run(asyncio.wait_for(one(), timeout=10))
+
+        await asyncio.to_thread(other_loop)
+        assert len(lookups) == 3 and lookups[2] is not lookups[1]
+        submitter.accept(None)
+        with pytest.raises(fb.ServerClosedError):
+            submitter.submit({"x": sample(0)})

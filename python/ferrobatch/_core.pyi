@@ -6,7 +6,18 @@ from typing import Any, final
 
 import torch
 
-__all__ = ["Batch", "Batcher", "LoopCounters", "LoopMailbox", "Routes", "Ticket", "Worker", "__version__"]
+__all__ = [
+    "Batch",
+    "Batcher",
+    "LoopCounters",
+    "LoopMailbox",
+    "Routes",
+    "Submitter",
+    "Ticket",
+    "Worker",
+    "__version__",
+    "after_fork_in_child",
+]
 __version__: str
 
 @final
@@ -27,16 +38,28 @@ class Batcher:
         max_queue_size: int,
         workers: int,
     ) -> Batcher: ...
-    def submit(
-        self,
-        inputs: Any,
-        mailbox: LoopMailbox,
-        timeout: float | None = None,
-        batched: bool = False,
-    ) -> Ticket: ...
     def release_slot(self, slot: int) -> bool: ...
     def close(self) -> None: ...
     def stats(self) -> dict[str, int]: ...
+
+@final
+class Submitter:
+    """Submits requests to one server from any event loop (``Client.infer``'s way in)."""
+
+    def __new__(
+        cls,
+        state_for: Callable[[asyncio.AbstractEventLoop], Any],
+        not_running: Callable[[], BaseException],
+    ) -> Submitter: ...
+    def accept(self, batcher: Batcher | None) -> None:
+        """Starts (a batcher) or stops (None) accepting requests."""
+    def submit(
+        self, inputs: Any, timeout: float | None = None, batched: bool = False
+    ) -> tuple[asyncio.Future[dict[str, torch.Tensor]], int]:
+        """Queues a request from the running event loop: ``(future, request id)``."""
+
+def after_fork_in_child() -> None:
+    """Forgets the event loops cached before a fork (``os.register_at_fork``)."""
 
 @final
 class Ticket:

@@ -3,23 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import TYPE_CHECKING, Any
 
 import anyio.from_thread
 import torch
 
-from ._loops import LoopState
-from .errors import FerrobatchError, ServerClosedError
+from . import _core
+from .errors import ServerClosedError
 
 if TYPE_CHECKING:
     from .server import Server
 
 __all__ = ["Client"]
 
-_get_running_loop = asyncio.get_running_loop
-
 Inputs = dict[str, Any]
 Outputs = dict[str, torch.Tensor]
+
+# A forked child must not reuse the parent's cached event loops (see _core.Submitter).
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_core.after_fork_in_child)
 
 
 class Client:
@@ -28,21 +31,15 @@ class Client:
     A client may be shared by any number of tasks, event loops and threads.
     """
 
-    __slots__ = ("_server", "_cached")
+    __slots__ = ("_server", "_submitter")
 
     def __init__(self, server: Server) -> None:
         self._server = server
-        # (loop, state) of the last loop seen: one tuple, so threads never see a torn pair.
-        self._cached: tuple[asyncio.AbstractEventLoop | None, LoopState | None] = (None, None)
+        self._submitter = server._submitter
 
     @property
     def server(self) -> Server:
         return self._server
-
-    def _state_for(self, loop: asyncio.AbstractEventLoop) -> LoopState:
-        state = self._server._loops.state_for(loop)
-        self._cached = (loop, state)
-        return state
 
     async def infer(self, inputs: Inputs, timeout: float | None = None) -> Outputs:
         """Runs one sample through the model, batched with other callers'.
@@ -59,47 +56,32 @@ class Client:
         awaiting task withdraws the request if no batch has taken it yet.
         The inputs must not be modified until this returns.
         """
-        state, future, rid = self._submit(inputs, timeout, False)
+        # One call into Rust per request (it finds this loop's mailbox, queues
+        # the request and arms the deadline). The caller keeps the future and
+        # id, never the ticket: a failed future's traceback holds the caller's
+        # frame, and the ticket (which the cycle collector does not see) holds
+        # the future.
+        future, rid = self._submitter.submit(inputs, timeout, False)
         try:
             return await future
         except asyncio.CancelledError:
-            state.cancel(rid)
+            self._withdraw(rid)
             raise
 
     async def infer_batch(self, inputs: Inputs, timeout: float | None = None) -> Outputs:
         """Like :meth:`infer` for ``n >= 1`` samples at once: every input has a
         leading dimension ``n`` (at most ``max_batch_size``), and so does every
         output. The rows join a batch together and are never split."""
-        state, future, rid = self._submit(inputs, timeout, True)
+        future, rid = self._submitter.submit(inputs, timeout, True)
         try:
             return await future
         except asyncio.CancelledError:
-            state.cancel(rid)
+            self._withdraw(rid)
             raise
 
-    def _submit(
-        self, inputs: Inputs, timeout: float | None, batched: bool
-    ) -> tuple[LoopState, asyncio.Future[Outputs], int]:
-        # The per-request path: one call into Rust, which queues the request,
-        # makes its future and registers its ticket with this loop's mailbox.
-        # The caller keeps the future and id, never the ticket: a failed
-        # future's traceback holds the caller's frame, and the ticket (which
-        # the cycle collector does not see) holds the future.
-        loop = _get_running_loop()
-        cached_loop, state = self._cached
-        if cached_loop is not loop or state is None:
-            state = self._state_for(loop)
-        batcher = self._server._accepting
-        if batcher is None:
-            raise self._server._not_running()
-        try:
-            ticket = batcher.submit(inputs, state.mailbox, timeout, batched)
-        except FerrobatchError as exc:
-            state.count_failure(exc)
-            raise
-        if timeout is not None:
-            state.arm_timer(ticket, timeout)
-        return state, ticket.future, ticket.id
+    def _withdraw(self, rid: int) -> None:
+        """The awaiting task was cancelled (on the loop that submitted ``rid``)."""
+        self._server._loops.state_for(asyncio.get_running_loop()).cancel(rid)
 
     def infer_sync(self, inputs: Inputs, timeout: float | None = None) -> Outputs:
         """Blocking :meth:`infer`, for threads other than the event loop's.

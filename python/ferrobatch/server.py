@@ -144,7 +144,8 @@ class Server:
         # Event loops stop watching this server's doorbells once it is freed.
         weakref.finalize(self, self._loops.close)
         self._batcher: _core.Batcher | None = None
-        self._accepting: _core.Batcher | None = None  # the batcher while running, else None
+        # Client.infer's way in: holds the batcher while the server runs.
+        self._submitter = _core.Submitter(self._loops.state_for, self._not_running)
         self._slots: list[dict[str, torch.Tensor]] = []
         self._threads: list[threading.Thread] = []
         self._counters: list[_WorkerCounters] = []
@@ -293,7 +294,7 @@ class Server:
                     )
                 )
         self._phase = "running"
-        self._accepting = self._batcher
+        self._submitter.accept(self._batcher)
         for thread in self._threads:
             thread.start()
 
@@ -307,7 +308,7 @@ class Server:
         if self._phase != "running":
             return
         self._phase = "stopping"
-        self._accepting = None
+        self._submitter.accept(None)
         assert self._batcher is not None
         self._batcher.close()
         threads = list(self._threads)

@@ -118,13 +118,40 @@ impl Batcher {
         })
     }
 
+    /// Gives back a batch's staging slot once its bytes have been consumed.
+    fn release_slot(&self, slot: usize) -> bool {
+        self.core.release_slot(slot)
+    }
+
+    /// Refuses new requests; workers dispatch what they hold, then stop.
+    fn close(&self) {
+        self.core.close()
+    }
+
+    /// Counters since start: batches, rows, requests, skipped_withdrawn,
+    /// skipped_expired, queue_ns.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        use Ordering::Relaxed;
+        let s = self.core.stats();
+        let d = PyDict::new(py);
+        d.set_item("batches", s.batches.load(Relaxed))?;
+        d.set_item("rows", s.rows.load(Relaxed))?;
+        d.set_item("requests", s.requests.load(Relaxed))?;
+        d.set_item("skipped_withdrawn", s.skipped_withdrawn.load(Relaxed))?;
+        d.set_item("skipped_expired", s.skipped_expired.load(Relaxed))?;
+        d.set_item("queue_ns", s.queue_ns.load(Relaxed))?;
+        d.set_item("queue_len", self.core.queue_len())?;
+        Ok(d)
+    }
+}
+
+impl Batcher {
     /// Validates `inputs` against the specs, queues the request and registers
     /// its ticket (with a new future of the mailbox's loop) in
     /// `mailbox.pending`. Call on the mailbox's loop thread. A greedy batcher
     /// (`max_delay=0`) lets workers take the request once the loop runs the
     /// `mailbox.flush` the first submit of its iteration schedules.
-    #[pyo3(signature = (inputs, mailbox, timeout=None, batched=false))]
-    fn submit<'py>(
+    pub(crate) fn submit<'py>(
         &self,
         py: Python<'py>,
         inputs: &Bound<'py, PyAny>,
@@ -221,32 +248,6 @@ impl Batcher {
         mailbox.pending(py).set_item(id, &ticket)?;
         Ok(ticket)
     }
-
-    /// Gives back a batch's staging slot once its bytes have been consumed.
-    fn release_slot(&self, slot: usize) -> bool {
-        self.core.release_slot(slot)
-    }
-
-    /// Refuses new requests; workers dispatch what they hold, then stop.
-    fn close(&self) {
-        self.core.close()
-    }
-
-    /// Counters since start: batches, rows, requests, skipped_withdrawn,
-    /// skipped_expired, queue_ns.
-    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        use Ordering::Relaxed;
-        let s = self.core.stats();
-        let d = PyDict::new(py);
-        d.set_item("batches", s.batches.load(Relaxed))?;
-        d.set_item("rows", s.rows.load(Relaxed))?;
-        d.set_item("requests", s.requests.load(Relaxed))?;
-        d.set_item("skipped_withdrawn", s.skipped_withdrawn.load(Relaxed))?;
-        d.set_item("skipped_expired", s.skipped_expired.load(Relaxed))?;
-        d.set_item("queue_ns", s.queue_ns.load(Relaxed))?;
-        d.set_item("queue_len", self.core.queue_len())?;
-        Ok(d)
-    }
 }
 
 /// One submitted request: its future, deadline timer, and the caller's input
@@ -280,7 +281,7 @@ impl Ticket {
 #[pymethods]
 impl Ticket {
     #[getter]
-    fn id(&self) -> u64 {
+    pub(crate) fn id(&self) -> u64 {
         self.request.id
     }
 

@@ -35,3 +35,8 @@ pub(crate) fn to_pyerr(py: Python<'_>, err: CoreError) -> PyErr {
         CoreError::InvalidConfig(_) => pyo3::exceptions::PyValueError::new_err(message),
     }
 }
+
+/// True for the exceptions of `ferrobatch.errors` (what a failed submit counts).
+pub(crate) fn is_ferrobatch_error(py: Python<'_>, err: &PyErr) -> bool {
+    error_class(py, "FerrobatchError").is_ok_and(|cls| err.is_instance(py, &cls))
+}

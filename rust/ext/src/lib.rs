@@ -10,6 +10,7 @@ mod batcher;
 mod errors;
 mod fanout;
 mod inputs;
+mod submit;
 
 use pyo3::prelude::*;
 
@@ -32,5 +33,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<fanout::Routes>()?;
     m.add_class::<fanout::LoopCounters>()?;
     m.add_class::<fanout::LoopMailbox>()?;
+    m.add_class::<submit::Submitter>()?;
+    m.add_function(wrap_pyfunction!(submit::after_fork_in_child, m)?)?;
     Ok(())
 }

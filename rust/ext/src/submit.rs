@@ -1,0 +1,209 @@
+//! `Submitter`: the caller's entry point, one per server. `Client.infer`
+//! makes one call into it per request: find the calling event loop's mailbox,
+//! queue the request, arm its deadline, hand back its future.
+//!
+//! Finding the loop is the costly part in Python: `asyncio.get_running_loop`
+//! calls `getpid()` on every call (Python 3.11), a system call. So the last
+//! loop seen is cached against the marker asyncio itself keeps in the thread
+//! state's dict while a loop runs: a fresh holder object per run on 3.11, the
+//! loop itself on 3.12. The cache holds a reference to the marker, so an
+//! identical marker means the same run of the same loop. Where the marker is
+//! missing (3.13 keeps the running loop elsewhere) the loop itself is the key,
+//! looked up the ordinary way. A fork bumps a generation that empties the
+//! cache: in the child, asyncio no longer reports the parent's loop.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use pyo3::exceptions::PyTypeError;
+use pyo3::ffi;
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+use pyo3::{PyTraverseError, PyVisit};
+
+use crate::batcher::Batcher;
+use crate::errors::is_ferrobatch_error;
+use crate::fanout::LoopMailbox;
+
+/// Bumped in a forked child, so that no loop cached in the parent is used.
+static FORK_GENERATION: AtomicU64 = AtomicU64::new(0);
+
+/// Called by `os.register_at_fork(after_in_child=...)`.
+#[pyfunction]
+pub fn after_fork_in_child() {
+    FORK_GENERATION.fetch_add(1, Ordering::Relaxed);
+}
+
+/// The marker of the loop running on this thread, where asyncio keeps one in
+/// the thread state's dict; None elsewhere.
+fn running_loop_marker<'py>(py: Python<'py>) -> Option<Bound<'py, PyAny>> {
+    // SAFETY: the GIL is held; PyThreadState_GetDict returns a borrowed
+    // reference (or NULL) to this thread's dict, which lives as long as the
+    // thread state, and PyDict_GetItemWithError a borrowed value (or NULL)
+    // that we turn into an owned one at once.
+    unsafe {
+        let dict = ffi::PyThreadState_GetDict();
+        if dict.is_null() {
+            return None;
+        }
+        let key = intern!(py, "__asyncio_running_event_loop__");
+        let value = ffi::PyDict_GetItemWithError(dict, key.as_ptr());
+        if value.is_null() {
+            ffi::PyErr_Clear();
+            return None;
+        }
+        Some(Bound::from_borrowed_ptr(py, value))
+    }
+}
+
+struct CachedLoop {
+    /// The running-loop marker (or the loop) this entry was made for.
+    marker: Py<PyAny>,
+    generation: u64,
+    state: Py<PyAny>,
+    mailbox: Py<LoopMailbox>,
+}
+
+/// Submits requests to one server from any event loop. The server swaps its
+/// batcher in with `accept` while it runs, and out when it stops.
+#[pyclass(frozen, module = "ferrobatch._core")]
+pub struct Submitter {
+    batcher: Mutex<Option<Py<Batcher>>>,
+    /// `state_for(loop) -> LoopState`: the loop's state (made on first use).
+    state_for: Py<PyAny>,
+    /// `not_running() -> ServerClosedError`, raised while no batcher is in.
+    not_running: Py<PyAny>,
+    get_running_loop: Py<PyAny>,
+    /// The last event loop seen (threads never see a torn entry).
+    cached: Mutex<Option<CachedLoop>>,
+}
+
+#[pymethods]
+impl Submitter {
+    #[new]
+    fn new(py: Python<'_>, state_for: Py<PyAny>, not_running: Py<PyAny>) -> PyResult<Submitter> {
+        let get_running_loop = py.import("asyncio")?.getattr("get_running_loop")?.unbind();
+        Ok(Submitter {
+            batcher: Mutex::new(None),
+            state_for,
+            not_running,
+            get_running_loop,
+            cached: Mutex::new(None),
+        })
+    }
+
+    // The callbacks refer back to the server that owns this submitter: a
+    // cycle only the garbage collector can break.
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.state_for)?;
+        visit.call(&self.not_running)?;
+        visit.call(&self.get_running_loop)?;
+        if let Ok(batcher) = self.batcher.try_lock() {
+            visit.call(&*batcher)?;
+        }
+        if let Ok(cached) = self.cached.try_lock() {
+            if let Some(c) = &*cached {
+                visit.call(&c.marker)?;
+                visit.call(&c.state)?;
+                visit.call(&c.mailbox)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn __clear__(&self) {
+        *self.batcher.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        *self.cached.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
+    /// Starts (a batcher) or stops (None) accepting requests.
+    fn accept(&self, batcher: Option<Py<Batcher>>) {
+        *self.batcher.lock().unwrap_or_else(|e| e.into_inner()) = batcher;
+    }
+
+    /// Queues a request from the running event loop: `(future, request id)`.
+    ///
+    /// Bad inputs, a full queue or a stopped server raise at once (counted
+    /// as failures of the loop); with `timeout`, the loop's deadline timer
+    /// is armed. Call on an event loop's thread.
+    #[pyo3(signature = (inputs, timeout=None, batched=false))]
+    fn submit<'py>(
+        &self,
+        py: Python<'py>,
+        inputs: &Bound<'py, PyAny>,
+        timeout: Option<f64>,
+        batched: bool,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let batcher = self
+            .batcher
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(|b| b.clone_ref(py));
+        let Some(batcher) = batcher else {
+            return Err(PyErr::from_value(
+                self.not_running.call0(py)?.into_bound(py),
+            ));
+        };
+        let (state, mailbox) = self.loop_state(py)?;
+        let state = state.bind(py);
+        let ticket = match batcher
+            .get()
+            .submit(py, inputs, mailbox.bind(py), timeout, batched)
+        {
+            Ok(ticket) => ticket,
+            Err(err) => {
+                if is_ferrobatch_error(py, &err) {
+                    state.call_method1(intern!(py, "count_failure"), (err.value(py),))?;
+                }
+                return Err(err);
+            }
+        };
+        if let Some(timeout) = timeout {
+            state.call_method1(intern!(py, "arm_timer"), (&ticket, timeout))?;
+        }
+        let ticket = ticket.get();
+        PyTuple::new(
+            py,
+            [
+                ticket.future.bind(py).clone(),
+                ticket.id().into_pyobject(py)?.into_any(),
+            ],
+        )
+    }
+}
+
+impl Submitter {
+    /// The calling loop's `(LoopState, mailbox)`; RuntimeError with no loop running.
+    fn loop_state(&self, py: Python<'_>) -> PyResult<(Py<PyAny>, Py<LoopMailbox>)> {
+        let marker = match running_loop_marker(py) {
+            Some(marker) => marker,
+            None => self.get_running_loop.call0(py)?.into_bound(py),
+        };
+        let generation = FORK_GENERATION.load(Ordering::Relaxed);
+        {
+            let cached = self.cached.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(c) = &*cached {
+                if c.marker.is(&marker) && c.generation == generation {
+                    return Ok((c.state.clone_ref(py), c.mailbox.clone_ref(py)));
+                }
+            }
+        }
+        let event_loop = self.get_running_loop.call0(py)?;
+        let state = self.state_for.call1(py, (event_loop,))?;
+        let mailbox = state
+            .getattr(py, intern!(py, "mailbox"))?
+            .into_bound(py)
+            .cast_into::<LoopMailbox>()
+            .map_err(|_| PyTypeError::new_err("LoopState.mailbox must be a LoopMailbox"))?
+            .unbind();
+        *self.cached.lock().unwrap_or_else(|e| e.into_inner()) = Some(CachedLoop {
+            marker: marker.unbind(),
+            generation,
+            state: state.clone_ref(py),
+            mailbox: mailbox.clone_ref(py),
+        });
+        Ok((state, mailbox))
+    }
+}
