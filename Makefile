@@ -42,6 +42,7 @@ test: build cargo-test stubtest pytest
 bench: build
 	cargo bench
 	$(PY) benches/python/bench_e2e.py
+	$(PY) benches/python/bench_submit.py
 
 wheel:
 	$(VENV)/bin/maturin build --release --out dist
