@@ -177,9 +177,13 @@ impl Submitter {
 impl Submitter {
     /// The calling loop's `(LoopState, mailbox)`; RuntimeError with no loop running.
     fn loop_state(&self, py: Python<'_>) -> PyResult<(Py<PyAny>, Py<LoopMailbox>)> {
-        let marker = match running_loop_marker(py) {
-            Some(marker) => marker,
-            None => self.get_running_loop.call0(py)?.into_bound(py),
+        // Without a marker the loop itself is the key, looked up once here.
+        let (marker, looked_up) = match running_loop_marker(py) {
+            Some(marker) => (marker, None),
+            None => {
+                let event_loop = self.get_running_loop.call0(py)?.into_bound(py);
+                (event_loop.clone(), Some(event_loop))
+            }
         };
         let generation = FORK_GENERATION.load(Ordering::Relaxed);
         {
@@ -190,7 +194,10 @@ impl Submitter {
                 }
             }
         }
-        let event_loop = self.get_running_loop.call0(py)?;
+        let event_loop = match looked_up {
+            Some(event_loop) => event_loop,
+            None => self.get_running_loop.call0(py)?.into_bound(py),
+        };
         let state = self.state_for.call1(py, (event_loop,))?;
         let mailbox = state
             .getattr(py, intern!(py, "mailbox"))?
