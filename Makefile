@@ -1,26 +1,35 @@
 # `make demo` and `make test` work on a fresh machine: they create (or reuse)
-# .venv, install what is needed, build the extension, then run.
+# .venv, install what is needed, build the extension, then run. Installs are
+# quiet and happen only when requirements-dev.txt, constraints-dev.txt or the
+# sources change (the stamps below), so a second run goes straight to the point.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-PIP := $(PY) -m pip
+PIP := $(PY) -m pip --quiet --disable-pip-version-check
 DEPS_STAMP := $(VENV)/.deps-stamp
 BUILD_STAMP := $(VENV)/.build-stamp
 RUST_SOURCES := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml Cargo.lock pyproject.toml
+SERVING_TESTS := tests/test_http.py tests/test_grpc.py tests/test_serve.py
+# tritonclient caps protobuf below 7, so the pins take protobuf 6; the serving
+# tests run again on this one, laid over the venv's (PYTHONPATH), which stays as is.
+PROTOBUF_NEXT := 7.36.2
+PROTOBUF_NEXT_DIR := $(VENV)/protobuf-next
 
-.PHONY: demo test build cargo-test pytest stubtest bench wheel clean
+.PHONY: demo test build cargo-test pytest stubtest lint lint-rust lint-python pytest-protobuf-next bench wheel clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --upgrade pip
 
 $(DEPS_STAMP): $(PY) requirements-dev.txt constraints-dev.txt
-	$(PIP) install --quiet -r requirements-dev.txt -c constraints-dev.txt
+	$(PIP) install -r requirements-dev.txt -c constraints-dev.txt
 	touch $@
 
+# PIP_QUIET: maturin installs the package's dependencies with pip, which would
+# otherwise list every one as "Requirement already satisfied".
 $(BUILD_STAMP): $(DEPS_STAMP) $(RUST_SOURCES)
-	VIRTUAL_ENV=$(abspath $(VENV)) PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/maturin develop --release --quiet
+	VIRTUAL_ENV=$(abspath $(VENV)) PATH=$(abspath $(VENV))/bin:$$PATH PIP_QUIET=1 $(VENV)/bin/maturin develop --release --quiet
 	touch $@
 
 build: $(BUILD_STAMP)
@@ -38,6 +47,27 @@ pytest: build
 	$(PY) -m pytest -q
 
 test: build cargo-test stubtest pytest
+
+# The serving suite on the next protobuf major (what the generated gRPC code
+# must also load on), beside tritonclient.
+pytest-protobuf-next: build
+	$(PIP) install --no-deps --upgrade --target $(PROTOBUF_NEXT_DIR) protobuf==$(PROTOBUF_NEXT)
+	PYTHONPATH=$(abspath $(PROTOBUF_NEXT_DIR)) $(PY) -c \
+		'import google.protobuf as p, sys; print("protobuf", p.__version__); sys.exit(p.__version__ != "$(PROTOBUF_NEXT)")'
+	PYTHONPATH=$(abspath $(PROTOBUF_NEXT_DIR)) $(PY) -m pytest -q $(SERVING_TESTS)
+
+lint: lint-rust lint-python
+
+lint-rust: $(PY)
+	cargo fmt --all --check
+	PYO3_PYTHON=$(abspath $(PY)) cargo clippy --quiet --workspace --all-targets -- -D warnings
+
+# The generated gRPC code must be what the proto generates (_codegen.py --check).
+lint-python: $(DEPS_STAMP)
+	$(VENV)/bin/ruff format --check --quiet --output-format concise
+	$(VENV)/bin/ruff check --quiet
+	$(PY) -m mypy
+	$(PY) python/ferrobatch/grpc/_codegen.py --check
 
 bench: build
 	cargo bench
