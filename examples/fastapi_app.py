@@ -43,9 +43,7 @@ def make_app() -> FastAPI:
     @app.post("/predict")
     async def predict(request: Features) -> Prediction:
         try:
-            out = await client.infer(
-                {"features": torch.tensor(request.features, dtype=torch.float32)}, timeout=1.0
-            )
+            out = await client.infer({"features": torch.tensor(request.features, dtype=torch.float32)}, timeout=1.0)
         except fb.QueueFullError:
             raise HTTPException(503, "busy, retry later") from None
         except fb.DeadlineExceededError:

@@ -8,10 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from conftest import make_server, sample
 
 import ferrobatch as fb
 from ferrobatch import _core
-from conftest import make_server, sample
 
 
 @pytest.mark.parametrize("max_delay", [0.002, 0.0], ids=["max_delay", "greedy"])

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import X, Y, make_server, sample
 
 import ferrobatch as fb
-from conftest import X, Y, make_server, sample
 from ferrobatch._cuda import CudaExecutor
 from ferrobatch._torch import CpuExecutor, allocate_slot
 
@@ -326,9 +326,7 @@ async def test_compile_with_cuda_graphs_compiles_only_during_warmup() -> None:
 
     model = Dict(mlp(width=4)).cuda()
     reference = Dict(mlp(width=4))
-    server = make_server(
-        model, max_batch_size=4, cuda_graphs=True, compile={"backend": counting_inductor}
-    )
+    server = make_server(model, max_batch_size=4, cuda_graphs=True, compile={"backend": counting_inductor})
     async with server:
         (executor,) = server._executors
         assert isinstance(executor, CudaExecutor) and executor.graphed_buckets == (1, 2, 4)

@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import Y, make_server, sample
 
 import ferrobatch as fb
-from conftest import Y, make_server, sample
 from ferrobatch._cuda import IN_FLIGHT, CudaExecutor, InFlight
 from ferrobatch._torch import normalize_outputs
 
@@ -118,9 +118,7 @@ class FakeGpuExecutor(CudaExecutor):
         return flight
 
 
-def fake_gpu_server(
-    monkeypatch: pytest.MonkeyPatch, executors: list[FakeGpuExecutor], **kwargs: Any
-) -> fb.Server:
+def fake_gpu_server(monkeypatch: pytest.MonkeyPatch, executors: list[FakeGpuExecutor], **kwargs: Any) -> fb.Server:
     server = make_server([e.model for e in executors], **kwargs)
     monkeypatch.setattr(server, "_make_executor", lambda i: executors[i])
     return server

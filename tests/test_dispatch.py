@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import torch
-
 from conftest import make_server, sample
 
 
@@ -41,9 +40,7 @@ async def test_greedy_serves_requests_submitted_from_threads() -> None:
     # infer_sync runs on the server's loop, which flushes them like its own.
     async with make_server(max_batch_size=8, max_delay=0) as server:
         client = server.client()
-        outs = await asyncio.gather(
-            *(asyncio.to_thread(client.infer_sync, {"x": sample(i)}, 10) for i in range(20))
-        )
+        outs = await asyncio.gather(*(asyncio.to_thread(client.infer_sync, {"x": sample(i)}, 10) for i in range(20)))
         for i, out in enumerate(outs):
             torch.testing.assert_close(out["y"], sample(2 * i))
 
@@ -51,9 +48,7 @@ async def test_greedy_serves_requests_submitted_from_threads() -> None:
 async def test_full_batch_dispatches_without_waiting_for_max_delay() -> None:
     async with make_server(max_batch_size=8, max_delay=30.0) as server:
         client = server.client()
-        await asyncio.wait_for(
-            asyncio.gather(*(client.infer({"x": sample(i)}) for i in range(8))), timeout=10
-        )
+        await asyncio.wait_for(asyncio.gather(*(client.infer({"x": sample(i)}) for i in range(8))), timeout=10)
         assert server.stats()["batches"] == 1
 
 
@@ -69,9 +64,7 @@ async def test_max_delay_gathers_concurrent_callers_into_one_batch() -> None:
 async def test_preferred_batch_size_dispatches_before_max_delay() -> None:
     async with make_server(max_batch_size=16, max_delay=30.0, preferred_batch_sizes=(4,)) as server:
         client = server.client()
-        await asyncio.wait_for(
-            asyncio.gather(*(client.infer({"x": sample(i)}) for i in range(4))), timeout=10
-        )
+        await asyncio.wait_for(asyncio.gather(*(client.infer({"x": sample(i)}) for i in range(4))), timeout=10)
         assert server.stats()["batches"] == 1
 
 

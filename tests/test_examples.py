@@ -105,9 +105,7 @@ def test_example_app_batches_its_own_route(module: str, kind: str, v2_prefix: st
 
     async def call_all(base: str) -> list[dict[str, Any]]:
         async with httpx.AsyncClient(base_url=base, timeout=30) as http:
-            responses = await asyncio.gather(
-                *(http.post("/predict", json={"features": f.tolist()}) for f in features)
-            )
+            responses = await asyncio.gather(*(http.post("/predict", json={"features": f.tolist()}) for f in features))
             for response in responses:
                 assert response.status_code == 200, response.text
             bad = await http.post("/predict", json={"features": [1.0, 2.0]})
@@ -115,9 +113,7 @@ def test_example_app_batches_its_own_route(module: str, kind: str, v2_prefix: st
             if v2_prefix is not None:
                 meta = await http.get(f"{v2_prefix}/v2/models/scorer")
                 assert meta.status_code == 200
-                assert meta.json()["inputs"] == [
-                    {"name": "features", "datatype": "FP32", "shape": [-1, 16]}
-                ]
+                assert meta.json()["inputs"] == [{"name": "features", "datatype": "FP32", "shape": [-1, 16]}]
                 infer = await http.post(
                     f"{v2_prefix}/v2/models/scorer/infer",
                     json={

@@ -9,9 +9,9 @@ import time
 
 import pytest
 import torch
+from conftest import X, Y, make_server, sample
 
 import ferrobatch as fb
-from conftest import X, Y, make_server, sample
 
 
 class Replica:
@@ -53,9 +53,7 @@ async def test_one_failing_instance_fails_only_its_batches() -> None:
     good = Replica(delay=0.005)
     async with make_server([broken, good], max_batch_size=4) as server:
         client = server.client()
-        results = await asyncio.gather(
-            *(client.infer({"x": sample(i)}) for i in range(200)), return_exceptions=True
-        )
+        results = await asyncio.gather(*(client.infer({"x": sample(i)}) for i in range(200)), return_exceptions=True)
         stats = server.stats()
     ok = [(i, r) for i, r in enumerate(results) if isinstance(r, dict)]
     failed = [r for r in results if not isinstance(r, dict)]

@@ -8,9 +8,9 @@ import random
 
 import pytest
 import torch
+from conftest import WIDTH, X, Y, make_server, sample
 
 import ferrobatch as fb
-from conftest import WIDTH, X, Y, make_server, sample
 
 
 async def test_a_thousand_concurrent_callers_each_get_their_own_row() -> None:
@@ -172,14 +172,10 @@ async def test_a_freed_server_stops_the_loop_watching_its_doorbell() -> None:
         (lambda d: (d["x"], d["x"]), "model returned 2 values, expected 1 outputs"),
     ],
 )
-async def test_wrong_model_outputs_are_a_model_error_with_a_clear_message(
-    model: object, message: str
-) -> None:
+async def test_wrong_model_outputs_are_a_model_error_with_a_clear_message(model: object, message: str) -> None:
     async with make_server(model, max_delay=0.005) as server:  # type: ignore[arg-type]
         client = server.client()
-        results = await asyncio.gather(
-            *(client.infer({"x": sample(i)}) for i in range(3)), return_exceptions=True
-        )
+        results = await asyncio.gather(*(client.infer({"x": sample(i)}) for i in range(3)), return_exceptions=True)
     for r in results:
         assert isinstance(r, fb.ModelError), r
         assert message in str(r)

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import WIDTH, X, Y, make_server, sample
 
 import ferrobatch as fb
-from conftest import WIDTH, X, Y, make_server, sample
 
 
 class Recorder:
@@ -104,7 +104,7 @@ async def test_a_model_failing_in_warmup_fails_start_and_the_server_never_runs()
         return {"y": d["x"] * 2}
 
     server = make_server(model, max_batch_size=8, warmup=True)
-    with pytest.raises(fb.ModelError, match="warm-up.*no batches of four") as info:
+    with pytest.raises(fb.ModelError, match=r"warm-up.*no batches of four") as info:
         await server.start()
     assert isinstance(info.value.__cause__, RuntimeError)
     assert not server.ready and not server.running

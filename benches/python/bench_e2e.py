@@ -53,9 +53,9 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import e2e_systems as systems  # noqa: E402
+import e2e_systems as systems
 
-import ferrobatch as fb  # noqa: E402
+import ferrobatch as fb
 
 uvloop: Any
 try:
@@ -159,9 +159,7 @@ async def drive_async(call: systems.AsyncCall, rows: list[torch.Tensor], callers
     cpu, loop_cpu, started = time.process_time(), time.thread_time(), time.perf_counter()
     await asyncio.gather(*(caller(k) for k in range(min(callers, n))))
     seconds = time.perf_counter() - started
-    return Drive(
-        seconds, latency, outputs, time.process_time() - cpu, time.thread_time() - loop_cpu
-    )
+    return Drive(seconds, latency, outputs, time.process_time() - cpu, time.thread_time() - loop_cpu)
 
 
 def drive_threads(call: systems.SyncCall, rows: list[torch.Tensor], callers: int) -> Drive:
@@ -243,9 +241,7 @@ def run_async_system(
         return runner.run(main())
 
 
-def run_thread_system(
-    system: systems.TorchRL, work: Workload, callers: int
-) -> tuple[Drive, float]:
+def run_thread_system(system: systems.TorchRL, work: Workload, callers: int) -> tuple[Drive, float]:
     system.start()
     try:
         drive_threads(system.call, warmup_rows(work, callers), callers)
@@ -260,9 +256,7 @@ def run_thread_system(
 def measure(system: str, cfg: Config, model: systems.Model, work: Workload, run: int) -> Result:
     if system in ("ferrobatch", "ferrobatch-uvloop"):
         factory = uvloop.new_event_loop if system == "ferrobatch-uvloop" and uvloop else None
-        out = run_async_system(
-            lambda: systems.Ferrobatch(model, cfg.max_delay), work, cfg.callers, factory
-        )
+        out = run_async_system(lambda: systems.Ferrobatch(model, cfg.max_delay), work, cfg.callers, factory)
     elif system == "floor":
         out = run_async_system(
             lambda: systems.AsyncioFloor(model, identity=cfg.model == "identity"),
@@ -271,9 +265,7 @@ def measure(system: str, cfg: Config, model: systems.Model, work: Workload, run:
             None,
         )
     elif system == "naive":
-        out = run_async_system(
-            lambda: systems.NaiveBatcher(model, cfg.max_delay), work, cfg.callers, None
-        )
+        out = run_async_system(lambda: systems.NaiveBatcher(model, cfg.max_delay), work, cfg.callers, None)
     elif system == "torchrl":
         out = run_thread_system(systems.TorchRL(model, cfg.max_delay), work, cfg.callers)
     else:
@@ -346,9 +338,7 @@ def median_table(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "mean_batch_size": statistics.median(r["mean_batch_size"] for r in rs),
                 "cpu_us": statistics.median(r["cpu_us"] for r in rs),
                 "loop_cpu_us": (
-                    None
-                    if rs[0]["loop_cpu_us"] is None
-                    else statistics.median(r["loop_cpu_us"] for r in rs)
+                    None if rs[0]["loop_cpu_us"] is None else statistics.median(r["loop_cpu_us"] for r in rs)
                 ),
                 "correct": all(r["correct"] for r in rs),
             }
@@ -429,9 +419,7 @@ def targets(results: list[dict[str, Any]], medians: list[dict[str, Any]], runs: 
 
     def med(system: str, model: str, delay: float, callers: int) -> dict[str, Any] | None:
         for m in medians:
-            if (m["system"], m["model"], m["callers"]) == (system, model, callers) and m[
-                "max_delay"
-            ] == delay:
+            if (m["system"], m["model"], m["callers"]) == (system, model, callers) and m["max_delay"] == delay:
                 return m
         return None
 
@@ -440,19 +428,41 @@ def targets(results: list[dict[str, Any]], medians: list[dict[str, Any]], runs: 
     def add(name: str, value: float | None, goal: float, at_least: bool, unit: str) -> None:
         met = None if value is None else (value >= goal if at_least else value <= goal)
         checks.append(
-            {"kind": "target", "target": name, "value": value, "goal": goal,
-             "at_least": at_least, "unit": unit, "met": met}
+            {
+                "kind": "target",
+                "target": name,
+                "value": value,
+                "goal": goal,
+                "at_least": at_least,
+                "unit": unit,
+                "met": met,
+            }
         )
 
-    add("identity C=512 1ms: ferrobatch / asyncio floor",
-        ratio(results, runs, "ferrobatch", "floor", "identity", 0.001, 512), 0.6, True, "x")
-    add("identity C=512 1ms: ferrobatch / naive batcher",
-        ratio(results, runs, "ferrobatch", "naive", "identity", 0.001, 512), 4.0, True, "x")
+    add(
+        "identity C=512 1ms: ferrobatch / asyncio floor",
+        ratio(results, runs, "ferrobatch", "floor", "identity", 0.001, 512),
+        0.6,
+        True,
+        "x",
+    )
+    add(
+        "identity C=512 1ms: ferrobatch / naive batcher",
+        ratio(results, runs, "ferrobatch", "naive", "identity", 0.001, 512),
+        4.0,
+        True,
+        "x",
+    )
     m = med("ferrobatch", "identity", 0.001, 512)
     add("identity C=512 1ms: ferrobatch p99", m["p99_us"] if m else None, 2000.0, False, "us")
     for delay in (0.001, 0.0):
-        add(f"mlp C=512 {fmt_delay(delay)}: ferrobatch / naive batcher",
-            ratio(results, runs, "ferrobatch", "naive", "mlp", delay, 512), 2.0, True, "x")
+        add(
+            f"mlp C=512 {fmt_delay(delay)}: ferrobatch / naive batcher",
+            ratio(results, runs, "ferrobatch", "naive", "mlp", delay, 512),
+            2.0,
+            True,
+            "x",
+        )
     for model in ("identity", "mlp"):
         m = med("ferrobatch", model, 0.0, 1)
         add(f"{model} C=1 greedy: ferrobatch p50", m["p50_us"] if m else None, 60.0, False, "us")
@@ -492,9 +502,7 @@ def plot(medians: list[dict[str, Any]], args: argparse.Namespace, path: Path) ->
             pts = sorted(
                 (m["callers"], m["requests_per_s"], m["p99_us"])
                 for m in medians
-                if m["system"] == system
-                and m["model"] == model
-                and (m["max_delay"] == delay or m["max_delay"] is None)
+                if m["system"] == system and m["model"] == model and (m["max_delay"] == delay or m["max_delay"] is None)
             )
             if not pts:
                 continue
@@ -527,28 +535,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     def csv(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
         return lambda text: [kind(v) for v in text.split(",") if v]
 
-    p.add_argument("--quick", action="store_true",
-                   help="a smoke run: 5,000 requests (1,000 at C=1), one run")
+    p.add_argument("--quick", action="store_true", help="a smoke run: 5,000 requests (1,000 at C=1), one run")
     p.add_argument("--requests", type=int, default=50_000, help="requests per configuration")
-    p.add_argument("--requests-c1", type=int, default=None,
-                   help="requests at C=1 (default: --requests / 10)")
+    p.add_argument("--requests-c1", type=int, default=None, help="requests at C=1 (default: --requests / 10)")
     p.add_argument("--callers", type=csv(int), default=[1, 64, 512], help="e.g. 1,64,512")
     p.add_argument("--models", type=csv(str), default=["identity", "mlp"], help="identity,mlp")
-    p.add_argument("--delays", type=csv(float), default=[0.001, 0.0],
-                   help="max_delay values in seconds, e.g. 0.001,0")
-    p.add_argument("--systems", type=csv(str), default=list(ALL_SYSTEMS),
-                   help=f"any of {','.join(ALL_SYSTEMS)}")
-    p.add_argument("--runs", type=int, default=1,
-                   help="repeat the whole plan; figures are medians, ratios taken within runs")
-    p.add_argument("--out", type=Path, default=None,
-                   help="output prefix (default benches/results/e2e-<UTC time>)")
+    p.add_argument("--delays", type=csv(float), default=[0.001, 0.0], help="max_delay values in seconds, e.g. 0.001,0")
+    p.add_argument("--systems", type=csv(str), default=list(ALL_SYSTEMS), help=f"any of {','.join(ALL_SYSTEMS)}")
+    p.add_argument(
+        "--runs", type=int, default=1, help="repeat the whole plan; figures are medians, ratios taken within runs"
+    )
+    p.add_argument("--out", type=Path, default=None, help="output prefix (default benches/results/e2e-<UTC time>)")
     p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--report", type=Path, default=None, metavar="RESULTS.jsonl",
-                   help="run nothing: print the table and redraw the plot of an earlier run")
-    p.add_argument("--torch-threads", type=int, default=1,
-                   help="torch intra-op threads (default 1: on a small machine the event loop and"
-                        " the model thread each need a core, and intra-op threads that lose their"
-                        " core stall every model call; 0: torch's default)")
+    p.add_argument(
+        "--report",
+        type=Path,
+        default=None,
+        metavar="RESULTS.jsonl",
+        help="run nothing: print the table and redraw the plot of an earlier run",
+    )
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default 1: on a small machine the event loop and"
+        " the model thread each need a core, and intra-op threads that lose their"
+        " core stall every model call; 0: torch's default)",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.requests = 5_000
@@ -590,7 +603,7 @@ def ferrobatch_commit() -> str | None:
 def run_plan(args: argparse.Namespace, argv: list[str], jsonl: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Runs every (system, configuration) ``args.runs`` times, writing each
     result to ``jsonl`` as it comes."""
-    stamp = dt.datetime.now(dt.timezone.utc)
+    stamp = dt.datetime.now(dt.UTC)
     meta = {
         "kind": "meta",
         "command": " ".join(["python", "benches/python/bench_e2e.py", *argv]),
@@ -618,9 +631,7 @@ def run_plan(args: argparse.Namespace, argv: list[str], jsonl: Path) -> tuple[di
                 wkey = (cfg.model, cfg.requests)
                 if wkey not in workloads:
                     workloads[wkey] = Workload(models[cfg.model], cfg.requests, seed=cfg.requests)
-                bar.set_postfix_str(
-                    f"run {run + 1} {system} {cfg.model} {fmt_delay(cfg.max_delay)} C={cfg.callers}"
-                )
+                bar.set_postfix_str(f"run {run + 1} {system} {cfg.model} {fmt_delay(cfg.max_delay)} C={cfg.callers}")
                 r = asdict(measure(system, cfg, models[cfg.model], workloads[wkey], run))
                 results.append(r)
                 out.write(json.dumps(r) + "\n")
@@ -652,9 +663,11 @@ def report(meta: dict[str, Any], results: list[dict[str, Any]], args: argparse.N
     """The table, the in-run ratios, the targets, and the plot next to ``prefix``."""
     medians = median_table(results)
     commit = f"ferrobatch {meta['ferrobatch_commit']}, " if meta.get("ferrobatch_commit") else ""
-    print(f"\n{meta['command']}\n({meta['date']}, {commit}{meta['cpus']} CPUs, "
-          f"torch {meta['torch']} with {meta['torch_threads']} thread(s), python {meta['python']};"
-          f" medians of {args.runs} run(s))\n")
+    print(
+        f"\n{meta['command']}\n({meta['date']}, {commit}{meta['cpus']} CPUs, "
+        f"torch {meta['torch']} with {meta['torch_threads']} thread(s), python {meta['python']};"
+        f" medians of {args.runs} run(s))\n"
+    )
     print_table(medians, [s for s in ALL_SYSTEMS if s in args.systems], args.delays)
     print_ratios(results, args)
     print("\ntargets")
@@ -686,7 +699,7 @@ def main(argv: list[str] | None = None) -> int:
         return report(meta, results, args, args.report.with_suffix(""))
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
-    stamp = dt.datetime.now(dt.timezone.utc)
+    stamp = dt.datetime.now(dt.UTC)
     prefix = args.out or RESULTS / f"e2e-{stamp:%Y%m%d-%H%M%S}"
     prefix.parent.mkdir(parents=True, exist_ok=True)
     meta, results = run_plan(args, argv, prefix.with_suffix(".jsonl"))

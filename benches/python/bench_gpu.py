@@ -156,9 +156,7 @@ class NaiveBatcher:
 # -- measurement helpers ------------------------------------------------------------------
 
 
-async def closed_loop(
-    call: Callable[[], Awaitable[Any]], callers: int, rows_per_call: int, seconds: float
-) -> float:
+async def closed_loop(call: Callable[[], Awaitable[Any]], callers: int, rows_per_call: int, seconds: float) -> float:
     """Rows per second with ``callers`` tasks each awaiting ``call`` in a loop."""
     done = 0
     counting = stop = False
@@ -300,13 +298,9 @@ async def bench_serving(
                        device="cuda", cuda_graphs=mode == "graphs", name=f"mlp{width}")  # fmt: skip
     async with server:
         client = server.client()
-        out["batch64_rows_per_s"] = await closed_loop(
-            lambda: client.infer_batch({"x": batch}), 4, BATCH, seconds
-        )
+        out["batch64_rows_per_s"] = await closed_loop(lambda: client.infer_batch({"x": batch}), 4, BATCH, seconds)
         before = server.stats()
-        out["single_rows_per_s"] = await closed_loop(
-            lambda: client.infer({"x": sample}), single_callers, 1, seconds
-        )
+        out["single_rows_per_s"] = await closed_loop(lambda: client.infer({"x": sample}), single_callers, 1, seconds)
         after = server.stats()
         out["single_mean_batch"] = (after["rows"] - before["rows"]) / max(1, after["batches"] - before["batches"])
     return out

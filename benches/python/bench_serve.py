@@ -136,9 +136,7 @@ def run_pytriton(http_port: int, grpc_port: int, metrics_port: int) -> None:
         with torch.inference_mode():
             return {"y": mlp({"x": torch.from_numpy(x)})["y"].numpy()}
 
-    config = TritonConfig(
-        http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, log_verbose=0
-    )
+    config = TritonConfig(http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, log_verbose=0)
     model_config = ModelConfig(
         max_batch_size=MAX_BATCH,
         batcher=DynamicBatcher(max_queue_delay_microseconds=round(MAX_DELAY * 1e6)),
@@ -315,9 +313,7 @@ def ferrobatch_server(log: Path) -> Iterator[Endpoint]:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
         try:
             wait_ready(f"127.0.0.1:{http}", proc)
-            yield Endpoint(
-                "ferrobatch", f"127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"http://127.0.0.1:{http}", proc.pid
-            )
+            yield Endpoint("ferrobatch", f"127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"http://127.0.0.1:{http}", proc.pid)
         finally:
             stop(proc)
 
@@ -353,7 +349,7 @@ def pytriton_python(arg: str | None) -> str | None:
     """The interpreter that runs PyTriton: the one given, else this one if it can."""
     candidates = [arg] if arg else [sys.executable]
     for python in candidates:
-        if python and shutil.which(python) or (python and Path(python).exists()):
+        if (python and shutil.which(python)) or (python and Path(python).exists()):
             probe = subprocess.run([python, "-c", "import pytriton.triton"], capture_output=True)
             if probe.returncode == 0:
                 return python
@@ -534,7 +530,7 @@ def main() -> int:
     models = args.models.split(",")
     protocols = args.protocols.split(",")
     servers = args.servers.split(",")
-    stamp = dt.datetime.now(dt.timezone.utc)
+    stamp = dt.datetime.now(dt.UTC)
     prefix = args.out or RESULTS / f"serve-{stamp:%Y%m%dT%H%M%SZ}"
     prefix.parent.mkdir(parents=True, exist_ok=True)
     logs = Path(tempfile.mkdtemp(prefix="bench_serve-"))
@@ -545,8 +541,7 @@ def main() -> int:
         "python": platform.python_version(),
         # The interpreter's path says nothing about the run: left out.
         "command": " ".join(
-            [Path(sys.argv[0]).name]
-            + ["PYTRITON_PYTHON" if a == args.pytriton_python else a for a in sys.argv[1:]]
+            [Path(sys.argv[0]).name] + ["PYTRITON_PYTHON" if a == args.pytriton_python else a for a in sys.argv[1:]]
         ),
         "torch_threads": args.torch_threads,
     }

@@ -108,7 +108,7 @@ async def main(bursts: int) -> None:
             ("asyncio floor", floor_submit, resolve),
             ("naive batcher", naive_submit, drain_queue),
         ]
-        for name, submit, settle in systems:  # warm up every path
+        for _name, submit, settle in systems:  # warm up every path
             await time_bursts(submit, settle, samples, 50)
         gc.collect()
         gc.freeze()
@@ -116,9 +116,7 @@ async def main(bursts: int) -> None:
         rounds = 5
         for _ in range(rounds):
             for name, submit, settle in systems:
-                results.setdefault(name, []).extend(
-                    await time_bursts(submit, settle, samples, bursts // rounds)
-                )
+                results.setdefault(name, []).extend(await time_bursts(submit, settle, samples, bursts // rounds))
         gc.unfreeze()
 
     floor = statistics.median(results["asyncio floor"])

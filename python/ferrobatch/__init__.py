@@ -1,9 +1,9 @@
 """ferrobatch: asyncio-native auto-batching of model inference, with a Rust hot path.
 
-    server = fb.Server(model, inputs=[fb.TensorSpec("x", "float32", (256,))],
-                       outputs=[fb.TensorSpec("y", "float32", (256,))])
-    async with server:
-        out = await server.client().infer({"x": torch.randn(256)})
+server = fb.Server(model, inputs=[fb.TensorSpec("x", "float32", (256,))],
+                   outputs=[fb.TensorSpec("y", "float32", (256,))])
+async with server:
+    out = await server.client().infer({"x": torch.randn(256)})
 """
 
 from ._core import __version__

@@ -22,6 +22,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping, Sequence
 from time import perf_counter_ns
+
 import torch
 
 from ._torch import Model, WarmupBatch, fill_slot, normalize_outputs
@@ -99,8 +100,7 @@ class CudaExecutor:
         if pad_to is not None:
             with torch.cuda.device(device):
                 self._padded = {
-                    s.name: torch.zeros((max_batch_size, *s.shape), dtype=s.torch_dtype, device=device)
-                    for s in inputs
+                    s.name: torch.zeros((max_batch_size, *s.shape), dtype=s.torch_dtype, device=device) for s in inputs
                 }
         # bucket -> (graph, its static outputs), filled by warm_up.
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
@@ -118,9 +118,7 @@ class CudaExecutor:
 
     # -- warm-up --------------------------------------------------------------------
 
-    def warm_up(
-        self, batch_for: WarmupBatch, buckets: Sequence[int], slot: Mapping[str, torch.Tensor]
-    ) -> str | None:
+    def warm_up(self, batch_for: WarmupBatch, buckets: Sequence[int], slot: Mapping[str, torch.Tensor]) -> str | None:
         """Runs each bucket size through :meth:`launch` from ``slot`` (a pinned
         staging slot the caller owns), just as requests will — compiling the
         model if it is compiled — then captures one CUDA graph per bucket if
@@ -161,8 +159,9 @@ class CudaExecutor:
         for rows in sorted(buckets, reverse=True):
             graph = torch.cuda.CUDAGraph()
             static_in = {name: buf[:rows] for name, buf in self._padded.items()}
-            with torch.inference_mode(), torch.cuda.graph(
-                graph, pool=pool, stream=self.stream, capture_error_mode="thread_local"
+            with (
+                torch.inference_mode(),
+                torch.cuda.graph(graph, pool=pool, stream=self.stream, capture_error_mode="thread_local"),
             ):
                 static_out = self._run_eager(static_in, rows)
             self._graphs[rows] = (graph, static_out)
@@ -184,9 +183,7 @@ class CudaExecutor:
                         buf[:rows].copy_(slot[name][:rows], non_blocking=True)
                     on_device = {name: buf[:bucket] for name, buf in self._padded.items()}
                 else:
-                    on_device = {
-                        name: t[:rows].to(self.device, non_blocking=True) for name, t in slot.items()
-                    }
+                    on_device = {name: t[:rows].to(self.device, non_blocking=True) for name, t in slot.items()}
                 flight.staged = _record(stream)
                 graph = self._graphs.get(bucket)
                 if graph is not None:
@@ -230,4 +227,3 @@ def cuda_graph_fallback_warning(model_name: str, failures: Mapping[int, str]) ->
         RuntimeWarning,
         stacklevel=3,
     )
-

@@ -31,9 +31,7 @@ def make_demo_model(width: int = 256) -> torch.nn.Module:
     return MLP().eval()
 
 
-def make_demo_server(
-    width: int = 256, max_batch_size: int = 64, max_delay: float = 0.001, name: str = "mlp"
-) -> Server:
+def make_demo_server(width: int = 256, max_batch_size: int = 64, max_delay: float = 0.001, name: str = "mlp") -> Server:
     """A Server for the demo MLP: ``{"x": float32[width]} -> {"y": float32[width]}``."""
     return Server(
         make_demo_model(width),
