@@ -18,13 +18,15 @@ on a small machine the event loop and the model thread each need a core. The
 timed section runs with the garbage collector as a service sees it (see
 ``quiet_gc``).
 
-Output: JSON lines and a PNG plot under ``benches/results/``, a table on stdout
-(medians over ``--runs``; ratios are taken within each run, then the median),
-and the targets met or not.
+Output: ``benches/results/e2e.jsonl`` (JSON lines, replaced by each run) and a
+PNG plot beside it, a table on stdout (medians over ``--runs``; ratios are
+taken within each run, then the median), and the targets met or not.
+``--report`` renders the tables of ``benches/README.md`` from the results file.
 
     python benches/python/bench_e2e.py                 # the full run (minutes)
     python benches/python/bench_e2e.py --quick         # a smoke run (seconds)
     python benches/python/bench_e2e.py --runs 3 --callers 1,512 --systems ferrobatch,floor,naive
+    python benches/python/bench_e2e.py --report        # the README's tables, from e2e.jsonl
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ except ImportError:  # optional: the `bench` extra
     uvloop = None
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
+#: The latest run's results: each run replaces them (older ones live in git history).
+LATEST = RESULTS / "e2e.jsonl"
 ALL_SYSTEMS = ("ferrobatch", "ferrobatch-uvloop", "floor", "naive", "torchrl")
 LABELS = {
     "ferrobatch": "ferrobatch",
@@ -526,6 +530,98 @@ def plot(medians: list[dict[str, Any]], args: argparse.Namespace, path: Path) ->
     return True
 
 
+# The README's names for the systems, in its column order.
+MARKDOWN_LABELS = {
+    "ferrobatch": "ferrobatch",
+    "ferrobatch-uvloop": "ferrobatch (uvloop)",
+    "floor": "asyncio floor",
+    "naive": "naive batcher",
+    "torchrl": "TorchRL",
+}
+
+
+def fmt_rate(per_s: float) -> str:
+    return f"{per_s:,.0f}" if per_s < 1000 else f"{per_s / 1e3:.1f}k"
+
+
+def fmt_latency(p50_us: float, p99_us: float) -> str:
+    if p50_us < 1000:
+        return f"{p50_us:.0f} / {p99_us:.0f} µs"
+    return f"{p50_us / 1e3:.2f} / {p99_us / 1e3:.2f} ms"
+
+
+def markdown(meta: dict[str, Any], results: list[dict[str, Any]], args: argparse.Namespace, path: Path) -> str:
+    """The tables of benches/README.md: requests/s with p50 / p99 for every
+    configuration, CPU time per request at the largest C, and the targets."""
+    medians = median_table(results)
+    cols = [s for s in ALL_SYSTEMS if s in args.systems]
+
+    def cell(system: str, model: str, delay: float, callers: int) -> dict[str, Any] | None:
+        for m in medians:
+            if (m["system"], m["model"], m["callers"]) == (system, model, callers) and m["max_delay"] in (delay, None):
+                return m
+        return None
+
+    def table(rows: list[tuple[str, float, int]], fmt: Callable[[dict[str, Any]], str], once: bool) -> list[str]:
+        lines = [
+            "| model | max_delay | C | " + " | ".join(MARKDOWN_LABELS[s] for s in cols) + " |",
+            "| --- | --- | ---: | " + " | ".join("---:" for _ in cols) + " |",
+        ]
+        for model, delay, callers in rows:
+            cells = []
+            for s in cols:
+                m = cell(s, model, delay, callers)
+                if once and m is not None and m["max_delay"] is None and delay != args.delays[0]:
+                    # No max_delay (the floor): its figures are in the first delay's rows.
+                    cells.append("(as above)" if callers == args.callers[0] else "")
+                else:
+                    cells.append("—" if m is None else fmt(m))
+            lines.append(f"| {model} | {fmt_delay(delay)} | {callers} | " + " | ".join(cells) + " |")
+        return lines
+
+    commit = f", ferrobatch {meta['ferrobatch_commit']}" if meta.get("ferrobatch_commit") else ""
+    out = [
+        f"<!-- python benches/python/bench_e2e.py --report {path.name}: `{meta['command']}`,"
+        f" {meta['date']}{commit}; {meta['cpus']} CPUs, Python {meta['python']}, torch {meta['torch']}"
+        f" ({meta['torch_threads']} thread(s)); medians of {args.runs} run(s) -->",
+        "",
+        "Requests/s · p50 / p99 latency:",
+        "",
+    ]
+    every = [(m, d, c) for m in args.models for d in args.delays for c in args.callers]
+    out += table(every, lambda m: f"{fmt_rate(m['requests_per_s'])} · {fmt_latency(m['p50_us'], m['p99_us'])}", True)
+
+    def cpu(m: dict[str, Any]) -> str:
+        loop = "—" if m["loop_cpu_us"] is None else f"{m['loop_cpu_us']:.1f}"
+        return f"{m['cpu_us']:.1f} / {loop}"
+
+    top = max(args.callers)
+    out += [
+        "",
+        f"CPU time per request at C = {top}, process / event-loop thread (µs):",
+        "",
+    ]
+    out += table([(m, d, top) for m in args.models for d in args.delays], cpu, False)
+    out += [
+        "",
+        "Targets (ferrobatch on the default loop):",
+        "",
+        "| target | measured | goal | |",
+        "| --- | ---: | ---: | --- |",
+    ]
+    for c in targets(results, medians, args.runs):
+        bound = "≥" if c["at_least"] else "≤"
+        if c["unit"] == "x":
+            value = "—" if c["value"] is None else f"{c['value']:.2f} ×"
+            goal = f"{bound} {c['goal']:g} ×"
+        else:
+            value = "—" if c["value"] is None else f"{c['value']:,.0f} µs"
+            goal = f"{bound} {c['goal']:,.0f} µs"
+        status = "n/a" if c["value"] is None else ("met" if c["met"] else "not met")
+        out.append(f"| {c['target']} | {value} | {goal} | {status} |")
+    return "\n".join(out)
+
+
 # -- main ---------------------------------------------------------------------------------
 
 
@@ -545,14 +641,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--runs", type=int, default=1, help="repeat the whole plan; figures are medians, ratios taken within runs"
     )
-    p.add_argument("--out", type=Path, default=None, help="output prefix (default benches/results/e2e-<UTC time>)")
+    p.add_argument(
+        "--out", type=Path, default=None, help="output prefix (default benches/results/e2e, replaced by each run)"
+    )
     p.add_argument("--no-plot", action="store_true")
     p.add_argument(
         "--report",
         type=Path,
+        nargs="?",
+        const=LATEST,
         default=None,
         metavar="RESULTS.jsonl",
-        help="run nothing: print the table and redraw the plot of an earlier run",
+        help="run nothing: print the Markdown tables of benches/README.md from a run's results"
+        " (default benches/results/e2e.jsonl) and redraw its plot",
     )
     p.add_argument(
         "--torch-threads",
@@ -572,6 +673,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown systems {sorted(unknown)}; choose from {','.join(ALL_SYSTEMS)}")
     skipped = []
+    if args.report:
+        return args  # the axes come from the results file
     if "ferrobatch-uvloop" in args.systems and uvloop is None:
         skipped.append("ferrobatch-uvloop (uvloop is not installed)")
     if "torchrl" in args.systems and not systems.torchrl_available():
@@ -696,11 +799,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.report:
         meta, results = load(args.report, args)
-        return report(meta, results, args, args.report.with_suffix(""))
+        print(markdown(meta, results, args, args.report))
+        if not args.no_plot:
+            plot(median_table(results), args, args.report.with_suffix(".png"))
+        return 0
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
-    stamp = dt.datetime.now(dt.UTC)
-    prefix = args.out or RESULTS / f"e2e-{stamp:%Y%m%d-%H%M%S}"
+    prefix = args.out or LATEST.with_suffix("")
     prefix.parent.mkdir(parents=True, exist_ok=True)
     meta, results = run_plan(args, argv, prefix.with_suffix(".jsonl"))
     return report(meta, results, args, prefix)

@@ -25,11 +25,14 @@ machine affects them alike); the table shows the medians. Besides req/s and
 latency it shows the server's CPU time per request (its process tree, in the
 measured window), which does not depend on how fast the client is.
 
-Output: a table on stdout, JSON lines (every run) under ``benches/results/``.
+Output: a table on stdout, JSON lines (every run) in ``benches/results/serve.jsonl``,
+replaced by each run. ``--report`` renders the table of ``benches/README.md``
+from that file.
 
     python benches/python/bench_serve.py
     python benches/python/bench_serve.py --pytriton-python /path/to/venv/bin/python
     python benches/python/bench_serve.py --quick       # a smoke run
+    python benches/python/bench_serve.py --report      # the README's table, from serve.jsonl
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ from typing import Any
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[2]
 RESULTS = ROOT / "benches" / "results"
+#: The latest run's results: each run replaces them (older ones live in git history).
+LATEST = RESULTS / "serve.jsonl"
 WIDTH = 256
 MAX_BATCH = 64
 MAX_DELAY = 0.001
@@ -494,6 +499,39 @@ def print_ratios(results: list[Result]) -> None:
         print("\n".join(lines))
 
 
+def markdown(path: Path) -> str:
+    """The table of benches/README.md (medians over the runs) from a results file."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    fields = Result.__dataclass_fields__
+    results = medians([Result(**{k: v for k, v in row.items() if k in fields}) for row in rows])
+    meta = rows[0]
+    runs = max(row["run"] for row in rows) + 1
+    commit = f", ferrobatch {meta['ferrobatch_commit']}" if meta.get("ferrobatch_commit") else ""
+    out = [
+        f"<!-- python benches/python/bench_serve.py --report {path.name}: `{meta['command']}`,"
+        f" {meta['date']}{commit}; {meta['cpus']} CPUs, Python {meta['python']}; medians of {runs} run(s) -->",
+        "",
+        "| server | proto | model | C | req/s | p50 ms | p99 ms | batch | cpu us/req |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    names = {"ferrobatch": "ferrobatch", "pytriton": "PyTriton"}
+    for r in results:
+        out.append(
+            f"| {names.get(r.server, r.server)} | {r.protocol} | {r.model} | {r.callers} | {r.rps:.0f} |"
+            f" {r.p50_ms:.2f} | {r.p99_ms:.2f} | {r.mean_batch:.1f} | {r.server_cpu_us:.0f} |"
+        )
+    return "\n".join(out)
+
+
+def ferrobatch_commit() -> str | None:
+    """The git commit of the checkout the bench runs from, if any."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    except OSError:
+        return None
+    return out.stdout.strip() or None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--callers", default="1,64,512", help="comma-separated C values (default 1,64,512)")
@@ -511,8 +549,17 @@ def main() -> int:
         default=1,
         help="torch intra-op threads in both servers (default 1; 0: torch's default)",
     )
-    parser.add_argument("--out", type=Path, help="output prefix (default benches/results/serve-<UTC time>)")
+    parser.add_argument("--out", type=Path, help="output prefix (default benches/results/serve, replaced by each run)")
     parser.add_argument("--quick", action="store_true", help="C=1,64, 1 s per case")
+    parser.add_argument(
+        "--report",
+        type=Path,
+        nargs="?",
+        const=LATEST,
+        metavar="RESULTS.jsonl",
+        help="run nothing: print the Markdown table of benches/README.md from a run's results"
+        " (default benches/results/serve.jsonl)",
+    )
     # Internal: the PyTriton server process.
     parser.add_argument("--pytriton-server", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--http-port", type=int, help=argparse.SUPPRESS)
@@ -521,6 +568,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.pytriton_server:
         run_pytriton(args.http_port, args.grpc_port, args.metrics_port)
+        return 0
+    if args.report:
+        print(markdown(args.report))
         return 0
     if args.quick:
         args.callers, args.seconds, args.warmup, args.runs = "1,64", 1.0, 0.5, 1
@@ -531,7 +581,7 @@ def main() -> int:
     protocols = args.protocols.split(",")
     servers = args.servers.split(",")
     stamp = dt.datetime.now(dt.UTC)
-    prefix = args.out or RESULTS / f"serve-{stamp:%Y%m%dT%H%M%SZ}"
+    prefix = args.out or LATEST.with_suffix("")
     prefix.parent.mkdir(parents=True, exist_ok=True)
     logs = Path(tempfile.mkdtemp(prefix="bench_serve-"))
     meta = {
@@ -539,6 +589,7 @@ def main() -> int:
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
+        "ferrobatch_commit": ferrobatch_commit(),
         # The interpreter's path says nothing about the run: left out.
         "command": " ".join(
             [Path(sys.argv[0]).name] + ["PYTRITON_PYTHON" if a == args.pytriton_python else a for a in sys.argv[1:]]
