@@ -22,7 +22,12 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu takes torch (the pinned version)
+# from that index: CPU-only, a far smaller venv. Its dependencies still come from PyPI.
+TORCH_INDEX ?=
+
 $(DEPS_STAMP): $(PY) requirements-dev.txt constraints-dev.txt
+	$(if $(TORCH_INDEX),$(PIP) install --no-deps --index-url $(TORCH_INDEX) -c constraints-dev.txt torch)
 	$(PIP) install -r requirements-dev.txt -c constraints-dev.txt
 	touch $@
 
@@ -74,8 +79,8 @@ bench: build
 	$(PY) benches/python/bench_e2e.py
 	$(PY) benches/python/bench_submit.py
 
-wheel:
-	$(VENV)/bin/maturin build --release --out dist
+wheel: $(DEPS_STAMP)
+	$(VENV)/bin/maturin build --release --quiet --out dist
 
 clean:
 	rm -rf target dist $(VENV)
