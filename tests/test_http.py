@@ -321,7 +321,10 @@ def test_model_failure_is_500(triton: httpclient.InferenceServerClient) -> None:
     with pytest.raises(InferenceServerException) as info:
         triton.infer("broken", [tensor])
     assert info.value.status() == "500"
-    assert "the model is broken" in info.value.message()
+    # Its type and a request id; the text stays in the server's log.
+    assert "RuntimeError" in info.value.message()
+    assert "request id" in info.value.message()
+    assert "the model is broken" not in info.value.message()
 
 
 def test_malformed_bodies_are_400(http: httpx.Client) -> None:
@@ -337,18 +340,10 @@ def test_malformed_bodies_are_400(http: httpx.Client) -> None:
         "no inputs": post(b'{"inputs": []}'),
         "bad header length": post(b'{"inputs": []}', {"Inference-Header-Content-Length": "abc"}),
         "header length past the end": post(b"{}", {"Inference-Header-Content-Length": "99"}),
-        "binary sizes short of the body": post(
-            *infer_body([x_input(parameters={"binary_data_size": 16})], [x, x])
-        ),
-        "binary sizes past the body": post(
-            *infer_body([x_input(parameters={"binary_data_size": 32})], [x])
-        ),
-        "binary size not the shape's": post(
-            *infer_body([x_input(2, parameters={"binary_data_size": 16})], [x])
-        ),
-        "binary data without its header": post(
-            *infer_body([x_input(parameters={"binary_data_size": 16})])
-        ),
+        "binary sizes short of the body": post(*infer_body([x_input(parameters={"binary_data_size": 16})], [x, x])),
+        "binary sizes past the body": post(*infer_body([x_input(parameters={"binary_data_size": 32})], [x])),
+        "binary size not the shape's": post(*infer_body([x_input(2, parameters={"binary_data_size": 16})], [x])),
+        "binary data without its header": post(*infer_body([x_input(parameters={"binary_data_size": 16})])),
         "data and binary_data_size": post(
             *infer_body([x_input(data=[1] * 4, parameters={"binary_data_size": 16})], [x])
         ),
@@ -372,9 +367,7 @@ def test_malformed_bodies_are_400(http: httpx.Client) -> None:
 
 def test_bool_values_must_be_bools(http: httpx.Client) -> None:
     inputs = [
-        {"name": "in_" + dt, "datatype": dt, "shape": [1, 3], "data": [1, 0, 1]}
-        for dt in TORCH_NAMES
-        if dt != "BF16"
+        {"name": "in_" + dt, "datatype": dt, "shape": [1, 3], "data": [1, 0, 1]} for dt in TORCH_NAMES if dt != "BF16"
     ]
     inputs.append({"name": "in_BF16", "datatype": "BF16", "shape": [1, 3], "data": [1, 0, 1]})
     body, headers = infer_body(inputs)
@@ -407,9 +400,7 @@ def test_json_or_binary_is_decided_by_the_header_not_content_type(http: httpx.Cl
 
 
 def test_nested_json_data_and_request_level_binary_output(http: httpx.Client) -> None:
-    body, headers = infer_body(
-        [x_input(2, data=[[1, 2, 3, 4], [5, 6, 7, 8]])], parameters={"binary_data_output": True}
-    )
+    body, headers = infer_body([x_input(2, data=[[1, 2, 3, 4], [5, 6, 7, 8]])], parameters={"binary_data_output": True})
     response = http.post("/v2/models/double/infer", content=body, headers=headers)
     assert response.status_code == 200, response.text
     length = int(response.headers["Inference-Header-Content-Length"])
@@ -453,9 +444,7 @@ def test_gzip_and_deflate_requests(http: httpx.Client) -> None:
 
     body, _ = infer_body([x_input(data=[1, 2, 3, 4])])
     for encoding, packed in (("gzip", gzip.compress(body)), ("deflate", zlib.compress(body))):
-        response = http.post(
-            "/v2/models/double/infer", content=packed, headers={"Content-Encoding": encoding}
-        )
+        response = http.post("/v2/models/double/infer", content=packed, headers={"Content-Encoding": encoding})
         assert response.status_code == 200, (encoding, response.text)
         assert response.json()["outputs"][0]["data"] == [2, 4, 6, 8]
 
@@ -619,9 +608,7 @@ async def test_starlette_app_mounted_under_a_prefix() -> None:
     server = fb.Server(double, inputs=[X], outputs=[Y], name="double")
     app = Starlette(routes=[Mount("/triton", starlette_app(server, manage_servers=False))])
     body, _ = infer_body([x_input(data=[1, 2, 3, 4])])
-    async with server, httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app), base_url="http://test"
-    ) as http:
+    async with server, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
         response = await http.post("/triton/v2/models/double/infer", content=body)
         assert response.status_code == 200, response.text
         assert response.json()["outputs"][0]["data"] == [2, 4, 6, 8]

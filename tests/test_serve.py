@@ -186,7 +186,7 @@ def test_sigterm_drains_accepted_requests_and_refuses_new_ones(
 
         def pending() -> float:
             text = httpx.get(f"{url}/metrics").text
-            found = re.search(r'nv_inference_pending_request_count\{[^}]*\} (\S+)', text)
+            found = re.search(r"nv_inference_pending_request_count\{[^}]*\} (\S+)", text)
             return float(found.group(1)) if found else 0.0
 
         assert _wait_for(lambda: pending() == 1)
@@ -216,7 +216,6 @@ def _wait_for(condition: Callable[[], bool], seconds: float = 60) -> bool:
             return True
         time.sleep(0.01)
     return False
-
 
 
 @pytest.mark.parametrize("endpoint", ["http", "grpc"])

@@ -1,4 +1,4 @@
-"""Command line: ``python -m ferrobatch demo`` (and ``ferrobatch demo``)."""
+"""Command line: ``ferrobatch demo`` and ``ferrobatch serve`` (or ``python -m ferrobatch ...``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,12 @@ from collections.abc import Sequence
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ferrobatch", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="ferrobatch",
+        description="Auto-batching inference for torch models: a load demo, and a model"
+        " server speaking the Open Inference Protocol v2 (KServe v2) over HTTP and gRPC.",
+        epilog="Run 'ferrobatch COMMAND --help' for a command's options.",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     demo = commands.add_parser("demo", help="serve a built-in MLP in process to concurrent callers")
@@ -26,12 +31,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
 
     from .serve import add_arguments as add_serve_arguments
+    from .serve import check_arguments
 
-    add_serve_arguments(
-        commands.add_parser("serve", help="serve models over HTTP and gRPC (Open Inference Protocol v2)")
+    serve = commands.add_parser(
+        "serve",
+        help="serve models over HTTP and gRPC (Open Inference Protocol v2)",
+        description="Serve ferrobatch Servers over HTTP and gRPC (Open Inference Protocol v2)"
+        " until SIGINT or SIGTERM, then shut down gracefully.",
     )
+    add_serve_arguments(serve)
 
     args = parser.parse_args(argv)
+    if args.command == "serve" and (problem := check_arguments(args)) is not None:
+        serve.error(problem)
     if args.command == "demo":
         from .demo import run_demo
 

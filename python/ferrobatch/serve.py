@@ -5,13 +5,23 @@
     ferrobatch serve --demo
 
 The target ``module:attr`` (or ``file.py:attr``) names a :class:`~ferrobatch.Server`,
-a list of them, or a zero-argument callable returning either. Both endpoints
-share one event loop with the servers.
+a list of them, or a zero-argument function returning either; ``module`` is
+imported from the current directory first, as ``python -m`` does. Both
+endpoints share one event loop with the servers.
+
+The ports open before the models start: while they warm up, readiness
+(``/v2/health/ready``, gRPC ServerReady) says not ready and inference answers
+503 / UNAVAILABLE; the log shows each model's warm-up start and end.
 
 SIGINT or SIGTERM shuts down gracefully: readiness turns to 503 and new
-requests are refused (HTTP 503 / gRPC UNAVAILABLE), the listeners close,
-every request already accepted is answered, then the servers stop. A second
-signal, or ``--graceful-timeout`` seconds, cuts the wait short.
+requests are refused (HTTP 503 with ``Connection: close`` / gRPC
+UNAVAILABLE), the listeners close, and every request already accepted is
+answered. A second signal, or ``--graceful-timeout`` seconds, cuts the wait
+short: requests still waiting then (a model call that never returns
+included) are answered 503 / UNAVAILABLE, and the process exits.
+
+A model's exception text is not sent to clients unless ``--expose-errors``:
+they get its type and a request id, and the log has the traceback.
 """
 
 from __future__ import annotations
@@ -21,22 +31,30 @@ import asyncio
 import contextlib
 import importlib
 import importlib.util
+import inspect
 import logging
 import math
+import os
 import queue
 import signal
 import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .errors import ModelError
+from .http.protocol import MAX_BODY_SIZE, MAX_DECOMPRESSED_SIZE
 from .server import Server
 
 if TYPE_CHECKING:
     import grpc.aio
     import uvicorn
+
+    from .http.protocol import ModelRepository
 
 __all__ = ["Listening", "ServeConfig", "StartupError", "load_servers", "serve", "serve_in_thread"]
 
@@ -47,7 +65,8 @@ def load_servers(target: str) -> list[Server]:
     """The servers named by ``module:attr`` or ``path/to/file.py:attr``.
 
     ``attr`` may be a Server, a list or tuple of them, or a zero-argument
-    callable returning either. Raises ``ValueError`` saying what was wrong.
+    function returning either (a model, or any other callable object, is not
+    called). Raises ``ValueError`` saying what was wrong.
     """
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
@@ -70,17 +89,28 @@ def load_servers(target: str) -> list[Server]:
             obj = getattr(obj, part)
         except AttributeError:
             raise ValueError(f"{module_name} has no attribute {attr!r}") from None
-    if callable(obj) and not isinstance(obj, Server):
+    # Only a function is a factory: a model (an nn.Module) is callable too,
+    # and calling it with no inputs would fail with a confusing error.
+    if inspect.isroutine(obj) or isinstance(obj, partial):
         obj = obj()
     servers = [obj] if isinstance(obj, Server) else obj
-    if not isinstance(servers, (list, tuple)) or not servers or not all(
-        isinstance(s, Server) for s in servers
-    ):
+    if not isinstance(servers, (list, tuple)) or not servers or not all(isinstance(s, Server) for s in servers):
+        hint = ""
+        if _is_module(obj):
+            hint = (
+                "; wrap the model in one: ferrobatch.Server(model, inputs=[...], outputs=[...])"
+                " or ferrobatch.Server.from_example(model, example_inputs)"
+            )
         raise ValueError(
-            f"{target} must be a ferrobatch.Server, a list of them, or a zero-argument callable"
-            f" returning either; got {type(obj).__name__}"
+            f"{target} must be a ferrobatch.Server, a list of them, or a zero-argument function"
+            f" returning either; got {type(obj).__name__}{hint}"
         )
     return list(servers)
+
+
+def _is_module(obj: object) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.nn.Module)
 
 
 class StartupError(RuntimeError):
@@ -104,6 +134,15 @@ class ServeConfig:
     #: time, so Python's 5 ms default stretches a small model's call to tens
     #: of milliseconds.
     switch_interval: float | None = 0.001
+    #: Send the text of a model's exceptions to clients (off: its type and a
+    #: request id only; the log has the traceback either way).
+    expose_errors: bool = False
+    #: The largest request body (HTTP) or message (gRPC) accepted, in bytes
+    #: (413 / RESOURCE_EXHAUSTED beyond).
+    max_body_size: int = MAX_BODY_SIZE
+    #: The most bytes a gzip or deflate HTTP body may expand to (413 beyond);
+    #: gRPC holds a decompressed message to ``max_body_size``.
+    max_decompressed_size: int = MAX_DECOMPRESSED_SIZE
 
 
 @dataclass(frozen=True)
@@ -125,7 +164,9 @@ async def serve(
     """Serves ``servers`` over HTTP and gRPC until SIGINT/SIGTERM (when on the
     main thread) or until ``stop`` is set, then shuts down gracefully.
 
-    Servers that are not running are started here and stopped on the way out.
+    The listeners open first; servers that are not running are then started
+    here (warm-up: not ready meanwhile) and stopped on the way out.
+    ``on_ready`` is called once every server is ready.
     """
     import uvicorn
 
@@ -136,7 +177,7 @@ async def serve(
     config = config or ServeConfig()
     if config.http_port is None and config.grpc_port is None:
         raise ValueError("nothing to serve: both the HTTP and the gRPC endpoint are disabled")
-    repository = ModelRepository(servers)
+    repository = ModelRepository(servers, expose_errors=config.expose_errors)
     stop = stop or asyncio.Event()
     forced = asyncio.Event()
     started: list[Server] = []
@@ -145,13 +186,9 @@ async def serve(
     rpc: grpc.aio.Server | None = None
     with _signals(stop, forced):
         try:
-            for server in repository.servers:
-                if not server.running:
-                    await server.start()
-                    started.append(server)
             grpc_port = None
             if config.grpc_port is not None:
-                rpc = grpc_server(repository, None)
+                rpc = grpc_server(repository, None, max_message_size=config.max_body_size)
                 address = f"{_bracket(config.host)}:{config.grpc_port}"
                 try:
                     grpc_port = rpc.add_insecure_port(address)
@@ -160,22 +197,37 @@ async def serve(
                 await rpc.start()
             http_port = None
             if config.http_port is not None:
+                app = starlette_app(
+                    repository,
+                    manage_servers=False,
+                    max_body_size=config.max_body_size,
+                    max_decompressed_size=config.max_decompressed_size,
+                )
                 http = _uvicorn_server(
                     uvicorn.Config(
-                        starlette_app(repository, manage_servers=False),
+                        app,
                         host=config.host,
                         port=config.http_port,
                         lifespan="off",
                         log_level=config.log_level,
                         access_log=config.access_log,
                         proxy_headers=False,  # bound to a known host; no X-Forwarded-* rewriting
-                        timeout_graceful_shutdown=math.ceil(config.graceful_timeout),
+                        server_header=False,  # no "server: uvicorn" for clients to fingerprint
+                        # A backstop only: _shutdown answers every request in time.
+                        timeout_graceful_shutdown=math.ceil(config.graceful_timeout) + _BACKSTOP,
                         http="httptools" if _has("httptools") else "h11",
                     )
                 )
                 http_task = asyncio.create_task(_serve_http(http))
                 http_port = await _bound_port(http, http_task)
             listening = Listening(http_port, grpc_port, [s.name for s in repository.servers])
+            where = (
+                f"HTTP on {config.host}:{http_port}" if http_port is not None else "HTTP off",
+                f"gRPC on {config.host}:{grpc_port}" if grpc_port is not None else "gRPC off",
+            )
+            log.info("listening (%s, %s); not ready until the models have started", *where)
+            if not await _start_servers(repository.servers, started, stop, http_task):
+                return
             log.info(
                 "serving %s: HTTP %s, gRPC %s",
                 ", ".join(listening.models),
@@ -184,36 +236,92 @@ async def serve(
             )
             if on_ready is not None:
                 on_ready(listening)
-            waiters: list[asyncio.Future[Any]] = [asyncio.ensure_future(stop.wait())]
-            if http_task is not None:
-                waiters.append(asyncio.ensure_future(asyncio.shield(http_task)))
-            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-            for waiter in waiters:
-                waiter.cancel()
+            await _any(stop.wait(), *_watch(http_task))
         finally:
             log.info("shutting down: refusing new requests, draining accepted ones")
             repository.close()
-            await _drain(http, http_task, rpc, forced, config.graceful_timeout)
-            for server in reversed(started):
-                await server.stop(timeout=0 if forced.is_set() else config.graceful_timeout)
+            await _shutdown(http, http_task, rpc, repository, started, forced, config.graceful_timeout)
             log.info("stopped")
 
 
-async def _drain(
+#: Seconds the listeners' own graceful limits run past ``graceful_timeout``:
+#: by then every accepted request has been answered (see _shutdown).
+_BACKSTOP = 5
+
+
+async def _any(*waits: Awaitable[Any]) -> None:
+    """Returns once any of ``waits`` is done, and cancels the others (shield
+    a task that must go on)."""
+    futures = [asyncio.ensure_future(w) for w in waits]
+    try:
+        await asyncio.wait(futures, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for future in futures:
+            if future.done() and not future.cancelled():
+                future.exception()  # seen here; raised, if at all, by its owner
+            future.cancel()
+
+
+def _watch(task: asyncio.Task[None] | None) -> list[Awaitable[Any]]:
+    """``task`` (uvicorn's, which ends if it fails) shielded, for :func:`_any`."""
+    return [] if task is None else [asyncio.shield(task)]
+
+
+async def _start_servers(
+    servers: Sequence[Server],
+    started: list[Server],
+    stop: asyncio.Event,
+    http_task: asyncio.Task[None] | None,
+) -> bool:
+    """Starts the servers that are not running, one by one, logging each
+    warm-up; False if ``stop`` was set (or HTTP ended) first. Raises what a
+    failed start raised."""
+
+    async def start_all() -> None:
+        for server in servers:
+            if server.running:
+                continue
+            log.info("model '%s': starting (warm-up)", server.name)
+            began = time.perf_counter()
+            await server.start()
+            started.append(server)
+            log.info("model '%s': ready (%.2f s)", server.name, time.perf_counter() - began)
+
+    starting = asyncio.ensure_future(start_all())
+    try:
+        await _any(asyncio.shield(starting), stop.wait(), *_watch(http_task))
+    finally:
+        if not starting.done():
+            log.info("stopping before the models have started (a warm-up in progress ends first)")
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+    if starting.cancelled():
+        return False
+    starting.result()
+    return True
+
+
+async def _shutdown(
     http: uvicorn.Server | None,
     http_task: asyncio.Task[None] | None,
     rpc: grpc.aio.Server | None,
+    repository: ModelRepository,
+    started: Sequence[Server],
     forced: asyncio.Event,
     timeout: float,
 ) -> None:
-    """Closes the listeners and waits for requests in flight, at most ``timeout``
-    seconds (or until ``forced``)."""
-    waits: list[Awaitable[Any]] = []
+    """Closes the listeners, lets the requests in flight finish for at most
+    ``timeout`` seconds (or until ``forced``), then stops the servers, which
+    answers those still waiting (ServerClosedError: HTTP 503, gRPC
+    UNAVAILABLE) before the listeners' own limits would cut them off."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    listeners: list[asyncio.Future[Any]] = []
     if rpc is not None:
-        waits.append(rpc.stop(grace=timeout))
-    if http is not None and http_task is not None and http.started:
+        listeners.append(asyncio.ensure_future(rpc.stop(grace=timeout + _BACKSTOP)))
+    if http is not None and http_task is not None:
         http.should_exit = True
-        waits.append(http_task)
+        listeners.append(http_task)
 
     async def force() -> None:
         await forced.wait()
@@ -224,7 +332,13 @@ async def _drain(
 
     forcing = asyncio.ensure_future(force())
     try:
-        results = await asyncio.gather(*waits, return_exceptions=True)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await _any(repository.wait_idle(), forced.wait())
+        for server in reversed(started):
+            left = 0.0 if forced.is_set() else max(0.0, deadline - loop.time())
+            await server.stop(timeout=left)
+        results = await asyncio.gather(*listeners, return_exceptions=True)
     finally:
         forcing.cancel()
     for result in results:
@@ -356,9 +470,7 @@ def run(
     config = config or ServeConfig()
     if config.switch_interval is not None:
         sys.setswitchinterval(config.switch_interval)
-    logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     factory: Callable[[], asyncio.AbstractEventLoop] | None = None
     if loop == "uvloop" or (loop == "auto" and _has("uvloop")):
         import uvloop
@@ -374,7 +486,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "target",
         nargs="?",
-        help="module:attr or file.py:attr naming a Server, a list of them, or a factory",
+        help="module:attr or file.py:attr naming a Server, a list of them, or a function"
+        " returning either (module is looked up in the current directory first)",
     )
     parser.add_argument("--demo", action="store_true", help="serve the built-in demo MLP as 'mlp'")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -386,7 +499,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--graceful-timeout",
         type=float,
         default=30.0,
-        help="seconds to wait for accepted requests on shutdown (default 30)",
+        help="seconds to wait for accepted requests on shutdown; those still waiting then"
+        " get 503 / UNAVAILABLE (default 30)",
+    )
+    parser.add_argument(
+        "--max-body-size",
+        type=_size,
+        default=MAX_BODY_SIZE,
+        metavar="BYTES",
+        help=f"largest request body (HTTP) or message (gRPC) accepted (default {MAX_BODY_SIZE})",
+    )
+    parser.add_argument(
+        "--max-decompressed-size",
+        type=_size,
+        default=MAX_DECOMPRESSED_SIZE,
+        metavar="BYTES",
+        help=f"most bytes a gzip or deflate HTTP body may expand to (default {MAX_DECOMPRESSED_SIZE})",
+    )
+    parser.add_argument(
+        "--expose-errors",
+        action="store_true",
+        help="send the text of a model's exceptions to clients (default: their type and a"
+        " request id; the log has the traceback)",
     )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
@@ -399,11 +533,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _size(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of bytes, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def check_arguments(args: argparse.Namespace) -> str | None:
+    """What is wrong with parsed ``serve`` arguments (for ``parser.error``), or None."""
+    if args.demo == (args.target is not None):
+        return "give either a target (module:attr) or --demo"
+    if args.no_http and args.no_grpc:
+        return "--no-http and --no-grpc leave nothing to serve; drop one of them"
+    return None
+
+
 def main(args: argparse.Namespace) -> int:
     """Runs ``ferrobatch serve`` with parsed ``args``; returns the exit status."""
-    if args.demo == (args.target is not None):
-        print("ferrobatch serve: give either a target (module:attr) or --demo", file=sys.stderr)
+    problem = check_arguments(args)
+    if problem is not None:
+        print(f"ferrobatch serve: error: {problem}", file=sys.stderr)
         return 2
+    # As `python -m` does: a target module in the current directory imports
+    # (the `ferrobatch` script's own directory is first on sys.path instead).
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         if args.demo:
             from .demo import make_demo_server
@@ -422,9 +580,16 @@ def main(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         access_log=args.access_log,
         switch_interval=args.switch_interval or None,
+        expose_errors=args.expose_errors,
+        max_body_size=args.max_body_size,
+        max_decompressed_size=args.max_decompressed_size,
     )
     try:
         return run(servers, config, loop=args.loop)
     except StartupError as exc:
+        print(f"ferrobatch serve: {exc}", file=sys.stderr)
+        return 1
+    except ModelError as exc:
+        log.error("a model failed to start", exc_info=exc)
         print(f"ferrobatch serve: {exc}", file=sys.stderr)
         return 1

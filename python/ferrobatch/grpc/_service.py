@@ -66,13 +66,23 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     Failures are the call's status: INVALID_ARGUMENT (bad request), NOT_FOUND
     (unknown model or version), UNAVAILABLE (queue full, not ready, shutting
     down), DEADLINE_EXCEEDED (the ``timeout`` parameter in microseconds, or
-    the call's deadline, passed), INTERNAL (model failure).
+    the call's deadline, passed), INTERNAL (model failure: the exception's
+    type and a request id; its text too with ``expose_errors``, see
+    :class:`~ferrobatch.http.protocol.ModelRepository`; ``None``: the
+    repository's setting).
     """
 
-    def __init__(self, servers: Server | Iterable[Server] | ModelRepository) -> None:
-        self.repository = (
-            servers if isinstance(servers, ModelRepository) else ModelRepository(servers)
-        )
+    def __init__(
+        self,
+        servers: Server | Iterable[Server] | ModelRepository,
+        *,
+        expose_errors: bool | None = None,
+    ) -> None:
+        if isinstance(servers, ModelRepository):
+            self.repository = servers
+        else:
+            self.repository = ModelRepository(servers, expose_errors=bool(expose_errors))
+        self.expose_errors = self.repository.expose_errors if expose_errors is None else expose_errors
 
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Context) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
@@ -88,14 +98,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             return pb.ModelReadyResponse()
         return pb.ModelReadyResponse(ready=ready)
 
-    async def ServerMetadata(
-        self, request: pb.ServerMetadataRequest, context: Context
-    ) -> pb.ServerMetadataResponse:
+    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Context) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(**self.repository.server_metadata())
 
-    async def ModelMetadata(
-        self, request: pb.ModelMetadataRequest, context: Context
-    ) -> pb.ModelMetadataResponse:
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Context) -> pb.ModelMetadataResponse:
         try:
             meta = self.repository.model_metadata(request.name, request.version)
         except ProtocolError as exc:
@@ -119,9 +125,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             timeout = _timeout(request.parameters, context)
             results = await self.repository.infer(model, inputs, timeout)
         except Exception as exc:  # noqa: BLE001 - every failure becomes the call's status
-            if error_status(exc) == 500 and not isinstance(exc, ProtocolError):
-                log.warning("model '%s': %s", name, error_message(exc))
-            _fail(context, exc)
+            _fail(context, exc, name, self.expose_errors)
             return pb.ModelInferResponse()
         response = pb.ModelInferResponse(model_name=name, model_version=MODEL_VERSION, id=request.id)
         datatypes = model.output_types
@@ -133,9 +137,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return response
 
 
-def _fail(context: Context, exc: BaseException) -> None:
+def _fail(context: Context, exc: BaseException, model: str = "", expose: bool = False) -> None:
     context.set_code(status_code(exc))
-    context.set_details(error_message(exc))
+    context.set_details(error_message(exc, model, expose=expose))
 
 
 def _decode_inputs(request: pb.ModelInferRequest) -> dict[str, Any]:

@@ -18,13 +18,23 @@ in JSON). A request may carry ``n`` rows (shape ``[n, *shape]``; metadata shows
 ``[-1, *shape]``): they join one batch together, and ``n > max_batch_size``
 is refused. Errors come back as ``{"error": "..."}``: 400 bad request
 (unknown model, input or output, wrong shape or datatype, malformed JSON,
-binary sizes that do not add up), 503 queue full or not ready, 504 deadline
-passed (the ``timeout`` request parameter, in microseconds), 500 model failure.
+binary sizes that do not add up), 413 body too large (``max_body_size``
+bytes as sent, ``max_decompressed_size`` after undoing a gzip or deflate
+``Content-Encoding``; 64 MiB each by default, as gRPC's message limit), 503
+queue full or not ready (with ``Connection: close`` while shutting down), 504
+deadline passed (the ``timeout`` request parameter, in microseconds), 500
+model failure. A 500 says the exception's type and a request id; the log has
+its traceback under that id, and its message goes to the client only with
+``expose_errors=True`` (it may carry paths or data).
 
 With ``manage_servers=True`` (the default) the app's lifespan starts the
 servers that are not yet running and stops them, draining accepted requests,
-when the app shuts down. Pass ``False`` when you start and stop them yourself,
-e.g. when mounting the app inside another app whose lifespan does that.
+when the app shuts down. A Starlette app mounted in another
+(``Mount("/triton", starlette_app(server))``) gets no lifespan: it starts the
+servers on its first request instead (readiness is 503 until they are up)
+and stops them when the event loop shuts down (the end of ``asyncio.run``,
+as uvicorn runs). Pass ``False`` when you start and stop them yourself,
+e.g. in the parent app's lifespan.
 
 The framework modules are imported only when their factory is called.
 """
@@ -33,6 +43,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
+
+from .protocol import MAX_BODY_SIZE, MAX_DECOMPRESSED_SIZE
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -49,16 +61,29 @@ def starlette_app(
     *,
     manage_servers: bool = True,
     metrics: bool = True,
+    expose_errors: bool | None = None,
+    max_body_size: int = MAX_BODY_SIZE,
+    max_decompressed_size: int = MAX_DECOMPRESSED_SIZE,
 ) -> Starlette:
     """A Starlette (ASGI) app serving ``servers`` (unique names) over v2 REST.
 
-    ``metrics=False`` leaves out ``GET /metrics``. The app's
-    :class:`~ferrobatch.http.protocol.ModelRepository` is
+    ``metrics=False`` leaves out ``GET /metrics``. ``expose_errors``: send
+    model exceptions' text to clients (``None``: the repository's setting,
+    off unless a :class:`~ferrobatch.http.protocol.ModelRepository` says
+    otherwise). ``max_body_size`` and ``max_decompressed_size`` bound a
+    request body in bytes (413 beyond). The app's repository is
     ``app.state.ferrobatch.repository``.
     """
     from ._starlette import starlette_app as make
 
-    return make(servers, manage_servers=manage_servers, metrics=metrics)
+    return make(
+        servers,
+        manage_servers=manage_servers,
+        metrics=metrics,
+        expose_errors=expose_errors,
+        max_body_size=max_body_size,
+        max_decompressed_size=max_decompressed_size,
+    )
 
 
 def aiohttp_app(
@@ -66,12 +91,21 @@ def aiohttp_app(
     *,
     manage_servers: bool = True,
     metrics: bool = True,
-    max_body_size: int = 64 * 1024 * 1024,
+    expose_errors: bool | None = None,
+    max_body_size: int = MAX_BODY_SIZE,
+    max_decompressed_size: int = MAX_DECOMPRESSED_SIZE,
 ) -> web.Application:
     """An aiohttp app serving ``servers`` over v2 REST; also works as a
     sub-app (``parent.add_subapp("/prefix", app)``; its ``cleanup_ctx`` then
-    runs with the parent's). ``max_body_size`` bounds a request body (bytes).
+    runs with the parent's). The options are :func:`starlette_app`'s.
     """
     from ._aiohttp import aiohttp_app as make
 
-    return make(servers, manage_servers=manage_servers, metrics=metrics, max_body_size=max_body_size)
+    return make(
+        servers,
+        manage_servers=manage_servers,
+        metrics=metrics,
+        expose_errors=expose_errors,
+        max_body_size=max_body_size,
+        max_decompressed_size=max_decompressed_size,
+    )

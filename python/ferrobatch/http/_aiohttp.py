@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Iterable
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from ..server import Server
-from ._endpoint import HEADER_LENGTH, Endpoint, Reply, error_reply
+from ._endpoint import HEADER_LENGTH, Endpoint, Reply, error_reply, too_large
 from ._lifecycle import serving
-from .protocol import ModelRepository, ProtocolError
+from .protocol import MAX_BODY_SIZE, MAX_DECOMPRESSED_SIZE, ModelRepository, ProtocolError
 
 #: Where the app keeps its :class:`Endpoint` (``app[ENDPOINT_KEY]``).
 ENDPOINT_KEY = web.AppKey("ferrobatch_endpoint", Endpoint)
-
-
-def _response(reply: Reply) -> web.Response:
-    return web.Response(body=reply.body, status=reply.status, headers=reply.headers)
 
 
 def aiohttp_app(
@@ -25,9 +22,18 @@ def aiohttp_app(
     *,
     manage_servers: bool = True,
     metrics: bool = True,
-    max_body_size: int = 64 * 1024 * 1024,
+    expose_errors: bool | None = None,
+    max_body_size: int = MAX_BODY_SIZE,
+    max_decompressed_size: int = MAX_DECOMPRESSED_SIZE,
 ) -> web.Application:
-    endpoint = Endpoint(servers)
+    endpoint = Endpoint(servers, expose_errors=expose_errors, max_decompressed_size=max_decompressed_size)
+    repository = endpoint.repository
+
+    def _response(reply: Reply) -> web.Response:
+        response = web.Response(body=reply.body, status=reply.status, headers=reply.headers)
+        if reply.close or repository.closing:  # draining: reconnect elsewhere
+            response.force_close()
+        return response
 
     async def live(request: web.Request) -> web.Response:
         return _response(endpoint.live())
@@ -52,13 +58,28 @@ def aiohttp_app(
 
     async def infer(request: web.Request) -> web.Response:
         m = request.match_info
+        length = request.content_length
+        if length is not None and length > max_body_size:
+            return _response(too_large(length, max_body_size))  # at once, before reading the body
+        # aiohttp undoes a gzip or deflate Content-Encoding as it reads, in
+        # bounded steps: what arrives here is decompressed.
+        encoded = request.headers.get("content-encoding", "identity").lower() != "identity"
+        limit = max_decompressed_size if encoded else max_body_size
+        chunks: list[bytes] = []
+        size = 0
         try:
-            # aiohttp has already undone a gzip or deflate Content-Encoding.
-            body = await request.read()
+            while chunk := await request.content.readany():
+                size += len(chunk)
+                if size > limit:
+                    what = "decompressed request body" if encoded else "request body"
+                    return _response(too_large(None, limit, what))
+                chunks.append(chunk)
         except RequestPayloadError as exc:
-            return _response(error_reply(ProtocolError(400, f"unreadable request body: {exc}")))
+            refused = error_reply(ProtocolError(400, f"unreadable request body: {exc}"))
+            # The rest of the body cannot be read: the connection closes.
+            return _response(dataclasses.replace(refused, close=True))
         reply = await endpoint.infer(
-            m["name"], m.get("version", ""), body, request.headers.get(HEADER_LENGTH)
+            m["name"], m.get("version", ""), b"".join(chunks), request.headers.get(HEADER_LENGTH)
         )
         return _response(reply)
 
@@ -69,7 +90,9 @@ def aiohttp_app(
         async with serving(endpoint.repository, manage_servers):
             yield
 
-    app = web.Application(client_max_size=max_body_size)
+    # The limits are checked above; aiohttp's own (on what it decompressed)
+    # only backs them up.
+    app = web.Application(client_max_size=max(max_body_size, max_decompressed_size))
     app[ENDPOINT_KEY] = endpoint
     app.router.add_get("/v2/health/live", live)
     app.router.add_get("/v2/health/ready", ready)

@@ -9,20 +9,20 @@ tensors), never by ``Content-Type``.
 
 from __future__ import annotations
 
-import gzip
 import json
-import logging
 import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import anyio.to_thread
 import torch
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .. import metrics
 from ..server import Server
 from .protocol import (
+    MAX_DECOMPRESSED_SIZE,
     MODEL_VERSION,
     ModelRepository,
     ProtocolError,
@@ -37,8 +37,6 @@ from .protocol import (
     timeout_from_parameters,
 )
 
-log = logging.getLogger("ferrobatch.http")
-
 HEADER_LENGTH = "inference-header-content-length"
 _JSON = "application/json"
 _BINARY = "application/octet-stream"
@@ -50,12 +48,15 @@ class Reply:
     body: bytes
     content_type: str = _JSON
     header_length: int | None = None  # Inference-Header-Content-Length of a binary reply
+    close: bool = False  # Connection: close (shutting down, or a body left unread)
 
     @property
     def headers(self) -> dict[str, str]:
         headers = {"content-type": self.content_type}
         if self.header_length is not None:
             headers[HEADER_LENGTH] = str(self.header_length)
+        if self.close:
+            headers["connection"] = "close"
         return headers
 
 
@@ -63,8 +64,16 @@ def _json(status: int, document: Any) -> Reply:
     return Reply(status, json.dumps(document, separators=(",", ":")).encode())
 
 
-def error_reply(exc: BaseException) -> Reply:
-    return _json(error_status(exc), {"error": error_message(exc)})
+def error_reply(exc: BaseException, model: str = "", *, expose: bool = False) -> Reply:
+    return _json(error_status(exc), {"error": error_message(exc, model, expose=expose)})
+
+
+def too_large(size: int | None, limit: int, what: str = "request body") -> Reply:
+    """413 for a body over ``limit``; the connection closes (the rest of the
+    body is not read)."""
+    told = f"of {size} bytes " if size is not None else ""
+    message = f"{what} {told}is over the limit of {limit} bytes"
+    return Reply(413, _json(413, {"error": message}).body, close=True)
 
 
 _EMPTY_OK = Reply(200, b"", "text/plain")
@@ -82,14 +91,28 @@ class _Request:
 
 
 class Endpoint:
-    """Serves the v2 REST API for ``servers`` (see :mod:`ferrobatch.http`)."""
+    """Serves the v2 REST API for ``servers`` (see :mod:`ferrobatch.http`).
 
-    def __init__(self, servers: Server | Iterable[Server] | ModelRepository) -> None:
-        self.repository = servers if isinstance(servers, ModelRepository) else ModelRepository(servers)
+    ``expose_errors``: see :class:`ModelRepository` (``None``: the
+    repository's setting). ``max_decompressed_size``: the most bytes a
+    gzip or deflate body may expand to (413 beyond).
+    """
+
+    def __init__(
+        self,
+        servers: Server | Iterable[Server] | ModelRepository,
+        *,
+        expose_errors: bool | None = None,
+        max_decompressed_size: int = MAX_DECOMPRESSED_SIZE,
+    ) -> None:
+        if isinstance(servers, ModelRepository):
+            self.repository = servers
+        else:
+            self.repository = ModelRepository(servers, expose_errors=bool(expose_errors))
+        self.expose_errors = self.repository.expose_errors if expose_errors is None else expose_errors
+        self.max_decompressed_size = max_decompressed_size
         self.registry = metrics.registry(self.repository.servers)
-        self._prefixes = {
-            s.name: _json_prefixes(self.repository.model(s.name)) for s in self.repository.servers
-        }
+        self._prefixes = {s.name: _json_prefixes(self.repository.model(s.name)) for s in self.repository.servers}
 
     # -- health and metadata --------------------------------------------------------
 
@@ -137,28 +160,73 @@ class Endpoint:
         """``POST /v2/models/{name}[/versions/{version}]/infer``; never raises."""
         try:
             model = self.repository.model(name, version)
-            if content_encoding:
-                body = _decompress(body, content_encoding)
+            if content_encoding and content_encoding != "identity":
+                inflater = _Inflater(body, content_encoding, self.max_decompressed_size)
+                # A small body is done in one bounded step on the loop; what
+                # expands further continues on a thread (zlib drops the GIL).
+                inflated = inflater.run(_INLINE_INFLATE)
+                if inflated is None:
+                    inflated = await anyio.to_thread.run_sync(inflater.run, None)
+                assert inflated is not None
+                body = inflated
             request = _decode_request(body, header_length, model)
             results = await self.repository.infer(model, request.inputs, request.timeout)
             return _encode_response(model, self._prefixes[name], request, results)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a reply
-            if error_status(exc) == 500 and not isinstance(exc, ProtocolError):
-                log.warning("model '%s': %s", name, error_message(exc))
-            return error_reply(exc)
+            return error_reply(exc, name, expose=self.expose_errors)
 
 
-def _decompress(body: bytes, encoding: str) -> bytes:
-    if encoding == "identity":
-        return body
-    try:
-        if encoding == "gzip":
-            return gzip.decompress(body)
-        if encoding == "deflate":
-            return zlib.decompress(body)
-    except (OSError, EOFError, zlib.error) as exc:
-        raise ProtocolError(400, f"body is not valid {encoding}: {exc}") from None
-    raise ProtocolError(400, f"unsupported Content-Encoding {encoding!r}; use gzip or deflate")
+#: Output bytes inflated on the event loop before the rest moves to a thread.
+_INLINE_INFLATE = 1 << 20
+_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
+
+class _Inflater:
+    """Undoes a gzip or deflate Content-Encoding in bounded steps, refusing
+    (413) output beyond ``limit`` bytes before producing it."""
+
+    def __init__(self, body: bytes, encoding: str, limit: int) -> None:
+        wbits = _WBITS.get(encoding)
+        if wbits is None:
+            raise ProtocolError(400, f"unsupported Content-Encoding {encoding[:40]!r}; use gzip or deflate")
+        self._encoding = encoding
+        self._wbits = wbits
+        self._limit = limit
+        self._pending = body  # input not yet given to the decompressor
+        self._inflate = zlib.decompressobj(wbits)
+        self._out: list[bytes] = []
+        self._size = 0
+
+    def run(self, budget: int | None) -> bytes | None:
+        """Inflates at most ``budget`` more bytes (``None``: up to the limit);
+        the whole body when done, ``None`` when more remains."""
+        stop = self._limit + 1 if budget is None else min(self._limit + 1, self._size + budget)
+        try:
+            while True:
+                if self._size > self._limit:
+                    raise ProtocolError(
+                        413,
+                        f"the {self._encoding} body expands past the limit of"
+                        f" {self._limit} bytes (max_decompressed_size)",
+                    )
+                if self._inflate.eof:
+                    rest = self._inflate.unused_data
+                    if not rest:
+                        return b"".join(self._out)
+                    if self._encoding != "gzip":
+                        raise ProtocolError(400, "the deflate body has data after its end")
+                    self._inflate = zlib.decompressobj(self._wbits)  # the next gzip member
+                    self._pending = rest
+                if self._size >= stop:
+                    return None
+                data, self._pending = self._pending or self._inflate.unconsumed_tail, b""
+                chunk = self._inflate.decompress(data, stop - self._size)
+                if not chunk and not self._inflate.unconsumed_tail and not self._inflate.eof:
+                    raise ProtocolError(400, f"the {self._encoding} body is truncated")
+                self._out.append(chunk)
+                self._size += len(chunk)
+        except zlib.error as exc:
+            raise ProtocolError(400, f"body is not valid {self._encoding}: {exc}") from None
 
 
 def _decode_request(body: bytes, header_length: str | None, model: ServedModel) -> _Request:
@@ -172,16 +240,20 @@ def _decode_request(body: bytes, header_length: str | None, model: ServedModel) 
         if not 0 <= length <= len(body):
             raise ProtocolError(
                 400,
-                f"Inference-Header-Content-Length must be 0..{len(body)} (the body's size),"
-                f" got {header_length!r}",
+                f"Inference-Header-Content-Length must be 0..{len(body)} (the body's size), got {header_length!r}",
             )
         header, binary = body[:length], memoryview(body)[length:]
     try:
         document = _decode_json(header.decode())  # UTF-8, as RFC 8259 requires
     except (ValueError, UnicodeDecodeError) as exc:
         raise ProtocolError(400, f"malformed JSON in the request: {exc}") from None
+    except RecursionError:
+        raise ProtocolError(400, "malformed JSON in the request: nested too deep") from None
     if not isinstance(document, dict):
         raise ProtocolError(400, "the request must be a JSON object")
+    request_id = document.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise ProtocolError(400, "'id' must be a string")
     parameters = _parameters(document, "the request")
     timeout = timeout_from_parameters(parameters)
     binary_default = parameters.get("binary_data_output", False)
@@ -214,6 +286,8 @@ def _decode_request(body: bytes, header_length: str | None, model: ServedModel) 
             inputs[name] = decode_bytes(name, datatype, shape, binary[offset : offset + size])
             offset += size
         elif "data" in raw:
+            if not isinstance(raw["data"], list):
+                raise ProtocolError(400, f"input '{name}': 'data' must be a JSON array")
             inputs[name] = decode_list(name, datatype, shape, raw["data"])
         else:
             raise ProtocolError(400, f"input '{name}' has neither 'data' nor 'binary_data_size'")
@@ -233,11 +307,12 @@ def _decode_request(body: bytes, header_length: str | None, model: ServedModel) 
         outputs = []
         for raw in raw_outputs:
             out_name = raw.get("name") if isinstance(raw, dict) else None
-            if not isinstance(out_name, str) or out_name not in known:
+            if not isinstance(out_name, str):
+                raise ProtocolError(400, "every entry of 'outputs' must be an object with a string 'name'")
+            if out_name not in known:
                 raise ProtocolError(
                     400,
-                    f"unknown output {out_name!r} for model '{model.server.name}';"
-                    f" outputs: {', '.join(known)}",
+                    f"unknown output {out_name[:80]!r} for model '{model.server.name}'; outputs: {', '.join(known)}",
                 )
             name = out_name
             out_params = _parameters(raw, f"output '{name}'")
@@ -247,7 +322,7 @@ def _decode_request(body: bytes, header_length: str | None, model: ServedModel) 
             if not isinstance(binary, bool):
                 raise ProtocolError(400, f"output '{name}': binary_data must be true or false")
             outputs.append((name, binary))
-    return _Request(document.get("id"), inputs, outputs, binary_default, timeout)
+    return _Request(request_id, inputs, outputs, binary_default, timeout)
 
 
 def _parameters(document: Mapping[str, Any], what: str) -> Mapping[str, Any]:

@@ -26,3 +26,17 @@ async def serving(repository: ModelRepository, manage_servers: bool) -> AsyncIte
         repository.close()
         for server in reversed(started):
             await server.stop()
+
+
+async def stop_at_loop_shutdown(repository: ModelRepository, started: list[Server]) -> AsyncIterator[None]:
+    """Once advanced to its ``yield``, waits there until the event loop closes
+    its async generators (``loop.shutdown_asyncgens()``, which ``asyncio.run``
+    calls on the way out), then stops the servers in ``started``: the only
+    end-of-loop hook an app without a lifespan has. Keep a reference to it:
+    the loop holds async generators weakly."""
+    try:
+        yield
+    finally:
+        repository.close()
+        for server in reversed(started):
+            await server.stop()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import re
 from collections.abc import AsyncIterator, Iterable
 
@@ -13,13 +15,18 @@ from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
 from ..server import Server
-from ._endpoint import HEADER_LENGTH, Endpoint, Reply
-from ._lifecycle import serving
-from .protocol import ModelRepository
+from ._endpoint import HEADER_LENGTH, Endpoint, Reply, too_large
+from ._lifecycle import serving, stop_at_loop_shutdown
+from .protocol import MAX_BODY_SIZE, MAX_DECOMPRESSED_SIZE, ModelRepository
+
+log = logging.getLogger("ferrobatch.http")
 
 
-def _response(reply: Reply) -> Response:
-    return Response(reply.body, reply.status, reply.headers)
+def _response(reply: Reply, closing: bool) -> Response:
+    headers = reply.headers
+    if closing:  # draining: the client should reconnect elsewhere
+        headers["connection"] = "close"
+    return Response(reply.body, reply.status, headers)
 
 
 _INFER = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
@@ -29,11 +36,25 @@ _HEADER_LENGTH = HEADER_LENGTH.encode()
 class V2App(Starlette):
     """A Starlette app that answers ``POST .../infer`` in plain ASGI, ahead of
     the middleware stack, router and request/response objects: the one route
-    on the per-request hot path. Every other request goes through Starlette."""
+    on the per-request hot path. Every other request goes through Starlette.
+
+    With ``manage_servers`` and no lifespan (a mounted app gets none; nor
+    does an ASGI server run with lifespan off), the first request starts the
+    servers and they stop when the event loop shuts down (the end of
+    ``asyncio.run``, as uvicorn runs); requests wait for that start, while
+    the readiness routes answer 503 until it is done.
+    """
 
     endpoint: Endpoint
+    max_body_size: int
+    manage_servers: bool
+    lifespan_ran: bool = False
+    _startup: asyncio.Task[None] | None = None
+    _stopper: AsyncIterator[None] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.manage_servers and not self.lifespan_ran:
+            self._start_lazily()
         if scope["type"] == "http" and scope["method"] == "POST":
             path: str = scope["path"]
             root: str = scope.get("root_path", "")
@@ -44,31 +65,66 @@ class V2App(Starlette):
                 return await self._infer(match, scope, receive, send)
         await super().__call__(scope, receive, send)
 
+    def _start_lazily(self) -> None:
+        if self._startup is None:
+            self._startup = asyncio.get_running_loop().create_task(self._start_servers())
+
+    async def _start_servers(self) -> None:
+        started: list[Server] = []
+        # Held here: the loop tracks async generators only weakly.
+        self._stopper = stop_at_loop_shutdown(self.endpoint.repository, started)
+        await anext(self._stopper)
+        log.info("ferrobatch: no lifespan ran (a mounted app?): starting the servers on first use")
+        for server in self.endpoint.repository.servers:
+            if not server.running:
+                try:
+                    await server.start()
+                except Exception:  # requests get 503 (not running)
+                    log.exception("ferrobatch: model '%s' failed to start", server.name)
+                    continue
+                started.append(server)
+
     async def _infer(self, match: re.Match[str], scope: Scope, receive: Receive, send: Send) -> None:
-        header_length = encoding = None
+        header_length = encoding = content_length = None
         for key, value in scope["headers"]:
             if key == _HEADER_LENGTH:
                 header_length = value.decode("latin-1")
             elif key == b"content-encoding":
                 encoding = value.decode("latin-1")
-        chunks: list[bytes] = []
-        while True:
-            message: Message = await receive()
-            if message["type"] == "http.disconnect":
-                return  # the client left: nobody to answer
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        reply = await self.endpoint.infer(
-            match.group(1), match.group(2) or "", body, header_length, encoding
-        )
+            elif key == b"content-length":
+                content_length = value
+        limit = self.max_body_size
+        reply: Reply | None = None
+        if content_length is not None and content_length.isdigit() and int(content_length) > limit:
+            reply = too_large(int(content_length), limit)  # at once, before reading the body
+        else:
+            chunks: list[bytes] = []
+            size = 0
+            while True:
+                message: Message = await receive()
+                if message["type"] == "http.disconnect":
+                    return  # the client left: nobody to answer
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    reply = too_large(None, limit)
+                    break
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+        if reply is None:
+            body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            if self._startup is not None and not self._startup.done():
+                await asyncio.shield(self._startup)
+            reply = await self.endpoint.infer(match.group(1), match.group(2) or "", body, header_length, encoding)
         headers = [
             (b"content-type", reply.content_type.encode()),
             (b"content-length", str(len(reply.body)).encode()),
         ]
         if reply.header_length is not None:
             headers.append((_HEADER_LENGTH, str(reply.header_length).encode()))
+        if reply.close or self.endpoint.repository.closing:
+            headers.append((b"connection", b"close"))
         await send({"type": "http.response.start", "status": reply.status, "headers": headers})
         await send({"type": "http.response.body", "body": reply.body})
 
@@ -78,32 +134,36 @@ def starlette_app(
     *,
     manage_servers: bool = True,
     metrics: bool = True,
+    expose_errors: bool | None = None,
+    max_body_size: int = MAX_BODY_SIZE,
+    max_decompressed_size: int = MAX_DECOMPRESSED_SIZE,
 ) -> Starlette:
-    endpoint = Endpoint(servers)
+    endpoint = Endpoint(servers, expose_errors=expose_errors, max_decompressed_size=max_decompressed_size)
+    repository = endpoint.repository
 
     async def live(request: Request) -> Response:
-        return _response(endpoint.live())
+        return _response(endpoint.live(), repository.closing)
 
     async def ready(request: Request) -> Response:
-        return _response(endpoint.ready())
+        return _response(endpoint.ready(), repository.closing)
 
     async def server_metadata(request: Request) -> Response:
-        return _response(endpoint.server_metadata())
+        return _response(endpoint.server_metadata(), repository.closing)
 
     async def model_metadata(request: Request) -> Response:
         p = request.path_params
-        return _response(endpoint.model_metadata(p["name"], p.get("version", "")))
+        return _response(endpoint.model_metadata(p["name"], p.get("version", "")), repository.closing)
 
     async def model_ready(request: Request) -> Response:
         p = request.path_params
-        return _response(endpoint.model_ready(p["name"], p.get("version", "")))
+        return _response(endpoint.model_ready(p["name"], p.get("version", "")), repository.closing)
 
     async def model_config(request: Request) -> Response:
         p = request.path_params
-        return _response(endpoint.model_config(p["name"], p.get("version", "")))
+        return _response(endpoint.model_config(p["name"], p.get("version", "")), repository.closing)
 
     async def prometheus(request: Request) -> Response:
-        return _response(endpoint.metrics())
+        return _response(endpoint.metrics(), repository.closing)
 
     routes = [
         Route("/v2/health/live", live),
@@ -121,10 +181,13 @@ def starlette_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async with serving(endpoint.repository, manage_servers):
+        v2.lifespan_ran = True
+        async with serving(repository, manage_servers):
             yield
 
-    app = V2App(routes=routes, lifespan=lifespan)
-    app.endpoint = endpoint
-    app.state.ferrobatch = endpoint
-    return app
+    v2 = V2App(routes=routes, lifespan=lifespan)
+    v2.endpoint = endpoint
+    v2.max_body_size = max_body_size
+    v2.manage_servers = manage_servers
+    v2.state.ferrobatch = endpoint
+    return v2

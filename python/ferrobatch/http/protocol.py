@@ -13,7 +13,10 @@ rows (``[n, *shape]``), which join one batch together and are never split;
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
+import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +25,7 @@ import numpy as np
 import torch
 
 from .._core import __version__
+from ..client import Client
 from ..errors import (
     DeadlineExceededError,
     FerrobatchError,
@@ -30,13 +34,14 @@ from ..errors import (
     QueueFullError,
     ServerClosedError,
 )
-from ..client import Client
 from ..server import Server
 from ..specs import TensorSpec
 
 __all__ = [
     "DATATYPES",
     "EXTENSIONS",
+    "MAX_BODY_SIZE",
+    "MAX_DECOMPRESSED_SIZE",
     "MODEL_VERSION",
     "ModelRepository",
     "ProtocolError",
@@ -47,9 +52,18 @@ __all__ = [
     "decode_list",
     "encode_bytes",
     "encode_list",
+    "error_message",
     "error_status",
     "timeout_from_parameters",
 ]
+
+log = logging.getLogger("ferrobatch.serve")
+
+#: Default limit on a request body as sent (HTTP) or a received message
+#: (gRPC's ``max_receive_message_length``), in bytes.
+MAX_BODY_SIZE = 64 * 1024 * 1024
+#: Default limit on a request body after undoing its Content-Encoding (bytes).
+MAX_DECOMPRESSED_SIZE = 64 * 1024 * 1024
 
 #: The one version every model is served as.
 MODEL_VERSION = "1"
@@ -119,10 +133,24 @@ def error_status(exc: BaseException) -> int:
     return 500
 
 
-def error_message(exc: BaseException) -> str:
-    if isinstance(exc, (ProtocolError, FerrobatchError)):
+def error_message(exc: BaseException, model: str, *, expose: bool = False) -> str:
+    """What a remote client is told about ``exc``, raised serving a request to
+    ``model``. Errors of the request itself (4xx, 503, 504) say what was wrong.
+    Failures (500: the model raised, or something unexpected) are logged here
+    with their traceback under a fresh request id; the client gets the
+    exception's type and that id, and its message only with ``expose``: a
+    model's exception text may carry paths or data the client must not see.
+    """
+    if error_status(exc) != 500 or isinstance(exc, ProtocolError):
         return str(exc)
-    return f"internal error: {type(exc).__name__}: {exc}"
+    request_id = secrets.token_hex(8)
+    log.error("model '%s' failed (request id %s)", model, request_id, exc_info=exc)
+    if expose:
+        text = str(exc) if isinstance(exc, FerrobatchError) else f"{type(exc).__name__}: {exc}"
+        return f"{text} (request id {request_id})"
+    cause = exc.__cause__ if isinstance(exc, ModelError) and exc.__cause__ is not None else exc
+    what = "failed" if isinstance(exc, ModelError) else "internal error"
+    return f"model '{model}' {what}: {type(cause).__name__} (request id {request_id}; the server's log has the details)"
 
 
 # -- the models served -----------------------------------------------------------------
@@ -148,9 +176,12 @@ class ModelRepository:
     Ready when every server is ready (started and warmed up) and :meth:`close`
     was not called.
     The servers' lifecycle belongs to whoever started them.
+
+    ``expose_errors``: send the text of a model's exceptions to remote
+    clients (see :func:`error_message`); off by default.
     """
 
-    def __init__(self, servers: Server | Iterable[Server]) -> None:
+    def __init__(self, servers: Server | Iterable[Server], *, expose_errors: bool = False) -> None:
         listed = [servers] if isinstance(servers, Server) else list(servers)
         if not listed:
             raise ValueError("serve at least one Server")
@@ -161,7 +192,10 @@ class ModelRepository:
             if server.name in self._models:
                 raise ValueError(f"two servers are named {server.name!r}; model names must be unique")
             self._models[server.name] = ServedModel.of(server)
+        self.expose_errors = expose_errors
         self._closing = False
+        self._in_flight = 0
+        self._idle: asyncio.Event | None = None
 
     @property
     def servers(self) -> list[Server]:
@@ -174,6 +208,17 @@ class ModelRepository:
     @property
     def closing(self) -> bool:
         return self._closing
+
+    @property
+    def in_flight(self) -> int:
+        """Requests inside :meth:`infer` now."""
+        return self._in_flight
+
+    async def wait_idle(self) -> None:
+        """Returns once no request is inside :meth:`infer` (at once if none is)."""
+        if self._in_flight:
+            self._idle = self._idle or asyncio.Event()
+            await self._idle.wait()
 
     @property
     def ready(self) -> bool:
@@ -202,10 +247,7 @@ class ModelRepository:
         server = self.get(name, version)
 
         def tensors(specs: Sequence[TensorSpec]) -> list[dict[str, Any]]:
-            return [
-                {"name": s.name, "datatype": datatype_of(s), "shape": [-1, *s.shape]}
-                for s in specs
-            ]
+            return [{"name": s.name, "datatype": datatype_of(s), "shape": [-1, *s.shape]} for s in specs]
 
         return {
             "name": server.name,
@@ -220,10 +262,7 @@ class ModelRepository:
         server = self.get(name, version)
 
         def tensors(specs: Sequence[TensorSpec]) -> list[dict[str, Any]]:
-            return [
-                {"name": s.name, "data_type": "TYPE_" + datatype_of(s), "dims": list(s.shape)}
-                for s in specs
-            ]
+            return [{"name": s.name, "data_type": "TYPE_" + datatype_of(s), "dims": list(s.shape)} for s in specs]
 
         return {
             "name": server.name,
@@ -239,15 +278,18 @@ class ModelRepository:
             "instance_group": [{"count": len(server.devices), "kind": _instance_kind(server)}],
         }
 
-    async def infer(
-        self, model: ServedModel, inputs: dict[str, Any], timeout: float | None
-    ) -> dict[str, torch.Tensor]:
+    async def infer(self, model: ServedModel, inputs: dict[str, Any], timeout: float | None) -> dict[str, torch.Tensor]:
         """Runs ``n`` rows through ``model``; every output has leading dimension ``n``."""
         if self._closing:
-            raise ServerClosedError(
-                f"server is shutting down; model '{model.server.name}' takes no new requests"
-            )
-        return await model.client.infer_batch(inputs, timeout=timeout)
+            raise ServerClosedError(f"server is shutting down; model '{model.server.name}' takes no new requests")
+        self._in_flight += 1
+        try:
+            return await model.client.infer_batch(inputs, timeout=timeout)
+        finally:
+            self._in_flight -= 1
+            if not self._in_flight and self._idle is not None:
+                self._idle.set()
+                self._idle = None
 
 
 def _instance_kind(server: Server) -> str:
@@ -257,14 +299,20 @@ def _instance_kind(server: Server) -> str:
 # -- request parameters ----------------------------------------------------------------
 
 
+#: Timeouts beyond this many seconds (a year) mean no deadline.
+_NO_DEADLINE = 365 * 24 * 3600.0
+
+
 def timeout_from_parameters(parameters: Mapping[str, Any]) -> float | None:
-    """The request's ``timeout`` parameter (microseconds, as Triton) in seconds."""
+    """The request's ``timeout`` parameter (microseconds, as Triton) in seconds;
+    ``None`` (no deadline) for 0, infinity or beyond a year."""
     value = parameters.get("timeout")
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
         raise ProtocolError(400, f"parameter 'timeout' must be microseconds >= 0, got {value!r}")
-    return float(value) / 1e6 if value else None
+    seconds = float(value) / 1e6
+    return seconds if 0 < seconds <= _NO_DEADLINE else None
 
 
 # -- tensors ---------------------------------------------------------------------------
@@ -273,29 +321,40 @@ def timeout_from_parameters(parameters: Mapping[str, Any]) -> float | None:
 def check_tensor_header(name: Any, datatype: Any, shape: Any) -> tuple[str, str, tuple[int, ...]]:
     """Validates a tensor's name, datatype and shape as sent by a client."""
     if not isinstance(name, str) or not name:
-        raise ProtocolError(400, f"every tensor needs a non-empty 'name', got {name!r}")
+        raise ProtocolError(400, f"every tensor needs a non-empty 'name', got {_short(name)}")
+    if not isinstance(datatype, str):
+        raise ProtocolError(400, f"input '{name}': 'datatype' must be a string, got {_short(datatype)}")
     if datatype not in DATATYPES:
         if datatype == "BYTES":
             raise ProtocolError(400, f"input '{name}': datatype BYTES is not supported")
         raise ProtocolError(
-            400, f"input '{name}': unknown datatype {datatype!r}; expected one of {', '.join(DATATYPES)}"
+            400,
+            f"input '{name}': unknown datatype {_short(datatype)}; expected one of {', '.join(DATATYPES)}",
         )
     if not isinstance(shape, (list, tuple)) or not all(
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
     ):
         raise ProtocolError(
-            400, f"input '{name}': 'shape' must be a list of non-negative integers, got {shape!r}"
+            400, f"input '{name}': 'shape' must be a list of non-negative integers, got {_short(shape)}"
         )
     return name, datatype, tuple(shape)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters: error messages quote what a
+    client sent, which may be huge or deeply nested."""
+    try:
+        text = repr(value)
+    except RecursionError:
+        text = f"<{type(value).__name__} nested too deep>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def byte_size(datatype: str, shape: Sequence[int]) -> int:
     return math.prod(shape) * _NUMPY[datatype].itemsize
 
 
-def decode_bytes(
-    name: str, datatype: str, shape: tuple[int, ...], data: bytes | memoryview
-) -> Any:
+def decode_bytes(name: str, datatype: str, shape: tuple[int, ...], data: bytes | memoryview) -> Any:
     """A tensor from its raw little-endian, row-major bytes (no copy but for BF16)."""
     expected = byte_size(datatype, shape)
     if len(data) != expected:
@@ -328,9 +387,7 @@ def decode_list(name: str, datatype: str, shape: tuple[int, ...], data: Any) -> 
         raise ProtocolError(400, f"input '{name}': data is not valid {datatype}: {exc}") from None
     count = math.prod(shape)
     if flat.shape[0] != count:
-        raise ProtocolError(
-            400, f"input '{name}': shape {list(shape)} needs {count} values, got {flat.shape[0]}"
-        )
+        raise ProtocolError(400, f"input '{name}': shape {list(shape)} needs {count} values, got {flat.shape[0]}")
     return flat.reshape(shape)
 
 
@@ -351,4 +408,3 @@ def encode_list(tensor: torch.Tensor) -> list[Any]:
     """The flat, row-major JSON values of an output tensor."""
     result: list[Any] = tensor.reshape(-1).tolist()
     return result
-
