@@ -281,3 +281,36 @@ def test_tritonclient_and_ferrobatch_grpc_share_a_process() -> None:
     ours = pb.ServerLiveResponse(live=True).SerializeToString()
     assert service_pb2.ServerLiveResponse.FromString(ours).live
     assert pb.ModelInferRequest.DESCRIPTOR.full_name == service_pb2.ModelInferRequest.DESCRIPTOR.full_name
+
+
+def test_calls_still_waiting_at_shutdown_get_unavailable_not_cancelled() -> None:
+    """The model holds its batch past the graceful timeout: the call in it and
+    the calls queued behind it are answered UNAVAILABLE, none CANCELLED."""
+    gate = Gate()
+    server = fb.Server(gate, inputs=[X], outputs=[Y], max_batch_size=1, name="gated")
+    config = ServeConfig(http_port=None, grpc_port=0, log_level="warning", graceful_timeout=1)
+    with ThreadPoolExecutor(4) as pool:
+        try:
+            with serve_in_thread([server], config) as listening:
+                url = f"127.0.0.1:{listening.grpc_port}"
+
+                def call() -> str:
+                    client = grpcclient.InferenceServerClient(url)
+                    try:
+                        client.infer("gated", [x_tensor()])
+                        return "OK"
+                    except InferenceServerException as exc:
+                        return str(exc.status())
+                    finally:
+                        client.close()
+
+                calls = [pool.submit(call)]
+                assert gate.entered.wait(30)
+                calls += [pool.submit(call) for _ in range(3)]
+                while server.stats()["queue_depth"] < 3:
+                    threading.Event().wait(0.005)
+            # Leaving the block shut serve down, the model still held.
+            statuses = [c.result(30) for c in calls]
+        finally:
+            gate.release.set()
+    assert statuses == ["StatusCode.UNAVAILABLE"] * 4

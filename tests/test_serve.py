@@ -27,6 +27,7 @@ import ferrobatch as fb
 from ferrobatch.serve import load_servers
 
 HERE = Path(__file__).resolve()
+BODY = b'{"inputs":[{"name":"x","datatype":"FP32","shape":[1,4],"data":[1,2,3,4]}]}'
 WIDTH = 4
 X = fb.TensorSpec("x", "float32", (WIDTH,))
 Y = fb.TensorSpec("y", "float32", (WIDTH,))
@@ -61,6 +62,34 @@ def make_gated() -> fb.Server:
     return fb.Server(gated, inputs=[X], outputs=[Y], max_batch_size=1, name="gated")
 
 
+def slow_to_warm(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Holds warm-up until the test creates ``warmed`` in $GATE_DIR."""
+    gate = Path(os.environ["GATE_DIR"])
+    (gate / "warming").touch()
+    deadline = time.monotonic() + 60
+    while not (gate / "warmed").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return {"y": inputs["x"] * 2}
+
+
+def make_slow_to_warm() -> fb.Server:
+    return fb.Server(slow_to_warm, inputs=[X], outputs=[Y], warmup=True, name="slow")
+
+
+def stuck(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A model call that never returns."""
+    (Path(os.environ["GATE_DIR"]) / "entered").touch()
+    threading.Event().wait()
+    raise AssertionError("unreachable")
+
+
+def make_stuck() -> fb.Server:
+    return fb.Server(stuck, inputs=[X], outputs=[Y], max_batch_size=1, name="stuck")
+
+
+MODEL = torch.nn.Linear(WIDTH, WIDTH)
+
+
 # -- load_servers ------------------------------------------------------------------------------
 
 
@@ -77,6 +106,7 @@ def test_load_servers_accepts_a_server_a_list_or_a_factory() -> None:
         ("test_serve:missing", "no attribute"),
         ("test_serve:WIDTH", "ferrobatch.Server"),
         ("no/such/file.py:x", "no such file"),
+        ("test_serve:MODEL", "wrap the model in one"),
     ],
 )
 def test_load_servers_says_what_is_wrong(target: str, message: str) -> None:
@@ -105,7 +135,7 @@ class Process:
 def serve_process(tmp_path: Path) -> Iterator[Callable[..., Process]]:
     started: list[subprocess.Popen[str]] = []
 
-    def start(*args: str) -> Process:
+    def start(*args: str, until: str = r"HTTP http://([\d.]+:\d+), gRPC ([\d.]+:\d+)") -> Process:
         env = {**os.environ, "GATE_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen(
             [sys.executable, "-m", "ferrobatch", "serve", *args, "--http-port", "0", "--grpc-port", "0"],
@@ -126,7 +156,7 @@ def serve_process(tmp_path: Path) -> Iterator[Callable[..., Process]]:
             except queue.Empty:
                 raise AssertionError("serve did not report its ports:\n" + "".join(seen)) from None
             seen.append(line)
-            found = re.search(r"HTTP http://([\d.]+:\d+), gRPC ([\d.]+:\d+)", line)
+            found = re.search(until, line)
             if found:
                 return Process(proc, found.group(1), found.group(2), lines)
             if proc.poll() is not None and lines.empty():
@@ -237,3 +267,100 @@ def test_a_port_in_use_fails_the_start_with_a_message(endpoint: str) -> None:
         )
     assert done.returncode == 1, done.stdout + done.stderr
     assert {"http": "HTTP", "grpc": "gRPC"}[endpoint] + ": cannot listen" in done.stderr
+
+
+# -- the command line --------------------------------------------------------------------------
+
+
+def test_a_target_module_imports_from_the_current_directory(tmp_path: Path) -> None:
+    (tmp_path / "my_models.py").write_text("WIDTH = 4\n")
+    script = Path(sys.executable).with_name("ferrobatch")  # sys.path[0] is its own directory
+    done = subprocess.run(
+        [str(script), "serve", "my_models:WIDTH"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    # Imported: what is wrong now is the attribute, not the module.
+    assert done.returncode == 2, done.stderr
+    assert "must be a ferrobatch.Server" in done.stderr, done.stderr
+
+
+def test_no_http_and_no_grpc_is_a_usage_error() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "ferrobatch", "serve", "--demo", "--no-http", "--no-grpc"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "nothing to serve" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_help_is_plain_text() -> None:
+    done = subprocess.run([sys.executable, "-m", "ferrobatch", "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0
+    assert "``" not in done.stdout and ":class:" not in done.stdout
+    assert "serve" in done.stdout
+
+
+def test_a_model_target_is_not_called_as_a_factory() -> None:
+    calls: list[object] = []
+
+    class Model(torch.nn.Module):
+        def forward(self, *args: object) -> torch.Tensor:
+            calls.append(args)
+            return torch.zeros(1)
+
+    import types
+
+    module = types.ModuleType("fb_target_module")
+    module.model = Model()  # type: ignore[attr-defined]
+    sys.modules[module.__name__] = module
+    try:
+        with pytest.raises(ValueError, match="wrap the model in one"):
+            load_servers("fb_target_module:model")
+    finally:
+        del sys.modules[module.__name__]
+    assert calls == []
+
+
+def test_the_port_answers_not_ready_during_warm_up(serve_process: Callable[..., Process], tmp_path: Path) -> None:
+    served = serve_process(
+        f"{HERE}:make_slow_to_warm", until=r"listening \(HTTP on ([\d.]+:\d+), gRPC on ([\d.]+:\d+)\)"
+    )
+    url = f"http://{served.http}"
+    assert _wait_for(lambda: (tmp_path / "warming").exists())
+    assert httpx.get(f"{url}/v2/health/live").status_code == 200
+    assert httpx.get(f"{url}/v2/health/ready").status_code == 503
+    refused = httpx.post(f"{url}/v2/models/slow/infer", content=BODY)
+    assert refused.status_code == 503, refused.text
+    (tmp_path / "warmed").touch()
+    assert _wait_for(lambda: httpx.get(f"{url}/v2/health/ready").status_code == 200)
+    assert httpx.post(f"{url}/v2/models/slow/infer", content=BODY).status_code == 200
+    served.proc.send_signal(signal.SIGINT)
+    assert served.proc.wait(60) == 0
+    log = served.log()
+    assert "model 'slow': starting (warm-up)" in log and "model 'slow': ready" in log, log
+
+
+def test_sigterm_with_a_stuck_model_answers_503_and_exits(
+    serve_process: Callable[..., Process], tmp_path: Path
+) -> None:
+    served = serve_process(f"{HERE}:make_stuck", "--graceful-timeout", "1")
+    url = f"http://{served.http}/v2/models/stuck/infer"
+    with ThreadPoolExecutor(2) as pool:
+        in_model = pool.submit(httpx.post, url, content=BODY, timeout=60)
+        assert _wait_for(lambda: (tmp_path / "entered").exists())
+        queued = pool.submit(httpx.post, url, content=BODY, timeout=60)
+        time.sleep(0.2)  # lets it reach the queue
+        began = time.monotonic()
+        served.proc.send_signal(signal.SIGTERM)
+        for future in (in_model, queued):
+            response = future.result(timeout=30)
+            assert response.status_code == 503, response.text
+            assert response.headers["connection"] == "close"
+            assert "stopped" in response.json()["error"] or "shutting down" in response.json()["error"]
+    try:
+        assert served.proc.wait(30) == 0, served.log()
+    except subprocess.TimeoutExpired:
+        raise AssertionError("serve did not exit:\n" + served.log()) from None
+    assert time.monotonic() - began < 15

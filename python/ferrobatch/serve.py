@@ -330,14 +330,16 @@ async def _shutdown(
         if rpc is not None:
             await rpc.stop(grace=0)
 
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout):
+            await _any(repository.wait_idle(), forced.wait())
+    for server in reversed(started):
+        left = 0.0 if forced.is_set() else max(0.0, deadline - loop.time())
+        await server.stop(timeout=left)
+    # Only now may a second signal cut the listeners short: every call has
+    # its answer from ferrobatch (cut off earlier, it would get a transport error).
     forcing = asyncio.ensure_future(force())
     try:
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout):
-                await _any(repository.wait_idle(), forced.wait())
-        for server in reversed(started):
-            left = 0.0 if forced.is_set() else max(0.0, deadline - loop.time())
-            await server.stop(timeout=left)
         results = await asyncio.gather(*listeners, return_exceptions=True)
     finally:
         forcing.cancel()
