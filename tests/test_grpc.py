@@ -314,3 +314,29 @@ def test_calls_still_waiting_at_shutdown_get_unavailable_not_cancelled() -> None
         finally:
             gate.release.set()
     assert statuses == ["StatusCode.UNAVAILABLE"] * 4
+
+
+def test_messages_over_the_body_limit_are_resource_exhausted() -> None:
+    """``max_body_size`` is gRPC's receive limit, on the message as sent and
+    after gzip: a compressed message that expands past it is refused too."""
+    servers = [fb.Server(double, inputs=[X], outputs=[Y], max_batch_size=MAX_BATCH, name="double")]
+    config = ServeConfig(http_port=None, grpc_port=0, log_level="warning", max_body_size=64 * 1024)
+    with serve_in_thread(servers, config) as listening:
+        url = f"127.0.0.1:{listening.grpc_port}"
+
+        def request(rows: int) -> pb.ModelInferRequest:
+            message = pb.ModelInferRequest(model_name="double")
+            message.inputs.add(name="x", datatype="FP32", shape=[rows, WIDTH])
+            message.raw_input_contents.append(bytes(rows * WIDTH * 4))
+            return message
+
+        with grpc.insecure_channel(url) as channel:
+            infer = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer
+            assert infer(request(1)).outputs[0].shape == [1, WIDTH]
+            with pytest.raises(grpc.RpcError) as info:
+                infer(pb.ModelInferRequest(model_name="double", id="x" * 100_000))
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            # Zeros: a few hundred bytes of gzip for 128 KiB of message.
+            with pytest.raises(grpc.RpcError) as info:
+                infer(request(8 * 1024), compression=grpc.Compression.Gzip)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
