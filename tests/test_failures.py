@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import make_server, sample
 
 import ferrobatch as fb
 from ferrobatch import _loops
-from conftest import make_server, sample
 
 
 class Gate:
@@ -63,9 +63,7 @@ async def test_model_exception_fails_its_batch_and_the_worker_survives(exc: Base
 
     async with make_server(model, max_delay=0.01) as server:
         client = server.client()
-        results = await asyncio.gather(
-            *(client.infer({"x": sample(i)}) for i in range(5)), return_exceptions=True
-        )
+        results = await asyncio.gather(*(client.infer({"x": sample(i)}) for i in range(5)), return_exceptions=True)
         assert all(isinstance(r, fb.ModelError) for r in results), results
         err = results[0]
         assert isinstance(err, fb.ModelError) and err.__cause__ is exc
@@ -82,7 +80,8 @@ async def test_callers_hear_an_error_even_when_the_fan_out_itself_fails(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A bug in the Python error path must not leave callers waiting: the
-    Rust fan-out hands them the error it got instead."""
+    Rust fan-out hands them a ModelError caused by the error it got, and
+    counts them."""
 
     def broken(model_inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         raise RuntimeError("model failed")
@@ -97,7 +96,9 @@ async def test_callers_hear_an_error_even_when_the_fan_out_itself_fails(
             asyncio.gather(*(client.infer({"x": sample(i)}) for i in range(4)), return_exceptions=True),
             timeout=10,
         )
-    assert all(isinstance(r, KeyError) for r in results), results
+        stats = server.stats()
+    assert all(isinstance(r, fb.ModelError) and isinstance(r.__cause__, KeyError) for r in results), results
+    assert stats["requests_failed"]["model_error"] == 4
 
 
 async def test_queue_full_is_raised_at_once(gate: Gate) -> None:
@@ -308,7 +309,7 @@ async def test_stop_timeout_fails_whatever_is_still_waiting(gate: Gate) -> None:
 async def test_infer_sync_on_the_event_loop_thread_raises_instead_of_deadlocking(
     server: fb.Server,
 ) -> None:
-    with pytest.raises(RuntimeError, match="await client.infer"):
+    with pytest.raises(RuntimeError, match=r"await client\.infer"):
         server.client().infer_sync({"x": sample(1)})
 
 

@@ -55,6 +55,13 @@ class Client:
         :class:`ServerClosedError` if the server stopped first. Cancelling the
         awaiting task withdraws the request if no batch has taken it yet.
         The inputs must not be modified until this returns.
+
+        ``timeout`` is in seconds; ``None``, ``math.inf`` or one too long to
+        represent means no deadline; a negative or NaN timeout is an
+        :class:`InvalidInputError`. ``stats()`` counts the request once, as
+        this call ended: a result, the error it raised, or ``cancelled`` if
+        the awaiting task was cancelled (even in the loop iteration its
+        result arrived).
         """
         # One call into Rust per request (it finds this loop's mailbox, queues
         # the request and arms the deadline). The caller keeps the future and
@@ -65,8 +72,13 @@ class Client:
         try:
             return await future
         except asyncio.CancelledError:
-            self._withdraw(rid)
+            self._withdraw(rid, future)
             raise
+        finally:
+            # A raised error's traceback holds this frame: without this, the
+            # frame -> future -> error -> traceback cycle would keep the
+            # inputs alive until the cycle collector runs.
+            del future, inputs
 
     async def infer_batch(self, inputs: Inputs, timeout: float | None = None) -> Outputs:
         """Like :meth:`infer` for ``n >= 1`` samples at once: every input has a
@@ -76,12 +88,14 @@ class Client:
         try:
             return await future
         except asyncio.CancelledError:
-            self._withdraw(rid)
+            self._withdraw(rid, future)
             raise
+        finally:
+            del future, inputs  # as in infer
 
-    def _withdraw(self, rid: int) -> None:
+    def _withdraw(self, rid: int, future: asyncio.Future[Outputs]) -> None:
         """The awaiting task was cancelled (on the loop that submitted ``rid``)."""
-        self._server._loops.state_for(asyncio.get_running_loop()).cancel(rid)
+        self._server._loops.state_for(asyncio.get_running_loop()).cancel(rid, future)
 
     def infer_sync(self, inputs: Inputs, timeout: float | None = None) -> Outputs:
         """Blocking :meth:`infer`, for threads other than the event loop's.

@@ -3,19 +3,21 @@ model instance, and runs the lifecycle (start, drain, stop)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import queue
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from time import perf_counter_ns
 from types import TracebackType
 from typing import Any
 
 import anyio
+import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
 import torch
@@ -208,7 +210,7 @@ class Server:
                 continue
             try:
                 why = executor.warm_up(self._warmup_batch, self.buckets, slot)
-            except Exception as exc:  # noqa: BLE001 - reported with the instance and size
+            except Exception as exc:
                 raise ModelError(
                     f"model '{self.name}' (instance {i} on {device}) failed during warm-up:"
                     f" {type(exc).__name__}: {exc}. Pass warmup={{input: sample}} with"
@@ -311,18 +313,31 @@ class Server:
         self._submitter.accept(None)
         assert self._batcher is not None
         self._batcher.close()
-        threads = list(self._threads)
-
-        def join_workers() -> None:
-            for thread in threads:
-                thread.join()
-
         with anyio.move_on_after(math.inf if timeout is None else timeout):
-            await anyio.to_thread.run_sync(join_workers, abandon_on_cancel=True)
+            await _joined(self._threads)
         message = f"server '{self.name}' stopped before the request could run"
         for state in list(self._loops.states):
             state.fail_all_threadsafe(message)
         self._phase = "stopped"
+
+    @contextlib.contextmanager
+    def run_in_background(self, stop_timeout: float | None = None) -> Iterator[Server]:
+        """Runs the server on an event loop of its own, in a background
+        thread, for programs that have no event loop (threads calling
+        ``client.infer_sync``)::
+
+            with server.run_in_background():
+                out = server.client().infer_sync({"x": x})
+
+        Returns once the server is :attr:`ready` (warm-up done); on exit it
+        stops the server (``stop(stop_timeout)``) and ends the thread.
+        """
+        with anyio.from_thread.start_blocking_portal() as portal:
+            portal.call(self.start)
+            try:
+                yield self
+            finally:
+                portal.call(self.stop, stop_timeout)
 
     async def __aenter__(self) -> Server:
         await self.start()
@@ -411,7 +426,7 @@ class Server:
                     except BaseException:  # noqa: BLE001 - a broken context: nothing to wait on
                         pass
                 handoff.put((batch, flight))
-        except BaseException:  # noqa: BLE001 - other instances keep serving
+        except BaseException:
             log.exception("ferrobatch: instance of model '%s' on %s stopped", self.name, executor.device)
         finally:
             handoff.put(None)
@@ -459,11 +474,13 @@ class Server:
     ) -> None:
         """Posts the batch to each event loop with requests in it; ``worker``
         (if given) rings their doorbells once it releases the GIL."""
-        states = self._loops.states
+        states = self._loops.by_id
         try:
             for loop_id, routes in batch.groups():
-                states[loop_id].deliver(worker, routes, outputs, error)
-        except BaseException:  # noqa: BLE001
+                state = states.get(loop_id)
+                if state is not None:  # else its loop closed: nobody awaits these
+                    state.deliver(worker, routes, outputs, error)
+        except BaseException:
             log.exception("ferrobatch: fan-out of a batch of model '%s' failed", self.name)
 
     # -- introspection ------------------------------------------------------------------
@@ -480,12 +497,16 @@ class Server:
         of each batch, as Triton counts it); ``request_ns`` (submit to result,
         summed over succeeded requests).
         """
+        loops = self._loops
         failed = dict.fromkeys(FAILURE_REASONS, 0)
-        succeeded = request_ns = 0
-        for state in list(self._loops.states):
-            succeeded += state.counters.succeeded
+        succeeded, request_ns = loops.retired_succeeded, loops.retired_request_ns
+        for reason, n in loops.retired_failed.items():
+            failed[reason] += n
+        for state in loops.states:
+            succeeded += state.succeeded
             request_ns += state.counters.request_ns
-            for reason, n in state.failed.items():
+            failed["model_error"] += state.counters.failed_in_fan_out
+            for reason, n in list(state.failed.items()):
                 failed[reason] += n
         core = self._batcher.stats() if self._batcher is not None else {}
         batches = int(core.get("batches", 0))
@@ -511,6 +532,26 @@ class Server:
         )
 
 
+async def _joined(threads: Sequence[threading.Thread]) -> None:
+    """Waits until every thread has ended. The join runs on a daemon thread
+    of its own: a model call that never returns must not keep the
+    interpreter from exiting once ``stop(timeout=...)`` gave up on it (a
+    worker thread of anyio's would be joined at exit)."""
+    done = anyio.Event()
+    token = anyio.lowlevel.current_token()
+
+    def join() -> None:
+        for thread in threads:
+            thread.join()
+        try:
+            anyio.from_thread.run_sync(done.set, token=token)
+        except (RuntimeError, anyio.RunFinishedError):
+            pass  # the event loop is gone: nobody waits any more
+
+    threading.Thread(target=join, name="ferrobatch-join", daemon=True).start()
+    await done.wait()
+
+
 def _with_torch_threads(threads: int, target: Callable[..., None], *args: Any) -> None:
     torch.set_num_threads(threads)
     target(*args)
@@ -528,4 +569,3 @@ def _check_specs(kind: str, specs: Sequence[TensorSpec]) -> list[TensorSpec]:
     if dupes:
         raise ValueError(f"{kind} names must be unique; repeated: {dupes}")
     return specs
-

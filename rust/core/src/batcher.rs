@@ -142,16 +142,18 @@ impl Batcher {
             )));
         }
         for (i, (input, row)) in inputs.iter().zip(row_nbytes).enumerate() {
-            if input.len() != rows * row {
+            // `rows * row` fits: a slot holds max_batch_size rows of `row`.
+            let expected = rows.saturating_mul(*row);
+            if input.len() != expected {
                 return Err(CoreError::InvalidInput(format!(
-                    "input {i}: expected {} bytes ({rows} rows of {row}), got {}",
-                    rows * row,
+                    "input {i}: expected {expected} bytes ({rows} rows of {row}), got {}",
                     input.len()
                 )));
             }
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let deadline = timeout.map(|t| Instant::now() + t);
+        // A timeout too long to represent as an instant is no deadline at all.
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         let request = Arc::new(Request::new(id, loop_id, rows as u32, inputs, deadline));
         self.queue.push(request.clone())?;
         Ok(request)
@@ -236,7 +238,8 @@ impl Batcher {
                 let oldest_age = now.saturating_duration_since(gathered[0].enqueued_at);
                 match self.rule.decide(rows, oldest_age, !self.queue.is_empty()) {
                     Decision::Dispatch => break,
-                    Decision::Wait(limit) => limit.map(|l| now + l),
+                    // A wait too long to represent is a wait without a limit.
+                    Decision::Wait(limit) => limit.and_then(|l| now.checked_add(l)),
                 }
             };
             // Sleep until the decision can change: enough rows, or the deadline.
@@ -404,6 +407,32 @@ mod tests {
             f.batcher.submit(0, 1, Box::new([input]), None),
             Err(CoreError::QueueFull { capacity: 1 })
         ));
+    }
+
+    #[test]
+    fn a_timeout_too_long_for_an_instant_means_no_deadline() {
+        let f = fixture(2, Duration::ZERO, 1, 10, 1);
+        for timeout in [Duration::MAX, Duration::from_secs(u64::MAX / 2)] {
+            let r = submit(&f.batcher, &ROW_A, Some(timeout));
+            assert_eq!(r.deadline, None);
+        }
+        let r = submit(&f.batcher, &ROW_A, Some(Duration::from_secs(3600)));
+        assert!(r.deadline.is_some());
+    }
+
+    #[test]
+    fn a_max_delay_too_long_for_an_instant_waits_without_a_limit() {
+        let f = fixture(2, Duration::MAX, 1, 10, 1);
+        let batcher = f.batcher.clone();
+        submit(&batcher, &ROW_A, None);
+        let second = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            submit(&batcher, &ROW_A, None);
+        });
+        let mut w = Worker::new();
+        let b = f.batcher.next_batch(&mut w).unwrap();
+        assert_eq!(b.rows, 2, "dispatched when full, not by a deadline");
+        second.join().unwrap();
     }
 
     #[test]

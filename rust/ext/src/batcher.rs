@@ -50,17 +50,24 @@ impl Batcher {
         max_queue_size: usize,
         workers: usize,
     ) -> PyResult<Batcher> {
-        if !(max_delay.is_finite() && max_delay >= 0.0) {
+        if max_delay.is_nan() || max_delay < 0.0 {
             return Err(PyValueError::new_err(format!(
                 "max_delay must be >= 0 seconds, got {max_delay}"
             )));
         }
+        // Longer than a Duration holds: batches wait for size, as with no limit.
+        let max_delay_duration = Duration::try_from_secs_f64(max_delay).unwrap_or(Duration::MAX);
         let mut specs = Vec::with_capacity(inputs.len());
         for (name, dtype, shape, torch_dtype) in inputs {
             let dtype = DType::parse(&dtype).ok_or_else(|| {
                 PyValueError::new_err(format!("input '{name}': unknown dtype '{dtype}'"))
             })?;
-            let row_nbytes = shape.iter().product::<usize>() * dtype.itemsize();
+            let row_nbytes = shape
+                .iter()
+                .try_fold(dtype.itemsize(), |n, &d| n.checked_mul(d))
+                .ok_or_else(|| {
+                    PyValueError::new_err(format!("input '{name}': shape {shape:?} is too large"))
+                })?;
             let key = PyString::intern(py, &name).unbind();
             specs.push(InputSpec {
                 name,
@@ -88,7 +95,7 @@ impl Batcher {
         }
         let rule = DispatchRule::new(
             max_batch_size,
-            Duration::from_secs_f64(max_delay),
+            max_delay_duration,
             min_batch_size,
             preferred_batch_sizes,
         )
@@ -156,7 +163,7 @@ impl Batcher {
         py: Python<'py>,
         inputs: &Bound<'py, PyAny>,
         mailbox: &Bound<'py, LoopMailbox>,
-        timeout: Option<f64>,
+        timeout: Option<Duration>,
         batched: bool,
     ) -> PyResult<Bound<'py, Ticket>> {
         let Ok(inputs) = inputs.cast::<PyDict>() else {
@@ -214,15 +221,6 @@ impl Batcher {
                 ),
             ));
         }
-        let timeout = match timeout {
-            Some(t) if t.is_nan() || t < 0.0 => {
-                return Err(PyValueError::new_err(format!(
-                    "timeout must be >= 0 seconds, got {t}"
-                )))
-            }
-            Some(t) => Some(Duration::try_from_secs_f64(t).unwrap_or(Duration::MAX)),
-            None => None,
-        };
         // Made before the request is queued: once queued, nothing may fail.
         let future = mailbox.get().new_future(py)?;
         LoopMailbox::schedule_flush(mailbox, &self.core)?;
@@ -275,6 +273,12 @@ pub struct Ticket {
 impl Ticket {
     pub(crate) fn enqueued_at(&self) -> Instant {
         self.request.enqueued_at
+    }
+
+    /// True if the request has a deadline (a timeout short enough to
+    /// represent; a longer one means none).
+    pub(crate) fn has_deadline(&self) -> bool {
+        self.request.deadline.is_some()
     }
 }
 

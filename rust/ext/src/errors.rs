@@ -40,3 +40,17 @@ pub(crate) fn to_pyerr(py: Python<'_>, err: CoreError) -> PyErr {
 pub(crate) fn is_ferrobatch_error(py: Python<'_>, err: &PyErr) -> bool {
     error_class(py, "FerrobatchError").is_ok_and(|cls| err.is_instance(py, &cls))
 }
+
+/// `str(error)` for a message, even when the exception's `__str__` raises.
+pub(crate) fn describe(py: Python<'_>, error: &PyErr) -> String {
+    let value = error.value(py);
+    let kind = value
+        .get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_else(|_| "exception".into());
+    match value.str() {
+        Ok(text) => format!("{kind}: {text}"),
+        Err(_) => format!("{kind} (whose str() raised)"),
+    }
+}

@@ -29,6 +29,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PySlice, PyTuple};
 
 use crate::batcher::Ticket;
+use crate::errors::{describe, ferrobatch_error};
 use crate::without_gil;
 
 /// The rows of a batch that belong to the requests of one event loop.
@@ -56,6 +57,7 @@ impl Routes {
 pub struct LoopCounters {
     succeeded: AtomicU64,
     request_ns: AtomicU64,
+    failed_in_fan_out: AtomicU64,
 }
 
 #[pymethods]
@@ -70,6 +72,13 @@ impl LoopCounters {
     #[getter]
     fn request_ns(&self) -> u64 {
         self.request_ns.load(Ordering::Relaxed)
+    }
+
+    /// Requests failed with `ModelError` by the fan-out's last resort (the
+    /// Python error path itself failed).
+    #[getter]
+    fn failed_in_fan_out(&self) -> u64 {
+        self.failed_in_fan_out.load(Ordering::Relaxed)
     }
 }
 
@@ -330,9 +339,15 @@ impl LoopMailbox {
         self.pending.bind(py)
     }
 
-    /// Hands `error` to every still-pending request of `routes` (the fan-out
-    /// itself failed: a bug, or outputs the rows cannot be taken from).
+    /// The last resort when failing a batch's requests itself failed: hands
+    /// a `ModelError` (caused by `error`) to every still-pending request of
+    /// `routes`, so that no caller is left waiting, and counts them.
     fn fail_routes(&self, py: Python<'_>, routes: &[Route], error: &PyErr) {
+        let message = format!(
+            "the results of this request's batch could not be delivered: {}",
+            describe(py, error)
+        );
+        let mut failed = 0;
         let pending = self.pending.bind(py);
         for route in routes {
             let Ok(Some(entry)) = pending.get_item(route.id) else {
@@ -349,9 +364,22 @@ impl LoopMailbox {
                 .call_method0(intern!(py, "done"))
                 .and_then(|d| d.is_truthy())
             {
-                let _ = future.call_method1(intern!(py, "set_exception"), (error.value(py),));
+                // One instance per caller: one raised in many tasks would
+                // collect all their tracebacks.
+                let err = ferrobatch_error(py, "ModelError", message.clone());
+                err.set_cause(py, Some(error.clone_ref(py)));
+                if future
+                    .call_method1(intern!(py, "set_exception"), (err.value(py),))
+                    .is_ok()
+                {
+                    failed += 1;
+                }
             }
         }
+        self.counters
+            .get()
+            .failed_in_fan_out
+            .fetch_add(failed, Ordering::Relaxed);
     }
 
     /// `(fd, eventfd)` to ring, if the mailbox has a doorbell.
@@ -383,15 +411,15 @@ impl LoopMailbox {
         let pending = self.pending.bind(py);
         let now = Instant::now();
         let (mut succeeded, mut request_ns) = (0u64, 0u64);
+        let mut unbuilt: Vec<Route> = Vec::new();
+        let mut build_error = None;
         for route in routes {
             let key = route.id.into_pyobject(py)?;
             let Some(entry) = pending.get_item(&key)? else {
                 continue;
             };
-            pending.del_item(&key)?;
             let entry = entry.cast_into::<Ticket>()?;
             let ticket = entry.get();
-            ticket.cancel_timer(py)?;
             let result = PyDict::new(py);
             let built = columns.iter_mut().try_for_each(|(name, whole, per_row)| {
                 let value = if ticket.batched {
@@ -410,21 +438,23 @@ impl LoopMailbox {
                 };
                 result.set_item(&*name, value)
             });
+            if let Err(err) = built {
+                // Rows that cannot be taken from the outputs (the model
+                // returned something odd): failed below as a model error.
+                unbuilt.push(*route);
+                build_error.get_or_insert(err);
+                continue;
+            }
+            pending.del_item(&key)?;
+            ticket.cancel_timer(py)?;
             let future = ticket.future.bind(py);
-            let is_result = built.is_ok();
-            let set = match built {
-                Ok(()) => future.call_method1(intern!(py, "set_result"), (result,)),
-                // Never leave a caller hanging: hand it the error instead.
-                Err(err) => future.call_method1(intern!(py, "set_exception"), (err.value(py),)),
-            };
-            match set {
-                Ok(_) if is_result => {
+            match future.call_method1(intern!(py, "set_result"), (result,)) {
+                Ok(_) => {
                     succeeded += 1;
                     request_ns += now
                         .saturating_duration_since(ticket.enqueued_at())
                         .as_nanos() as u64;
                 }
-                Ok(_) => {}
                 // Already resolved (cancelled, or past its deadline): drop the result.
                 Err(_) if future.call_method0(intern!(py, "done"))?.is_truthy()? => {}
                 Err(e) => return Err(e),
@@ -433,6 +463,12 @@ impl LoopMailbox {
         let counters = self.counters.get();
         counters.succeeded.fetch_add(succeeded, Ordering::Relaxed);
         counters.request_ns.fetch_add(request_ns, Ordering::Relaxed);
+        if let Some(err) = build_error {
+            let routes = Routes {
+                routes: Arc::new(unbuilt),
+            };
+            self.on_error.call1(py, (routes, err.value(py)))?;
+        }
         Ok(())
     }
 }

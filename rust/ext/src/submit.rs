@@ -14,6 +14,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
+use std::time::Duration;
 
 use pyo3::exceptions::PyTypeError;
 use pyo3::ffi;
@@ -23,7 +24,7 @@ use pyo3::types::PyTuple;
 use pyo3::{PyTraverseError, PyVisit};
 
 use crate::batcher::Batcher;
-use crate::errors::is_ferrobatch_error;
+use crate::errors::{invalid_input, is_ferrobatch_error};
 use crate::fanout::LoopMailbox;
 
 /// Bumped in a forked child, so that no loop cached in the parent is used.
@@ -142,16 +143,21 @@ impl Submitter {
             .as_ref()
             .map(|b| b.clone_ref(py));
         let Some(batcher) = batcher else {
-            return Err(PyErr::from_value(
-                self.not_running.call0(py)?.into_bound(py),
-            ));
+            let err = PyErr::from_value(self.not_running.call0(py)?.into_bound(py));
+            // Counted like any refusal, where there is a loop to count it in.
+            if let Ok((state, _)) = self.loop_state(py) {
+                state.call_method1(py, intern!(py, "count_failure"), (err.value(py),))?;
+            }
+            return Err(err);
         };
         let (state, mailbox) = self.loop_state(py)?;
         let state = state.bind(py);
-        let ticket = match batcher
-            .get()
-            .submit(py, inputs, mailbox.bind(py), timeout, batched)
-        {
+        let submitted = parse_timeout(py, timeout).and_then(|deadline| {
+            batcher
+                .get()
+                .submit(py, inputs, mailbox.bind(py), deadline, batched)
+        });
+        let ticket = match submitted {
             Ok(ticket) => ticket,
             Err(err) => {
                 if is_ferrobatch_error(py, &err) {
@@ -160,8 +166,12 @@ impl Submitter {
                 return Err(err);
             }
         };
-        if let Some(timeout) = timeout {
-            state.call_method1(intern!(py, "arm_timer"), (&ticket, timeout))?;
+        if let Some(timeout) = timeout.filter(|_| ticket.get().has_deadline()) {
+            // Queued: arming the timer must not fail the submit now; if it
+            // does, the request still resolves by its batch or by stop().
+            if let Err(err) = state.call_method1(intern!(py, "arm_timer"), (&ticket, timeout)) {
+                err.write_unraisable(py, Some(state));
+            }
         }
         let ticket = ticket.get();
         PyTuple::new(
@@ -171,6 +181,20 @@ impl Submitter {
                 ticket.id().into_pyobject(py)?.into_any(),
             ],
         )
+    }
+}
+
+/// A caller's `timeout` in seconds as a deadline offset: None without one,
+/// and also for one too long to represent (infinity, 1e300: no deadline).
+/// Negative or NaN is an `InvalidInputError`.
+fn parse_timeout(py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Duration>> {
+    match timeout {
+        None => Ok(None),
+        Some(t) if t.is_nan() || t < 0.0 => Err(invalid_input(
+            py,
+            format!("timeout must be a number of seconds >= 0, got {t}"),
+        )),
+        Some(t) => Ok(Duration::try_from_secs_f64(t).ok()),
     }
 }
 
