@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import array
+import tracemalloc
+import warnings
 
 import numpy as np
 import pytest
 import torch
+from conftest import WIDTH, make_server, sample
 
 import ferrobatch as fb
-from conftest import WIDTH, make_server, sample
 
 
 async def test_accepts_torch_numpy_buffer_and_dlpack_inputs(server: fb.Server) -> None:
@@ -85,7 +87,7 @@ async def test_inputs_are_never_cast() -> None:
     spec = fb.TensorSpec("x", "int64", (2,))
     server = fb.Server(lambda d: {"y": d["x"] + 1}, inputs=[spec], outputs=[fb.TensorSpec("y", "int64", (2,))])
     async with server:
-        with pytest.raises(fb.InvalidInputError, match="expected dtype int64, got torch.int32"):
+        with pytest.raises(fb.InvalidInputError, match=r"expected dtype int64, got torch\.int32"):
             await server.client().infer({"x": torch.tensor([1, 2], dtype=torch.int32)})
         out = await server.client().infer({"x": np.array([1, 2], dtype=np.int64)})
         assert out["y"].tolist() == [2, 3]
@@ -137,3 +139,139 @@ def test_tensor_spec_normalises_dtypes_and_rejects_bad_shapes() -> None:
         fb.TensorSpec("x", "complex64", (2,))
     with pytest.raises(ValueError, match="non-negative ints"):
         fb.TensorSpec("x", "float32", (-1,))
+
+
+class OnlyDLPack:
+    """An object that offers its data through ``__dlpack__`` alone."""
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def __dlpack__(self, **kwargs: object) -> object:
+        return self.value.__dlpack__(**kwargs)  # type: ignore[attr-defined]
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self.value.__dlpack_device__()  # type: ignore[attr-defined,no-any-return]
+
+
+class FailingDLPack:
+    def __dlpack__(self, **kwargs: object) -> object:
+        raise RuntimeError("the producer failed")
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)
+
+
+async def test_negative_strides_are_read_in_logical_order(server: fb.Server) -> None:
+    client = server.client()
+    backwards = np.arange(WIDTH, dtype=np.float32)[::-1]
+    every_other_backwards = np.arange(2 * WIDTH, dtype=np.float32)[::-2]
+    for value, first in [
+        (backwards, WIDTH - 1),
+        (memoryview(backwards), WIDTH - 1),
+        (OnlyDLPack(backwards), WIDTH - 1),
+        (every_other_backwards, 2 * WIDTH - 1),
+    ]:
+        out = await client.infer({"x": value})
+        step = 1 if first == WIDTH - 1 else 2
+        want = torch.arange(first, -1, -step, dtype=torch.float32)[:WIDTH] * 2
+        torch.testing.assert_close(out["y"], want, msg=f"input {value!r}")
+
+
+async def test_flipped_images_and_transposed_arrays_are_read_as_their_contiguous_copies() -> None:
+    spec = fb.TensorSpec("img", "uint8", (2, 3, 4))
+    server = fb.Server(lambda d: {"out": d["img"]}, inputs=[spec], outputs=[fb.TensorSpec("out", "uint8", (2, 3, 4))])
+    img = np.arange(24, dtype=np.uint8).reshape(2, 3, 4)
+    values = [
+        img[..., ::-1],  # img[..., ::-1]: last axis backwards
+        img[::-1, ::-1],
+        np.ascontiguousarray(img.transpose(2, 1, 0)).transpose(2, 1, 0),
+        np.broadcast_to(img[:1], (2, 3, 4)),  # zero stride, read-only
+        torch.from_numpy(np.ascontiguousarray(img.transpose(1, 0, 2))).permute(1, 0, 2),
+        torch.from_numpy(img.astype(np.float32)).to(torch.complex64).conj().imag.to(torch.uint8),
+    ]
+    async with server:
+        for value in values:
+            out = await server.client().infer({"img": value})
+            want = (
+                value.contiguous() if isinstance(value, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(value))
+            )
+            assert torch.equal(out["out"], want)
+
+
+def _sparse_csr() -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.zeros(2, WIDTH // 2).to_sparse_csr()
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (np.zeros(WIDTH, ">f4"), "got big-endian float32"),
+        (np.zeros(2 * WIDTH, ">f4")[::2], "got big-endian float32"),
+        (np.zeros(2 * WIDTH, ">f4")[::-2], "got big-endian float32"),
+        (np.zeros(2 * WIDTH, object)[::2], "got buffer format 'O'"),
+        (np.zeros(WIDTH, object), "got buffer format 'O'"),
+        (np.zeros(WIDTH, np.complex64), "expected dtype float32"),
+        (FailingDLPack(), "the producer failed"),
+        (torch.zeros(WIDTH).to_sparse(), "sparse"),
+        (torch.Tensor, "got the class Tensor"),
+        (np.ndarray, "got the class ndarray"),
+        (float, "got the class float"),
+        (1.5, "got float"),
+        ([0.0] * WIDTH, "got list"),
+        (None, "got NoneType"),
+        (torch.zeros(WIDTH).to_mkldnn(), "input 'x'"),
+    ],
+    ids=lambda v: type(v).__name__ if not isinstance(v, str) else None,
+)
+async def test_every_bad_value_is_invalid_input_naming_the_input(
+    server: fb.Server, value: object, message: str
+) -> None:
+    with pytest.raises(fb.InvalidInputError) as info:
+        await server.client().infer({"x": value})
+    assert "input 'x'" in str(info.value)
+    assert message in str(info.value)
+    out = await server.client().infer({"x": sample(2)})
+    torch.testing.assert_close(out["y"], sample(4))
+
+
+async def test_a_lazily_negated_view_is_read_as_its_values(server: fb.Server) -> None:
+    z = torch.complex(torch.zeros(WIDTH), torch.arange(1.0, WIDTH + 1)).conj()
+    assert z.imag.is_neg()
+    out = await server.client().infer({"x": z.imag})
+    torch.testing.assert_close(out["y"], -2 * torch.arange(1.0, WIDTH + 1))
+
+
+async def test_sparse_tensors_are_invalid_input_in_batches_too() -> None:
+    async with make_server() as server:
+        for value in [_sparse_csr(), torch.zeros(WIDTH // 2, 2).to_sparse()]:
+            with pytest.raises(fb.InvalidInputError, match="input 'x'"):
+                await server.client().infer_batch({"x": value})
+
+
+async def test_infer_batch_checks_the_row_count_before_copying_anything() -> None:
+    async with make_server(max_batch_size=8) as server:
+        client = server.client()
+        huge = [
+            torch.zeros(1, WIDTH).expand(10**12, WIDTH),  # 16 TB if made contiguous
+            np.broadcast_to(np.zeros(WIDTH, np.float32), (10**12, WIDTH)),
+            memoryview(np.broadcast_to(np.zeros(WIDTH, np.float32), (10**12, WIDTH))),
+            OnlyDLPack(torch.zeros(1, WIDTH).expand(10**12, WIDTH)),
+        ]
+        for value in huge:
+            with pytest.raises(
+                fb.InvalidInputError, match="input 'x': a request of 1000000000000 rows exceeds max_batch_size \\(8\\)"
+            ):
+                await client.infer_batch({"x": value})
+        tracemalloc.start()
+        try:
+            strided = np.zeros((2 * 2_000_000, WIDTH), np.float32)[::2]  # 64 MB to copy
+            tracemalloc.reset_peak()
+            before = tracemalloc.get_traced_memory()[0]
+            with pytest.raises(fb.InvalidInputError, match="exceeds max_batch_size"):
+                await client.infer_batch({"x": strided})
+            assert tracemalloc.get_traced_memory()[1] - before < 1 << 20
+        finally:
+            tracemalloc.stop()

@@ -53,9 +53,7 @@ def resolve_instances(
         if len(models) == 1:
             models = models * len(devices)
         elif len(models) != len(devices):
-            raise ValueError(
-                f"{len(models)} models but {len(devices)} devices; give one device per model"
-            )
+            raise ValueError(f"{len(models)} models but {len(devices)} devices; give one device per model")
     else:
         devices = [device] * len(models)  # type: ignore[list-item]
     resolved = [resolve_device(m, d) for m, d in zip(models, devices)]
@@ -81,17 +79,12 @@ def pinned_memory_available() -> bool:
     return torch.cuda.is_available()
 
 
-def allocate_slot(
-    specs: Sequence[TensorSpec], max_batch_size: int, pin: bool
-) -> list[torch.Tensor]:
+def allocate_slot(specs: Sequence[TensorSpec], max_batch_size: int, pin: bool) -> list[torch.Tensor]:
     """One staging slot: a (max_batch_size, *shape) tensor per input, pinned if
     asked and CUDA is there. Zeroed, so rows past a batch (padding up to a
     bucket) always hold valid inputs: zeros or an earlier request's."""
     pin = pin and pinned_memory_available()
-    return [
-        torch.zeros((max_batch_size, *s.shape), dtype=s.torch_dtype, pin_memory=pin)
-        for s in specs
-    ]
+    return [torch.zeros((max_batch_size, *s.shape), dtype=s.torch_dtype, pin_memory=pin) for s in specs]
 
 
 def batch_buckets(max_batch_size: int, preferred_batch_sizes: Sequence[int]) -> tuple[int, ...]:
@@ -136,9 +129,7 @@ def warmup_batches(specs: Sequence[TensorSpec], samples: Mapping[str, Any] | Non
 
         return zeros
     if not isinstance(samples, Mapping):
-        raise InvalidInputError(
-            f"warmup must be a dict of input name to sample(s), got {type(samples).__name__}"
-        )
+        raise InvalidInputError(f"warmup must be a dict of input name to sample(s), got {type(samples).__name__}")
     names = [s.name for s in specs]
     extra = sorted(set(map(str, samples)) - set(names))
     if extra:
@@ -149,9 +140,7 @@ def warmup_batches(specs: Sequence[TensorSpec], samples: Mapping[str, Any] | Non
             raise InvalidInputError(f"warmup is missing input '{spec.name}'")
         value = torch.as_tensor(samples[spec.name]).cpu()
         if value.dtype != spec.torch_dtype:
-            raise InvalidInputError(
-                f"warmup input '{spec.name}': expected dtype {spec.dtype}, got {value.dtype}"
-            )
+            raise InvalidInputError(f"warmup input '{spec.name}': expected dtype {spec.dtype}, got {value.dtype}")
         if tuple(value.shape) == spec.shape:
             value = value.unsqueeze(0)
         if tuple(value.shape[1:]) != spec.shape or value.shape[0] == 0:
@@ -186,33 +175,51 @@ def compile_model(model: Model, options: bool | Mapping[str, Any]) -> Model:
     return compiled
 
 
-def make_coerce(specs: Sequence[TensorSpec]) -> Callable[[Any, int, bool], torch.Tensor]:
+def make_coerce(specs: Sequence[TensorSpec]) -> Callable[[Any, int, bool], Any]:
     """The slow-path converter the Rust side calls for inputs that are neither a
-    torch tensor nor a C-contiguous buffer: DLPack objects, strided buffers."""
+    torch tensor nor a buffer-protocol object: DLPack producers.
 
-    def coerce(value: Any, index: int, batched: bool) -> torch.Tensor:
-        spec = specs[index]
-        if hasattr(value, "__dlpack__"):
-            tensor = torch.utils.dlpack.from_dlpack(value)
-        else:
+    Returns a CPU or CUDA torch tensor, or a numpy array, viewing the
+    producer's memory (the Rust side checks its dtype, device and shape, then
+    copies it); raises :class:`InvalidInputError` naming the input otherwise.
+    """
+
+    def coerce(value: Any, index: int, batched: bool) -> Any:
+        name = specs[index].name
+        if not isinstance(value, type) and not hasattr(value, "__dlpack__"):
             try:
+                # A buffer the Rust side cannot take: a 0-d one (no shape).
                 view = memoryview(value)
-            except TypeError:
-                raise InvalidInputError(
-                    f"input '{spec.name}': expected a torch tensor, numpy array, or an object "
-                    f"with the buffer protocol or __dlpack__, got {type(value).__name__}"
-                ) from None
+            except Exception:  # noqa: BLE001 - not a buffer
+                pass
+            else:
+                import numpy as np
+
+                return torch.from_numpy(np.array(view, copy=True))
+        if isinstance(value, type) or not hasattr(value, "__dlpack__"):
+            what = f"the class {value.__qualname__}" if isinstance(value, type) else type(value).__name__
+            raise InvalidInputError(
+                f"input '{name}': expected a torch tensor, numpy array, or an object "
+                f"with the buffer protocol or __dlpack__, got {what}"
+            )
+        try:
+            return torch.utils.dlpack.from_dlpack(value)
+        except Exception as torch_error:
+            # torch cannot view some layouts (negative strides): numpy can.
             import numpy as np
 
-            tensor = torch.from_numpy(np.ascontiguousarray(np.asarray(view)))
-        return tensor
+            try:
+                return np.from_dlpack(value)
+            except Exception:  # noqa: BLE001
+                pass
+            raise InvalidInputError(
+                f"input '{name}': reading it through __dlpack__ failed: {type(torch_error).__name__}: {torch_error}"
+            ) from torch_error
 
     return coerce
 
 
-def normalize_outputs(
-    raw: Any, specs: Sequence[TensorSpec], rows: int
-) -> dict[str, torch.Tensor]:
+def normalize_outputs(raw: Any, specs: Sequence[TensorSpec], rows: int) -> dict[str, torch.Tensor]:
     """Checks what the model returned and maps it to ``{name: (rows, *shape) tensor}``.
 
     The model may return a dict, a single tensor (one output) or a tuple/list in
@@ -232,27 +239,19 @@ def normalize_outputs(
             raise ModelError(f"model returned {len(raw)} values, expected {len(specs)} outputs")
         named = {s.name: v for s, v in zip(specs, raw)}
     else:
-        raise ModelError(
-            f"model returned {type(raw).__name__}; expected a dict, a tensor or a tuple of tensors"
-        )
+        raise ModelError(f"model returned {type(raw).__name__}; expected a dict, a tensor or a tuple of tensors")
     outputs: dict[str, torch.Tensor] = {}
     for spec in specs:
         if spec.name not in named:
-            raise ModelError(
-                f"model output is missing '{spec.name}' (it returned {sorted(map(str, named))})"
-            )
+            raise ModelError(f"model output is missing '{spec.name}' (it returned {sorted(map(str, named))})")
         value = named[spec.name]
         if not isinstance(value, torch.Tensor):
             raise ModelError(f"output '{spec.name}': expected a tensor, got {type(value).__name__}")
         if value.dtype != spec.torch_dtype:
-            raise ModelError(
-                f"output '{spec.name}': expected dtype {spec.dtype}, got {value.dtype}"
-            )
+            raise ModelError(f"output '{spec.name}': expected dtype {spec.dtype}, got {value.dtype}")
         if value.dim() == 0 or value.shape[0] != rows:
             got = tuple(value.shape)
-            raise ModelError(
-                f"output '{spec.name}': expected leading dimension {rows} (the batch), got shape {got}"
-            )
+            raise ModelError(f"output '{spec.name}': expected leading dimension {rows} (the batch), got shape {got}")
         if tuple(value.shape[1:]) != spec.shape:
             raise ModelError(
                 f"output '{spec.name}': expected shape ({rows}, {', '.join(map(str, spec.shape))}),"
@@ -293,8 +292,7 @@ class StagedViews:
 
     def intact(self) -> bool:
         return all(
-            v.shape == shape and v.stride() == stride and v.data_ptr() == ptr
-            for v, shape, stride, ptr in self.layout
+            v.shape == shape and v.stride() == stride and v.data_ptr() == ptr for v, shape, stride, ptr in self.layout
         )
 
 
@@ -326,9 +324,7 @@ class CpuExecutor:
             staged = self._views[key] = StagedViews(slot, n)
         return staged
 
-    def warm_up(
-        self, batch_for: WarmupBatch, buckets: Sequence[int], slot: Mapping[str, torch.Tensor]
-    ) -> None:
+    def warm_up(self, batch_for: WarmupBatch, buckets: Sequence[int], slot: Mapping[str, torch.Tensor]) -> None:
         """Runs each bucket size once through :meth:`run`, from ``slot`` (a
         staging slot the caller owns), just as requests will; raises what the
         model raised."""

@@ -120,6 +120,7 @@ impl Batcher {
                 specs,
                 tensor_type,
                 coerce,
+                max_rows: max_batch_size,
             },
             _slot_tensors: slot_tensors,
         })
