@@ -54,7 +54,9 @@ class Client:
         :class:`ModelError` if the batch's model call failed, or
         :class:`ServerClosedError` if the server stopped first. Cancelling the
         awaiting task withdraws the request if no batch has taken it yet.
-        The inputs must not be modified until this returns.
+        Each input is copied when the request is queued, before ``infer`` first
+        yields: the caller may modify, resize or reuse its objects at once,
+        and the result never shares memory with them.
 
         ``timeout`` is in seconds; ``None``, ``math.inf`` or one too long to
         represent means no deadline; a negative or NaN timeout is an
