@@ -76,6 +76,31 @@ impl DType {
         }
     }
 
+    /// The Open Inference Protocol v2 datatype name, e.g. `"FP32"`.
+    pub fn v2_name(self) -> &'static str {
+        match self {
+            DType::Bool => "BOOL",
+            DType::Int8 => "INT8",
+            DType::Int16 => "INT16",
+            DType::Int32 => "INT32",
+            DType::Int64 => "INT64",
+            DType::UInt8 => "UINT8",
+            DType::UInt16 => "UINT16",
+            DType::UInt32 => "UINT32",
+            DType::UInt64 => "UINT64",
+            DType::Float16 => "FP16",
+            DType::BFloat16 => "BF16",
+            DType::Float32 => "FP32",
+            DType::Float64 => "FP64",
+        }
+    }
+
+    /// The type of a v2 datatype name (`"FP32"`); `None` for unknown names
+    /// and for `"BYTES"`, which has no fixed-size element.
+    pub fn from_v2(name: &str) -> Option<DType> {
+        DType::ALL.into_iter().find(|d| d.v2_name() == name)
+    }
+
     pub fn itemsize(self) -> usize {
         match self {
             DType::Bool | DType::Int8 | DType::UInt8 => 1,
@@ -143,5 +168,14 @@ mod tests {
         assert!(!DType::Bool.matches_buffer_format("B"));
         assert!(!DType::BFloat16.matches_buffer_format("e"));
         assert!(!DType::Float32.matches_buffer_format("ff"));
+    }
+
+    #[test]
+    fn v2_names_round_trip() {
+        for d in DType::ALL {
+            assert_eq!(DType::from_v2(d.v2_name()), Some(d));
+        }
+        assert_eq!(DType::from_v2("BYTES"), None);
+        assert_eq!(DType::from_v2("fp32"), None);
     }
 }

@@ -42,6 +42,7 @@ pub mod fanout;
 pub mod queue;
 pub mod request;
 pub mod staging;
+pub mod v2;
 
 pub use batcher::{Batch, Batcher, BatcherConfig, Stats, Worker};
 pub use dispatch::{Decision, DispatchRule};

@@ -1,0 +1,774 @@
+//! Decoding one infer request: JSON, or a JSON header and binary tensors.
+
+use std::borrow::Cow;
+use std::ops::Range;
+
+use super::elements::Elements;
+use super::error::{quote, short, V2Error};
+use super::json::{Kind, Parser, SyntaxError};
+use super::{check_raw, checked_size, input_dtype, Codec, NO_DEADLINE_SECS};
+use crate::DType;
+
+/// A decoded infer request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InferRequest {
+    /// The request's `id`, echoed in the response.
+    pub id: Option<String>,
+    /// The `timeout` parameter in seconds; `None`: no deadline (absent, 0,
+    /// infinite or beyond a year).
+    pub timeout: Option<f64>,
+    /// The `binary_data_output` parameter: the default of every output.
+    pub binary_data_output: bool,
+    /// The inputs, in the request's order.
+    pub inputs: Vec<Input>,
+    /// The outputs the request names (`None`: all, binary as
+    /// `binary_data_output` says).
+    pub outputs: Option<Vec<RequestedOutput>>,
+}
+
+impl InferRequest {
+    /// The outputs to send: `(index in the codec's outputs, as binary)`.
+    pub fn selected_outputs(&self, codec: &Codec) -> Vec<(usize, bool)> {
+        match &self.outputs {
+            Some(outputs) => outputs.iter().map(|o| (o.index, o.binary)).collect(),
+            None => (0..codec.outputs().len())
+                .map(|i| (i, self.binary_data_output))
+                .collect(),
+        }
+    }
+}
+
+/// One input tensor.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Input {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<u64>,
+    pub data: Data,
+}
+
+/// Where an input's little-endian bytes are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Data {
+    /// Decoded from JSON into a buffer of its own.
+    Owned(Vec<u8>),
+    /// A range of the request body (the binary extension), validated.
+    Body(Range<usize>),
+}
+
+/// An output the request asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestedOutput {
+    /// Its index in [`Codec::outputs`].
+    pub index: usize,
+    pub binary: bool,
+}
+
+fn invalid(message: impl Into<String>) -> V2Error {
+    V2Error::Invalid(message.into())
+}
+
+fn json_error(e: SyntaxError) -> V2Error {
+    V2Error::Json {
+        message: e.message,
+        offset: e.offset,
+    }
+}
+
+/// A field of an object as sent: absent, of the expected kind, or not (the
+/// JSON text, quoted in the error).
+enum Field<'a, T> {
+    Missing,
+    Got(T),
+    Bad(&'a str),
+}
+
+impl<'a, T> Field<'a, T> {
+    fn shown(&self) -> String {
+        match self {
+            Field::Missing => "nothing".into(),
+            Field::Got(_) => String::new(),
+            Field::Bad(text) => short(text),
+        }
+    }
+}
+
+/// Where an input's `data` is, once its object is read.
+enum DataField {
+    Missing,
+    /// Decoded as it was read (name, datatype and shape came first).
+    Decoded(Vec<u8>),
+    /// To decode once the whole object is read (it came first).
+    Later(usize),
+    /// Not an array: its JSON text.
+    Bad,
+}
+
+struct Decoder<'a, 'c> {
+    codec: &'c Codec,
+    src: &'a [u8],
+    p: Parser<'a>,
+    /// Elements declared by the inputs so far.
+    elements: usize,
+}
+
+impl Codec {
+    /// Decodes one request body; `header_length` is the value of
+    /// `Inference-Header-Content-Length` when the client sent one.
+    pub fn decode(
+        &self,
+        body: &[u8],
+        header_length: Option<&str>,
+    ) -> Result<InferRequest, V2Error> {
+        let limit = self.limits().max_body_size;
+        if body.len() > limit {
+            return Err(V2Error::BodyTooLarge {
+                size: body.len(),
+                limit,
+            });
+        }
+        let header_end = match header_length {
+            None => body.len(),
+            Some(text) => match text.trim().parse::<usize>() {
+                Ok(n) if n <= body.len() => n,
+                _ => {
+                    return Err(V2Error::HeaderLength {
+                        got: text.to_owned(),
+                        body: body.len(),
+                    })
+                }
+            },
+        };
+        let header = &body[..header_end];
+        let mut decoder = Decoder {
+            codec: self,
+            src: header,
+            p: Parser::new(header),
+            elements: 0,
+        };
+        match decoder
+            .request(header_end, body.len())
+            .and_then(|r| r.check_binary(body).map(|()| r))
+        {
+            Ok(request) => Ok(request),
+            // A malformed document is reported as such, whatever the first
+            // problem met while reading it (as a parse-then-check decoder does).
+            Err(e @ V2Error::Invalid(_)) | Err(e @ V2Error::TooManyElements { .. }) => {
+                let mut check = Parser::new(header);
+                match check.skip_value().and_then(|_| check.end()) {
+                    Err(syntax) => Err(json_error(syntax)),
+                    Ok(()) => Err(e),
+                }
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+impl<'a> Decoder<'a, '_> {
+    fn text(&self, range: Range<usize>) -> &'a str {
+        std::str::from_utf8(&self.src[range]).unwrap_or("(not UTF-8)")
+    }
+
+    /// Skips the next value, returning its JSON text.
+    fn skip(&mut self) -> Result<&'a str, V2Error> {
+        let range = self.p.skip_value().map_err(json_error)?;
+        Ok(self.text(range))
+    }
+
+    /// A string field, or its text when it is another kind (null: missing).
+    fn string_field(&mut self) -> Result<Field<'a, Cow<'a, str>>, V2Error> {
+        match self.p.peek_kind().map_err(json_error)? {
+            Kind::String => Ok(Field::Got(self.p.string().map_err(json_error)?)),
+            Kind::Null => {
+                self.p.null();
+                Ok(Field::Missing)
+            }
+            _ => Ok(Field::Bad(self.skip()?)),
+        }
+    }
+
+    /// Consumes `{` of an object field, or returns false for `null`; any
+    /// other value is skipped and `error` returned.
+    fn object_or_null(&mut self, error: impl FnOnce() -> V2Error) -> Result<bool, V2Error> {
+        match self.p.peek_kind().map_err(json_error)? {
+            Kind::Object => {
+                self.p.begin_object().map_err(json_error)?;
+                Ok(true)
+            }
+            Kind::Null => {
+                self.p.null();
+                Ok(false)
+            }
+            _ => {
+                self.skip()?;
+                Err(error())
+            }
+        }
+    }
+
+    fn next_key(&mut self, first: &mut bool) -> Result<Option<Cow<'a, str>>, V2Error> {
+        self.p.next_key(first).map_err(json_error)
+    }
+
+    fn request(&mut self, header_end: usize, body_end: usize) -> Result<InferRequest, V2Error> {
+        if self.p.peek_kind().map_err(json_error)? != Kind::Object {
+            self.skip()?;
+            self.p.end().map_err(json_error)?;
+            return Err(invalid("the request must be a JSON object"));
+        }
+        self.p.begin_object().map_err(json_error)?;
+        let mut id = None;
+        let mut timeout = None;
+        let mut binary_default = None;
+        let mut inputs: Option<Vec<Pending>> = None;
+        let mut outputs: Option<Vec<Selected>> = None;
+        let mut first = true;
+        while let Some(key) = self.next_key(&mut first)? {
+            match &*key {
+                "id" => match self.string_field()? {
+                    Field::Got(text) => id = Some(text.into_owned()),
+                    Field::Missing => id = None,
+                    Field::Bad(_) => return Err(invalid("'id' must be a string")),
+                },
+                "parameters" => {
+                    let error = || invalid("'parameters' of the request must be an object");
+                    if self.object_or_null(error)? {
+                        self.request_parameters(&mut timeout, &mut binary_default)?;
+                    }
+                }
+                "inputs" => {
+                    if inputs.is_some() {
+                        return Err(invalid("the request has 'inputs' twice"));
+                    }
+                    inputs = Some(self.inputs()?);
+                }
+                "outputs" => outputs = self.outputs()?,
+                _ => {
+                    self.skip()?;
+                }
+            }
+        }
+        self.p.end().map_err(json_error)?;
+        let binary_data_output = binary_default.unwrap_or(false);
+
+        let pending = match inputs {
+            Some(list) if !list.is_empty() => list,
+            _ => return Err(invalid("the request needs a non-empty 'inputs' list")),
+        };
+        // Binary data follows the header in the inputs' order.
+        let mut offset = header_end;
+        let mut decoded = Vec::with_capacity(pending.len());
+        for input in pending {
+            let data = match input.data {
+                PendingData::Owned(bytes) => Data::Owned(bytes),
+                PendingData::Binary(size) => {
+                    let left = body_end - offset;
+                    let size = usize::try_from(size)
+                        .ok()
+                        .filter(|&s| s <= left)
+                        .ok_or_else(|| {
+                            invalid(format!(
+                            "input '{}': binary_data_size {size} runs past the end of the body \
+                             ({left} binary bytes left)",
+                            input.name
+                        ))
+                        })?;
+                    let range = offset..offset + size;
+                    offset += size;
+                    // Lengths against shapes: `check_binary`, once all are known.
+                    Data::Body(range)
+                }
+            };
+            decoded.push(Input {
+                name: input.name,
+                dtype: input.dtype,
+                shape: input.shape,
+                data,
+            });
+        }
+        if offset != body_end {
+            return Err(invalid(format!(
+                "the inputs' binary_data_size add up to {} bytes, but {} binary bytes follow \
+                 the JSON header",
+                offset - header_end,
+                body_end - header_end
+            )));
+        }
+        let outputs = outputs.map(|list| {
+            list.into_iter()
+                .map(|(index, binary)| RequestedOutput {
+                    index,
+                    binary: binary.unwrap_or(binary_data_output),
+                })
+                .collect()
+        });
+        Ok(InferRequest {
+            id,
+            timeout,
+            binary_data_output,
+            inputs: decoded,
+            outputs,
+        })
+    }
+
+    fn request_parameters(
+        &mut self,
+        timeout: &mut Option<f64>,
+        binary_default: &mut Option<bool>,
+    ) -> Result<(), V2Error> {
+        let mut first = true;
+        while let Some(key) = self.next_key(&mut first)? {
+            match &*key {
+                "timeout" => *timeout = self.timeout()?,
+                "binary_data_output" => match self.p.peek_kind().map_err(json_error)? {
+                    Kind::Bool => *binary_default = Some(self.p.boolean().map_err(json_error)?),
+                    _ => {
+                        self.skip()?;
+                        return Err(invalid(
+                            "parameter 'binary_data_output' must be true or false",
+                        ));
+                    }
+                },
+                _ => {
+                    self.skip()?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The `timeout` parameter (microseconds, as Triton) in seconds.
+    fn timeout(&mut self) -> Result<Option<f64>, V2Error> {
+        let kind = self.p.peek_kind().map_err(json_error)?;
+        if kind == Kind::Null {
+            self.p.null();
+            return Ok(None);
+        }
+        let start = self.p.offset();
+        let micros = match kind {
+            Kind::Number => Some(self.p.number().map_err(json_error)?.to_f64()),
+            _ => {
+                self.skip()?;
+                None
+            }
+        };
+        match micros {
+            Some(us) if us >= 0.0 => {
+                let seconds = us / 1e6;
+                Ok((seconds > 0.0 && seconds <= NO_DEADLINE_SECS).then_some(seconds))
+            }
+            _ => {
+                let text = self.text(start..self.p.offset());
+                Err(invalid(format!(
+                    "parameter 'timeout' must be microseconds >= 0, got {}",
+                    short(text.trim())
+                )))
+            }
+        }
+    }
+
+    fn inputs(&mut self) -> Result<Vec<Pending>, V2Error> {
+        if self.p.peek_kind().map_err(json_error)? != Kind::Array {
+            self.skip()?;
+            return Err(invalid("the request needs a non-empty 'inputs' list"));
+        }
+        self.p.begin_array().map_err(json_error)?;
+        let mut inputs: Vec<Pending> = Vec::new();
+        let mut first = true;
+        while self.p.next_element(&mut first).map_err(json_error)? {
+            if self.p.peek_kind().map_err(json_error)? != Kind::Object {
+                self.skip()?;
+                return Err(invalid("every entry of 'inputs' must be an object"));
+            }
+            let input = self.input()?;
+            if inputs.iter().any(|i| i.name == input.name) {
+                return Err(invalid(format!("input '{}' is given twice", input.name)));
+            }
+            inputs.push(input);
+        }
+        Ok(inputs)
+    }
+
+    /// Name, datatype and shape, checked in that order (and the elements
+    /// against the limit): what decoding `data` needs.
+    fn header(
+        &self,
+        name: &Field<'a, Cow<'a, str>>,
+        datatype: &Field<'a, Cow<'a, str>>,
+        shape: &Field<'a, Vec<u64>>,
+    ) -> Result<(String, DType, Vec<u64>, usize), V2Error> {
+        let name = match name {
+            Field::Got(n) if !n.is_empty() => n.to_string(),
+            Field::Got(_) => return Err(invalid("every tensor needs a non-empty 'name', got ''")),
+            other => {
+                return Err(invalid(format!(
+                    "every tensor needs a non-empty 'name', got {}",
+                    other.shown()
+                )))
+            }
+        };
+        let dtype = match datatype {
+            Field::Got(d) => input_dtype(&name, d)?,
+            other => {
+                return Err(invalid(format!(
+                    "input '{name}': 'datatype' must be a string, got {}",
+                    other.shown()
+                )))
+            }
+        };
+        let shape = match shape {
+            Field::Got(s) => s.clone(),
+            other => {
+                return Err(invalid(format!(
+                    "input '{name}': 'shape' must be a list of non-negative integers, got {}",
+                    other.shown()
+                )))
+            }
+        };
+        let left = self
+            .codec
+            .limits()
+            .max_elements
+            .saturating_sub(self.elements);
+        let (count, _) = checked_size(&name, dtype, &shape, left).map_err(|e| match e {
+            V2Error::TooManyElements { input, shape, .. } => V2Error::TooManyElements {
+                input,
+                shape,
+                limit: self.codec.limits().max_elements,
+            },
+            e => e,
+        })?;
+        Ok((name, dtype, shape, count))
+    }
+
+    fn input(&mut self) -> Result<Pending, V2Error> {
+        self.p.begin_object().map_err(json_error)?;
+        let mut name = Field::Missing;
+        let mut datatype = Field::Missing;
+        let mut shape = Field::Missing;
+        let mut binary_size: Option<u64> = None;
+        let mut data = DataField::Missing;
+        let mut first = true;
+        while let Some(key) = self.next_key(&mut first)? {
+            match &*key {
+                "name" => name = self.string_field()?,
+                "datatype" => datatype = self.string_field()?,
+                "shape" => shape = self.shape()?,
+                "parameters" => {
+                    let what = match &name {
+                        Field::Got(n) => format!("input '{n}'"),
+                        _ => "an input".into(),
+                    };
+                    let error = || invalid(format!("'parameters' of {what} must be an object"));
+                    if self.object_or_null(error)? {
+                        binary_size = self.input_parameters(&what)?.or(binary_size);
+                    }
+                }
+                "data" => {
+                    if self.p.peek_kind().map_err(json_error)? != Kind::Array {
+                        self.skip()?;
+                        data = DataField::Bad;
+                    } else if let Ok((n, dtype, s, count)) = self.header(&name, &datatype, &shape) {
+                        data = DataField::Decoded(self.data(&n, dtype, &s, count)?);
+                    } else {
+                        let at = self.p.offset();
+                        self.skip()?;
+                        data = DataField::Later(at);
+                    }
+                }
+                _ => {
+                    self.skip()?;
+                }
+            }
+        }
+        let (name, dtype, shape, count) = self.header(&name, &datatype, &shape)?;
+        let data = match (binary_size, data) {
+            (Some(_), DataField::Missing) => None,
+            (Some(_), _) => {
+                return Err(invalid(format!(
+                    "input '{name}' has both 'data' and 'binary_data_size'"
+                )))
+            }
+            (None, DataField::Missing) => {
+                return Err(invalid(format!(
+                    "input '{name}' has neither 'data' nor 'binary_data_size'"
+                )))
+            }
+            (None, DataField::Bad) => {
+                return Err(invalid(format!(
+                    "input '{name}': 'data' must be a JSON array"
+                )))
+            }
+            (None, DataField::Decoded(bytes)) => Some(bytes),
+            (None, DataField::Later(at)) => {
+                let mut later = Parser::at(self.src, at);
+                std::mem::swap(&mut self.p, &mut later);
+                let bytes = self.data(&name, dtype, &shape, count);
+                std::mem::swap(&mut self.p, &mut later);
+                Some(bytes?)
+            }
+        };
+        self.elements += count;
+        Ok(Pending {
+            data: match (data, binary_size) {
+                (Some(bytes), _) => PendingData::Owned(bytes),
+                (None, size) => PendingData::Binary(size.unwrap_or(0)),
+            },
+            name,
+            dtype,
+            shape,
+        })
+    }
+
+    /// `binary_data_size` from an input's parameters (others are ignored).
+    fn input_parameters(&mut self, what: &str) -> Result<Option<u64>, V2Error> {
+        let mut size = None;
+        let mut first = true;
+        while let Some(key) = self.next_key(&mut first)? {
+            if &*key != "binary_data_size" {
+                self.skip()?;
+                continue;
+            }
+            let kind = self.p.peek_kind().map_err(json_error)?;
+            if kind == Kind::Null {
+                self.p.null();
+                size = None;
+                continue;
+            }
+            let value = match kind {
+                Kind::Number => {
+                    let n = self.p.number().map_err(json_error)?;
+                    n.integer.then(|| n.to_i128()).flatten()
+                }
+                _ => {
+                    self.skip()?;
+                    None
+                }
+            };
+            match value.and_then(|v| u64::try_from(v).ok()) {
+                Some(v) => size = Some(v),
+                None => {
+                    return Err(invalid(format!(
+                        "{what}: binary_data_size must be an int >= 0"
+                    )))
+                }
+            }
+        }
+        Ok(size)
+    }
+
+    /// A `shape`: a list of non-negative integers, or the text sent.
+    fn shape(&mut self) -> Result<Field<'a, Vec<u64>>, V2Error> {
+        let range = self.p.skip_value().map_err(json_error)?;
+        let text = self.text(range.clone());
+        let mut p = Parser::at(self.src, range.start);
+        let mut dims = Vec::new();
+        if p.peek_kind() != Ok(Kind::Array) {
+            return Ok(Field::Bad(text));
+        }
+        let _ = p.begin_array();
+        let mut first = true;
+        while let Ok(true) = p.next_element(&mut first) {
+            if p.peek_kind() != Ok(Kind::Number) {
+                return Ok(Field::Bad(text));
+            }
+            let Ok(n) = p.number() else {
+                return Ok(Field::Bad(text));
+            };
+            match n.integer.then(|| n.to_i128()).flatten() {
+                Some(d) if d >= 0 => dims.push(u64::try_from(d).unwrap_or(u64::MAX)),
+                _ => return Ok(Field::Bad(text)),
+            }
+        }
+        Ok(Field::Got(dims))
+    }
+
+    /// Parses a `data` array (flat or nested, row-major) into `count`
+    /// elements of `dtype`.
+    fn data(
+        &mut self,
+        name: &str,
+        dtype: DType,
+        shape: &[u64],
+        count: usize,
+    ) -> Result<Vec<u8>, V2Error> {
+        // Every value takes at least one byte and a separator: a shape
+        // needing more than the rest of the header holds is refused before
+        // its buffer is allocated.
+        let room = self.p.remaining() / 2 + 1;
+        if count > room {
+            return Err(invalid(format!(
+                "input '{name}': shape {shape:?} needs {count} values, more than the \
+                 request's JSON holds"
+            )));
+        }
+        let mut elements = Elements::new(dtype, count, usize::MAX);
+        self.p.begin_array().map_err(json_error)?;
+        // Open arrays: whether each has had a member yet.
+        let mut open: Vec<bool> = vec![true];
+        while let Some(first) = open.last_mut() {
+            if !self.p.next_element(first).map_err(json_error)? {
+                open.pop();
+                continue;
+            }
+            match self.p.peek_kind().map_err(json_error)? {
+                Kind::Number => {
+                    let n = self.p.number().map_err(json_error)?;
+                    elements.push_number(name, n)?;
+                }
+                Kind::Bool => elements.push_bool(self.p.boolean().map_err(json_error)?),
+                Kind::Array => {
+                    self.p.begin_array().map_err(json_error)?;
+                    open.push(true);
+                }
+                kind => {
+                    let text = self.skip()?;
+                    let what = if kind == Kind::String {
+                        quote(text.trim_matches('"'))
+                    } else {
+                        text.to_owned()
+                    };
+                    return Err(
+                        elements.not_a_number(name, &format!("{} {}", kind.describe(), what))
+                    );
+                }
+            }
+        }
+        elements.finish(name, shape)
+    }
+
+    fn outputs(&mut self) -> Result<Option<Vec<Selected>>, V2Error> {
+        match self.p.peek_kind().map_err(json_error)? {
+            Kind::Null => {
+                self.p.null();
+                return Ok(None);
+            }
+            Kind::Array => {}
+            _ => {
+                self.skip()?;
+                return Err(invalid("'outputs' must be a list"));
+            }
+        }
+        self.p.begin_array().map_err(json_error)?;
+        let mut outputs = Vec::new();
+        let mut first = true;
+        let entry_error =
+            || invalid("every entry of 'outputs' must be an object with a string 'name'");
+        while self.p.next_element(&mut first).map_err(json_error)? {
+            if self.p.peek_kind().map_err(json_error)? != Kind::Object {
+                self.skip()?;
+                return Err(entry_error());
+            }
+            self.p.begin_object().map_err(json_error)?;
+            let mut name: Field<'a, Cow<'a, str>> = Field::Missing;
+            let mut binary: Option<Option<bool>> = None; // Some(None): binary_data bad
+            let mut classification = false;
+            let mut params_bad = false;
+            let mut entry_first = true;
+            while let Some(key) = self.next_key(&mut entry_first)? {
+                match &*key {
+                    "name" => name = self.string_field()?,
+                    "parameters" => match self.p.peek_kind().map_err(json_error)? {
+                        Kind::Object => {
+                            self.p.begin_object().map_err(json_error)?;
+                            let mut pf = true;
+                            while let Some(k) = self.next_key(&mut pf)? {
+                                match &*k {
+                                    "binary_data" => {
+                                        binary =
+                                            Some(match self.p.peek_kind().map_err(json_error)? {
+                                                Kind::Bool => {
+                                                    Some(self.p.boolean().map_err(json_error)?)
+                                                }
+                                                _ => {
+                                                    self.skip()?;
+                                                    None
+                                                }
+                                            })
+                                    }
+                                    "classification" => {
+                                        classification = true;
+                                        self.skip()?;
+                                    }
+                                    _ => {
+                                        self.skip()?;
+                                    }
+                                }
+                            }
+                        }
+                        Kind::Null => {
+                            self.p.null();
+                        }
+                        _ => {
+                            self.skip()?;
+                            params_bad = true;
+                        }
+                    },
+                    _ => {
+                        self.skip()?;
+                    }
+                }
+            }
+            let Field::Got(name) = name else {
+                return Err(entry_error());
+            };
+            let index = self.codec.output_index(&name)?;
+            if params_bad {
+                return Err(invalid(format!(
+                    "'parameters' of output '{name}' must be an object"
+                )));
+            }
+            if classification {
+                return Err(invalid(format!(
+                    "output '{name}': the classification extension is not supported"
+                )));
+            }
+            let binary = match binary {
+                None => None,
+                Some(Some(b)) => Some(b),
+                Some(None) => {
+                    return Err(invalid(format!(
+                        "output '{name}': binary_data must be true or false"
+                    )))
+                }
+            };
+            outputs.push((index, binary));
+        }
+        Ok(Some(outputs))
+    }
+}
+
+/// An output named by the request: its index, and `binary_data` if given.
+type Selected = (usize, Option<bool>);
+
+struct Pending {
+    name: String,
+    dtype: DType,
+    shape: Vec<u64>,
+    data: PendingData,
+}
+
+enum PendingData {
+    Owned(Vec<u8>),
+    Binary(u64),
+}
+
+impl InferRequest {
+    /// Checks the binary inputs' bytes in `body`: lengths against shapes,
+    /// BOOL bytes 0 or 1.
+    fn check_binary(&self, body: &[u8]) -> Result<(), V2Error> {
+        for input in &self.inputs {
+            if let Data::Body(range) = &input.data {
+                let bytes = body.get(range.clone()).ok_or_else(|| {
+                    invalid(format!(
+                        "input '{}': binary data out of the body",
+                        input.name
+                    ))
+                })?;
+                check_raw(&input.name, input.dtype, &input.shape, bytes)?;
+            }
+        }
+        Ok(())
+    }
+}

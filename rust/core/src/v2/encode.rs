@@ -1,0 +1,175 @@
+//! Encoding one infer response, straight from the outputs' bytes.
+
+use half::{bf16, f16};
+
+use super::{checked_size, Codec, V2Error};
+use crate::DType;
+
+/// One output to send: its index in [`Codec::outputs`], shape, little-endian
+/// row-major bytes, and whether it goes as binary data.
+#[derive(Debug, Clone, Copy)]
+pub struct Output<'a> {
+    pub index: usize,
+    pub shape: &'a [u64],
+    pub data: &'a [u8],
+    pub binary: bool,
+}
+
+/// An encoded response body. With binary outputs, `header_length` is the
+/// length of its JSON header, to send as `Inference-Header-Content-Length`
+/// (the body is then not JSON as a whole).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Encoded {
+    pub body: Vec<u8>,
+    pub header_length: Option<usize>,
+}
+
+/// `text` as a JSON string (serde_json's escaping).
+pub(crate) fn write_json_string(out: &mut Vec<u8>, text: &str) {
+    // Writing a &str into a Vec cannot fail.
+    let _ = serde_json::to_writer(&mut *out, text);
+}
+
+fn write_uint(out: &mut Vec<u8>, v: u64) {
+    out.extend_from_slice(itoa::Buffer::new().format(v).as_bytes());
+}
+
+/// Floats as Python's `json` spells the non-finite ones; finite ones
+/// shortest-round-trip in their own precision.
+macro_rules! write_float {
+    ($out:expr, $v:expr) => {{
+        let v = $v;
+        if v.is_finite() {
+            $out.extend_from_slice(zmij::Buffer::new().format_finite(v).as_bytes());
+        } else if v.is_nan() {
+            $out.extend_from_slice(b"NaN");
+        } else if v > 0.0 {
+            $out.extend_from_slice(b"Infinity");
+        } else {
+            $out.extend_from_slice(b"-Infinity");
+        }
+    }};
+}
+
+/// `data` (little-endian `dtype` elements) as the members of a JSON array.
+fn write_values(out: &mut Vec<u8>, dtype: DType, data: &[u8]) {
+    macro_rules! each {
+        ($n:literal, |$b:ident| $write:expr) => {
+            for (i, $b) in data.chunks_exact($n).enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                let $b: [u8; $n] = $b.try_into().unwrap_or([0; $n]);
+                $write;
+            }
+        };
+    }
+    macro_rules! int {
+        ($t:ty, $n:literal) => {
+            each!($n, |b| out.extend_from_slice(
+                itoa::Buffer::new()
+                    .format(<$t>::from_le_bytes(b))
+                    .as_bytes()
+            ))
+        };
+    }
+    match dtype {
+        DType::Bool => each!(1, |b| out.extend_from_slice(if b[0] != 0 {
+            b"true"
+        } else {
+            b"false"
+        })),
+        DType::Int8 => int!(i8, 1),
+        DType::Int16 => int!(i16, 2),
+        DType::Int32 => int!(i32, 4),
+        DType::Int64 => int!(i64, 8),
+        DType::UInt8 => int!(u8, 1),
+        DType::UInt16 => int!(u16, 2),
+        DType::UInt32 => int!(u32, 4),
+        DType::UInt64 => int!(u64, 8),
+        DType::Float16 => each!(2, |b| write_float!(out, f16::from_le_bytes(b).to_f32())),
+        DType::BFloat16 => each!(2, |b| write_float!(out, bf16::from_le_bytes(b).to_f32())),
+        DType::Float32 => each!(4, |b| write_float!(out, f32::from_le_bytes(b))),
+        DType::Float64 => each!(8, |b| write_float!(out, f64::from_le_bytes(b))),
+    }
+}
+
+impl Codec {
+    /// A response carrying `outputs`, echoing the request's `id`.
+    ///
+    /// Fails (a 500: the caller's bug, not the client's) when an output's
+    /// index is unknown or its byte length is not its shape's.
+    pub fn encode(&self, id: Option<&str>, outputs: &[Output<'_>]) -> Result<Encoded, V2Error> {
+        let mut header_estimate: usize = 128 + id.map_or(0, str::len);
+        let mut binary_bytes: usize = 0;
+        for o in outputs {
+            let spec = self.outputs().get(o.index).ok_or_else(|| {
+                V2Error::Output(format!(
+                    "output index {} is not one of the model's",
+                    o.index
+                ))
+            })?;
+            let (count, nbytes) = checked_size(&spec.name, spec.dtype, o.shape, usize::MAX)
+                .map_err(|e| V2Error::Output(e.to_string()))?;
+            if o.data.len() != nbytes {
+                return Err(V2Error::Output(format!(
+                    "output '{}': shape {:?} needs {nbytes} bytes of {}, got {}",
+                    spec.name,
+                    o.shape,
+                    spec.dtype.v2_name(),
+                    o.data.len()
+                )));
+            }
+            let prefix = self.output_prefixes[o.index].len() + 24 * o.shape.len() + 48;
+            if o.binary {
+                binary_bytes = binary_bytes.saturating_add(nbytes);
+                header_estimate = header_estimate.saturating_add(prefix);
+            } else {
+                header_estimate = header_estimate.saturating_add(prefix + count.saturating_mul(12));
+            }
+        }
+        let mut out = Vec::with_capacity(header_estimate.saturating_add(binary_bytes));
+        out.extend_from_slice(&self.response_prefix);
+        if let Some(id) = id {
+            out.extend_from_slice(b",\"id\":");
+            write_json_string(&mut out, id);
+        }
+        out.extend_from_slice(b",\"outputs\":[");
+        for (i, o) in outputs.iter().enumerate() {
+            if i > 0 {
+                out.push(b',');
+            }
+            out.extend_from_slice(&self.output_prefixes[o.index]);
+            for (j, &d) in o.shape.iter().enumerate() {
+                if j > 0 {
+                    out.push(b',');
+                }
+                write_uint(&mut out, d);
+            }
+            if o.binary {
+                out.extend_from_slice(b"],\"parameters\":{\"binary_data_size\":");
+                write_uint(&mut out, o.data.len() as u64);
+                out.extend_from_slice(b"}}");
+            } else {
+                out.extend_from_slice(b"],\"data\":[");
+                write_values(&mut out, self.outputs()[o.index].dtype, o.data);
+                out.extend_from_slice(b"]}");
+            }
+        }
+        out.extend_from_slice(b"]}");
+        if !outputs.iter().any(|o| o.binary) {
+            return Ok(Encoded {
+                body: out,
+                header_length: None,
+            });
+        }
+        let header_length = out.len();
+        for o in outputs.iter().filter(|o| o.binary) {
+            out.extend_from_slice(o.data);
+        }
+        Ok(Encoded {
+            body: out,
+            header_length: Some(header_length),
+        })
+    }
+}

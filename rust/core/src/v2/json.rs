@@ -1,0 +1,487 @@
+//! A pull parser over one JSON document held in memory.
+//!
+//! The decoder asks for what it expects next (an object key, a string, a
+//! number token) instead of building a tree, so a tensor's `data` array goes
+//! from the body straight into its byte buffer. It accepts what Python's
+//! `json` module accepts, the v2 front-ends' reference: RFC 8259 plus the
+//! literals `NaN`, `Infinity` and `-Infinity`; strings must be valid UTF-8
+//! without raw control characters. Nesting is limited to [`MAX_DEPTH`]
+//! levels. Every method returns an error instead of panicking, whatever the
+//! input; positions in errors are byte offsets into the document.
+
+use std::borrow::Cow;
+
+/// The deepest nesting of arrays and objects accepted.
+pub const MAX_DEPTH: usize = 128;
+
+/// A syntax error at a byte offset.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SyntaxError {
+    pub message: &'static str,
+    pub offset: usize,
+}
+
+/// The kind of the value that starts at the parser's position.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Object,
+    Array,
+    String,
+    Number,
+    Bool,
+    Null,
+}
+
+impl Kind {
+    pub fn describe(self) -> &'static str {
+        match self {
+            Kind::Object => "an object",
+            Kind::Array => "an array",
+            Kind::String => "a string",
+            Kind::Number => "a number",
+            Kind::Bool => "a boolean",
+            Kind::Null => "null",
+        }
+    }
+}
+
+/// A number token, not yet converted: `text` is its JSON spelling (or
+/// `NaN`, `Infinity`, `-Infinity`); `integer` when it has neither a fraction
+/// nor an exponent.
+#[derive(Debug, Clone, Copy)]
+pub struct Number<'a> {
+    pub text: &'a str,
+    pub integer: bool,
+}
+
+impl Number<'_> {
+    /// The nearest `f64` (correctly rounded, as Python's `float()`).
+    pub fn to_f64(self) -> f64 {
+        match self.text {
+            "NaN" => f64::NAN,
+            "Infinity" => f64::INFINITY,
+            "-Infinity" => f64::NEG_INFINITY,
+            // A validated JSON number is a valid Rust float literal.
+            text => text.parse().unwrap_or(f64::NAN),
+        }
+    }
+
+    /// The value as an `i128` when it is an integer that fits (JSON integers
+    /// beyond that range, fractions and non-finite values give `None`).
+    /// Integral spellings such as `3.0` or `1e3` count as integers.
+    pub fn to_i128(self) -> Option<i128> {
+        if self.integer {
+            let (negative, digits) = match self.text.strip_prefix('-') {
+                Some(rest) => (true, rest),
+                None => (false, self.text),
+            };
+            if digits.len() > 38 {
+                return None;
+            }
+            let mut value: i128 = 0;
+            for b in digits.bytes() {
+                value = value.checked_mul(10)?.checked_add(i128::from(b - b'0'))?;
+            }
+            return Some(if negative { -value } else { value });
+        }
+        let value = self.to_f64();
+        // Exactly representable integers only: 2**64 is the largest needed.
+        if value.is_finite() && value.fract() == 0.0 && value.abs() <= 1.9e19 {
+            Some(value as i128)
+        } else {
+            None
+        }
+    }
+}
+
+pub struct Parser<'a> {
+    src: &'a [u8],
+    pos: usize,
+    depth: usize,
+}
+
+type Result<T> = std::result::Result<T, SyntaxError>;
+
+impl<'a> Parser<'a> {
+    pub fn new(src: &'a [u8]) -> Self {
+        Parser {
+            src,
+            pos: 0,
+            depth: 0,
+        }
+    }
+
+    /// A parser positioned at `offset` of `src` (a value found earlier).
+    pub fn at(src: &'a [u8], offset: usize) -> Self {
+        Parser {
+            src,
+            pos: offset.min(src.len()),
+            depth: 0,
+        }
+    }
+
+    pub fn offset(&self) -> usize {
+        self.pos
+    }
+
+    /// Bytes of the document after the current position.
+    pub fn remaining(&self) -> usize {
+        self.src.len() - self.pos
+    }
+
+    fn error<T>(&self, message: &'static str) -> Result<T> {
+        Err(SyntaxError {
+            message,
+            offset: self.pos,
+        })
+    }
+
+    fn skip_ws(&mut self) {
+        while let Some(&b) = self.src.get(self.pos) {
+            if matches!(b, b' ' | b'\t' | b'\n' | b'\r') {
+                self.pos += 1;
+            } else {
+                break;
+            }
+        }
+    }
+
+    fn peek(&mut self) -> Option<u8> {
+        self.skip_ws();
+        self.src.get(self.pos).copied()
+    }
+
+    /// The kind of the next value, without consuming it.
+    pub fn peek_kind(&mut self) -> Result<Kind> {
+        Ok(match self.peek() {
+            Some(b'{') => Kind::Object,
+            Some(b'[') => Kind::Array,
+            Some(b'"') => Kind::String,
+            Some(b't' | b'f') => Kind::Bool,
+            Some(b'n') => Kind::Null,
+            Some(b'-' | b'0'..=b'9' | b'N' | b'I') => Kind::Number,
+            Some(_) => return self.error("expected a value"),
+            None => return self.error("unexpected end of the document"),
+        })
+    }
+
+    /// Fails unless only whitespace is left.
+    pub fn end(&mut self) -> Result<()> {
+        match self.peek() {
+            None => Ok(()),
+            Some(_) => self.error("extra data after the document"),
+        }
+    }
+
+    fn eat_literal(&mut self, literal: &'static [u8]) -> bool {
+        if self.src[self.pos..].starts_with(literal) {
+            self.pos += literal.len();
+            true
+        } else {
+            false
+        }
+    }
+
+    fn enter(&mut self) -> Result<()> {
+        if self.depth >= MAX_DEPTH {
+            return self.error("nested too deep");
+        }
+        self.depth += 1;
+        self.pos += 1;
+        Ok(())
+    }
+
+    /// Consumes `{`.
+    pub fn begin_object(&mut self) -> Result<()> {
+        match self.peek() {
+            Some(b'{') => self.enter(),
+            _ => self.error("expected '{'"),
+        }
+    }
+
+    /// The next key of the object being read (its value follows), or `None`
+    /// at its closing `}`. `first` is true before the first key.
+    pub fn next_key(&mut self, first: &mut bool) -> Result<Option<Cow<'a, str>>> {
+        match self.peek() {
+            Some(b'}') => {
+                self.pos += 1;
+                self.depth -= 1;
+                return Ok(None);
+            }
+            Some(b',') if !*first => self.pos += 1,
+            _ if *first => {}
+            _ => return self.error("expected ',' or '}'"),
+        }
+        *first = false;
+        if self.peek() != Some(b'"') {
+            return self.error("expected a string key");
+        }
+        let key = self.string()?;
+        if self.peek() != Some(b':') {
+            return self.error("expected ':'");
+        }
+        self.pos += 1;
+        Ok(Some(key))
+    }
+
+    /// Consumes `[`.
+    pub fn begin_array(&mut self) -> Result<()> {
+        match self.peek() {
+            Some(b'[') => self.enter(),
+            _ => self.error("expected '['"),
+        }
+    }
+
+    /// True when another element of the array being read follows, false at
+    /// its closing `]`. `first` is true before the first element.
+    pub fn next_element(&mut self, first: &mut bool) -> Result<bool> {
+        match self.peek() {
+            Some(b']') => {
+                self.pos += 1;
+                self.depth -= 1;
+                Ok(false)
+            }
+            Some(b',') if !*first => {
+                self.pos += 1;
+                Ok(true)
+            }
+            Some(_) if *first => {
+                *first = false;
+                Ok(true)
+            }
+            None => self.error("unexpected end of the document"),
+            Some(_) => self.error("expected ',' or ']'"),
+        }
+    }
+
+    /// A string value (escapes undone; borrowed when it has none).
+    pub fn string(&mut self) -> Result<Cow<'a, str>> {
+        if self.peek() != Some(b'"') {
+            return self.error("expected a string");
+        }
+        self.pos += 1;
+        let start = self.pos;
+        // Fast path: no escapes.
+        loop {
+            match self.src.get(self.pos) {
+                None => return self.error("unterminated string"),
+                Some(b'"') => {
+                    let raw = &self.src[start..self.pos];
+                    self.pos += 1;
+                    return match std::str::from_utf8(raw) {
+                        Ok(text) => Ok(Cow::Borrowed(text)),
+                        Err(e) => Err(SyntaxError {
+                            message: "invalid UTF-8 in a string",
+                            offset: start + e.valid_up_to(),
+                        }),
+                    };
+                }
+                Some(b'\\') => break,
+                Some(&b) if b < 0x20 => return self.error("control character in a string"),
+                Some(_) => self.pos += 1,
+            }
+        }
+        let mut out: Vec<u8> = self.src[start..self.pos].to_vec();
+        loop {
+            match self.src.get(self.pos) {
+                None => return self.error("unterminated string"),
+                Some(b'"') => {
+                    self.pos += 1;
+                    return String::from_utf8(out)
+                        .map(Cow::Owned)
+                        .map_err(|_| SyntaxError {
+                            message: "invalid UTF-8 in a string",
+                            offset: start,
+                        });
+                }
+                Some(b'\\') => {
+                    self.pos += 1;
+                    let Some(&escape) = self.src.get(self.pos) else {
+                        return self.error("unterminated string");
+                    };
+                    self.pos += 1;
+                    let byte = match escape {
+                        b'"' => b'"',
+                        b'\\' => b'\\',
+                        b'/' => b'/',
+                        b'b' => 8,
+                        b'f' => 12,
+                        b'n' => b'\n',
+                        b'r' => b'\r',
+                        b't' => b'\t',
+                        b'u' => {
+                            let c = self.unicode_escape()?;
+                            let mut buf = [0u8; 4];
+                            out.extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
+                            continue;
+                        }
+                        _ => {
+                            self.pos -= 1;
+                            return self.error("invalid escape in a string");
+                        }
+                    };
+                    out.push(byte);
+                }
+                Some(&b) if b < 0x20 => return self.error("control character in a string"),
+                Some(&b) => {
+                    out.push(b);
+                    self.pos += 1;
+                }
+            }
+        }
+    }
+
+    fn hex4(&mut self) -> Result<u32> {
+        let Some(digits) = self.src.get(self.pos..self.pos + 4) else {
+            return self.error("invalid \\u escape");
+        };
+        let mut value = 0u32;
+        for &d in digits {
+            let Some(v) = (d as char).to_digit(16) else {
+                return self.error("invalid \\u escape");
+            };
+            value = value * 16 + v;
+        }
+        self.pos += 4;
+        Ok(value)
+    }
+
+    /// After `\u`: one code point, joining a surrogate pair; a lone
+    /// surrogate becomes U+FFFD (Python keeps it, but a Rust string cannot).
+    fn unicode_escape(&mut self) -> Result<char> {
+        let first = self.hex4()?;
+        if (0xD800..0xDC00).contains(&first) && self.src[self.pos..].starts_with(b"\\u") {
+            let save = self.pos;
+            self.pos += 2;
+            let second = self.hex4()?;
+            if (0xDC00..0xE000).contains(&second) {
+                let code = 0x10000 + ((first - 0xD800) << 10) + (second - 0xDC00);
+                return Ok(char::from_u32(code).unwrap_or('\u{FFFD}'));
+            }
+            self.pos = save;
+        }
+        Ok(char::from_u32(first).unwrap_or('\u{FFFD}'))
+    }
+
+    /// A number token (validated, not converted).
+    pub fn number(&mut self) -> Result<Number<'a>> {
+        self.skip_ws();
+        let start = self.pos;
+        for literal in [&b"NaN"[..], b"Infinity", b"-Infinity"] {
+            if self.eat_literal(literal) {
+                return Ok(Number {
+                    text: self.text(start),
+                    integer: false,
+                });
+            }
+        }
+        let digits = |p: &mut Self| {
+            let from = p.pos;
+            while matches!(p.src.get(p.pos), Some(b'0'..=b'9')) {
+                p.pos += 1;
+            }
+            p.pos - from
+        };
+        if self.src.get(self.pos) == Some(&b'-') {
+            self.pos += 1;
+        }
+        match self.src.get(self.pos) {
+            Some(b'0') => self.pos += 1,
+            Some(b'1'..=b'9') => {
+                digits(self);
+            }
+            _ => return self.error("expected a number"),
+        }
+        let mut integer = true;
+        if self.src.get(self.pos) == Some(&b'.') {
+            self.pos += 1;
+            integer = false;
+            if digits(self) == 0 {
+                return self.error("expected digits after '.'");
+            }
+        }
+        if matches!(self.src.get(self.pos), Some(b'e' | b'E')) {
+            self.pos += 1;
+            integer = false;
+            if matches!(self.src.get(self.pos), Some(b'+' | b'-')) {
+                self.pos += 1;
+            }
+            if digits(self) == 0 {
+                return self.error("expected digits in the exponent");
+            }
+        }
+        Ok(Number {
+            text: self.text(start),
+            integer,
+        })
+    }
+
+    /// `src[start..pos]`, which the caller has checked is ASCII.
+    fn text(&self, start: usize) -> &'a str {
+        std::str::from_utf8(&self.src[start..self.pos]).unwrap_or("")
+    }
+
+    /// `true` or `false`.
+    pub fn boolean(&mut self) -> Result<bool> {
+        self.skip_ws();
+        if self.eat_literal(b"true") {
+            Ok(true)
+        } else if self.eat_literal(b"false") {
+            Ok(false)
+        } else {
+            self.error("expected true or false")
+        }
+    }
+
+    /// Consumes `null` if it is next.
+    pub fn null(&mut self) -> bool {
+        self.skip_ws();
+        self.eat_literal(b"null")
+    }
+
+    /// Skips one value (validating it); returns the byte range it spans.
+    pub fn skip_value(&mut self) -> Result<std::ops::Range<usize>> {
+        self.skip_ws();
+        let start = self.pos;
+        // Iterative: the depth limit, not the stack, bounds the nesting.
+        // Each open container: (is an object, no member read yet).
+        let mut open: Vec<(bool, bool)> = Vec::new();
+        loop {
+            match self.peek_kind()? {
+                kind @ (Kind::Object | Kind::Array) => {
+                    self.enter()?;
+                    open.push((kind == Kind::Object, true));
+                }
+                Kind::String => {
+                    self.string()?;
+                }
+                Kind::Number => {
+                    self.number()?;
+                }
+                Kind::Bool => {
+                    self.boolean()?;
+                }
+                Kind::Null => {
+                    if !self.null() {
+                        return self.error("expected a value");
+                    }
+                }
+            }
+            // Close what ends here; stop once the outermost value is done.
+            loop {
+                let Some((is_object, first)) = open.last_mut() else {
+                    return Ok(start..self.pos);
+                };
+                let more = if *is_object {
+                    self.next_key(first)?.is_some()
+                } else {
+                    self.next_element(first)?
+                };
+                if more {
+                    break;
+                }
+                open.pop();
+            }
+        }
+    }
+}

@@ -1,0 +1,215 @@
+//! The Open Inference Protocol v2 (KServe v2) codec: infer requests in, infer
+//! responses out, over JSON and the binary tensor data extension.
+//!
+//! # Requests
+//!
+//! [`Codec::decode`] takes one request body and, for the binary extension,
+//! the value of `Inference-Header-Content-Length` (the body is then a JSON
+//! header of that many bytes followed by the tensors' raw bytes). Each input
+//! comes out as one contiguous little-endian, row-major byte buffer in its
+//! datatype: a JSON `data` array (flat or nested) is parsed element by
+//! element straight into that buffer ([`json`] is a pull parser: no tree of
+//! values, no intermediate `Vec<f64>`); binary data is a range of the body,
+//! validated ([`Data::Body`]), so the caller may use it without copying.
+//!
+//! # Limits
+//!
+//! [`Limits`] bounds the body (`max_body_size`) and the elements all inputs
+//! may declare together (`max_elements`). Both are checked before anything
+//! is allocated for the data: a shape of `[1, 10**12]` is refused from the
+//! shape alone, and a JSON input is refused when its shape needs more values
+//! than the rest of the header could hold. All size arithmetic is checked;
+//! no input makes the codec panic (the property tests and the fuzz target in
+//! `rust/fuzz` feed it arbitrary bytes).
+//!
+//! # Responses
+//!
+//! [`Codec::encode`] writes a response straight from each output's bytes,
+//! datatype and shape: JSON `data` (floats printed shortest-round-trip in
+//! their own precision, integers exactly) or, per output, the binary
+//! extension (`binary_data_size`, the raw bytes after the JSON header, and
+//! the header's length to send as `Inference-Header-Content-Length`).
+//!
+//! The messages of [`V2Error`] are those of the Python front-ends this codec
+//! replaced, naming the input, the field and what was expected.
+
+mod decode;
+mod elements;
+mod encode;
+mod error;
+pub mod json;
+
+pub use decode::{Data, InferRequest, Input, RequestedOutput};
+pub use elements::Elements;
+pub use encode::{Encoded, Output};
+pub use error::V2Error;
+
+use crate::DType;
+
+/// The one version every model is served as.
+pub const MODEL_VERSION: &str = "1";
+
+/// Timeouts beyond this many seconds (a year) mean no deadline.
+pub const NO_DEADLINE_SECS: f64 = 365.0 * 24.0 * 3600.0;
+
+/// What a request may carry at most; checked before allocating.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Bytes of a whole request body (JSON header and binary data).
+    pub max_body_size: usize,
+    /// Elements of all inputs of one request together.
+    pub max_elements: usize,
+}
+
+impl Default for Limits {
+    /// 64 MiB of body, 64 Mi elements: the front-ends' defaults.
+    fn default() -> Self {
+        Limits {
+            max_body_size: 64 << 20,
+            max_elements: 64 << 20,
+        }
+    }
+}
+
+/// One output of the model, as responses declare it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutputSpec {
+    pub name: String,
+    pub dtype: DType,
+}
+
+/// The codec of one served model: its name, its outputs (requests may
+/// select among them) and the limits. Immutable; share it between threads.
+#[derive(Debug, Clone)]
+pub struct Codec {
+    model: String,
+    outputs: Vec<OutputSpec>,
+    limits: Limits,
+    /// `{"model_name":...,"model_version":"1"`: the opening of every response.
+    response_prefix: Vec<u8>,
+    /// `{"name":...,"datatype":"FP32","shape":[`: the opening of each output entry.
+    output_prefixes: Vec<Vec<u8>>,
+}
+
+impl Codec {
+    /// A codec for `model`, whose outputs are `outputs` (in the order
+    /// responses list them by default).
+    pub fn new(model: &str, outputs: Vec<OutputSpec>, limits: Limits) -> Codec {
+        let mut response_prefix = b"{\"model_name\":".to_vec();
+        encode::write_json_string(&mut response_prefix, model);
+        response_prefix.extend_from_slice(b",\"model_version\":\"");
+        response_prefix.extend_from_slice(MODEL_VERSION.as_bytes());
+        response_prefix.push(b'"');
+        let output_prefixes = outputs
+            .iter()
+            .map(|o| {
+                let mut prefix = b"{\"name\":".to_vec();
+                encode::write_json_string(&mut prefix, &o.name);
+                prefix.extend_from_slice(b",\"datatype\":\"");
+                prefix.extend_from_slice(o.dtype.v2_name().as_bytes());
+                prefix.extend_from_slice(b"\",\"shape\":[");
+                prefix
+            })
+            .collect();
+        Codec {
+            model: model.to_owned(),
+            outputs,
+            limits,
+            response_prefix,
+            output_prefixes,
+        }
+    }
+
+    pub fn model(&self) -> &str {
+        &self.model
+    }
+
+    pub fn outputs(&self) -> &[OutputSpec] {
+        &self.outputs
+    }
+
+    pub fn limits(&self) -> Limits {
+        self.limits
+    }
+
+    /// The index of output `name`, or the error a request naming it gets.
+    pub fn output_index(&self, name: &str) -> Result<usize, V2Error> {
+        self.outputs
+            .iter()
+            .position(|o| o.name == name)
+            .ok_or_else(|| {
+                let known: Vec<&str> = self.outputs.iter().map(|o| o.name.as_str()).collect();
+                V2Error::Invalid(format!(
+                    "unknown output {} for model '{}'; outputs: {}",
+                    error::quote(name),
+                    self.model,
+                    known.join(", ")
+                ))
+            })
+    }
+}
+
+/// The datatype named `datatype` for input `name`, or the error saying why not.
+pub fn input_dtype(name: &str, datatype: &str) -> Result<DType, V2Error> {
+    if let Some(dtype) = DType::from_v2(datatype) {
+        return Ok(dtype);
+    }
+    if datatype == "BYTES" {
+        return Err(V2Error::Invalid(format!(
+            "input '{name}': datatype BYTES is not supported"
+        )));
+    }
+    let known: Vec<&str> = DType::ALL.iter().map(|d| d.v2_name()).collect();
+    Err(V2Error::Invalid(format!(
+        "input '{name}': unknown datatype {}; expected one of {}",
+        error::quote(datatype),
+        known.join(", ")
+    )))
+}
+
+/// Elements in `shape` and their size in bytes as `dtype`, refused (before
+/// anything is allocated) when more than `limit` elements.
+pub fn checked_size(
+    name: &str,
+    dtype: DType,
+    shape: &[u64],
+    limit: usize,
+) -> Result<(usize, usize), V2Error> {
+    let too_many = || V2Error::TooManyElements {
+        input: name.to_owned(),
+        shape: shape.to_vec(),
+        limit,
+    };
+    let mut count: usize = 1;
+    for &d in shape {
+        let d = usize::try_from(d).map_err(|_| too_many())?;
+        count = count.checked_mul(d).ok_or_else(too_many)?;
+    }
+    if count > limit {
+        return Err(too_many());
+    }
+    let nbytes = count.checked_mul(dtype.itemsize()).ok_or_else(too_many)?;
+    Ok((count, nbytes))
+}
+
+/// Checks raw tensor bytes (the binary extension, gRPC's `raw_input_contents`):
+/// their length is the shape's, and BOOL bytes are 0 or 1.
+pub fn check_raw(name: &str, dtype: DType, shape: &[u64], data: &[u8]) -> Result<(), V2Error> {
+    let (_, expected) = checked_size(name, dtype, shape, usize::MAX)?;
+    if data.len() != expected {
+        return Err(V2Error::Invalid(format!(
+            "input '{name}': {} shape {shape:?} needs {expected} bytes, got {}",
+            dtype.v2_name(),
+            data.len()
+        )));
+    }
+    if dtype == DType::Bool && data.iter().any(|&b| b > 1) {
+        return Err(V2Error::Invalid(format!(
+            "input '{name}': BOOL bytes must be 0 or 1"
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,576 @@
+use proptest::prelude::*;
+
+use super::*;
+
+fn codec() -> Codec {
+    Codec::new(
+        "double",
+        vec![
+            OutputSpec {
+                name: "y".into(),
+                dtype: DType::Float32,
+            },
+            OutputSpec {
+                name: "z".into(),
+                dtype: DType::Int64,
+            },
+        ],
+        Limits::default(),
+    )
+}
+
+fn decode(body: &str) -> Result<InferRequest, V2Error> {
+    codec().decode(body.as_bytes(), None)
+}
+
+fn error(body: &str) -> String {
+    let e = decode(body).expect_err(body);
+    assert_eq!(e.status(), 400, "{e}");
+    e.to_string()
+}
+
+fn f32s(data: &Data) -> Vec<f32> {
+    let Data::Owned(bytes) = data else {
+        panic!("expected owned data")
+    };
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+#[test]
+fn decodes_flat_and_nested_json_data() {
+    for data in ["[1, 2.5, -3, 4e0]", "[[1, 2.5], [-3, 4e0]]"] {
+        let body = format!(
+            r#"{{"id":"r-1","inputs":[{{"name":"x","datatype":"FP32","shape":[2,2],"data":{data}}}]}}"#
+        );
+        let request = decode(&body).unwrap();
+        assert_eq!(request.id.as_deref(), Some("r-1"));
+        assert_eq!(request.inputs.len(), 1);
+        assert_eq!(request.inputs[0].shape, vec![2, 2]);
+        assert_eq!(f32s(&request.inputs[0].data), vec![1.0, 2.5, -3.0, 4.0]);
+        assert_eq!(request.outputs, None);
+        assert_eq!(request.timeout, None);
+    }
+}
+
+#[test]
+fn data_before_its_datatype_and_shape_is_decoded_once_they_are_known() {
+    let request =
+        decode(r#"{"inputs":[{"data":[1,2],"shape":[1,2],"name":"x","datatype":"INT16"}]}"#)
+            .unwrap();
+    assert_eq!(request.inputs[0].data, Data::Owned(vec![1, 0, 2, 0]));
+}
+
+#[test]
+fn parameters_and_requested_outputs() {
+    let request = decode(
+        r#"{"inputs":[{"name":"x","datatype":"FP32","shape":[1],"data":[1]}],
+            "outputs":[{"name":"z"},{"name":"y","parameters":{"binary_data":false}}],
+            "parameters":{"timeout":50000,"binary_data_output":true,"other":[1,{"a":null}]}}"#,
+    )
+    .unwrap();
+    assert_eq!(request.timeout, Some(0.05));
+    assert!(request.binary_data_output);
+    assert_eq!(
+        request.selected_outputs(&codec()),
+        vec![(1, true), (0, false)]
+    );
+    for (timeout, expected) in [
+        ("0", None),
+        ("Infinity", None),
+        ("1e25", None),
+        ("1", Some(1e-6)),
+    ] {
+        let body = format!(
+            r#"{{"inputs":[{{"name":"x","datatype":"FP32","shape":[1],"data":[1]}}],"parameters":{{"timeout":{timeout}}}}}"#
+        );
+        assert_eq!(decode(&body).unwrap().timeout, expected, "{timeout}");
+    }
+}
+
+#[test]
+fn binary_inputs_are_ranges_of_the_body() {
+    let header = br#"{"inputs":[{"name":"a","datatype":"FP32","shape":[1,2],"parameters":{"binary_data_size":8}},{"name":"b","datatype":"BOOL","shape":[2],"parameters":{"binary_data_size":2}}]}"#;
+    let mut body = header.to_vec();
+    body.extend_from_slice(&1f32.to_le_bytes());
+    body.extend_from_slice(&2f32.to_le_bytes());
+    body.extend_from_slice(&[1, 0]);
+    let length = header.len().to_string();
+    let request = codec().decode(&body, Some(&length)).unwrap();
+    let start = header.len();
+    assert_eq!(request.inputs[0].data, Data::Body(start..start + 8));
+    assert_eq!(request.inputs[1].data, Data::Body(start + 8..start + 10));
+
+    *body.last_mut().unwrap() = 2;
+    let e = codec().decode(&body, Some(&length)).unwrap_err();
+    assert_eq!(e.to_string(), "input 'b': BOOL bytes must be 0 or 1");
+}
+
+#[test]
+fn binary_errors_say_what_is_wrong() {
+    let header = br#"{"inputs":[{"name":"x","datatype":"FP32","shape":[2,4],"parameters":{"binary_data_size":16}}]}"#;
+    let mut body = header.to_vec();
+    body.extend_from_slice(&[0; 16]);
+    let length = header.len().to_string();
+    let e = codec()
+        .decode(&body, Some(&length))
+        .unwrap_err()
+        .to_string();
+    assert_eq!(e, "input 'x': FP32 shape [2, 4] needs 32 bytes, got 16");
+    body.extend_from_slice(&[0; 4]);
+    let e = codec()
+        .decode(&body, Some(&length))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("add up to 16 bytes, but 20 binary bytes follow"),
+        "{e}"
+    );
+    let e = codec().decode(&body, Some("abc")).unwrap_err().to_string();
+    assert!(
+        e.starts_with("Inference-Header-Content-Length must be 0.."),
+        "{e}"
+    );
+    let e = codec().decode(&body, Some("99999")).unwrap_err();
+    assert!(matches!(e, V2Error::HeaderLength { .. }));
+    let header = br#"{"inputs":[{"name":"x","datatype":"FP32","shape":[1,4],"parameters":{"binary_data_size":32}}]}"#;
+    let mut body = header.to_vec();
+    body.extend_from_slice(&[0; 16]);
+    let e = codec()
+        .decode(&body, Some(&header.len().to_string()))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("runs past the end of the body (16 binary bytes left)"),
+        "{e}"
+    );
+}
+
+#[test]
+fn malformed_requests_have_clear_messages() {
+    let x = r#"{"name":"x","datatype":"FP32","shape":[1,4],"data":[1,2,3,4]}"#;
+    let cases: Vec<(String, &str)> = vec![
+        (r#"{"inputs": ["#.into(), "malformed JSON in the request"),
+        ("[1, 2]".into(), "the request must be a JSON object"),
+        (r#"{"inputs": []}"#.into(), "non-empty 'inputs' list"),
+        (
+            "[".repeat(100_000) + &"]".repeat(100_000),
+            "nested too deep",
+        ),
+        (
+            format!(r#"{{"inputs": {}}}"#, "[".repeat(5000) + &"]".repeat(5000)),
+            "nested too deep",
+        ),
+        (
+            format!(
+                r#"{{"inputs":[{}]}}"#,
+                x.replace(r#""FP32""#, r#"["FP32"]"#)
+            ),
+            "input 'x': 'datatype' must be a string, got [\"FP32\"]",
+        ),
+        (
+            format!(r#"{{"inputs":[{}]}}"#, x.replace(r#""x""#, r#"["x"]"#)),
+            "every tensor needs a non-empty 'name', got [\"x\"]",
+        ),
+        (
+            format!(r#"{{"inputs":[{}]}}"#, x.replace("[1,4]", r#""1,4""#)),
+            "input 'x': 'shape' must be a list of non-negative integers, got \"1,4\"",
+        ),
+        (
+            format!(r#"{{"inputs":[{}]}}"#, x.replace("[1,4]", "[-1,4]")),
+            "'shape' must be a list of non-negative integers",
+        ),
+        (
+            format!(r#"{{"inputs":[{}]}}"#, x.replace("[1,2,3,4]", r#""1234""#)),
+            "input 'x': 'data' must be a JSON array",
+        ),
+        (
+            format!(
+                r#"{{"inputs":[{}]}}"#,
+                x.replace("[1,2,3,4]", r#"[{"a":1},2,3,4]"#)
+            ),
+            "input 'x': data is not valid FP32: expected numbers, got an object {\"a\":1}",
+        ),
+        (
+            format!(r#"{{"inputs":[{}]}}"#, x.replace("[1,2,3,4]", "[1,2,3]")),
+            "input 'x': shape [1, 4] needs 4 values, got 3",
+        ),
+        (
+            format!(r#"{{"inputs":[{}]}}"#, x.replace("FP32", "FP8")),
+            "input 'x': unknown datatype 'FP8'; expected one of BOOL, INT8",
+        ),
+        (
+            format!(r#"{{"inputs":[{}]}}"#, x.replace("FP32", "BYTES")),
+            "input 'x': datatype BYTES is not supported",
+        ),
+        (
+            format!(r#"{{"inputs":[{x},{x}]}}"#),
+            "input 'x' is given twice",
+        ),
+        (
+            format!(r#"{{"inputs":[{x}],"outputs":[{{"name":"q"}}]}}"#),
+            "unknown output 'q' for model 'double'; outputs: y, z",
+        ),
+        (
+            format!(r#"{{"inputs":[{x}],"outputs":["y"]}}"#),
+            "every entry of 'outputs' must be an object with a string 'name'",
+        ),
+        (
+            format!(r#"{{"inputs":[{x}],"parameters":{{"timeout":"soon"}}}}"#),
+            "parameter 'timeout' must be microseconds >= 0, got \"soon\"",
+        ),
+        (
+            format!(r#"{{"inputs":[{x}],"parameters":{{"timeout":-1}}}}"#),
+            "parameter 'timeout' must be microseconds >= 0, got -1",
+        ),
+        (
+            format!(r#"{{"inputs":[{}],"id":{{}}}}"#, x.replace("4]}", "NaN]}")),
+            "'id' must be a string",
+        ),
+        (
+            format!(r#"{{"inputs":[{x}],"id":7}}"#),
+            "'id' must be a string",
+        ),
+        (
+            format!(
+                r#"{{"inputs":[{}]}}"#,
+                x.replace(r#""data":[1,2,3,4]"#, r#""x":1"#)
+            ),
+            "input 'x' has neither 'data' nor 'binary_data_size'",
+        ),
+        (
+            format!(
+                r#"{{"inputs":[{}]}}"#,
+                x.replace("}", r#","parameters":{"binary_data_size":16}}"#)
+            ),
+            "input 'x' has both 'data' and 'binary_data_size'",
+        ),
+        (
+            format!(
+                r#"{{"inputs":[{}]}}"#,
+                x.replace("}", r#","parameters":{"binary_data_size":"8"}}"#)
+            ),
+            "input 'x': binary_data_size must be an int >= 0",
+        ),
+        (
+            format!(
+                r#"{{"inputs":[{x}],"outputs":[{{"name":"y","parameters":{{"classification":3}}}}]}}"#
+            ),
+            "output 'y': the classification extension is not supported",
+        ),
+        (r#"{"inputs":[1]} x"#.into(), "extra data"),
+        ("{\"inputs\":[\"\u{1}\"]}".into(), "control character"),
+    ];
+    for (body, message) in cases {
+        let got = error(&body);
+        assert!(got.contains(message), "{body:.80}: {got}");
+    }
+}
+
+#[test]
+fn element_types_and_ranges() {
+    let one = |datatype: &str, data: &str| {
+        decode(&format!(
+            r#"{{"inputs":[{{"name":"x","datatype":"{datatype}","shape":[2],"data":{data}}}]}}"#
+        ))
+    };
+    let owned = |r: Result<InferRequest, V2Error>| match r.unwrap().inputs.remove(0).data {
+        Data::Owned(v) => v,
+        Data::Body(_) => panic!(),
+    };
+    assert_eq!(owned(one("BOOL", "[true,false]")), vec![1, 0]);
+    assert_eq!(owned(one("UINT8", "[255,true]")), vec![255, 1]);
+    assert_eq!(owned(one("INT8", "[-128,3.0]")), vec![0x80, 3]);
+    assert_eq!(
+        owned(one("UINT64", "[18446744073709551615,0]")),
+        [u64::MAX.to_le_bytes(), [0; 8]].concat()
+    );
+    assert_eq!(
+        owned(one("BF16", "[1.5,-2]")),
+        [0x3FC0u16.to_le_bytes(), 0xC000u16.to_le_bytes()].concat()
+    );
+    assert_eq!(
+        owned(one("FP16", "[1.5,65504]")),
+        [0x3E00u16.to_le_bytes(), 0x7BFFu16.to_le_bytes()].concat()
+    );
+    let e = one("BOOL", "[1,0]").unwrap_err().to_string();
+    assert_eq!(e, "input 'x': BOOL data must be true or false");
+    let e = one("UINT8", "[256,0]").unwrap_err().to_string();
+    assert_eq!(e, "input 'x': data is not valid UINT8: 256 is out of range");
+    let e = one("INT32", "[1.5,0]").unwrap_err().to_string();
+    assert_eq!(
+        e,
+        "input 'x': data is not valid INT32: 1.5 is not an integer"
+    );
+    let e = one("INT64", "[NaN,0]").unwrap_err().to_string();
+    assert_eq!(
+        e,
+        "input 'x': data is not valid INT64: NaN is not an integer"
+    );
+    let e = one("FP32", r#"["a",0]"#).unwrap_err().to_string();
+    assert_eq!(
+        e,
+        "input 'x': data is not valid FP32: expected numbers, got a string 'a'"
+    );
+}
+
+#[test]
+fn a_huge_declared_shape_is_refused_before_allocating() {
+    let body =
+        r#"{"inputs":[{"name":"x","datatype":"FP64","shape":[1,1000000000000],"data":[1]}]}"#;
+    let e = decode(body).unwrap_err();
+    assert!(matches!(e, V2Error::TooManyElements { .. }), "{e}");
+    assert_eq!(
+        e.to_string(),
+        "input 'x': shape [1, 1000000000000] is over the limit of 67108864 elements per request"
+    );
+    // Overflowing products too.
+    let body = r#"{"inputs":[{"name":"x","datatype":"FP64","shape":[4294967296,4294967296,16],"data":[1]}]}"#;
+    assert!(matches!(
+        decode(body).unwrap_err(),
+        V2Error::TooManyElements { .. }
+    ));
+    let body = r#"{"inputs":[{"name":"x","datatype":"FP64","shape":[99999999999999999999999],"data":[1]}]}"#;
+    assert!(matches!(
+        decode(body).unwrap_err(),
+        V2Error::TooManyElements { .. }
+    ));
+    // Within the limit but more values than the JSON can hold.
+    let body = r#"{"inputs":[{"name":"x","datatype":"FP64","shape":[1000000],"data":[1]}]}"#;
+    assert!(decode(body)
+        .unwrap_err()
+        .to_string()
+        .contains("more than the request's JSON holds"));
+    // The limit counts all inputs together.
+    let small = Codec::new(
+        "m",
+        vec![],
+        Limits {
+            max_body_size: 1 << 20,
+            max_elements: 5,
+        },
+    );
+    let input =
+        |n: &str| format!(r#"{{"name":"{n}","datatype":"INT8","shape":[3],"data":[1,2,3]}}"#);
+    let body = format!(r#"{{"inputs":[{}]}}"#, input("a"));
+    assert!(small.decode(body.as_bytes(), None).is_ok());
+    let body = format!(r#"{{"inputs":[{},{}]}}"#, input("a"), input("b"));
+    assert!(matches!(
+        small.decode(body.as_bytes(), None).unwrap_err(),
+        V2Error::TooManyElements { limit: 5, .. }
+    ));
+}
+
+#[test]
+fn a_body_over_the_limit_is_413() {
+    let small = Codec::new(
+        "m",
+        vec![],
+        Limits {
+            max_body_size: 16,
+            max_elements: 5,
+        },
+    );
+    let e = small.decode(&[b' '; 17], None).unwrap_err();
+    assert_eq!(e.status(), 413);
+    assert_eq!(
+        e.to_string(),
+        "request body of 17 bytes is over the limit of 16 bytes"
+    );
+}
+
+#[test]
+fn encodes_json_with_shortest_floats_and_binary_with_header_length() {
+    let c = codec();
+    let y: Vec<u8> = [0.1f32, 2.0, f32::NAN, -f32::INFINITY]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    let z: Vec<u8> = [i64::MIN, 7].iter().flat_map(|v| v.to_le_bytes()).collect();
+    let json = c
+        .encode(
+            Some("r\"1"),
+            &[
+                Output {
+                    index: 0,
+                    shape: &[2, 2],
+                    data: &y,
+                    binary: false,
+                },
+                Output {
+                    index: 1,
+                    shape: &[2],
+                    data: &z,
+                    binary: false,
+                },
+            ],
+        )
+        .unwrap();
+    assert_eq!(json.header_length, None);
+    assert_eq!(
+        std::str::from_utf8(&json.body).unwrap(),
+        r#"{"model_name":"double","model_version":"1","id":"r\"1","outputs":[{"name":"y","datatype":"FP32","shape":[2,2],"data":[0.1,2.0,NaN,-Infinity]},{"name":"z","datatype":"INT64","shape":[2],"data":[-9223372036854775808,7]}]}"#
+    );
+    let binary = c
+        .encode(
+            None,
+            &[Output {
+                index: 1,
+                shape: &[2],
+                data: &z,
+                binary: true,
+            }],
+        )
+        .unwrap();
+    let length = binary.header_length.unwrap();
+    assert_eq!(
+        std::str::from_utf8(&binary.body[..length]).unwrap(),
+        r#"{"model_name":"double","model_version":"1","outputs":[{"name":"z","datatype":"INT64","shape":[2],"parameters":{"binary_data_size":16}}]}"#
+    );
+    assert_eq!(&binary.body[length..], &z[..]);
+    let e = c
+        .encode(
+            None,
+            &[Output {
+                index: 0,
+                shape: &[3],
+                data: &y,
+                binary: true,
+            }],
+        )
+        .unwrap_err();
+    assert_eq!(e.status(), 500);
+}
+
+// -- properties -----------------------------------------------------------------------------
+
+/// Little-endian bytes of `count` elements of `dtype` that survive a JSON
+/// trip exactly (finite floats; BOOL 0/1).
+fn elements(dtype: DType, count: usize) -> impl Strategy<Value = Vec<u8>> {
+    let size = dtype.itemsize();
+    proptest::collection::vec(any::<u64>(), count).prop_map(move |words| {
+        let mut out = Vec::with_capacity(count * size);
+        for w in words {
+            let bytes = w.to_le_bytes();
+            match dtype {
+                DType::Bool => out.push((w & 1) as u8),
+                DType::Float16 => {
+                    let v = half::f16::from_bits(w as u16);
+                    let v = if v.is_finite() {
+                        v
+                    } else {
+                        half::f16::from_f32(1.0)
+                    };
+                    out.extend_from_slice(&v.to_le_bytes());
+                }
+                DType::BFloat16 => {
+                    let v = half::bf16::from_bits(w as u16);
+                    let v = if v.is_finite() {
+                        v
+                    } else {
+                        half::bf16::from_f32(1.0)
+                    };
+                    out.extend_from_slice(&v.to_le_bytes());
+                }
+                DType::Float32 => {
+                    let v = f32::from_bits(w as u32);
+                    let v = if v.is_finite() { v } else { 0.5 };
+                    out.extend_from_slice(&v.to_le_bytes());
+                }
+                DType::Float64 => {
+                    let v = f64::from_bits(w);
+                    let v = if v.is_finite() { v } else { -0.25 };
+                    out.extend_from_slice(&v.to_le_bytes());
+                }
+                _ => out.extend_from_slice(&bytes[..size]),
+            }
+        }
+        out
+    })
+}
+
+fn tensor() -> impl Strategy<Value = (DType, Vec<u64>, Vec<u8>)> {
+    (
+        proptest::sample::select(DType::ALL.to_vec()),
+        proptest::collection::vec(0u64..4, 0..4),
+    )
+        .prop_flat_map(|(dtype, shape)| {
+            let count = shape.iter().product::<u64>() as usize;
+            (Just(dtype), Just(shape), elements(dtype, count))
+        })
+}
+
+/// A request document for the encoded response body (as a client would
+/// send back what it received).
+fn as_request(body: &[u8], header_length: Option<usize>) -> (Vec<u8>, Option<String>) {
+    let header = &body[..header_length.unwrap_or(body.len())];
+    let text = std::str::from_utf8(header).unwrap();
+    let rewritten = text.replacen("\"outputs\":[", "\"inputs\":[", 1);
+    let mut out = rewritten.into_bytes();
+    let length = header_length.map(|_| out.len().to_string());
+    out.extend_from_slice(&body[header.len()..]);
+    (out, length)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn encode_then_decode_round_trips(t in tensor(), binary in any::<bool>(), id in proptest::option::of(".{0,8}")) {
+        let (dtype, shape, data) = t;
+        let c = Codec::new("m", vec![OutputSpec { name: "t".into(), dtype }], Limits::default());
+        let encoded = c.encode(id.as_deref(), &[Output { index: 0, shape: &shape, data: &data, binary }]).unwrap();
+        prop_assert_eq!(encoded.header_length.is_some(), binary);
+        let (request, length) = as_request(&encoded.body, encoded.header_length);
+        let decoded = c.decode(&request, length.as_deref()).unwrap();
+        prop_assert_eq!(decoded.id, id);
+        prop_assert_eq!(decoded.inputs.len(), 1);
+        let input = &decoded.inputs[0];
+        prop_assert_eq!(input.dtype, dtype);
+        prop_assert_eq!(&input.shape, &shape);
+        let bytes = match &input.data {
+            Data::Owned(v) => v.as_slice(),
+            Data::Body(r) => &request[r.clone()],
+        };
+        // -0.0 and 0.0 print alike only if the formatter drops the sign: it must not.
+        prop_assert_eq!(bytes, data.as_slice());
+    }
+
+    #[test]
+    fn arbitrary_bytes_never_panic(body in proptest::collection::vec(any::<u8>(), 0..256), split in proptest::option::of(0usize..300)) {
+        let length = split.map(|n| n.to_string());
+        let _ = codec().decode(&body, length.as_deref());
+    }
+
+    #[test]
+    fn json_like_text_never_panics(body in r#"[\[\]{}",:0-9a-zNIE. \-]{0,200}"#) {
+        let _ = codec().decode(body.as_bytes(), None);
+    }
+
+    #[test]
+    fn mutated_requests_never_panic(pos in 0usize..200, byte in any::<u8>()) {
+        let mut body = br#"{"id":"a","inputs":[{"name":"x","datatype":"FP16","shape":[2,2],"data":[[1,2],[3,4.5e3]],"parameters":{"q":1}},{"name":"b","datatype":"UINT8","shape":[1],"data":[true]}],"outputs":[{"name":"y","parameters":{"binary_data":true}}],"parameters":{"timeout":12}}"#.to_vec();
+        let at = pos % body.len();
+        body[at] = byte;
+        let _ = codec().decode(&body, None);
+    }
+
+    #[test]
+    fn declared_shapes_never_allocate_past_the_limit(dims in proptest::collection::vec(any::<u64>(), 1..4)) {
+        let limits = Limits { max_body_size: 1 << 20, max_elements: 1000 };
+        let c = Codec::new("m", vec![], limits);
+        let shape: Vec<String> = dims.iter().map(u64::to_string).collect();
+        let body = format!(
+            r#"{{"inputs":[{{"name":"x","datatype":"FP64","shape":[{}],"parameters":{{"binary_data_size":8}}}}]}}"#,
+            shape.join(",")
+        );
+        let count = dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+        if let Err(e) = c.decode(body.as_bytes(), None) {
+            if count.map_or(true, |n| n > 1000) {
+                prop_assert!(matches!(e, V2Error::TooManyElements { .. }), "{}", e);
+            }
+        }
+    }
+}
