@@ -9,11 +9,15 @@ import torch
 __all__ = [
     "Batch",
     "Batcher",
+    "CodecError",
     "LoopCounters",
     "LoopMailbox",
     "Routes",
     "Submitter",
     "Ticket",
+    "V2Codec",
+    "V2Request",
+    "V2Tensor",
     "Worker",
     "__version__",
     "after_fork_in_child",
@@ -146,3 +150,55 @@ class LoopCounters:
     def request_ns(self) -> int: ...
     @property
     def failed_in_fan_out(self) -> int: ...
+
+# -- the Open Inference Protocol v2 codec ----------------------------------------------------
+
+class CodecError(ValueError):
+    """A v2 request the codec refuses; ``status`` is its HTTP status (400, 413,
+    or 500 for an output that cannot be encoded)."""
+
+    status: int
+
+@final
+class V2Tensor:
+    """A decoded input: its bytes through the buffer protocol, read-only and
+    C-contiguous, with its datatype's format (BF16: raw 16-bit words) and shape."""
+
+    @property
+    def datatype(self) -> str: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def nbytes(self) -> int: ...
+
+@final
+class V2Request:
+    """A decoded infer request."""
+
+    @property
+    def id(self) -> str | None: ...
+    @property
+    def timeout(self) -> float | None:
+        """The ``timeout`` parameter in seconds (``None``: no deadline)."""
+    @property
+    def inputs(self) -> dict[str, V2Tensor]: ...
+    @property
+    def has_bf16(self) -> bool: ...
+    def output_names(self, codec: V2Codec) -> list[str]: ...
+
+@final
+class V2Codec:
+    """The v2 codec of one served model: one call decodes a request, one encodes its response."""
+
+    def __new__(
+        cls,
+        model: str,
+        outputs: list[tuple[str, str, torch.dtype]],
+        *,
+        max_body_size: int,
+        max_elements: int,
+    ) -> V2Codec: ...
+    def decode(self, body: bytes, header_length: str | None = None) -> V2Request: ...
+    def decode_tensors(self, tensors: list[tuple[str, str, list[int], Any]]) -> dict[str, V2Tensor]: ...
+    def encode(self, request: V2Request, results: dict[str, torch.Tensor]) -> tuple[bytes, int | None]: ...
+    def raw_output(self, name: str, tensor: torch.Tensor) -> tuple[bytes, list[int]]: ...

@@ -10,17 +10,15 @@ import grpc
 import grpc.aio
 
 from ..http.protocol import (
+    DATATYPES,
     MODEL_VERSION,
     ModelRepository,
     ProtocolError,
     ServedModel,
     UnknownModelError,
-    check_tensor_header,
-    decode_bytes,
-    decode_list,
-    encode_bytes,
     error_message,
     error_status,
+    model_inputs,
 )
 from ..server import Server
 from . import grpc_predict_v2_pb2 as pb
@@ -120,7 +118,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         name = request.model_name
         try:
             model = self.repository.model(name, request.model_version)
-            inputs = _decode_inputs(request)
+            inputs = _decode_inputs(request, model)
             outputs = _requested_outputs(request, model)
             timeout = _timeout(request.parameters, context)
             results = await self.repository.infer(model, inputs, timeout)
@@ -131,9 +129,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         datatypes = model.output_types
         raw = response.raw_output_contents
         for out_name in outputs:
-            tensor = results[out_name]
-            response.outputs.add(name=out_name, datatype=datatypes[out_name], shape=tensor.shape)
-            raw.append(encode_bytes(tensor))
+            data, shape = model.codec.raw_output(out_name, results[out_name])
+            response.outputs.add(name=out_name, datatype=datatypes[out_name], shape=shape)
+            raw.append(data)
         return response
 
 
@@ -142,7 +140,9 @@ def _fail(context: Context, exc: BaseException, model: str = "", expose: bool = 
     context.set_details(error_message(exc, model, expose=expose))
 
 
-def _decode_inputs(request: pb.ModelInferRequest) -> dict[str, Any]:
+def _decode_inputs(request: pb.ModelInferRequest, model: ServedModel) -> dict[str, Any]:
+    """The request's inputs, decoded by the model's codec in one call (raw
+    contents as they are, typed contents element by element)."""
     raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
         raise ProtocolError(
@@ -150,23 +150,27 @@ def _decode_inputs(request: pb.ModelInferRequest) -> dict[str, Any]:
             f"raw_input_contents has {len(raw)} entries but the request has {len(request.inputs)}"
             " inputs; give one per input, in order",
         )
-    inputs: dict[str, Any] = {}
+    tensors: list[tuple[str, str, list[int], Any]] = []
     for i, tensor in enumerate(request.inputs):
-        name, datatype, shape = check_tensor_header(tensor.name, tensor.datatype, list(tensor.shape))
-        if name in inputs:
-            raise ProtocolError(400, f"input '{name}' is given twice")
+        data: Any
         if raw:
             if tensor.HasField("contents"):
-                raise ProtocolError(400, f"input '{name}' has both contents and raw_input_contents")
-            inputs[name] = decode_bytes(name, datatype, shape, raw[i])
-            continue
-        field = _CONTENTS.get(datatype)
-        if field is None:
-            raise ProtocolError(400, f"input '{name}': {datatype} data must be sent in raw_input_contents")
-        inputs[name] = decode_list(name, datatype, shape, list(getattr(tensor.contents, field)))
-    if not inputs:
+                raise ProtocolError(400, f"input '{tensor.name}' has both contents and raw_input_contents")
+            data = raw[i]
+        elif tensor.datatype in DATATYPES:
+            field = _CONTENTS.get(tensor.datatype)
+            if field is None:
+                raise ProtocolError(
+                    400, f"input '{tensor.name}': {tensor.datatype} data must be sent in raw_input_contents"
+                )
+            data = getattr(tensor.contents, field)
+        else:
+            data = ()  # the codec names the unknown datatype
+        tensors.append((tensor.name, tensor.datatype, list(tensor.shape), data))
+    if not tensors:
         raise ProtocolError(400, "the request has no inputs")
-    return inputs
+    inputs = model.codec.decode_tensors(tensors)
+    return model_inputs(inputs, any(t.datatype == "BF16" for t in inputs.values()))
 
 
 def _requested_outputs(request: pb.ModelInferRequest, model: ServedModel) -> list[str]:

@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import secrets
-from collections.abc import Iterable, Mapping, Sequence
+import sys
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from .._core import __version__
+from .._core import CodecError, V2Codec, V2Request, __version__
 from ..client import Client
 from ..errors import (
     DeadlineExceededError,
@@ -42,19 +42,17 @@ __all__ = [
     "EXTENSIONS",
     "MAX_BODY_SIZE",
     "MAX_DECOMPRESSED_SIZE",
+    "MAX_ELEMENTS",
     "MODEL_VERSION",
     "ModelRepository",
     "ProtocolError",
     "ServedModel",
     "UnknownModelError",
     "datatype_of",
-    "decode_bytes",
-    "decode_list",
-    "encode_bytes",
-    "encode_list",
     "error_message",
     "error_status",
-    "timeout_from_parameters",
+    "model_inputs",
+    "request_inputs",
 ]
 
 log = logging.getLogger("ferrobatch.serve")
@@ -64,6 +62,9 @@ log = logging.getLogger("ferrobatch.serve")
 MAX_BODY_SIZE = 64 * 1024 * 1024
 #: Default limit on a request body after undoing its Content-Encoding (bytes).
 MAX_DECOMPRESSED_SIZE = 64 * 1024 * 1024
+#: Default limit on the elements all inputs of one request declare together:
+#: a larger shape is refused (400) before anything is allocated for it.
+MAX_ELEMENTS = 64 * 1024 * 1024
 
 #: The one version every model is served as.
 MODEL_VERSION = "1"
@@ -87,10 +88,6 @@ DATATYPES: dict[str, str] = {
     "BF16": "bfloat16",
 }
 _V2_OF = {dtype: v2 for v2, dtype in DATATYPES.items()}
-# numpy dtype of each datatype's wire format (BF16: its raw 16-bit words).
-_NUMPY: dict[str, np.dtype[Any]] = {
-    v2: np.dtype("uint16" if dtype == "bfloat16" else dtype) for v2, dtype in DATATYPES.items()
-}
 
 
 def datatype_of(spec: TensorSpec) -> str:
@@ -117,11 +114,12 @@ class UnknownModelError(ProtocolError):
 def error_status(exc: BaseException) -> int:
     """The HTTP status of an error raised while serving a request.
 
-    400 bad request (including :class:`InvalidInputError`), 503 queue full or
-    not running, 504 deadline passed, 500 model failure or anything unexpected.
+    400 bad request (including :class:`InvalidInputError` and the codec's
+    ``CodecError``), 503 queue full or not running, 504 deadline passed, 500
+    model failure or anything unexpected.
     """
-    if isinstance(exc, ProtocolError):
-        return exc.status
+    if isinstance(exc, (ProtocolError, CodecError)):
+        return int(exc.status)
     if isinstance(exc, InvalidInputError):
         return 400
     if isinstance(exc, (QueueFullError, ServerClosedError)):
@@ -141,7 +139,7 @@ def error_message(exc: BaseException, model: str, *, expose: bool = False) -> st
     exception's type and that id, and its message only with ``expose``: a
     model's exception text may carry paths or data the client must not see.
     """
-    if error_status(exc) != 500 or isinstance(exc, ProtocolError):
+    if error_status(exc) != 500 or isinstance(exc, (ProtocolError, CodecError)):
         return str(exc)
     request_id = secrets.token_hex(8)
     log.error("model '%s' failed (request id %s)", model, request_id, exc_info=exc)
@@ -159,15 +157,21 @@ def error_message(exc: BaseException, model: str, *, expose: bool = False) -> st
 @dataclass(frozen=True, slots=True)
 class ServedModel:
     """One served :class:`~ferrobatch.Server` and what every request to it
-    needs, computed once: its client and its outputs' v2 datatypes."""
+    needs, computed once: its client, its outputs' v2 datatypes and its v2
+    codec (requests in, responses out; see ``ferrobatch._core.V2Codec``)."""
 
     server: Server
     client: Client
     output_types: dict[str, str]  # output name -> v2 datatype, in spec order
+    codec: V2Codec
 
     @classmethod
-    def of(cls, server: Server) -> ServedModel:
-        return cls(server, server.client(), {s.name: datatype_of(s) for s in server.outputs})
+    def of(cls, server: Server, *, max_elements: int = MAX_ELEMENTS) -> ServedModel:
+        outputs = [(s.name, s.dtype, s.torch_dtype) for s in server.outputs]
+        # Bodies are limited by the transports (max_body_size,
+        # max_decompressed_size, gRPC's message size) before they get here.
+        codec = V2Codec(server.name, outputs, max_body_size=sys.maxsize, max_elements=max_elements)
+        return cls(server, server.client(), {s.name: datatype_of(s) for s in server.outputs}, codec)
 
 
 class ModelRepository:
@@ -178,10 +182,18 @@ class ModelRepository:
     The servers' lifecycle belongs to whoever started them.
 
     ``expose_errors``: send the text of a model's exceptions to remote
-    clients (see :func:`error_message`); off by default.
+    clients (see :func:`error_message`); off by default. ``max_elements``:
+    the most elements the inputs of one request may declare together (400
+    beyond, before anything is allocated).
     """
 
-    def __init__(self, servers: Server | Iterable[Server], *, expose_errors: bool = False) -> None:
+    def __init__(
+        self,
+        servers: Server | Iterable[Server],
+        *,
+        expose_errors: bool = False,
+        max_elements: int = MAX_ELEMENTS,
+    ) -> None:
         listed = [servers] if isinstance(servers, Server) else list(servers)
         if not listed:
             raise ValueError("serve at least one Server")
@@ -191,7 +203,7 @@ class ModelRepository:
                 raise TypeError(f"expected ferrobatch.Server objects, got {type(server).__name__}")
             if server.name in self._models:
                 raise ValueError(f"two servers are named {server.name!r}; model names must be unique")
-            self._models[server.name] = ServedModel.of(server)
+            self._models[server.name] = ServedModel.of(server, max_elements=max_elements)
         self.expose_errors = expose_errors
         self._closing = False
         self._in_flight = 0
@@ -296,115 +308,21 @@ def _instance_kind(server: Server) -> str:
     return "KIND_GPU" if any(d.type == "cuda" for d in server.devices) else "KIND_CPU"
 
 
-# -- request parameters ----------------------------------------------------------------
-
-
-#: Timeouts beyond this many seconds (a year) mean no deadline.
-_NO_DEADLINE = 365 * 24 * 3600.0
-
-
-def timeout_from_parameters(parameters: Mapping[str, Any]) -> float | None:
-    """The request's ``timeout`` parameter (microseconds, as Triton) in seconds;
-    ``None`` (no deadline) for 0, infinity or beyond a year."""
-    value = parameters.get("timeout")
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise ProtocolError(400, f"parameter 'timeout' must be microseconds >= 0, got {value!r}")
-    seconds = float(value) / 1e6
-    return seconds if 0 < seconds <= _NO_DEADLINE else None
-
-
 # -- tensors ---------------------------------------------------------------------------
 
 
-def check_tensor_header(name: Any, datatype: Any, shape: Any) -> tuple[str, str, tuple[int, ...]]:
-    """Validates a tensor's name, datatype and shape as sent by a client."""
-    if not isinstance(name, str) or not name:
-        raise ProtocolError(400, f"every tensor needs a non-empty 'name', got {_short(name)}")
-    if not isinstance(datatype, str):
-        raise ProtocolError(400, f"input '{name}': 'datatype' must be a string, got {_short(datatype)}")
-    if datatype not in DATATYPES:
-        if datatype == "BYTES":
-            raise ProtocolError(400, f"input '{name}': datatype BYTES is not supported")
-        raise ProtocolError(
-            400,
-            f"input '{name}': unknown datatype {_short(datatype)}; expected one of {', '.join(DATATYPES)}",
-        )
-    if not isinstance(shape, (list, tuple)) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-    ):
-        raise ProtocolError(
-            400, f"input '{name}': 'shape' must be a list of non-negative integers, got {_short(shape)}"
-        )
-    return name, datatype, tuple(shape)
+def model_inputs(inputs: dict[str, Any], has_bf16: bool) -> dict[str, Any]:
+    """What ``client.infer_batch`` takes from decoded inputs (``V2Tensor`` objects,
+    read through the buffer protocol without a copy): as they are, but BF16
+    ones, whose buffers are raw 16-bit words, as ``torch.bfloat16`` tensors."""
+    if not has_bf16:
+        return inputs
+    return {
+        name: torch.from_numpy(np.array(t, copy=True)).view(torch.bfloat16) if t.datatype == "BF16" else t
+        for name, t in inputs.items()
+    }
 
 
-def _short(value: Any, limit: int = 80) -> str:
-    """``repr(value)`` cut to ``limit`` characters: error messages quote what a
-    client sent, which may be huge or deeply nested."""
-    try:
-        text = repr(value)
-    except RecursionError:
-        text = f"<{type(value).__name__} nested too deep>"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def byte_size(datatype: str, shape: Sequence[int]) -> int:
-    return math.prod(shape) * _NUMPY[datatype].itemsize
-
-
-def decode_bytes(name: str, datatype: str, shape: tuple[int, ...], data: bytes | memoryview) -> Any:
-    """A tensor from its raw little-endian, row-major bytes (no copy but for BF16)."""
-    expected = byte_size(datatype, shape)
-    if len(data) != expected:
-        raise ProtocolError(
-            400,
-            f"input '{name}': {datatype} shape {list(shape)} needs {expected} bytes, got {len(data)}",
-        )
-    array = np.frombuffer(data, dtype=_NUMPY[datatype]).reshape(shape)
-    if datatype == "BOOL" and array.size and int(array.view(np.uint8).max()) > 1:
-        raise ProtocolError(400, f"input '{name}': BOOL bytes must be 0 or 1")
-    if datatype == "BF16":
-        # numpy has no bfloat16: reinterpret a writable copy of the raw words.
-        return torch.from_numpy(array.copy()).view(torch.bfloat16)
-    return array
-
-
-def decode_list(name: str, datatype: str, shape: tuple[int, ...], data: Any) -> Any:
-    """A tensor from JSON ``data`` (flat or nested, row-major)."""
-    flat: Any
-    try:
-        if datatype == "BF16":
-            flat = torch.tensor(data, dtype=torch.float32).to(torch.bfloat16).reshape(-1)
-        else:
-            flat = np.asarray(data, dtype=_NUMPY[datatype]).reshape(-1)
-            if datatype == "BOOL" and not _all_bools(data):
-                raise ProtocolError(400, f"input '{name}': BOOL data must be true or false")
-    except ProtocolError:
-        raise
-    except (ValueError, TypeError, OverflowError, RuntimeError) as exc:
-        raise ProtocolError(400, f"input '{name}': data is not valid {datatype}: {exc}") from None
-    count = math.prod(shape)
-    if flat.shape[0] != count:
-        raise ProtocolError(400, f"input '{name}': shape {list(shape)} needs {count} values, got {flat.shape[0]}")
-    return flat.reshape(shape)
-
-
-def _all_bools(data: Any) -> bool:
-    if isinstance(data, list):
-        return all(_all_bools(d) for d in data)
-    return isinstance(data, bool)
-
-
-def encode_bytes(tensor: torch.Tensor) -> bytes:
-    """The raw little-endian, row-major bytes of an output tensor."""
-    if tensor.dtype == torch.bfloat16:
-        tensor = tensor.view(torch.int16)
-    return tensor.numpy().tobytes()
-
-
-def encode_list(tensor: torch.Tensor) -> list[Any]:
-    """The flat, row-major JSON values of an output tensor."""
-    result: list[Any] = tensor.reshape(-1).tolist()
-    return result
+def request_inputs(request: V2Request) -> dict[str, Any]:
+    """:func:`model_inputs` of a decoded request."""
+    return model_inputs(request.inputs, request.has_bf16)

@@ -7,6 +7,7 @@
 //! place, [`without_gil`].
 
 mod batcher;
+mod codec;
 mod errors;
 mod fanout;
 mod inputs;
@@ -35,5 +36,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<fanout::LoopMailbox>()?;
     m.add_class::<submit::Submitter>()?;
     m.add_function(wrap_pyfunction!(submit::after_fork_in_child, m)?)?;
+    codec::register(m)?;
     Ok(())
 }

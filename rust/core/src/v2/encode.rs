@@ -100,6 +100,35 @@ impl Codec {
     /// Fails (a 500: the caller's bug, not the client's) when an output's
     /// index is unknown or its byte length is not its shape's.
     pub fn encode(&self, id: Option<&str>, outputs: &[Output<'_>]) -> Result<Encoded, V2Error> {
+        let (mut body, binary_bytes) = self.encode_header(id, outputs, 0)?;
+        if !outputs.iter().any(|o| o.binary) {
+            return Ok(Encoded {
+                body,
+                header_length: None,
+            });
+        }
+        let header_length = body.len();
+        body.reserve_exact(binary_bytes);
+        for o in outputs.iter().filter(|o| o.binary) {
+            body.extend_from_slice(o.data);
+        }
+        Ok(Encoded {
+            body,
+            header_length: Some(header_length),
+        })
+    }
+
+    /// The JSON part of a response (all of it when no output is binary),
+    /// with room reserved for `extra` more bytes, and the number of binary
+    /// bytes that follow it: the binary outputs' `data`, in order. For
+    /// callers that write those bytes themselves, straight into their own
+    /// buffer; [`Codec::encode`] otherwise.
+    pub fn encode_header(
+        &self,
+        id: Option<&str>,
+        outputs: &[Output<'_>],
+        extra: usize,
+    ) -> Result<(Vec<u8>, usize), V2Error> {
         let mut header_estimate: usize = 128 + id.map_or(0, str::len);
         let mut binary_bytes: usize = 0;
         for o in outputs {
@@ -121,14 +150,14 @@ impl Codec {
                 )));
             }
             let prefix = self.output_prefixes[o.index].len() + 24 * o.shape.len() + 48;
+            header_estimate = header_estimate.saturating_add(prefix);
             if o.binary {
                 binary_bytes = binary_bytes.saturating_add(nbytes);
-                header_estimate = header_estimate.saturating_add(prefix);
             } else {
-                header_estimate = header_estimate.saturating_add(prefix + count.saturating_mul(12));
+                header_estimate = header_estimate.saturating_add(count.saturating_mul(12));
             }
         }
-        let mut out = Vec::with_capacity(header_estimate.saturating_add(binary_bytes));
+        let mut out = Vec::with_capacity(header_estimate.saturating_add(extra));
         out.extend_from_slice(&self.response_prefix);
         if let Some(id) = id {
             out.extend_from_slice(b",\"id\":");
@@ -157,19 +186,6 @@ impl Codec {
             }
         }
         out.extend_from_slice(b"]}");
-        if !outputs.iter().any(|o| o.binary) {
-            return Ok(Encoded {
-                body: out,
-                header_length: None,
-            });
-        }
-        let header_length = out.len();
-        for o in outputs.iter().filter(|o| o.binary) {
-            out.extend_from_slice(o.data);
-        }
-        Ok(Encoded {
-            body: out,
-            header_length: Some(header_length),
-        })
+        Ok((out, binary_bytes))
     }
 }

@@ -1,0 +1,582 @@
+//! The v2 codec (`ferrobatch_core::v2`) for the Python front-ends: one call
+//! decodes a request body, one call encodes a response.
+//!
+//! Decoded inputs are [`V2Tensor`]s, exposing their bytes through the buffer
+//! protocol without a copy (with the format character and shape of their
+//! datatype), so `client.infer_batch` reads them as it reads numpy arrays.
+//! A JSON input owns the buffer it was parsed into; a binary one is a view of
+//! the request body (a `bytes` object, immutable, kept alive by the tensor).
+//!
+//! Errors of the client's request raise `CodecError` (a `ValueError`) whose
+//! `status` is the HTTP status (400, or 413 for a body over the limit); an
+//! output that cannot be encoded raises `CodecError` with status 500.
+
+use std::ffi::{c_char, c_int, c_void};
+
+use ferrobatch_core::v2::{self, Codec, Data, InferRequest, Limits, Output, OutputSpec, V2Error};
+use ferrobatch_core::DType;
+use pyo3::exceptions::{PyBufferError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
+use pyo3::{ffi, intern};
+
+use crate::without_gil;
+
+/// Bodies and outputs at least this large are decoded and encoded with the
+/// GIL released; below, releasing it costs more than it frees.
+const RELEASE_GIL_BYTES: usize = 64 << 10;
+
+pyo3::create_exception!(
+    ferrobatch._core,
+    CodecError,
+    PyValueError,
+    "A v2 request the codec refuses; ``status`` is its HTTP status."
+);
+
+fn codec_error(py: Python<'_>, err: V2Error) -> PyErr {
+    let status = err.status();
+    let err = CodecError::new_err(err.to_string());
+    // Setting an attribute on a fresh exception instance cannot fail short of
+    // memory; the class attribute (400) stands in if it does.
+    let _ = err.value(py).setattr(intern!(py, "status"), status);
+    err
+}
+
+fn dtype_of(name: &str) -> PyResult<DType> {
+    DType::parse(name).ok_or_else(|| PyValueError::new_err(format!("unknown dtype '{name}'")))
+}
+
+/// The buffer-protocol format character of a dtype's elements (BF16: its raw
+/// 16-bit words, as numpy has no bfloat16).
+fn format_of(dtype: DType) -> &'static std::ffi::CStr {
+    match dtype {
+        DType::Bool => c"?",
+        DType::Int8 => c"b",
+        DType::Int16 => c"h",
+        DType::Int32 => c"i",
+        DType::Int64 => c"q",
+        DType::UInt8 => c"B",
+        DType::UInt16 | DType::BFloat16 => c"H",
+        DType::UInt32 => c"I",
+        DType::UInt64 => c"Q",
+        DType::Float16 => c"e",
+        DType::Float32 => c"f",
+        DType::Float64 => c"d",
+    }
+}
+
+/// The v2 codec of one served model.
+#[pyclass(frozen, module = "ferrobatch._core")]
+pub(crate) struct V2Codec {
+    core: Codec,
+    /// Output names, interned, for lookups in the results dict.
+    output_keys: Vec<Py<PyString>>,
+    /// The torch dtype of each output (what a result must be, or becomes).
+    output_dtypes: Vec<Py<PyAny>>,
+}
+
+enum Storage {
+    Owned(Box<[u8]>),
+    /// `len` bytes of `body` from `start`.
+    Body {
+        body: Py<PyBytes>,
+        start: usize,
+        len: usize,
+    },
+}
+
+/// One decoded input: its bytes through the buffer protocol (read-only,
+/// C-contiguous, the datatype's format and the input's shape).
+#[pyclass(frozen, module = "ferrobatch._core")]
+pub(crate) struct V2Tensor {
+    dtype: DType,
+    shape: Vec<isize>,
+    strides: Vec<isize>,
+    storage: Storage,
+}
+
+impl V2Tensor {
+    fn new(py: Python<'_>, dtype: DType, shape: &[u64], storage: Storage) -> PyResult<V2Tensor> {
+        let too_large = || PyValueError::new_err("tensor shape too large");
+        let shape: Vec<isize> = shape
+            .iter()
+            .map(|&d| isize::try_from(d).map_err(|_| too_large()))
+            .collect::<PyResult<_>>()?;
+        let mut strides = vec![0isize; shape.len()];
+        let mut stride = isize::try_from(dtype.itemsize()).map_err(|_| too_large())?;
+        for (s, &d) in strides.iter_mut().zip(&shape).rev() {
+            *s = stride;
+            stride = stride.checked_mul(d.max(1)).ok_or_else(too_large)?;
+        }
+        let _ = py;
+        Ok(V2Tensor {
+            dtype,
+            shape,
+            strides,
+            storage,
+        })
+    }
+
+    fn bytes<'a>(&'a self, py: Python<'a>) -> &'a [u8] {
+        match &self.storage {
+            Storage::Owned(data) => data,
+            Storage::Body { body, start, len } => body
+                .bind(py)
+                .as_bytes()
+                .get(*start..start + len)
+                .unwrap_or(&[]),
+        }
+    }
+}
+
+#[pymethods]
+impl V2Tensor {
+    /// The v2 datatype ("FP32").
+    #[getter]
+    fn datatype(&self) -> &'static str {
+        self.dtype.v2_name()
+    }
+
+    #[getter]
+    fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, &self.shape)
+    }
+
+    #[getter]
+    fn nbytes(&self, py: Python<'_>) -> usize {
+        self.bytes(py).len()
+    }
+
+    /// # Safety
+    ///
+    /// Called by the interpreter with a valid `view` to fill.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        if view.is_null() {
+            return Err(PyBufferError::new_err("null view"));
+        }
+        if flags & ffi::PyBUF_WRITABLE == ffi::PyBUF_WRITABLE {
+            return Err(PyBufferError::new_err("decoded v2 tensors are read-only"));
+        }
+        let py = slf.py();
+        let this = slf.get();
+        let data = this.bytes(py);
+        let len = isize::try_from(data.len()).map_err(|_| PyBufferError::new_err("too large"))?;
+        let itemsize = this.dtype.itemsize() as isize;
+        // SAFETY: `view` is non-null and the interpreter's to fill. Every
+        // pointer stored in it stays valid while the view exists: `obj` holds
+        // a strong reference to this (frozen, so never mutated) object, which
+        // owns `shape`, `strides` and the bytes (its own buffer, or the
+        // immutable `bytes` body it holds); `format` points at a static C
+        // string the consumer only reads. The buffer is exported read-only.
+        unsafe {
+            (*view).buf = data.as_ptr() as *mut c_void;
+            (*view).len = len;
+            (*view).readonly = 1;
+            (*view).itemsize = itemsize;
+            (*view).format = if flags & ffi::PyBUF_FORMAT == ffi::PyBUF_FORMAT {
+                format_of(this.dtype).as_ptr() as *mut c_char
+            } else {
+                std::ptr::null_mut()
+            };
+            if flags & ffi::PyBUF_ND == ffi::PyBUF_ND {
+                (*view).ndim = this.shape.len() as c_int;
+                (*view).shape = this.shape.as_ptr() as *mut isize;
+            } else {
+                (*view).ndim = 1;
+                (*view).shape = std::ptr::null_mut();
+            }
+            (*view).strides = if flags & ffi::PyBUF_STRIDES == ffi::PyBUF_STRIDES {
+                this.strides.as_ptr() as *mut isize
+            } else {
+                std::ptr::null_mut()
+            };
+            (*view).suboffsets = std::ptr::null_mut();
+            (*view).internal = std::ptr::null_mut();
+            (*view).obj = slf.into_any().into_ptr();
+        }
+        Ok(())
+    }
+
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
+}
+
+/// A decoded request: its inputs, id, timeout and the outputs to send.
+#[pyclass(frozen, module = "ferrobatch._core")]
+pub(crate) struct V2Request {
+    id: Option<String>,
+    timeout: Option<f64>,
+    inputs: Py<PyDict>,
+    bf16: bool,
+    /// `(output index, as binary)`, in response order.
+    selected: Vec<(usize, bool)>,
+}
+
+#[pymethods]
+impl V2Request {
+    #[getter]
+    fn id(&self) -> Option<&str> {
+        self.id.as_deref()
+    }
+
+    /// The `timeout` parameter in seconds (`None`: no deadline).
+    #[getter]
+    fn timeout(&self) -> Option<f64> {
+        self.timeout
+    }
+
+    /// Input name -> [`V2Tensor`], in the request's order.
+    #[getter]
+    fn inputs<'py>(&self, py: Python<'py>) -> Bound<'py, PyDict> {
+        self.inputs.bind(py).clone()
+    }
+
+    /// Whether an input is BF16 (whose buffer is raw 16-bit words: view it
+    /// as `torch.bfloat16` before use).
+    #[getter]
+    fn has_bf16(&self) -> bool {
+        self.bf16
+    }
+
+    /// The names of the outputs to send, in order.
+    fn output_names(&self, codec: &V2Codec) -> Vec<String> {
+        let outputs = codec.core.outputs();
+        self.selected
+            .iter()
+            .map(|&(i, _)| outputs[i].name.clone())
+            .collect()
+    }
+}
+
+/// An output tensor's bytes, read in place: keeps the (possibly converted)
+/// tensor alive while `data` is in use.
+struct Readable<'py> {
+    _owner: Bound<'py, PyAny>,
+    shape: Vec<u64>,
+    ptr: usize,
+    len: usize,
+}
+
+impl Readable<'_> {
+    fn data(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: `ptr` is the data pointer of a contiguous CPU tensor of
+        // `len` bytes (its dtype's itemsize times its element count, checked
+        // in `read_output`), kept alive by `_owner` as long as `self`; nothing
+        // resizes a result tensor handed to the front-end.
+        unsafe { std::slice::from_raw_parts(self.ptr as *const u8, self.len) }
+    }
+}
+
+impl V2Codec {
+    /// Reads result `value` for output `index`: a torch tensor (converted to
+    /// the output's dtype, contiguous, on the CPU when it is not already).
+    fn read_output<'py>(
+        &self,
+        py: Python<'py>,
+        index: usize,
+        value: Bound<'py, PyAny>,
+    ) -> PyResult<Readable<'py>> {
+        let spec = &self.core.outputs()[index];
+        let expected = self.output_dtypes[index].bind(py);
+        let mut tensor = value;
+        if !tensor.getattr(intern!(py, "dtype"))?.is(expected) {
+            tensor = tensor.call_method1(intern!(py, "to"), (expected,))?;
+        }
+        if !tensor.getattr(intern!(py, "is_cpu"))?.is_truthy()? {
+            tensor = tensor.call_method0(intern!(py, "cpu"))?;
+        }
+        if !tensor
+            .call_method0(intern!(py, "is_contiguous"))?
+            .is_truthy()?
+        {
+            tensor = tensor.call_method0(intern!(py, "contiguous"))?;
+        }
+        let shape: Vec<u64> = tensor.getattr(intern!(py, "shape"))?.extract()?;
+        let count = shape
+            .iter()
+            .try_fold(1u64, |a, &d| a.checked_mul(d))
+            .and_then(|n| usize::try_from(n).ok())
+            .and_then(|n| n.checked_mul(spec.dtype.itemsize()));
+        let len = count.ok_or_else(|| {
+            codec_error(
+                py,
+                V2Error::Output(format!("output '{}' is too large", spec.name)),
+            )
+        })?;
+        let ptr: usize = if len == 0 {
+            0
+        } else {
+            tensor.call_method0(intern!(py, "data_ptr"))?.extract()?
+        };
+        Ok(Readable {
+            _owner: tensor,
+            shape,
+            ptr,
+            len,
+        })
+    }
+}
+
+#[pymethods]
+impl V2Codec {
+    /// `outputs`: `(name, dtype name, torch dtype)` per model output, in order.
+    #[new]
+    #[pyo3(signature = (model, outputs, *, max_body_size, max_elements))]
+    fn new(
+        py: Python<'_>,
+        model: &str,
+        outputs: Vec<(String, String, Py<PyAny>)>,
+        max_body_size: usize,
+        max_elements: usize,
+    ) -> PyResult<V2Codec> {
+        let mut specs = Vec::with_capacity(outputs.len());
+        let mut output_keys = Vec::with_capacity(outputs.len());
+        let mut output_dtypes = Vec::with_capacity(outputs.len());
+        for (name, dtype, torch_dtype) in outputs {
+            output_keys.push(PyString::intern(py, &name).unbind());
+            specs.push(OutputSpec {
+                name,
+                dtype: dtype_of(&dtype)?,
+            });
+            output_dtypes.push(torch_dtype);
+        }
+        let limits = Limits {
+            max_body_size,
+            max_elements,
+        };
+        Ok(V2Codec {
+            core: Codec::new(model, specs, limits),
+            output_keys,
+            output_dtypes,
+        })
+    }
+
+    /// Decodes a request body; `header_length` is the value of
+    /// `Inference-Header-Content-Length` when the client sent one.
+    #[pyo3(signature = (body, header_length=None))]
+    fn decode(
+        &self,
+        py: Python<'_>,
+        body: Bound<'_, PyBytes>,
+        header_length: Option<&str>,
+    ) -> PyResult<V2Request> {
+        let bytes = body.as_bytes();
+        let decoded = if bytes.len() >= RELEASE_GIL_BYTES {
+            without_gil(py, || self.core.decode(bytes, header_length))
+        } else {
+            self.core.decode(bytes, header_length)
+        };
+        let request = decoded.map_err(|e| codec_error(py, e))?;
+        self.request(py, request, &body)
+    }
+
+    /// Decodes tensors given outside JSON (gRPC): `(name, datatype, shape,
+    /// data)` each, `data` the raw little-endian bytes or a sequence of
+    /// values (typed contents). Returns name -> [`V2Tensor`].
+    fn decode_tensors<'py>(
+        &self,
+        py: Python<'py>,
+        tensors: Vec<(String, String, Vec<i64>, Bound<'py, PyAny>)>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let inputs = PyDict::new(py);
+        let mut elements_left = self.core.limits().max_elements;
+        for (name, datatype, shape, data) in tensors {
+            let (dtype, shape) =
+                v2::tensor_header(&name, &datatype, &shape).map_err(|e| codec_error(py, e))?;
+            if inputs.contains(&name)? {
+                return Err(codec_error(
+                    py,
+                    V2Error::Invalid(format!("input '{name}' is given twice")),
+                ));
+            }
+            let (count, nbytes) =
+                v2::checked_size(&name, dtype, &shape, elements_left).map_err(|e| {
+                    codec_error(
+                        py,
+                        match e {
+                            V2Error::TooManyElements { input, shape, .. } => {
+                                V2Error::TooManyElements {
+                                    input,
+                                    shape,
+                                    limit: self.core.limits().max_elements,
+                                }
+                            }
+                            e => e,
+                        },
+                    )
+                })?;
+            elements_left -= count;
+            let storage = if let Ok(raw) = data.cast::<PyBytes>() {
+                v2::check_raw(&name, dtype, &shape, raw.as_bytes())
+                    .map_err(|e| codec_error(py, e))?;
+                Storage::Body {
+                    body: raw.clone().unbind(),
+                    start: 0,
+                    len: nbytes,
+                }
+            } else {
+                let given = data.len()?;
+                let mut elements =
+                    v2::Elements::new(dtype, count, given.saturating_mul(dtype.itemsize()));
+                for value in data.try_iter()? {
+                    let value = value?;
+                    let pushed = if dtype == DType::Bool {
+                        match value.extract::<bool>() {
+                            Ok(b) => {
+                                elements.push_bool(b);
+                                Ok(())
+                            }
+                            Err(_) => Err(elements.not_a_number(&name, "a non-boolean")),
+                        }
+                    } else if matches!(
+                        dtype,
+                        DType::Float16 | DType::BFloat16 | DType::Float32 | DType::Float64
+                    ) {
+                        let v: f64 = value.extract()?;
+                        elements.push_float(&name, v)
+                    } else {
+                        let v: i128 = value.extract()?;
+                        elements.push_integer(&name, v)
+                    };
+                    pushed.map_err(|e| codec_error(py, e))?;
+                    if elements.count() > count {
+                        break;
+                    }
+                }
+                let bytes = elements
+                    .finish(&name, &shape)
+                    .map_err(|e| codec_error(py, e))?;
+                Storage::Owned(bytes.into_boxed_slice())
+            };
+            let tensor = V2Tensor::new(py, dtype, &shape, storage)?;
+            inputs.set_item(name, Py::new(py, tensor)?)?;
+        }
+        Ok(inputs)
+    }
+
+    /// The response to `request`: `(body, header_length)`, `header_length`
+    /// (for `Inference-Header-Content-Length`) `None` when the body is all
+    /// JSON. `results`: output name -> tensor.
+    fn encode<'py>(
+        &self,
+        py: Python<'py>,
+        request: &V2Request,
+        results: &Bound<'py, PyDict>,
+    ) -> PyResult<(Bound<'py, PyBytes>, Option<usize>)> {
+        let mut read = Vec::with_capacity(request.selected.len());
+        for &(index, _) in &request.selected {
+            let key = self.output_keys[index].bind(py);
+            let value = results.get_item(key)?.ok_or_else(|| {
+                codec_error(
+                    py,
+                    V2Error::Output(format!("the model returned no output '{key}'")),
+                )
+            })?;
+            read.push(self.read_output(py, index, value)?);
+        }
+        let outputs: Vec<Output<'_>> = request
+            .selected
+            .iter()
+            .zip(&read)
+            .map(|(&(index, binary), r)| Output {
+                index,
+                shape: &r.shape,
+                data: r.data(),
+                binary,
+            })
+            .collect();
+        let total: usize = outputs.iter().map(|o| o.data.len()).sum();
+        let id = request.id.as_deref();
+        let header = if total >= RELEASE_GIL_BYTES {
+            without_gil(py, || self.core.encode_header(id, &outputs, 0))
+        } else {
+            self.core.encode_header(id, &outputs, 0)
+        };
+        let (header, binary_bytes) = header.map_err(|e| codec_error(py, e))?;
+        if !outputs.iter().any(|o| o.binary) {
+            return Ok((PyBytes::new(py, &header), None));
+        }
+        let size = header
+            .len()
+            .checked_add(binary_bytes)
+            .ok_or_else(|| codec_error(py, V2Error::Output("response too large".into())))?;
+        let body = PyBytes::new_with(py, size, |buf| {
+            let (head, mut rest) = buf.split_at_mut(header.len());
+            head.copy_from_slice(&header);
+            for o in outputs.iter().filter(|o| o.binary) {
+                let (part, tail) = rest.split_at_mut(o.data.len());
+                part.copy_from_slice(o.data);
+                rest = tail;
+            }
+            Ok(())
+        })?;
+        Ok((body, Some(header.len())))
+    }
+
+    /// The raw little-endian bytes of `tensor` as output `name` (gRPC's
+    /// `raw_output_contents`), and its shape.
+    fn raw_output<'py>(
+        &self,
+        py: Python<'py>,
+        name: &str,
+        tensor: Bound<'py, PyAny>,
+    ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyList>)> {
+        let index = self
+            .core
+            .output_index(name)
+            .map_err(|e| codec_error(py, e))?;
+        let r = self.read_output(py, index, tensor)?;
+        Ok((PyBytes::new(py, r.data()), PyList::new(py, &r.shape)?))
+    }
+}
+
+impl V2Codec {
+    fn request(
+        &self,
+        py: Python<'_>,
+        request: InferRequest,
+        body: &Bound<'_, PyBytes>,
+    ) -> PyResult<V2Request> {
+        let selected = request.selected_outputs(&self.core);
+        let inputs = PyDict::new(py);
+        let mut bf16 = false;
+        for input in request.inputs {
+            bf16 |= input.dtype == DType::BFloat16;
+            let storage = match input.data {
+                Data::Owned(bytes) => Storage::Owned(bytes.into_boxed_slice()),
+                Data::Body(range) => Storage::Body {
+                    body: body.clone().unbind(),
+                    start: range.start,
+                    len: range.len(),
+                },
+            };
+            let tensor = V2Tensor::new(py, input.dtype, &input.shape, storage)?;
+            inputs.set_item(input.name, Py::new(py, tensor)?)?;
+        }
+        Ok(V2Request {
+            id: request.id,
+            timeout: request.timeout,
+            inputs: inputs.unbind(),
+            bf16,
+            selected,
+        })
+    }
+}
+
+/// Adds the codec's classes and `CodecError` to the module.
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    let error = py.get_type::<CodecError>();
+    error.setattr("status", 400)?;
+    m.add("CodecError", error)?;
+    m.add_class::<V2Codec>()?;
+    m.add_class::<V2Request>()?;
+    m.add_class::<V2Tensor>()?;
+    Ok(())
+}

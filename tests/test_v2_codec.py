@@ -1,0 +1,125 @@
+"""The v2 codec binding (``ferrobatch._core.V2Codec``): what the front-ends
+rely on beyond the HTTP and gRPC suites: zero-copy inputs, limits checked
+before allocating, shortest floats, outputs in any layout."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+import ferrobatch as fb
+from ferrobatch._core import CodecError, V2Codec
+from ferrobatch.http import starlette_app
+from ferrobatch.http.protocol import ModelRepository, request_inputs
+
+X = fb.TensorSpec("x", "float32", (4,))
+Y = fb.TensorSpec("y", "float32", (4,))
+
+
+def codec(max_elements: int = 1 << 20) -> V2Codec:
+    outputs = [("y", "float32", torch.float32), ("b", "bfloat16", torch.bfloat16)]
+    return V2Codec("m", outputs, max_body_size=1 << 20, max_elements=max_elements)
+
+
+def body(inputs: list[dict[str, object]], **extra: object) -> bytes:
+    return json.dumps({"inputs": inputs, **extra}).encode()
+
+
+def test_json_inputs_decode_into_buffers_with_their_dtype_and_shape() -> None:
+    request = codec().decode(body([{"name": "x", "datatype": "INT16", "shape": [2, 2], "data": [[1, -2], [3, 4]]}]))
+    x = request.inputs["x"]
+    assert (x.datatype, x.shape, x.nbytes) == ("INT16", (2, 2), 8)
+    view = memoryview(x)
+    assert (view.format, view.shape, view.readonly) == ("h", (2, 2), True)
+    a, b = np.asarray(x), np.asarray(x)
+    np.testing.assert_array_equal(a, [[1, -2], [3, 4]])
+    assert a.ctypes.data == b.ctypes.data  # one buffer, no copy per view
+
+
+def test_binary_inputs_are_views_of_the_body() -> None:
+    x = np.arange(4, dtype=np.float32)
+    header = body([{"name": "x", "datatype": "FP32", "shape": [1, 4], "parameters": {"binary_data_size": 16}}])
+    raw = header + x.tobytes()
+    request = codec().decode(raw, str(len(header)))
+    decoded = np.asarray(request.inputs["x"])
+    np.testing.assert_array_equal(decoded, x[None])
+    assert np.shares_memory(decoded, np.frombuffer(raw, np.uint8))
+
+
+def test_bf16_inputs_become_bfloat16_tensors() -> None:
+    values = torch.tensor([[1.5, -2.0]], dtype=torch.bfloat16)
+    request = codec().decode(body([{"name": "x", "datatype": "BF16", "shape": [1, 2], "data": [1.5, -2.0]}]))
+    assert request.has_bf16
+    assert torch.equal(request_inputs(request)["x"], values)
+
+
+def test_a_huge_declared_shape_is_refused_at_once() -> None:
+    huge = body([{"name": "x", "datatype": "FP64", "shape": [1, 10**12], "data": [1]}])
+    with pytest.raises(CodecError, match=r"shape \[1, 1000000000000\] is over the limit") as info:
+        codec().decode(huge)
+    assert info.value.status == 400
+    with pytest.raises(CodecError, match="over the limit of 6 elements"):
+        codec(max_elements=6).decode(body([{"name": "x", "datatype": "INT8", "shape": [7], "data": [0] * 7}]))
+
+
+def test_errors_name_what_was_wrong() -> None:
+    with pytest.raises(CodecError, match="input 'x': data is not valid UINT8: 256 is out of range"):
+        codec().decode(body([{"name": "x", "datatype": "UINT8", "shape": [1], "data": [256]}]))
+    with pytest.raises(CodecError, match="unknown output 'q' for model 'm'; outputs: y, b"):
+        codec().decode(body([{"name": "x", "datatype": "UINT8", "shape": [1], "data": [1]}], outputs=[{"name": "q"}]))
+    with pytest.raises(CodecError, match="input 'x': data is not valid INT8: 300 is out of range"):
+        codec().decode_tensors([("x", "INT8", [1], [300])])
+    with pytest.raises(CodecError, match="needs 8 bytes, got 4"):
+        codec().decode_tensors([("x", "FP32", [2], b"\0" * 4)])
+    with pytest.raises(CodecError, match="over the limit"):
+        codec().decode_tensors([("x", "FP32", [1, 10**12], b"")])
+
+
+def test_encoded_floats_are_shortest_and_outputs_may_be_strided() -> None:
+    c = codec()
+    request = c.decode(body([{"name": "x", "datatype": "FP32", "shape": [1], "data": [1]}]))
+    y = torch.tensor([[0.1, 1.0], [2.5, -3.0]]).t()  # transposed: not contiguous
+    b = torch.tensor([[1.5, -2.0]], dtype=torch.float32)  # converted to the output's bfloat16
+    payload, length = c.encode(request, {"y": y, "b": b})
+    assert length is None
+    document = json.loads(payload)
+    assert b'"data":[0.1,2.5,1.0,-3.0]' in payload
+    assert document["outputs"][1] == {"name": "b", "datatype": "BF16", "shape": [1, 2], "data": [1.5, -2.0]}
+
+    binary = c.decode(
+        body(
+            [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1]}],
+            outputs=[{"name": "y", "parameters": {"binary_data": True}}],
+        )
+    )
+    payload, length = c.encode(binary, {"y": y, "b": b})
+    assert length is not None
+    header = json.loads(payload[:length])
+    assert header["outputs"] == [
+        {"name": "y", "datatype": "FP32", "shape": [2, 2], "parameters": {"binary_data_size": 16}}
+    ]
+    np.testing.assert_array_equal(np.frombuffer(payload[length:], np.float32).reshape(2, 2), y.numpy())
+
+
+def double(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {"y": inputs["x"] * 2}
+
+
+async def test_max_elements_is_a_400_over_http() -> None:
+    server = fb.Server(double, inputs=[X], outputs=[Y], max_batch_size=64, name="double")
+    app = starlette_app(ModelRepository([server], max_elements=8), manage_servers=False)
+    transport = httpx.ASGITransport(app=app)
+    async with server, httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+        for rows, status in [(2, 200), (3, 400)]:
+            data = [1.0] * (4 * rows)
+            request = body([{"name": "x", "datatype": "FP32", "shape": [rows, 4], "data": data}])
+            response = await http.post("/v2/models/double/infer", content=request)
+            assert response.status_code == status, response.text
+        assert "over the limit of 8 elements" in response.json()["error"]
+        huge = body([{"name": "x", "datatype": "FP32", "shape": [1, 10**12], "data": [1]}])
+        response = await http.post("/v2/models/double/infer", content=huge)
+        assert response.status_code == 400
