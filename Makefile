@@ -74,6 +74,14 @@ lint-python: $(DEPS_STAMP)
 	$(PY) -m mypy
 	$(PY) python/ferrobatch/grpc/_codegen.py --check
 
+# The v2 decoder under libFuzzer (cargo-fuzz on nightly) for FUZZ_SECONDS;
+# installs cargo-fuzz if it is missing. Findings land in rust/fuzz/artifacts.
+FUZZ_SECONDS ?= 60
+.PHONY: fuzz
+fuzz:
+	@command -v cargo-fuzz >/dev/null 2>&1 || cargo install --locked cargo-fuzz
+	cargo +nightly fuzz run --fuzz-dir rust/fuzz decode -- -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048
+
 bench: build
 	cargo bench
 	$(PY) benches/python/bench_e2e.py

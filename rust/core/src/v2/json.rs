@@ -52,11 +52,18 @@ impl Kind {
 pub struct Number<'a> {
     pub text: &'a str,
     pub integer: bool,
+    /// The value, when the token is exactly `mantissa * 10^exp` with both
+    /// small enough for one correctly rounded `f64` operation (Clinger's
+    /// fast path: mantissa < 2^53, |exp| <= 22), as most numbers are.
+    fast: Option<f64>,
 }
 
 impl Number<'_> {
     /// The nearest `f64` (correctly rounded, as Python's `float()`).
     pub fn to_f64(self) -> f64 {
+        if let Some(v) = self.fast {
+            return v;
+        }
         match self.text {
             "NaN" => f64::NAN,
             "Infinity" => f64::INFINITY,
@@ -372,47 +379,97 @@ impl<'a> Parser<'a> {
                 return Ok(Number {
                     text: self.text(start),
                     integer: false,
+                    fast: None,
                 });
             }
         }
-        let digits = |p: &mut Self| {
+        // Digits are read once: validated and, while few enough, gathered
+        // into a mantissa for the fast path.
+        let mut mantissa: u64 = 0;
+        let mut significant: u32 = 0;
+        let digits = |p: &mut Self, mantissa: &mut u64, significant: &mut u32| {
             let from = p.pos;
-            while matches!(p.src.get(p.pos), Some(b'0'..=b'9')) {
+            while let Some(&d @ b'0'..=b'9') = p.src.get(p.pos) {
+                if *significant < 19 {
+                    *mantissa = *mantissa * 10 + u64::from(d - b'0');
+                    if *mantissa != 0 {
+                        *significant += 1;
+                    }
+                } else {
+                    *significant = u32::MAX;
+                }
                 p.pos += 1;
             }
             p.pos - from
         };
-        if self.src.get(self.pos) == Some(&b'-') {
+        let negative = self.src.get(self.pos) == Some(&b'-');
+        if negative {
             self.pos += 1;
         }
         match self.src.get(self.pos) {
             Some(b'0') => self.pos += 1,
             Some(b'1'..=b'9') => {
-                digits(self);
+                digits(self, &mut mantissa, &mut significant);
             }
             _ => return self.error("expected a number"),
         }
         let mut integer = true;
+        let mut exponent: i64 = 0;
         if self.src.get(self.pos) == Some(&b'.') {
             self.pos += 1;
             integer = false;
-            if digits(self) == 0 {
+            let n = digits(self, &mut mantissa, &mut significant);
+            if n == 0 {
                 return self.error("expected digits after '.'");
             }
+            exponent -= n as i64;
         }
         if matches!(self.src.get(self.pos), Some(b'e' | b'E')) {
             self.pos += 1;
             integer = false;
-            if matches!(self.src.get(self.pos), Some(b'+' | b'-')) {
+            let sign = match self.src.get(self.pos) {
+                Some(b'-') => {
+                    self.pos += 1;
+                    -1
+                }
+                Some(b'+') => {
+                    self.pos += 1;
+                    1
+                }
+                _ => 1,
+            };
+            let from = self.pos;
+            let mut e: i64 = 0;
+            while let Some(&d @ b'0'..=b'9') = self.src.get(self.pos) {
+                e = (e * 10 + i64::from(d - b'0')).min(1 << 40);
                 self.pos += 1;
             }
-            if digits(self) == 0 {
+            if self.pos == from {
                 return self.error("expected digits in the exponent");
             }
+            exponent += sign * e;
         }
+        const POW10: [f64; 23] = [
+            1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11, 1e12, 1e13, 1e14, 1e15,
+            1e16, 1e17, 1e18, 1e19, 1e20, 1e21, 1e22,
+        ];
+        let fast = (significant <= 15 && mantissa < (1 << 53) && exponent.abs() <= 22).then(|| {
+            let m = mantissa as f64;
+            let v = if exponent >= 0 {
+                m * POW10[exponent as usize]
+            } else {
+                m / POW10[(-exponent) as usize]
+            };
+            if negative {
+                -v
+            } else {
+                v
+            }
+        });
         Ok(Number {
             text: self.text(start),
             integer,
+            fast,
         })
     }
 

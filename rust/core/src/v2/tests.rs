@@ -539,6 +539,27 @@ proptest! {
     }
 
     #[test]
+    fn numbers_parse_as_rust_parses_them(
+        negative in any::<bool>(),
+        int in "(0|[1-9][0-9]{0,20})",
+        frac in proptest::option::of("[0-9]{1,20}"),
+        exp in proptest::option::of(-330i32..330),
+    ) {
+        let mut text = format!("{}{int}", if negative { "-" } else { "" });
+        if let Some(f) = frac {
+            text += &format!(".{f}");
+        }
+        if let Some(e) = exp {
+            text += &format!("e{e}");
+        }
+        let mut p = json::Parser::new(text.as_bytes());
+        let n = p.number().unwrap();
+        prop_assert!(p.end().is_ok());
+        let expected: f64 = text.parse().unwrap();
+        prop_assert_eq!(n.to_f64().to_bits(), expected.to_bits(), "{}", text);
+    }
+
+    #[test]
     fn arbitrary_bytes_never_panic(body in proptest::collection::vec(any::<u8>(), 0..256), split in proptest::option::of(0usize..300)) {
         let length = split.map(|n| n.to_string());
         let _ = codec().decode(&body, length.as_deref());

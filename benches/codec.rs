@@ -1,0 +1,102 @@
+//! The v2 codec on the serving benchmark's request (`{"x": FP32[1, 256]}`)
+//! and its response (`y`: FP32[1, 256]): decoding JSON and binary bodies,
+//! encoding JSON and binary responses, beside the reference
+//! `serde_json::from_slice` of the same JSON body into a `Value` tree (what
+//! a generic JSON parser costs before any tensor is built). Reported per
+//! request (elements/s: requests/s) and in bytes/s of body.
+//!
+//! Run: `cargo bench --bench codec`.
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use ferrobatch_core::v2::{Codec, Limits, Output, OutputSpec};
+use ferrobatch_core::DType;
+
+const WIDTH: usize = 256;
+
+fn values() -> Vec<f32> {
+    // Typical activations: not round numbers, so formatting does real work.
+    (0..WIDTH).map(|i| (i as f32 * 0.37).sin() * 3.1).collect()
+}
+
+fn json_body(values: &[f32]) -> Vec<u8> {
+    let data: Vec<String> = values.iter().map(|v| format!("{v}")).collect();
+    format!(
+        r#"{{"id":"bench","inputs":[{{"name":"x","datatype":"FP32","shape":[1,{WIDTH}],"data":[{}]}}],"outputs":[{{"name":"y","parameters":{{"binary_data":false}}}}]}}"#,
+        data.join(",")
+    )
+    .into_bytes()
+}
+
+fn binary_body(values: &[f32]) -> (Vec<u8>, String) {
+    let header = format!(
+        r#"{{"inputs":[{{"name":"x","datatype":"FP32","shape":[1,{WIDTH}],"parameters":{{"binary_data_size":{}}}}}],"outputs":[{{"name":"y","parameters":{{"binary_data":true}}}}]}}"#,
+        WIDTH * 4
+    );
+    let mut body = header.clone().into_bytes();
+    body.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+    (body, header.len().to_string())
+}
+
+fn bench_codec(c: &mut Criterion) {
+    let codec = Codec::new(
+        "mlp",
+        vec![OutputSpec {
+            name: "y".into(),
+            dtype: DType::Float32,
+        }],
+        Limits::default(),
+    );
+    let values = values();
+    let json = json_body(&values);
+    let (binary, header_length) = binary_body(&values);
+    let out: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let shape = [1u64, WIDTH as u64];
+
+    let mut group = c.benchmark_group("codec/decode");
+    group.throughput(Throughput::Bytes(json.len() as u64));
+    group.bench_function("json 256 x FP32", |b| {
+        b.iter(|| black_box(codec.decode(black_box(&json), None).unwrap()))
+    });
+    group.bench_function("reference: serde_json::from_slice to Value", |b| {
+        b.iter(|| black_box(serde_json::from_slice::<serde_json::Value>(black_box(&json)).unwrap()))
+    });
+    group.throughput(Throughput::Bytes(binary.len() as u64));
+    group.bench_function("binary 256 x FP32", |b| {
+        b.iter(|| {
+            black_box(
+                codec
+                    .decode(black_box(&binary), Some(&header_length))
+                    .unwrap(),
+            )
+        })
+    });
+    group.finish();
+
+    let mut group = c.benchmark_group("codec/encode");
+    for (name, binary) in [("json 256 x FP32", false), ("binary 256 x FP32", true)] {
+        let outputs = [Output {
+            index: 0,
+            shape: &shape,
+            data: &out,
+            binary,
+        }];
+        let size = codec.encode(Some("bench"), &outputs).unwrap().body.len();
+        group.throughput(Throughput::Bytes(size as u64));
+        group.bench_function(name, |b| {
+            b.iter(|| black_box(codec.encode(Some("bench"), black_box(&outputs)).unwrap()))
+        });
+    }
+    group.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default()
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2));
+    targets = bench_codec
+}
+criterion_main!(benches);
