@@ -1,7 +1,7 @@
 //! The whole Rust core for one batch, without Python: `Batcher::submit` of
 //! 1 or 64 one-row requests (validation, admission, queue push), then one
 //! greedy `Batcher::next_batch` (pop, take, collate into the staging slot,
-//! routes) and `release_slot`. Reported per request: the floor under what
+//! routes) and the batch's slot guard dropped. Reported per request: the floor under what
 //! the Python binding adds on either side.
 //!
 //! Run: `cargo bench --bench batcher`.
@@ -55,10 +55,10 @@ fn bench_batcher(c: &mut Criterion) {
                 }
                 let batch = batcher.next_batch(&mut worker).expect("a batch");
                 assert_eq!(batch.rows, n);
-                batcher.release_slot(batch.slot);
+                batch.slot.release();
                 // The submitter side drops its tickets once resolved.
                 tickets.clear();
-                black_box(batch)
+                black_box(batch.routes)
             })
         });
     }

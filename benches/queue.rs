@@ -50,35 +50,23 @@ trait BenchQueue: Send + Sync + 'static {
     fn try_pop(&self) -> Option<Arc<Request>>;
 }
 
-/// `RequestQueue` with the producer count it is benched with.
 struct Ferrobatch {
     queue: RequestQueue,
-    producers: usize,
 }
 
 impl BenchQueue for Ferrobatch {
     const NAME: &'static str = "ferrobatch RequestQueue";
 
-    fn make(producers: usize) -> Self {
+    fn make(_producers: usize) -> Self {
         Ferrobatch {
             queue: RequestQueue::new(CAPACITY, 1, Readiness::OnPush),
-            producers,
         }
     }
 
     fn try_push(&self, r: Arc<Request>) -> Result<(), Arc<Request>> {
-        // `push` drops the request when it refuses it (QueueFull), so keep
-        // `producers` places of headroom: then no push racing this one can
-        // fill the queue between the check and the push. This costs one load
-        // of the counter that `push` updates next anyway. (Requests leave as
-        // soon as they are popped, so the channel's own room never runs out.)
-        if self.queue.len() + self.producers > self.queue.capacity() {
-            return Err(r);
-        }
-        self.queue
-            .push(r)
-            .expect("headroom was checked and the queue is never closed");
-        Ok(())
+        // A refused push hands the request back (the queue is never closed
+        // here, so only for lack of room).
+        self.queue.push(r).map_err(|e| e.into_request())
     }
 
     fn try_pop(&self) -> Option<Arc<Request>> {

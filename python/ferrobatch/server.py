@@ -392,7 +392,7 @@ class Server:
             except BaseException as exc:  # noqa: BLE001 - even SystemExit: the worker survives
                 error, outputs = exc, None
                 counters.failed_batches += 1
-            batcher.release_slot(batch.slot)  # outputs never alias the slot
+            batch.release_slot()  # outputs never alias the slot
             elapsed = perf_counter_ns() - started
             counters.compute_ns += elapsed
             counters.request_compute_ns += elapsed * batch.n_requests
@@ -451,7 +451,7 @@ class Server:
                 flight.wait_staged()
             except BaseException as exc:  # noqa: BLE001 - the CUDA context is broken
                 error = exc
-            batcher.release_slot(batch.slot)
+            batch.release_slot()
             if error is None:
                 try:
                     outputs = flight.wait()

@@ -19,17 +19,34 @@
 //!   With [`Readiness::OnFlush`] (greedy batching) a submitter's rows count
 //!   only once it calls [`Batcher::flush`]; an event loop does so once per
 //!   iteration, so a burst of requests is taken as one batch.
-//!   A worker owns the staging slot it acquired from the [`StagingRing`] until
-//!   it calls [`Batcher::release_slot`]. It reads a request's input bytes only
-//!   after it won the `Queued -> Taken` transition for that request, and only
-//!   during collation, before `next_batch` returns.
+//!   `next_batch` acquires a staging slot from the [`StagingRing`] as a
+//!   [`HeldSlot`] guard and returns it inside the [`Batch`]: whoever owns the
+//!   batch (or its `slot`) owns the slot, and dropping the guard is the only
+//!   way to give it back (there is no release by index). A worker reads a
+//!   request's input bytes only after it won the `Queued -> Taken` transition
+//!   for that request, and only during collation, before `next_batch` returns.
 //! * **Request state** moves once, atomically, from `Queued` to exactly one of
 //!   `Taken`, `Cancelled`, `Expired` or `Closed` ([`RequestState`]). Whoever wins
 //!   that transition owns the request's outcome: a taken request is resolved
 //!   by its batch; any other by the submitter side.
-//! * **Staging slots** are written only by the worker holding them. A slot
-//!   index is either in the free list or held by exactly one worker, so a
-//!   slot marked in flight is never rewritten (see [`staging`]).
+//! * **Staging slots** are written only through their guard
+//!   ([`HeldSlot::collate`], `unsafe`: the caller vouches it took the
+//!   requests). A slot index is either in the ring's free list or owned by
+//!   exactly one live guard; guards are not `Clone`, so a slot is never
+//!   released twice nor handed out while a guard for it lives. A guard is
+//!   `Send`: the CUDA path collates on one thread and drops the guard on
+//!   another, only once the slot's host-to-device copy has completed, so a
+//!   slot in flight is never rewritten (see [`staging`]).
+//! * **The queue** ([`RequestQueue`]) takes pushes from any thread; a refused
+//!   push hands the request back ([`queue::PushError`]).
+//!
+//! # Checked
+//!
+//! The unsafe code (staging ring, queue, request state) runs under Miri
+//! (`make miri`: `cargo +nightly miri test` with smaller iteration counts
+//! under `cfg(miri)`), and the request state transitions and the ring's
+//! acquire/release have loom models (`make loom`: the `loom_` tests, built
+//! with `--cfg loom`, which swaps in loom's mutex, condvar and atomics).
 //!
 //! The dispatch rule ([`DispatchRule`]) is a pure function of the batch being
 //! gathered, so it is tested without threads or clocks.
@@ -42,6 +59,7 @@ pub mod fanout;
 pub mod queue;
 pub mod request;
 pub mod staging;
+mod sync;
 pub mod v2;
 
 pub use batcher::{Batch, Batcher, BatcherConfig, Stats, Worker};
@@ -49,6 +67,6 @@ pub use dispatch::{Decision, DispatchRule};
 pub use dtype::DType;
 pub use error::CoreError;
 pub use fanout::{Route, Routes};
-pub use queue::{Message, Readiness, RequestQueue};
-pub use request::{InputBytes, Request, RequestState};
-pub use staging::{SlotBuffer, StagingRing};
+pub use queue::{Message, PushError, Readiness, RequestQueue};
+pub use request::{InputBytes, Request, RequestState, Withdrawal};
+pub use staging::{HeldSlot, SlotBuffer, StagingRing};

@@ -55,6 +55,42 @@ pub enum Message {
     Close,
 }
 
+/// A push the queue refused: why, and the request, handed back to the caller
+/// (as crossbeam's `ArrayQueue::push` returns `Err(PushError(value))`), so a
+/// caller may retry or fail it without having lost it.
+#[derive(Debug)]
+pub struct PushError {
+    /// [`CoreError::QueueFull`] or [`CoreError::Closed`].
+    pub error: CoreError,
+    /// The request, untouched: still `Queued`, never counted by the queue.
+    pub request: Arc<Request>,
+}
+
+impl PushError {
+    /// The request handed back.
+    pub fn into_request(self) -> Arc<Request> {
+        self.request
+    }
+}
+
+impl From<PushError> for CoreError {
+    fn from(e: PushError) -> CoreError {
+        e.error
+    }
+}
+
+impl std::fmt::Display for PushError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.error.fmt(f)
+    }
+}
+
+impl std::error::Error for PushError {}
+
+/// The bounded queue of requests between submitters and workers.
+///
+/// Any number of threads push; one worker at a time waits and pops (the
+/// batcher's gather lock). Shared by reference (`&self` throughout).
 #[derive(Debug)]
 pub struct RequestQueue {
     tx: Sender<Message>,
@@ -110,24 +146,24 @@ impl RequestQueue {
         }
     }
 
-    /// Pushes a request, or refuses it at once when full or closed.
-    pub fn push(&self, request: Arc<Request>) -> Result<(), CoreError> {
+    /// Pushes a request, or refuses it at once when full or closed and hands
+    /// it back in the error.
+    pub fn push(&self, request: Arc<Request>) -> Result<(), PushError> {
         if self.closed.load(Ordering::Acquire) {
-            return Err(CoreError::Closed);
+            return Err(PushError {
+                error: CoreError::Closed,
+                request,
+            });
         }
         if self.waiting.fetch_add(1, Ordering::AcqRel) >= self.capacity {
             self.waiting.fetch_sub(1, Ordering::AcqRel);
-            return Err(CoreError::QueueFull {
-                capacity: self.capacity,
-            });
+            return Err(self.full(request));
         }
         if self.in_channel.fetch_add(1, Ordering::AcqRel) >= self.room {
             // Full of withdrawn requests no worker has popped yet (a stuck model).
             self.in_channel.fetch_sub(1, Ordering::AcqRel);
             self.waiting.fetch_sub(1, Ordering::AcqRel);
-            return Err(CoreError::QueueFull {
-                capacity: self.capacity,
-            });
+            return Err(self.full(request));
         }
         // Cannot fail for lack of room: `in_channel` reserved a place, and close
         // messages have places of their own.
@@ -139,6 +175,16 @@ impl RequestQueue {
             self.make_ready(rows);
         }
         Ok(())
+    }
+
+    #[cold]
+    fn full(&self, request: Arc<Request>) -> PushError {
+        PushError {
+            error: CoreError::QueueFull {
+                capacity: self.capacity,
+            },
+            request,
+        }
     }
 
     /// Readies `rows` rows pushed since the submitter's last flush
@@ -263,9 +309,10 @@ impl RequestQueue {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+    use crate::RequestState;
     use std::time::Duration;
 
     fn req(id: u64) -> Arc<Request> {
@@ -305,11 +352,16 @@ mod tests {
         let q = RequestQueue::new(2, 1, Readiness::OnPush);
         q.push(req(1)).unwrap();
         q.push(req(2)).unwrap();
-        assert_eq!(q.push(req(3)), Err(CoreError::QueueFull { capacity: 2 }));
+        let third = req(3);
+        let refused = q.push(third.clone()).unwrap_err();
+        assert_eq!(refused.error, CoreError::QueueFull { capacity: 2 });
+        assert!(Arc::ptr_eq(&refused.request, &third), "handed back");
+        assert_eq!(third.state(), RequestState::Queued);
+        let third = refused.into_request();
         assert!(matches!(q.try_pop(), Popped::Request(r) if r.id == 1));
         assert_eq!(q.len(), 2, "popped is not yet taken");
         q.left();
-        q.push(req(3)).unwrap();
+        q.push(third).unwrap();
         assert_eq!(q.len(), 2);
     }
 
@@ -321,10 +373,12 @@ mod tests {
             q.left(); // withdrawn at once; still in the channel
         }
         assert_eq!(q.len(), 0);
+        let refused = q.push(req(9)).unwrap_err();
         assert!(
-            matches!(q.push(req(9)), Err(CoreError::QueueFull { .. })),
+            matches!(refused.error, CoreError::QueueFull { .. }),
             "channel full"
         );
+        assert_eq!(refused.request.id, 9);
         assert!(matches!(q.try_pop(), Popped::Request(r) if r.id == 0));
         q.push(req(10)).unwrap();
         q.close(1); // fits in the wake slot
@@ -335,7 +389,8 @@ mod tests {
         let q = RequestQueue::new(4, 2, Readiness::OnPush);
         q.push(req(1)).unwrap();
         q.close(2);
-        assert_eq!(q.push(req(2)), Err(CoreError::Closed));
+        let refused = q.push(req(2)).unwrap_err();
+        assert_eq!(CoreError::from(refused), CoreError::Closed);
         assert!(matches!(q.try_pop(), Popped::Request(r) if r.id == 1));
         assert!(matches!(q.try_pop(), Popped::Close));
         assert!(matches!(q.try_pop(), Popped::Close));
@@ -386,7 +441,7 @@ mod tests {
         // Each round the waiter wants exactly the one row the pusher sends;
         // a lost wake-up hangs the round (and the test) on `None` deadline.
         let q = Arc::new(RequestQueue::new(4, 1, Readiness::OnPush));
-        let rounds = 2_000;
+        let rounds = if cfg!(miri) { 20 } else { 2_000 };
         let pusher = {
             let q = q.clone();
             std::thread::spawn(move || {

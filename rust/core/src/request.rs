@@ -1,9 +1,12 @@
 //! One request: its input bytes, its size in rows, and its one-shot state.
 
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-/// Where a request stands. It leaves `Queued` exactly once.
+use crate::sync::AtomicU8;
+
+/// Where a request stands. It leaves `Queued` exactly once, by one atomic
+/// compare-and-swap: whoever makes that move owns the request's outcome.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
 pub enum RequestState {
@@ -29,6 +32,19 @@ impl RequestState {
             _ => RequestState::Closed,
         }
     }
+}
+
+/// What [`Request::withdraw`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Withdrawal {
+    /// This call moved the request out of `Queued`: it is never run, and the
+    /// caller counts it off the queue.
+    Withdrew,
+    /// It had left `Queued` for another withdrawn state already (a worker
+    /// found it past its deadline, or another withdraw won): it is never run.
+    AlreadyWithdrawn,
+    /// A worker took it: its inputs stay alive until its batch resolves it.
+    Taken,
 }
 
 /// A borrowed view of one input's bytes: `rows * row_nbytes` contiguous bytes.
@@ -141,13 +157,29 @@ impl Request {
         self.transition(RequestState::Taken)
     }
 
+    /// The submitter's side: withdraws the request (`to`: `Cancelled`,
+    /// `Expired` or `Closed`) unless a worker took it first.
+    ///
+    /// # Panics
+    /// In debug builds, if `to` is `Queued` or `Taken`.
+    pub fn withdraw(&self, to: RequestState) -> Withdrawal {
+        debug_assert!(!matches!(to, RequestState::Queued | RequestState::Taken));
+        if self.transition(to) {
+            return Withdrawal::Withdrew;
+        }
+        match self.state() {
+            RequestState::Taken => Withdrawal::Taken,
+            _ => Withdrawal::AlreadyWithdrawn,
+        }
+    }
+
     /// True if the deadline has passed at `now`.
     pub fn is_past_deadline(&self, now: Instant) -> bool {
         self.deadline.is_some_and(|d| now >= d)
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
     use std::sync::atomic::AtomicUsize;
@@ -172,11 +204,27 @@ mod tests {
         assert_eq!(r.state(), RequestState::Expired);
     }
 
+    #[test]
+    fn withdraw_says_whether_the_request_can_still_be_read() {
+        let r = request(1);
+        assert_eq!(r.withdraw(RequestState::Cancelled), Withdrawal::Withdrew);
+        assert_eq!(
+            r.withdraw(RequestState::Closed),
+            Withdrawal::AlreadyWithdrawn
+        );
+        assert_eq!(r.state(), RequestState::Cancelled);
+        let r = request(2);
+        assert!(r.take());
+        assert_eq!(r.withdraw(RequestState::Expired), Withdrawal::Taken);
+        assert_eq!(r.state(), RequestState::Taken);
+    }
+
     /// Many threads race to take or withdraw the same requests: each request
     /// leaves `Queued` exactly once, and only its winner sees success.
     #[test]
     fn racing_transitions_resolve_each_request_exactly_once() {
-        const N: usize = 20_000;
+        // Miri runs every test far slower: a smaller race still interleaves.
+        const N: usize = if cfg!(miri) { 200 } else { 20_000 };
         const THREADS: usize = 4;
         let requests: Arc<Vec<Request>> = Arc::new((0..N as u64).map(request).collect());
         let wins = Arc::new(AtomicUsize::new(0));
@@ -204,5 +252,118 @@ mod tests {
         }
         assert_eq!(wins.load(Ordering::Relaxed), N);
         assert!(requests.iter().all(|r| r.state() != RequestState::Queued));
+    }
+}
+
+/// Loom models (`make loom`): every interleaving of a worker and a submitter.
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use super::*;
+    use loom::cell::UnsafeCell;
+    use loom::sync::atomic::AtomicUsize;
+    use loom::sync::Arc;
+    use loom::thread;
+
+    /// A request whose input stands in a loom cell: the worker reads it only
+    /// if it took the request, the submitter frees it (writes) only once the
+    /// request can no longer be read; loom fails the model if the two race.
+    struct Shared {
+        request: Request,
+        input: UnsafeCell<u32>,
+        /// The queue's count of live requests (`RequestQueue::left` is
+        /// called once by whoever moved the request out of `Queued`).
+        waiting: AtomicUsize,
+        /// Worker sides that won (took or expired the request).
+        worker_won: AtomicUsize,
+    }
+
+    // SAFETY: `input` is accessed by the side that owns it per the
+    // request's state (what the model checks).
+    unsafe impl Sync for Shared {}
+
+    fn shared() -> Arc<Shared> {
+        Arc::new(Shared {
+            request: Request::new(1, 0, 1, Box::new([]), None),
+            input: UnsafeCell::new(7),
+            waiting: AtomicUsize::new(1),
+            worker_won: AtomicUsize::new(0),
+        })
+    }
+
+    /// The worker's `admit`: expire a request past its deadline, else take it.
+    fn worker(s: &Shared, past_deadline: bool) {
+        if past_deadline {
+            if s.request.transition(RequestState::Expired) {
+                s.waiting.fetch_sub(1, Ordering::AcqRel);
+                s.worker_won.fetch_add(1, Ordering::AcqRel);
+            }
+        } else if s.request.take() {
+            s.waiting.fetch_sub(1, Ordering::AcqRel);
+            s.worker_won.fetch_add(1, Ordering::AcqRel);
+            // SAFETY: taken by this thread: the submitter frees it only after
+            // the batch resolved it (the join below).
+            assert_eq!(s.input.with(|p| unsafe { *p }), 7);
+        }
+    }
+
+    /// The submitter withdraws (a cancel, its own deadline timer, or the
+    /// shutdown) and frees the input once the answer says it is never read.
+    fn submitter(s: &Shared, to: RequestState) -> Withdrawal {
+        let outcome = s.request.withdraw(to);
+        match outcome {
+            Withdrawal::Withdrew => {
+                s.waiting.fetch_sub(1, Ordering::AcqRel);
+            }
+            Withdrawal::AlreadyWithdrawn => {}
+            Withdrawal::Taken => return outcome,
+        }
+        // SAFETY: not taken, so no worker reads it from now on.
+        s.input.with_mut(|p| unsafe { *p = 0 });
+        outcome
+    }
+
+    fn race(past_deadline: bool, to: RequestState) {
+        loom::model(move || {
+            let s = shared();
+            let w = {
+                let s = s.clone();
+                thread::spawn(move || worker(&s, past_deadline))
+            };
+            let outcome = submitter(&s, to);
+            w.join().unwrap();
+            let state = s.request.state();
+            let worker_won = s.worker_won.load(Ordering::Acquire);
+            assert_ne!(state, RequestState::Queued);
+            assert_eq!(
+                worker_won + (outcome == Withdrawal::Withdrew) as usize,
+                1,
+                "one winner"
+            );
+            assert_eq!(outcome == Withdrawal::Taken, state == RequestState::Taken);
+            if outcome == Withdrawal::Withdrew {
+                assert_eq!(state, to);
+            }
+            assert_eq!(s.waiting.load(Ordering::Acquire), 0, "counted off once");
+        });
+    }
+
+    #[test]
+    fn loom_take_races_cancel_exactly_once() {
+        race(false, RequestState::Cancelled);
+    }
+
+    #[test]
+    fn loom_take_races_close_exactly_once() {
+        race(false, RequestState::Closed);
+    }
+
+    #[test]
+    fn loom_worker_expiry_races_the_submitters_timer_exactly_once() {
+        race(true, RequestState::Expired);
+    }
+
+    #[test]
+    fn loom_worker_expiry_races_cancel_exactly_once() {
+        race(true, RequestState::Cancelled);
     }
 }

@@ -5,17 +5,45 @@
 //! tensors when CUDA is available, ordinary tensors otherwise); the ring only
 //! records where it is and who may write it.
 //!
-//! Invariant: a slot index is either in the free list or held by exactly one
-//! worker (between [`StagingRing::acquire`] and [`StagingRing::release`]). Only
-//! the holder writes the slot, so a slot still in flight — its host-to-device
-//! copy not yet complete — is never rewritten: its holder releases it only
-//! after that copy is done.
+//! # Ownership
+//!
+//! A slot is held through a [`HeldSlot`], the guard [`StagingRing::acquire`]
+//! returns, and only through it: [`HeldSlot::collate`] is the one way to write
+//! a slot, and the slot goes back to the ring when its guard is dropped (or
+//! [`HeldSlot::release`]d), never by index. Invariant: each slot index is
+//! either in the free list or owned by exactly one live guard. A guard is not
+//! `Clone`, so a slot cannot be released twice nor handed out while a guard
+//! for it exists, and a slot still in flight — its host-to-device copy not yet
+//! complete — is never rewritten as long as its holder keeps the guard until
+//! that copy is done.
+//!
+//! A guard owns an `Arc` of its ring, so it may outlive the call that made it
+//! (the Python `Batch` owns one) and move to another thread (the CUDA path
+//! releases a slot on the thread that waited for its copy).
+//!
+//! # Examples
+//!
+//! ```
+//! use std::sync::Arc;
+//! use ferrobatch_core::{SlotBuffer, StagingRing};
+//!
+//! let mut memory = vec![0u8; 2 * 8];
+//! let (a, b) = memory.split_at_mut(8);
+//! // SAFETY: `memory` outlives the ring, and nothing else touches it meanwhile.
+//! let slots = unsafe {
+//!     vec![vec![SlotBuffer::new(a.as_mut_ptr(), 8)], vec![SlotBuffer::new(b.as_mut_ptr(), 8)]]
+//! };
+//! let ring = Arc::new(StagingRing::new(vec![4], 2, slots).unwrap());
+//! let held = ring.acquire();
+//! assert_eq!(ring.free_slots(), 1);
+//! drop(held); // the only way to give a slot back
+//! assert_eq!(ring.free_slots(), 2);
+//! ```
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::fmt;
 use std::sync::Arc;
 
-use crossbeam_channel::{Receiver, Sender};
-
+use crate::sync::{Condvar, Mutex};
 use crate::{CoreError, Request};
 
 /// Where one input's staging buffer of one slot lives.
@@ -39,20 +67,41 @@ impl SlotBuffer {
     }
 }
 
-#[derive(Debug)]
+/// The staging slots of one batcher and the list of those no guard holds.
+///
+/// Shared (`Arc`) by the batcher and every [`HeldSlot`]; see the module docs
+/// for who may write a slot when.
 pub struct StagingRing {
+    /// Bytes per row of each input, in the model's input order.
     row_nbytes: Box<[usize]>,
+    /// `slots[s][i]`: input `i`'s buffer in slot `s`. Written only through
+    /// the one `HeldSlot` for `s`.
     slots: Box<[Box<[SlotBuffer]>]>,
-    in_flight: Box<[AtomicBool]>,
-    free_tx: Sender<usize>,
-    free_rx: Receiver<usize>,
+    /// Indices of the slots no guard holds; most recently released last (it
+    /// is taken first: its memory is the likeliest to be in cache).
+    free: Mutex<Vec<usize>>,
+    /// Notified when a slot is given back, for a worker blocked in `acquire`.
+    freed: Condvar,
 }
 
-// SAFETY: the raw pointers are only written through `collate`, by the one
-// worker holding the slot (the invariant in the module docs).
+// SAFETY: the raw pointers in `slots` are written only through `HeldSlot::collate`
+// by the one guard that owns the slot (the module invariant, kept by `free`
+// under its mutex), and `SlotBuffer::new`'s contract makes them valid for as
+// long as the ring exists, whichever thread it is on.
 unsafe impl Send for StagingRing {}
-// SAFETY: as above; everything else is atomics and a channel.
+// SAFETY: shared access reads `row_nbytes` and the buffer addresses (never the
+// bytes behind them) or goes through the mutex-protected free list.
 unsafe impl Sync for StagingRing {}
+
+impl fmt::Debug for StagingRing {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StagingRing")
+            .field("row_nbytes", &self.row_nbytes)
+            .field("slots", &self.slots.len())
+            .field("free_slots", &self.free_slots())
+            .finish()
+    }
+}
 
 impl StagingRing {
     /// Builds a ring over `slots`, each holding one buffer per input, for
@@ -76,7 +125,12 @@ impl StagingRing {
                 )));
             }
             for (i, (buf, row)) in buffers.iter().zip(&row_nbytes).enumerate() {
-                if buf.capacity < row * max_rows {
+                let needed = row.checked_mul(max_rows).ok_or_else(|| {
+                    CoreError::InvalidConfig(format!(
+                        "staging input {i}: {max_rows} rows of {row} bytes overflow usize"
+                    ))
+                })?;
+                if buf.capacity < needed {
                     return Err(CoreError::InvalidConfig(format!(
                         "staging slot {s}, input {i}: {} bytes cannot hold {max_rows} rows of {row} bytes",
                         buf.capacity
@@ -84,19 +138,17 @@ impl StagingRing {
                 }
             }
         }
-        let (free_tx, free_rx) = crossbeam_channel::bounded(slots.len());
-        for s in 0..slots.len() {
-            free_tx.send(s).expect("free list has room for every slot");
-        }
+        // Reversed, so slot 0 is handed out first.
+        let free = (0..slots.len()).rev().collect();
         Ok(StagingRing {
             row_nbytes: row_nbytes.into(),
-            in_flight: slots.iter().map(|_| AtomicBool::new(false)).collect(),
             slots: slots.into_iter().map(Vec::into_boxed_slice).collect(),
-            free_tx,
-            free_rx,
+            free: Mutex::new(free),
+            freed: Condvar::new(),
         })
     }
 
+    /// Number of slots.
     pub fn len(&self) -> usize {
         self.slots.len()
     }
@@ -109,82 +161,165 @@ impl StagingRing {
         &self.row_nbytes
     }
 
-    /// Takes a free slot, blocking until one is released.
-    pub fn acquire(&self) -> usize {
-        let slot = self
-            .free_rx
-            .recv()
-            .expect("the ring owns both ends of its free list");
-        let was = self.in_flight[slot].swap(true, Ordering::AcqRel);
-        debug_assert!(!was, "slot {slot} was in the free list while in flight");
-        slot
-    }
-
-    /// Gives a slot back. False (and no effect) if it was not held.
-    pub fn release(&self, slot: usize) -> bool {
-        if slot >= self.slots.len() || !self.in_flight[slot].swap(false, Ordering::AcqRel) {
-            return false;
+    /// Takes a free slot, blocking until a guard gives one back.
+    pub fn acquire(self: &Arc<Self>) -> HeldSlot {
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(index) = free.pop() {
+                return HeldSlot {
+                    ring: Arc::clone(self),
+                    index,
+                };
+            }
+            free = self.freed.wait(free).unwrap_or_else(|e| e.into_inner());
         }
-        self.free_tx
-            .send(slot)
-            .expect("free list has room for every slot");
-        true
     }
 
-    pub fn is_in_flight(&self, slot: usize) -> bool {
-        self.in_flight[slot].load(Ordering::Acquire)
+    /// Takes a free slot if there is one, without blocking.
+    pub fn try_acquire(self: &Arc<Self>) -> Option<HeldSlot> {
+        let index = self.free.lock().unwrap_or_else(|e| e.into_inner()).pop()?;
+        Some(HeldSlot {
+            ring: Arc::clone(self),
+            index,
+        })
     }
 
-    /// Copies the inputs of `requests`, in order, into `slot`; returns the rows.
+    /// Slots no guard holds now.
+    pub fn free_slots(&self) -> usize {
+        self.free.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// Whether a guard holds slot `index` now (false for an index out of range).
+    pub fn is_held(&self, index: usize) -> bool {
+        index < self.slots.len()
+            && !self
+                .free
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .contains(&index)
+    }
+
+    /// Called by `HeldSlot::drop` alone, once per guard: puts `index` back.
+    fn give_back(&self, index: usize) {
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        debug_assert!(!free.contains(&index), "slot {index} given back while free");
+        free.push(index);
+        drop(free);
+        self.freed.notify_one();
+    }
+}
+
+/// The guard of one staging slot: while it lives, its holder alone may write
+/// the slot (through [`HeldSlot::collate`]); dropping it gives the slot back
+/// to its ring.
+///
+/// `Send`, so a slot may be collated on one thread and given back on another,
+/// once whatever reads its bytes (a host-to-device copy) is done. Not `Clone`.
+///
+/// A guard cannot be copied, so its slot cannot be given back twice:
+///
+/// ```compile_fail
+/// # use std::sync::Arc;
+/// # use ferrobatch_core::{SlotBuffer, StagingRing};
+/// # let mut memory = [0u8; 1];
+/// # // SAFETY: `memory` outlives the ring.
+/// # let slots = vec![vec![unsafe { SlotBuffer::new(memory.as_mut_ptr(), 1) }]];
+/// # let ring = Arc::new(StagingRing::new(vec![1], 1, slots).unwrap());
+/// let held = ring.acquire();
+/// let twice = held.clone();
+/// ```
+#[must_use = "dropping the guard gives the slot back at once"]
+pub struct HeldSlot {
+    ring: Arc<StagingRing>,
+    index: usize,
+}
+
+impl fmt::Debug for HeldSlot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HeldSlot")
+            .field("index", &self.index)
+            .finish()
+    }
+}
+
+impl HeldSlot {
+    /// Which slot of the ring this is (to pick the staging tensors that view it).
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    /// Copies the inputs of `requests`, in order, back to back into this
+    /// slot; returns the rows.
     ///
-    /// The caller must hold `slot` and must have won [`Request::take`] for
-    /// every request, and the requests must fit (`sum(rows) <= max_rows`).
-    pub fn collate(&self, slot: usize, requests: &[Arc<Request>]) -> usize {
-        assert!(
-            self.is_in_flight(slot),
-            "collate into slot {slot}, which is not held"
-        );
-        let buffers = &self.slots[slot];
-        for (i, (buf, &row_nbytes)) in buffers.iter().zip(self.row_nbytes.iter()).enumerate() {
+    /// # Safety
+    /// The caller must have won [`Request::take`] for every request in
+    /// `requests` and not yet resolved any of them: then each submitter keeps
+    /// the input bytes alive (the contract of [`crate::InputBytes::new`]),
+    /// and no other worker reads or resolves them meanwhile.
+    ///
+    /// # Panics
+    /// If the requests do not fit (more than `max_rows` rows in all), before
+    /// writing past the slot.
+    pub unsafe fn collate(&mut self, requests: &[Arc<Request>]) -> usize {
+        let ring = &*self.ring;
+        let buffers = &ring.slots[self.index];
+        for (i, (buf, &row_nbytes)) in buffers.iter().zip(ring.row_nbytes.iter()).enumerate() {
             let mut offset = 0usize;
             for r in requests {
-                let src = &r.inputs()[i];
+                // SAFETY: the caller won `take()` for `r` and has not resolved
+                // it, so its submitter keeps the input bytes alive.
+                let src = unsafe { r.inputs()[i].as_slice() };
                 debug_assert_eq!(src.len(), r.rows as usize * row_nbytes);
                 assert!(
-                    offset + src.len() <= buf.capacity,
-                    "batch overflows staging slot {slot}"
+                    src.len() <= buf.capacity - offset,
+                    "batch overflows staging slot {}",
+                    self.index
                 );
-                // SAFETY: the caller won `take()` for `r`, so its submitter keeps
-                // the input bytes alive until this batch resolves it; the slot is
-                // held by this worker alone (module invariant) and the bounds
-                // were checked just above. Source and destination never overlap:
-                // slot memory is never handed out as request input.
+                // SAFETY: `self` is the one guard of this slot (module
+                // invariant) and `&mut self` makes this the one write through
+                // it; `buf` is valid for `capacity` bytes (`SlotBuffer::new`),
+                // and `offset + src.len() <= capacity` was checked just above
+                // (`offset <= capacity` holds by induction). Source and
+                // destination never overlap: slot memory is never request input.
                 unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        src.as_slice().as_ptr(),
-                        buf.ptr.add(offset),
-                        src.len(),
-                    );
+                    std::ptr::copy_nonoverlapping(src.as_ptr(), buf.ptr.add(offset), src.len());
                 }
                 offset += src.len();
             }
         }
         requests.iter().map(|r| r.rows as usize).sum()
     }
+
+    /// Gives the slot back now (the same as dropping the guard).
+    pub fn release(self) {}
 }
 
-#[cfg(test)]
+impl Drop for HeldSlot {
+    fn drop(&mut self) {
+        self.ring.give_back(self.index);
+    }
+}
+
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
     use crate::InputBytes;
 
-    fn ring(store: &mut [Vec<u8>], row: usize, max_rows: usize) -> StagingRing {
+    fn ring(store: &mut [Vec<u8>], row: usize, max_rows: usize) -> Arc<StagingRing> {
         let slots = store
             .iter_mut()
             // SAFETY: the vectors outlive the ring in every test below.
             .map(|v| vec![unsafe { SlotBuffer::new(v.as_mut_ptr(), v.len()) }])
             .collect();
-        StagingRing::new(vec![row], max_rows, slots).unwrap()
+        Arc::new(StagingRing::new(vec![row], max_rows, slots).unwrap())
+    }
+
+    fn taken(id: u64, bytes: &[u8], rows: u32) -> Arc<Request> {
+        // SAFETY: every caller's bytes outlive the requests it makes.
+        let input = unsafe { InputBytes::new(bytes.as_ptr(), bytes.len()) };
+        let r = Arc::new(Request::new(id, 0, rows, Box::new([input]), None));
+        assert!(r.take());
+        r
     }
 
     #[test]
@@ -193,35 +328,59 @@ mod tests {
         let ring = ring(&mut store, 4, 4);
         let a = [1u8, 1, 1, 1];
         let b = [2u8, 2, 2, 2, 3, 3, 3, 3];
-        // SAFETY: `a` and `b` outlive the requests.
-        let reqs: Vec<_> = [(&a[..], 1), (&b[..], 2)]
-            .iter()
-            .enumerate()
-            .map(|(id, (bytes, rows))| {
-                let input = unsafe { InputBytes::new(bytes.as_ptr(), bytes.len()) };
-                let r = Arc::new(Request::new(id as u64, 0, *rows, Box::new([input]), None));
-                assert!(r.take());
-                r
-            })
-            .collect();
-        let slot = ring.acquire();
-        assert_eq!(ring.collate(slot, &reqs), 3);
-        assert!(ring.release(slot));
+        let reqs = [taken(0, &a, 1), taken(1, &b, 2)];
+        let mut slot = ring.acquire();
+        // SAFETY: this test took both requests and resolves neither.
+        assert_eq!(unsafe { slot.collate(&reqs) }, 3);
+        slot.release();
         drop(ring);
         assert_eq!(&store[0][..12], &[1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3]);
     }
 
     #[test]
-    fn a_held_slot_is_never_handed_out_again() {
+    fn a_held_slot_is_never_handed_out_again_until_its_guard_is_dropped() {
         let mut store = vec![vec![0u8; 4], vec![0u8; 4]];
         let ring = ring(&mut store, 4, 1);
         let first = ring.acquire();
         let second = ring.acquire();
-        assert_ne!(first, second);
-        assert!(ring.is_in_flight(first) && ring.is_in_flight(second));
-        assert!(ring.release(first));
-        assert!(!ring.release(first), "double release is refused");
-        assert_eq!(ring.acquire(), first);
+        assert_ne!(first.index(), second.index());
+        assert!(ring.is_held(first.index()) && ring.is_held(second.index()));
+        assert!(ring.try_acquire().is_none(), "both slots are held");
+        let index = first.index();
+        drop(first);
+        assert!(!ring.is_held(index));
+        assert_eq!(ring.free_slots(), 1);
+        let again = ring.acquire();
+        assert_eq!(again.index(), index);
+        assert!(!ring.is_held(7), "out of range is never held");
+    }
+
+    #[test]
+    fn a_slot_given_back_on_another_thread_wakes_a_blocked_acquire() {
+        let mut store = vec![vec![0u8; 4]];
+        let ring = ring(&mut store, 4, 1);
+        let held = ring.acquire();
+        let waiter = {
+            let ring = ring.clone();
+            std::thread::spawn(move || ring.acquire().index())
+        };
+        // The guard moves to a third thread (as the CUDA path's complete
+        // thread) and is given back there.
+        std::thread::spawn(move || held.release()).join().unwrap();
+        assert_eq!(waiter.join().unwrap(), 0);
+        assert_eq!(ring.free_slots(), 1, "the waiter's guard was dropped");
+    }
+
+    #[test]
+    #[should_panic(expected = "batch overflows staging slot 0")]
+    fn collating_more_rows_than_fit_panics_before_writing_past_the_slot() {
+        let mut store = vec![vec![0u8; 4]];
+        let ring = ring(&mut store, 4, 1);
+        let bytes = [5u8; 8];
+        let reqs = [taken(0, &bytes, 2)];
+        let mut slot = ring.acquire();
+        // SAFETY: this test took the request and never resolves it.
+        unsafe { slot.collate(&reqs) };
     }
 
     #[test]
@@ -231,5 +390,141 @@ mod tests {
         let slots = vec![vec![unsafe { SlotBuffer::new(v.as_mut_ptr(), v.len()) }]];
         let err = StagingRing::new(vec![4], 2, slots).unwrap_err();
         assert!(err.to_string().contains("cannot hold 2 rows"));
+        // SAFETY: as above.
+        let slots = vec![vec![unsafe { SlotBuffer::new(v.as_mut_ptr(), v.len()) }]];
+        let err = StagingRing::new(vec![usize::MAX], 2, slots).unwrap_err();
+        assert!(err.to_string().contains("overflow"));
+    }
+}
+
+/// Loom models (`make loom`): every interleaving of a few threads.
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use super::*;
+    use loom::cell::UnsafeCell;
+    use loom::sync::atomic::{AtomicBool, Ordering};
+    use loom::thread;
+
+    /// A ring of `n` one-byte slots over leaked memory (loom runs the model
+    /// body many times; a few bytes per run).
+    fn ring(n: usize) -> Arc<StagingRing> {
+        let slots = (0..n)
+            .map(|_| {
+                let ptr = Box::leak(Box::new(0u8)) as *mut u8;
+                // SAFETY: leaked, so valid for the program's life; only the ring writes it.
+                vec![unsafe { SlotBuffer::new(ptr, 1) }]
+            })
+            .collect();
+        Arc::new(StagingRing::new(vec![1], 1, slots).unwrap())
+    }
+
+    /// Stands for the slots' memory: `busy[s]` is raised by whoever holds
+    /// slot `s` (a second holder at once fails the model in any
+    /// interleaving), and each write goes to a loom cell, so a holder's write
+    /// not ordered after the previous holder's fails it too.
+    struct Memory {
+        busy: Box<[AtomicBool]>,
+        bytes: Box<[UnsafeCell<u32>]>,
+    }
+
+    // SAFETY: `bytes[s]` is accessed by the holder of slot `s` alone (what
+    // the model checks).
+    unsafe impl Sync for Memory {}
+
+    impl Memory {
+        fn new(n: usize) -> Arc<Memory> {
+            Arc::new(Memory {
+                busy: (0..n).map(|_| AtomicBool::new(false)).collect(),
+                bytes: (0..n).map(|_| UnsafeCell::new(0)).collect(),
+            })
+        }
+
+        /// What a holder does with its slot, then lets go of it.
+        fn write(&self, held: &HeldSlot) {
+            let s = held.index();
+            assert!(
+                !self.busy[s].swap(true, Ordering::AcqRel),
+                "slot {s} held twice"
+            );
+            // SAFETY: `held` is the guard of slot `s`; loom checks that no
+            // other access to the cell races this one.
+            self.bytes[s].with_mut(|p| unsafe { *p += 1 });
+            self.busy[s].store(false, Ordering::Release);
+        }
+
+        fn total(&self) -> u32 {
+            // SAFETY: every writer was joined.
+            self.bytes.iter().map(|c| c.with(|p| unsafe { *p })).sum()
+        }
+    }
+
+    #[test]
+    fn loom_one_slot_two_workers_never_share_it() {
+        loom::model(|| {
+            let ring = ring(1);
+            let memory = Memory::new(1);
+            let workers: Vec<_> = (0..2)
+                .map(|_| {
+                    let (ring, memory) = (ring.clone(), memory.clone());
+                    thread::spawn(move || {
+                        let held = ring.acquire();
+                        memory.write(&held);
+                        drop(held);
+                    })
+                })
+                .collect();
+            for w in workers {
+                w.join().unwrap();
+            }
+            assert_eq!(memory.total(), 2);
+            assert_eq!(ring.free_slots(), 1);
+        });
+    }
+
+    #[test]
+    fn loom_three_workers_two_slots_each_slot_one_holder() {
+        loom::model(|| {
+            let ring = ring(2);
+            let memory = Memory::new(2);
+            let workers: Vec<_> = (0..3)
+                .map(|_| {
+                    let (ring, memory) = (ring.clone(), memory.clone());
+                    thread::spawn(move || memory.write(&ring.acquire()))
+                })
+                .collect();
+            for w in workers {
+                w.join().unwrap();
+            }
+            assert_eq!(memory.total(), 3);
+            assert_eq!(ring.free_slots(), 2);
+        });
+    }
+
+    /// The CUDA path: a launch thread collates into a slot and hands the
+    /// guard to a complete thread, which gives it back; meanwhile another
+    /// worker waits for a slot of a ring of two.
+    #[test]
+    fn loom_a_guard_given_back_on_another_thread_frees_its_slot_once() {
+        loom::model(|| {
+            let ring = ring(2);
+            let memory = Memory::new(2);
+            let first = ring.acquire();
+            memory.write(&first);
+            let complete = thread::spawn(move || first.release());
+            let other = {
+                let (ring, memory) = (ring.clone(), memory.clone());
+                thread::spawn(move || {
+                    let a = ring.acquire();
+                    memory.write(&a);
+                    let b = ring.acquire(); // needs `first`'s slot back
+                    memory.write(&b);
+                    assert_ne!(a.index(), b.index());
+                })
+            };
+            complete.join().unwrap();
+            other.join().unwrap();
+            assert_eq!(memory.total(), 3);
+            assert_eq!(ring.free_slots(), 2);
+        });
     }
 }

@@ -126,11 +126,6 @@ impl Batcher {
         })
     }
 
-    /// Gives back a batch's staging slot once its bytes have been consumed.
-    fn release_slot(&self, slot: usize) -> bool {
-        self.core.release_slot(slot)
-    }
-
     /// Refuses new requests; workers dispatch what they hold, then stop.
     fn close(&self) {
         self.core.close()
@@ -399,7 +394,8 @@ impl Worker {
         .map_err(PyTypeError::new_err)?;
         drop(to_ring);
         Ok(batch.map(|b| Batch {
-            slot: b.slot,
+            index: b.slot.index(),
+            slot: Mutex::new(Some(b.slot)),
             rows: b.rows,
             groups: b
                 .routes
@@ -412,10 +408,15 @@ impl Worker {
 }
 
 /// A collated batch: `rows` rows of every input sit in staging slot `slot`.
+///
+/// The batch owns that slot (the core's guard): nothing rewrites it until
+/// `release_slot()` is called or the batch is dropped, whichever comes first.
 #[pyclass(frozen, module = "ferrobatch._core")]
 pub struct Batch {
-    #[pyo3(get)]
-    slot: usize,
+    /// The staging slot's index, to pick the tensors that view it.
+    index: usize,
+    /// The slot's guard until it is given back.
+    slot: Mutex<Option<core::HeldSlot>>,
     #[pyo3(get)]
     rows: usize,
     groups: Vec<(u32, Arc<Vec<Route>>)>,
@@ -423,6 +424,25 @@ pub struct Batch {
 
 #[pymethods]
 impl Batch {
+    /// Index of the staging slot the rows sit in, while the batch holds it.
+    #[getter]
+    fn slot(&self) -> PyResult<usize> {
+        match *self.slot.lock().unwrap_or_else(|e| e.into_inner()) {
+            Some(_) => Ok(self.index),
+            None => Err(PyValueError::new_err(
+                "the batch's staging slot was released; it may hold another batch now",
+            )),
+        }
+    }
+
+    /// Gives the staging slot back to the ring, once its bytes have been
+    /// consumed (the model call returned, or the host-to-device copy
+    /// completed). True if this call released it; False if it was already.
+    fn release_slot(&self) -> bool {
+        let held = self.slot.lock().unwrap_or_else(|e| e.into_inner()).take();
+        held.is_some() // dropped here, outside the lock: the slot is free
+    }
+
     #[getter]
     fn n_requests(&self) -> usize {
         self.groups.iter().map(|(_, r)| r.len()).sum()
