@@ -16,7 +16,7 @@ SERVING_TESTS := tests/test_http.py tests/test_grpc.py tests/test_serve.py
 PROTOBUF_NEXT := 7.36.2
 PROTOBUF_NEXT_DIR := $(VENV)/protobuf-next
 
-.PHONY: demo test build cargo-test pytest stubtest lint lint-rust lint-python pytest-protobuf-next bench wheel clean
+.PHONY: demo test build cargo-test pytest stubtest lint lint-rust lint-python pytest-protobuf-next bench wheel clean miri loom
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -73,6 +73,24 @@ lint-python: $(DEPS_STAMP)
 	$(VENV)/bin/ruff check --quiet
 	$(PY) -m mypy
 	$(PY) python/ferrobatch/grpc/_codegen.py --check
+
+# The core's unsafe code (staging ring, queue, request state) under Miri: their
+# unit tests, with smaller iteration counts under cfg(miri) (about a minute).
+# Where the nightly toolchain has no Miri component, says so and succeeds.
+MIRI_TESTS := staging:: request:: queue:: batcher::
+miri:
+	@if cargo +nightly miri --version >/dev/null 2>&1; then \
+		cargo +nightly miri setup --quiet && \
+		cargo +nightly miri test --quiet --lib -- $(MIRI_TESTS); \
+	else \
+		echo "make miri: skipped: Miri is not installed (rustup component add --toolchain nightly miri)"; \
+	fi
+
+# Loom models of the request state transitions and the staging ring's
+# acquire/release: every interleaving (a few seconds). Their own target dir,
+# so --cfg loom does not rebuild the usual one.
+loom:
+	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --quiet --release --lib -- loom_
 
 # The v2 decoder under libFuzzer (cargo-fuzz on nightly) for FUZZ_SECONDS;
 # installs cargo-fuzz if it is missing. Findings land in rust/fuzz/artifacts.
