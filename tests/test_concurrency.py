@@ -112,12 +112,18 @@ async def test_a_thread_running_event_loops_one_after_another() -> None:
 async def test_the_submitter_looks_a_loop_up_once_until_it_changes_or_the_process_forks() -> None:
     async with make_server() as server:
         lookups: list[asyncio.AbstractEventLoop] = []
+        get_running_loop = asyncio.get_running_loop
 
-        def state_for(loop: asyncio.AbstractEventLoop) -> object:
-            lookups.append(loop)
-            return server._loops.state_for(loop)
+        def counting() -> asyncio.AbstractEventLoop:
+            lookups.append(get_running_loop())
+            return lookups[-1]
 
-        submitter = _core.Submitter(state_for, server._not_running)
+        # The submitter asks asyncio for the running loop only on a cache miss.
+        asyncio.get_running_loop = counting
+        try:
+            submitter = _core.Submitter(server._loops, server._not_running)
+        finally:
+            asyncio.get_running_loop = get_running_loop
         submitter.accept(server._batcher)
         futures = [submitter.submit({"x": sample(i)})[0] for i in range(5)]
         assert len(lookups) == 1

@@ -17,7 +17,6 @@ import torch
 from conftest import make_server, sample
 
 import ferrobatch as fb
-from ferrobatch import _loops
 
 
 class Gate:
@@ -76,29 +75,29 @@ async def test_model_exception_fails_its_batch_and_the_worker_survives(exc: Base
     assert stats["failed_batches"] == 1
 
 
-async def test_callers_hear_an_error_even_when_the_fan_out_itself_fails(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A bug in the Python error path must not leave callers waiting: the
-    Rust fan-out hands them a ModelError caused by the error it got, and
-    counts them."""
+async def test_rows_a_batched_request_cannot_be_sliced_from_are_a_model_error() -> None:
+    """Outputs the fan-out cannot take a multi-row request's rows from: those
+    callers get a ModelError caused by what indexing raised, counted."""
 
-    def broken(model_inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        raise RuntimeError("model failed")
+    class NoSlices(torch.Tensor):
+        def __getitem__(self, index: object) -> torch.Tensor:
+            raise KeyError("cannot slice")
 
-    def fail_batch_bug(self: object, routes: object, error: BaseException) -> None:
-        raise KeyError("a bug in the error path")
+    def model(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"y": (d["x"] * 2).as_subclass(NoSlices)}
 
-    monkeypatch.setattr(_loops.LoopState, "_fail_batch", fail_batch_bug)
-    async with make_server(broken, max_batch_size=4, max_delay=0.01) as server:
+    async with make_server(model, max_batch_size=8, max_delay=0.01) as server:
         client = server.client()
         results = await asyncio.wait_for(
-            asyncio.gather(*(client.infer({"x": sample(i)}) for i in range(4)), return_exceptions=True),
+            asyncio.gather(
+                *(client.infer_batch({"x": torch.stack([sample(i)] * 2)}) for i in range(3)),
+                return_exceptions=True,
+            ),
             timeout=10,
         )
         stats = server.stats()
     assert all(isinstance(r, fb.ModelError) and isinstance(r.__cause__, KeyError) for r in results), results
-    assert stats["requests_failed"]["model_error"] == 4
+    assert stats["requests_failed"]["model_error"] == 3
 
 
 async def test_queue_full_is_raised_at_once(gate: Gate) -> None:

@@ -121,9 +121,9 @@ async def test_one_loop_wakeup_per_batch_not_per_request() -> None:
         finally:
             loop.call_soon_threadsafe = original  # type: ignore[method-assign]
         assert server.stats()["batches"] == 1
-        (state,) = server._loops.states
-        assert state.mailbox.doorbell_fd is not None, "the default loop watches an eventfd"
-        assert state.mailbox.wakeups == 1, f"{state.mailbox.wakeups} loop wake-ups for one batch of 64"
+        (mailbox,) = server._loops.mailboxes()
+        assert mailbox.doorbell_fd is not None, "the default loop watches an eventfd"
+        assert mailbox.wakeups == 1, f"{mailbox.wakeups} loop wake-ups for one batch of 64"
         assert calls == 0, "the doorbell, not call_soon_threadsafe, wakes the loop"
         torch.testing.assert_close(outs[63]["y"], sample(126))
     finally:
@@ -142,9 +142,9 @@ async def test_a_loop_that_cannot_watch_fds_is_woken_with_call_soon_threadsafe(
     async with make_server(max_batch_size=8, max_delay=0.01) as server:
         client = server.client()
         outs = await asyncio.gather(*(client.infer({"x": sample(i)}) for i in range(20)))
-        (state,) = server._loops.states
-        assert state.mailbox.doorbell_fd is None
-        assert state.mailbox.wakeups >= 1
+        (mailbox,) = server._loops.mailboxes()
+        assert mailbox.doorbell_fd is None
+        assert mailbox.wakeups >= 1
     for i, out in enumerate(outs):
         torch.testing.assert_close(out["y"], sample(i) * 2)
 
@@ -153,10 +153,10 @@ async def test_a_freed_server_stops_the_loop_watching_its_doorbell() -> None:
     server = make_server()
     async with server:
         await server.client().infer({"x": sample(0)})
-    (state,) = server._loops.states
-    fd = state.mailbox.doorbell_fd
+    (mailbox,) = server._loops.mailboxes()
+    fd = mailbox.doorbell_fd
     assert fd is not None
-    del server, state
+    del server, mailbox
     gc.collect()
     assert not asyncio.get_running_loop().remove_reader(fd), "the reader was left behind"
 

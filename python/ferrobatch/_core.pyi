@@ -10,9 +10,8 @@ __all__ = [
     "Batch",
     "Batcher",
     "CodecError",
-    "LoopCounters",
     "LoopMailbox",
-    "Routes",
+    "LoopRegistry",
     "Submitter",
     "Ticket",
     "V2Codec",
@@ -49,46 +48,42 @@ class Batcher:
 class Submitter:
     """Submits requests to one server from any event loop (``Client.infer``'s way in)."""
 
-    def __new__(
-        cls,
-        state_for: Callable[[asyncio.AbstractEventLoop], Any],
-        not_running: Callable[[], BaseException],
-    ) -> Submitter: ...
+    def __new__(cls, registry: LoopRegistry, not_running: Callable[[], BaseException]) -> Submitter: ...
     def accept(self, batcher: Batcher | None) -> None:
         """Starts (a batcher) or stops (None) accepting requests."""
     def submit(
         self, inputs: Any, timeout: float | None = None, batched: bool = False
     ) -> tuple[asyncio.Future[dict[str, torch.Tensor]], int]:
         """Queues a request from the running event loop: ``(future, request id)``."""
+    def cancel(self, id: int, future: asyncio.Future[Any]) -> None:
+        """The task awaiting request ``id``'s ``future`` was cancelled."""
 
 def after_fork_in_child() -> None:
     """Forgets the event loops cached before a fork (``os.register_at_fork``)."""
 
 @final
 class Ticket:
-    """One submitted request: its future and deadline timer; keeps its inputs alive."""
+    """One submitted request: its future, deadline timer and inputs."""
 
     @property
     def id(self) -> int: ...
     @property
     def future(self) -> asyncio.Future[dict[str, torch.Tensor]]: ...
-    def set_timer(self, handle: asyncio.TimerHandle) -> None: ...
-    def cancel_timer(self) -> None: ...
-    def withdraw(self, reason: str) -> bool: ...
 
 @final
 class Worker:
     """The batch side for one model instance."""
 
-    def __new__(cls, batcher: Batcher) -> Worker: ...
-    def deliver(
+    def __new__(cls, batcher: Batcher, registry: LoopRegistry) -> Worker: ...
+    def next_batch(self) -> Batch | None: ...
+    def finish(
         self,
-        mailbox: LoopMailbox,
-        routes: Routes,
+        batch: Batch,
         outputs: dict[str, torch.Tensor] | None,
         error: BaseException | None,
-    ) -> bool: ...
-    def next_batch(self) -> Batch | None: ...
+        ring_now: bool = False,
+    ) -> None:
+        """Hands a batch's outputs (or its model error) to its callers' event loops."""
 
 @final
 class Batch:
@@ -100,56 +95,34 @@ class Batch:
     def rows(self) -> int: ...
     @property
     def n_requests(self) -> int: ...
-    def groups(self) -> list[tuple[int, Routes]]: ...
     def release_slot(self) -> bool: ...
 
 @final
-class Routes:
-    """The rows of a batch that belong to one event loop's requests."""
+class LoopRegistry:
+    """Every event loop that submits to one server: mailboxes and what callers saw."""
 
-    def entries(self) -> list[tuple[int, int, int]]: ...
+    def __new__(cls, model_name: str) -> LoopRegistry: ...
+    def mailboxes(self) -> list[LoopMailbox]: ...
+    def stats(self) -> dict[str, int]: ...
+    def fail_all(self, message: str) -> None: ...
+    def close(self) -> None: ...
 
 @final
 class LoopMailbox:
-    """One event loop's side of the fan-out: pending tickets, posted batches, doorbell."""
+    """One event loop's requests: pending tickets, posted batches, doorbell."""
 
-    def __new__(
-        cls,
-        loop_id: int,
-        event_loop: asyncio.AbstractEventLoop,
-        on_error: Callable[[Routes, BaseException], None],
-    ) -> LoopMailbox: ...
-    @property
-    def pending(self) -> dict[int, Ticket]: ...
-    @property
-    def counters(self) -> LoopCounters: ...
     @property
     def doorbell_fd(self) -> int | None: ...
     @property
     def wakeups(self) -> int: ...
-    def set_doorbell(self, read_fd: int, write_fd: int, eventfd: bool) -> None: ...
-    def post(
-        self,
-        routes: Routes,
-        outputs: dict[str, torch.Tensor] | None,
-        error: BaseException | None,
-    ) -> bool: ...
-    def ring(self) -> bool: ...
+    @property
+    def pending_count(self) -> int: ...
     def flush(self) -> None:
         """Releases to the workers the requests this loop submitted in its
         iteration (greedy batchers; scheduled with ``call_soon`` by submit)."""
+    def expire(self, id: int, timeout: float) -> None: ...
+    def fail_all(self, message: str) -> None: ...
     def drain(self) -> None: ...
-
-@final
-class LoopCounters:
-    """Per-loop counters updated by the Rust fan-out."""
-
-    @property
-    def succeeded(self) -> int: ...
-    @property
-    def request_ns(self) -> int: ...
-    @property
-    def failed_in_fan_out(self) -> int: ...
 
 # -- the Open Inference Protocol v2 codec ----------------------------------------------------
 

@@ -19,13 +19,17 @@ dropped and the copy into it has completed.
 
 from __future__ import annotations
 
+import logging
+import queue
+import threading
 import warnings
 from collections.abc import Mapping, Sequence
 from time import perf_counter_ns
 
 import torch
 
-from ._torch import Model, WarmupBatch, fill_slot, normalize_outputs
+from . import _core
+from ._torch import Model, WarmupBatch, WorkerCounters, fill_slot, finish, normalize_outputs
 from .specs import TensorSpec
 
 __all__ = ["IN_FLIGHT", "CudaExecutor", "InFlight", "cuda_graph_fallback_warning"]
@@ -34,6 +38,8 @@ __all__ = ["IN_FLIGHT", "CudaExecutor", "InFlight", "cuda_graph_fallback_warning
 # host-to-device copy has completed): two enqueued on its stream, so the GPU
 # always has the next one ready, and one being collated.
 IN_FLIGHT = 3
+
+log = logging.getLogger("ferrobatch")
 
 
 class InFlight:
@@ -64,6 +70,10 @@ class InFlight:
         if self.error is not None:
             raise self.error
         return self.outputs
+
+
+# Launched batches, in order, from an instance's launch thread to its complete thread.
+Handoff = queue.SimpleQueue[tuple[_core.Batch, InFlight] | None]
 
 
 class CudaExecutor:
@@ -209,6 +219,64 @@ class CudaExecutor:
             except BaseException:  # noqa: BLE001 - a broken context: nothing to wait on
                 flight.staged = flight.done = None
         return flight
+
+    @torch.inference_mode()  # once per thread: entering it per batch costs microseconds
+    def serve_launch(
+        self,
+        worker: _core.Worker,
+        slots: Sequence[Mapping[str, torch.Tensor]],
+        handoff: Handoff,
+        tokens: threading.Semaphore,
+    ) -> None:
+        """The instance's first thread: collates a batch and enqueues it on the
+        instance's stream, then collates the next while the GPU computes.
+        ``tokens`` bounds the batches it holds (and so the slots) to IN_FLIGHT."""
+        try:
+            self.bind_thread()
+            while True:
+                tokens.acquire()  # GIL released while it waits
+                batch = worker.next_batch()
+                if batch is None:
+                    return
+                try:
+                    flight = self.launch(slots[batch.slot], batch.rows)
+                except BaseException as exc:  # noqa: BLE001 - launch keeps model errors; not this
+                    flight = InFlight(batch.rows)
+                    flight.error = exc
+                    try:
+                        self.stream.synchronize()  # nothing enqueued may still read the slot
+                    except BaseException:  # noqa: BLE001 - a broken context: nothing to wait on
+                        pass
+                handoff.put((batch, flight))
+        except BaseException:
+            log.exception("ferrobatch: instance on %s stopped", self.device)
+        finally:
+            handoff.put(None)
+
+    @torch.inference_mode()  # once per thread: entering it per batch costs microseconds
+    def serve_complete(
+        self, worker: _core.Worker, handoff: Handoff, tokens: threading.Semaphore, counters: WorkerCounters
+    ) -> None:
+        """The instance's second thread: for each launched batch, in order,
+        waits (GIL released) for its host-to-device copy and only then gives
+        the slot back, waits for its outputs, and finishes the batch."""
+        while (item := handoff.get()) is not None:
+            batch, flight = item
+            outputs: dict[str, torch.Tensor] | None = None
+            error: BaseException | None = None
+            try:
+                flight.wait_staged()
+            except BaseException as exc:  # noqa: BLE001 - the CUDA context is broken
+                error = exc
+            batch.release_slot()
+            if error is None:
+                try:
+                    outputs = flight.wait()
+                except BaseException as exc:  # noqa: BLE001 - delivered to the callers
+                    error, outputs = exc, None
+            counters.add(perf_counter_ns() - flight.started_ns, batch.n_requests, error is not None)
+            finish(worker, batch, outputs, error, ring_now=True)
+            tokens.release()
 
 
 def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:

@@ -6,16 +6,23 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from time import perf_counter_ns
 from typing import Any
 
 import torch
 import torch.utils.dlpack
 
+from . import _core
 from .errors import InvalidInputError, ModelError
 from .specs import TensorSpec
 
 Model = Callable[[dict[str, torch.Tensor]], Any]
+Outputs = dict[str, torch.Tensor]
+
+log = logging.getLogger("ferrobatch")
 
 
 def resolve_device(model: Model, device: str | torch.device | None) -> torch.device:
@@ -296,6 +303,31 @@ class StagedViews:
         )
 
 
+@dataclass
+class WorkerCounters:
+    """One instance's counters: written by its worker thread only, summed by
+    ``Server.stats()``."""
+
+    compute_ns: int = 0  # per batch
+    request_compute_ns: int = 0  # per request: a batch's compute time counts once per request
+    failed_batches: int = 0
+
+    def add(self, elapsed_ns: int, n_requests: int, failed: bool) -> None:
+        self.compute_ns += elapsed_ns
+        self.request_compute_ns += elapsed_ns * n_requests
+        self.failed_batches += failed
+
+
+def finish(worker: _core.Worker, batch: _core.Batch, outputs: Outputs | None, error: BaseException | None,
+           ring_now: bool = False) -> None:  # fmt: skip
+    """Hands a batch's outcome to its callers (one call into Rust). Never
+    raises: a failure here is a bug, logged, and the worker goes on."""
+    try:
+        worker.finish(batch, outputs, error, ring_now)
+    except BaseException:
+        log.exception("ferrobatch: finishing a batch failed")
+
+
 class CpuExecutor:
     """Runs the model straight on the staging slot (no copy). The caller may
     reuse the slot as soon as :meth:`run` returns: outputs never alias it.
@@ -349,3 +381,23 @@ class CpuExecutor:
                 out = out.clone()  # the slot is reused by the next batch
             outputs[name] = out
         return outputs
+
+    @torch.inference_mode()  # once per thread: entering it per batch costs microseconds
+    def serve(
+        self, worker: _core.Worker, slots: Sequence[Mapping[str, torch.Tensor]], counters: WorkerCounters
+    ) -> None:
+        """The instance's worker loop, until the batcher closes: takes a
+        collated batch (the GIL released while it waits and collates), runs
+        it on its staging slot, gives the slot back and finishes the batch."""
+        while (batch := worker.next_batch()) is not None:
+            outputs: Outputs | None = None
+            error: BaseException | None = None
+            started = perf_counter_ns()
+            try:
+                outputs = self.run(slots[batch.slot], batch.rows)
+            except BaseException as exc:  # noqa: BLE001 - even SystemExit: the worker survives
+                error = exc
+            batch.release_slot()  # outputs never alias the slot
+            counters.add(perf_counter_ns() - started, batch.n_requests, error is not None)
+            # Its callers' doorbells ring at the next next_batch, GIL released.
+            finish(worker, batch, outputs, error)

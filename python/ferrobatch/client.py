@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio.from_thread
+import anyio.lowlevel
 import torch
 
 from . import _core
@@ -31,11 +33,19 @@ class Client:
     A client may be shared by any number of tasks, event loops and threads.
     """
 
-    __slots__ = ("_server", "_submitter")
+    __slots__ = ("_loop_token", "_server", "_submitter")
 
-    def __init__(self, server: Server) -> None:
+    def __init__(
+        self,
+        server: Server,
+        submitter: _core.Submitter,
+        loop_token: Callable[[], anyio.lowlevel.EventLoopToken],
+    ) -> None:
+        # What a client needs of its server: the way in for requests, and the
+        # server's event loop for blocking callers. (``server`` is for users.)
         self._server = server
-        self._submitter = server._submitter
+        self._submitter = submitter
+        self._loop_token = loop_token
 
     @property
     def server(self) -> Server:
@@ -97,7 +107,7 @@ class Client:
 
     def _withdraw(self, rid: int, future: asyncio.Future[Outputs]) -> None:
         """The awaiting task was cancelled (on the loop that submitted ``rid``)."""
-        self._server._loops.state_for(asyncio.get_running_loop()).cancel(rid, future)
+        self._submitter.cancel(rid, future)
 
     def infer_sync(self, inputs: Inputs, timeout: float | None = None) -> Outputs:
         """Blocking :meth:`infer`, for threads other than the event loop's.
@@ -114,7 +124,7 @@ class Client:
                 "infer_sync() blocks and was called from a thread running an event loop; "
                 "use `await client.infer(...)` there"
             )
-        token = self._server._loop_token()
+        token = self._loop_token()
         try:
             return anyio.from_thread.run(self.infer, inputs, timeout, token=token)
         except anyio.RunFinishedError:

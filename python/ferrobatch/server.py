@@ -11,8 +11,6 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from time import perf_counter_ns
 from types import TracebackType
 from typing import Any
 
@@ -23,11 +21,11 @@ import anyio.to_thread
 import torch
 
 from . import _core
-from ._cuda import IN_FLIGHT, CudaExecutor, InFlight, cuda_graph_fallback_warning
-from ._loops import FAILURE_REASONS, LoopRegistry
+from ._cuda import IN_FLIGHT, CudaExecutor, Handoff, cuda_graph_fallback_warning
 from ._torch import (
     CpuExecutor,
     Model,
+    WorkerCounters,
     allocate_slot,
     batch_buckets,
     compile_model,
@@ -43,15 +41,6 @@ from .specs import TensorSpec
 __all__ = ["Server"]
 
 log = logging.getLogger("ferrobatch")
-
-
-@dataclass
-class _WorkerCounters:
-    """Written by one worker thread only; summed by stats()."""
-
-    compute_ns: int = 0  # per batch
-    request_compute_ns: int = 0  # per request: a batch's compute time counts once per request
-    failed_batches: int = 0
 
 
 class Server:
@@ -142,15 +131,17 @@ class Server:
         self.preferred_batch_sizes = tuple(sorted(set(preferred_batch_sizes)))
         self.max_queue_size = max_queue_size
         self._init_instances(device, cuda_graphs, compile, warmup)
-        self._loops = LoopRegistry(name)
+        # Every event loop that submits: its pending requests, what its
+        # callers saw, and the mailbox its batches are delivered to.
+        self._loops = _core.LoopRegistry(name)
         # Event loops stop watching this server's doorbells once it is freed.
         weakref.finalize(self, self._loops.close)
         self._batcher: _core.Batcher | None = None
         # Client.infer's way in: holds the batcher while the server runs.
-        self._submitter = _core.Submitter(self._loops.state_for, self._not_running)
+        self._submitter = _core.Submitter(self._loops, self._not_running)
         self._slots: list[dict[str, torch.Tensor]] = []
         self._threads: list[threading.Thread] = []
-        self._counters: list[_WorkerCounters] = []
+        self._counters: list[WorkerCounters] = []
         self._executors: list[CpuExecutor | CudaExecutor] = []
         self._token: anyio.lowlevel.EventLoopToken | None = None
         self._phase = "created"  # created -> starting (warm-up) -> running -> stopping -> stopped
@@ -265,36 +256,28 @@ class Server:
         # worker to the value the caller has now, whatever ran before on it.
         torch_threads = torch.get_num_threads()
         for i, executor in enumerate(executors):
-            counters = _WorkerCounters()
+            counters = WorkerCounters()
             self._counters.append(counters)
-            worker = _core.Worker(self._batcher)
+            worker = _core.Worker(self._batcher, self._loops)
             thread_name = f"ferrobatch-{self.name}-{i}"
+            # Per CPU instance one thread; per CUDA instance two, one launching
+            # batches and one completing them (IN_FLIGHT at most in between).
+            loops: list[tuple[str, Callable[..., None], tuple[Any, ...]]]
             if isinstance(executor, CudaExecutor):
-                handoff: queue.SimpleQueue[tuple[_core.Batch, InFlight] | None] = queue.SimpleQueue()
+                handoff: Handoff = queue.SimpleQueue()
                 tokens = threading.Semaphore(IN_FLIGHT)
-                self._threads += [
-                    threading.Thread(
-                        target=_with_torch_threads,
-                        args=(torch_threads, self._launch, executor, worker, handoff, tokens),
-                        name=f"{thread_name}-launch",
-                        daemon=True,
-                    ),
-                    threading.Thread(
-                        target=_with_torch_threads,
-                        args=(torch_threads, self._complete, handoff, tokens, counters),
-                        name=f"{thread_name}-complete",
-                        daemon=True,
-                    ),
+                loops = [
+                    (f"{thread_name}-launch", executor.serve_launch, (worker, self._slots, handoff, tokens)),
+                    (f"{thread_name}-complete", executor.serve_complete, (worker, handoff, tokens, counters)),
                 ]
             else:
-                self._threads.append(
-                    threading.Thread(
-                        target=_with_torch_threads,
-                        args=(torch_threads, self._work, executor, worker, counters),
-                        name=thread_name,
-                        daemon=True,
-                    )
+                loops = [(thread_name, executor.serve, (worker, self._slots, counters))]
+            self._threads += [
+                threading.Thread(
+                    target=_with_torch_threads, args=(torch_threads, target, *args), name=name, daemon=True
                 )
+                for name, target, args in loops
+            ]
         self._phase = "running"
         self._submitter.accept(self._batcher)
         for thread in self._threads:
@@ -316,8 +299,7 @@ class Server:
         with anyio.move_on_after(math.inf if timeout is None else timeout):
             await _joined(self._threads)
         message = f"server '{self.name}' stopped before the request could run"
-        for state in list(self._loops.states):
-            state.fail_all_threadsafe(message)
+        self._loops.fail_all(message)
         self._phase = "stopped"
 
     @contextlib.contextmanager
@@ -363,7 +345,7 @@ class Server:
 
     def client(self) -> Client:
         """A client for this server (cheap; share it or make many)."""
-        return Client(self)
+        return Client(self, self._submitter, self._loop_token)
 
     def _not_running(self) -> ServerClosedError:
         return ServerClosedError(f"server '{self.name}' is not running ({self._phase})")
@@ -372,116 +354,6 @@ class Server:
         if self._token is None or self._phase != "running":
             raise ServerClosedError(f"server '{self.name}' is not running ({self._phase})")
         return self._token
-
-    # -- the worker threads -------------------------------------------------------------
-
-    @torch.inference_mode()  # once per thread: entering it per batch costs microseconds
-    def _work(self, executor: CpuExecutor, worker: _core.Worker, counters: _WorkerCounters) -> None:
-        """A CPU instance: collate, run on the slot, give it back, fan out."""
-        batcher = self._batcher
-        assert batcher is not None
-        while True:
-            batch = worker.next_batch()  # GIL released while it waits and collates
-            if batch is None:
-                return
-            outputs: dict[str, torch.Tensor] | None = None
-            error: BaseException | None = None
-            started = perf_counter_ns()
-            try:
-                outputs = executor.run(self._slots[batch.slot], batch.rows)
-            except BaseException as exc:  # noqa: BLE001 - even SystemExit: the worker survives
-                error, outputs = exc, None
-                counters.failed_batches += 1
-            batch.release_slot()  # outputs never alias the slot
-            elapsed = perf_counter_ns() - started
-            counters.compute_ns += elapsed
-            counters.request_compute_ns += elapsed * batch.n_requests
-            self._fan_out(batch, outputs, error, worker)
-
-    @torch.inference_mode()  # once per thread: entering it per batch costs microseconds
-    def _launch(
-        self,
-        executor: CudaExecutor,
-        worker: _core.Worker,
-        handoff: queue.SimpleQueue[tuple[_core.Batch, InFlight] | None],
-        tokens: threading.Semaphore,
-    ) -> None:
-        """A CUDA instance's first thread: collates a batch and enqueues it on
-        the instance's stream, then collates the next while the GPU computes.
-        ``tokens`` bounds the batches it holds (and so the slots) to IN_FLIGHT."""
-        try:
-            executor.bind_thread()
-            while True:
-                tokens.acquire()  # GIL released while it waits
-                batch = worker.next_batch()
-                if batch is None:
-                    return
-                try:
-                    flight = executor.launch(self._slots[batch.slot], batch.rows)
-                except BaseException as exc:  # noqa: BLE001 - launch keeps model errors; not this
-                    flight = InFlight(batch.rows)
-                    flight.error = exc
-                    try:
-                        executor.stream.synchronize()  # nothing enqueued may still read the slot
-                    except BaseException:  # noqa: BLE001 - a broken context: nothing to wait on
-                        pass
-                handoff.put((batch, flight))
-        except BaseException:
-            log.exception("ferrobatch: instance of model '%s' on %s stopped", self.name, executor.device)
-        finally:
-            handoff.put(None)
-
-    @torch.inference_mode()  # once per thread: entering it per batch costs microseconds
-    def _complete(
-        self,
-        handoff: queue.SimpleQueue[tuple[_core.Batch, InFlight] | None],
-        tokens: threading.Semaphore,
-        counters: _WorkerCounters,
-    ) -> None:
-        """A CUDA instance's second thread: for each launched batch, in order,
-        waits (GIL released) for its host-to-device copy and only then gives
-        the slot back, waits for its outputs, and fans them out."""
-        batcher = self._batcher
-        assert batcher is not None
-        while (item := handoff.get()) is not None:
-            batch, flight = item
-            outputs: dict[str, torch.Tensor] | None = None
-            error: BaseException | None = None
-            try:
-                flight.wait_staged()
-            except BaseException as exc:  # noqa: BLE001 - the CUDA context is broken
-                error = exc
-            batch.release_slot()
-            if error is None:
-                try:
-                    outputs = flight.wait()
-                except BaseException as exc:  # noqa: BLE001 - delivered to the callers
-                    error, outputs = exc, None
-            if error is not None:
-                counters.failed_batches += 1
-            elapsed = perf_counter_ns() - flight.started_ns
-            counters.compute_ns += elapsed
-            counters.request_compute_ns += elapsed * batch.n_requests
-            self._fan_out(batch, outputs, error, None)
-            tokens.release()
-
-    def _fan_out(
-        self,
-        batch: _core.Batch,
-        outputs: dict[str, torch.Tensor] | None,
-        error: BaseException | None,
-        worker: _core.Worker | None,
-    ) -> None:
-        """Posts the batch to each event loop with requests in it; ``worker``
-        (if given) rings their doorbells once it releases the GIL."""
-        states = self._loops.by_id
-        try:
-            for loop_id, routes in batch.groups():
-                state = states.get(loop_id)
-                if state is not None:  # else its loop closed: nobody awaits these
-                    state.deliver(worker, routes, outputs, error)
-        except BaseException:
-            log.exception("ferrobatch: fan-out of a batch of model '%s' failed", self.name)
 
     # -- introspection ------------------------------------------------------------------
 
@@ -497,23 +369,15 @@ class Server:
         of each batch, as Triton counts it); ``request_ns`` (submit to result,
         summed over succeeded requests).
         """
-        loops = self._loops
-        failed = dict.fromkeys(FAILURE_REASONS, 0)
-        succeeded, request_ns = loops.retired_succeeded, loops.retired_request_ns
-        for reason, n in loops.retired_failed.items():
-            failed[reason] += n
-        for state in loops.states:
-            succeeded += state.succeeded
-            request_ns += state.counters.request_ns
-            failed["model_error"] += state.counters.failed_in_fan_out
-            for reason, n in list(state.failed.items()):
-                failed[reason] += n
+        outcomes = self._loops.stats()
+        succeeded = outcomes.pop("succeeded")
+        request_ns = outcomes.pop("request_ns")
         core = self._batcher.stats() if self._batcher is not None else {}
         batches = int(core.get("batches", 0))
         rows = int(core.get("rows", 0))
         return {
             "requests_succeeded": succeeded,
-            "requests_failed": failed,
+            "requests_failed": outcomes,
             "batches": batches,
             "rows": rows,
             "mean_batch_size": rows / batches if batches else 0.0,

@@ -12,11 +12,12 @@ use ferrobatch_core::{
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
+use pyo3::types::{PyDict, PyString, PyType};
 
 use crate::errors::{invalid_input, to_pyerr};
-use crate::fanout::{ring_fd, LoopMailbox, Routes};
+use crate::fanout::{doorbells, post_batch, ring_fd, LoopMailbox};
 use crate::inputs::{Converter, InputSpec, Keep};
+use crate::loops::LoopRegistry;
 use crate::without_gil;
 
 /// The submit side of one model's batcher. Shared by every event loop and
@@ -229,7 +230,6 @@ impl Batcher {
         if self.core.readiness() == Readiness::OnFlush {
             mailbox.add_unflushed(rows);
         }
-        let id = request.id;
         let ticket = Ticket {
             request,
             batcher: self.core.clone(),
@@ -239,7 +239,7 @@ impl Batcher {
             _keep: keep,
         };
         let ticket = Bound::new(py, ticket)?;
-        mailbox.pending(py).set_item(id, &ticket)?;
+        mailbox.add_pending(py, &ticket)?;
         Ok(ticket)
     }
 }
@@ -258,8 +258,8 @@ pub struct Ticket {
     batcher: Arc<core::Batcher>,
     /// Resolved once, on the submitting loop, with the outputs or an error.
     pub(crate) future: Py<PyAny>,
-    /// The deadline's TimerHandle, whose callback args hold this ticket: taken
-    /// out when cancelled, so the cycle never outlives the request.
+    /// The deadline's TimerHandle (its callback args hold the mailbox and
+    /// the request id): cancelled and dropped when the request resolves.
     timer: Mutex<Option<Py<PyAny>>>,
     /// A multi-row request (`infer_batch`): its result keeps the batch dimension.
     pub(crate) batched: bool,
@@ -276,6 +276,26 @@ impl Ticket {
     pub(crate) fn has_deadline(&self) -> bool {
         self.request.deadline.is_some()
     }
+
+    /// Remembers the request's deadline timer, cancelled when it resolves.
+    pub(crate) fn set_timer(&self, handle: Py<PyAny>) {
+        *self.timer.lock().unwrap_or_else(|e| e.into_inner()) = Some(handle);
+    }
+
+    /// Cancels the deadline timer, if any, and lets go of it.
+    pub(crate) fn cancel_timer(&self, py: Python<'_>) -> PyResult<()> {
+        let timer = self.timer.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(timer) = timer {
+            timer.call_method0(py, intern!(py, "cancel"))?;
+        }
+        Ok(())
+    }
+
+    /// Withdraws the request (`to`: `Cancelled`, `Expired` or `Closed`).
+    /// True if it will never run; False if a batch already took it.
+    pub(crate) fn withdraw_as(&self, to: RequestState) -> bool {
+        self.batcher.withdraw(&self.request, to)
+    }
 }
 
 #[pymethods]
@@ -289,41 +309,6 @@ impl Ticket {
     fn future(&self, py: Python<'_>) -> Py<PyAny> {
         self.future.clone_ref(py)
     }
-
-    /// Remembers the request's deadline timer (set once), cancelled on resolve.
-    fn set_timer(&self, handle: Py<PyAny>) -> PyResult<()> {
-        let mut timer = self.timer.lock().unwrap_or_else(|e| e.into_inner());
-        if timer.is_some() {
-            return Err(PyValueError::new_err("the ticket already has a timer"));
-        }
-        *timer = Some(handle);
-        Ok(())
-    }
-
-    /// Cancels the deadline timer, if any, and lets go of it.
-    pub(crate) fn cancel_timer(&self, py: Python<'_>) -> PyResult<()> {
-        let timer = self.timer.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(timer) = timer {
-            timer.call_method0(py, intern!(py, "cancel"))?;
-        }
-        Ok(())
-    }
-
-    /// Withdraws the request ("cancelled", "expired" or "closed"). True if it
-    /// will never run; False if a batch already took it.
-    fn withdraw(&self, reason: &str) -> PyResult<bool> {
-        let to = match reason {
-            "cancelled" => RequestState::Cancelled,
-            "expired" => RequestState::Expired,
-            "closed" => RequestState::Closed,
-            _ => {
-                return Err(PyValueError::new_err(format!(
-                    "unknown withdraw reason '{reason}'"
-                )))
-            }
-        };
-        Ok(self.batcher.withdraw(&self.request, to))
-    }
 }
 
 /// The batch side for one model instance; used by one thread at a time.
@@ -334,6 +319,8 @@ pub struct Worker {
     /// into during `next_batch`, alive for as long as this worker exists.
     _batcher: Py<Batcher>,
     state: Mutex<core::Worker>,
+    /// The server's event loops, whose mailboxes the batches go to.
+    registry: Py<LoopRegistry>,
     /// Mailboxes posted to since the last `next_batch`: rung once the GIL is released.
     to_ring: Mutex<Vec<Py<LoopMailbox>>>,
 }
@@ -341,37 +328,51 @@ pub struct Worker {
 #[pymethods]
 impl Worker {
     #[new]
-    fn new(batcher: Bound<'_, Batcher>) -> Worker {
+    fn new(batcher: Bound<'_, Batcher>, registry: Py<LoopRegistry>) -> Worker {
         Worker {
             core: batcher.get().core.clone(),
             _batcher: batcher.unbind(),
+            registry,
             state: Mutex::new(core::Worker::new()),
             to_ring: Mutex::new(Vec::new()),
         }
     }
 
-    /// Posts a batch's outcome to a loop's mailbox; its doorbell rings at
-    /// this worker's next `next_batch`, after the GIL is released. True when
-    /// the mailbox has no doorbell: the caller then wakes the loop itself.
-    #[pyo3(signature = (mailbox, routes, outputs, error))]
-    fn deliver(
+    /// Finishes a batch with one call: hands its `outputs`
+    /// (`{name: batch tensor}`) or the `error` its model call raised to the
+    /// event loops its requests came from. Their doorbells ring after the
+    /// GIL is released: at once with `ring_now`, else at this worker's next
+    /// `next_batch` (so the woken loops never wait for this thread's GIL).
+    #[pyo3(signature = (batch, outputs, error, ring_now=false))]
+    fn finish(
         &self,
-        mailbox: Bound<'_, LoopMailbox>,
-        routes: &Routes,
+        py: Python<'_>,
+        batch: &Batch,
         outputs: Option<Py<PyDict>>,
         error: Option<Py<PyAny>>,
-    ) -> PyResult<bool> {
-        if !mailbox.get().post(routes, outputs, error)? {
-            return Ok(false); // the loop is already due to drain
+        ring_now: bool,
+    ) -> PyResult<()> {
+        let outcome = match (outputs, error) {
+            (_, Some(error)) => Err(error),
+            (Some(outputs), None) => Ok(outputs),
+            _ => return Err(PyValueError::new_err("finish needs outputs or an error")),
+        };
+        let posted = post_batch(py, self.registry.get(), &batch.groups, &outcome);
+        if ring_now {
+            let targets = doorbells(&posted);
+            // `posted` keeps each mailbox, and so its fd, alive meanwhile.
+            without_gil(py, || {
+                for (fd, eventfd) in targets {
+                    ring_fd(fd, eventfd);
+                }
+            });
+        } else {
+            self.to_ring
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .extend(posted);
         }
-        if mailbox.get().doorbell_fd().is_none() {
-            return Ok(true);
-        }
-        self.to_ring
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(mailbox.unbind());
-        Ok(false)
+        Ok(())
     }
 
     /// Rings the doorbells of what was delivered, then blocks (GIL released)
@@ -379,13 +380,10 @@ impl Worker {
     /// the batcher is closed and drained.
     fn next_batch(&self, py: Python<'_>) -> PyResult<Option<Batch>> {
         let to_ring = std::mem::take(&mut *self.to_ring.lock().unwrap_or_else(|e| e.into_inner()));
-        let doorbells: Vec<_> = to_ring
-            .iter()
-            .filter_map(|m| m.get().doorbell_target())
-            .collect();
+        let targets = doorbells(&to_ring);
         let batch = without_gil(py, || {
             // `to_ring` keeps each mailbox, and so its fd, alive meanwhile.
-            for (fd, eventfd) in doorbells {
+            for (fd, eventfd) in targets {
                 ring_fd(fd, eventfd);
             }
             let mut state = self.state.lock().map_err(|_| "worker state poisoned")?;
@@ -446,26 +444,5 @@ impl Batch {
     #[getter]
     fn n_requests(&self) -> usize {
         self.groups.iter().map(|(_, r)| r.len()).sum()
-    }
-
-    /// `[(loop_id, Routes)]`: one entry per event loop to wake.
-    fn groups<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let items = self
-            .groups
-            .iter()
-            .map(|(loop_id, routes)| {
-                let routes = Bound::new(
-                    py,
-                    Routes {
-                        routes: routes.clone(),
-                    },
-                )?;
-                PyTuple::new(
-                    py,
-                    [loop_id.into_pyobject(py)?.into_any(), routes.into_any()],
-                )
-            })
-            .collect::<PyResult<Vec<_>>>()?;
-        PyList::new(py, items)
     }
 }

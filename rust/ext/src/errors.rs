@@ -8,7 +8,7 @@ use pyo3::types::PyType;
 
 static ERRORS: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
 
-fn error_class<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyType>> {
+pub(crate) fn error_class<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyType>> {
     let module =
         ERRORS.get_or_try_init(py, || py.import("ferrobatch.errors").map(Bound::unbind))?;
     Ok(module.bind(py).getattr(name)?.cast_into::<PyType>()?)

@@ -1,10 +1,11 @@
-//! The loop side of fan-out: `LoopMailbox` (one per event loop), `Routes` and
-//! `LoopCounters`.
+//! The loop side of fan-out: each event loop's `LoopMailbox`, and what its
+//! callers saw (`Outcome`, `Tally`).
 //!
-//! A worker posts a finished batch's rows into the mailbox of each event loop
-//! it has requests from, then rings that loop's doorbell (an eventfd, or a
-//! pipe, the loop watches with `add_reader`) once the GIL is released, so the
-//! woken loop never waits for the GIL the worker still holds. The loop drains
+//! A worker finishes a batch with one call (`Worker.finish`): it posts the
+//! batch's outcome into the mailbox of each event loop it has requests from
+//! ([`post_batch`]) and rings that loop's doorbell (an eventfd, or a pipe,
+//! the loop watches with `add_reader`) once the GIL is released, so the woken
+//! loop never waits for the GIL the worker still holds. The loop drains
 //! everything posted since its last drain in one callback and resolves each
 //! request's future there, without a Python frame per request.
 //!
@@ -13,80 +14,132 @@
 //! gets one wake-up however many batches land before it drains, and no post
 //! is ever left undrained (a post either finds `armed` set, and the pending
 //! drain takes it, or sets it and rings).
+//!
+//! Failing a request has one path, [`LoopMailbox::fail`], whatever the
+//! reason (deadline, stop, model error, a fan-out that could not take the
+//! rows); a caller's cancellation goes through [`LoopMailbox::cancel`],
+//! which also settles what the caller saw. Everything here but `post` and
+//! the ringing runs on the mailbox's loop thread.
 
 use std::fs::File;
 use std::io::{Read, Write};
 use std::mem::ManuallyDrop;
-use std::os::fd::{FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
-use ferrobatch_core::{Readiness, Route};
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use ferrobatch_core::{Readiness, RequestState, Route};
+use pyo3::exceptions::PyRuntimeError;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PySlice, PyTuple};
+use pyo3::types::{PyDict, PySlice, PyTuple};
 
 use crate::batcher::Ticket;
-use crate::errors::{describe, ferrobatch_error};
-use crate::without_gil;
+use crate::errors::{describe, error_class, ferrobatch_error};
+use crate::loops::LoopRegistry;
 
-/// The rows of a batch that belong to the requests of one event loop.
-#[pyclass(frozen, module = "ferrobatch._core")]
-pub struct Routes {
-    pub(crate) routes: Arc<Vec<Route>>,
+/// How a request ended, as its caller saw it. `stats()` counts each request
+/// once, under one of these.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    Succeeded,
+    InvalidInput,
+    QueueFull,
+    DeadlineExceeded,
+    Cancelled,
+    ModelError,
+    ServerClosed,
 }
 
-#[pymethods]
-impl Routes {
-    /// `[(request_id, first_row, rows)]` in batch order.
-    fn entries<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let items = self
-            .routes
-            .iter()
-            .map(|r| (r.id, r.start, r.rows).into_pyobject(py))
-            .collect::<PyResult<Vec<_>>>()?;
-        PyList::new(py, items)
+pub(crate) const OUTCOMES: usize = 7;
+
+impl Outcome {
+    pub(crate) const ALL: [Outcome; OUTCOMES] = [
+        Outcome::Succeeded,
+        Outcome::InvalidInput,
+        Outcome::QueueFull,
+        Outcome::DeadlineExceeded,
+        Outcome::Cancelled,
+        Outcome::ModelError,
+        Outcome::ServerClosed,
+    ];
+
+    /// The name `stats()` reports it under.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Outcome::Succeeded => "succeeded",
+            Outcome::InvalidInput => "invalid_input",
+            Outcome::QueueFull => "queue_full",
+            Outcome::DeadlineExceeded => "deadline_exceeded",
+            Outcome::Cancelled => "cancelled",
+            Outcome::ModelError => "model_error",
+            Outcome::ServerClosed => "server_closed",
+        }
+    }
+
+    /// What a caller that got `error` saw.
+    pub(crate) fn of_error(py: Python<'_>, error: &Bound<'_, PyAny>) -> Outcome {
+        let classes = [
+            ("InvalidInputError", Outcome::InvalidInput),
+            ("QueueFullError", Outcome::QueueFull),
+            ("DeadlineExceededError", Outcome::DeadlineExceeded),
+            ("ServerClosedError", Outcome::ServerClosed),
+        ];
+        for (class, outcome) in classes {
+            if error_class(py, class).is_ok_and(|c| error.is_instance(&c).unwrap_or(false)) {
+                return outcome;
+            }
+        }
+        Outcome::ModelError
     }
 }
 
-/// Per-loop counters the Rust fan-out updates (read from any thread).
-#[pyclass(frozen, module = "ferrobatch._core")]
+/// Requests by outcome, and the submit-to-result time of the successes.
 #[derive(Default)]
-pub struct LoopCounters {
-    succeeded: AtomicU64,
+pub(crate) struct Tally {
+    counts: [AtomicU64; OUTCOMES],
     request_ns: AtomicU64,
-    failed_in_fan_out: AtomicU64,
 }
 
-#[pymethods]
-impl LoopCounters {
-    /// Requests resolved with a result.
-    #[getter]
-    fn succeeded(&self) -> u64 {
-        self.succeeded.load(Ordering::Relaxed)
+impl Tally {
+    pub(crate) fn count(&self, outcome: Outcome) {
+        self.counts[outcome as usize].fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Sum over those requests of the time from submit to result, in nanoseconds.
-    #[getter]
-    fn request_ns(&self) -> u64 {
-        self.request_ns.load(Ordering::Relaxed)
+    /// A request counted as `from` whose caller saw `to` after all.
+    fn recount(&self, from: Outcome, to: Outcome) {
+        // Counted as `from` earlier on this same loop thread: never below zero.
+        self.counts[from as usize].fetch_sub(1, Ordering::Relaxed);
+        self.count(to);
     }
 
-    /// Requests failed with `ModelError` by the fan-out's last resort (the
-    /// Python error path itself failed).
-    #[getter]
-    fn failed_in_fan_out(&self) -> u64 {
-        self.failed_in_fan_out.load(Ordering::Relaxed)
+    /// Adds this tally into `counts` and `request_ns`.
+    pub(crate) fn add_to(&self, counts: &mut [u64; OUTCOMES], request_ns: &mut u64) {
+        for (total, n) in counts.iter_mut().zip(&self.counts) {
+            *total = total.wrapping_add(n.load(Ordering::Relaxed));
+        }
+        *request_ns = request_ns.wrapping_add(self.request_ns.load(Ordering::Relaxed));
+    }
+
+    /// Takes over `other`'s counts (a mailbox being dropped).
+    pub(crate) fn absorb(&self, other: &Tally) {
+        for (mine, theirs) in self.counts.iter().zip(&other.counts) {
+            mine.fetch_add(theirs.load(Ordering::Relaxed), Ordering::Relaxed);
+        }
+        self.request_ns
+            .fetch_add(other.request_ns.load(Ordering::Relaxed), Ordering::Relaxed);
     }
 }
+
+/// A finished batch's outcome: its `outputs` (`{name: batch tensor}`) or the
+/// error its model call raised.
+pub(crate) type BatchOutcome = Result<Py<PyDict>, Py<PyAny>>;
 
 /// One batch's outcome for one loop, waiting to be drained.
 struct Post {
     routes: Arc<Vec<Route>>,
-    /// `outputs` of a successful batch, or the error it raised.
-    outcome: Result<Py<PyDict>, Py<PyAny>>,
+    outcome: BatchOutcome,
 }
 
 #[derive(Default)]
@@ -104,7 +157,6 @@ struct Doorbell {
 
 impl Doorbell {
     fn write_fd(&self) -> RawFd {
-        use std::os::fd::AsRawFd;
         self.write.as_ref().unwrap_or(&self.read).as_raw_fd()
     }
 }
@@ -122,25 +174,73 @@ pub(crate) fn ring_fd(fd: RawFd, eventfd: bool) {
     };
 }
 
-/// One event loop's side of the fan-out: its pending requests, counters,
-/// posted batches and doorbell. Everything but `post` and `ring` runs on the
-/// loop's thread.
+/// Posts a finished batch to the mailbox of each loop it has requests from.
+/// Returns the mailboxes whose doorbell must ring (after the GIL is
+/// released); a loop without a doorbell is woken here with
+/// `call_soon_threadsafe`. A loop dropped from the registry (closed) is
+/// skipped: nobody awaits its requests any more.
+pub(crate) fn post_batch(
+    py: Python<'_>,
+    registry: &LoopRegistry,
+    groups: &[(u32, Arc<Vec<Route>>)],
+    outcome: &BatchOutcome,
+) -> Vec<Py<LoopMailbox>> {
+    let mut to_ring = Vec::new();
+    for (loop_id, routes) in groups {
+        let Some(mailbox) = registry.get(py, *loop_id) else {
+            continue;
+        };
+        let outcome = match outcome {
+            Ok(outputs) => Ok(outputs.clone_ref(py)),
+            Err(error) => Err(error.clone_ref(py)),
+        };
+        if !mailbox.get().post(routes.clone(), outcome) {
+            continue; // the loop is already due to drain
+        }
+        if mailbox.get().doorbell.get().is_some() {
+            to_ring.push(mailbox);
+        } else {
+            let drain = mailbox.bind(py).getattr(intern!(py, "drain"));
+            let woken = drain.and_then(|drain| {
+                mailbox.get().event_loop.call_method1(
+                    py,
+                    intern!(py, "call_soon_threadsafe"),
+                    (drain,),
+                )
+            });
+            // A closed loop: nobody is left to await these requests.
+            drop(woken);
+        }
+    }
+    to_ring
+}
+
+/// Rings the doorbells of `mailboxes` (call with the GIL released; the
+/// caller keeps each mailbox, and so its fd, alive meanwhile).
+pub(crate) fn doorbells(mailboxes: &[Py<LoopMailbox>]) -> Vec<(RawFd, bool)> {
+    mailboxes
+        .iter()
+        .filter_map(|m| m.get().doorbell_target())
+        .collect()
+}
+
+/// One event loop's requests to one server: pending tickets by id, what
+/// its callers saw, posted batches and the doorbell.
 #[pyclass(frozen, module = "ferrobatch._core")]
 pub struct LoopMailbox {
     loop_id: u32,
+    pub(crate) event_loop: Py<PyAny>,
+    model_name: Arc<str>,
     /// Request id -> Ticket, for requests submitted from this loop.
-    #[pyo3(get)]
     pending: Py<PyDict>,
-    #[pyo3(get)]
-    counters: Py<LoopCounters>,
+    pub(crate) tally: Tally,
     create_future: Py<PyAny>,
     call_soon: Py<PyAny>,
+    call_later: Py<PyAny>,
     /// Rows this loop submitted in its current iteration, and the batcher
     /// they went to: made ready at once by `flush`, which `call_soon` runs
     /// after everything else the iteration does (greedy batchers only).
     unflushed: Mutex<Option<(Arc<ferrobatch_core::Batcher>, usize)>>,
-    /// `on_error(routes, error)`: fails a batch's requests (Python, rare path).
-    on_error: Py<PyAny>,
     inbox: Mutex<Inbox>,
     doorbell: OnceLock<Doorbell>,
     wakeups: AtomicU64,
@@ -148,50 +248,9 @@ pub struct LoopMailbox {
 
 #[pymethods]
 impl LoopMailbox {
-    #[new]
-    fn new(
-        py: Python<'_>,
-        loop_id: u32,
-        event_loop: &Bound<'_, PyAny>,
-        on_error: Py<PyAny>,
-    ) -> PyResult<LoopMailbox> {
-        Ok(LoopMailbox {
-            loop_id,
-            pending: PyDict::new(py).unbind(),
-            counters: Py::new(py, LoopCounters::default())?,
-            create_future: event_loop.getattr(intern!(py, "create_future"))?.unbind(),
-            call_soon: event_loop.getattr(intern!(py, "call_soon"))?.unbind(),
-            unflushed: Mutex::new(None),
-            on_error,
-            inbox: Mutex::new(Inbox::default()),
-            doorbell: OnceLock::new(),
-            wakeups: AtomicU64::new(0),
-        })
-    }
-
-    /// Takes ownership of the doorbell's file descriptors (non-blocking): an
-    /// eventfd (`read_fd == write_fd`) or a pipe. Without one, `post`'s
-    /// caller wakes the loop itself (`call_soon_threadsafe(drain)`).
-    fn set_doorbell(&self, read_fd: RawFd, write_fd: RawFd, eventfd: bool) -> PyResult<()> {
-        if eventfd != (read_fd == write_fd) {
-            return Err(PyValueError::new_err("an eventfd is one fd; a pipe is two"));
-        }
-        // SAFETY: the caller hands these fds over and never uses or closes them again.
-        let read = unsafe { OwnedFd::from_raw_fd(read_fd) };
-        let write = (!eventfd).then(|| unsafe { OwnedFd::from_raw_fd(write_fd) });
-        self.doorbell
-            .set(Doorbell {
-                read,
-                write,
-                eventfd,
-            })
-            .map_err(|_| PyRuntimeError::new_err("this mailbox already has a doorbell"))
-    }
-
     /// The fd the loop watches for readability, or None.
     #[getter]
     pub(crate) fn doorbell_fd(&self) -> Option<RawFd> {
-        use std::os::fd::AsRawFd;
         self.doorbell.get().map(|d| d.read.as_raw_fd())
     }
 
@@ -201,40 +260,11 @@ impl LoopMailbox {
         self.wakeups.load(Ordering::Relaxed)
     }
 
-    /// Posts a batch's outcome (worker thread): its `outputs`
-    /// (`{name: batch tensor}`), or the `error` it raised. True when this post
-    /// must wake the loop.
-    #[pyo3(signature = (routes, outputs, error))]
-    pub(crate) fn post(
-        &self,
-        routes: &Routes,
-        outputs: Option<Py<PyDict>>,
-        error: Option<Py<PyAny>>,
-    ) -> PyResult<bool> {
-        let outcome = match (outputs, error) {
-            (_, Some(error)) => Err(error),
-            (Some(outputs), None) => Ok(outputs),
-            _ => return Err(PyValueError::new_err("post needs outputs or an error")),
-        };
-        let mut inbox = self.inbox.lock().unwrap_or_else(|e| e.into_inner());
-        inbox.posts.push(Post {
-            routes: routes.routes.clone(),
-            outcome,
-        });
-        let wake = !inbox.armed;
-        inbox.armed = true;
-        Ok(wake)
-    }
-
-    /// Rings the doorbell with the GIL released. False if there is none.
-    fn ring(&self, py: Python<'_>) -> bool {
-        match self.doorbell_target() {
-            Some((fd, eventfd)) => {
-                without_gil(py, || ring_fd(fd, eventfd));
-                true
-            }
-            None => false,
-        }
+    /// Requests of this loop not resolved yet (or resolved, and still held
+    /// by the batch that took them).
+    #[getter]
+    fn pending_count(&self, py: Python<'_>) -> usize {
+        self.pending.bind(py).len()
     }
 
     /// Readies for the workers the requests this loop submitted since the
@@ -250,11 +280,47 @@ impl LoopMailbox {
         }
     }
 
+    /// The deadline timer of request `id` fired (loop thread).
+    fn expire(&self, py: Python<'_>, id: u64, timeout: f64) {
+        self.fail(
+            py,
+            id,
+            Some(RequestState::Expired),
+            Outcome::DeadlineExceeded,
+            || {
+                let message = format!(
+                    "request to model '{}' exceeded its {timeout}s timeout",
+                    self.model_name
+                );
+                ferrobatch_error(py, "DeadlineExceededError", message)
+            },
+        );
+    }
+
+    /// Fails every request still pending with `ServerClosedError` (loop thread).
+    fn fail_all(&self, py: Python<'_>, message: &str) {
+        let ids: Vec<u64> = self
+            .pending
+            .bind(py)
+            .keys()
+            .iter()
+            .filter_map(|k| k.extract().ok())
+            .collect();
+        for id in ids {
+            self.fail(
+                py,
+                id,
+                Some(RequestState::Closed),
+                Outcome::ServerClosed,
+                || ferrobatch_error(py, "ServerClosedError", message.to_owned()),
+            );
+        }
+    }
+
     /// Resolves everything posted since the last drain (loop thread; the
     /// doorbell's reader callback).
     fn drain(&self, py: Python<'_>) -> PyResult<()> {
         if let Some(d) = self.doorbell.get() {
-            use std::os::fd::AsRawFd;
             // SAFETY: as in `ring_fd`; the fd is non-blocking, so this never waits.
             let mut file = ManuallyDrop::new(unsafe { File::from_raw_fd(d.read.as_raw_fd()) });
             let mut buf = [0u8; 64];
@@ -271,20 +337,21 @@ impl LoopMailbox {
         self.wakeups.fetch_add(1, Ordering::Relaxed);
         let mut first_error = None;
         for post in posts {
-            let done = match post.outcome {
-                Ok(outputs) => self.resolve(py, &post.routes, outputs.bind(py)),
-                Err(error) => {
-                    let routes = Routes {
-                        routes: post.routes.clone(),
-                    };
-                    self.on_error.call1(py, (routes, error)).map(drop)
+            match post.outcome {
+                Ok(outputs) => {
+                    if let Err(e) = self.resolve(py, &post.routes, outputs.bind(py)) {
+                        // A bug, or outputs Python refused to index: whatever
+                        // it was, no caller of this batch is left waiting.
+                        self.fail_batch(
+                            py,
+                            &post.routes,
+                            e.value(py),
+                            "could not deliver its rows:",
+                        );
+                        first_error.get_or_insert(e);
+                    }
                 }
-            };
-            // Whatever failed, no caller of this batch is left waiting; keep
-            // resolving the other batches and report the first failure.
-            if let Err(e) = done {
-                self.fail_routes(py, &post.routes, &e);
-                first_error.get_or_insert(e);
+                Err(error) => self.fail_batch(py, &post.routes, error.bind(py), "raised"),
             }
         }
         first_error.map_or(Ok(()), Err)
@@ -292,9 +359,77 @@ impl LoopMailbox {
 }
 
 impl LoopMailbox {
+    pub(crate) fn new(
+        py: Python<'_>,
+        loop_id: u32,
+        event_loop: &Bound<'_, PyAny>,
+        model_name: Arc<str>,
+    ) -> PyResult<LoopMailbox> {
+        Ok(LoopMailbox {
+            loop_id,
+            event_loop: event_loop.clone().unbind(),
+            model_name,
+            pending: PyDict::new(py).unbind(),
+            tally: Tally::default(),
+            create_future: event_loop.getattr(intern!(py, "create_future"))?.unbind(),
+            call_soon: event_loop.getattr(intern!(py, "call_soon"))?.unbind(),
+            call_later: event_loop.getattr(intern!(py, "call_later"))?.unbind(),
+            unflushed: Mutex::new(None),
+            inbox: Mutex::new(Inbox::default()),
+            doorbell: OnceLock::new(),
+            wakeups: AtomicU64::new(0),
+        })
+    }
+
+    /// Takes ownership of the doorbell's non-blocking file descriptors: an
+    /// eventfd (`write` None) or a pipe. Without one, `post_batch` wakes the
+    /// loop with `call_soon_threadsafe(drain)`.
+    pub(crate) fn set_doorbell(&self, read: OwnedFd, write: Option<OwnedFd>) -> PyResult<()> {
+        let eventfd = write.is_none();
+        self.doorbell
+            .set(Doorbell {
+                read,
+                write,
+                eventfd,
+            })
+            .map_err(|_| PyRuntimeError::new_err("this mailbox already has a doorbell"))
+    }
+
+    /// Posts a batch's outcome (worker thread). True when this post must
+    /// wake the loop.
+    fn post(&self, routes: Arc<Vec<Route>>, outcome: BatchOutcome) -> bool {
+        let mut inbox = self.inbox.lock().unwrap_or_else(|e| e.into_inner());
+        inbox.posts.push(Post { routes, outcome });
+        let wake = !inbox.armed;
+        inbox.armed = true;
+        wake
+    }
+
     /// Submit side (loop thread): a new future of this loop, for a ticket.
     pub(crate) fn new_future(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         self.create_future.call0(py)
+    }
+
+    /// Submit side (loop thread): registers a queued request's ticket.
+    pub(crate) fn add_pending(&self, py: Python<'_>, ticket: &Bound<'_, Ticket>) -> PyResult<()> {
+        self.pending.bind(py).set_item(ticket.get().id(), ticket)
+    }
+
+    /// Submit side (loop thread): arms the deadline timer of a queued request.
+    pub(crate) fn arm_timer(
+        this: &Bound<'_, LoopMailbox>,
+        ticket: &Ticket,
+        timeout: f64,
+    ) -> PyResult<()> {
+        let py = this.py();
+        let expire = this.getattr(intern!(py, "expire"))?;
+        // The handle's args hold the mailbox and the id, never the ticket.
+        let handle = this
+            .get()
+            .call_later
+            .call1(py, (timeout, expire, ticket.id(), timeout))?;
+        ticket.set_timer(handle);
+        Ok(())
     }
 
     /// Submit side (loop thread), before a request to `batcher` is queued:
@@ -335,68 +470,147 @@ impl LoopMailbox {
         self.loop_id
     }
 
-    pub(crate) fn pending<'py>(&self, py: Python<'py>) -> &Bound<'py, PyDict> {
-        self.pending.bind(py)
-    }
-
-    /// The last resort when failing a batch's requests itself failed: hands
-    /// a `ModelError` (caused by `error`) to every still-pending request of
-    /// `routes`, so that no caller is left waiting, and counts them.
-    fn fail_routes(&self, py: Python<'_>, routes: &[Route], error: &PyErr) {
-        let message = format!(
-            "the results of this request's batch could not be delivered: {}",
-            describe(py, error)
-        );
-        let mut failed = 0;
-        let pending = self.pending.bind(py);
-        for route in routes {
-            let Ok(Some(entry)) = pending.get_item(route.id) else {
-                continue;
-            };
-            let _ = pending.del_item(route.id);
-            let Ok(ticket) = entry.cast_into::<Ticket>() else {
-                continue;
-            };
-            let ticket = ticket.get();
-            let _ = ticket.cancel_timer(py);
-            let future = ticket.future.bind(py);
-            if let Ok(false) = future
-                .call_method0(intern!(py, "done"))
-                .and_then(|d| d.is_truthy())
-            {
-                // One instance per caller: one raised in many tasks would
-                // collect all their tracebacks.
-                let err = ferrobatch_error(py, "ModelError", message.clone());
-                err.set_cause(py, Some(error.clone_ref(py)));
-                if future
-                    .call_method1(intern!(py, "set_exception"), (err.value(py),))
-                    .is_ok()
-                {
-                    failed += 1;
-                }
-            }
-        }
-        self.counters
-            .get()
-            .failed_in_fan_out
-            .fetch_add(failed, Ordering::Relaxed);
-    }
-
     /// `(fd, eventfd)` to ring, if the mailbox has a doorbell.
     pub(crate) fn doorbell_target(&self) -> Option<(RawFd, bool)> {
         self.doorbell.get().map(|d| (d.write_fd(), d.eventfd))
     }
 
+    /// Settles requests nobody can await any more (the loop is closed):
+    /// withdraws the queued ones and drops delivered batches. True once no
+    /// batch holds any of them, so the mailbox may go.
+    pub(crate) fn abandon(&self, py: Python<'_>) -> bool {
+        let posts = std::mem::take(&mut self.inbox.lock().unwrap_or_else(|e| e.into_inner()).posts);
+        let pending = self.pending.bind(py);
+        for post in &posts {
+            for route in post.routes.iter() {
+                let _ = pending.del_item(route.id);
+            }
+        }
+        let entries: Vec<_> = pending.iter().collect();
+        for (key, entry) in entries {
+            let Ok(ticket) = entry.cast_into::<Ticket>() else {
+                continue;
+            };
+            if ticket.get().withdraw_as(RequestState::Closed) {
+                let _ = pending.del_item(key);
+            }
+        }
+        pending.is_empty()
+    }
+
+    /// The one path that fails request `id`: cancels its deadline timer,
+    /// withdraws it (`withdraw_as`; None for a request whose batch is done),
+    /// lets the ticket (and its inputs) go once no batch can read them, and
+    /// hands its future `error()` unless it is resolved already, counting
+    /// `outcome` then. Cannot fail: a request it cannot fail is one resolved
+    /// already.
+    fn fail(
+        &self,
+        py: Python<'_>,
+        id: u64,
+        withdraw_as: Option<RequestState>,
+        outcome: Outcome,
+        error: impl FnOnce() -> PyErr,
+    ) {
+        let pending = self.pending.bind(py);
+        let Ok(Some(entry)) = pending.get_item(id) else {
+            return;
+        };
+        let Ok(ticket) = entry.cast_into::<Ticket>() else {
+            return;
+        };
+        let ticket = ticket.get();
+        let _ = ticket.cancel_timer(py);
+        // Still held by a batch (it took the request): its inputs stay until
+        // that batch resolves it.
+        let gone = match withdraw_as {
+            Some(to) => ticket.withdraw_as(to),
+            None => true,
+        };
+        if gone {
+            let _ = pending.del_item(id);
+        }
+        let future = ticket.future.bind(py);
+        if is_done(future) {
+            return;
+        }
+        let set = future.call_method1(intern!(py, "set_exception"), (error().value(py),));
+        if set.is_ok() {
+            self.tally.count(outcome);
+        }
+    }
+
+    /// Fails this loop's requests of a batch with `ModelError`: its model
+    /// call raised `error` (or the fan-out could not take its rows, `what`).
+    /// The message is made once, and cannot raise.
+    fn fail_batch(&self, py: Python<'_>, routes: &[Route], error: &Bound<'_, PyAny>, what: &str) {
+        let is_model_error =
+            error_class(py, "ModelError").is_ok_and(|c| error.is_instance(&c).unwrap_or(false));
+        let text = describe(py, &PyErr::from_value(error.clone()));
+        let message = if is_model_error {
+            format!("model '{}': {text}", self.model_name)
+        } else {
+            format!("model '{}' {what} {text}", self.model_name)
+        };
+        for route in routes {
+            self.fail(py, route.id, None, Outcome::ModelError, || {
+                // One instance per caller: one raised in many tasks would
+                // collect all their tracebacks.
+                let err = ferrobatch_error(py, "ModelError", message.clone());
+                if !is_model_error {
+                    err.set_cause(py, Some(PyErr::from_value(error.clone())));
+                }
+                err
+            });
+        }
+    }
+
+    /// The task awaiting request `id`'s `future` was cancelled (loop
+    /// thread): withdraws the request if no batch took it, and counts it as
+    /// cancelled, whatever else may have resolved the future meanwhile (in
+    /// the same loop iteration): the caller saw the cancellation.
+    pub(crate) fn cancel(
+        &self,
+        py: Python<'_>,
+        id: u64,
+        future: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let pending = self.pending.bind(py);
+        if let Some(entry) = pending.get_item(id)? {
+            let ticket = entry.cast_into::<Ticket>()?;
+            let ticket = ticket.get();
+            ticket.cancel_timer(py)?;
+            if ticket.withdraw_as(RequestState::Cancelled) {
+                pending.del_item(id)?; // never runs: its inputs may go
+            }
+        }
+        if !is_done(future) {
+            future.call_method0(intern!(py, "cancel"))?; // a late result is dropped, uncounted
+        } else if !future.call_method0(intern!(py, "cancelled"))?.is_truthy()? {
+            let error = future.call_method0(intern!(py, "exception"))?;
+            let counted = if error.is_none() {
+                Outcome::Succeeded
+            } else {
+                Outcome::of_error(py, &error)
+            };
+            self.tally.recount(counted, Outcome::Cancelled);
+            return Ok(());
+        }
+        self.tally.count(Outcome::Cancelled);
+        Ok(())
+    }
+
     /// Resolves this loop's requests of one successful batch.
     ///
-    /// Each pending ticket found is removed, its timer cancelled, and its
-    /// future given `{name: row}` (one-sample requests: a row of
-    /// `outputs[name].unbind(0)`, made here at most once per batch, and only
-    /// if a one-sample request is in it: the loop thread runs it, so the
-    /// worker never drops the GIL for it) or
-    /// `{name: outputs[name][first:first + n]}` (multi-row requests). A
-    /// future already done (its task was cancelled, or its deadline passed)
+    /// Each pending ticket found is given `{name: row}` (one-sample
+    /// requests: a row of `outputs[name].unbind(0)`, made here at most once
+    /// per batch, and only if a one-sample request is in it: the loop thread
+    /// runs it, so the worker never drops the GIL for it) or
+    /// `{name: outputs[name][first:first + n]}` (multi-row requests), then
+    /// removed, its timer cancelled, and its future resolved. A future
+    /// already done (its task was cancelled, or its deadline passed)
     /// refuses the result, and that is fine: it was resolved once already.
+    /// Rows that cannot be taken from the outputs fail as a model error.
     fn resolve(
         &self,
         py: Python<'_>,
@@ -439,8 +653,6 @@ impl LoopMailbox {
                 result.set_item(&*name, value)
             });
             if let Err(err) = built {
-                // Rows that cannot be taken from the outputs (the model
-                // returned something odd): failed below as a model error.
                 unbuilt.push(*route);
                 build_error.get_or_insert(err);
                 continue;
@@ -456,19 +668,25 @@ impl LoopMailbox {
                         .as_nanos() as u64;
                 }
                 // Already resolved (cancelled, or past its deadline): drop the result.
-                Err(_) if future.call_method0(intern!(py, "done"))?.is_truthy()? => {}
+                Err(_) if is_done(future) => {}
                 Err(e) => return Err(e),
             }
         }
-        let counters = self.counters.get();
-        counters.succeeded.fetch_add(succeeded, Ordering::Relaxed);
-        counters.request_ns.fetch_add(request_ns, Ordering::Relaxed);
+        let tally = &self.tally;
+        tally.counts[Outcome::Succeeded as usize].fetch_add(succeeded, Ordering::Relaxed);
+        tally.request_ns.fetch_add(request_ns, Ordering::Relaxed);
         if let Some(err) = build_error {
-            let routes = Routes {
-                routes: Arc::new(unbuilt),
-            };
-            self.on_error.call1(py, (routes, err.value(py)))?;
+            let what = "returned outputs its rows could not be taken from:";
+            self.fail_batch(py, &unbuilt, err.value(py), what);
         }
         Ok(())
     }
+}
+
+fn is_done(future: &Bound<'_, PyAny>) -> bool {
+    let py = future.py();
+    future
+        .call_method0(intern!(py, "done"))
+        .and_then(|d| d.is_truthy())
+        .unwrap_or(true)
 }

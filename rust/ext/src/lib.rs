@@ -11,6 +11,7 @@ mod codec;
 mod errors;
 mod fanout;
 mod inputs;
+mod loops;
 mod submit;
 
 use pyo3::prelude::*;
@@ -31,8 +32,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<batcher::Ticket>()?;
     m.add_class::<batcher::Worker>()?;
     m.add_class::<batcher::Batch>()?;
-    m.add_class::<fanout::Routes>()?;
-    m.add_class::<fanout::LoopCounters>()?;
+    m.add_class::<loops::LoopRegistry>()?;
     m.add_class::<fanout::LoopMailbox>()?;
     m.add_class::<submit::Submitter>()?;
     m.add_function(wrap_pyfunction!(submit::after_fork_in_child, m)?)?;

@@ -16,7 +16,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use pyo3::exceptions::PyTypeError;
 use pyo3::ffi;
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -25,7 +24,8 @@ use pyo3::{PyTraverseError, PyVisit};
 
 use crate::batcher::Batcher;
 use crate::errors::{invalid_input, is_ferrobatch_error};
-use crate::fanout::LoopMailbox;
+use crate::fanout::{LoopMailbox, Outcome};
+use crate::loops::LoopRegistry;
 
 /// Bumped in a forked child, so that no loop cached in the parent is used.
 static FORK_GENERATION: AtomicU64 = AtomicU64::new(0);
@@ -62,7 +62,6 @@ struct CachedLoop {
     /// The running-loop marker (or the loop) this entry was made for.
     marker: Py<PyAny>,
     generation: u64,
-    state: Py<PyAny>,
     mailbox: Py<LoopMailbox>,
 }
 
@@ -71,8 +70,8 @@ struct CachedLoop {
 #[pyclass(frozen, module = "ferrobatch._core")]
 pub struct Submitter {
     batcher: Mutex<Option<Py<Batcher>>>,
-    /// `state_for(loop) -> LoopState`: the loop's state (made on first use).
-    state_for: Py<PyAny>,
+    /// Every event loop's mailbox (made on its first submit).
+    registry: Py<LoopRegistry>,
     /// `not_running() -> ServerClosedError`, raised while no batcher is in.
     not_running: Py<PyAny>,
     get_running_loop: Py<PyAny>,
@@ -83,11 +82,15 @@ pub struct Submitter {
 #[pymethods]
 impl Submitter {
     #[new]
-    fn new(py: Python<'_>, state_for: Py<PyAny>, not_running: Py<PyAny>) -> PyResult<Submitter> {
+    fn new(
+        py: Python<'_>,
+        registry: Py<LoopRegistry>,
+        not_running: Py<PyAny>,
+    ) -> PyResult<Submitter> {
         let get_running_loop = py.import("asyncio")?.getattr("get_running_loop")?.unbind();
         Ok(Submitter {
             batcher: Mutex::new(None),
-            state_for,
+            registry,
             not_running,
             get_running_loop,
             cached: Mutex::new(None),
@@ -97,7 +100,7 @@ impl Submitter {
     // The callbacks refer back to the server that owns this submitter: a
     // cycle only the garbage collector can break.
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
-        visit.call(&self.state_for)?;
+        visit.call(&self.registry)?;
         visit.call(&self.not_running)?;
         visit.call(&self.get_running_loop)?;
         if let Ok(batcher) = self.batcher.try_lock() {
@@ -106,7 +109,6 @@ impl Submitter {
         if let Ok(cached) = self.cached.try_lock() {
             if let Some(c) = &*cached {
                 visit.call(&c.marker)?;
-                visit.call(&c.state)?;
                 visit.call(&c.mailbox)?;
             }
         }
@@ -145,13 +147,12 @@ impl Submitter {
         let Some(batcher) = batcher else {
             let err = PyErr::from_value(self.not_running.call0(py)?.into_bound(py));
             // Counted like any refusal, where there is a loop to count it in.
-            if let Ok((state, _)) = self.loop_state(py) {
-                state.call_method1(py, intern!(py, "count_failure"), (err.value(py),))?;
+            if let Ok(mailbox) = self.mailbox(py) {
+                mailbox.get().tally.count(Outcome::ServerClosed);
             }
             return Err(err);
         };
-        let (state, mailbox) = self.loop_state(py)?;
-        let state = state.bind(py);
+        let mailbox = self.mailbox(py)?;
         let submitted = parse_timeout(py, timeout).and_then(|deadline| {
             batcher
                 .get()
@@ -161,7 +162,10 @@ impl Submitter {
             Ok(ticket) => ticket,
             Err(err) => {
                 if is_ferrobatch_error(py, &err) {
-                    state.call_method1(intern!(py, "count_failure"), (err.value(py),))?;
+                    mailbox
+                        .get()
+                        .tally
+                        .count(Outcome::of_error(py, err.value(py)));
                 }
                 return Err(err);
             }
@@ -169,8 +173,9 @@ impl Submitter {
         if let Some(timeout) = timeout.filter(|_| ticket.get().has_deadline()) {
             // Queued: arming the timer must not fail the submit now; if it
             // does, the request still resolves by its batch or by stop().
-            if let Err(err) = state.call_method1(intern!(py, "arm_timer"), (&ticket, timeout)) {
-                err.write_unraisable(py, Some(state));
+            let mailbox = mailbox.bind(py);
+            if let Err(err) = LoopMailbox::arm_timer(mailbox, ticket.get(), timeout) {
+                err.write_unraisable(py, Some(mailbox.as_any()));
             }
         }
         let ticket = ticket.get();
@@ -181,6 +186,13 @@ impl Submitter {
                 ticket.id().into_pyobject(py)?.into_any(),
             ],
         )
+    }
+
+    /// The task awaiting request `id`'s `future` was cancelled (on the loop
+    /// that submitted it): withdraws the request if no batch has taken it,
+    /// and counts it as cancelled.
+    fn cancel(&self, py: Python<'_>, id: u64, future: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.mailbox(py)?.get().cancel(py, id, future)
     }
 }
 
@@ -199,8 +211,8 @@ fn parse_timeout(py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Durati
 }
 
 impl Submitter {
-    /// The calling loop's `(LoopState, mailbox)`; RuntimeError with no loop running.
-    fn loop_state(&self, py: Python<'_>) -> PyResult<(Py<PyAny>, Py<LoopMailbox>)> {
+    /// The calling loop's mailbox; RuntimeError with no loop running.
+    fn mailbox(&self, py: Python<'_>) -> PyResult<Py<LoopMailbox>> {
         // Without a marker the loop itself is the key, looked up once here.
         let (marker, looked_up) = match running_loop_marker(py) {
             Some(marker) => (marker, None),
@@ -214,7 +226,7 @@ impl Submitter {
             let cached = self.cached.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(c) = &*cached {
                 if c.marker.is(&marker) && c.generation == generation {
-                    return Ok((c.state.clone_ref(py), c.mailbox.clone_ref(py)));
+                    return Ok(c.mailbox.clone_ref(py));
                 }
             }
         }
@@ -222,19 +234,12 @@ impl Submitter {
             Some(event_loop) => event_loop,
             None => self.get_running_loop.call0(py)?.into_bound(py),
         };
-        let state = self.state_for.call1(py, (event_loop,))?;
-        let mailbox = state
-            .getattr(py, intern!(py, "mailbox"))?
-            .into_bound(py)
-            .cast_into::<LoopMailbox>()
-            .map_err(|_| PyTypeError::new_err("LoopState.mailbox must be a LoopMailbox"))?
-            .unbind();
+        let mailbox = self.registry.get().mailbox_for(py, &event_loop)?;
         *self.cached.lock().unwrap_or_else(|e| e.into_inner()) = Some(CachedLoop {
             marker: marker.unbind(),
             generation,
-            state: state.clone_ref(py),
             mailbox: mailbox.clone_ref(py),
         });
-        Ok((state, mailbox))
+        Ok(mailbox)
     }
 }

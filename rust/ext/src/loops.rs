@@ -1,0 +1,246 @@
+//! `LoopRegistry`: the one owner, for one server, of every event loop's
+//! `LoopMailbox` (its pending requests, what its callers saw, its doorbell).
+//!
+//! A loop gets a mailbox on its first submit, with a doorbell it watches
+//! (`add_reader` on an eventfd, or a pipe; none where the loop cannot watch
+//! file descriptors). Mailboxes are found by loop id (workers, per batch)
+//! and by loop (submitters, on a cache miss). A closed loop's mailbox goes,
+//! with its doorbell's fds, once none of its requests is held by a batch:
+//! each new loop sweeps the closed ones, so a program that runs
+//! `asyncio.run` again and again keeps one mailbox at a time. The counts of
+//! the dropped ones are kept in `retired`.
+//!
+//! The map is behind a mutex that is never held while Python code runs
+//! (which could re-enter the registry on the same thread).
+
+use std::collections::HashMap;
+use std::os::fd::{FromRawFd, OwnedFd, RawFd};
+use std::sync::{Arc, Mutex};
+
+use pyo3::exceptions::{PyNotImplementedError, PyOSError, PyRuntimeError};
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use crate::fanout::{LoopMailbox, Outcome, Tally, OUTCOMES};
+
+#[derive(Default)]
+struct Mailboxes {
+    by_id: HashMap<u32, Py<LoopMailbox>>,
+    /// Loop object address -> id. An address stays valid as a key while its
+    /// mailbox (which holds the loop) is in `by_id`.
+    by_loop: HashMap<usize, u32>,
+    next_id: u32,
+}
+
+/// Every event loop that submits to one server, and what its callers saw.
+#[pyclass(frozen, module = "ferrobatch._core")]
+pub struct LoopRegistry {
+    model_name: Arc<str>,
+    mailboxes: Mutex<Mailboxes>,
+    /// What the callers of dropped mailboxes saw.
+    retired: Tally,
+}
+
+#[pymethods]
+impl LoopRegistry {
+    #[new]
+    fn new(model_name: &str) -> LoopRegistry {
+        LoopRegistry {
+            model_name: model_name.into(),
+            mailboxes: Mutex::new(Mailboxes::default()),
+            retired: Tally::default(),
+        }
+    }
+
+    /// The mailboxes of the loops not dropped yet.
+    fn mailboxes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.all(py))
+    }
+
+    /// `{outcome: requests}` for every outcome (`succeeded`, `invalid_input`,
+    /// `queue_full`, `deadline_exceeded`, `cancelled`, `model_error`,
+    /// `server_closed`), plus `request_ns` (submit to result, summed over
+    /// the successes).
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let mut counts = [0u64; OUTCOMES];
+        let mut request_ns = 0u64;
+        self.retired.add_to(&mut counts, &mut request_ns);
+        for mailbox in self.all(py) {
+            mailbox.get().tally.add_to(&mut counts, &mut request_ns);
+        }
+        let stats = PyDict::new(py);
+        for outcome in Outcome::ALL {
+            stats.set_item(outcome.name(), counts[outcome as usize])?;
+        }
+        stats.set_item("request_ns", request_ns)?;
+        Ok(stats)
+    }
+
+    /// Fails every pending request of every loop with `ServerClosedError`,
+    /// each on its own loop's thread (at once for the calling loop's).
+    fn fail_all(&self, py: Python<'_>, message: &str) -> PyResult<()> {
+        for mailbox in self.all(py) {
+            let fail_all = mailbox.bind(py).getattr(intern!(py, "fail_all"))?;
+            on_loop(py, &mailbox.get().event_loop, &fail_all, message)?;
+        }
+        Ok(())
+    }
+
+    /// Stops every loop watching its doorbell (the server is going away).
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        for mailbox in self.all(py) {
+            if let Some(fd) = mailbox.get().doorbell_fd() {
+                let event_loop = mailbox.get().event_loop.bind(py);
+                let remove = event_loop.getattr(intern!(py, "remove_reader"))?;
+                on_loop(py, event_loop.as_unbound(), &remove, fd)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl LoopRegistry {
+    /// The mailbox of loop `loop_id`, if it has not been dropped.
+    pub(crate) fn get(&self, py: Python<'_>, loop_id: u32) -> Option<Py<LoopMailbox>> {
+        let mailboxes = self.lock();
+        mailboxes.by_id.get(&loop_id).map(|m| m.clone_ref(py))
+    }
+
+    /// The mailbox of `event_loop` (the running loop of the calling thread),
+    /// made on its first use.
+    pub(crate) fn mailbox_for(
+        &self,
+        py: Python<'_>,
+        event_loop: &Bound<'_, PyAny>,
+    ) -> PyResult<Py<LoopMailbox>> {
+        let key = event_loop.as_ptr() as usize;
+        {
+            let mailboxes = self.lock();
+            if let Some(id) = mailboxes.by_loop.get(&key) {
+                if let Some(m) = mailboxes.by_id.get(id) {
+                    return Ok(m.clone_ref(py));
+                }
+            }
+        }
+        self.sweep_closed_loops(py);
+        let loop_id = {
+            let mut mailboxes = self.lock();
+            let id = mailboxes.next_id;
+            mailboxes.next_id = id
+                .checked_add(1)
+                .ok_or_else(|| PyRuntimeError::new_err("too many event loops for one server"))?;
+            id
+        };
+        let mailbox = Bound::new(
+            py,
+            LoopMailbox::new(py, loop_id, event_loop, self.model_name.clone())?,
+        )?;
+        watch_doorbell(py, event_loop, &mailbox)?;
+        let mailbox = mailbox.unbind();
+        let mut mailboxes = self.lock();
+        mailboxes.by_id.insert(loop_id, mailbox.clone_ref(py));
+        mailboxes.by_loop.insert(key, loop_id);
+        Ok(mailbox)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Mailboxes> {
+        self.mailboxes.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn all(&self, py: Python<'_>) -> Vec<Py<LoopMailbox>> {
+        self.lock()
+            .by_id
+            .values()
+            .map(|m| m.clone_ref(py))
+            .collect()
+    }
+
+    /// Drops the mailboxes of closed loops whose requests no batch holds.
+    fn sweep_closed_loops(&self, py: Python<'_>) {
+        for mailbox in self.all(py) {
+            let event_loop = mailbox.get().event_loop.bind(py);
+            let closed = event_loop
+                .call_method0(intern!(py, "is_closed"))
+                .and_then(|c| c.is_truthy())
+                .unwrap_or(false);
+            if !closed || !mailbox.get().abandon(py) {
+                continue;
+            }
+            self.retired.absorb(&mailbox.get().tally);
+            let mut mailboxes = self.lock();
+            mailboxes.by_id.remove(&mailbox.get().loop_id());
+            mailboxes.by_loop.remove(&(event_loop.as_ptr() as usize));
+        }
+    }
+}
+
+/// Calls `f(arg)` on `event_loop`'s thread: now if it is the running loop
+/// of this thread, else with `call_soon_threadsafe`. A closed loop has
+/// nobody left to serve: nothing happens.
+fn on_loop<'py, A: IntoPyObject<'py>>(
+    py: Python<'py>,
+    event_loop: &Py<PyAny>,
+    f: &Bound<'py, PyAny>,
+    arg: A,
+) -> PyResult<()> {
+    let running = py
+        .import(intern!(py, "asyncio"))?
+        .call_method0(intern!(py, "_get_running_loop"))?;
+    if running.is(event_loop) {
+        f.call1((arg,))?;
+        return Ok(());
+    }
+    let scheduled = event_loop.call_method1(py, intern!(py, "call_soon_threadsafe"), (f, arg));
+    match scheduled {
+        Err(e) if e.is_instance_of::<PyRuntimeError>(py) => Ok(()), // closed loop
+        other => other.map(drop),
+    }
+}
+
+/// Gives `mailbox` a doorbell `event_loop` watches (on the loop's thread).
+/// Where the loop cannot watch file descriptors the mailbox has none, and
+/// `call_soon_threadsafe` wakes the loop instead.
+fn watch_doorbell(
+    py: Python<'_>,
+    event_loop: &Bound<'_, PyAny>,
+    mailbox: &Bound<'_, LoopMailbox>,
+) -> PyResult<()> {
+    let os = py.import(intern!(py, "os"))?;
+    let (read, write): (RawFd, RawFd) = if os.hasattr(intern!(py, "eventfd"))? {
+        let flags = os.getattr(intern!(py, "EFD_NONBLOCK"))?.extract::<i64>()?
+            | os.getattr(intern!(py, "EFD_CLOEXEC"))?.extract::<i64>()?;
+        let fd = os
+            .call_method1(intern!(py, "eventfd"), (0, flags))?
+            .extract()?;
+        (fd, fd)
+    } else {
+        let (read, write): (RawFd, RawFd) = os.call_method0(intern!(py, "pipe"))?.extract()?;
+        for fd in [read, write] {
+            os.call_method1(intern!(py, "set_blocking"), (fd, false))?;
+        }
+        (read, write)
+    };
+    // SAFETY: the fds were just made for this mailbox, and nothing else
+    // holds or closes them: from here they are owned (and closed) here.
+    let (read_fd, write_fd) = unsafe {
+        let read_fd = OwnedFd::from_raw_fd(read);
+        let write_fd = (write != read).then(|| OwnedFd::from_raw_fd(write));
+        (read_fd, write_fd)
+    };
+    let watched = event_loop.call_method1(
+        intern!(py, "add_reader"),
+        (read, mailbox.getattr(intern!(py, "drain"))?),
+    );
+    match watched {
+        Ok(_) => mailbox.get().set_doorbell(read_fd, write_fd),
+        Err(e)
+            if e.is_instance_of::<PyNotImplementedError>(py)
+                || e.is_instance_of::<PyOSError>(py)
+                || e.is_instance_of::<PyRuntimeError>(py) =>
+        {
+            Ok(()) // the fds close as they drop
+        }
+        Err(e) => Err(e),
+    }
+}
