@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use ferrobatch_core::{
-    Batcher, BatcherConfig, DispatchRule, InputBytes, Readiness, Request, SlotBuffer, Worker,
+    Batcher, BatcherConfig, DispatchRule, InputBytes, Readiness, Request, Sink, SlotBuffer, Worker,
 };
 
 const MAX_BATCH: usize = 64;
@@ -49,7 +49,7 @@ fn bench_batcher(c: &mut Criterion) {
                     let input = unsafe { InputBytes::new(SAMPLE.as_ptr(), ROW) };
                     tickets.push(
                         batcher
-                            .submit(0, 1, Box::new([input]), None)
+                            .submit(Sink::EventLoop(0), 1, Box::new([input]), None)
                             .expect("admitted"),
                     );
                 }

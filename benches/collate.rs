@@ -25,7 +25,7 @@ use std::time::Duration;
 use criterion::{
     criterion_group, criterion_main, BenchmarkId, Criterion, SamplingMode, Throughput,
 };
-use ferrobatch_core::{HeldSlot, InputBytes, Request, SlotBuffer, StagingRing};
+use ferrobatch_core::{HeldSlot, InputBytes, Request, Sink, SlotBuffer, StagingRing};
 
 const REQUESTS: [usize; 3] = [1, 64, 256];
 const SIZES: [(usize, &str); 4] = [
@@ -103,7 +103,13 @@ fn setup(n: usize, size: usize, behind_rows: bool) -> Setup {
             // SAFETY: `sources` moves into the `Setup` with the requests and
             // outlives them there; its heap buffers never move.
             let input = unsafe { InputBytes::new(bytes.as_ptr(), bytes.len()) };
-            let r = Arc::new(Request::new(id as u64, 0, 1, Box::new([input]), None));
+            let r = Arc::new(Request::new(
+                id as u64,
+                Sink::EventLoop(0),
+                1,
+                Box::new([input]),
+                None,
+            ));
             assert!(r.take(), "a fresh request is queued");
             r
         })

@@ -10,14 +10,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use ferrobatch_core::{Request, Routes};
+use ferrobatch_core::{Request, Routes, Sink};
 
 fn batch(n: usize, loops: u32) -> Vec<Arc<Request>> {
     (0..n)
         .map(|i| {
             Arc::new(Request::new(
                 i as u64,
-                i as u32 % loops,
+                Sink::EventLoop(i as u32 % loops),
                 1,
                 Box::new([]),
                 None,

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use crossbeam_queue::{ArrayQueue, SegQueue};
 use ferrobatch_core::queue::Popped;
-use ferrobatch_core::{InputBytes, Readiness, Request, RequestQueue};
+use ferrobatch_core::{InputBytes, Readiness, Request, RequestQueue, Sink};
 
 /// Bounded capacity for the bounded queues (the Python default is 10 000).
 const CAPACITY: usize = 4096;
@@ -36,7 +36,13 @@ fn requests(n: u64, first_id: u64) -> Vec<Arc<Request>> {
         .map(|id| {
             // SAFETY: `SAMPLE` is static, so it outlives every request.
             let input = unsafe { InputBytes::new(SAMPLE.as_ptr(), SAMPLE.len()) };
-            Arc::new(Request::new(id, 0, 1, Box::new([input]), None))
+            Arc::new(Request::new(
+                id,
+                Sink::EventLoop(0),
+                1,
+                Box::new([input]),
+                None,
+            ))
         })
         .collect()
 }

@@ -8,7 +8,7 @@ use crate::queue::{Popped, Readiness};
 use crate::request::Withdrawal;
 use crate::{
     CoreError, Decision, DispatchRule, HeldSlot, InputBytes, Request, RequestQueue, RequestState,
-    Routes, SlotBuffer, StagingRing,
+    Routes, Sink, SlotBuffer, StagingRing,
 };
 
 #[derive(Debug, Clone)]
@@ -124,7 +124,7 @@ impl Batcher {
     /// resolved (the contract of [`Request`]).
     pub fn submit(
         &self,
-        loop_id: u32,
+        sink: Sink,
         rows: usize,
         inputs: Box<[InputBytes]>,
         timeout: Option<Duration>,
@@ -161,7 +161,7 @@ impl Batcher {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         // A timeout too long to represent as an instant is no deadline at all.
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
-        let request = Arc::new(Request::new(id, loop_id, rows as u32, inputs, deadline));
+        let request = Arc::new(Request::new(id, sink, rows as u32, inputs, deadline));
         // A refused request was never seen by anyone: it is dropped here.
         self.queue.push(request.clone()).map_err(CoreError::from)?;
         Ok(request)
@@ -358,8 +358,13 @@ mod tests {
     fn submit(b: &Batcher, bytes: &'static [u8], timeout: Option<Duration>) -> Arc<Request> {
         // SAFETY: static bytes outlive everything.
         let input = unsafe { InputBytes::new(bytes.as_ptr(), bytes.len()) };
-        b.submit(0, bytes.len() / ROW, Box::new([input]), timeout)
-            .unwrap()
+        b.submit(
+            Sink::EventLoop(0),
+            bytes.len() / ROW,
+            Box::new([input]),
+            timeout,
+        )
+        .unwrap()
     }
 
     static ROW_A: [u8; ROW] = [7; ROW];
@@ -434,17 +439,24 @@ mod tests {
         let f = fixture(2, Duration::ZERO, 1, 1, 1);
         static SHORT: [u8; 3] = [0; 3];
         let input = unsafe { InputBytes::new(SHORT.as_ptr(), SHORT.len()) };
-        let err = f.batcher.submit(0, 1, Box::new([input]), None).unwrap_err();
+        let err = f
+            .batcher
+            .submit(Sink::EventLoop(0), 1, Box::new([input]), None)
+            .unwrap_err();
         assert!(matches!(err, CoreError::InvalidInput(m) if m.contains("expected 8 bytes")));
         static BIG: [u8; 3 * ROW] = [0; 3 * ROW];
         let input = unsafe { InputBytes::new(BIG.as_ptr(), BIG.len()) };
-        let err = f.batcher.submit(0, 3, Box::new([input]), None).unwrap_err();
+        let err = f
+            .batcher
+            .submit(Sink::EventLoop(0), 3, Box::new([input]), None)
+            .unwrap_err();
         assert!(err.to_string().contains("exceeds max_batch_size"));
         assert_eq!(f.batcher.queue_len(), 0);
         submit(&f.batcher, &ROW_A, None);
         let input = unsafe { InputBytes::new(ROW_A.as_ptr(), ROW) };
         assert!(matches!(
-            f.batcher.submit(0, 1, Box::new([input]), None),
+            f.batcher
+                .submit(Sink::EventLoop(0), 1, Box::new([input]), None),
             Err(CoreError::QueueFull { capacity: 1 })
         ));
     }
@@ -571,7 +583,7 @@ mod tests {
                     for _ in 0..PER_PRODUCER {
                         let input = unsafe { InputBytes::new(ROW_A.as_ptr(), ROW) };
                         loop {
-                            match b.submit(0, 1, Box::new([input]), None) {
+                            match b.submit(Sink::EventLoop(0), 1, Box::new([input]), None) {
                                 Ok(r) => {
                                     submitted.push(r);
                                     break;

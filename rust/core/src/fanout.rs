@@ -1,9 +1,25 @@
 //! Fan-out bookkeeping: which rows of a batch output belong to which request,
-//! grouped by the event loop that must be woken, so a batch wakes each loop once.
+//! grouped by the sink their results go to, so a batch wakes each sink's
+//! owner once, whatever mix of sinks it holds.
 
 use std::sync::Arc;
 
 use crate::Request;
+
+/// Where a request's result goes. Each kind has one owner that delivers it:
+/// an event loop's mailbox (the binding's loop registry), a connection of
+/// the native front-end, a client process attached through shared memory.
+/// A batch's rows are grouped by sink in one pass ([`Routes::for_batch`]),
+/// and each group is handed to its owner with one wake-up per batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Sink {
+    /// An asyncio event loop's mailbox, by loop id.
+    EventLoop(u32),
+    /// A connection of the native front-end, by connection id.
+    Connection(u64),
+    /// A client process attached through shared memory, by client slot.
+    SharedMemory(u32),
+}
 
 /// Rows `start..start + rows` of the batch output belong to request `id`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -13,16 +29,16 @@ pub struct Route {
     pub rows: u32,
 }
 
-/// The routes of one batch, one group per event loop, each in batch order.
+/// The routes of one batch, one group per sink, each in batch order.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Routes {
-    pub groups: Vec<(u32, Vec<Route>)>,
+    pub groups: Vec<(Sink, Vec<Route>)>,
 }
 
 impl Routes {
     /// Lays `requests` out back to back, in order, as collation does.
     pub fn for_batch(requests: &[Arc<Request>]) -> Routes {
-        let mut groups: Vec<(u32, Vec<Route>)> = Vec::new();
+        let mut groups: Vec<(Sink, Vec<Route>)> = Vec::new();
         let mut start = 0u32;
         for r in requests {
             let route = Route {
@@ -31,10 +47,10 @@ impl Routes {
                 rows: r.rows,
             };
             start += r.rows;
-            // Few loops per batch: a linear search beats hashing here.
-            match groups.iter_mut().find(|(loop_id, _)| *loop_id == r.loop_id) {
+            // Few sinks per batch: a linear search beats hashing here.
+            match groups.iter_mut().find(|(sink, _)| *sink == r.sink) {
                 Some((_, routes)) => routes.push(route),
-                None => groups.push((r.loop_id, vec![route])),
+                None => groups.push((r.sink, vec![route])),
             }
         }
         Routes { groups }
@@ -54,17 +70,25 @@ mod tests {
     use super::*;
 
     #[test]
-    fn routes_rows_back_to_their_requests_grouped_by_loop() {
+    fn routes_rows_back_to_their_requests_grouped_by_sink() {
         let reqs: Vec<_> = [(10, 0, 1), (11, 1, 2), (12, 0, 3), (13, 2, 1)]
             .iter()
-            .map(|&(id, lp, rows)| Arc::new(Request::new(id, lp, rows, Box::new([]), None)))
+            .map(|&(id, lp, rows)| {
+                Arc::new(Request::new(
+                    id,
+                    Sink::EventLoop(lp),
+                    rows,
+                    Box::new([]),
+                    None,
+                ))
+            })
             .collect();
         let routes = Routes::for_batch(&reqs);
         assert_eq!(
             routes.groups,
             vec![
                 (
-                    0,
+                    Sink::EventLoop(0),
                     vec![
                         Route {
                             id: 10,
@@ -79,7 +103,7 @@ mod tests {
                     ]
                 ),
                 (
-                    1,
+                    Sink::EventLoop(1),
                     vec![Route {
                         id: 11,
                         start: 1,
@@ -87,7 +111,7 @@ mod tests {
                     }]
                 ),
                 (
-                    2,
+                    Sink::EventLoop(2),
                     vec![Route {
                         id: 13,
                         start: 6,
@@ -97,5 +121,37 @@ mod tests {
             ]
         );
         assert_eq!(routes.len(), 4);
+    }
+
+    #[test]
+    fn one_pass_groups_rows_for_sinks_of_every_kind() {
+        let sinks = [
+            Sink::EventLoop(0),
+            Sink::Connection(7),
+            Sink::EventLoop(0),
+            Sink::SharedMemory(2),
+            Sink::Connection(7),
+            Sink::Connection(8),
+        ];
+        let reqs: Vec<_> = sinks
+            .iter()
+            .enumerate()
+            .map(|(i, &sink)| Arc::new(Request::new(i as u64, sink, 1, Box::new([]), None)))
+            .collect();
+        let routes = Routes::for_batch(&reqs);
+        let groups: Vec<(Sink, Vec<u64>)> = routes
+            .groups
+            .iter()
+            .map(|(sink, r)| (*sink, r.iter().map(|r| r.id).collect()))
+            .collect();
+        assert_eq!(
+            groups,
+            vec![
+                (Sink::EventLoop(0), vec![0, 2]),
+                (Sink::Connection(7), vec![1, 4]),
+                (Sink::SharedMemory(2), vec![3]),
+                (Sink::Connection(8), vec![5]),
+            ]
+        );
     }
 }

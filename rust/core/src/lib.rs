@@ -39,6 +39,10 @@
 //!   slot in flight is never rewritten (see [`staging`]).
 //! * **The queue** ([`RequestQueue`]) takes pushes from any thread; a refused
 //!   push hands the request back ([`queue::PushError`]).
+//! * **Fan-out**: each request names its [`Sink`] (an event loop's mailbox,
+//!   a native connection, a shared-memory client). A batch's [`Routes`] group
+//!   its rows by sink in one pass; each sink's owner (outside this crate)
+//!   delivers its group with one wake-up per batch.
 //!
 //! # Checked
 //!
@@ -66,7 +70,7 @@ pub use batcher::{Batch, Batcher, BatcherConfig, Stats, Worker};
 pub use dispatch::{Decision, DispatchRule};
 pub use dtype::DType;
 pub use error::CoreError;
-pub use fanout::{Route, Routes};
+pub use fanout::{Route, Routes, Sink};
 pub use queue::{Message, PushError, Readiness, RequestQueue};
 pub use request::{InputBytes, Request, RequestState, Withdrawal};
 pub use staging::{HeldSlot, SlotBuffer, StagingRing};

@@ -313,10 +313,11 @@ impl RequestQueue {
 mod tests {
     use super::*;
     use crate::RequestState;
+    use crate::Sink;
     use std::time::Duration;
 
     fn req(id: u64) -> Arc<Request> {
-        Arc::new(Request::new(id, 0, 1, Box::new([]), None))
+        Arc::new(Request::new(id, Sink::EventLoop(0), 1, Box::new([]), None))
     }
 
     #[test]

@@ -4,6 +4,7 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use crate::sync::AtomicU8;
+use crate::Sink;
 
 /// Where a request stands. It leaves `Queued` exactly once, by one atomic
 /// compare-and-swap: whoever makes that move owns the request's outcome.
@@ -94,8 +95,8 @@ impl InputBytes {
 pub struct Request {
     /// Unique within one batcher; names the request in fan-out routes.
     pub id: u64,
-    /// Which event loop (or other waiter group) to wake with the result.
-    pub loop_id: u32,
+    /// Where the result goes (and so whom its batch wakes).
+    pub sink: Sink,
     /// Number of rows this request carries (the leading dimension).
     pub rows: u32,
     pub enqueued_at: Instant,
@@ -114,14 +115,14 @@ unsafe impl Sync for Request {}
 impl Request {
     pub fn new(
         id: u64,
-        loop_id: u32,
+        sink: Sink,
         rows: u32,
         inputs: Box<[InputBytes]>,
         deadline: Option<Instant>,
     ) -> Request {
         Request {
             id,
-            loop_id,
+            sink,
             rows,
             enqueued_at: Instant::now(),
             deadline,
@@ -186,7 +187,7 @@ mod tests {
     use std::sync::{Arc, Barrier};
 
     fn request(id: u64) -> Request {
-        Request::new(id, 0, 1, Box::new([]), None)
+        Request::new(id, Sink::EventLoop(0), 1, Box::new([]), None)
     }
 
     #[test]
@@ -283,7 +284,7 @@ mod loom_tests {
 
     fn shared() -> Arc<Shared> {
         Arc::new(Shared {
-            request: Request::new(1, 0, 1, Box::new([]), None),
+            request: Request::new(1, Sink::EventLoop(0), 1, Box::new([]), None),
             input: UnsafeCell::new(7),
             waiting: AtomicUsize::new(1),
             worker_won: AtomicUsize::new(0),

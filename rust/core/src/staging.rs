@@ -304,6 +304,7 @@ impl Drop for HeldSlot {
 mod tests {
     use super::*;
     use crate::InputBytes;
+    use crate::Sink;
 
     fn ring(store: &mut [Vec<u8>], row: usize, max_rows: usize) -> Arc<StagingRing> {
         let slots = store
@@ -317,7 +318,13 @@ mod tests {
     fn taken(id: u64, bytes: &[u8], rows: u32) -> Arc<Request> {
         // SAFETY: every caller's bytes outlive the requests it makes.
         let input = unsafe { InputBytes::new(bytes.as_ptr(), bytes.len()) };
-        let r = Arc::new(Request::new(id, 0, rows, Box::new([input]), None));
+        let r = Arc::new(Request::new(
+            id,
+            Sink::EventLoop(0),
+            rows,
+            Box::new([input]),
+            None,
+        ));
         assert!(r.take());
         r
     }

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use ferrobatch_core as core;
 use ferrobatch_core::{
-    BatcherConfig, DType, DispatchRule, Readiness, RequestState, Route, SlotBuffer,
+    BatcherConfig, DType, DispatchRule, Readiness, RequestState, Route, Sink, SlotBuffer,
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::intern;
@@ -225,7 +225,12 @@ impl Batcher {
         let rows = rows.unwrap_or(1);
         let request = self
             .core
-            .submit(mailbox.loop_id(), rows, bytes.into_boxed_slice(), timeout)
+            .submit(
+                Sink::EventLoop(mailbox.loop_id()),
+                rows,
+                bytes.into_boxed_slice(),
+                timeout,
+            )
             .map_err(|e| to_pyerr(py, e))?;
         if self.core.readiness() == Readiness::OnFlush {
             mailbox.add_unflushed(rows);
@@ -417,7 +422,7 @@ pub struct Batch {
     slot: Mutex<Option<core::HeldSlot>>,
     #[pyo3(get)]
     rows: usize,
-    groups: Vec<(u32, Arc<Vec<Route>>)>,
+    groups: Vec<(Sink, Arc<Vec<Route>>)>,
 }
 
 #[pymethods]

@@ -29,7 +29,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
-use ferrobatch_core::{Readiness, RequestState, Route};
+use ferrobatch_core::{Readiness, RequestState, Route, Sink};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -182,11 +182,15 @@ pub(crate) fn ring_fd(fd: RawFd, eventfd: bool) {
 pub(crate) fn post_batch(
     py: Python<'_>,
     registry: &LoopRegistry,
-    groups: &[(u32, Arc<Vec<Route>>)],
+    groups: &[(Sink, Arc<Vec<Route>>)],
     outcome: &BatchOutcome,
 ) -> Vec<Py<LoopMailbox>> {
     let mut to_ring = Vec::new();
-    for (loop_id, routes) in groups {
+    for (sink, routes) in groups {
+        // Event loops are the only sinks this binding hands requests to.
+        let Sink::EventLoop(loop_id) = sink else {
+            continue;
+        };
         let Some(mailbox) = registry.get(py, *loop_id) else {
             continue;
         };
