@@ -9,11 +9,9 @@
 //! everything posted since its last drain in one callback and resolves each
 //! request's future there, without a Python frame per request.
 //!
-//! Invariant: `armed` is true from the post that found the mailbox empty
-//! until the drain that takes the posts; only that post rings. So a busy loop
-//! gets one wake-up however many batches land before it drains, and no post
-//! is ever left undrained (a post either finds `armed` set, and the pending
-//! drain takes it, or sets it and rings).
+//! Only the post that arms a mailbox's inbox rings (the core's [`Inbox`]
+//! rule): a busy loop gets one wake-up however many batches land before it
+//! drains, and no post is ever left undrained.
 //!
 //! Failing a request has one path, [`LoopMailbox::fail`], whatever the
 //! reason (deadline, stop, model error, a fan-out that could not take the
@@ -29,7 +27,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
-use ferrobatch_core::{Readiness, RequestState, Route, Sink};
+use ferrobatch_core::{Inbox, Readiness, RequestState, Route, Sink};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -142,12 +140,6 @@ struct Post {
     outcome: BatchOutcome,
 }
 
-#[derive(Default)]
-struct Inbox {
-    posts: Vec<Post>,
-    armed: bool,
-}
-
 /// The file descriptors a loop watches; `write` is None for an eventfd.
 struct Doorbell {
     read: OwnedFd,
@@ -245,7 +237,7 @@ pub struct LoopMailbox {
     /// they went to: made ready at once by `flush`, which `call_soon` runs
     /// after everything else the iteration does (greedy batchers only).
     unflushed: Mutex<Option<(Arc<ferrobatch_core::Batcher>, usize)>>,
-    inbox: Mutex<Inbox>,
+    inbox: Inbox<Post>,
     doorbell: OnceLock<Doorbell>,
     wakeups: AtomicU64,
 }
@@ -330,11 +322,7 @@ impl LoopMailbox {
             let mut buf = [0u8; 64];
             let _ = file.read(&mut buf);
         }
-        let posts = {
-            let mut inbox = self.inbox.lock().unwrap_or_else(|e| e.into_inner());
-            inbox.armed = false;
-            std::mem::take(&mut inbox.posts)
-        };
+        let posts = self.inbox.drain();
         if posts.is_empty() {
             return Ok(());
         }
@@ -379,7 +367,7 @@ impl LoopMailbox {
             call_soon: event_loop.getattr(intern!(py, "call_soon"))?.unbind(),
             call_later: event_loop.getattr(intern!(py, "call_later"))?.unbind(),
             unflushed: Mutex::new(None),
-            inbox: Mutex::new(Inbox::default()),
+            inbox: Inbox::default(),
             doorbell: OnceLock::new(),
             wakeups: AtomicU64::new(0),
         })
@@ -402,11 +390,7 @@ impl LoopMailbox {
     /// Posts a batch's outcome (worker thread). True when this post must
     /// wake the loop.
     fn post(&self, routes: Arc<Vec<Route>>, outcome: BatchOutcome) -> bool {
-        let mut inbox = self.inbox.lock().unwrap_or_else(|e| e.into_inner());
-        inbox.posts.push(Post { routes, outcome });
-        let wake = !inbox.armed;
-        inbox.armed = true;
-        wake
+        self.inbox.post(Post { routes, outcome })
     }
 
     /// Submit side (loop thread): a new future of this loop, for a ticket.
@@ -483,7 +467,7 @@ impl LoopMailbox {
     /// withdraws the queued ones and drops delivered batches. True once no
     /// batch holds any of them, so the mailbox may go.
     pub(crate) fn abandon(&self, py: Python<'_>) -> bool {
-        let posts = std::mem::take(&mut self.inbox.lock().unwrap_or_else(|e| e.into_inner()).posts);
+        let posts = self.inbox.drain();
         let pending = self.pending.bind(py);
         for post in &posts {
             for route in post.routes.iter() {
