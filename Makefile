@@ -17,6 +17,7 @@ PROTOBUF_NEXT := 7.36.2
 PROTOBUF_NEXT_DIR := $(VENV)/protobuf-next
 
 .PHONY: demo test build cargo-test pytest stubtest lint lint-rust lint-python pytest-protobuf-next bench wheel clean miri loom
+.PHONY: bench-serve bench-serve-deps bench-tools
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -100,13 +101,42 @@ fuzz:
 	@command -v cargo-fuzz >/dev/null 2>&1 || cargo install --locked cargo-fuzz
 	cargo +nightly fuzz run --fuzz-dir rust/fuzz decode -- -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048
 
-bench: build
+bench: build bench-serve-deps
 	cargo bench
 	$(PY) benches/python/bench_e2e.py
 	$(PY) benches/python/bench_submit.py
+	$(PY) benches/python/bench_serve.py
+
+# The serving bench drives the servers with wrk and h2load (Debian's wrk and
+# nghttp2-client) and compares with PyTriton, which pins numpy < 2 and so has a
+# venv of its own; that venv sees .venv's packages after its own (torch, and
+# ferrobatch for the same demo MLP) through a .pth file.
+# make bench-serve BENCH_SERVE_ARGS="--runs 1 --servers ferrobatch", say.
+PYTRITON_VENV := .venv-pytriton
+PYTRITON_STAMP := $(PYTRITON_VENV)/.stamp
+PYTRITON_VERSION := 0.7.0
+BENCH_SERVE_ARGS ?=
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+bench-tools:
+	@command -v wrk >/dev/null && command -v h2load >/dev/null || \
+		{ $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq wrk nghttp2-client; }
+
+$(PYTRITON_STAMP): | $(PY)
+	$(PYTHON) -m venv $(PYTRITON_VENV)
+	$(PYTRITON_VENV)/bin/python -m pip install --quiet --disable-pip-version-check \
+		nvidia-pytriton==$(PYTRITON_VERSION) "numpy<2"
+	$(PY) -c 'import sysconfig; print("import site; site.addsitedir(%r)" % sysconfig.get_paths()["purelib"])' \
+		> "$$($(PYTRITON_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/ferrobatch_venv.pth"
+	touch $@
+
+bench-serve-deps: bench-tools $(PYTRITON_STAMP)
+
+bench-serve: build bench-serve-deps
+	$(PY) benches/python/bench_serve.py $(BENCH_SERVE_ARGS)
 
 wheel: $(DEPS_STAMP)
 	$(VENV)/bin/maturin build --release --quiet --out dist
 
 clean:
-	rm -rf target dist $(VENV)
+	rm -rf target dist $(VENV) $(PYTRITON_VENV)
