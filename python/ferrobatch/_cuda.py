@@ -29,7 +29,8 @@ from time import perf_counter_ns
 import torch
 
 from . import _core
-from ._torch import Model, WarmupBatch, WorkerCounters, fill_slot, finish, normalize_outputs
+from ._torch import Model, WarmupBatch, WorkerCounters, fill_slot, finish, normalize_outputs, version_rows
+from ._weights import Gate
 from .specs import TensorSpec
 
 __all__ = ["IN_FLIGHT", "CudaExecutor", "InFlight", "cuda_graph_fallback_warning"]
@@ -84,7 +85,20 @@ class CudaExecutor:
     device buffer whose padding rows hold earlier inputs (never garbage), and
     the outputs of the padding rows are dropped. With ``cuda_graphs``, one
     graph per bucket is captured by :meth:`warm_up`.
+
+    Once :meth:`bind_weights` gave it a gate, each batch is enqueued under
+    it; a weight update takes the gate, then waits for the device before
+    copying the weights in place (so the graphs stay valid).
     """
+
+    gate: Gate | None = None
+    version_output: str | None = None
+
+    def bind_weights(self, gate: Gate, version_output: str | None) -> None:
+        """Enqueues every batch of :meth:`serve_launch` under ``gate``; with
+        ``version_output``, adds that output: the version each row ran with."""
+        self.gate = gate
+        self.version_output = version_output
 
     def __init__(
         self,
@@ -239,7 +253,13 @@ class CudaExecutor:
                 if batch is None:
                     return
                 try:
-                    flight = self.launch(slots[batch.slot], batch.rows)
+                    if self.gate is None:
+                        flight = self.launch(slots[batch.slot], batch.rows)
+                    else:
+                        with self.gate as version:  # no weight update while enqueuing it
+                            flight = self.launch(slots[batch.slot], batch.rows)
+                        if self.version_output is not None and flight.error is None:
+                            flight.outputs[self.version_output] = version_rows(version, batch.rows)
                 except BaseException as exc:  # noqa: BLE001 - launch keeps model errors; not this
                     flight = InFlight(batch.rows)
                     flight.error = exc

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import logging
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from time import perf_counter_ns
@@ -16,6 +18,7 @@ import torch
 import torch.utils.dlpack
 
 from . import _core
+from ._weights import Gate
 from .errors import InvalidInputError, ModelError
 from .specs import TensorSpec
 
@@ -268,6 +271,90 @@ def normalize_outputs(raw: Any, specs: Sequence[TensorSpec], rows: int) -> dict[
     return outputs
 
 
+def version_rows(version: int, rows: int) -> torch.Tensor:
+    """The ``version_output`` of a batch: its weights' version, one int64 per row."""
+    return torch.full((rows,), version, dtype=torch.int64)
+
+
+def _tensordict_module_base() -> type | None:
+    """``tensordict.nn.TensorDictModuleBase`` if tensordict is imported (a
+    model cannot be one otherwise), else None."""
+    if "tensordict" not in sys.modules:
+        return None
+    try:
+        from tensordict.nn import TensorDictModuleBase
+    except ImportError:  # pragma: no cover - a broken tensordict install
+        return None
+    base: type = TensorDictModuleBase
+    return base
+
+
+def nested_key(name: str) -> str | tuple[str, ...]:
+    """The TensorDict key of a spec name: ``"a.b"`` is the nested key ``("a", "b")``."""
+    return tuple(name.split(".")) if "." in name else name
+
+
+def call_style(model: Any, inputs: Sequence[TensorSpec]) -> str:
+    """How a model is called with a batch:
+
+    - ``"tensordict"``: a ``tensordict.nn.TensorDictModuleBase`` (a
+      ``TensorDictModule``, ``TensorDictSequential``...) gets a ``TensorDict``
+      of batch size ``[rows]``; a spec named ``"a.b"`` is its nested key
+      ``("a", "b")``;
+    - ``"tensor"``: any other ``torch.nn.Module`` with a single input gets that
+      tensor, unless its ``forward`` annotates its first parameter as a dict
+      or Mapping;
+    - ``"dict"``: everything else gets ``{input name: tensor}``.
+    """
+    td_base = _tensordict_module_base()
+    if td_base is not None and isinstance(model, td_base):
+        return "tensordict"
+    if isinstance(model, torch.nn.Module) and len(inputs) == 1:
+        try:
+            params = list(inspect.signature(model.forward).parameters.values())
+        except (TypeError, ValueError):
+            return "dict"
+        if not params or params[0].kind in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.KEYWORD_ONLY):
+            return "dict"
+        annotation = params[0].annotation
+        text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", repr(annotation))
+        if any(word in str(text) for word in ("dict", "Dict", "Mapping", "TensorDict")):
+            return "dict"
+        return "tensor"
+    return "dict"
+
+
+def adapt_model(model: Model, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]) -> Model:
+    """``model`` as a callable taking ``{input name: batch}`` (see
+    :func:`call_style`). A model that returns a ``TensorDict`` has its outputs
+    read from it by key (``"a.b"``: nested)."""
+    style = call_style(model, inputs)
+    if style == "dict":
+        return model
+    if style == "tensor":
+        (name,) = (s.name for s in inputs)
+
+        def call_tensor(batch: dict[str, torch.Tensor]) -> Any:
+            return model(batch[name])  # type: ignore[arg-type]
+
+        return call_tensor
+    from tensordict import TensorDict, TensorDictBase
+
+    in_keys = [(s.name, nested_key(s.name)) for s in inputs]
+    out_keys = [(s.name, nested_key(s.name)) for s in outputs]
+
+    def call_tensordict(batch: dict[str, torch.Tensor]) -> Any:
+        rows = next(iter(batch.values())).shape[0]
+        td = TensorDict({key: batch[name] for name, key in in_keys}, batch_size=[rows])
+        result = model(td)
+        if isinstance(result, TensorDictBase) and out_keys:
+            present = set(result.keys(include_nested=True, leaves_only=True))
+            return {name: result.get(key) for name, key in out_keys if key in present}
+        return result
+
+    return call_tensordict
+
+
 def inference_mode() -> contextlib.AbstractContextManager[Any]:
     """``torch.inference_mode()``, unless already in it: worker threads enter it
     once, and entering it again costs microseconds per batch."""
@@ -334,7 +421,18 @@ class CpuExecutor:
 
     With ``pad_to`` (``compile=True``), a batch runs padded up to its bucket,
     so a compiled model only ever sees the bucket sizes it was warmed with.
+    Once :meth:`bind_weights` gave it a gate, each forward pass of
+    :meth:`serve` runs under it (weight updates wait for it).
     """
+
+    gate: Gate | None = None
+    version_output: str | None = None
+
+    def bind_weights(self, gate: Gate, version_output: str | None) -> None:
+        """Runs every batch of :meth:`serve` under ``gate``; with
+        ``version_output``, adds that output: the version each row ran with."""
+        self.gate = gate
+        self.version_output = version_output
 
     def __init__(
         self,
@@ -394,7 +492,13 @@ class CpuExecutor:
             error: BaseException | None = None
             started = perf_counter_ns()
             try:
-                outputs = self.run(slots[batch.slot], batch.rows)
+                if self.gate is None:
+                    outputs = self.run(slots[batch.slot], batch.rows)
+                else:
+                    with self.gate as version:  # no weight update during the forward pass
+                        outputs = self.run(slots[batch.slot], batch.rows)
+                    if self.version_output is not None:
+                        outputs[self.version_output] = version_rows(version, batch.rows)
             except BaseException as exc:  # noqa: BLE001 - even SystemExit: the worker survives
                 error = exc
             batch.release_slot()  # outputs never alias the slot

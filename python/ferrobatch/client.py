@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 import anyio.from_thread
@@ -12,15 +14,58 @@ import anyio.lowlevel
 import torch
 
 from . import _core
-from .errors import ServerClosedError
+from .errors import InvalidInputError, ServerClosedError
 
 if TYPE_CHECKING:
     from .server import Server
 
-__all__ = ["Client"]
+__all__ = ["Client", "flatten_inputs"]
 
-Inputs = dict[str, Any]
+Inputs = Mapping[str, Any]
 Outputs = dict[str, torch.Tensor]
+
+
+def flatten_inputs(inputs: Mapping[Any, Any], names: Collection[str] | None = None) -> dict[str, Any]:
+    """``{name: value}`` from a TensorDict or any Mapping: a nested key
+    (``("a", "b")``, or a Mapping inside the Mapping) is named ``"a.b"``. A
+    TensorDict's keys not in ``names`` are left out (it may carry more than the
+    model reads); another Mapping's are kept (submit refuses them)."""
+    if not isinstance(inputs, Mapping):
+        raise InvalidInputError(f"inputs must be a dict, a TensorDict or a Mapping, got {type(inputs).__name__}")
+    flat: dict[str, Any] = {}
+    is_td = _is_tensordict(inputs)
+    if is_td:
+        for key, value in inputs.items(include_nested=True, leaves_only=True):  # type: ignore[call-arg]
+            name = key if isinstance(key, str) else ".".join(key)
+            if names is None or name in names:
+                flat[name] = value
+        return flat
+    _flatten(flat, inputs, "")
+    return flat
+
+
+def _flatten(out: dict[str, Any], mapping: Mapping[Any, Any], prefix: str) -> None:
+    for key, value in mapping.items():
+        name = prefix + (".".join(key) if isinstance(key, tuple) else str(key))
+        if isinstance(value, Mapping):
+            _flatten(out, value, name + ".")
+        else:
+            out[name] = value
+
+
+def _is_tensordict(value: object) -> bool:
+    if "tensordict" not in sys.modules:
+        return False
+    from tensordict import TensorDictBase
+
+    return isinstance(value, TensorDictBase)
+
+
+def _to_tensordict(outputs: Outputs) -> Any:
+    from tensordict import TensorDict
+
+    return TensorDict({tuple(k.split(".")) if "." in k else k: v for k, v in outputs.items()}, batch_size=[])
+
 
 # A forked child must not reuse the parent's cached event loops (see _core.Submitter).
 if hasattr(os, "register_at_fork"):
@@ -33,7 +78,7 @@ class Client:
     A client may be shared by any number of tasks, event loops and threads.
     """
 
-    __slots__ = ("_loop_token", "_server", "_submitter")
+    __slots__ = ("_input_names", "_loop_token", "_server", "_submitter")
 
     def __init__(
         self,
@@ -46,17 +91,26 @@ class Client:
         self._server = server
         self._submitter = submitter
         self._loop_token = loop_token
+        self._input_names = frozenset(s.name for s in server.inputs)
 
     @property
     def server(self) -> Server:
         return self._server
 
-    async def infer(self, inputs: Inputs, timeout: float | None = None) -> Outputs:
+    async def infer(self, inputs: Inputs, timeout: float | None = None) -> Any:
         """Runs one sample through the model, batched with other callers'.
 
         ``inputs`` maps every input name to one sample of its declared dtype and
         shape (a torch CPU tensor, a numpy array, or any buffer-protocol or
         DLPack object). Returns ``{output name: tensor of the output's shape}``.
+
+        ``inputs`` may also be a ``TensorDict`` (batch size ``[]``) or any
+        other Mapping: a nested key ``("a", "b")`` (or a Mapping within the
+        Mapping) is the input named ``"a.b"`` (in a plain dict, write
+        ``"a.b"``). A TensorDict's keys that are no input are ignored, and the
+        result is then a ``TensorDict`` of the outputs (``"a.b"`` nested as
+        ``("a", "b")``). A plain dict costs nothing extra; the others are
+        flattened in Python first (microseconds).
 
         Raises at once :class:`InvalidInputError` (bad input; never queued),
         :class:`QueueFullError` or :class:`ServerClosedError`; later
@@ -75,6 +129,8 @@ class Client:
         the awaiting task was cancelled (even in the loop iteration its
         result arrived).
         """
+        if type(inputs) is not dict and isinstance(inputs, Mapping):
+            return await self._infer_mapping(inputs, timeout)
         # One call into Rust per request (it finds this loop's mailbox, queues
         # the request and arms the deadline). The caller keeps the future and
         # id, never the ticket: a failed future's traceback holds the caller's
@@ -91,6 +147,43 @@ class Client:
             # frame -> future -> error -> traceback cycle would keep the
             # inputs alive until the cycle collector runs.
             del future, inputs
+
+    async def _infer_mapping(self, inputs: Inputs, timeout: float | None) -> Any:
+        if _is_tensordict(inputs):
+            outputs = await self.infer(flatten_inputs(inputs, self._input_names), timeout)
+            return _to_tensordict(outputs)
+        return await self.infer(flatten_inputs(inputs), timeout)
+
+    def _submit_threadsafe(self, inputs: dict[str, Any]) -> concurrent.futures.Future[Outputs]:
+        """Submits from any thread but the event loop's: the request is queued
+        by a callback on the server's loop (no task), and the returned future
+        resolves with the outputs or the error ``infer`` would raise."""
+        loop = self._loop_token().native_token
+        assert isinstance(loop, asyncio.AbstractEventLoop), "the server runs on asyncio"
+        result: concurrent.futures.Future[Outputs] = concurrent.futures.Future()
+        result.set_running_or_notify_cancel()
+        submitter = self._submitter
+
+        def settle(future: asyncio.Future[Outputs]) -> None:
+            if future.cancelled():
+                result.set_exception(ServerClosedError("the request was cancelled"))
+                return
+            error = future.exception()
+            if error is None:
+                result.set_result(future.result())
+            else:
+                result.set_exception(error)
+
+        def submit() -> None:
+            try:
+                future, _ = submitter.submit(inputs, None, False)
+            except BaseException as exc:  # noqa: BLE001 - the caller's to see
+                result.set_exception(exc)
+                return
+            future.add_done_callback(settle)
+
+        loop.call_soon_threadsafe(submit)
+        return result
 
     async def infer_batch(self, inputs: Inputs, timeout: float | None = None) -> Outputs:
         """Like :meth:`infer` for ``n >= 1`` samples at once: every input has a

@@ -3,6 +3,7 @@ model instance, and runs the lifecycle (start, drain, stop)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import math
@@ -26,17 +27,20 @@ from ._torch import (
     CpuExecutor,
     Model,
     WorkerCounters,
+    adapt_model,
     allocate_slot,
     batch_buckets,
     compile_model,
     make_coerce,
     padding_table,
+    resolve_device,
     resolve_instances,
     warmup_batches,
 )
-from .client import Client
+from ._weights import WeightUpdate, WeightUpdates
+from .client import Client, flatten_inputs
 from .errors import ModelError, ServerClosedError
-from .specs import TensorSpec
+from .specs import TensorSpec, dtype_name, example_specs
 
 __all__ = ["Server"]
 
@@ -52,6 +56,12 @@ class Server:
             of such callables, one per model instance. Each instance has its
             own worker (and CUDA stream); a batch goes to whichever instance is
             free. The same module listed twice is two instances sharing weights.
+            A ``torch.nn.Module`` with a single input is called with that
+            tensor (unless its ``forward`` annotates its parameter as a dict
+            or Mapping); a ``tensordict.nn.TensorDictModule`` (any
+            ``TensorDictModuleBase``) with a ``TensorDict`` of batch size
+            ``[rows]``, a spec ``"a.b"`` being its nested key ``("a", "b")``.
+            It may return a ``TensorDict``; outputs are read from it by key.
         inputs, outputs: the :class:`TensorSpec` of every input and output
             (per-sample shapes, without the batch dimension).
         max_batch_size: most rows per model call (default 64).
@@ -87,6 +97,9 @@ class Server:
             runs every bucket size once in ``start()``, which returns once it
             is done; a model error there fails ``start()`` with
             :class:`ModelError`.
+        version_output: the name of an extra int64 output (shape ``()``): the
+            version of the weights (see :meth:`update_weights`) that computed
+            the row's batch. ``None`` (default): no such output.
     """
 
     def __init__(
@@ -105,6 +118,7 @@ class Server:
         cuda_graphs: bool = False,
         compile: bool | Mapping[str, Any] = False,
         warmup: bool | Mapping[str, Any] | None = None,
+        version_output: str | None = None,
     ) -> None:
         self._models: list[Model] = (
             list(model) if isinstance(model, (list, tuple)) else [model]  # type: ignore[list-item]
@@ -113,6 +127,15 @@ class Server:
             raise TypeError("model must be a callable or a non-empty list of callables")
         self.inputs = tuple(_check_specs("inputs", inputs))
         self.outputs = tuple(_check_specs("outputs", outputs))
+        # What the model returns; ``outputs`` adds the version output, if any.
+        self._model_outputs = self.outputs
+        if version_output is not None:
+            if not isinstance(version_output, str) or not version_output:
+                raise ValueError(f"version_output must be a non-empty output name, got {version_output!r}")
+            if version_output in {s.name for s in self.outputs}:
+                raise ValueError(f"version_output {version_output!r} is already one of the model's outputs")
+            self.outputs += (TensorSpec(version_output, "int64", ()),)
+        self.version_output = version_output
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
         if not (isinstance(max_delay, (int, float)) and math.isfinite(max_delay) and max_delay >= 0):
@@ -131,6 +154,7 @@ class Server:
         self.preferred_batch_sizes = tuple(sorted(set(preferred_batch_sizes)))
         self.max_queue_size = max_queue_size
         self._init_instances(device, cuda_graphs, compile, warmup)
+        self._weights = WeightUpdates(len(self._models))
         # Every event loop that submits: its pending requests, what its
         # callers saw, and the mailbox its batches are delivered to.
         self._loops = _core.LoopRegistry(name)
@@ -145,6 +169,39 @@ class Server:
         self._executors: list[CpuExecutor | CudaExecutor] = []
         self._token: anyio.lowlevel.EventLoopToken | None = None
         self._phase = "created"  # created -> starting (warm-up) -> running -> stopping -> stopped
+
+    @classmethod
+    def from_example(cls, model: Model | Sequence[Model], example_inputs: Mapping[str, Any], **kwargs: Any) -> Server:
+        """A server whose input and output specs come from one model call.
+
+        ``example_inputs`` is one sample (no batch dimension): a dict of input
+        name to tensor, or a ``TensorDict`` / any Mapping, nested keys named
+        ``"a.b"``. For a ``TensorDictModule``, only its ``in_keys`` are inputs.
+        The model runs once on a batch of that one sample (on its device,
+        under ``torch.inference_mode``) and its outputs give the output specs:
+        a dict's keys (or a TensorDict's keys other than the inputs, ``"a.b"``
+        when nested), ``"output"`` for a single tensor, ``"output_0"``,
+        ``"output_1"``... for a tuple. Every other keyword goes to
+        :class:`Server`.
+        """
+        if "inputs" in kwargs or "outputs" in kwargs:
+            raise TypeError("from_example infers inputs and outputs; pass them to Server() instead")
+        first: Model = model[0] if isinstance(model, (list, tuple)) else model  # type: ignore[assignment]
+        in_keys = getattr(first, "in_keys", None)
+        names = None if in_keys is None else {k if isinstance(k, str) else ".".join(k) for k in in_keys}
+        flat = flatten_inputs(example_inputs, names)
+        if not flat:
+            raise ValueError("example_inputs has no tensors")
+        device = kwargs.get("device")
+        run_on = resolve_device(first, None if isinstance(device, (list, tuple)) else device)
+        if isinstance(first, torch.nn.Module) and device is not None and not isinstance(device, (list, tuple)):
+            first.to(run_on)
+        inputs = [TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in flat.items()]
+        batch = {name: t.unsqueeze(0).to(run_on) for name, t in flat.items()}
+        with torch.inference_mode():
+            raw = adapt_model(first, inputs, ())(batch)
+        outputs = example_specs(raw, exclude=set(flat))
+        return cls(model, inputs=inputs, outputs=outputs, **kwargs)
 
     def _init_instances(
         self,
@@ -172,16 +229,17 @@ class Server:
         self.buckets = batch_buckets(self.max_batch_size, self.preferred_batch_sizes)
 
     def _make_executor(self, i: int) -> CpuExecutor | CudaExecutor:
-        model = compile_model(self._models[i], self._compile)
+        model = adapt_model(compile_model(self._models[i], self._compile), self.inputs, self._model_outputs)
         device = self.devices[i]
         padded = padding_table(self.buckets)
+        outputs = self._model_outputs
         if device.type == "cuda":
             pad = self.cuda_graphs or self._compile is not False
             return CudaExecutor(
-                model, device, self.inputs, self.outputs, self.max_batch_size,
+                model, device, self.inputs, outputs, self.max_batch_size,
                 pad_to=padded if pad else None, cuda_graphs=self.cuda_graphs,
             )  # fmt: skip
-        return CpuExecutor(model, device, self.outputs, pad_to=padded if self._compile is not False else None)
+        return CpuExecutor(model, device, outputs, pad_to=padded if self._compile is not False else None)
 
     def _prepare_instances(self) -> tuple[list[CpuExecutor | CudaExecutor], dict[int, str]]:
         """Builds every instance's executor and warms it up (on a worker thread).
@@ -193,6 +251,8 @@ class Server:
         slot = dict(zip((s.name for s in self.inputs), allocate_slot(self.inputs, self.max_batch_size, pin)))
         for i, device in enumerate(self.devices):
             executor = self._make_executor(i)
+            gate = self._weights.gates[i]
+            executor.bind_weights(gate, self.version_output)
             executors.append(executor)
             warm = self._warmup is True or isinstance(self._warmup, Mapping)
             if self._warmup is None:
@@ -200,7 +260,8 @@ class Server:
             if not warm:
                 continue
             try:
-                why = executor.warm_up(self._warmup_batch, self.buckets, slot)
+                with gate:  # weight updates wait for warm-up
+                    why = executor.warm_up(self._warmup_batch, self.buckets, slot)
             except Exception as exc:
                 raise ModelError(
                     f"model '{self.name}' (instance {i} on {device}) failed during warm-up:"
@@ -355,6 +416,44 @@ class Server:
             raise ServerClosedError(f"server '{self.name}' is not running ({self._phase})")
         return self._token
 
+    # -- weights ------------------------------------------------------------------------
+
+    async def update_weights(self, update: WeightUpdate) -> int:
+        """Applies a weight update between batches on every instance and
+        returns the new version (versions start at 0 and go up by one per
+        update).
+
+        ``update`` is a state dict, copied in place into every model
+        (``load_state_dict``: parameters keep their storage, so CUDA graphs and
+        compiled models stay valid; keys and shapes are checked against every
+        model first, and a mismatch changes nothing), or a callable run on
+        each distinct model (a module shared by instances runs it once); a
+        callable that replaces parameters instead of updating them in place
+        invalidates captured CUDA graphs.
+
+        It never runs during a forward pass, and never leaves a batch to run
+        while only some instances have it: it waits for the batches in
+        progress on every instance (on CUDA, for those already enqueued),
+        applies the update to all, then lets batches run again. Returns once
+        every instance has it: every batch that starts afterwards uses it.
+        The wait and the update run on a worker thread, not the event loop.
+        Works before ``start()`` and after ``stop()`` too.
+        """
+        version: int = await anyio.to_thread.run_sync(self.update_weights_sync, update)
+        return version
+
+    def update_weights_sync(self, update: WeightUpdate) -> int:
+        """Blocking :meth:`update_weights`, for threads other than the event
+        loop's (it would block that loop: ``RuntimeError`` there)."""
+        _refuse_on_event_loop("update_weights_sync()", "await server.update_weights(...)")
+        version, _ = self._weights.apply(update, self._models, self.devices)
+        return version
+
+    @property
+    def model_version(self) -> int:
+        """The version of the weights: 0, then one more per weight update."""
+        return self._weights.version
+
     # -- introspection ------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
@@ -364,7 +463,8 @@ class Server:
         queue_full, deadline_exceeded, cancelled, model_error, server_closed);
         ``batches``, ``rows`` and ``mean_batch_size`` (rows per batch);
         ``queue_depth`` (requests waiting now); ``queue_ns`` (time queued,
-        summed over requests); ``compute_ns`` (model time, summed over
+        summed over requests); ``weight_updates`` and ``model_version``
+        (see :meth:`update_weights`); ``compute_ns`` (model time, summed over
         batches) and ``request_compute_ns`` (the same counted once per request
         of each batch, as Triton counts it); ``request_ns`` (submit to result,
         summed over succeeded requests).
@@ -387,6 +487,8 @@ class Server:
             "request_compute_ns": sum(c.request_compute_ns for c in self._counters),
             "request_ns": request_ns,
             "failed_batches": sum(c.failed_batches for c in self._counters),
+            "weight_updates": self._weights.count,
+            "model_version": self._weights.version,
         }
 
     def __repr__(self) -> str:
@@ -414,6 +516,14 @@ async def _joined(threads: Sequence[threading.Thread]) -> None:
 
     threading.Thread(target=join, name="ferrobatch-join", daemon=True).start()
     await done.wait()
+
+
+def _refuse_on_event_loop(what: str, instead: str) -> None:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    raise RuntimeError(f"{what} blocks and was called from a thread running an event loop; use `{instead}` there")
 
 
 def _with_torch_threads(threads: int, target: Callable[..., None], *args: Any) -> None:

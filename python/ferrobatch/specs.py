@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,3 +82,39 @@ class TensorSpec:
         for dim in self.shape:
             n *= dim
         return n
+
+
+def example_specs(raw: Any, exclude: Collection[str] = ()) -> list[TensorSpec]:
+    """The output specs of what a model returned for a batch of one sample:
+    ``"output"`` for a tensor, ``"output_0"``... for a tuple or list, the keys
+    of a dict or TensorDict (nested ones joined as ``"a.b"``) except
+    ``exclude`` (the inputs a TensorDict module passes through)."""
+    named: dict[str, Any]
+    if isinstance(raw, torch.Tensor):
+        named = {"output": raw}
+    elif isinstance(raw, (tuple, list)):
+        named = {f"output_{i}": v for i, v in enumerate(raw)}
+    elif isinstance(raw, Mapping):
+        named = {}
+        _flatten_into(named, raw, "")
+    else:
+        raise TypeError(f"the model returned {type(raw).__name__}; expected a tensor, a tuple or a dict of tensors")
+    specs = []
+    for name, value in named.items():
+        if name in exclude:
+            continue
+        if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != 1:
+            raise TypeError(f"output {name!r}: expected a tensor with a leading batch dimension of 1, got {value!r}")
+        specs.append(TensorSpec(name, dtype_name(value.dtype), tuple(value.shape[1:])))
+    if not specs:
+        raise TypeError("the model returned no outputs besides its inputs")
+    return specs
+
+
+def _flatten_into(out: dict[str, Any], mapping: Mapping[Any, Any], prefix: str) -> None:
+    for key, value in mapping.items():
+        name = prefix + (".".join(key) if isinstance(key, tuple) else str(key))
+        if isinstance(value, Mapping):
+            _flatten_into(out, value, name + ".")
+        else:
+            out[name] = value
