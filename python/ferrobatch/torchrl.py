@@ -1,0 +1,649 @@
+"""TorchRL's ``InferenceServer`` surface on ferrobatch's core: switch with one import.
+
+::
+
+    from ferrobatch.torchrl import InferenceServer, ThreadingTransport
+
+    transport = ThreadingTransport()
+    with InferenceServer(policy, transport, max_batch_size=64) as server:
+        client = transport.client()                 # or server.client()
+        td = client(TensorDict({"observation": obs}))  # -> td["action"], td["policy_version"]
+        server.update_model(lambda m: m.load_state_dict(new_weights))  # between batches
+
+What differs from TorchRL's server, and what it costs:
+
+- Batching, queueing and fan-out run in ferrobatch's core (Rust), on an event
+  loop and worker thread of the server's own; callers in threads block on a
+  ``concurrent.futures.Future``.
+- The model is called with a ``TensorDict`` of batch size ``[B]`` holding the
+  model's inputs (its ``in_keys`` when it has them, else every tensor of the
+  first request); the result a caller gets is its request (a shallow copy)
+  with the model's outputs and the policy version set in it.
+- Specs are fixed by the first request (or ``request_spec``): later requests
+  must carry the same keys, dtypes and shapes (else ``ValueError``).
+- ``collate_fn`` is honoured: the batch is unbound into the requests' TensorDicts and
+  passed through it in Python before the model (about 1-2 us per request more
+  than the default path).
+- Weight updates (``update_model``, ``update_policy_weights_``, a polled
+  ``weight_sync`` scheme) go through the core's barrier: between batches, never
+  during a forward pass; each bumps the version stamped into the results.
+- A model's exception reaches ``client(td)`` as itself (``ValueError`` stays a
+  ``ValueError``), where the core API raises :class:`~ferrobatch.ModelError`
+  with it as ``__cause__``.
+- :class:`MPTransport` carries requests over a ``multiprocessing`` Pipe per
+  client to a thread in the server's process, until ferrobatch's shared-memory
+  clients (``server.share`` / ``fb.connect``) land; it will move to them, with
+  the same API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import multiprocessing
+import multiprocessing.connection
+import threading
+import time
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from ._torch import nested_key
+from .client import Client
+from .errors import FerrobatchError, ModelError, ServerClosedError
+from .server import Server
+from .specs import TensorSpec, dtype_name, example_specs
+
+__all__ = ["InferenceServer", "MPTransport", "ThreadingTransport"]
+
+# The core's output carrying the version each row ran with (flat: no dot).
+_VERSION = "_ferrobatch_policy_version"
+
+NestedKey = str | tuple[str, ...]
+
+
+def _name(key: NestedKey) -> str:
+    return key if isinstance(key, str) else ".".join(key)
+
+
+def _tensor_leaves(td: Any) -> dict[str, torch.Tensor]:
+    return {
+        _name(key): value
+        for key, value in td.items(include_nested=True, leaves_only=True)
+        if isinstance(value, torch.Tensor)
+    }
+
+
+def _unwrap(error: BaseException) -> BaseException:
+    """The model's own exception for a model error (TorchRL's callers catch
+    it by type); anything else as it is."""
+    if isinstance(error, ModelError) and error.__cause__ is not None:
+        return error.__cause__
+    return error
+
+
+class InferenceServer:
+    """Auto-batching inference for TorchRL actors, with TorchRL's interface.
+
+    Args:
+        model: a callable mapping a batched ``TensorDict`` to a batched
+            ``TensorDict`` (e.g. a ``TensorDictModule``).
+        transport: :class:`ThreadingTransport` or :class:`MPTransport`.
+        max_batch_size: most requests per forward pass (default 64).
+        min_batch_size: a batch waits for this many requests, at most
+            ``timeout`` seconds from its oldest (default 1: never waits; a free
+            worker takes whatever is queued).
+        timeout: seconds, see ``min_batch_size``; also how often ``weight_sync``
+            is polled (default 0.01).
+        collate_fn: applied to the list of the batch's request TensorDicts
+            before the model (in Python; see the module docs for its cost).
+        device: where the model runs (moved there); ``None``: where it is.
+        weight_sync: a ``torchrl.weight_update`` scheme, polled between batches.
+        weight_sync_model_id: the model id the scheme is initialised with.
+        policy_version: the first version stamped into results (default 0).
+        policy_version_key: where results carry the version; ``None``: not stamped.
+        output_device: results are moved there (default: CPU).
+        request_spec: one request, to fix the specs at ``start()`` instead of
+            at the first request.
+    """
+
+    def __init__(
+        self,
+        model: Callable[[Any], Any],
+        transport: ThreadingTransport | MPTransport,
+        *,
+        max_batch_size: int = 64,
+        min_batch_size: int = 1,
+        timeout: float = 0.01,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        device: torch.device | str | None = None,
+        weight_sync: Any = None,
+        weight_sync_model_id: str = "policy",
+        policy_version: int = 0,
+        policy_version_key: NestedKey | None = "policy_version",
+        output_device: torch.device | str | None = None,
+        request_spec: Any = None,
+    ) -> None:
+        if not callable(model):
+            raise TypeError(f"model must be callable, got {type(model).__name__}")
+        if not isinstance(transport, (ThreadingTransport, MPTransport)):
+            raise TypeError(f"transport must be a ThreadingTransport or MPTransport, got {type(transport).__name__}")
+        if not 1 <= min_batch_size <= max_batch_size:
+            raise ValueError(f"min_batch_size must be in 1..{max_batch_size}, got {min_batch_size}")
+        self.model = model
+        self.transport = transport
+        self.max_batch_size = max_batch_size
+        self.min_batch_size = min_batch_size
+        self.timeout = float(timeout)
+        self.collate_fn = collate_fn
+        self.device = torch.device(device) if device is not None else None
+        self.output_device = torch.device(output_device) if output_device is not None else None
+        self.weight_sync = weight_sync
+        self._weight_sync_model_id = weight_sync_model_id
+        self.policy_version_key = policy_version_key
+        self._request_spec = request_spec
+        if self.device is not None and isinstance(model, torch.nn.Module):
+            model.to(self.device)
+        # Updates made before the core server exists count here.
+        self._version_base = int(policy_version)
+        self._early_updates = 0
+        self._early_lock = threading.Lock()
+        self._core: Server | None = None
+        self._client: Client | None = None
+        self._in_names: tuple[str, ...] = ()
+        self._out_keys: list[tuple[str, NestedKey]] = []
+        self._build_lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._poller: threading.Thread | None = None
+        self._polling = threading.local()
+        self._started_at = time.monotonic()
+        transport._bind(self)
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> InferenceServer:
+        """Starts the server (its event loop and, once specs are known, its
+        workers) and returns it."""
+        if self.is_alive:
+            raise RuntimeError("Server is already running.")
+        self._stopping.clear()
+        loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(loop)
+            loop.call_soon(ready.set)
+            loop.run_forever()
+
+        self._loop = loop
+        self._thread = threading.Thread(target=run, name="ferrobatch-torchrl-loop", daemon=True)
+        self._thread.start()
+        ready.wait()
+        self._started_at = time.monotonic()
+        if self._request_spec is not None:
+            self._ensure_core(self._request_spec)
+        if self.weight_sync is not None:
+            self._init_weight_sync()
+            self._poller = threading.Thread(target=self._poll_weights, name="ferrobatch-torchrl-weights", daemon=True)
+            self._poller.start()
+        self.transport._start()
+        return self
+
+    def shutdown(self, timeout: float | None = 5.0) -> None:
+        """Stops accepting requests, finishes the accepted ones (failing those
+        still queued after ``timeout`` seconds) and stops the threads."""
+        self._stopping.set()
+        self.transport._stop()
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+        if self._core is not None and loop.is_running():
+            future = asyncio.run_coroutine_threadsafe(self._core.stop(timeout), loop)
+            try:
+                future.result(None if timeout is None else timeout + 1.0)
+            except (concurrent.futures.TimeoutError, RuntimeError):
+                pass
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout)
+        if self._poller is not None:
+            self._poller.join(timeout)
+            self._poller = None
+        self._thread = None
+
+    @property
+    def is_alive(self) -> bool:
+        """Whether the server's thread runs (from ``start()`` to ``shutdown()``)."""
+        return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
+
+    def __enter__(self) -> InferenceServer:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.shutdown()
+
+    def client(self) -> Any:
+        """A client of the transport: ``client(td) -> td``."""
+        return self.transport.client()
+
+    # -- stats and versions --------------------------------------------------------------
+
+    @property
+    def policy_version(self) -> int:
+        """The version stamped into results computed from now on."""
+        core = self._core
+        return self._version_base + (core.model_version if core is not None else 0)
+
+    def stats(self, *, reset: bool = False) -> dict[str, float | int]:
+        """TorchRL's keys: ``requests``, ``batches``, ``requests_per_s``,
+        ``batches_per_s``, ``avg_batch_size``, ``policy_version``,
+        ``weight_updates``; and ferrobatch's ``queue_ms`` / ``forward_ms``
+        (means). ``reset`` is accepted and ignored (ferrobatch's counters
+        count from the start)."""
+        del reset
+        core = self._core.stats() if self._core is not None else {}
+        elapsed = max(time.monotonic() - self._started_at, 1e-12)
+        rows, batches = int(core.get("rows", 0)), int(core.get("batches", 0))
+        return {
+            "requests": rows,
+            "batches": batches,
+            "requests_per_s": rows / elapsed,
+            "batches_per_s": batches / elapsed,
+            "avg_batch_size": rows / batches if batches else 0.0,
+            "queue_ms": core.get("queue_ns", 0) / 1e6 / rows if rows else 0.0,
+            "forward_ms": core.get("compute_ns", 0) / 1e6 / batches if batches else 0.0,
+            "policy_version": self.policy_version,
+            "weight_updates": self._early_updates + int(core.get("weight_updates", 0)),
+        }
+
+    # -- weight updates --------------------------------------------------------------------
+
+    def _apply(self, update: Callable[[Any], Any], bump: Callable[[list[Any]], bool] | None = None) -> Any:
+        """Runs ``update(model)`` between batches (the core's barrier), or at
+        once before the core server exists; returns what it returned."""
+        with self._build_lock:
+            core = self._core
+            if core is None:
+                with self._early_lock:
+                    result = update(self.model)
+                    if bump is None or bump([result]):
+                        self._version_base += 1
+                        self._early_updates += 1
+                return result
+        # The policy itself, not the wrapper the core calls, between batches.
+        _, results = core._weights.apply(update, [self.model], core.devices[:1], bump)
+        return results[0]
+
+    def update_model(self, update_fn: Callable[[Any], Any], *, mark_weight_update: bool = True) -> Any:
+        """Calls ``update_fn(model)`` between batches (never during a forward
+        pass) and returns what it returned; bumps the policy version unless
+        ``mark_weight_update=False``."""
+        return self._apply(update_fn, None if mark_weight_update else (lambda _: False))
+
+    def update_policy_weights_(self, model_id: Any = None, policy_or_weights: Any = None, **kwargs: Any) -> None:
+        """Records a weight update (bumps the version), TorchRL's cascade hook.
+        With ``policy_or_weights`` (a state dict, a module or a TensorDict of
+        weights), copies them into the model first, between batches."""
+        del model_id, kwargs
+        if getattr(self._polling, "active", False):
+            self._polling.applied = True  # weight_sync's receive() applied them, inside the barrier
+            return
+        weights = policy_or_weights
+        if weights is None:
+            self._apply(lambda _model: None)
+            return
+        if isinstance(weights, torch.nn.Module):
+            weights = weights.state_dict()
+        elif hasattr(weights, "flatten_keys") and hasattr(weights, "to_dict"):
+            weights = {_name(k): v for k, v in weights.items(include_nested=True, leaves_only=True)}
+        self._apply(lambda model: model.load_state_dict(weights))
+
+    def _init_weight_sync(self) -> None:
+        ws = self.weight_sync
+        if getattr(ws, "context", False) is None:
+            ws.context = self  # its receive() cascades into update_policy_weights_
+        if not getattr(ws, "initialized_on_receiver", True):
+            ws.init_on_receiver(model_id=self._weight_sync_model_id, model=self.model, worker_idx=0)
+        if not getattr(ws, "synchronized_on_receiver", True):
+            ws.connect(worker_idx=0)
+
+    def _poll_weights(self) -> None:
+        ws = self.weight_sync
+        if type(ws).__name__ == "SharedMemWeightSyncScheme":
+            return  # applied in place by its own thread; versions come through the cascade
+        while not self._stopping.wait(self.timeout):
+
+            def receive(_model: Any) -> bool:
+                self._polling.active, self._polling.applied = True, False
+                try:
+                    return ws.receive(timeout=0.0) is not None or self._polling.applied
+                finally:
+                    self._polling.active = False
+
+            try:
+                self._apply(receive, bump=lambda results: bool(results[0]))
+            except Exception:  # noqa: BLE001 - a failed receive: try again at the next poll
+                if self._stopping.is_set():
+                    return
+
+    # -- requests ------------------------------------------------------------------------
+
+    def _ensure_core(self, example: Any) -> Client:
+        """The core server's client, building and starting the server from
+        ``example`` (one request) the first time."""
+        client = self._client
+        if client is not None:
+            return client
+        with self._build_lock:
+            if self._client is not None:
+                return self._client
+            if self._loop is None or self._stopping.is_set():
+                raise ServerClosedError("the inference server is not running; call start() first")
+            core = self._build_core(example)
+            asyncio.run_coroutine_threadsafe(core.start(), self._loop).result()
+            self._core = core
+            self._client = core.client()
+            return self._client
+
+    def _build_core(self, example: Any) -> Server:
+        from tensordict import TensorDict
+
+        leaves = _tensor_leaves(example)
+        if self.policy_version_key is not None:
+            leaves.pop(_name(self.policy_version_key), None)
+        in_keys = getattr(self.model, "in_keys", None)
+        if in_keys is not None:
+            wanted = {_name(k) for k in in_keys}
+            leaves = {k: v for k, v in leaves.items() if k in wanted}
+        if not leaves:
+            raise ValueError("the request carries none of the model's inputs")
+        inputs = [TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in leaves.items()]
+        in_keys_nested = [(s.name, nested_key(s.name)) for s in inputs]
+        model, collate_fn, device = self.model, self.collate_fn, self.device
+
+        def call(batch: dict[str, torch.Tensor]) -> Any:
+            rows = next(iter(batch.values())).shape[0]
+            td = TensorDict({key: batch[name] for name, key in in_keys_nested}, batch_size=[rows], device=device)
+            if collate_fn is not None:
+                td = collate_fn(list(td.unbind(0)))
+            return model(td)
+
+        sample = {name: t.detach().unsqueeze(0).to(device or "cpu") for name, t in leaves.items()}
+        with torch.inference_mode():
+            raw = call(sample)
+        outputs = example_specs(_tensor_leaves(raw), exclude=set(leaves))
+        out_keys = [(s.name, nested_key(s.name)) for s in outputs]
+
+        def run(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            result = call(batch)
+            return {name: result.get(key) for name, key in out_keys}
+
+        core = Server(
+            run,
+            inputs=inputs,
+            outputs=outputs,
+            max_batch_size=self.max_batch_size,
+            max_delay=self.timeout if self.min_batch_size > 1 else 0.0,
+            preferred_batch_sizes=range(self.min_batch_size, self.max_batch_size + 1)
+            if self.min_batch_size > 1
+            else (),
+            device=self.device,
+            version_output=_VERSION,
+            name="policy",
+        )
+        self._in_names = tuple(leaves)
+        self._out_keys = out_keys
+        return core
+
+    def _submit(self, td: Any) -> concurrent.futures.Future[dict[str, torch.Tensor]]:
+        client = self._client or self._ensure_core(td)
+        try:
+            flat = {name: td.get(nested_key(name)) for name in self._in_names}
+        except KeyError as exc:
+            raise ValueError(f"the request lacks the model's input {exc}") from None
+        return client._submit_threadsafe(flat)
+
+    def _result_pairs(self, outputs: dict[str, torch.Tensor]) -> list[tuple[NestedKey, torch.Tensor]]:
+        """What a request's result adds to it: the outputs, and the version."""
+        pairs: list[tuple[NestedKey, torch.Tensor]] = [(key, outputs[name]) for name, key in self._out_keys]
+        if self.policy_version_key is not None:
+            version = outputs[_VERSION]
+            if self._version_base:
+                version = version + self._version_base
+            pairs.append((self.policy_version_key, version))
+        if self.output_device is not None:
+            pairs = [(key, value.to(self.output_device)) for key, value in pairs]
+        return pairs
+
+
+def _complete(td: Any, pairs: Sequence[tuple[NestedKey, torch.Tensor]]) -> Any:
+    result = td.copy()
+    for key, value in pairs:
+        result.set(key, value)
+    return result
+
+
+class ThreadingTransport:
+    """Callers in threads of the server's process."""
+
+    def __init__(self) -> None:
+        self._server: InferenceServer | None = None
+
+    def _bind(self, server: InferenceServer) -> None:
+        if self._server is not None and self._server is not server:
+            raise ValueError("this transport already serves another InferenceServer")
+        self._server = server
+
+    def _start(self) -> None:
+        pass
+
+    def _stop(self) -> None:
+        pass
+
+    def client(self) -> ThreadingClient:
+        """A callable ``client(td) -> td``, with ``client.submit(td) -> Future``."""
+        if self._server is None:
+            raise RuntimeError("create the InferenceServer with this transport first")
+        return ThreadingClient(self._server)
+
+
+class ThreadingClient:
+    """``client(td)`` blocks for the result; ``client.submit(td)`` returns a
+    ``concurrent.futures.Future``. Share it between threads freely; it cannot
+    leave the process (use :class:`MPTransport` for that)."""
+
+    __slots__ = ("_server",)
+
+    def __init__(self, server: InferenceServer) -> None:
+        self._server = server
+
+    def __call__(self, td: Any) -> Any:
+        future = self._server._submit(td)
+        error: BaseException | None = None
+        try:
+            outputs = future.result()
+        except FerrobatchError as exc:
+            error = _unwrap(exc)
+        if error is not None:
+            raise error
+        return _complete(td, self._server._result_pairs(outputs))
+
+    def submit(self, td: Any) -> concurrent.futures.Future[Any]:
+        server = self._server
+        result: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        result.set_running_or_notify_cancel()
+
+        def settle(future: concurrent.futures.Future[dict[str, torch.Tensor]]) -> None:
+            error = future.exception()
+            if error is not None:
+                result.set_exception(_unwrap(error))
+                return
+            try:
+                result.set_result(_complete(td, server._result_pairs(future.result())))
+            except BaseException as exc:  # noqa: BLE001 - the caller's to see
+                result.set_exception(exc)
+
+        server._submit(td).add_done_callback(settle)
+        return result
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a ThreadingTransport client serves threads of one process; use MPTransport across processes")
+
+
+class MPTransport:
+    """Callers in other processes (``spawn`` or ``fork``).
+
+    Each client has a ``multiprocessing`` Pipe to a thread in the server's
+    process, which submits its requests to the core and sends the results
+    back; the tensors travel as numpy arrays. (This will move to ferrobatch's
+    shared-memory clients once they land, keeping this API.)
+
+    Args:
+        ctx: a ``multiprocessing`` context or its name; default ``"spawn"``.
+    """
+
+    def __init__(self, ctx: Any = None) -> None:
+        if ctx is None or isinstance(ctx, str):
+            ctx = multiprocessing.get_context(ctx or "spawn")
+        self._ctx = ctx
+        self._server: InferenceServer | None = None
+        self._conns: list[Any] = []
+        self._lock = threading.Lock()
+        self._listener: threading.Thread | None = None
+        self._stopping = threading.Event()
+
+    def _bind(self, server: InferenceServer) -> None:
+        if self._server is not None and self._server is not server:
+            raise ValueError("this transport already serves another InferenceServer")
+        self._server = server
+
+    def client(self) -> MPClient:
+        """A picklable client: pass it to a process; ``client(td) -> td`` there."""
+        ours, theirs = self._ctx.Pipe()
+        with self._lock:
+            self._conns.append(ours)
+        return MPClient(theirs)
+
+    def _start(self) -> None:
+        self._stopping.clear()
+        self._listener = threading.Thread(target=self._listen, name="ferrobatch-torchrl-mp", daemon=True)
+        self._listener.start()
+
+    def _stop(self) -> None:
+        self._stopping.set()
+        if self._listener is not None:
+            self._listener.join(5.0)
+            self._listener = None
+
+    def _listen(self) -> None:
+        server = self._server
+        assert server is not None
+        send_locks: dict[int, threading.Lock] = {}
+        while not self._stopping.is_set():
+            with self._lock:
+                conns = list(self._conns)
+            if not conns:
+                self._stopping.wait(0.05)
+                continue
+            ready: list[Any] = multiprocessing.connection.wait(conns, timeout=0.05)
+            for conn in ready:
+                try:
+                    rid, flat = conn.recv()
+                except (EOFError, OSError):
+                    with self._lock:
+                        self._conns.remove(conn)
+                    continue
+                lock = send_locks.setdefault(id(conn), threading.Lock())
+                self._serve(server, conn, lock, rid, flat)
+
+    @staticmethod
+    def _serve(server: InferenceServer, conn: Any, lock: threading.Lock, rid: int, flat: dict[str, Any]) -> None:
+        def reply(ok: bool, payload: Any) -> None:
+            try:
+                with lock:
+                    conn.send((rid, ok, payload))
+            except (OSError, ValueError):
+                pass  # the client is gone
+            except Exception as exc:  # noqa: BLE001 - an unpicklable error: say what it was
+                with lock:
+                    conn.send((rid, False, RuntimeError(f"{type(payload).__name__}: {payload}; ({exc})")))
+
+        def settle(future: concurrent.futures.Future[dict[str, torch.Tensor]]) -> None:
+            error = future.exception()
+            if error is not None:
+                reply(False, _unwrap(error))
+                return
+            pairs = server._result_pairs(future.result())
+            reply(True, [(key, value.numpy()) for key, value in pairs])
+
+        try:
+            from tensordict import TensorDict
+
+            tensors = {name: torch.from_numpy(value) for name, value in flat.items()}
+            example = TensorDict({nested_key(name): t for name, t in tensors.items()}, batch_size=[])
+            server._submit(example).add_done_callback(settle)
+        except BaseException as exc:  # noqa: BLE001 - the client's to see
+            reply(False, _unwrap(exc))
+
+
+class MPClient:
+    """``client(td) -> td`` and ``client.submit(td) -> Future`` in any process
+    it was passed to (picklable); many threads may share it."""
+
+    _ids = itertools.count()
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+        self._setup()
+
+    def _setup(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: dict[int, tuple[concurrent.futures.Future[Any], Any]] = {}
+        self._reader: threading.Thread | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"conn": self._conn}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._conn = state["conn"]
+        self._setup()
+
+    def submit(self, td: Any) -> concurrent.futures.Future[Any]:
+        flat = {name: t.detach().cpu().numpy() for name, t in _tensor_leaves(td).items()}
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        future.set_running_or_notify_cancel()
+        with self._lock:
+            rid = next(self._ids)
+            self._pending[rid] = (future, td)
+            if self._reader is None:
+                self._reader = threading.Thread(target=self._read, name="ferrobatch-torchrl-client", daemon=True)
+                self._reader.start()
+            self._conn.send((rid, flat))
+        return future
+
+    def __call__(self, td: Any) -> Any:
+        return self.submit(td).result()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                rid, ok, payload = self._conn.recv()
+            except (EOFError, OSError):
+                with self._lock:
+                    pending, self._pending = self._pending, {}
+                    self._reader = None
+                for future, _ in pending.values():
+                    future.set_exception(ServerClosedError("the inference server went away"))
+                return
+            with self._lock:
+                future, td = self._pending.pop(rid)
+            if ok:
+                future.set_result(_complete(td, [(key, torch.from_numpy(value)) for key, value in payload]))
+            else:
+                future.set_exception(payload)

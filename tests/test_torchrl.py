@@ -1,0 +1,227 @@
+"""ferrobatch.torchrl: TorchRL's InferenceServer contract on ferrobatch's core
+(TorchRL's documented signature, lifecycle, stats keys, versions stamped into
+results, update_model / update_policy_weights_ / a polled weight_sync scheme,
+collate_fn, the model's own exceptions, threads and spawned processes)."""
+
+from __future__ import annotations
+
+import inspect
+import multiprocessing
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+import torch
+
+import ferrobatch as fb
+
+pytest.importorskip("tensordict")
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+
+from ferrobatch.torchrl import InferenceServer, MPTransport, ThreadingTransport
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def policy() -> TensorDictModule:
+    torch.manual_seed(0)
+    return TensorDictModule(torch.nn.Linear(4, 2), in_keys=["observation"], out_keys=["action"])
+
+
+def request(i: float = 1.0) -> TensorDict:
+    return TensorDict({"observation": torch.full((4,), i), "reward": torch.zeros(1)})
+
+
+def test_the_seed_contract_of_torchrl_holds() -> None:
+    params = list(inspect.signature(InferenceServer).parameters)
+    assert params[:2] == ["model", "transport"]
+    for name in ("max_batch_size", "min_batch_size", "timeout", "collate_fn", "device", "weight_sync",
+                 "weight_sync_model_id", "policy_version", "policy_version_key", "output_device"):  # fmt: skip
+        assert name in params
+    defaults = inspect.signature(InferenceServer).parameters
+    assert defaults["max_batch_size"].default == 64 and defaults["timeout"].default == 0.01
+    transport = ThreadingTransport()
+    server = InferenceServer(policy(), transport, max_batch_size=8)
+    assert not server.is_alive
+    assert server.start() is server and server.is_alive
+    server.shutdown(timeout=5.0)
+    assert not server.is_alive
+
+
+def test_threads_get_their_own_rows_batched_with_the_version_stamped() -> None:
+    module = policy()
+    transport = ThreadingTransport()
+    results: dict[int, Any] = {}
+    with InferenceServer(module, transport, max_batch_size=16) as server:
+        client = transport.client()
+        barrier = threading.Barrier(16)
+
+        def actor(i: int) -> None:
+            barrier.wait()
+            results[i] = [client(request(i + k / 10)) for k in range(20)]
+
+        threads = [threading.Thread(target=actor, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        stats = server.stats()
+    for i, outs in results.items():
+        for k, out in enumerate(outs):
+            obs = torch.full((4,), i + k / 10)
+            assert torch.equal(out["observation"], obs) and "reward" in out.keys()
+            with torch.no_grad():
+                torch.testing.assert_close(out["action"], module.module(obs))
+            assert int(out["policy_version"]) == 0
+    assert len(results) == 16
+    for key in ("requests", "batches", "avg_batch_size", "policy_version", "weight_updates"):
+        assert key in stats
+    assert stats["requests"] == 320 and stats["avg_batch_size"] > 1.0
+
+
+def test_a_model_error_reaches_the_client_as_itself() -> None:
+    def broken(td: TensorDict) -> TensorDict:
+        if bool((td["observation"] < 0).any()):
+            raise ValueError("negative observation")
+        return td.set("action", td["observation"] * 2)
+
+    transport = ThreadingTransport()
+    with InferenceServer(broken, transport, max_batch_size=4):
+        client = transport.client()
+        assert torch.equal(client(request(1.0))["action"], torch.full((4,), 2.0))
+        with pytest.raises(ValueError, match="negative observation"):
+            client(request(-1.0))
+        with pytest.raises(ValueError, match="negative observation"):
+            client.submit(request(-1.0)).result(10)
+        assert torch.equal(client(request(3.0))["action"], torch.full((4,), 6.0))
+
+
+async def test_the_core_api_keeps_model_error_with_its_cause() -> None:
+    def broken(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        raise ValueError("bad batch")
+
+    server = fb.Server(
+        broken, inputs=[fb.TensorSpec("x", "float32", (4,))], outputs=[fb.TensorSpec("y", "float32", (4,))]
+    )
+    async with server:
+        with pytest.raises(fb.ModelError) as info:
+            await server.client().infer({"x": torch.zeros(4)})
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+def test_update_model_and_update_policy_weights_bump_the_stamped_version() -> None:
+    module = policy()
+    transport = ThreadingTransport()
+    with InferenceServer(module, transport, max_batch_size=4, policy_version=5) as server:
+        client = transport.client()
+        assert int(client(request())["policy_version"]) == 5
+        assert server.update_model(lambda m: m.module.weight.zero_() is not None) is True
+        assert server.policy_version == 6
+        out = client(request())
+        assert int(out["policy_version"]) == 6
+        torch.testing.assert_close(out["action"], module.module.bias.detach())
+        server.update_model(lambda m: None, mark_weight_update=False)
+        assert server.policy_version == 6
+        server.update_policy_weights_()
+        ones = {k: torch.ones_like(v) for k, v in module.state_dict().items()}
+        server.update_policy_weights_(policy_or_weights=ones)
+        out = client.submit(request()).result(10)
+        stats = server.stats()
+    assert int(out["policy_version"]) == 8 == stats["policy_version"]
+    assert stats["weight_updates"] == 3
+    assert torch.equal(out["action"], torch.full((2,), 5.0))  # 4 ones + bias 1
+
+
+def test_no_version_key_stamps_nothing_and_collate_fn_is_honoured() -> None:
+    seen: list[int] = []
+
+    def collate(items: list[TensorDict]) -> TensorDict:
+        seen.append(len(items))
+        return torch.stack(items)
+
+    transport = ThreadingTransport()
+    with InferenceServer(policy(), transport, collate_fn=collate, policy_version_key=None):
+        out = transport.client()(request())
+    assert "policy_version" not in out.keys() and "action" in out.keys()
+    assert seen and all(n >= 1 for n in seen)
+
+
+class FakeScheme:
+    """The receiver side of a torchrl.weight_update scheme: receive() applies
+    what the trainer sent (here: a number added to the bias) and returns it."""
+
+    context: Any = None
+    initialized_on_receiver = False
+    synchronized_on_receiver = False
+
+    def __init__(self) -> None:
+        self.sent: list[float] = []
+        self.model: Any = None
+
+    def init_on_receiver(self, *, model_id: str, model: Any, worker_idx: int) -> None:
+        self.model, self.initialized_on_receiver = model, True
+
+    def connect(self, *, worker_idx: int) -> None:
+        self.synchronized_on_receiver = True
+
+    def receive(self, timeout: float = 0.0) -> Any:
+        if not self.sent:
+            return None
+        value = self.sent.pop()
+        with torch.no_grad():
+            self.model.module.bias.add_(value)
+        return value
+
+
+def test_a_weight_sync_scheme_is_polled_between_batches() -> None:
+    scheme = FakeScheme()
+    transport = ThreadingTransport()
+    with InferenceServer(policy(), transport, weight_sync=scheme, timeout=0.005) as server:
+        client = transport.client()
+        before = client(request(0.0))
+        scheme.sent.append(1.0)
+        for _ in range(400):
+            if server.policy_version == 1:
+                break
+            threading.Event().wait(0.005)
+        after = client(request(0.0))
+    assert scheme.initialized_on_receiver and scheme.synchronized_on_receiver
+    assert int(after["policy_version"]) == 1 and server.stats()["weight_updates"] == 1
+    torch.testing.assert_close(after["action"], before["action"] + 1)
+
+
+def _mp_actor(client: Any, results: Any) -> None:
+    outs = [client(TensorDict({"observation": torch.full((4,), float(i))})) for i in range(3)]
+    future: Future[Any] = client.submit(TensorDict({"observation": torch.full((4,), -1.0)}))
+    try:
+        future.result(30)
+        error = "no error"
+    except ValueError as exc:
+        error = str(exc)
+    results.put(([o["action"].tolist() for o in outs], [int(o["policy_version"]) for o in outs], error))
+
+
+def test_mp_transport_clients_work_in_spawned_processes() -> None:
+    module = policy()
+
+    def model(td: TensorDict) -> TensorDict:
+        if bool((td["observation"] < 0).any()):
+            raise ValueError("negative observation")
+        return module(td)
+
+    ctx = multiprocessing.get_context("spawn")
+    transport = MPTransport(ctx=ctx)
+    with InferenceServer(model, transport, max_batch_size=4):
+        results = ctx.Queue()
+        process = ctx.Process(target=_mp_actor, args=(transport.client(), results))
+        process.start()
+        actions, versions, error = results.get(timeout=45)
+        process.join(15)
+    assert process.exitcode == 0
+    with torch.no_grad():
+        for i, action in enumerate(actions):
+            torch.testing.assert_close(torch.tensor(action), module.module(torch.full((4,), float(i))))
+    assert versions == [0, 0, 0]
+    assert error == "negative observation"
