@@ -139,3 +139,10 @@ def test_example_app_batches_its_own_route(module: str, kind: str, v2_prefix: st
         probs = expected_probs(f)
         torch.testing.assert_close(torch.tensor(result["probs"]), probs)
         assert result["label"] == int(probs.argmax())
+
+
+def test_torchrl_actors_example_runs_with_weight_updates() -> None:
+    pytest.importorskip("tensordict")
+    stats = load("torchrl_actors").run(actors=4, steps=50, updates=3)
+    assert stats["steps"] == 200 == stats["requests"]
+    assert stats["weight_updates"] == 3 == stats["policy_version"]
