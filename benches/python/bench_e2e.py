@@ -11,7 +11,11 @@ model's output for that request.
 Systems (see ``e2e_systems.py``): ferrobatch on the default event loop and on
 uvloop (if installed); the asyncio floor (bare futures resolved 64 at a time:
 an upper bound); a naive asyncio batcher; TorchRL's InferenceServer with its
-ThreadingTransport (if ``torchrl`` is installed).
+ThreadingTransport (if ``torchrl`` is installed); ``torchrl-compat``: the same
+TorchRL workload (threads calling ``client(TensorDict)``, the same arguments)
+through ``ferrobatch.torchrl``. With ``torchrl-compat``, the weight-update
+latency under load is measured too (64 threads; ``update_model`` every 20 ms;
+call to the first result carrying the new version, in ms and batch times).
 
 Every system runs with torch's intra-op threads set to 1 (``--torch-threads``):
 on a small machine the event loop and the model thread each need a core. The
@@ -68,13 +72,14 @@ except ImportError:  # optional: the `bench` extra
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 #: The latest run's results: each run replaces them (older ones live in git history).
 LATEST = RESULTS / "e2e.jsonl"
-ALL_SYSTEMS = ("ferrobatch", "ferrobatch-uvloop", "floor", "naive", "torchrl")
+ALL_SYSTEMS = ("ferrobatch", "ferrobatch-uvloop", "floor", "naive", "torchrl", "torchrl-compat")
 LABELS = {
     "ferrobatch": "ferrobatch",
     "ferrobatch-uvloop": "ferrobatch (uvloop)",
     "floor": "asyncio floor",
     "naive": "naive asyncio batcher",
     "torchrl": "torchrl InferenceServer",
+    "torchrl-compat": "ferrobatch.torchrl",
 }
 
 
@@ -272,6 +277,8 @@ def measure(system: str, cfg: Config, model: systems.Model, work: Workload, run:
         out = run_async_system(lambda: systems.NaiveBatcher(model, cfg.max_delay), work, cfg.callers, None)
     elif system == "torchrl":
         out = run_thread_system(systems.TorchRL(model, cfg.max_delay), work, cfg.callers)
+    elif system == "torchrl-compat":
+        out = run_thread_system(systems.TorchRLCompat(model, cfg.max_delay), work, cfg.callers)
     else:
         raise ValueError(f"unknown system {system!r}")
     drive, batch = out
@@ -470,11 +477,86 @@ def targets(results: list[dict[str, Any]], medians: list[dict[str, Any]], runs: 
     for model in ("identity", "mlp"):
         m = med("ferrobatch", model, 0.0, 1)
         add(f"{model} C=1 greedy: ferrobatch p50", m["p50_us"] if m else None, 60.0, False, "us")
+    for model in ("identity", "mlp"):
+        for delay in (0.001, 0.0):
+            add(
+                f"{model} C=64 {fmt_delay(delay)}: ferrobatch.torchrl / TorchRL",
+                ratio(results, runs, "torchrl-compat", "torchrl", model, delay, 64),
+                5.0,
+                True,
+                "x",
+            )
     return checks
 
 
+def update_latency(system: str, model: systems.Model, work: Workload, callers: int, updates: int) -> dict[str, Any]:
+    """Weight-update latency under load: ``callers`` threads call the policy
+    non-stop while a trainer calls ``update_model`` every 20 ms; the latency
+    of an update is from its call to the first result any caller gets that
+    carries its version, also given in batch times (the run's wall time per
+    batch)."""
+    made = systems.TorchRLCompat(model, 0.0) if system == "torchrl-compat" else systems.TorchRL(model, 0.0)
+    server = made.server
+    server.start()
+    client = server.client()
+    td = made._tensordict
+    rows = work.rows
+    first_seen: dict[int, float] = {}
+    called: dict[int, float] = {}
+    stop = threading.Event()
+
+    def caller(k: int) -> None:
+        i = k
+        while not stop.is_set():
+            out = client(td({"x": rows[i % len(rows)]}))
+            version = int(out["policy_version"])
+            if version not in first_seen:
+                first_seen.setdefault(version, time.perf_counter())
+            i += callers
+
+    def touch(m: Any) -> None:
+        with torch.no_grad():
+            for p in m.parameters():
+                p.mul_(1.0)
+
+    threads = [threading.Thread(target=caller, args=(k,), daemon=True) for k in range(callers)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(0.5)  # warm up, then measure
+        before = server.stats()
+        started = time.perf_counter()
+        for _ in range(updates):
+            t0 = time.perf_counter()
+            server.update_model(touch)
+            called[int(server.policy_version)] = t0
+            time.sleep(0.02)
+        elapsed = time.perf_counter() - started
+        after = server.stats()
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+        server.shutdown()
+    batches = int(after["batches"]) - int(before["batches"])
+    batch_ms = elapsed / batches * 1e3 if batches else float("nan")
+    lat_ms = sorted((first_seen[v] - t0) * 1e3 for v, t0 in called.items() if v in first_seen)
+    rows_done = int(after["requests"]) - int(before["requests"])
+    return {
+        "kind": "update_latency",
+        "system": system,
+        "callers": callers,
+        "updates": len(lat_ms),
+        "p50_ms": statistics.median(lat_ms) if lat_ms else None,
+        "max_ms": lat_ms[-1] if lat_ms else None,
+        "batch_ms": batch_ms,
+        "p50_batches": statistics.median(lat_ms) / batch_ms if lat_ms else None,
+        "mean_batch_size": rows_done / batches if batches else 0.0,
+    }
+
+
 def print_ratios(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    others = [s for s in ("floor", "naive", "torchrl", "ferrobatch-uvloop") if s in args.systems]
+    others = [s for s in ("floor", "naive", "torchrl", "torchrl-compat", "ferrobatch-uvloop") if s in args.systems]
     if "ferrobatch" not in args.systems or not others:
         return
     print("\nferrobatch throughput / other system's (median over runs of in-run ratios)")
@@ -537,6 +619,7 @@ MARKDOWN_LABELS = {
     "floor": "asyncio floor",
     "naive": "naive batcher",
     "torchrl": "TorchRL",
+    "torchrl-compat": "ferrobatch.torchrl",
 }
 
 
@@ -677,8 +760,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         return args  # the axes come from the results file
     if "ferrobatch-uvloop" in args.systems and uvloop is None:
         skipped.append("ferrobatch-uvloop (uvloop is not installed)")
-    if "torchrl" in args.systems and not systems.torchrl_available():
-        skipped.append("torchrl (torchrl is not installed: pip install torchrl)")
+    for name in ("torchrl", "torchrl-compat"):
+        if name in args.systems and not systems.torchrl_available():
+            skipped.append(f"{name} (torchrl is not installed: pip install torchrl)")
     for s in skipped:
         print(f"skipping {s}", file=sys.stderr)
         args.systems.remove(s.split()[0])
@@ -741,6 +825,23 @@ def run_plan(args: argparse.Namespace, argv: list[str], jsonl: Path) -> tuple[di
                 out.flush()
                 bar.update()
         bar.close()
+        if "torchrl-compat" in args.systems:
+            for system in ("torchrl-compat", "torchrl"):
+                if system not in args.systems:
+                    continue
+                model = args.models[-1]
+                wkey = (model, args.requests)
+                if wkey not in workloads:
+                    workloads[wkey] = Workload(models[model], args.requests, seed=args.requests)
+                row = update_latency(system, models[model], workloads[wkey], 64, 5 if args.quick else 20)
+                row["model"] = model
+                out.write(json.dumps(row) + "\n")
+                print(
+                    f"weight update latency, {LABELS[system]}, {model}, 64 threads: p50 {row['p50_ms']:.2f} ms"
+                    f" (max {row['max_ms']:.2f} ms) = {row['p50_batches']:.2f} batch times"
+                    f" of {row['batch_ms']:.2f} ms (mean batch {row['mean_batch_size']:.1f})",
+                    file=sys.stderr,
+                )
         medians = median_table(results)
         for row in (*medians, *targets(results, medians, args.runs)):
             out.write(json.dumps(row) + "\n")

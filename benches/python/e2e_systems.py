@@ -260,20 +260,24 @@ class TorchRL:
     def __init__(self, model: Model, max_delay: float) -> None:
         from tensordict import TensorDict
         from tensordict.nn import TensorDictModule
-        from torchrl.modules.inference_server import InferenceServer, ThreadingTransport
 
         class Wrapped(torch.nn.Module):
             def forward(self, x: torch.Tensor) -> torch.Tensor:
                 return model({"x": x})["y"]
 
-        module = TensorDictModule(Wrapped(), in_keys=["x"], out_keys=["y"])
+        self.module = TensorDictModule(Wrapped(), in_keys=["x"], out_keys=["y"])
         kwargs: dict[str, Any] = {"max_batch_size": MAX_BATCH_SIZE}
         if max_delay > 0:
             kwargs.update(min_batch_size=MAX_BATCH_SIZE, timeout=max_delay)
         else:
             kwargs.update(min_batch_size=1)
-        self.server = InferenceServer(module, ThreadingTransport(), **kwargs)
+        self.server = self.make_server(self.module, kwargs)
         self._tensordict = TensorDict
+
+    def make_server(self, module: Any, kwargs: dict[str, Any]) -> Any:
+        from torchrl.modules.inference_server import InferenceServer, ThreadingTransport
+
+        return InferenceServer(module, ThreadingTransport(), **kwargs)
 
     def start(self) -> None:
         self.server.start()
@@ -295,3 +299,25 @@ class TorchRL:
     def mean_batch_size(self) -> float:
         s = self.server.stats()
         return float(s["requests"]) / s["batches"] if s["batches"] else 0.0
+
+
+class TorchRLCompat(TorchRL):
+    """TorchRL's workload (threads calling ``client(TensorDict({"x": x}))``,
+    the same ``InferenceServer`` arguments) through ``ferrobatch.torchrl``."""
+
+    name = "ferrobatch.torchrl InferenceServer"
+
+    def make_server(self, module: Any, kwargs: dict[str, Any]) -> Any:
+        from ferrobatch.torchrl import InferenceServer, ThreadingTransport
+
+        self._base = (0, 0)
+        return InferenceServer(module, ThreadingTransport(), **kwargs)
+
+    def reset_counters(self) -> None:  # its counters count from the start
+        s = self.server.stats()
+        self._base = (int(s["requests"]), int(s["batches"]))
+
+    def mean_batch_size(self) -> float:
+        s = self.server.stats()
+        rows, batches = int(s["requests"]) - self._base[0], int(s["batches"]) - self._base[1]
+        return rows / batches if batches else 0.0
