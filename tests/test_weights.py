@@ -153,3 +153,47 @@ async def test_update_weights_sync_refuses_the_event_loop_thread() -> None:
 def test_version_output_cannot_shadow_a_model_output() -> None:
     with pytest.raises(ValueError, match="already one of the model's outputs"):
         two_reads_server(TwoReads(), version_output="a")
+
+
+class CudaTwoReads(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.zeros(WIDTH), requires_grad=False)
+        self.b = torch.nn.Parameter(torch.zeros(WIDTH), requires_grad=False)
+
+    def forward(self, d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        x = d["x"]
+        for _ in range(50):  # enough kernels that an update landing mid-batch would show
+            x = x * 1.0
+        return {"a": x * 0 + self.a, "b": x * 0 + self.b}
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+async def test_cuda_updates_are_copied_in_place_between_batches(cuda_graphs: bool) -> None:
+    model = CudaTwoReads().cuda()
+    storage = model.a.data_ptr()
+    server = fb.Server(
+        [model, model], inputs=[X], outputs=[A, B], max_batch_size=8, max_delay=0.0005,
+        device="cuda", cuda_graphs=cuda_graphs, version_output="v",
+    )  # fmt: skip
+    rows: list[dict[str, torch.Tensor]] = []
+    updating = True
+
+    async def caller() -> None:
+        client = server.client()
+        while updating:
+            rows.append(await client.infer({"x": torch.zeros(WIDTH)}))
+
+    async def trainer() -> None:
+        nonlocal updating
+        for k in range(1, 51):
+            await server.update_weights(state(float(k)))
+        updating = False
+
+    async with server:
+        await asyncio.gather(*(caller() for _ in range(32)), trainer())
+    assert model.a.data_ptr() == storage  # in place: captured graphs stay valid
+    torn = [r for r in rows if not (torch.equal(r["a"], r["b"]) and bool((r["a"] == r["v"]).all()))]
+    assert torn == [] and len({int(r["v"]) for r in rows}) > 5
