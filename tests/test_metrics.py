@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import numpy as np
 import pytest
+import torch
 import tritonclient.http as httpclient
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -23,6 +26,8 @@ NAMES = {
     "nv_inference_queue_duration_us",
     "nv_inference_compute_infer_duration_us",
     "nv_inference_pending_request_count",
+    "ferrobatch_retry_calls",
+    "ferrobatch_isolated_failures",
 }
 
 
@@ -106,3 +111,22 @@ async def test_collector_reads_stats_at_scrape_time() -> None:
     assert value(after, "nv_inference_request_duration_us", model="m") == stats["request_ns"] // 1000
     assert value(after, "nv_inference_queue_duration_us", model="m") == stats["queue_ns"] // 1000
     assert value(after, "nv_inference_compute_infer_duration_us", model="m") == stats["request_compute_ns"] // 1000
+    assert value(after, "ferrobatch_retry_calls", model="m") == stats["retry_calls"] == 0
+    assert value(after, "ferrobatch_isolated_failures", model="m") == stats["isolated_failures"] == 0
+
+
+async def test_metrics_count_isolated_failures() -> None:
+    def poisoned(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if bool((d["x"][:, 0] < 0).any()):
+            raise ValueError("negative")
+        return {"y": d["x"] * 2}
+
+    server = fb.Server(poisoned, inputs=[X], outputs=[Y], max_batch_size=4, max_delay=5.0, name="p")
+    async with server:
+        client = server.client()
+        xs = [np.full(WIDTH, -1 if i == 2 else i, np.float32) for i in range(4)]
+        await asyncio.gather(*(client.infer({"x": x}) for x in xs), return_exceptions=True)
+    samples = scrape(generate_latest(registry([server])).decode())
+    assert value(samples, "ferrobatch_retry_calls", model="p") == 4  # halves of 2, then of 1
+    assert value(samples, "ferrobatch_isolated_failures", model="p") == 1
+    assert value(samples, "nv_inference_request_success", model="p") == 3

@@ -82,8 +82,11 @@ class Worker:
         outputs: dict[str, torch.Tensor] | None,
         error: BaseException | None,
         ring_now: bool = False,
+        failed: list[tuple[int, BaseException]] | None = None,
     ) -> None:
-        """Hands a batch's outputs (or its model error) to its callers' event loops."""
+        """Hands a batch's outputs (or its model error) to its callers' event
+        loops; with ``failed`` (``(row_start, error)``), those requests fail
+        with ``ModelError`` and the others get their rows of ``outputs``."""
 
 @final
 class Batch:
@@ -95,6 +98,8 @@ class Batch:
     def rows(self) -> int: ...
     @property
     def n_requests(self) -> int: ...
+    def request_rows(self) -> list[tuple[int, int]]:
+        """Each request's ``(start, rows)``, in batch order."""
     def release_slot(self) -> bool: ...
 
 @final

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import logging
 import sys
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from time import perf_counter_ns
@@ -365,6 +367,16 @@ def _storage_ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+def _rows(t: torch.Tensor, start: int, n: int) -> torch.Tensor:
+    """``n`` rows of ``t`` from ``start``: a view, or a copy padded with
+    zeros where ``t`` ends first."""
+    if start + n <= t.shape[0]:
+        return t[start : start + n]
+    padded = t.new_zeros((n, *t.shape[1:]))
+    padded[: t.shape[0] - start] = t[start:]
+    return padded
+
+
 class StagedViews:
     """The model's inputs for a batch of ``n`` rows in one staging slot: views
     of the slot's first ``n`` rows, made once and reused batch after batch.
@@ -398,6 +410,8 @@ class WorkerCounters:
     compute_ns: int = 0  # per batch
     request_compute_ns: int = 0  # per request: a batch's compute time counts once per request
     failed_batches: int = 0
+    isolated_failures: int = 0  # requests failed alone: their own model call raised too
+    retry_calls: int = 0  # model calls made to isolate failures
 
     def add(self, elapsed_ns: int, n_requests: int, failed: bool) -> None:
         self.compute_ns += elapsed_ns
@@ -406,13 +420,85 @@ class WorkerCounters:
 
 
 def finish(worker: _core.Worker, batch: _core.Batch, outputs: Outputs | None, error: BaseException | None,
-           ring_now: bool = False) -> None:  # fmt: skip
+           ring_now: bool = False, failed: list[tuple[int, BaseException]] | None = None) -> None:  # fmt: skip
     """Hands a batch's outcome to its callers (one call into Rust). Never
     raises: a failure here is a bug, logged, and the worker goes on."""
     try:
-        worker.finish(batch, outputs, error, ring_now)
+        worker.finish(batch, outputs, error, ring_now, failed)
     except BaseException:
         log.exception("ferrobatch: finishing a batch failed")
+
+
+def retryable(error: BaseException) -> bool:
+    """Whether failure isolation may retry after ``error``: any ``Exception``,
+    never a ``BaseException`` that means the process is going down
+    (``KeyboardInterrupt``, ``SystemExit``, ``GeneratorExit``) or a
+    cancellation."""
+    return isinstance(error, Exception)
+
+
+@dataclass
+class Isolated:
+    """What retrying a failed batch in halves found: ``done`` holds
+    ``(start_row, rows, outputs)`` of the parts that ran, ``failed``
+    ``(start_row, error)`` of each request that did not get a result,
+    ``calls`` the model calls made and ``alone`` how many of the failed
+    requests failed in a call of their own."""
+
+    done: list[tuple[int, int, Outputs]]
+    failed: list[tuple[int, BaseException]]
+    calls: int
+    alone: int
+
+
+def isolate(
+    request_rows: Sequence[tuple[int, int]], error: BaseException, call: Callable[[int, int], Outputs]
+) -> Isolated:
+    """Retries a batch whose model call raised ``error``, in halves, so that
+    only the requests whose own call still fails are failed.
+
+    ``request_rows`` is each request's ``(start_row, rows)`` in batch order;
+    ``call(start_row, rows)`` runs the model on those rows of the batch.
+    A failed part of more than one request is split in two (by requests),
+    each half a model call, breadth first: a batch of ``n`` requests with
+    one bad request takes ``2 * ceil(log2(n))`` calls, and however many fail,
+    at most ``n`` calls are made (one per request): once the next split
+    would exceed that, the parts still failed fail with the error they
+    raised. An error :func:`retryable` refuses is never retried.
+    """
+    result = Isolated([], [], 0, 0)
+    budget = len(request_rows)
+    todo: deque[tuple[int, int, BaseException, bool]] = deque([(0, len(request_rows), error, False)])
+    while todo:
+        first, count, err, retried = todo.popleft()
+        if count == 1 or result.calls + 2 > budget or not retryable(err):
+            result.failed += [(request_rows[i][0], err) for i in range(first, first + count)]
+            result.alone += count == 1 and retried
+            continue
+        half = count // 2
+        for lo, n in ((first, half), (first + half, count - half)):
+            start = request_rows[lo][0]
+            last_start, last_rows = request_rows[lo + n - 1]
+            result.calls += 1
+            try:
+                result.done.append((start, last_start + last_rows - start, call(start, last_start + last_rows - start)))
+            except BaseException as exc:  # noqa: BLE001 - split further, or failed as it is
+                todo.append((lo, n, exc, True))
+    return result
+
+
+def merge_rows(done: Sequence[tuple[int, int, Outputs]], rows: int) -> Outputs:
+    """One batch of ``rows`` rows from the parts in ``done``; rows no part
+    covers are left uninitialised (they belong to failed requests)."""
+    if not done:
+        return {}
+    merged: Outputs = {}
+    for name, t in done[0][2].items():
+        whole = torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
+        for start, n, outputs in done:
+            whole[start : start + n].copy_(outputs[name])
+        merged[name] = whole
+    return merged
 
 
 class CpuExecutor:
@@ -422,11 +508,14 @@ class CpuExecutor:
     With ``pad_to`` (``compile=True``), a batch runs padded up to its bucket,
     so a compiled model only ever sees the bucket sizes it was warmed with.
     Once :meth:`bind_weights` gave it a gate, each forward pass of
-    :meth:`serve` runs under it (weight updates wait for it).
+    :meth:`serve` runs under it (weight updates wait for it). With
+    ``isolate_failures``, a batch whose model call raised is retried in
+    halves on its staging slot (:func:`isolate`).
     """
 
     gate: Gate | None = None
     version_output: str | None = None
+    isolate_failures: bool = False
 
     def bind_weights(self, gate: Gate, version_output: str | None) -> None:
         """Runs every batch of :meth:`serve` under ``gate``; with
@@ -463,13 +552,18 @@ class CpuExecutor:
             self.run(slot, rows)
         self._views.clear()  # views of the warm-up slot: requests use the ring's
 
-    def run(self, slot: Mapping[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
-        """The outputs for the first ``rows`` rows of the staging slot."""
+    def run(self, slot: Mapping[str, torch.Tensor], rows: int, start: int = 0) -> dict[str, torch.Tensor]:
+        """The outputs for ``rows`` rows of the staging slot from ``start``."""
         n = self.pad_to[rows] if self.pad_to else rows
-        staged = self._staged(slot, n)
+        if start == 0:
+            staged = self._staged(slot, n)
+            views = dict(staged.views)
+            staging = staged.storage_ptrs
+        else:  # a retry of part of a batch (failure isolation): not cached
+            views = {name: _rows(t, start, n) for name, t in slot.items()}
+            staging = frozenset(_storage_ptr(t) for t in slot.values())
         with inference_mode():
-            outputs = normalize_outputs(self.model(dict(staged.views)), self.outputs, n)
-        staging = staged.storage_ptrs
+            outputs = normalize_outputs(self.model(views), self.outputs, n)
         for name, out in outputs.items():
             if n != rows:
                 out = out[:rows]
@@ -490,18 +584,34 @@ class CpuExecutor:
         while (batch := worker.next_batch()) is not None:
             outputs: Outputs | None = None
             error: BaseException | None = None
+            failed: list[tuple[int, BaseException]] | None = None
+            slot = slots[batch.slot]
             started = perf_counter_ns()
             try:
-                if self.gate is None:
-                    outputs = self.run(slots[batch.slot], batch.rows)
-                else:
-                    with self.gate as version:  # no weight update during the forward pass
-                        outputs = self.run(slots[batch.slot], batch.rows)
-                    if self.version_output is not None:
-                        outputs[self.version_output] = version_rows(version, batch.rows)
+                outputs = self._attempt(slot, 0, batch.rows)
             except BaseException as exc:  # noqa: BLE001 - even SystemExit: the worker survives
                 error = exc
+            failed_batch = error is not None
+            if error is not None and self.isolate_failures and retryable(error) and batch.n_requests > 1:
+                isolated = isolate(batch.request_rows(), error, functools.partial(self._attempt, slot))
+                counters.retry_calls += isolated.calls
+                counters.isolated_failures += isolated.alone
+                try:
+                    outputs, error, failed = merge_rows(isolated.done, batch.rows), None, isolated.failed
+                except BaseException as exc:  # noqa: BLE001 - parts that cannot be merged: all fail
+                    outputs, error = None, exc
             batch.release_slot()  # outputs never alias the slot
-            counters.add(perf_counter_ns() - started, batch.n_requests, error is not None)
+            counters.add(perf_counter_ns() - started, batch.n_requests, failed_batch)
             # Its callers' doorbells ring at the next next_batch, GIL released.
-            finish(worker, batch, outputs, error)
+            finish(worker, batch, outputs, error, failed=failed)
+
+    def _attempt(self, slot: Mapping[str, torch.Tensor], start: int, rows: int) -> Outputs:
+        """One model call on ``rows`` rows of ``slot`` from ``start``, under
+        the weight gate, with the version output if asked for."""
+        if self.gate is None:
+            return self.run(slot, rows, start)
+        with self.gate as version:  # no weight update during the forward pass
+            outputs = self.run(slot, rows, start)
+        if self.version_output is not None:
+            outputs[self.version_output] = version_rows(version, rows)
+        return outputs

@@ -19,7 +19,11 @@ server's name) and ``version`` ("1"):
 - ``nv_inference_queue_duration_us``: summed time requests waited in the queue;
 - ``nv_inference_compute_infer_duration_us``: summed model-call time, counted
   once per request of each batch, as Triton counts it;
-- ``nv_inference_pending_request_count``: requests waiting now (a gauge).
+- ``nv_inference_pending_request_count``: requests waiting now (a gauge);
+- ``ferrobatch_retry_calls``: model calls made to isolate failures
+  (``isolate_failures``; Triton has no such metric);
+- ``ferrobatch_isolated_failures``: requests that failed in a model call of
+  their own once a failed batch was split.
 
 The cumulative ones are exposed untyped rather than as counters because
 prometheus_client renames counters to ``*_total``; Triton's exact names are
@@ -92,6 +96,16 @@ class TritonCollector(Collector):
             "Instantaneous number of pending requests awaiting execution",
             labels=labels,
         )
+        retries = UnknownMetricFamily(
+            "ferrobatch_retry_calls",
+            "Number of model calls made to isolate failed requests of failed batches",
+            labels=labels,
+        )
+        isolated = UnknownMetricFamily(
+            "ferrobatch_isolated_failures",
+            "Number of requests that failed in a model call of their own",
+            labels=labels,
+        )
         for server in self._servers:
             stats = server.stats()
             model = [server.name, _VERSION]
@@ -104,7 +118,9 @@ class TritonCollector(Collector):
             queue_us.add_metric(model, stats["queue_ns"] // 1000)
             compute_us.add_metric(model, stats["request_compute_ns"] // 1000)
             pending.add_metric(model, stats["queue_depth"])
-        yield from (success, failure, count, exec_count, request_us, queue_us, compute_us, pending)
+            retries.add_metric(model, stats["retry_calls"])
+            isolated.add_metric(model, stats["isolated_failures"])
+        yield from (success, failure, count, exec_count, request_us, queue_us, compute_us, pending, retries, isolated)
 
 
 def registry(servers: Server | Iterable[Server]) -> CollectorRegistry:

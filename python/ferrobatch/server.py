@@ -100,6 +100,17 @@ class Server:
         version_output: the name of an extra int64 output (shape ``()``): the
             version of the weights (see :meth:`update_weights`) that computed
             the row's batch. ``None`` (default): no such output.
+        isolate_failures: when a batch's model call raises an ``Exception``,
+            retry its requests in halves (each half a model call of its own,
+            recursively) so that only the requests whose own call still
+            raises get :class:`ModelError`; everyone else gets a result
+            (default True). A batch of ``n`` requests costs at most ``n``
+            extra calls however many fail (``2 * log2(n)`` for one bad
+            request). ``KeyboardInterrupt``, ``SystemExit`` and the other
+            non-``Exception`` errors are never retried. ``stats()`` counts
+            ``retry_calls`` and ``isolated_failures``. CPU instances only
+            for now: a CUDA instance fails the whole batch, as with
+            ``False``, which fails every request of the batch.
     """
 
     def __init__(
@@ -119,6 +130,7 @@ class Server:
         compile: bool | Mapping[str, Any] = False,
         warmup: bool | Mapping[str, Any] | None = None,
         version_output: str | None = None,
+        isolate_failures: bool = True,
     ) -> None:
         self._models: list[Model] = (
             list(model) if isinstance(model, (list, tuple)) else [model]  # type: ignore[list-item]
@@ -136,6 +148,7 @@ class Server:
                 raise ValueError(f"version_output {version_output!r} is already one of the model's outputs")
             self.outputs += (TensorSpec(version_output, "int64", ()),)
         self.version_output = version_output
+        self.isolate_failures = bool(isolate_failures)
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
         if not (isinstance(max_delay, (int, float)) and math.isfinite(max_delay) and max_delay >= 0):
@@ -239,7 +252,9 @@ class Server:
                 model, device, self.inputs, outputs, self.max_batch_size,
                 pad_to=padded if pad else None, cuda_graphs=self.cuda_graphs,
             )  # fmt: skip
-        return CpuExecutor(model, device, outputs, pad_to=padded if self._compile is not False else None)
+        executor = CpuExecutor(model, device, outputs, pad_to=padded if self._compile is not False else None)
+        executor.isolate_failures = self.isolate_failures
+        return executor
 
     def _prepare_instances(self) -> tuple[list[CpuExecutor | CudaExecutor], dict[int, str]]:
         """Builds every instance's executor and warms it up (on a worker thread).
@@ -467,7 +482,10 @@ class Server:
         (see :meth:`update_weights`); ``compute_ns`` (model time, summed over
         batches) and ``request_compute_ns`` (the same counted once per request
         of each batch, as Triton counts it); ``request_ns`` (submit to result,
-        summed over succeeded requests).
+        summed over succeeded requests); ``failed_batches`` (batches whose
+        model call raised); with ``isolate_failures``, ``retry_calls`` (model
+        calls made to isolate failures) and ``isolated_failures`` (requests
+        that failed in a call of their own).
         """
         outcomes = self._loops.stats()
         succeeded = outcomes.pop("succeeded")
@@ -487,6 +505,8 @@ class Server:
             "request_compute_ns": sum(c.request_compute_ns for c in self._counters),
             "request_ns": request_ns,
             "failed_batches": sum(c.failed_batches for c in self._counters),
+            "isolated_failures": sum(c.isolated_failures for c in self._counters),
+            "retry_calls": sum(c.retry_calls for c in self._counters),
             "weight_updates": self._weights.count,
             "model_version": self._weights.version,
         }

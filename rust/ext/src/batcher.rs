@@ -348,7 +348,13 @@ impl Worker {
     /// event loops its requests came from. Their doorbells ring after the
     /// GIL is released: at once with `ring_now`, else at this worker's next
     /// `next_batch` (so the woken loops never wait for this thread's GIL).
-    #[pyo3(signature = (batch, outputs, error, ring_now=false))]
+    ///
+    /// With `failed` (`[(row_start, exception), ...]`, alongside `outputs`),
+    /// the request whose rows start at each `row_start` fails with
+    /// `ModelError` caused by that exception, through the one failure path;
+    /// the others get their rows of `outputs` (which may hold anything in
+    /// the failed rows).
+    #[pyo3(signature = (batch, outputs, error, ring_now=false, failed=None))]
     fn finish(
         &self,
         py: Python<'_>,
@@ -356,13 +362,24 @@ impl Worker {
         outputs: Option<Py<PyDict>>,
         error: Option<Py<PyAny>>,
         ring_now: bool,
+        failed: Option<Vec<(u32, Py<PyAny>)>>,
     ) -> PyResult<()> {
         let outcome = match (outputs, error) {
             (_, Some(error)) => Err(error),
             (Some(outputs), None) => Ok(outputs),
             _ => return Err(PyValueError::new_err("finish needs outputs or an error")),
         };
-        let posted = post_batch(py, self.registry.get(), &batch.groups, &outcome);
+        let failed = failed.filter(|f| !f.is_empty()).map(|mut f| {
+            f.sort_by_key(|(start, _)| *start);
+            Arc::new(f)
+        });
+        let posted = post_batch(
+            py,
+            self.registry.get(),
+            &batch.groups,
+            &outcome,
+            failed.as_ref(),
+        );
         if ring_now {
             let targets = doorbells(&posted);
             // `posted` keeps each mailbox, and so its fd, alive meanwhile.
@@ -449,5 +466,17 @@ impl Batch {
     #[getter]
     fn n_requests(&self) -> usize {
         self.groups.iter().map(|(_, r)| r.len()).sum()
+    }
+
+    /// Each request's rows as `(start, rows)`, in batch order: a request's
+    /// rows are contiguous, and the requests lie back to back.
+    fn request_rows(&self) -> Vec<(u32, u32)> {
+        let mut rows: Vec<(u32, u32)> = self
+            .groups
+            .iter()
+            .flat_map(|(_, routes)| routes.iter().map(|r| (r.start, r.rows)))
+            .collect();
+        rows.sort_unstable();
+        rows
     }
 }

@@ -134,10 +134,15 @@ impl Tally {
 /// error its model call raised.
 pub(crate) type BatchOutcome = Result<Py<PyDict>, Py<PyAny>>;
 
+/// Requests of a batch that failed alone, by their first row (sorted):
+/// each gets `ModelError` caused by its exception.
+pub(crate) type FailedRows = Arc<Vec<(u32, Py<PyAny>)>>;
+
 /// One batch's outcome for one loop, waiting to be drained.
 struct Post {
     routes: Arc<Vec<Route>>,
     outcome: BatchOutcome,
+    failed: Option<FailedRows>,
 }
 
 /// The file descriptors a loop watches; `write` is None for an eventfd.
@@ -176,6 +181,7 @@ pub(crate) fn post_batch(
     registry: &LoopRegistry,
     groups: &[(Sink, Arc<Vec<Route>>)],
     outcome: &BatchOutcome,
+    failed: Option<&FailedRows>,
 ) -> Vec<Py<LoopMailbox>> {
     let mut to_ring = Vec::new();
     for (sink, routes) in groups {
@@ -190,7 +196,7 @@ pub(crate) fn post_batch(
             Ok(outputs) => Ok(outputs.clone_ref(py)),
             Err(error) => Err(error.clone_ref(py)),
         };
-        if !mailbox.get().post(routes.clone(), outcome) {
+        if !mailbox.get().post(routes.clone(), outcome, failed.cloned()) {
             continue; // the loop is already due to drain
         }
         if mailbox.get().doorbell.get().is_some() {
@@ -331,15 +337,14 @@ impl LoopMailbox {
         for post in posts {
             match post.outcome {
                 Ok(outputs) => {
-                    if let Err(e) = self.resolve(py, &post.routes, outputs.bind(py)) {
+                    let routes = match &post.failed {
+                        Some(failed) => self.fail_rows(py, &post.routes, failed),
+                        None => post.routes.clone(),
+                    };
+                    if let Err(e) = self.resolve(py, &routes, outputs.bind(py)) {
                         // A bug, or outputs Python refused to index: whatever
                         // it was, no caller of this batch is left waiting.
-                        self.fail_batch(
-                            py,
-                            &post.routes,
-                            e.value(py),
-                            "could not deliver its rows:",
-                        );
+                        self.fail_batch(py, &routes, e.value(py), "could not deliver its rows:");
                         first_error.get_or_insert(e);
                     }
                 }
@@ -389,8 +394,38 @@ impl LoopMailbox {
 
     /// Posts a batch's outcome (worker thread). True when this post must
     /// wake the loop.
-    fn post(&self, routes: Arc<Vec<Route>>, outcome: BatchOutcome) -> bool {
-        self.inbox.post(Post { routes, outcome })
+    fn post(
+        &self,
+        routes: Arc<Vec<Route>>,
+        outcome: BatchOutcome,
+        failed: Option<FailedRows>,
+    ) -> bool {
+        self.inbox.post(Post {
+            routes,
+            outcome,
+            failed,
+        })
+    }
+
+    /// Fails the requests of `routes` listed in `failed` (each with its own
+    /// error, as `fail_batch` does) and returns the others, to resolve.
+    fn fail_rows(
+        &self,
+        py: Python<'_>,
+        routes: &Arc<Vec<Route>>,
+        failed: &[(u32, Py<PyAny>)],
+    ) -> Arc<Vec<Route>> {
+        let mut rest = Vec::with_capacity(routes.len());
+        for route in routes.iter() {
+            match failed.binary_search_by_key(&route.start, |(start, _)| *start) {
+                Ok(i) => {
+                    let error = failed[i].1.bind(py);
+                    self.fail_batch(py, std::slice::from_ref(route), error, "raised");
+                }
+                Err(_) => rest.push(*route),
+            }
+        }
+        Arc::new(rest)
     }
 
     /// Submit side (loop thread): a new future of this loop, for a ticket.
