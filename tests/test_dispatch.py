@@ -50,6 +50,7 @@ async def test_full_batch_dispatches_without_waiting_for_max_delay() -> None:
         client = server.client()
         await asyncio.wait_for(asyncio.gather(*(client.infer({"x": sample(i)}) for i in range(8))), timeout=10)
         assert server.stats()["batches"] == 1
+        assert server.stats()["dispatch_reasons"]["full"] == 1
 
 
 async def test_max_delay_gathers_concurrent_callers_into_one_batch() -> None:
@@ -59,6 +60,8 @@ async def test_max_delay_gathers_concurrent_callers_into_one_batch() -> None:
         stats = server.stats()
     assert stats["batches"] == 1
     assert stats["mean_batch_size"] == 5
+    assert stats["dispatch_reasons"]["delay_expired"] == 1
+    assert stats["release_age_ns"] >= 0.2e9, "released once its oldest request was max_delay old"
 
 
 async def test_preferred_batch_size_dispatches_before_max_delay() -> None:
@@ -66,6 +69,7 @@ async def test_preferred_batch_size_dispatches_before_max_delay() -> None:
         client = server.client()
         await asyncio.wait_for(asyncio.gather(*(client.infer({"x": sample(i)}) for i in range(4))), timeout=10)
         assert server.stats()["batches"] == 1
+        assert server.stats()["dispatch_reasons"]["preferred_size"] == 1
 
 
 async def test_min_batch_size_holds_small_batches_until_enough_rows() -> None:
@@ -88,3 +92,15 @@ async def test_stop_flushes_a_batch_below_min_batch_size() -> None:
     await asyncio.sleep(0.05)
     await server.stop()
     torch.testing.assert_close((await task)["y"], sample(2))
+
+
+async def test_dispatch_reasons_sum_to_the_batches() -> None:
+    async with make_server(max_batch_size=4, max_delay=0) as server:
+        client = server.client()
+        for n in (1, 4, 3, 9):
+            await asyncio.gather(*(client.infer({"x": sample(i)}) for i in range(n)))
+        stats = server.stats()
+    reasons = stats["dispatch_reasons"]
+    assert sum(reasons.values()) == stats["batches"], reasons
+    assert reasons["full"] >= 2 and reasons["greedy"] >= 1, reasons
+    assert set(reasons) == {"full", "next_does_not_fit", "preferred_size", "delay_expired", "greedy", "shutdown"}

@@ -27,6 +27,7 @@ NAMES = {
     "nv_inference_compute_infer_duration_us",
     "nv_inference_pending_request_count",
     "ferrobatch_retry_calls",
+    "ferrobatch_batches",
     "ferrobatch_isolated_failures",
 }
 
@@ -113,6 +114,9 @@ async def test_collector_reads_stats_at_scrape_time() -> None:
     assert value(after, "nv_inference_compute_infer_duration_us", model="m") == stats["request_compute_ns"] // 1000
     assert value(after, "ferrobatch_retry_calls", model="m") == stats["retry_calls"] == 0
     assert value(after, "ferrobatch_isolated_failures", model="m") == stats["isolated_failures"] == 0
+    for reason, n in stats["dispatch_reasons"].items():
+        assert value(after, "ferrobatch_batches", model="m", reason=reason) == n
+    assert sum(stats["dispatch_reasons"].values()) == stats["batches"]
 
 
 async def test_metrics_count_isolated_failures() -> None:

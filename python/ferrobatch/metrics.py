@@ -23,7 +23,10 @@ server's name) and ``version`` ("1"):
 - ``ferrobatch_retry_calls``: model calls made to isolate failures
   (``isolate_failures``; Triton has no such metric);
 - ``ferrobatch_isolated_failures``: requests that failed in a model call of
-  their own once a failed batch was split.
+  their own once a failed batch was split;
+- ``ferrobatch_batches{reason=...}``: model calls by why their batch was
+  released (full, next_does_not_fit, preferred_size, delay_expired, greedy,
+  shutdown).
 
 The cumulative ones are exposed untyped rather than as counters because
 prometheus_client renames counters to ``*_total``; Triton's exact names are
@@ -106,8 +109,15 @@ class TritonCollector(Collector):
             "Number of requests that failed in a model call of their own",
             labels=labels,
         )
+        reasons = UnknownMetricFamily(
+            "ferrobatch_batches",
+            "Number of batches, by why they were released",
+            labels=[*labels, "reason"],
+        )
         for server in self._servers:
             stats = server.stats()
+            for reason, n in stats["dispatch_reasons"].items():
+                reasons.add_metric([server.name, _VERSION, reason], n)
             model = [server.name, _VERSION]
             success.add_metric(model, stats["requests_succeeded"])
             for reason, n in stats["requests_failed"].items():
@@ -120,7 +130,9 @@ class TritonCollector(Collector):
             pending.add_metric(model, stats["queue_depth"])
             retries.add_metric(model, stats["retry_calls"])
             isolated.add_metric(model, stats["isolated_failures"])
-        yield from (success, failure, count, exec_count, request_us, queue_us, compute_us, pending, retries, isolated)
+        yield from (
+            success, failure, count, exec_count, request_us, queue_us, compute_us, pending, retries, isolated, reasons,
+        )  # fmt: skip
 
 
 def registry(servers: Server | Iterable[Server]) -> CollectorRegistry:

@@ -478,7 +478,11 @@ class Server:
         queue_full, deadline_exceeded, cancelled, model_error, server_closed);
         ``batches``, ``rows`` and ``mean_batch_size`` (rows per batch);
         ``queue_depth`` (requests waiting now); ``queue_ns`` (time queued,
-        summed over requests); ``weight_updates`` and ``model_version``
+        summed over requests); ``dispatch_reasons`` (batches by why they were
+        released: full, next_does_not_fit, preferred_size, delay_expired,
+        greedy, shutdown; they sum to ``batches``) and ``release_age_ns``
+        (the oldest request's age when its batch was released, summed over
+        batches); ``weight_updates`` and ``model_version``
         (see :meth:`update_weights`); ``compute_ns`` (model time, summed over
         batches) and ``request_compute_ns`` (the same counted once per request
         of each batch, as Triton counts it); ``request_ns`` (submit to result,
@@ -501,6 +505,8 @@ class Server:
             "mean_batch_size": rows / batches if batches else 0.0,
             "queue_depth": int(core.get("queue_len", 0)),
             "queue_ns": int(core.get("queue_ns", 0)),
+            "dispatch_reasons": dict(core.get("dispatch_reasons", {})),
+            "release_age_ns": int(core.get("release_age_ns", 0)),
             "compute_ns": sum(c.compute_ns for c in self._counters),
             "request_compute_ns": sum(c.request_compute_ns for c in self._counters),
             "request_ns": request_ns,

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 use crate::queue::{Popped, Readiness};
 use crate::request::Withdrawal;
 use crate::{
-    CoreError, Decision, DispatchRule, HeldSlot, InputBytes, Request, RequestQueue, RequestState,
-    Routes, Sink, SlotBuffer, StagingRing,
+    CoreError, Decision, DispatchReason, DispatchRule, HeldSlot, InputBytes, Request, RequestQueue,
+    RequestState, Routes, Sink, SlotBuffer, StagingRing,
 };
 
 #[derive(Debug, Clone)]
@@ -36,6 +36,10 @@ pub struct Stats {
     pub skipped_expired: AtomicU64,
     /// Sum over taken requests of the time from submit to being taken.
     pub queue_ns: AtomicU64,
+    /// Batches by why they were released, in [`DispatchReason::ALL`] order.
+    pub dispatch_reasons: [AtomicU64; DispatchReason::ALL.len()],
+    /// Sum over batches of their oldest request's age when released.
+    pub release_age_ns: AtomicU64,
 }
 
 /// A worker's own state between batches.
@@ -63,6 +67,8 @@ pub struct Batch {
     pub slot: HeldSlot,
     pub rows: usize,
     pub routes: Routes,
+    /// Why the batch was released.
+    pub reason: DispatchReason,
 }
 
 #[derive(Debug)]
@@ -185,7 +191,7 @@ impl Batcher {
     pub fn next_batch(&self, worker: &mut Worker) -> Option<Batch> {
         let mut slot = self.ring.acquire();
         let mut gathered: Vec<Arc<Request>> = Vec::with_capacity(self.rule.max_batch_size);
-        let rows = {
+        let (rows, reason) = {
             let mut carry = self.gather.lock().unwrap_or_else(|e| e.into_inner());
             self.gather(&mut carry, worker, &mut gathered)
         };
@@ -208,14 +214,21 @@ impl Batcher {
             .requests
             .fetch_add(gathered.len() as u64, Ordering::Relaxed);
         self.stats.queue_ns.fetch_add(queue_ns, Ordering::Relaxed);
+        self.stats.dispatch_reasons[reason as usize].fetch_add(1, Ordering::Relaxed);
+        let oldest_age = taken_at.saturating_duration_since(gathered[0].enqueued_at);
+        self.stats
+            .release_age_ns
+            .fetch_add(oldest_age.as_nanos() as u64, Ordering::Relaxed);
         Some(Batch {
             slot,
             rows,
             routes: Routes::for_batch(&gathered),
+            reason,
         })
     }
 
-    /// Fills `gathered` by the dispatch rule; returns its rows. Empty only
+    /// Fills `gathered` by the dispatch rule; returns its rows and why it
+    /// stopped gathering. Empty only
     /// once this worker has seen its close message and no carried request is
     /// left. Called with the gather lock held (`carry` lives under it).
     fn gather(
@@ -223,7 +236,7 @@ impl Batcher {
         carry: &mut Option<Arc<Request>>,
         worker: &mut Worker,
         gathered: &mut Vec<Arc<Request>>,
-    ) -> usize {
+    ) -> (usize, DispatchReason) {
         let max = self.rule.max_batch_size;
         let mut rows = 0usize;
         if let Some(r) = carry.take() {
@@ -239,7 +252,13 @@ impl Batcher {
                     Popped::Empty => break,
                 }
             }
-            if worker.closed || carry.is_some() || rows >= max {
+            if rows >= max {
+                return (rows, DispatchReason::Full);
+            }
+            if carry.is_some() {
+                return (rows, DispatchReason::NextDoesNotFit);
+            }
+            if worker.closed {
                 break;
             }
             let wait_until = if gathered.is_empty() {
@@ -247,7 +266,7 @@ impl Batcher {
             } else {
                 let oldest_age = now.saturating_duration_since(gathered[0].enqueued_at);
                 match self.rule.decide(rows, oldest_age, !self.queue.is_empty()) {
-                    Decision::Dispatch => break,
+                    Decision::Dispatch(reason) => return (rows, reason),
                     // A wait too long to represent is a wait without a limit.
                     Decision::Wait(limit) => limit.and_then(|l| now.checked_add(l)),
                 }
@@ -256,7 +275,7 @@ impl Batcher {
             self.queue
                 .wait_for_rows(self.rule.recheck_at(rows) - rows, wait_until);
         }
-        rows
+        (rows, DispatchReason::Shutdown)
     }
 
     /// Takes `r` into the batch if it is still queued, within its deadline and
@@ -459,6 +478,61 @@ mod tests {
                 .submit(Sink::EventLoop(0), 1, Box::new([input]), None),
             Err(CoreError::QueueFull { capacity: 1 })
         ));
+    }
+
+    #[test]
+    fn each_batch_records_why_it_was_released() {
+        let reasons = |b: &Batcher| -> Vec<u64> {
+            let s = b.stats();
+            s.dispatch_reasons
+                .iter()
+                .map(|n| n.load(Ordering::Relaxed))
+                .collect()
+        };
+        let mut w = Worker::new();
+        // Greedy: whatever is queued; then full; then a request that does not fit.
+        let f = fixture(4, Duration::ZERO, 1, 100, 1);
+        submit(&f.batcher, &ROW_A, None);
+        let b = f.batcher.next_batch(&mut w).unwrap();
+        assert_eq!(b.reason, DispatchReason::Greedy);
+        drop(b);
+        for _ in 0..4 {
+            submit(&f.batcher, &ROW_A, None);
+        }
+        assert_eq!(
+            f.batcher.next_batch(&mut w).unwrap().reason,
+            DispatchReason::Full
+        );
+        submit(&f.batcher, &ROWS_3, None);
+        submit(&f.batcher, &ROWS_3, None);
+        let b = f.batcher.next_batch(&mut w).unwrap();
+        assert_eq!((b.rows, b.reason), (3, DispatchReason::NextDoesNotFit));
+        drop(b);
+        assert_eq!(
+            f.batcher.next_batch(&mut w).unwrap().reason,
+            DispatchReason::Greedy
+        );
+        let counted = reasons(&f.batcher);
+        assert_eq!(counted.iter().sum::<u64>(), 4, "one reason per batch");
+        assert_eq!(counted[DispatchReason::NextDoesNotFit as usize], 1);
+
+        // A delay that expires, then shutdown with a batch waiting for its minimum.
+        let f = fixture(8, Duration::from_millis(5), 1, 100, 1);
+        let mut w = Worker::new();
+        submit(&f.batcher, &ROW_A, None);
+        assert_eq!(
+            f.batcher.next_batch(&mut w).unwrap().reason,
+            DispatchReason::DelayExpired
+        );
+        let f = fixture(8, Duration::ZERO, 4, 100, 1);
+        let mut w = Worker::new();
+        submit(&f.batcher, &ROW_A, None);
+        f.batcher.close();
+        assert_eq!(
+            f.batcher.next_batch(&mut w).unwrap().reason,
+            DispatchReason::Shutdown
+        );
+        assert!(f.batcher.next_batch(&mut w).is_none());
     }
 
     #[test]

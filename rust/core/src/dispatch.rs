@@ -24,10 +24,50 @@ pub struct DispatchRule {
     pub preferred_batch_sizes: Vec<usize>,
 }
 
+/// Why a batch was released to its model call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DispatchReason {
+    /// `max_batch_size` rows gathered.
+    Full,
+    /// The next request would not fit: it leads the next batch.
+    NextDoesNotFit,
+    /// A preferred batch size reached with nothing else waiting.
+    PreferredSize,
+    /// `max_delay` passed since the oldest request.
+    DelayExpired,
+    /// Greedy (`max_delay == 0`): whatever was queued.
+    Greedy,
+    /// The batcher closed: what was left goes, whatever its size.
+    Shutdown,
+}
+
+impl DispatchReason {
+    pub const ALL: [DispatchReason; 6] = [
+        DispatchReason::Full,
+        DispatchReason::NextDoesNotFit,
+        DispatchReason::PreferredSize,
+        DispatchReason::DelayExpired,
+        DispatchReason::Greedy,
+        DispatchReason::Shutdown,
+    ];
+
+    /// The name stats report it under.
+    pub fn name(self) -> &'static str {
+        match self {
+            DispatchReason::Full => "full",
+            DispatchReason::NextDoesNotFit => "next_does_not_fit",
+            DispatchReason::PreferredSize => "preferred_size",
+            DispatchReason::DelayExpired => "delay_expired",
+            DispatchReason::Greedy => "greedy",
+            DispatchReason::Shutdown => "shutdown",
+        }
+    }
+}
+
 /// What a worker does next with the batch it is gathering.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Decision {
-    Dispatch,
+    Dispatch(DispatchReason),
     /// Wait for another request, at most this long (`None`: no limit).
     Wait(Option<Duration>),
 }
@@ -71,17 +111,20 @@ impl DispatchRule {
     /// old, when `more_waiting` tells whether the queue still holds requests.
     pub fn decide(&self, rows: usize, oldest_age: Duration, more_waiting: bool) -> Decision {
         if rows >= self.max_batch_size {
-            return Decision::Dispatch;
+            return Decision::Dispatch(DispatchReason::Full);
         }
         if rows < self.min_batch_size {
             return Decision::Wait(None);
         }
         if !more_waiting && self.preferred_batch_sizes.binary_search(&rows).is_ok() {
-            return Decision::Dispatch;
+            return Decision::Dispatch(DispatchReason::PreferredSize);
+        }
+        if self.max_delay.is_zero() {
+            return Decision::Dispatch(DispatchReason::Greedy);
         }
         match self.max_delay.checked_sub(oldest_age) {
             Some(left) if !left.is_zero() => Decision::Wait(Some(left)),
-            _ => Decision::Dispatch,
+            _ => Decision::Dispatch(DispatchReason::DelayExpired),
         }
     }
 
@@ -118,29 +161,37 @@ mod tests {
     #[test]
     fn full_batch_dispatches_at_once() {
         let r = rule(8, 10 * MS, 1, &[]);
-        assert_eq!(r.decide(8, Duration::ZERO, true), Decision::Dispatch);
+        assert_eq!(
+            r.decide(8, Duration::ZERO, true),
+            Decision::Dispatch(DispatchReason::Full)
+        );
     }
 
     #[test]
     fn greedy_dispatches_whatever_is_gathered() {
         let r = rule(8, Duration::ZERO, 1, &[]);
-        assert_eq!(r.decide(1, Duration::ZERO, false), Decision::Dispatch);
-        assert_eq!(r.decide(3, Duration::ZERO, true), Decision::Dispatch);
+        let greedy = Decision::Dispatch(DispatchReason::Greedy);
+        assert_eq!(r.decide(1, Duration::ZERO, false), greedy);
+        assert_eq!(r.decide(3, Duration::ZERO, true), greedy);
     }
 
     #[test]
     fn waits_for_the_rest_of_max_delay_counted_from_the_oldest() {
         let r = rule(8, 10 * MS, 1, &[]);
         assert_eq!(r.decide(3, 4 * MS, false), Decision::Wait(Some(6 * MS)));
-        assert_eq!(r.decide(3, 10 * MS, false), Decision::Dispatch);
-        assert_eq!(r.decide(3, 15 * MS, true), Decision::Dispatch);
+        let expired = Decision::Dispatch(DispatchReason::DelayExpired);
+        assert_eq!(r.decide(3, 10 * MS, false), expired);
+        assert_eq!(r.decide(3, 15 * MS, true), expired);
     }
 
     #[test]
     fn preferred_size_dispatches_only_when_nothing_else_waits() {
         let r = rule(8, 10 * MS, 1, &[4, 2]);
         assert_eq!(r.preferred_batch_sizes, vec![2, 4]);
-        assert_eq!(r.decide(4, MS, false), Decision::Dispatch);
+        assert_eq!(
+            r.decide(4, MS, false),
+            Decision::Dispatch(DispatchReason::PreferredSize)
+        );
         assert_eq!(r.decide(4, MS, true), Decision::Wait(Some(9 * MS)));
         assert_eq!(r.decide(3, MS, false), Decision::Wait(Some(9 * MS)));
     }
@@ -149,7 +200,10 @@ mod tests {
     fn below_min_batch_size_waits_without_limit() {
         let r = rule(8, Duration::ZERO, 4, &[]);
         assert_eq!(r.decide(3, 100 * MS, false), Decision::Wait(None));
-        assert_eq!(r.decide(4, Duration::ZERO, false), Decision::Dispatch);
+        assert_eq!(
+            r.decide(4, Duration::ZERO, false),
+            Decision::Dispatch(DispatchReason::Greedy)
+        );
     }
 
     #[test]

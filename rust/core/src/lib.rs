@@ -68,7 +68,7 @@ mod sync;
 pub mod v2;
 
 pub use batcher::{Batch, Batcher, BatcherConfig, Stats, Worker};
-pub use dispatch::{Decision, DispatchRule};
+pub use dispatch::{Decision, DispatchReason, DispatchRule};
 pub use dtype::DType;
 pub use error::CoreError;
 pub use fanout::{Route, Routes, Sink};

@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 
 use ferrobatch_core as core;
 use ferrobatch_core::{
-    BatcherConfig, DType, DispatchRule, Readiness, RequestState, Route, Sink, SlotBuffer,
+    BatcherConfig, DType, DispatchReason, DispatchRule, Readiness, RequestState, Route, Sink,
+    SlotBuffer,
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::intern;
@@ -133,7 +134,9 @@ impl Batcher {
     }
 
     /// Counters since start: batches, rows, requests, skipped_withdrawn,
-    /// skipped_expired, queue_ns.
+    /// skipped_expired, queue_ns, release_age_ns (the oldest request's age
+    /// when its batch was released, summed over batches), dispatch_reasons
+    /// (`{reason: batches}`).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         use Ordering::Relaxed;
         let s = self.core.stats();
@@ -144,6 +147,12 @@ impl Batcher {
         d.set_item("skipped_withdrawn", s.skipped_withdrawn.load(Relaxed))?;
         d.set_item("skipped_expired", s.skipped_expired.load(Relaxed))?;
         d.set_item("queue_ns", s.queue_ns.load(Relaxed))?;
+        d.set_item("release_age_ns", s.release_age_ns.load(Relaxed))?;
+        let reasons = PyDict::new(py);
+        for (reason, n) in DispatchReason::ALL.iter().zip(&s.dispatch_reasons) {
+            reasons.set_item(reason.name(), n.load(Relaxed))?;
+        }
+        d.set_item("dispatch_reasons", reasons)?;
         d.set_item("queue_len", self.core.queue_len())?;
         Ok(d)
     }
