@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import torch
 from conftest import make_server, sample
 
@@ -103,4 +104,41 @@ async def test_dispatch_reasons_sum_to_the_batches() -> None:
     reasons = stats["dispatch_reasons"]
     assert sum(reasons.values()) == stats["batches"], reasons
     assert reasons["full"] >= 2 and reasons["greedy"] >= 1, reasons
-    assert set(reasons) == {"full", "next_does_not_fit", "preferred_size", "delay_expired", "greedy", "shutdown"}
+    expected = {"full", "next_does_not_fit", "preferred_size", "delay_expired", "greedy", "adaptive", "shutdown"}
+    assert set(reasons) == expected
+
+
+async def test_auto_delay_serves_a_lone_caller_at_once() -> None:
+    """One caller at a time: each batch goes as soon as its one request is in,
+    never waiting out the cap (5 s here, so a wait would time the test out)."""
+    async with make_server(max_batch_size=64, max_delay="auto", max_delay_cap=5.0) as server:
+        client = server.client()
+        for i in range(20):
+            out = await asyncio.wait_for(client.infer({"x": sample(i)}), timeout=2)
+            torch.testing.assert_close(out["y"], sample(2 * i))
+        reasons = server.stats()["dispatch_reasons"]
+    assert reasons["adaptive"] == 20 and reasons["delay_expired"] == 0, reasons
+
+
+async def test_auto_delay_fills_batches_under_load() -> None:
+    """64 callers that each wait for their result: batches grow to what the
+    load brings (all 64), where a lone caller's window would take one."""
+    async with make_server(max_batch_size=64, max_delay="auto", max_delay_cap=0.05) as server:
+        client = server.client()
+
+        async def caller(k: int) -> None:
+            for _ in range(30):
+                out = await client.infer({"x": sample(k)})
+                assert float(out["y"][0]) == 2 * k
+
+        await asyncio.wait_for(asyncio.gather(*(caller(k) for k in range(64))), timeout=60)
+        stats = server.stats()
+    assert stats["mean_batch_size"] >= 32, stats
+    assert sum(stats["dispatch_reasons"].values()) == stats["batches"]
+
+
+def test_auto_delay_is_checked() -> None:
+    with pytest.raises(ValueError, match="max_delay_cap"):
+        make_server(max_delay="auto", max_delay_cap=-1.0)
+    with pytest.raises(ValueError, match="max_delay"):
+        make_server(max_delay="fast")

@@ -13,7 +13,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import anyio.from_thread
@@ -67,7 +67,13 @@ class Server:
         max_batch_size: most rows per model call (default 64).
         max_delay: seconds a batch may wait to fill, counted from its oldest
             request (default 0.001). ``0`` is greedy: a free worker takes
-            whatever is queued, up to ``max_batch_size``.
+            whatever is queued, up to ``max_batch_size``. ``"auto"``: an
+            adaptive window — a batch goes as soon as it has as many rows as
+            the batch before it (at once for a lone caller, full under heavy
+            load), and at the latest when its oldest request is
+            ``max_delay_cap`` old (a fall in load costs one batch that wait).
+        max_delay_cap: the adaptive window's cap in seconds (default 0.005;
+            only with ``max_delay="auto"``).
         min_batch_size: a batch with fewer rows waits for more, with no time
             limit (default 1: never waits). Callers bound it with ``timeout``;
             ``stop()`` dispatches what is left.
@@ -120,7 +126,8 @@ class Server:
         inputs: Sequence[TensorSpec],
         outputs: Sequence[TensorSpec],
         max_batch_size: int = 64,
-        max_delay: float = 0.001,
+        max_delay: float | Literal["auto"] = 0.001,
+        max_delay_cap: float = 0.005,
         min_batch_size: int = 1,
         preferred_batch_sizes: Sequence[int] = (),
         max_queue_size: int = 10_000,
@@ -151,8 +158,12 @@ class Server:
         self.isolate_failures = bool(isolate_failures)
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
+        self.adaptive_delay = max_delay == "auto"
+        if self.adaptive_delay:
+            max_delay = max_delay_cap
         if not (isinstance(max_delay, (int, float)) and math.isfinite(max_delay) and max_delay >= 0):
-            raise ValueError(f"max_delay must be >= 0 seconds, got {max_delay!r}")
+            what = "max_delay_cap" if self.adaptive_delay else "max_delay"
+            raise ValueError(f"{what} must be >= 0 seconds (or max_delay='auto'), got {max_delay!r}")
         if not isinstance(min_batch_size, int) or not 1 <= min_batch_size <= max_batch_size:
             raise ValueError(f"min_batch_size must be in 1..{max_batch_size}, got {min_batch_size!r}")
         bad = [s for s in preferred_batch_sizes if not 1 <= s <= max_batch_size]
@@ -162,6 +173,7 @@ class Server:
             raise ValueError(f"max_queue_size must be an int >= 1, got {max_queue_size!r}")
         self.name = name
         self.max_batch_size = max_batch_size
+        # The fixed window, or the adaptive window's cap.
         self.max_delay = float(max_delay)
         self.min_batch_size = min_batch_size
         self.preferred_batch_sizes = tuple(sorted(set(preferred_batch_sizes)))
@@ -326,6 +338,7 @@ class Server:
             preferred_batch_sizes=list(self.preferred_batch_sizes),
             max_queue_size=self.max_queue_size,
             workers=len(self._models),
+            adaptive=self.adaptive_delay,
         )
         self._token = anyio.lowlevel.current_token()
         # torch's intra-op thread count is per OpenMP thread once set: pin each

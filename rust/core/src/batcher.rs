@@ -1,6 +1,6 @@
 //! The batcher: submit on one side, gather + collate + route on the other.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -74,6 +74,8 @@ pub struct Batch {
 #[derive(Debug)]
 pub struct Batcher {
     rule: DispatchRule,
+    /// Rows of the last batch released: the adaptive window's target.
+    last_rows: AtomicUsize,
     queue: RequestQueue,
     ring: Arc<StagingRing>,
     /// Held by the one worker gathering; holds the request popped that did
@@ -100,6 +102,7 @@ impl Batcher {
         Ok(Batcher {
             queue: RequestQueue::new(config.max_queue_size, config.workers, config.readiness),
             rule: config.rule,
+            last_rows: AtomicUsize::new(1),
             ring: Arc::new(ring),
             gather: Mutex::new(None),
             workers: config.workers,
@@ -215,6 +218,9 @@ impl Batcher {
             .fetch_add(gathered.len() as u64, Ordering::Relaxed);
         self.stats.queue_ns.fetch_add(queue_ns, Ordering::Relaxed);
         self.stats.dispatch_reasons[reason as usize].fetch_add(1, Ordering::Relaxed);
+        if reason != DispatchReason::Shutdown {
+            self.last_rows.store(rows, Ordering::Relaxed);
+        }
         let oldest_age = taken_at.saturating_duration_since(gathered[0].enqueued_at);
         self.stats
             .release_age_ns
@@ -265,15 +271,28 @@ impl Batcher {
                 None
             } else {
                 let oldest_age = now.saturating_duration_since(gathered[0].enqueued_at);
-                match self.rule.decide(rows, oldest_age, !self.queue.is_empty()) {
+                let more_waiting = !self.queue.is_empty();
+                let decision = if self.rule.adaptive {
+                    let target = self.last_rows.load(Ordering::Relaxed);
+                    self.rule
+                        .decide_adaptive(rows, oldest_age, more_waiting, target)
+                } else {
+                    self.rule.decide(rows, oldest_age, more_waiting)
+                };
+                match decision {
                     Decision::Dispatch(reason) => return (rows, reason),
                     // A wait too long to represent is a wait without a limit.
                     Decision::Wait(limit) => limit.and_then(|l| now.checked_add(l)),
                 }
             };
             // Sleep until the decision can change: enough rows, or the deadline.
-            self.queue
-                .wait_for_rows(self.rule.recheck_at(rows) - rows, wait_until);
+            let recheck_at = if self.rule.adaptive {
+                let target = self.last_rows.load(Ordering::Relaxed);
+                self.rule.recheck_at_adaptive(rows, target)
+            } else {
+                self.rule.recheck_at(rows)
+            };
+            self.queue.wait_for_rows(recheck_at - rows, wait_until);
         }
         (rows, DispatchReason::Shutdown)
     }

@@ -22,6 +22,10 @@ pub struct DispatchRule {
     pub min_batch_size: usize,
     /// Sorted ascending, each within `1..=max_batch_size`.
     pub preferred_batch_sizes: Vec<usize>,
+    /// `max_delay="auto"`: `max_delay` is only a cap, and a batch goes as
+    /// soon as it has as many rows as the batch before it (see
+    /// [`DispatchRule::decide_adaptive`]).
+    pub adaptive: bool,
 }
 
 /// Why a batch was released to its model call.
@@ -37,17 +41,20 @@ pub enum DispatchReason {
     DelayExpired,
     /// Greedy (`max_delay == 0`): whatever was queued.
     Greedy,
+    /// Adaptive: as many rows as the load brought the batch before.
+    Adaptive,
     /// The batcher closed: what was left goes, whatever its size.
     Shutdown,
 }
 
 impl DispatchReason {
-    pub const ALL: [DispatchReason; 6] = [
+    pub const ALL: [DispatchReason; 7] = [
         DispatchReason::Full,
         DispatchReason::NextDoesNotFit,
         DispatchReason::PreferredSize,
         DispatchReason::DelayExpired,
         DispatchReason::Greedy,
+        DispatchReason::Adaptive,
         DispatchReason::Shutdown,
     ];
 
@@ -59,6 +66,7 @@ impl DispatchReason {
             DispatchReason::PreferredSize => "preferred_size",
             DispatchReason::DelayExpired => "delay_expired",
             DispatchReason::Greedy => "greedy",
+            DispatchReason::Adaptive => "adaptive",
             DispatchReason::Shutdown => "shutdown",
         }
     }
@@ -104,28 +112,83 @@ impl DispatchRule {
             max_delay,
             min_batch_size,
             preferred_batch_sizes,
+            adaptive: false,
         })
+    }
+
+    /// The same rule with an adaptive window capped at `max_delay`.
+    pub fn adaptive(mut self) -> DispatchRule {
+        self.adaptive = true;
+        self
+    }
+
+    /// The adaptive window (`max_delay="auto"`). Callers that each wait for
+    /// their result (RL actors, request handlers) bring back about as many
+    /// requests per batch cycle as there are callers, so the batch before
+    /// this one is the estimate of what the load brings: a batch goes once
+    /// it has `target` rows (that batch's size), at once for a lone caller
+    /// (target 1), full under heavy load; if fewer come (the load fell), it
+    /// goes when the cap `max_delay` is up, and the next target is smaller.
+    /// `max_batch_size`, `min_batch_size` and preferred sizes apply first,
+    /// as in [`DispatchRule::decide`].
+    pub fn decide_adaptive(
+        &self,
+        rows: usize,
+        oldest_age: Duration,
+        more_waiting: bool,
+        target: usize,
+    ) -> Decision {
+        match self.decide_sizes(rows, more_waiting) {
+            Some(decision) => decision,
+            None if rows >= target.clamp(1, self.max_batch_size) => {
+                Decision::Dispatch(DispatchReason::Adaptive)
+            }
+            None => self.wait_out_delay(oldest_age),
+        }
+    }
+
+    /// The adaptive counterpart of [`DispatchRule::recheck_at`].
+    pub fn recheck_at_adaptive(&self, rows: usize, target: usize) -> usize {
+        let target = target.clamp(1, self.max_batch_size);
+        if rows < target {
+            self.recheck_at(rows).min(target)
+        } else {
+            self.recheck_at(rows)
+        }
+    }
+
+    /// The decisions that depend on the batch's size alone.
+    fn decide_sizes(&self, rows: usize, more_waiting: bool) -> Option<Decision> {
+        if rows >= self.max_batch_size {
+            return Some(Decision::Dispatch(DispatchReason::Full));
+        }
+        if rows < self.min_batch_size {
+            return Some(Decision::Wait(None));
+        }
+        if !more_waiting && self.preferred_batch_sizes.binary_search(&rows).is_ok() {
+            return Some(Decision::Dispatch(DispatchReason::PreferredSize));
+        }
+        None
+    }
+
+    /// Waits until the oldest request is `max_delay` old.
+    fn wait_out_delay(&self, oldest_age: Duration) -> Decision {
+        match self.max_delay.checked_sub(oldest_age) {
+            Some(left) if !left.is_zero() => Decision::Wait(Some(left)),
+            _ => Decision::Dispatch(DispatchReason::DelayExpired),
+        }
     }
 
     /// Decides for a batch of `rows` rows whose oldest request is `oldest_age`
     /// old, when `more_waiting` tells whether the queue still holds requests.
     pub fn decide(&self, rows: usize, oldest_age: Duration, more_waiting: bool) -> Decision {
-        if rows >= self.max_batch_size {
-            return Decision::Dispatch(DispatchReason::Full);
-        }
-        if rows < self.min_batch_size {
-            return Decision::Wait(None);
-        }
-        if !more_waiting && self.preferred_batch_sizes.binary_search(&rows).is_ok() {
-            return Decision::Dispatch(DispatchReason::PreferredSize);
+        if let Some(decision) = self.decide_sizes(rows, more_waiting) {
+            return decision;
         }
         if self.max_delay.is_zero() {
             return Decision::Dispatch(DispatchReason::Greedy);
         }
-        match self.max_delay.checked_sub(oldest_age) {
-            Some(left) if !left.is_zero() => Decision::Wait(Some(left)),
-            _ => Decision::Dispatch(DispatchReason::DelayExpired),
-        }
+        self.wait_out_delay(oldest_age)
     }
 
     /// The batch size at which `decide` may next answer differently for a
@@ -224,5 +287,36 @@ mod tests {
         assert!(err.to_string().contains("min_batch_size"));
         let err = DispatchRule::new(8, MS, 1, vec![16]).unwrap_err();
         assert!(err.to_string().contains("preferred_batch_sizes"));
+    }
+
+    #[test]
+    fn adaptive_goes_at_the_previous_batch_size_or_at_the_cap() {
+        let r = rule(64, 5 * MS, 1, &[]).adaptive();
+        let adaptive = Decision::Dispatch(DispatchReason::Adaptive);
+        // A lone caller (the batch before had 1 row): at once.
+        assert_eq!(r.decide_adaptive(1, Duration::ZERO, false, 1), adaptive);
+        // Heavy load (64 before): waits for 64, up to the cap.
+        assert_eq!(
+            r.decide_adaptive(10, MS, false, 64),
+            Decision::Wait(Some(4 * MS))
+        );
+        assert_eq!(
+            r.decide_adaptive(64, MS, true, 64),
+            Decision::Dispatch(DispatchReason::Full)
+        );
+        assert_eq!(r.decide_adaptive(30, MS, false, 30), adaptive);
+        // The load fell: the cap releases what came.
+        let expired = Decision::Dispatch(DispatchReason::DelayExpired);
+        assert_eq!(r.decide_adaptive(3, 5 * MS, false, 30), expired);
+        // A target of 0 or past the maximum is clamped.
+        assert_eq!(r.decide_adaptive(1, Duration::ZERO, false, 0), adaptive);
+        assert_eq!(
+            r.decide_adaptive(63, MS, false, 1000),
+            Decision::Wait(Some(4 * MS))
+        );
+        // The worker sleeps until the target, not every request.
+        assert_eq!(r.recheck_at_adaptive(10, 30), 30);
+        assert_eq!(r.recheck_at_adaptive(30, 30), 64);
+        assert_eq!(r.recheck_at_adaptive(0, 1), 1);
     }
 }

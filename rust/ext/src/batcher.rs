@@ -36,7 +36,7 @@ impl Batcher {
     #[new]
     #[pyo3(signature = (
         inputs, slots, *, tensor_type, coerce, max_batch_size, max_delay,
-        min_batch_size, preferred_batch_sizes, max_queue_size, workers,
+        min_batch_size, preferred_batch_sizes, max_queue_size, workers, adaptive=false,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -51,6 +51,7 @@ impl Batcher {
         preferred_batch_sizes: Vec<usize>,
         max_queue_size: usize,
         workers: usize,
+        adaptive: bool,
     ) -> PyResult<Batcher> {
         if max_delay.is_nan() || max_delay < 0.0 {
             return Err(PyValueError::new_err(format!(
@@ -95,13 +96,17 @@ impl Batcher {
             }
             slot_buffers.push(buffers);
         }
-        let rule = DispatchRule::new(
+        let mut rule = DispatchRule::new(
             max_batch_size,
             max_delay_duration,
             min_batch_size,
             preferred_batch_sizes,
         )
         .map_err(|e| to_pyerr(py, e))?;
+        if adaptive {
+            // `max_delay` is then the cap of the adaptive window.
+            rule = rule.adaptive();
+        }
         let config = BatcherConfig {
             rule,
             row_nbytes: specs.iter().map(|s| s.row_nbytes).collect(),
@@ -109,7 +114,7 @@ impl Batcher {
             workers,
             // Greedy: a batch takes what an event loop submitted in a whole
             // iteration (it flushes at the end), not just its first request.
-            readiness: if max_delay == 0.0 {
+            readiness: if max_delay == 0.0 && !adaptive {
                 Readiness::OnFlush
             } else {
                 Readiness::OnPush
