@@ -123,6 +123,7 @@ class Process:
     http: str
     grpc: str
     lines: queue.SimpleQueue[str]
+    startup: str = ""  # what it printed up to its ports
 
     def log(self) -> str:
         out = []
@@ -158,7 +159,7 @@ def serve_process(tmp_path: Path) -> Iterator[Callable[..., Process]]:
             seen.append(line)
             found = re.search(until, line)
             if found:
-                return Process(proc, found.group(1), found.group(2), lines)
+                return Process(proc, found.group(1), found.group(2), lines, "".join(seen))
             if proc.poll() is not None and lines.empty():
                 raise AssertionError("serve exited:\n" + "".join(seen))
 
@@ -364,3 +365,14 @@ def test_sigterm_with_a_stuck_model_answers_503_and_exits(
     except subprocess.TimeoutExpired:
         raise AssertionError("serve did not exit:\n" + served.log()) from None
     assert time.monotonic() - began < 15
+
+
+def test_serve_freezes_its_start_up_heap_out_of_full_collections(serve_process: Callable[..., Process]) -> None:
+    """torch, the model and the imports leave some 200k objects that live as
+    long as the process: frozen, a full collection no longer walks them."""
+    served = serve_process("--demo")
+    found = re.search(r"start-up heap frozen: (\d+) objects", served.startup)
+    assert found is not None, served.startup
+    assert int(found.group(1)) > 10_000
+    served.proc.send_signal(signal.SIGINT)
+    assert served.proc.wait(60) == 0, served.log()

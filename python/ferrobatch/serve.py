@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import importlib
 import importlib.util
 import inspect
@@ -228,6 +229,13 @@ async def serve(
             log.info("listening (%s, %s); not ready until the models have started", *where)
             if not await _start_servers(repository.servers, started, stop, http_task):
                 return
+            # What start-up left on the heap (torch, the model, the imports:
+            # some 200k objects) is kept for good: moved out of the collector's
+            # reach, a full collection no longer walks it every few hundred ms
+            # (measured: 28 % of the server's CPU and its p99, binary HTTP).
+            gc.collect()
+            gc.freeze()
+            log.info("start-up heap frozen: %d objects kept out of full collections", gc.get_freeze_count())
             log.info(
                 "serving %s: HTTP %s, gRPC %s",
                 ", ".join(listening.models),
