@@ -112,9 +112,10 @@ impl Batcher {
             row_nbytes: specs.iter().map(|s| s.row_nbytes).collect(),
             max_queue_size,
             workers,
-            // Greedy: a batch takes what an event loop submitted in a whole
+            // Greedy (and the adaptive window, which starts where greedy
+            // does): a batch takes what an event loop submitted in a whole
             // iteration (it flushes at the end), not just its first request.
-            readiness: if max_delay == 0.0 && !adaptive {
+            readiness: if max_delay == 0.0 || adaptive {
                 Readiness::OnFlush
             } else {
                 Readiness::OnPush
