@@ -22,7 +22,7 @@ import torch.utils.dlpack
 from . import _core
 from ._weights import Gate
 from .errors import InvalidInputError, ModelError
-from .specs import TensorSpec
+from .specs import TensorSpec, nested_key
 
 Model = Callable[[dict[str, torch.Tensor]], Any]
 Outputs = dict[str, torch.Tensor]
@@ -289,11 +289,6 @@ def _tensordict_module_base() -> type | None:
         return None
     base: type = TensorDictModuleBase
     return base
-
-
-def nested_key(name: str) -> str | tuple[str, ...]:
-    """The TensorDict key of a spec name: ``"a.b"`` is the nested key ``("a", "b")``."""
-    return tuple(name.split(".")) if "." in name else name
 
 
 def call_style(model: Any, inputs: Sequence[TensorSpec]) -> str:

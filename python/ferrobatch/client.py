@@ -15,6 +15,7 @@ import torch
 
 from . import _core
 from .errors import InvalidInputError, ServerClosedError
+from .specs import flatten_into, nested_key
 
 if TYPE_CHECKING:
     from .server import Server
@@ -40,17 +41,8 @@ def flatten_inputs(inputs: Mapping[Any, Any], names: Collection[str] | None = No
             if names is None or name in names:
                 flat[name] = value
         return flat
-    _flatten(flat, inputs, "")
+    flatten_into(flat, inputs, "")
     return flat
-
-
-def _flatten(out: dict[str, Any], mapping: Mapping[Any, Any], prefix: str) -> None:
-    for key, value in mapping.items():
-        name = prefix + (".".join(key) if isinstance(key, tuple) else str(key))
-        if isinstance(value, Mapping):
-            _flatten(out, value, name + ".")
-        else:
-            out[name] = value
 
 
 def _is_tensordict(value: object) -> bool:
@@ -64,7 +56,7 @@ def _is_tensordict(value: object) -> bool:
 def _to_tensordict(outputs: Outputs) -> Any:
     from tensordict import TensorDict
 
-    return TensorDict({tuple(k.split(".")) if "." in k else k: v for k, v in outputs.items()}, batch_size=[])
+    return TensorDict({nested_key(k): v for k, v in outputs.items()}, batch_size=[])
 
 
 # A forked child must not reuse the parent's cached event loops (see _core.Submitter).

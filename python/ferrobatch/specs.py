@@ -96,7 +96,7 @@ def example_specs(raw: Any, exclude: Collection[str] = ()) -> list[TensorSpec]:
         named = {f"output_{i}": v for i, v in enumerate(raw)}
     elif isinstance(raw, Mapping):
         named = {}
-        _flatten_into(named, raw, "")
+        flatten_into(named, raw, "")
     else:
         raise TypeError(f"the model returned {type(raw).__name__}; expected a tensor, a tuple or a dict of tensors")
     specs = []
@@ -111,10 +111,17 @@ def example_specs(raw: Any, exclude: Collection[str] = ()) -> list[TensorSpec]:
     return specs
 
 
-def _flatten_into(out: dict[str, Any], mapping: Mapping[Any, Any], prefix: str) -> None:
+def nested_key(name: str) -> str | tuple[str, ...]:
+    """The TensorDict key of a spec name: ``"a.b"`` is the nested key ``("a", "b")``."""
+    return tuple(name.split(".")) if "." in name else name
+
+
+def flatten_into(out: dict[str, Any], mapping: Mapping[Any, Any], prefix: str) -> None:
+    """Adds ``mapping``'s leaves to ``out`` under spec names: a nested key
+    (``("a", "b")``, or a Mapping inside the Mapping) is named ``"a.b"``."""
     for key, value in mapping.items():
         name = prefix + (".".join(key) if isinstance(key, tuple) else str(key))
         if isinstance(value, Mapping):
-            _flatten_into(out, value, name + ".")
+            flatten_into(out, value, name + ".")
         else:
             out[name] = value

@@ -51,11 +51,10 @@ from typing import Any
 
 import torch
 
-from ._torch import nested_key
 from .client import Client
 from .errors import FerrobatchError, ModelError, ServerClosedError
 from .server import Server
-from .specs import TensorSpec, dtype_name, example_specs
+from .specs import TensorSpec, dtype_name, example_specs, nested_key
 
 __all__ = ["InferenceServer", "MPTransport", "ThreadingTransport"]
 

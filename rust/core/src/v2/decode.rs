@@ -6,7 +6,7 @@ use std::ops::Range;
 use super::elements::Elements;
 use super::error::{quote, short, V2Error};
 use super::json::{Kind, Parser, SyntaxError};
-use super::{check_raw, checked_size, input_dtype, Codec, NO_DEADLINE_SECS};
+use super::{check_raw, checked_size, input_dtype, Codec};
 use crate::DType;
 
 /// A decoded infer request.
@@ -14,8 +14,9 @@ use crate::DType;
 pub struct InferRequest {
     /// The request's `id`, echoed in the response.
     pub id: Option<String>,
-    /// The `timeout` parameter in seconds; `None`: no deadline (absent, 0,
-    /// infinite or beyond a year).
+    /// The `timeout` parameter in seconds; `None`: no deadline (absent or
+    /// 0). An infinite or huge one is passed on: the batcher treats one too
+    /// long to represent as no deadline.
     pub timeout: Option<f64>,
     /// The `binary_data_output` parameter: the default of every output.
     pub binary_data_output: bool,
@@ -355,8 +356,10 @@ impl<'a> Decoder<'a, '_> {
         };
         match micros {
             Some(us) if us >= 0.0 => {
+                // 0 means none, as in Triton; one too long to represent is
+                // none too, by the batcher's own rule (`Batcher::submit`).
                 let seconds = us / 1e6;
-                Ok((seconds > 0.0 && seconds <= NO_DEADLINE_SECS).then_some(seconds))
+                Ok((seconds > 0.0).then_some(seconds))
             }
             _ => {
                 let text = self.text(start..self.p.offset());

@@ -49,9 +49,6 @@ use crate::DType;
 /// The one version every model is served as.
 pub const MODEL_VERSION: &str = "1";
 
-/// Timeouts beyond this many seconds (a year) mean no deadline.
-pub const NO_DEADLINE_SECS: f64 = 365.0 * 24.0 * 3600.0;
-
 /// What a request may carry at most; checked before allocating.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
