@@ -138,6 +138,21 @@ impl Batcher {
         inputs: Box<[InputBytes]>,
         timeout: Option<Duration>,
     ) -> Result<Arc<Request>, CoreError> {
+        self.submit_with(sink, rows, inputs, timeout, |_| ())
+    }
+
+    /// [`Batcher::submit`], calling `register` with the request just before
+    /// it is queued: a worker may take and resolve it at once, so a sink
+    /// owner that finds its requests by id registers it there. When this
+    /// returns an error after `register` ran, the request was never queued.
+    pub fn submit_with(
+        &self,
+        sink: Sink,
+        rows: usize,
+        inputs: Box<[InputBytes]>,
+        timeout: Option<Duration>,
+        register: impl FnOnce(&Arc<Request>),
+    ) -> Result<Arc<Request>, CoreError> {
         let row_nbytes = self.ring.row_nbytes();
         if rows == 0 {
             return Err(CoreError::InvalidInput(
@@ -171,6 +186,7 @@ impl Batcher {
         // A timeout too long to represent as an instant is no deadline at all.
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         let request = Arc::new(Request::new(id, sink, rows as u32, inputs, deadline));
+        register(&request);
         // A refused request was never seen by anyone: it is dropped here.
         self.queue.push(request.clone()).map_err(CoreError::from)?;
         Ok(request)

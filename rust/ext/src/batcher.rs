@@ -65,20 +65,14 @@ impl Batcher {
             let dtype = DType::parse(&dtype).ok_or_else(|| {
                 PyValueError::new_err(format!("input '{name}': unknown dtype '{dtype}'"))
             })?;
-            let row_nbytes = shape
-                .iter()
-                .try_fold(dtype.itemsize(), |n, &d| n.checked_mul(d))
-                .ok_or_else(|| {
-                    PyValueError::new_err(format!("input '{name}': shape {shape:?} is too large"))
-                })?;
+            let core = ferrobatch_core::InputSpec::new(&name, dtype, shape).ok_or_else(|| {
+                PyValueError::new_err(format!("input '{name}': its shape is too large"))
+            })?;
             let key = PyString::intern(py, &name).unbind();
             specs.push(InputSpec {
-                name,
+                core,
                 key,
-                dtype,
                 torch_dtype,
-                shape,
-                row_nbytes,
             });
         }
         let mut slot_tensors = Vec::new();

@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
-use ferrobatch_core::{Inbox, Readiness, RequestState, Route, Sink};
+use ferrobatch_core::{Inbox, Outcome, Readiness, RequestState, Route, Sink, Tally};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -37,97 +37,20 @@ use crate::batcher::Ticket;
 use crate::errors::{describe, error_class, ferrobatch_error};
 use crate::loops::LoopRegistry;
 
-/// How a request ended, as its caller saw it. `stats()` counts each request
-/// once, under one of these.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Outcome {
-    Succeeded,
-    InvalidInput,
-    QueueFull,
-    DeadlineExceeded,
-    Cancelled,
-    ModelError,
-    ServerClosed,
-}
-
-pub(crate) const OUTCOMES: usize = 7;
-
-impl Outcome {
-    pub(crate) const ALL: [Outcome; OUTCOMES] = [
-        Outcome::Succeeded,
-        Outcome::InvalidInput,
-        Outcome::QueueFull,
-        Outcome::DeadlineExceeded,
-        Outcome::Cancelled,
-        Outcome::ModelError,
-        Outcome::ServerClosed,
+/// What a caller that got `error` saw.
+pub(crate) fn outcome_of_error(py: Python<'_>, error: &Bound<'_, PyAny>) -> Outcome {
+    let classes = [
+        ("InvalidInputError", Outcome::InvalidInput),
+        ("QueueFullError", Outcome::QueueFull),
+        ("DeadlineExceededError", Outcome::DeadlineExceeded),
+        ("ServerClosedError", Outcome::ServerClosed),
     ];
-
-    /// The name `stats()` reports it under.
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            Outcome::Succeeded => "succeeded",
-            Outcome::InvalidInput => "invalid_input",
-            Outcome::QueueFull => "queue_full",
-            Outcome::DeadlineExceeded => "deadline_exceeded",
-            Outcome::Cancelled => "cancelled",
-            Outcome::ModelError => "model_error",
-            Outcome::ServerClosed => "server_closed",
+    for (class, outcome) in classes {
+        if error_class(py, class).is_ok_and(|c| error.is_instance(&c).unwrap_or(false)) {
+            return outcome;
         }
     }
-
-    /// What a caller that got `error` saw.
-    pub(crate) fn of_error(py: Python<'_>, error: &Bound<'_, PyAny>) -> Outcome {
-        let classes = [
-            ("InvalidInputError", Outcome::InvalidInput),
-            ("QueueFullError", Outcome::QueueFull),
-            ("DeadlineExceededError", Outcome::DeadlineExceeded),
-            ("ServerClosedError", Outcome::ServerClosed),
-        ];
-        for (class, outcome) in classes {
-            if error_class(py, class).is_ok_and(|c| error.is_instance(&c).unwrap_or(false)) {
-                return outcome;
-            }
-        }
-        Outcome::ModelError
-    }
-}
-
-/// Requests by outcome, and the submit-to-result time of the successes.
-#[derive(Default)]
-pub(crate) struct Tally {
-    counts: [AtomicU64; OUTCOMES],
-    request_ns: AtomicU64,
-}
-
-impl Tally {
-    pub(crate) fn count(&self, outcome: Outcome) {
-        self.counts[outcome as usize].fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// A request counted as `from` whose caller saw `to` after all.
-    fn recount(&self, from: Outcome, to: Outcome) {
-        // Counted as `from` earlier on this same loop thread: never below zero.
-        self.counts[from as usize].fetch_sub(1, Ordering::Relaxed);
-        self.count(to);
-    }
-
-    /// Adds this tally into `counts` and `request_ns`.
-    pub(crate) fn add_to(&self, counts: &mut [u64; OUTCOMES], request_ns: &mut u64) {
-        for (total, n) in counts.iter_mut().zip(&self.counts) {
-            *total = total.wrapping_add(n.load(Ordering::Relaxed));
-        }
-        *request_ns = request_ns.wrapping_add(self.request_ns.load(Ordering::Relaxed));
-    }
-
-    /// Takes over `other`'s counts (a mailbox being dropped).
-    pub(crate) fn absorb(&self, other: &Tally) {
-        for (mine, theirs) in self.counts.iter().zip(&other.counts) {
-            mine.fetch_add(theirs.load(Ordering::Relaxed), Ordering::Relaxed);
-        }
-        self.request_ns
-            .fetch_add(other.request_ns.load(Ordering::Relaxed), Ordering::Relaxed);
-    }
+    Outcome::ModelError
 }
 
 /// A finished batch's outcome: its `outputs` (`{name: batch tensor}`) or the
@@ -614,7 +537,7 @@ impl LoopMailbox {
             let counted = if error.is_none() {
                 Outcome::Succeeded
             } else {
-                Outcome::of_error(py, &error)
+                outcome_of_error(py, &error)
             };
             self.tally.recount(counted, Outcome::Cancelled);
             return Ok(());
@@ -695,9 +618,8 @@ impl LoopMailbox {
                 Err(e) => return Err(e),
             }
         }
-        let tally = &self.tally;
-        tally.counts[Outcome::Succeeded as usize].fetch_add(succeeded, Ordering::Relaxed);
-        tally.request_ns.fetch_add(request_ns, Ordering::Relaxed);
+        self.tally.count_n(Outcome::Succeeded, succeeded);
+        self.tally.add_request_ns(request_ns);
         if let Some(err) = build_error {
             let what = "returned outputs its rows could not be taken from:";
             self.fail_batch(py, &unbuilt, err.value(py), what);

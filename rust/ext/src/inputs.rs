@@ -47,49 +47,28 @@ use pyo3::types::{PyString, PyTuple, PyType};
 
 use crate::errors::{invalid_input, is_ferrobatch_error};
 
-/// One declared model input.
+/// One declared model input: the core's spec (rules and messages), and the
+/// Python objects to check values against.
 pub(crate) struct InputSpec {
-    pub name: String,
+    pub core: ferrobatch_core::InputSpec,
     /// `name` as an interned Python string, for dict lookups without allocating.
     pub key: Py<PyString>,
-    pub dtype: DType,
     pub torch_dtype: Py<PyAny>,
-    pub shape: Vec<usize>,
-    pub row_nbytes: usize,
 }
 
-fn describe_dims(dims: &[usize]) -> String {
-    match dims {
-        [d] => format!("({d},)"),
-        _ => format!(
-            "({})",
-            dims.iter()
-                .map(usize::to_string)
-                .collect::<Vec<_>>()
-                .join(", ")
-        ),
+impl std::ops::Deref for InputSpec {
+    type Target = ferrobatch_core::InputSpec;
+
+    fn deref(&self) -> &Self::Target {
+        &self.core
     }
 }
 
 impl InputSpec {
     fn error(&self, py: Python<'_>, what: impl std::fmt::Display) -> PyErr {
-        invalid_input(py, format!("input '{}': {what}", self.name))
+        invalid_input(py, self.core.error(what).0)
     }
 
-    fn describe_shape(&self, batched: bool) -> String {
-        if !batched {
-            return describe_dims(&self.shape);
-        }
-        let dims: Vec<String> = self.shape.iter().map(usize::to_string).collect();
-        match dims.len() {
-            0 => "(n,)".into(),
-            _ => format!("(n, {})", dims.join(", ")),
-        }
-    }
-
-    /// Rows carried by a value of shape `actual` and their size in bytes, or
-    /// an error naming both shapes. Refuses more than `max_rows` rows, so
-    /// the byte count is bounded before anything is allocated.
     fn rows_for_shape(
         &self,
         py: Python<'_>,
@@ -97,41 +76,13 @@ impl InputSpec {
         batched: bool,
         max_rows: usize,
     ) -> PyResult<(usize, usize)> {
-        let (rows, per_row) = if batched {
-            match actual.split_first() {
-                Some((&n, rest)) => (n, rest),
-                None => (0, actual),
-            }
-        } else {
-            (1, actual)
-        };
-        if per_row != self.shape.as_slice() || (batched && actual.is_empty()) {
-            return Err(self.error(
-                py,
-                format_args!(
-                    "expected shape {}, got {}",
-                    self.describe_shape(batched),
-                    describe_dims(actual)
-                ),
-            ));
-        }
-        if rows > max_rows {
-            return Err(self.error(
-                py,
-                format_args!("a request of {rows} rows exceeds max_batch_size ({max_rows})"),
-            ));
-        }
-        let nbytes = rows
-            .checked_mul(self.row_nbytes)
-            .ok_or_else(|| self.error(py, "the input is too large"))?;
-        Ok((rows, nbytes))
+        self.core
+            .rows_for_shape(actual, batched, max_rows)
+            .map_err(|e| invalid_input(py, e.0))
     }
 
     fn dtype_error(&self, py: Python<'_>, got: impl std::fmt::Display) -> PyErr {
-        self.error(
-            py,
-            format_args!("expected dtype {}, got {got}", self.dtype.name()),
-        )
+        invalid_input(py, self.core.dtype_error(got).0)
     }
 }
 

@@ -22,7 +22,9 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use crate::fanout::{LoopMailbox, Outcome, Tally, OUTCOMES};
+use ferrobatch_core::{Outcome, Tally, OUTCOMES};
+
+use crate::fanout::LoopMailbox;
 
 #[derive(Default)]
 struct Mailboxes {

@@ -24,7 +24,9 @@ use pyo3::{PyTraverseError, PyVisit};
 
 use crate::batcher::Batcher;
 use crate::errors::{invalid_input, is_ferrobatch_error};
-use crate::fanout::{LoopMailbox, Outcome};
+use ferrobatch_core::Outcome;
+
+use crate::fanout::{outcome_of_error, LoopMailbox};
 use crate::loops::LoopRegistry;
 
 /// Bumped in a forked child, so that no loop cached in the parent is used.
@@ -165,7 +167,7 @@ impl Submitter {
                     mailbox
                         .get()
                         .tally
-                        .count(Outcome::of_error(py, err.value(py)));
+                        .count(outcome_of_error(py, err.value(py)));
                 }
                 return Err(err);
             }
