@@ -181,3 +181,30 @@ class V2Codec:
     def decode_tensors(self, tensors: list[tuple[str, str, list[int], Any]]) -> dict[str, V2Tensor]: ...
     def encode(self, request: V2Request, results: dict[str, torch.Tensor]) -> tuple[bytes, int | None]: ...
     def raw_output(self, name: str, tensor: torch.Tensor) -> tuple[bytes, list[int]]: ...
+
+@final
+class NativeFrontend:
+    """The native HTTP front-end (tokio + hyper): listens from construction
+    until ``stop()``; serves natively the models given to ``serve()``."""
+
+    def __new__(
+        cls,
+        host: str,
+        port: int,
+        fallback: Callable[[str, str, list[tuple[str, str]], bytes], tuple[int, list[tuple[str, str]], bytes]],
+        *,
+        threads: int = 1,
+        max_body_size: int = ...,
+        max_connections: int = 10000,
+        max_streams: int = 1024,
+        header_timeout: float = 30.0,
+        body_timeout: float = 60.0,
+    ) -> NativeFrontend: ...
+    @property
+    def port(self) -> int: ...
+    def serve(
+        self, models: list[tuple[Batcher, LoopRegistry, V2Codec, Callable[[BaseException], str]]]
+    ) -> None: ...
+    def set_ready(self, ready: bool) -> None: ...
+    def drain(self) -> None: ...
+    def stop(self, grace: float = 5.0) -> None: ...

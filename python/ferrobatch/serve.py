@@ -55,6 +55,8 @@ if TYPE_CHECKING:
     import grpc.aio
     import uvicorn
 
+    from .http._native import NativeHttp
+
     from .http.protocol import ModelRepository
 
 __all__ = ["Listening", "ServeConfig", "StartupError", "load_servers", "serve", "serve_in_thread"]
@@ -125,6 +127,10 @@ class ServeConfig:
 
     host: str = "127.0.0.1"
     http_port: int | None = 8000
+    #: Who answers HTTP: "native" (Rust: tokio + hyper in the extension;
+    #: inference never becomes a Python object) or "python" (uvicorn and the
+    #: Starlette app, as embedded apps use). gRPC is served by grpcio either way.
+    frontend: str = "native"
     grpc_port: int | None = 8001
     graceful_timeout: float = 30.0
     log_level: str = "info"
@@ -178,6 +184,8 @@ async def serve(
     config = config or ServeConfig()
     if config.http_port is None and config.grpc_port is None:
         raise ValueError("nothing to serve: both the HTTP and the gRPC endpoint are disabled")
+    if config.frontend not in ("native", "python"):
+        raise ValueError(f"frontend must be 'native' or 'python', got {config.frontend!r}")
     repository = ModelRepository(servers, expose_errors=config.expose_errors)
     stop = stop or asyncio.Event()
     forced = asyncio.Event()
@@ -185,6 +193,7 @@ async def serve(
     http: uvicorn.Server | None = None
     http_task: asyncio.Task[None] | None = None
     rpc: grpc.aio.Server | None = None
+    native: NativeHttp | None = None
     with _signals(stop, forced):
         try:
             grpc_port = None
@@ -197,7 +206,21 @@ async def serve(
                     raise StartupError(f"gRPC: cannot listen on {address}: {exc}") from None
                 await rpc.start()
             http_port = None
-            if config.http_port is not None:
+            if config.http_port is not None and config.frontend == "native":
+                from .http._native import NativeHttp
+
+                try:
+                    native = NativeHttp(
+                        repository,
+                        config.host,
+                        config.http_port,
+                        max_body_size=config.max_body_size,
+                        max_decompressed_size=config.max_decompressed_size,
+                    )
+                except OSError as exc:
+                    raise StartupError(f"HTTP: {exc}") from None
+                http_port = native.port
+            elif config.http_port is not None:
                 app = starlette_app(
                     repository,
                     manage_servers=False,
@@ -229,6 +252,8 @@ async def serve(
             log.info("listening (%s, %s); not ready until the models have started", *where)
             if not await _start_servers(repository.servers, started, stop, http_task):
                 return
+            if native is not None:
+                native.attach()
             # What start-up left on the heap (torch, the model, the imports:
             # some 200k objects) is kept for good: moved out of the collector's
             # reach, a full collection no longer walks it every few hundred ms
@@ -248,7 +273,9 @@ async def serve(
         finally:
             log.info("shutting down: refusing new requests, draining accepted ones")
             repository.close()
-            await _shutdown(http, http_task, rpc, repository, started, forced, config.graceful_timeout)
+            if native is not None:
+                native.drain()
+            await _shutdown(http, http_task, rpc, native, repository, started, forced, config.graceful_timeout)
             log.info("stopped")
 
 
@@ -313,6 +340,7 @@ async def _shutdown(
     http: uvicorn.Server | None,
     http_task: asyncio.Task[None] | None,
     rpc: grpc.aio.Server | None,
+    native: NativeHttp | None,
     repository: ModelRepository,
     started: Sequence[Server],
     forced: asyncio.Event,
@@ -341,6 +369,9 @@ async def _shutdown(
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(timeout):
             await _any(repository.wait_idle(), forced.wait())
+    if native is not None:
+        # Closes the listener; accepted native requests finish meanwhile.
+        await _any(native.stop(max(0.0, deadline - loop.time())), forced.wait())
     for server in reversed(started):
         left = 0.0 if forced.is_set() else max(0.0, deadline - loop.time())
         await server.stop(timeout=left)
@@ -503,6 +534,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--http-port", type=int, default=8000, help="HTTP port (default 8000; 0: any free)")
     parser.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (default 8001; 0: any free)")
+    parser.add_argument(
+        "--frontend",
+        default="native",
+        choices=["native", "python"],
+        help="who answers HTTP: native (Rust, the default) or python (uvicorn + Starlette)",
+    )
     parser.add_argument("--no-http", action="store_true", help="serve gRPC only")
     parser.add_argument("--no-grpc", action="store_true", help="serve HTTP only")
     parser.add_argument(
@@ -585,6 +622,7 @@ def main(args: argparse.Namespace) -> int:
     config = ServeConfig(
         host=args.host,
         http_port=None if args.no_http else args.http_port,
+        frontend=args.frontend,
         grpc_port=None if args.no_grpc else args.grpc_port,
         graceful_timeout=args.graceful_timeout,
         log_level=args.log_level,

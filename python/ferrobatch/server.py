@@ -436,6 +436,13 @@ class Server:
         """A client for this server (cheap; share it or make many)."""
         return Client(self, self._submitter, self._loop_token)
 
+    def _native_parts(self) -> tuple[_core.Batcher, _core.LoopRegistry]:
+        """The batcher and the loop registry (the owner of this server's
+        sinks), for the native front-end to submit to and deliver through."""
+        if self._batcher is None or self._phase != "running":
+            raise ServerClosedError(f"server '{self.name}' is not running ({self._phase})")
+        return self._batcher, self._loops
+
     def _not_running(self) -> ServerClosedError:
         return ServerClosedError(f"server '{self.name}' is not running ({self._phase})")
 

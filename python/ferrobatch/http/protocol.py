@@ -210,6 +210,10 @@ class ModelRepository:
         self._idle: asyncio.Event | None = None
 
     @property
+    def models(self) -> list[ServedModel]:
+        return list(self._models.values())
+
+    @property
     def servers(self) -> list[Server]:
         return [m.server for m in self._models.values()]
 

@@ -159,6 +159,15 @@ impl Batcher {
 }
 
 impl Batcher {
+    pub(crate) fn core(&self) -> &Arc<core::Batcher> {
+        &self.core
+    }
+
+    /// The model's inputs, in collation order.
+    pub(crate) fn input_specs(&self) -> Vec<ferrobatch_core::InputSpec> {
+        self.converter.specs.iter().map(|s| s.core.clone()).collect()
+    }
+
     /// Validates `inputs` against the specs, queues the request and registers
     /// its ticket (with a new future of the mailbox's loop) in
     /// `mailbox.pending`. Call on the mailbox's loop thread. A greedy batcher

@@ -253,11 +253,23 @@ impl V2Request {
 
 /// An output tensor's bytes, read in place: keeps the (possibly converted)
 /// tensor alive while `data` is in use.
-struct Readable<'py> {
+pub(crate) struct Readable<'py> {
     _owner: Bound<'py, PyAny>,
-    shape: Vec<u64>,
-    ptr: usize,
-    len: usize,
+    pub shape: Vec<u64>,
+    pub ptr: usize,
+    pub len: usize,
+}
+
+/// The `len` bytes at `ptr` (none when `len` is 0).
+///
+/// # Safety
+/// `ptr` must be valid for reads of `len` bytes while the slice is used.
+pub(crate) unsafe fn bytes_at<'a>(ptr: usize, len: usize) -> &'a [u8] {
+    if len == 0 {
+        return &[];
+    }
+    // SAFETY: the caller vouches for ptr and len.
+    unsafe { std::slice::from_raw_parts(ptr as *const u8, len) }
 }
 
 impl Readable<'_> {
@@ -274,6 +286,31 @@ impl Readable<'_> {
 }
 
 impl V2Codec {
+    pub(crate) fn core(&self) -> &Codec {
+        &self.core
+    }
+
+    /// Reads every output of a batch's `outputs` (`{name: tensor}`), in the
+    /// codec's order; a missing one is an error.
+    pub(crate) fn read_outputs<'py>(
+        &self,
+        py: Python<'py>,
+        outputs: &Bound<'py, PyDict>,
+    ) -> PyResult<Vec<Readable<'py>>> {
+        (0..self.output_keys.len())
+            .map(|index| {
+                let key = self.output_keys[index].bind(py);
+                let value = outputs.get_item(key)?.ok_or_else(|| {
+                    codec_error(
+                        py,
+                        V2Error::Output(format!("the model returned no output '{key}'")),
+                    )
+                })?;
+                self.read_output(py, index, value)
+            })
+            .collect()
+    }
+
     /// Reads result `value` for output `index`: a torch tensor (converted to
     /// the output's dtype, contiguous, on the CPU when it is not already).
     fn read_output<'py>(

@@ -36,6 +36,7 @@ use pyo3::types::{PyDict, PySlice, PyTuple};
 use crate::batcher::Ticket;
 use crate::errors::{describe, error_class, ferrobatch_error};
 use crate::loops::LoopRegistry;
+use crate::native;
 
 /// What a caller that got `error` saw.
 pub(crate) fn outcome_of_error(py: Python<'_>, error: &Bound<'_, PyAny>) -> Outcome {
@@ -108,9 +109,16 @@ pub(crate) fn post_batch(
 ) -> Vec<Py<LoopMailbox>> {
     let mut to_ring = Vec::new();
     for (sink, routes) in groups {
-        // Event loops are the only sinks this binding hands requests to.
-        let Sink::EventLoop(loop_id) = sink else {
-            continue;
+        let loop_id = match sink {
+            Sink::EventLoop(loop_id) => loop_id,
+            Sink::Connection(_) => {
+                if let Some(native) = registry.native() {
+                    native::deliver(py, &native, routes, outcome, failed);
+                }
+                continue;
+            }
+            // No shared-memory clients yet.
+            Sink::SharedMemory(_) => continue,
         };
         let Some(mailbox) = registry.get(py, *loop_id) else {
             continue;

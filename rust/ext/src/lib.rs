@@ -4,7 +4,8 @@
 //! to Python objects, `CoreError` to the `ferrobatch.errors` hierarchy; and
 //! it holds the part of fan-out that needs Python objects, each event loop's
 //! mailbox of finished batches (`fanout.rs`). The GIL is released in one
-//! place, [`without_gil`].
+//! place, [`without_gil`]. `native.rs` starts the native front-end
+//! (`ferrobatch-serve`) and hands it the batches of the requests it submitted.
 
 mod batcher;
 mod codec;
@@ -12,6 +13,7 @@ mod errors;
 mod fanout;
 mod inputs;
 mod loops;
+mod native;
 mod submit;
 
 use pyo3::prelude::*;
@@ -37,5 +39,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<submit::Submitter>()?;
     m.add_function(wrap_pyfunction!(submit::after_fork_in_child, m)?)?;
     codec::register(m)?;
+    native::register(m)?;
     Ok(())
 }

@@ -25,6 +25,7 @@ use pyo3::types::{PyDict, PyList};
 use ferrobatch_core::{Outcome, Tally, OUTCOMES};
 
 use crate::fanout::LoopMailbox;
+use crate::native::{self, NativeSink};
 
 #[derive(Default)]
 struct Mailboxes {
@@ -42,6 +43,8 @@ pub struct LoopRegistry {
     mailboxes: Mutex<Mailboxes>,
     /// What the callers of dropped mailboxes saw.
     retired: Tally,
+    /// The native front-end's reply table for this model, once it serves it.
+    native: Mutex<Option<Arc<NativeSink>>>,
 }
 
 #[pymethods]
@@ -52,6 +55,7 @@ impl LoopRegistry {
             model_name: model_name.into(),
             mailboxes: Mutex::new(Mailboxes::default()),
             retired: Tally::default(),
+            native: Mutex::new(None),
         }
     }
 
@@ -68,6 +72,9 @@ impl LoopRegistry {
         let mut counts = [0u64; OUTCOMES];
         let mut request_ns = 0u64;
         self.retired.add_to(&mut counts, &mut request_ns);
+        if let Some(native) = self.native() {
+            native::add_counts(&native, &mut counts, &mut request_ns);
+        }
         for mailbox in self.all(py) {
             mailbox.get().tally.add_to(&mut counts, &mut request_ns);
         }
@@ -82,6 +89,9 @@ impl LoopRegistry {
     /// Fails every pending request of every loop with `ServerClosedError`,
     /// each on its own loop's thread (at once for the calling loop's).
     fn fail_all(&self, py: Python<'_>, message: &str) -> PyResult<()> {
+        if let Some(native) = self.native() {
+            native::fail_all(&native, message);
+        }
         for mailbox in self.all(py) {
             let fail_all = mailbox.bind(py).getattr(intern!(py, "fail_all"))?;
             on_loop(py, &mailbox.get().event_loop, &fail_all, message)?;
@@ -103,6 +113,23 @@ impl LoopRegistry {
 }
 
 impl LoopRegistry {
+    /// Routes this model's `Sink::Connection` rows to `sink` from now on. A
+    /// front-end served before keeps its counts (in `retired`).
+    pub(crate) fn attach_native(&self, sink: NativeSink) {
+        let old = self
+            .native
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .replace(Arc::new(sink));
+        if let Some(old) = old {
+            self.retired.absorb(old.replies.tally());
+        }
+    }
+
+    pub(crate) fn native(&self) -> Option<Arc<NativeSink>> {
+        self.native.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
     /// The mailbox of loop `loop_id`, if it has not been dropped.
     pub(crate) fn get(&self, py: Python<'_>, loop_id: u32) -> Option<Py<LoopMailbox>> {
         let mailboxes = self.lock();

@@ -25,7 +25,7 @@ pub struct Encoded {
 }
 
 /// `text` as a JSON string (serde_json's escaping).
-pub(crate) fn write_json_string(out: &mut Vec<u8>, text: &str) {
+pub fn write_json_string(out: &mut Vec<u8>, text: &str) {
     // Writing a &str into a Vec cannot fail.
     let _ = serde_json::to_writer(&mut *out, text);
 }

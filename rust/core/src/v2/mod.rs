@@ -41,7 +41,7 @@ pub mod json;
 
 pub use decode::{Data, InferRequest, Input, RequestedOutput};
 pub use elements::Elements;
-pub use encode::{Encoded, Output};
+pub use encode::{write_json_string, Encoded, Output};
 pub use error::V2Error;
 
 use crate::DType;

@@ -1,0 +1,263 @@
+//! Binding of the native front-end (`ferrobatch-serve`): start and stop it
+//! from Python, and hand it the batches whose requests it submitted.
+//!
+//! A model served natively has a [`NativeSink`] in its `LoopRegistry`: the
+//! front-end's reply table for that model, the codec that reads its outputs,
+//! and the Python hook that words a model failure for remote clients (and
+//! logs it). `Worker.finish` gives each batch's `Sink::Connection` rows to
+//! [`deliver`]: the outputs are read once per batch (with the GIL), then
+//! every request's response is encoded and its handler woken without it.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferrobatch_core::{Outcome, Route};
+use ferrobatch_serve::{
+    Column, Config, Failure, Fallback, FallbackRequest, FallbackResponse, Frontend, Replies,
+    ServedModel,
+};
+use pyo3::exceptions::{PyOSError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::batcher::Batcher;
+use crate::codec::V2Codec;
+use crate::fanout::{BatchOutcome, FailedRows};
+use crate::loops::LoopRegistry;
+use crate::without_gil;
+
+/// Where a model's natively submitted requests are answered.
+pub(crate) struct NativeSink {
+    pub replies: Arc<Replies>,
+    codec: Py<V2Codec>,
+    /// `describe(error) -> str`: the message a remote client gets for a
+    /// model failure (logging it once).
+    describe: Py<PyAny>,
+}
+
+impl NativeSink {
+    fn failure(&self, py: Python<'_>, error: &Bound<'_, PyAny>) -> Failure {
+        let message = self
+            .describe
+            .bind(py)
+            .call1((error,))
+            .and_then(|m| m.extract::<String>())
+            .unwrap_or_else(|_| {
+                format!("model '{}' failed", self.replies.codec().model())
+            });
+        Failure::new(500, message)
+    }
+}
+
+/// Answers the native requests (`routes`) of one finished batch.
+pub(crate) fn deliver(
+    py: Python<'_>,
+    sink: &NativeSink,
+    routes: &[Route],
+    outcome: &BatchOutcome,
+    failed: Option<&FailedRows>,
+) {
+    let replies = &sink.replies;
+    let outputs = match outcome {
+        Ok(outputs) => outputs.bind(py),
+        Err(error) => {
+            let failure = sink.failure(py, error.bind(py));
+            without_gil(py, || replies.fail_batch(routes, &failure));
+            return;
+        }
+    };
+    let failed: Vec<(u32, Failure)> = failed
+        .map(|rows| {
+            rows.iter()
+                .map(|(start, error)| (*start, sink.failure(py, error.bind(py))))
+                .collect()
+        })
+        .unwrap_or_default();
+    let codec = sink.codec.get();
+    let read = codec.read_outputs(py, outputs);
+    let read = match read {
+        Ok(read) => read,
+        Err(err) => {
+            let failure = sink.failure(py, err.value(py));
+            without_gil(py, || replies.fail_batch(routes, &failure));
+            return;
+        }
+    };
+    let columns: Vec<(Vec<u64>, usize, usize)> =
+        read.iter().map(|r| (r.shape.clone(), r.ptr, r.len)).collect();
+    without_gil(py, || {
+        let columns: Vec<Column<'_>> = columns
+            .iter()
+            .map(|(shape, ptr, len)| Column {
+                shape,
+                // SAFETY: each (ptr, len) is a contiguous CPU tensor's bytes,
+                // kept alive by `read` (outside this closure, which it outlives).
+                data: unsafe { crate::codec::bytes_at(*ptr, *len) },
+            })
+            .collect();
+        replies.deliver(routes, &columns, &failed);
+    });
+    drop(read);
+}
+
+/// Calls the Python handlers for what the native routes do not answer.
+struct PyFallback(Py<PyAny>);
+
+impl Fallback for PyFallback {
+    fn call(&self, request: FallbackRequest) -> FallbackResponse {
+        Python::attach(|py| {
+            let answer = self
+                .0
+                .bind(py)
+                .call1((
+                    request.method,
+                    request.path,
+                    request.headers,
+                    PyBytes::new(py, &request.body),
+                ))
+                .and_then(|a| a.extract::<(u16, Vec<(String, String)>, Vec<u8>)>());
+            match answer {
+                Ok((status, headers, body)) => FallbackResponse {
+                    status,
+                    headers,
+                    body,
+                },
+                Err(err) => {
+                    err.print(py);
+                    FallbackResponse {
+                        status: 500,
+                        headers: vec![("content-type".into(), "application/json".into())],
+                        body: br#"{"error":"internal error"}"#.to_vec(),
+                    }
+                }
+            }
+        })
+    }
+}
+
+/// The native HTTP front-end of a set of models, listening until `stop()`.
+#[pyclass(frozen, module = "ferrobatch._core")]
+pub struct NativeFrontend {
+    frontend: Frontend,
+}
+
+#[pymethods]
+impl NativeFrontend {
+    /// Binds `host:port` (0: any free port) and answers every request with
+    /// `fallback(method, path, headers, body) -> (status, headers, body)`
+    /// until `serve()` names the models served natively. Raises `OSError`
+    /// when the address cannot be bound.
+    #[new]
+    #[pyo3(signature = (
+        host, port, fallback, *, threads=1, max_body_size=64 << 20,
+        max_connections=10_000, max_streams=1024, header_timeout=30.0, body_timeout=60.0,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        host: &str,
+        port: u16,
+        fallback: Py<PyAny>,
+        threads: usize,
+        max_body_size: usize,
+        max_connections: usize,
+        max_streams: u32,
+        header_timeout: f64,
+        body_timeout: f64,
+    ) -> PyResult<NativeFrontend> {
+        let ip: IpAddr = match host {
+            "localhost" => IpAddr::from([127, 0, 0, 1]),
+            _ => host.parse().map_err(|_| {
+                PyValueError::new_err(format!("host must be an IP address, got {host:?}"))
+            })?,
+        };
+        let seconds = |what: &str, s: f64| {
+            Duration::try_from_secs_f64(s).map_err(|_| {
+                PyValueError::new_err(format!("{what} must be >= 0 seconds, got {s}"))
+            })
+        };
+        let config = Config {
+            threads,
+            max_body_size,
+            max_connections: max_connections.max(1),
+            max_streams,
+            header_timeout: seconds("header_timeout", header_timeout)?,
+            body_timeout: seconds("body_timeout", body_timeout)?,
+        };
+        let addr = SocketAddr::new(ip, port);
+        let fallback = Arc::new(PyFallback(fallback));
+        let frontend = without_gil(py, || Frontend::start(addr, config, fallback))
+            .map_err(|e| PyOSError::new_err(format!("cannot listen on {addr}: {e}")))?;
+        Ok(NativeFrontend { frontend })
+    }
+
+    /// Serves `models` natively from now on: each a `(batcher, registry,
+    /// codec, describe)` of a started server, where `describe(error) -> str`
+    /// words a model failure for remote clients.
+    #[allow(clippy::type_complexity)]
+    fn serve(
+        &self,
+        models: Vec<(
+            Bound<'_, Batcher>,
+            Bound<'_, LoopRegistry>,
+            Bound<'_, V2Codec>,
+            Py<PyAny>,
+        )>,
+    ) {
+        let mut served = Vec::with_capacity(models.len());
+        for (batcher, registry, codec, describe) in models {
+            let core_codec = codec.get().core().clone();
+            let name = core_codec.model().to_owned();
+            let replies = Arc::new(Replies::new(core_codec, batcher.get().core().clone()));
+            registry.get().attach_native(NativeSink {
+                replies: replies.clone(),
+                codec: codec.unbind(),
+                describe,
+            });
+            served.push(ServedModel::new(&name, batcher.get().input_specs(), replies));
+        }
+        self.frontend.serve(served);
+    }
+
+    /// The port it listens on.
+    #[getter]
+    fn port(&self) -> u16 {
+        self.frontend.local_addr().port()
+    }
+
+    /// Readiness answers 200 once ready (and not draining), 503 before.
+    fn set_ready(&self, ready: bool) {
+        self.frontend.set_ready(ready)
+    }
+
+    /// Readiness says 503 and responses ask clients to close; requests are
+    /// still served.
+    fn drain(&self) {
+        self.frontend.drain()
+    }
+
+    /// Stops listening, lets accepted requests finish for at most `grace`
+    /// seconds, then stops. Blocks (without the GIL).
+    #[pyo3(signature = (grace=5.0))]
+    fn stop(&self, py: Python<'_>, grace: f64) {
+        let grace = Duration::try_from_secs_f64(grace).unwrap_or(Duration::ZERO);
+        without_gil(py, || self.frontend.stop(grace));
+    }
+}
+
+/// `{outcome: requests}` of a native sink, added into a registry's stats.
+pub(crate) fn add_counts(sink: &NativeSink, counts: &mut [u64; ferrobatch_core::OUTCOMES], request_ns: &mut u64) {
+    sink.replies.tally().add_to(counts, request_ns);
+}
+
+/// Answers the native requests still pending with 503 (the server stops).
+pub(crate) fn fail_all(sink: &NativeSink, message: &str) {
+    sink.replies
+        .fail_all(&Failure::new(503, message), Outcome::ServerClosed);
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<NativeFrontend>()?;
+    Ok(())
+}

@@ -1,0 +1,273 @@
+//! The native front-end's reply table: the owner of every request it
+//! submitted ([`Sink::Connection`](ferrobatch_core::Sink)), until its caller
+//! is answered.
+//!
+//! A request is registered before it is queued (a worker may take and finish
+//! it at once). Whoever takes its entry's sender answers it, and counts the
+//! outcome once: a finished batch ([`Replies::deliver`],
+//! [`Replies::fail_batch`]), the handler giving up (its deadline passed, or
+//! the client went away: [`Replies::abandon`]), or the server stopping
+//! ([`Replies::fail_all`]). An entry whose request a batch took stays, with
+//! the request's input bytes, until that batch resolves it: the batch's
+//! worker may still be reading them.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use bytes::Bytes;
+use ferrobatch_core::v2::{Codec, Encoded, Output};
+use ferrobatch_core::{Batcher, Outcome, Request, RequestState, Route, Tally};
+use tokio::sync::oneshot;
+
+/// Why a request got no result: its HTTP status and the message for the client.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    pub status: u16,
+    pub message: String,
+}
+
+impl Failure {
+    pub fn new(status: u16, message: impl Into<String>) -> Failure {
+        Failure {
+            status,
+            message: message.into(),
+        }
+    }
+}
+
+/// What a waiting handler receives: the encoded response, or why not.
+pub type Reply = Result<Encoded, Failure>;
+
+/// What keeps a request's input bytes alive: the body (binary inputs are
+/// ranges of it) and the buffers JSON inputs were decoded into.
+pub struct InputOwners {
+    pub body: Bytes,
+    pub decoded: Vec<Vec<u8>>,
+}
+
+/// How to answer one request once its rows are ready.
+pub struct ResponsePlan {
+    /// The request's `id`, echoed.
+    pub id: Option<String>,
+    /// `(output index, as binary)` per output to send.
+    pub outputs: Vec<(usize, bool)>,
+}
+
+struct Entry {
+    /// None once answered by the handler (a batch still holds the request).
+    tx: Option<oneshot::Sender<Reply>>,
+    request: Arc<Request>,
+    plan: ResponsePlan,
+    _inputs: InputOwners,
+}
+
+/// One finished batch output, whole: its shape (rows first) and bytes, in
+/// the codec's output order.
+pub struct Column<'a> {
+    pub shape: &'a [u64],
+    pub data: &'a [u8],
+}
+
+/// The pending requests of one served model.
+pub struct Replies {
+    codec: Codec,
+    batcher: Arc<Batcher>,
+    entries: Mutex<HashMap<u64, Entry>>,
+    tally: Tally,
+}
+
+impl Replies {
+    pub fn new(codec: Codec, batcher: Arc<Batcher>) -> Replies {
+        Replies {
+            codec,
+            batcher,
+            entries: Mutex::new(HashMap::new()),
+            tally: Tally::default(),
+        }
+    }
+
+    pub fn batcher(&self) -> &Arc<Batcher> {
+        &self.batcher
+    }
+
+    pub fn codec(&self) -> &Codec {
+        &self.codec
+    }
+
+    /// What this model's native callers saw.
+    pub fn tally(&self) -> &Tally {
+        &self.tally
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<u64, Entry>> {
+        // No code that can panic runs under this lock; a poisoned map is still whole.
+        self.entries.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Registers `request` (not queued yet); its result goes to `tx`.
+    pub fn register(
+        &self,
+        request: &Arc<Request>,
+        plan: ResponsePlan,
+        inputs: InputOwners,
+        tx: oneshot::Sender<Reply>,
+    ) {
+        let entry = Entry {
+            tx: Some(tx),
+            request: request.clone(),
+            plan,
+            _inputs: inputs,
+        };
+        self.lock().insert(request.id, entry);
+    }
+
+    /// Drops the entry of a request the queue refused (it was never queued).
+    pub fn unregister(&self, id: u64) {
+        self.lock().remove(&id);
+    }
+
+    /// The handler of request `id` gives up on it (`to`: `Expired` when its
+    /// deadline passed, `Cancelled` when its client went away): withdraws it
+    /// if no batch took it, and counts `outcome` unless a result beat it.
+    /// Returns true when this call answered it (the caller replies
+    /// `outcome`'s error), false when a result was sent first.
+    pub fn abandon(&self, id: u64, to: RequestState, outcome: Outcome) -> bool {
+        let mut entries = self.lock();
+        let Some(entry) = entries.get_mut(&id) else {
+            return false;
+        };
+        if entry.tx.take().is_none() {
+            return false;
+        }
+        self.tally.count(outcome);
+        if self.batcher.withdraw(&entry.request, to) {
+            entries.remove(&id); // never read by a worker: its inputs may go
+        }
+        true
+    }
+
+    /// Answers every request still pending with `failure` (the server stops).
+    pub fn fail_all(&self, failure: &Failure, outcome: Outcome) {
+        let mut entries = self.lock();
+        entries.retain(|_, entry| {
+            if let Some(tx) = entry.tx.take() {
+                self.tally.count(outcome);
+                let _ = tx.send(Err(failure.clone()));
+            }
+            !self.batcher.withdraw(&entry.request, RequestState::Closed)
+        });
+    }
+
+    /// Takes the entries of `routes` (those still pending) out of the table.
+    fn take(&self, routes: &[Route]) -> Vec<(Route, Entry)> {
+        let mut entries = self.lock();
+        routes
+            .iter()
+            .filter_map(|r| entries.remove(&r.id).map(|e| (*r, e)))
+            .collect()
+    }
+
+    /// Answers the requests of one batch whose model call failed.
+    pub fn fail_batch(&self, routes: &[Route], failure: &Failure) {
+        for (_, entry) in self.take(routes) {
+            if let Some(tx) = entry.tx {
+                self.tally.count(Outcome::ModelError);
+                let _ = tx.send(Err(failure.clone()));
+            }
+        }
+    }
+
+    /// Answers the requests of one finished batch from its `columns` (every
+    /// output, whole, in the codec's order). A request whose first row is in
+    /// `failed` gets that failure instead (it failed alone). Encoding runs
+    /// here, on the calling thread (a worker, without the GIL).
+    pub fn deliver(&self, routes: &[Route], columns: &[Column<'_>], failed: &[(u32, Failure)]) {
+        let now = Instant::now();
+        let (mut succeeded, mut request_ns) = (0u64, 0u64);
+        for (route, entry) in self.take(routes) {
+            let Some(tx) = entry.tx else {
+                continue; // answered already (deadline, disconnect)
+            };
+            if let Ok(i) = failed.binary_search_by_key(&route.start, |(start, _)| *start) {
+                self.tally.count(Outcome::ModelError);
+                let _ = tx.send(Err(failed[i].1.clone()));
+                continue;
+            }
+            let reply = self.encode(&route, &entry.plan, columns);
+            match &reply {
+                Ok(_) => {
+                    succeeded += 1;
+                    let waited = now.saturating_duration_since(entry.request.enqueued_at);
+                    request_ns = request_ns.saturating_add(waited.as_nanos() as u64);
+                }
+                Err(_) => self.tally.count(Outcome::ModelError),
+            }
+            let _ = tx.send(reply);
+        }
+        self.tally.count_n(Outcome::Succeeded, succeeded);
+        self.tally.add_request_ns(request_ns);
+    }
+
+    /// The response to one request: its rows of each output it asked for.
+    fn encode(&self, route: &Route, plan: &ResponsePlan, columns: &[Column<'_>]) -> Reply {
+        let mut shapes: Vec<Vec<u64>> = Vec::with_capacity(plan.outputs.len());
+        let mut slices: Vec<&[u8]> = Vec::with_capacity(plan.outputs.len());
+        for &(index, _) in &plan.outputs {
+            let column = columns.get(index).ok_or_else(|| {
+                Failure::new(500, format!("model '{}' returned too few outputs", self.codec.model()))
+            })?;
+            let (shape, data) = rows_of(column, route).ok_or_else(|| {
+                let name = &self.codec.outputs()[index].name;
+                Failure::new(
+                    500,
+                    format!(
+                        "model '{}' returned output '{name}' of shape {:?}, which has no rows {}..{}",
+                        self.codec.model(),
+                        column.shape,
+                        route.start,
+                        u64::from(route.start) + u64::from(route.rows)
+                    ),
+                )
+            })?;
+            shapes.push(shape);
+            slices.push(data);
+        }
+        let outputs: Vec<Output<'_>> = plan
+            .outputs
+            .iter()
+            .zip(shapes.iter().zip(&slices))
+            .map(|(&(index, binary), (shape, data))| Output {
+                index,
+                shape,
+                data,
+                binary,
+            })
+            .collect();
+        self.codec
+            .encode(plan.id.as_deref(), &outputs)
+            .map_err(|e| Failure::new(e.status(), e.to_string()))
+    }
+}
+
+/// Rows `route.start..+route.rows` of `column`: their shape and bytes, or
+/// None when the column has no such rows (or its bytes do not match its shape).
+fn rows_of<'a>(column: &Column<'a>, route: &Route) -> Option<(Vec<u64>, &'a [u8])> {
+    let (&batch_rows, rest) = column.shape.split_first()?;
+    let batch_rows = usize::try_from(batch_rows).ok()?;
+    let row_bytes = column.data.len().checked_div(batch_rows).unwrap_or(0);
+    if row_bytes.checked_mul(batch_rows)? != column.data.len() {
+        return None;
+    }
+    let start = usize::try_from(route.start).ok()?;
+    let rows = usize::try_from(route.rows).ok()?;
+    if start.checked_add(rows)? > batch_rows {
+        return None;
+    }
+    let from = start.checked_mul(row_bytes)?;
+    let to = from.checked_add(rows.checked_mul(row_bytes)?)?;
+    let mut shape = Vec::with_capacity(column.shape.len());
+    shape.push(route.rows as u64);
+    shape.extend_from_slice(rest);
+    Some((shape, column.data.get(from..to)?))
+}
