@@ -371,10 +371,12 @@ async def _shutdown(
             await _any(repository.wait_idle(), forced.wait())
     if native is not None:
         # Closes the listener; accepted native requests finish meanwhile.
-        await _any(native.stop(max(0.0, deadline - loop.time())), forced.wait())
+        await _any(native.close(max(0.0, deadline - loop.time())), forced.wait())
     for server in reversed(started):
         left = 0.0 if forced.is_set() else max(0.0, deadline - loop.time())
         await server.stop(timeout=left)
+    if native is not None:
+        await native.stop(_BACKSTOP)  # writes what stopping the servers answered
     # Only now may a second signal cut the listeners short: every call has
     # its answer from ferrobatch (cut off earlier, it would get a transport error).
     forcing = asyncio.ensure_future(force())

@@ -65,8 +65,14 @@ class NativeHttp:
         """Readiness 503 and ``Connection: close`` on responses; requests are still served."""
         self._frontend.drain()
 
+    async def close(self, grace: float) -> None:
+        """Closes the listener and waits up to ``grace`` seconds for accepted
+        requests to be answered; those still waiting stay connected, to get
+        the answer stopping the servers gives them."""
+        await asyncio.to_thread(self._frontend.close, grace)
+
     async def stop(self, grace: float) -> None:
-        """Closes the listener and waits up to ``grace`` seconds for accepted requests."""
+        """Waits up to ``grace`` seconds for the answers still being written, then stops."""
         await asyncio.to_thread(self._frontend.stop, grace)
 
     def _describer(self, name: str):  # type: ignore[no-untyped-def]

@@ -237,8 +237,17 @@ impl NativeFrontend {
         self.frontend.drain()
     }
 
-    /// Stops listening, lets accepted requests finish for at most `grace`
-    /// seconds, then stops. Blocks (without the GIL).
+    /// Stops listening and asks connections to close once answered; waits
+    /// for that at most `grace` seconds. Open connections still write the
+    /// answers their requests get later (the server stopping answers them).
+    /// Blocks (without the GIL).
+    fn close(&self, py: Python<'_>, grace: f64) {
+        let grace = Duration::try_from_secs_f64(grace).unwrap_or(Duration::ZERO);
+        without_gil(py, || self.frontend.close(grace));
+    }
+
+    /// `close(grace)`, then up to `grace` more seconds for open connections
+    /// to write their answers, then stops. Blocks (without the GIL).
     #[pyo3(signature = (grace=5.0))]
     fn stop(&self, py: Python<'_>, grace: f64) {
         let grace = Duration::try_from_secs_f64(grace).unwrap_or(Duration::ZERO);

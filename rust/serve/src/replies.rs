@@ -184,29 +184,25 @@ impl Replies {
     /// here, on the calling thread (a worker, without the GIL).
     pub fn deliver(&self, routes: &[Route], columns: &[Column<'_>], failed: &[(u32, Failure)]) {
         let now = Instant::now();
-        let (mut succeeded, mut request_ns) = (0u64, 0u64);
         for (route, entry) in self.take(routes) {
             let Some(tx) = entry.tx else {
                 continue; // answered already (deadline, disconnect)
             };
-            if let Ok(i) = failed.binary_search_by_key(&route.start, |(start, _)| *start) {
-                self.tally.count(Outcome::ModelError);
-                let _ = tx.send(Err(failed[i].1.clone()));
-                continue;
-            }
-            let reply = self.encode(&route, &entry.plan, columns);
+            let reply = match failed.binary_search_by_key(&route.start, |(start, _)| *start) {
+                Ok(i) => Err(failed[i].1.clone()),
+                Err(_) => self.encode(&route, &entry.plan, columns),
+            };
+            // Counted before the caller can see it: stats() never lags a reply.
             match &reply {
                 Ok(_) => {
-                    succeeded += 1;
                     let waited = now.saturating_duration_since(entry.request.enqueued_at);
-                    request_ns = request_ns.saturating_add(waited.as_nanos() as u64);
+                    self.tally.add_request_ns(waited.as_nanos() as u64);
+                    self.tally.count(Outcome::Succeeded);
                 }
                 Err(_) => self.tally.count(Outcome::ModelError),
             }
             let _ = tx.send(reply);
         }
-        self.tally.count_n(Outcome::Succeeded, succeeded);
-        self.tally.add_request_ns(request_ns);
     }
 
     /// The response to one request: its rows of each output it asked for.

@@ -56,6 +56,8 @@ pub(crate) struct Shared {
     pub fallback: Arc<dyn Fallback>,
     ready: AtomicBool,
     pub draining: AtomicBool,
+    /// One permit per open connection, up to `config.max_connections`.
+    connections: Arc<Semaphore>,
 }
 
 impl Shared {
@@ -105,6 +107,7 @@ impl Frontend {
             fallback,
             ready: AtomicBool::new(false),
             draining: AtomicBool::new(false),
+            connections: Arc::new(Semaphore::new(config.max_connections)),
             config,
         });
         let (stop, stopped) = watch::channel(None);
@@ -143,15 +146,34 @@ impl Frontend {
         self.shared.draining.store(true, Ordering::Relaxed);
     }
 
-    /// Closes the listener and lets accepted requests finish, for at most
-    /// `grace`; then stops the runtime. Blocks; call without the GIL.
-    pub fn stop(&self, grace: Duration) {
+    /// Connections open now.
+    pub fn open_connections(&self) -> usize {
+        let config = &self.shared.config;
+        config.max_connections - self.shared.connections.available_permits().min(config.max_connections)
+    }
+
+    /// Closes the listener, asks every connection to close once its
+    /// requests are answered, and waits for that for at most `grace`.
+    /// Connections still open go on answering (whatever answers their
+    /// requests, e.g. the server stopping) until [`Frontend::stop`].
+    /// Blocks; call without the GIL.
+    pub fn close(&self, grace: Duration) {
         self.drain();
         let _ = self.stop.send(Some(grace));
         let done = self.done.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(done) = done {
             // The accept task says when connections are finished (or the grace is over).
             let _ = done.recv_timeout(grace + Duration::from_secs(1));
+        }
+    }
+
+    /// [`Frontend::close`], then waits up to `grace` more for the open
+    /// connections to write their answers, and stops the runtime. Blocks.
+    pub fn stop(&self, grace: Duration) {
+        self.close(grace);
+        let until = std::time::Instant::now() + grace;
+        while self.open_connections() > 0 && std::time::Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
         }
         let runtime = self.runtime.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(runtime) = runtime {
@@ -181,7 +203,7 @@ async fn accept(
         .http2()
         .timer(TokioTimer::new())
         .max_concurrent_streams(shared.config.max_streams);
-    let connections = Arc::new(Semaphore::new(shared.config.max_connections));
+    let connections = shared.connections.clone();
     let graceful = GracefulShutdown::new();
     let grace = loop {
         tokio::select! {

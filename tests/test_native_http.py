@@ -1,0 +1,293 @@
+"""The native HTTP front-end (``ServeConfig(frontend="native")``, the
+default of ``ferrobatch serve``): inference answered in Rust, the rest of the
+v2 surface by the Python handlers, every request answered and counted once."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import tritonclient.http as httpclient
+
+import ferrobatch as fb
+from ferrobatch.serve import Listening, ServeConfig, StartupError, serve_in_thread
+
+X = fb.TensorSpec("x", "float32", (4,))
+Y = fb.TensorSpec("y", "float32", (4,))
+N = fb.TensorSpec("n", "int64", ())
+
+
+def double(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    x = inputs["x"]
+    return {"y": x * 2, "n": (x > 0).sum(dim=1)}
+
+
+def native(**overrides: object) -> ServeConfig:
+    return ServeConfig(http_port=0, grpc_port=None, frontend="native", **overrides)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[fb.Server, str]]:
+    server = fb.Server(double, inputs=[X], outputs=[Y, N], name="m", max_batch_size=16, max_delay=0.002)
+    with serve_in_thread([server], native()) as listening:
+        yield server, f"http://127.0.0.1:{listening.http_port}"
+
+
+def infer_body(x: list[list[float]], **extra: object) -> bytes:
+    shape = [len(x), len(x[0])]
+    return json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": shape, "data": x}], **extra}).encode()
+
+
+def outcomes(server: fb.Server) -> Counter[str]:
+    stats = server.stats()
+    return Counter({"succeeded": stats["requests_succeeded"], **stats["requests_failed"]})
+
+
+def test_json_infer_is_answered_with_each_callers_rows(served: tuple[fb.Server, str]) -> None:
+    server, base = served
+    body = infer_body([[1, -2, 3, 0.5], [0, 0, 0, 1]], id="r-7")
+    response = httpx.post(f"{base}/v2/models/m/infer", content=body)
+    assert response.status_code == 200, response.text
+    doc = response.json()
+    assert doc["id"] == "r-7" and doc["model_name"] == "m"
+    by_name = {o["name"]: o for o in doc["outputs"]}
+    assert by_name["y"] == {"name": "y", "datatype": "FP32", "shape": [2, 4], "data": [2, -4, 6, 1, 0, 0, 0, 2]}
+    assert by_name["n"]["data"] == [3, 1] and by_name["n"]["shape"] == [2]
+    # One output asked for, as binary.
+    body = infer_body([[1, 2, 3, 4]], outputs=[{"name": "n", "parameters": {"binary_data": True}}])
+    response = httpx.post(f"{base}/v2/models/m/infer", content=body)
+    length = int(response.headers["inference-header-content-length"])
+    header = json.loads(response.content[:length])
+    assert [o["name"] for o in header["outputs"]] == ["n"]
+    assert np.frombuffer(response.content[length:], np.int64).tolist() == [4]
+    assert outcomes(server)["succeeded"] == 2
+
+
+def test_tritonclient_binary_infer_many_callers_at_once(served: tuple[fb.Server, str]) -> None:
+    server, base = served
+    client = httpclient.InferenceServerClient(base.removeprefix("http://"), concurrency=16)
+    assert client.is_server_ready() and client.is_model_ready("m")
+    handles = []
+    for i in range(64):
+        tensor = httpclient.InferInput("x", [1, 4], "FP32")
+        tensor.set_data_from_numpy(np.full((1, 4), i, np.float32), binary_data=True)
+        wanted = [httpclient.InferRequestedOutput("y", binary_data=True)]
+        handles.append(client.async_infer("m", [tensor], outputs=wanted))
+    for i, handle in enumerate(handles):
+        np.testing.assert_array_equal(handle.get_result().as_numpy("y"), np.full((1, 4), 2 * i, np.float32))
+    client.close()
+    assert outcomes(server)["succeeded"] == 64
+
+
+def test_http2_cleartext_with_prior_knowledge(served: tuple[fb.Server, str]) -> None:
+    _, base = served
+    with httpx.Client(http1=False, http2=True) as client:
+        response = client.post(f"{base}/v2/models/m/infer", content=infer_body([[1, 1, 1, 1]]))
+    assert response.http_version == "HTTP/2"
+    assert response.json()["outputs"][0]["data"] == [2, 2, 2, 2]
+
+
+def test_bad_requests_get_a_4xx_naming_the_problem_and_harm_nothing(served: tuple[fb.Server, str]) -> None:
+    server, base = served
+    url = f"{base}/v2/models/m/infer"
+    wrong_shape = b'{"inputs":[{"name":"x","datatype":"FP32","shape":[1,3],"data":[1,2,3]}]}'
+    cases = {
+        wrong_shape: (400, "input 'x': expected shape (n, 4), got (1, 3)"),
+        b'{"inputs":[{"name":"x","datatype":"INT32","shape":[1,4],"data":[1,2,3,4]}]}': (
+            400,
+            "input 'x': expected dtype float32, got int32",
+        ),
+        b'{"inputs":[{"name":"x"': (400, "malformed JSON"),
+        b'{"inputs":[{"name":"x","datatype":"FP32","shape":[1,1000000000000],"data":[]}]}': (400, "elements"),
+        b'{"inputs":[{"name":"q","datatype":"FP32","shape":[1,4],"data":[1,2,3,4]}]}': (400, "unexpected input 'q'"),
+        infer_body([[1, 2, 3, 4]] * 17): (400, "exceeds max_batch_size (16)"),
+    }
+    for body, (status, text) in cases.items():
+        response = httpx.post(url, content=body)
+        assert response.status_code == status, (body, response.text)
+        assert text in response.json()["error"], (body, response.text)
+    unknown = httpx.post(f"{base}/v2/models/nope/infer", content=wrong_shape)
+    assert unknown.status_code == 400 and "unknown model" in unknown.json()["error"]
+    assert httpx.get(f"{base}/v2/nothing/here").status_code == 404
+    assert httpx.get(f"{base}/v2/models/nope/ready").status_code == 400
+    # Still serving, and only the requests that reached the model's inputs counted.
+    assert httpx.post(url, content=infer_body([[1, 2, 3, 4]])).status_code == 200
+    seen = outcomes(server)
+    assert seen["succeeded"] == 1 and seen["invalid_input"] == 4
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read() -> None:
+    server = fb.Server(double, inputs=[X], outputs=[Y, N], name="m")
+    with serve_in_thread([server], native(max_body_size=1024)) as listening:
+        url = f"http://127.0.0.1:{listening.http_port}/v2/models/m/infer"
+        response = httpx.post(url, content=b" " * 4096)
+        assert response.status_code == 413
+        assert "over the limit of 1024 bytes" in response.json()["error"]
+        assert response.headers["connection"] == "close"
+
+
+def test_the_rest_of_the_v2_surface_and_gzip_bodies_go_to_the_python_handlers(served: tuple[fb.Server, str]) -> None:
+    _, base = served
+    assert httpx.get(f"{base}/v2").json()["name"] == "ferrobatch"
+    meta = httpx.get(f"{base}/v2/models/m").json()
+    assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}]
+    assert httpx.get(f"{base}/v2/models/m/versions/1/config").json()["max_batch_size"] == 16
+    assert "nv_inference_request_success" in httpx.get(f"{base}/metrics").text
+    body = gzip.compress(infer_body([[1, 2, 3, 4]]))
+    response = httpx.post(f"{base}/v2/models/m/infer", content=body, headers={"content-encoding": "gzip"})
+    assert response.status_code == 200, response.text
+    assert response.json()["outputs"][0]["data"] == [2, 4, 6, 8]
+
+
+def poisoned(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    x = inputs["x"]
+    if bool((x < 0).any()):
+        raise ValueError("secret path /srv/model: negative input")
+    return {"y": x * 2, "n": (x > 0).sum(dim=1)}
+
+
+def test_a_failing_request_fails_alone_and_the_client_does_not_see_the_models_text() -> None:
+    server = fb.Server(poisoned, inputs=[X], outputs=[Y, N], name="p", max_batch_size=32, max_delay=0.02)
+    with serve_in_thread([server], native()) as listening:
+        url = f"http://127.0.0.1:{listening.http_port}/v2/models/p/infer"
+        bodies = [infer_body([[-1.0 if i == 5 else float(i)] * 4]) for i in range(12)]
+        with ThreadPoolExecutor(12) as pool:
+            responses = list(pool.map(lambda b: httpx.post(url, content=b), bodies))
+    statuses = [r.status_code for r in responses]
+    assert statuses == [500 if i == 5 else 200 for i in range(12)], statuses
+    error = responses[5].json()["error"]
+    assert "model 'p' failed: ValueError (request id" in error and "secret" not in error
+    seen = outcomes(server)
+    assert seen["succeeded"] == 11 and seen["model_error"] == 1
+
+
+def slow(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    time.sleep(0.3)
+    return double(inputs)
+
+
+def test_a_passed_deadline_is_a_504_counted_once() -> None:
+    server = fb.Server(slow, inputs=[X], outputs=[Y, N], name="s", max_batch_size=1, max_delay=0)
+    with serve_in_thread([server], native()) as listening:
+        url = f"http://127.0.0.1:{listening.http_port}/v2/models/s/infer"
+        first = threading.Thread(target=httpx.post, args=(url,), kwargs={"content": infer_body([[1, 2, 3, 4]])})
+        first.start()
+        time.sleep(0.05)  # the first holds the model; this one waits in the queue
+        body = infer_body([[1, 2, 3, 4]], parameters={"timeout": 50_000})
+        response = httpx.post(url, content=body)
+        first.join()
+        assert response.status_code == 504
+        assert "exceeded its 0.05s timeout" in response.json()["error"]
+        time.sleep(0.4)
+    seen = outcomes(server)
+    assert seen["deadline_exceeded"] == 1 and seen["succeeded"] == 1
+    assert server.stats()["batches"] == 1  # the expired request never ran
+
+
+def gated_model(gate: threading.Event):  # type: ignore[no-untyped-def]
+    def model(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        gate.wait(30)
+        return double(inputs)
+
+    return model
+
+
+def test_a_client_that_goes_away_withdraws_its_queued_request() -> None:
+    gate = threading.Event()
+    server = fb.Server(gated_model(gate), inputs=[X], outputs=[Y, N], name="g", max_batch_size=1, max_delay=0)
+    with serve_in_thread([server], native()) as listening:
+        port = listening.http_port
+        assert port is not None
+        url = f"http://127.0.0.1:{port}/v2/models/g/infer"
+        holder = threading.Thread(target=httpx.post, args=(url,), kwargs={"content": infer_body([[1, 2, 3, 4]])})
+        holder.start()
+        time.sleep(0.1)
+        body = infer_body([[5, 5, 5, 5]])
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            head = f"POST /v2/models/g/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+            sock.sendall(head.encode() + body)
+            time.sleep(0.2)  # queued behind the held batch
+        deadline = time.monotonic() + 5
+        while outcomes(server)["cancelled"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        gate.set()
+        holder.join()
+        time.sleep(0.1)
+    seen = outcomes(server)
+    assert seen["cancelled"] == 1 and seen["succeeded"] == 1, seen
+    assert server.stats()["batches"] == 1
+
+
+def test_stats_equal_what_the_callers_saw_under_concurrent_load() -> None:
+    server = fb.Server(poisoned, inputs=[X], outputs=[Y, N], name="c", max_batch_size=8, max_delay=0.001)
+    with serve_in_thread([server], native()) as listening:
+        url = f"http://127.0.0.1:{listening.http_port}/v2/models/c/infer"
+
+        def call(i: int) -> int:
+            if i % 10 == 3:
+                body = infer_body([[-1, 1, 1, 1]])
+            elif i % 10 == 7:
+                body = b'{"inputs":[{"name":"x","datatype":"FP32","shape":[1,2],"data":[1,2]}]}'
+            else:
+                body = infer_body([[float(i)] * 4])
+            return httpx.post(url, content=body, timeout=30).status_code
+
+        with ThreadPoolExecutor(16) as pool:
+            statuses = Counter(pool.map(call, range(200)))
+    seen = outcomes(server)
+    # Two bad requests in one batch may exhaust the retry budget and fail a
+    # few innocent neighbours: whatever the callers saw, stats() saw the same.
+    assert statuses[400] == 20 and statuses[500] >= 20 and sum(statuses.values()) == 200
+    assert (seen["succeeded"], seen["model_error"], seen["invalid_input"]) == (statuses[200], statuses[500], 20)
+    assert sum(seen.values()) == 200
+
+
+def test_a_port_in_use_fails_before_warm_up() -> None:
+    warmed: list[bool] = []
+
+    def model(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        warmed.append(True)
+        return double(inputs)
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        server = fb.Server(model, inputs=[X], outputs=[Y, N], name="w", warmup=True)
+        config = ServeConfig(http_port=port, grpc_port=None, frontend="native")
+        with pytest.raises(StartupError, match=f"cannot listen on 127.0.0.1:{port}"):
+            with serve_in_thread([server], config):
+                pass
+    assert warmed == []
+
+
+def test_both_front_ends_answer_the_same(tmp_path: object) -> None:
+    replies: dict[str, list[object]] = {}
+    for frontend in ("native", "python"):
+        server = fb.Server(double, inputs=[X], outputs=[Y, N], name="m")
+        config = ServeConfig(http_port=0, grpc_port=None, frontend=frontend)
+        with serve_in_thread([server], config) as listening:
+            base = f"http://127.0.0.1:{listening.http_port}"
+            replies[frontend] = [
+                httpx.post(f"{base}/v2/models/m/infer", content=infer_body([[1.5, -2, 0, 1e-8]], id="q")).json(),
+                httpx.post(f"{base}/v2/models/m/infer", content=b'{"inputs":[]}').json(),
+                httpx.get(f"{base}/v2/models/m").json(),
+                httpx.get(f"{base}/v2/health/ready").status_code,
+            ]
+    assert replies["native"] == replies["python"]
+
+
+def test_listening_reports_the_bound_port() -> None:
+    server = fb.Server(double, inputs=[X], outputs=[Y, N], name="m")
+    with serve_in_thread([server], native()) as listening:
+        assert isinstance(listening, Listening) and listening.http_port not in (None, 0)
