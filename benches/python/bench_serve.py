@@ -24,7 +24,11 @@ C it reports requests/s, p50 and p99 latency (as the caller sees it), and the
 mean batch size where the server exposes it.
 
 Servers, each in its own process:
-- ``ferrobatch``: ``python -m ferrobatch serve benches/python/bench_serve.py:make_servers``;
+- ``ferrobatch``: ``python -m ferrobatch serve benches/python/bench_serve.py:make_servers``
+  (the native front-end: Rust answers HTTP and gRPC, Python runs the model);
+- ``ferrobatch-python``: the same with ``--frontend python`` (uvicorn + Starlette, grpcio);
+- ``hyper-echo``: a bare hyper server on the native front-end's stack that answers each
+  request with its own body (``rust/serve/examples/echo.rs``): the ceiling, wrk driver only;
 - ``pytriton``: the same models bound to PyTriton (NVIDIA's Triton with a
   Python backend) with its dynamic batcher, when ``nvidia-pytriton`` can be
   imported by this interpreter or by the one given with ``--pytriton-python``
@@ -337,19 +341,48 @@ def pinned(cpu: str | None) -> list[str]:
 
 
 @contextmanager
-def ferrobatch_server(log: Path, cpu: str | None = None) -> Iterator[Endpoint]:
+def ferrobatch_server(log: Path, cpu: str | None = None, frontend: str = "native") -> Iterator[Endpoint]:
     http, grpc = free_ports(2)
     cmd = [
         *pinned(cpu), sys.executable, "-m", "ferrobatch", "serve", f"{HERE}:make_servers",
-        "--http-port", str(http), "--grpc-port", str(grpc), "--log-level", "warning",
+        "--http-port", str(http), "--grpc-port", str(grpc), "--log-level", "warning", "--frontend", frontend,
     ]  # fmt: skip
+    name = "ferrobatch" if frontend == "native" else f"ferrobatch-{frontend}"
     # It imports this file, which imports serve_loadgen beside it.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))}
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
         try:
             wait_ready(f"127.0.0.1:{http}", proc)
-            yield Endpoint("ferrobatch", f"127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"http://127.0.0.1:{http}", proc.pid)
+            yield Endpoint(name, f"127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"http://127.0.0.1:{http}", proc.pid)
+        finally:
+            stop(proc)
+
+
+#: The bare hyper server (rust/serve/examples/echo.rs): the ceiling of the stack.
+ECHO = ROOT / "target" / "release" / "examples" / "echo"
+
+
+@contextmanager
+def echo_server(log: Path, cpu: str | None = None) -> Iterator[Endpoint]:
+    """A bare hyper server on the native front-end's stack answering every
+    request with its own body: what serving costs with no model, no codec and
+    no batching. It serves HTTP/1.1 and h2c on one port (gRPC's bytes echoed)."""
+    build = ["cargo", "build", "--release", "--quiet", "-p", "ferrobatch-serve", "--example", "echo"]
+    subprocess.run(build, cwd=ROOT, check=True)
+    (port,) = free_ports(1)
+    with log.open("wb") as out:
+        proc = subprocess.Popen([*pinned(cpu), str(ECHO), str(port)], stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                    break
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the echo server did not start")
+                time.sleep(0.05)
+            address = f"127.0.0.1:{port}"
+            yield Endpoint("hyper-echo", address, address, "", proc.pid)
         finally:
             stop(proc)
 
@@ -394,9 +427,12 @@ def pytriton_python(arg: str | None) -> str | None:
 
 
 def scrape_batches(metrics_url: str, model: str) -> tuple[float, float]:
-    """(rows, model executions) of ``model`` from a Triton-style /metrics."""
+    """(rows, model executions) of ``model`` from a Triton-style /metrics
+    (NaN for a server without one)."""
     import urllib.request
 
+    if not metrics_url:
+        return float("nan"), float("nan")
     text = urllib.request.urlopen(f"{metrics_url}/metrics", timeout=10).read().decode()
     values = {}
     for name in ("nv_inference_count", "nv_inference_exec_count"):
@@ -509,7 +545,9 @@ class Native:
     def _load(self, endpoint: Endpoint, protocol: str, model: str, c: int, seconds: float, cpu: str) -> Any:
         request = self.requests[protocol, model]
         key = (endpoint.name, protocol, model)
-        if key not in self.reply_length:  # the server answers these bytes right, once per server
+        if endpoint.name == "hyper-echo":  # no model: its replies are the requests
+            self.reply_length[key] = 0
+        elif key not in self.reply_length:  # the server answers these bytes right, once per server
             self.reply_length[key] = loadgen.check(request, endpoint.http, endpoint.grpc, self.expected[model])
         if protocol == "grpc":
             return loadgen.run_h2load(request, endpoint.grpc, c, seconds, cpu, self.reply_length[key])
@@ -576,6 +614,41 @@ BEFORE_CPU_US = {"json": 329.0, "binary": 113.0, "grpc": 341.0}
 TARGET_SHARE = {"json": 0.5, "binary": 0.5}
 
 
+#: Issue 13's targets for the native front-end, identity, 256 connections: req/s at least, and
+#: at least these multiples of PyTriton's and the bare hyper echo's req/s.
+NATIVE_RPS = {"binary": 60_000.0, "grpc": 40_000.0, "json": 30_000.0}
+NATIVE_VS_PYTRITON = {"binary": 15.0, "grpc": 10.0}
+NATIVE_VS_ECHO = {"binary": 0.4}
+NATIVE_CPU_US = {"binary": 15.0}
+
+
+def native_targets(results: list[Result]) -> list[str]:
+    """Issue 13's targets, checked on the wrk driver's medians: identity, 256 connections."""
+    by_key = {(r.server, r.protocol, r.model, r.callers): r for r in results if r.driver == "wrk"}
+    lines = []
+    for protocol in ("binary", "grpc", "json"):
+        r = by_key.get(("ferrobatch", protocol, "identity", 256))
+        if r is None:
+            continue
+        checks = [f"{r.rps:.0f} req/s (target >= {NATIVE_RPS[protocol]:.0f}: " + _met(r.rps >= NATIVE_RPS[protocol])]
+        for other, wanted in (("pytriton", NATIVE_VS_PYTRITON), ("hyper-echo", NATIVE_VS_ECHO)):
+            o = by_key.get((other, protocol, "identity", 256))
+            if protocol in wanted and o is not None and o.rps:
+                ratio = r.rps / o.rps
+                checks.append(f"x{ratio:.2f} {other} (target >= {wanted[protocol]}: " + _met(ratio >= wanted[protocol]))
+        if protocol in NATIVE_CPU_US:
+            limit = NATIVE_CPU_US[protocol]
+            checks.append(
+                f"{r.server_cpu_us:.1f} µs CPU/request (target <= {limit:.0f}: " + _met(r.server_cpu_us <= limit)
+            )
+        lines.append(f"{protocol}: " + "; ".join(checks))
+    return lines
+
+
+def _met(ok: bool) -> str:
+    return "met)" if ok else "MISSED)"
+
+
 def targets(results: list[Result]) -> list[str]:
     """Issue 12's targets, checked on the wrk driver's medians: ferrobatch, MLP, 256 connections."""
     lines = []
@@ -599,14 +672,14 @@ def targets(results: list[Result]) -> list[str]:
 
 def print_table(results: list[Result]) -> None:
     header = (
-        f"{'server':<11}{'proto':<7}{'model':<9}{'C':>5}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}"
+        f"{'server':<18}{'proto':<7}{'model':<9}{'C':>5}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}"
         f"{'batch':>7}{'cpu us/req':>11}{'errors':>8}"
     )
     print(header)
     print("-" * len(header))
     for r in results:
         print(
-            f"{r.server:<11}{r.protocol:<7}{r.model:<9}{r.callers:>5}{r.rps:>10.0f}"
+            f"{r.server:<18}{r.protocol:<7}{r.model:<9}{r.callers:>5}{r.rps:>10.0f}"
             f"{r.p50_ms:>9.2f}{r.p99_ms:>9.2f}{r.mean_batch:>7.1f}{r.server_cpu_us:>11.0f}{r.errors:>8}"
         )
 
@@ -636,6 +709,10 @@ def print_ratios(results: list[Result]) -> None:
     if checked:
         print("\nferrobatch serve, mlp, 256 connections (issue 12):")
         print("\n".join(f"  {line}" for line in checked))
+    checked = native_targets(results)
+    if checked:
+        print("\nferrobatch serve (native front-end), identity, 256 connections (issue 13):")
+        print("\n".join(f"  {line}" for line in checked))
 
 
 def markdown(path: Path) -> str:
@@ -656,7 +733,12 @@ def markdown(path: Path) -> str:
         f"| server | proto | model | {'conns' if wrk else 'C'} | req/s | p50 ms | p99 ms | batch | cpu us/req |",
         "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    names = {"ferrobatch": "ferrobatch", "pytriton": "PyTriton"}
+    names = {
+        "ferrobatch": "ferrobatch (native)",
+        "ferrobatch-python": "ferrobatch (python)",
+        "pytriton": "PyTriton",
+        "hyper-echo": "hyper echo",
+    }
     for r in results:
         out.append(
             f"| {names.get(r.server, r.server)} | {r.protocol} | {r.model} | {r.callers} | {r.rps:.0f} |"
@@ -665,6 +747,10 @@ def markdown(path: Path) -> str:
     checked = targets(results)
     if checked:
         out += ["", "Issue 12's targets (ferrobatch, mlp, 256 connections):", ""]
+        out += [f"- {line}" for line in checked]
+    checked = native_targets(results)
+    if checked:
+        out += ["", "Issue 13's targets (the native front-end, identity, 256 connections):", ""]
         out += [f"- {line}" for line in checked]
     return "\n".join(out)
 
@@ -699,7 +785,13 @@ def main() -> int:
     )
     parser.add_argument("--server-cpu", default="0", help="the core the server is pinned to (wrk; default 0)")
     parser.add_argument("--loadgen-cpu", default="1", help="the core wrk / h2load are pinned to (wrk; default 1)")
-    parser.add_argument("--servers", default="ferrobatch,pytriton")
+    parser.add_argument(
+        "--servers",
+        default="ferrobatch,ferrobatch-python,pytriton,hyper-echo",
+        help="comma-separated: ferrobatch (the native front-end), ferrobatch-python (uvicorn +"
+        " Starlette, grpcio), pytriton, hyper-echo (a bare hyper server echoing each request:"
+        " the ceiling; wrk driver only)",
+    )
     parser.add_argument("--seconds", type=float, default=5.0, help="measured seconds per case (default 5)")
     parser.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds first (default 2)")
     parser.add_argument("--runs", type=int, default=3, help="repetitions; the table shows medians (default 3)")
@@ -793,6 +885,13 @@ def main() -> int:
                 endpoints.append(stack.enter_context(pytriton_server(python, logs / "pytriton.log", server_cpu)))
             elif server == "ferrobatch":
                 endpoints.append(stack.enter_context(ferrobatch_server(logs / "ferrobatch.log", server_cpu)))
+            elif server == "ferrobatch-python":
+                log = logs / "ferrobatch-python.log"
+                endpoints.append(stack.enter_context(ferrobatch_server(log, server_cpu, "python")))
+            elif server == "hyper-echo":
+                if not wrk:
+                    parser.error("hyper-echo needs --driver wrk")
+                endpoints.append(stack.enter_context(echo_server(logs / "echo.log", server_cpu)))
             else:
                 parser.error(f"unknown server {server!r}")
         # Servers take turns case by case, so a noisy machine affects them alike.
