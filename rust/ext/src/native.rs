@@ -14,8 +14,8 @@ use std::time::Duration;
 
 use ferrobatch_core::{Outcome, Route};
 use ferrobatch_serve::{
-    Column, Config, Failure, Fallback, FallbackRequest, FallbackResponse, Frontend, Replies,
-    ServedModel,
+    Catalog, Column, Config, Failure, Fallback, FallbackRequest, FallbackResponse, Frontend,
+    Listen, ModelMetadata, Replies, ServedModel, ServerMetadata, TensorMetadata,
 };
 use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
@@ -43,9 +43,7 @@ impl NativeSink {
             .bind(py)
             .call1((error,))
             .and_then(|m| m.extract::<String>())
-            .unwrap_or_else(|_| {
-                format!("model '{}' failed", self.replies.codec().model())
-            });
+            .unwrap_or_else(|_| format!("model '{}' failed", self.replies.codec().model()));
         Failure::new(500, message)
     }
 }
@@ -84,8 +82,10 @@ pub(crate) fn deliver(
             return;
         }
     };
-    let columns: Vec<(Vec<u64>, usize, usize)> =
-        read.iter().map(|r| (r.shape.clone(), r.ptr, r.len)).collect();
+    let columns: Vec<(Vec<u64>, usize, usize)> = read
+        .iter()
+        .map(|r| (r.shape.clone(), r.ptr, r.len))
+        .collect();
     without_gil(py, || {
         let columns: Vec<Column<'_>> = columns
             .iter()
@@ -136,7 +136,50 @@ impl Fallback for PyFallback {
     }
 }
 
-/// The native HTTP front-end of a set of models, listening until `stop()`.
+/// `(name, datatype, shape)` of a tensor in a model's metadata.
+type TensorMeta = (String, String, Vec<i64>);
+/// `(name, platform, inputs, outputs)`: a model's metadata.
+type ModelMeta = (String, String, Vec<TensorMeta>, Vec<TensorMeta>);
+/// `(name, version, extensions)`: the server's metadata.
+type ServerMeta = (String, String, Vec<String>);
+
+fn catalog(server: Option<ServerMeta>, models: Vec<ModelMeta>) -> Catalog {
+    let tensors = |tensors: Vec<TensorMeta>| {
+        tensors
+            .into_iter()
+            .map(|(name, datatype, shape)| TensorMetadata {
+                name,
+                datatype,
+                shape,
+            })
+            .collect()
+    };
+    let server = server.map_or_else(
+        || ServerMetadata {
+            name: "ferrobatch".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            extensions: Vec::new(),
+        },
+        |(name, version, extensions)| ServerMetadata {
+            name,
+            version,
+            extensions,
+        },
+    );
+    let models = models
+        .into_iter()
+        .map(|(name, platform, inputs, outputs)| ModelMetadata {
+            name,
+            platform,
+            inputs: tensors(inputs),
+            outputs: tensors(outputs),
+        })
+        .collect();
+    Catalog { server, models }
+}
+
+/// The native front-end of a set of models (HTTP, gRPC or both), listening
+/// until `stop()`.
 #[pyclass(frozen, module = "ferrobatch._core")]
 pub struct NativeFrontend {
     frontend: Frontend,
@@ -144,21 +187,30 @@ pub struct NativeFrontend {
 
 #[pymethods]
 impl NativeFrontend {
-    /// Binds `host:port` (0: any free port) and answers every request with
-    /// `fallback(method, path, headers, body) -> (status, headers, body)`
-    /// until `serve()` names the models served natively. Raises `OSError`
-    /// when the address cannot be bound.
+    /// Binds `host:port` for HTTP and `host:grpc_port` for gRPC (0: any
+    /// free port; None: not that one). HTTP requests are answered with
+    /// `fallback(method, path, headers, body) -> (status, headers, body)`,
+    /// and gRPC inference UNAVAILABLE, until `serve()` names the models
+    /// served natively. gRPC's metadata RPCs answer `server_metadata`
+    /// (`(name, version, extensions)`) and `model_metadata` (`(name,
+    /// platform, inputs, outputs)` per model, each tensor `(name, datatype,
+    /// shape)`); a model not in it is unknown to gRPC until served. Raises
+    /// `OSError` when an address cannot be bound.
     #[new]
     #[pyo3(signature = (
-        host, port, fallback, *, threads=1, max_body_size=64 << 20,
-        max_connections=10_000, max_streams=1024, header_timeout=30.0, body_timeout=60.0,
+        host, port, fallback, *, grpc_port=None, server_metadata=None, model_metadata=Vec::new(),
+        threads=1, max_body_size=64 << 20, max_connections=10_000, max_streams=1024,
+        header_timeout=30.0, body_timeout=60.0,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         host: &str,
-        port: u16,
+        port: Option<u16>,
         fallback: Py<PyAny>,
+        grpc_port: Option<u16>,
+        server_metadata: Option<ServerMeta>,
+        model_metadata: Vec<ModelMeta>,
         threads: usize,
         max_body_size: usize,
         max_connections: usize,
@@ -173,9 +225,8 @@ impl NativeFrontend {
             })?,
         };
         let seconds = |what: &str, s: f64| {
-            Duration::try_from_secs_f64(s).map_err(|_| {
-                PyValueError::new_err(format!("{what} must be >= 0 seconds, got {s}"))
-            })
+            Duration::try_from_secs_f64(s)
+                .map_err(|_| PyValueError::new_err(format!("{what} must be >= 0 seconds, got {s}")))
         };
         let config = Config {
             threads,
@@ -185,10 +236,14 @@ impl NativeFrontend {
             header_timeout: seconds("header_timeout", header_timeout)?,
             body_timeout: seconds("body_timeout", body_timeout)?,
         };
-        let addr = SocketAddr::new(ip, port);
+        let listen = Listen {
+            http: port.map(|port| SocketAddr::new(ip, port)),
+            grpc: grpc_port.map(|port| SocketAddr::new(ip, port)),
+            catalog: catalog(server_metadata, model_metadata),
+        };
         let fallback = Arc::new(PyFallback(fallback));
-        let frontend = without_gil(py, || Frontend::start(addr, config, fallback))
-            .map_err(|e| PyOSError::new_err(format!("cannot listen on {addr}: {e}")))?;
+        let frontend = without_gil(py, || Frontend::start(listen, config, fallback))
+            .map_err(|e| PyOSError::new_err(e.to_string()))?;
         Ok(NativeFrontend { frontend })
     }
 
@@ -215,15 +270,25 @@ impl NativeFrontend {
                 codec: codec.unbind(),
                 describe,
             });
-            served.push(ServedModel::new(&name, batcher.get().input_specs(), replies));
+            served.push(ServedModel::new(
+                &name,
+                batcher.get().input_specs(),
+                replies,
+            ));
         }
         self.frontend.serve(served);
     }
 
-    /// The port it listens on.
+    /// The port HTTP listens on (None: no HTTP).
     #[getter]
-    fn port(&self) -> u16 {
-        self.frontend.local_addr().port()
+    fn port(&self) -> Option<u16> {
+        self.frontend.local_addr().map(|a| a.port())
+    }
+
+    /// The port gRPC listens on (None: no gRPC).
+    #[getter]
+    fn grpc_port(&self) -> Option<u16> {
+        self.frontend.grpc_addr().map(|a| a.port())
     }
 
     /// Readiness answers 200 once ready (and not draining), 503 before.
@@ -256,7 +321,11 @@ impl NativeFrontend {
 }
 
 /// `{outcome: requests}` of a native sink, added into a registry's stats.
-pub(crate) fn add_counts(sink: &NativeSink, counts: &mut [u64; ferrobatch_core::OUTCOMES], request_ns: &mut u64) {
+pub(crate) fn add_counts(
+    sink: &NativeSink,
+    counts: &mut [u64; ferrobatch_core::OUTCOMES],
+    request_ns: &mut u64,
+) {
     sink.replies.tally().add_to(counts, request_ns);
 }
 

@@ -22,7 +22,7 @@ use hyper::{Method, Request, Response, StatusCode};
 use ferrobatch_core::v2::write_json_string;
 
 use crate::model::ServedModel;
-use crate::replies::{Failure, Reply};
+use crate::replies::{Answer, Failure, Reply};
 use crate::server::Shared;
 
 pub const HEADER_LENGTH: &str = "inference-header-content-length";
@@ -57,7 +57,8 @@ type Body = Full<Bytes>;
 
 fn response(status: u16, content_type: &str, body: impl Into<Bytes>) -> Response<Body> {
     let mut response = Response::new(Full::new(body.into()));
-    *response.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    *response.status_mut() =
+        StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     if let Ok(value) = HeaderValue::from_str(content_type) {
         response.headers_mut().insert(CONTENT_TYPE, value);
     }
@@ -78,14 +79,16 @@ fn error(failure: &Failure) -> Response<Body> {
 
 fn reply(reply: Reply) -> Response<Body> {
     match reply {
-        Ok(encoded) => match encoded.header_length {
+        Ok(Answer::Encoded(encoded)) => match encoded.header_length {
             None => response(200, JSON, encoded.body),
             Some(length) => {
                 let mut r = response(200, BINARY, encoded.body);
-                r.headers_mut().insert(HEADER_LENGTH, HeaderValue::from(length));
+                r.headers_mut()
+                    .insert(HEADER_LENGTH, HeaderValue::from(length));
                 r
             }
         },
+        Ok(Answer::Raw(_)) => error(&Failure::new(500, "a gRPC reply to an HTTP request")),
         Err(failure) => error(&failure),
     }
 }
@@ -109,7 +112,9 @@ pub(crate) async fn handle(
     let mut answer = route(&shared, request).await;
     if shared.draining.load(Ordering::Relaxed) {
         // Draining: clients should reconnect elsewhere.
-        answer.headers_mut().insert(CONNECTION, HeaderValue::from_static("close"));
+        answer
+            .headers_mut()
+            .insert(CONNECTION, HeaderValue::from_static("close"));
     }
     Ok(answer)
 }
@@ -134,7 +139,7 @@ async fn route(shared: &Arc<Shared>, request: Request<Incoming>) -> Response<Bod
             let identity = request
                 .headers()
                 .get(CONTENT_ENCODING)
-                .is_none_or(|e| e.as_bytes().eq_ignore_ascii_case(b"identity"));
+                .map_or(true, |e| e.as_bytes().eq_ignore_ascii_case(b"identity"));
             if let (Some(model), true) = (shared.model(name, version), identity) {
                 return infer(shared, &model, request).await;
             }
@@ -145,13 +150,20 @@ async fn route(shared: &Arc<Shared>, request: Request<Incoming>) -> Response<Bod
 
 /// The body, read within the size limit and the body timeout; or the
 /// response refusing it (413 with `Connection: close`: the rest is unread).
-async fn read_body(shared: &Shared, request: Request<Incoming>) -> Result<(hyper::http::request::Parts, Bytes), Response<Body>> {
+async fn read_body(
+    shared: &Shared,
+    request: Request<Incoming>,
+) -> Result<(hyper::http::request::Parts, Bytes), Response<Body>> {
     let limit = shared.config.max_body_size;
     let too_large = |size: Option<u64>| {
         let told = size.map(|s| format!("of {s} bytes ")).unwrap_or_default();
-        let failure = Failure::new(413, format!("request body {told}is over the limit of {limit} bytes"));
+        let failure = Failure::new(
+            413,
+            format!("request body {told}is over the limit of {limit} bytes"),
+        );
         let mut r = error(&failure);
-        r.headers_mut().insert(CONNECTION, HeaderValue::from_static("close"));
+        r.headers_mut()
+            .insert(CONNECTION, HeaderValue::from_static("close"));
         r
     };
     let declared = request
@@ -163,14 +175,30 @@ async fn read_body(shared: &Shared, request: Request<Incoming>) -> Result<(hyper
         return Err(too_large(declared));
     }
     let (parts, body) = request.into_parts();
-    let read = tokio::time::timeout(shared.config.body_timeout, Limited::new(body, limit).collect()).await;
+    let read = tokio::time::timeout(
+        shared.config.body_timeout,
+        Limited::new(body, limit).collect(),
+    )
+    .await;
     match read {
         Ok(Ok(collected)) => Ok((parts, collected.to_bytes())),
-        Ok(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => Err(too_large(None)),
-        Ok(Err(_)) => Err(error(&Failure::new(400, "the request body could not be read"))),
+        Ok(Err(e))
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some() =>
+        {
+            Err(too_large(None))
+        }
+        Ok(Err(_)) => Err(error(&Failure::new(
+            400,
+            "the request body could not be read",
+        ))),
         Err(_) => {
-            let mut r = error(&Failure::new(408, "the request body did not arrive in time"));
-            r.headers_mut().insert(CONNECTION, HeaderValue::from_static("close"));
+            let mut r = error(&Failure::new(
+                408,
+                "the request body did not arrive in time",
+            ));
+            r.headers_mut()
+                .insert(CONNECTION, HeaderValue::from_static("close"));
             Err(r)
         }
     }
@@ -181,7 +209,10 @@ async fn infer(shared: &Shared, model: &ServedModel, request: Request<Incoming>)
         Ok(read) => read,
         Err(refused) => return refused,
     };
-    let header_length = parts.headers.get(HEADER_LENGTH).and_then(|v| v.to_str().ok());
+    let header_length = parts
+        .headers
+        .get(HEADER_LENGTH)
+        .and_then(|v| v.to_str().ok());
     match model.submit(body, header_length) {
         Ok(submitted) => reply(model.reply(submitted).await),
         Err(failure) => error(&failure),
@@ -200,7 +231,11 @@ async fn fallback(shared: &Arc<Shared>, request: Request<Incoming>) -> Response<
         .collect();
     let forwarded = FallbackRequest {
         method: parts.method.as_str().to_owned(),
-        path: parts.uri.path_and_query().map_or("/", |p| p.as_str()).to_owned(),
+        path: parts
+            .uri
+            .path_and_query()
+            .map_or("/", |p| p.as_str())
+            .to_owned(),
         headers,
         body,
     };
@@ -208,7 +243,8 @@ async fn fallback(shared: &Arc<Shared>, request: Request<Incoming>) -> Response<
     match tokio::task::spawn_blocking(move || handler.call(forwarded)).await {
         Ok(answer) => {
             let mut r = Response::new(Full::new(Bytes::from(answer.body)));
-            *r.status_mut() = StatusCode::from_u16(answer.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            *r.status_mut() =
+                StatusCode::from_u16(answer.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
             for (name, value) in answer.headers {
                 if let (Ok(name), Ok(value)) = (
                     hyper::header::HeaderName::from_bytes(name.as_bytes()),

@@ -1,6 +1,8 @@
 //! One served model as the native front-end sees it: its inputs, and the
-//! path of one infer request from body to queue and back.
+//! path of one infer request from its decoded tensors to the queue and back,
+//! the same for every protocol.
 
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -18,6 +20,12 @@ use crate::replies::{Failure, InputOwners, Replies, Reply, ResponsePlan};
 /// the model's reply table, found by request id.
 pub const SINK: Sink = Sink::Connection(0);
 
+/// A client that goes away this close to its request's deadline went away
+/// because of it (a gRPC client cancels its call when its deadline passes,
+/// about when the server's own timer fires): the request is counted
+/// `deadline_exceeded`, not `cancelled`.
+pub const DEADLINE_SLACK: Duration = Duration::from_millis(20);
+
 /// A model the native front-end serves.
 pub struct ServedModel {
     pub name: String,
@@ -31,6 +39,25 @@ pub struct Submitted {
     pub reply: oneshot::Receiver<Reply>,
     /// When to stop waiting, and the timeout it came from (seconds).
     pub deadline: Option<(Instant, f64)>,
+}
+
+/// One input tensor of a request, decoded and checked against its own
+/// shape; its bytes are in the request's [`InputOwners`].
+pub struct Tensor<'a> {
+    pub name: &'a str,
+    pub dtype: DType,
+    /// With the leading batch dimension.
+    pub shape: &'a [u64],
+    pub bytes: Source,
+}
+
+/// Where a tensor's bytes are among its request's [`InputOwners`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    /// A range of `shared[buffer]`.
+    Shared { buffer: usize, range: Range<usize> },
+    /// All of `decoded[buffer]`.
+    Decoded(usize),
 }
 
 impl ServedModel {
@@ -52,35 +79,83 @@ impl ServedModel {
         failure
     }
 
-    /// Decodes one infer request body and queues it: no copy of binary
+    /// Decodes one HTTP infer request body and queues it: no copy of binary
     /// inputs (the body is kept until the request resolves), JSON inputs
     /// decoded once into buffers of their own.
     pub fn submit(&self, body: Bytes, header_length: Option<&str>) -> Result<Submitted, Failure> {
         let codec = self.replies.codec();
-        let batcher = self.replies.batcher();
-        let request = codec
+        let mut request = codec
             .decode(&body, header_length)
             .map_err(|e| Failure::new(e.status(), e.to_string()))?;
-        let shapes: Vec<Vec<usize>> = request
+        let plan = ResponsePlan::Encoded {
+            id: request.id.clone(),
+            outputs: request.selected_outputs(codec),
+        };
+        let mut decoded = Vec::new();
+        let sources: Vec<Source> = request
+            .inputs
+            .iter_mut()
+            .map(|input| match &mut input.data {
+                Data::Owned(buffer) => {
+                    decoded.push(std::mem::take(buffer));
+                    Source::Decoded(decoded.len() - 1)
+                }
+                Data::Body(range) => Source::Shared {
+                    buffer: 0,
+                    range: range.clone(),
+                },
+            })
+            .collect();
+        let tensors: Vec<Tensor<'_>> = request
             .inputs
             .iter()
-            .map(|i| {
-                i.shape
+            .zip(sources)
+            .map(|(input, bytes)| Tensor {
+                name: &input.name,
+                dtype: input.dtype,
+                shape: &input.shape,
+                bytes,
+            })
+            .collect();
+        let owners = InputOwners {
+            shared: vec![body],
+            decoded,
+        };
+        self.enqueue(&tensors, owners, request.timeout, plan)
+    }
+
+    /// Queues a request whose tensors are decoded already (`tensors`, their
+    /// bytes in `owners`, kept until it resolves): matched to the model's
+    /// inputs (a mismatch is counted `invalid_input`), registered in the
+    /// reply table to be answered as `plan` says, and queued with a deadline
+    /// `timeout` seconds from now (`None`: none). Every protocol's requests
+    /// come this way; a refusal is counted here, once.
+    pub fn enqueue(
+        &self,
+        tensors: &[Tensor<'_>],
+        owners: InputOwners,
+        timeout: Option<f64>,
+        plan: ResponsePlan,
+    ) -> Result<Submitted, Failure> {
+        let batcher = self.replies.batcher();
+        let shapes: Vec<Vec<usize>> = tensors
+            .iter()
+            .map(|t| {
+                t.shape
                     .iter()
                     .map(|&d| usize::try_from(d).unwrap_or(usize::MAX))
                     .collect()
             })
             .collect();
-        let tensors: Vec<(&str, DType, &[usize])> = request
-            .inputs
+        let described: Vec<(&str, DType, &[usize])> = tensors
             .iter()
             .zip(&shapes)
-            .map(|(i, shape)| (i.name.as_str(), i.dtype, shape.as_slice()))
+            .map(|(t, shape)| (t.name, t.dtype, shape.as_slice()))
             .collect();
         let max_rows = batcher.rule().max_batch_size;
-        let matched = match_inputs(&self.specs, &tensors, max_rows)
+        let matched = match_inputs(&self.specs, &described, max_rows)
             .map_err(|e| self.refuse(Outcome::InvalidInput, Failure::new(400, e.0)))?;
-        let timeout = match request.timeout {
+        let timeout = match timeout {
             None => None,
             Some(t) if t.is_nan() || t < 0.0 => {
                 let message = format!("timeout must be >= 0 seconds, got {t}");
@@ -89,31 +164,26 @@ impl ServedModel {
             // Too long to represent: no deadline at all.
             Some(t) => Duration::try_from_secs_f64(t).ok().map(|d| (d, t)),
         };
-        let plan = ResponsePlan {
-            id: request.id.clone(),
-            outputs: request.selected_outputs(codec),
-        };
-        let mut inputs = request.inputs;
         let mut views = Vec::with_capacity(matched.order.len());
         for &i in &matched.order {
-            let bytes = match &inputs[i].data {
-                Data::Owned(buffer) => buffer.as_slice(),
-                Data::Body(range) => body.get(range.clone()).unwrap_or(&[]),
+            let bytes = match tensors.get(i).map(|t| &t.bytes) {
+                Some(Source::Shared { buffer, range }) => owners
+                    .shared
+                    .get(*buffer)
+                    .and_then(|b| b.get(range.clone())),
+                Some(Source::Decoded(buffer)) => owners.decoded.get(*buffer).map(Vec::as_slice),
+                None => None,
             };
-            // SAFETY: the bytes are the body's (kept in `InputOwners::body`) or
-            // a decoded buffer's heap memory (moved, not reallocated, into
-            // `InputOwners::decoded`); the reply table keeps both until the
-            // request is resolved, as `InputBytes` requires.
+            // A source out of its owners is a bug of the caller; the batcher
+            // refuses the empty view (its length is not the input's).
+            let bytes = bytes.unwrap_or(&[]);
+            // SAFETY: the bytes are a `Bytes` buffer's or a `Vec`'s heap
+            // memory in `owners`, which moves (its buffers are not
+            // reallocated or dropped) into the reply table below and stays
+            // there until the request is resolved, as `InputBytes` requires;
+            // if the request is refused, nothing reads the view.
             views.push(unsafe { InputBytes::new(bytes.as_ptr(), bytes.len()) });
         }
-        let decoded: Vec<Vec<u8>> = inputs
-            .iter_mut()
-            .filter_map(|i| match &mut i.data {
-                Data::Owned(buffer) => Some(std::mem::take(buffer)),
-                Data::Body(_) => None,
-            })
-            .collect();
-        let owners = InputOwners { body, decoded };
         let (tx, rx) = oneshot::channel();
         let mut registered = None;
         let submitted = batcher.submit_with(
@@ -161,11 +231,14 @@ impl ServedModel {
 
     /// Waits for the reply of `submitted`. Its deadline passing answers 504
     /// (and withdraws the request if no batch took it). Dropping this future
-    /// (the client went away) cancels the request the same way.
+    /// (the client went away) cancels the request the same way, counted
+    /// `cancelled` (`deadline_exceeded` within [`DEADLINE_SLACK`] of its
+    /// deadline).
     pub async fn reply(&self, submitted: Submitted) -> Reply {
         let mut guard = Abandon {
             replies: &self.replies,
             id: submitted.id,
+            deadline: submitted.deadline.map(|(at, _)| at),
             armed: true,
         };
         let mut rx = submitted.reply;
@@ -210,14 +283,42 @@ impl ServedModel {
 struct Abandon<'a> {
     replies: &'a Replies,
     id: u64,
+    deadline: Option<Instant>,
     armed: bool,
 }
 
 impl Drop for Abandon<'_> {
     fn drop(&mut self) {
-        if self.armed {
-            self.replies
-                .abandon(self.id, RequestState::Cancelled, Outcome::Cancelled);
+        if !self.armed {
+            return;
         }
+        let (to, outcome) = if gone_for_deadline(self.deadline, Instant::now()) {
+            (RequestState::Expired, Outcome::DeadlineExceeded)
+        } else {
+            (RequestState::Cancelled, Outcome::Cancelled)
+        };
+        self.replies.abandon(self.id, to, outcome);
+    }
+}
+
+/// Whether a client going away `now` went away for its `deadline`.
+fn gone_for_deadline(deadline: Option<Instant>, now: Instant) -> bool {
+    deadline.is_some_and(|at| {
+        now.checked_add(DEADLINE_SLACK)
+            .map_or(true, |late| late >= at)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_client_gone_near_its_deadline_is_counted_for_it() {
+        let now = Instant::now();
+        assert!(!gone_for_deadline(None, now));
+        assert!(gone_for_deadline(Some(now), now));
+        assert!(gone_for_deadline(Some(now + DEADLINE_SLACK), now));
+        assert!(!gone_for_deadline(Some(now + DEADLINE_SLACK * 3), now));
     }
 }

@@ -36,22 +36,47 @@ impl Failure {
     }
 }
 
-/// What a waiting handler receives: the encoded response, or why not.
-pub type Reply = Result<Encoded, Failure>;
+/// What a waiting handler receives: its response, or why not.
+pub type Reply = Result<Answer, Failure>;
 
-/// What keeps a request's input bytes alive: the body (binary inputs are
-/// ranges of it) and the buffers JSON inputs were decoded into.
+/// One request's response, made from its rows of the batch's outputs.
+#[derive(Debug)]
+pub enum Answer {
+    /// An HTTP v2 response body, encoded by the codec.
+    Encoded(Encoded),
+    /// The rows of each output asked for, as raw little-endian bytes (gRPC's
+    /// `raw_output_contents`), in the order asked.
+    Raw(Vec<RawOutput>),
+}
+
+/// One output's rows for one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RawOutput {
+    /// Its index in the codec's outputs.
+    pub index: usize,
+    /// Its shape: the request's rows first.
+    pub shape: Vec<u64>,
+    pub data: Bytes,
+}
+
+/// What keeps a request's input bytes alive until it resolves: buffers the
+/// inputs are ranges of (an HTTP body, gRPC's raw contents) and the buffers
+/// inputs were decoded into (JSON, gRPC's typed contents).
 pub struct InputOwners {
-    pub body: Bytes,
+    pub shared: Vec<Bytes>,
     pub decoded: Vec<Vec<u8>>,
 }
 
 /// How to answer one request once its rows are ready.
-pub struct ResponsePlan {
-    /// The request's `id`, echoed.
-    pub id: Option<String>,
-    /// `(output index, as binary)` per output to send.
-    pub outputs: Vec<(usize, bool)>,
+pub enum ResponsePlan {
+    /// An HTTP v2 response: the request's `id`, echoed, and `(output index,
+    /// as binary)` per output to send.
+    Encoded {
+        id: Option<String>,
+        outputs: Vec<(usize, bool)>,
+    },
+    /// The raw rows of these outputs (indices), in this order.
+    Raw { outputs: Vec<usize> },
 }
 
 struct Entry {
@@ -207,42 +232,76 @@ impl Replies {
 
     /// The response to one request: its rows of each output it asked for.
     fn encode(&self, route: &Route, plan: &ResponsePlan, columns: &[Column<'_>]) -> Reply {
-        let mut shapes: Vec<Vec<u64>> = Vec::with_capacity(plan.outputs.len());
-        let mut slices: Vec<&[u8]> = Vec::with_capacity(plan.outputs.len());
-        for &(index, _) in &plan.outputs {
-            let column = columns.get(index).ok_or_else(|| {
-                Failure::new(500, format!("model '{}' returned too few outputs", self.codec.model()))
-            })?;
-            let (shape, data) = rows_of(column, route).ok_or_else(|| {
-                let name = &self.codec.outputs()[index].name;
-                Failure::new(
-                    500,
-                    format!(
-                        "model '{}' returned output '{name}' of shape {:?}, which has no rows {}..{}",
-                        self.codec.model(),
-                        column.shape,
-                        route.start,
-                        u64::from(route.start) + u64::from(route.rows)
-                    ),
-                )
-            })?;
-            shapes.push(shape);
-            slices.push(data);
+        match plan {
+            ResponsePlan::Encoded { id, outputs } => {
+                let mut shapes: Vec<Vec<u64>> = Vec::with_capacity(outputs.len());
+                let mut slices: Vec<&[u8]> = Vec::with_capacity(outputs.len());
+                for &(index, _) in outputs {
+                    let (shape, data) = self.rows(route, index, columns)?;
+                    shapes.push(shape);
+                    slices.push(data);
+                }
+                let outputs: Vec<Output<'_>> = outputs
+                    .iter()
+                    .zip(shapes.iter().zip(&slices))
+                    .map(|(&(index, binary), (shape, data))| Output {
+                        index,
+                        shape,
+                        data,
+                        binary,
+                    })
+                    .collect();
+                self.codec
+                    .encode(id.as_deref(), &outputs)
+                    .map(Answer::Encoded)
+                    .map_err(|e| Failure::new(e.status(), e.to_string()))
+            }
+            ResponsePlan::Raw { outputs } => outputs
+                .iter()
+                .map(|&index| {
+                    let (shape, data) = self.rows(route, index, columns)?;
+                    Ok(RawOutput {
+                        index,
+                        shape,
+                        data: Bytes::copy_from_slice(data),
+                    })
+                })
+                .collect::<Result<Vec<_>, Failure>>()
+                .map(Answer::Raw),
         }
-        let outputs: Vec<Output<'_>> = plan
-            .outputs
-            .iter()
-            .zip(shapes.iter().zip(&slices))
-            .map(|(&(index, binary), (shape, data))| Output {
-                index,
-                shape,
-                data,
-                binary,
-            })
-            .collect();
-        self.codec
-            .encode(plan.id.as_deref(), &outputs)
-            .map_err(|e| Failure::new(e.status(), e.to_string()))
+    }
+
+    /// The rows of `route` in output `index`: their shape and bytes, or the
+    /// failure saying the model's output has no such rows.
+    fn rows<'a>(
+        &self,
+        route: &Route,
+        index: usize,
+        columns: &[Column<'a>],
+    ) -> Result<(Vec<u64>, &'a [u8]), Failure> {
+        let column = columns.get(index).ok_or_else(|| {
+            Failure::new(
+                500,
+                format!("model '{}' returned too few outputs", self.codec.model()),
+            )
+        })?;
+        rows_of(column, route).ok_or_else(|| {
+            let name = self
+                .codec
+                .outputs()
+                .get(index)
+                .map_or("?", |o| o.name.as_str());
+            Failure::new(
+                500,
+                format!(
+                    "model '{}' returned output '{name}' of shape {:?}, which has no rows {}..{}",
+                    self.codec.model(),
+                    column.shape,
+                    route.start,
+                    u64::from(route.start) + u64::from(route.rows)
+                ),
+            )
+        })
     }
 }
 

@@ -1,6 +1,7 @@
-//! The listener: a tokio runtime of its own, hyper serving HTTP/1.1 and
-//! HTTP/2 cleartext (h2c, prior knowledge) on one port, bounded in
-//! connections, streams, header and body time; graceful drain on stop.
+//! The listeners: a tokio runtime of its own, hyper serving HTTP/1.1 and
+//! HTTP/2 cleartext (h2c, prior knowledge) on one port and gRPC (HTTP/2) on
+//! another, bounded in connections, streams, header and body time; graceful
+//! drain on stop.
 
 use std::io;
 use std::net::{SocketAddr, TcpListener as StdListener};
@@ -16,8 +17,36 @@ use tokio::net::TcpListener;
 use tokio::runtime::Runtime;
 use tokio::sync::{watch, Semaphore};
 
+use crate::grpc;
 use crate::http::{handle, Fallback};
+use crate::metadata::Catalog;
 use crate::model::ServedModel;
+
+/// Where a front-end listens: HTTP, gRPC, or both (one runtime).
+#[derive(Debug, Clone, Default)]
+pub struct Listen {
+    pub http: Option<SocketAddr>,
+    pub grpc: Option<SocketAddr>,
+    /// What gRPC's metadata RPCs answer, and the models it knows.
+    pub catalog: Catalog,
+}
+
+impl From<SocketAddr> for Listen {
+    /// HTTP only, on `addr`.
+    fn from(addr: SocketAddr) -> Listen {
+        Listen {
+            http: Some(addr),
+            ..Listen::default()
+        }
+    }
+}
+
+/// What a listener speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Protocol {
+    Http,
+    Grpc,
+}
 
 /// What the listener allows.
 #[derive(Debug, Clone)]
@@ -54,6 +83,7 @@ pub(crate) struct Shared {
     pub config: Config,
     models: RwLock<Vec<Arc<ServedModel>>>,
     pub fallback: Arc<dyn Fallback>,
+    pub catalog: Catalog,
     ready: AtomicBool,
     pub draining: AtomicBool,
     /// One permit per open connection, up to `config.max_connections`.
@@ -79,24 +109,39 @@ impl Shared {
 pub struct Frontend {
     runtime: Mutex<Option<Runtime>>,
     shared: Arc<Shared>,
-    local_addr: SocketAddr,
+    http_addr: Option<SocketAddr>,
+    grpc_addr: Option<SocketAddr>,
     stop: watch::Sender<Option<Duration>>,
-    done: Mutex<Option<std::sync::mpsc::Receiver<()>>>,
+    /// One per listener: says when its connections are finished.
+    done: Mutex<Vec<std::sync::mpsc::Receiver<()>>>,
+}
+
+/// Binds `addr` now, so that a port in use fails at once; the error names
+/// the protocol (`what`) and the address.
+fn bind(addr: Option<SocketAddr>, what: &str) -> io::Result<Option<(StdListener, SocketAddr)>> {
+    let Some(addr) = addr else { return Ok(None) };
+    let named =
+        |e: io::Error| io::Error::new(e.kind(), format!("{what}: cannot listen on {addr}: {e}"));
+    let listener = StdListener::bind(addr).map_err(named)?;
+    listener.set_nonblocking(true).map_err(named)?;
+    let local = listener.local_addr().map_err(named)?;
+    Ok(Some((listener, local)))
 }
 
 impl Frontend {
-    /// Binds `addr` (so a port in use fails here, at once) and starts
-    /// serving: every request goes to `fallback` until [`Frontend::serve`]
-    /// names the models served natively, and readiness answers 503 until
+    /// Binds the addresses of `listen` (so a port in use fails here, at
+    /// once) and starts serving: every HTTP request goes to `fallback`, and
+    /// gRPC inference answers UNAVAILABLE, until [`Frontend::serve`] names
+    /// the models served natively; readiness says not ready until
     /// [`Frontend::set_ready`].
     pub fn start(
-        addr: SocketAddr,
+        listen: impl Into<Listen>,
         config: Config,
         fallback: Arc<dyn Fallback>,
     ) -> io::Result<Frontend> {
-        let listener = StdListener::bind(addr)?;
-        listener.set_nonblocking(true)?;
-        let local_addr = listener.local_addr()?;
+        let listen = listen.into();
+        let http = bind(listen.http, "HTTP")?;
+        let grpc = bind(listen.grpc, "gRPC")?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(config.threads.max(1))
             .thread_name("ferrobatch-serve")
@@ -105,35 +150,60 @@ impl Frontend {
         let shared = Arc::new(Shared {
             models: RwLock::new(Vec::new()),
             fallback,
+            catalog: listen.catalog,
             ready: AtomicBool::new(false),
             draining: AtomicBool::new(false),
             connections: Arc::new(Semaphore::new(config.max_connections)),
             config,
         });
         let (stop, stopped) = watch::channel(None);
-        let (done_tx, done_rx) = std::sync::mpsc::channel();
-        let listener = {
-            let _guard = runtime.enter();
-            TcpListener::from_std(listener)?
-        };
-        runtime.spawn(accept(listener, shared.clone(), stopped, done_tx));
+        let mut done = Vec::new();
+        let http_addr = http.as_ref().map(|(_, local)| *local);
+        let grpc_addr = grpc.as_ref().map(|(_, local)| *local);
+        for (bound, protocol) in [(http, Protocol::Http), (grpc, Protocol::Grpc)] {
+            let Some((listener, _)) = bound else { continue };
+            let listener = {
+                let _guard = runtime.enter();
+                TcpListener::from_std(listener)?
+            };
+            let (done_tx, done_rx) = std::sync::mpsc::channel();
+            runtime.spawn(accept(
+                listener,
+                protocol,
+                shared.clone(),
+                stopped.clone(),
+                done_tx,
+            ));
+            done.push(done_rx);
+        }
         Ok(Frontend {
             runtime: Mutex::new(Some(runtime)),
             shared,
-            local_addr,
+            http_addr,
+            grpc_addr,
             stop,
-            done: Mutex::new(Some(done_rx)),
+            done: Mutex::new(done),
         })
     }
 
-    pub fn local_addr(&self) -> SocketAddr {
-        self.local_addr
+    /// Where HTTP listens (None: it does not).
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        self.http_addr
+    }
+
+    /// Where gRPC listens (None: it does not).
+    pub fn grpc_addr(&self) -> Option<SocketAddr> {
+        self.grpc_addr
     }
 
     /// Serves `models` natively from now on (instead of those before).
     pub fn serve(&self, models: Vec<ServedModel>) {
         let models = models.into_iter().map(Arc::new).collect();
-        *self.shared.models.write().unwrap_or_else(|e| e.into_inner()) = models;
+        *self
+            .shared
+            .models
+            .write()
+            .unwrap_or_else(|e| e.into_inner()) = models;
     }
 
     pub fn set_ready(&self, ready: bool) {
@@ -149,10 +219,15 @@ impl Frontend {
     /// Connections open now.
     pub fn open_connections(&self) -> usize {
         let config = &self.shared.config;
-        config.max_connections - self.shared.connections.available_permits().min(config.max_connections)
+        config.max_connections
+            - self
+                .shared
+                .connections
+                .available_permits()
+                .min(config.max_connections)
     }
 
-    /// Closes the listener, asks every connection to close once its
+    /// Closes the listeners, asks every connection to close once its
     /// requests are answered, and waits for that for at most `grace`.
     /// Connections still open go on answering (whatever answers their
     /// requests, e.g. the server stopping) until [`Frontend::stop`].
@@ -160,10 +235,12 @@ impl Frontend {
     pub fn close(&self, grace: Duration) {
         self.drain();
         let _ = self.stop.send(Some(grace));
-        let done = self.done.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(done) = done {
-            // The accept task says when connections are finished (or the grace is over).
-            let _ = done.recv_timeout(grace + Duration::from_secs(1));
+        let done = std::mem::take(&mut *self.done.lock().unwrap_or_else(|e| e.into_inner()));
+        let until = std::time::Instant::now() + grace + Duration::from_secs(1);
+        for done in done {
+            // Each accept task says when its connections are finished (or the grace is over).
+            let left = until.saturating_duration_since(std::time::Instant::now());
+            let _ = done.recv_timeout(left);
         }
     }
 
@@ -175,7 +252,11 @@ impl Frontend {
         while self.open_connections() > 0 && std::time::Instant::now() < until {
             std::thread::sleep(Duration::from_millis(5));
         }
-        let runtime = self.runtime.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let runtime = self
+            .runtime
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
         if let Some(runtime) = runtime {
             runtime.shutdown_timeout(Duration::from_millis(100));
         }
@@ -190,11 +271,17 @@ impl Drop for Frontend {
 
 async fn accept(
     listener: TcpListener,
+    protocol: Protocol,
     shared: Arc<Shared>,
     mut stopped: watch::Receiver<Option<Duration>>,
     done: std::sync::mpsc::Sender<()>,
 ) {
     let mut builder = auto::Builder::new(TokioExecutor::new());
+    if protocol == Protocol::Grpc {
+        builder = builder.http2_only();
+    }
+    let grpc = grpc::server(shared.clone());
+    let limit = shared.config.max_body_size;
     builder
         .http1()
         .timer(TokioTimer::new())
@@ -213,14 +300,27 @@ async fn accept(
                     continue; // over max_connections: dropping the stream closes it
                 };
                 let _ = stream.set_nodelay(true);
-                let shared = shared.clone();
-                let service = service_fn(move |request| handle(shared.clone(), request));
-                let connection = builder.serve_connection(TokioIo::new(stream), service).into_owned();
-                let connection = graceful.watch(connection);
-                tokio::spawn(async move {
-                    let _ = connection.await;
-                    drop(permit);
-                });
+                let io = TokioIo::new(stream);
+                match protocol {
+                    Protocol::Http => {
+                        let shared = shared.clone();
+                        let service = service_fn(move |request| handle(shared.clone(), request));
+                        let connection = graceful.watch(builder.serve_connection(io, service).into_owned());
+                        tokio::spawn(async move {
+                            let _ = connection.await;
+                            drop(permit);
+                        });
+                    }
+                    Protocol::Grpc => {
+                        let grpc = grpc.clone();
+                        let service = service_fn(move |request| grpc::handle(grpc.clone(), limit, request));
+                        let connection = graceful.watch(builder.serve_connection(io, service).into_owned());
+                        tokio::spawn(async move {
+                            let _ = connection.await;
+                            drop(permit);
+                        });
+                    }
+                }
             }
             changed = stopped.changed() => {
                 let grace = *stopped.borrow();

@@ -1,0 +1,570 @@
+//! The gRPC side: the Open Inference Protocol v2
+//! `inference.GRPCInferenceService` (tonic, prost), on its own port of the
+//! same runtime, HTTP/2 only.
+//!
+//! All six RPCs are answered here, none in Python: `ServerLive`,
+//! `ServerReady`, `ModelReady`, `ServerMetadata` and `ModelMetadata` (from
+//! the [`Catalog`] the Python side described), and `ModelInfer`, whose
+//! inputs (`raw_input_contents`, by position, kept as slices of the message;
+//! or typed `contents`, decoded once) go through the same
+//! [`ServedModel::enqueue`] as HTTP's: the same checks, queue, deadlines and
+//! counts. Its reply is each requested output's rows as raw bytes
+//! (`raw_output_contents`), cut from the batch on the model's worker.
+//!
+//! Statuses are those of the Python servicer: NOT_FOUND for an unknown model
+//! or version, INVALID_ARGUMENT (HTTP 400), UNAVAILABLE (503: queue full,
+//! not running), DEADLINE_EXCEEDED (504: the `timeout` parameter in
+//! microseconds or the call's `grpc-timeout`, the smaller), INTERNAL (500:
+//! the model failed), RESOURCE_EXHAUSTED for a message over `max_body_size`
+//! (as sent, or gzip-inflated).
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use ferrobatch_core::v2::{self, Limits, V2Error, MODEL_VERSION};
+use ferrobatch_core::DType;
+use hyper::body::Incoming;
+use hyper::header::HeaderValue;
+use tonic::codec::CompressionEncoding;
+use tonic::codegen::Service;
+use tonic::metadata::MetadataMap;
+use tonic::{Code, Request, Response, Status};
+
+use crate::metadata::ModelMetadata;
+use crate::model::{ServedModel, Source, Tensor};
+use crate::replies::{Answer, Failure, InputOwners, RawOutput, ResponsePlan};
+use crate::server::Shared;
+
+/// The messages and the server trait generated from the vendored
+/// `grpc_predict_v2.proto` (see `build.rs`).
+#[allow(clippy::all, clippy::pedantic, missing_docs)]
+pub mod pb {
+    tonic::include_proto!("inference");
+}
+
+use pb::grpc_inference_service_server::{GrpcInferenceService, GrpcInferenceServiceServer};
+use pb::infer_parameter::ParameterChoice;
+use pb::model_infer_request::InferInputTensor;
+use pb::model_infer_response::InferOutputTensor;
+use pb::model_metadata_response::TensorMetadata;
+use pb::{
+    InferParameter, InferTensorContents, ModelInferRequest, ModelInferResponse,
+    ModelMetadataRequest, ModelMetadataResponse, ModelReadyRequest, ModelReadyResponse,
+    ServerLiveRequest, ServerLiveResponse, ServerMetadataRequest, ServerMetadataResponse,
+    ServerReadyRequest, ServerReadyResponse,
+};
+
+/// The tonic service of one front-end, as every connection serves it.
+pub(crate) type Server = GrpcInferenceServiceServer<Inference>;
+
+/// The service with the front-end's limits: messages up to
+/// `max_body_size` (as sent and once inflated), gzip accepted.
+pub(crate) fn server(shared: Arc<Shared>) -> Server {
+    let limit = shared.config.max_body_size;
+    GrpcInferenceServiceServer::new(Inference { shared })
+        .max_decoding_message_size(limit)
+        .accept_compressed(CompressionEncoding::Gzip)
+}
+
+/// Answers one HTTP/2 request of a gRPC connection (`limit`: the server's
+/// message size limit).
+pub(crate) async fn handle(
+    mut server: Server,
+    limit: usize,
+    request: hyper::Request<Incoming>,
+) -> Result<hyper::Response<tonic::body::Body>, Infallible> {
+    let mut response = server.call(request).await?;
+    // tonic refuses a message over the limit with OUT_OF_RANGE, before any
+    // handler runs (and no handler answers OUT_OF_RANGE): gRPC's status for
+    // it, and grpcio's, is RESOURCE_EXHAUSTED.
+    let headers = response.headers_mut();
+    let out_of_range = HeaderValue::from(Code::OutOfRange as i32);
+    if headers.get("grpc-status") == Some(&out_of_range) {
+        headers.insert(
+            "grpc-status",
+            HeaderValue::from(Code::ResourceExhausted as i32),
+        );
+        if let Ok(message) = HeaderValue::from_str(&format!(
+            "the request message is over the limit of {limit} bytes"
+        )) {
+            headers.insert("grpc-message", message);
+        }
+    }
+    Ok(response)
+}
+
+/// The `inference.GRPCInferenceService` implementation.
+pub(crate) struct Inference {
+    shared: Arc<Shared>,
+}
+
+/// A served model, or the status saying why a request to it cannot run.
+enum Lookup {
+    Served(Arc<ServedModel>),
+    /// Known, not served yet (warming up) or any more.
+    NotRunning,
+}
+
+impl Inference {
+    /// Model `name` at `version`: known (in the catalog or served) or the
+    /// NOT_FOUND status with Triton's message.
+    fn known(&self, name: &str, version: &str) -> Result<Lookup, Status> {
+        let catalogued = self.shared.catalog.model(name).is_some();
+        let served = self.shared.model(name, "");
+        if !catalogued && served.is_none() {
+            return Err(Status::not_found(format!(
+                "Request for unknown model: '{name}' is not found"
+            )));
+        }
+        if !(version.is_empty() || version == MODEL_VERSION) {
+            return Err(Status::not_found(format!(
+                "Request for unknown model: '{name}' version {version} is not found"
+            )));
+        }
+        Ok(served.map_or(Lookup::NotRunning, Lookup::Served))
+    }
+}
+
+#[tonic::async_trait]
+impl GrpcInferenceService for Inference {
+    async fn server_live(
+        &self,
+        _: Request<ServerLiveRequest>,
+    ) -> Result<Response<ServerLiveResponse>, Status> {
+        Ok(Response::new(ServerLiveResponse { live: true }))
+    }
+
+    async fn server_ready(
+        &self,
+        _: Request<ServerReadyRequest>,
+    ) -> Result<Response<ServerReadyResponse>, Status> {
+        let ready = self.shared.is_ready();
+        Ok(Response::new(ServerReadyResponse { ready }))
+    }
+
+    async fn model_ready(
+        &self,
+        request: Request<ModelReadyRequest>,
+    ) -> Result<Response<ModelReadyResponse>, Status> {
+        let request = request.into_inner();
+        let served = matches!(
+            self.known(&request.name, &request.version)?,
+            Lookup::Served(_)
+        );
+        let ready = served && self.shared.is_ready();
+        Ok(Response::new(ModelReadyResponse { ready }))
+    }
+
+    async fn server_metadata(
+        &self,
+        _: Request<ServerMetadataRequest>,
+    ) -> Result<Response<ServerMetadataResponse>, Status> {
+        let server = &self.shared.catalog.server;
+        Ok(Response::new(ServerMetadataResponse {
+            name: server.name.clone(),
+            version: server.version.clone(),
+            extensions: server.extensions.clone(),
+        }))
+    }
+
+    async fn model_metadata(
+        &self,
+        request: Request<ModelMetadataRequest>,
+    ) -> Result<Response<ModelMetadataResponse>, Status> {
+        let request = request.into_inner();
+        self.known(&request.name, &request.version)?;
+        let model = self.shared.catalog.model(&request.name).ok_or_else(|| {
+            Status::not_found(format!("model '{}' has no metadata", request.name))
+        })?;
+        Ok(Response::new(model_metadata(model)))
+    }
+
+    async fn model_infer(
+        &self,
+        request: Request<ModelInferRequest>,
+    ) -> Result<Response<ModelInferResponse>, Status> {
+        let call_timeout = grpc_timeout(request.metadata());
+        let mut request = request.into_inner();
+        let model = match self.known(&request.model_name, &request.model_version)? {
+            Lookup::Served(model) => model,
+            Lookup::NotRunning => {
+                return Err(Status::unavailable(format!(
+                    "server '{}' is not running",
+                    request.model_name
+                )))
+            }
+        };
+        let submitted = submit(&model, &mut request, call_timeout).map_err(status)?;
+        let outputs = match model.reply(submitted).await.map_err(status)? {
+            Answer::Raw(outputs) => outputs,
+            Answer::Encoded(_) => return Err(Status::internal("an HTTP reply to a gRPC call")),
+        };
+        Ok(Response::new(infer_response(&model, request, outputs)))
+    }
+}
+
+fn model_metadata(model: &ModelMetadata) -> ModelMetadataResponse {
+    let tensors = |tensors: &[crate::metadata::TensorMetadata]| {
+        tensors
+            .iter()
+            .map(|t| TensorMetadata {
+                name: t.name.clone(),
+                datatype: t.datatype.clone(),
+                shape: t.shape.clone(),
+            })
+            .collect()
+    };
+    ModelMetadataResponse {
+        name: model.name.clone(),
+        versions: vec![MODEL_VERSION.to_owned()],
+        platform: model.platform.clone(),
+        inputs: tensors(&model.inputs),
+        outputs: tensors(&model.outputs),
+    }
+}
+
+/// The gRPC status of a failure, by its HTTP status (as the Python servicer maps them).
+fn status(failure: Failure) -> Status {
+    let code = match failure.status {
+        400 => Code::InvalidArgument,
+        404 => Code::NotFound,
+        413 => Code::ResourceExhausted,
+        503 => Code::Unavailable,
+        504 => Code::DeadlineExceeded,
+        _ => Code::Internal,
+    };
+    Status::new(code, failure.message)
+}
+
+fn invalid(message: impl Into<String>) -> Failure {
+    Failure::new(400, message)
+}
+
+/// Checks `request` and queues it on `model`: its inputs (raw contents
+/// moved out of it, kept as they are), the outputs it asks for, and its
+/// deadline, the `timeout` parameter or `call_timeout`, the smaller.
+fn submit(
+    model: &ServedModel,
+    request: &mut ModelInferRequest,
+    call_timeout: Option<Duration>,
+) -> Result<crate::model::Submitted, Failure> {
+    let codec = model.replies().codec();
+    let raw = std::mem::take(&mut request.raw_input_contents);
+    let decoded = decode_inputs(&request.inputs, raw, codec.limits())?;
+    let outputs = requested_outputs(request, codec)?;
+    let timeout = timeout(&request.parameters, call_timeout)?;
+    let tensors: Vec<Tensor<'_>> = request
+        .inputs
+        .iter()
+        .zip(&decoded.tensors)
+        .map(|(input, (dtype, shape, bytes))| Tensor {
+            name: &input.name,
+            dtype: *dtype,
+            shape,
+            bytes: bytes.clone(),
+        })
+        .collect();
+    model.enqueue(
+        &tensors,
+        decoded.owners,
+        timeout,
+        ResponsePlan::Raw { outputs },
+    )
+}
+
+/// A request's inputs, decoded and checked: `(dtype, shape, where its
+/// bytes are)` per input, in the request's order, and their owners.
+struct Decoded {
+    tensors: Vec<(DType, Vec<u64>, Source)>,
+    owners: InputOwners,
+}
+
+/// Where one input's data comes from, as the request sends it.
+enum Contents<'a> {
+    /// `raw_input_contents[i]`.
+    Raw(usize),
+    /// Its typed contents (none sent: empty).
+    Typed(Option<&'a InferTensorContents>),
+    /// A datatype that has no contents field: the header check names it.
+    Unknown,
+}
+
+/// Decodes the inputs as the Python servicer does, with the same messages:
+/// every input's contents chosen first, then each input's name, datatype
+/// and shape checked (the elements of all inputs together at most
+/// `limits.max_elements`), raw bytes checked against its shape, typed
+/// contents converted element by element.
+fn decode_inputs(
+    inputs: &[InferInputTensor],
+    raw: Vec<Bytes>,
+    limits: Limits,
+) -> Result<Decoded, Failure> {
+    if !raw.is_empty() && raw.len() != inputs.len() {
+        return Err(invalid(format!(
+            "raw_input_contents has {} entries but the request has {} inputs; give one per input, in order",
+            raw.len(),
+            inputs.len()
+        )));
+    }
+    let mut contents = Vec::with_capacity(inputs.len());
+    for (i, input) in inputs.iter().enumerate() {
+        let name = &input.name;
+        contents.push(if !raw.is_empty() {
+            if input.contents.is_some() {
+                return Err(invalid(format!(
+                    "input '{name}' has both contents and raw_input_contents"
+                )));
+            }
+            Contents::Raw(i)
+        } else if let Some(dtype) = DType::from_v2(&input.datatype) {
+            if matches!(dtype, DType::Float16 | DType::BFloat16) {
+                return Err(invalid(format!(
+                    "input '{name}': {} data must be sent in raw_input_contents",
+                    input.datatype
+                )));
+            }
+            Contents::Typed(input.contents.as_ref())
+        } else {
+            Contents::Unknown
+        });
+    }
+    if inputs.is_empty() {
+        return Err(invalid("the request has no inputs"));
+    }
+    let codec_error = |e: V2Error| Failure::new(e.status(), e.to_string());
+    let mut elements_left = limits.max_elements;
+    let mut tensors: Vec<(DType, Vec<u64>, Source)> = Vec::with_capacity(inputs.len());
+    let mut decoded = Vec::new();
+    for (i, (input, contents)) in inputs.iter().zip(contents).enumerate() {
+        let name = &input.name;
+        let (dtype, shape) =
+            v2::tensor_header(name, &input.datatype, &input.shape).map_err(codec_error)?;
+        if inputs[..i].iter().any(|earlier| earlier.name == *name) {
+            return Err(invalid(format!("input '{name}' is given twice")));
+        }
+        let (count, nbytes) =
+            v2::checked_size(name, dtype, &shape, elements_left).map_err(|e| match e {
+                V2Error::TooManyElements { input, shape, .. } => {
+                    codec_error(V2Error::TooManyElements {
+                        input,
+                        shape,
+                        limit: limits.max_elements,
+                    })
+                }
+                e => codec_error(e),
+            })?;
+        elements_left -= count;
+        let source = match contents {
+            Contents::Raw(buffer) => {
+                let bytes = raw.get(buffer).map_or(&[][..], |b| &b[..]);
+                v2::check_raw(name, dtype, &shape, bytes).map_err(codec_error)?;
+                Source::Shared {
+                    buffer,
+                    range: 0..nbytes,
+                }
+            }
+            Contents::Typed(typed) => {
+                let bytes = typed_bytes(name, dtype, &shape, count, typed).map_err(codec_error)?;
+                decoded.push(bytes);
+                Source::Decoded(decoded.len() - 1)
+            }
+            // The header check above refuses what has no contents field.
+            Contents::Unknown => {
+                return Err(invalid(format!(
+                    "input '{name}': {} data must be sent in raw_input_contents",
+                    input.datatype
+                )))
+            }
+        };
+        tensors.push((dtype, shape, source));
+    }
+    Ok(Decoded {
+        tensors,
+        owners: InputOwners {
+            shared: raw,
+            decoded,
+        },
+    })
+}
+
+/// The little-endian bytes of typed contents: the field of `dtype`'s kind
+/// (the others are ignored), `count` elements of it, each in range.
+fn typed_bytes(
+    name: &str,
+    dtype: DType,
+    shape: &[u64],
+    count: usize,
+    contents: Option<&InferTensorContents>,
+) -> Result<Vec<u8>, V2Error> {
+    let empty = InferTensorContents::default();
+    let c = contents.unwrap_or(&empty);
+    let given = match dtype {
+        DType::Bool => c.bool_contents.len(),
+        DType::Int8 | DType::Int16 | DType::Int32 => c.int_contents.len(),
+        DType::Int64 => c.int64_contents.len(),
+        DType::UInt8 | DType::UInt16 | DType::UInt32 => c.uint_contents.len(),
+        DType::UInt64 => c.uint64_contents.len(),
+        DType::Float32 => c.fp32_contents.len(),
+        DType::Float64 => c.fp64_contents.len(),
+        DType::Float16 | DType::BFloat16 => 0,
+    };
+    let mut elements = v2::Elements::new(dtype, count, given.saturating_mul(dtype.itemsize()));
+    // Stops one past `count`: `finish` then says how many were expected.
+    let take = count.saturating_add(1);
+    match dtype {
+        DType::Bool => c
+            .bool_contents
+            .iter()
+            .take(take)
+            .for_each(|&b| elements.push_bool(b)),
+        DType::Int8 | DType::Int16 | DType::Int32 => {
+            for &v in c.int_contents.iter().take(take) {
+                elements.push_integer(name, i128::from(v))?;
+            }
+        }
+        DType::Int64 => {
+            for &v in c.int64_contents.iter().take(take) {
+                elements.push_integer(name, i128::from(v))?;
+            }
+        }
+        DType::UInt8 | DType::UInt16 | DType::UInt32 => {
+            for &v in c.uint_contents.iter().take(take) {
+                elements.push_integer(name, i128::from(v))?;
+            }
+        }
+        DType::UInt64 => {
+            for &v in c.uint64_contents.iter().take(take) {
+                elements.push_integer(name, i128::from(v))?;
+            }
+        }
+        DType::Float32 => {
+            for &v in c.fp32_contents.iter().take(take) {
+                elements.push_float(name, f64::from(v))?;
+            }
+        }
+        DType::Float64 => {
+            for &v in c.fp64_contents.iter().take(take) {
+                elements.push_float(name, v)?;
+            }
+        }
+        DType::Float16 | DType::BFloat16 => {}
+    }
+    elements.finish(name, shape)
+}
+
+/// The outputs `request` asks for (indices in the codec's outputs; none
+/// named: all, in their order).
+fn requested_outputs(
+    request: &ModelInferRequest,
+    codec: &v2::Codec,
+) -> Result<Vec<usize>, Failure> {
+    if request.outputs.is_empty() {
+        return Ok((0..codec.outputs().len()).collect());
+    }
+    request
+        .outputs
+        .iter()
+        .map(|output| {
+            let index = codec
+                .output_index(&output.name)
+                .map_err(|e| invalid(e.to_string()))?;
+            if output.parameters.contains_key("classification") {
+                return Err(invalid(format!(
+                    "output '{}': the classification extension is not supported",
+                    output.name
+                )));
+            }
+            Ok(index)
+        })
+        .collect()
+}
+
+/// The request's timeout in seconds: its `timeout` parameter (an int64 of
+/// microseconds; 0: none) or `call_timeout`, the smaller.
+fn timeout(
+    parameters: &std::collections::HashMap<String, InferParameter>,
+    call_timeout: Option<Duration>,
+) -> Result<Option<f64>, Failure> {
+    let mut timeout = None;
+    if let Some(parameter) = parameters.get("timeout") {
+        match parameter.parameter_choice {
+            Some(ParameterChoice::Int64Param(us)) if us >= 0 => {
+                timeout = Some(us as f64 / 1e6).filter(|&t| t > 0.0);
+            }
+            _ => {
+                return Err(invalid(
+                    "parameter 'timeout' must be an int64 of microseconds >= 0",
+                ))
+            }
+        }
+    }
+    Ok(match (timeout, call_timeout) {
+        (None, None) => None,
+        (Some(t), None) => Some(t),
+        (None, Some(call)) => Some(call.as_secs_f64()),
+        (Some(t), Some(call)) => Some(t.min(call.as_secs_f64())),
+    })
+}
+
+/// The call's deadline as its `grpc-timeout` header says (gRPC over HTTP/2:
+/// at most 8 digits and a unit, H M S m u n); None when absent or malformed.
+fn grpc_timeout(metadata: &MetadataMap) -> Option<Duration> {
+    parse_grpc_timeout(metadata.get("grpc-timeout")?.to_str().ok()?)
+}
+
+fn parse_grpc_timeout(text: &str) -> Option<Duration> {
+    let unit = text.chars().last()?;
+    let digits = text.get(..text.len().checked_sub(1)?)?;
+    if digits.is_empty() || digits.len() > 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let value: u64 = digits.parse().ok()?;
+    Some(match unit {
+        'H' => Duration::from_secs(value.checked_mul(3600)?),
+        'M' => Duration::from_secs(value.checked_mul(60)?),
+        'S' => Duration::from_secs(value),
+        'm' => Duration::from_millis(value),
+        'u' => Duration::from_micros(value),
+        'n' => Duration::from_nanos(value),
+        _ => return None,
+    })
+}
+
+/// The response of a call from its outputs' rows.
+fn infer_response(
+    model: &ServedModel,
+    request: ModelInferRequest,
+    outputs: Vec<RawOutput>,
+) -> ModelInferResponse {
+    let specs = model.replies().codec().outputs();
+    let described = outputs
+        .iter()
+        .map(|o| {
+            let spec = specs.get(o.index);
+            InferOutputTensor {
+                name: spec.map_or_else(String::new, |s| s.name.clone()),
+                datatype: spec.map_or("", |s| s.dtype.v2_name()).to_owned(),
+                shape: o
+                    .shape
+                    .iter()
+                    .map(|&d| i64::try_from(d).unwrap_or(i64::MAX))
+                    .collect(),
+                parameters: Default::default(),
+                contents: None,
+            }
+        })
+        .collect();
+    ModelInferResponse {
+        model_name: request.model_name,
+        model_version: MODEL_VERSION.to_owned(),
+        id: request.id,
+        parameters: Default::default(),
+        outputs: described,
+        raw_output_contents: outputs.into_iter().map(|o| o.data).collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,272 @@
+use std::collections::HashMap;
+
+use ferrobatch_core::v2::{Codec, OutputSpec};
+
+use super::pb::model_infer_request::InferRequestedOutputTensor;
+use super::*;
+
+fn input(name: &str, datatype: &str, shape: &[i64]) -> InferInputTensor {
+    InferInputTensor {
+        name: name.into(),
+        datatype: datatype.into(),
+        shape: shape.to_vec(),
+        parameters: HashMap::new(),
+        contents: None,
+    }
+}
+
+fn typed(mut tensor: InferInputTensor, contents: InferTensorContents) -> InferInputTensor {
+    tensor.contents = Some(contents);
+    tensor
+}
+
+fn message(result: Result<Decoded, Failure>) -> String {
+    match result {
+        Ok(_) => panic!("decoded"),
+        Err(failure) => {
+            assert_eq!(failure.status, 400, "{}", failure.message);
+            failure.message
+        }
+    }
+}
+
+#[test]
+fn grpc_timeout_header_has_eight_digits_at_most_and_a_unit() {
+    let ms = Duration::from_millis;
+    assert_eq!(parse_grpc_timeout("50m"), Some(ms(50)));
+    assert_eq!(
+        parse_grpc_timeout("49999u"),
+        Some(Duration::from_micros(49_999))
+    );
+    assert_eq!(parse_grpc_timeout("7S"), Some(ms(7000)));
+    assert_eq!(parse_grpc_timeout("2M"), Some(ms(120_000)));
+    assert_eq!(parse_grpc_timeout("1H"), Some(ms(3_600_000)));
+    assert_eq!(
+        parse_grpc_timeout("99999999n"),
+        Some(Duration::from_nanos(99_999_999))
+    );
+    for bad in ["", "m", "123456789m", "5", "5x", "-5m", "5 m", "+5m", "5é"] {
+        assert_eq!(parse_grpc_timeout(bad), None, "{bad:?}");
+    }
+}
+
+#[test]
+fn the_smaller_of_the_timeout_parameter_and_the_calls_deadline_wins() {
+    let us = |v: i64| {
+        HashMap::from([(
+            "timeout".to_owned(),
+            InferParameter {
+                parameter_choice: Some(ParameterChoice::Int64Param(v)),
+            },
+        )])
+    };
+    let none = HashMap::new();
+    let call = Some(Duration::from_millis(20));
+    assert_eq!(timeout(&none, None), Ok(None));
+    assert_eq!(timeout(&us(0), None), Ok(None));
+    assert_eq!(timeout(&us(50_000), None), Ok(Some(0.05)));
+    assert_eq!(timeout(&us(50_000), call), Ok(Some(0.02)));
+    assert_eq!(timeout(&us(5_000), call), Ok(Some(0.005)));
+    assert_eq!(timeout(&none, call), Ok(Some(0.02)));
+    let refused = "parameter 'timeout' must be an int64 of microseconds >= 0";
+    assert_eq!(timeout(&us(-1), None).unwrap_err().message, refused);
+    let text = HashMap::from([(
+        "timeout".to_owned(),
+        InferParameter {
+            parameter_choice: Some(ParameterChoice::StringParam("5".into())),
+        },
+    )]);
+    assert_eq!(timeout(&text, None).unwrap_err().message, refused);
+}
+
+#[test]
+fn raw_contents_are_checked_and_kept_as_they_are() {
+    let inputs = [input("x", "FP32", &[2, 2]), input("b", "BOOL", &[1])];
+    let raw = vec![Bytes::from(vec![0u8; 16]), Bytes::from_static(&[1])];
+    let decoded = decode_inputs(&inputs, raw.clone(), Limits::default()).unwrap();
+    assert_eq!(decoded.owners.shared, raw);
+    assert!(decoded.owners.decoded.is_empty());
+    let sources: Vec<&Source> = decoded.tensors.iter().map(|(.., s)| s).collect();
+    assert_eq!(
+        sources,
+        [
+            &Source::Shared {
+                buffer: 0,
+                range: 0..16
+            },
+            &Source::Shared {
+                buffer: 1,
+                range: 0..1
+            }
+        ]
+    );
+    assert_eq!(decoded.tensors[0].0, DType::Float32);
+    assert_eq!(decoded.tensors[0].1, vec![2, 2]);
+
+    let short = vec![Bytes::from(vec![0u8; 12]), Bytes::from_static(&[1])];
+    let got = message(decode_inputs(&inputs, short, Limits::default()));
+    assert_eq!(got, "input 'x': FP32 shape [2, 2] needs 16 bytes, got 12");
+    let not_bool = vec![Bytes::from(vec![0u8; 16]), Bytes::from_static(&[2])];
+    let got = message(decode_inputs(&inputs, not_bool, Limits::default()));
+    assert_eq!(got, "input 'b': BOOL bytes must be 0 or 1");
+    let one = vec![Bytes::from(vec![0u8; 16])];
+    let got = message(decode_inputs(&inputs, one, Limits::default()));
+    assert_eq!(
+        got,
+        "raw_input_contents has 1 entries but the request has 2 inputs; give one per input, in order"
+    );
+}
+
+#[test]
+fn typed_contents_are_converted_once_with_the_codecs_messages() {
+    let x = typed(
+        input("x", "FP32", &[1, 3]),
+        InferTensorContents {
+            fp32_contents: vec![1.5, -2.0, 0.25],
+            // Another kind's field is not read.
+            int_contents: vec![7],
+            ..Default::default()
+        },
+    );
+    let n = typed(
+        input("n", "INT8", &[2]),
+        InferTensorContents {
+            int_contents: vec![-128, 127],
+            ..Default::default()
+        },
+    );
+    let decoded = decode_inputs(&[x.clone(), n], Vec::new(), Limits::default()).unwrap();
+    let floats: Vec<u8> = [1.5f32, -2.0, 0.25]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    assert_eq!(decoded.owners.decoded, vec![floats, vec![0x80, 0x7f]]);
+    assert_eq!(decoded.tensors[1].2, Source::Decoded(1));
+
+    let wide = typed(
+        input("n", "INT8", &[1]),
+        InferTensorContents {
+            int_contents: vec![300],
+            ..Default::default()
+        },
+    );
+    let got = message(decode_inputs(&[wide], Vec::new(), Limits::default()));
+    assert_eq!(
+        got,
+        "input 'n': data is not valid INT8: 300 is out of range"
+    );
+    let few = typed(
+        input("x", "FP64", &[2, 2]),
+        InferTensorContents {
+            fp64_contents: vec![1.0; 3],
+            ..Default::default()
+        },
+    );
+    let got = message(decode_inputs(&[few], Vec::new(), Limits::default()));
+    assert_eq!(got, "input 'x': shape [2, 2] needs 4 values, got 3");
+    let absent = input("x", "UINT64", &[1]);
+    let got = message(decode_inputs(&[absent], Vec::new(), Limits::default()));
+    assert_eq!(got, "input 'x': shape [1] needs 1 values, got 0");
+    let fp16 = input("h", "FP16", &[1]);
+    let got = message(decode_inputs(&[fp16], Vec::new(), Limits::default()));
+    assert_eq!(
+        got,
+        "input 'h': FP16 data must be sent in raw_input_contents"
+    );
+    let both = vec![Bytes::from(vec![0u8; 12])];
+    let got = message(decode_inputs(&[x], both, Limits::default()));
+    assert_eq!(got, "input 'x' has both contents and raw_input_contents");
+}
+
+#[test]
+fn headers_names_and_sizes_are_refused_before_any_data_is_read() {
+    let limits = Limits {
+        max_body_size: 1 << 20,
+        max_elements: 10,
+    };
+    let got = message(decode_inputs(&[], Vec::new(), limits));
+    assert_eq!(got, "the request has no inputs");
+    let got = message(decode_inputs(
+        &[input("s", "BYTES", &[1])],
+        Vec::new(),
+        limits,
+    ));
+    assert_eq!(got, "input 's': datatype BYTES is not supported");
+    let got = message(decode_inputs(
+        &[input("x", "FP32", &[-1, 2])],
+        Vec::new(),
+        limits,
+    ));
+    assert!(got.contains("non-negative integers"), "{got}");
+    let twice = [input("x", "INT32", &[1]), input("x", "INT32", &[1])];
+    let raw = vec![Bytes::from(vec![0u8; 4]), Bytes::from(vec![0u8; 4])];
+    assert_eq!(
+        message(decode_inputs(&twice, raw, limits)),
+        "input 'x' is given twice"
+    );
+    // The limit is on all inputs together, named as configured.
+    let big = [input("a", "INT8", &[6]), input("b", "INT8", &[6])];
+    let raw = vec![Bytes::from(vec![0u8; 6]), Bytes::from(vec![0u8; 6])];
+    let got = message(decode_inputs(&big, raw, limits));
+    assert_eq!(
+        got,
+        "input 'b': shape [6] is over the limit of 10 elements per request"
+    );
+    let huge = [input("x", "FP32", &[1, 1 << 40])];
+    let got = message(decode_inputs(&huge, vec![Bytes::new()], limits));
+    assert!(got.contains("over the limit of 10 elements"), "{got}");
+}
+
+#[test]
+fn requested_outputs_are_named_outputs_of_the_model() {
+    let codec = Codec::new(
+        "m",
+        vec![
+            OutputSpec {
+                name: "y".into(),
+                dtype: DType::Float32,
+            },
+            OutputSpec {
+                name: "n".into(),
+                dtype: DType::Int64,
+            },
+        ],
+        Limits::default(),
+    );
+    let mut request = ModelInferRequest::default();
+    assert_eq!(requested_outputs(&request, &codec), Ok(vec![0, 1]));
+    let wanted = |name: &str| InferRequestedOutputTensor {
+        name: name.into(),
+        parameters: HashMap::new(),
+    };
+    request.outputs = vec![wanted("n")];
+    assert_eq!(requested_outputs(&request, &codec), Ok(vec![1]));
+    request.outputs = vec![wanted("n"), wanted("q")];
+    let refused = requested_outputs(&request, &codec).unwrap_err();
+    assert_eq!(
+        refused.message,
+        "unknown output 'q' for model 'm'; outputs: y, n"
+    );
+    let mut classified = wanted("y");
+    classified
+        .parameters
+        .insert("classification".into(), InferParameter::default());
+    request.outputs = vec![classified];
+    let refused = requested_outputs(&request, &codec).unwrap_err();
+    assert_eq!(
+        refused.message,
+        "output 'y': the classification extension is not supported"
+    );
+}
+
+#[test]
+fn failures_map_to_the_python_servicers_statuses() {
+    let code = |status_code: u16| status(Failure::new(status_code, "m")).code();
+    assert_eq!(code(400), Code::InvalidArgument);
+    assert_eq!(code(503), Code::Unavailable);
+    assert_eq!(code(504), Code::DeadlineExceeded);
+    assert_eq!(code(500), Code::Internal);
+    assert_eq!(code(413), Code::ResourceExhausted);
+    assert_eq!(code(418), Code::Internal);
+    assert_eq!(status(Failure::new(400, "why")).message(), "why");
+}
