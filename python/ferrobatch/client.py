@@ -194,11 +194,14 @@ class Client:
         """The awaiting task was cancelled (on the loop that submitted ``rid``)."""
         self._submitter.cancel(rid, future)
 
-    def infer_sync(self, inputs: Inputs, timeout: float | None = None) -> Outputs:
-        """Blocking :meth:`infer`, for threads other than the event loop's.
+    def infer_sync(self, inputs: Inputs, timeout: float | None = None) -> Any:
+        """Blocking :meth:`infer`, for threads other than an event loop's.
 
-        Calling it on a thread that runs an event loop raises ``RuntimeError``
-        (it would block that loop, and deadlock if it is the server's).
+        The calling thread queues the request itself and waits for its batch
+        with the GIL released: no hop through the server's event loop. Ctrl-C
+        withdraws a request no batch has taken yet. Calling it on a thread
+        that runs an event loop raises ``RuntimeError`` (it would block that
+        loop, and deadlock if it is the server's).
         """
         try:
             asyncio.get_running_loop()
@@ -209,8 +212,9 @@ class Client:
                 "infer_sync() blocks and was called from a thread running an event loop; "
                 "use `await client.infer(...)` there"
             )
-        token = self._loop_token()
-        try:
-            return anyio.from_thread.run(self.infer, inputs, timeout, token=token)
-        except anyio.RunFinishedError:
-            raise ServerClosedError(f"server '{self._server.name}' is not running") from None
+        if type(inputs) is not dict and isinstance(inputs, Mapping):
+            if _is_tensordict(inputs):
+                flat = flatten_inputs(inputs, self._input_names)
+                return _to_tensordict(self._submitter.infer_blocking(flat, timeout, False))
+            inputs = flatten_inputs(inputs)
+        return self._submitter.infer_blocking(inputs, timeout, False)

@@ -408,6 +408,14 @@ class InferenceServer:
             raise ValueError(f"the request lacks the model's input {exc}") from None
         return client._submit_threadsafe(flat)
 
+    def _infer_blocking(self, td: Any) -> dict[str, torch.Tensor]:
+        client = self._client or self._ensure_core(td)
+        try:
+            flat = {name: td.get(nested_key(name)) for name in self._in_names}
+        except KeyError as exc:
+            raise ValueError(f"the request lacks the model's input {exc}") from None
+        return client._submitter.infer_blocking(flat, None, False)
+
     def _result_pairs(self, outputs: dict[str, torch.Tensor]) -> list[tuple[NestedKey, torch.Tensor]]:
         """What a request's result adds to it: the outputs, and the version."""
         pairs: list[tuple[NestedKey, torch.Tensor]] = [(key, outputs[name]) for name, key in self._out_keys]
@@ -463,10 +471,11 @@ class ThreadingClient:
         self._server = server
 
     def __call__(self, td: Any) -> Any:
-        future = self._server._submit(td)
+        # Queued from this thread, which then waits for its batch with the GIL
+        # released: no hop through the server's event loop.
         error: BaseException | None = None
         try:
-            outputs = future.result()
+            outputs = self._server._infer_blocking(td)
         except FerrobatchError as exc:
             error = _unwrap(exc)
         if error is not None:

@@ -7,15 +7,20 @@ use std::sync::Arc;
 use crate::Request;
 
 /// Where a request's result goes. Each kind has one owner that delivers it:
-/// an event loop's mailbox (the binding's loop registry), a connection of
-/// the native front-end, a client process attached through shared memory.
+/// an event loop's mailbox (the binding's loop registry), a thread's waiter,
+/// the native front-end's reply table, a client process attached through
+/// shared memory.
 /// A batch's rows are grouped by sink in one pass ([`Routes::for_batch`]),
 /// and each group is handed to its owner with one wake-up per batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Sink {
     /// An asyncio event loop's mailbox, by loop id.
     EventLoop(u32),
-    /// A connection of the native front-end, by connection id.
+    /// Callers blocked in plain threads (not on an event loop), waiting in
+    /// their server's table of thread waiters.
+    Thread,
+    /// Requests of the native front-end, answered through its reply table
+    /// (the id names the table).
     Connection(u64),
     /// A client process attached through shared memory, by client slot.
     SharedMemory(u32),

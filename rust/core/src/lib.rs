@@ -18,7 +18,8 @@
 //!   or its deadline passes, so a submit wakes it at most once per batch.
 //!   With [`Readiness::OnFlush`] (greedy batching) a submitter's rows count
 //!   only once it calls [`Batcher::flush`]; an event loop does so once per
-//!   iteration, so a burst of requests is taken as one batch.
+//!   iteration ([`Unflushed`] counts the rows and says when to schedule
+//!   it), so a burst of requests is taken as one batch.
 //!   `next_batch` acquires a staging slot from the [`StagingRing`] as a
 //!   [`HeldSlot`] guard and returns it inside the [`Batch`]: whoever owns the
 //!   batch (or its `slot`) owns the slot, and dropping the guard is the only
@@ -67,6 +68,7 @@ pub mod request;
 pub mod specs;
 pub mod staging;
 mod sync;
+pub mod unflushed;
 pub mod v2;
 
 pub use batcher::{Batch, Batcher, BatcherConfig, Stats, Worker};
@@ -80,3 +82,4 @@ pub use queue::{Message, PushError, Readiness, RequestQueue};
 pub use request::{InputBytes, Request, RequestState, Withdrawal};
 pub use specs::{InputSpec, SpecError};
 pub use staging::{HeldSlot, SlotBuffer, StagingRing};
+pub use unflushed::Unflushed;

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use ferrobatch_core as core;
 use ferrobatch_core::{
-    BatcherConfig, DType, DispatchReason, DispatchRule, Readiness, RequestState, Route, Sink,
-    SlotBuffer,
+    BatcherConfig, DType, DispatchReason, DispatchRule, InputBytes, Readiness, RequestState, Route,
+    Sink, SlotBuffer,
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::intern;
@@ -19,6 +19,7 @@ use crate::errors::{invalid_input, to_pyerr};
 use crate::fanout::{doorbells, post_batch, ring_fd, LoopMailbox};
 use crate::inputs::{Converter, InputSpec, Keep};
 use crate::loops::LoopRegistry;
+use crate::threads::{ThreadWaiters, Waiter};
 use crate::without_gil;
 
 /// The submit side of one model's batcher. Shared by every event loop and
@@ -165,7 +166,11 @@ impl Batcher {
 
     /// The model's inputs, in collation order.
     pub(crate) fn input_specs(&self) -> Vec<ferrobatch_core::InputSpec> {
-        self.converter.specs.iter().map(|s| s.core.clone()).collect()
+        self.converter
+            .specs
+            .iter()
+            .map(|s| s.core.clone())
+            .collect()
     }
 
     /// Validates `inputs` against the specs, queues the request and registers
@@ -181,6 +186,84 @@ impl Batcher {
         timeout: Option<Duration>,
         batched: bool,
     ) -> PyResult<Bound<'py, Ticket>> {
+        let (rows, bytes, keep) = self.convert(py, inputs, batched)?;
+        // Made before the request is queued: once queued, nothing may fail.
+        let future = mailbox.get().new_future(py)?;
+        LoopMailbox::schedule_flush(mailbox, &self.core)?;
+        let mailbox = mailbox.get();
+        let request = self
+            .core
+            .submit(
+                Sink::EventLoop(mailbox.loop_id()),
+                rows,
+                bytes.into_boxed_slice(),
+                timeout,
+            )
+            .map_err(|e| to_pyerr(py, e))?;
+        if self.core.readiness() == Readiness::OnFlush {
+            mailbox.add_unflushed(rows);
+        }
+        let ticket = Ticket {
+            request,
+            batcher: self.core.clone(),
+            future,
+            timer: Mutex::new(None),
+            batched,
+            _keep: keep,
+        };
+        let ticket = Bound::new(py, ticket)?;
+        mailbox.add_pending(py, &ticket)?;
+        Ok(ticket)
+    }
+
+    /// Queues a request from a plain thread, registered with `waiters`
+    /// (ready for the workers at once, as a thread has no loop iteration
+    /// to flush at): the request and the waiter its answer will come to.
+    pub(crate) fn submit_from_thread(
+        &self,
+        py: Python<'_>,
+        inputs: &Bound<'_, PyAny>,
+        timeout: Option<Duration>,
+        batched: bool,
+        waiters: &ThreadWaiters,
+    ) -> PyResult<(Arc<core::Request>, Arc<Waiter>)> {
+        let (rows, bytes, keep) = self.convert(py, inputs, batched)?;
+        let mut waiter = None;
+        let mut keep = Some(keep);
+        let submitted =
+            self.core
+                .submit_with(Sink::Thread, rows, bytes.into_boxed_slice(), timeout, |r| {
+                    let keep = keep.take().unwrap_or_default();
+                    waiter = Some((r.id, waiters.register(r, batched, keep)));
+                });
+        match (submitted, waiter) {
+            (Ok(request), Some((_, waiter))) => {
+                if self.core.readiness() == Readiness::OnFlush {
+                    self.core.flush(rows);
+                }
+                Ok((request, waiter))
+            }
+            (Ok(_), None) => Err(pyo3::exceptions::PyRuntimeError::new_err(
+                "a queued request was not registered",
+            )),
+            (Err(err), waiter) => {
+                if let Some((id, _)) = waiter {
+                    waiters.unregister(id);
+                }
+                Err(to_pyerr(py, err))
+            }
+        }
+    }
+
+    /// Checks a request's `inputs` (a dict) against the specs and copies
+    /// them: its rows, the byte views, and what keeps the bytes alive.
+    #[allow(clippy::type_complexity)]
+    fn convert(
+        &self,
+        py: Python<'_>,
+        inputs: &Bound<'_, PyAny>,
+        batched: bool,
+    ) -> PyResult<(usize, Vec<InputBytes>, Vec<Keep>)> {
         let Ok(inputs) = inputs.cast::<PyDict>() else {
             return Err(invalid_input(
                 py,
@@ -236,34 +319,7 @@ impl Batcher {
                 ),
             ));
         }
-        // Made before the request is queued: once queued, nothing may fail.
-        let future = mailbox.get().new_future(py)?;
-        LoopMailbox::schedule_flush(mailbox, &self.core)?;
-        let mailbox = mailbox.get();
-        let rows = rows.unwrap_or(1);
-        let request = self
-            .core
-            .submit(
-                Sink::EventLoop(mailbox.loop_id()),
-                rows,
-                bytes.into_boxed_slice(),
-                timeout,
-            )
-            .map_err(|e| to_pyerr(py, e))?;
-        if self.core.readiness() == Readiness::OnFlush {
-            mailbox.add_unflushed(rows);
-        }
-        let ticket = Ticket {
-            request,
-            batcher: self.core.clone(),
-            future,
-            timer: Mutex::new(None),
-            batched,
-            _keep: keep,
-        };
-        let ticket = Bound::new(py, ticket)?;
-        mailbox.add_pending(py, &ticket)?;
-        Ok(ticket)
+        Ok((rows.unwrap_or(1), bytes, keep))
     }
 }
 

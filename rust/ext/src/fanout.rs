@@ -24,10 +24,10 @@ use std::io::{Read, Write};
 use std::mem::ManuallyDrop;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
-use ferrobatch_core::{Inbox, Outcome, Readiness, RequestState, Route, Sink, Tally};
+use ferrobatch_core::{Inbox, Outcome, RequestState, Route, Sink, Tally, Unflushed};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -52,6 +52,49 @@ pub(crate) fn outcome_of_error(py: Python<'_>, error: &Bound<'_, PyAny>) -> Outc
         }
     }
     Outcome::ModelError
+}
+
+/// What the callers of a batch whose model call raised `error` get: a
+/// `ModelError` naming the model, caused by `error` (unless it is one
+/// already). `what` says how the batch failed ("raised", or why its rows
+/// could not be delivered). The message is made once, and cannot raise.
+pub(crate) struct ModelFailure {
+    message: String,
+    cause: Option<Py<PyAny>>,
+}
+
+impl ModelFailure {
+    pub(crate) fn new(
+        py: Python<'_>,
+        model_name: &str,
+        error: &Bound<'_, PyAny>,
+        what: &str,
+    ) -> ModelFailure {
+        let is_model_error =
+            error_class(py, "ModelError").is_ok_and(|c| error.is_instance(&c).unwrap_or(false));
+        let text = describe(py, &PyErr::from_value(error.clone()));
+        if is_model_error {
+            ModelFailure {
+                message: format!("model '{model_name}': {text}"),
+                cause: None,
+            }
+        } else {
+            ModelFailure {
+                message: format!("model '{model_name}' {what} {text}"),
+                cause: Some(error.clone().unbind()),
+            }
+        }
+    }
+
+    /// A fresh `ModelError` for one caller: one instance raised in many
+    /// tasks or threads would collect all their tracebacks.
+    pub(crate) fn error(&self, py: Python<'_>) -> PyErr {
+        let err = ferrobatch_error(py, "ModelError", self.message.clone());
+        if let Some(cause) = &self.cause {
+            err.set_cause(py, Some(PyErr::from_value(cause.bind(py).clone())));
+        }
+        err
+    }
 }
 
 /// A finished batch's outcome: its `outputs` (`{name: batch tensor}`) or the
@@ -117,6 +160,10 @@ pub(crate) fn post_batch(
                 }
                 continue;
             }
+            Sink::Thread => {
+                registry.threads.deliver(py, routes, outcome, failed);
+                continue;
+            }
             // No shared-memory clients yet.
             Sink::SharedMemory(_) => continue,
         };
@@ -173,7 +220,7 @@ pub struct LoopMailbox {
     /// Rows this loop submitted in its current iteration, and the batcher
     /// they went to: made ready at once by `flush`, which `call_soon` runs
     /// after everything else the iteration does (greedy batchers only).
-    unflushed: Mutex<Option<(Arc<ferrobatch_core::Batcher>, usize)>>,
+    unflushed: Unflushed,
     inbox: Inbox<Post>,
     doorbell: OnceLock<Doorbell>,
     wakeups: AtomicU64,
@@ -203,14 +250,7 @@ impl LoopMailbox {
     /// Readies for the workers the requests this loop submitted since the
     /// last flush (loop thread, scheduled by the first submit after it).
     fn flush(&self) {
-        let unflushed = self
-            .unflushed
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
-        if let Some((batcher, rows)) = unflushed {
-            batcher.flush(rows);
-        }
+        self.unflushed.flush();
     }
 
     /// The deadline timer of request `id` fired (loop thread).
@@ -302,7 +342,7 @@ impl LoopMailbox {
             create_future: event_loop.getattr(intern!(py, "create_future"))?.unbind(),
             call_soon: event_loop.getattr(intern!(py, "call_soon"))?.unbind(),
             call_later: event_loop.getattr(intern!(py, "call_later"))?.unbind(),
-            unflushed: Mutex::new(None),
+            unflushed: Unflushed::default(),
             inbox: Inbox::default(),
             doorbell: OnceLock::new(),
             wakeups: AtomicU64::new(0),
@@ -393,31 +433,23 @@ impl LoopMailbox {
         this: &Bound<'_, LoopMailbox>,
         batcher: &Arc<ferrobatch_core::Batcher>,
     ) -> PyResult<()> {
-        if batcher.readiness() != Readiness::OnFlush {
-            return Ok(());
-        }
-        let py = this.py();
-        let mut unflushed = this
-            .get()
-            .unflushed
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        if unflushed.is_none() {
-            // A mailbox belongs to one server, so it only ever sees one batcher.
-            this.get()
-                .call_soon
-                .call1(py, (this.getattr(intern!(py, "flush"))?,))?;
-            *unflushed = Some((batcher.clone(), 0));
+        let mailbox = this.get();
+        if mailbox.unflushed.open(batcher) {
+            let py = this.py();
+            let scheduled = this
+                .getattr(intern!(py, "flush"))
+                .and_then(|flush| mailbox.call_soon.call1(py, (flush,)));
+            if let Err(err) = scheduled {
+                mailbox.unflushed.flush(); // nothing counted yet: the next submit opens again
+                return Err(err);
+            }
         }
         Ok(())
     }
 
-    /// Counts `rows` more rows for the scheduled flush (`Readiness::OnFlush`
-    /// batchers only, after `schedule_flush`).
+    /// Counts `rows` more rows for the scheduled flush (after `schedule_flush`).
     pub(crate) fn add_unflushed(&self, rows: usize) {
-        if let Some((_, n)) = &mut *self.unflushed.lock().unwrap_or_else(|e| e.into_inner()) {
-            *n += rows;
-        }
+        self.unflushed.add(rows);
     }
 
     pub(crate) fn loop_id(&self) -> u32 {
@@ -498,23 +530,10 @@ impl LoopMailbox {
     /// call raised `error` (or the fan-out could not take its rows, `what`).
     /// The message is made once, and cannot raise.
     fn fail_batch(&self, py: Python<'_>, routes: &[Route], error: &Bound<'_, PyAny>, what: &str) {
-        let is_model_error =
-            error_class(py, "ModelError").is_ok_and(|c| error.is_instance(&c).unwrap_or(false));
-        let text = describe(py, &PyErr::from_value(error.clone()));
-        let message = if is_model_error {
-            format!("model '{}': {text}", self.model_name)
-        } else {
-            format!("model '{}' {what} {text}", self.model_name)
-        };
+        let failure = ModelFailure::new(py, &self.model_name, error, what);
         for route in routes {
             self.fail(py, route.id, None, Outcome::ModelError, || {
-                // One instance per caller: one raised in many tasks would
-                // collect all their tracebacks.
-                let err = ferrobatch_error(py, "ModelError", message.clone());
-                if !is_model_error {
-                    err.set_cause(py, Some(PyErr::from_value(error.clone())));
-                }
-                err
+                failure.error(py)
             });
         }
     }

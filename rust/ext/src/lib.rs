@@ -15,6 +15,7 @@ mod inputs;
 mod loops;
 mod native;
 mod submit;
+mod threads;
 
 use pyo3::prelude::*;
 

@@ -26,6 +26,7 @@ use ferrobatch_core::{Outcome, Tally, OUTCOMES};
 
 use crate::fanout::LoopMailbox;
 use crate::native::{self, NativeSink};
+use crate::threads::ThreadWaiters;
 
 #[derive(Default)]
 struct Mailboxes {
@@ -43,6 +44,8 @@ pub struct LoopRegistry {
     mailboxes: Mutex<Mailboxes>,
     /// What the callers of dropped mailboxes saw.
     retired: Tally,
+    /// The requests of callers blocked in plain threads.
+    pub(crate) threads: ThreadWaiters,
     /// The native front-end's reply table for this model, once it serves it.
     native: Mutex<Option<Arc<NativeSink>>>,
 }
@@ -51,8 +54,10 @@ pub struct LoopRegistry {
 impl LoopRegistry {
     #[new]
     fn new(model_name: &str) -> LoopRegistry {
+        let model_name: Arc<str> = model_name.into();
         LoopRegistry {
-            model_name: model_name.into(),
+            threads: ThreadWaiters::new(model_name.clone()),
+            model_name,
             mailboxes: Mutex::new(Mailboxes::default()),
             retired: Tally::default(),
             native: Mutex::new(None),
@@ -72,6 +77,7 @@ impl LoopRegistry {
         let mut counts = [0u64; OUTCOMES];
         let mut request_ns = 0u64;
         self.retired.add_to(&mut counts, &mut request_ns);
+        self.threads.tally.add_to(&mut counts, &mut request_ns);
         if let Some(native) = self.native() {
             native::add_counts(&native, &mut counts, &mut request_ns);
         }
@@ -92,6 +98,8 @@ impl LoopRegistry {
         if let Some(native) = self.native() {
             native::fail_all(&native, message);
         }
+        // The workers are done by now: a request still here was never taken.
+        self.threads.fail_all(py, None, message);
         for mailbox in self.all(py) {
             let fail_all = mailbox.bind(py).getattr(intern!(py, "fail_all"))?;
             on_loop(py, &mailbox.get().event_loop, &fail_all, message)?;
@@ -127,7 +135,10 @@ impl LoopRegistry {
     }
 
     pub(crate) fn native(&self) -> Option<Arc<NativeSink>> {
-        self.native.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.native
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// The mailbox of loop `loop_id`, if it has not been dropped.

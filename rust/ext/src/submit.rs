@@ -19,7 +19,7 @@ use std::time::Duration;
 use pyo3::ffi;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::PyTuple;
+use pyo3::types::{PyDict, PyTuple};
 use pyo3::{PyTraverseError, PyVisit};
 
 use crate::batcher::Batcher;
@@ -188,6 +188,47 @@ impl Submitter {
                 ticket.id().into_pyobject(py)?.into_any(),
             ],
         )
+    }
+
+    /// Runs a request from a plain thread (not an event loop's): queues it
+    /// from this thread and blocks, with the GIL released, until its batch
+    /// answers; returns `{name: tensor}` or raises what `infer` would.
+    /// Ctrl-C withdraws a request no batch has taken yet.
+    #[pyo3(signature = (inputs, timeout=None, batched=false))]
+    fn infer_blocking(
+        &self,
+        py: Python<'_>,
+        inputs: &Bound<'_, PyAny>,
+        timeout: Option<f64>,
+        batched: bool,
+    ) -> PyResult<Py<PyDict>> {
+        let waiters = &self.registry.get().threads;
+        let batcher = self
+            .batcher
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(|b| b.clone_ref(py));
+        let Some(batcher) = batcher else {
+            waiters.tally.count(Outcome::ServerClosed);
+            return Err(PyErr::from_value(
+                self.not_running.call0(py)?.into_bound(py),
+            ));
+        };
+        let batcher = batcher.get();
+        let submitted = parse_timeout(py, timeout)
+            .and_then(|t| batcher.submit_from_thread(py, inputs, t, batched, waiters));
+        let (request, waiter) = match submitted {
+            Ok(submitted) => submitted,
+            Err(err) => {
+                if is_ferrobatch_error(py, &err) {
+                    waiters.tally.count(outcome_of_error(py, err.value(py)));
+                }
+                return Err(err);
+            }
+        };
+        let deadline = request.deadline.zip(timeout);
+        waiters.wait(py, batcher.core(), request.id, &waiter, deadline)
     }
 
     /// The task awaiting request `id`'s `future` was cancelled (on the loop

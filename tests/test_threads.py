@@ -1,0 +1,179 @@
+"""Callers in plain threads: ``client.infer_sync`` queues from the calling
+thread and waits for its batch with the GIL released (no event-loop hop),
+and every request still resolves exactly once, counted once."""
+
+from __future__ import annotations
+
+import _thread
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+import ferrobatch as fb
+
+X = fb.TensorSpec("x", "float32", (4,))
+Y = fb.TensorSpec("y", "float32", (4,))
+
+
+def double(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {"y": inputs["x"] * 2}
+
+
+def outcomes(server: fb.Server) -> Counter[str]:
+    stats = server.stats()
+    return Counter({"succeeded": stats["requests_succeeded"], **stats["requests_failed"]})
+
+
+def test_many_threads_get_their_own_rows_in_shared_batches() -> None:
+    server = fb.Server(double, inputs=[X], outputs=[Y], max_batch_size=32, max_delay=0.002)
+    with server.run_in_background():
+        client = server.client()
+
+        def call(i: int) -> torch.Tensor:
+            y: torch.Tensor = client.infer_sync({"x": torch.full((4,), float(i))})["y"]
+            return y
+
+        with ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(call, range(400)))
+        stats = server.stats()
+    for i, y in enumerate(results):
+        assert torch.equal(y, torch.full((4,), 2.0 * i))
+    assert stats["requests_succeeded"] == 400
+    assert stats["batches"] < 400  # batched across threads
+    assert stats["request_ns"] > 0
+
+
+def test_no_event_loop_hop_the_server_loop_may_be_busy() -> None:
+    """The thread queues the request itself: a server loop blocked for a
+    while does not hold it up (it would, through the loop)."""
+    server = fb.Server(double, inputs=[X], outputs=[Y], max_batch_size=8, max_delay=0.001)
+    with server.run_in_background():
+        loop = server._token.native_token  # type: ignore[union-attr]
+        blocked = threading.Event()
+        loop.call_soon_threadsafe(lambda: (blocked.set(), time.sleep(1.0)))
+        assert blocked.wait(5)
+        began = time.monotonic()
+        out = server.client().infer_sync({"x": torch.ones(4)})
+        took = time.monotonic() - began
+    assert torch.equal(out["y"], torch.full((4,), 2.0))
+    assert took < 0.5, took
+
+
+def slow(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    time.sleep(0.3)
+    return double(inputs)
+
+
+def test_a_deadline_fails_the_waiting_thread_once() -> None:
+    server = fb.Server(slow, inputs=[X], outputs=[Y], max_batch_size=1, max_delay=0)
+    with server.run_in_background():
+        client = server.client()
+        holder = threading.Thread(target=client.infer_sync, args=({"x": torch.ones(4)},))
+        holder.start()
+        time.sleep(0.05)
+        with pytest.raises(fb.DeadlineExceededError, match=r"exceeded its 0\.05s timeout"):
+            client.infer_sync({"x": torch.ones(4)}, timeout=0.05)
+        holder.join()
+        time.sleep(0.4)
+        seen = outcomes(server)
+        batches = server.stats()["batches"]
+    assert seen["deadline_exceeded"] == 1 and seen["succeeded"] == 1
+    assert batches == 1  # the expired request never ran
+
+
+def poisoned(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if bool((inputs["x"] < 0).any()):
+        raise ValueError("negative input")
+    return double(inputs)
+
+
+def test_model_errors_reach_the_thread_as_model_error_and_fail_alone() -> None:
+    server = fb.Server(poisoned, inputs=[X], outputs=[Y], max_batch_size=16, max_delay=0.01)
+    with server.run_in_background():
+        client = server.client()
+
+        def call(i: int) -> str:
+            try:
+                client.infer_sync({"x": torch.full((4,), -1.0 if i == 3 else float(i))})
+            except fb.ModelError as exc:
+                assert isinstance(exc.__cause__, ValueError)
+                return "model_error"
+            return "ok"
+
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(call, range(8)))
+        seen = outcomes(server)
+    assert results == ["model_error" if i == 3 else "ok" for i in range(8)]
+    assert seen["model_error"] == 1 and seen["succeeded"] == 7
+
+
+def test_bad_inputs_and_a_stopped_server_raise_at_once_and_are_counted() -> None:
+    server = fb.Server(double, inputs=[X], outputs=[Y])
+    with server.run_in_background():
+        client = server.client()
+        with pytest.raises(fb.InvalidInputError, match="expected shape"):
+            client.infer_sync({"x": torch.ones(3)})
+        with pytest.raises(fb.InvalidInputError, match="timeout"):
+            client.infer_sync({"x": torch.ones(4)}, timeout=-1)
+    with pytest.raises(fb.ServerClosedError):
+        client.infer_sync({"x": torch.ones(4)})
+    seen = outcomes(server)
+    assert seen["invalid_input"] == 2 and seen["server_closed"] == 1
+
+
+def test_stopping_the_server_answers_waiting_threads() -> None:
+    gate = threading.Event()
+
+    def stuck(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        gate.wait(30)
+        return double(inputs)
+
+    server = fb.Server(stuck, inputs=[X], outputs=[Y], max_batch_size=1, max_delay=0)
+    errors: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            server.client().infer_sync({"x": torch.ones(4)})
+        except BaseException as exc:  # noqa: BLE001 - recorded for the test
+            errors.append(exc)
+
+    with server.run_in_background(stop_timeout=0.2):
+        threads = [threading.Thread(target=call) for _ in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)  # one in the model, two queued
+    gate.set()
+    for t in threads:
+        t.join(10)
+    assert len(errors) == 3 and all(isinstance(e, fb.ServerClosedError) for e in errors), errors
+    seen = outcomes(server)
+    assert seen["server_closed"] == 3
+
+
+def test_ctrl_c_withdraws_the_waiting_request() -> None:
+    gate = threading.Event()
+
+    def held(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        gate.wait(30)
+        return double(inputs)
+
+    server = fb.Server(held, inputs=[X], outputs=[Y], max_batch_size=1, max_delay=0)
+    with server.run_in_background():
+        client = server.client()
+        holder = threading.Thread(target=client.infer_sync, args=({"x": torch.ones(4)},))
+        holder.start()
+        time.sleep(0.1)
+        threading.Timer(0.2, _thread.interrupt_main).start()
+        with pytest.raises(KeyboardInterrupt):
+            client.infer_sync({"x": torch.ones(4)})  # queued behind the held batch
+        gate.set()
+        holder.join()
+        time.sleep(0.1)
+        seen = outcomes(server)
+        batches = server.stats()["batches"]
+    assert seen["cancelled"] == 1 and seen["succeeded"] == 1
+    assert batches == 1  # the withdrawn request never ran
