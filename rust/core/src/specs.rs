@@ -173,9 +173,7 @@ pub fn match_inputs(
         }
         match rows {
             Some(r) if r != n => {
-                return Err(spec.error(format_args!(
-                    "{n} rows, but the other inputs have {r}"
-                )))
+                return Err(spec.error(format_args!("{n} rows, but the other inputs have {r}")))
             }
             _ => rows = Some(n),
         }
@@ -204,7 +202,13 @@ mod tests {
             8,
         )
         .unwrap();
-        assert_eq!(m, Matched { rows: 2, order: vec![1, 0] });
+        assert_eq!(
+            m,
+            Matched {
+                rows: 2,
+                order: vec![1, 0]
+            }
+        );
     }
 
     #[test]
@@ -216,8 +220,12 @@ mod tests {
         let a: &[usize] = &[1, 3];
         let b: &[usize] = &[1];
         assert_eq!(err(&[("a", DType::Float32, a)]), "input 'b': missing");
-        assert!(err(&[("a", DType::Float32, a), ("b", DType::Float32, b), ("c", DType::Float32, b)])
-            .starts_with("unexpected input 'c'"));
+        assert!(err(&[
+            ("a", DType::Float32, a),
+            ("b", DType::Float32, b),
+            ("c", DType::Float32, b)
+        ])
+        .starts_with("unexpected input 'c'"));
         assert_eq!(
             err(&[("a", DType::Int64, a), ("b", DType::Float32, b)]),
             "input 'a': expected dtype float32, got int64"
