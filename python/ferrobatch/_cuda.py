@@ -294,7 +294,7 @@ class CudaExecutor:
                     outputs = flight.wait()
                 except BaseException as exc:  # noqa: BLE001 - delivered to the callers
                     error, outputs = exc, None
-            counters.add(perf_counter_ns() - flight.started_ns, batch.n_requests, error is not None)
+            counters.add(perf_counter_ns() - flight.started_ns, batch.n_requests, error is not None, batch.rows)
             finish(worker, batch, outputs, error, ring_now=True)
             tokens.release()
 

@@ -12,8 +12,8 @@ import logging
 import sys
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from time import perf_counter_ns
+from dataclasses import dataclass, field
+from time import perf_counter_ns, time_ns
 from typing import Any
 
 import torch
@@ -399,19 +399,26 @@ class StagedViews:
 
 @dataclass
 class WorkerCounters:
-    """One instance's counters: written by its worker thread only, summed by
-    ``Server.stats()``."""
+    """One instance's counters: written by its worker thread only, once per
+    batch, and summed by ``Server.stats()`` (which copies the dicts: a copy
+    of a dict of ints is one step that a worker's update cannot interleave)."""
 
     compute_ns: int = 0  # per batch
     request_compute_ns: int = 0  # per request: a batch's compute time counts once per request
     failed_batches: int = 0
     isolated_failures: int = 0  # requests failed alone: their own model call raised too
     retry_calls: int = 0  # model calls made to isolate failures
+    batch_sizes: dict[int, int] = field(default_factory=dict)  # rows -> batches of that many rows
+    batch_compute_ns: dict[int, int] = field(default_factory=dict)  # rows -> their compute_ns
+    last_inference_ns: int = 0  # wall clock (time.time_ns) when the latest batch finished
 
-    def add(self, elapsed_ns: int, n_requests: int, failed: bool) -> None:
+    def add(self, elapsed_ns: int, n_requests: int, failed: bool, rows: int) -> None:
         self.compute_ns += elapsed_ns
         self.request_compute_ns += elapsed_ns * n_requests
         self.failed_batches += failed
+        self.batch_sizes[rows] = self.batch_sizes.get(rows, 0) + 1
+        self.batch_compute_ns[rows] = self.batch_compute_ns.get(rows, 0) + elapsed_ns
+        self.last_inference_ns = time_ns()
 
 
 def finish(worker: _core.Worker, batch: _core.Batch, outputs: Outputs | None, error: BaseException | None,
@@ -596,7 +603,7 @@ class CpuExecutor:
                 except BaseException as exc:  # noqa: BLE001 - parts that cannot be merged: all fail
                     outputs, error = None, exc
             batch.release_slot()  # outputs never alias the slot
-            counters.add(perf_counter_ns() - started, batch.n_requests, failed_batch)
+            counters.add(perf_counter_ns() - started, batch.n_requests, failed_batch, batch.rows)
             # Its callers' doorbells ring at the next next_batch, GIL released.
             finish(worker, batch, outputs, error, failed=failed)
 

@@ -509,9 +509,20 @@ class Server:
         summed over succeeded requests); ``failed_batches`` (batches whose
         model call raised); with ``isolate_failures``, ``retry_calls`` (model
         calls made to isolate failures) and ``isolated_failures`` (requests
-        that failed in a call of their own).
+        that failed in a call of their own); ``batch_sizes`` (batches by
+        their number of rows, ``{rows: batches}``, summing to ``batches``
+        once they have finished) and ``batch_compute_ns`` (``compute_ns`` by
+        the same batch sizes); ``last_inference_ms`` (when the latest batch
+        finished, in milliseconds since the epoch; 0 before the first).
         """
         outcomes = self._loops.stats()
+        batch_sizes: dict[int, int] = {}
+        batch_compute_ns: dict[int, int] = {}
+        for c in self._counters:
+            for size, n in dict(c.batch_sizes).items():  # copied first: workers add sizes
+                batch_sizes[size] = batch_sizes.get(size, 0) + n
+            for size, ns in dict(c.batch_compute_ns).items():
+                batch_compute_ns[size] = batch_compute_ns.get(size, 0) + ns
         succeeded = outcomes.pop("succeeded")
         request_ns = outcomes.pop("request_ns")
         core = self._batcher.stats() if self._batcher is not None else {}
@@ -533,6 +544,9 @@ class Server:
             "failed_batches": sum(c.failed_batches for c in self._counters),
             "isolated_failures": sum(c.isolated_failures for c in self._counters),
             "retry_calls": sum(c.retry_calls for c in self._counters),
+            "batch_sizes": dict(sorted(batch_sizes.items())),
+            "batch_compute_ns": dict(sorted(batch_compute_ns.items())),
+            "last_inference_ms": max((c.last_inference_ns for c in self._counters), default=0) // 1_000_000,
             "weight_updates": self._weights.count,
             "model_version": self._weights.version,
         }
