@@ -15,7 +15,7 @@ from test_http import WIDTH, X, Y, broken, double, serving
 from tritonclient.utils import InferenceServerException
 
 import ferrobatch as fb
-from ferrobatch.metrics import registry
+from ferrobatch.metrics import batch_size_buckets, exposition, registry
 
 NAMES = {
     "nv_inference_request_success",
@@ -29,14 +29,20 @@ NAMES = {
     "ferrobatch_retry_calls",
     "ferrobatch_batches",
     "ferrobatch_isolated_failures",
+    "ferrobatch_batch_size_bucket",
+    "ferrobatch_batch_size_sum",
+    "ferrobatch_batch_size_count",
 }
 
 
 def scrape(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Samples by (name as exposed, labels). The parser renames a counter's
+    samples to ``<name>_total``; the exposition has Triton's bare names."""
     samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
+            name = family.name if family.type == "counter" and sample.name == family.name + "_total" else sample.name
+            samples[(name, frozenset(sample.labels.items()))] = sample.value
     return samples
 
 
@@ -98,14 +104,14 @@ def test_metrics_count_known_requests(kind: str) -> None:
 async def test_collector_reads_stats_at_scrape_time() -> None:
     server = fb.Server(double, inputs=[X], outputs=[Y], name="m")
     reg = registry([server])
-    before = scrape(generate_latest(reg).decode())
+    before = scrape(exposition(reg).decode())
     assert value(before, "nv_inference_request_success", model="m") == 0
     async with server:
         client = server.client()
         for i in range(4):
             await client.infer({"x": np.full(WIDTH, i, np.float32)})
     stats = server.stats()
-    after = scrape(generate_latest(reg).decode())
+    after = scrape(exposition(reg).decode())
     assert value(after, "nv_inference_request_success", model="m") == 4
     assert value(after, "nv_inference_count", model="m") == stats["rows"] == 4
     assert value(after, "nv_inference_exec_count", model="m") == stats["batches"]
@@ -117,6 +123,26 @@ async def test_collector_reads_stats_at_scrape_time() -> None:
     for reason, n in stats["dispatch_reasons"].items():
         assert value(after, "ferrobatch_batches", model="m", reason=reason) == n
     assert sum(stats["dispatch_reasons"].values()) == stats["batches"]
+    assert sum(stats["batch_sizes"].values()) == stats["batches"]
+    assert sum(size * n for size, n in stats["batch_sizes"].items()) == stats["rows"]
+    assert sum(stats["batch_compute_ns"].values()) == stats["compute_ns"]
+    assert value(after, "ferrobatch_batch_size_count", model="m") == stats["batches"]
+    assert value(after, "ferrobatch_batch_size_sum", model="m") == stats["rows"]
+    assert value(after, "ferrobatch_batch_size_bucket", model="m", le="+Inf") == stats["batches"]
+
+
+def test_exposition_types_counters_under_triton_names_and_adds_a_batch_size_histogram() -> None:
+    server = fb.Server(double, inputs=[X], outputs=[Y], max_batch_size=12, name="m")
+    text = exposition(registry([server])).decode()
+    assert "# TYPE nv_inference_request_success counter\nnv_inference_request_success{" in text
+    assert "# TYPE nv_inference_pending_request_count gauge\n" in text
+    assert "_total" not in text
+    # prometheus_client's own writer would announce a name no sample has.
+    assert "# TYPE nv_inference_request_success_total counter" in generate_latest(registry([server])).decode()
+    assert "# TYPE ferrobatch_batch_size histogram\n" in text
+    les = [s.labels["le"] for f in text_string_to_metric_families(text) for s in f.samples if "le" in s.labels]
+    assert les == ["1.0", "2.0", "4.0", "8.0", "12.0", "+Inf"]
+    assert batch_size_buckets(1) == [1] and batch_size_buckets(16) == [1, 2, 4, 8, 16]
 
 
 async def test_metrics_count_isolated_failures() -> None:
@@ -130,7 +156,7 @@ async def test_metrics_count_isolated_failures() -> None:
         client = server.client()
         xs = [np.full(WIDTH, -1 if i == 2 else i, np.float32) for i in range(4)]
         await asyncio.gather(*(client.infer({"x": x}) for x in xs), return_exceptions=True)
-    samples = scrape(generate_latest(registry([server])).decode())
+    samples = scrape(exposition(registry([server])).decode())
     assert value(samples, "ferrobatch_retry_calls", model="p") == 4  # halves of 2, then of 1
     assert value(samples, "ferrobatch_isolated_failures", model="p") == 1
     assert value(samples, "nv_inference_request_success", model="p") == 3

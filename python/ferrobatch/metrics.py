@@ -1,7 +1,7 @@
 """Prometheus metrics under Triton's names, read from ``Server.stats()``.
 
     registry = ferrobatch.metrics.registry([server])
-    prometheus_client.generate_latest(registry)   # what GET /metrics serves
+    ferrobatch.metrics.exposition(registry)       # what GET /metrics serves
 
 The values are read when Prometheus scrapes (a custom ``Collector``); nothing
 is added to the per-request path. Every metric is labelled ``model`` (the
@@ -26,27 +26,83 @@ server's name) and ``version`` ("1"):
   their own once a failed batch was split;
 - ``ferrobatch_batches{reason=...}``: model calls by why their batch was
   released (full, next_does_not_fit, preferred_size, delay_expired, greedy,
-  shutdown).
+  shutdown);
+- ``ferrobatch_batch_size``: a histogram of batches by their rows, with
+  buckets 1, 2, 4, ... up to ``max_batch_size`` (``_bucket{le=...}``,
+  ``_sum``: rows, ``_count``: batches), from ``stats()["batch_sizes"]``.
 
-The cumulative ones are exposed untyped rather than as counters because
-prometheus_client renames counters to ``*_total``; Triton's exact names are
-what existing dashboards query, and PromQL's ``rate()`` treats both alike.
+The pending count is a gauge; the others but the histogram are counters
+under Triton's exact names, without the ``_total`` suffix (Triton's own
+exposition has none, and dashboards query those names).
+prometheus_client's ``generate_latest`` would announce a counter as
+``# TYPE <name>_total counter``; :func:`exposition` announces it under the
+name its samples carry.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from prometheus_client.core import GaugeMetricFamily, Metric, UnknownMetricFamily
+from prometheus_client import generate_latest
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
 if TYPE_CHECKING:
     from .server import Server
 
-__all__ = ["TritonCollector", "registry"]
+__all__ = ["TritonCollector", "exposition", "registry"]
 
 _VERSION = "1"
+
+
+class CounterFamily(Metric):
+    """A counter whose samples keep the family's name (Triton's style:
+    ``nv_inference_count``, not ``nv_inference_count_total``); expose it
+    with :func:`exposition`."""
+
+    def __init__(self, name: str, documentation: str, labels: Sequence[str]) -> None:
+        super().__init__(name, documentation, "counter")
+        self._labels = list(labels)
+
+    def add_metric(self, values: Sequence[str], value: float) -> None:
+        self.add_sample(self.name, dict(zip(self._labels, values, strict=True)), value)
+
+
+class _One(Collector):
+    def __init__(self, metric: Metric) -> None:
+        self._metric = metric
+
+    def collect(self) -> Iterator[Metric]:
+        yield self._metric
+
+
+def exposition(collector: Collector) -> bytes:
+    """The Prometheus text format (0.0.4) of what ``collector`` yields, as
+    ``prometheus_client.generate_latest`` writes it, except that a counter
+    whose samples carry no ``_total`` suffix is announced under their name:
+    ``# TYPE nv_inference_count counter``, then ``nv_inference_count{...}``."""
+    parts = []
+    for metric in collector.collect():
+        if metric.type == "counter" and not any(s.name.endswith("_total") for s in metric.samples):
+            twin = Metric(metric.name, metric.documentation, "unknown")
+            twin.samples = metric.samples
+            text = generate_latest(_One(twin))
+            untyped = f"# TYPE {metric.name} untyped\n".encode()
+            parts.append(text.replace(untyped, f"# TYPE {metric.name} counter\n".encode(), 1))
+        else:
+            parts.append(generate_latest(_One(metric)))
+    return b"".join(parts)
+
+
+def batch_size_buckets(max_batch_size: int) -> list[int]:
+    """The histogram's upper bounds: 1, 2, 4, ... below ``max_batch_size``, then it."""
+    bounds = []
+    bound = 1
+    while bound < max_batch_size:
+        bounds.append(bound)
+        bound *= 2
+    return [*bounds, max(max_batch_size, 1)]
 
 
 class TritonCollector(Collector):
@@ -59,37 +115,37 @@ class TritonCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         labels = ["model", "version"]
-        success = UnknownMetricFamily(
+        success = CounterFamily(
             "nv_inference_request_success",
             "Number of successful inference requests, all batch sizes",
             labels=labels,
         )
-        failure = UnknownMetricFamily(
+        failure = CounterFamily(
             "nv_inference_request_failure",
             "Number of failed inference requests, all batch sizes",
             labels=[*labels, "reason"],
         )
-        count = UnknownMetricFamily(
+        count = CounterFamily(
             "nv_inference_count",
             "Number of inferences performed (rows run through the model)",
             labels=labels,
         )
-        exec_count = UnknownMetricFamily(
+        exec_count = CounterFamily(
             "nv_inference_exec_count",
             "Number of model executions performed (batches)",
             labels=labels,
         )
-        request_us = UnknownMetricFamily(
+        request_us = CounterFamily(
             "nv_inference_request_duration_us",
             "Cumulative inference request duration in microseconds (successful requests)",
             labels=labels,
         )
-        queue_us = UnknownMetricFamily(
+        queue_us = CounterFamily(
             "nv_inference_queue_duration_us",
             "Cumulative inference queuing duration in microseconds",
             labels=labels,
         )
-        compute_us = UnknownMetricFamily(
+        compute_us = CounterFamily(
             "nv_inference_compute_infer_duration_us",
             "Cumulative compute inference duration in microseconds, summed per request",
             labels=labels,
@@ -99,23 +155,37 @@ class TritonCollector(Collector):
             "Instantaneous number of pending requests awaiting execution",
             labels=labels,
         )
-        retries = UnknownMetricFamily(
+        retries = CounterFamily(
             "ferrobatch_retry_calls",
             "Number of model calls made to isolate failed requests of failed batches",
             labels=labels,
         )
-        isolated = UnknownMetricFamily(
+        isolated = CounterFamily(
             "ferrobatch_isolated_failures",
             "Number of requests that failed in a model call of their own",
             labels=labels,
         )
-        reasons = UnknownMetricFamily(
+        reasons = CounterFamily(
             "ferrobatch_batches",
             "Number of batches, by why they were released",
             labels=[*labels, "reason"],
         )
+        batch_size = HistogramMetricFamily(
+            "ferrobatch_batch_size",
+            "Number of batches by their rows (model calls, retries to isolate failures aside)",
+            labels=labels,
+        )
         for server in self._servers:
             stats = server.stats()
+            sizes: dict[int, int] = stats["batch_sizes"]
+            buckets = [
+                (str(float(b)), sum(n for size, n in sizes.items() if size <= b))
+                for b in batch_size_buckets(server.max_batch_size)
+            ]
+            buckets.append(("+Inf", sum(sizes.values())))
+            batch_size.add_metric(
+                [server.name, _VERSION], buckets, sum_value=sum(size * n for size, n in sizes.items())
+            )
             for reason, n in stats["dispatch_reasons"].items():
                 reasons.add_metric([server.name, _VERSION, reason], n)
             model = [server.name, _VERSION]
@@ -132,6 +202,7 @@ class TritonCollector(Collector):
             isolated.add_metric(model, stats["isolated_failures"])
         yield from (
             success, failure, count, exec_count, request_us, queue_us, compute_us, pending, retries, isolated, reasons,
+            batch_size,
         )  # fmt: skip
 
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio.to_thread
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
-from .. import metrics
+from ..metrics import exposition, registry
 from ..server import Server
 from .protocol import (
     MAX_DECOMPRESSED_SIZE,
@@ -92,7 +92,7 @@ class Endpoint:
             self.repository = ModelRepository(servers, expose_errors=bool(expose_errors))
         self.expose_errors = self.repository.expose_errors if expose_errors is None else expose_errors
         self.max_decompressed_size = max_decompressed_size
-        self.registry = metrics.registry(self.repository.servers)
+        self.registry = registry(self.repository.servers)
 
     # -- health and metadata --------------------------------------------------------
 
@@ -125,7 +125,7 @@ class Endpoint:
         return _EMPTY_OK if ready else Reply(503, b"", "text/plain")
 
     def metrics(self) -> Reply:
-        return Reply(200, generate_latest(self.registry), CONTENT_TYPE_LATEST)
+        return Reply(200, exposition(self.registry), CONTENT_TYPE_LATEST)
 
     # -- inference --------------------------------------------------------------------
 
