@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from aiohttp.web_protocol import RequestPayloadError
 
 from ..server import Server
-from ._endpoint import HEADER_LENGTH, Endpoint, Reply, error_reply, too_large
+from ._endpoint import HEADER_LENGTH, INFER, NOT_FOUND, Call, Endpoint, Reply, Route, _json, error_reply, too_large
 from ._lifecycle import serving
 from .protocol import MAX_BODY_SIZE, MAX_DECOMPRESSED_SIZE, ModelRepository, ProtocolError
 
@@ -26,7 +27,9 @@ def aiohttp_app(
     max_body_size: int = MAX_BODY_SIZE,
     max_decompressed_size: int = MAX_DECOMPRESSED_SIZE,
 ) -> web.Application:
-    endpoint = Endpoint(servers, expose_errors=expose_errors, max_decompressed_size=max_decompressed_size)
+    endpoint = Endpoint(
+        servers, expose_errors=expose_errors, max_decompressed_size=max_decompressed_size, metrics=metrics
+    )
     repository = endpoint.repository
 
     def _response(reply: Reply) -> web.Response:
@@ -35,26 +38,13 @@ def aiohttp_app(
             response.force_close()
         return response
 
-    async def live(request: web.Request) -> web.Response:
-        return _response(endpoint.live())
+    def answering(route: Route) -> Callable[[web.Request], Awaitable[web.Response]]:
+        async def handle(request: web.Request) -> web.Response:
+            body = await request.read() if route.method == "POST" else b""  # within client_max_size
+            call = Call(dict(request.match_info), request.headers, body)
+            return _response(await endpoint.answer(route, call))
 
-    async def ready(request: web.Request) -> web.Response:
-        return _response(endpoint.ready())
-
-    async def server_metadata(request: web.Request) -> web.Response:
-        return _response(endpoint.server_metadata())
-
-    async def model_metadata(request: web.Request) -> web.Response:
-        m = request.match_info
-        return _response(endpoint.model_metadata(m["name"], m.get("version", "")))
-
-    async def model_ready(request: web.Request) -> web.Response:
-        m = request.match_info
-        return _response(endpoint.model_ready(m["name"], m.get("version", "")))
-
-    async def model_config(request: web.Request) -> web.Response:
-        m = request.match_info
-        return _response(endpoint.model_config(m["name"], m.get("version", "")))
+        return handle
 
     async def infer(request: web.Request) -> web.Response:
         m = request.match_info
@@ -83,8 +73,22 @@ def aiohttp_app(
         )
         return _response(reply)
 
-    async def prometheus(request: web.Request) -> web.Response:
-        return _response(endpoint.metrics())
+    @web.middleware
+    async def json_refusals(request: web.Request, handler: Handler) -> web.StreamResponse:
+        """404 and 405 as JSON errors, as the other front-ends answer them."""
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status == 404:
+                reply = NOT_FOUND
+            elif exc.status == 405:
+                reply = _json(405, {"error": f"Method Not Allowed: {request.method} {request.path}"})
+            else:
+                raise
+            response = _response(reply)
+            if "Allow" in exc.headers:
+                response.headers["Allow"] = exc.headers["Allow"]
+            return response
 
     async def lifespan(app: web.Application) -> AsyncIterator[None]:
         async with serving(endpoint.repository, manage_servers):
@@ -94,15 +98,15 @@ def aiohttp_app(
     # only backs them up.
     app = web.Application(client_max_size=max(max_body_size, max_decompressed_size))
     app[ENDPOINT_KEY] = endpoint
-    app.router.add_get("/v2/health/live", live)
-    app.router.add_get("/v2/health/ready", ready)
-    app.router.add_get("/v2", server_metadata)
-    for prefix in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
-        app.router.add_get(prefix, model_metadata)
-        app.router.add_get(prefix + "/ready", model_ready)
-        app.router.add_get(prefix + "/config", model_config)
-        app.router.add_post(prefix + "/infer", infer)
-    if metrics:
-        app.router.add_get("/metrics", prometheus)
+    # One aiohttp route per entry of the endpoint's table, in its order; GET
+    # routes answer HEAD too. POST .../infer reads its body in bounded steps.
+    for route in endpoint.routes:
+        if route.handler is INFER:
+            app.router.add_post(route.path, infer)
+        elif route.method == "GET":
+            app.router.add_get(route.path, answering(route))
+        else:
+            app.router.add_route(route.method, route.path, answering(route))
+    app.middlewares.append(json_refusals)
     app.cleanup_ctx.append(lifespan)
     return app

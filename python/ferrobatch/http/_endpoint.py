@@ -1,7 +1,10 @@
 """The v2 REST endpoints, independent of the web framework.
 
 Each handler returns a :class:`Reply` (status, body bytes, headers); the
-Starlette and aiohttp adapters only move bytes in and out. JSON versus the
+Starlette and aiohttp adapters only move bytes in and out. :data:`ROUTES` is
+the one routing table: :meth:`Endpoint.dispatch` answers any request from it
+without a framework (the native front-end forwards what Rust does not answer
+there), and the adapters register their routes from it. JSON versus the
 binary tensor data extension is decided by ``Inference-Header-Content-Length``
 (present: the body is a JSON header of that many bytes, then the binary
 tensors), never by ``Content-Type``.
@@ -10,10 +13,12 @@ tensors), never by ``Content-Type``.
 from __future__ import annotations
 
 import json
+import re
 import zlib
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import unquote
 
 import anyio.to_thread
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -41,6 +46,7 @@ class Reply:
     content_type: str = _JSON
     header_length: int | None = None  # Inference-Header-Content-Length of a binary reply
     close: bool = False  # Connection: close (shutting down, or a body left unread)
+    allow: str | None = None  # Allow: the methods a 405's path takes
 
     @property
     def headers(self) -> dict[str, str]:
@@ -49,6 +55,8 @@ class Reply:
             headers[HEADER_LENGTH] = str(self.header_length)
         if self.close:
             headers["connection"] = "close"
+        if self.allow is not None:
+            headers["allow"] = self.allow
         return headers
 
 
@@ -69,6 +77,120 @@ def too_large(size: int | None, limit: int, what: str = "request body") -> Reply
 
 
 _EMPTY_OK = Reply(200, b"", "text/plain")
+NOT_FOUND = _json(404, {"error": "Not Found"})
+
+
+# -- the routing table ----------------------------------------------------------------
+
+_PARAM = re.compile(r"\{(\w+)\}")
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """What a route's handler gets: the path's parameters (percent-decoded),
+    the headers (lower-case names) and the body."""
+
+    params: Mapping[str, str]
+    headers: Mapping[str, str] = field(default_factory=dict)
+    body: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """``method path`` (``{name}`` matches one path segment) answered by
+    ``handler``; ``metrics`` marks ``/metrics``, left out with ``metrics=False``."""
+
+    method: str
+    path: str
+    handler: Callable[[Endpoint, Call], Awaitable[Reply]]
+    metrics: bool = False
+    pattern: re.Pattern[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        parts = _PARAM.split(self.path)  # literal, name, literal, name, ..., literal
+        regex = "".join(f"(?P<{part}>[^/]+)" if i % 2 else re.escape(part) for i, part in enumerate(parts))
+        object.__setattr__(self, "pattern", re.compile(regex))
+
+
+async def _live(e: Endpoint, c: Call) -> Reply:
+    return e.live()
+
+
+async def _ready(e: Endpoint, c: Call) -> Reply:
+    return e.ready()
+
+
+async def _server_metadata(e: Endpoint, c: Call) -> Reply:
+    return e.server_metadata()
+
+
+async def _all_statistics(e: Endpoint, c: Call) -> Reply:
+    return e.model_statistics()
+
+
+async def _repository_index(e: Endpoint, c: Call) -> Reply:
+    return e.repository_index(c.body)
+
+
+async def _metrics(e: Endpoint, c: Call) -> Reply:
+    return e.metrics()
+
+
+async def _model_metadata(e: Endpoint, c: Call) -> Reply:
+    return e.model_metadata(c.params["name"], c.params.get("version", ""))
+
+
+async def _model_ready(e: Endpoint, c: Call) -> Reply:
+    return e.model_ready(c.params["name"], c.params.get("version", ""))
+
+
+async def _model_config(e: Endpoint, c: Call) -> Reply:
+    return e.model_config(c.params["name"], c.params.get("version", ""))
+
+
+async def _model_statistics(e: Endpoint, c: Call) -> Reply:
+    return e.model_statistics(c.params["name"], c.params.get("version", ""))
+
+
+async def infer_route(e: Endpoint, c: Call) -> Reply:
+    headers = c.headers
+    return await e.infer(
+        c.params["name"],
+        c.params.get("version", ""),
+        c.body,
+        headers.get(HEADER_LENGTH),
+        headers.get("content-encoding"),
+    )
+
+
+#: The handler of ``POST .../infer`` (front-ends that read its body in
+#: bounded steps themselves recognise it by this).
+INFER = infer_route
+
+
+def _model_routes(prefix: str) -> list[Route]:
+    return [
+        Route("GET", prefix, _model_metadata),
+        Route("GET", prefix + "/ready", _model_ready),
+        Route("GET", prefix + "/config", _model_config),
+        Route("GET", prefix + "/stats", _model_statistics),
+        Route("POST", prefix + "/infer", INFER),
+    ]
+
+
+#: Every v2 REST route, in matching order: ``/v2/models/stats`` (all
+#: models' statistics) comes before ``/v2/models/{name}``, so no model's
+#: metadata is served there. GET routes answer HEAD too.
+ROUTES: tuple[Route, ...] = (
+    Route("GET", "/v2/health/live", _live),
+    Route("GET", "/v2/health/ready", _ready),
+    Route("GET", "/v2", _server_metadata),
+    Route("GET", "/v2/models/stats", _all_statistics),
+    Route("POST", "/v2/repository/index", _repository_index),
+    *_model_routes("/v2/models/{name}"),
+    *_model_routes("/v2/models/{name}/versions/{version}"),
+    Route("GET", "/metrics", _metrics, metrics=True),
+)
 
 
 class Endpoint:
@@ -76,7 +198,8 @@ class Endpoint:
 
     ``expose_errors``: see :class:`ModelRepository` (``None``: the
     repository's setting). ``max_decompressed_size``: the most bytes a
-    gzip or deflate body may expand to (413 beyond).
+    gzip or deflate body may expand to (413 beyond). ``metrics=False``
+    leaves ``GET /metrics`` out of :attr:`routes`.
     """
 
     def __init__(
@@ -85,6 +208,7 @@ class Endpoint:
         *,
         expose_errors: bool | None = None,
         max_decompressed_size: int = MAX_DECOMPRESSED_SIZE,
+        metrics: bool = True,
     ) -> None:
         if isinstance(servers, ModelRepository):
             self.repository = servers
@@ -93,6 +217,37 @@ class Endpoint:
         self.expose_errors = self.repository.expose_errors if expose_errors is None else expose_errors
         self.max_decompressed_size = max_decompressed_size
         self.registry = registry(self.repository.servers)
+        self.routes = tuple(r for r in ROUTES if metrics or not r.metrics)
+
+    async def dispatch(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> Reply:
+        """Answers one request from :attr:`routes` without a web framework;
+        never raises. ``path`` may carry a query string (ignored); header
+        names may be in any case. An unknown path is 404 ``{"error": "Not
+        Found"}``; a known one with another method 405, with ``Allow``.
+        HEAD is answered as GET (the transport leaves out the body)."""
+        path = path.partition("?")[0]
+        wanted = "GET" if method == "HEAD" else method
+        allowed: list[str] = []
+        for route in self.routes:
+            match = route.pattern.fullmatch(path)
+            if match is None:
+                continue
+            if route.method != wanted:
+                allowed.append(route.method)
+                continue
+            params = {k: unquote(v) for k, v in match.groupdict().items()}
+            return await self.answer(route, Call(params, {k.lower(): v for k, v in headers.items()}, body))
+        if not allowed:
+            return NOT_FOUND
+        allow = ", ".join(sorted({*allowed, *(["HEAD"] if "GET" in allowed else [])}))
+        return Reply(405, _json(405, {"error": f"Method Not Allowed: {method} {path} takes {allow}"}).body, allow=allow)
+
+    async def answer(self, route: Route, call: Call) -> Reply:
+        """``route``'s reply to ``call``; never raises."""
+        try:
+            return await route.handler(self, call)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a reply
+            return error_reply(exc, call.params.get("name", ""), expose=self.expose_errors)
 
     # -- health and metadata --------------------------------------------------------
 
@@ -126,6 +281,28 @@ class Endpoint:
 
     def metrics(self) -> Reply:
         return Reply(200, exposition(self.registry), CONTENT_TYPE_LATEST)
+
+    def model_statistics(self, name: str = "", version: str = "") -> Reply:
+        """Triton's statistics of model ``name`` ("": every model)."""
+        try:
+            return _json(200, self.repository.model_statistics(name, version))
+        except ProtocolError as exc:
+            return error_reply(exc)
+
+    def repository_index(self, body: bytes = b"") -> Reply:
+        """Triton's repository index; a JSON body ``{"ready": true}`` lists
+        only the ready models."""
+        ready_only = False
+        if body.strip():
+            try:
+                request = json.loads(body)
+            except ValueError as exc:
+                return error_reply(ProtocolError(400, f"malformed repository index request: {exc}"))
+            ready = request.get("ready", False) if isinstance(request, dict) else None
+            if not isinstance(ready, bool):
+                return error_reply(ProtocolError(400, 'a repository index request is a JSON object; "ready" a bool'))
+            ready_only = ready
+        return _json(200, self.repository.repository_index(ready_only))
 
     # -- inference --------------------------------------------------------------------
 

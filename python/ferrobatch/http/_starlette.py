@@ -6,16 +6,18 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
 from ..server import Server
-from ._endpoint import HEADER_LENGTH, Endpoint, Reply, too_large
+from ._endpoint import HEADER_LENGTH, NOT_FOUND, Call, Endpoint, Reply, _json, too_large
+from ._endpoint import Route as EndpointRoute
 from ._lifecycle import serving, stop_at_loop_shutdown
 from .protocol import MAX_BODY_SIZE, MAX_DECOMPRESSED_SIZE, ModelRepository
 
@@ -138,46 +140,38 @@ def starlette_app(
     max_body_size: int = MAX_BODY_SIZE,
     max_decompressed_size: int = MAX_DECOMPRESSED_SIZE,
 ) -> Starlette:
-    endpoint = Endpoint(servers, expose_errors=expose_errors, max_decompressed_size=max_decompressed_size)
+    endpoint = Endpoint(
+        servers, expose_errors=expose_errors, max_decompressed_size=max_decompressed_size, metrics=metrics
+    )
     repository = endpoint.repository
 
-    async def live(request: Request) -> Response:
-        return _response(endpoint.live(), repository.closing)
+    def handler(route: EndpointRoute) -> Callable[[Request], Awaitable[Response]]:
+        async def handle(request: Request) -> Response:
+            body = b""
+            if route.method == "POST":  # POST .../infer does not come here: V2App._infer
+                chunks: list[bytes] = []
+                size = 0
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > max_body_size:
+                        return _response(too_large(None, max_body_size), True)
+                    chunks.append(chunk)
+                body = b"".join(chunks)
+            call = Call(request.path_params, request.headers, body)
+            return _response(await endpoint.answer(route, call), repository.closing)
 
-    async def ready(request: Request) -> Response:
-        return _response(endpoint.ready(), repository.closing)
+        return handle
 
-    async def server_metadata(request: Request) -> Response:
-        return _response(endpoint.server_metadata(), repository.closing)
+    # One Starlette route per entry of the endpoint's table, in its order.
+    routes = [Route(r.path, handler(r), methods=[r.method]) for r in endpoint.routes]
 
-    async def model_metadata(request: Request) -> Response:
-        p = request.path_params
-        return _response(endpoint.model_metadata(p["name"], p.get("version", "")), repository.closing)
-
-    async def model_ready(request: Request) -> Response:
-        p = request.path_params
-        return _response(endpoint.model_ready(p["name"], p.get("version", "")), repository.closing)
-
-    async def model_config(request: Request) -> Response:
-        p = request.path_params
-        return _response(endpoint.model_config(p["name"], p.get("version", "")), repository.closing)
-
-    async def prometheus(request: Request) -> Response:
-        return _response(endpoint.metrics(), repository.closing)
-
-    routes = [
-        Route("/v2/health/live", live),
-        Route("/v2/health/ready", ready),
-        Route("/v2", server_metadata),
-    ]
-    for prefix in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
-        routes += [
-            Route(prefix, model_metadata),
-            Route(prefix + "/ready", model_ready),
-            Route(prefix + "/config", model_config),
-        ]  # POST .../infer: V2App._infer
-    if metrics:
-        routes.append(Route("/metrics", prometheus))
+    async def refused(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        if exc.status_code == 404:
+            reply = NOT_FOUND
+        else:
+            reply = _json(exc.status_code, {"error": f"{exc.detail}: {request.method} {request.url.path}"})
+        return Response(reply.body, exc.status_code, {**reply.headers, **(exc.headers or {})})
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -185,7 +179,7 @@ def starlette_app(
         async with serving(repository, manage_servers):
             yield
 
-    v2 = V2App(routes=routes, lifespan=lifespan)
+    v2 = V2App(routes=routes, lifespan=lifespan, exception_handlers={404: refused, 405: refused})
     v2.endpoint = endpoint
     v2.max_body_size = max_body_size
     v2.manage_servers = manage_servers

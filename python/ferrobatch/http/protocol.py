@@ -294,6 +294,33 @@ class ModelRepository:
             "instance_group": [{"count": len(server.devices), "kind": _instance_kind(server)}],
         }
 
+    def repository_index(self, ready_only: bool = False) -> list[dict[str, Any]]:
+        """Triton's repository index: every model (``ready_only``: the ready
+        ones), ``{"name", "version", "state": "READY" | "UNAVAILABLE", "reason"}``."""
+        index = []
+        for name, model in self._models.items():
+            ready = not self._closing and model.server.ready
+            if ready or not ready_only:
+                reason = "" if ready else "the server is shutting down" if self._closing else "not running"
+                state = "READY" if ready else "UNAVAILABLE"
+                index.append({"name": name, "version": MODEL_VERSION, "state": state, "reason": reason})
+        return index
+
+    def model_statistics(self, name: str = "", version: str = "") -> dict[str, Any]:
+        """Triton's statistics document (``{"model_stats": [...]}``) for model
+        ``name``, or every model when ``name`` is "", from ``Server.stats()``.
+
+        ``inference_count`` is rows and ``execution_count`` batches;
+        ``success`` counts succeeded requests with their submit-to-result
+        time, ``fail`` failed ones (not timed), ``queue`` the time requests
+        waited, ``compute_infer`` the model calls (a batch's time once per
+        request; per batch in ``batch_stats``). Collation and fan-out are not
+        timed apart from the model call: ``compute_input`` and
+        ``compute_output`` carry the counts with 0 ns, as does the absent cache.
+        """
+        models = [self.model(name, version)] if name else list(self._models.values())
+        return {"model_stats": [_model_stats(m.server) for m in models]}
+
     async def infer(self, model: ServedModel, inputs: dict[str, Any], timeout: float | None) -> dict[str, torch.Tensor]:
         """Runs ``n`` rows through ``model``; every output has leading dimension ``n``."""
         if self._closing:
@@ -306,6 +333,42 @@ class ModelRepository:
             if not self._in_flight and self._idle is not None:
                 self._idle.set()
                 self._idle = None
+
+
+def _duration(count: int, ns: int) -> dict[str, int]:
+    return {"count": count, "ns": ns}
+
+
+def _model_stats(server: Server) -> dict[str, Any]:
+    stats = server.stats()
+    succeeded = stats["requests_succeeded"]
+    batch_ns = stats["batch_compute_ns"]
+    return {
+        "name": server.name,
+        "version": MODEL_VERSION,
+        "last_inference": stats["last_inference_ms"],
+        "inference_count": stats["rows"],
+        "execution_count": stats["batches"],
+        "inference_stats": {
+            "success": _duration(succeeded, stats["request_ns"]),
+            "fail": _duration(sum(stats["requests_failed"].values()), 0),
+            "queue": _duration(succeeded, stats["queue_ns"]),
+            "compute_input": _duration(succeeded, 0),
+            "compute_infer": _duration(succeeded, stats["request_compute_ns"]),
+            "compute_output": _duration(succeeded, 0),
+            "cache_hit": _duration(0, 0),
+            "cache_miss": _duration(0, 0),
+        },
+        "batch_stats": [
+            {
+                "batch_size": size,
+                "compute_input": _duration(n, 0),
+                "compute_infer": _duration(n, batch_ns.get(size, 0)),
+                "compute_output": _duration(n, 0),
+            }
+            for size, n in stats["batch_sizes"].items()
+        ],
+    }
 
 
 def _instance_kind(server: Server) -> str:
