@@ -6,9 +6,15 @@ Protocol v2 (KServe v2), as Triton and ``tritonclient`` speak it.
 
 Routes: ``GET /v2/health/live``, ``/v2/health/ready``, ``/v2`` (server
 metadata), ``/v2/models/{name}[/versions/{v}]`` (model metadata), ``.../ready``,
-``.../config`` (Triton-style model config), ``POST .../infer``, and
-``GET /metrics`` (Prometheus, Triton's metric names; see
-:mod:`ferrobatch.metrics`).
+``.../config`` (Triton-style model config), ``.../stats`` and
+``/v2/models/stats`` (Triton's statistics of one model or all, from
+``Server.stats()``), ``POST /v2/repository/index`` (Triton's index: each
+model READY or UNAVAILABLE; ``{"ready": true}`` lists the ready ones),
+``POST .../infer``, and ``GET /metrics`` (Prometheus, Triton's metric names,
+typed; see :mod:`ferrobatch.metrics`). Other paths are 404 ``{"error": "Not
+Found"}``; a known path with another method is 405, with ``Allow``. Every
+front-end routes from one table (``ferrobatch.http._endpoint.ROUTES``;
+``Endpoint.dispatch`` answers a request from it without a framework).
 
 Inference takes and returns tensors as JSON ``data`` or with the binary tensor
 data extension (``Inference-Header-Content-Length``; ``binary_data_size``,
