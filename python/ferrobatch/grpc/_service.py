@@ -128,8 +128,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         response = pb.ModelInferResponse(model_name=name, model_version=MODEL_VERSION, id=request.id)
         datatypes = model.output_types
         raw = response.raw_output_contents
-        for out_name in outputs:
-            data, shape = model.codec.raw_output(out_name, results[out_name])
+        # One call into the codec for every output of the response.
+        for out_name, (data, shape) in zip(outputs, model.codec.raw_outputs(outputs, results), strict=True):
             response.outputs.add(name=out_name, datatype=datatypes[out_name], shape=shape)
             raw.append(data)
         return response

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from .._core import NativeFrontend
 from ..errors import ModelError
-from ._endpoint import HEADER_LENGTH, Endpoint, Reply, _json
+from ._endpoint import Endpoint, Reply, _json
 from .protocol import ModelRepository, error_message
 
 _MODEL = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?(/ready|/config|/infer)?")
@@ -95,31 +95,4 @@ class NativeHttp:
         return reply.status, list(reply.headers.items()), reply.body
 
     async def _dispatch(self, method: str, path: str, headers: dict[str, str], body: bytes) -> Reply:
-        path = path.partition("?")[0]
-        endpoint = self.endpoint
-        if method == "GET":
-            if path == "/v2/health/live":
-                return endpoint.live()
-            if path == "/v2/health/ready":
-                return endpoint.ready()
-            if path == "/v2":
-                return endpoint.server_metadata()
-            if path == "/metrics":
-                return endpoint.metrics()
-        match = _MODEL.fullmatch(path)
-        if match is None:
-            return _NOT_FOUND
-        name, version, what = match.group(1), match.group(2) or "", match.group(3) or ""
-        if method == "POST" and what == "/infer":
-            return await endpoint.infer(
-                name, version, body, headers.get(HEADER_LENGTH), headers.get("content-encoding")
-            )
-        if method != "GET":
-            return _NOT_FOUND
-        if what == "/ready":
-            return endpoint.model_ready(name, version)
-        if what == "/config":
-            return endpoint.model_config(name, version)
-        if what == "":
-            return endpoint.model_metadata(name, version)
-        return _NOT_FOUND
+        return await self.endpoint.dispatch(method, path, headers, body)

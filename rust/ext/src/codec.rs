@@ -556,6 +556,29 @@ impl V2Codec {
         Ok((body, Some(header.len())))
     }
 
+    /// Each output in `names`, read from `results` (`{name: tensor}`): its
+    /// raw little-endian bytes (gRPC's `raw_output_contents`) and shape. One
+    /// call per response.
+    fn raw_outputs<'py>(
+        &self,
+        py: Python<'py>,
+        names: Vec<String>,
+        results: &Bound<'py, PyDict>,
+    ) -> PyResult<Vec<(Bound<'py, PyBytes>, Bound<'py, PyList>)>> {
+        names
+            .iter()
+            .map(|name| {
+                let tensor = results.get_item(name)?.ok_or_else(|| {
+                    codec_error(
+                        py,
+                        V2Error::Output(format!("the model returned no output '{name}'")),
+                    )
+                })?;
+                self.raw_output(py, name, tensor)
+            })
+            .collect()
+    }
+
     /// The raw little-endian bytes of `tensor` as output `name` (gRPC's
     /// `raw_output_contents`), and its shape.
     fn raw_output<'py>(
