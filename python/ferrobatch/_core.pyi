@@ -12,6 +12,7 @@ __all__ = [
     "CodecError",
     "LoopMailbox",
     "LoopRegistry",
+    "NativeFrontend",
     "Submitter",
     "Ticket",
     "V2Codec",
@@ -184,15 +185,21 @@ class V2Codec:
 
 @final
 class NativeFrontend:
-    """The native HTTP front-end (tokio + hyper): listens from construction
-    until ``stop()``; serves natively the models given to ``serve()``."""
+    """The native front-end (tokio + hyper for HTTP, tonic for gRPC): listens
+    from construction until ``stop()``; serves natively the models given to
+    ``serve()``. ``server_metadata`` is ``(name, version, extensions)``;
+    ``model_metadata`` has ``(name, platform, inputs, outputs)`` per model,
+    each tensor ``(name, datatype, shape)``."""
 
     def __new__(
         cls,
         host: str,
-        port: int,
+        port: int | None,
         fallback: Callable[[str, str, list[tuple[str, str]], bytes], tuple[int, list[tuple[str, str]], bytes]],
         *,
+        grpc_port: int | None = None,
+        server_metadata: tuple[str, str, list[str]] | None = None,
+        model_metadata: list[tuple[str, str, list[tuple[str, str, list[int]]], list[tuple[str, str, list[int]]]]] = ...,
         threads: int = 1,
         max_body_size: int = ...,
         max_connections: int = 10000,
@@ -201,10 +208,10 @@ class NativeFrontend:
         body_timeout: float = 60.0,
     ) -> NativeFrontend: ...
     @property
-    def port(self) -> int: ...
-    def serve(
-        self, models: list[tuple[Batcher, LoopRegistry, V2Codec, Callable[[BaseException], str]]]
-    ) -> None: ...
+    def port(self) -> int | None: ...
+    @property
+    def grpc_port(self) -> int | None: ...
+    def serve(self, models: list[tuple[Batcher, LoopRegistry, V2Codec, Callable[[BaseException], str]]]) -> None: ...
     def set_ready(self, ready: bool) -> None: ...
     def drain(self) -> None: ...
     def close(self, grace: float) -> None: ...

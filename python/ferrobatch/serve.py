@@ -1,4 +1,4 @@
-"""``ferrobatch serve``: run servers behind HTTP (uvicorn) and gRPC in one process.
+"""``ferrobatch serve``: run servers behind HTTP and gRPC in one process.
 
     ferrobatch serve myapp.models:server --http-port 8000 --grpc-port 8001
     ferrobatch serve path/to/models.py:make_servers
@@ -6,8 +6,11 @@
 
 The target ``module:attr`` (or ``file.py:attr``) names a :class:`~ferrobatch.Server`,
 a list of them, or a zero-argument function returning either; ``module`` is
-imported from the current directory first, as ``python -m`` does. Both
-endpoints share one event loop with the servers.
+imported from the current directory first, as ``python -m`` does.
+
+The native front-end (the default) answers both in Rust, inside the
+extension; ``--frontend python`` serves them with uvicorn and grpcio on the
+servers' event loop instead.
 
 The ports open before the models start: while they warm up, readiness
 (``/v2/health/ready``, gRPC ServerReady) says not ready and inference answers
@@ -55,8 +58,7 @@ if TYPE_CHECKING:
     import grpc.aio
     import uvicorn
 
-    from .http._native import NativeHttp
-
+    from .http._native import NativeListeners
     from .http.protocol import ModelRepository
 
 __all__ = ["Listening", "ServeConfig", "StartupError", "load_servers", "serve", "serve_in_thread"]
@@ -127,9 +129,10 @@ class ServeConfig:
 
     host: str = "127.0.0.1"
     http_port: int | None = 8000
-    #: Who answers HTTP: "native" (Rust: tokio + hyper in the extension;
-    #: inference never becomes a Python object) or "python" (uvicorn and the
-    #: Starlette app, as embedded apps use). gRPC is served by grpcio either way.
+    #: Who answers HTTP and gRPC: "native" (Rust in the extension: tokio +
+    #: hyper, and tonic for gRPC; inference never becomes a Python object) or
+    #: "python" (uvicorn and the Starlette app, grpcio and its servicer, as
+    #: embedded apps use).
     frontend: str = "native"
     grpc_port: int | None = 8001
     graceful_timeout: float = 30.0
@@ -193,11 +196,27 @@ async def serve(
     http: uvicorn.Server | None = None
     http_task: asyncio.Task[None] | None = None
     rpc: grpc.aio.Server | None = None
-    native: NativeHttp | None = None
+    native: NativeListeners | None = None
     with _signals(stop, forced):
         try:
             grpc_port = None
-            if config.grpc_port is not None:
+            http_port = None
+            if config.frontend == "native":
+                from .http._native import NativeListeners
+
+                try:
+                    native = NativeListeners(
+                        repository,
+                        config.host,
+                        config.http_port,
+                        config.grpc_port,
+                        max_body_size=config.max_body_size,
+                        max_decompressed_size=config.max_decompressed_size,
+                    )
+                except OSError as exc:
+                    raise StartupError(str(exc)) from None
+                http_port, grpc_port = native.http_port, native.grpc_port
+            elif config.grpc_port is not None:
                 rpc = grpc_server(repository, None, max_message_size=config.max_body_size)
                 address = f"{_bracket(config.host)}:{config.grpc_port}"
                 try:
@@ -205,22 +224,7 @@ async def serve(
                 except RuntimeError as exc:
                     raise StartupError(f"gRPC: cannot listen on {address}: {exc}") from None
                 await rpc.start()
-            http_port = None
-            if config.http_port is not None and config.frontend == "native":
-                from .http._native import NativeHttp
-
-                try:
-                    native = NativeHttp(
-                        repository,
-                        config.host,
-                        config.http_port,
-                        max_body_size=config.max_body_size,
-                        max_decompressed_size=config.max_decompressed_size,
-                    )
-                except OSError as exc:
-                    raise StartupError(f"HTTP: {exc}") from None
-                http_port = native.port
-            elif config.http_port is not None:
+            if config.http_port is not None and config.frontend == "python":
                 app = starlette_app(
                     repository,
                     manage_servers=False,
@@ -340,7 +344,7 @@ async def _shutdown(
     http: uvicorn.Server | None,
     http_task: asyncio.Task[None] | None,
     rpc: grpc.aio.Server | None,
-    native: NativeHttp | None,
+    native: NativeListeners | None,
     repository: ModelRepository,
     started: Sequence[Server],
     forced: asyncio.Event,
@@ -540,7 +544,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--frontend",
         default="native",
         choices=["native", "python"],
-        help="who answers HTTP: native (Rust, the default) or python (uvicorn + Starlette)",
+        help="who answers HTTP and gRPC: native (Rust, the default) or python (uvicorn + Starlette, grpcio)",
     )
     parser.add_argument("--no-http", action="store_true", help="serve gRPC only")
     parser.add_argument("--no-grpc", action="store_true", help="serve HTTP only")

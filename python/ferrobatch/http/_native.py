@@ -1,41 +1,46 @@
-"""The native HTTP front-end: Rust (tokio + hyper) listens and answers
-inference; Python runs the model once per batch.
+"""The native front-end: Rust (tokio + hyper for HTTP, tonic for gRPC)
+listens and answers inference; Python runs the model once per batch.
 
-``POST .../infer`` (identity-encoded), ``/v2/health/*`` and ``.../ready`` are
-answered in Rust: a request never becomes a Python object. The rest of the
-v2 surface (metadata, config, ``/metrics``, unknown models and routes, and
-gzip/deflate bodies) is rare and goes to the same :class:`Endpoint` handlers
-as the Python front-end, run on the server's event loop.
+HTTP: ``POST .../infer`` (identity-encoded), ``/v2/health/*`` and
+``.../ready`` are answered in Rust: a request never becomes a Python object.
+The rest of the v2 surface (metadata, config, ``/metrics``, unknown models
+and routes, and gzip/deflate bodies) is rare and goes to the same
+:class:`Endpoint` handlers as the Python front-end (``Endpoint.dispatch``,
+one routing table), run on the server's event loop.
+
+gRPC: all six RPCs of ``inference.GRPCInferenceService`` are answered in
+Rust, the metadata from the documents the repository gives at start-up.
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Sequence
+from typing import Any
 
 from .._core import NativeFrontend
 from ..errors import ModelError
-from ._endpoint import Endpoint, Reply, _json
+from ._endpoint import Endpoint
 from .protocol import ModelRepository, error_message
 
-_MODEL = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?(/ready|/config|/infer)?")
-_NOT_FOUND = _json(404, {"error": "Not Found"})
-
 Answer = tuple[int, list[tuple[str, str]], bytes]
+TensorMeta = tuple[str, str, list[int]]
 
 
-class NativeHttp:
-    """Listens on ``host:port`` at once (``OSError`` if it cannot); serves
-    the models of ``repository`` natively once :meth:`attach` is called
-    after they have started (until then, requests go to the Python handlers,
-    which answer 503 while a model is not running)."""
+class NativeListeners:
+    """Listens at once on ``host:http_port`` and ``host:grpc_port`` (``None``:
+    not that one; ``OSError`` naming the address if it cannot); serves the
+    models of ``repository`` natively once :meth:`attach` is called after
+    they have started. Until then HTTP requests go to the Python handlers,
+    which answer 503 while a model is not running, and gRPC inference answers
+    UNAVAILABLE; readiness says not ready."""
 
     def __init__(
         self,
         repository: ModelRepository,
         host: str,
-        port: int,
+        http_port: int | None,
+        grpc_port: int | None = None,
         *,
         max_body_size: int,
         max_decompressed_size: int,
@@ -44,13 +49,25 @@ class NativeHttp:
         self.repository = repository
         self.endpoint = Endpoint(repository, max_decompressed_size=max_decompressed_size)
         self._loop = asyncio.get_running_loop()
+        server = repository.server_metadata()
         self._frontend = NativeFrontend(
-            host, port, self._fallback, threads=threads, max_body_size=max_body_size
+            host,
+            http_port,
+            self._fallback,
+            grpc_port=grpc_port,
+            server_metadata=(server["name"], server["version"], list(server["extensions"])),
+            model_metadata=[_model_metadata(repository.model_metadata(s.name)) for s in repository.servers],
+            threads=threads,
+            max_body_size=max_body_size,
         )
 
     @property
-    def port(self) -> int:
+    def http_port(self) -> int | None:
         return self._frontend.port
+
+    @property
+    def grpc_port(self) -> int | None:
+        return self._frontend.grpc_port
 
     def attach(self) -> None:
         """Serves the started models natively and turns readiness on."""
@@ -62,11 +79,12 @@ class NativeHttp:
         self._frontend.set_ready(True)
 
     def drain(self) -> None:
-        """Readiness 503 and ``Connection: close`` on responses; requests are still served."""
+        """Readiness 503 (gRPC: not ready) and ``Connection: close`` on HTTP
+        responses; requests are still served."""
         self._frontend.drain()
 
     async def close(self, grace: float) -> None:
-        """Closes the listener and waits up to ``grace`` seconds for accepted
+        """Closes the listeners and waits up to ``grace`` seconds for accepted
         requests to be answered; those still waiting stay connected, to get
         the answer stopping the servers gives them."""
         await asyncio.to_thread(self._frontend.close, grace)
@@ -87,12 +105,18 @@ class NativeHttp:
 
         return describe
 
-    # -- what Rust does not answer: on the event loop, from a blocking thread ---------
+    # -- what Rust does not answer over HTTP: on the event loop, from a blocking thread --
 
     def _fallback(self, method: str, path: str, headers: Sequence[tuple[str, str]], body: bytes) -> Answer:
-        future = asyncio.run_coroutine_threadsafe(self._dispatch(method, path, dict(headers), body), self._loop)
-        reply = future.result()
+        dispatched = self.endpoint.dispatch(method, path, dict(headers), body)
+        reply = asyncio.run_coroutine_threadsafe(dispatched, self._loop).result()
         return reply.status, list(reply.headers.items()), reply.body
 
-    async def _dispatch(self, method: str, path: str, headers: dict[str, str], body: bytes) -> Reply:
-        return await self.endpoint.dispatch(method, path, headers, body)
+
+def _model_metadata(meta: dict[str, Any]) -> tuple[str, str, list[TensorMeta], list[TensorMeta]]:
+    """``(name, platform, inputs, outputs)`` of a model metadata document."""
+
+    def tensors(docs: list[dict[str, Any]]) -> list[TensorMeta]:
+        return [(t["name"], t["datatype"], list(t["shape"])) for t in docs]
+
+    return meta["name"], meta["platform"], tensors(meta["inputs"]), tensors(meta["outputs"])
