@@ -1,5 +1,7 @@
-"""The v2 GRPCInferenceService, driven by tritonclient.grpc (sync and aio) and by
-the vendored stubs, against servers served on 127.0.0.1."""
+"""The v2 GRPCInferenceService of the Python front-end (grpcio), driven by
+tritonclient.grpc (sync and aio) and by the vendored stubs, against servers
+served on 127.0.0.1 (test_native_grpc.py runs the fixture-based tests against
+the native front-end too)."""
 
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ from ferrobatch.serve import ServeConfig, serve_in_thread
 
 @contextlib.contextmanager
 def serving(servers: list[fb.Server]) -> Iterator[str]:
-    config = ServeConfig(http_port=None, grpc_port=0, log_level="warning")
+    config = ServeConfig(http_port=None, grpc_port=0, frontend="python", log_level="warning")
     with serve_in_thread(servers, config) as listening:
         yield f"127.0.0.1:{listening.grpc_port}"
 
@@ -288,7 +290,7 @@ def test_calls_still_waiting_at_shutdown_get_unavailable_not_cancelled() -> None
     the calls queued behind it are answered UNAVAILABLE, none CANCELLED."""
     gate = Gate()
     server = fb.Server(gate, inputs=[X], outputs=[Y], max_batch_size=1, name="gated")
-    config = ServeConfig(http_port=None, grpc_port=0, log_level="warning", graceful_timeout=1)
+    config = ServeConfig(http_port=None, grpc_port=0, frontend="python", log_level="warning", graceful_timeout=1)
     with ThreadPoolExecutor(4) as pool:
         try:
             with serve_in_thread([server], config) as listening:
@@ -320,7 +322,7 @@ def test_messages_over_the_body_limit_are_resource_exhausted() -> None:
     """``max_body_size`` is gRPC's receive limit, on the message as sent and
     after gzip: a compressed message that expands past it is refused too."""
     servers = [fb.Server(double, inputs=[X], outputs=[Y], max_batch_size=MAX_BATCH, name="double")]
-    config = ServeConfig(http_port=None, grpc_port=0, log_level="warning", max_body_size=64 * 1024)
+    config = ServeConfig(http_port=None, grpc_port=0, frontend="python", log_level="warning", max_body_size=64 * 1024)
     with serve_in_thread(servers, config) as listening:
         url = f"127.0.0.1:{listening.grpc_port}"
 

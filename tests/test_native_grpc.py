@@ -1,0 +1,542 @@
+"""The native gRPC front-end (``ServeConfig(frontend="native")``, the default
+of ``ferrobatch serve``): the v2 ``GRPCInferenceService`` answered in Rust,
+every call answered and counted once, as the Python servicer answers it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Any
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+import test_grpc
+import torch
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as aiogrpcclient
+from test_http import make_servers
+from tritonclient.utils import InferenceServerException
+
+import ferrobatch as fb
+from ferrobatch.grpc import grpc_predict_v2_pb2 as pb
+from ferrobatch.grpc import grpc_predict_v2_pb2_grpc as pb_grpc
+from ferrobatch.serve import Listening, ServeConfig, StartupError, serve_in_thread
+
+X = fb.TensorSpec("x", "float32", (4,))
+Y = fb.TensorSpec("y", "float32", (4,))
+N = fb.TensorSpec("n", "int64", ())
+
+
+def double(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    x = inputs["x"]
+    return {"y": x * 2, "n": (x > 0).sum(dim=1)}
+
+
+def poisoned(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    x = inputs["x"]
+    if bool((x < 0).any()):
+        raise ValueError("secret path /srv/model: negative input")
+    return double(inputs)
+
+
+def native(**overrides: Any) -> ServeConfig:
+    return ServeConfig(**{"http_port": None, "grpc_port": 0, "frontend": "native", "log_level": "warning", **overrides})
+
+
+@contextlib.contextmanager
+def serving(servers: list[fb.Server], **overrides: Any) -> Iterator[str]:
+    with serve_in_thread(servers, native(**overrides)) as listening:
+        yield f"127.0.0.1:{listening.grpc_port}"
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[fb.Server, str]]:
+    server = fb.Server(double, inputs=[X], outputs=[Y, N], name="m", max_batch_size=16, max_delay=0.002)
+    with serving([server]) as address:
+        yield server, address
+
+
+@contextlib.contextmanager
+def client(address: str) -> Iterator[grpcclient.InferenceServerClient]:
+    triton = grpcclient.InferenceServerClient(address)
+    try:
+        yield triton
+    finally:
+        triton.close()
+
+
+def x_input(x: np.ndarray) -> grpcclient.InferInput:
+    tensor = grpcclient.InferInput("x", list(x.shape), "FP32")
+    tensor.set_data_from_numpy(x.astype(np.float32))
+    return tensor
+
+
+def raw_request(x: np.ndarray, model: str = "m", **fields: Any) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name=model, **fields)
+    request.inputs.add(name="x", datatype="FP32", shape=list(x.shape))
+    request.raw_input_contents.append(x.astype(np.float32).tobytes())
+    return request
+
+
+def outcomes(server: fb.Server) -> Counter[str]:
+    stats = server.stats()
+    return Counter({"succeeded": stats["requests_succeeded"], **stats["requests_failed"]})
+
+
+def failure(call: Callable[[], Any]) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    error: Any = info.value
+    return error.code(), error.details()
+
+
+# -- the Python servicer's conformance tests, against the native front-end ----------
+
+
+@pytest.fixture(scope="module")
+def url() -> Iterator[str]:
+    """Overrides test_grpc's: the same models, served natively."""
+    with serving(make_servers()) as address:
+        yield address
+
+
+triton = test_grpc.triton
+stub = test_grpc.stub
+
+test_conformance_health_and_metadata = test_grpc.test_health_and_metadata
+test_conformance_infer_rows = test_grpc.test_infer_rows
+test_conformance_every_datatype_round_trips_raw = test_grpc.test_every_datatype_round_trips_raw
+test_conformance_typed_contents_and_output_selection = test_grpc.test_typed_contents_and_output_selection
+test_conformance_aio_concurrent_callers = test_grpc.test_aio_concurrent_callers_get_their_own_rows
+test_conformance_bad_requests_are_invalid_argument = test_grpc.test_bad_requests_are_invalid_argument
+test_conformance_model_failure_is_internal = test_grpc.test_model_failure_is_internal
+test_conformance_unimplemented_rpcs_say_so = test_grpc.test_unimplemented_rpcs_say_so
+
+
+# -- inference ----------------------------------------------------------------------
+
+
+def test_raw_infer_gives_each_caller_its_rows_and_echoes_the_id(served: tuple[fb.Server, str]) -> None:
+    server, address = served
+    x = np.array([[1, -2, 3, 0.5], [0, 0, 0, 1]], np.float32)
+    with client(address) as triton:
+        result = triton.infer("m", [x_input(x)], request_id="r-7")
+        np.testing.assert_array_equal(result.as_numpy("y"), x * 2)
+        np.testing.assert_array_equal(result.as_numpy("n"), [3, 1])
+        response = result.get_response()
+        assert (response.id, response.model_name, response.model_version) == ("r-7", "m", "1")
+        assert [(o.name, o.datatype, list(o.shape)) for o in response.outputs] == [
+            ("y", "FP32", [2, 4]),
+            ("n", "INT64", [2]),
+        ]
+        # One output asked for.
+        result = triton.infer("m", [x_input(x[:1])], outputs=[grpcclient.InferRequestedOutput("n")])
+        assert [o.name for o in result.get_response().outputs] == ["n"]
+        assert result.as_numpy("n").tolist() == [3]
+    assert outcomes(server)["succeeded"] == 2
+
+
+def test_typed_contents_are_decoded_natively(served: tuple[fb.Server, str]) -> None:
+    _, address = served
+    request = pb.ModelInferRequest(model_name="m", id="typed")
+    tensor = request.inputs.add(name="x", datatype="FP32", shape=[3, 4])
+    tensor.contents.fp32_contents.extend(range(-3, 9))
+    request.outputs.add(name="y")
+    with grpc.insecure_channel(address) as channel:
+        response = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request)
+    assert response.id == "typed" and [o.name for o in response.outputs] == ["y"]
+    assert list(response.outputs[0].shape) == [3, 4]
+    y = np.frombuffer(response.raw_output_contents[0], np.float32)
+    np.testing.assert_array_equal(y, np.arange(-3, 9, dtype=np.float32) * 2)
+
+
+async def test_aio_callers_at_once_share_batches(served: tuple[fb.Server, str]) -> None:
+    server, address = served
+    triton = aiogrpcclient.InferenceServerClient(address)
+    try:
+
+        async def call(i: int) -> None:
+            x = np.full((1 + i % 3, 4), float(i), np.float32)
+            tensor = aiogrpcclient.InferInput("x", list(x.shape), "FP32")
+            tensor.set_data_from_numpy(x)
+            result = await triton.infer("m", [tensor], request_id=str(i))
+            np.testing.assert_array_equal(result.as_numpy("y"), x * 2)
+            assert result.get_response().id == str(i)
+
+        await asyncio.gather(*(call(i) for i in range(48)))
+    finally:
+        await triton.close()
+    stats = server.stats()
+    assert stats["requests_succeeded"] == 48
+    assert stats["batches"] < 48  # callers at once were batched together
+
+
+def test_both_listeners_share_one_native_front_end() -> None:
+    server = fb.Server(double, inputs=[X], outputs=[Y, N], name="m")
+    with serve_in_thread([server], native(http_port=0)) as listening:
+        assert listening.http_port not in (None, 0) and listening.grpc_port not in (None, 0)
+        assert listening.http_port != listening.grpc_port
+        with client(f"127.0.0.1:{listening.grpc_port}") as triton:
+            assert triton.infer("m", [x_input(np.ones((1, 4)))]).as_numpy("n").tolist() == [4]
+        body = b'{"inputs":[{"name":"x","datatype":"FP32","shape":[1,4],"data":[1,1,1,1]}]}'
+        response = httpx.post(f"http://127.0.0.1:{listening.http_port}/v2/models/m/infer", content=body)
+        assert response.status_code == 200
+    assert outcomes(server)["succeeded"] == 2
+
+
+def test_listening_reports_the_bound_grpc_port_only() -> None:
+    server = fb.Server(double, inputs=[X], outputs=[Y, N], name="m")
+    with serve_in_thread([server], native()) as listening:
+        assert isinstance(listening, Listening)
+        assert listening.http_port is None and listening.grpc_port not in (None, 0)
+
+
+# -- health and metadata ------------------------------------------------------------
+
+
+def test_health_and_metadata_come_from_the_repositorys_documents(served: tuple[fb.Server, str]) -> None:
+    _, address = served
+    with client(address) as triton:
+        assert triton.is_server_live() and triton.is_server_ready()
+        assert triton.is_model_ready("m") and triton.is_model_ready("m", "1")
+        meta = triton.get_server_metadata(as_json=True)
+        assert meta == {"name": "ferrobatch", "version": fb.__version__, "extensions": ["binary_tensor_data"]}
+        model = triton.get_model_metadata("m", as_json=True)
+        assert model == {
+            "name": "m",
+            "versions": ["1"],
+            "platform": "pytorch",
+            "inputs": [{"name": "x", "datatype": "FP32", "shape": ["-1", "4"]}],
+            "outputs": [
+                {"name": "y", "datatype": "FP32", "shape": ["-1", "4"]},
+                {"name": "n", "datatype": "INT64", "shape": ["-1"]},
+            ],
+        }
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        assert failure(lambda: stub.ModelReady(pb.ModelReadyRequest(name="nope"))) == (
+            grpc.StatusCode.NOT_FOUND,
+            "Request for unknown model: 'nope' is not found",
+        )
+        assert failure(lambda: stub.ModelMetadata(pb.ModelMetadataRequest(name="m", version="2"))) == (
+            grpc.StatusCode.NOT_FOUND,
+            "Request for unknown model: 'm' version 2 is not found",
+        )
+
+
+def test_a_model_warming_up_is_known_but_not_ready_and_unavailable() -> None:
+    gate = threading.Event()
+    warming = threading.Event()
+
+    def model(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        warming.set()
+        gate.wait(30)
+        return double(inputs)
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = fb.Server(model, inputs=[X], outputs=[Y, N], name="w", warmup=True)
+    address = f"127.0.0.1:{port}"
+    serving_cm = serve_in_thread([server], native(grpc_port=port))
+    with ThreadPoolExecutor(1) as pool:
+        started = pool.submit(serving_cm.__enter__)  # returns once the model is ready
+        try:
+            assert warming.wait(30)
+            with client(address) as triton, grpc.insecure_channel(address) as channel:
+                assert triton.is_server_live()
+                assert not triton.is_server_ready()
+                assert not triton.is_model_ready("w")
+                assert triton.get_model_metadata("w", as_json=True)["name"] == "w"
+                stub = pb_grpc.GRPCInferenceServiceStub(channel)
+                code, details = failure(lambda: stub.ModelInfer(raw_request(np.ones((1, 4)), "w")))
+                assert (code, details) == (grpc.StatusCode.UNAVAILABLE, "server 'w' is not running")
+                unknown = pb.ModelReadyRequest(name="x")
+                assert failure(lambda: stub.ModelReady(unknown))[0] == grpc.StatusCode.NOT_FOUND
+        finally:
+            gate.set()
+            listening = started.result(60)
+    try:
+        assert listening.grpc_port == port
+        with client(address) as triton:
+            assert triton.is_server_ready() and triton.is_model_ready("w")
+            assert triton.infer("w", [x_input(np.ones((1, 4)))]).as_numpy("n").tolist() == [4]
+    finally:
+        serving_cm.__exit__(None, None, None)
+
+
+# -- errors -------------------------------------------------------------------------
+
+
+def test_bad_requests_are_invalid_argument_naming_the_problem_and_harm_nothing(
+    served: tuple[fb.Server, str],
+) -> None:
+    server, address = served
+    with grpc.insecure_channel(address) as channel:
+        infer = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer
+        assert failure(lambda: infer(raw_request(np.ones((1, 4)), "nope"))) == (
+            grpc.StatusCode.NOT_FOUND,
+            "Request for unknown model: 'nope' is not found",
+        )
+        cases = {
+            "input 'x': expected shape (n, 4), got (1, 3)": raw_request(np.ones((1, 3))),
+            "exceeds max_batch_size (16)": raw_request(np.ones((17, 4))),
+            "input 'x': FP32 shape [1, 4] needs 16 bytes, got 12": pb.ModelInferRequest(
+                model_name="m",
+                inputs=[pb.ModelInferRequest.InferInputTensor(name="x", datatype="FP32", shape=[1, 4])],
+                raw_input_contents=[bytes(12)],
+            ),
+            "unknown output 'q' for model 'm'; outputs: y, n": raw_request(
+                np.ones((1, 4)), outputs=[pb.ModelInferRequest.InferRequestedOutputTensor(name="q")]
+            ),
+            "parameter 'timeout' must be an int64 of microseconds >= 0": raw_request(
+                np.ones((1, 4)), parameters={"timeout": pb.InferParameter(string_param="1")}
+            ),
+            "the request has no inputs": pb.ModelInferRequest(model_name="m"),
+        }
+        for text, request in cases.items():
+            code, details = failure(lambda: infer(request))  # noqa: B023 - called at once
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, (text, details)
+            assert text in details, (text, details)
+        wrong_type = pb.ModelInferRequest(model_name="m")
+        wrong_type.inputs.add(name="x", datatype="INT32", shape=[1, 4]).contents.int_contents.extend([1, 2, 3, 4])
+        assert failure(lambda: infer(wrong_type)) == (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "input 'x': expected dtype float32, got int32",
+        )
+        assert len(infer(raw_request(np.ones((1, 4)))).outputs) == 2
+    # Only the requests that reached the model's inputs are counted.
+    seen = outcomes(server)
+    assert seen["succeeded"] == 1 and seen["invalid_input"] == 3, seen
+
+
+def test_a_message_over_the_limit_is_resource_exhausted_sent_or_inflated() -> None:
+    server = fb.Server(double, inputs=[X], outputs=[Y, N], name="m", max_batch_size=8192)
+    with serving([server], max_body_size=64 * 1024) as address, grpc.insecure_channel(address) as channel:
+        infer = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer
+        assert list(infer(raw_request(np.ones((8, 4)))).outputs[0].shape) == [8, 4]
+        code, details = failure(lambda: infer(raw_request(np.ones((8192, 4)))))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "over the limit of 65536 bytes" in details
+        # Zeros: a few hundred bytes of gzip for 128 KiB of message.
+        zeros = raw_request(np.zeros((8192, 4)))
+        code, _ = failure(lambda: infer(zeros, compression=grpc.Compression.Gzip))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # Still serving, and gzip within the limit is accepted.
+        assert len(infer(raw_request(np.ones((2, 4))), compression=grpc.Compression.Gzip).outputs) == 2
+    assert outcomes(server)["succeeded"] == 2
+
+
+def test_a_failing_request_fails_alone_and_the_client_does_not_see_the_models_text() -> None:
+    plugged = Held()
+
+    def model(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if bool((inputs["x"] == 99).any()):
+            return plugged(inputs)  # holds the first batch: the next twelve queue
+        return poisoned(inputs)
+
+    server = fb.Server(model, inputs=[X], outputs=[Y, N], name="p", max_batch_size=32, max_delay=0)
+    with serving([server]) as address, client(address) as triton:
+
+        def call(i: int) -> str:
+            try:
+                triton.infer("p", [x_input(np.full((1, 4), -1.0 if i == 5 else float(i)))])
+                return "OK"
+            except InferenceServerException as exc:
+                return f"{exc.status()} {exc.message()}"
+
+        with ThreadPoolExecutor(13) as pool:
+            plug = pool.submit(triton.infer, "p", [x_input(np.full((1, 4), 99.0))])
+            assert plugged.entered.wait(30)
+            calls = [pool.submit(call, i) for i in range(12)]
+            while server.stats()["queue_depth"] < 12:
+                time.sleep(0.005)
+            plugged.release.set()  # the twelve go as one batch, the bad one isolated
+            results = [c.result(30) for c in calls]
+            plug.result(30)
+    assert [r == "OK" for r in results] == [i != 5 for i in range(12)], results
+    assert results[5].startswith("StatusCode.INTERNAL model 'p' failed: ValueError (request id")
+    assert "secret" not in results[5]
+    seen = outcomes(server)
+    assert seen["succeeded"] == 12 and seen["model_error"] == 1
+    assert server.stats()["batches"] == 2
+
+
+# -- deadlines and cancellation ------------------------------------------------------
+
+
+class Held:
+    """A model whose first batch waits for ``release``: the next requests queue."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        self.entered.set()
+        self.release.wait(30)
+        return double(inputs)
+
+
+def test_the_timeout_parameter_and_the_calls_deadline_are_deadline_exceeded_counted_once() -> None:
+    held = Held()
+    server = fb.Server(held, inputs=[X], outputs=[Y, N], name="s", max_batch_size=1, max_delay=0)
+    with serving([server]) as address, client(address) as triton, ThreadPoolExecutor(1) as pool:
+        first = pool.submit(triton.infer, "s", [x_input(np.ones((1, 4)))])
+        assert held.entered.wait(30)
+        # Queued behind the held batch: each expires there.
+        with pytest.raises(InferenceServerException) as info:
+            triton.infer("s", [x_input(np.ones((1, 4)))], timeout=50_000)
+        assert info.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+        assert "exceeded its 0.05s timeout" in info.value.message()
+        with pytest.raises(InferenceServerException) as info:
+            triton.infer("s", [x_input(np.ones((1, 4)))], client_timeout=0.1)
+        assert info.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+        deadline = time.monotonic() + 5
+        while outcomes(server)["deadline_exceeded"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        held.release.set()
+        first.result(30)
+    seen = outcomes(server)
+    assert seen["deadline_exceeded"] == 2 and seen["succeeded"] == 1 and seen["cancelled"] == 0, seen
+    assert server.stats()["batches"] == 1  # the expired requests never ran
+
+
+def test_a_cancelled_call_withdraws_its_queued_request() -> None:
+    held = Held()
+    server = fb.Server(held, inputs=[X], outputs=[Y, N], name="g", max_batch_size=1, max_delay=0)
+    with serving([server]) as address, grpc.insecure_channel(address) as channel:
+        infer = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer
+        first = infer.future(raw_request(np.ones((1, 4)), "g"))
+        assert held.entered.wait(30)
+        queued = infer.future(raw_request(np.full((1, 4), 5.0), "g"))
+        while server.stats()["queue_depth"] < 1:
+            time.sleep(0.005)
+        assert queued.cancel()
+        deadline = time.monotonic() + 5
+        while outcomes(server)["cancelled"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        held.release.set()
+        assert list(first.result(30).outputs[0].shape) == [1, 4]
+    seen = outcomes(server)
+    assert seen["cancelled"] == 1 and seen["succeeded"] == 1, seen
+    assert server.stats()["batches"] == 1  # the cancelled request never ran
+
+
+def test_calls_still_waiting_at_shutdown_get_unavailable_not_cancelled() -> None:
+    held = Held()
+    server = fb.Server(held, inputs=[X], outputs=[Y, N], name="h", max_batch_size=1, max_delay=0)
+    with ThreadPoolExecutor(4) as pool:
+        try:
+            with serving([server], graceful_timeout=1) as address:
+
+                def call() -> str:
+                    with client(address) as triton:
+                        try:
+                            triton.infer("h", [x_input(np.ones((1, 4)))])
+                            return "OK"
+                        except InferenceServerException as exc:
+                            return str(exc.status())
+
+                calls = [pool.submit(call)]
+                assert held.entered.wait(30)
+                calls += [pool.submit(call) for _ in range(3)]
+                while server.stats()["queue_depth"] < 3:
+                    time.sleep(0.005)
+            statuses = [c.result(30) for c in calls]
+        finally:
+            held.release.set()
+    assert statuses == ["StatusCode.UNAVAILABLE"] * 4
+    assert outcomes(server)["server_closed"] == 4
+
+
+# -- accounting and parity ----------------------------------------------------------
+
+
+def test_stats_equal_what_the_callers_saw_under_concurrent_load() -> None:
+    server = fb.Server(poisoned, inputs=[X], outputs=[Y, N], name="c", max_batch_size=8, max_delay=0.001)
+    with serving([server]) as address, grpc.insecure_channel(address) as channel:
+        infer = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer
+
+        def call(i: int) -> grpc.StatusCode:
+            if i % 10 == 3:
+                request = raw_request(np.array([[-1, 1, 1, 1]]), "c")
+            elif i % 10 == 7:
+                request = raw_request(np.ones((1, 2)), "c")
+            else:
+                request = raw_request(np.full((1 + i % 2, 4), float(i)), "c")
+            try:
+                infer(request, timeout=30)
+                return grpc.StatusCode.OK
+            except grpc.RpcError as exc:
+                return exc.code()  # type: ignore[no-any-return]
+
+        with ThreadPoolExecutor(16) as pool:
+            statuses = Counter(pool.map(call, range(200)))
+    seen = outcomes(server)
+    # Two bad requests in one batch may exhaust the retry budget and fail a
+    # few innocent neighbours: whatever the callers saw, stats() saw the same.
+    assert statuses[grpc.StatusCode.INVALID_ARGUMENT] == 20 and statuses[grpc.StatusCode.INTERNAL] >= 20
+    assert sum(statuses.values()) == 200
+    assert (seen["succeeded"], seen["model_error"], seen["invalid_input"]) == (
+        statuses[grpc.StatusCode.OK],
+        statuses[grpc.StatusCode.INTERNAL],
+        20,
+    )
+    assert sum(seen.values()) == 200
+
+
+def test_a_grpc_port_in_use_fails_before_warm_up() -> None:
+    warmed: list[bool] = []
+
+    def model(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        warmed.append(True)
+        return double(inputs)
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        server = fb.Server(model, inputs=[X], outputs=[Y, N], name="w", warmup=True)
+        with pytest.raises(StartupError, match=f"gRPC: cannot listen on 127.0.0.1:{port}"):
+            with serve_in_thread([server], native(http_port=0, grpc_port=port)):
+                pass
+    assert warmed == []
+
+
+def test_both_front_ends_give_the_same_model_infer_responses() -> None:
+    requests = [raw_request(np.array([[1.5, -2, 0, 1e-8], [3, 3, 3, 3]]), id="q")]
+    typed = pb.ModelInferRequest(model_name="m", id="t")
+    typed.inputs.add(name="x", datatype="FP32", shape=[1, 4]).contents.fp32_contents.extend([1, 2, 3, 4])
+    typed.outputs.add(name="n")
+    requests.append(typed)
+    refused = [
+        raw_request(np.ones((1, 3))),
+        raw_request(np.ones((1, 4)), "nope"),
+        raw_request(np.ones((1, 4)), model_version="2"),
+        raw_request(np.ones((1, 4)), outputs=[pb.ModelInferRequest.InferRequestedOutputTensor(name="q")]),
+        pb.ModelInferRequest(model_name="m", inputs=[pb.ModelInferRequest.InferInputTensor(name="x", datatype="FP16")]),
+        pb.ModelInferRequest(model_name="m", raw_input_contents=[b"x"]),
+    ]
+    replies: dict[str, list[object]] = {}
+    for frontend in ("native", "python"):
+        server = fb.Server(double, inputs=[X], outputs=[Y, N], name="m")
+        with serving([server], frontend=frontend) as address, grpc.insecure_channel(address) as channel:
+            rpc = pb_grpc.GRPCInferenceServiceStub(channel)
+            replies[frontend] = [
+                *(rpc.ModelInfer(r) for r in requests),
+                *(failure(partial(rpc.ModelInfer, r)) for r in refused),
+                rpc.ModelMetadata(pb.ModelMetadataRequest(name="m")),
+                rpc.ServerMetadata(pb.ServerMetadataRequest()),
+                rpc.ServerReady(pb.ServerReadyRequest()),
+                rpc.ModelReady(pb.ModelReadyRequest(name="m", version="1")),
+            ]
+    assert replies["native"] == replies["python"]
