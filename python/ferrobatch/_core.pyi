@@ -57,6 +57,10 @@ class Submitter:
         self, inputs: Any, timeout: float | None = None, batched: bool = False
     ) -> tuple[asyncio.Future[dict[str, torch.Tensor]], int]:
         """Queues a request from the running event loop: ``(future, request id)``."""
+    def infer_blocking(
+        self, inputs: Any, timeout: float | None = None, batched: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """Runs a request from a plain thread, blocking (GIL released) until its batch answers."""
     def cancel(self, id: int, future: asyncio.Future[Any]) -> None:
         """The task awaiting request ``id``'s ``future`` was cancelled."""
 
@@ -182,6 +186,7 @@ class V2Codec:
     def decode_tensors(self, tensors: list[tuple[str, str, list[int], Any]]) -> dict[str, V2Tensor]: ...
     def encode(self, request: V2Request, results: dict[str, torch.Tensor]) -> tuple[bytes, int | None]: ...
     def raw_output(self, name: str, tensor: torch.Tensor) -> tuple[bytes, list[int]]: ...
+    def raw_outputs(self, names: list[str], results: dict[str, torch.Tensor]) -> list[tuple[bytes, list[int]]]: ...
 
 @final
 class NativeFrontend:
