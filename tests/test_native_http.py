@@ -9,6 +9,9 @@ import json
 import socket
 import threading
 import time
+import urllib.error
+import urllib.request
+import zlib
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -136,17 +139,111 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read() -> None:
         assert response.headers["connection"] == "close"
 
 
-def test_the_rest_of_the_v2_surface_and_gzip_bodies_go_to_the_python_handlers(served: tuple[fb.Server, str]) -> None:
+def test_the_rest_of_the_v2_surface_and_other_codings_go_to_the_python_handlers(
+    served: tuple[fb.Server, str],
+) -> None:
     _, base = served
     assert httpx.get(f"{base}/v2").json()["name"] == "ferrobatch"
     meta = httpx.get(f"{base}/v2/models/m").json()
     assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}]
     assert httpx.get(f"{base}/v2/models/m/versions/1/config").json()["max_batch_size"] == 16
     assert "nv_inference_request_success" in httpx.get(f"{base}/metrics").text
-    body = gzip.compress(infer_body([[1, 2, 3, 4]]))
-    response = httpx.post(f"{base}/v2/models/m/infer", content=body, headers={"content-encoding": "gzip"})
-    assert response.status_code == 200, response.text
-    assert response.json()["outputs"][0]["data"] == [2, 4, 6, 8]
+    body = infer_body([[1, 2, 3, 4]])
+    response = httpx.post(f"{base}/v2/models/m/infer", content=body, headers={"content-encoding": "br"})
+    assert response.status_code == 400
+    assert "unsupported Content-Encoding" in response.json()["error"]
+
+
+def post_raw(url: str, body: bytes, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
+    """A POST whose response body is returned as sent (urllib does not undo codings)."""
+    request = urllib.request.Request(url, data=body, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, {k.lower(): v for k, v in response.headers.items()}, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, {k.lower(): v for k, v in error.headers.items()}, error.read()
+
+
+CODERS = {"gzip": gzip.compress, "deflate": zlib.compress}
+DECODERS = {"gzip": gzip.decompress, "deflate": zlib.decompress}
+
+
+@pytest.mark.parametrize("request_coding", ["gzip", "deflate"])
+@pytest.mark.parametrize(
+    ("accept", "response_coding"),
+    [("gzip", "gzip"), ("deflate", "deflate"), ("deflate, gzip;q=0.5", "gzip"), ("gzip;q=0, deflate", "deflate")],
+)
+def test_coded_bodies_are_inflated_natively_and_responses_coded_as_accepted(
+    served: tuple[fb.Server, str], request_coding: str, accept: str, response_coding: str
+) -> None:
+    server, base = served
+    x = [[1.0, 2.0, 3.0, 4.0]] * 3
+    # Binary output: the inference header's length counts the uncoded JSON, as Triton sends it.
+    plain = infer_body(x, outputs=[{"name": "y", "parameters": {"binary_data": True}}])
+    headers = {"content-encoding": request_coding, "accept-encoding": accept}
+    status, got, raw = post_raw(f"{base}/v2/models/m/infer", CODERS[request_coding](plain), headers)
+    assert status == 200, raw
+    assert got["content-encoding"] == response_coding
+    body = DECODERS[response_coding](raw)
+    length = int(got["inference-header-content-length"])
+    assert json.loads(body[:length])["outputs"][0]["shape"] == [3, 4]
+    assert np.frombuffer(body[length:], np.float32).tolist() == [2.0, 4.0, 6.0, 8.0] * 3
+    # No Accept-Encoding: sent as is.
+    status, got, raw = post_raw(
+        f"{base}/v2/models/m/infer", CODERS[request_coding](infer_body(x)), {"content-encoding": request_coding}
+    )
+    assert status == 200 and "content-encoding" not in got
+    assert json.loads(raw)["outputs"][0]["data"] == [2.0, 4.0, 6.0, 8.0] * 3
+    assert outcomes(server)["succeeded"] == 2
+
+
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_tritonclient_request_and_response_compression(served: tuple[fb.Server, str], algorithm: str) -> None:
+    _, base = served
+    client = httpclient.InferenceServerClient(base.removeprefix("http://"))
+    x = np.arange(8 * 4, dtype=np.float32).reshape(8, 4)
+    for binary in (True, False):
+        tensor = httpclient.InferInput("x", [8, 4], "FP32")
+        tensor.set_data_from_numpy(x, binary_data=binary)
+        outputs = [httpclient.InferRequestedOutput("y", binary_data=binary)]
+        result = client.infer(
+            "m",
+            [tensor],
+            outputs=outputs,
+            request_compression_algorithm=algorithm,
+            response_compression_algorithm=algorithm,
+        )
+        np.testing.assert_array_equal(result.as_numpy("y"), x * 2)
+        assert result.get_response()["model_name"] == "m"
+    client.close()
+
+
+def test_a_coded_body_is_inflated_within_max_decompressed_size() -> None:
+    server = fb.Server(double, inputs=[X], outputs=[Y, N], name="m")
+    limit = 1 << 20
+    with serve_in_thread([server], native(max_decompressed_size=limit)) as listening:
+        url = f"http://127.0.0.1:{listening.http_port}/v2/models/m/infer"
+        # A bomb: 64 MiB of spaces in some 64 KiB; refused once past the limit, not inflated.
+        bomb = zlib.compress(b" " * (64 << 20), 9)
+        assert len(bomb) < 100_000
+        status, _, raw = post_raw(url, bomb, {"content-encoding": "deflate"})
+        assert status == 413, raw
+        assert f"deflate request body expands past the limit of {limit} bytes" in json.loads(raw)["error"]
+        status, _, raw = post_raw(url, gzip.compress(b" " * (limit + 1)), {"content-encoding": "gzip"})
+        assert status == 413, raw
+        # Exactly the limit: inflated (then refused by the codec: spaces are not a request).
+        status, _, raw = post_raw(url, gzip.compress(b" " * limit), {"content-encoding": "gzip"})
+        assert status == 400, raw
+        good = infer_body([[1, 2, 3, 4]])
+        for coding, coded in (("gzip", gzip.compress(good)), ("deflate", zlib.compress(good))):
+            for broken in (coded[:-4], b"not " + coded, coded + b"trailing"):
+                status, _, raw = post_raw(url, broken, {"content-encoding": coding})
+                assert status == 400, (coding, broken, raw)
+                assert f"request body is not valid {coding}" in json.loads(raw)["error"]
+        # The server goes on serving.
+        status, _, raw = post_raw(url, gzip.compress(good), {"content-encoding": "gzip"})
+        assert status == 200 and json.loads(raw)["outputs"][0]["data"] == [2, 4, 6, 8]
+    assert outcomes(server)["succeeded"] == 1
 
 
 def poisoned(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -207,6 +207,7 @@ class NativeFrontend:
         model_metadata: list[tuple[str, str, list[tuple[str, str, list[int]]], list[tuple[str, str, list[int]]]]] = ...,
         threads: int = 1,
         max_body_size: int = ...,
+        max_decompressed_size: int = ...,
         max_connections: int = 10000,
         max_streams: int = 1024,
         header_timeout: float = 30.0,

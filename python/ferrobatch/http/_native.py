@@ -1,10 +1,11 @@
 """The native front-end: Rust (tokio + hyper for HTTP, tonic for gRPC)
 listens and answers inference; Python runs the model once per batch.
 
-HTTP: ``POST .../infer`` (identity-encoded), ``/v2/health/*`` and
+HTTP: ``POST .../infer`` (identity, gzip or deflate bodies; responses
+gzip or deflate coded when ``Accept-Encoding`` asks), ``/v2/health/*`` and
 ``.../ready`` are answered in Rust: a request never becomes a Python object.
 The rest of the v2 surface (metadata, config, ``/metrics``, unknown models
-and routes, and gzip/deflate bodies) is rare and goes to the same
+and routes, other content codings) is rare and goes to the same
 :class:`Endpoint` handlers as the Python front-end (``Endpoint.dispatch``,
 one routing table), run on the server's event loop.
 
@@ -45,6 +46,9 @@ class NativeListeners:
         max_body_size: int,
         max_decompressed_size: int,
         threads: int = 1,
+        max_connections: int = 10_000,
+        header_timeout: float = 30.0,
+        body_timeout: float = 60.0,
     ) -> None:
         self.repository = repository
         self.endpoint = Endpoint(repository, max_decompressed_size=max_decompressed_size)
@@ -59,6 +63,10 @@ class NativeListeners:
             model_metadata=[_model_metadata(repository.model_metadata(s.name)) for s in repository.servers],
             threads=threads,
             max_body_size=max_body_size,
+            max_decompressed_size=max_decompressed_size,
+            max_connections=max_connections,
+            header_timeout=header_timeout,
+            body_timeout=body_timeout,
         )
 
     @property
@@ -77,6 +85,10 @@ class NativeListeners:
             models.append((batcher, registry, model.codec, self._describer(model.server.name)))
         self._frontend.serve(models)
         self._frontend.set_ready(True)
+
+    def set_ready(self, ready: bool) -> None:
+        """Readiness (HTTP and gRPC) says ``ready``; requests are served either way."""
+        self._frontend.set_ready(ready)
 
     def drain(self) -> None:
         """Readiness 503 (gRPC: not ready) and ``Connection: close`` on HTTP

@@ -199,7 +199,7 @@ impl NativeFrontend {
     #[new]
     #[pyo3(signature = (
         host, port, fallback, *, grpc_port=None, server_metadata=None, model_metadata=Vec::new(),
-        threads=1, max_body_size=64 << 20, max_connections=10_000, max_streams=1024,
+        threads=1, max_body_size=64 << 20, max_decompressed_size=64 << 20, max_connections=10_000, max_streams=1024,
         header_timeout=30.0, body_timeout=60.0,
     ))]
     #[allow(clippy::too_many_arguments)]
@@ -213,6 +213,7 @@ impl NativeFrontend {
         model_metadata: Vec<ModelMeta>,
         threads: usize,
         max_body_size: usize,
+        max_decompressed_size: usize,
         max_connections: usize,
         max_streams: u32,
         header_timeout: f64,
@@ -231,6 +232,7 @@ impl NativeFrontend {
         let config = Config {
             threads,
             max_body_size,
+            max_decompressed_size,
             max_connections: max_connections.max(1),
             max_streams,
             header_timeout: seconds("header_timeout", header_timeout)?,

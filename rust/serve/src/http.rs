@@ -2,8 +2,10 @@
 //!
 //! Native routes, answered without Python: `GET /v2/health/live`,
 //! `GET /v2/health/ready`, `GET /v2/models/{m}[/versions/{v}]/ready` and
-//! `POST /v2/models/{m}[/versions/{v}]/infer` (the hot path; bodies with a
-//! `Content-Encoding` other than identity go to the fallback, which inflates
+//! `POST /v2/models/{m}[/versions/{v}]/infer` (the hot path; a gzip or
+//! deflate body is inflated here within `max_decompressed_size`, and the
+//! response coded when `Accept-Encoding` asks for it: see
+//! [`crate::encoding`]; other codings go to the fallback, which refuses
 //! them). Everything else (metadata, config, statistics, `/metrics`, unknown
 //! models and routes) goes to the [`Fallback`], the Python front-end's
 //! handlers, on a blocking thread: one implementation of the rarely-called
@@ -16,11 +18,14 @@ use std::sync::Arc;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
-use hyper::header::{HeaderValue, CONNECTION, CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE};
+use hyper::header::{
+    HeaderValue, ACCEPT_ENCODING, CONNECTION, CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE, VARY,
+};
 use hyper::{Method, Request, Response, StatusCode};
 
 use ferrobatch_core::v2::write_json_string;
 
+use crate::encoding::{self, Coding};
 use crate::model::ServedModel;
 use crate::replies::{Answer, Failure, Reply};
 use crate::server::Shared;
@@ -136,12 +141,9 @@ async fn route(shared: &Arc<Shared>, request: Request<Incoming>) -> Response<Bod
     }
     if method == Method::POST {
         if let Some((name, version, "infer")) = model_route(path) {
-            let identity = request
-                .headers()
-                .get(CONTENT_ENCODING)
-                .map_or(true, |e| e.as_bytes().eq_ignore_ascii_case(b"identity"));
-            if let (Some(model), true) = (shared.model(name, version), identity) {
-                return infer(shared, &model, request).await;
+            let coding = encoding::content_coding(request.headers().get(CONTENT_ENCODING));
+            if let (Some(model), Ok(coding)) = (shared.model(name, version), coding) {
+                return infer(shared, &model, coding, request).await;
             }
         }
     }
@@ -204,19 +206,84 @@ async fn read_body(
     }
 }
 
-async fn infer(shared: &Shared, model: &ServedModel, request: Request<Incoming>) -> Response<Body> {
-    let (parts, body) = match read_body(shared, request).await {
+/// Coded bodies at most this large are inflated or compressed on the
+/// runtime's thread; larger ones on a blocking thread.
+const INLINE_CODING: usize = 16 << 10;
+
+/// Runs `work` on a blocking thread when `size` is over [`INLINE_CODING`].
+async fn off_runtime<T: Send + 'static>(
+    size: usize,
+    work: impl FnOnce() -> T + Send + 'static,
+) -> Option<T> {
+    if size <= INLINE_CODING {
+        return Some(work());
+    }
+    tokio::task::spawn_blocking(work).await.ok()
+}
+
+async fn infer(
+    shared: &Shared,
+    model: &ServedModel,
+    coding: Option<Coding>,
+    request: Request<Incoming>,
+) -> Response<Body> {
+    let respond_coded = encoding::accepted(request.headers().get(ACCEPT_ENCODING));
+    let (parts, mut body) = match read_body(shared, request).await {
         Ok(read) => read,
         Err(refused) => return refused,
     };
+    if let Some(coding) = coding {
+        let limit = shared.config.max_decompressed_size;
+        let coded = body.clone();
+        let inflated = off_runtime(coded.len(), move || {
+            encoding::inflate(&coded, coding, limit)
+        })
+        .await;
+        body = match inflated {
+            Some(Ok(inflated)) => Bytes::from(inflated),
+            Some(Err(failure)) => return error(&failure),
+            None => return error(&Failure::new(500, "internal error inflating the request")),
+        };
+    }
     let header_length = parts
         .headers
         .get(HEADER_LENGTH)
         .and_then(|v| v.to_str().ok());
-    match model.submit(body, header_length) {
+    let answer = match model.submit(body, header_length) {
         Ok(submitted) => reply(model.reply(submitted).await),
-        Err(failure) => error(&failure),
+        Err(failure) => return error(&failure),
+    };
+    match respond_coded {
+        Some(coding) if answer.status() == StatusCode::OK => compressed(answer, coding).await,
+        _ => answer,
     }
+}
+
+/// `answer` with its body coded as `coding` (its headers, the inference
+/// header's length included, as they were: that length counts the
+/// uncoded JSON, as Triton sends it).
+async fn compressed(answer: Response<Body>, coding: Coding) -> Response<Body> {
+    let (mut parts, body) = answer.into_parts();
+    let plain = body
+        .collect()
+        .await
+        .map(|c| c.to_bytes())
+        .unwrap_or_default();
+    let input = plain.clone();
+    let coded = off_runtime(plain.len(), move || encoding::compress(&input, coding)).await;
+    let body = match coded.flatten() {
+        Some(coded) => {
+            parts
+                .headers
+                .insert(CONTENT_ENCODING, HeaderValue::from_static(coding.name()));
+            Bytes::from(coded)
+        }
+        None => plain,
+    };
+    parts
+        .headers
+        .insert(VARY, HeaderValue::from_static("accept-encoding"));
+    Response::from_parts(parts, Full::new(body))
 }
 
 async fn fallback(shared: &Arc<Shared>, request: Request<Incoming>) -> Response<Body> {

@@ -19,6 +19,7 @@
 //! [`Tally`](ferrobatch_core::Tally): a result, or a typed failure with its
 //! HTTP status (see [`replies`]).
 
+pub mod encoding;
 pub mod grpc;
 pub mod http;
 pub mod metadata;

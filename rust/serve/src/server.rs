@@ -3,19 +3,24 @@
 //! another, bounded in connections, streams, header and body time; graceful
 //! drain on stop.
 
+use std::future::Future;
 use std::io;
 use std::net::{SocketAddr, TcpListener as StdListener};
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
-use tokio::net::TcpListener;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
 use tokio::runtime::Runtime;
 use tokio::sync::{watch, Semaphore};
+use tokio::time::Sleep;
 
 use crate::grpc;
 use crate::http::{handle, Fallback};
@@ -55,11 +60,15 @@ pub struct Config {
     /// runs on the model's workers).
     pub threads: usize,
     pub max_body_size: usize,
+    /// The most bytes a gzip or deflate request body may inflate to (413
+    /// beyond, found without allocating more).
+    pub max_decompressed_size: usize,
     /// Connections open at once; more are closed on accept.
     pub max_connections: usize,
     /// HTTP/2 streams in flight per connection.
     pub max_streams: u32,
-    /// Time for a request's headers to arrive (slowloris).
+    /// Time for a request's headers to arrive (slowloris), and for a new
+    /// connection's first bytes (HTTP/1 or the HTTP/2 preface).
     pub header_timeout: Duration,
     /// Time for a request's body to arrive.
     pub body_timeout: Duration,
@@ -70,6 +79,7 @@ impl Default for Config {
         Config {
             threads: 1,
             max_body_size: 64 << 20,
+            max_decompressed_size: 64 << 20,
             max_connections: 10_000,
             max_streams: 1024,
             header_timeout: Duration::from_secs(30),
@@ -291,6 +301,7 @@ async fn accept(
         .timer(TokioTimer::new())
         .max_concurrent_streams(shared.config.max_streams);
     let connections = shared.connections.clone();
+    let header_timeout = shared.config.header_timeout;
     let graceful = GracefulShutdown::new();
     let grace = loop {
         tokio::select! {
@@ -300,7 +311,7 @@ async fn accept(
                     continue; // over max_connections: dropping the stream closes it
                 };
                 let _ = stream.set_nodelay(true);
-                let io = TokioIo::new(stream);
+                let io = TokioIo::new(FirstBytes::new(stream, header_timeout));
                 match protocol {
                     Protocol::Http => {
                         let shared = shared.clone();
@@ -335,4 +346,91 @@ async fn accept(
     drop(listener);
     let _ = tokio::time::timeout(grace, graceful.shutdown()).await;
     let _ = done.send(());
+}
+
+/// Bytes enough to tell HTTP/1 from the HTTP/2 preface.
+const PREFACE: usize = 24;
+
+/// A connection that must send its first [`PREFACE`] bytes within the
+/// header timeout (a client that connects and sends nothing, or part of
+/// the HTTP/2 preface, is cut off; after that, HTTP/1's header timeout
+/// takes over).
+struct FirstBytes {
+    stream: TcpStream,
+    read: usize,
+    deadline: Option<Pin<Box<Sleep>>>,
+}
+
+impl FirstBytes {
+    fn new(stream: TcpStream, timeout: Duration) -> FirstBytes {
+        FirstBytes {
+            stream,
+            read: 0,
+            deadline: Some(Box::pin(tokio::time::sleep(timeout))),
+        }
+    }
+}
+
+impl AsyncRead for FirstBytes {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        match Pin::new(&mut this.stream).poll_read(cx, buf) {
+            Poll::Ready(done) => {
+                let now = buf.filled().len().saturating_sub(before);
+                this.read = this.read.saturating_add(now);
+                if this.read >= PREFACE {
+                    this.deadline = None;
+                }
+                Poll::Ready(done)
+            }
+            Poll::Pending => {
+                let expired = this
+                    .deadline
+                    .as_mut()
+                    .is_some_and(|deadline| deadline.as_mut().poll(cx).is_ready());
+                if expired {
+                    return Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "the request did not begin within the header timeout",
+                    )));
+                }
+                Poll::Pending
+            }
+        }
+    }
+}
+
+impl AsyncWrite for FirstBytes {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().stream).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().stream).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
+    }
 }
