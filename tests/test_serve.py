@@ -376,3 +376,67 @@ def test_serve_freezes_its_start_up_heap_out_of_full_collections(serve_process: 
     assert int(found.group(1)) > 10_000
     served.proc.send_signal(signal.SIGINT)
     assert served.proc.wait(60) == 0, served.log()
+
+
+@pytest.mark.parametrize("frontend", ["native", "python"])
+def test_drain_delay_says_not_ready_but_goes_on_serving_then_stops(
+    serve_process: Callable[..., Process], frontend: str
+) -> None:
+    delay = 3.0
+    served = serve_process(f"{HERE}:SERVER", "--frontend", frontend, "--drain-delay", str(delay))
+    url = f"http://{served.http}"
+    grpc = grpcclient.InferenceServerClient(served.grpc)
+    with httpx.Client(base_url=url, timeout=10) as client:
+        assert client.get("/v2/health/ready").status_code == 200
+        began = time.monotonic()
+        served.proc.send_signal(signal.SIGTERM)
+        assert _wait_for(lambda: client.get("/v2/health/ready").status_code == 503, delay)
+        assert client.get("/v2/models/one/ready").status_code == 503
+        assert not grpc.is_server_ready()
+        # Still served, over a kept-alive connection and a new one, while not ready.
+        response = client.post("/v2/models/one/infer", content=BODY)
+        assert response.status_code == 200, response.text
+        assert response.json()["outputs"][0]["data"] == [2, 4, 6, 8]
+        assert httpx.post(f"{url}/v2/models/one/infer", content=BODY).status_code == 200
+        tensor = grpcclient.InferInput("x", [1, WIDTH], "FP32")
+        tensor.set_data_from_numpy(np.ones((1, WIDTH), np.float32))
+        np.testing.assert_array_equal(grpc.infer("one", [tensor]).as_numpy("y"), np.full((1, WIDTH), 2.0))
+        assert served.proc.poll() is None and time.monotonic() - began < delay
+    grpc.close()
+    assert served.proc.wait(60) == 0, served.log()
+    assert time.monotonic() - began >= delay
+    assert _logged(served, "drain delay")
+
+
+def test_a_second_signal_ends_the_drain_delay(serve_process: Callable[..., Process]) -> None:
+    served = serve_process(f"{HERE}:SERVER", "--drain-delay", "120")
+    url = f"http://{served.http}"
+    served.proc.send_signal(signal.SIGTERM)
+    assert _wait_for(lambda: httpx.get(f"{url}/v2/health/ready").status_code == 503, 30)
+    assert httpx.post(f"{url}/v2/models/one/infer", content=BODY).status_code == 200
+    began = time.monotonic()
+    served.proc.send_signal(signal.SIGTERM)
+    assert served.proc.wait(30) == 0, served.log()
+    assert time.monotonic() - began < 15
+    assert _logged(served, "ending the drain delay")
+
+
+def _logged(served: Process, text: str) -> bool:
+    """Whether the process logged ``text`` (its output read to the end)."""
+    seen: list[str] = []
+    return _wait_for(lambda: seen.append(served.log()) is None and text in "".join(seen), 10)
+
+
+def test_limits_and_drain_delay_are_on_the_command_line() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "ferrobatch", "serve", "--help"], capture_output=True, text=True, timeout=120
+    )
+    for flag in ("--drain-delay", "--max-connections", "--header-timeout", "--body-timeout"):
+        assert flag in done.stdout
+    done = subprocess.run(
+        [sys.executable, "-m", "ferrobatch", "serve", "--demo", "--header-timeout", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "must be > 0 seconds" in done.stderr, done.stderr

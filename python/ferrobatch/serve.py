@@ -16,12 +16,21 @@ The ports open before the models start: while they warm up, readiness
 (``/v2/health/ready``, gRPC ServerReady) says not ready and inference answers
 503 / UNAVAILABLE; the log shows each model's warm-up start and end.
 
-SIGINT or SIGTERM shuts down gracefully: readiness turns to 503 and new
-requests are refused (HTTP 503 with ``Connection: close`` / gRPC
+SIGINT or SIGTERM shuts down gracefully. With ``--drain-delay SECONDS``,
+readiness says 503 first while requests are still served for that long (a
+load balancer sees not-ready and stops sending; a second signal ends the
+delay). Then new requests are refused (HTTP 503 with ``Connection: close`` / gRPC
 UNAVAILABLE), the listeners close, and every request already accepted is
-answered. A second signal, or ``--graceful-timeout`` seconds, cuts the wait
+answered. A further signal, or ``--graceful-timeout`` seconds, cuts the wait
 short: requests still waiting then (a model call that never returns
 included) are answered 503 / UNAVAILABLE, and the process exits.
+
+The native front-end bounds what a client can hold: ``--max-connections``
+open at once (more are closed on accept), ``--header-timeout`` for a
+request's headers (and a new connection's first bytes: slowloris clients are
+cut off), ``--body-timeout`` for its body (408). It inflates gzip and deflate
+request bodies up to ``--max-decompressed-size`` bytes (413 beyond) and codes
+responses as the request's ``Accept-Encoding`` asks (gzip, else deflate).
 
 A model's exception text is not sent to clients unless ``--expose-errors``:
 they get its type and a request id, and the log has the traceback.
@@ -51,7 +60,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import ModelError
-from .http.protocol import MAX_BODY_SIZE, MAX_DECOMPRESSED_SIZE
+from .http.protocol import MAX_BODY_SIZE, MAX_DECOMPRESSED_SIZE, ModelRepository
 from .server import Server
 
 if TYPE_CHECKING:
@@ -59,7 +68,6 @@ if TYPE_CHECKING:
     import uvicorn
 
     from .http._native import NativeListeners
-    from .http.protocol import ModelRepository
 
 __all__ = ["Listening", "ServeConfig", "StartupError", "load_servers", "serve", "serve_in_thread"]
 
@@ -153,6 +161,33 @@ class ServeConfig:
     #: The most bytes a gzip or deflate HTTP body may expand to (413 beyond);
     #: gRPC holds a decompressed message to ``max_body_size``.
     max_decompressed_size: int = MAX_DECOMPRESSED_SIZE
+    #: Seconds between the first SIGINT/SIGTERM and closing the listeners:
+    #: readiness says 503 meanwhile, and requests are still served (so a load
+    #: balancer sees not-ready and stops sending first). A second signal
+    #: ends it early.
+    drain_delay: float = 0.0
+    #: Native front-end: connections open at once; a new one beyond is closed
+    #: on accept.
+    max_connections: int = 10_000
+    #: Native front-end: seconds for a request's headers (and a new
+    #: connection's first bytes) to arrive; the connection is closed after.
+    header_timeout: float = 30.0
+    #: Native front-end: seconds for a request's body to arrive (408 after).
+    body_timeout: float = 60.0
+
+
+class _Repository(ModelRepository):
+    """A repository whose readiness can be turned off while requests are
+    still served (the drain delay)."""
+
+    unready = False
+
+    @property
+    def ready(self) -> bool:
+        return not self.unready and super().ready
+
+    def model_ready(self, name: str, version: str = "") -> bool:
+        return super().model_ready(name, version) and not self.unready
 
 
 @dataclass(frozen=True)
@@ -182,22 +217,24 @@ async def serve(
 
     from .grpc import grpc_server
     from .http import starlette_app
-    from .http.protocol import ModelRepository
 
     config = config or ServeConfig()
     if config.http_port is None and config.grpc_port is None:
         raise ValueError("nothing to serve: both the HTTP and the gRPC endpoint are disabled")
     if config.frontend not in ("native", "python"):
         raise ValueError(f"frontend must be 'native' or 'python', got {config.frontend!r}")
-    repository = ModelRepository(servers, expose_errors=config.expose_errors)
+    if not (config.drain_delay >= 0 and math.isfinite(config.drain_delay)):
+        raise ValueError(f"drain_delay must be a number of seconds >= 0, got {config.drain_delay!r}")
+    repository = _Repository(servers, expose_errors=config.expose_errors)
     stop = stop or asyncio.Event()
+    delayed = asyncio.Event()  # the drain delay is over (or skipped)
     forced = asyncio.Event()
     started: list[Server] = []
     http: uvicorn.Server | None = None
     http_task: asyncio.Task[None] | None = None
     rpc: grpc.aio.Server | None = None
     native: NativeListeners | None = None
-    with _signals(stop, forced):
+    with _signals(stop, delayed, forced):
         try:
             grpc_port = None
             http_port = None
@@ -212,6 +249,9 @@ async def serve(
                         config.grpc_port,
                         max_body_size=config.max_body_size,
                         max_decompressed_size=config.max_decompressed_size,
+                        max_connections=config.max_connections,
+                        header_timeout=config.header_timeout,
+                        body_timeout=config.body_timeout,
                     )
                 except OSError as exc:
                     raise StartupError(str(exc)) from None
@@ -274,13 +314,30 @@ async def serve(
             if on_ready is not None:
                 on_ready(listening)
             await _any(stop.wait(), *_watch(http_task))
+            if stop.is_set() and config.drain_delay > 0:
+                await _drain_delay(config.drain_delay, repository, native, delayed)
         finally:
+            delayed.set()
             log.info("shutting down: refusing new requests, draining accepted ones")
             repository.close()
             if native is not None:
                 native.drain()
             await _shutdown(http, http_task, rpc, native, repository, started, forced, config.graceful_timeout)
             log.info("stopped")
+
+
+async def _drain_delay(
+    seconds: float, repository: _Repository, native: NativeListeners | None, delayed: asyncio.Event
+) -> None:
+    """Readiness says not ready for ``seconds`` (or until ``delayed`` is set)
+    while requests are still served."""
+    log.info("draining: not ready, still serving for %g s (drain delay)", seconds)
+    repository.unready = True
+    if native is not None:
+        native.set_ready(False)
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await delayed.wait()
 
 
 #: Seconds the listeners' own graceful limits run past ``graceful_timeout``:
@@ -427,13 +484,17 @@ async def _bound_port(http: uvicorn.Server, task: asyncio.Task[None]) -> int:
 
 
 @contextlib.contextmanager
-def _signals(stop: asyncio.Event, forced: asyncio.Event) -> Iterator[None]:
-    """SIGINT/SIGTERM: the first sets ``stop``, the next ``forced``."""
+def _signals(stop: asyncio.Event, delayed: asyncio.Event, forced: asyncio.Event) -> Iterator[None]:
+    """SIGINT/SIGTERM: the first sets ``stop``; the next ``delayed`` while
+    the drain delay runs, else ``forced``."""
     loop = asyncio.get_running_loop()
     installed: list[signal.Signals] = []
 
     def handle(sig: signal.Signals) -> None:
-        if stop.is_set():
+        if stop.is_set() and not delayed.is_set():
+            log.warning("%s again: ending the drain delay", sig.name)
+            delayed.set()
+        elif stop.is_set():
             log.warning("%s again: not waiting for requests in flight", sig.name)
             forced.set()
         else:
@@ -556,6 +617,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " get 503 / UNAVAILABLE (default 30)",
     )
     parser.add_argument(
+        "--drain-delay",
+        type=_seconds,
+        default=0.0,
+        metavar="SECONDS",
+        help="on SIGINT/SIGTERM, say not ready (503) but go on serving for this long before"
+        " closing the listeners, so a load balancer stops sending first; a second signal"
+        " ends it early (default 0)",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=_size,
+        default=10_000,
+        metavar="N",
+        help="native front-end: connections open at once; a new one beyond is closed at once (default 10000)",
+    )
+    parser.add_argument(
+        "--header-timeout",
+        type=_seconds,
+        default=30.0,
+        metavar="SECONDS",
+        help="native front-end: time for a request's headers (and a new connection's first"
+        " bytes) to arrive before the connection is closed (default 30)",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=_seconds,
+        default=60.0,
+        metavar="SECONDS",
+        help="native front-end: time for a request's body to arrive; 408 after (default 60)",
+    )
+    parser.add_argument(
         "--max-body-size",
         type=_size,
         default=MAX_BODY_SIZE,
@@ -567,7 +659,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_size,
         default=MAX_DECOMPRESSED_SIZE,
         metavar="BYTES",
-        help=f"most bytes a gzip or deflate HTTP body may expand to (default {MAX_DECOMPRESSED_SIZE})",
+        help="most bytes a gzip or deflate HTTP body may expand to; 413 beyond (default"
+        f" {MAX_DECOMPRESSED_SIZE}). Responses are gzip or deflate coded when Accept-Encoding asks",
     )
     parser.add_argument(
         "--expose-errors",
@@ -596,10 +689,22 @@ def _size(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
+    return value
+
+
 def check_arguments(args: argparse.Namespace) -> str | None:
     """What is wrong with parsed ``serve`` arguments (for ``parser.error``), or None."""
     if args.demo == (args.target is not None):
         return "give either a target (module:attr) or --demo"
+    if args.header_timeout <= 0 or args.body_timeout <= 0:
+        return "--header-timeout and --body-timeout must be > 0 seconds"
     if args.no_http and args.no_grpc:
         return "--no-http and --no-grpc leave nothing to serve; drop one of them"
     return None
@@ -637,6 +742,10 @@ def main(args: argparse.Namespace) -> int:
         expose_errors=args.expose_errors,
         max_body_size=args.max_body_size,
         max_decompressed_size=args.max_decompressed_size,
+        drain_delay=args.drain_delay,
+        max_connections=args.max_connections,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
     )
     try:
         return run(servers, config, loop=args.loop)
