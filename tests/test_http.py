@@ -155,8 +155,10 @@ def aiohttp_in_thread(servers: list[fb.Server]) -> Iterator[int]:
 @contextlib.contextmanager
 def serving(kind: str, servers: list[fb.Server]) -> Iterator[str]:
     """Serves ``servers`` over HTTP with the app ``kind``; yields "127.0.0.1:port"."""
-    if kind == "starlette":
-        config = ServeConfig(http_port=0, grpc_port=None, log_level="warning")
+    if kind in ("native", "starlette"):
+        # ferrobatch serve's two front-ends: Rust, or uvicorn with the Starlette app.
+        frontend = "native" if kind == "native" else "python"
+        config = ServeConfig(http_port=0, grpc_port=None, log_level="warning", frontend=frontend)
         with serve_in_thread(servers, config) as listening:
             yield f"127.0.0.1:{listening.http_port}"
     else:
@@ -164,7 +166,7 @@ def serving(kind: str, servers: list[fb.Server]) -> Iterator[str]:
             yield f"127.0.0.1:{port}"
 
 
-@pytest.fixture(scope="module", params=["starlette", "aiohttp"])
+@pytest.fixture(scope="module", params=["native", "starlette", "aiohttp"])
 def url(request: pytest.FixtureRequest) -> Iterator[str]:
     with serving(request.param, make_servers()) as address:
         yield address

@@ -50,7 +50,7 @@ def value(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: st
     return samples[(name, frozenset({"version": "1", **labels}.items()))]
 
 
-@pytest.mark.parametrize("kind", ["starlette", "aiohttp"])
+@pytest.mark.parametrize("kind", ["native", "starlette", "aiohttp"])
 def test_metrics_count_known_requests(kind: str) -> None:
     servers = [
         fb.Server(double, inputs=[X], outputs=[Y], max_batch_size=8, name="double"),
