@@ -2,8 +2,9 @@
 //!
 //! This crate converts: Python objects to byte views and ids, core results
 //! to Python objects, `CoreError` to the `ferrobatch.errors` hierarchy; and
-//! it holds the part of fan-out that needs Python objects, each event loop's
-//! mailbox of finished batches (`fanout.rs`). The GIL is released in one
+//! it holds the part of fan-out that needs Python objects: each event loop's
+//! mailbox of finished batches (`fanout.rs`) and the waiters of callers
+//! blocked in plain threads (`threads.rs`). The GIL is released in one
 //! place, [`without_gil`]. `native.rs` starts the native front-end
 //! (`ferrobatch-serve`) and hands it the batches of the requests it submitted.
 
