@@ -21,6 +21,7 @@ from ..http.protocol import (
     model_inputs,
 )
 from ..server import Server
+from . import _extensions
 from . import grpc_predict_v2_pb2 as pb
 from . import grpc_predict_v2_pb2_grpc as pb_grpc
 
@@ -59,7 +60,9 @@ def status_code(exc: BaseException) -> grpc.StatusCode:
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     """Implements ServerLive, ServerReady, ModelReady, ServerMetadata,
-    ModelMetadata and ModelInfer for ``servers`` (or a shared repository).
+    ModelMetadata and ModelInfer for ``servers`` (or a shared repository),
+    and Triton's ModelConfig, ModelStatistics and RepositoryIndex (the
+    documents the HTTP routes serve).
 
     Failures are the call's status: INVALID_ARGUMENT (bad request), NOT_FOUND
     (unknown model or version), UNAVAILABLE (queue full, not ready, shutting
@@ -113,6 +116,23 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             inputs=[tensor(**t) for t in meta["inputs"]],
             outputs=[tensor(**t) for t in meta["outputs"]],
         )
+
+    async def ModelConfig(self, request: pb.ModelConfigRequest, context: Context) -> pb.ModelConfigResponse:
+        try:
+            return _extensions.model_config(self.repository, request)
+        except ProtocolError as exc:
+            _fail(context, exc)
+            return pb.ModelConfigResponse()
+
+    async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Context) -> pb.ModelStatisticsResponse:
+        try:
+            return _extensions.model_statistics(self.repository, request)
+        except ProtocolError as exc:
+            _fail(context, exc)
+            return pb.ModelStatisticsResponse()
+
+    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Context) -> pb.RepositoryIndexResponse:
+        return _extensions.repository_index(self.repository, request)
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
         name = request.model_name

@@ -1,0 +1,78 @@
+"""Triton's ``ModelConfig``, ``ModelStatistics`` and ``RepositoryIndex``
+RPCs, answered from the documents the HTTP routes serve
+(:meth:`ModelRepository.model_config`, ``model_statistics``,
+``repository_index``), so both protocols say the same.
+
+One implementation for both gRPC front-ends: the grpcio servicer calls
+:func:`model_config` and the others; the native front-end hands the request
+message's bytes to :func:`answer` and decodes the bytes it returns. Needs
+only protobuf, not grpcio.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError, Message
+
+from ..http.protocol import ModelRepository, ProtocolError, UnknownModelError
+from . import grpc_predict_v2_pb2 as pb
+
+# gRPC status codes (grpc.StatusCode's numbers, without importing grpcio).
+OK = 0
+INVALID_ARGUMENT = 3
+NOT_FOUND = 5
+INTERNAL = 13
+UNIMPLEMENTED = 12
+
+
+def model_config(repository: ModelRepository, request: pb.ModelConfigRequest) -> pb.ModelConfigResponse:
+    """The model's configuration; :class:`UnknownModelError` if unknown."""
+    config = repository.model_config(request.name, request.version)
+    return pb.ModelConfigResponse(config=json_format.ParseDict(config, pb.ModelConfig()))
+
+
+def model_statistics(repository: ModelRepository, request: pb.ModelStatisticsRequest) -> pb.ModelStatisticsResponse:
+    """The statistics of the model (``name`` empty: of every model);
+    :class:`UnknownModelError` if unknown."""
+    stats = repository.model_statistics(request.name, request.version)
+    return json_format.ParseDict(stats, pb.ModelStatisticsResponse())
+
+
+def repository_index(repository: ModelRepository, request: pb.RepositoryIndexRequest) -> pb.RepositoryIndexResponse:
+    """Every model (``ready``: the ready ones) with its state."""
+    index = repository.repository_index(request.ready)
+    return pb.RepositoryIndexResponse(models=[pb.RepositoryIndexResponse.ModelIndex(**m) for m in index])
+
+
+_RPCS: dict[str, tuple[type[Message], Callable[[ModelRepository, Any], Message]]] = {
+    "ModelConfig": (pb.ModelConfigRequest, model_config),
+    "ModelStatistics": (pb.ModelStatisticsRequest, model_statistics),
+    "RepositoryIndex": (pb.RepositoryIndexRequest, repository_index),
+}
+
+
+def error_code(exc: ProtocolError) -> int:
+    """The gRPC status code of a refused request: NOT_FOUND for an unknown
+    model or version, INVALID_ARGUMENT otherwise."""
+    return NOT_FOUND if isinstance(exc, UnknownModelError) else INVALID_ARGUMENT
+
+
+def answer(repository: ModelRepository, method: str, request: bytes) -> tuple[int, str, bytes]:
+    """Answers RPC ``method`` given its request message's bytes:
+    ``(0, "", response bytes)``, or ``(gRPC status code, message, b"")``."""
+    rpc = _RPCS.get(method)
+    if rpc is None:
+        return UNIMPLEMENTED, f"{method} is not implemented", b""
+    request_type, handler = rpc
+    try:
+        message = request_type.FromString(request)
+    except DecodeError as exc:
+        return INVALID_ARGUMENT, f"malformed {method} request: {exc}", b""
+    try:
+        response = handler(repository, message)
+    except ProtocolError as exc:
+        return error_code(exc), exc.message, b""
+    return OK, "", response.SerializeToString()
