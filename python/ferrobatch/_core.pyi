@@ -194,7 +194,10 @@ class NativeFrontend:
     from construction until ``stop()``; serves natively the models given to
     ``serve()``. ``server_metadata`` is ``(name, version, extensions)``;
     ``model_metadata`` has ``(name, platform, inputs, outputs)`` per model,
-    each tensor ``(name, datatype, shape)``."""
+    each tensor ``(name, datatype, shape)``. gRPC's ``ModelConfig``,
+    ``ModelStatistics`` and ``RepositoryIndex`` are answered by
+    ``grpc_fallback(method, request) -> (code, message, response)``, the
+    messages as protobuf bytes (code 0: OK; None: UNIMPLEMENTED)."""
 
     def __new__(
         cls,
@@ -205,6 +208,7 @@ class NativeFrontend:
         grpc_port: int | None = None,
         server_metadata: tuple[str, str, list[str]] | None = None,
         model_metadata: list[tuple[str, str, list[tuple[str, str, list[int]]], list[tuple[str, str, list[int]]]]] = ...,
+        grpc_fallback: Callable[[str, bytes], tuple[int, str, bytes]] | None = None,
         threads: int = 1,
         max_body_size: int = ...,
         max_decompressed_size: int = ...,

@@ -9,8 +9,12 @@ and routes, other content codings) is rare and goes to the same
 :class:`Endpoint` handlers as the Python front-end (``Endpoint.dispatch``,
 one routing table), run on the server's event loop.
 
-gRPC: all six RPCs of ``inference.GRPCInferenceService`` are answered in
-Rust, the metadata from the documents the repository gives at start-up.
+gRPC: KServe's six RPCs of ``inference.GRPCInferenceService`` are
+answered in Rust, the metadata from the documents the repository gives at
+start-up. Triton's ``ModelConfig``, ``ModelStatistics`` and
+``RepositoryIndex`` (rare; statistics change while serving) come back to
+Python as protobuf bytes and are answered by the grpcio servicer's code
+(:mod:`ferrobatch.grpc._extensions`), on the server's event loop.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ class NativeListeners:
             grpc_port=grpc_port,
             server_metadata=(server["name"], server["version"], list(server["extensions"])),
             model_metadata=[_model_metadata(repository.model_metadata(s.name)) for s in repository.servers],
+            grpc_fallback=None if grpc_port is None else self._grpc_fallback,
             threads=threads,
             max_body_size=max_body_size,
             max_decompressed_size=max_decompressed_size,
@@ -123,6 +128,14 @@ class NativeListeners:
         dispatched = self.endpoint.dispatch(method, path, dict(headers), body)
         reply = asyncio.run_coroutine_threadsafe(dispatched, self._loop).result()
         return reply.status, list(reply.headers.items()), reply.body
+
+    def _grpc_fallback(self, method: str, request: bytes) -> tuple[int, str, bytes]:
+        from ..grpc import _extensions  # protobuf is needed only with gRPC
+
+        async def answer() -> tuple[int, str, bytes]:
+            return _extensions.answer(self.repository, method, request)
+
+        return asyncio.run_coroutine_threadsafe(answer(), self._loop).result()
 
 
 def _model_metadata(meta: dict[str, Any]) -> tuple[str, str, list[TensorMeta], list[TensorMeta]]:

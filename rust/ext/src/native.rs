@@ -14,8 +14,9 @@ use std::time::Duration;
 
 use ferrobatch_core::{Outcome, Route};
 use ferrobatch_serve::{
-    Catalog, Column, Config, Failure, Fallback, FallbackRequest, FallbackResponse, Frontend,
-    Listen, ModelMetadata, Replies, ServedModel, ServerMetadata, TensorMetadata,
+    Catalog, Column, Config, Failure, Fallback, FallbackCall, FallbackReply, FallbackRequest,
+    FallbackResponse, Frontend, Listen, ModelMetadata, Replies, ServedModel, ServerMetadata,
+    TensorMetadata,
 };
 use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
@@ -101,14 +102,25 @@ pub(crate) fn deliver(
     drop(read);
 }
 
-/// Calls the Python handlers for what the native routes do not answer.
-struct PyFallback(Py<PyAny>);
+/// gRPC's status code INTERNAL.
+const GRPC_INTERNAL: i32 = 13;
+/// gRPC's status code UNIMPLEMENTED.
+const GRPC_UNIMPLEMENTED: i32 = 12;
+
+/// Calls the Python handlers for what the native routes do not answer:
+/// `http(method, path, headers, body) -> (status, headers, body)` and
+/// `grpc(method, request) -> (code, message, response)` (None: gRPC's
+/// fallback calls are UNIMPLEMENTED).
+struct PyFallback {
+    http: Py<PyAny>,
+    grpc: Option<Py<PyAny>>,
+}
 
 impl Fallback for PyFallback {
     fn call(&self, request: FallbackRequest) -> FallbackResponse {
         Python::attach(|py| {
             let answer = self
-                .0
+                .http
                 .bind(py)
                 .call1((
                     request.method,
@@ -130,6 +142,32 @@ impl Fallback for PyFallback {
                         headers: vec![("content-type".into(), "application/json".into())],
                         body: br#"{"error":"internal error"}"#.to_vec(),
                     }
+                }
+            }
+        })
+    }
+
+    fn call_grpc(&self, call: FallbackCall) -> FallbackReply {
+        let Some(grpc) = &self.grpc else {
+            return Err((
+                GRPC_UNIMPLEMENTED,
+                format!("{} is not implemented", call.method),
+            ));
+        };
+        Python::attach(|py| {
+            let answer = grpc
+                .bind(py)
+                .call1((call.method, PyBytes::new(py, &call.request)))
+                .and_then(|a| a.extract::<(i32, String, Vec<u8>)>());
+            match answer {
+                Ok((0, _, response)) => Ok(response),
+                Ok((code, message, _)) => Err((code, message)),
+                Err(err) => {
+                    err.print(py);
+                    Err((
+                        GRPC_INTERNAL,
+                        format!("internal error answering {}", call.method),
+                    ))
                 }
             }
         })
@@ -194,11 +232,16 @@ impl NativeFrontend {
     /// served natively. gRPC's metadata RPCs answer `server_metadata`
     /// (`(name, version, extensions)`) and `model_metadata` (`(name,
     /// platform, inputs, outputs)` per model, each tensor `(name, datatype,
-    /// shape)`); a model not in it is unknown to gRPC until served. Raises
-    /// `OSError` when an address cannot be bound.
+    /// shape)`); a model not in it is unknown to gRPC until served.
+    /// `ModelConfig`, `ModelStatistics` and `RepositoryIndex` are answered by
+    /// `grpc_fallback(method, request) -> (code, message, response)` on a
+    /// blocking thread: the RPC's name and request message as protobuf
+    /// bytes; code 0 and the response message's bytes, or a gRPC status code
+    /// and its message (None: UNIMPLEMENTED). Raises `OSError` when an
+    /// address cannot be bound.
     #[new]
     #[pyo3(signature = (
-        host, port, fallback, *, grpc_port=None, server_metadata=None, model_metadata=Vec::new(),
+        host, port, fallback, *, grpc_port=None, server_metadata=None, model_metadata=Vec::new(), grpc_fallback=None,
         threads=1, max_body_size=64 << 20, max_decompressed_size=64 << 20, max_connections=10_000, max_streams=1024,
         header_timeout=30.0, body_timeout=60.0,
     ))]
@@ -211,6 +254,7 @@ impl NativeFrontend {
         grpc_port: Option<u16>,
         server_metadata: Option<ServerMeta>,
         model_metadata: Vec<ModelMeta>,
+        grpc_fallback: Option<Py<PyAny>>,
         threads: usize,
         max_body_size: usize,
         max_decompressed_size: usize,
@@ -243,7 +287,10 @@ impl NativeFrontend {
             grpc: grpc_port.map(|port| SocketAddr::new(ip, port)),
             catalog: catalog(server_metadata, model_metadata),
         };
-        let fallback = Arc::new(PyFallback(fallback));
+        let fallback = Arc::new(PyFallback {
+            http: fallback,
+            grpc: grpc_fallback,
+        });
         let frontend = without_gil(py, || Frontend::start(listen, config, fallback))
             .map_err(|e| PyOSError::new_err(e.to_string()))?;
         Ok(NativeFrontend { frontend })

@@ -2,14 +2,19 @@
 //! `inference.GRPCInferenceService` (tonic, prost), on its own port of the
 //! same runtime, HTTP/2 only.
 //!
-//! All six RPCs are answered here, none in Python: `ServerLive`,
+//! KServe's six RPCs are answered here, none in Python: `ServerLive`,
 //! `ServerReady`, `ModelReady`, `ServerMetadata` and `ModelMetadata` (from
-//! the [`Catalog`] the Python side described), and `ModelInfer`, whose
+//! the [`Catalog`](crate::Catalog) the Python side described), and `ModelInfer`, whose
 //! inputs (`raw_input_contents`, by position, kept as slices of the message;
 //! or typed `contents`, decoded once) go through the same
 //! [`ServedModel::enqueue`] as HTTP's: the same checks, queue, deadlines and
 //! counts. Its reply is each requested output's rows as raw bytes
 //! (`raw_output_contents`), cut from the batch on the model's worker.
+//!
+//! Triton's `ModelConfig`, `ModelStatistics` and `RepositoryIndex` are rare
+//! and their answers change while serving (statistics, readiness): they go to
+//! the [`Fallback`](crate::Fallback) on a blocking thread, as protobuf bytes
+//! both ways (the Python servicer's own answers), decoded here.
 //!
 //! Statuses are those of the Python servicer: NOT_FOUND for an unknown model
 //! or version, INVALID_ARGUMENT (HTTP 400), UNAVAILABLE (503: queue full,
@@ -32,6 +37,7 @@ use tonic::codegen::Service;
 use tonic::metadata::MetadataMap;
 use tonic::{Code, Request, Response, Status};
 
+use crate::http::FallbackCall;
 use crate::metadata::ModelMetadata;
 use crate::model::{ServedModel, Source, Tensor};
 use crate::replies::{Answer, Failure, InputOwners, RawOutput, ResponsePlan};
@@ -50,10 +56,11 @@ use pb::model_infer_request::InferInputTensor;
 use pb::model_infer_response::InferOutputTensor;
 use pb::model_metadata_response::TensorMetadata;
 use pb::{
-    InferParameter, InferTensorContents, ModelInferRequest, ModelInferResponse,
-    ModelMetadataRequest, ModelMetadataResponse, ModelReadyRequest, ModelReadyResponse,
-    ServerLiveRequest, ServerLiveResponse, ServerMetadataRequest, ServerMetadataResponse,
-    ServerReadyRequest, ServerReadyResponse,
+    InferParameter, InferTensorContents, ModelConfigRequest, ModelConfigResponse,
+    ModelInferRequest, ModelInferResponse, ModelMetadataRequest, ModelMetadataResponse,
+    ModelReadyRequest, ModelReadyResponse, ModelStatisticsRequest, ModelStatisticsResponse,
+    RepositoryIndexRequest, RepositoryIndexResponse, ServerLiveRequest, ServerLiveResponse,
+    ServerMetadataRequest, ServerMetadataResponse, ServerReadyRequest, ServerReadyResponse,
 };
 
 /// The tonic service of one front-end, as every connection serves it.
@@ -124,6 +131,35 @@ impl Inference {
             )));
         }
         Ok(served.map_or(Lookup::NotRunning, Lookup::Served))
+    }
+
+    /// Answers RPC `method` with the fallback (Python), on a blocking
+    /// thread: `request` encoded, the response decoded.
+    async fn fallback<Q, R>(
+        &self,
+        method: &'static str,
+        request: Request<Q>,
+    ) -> Result<Response<R>, Status>
+    where
+        Q: prost::Message,
+        R: prost::Message + Default,
+    {
+        let call = FallbackCall {
+            method,
+            request: request.into_inner().encode_to_vec(),
+        };
+        let handler = self.shared.fallback.clone();
+        let reply = tokio::task::spawn_blocking(move || handler.call_grpc(call))
+            .await
+            .map_err(|_| Status::internal(format!("internal error answering {method}")))?;
+        match reply {
+            Ok(body) => R::decode(&body[..]).map(Response::new).map_err(|e| {
+                Status::internal(format!(
+                    "{method}: the answer is not its response message: {e}"
+                ))
+            }),
+            Err((code, message)) => Err(Status::new(Code::from(code), message)),
+        }
     }
 }
 
@@ -202,6 +238,27 @@ impl GrpcInferenceService for Inference {
             Answer::Encoded(_) => return Err(Status::internal("an HTTP reply to a gRPC call")),
         };
         Ok(Response::new(infer_response(&model, request, outputs)))
+    }
+
+    async fn model_config(
+        &self,
+        request: Request<ModelConfigRequest>,
+    ) -> Result<Response<ModelConfigResponse>, Status> {
+        self.fallback("ModelConfig", request).await
+    }
+
+    async fn model_statistics(
+        &self,
+        request: Request<ModelStatisticsRequest>,
+    ) -> Result<Response<ModelStatisticsResponse>, Status> {
+        self.fallback("ModelStatistics", request).await
+    }
+
+    async fn repository_index(
+        &self,
+        request: Request<RepositoryIndexRequest>,
+    ) -> Result<Response<RepositoryIndexResponse>, Status> {
+        self.fallback("RepositoryIndex", request).await
     }
 }
 

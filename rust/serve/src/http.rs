@@ -53,9 +53,31 @@ pub struct FallbackResponse {
     pub body: Vec<u8>,
 }
 
+/// A gRPC call the native handlers leave to Python: the RPC's name
+/// (`"ModelConfig"`) and the request message, protobuf-encoded.
+#[derive(Debug, Clone)]
+pub struct FallbackCall {
+    pub method: &'static str,
+    pub request: Vec<u8>,
+}
+
+/// The answer to a [`FallbackCall`]: the response message, protobuf-encoded,
+/// or the call's gRPC status code and message.
+pub type FallbackReply = Result<Vec<u8>, (i32, String)>;
+
 /// Answers what the native routes do not (blocking: called on a blocking thread).
 pub trait Fallback: Send + Sync + 'static {
     fn call(&self, request: FallbackRequest) -> FallbackResponse;
+
+    /// Answers a gRPC call that is not answered natively (the rare ones whose
+    /// answer changes while serving, such as statistics). By default:
+    /// UNIMPLEMENTED.
+    fn call_grpc(&self, call: FallbackCall) -> FallbackReply {
+        Err((
+            tonic::Code::Unimplemented as i32,
+            format!("{} is not implemented", call.method),
+        ))
+    }
 }
 
 type Body = Full<Bytes>;
