@@ -209,7 +209,11 @@ def test_health_and_metadata_come_from_the_repositorys_documents(served: tuple[f
         assert triton.is_server_live() and triton.is_server_ready()
         assert triton.is_model_ready("m") and triton.is_model_ready("m", "1")
         meta = triton.get_server_metadata(as_json=True)
-        assert meta == {"name": "ferrobatch", "version": fb.__version__, "extensions": ["binary_tensor_data"]}
+        assert meta == {
+            "name": "ferrobatch",
+            "version": fb.__version__,
+            "extensions": ["binary_tensor_data", "statistics", "model_configuration", "parameters"],
+        }
         model = triton.get_model_metadata("m", as_json=True)
         assert model == {
             "name": "m",

@@ -68,8 +68,10 @@ MAX_ELEMENTS = 64 * 1024 * 1024
 
 #: The one version every model is served as.
 MODEL_VERSION = "1"
-#: Protocol extensions announced in the server metadata.
-EXTENSIONS = ("binary_tensor_data",)
+#: Protocol extensions announced in the server metadata (both protocols,
+#: both front-ends): binary tensors, Triton's statistics and model
+#: configuration, request parameters.
+EXTENSIONS = ("binary_tensor_data", "statistics", "model_configuration", "parameters")
 
 #: v2 datatype -> ferrobatch dtype name. BF16 travels as raw 2-byte words.
 DATATYPES: dict[str, str] = {
