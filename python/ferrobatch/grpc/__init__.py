@@ -9,8 +9,9 @@ grpcio's asyncio server.
 
 RPCs: ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata and
 ModelInfer (``raw_input_contents`` / ``raw_output_contents``; typed
-``contents`` are accepted too). Other RPCs answer UNIMPLEMENTED. Error
-statuses: see :class:`InferenceServicer`.
+``contents`` are accepted too), and Triton's ModelConfig, ModelStatistics and
+RepositoryIndex (the documents of the HTTP routes). Other RPCs answer
+UNIMPLEMENTED. Error statuses: see :class:`InferenceServicer`.
 
 The messages come from ``grpc_predict_v2.proto`` (vendored here); see
 ``_codegen.py`` to regenerate them. They live in a private protobuf descriptor
