@@ -9,6 +9,7 @@ import contextlib
 import gzip
 import json
 import threading
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -449,6 +450,35 @@ def test_gzip_and_deflate_requests(http: httpx.Client) -> None:
         response = http.post("/v2/models/double/infer", content=packed, headers={"Content-Encoding": encoding})
         assert response.status_code == 200, (encoding, response.text)
         assert response.json()["outputs"][0]["data"] == [2, 4, 6, 8]
+
+
+def test_responses_are_coded_as_accept_encoding_asks(url: str, http: httpx.Client) -> None:
+    """gzip when accepted, else deflate (zlib format), as Triton does; the
+    binary header length stays the uncoded JSON's."""
+    import zlib
+
+    body, headers = infer_body([x_input(data=[1, 2, 3, 4])], [], outputs=[{"name": "y"}])
+    cases = {"gzip": "gzip", "deflate": "deflate", "br, deflate;q=0.5": "deflate", "gzip;q=0, deflate": "deflate"}
+    for accept, coding in cases.items():
+        sent = urllib.request.Request(
+            f"http://{url}/v2/models/double/infer", data=body, headers={**headers, "Accept-Encoding": accept}
+        )
+        with urllib.request.urlopen(sent, timeout=30) as answer:
+            raw = answer.read()
+            assert answer.headers["Content-Encoding"] == coding, accept
+        plain = gzip.decompress(raw) if coding == "gzip" else zlib.decompress(raw)
+        assert json.loads(plain)["outputs"][0]["data"] == [2, 4, 6, 8]
+    plain_reply = http.post("/v2/models/double/infer", content=body, headers={"Accept-Encoding": "identity"})
+    assert "content-encoding" not in plain_reply.headers
+    client = httpclient.InferenceServerClient(url, network_timeout=30)
+    try:
+        for algorithm in ("gzip", "deflate"):
+            tensor = httpclient.InferInput("x", [1, WIDTH], "FP32")
+            tensor.set_data_from_numpy(np.arange(WIDTH, dtype=np.float32)[None], binary_data=True)
+            result = client.infer("double", [tensor], response_compression_algorithm=algorithm)
+            np.testing.assert_array_equal(result.as_numpy("y"), 2 * np.arange(WIDTH, dtype=np.float32)[None])
+    finally:
+        client.close()
 
 
 def test_bad_requests_do_not_harm_good_ones(url: str) -> None:

@@ -69,7 +69,11 @@ def aiohttp_app(
             # The rest of the body cannot be read: the connection closes.
             return _response(dataclasses.replace(refused, close=True))
         reply = await endpoint.infer(
-            m["name"], m.get("version", ""), b"".join(chunks), request.headers.get(HEADER_LENGTH)
+            m["name"],
+            m.get("version", ""),
+            b"".join(chunks),
+            request.headers.get(HEADER_LENGTH),
+            accept_encoding=request.headers.get("accept-encoding"),
         )
         return _response(reply)
 

@@ -47,12 +47,16 @@ class Reply:
     header_length: int | None = None  # Inference-Header-Content-Length of a binary reply
     close: bool = False  # Connection: close (shutting down, or a body left unread)
     allow: str | None = None  # Allow: the methods a 405's path takes
+    content_encoding: str | None = None  # gzip or deflate: the body is coded so
 
     @property
     def headers(self) -> dict[str, str]:
         headers = {"content-type": self.content_type}
         if self.header_length is not None:
             headers[HEADER_LENGTH] = str(self.header_length)
+        if self.content_encoding is not None:
+            headers["content-encoding"] = self.content_encoding
+            headers["vary"] = "accept-encoding"
         if self.close:
             headers["connection"] = "close"
         if self.allow is not None:
@@ -160,6 +164,7 @@ async def infer_route(e: Endpoint, c: Call) -> Reply:
         c.body,
         headers.get(HEADER_LENGTH),
         headers.get("content-encoding"),
+        headers.get("accept-encoding"),
     )
 
 
@@ -313,8 +318,14 @@ class Endpoint:
         body: bytes,
         header_length: str | None,
         content_encoding: str | None = None,
+        accept_encoding: str | None = None,
     ) -> Reply:
-        """``POST /v2/models/{name}[/versions/{version}]/infer``; never raises."""
+        """``POST /v2/models/{name}[/versions/{version}]/infer``; never raises.
+
+        The response is coded gzip when ``accept_encoding`` (the request's
+        ``Accept-Encoding``) accepts it, else deflate if that is accepted,
+        as Triton does (``Inference-Header-Content-Length`` stays the
+        uncoded JSON header's length)."""
         try:
             model = self.repository.model(name, version)
             if content_encoding and content_encoding != "identity":
@@ -330,11 +341,45 @@ class Endpoint:
             request = model.codec.decode(body, header_length)
             results = await self.repository.infer(model, request_inputs(request), request.timeout)
             payload, length = model.codec.encode(request, results)
+            coding = response_coding(accept_encoding)
+            if coding is not None:
+                if len(payload) > _INLINE_INFLATE:  # zlib drops the GIL: off the loop
+                    payload = await anyio.to_thread.run_sync(_compress, payload, coding)
+                else:
+                    payload = _compress(payload, coding)
             if length is None:
-                return Reply(200, payload)
-            return Reply(200, payload, _BINARY, length)
+                return Reply(200, payload, content_encoding=coding)
+            return Reply(200, payload, _BINARY, length, content_encoding=coding)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a reply
             return error_reply(exc, name, expose=self.expose_errors)
+
+
+def response_coding(accept_encoding: str | None) -> str | None:
+    """The coding of a response to a request that sent ``accept_encoding``:
+    gzip if it accepts it, else deflate if it accepts that, else None (a
+    coding with ``q=0`` is not accepted)."""
+    if not accept_encoding:
+        return None
+    accepted = set()
+    for item in accept_encoding.split(","):
+        name, _, params = item.strip().partition(";")
+        q = params.strip().removeprefix("q=").strip() if params.strip().startswith("q=") else "1"
+        try:
+            if float(q) <= 0:
+                continue
+        except ValueError:
+            continue
+        accepted.add(name.strip().lower())
+    for coding in ("gzip", "deflate"):
+        if coding in accepted:
+            return coding
+    return None
+
+
+def _compress(payload: bytes, coding: str) -> bytes:
+    """``payload`` coded gzip, or deflate (the zlib format, as HTTP's deflate)."""
+    coder = zlib.compressobj(6, zlib.DEFLATED, _WBITS[coding])
+    return coder.compress(payload) + coder.flush()
 
 
 #: Output bytes inflated on the event loop before the rest moves to a thread.

@@ -87,12 +87,14 @@ class V2App(Starlette):
                 started.append(server)
 
     async def _infer(self, match: re.Match[str], scope: Scope, receive: Receive, send: Send) -> None:
-        header_length = encoding = content_length = None
+        header_length = encoding = content_length = accept = None
         for key, value in scope["headers"]:
             if key == _HEADER_LENGTH:
                 header_length = value.decode("latin-1")
             elif key == b"content-encoding":
                 encoding = value.decode("latin-1")
+            elif key == b"accept-encoding":
+                accept = value.decode("latin-1")
             elif key == b"content-length":
                 content_length = value
         limit = self.max_body_size
@@ -118,13 +120,16 @@ class V2App(Starlette):
             body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
             if self._startup is not None and not self._startup.done():
                 await asyncio.shield(self._startup)
-            reply = await self.endpoint.infer(match.group(1), match.group(2) or "", body, header_length, encoding)
+            name, version = match.group(1), match.group(2) or ""
+            reply = await self.endpoint.infer(name, version, body, header_length, encoding, accept)
         headers = [
             (b"content-type", reply.content_type.encode()),
             (b"content-length", str(len(reply.body)).encode()),
         ]
         if reply.header_length is not None:
             headers.append((_HEADER_LENGTH, str(reply.header_length).encode()))
+        if reply.content_encoding is not None:
+            headers += [(b"content-encoding", reply.content_encoding.encode()), (b"vary", b"accept-encoding")]
         if reply.close or self.endpoint.repository.closing:
             headers.append((b"connection", b"close"))
         await send({"type": "http.response.start", "status": reply.status, "headers": headers})
