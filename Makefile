@@ -43,8 +43,11 @@ build: $(BUILD_STAMP)
 demo: build
 	$(PY) -m ferrobatch demo
 
+# The core (the workspace's default member) and the native front-end; the pyo3
+# binding is tested through Python.
 cargo-test:
 	cargo test --quiet
+	cargo test --quiet -p ferrobatch-serve
 
 stubtest: build
 	$(PY) -m mypy.stubtest ferrobatch._core
