@@ -133,3 +133,27 @@ def test_over_max_connections_a_new_connection_is_closed_at_once_and_the_others_
             finally:
                 fourth.close()
         second.close()
+
+
+def test_http2_connections_are_told_the_stream_limit() -> None:
+    """``max_streams`` reaches clients as SETTINGS_MAX_CONCURRENT_STREAMS, so
+    a well-behaved HTTP/2 client (gRPC) never opens more."""
+    import h2.config
+    import h2.connection
+    import h2.events
+    import h2.settings
+
+    for port in serve(max_streams=3):
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        conn.initiate_connection()
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(conn.data_to_send())
+            limit = None
+            deadline = time.monotonic() + 5
+            while limit is None and time.monotonic() < deadline:
+                for event in conn.receive_data(sock.recv(65536)):
+                    if isinstance(event, h2.events.RemoteSettingsChanged):
+                        changed = event.changed_settings.get(h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS)
+                        if changed is not None:
+                            limit = changed.new_value
+    assert limit == 3

@@ -169,6 +169,8 @@ class ServeConfig:
     #: Native front-end: connections open at once; a new one beyond is closed
     #: on accept.
     max_connections: int = 10_000
+    #: Native front-end: HTTP/2 (h2c and gRPC) streams in flight per connection.
+    max_streams: int = 1024
     #: Native front-end: seconds for a request's headers (and a new
     #: connection's first bytes) to arrive; the connection is closed after.
     header_timeout: float = 30.0
@@ -250,6 +252,7 @@ async def serve(
                         max_body_size=config.max_body_size,
                         max_decompressed_size=config.max_decompressed_size,
                         max_connections=config.max_connections,
+                        max_streams=config.max_streams,
                         header_timeout=config.header_timeout,
                         body_timeout=config.body_timeout,
                     )
@@ -633,6 +636,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="native front-end: connections open at once; a new one beyond is closed at once (default 10000)",
     )
     parser.add_argument(
+        "--max-streams",
+        type=_size,
+        default=1024,
+        metavar="N",
+        help="native front-end: HTTP/2 (h2c, gRPC) streams in flight per connection (default 1024)",
+    )
+    parser.add_argument(
         "--header-timeout",
         type=_seconds,
         default=30.0,
@@ -744,6 +754,7 @@ def main(args: argparse.Namespace) -> int:
         max_decompressed_size=args.max_decompressed_size,
         drain_delay=args.drain_delay,
         max_connections=args.max_connections,
+        max_streams=args.max_streams,
         header_timeout=args.header_timeout,
         body_timeout=args.body_timeout,
     )

@@ -51,6 +51,7 @@ class NativeListeners:
         max_decompressed_size: int,
         threads: int = 1,
         max_connections: int = 10_000,
+        max_streams: int = 1024,
         header_timeout: float = 30.0,
         body_timeout: float = 60.0,
     ) -> None:
@@ -70,6 +71,7 @@ class NativeListeners:
             max_body_size=max_body_size,
             max_decompressed_size=max_decompressed_size,
             max_connections=max_connections,
+            max_streams=max_streams,
             header_timeout=header_timeout,
             body_timeout=body_timeout,
         )
