@@ -29,6 +29,8 @@ NAMES = {
     "ferrobatch_retry_calls",
     "ferrobatch_batches",
     "ferrobatch_isolated_failures",
+    "ferrobatch_invariance_checks",
+    "ferrobatch_invariance_mismatches",
     "ferrobatch_batch_size_bucket",
     "ferrobatch_batch_size_sum",
     "ferrobatch_batch_size_count",

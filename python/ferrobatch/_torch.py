@@ -20,6 +20,7 @@ import torch
 import torch.utils.dlpack
 
 from . import _core
+from ._invariance import InvarianceSampler
 from ._weights import Gate
 from .errors import InvalidInputError, ModelError
 from .specs import TensorSpec, nested_key
@@ -518,6 +519,7 @@ class CpuExecutor:
     gate: Gate | None = None
     version_output: str | None = None
     isolate_failures: bool = False
+    sampler: InvarianceSampler | None = None  # re-runs sampled rows alone (invariance_sample_rate)
 
     def bind_weights(self, gate: Gate, version_output: str | None) -> None:
         """Runs every batch of :meth:`serve` under ``gate``; with
@@ -602,10 +604,18 @@ class CpuExecutor:
                     outputs, error, failed = merge_rows(isolated.done, batch.rows), None, isolated.failed
                 except BaseException as exc:  # noqa: BLE001 - parts that cannot be merged: all fail
                     outputs, error = None, exc
+            if self.sampler is not None and outputs is not None and failed is None and not failed_batch:
+                self.sampler.offer(slot, outputs, batch.rows)  # copies a row before the slot goes
             batch.release_slot()  # outputs never alias the slot
             counters.add(perf_counter_ns() - started, batch.n_requests, failed_batch, batch.rows)
             # Its callers' doorbells ring at the next next_batch, GIL released.
             finish(worker, batch, outputs, error, failed=failed)
+
+    def run_alone(self, inputs: Outputs) -> Outputs:
+        """The model on one row (``{name: tensor [1, ...]}``), outside the
+        weight gate: the invariance sampler's re-run (see ``_invariance``)."""
+        with inference_mode():
+            return normalize_outputs(self.model(inputs), self.outputs, 1)
 
     def _attempt(self, slot: Mapping[str, torch.Tensor], start: int, rows: int) -> Outputs:
         """One model call on ``rows`` rows of ``slot`` from ``start``, under

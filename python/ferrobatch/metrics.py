@@ -24,6 +24,9 @@ server's name) and ``version`` ("1"):
   (``isolate_failures``; Triton has no such metric);
 - ``ferrobatch_isolated_failures``: requests that failed in a model call of
   their own once a failed batch was split;
+- ``ferrobatch_invariance_checks`` and ``ferrobatch_invariance_mismatches``:
+  requests re-run alone (``invariance_sample_rate``) and, of those, the ones
+  whose result alone differed from their batch's;
 - ``ferrobatch_batches{reason=...}``: model calls by why their batch was
   released (full, next_does_not_fit, preferred_size, delay_expired, greedy,
   shutdown);
@@ -165,6 +168,16 @@ class TritonCollector(Collector):
             "Number of requests that failed in a model call of their own",
             labels=labels,
         )
+        checks = CounterFamily(
+            "ferrobatch_invariance_checks",
+            "Number of requests re-run alone to check that their batch did not change their result",
+            labels=labels,
+        )
+        mismatches = CounterFamily(
+            "ferrobatch_invariance_mismatches",
+            "Number of requests re-run alone whose result alone differed from their batch's",
+            labels=labels,
+        )
         reasons = CounterFamily(
             "ferrobatch_batches",
             "Number of batches, by why they were released",
@@ -200,9 +213,11 @@ class TritonCollector(Collector):
             pending.add_metric(model, stats["queue_depth"])
             retries.add_metric(model, stats["retry_calls"])
             isolated.add_metric(model, stats["isolated_failures"])
+            checks.add_metric(model, stats["invariance_checks"])
+            mismatches.add_metric(model, stats["invariance_mismatches"])
         yield from (
-            success, failure, count, exec_count, request_us, queue_us, compute_us, pending, retries, isolated, reasons,
-            batch_size,
+            success, failure, count, exec_count, request_us, queue_us, compute_us, pending, retries, isolated,
+            checks, mismatches, reasons, batch_size,
         )  # fmt: skip
 
 

@@ -23,6 +23,7 @@ import torch
 
 from . import _core
 from ._cuda import IN_FLIGHT, CudaExecutor, Handoff, cuda_graph_fallback_warning
+from ._invariance import InvarianceSampler, summed
 from ._torch import (
     CpuExecutor,
     Model,
@@ -117,6 +118,16 @@ class Server:
             ``retry_calls`` and ``isolated_failures``. CPU instances only
             for now: a CUDA instance fails the whole batch, as with
             ``False``, which fails every request of the batch.
+        invariance_sample_rate: the fraction ``r`` of live requests re-run
+            alone, off the hot path, to check that their result does not
+            depend on the rest of their batch (see
+            :func:`ferrobatch.testing.check_batch_invariance` for the same
+            check offline): a batch of ``n`` rows has one row copied out
+            with probability ``n * r`` and a thread of its own runs the model
+            on it alone and compares, with the output dtype's tolerance.
+            ``stats()`` counts ``invariance_checks`` and
+            ``invariance_mismatches``. 0 (default): off. CPU instances
+            without ``compile``.
     """
 
     def __init__(
@@ -138,6 +149,7 @@ class Server:
         warmup: bool | Mapping[str, Any] | None = None,
         version_output: str | None = None,
         isolate_failures: bool = True,
+        invariance_sample_rate: float = 0.0,
     ) -> None:
         self._models: list[Model] = (
             list(model) if isinstance(model, (list, tuple)) else [model]  # type: ignore[list-item]
@@ -156,6 +168,11 @@ class Server:
             self.outputs += (TensorSpec(version_output, "int64", ()),)
         self.version_output = version_output
         self.isolate_failures = bool(isolate_failures)
+        rate = float(invariance_sample_rate)
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"invariance_sample_rate must be between 0 and 1, got {invariance_sample_rate!r}")
+        self.invariance_sample_rate = rate
+        self._samplers: list[InvarianceSampler] = []
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
         self.adaptive_delay = max_delay == "auto"
@@ -266,6 +283,11 @@ class Server:
             )  # fmt: skip
         executor = CpuExecutor(model, device, outputs, pad_to=padded if self._compile is not False else None)
         executor.isolate_failures = self.isolate_failures
+        if self.invariance_sample_rate > 0 and self._compile is False:
+            weights = self._weights
+            sampler = InvarianceSampler(self.invariance_sample_rate, executor.run_alone, lambda: weights.version)
+            executor.sampler = sampler
+            self._samplers.append(sampler)
         return executor
 
     def _prepare_instances(self) -> tuple[list[CpuExecutor | CudaExecutor], dict[int, str]]:
@@ -273,6 +295,7 @@ class Server:
         Returns the executors and, by instance, why a CUDA graph capture failed."""
         executors: list[CpuExecutor | CudaExecutor] = []
         capture_failures: dict[int, str] = {}
+        self._samplers = []
         pin = any(d.type == "cuda" for d in self.devices)
         # Warm-up goes through a staging slot of its own, as requests will.
         slot = dict(zip((s.name for s in self.inputs), allocate_slot(self.inputs, self.max_batch_size, pin)))
@@ -389,6 +412,8 @@ class Server:
             await _joined(self._threads)
         message = f"server '{self.name}' stopped before the request could run"
         self._loops.fail_all(message)
+        for sampler in self._samplers:
+            await anyio.to_thread.run_sync(sampler.stop)
         self._phase = "stopped"
 
     @contextlib.contextmanager
@@ -513,7 +538,10 @@ class Server:
         their number of rows, ``{rows: batches}``, summing to ``batches``
         once they have finished) and ``batch_compute_ns`` (``compute_ns`` by
         the same batch sizes); ``last_inference_ms`` (when the latest batch
-        finished, in milliseconds since the epoch; 0 before the first).
+        finished, in milliseconds since the epoch; 0 before the first);
+        with ``invariance_sample_rate``, ``invariance_checks`` (requests
+        re-run alone) and ``invariance_mismatches`` (of those, the ones whose
+        result alone differed from their batch's).
         """
         outcomes = self._loops.stats()
         batch_sizes: dict[int, int] = {}
@@ -544,6 +572,8 @@ class Server:
             "failed_batches": sum(c.failed_batches for c in self._counters),
             "isolated_failures": sum(c.isolated_failures for c in self._counters),
             "retry_calls": sum(c.retry_calls for c in self._counters),
+            "invariance_checks": summed(self._samplers)[0],
+            "invariance_mismatches": summed(self._samplers)[1],
             "batch_sizes": dict(sorted(batch_sizes.items())),
             "batch_compute_ns": dict(sorted(batch_compute_ns.items())),
             "last_inference_ms": max((c.last_inference_ns for c in self._counters), default=0) // 1_000_000,

@@ -23,28 +23,12 @@ from typing import Any
 import anyio.from_thread
 import torch
 
+from ._invariance import compare, default_tolerance
 from .server import Server
 
 __all__ = ["InvarianceReport", "Mismatch", "check_batch_invariance", "default_tolerance"]
 
 Outputs = dict[str, torch.Tensor]
-
-# (rtol, atol) by dtype: torch.testing.assert_close's defaults. Integer and
-# bool outputs must match exactly.
-_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
-    torch.float16: (1e-3, 1e-5),
-    torch.bfloat16: (1.6e-2, 1e-5),
-    torch.float32: (1.3e-6, 1e-5),
-    torch.float64: (1e-7, 1e-7),
-    torch.complex64: (1.3e-6, 1e-5),
-    torch.complex128: (1e-7, 1e-7),
-}
-
-
-def default_tolerance(dtype: torch.dtype) -> tuple[float, float]:
-    """``(rtol, atol)`` for outputs of ``dtype``: ``torch.testing``'s
-    defaults for floating and complex dtypes, ``(0, 0)`` (exact) otherwise."""
-    return _TOLERANCES.get(dtype, (0.0, 0.0))
 
 
 @dataclass(frozen=True)
@@ -120,31 +104,6 @@ def _runner(server_or_model: Server | Callable[..., Any]) -> tuple[Callable[[Out
         return dict(anyio.from_thread.run(client.infer_batch, batch, None, token=client._loop_token()))
 
     return call_server, server.max_batch_size
-
-
-def _compare(batched: torch.Tensor, alone: torch.Tensor, rtol: float | None, atol: float | None) -> tuple[float, float]:
-    """``(max |diff|, ratio)`` of one row against the same sample alone."""
-    if batched.shape != alone.shape or batched.dtype != alone.dtype:
-        return math.inf, math.inf
-    default_rtol, default_atol = default_tolerance(alone.dtype)
-    rtol = default_rtol if rtol is None else rtol
-    atol = default_atol if atol is None else atol
-    wide = torch.complex128 if alone.is_complex() else torch.float64
-    a = batched.detach().cpu().to(wide)
-    b = alone.detach().cpu().to(wide)
-    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
-    if bool((nan_a != nan_b).any()):
-        return math.inf, math.inf
-    a, b = torch.where(nan_a, 0, a), torch.where(nan_b, 0, b)
-    if a.numel() == 0:
-        return 0.0, 0.0
-    diff = (a - b).abs()
-    bound = atol + rtol * b.abs()
-    max_abs = float(diff.max())
-    if max_abs == 0:
-        return 0.0, 0.0
-    ratio = float(torch.where(bound > 0, diff / bound.clamp_min(1e-300), torch.where(diff > 0, math.inf, 0.0)).max())
-    return max_abs, ratio
 
 
 def check_batch_invariance(
@@ -234,7 +193,7 @@ def check_batch_invariance(
                 if got is None or got.shape[:1] != (k,):
                     max_abs, ratio = math.inf, math.inf
                 else:
-                    max_abs, ratio = _compare(got[position], reference, rtol, atol)
+                    max_abs, ratio = compare(got[position], reference, rtol, atol)
                 if ratio > 1 and ratio > getattr(found.get((i, name)), "ratio", 0.0):
                     found[(i, name)] = Mismatch(i, name, k, position, max_abs, ratio)
     report.mismatched_samples = len({i for i, _ in found})
