@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from time import perf_counter_ns, time_ns
 from typing import Any
 
+import numpy as np
 import torch
 import torch.utils.dlpack
 
@@ -236,9 +237,11 @@ def normalize_outputs(raw: Any, specs: Sequence[TensorSpec], rows: int) -> dict[
     """Checks what the model returned and maps it to ``{name: (rows, *shape) tensor}``.
 
     The model may return a dict, a single tensor (one output) or a tuple/list in
-    spec order. Anything else is a :class:`ModelError` saying what was wrong.
+    spec order; any tensor may also be a numpy array (taken without a copy
+    where numpy and torch can share it). Anything else is a
+    :class:`ModelError` saying what was wrong.
     """
-    if isinstance(raw, torch.Tensor):
+    if isinstance(raw, (torch.Tensor, np.ndarray)):
         if len(specs) != 1:
             raise ModelError(
                 f"model returned one tensor but {len(specs)} outputs are declared: "
@@ -258,6 +261,8 @@ def normalize_outputs(raw: Any, specs: Sequence[TensorSpec], rows: int) -> dict[
         if spec.name not in named:
             raise ModelError(f"model output is missing '{spec.name}' (it returned {sorted(map(str, named))})")
         value = named[spec.name]
+        if isinstance(value, np.ndarray):
+            value = _from_numpy(spec, value)
         if not isinstance(value, torch.Tensor):
             raise ModelError(f"output '{spec.name}': expected a tensor, got {type(value).__name__}")
         if value.dtype != spec.torch_dtype:
@@ -272,6 +277,17 @@ def normalize_outputs(raw: Any, specs: Sequence[TensorSpec], rows: int) -> dict[
             )
         outputs[spec.name] = value
     return outputs
+
+
+def _from_numpy(spec: TensorSpec, array: np.ndarray) -> torch.Tensor:
+    """A model's numpy output as a tensor, sharing its memory when it can (a
+    read-only array is copied: torch tensors are always writable)."""
+    if not array.flags.writeable:
+        array = array.copy()
+    try:
+        return torch.from_numpy(array)
+    except TypeError:  # a dtype torch has no tensor for (object, strings...)
+        raise ModelError(f"output '{spec.name}': numpy dtype {array.dtype} has no torch equivalent") from None
 
 
 def version_rows(version: int, rows: int) -> torch.Tensor:
