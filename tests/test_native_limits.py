@@ -4,6 +4,7 @@ is cut off; the others are served meanwhile."""
 
 from __future__ import annotations
 
+import math
 import socket
 import time
 from collections.abc import Iterator
@@ -157,3 +158,21 @@ def test_http2_connections_are_told_the_stream_limit() -> None:
                         if changed is not None:
                             limit = changed.new_value
     assert limit == 3
+
+
+@pytest.mark.parametrize("grace", [1e19, math.inf, math.nan, -1.0])
+def test_any_grace_period_stops_the_front_end(grace: float) -> None:
+    """A grace too long to represent means no end (it used to overflow an
+    instant); NaN or a negative one means none. With nothing open, stop
+    returns at once either way."""
+    from ferrobatch._core import NativeFrontend
+
+    def fallback(
+        method: str, path: str, headers: list[tuple[str, str]], body: bytes
+    ) -> tuple[int, list[tuple[str, str]], bytes]:
+        return 404, [], b""
+
+    frontend = NativeFrontend("127.0.0.1", 0, fallback)
+    began = time.monotonic()
+    frontend.stop(grace)
+    assert time.monotonic() - began < 5

@@ -20,7 +20,7 @@ Python as protobuf bytes and are answered by the grpcio servicer's code
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._core import NativeFrontend
@@ -112,7 +112,7 @@ class NativeListeners:
         """Waits up to ``grace`` seconds for the answers still being written, then stops."""
         await asyncio.to_thread(self._frontend.stop, grace)
 
-    def _describer(self, name: str):  # type: ignore[no-untyped-def]
+    def _describer(self, name: str) -> Callable[[BaseException], str]:
         expose = self.repository.expose_errors
 
         def describe(exc: BaseException) -> str:

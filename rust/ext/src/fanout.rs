@@ -590,11 +590,7 @@ impl LoopMailbox {
         routes: &[Route],
         outputs: &Bound<'_, PyDict>,
     ) -> PyResult<()> {
-        // (name, batch tensor, its rows once a one-sample request needs them)
-        let mut columns: Vec<_> = outputs
-            .iter()
-            .map(|(name, whole)| (name, whole, None))
-            .collect();
+        let mut rows = ResultRows::new(outputs);
         let pending = self.pending.bind(py);
         let now = Instant::now();
         let (mut succeeded, mut request_ns) = (0u64, 0u64);
@@ -607,29 +603,14 @@ impl LoopMailbox {
             };
             let entry = entry.cast_into::<Ticket>()?;
             let ticket = entry.get();
-            let result = PyDict::new(py);
-            let built = columns.iter_mut().try_for_each(|(name, whole, per_row)| {
-                let value = if ticket.batched {
-                    let end = (route.start + route.rows) as isize;
-                    whole.get_item(PySlice::new(py, route.start as isize, end, 1))?
-                } else {
-                    let per_row = match per_row {
-                        Some(rows) => rows,
-                        None => per_row.insert(
-                            whole
-                                .call_method1(intern!(py, "unbind"), (0,))?
-                                .cast_into::<PyTuple>()?,
-                        ),
-                    };
-                    per_row.get_item(route.start as usize)?
-                };
-                result.set_item(&*name, value)
-            });
-            if let Err(err) = built {
-                unbuilt.push(*route);
-                build_error.get_or_insert(err);
-                continue;
-            }
+            let result = match rows.result(route, ticket.batched) {
+                Ok(result) => result,
+                Err(err) => {
+                    unbuilt.push(*route);
+                    build_error.get_or_insert(err);
+                    continue;
+                }
+            };
             pending.del_item(&key)?;
             ticket.cancel_timer(py)?;
             let future = ticket.future.bind(py);
@@ -652,6 +633,72 @@ impl LoopMailbox {
             self.fail_batch(py, &unbuilt, err.value(py), what);
         }
         Ok(())
+    }
+}
+
+/// A finished batch's outputs (`{name: batch tensor}`), cut into each
+/// request's result: `{name: outputs[name][start:start + rows]}` for a
+/// multi-row request, `{name: outputs[name].unbind(0)[start]}` for a
+/// one-sample one (each output unbound at most once per batch, and only if
+/// a one-sample request needs it). The one place every Python sink owner
+/// (event loops, thread waiters) takes rows from.
+pub(crate) struct ResultRows<'py> {
+    py: Python<'py>,
+    columns: Vec<Column<'py>>,
+}
+
+/// One output of a batch: its name, the batch tensor, and its rows once a
+/// one-sample request needs them.
+struct Column<'py> {
+    name: Bound<'py, PyAny>,
+    whole: Bound<'py, PyAny>,
+    rows: Option<Bound<'py, PyTuple>>,
+}
+
+impl<'py> ResultRows<'py> {
+    pub(crate) fn new(outputs: &Bound<'py, PyDict>) -> ResultRows<'py> {
+        let columns = outputs
+            .iter()
+            .map(|(name, whole)| Column {
+                name,
+                whole,
+                rows: None,
+            })
+            .collect();
+        ResultRows {
+            py: outputs.py(),
+            columns,
+        }
+    }
+
+    /// The result of the request `route` routes (`batched`: a multi-row
+    /// request, whose result keeps the batch dimension).
+    pub(crate) fn result(&mut self, route: &Route, batched: bool) -> PyResult<Bound<'py, PyDict>> {
+        let py = self.py;
+        let result = PyDict::new(py);
+        let start = route.start as usize;
+        for column in &mut self.columns {
+            let value = if batched {
+                let end = start.saturating_add(route.rows as usize);
+                let (Ok(start), Ok(end)) = (isize::try_from(start), isize::try_from(end)) else {
+                    return Err(PyRuntimeError::new_err("row index out of range"));
+                };
+                column.whole.get_item(PySlice::new(py, start, end, 1))?
+            } else {
+                let rows = match &mut column.rows {
+                    Some(rows) => rows,
+                    none => none.insert(
+                        column
+                            .whole
+                            .call_method1(intern!(py, "unbind"), (0,))?
+                            .cast_into::<PyTuple>()?,
+                    ),
+                };
+                rows.get_item(start)?
+            };
+            result.set_item(&column.name, value)?;
+        }
+        Ok(result)
     }
 }
 

@@ -356,7 +356,7 @@ impl NativeFrontend {
     /// answers their requests get later (the server stopping answers them).
     /// Blocks (without the GIL).
     fn close(&self, py: Python<'_>, grace: f64) {
-        let grace = Duration::try_from_secs_f64(grace).unwrap_or(Duration::ZERO);
+        let grace = grace_period(grace);
         without_gil(py, || self.frontend.close(grace));
     }
 
@@ -364,9 +364,18 @@ impl NativeFrontend {
     /// to write their answers, then stops. Blocks (without the GIL).
     #[pyo3(signature = (grace=5.0))]
     fn stop(&self, py: Python<'_>, grace: f64) {
-        let grace = Duration::try_from_secs_f64(grace).unwrap_or(Duration::ZERO);
+        let grace = grace_period(grace);
         without_gil(py, || self.frontend.stop(grace));
     }
+}
+
+/// A grace period in seconds: none for NaN or a negative one, no end for
+/// one too long to represent (`inf`: wait as long as it takes).
+fn grace_period(seconds: f64) -> Duration {
+    if seconds.is_nan() || seconds <= 0.0 {
+        return Duration::ZERO;
+    }
+    Duration::try_from_secs_f64(seconds).unwrap_or(Duration::MAX)
 }
 
 /// `{outcome: requests}` of a native sink, added into a registry's stats.

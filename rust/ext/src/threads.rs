@@ -16,12 +16,11 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use ferrobatch_core::{Batcher, Outcome, Request, RequestState, Route, Tally};
-use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PySlice, PyTuple};
+use pyo3::types::PyDict;
 
 use crate::errors::ferrobatch_error;
-use crate::fanout::{BatchOutcome, FailedRows, ModelFailure};
+use crate::fanout::{BatchOutcome, FailedRows, ModelFailure, ResultRows};
 use crate::inputs::Keep;
 use crate::without_gil;
 
@@ -211,11 +210,7 @@ impl ThreadWaiters {
                 return;
             }
         };
-        // (name, batch tensor, its rows once a one-sample request needs them)
-        let mut columns: Vec<_> = outputs
-            .iter()
-            .map(|(n, whole)| (n, whole, None::<Bound<'_, PyTuple>>))
-            .collect();
+        let mut rows = ResultRows::new(outputs);
         let now = Instant::now();
         for (route, waiter, batched, enqueued_at) in taken {
             let failed_alone = failed.and_then(|f| {
@@ -230,26 +225,9 @@ impl ThreadWaiters {
                 waiter.set(Err(failure.error(py)));
                 continue;
             }
-            let result = PyDict::new(py);
-            let built = columns.iter_mut().try_for_each(|(name, whole, per_row)| {
-                let value = if batched {
-                    let end = (route.start + route.rows) as isize;
-                    whole.get_item(PySlice::new(py, route.start as isize, end, 1))?
-                } else {
-                    let per_row = match per_row {
-                        Some(rows) => rows,
-                        None => per_row.insert(
-                            whole
-                                .call_method1(intern!(py, "unbind"), (0,))?
-                                .cast_into::<PyTuple>()?,
-                        ),
-                    };
-                    per_row.get_item(route.start as usize)?
-                };
-                result.set_item(&*name, value)
-            });
+            let built = rows.result(&route, batched);
             match built {
-                Ok(()) => {
+                Ok(result) => {
                     let waited = now.saturating_duration_since(enqueued_at);
                     self.tally.add_request_ns(waited.as_nanos() as u64);
                     self.tally.count(Outcome::Succeeded);

@@ -246,11 +246,18 @@ impl Frontend {
         self.drain();
         let _ = self.stop.send(Some(grace));
         let done = std::mem::take(&mut *self.done.lock().unwrap_or_else(|e| e.into_inner()));
-        let until = std::time::Instant::now() + grace + Duration::from_secs(1);
+        // A grace too long to represent as an instant has no end.
+        let until = std::time::Instant::now()
+            .checked_add(grace)
+            .and_then(|t| t.checked_add(Duration::from_secs(1)));
         for done in done {
             // Each accept task says when its connections are finished (or the grace is over).
-            let left = until.saturating_duration_since(std::time::Instant::now());
-            let _ = done.recv_timeout(left);
+            let _ = match until {
+                Some(until) => done
+                    .recv_timeout(until.saturating_duration_since(std::time::Instant::now()))
+                    .ok(),
+                None => done.recv().ok(),
+            };
         }
     }
 
@@ -258,8 +265,8 @@ impl Frontend {
     /// connections to write their answers, and stops the runtime. Blocks.
     pub fn stop(&self, grace: Duration) {
         self.close(grace);
-        let until = std::time::Instant::now() + grace;
-        while self.open_connections() > 0 && std::time::Instant::now() < until {
+        let until = std::time::Instant::now().checked_add(grace);
+        while self.open_connections() > 0 && until.map_or(true, |u| std::time::Instant::now() < u) {
             std::thread::sleep(Duration::from_millis(5));
         }
         let runtime = self
