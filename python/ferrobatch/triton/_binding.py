@@ -1,0 +1,323 @@
+"""How a PyTriton inference callable runs as a ferrobatch model: a batch cut
+into the requests it holds, the callable called with them, and the
+responses checked and joined back into the batch's outputs."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..specs import TensorSpec
+from .exceptions import PyTritonModelConfigError, PyTritonValidationError, UnrecoverableError
+from .model_config import DynamicBatcher, ModelConfig, Tensor
+
+__all__ = ["BoundModel", "Request", "TritonContext", "TritonModelConfig", "collect_outputs"]
+
+log = logging.getLogger("ferrobatch.triton")
+
+Parameters = dict[str, str | int | float | bool]
+
+
+class Request(MutableMapping[str, np.ndarray]):
+    """One request as an inference callable sees it: a mapping of input
+    name to a numpy array whose leading dimension is the request's own rows,
+    with ``parameters`` (its v2 ``parameters`` and forwarded headers).
+
+    The arrays belong to the callable (a copy of the batch's inputs):
+    changing or keeping them affects nothing else.
+    """
+
+    __slots__ = ("data", "parameters", "requested_output_names", "span")
+
+    def __init__(
+        self,
+        data: dict[str, np.ndarray],
+        parameters: Parameters | None = None,
+        requested_output_names: list[str] | None = None,
+    ) -> None:
+        self.data = data
+        self.parameters: Parameters = {} if parameters is None else parameters
+        self.requested_output_names = requested_output_names
+        self.span: Any = None  # PyTriton's telemetry span: no tracing here
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.data[name]
+
+    def __setitem__(self, name: str, value: np.ndarray) -> None:
+        self.data[name] = value
+
+    def __delitem__(self, name: str) -> None:
+        del self.data[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.data)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __repr__(self) -> str:
+        shapes = {name: tuple(v.shape) for name, v in self.data.items()}
+        return f"Request({shapes}, parameters={self.parameters})"
+
+
+@dataclasses.dataclass
+class TritonModelConfig:
+    """What the decorators (and ``@triton_context`` users) may read about the
+    model being served: PyTriton's ``TritonModelConfig`` fields."""
+
+    model_name: str
+    model_version: int = 1
+    max_batch_size: int = 4
+    batching: bool = True
+    batcher: DynamicBatcher | None = None
+    instance_count: int = 1
+    inputs: list[Tensor] = dataclasses.field(default_factory=list)
+    outputs: list[Tensor] = dataclasses.field(default_factory=list)
+
+
+class _ModelConfigs(dict[Any, TritonModelConfig]):
+    """Model configs by inference callable; a bound method or a decorated
+    callable finds the config of what it wraps or belongs to."""
+
+    def __getitem__(self, key: Any) -> TritonModelConfig:
+        seen: set[int] = set()
+        while key is not None and id(key) not in seen:
+            seen.add(id(key))
+            if dict.__contains__(self, key):
+                return dict.__getitem__(self, key)
+            owner = getattr(key, "__self__", None)
+            if owner is not None and dict.__contains__(self, owner):
+                return dict.__getitem__(self, owner)
+            key = getattr(key, "__wrapped__", None)
+        current = current_model_config()
+        if current is not None:
+            return current
+        raise KeyError("no model is bound to this callable")
+
+
+@dataclasses.dataclass
+class TritonContext:
+    """PyTriton's ``TritonContext``: the model configs of the bound callables
+    (``triton_context.model_configs[infer_func]``)."""
+
+    model_configs: _ModelConfigs = dataclasses.field(default_factory=_ModelConfigs)
+
+
+_local = threading.local()
+
+
+def current_model_config() -> TritonModelConfig | None:
+    """The config of the model whose callable this thread is running, if any."""
+    config: TritonModelConfig | None = getattr(_local, "config", None)
+    return config
+
+
+def current_context() -> TritonContext | None:
+    context: TritonContext | None = getattr(_local, "context", None)
+    return context
+
+
+def tensor_spec(tensor: Tensor, name: str) -> TensorSpec:
+    """The ferrobatch spec of a PyTriton tensor (named ``name``)."""
+    if tensor.optional:
+        raise PyTritonModelConfigError(f"tensor '{name}': optional inputs are not supported; every input is required")
+    kind = np.dtype(tensor.dtype).kind
+    dtype: Any = "bytes" if kind in "SUO" else np.dtype(tensor.dtype)
+    if -1 in tensor.shape:
+        raise PyTritonModelConfigError(
+            f"tensor '{name}': variable dimensions (-1 in {tensor.shape}) are not supported yet"
+        )
+    try:
+        return TensorSpec(name, dtype, tensor.shape)
+    except ValueError as exc:
+        raise PyTritonModelConfigError(f"tensor '{name}': {exc}") from None
+
+
+def numpy_dtype(tensor: Tensor) -> np.dtype[Any]:
+    """The numpy dtype a tensor is carried in (object for BYTES)."""
+    dtype = np.dtype(tensor.dtype)
+    return np.dtype(object) if dtype.kind in "SUO" else dtype
+
+
+class RequestRows(Protocol):
+    """What the server tells a model about each request of a batch."""
+
+    @property
+    def rows(self) -> int: ...
+
+    @property
+    def parameters(self) -> Mapping[str, str | int | float | bool]: ...
+
+
+InferFunc = Callable[[list[Request]], Any]
+
+
+class BoundModel:
+    """One instance of a bound model, as a ferrobatch model callable.
+
+    The batch's inputs are copied out of the staging slot once, cut into one
+    :class:`Request` per caller (each with its own rows and parameters), and
+    the callable's responses are checked and joined back into the batch's
+    outputs, in request order. ``on_unrecoverable`` is called (from the
+    worker thread) when the callable raises :class:`UnrecoverableError`.
+    Called without ``requests`` (a server that does not describe its
+    batches' requests), the whole batch is one request without parameters.
+    """
+
+    def __init__(
+        self,
+        infer_func: InferFunc,
+        config: TritonModelConfig,
+        context: TritonContext,
+        *,
+        strict: bool,
+        on_unrecoverable: Callable[[UnrecoverableError], None],
+    ) -> None:
+        self.infer_func = infer_func
+        self.config = config
+        self.context = context
+        self.strict = strict
+        self.on_unrecoverable = on_unrecoverable
+
+    def __call__(self, inputs: Mapping[str, Any], requests: Sequence[RequestRows] | None = None) -> dict[str, Any]:
+        batch = {name: _owned_array(value) for name, value in inputs.items()}
+        total = next(iter(batch.values())).shape[0]
+        parameters: list[Parameters]
+        if requests is None:
+            rows, parameters = [total], [{}]
+        else:
+            rows = [r.rows for r in requests]
+            parameters = [dict(r.parameters) for r in requests]
+        split = []
+        start = 0
+        for n, params in zip(rows, parameters):
+            split.append(Request({name: a[start : start + n] for name, a in batch.items()}, params))
+            start += n
+        responses = self._call(split)
+        return collect_outputs(responses, rows, self.config, strict=self.strict)
+
+    def _call(self, requests: list[Request]) -> Any:
+        _local.config, _local.context = self.config, self.context
+        try:
+            return self.infer_func(requests)
+        except UnrecoverableError as exc:
+            log.error("model '%s': unrecoverable error, shutting down: %s", self.config.model_name, exc)
+            self.on_unrecoverable(exc)
+            raise
+        finally:
+            _local.config = _local.context = None
+
+
+def _owned_array(value: Any) -> np.ndarray:
+    """A copy of one input's batch as a numpy array (the staging slot it
+    views is reused once the model returns)."""
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    array: np.ndarray = value.numpy().copy()
+    return array
+
+
+def collect_outputs(
+    responses: Any, rows: Sequence[int], config: TritonModelConfig, *, strict: bool
+) -> dict[str, np.ndarray]:
+    """The batch's outputs from one response per request (``rows[i]`` rows
+    each), checked as PyTriton checks them: a list of dicts of numpy arrays,
+    one per request. With ``strict``, every returned output must be declared,
+    of its dtype and shape (``-1``: any length); without, undeclared ones
+    are dropped and a dtype numpy casts within its kind (float64 to
+    float32) is cast to the declared one. Either way each declared output
+    must come back with the request's rows. Raises
+    :class:`PyTritonValidationError` saying what was wrong."""
+    if not isinstance(responses, (list, tuple)):
+        raise PyTritonValidationError(
+            "the inference callable must return a list of dicts of numpy arrays,"
+            f" one per request; it returned {type(responses).__name__}"
+        )
+    if len(responses) != len(rows):
+        raise PyTritonValidationError(
+            f"the inference callable returned {len(responses)} responses for {len(rows)} requests"
+        )
+    declared = {str(t.name): t for t in config.outputs}
+    parts: dict[str, list[np.ndarray]] = {n: [] for n in declared}
+    for i, (response, n) in enumerate(zip(responses, rows)):
+        if not isinstance(response, Mapping):
+            raise PyTritonValidationError(
+                f"response {i} is a {type(response).__name__}, expected a dict of numpy arrays"
+            )
+        if strict:
+            unknown = sorted(str(k) for k in response if k not in declared)
+            if unknown:
+                raise PyTritonValidationError(
+                    f"the inference callable returned outputs {unknown} that are not declared"
+                    f" (outputs: {sorted(declared)})"
+                )
+        for out_name, tensor in declared.items():
+            if out_name not in response:
+                raise PyTritonValidationError(
+                    f"response {i} has no output '{out_name}' (it has {sorted(map(str, response))})"
+                )
+            parts[out_name].append(_checked(response[out_name], tensor, n, strict))
+    return {n: a[0] if len(a) == 1 else np.concatenate(a) for n, a in parts.items()}
+
+
+def _checked(value: Any, tensor: Tensor, rows: int, strict: bool) -> np.ndarray:
+    name = tensor.name
+    if not isinstance(value, np.ndarray):
+        raise PyTritonValidationError(f"output '{name}' is a {type(value).__name__}, expected a numpy array")
+    array: np.ndarray = value
+    want = numpy_dtype(tensor)
+    if array.dtype.kind not in "biufOSU":
+        raise PyTritonValidationError(
+            f"output '{name}' has dtype {array.dtype}; only bool, numeric and bytes arrays are served"
+        )
+    if array.dtype != want:
+        strings = array.dtype.kind in "OSU"
+        if strings != (want.kind == "O") or (strict and not strings):
+            raise PyTritonValidationError(
+                f"output '{name}' has an invalid dtype: returned {array.dtype}, declared {want}"
+            )
+        if not strings and not np.can_cast(array.dtype, want, casting="same_kind"):
+            raise PyTritonValidationError(
+                f"output '{name}' has dtype {array.dtype}, which does not cast to the declared {want}"
+            )
+        array = np.asarray(array, dtype=want)
+    shape = tuple(array.shape)
+    if not shape or shape[0] != rows:
+        raise PyTritonValidationError(
+            f"output '{name}' has shape {shape}; expected {rows} rows (the request's batch dimension) first"
+        )
+    sample = shape[1:]
+    if len(sample) != len(tensor.shape) or any(d != want_d != -1 for d, want_d in zip(sample, tensor.shape)):
+        raise PyTritonValidationError(
+            f"output '{name}' has an invalid shape: returned {sample} per row, declared {tensor.shape}"
+        )
+    return array
+
+
+def model_config_of(
+    model_name: str,
+    model_version: int,
+    config: ModelConfig,
+    inputs: Sequence[Tensor],
+    outputs: Sequence[Tensor],
+    instances: int,
+) -> TritonModelConfig:
+    """The :class:`TritonModelConfig` of a binding, with every tensor named
+    (``INPUT_<i>`` / ``OUTPUT_<i>`` from 1 when unnamed, as PyTriton does)."""
+    named_in = [t if t.name else dataclasses.replace(t, name=f"INPUT_{i}") for i, t in enumerate(inputs, 1)]
+    named_out = [t if t.name else dataclasses.replace(t, name=f"OUTPUT_{i}") for i, t in enumerate(outputs, 1)]
+    return TritonModelConfig(
+        model_name=model_name,
+        model_version=model_version,
+        max_batch_size=config.max_batch_size,
+        batching=config.batching,
+        batcher=config.batcher,
+        instance_count=instances,
+        inputs=named_in,
+        outputs=named_out,
+    )

@@ -1,0 +1,471 @@
+"""PyTriton's ``Triton`` and ``TritonConfig`` (``pytriton.triton``), serving
+bound inference callables with ferrobatch's own HTTP and gRPC front-end
+instead of a Triton Inference Server process.
+
+::
+
+    with Triton(config=TritonConfig(http_port=8000, grpc_port=8001)) as triton:
+        triton.bind("add", infer_func, inputs=[Tensor(name="x", dtype=np.float32, shape=(4,))],
+                    outputs=[Tensor(name="y", dtype=np.float32, shape=(4,))],
+                    config=ModelConfig(max_batch_size=64))
+        triton.serve()          # blocks until SIGINT/SIGTERM, stop(), or an UnrecoverableError
+
+Each bound model is one :class:`ferrobatch.Server` (each callable of a list
+one instance, with a worker thread of its own); :func:`ferrobatch.serve.serve`
+serves them all, on one event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import dataclasses
+import logging
+import os
+import queue
+import re
+import threading
+import typing
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Any
+
+from ..serve import Listening, ServeConfig, serve
+from ..server import Server
+from ._binding import BoundModel, InferFunc, TritonContext, model_config_of, tensor_spec
+from .exceptions import (
+    PyTritonInvalidOperationError,
+    PyTritonModelConfigError,
+    PyTritonValidationError,
+    UnrecoverableError,
+)
+from .model_config import ModelConfig, Tensor
+
+__all__ = ["Triton", "TritonConfig"]
+
+log = logging.getLogger("ferrobatch.triton")
+
+#: Seconds :meth:`Triton.run` waits for the listeners and the models.
+STARTUP_TIMEOUT_S = 120.0
+MONITORING_PERIOD_S = 10.0
+
+
+@dataclasses.dataclass(kw_only=True)
+class TritonConfig:
+    """PyTriton's server configuration; every field is optional.
+
+    Used: ``http_address`` / ``grpc_address`` (one address for both; default
+    127.0.0.1 where Triton binds 0.0.0.0), ``http_port`` (8000),
+    ``grpc_port`` (8001), ``allow_http`` / ``allow_grpc``,
+    ``exit_timeout_secs`` (the graceful shutdown's limit, 30),
+    ``log_verbose`` (>= 1: debug logs). The other fields are Triton
+    server options with no meaning here: setting one logs a warning.
+    ``/metrics`` is served on the HTTP port.
+    """
+
+    model_repository: str | None = None
+    id: str | None = None
+    log_verbose: int | None = None
+    log_file: str | None = None
+    exit_timeout_secs: int | None = None
+    exit_on_error: bool | None = None
+    strict_readiness: bool | None = None
+    allow_http: bool | None = None
+    http_address: str | None = None
+    http_port: int | None = None
+    http_header_forward_pattern: str | None = None
+    http_thread_count: int | None = None
+    http_restricted_api: str | None = None
+    allow_grpc: bool | None = None
+    grpc_address: str | None = None
+    grpc_port: int | None = None
+    grpc_header_forward_pattern: str | None = None
+    grpc_infer_allocation_pool_size: int | None = None
+    grpc_use_ssl: bool | None = None
+    grpc_use_ssl_mutual: bool | None = None
+    grpc_server_cert: str | None = None
+    grpc_server_key: str | None = None
+    grpc_root_cert: str | None = None
+    grpc_infer_response_compression_level: str | None = None
+    grpc_keepalive_time: int | None = None
+    grpc_keepalive_timeout: int | None = None
+    grpc_keepalive_permit_without_calls: bool | None = None
+    grpc_http2_max_pings_without_data: int | None = None
+    grpc_http2_min_recv_ping_interval_without_data: int | None = None
+    grpc_http2_max_ping_strikes: int | None = None
+    grpc_restricted_protocol: str | None = None
+    allow_metrics: bool | None = None
+    allow_gpu_metrics: bool | None = None
+    allow_cpu_metrics: bool | None = None
+    metrics_interval_ms: int | None = None
+    metrics_port: int | None = None
+    metrics_address: str | None = None
+    allow_sagemaker: bool | None = None
+    sagemaker_port: int | None = None
+    sagemaker_safe_port_range: str | None = None
+    sagemaker_thread_count: int | None = None
+    allow_vertex_ai: bool | None = None
+    vertex_ai_port: int | None = None
+    vertex_ai_thread_count: int | None = None
+    vertex_ai_default_model: str | None = None
+    metrics_config: list[str] | None = None
+    trace_config: list[str] | None = None
+    cache_config: list[str] | None = None
+    cache_directory: str | None = None
+    buffer_manager_thread_count: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.allow_http is False and self.allow_grpc is False:
+            raise PyTritonValidationError("the HTTP or the gRPC endpoint has to be allowed")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> TritonConfig:
+        """A config from ``{field: value}``, values cast to the fields' types
+        (``"8000"`` → 8000, ``"true"`` → True, ``"a,b"`` → a list);
+        unknown keys are logged and ignored."""
+        hints = typing.get_type_hints(cls)
+        values: dict[str, Any] = {}
+        for name, value in config.items():
+            if name not in hints:
+                log.warning("ignoring %s=%r: TritonConfig has no such field", name, value)
+                continue
+            values[name] = None if value is None else _cast(hints[name], value)
+        return cls(**values)
+
+    @classmethod
+    def from_env(cls) -> TritonConfig:
+        """A config from the ``PYTRITON_TRITON_CONFIG_<FIELD>`` environment
+        variables (``PYTRITON_TRITON_CONFIG_GRPC_PORT=45436``; a list field
+        from ``<FIELD>_0``, ``<FIELD>_1``...)."""
+        prefix = "PYTRITON_TRITON_CONFIG_"
+        found: dict[str, Any] = {}
+        lists: dict[str, dict[int, str]] = {}
+        for key, value in os.environ.items():
+            if not key.startswith(prefix):
+                continue
+            name = key[len(prefix) :].lower()
+            indexed = re.fullmatch(r"(.+?)_(\d+)", name)
+            if indexed is not None and indexed.group(1) in {f.name for f in dataclasses.fields(cls)}:
+                lists.setdefault(indexed.group(1), {})[int(indexed.group(2))] = value
+            else:
+                found[name] = value
+        for name, items in lists.items():
+            found[name] = [items[i] for i in sorted(items)]
+        return cls.from_dict(found)
+
+
+def _cast(hint: Any, value: Any) -> Any:
+    kinds = [k for k in typing.get_args(hint) if k is not type(None)] or [hint]
+    kind = typing.get_origin(kinds[0]) or kinds[0]
+    if kind is list:
+        return value.split(",") if isinstance(value, str) else list(value)
+    if kind is bool and isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return kind(value)
+
+
+#: The TritonConfig fields ferrobatch uses.
+_USED = {
+    "allow_http",
+    "allow_grpc",
+    "http_address",
+    "grpc_address",
+    "http_port",
+    "grpc_port",
+    "exit_timeout_secs",
+    "log_verbose",
+}
+
+
+def serve_config(config: TritonConfig, *, expose_errors: bool, frontend: str) -> ServeConfig:
+    """The :class:`ServeConfig` a :class:`TritonConfig` asks for."""
+    ignored = sorted(f.name for f in dataclasses.fields(config) if f.name not in _USED and getattr(config, f.name))
+    if ignored:
+        log.warning("TritonConfig: %s not supported by ferrobatch; ignored", ", ".join(ignored))
+    addresses = {a for a in (config.http_address, config.grpc_address) if a}
+    if len(addresses) > 1:
+        raise PyTritonValidationError(
+            f"ferrobatch listens on one address for HTTP and gRPC; got http_address={config.http_address!r}"
+            f" and grpc_address={config.grpc_address!r}"
+        )
+    return ServeConfig(
+        host=addresses.pop() if addresses else "127.0.0.1",
+        http_port=None if config.allow_http is False else (8000 if config.http_port is None else config.http_port),
+        grpc_port=None if config.allow_grpc is False else (8001 if config.grpc_port is None else config.grpc_port),
+        frontend=frontend,
+        graceful_timeout=30.0 if config.exit_timeout_secs is None else float(config.exit_timeout_secs),
+        log_level="debug" if config.log_verbose else "info",
+        expose_errors=expose_errors,
+    )
+
+
+class Triton:
+    """Binds inference callables as models and serves them over HTTP and
+    gRPC (the Open Inference Protocol v2, as Triton does).
+
+    ``config`` takes precedence over ``PYTRITON_TRITON_CONFIG_*`` variables,
+    which take precedence over the defaults, as in PyTriton. ``workspace`` is
+    accepted and unused (nothing is written to disk). ``expose_errors``
+    (default True, as Triton): clients get the text of a callable's
+    exception; False sends its type and a request id only. ``frontend``:
+    ``"native"`` (Rust; the default) or ``"python"``.
+
+    :meth:`bind` every model first, then :meth:`run` (in the background) or
+    :meth:`serve` (blocking); :meth:`stop` (or leaving the ``with`` block)
+    shuts down gracefully.
+    """
+
+    def __init__(
+        self,
+        *,
+        config: TritonConfig | None = None,
+        workspace: Any = None,
+        expose_errors: bool = True,
+        frontend: str = "native",
+    ) -> None:
+        def given(c: TritonConfig) -> dict[str, Any]:
+            return {k: v for k, v in c.to_dict().items() if v is not None}
+
+        merged = {**given(TritonConfig.from_env()), **(given(config) if config is not None else {})}
+        self._config = TritonConfig(**merged)
+        self._serve_config = serve_config(self._config, expose_errors=expose_errors, frontend=frontend)
+        self._context = TritonContext()
+        self._servers: list[Server] = []
+        self._lock = threading.Lock()
+        self._phase = "created"  # created -> running -> stopped
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop_event: asyncio.Event | None = None
+        self._stop_asked = False
+        self._ended = threading.Event()
+        self._listening: Listening | None = None
+        self.unrecoverable: UnrecoverableError | None = None
+
+    # -- binding ---------------------------------------------------------------------------
+
+    def bind(
+        self,
+        model_name: str,
+        infer_func: InferFunc | Sequence[InferFunc],
+        inputs: Sequence[Tensor],
+        outputs: Sequence[Tensor],
+        model_version: int = 1,
+        config: ModelConfig | None = None,
+        strict: bool = False,
+        trace_config: list[str] | None = None,
+    ) -> None:
+        """Binds ``infer_func`` (or a list of callables: one model instance
+        each) as the model ``model_name``.
+
+        The callable gets a list of requests (each a mapping of input name
+        to numpy array with its own leading batch dimension, and
+        ``.parameters``) and returns one dict of numpy arrays per request;
+        see :mod:`ferrobatch.triton.decorators` for the other shapes.
+        ``strict``: the outputs must be declared, of their declared dtype and
+        shape (else the requests of that call fail with a 500 saying what
+        was wrong). Raises :class:`PyTritonModelConfigError` for what
+        ferrobatch cannot serve.
+        """
+        with self._lock:
+            if self._phase != "created":
+                raise PyTritonInvalidOperationError("bind every model before run() or serve()")
+        if not model_name or not re.fullmatch(r"[a-zA-Z0-9._-]+", model_name):
+            raise PyTritonValidationError(
+                f"model name {model_name!r}: only letters, digits, dots, underscores and dashes"
+            )
+        if any(s.name == model_name for s in self._servers):
+            raise PyTritonValidationError(f"a model named {model_name!r} is already bound")
+        if model_version != 1:
+            raise PyTritonModelConfigError(f"model '{model_name}': only model_version=1 is served")
+        if trace_config:
+            log.warning("model '%s': trace_config is not supported; ignored", model_name)
+        config = config or ModelConfig()
+        funcs: list[InferFunc] = list(infer_func) if isinstance(infer_func, (list, tuple)) else [infer_func]  # type: ignore[list-item]
+        if not funcs or not all(callable(f) for f in funcs):
+            raise PyTritonValidationError("infer_func must be a callable or a non-empty list of callables")
+        described = model_config_of(model_name, model_version, config, inputs, outputs, len(funcs))
+        batcher = config.batcher
+        _refuse_unsupported(model_name, config)
+        policy = batcher.default_queue_policy
+        kwargs: dict[str, Any] = {}
+        if policy is not None and policy.max_queue_size > 0:
+            kwargs["max_queue_size"] = policy.max_queue_size
+        models = [
+            BoundModel(f, described, self._context, strict=strict, on_unrecoverable=self._on_unrecoverable)
+            for f in funcs
+        ]
+        server = Server(
+            models,
+            inputs=[tensor_spec(t, str(t.name)) for t in described.inputs],
+            outputs=[tensor_spec(t, str(t.name)) for t in described.outputs],
+            max_batch_size=config.max_batch_size,
+            max_delay=batcher.max_queue_delay_microseconds / 1e6,
+            preferred_batch_sizes=list(batcher.preferred_batch_size or ()),
+            name=model_name,
+            isolate_failures=False,  # a failed call fails its requests, as in PyTriton
+            warmup=False,
+            **kwargs,
+        )
+        for f in funcs:
+            self._context.model_configs[f] = described
+        self._servers.append(server)
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Starts serving in the background; returns once every model is
+        ready (the listeners open first)."""
+        started: queue.SimpleQueue[Listening | BaseException] = queue.SimpleQueue()
+        self._start()
+        thread = threading.Thread(target=self._serve_here, args=(started.put,), name="ferrobatch-triton", daemon=True)
+        self._thread = thread
+        thread.start()
+        atexit.register(self.stop)
+        try:
+            first = started.get(timeout=STARTUP_TIMEOUT_S)
+        except queue.Empty:
+            self.stop()
+            raise TimeoutError(f"the models were not ready within {STARTUP_TIMEOUT_S} s") from None
+        if isinstance(first, BaseException):
+            thread.join()
+            raise first
+
+    def serve(self, monitoring_period_s: float = MONITORING_PERIOD_S) -> None:
+        """Serves until SIGINT/SIGTERM (on the main thread), :meth:`stop`
+        or an :class:`UnrecoverableError`; then shuts down gracefully and
+        returns. After :meth:`run`, waits for the background server instead."""
+        if self._thread is not None:
+            try:
+                while not self._ended.wait(monitoring_period_s):
+                    pass
+            except KeyboardInterrupt:
+                log.info("SIGINT received, exiting")
+            self.stop()
+            return
+        self._start()
+        self._serve_here(lambda _: None)
+
+    def stop(self) -> bool:
+        """Shuts down gracefully (readiness 503, requests already accepted
+        answered, listeners closed) and waits for it; False if not running."""
+        with self._lock:
+            if self._phase != "running":
+                return False
+            self._phase = "stopped"
+        atexit.unregister(self.stop)
+        self._ask_stop()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        return True
+
+    def is_alive(self) -> bool:
+        """True while serving (from :meth:`run` or :meth:`serve` until it ends)."""
+        return self._phase == "running" and self._listening is not None and not self._ended.is_set()
+
+    def is_connected(self) -> bool:
+        return self.is_alive()
+
+    def connect(self) -> None:
+        """PyTriton's ``connect``: here, the same as :meth:`run`."""
+        self.run()
+
+    def __enter__(self) -> Triton:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    # -- ferrobatch's own -------------------------------------------------------------------
+
+    @property
+    def servers(self) -> list[Server]:
+        """The :class:`ferrobatch.Server` of each bound model (``stats()``...)."""
+        return list(self._servers)
+
+    @property
+    def http_port(self) -> int | None:
+        """The HTTP port listened on (the one picked for port 0), once running."""
+        return self._listening.http_port if self._listening is not None else None
+
+    @property
+    def grpc_port(self) -> int | None:
+        """The gRPC port listened on, once running."""
+        return self._listening.grpc_port if self._listening is not None else None
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._phase != "created":
+                raise PyTritonInvalidOperationError(f"already {self._phase}: a Triton object serves once")
+            if not self._servers:
+                raise PyTritonInvalidOperationError("bind at least one model before run() or serve()")
+            self._phase = "running"
+
+    def _serve_here(self, report: Callable[[Listening | BaseException], None]) -> None:
+        """Runs the server on this thread, on a new event loop, until it stops."""
+
+        async def main() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._stop_event = asyncio.Event()
+            if self._stop_asked:
+                self._stop_event.set()
+
+            def ready(listening: Listening) -> None:
+                self._listening = listening
+                log.info("models %s: HTTP port %s, gRPC port %s", listening.models, *_ports(listening))
+                report(listening)
+
+            await serve(self._servers, self._serve_config, on_ready=ready, stop=self._stop_event)
+
+        try:
+            asyncio.run(main())
+        except BaseException as exc:
+            report(exc)
+            raise
+        finally:
+            self._ended.set()
+            with self._lock:
+                self._phase = "stopped"
+
+    def _ask_stop(self) -> None:
+        """Sets the server's stop event from any thread (never blocks)."""
+        self._stop_asked = True
+        loop, event = self._loop, self._stop_event
+        if loop is not None and event is not None:
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:
+                pass  # the loop has closed: the server has ended already
+
+    def _on_unrecoverable(self, exc: UnrecoverableError) -> None:
+        """From a worker thread: shut down (readiness 503 at once, the
+        requests accepted still answered)."""
+        self.unrecoverable = self.unrecoverable or exc
+        self._ask_stop()
+
+
+def _ports(listening: Listening) -> tuple[int | None, int | None]:
+    return listening.http_port, listening.grpc_port
+
+
+def _refuse_unsupported(name: str, config: ModelConfig) -> None:
+    batcher = config.batcher
+    problems = []
+    if not config.batching:
+        problems.append("batching=False (ferrobatch always batches: use max_batch_size=1 for one row per call)")
+    if config.decoupled:
+        problems.append("decoupled=True (streaming responses)")
+    if config.response_cache:
+        problems.append("response_cache=True")
+    if batcher.priority_levels or batcher.priority_queue_policy:
+        problems.append("priority levels")
+    if problems:
+        raise PyTritonModelConfigError(f"model '{name}': not supported by ferrobatch: {'; '.join(problems)}")
+    if config.model_warmup:
+        log.warning("model '%s': model_warmup is ignored", name)

@@ -1,0 +1,485 @@
+"""ferrobatch.triton, PyTriton's binding model: the decorators and output
+checks on plain requests, then bound models served for real on 127.0.0.1
+and called with tritonclient over HTTP and gRPC."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from ferrobatch.triton import (
+    ConstantPadder,
+    DynamicBatcher,
+    ModelConfig,
+    PyTritonModelConfigError,
+    PyTritonRuntimeError,
+    PyTritonValidationError,
+    Request,
+    Tensor,
+    Triton,
+    TritonConfig,
+    UnrecoverableError,
+    batch,
+    first_value,
+    group_by_keys,
+    group_by_values,
+    sample,
+    triton_context,
+)
+from ferrobatch.triton._binding import BoundModel, TritonContext, collect_outputs, model_config_of
+
+pytestmark = pytest.mark.timeout(60)
+
+X = Tensor(name="x", dtype=np.float32, shape=(4,))
+Y = Tensor(name="y", dtype=np.float32, shape=(4,))
+
+
+def requests_of(*arrays: np.ndarray, **extra: np.ndarray) -> list[Request]:
+    return [Request({"x": a, **{k: v[i] for k, v in extra.items()}}) for i, a in enumerate(arrays)]
+
+
+def rows(n: int, start: float = 0.0) -> np.ndarray:
+    return (np.arange(n * 4, dtype=np.float32) + start).reshape(n, 4)
+
+
+def config_of(*outputs: Tensor, inputs: tuple[Tensor, ...] = (X,), **kwargs: Any) -> Any:
+    return model_config_of("m", 1, ModelConfig(**kwargs), list(inputs), list(outputs or (Y,)), 1)
+
+
+# -- decorators on plain requests ------------------------------------------------------------
+
+
+def test_batch_concatenates_the_requests_and_splits_the_outputs_by_their_rows() -> None:
+    calls: list[np.ndarray] = []
+
+    @batch
+    def infer(x: np.ndarray) -> dict[str, np.ndarray]:
+        calls.append(x)
+        return {"y": x * 2}
+
+    a, b, c = rows(1), rows(3, 100), rows(2, 200)
+    out = infer(requests_of(a, b, c))
+    assert len(calls) == 1 and calls[0].shape == (6, 4)
+    assert [o["y"].shape[0] for o in out] == [1, 3, 2]
+    for got, sent in zip(out, (a, b, c)):
+        np.testing.assert_array_equal(got["y"], sent * 2)
+
+
+def test_batch_works_on_methods_and_refuses_mismatched_requests_and_batch_sizes() -> None:
+    class Model:
+        def __init__(self) -> None:
+            self.scale = 3.0
+
+        @batch
+        def infer(self, x: np.ndarray) -> dict[str, np.ndarray]:
+            return {"y": x * self.scale}
+
+        @batch
+        def shortchanges(self, x: np.ndarray) -> dict[str, np.ndarray]:
+            return {"y": x[:1]}
+
+    model = Model()
+    np.testing.assert_array_equal(model.infer(requests_of(rows(2)))[0]["y"], rows(2) * 3)
+    with pytest.raises(PyTritonValidationError, match="different sets of inputs"):
+        model.infer([Request({"x": rows(1)}), Request({"z": rows(1)})])
+    with pytest.raises(ValueError, match="batch size"):
+        model.shortchanges(requests_of(rows(2), rows(1)))
+
+
+def test_sample_calls_once_per_request_with_its_inputs_as_keywords() -> None:
+    seen: list[tuple[str, ...]] = []
+
+    @sample
+    def infer(x: np.ndarray, scale: np.ndarray) -> dict[str, np.ndarray]:
+        seen.append(tuple(sorted(("x", "scale"))))
+        return {"y": x * scale}
+
+    reqs = [Request({"x": rows(1), "scale": np.float32([2])}), Request({"x": rows(2), "scale": np.float32([3])})]
+    out = infer(reqs)
+    assert len(seen) == 2
+    np.testing.assert_array_equal(out[0]["y"], rows(1) * 2)
+    np.testing.assert_array_equal(out[1]["y"], rows(2) * 3)
+
+
+def test_first_value_under_batch_squeezes_and_checks_the_values_are_equal() -> None:
+    got: list[Any] = []
+
+    @batch
+    @first_value("temperature")
+    def infer(x: np.ndarray, temperature: Any) -> dict[str, np.ndarray]:
+        got.append(temperature)
+        return {"y": x * temperature}
+
+    temps = np.float32([[0.5], [0.5]])
+    out = infer([Request({"x": rows(1), "temperature": temps[:1]}), Request({"x": rows(1), "temperature": temps[1:]})])
+    assert got == [np.float32(0.5)] and np.ndim(got[0]) == 0
+    np.testing.assert_array_equal(out[1]["y"], rows(1) * 0.5)
+    unequal = [
+        Request({"x": rows(1), "temperature": np.float32([[0.5]])}),
+        Request({"x": rows(1), "temperature": np.float32([[0.7]])}),
+    ]
+    with pytest.raises(PyTritonRuntimeError, match="not all equal"):
+        infer(unequal)
+
+    @batch
+    @first_value("temperature", strict=False, squeeze_single_values=False)
+    def lenient(x: np.ndarray, temperature: Any) -> dict[str, np.ndarray]:
+        got.append(temperature)
+        return {"y": x}
+
+    lenient(unequal)
+    np.testing.assert_array_equal(got[-1], np.float32([0.5]))
+
+
+def test_first_value_on_a_list_of_requests_rewrites_each_request() -> None:
+    @first_value("k")
+    def infer(requests: list[Request]) -> list[dict[str, np.ndarray]]:
+        return [{"y": r["x"] * r["k"]} for r in requests]
+
+    out = infer([Request({"x": rows(2), "k": np.int64([[3], [3]])}), Request({"x": rows(1), "k": np.int64([[5]])})])
+    np.testing.assert_array_equal(out[0]["y"], rows(2) * 3)
+    np.testing.assert_array_equal(out[1]["y"], rows(1) * 5)
+
+
+def test_group_by_values_calls_once_per_group_and_keeps_row_order() -> None:
+    groups: list[list[int]] = []
+
+    @batch
+    @group_by_values("mode")
+    def infer(x: np.ndarray, mode: np.ndarray) -> dict[str, np.ndarray]:
+        groups.append(sorted(set(mode.ravel().tolist())))
+        assert len(set(mode.ravel().tolist())) == 1
+        return {"y": x * mode.reshape(-1, 1)}
+
+    modes = np.int64([[1], [2], [1], [3], [2]])
+    x = rows(5)
+    out = infer([Request({"x": x[:2], "mode": modes[:2]}), Request({"x": x[2:], "mode": modes[2:]})])
+    assert sorted(groups) == [[1], [2], [3]]
+    np.testing.assert_array_equal(np.concatenate([o["y"] for o in out]), x * modes)
+
+    with pytest.raises(PyTritonRuntimeError, match="after"):
+        group_by_values("mode")(batch(lambda **kw: kw))
+
+
+def test_group_by_values_on_bytes_with_a_padder() -> None:
+    @batch
+    @group_by_values("lang", pad_fn=ConstantPadder(-1))
+    def infer(x: np.ndarray, lang: np.ndarray) -> dict[str, np.ndarray]:
+        width = 1 if lang[0][0] == b"en" else 3
+        return {"y": np.ones((x.shape[0], width), dtype=np.int64)}
+
+    lang = np.array([[b"en"], [b"fr"], [b"en"]], dtype=object)
+    (out,) = infer([Request({"x": rows(3), "lang": lang})])
+    np.testing.assert_array_equal(out["y"], [[1, -1, -1], [1, 1, 1], [1, -1, -1]])
+
+
+def test_group_by_keys_calls_once_per_set_of_inputs_in_request_order() -> None:
+    calls: list[int] = []
+
+    @group_by_keys
+    def infer(requests: list[Request]) -> list[dict[str, np.ndarray]]:
+        calls.append(len(requests))
+        return [{"keys": np.array([",".join(sorted(r))])} for r in requests]
+
+    out = infer([Request({"a": rows(1)}), Request({"a": rows(1), "b": rows(1)}), Request({"a": rows(1)})])
+    assert sorted(calls) == [1, 2]
+    assert [o["keys"][0] for o in out] == ["a", "a,b", "a"]
+
+
+# -- what a callable returns -----------------------------------------------------------------
+
+
+def test_outputs_must_be_one_dict_of_arrays_per_request_with_its_rows() -> None:
+    config = config_of()
+    with pytest.raises(PyTritonValidationError, match="list of dicts"):
+        collect_outputs({"y": rows(1)}, [1], config, strict=False)
+    with pytest.raises(PyTritonValidationError, match="2 responses for 1 requests"):
+        collect_outputs([{"y": rows(1)}, {"y": rows(1)}], [1], config, strict=False)
+    with pytest.raises(PyTritonValidationError, match="no output 'y'"):
+        collect_outputs([{"z": rows(1)}], [1], config, strict=False)
+    with pytest.raises(PyTritonValidationError, match="expected 2 rows"):
+        collect_outputs([{"y": rows(1)}], [2], config, strict=False)
+    with pytest.raises(PyTritonValidationError, match="numpy array"):
+        collect_outputs([{"y": torch.zeros(1, 4)}], [1], config, strict=False)
+    out = collect_outputs([{"y": rows(1)}, {"y": rows(2, 10)}], [1, 2], config, strict=False)
+    np.testing.assert_array_equal(out["y"], np.concatenate([rows(1), rows(2, 10)]))
+
+
+def test_strict_refuses_what_non_strict_casts_or_drops() -> None:
+    config = config_of()
+    wide = {"y": rows(2).astype(np.float64), "extra": rows(2)}
+    out = collect_outputs([wide], [2], config, strict=False)  # cast within its kind, the extra dropped
+    assert list(out) == ["y"] and out["y"].dtype == np.float32
+    with pytest.raises(PyTritonValidationError, match="invalid dtype: returned float64, declared float32"):
+        collect_outputs([{"y": rows(2).astype(np.float64)}], [2], config, strict=True)
+    with pytest.raises(PyTritonValidationError, match=r"not declared"):
+        collect_outputs([wide], [2], config, strict=True)
+    with pytest.raises(PyTritonValidationError, match="does not cast"):
+        collect_outputs([{"y": rows(2)}], [2], config_of(Tensor(name="y", dtype=np.int64, shape=(4,))), strict=False)
+    with pytest.raises(PyTritonValidationError, match="invalid shape"):
+        collect_outputs([{"y": np.zeros((2, 5), np.float32)}], [2], config, strict=True)
+    variable = config_of(Tensor(name="y", dtype=np.float32, shape=(-1,)))
+    assert collect_outputs([{"y": np.zeros((2, 5), np.float32)}], [2], variable, strict=True)["y"].shape == (2, 5)
+
+
+@dataclass
+class Info:
+    """What the server says about one request of a batch."""
+
+    rows: int
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+def test_a_bound_model_cuts_the_batch_into_its_requests_with_their_parameters() -> None:
+    seen: list[tuple[int, dict[str, Any]]] = []
+
+    def infer(requests: list[Request]) -> list[dict[str, np.ndarray]]:
+        seen.extend((r["x"].shape[0], dict(r.parameters)) for r in requests)
+        return [{"y": r["x"] + float(r.parameters.get("add", 0))} for r in requests]
+
+    config = config_of()
+    model = BoundModel(infer, config, TritonContext(), strict=True, on_unrecoverable=lambda e: None)
+    x = torch.from_numpy(rows(6))
+    out = model({"x": x}, [Info(2, {"add": 10}), Info(1), Info(3, {"add": 1, "tag": "t"})])
+    assert seen == [(2, {"add": 10}), (1, {}), (3, {"add": 1, "tag": "t"})]
+    np.testing.assert_array_equal(out["y"], rows(6) + np.float32([[10]] * 2 + [[0]] + [[1]] * 3))
+    x.zero_()  # the staging slot is reused: what the callable got was its own copy
+    assert seen[0][0] == 2
+
+
+def test_triton_context_and_list_outputs_read_the_bound_models_config() -> None:
+    @batch
+    @triton_context
+    def infer(x: np.ndarray, triton_context: TritonContext) -> tuple[np.ndarray, np.ndarray]:
+        names = [t.name for t in triton_context.model_configs[infer].outputs]
+        assert names == ["y", "OUTPUT_2"]
+        return x, x + 1
+
+    config = config_of(Y, Tensor(dtype=np.float32, shape=(4,)))
+    context = TritonContext()
+    context.model_configs[infer] = config
+    model = BoundModel(infer, config, context, strict=True, on_unrecoverable=lambda e: None)
+    out = model({"x": torch.from_numpy(rows(2))}, [Info(2)])
+    np.testing.assert_array_equal(out["OUTPUT_2"], rows(2) + 1)
+
+
+def test_unrecoverable_error_is_reported_then_raised() -> None:
+    reported: list[BaseException] = []
+
+    def infer(requests: list[Request]) -> list[dict[str, np.ndarray]]:
+        raise UnrecoverableError("the GPU fell off")
+
+    model = BoundModel(infer, config_of(), TritonContext(), strict=False, on_unrecoverable=reported.append)
+    with pytest.raises(UnrecoverableError):
+        model({"x": torch.from_numpy(rows(1))}, [Info(1)])
+    assert len(reported) == 1
+
+
+# -- configuration ------------------------------------------------------------------------------
+
+
+def test_tensor_dtypes_and_what_bind_refuses() -> None:
+    assert Tensor(dtype=np.dtype("float32"), shape=(2,)).dtype is np.float32
+    with pytest.raises(ValueError, match="-1"):
+        Tensor(dtype=np.float32, shape=(-2,))
+    triton = Triton(config=TritonConfig(http_port=0, grpc_port=0))
+
+    def infer(requests: list[Request]) -> list[dict[str, np.ndarray]]:
+        return []
+
+    with pytest.raises(PyTritonModelConfigError, match="batching=False"):
+        triton.bind("m", infer, [X], [Y], config=ModelConfig(batching=False))
+    with pytest.raises(PyTritonModelConfigError, match="decoupled"):
+        triton.bind("m", infer, [X], [Y], config=ModelConfig(decoupled=True))
+    with pytest.raises(PyTritonModelConfigError, match="optional"):
+        triton.bind("m", infer, [Tensor(name="x", dtype=np.float32, shape=(4,), optional=True)], [Y])
+    with pytest.raises(PyTritonValidationError, match="model name"):
+        triton.bind("no spaces", infer, [X], [Y])
+    triton.bind("m", infer, [X], [Y], config=ModelConfig(max_batch_size=8, batcher=DynamicBatcher(
+        max_queue_delay_microseconds=2500, preferred_batch_size=[4, 8])))  # fmt: skip
+    (server,) = triton.servers
+    assert (server.max_batch_size, server.max_delay, server.preferred_batch_sizes) == (8, 0.0025, (4, 8))
+    with pytest.raises(PyTritonValidationError, match="already bound"):
+        triton.bind("m", infer, [X], [Y])
+
+
+def test_triton_config_from_env_and_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTRITON_TRITON_CONFIG_GRPC_PORT", "45436")
+    monkeypatch.setenv("PYTRITON_TRITON_CONFIG_ALLOW_HTTP", "false")
+    monkeypatch.setenv("PYTRITON_TRITON_CONFIG_CACHE_CONFIG_0", "local,size=1")
+    config = TritonConfig.from_env()
+    assert (config.grpc_port, config.allow_http, config.cache_config) == (45436, False, ["local,size=1"])
+    with pytest.raises(PyTritonValidationError, match="HTTP or the gRPC"):
+        TritonConfig(allow_http=False, allow_grpc=False)
+    triton = Triton(config=TritonConfig(grpc_port=0))  # explicit beats the environment
+    assert (triton._serve_config.http_port, triton._serve_config.grpc_port) == (None, 0)
+
+
+# -- served for real: tritonclient over HTTP and gRPC ------------------------------------------
+
+
+@contextlib.contextmanager
+def running(triton: Triton) -> Iterator[tuple[str, str]]:
+    """``triton.run()``; yields its HTTP and gRPC addresses; stops it on exit."""
+    with triton:
+        triton.run()
+        yield f"127.0.0.1:{triton.http_port}", f"127.0.0.1:{triton.grpc_port}"
+    assert not triton.is_alive()
+
+
+def ephemeral(**kwargs: Any) -> Triton:
+    return Triton(config=TritonConfig(http_port=0, grpc_port=0, **kwargs))
+
+
+def http_infer(address: str, model: str, x: np.ndarray, **kwargs: Any) -> dict[str, np.ndarray]:
+    client = httpclient.InferenceServerClient(address, network_timeout=30)
+    try:
+        tensor = httpclient.InferInput("x", list(x.shape), "FP32")
+        tensor.set_data_from_numpy(x)
+        result = client.infer(model, [tensor], **kwargs)
+        return {o["name"]: result.as_numpy(o["name"]) for o in result.get_response()["outputs"]}
+    finally:
+        client.close()
+
+
+def grpc_infer(address: str, model: str, x: np.ndarray, **kwargs: Any) -> dict[str, np.ndarray]:
+    client = grpcclient.InferenceServerClient(address)
+    try:
+        tensor = grpcclient.InferInput("x", list(x.shape), "FP32")
+        tensor.set_data_from_numpy(x)
+        result = client.infer(model, [tensor], client_timeout=30, **kwargs)
+        return {o.name: result.as_numpy(o.name) for o in result.get_response().outputs}
+    finally:
+        client.close()
+
+
+def test_a_bound_callable_answers_tritonclient_over_http_and_grpc() -> None:
+    def infer(requests: list[Request]) -> list[dict[str, np.ndarray]]:
+        return [{"y": r["x"] * 2} for r in requests]
+
+    triton = ephemeral()
+    triton.bind("double", infer, inputs=[X], outputs=[Y], config=ModelConfig(max_batch_size=8))
+    with running(triton) as (http, grpc):
+        np.testing.assert_array_equal(http_infer(http, "double", rows(3))["y"], rows(3) * 2)
+        np.testing.assert_array_equal(grpc_infer(grpc, "double", rows(2, 7))["y"], rows(2, 7) * 2)
+        meta = httpclient.InferenceServerClient(http).get_model_metadata("double")
+        assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}]
+        assert triton.is_alive()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://{http}/v2/health/live", timeout=5)
+
+
+def test_a_list_of_callables_is_one_instance_each() -> None:
+    def instance(k: int) -> Callable[[list[Request]], list[dict[str, np.ndarray]]]:
+        def infer(requests: list[Request]) -> list[dict[str, np.ndarray]]:
+            time.sleep(0.05)  # so that concurrent requests need the other instance too
+            return [{"y": r["x"] + 1, "who": np.full((r["x"].shape[0], 1), k, dtype=np.int64)} for r in requests]
+
+        return infer
+
+    who = Tensor(name="who", dtype=np.int64, shape=(1,))
+    triton = ephemeral()
+    triton.bind("pair", [instance(0), instance(1)], inputs=[X], outputs=[Y, who], config=ModelConfig(max_batch_size=1))
+    with running(triton) as (http, _):
+        with ThreadPoolExecutor(6) as pool:
+            results = list(pool.map(lambda i: (i, http_infer(http, "pair", rows(1, i))), range(12)))
+    for i, out in results:
+        np.testing.assert_array_equal(out["y"], rows(1, i) + 1)
+    assert {int(out["who"][0, 0]) for _, out in results} == {0, 1}
+
+
+def test_strict_mode_fails_the_call_with_a_clear_error_and_serves_on() -> None:
+    def infer(requests: list[Request]) -> list[dict[str, np.ndarray]]:
+        out = []
+        for r in requests:
+            x = r["x"]
+            if x[0, 0] == -1:
+                out.append({"y": x.astype(np.float64)})  # wrong dtype
+            elif x[0, 0] == -2:
+                out.append({"y": np.zeros((x.shape[0], 3), np.float32)})  # wrong shape
+            else:
+                out.append({"y": x})
+        return out
+
+    triton = ephemeral()
+    triton.bind("strict", infer, inputs=[X], outputs=[Y], config=ModelConfig(max_batch_size=4), strict=True)
+    with running(triton) as (http, grpc):
+        bad = rows(1)
+        bad[0, 0] = -1
+        with pytest.raises(InferenceServerException, match="invalid dtype: returned float64, declared float32") as e:
+            http_infer(http, "strict", bad)
+        assert e.value.status() == "500"
+        bad[0, 0] = -2
+        with pytest.raises(InferenceServerException, match=r"invalid shape: returned \(3,\) per row") as e:
+            grpc_infer(grpc, "strict", bad)
+        assert e.value.status() == "StatusCode.INTERNAL"
+        np.testing.assert_array_equal(http_infer(http, "strict", rows(2))["y"], rows(2))
+
+
+@pytest.mark.parametrize("frontend", ["native", "python"])
+def test_unrecoverable_error_stops_the_server_after_answering_what_it_accepted(frontend: str) -> None:
+    """Two instances: one holds a request while the other raises
+    UnrecoverableError; readiness turns 503 (or the listener closes), the
+    held request is still answered, then serve() returns."""
+    entered, release = threading.Event(), threading.Event()
+
+    def infer(requests: list[Request]) -> list[dict[str, np.ndarray]]:
+        x = requests[0]["x"]
+        if x[0, 0] == -1:
+            raise UnrecoverableError("the accelerator is gone")
+        if x[0, 0] == -2:
+            entered.set()
+            release.wait(30)
+        return [{"y": r["x"]} for r in requests]
+
+    triton = Triton(config=TritonConfig(http_port=0, grpc_port=0), frontend=frontend)
+    triton.bind("fragile", [infer, infer], inputs=[X], outputs=[Y], config=ModelConfig(max_batch_size=1))
+    serving = threading.Thread(target=triton.serve)
+    serving.start()
+    try:
+        deadline = time.monotonic() + 30
+        while triton.http_port is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        http, grpc = f"127.0.0.1:{triton.http_port}", f"127.0.0.1:{triton.grpc_port}"
+        assert httpx.get(f"http://{http}/v2/health/ready", timeout=5).status_code == 200
+        with ThreadPoolExecutor(1) as pool:
+            held_x = rows(1)
+            held_x[0, 0] = -2
+            held = pool.submit(http_infer, http, "fragile", held_x)
+            assert entered.wait(10)
+            fatal = rows(1)
+            fatal[0, 0] = -1
+            with pytest.raises(InferenceServerException, match="the accelerator is gone"):
+                grpc_infer(grpc, "fragile", fatal)
+            seen = None
+            while time.monotonic() < deadline:
+                try:
+                    seen = httpx.get(f"http://{http}/v2/health/ready", timeout=5).status_code
+                except httpx.TransportError:
+                    seen = "closed"
+                if seen != 200:
+                    break
+                time.sleep(0.01)
+            assert seen == (503 if frontend == "python" else seen) and seen in (503, "closed")
+            release.set()
+            np.testing.assert_array_equal(held.result(30)["y"], held_x)  # accepted: still answered
+        serving.join(30)
+        assert not serving.is_alive() and not triton.is_alive()
+        assert isinstance(triton.unrecoverable, UnrecoverableError)
+    finally:
+        release.set()
+        triton.stop()
+        serving.join(30)
