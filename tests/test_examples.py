@@ -146,3 +146,30 @@ def test_torchrl_actors_example_runs_with_weight_updates() -> None:
     stats = load("torchrl_actors").run(actors=4, steps=50, updates=3)
     assert stats["steps"] == 200 == stats["requests"]
     assert stats["weight_updates"] == 3 == stats["policy_version"]
+
+
+def test_pytriton_switch_example_serves_tritonclient() -> None:
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    example = load("pytriton_switch")
+    from ferrobatch.triton import Triton, TritonConfig
+
+    features = np.random.default_rng(0).random((3, 16), dtype=np.float32)
+    with torch.inference_mode():
+        expected = example.MODEL({"features": torch.from_numpy(features)})["probs"].numpy()
+    with Triton(config=TritonConfig(http_port=0, grpc_port=0)) as triton:
+        example.bind(triton)
+        triton.run()
+        http = httpclient.InferenceServerClient(f"127.0.0.1:{triton.http_port}", network_timeout=30)
+        x = httpclient.InferInput("features", [3, 16], "FP32")
+        x.set_data_from_numpy(features)
+        np.testing.assert_allclose(http.infer("scorer", [x]).as_numpy("probs"), expected, rtol=1e-6)
+        rpc = grpcclient.InferenceServerClient(f"127.0.0.1:{triton.grpc_port}")
+        x = grpcclient.InferInput("features", [1, 16], "FP32")
+        x.set_data_from_numpy(features[1:2])
+        np.testing.assert_allclose(rpc.infer("scorer", [x]).as_numpy("probs"), expected[1:2], rtol=1e-6)
+        rpc.close()
+        http.close()
+    assert not triton.is_alive()
