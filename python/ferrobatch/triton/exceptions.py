@@ -2,8 +2,9 @@
 
 :class:`UnrecoverableError` (``PyTritonUnrecoverableError``), raised by an
 inference callable, fails the requests of that call and shuts the server
-down: readiness turns 503 at once, requests already accepted are answered,
-then the listeners close and :meth:`Triton.serve` returns.
+down as :meth:`Triton.stop` does: readiness turns 503 and the listeners
+close, requests already accepted are answered, then :meth:`Triton.serve`
+returns.
 """
 
 from __future__ import annotations

@@ -236,7 +236,8 @@ class Triton:
         self._servers: list[Server] = []
         self._lock = threading.Lock()
         self._phase = "created"  # created -> running -> stopped
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # run()'s
+        self._serving_thread: threading.Thread | None = None  # run()'s, or the one in serve()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_event: asyncio.Event | None = None
         self._stop_asked = False
@@ -350,13 +351,19 @@ class Triton:
 
     def stop(self) -> bool:
         """Shuts down gracefully (readiness 503, requests already accepted
-        answered, listeners closed) and waits for it; False if not running."""
+        answered, listeners closed) and waits for it; False if not running.
+        Not from an inference callable (it would wait for its own call to
+        end): raise :class:`UnrecoverableError` there."""
         with self._lock:
             if self._phase != "running":
                 return False
             self._phase = "stopped"
         atexit.unregister(self.stop)
         self._ask_stop()
+        if threading.current_thread() is not self._serving_thread:
+            # Not from an inference callable: it would wait for itself (raise
+            # UnrecoverableError there instead).
+            self._ended.wait()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
         return True
@@ -410,6 +417,8 @@ class Triton:
     def _serve_here(self, report: Callable[[Listening | BaseException], None]) -> None:
         """Runs the server on this thread, on a new event loop, until it stops."""
 
+        self._serving_thread = threading.current_thread()
+
         async def main() -> None:
             self._loop = asyncio.get_running_loop()
             self._stop_event = asyncio.Event()
@@ -444,8 +453,8 @@ class Triton:
                 pass  # the loop has closed: the server has ended already
 
     def _on_unrecoverable(self, exc: UnrecoverableError) -> None:
-        """From a worker thread: shut down (readiness 503 at once, the
-        requests accepted still answered)."""
+        """From a worker thread: shut down as :meth:`stop` does, without
+        waiting (the worker's own batch must end first)."""
         self.unrecoverable = self.unrecoverable or exc
         self._ask_stop()
 
