@@ -29,7 +29,17 @@ from time import perf_counter_ns
 import torch
 
 from . import _core
-from ._torch import Model, WarmupBatch, WorkerCounters, fill_slot, finish, normalize_outputs, version_rows
+from ._requests import RequestInfo
+from ._torch import (
+    Model,
+    WarmupBatch,
+    WorkerCounters,
+    batch_requests,
+    fill_slot,
+    finish,
+    normalize_outputs,
+    version_rows,
+)
 from ._weights import Gate
 from .specs import TensorSpec
 
@@ -93,6 +103,8 @@ class CudaExecutor:
 
     gate: Gate | None = None
     version_output: str | None = None
+    with_requests: bool = False  # the model takes (inputs, requests)
+    _requests: list[RequestInfo] | None = None  # the batch being launched's, with with_requests
 
     def bind_weights(self, gate: Gate, version_output: str | None) -> None:
         """Enqueues every batch of :meth:`serve_launch` under ``gate``; with
@@ -173,6 +185,9 @@ class CudaExecutor:
         return None
 
     def _run_eager(self, on_device: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
+        if self.with_requests:  # warm-up: one request per row
+            requests = self._requests or [RequestInfo(1)] * rows
+            return normalize_outputs(self.model(on_device, requests), self.outputs, rows)  # type: ignore[call-arg]
         return normalize_outputs(self.model(on_device), self.outputs, rows)
 
     def _capture(self, buckets: Sequence[int]) -> None:
@@ -252,6 +267,8 @@ class CudaExecutor:
                 batch = worker.next_batch()
                 if batch is None:
                     return
+                if self.with_requests:
+                    self._requests = [r for _, r in batch_requests(batch)]
                 try:
                     if self.gate is None:
                         flight = self.launch(slots[batch.slot], batch.rows)
