@@ -115,9 +115,10 @@ class Server:
             extra calls however many fail (``2 * log2(n)`` for one bad
             request). ``KeyboardInterrupt``, ``SystemExit`` and the other
             non-``Exception`` errors are never retried. ``stats()`` counts
-            ``retry_calls`` and ``isolated_failures``. CPU instances only
-            for now: a CUDA instance fails the whole batch, as with
-            ``False``, which fails every request of the batch.
+            ``retry_calls`` and ``isolated_failures``. On a CUDA instance
+            the retries run when the model call raises as it is enqueued
+            (errors of Python code, shapes, dtypes), each part waited for;
+            an error the device reports later fails the whole batch.
         invariance_sample_rate: the fraction ``r`` of live requests re-run
             alone, off the hot path, to check that their result does not
             depend on the rest of their batch (see
@@ -326,6 +327,7 @@ class Server:
                 pad_to=padded if pad else None, cuda_graphs=self.cuda_graphs,
             )  # fmt: skip
             cuda.with_requests = self.with_requests
+            cuda.isolate_failures = self.isolate_failures
             return cuda
         executor = CpuExecutor(model, device, outputs, pad_to=padded if self._compile is not False else None)
         executor.with_requests = self.with_requests
