@@ -34,6 +34,8 @@ fn bench_batcher(c: &mut Criterion) {
         max_queue_size: 10_000,
         workers: 1,
         readiness: Readiness::OnPush,
+        priorities: ferrobatch_core::Priorities::NONE,
+        default_priority: None,
     };
     let batcher = Batcher::new(config, slots).expect("a valid batcher");
     let mut worker = Worker::new();

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -141,7 +143,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             inputs = _decode_inputs(request, model)
             outputs = _requested_outputs(request, model)
             timeout = _timeout(request.parameters, context)
-            results = await self.repository.infer(model, inputs, timeout)
+            priority = _priority(request.parameters)
+            parameters = _parameters_json(request.parameters) if model.server.with_requests else None
+            results = await self.repository.infer(model, inputs, timeout, priority, parameters)
         except Exception as exc:  # noqa: BLE001 - every failure becomes the call's status
             _fail(context, exc, name, self.expose_errors)
             return pb.ModelInferResponse()
@@ -208,6 +212,33 @@ def _requested_outputs(request: pb.ModelInferRequest, model: ServedModel) -> lis
             raise ProtocolError(400, f"output '{out.name}': the classification extension is not supported")
         names.append(out.name)
     return names
+
+
+def _priority(parameters: Mapping[str, pb.InferParameter]) -> int | None:
+    """The ``priority`` parameter: an int64 or uint64 >= 0 (0: the default level)."""
+    if "priority" not in parameters:
+        return None
+    param = parameters["priority"]
+    kind = param.WhichOneof("parameter_choice")
+    value = getattr(param, kind) if kind in ("int64_param", "uint64_param") else -1
+    if not 0 <= value < 2**32:
+        raise ProtocolError(400, "parameter 'priority' must be an integer >= 0")
+    return value or None
+
+
+def _parameters_json(parameters: Mapping[str, pb.InferParameter]) -> str | None:
+    """The request's parameters as a JSON object's text (None: it has none)."""
+    if not parameters:
+        return None
+    values = {}
+    for name, param in parameters.items():
+        kind = param.WhichOneof("parameter_choice")
+        values[name] = None if kind is None else getattr(param, kind)
+    # NaN and infinities have no JSON number: null, as the native front-end writes them.
+    return json.dumps(
+        {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in values.items()},
+        separators=(",", ":"),
+    )
 
 
 def _timeout(parameters: Mapping[str, pb.InferParameter], context: Context) -> float | None:

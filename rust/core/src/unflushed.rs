@@ -76,6 +76,8 @@ mod tests {
             max_queue_size: 16,
             workers: 1,
             readiness: Readiness::OnFlush,
+            priorities: crate::Priorities::NONE,
+            default_priority: None,
         };
         let batcher = Arc::new(Batcher::new(config, slots).unwrap());
         let unflushed = Unflushed::default();
