@@ -9,7 +9,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -20,6 +19,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from ferrobatch import RequestInfo
 from ferrobatch.triton import (
     ConstantPadder,
     DynamicBatcher,
@@ -236,14 +236,6 @@ def test_strict_refuses_what_non_strict_casts_or_drops() -> None:
     assert collect_outputs([{"y": np.zeros((2, 5), np.float32)}], [2], variable, strict=True)["y"].shape == (2, 5)
 
 
-@dataclass
-class Info:
-    """What the server says about one request of a batch."""
-
-    rows: int
-    parameters: dict[str, Any] = field(default_factory=dict)
-
-
 def test_a_bound_model_cuts_the_batch_into_its_requests_with_their_parameters() -> None:
     seen: list[tuple[int, dict[str, Any]]] = []
 
@@ -254,7 +246,7 @@ def test_a_bound_model_cuts_the_batch_into_its_requests_with_their_parameters() 
     config = config_of()
     model = BoundModel(infer, config, TritonContext(), strict=True, on_unrecoverable=lambda e: None)
     x = torch.from_numpy(rows(6))
-    out = model({"x": x}, [Info(2, {"add": 10}), Info(1), Info(3, {"add": 1, "tag": "t"})])
+    out = model({"x": x}, [RequestInfo(2, {"add": 10}), RequestInfo(1), RequestInfo(3, {"add": 1, "tag": "t"})])
     assert seen == [(2, {"add": 10}), (1, {}), (3, {"add": 1, "tag": "t"})]
     np.testing.assert_array_equal(out["y"], rows(6) + np.float32([[10]] * 2 + [[0]] + [[1]] * 3))
     x.zero_()  # the staging slot is reused: what the callable got was its own copy
@@ -273,7 +265,7 @@ def test_triton_context_and_list_outputs_read_the_bound_models_config() -> None:
     context = TritonContext()
     context.model_configs[infer] = config
     model = BoundModel(infer, config, context, strict=True, on_unrecoverable=lambda e: None)
-    out = model({"x": torch.from_numpy(rows(2))}, [Info(2)])
+    out = model({"x": torch.from_numpy(rows(2))}, [RequestInfo(2)])
     np.testing.assert_array_equal(out["OUTPUT_2"], rows(2) + 1)
 
 
@@ -285,7 +277,7 @@ def test_unrecoverable_error_is_reported_then_raised() -> None:
 
     model = BoundModel(infer, config_of(), TritonContext(), strict=False, on_unrecoverable=reported.append)
     with pytest.raises(UnrecoverableError):
-        model({"x": torch.from_numpy(rows(1))}, [Info(1)])
+        model({"x": torch.from_numpy(rows(1))}, [RequestInfo(1)])
     assert len(reported) == 1
 
 
@@ -381,6 +373,44 @@ def test_a_bound_callable_answers_tritonclient_over_http_and_grpc() -> None:
         assert triton.is_alive()
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://{http}/v2/health/live", timeout=5)
+
+
+def test_batch_callables_serve_concurrent_clients_their_own_rows() -> None:
+    """The first call is held until several requests wait, so later calls
+    get several requests (of 1 to 3 rows each) in one batch."""
+    calls: list[int] = []
+    first = threading.Event()
+    server: list[Any] = []
+
+    @batch
+    def doubled(x: np.ndarray) -> dict[str, np.ndarray]:
+        return {"y": x * 2 + 1}
+
+    def infer(requests: list[Request]) -> list[dict[str, np.ndarray]]:
+        calls.append(len(requests))
+        if not first.is_set():
+            deadline = time.monotonic() + 10
+            while server[0].stats()["queue_depth"] < 6 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            first.set()
+        out: list[dict[str, np.ndarray]] = doubled(requests)
+        return out
+
+    triton = ephemeral()
+    triton.bind("b", infer, inputs=[X], outputs=[Y], config=ModelConfig(max_batch_size=32))
+    server.extend(triton.servers)
+    with running(triton) as (http, grpc):
+
+        def call(i: int) -> tuple[np.ndarray, np.ndarray]:
+            x = rows(1 + i % 3, start=1000 * i)
+            infer_over = http_infer if i % 2 else grpc_infer
+            return x, infer_over(http if i % 2 else grpc, "b", x)["y"]
+
+        with ThreadPoolExecutor(12) as pool:
+            results = list(pool.map(call, range(24)))
+    for x, y in results:
+        np.testing.assert_array_equal(y, x * 2 + 1)
+    assert max(calls) > 1, calls  # several requests in one call, each given back its own rows
 
 
 def test_a_list_of_callables_is_one_instance_each() -> None:
@@ -510,3 +540,27 @@ def test_serve_blocks_until_stop_and_a_triton_serves_once() -> None:
     assert not serving.is_alive()
     with pytest.raises(PyTritonInvalidOperationError, match="serves once"):
         triton.run()
+
+
+def test_parameters_and_forwarded_headers_reach_the_callable() -> None:
+    seen: list[dict[str, Any]] = []
+
+    def infer(requests: list[Request]) -> list[dict[str, np.ndarray]]:
+        seen.extend(dict(r.parameters) for r in requests)
+        return [{"y": r["x"] + float(r.parameters.get("add", 0))} for r in requests]
+
+    triton = ephemeral(http_header_forward_pattern="^x-trace", grpc_header_forward_pattern="^x-trace")
+    triton.bind("params", infer, inputs=[X], outputs=[Y], config=ModelConfig(max_batch_size=8))
+    with running(triton) as (http, grpc):
+        out = http_infer(
+            http, "params", rows(2), parameters={"add": 10, "tag": "h"}, headers={"X-Trace-Id": "t1", "X-Other": "no"}
+        )
+        np.testing.assert_array_equal(out["y"], rows(2) + 10)
+        out = grpc_infer(grpc, "params", rows(1), parameters={"add": 5, "flag": True}, headers={"x-trace-id": "g1"})
+        np.testing.assert_array_equal(out["y"], rows(1) + 5)
+        np.testing.assert_array_equal(http_infer(http, "params", rows(1), timeout=30_000_000)["y"], rows(1))
+    assert seen == [
+        {"add": 10, "tag": "h", "x-trace-id": "t1"},
+        {"add": 5, "flag": True, "x-trace-id": "g1"},
+        {},  # the timeout is the server's, as in Triton
+    ]

@@ -8,10 +8,11 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
+from .._requests import RequestInfo
 from ..specs import TensorSpec
 from .exceptions import PyTritonModelConfigError, PyTritonValidationError, UnrecoverableError
 from .model_config import DynamicBatcher, ModelConfig, Tensor
@@ -144,14 +145,8 @@ def numpy_dtype(tensor: Tensor) -> np.dtype[Any]:
     return np.dtype(object) if dtype.kind in "SUO" else dtype
 
 
-class RequestRows(Protocol):
-    """What the server tells a model about each request of a batch."""
-
-    @property
-    def rows(self) -> int: ...
-
-    @property
-    def parameters(self) -> Mapping[str, str | int | float | bool]: ...
+#: Request parameters of the protocol itself, which Triton keeps from its models.
+_RESERVED = frozenset({"timeout", "priority", "binary_data_output", "sequence_id", "sequence_start", "sequence_end"})
 
 
 InferFunc = Callable[[list[Request]], Any]
@@ -165,8 +160,9 @@ class BoundModel:
     the callable's responses are checked and joined back into the batch's
     outputs, in request order. ``on_unrecoverable`` is called (from the
     worker thread) when the callable raises :class:`UnrecoverableError`.
-    Called without ``requests`` (a server that does not describe its
-    batches' requests), the whole batch is one request without parameters.
+    A request's parameters are its v2 ``parameters`` and forwarded headers,
+    without the protocol's own (``timeout``, ``priority``,
+    ``binary_data_output``...), as Triton passes them to its models.
     """
 
     def __init__(
@@ -184,20 +180,15 @@ class BoundModel:
         self.strict = strict
         self.on_unrecoverable = on_unrecoverable
 
-    def __call__(self, inputs: Mapping[str, Any], requests: Sequence[RequestRows] | None = None) -> dict[str, Any]:
+    def __call__(self, inputs: Mapping[str, Any], requests: Sequence[RequestInfo]) -> dict[str, Any]:
         batch = {name: _owned_array(value) for name, value in inputs.items()}
-        total = next(iter(batch.values())).shape[0]
-        parameters: list[Parameters]
-        if requests is None:
-            rows, parameters = [total], [{}]
-        else:
-            rows = [r.rows for r in requests]
-            parameters = [dict(r.parameters) for r in requests]
+        rows = [r.rows for r in requests]
         split = []
         start = 0
-        for n, params in zip(rows, parameters):
-            split.append(Request({name: a[start : start + n] for name, a in batch.items()}, params))
-            start += n
+        for r in requests:
+            params = {k: v for k, v in r.parameters.items() if k not in _RESERVED}
+            split.append(Request({name: a[start : start + r.rows] for name, a in batch.items()}, params))
+            start += r.rows
         responses = self._call(split)
         return collect_outputs(responses, rows, self.config, strict=self.strict)
 

@@ -54,9 +54,10 @@ class QueuePolicy:
 @dataclasses.dataclass
 class DynamicBatcher:
     """Triton's dynamic batcher settings (see the module's docstring for
-    what each becomes). Priority levels are not supported (refused at
-    :meth:`Triton.bind`); ``preserve_ordering`` has nothing to do: every
-    request gets its own response."""
+    what each becomes). ``priority_levels`` and ``default_priority_level``
+    are the server's (a request's ``priority`` parameter: 1 most urgent);
+    ``priority_queue_policy`` is ignored; ``preserve_ordering`` has nothing
+    to do: every request gets its own response."""
 
     max_queue_delay_microseconds: int = 0
     preferred_batch_size: list[int] | None = None

@@ -58,7 +58,9 @@ class TritonConfig:
     127.0.0.1 where Triton binds 0.0.0.0), ``http_port`` (8000),
     ``grpc_port`` (8001), ``allow_http`` / ``allow_grpc``,
     ``exit_timeout_secs`` (the graceful shutdown's limit, 30),
-    ``log_verbose`` (>= 1: debug logs). The other fields are Triton
+    ``log_verbose`` (>= 1: debug logs), ``http_header_forward_pattern`` /
+    ``grpc_header_forward_pattern`` (headers whose names match join each
+    request's ``parameters``, by lowercase name; native front-end). The other fields are Triton
     server options with no meaning here: setting one logs a warning.
     ``/metrics`` is served on the HTTP port.
     """
@@ -177,6 +179,8 @@ _USED = {
     "grpc_port",
     "exit_timeout_secs",
     "log_verbose",
+    "http_header_forward_pattern",
+    "grpc_header_forward_pattern",
 }
 
 
@@ -199,6 +203,8 @@ def serve_config(config: TritonConfig, *, expose_errors: bool, frontend: str) ->
         graceful_timeout=30.0 if config.exit_timeout_secs is None else float(config.exit_timeout_secs),
         log_level="debug" if config.log_verbose else "info",
         expose_errors=expose_errors,
+        http_header_forward_pattern=config.http_header_forward_pattern,
+        grpc_header_forward_pattern=config.grpc_header_forward_pattern,
     )
 
 
@@ -294,12 +300,17 @@ class Triton:
         kwargs: dict[str, Any] = {}
         if policy is not None and policy.max_queue_size > 0:
             kwargs["max_queue_size"] = policy.max_queue_size
+        if batcher.priority_levels > 1:  # one level is none, as in Triton
+            kwargs["priority_levels"] = batcher.priority_levels
+            kwargs["default_priority"] = batcher.default_priority_level or None
+        if batcher.priority_queue_policy:
+            log.warning("model '%s': priority_queue_policy is not supported; ignored", model_name)
         models = [
             BoundModel(f, described, self._context, strict=strict, on_unrecoverable=self._on_unrecoverable)
             for f in funcs
         ]
         server = Server(
-            models,
+            models,  # type: ignore[arg-type]  # with_requests: called as model(inputs, requests)
             inputs=[tensor_spec(t, str(t.name)) for t in described.inputs],
             outputs=[tensor_spec(t, str(t.name)) for t in described.outputs],
             max_batch_size=config.max_batch_size,
@@ -308,6 +319,7 @@ class Triton:
             name=model_name,
             isolate_failures=False,  # a failed call fails its requests, as in PyTriton
             warmup=False,
+            with_requests=True,
             **kwargs,
         )
         for f in funcs:
@@ -464,7 +476,6 @@ def _ports(listening: Listening) -> tuple[int | None, int | None]:
 
 
 def _refuse_unsupported(name: str, config: ModelConfig) -> None:
-    batcher = config.batcher
     problems = []
     if not config.batching:
         problems.append("batching=False (ferrobatch always batches: use max_batch_size=1 for one row per call)")
@@ -472,8 +483,6 @@ def _refuse_unsupported(name: str, config: ModelConfig) -> None:
         problems.append("decoupled=True (streaming responses)")
     if config.response_cache:
         problems.append("response_cache=True")
-    if batcher.priority_levels or batcher.priority_queue_policy:
-        problems.append("priority levels")
     if problems:
         raise PyTritonModelConfigError(f"model '{name}': not supported by ferrobatch: {'; '.join(problems)}")
     if config.model_warmup:
