@@ -307,6 +307,9 @@ def test_tensor_dtypes_and_what_bind_refuses() -> None:
     assert (server.max_batch_size, server.max_delay, server.preferred_batch_sizes) == (8, 0.0025, (4, 8))
     with pytest.raises(PyTritonValidationError, match="already bound"):
         triton.bind("m", infer, [X], [Y])
+    batcher = DynamicBatcher(priority_levels=3, default_priority_level=2)
+    triton.bind("urgent", infer, [X], [Y], config=ModelConfig(batcher=batcher))
+    assert (triton.servers[1].priority_levels, triton.servers[1].default_priority) == (3, 2)
 
 
 def test_triton_config_from_env_and_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
