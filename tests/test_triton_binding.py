@@ -253,6 +253,33 @@ def test_a_bound_model_cuts_the_batch_into_its_requests_with_their_parameters() 
     assert seen[0][0] == 2
 
 
+def test_variable_length_rows_reach_each_request_unpadded_and_return_padded_with_lengths() -> None:
+    tokens = Tensor(name="tokens", dtype=np.int64, shape=(-1,))
+    out = Tensor(name="out", dtype=np.int64, shape=(-1,))
+    config = config_of(out, inputs=(tokens,))
+    seen: list[tuple[int, ...]] = []
+
+    def infer(requests: list[Request]) -> list[dict[str, np.ndarray]]:
+        seen.extend(r["tokens"].shape for r in requests)
+        return [{"out": np.concatenate([r["tokens"], r["tokens"]], axis=1)} for r in requests]
+
+    model = BoundModel(infer, config, TritonContext(), strict=True, on_unrecoverable=lambda e: None)
+    padded = torch.tensor([[1, 2, 0, 0, 0], [3, 4, 0, 0, 0], [5, 6, 7, 8, 9]])
+    result = model({"tokens": padded, "tokens_lengths": torch.tensor([2, 2, 5])}, [RequestInfo(2), RequestInfo(1)])
+    assert seen == [(2, 2), (1, 5)]  # each request's own rows, cut to its own length
+    assert result["out_lengths"].tolist() == [4, 4, 10]
+    np.testing.assert_array_equal(result["out"][0], [1, 2, 1, 2, 0, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(result["out"][2], [5, 6, 7, 8, 9, 5, 6, 7, 8, 9])
+
+
+def test_bytes_outputs_may_be_bytes_or_text_arrays() -> None:
+    config = config_of(Tensor(name="y", dtype=np.bytes_, shape=(1,)))
+    out = collect_outputs([{"y": np.array([["é"]])}, {"y": np.array([[b"ab"], [b""]])}], [1, 2], config, strict=True)
+    assert out["y"].dtype == object and out["y"].ravel().tolist() == ["é".encode(), b"ab", b""]
+    with pytest.raises(PyTritonValidationError, match="invalid dtype"):
+        collect_outputs([{"y": np.ones((1, 1), np.float32)}], [1], config, strict=False)
+
+
 def test_triton_context_and_list_outputs_read_the_bound_models_config() -> None:
     @batch
     @triton_context

@@ -124,19 +124,27 @@ def current_context() -> TritonContext | None:
 
 
 def tensor_spec(tensor: Tensor, name: str) -> TensorSpec:
-    """The ferrobatch spec of a PyTriton tensor (named ``name``)."""
+    """The ferrobatch spec of a PyTriton tensor (named ``name``): ``np.bytes_``
+    / ``object`` is BYTES, a first dimension of ``-1`` is variable-length,
+    batched padded (``ragged="pad"``)."""
     if tensor.optional:
         raise PyTritonModelConfigError(f"tensor '{name}': optional inputs are not supported; every input is required")
     kind = np.dtype(tensor.dtype).kind
     dtype: Any = "bytes" if kind in "SUO" else np.dtype(tensor.dtype)
-    if -1 in tensor.shape:
+    if -1 in tensor.shape[1:]:
         raise PyTritonModelConfigError(
-            f"tensor '{name}': variable dimensions (-1 in {tensor.shape}) are not supported yet"
+            f"tensor '{name}': shape {tensor.shape}: only the first dimension may be variable (-1)"
         )
+    variable: dict[str, Any] = {"ragged": "pad"} if is_variable(tensor) else {}
     try:
-        return TensorSpec(name, dtype, tensor.shape)
-    except ValueError as exc:
+        return TensorSpec(name, dtype, tensor.shape, **variable)
+    except (TypeError, ValueError) as exc:  # TypeError: a TensorSpec without variable lengths
         raise PyTritonModelConfigError(f"tensor '{name}': {exc}") from None
+
+
+def is_variable(tensor: Tensor) -> bool:
+    """Variable-length along its first dimension (``shape=(-1, ...)``)."""
+    return bool(tensor.shape) and tensor.shape[0] == -1
 
 
 def numpy_dtype(tensor: Tensor) -> np.dtype[Any]:
@@ -146,6 +154,9 @@ def numpy_dtype(tensor: Tensor) -> np.dtype[Any]:
 
 
 #: Request parameters of the protocol itself, which Triton keeps from its models.
+#: The suffix of the lengths that come with a variable-length tensor (``ragged="pad"``).
+LENGTHS = "_lengths"
+
 _RESERVED = frozenset({"timeout", "priority", "binary_data_output", "sequence_id", "sequence_start", "sequence_end"})
 
 
@@ -181,14 +192,22 @@ class BoundModel:
         self.on_unrecoverable = on_unrecoverable
 
     def __call__(self, inputs: Mapping[str, Any], requests: Sequence[RequestInfo]) -> dict[str, Any]:
-        batch = {name: _owned_array(value) for name, value in inputs.items()}
+        batch = {str(t.name): _owned_array(inputs[str(t.name)]) for t in self.config.inputs}
+        # A variable-length input comes padded to the batch's longest row:
+        # each request gets its rows cut to its own longest.
+        lengths = {str(t.name): np.asarray(inputs[f"{t.name}{LENGTHS}"]) for t in self.config.inputs if is_variable(t)}
         rows = [r.rows for r in requests]
         split = []
         start = 0
         for r in requests:
+            end = start + r.rows
+            data = {}
+            for name, a in batch.items():
+                own = lengths.get(name)
+                data[name] = a[start:end] if own is None else a[start:end, : int(own[start:end].max(initial=0))]
             params = {k: v for k, v in r.parameters.items() if k not in _RESERVED}
-            split.append(Request({name: a[start : start + r.rows] for name, a in batch.items()}, params))
-            start += r.rows
+            split.append(Request(data, params))
+            start = end
         responses = self._call(split)
         return collect_outputs(responses, rows, self.config, strict=self.strict)
 
@@ -253,7 +272,29 @@ def collect_outputs(
                     f"response {i} has no output '{out_name}' (it has {sorted(map(str, response))})"
                 )
             parts[out_name].append(_checked(response[out_name], tensor, n, strict))
-    return {n: a[0] if len(a) == 1 else np.concatenate(a) for n, a in parts.items()}
+    outputs: dict[str, np.ndarray] = {}
+    for out_name, arrays in parts.items():
+        if is_variable(declared[out_name]):
+            outputs[out_name], outputs[out_name + LENGTHS] = _padded(arrays)
+        else:
+            outputs[out_name] = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+    return outputs
+
+
+def _padded(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Each request's ``[rows, length, ...]`` joined into one batch padded to
+    the longest length, and each row's length."""
+    longest = max(a.shape[1] for a in arrays)
+    total = sum(a.shape[0] for a in arrays)
+    first = arrays[0]
+    joined = np.zeros((total, longest, *first.shape[2:]), dtype=first.dtype)
+    lengths = np.empty(total, dtype=np.int64)
+    start = 0
+    for a in arrays:
+        joined[start : start + a.shape[0], : a.shape[1]] = a
+        lengths[start : start + a.shape[0]] = a.shape[1]
+        start += a.shape[0]
+    return joined, lengths
 
 
 def _checked(value: Any, tensor: Tensor, rows: int, strict: bool) -> np.ndarray:
@@ -276,6 +317,8 @@ def _checked(value: Any, tensor: Tensor, rows: int, strict: bool) -> np.ndarray:
             raise PyTritonValidationError(
                 f"output '{name}' has dtype {array.dtype}, which does not cast to the declared {want}"
             )
+        if array.dtype.kind == "U":  # BYTES carries bytes: text is sent UTF-8
+            array = np.char.encode(array, "utf-8")
         array = np.asarray(array, dtype=want)
     shape = tuple(array.shape)
     if not shape or shape[0] != rows:
