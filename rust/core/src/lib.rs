@@ -57,6 +57,7 @@
 //! gathered, so it is tested without threads or clocks.
 
 mod batcher;
+pub mod bytes;
 pub mod dispatch;
 pub mod dtype;
 pub mod error;
@@ -81,5 +82,5 @@ pub use outcome::{Outcome, Tally, OUTCOMES};
 pub use queue::{Message, PushError, Readiness, RequestQueue};
 pub use request::{InputBytes, Request, RequestState, Withdrawal};
 pub use specs::{InputSpec, SpecError};
-pub use staging::{HeldSlot, SlotBuffer, StagingRing};
+pub use staging::{Collated, HeldSlot, Layout, Ragged, SlotBuffer, StagingRing};
 pub use unflushed::Unflushed;

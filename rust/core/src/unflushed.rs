@@ -76,6 +76,9 @@ mod tests {
             max_queue_size: 16,
             workers: 1,
             readiness: Readiness::OnFlush,
+            layouts: Vec::new(),
+            max_batch_elements: None,
+            bytes_limits: Default::default(),
         };
         let batcher = Arc::new(Batcher::new(config, slots).unwrap());
         let unflushed = Unflushed::default();
