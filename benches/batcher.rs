@@ -37,6 +37,8 @@ fn bench_batcher(c: &mut Criterion) {
         layouts: Vec::new(),
         max_batch_elements: None,
         bytes_limits: Default::default(),
+        priorities: ferrobatch_core::Priorities::NONE,
+        default_priority: None,
     };
     let batcher = Batcher::new(config, slots).expect("a valid batcher");
     let mut worker = Worker::new();

@@ -78,7 +78,7 @@ impl BenchQueue for Ferrobatch {
     fn try_pop(&self) -> Option<Arc<Request>> {
         match self.queue.try_pop() {
             Popped::Request(r) => {
-                self.queue.left();
+                self.queue.left(&r);
                 Some(r)
             }
             Popped::Close | Popped::Empty => None,

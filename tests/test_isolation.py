@@ -134,3 +134,25 @@ def test_isolate_splits_by_request_and_keeps_rows_together() -> None:
     assert [start for start, _ in result.failed] == [4]
     assert [(s, n) for s, n, _ in result.done] == [(0, 4), (6, 2)]
     assert result.calls == 4 and result.alone == 1
+
+
+@pytest.mark.gpu
+async def test_a_poisoned_request_fails_alone_on_a_cuda_instance() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+
+    def model(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        x = d["x"]
+        # A host check, as input validation in a model does: it raises while the call is enqueued.
+        if bool((x[:, 0] == BAD).any()):
+            raise ValueError("poisoned row")
+        return {"y": x * 2}
+
+    async with make_server(model, max_batch_size=32, max_delay=5.0, device="cuda") as server:
+        results = await infer_32(server)
+        stats = server.stats()
+    assert [i for i, r in enumerate(results) if isinstance(r, BaseException)] == [13]
+    for i, r in enumerate(results):
+        if i != 13:
+            torch.testing.assert_close(r["y"], sample(2 * i))
+    assert stats["requests_succeeded"] == 31 and stats["retry_calls"] == 10

@@ -7,6 +7,7 @@ async with server:
 """
 
 from ._core import __version__
+from ._requests import RequestInfo
 from .client import Client
 from .errors import (
     DeadlineExceededError,
@@ -26,6 +27,7 @@ __all__ = [
     "InvalidInputError",
     "ModelError",
     "QueueFullError",
+    "RequestInfo",
     "Server",
     "ServerClosedError",
     "TensorSpec",

@@ -44,6 +44,9 @@ class Batcher:
         adaptive: bool = False,
         layouts: list[tuple[str, bytes | None]] = ...,
         max_batch_elements: int | None = None,
+        priority_levels: int = 0,
+        default_priority: int | None = None,
+        max_priority_wait: float | None = None,
     ) -> Batcher: ...
     def close(self) -> None: ...
     def stats(self) -> dict[str, Any]: ...
@@ -56,11 +59,21 @@ class Submitter:
     def accept(self, batcher: Batcher | None) -> None:
         """Starts (a batcher) or stops (None) accepting requests."""
     def submit(
-        self, inputs: Any, timeout: float | None = None, batched: bool = False
+        self,
+        inputs: Any,
+        timeout: float | None = None,
+        batched: bool = False,
+        priority: int | None = None,
+        parameters: str | None = None,
     ) -> tuple[asyncio.Future[dict[str, torch.Tensor]], int]:
         """Queues a request from the running event loop: ``(future, request id)``."""
     def infer_blocking(
-        self, inputs: Any, timeout: float | None = None, batched: bool = False
+        self,
+        inputs: Any,
+        timeout: float | None = None,
+        batched: bool = False,
+        priority: int | None = None,
+        parameters: str | None = None,
     ) -> dict[str, torch.Tensor]:
         """Runs a request from a plain thread, blocking (GIL released) until its batch answers."""
     def cancel(self, id: int, future: asyncio.Future[Any]) -> None:
@@ -112,6 +125,8 @@ class Batch:
         """Per input: a padded one's longest row, a jagged one's total length; 0 otherwise."""
     def take_bytes(self, index: int) -> list[bytes]:
         """BYTES input ``index``'s elements, in batch order (once per input)."""
+    def request_parameters(self) -> list[tuple[int, str | None]]:
+        """Each request's ``(rows, parameters as JSON text or None)``, in row order."""
     def release_slot(self) -> bool: ...
 
 @final
@@ -171,6 +186,12 @@ class V2Request:
     def timeout(self) -> float | None:
         """The ``timeout`` parameter in seconds (``None``: no deadline)."""
     @property
+    def priority(self) -> int | None:
+        """The ``priority`` parameter (1: most urgent; ``None``: the default)."""
+    @property
+    def parameters(self) -> str | None:
+        """The request's ``parameters`` object as JSON text (``None``: none)."""
+    @property
     def inputs(self) -> dict[str, V2Tensor]: ...
     @property
     def has_bf16(self) -> bool: ...
@@ -222,6 +243,8 @@ class NativeFrontend:
         max_streams: int = 1024,
         header_timeout: float = 30.0,
         body_timeout: float = 60.0,
+        http_header_forward_pattern: str | None = None,
+        grpc_header_forward_pattern: str | None = None,
     ) -> NativeFrontend: ...
     @property
     def port(self) -> int | None: ...

@@ -19,6 +19,7 @@ dropped and the copy into it has completed.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -29,7 +30,20 @@ from time import perf_counter_ns
 import torch
 
 from . import _core
-from ._torch import Model, WarmupBatch, WorkerCounters, fill_slot, finish, normalize_outputs, version_rows
+from ._requests import RequestInfo
+from ._torch import (
+    Model,
+    WarmupBatch,
+    WorkerCounters,
+    batch_requests,
+    fill_slot,
+    finish,
+    isolate,
+    merge_rows,
+    normalize_outputs,
+    retryable,
+    version_rows,
+)
 from ._weights import Gate
 from .specs import TensorSpec
 
@@ -47,7 +61,7 @@ class InFlight:
     """A batch enqueued on an instance's stream. ``wait_staged`` and ``wait``
     block on CUDA events with the GIL released; call them from one thread."""
 
-    __slots__ = ("rows", "started_ns", "staged", "done", "outputs", "error")
+    __slots__ = ("rows", "started_ns", "staged", "done", "outputs", "error", "failed", "retry_calls", "isolated")
 
     def __init__(self, rows: int) -> None:
         self.rows = rows
@@ -56,6 +70,11 @@ class InFlight:
         self.done: torch.cuda.Event | None = None
         self.outputs: dict[str, torch.Tensor] = {}
         self.error: BaseException | None = None
+        # After failure isolation: each failed request's (start row, error);
+        # the retries made, and how many requests failed in a call of their own.
+        self.failed: list[tuple[int, BaseException]] | None = None
+        self.retry_calls = 0
+        self.isolated = 0
 
     def wait_staged(self) -> None:
         """Returns once the staging slot's bytes have been copied to the device:
@@ -93,6 +112,9 @@ class CudaExecutor:
 
     gate: Gate | None = None
     version_output: str | None = None
+    with_requests: bool = False  # the model takes (inputs, requests)
+    _requests: list[RequestInfo] | None = None  # the batch being launched's, with with_requests
+    isolate_failures: bool = False  # retry a failed batch in halves (see _torch.isolate)
 
     def bind_weights(self, gate: Gate, version_output: str | None) -> None:
         """Enqueues every batch of :meth:`serve_launch` under ``gate``; with
@@ -173,6 +195,9 @@ class CudaExecutor:
         return None
 
     def _run_eager(self, on_device: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
+        if self.with_requests:  # warm-up: one request per row
+            requests = self._requests or [RequestInfo(1)] * rows
+            return normalize_outputs(self.model(on_device, requests), self.outputs, rows)  # type: ignore[call-arg]
         return normalize_outputs(self.model(on_device), self.outputs, rows)
 
     def _capture(self, buckets: Sequence[int]) -> None:
@@ -192,12 +217,14 @@ class CudaExecutor:
 
     # -- serving ----------------------------------------------------------------------
 
-    def launch(self, slot: Mapping[str, torch.Tensor], rows: int) -> InFlight:
-        """Enqueues the batch in the first ``rows`` rows of the (pinned) staging
-        slot on this instance's stream and returns at once. Never raises: an
-        error is kept in the returned :class:`InFlight` and raised by ``wait``.
-        Call it from a thread after :meth:`bind_thread`."""
+    def launch(self, slot: Mapping[str, torch.Tensor], rows: int, start: int = 0) -> InFlight:
+        """Enqueues the batch in ``rows`` rows of the (pinned) staging slot,
+        from ``start``, on this instance's stream and returns at once. Never
+        raises: an error is kept in the returned :class:`InFlight` and raised
+        by ``wait``. Call it from a thread after :meth:`bind_thread`."""
         flight = InFlight(rows)
+        if start:
+            slot = {name: t[start : start + rows] for name, t in slot.items()}
         stream = self.stream
         try:
             with torch.inference_mode():
@@ -252,12 +279,14 @@ class CudaExecutor:
                 batch = worker.next_batch()
                 if batch is None:
                     return
+                if self.with_requests:
+                    self._requests = [r for _, r in batch_requests(batch)]
                 try:
                     if self.gate is None:
-                        flight = self.launch(slots[batch.slot], batch.rows)
+                        flight = self._launch_batch(slots[batch.slot], batch)
                     else:
                         with self.gate as version:  # no weight update while enqueuing it
-                            flight = self.launch(slots[batch.slot], batch.rows)
+                            flight = self._launch_batch(slots[batch.slot], batch)
                         if self.version_output is not None and flight.error is None:
                             flight.outputs[self.version_output] = version_rows(version, batch.rows)
                 except BaseException as exc:  # noqa: BLE001 - launch keeps model errors; not this
@@ -272,6 +301,36 @@ class CudaExecutor:
             log.exception("ferrobatch: instance on %s stopped", self.device)
         finally:
             handoff.put(None)
+
+    def _launch_batch(self, slot: Mapping[str, torch.Tensor], batch: _core.Batch) -> InFlight:
+        """Launches ``batch``; if its model call raised (eagerly, at launch),
+        retries it in halves with :func:`~ferrobatch._torch.isolate`, each part
+        launched and waited for on this thread, so only the requests whose own
+        call still fails get the error."""
+        flight = self.launch(slot, batch.rows)
+        error = flight.error
+        if error is None or not self.isolate_failures or not retryable(error) or batch.n_requests < 2:
+            return flight
+        everyone = self._requests
+
+        def call(start: int, rows: int) -> dict[str, torch.Tensor]:
+            if everyone is not None:  # with_requests: the part's own requests
+                offsets = itertools.accumulate((r.rows for r in everyone), initial=0)
+                self._requests = [r for first, r in zip(offsets, everyone) if start <= first < start + rows]
+            return self.launch(slot, rows, start).wait()
+
+        try:
+            isolated = isolate(batch.request_rows(), error, call)
+            self.stream.synchronize()  # every part's reads of the slot are done
+        finally:
+            self._requests = everyone
+        merged = InFlight(batch.rows)
+        merged.started_ns = flight.started_ns
+        merged.outputs = merge_rows(isolated.done, batch.rows)
+        merged.failed = isolated.failed
+        merged.retry_calls = isolated.calls
+        merged.isolated = isolated.alone
+        return merged
 
     @torch.inference_mode()  # once per thread: entering it per batch costs microseconds
     def serve_complete(
@@ -294,8 +353,11 @@ class CudaExecutor:
                     outputs = flight.wait()
                 except BaseException as exc:  # noqa: BLE001 - delivered to the callers
                     error, outputs = exc, None
-            counters.add(perf_counter_ns() - flight.started_ns, batch.n_requests, error is not None, batch.rows)
-            finish(worker, batch, outputs, error, ring_now=True)
+            failed_batch = error is not None or flight.failed is not None
+            counters.retry_calls += flight.retry_calls
+            counters.isolated_failures += flight.isolated
+            counters.add(perf_counter_ns() - flight.started_ns, batch.n_requests, failed_batch, batch.rows)
+            finish(worker, batch, outputs, error, ring_now=True, failed=flight.failed)
             tokens.release()
 
 

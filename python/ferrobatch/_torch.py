@@ -8,6 +8,7 @@ import contextlib
 import copy
 import functools
 import inspect
+import itertools
 import logging
 import sys
 from collections import deque
@@ -22,6 +23,7 @@ import torch.utils.dlpack
 
 from . import _core
 from ._invariance import InvarianceSampler
+from ._requests import RequestInfo, request_infos
 from ._weights import Gate
 from .errors import InvalidInputError, ModelError
 from .specs import TensorSpec, nested_key
@@ -506,6 +508,13 @@ def isolate(
     return result
 
 
+def batch_requests(batch: _core.Batch) -> list[tuple[int, RequestInfo]]:
+    """The batch's requests as ``(start row, RequestInfo)``, in row order."""
+    infos = request_infos(batch.request_parameters())
+    starts = itertools.accumulate((r.rows for r in infos), initial=0)
+    return list(zip(starts, infos))
+
+
 def merge_rows(done: Sequence[tuple[int, int, Outputs]], rows: int) -> Outputs:
     """One batch of ``rows`` rows from the parts in ``done``; rows no part
     covers are left uninitialised (they belong to failed requests)."""
@@ -536,6 +545,9 @@ class CpuExecutor:
     version_output: str | None = None
     isolate_failures: bool = False
     sampler: InvarianceSampler | None = None  # re-runs sampled rows alone (invariance_sample_rate)
+    with_requests: bool = False  # the model takes (inputs, requests)
+    # With ``with_requests``: the batch being served, as (start row, request) in row order.
+    _requests: Sequence[tuple[int, RequestInfo]] = ()
 
     def bind_weights(self, gate: Gate, version_output: str | None) -> None:
         """Runs every batch of :meth:`serve` under ``gate``; with
@@ -575,6 +587,7 @@ class CpuExecutor:
     def run(self, slot: Mapping[str, torch.Tensor], rows: int, start: int = 0) -> dict[str, torch.Tensor]:
         """The outputs for ``rows`` rows of the staging slot from ``start``."""
         n = self.pad_to[rows] if self.pad_to else rows
+        requests = self._requests_of(start, rows) if self.with_requests else None
         if start == 0:
             staged = self._staged(slot, n)
             views = dict(staged.views)
@@ -583,7 +596,8 @@ class CpuExecutor:
             views = {name: _rows(t, start, n) for name, t in slot.items()}
             staging = frozenset(_storage_ptr(t) for t in slot.values())
         with inference_mode():
-            outputs = normalize_outputs(self.model(views), self.outputs, n)
+            raw = self.model(views) if requests is None else self.model(views, requests)  # type: ignore[call-arg]
+            outputs = normalize_outputs(raw, self.outputs, n)
         for name, out in outputs.items():
             if n != rows:
                 out = out[:rows]
@@ -606,6 +620,8 @@ class CpuExecutor:
             error: BaseException | None = None
             failed: list[tuple[int, BaseException]] | None = None
             slot = slots[batch.slot]
+            if self.with_requests:
+                self._requests = batch_requests(batch)
             started = perf_counter_ns()
             try:
                 outputs = self._attempt(slot, 0, batch.rows)
@@ -631,7 +647,15 @@ class CpuExecutor:
         """The model on one row (``{name: tensor [1, ...]}``), outside the
         weight gate: the invariance sampler's re-run (see ``_invariance``)."""
         with inference_mode():
+            if self.with_requests:
+                return normalize_outputs(self.model(inputs, [RequestInfo(1)]), self.outputs, 1)  # type: ignore[call-arg]
             return normalize_outputs(self.model(inputs), self.outputs, 1)
+
+    def _requests_of(self, start: int, rows: int) -> list[RequestInfo]:
+        """The requests of rows ``start..start + rows`` of the batch being
+        served; one per row, without parameters, outside one (warm-up)."""
+        chosen = [r for first, r in self._requests if start <= first < start + rows]
+        return chosen if chosen else [RequestInfo(1)] * rows
 
     def _attempt(self, slot: Mapping[str, torch.Tensor], start: int, rows: int) -> Outputs:
         """One model call on ``rows`` rows of ``slot`` from ``start``, under

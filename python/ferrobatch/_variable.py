@@ -21,10 +21,12 @@ import numpy as np
 import torch
 
 from . import _core
+from ._requests import RequestInfo
 from ._torch import (
     CpuExecutor,
     WorkerCounters,
     _storage_ptr,
+    batch_requests,
     finish,
     inference_mode,
     normalize_outputs,
@@ -238,18 +240,31 @@ class VariableExecutor(CpuExecutor):
     checked by :func:`normalize_variable_outputs`. A failed batch fails
     every request in it (no retry in halves)."""
 
-    def __init__(self, model: Any, device: torch.device, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]):
+    def __init__(
+        self,
+        model: Any,
+        device: torch.device,
+        inputs: Sequence[TensorSpec],
+        outputs: Sequence[TensorSpec],
+        with_requests: bool = False,
+    ) -> None:
         super().__init__(model, device, outputs)
         self.inputs = inputs
+        self.with_requests = with_requests
 
-    def call(self, inputs: Mapping[str, Any], rows: int, staging: frozenset[int]) -> dict[str, Any]:
+    def _call_model(self, inputs: dict[str, Any], requests: list[RequestInfo] | None) -> Any:
+        return self.model(inputs) if requests is None else self.model(inputs, requests)  # type: ignore[call-arg]
+
+    def call(
+        self, inputs: Mapping[str, Any], rows: int, staging: frozenset[int], requests: list[RequestInfo] | None = None
+    ) -> dict[str, Any]:
         with inference_mode():
             if self.gate is None:
-                raw = self.model(dict(inputs))
+                raw = self._call_model(dict(inputs), requests)
                 version = None
             else:
                 with self.gate as version:  # no weight update during the forward pass
-                    raw = self.model(dict(inputs))
+                    raw = self._call_model(dict(inputs), requests)
             outputs = normalize_variable_outputs(raw, self.outputs, rows)
         if self.version_output is not None and version is not None:
             outputs[self.version_output] = version_rows(version, rows)
@@ -272,7 +287,8 @@ class VariableExecutor(CpuExecutor):
             try:
                 inputs = batch_inputs(self.inputs, slot, batch)
                 staging = frozenset(_storage_ptr(t) for t in slot.values())
-                outputs = self.call(inputs, batch.rows, staging)
+                requests = [r for _, r in batch_requests(batch)] if self.with_requests else None
+                outputs = self.call(inputs, batch.rows, staging, requests)
             except BaseException as exc:  # noqa: BLE001 - even SystemExit: the worker survives
                 error = exc
             batch.release_slot()  # outputs never alias the slot

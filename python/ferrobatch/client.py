@@ -14,6 +14,7 @@ import anyio.lowlevel
 import torch
 
 from . import _core
+from ._requests import Parameter, encode_parameters
 from .errors import InvalidInputError, ServerClosedError
 from .specs import flatten_into, nested_key
 
@@ -89,7 +90,14 @@ class Client:
     def server(self) -> Server:
         return self._server
 
-    async def infer(self, inputs: Inputs, timeout: float | None = None) -> Any:
+    async def infer(
+        self,
+        inputs: Inputs,
+        timeout: float | None = None,
+        *,
+        priority: int | None = None,
+        parameters: Mapping[str, Parameter] | None = None,
+    ) -> Any:
         """Runs one sample through the model, batched with other callers'.
 
         ``inputs`` maps every input name to one sample of its declared dtype and
@@ -120,7 +128,16 @@ class Client:
         this call ended: a result, the error it raised, or ``cancelled`` if
         the awaiting task was cancelled (even in the loop iteration its
         result arrived).
+
+        ``priority``: the request's level with ``Server(priority_levels=n)``,
+        1 (most urgent) to ``n``; ``None`` or 0: the server's
+        ``default_priority``. Ignored by a server without levels.
+        ``parameters``: ``{name: bool | int | float | str}`` handed to a
+        model built with ``Server(..., with_requests=True)`` (see
+        :class:`~ferrobatch.RequestInfo`).
         """
+        if priority is not None or parameters is not None:
+            return await self._infer_with(inputs, timeout, False, priority, parameters)
         if type(inputs) is not dict and isinstance(inputs, Mapping):
             return await self._infer_mapping(inputs, timeout)
         # One call into Rust per request (it finds this loop's mailbox, queues
@@ -139,6 +156,42 @@ class Client:
             # frame -> future -> error -> traceback cycle would keep the
             # inputs alive until the cycle collector runs.
             del future, inputs
+
+    async def _infer_with(
+        self,
+        inputs: Inputs,
+        timeout: float | None,
+        batched: bool,
+        priority: int | None,
+        parameters: Mapping[str, Parameter] | None,
+    ) -> Any:
+        """``infer`` / ``infer_batch`` with a priority or parameters."""
+        tensordict = not batched and _is_tensordict(inputs)
+        if type(inputs) is not dict and isinstance(inputs, Mapping):
+            inputs = flatten_inputs(inputs, self._input_names if tensordict else None)
+        future, rid = self._submitter.submit(inputs, timeout, batched, priority, encode_parameters(parameters))
+        try:
+            outputs = await future
+        except asyncio.CancelledError:
+            self._withdraw(rid, future)
+            raise
+        finally:
+            del future, inputs  # as in infer
+        return _to_tensordict(outputs) if tensordict else outputs
+
+    async def _infer_batch_encoded(
+        self, inputs: Inputs, timeout: float | None, priority: int | None, parameters: str | None
+    ) -> Outputs:
+        """``infer_batch`` with parameters already a JSON object's text (the
+        v2 front-ends pass on what the request carried, as it was)."""
+        future, rid = self._submitter.submit(inputs, timeout, True, priority, parameters)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self._withdraw(rid, future)
+            raise
+        finally:
+            del future, inputs  # as in infer
 
     async def _infer_mapping(self, inputs: Inputs, timeout: float | None) -> Any:
         if _is_tensordict(inputs):
@@ -177,10 +230,20 @@ class Client:
         loop.call_soon_threadsafe(submit)
         return result
 
-    async def infer_batch(self, inputs: Inputs, timeout: float | None = None) -> Outputs:
+    async def infer_batch(
+        self,
+        inputs: Inputs,
+        timeout: float | None = None,
+        *,
+        priority: int | None = None,
+        parameters: Mapping[str, Parameter] | None = None,
+    ) -> Outputs:
         """Like :meth:`infer` for ``n >= 1`` samples at once: every input has a
         leading dimension ``n`` (at most ``max_batch_size``), and so does every
         output. The rows join a batch together and are never split."""
+        if priority is not None or parameters is not None:
+            outputs: Outputs = await self._infer_with(inputs, timeout, True, priority, parameters)
+            return outputs
         future, rid = self._submitter.submit(inputs, timeout, True)
         try:
             return await future
@@ -194,14 +257,22 @@ class Client:
         """The awaiting task was cancelled (on the loop that submitted ``rid``)."""
         self._submitter.cancel(rid, future)
 
-    def infer_sync(self, inputs: Inputs, timeout: float | None = None) -> Any:
+    def infer_sync(
+        self,
+        inputs: Inputs,
+        timeout: float | None = None,
+        *,
+        priority: int | None = None,
+        parameters: Mapping[str, Parameter] | None = None,
+    ) -> Any:
         """Blocking :meth:`infer`, for threads other than an event loop's.
 
         The calling thread queues the request itself and waits for its batch
         with the GIL released: no hop through the server's event loop. Ctrl-C
         withdraws a request no batch has taken yet. Calling it on a thread
         that runs an event loop raises ``RuntimeError`` (it would block that
-        loop, and deadlock if it is the server's).
+        loop, and deadlock if it is the server's). ``priority`` and
+        ``parameters`` as in :meth:`infer`.
         """
         try:
             asyncio.get_running_loop()
@@ -212,9 +283,10 @@ class Client:
                 "infer_sync() blocks and was called from a thread running an event loop; "
                 "use `await client.infer(...)` there"
             )
+        encoded = encode_parameters(parameters)
         if type(inputs) is not dict and isinstance(inputs, Mapping):
             if _is_tensordict(inputs):
                 flat = flatten_inputs(inputs, self._input_names)
-                return _to_tensordict(self._submitter.infer_blocking(flat, timeout, False))
+                return _to_tensordict(self._submitter.infer_blocking(flat, timeout, False, priority, encoded))
             inputs = flatten_inputs(inputs)
-        return self._submitter.infer_blocking(inputs, timeout, False)
+        return self._submitter.infer_blocking(inputs, timeout, False, priority, encoded)

@@ -176,6 +176,13 @@ class ServeConfig:
     header_timeout: float = 30.0
     #: Native front-end: seconds for a request's body to arrive (408 after).
     body_timeout: float = 60.0
+    #: Native front-end: a regular expression; HTTP request headers whose
+    #: names it matches (anywhere, ignoring case) join the request's parameters,
+    #: by lowercase name, for models built ``with_requests`` (Triton's
+    #: ``--http-header-forward-pattern``). None: no header is forwarded.
+    http_header_forward_pattern: str | None = None
+    #: The same for gRPC metadata (``--grpc-header-forward-pattern``).
+    grpc_header_forward_pattern: str | None = None
 
 
 class _Repository(ModelRepository):
@@ -225,6 +232,9 @@ async def serve(
         raise ValueError("nothing to serve: both the HTTP and the gRPC endpoint are disabled")
     if config.frontend not in ("native", "python"):
         raise ValueError(f"frontend must be 'native' or 'python', got {config.frontend!r}")
+    forwarding = config.http_header_forward_pattern is not None or config.grpc_header_forward_pattern is not None
+    if forwarding and config.frontend != "native":
+        raise ValueError("header forwarding (http/grpc_header_forward_pattern) needs frontend='native'")
     if not (config.drain_delay >= 0 and math.isfinite(config.drain_delay)):
         raise ValueError(f"drain_delay must be a number of seconds >= 0, got {config.drain_delay!r}")
     repository = _Repository(servers, expose_errors=config.expose_errors)
@@ -255,6 +265,8 @@ async def serve(
                         max_streams=config.max_streams,
                         header_timeout=config.header_timeout,
                         body_timeout=config.body_timeout,
+                        http_header_forward_pattern=config.http_header_forward_pattern,
+                        grpc_header_forward_pattern=config.grpc_header_forward_pattern,
                     )
                 except OSError as exc:
                     raise StartupError(str(exc)) from None
@@ -658,6 +670,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="native front-end: time for a request's body to arrive; 408 after (default 60)",
     )
     parser.add_argument(
+        "--http-header-forward-pattern",
+        metavar="REGEX",
+        help="native front-end: HTTP headers whose names match join the request's parameters"
+        " (for models built with_requests)",
+    )
+    parser.add_argument(
+        "--grpc-header-forward-pattern",
+        metavar="REGEX",
+        help="native front-end: the same for gRPC metadata",
+    )
+    parser.add_argument(
         "--max-body-size",
         type=_size,
         default=MAX_BODY_SIZE,
@@ -757,10 +780,12 @@ def main(args: argparse.Namespace) -> int:
         max_streams=args.max_streams,
         header_timeout=args.header_timeout,
         body_timeout=args.body_timeout,
+        http_header_forward_pattern=args.http_header_forward_pattern,
+        grpc_header_forward_pattern=args.grpc_header_forward_pattern,
     )
     try:
         return run(servers, config, loop=args.loop)
-    except StartupError as exc:
+    except (StartupError, ValueError) as exc:
         print(f"ferrobatch serve: {exc}", file=sys.stderr)
         return 1
     except ModelError as exc:

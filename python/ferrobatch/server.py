@@ -117,9 +117,10 @@ class Server:
             extra calls however many fail (``2 * log2(n)`` for one bad
             request). ``KeyboardInterrupt``, ``SystemExit`` and the other
             non-``Exception`` errors are never retried. ``stats()`` counts
-            ``retry_calls`` and ``isolated_failures``. CPU instances only
-            for now: a CUDA instance fails the whole batch, as with
-            ``False``, which fails every request of the batch.
+            ``retry_calls`` and ``isolated_failures``. On a CUDA instance
+            the retries run when the model call raises as it is enqueued
+            (errors of Python code, shapes, dtypes), each part waited for;
+            an error the device reports later fails the whole batch.
         invariance_sample_rate: the fraction ``r`` of live requests re-run
             alone, off the hot path, to check that their result does not
             depend on the rest of their batch (see
@@ -130,6 +131,28 @@ class Server:
             ``stats()`` counts ``invariance_checks`` and
             ``invariance_mismatches``. 0 (default): off. CPU instances
             without ``compile``.
+        priority_levels: ``n >= 2`` priority levels, as Triton's: a request's
+            ``priority`` (``client.infer(..., priority=p)``, or the v2
+            request parameter ``priority`` over HTTP and gRPC) is 1, the most
+            urgent, to ``n``; 0 or none is ``default_priority``. Workers take
+            the most urgent level first, first come first served within a
+            level, except that a request passed over for ``max_priority_wait``
+            seconds goes first (the longest waiting first), so no level starves.
+            Admission is per level: level ``p`` admits while the queue has room
+            (``max_queue_size``) and fewer than ``ceil(max_queue_size *
+            (n - p + 1) / n)`` requests of level ``p`` wait, so the most urgent
+            level can fill the queue and a full less urgent level never
+            refuses a more urgent request. 0 (default): one level, and a
+            request's priority is ignored (as Triton without levels).
+        default_priority: the level of requests that name none (default:
+            ``priority_levels``, the least urgent).
+        max_priority_wait: seconds a waiting request may be passed over by
+            more urgent ones (default 1.0); ``None``: strict priority.
+        with_requests: call the model as ``model(inputs, requests)``, where
+            ``requests`` is the batch's :class:`~ferrobatch.RequestInfo` list in
+            row order (each request's rows and parameters); warm-up and
+            invariance re-runs pass one request per row, without parameters.
+            Not with ``cuda_graphs`` (a replayed graph calls no Python).
     """
 
     def __init__(
@@ -153,6 +176,10 @@ class Server:
         isolate_failures: bool = True,
         invariance_sample_rate: float = 0.0,
         max_batch_elements: int | None = None,
+        priority_levels: int = 0,
+        default_priority: int | None = None,
+        max_priority_wait: float | None = 1.0,
+        with_requests: bool = False,
     ) -> None:
         self._models: list[Model] = (
             list(model) if isinstance(model, (list, tuple)) else [model]  # type: ignore[list-item]
@@ -176,6 +203,22 @@ class Server:
             raise ValueError(f"invariance_sample_rate must be between 0 and 1, got {invariance_sample_rate!r}")
         self.invariance_sample_rate = rate
         self._samplers: list[InvarianceSampler] = []
+        if not isinstance(priority_levels, int) or not 0 <= priority_levels <= 255 or priority_levels == 1:
+            raise ValueError(f"priority_levels must be 0 (none) or 2..255, got {priority_levels!r}")
+        if default_priority is not None and (
+            not isinstance(default_priority, int) or not 1 <= default_priority <= max(priority_levels, 1)
+        ):
+            raise ValueError(f"default_priority must be in 1..{max(priority_levels, 1)}, got {default_priority!r}")
+        if max_priority_wait is not None and not (
+            isinstance(max_priority_wait, (int, float)) and max_priority_wait >= 0
+        ):
+            raise ValueError(f"max_priority_wait must be >= 0 seconds or None, got {max_priority_wait!r}")
+        self.priority_levels = priority_levels
+        self.default_priority = default_priority
+        self.max_priority_wait = max_priority_wait
+        self.with_requests = bool(with_requests)
+        if self.with_requests and cuda_graphs:
+            raise ValueError("with_requests needs the model called from Python: not with cuda_graphs")
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
         self.adaptive_delay = max_delay == "auto"
@@ -302,18 +345,26 @@ class Server:
 
     def _make_executor(self, i: int) -> CpuExecutor | CudaExecutor:
         if self._variable:  # called with a dict: it needs the lengths/offsets beside each input
-            return VariableExecutor(self._models[i], self.devices[i], self.inputs, self._model_outputs)
-        model = adapt_model(compile_model(self._models[i], self._compile), self.inputs, self._model_outputs)
+            return VariableExecutor(
+                self._models[i], self.devices[i], self.inputs, self._model_outputs, self.with_requests
+            )
+        model = compile_model(self._models[i], self._compile)
+        if not self.with_requests:  # a model given its requests takes the dict of inputs as it is
+            model = adapt_model(model, self.inputs, self._model_outputs)
         device = self.devices[i]
         padded = padding_table(self.buckets)
         outputs = self._model_outputs
         if device.type == "cuda":
             pad = self.cuda_graphs or self._compile is not False
-            return CudaExecutor(
+            cuda = CudaExecutor(
                 model, device, self.inputs, outputs, self.max_batch_size,
                 pad_to=padded if pad else None, cuda_graphs=self.cuda_graphs,
             )  # fmt: skip
+            cuda.with_requests = self.with_requests
+            cuda.isolate_failures = self.isolate_failures
+            return cuda
         executor = CpuExecutor(model, device, outputs, pad_to=padded if self._compile is not False else None)
+        executor.with_requests = self.with_requests
         executor.isolate_failures = self.isolate_failures
         if self.invariance_sample_rate > 0 and self._compile is False:
             weights = self._weights
@@ -403,6 +454,9 @@ class Server:
             max_queue_size=self.max_queue_size,
             workers=len(self._models),
             adaptive=self.adaptive_delay,
+            priority_levels=self.priority_levels,
+            default_priority=self.default_priority,
+            max_priority_wait=self.max_priority_wait,
         )
         self._token = anyio.lowlevel.current_token()
         # torch's intra-op thread count is per OpenMP thread once set: pin each
@@ -563,7 +617,8 @@ class Server:
         ``requests_succeeded``; ``requests_failed`` by reason (invalid_input,
         queue_full, deadline_exceeded, cancelled, model_error, server_closed);
         ``batches``, ``rows`` and ``mean_batch_size`` (rows per batch);
-        ``queue_depth`` (requests waiting now); ``queue_ns`` (time queued,
+        ``queue_depth`` (requests waiting now) and, with priority levels,
+        ``queue_depth_by_priority`` (``{level: requests}``); ``queue_ns`` (time queued,
         summed over requests); ``dispatch_reasons`` (batches by why they were
         released: full, next_does_not_fit, preferred_size, delay_expired,
         greedy, shutdown; they sum to ``batches``) and ``release_age_ns``
@@ -604,6 +659,7 @@ class Server:
             "rows": rows,
             "mean_batch_size": rows / batches if batches else 0.0,
             "queue_depth": int(core.get("queue_len", 0)),
+            "queue_depth_by_priority": self._depth_by_priority(core),
             "queue_ns": int(core.get("queue_ns", 0)),
             "dispatch_reasons": dict(core.get("dispatch_reasons", {})),
             "release_age_ns": int(core.get("release_age_ns", 0)),
@@ -621,6 +677,13 @@ class Server:
             "weight_updates": self._weights.count,
             "model_version": self._weights.version,
         }
+
+    def _depth_by_priority(self, core: Mapping[str, Any]) -> dict[int, int]:
+        """Requests waiting now by priority level (1: most urgent); empty without levels."""
+        if self.priority_levels == 0:
+            return {}
+        lens = list(core.get("queue_lens", ())) or [0] * self.priority_levels
+        return {level: int(n) for level, n in enumerate(lens, start=1)}
 
     def __repr__(self) -> str:
         return (

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -153,7 +155,9 @@ async def infer(
     model = repository.model(name, request.model_version)
     inputs = _decode_inputs(request, model)
     outputs = _requested_outputs(request, model)
-    results = await repository.infer(model, inputs, timeout)
+    priority = _priority(request.parameters)
+    parameters = _parameters_json(request.parameters) if model.server.with_requests else None
+    results = await repository.infer(model, inputs, timeout, priority, parameters)
     response = pb.ModelInferResponse(model_name=name, model_version=MODEL_VERSION, id=request.id)
     datatypes = model.output_types
     raw = response.raw_output_contents
@@ -217,6 +221,33 @@ def _requested_outputs(request: pb.ModelInferRequest, model: ServedModel) -> lis
             raise ProtocolError(400, f"output '{out.name}': the classification extension is not supported")
         names.append(out.name)
     return names
+
+
+def _priority(parameters: Mapping[str, pb.InferParameter]) -> int | None:
+    """The ``priority`` parameter: an int64 or uint64 >= 0 (0: the default level)."""
+    if "priority" not in parameters:
+        return None
+    param = parameters["priority"]
+    kind = param.WhichOneof("parameter_choice")
+    value = getattr(param, kind) if kind in ("int64_param", "uint64_param") else -1
+    if not 0 <= value < 2**32:
+        raise ProtocolError(400, "parameter 'priority' must be an integer >= 0")
+    return value or None
+
+
+def _parameters_json(parameters: Mapping[str, pb.InferParameter]) -> str | None:
+    """The request's parameters as a JSON object's text (None: it has none)."""
+    if not parameters:
+        return None
+    values = {}
+    for name, param in parameters.items():
+        kind = param.WhichOneof("parameter_choice")
+        values[name] = None if kind is None else getattr(param, kind)
+    # NaN and infinities have no JSON number: null, as the native front-end writes them.
+    return json.dumps(
+        {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in values.items()},
+        separators=(",", ":"),
+    )
 
 
 def timeout_parameter(parameters: Mapping[str, pb.InferParameter]) -> float | None:

@@ -339,7 +339,9 @@ class Endpoint:
                 body = inflated
             # One call into the codec to decode, one to encode (see ServedModel).
             request = model.codec.decode(body, header_length)
-            results = await self.repository.infer(model, request_inputs(request), request.timeout)
+            results = await self.repository.infer(
+                model, request_inputs(request), request.timeout, request.priority, request.parameters
+            )
             payload, length = model.codec.encode(request, results)
             coding = response_coding(accept_encoding)
             if coding is not None:

@@ -54,6 +54,8 @@ class NativeListeners:
         max_streams: int = 1024,
         header_timeout: float = 30.0,
         body_timeout: float = 60.0,
+        http_header_forward_pattern: str | None = None,
+        grpc_header_forward_pattern: str | None = None,
     ) -> None:
         self.repository = repository
         self.endpoint = Endpoint(repository, max_decompressed_size=max_decompressed_size)
@@ -74,6 +76,8 @@ class NativeListeners:
             max_streams=max_streams,
             header_timeout=header_timeout,
             body_timeout=body_timeout,
+            http_header_forward_pattern=http_header_forward_pattern,
+            grpc_header_forward_pattern=grpc_header_forward_pattern,
         )
 
     @property

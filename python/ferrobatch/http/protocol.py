@@ -331,13 +331,24 @@ class ModelRepository:
         models = [self.model(name, version)] if name else list(self._models.values())
         return {"model_stats": [_model_stats(m.server) for m in models]}
 
-    async def infer(self, model: ServedModel, inputs: dict[str, Any], timeout: float | None) -> dict[str, torch.Tensor]:
-        """Runs ``n`` rows through ``model``; every output has leading dimension ``n``."""
+    async def infer(
+        self,
+        model: ServedModel,
+        inputs: dict[str, Any],
+        timeout: float | None,
+        priority: int | None = None,
+        parameters: str | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Runs ``n`` rows through ``model``; every output has leading dimension ``n``.
+        ``priority`` and ``parameters`` (a JSON object's text) as the request gave them;
+        the parameters reach only a model built ``with_requests``."""
         if self._closing:
             raise ServerClosedError(f"server is shutting down; model '{model.server.name}' takes no new requests")
         self._in_flight += 1
         try:
-            return await model.client.infer_batch(inputs, timeout=timeout)
+            if priority is None and (parameters is None or not model.server.with_requests):
+                return await model.client.infer_batch(inputs, timeout=timeout)
+            return await model.client._infer_batch_encoded(inputs, timeout, priority, parameters)
         finally:
             self._in_flight -= 1
             if not self._in_flight and self._idle is not None:

@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::bytes::BytesLimits;
-use crate::queue::{Popped, Readiness};
+use crate::queue::{Popped, Priorities, Readiness};
 use crate::request::Withdrawal;
 use crate::{
     Collated, CoreError, Decision, DispatchReason, DispatchRule, HeldSlot, InputBytes, Layout,
@@ -31,6 +31,21 @@ pub struct BatcherConfig {
     pub max_batch_elements: Option<usize>,
     /// What a BYTES input of one request may carry.
     pub bytes_limits: BytesLimits,
+    /// Priority levels of the queue ([`Priorities::NONE`]: one FIFO).
+    pub priorities: Priorities,
+    /// Level (1: most urgent) of requests that name none; `None`: the least urgent.
+    pub default_priority: Option<u32>,
+}
+
+/// What a submitter may say about a request besides its inputs.
+#[derive(Debug, Clone, Default)]
+pub struct Submission {
+    /// How long it may wait to be taken (`None`: no limit).
+    pub timeout: Option<Duration>,
+    /// Priority level, 1 the most urgent; `None`: the batcher's default.
+    pub priority: Option<u32>,
+    /// Request parameters (a JSON object's text) handed to the model with its batch.
+    pub parameters: Option<Box<str>>,
 }
 
 /// Counters, updated with relaxed atomics (a snapshot may be torn across fields).
@@ -76,6 +91,8 @@ pub struct Batch {
     pub slot: HeldSlot,
     pub rows: usize,
     pub routes: Routes,
+    /// The batch's requests, in row order (their rows and parameters).
+    pub requests: Vec<Arc<Request>>,
     /// Why the batch was released.
     pub reason: DispatchReason,
     /// What each input became in the slot (its length, offsets, bytes).
@@ -93,6 +110,8 @@ pub struct Batcher {
     /// not fit the last batch (it leads the next).
     gather: Mutex<Option<Arc<Request>>>,
     workers: usize,
+    /// Priority level of requests that name none (0-based lane).
+    default_lane: u8,
     next_id: AtomicU64,
     stats: Stats,
     max_batch_elements: Option<usize>,
@@ -123,8 +142,27 @@ impl Batcher {
             config.max_batch_elements,
             slots,
         )?;
+        let levels = config.priorities.levels.max(1);
+        let default_lane = match config.default_priority {
+            None => levels - 1,
+            Some(p) => u8::try_from(p)
+                .ok()
+                .filter(|&p| (1..=levels).contains(&p))
+                .map(|p| p - 1)
+                .ok_or_else(|| {
+                    CoreError::InvalidConfig(format!(
+                        "default_priority must be between 1 and {levels}, got {p}"
+                    ))
+                })?,
+        };
         Ok(Batcher {
-            queue: RequestQueue::new(config.max_queue_size, config.workers, config.readiness),
+            queue: RequestQueue::with_priorities(
+                config.max_queue_size,
+                config.workers,
+                config.readiness,
+                config.priorities,
+            ),
+            default_lane,
             rule: config.rule,
             last_rows: AtomicUsize::new(1),
             ring: Arc::new(ring),
@@ -153,6 +191,35 @@ impl Batcher {
         self.queue.len()
     }
 
+    /// Live requests waiting at each priority level, most urgent first.
+    pub fn queue_lens(&self) -> Vec<usize> {
+        self.queue.lane_lens()
+    }
+
+    /// Priority level (1: most urgent) of requests that name none.
+    pub fn default_priority(&self) -> u32 {
+        u32::from(self.default_lane) + 1
+    }
+
+    /// The queue lane of priority level `priority` (`None` or 0: the default).
+    fn lane(&self, priority: Option<u32>) -> Result<u8, CoreError> {
+        let levels = self.queue.levels();
+        match priority {
+            None | Some(0) => Ok(self.default_lane),
+            // One level: priorities mean nothing, as in Triton without levels.
+            Some(_) if levels == 1 => Ok(0),
+            Some(p) => usize::try_from(p)
+                .ok()
+                .filter(|&p| p <= levels)
+                .and_then(|p| u8::try_from(p - 1).ok())
+                .ok_or_else(|| {
+                    CoreError::InvalidInput(format!(
+                        "priority must be between 1 (most urgent) and {levels}, got {p}"
+                    ))
+                }),
+        }
+    }
+
     /// Validates and enqueues a request of `rows` rows.
     ///
     /// The caller keeps the memory behind `inputs` alive until the request is
@@ -179,6 +246,23 @@ impl Batcher {
         timeout: Option<Duration>,
         register: impl FnOnce(&Arc<Request>),
     ) -> Result<Arc<Request>, CoreError> {
+        let submission = Submission {
+            timeout,
+            ..Submission::default()
+        };
+        self.submit_request(sink, rows, inputs, submission, register)
+    }
+
+    /// [`Batcher::submit_with`], with a priority level and parameters.
+    pub fn submit_request(
+        &self,
+        sink: Sink,
+        rows: usize,
+        inputs: Box<[InputBytes]>,
+        submission: Submission,
+        register: impl FnOnce(&Arc<Request>),
+    ) -> Result<Arc<Request>, CoreError> {
+        let lane = self.lane(submission.priority)?;
         let row_nbytes = self.ring.row_nbytes();
         if rows == 0 {
             return Err(CoreError::InvalidInput(
@@ -248,8 +332,13 @@ impl Batcher {
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         // A timeout too long to represent as an instant is no deadline at all.
-        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
-        let request = Arc::new(Request::new(id, sink, rows as u32, inputs, deadline));
+        let deadline = submission
+            .timeout
+            .and_then(|t| Instant::now().checked_add(t));
+        let request = Request::new(id, sink, rows as u32, inputs, deadline)
+            .in_lane(lane)
+            .with_parameters(submission.parameters);
+        let request = Arc::new(request);
         register(&request);
         // A refused request was never seen by anyone: it is dropped here.
         self.queue.push(request.clone()).map_err(CoreError::from)?;
@@ -309,6 +398,7 @@ impl Batcher {
             slot,
             rows,
             routes: Routes::for_batch(&gathered),
+            requests: gathered,
             reason,
             collated,
         })
@@ -395,7 +485,7 @@ impl Batcher {
         if r.is_past_deadline(now) {
             // The caller's own timer reports the deadline; we only never run it.
             if r.transition(RequestState::Expired) {
-                self.queue.left();
+                self.queue.left(&r);
                 self.stats.skipped_expired.fetch_add(1, Ordering::Relaxed);
             } else {
                 self.stats.skipped_withdrawn.fetch_add(1, Ordering::Relaxed);
@@ -414,7 +504,7 @@ impl Batcher {
             self.stats.skipped_withdrawn.fetch_add(1, Ordering::Relaxed);
             return;
         }
-        self.queue.left();
+        self.queue.left(&r);
         budget.add(&r, self.ring.layouts());
         *rows += r.rows as usize;
         gathered.push(r);
@@ -428,7 +518,7 @@ impl Batcher {
     pub fn withdraw(&self, request: &Request, to: RequestState) -> bool {
         match request.withdraw(to) {
             Withdrawal::Withdrew => {
-                self.queue.left();
+                self.queue.left(request);
                 true
             }
             Withdrawal::AlreadyWithdrawn => true,
@@ -509,6 +599,17 @@ mod tests {
     }
 
     fn fixture(max: usize, delay: Duration, min: usize, queue: usize, workers: usize) -> Fixture {
+        fixture_with(max, delay, min, queue, workers, Priorities::NONE)
+    }
+
+    fn fixture_with(
+        max: usize,
+        delay: Duration,
+        min: usize,
+        queue: usize,
+        workers: usize,
+        priorities: Priorities,
+    ) -> Fixture {
         let mut store: Vec<Vec<u8>> = (0..workers + 1).map(|_| vec![0u8; max * ROW]).collect();
         let slots = store
             .iter_mut()
@@ -526,6 +627,8 @@ mod tests {
             layouts: Vec::new(),
             max_batch_elements: None,
             bytes_limits: BytesLimits::default(),
+            priorities,
+            default_priority: None,
         };
         Fixture {
             batcher: Arc::new(Batcher::new(config, slots).unwrap()),
@@ -543,6 +646,128 @@ mod tests {
             timeout,
         )
         .unwrap()
+    }
+
+    fn submit_at(b: &Batcher, priority: Option<u32>) -> Result<Arc<Request>, CoreError> {
+        // SAFETY: static bytes outlive everything.
+        let input = unsafe { InputBytes::new(ROW_A.as_ptr(), ROW) };
+        let submission = Submission {
+            priority,
+            parameters: Some(format!("{{\"p\": {}}}", priority.unwrap_or(0)).into()),
+            ..Submission::default()
+        };
+        b.submit_request(Sink::EventLoop(0), 1, Box::new([input]), submission, |_| ())
+    }
+
+    fn levels(n: u8, max_wait: Option<Duration>) -> Priorities {
+        Priorities {
+            levels: n,
+            max_wait,
+        }
+    }
+
+    #[test]
+    fn the_most_urgent_level_goes_first_fifo_within_a_level() {
+        let f = fixture_with(2, Duration::ZERO, 1, 100, 1, levels(3, None));
+        let low = submit_at(&f.batcher, None).unwrap(); // default: least urgent (3)
+        let mid = submit_at(&f.batcher, Some(2)).unwrap();
+        let high_a = submit_at(&f.batcher, Some(1)).unwrap();
+        let high_b = submit_at(&f.batcher, Some(1)).unwrap();
+        let mut w = Worker::new();
+        let ids = |b: &Batch| b.requests.iter().map(|r| r.id).collect::<Vec<_>>();
+        let first = f.batcher.next_batch(&mut w).unwrap();
+        assert_eq!(ids(&first), vec![high_a.id, high_b.id]);
+        assert_eq!(first.requests[0].parameters.as_deref(), Some("{\"p\": 1}"));
+        let second = f.batcher.next_batch(&mut w).unwrap();
+        assert_eq!(ids(&second), vec![mid.id, low.id]);
+        assert_eq!(f.batcher.queue_lens(), vec![0, 0, 0]);
+    }
+
+    #[test]
+    fn a_passed_over_level_goes_first_once_it_waited_max_wait() {
+        let wait = Duration::from_millis(30);
+        let f = fixture_with(1, Duration::ZERO, 1, 100, 1, levels(2, Some(wait)));
+        let low = submit_at(&f.batcher, Some(2)).unwrap();
+        let high = submit_at(&f.batcher, Some(1)).unwrap();
+        let mut w = Worker::new();
+        let first = f.batcher.next_batch(&mut w).unwrap();
+        assert_eq!(
+            first.requests[0].id, high.id,
+            "strict priority before max_wait"
+        );
+        drop(first);
+        let low2 = submit_at(&f.batcher, Some(2)).unwrap();
+        let _ = submit_at(&f.batcher, Some(1)).unwrap();
+        std::thread::sleep(wait + Duration::from_millis(5));
+        let high3 = submit_at(&f.batcher, Some(1)).unwrap();
+        let next = f.batcher.next_batch(&mut w).unwrap();
+        assert_eq!(next.requests[0].id, low.id, "the overdue head goes first");
+        drop(next);
+        let next = f.batcher.next_batch(&mut w).unwrap();
+        assert_eq!(next.requests[0].id, low2.id, "still overdue");
+        drop(next);
+        // Then the urgent lane again, oldest first.
+        let next = f.batcher.next_batch(&mut w).unwrap();
+        assert_ne!(next.requests[0].id, high3.id);
+        drop(next);
+        assert_eq!(
+            f.batcher.next_batch(&mut w).unwrap().requests[0].id,
+            high3.id
+        );
+    }
+
+    #[test]
+    fn a_full_less_urgent_level_never_refuses_a_more_urgent_request() {
+        // 4 places: level 2 of 2 admits 2, level 1 all 4.
+        let f = fixture_with(4, Duration::ZERO, 1, 4, 1, levels(2, None));
+        submit_at(&f.batcher, Some(2)).unwrap();
+        submit_at(&f.batcher, Some(2)).unwrap();
+        let refused = submit_at(&f.batcher, Some(2)).unwrap_err();
+        assert_eq!(refused, CoreError::QueueFull { capacity: 2 });
+        submit_at(&f.batcher, Some(1)).unwrap();
+        submit_at(&f.batcher, Some(1)).unwrap();
+        let refused = submit_at(&f.batcher, Some(1)).unwrap_err();
+        assert_eq!(
+            refused,
+            CoreError::QueueFull { capacity: 4 },
+            "the whole queue"
+        );
+        assert_eq!(f.batcher.queue_lens(), vec![2, 2]);
+        let err = submit_at(&f.batcher, Some(3)).unwrap_err();
+        assert!(matches!(err, CoreError::InvalidInput(m) if m.contains("between 1")));
+        // Priority 0 is the default level, as in Triton.
+        assert!(matches!(
+            submit_at(&f.batcher, Some(0)).unwrap_err(),
+            CoreError::QueueFull { capacity: 2 }
+        ));
+    }
+
+    #[test]
+    fn without_levels_a_priority_is_ignored_and_close_still_drains() {
+        let f = fixture_with(8, Duration::ZERO, 1, 100, 1, Priorities::NONE);
+        let a = submit_at(&f.batcher, Some(7)).unwrap();
+        let f3 = fixture_with(
+            8,
+            Duration::from_secs(60),
+            1,
+            100,
+            1,
+            levels(3, Some(Duration::ZERO)),
+        );
+        let low = submit_at(&f3.batcher, Some(3)).unwrap();
+        let high = submit_at(&f3.batcher, Some(1)).unwrap();
+        f3.batcher.close();
+        let mut w = Worker::new();
+        let batch = f3.batcher.next_batch(&mut w).unwrap();
+        let mut ids: Vec<u64> = batch.requests.iter().map(|r| r.id).collect();
+        ids.sort_unstable();
+        assert_eq!(ids, vec![low.id, high.id], "closing dispatches every level");
+        drop(batch);
+        assert!(f3.batcher.next_batch(&mut w).is_none());
+        assert_eq!(
+            f.batcher.next_batch(&mut Worker::new()).unwrap().requests[0].id,
+            a.id
+        );
     }
 
     static ROW_A: [u8; ROW] = [7; ROW];

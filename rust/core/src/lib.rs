@@ -72,14 +72,14 @@ mod sync;
 pub mod unflushed;
 pub mod v2;
 
-pub use batcher::{Batch, Batcher, BatcherConfig, Stats, Worker};
+pub use batcher::{Batch, Batcher, BatcherConfig, Stats, Submission, Worker};
 pub use dispatch::{Decision, DispatchReason, DispatchRule};
 pub use dtype::DType;
 pub use error::CoreError;
 pub use fanout::{Route, Routes, Sink};
 pub use inbox::Inbox;
 pub use outcome::{Outcome, Tally, OUTCOMES};
-pub use queue::{Message, PushError, Readiness, RequestQueue};
+pub use queue::{Message, Priorities, PushError, Readiness, RequestQueue};
 pub use request::{InputBytes, Request, RequestState, Withdrawal};
 pub use specs::{InputSpec, SpecError};
 pub use staging::{Collated, HeldSlot, Layout, Ragged, SlotBuffer, StagingRing};

@@ -32,7 +32,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicIsize, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 
@@ -87,19 +87,84 @@ impl std::fmt::Display for PushError {
 
 impl std::error::Error for PushError {}
 
-/// The bounded queue of requests between submitters and workers.
-///
-/// Any number of threads push; one worker at a time waits and pops (the
-/// batcher's gather lock). Shared by reference (`&self` throughout).
+/// Priority levels: one lane per level, popped most urgent first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Priorities {
+    /// Lanes (at least 1); lane 0 is the most urgent.
+    pub levels: u8,
+    /// How long the head of a less urgent lane may be passed over before it
+    /// goes first (`None`: strict priority, a busy urgent lane starves the others).
+    pub max_wait: Option<Duration>,
+}
+
+impl Priorities {
+    /// One lane: plain FIFO.
+    pub const NONE: Priorities = Priorities {
+        levels: 1,
+        max_wait: None,
+    };
+}
+
+/// One priority level's part of the queue.
 #[derive(Debug)]
-pub struct RequestQueue {
+struct Lane {
     tx: Sender<Message>,
     rx: Receiver<Message>,
+    /// Live requests this lane admits (see [`RequestQueue::with_priorities`]).
     capacity: usize,
     /// Request messages the channel may hold, withdrawn ones included.
     room: usize,
     waiting: AtomicUsize,
     in_channel: AtomicUsize,
+}
+
+impl Lane {
+    fn new(capacity: usize, extra: usize) -> Lane {
+        let room = (2 * capacity).max(capacity + 1024);
+        let (tx, rx) = crossbeam_channel::bounded(room + extra);
+        Lane {
+            tx,
+            rx,
+            capacity,
+            room,
+            waiting: AtomicUsize::new(0),
+            in_channel: AtomicUsize::new(0),
+        }
+    }
+}
+
+/// What the popping worker took out of the lanes' channels and has not
+/// handed out yet.
+#[derive(Debug)]
+struct Heads {
+    /// Each lane's oldest request, popped to read its age.
+    requests: Box<[Option<Arc<Request>>]>,
+    /// Close messages met while reading ages: handed out once every lane is empty.
+    closes: usize,
+}
+
+/// The bounded queue of requests between submitters and workers.
+///
+/// Any number of threads push; one worker at a time waits and pops (the
+/// batcher's gather lock). Shared by reference (`&self` throughout).
+///
+/// With several priority levels each has a lane of its own. A pop takes the
+/// most urgent lane's oldest request, except that a less urgent lane's head
+/// that has waited `max_wait` goes first (the longest-waiting such head), so
+/// nothing starves. Admission is per level and in total: lane `i` of `n`
+/// admits while fewer than `capacity` requests wait in all and fewer than
+/// `ceil(capacity * (n - i) / n)` wait in it, so the most urgent level may
+/// fill the whole queue, and a full less urgent level never refuses a more
+/// urgent request while the queue has room.
+#[derive(Debug)]
+pub struct RequestQueue {
+    lanes: Box<[Lane]>,
+    /// With several lanes: each lane's head, popped from its channel to read
+    /// its age and not yet handed out. Only the popping worker locks it.
+    heads: Mutex<Heads>,
+    max_wait: Option<Duration>,
+    capacity: usize,
+    waiting: AtomicUsize,
     closed: AtomicBool,
     readiness: Readiness,
     /// Rows of request messages sent (`OnPush`) or flushed (`OnFlush`) and
@@ -127,15 +192,38 @@ pub enum Popped {
 
 impl RequestQueue {
     pub fn new(capacity: usize, wake_slots: usize, readiness: Readiness) -> RequestQueue {
-        let room = (2 * capacity).max(capacity + 1024);
-        let (tx, rx) = crossbeam_channel::bounded(room + wake_slots.max(1));
+        RequestQueue::with_priorities(capacity, wake_slots, readiness, Priorities::NONE)
+    }
+
+    /// A queue of `priorities.levels` lanes (see the type's documentation).
+    pub fn with_priorities(
+        capacity: usize,
+        wake_slots: usize,
+        readiness: Readiness,
+        priorities: Priorities,
+    ) -> RequestQueue {
+        let levels = usize::from(priorities.levels.max(1));
+        let last = levels - 1;
+        let lanes: Box<[Lane]> = (0..levels)
+            .map(|i| {
+                // Close messages go behind every request, in the least urgent lane.
+                let extra = if i == last { wake_slots.max(1) } else { 0 };
+                let share = capacity
+                    .saturating_mul(levels - i)
+                    .div_ceil(levels)
+                    .clamp(1, capacity.max(1));
+                Lane::new(share, extra)
+            })
+            .collect();
         RequestQueue {
-            tx,
-            rx,
+            heads: Mutex::new(Heads {
+                requests: (0..levels).map(|_| None).collect(),
+                closes: 0,
+            }),
+            lanes,
+            max_wait: priorities.max_wait,
             capacity,
-            room,
             waiting: AtomicUsize::new(0),
-            in_channel: AtomicUsize::new(0),
             closed: AtomicBool::new(false),
             readiness,
             ready_rows: AtomicIsize::new(0),
@@ -146,8 +234,13 @@ impl RequestQueue {
         }
     }
 
-    /// Pushes a request, or refuses it at once when full or closed and hands
-    /// it back in the error.
+    /// Priority levels (lanes).
+    pub fn levels(&self) -> usize {
+        self.lanes.len()
+    }
+
+    /// Pushes a request into its lane, or refuses it at once when full or
+    /// closed (or its lane does not exist) and hands it back in the error.
     pub fn push(&self, request: Arc<Request>) -> Result<(), PushError> {
         if self.closed.load(Ordering::Acquire) {
             return Err(PushError {
@@ -155,20 +248,34 @@ impl RequestQueue {
                 request,
             });
         }
+        let Some(lane) = self.lanes.get(usize::from(request.lane)) else {
+            let error = CoreError::InvalidInput(format!(
+                "priority level {} does not exist (levels: {})",
+                u32::from(request.lane) + 1,
+                self.lanes.len()
+            ));
+            return Err(PushError { error, request });
+        };
         if self.waiting.fetch_add(1, Ordering::AcqRel) >= self.capacity {
             self.waiting.fetch_sub(1, Ordering::AcqRel);
             return Err(self.full(request));
         }
-        if self.in_channel.fetch_add(1, Ordering::AcqRel) >= self.room {
+        if lane.waiting.fetch_add(1, Ordering::AcqRel) >= lane.capacity {
+            lane.waiting.fetch_sub(1, Ordering::AcqRel);
+            self.waiting.fetch_sub(1, Ordering::AcqRel);
+            return Err(self.full(request));
+        }
+        if lane.in_channel.fetch_add(1, Ordering::AcqRel) >= lane.room {
             // Full of withdrawn requests no worker has popped yet (a stuck model).
-            self.in_channel.fetch_sub(1, Ordering::AcqRel);
+            lane.in_channel.fetch_sub(1, Ordering::AcqRel);
+            lane.waiting.fetch_sub(1, Ordering::AcqRel);
             self.waiting.fetch_sub(1, Ordering::AcqRel);
             return Err(self.full(request));
         }
         // Cannot fail for lack of room: `in_channel` reserved a place, and close
         // messages have places of their own.
         let rows = request.rows as usize;
-        self.tx
+        lane.tx
             .try_send(Message::Request(request))
             .expect("in_channel reserved a place in the channel");
         if self.readiness == Readiness::OnPush {
@@ -179,10 +286,12 @@ impl RequestQueue {
 
     #[cold]
     fn full(&self, request: Arc<Request>) -> PushError {
+        let capacity = match self.lanes.get(usize::from(request.lane)) {
+            Some(lane) if self.lanes.len() > 1 => lane.capacity.min(self.capacity),
+            _ => self.capacity,
+        };
         PushError {
-            error: CoreError::QueueFull {
-                capacity: self.capacity,
-            },
+            error: CoreError::QueueFull { capacity },
             request,
         }
     }
@@ -257,28 +366,92 @@ impl RequestQueue {
         self.wake_at.store(NOBODY_WAITS, Ordering::SeqCst);
     }
 
-    /// Pops without blocking.
+    /// Pops without blocking: the most urgent lane's oldest request, unless a
+    /// less urgent lane's head has waited past `max_wait`.
     pub fn try_pop(&self) -> Popped {
-        match self.rx.try_recv() {
-            Ok(msg) => self.popped(msg),
-            Err(TryRecvError::Empty) | Err(TryRecvError::Disconnected) => Popped::Empty,
+        if let [lane] = &*self.lanes {
+            return match lane.rx.try_recv() {
+                Ok(msg) => self.popped(lane, msg),
+                Err(TryRecvError::Empty) | Err(TryRecvError::Disconnected) => Popped::Empty,
+            };
         }
+        let mut heads = self.heads.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(max_wait) = self.max_wait {
+            let now = Instant::now();
+            let mut overdue: Option<(usize, Instant)> = None;
+            for i in 1..self.lanes.len() {
+                if heads.requests[i].is_none() {
+                    match self.lanes[i].rx.try_recv() {
+                        Ok(Message::Request(r)) => {
+                            self.lanes[i].in_channel.fetch_sub(1, Ordering::AcqRel);
+                            heads.requests[i] = Some(r);
+                        }
+                        // Only the last lane carries close messages, behind its
+                        // requests: they go once every lane is empty.
+                        Ok(Message::Close) => heads.closes += 1,
+                        Err(_) => continue,
+                    }
+                }
+                if let Some(r) = &heads.requests[i] {
+                    let since = r.enqueued_at;
+                    let older = match overdue {
+                        None => true,
+                        Some((_, seen)) => since < seen,
+                    };
+                    if older && now.saturating_duration_since(since) >= max_wait {
+                        overdue = Some((i, since));
+                    }
+                }
+            }
+            if let Some((i, _)) = overdue {
+                let r = heads.requests[i]
+                    .take()
+                    .expect("an overdue head was just seen");
+                return self.handed_out(r);
+            }
+        }
+        for (i, lane) in self.lanes.iter().enumerate() {
+            if let Some(r) = heads.requests[i].take() {
+                return self.handed_out(r);
+            }
+            if heads.closes > 0 && i + 1 == self.lanes.len() {
+                break;
+            }
+            match lane.rx.try_recv() {
+                Ok(msg) => return self.popped(lane, msg),
+                Err(TryRecvError::Empty) | Err(TryRecvError::Disconnected) => continue,
+            }
+        }
+        if heads.closes > 0 {
+            heads.closes -= 1;
+            return Popped::Close;
+        }
+        Popped::Empty
     }
 
-    fn popped(&self, msg: Message) -> Popped {
+    fn popped(&self, lane: &Lane, msg: Message) -> Popped {
         match msg {
             Message::Request(r) => {
-                self.ready_rows.fetch_sub(r.rows as isize, Ordering::SeqCst);
-                self.in_channel.fetch_sub(1, Ordering::AcqRel);
-                Popped::Request(r)
+                lane.in_channel.fetch_sub(1, Ordering::AcqRel);
+                self.handed_out(r)
             }
             Message::Close => Popped::Close,
         }
     }
 
+    /// A request leaves the channel (or the heads) for the worker: its rows
+    /// are no longer ready.
+    fn handed_out(&self, r: Arc<Request>) -> Popped {
+        self.ready_rows.fetch_sub(r.rows as isize, Ordering::SeqCst);
+        Popped::Request(r)
+    }
+
     /// Records that one pushed request left the queued state (taken or withdrawn).
     /// Call exactly once per request, by whoever won its transition.
-    pub fn left(&self) {
+    pub fn left(&self, request: &Request) {
+        if let Some(lane) = self.lanes.get(usize::from(request.lane)) {
+            lane.waiting.fetch_sub(1, Ordering::AcqRel);
+        }
         self.waiting.fetch_sub(1, Ordering::AcqRel);
     }
 
@@ -288,9 +461,10 @@ impl RequestQueue {
         if self.closed.swap(true, Ordering::AcqRel) {
             return;
         }
+        let last = &self.lanes[self.lanes.len() - 1];
         for _ in 0..workers {
             // Never blocks: request messages cannot take the last `wake_slots` places.
-            let _ = self.tx.try_send(Message::Close);
+            let _ = last.tx.try_send(Message::Close);
         }
         self.ring();
     }
@@ -298,6 +472,14 @@ impl RequestQueue {
     /// Live requests waiting: pushed and not yet taken or withdrawn.
     pub fn len(&self) -> usize {
         self.waiting.load(Ordering::Acquire)
+    }
+
+    /// Live requests waiting at each priority level, most urgent first.
+    pub fn lane_lens(&self) -> Vec<usize> {
+        self.lanes
+            .iter()
+            .map(|l| l.waiting.load(Ordering::Acquire))
+            .collect()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -361,7 +543,7 @@ mod tests {
         let third = refused.into_request();
         assert!(matches!(q.try_pop(), Popped::Request(r) if r.id == 1));
         assert_eq!(q.len(), 2, "popped is not yet taken");
-        q.left();
+        q.left(&req(0));
         q.push(third).unwrap();
         assert_eq!(q.len(), 2);
     }
@@ -369,9 +551,9 @@ mod tests {
     #[test]
     fn withdrawn_requests_do_not_crowd_out_new_ones_until_the_channel_is_full() {
         let q = RequestQueue::new(2, 1, Readiness::OnPush);
-        for id in 0..q.room as u64 {
+        for id in 0..q.lanes[0].room as u64 {
             q.push(req(id)).unwrap();
-            q.left(); // withdrawn at once; still in the channel
+            q.left(&req(0)); // withdrawn at once; still in the channel
         }
         assert_eq!(q.len(), 0);
         let refused = q.push(req(9)).unwrap_err();
@@ -457,7 +639,7 @@ mod tests {
         for _ in 0..rounds {
             q.wait_for_rows(1, None);
             assert!(matches!(q.try_pop(), Popped::Request(_)));
-            q.left();
+            q.left(&req(0));
         }
         pusher.join().unwrap();
     }

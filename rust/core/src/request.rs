@@ -118,6 +118,11 @@ pub struct Request {
     pub rows: u32,
     pub enqueued_at: Instant,
     pub deadline: Option<Instant>,
+    /// The queue lane it waits in: 0 is the most urgent priority level.
+    pub lane: u8,
+    /// The caller's request parameters, a JSON object's text, for models that
+    /// ask for them; `None`: none given.
+    pub parameters: Option<Box<str>>,
     inputs: Box<[InputBytes]>,
     state: AtomicU8,
 }
@@ -143,9 +148,23 @@ impl Request {
             rows,
             enqueued_at: Instant::now(),
             deadline,
+            lane: 0,
+            parameters: None,
             inputs,
             state: AtomicU8::new(RequestState::Queued as u8),
         }
+    }
+
+    /// This request, waiting in queue lane `lane` (0: most urgent).
+    pub fn in_lane(mut self, lane: u8) -> Request {
+        self.lane = lane;
+        self
+    }
+
+    /// This request, carrying `parameters` (a JSON object's text).
+    pub fn with_parameters(mut self, parameters: Option<Box<str>>) -> Request {
+        self.parameters = parameters;
+        self
     }
 
     pub fn inputs(&self) -> &[InputBytes] {

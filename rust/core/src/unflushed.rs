@@ -79,6 +79,8 @@ mod tests {
             layouts: Vec::new(),
             max_batch_elements: None,
             bytes_limits: Default::default(),
+            priorities: crate::Priorities::NONE,
+            default_priority: None,
         };
         let batcher = Arc::new(Batcher::new(config, slots).unwrap());
         let unflushed = Unflushed::default();

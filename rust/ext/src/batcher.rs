@@ -40,6 +40,7 @@ impl Batcher {
         inputs, slots, *, tensor_type, coerce, max_batch_size, max_delay,
         min_batch_size, preferred_batch_sizes, max_queue_size, workers, adaptive=false,
         layouts=Vec::new(), max_batch_elements=None,
+        priority_levels=0, default_priority=None, max_priority_wait=None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -57,6 +58,9 @@ impl Batcher {
         adaptive: bool,
         layouts: Vec<(String, Option<Vec<u8>>)>,
         max_batch_elements: Option<usize>,
+        priority_levels: u8,
+        default_priority: Option<u32>,
+        max_priority_wait: Option<f64>,
     ) -> PyResult<Batcher> {
         if !layouts.is_empty() && layouts.len() != inputs.len() {
             return Err(PyValueError::new_err(format!(
@@ -65,6 +69,20 @@ impl Batcher {
                 inputs.len()
             )));
         }
+        let max_wait = match max_priority_wait {
+            None => None,
+            Some(w) if w.is_nan() || w < 0.0 => {
+                return Err(PyValueError::new_err(format!(
+                    "max_priority_wait must be >= 0 seconds, got {w}"
+                )))
+            }
+            // Longer than a Duration holds: strict priority.
+            Some(w) => Duration::try_from_secs_f64(w).ok(),
+        };
+        let priorities = ferrobatch_core::Priorities {
+            levels: priority_levels.max(1),
+            max_wait,
+        };
         if max_delay.is_nan() || max_delay < 0.0 {
             return Err(PyValueError::new_err(format!(
                 "max_delay must be >= 0 seconds, got {max_delay}"
@@ -167,6 +185,8 @@ impl Batcher {
             } else {
                 Readiness::OnPush
             },
+            priorities,
+            default_priority,
         };
         let core = core::Batcher::new(config, slot_buffers).map_err(|e| to_pyerr(py, e))?;
         Ok(Batcher {
@@ -209,6 +229,7 @@ impl Batcher {
         }
         d.set_item("dispatch_reasons", reasons)?;
         d.set_item("queue_len", self.core.queue_len())?;
+        d.set_item("queue_lens", self.core.queue_lens())?;
         Ok(d)
     }
 }
@@ -237,7 +258,7 @@ impl Batcher {
         py: Python<'py>,
         inputs: &Bound<'py, PyAny>,
         mailbox: &Bound<'py, LoopMailbox>,
-        timeout: Option<Duration>,
+        submission: core::Submission,
         batched: bool,
     ) -> PyResult<Bound<'py, Ticket>> {
         let (rows, bytes, keep) = self.convert(py, inputs, batched)?;
@@ -247,11 +268,12 @@ impl Batcher {
         let mailbox = mailbox.get();
         let request = self
             .core
-            .submit(
+            .submit_request(
                 Sink::EventLoop(mailbox.loop_id()),
                 rows,
                 bytes.into_boxed_slice(),
-                timeout,
+                submission,
+                |_| (),
             )
             .map_err(|e| to_pyerr(py, e))?;
         if self.core.readiness() == Readiness::OnFlush {
@@ -277,19 +299,23 @@ impl Batcher {
         &self,
         py: Python<'_>,
         inputs: &Bound<'_, PyAny>,
-        timeout: Option<Duration>,
+        submission: core::Submission,
         batched: bool,
         waiters: &ThreadWaiters,
     ) -> PyResult<(Arc<core::Request>, Arc<Waiter>)> {
         let (rows, bytes, keep) = self.convert(py, inputs, batched)?;
         let mut waiter = None;
         let mut keep = Some(keep);
-        let submitted =
-            self.core
-                .submit_with(Sink::Thread, rows, bytes.into_boxed_slice(), timeout, |r| {
-                    let keep = keep.take().unwrap_or_default();
-                    waiter = Some((r.id, waiters.register(r, batched, keep)));
-                });
+        let submitted = self.core.submit_request(
+            Sink::Thread,
+            rows,
+            bytes.into_boxed_slice(),
+            submission,
+            |r| {
+                let keep = keep.take().unwrap_or_default();
+                waiter = Some((r.id, waiters.register(r, batched, keep)));
+            },
+        );
         match (submitted, waiter) {
             (Ok(request), Some((_, waiter))) => {
                 if self.core.readiness() == Readiness::OnFlush {
@@ -546,6 +572,7 @@ impl Worker {
             slot: Mutex::new(Some(b.slot)),
             collated: Mutex::new(b.collated),
             rows: b.rows,
+            requests: b.requests,
             groups: b
                 .routes
                 .groups
@@ -568,6 +595,8 @@ pub struct Batch {
     slot: Mutex<Option<core::HeldSlot>>,
     #[pyo3(get)]
     rows: usize,
+    /// The requests, in row order.
+    requests: Vec<Arc<core::Request>>,
     groups: Vec<(Sink, Arc<Vec<Route>>)>,
     /// What each input became in the slot.
     collated: Mutex<Vec<Collated>>,
@@ -634,6 +663,15 @@ impl Batch {
     #[getter]
     fn n_requests(&self) -> usize {
         self.groups.iter().map(|(_, r)| r.len()).sum()
+    }
+
+    /// Each request's `(rows, parameters)` in row order: its parameters as
+    /// a JSON object's text, None when it gave none.
+    fn request_parameters(&self) -> Vec<(u32, Option<&str>)> {
+        self.requests
+            .iter()
+            .map(|r| (r.rows, r.parameters.as_deref()))
+            .collect()
     }
 
     /// Each request's rows as `(start, rows)`, in batch order: a request's

@@ -229,6 +229,8 @@ impl V2Tensor {
 pub(crate) struct V2Request {
     id: Option<String>,
     timeout: Option<f64>,
+    priority: Option<u32>,
+    parameters: Option<String>,
     inputs: Py<PyDict>,
     bf16: bool,
     /// `(output index, as binary)`, in response order.
@@ -246,6 +248,18 @@ impl V2Request {
     #[getter]
     fn timeout(&self) -> Option<f64> {
         self.timeout
+    }
+
+    /// The `priority` parameter (1: most urgent; `None`: the default).
+    #[getter]
+    fn priority(&self) -> Option<u32> {
+        self.priority
+    }
+
+    /// The request's `parameters` object as JSON text (`None`: none).
+    #[getter]
+    fn parameters(&self) -> Option<&str> {
+        self.parameters.as_deref()
     }
 
     /// Input name -> [`V2Tensor`], in the request's order.
@@ -751,6 +765,8 @@ impl V2Codec {
         Ok(V2Request {
             id: request.id,
             timeout: request.timeout,
+            priority: request.priority,
+            parameters: request.parameters,
             inputs: inputs.unbind(),
             bf16,
             selected,

@@ -243,7 +243,7 @@ impl NativeFrontend {
     #[pyo3(signature = (
         host, port, fallback, *, grpc_port=None, server_metadata=None, model_metadata=Vec::new(), grpc_fallback=None,
         threads=1, max_body_size=64 << 20, max_decompressed_size=64 << 20, max_connections=10_000, max_streams=1024,
-        header_timeout=30.0, body_timeout=60.0,
+        header_timeout=30.0, body_timeout=60.0, http_header_forward_pattern=None, grpc_header_forward_pattern=None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -262,7 +262,14 @@ impl NativeFrontend {
         max_streams: u32,
         header_timeout: f64,
         body_timeout: f64,
+        http_header_forward_pattern: Option<&str>,
+        grpc_header_forward_pattern: Option<&str>,
     ) -> PyResult<NativeFrontend> {
+        let pattern = |p: Option<&str>| {
+            p.map(ferrobatch_serve::header_pattern)
+                .transpose()
+                .map_err(PyValueError::new_err)
+        };
         let ip: IpAddr = match host {
             "localhost" => IpAddr::from([127, 0, 0, 1]),
             _ => host.parse().map_err(|_| {
@@ -281,6 +288,8 @@ impl NativeFrontend {
             max_streams,
             header_timeout: seconds("header_timeout", header_timeout)?,
             body_timeout: seconds("body_timeout", body_timeout)?,
+            http_header_forward_pattern: pattern(http_header_forward_pattern)?,
+            grpc_header_forward_pattern: pattern(grpc_header_forward_pattern)?,
         };
         let listen = Listen {
             http: port.map(|port| SocketAddr::new(ip, port)),

@@ -132,13 +132,18 @@ impl Submitter {
     /// Bad inputs, a full queue or a stopped server raise at once (counted
     /// as failures of the loop); with `timeout`, the loop's deadline timer
     /// is armed. Call on an event loop's thread.
-    #[pyo3(signature = (inputs, timeout=None, batched=false))]
+    ///
+    /// `priority`: the level (1: most urgent; None or 0: the default);
+    /// `parameters`: a JSON object's text, handed to a model that asks.
+    #[pyo3(signature = (inputs, timeout=None, batched=false, priority=None, parameters=None))]
     fn submit<'py>(
         &self,
         py: Python<'py>,
         inputs: &Bound<'py, PyAny>,
         timeout: Option<f64>,
         batched: bool,
+        priority: Option<i64>,
+        parameters: Option<String>,
     ) -> PyResult<Bound<'py, PyTuple>> {
         let batcher = self
             .batcher
@@ -155,10 +160,10 @@ impl Submitter {
             return Err(err);
         };
         let mailbox = self.mailbox(py)?;
-        let submitted = parse_timeout(py, timeout).and_then(|deadline| {
+        let submitted = submission(py, timeout, priority, parameters).and_then(|submission| {
             batcher
                 .get()
-                .submit(py, inputs, mailbox.bind(py), deadline, batched)
+                .submit(py, inputs, mailbox.bind(py), submission, batched)
         });
         let ticket = match submitted {
             Ok(ticket) => ticket,
@@ -194,13 +199,15 @@ impl Submitter {
     /// from this thread and blocks, with the GIL released, until its batch
     /// answers; returns `{name: tensor}` or raises what `infer` would.
     /// Ctrl-C withdraws a request no batch has taken yet.
-    #[pyo3(signature = (inputs, timeout=None, batched=false))]
+    #[pyo3(signature = (inputs, timeout=None, batched=false, priority=None, parameters=None))]
     fn infer_blocking(
         &self,
         py: Python<'_>,
         inputs: &Bound<'_, PyAny>,
         timeout: Option<f64>,
         batched: bool,
+        priority: Option<i64>,
+        parameters: Option<String>,
     ) -> PyResult<Py<PyDict>> {
         let waiters = &self.registry.get().threads;
         let batcher = self
@@ -216,8 +223,8 @@ impl Submitter {
             ));
         };
         let batcher = batcher.get();
-        let submitted = parse_timeout(py, timeout)
-            .and_then(|t| batcher.submit_from_thread(py, inputs, t, batched, waiters));
+        let submitted = submission(py, timeout, priority, parameters)
+            .and_then(|s| batcher.submit_from_thread(py, inputs, s, batched, waiters));
         let (request, waiter) = match submitted {
             Ok(submitted) => submitted,
             Err(err) => {
@@ -239,18 +246,42 @@ impl Submitter {
     }
 }
 
-/// A caller's `timeout` in seconds as a deadline offset: None without one,
-/// and also for one too long to represent (infinity, 1e300: no deadline).
-/// Negative or NaN is an `InvalidInputError`.
-fn parse_timeout(py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Duration>> {
-    match timeout {
-        None => Ok(None),
-        Some(t) if t.is_nan() || t < 0.0 => Err(invalid_input(
-            py,
-            format!("timeout must be a number of seconds >= 0, got {t}"),
-        )),
-        Some(t) => Ok(Duration::try_from_secs_f64(t).ok()),
-    }
+/// What a caller said besides its inputs. `timeout` in seconds becomes a
+/// deadline offset: None without one, and also for one too long to represent
+/// (infinity, 1e300: no deadline). A negative or NaN timeout, or a negative
+/// priority, is an `InvalidInputError`.
+fn submission(
+    py: Python<'_>,
+    timeout: Option<f64>,
+    priority: Option<i64>,
+    parameters: Option<String>,
+) -> PyResult<ferrobatch_core::Submission> {
+    let timeout = match timeout {
+        None => None,
+        Some(t) if t.is_nan() || t < 0.0 => {
+            return Err(invalid_input(
+                py,
+                format!("timeout must be a number of seconds >= 0, got {t}"),
+            ))
+        }
+        Some(t) => Duration::try_from_secs_f64(t).ok(),
+    };
+    let priority = match priority {
+        None => None,
+        Some(p) => Some(u32::try_from(p).map_err(|_| {
+            invalid_input(
+                py,
+                format!(
+                    "priority must be an integer >= 1 (1: most urgent; 0: the default), got {p}"
+                ),
+            )
+        })?),
+    };
+    Ok(ferrobatch_core::Submission {
+        timeout,
+        priority,
+        parameters: parameters.map(String::into_boxed_str),
+    })
 }
 
 impl Submitter {

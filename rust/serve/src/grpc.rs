@@ -39,7 +39,7 @@ use tonic::{Code, Request, Response, Status};
 
 use crate::http::FallbackCall;
 use crate::metadata::ModelMetadata;
-use crate::model::{ServedModel, Source, Tensor};
+use crate::model::{RequestMeta, ServedModel, Source, Tensor};
 use crate::replies::{Answer, Failure, InputOwners, RawOutput, ResponsePlan};
 use crate::server::Shared;
 
@@ -222,6 +222,10 @@ impl GrpcInferenceService for Inference {
         request: Request<ModelInferRequest>,
     ) -> Result<Response<ModelInferResponse>, Status> {
         let call_timeout = grpc_timeout(request.metadata());
+        let forwarded = forwarded_metadata(
+            request.metadata(),
+            self.shared.config.grpc_header_forward_pattern.as_ref(),
+        );
         let mut request = request.into_inner();
         let model = match self.known(&request.model_name, &request.model_version)? {
             Lookup::Served(model) => model,
@@ -236,7 +240,7 @@ impl GrpcInferenceService for Inference {
                 )))
             }
         };
-        let submitted = submit(&model, &mut request, call_timeout).map_err(status)?;
+        let submitted = submit(&model, &mut request, call_timeout, &forwarded).map_err(status)?;
         let outputs = match model.reply(submitted).await.map_err(status)? {
             Answer::Raw(outputs) => outputs,
             Answer::Encoded(_) => return Err(Status::internal("an HTTP reply to a gRPC call")),
@@ -310,6 +314,7 @@ fn submit(
     model: &ServedModel,
     request: &mut ModelInferRequest,
     call_timeout: Option<Duration>,
+    forwarded: &[(String, String)],
 ) -> Result<crate::model::Submitted, Failure> {
     let codec = model.replies().codec();
     let raw = std::mem::take(&mut request.raw_input_contents);
@@ -327,12 +332,84 @@ fn submit(
             bytes: bytes.clone(),
         })
         .collect();
+    let meta = RequestMeta {
+        timeout,
+        priority: priority(&request.parameters)?,
+        parameters: crate::model::with_headers(parameters_json(&request.parameters), forwarded)?,
+    };
     model.enqueue(
         &tensors,
         decoded.owners,
-        timeout,
+        meta,
         ResponsePlan::Raw { outputs },
     )
+}
+
+/// The `priority` parameter: an int64 or uint64 >= 0 (0: the default level).
+fn priority(
+    parameters: &std::collections::HashMap<String, InferParameter>,
+) -> Result<Option<u32>, Failure> {
+    let Some(parameter) = parameters.get("priority") else {
+        return Ok(None);
+    };
+    let level = match parameter.parameter_choice {
+        Some(ParameterChoice::Int64Param(p)) => u32::try_from(p).ok(),
+        Some(ParameterChoice::Uint64Param(p)) => u32::try_from(p).ok(),
+        _ => None,
+    };
+    match level {
+        Some(p) => Ok((p > 0).then_some(p)),
+        None => Err(invalid("parameter 'priority' must be an integer >= 0")),
+    }
+}
+
+/// The request's parameters as a JSON object's text (`None`: it has none).
+fn parameters_json(
+    parameters: &std::collections::HashMap<String, InferParameter>,
+) -> Option<String> {
+    if parameters.is_empty() {
+        return None;
+    }
+    let object: serde_json::Map<String, serde_json::Value> = parameters
+        .iter()
+        .map(|(name, parameter)| {
+            let value = match &parameter.parameter_choice {
+                Some(ParameterChoice::BoolParam(b)) => serde_json::Value::from(*b),
+                Some(ParameterChoice::Int64Param(i)) => serde_json::Value::from(*i),
+                Some(ParameterChoice::Uint64Param(u)) => serde_json::Value::from(*u),
+                Some(ParameterChoice::StringParam(s)) => serde_json::Value::from(s.as_str()),
+                // NaN and infinities have no JSON number: null, as serde_json writes them.
+                Some(ParameterChoice::DoubleParam(d)) => serde_json::Value::from(*d),
+                None => serde_json::Value::Null,
+            };
+            (name.clone(), value)
+        })
+        .collect();
+    Some(serde_json::Value::Object(object).to_string())
+}
+
+/// The metadata entries whose names `pattern` matches (Triton's
+/// `--grpc-header-forward-pattern`), with text values.
+fn forwarded_metadata(
+    metadata: &MetadataMap,
+    pattern: Option<&regex::Regex>,
+) -> Vec<(String, String)> {
+    let Some(pattern) = pattern else {
+        return Vec::new();
+    };
+    metadata
+        .iter()
+        .filter_map(|entry| match entry {
+            tonic::metadata::KeyAndValueRef::Ascii(name, value) => {
+                let name = name.as_str();
+                pattern
+                    .is_match(name)
+                    .then(|| Some((name.to_owned(), value.to_str().ok()?.to_owned())))
+                    .flatten()
+            }
+            tonic::metadata::KeyAndValueRef::Binary(..) => None,
+        })
+        .collect()
 }
 
 /// A request's inputs, decoded and checked: `(dtype, shape, where its

@@ -271,7 +271,11 @@ async fn infer(
         .headers
         .get(HEADER_LENGTH)
         .and_then(|v| v.to_str().ok());
-    let answer = match model.submit(body, header_length) {
+    let forwarded = forwarded_headers(
+        &parts.headers,
+        shared.config.http_header_forward_pattern.as_ref(),
+    );
+    let answer = match model.submit(body, header_length, &forwarded) {
         Ok(submitted) => reply(model.reply(submitted).await),
         Err(failure) => return error(&failure),
     };
@@ -279,6 +283,24 @@ async fn infer(
         Some(coding) if answer.status() == StatusCode::OK => compressed(answer, coding).await,
         _ => answer,
     }
+}
+
+/// The headers whose names `pattern` matches, lowercased, with values that
+/// are text (Triton's `--http-header-forward-pattern`).
+fn forwarded_headers(
+    headers: &hyper::HeaderMap,
+    pattern: Option<&regex::Regex>,
+) -> Vec<(String, String)> {
+    let Some(pattern) = pattern else {
+        return Vec::new();
+    };
+    headers
+        .iter()
+        .filter(|(name, _)| pattern.is_match(name.as_str()))
+        .filter_map(|(name, value)| {
+            Some((name.as_str().to_owned(), value.to_str().ok()?.to_owned()))
+        })
+        .collect()
 }
 
 /// `answer` with its body coded as `coding` (its headers, the inference

@@ -31,4 +31,4 @@ pub use http::{Fallback, FallbackCall, FallbackReply, FallbackRequest, FallbackR
 pub use metadata::{Catalog, ModelMetadata, ServerMetadata, TensorMetadata};
 pub use model::ServedModel;
 pub use replies::{Column, Failure, Replies};
-pub use server::{Config, Frontend, Listen};
+pub use server::{header_pattern, Config, Frontend, Listen};

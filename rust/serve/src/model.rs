@@ -10,7 +10,7 @@ use bytes::Bytes;
 use ferrobatch_core::specs::match_inputs;
 use ferrobatch_core::v2::Data;
 use ferrobatch_core::{
-    CoreError, DType, InputBytes, InputSpec, Outcome, Readiness, RequestState, Sink,
+    CoreError, DType, InputBytes, InputSpec, Outcome, Readiness, RequestState, Sink, Submission,
 };
 use tokio::sync::oneshot;
 
@@ -60,6 +60,43 @@ pub enum Source {
     Decoded(usize),
 }
 
+/// What a request says besides its tensors.
+#[derive(Debug, Default)]
+pub struct RequestMeta {
+    /// Seconds it may wait (`None`: no limit).
+    pub timeout: Option<f64>,
+    /// Priority level (1: most urgent; `None`: the model's default).
+    pub priority: Option<u32>,
+    /// Its parameters, a JSON object's text, handed to models that ask.
+    pub parameters: Option<String>,
+}
+
+/// `parameters` (a JSON object's text) with the `forwarded` headers added as
+/// string parameters (a parameter of the same name wins, as the request said it).
+pub fn with_headers(
+    parameters: Option<String>,
+    forwarded: &[(String, String)],
+) -> Result<Option<String>, Failure> {
+    if forwarded.is_empty() {
+        return Ok(parameters);
+    }
+    let mut object = match &parameters {
+        None => serde_json::Map::new(),
+        Some(text) => serde_json::from_str(text).map_err(|e| {
+            Failure::new(
+                400,
+                format!("the request's parameters are not a JSON object: {e}"),
+            )
+        })?,
+    };
+    for (name, value) in forwarded {
+        if !object.contains_key(name) {
+            object.insert(name.clone(), serde_json::Value::String(value.clone()));
+        }
+    }
+    Ok(Some(serde_json::Value::Object(object).to_string()))
+}
+
 impl ServedModel {
     /// `specs`: the model's inputs, in the order its batcher collates them.
     pub fn new(name: &str, specs: Vec<InputSpec>, replies: Arc<Replies>) -> ServedModel {
@@ -82,7 +119,14 @@ impl ServedModel {
     /// Decodes one HTTP infer request body and queues it: no copy of binary
     /// inputs (the body is kept until the request resolves), JSON inputs
     /// decoded once into buffers of their own.
-    pub fn submit(&self, body: Bytes, header_length: Option<&str>) -> Result<Submitted, Failure> {
+    ///
+    /// `forwarded`: request headers that join the request's parameters.
+    pub fn submit(
+        &self,
+        body: Bytes,
+        header_length: Option<&str>,
+        forwarded: &[(String, String)],
+    ) -> Result<Submitted, Failure> {
         let codec = self.replies.codec();
         let mut request = codec
             .decode(&body, header_length)
@@ -121,22 +165,32 @@ impl ServedModel {
             shared: vec![body],
             decoded,
         };
-        self.enqueue(&tensors, owners, request.timeout, plan)
+        let meta = RequestMeta {
+            timeout: request.timeout,
+            priority: request.priority,
+            parameters: with_headers(request.parameters.take(), forwarded)?,
+        };
+        self.enqueue(&tensors, owners, meta, plan)
     }
 
     /// Queues a request whose tensors are decoded already (`tensors`, their
     /// bytes in `owners`, kept until it resolves): matched to the model's
     /// inputs (a mismatch is counted `invalid_input`), registered in the
     /// reply table to be answered as `plan` says, and queued with a deadline
-    /// `timeout` seconds from now (`None`: none). Every protocol's requests
-    /// come this way; a refusal is counted here, once.
+    /// `meta.timeout` seconds from now (`None`: none), at `meta.priority`.
+    /// Every protocol's requests come this way; a refusal is counted here, once.
     pub fn enqueue(
         &self,
         tensors: &[Tensor<'_>],
         owners: InputOwners,
-        timeout: Option<f64>,
+        meta: RequestMeta,
         plan: ResponsePlan,
     ) -> Result<Submitted, Failure> {
+        let RequestMeta {
+            timeout,
+            priority,
+            parameters,
+        } = meta;
         let batcher = self.replies.batcher();
         let shapes: Vec<Vec<usize>> = tensors
             .iter()
@@ -186,11 +240,16 @@ impl ServedModel {
         }
         let (tx, rx) = oneshot::channel();
         let mut registered = None;
-        let submitted = batcher.submit_with(
+        let submission = Submission {
+            timeout: timeout.map(|(d, _)| d),
+            priority,
+            parameters: parameters.map(String::into_boxed_str),
+        };
+        let submitted = batcher.submit_request(
             SINK,
             matched.rows,
             views.into_boxed_slice(),
-            timeout.map(|(d, _)| d),
+            submission,
             |request| {
                 registered = Some(request.id);
                 self.replies.register(request, plan, owners, tx);

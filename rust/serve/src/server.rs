@@ -72,6 +72,24 @@ pub struct Config {
     pub header_timeout: Duration,
     /// Time for a request's body to arrive.
     pub body_timeout: Duration,
+    /// HTTP request headers whose (lowercase) names match join the request's
+    /// parameters, for models that ask for them (Triton's
+    /// `--http-header-forward-pattern`); `None`: none.
+    pub http_header_forward_pattern: Option<regex::Regex>,
+    /// The same for gRPC metadata (`--grpc-header-forward-pattern`).
+    pub grpc_header_forward_pattern: Option<regex::Regex>,
+}
+
+/// A header-forwarding pattern: a regular expression found anywhere in a
+/// header's name, ignoring case (header names are case-insensitive), as
+/// Triton's `--http-header-forward-pattern` matches.
+pub fn header_pattern(pattern: &str) -> Result<regex::Regex, String> {
+    regex::RegexBuilder::new(pattern)
+        .case_insensitive(true)
+        // Bounded compile: a pattern is configuration, but still bounded.
+        .size_limit(1 << 20)
+        .build()
+        .map_err(|e| format!("invalid header forward pattern {pattern:?}: {e}"))
 }
 
 impl Default for Config {
@@ -84,6 +102,8 @@ impl Default for Config {
             max_streams: 1024,
             header_timeout: Duration::from_secs(30),
             body_timeout: Duration::from_secs(60),
+            http_header_forward_pattern: None,
+            grpc_header_forward_pattern: None,
         }
     }
 }

@@ -20,6 +20,11 @@ pub struct InferRequest {
     pub timeout: Option<f64>,
     /// The `binary_data_output` parameter: the default of every output.
     pub binary_data_output: bool,
+    /// The `priority` parameter (1: most urgent; 0 or absent: the default).
+    pub priority: Option<u32>,
+    /// The request's `parameters` object, as its JSON text (all of it,
+    /// `timeout` and `priority` included), for models that ask for them.
+    pub parameters: Option<String>,
     /// The inputs, in the request's order.
     pub inputs: Vec<Input>,
     /// The outputs the request names (`None`: all, binary as
@@ -221,6 +226,8 @@ impl<'a> Decoder<'a, '_> {
         self.p.begin_object().map_err(json_error)?;
         let mut id = None;
         let mut timeout = None;
+        let mut priority = None;
+        let mut parameters = None;
         let mut binary_default = None;
         let mut inputs: Option<Vec<Pending>> = None;
         let mut outputs: Option<Vec<Selected>> = None;
@@ -234,8 +241,10 @@ impl<'a> Decoder<'a, '_> {
                 },
                 "parameters" => {
                     let error = || invalid("'parameters' of the request must be an object");
+                    let start = self.p.offset();
                     if self.object_or_null(error)? {
-                        self.request_parameters(&mut timeout, &mut binary_default)?;
+                        self.request_parameters(&mut timeout, &mut priority, &mut binary_default)?;
+                        parameters = Some(self.text(start..self.p.offset()).to_owned());
                     }
                 }
                 "inputs" => {
@@ -307,6 +316,8 @@ impl<'a> Decoder<'a, '_> {
         Ok(InferRequest {
             id,
             timeout,
+            priority,
+            parameters,
             binary_data_output,
             inputs: decoded,
             outputs,
@@ -316,12 +327,14 @@ impl<'a> Decoder<'a, '_> {
     fn request_parameters(
         &mut self,
         timeout: &mut Option<f64>,
+        priority: &mut Option<u32>,
         binary_default: &mut Option<bool>,
     ) -> Result<(), V2Error> {
         let mut first = true;
         while let Some(key) = self.next_key(&mut first)? {
             match &*key {
                 "timeout" => *timeout = self.timeout()?,
+                "priority" => *priority = self.priority()?,
                 "binary_data_output" => match self.p.peek_kind().map_err(json_error)? {
                     Kind::Bool => *binary_default = Some(self.p.boolean().map_err(json_error)?),
                     _ => {
@@ -337,6 +350,32 @@ impl<'a> Decoder<'a, '_> {
             }
         }
         Ok(())
+    }
+
+    /// The `priority` parameter: an integer >= 0 (0: the default level).
+    fn priority(&mut self) -> Result<Option<u32>, V2Error> {
+        let start = self.p.offset();
+        let level = match self.p.peek_kind().map_err(json_error)? {
+            Kind::Null => {
+                self.p.null();
+                return Ok(None);
+            }
+            Kind::Number => {
+                let n = self.p.number().map_err(json_error)?.to_f64();
+                (n >= 0.0 && n.fract() == 0.0 && n <= f64::from(u32::MAX)).then_some(n as u32)
+            }
+            _ => {
+                self.skip()?;
+                None
+            }
+        };
+        level.map(|p| (p > 0).then_some(p)).ok_or_else(|| {
+            let text = self.text(start..self.p.offset());
+            invalid(format!(
+                "parameter 'priority' must be an integer >= 0, got {}",
+                short(text.trim())
+            ))
+        })
     }
 
     /// The `timeout` parameter (microseconds, as Triton) in seconds.

@@ -72,6 +72,12 @@ fn parameters_and_requested_outputs() {
     )
     .unwrap();
     assert_eq!(request.timeout, Some(0.05));
+    assert_eq!(
+        request.parameters.as_deref(),
+        Some(r#"{"timeout":50000,"binary_data_output":true,"other":[1,{"a":null}]}"#),
+        "the object's text, for models that ask for it"
+    );
+    assert_eq!(request.priority, None);
     assert!(request.binary_data_output);
     assert_eq!(
         request.selected_outputs(&codec()),
@@ -88,6 +94,16 @@ fn parameters_and_requested_outputs() {
             r#"{{"inputs":[{{"name":"x","datatype":"FP32","shape":[1],"data":[1]}}],"parameters":{{"timeout":{timeout}}}}}"#
         );
         assert_eq!(decode(&body).unwrap().timeout, expected, "{timeout}");
+    }
+}
+
+#[test]
+fn the_priority_parameter_names_a_level_and_zero_the_default() {
+    for (priority, expected) in [("2", Some(2)), ("0", None), ("null", None)] {
+        let body = format!(
+            r#"{{"inputs":[{{"name":"x","datatype":"FP32","shape":[1],"data":[1]}}],"parameters":{{"priority":{priority}}}}}"#
+        );
+        assert_eq!(decode(&body).unwrap().priority, expected, "{priority}");
     }
 }
 
@@ -225,6 +241,14 @@ fn malformed_requests_have_clear_messages() {
         (
             format!(r#"{{"inputs":[{x}],"parameters":{{"timeout":-1}}}}"#),
             "parameter 'timeout' must be microseconds >= 0, got -1",
+        ),
+        (
+            format!(r#"{{"inputs":[{x}],"parameters":{{"priority":1.5}}}}"#),
+            "parameter 'priority' must be an integer >= 0, got 1.5",
+        ),
+        (
+            format!(r#"{{"inputs":[{x}],"parameters":{{"priority":"high"}}}}"#),
+            "parameter 'priority' must be an integer >= 0, got \"high\"",
         ),
         (
             format!(r#"{{"inputs":[{}],"id":{{}}}}"#, x.replace("4]}", "NaN]}")),

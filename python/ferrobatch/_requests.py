@@ -1,0 +1,60 @@
+"""What a model built with ``Server(..., with_requests=True)`` learns about
+the requests of its batch, and how request parameters travel."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from .errors import InvalidInputError
+
+__all__ = ["Parameter", "RequestInfo", "encode_parameters", "request_infos"]
+
+#: A request parameter's value, as the v2 protocol allows (bool, int64, double, string).
+Parameter = str | int | float | bool
+
+_NONE: Mapping[str, Parameter] = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    """One request of a batch, in row order.
+
+    ``rows``: how many rows of the batch are this request's (1 for
+    ``infer``, ``n`` for ``infer_batch`` and for a v2 request of shape
+    ``[n, ...]``). ``parameters``: the request's parameters — ``infer(...,
+    parameters={...})`` in process, the v2 request's ``parameters`` over HTTP
+    and gRPC (``timeout`` and ``priority`` included), plus the headers that
+    ``ServeConfig``'s ``http_header_forward_pattern`` /
+    ``grpc_header_forward_pattern`` forward, by lowercase name.
+    """
+
+    rows: int
+    parameters: Mapping[str, Any] = field(default_factory=lambda: _NONE)
+
+
+def request_infos(pairs: Sequence[tuple[int, str | None]]) -> list[RequestInfo]:
+    """The batch's ``(rows, parameters as JSON text)`` as :class:`RequestInfo`s."""
+    return [RequestInfo(rows, _NONE if text is None else json.loads(text)) for rows, text in pairs]
+
+
+def encode_parameters(parameters: Mapping[str, Parameter] | None) -> str | None:
+    """A caller's parameters as a JSON object's text; a key that is not a
+    string or a value that is no bool, int, finite float or string is an
+    :class:`InvalidInputError` (the v2 protocol has no other parameter type)."""
+    if parameters is None:
+        return None
+    if not isinstance(parameters, Mapping):
+        raise InvalidInputError(f"parameters must be a mapping of name to value, got {type(parameters).__name__}")
+    for name, value in parameters.items():
+        if not isinstance(name, str):
+            raise InvalidInputError(f"parameter names must be strings, got {name!r}")
+        if not isinstance(value, (bool, int, float, str)) or (isinstance(value, float) and not math.isfinite(value)):
+            raise InvalidInputError(
+                f"parameter {name!r} must be a bool, int, finite float or str, got {type(value).__name__} {value!r}"
+            )
+    return json.dumps(dict(parameters), separators=(",", ":"))
