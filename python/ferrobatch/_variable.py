@@ -56,7 +56,7 @@ def layouts(specs: Sequence[TensorSpec]) -> list[tuple[str, bytes | None]]:
         if s.is_bytes:
             out.append(("bytes", None))
         elif s.ragged == "pad":
-            one = torch.full(s.inner_shape, s.pad_value, dtype=s.torch_dtype)
+            one = torch.full((1, *s.inner_shape), s.pad_value, dtype=s.torch_dtype)
             out.append(("pad", one.contiguous().view(torch.uint8).numpy().tobytes()))
         elif s.ragged == "jagged":
             out.append(("jagged", None))

@@ -65,6 +65,8 @@ pub mod fanout;
 pub mod inbox;
 pub mod outcome;
 pub mod queue;
+#[cfg(all(test, not(loom)))]
+mod ragged_props;
 pub mod request;
 pub mod specs;
 pub mod staging;
