@@ -34,6 +34,9 @@ fn bench_batcher(c: &mut Criterion) {
         max_queue_size: 10_000,
         workers: 1,
         readiness: Readiness::OnPush,
+        layouts: Vec::new(),
+        max_batch_elements: None,
+        bytes_limits: Default::default(),
         priorities: ferrobatch_core::Priorities::NONE,
         default_priority: None,
     };

@@ -138,6 +138,8 @@ def test_tensor_spec_normalises_dtypes_and_rejects_bad_shapes() -> None:
     with pytest.raises(ValueError, match="unsupported dtype"):
         fb.TensorSpec("x", "complex64", (2,))
     with pytest.raises(ValueError, match="non-negative ints"):
+        fb.TensorSpec("x", "float32", (2, -1))
+    with pytest.raises(ValueError, match="ragged='pad' or ragged='jagged'"):
         fb.TensorSpec("x", "float32", (-1,))
 
 

@@ -30,7 +30,7 @@ class Batcher:
 
     def __new__(
         cls,
-        inputs: list[tuple[str, str, list[int], torch.dtype]],
+        inputs: list[tuple[str, str, list[int], torch.dtype | None]],
         slots: list[list[torch.Tensor]],
         *,
         tensor_type: type[torch.Tensor],
@@ -42,6 +42,8 @@ class Batcher:
         max_queue_size: int,
         workers: int,
         adaptive: bool = False,
+        layouts: list[tuple[str, bytes | None]] = ...,
+        max_batch_elements: int | None = None,
         priority_levels: int = 0,
         default_priority: int | None = None,
         max_priority_wait: float | None = None,
@@ -119,6 +121,10 @@ class Batch:
     def n_requests(self) -> int: ...
     def request_rows(self) -> list[tuple[int, int]]:
         """Each request's ``(start, rows)``, in batch order."""
+    def extents(self) -> list[int]:
+        """Per input: a padded one's longest row, a jagged one's total length; 0 otherwise."""
+    def take_bytes(self, index: int) -> list[bytes]:
+        """BYTES input ``index``'s elements, in batch order (once per input)."""
     def request_parameters(self) -> list[tuple[int, str | None]]:
         """Each request's ``(rows, parameters as JSON text or None)``, in row order."""
     def release_slot(self) -> bool: ...
@@ -198,7 +204,7 @@ class V2Codec:
     def __new__(
         cls,
         model: str,
-        outputs: list[tuple[str, str, torch.dtype]],
+        outputs: list[tuple[str, str, torch.dtype | None]],
         *,
         max_body_size: int,
         max_elements: int,
@@ -244,7 +250,11 @@ class NativeFrontend:
     def port(self) -> int | None: ...
     @property
     def grpc_port(self) -> int | None: ...
-    def serve(self, models: list[tuple[Batcher, LoopRegistry, V2Codec, Callable[[BaseException], str]]]) -> None: ...
+    def serve(
+        self,
+        models: list[tuple[Batcher, LoopRegistry, V2Codec, Callable[[BaseException], str]]],
+        handed_over: list[str] = ...,
+    ) -> None: ...
     def set_ready(self, ready: bool) -> None: ...
     def drain(self) -> None: ...
     def close(self, grace: float) -> None: ...

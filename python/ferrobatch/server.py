@@ -38,6 +38,8 @@ from ._torch import (
     resolve_instances,
     warmup_batches,
 )
+from ._variable import DEFAULT_ELEMENTS_PER_ROW, VariableExecutor, core_shape, is_variable, layouts
+from ._variable import allocate_slot as variable_slot
 from ._weights import WeightUpdate, WeightUpdates
 from .client import Client, flatten_inputs
 from .errors import ModelError, ServerClosedError
@@ -173,6 +175,7 @@ class Server:
         version_output: str | None = None,
         isolate_failures: bool = True,
         invariance_sample_rate: float = 0.0,
+        max_batch_elements: int | None = None,
         priority_levels: int = 0,
         default_priority: int | None = None,
         max_priority_wait: float | None = 1.0,
@@ -233,6 +236,23 @@ class Server:
             raise ValueError(f"max_queue_size must be an int >= 1, got {max_queue_size!r}")
         self.name = name
         self.max_batch_size = max_batch_size
+        if max_batch_elements is not None and (
+            not isinstance(max_batch_elements, int) or isinstance(max_batch_elements, bool) or max_batch_elements < 1
+        ):
+            raise ValueError(f"max_batch_elements must be an int >= 1 or None, got {max_batch_elements!r}")
+        # BYTES or variable-length tensors: collated by layout, run on CPU.
+        self._variable = is_variable(self.inputs) or is_variable(self.outputs)
+        #: The most elements of each variable-length input one batch holds
+        #: (padded ones counted padded); None without such inputs.
+        self.max_batch_elements: int | None = None
+        if any(s.is_ragged for s in self.inputs):
+            self.max_batch_elements = max_batch_elements or max_batch_size * DEFAULT_ELEMENTS_PER_ROW
+        elif max_batch_elements is not None:
+            raise ValueError("max_batch_elements applies to variable-length inputs (a shape starting with -1)")
+        if self._variable:
+            self.isolate_failures = False  # a failed batch fails whole (see _variable)
+            if rate:
+                raise ValueError("invariance_sample_rate is not supported with BYTES or variable-length tensors yet")
         # The fixed window, or the adaptive window's cap.
         self.max_delay = float(max_delay)
         self.min_batch_size = min_batch_size
@@ -298,6 +318,16 @@ class Server:
         """Resolves the instances and their devices, and checks the
         ``cuda_graphs`` / ``compile`` / ``warmup`` options."""
         self._models, self.devices = resolve_instances(self._models, device)
+        if self._variable and (
+            any(d.type != "cpu" for d in self.devices)
+            or cuda_graphs
+            or compile is not False
+            or warmup not in (None, False)
+        ):
+            raise ValueError(
+                f"model '{self.name}': BYTES and variable-length tensors run on CPU instances, without"
+                " cuda_graphs, compile or warm-up, for now"
+            )
         if warmup is False and (cuda_graphs or compile is not False):
             raise ValueError("cuda_graphs and compile need warm-up: warmup=False is not allowed with them")
         if cuda_graphs and not any(d.type == "cuda" for d in self.devices):
@@ -314,6 +344,10 @@ class Server:
         self.buckets = batch_buckets(self.max_batch_size, self.preferred_batch_sizes)
 
     def _make_executor(self, i: int) -> CpuExecutor | CudaExecutor:
+        if self._variable:  # called with a dict: it needs the lengths/offsets beside each input
+            return VariableExecutor(
+                self._models[i], self.devices[i], self.inputs, self._model_outputs, self.with_requests
+            )
         model = compile_model(self._models[i], self._compile)
         if not self.with_requests:  # a model given its requests takes the dict of inputs as it is
             model = adapt_model(model, self.inputs, self._model_outputs)
@@ -347,7 +381,7 @@ class Server:
         self._samplers = []
         pin = any(d.type == "cuda" for d in self.devices)
         # Warm-up goes through a staging slot of its own, as requests will.
-        slot = dict(zip((s.name for s in self.inputs), allocate_slot(self.inputs, self.max_batch_size, pin)))
+        slot: dict[str, torch.Tensor] | None = None
         for i, device in enumerate(self.devices):
             executor = self._make_executor(i)
             gate = self._weights.gates[i]
@@ -358,6 +392,8 @@ class Server:
                 warm = device.type == "cuda" or self._compile is not False
             if not warm:
                 continue
+            if slot is None:
+                slot = dict(zip((s.name for s in self.inputs), allocate_slot(self.inputs, self.max_batch_size, pin)))
             try:
                 with gate:  # weight updates wait for warm-up
                     why = executor.warm_up(self._warmup_batch, self.buckets, slot)
@@ -397,11 +433,18 @@ class Server:
         # Per CPU instance, two slots: one being collated while another runs.
         # Per CUDA instance, one for each batch it may hold (IN_FLIGHT).
         per_instance = [IN_FLIGHT if isinstance(e, CudaExecutor) else 2 for e in executors]
-        slots = [allocate_slot(self.inputs, self.max_batch_size, pin) for _ in range(sum(per_instance))]
-        self._slots = [{s.name: t for s, t in zip(self.inputs, slot)} for slot in slots]
+        if self._variable:
+            elements = self.max_batch_elements or 0
+            self._slots = [variable_slot(self.inputs, self.max_batch_size, elements) for _ in range(sum(per_instance))]
+            slots = [list(slot.values()) for slot in self._slots]
+        else:
+            slots = [allocate_slot(self.inputs, self.max_batch_size, pin) for _ in range(sum(per_instance))]
+            self._slots = [{s.name: t for s, t in zip(self.inputs, slot)} for slot in slots]
         self._batcher = _core.Batcher(
-            [(s.name, s.dtype, list(s.shape), s.torch_dtype) for s in self.inputs],
+            [(s.name, s.dtype, core_shape(s), None if s.is_bytes else s.torch_dtype) for s in self.inputs],
             slots,
+            layouts=layouts(self.inputs),
+            max_batch_elements=self.max_batch_elements,
             tensor_type=torch.Tensor,
             coerce=make_coerce(self.inputs),
             max_batch_size=self.max_batch_size,

@@ -6,6 +6,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = ["TensorSpec"]
@@ -28,8 +29,17 @@ _DTYPES: dict[str, torch.dtype] = {
 _ALIASES = {"float": "float32", "double": "float64", "half": "float16", "long": "int64", "int": "int32"}
 
 
+#: Spellings of BYTES (PyTriton's ``np.bytes_`` and ``object``, numpy's
+#: fixed-width ``S`` dtypes, Triton's name).
+_BYTES_NAMES = {"bytes", "bytes_", "object", "object_", "BYTES", "TYPE_STRING"}
+
+
 def dtype_name(dtype: Any) -> str:
-    """Canonical name ("float32") of a dtype given as a string, torch or numpy dtype."""
+    """Canonical name ("float32") of a dtype given as a string, torch or numpy
+    dtype; ``"bytes"`` for BYTES (``"bytes"``, ``bytes``, ``np.bytes_``,
+    ``object``, a numpy object or ``S`` dtype)."""
+    if dtype is bytes or dtype is object or dtype is np.bytes_ or dtype is np.object_:
+        return "bytes"
     if isinstance(dtype, torch.dtype):
         name = str(dtype).removeprefix("torch.")
     elif isinstance(dtype, str):
@@ -39,9 +49,14 @@ def dtype_name(dtype: Any) -> str:
         if name.startswith("<class"):
             name = getattr(dtype, "__name__", name)
     name = _ALIASES.get(name, name)
+    if name in _BYTES_NAMES or (isinstance(dtype, np.dtype) and dtype.kind in "OS"):
+        return "bytes"
     if name not in _DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}; supported: {', '.join(_DTYPES)}")
+        raise ValueError(f"unsupported dtype {dtype!r}; supported: {', '.join(_DTYPES)}, bytes")
     return name
+
+
+_RAGGED_MODES = ("pad", "jagged")
 
 
 @dataclass(frozen=True)
@@ -52,34 +67,81 @@ class TensorSpec:
     may be a string ("float32"), a ``torch.dtype`` or a numpy dtype; it is
     stored as its canonical name. Inputs are never cast: a request of another
     dtype is refused with :class:`~ferrobatch.InvalidInputError`.
+
+    ``dtype="bytes"`` (also ``bytes``, ``np.bytes_``, ``object``): each
+    element a byte string (``str`` is encoded UTF-8); the model sees numpy
+    object arrays of ``bytes``.
+
+    A shape starting with ``-1`` is variable-length along that dimension
+    (``(-1,)``, ``(-1, 4)``), with ``ragged="pad"`` (the model gets the batch
+    padded to its longest row with ``pad_value``, and ``name + "_lengths"``,
+    int64 ``[B]``) or ``ragged="jagged"`` (the rows' values concatenated,
+    ``[sum of lengths, ...]``, and ``name + "_offsets"``, int64 ``[B + 1]``).
+    An output with ``-1`` is returned by the model the same way, and each
+    caller gets its own row's length.
     """
 
     name: str
     dtype: str
     shape: tuple[int, ...] = ()
+    ragged: str | None = None
+    pad_value: float = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"TensorSpec name must be a non-empty string, got {self.name!r}")
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
         shape = tuple(self.shape)
-        for dim in shape:
-            if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
+        for i, dim in enumerate(shape):
+            if not isinstance(dim, int) or isinstance(dim, bool) or (dim < 0 and (dim, i) != (-1, 0)):
                 raise ValueError(
                     f"TensorSpec {self.name!r}: dimensions must be non-negative ints, got {shape}"
-                    " (variable-length dimensions are not supported)"
+                    " (only the first may be -1, a variable length)"
                 )
         object.__setattr__(self, "shape", shape)
+        variable = bool(shape) and shape[0] == -1
+        if self.ragged is not None and self.ragged not in _RAGGED_MODES:
+            raise ValueError(f"TensorSpec {self.name!r}: ragged must be 'pad' or 'jagged', got {self.ragged!r}")
+        if variable and self.dtype == "bytes":
+            raise ValueError(
+                f"TensorSpec {self.name!r}: a BYTES tensor with a variable-length dimension is not supported"
+            )
+        if variable and self.ragged is None:
+            raise ValueError(
+                f"TensorSpec {self.name!r}: shape {shape} has a variable-length dimension; "
+                "say how a batch holds it: ragged='pad' or ragged='jagged'"
+            )
+        if self.ragged is not None and not variable:
+            raise ValueError(f"TensorSpec {self.name!r}: ragged={self.ragged!r} needs a shape starting with -1")
+        if not isinstance(self.pad_value, (int, float)):
+            raise ValueError(f"TensorSpec {self.name!r}: pad_value must be a number, got {self.pad_value!r}")
+
+    @property
+    def is_bytes(self) -> bool:
+        """A BYTES tensor (numpy object arrays of ``bytes``)."""
+        return self.dtype == "bytes"
+
+    @property
+    def is_ragged(self) -> bool:
+        """Variable-length along its first dimension."""
+        return self.ragged is not None
+
+    @property
+    def inner_shape(self) -> tuple[int, ...]:
+        """The shape after a variable-length first dimension (the whole shape otherwise)."""
+        return self.shape[1:] if self.is_ragged else self.shape
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        if self.is_bytes:
+            raise TypeError(f"TensorSpec {self.name!r}: BYTES has no torch dtype (it is a numpy object array)")
         return _DTYPES[self.dtype]
 
     @property
     def row_nbytes(self) -> int:
-        """Bytes of one sample."""
+        """Bytes of one sample (of one position of a variable-length one)."""
         n = self.torch_dtype.itemsize
-        for dim in self.shape:
+        for dim in self.inner_shape:
             n *= dim
         return n
 

@@ -48,6 +48,7 @@ _CONTENTS = {
     "UINT64": "uint64_contents",
     "FP32": "fp32_contents",
     "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
 }
 
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -137,26 +138,34 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return _extensions.repository_index(self.repository, request)
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
-        name = request.model_name
         try:
-            model = self.repository.model(name, request.model_version)
-            inputs = _decode_inputs(request, model)
-            outputs = _requested_outputs(request, model)
-            timeout = _timeout(request.parameters, context)
-            priority = _priority(request.parameters)
-            parameters = _parameters_json(request.parameters) if model.server.with_requests else None
-            results = await self.repository.infer(model, inputs, timeout, priority, parameters)
+            return await infer(self.repository, request, _timeout(request.parameters, context))
         except Exception as exc:  # noqa: BLE001 - every failure becomes the call's status
-            _fail(context, exc, name, self.expose_errors)
+            _fail(context, exc, request.model_name, self.expose_errors)
             return pb.ModelInferResponse()
-        response = pb.ModelInferResponse(model_name=name, model_version=MODEL_VERSION, id=request.id)
-        datatypes = model.output_types
-        raw = response.raw_output_contents
-        # One call into the codec for every output of the response.
-        for out_name, (data, shape) in zip(outputs, model.codec.raw_outputs(outputs, results), strict=True):
-            response.outputs.add(name=out_name, datatype=datatypes[out_name], shape=shape)
-            raw.append(data)
-        return response
+
+
+async def infer(
+    repository: ModelRepository, request: pb.ModelInferRequest, timeout: float | None
+) -> pb.ModelInferResponse:
+    """Runs one ModelInfer request; raises what fails it (see :func:`status_code`).
+    The native front-end sends here the models it does not answer in Rust
+    (BYTES and variable-length tensors)."""
+    name = request.model_name
+    model = repository.model(name, request.model_version)
+    inputs = _decode_inputs(request, model)
+    outputs = _requested_outputs(request, model)
+    priority = _priority(request.parameters)
+    parameters = _parameters_json(request.parameters) if model.server.with_requests else None
+    results = await repository.infer(model, inputs, timeout, priority, parameters)
+    response = pb.ModelInferResponse(model_name=name, model_version=MODEL_VERSION, id=request.id)
+    datatypes = model.output_types
+    raw = response.raw_output_contents
+    # One call into the codec for every output of the response.
+    for out_name, (data, shape) in zip(outputs, model.codec.raw_outputs(outputs, results), strict=True):
+        response.outputs.add(name=out_name, datatype=datatypes[out_name], shape=shape)
+        raw.append(data)
+    return response
 
 
 def _fail(context: Context, exc: BaseException, model: str = "", expose: bool = False) -> None:
@@ -241,13 +250,19 @@ def _parameters_json(parameters: Mapping[str, pb.InferParameter]) -> str | None:
     )
 
 
-def _timeout(parameters: Mapping[str, pb.InferParameter], context: Context) -> float | None:
+def timeout_parameter(parameters: Mapping[str, pb.InferParameter]) -> float | None:
+    """The request's ``timeout`` parameter (µs) in seconds, None without one."""
     timeout: float | None = None
     if "timeout" in parameters:
         param = parameters["timeout"]
         if param.WhichOneof("parameter_choice") != "int64_param" or param.int64_param < 0:
             raise ProtocolError(400, "parameter 'timeout' must be an int64 of microseconds >= 0")
         timeout = param.int64_param / 1e6 or None
+    return timeout
+
+
+def _timeout(parameters: Mapping[str, pb.InferParameter], context: Context) -> float | None:
+    timeout = timeout_parameter(parameters)
     remaining = context.time_remaining()
     if remaining is not None:
         timeout = remaining if timeout is None else min(timeout, remaining)

@@ -88,6 +88,7 @@ DATATYPES: dict[str, str] = {
     "FP32": "float32",
     "FP64": "float64",
     "BF16": "bfloat16",
+    "BYTES": "bytes",
 }
 _V2_OF = {dtype: v2 for v2, dtype in DATATYPES.items()}
 
@@ -169,7 +170,7 @@ class ServedModel:
 
     @classmethod
     def of(cls, server: Server, *, max_elements: int = MAX_ELEMENTS) -> ServedModel:
-        outputs = [(s.name, s.dtype, s.torch_dtype) for s in server.outputs]
+        outputs = [(s.name, s.dtype, None if s.is_bytes else s.torch_dtype) for s in server.outputs]
         # Bodies are limited by the transports (max_body_size,
         # max_decompressed_size, gRPC's message size) before they get here.
         codec = V2Codec(server.name, outputs, max_body_size=sys.maxsize, max_elements=max_elements)
@@ -280,7 +281,14 @@ class ModelRepository:
         server = self.get(name, version)
 
         def tensors(specs: Sequence[TensorSpec]) -> list[dict[str, Any]]:
-            return [{"name": s.name, "data_type": "TYPE_" + datatype_of(s), "dims": list(s.shape)} for s in specs]
+            return [
+                {
+                    "name": s.name,
+                    "data_type": "TYPE_STRING" if s.is_bytes else "TYPE_" + datatype_of(s),
+                    "dims": list(s.shape),
+                }
+                for s in specs
+            ]
 
         return {
             "name": server.name,

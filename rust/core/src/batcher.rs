@@ -4,11 +4,12 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::bytes::BytesLimits;
 use crate::queue::{Popped, Priorities, Readiness};
 use crate::request::Withdrawal;
 use crate::{
-    CoreError, Decision, DispatchReason, DispatchRule, HeldSlot, InputBytes, Request, RequestQueue,
-    RequestState, Routes, Sink, SlotBuffer, StagingRing,
+    Collated, CoreError, Decision, DispatchReason, DispatchRule, HeldSlot, InputBytes, Layout,
+    Request, RequestQueue, RequestState, Routes, Sink, SlotBuffer, StagingRing,
 };
 
 #[derive(Debug, Clone)]
@@ -22,6 +23,14 @@ pub struct BatcherConfig {
     /// When submitted rows may be taken: at once, or once their submitter
     /// calls [`Batcher::flush`] (an event loop, at the end of an iteration).
     pub readiness: Readiness,
+    /// How each input is collated (empty: every input [`Layout::Fixed`]).
+    pub layouts: Vec<Layout>,
+    /// The most elements of each variable-length input a batch may hold
+    /// (padded ones counted padded: rows times the longest row); needed
+    /// when an input is [`Layout::Ragged`]. A request over it is refused.
+    pub max_batch_elements: Option<usize>,
+    /// What a BYTES input of one request may carry.
+    pub bytes_limits: BytesLimits,
     /// Priority levels of the queue ([`Priorities::NONE`]: one FIFO).
     pub priorities: Priorities,
     /// Level (1: most urgent) of requests that name none; `None`: the least urgent.
@@ -86,6 +95,8 @@ pub struct Batch {
     pub requests: Vec<Arc<Request>>,
     /// Why the batch was released.
     pub reason: DispatchReason,
+    /// What each input became in the slot (its length, offsets, bytes).
+    pub collated: Vec<Collated>,
 }
 
 #[derive(Debug)]
@@ -103,6 +114,8 @@ pub struct Batcher {
     default_lane: u8,
     next_id: AtomicU64,
     stats: Stats,
+    max_batch_elements: Option<usize>,
+    bytes_limits: BytesLimits,
 }
 
 impl Batcher {
@@ -117,7 +130,18 @@ impl Batcher {
                 "at least one worker is needed".into(),
             ));
         }
-        let ring = StagingRing::new(config.row_nbytes, config.rule.max_batch_size, slots)?;
+        let layouts = if config.layouts.is_empty() {
+            vec![Layout::Fixed; config.row_nbytes.len()]
+        } else {
+            config.layouts
+        };
+        let ring = StagingRing::with_layouts(
+            config.row_nbytes,
+            layouts,
+            config.rule.max_batch_size,
+            config.max_batch_elements,
+            slots,
+        )?;
         let levels = config.priorities.levels.max(1);
         let default_lane = match config.default_priority {
             None => levels - 1,
@@ -146,6 +170,8 @@ impl Batcher {
             workers: config.workers,
             next_id: AtomicU64::new(1),
             stats: Stats::default(),
+            max_batch_elements: config.max_batch_elements,
+            bytes_limits: config.bytes_limits,
         })
     }
 
@@ -256,14 +282,52 @@ impl Batcher {
                 inputs.len()
             )));
         }
-        for (i, (input, row)) in inputs.iter().zip(row_nbytes).enumerate() {
-            // `rows * row` fits: a slot holds max_batch_size rows of `row`.
-            let expected = rows.saturating_mul(*row);
-            if input.len() != expected {
-                return Err(CoreError::InvalidInput(format!(
-                    "input {i}: expected {expected} bytes ({rows} rows of {row}), got {}",
-                    input.len()
-                )));
+        let layouts = self.ring.layouts();
+        for (i, ((input, row), layout)) in inputs.iter().zip(row_nbytes).zip(layouts).enumerate() {
+            match layout {
+                Layout::Fixed => {
+                    // `rows * row` fits: a slot holds max_batch_size rows of `row`.
+                    let expected = rows.saturating_mul(*row);
+                    if input.len() != expected {
+                        return Err(CoreError::InvalidInput(format!(
+                            "input {i}: expected {expected} bytes ({rows} rows of {row}), got {}",
+                            input.len()
+                        )));
+                    }
+                }
+                Layout::Ragged(r) => {
+                    let elements = rows
+                        .checked_mul(input.extent())
+                        .and_then(|n| n.checked_mul(r.unit_elements));
+                    let limit = self.max_batch_elements.unwrap_or(0);
+                    match elements {
+                        Some(n) if n <= limit => {}
+                        _ => {
+                            return Err(CoreError::InvalidInput(format!(
+                                "input {i}: a request of {rows} rows of length {} exceeds \
+                                 max_batch_elements ({limit})",
+                                input.extent()
+                            )))
+                        }
+                    }
+                    // Fits: at most `limit` elements of `unit_nbytes / unit_elements` bytes.
+                    let expected = rows * input.extent() * r.unit_nbytes;
+                    if input.len() != expected {
+                        return Err(CoreError::InvalidInput(format!(
+                            "input {i}: expected {expected} bytes ({rows} rows of length {}), got {}",
+                            input.extent(),
+                            input.len()
+                        )));
+                    }
+                }
+                Layout::Bytes { elements_per_row } => {
+                    // SAFETY: the caller keeps the bytes alive until the request
+                    // resolves (this function's contract); it has not been queued.
+                    let data = unsafe { input.as_slice() };
+                    let count = rows.saturating_mul(*elements_per_row);
+                    crate::bytes::check(data, count, self.bytes_limits)
+                        .map_err(|e| CoreError::InvalidInput(format!("input {i}: {e}")))?;
+                }
             }
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
@@ -309,8 +373,8 @@ impl Batcher {
         // SAFETY: `admit` won `take()` for every request in `gathered`, and
         // none is resolved before this batch is returned; `gather` kept the
         // rows within `max_batch_size`, which every slot holds.
-        let collated = unsafe { slot.collate(&gathered) };
-        debug_assert_eq!(collated, rows);
+        let (collated_rows, collated) = unsafe { slot.collate_all(&gathered) };
+        debug_assert_eq!(collated_rows, rows);
         let taken_at = Instant::now();
         let queue_ns: u64 = gathered
             .iter()
@@ -336,6 +400,7 @@ impl Batcher {
             routes: Routes::for_batch(&gathered),
             requests: gathered,
             reason,
+            collated,
         })
     }
 
@@ -351,15 +416,18 @@ impl Batcher {
     ) -> (usize, DispatchReason) {
         let max = self.rule.max_batch_size;
         let mut rows = 0usize;
+        let mut budget = Budget::new(self.ring.layouts());
         if let Some(r) = carry.take() {
-            self.admit(r, Instant::now(), carry, gathered, &mut rows);
+            self.admit(r, Instant::now(), carry, gathered, &mut rows, &mut budget);
         }
         while !worker.closed {
             // Take what is already queued, without blocking.
             let now = Instant::now();
             while rows < max && carry.is_none() && !worker.closed && self.queue.may_pop() {
                 match self.queue.try_pop() {
-                    Popped::Request(r) => self.admit(r, now, carry, gathered, &mut rows),
+                    Popped::Request(r) => {
+                        self.admit(r, now, carry, gathered, &mut rows, &mut budget)
+                    }
                     Popped::Close => worker.closed = true,
                     Popped::Empty => break,
                 }
@@ -412,6 +480,7 @@ impl Batcher {
         carry: &mut Option<Arc<Request>>,
         gathered: &mut Vec<Arc<Request>>,
         rows: &mut usize,
+        budget: &mut Budget,
     ) {
         if r.is_past_deadline(now) {
             // The caller's own timer reports the deadline; we only never run it.
@@ -423,7 +492,11 @@ impl Batcher {
             }
             return;
         }
-        if *rows + r.rows as usize > self.rule.max_batch_size {
+        if *rows + r.rows as usize > self.rule.max_batch_size
+            || !budget.fits(&r, *rows, self.ring.layouts(), self.max_batch_elements)
+        {
+            // Head of line: it leads the next batch, which it always fits
+            // (submit refused any request over a limit on its own).
             *carry = Some(r);
             return;
         }
@@ -432,6 +505,7 @@ impl Batcher {
             return;
         }
         self.queue.left(&r);
+        budget.add(&r, self.ring.layouts());
         *rows += r.rows as usize;
         gathered.push(r);
     }
@@ -460,6 +534,53 @@ impl Batcher {
     /// Refuses new requests; each worker dispatches what it holds, then stops.
     pub fn close(&self) {
         self.queue.close(self.workers);
+    }
+}
+
+/// The elements a batch being gathered holds of each variable-length
+/// input: `(positions, longest row)` per input (zero for the others).
+struct Budget {
+    used: Vec<(usize, usize)>,
+}
+
+impl Budget {
+    fn new(layouts: &[Layout]) -> Budget {
+        Budget {
+            used: vec![(0, 0); layouts.len()],
+        }
+    }
+
+    /// Whether `r` joins a batch of `rows` rows within `limit` elements of
+    /// every ragged input (a padded one counted padded).
+    fn fits(&self, r: &Request, rows: usize, layouts: &[Layout], limit: Option<usize>) -> bool {
+        let limit = limit.unwrap_or(usize::MAX);
+        let n = r.rows as usize;
+        layouts.iter().enumerate().all(|(i, layout)| {
+            let Layout::Ragged(ragged) = layout else {
+                return true;
+            };
+            let extent = r.inputs()[i].extent();
+            let (positions, longest) = self.used[i];
+            let after = if ragged.pad.is_some() {
+                (rows + n).checked_mul(longest.max(extent))
+            } else {
+                n.checked_mul(extent).and_then(|p| p.checked_add(positions))
+            };
+            after
+                .and_then(|p| p.checked_mul(ragged.unit_elements))
+                .is_some_and(|e| e <= limit)
+        })
+    }
+
+    fn add(&mut self, r: &Request, layouts: &[Layout]) {
+        for (i, layout) in layouts.iter().enumerate() {
+            if let Layout::Ragged(_) = layout {
+                let extent = r.inputs()[i].extent();
+                let (positions, longest) = &mut self.used[i];
+                *positions += r.rows as usize * extent;
+                *longest = (*longest).max(extent);
+            }
+        }
     }
 }
 
@@ -503,6 +624,9 @@ mod tests {
             max_queue_size: queue,
             workers,
             readiness,
+            layouts: Vec::new(),
+            max_batch_elements: None,
+            bytes_limits: BytesLimits::default(),
             priorities,
             default_priority: None,
         };

@@ -17,6 +17,11 @@ pub enum DType {
     BFloat16,
     Float32,
     Float64,
+    /// Triton's BYTES: each element a byte string of its own length. Its
+    /// buffers hold elements serialized as Triton's binary extension does
+    /// (a 4-byte little-endian length, then the bytes: [`crate::bytes`]),
+    /// so sizes are counted by whoever reads them, never from `itemsize`.
+    Bytes,
 }
 
 impl DType {
@@ -53,6 +58,7 @@ impl DType {
             "bfloat16" => DType::BFloat16,
             "float32" | "float" | "f4" => DType::Float32,
             "float64" | "double" | "f8" => DType::Float64,
+            "bytes" | "object" | "bytes_" | "BYTES" => DType::Bytes,
             _ => return None,
         })
     }
@@ -73,6 +79,7 @@ impl DType {
             DType::BFloat16 => "bfloat16",
             DType::Float32 => "float32",
             DType::Float64 => "float64",
+            DType::Bytes => "bytes",
         }
     }
 
@@ -92,17 +99,24 @@ impl DType {
             DType::BFloat16 => "BF16",
             DType::Float32 => "FP32",
             DType::Float64 => "FP64",
+            DType::Bytes => "BYTES",
         }
     }
 
-    /// The type of a v2 datatype name (`"FP32"`); `None` for unknown names
-    /// and for `"BYTES"`, which has no fixed-size element.
+    /// The type of a v2 datatype name (`"FP32"`, `"BYTES"`); `None` for
+    /// unknown names.
     pub fn from_v2(name: &str) -> Option<DType> {
+        if name == "BYTES" {
+            return Some(DType::Bytes);
+        }
         DType::ALL.into_iter().find(|d| d.v2_name() == name)
     }
 
+    /// Bytes per element; for `Bytes`, the least an element takes
+    /// serialized (its 4-byte length), a bound and not a size.
     pub fn itemsize(self) -> usize {
         match self {
+            DType::Bytes => 4,
             DType::Bool | DType::Int8 | DType::UInt8 => 1,
             DType::Int16 | DType::UInt16 | DType::Float16 | DType::BFloat16 => 2,
             DType::Int32 | DType::UInt32 | DType::Float32 => 4,
@@ -138,7 +152,7 @@ impl DType {
                 DType::Float16 => c == 'e',
                 DType::Float32 => c == 'f',
                 DType::Float64 => c == 'd',
-                DType::BFloat16 => false,
+                DType::BFloat16 | DType::Bytes => false,
             }
     }
 }
@@ -175,7 +189,7 @@ mod tests {
         for d in DType::ALL {
             assert_eq!(DType::from_v2(d.v2_name()), Some(d));
         }
-        assert_eq!(DType::from_v2("BYTES"), None);
+        assert_eq!(DType::from_v2("BYTES"), Some(DType::Bytes));
         assert_eq!(DType::from_v2("fp32"), None);
     }
 }

@@ -57,6 +57,7 @@
 //! gathered, so it is tested without threads or clocks.
 
 mod batcher;
+pub mod bytes;
 pub mod dispatch;
 pub mod dtype;
 pub mod error;
@@ -64,6 +65,8 @@ pub mod fanout;
 pub mod inbox;
 pub mod outcome;
 pub mod queue;
+#[cfg(all(test, not(loom)))]
+mod ragged_props;
 pub mod request;
 pub mod specs;
 pub mod staging;
@@ -81,5 +84,5 @@ pub use outcome::{Outcome, Tally, OUTCOMES};
 pub use queue::{Message, Priorities, PushError, Readiness, RequestQueue};
 pub use request::{InputBytes, Request, RequestState, Withdrawal};
 pub use specs::{InputSpec, SpecError};
-pub use staging::{HeldSlot, SlotBuffer, StagingRing};
+pub use staging::{Collated, HeldSlot, Layout, Ragged, SlotBuffer, StagingRing};
 pub use unflushed::Unflushed;

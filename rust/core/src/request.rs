@@ -53,6 +53,9 @@ pub enum Withdrawal {
 pub struct InputBytes {
     ptr: *const u8,
     len: usize,
+    /// Positions per row along a variable-length first dimension (0 for
+    /// other inputs).
+    extent: usize,
 }
 
 impl InputBytes {
@@ -61,7 +64,21 @@ impl InputBytes {
     /// holding this view can still be taken into a batch and collated, i.e.
     /// until the request is resolved (see [`Request`]).
     pub unsafe fn new(ptr: *const u8, len: usize) -> InputBytes {
-        InputBytes { ptr, len }
+        InputBytes {
+            ptr,
+            len,
+            extent: 0,
+        }
+    }
+
+    /// The same view, its rows `extent` positions long (a variable-length
+    /// input: `len` is `rows * extent` positions' bytes).
+    pub fn with_extent(self, extent: usize) -> InputBytes {
+        InputBytes { extent, ..self }
+    }
+
+    pub fn extent(&self) -> usize {
+        self.extent
     }
 
     pub fn len(&self) -> usize {

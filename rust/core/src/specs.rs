@@ -116,6 +116,63 @@ impl InputSpec {
         Ok((rows, nbytes))
     }
 
+    /// For a variable-length input (`shape` is what follows its first,
+    /// variable, dimension): the rows of a value of shape `actual` and their
+    /// length along that dimension, or an error naming both shapes. Refuses
+    /// more than `max_rows` rows and more than `max_elements` elements, so
+    /// the byte count is bounded before anything is allocated.
+    pub fn ragged_rows_for_shape(
+        &self,
+        actual: &[usize],
+        batched: bool,
+        max_rows: usize,
+        max_elements: usize,
+    ) -> Result<(usize, usize), SpecError> {
+        let (rows, per_row) = match (batched, actual.split_first()) {
+            (true, Some((&n, rest))) => (n, rest),
+            (true, None) => (0, actual),
+            (false, _) => (1, actual),
+        };
+        let expected = |batched: bool| {
+            let inner: Vec<String> = self.shape.iter().map(usize::to_string).collect();
+            let lead = if batched { "n, L" } else { "L" };
+            match inner.len() {
+                0 if !batched => "(L,)".to_string(),
+                0 => format!("({lead})"),
+                _ => format!("({lead}, {})", inner.join(", ")),
+            }
+        };
+        let Some((&length, inner)) = per_row.split_first() else {
+            return Err(self.error(format_args!(
+                "expected shape {} (L: any length), got {}",
+                expected(batched),
+                describe_dims(actual)
+            )));
+        };
+        if inner != self.shape.as_slice() || (batched && actual.is_empty()) {
+            return Err(self.error(format_args!(
+                "expected shape {} (L: any length), got {}",
+                expected(batched),
+                describe_dims(actual)
+            )));
+        }
+        if rows > max_rows {
+            return Err(self.error(format_args!(
+                "a request of {rows} rows exceeds max_batch_size ({max_rows})"
+            )));
+        }
+        let unit: usize = self.shape.iter().product();
+        let elements = rows
+            .checked_mul(length)
+            .and_then(|n| n.checked_mul(unit.max(1)));
+        if !elements.is_some_and(|e| e <= max_elements) {
+            return Err(self.error(format_args!(
+                "a request of {rows} rows of length {length} exceeds max_batch_elements ({max_elements})"
+            )));
+        }
+        Ok((rows, length))
+    }
+
     /// The error for a value of dtype `got`.
     pub fn dtype_error(&self, got: impl fmt::Display) -> SpecError {
         self.error(format_args!(

@@ -72,8 +72,13 @@ impl SlotBuffer {
 /// Shared (`Arc`) by the batcher and every [`HeldSlot`]; see the module docs
 /// for who may write a slot when.
 pub struct StagingRing {
-    /// Bytes per row of each input, in the model's input order.
+    /// Bytes per row of each input, in the model's input order (0 for
+    /// inputs whose rows vary in size).
     row_nbytes: Box<[usize]>,
+    /// How each input is collated.
+    layouts: Box<[Layout]>,
+    /// For each input, the index of its first buffer in a slot.
+    first_buffer: Box<[usize]>,
     /// `slots[s][i]`: input `i`'s buffer in slot `s`. Written only through
     /// the one `HeldSlot` for `s`.
     slots: Box<[Box<[SlotBuffer]>]>,
@@ -111,30 +116,100 @@ impl StagingRing {
         max_rows: usize,
         slots: Vec<Vec<SlotBuffer>>,
     ) -> Result<StagingRing, CoreError> {
+        let layouts = vec![Layout::Fixed; row_nbytes.len()];
+        StagingRing::with_layouts(row_nbytes, layouts, max_rows, None, slots)
+    }
+
+    /// Builds a ring for inputs collated as `layouts` say. A slot holds, per
+    /// input in order: one buffer of `max_rows * row_nbytes[i]` bytes for a
+    /// [`Layout::Fixed`] input; two for a [`Layout::Ragged`] one (its values,
+    /// room for `max_elements` elements, and its index, `max_rows + 1`
+    /// int64); none for [`Layout::Bytes`] (collated into memory of the
+    /// batch's own, [`Collated::Bytes`]).
+    pub fn with_layouts(
+        row_nbytes: Vec<usize>,
+        layouts: Vec<Layout>,
+        max_rows: usize,
+        max_elements: Option<usize>,
+        slots: Vec<Vec<SlotBuffer>>,
+    ) -> Result<StagingRing, CoreError> {
         if slots.is_empty() {
             return Err(CoreError::InvalidConfig(
                 "the staging ring needs at least one slot".into(),
             ));
         }
+        if layouts.len() != row_nbytes.len() {
+            return Err(CoreError::InvalidConfig(format!(
+                "{} layouts for {} inputs",
+                layouts.len(),
+                row_nbytes.len()
+            )));
+        }
+        let overflow = |i: usize| {
+            CoreError::InvalidConfig(format!("staging input {i}: its size overflows usize"))
+        };
+        // Bytes each buffer of a slot needs, input by input.
+        let mut needs: Vec<(usize, usize)> = Vec::new();
+        let mut first_buffer = Vec::with_capacity(layouts.len());
+        for (i, (layout, &row)) in layouts.iter().zip(&row_nbytes).enumerate() {
+            first_buffer.push(needs.len());
+            match layout {
+                Layout::Fixed => {
+                    needs.push((i, row.checked_mul(max_rows).ok_or_else(|| overflow(i))?))
+                }
+                Layout::Ragged(r) => {
+                    let Some(max_elements) = max_elements else {
+                        return Err(CoreError::InvalidConfig(format!(
+                            "input {i} has a variable-length dimension: max_batch_elements is needed"
+                        )));
+                    };
+                    if r.unit_elements == 0 {
+                        return Err(CoreError::InvalidConfig(format!(
+                            "input {i}: a variable-length dimension needs non-empty inner dimensions"
+                        )));
+                    }
+                    let positions = max_elements / r.unit_elements;
+                    let values = positions
+                        .checked_mul(r.unit_nbytes)
+                        .ok_or_else(|| overflow(i))?;
+                    let index = max_rows
+                        .checked_add(1)
+                        .and_then(|n| n.checked_mul(8))
+                        .ok_or_else(|| overflow(i))?;
+                    if r.pad.as_ref().is_some_and(|p| p.len() != r.unit_nbytes) {
+                        return Err(CoreError::InvalidConfig(format!(
+                            "input {i}: the pad value must be one position's bytes ({})",
+                            r.unit_nbytes
+                        )));
+                    }
+                    needs.push((i, values));
+                    needs.push((i, index));
+                }
+                Layout::Bytes { .. } => {}
+            }
+        }
         for (s, buffers) in slots.iter().enumerate() {
-            if buffers.len() != row_nbytes.len() {
+            if buffers.len() != needs.len() {
                 return Err(CoreError::InvalidConfig(format!(
-                    "staging slot {s} has {} buffers for {} inputs",
+                    "staging slot {s} has {} buffers for {} inputs (needing {})",
                     buffers.len(),
-                    row_nbytes.len()
+                    row_nbytes.len(),
+                    needs.len()
                 )));
             }
-            for (i, (buf, row)) in buffers.iter().zip(&row_nbytes).enumerate() {
-                let needed = row.checked_mul(max_rows).ok_or_else(|| {
-                    CoreError::InvalidConfig(format!(
-                        "staging input {i}: {max_rows} rows of {row} bytes overflow usize"
-                    ))
-                })?;
+            for (buf, &(i, needed)) in buffers.iter().zip(&needs) {
                 if buf.capacity < needed {
-                    return Err(CoreError::InvalidConfig(format!(
-                        "staging slot {s}, input {i}: {} bytes cannot hold {max_rows} rows of {row} bytes",
-                        buf.capacity
-                    )));
+                    let row = row_nbytes[i];
+                    return Err(CoreError::InvalidConfig(match layouts[i] {
+                        Layout::Fixed => format!(
+                            "staging slot {s}, input {i}: {} bytes cannot hold {max_rows} rows of {row} bytes",
+                            buf.capacity
+                        ),
+                        _ => format!(
+                            "staging slot {s}, input {i}: {} bytes cannot hold {needed} bytes",
+                            buf.capacity
+                        ),
+                    }));
                 }
             }
         }
@@ -142,6 +217,8 @@ impl StagingRing {
         let free = (0..slots.len()).rev().collect();
         Ok(StagingRing {
             row_nbytes: row_nbytes.into(),
+            layouts: layouts.into(),
+            first_buffer: first_buffer.into(),
             slots: slots.into_iter().map(Vec::into_boxed_slice).collect(),
             free: Mutex::new(free),
             freed: Condvar::new(),
@@ -159,6 +236,10 @@ impl StagingRing {
 
     pub fn row_nbytes(&self) -> &[usize] {
         &self.row_nbytes
+    }
+
+    pub fn layouts(&self) -> &[Layout] {
+        &self.layouts
     }
 
     /// Takes a free slot, blocking until a guard gives one back.
@@ -249,45 +330,75 @@ impl HeldSlot {
     }
 
     /// Copies the inputs of `requests`, in order, back to back into this
-    /// slot; returns the rows.
+    /// slot; returns the rows. For rings of fixed-size inputs only (else see
+    /// [`HeldSlot::collate_all`]).
+    ///
+    /// # Safety
+    /// As [`HeldSlot::collate_all`].
+    ///
+    /// # Panics
+    /// As [`HeldSlot::collate_all`].
+    pub unsafe fn collate(&mut self, requests: &[Arc<Request>]) -> usize {
+        // SAFETY: the caller upholds `collate_all`'s contract.
+        unsafe { self.collate_all(requests).0 }
+    }
+
+    /// Copies the inputs of `requests`, in order, into this slot, each
+    /// input as its [`Layout`] says; returns the rows and what each input
+    /// became ([`Collated`]).
     ///
     /// # Safety
     /// The caller must have won [`Request::take`] for every request in
     /// `requests` and not yet resolved any of them: then each submitter keeps
     /// the input bytes alive (the contract of [`crate::InputBytes::new`]),
-    /// and no other worker reads or resolves them meanwhile.
+    /// and no other worker reads or resolves them meanwhile. Each request's
+    /// inputs must be what [`crate::Batcher::submit`] checks (sizes agree
+    /// with rows, extents and layouts).
     ///
     /// # Panics
-    /// If the requests do not fit (more than `max_rows` rows in all), before
-    /// writing past the slot.
-    pub unsafe fn collate(&mut self, requests: &[Arc<Request>]) -> usize {
+    /// If the requests do not fit (more than `max_rows` rows, or more
+    /// elements of a ragged input than the slot holds), before writing
+    /// past the slot.
+    pub unsafe fn collate_all(&mut self, requests: &[Arc<Request>]) -> (usize, Vec<Collated>) {
         let ring = &*self.ring;
         let buffers = &ring.slots[self.index];
-        for (i, (buf, &row_nbytes)) in buffers.iter().zip(ring.row_nbytes.iter()).enumerate() {
-            let mut offset = 0usize;
-            for r in requests {
-                // SAFETY: the caller won `take()` for `r` and has not resolved
-                // it, so its submitter keeps the input bytes alive.
-                let src = unsafe { r.inputs()[i].as_slice() };
-                debug_assert_eq!(src.len(), r.rows as usize * row_nbytes);
-                assert!(
-                    src.len() <= buf.capacity - offset,
-                    "batch overflows staging slot {}",
-                    self.index
-                );
-                // SAFETY: `self` is the one guard of this slot (module
-                // invariant) and `&mut self` makes this the one write through
-                // it; `buf` is valid for `capacity` bytes (`SlotBuffer::new`),
-                // and `offset + src.len() <= capacity` was checked just above
-                // (`offset <= capacity` holds by induction). Source and
-                // destination never overlap: slot memory is never request input.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(src.as_ptr(), buf.ptr.add(offset), src.len());
+        let rows: usize = requests.iter().map(|r| r.rows as usize).sum();
+        let mut collated = Vec::with_capacity(ring.layouts.len());
+        for (i, layout) in ring.layouts.iter().enumerate() {
+            let first = ring.first_buffer[i];
+            let inputs = requests.iter().map(|r| (r.rows as usize, &r.inputs()[i]));
+            collated.push(match layout {
+                Layout::Fixed => {
+                    let buf = buffers[first];
+                    let mut offset = 0usize;
+                    for (n, input) in inputs {
+                        // SAFETY: the caller won `take()` for every request and
+                        // has not resolved it, so its submitter keeps the bytes alive.
+                        let src = unsafe { input.as_slice() };
+                        debug_assert_eq!(src.len(), n * ring.row_nbytes[i]);
+                        // SAFETY: `self` is the one guard of this slot.
+                        unsafe { write_at(buf, offset, src, self.index) };
+                        offset += src.len();
+                    }
+                    Collated::Fixed
                 }
-                offset += src.len();
-            }
+                Layout::Ragged(r) => {
+                    let (values, index) = (buffers[first], buffers[first + 1]);
+                    // SAFETY: as above (taken, unresolved requests; the one guard).
+                    unsafe { collate_ragged(r, values, index, inputs, rows, self.index) }
+                }
+                Layout::Bytes { .. } => {
+                    let total: usize = requests.iter().map(|r| r.inputs()[i].len()).sum();
+                    let mut out = Vec::with_capacity(total);
+                    for (_, input) in inputs {
+                        // SAFETY: as above.
+                        out.extend_from_slice(unsafe { input.as_slice() });
+                    }
+                    Collated::Bytes(out)
+                }
+            });
         }
-        requests.iter().map(|r| r.rows as usize).sum()
+        (rows, collated)
     }
 
     /// Gives the slot back now (the same as dropping the guard).
@@ -297,6 +408,142 @@ impl HeldSlot {
 impl Drop for HeldSlot {
     fn drop(&mut self) {
         self.ring.give_back(self.index);
+    }
+}
+
+/// How one input's rows are collated into a slot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Layout {
+    /// Every row is the same size: rows back to back.
+    Fixed,
+    /// Rows vary in length along their first dimension (a request's
+    /// [`crate::InputBytes::extent`] positions per row).
+    Ragged(Ragged),
+    /// BYTES: each row `elements_per_row` serialized elements
+    /// ([`crate::bytes`]), concatenated.
+    Bytes { elements_per_row: usize },
+}
+
+/// A variable-length input: rows of `extent` positions of `unit_nbytes`
+/// bytes (`unit_elements` elements) each.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ragged {
+    pub unit_nbytes: usize,
+    pub unit_elements: usize,
+    /// `Some(one position's bytes)`: padded to the longest row with it, and
+    /// the index holds each row's length (`[B]` int64). `None`: jagged, the
+    /// rows' values back to back and the index their offsets (`[B + 1]`
+    /// int64, in positions).
+    pub pad: Option<Box<[u8]>>,
+}
+
+/// What one input of a batch became in its slot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Collated {
+    /// `rows` rows at the start of its buffer.
+    Fixed,
+    /// `[rows, max_len, ...]` padded values, and `rows` lengths in the index.
+    Padded { max_len: usize },
+    /// `[total, ...]` values, and `rows + 1` offsets in the index.
+    Jagged { total: usize },
+    /// The rows' serialized elements, back to back.
+    Bytes(Vec<u8>),
+}
+
+/// Writes `src` at `offset` of `buf`.
+///
+/// # Safety
+/// The caller holds the one guard of the slot `buf` belongs to.
+///
+/// # Panics
+/// If `src` does not fit from `offset`, before writing.
+unsafe fn write_at(buf: SlotBuffer, offset: usize, src: &[u8], slot: usize) {
+    assert!(
+        offset <= buf.capacity && src.len() <= buf.capacity - offset,
+        "batch overflows staging slot {slot}"
+    );
+    if src.is_empty() {
+        return;
+    }
+    // SAFETY: the caller holds the one guard of this slot (module
+    // invariant), so this is the one write through it; `buf` is valid for
+    // `capacity` bytes (`SlotBuffer::new`) and `offset + src.len() <=
+    // capacity` was checked just above. Source and destination never
+    // overlap: slot memory is never request input.
+    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), buf.ptr.add(offset), src.len()) };
+}
+
+/// Collates one ragged input of a batch: `inputs` yields each request's
+/// rows and bytes (`rows * extent * unit_nbytes` of them).
+///
+/// # Safety
+/// As [`HeldSlot::collate_all`]; `values` and `index` are that slot's.
+unsafe fn collate_ragged<'a>(
+    r: &Ragged,
+    values: SlotBuffer,
+    index: SlotBuffer,
+    inputs: impl Iterator<Item = (usize, &'a crate::InputBytes)> + Clone,
+    rows: usize,
+    slot: usize,
+) -> Collated {
+    let unit = r.unit_nbytes;
+    let mut entries: Vec<u8> = Vec::with_capacity((rows + 1) * 8);
+    match &r.pad {
+        Some(pad) => {
+            let max_len = inputs.clone().map(|(_, b)| b.extent()).max().unwrap_or(0);
+            let stride = max_len * unit;
+            let mut row = 0usize;
+            for (n, input) in inputs {
+                // SAFETY: the caller's contract: taken, unresolved requests.
+                let src = unsafe { input.as_slice() };
+                let len = input.extent() * unit;
+                debug_assert_eq!(src.len(), n * len);
+                for chunk in src.chunks_exact(len.max(1)).take(n) {
+                    let at = row * stride;
+                    // SAFETY: the one guard of this slot (the caller's).
+                    unsafe { write_at(values, at, &chunk[..len], slot) };
+                    for p in input.extent()..max_len {
+                        // SAFETY: as above.
+                        unsafe { write_at(values, at + p * unit, pad, slot) };
+                    }
+                    entries.extend_from_slice(&(input.extent() as i64).to_le_bytes());
+                    row += 1;
+                }
+                if len == 0 {
+                    // Empty rows: padding only.
+                    for _ in 0..n {
+                        for p in 0..max_len {
+                            // SAFETY: as above.
+                            unsafe { write_at(values, row * stride + p * unit, pad, slot) };
+                        }
+                        entries.extend_from_slice(&0i64.to_le_bytes());
+                        row += 1;
+                    }
+                }
+            }
+            // SAFETY: as above.
+            unsafe { write_at(index, 0, &entries, slot) };
+            Collated::Padded { max_len }
+        }
+        None => {
+            let mut offset = 0usize;
+            let mut total = 0usize;
+            entries.extend_from_slice(&0i64.to_le_bytes());
+            for (n, input) in inputs {
+                // SAFETY: the caller's contract: taken, unresolved requests.
+                let src = unsafe { input.as_slice() };
+                // SAFETY: the one guard of this slot (the caller's).
+                unsafe { write_at(values, offset, src, slot) };
+                offset += src.len();
+                for _ in 0..n {
+                    total += input.extent();
+                    entries.extend_from_slice(&(total as i64).to_le_bytes());
+                }
+            }
+            // SAFETY: as above.
+            unsafe { write_at(index, 0, &entries, slot) };
+            Collated::Jagged { total }
+        }
     }
 }
 

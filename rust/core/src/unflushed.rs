@@ -76,6 +76,9 @@ mod tests {
             max_queue_size: 16,
             workers: 1,
             readiness: Readiness::OnFlush,
+            layouts: Vec::new(),
+            max_batch_elements: None,
+            bytes_limits: Default::default(),
             priorities: crate::Priorities::NONE,
             default_priority: None,
         };

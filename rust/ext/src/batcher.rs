@@ -6,14 +6,15 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ferrobatch_core as core;
+use ferrobatch_core::bytes::BytesLimits;
 use ferrobatch_core::{
-    BatcherConfig, DType, DispatchReason, DispatchRule, InputBytes, Readiness, RequestState, Route,
-    Sink, SlotBuffer,
+    BatcherConfig, Collated, DType, DispatchReason, DispatchRule, InputBytes, Layout, Ragged,
+    Readiness, RequestState, Route, Sink, SlotBuffer,
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyString, PyType};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyType};
 
 use crate::errors::{invalid_input, to_pyerr};
 use crate::fanout::{doorbells, post_batch, ring_fd, LoopMailbox};
@@ -38,6 +39,7 @@ impl Batcher {
     #[pyo3(signature = (
         inputs, slots, *, tensor_type, coerce, max_batch_size, max_delay,
         min_batch_size, preferred_batch_sizes, max_queue_size, workers, adaptive=false,
+        layouts=Vec::new(), max_batch_elements=None,
         priority_levels=0, default_priority=None, max_priority_wait=None,
     ))]
     #[allow(clippy::too_many_arguments)]
@@ -54,10 +56,19 @@ impl Batcher {
         max_queue_size: usize,
         workers: usize,
         adaptive: bool,
+        layouts: Vec<(String, Option<Vec<u8>>)>,
+        max_batch_elements: Option<usize>,
         priority_levels: u8,
         default_priority: Option<u32>,
         max_priority_wait: Option<f64>,
     ) -> PyResult<Batcher> {
+        if !layouts.is_empty() && layouts.len() != inputs.len() {
+            return Err(PyValueError::new_err(format!(
+                "{} layouts for {} inputs",
+                layouts.len(),
+                inputs.len()
+            )));
+        }
         let max_wait = match max_priority_wait {
             None => None,
             Some(w) if w.is_nan() || w < 0.0 => {
@@ -80,16 +91,48 @@ impl Batcher {
         // Longer than a Duration holds: batches wait for size, as with no limit.
         let max_delay_duration = Duration::try_from_secs_f64(max_delay).unwrap_or(Duration::MAX);
         let mut specs = Vec::with_capacity(inputs.len());
-        for (name, dtype, shape, torch_dtype) in inputs {
+        for (i, (name, dtype, shape, torch_dtype)) in inputs.into_iter().enumerate() {
             let dtype = DType::parse(&dtype).ok_or_else(|| {
                 PyValueError::new_err(format!("input '{name}': unknown dtype '{dtype}'"))
             })?;
-            let core = ferrobatch_core::InputSpec::new(&name, dtype, shape).ok_or_else(|| {
-                PyValueError::new_err(format!("input '{name}': its shape is too large"))
-            })?;
+            let elements = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+            let core = ferrobatch_core::InputSpec::new(&name, dtype, shape)
+                .zip(elements)
+                .ok_or_else(|| {
+                    PyValueError::new_err(format!("input '{name}': its shape is too large"))
+                })?;
+            let (core, elements) = core;
+            let mode = layouts.get(i).map(|(mode, pad)| (mode.as_str(), pad));
+            let layout = match mode {
+                None | Some(("fixed" | "bytes", _)) if dtype == DType::Bytes => Layout::Bytes {
+                    elements_per_row: elements,
+                },
+                None | Some(("fixed", _)) => Layout::Fixed,
+                Some(("pad" | "jagged", pad)) if dtype != DType::Bytes => {
+                    // `shape` is what follows the variable dimension.
+                    let unit_nbytes = core.row_nbytes;
+                    let pad = match (mode, pad) {
+                        (Some(("pad", _)), Some(pad)) => Some(pad.clone().into_boxed_slice()),
+                        (Some(("pad", _)), None) => Some(vec![0u8; unit_nbytes].into_boxed_slice()),
+                        _ => None,
+                    };
+                    Layout::Ragged(Ragged {
+                        unit_nbytes,
+                        unit_elements: elements,
+                        pad,
+                    })
+                }
+                Some((other, _)) => {
+                    return Err(PyValueError::new_err(format!(
+                        "input '{name}': layout '{other}' does not apply to dtype {}",
+                        dtype.name()
+                    )))
+                }
+            };
             let key = PyString::intern(py, &name).unbind();
             specs.push(InputSpec {
                 core,
+                layout,
                 key,
                 torch_dtype,
             });
@@ -122,7 +165,16 @@ impl Batcher {
         }
         let config = BatcherConfig {
             rule,
-            row_nbytes: specs.iter().map(|s| s.row_nbytes).collect(),
+            row_nbytes: specs
+                .iter()
+                .map(|s| match s.layout {
+                    Layout::Fixed => s.row_nbytes,
+                    _ => 0,
+                })
+                .collect(),
+            layouts: specs.iter().map(|s| s.layout.clone()).collect(),
+            max_batch_elements,
+            bytes_limits: BytesLimits::default(),
             max_queue_size,
             workers,
             // Greedy (and the adaptive window, which starts where greedy
@@ -144,6 +196,8 @@ impl Batcher {
                 tensor_type,
                 coerce,
                 max_rows: max_batch_size,
+                max_elements: max_batch_elements,
+                bytes_limits: BytesLimits::default(),
             },
             _slot_tensors: slot_tensors,
         })
@@ -516,6 +570,7 @@ impl Worker {
         Ok(batch.map(|b| Batch {
             index: b.slot.index(),
             slot: Mutex::new(Some(b.slot)),
+            collated: Mutex::new(b.collated),
             rows: b.rows,
             requests: b.requests,
             groups: b
@@ -543,6 +598,8 @@ pub struct Batch {
     /// The requests, in row order.
     requests: Vec<Arc<core::Request>>,
     groups: Vec<(Sink, Arc<Vec<Route>>)>,
+    /// What each input became in the slot.
+    collated: Mutex<Vec<Collated>>,
 }
 
 #[pymethods]
@@ -564,6 +621,43 @@ impl Batch {
     fn release_slot(&self) -> bool {
         let held = self.slot.lock().unwrap_or_else(|e| e.into_inner()).take();
         held.is_some() // dropped here, outside the lock: the slot is free
+    }
+
+    /// Per input, its length in the slot: a padded input's longest row, a
+    /// jagged input's total positions; 0 for the others.
+    fn extents(&self) -> Vec<usize> {
+        self.collated
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|c| match c {
+                Collated::Padded { max_len } => *max_len,
+                Collated::Jagged { total } => *total,
+                Collated::Fixed | Collated::Bytes(_) => 0,
+            })
+            .collect()
+    }
+
+    /// BYTES input `index`'s elements, in batch order, as `bytes` objects
+    /// (its collated bytes are let go: call once per input).
+    fn take_bytes<'py>(&self, py: Python<'py>, index: usize) -> PyResult<Bound<'py, PyList>> {
+        let data = match self
+            .collated
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_mut(index)
+        {
+            Some(Collated::Bytes(data)) => std::mem::take(data),
+            _ => {
+                return Err(PyValueError::new_err(format!(
+                    "input {index} is not a BYTES input of this batch"
+                )))
+            }
+        };
+        PyList::new(
+            py,
+            ferrobatch_core::bytes::elements(&data).map(|e| PyBytes::new(py, e)),
+        )
     }
 
     #[getter]

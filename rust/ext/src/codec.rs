@@ -13,6 +13,7 @@
 
 use std::ffi::{c_char, c_int, c_void};
 
+use ferrobatch_core::bytes::{self, BytesLimits};
 use ferrobatch_core::v2::{self, Codec, Data, InferRequest, Limits, Output, OutputSpec, V2Error};
 use ferrobatch_core::DType;
 use pyo3::exceptions::{PyBufferError, PyValueError};
@@ -62,6 +63,8 @@ fn format_of(dtype: DType) -> &'static std::ffi::CStr {
         DType::Float16 => c"e",
         DType::Float32 => c"f",
         DType::Float64 => c"d",
+        // Never exported: a BYTES tensor has no buffer (`V2Tensor::serialized`).
+        DType::Bytes => c"B",
     }
 }
 
@@ -129,6 +132,18 @@ impl V2Tensor {
     }
 }
 
+impl V2Tensor {
+    pub(crate) fn datatype_name(&self) -> &'static str {
+        self.dtype.name()
+    }
+
+    /// A BYTES tensor's elements, serialized (see `ferrobatch_core::bytes`),
+    /// and its shape; None for other datatypes.
+    pub(crate) fn serialized<'a>(&'a self, py: Python<'a>) -> Option<(&'a [u8], &'a [isize])> {
+        (self.dtype == DType::Bytes).then(|| (self.bytes(py), self.shape.as_slice()))
+    }
+}
+
 #[pymethods]
 impl V2Tensor {
     /// The v2 datatype ("FP32").
@@ -163,6 +178,11 @@ impl V2Tensor {
         }
         let py = slf.py();
         let this = slf.get();
+        if this.dtype == DType::Bytes {
+            return Err(PyBufferError::new_err(
+                "a BYTES tensor has no buffer of fixed-size elements",
+            ));
+        }
         let data = this.bytes(py);
         let len = isize::try_from(data.len()).map_err(|_| PyBufferError::new_err("too large"))?;
         let itemsize = this.dtype.itemsize() as isize;
@@ -272,6 +292,8 @@ pub(crate) struct Readable<'py> {
     pub shape: Vec<u64>,
     pub ptr: usize,
     pub len: usize,
+    /// A BYTES output's elements, serialized here (`ptr` points into it).
+    _serialized: Option<Box<[u8]>>,
 }
 
 /// The `len` bytes at `ptr` (none when `len` is 0).
@@ -334,6 +356,9 @@ impl V2Codec {
         value: Bound<'py, PyAny>,
     ) -> PyResult<Readable<'py>> {
         let spec = &self.core.outputs()[index];
+        if spec.dtype == DType::Bytes {
+            return read_bytes_output(py, &spec.name, value);
+        }
         let expected = self.output_dtypes[index].bind(py);
         let mut tensor = value;
         if !tensor.getattr(intern!(py, "dtype"))?.is(expected) {
@@ -370,8 +395,101 @@ impl V2Codec {
             shape,
             ptr,
             len,
+            _serialized: None,
         })
     }
+}
+
+/// A BYTES output (a numpy object array, or a list, of `bytes` or `str`),
+/// its elements serialized.
+fn read_bytes_output<'py>(
+    py: Python<'py>,
+    name: &str,
+    value: Bound<'py, PyAny>,
+) -> PyResult<Readable<'py>> {
+    let array = py
+        .import(intern!(py, "numpy"))?
+        .call_method1(intern!(py, "asarray"), (&value, intern!(py, "object")))?;
+    let shape: Vec<u64> = array.getattr(intern!(py, "shape"))?.extract()?;
+    let flat = array.call_method0(intern!(py, "ravel"))?;
+    let count = flat.len()?;
+    let refuse = |m: String| codec_error(py, V2Error::Output(format!("output '{name}': {m}")));
+    let unbounded = BytesLimits {
+        max_element: u32::MAX as usize,
+        max_request: usize::MAX,
+    };
+    let serialized = serialize_elements(py, &flat, count, unbounded, refuse)?.into_boxed_slice();
+    Ok(Readable {
+        _owner: array,
+        shape,
+        ptr: serialized.as_ptr() as usize,
+        len: serialized.len(),
+        _serialized: Some(serialized),
+    })
+}
+
+/// `count` BYTES elements from an iterable of `bytes` / `str` (UTF-8) /
+/// anything with the buffer protocol, serialized; sizes are checked
+/// against the default limits before the buffer is allocated.
+pub(crate) fn serialize_elements(
+    py: Python<'_>,
+    values: &Bound<'_, PyAny>,
+    count: usize,
+    limits: BytesLimits,
+    refuse: impl Fn(String) -> PyErr,
+) -> PyResult<Vec<u8>> {
+    let mut items: Vec<Bound<'_, PyAny>> = Vec::with_capacity(count.min(1 << 16));
+    for value in values.try_iter()? {
+        if items.len() == count {
+            return Err(refuse(format!(
+                "BYTES data holds more than the {count} elements its shape needs"
+            )));
+        }
+        items.push(element_bytes(&value?).map_err(|e| refuse(e.value(py).to_string()))?);
+    }
+    if items.len() != count {
+        return Err(refuse(format!(
+            "BYTES data holds {} elements, the shape needs {count}",
+            items.len()
+        )));
+    }
+    let slices: Vec<&[u8]> = items
+        .iter()
+        .map(|b| b.cast::<PyBytes>().map(|b| b.as_bytes()).unwrap_or(&[]))
+        .collect();
+    let size = bytes::serialized_size(slices.iter().map(|s| s.len()), limits)
+        .map_err(|e| refuse(e.to_string()))?;
+    let mut out = Vec::new();
+    out.try_reserve_exact(size)
+        .map_err(|_| pyo3::exceptions::PyMemoryError::new_err("cannot allocate BYTES data"))?;
+    for s in slices {
+        bytes::push(&mut out, s).map_err(|e| refuse(e.to_string()))?;
+    }
+    Ok(out)
+}
+
+/// One BYTES element as a `bytes` object: `bytes` as is, `str` encoded
+/// UTF-8, `bytearray`/`memoryview`/`np.bytes_` copied.
+pub(crate) fn element_bytes<'py>(value: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    let py = value.py();
+    if value.is_instance_of::<PyBytes>() {
+        return Ok(value.clone());
+    }
+    if let Ok(text) = value.cast::<PyString>() {
+        return Ok(PyBytes::new(py, text.to_str()?.as_bytes()).into_any());
+    }
+    if value.is_instance_of::<pyo3::types::PyByteArray>()
+        || value.is_instance_of::<pyo3::types::PyMemoryView>()
+    {
+        return py
+            .get_type::<PyBytes>()
+            .call1((value,))
+            .map(Bound::into_any);
+    }
+    Err(PyValueError::new_err(format!(
+        "BYTES elements must be bytes or str, got {}",
+        value.get_type().name()?
+    )))
 }
 
 #[pymethods]
@@ -469,8 +587,19 @@ impl V2Codec {
                 Storage::Body {
                     body: raw.clone().unbind(),
                     start: 0,
-                    len: nbytes,
+                    // All of it: `check_raw` found it the shape's size (BYTES:
+                    // the shape's count of serialized elements).
+                    len: if dtype == DType::Bytes {
+                        raw.as_bytes().len()
+                    } else {
+                        nbytes
+                    },
                 }
+            } else if dtype == DType::Bytes {
+                let refuse =
+                    |m: String| codec_error(py, V2Error::Invalid(format!("input '{name}': {m}")));
+                let bytes = serialize_elements(py, &data, count, BytesLimits::default(), refuse)?;
+                Storage::Owned(bytes.into_boxed_slice())
             } else {
                 let given = data.len()?;
                 let mut elements =

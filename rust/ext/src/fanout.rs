@@ -653,16 +653,41 @@ struct Column<'py> {
     name: Bound<'py, PyAny>,
     whole: Bound<'py, PyAny>,
     rows: Option<Bound<'py, PyTuple>>,
+    kind: ColumnKind,
+}
+
+/// What a batch output is, so how a request's rows are taken from it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum ColumnKind {
+    /// A torch tensor: unbound once per batch for one-sample requests.
+    Tensor,
+    /// Anything with `request_rows(start, rows, batched)` (a
+    /// variable-length output, which knows each row's length).
+    Rows,
+    /// Anything indexable by row (a numpy object array of BYTES).
+    Indexed,
 }
 
 impl<'py> ResultRows<'py> {
     pub(crate) fn new(outputs: &Bound<'py, PyDict>) -> ResultRows<'py> {
+        let py = outputs.py();
         let columns = outputs
             .iter()
-            .map(|(name, whole)| Column {
-                name,
-                whole,
-                rows: None,
+            .map(|(name, whole)| {
+                let has = |attr| whole.hasattr(attr).unwrap_or(false);
+                let kind = if has(intern!(py, "unbind")) {
+                    ColumnKind::Tensor
+                } else if has(intern!(py, "request_rows")) {
+                    ColumnKind::Rows
+                } else {
+                    ColumnKind::Indexed
+                };
+                Column {
+                    name,
+                    whole,
+                    rows: None,
+                    kind,
+                }
             })
             .collect();
         ResultRows {
@@ -678,12 +703,19 @@ impl<'py> ResultRows<'py> {
         let result = PyDict::new(py);
         let start = route.start as usize;
         for column in &mut self.columns {
-            let value = if batched {
+            let value = if column.kind == ColumnKind::Rows {
+                column.whole.call_method1(
+                    intern!(py, "request_rows"),
+                    (start, route.rows as usize, batched),
+                )?
+            } else if batched {
                 let end = start.saturating_add(route.rows as usize);
                 let (Ok(start), Ok(end)) = (isize::try_from(start), isize::try_from(end)) else {
                     return Err(PyRuntimeError::new_err("row index out of range"));
                 };
                 column.whole.get_item(PySlice::new(py, start, end, 1))?
+            } else if column.kind == ColumnKind::Indexed {
+                column.whole.get_item(start)?
             } else {
                 let rows = match &mut column.rows {
                     Some(rows) => rows,

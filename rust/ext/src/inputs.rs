@@ -38,7 +38,8 @@
 use std::ptr;
 use std::sync::Mutex;
 
-use ferrobatch_core::{DType, InputBytes};
+use ferrobatch_core::bytes::{self, BytesLimits};
+use ferrobatch_core::{DType, InputBytes, Layout};
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyException, PyMemoryError};
 use pyo3::intern;
@@ -50,7 +51,11 @@ use crate::errors::{invalid_input, is_ferrobatch_error};
 /// One declared model input: the core's spec (rules and messages), and the
 /// Python objects to check values against.
 pub(crate) struct InputSpec {
+    /// For a variable-length input, `shape` is the shape after its first
+    /// (variable) dimension.
     pub core: ferrobatch_core::InputSpec,
+    /// How its rows are collated (fixed, ragged, BYTES).
+    pub layout: Layout,
     /// `name` as an interned Python string, for dict lookups without allocating.
     pub key: Py<PyString>,
     pub torch_dtype: Py<PyAny>,
@@ -69,16 +74,29 @@ impl InputSpec {
         invalid_input(py, self.core.error(what).0)
     }
 
+    /// Rows, bytes and extent (positions per row of a variable-length
+    /// input; 0 otherwise) of a value of shape `actual`, bounded before
+    /// anything is allocated.
     fn rows_for_shape(
         &self,
         py: Python<'_>,
         actual: &[usize],
         batched: bool,
         max_rows: usize,
-    ) -> PyResult<(usize, usize)> {
-        self.core
-            .rows_for_shape(actual, batched, max_rows)
-            .map_err(|e| invalid_input(py, e.0))
+        max_elements: Option<usize>,
+    ) -> PyResult<(usize, usize, usize)> {
+        match &self.layout {
+            Layout::Ragged(r) => self
+                .core
+                .ragged_rows_for_shape(actual, batched, max_rows, max_elements.unwrap_or(0))
+                .map(|(rows, extent)| (rows, rows * extent * r.unit_nbytes, extent))
+                .map_err(|e| invalid_input(py, e.0)),
+            _ => self
+                .core
+                .rows_for_shape(actual, batched, max_rows)
+                .map(|(rows, nbytes)| (rows, nbytes, 0))
+                .map_err(|e| invalid_input(py, e.0)),
+        }
     }
 
     fn dtype_error(&self, py: Python<'_>, got: impl std::fmt::Display) -> PyErr {
@@ -145,10 +163,14 @@ pub(crate) struct Converted {
 
 impl Converted {
     fn new(copy: Box<[u8]>, rows: usize) -> Converted {
+        Converted::with_extent(copy, rows, 0)
+    }
+
+    fn with_extent(copy: Box<[u8]>, rows: usize, extent: usize) -> Converted {
         // SAFETY: the view covers exactly the boxed slice, whose heap memory
         // does not move when the box does; the box is the returned `Keep`,
         // which the request's ticket holds until the request is resolved.
-        let bytes = unsafe { InputBytes::new(copy.as_ptr(), copy.len()) };
+        let bytes = unsafe { InputBytes::new(copy.as_ptr(), copy.len()) }.with_extent(extent);
         Converted {
             bytes,
             rows,
@@ -166,6 +188,11 @@ pub(crate) struct Converter {
     pub coerce: Py<PyAny>,
     /// The most rows a request may carry (the batcher's `max_batch_size`).
     pub max_rows: usize,
+    /// The most elements of a variable-length input a request may carry
+    /// (the batcher's `max_batch_elements`).
+    pub max_elements: Option<usize>,
+    /// What a BYTES input of one request may carry.
+    pub bytes_limits: BytesLimits,
 }
 
 impl Converter {
@@ -191,6 +218,9 @@ impl Converter {
         value: &Bound<'_, PyAny>,
         batched: bool,
     ) -> PyResult<Converted> {
+        if let Layout::Bytes { elements_per_row } = spec.layout {
+            return self.read_bytes(py, spec, value, batched, elements_per_row);
+        }
         let tensor_type = self.tensor_type.bind(py);
         if value.is_instance(tensor_type)? {
             return self.read_tensor(py, spec, value, batched);
@@ -230,7 +260,8 @@ impl Converter {
             .iter()
             .map(|d| d.extract::<usize>())
             .collect::<PyResult<Vec<_>>>()?;
-        let (rows, nbytes) = spec.rows_for_shape(py, &dims, batched, self.max_rows)?;
+        let (rows, nbytes, extent) =
+            spec.rows_for_shape(py, &dims, batched, self.max_rows, self.max_elements)?;
         let itemsize = spec.dtype.itemsize();
         // Contiguous strided tensors, the common case, take one call here;
         // the rest are checked for what raw bytes would misread.
@@ -284,7 +315,7 @@ impl Converter {
                 nbytes,
             )
         }?;
-        Ok(Converted::new(copy, rows))
+        Ok(Converted::with_extent(copy, rows, extent))
     }
 
     fn read_buffer(
@@ -306,7 +337,8 @@ impl Converter {
             return Err(spec.error(py, "indirect buffers (with suboffsets) are not supported"));
         }
         let dims = buffer.shape();
-        let (rows, nbytes) = spec.rows_for_shape(py, dims, batched, self.max_rows)?;
+        let (rows, nbytes, extent) =
+            spec.rows_for_shape(py, dims, batched, self.max_rows, self.max_elements)?;
         let strides = (!buffer.is_c_contiguous()).then(|| buffer.strides());
         // SAFETY: the buffer protocol guarantees that every element of a
         // buffer of this shape and these byte strides (of `itemsize` bytes:
@@ -322,7 +354,57 @@ impl Converter {
                 nbytes,
             )
         }?;
-        Ok(Converted::new(copy, rows))
+        Ok(Converted::with_extent(copy, rows, extent))
+    }
+}
+
+impl Converter {
+    /// A BYTES input: a decoded v2 BYTES tensor (its serialized elements
+    /// checked and copied), one `bytes`/`str` for a one-element sample, or
+    /// anything numpy reads as an object array of `bytes`/`str` (a list, a
+    /// nested list, an object or `np.bytes_` array) of the declared shape.
+    fn read_bytes(
+        &self,
+        py: Python<'_>,
+        spec: &InputSpec,
+        value: &Bound<'_, PyAny>,
+        batched: bool,
+        elements_per_row: usize,
+    ) -> PyResult<Converted> {
+        if let Ok(tensor) = value.cast::<crate::codec::V2Tensor>() {
+            let tensor = tensor.get();
+            let Some((data, shape)) = tensor.serialized(py) else {
+                let got = tensor.datatype_name();
+                return Err(spec.dtype_error(py, got));
+            };
+            let dims: Vec<usize> = shape.iter().map(|&d| d.max(0) as usize).collect();
+            let (rows, _, _) = spec.rows_for_shape(py, &dims, batched, self.max_rows, None)?;
+            bytes::check(data, rows * elements_per_row, self.bytes_limits)
+                .map_err(|e| spec.error(py, e))?;
+            let mut copy = allocate(data.len())?;
+            copy.extend_from_slice(data);
+            return Ok(Converted::new(copy.into_boxed_slice(), rows));
+        }
+        let single =
+            value.is_instance_of::<pyo3::types::PyBytes>() || value.is_instance_of::<PyString>();
+        let (rows, flat) = if single {
+            let (rows, _, _) = spec
+                .rows_for_shape(py, &[], batched, self.max_rows, None)
+                .or_else(|_| spec.rows_for_shape(py, &[1], batched, self.max_rows, None))?;
+            (rows, pyo3::types::PyList::new(py, [value])?.into_any())
+        } else {
+            let array = py
+                .import(intern!(py, "numpy"))?
+                .call_method1(intern!(py, "asarray"), (value, intern!(py, "object")))?;
+            let dims: Vec<usize> = array.getattr(intern!(py, "shape"))?.extract()?;
+            let (rows, _, _) = spec.rows_for_shape(py, &dims, batched, self.max_rows, None)?;
+            (rows, array.call_method0(intern!(py, "ravel"))?)
+        };
+        let count = rows * elements_per_row;
+        let data = crate::codec::serialize_elements(py, &flat, count, self.bytes_limits, |m| {
+            spec.error(py, m)
+        })?;
+        Ok(Converted::new(data.into_boxed_slice(), rows))
     }
 }
 

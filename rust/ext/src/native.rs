@@ -307,8 +307,10 @@ impl NativeFrontend {
 
     /// Serves `models` natively from now on: each a `(batcher, registry,
     /// codec, describe)` of a started server, where `describe(error) -> str`
-    /// words a model failure for remote clients.
+    /// words a model failure for remote clients. The inference of the
+    /// models named in `handed_over` goes to the fallbacks (HTTP and gRPC).
     #[allow(clippy::type_complexity)]
+    #[pyo3(signature = (models, handed_over=Vec::new()))]
     fn serve(
         &self,
         models: Vec<(
@@ -317,7 +319,9 @@ impl NativeFrontend {
             Bound<'_, V2Codec>,
             Py<PyAny>,
         )>,
+        handed_over: Vec<String>,
     ) {
+        self.frontend.hand_over(handed_over);
         let mut served = Vec::with_capacity(models.len());
         for (batcher, registry, codec, describe) in models {
             let core_codec = codec.get().core().clone();

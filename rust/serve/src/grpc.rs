@@ -229,6 +229,10 @@ impl GrpcInferenceService for Inference {
         let mut request = request.into_inner();
         let model = match self.known(&request.model_name, &request.model_version)? {
             Lookup::Served(model) => model,
+            // Answered by the Python handlers (BYTES and variable-length tensors).
+            Lookup::NotRunning if self.shared.handed_over(&request.model_name) => {
+                return self.fallback("ModelInfer", Request::new(request)).await
+            }
             Lookup::NotRunning => {
                 return Err(Status::unavailable(format!(
                     "server '{}' is not running",
@@ -494,9 +498,12 @@ fn decode_inputs(
             Contents::Raw(buffer) => {
                 let bytes = raw.get(buffer).map_or(&[][..], |b| &b[..]);
                 v2::check_raw(name, dtype, &shape, bytes).map_err(codec_error)?;
+                // All of it: `check_raw` found it the shape's size (BYTES:
+                // the shape's count of serialized elements).
+                let _ = nbytes;
                 Source::Shared {
                     buffer,
-                    range: 0..nbytes,
+                    range: 0..bytes.len(),
                 }
             }
             Contents::Typed(typed) => {
@@ -543,6 +550,7 @@ fn typed_bytes(
         DType::Float32 => c.fp32_contents.len(),
         DType::Float64 => c.fp64_contents.len(),
         DType::Float16 | DType::BFloat16 => 0,
+        DType::Bytes => c.bytes_contents.len(),
     };
     let mut elements = v2::Elements::new(dtype, count, given.saturating_mul(dtype.itemsize()));
     // Stops one past `count`: `finish` then says how many were expected.
@@ -584,6 +592,15 @@ fn typed_bytes(
             }
         }
         DType::Float16 | DType::BFloat16 => {}
+        DType::Bytes => {
+            let limits = ferrobatch_core::bytes::BytesLimits::default();
+            let lens = c.bytes_contents.iter().take(take).map(|v| v.len());
+            ferrobatch_core::bytes::serialized_size(lens, limits)
+                .map_err(|e| V2Error::Invalid(format!("input '{name}': {e}")))?;
+            for v in c.bytes_contents.iter().take(take) {
+                elements.push_bytes(v)?;
+            }
+        }
     }
     elements.finish(name, shape)
 }

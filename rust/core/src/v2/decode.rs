@@ -655,6 +655,12 @@ impl<'a> Decoder<'a, '_> {
                 continue;
             }
             match self.p.peek_kind().map_err(json_error)? {
+                // BYTES: each element a JSON string, taken as its UTF-8 bytes
+                // (as Triton does); a string for any other type is refused below.
+                Kind::String if dtype == DType::Bytes => {
+                    let text = self.p.string().map_err(json_error)?;
+                    elements.push_bytes(text.as_bytes())?;
+                }
                 Kind::Number => {
                     let n = self.p.number().map_err(json_error)?;
                     elements.push_number(name, n)?;

@@ -21,6 +21,8 @@ pub struct Elements {
 /// Why a value does not fit a datatype.
 enum Refusal {
     NotBool,
+    /// A number for BYTES (which takes strings only).
+    NotBytes,
     OutOfRange,
     NotInteger,
 }
@@ -62,11 +64,27 @@ impl Elements {
         self.count += 1;
     }
 
+    /// One BYTES element (the caller checked the dtype is `Bytes` and the
+    /// element's size against its limits); written serialized.
+    pub fn push_bytes(&mut self, element: &[u8]) -> Result<(), V2Error> {
+        if self.count < self.expected {
+            crate::bytes::push(&mut self.out, element)
+                .map_err(|e| V2Error::Invalid(e.to_string()))?;
+        }
+        self.count += 1;
+        Ok(())
+    }
+
     /// A JSON boolean: BOOL, or 0/1 for numeric types (as numpy converts).
     pub fn push_bool(&mut self, value: bool) {
         let v = u8::from(value);
         match self.dtype {
             DType::Bool | DType::Int8 | DType::UInt8 => self.write(&[v]),
+            // Decoders take BYTES data as strings; a boolean is its text.
+            DType::Bytes => {
+                let text: &[u8] = if value { b"true" } else { b"false" };
+                let _ = self.push_bytes(text);
+            }
             _ => self.push_int(i128::from(v)).unwrap_or(()),
         }
     }
@@ -75,6 +93,7 @@ impl Elements {
     pub fn push_number(&mut self, name: &str, number: Number<'_>) -> Result<(), V2Error> {
         let result = match self.dtype {
             DType::Bool => Err(Refusal::NotBool),
+            DType::Bytes => Err(Refusal::NotBytes),
             DType::Float16 | DType::BFloat16 | DType::Float32 | DType::Float64 => {
                 self.push_f64(number.to_f64());
                 Ok(())
@@ -94,6 +113,9 @@ impl Elements {
         if self.dtype == DType::Bool {
             return self.refusal(name, Refusal::NotBool, what);
         }
+        if self.dtype == DType::Bytes {
+            return self.refusal(name, Refusal::NotBytes, what);
+        }
         V2Error::Invalid(format!(
             "input '{name}': data is not valid {}: expected numbers, got {}",
             self.dtype.v2_name(),
@@ -105,6 +127,10 @@ impl Elements {
         let datatype = self.dtype.v2_name();
         V2Error::Invalid(match refusal {
             Refusal::NotBool => format!("input '{name}': BOOL data must be true or false"),
+            Refusal::NotBytes => format!(
+                "input '{name}': BYTES data must be strings, got {}",
+                short(text)
+            ),
             Refusal::OutOfRange => format!(
                 "input '{name}': data is not valid {datatype}: {} is out of range",
                 short(text)
@@ -126,6 +152,7 @@ impl Elements {
                 Ok(())
             }
             DType::Bool => Err(self.refusal(name, Refusal::NotBool, "")),
+            DType::Bytes => Err(self.refusal(name, Refusal::NotBytes, &v.to_string())),
             _ if v.is_finite() && v.fract() == 0.0 && v.abs() < 1.9e19 => {
                 self.push_integer(name, v as i128)
             }
@@ -154,6 +181,7 @@ impl Elements {
         }
         match self.dtype {
             DType::Bool => return Err(Refusal::NotBool),
+            DType::Bytes => return Err(Refusal::NotBytes),
             DType::Int8 => exact!(i8),
             DType::Int16 => exact!(i16),
             DType::Int32 => exact!(i32),

@@ -74,6 +74,16 @@ fn write_values(out: &mut Vec<u8>, dtype: DType, data: &[u8]) {
         };
     }
     match dtype {
+        // Triton sends BYTES as JSON strings; bytes that are not UTF-8 are
+        // sent with U+FFFD in their place (the binary extension keeps them).
+        DType::Bytes => {
+            for (i, element) in crate::bytes::elements(data).enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                write_json_string(out, &String::from_utf8_lossy(element));
+            }
+        }
         DType::Bool => each!(1, |b| out.extend_from_slice(if b[0] != 0 {
             b"true"
         } else {
@@ -140,7 +150,14 @@ impl Codec {
             })?;
             let (count, nbytes) = checked_size(&spec.name, spec.dtype, o.shape, usize::MAX)
                 .map_err(|e| V2Error::Output(e.to_string()))?;
-            if o.data.len() != nbytes {
+            if spec.dtype == DType::Bytes {
+                let limits = crate::bytes::BytesLimits {
+                    max_element: usize::MAX,
+                    max_request: usize::MAX,
+                };
+                crate::bytes::check(o.data, count, limits)
+                    .map_err(|e| V2Error::Output(format!("output '{}': {e}", spec.name)))?;
+            } else if o.data.len() != nbytes {
                 return Err(V2Error::Output(format!(
                     "output '{}': shape {:?} needs {nbytes} bytes of {}, got {}",
                     spec.name,
@@ -152,9 +169,11 @@ impl Codec {
             let prefix = self.output_prefixes[o.index].len() + 24 * o.shape.len() + 48;
             header_estimate = header_estimate.saturating_add(prefix);
             if o.binary {
-                binary_bytes = binary_bytes.saturating_add(nbytes);
+                binary_bytes = binary_bytes.saturating_add(o.data.len());
             } else {
-                header_estimate = header_estimate.saturating_add(count.saturating_mul(12));
+                header_estimate = header_estimate
+                    .saturating_add(count.saturating_mul(12))
+                    .saturating_add(o.data.len());
             }
         }
         let mut out = Vec::with_capacity(header_estimate.saturating_add(extra));

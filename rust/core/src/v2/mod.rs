@@ -151,12 +151,11 @@ pub fn input_dtype(name: &str, datatype: &str) -> Result<DType, V2Error> {
     if let Some(dtype) = DType::from_v2(datatype) {
         return Ok(dtype);
     }
-    if datatype == "BYTES" {
-        return Err(V2Error::Invalid(format!(
-            "input '{name}': datatype BYTES is not supported"
-        )));
-    }
-    let known: Vec<&str> = DType::ALL.iter().map(|d| d.v2_name()).collect();
+    let known: Vec<&str> = DType::ALL
+        .iter()
+        .chain([&DType::Bytes])
+        .map(|d| d.v2_name())
+        .collect();
     Err(V2Error::Invalid(format!(
         "input '{name}': unknown datatype {}; expected one of {}",
         error::quote(datatype),
@@ -212,9 +211,15 @@ pub fn checked_size(
 }
 
 /// Checks raw tensor bytes (the binary extension, gRPC's `raw_input_contents`):
-/// their length is the shape's, and BOOL bytes are 0 or 1.
+/// their length is the shape's, and BOOL bytes are 0 or 1; BYTES data is
+/// the shape's count of elements, each a 4-byte little-endian length and
+/// its bytes (within [`crate::bytes::BytesLimits::default`]).
 pub fn check_raw(name: &str, dtype: DType, shape: &[u64], data: &[u8]) -> Result<(), V2Error> {
-    let (_, expected) = checked_size(name, dtype, shape, usize::MAX)?;
+    let (count, expected) = checked_size(name, dtype, shape, usize::MAX)?;
+    if dtype == DType::Bytes {
+        return crate::bytes::check(data, count, crate::bytes::BytesLimits::default())
+            .map_err(|e| V2Error::Invalid(format!("input '{name}': {e}")));
+    }
     if data.len() != expected {
         return Err(V2Error::Invalid(format!(
             "input '{name}': {} shape {shape:?} needs {expected} bytes, got {}",

@@ -220,7 +220,7 @@ fn malformed_requests_have_clear_messages() {
         ),
         (
             format!(r#"{{"inputs":[{}]}}"#, x.replace("FP32", "BYTES")),
-            "input 'x': datatype BYTES is not supported",
+            "input 'x': BYTES data must be strings, got 1",
         ),
         (
             format!(r#"{{"inputs":[{x},{x}]}}"#),

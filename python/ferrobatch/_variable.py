@@ -1,0 +1,296 @@
+"""Models with BYTES or variable-length tensors: their staging slots, how a
+collated batch becomes the model's inputs, and how their outputs are cut
+into each request's result.
+
+The Rust core collates these inputs (``Batcher`` layouts): a BYTES input
+into the batch's own buffer (its elements serialized, turned into a numpy
+object array here), a variable-length one into the staging slot, padded
+(values ``[B, L_max, ...]`` and lengths ``[B]``) or jagged (values
+``[sum L, ...]`` and offsets ``[B + 1]``), with the GIL released. Such
+models run on CPU instances, called with a dict of inputs.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from time import perf_counter_ns
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import _core
+from ._requests import RequestInfo
+from ._torch import (
+    CpuExecutor,
+    WorkerCounters,
+    _storage_ptr,
+    batch_requests,
+    finish,
+    inference_mode,
+    normalize_outputs,
+    version_rows,
+)
+from .errors import ModelError
+from .specs import TensorSpec
+
+#: ``max_batch_elements`` when a model has a variable-length input and none is given.
+DEFAULT_ELEMENTS_PER_ROW = 1024
+
+LENGTHS = "_lengths"
+OFFSETS = "_offsets"
+INDEX = "#index"  # the key of a ragged input's index (lengths or offsets) in a slot
+
+
+def is_variable(specs: Sequence[TensorSpec]) -> bool:
+    """Whether any spec is BYTES or variable-length."""
+    return any(s.is_bytes or s.is_ragged for s in specs)
+
+
+def layouts(specs: Sequence[TensorSpec]) -> list[tuple[str, bytes | None]]:
+    """Each input's collation for ``_core.Batcher``: ``("fixed" | "bytes" |
+    "pad" | "jagged", pad value bytes)``."""
+    out: list[tuple[str, bytes | None]] = []
+    for s in specs:
+        if s.is_bytes:
+            out.append(("bytes", None))
+        elif s.ragged == "pad":
+            one = torch.full((1, *s.inner_shape), s.pad_value, dtype=s.torch_dtype)
+            out.append(("pad", one.contiguous().view(torch.uint8).numpy().tobytes()))
+        elif s.ragged == "jagged":
+            out.append(("jagged", None))
+        else:
+            out.append(("fixed", None))
+    return out
+
+
+def core_shape(spec: TensorSpec) -> list[int]:
+    """The shape the core checks rows against: what follows a variable dimension."""
+    return list(spec.inner_shape)
+
+
+def allocate_slot(specs: Sequence[TensorSpec], max_batch_size: int, max_elements: int) -> dict[str, torch.Tensor]:
+    """One staging slot, its buffers in the core's order: a ``(max_batch_size,
+    *shape)`` tensor per fixed input; a flat values tensor (``max_elements``
+    elements) and an int64 index (``max_batch_size + 1``) per
+    variable-length input (under ``name`` and ``name + "#index"``); nothing
+    for a BYTES input."""
+    slot: dict[str, torch.Tensor] = {}
+    for s in specs:
+        if s.is_bytes:
+            continue
+        if s.is_ragged:
+            unit = max(1, int(np.prod(s.inner_shape)))
+            slot[s.name] = torch.zeros((max_elements // unit) * unit, dtype=s.torch_dtype)
+            slot[s.name + INDEX] = torch.zeros(max_batch_size + 1, dtype=torch.int64)
+        else:
+            slot[s.name] = torch.zeros((max_batch_size, *s.shape), dtype=s.torch_dtype)
+    return slot
+
+
+def batch_inputs(specs: Sequence[TensorSpec], slot: Mapping[str, torch.Tensor], batch: _core.Batch) -> dict[str, Any]:
+    """The model's inputs for a collated batch: views of its slot (and, per
+    BYTES input, a numpy object array ``[B, *shape]`` of ``bytes``)."""
+    rows = batch.rows
+    extents = batch.extents()
+    inputs: dict[str, Any] = {}
+    for i, s in enumerate(specs):
+        if s.is_bytes:
+            flat = np.empty(rows * int(np.prod(s.shape, dtype=np.int64)), dtype=object)
+            flat[:] = batch.take_bytes(i)
+            inputs[s.name] = flat.reshape((rows, *s.shape))
+        elif s.ragged == "pad":
+            unit = int(np.prod(s.inner_shape, dtype=np.int64))
+            longest = extents[i]
+            inputs[s.name] = slot[s.name][: rows * longest * unit].view(rows, longest, *s.inner_shape)
+            inputs[s.name + LENGTHS] = slot[s.name + INDEX][:rows]
+        elif s.ragged == "jagged":
+            unit = int(np.prod(s.inner_shape, dtype=np.int64))
+            total = extents[i]
+            inputs[s.name] = slot[s.name][: total * unit].view(total, *s.inner_shape)
+            inputs[s.name + OFFSETS] = slot[s.name + INDEX][: rows + 1]
+        else:
+            inputs[s.name] = slot[s.name][:rows]
+    return inputs
+
+
+class RaggedOutput:
+    """A batch's variable-length output, as the model returned it: padded
+    ``values`` ``[B, L_max, ...]`` with each row's length, or jagged
+    ``values`` ``[sum L, ...]`` with offsets. :meth:`request_rows` cuts a
+    request's result out of it (Rust's fan-out calls it per request)."""
+
+    __slots__ = ("values", "starts", "lengths", "padded", "pad_value")
+
+    def __init__(self, values: torch.Tensor, starts: list[int], lengths: list[int], padded: bool, pad_value: float):
+        self.values = values
+        self.starts = starts  # per row: where it starts (jagged); unused when padded
+        self.lengths = lengths
+        self.padded = padded
+        self.pad_value = pad_value
+
+    def row(self, i: int) -> torch.Tensor:
+        """Row ``i``: its own length, ``[L_i, ...]``."""
+        if self.padded:
+            return self.values[i, : self.lengths[i]]
+        return self.values[self.starts[i] : self.starts[i] + self.lengths[i]]
+
+    def request_rows(self, start: int, rows: int, batched: bool) -> torch.Tensor:
+        """One-sample request: its row, of its own length. A multi-row one:
+        ``[rows, its longest, ...]``, shorter rows padded with ``pad_value``."""
+        if not batched:
+            return self.row(start)
+        longest = max(self.lengths[start : start + rows], default=0)
+        out = self.values.new_full((rows, longest, *self.values.shape[2 if self.padded else 1 :]), self.pad_value)
+        for j in range(rows):
+            n = self.lengths[start + j]
+            out[j, :n] = self.row(start + j)
+        return out
+
+
+def _named(raw: Any, specs: Sequence[TensorSpec]) -> Mapping[str, Any]:
+    if isinstance(raw, Mapping):
+        return raw
+    if isinstance(raw, (tuple, list)) and len(specs) > 1:
+        if len(raw) != len(specs):
+            raise ModelError(f"model returned {len(raw)} values, expected {len(specs)} outputs")
+        return {s.name: v for s, v in zip(specs, raw)}
+    if len(specs) == 1 and not specs[0].is_ragged:
+        return {specs[0].name: raw}
+    raise ModelError(
+        f"model returned {type(raw).__name__}; a model with variable-length outputs returns a dict"
+        " (with each one's _lengths or _offsets)"
+    )
+
+
+def _bytes_output(spec: TensorSpec, value: Any, rows: int) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        raise ModelError(f"output '{spec.name}': expected a numpy object array or a list of bytes, got a tensor")
+    try:
+        array = np.asarray(value, dtype=object)
+    except Exception as exc:
+        raise ModelError(f"output '{spec.name}': cannot read it as an array of bytes: {exc}") from exc
+    if array.shape != (rows, *spec.shape):
+        raise ModelError(f"output '{spec.name}': expected shape {(rows, *spec.shape)}, got {array.shape}")
+    for element in array.flat:
+        if not isinstance(element, (bytes, str)):
+            raise ModelError(f"output '{spec.name}': BYTES elements must be bytes or str, got {type(element).__name__}")
+    return array
+
+
+def _index(spec: TensorSpec, named: Mapping[str, Any], key: str, length: int) -> list[int]:
+    value = named.get(key)
+    if value is None:
+        raise ModelError(f"output '{spec.name}' (ragged='{spec.ragged}') needs '{key}' beside it")
+    t = torch.as_tensor(value)
+    if t.dim() != 1 or t.shape[0] != length or t.dtype.is_floating_point:
+        raise ModelError(f"output '{key}': expected {length} integers, got {tuple(t.shape)} {t.dtype}")
+    out: list[int] = t.tolist()
+    return out
+
+
+def _ragged_output(spec: TensorSpec, named: Mapping[str, Any], rows: int) -> RaggedOutput:
+    value = named[spec.name]
+    values = torch.from_numpy(value) if isinstance(value, np.ndarray) else value
+    if not isinstance(values, torch.Tensor):
+        raise ModelError(f"output '{spec.name}': expected a tensor, got {type(value).__name__}")
+    if values.dtype != spec.torch_dtype:
+        raise ModelError(f"output '{spec.name}': expected dtype {spec.dtype}, got {values.dtype}")
+    values = values.cpu()
+    inner = tuple(values.shape[2:] if spec.ragged == "pad" else values.shape[1:])
+    if inner != spec.inner_shape or values.dim() != len(spec.inner_shape) + (2 if spec.ragged == "pad" else 1):
+        raise ModelError(f"output '{spec.name}': expected shape {spec.shape} per row, got {tuple(values.shape)}")
+    if spec.ragged == "pad":
+        if values.shape[0] != rows:
+            raise ModelError(f"output '{spec.name}': expected leading dimension {rows} (the batch)")
+        lengths = _index(spec, named, spec.name + LENGTHS, rows)
+        if any(not 0 <= n <= values.shape[1] for n in lengths):
+            raise ModelError(f"output '{spec.name + LENGTHS}': lengths must be within 0..{values.shape[1]}")
+        return RaggedOutput(values, [], lengths, True, spec.pad_value)
+    offsets = _index(spec, named, spec.name + OFFSETS, rows + 1)
+    if offsets[0] != 0 or offsets[-1] != values.shape[0] or any(a > b for a, b in itertools.pairwise(offsets)):
+        raise ModelError(
+            f"output '{spec.name + OFFSETS}': offsets must rise from 0 to {values.shape[0]} (the values' length)"
+        )
+    lengths = [b - a for a, b in itertools.pairwise(offsets)]
+    return RaggedOutput(values, offsets[:-1], lengths, False, spec.pad_value)
+
+
+def normalize_variable_outputs(raw: Any, specs: Sequence[TensorSpec], rows: int) -> dict[str, Any]:
+    """What a model with BYTES or variable-length outputs returned, checked:
+    ``{name: tensor | numpy object array | RaggedOutput}``; anything wrong is
+    a :class:`ModelError` saying what."""
+    named = _named(raw, specs)
+    fixed = [s for s in specs if not (s.is_bytes or s.is_ragged)]
+    outputs: dict[str, Any] = (
+        dict(normalize_outputs({s.name: named.get(s.name) for s in fixed}, fixed, rows)) if fixed else {}
+    )
+    for s in specs:
+        if s.is_bytes or s.is_ragged:
+            if s.name not in named:
+                raise ModelError(f"model output is missing '{s.name}' (it returned {sorted(map(str, named))})")
+            outputs[s.name] = _bytes_output(s, named[s.name], rows) if s.is_bytes else _ragged_output(s, named, rows)
+    return outputs
+
+
+class VariableExecutor(CpuExecutor):
+    """Runs a model with BYTES or variable-length tensors on CPU: each batch's
+    inputs are built from its slot (:func:`batch_inputs`), its outputs
+    checked by :func:`normalize_variable_outputs`. A failed batch fails
+    every request in it (no retry in halves)."""
+
+    def __init__(
+        self,
+        model: Any,
+        device: torch.device,
+        inputs: Sequence[TensorSpec],
+        outputs: Sequence[TensorSpec],
+        with_requests: bool = False,
+    ) -> None:
+        super().__init__(model, device, outputs)
+        self.inputs = inputs
+        self.with_requests = with_requests
+
+    def _call_model(self, inputs: dict[str, Any], requests: list[RequestInfo] | None) -> Any:
+        return self.model(inputs) if requests is None else self.model(inputs, requests)  # type: ignore[call-arg]
+
+    def call(
+        self, inputs: Mapping[str, Any], rows: int, staging: frozenset[int], requests: list[RequestInfo] | None = None
+    ) -> dict[str, Any]:
+        with inference_mode():
+            if self.gate is None:
+                raw = self._call_model(dict(inputs), requests)
+                version = None
+            else:
+                with self.gate as version:  # no weight update during the forward pass
+                    raw = self._call_model(dict(inputs), requests)
+            outputs = normalize_variable_outputs(raw, self.outputs, rows)
+        if self.version_output is not None and version is not None:
+            outputs[self.version_output] = version_rows(version, rows)
+        for name, out in outputs.items():
+            if isinstance(out, torch.Tensor) and _storage_ptr(out) in staging:
+                outputs[name] = out.clone()  # the slot is reused by the next batch
+            elif isinstance(out, RaggedOutput) and _storage_ptr(out.values) in staging:
+                out.values = out.values.clone()
+        return outputs
+
+    @torch.inference_mode()
+    def serve(
+        self, worker: _core.Worker, slots: Sequence[Mapping[str, torch.Tensor]], counters: WorkerCounters
+    ) -> None:
+        while (batch := worker.next_batch()) is not None:
+            outputs: dict[str, Any] | None = None
+            error: BaseException | None = None
+            slot = slots[batch.slot]
+            started = perf_counter_ns()
+            try:
+                inputs = batch_inputs(self.inputs, slot, batch)
+                staging = frozenset(_storage_ptr(t) for t in slot.values())
+                requests = [r for _, r in batch_requests(batch)] if self.with_requests else None
+                outputs = self.call(inputs, batch.rows, staging, requests)
+            except BaseException as exc:  # noqa: BLE001 - even SystemExit: the worker survives
+                error = exc
+            batch.release_slot()  # outputs never alias the slot
+            counters.add(perf_counter_ns() - started, batch.n_requests, error is not None, batch.rows)
+            finish(worker, batch, outputs, error)  # tensors, numpy arrays and RaggedOutputs

@@ -1,0 +1,270 @@
+"""Variable-length tensors (a shape starting with -1): rows of several
+lengths in one batch, padded or jagged, collated in Rust; outputs of -1
+cut back to each caller's own length; the token budget
+(``max_batch_elements``); and the same over HTTP and gRPC with tritonclient."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+import ferrobatch as fb
+from ferrobatch.serve import ServeConfig, serve_in_thread
+
+PAD = -7
+LENGTHS = [3, 1, 5, 0, 7, 2, 6, 4]
+
+
+def spec(mode: str, name: str = "tokens") -> fb.TensorSpec:
+    return fb.TensorSpec(name, "int64", (-1,), ragged=mode, pad_value=PAD)
+
+
+class Recorder:
+    """Remembers what each batch looked like."""
+
+    def __init__(self) -> None:
+        self.batches: list[dict[str, Any]] = []
+
+
+def padded_model(rec: Recorder) -> Any:
+    def model(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        tokens, lengths = batch["tokens"], batch["tokens_lengths"]
+        rec.batches.append({"shape": tuple(tokens.shape), "lengths": lengths.tolist(), "tokens": tokens.clone()})
+        mask = torch.arange(tokens.shape[1])[None, :] < lengths[:, None]
+        # Each row reversed within its own length (so a caller's result
+        # depends on its length being right), padded with garbage past it.
+        out = torch.full_like(tokens, 999)
+        for i, n in enumerate(lengths.tolist()):
+            out[i, :n] = tokens[i, :n].flip(0) * 10
+        return {"out": out, "out_lengths": lengths, "total": (tokens * mask).sum(1)}
+
+    return model
+
+
+def jagged_model(rec: Recorder) -> Any:
+    def model(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        values, offsets = batch["tokens"], batch["tokens_offsets"]
+        rec.batches.append({"shape": tuple(values.shape), "offsets": offsets.tolist()})
+        bounds = list(zip(offsets[:-1].tolist(), offsets[1:].tolist()))
+        out = torch.cat([values[a:b].flip(0) * 10 for a, b in bounds])
+        totals = torch.stack([values[a:b].sum() for a, b in bounds])
+        return {"out": out, "out_offsets": offsets, "total": totals}
+
+    return model
+
+
+def make_server(mode: str, rec: Recorder, **kwargs: Any) -> fb.Server:
+    model = padded_model(rec) if mode == "pad" else jagged_model(rec)
+    kwargs.setdefault("max_delay", 0.02)
+    return fb.Server(
+        model,
+        inputs=[spec(mode)],
+        outputs=[spec(mode, "out"), fb.TensorSpec("total", "int64", ())],
+        name="ragged",
+        **kwargs,
+    )
+
+
+def sample(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(1, 100, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def check_result(x: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
+    assert out["out"].shape == x.shape, (x, out)
+    assert torch.equal(out["out"], x.flip(0) * 10)
+    assert out["total"].item() == x.sum().item()
+
+
+@pytest.mark.parametrize("mode", ["pad", "jagged"])
+def test_several_lengths_in_one_batch_each_caller_gets_its_own_row(mode: str) -> None:
+    rec = Recorder()
+    server = make_server(mode, rec, max_batch_elements=4096)
+    xs = [sample(n, i) for i, n in enumerate(LENGTHS)]
+
+    async def main() -> list[dict[str, torch.Tensor]]:
+        async with server:
+            client = server.client()
+            return await asyncio.gather(*(client.infer({"tokens": x}) for x in xs))
+
+    for x, out in zip(xs, asyncio.run(main())):
+        check_result(x, out)
+    big = max(rec.batches, key=lambda b: b["shape"][0])
+    if mode == "pad":
+        rows, longest = big["shape"]
+        assert rows > 1 and longest == max(big["lengths"])
+        # Rows are padded with pad_value past their own length.
+        for row, n in zip(big["tokens"], big["lengths"]):
+            assert (row[n:] == PAD).all()
+    else:
+        offsets = big["offsets"]
+        assert len(offsets) > 2 and offsets[0] == 0 and big["shape"] == (offsets[-1],)
+
+
+@pytest.mark.parametrize("mode", ["pad", "jagged"])
+def test_inner_dimensions_and_multi_row_requests(mode: str) -> None:
+    def model(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        x = batch["x"]
+        if mode == "pad":
+            return {"y": x + 1, "y_lengths": batch["x_lengths"]}
+        return {"y": x + 1, "y_offsets": batch["x_offsets"]}
+
+    server = fb.Server(
+        model,
+        inputs=[fb.TensorSpec("x", "float32", (-1, 3), ragged=mode)],
+        outputs=[fb.TensorSpec("y", "float32", (-1, 3), ragged=mode, pad_value=-1.0)],
+        max_delay=0.02,
+        max_batch_elements=300,
+    )
+
+    async def main() -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+        async with server:
+            client = server.client()
+            xs = [torch.randn(n, 3) for n in (2, 5, 1)]
+            singles = await asyncio.gather(*(client.infer({"x": x}) for x in xs))
+            for x, out in zip(xs, singles):
+                torch.testing.assert_close(out["y"], x + 1)
+            both = await client.infer_batch({"x": torch.zeros(2, 4, 3)})
+            return singles, both
+
+    _, both = asyncio.run(main())
+    assert both["y"].shape == (2, 4, 3)
+    assert (both["y"] == 1).all()
+
+
+def test_model_outputs_with_bad_lengths_are_model_errors() -> None:
+    def model(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        t = batch["tokens"]
+        return {"out": t, "out_lengths": batch["tokens_lengths"] + 100, "total": t.sum(1)}
+
+    server = fb.Server(model, inputs=[spec("pad")], outputs=[spec("pad", "out"), fb.TensorSpec("total", "int64", ())])
+
+    async def main() -> None:
+        async with server:
+            with pytest.raises(fb.ModelError, match="out_lengths"):
+                await server.client().infer({"tokens": torch.arange(3)})
+
+    asyncio.run(main())
+
+
+def test_specs_say_what_a_variable_dimension_needs() -> None:
+    with pytest.raises(ValueError, match="ragged='pad' or ragged='jagged'"):
+        fb.TensorSpec("t", "int64", (-1,))
+    with pytest.raises(ValueError, match="only the first may be -1"):
+        fb.TensorSpec("t", "int64", (3, -1), ragged="pad")
+    with pytest.raises(ValueError, match="needs a shape starting with -1"):
+        fb.TensorSpec("t", "int64", (3,), ragged="jagged")
+    with pytest.raises(ValueError, match="max_batch_elements applies"):
+        fb.Server(lambda b: b, inputs=[fb.TensorSpec("x", "int64", (3,))], outputs=[fb.TensorSpec("x", "int64", (3,))],
+                  max_batch_elements=10)  # fmt: skip
+    rec = Recorder()
+    assert make_server("pad", rec).max_batch_elements == 64 * 1024
+
+
+def test_a_request_over_the_token_budget_is_refused_at_submit() -> None:
+    rec = Recorder()
+    server = make_server("jagged", rec, max_batch_elements=16)
+
+    async def main() -> None:
+        async with server:
+            client = server.client()
+            with pytest.raises(fb.InvalidInputError, match=r"length 17 exceeds max_batch_elements \(16\)"):
+                await client.infer({"tokens": torch.arange(17)})
+            with pytest.raises(fb.InvalidInputError, match="expected shape"):
+                await client.infer({"tokens": torch.zeros(2, 2, dtype=torch.int64)})
+            with pytest.raises(fb.InvalidInputError, match="expected dtype int64"):
+                await client.infer({"tokens": torch.zeros(3)})
+            check_result(torch.arange(16), await client.infer({"tokens": torch.arange(16)}))
+
+    asyncio.run(main())
+    assert server.stats()["requests_failed"]["invalid_input"] == 3
+
+
+@pytest.mark.parametrize("mode", ["pad", "jagged"])
+def test_a_batch_closes_at_the_token_budget_and_the_next_request_leads_the_next(mode: str) -> None:
+    rec = Recorder()
+    # Greedy: whatever the loop queued in one iteration is one batch, unless
+    # the budget (20 elements) closes it first.
+    server = make_server(mode, rec, max_batch_elements=20, max_delay=0)
+    lengths = [8, 8, 8, 2, 2, 20, 1]
+    xs = [sample(n, i) for i, n in enumerate(lengths)]
+
+    async def main() -> list[dict[str, torch.Tensor]]:
+        async with server:
+            client = server.client()
+            return await asyncio.gather(*(client.infer({"tokens": x}) for x in xs))
+
+    for x, out in zip(xs, asyncio.run(main())):
+        check_result(x, out)
+    key = "lengths" if mode == "pad" else "offsets"
+    seen = []
+    for b in rec.batches:
+        if mode == "pad":
+            rows, longest = b["shape"]
+            assert rows * longest <= 20, b
+            seen.append(b["lengths"])
+        else:
+            assert b["offsets"][-1] <= 20, b
+            seen.append([y - x for x, y in zip(b["offsets"], b["offsets"][1:])])
+    assert [n for batch in seen for n in batch] == lengths, (key, seen)  # FIFO: none overtaken
+    assert server.stats()["dispatch_reasons"]["next_does_not_fit"] >= 2
+
+
+@contextlib.contextmanager
+def serving(frontend: str) -> Iterator[tuple[str, str]]:
+    rec = Recorder()
+    servers = [make_server("pad", rec, max_batch_elements=512), _jagged_named(rec)]
+    config = ServeConfig(http_port=0, grpc_port=0, frontend=frontend, log_level="warning")
+    with serve_in_thread(servers, config) as listening:
+        yield f"127.0.0.1:{listening.http_port}", f"127.0.0.1:{listening.grpc_port}"
+
+
+def _jagged_named(rec: Recorder) -> fb.Server:
+    server = make_server("jagged", rec, max_batch_elements=512)
+    server.name = "jagged"
+    return server
+
+
+@pytest.fixture(params=["native", "python"], scope="module")
+def addresses(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
+    with serving(request.param) as addresses:
+        yield addresses
+
+
+@pytest.mark.parametrize("model", ["ragged", "jagged"])
+def test_tritonclient_http_and_grpc_with_several_lengths(addresses: tuple[str, str], model: str) -> None:
+    http, grpc_address = addresses
+    xs = [sample(n, 100 + i).numpy() for i, n in enumerate([4, 1, 9, 2])]
+    hclient = httpclient.InferenceServerClient(http, concurrency=4)
+    gclient = grpcclient.InferenceServerClient(grpc_address)
+    try:
+        meta = hclient.get_model_metadata(model)
+        assert meta["inputs"][0]["shape"] == [-1, -1]
+        pending = []
+        for x in xs:
+            tokens = httpclient.InferInput("tokens", [1, len(x)], "INT64")
+            tokens.set_data_from_numpy(x[None, :], binary_data=len(x) % 2 == 0)
+            pending.append(hclient.async_infer(model, [tokens]))
+        for x, p in zip(xs, pending):
+            result = p.get_result()
+            assert result.as_numpy("out").tolist() == [list(x[::-1] * 10)]
+            assert result.as_numpy("total").tolist() == [int(x.sum())]
+        for x in xs:
+            tokens = grpcclient.InferInput("tokens", [1, len(x)], "INT64")
+            tokens.set_data_from_numpy(x[None, :])
+            result = gclient.infer(model, [tokens])
+            assert result.as_numpy("out").tolist() == [list(x[::-1] * 10)]
+        # Two rows in one request: each padded to the request's longest output row.
+        two = grpcclient.InferInput("tokens", [2, 3], "INT64")
+        two.set_data_from_numpy(np.array([[1, 2, 3], [4, 5, 6]], dtype=np.int64))
+        assert gclient.infer(model, [two]).as_numpy("out").tolist() == [[30, 20, 10], [60, 50, 40]]
+    finally:
+        hclient.close()
+        gclient.close()
