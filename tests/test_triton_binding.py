@@ -594,3 +594,115 @@ def test_parameters_and_forwarded_headers_reach_the_callable() -> None:
         {"add": 5, "flag": True, "x-trace-id": "g1"},
         {},  # the timeout is the server's, as in Triton
     ]
+
+
+def gated(server: list[Any], depth: int) -> Callable[[], None]:
+    """Holds the first call until ``depth`` requests wait, so that the next
+    call gets several requests at once."""
+    first = threading.Event()
+
+    def hold() -> None:
+        if not first.is_set():
+            deadline = time.monotonic() + 10
+            while server[0].stats()["queue_depth"] < depth and time.monotonic() < deadline:
+                time.sleep(0.005)
+            first.set()
+
+    return hold
+
+
+def test_bytes_of_several_lengths_in_one_batch_over_http_and_grpc() -> None:
+    calls: list[int] = []
+    server: list[Any] = []
+    hold = gated(server, 4)
+
+    def infer(requests: list[Request]) -> list[dict[str, np.ndarray]]:
+        calls.append(len(requests))
+        hold()
+        out = []
+        for r in requests:
+            text = r["text"]
+            assert text.dtype == object and all(isinstance(t, bytes) for t in text.flat)
+            out.append({
+                "upper": np.array([[t.upper() + b"!" for t in row] for row in text], dtype=np.bytes_),
+                "size": np.array([[len(t) for t in row] for row in text], dtype=np.int64),
+            })  # fmt: skip
+        return out
+
+    triton = ephemeral()
+    triton.bind(
+        "shout",
+        infer,
+        inputs=[Tensor(name="text", dtype=np.bytes_, shape=(1,))],
+        outputs=[Tensor(name="upper", dtype=np.bytes_, shape=(1,)), Tensor(name="size", dtype=np.int64, shape=(1,))],
+        config=ModelConfig(max_batch_size=16),
+        strict=True,
+    )
+    server.extend(triton.servers)
+    with running(triton) as (http, grpc):
+
+        def call(i: int) -> tuple[list[bytes], dict[str, np.ndarray]]:
+            words = [b"x" * (1 + (i * 7 + j) % 13) + str(i).encode() for j in range(1 + i % 3)]
+            text = np.array([[w] for w in words], dtype=object)
+            kind = httpclient if i % 2 else grpcclient
+            client = kind.InferenceServerClient(http if i % 2 else grpc)
+            tensor = kind.InferInput("text", list(text.shape), "BYTES")
+            tensor.set_data_from_numpy(text)
+            result = client.infer("shout", [tensor])
+            client.close()
+            return words, {n: result.as_numpy(n) for n in ("upper", "size")}
+
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(call, range(16)))
+    for words, out in results:
+        assert [row[0] for row in out["upper"].tolist()] == [w.upper() + b"!" for w in words]
+        assert out["size"].ravel().tolist() == [len(w) for w in words]
+    assert max(calls) > 1, calls
+
+
+def test_variable_length_inputs_and_outputs_of_several_lengths_in_one_batch() -> None:
+    """``shape=(-1,)``: each request gets its own rows unpadded, and each
+    caller gets back its own length."""
+    seen: list[int] = []
+    server: list[Any] = []
+    hold = gated(server, 4)
+
+    def infer(requests: list[Request]) -> list[dict[str, np.ndarray]]:
+        hold()
+        seen.append(len(requests))
+        out = []
+        for r in requests:
+            tokens = r["tokens"]
+            assert tokens.min(initial=1) > 0  # no padding reached the callable
+            out.append({"doubled": np.concatenate([tokens, tokens], axis=1) * 2, "total": tokens.sum(1, keepdims=True)})
+        return out
+
+    triton = ephemeral()
+    triton.bind(
+        "tokens",
+        infer,
+        inputs=[Tensor(name="tokens", dtype=np.int64, shape=(-1,))],
+        outputs=[Tensor(name="doubled", dtype=np.int64, shape=(-1,)), Tensor(name="total", dtype=np.int64, shape=(1,))],
+        config=ModelConfig(max_batch_size=16),
+        strict=True,
+    )
+    server.extend(triton.servers)
+    with running(triton) as (http, grpc):
+
+        def call(i: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+            length = 1 + (i * 5) % 9
+            tokens = np.arange(1, length + 1, dtype=np.int64)[None].repeat(1 + i % 2, axis=0) + 100 * i
+            kind = httpclient if i % 2 else grpcclient
+            client = kind.InferenceServerClient(http if i % 2 else grpc)
+            tensor = kind.InferInput("tokens", list(tokens.shape), "INT64")
+            tensor.set_data_from_numpy(tokens)
+            result = client.infer("tokens", [tensor])
+            client.close()
+            return tokens, {n: result.as_numpy(n) for n in ("doubled", "total")}
+
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(call, range(16)))
+    for tokens, out in results:
+        np.testing.assert_array_equal(out["doubled"], np.concatenate([tokens, tokens], axis=1) * 2)
+        np.testing.assert_array_equal(out["total"], tokens.sum(1, keepdims=True))
+    assert max(seen) > 1, seen

@@ -135,10 +135,9 @@ def tensor_spec(tensor: Tensor, name: str) -> TensorSpec:
         raise PyTritonModelConfigError(
             f"tensor '{name}': shape {tensor.shape}: only the first dimension may be variable (-1)"
         )
-    variable: dict[str, Any] = {"ragged": "pad"} if is_variable(tensor) else {}
     try:
-        return TensorSpec(name, dtype, tensor.shape, **variable)
-    except (TypeError, ValueError) as exc:  # TypeError: a TensorSpec without variable lengths
+        return TensorSpec(name, dtype, tensor.shape, ragged="pad" if is_variable(tensor) else None)
+    except ValueError as exc:
         raise PyTritonModelConfigError(f"tensor '{name}': {exc}") from None
 
 
