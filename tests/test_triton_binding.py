@@ -5,6 +5,7 @@ and called with tritonclient over HTTP and gRPC."""
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,6 +21,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from ferrobatch import RequestInfo
+from ferrobatch.serve import StartupError
 from ferrobatch.triton import (
     ConstantPadder,
     DynamicBatcher,
@@ -706,3 +708,17 @@ def test_variable_length_inputs_and_outputs_of_several_lengths_in_one_batch() ->
         np.testing.assert_array_equal(out["doubled"], np.concatenate([tokens, tokens], axis=1) * 2)
         np.testing.assert_array_equal(out["total"], tokens.sum(1, keepdims=True))
     assert max(seen) > 1, seen
+
+
+def test_a_port_in_use_fails_run_with_a_startup_error() -> None:
+    def infer(requests: list[Request]) -> list[dict[str, np.ndarray]]:
+        return [{"y": r["x"]} for r in requests]
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        triton = Triton(config=TritonConfig(http_port=taken.getsockname()[1], grpc_port=0))
+        triton.bind("echo", infer, inputs=[X], outputs=[Y])
+        with pytest.raises(StartupError):
+            triton.run()
+    assert not triton.is_alive()

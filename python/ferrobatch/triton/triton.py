@@ -447,8 +447,12 @@ class Triton:
         try:
             asyncio.run(main())
         except BaseException as exc:
-            report(exc)
-            raise
+            if threading.current_thread() is not self._thread:
+                raise  # serve(): the caller's
+            if self._listening is None:
+                report(exc)  # run() raises it
+            else:
+                log.exception("serving stopped on an error")
         finally:
             self._ended.set()
             with self._lock:
