@@ -722,3 +722,37 @@ def test_a_port_in_use_fails_run_with_a_startup_error() -> None:
         with pytest.raises(StartupError):
             triton.run()
     assert not triton.is_alive()
+
+
+@pytest.mark.parametrize("scheme", ["http", "grpc"])
+def test_model_client_infers_samples_and_batches_the_pytriton_way(scheme: str) -> None:
+    from ferrobatch.triton.client import (
+        ModelClient,
+        PyTritonClientInferenceServerError,
+        PyTritonClientTimeoutError,
+        PyTritonClientValueError,
+    )
+
+    @batch
+    def infer(x: np.ndarray, k: np.ndarray) -> dict[str, np.ndarray]:
+        if (k < 0).any():
+            raise ValueError("k must be >= 0")
+        return {"y": x * k}
+
+    k = Tensor(name="k", dtype=np.float32, shape=(1,))
+    triton = ephemeral()
+    triton.bind("scale", infer, inputs=[X, k], outputs=[Y], config=ModelConfig(max_batch_size=8))
+    with running(triton):
+        port = triton.http_port if scheme == "http" else triton.grpc_port
+        with ModelClient(f"{scheme}://127.0.0.1:{port}", "scale", lazy_init=False) as client:
+            assert client.is_batching_supported
+            out = client.infer_sample(rows(1)[0], np.float32([3]))  # positional: the model's order
+            np.testing.assert_array_equal(out["y"], rows(1)[0] * 3)
+            out = client.infer_batch(x=rows(3), k=np.float32([[1], [2], [3]]))
+            np.testing.assert_array_equal(out["y"], rows(3) * np.float32([[1], [2], [3]]))
+            with pytest.raises(PyTritonClientValueError, match="by position or by name"):
+                client.infer_batch(rows(1), k=np.float32([[1]]))
+            with pytest.raises(PyTritonClientInferenceServerError, match="k must be >= 0"):
+                client.infer_sample(x=rows(1)[0], k=np.float32([-1]))
+        with pytest.raises(PyTritonClientTimeoutError, match="not ready"):
+            ModelClient(f"{scheme}://127.0.0.1:{port}", "missing", lazy_init=False, init_timeout_s=0.2)

@@ -19,7 +19,8 @@
         triton.serve()
 
 The submodules mirror PyTriton's (``pytriton.X`` is ``ferrobatch.triton.X``):
-:mod:`.triton`, :mod:`.model_config`, :mod:`.decorators`, :mod:`.exceptions`.
+:mod:`.triton`, :mod:`.model_config`, :mod:`.decorators`, :mod:`.exceptions`,
+and :mod:`.client` (``ModelClient``, on tritonclient).
 Each bound model is a :class:`ferrobatch.Server` (``triton.servers``) served
 by ferrobatch's own HTTP and gRPC front-end; tritonclient and PyTriton's
 ``ModelClient`` talk to it as to Triton.
