@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import warnings
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
@@ -67,7 +68,10 @@ class FerrobatchReplica:
         make_server: Callable[[], Server],
         max_ongoing_requests: int,
         max_body_size: int = MAX_BODY_SIZE,
+        switch_interval: float | None = None,
     ) -> None:
+        if switch_interval is not None:
+            sys.setswitchinterval(switch_interval)
         server = make_server()
         if not isinstance(server, Server):
             raise TypeError(f"make_server must return a ferrobatch.Server, got {type(server).__name__}")
@@ -188,6 +192,7 @@ def deployment(
     autoscaling_config: Mapping[str, Any] | None = None,
     target_queue_depth: float | None = None,
     max_body_size: int = MAX_BODY_SIZE,
+    switch_interval: float | None = 0.001,
     **options: Any,
 ) -> Application:
     """A Ray Serve application whose replicas each run ``make_server()``::
@@ -219,6 +224,10 @@ def deployment(
     own keeps it.
 
     ``max_body_size``: the most bytes of an HTTP request body (413 beyond).
+    ``switch_interval``: the replica process's ``sys.setswitchinterval``
+    (as ``ferrobatch serve`` sets it): Ray's event loops keep the GIL busy,
+    and the batcher's worker waits up to this long for it after each torch
+    op; None leaves Python's 5 ms.
     Other keywords go to Ray's ``serve.deployment`` (for example
     ``graceful_shutdown_timeout_s``, ``health_check_period_s``).
     """
@@ -244,5 +253,7 @@ def deployment(
         settings["autoscaling_config"] = config
     elif num_replicas is not None:
         settings["num_replicas"] = num_replicas
-    app: Application = serve.deployment(**settings)(FerrobatchReplica).bind(make_server, ongoing, max_body_size)
+    app: Application = serve.deployment(**settings)(FerrobatchReplica).bind(
+        make_server, ongoing, max_body_size, switch_interval
+    )
     return app
