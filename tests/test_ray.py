@@ -122,6 +122,22 @@ def test_deployment_refuses_bad_settings() -> None:
         fray.deployment("not callable")  # type: ignore[arg-type]
 
 
+def test_autoscaling_uses_the_queue_depth_policy_within_rays_bounds() -> None:
+    def config(app: Any) -> Any:  # what Ray will deploy
+        return app._bound_deployment._deployment_config
+
+    auto = config(fray.deployment(make_double, num_replicas="auto", autoscaling_config={"max_replicas": 3}))
+    assert (auto.autoscaling_config.min_replicas, auto.autoscaling_config.max_replicas) == (1, 3)
+    assert auto.autoscaling_config.policy.policy_function == "ferrobatch.ray._autoscaling.QueueDepthPolicy"
+    assert auto.max_ongoing_requests == fray.DEFAULT_MAX_ONGOING_REQUESTS
+    assert config(fray.deployment(make_double, num_replicas="auto")).autoscaling_config.max_replicas == 100
+    mine = {"policy_function": "ray.serve.autoscaling_policy:replica_queue_length_autoscaling_policy"}
+    kept = config(fray.deployment(make_double, autoscaling_config={"max_replicas": 2, "policy": mine}))
+    assert kept.autoscaling_config.policy.policy_function == mine["policy_function"]
+    fixed = config(fray.deployment(make_double, num_replicas=3, max_ongoing_requests=256))
+    assert (fixed.num_replicas, fixed.autoscaling_config, fixed.max_ongoing_requests) == (3, None, 256)
+
+
 def test_a_max_ongoing_requests_below_a_full_batch_per_instance_is_warned_about() -> None:
     server = fb.Server([double, double], inputs=[X], outputs=[Y], max_batch_size=16)
     warning = capacity_warning(16, server)

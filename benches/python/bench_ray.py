@@ -22,8 +22,11 @@ Models: ``identity`` and ``mlp`` (Linear 256->256, ReLU, Linear 256->256,
 eval), torch on one thread in every replica. C in 64 and 512. Ray's defaults
 otherwise (its access log included); ``max_ongoing_requests=1024`` for all.
 Each case runs ``--runs`` times, interleaved; the table shows medians (req/s,
-p50, p99 and the mean rows per model call, or per handle call for
-``fb.client``) and, per model and C, the ratios the targets are about:
+p50, p99, the mean rows per model call, or per handle call for
+``fb.client``, and the CPU time per request of the replica's process and of
+this one, the callers' process, read from /proc over the measured window:
+on a shared machine these move less than req/s does) and, per model and C,
+the ratios the targets are about:
 ferrobatch's per-sample calls against ``noop`` (target >= 0.9x) and
 ``fb.client`` against ``serve.batch`` (target >= 10x at 512 callers, with a
 lower p99).
@@ -102,6 +105,9 @@ class Noop:
     async def infer(self, inputs: dict[str, Any]) -> dict[str, Any]:
         return inputs
 
+    async def describe(self) -> dict[str, Any]:
+        return {"pid": os.getpid()}
+
 
 @serve.deployment(max_ongoing_requests=MAX_ONGOING, ray_actor_options=NO_CPU)
 class ServeBatch:
@@ -116,6 +122,9 @@ class ServeBatch:
             y = self.model({"x": x})["y"].numpy()
         return [{"y": row} for row in y]  # numpy rows: each pickles only its own bytes
 
+    async def describe(self) -> dict[str, Any]:
+        return {"pid": os.getpid()}
+
 
 def deploy(model: str) -> dict[str, Any]:
     """The four systems for ``model``: name -> something with ``await infer(x)``."""
@@ -127,23 +136,43 @@ def deploy(model: str) -> dict[str, Any]:
     ferro = serve.run(app, name=f"fb-{model}", route_prefix=None)
     client = fray.client(ferro, max_batch_size=MAX_BATCH_SIZE, max_delay=MAX_DELAY)
     client.start()
+    pids = {name: h.describe.remote().result()["pid"] for name, h in (("noop", noop), ("serve.batch", batch))}
+    pids["ferrobatch"] = pids["fb.client"] = ferro.describe.remote().result()["pid"]
     return {
         "noop": noop.infer,
         "serve.batch": batch.infer,
         "ferrobatch": ferro.infer,
         "fb.client": client,
         "_handle": ferro,
+        "_pids": pids,
     }
 
 
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of process ``pid`` (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
 async def measure(
-    call: Callable[[dict[str, Any]], Awaitable[Any]], callers: int, warmup: float, seconds: float
+    call: Callable[[dict[str, Any]], Awaitable[Any]], callers: int, warmup: float, seconds: float, replica: int
 ) -> dict[str, Any]:
+    """Runs the callers; returns req/s, latencies and the CPU time per request of the
+    replica's process and of this one (the callers and Ray's handle), in the window."""
     x = {"x": np.random.default_rng(0).standard_normal(FEATURES).astype(np.float32)}
     started = time.perf_counter()
     begin, end = started + warmup, started + warmup + seconds
     latencies: list[float] = []
     errors = 0
+    cpu: list[tuple[float, float]] = []
+
+    async def sample_cpu() -> None:
+        for at in (begin, end):
+            await asyncio.sleep(max(0.0, at - time.perf_counter()))
+            cpu.append((cpu_seconds(replica), time.process_time()))
 
     async def caller() -> None:
         nonlocal errors
@@ -160,13 +189,16 @@ async def measure(
             if begin <= done <= end:  # completions in the window: req/s by Little's law holds
                 latencies.append(done - t)
 
-    await asyncio.gather(*(caller() for _ in range(callers)))
+    await asyncio.gather(sample_cpu(), *(caller() for _ in range(callers)))
     latencies.sort()
     n = len(latencies)
+    (replica_0, driver_0), (replica_1, driver_1) = cpu
     return {
         "requests": n,
         "errors": errors,
         "rps": n / seconds,
+        "replica_cpu_us": (replica_1 - replica_0) / n * 1e6 if n else None,
+        "driver_cpu_us": (driver_1 - driver_0) / n * 1e6 if n else None,
         "p50_ms": latencies[n // 2] * 1e3 if n else None,
         "p99_ms": latencies[min(n - 1, int(n * 0.99))] * 1e3 if n else None,
     }
@@ -175,9 +207,10 @@ async def measure(
 async def run_case(systems: dict[str, Any], system: str, callers: int, warmup: float, seconds: float) -> dict[str, Any]:
     handle = systems["_handle"]
     target = systems[system]
+    replica = systems["_pids"][system]
     if system == "fb.client":
         before = target.stats()
-        result = await measure(target.infer, callers, warmup, seconds)
+        result = await measure(target.infer, callers, warmup, seconds, replica)
         after = target.stats()
     else:
         before = await handle.stats.remote()
@@ -185,7 +218,7 @@ async def run_case(systems: dict[str, Any], system: str, callers: int, warmup: f
         async def call(x: dict[str, Any]) -> Any:
             return await target.remote(x)
 
-        result = await measure(call, callers, warmup, seconds)
+        result = await measure(call, callers, warmup, seconds, replica)
         after = await handle.stats.remote()
     mean_batch = None
     if system in ("ferrobatch", "fb.client"):  # rows per model call in the replica; per handle call locally
@@ -201,8 +234,9 @@ def report(rows: list[dict[str, Any]]) -> str:
         f" load {head['load1']:.2f} at start; {max(r['run'] for r in rows) + 1} runs, {head['seconds']} s"
         " measured per case; medians",
         "",
-        "| model | callers | system | req/s | p50 ms | p99 ms | rows per call |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: |",
+        "| model | callers | system | req/s | p50 ms | p99 ms | rows per call"
+        " | replica CPU µs/req | caller CPU µs/req |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     groups: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
     for r in rows:
@@ -223,13 +257,14 @@ def report(rows: list[dict[str, Any]]) -> str:
                 continue
             out.append(
                 f"| {model} | {callers} | {system} | {fmt(med(key, 'rps'), 0)} | {fmt(med(key, 'p50_ms'))}"
-                f" | {fmt(med(key, 'p99_ms'))} | {fmt(med(key, 'mean_batch'))} |"
+                f" | {fmt(med(key, 'p99_ms'))} | {fmt(med(key, 'mean_batch'))}"
+                f" | {fmt(med(key, 'replica_cpu_us'), 0)} | {fmt(med(key, 'driver_cpu_us'), 0)} |"
             )
     out += [
         "",
-        "| model | callers | ferrobatch / noop (≥ 0.9) | fb.client / serve.batch (≥ 10 at 512)"
-        " | p99 fb.client / serve.batch |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        "| model | callers | ferrobatch / noop (≥ 0.9) | replica CPU per request, ferrobatch / noop"
+        " | fb.client / serve.batch (≥ 10 at 512) | p99 fb.client / serve.batch |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
 
     def ratio(model: str, callers: int, a: str, b: str, field: str = "rps") -> str:
@@ -239,6 +274,7 @@ def report(rows: list[dict[str, Any]]) -> str:
     for model, callers in cases:
         out.append(
             f"| {model} | {callers} | {ratio(model, callers, 'ferrobatch', 'noop')}"
+            f" | {ratio(model, callers, 'ferrobatch', 'noop', 'replica_cpu_us')}"
             f" | {ratio(model, callers, 'fb.client', 'serve.batch')}"
             f" | {ratio(model, callers, 'fb.client', 'serve.batch', 'p99_ms')} |"
         )
@@ -280,7 +316,9 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
                         print(
                             f"run {run} {model:8} C={callers:3} {system:11} {row['rps']:9.0f} req/s"
                             f"  p50 {row['p50_ms'] or 0:8.1f} ms  p99 {row['p99_ms'] or 0:8.1f} ms"
-                            f"  rows/call {row['mean_batch'] or 0:5.1f}  errors {row['errors']}",
+                            f"  rows/call {row['mean_batch'] or 0:5.1f}  CPU µs/req replica"
+                            f" {row['replica_cpu_us'] or 0:6.0f} caller {row['driver_cpu_us'] or 0:6.0f}"
+                            f"  errors {row['errors']}",
                             flush=True,
                         )
         finally:

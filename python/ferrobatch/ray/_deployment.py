@@ -251,6 +251,8 @@ def deployment(
             {"policy_function": QueueDepthPolicy, "policy_kwargs": {"target_queue_depth": target_queue_depth}},
         )
         settings["autoscaling_config"] = config
+        if num_replicas == "auto":  # Ray's defaults (1 to 100 replicas, ...) under the given fields
+            settings["num_replicas"] = "auto"
     elif num_replicas is not None:
         settings["num_replicas"] = num_replicas
     app: Application = serve.deployment(**settings)(FerrobatchReplica).bind(
