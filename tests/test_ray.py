@@ -207,7 +207,7 @@ def double_app(cluster: int) -> Any:
 def slow_app(cluster: int) -> Any:
     # max_ongoing_requests below max_batch_size: the replica warns.
     app = fray.deployment(make_slow, name="slow", ray_actor_options=NO_CPU, max_ongoing_requests=4)
-    return serve.run(app, name="slow", route_prefix=None)
+    return serve.run(app, name="slow", route_prefix="/slow")
 
 
 async def test_handle_calls_are_batched_in_the_replica(double_app: Any) -> None:
@@ -297,6 +297,16 @@ async def test_a_sample_the_replica_fails_fails_alone_across_the_hop(double_app:
         outs = await asyncio.gather(*calls, return_exceptions=True)
     assert isinstance(outs[5], fb.ModelError)
     assert all(not isinstance(o, BaseException) and o["y"][0] == 2.0 * i for i, o in enumerate(outs) if i != 5)
+
+
+def test_http_routes_live_under_the_applications_route_prefix(cluster: int, slow_app: Any) -> None:
+    base = f"http://127.0.0.1:{cluster}/slow"
+    with urllib.request.urlopen(f"{base}/v2/health/ready", timeout=30) as response:
+        assert response.status == 200
+    with urllib.request.urlopen(f"{base}/v2/models/slow", timeout=30) as response:
+        assert json.loads(response.read())["name"] == "slow"
+    status, document = post(f"{base}/v2/models/slow/infer", v2_body([[1, 1, 1, 1]]))
+    assert status == 200 and document["outputs"][0]["data"] == [2.0] * 4
 
 
 async def test_the_client_keeps_timeouts_and_cancellation(slow_app: Any) -> None:

@@ -9,6 +9,11 @@
 Needs ``ray[serve]`` (``pip install "ferrobatch[ray]"``).
 """
 
+try:
+    import ray.serve  # noqa: F401 - the top-level ray, not this package
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("ferrobatch.ray needs Ray Serve: pip install 'ferrobatch[ray]' (or 'ray[serve]')") from exc
+
 from ._autoscaling import QueueDepthPolicy
 from ._client import RayClient, client
 from ._deployment import DEFAULT_MAX_ONGOING_REQUESTS, FerrobatchReplica, deployment
