@@ -314,11 +314,13 @@ async def test_the_client_keeps_timeouts_and_cancellation(slow_app: Any) -> None
     assert any("batches cannot fill" in w for w in description["warnings"])
     async with fray.client(slow_app, batches_in_flight=1) as client:
         busy = asyncio.create_task(client.infer({"x": row(1)}))  # the one batch in flight: 0.2 s
-        await asyncio.sleep(0.02)
-        started = time.perf_counter()
+        deadline = time.monotonic() + 10
+        while client.stats()["batches"] < 1:  # the local worker took it and is waiting for the replica
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.001)
         with pytest.raises(fb.DeadlineExceededError):
             await client.infer({"x": row(2)}, timeout=0.05)
-        assert time.perf_counter() - started < 0.15
+        assert not busy.done()  # the deadline did not wait for the call in flight
         cancelled = asyncio.create_task(client.infer({"x": row(3)}))
         await asyncio.sleep(0.01)
         cancelled.cancel()
@@ -363,8 +365,11 @@ def test_replicas_scale_on_ferrobatchs_queue_depth(cluster: int) -> None:
             time.sleep(0.2)
         assert replicas == 2, f"still {replicas} replica(s) after 30 s"
         assert [r.result(timeout_s=60)["y"][0] for r in responses] == [2.0 * i for i in range(64)]
-        # Both replicas answer now.
-        pids = {handle.describe.remote().result(timeout_s=30)["pid"] for _ in range(20)}
+        # Both replicas answer now (once the handle's router has heard of the new one).
+        pids: set[int] = set()
+        deadline = time.monotonic() + 30
+        while len(pids) < 2 and time.monotonic() < deadline:
+            pids.add(handle.describe.remote().result(timeout_s=30)["pid"])
         assert len(pids) == 2
     finally:
         serve.delete("queued")
