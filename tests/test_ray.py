@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import sys
 import threading
 import time
@@ -109,6 +110,13 @@ def test_the_policy_asks_for_replicas_by_queue_depth_against_one_batch_per_insta
     assert policy(ctx({}, {}, ["a"], target=3))[0] == 3
     with pytest.raises(ValueError, match="target_queue_depth"):
         fray.QueueDepthPolicy(0)
+
+
+def test_without_ray_the_import_error_names_the_extra() -> None:
+    code = "import sys; sys.modules['ray'] = None; import ferrobatch.ray"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "pip install 'ferrobatch[ray]'" in result.stderr
 
 
 def test_deployment_refuses_bad_settings() -> None:
