@@ -5,7 +5,11 @@ and called with tritonclient over HTTP and gRPC."""
 from __future__ import annotations
 
 import contextlib
+import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -756,3 +760,45 @@ def test_model_client_infers_samples_and_batches_the_pytriton_way(scheme: str) -
                 client.infer_sample(x=rows(1)[0], k=np.float32([-1]))
         with pytest.raises(PyTritonClientTimeoutError, match="not ready"):
             ModelClient(f"{scheme}://127.0.0.1:{port}", "missing", lazy_init=False, init_timeout_s=0.2)
+
+
+SERVE_SCRIPT = """
+import logging, numpy as np
+from ferrobatch.triton import Triton, TritonConfig, Tensor, batch
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+@batch
+def infer(x):
+    return {"y": x + 1}
+
+with Triton(config=TritonConfig(http_port=0, grpc_port=0)) as triton:
+    triton.bind("inc", infer, inputs=[Tensor(name="x", dtype=np.float32, shape=(4,))],
+                outputs=[Tensor(name="y", dtype=np.float32, shape=(4,))])
+    triton.serve()
+print("serve returned", flush=True)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_serve_in_a_script_serves_until_a_signal_then_returns(sig: signal.Signals) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVE_SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        port = None
+        for line in proc.stdout:
+            found = re.search(r"HTTP port (\d+)", line)
+            if found:
+                port = int(found.group(1))
+                break
+        assert port is not None, "the script did not report its port"
+        np.testing.assert_array_equal(http_infer(f"127.0.0.1:{port}", "inc", rows(2))["y"], rows(2) + 1)
+        proc.send_signal(sig)
+        rest, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0, rest
+        assert "serve returned" in rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
