@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,45 +24,35 @@ log = logging.getLogger("ferrobatch.triton")
 Parameters = dict[str, str | int | float | bool]
 
 
-class Request(MutableMapping[str, np.ndarray]):
-    """One request as an inference callable sees it: a mapping of input
-    name to a numpy array whose leading dimension is the request's own rows,
-    with ``parameters`` (its v2 ``parameters`` and forwarded headers).
+class Request(dict[str, np.ndarray]):
+    """One request as an inference callable sees it: a dict of input name to
+    a numpy array whose leading dimension is the request's own rows, with
+    ``parameters`` (its v2 ``parameters`` and forwarded headers). ``data``
+    is the dict itself (PyTriton's ``Request.data``).
 
     The arrays belong to the callable (a copy of the batch's inputs):
     changing or keeping them affects nothing else.
     """
 
-    __slots__ = ("data", "parameters", "requested_output_names", "span")
+    __slots__ = ("parameters", "requested_output_names", "span")
 
     def __init__(
         self,
-        data: dict[str, np.ndarray],
+        data: Mapping[str, np.ndarray],
         parameters: Parameters | None = None,
         requested_output_names: list[str] | None = None,
     ) -> None:
-        self.data = data
+        super().__init__(data)
         self.parameters: Parameters = {} if parameters is None else parameters
         self.requested_output_names = requested_output_names
         self.span: Any = None  # PyTriton's telemetry span: no tracing here
 
-    def __getitem__(self, name: str) -> np.ndarray:
-        return self.data[name]
-
-    def __setitem__(self, name: str, value: np.ndarray) -> None:
-        self.data[name] = value
-
-    def __delitem__(self, name: str) -> None:
-        del self.data[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.data)
-
-    def __len__(self) -> int:
-        return len(self.data)
+    @property
+    def data(self) -> dict[str, np.ndarray]:
+        return self
 
     def __repr__(self) -> str:
-        shapes = {name: tuple(v.shape) for name, v in self.data.items()}
+        shapes = {name: tuple(v.shape) for name, v in self.items()}
         return f"Request({shapes}, parameters={self.parameters})"
 
 
@@ -200,11 +190,16 @@ class BoundModel:
         start = 0
         for r in requests:
             end = start + r.rows
-            data = {}
-            for name, a in batch.items():
-                own = lengths.get(name)
-                data[name] = a[start:end] if own is None else a[start:end, : int(own[start:end].max(initial=0))]
-            params = {k: v for k, v in r.parameters.items() if k not in _RESERVED}
+            if lengths:
+                data = {
+                    name: a[start:end]
+                    if name not in lengths
+                    else a[start:end, : int(lengths[name][start:end].max(initial=0))]
+                    for name, a in batch.items()
+                }
+            else:
+                data = {name: a[start:end] for name, a in batch.items()}
+            params = {k: v for k, v in r.parameters.items() if k not in _RESERVED} if r.parameters else {}
             split.append(Request(data, params))
             start = end
         responses = self._call(split)
@@ -254,7 +249,7 @@ def collect_outputs(
     declared = {str(t.name): t for t in config.outputs}
     parts: dict[str, list[np.ndarray]] = {n: [] for n in declared}
     for i, (response, n) in enumerate(zip(responses, rows)):
-        if not isinstance(response, Mapping):
+        if not isinstance(response, (dict, Mapping)):  # dict first: no ABC check for the common case
             raise PyTritonValidationError(
                 f"response {i} is a {type(response).__name__}, expected a dict of numpy arrays"
             )
@@ -297,6 +292,13 @@ def _padded(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _checked(value: Any, tensor: Tensor, rows: int, strict: bool) -> np.ndarray:
+    if (
+        type(value) is np.ndarray
+        and value.dtype == tensor.dtype
+        and value.shape[1:] == tensor.shape
+        and value.shape[:1] == (rows,)
+    ):
+        return value  # the common case: exactly as declared
     name = tensor.name
     if not isinstance(value, np.ndarray):
         raise PyTritonValidationError(f"output '{name}' is a {type(value).__name__}, expected a numpy array")
