@@ -332,6 +332,8 @@ def test_tensor_dtypes_and_what_bind_refuses() -> None:
         triton.bind("m", infer, [X], [Y], config=ModelConfig(decoupled=True))
     with pytest.raises(PyTritonModelConfigError, match="optional"):
         triton.bind("m", infer, [Tensor(name="x", dtype=np.float32, shape=(4,), optional=True)], [Y])
+    with pytest.raises(PyTritonModelConfigError, match="preferred_batch_sizes"):
+        triton.bind("m", infer, [X], [Y], config=ModelConfig(batcher=DynamicBatcher(preferred_batch_size=[64])))
     with pytest.raises(PyTritonValidationError, match="model name"):
         triton.bind("no spaces", infer, [X], [Y])
     triton.bind("m", infer, [X], [Y], config=ModelConfig(max_batch_size=8, batcher=DynamicBatcher(

@@ -309,19 +309,24 @@ class Triton:
             BoundModel(f, described, self._context, strict=strict, on_unrecoverable=self._on_unrecoverable)
             for f in funcs
         ]
-        server = Server(
-            models,  # type: ignore[arg-type]  # with_requests: called as model(inputs, requests)
-            inputs=[tensor_spec(t, str(t.name)) for t in described.inputs],
-            outputs=[tensor_spec(t, str(t.name)) for t in described.outputs],
-            max_batch_size=config.max_batch_size,
-            max_delay=batcher.max_queue_delay_microseconds / 1e6,
-            preferred_batch_sizes=list(batcher.preferred_batch_size or ()),
-            name=model_name,
-            isolate_failures=False,  # a failed call fails its requests, as in PyTriton
-            warmup=False,
-            with_requests=True,
-            **kwargs,
-        )
+        in_specs = [tensor_spec(t, str(t.name)) for t in described.inputs]
+        out_specs = [tensor_spec(t, str(t.name)) for t in described.outputs]
+        try:
+            server = Server(
+                models,  # type: ignore[arg-type]  # with_requests: called as model(inputs, requests)
+                inputs=in_specs,
+                outputs=out_specs,
+                max_batch_size=config.max_batch_size,
+                max_delay=batcher.max_queue_delay_microseconds / 1e6,
+                preferred_batch_sizes=list(batcher.preferred_batch_size or ()),
+                name=model_name,
+                isolate_failures=False,  # a failed call fails its requests, as in PyTriton
+                warmup=False,
+                with_requests=True,
+                **kwargs,
+            )
+        except ValueError as exc:  # the batching settings
+            raise PyTritonModelConfigError(f"model '{model_name}': {exc}") from exc
         for f in funcs:
             self._context.model_configs[f] = described
         self._servers.append(server)
