@@ -137,7 +137,7 @@ class Client:
         :class:`~ferrobatch.RequestInfo`).
         """
         if priority is not None or parameters is not None:
-            return await self._infer_with(inputs, timeout, False, priority, parameters)
+            return await self._infer_with(inputs, timeout, False, priority, encode_parameters(parameters))
         if type(inputs) is not dict and isinstance(inputs, Mapping):
             return await self._infer_mapping(inputs, timeout)
         # One call into Rust per request (it finds this loop's mailbox, queues
@@ -163,13 +163,14 @@ class Client:
         timeout: float | None,
         batched: bool,
         priority: int | None,
-        parameters: Mapping[str, Parameter] | None,
+        parameters: str | None,
     ) -> Any:
-        """``infer`` / ``infer_batch`` with a priority or parameters."""
+        """``infer`` / ``infer_batch`` with a priority or parameters (a JSON
+        object's text: the v2 front-ends pass on what a request carried)."""
         tensordict = not batched and _is_tensordict(inputs)
         if type(inputs) is not dict and isinstance(inputs, Mapping):
             inputs = flatten_inputs(inputs, self._input_names if tensordict else None)
-        future, rid = self._submitter.submit(inputs, timeout, batched, priority, encode_parameters(parameters))
+        future, rid = self._submitter.submit(inputs, timeout, batched, priority, parameters)
         try:
             outputs = await future
         except asyncio.CancelledError:
@@ -178,20 +179,6 @@ class Client:
         finally:
             del future, inputs  # as in infer
         return _to_tensordict(outputs) if tensordict else outputs
-
-    async def _infer_batch_encoded(
-        self, inputs: Inputs, timeout: float | None, priority: int | None, parameters: str | None
-    ) -> Outputs:
-        """``infer_batch`` with parameters already a JSON object's text (the
-        v2 front-ends pass on what the request carried, as it was)."""
-        future, rid = self._submitter.submit(inputs, timeout, True, priority, parameters)
-        try:
-            return await future
-        except asyncio.CancelledError:
-            self._withdraw(rid, future)
-            raise
-        finally:
-            del future, inputs  # as in infer
 
     async def _infer_mapping(self, inputs: Inputs, timeout: float | None) -> Any:
         if _is_tensordict(inputs):
@@ -242,7 +229,7 @@ class Client:
         leading dimension ``n`` (at most ``max_batch_size``), and so does every
         output. The rows join a batch together and are never split."""
         if priority is not None or parameters is not None:
-            outputs: Outputs = await self._infer_with(inputs, timeout, True, priority, parameters)
+            outputs: Outputs = await self._infer_with(inputs, timeout, True, priority, encode_parameters(parameters))
             return outputs
         future, rid = self._submitter.submit(inputs, timeout, True)
         try:

@@ -348,7 +348,10 @@ class ModelRepository:
         try:
             if priority is None and (parameters is None or not model.server.with_requests):
                 return await model.client.infer_batch(inputs, timeout=timeout)
-            return await model.client._infer_batch_encoded(inputs, timeout, priority, parameters)
+            outputs: dict[str, torch.Tensor] = await model.client._infer_with(
+                inputs, timeout, True, priority, parameters
+            )
+            return outputs
         finally:
             self._in_flight -= 1
             if not self._in_flight and self._idle is not None:
