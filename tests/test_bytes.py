@@ -297,3 +297,42 @@ def test_bad_bytes_over_grpc_is_invalid_argument(addresses: tuple[str, str]) -> 
             client.infer("shout", [text, pair])
     finally:
         client.close()
+
+
+def test_request_parameters_reach_a_bytes_model_in_process_and_over_http() -> None:
+    """``with_requests=True`` with BYTES inputs (PyTriton's binding needs both):
+    each request's parameters reach the model beside its rows."""
+    seen: list[list[Any]] = []
+
+    def model(batch: dict[str, Any], requests: list[fb.RequestInfo]) -> dict[str, Any]:
+        seen.append([(r.rows, dict(r.parameters)) for r in requests])
+        tags = [str(r.parameters.get("tag", "")).encode() for r in requests for _ in range(r.rows)]
+        return {
+            "upper": np.array([[t.upper() + b"/" + tag] for t, tag in zip(batch["text"][:, 0], tags)], dtype=object)
+        }
+
+    def make() -> fb.Server:
+        return fb.Server(model, inputs=[TEXT], outputs=[UPPER], name="tagged", max_delay=0.005, with_requests=True)
+
+    server = make()
+
+    async def main() -> list[Any]:
+        async with server:
+            client = server.client()
+            return await asyncio.gather(
+                client.infer({"text": "a"}, parameters={"tag": "x"}),
+                client.infer({"text": "b"}, parameters={"tag": "y"}),
+            )
+
+    outs = asyncio.run(main())
+    assert [o["upper"].tolist() for o in outs] == [[b"A/x"], [b"B/y"]]
+    config = ServeConfig(http_port=0, grpc_port=0, frontend="native", log_level="warning")
+    with serve_in_thread([make()], config) as listening:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{listening.http_port}")
+        try:
+            text = httpclient.InferInput("text", [1, 1], "BYTES")
+            text.set_data_from_numpy(np.array([[b"c"]], dtype=object))
+            result = client.infer("tagged", [text], parameters={"tag": "z"})
+        finally:
+            client.close()
+    assert result.as_numpy("upper").tolist() == [[b"C/z"]]  # binary output: tritonclient asks for it

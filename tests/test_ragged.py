@@ -268,3 +268,26 @@ def test_tritonclient_http_and_grpc_with_several_lengths(addresses: tuple[str, s
     finally:
         hclient.close()
         gclient.close()
+
+
+def test_bad_variable_length_requests_over_http_are_400(addresses: tuple[str, str]) -> None:
+    import httpx
+
+    http, _ = addresses
+
+    def body(shape: list[int], data: list[int]) -> dict[str, Any]:
+        return {"inputs": [{"name": "tokens", "datatype": "INT64", "shape": shape, "data": data}]}
+
+    with httpx.Client(base_url=f"http://{http}", timeout=30) as client:
+        cases = {
+            "no length dimension": body([1], [1]),
+            "an extra dimension": body([1, 2, 2], [1, 2, 3, 4]),
+            "over the token budget": body([1, 513], [1] * 513),
+            "floats": {"inputs": [{"name": "tokens", "datatype": "FP32", "shape": [1, 2], "data": [1, 2]}]},
+        }
+        for case, request in cases.items():
+            response = client.post("/v2/models/ragged/infer", json=request)
+            assert response.status_code == 400, (case, response.text)
+            assert "'tokens'" in response.json()["error"], (case, response.text)
+        ok = client.post("/v2/models/ragged/infer", json=body([1, 512], [1] * 512))
+        assert ok.status_code == 200, ok.text

@@ -31,6 +31,7 @@ taken within each run, then the median), and the targets met or not.
     python benches/python/bench_e2e.py --quick         # a smoke run (seconds)
     python benches/python/bench_e2e.py --runs 3 --callers 1,512 --systems ferrobatch,floor,naive
     python benches/python/bench_e2e.py --report        # the README's tables, from e2e.jsonl
+    python benches/python/bench_e2e.py ragged          # the variable-length workload (e2e_ragged.py)
 """
 
 from __future__ import annotations
@@ -897,6 +898,10 @@ def report(meta: dict[str, Any], results: list[dict[str, Any]], args: argparse.N
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["ragged"]:  # the variable-length workload: see e2e_ragged.py
+        import e2e_ragged
+
+        return e2e_ragged.main(argv[1:])
     args = parse_args(argv)
     if args.report:
         meta, results = load(args.report, args)

@@ -38,6 +38,16 @@
 //!   `Send`: the CUDA path collates on one thread and drops the guard on
 //!   another, only once the slot's host-to-device copy has completed, so a
 //!   slot in flight is never rewritten (see [`staging`]).
+//! * **Inputs of varying size** ([`Layout`]): a variable-length input's
+//!   request carries its rows' length ([`InputBytes::extent`]); a BYTES
+//!   input its elements serialized as Triton does ([`bytes`]). `submit`
+//!   checks both against their bytes, and against `max_batch_elements` and
+//!   [`bytes::BytesLimits`], before a request is queued; the gather admits a
+//!   request only while the batch stays within `max_batch_elements` (a
+//!   padded input counted padded), so collation never passes the slot, which
+//!   holds that many elements (a request that does not fit leads the next
+//!   batch). BYTES are collated into memory the [`Batch`] owns
+//!   ([`Collated::Bytes`]), not into the slot.
 //! * **The queue** ([`RequestQueue`]) takes pushes from any thread; a refused
 //!   push hands the request back ([`queue::PushError`]).
 //! * **Fan-out**: each request names its [`Sink`] (an event loop's mailbox,
