@@ -65,6 +65,7 @@ pub mod inbox;
 pub mod outcome;
 pub mod queue;
 pub mod request;
+pub mod shm;
 pub mod specs;
 pub mod staging;
 mod sync;
