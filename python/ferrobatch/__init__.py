@@ -17,6 +17,7 @@ from .errors import (
     ServerClosedError,
 )
 from .server import Server
+from .shared import Shared, SharedClient, connect
 from .specs import TensorSpec
 
 __all__ = [
@@ -28,6 +29,9 @@ __all__ = [
     "QueueFullError",
     "Server",
     "ServerClosedError",
+    "Shared",
+    "SharedClient",
     "TensorSpec",
     "__version__",
+    "connect",
 ]

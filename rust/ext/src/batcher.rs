@@ -186,7 +186,7 @@ impl Batcher {
         timeout: Option<Duration>,
         batched: bool,
     ) -> PyResult<Bound<'py, Ticket>> {
-        let (rows, bytes, keep) = self.convert(py, inputs, batched)?;
+        let (rows, bytes, keep) = self.converter.convert_dict(py, inputs, batched)?;
         // Made before the request is queued: once queued, nothing may fail.
         let future = mailbox.get().new_future(py)?;
         LoopMailbox::schedule_flush(mailbox, &self.core)?;
@@ -227,7 +227,7 @@ impl Batcher {
         batched: bool,
         waiters: &ThreadWaiters,
     ) -> PyResult<(Arc<core::Request>, Arc<Waiter>)> {
-        let (rows, bytes, keep) = self.convert(py, inputs, batched)?;
+        let (rows, bytes, keep) = self.converter.convert_dict(py, inputs, batched)?;
         let mut waiter = None;
         let mut keep = Some(keep);
         let submitted =
@@ -254,11 +254,13 @@ impl Batcher {
             }
         }
     }
+}
 
+impl Converter {
     /// Checks a request's `inputs` (a dict) against the specs and copies
     /// them: its rows, the byte views, and what keeps the bytes alive.
     #[allow(clippy::type_complexity)]
-    fn convert(
+    pub(crate) fn convert_dict(
         &self,
         py: Python<'_>,
         inputs: &Bound<'_, PyAny>,
@@ -273,7 +275,7 @@ impl Batcher {
                 ),
             ));
         };
-        let specs = &self.converter.specs;
+        let specs = &self.specs;
         let mut bytes = Vec::with_capacity(specs.len());
         let mut keep = Vec::with_capacity(specs.len());
         let mut rows = None;
@@ -281,7 +283,7 @@ impl Batcher {
             let Some(value) = inputs.get_item(spec.key.bind(py))? else {
                 return Err(invalid_input(py, format!("missing input '{}'", spec.name)));
             };
-            let converted = self.converter.convert(py, index, &value, batched)?;
+            let converted = self.convert(py, index, &value, batched)?;
             match rows {
                 None => rows = Some(converted.rows),
                 Some(n) if n != converted.rows => {
