@@ -176,6 +176,10 @@ class ServeConfig:
     header_timeout: float = 30.0
     #: Native front-end: seconds for a request's body to arrive (408 after).
     body_timeout: float = 60.0
+    #: Also share the models with other processes of this user (see
+    #: :meth:`Server.share`) under this name (one model), or
+    #: ``"{share}.{model}"`` each (several); ``ferrobatch.connect`` there.
+    share: str | None = None
 
 
 class _Repository(ModelRepository):
@@ -301,6 +305,8 @@ async def serve(
                 return
             if native is not None:
                 native.attach()
+            if config.share is not None:
+                _share(repository.servers, config.share)
             # What start-up left on the heap (torch, the model, the imports:
             # some 200k objects) is kept for good: moved out of the collector's
             # reach, a full collection no longer walks it every few hundred ms
@@ -364,6 +370,17 @@ async def _any(*waits: Awaitable[Any]) -> None:
 def _watch(task: asyncio.Task[None] | None) -> list[Awaitable[Any]]:
     """``task`` (uvicorn's, which ends if it fails) shielded, for :func:`_any`."""
     return [] if task is None else [asyncio.shield(task)]
+
+
+def _share(servers: Sequence[Server], name: str) -> None:
+    """Shares every server through shared memory (``--share``)."""
+    for server in servers:
+        shared_as = name if len(servers) == 1 else f"{name}.{server.name}"
+        try:
+            server.share(shared_as)
+        except (ValueError, OSError) as exc:
+            raise StartupError(f"--share: {exc}") from None
+        log.info("model '%s': shared as '%s' (ferrobatch.connect(%r))", server.name, shared_as, shared_as)
 
 
 async def _start_servers(
@@ -678,6 +695,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="send the text of a model's exceptions to clients (default: their type and a"
         " request id; the log has the traceback)",
     )
+    parser.add_argument(
+        "--share",
+        metavar="NAME",
+        default=None,
+        help="also serve processes of this user through shared memory: ferrobatch.connect(NAME)"
+        " (NAME.MODEL each when serving several models)",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
     parser.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"])
@@ -757,6 +781,7 @@ def main(args: argparse.Namespace) -> int:
         max_streams=args.max_streams,
         header_timeout=args.header_timeout,
         body_timeout=args.body_timeout,
+        share=args.share,
     )
     try:
         return run(servers, config, loop=args.loop)
