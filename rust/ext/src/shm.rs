@@ -386,6 +386,10 @@ struct ClientInner {
     /// `resolve([(future, value, failed)])`, run on each event loop.
     resolve: Py<PyAny>,
     stop: AtomicBool,
+    /// The collector thread, joined by `close` (never by a forked child,
+    /// which has no such thread).
+    collector: Mutex<Option<std::thread::JoinHandle<()>>>,
+    pid: u32,
 }
 
 impl ClientInner {
@@ -422,6 +426,11 @@ impl ClientInner {
             if over {
                 // What the server answered before it stopped, first.
                 self.core.collect(&mut done);
+            }
+            if self.stop.load(Ordering::Acquire) {
+                // Closed: `close` answers the waiters; this thread touches
+                // Python no more (it may be the interpreter's exit).
+                return;
             }
             if !done.is_empty() || over {
                 let alive = Python::try_attach(|py| {
@@ -655,12 +664,24 @@ impl ClientInner {
         Some(waiting)
     }
 
-    fn close(&self) {
+    /// Stops the collector (and, with `join`, waits for it: call without
+    /// the GIL, which it may be waiting for) and gives the slot back.
+    fn close(&self, join: bool) {
         self.stop.store(true, Ordering::Release);
         self.core.close();
         let (word, _) = self.core.segment().client_doorbell(self.core.slot());
         word.fetch_add(1, Ordering::SeqCst);
         ferrobatch_core::shm::futex_wake(word);
+        if join && ferrobatch_core::shm::current_pid() == self.pid {
+            let handle = self
+                .collector
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take();
+            if let Some(handle) = handle {
+                let _ = handle.join();
+            }
+        }
     }
 }
 
@@ -756,12 +777,15 @@ impl SharedClient {
             empty,
             resolve,
             stop: AtomicBool::new(false),
+            collector: Mutex::new(None),
+            pid: ferrobatch_core::shm::current_pid(),
         });
         let collector = inner.clone();
-        std::thread::Builder::new()
+        let handle = std::thread::Builder::new()
             .name("ferrobatch-shm-client".into())
             .spawn(move || collector.collect_forever())
             .map_err(|e| PyOSError::new_err(format!("cannot start the collector thread: {e}")))?;
+        *inner.collector.lock().unwrap_or_else(|e| e.into_inner()) = Some(handle);
         Ok(SharedClient { inner })
     }
 
@@ -854,7 +878,7 @@ impl SharedClient {
     /// Gives the client slot back; requests still waiting fail with
     /// `ServerClosedError`. Idempotent.
     fn close(&self, py: Python<'_>) {
-        self.inner.close();
+        without_gil(py, || self.inner.close(true));
         self.inner.fail_all(py, "the client was closed");
     }
 
@@ -881,8 +905,8 @@ impl Drop for SharedClient {
     fn drop(&mut self) {
         // The collector holds the rest of `inner`: it ends, and the slot is
         // given back when the last reference goes.
-        self.inner.stop.store(true, Ordering::Release);
-        self.inner.close();
+        // Not joined: this thread may hold the GIL the collector waits for.
+        self.inner.close(false);
     }
 }
 

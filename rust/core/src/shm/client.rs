@@ -12,7 +12,7 @@ use std::time::Duration;
 use super::segment::word;
 use super::{
     client_state, code, current_pid, notify, pid_alive, server_state, sleep_unless, state, Arena,
-    Descriptor, Segment, ShmError, Withdraw,
+    Descriptor, Segment, ShmError, Withdraw, SPIN,
 };
 
 /// A finished request, read from its entry (its outputs still in its cells
@@ -257,11 +257,17 @@ impl ClientCore {
         notify(word, sleeping);
     }
 
-    /// Sleeps until the server completes something, or `timeout`.
+    /// Sleeps until the server completes something, or `timeout`; with
+    /// requests in flight it polls for `SPIN` first.
     pub fn wait(&self, timeout: Duration) {
         let (word, sleeping) = self.segment.client_doorbell(self.slot);
         let completions = self.segment.completions(self.slot);
-        sleep_unless(word, sleeping, timeout, || completions.is_empty());
+        let spin = if self.in_flight() > 0 {
+            SPIN
+        } else {
+            Duration::ZERO
+        };
+        sleep_unless(word, sleeping, timeout, spin, || completions.is_empty());
     }
 
     /// Appends the requests finished since the last call to `out`.

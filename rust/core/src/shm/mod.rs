@@ -75,6 +75,12 @@ pub const CRATE_VERSION: &str = env!("CARGO_PKG_VERSION");
 /// peer is noticed within this (plus a check).
 pub const POLL: Duration = Duration::from_millis(50);
 
+/// How long a sleeper with work in flight polls before it sleeps on the
+/// futex: about one round trip of a lone caller, so back-to-back requests
+/// cost no wake-up (one caller, identity: 70 µs round trip with it, 130
+/// µs without; 150 µs polls measured no better).
+pub const SPIN: Duration = Duration::from_micros(50);
+
 /// States of an [`Entry`] (the low 32 bits of its word).
 pub mod state {
     pub const FREE: u32 = 0;
@@ -281,14 +287,35 @@ pub fn notify(word: &AtomicU32, sleeping: &AtomicU32) {
     }
 }
 
-/// The sleeper's half: says it sleeps, runs `is_empty` (the re-check) and
-/// waits for a bump (or `timeout`) only if it is still empty.
+/// The sleeper's half: polls `is_empty` for up to `spin` first (a peer that
+/// answers within it costs no futex wake-up on either side), then says it
+/// sleeps, runs `is_empty` again (the re-check) and waits for a bump (or
+/// `timeout`) only if it is still empty.
 pub fn sleep_unless(
     word: &AtomicU32,
     sleeping: &AtomicU32,
     timeout: Duration,
-    is_empty: impl FnOnce() -> bool,
+    spin: Duration,
+    is_empty: impl Fn() -> bool,
 ) {
+    if !spin.is_zero() {
+        let until = std::time::Instant::now() + spin;
+        let mut polls = 0u32;
+        while is_empty() {
+            polls = polls.wrapping_add(1);
+            if polls % 64 == 0 {
+                if std::time::Instant::now() >= until {
+                    break;
+                }
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        if !is_empty() {
+            return;
+        }
+    }
     let seen = word.load(Ordering::SeqCst);
     sleeping.store(1, Ordering::SeqCst);
     if is_empty() {

@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use super::segment::word;
 use super::{
     client_state, code, server_state, sleep_unless, state, Descriptor, Segment, Withdraw, POLL,
+    SPIN,
 };
 use crate::{Batcher, CoreError, InputBytes, Outcome, Request, RequestState, Route, Sink, Tally};
 
@@ -138,6 +139,8 @@ impl SharedServer {
         let (word, sleeping) = self.segment.server_doorbell();
         let mut wake = Vec::new();
         let mut checked = Instant::now();
+        // Requests came in lately: poll a little before sleeping.
+        let mut active = false;
         while !self.stop.load(Ordering::Acquire) {
             let mut rows = 0;
             let mut taken = 0;
@@ -154,10 +157,12 @@ impl SharedServer {
                 checked = Instant::now();
             }
             if taken == 0 {
-                sleep_unless(word, sleeping, POLL, || {
+                let spin = if active { SPIN } else { Duration::ZERO };
+                sleep_unless(word, sleeping, POLL, spin, || {
                     ring.is_empty() && !self.stop.load(Ordering::Acquire)
                 });
             }
+            active = taken > 0;
         }
     }
 
