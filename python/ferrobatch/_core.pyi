@@ -14,6 +14,7 @@ __all__ = [
     "LoopRegistry",
     "NativeFrontend",
     "SharedClient",
+    "SharedDrain",
     "SharedServer",
     "Submitter",
     "Ticket",
@@ -275,7 +276,6 @@ class SharedClient:
         tensor_type: type[torch.Tensor],
         coerce: Callable[[Any, int, bool], Any],
         empty: Callable[..., torch.Tensor],
-        resolve: Callable[[list[tuple[asyncio.Future[Any], Any, bool]]], None],
     ) -> SharedClient: ...
     def submit(
         self,
@@ -295,6 +295,12 @@ class SharedClient:
     def slot(self) -> int: ...
     @property
     def cells_in_use(self) -> int: ...
+
+@final
+class SharedDrain:
+    """An event loop's reader callback: resolves what a shared client's collector posted."""
+
+    def drain(self) -> None: ...
 
 def shared_meta(name: str) -> str:
     """The metadata (JSON) of the segment ``name``, after checking its version."""

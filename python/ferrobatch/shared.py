@@ -136,17 +136,6 @@ def share(
     return Shared(name, core)
 
 
-def _resolve(items: list[tuple[asyncio.Future[Any], Any, bool]]) -> None:
-    """Resolves one wake-up's futures of one event loop (on that loop)."""
-    for future, value, failed in items:
-        if future.done():
-            continue
-        if failed:
-            future.set_exception(value)
-        else:
-            future.set_result(value)
-
-
 #: Every live client, closed at exit (before the interpreter goes, so their
 #: collector threads never touch a finalizing interpreter).
 _live: weakref.WeakSet[SharedClient] = weakref.WeakSet()
@@ -210,30 +199,32 @@ class SharedClient:
             deadline = time.monotonic() + max(0.0, self._timeout)
             while True:
                 try:
-                    meta = json.loads(_core.shared_meta(self.name))
+                    self._core = self._open()
                     break
-                except ServerClosedError:
+                except ServerClosedError:  # not shared yet, or still starting
                     if time.monotonic() >= deadline:
                         raise
                     time.sleep(0.02)
-            self.model = str(meta["model"])
-            self.max_batch_size = int(meta["max_batch_size"])
-            self.inputs = tuple(TensorSpec(n, d, tuple(s)) for n, d, s in meta["inputs"])
-            self.outputs = tuple(TensorSpec(n, d, tuple(s)) for n, d, s in meta["outputs"])
-            self._input_names = frozenset(s.name for s in self.inputs)
-            self._core = _core.SharedClient(
-                self.name,
-                _spec_tuples(self.inputs),
-                _spec_tuples(self.outputs),
-                model_name=self.model,
-                max_batch_size=self.max_batch_size,
-                tensor_type=torch.Tensor,
-                coerce=make_coerce(self.inputs),
-                empty=torch.empty,
-                resolve=_resolve,
-            )
             self._generation = _fork_generation
             return self._core
+
+    def _open(self) -> _core.SharedClient:
+        meta = json.loads(_core.shared_meta(self.name))
+        self.model = str(meta["model"])
+        self.max_batch_size = int(meta["max_batch_size"])
+        self.inputs = tuple(TensorSpec(n, d, tuple(s)) for n, d, s in meta["inputs"])
+        self.outputs = tuple(TensorSpec(n, d, tuple(s)) for n, d, s in meta["outputs"])
+        self._input_names = frozenset(s.name for s in self.inputs)
+        return _core.SharedClient(
+            self.name,
+            _spec_tuples(self.inputs),
+            _spec_tuples(self.outputs),
+            model_name=self.model,
+            max_batch_size=self.max_batch_size,
+            tensor_type=torch.Tensor,
+            coerce=make_coerce(self.inputs),
+            empty=torch.empty,
+        )
 
     def _live_core(self) -> _core.SharedClient:
         core = self._core

@@ -18,6 +18,7 @@
 //! answers it (the collector, its deadline, its cancellation, `close`).
 
 use std::collections::HashMap;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -30,7 +31,7 @@ use ferrobatch_core::{DType, Route, Tally};
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PySlice, PyString, PyTuple, PyType};
+use pyo3::types::{PyDict, PySlice, PyString, PyTuple, PyType};
 
 use crate::batcher::Batcher;
 use crate::errors::{ferrobatch_error, invalid_input};
@@ -327,20 +328,27 @@ impl SharedServer {
 
 // -- client -------------------------------------------------------------------
 
+/// What a waiter gets from the collector: its finished entry, or why the
+/// server will never answer. Plain data: the collector never needs the GIL.
+enum Answer {
+    Done(Completed),
+    Closed(String),
+}
+
 /// A thread blocked in `infer_blocking`, until its answer is in.
 #[derive(Default)]
 struct ThreadWaiter {
-    answer: Mutex<Option<PyResult<Py<PyAny>>>>,
+    answer: Mutex<Option<Answer>>,
     ready: Condvar,
 }
 
 impl ThreadWaiter {
-    fn set(&self, answer: PyResult<Py<PyAny>>) {
+    fn set(&self, answer: Answer) {
         *self.answer.lock().unwrap_or_else(|e| e.into_inner()) = Some(answer);
         self.ready.notify_one();
     }
 
-    fn wait_until(&self, until: Instant) -> Option<PyResult<Py<PyAny>>> {
+    fn wait_until(&self, until: Instant) -> Option<Answer> {
         let mut answer = self.answer.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             if let Some(done) = answer.take() {
@@ -359,10 +367,35 @@ impl ThreadWaiter {
     }
 }
 
+/// One event loop's answers, posted by the collector and drained on the
+/// loop (its reader callback on `fd`, an eventfd rung once per post).
+struct LoopInbox {
+    event_loop: Py<PyAny>,
+    fd: OwnedFd,
+    posted: Mutex<Vec<(Py<PyAny>, bool, Answer)>>,
+}
+
+impl LoopInbox {
+    /// Posts an answer; true if the inbox was empty (its fd must ring).
+    fn post(&self, future: Py<PyAny>, batched: bool, answer: Answer) -> bool {
+        let mut posted = self.posted.lock().unwrap_or_else(|e| e.into_inner());
+        posted.push((future, batched, answer));
+        posted.len() == 1
+    }
+
+    fn ring(&self) {
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: writes 8 bytes from a live buffer to an eventfd this inbox
+        // owns (open while `self` lives); a full counter only loses a
+        // redundant wake-up.
+        unsafe { libc::write(self.fd.as_raw_fd(), one.as_ptr().cast(), one.len()) };
+    }
+}
+
 enum Target {
     Loop {
         future: Py<PyAny>,
-        event_loop: Py<PyAny>,
+        inbox: Arc<LoopInbox>,
     },
     Thread(Arc<ThreadWaiter>),
 }
@@ -374,6 +407,22 @@ struct Waiting {
     target: Target,
 }
 
+impl Waiting {
+    /// Hands `answer` to whoever waits; the loop inbox to ring, if any.
+    fn answer(self, answer: Answer) -> Option<Arc<LoopInbox>> {
+        match self.target {
+            Target::Thread(waiter) => {
+                waiter.set(answer);
+                None
+            }
+            Target::Loop { future, inbox } => {
+                let first = inbox.post(future, self.batched, answer);
+                first.then_some(inbox)
+            }
+        }
+    }
+}
+
 struct ClientInner {
     core: ClientCore,
     model_name: String,
@@ -381,10 +430,10 @@ struct ClientInner {
     outputs: Vec<OutputSpec>,
     /// By first cell: every request not answered yet.
     waiters: Mutex<HashMap<u32, Waiting>>,
+    /// The inbox of every event loop that submitted.
+    loops: Mutex<Vec<Arc<LoopInbox>>>,
     /// `torch.empty`, for the result tensors.
     empty: Py<PyAny>,
-    /// `resolve([(future, value, failed)])`, run on each event loop.
-    resolve: Py<PyAny>,
     stop: AtomicBool,
     /// The collector thread, joined by `close` (never by a forked child,
     /// which has no such thread).
@@ -407,11 +456,13 @@ impl ClientInner {
         }
     }
 
-    /// The collector thread: wait, collect, deliver; until closed, or the
-    /// server is gone (then every waiter fails).
+    /// The collector thread (never holds the GIL): wait, collect, hand each
+    /// answer to its waiter, ring each loop once; until closed, or the
+    /// server is gone (then every waiter gets `Closed`).
     fn collect_forever(self: Arc<Self>) {
         let mut done = Vec::new();
         let mut checked = Instant::now();
+        let mut to_ring: Vec<Arc<LoopInbox>> = Vec::new();
         while !self.stop.load(Ordering::Acquire) {
             self.core.wait(POLL);
             self.core.retry_withdrawals();
@@ -427,22 +478,18 @@ impl ClientInner {
                 // What the server answered before it stopped, first.
                 self.core.collect(&mut done);
             }
-            if self.stop.load(Ordering::Acquire) {
-                // Closed: `close` answers the waiters; this thread touches
-                // Python no more (it may be the interpreter's exit).
-                return;
-            }
-            if !done.is_empty() || over {
-                let alive = Python::try_attach(|py| {
-                    self.dispatch(py, &done);
-                    if over {
-                        self.fail_all(py, &gone.map(|g| g.to_string()).unwrap_or_default());
-                    }
-                });
-                if alive.is_none() {
-                    return; // the interpreter is finalizing
+            for d in done.drain(..) {
+                match self.take(d.cell, d.tag) {
+                    Some(w) => to_ring.extend(w.answer(Answer::Done(d))),
+                    None => self.core.release(&d), // its caller gave up
                 }
-                done.clear();
+            }
+            if over {
+                let why = gone.map(|g| g.to_string()).unwrap_or_default();
+                to_ring.extend(self.close_waiters(&why));
+            }
+            for inbox in to_ring.drain(..) {
+                inbox.ring();
             }
             if over {
                 return;
@@ -450,74 +497,53 @@ impl ClientInner {
         }
     }
 
-    /// Answers the waiters of `done` (collector thread, GIL held), and
-    /// frees their cells.
-    fn dispatch(&self, py: Python<'_>, done: &[Completed]) {
-        let mut answered: Vec<(&Completed, Waiting)> = Vec::with_capacity(done.len());
-        for d in done {
-            match self.take(d.cell, d.tag) {
-                Some(w) => answered.push((d, w)),
-                None => self.core.release(d), // its caller gave up
-            }
-        }
-        let ok_rows: usize = answered
-            .iter()
-            .filter(|(d, _)| d.code == code::OK)
-            .map(|(d, _)| d.rows as usize)
-            .sum();
-        let columns = self.columns(py, &answered, ok_rows);
-        let mut by_loop: Vec<(Py<PyAny>, Vec<Bound<'_, PyTuple>>)> = Vec::new();
-        let mut row = 0usize;
-        for (d, w) in answered {
-            let answer = if d.code != code::OK {
-                Err(self.error(py, d))
-            } else {
-                let result = match &columns {
-                    Ok(columns) => self.result(py, columns, row, d.rows as usize, w.batched),
-                    Err(e) => Err(e.clone_ref(py)),
-                };
-                row += d.rows as usize;
-                result
-            };
-            self.core.release(d);
-            match w.target {
-                Target::Thread(waiter) => waiter.set(answer),
-                Target::Loop { future, event_loop } => {
-                    let (value, failed) = match answer {
-                        Ok(v) => (v, false),
-                        Err(e) => (e.into_value(py).into_any(), true),
-                    };
-                    let Ok(item) = (future, value, failed).into_pyobject(py) else {
-                        continue;
-                    };
-                    match by_loop.iter_mut().find(|(l, _)| l.is(&event_loop)) {
-                        Some((_, items)) => items.push(item),
-                        None => by_loop.push((event_loop, vec![item])),
-                    }
-                }
-            }
-        }
-        for (event_loop, items) in by_loop {
-            let Ok(items) = PyList::new(py, items) else {
-                continue;
-            };
-            // A closed loop: nobody awaits these any more.
-            let _ = event_loop.call_method1(
-                py,
-                intern!(py, "call_soon_threadsafe"),
-                (self.resolve.clone_ref(py), items),
-            );
-        }
+    /// Answers every waiter with `Closed(why)`; the inboxes to ring.
+    fn close_waiters(&self, why: &str) -> Vec<Arc<LoopInbox>> {
+        let waiting: Vec<Waiting> = self.waiters().drain().map(|(_, w)| w).collect();
+        let message = format!("model '{}': {why}", self.model_name);
+        waiting
+            .into_iter()
+            .filter_map(|w| w.answer(Answer::Closed(message.clone())))
+            .collect()
     }
 
-    /// One tensor per output holding the rows of every successful request
-    /// of this wake-up, back to back.
-    fn columns(
-        &self,
-        py: Python<'_>,
-        answered: &[(&Completed, Waiting)],
-        rows: usize,
-    ) -> PyResult<Vec<Py<PyAny>>> {
+    /// The results of `answers` (in order; GIL held), their cells freed.
+    fn results(&self, py: Python<'_>, answers: &[(bool, &Answer)]) -> Vec<PyResult<Py<PyAny>>> {
+        let ok: Vec<&Completed> = answers
+            .iter()
+            .filter_map(|(_, a)| match a {
+                Answer::Done(d) if d.code == code::OK => Some(d),
+                _ => None,
+            })
+            .collect();
+        let rows: usize = ok.iter().map(|d| d.rows as usize).sum();
+        let columns = self.columns(py, &ok, rows);
+        let mut row = 0usize;
+        let mut out = Vec::with_capacity(answers.len());
+        for (batched, answer) in answers {
+            out.push(match answer {
+                Answer::Closed(message) => {
+                    Err(ferrobatch_error(py, "ServerClosedError", message.clone()))
+                }
+                Answer::Done(d) if d.code != code::OK => Err(self.error(py, d)),
+                Answer::Done(d) => {
+                    let result = match &columns {
+                        Ok(columns) => self.result(py, columns, row, d.rows as usize, *batched),
+                        Err(e) => Err(e.clone_ref(py)),
+                    };
+                    row += d.rows as usize;
+                    result
+                }
+            });
+            if let Answer::Done(d) = answer {
+                self.core.release(d);
+            }
+        }
+        out
+    }
+
+    /// One tensor per output holding the rows of `ok` back to back.
+    fn columns(&self, py: Python<'_>, ok: &[&Completed], rows: usize) -> PyResult<Vec<Py<PyAny>>> {
         let mut columns = Vec::with_capacity(self.outputs.len());
         if rows == 0 {
             return Ok(columns);
@@ -534,7 +560,7 @@ impl ClientInner {
                 .call((PyTuple::new(py, &shape)?,), Some(&kwargs))?;
             let ptr: usize = tensor.call_method0(intern!(py, "data_ptr"))?.extract()?;
             let mut offset = 0usize;
-            for (d, _) in answered.iter().filter(|(d, _)| d.code == code::OK) {
+            for d in ok {
                 let src = self.core.output(d, index);
                 if ptr != 0 && !src.is_empty() {
                     // SAFETY: the tensor was just made with `rows` rows of
@@ -590,37 +616,78 @@ impl ClientInner {
         ferrobatch_error(py, class, d.message.clone())
     }
 
-    /// Fails every waiter with `ServerClosedError` (the server is gone, or
-    /// this client closed).
-    fn fail_all(&self, py: Python<'_>, why: &str) {
-        let waiting: Vec<Waiting> = self.waiters().drain().map(|(_, w)| w).collect();
-        let message = format!("model '{}': {why}", self.model_name);
-        let mut by_loop: Vec<(Py<PyAny>, Vec<Bound<'_, PyTuple>>)> = Vec::new();
-        for w in waiting {
-            let err = ferrobatch_error(py, "ServerClosedError", message.clone());
-            match w.target {
-                Target::Thread(waiter) => waiter.set(Err(err)),
-                Target::Loop { future, event_loop } => {
-                    let Ok(item) = (future, err.into_value(py), true).into_pyobject(py) else {
-                        continue;
-                    };
-                    match by_loop.iter_mut().find(|(l, _)| l.is(&event_loop)) {
-                        Some((_, items)) => items.push(item),
-                        None => by_loop.push((event_loop, vec![item])),
-                    }
-                }
+    /// Resolves what the collector posted to `inbox` (its loop's thread).
+    fn drain(&self, py: Python<'_>, inbox: &LoopInbox) -> PyResult<()> {
+        let mut counter = [0u8; 8];
+        // SAFETY: reads at most 8 bytes into a live buffer from the
+        // non-blocking eventfd this inbox owns; a failed read is harmless.
+        unsafe { libc::read(inbox.fd.as_raw_fd(), counter.as_mut_ptr().cast(), 8) };
+        let posted = std::mem::take(&mut *inbox.posted.lock().unwrap_or_else(|e| e.into_inner()));
+        if posted.is_empty() {
+            return Ok(());
+        }
+        let answers: Vec<(bool, &Answer)> = posted.iter().map(|(_, b, a)| (*b, a)).collect();
+        let results = self.results(py, &answers);
+        for ((future, _, _), result) in posted.iter().zip(results) {
+            let future = future.bind(py);
+            if future.call_method0(intern!(py, "done"))?.is_truthy()? {
+                continue; // cancelled meanwhile
             }
-        }
-        for (event_loop, items) in by_loop {
-            let Ok(items) = PyList::new(py, items) else {
-                continue;
+            match result {
+                Ok(value) => future.call_method1(intern!(py, "set_result"), (value,))?,
+                Err(err) => {
+                    future.call_method1(intern!(py, "set_exception"), (err.into_value(py),))?
+                }
             };
-            let _ = event_loop.call_method1(
-                py,
-                intern!(py, "call_soon_threadsafe"),
-                (self.resolve.clone_ref(py), items),
-            );
         }
+        Ok(())
+    }
+
+    /// The inbox of `event_loop` (the running loop of this thread), made
+    /// and watched on first use.
+    fn inbox_for(
+        self: &Arc<Self>,
+        py: Python<'_>,
+        event_loop: &Bound<'_, PyAny>,
+    ) -> PyResult<Arc<LoopInbox>> {
+        if let Some(inbox) = self
+            .loops
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .find(|i| i.event_loop.is(event_loop))
+        {
+            return Ok(inbox.clone());
+        }
+        // SAFETY: eventfd makes a new fd (or -1, checked), owned from here.
+        let raw = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if raw < 0 {
+            return Err(PyOSError::new_err(format!(
+                "cannot make an eventfd: {}",
+                std::io::Error::last_os_error()
+            )));
+        }
+        // SAFETY: `raw` is a fresh fd nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let inbox = Arc::new(LoopInbox {
+            event_loop: event_loop.clone().unbind(),
+            fd,
+            posted: Mutex::new(Vec::new()),
+        });
+        let drain = Bound::new(
+            py,
+            SharedDrain {
+                inner: self.clone(),
+                inbox: inbox.clone(),
+            },
+        )?;
+        let drain = drain.getattr(intern!(py, "drain"))?;
+        event_loop.call_method1(intern!(py, "add_reader"), (raw, drain))?;
+        self.loops
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(inbox.clone());
+        Ok(inbox)
     }
 
     /// Converts and queues a request, its waiter registered first (the
@@ -637,8 +704,9 @@ impl ClientInner {
         let (rows, _, keep) = self.converter.convert_dict(py, inputs, batched)?;
         let bytes: Vec<&[u8]> = keep.iter().map(|k| k.bytes()).collect();
         let rows = row_u32(rows, "rows")?;
-        // Held across the submit (with the GIL, which the collector needs
-        // too before it takes this lock): the answer finds the waiter.
+        // Held across the submit: the collector finds the waiter (it takes
+        // this lock only without the GIL, so this thread never waits on it
+        // while the collector waits for this thread's GIL).
         let mut waiters = self.waiters();
         let (cell, tag) = self
             .core
@@ -657,15 +725,15 @@ impl ClientInner {
     }
 
     /// The caller gave up on `(cell, tag)`: its waiter is dropped and the
-    /// request withdrawn. False if it was answered first.
+    /// request withdrawn. None if it was answered first.
     fn abandon(&self, cell: u32, tag: u32, why: Withdraw) -> Option<Waiting> {
         let waiting = self.take(cell, tag)?;
         self.core.withdraw(cell, tag, waiting.rows, why);
         Some(waiting)
     }
 
-    /// Stops the collector (and, with `join`, waits for it: call without
-    /// the GIL, which it may be waiting for) and gives the slot back.
+    /// Stops the collector (and, with `join`, waits for it) and gives the
+    /// slot back.
     fn close(&self, join: bool) {
         self.stop.store(true, Ordering::Release);
         self.core.close();
@@ -682,6 +750,21 @@ impl ClientInner {
                 let _ = handle.join();
             }
         }
+    }
+}
+
+/// An event loop's reader callback for its inbox's eventfd.
+#[pyclass(frozen, module = "ferrobatch._core")]
+pub struct SharedDrain {
+    inner: Arc<ClientInner>,
+    inbox: Arc<LoopInbox>,
+}
+
+#[pymethods]
+impl SharedDrain {
+    /// Resolves what the collector posted since the last call.
+    fn drain(&self, py: Python<'_>) -> PyResult<()> {
+        self.inner.drain(py, &self.inbox)
     }
 }
 
@@ -726,7 +809,7 @@ impl SharedClient {
     /// Connects to the segment `name`: `inputs` / `outputs` as `(name,
     /// dtype, shape, torch dtype)`, read from its metadata.
     #[new]
-    #[pyo3(signature = (name, inputs, outputs, *, model_name, max_batch_size, tensor_type, coerce, empty, resolve))]
+    #[pyo3(signature = (name, inputs, outputs, *, model_name, max_batch_size, tensor_type, coerce, empty))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -738,7 +821,6 @@ impl SharedClient {
         tensor_type: Py<PyType>,
         coerce: Py<PyAny>,
         empty: Py<PyAny>,
-        resolve: Py<PyAny>,
     ) -> PyResult<SharedClient> {
         let mut specs = Vec::with_capacity(inputs.len());
         for (input, dtype, shape, torch_dtype) in inputs {
@@ -774,8 +856,8 @@ impl SharedClient {
             },
             outputs,
             waiters: Mutex::new(HashMap::new()),
+            loops: Mutex::new(Vec::new()),
             empty,
-            resolve,
             stop: AtomicBool::new(false),
             collector: Mutex::new(None),
             pid: ferrobatch_core::shm::current_pid(),
@@ -799,9 +881,10 @@ impl SharedClient {
         timeout: Option<f64>,
         batched: bool,
         future: Py<PyAny>,
-        event_loop: Py<PyAny>,
+        event_loop: &Bound<'_, PyAny>,
     ) -> PyResult<u64> {
-        let target = Target::Loop { future, event_loop };
+        let inbox = self.inner.inbox_for(py, event_loop)?;
+        let target = Target::Loop { future, inbox };
         let (cell, tag) = self.inner.submit(py, inputs, timeout, batched, target)?;
         Ok(key(cell, tag))
     }
@@ -854,7 +937,10 @@ impl SharedClient {
             let slice = Instant::now() + SIGNAL_CHECK;
             let until = deadline.map_or(slice, |d| d.min(slice));
             if let Some(answer) = without_gil(py, || waiter.wait_until(until)) {
-                return answer;
+                let mut results = self.inner.results(py, &[(batched, &answer)]);
+                return results
+                    .pop()
+                    .unwrap_or_else(|| Err(PyRuntimeError::new_err("no result")));
             }
             if deadline.is_some_and(|d| Instant::now() >= d) {
                 if self.inner.abandon(cell, tag, Withdraw::Expired).is_some() {
@@ -879,7 +965,9 @@ impl SharedClient {
     /// `ServerClosedError`. Idempotent.
     fn close(&self, py: Python<'_>) {
         without_gil(py, || self.inner.close(true));
-        self.inner.fail_all(py, "the client was closed");
+        for inbox in self.inner.close_waiters("the client was closed") {
+            inbox.ring();
+        }
     }
 
     /// Requests of this client not answered yet.
@@ -913,6 +1001,7 @@ impl Drop for SharedClient {
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<SharedServer>()?;
     m.add_class::<SharedClient>()?;
+    m.add_class::<SharedDrain>()?;
     m.add_function(wrap_pyfunction!(shared_meta, m)?)?;
     Ok(())
 }
