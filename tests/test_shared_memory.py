@@ -186,10 +186,14 @@ async def test_segment_permissions_names_and_versions(caplog: pytest.LogCaptureF
         name = unique("perm")
         share = server.share(name)
         assert os.stat(segment(name)).st_mode & 0o777 == 0o600
-        with pytest.raises(ValueError, match="already shared by a running server"):
-            server.share(name)
-        other = server.share(unique("perm"), mode=0o640)
-        assert os.stat(segment(other.name)).st_mode & 0o777 == 0o640
+        with pytest.raises(ValueError, match="already shared as"):
+            server.share(unique("perm"))
+        other_server = fb.Server(model, inputs=INPUTS, outputs=OUTPUTS)
+        async with other_server:
+            with pytest.raises(ValueError, match="already shared by a running server"):
+                other_server.share(name)
+            other = other_server.share(unique("perm"), mode=0o640)
+            assert os.stat(segment(other.name)).st_mode & 0o777 == 0o640
         # A segment of another layout version: refused, naming both versions.
         with open(segment(name), "r+b") as f:
             f.seek(8)

@@ -489,10 +489,13 @@ class Server:
         permissions ``mode`` (default 0o600: this user only), made once and
         removed when the server stops; one left by a server that died is
         replaced (with a log line), one of a running server is a
-        ``ValueError``. Raises :class:`ServerClosedError` unless running.
+        ``ValueError``, and so is sharing one server twice. Raises
+        :class:`ServerClosedError` unless running.
         """
         from .shared import share
 
+        if self._shared:
+            raise ValueError(f"server '{self.name}' is already shared as '{self._shared[0].name}'")
         shared = share(
             self, name, max_clients=max_clients, rows_per_client=rows_per_client, ring_size=ring_size, mode=mode
         )
