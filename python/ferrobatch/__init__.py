@@ -18,6 +18,7 @@ from .errors import (
     ServerClosedError,
 )
 from .server import Server
+from .shared import Shared, SharedClient, connect
 from .specs import TensorSpec
 
 __all__ = [
@@ -30,6 +31,9 @@ __all__ = [
     "RequestInfo",
     "Server",
     "ServerClosedError",
+    "Shared",
+    "SharedClient",
     "TensorSpec",
     "__version__",
+    "connect",
 ]

@@ -13,6 +13,9 @@ __all__ = [
     "LoopMailbox",
     "LoopRegistry",
     "NativeFrontend",
+    "SharedClient",
+    "SharedDrain",
+    "SharedServer",
     "Submitter",
     "Ticket",
     "V2Codec",
@@ -21,6 +24,7 @@ __all__ = [
     "Worker",
     "__version__",
     "after_fork_in_child",
+    "shared_meta",
 ]
 __version__: str
 
@@ -259,3 +263,77 @@ class NativeFrontend:
     def drain(self) -> None: ...
     def close(self, grace: float) -> None: ...
     def stop(self, grace: float = 5.0) -> None: ...
+
+_SpecTuple = tuple[str, str, list[int], torch.dtype]
+
+@final
+class SharedServer:
+    """A model shared under a name through shared memory, until ``close``."""
+
+    def __new__(
+        cls,
+        name: str,
+        batcher: Batcher,
+        registry: LoopRegistry,
+        outputs: list[_SpecTuple],
+        meta: str,
+        *,
+        model_name: str,
+        max_clients: int,
+        rows_per_client: int,
+        ring_size: int,
+        mode: int,
+    ) -> SharedServer: ...
+    @property
+    def replaced(self) -> str | None: ...
+    def stop_accepting(self) -> None: ...
+    def close(self, message: str) -> None: ...
+    @property
+    def in_flight(self) -> int: ...
+    @property
+    def reclaimed(self) -> int: ...
+    def clients(self) -> list[tuple[int, int]]: ...
+
+@final
+class SharedClient:
+    """A client of a model shared by another process."""
+
+    def __new__(
+        cls,
+        name: str,
+        inputs: list[_SpecTuple],
+        outputs: list[_SpecTuple],
+        *,
+        model_name: str,
+        max_batch_size: int,
+        tensor_type: type[torch.Tensor],
+        coerce: Callable[[Any, int, bool], Any],
+        empty: Callable[..., torch.Tensor],
+    ) -> SharedClient: ...
+    def submit(
+        self,
+        inputs: Any,
+        timeout: float | None,
+        batched: bool,
+        future: asyncio.Future[Any],
+        event_loop: asyncio.AbstractEventLoop,
+    ) -> int: ...
+    def cancel(self, key: int) -> None: ...
+    def expire(self, key: int, timeout: float) -> None: ...
+    def infer_blocking(self, inputs: Any, timeout: float | None = None, batched: bool = False) -> Any: ...
+    def close(self) -> None: ...
+    @property
+    def pending(self) -> int: ...
+    @property
+    def slot(self) -> int: ...
+    @property
+    def cells_in_use(self) -> int: ...
+
+@final
+class SharedDrain:
+    """An event loop's reader callback: resolves what a shared client's collector posted."""
+
+    def drain(self) -> None: ...
+
+def shared_meta(name: str) -> str:
+    """The metadata (JSON) of the segment ``name``, after checking its version."""

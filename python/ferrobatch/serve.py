@@ -183,6 +183,10 @@ class ServeConfig:
     http_header_forward_pattern: str | None = None
     #: The same for gRPC metadata (``--grpc-header-forward-pattern``).
     grpc_header_forward_pattern: str | None = None
+    #: Also share the models with other processes of this user (see
+    #: :meth:`Server.share`) under this name (one model), or
+    #: ``"{share}.{model}"`` each (several); ``ferrobatch.connect`` there.
+    share: str | None = None
 
 
 class _Repository(ModelRepository):
@@ -313,6 +317,8 @@ async def serve(
                 return
             if native is not None:
                 native.attach()
+            if config.share is not None:
+                _share(repository.servers, config.share)
             # What start-up left on the heap (torch, the model, the imports:
             # some 200k objects) is kept for good: moved out of the collector's
             # reach, a full collection no longer walks it every few hundred ms
@@ -376,6 +382,17 @@ async def _any(*waits: Awaitable[Any]) -> None:
 def _watch(task: asyncio.Task[None] | None) -> list[Awaitable[Any]]:
     """``task`` (uvicorn's, which ends if it fails) shielded, for :func:`_any`."""
     return [] if task is None else [asyncio.shield(task)]
+
+
+def _share(servers: Sequence[Server], name: str) -> None:
+    """Shares every server through shared memory (``--share``)."""
+    for server in servers:
+        shared_as = name if len(servers) == 1 else f"{name}.{server.name}"
+        try:
+            server.share(shared_as)
+        except (ValueError, OSError) as exc:
+            raise StartupError(f"--share: {exc}") from None
+        log.info("model '%s': shared as '%s' (ferrobatch.connect(%r))", server.name, shared_as, shared_as)
 
 
 async def _start_servers(
@@ -701,6 +718,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="send the text of a model's exceptions to clients (default: their type and a"
         " request id; the log has the traceback)",
     )
+    parser.add_argument(
+        "--share",
+        metavar="NAME",
+        default=None,
+        help="also serve processes of this user through shared memory: ferrobatch.connect(NAME)"
+        " (NAME.MODEL each when serving several models)",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
     parser.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"])
@@ -782,6 +806,7 @@ def main(args: argparse.Namespace) -> int:
         body_timeout=args.body_timeout,
         http_header_forward_pattern=args.http_header_forward_pattern,
         grpc_header_forward_pattern=args.grpc_header_forward_pattern,
+        share=args.share,
     )
     try:
         return run(servers, config, loop=args.loop)

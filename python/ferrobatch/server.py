@@ -13,7 +13,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import anyio.from_thread
@@ -44,6 +44,9 @@ from ._weights import WeightUpdate, WeightUpdates
 from .client import Client, flatten_inputs
 from .errors import ModelError, ServerClosedError
 from .specs import TensorSpec, dtype_name, example_specs
+
+if TYPE_CHECKING:
+    from .shared import Shared
 
 __all__ = ["Server"]
 
@@ -273,6 +276,7 @@ class Server:
         self._counters: list[WorkerCounters] = []
         self._executors: list[CpuExecutor | CudaExecutor] = []
         self._token: anyio.lowlevel.EventLoopToken | None = None
+        self._shared: list[Shared] = []
         self._phase = "created"  # created -> starting (warm-up) -> running -> stopping -> stopped
 
     @classmethod
@@ -500,6 +504,8 @@ class Server:
         if self._phase != "running":
             return
         self._phase = "stopping"
+        for shared in self._shared:  # other processes' clients refuse new requests too
+            await anyio.to_thread.run_sync(shared._stop_accepting)
         self._submitter.accept(None)
         assert self._batcher is not None
         self._batcher.close()
@@ -507,6 +513,8 @@ class Server:
             await _joined(self._threads)
         message = f"server '{self.name}' stopped before the request could run"
         self._loops.fail_all(message)
+        for shared in self._shared:
+            await anyio.to_thread.run_sync(shared._close, message)
         for sampler in self._samplers:
             await anyio.to_thread.run_sync(sampler.stop)
         self._phase = "stopped"
@@ -555,6 +563,39 @@ class Server:
     def client(self) -> Client:
         """A client for this server (cheap; share it or make many)."""
         return Client(self, self._submitter, self._loop_token)
+
+    def share(
+        self,
+        name: str,
+        *,
+        max_clients: int = 32,
+        rows_per_client: int = 1024,
+        ring_size: int = 4096,
+        mode: int = 0o600,
+    ) -> Shared:
+        """Exposes this running server to other processes of the same user as
+        ``name``: ``ferrobatch.connect(name)`` there returns a client with the
+        API of :meth:`client`, whose requests join the same batches.
+
+        Sizes are fixed for the share: ``max_clients`` processes connected at
+        once, ``rows_per_client`` rows each may have in flight (beyond,
+        :class:`QueueFullError` at once), ``ring_size`` requests waiting to be
+        taken (a power of two). The segment is a file in ``/dev/shm`` of
+        permissions ``mode`` (default 0o600: this user only), made once and
+        removed when the server stops; one left by a server that died is
+        replaced (with a log line), one of a running server is a
+        ``ValueError``, and so is sharing one server twice. Raises
+        :class:`ServerClosedError` unless running.
+        """
+        from .shared import share
+
+        if self._shared:
+            raise ValueError(f"server '{self.name}' is already shared as '{self._shared[0].name}'")
+        shared = share(
+            self, name, max_clients=max_clients, rows_per_client=rows_per_client, ring_size=ring_size, mode=mode
+        )
+        self._shared.append(shared)
+        return shared
 
     def _native_parts(self) -> tuple[_core.Batcher, _core.LoopRegistry]:
         """The batcher and the loop registry (the owner of this server's

@@ -78,6 +78,7 @@ pub mod queue;
 #[cfg(all(test, not(loom)))]
 mod ragged_props;
 pub mod request;
+pub mod shm;
 pub mod specs;
 pub mod staging;
 mod sync;

@@ -261,7 +261,7 @@ impl Batcher {
         submission: core::Submission,
         batched: bool,
     ) -> PyResult<Bound<'py, Ticket>> {
-        let (rows, bytes, keep) = self.convert(py, inputs, batched)?;
+        let (rows, bytes, keep) = self.converter.convert_dict(py, inputs, batched)?;
         // Made before the request is queued: once queued, nothing may fail.
         let future = mailbox.get().new_future(py)?;
         LoopMailbox::schedule_flush(mailbox, &self.core)?;
@@ -303,7 +303,7 @@ impl Batcher {
         batched: bool,
         waiters: &ThreadWaiters,
     ) -> PyResult<(Arc<core::Request>, Arc<Waiter>)> {
-        let (rows, bytes, keep) = self.convert(py, inputs, batched)?;
+        let (rows, bytes, keep) = self.converter.convert_dict(py, inputs, batched)?;
         let mut waiter = None;
         let mut keep = Some(keep);
         let submitted = self.core.submit_request(
@@ -334,11 +334,13 @@ impl Batcher {
             }
         }
     }
+}
 
+impl Converter {
     /// Checks a request's `inputs` (a dict) against the specs and copies
     /// them: its rows, the byte views, and what keeps the bytes alive.
     #[allow(clippy::type_complexity)]
-    fn convert(
+    pub(crate) fn convert_dict(
         &self,
         py: Python<'_>,
         inputs: &Bound<'_, PyAny>,
@@ -353,7 +355,7 @@ impl Batcher {
                 ),
             ));
         };
-        let specs = &self.converter.specs;
+        let specs = &self.specs;
         let mut bytes = Vec::with_capacity(specs.len());
         let mut keep = Vec::with_capacity(specs.len());
         let mut rows = None;
@@ -361,7 +363,7 @@ impl Batcher {
             let Some(value) = inputs.get_item(spec.key.bind(py))? else {
                 return Err(invalid_input(py, format!("missing input '{}'", spec.name)));
             };
-            let converted = self.converter.convert(py, index, &value, batched)?;
+            let converted = self.convert(py, index, &value, batched)?;
             match rows {
                 None => rows = Some(converted.rows),
                 Some(n) if n != converted.rows => {

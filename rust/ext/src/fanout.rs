@@ -37,6 +37,7 @@ use crate::batcher::Ticket;
 use crate::errors::{describe, error_class, ferrobatch_error};
 use crate::loops::LoopRegistry;
 use crate::native;
+use crate::shm;
 
 /// What a caller that got `error` saw.
 pub(crate) fn outcome_of_error(py: Python<'_>, error: &Bound<'_, PyAny>) -> Outcome {
@@ -84,6 +85,11 @@ impl ModelFailure {
                 cause: Some(error.clone().unbind()),
             }
         }
+    }
+
+    /// The message every caller of the failed batch gets.
+    pub(crate) fn message(&self) -> &str {
+        &self.message
     }
 
     /// A fresh `ModelError` for one caller: one instance raised in many
@@ -164,8 +170,12 @@ pub(crate) fn post_batch(
                 registry.threads.deliver(py, routes, outcome, failed);
                 continue;
             }
-            // No shared-memory clients yet.
-            Sink::SharedMemory(_) => continue,
+            Sink::SharedMemory(client) => {
+                if let Some(shared) = registry.shared() {
+                    shm::deliver(py, &shared, *client, routes, outcome, failed);
+                }
+                continue;
+            }
         };
         let Some(mailbox) = registry.get(py, *loop_id) else {
             continue;

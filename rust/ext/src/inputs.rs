@@ -108,6 +108,13 @@ impl InputSpec {
 /// request's own copy of them (see the module docs).
 pub(crate) struct Keep(Box<[u8]>);
 
+impl Keep {
+    /// The copied bytes.
+    pub(crate) fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
 impl Drop for Keep {
     fn drop(&mut self) {
         recycle(std::mem::take(&mut self.0));

@@ -15,6 +15,7 @@ mod fanout;
 mod inputs;
 mod loops;
 mod native;
+mod shm;
 mod submit;
 mod threads;
 
@@ -42,5 +43,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(submit::after_fork_in_child, m)?)?;
     codec::register(m)?;
     native::register(m)?;
+    shm::register(m)?;
     Ok(())
 }

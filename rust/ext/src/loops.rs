@@ -26,6 +26,7 @@ use ferrobatch_core::{Outcome, Tally, OUTCOMES};
 
 use crate::fanout::LoopMailbox;
 use crate::native::{self, NativeSink};
+use crate::shm::SharedSink;
 use crate::threads::ThreadWaiters;
 
 #[derive(Default)]
@@ -48,6 +49,8 @@ pub struct LoopRegistry {
     pub(crate) threads: ThreadWaiters,
     /// The native front-end's reply table for this model, once it serves it.
     native: Mutex<Option<Arc<NativeSink>>>,
+    /// The shared-memory clients of this model, once it is shared.
+    shared: Mutex<Option<Arc<SharedSink>>>,
 }
 
 #[pymethods]
@@ -61,6 +64,7 @@ impl LoopRegistry {
             mailboxes: Mutex::new(Mailboxes::default()),
             retired: Tally::default(),
             native: Mutex::new(None),
+            shared: Mutex::new(None),
         }
     }
 
@@ -80,6 +84,9 @@ impl LoopRegistry {
         self.threads.tally.add_to(&mut counts, &mut request_ns);
         if let Some(native) = self.native() {
             native::add_counts(&native, &mut counts, &mut request_ns);
+        }
+        if let Some(shared) = self.shared() {
+            shared.tally().add_to(&mut counts, &mut request_ns);
         }
         for mailbox in self.all(py) {
             mailbox.get().tally.add_to(&mut counts, &mut request_ns);
@@ -132,6 +139,26 @@ impl LoopRegistry {
         if let Some(old) = old {
             self.retired.absorb(old.replies.tally());
         }
+    }
+
+    /// Routes this model's `Sink::SharedMemory` rows to `sink` from now on.
+    /// A model shared before keeps its counts (in `retired`).
+    pub(crate) fn attach_shared(&self, sink: Arc<SharedSink>) {
+        let old = self
+            .shared
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .replace(sink);
+        if let Some(old) = old {
+            self.retired.absorb(old.tally());
+        }
+    }
+
+    pub(crate) fn shared(&self) -> Option<Arc<SharedSink>> {
+        self.shared
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     pub(crate) fn native(&self) -> Option<Arc<NativeSink>> {

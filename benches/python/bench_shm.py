@@ -1,0 +1,397 @@
+"""Shared-memory clients against in-process clients, TorchRL's cross-process
+transports and binary HTTP over loopback, on one model server.
+
+Each case serves one model (``identity`` or ``mlp`` on ``float32[256]``, from
+``e2e_systems.py``; ``max_batch_size=64``, greedy dispatch) from this process
+and drives it for ``--seconds`` (after ``--warmup``), ``--runs`` times:
+
+- ``in-process``: ``2 x --callers`` asyncio callers on this process's loop,
+  ``await server.client().infer(...)`` in a loop (the same total callers);
+- ``shm``: the server shares itself (``server.share``); 2 client processes
+  (spawned once) each run ``--callers`` asyncio callers, ``fb.connect(name)``;
+- ``http-binary``: ``ferrobatch serve``'s native front-end on 127.0.0.1; the
+  same 2 processes each run ``--callers`` callers with ``tritonclient.http.aio``
+  (binary tensors in and out);
+- ``torchrl-mp`` / ``torchrl-shm``: TorchRL's ``InferenceServer`` with its
+  ``MPTransport`` / ``SharedMemoryTransport`` (``num_slots = 2 x callers``);
+  2 client processes (clients made before spawning, as TorchRL requires)
+  each keep ``--callers`` requests in flight (``client.submit`` futures, the
+  oldest awaited and replaced).
+
+Throughput is completed requests per second inside the measured window,
+summed over the client processes; ``p50 @1`` is the median round trip of a
+single caller (``in-process`` and ``shm``), over the same window. Every run
+is printed; the table gives medians over runs and the ratios the targets
+name. Results: ``benches/results/shm.jsonl`` (overwritten).
+
+    python benches/python/bench_shm.py                       # both models, 3 runs
+    python benches/python/bench_shm.py --models identity --runs 1 --seconds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from e2e_systems import FEATURES, MAX_BATCH_SIZE, make_model, torchrl_available
+
+import ferrobatch as fb
+
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "shm.jsonl"
+PROCESSES = 2
+
+
+def make_server(kind: str) -> fb.Server:
+    spec = [fb.TensorSpec("x", "float32", (FEATURES,))]
+    out = [fb.TensorSpec("y", "float32", (FEATURES,))]
+    return fb.Server(make_model(kind), inputs=spec, outputs=out, max_batch_size=MAX_BATCH_SIZE, max_delay=0, name=kind)
+
+
+# -- the client processes ---------------------------------------------------------------
+
+
+async def _callers(
+    call: Callable[[torch.Tensor], Any], callers: int, start_at: float, warmup: float, seconds: float
+) -> dict[str, Any]:
+    """``callers`` loops calling ``call(x)``; completions and round trips
+    inside ``[start_at + warmup, + seconds)``."""
+    measure_from = start_at + warmup
+    until = measure_from + seconds
+    latencies: list[float] = []
+    errors = 0
+
+    async def caller(seed: int) -> None:
+        nonlocal errors
+        x = torch.randn(FEATURES, generator=torch.Generator().manual_seed(seed))
+        while True:
+            started = time.time()
+            if started >= until:
+                return
+            try:
+                await call(x)
+            except Exception:  # noqa: BLE001 - counted
+                errors += 1
+                await asyncio.sleep(0.001)
+                continue
+            done = time.time()
+            if measure_from <= done < until:
+                latencies.append(done - started)
+
+    await asyncio.sleep(max(0.0, start_at - time.time()))
+    await asyncio.gather(*(caller(i) for i in range(callers)))
+    return {
+        "count": len(latencies),
+        "p50_s": statistics.median(latencies) if latencies else None,
+        "errors": errors,
+    }
+
+
+def client_process(conn: Connection) -> None:
+    """Runs the ferrobatch-side loads it is sent: ``("shm", name, ...)`` or
+    ``("http", url, model, ...)``, each ``(callers, start_at, warmup, seconds)``."""
+    torch.set_num_threads(1)
+    clients: dict[str, fb.SharedClient] = {}
+    conn.send("ready")
+    while True:
+        command = conn.recv()
+        if command is None:
+            break
+        if command[0] == "connect":  # before the clock starts
+            clients[command[1]] = fb.connect(command[1], timeout=60)
+            conn.send("connected")
+            continue
+        kind, target, model, callers, start_at, warmup, seconds = command
+        if kind == "shm":
+            client = clients[target]
+
+            async def shm_call(x: torch.Tensor, client: fb.SharedClient = client) -> Any:
+                return await client.infer({"x": x})
+
+            result = asyncio.run(_callers(shm_call, callers, start_at, warmup, seconds))
+        else:
+            result = asyncio.run(_http(target, model, callers, start_at, warmup, seconds))
+        conn.send(result)
+    for client in clients.values():
+        client.close()
+
+
+async def _http(url: str, model: str, callers: int, start_at: float, warmup: float, seconds: float) -> dict[str, Any]:
+    import tritonclient.http.aio as httpclient
+
+    client = httpclient.InferenceServerClient(url, conn_limit=max(callers, 1))
+    outputs = [httpclient.InferRequestedOutput("y", binary_data=True)]
+
+    async def call(x: torch.Tensor) -> Any:
+        tensor = httpclient.InferInput("x", [1, FEATURES], "FP32")
+        tensor.set_data_from_numpy(x.numpy()[None], binary_data=True)
+        return await client.infer(model, [tensor], outputs=outputs)
+
+    try:
+        return await _callers(call, callers, start_at, warmup, seconds)
+    finally:
+        await client.close()
+
+
+def torchrl_process(conn: Connection, client: Any) -> None:
+    """Keeps ``callers`` requests in flight through a TorchRL transport client."""
+    from collections import deque
+
+    from tensordict import TensorDict
+
+    torch.set_num_threads(1)
+    conn.send("ready")
+    while True:
+        command = conn.recv()
+        if command is None:
+            break
+        callers, start_at, warmup, seconds = command
+        measure_from = start_at + warmup
+        until = measure_from + seconds
+        tds = [TensorDict({"x": torch.randn(FEATURES)}) for _ in range(callers)]
+        time.sleep(max(0.0, start_at - time.time()))
+        inflight: deque[tuple[float, Any, int]] = deque((time.time(), client.submit(tds[i]), i) for i in range(callers))
+        count = 0
+        while inflight:
+            _, future, i = inflight.popleft()
+            future.result(timeout=120)
+            done = time.time()
+            if measure_from <= done < until:
+                count += 1
+            if done < until:
+                inflight.append((time.time(), client.submit(tds[i]), i))
+        conn.send({"count": count, "p50_s": None, "errors": 0})
+
+
+# -- the systems ------------------------------------------------------------------------
+
+
+def window(args: argparse.Namespace) -> tuple[float, float, float]:
+    return time.time() + 0.5, args.warmup, args.seconds
+
+
+def gather(conns: list[Connection], command: tuple[Any, ...]) -> list[dict[str, Any]]:
+    for conn in conns:
+        conn.send(command)
+    return [conn.recv() for conn in conns]
+
+
+def summarize(results: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+    p50s = [r["p50_s"] for r in results if r["p50_s"] is not None]
+    return {
+        "req_per_s": sum(r["count"] for r in results) / seconds,
+        "p50_us": statistics.median(p50s) * 1e6 if p50s else None,
+        "errors": sum(r["errors"] for r in results),
+    }
+
+
+async def in_process(kind: str, callers: int, args: argparse.Namespace) -> dict[str, Any]:
+    async with make_server(kind) as server:
+        client = server.client()
+
+        async def call(x: torch.Tensor) -> Any:
+            return await client.infer({"x": x})
+
+        start_at, warmup, seconds = window(args)
+        result = await _callers(call, callers, start_at, warmup, seconds)
+        return summarize([result], seconds)
+
+
+async def shared(kind: str, callers: int, conns: list[Connection], args: argparse.Namespace) -> dict[str, Any]:
+    async with make_server(kind) as server:
+        name = f"bench-shm-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        server.share(name, rows_per_client=max(1024, 2 * callers))
+        await asyncio.to_thread(gather, conns, ("connect", name))
+        start_at, warmup, seconds = window(args)
+        command = ("shm", name, kind, callers, start_at, warmup, seconds)
+        results = await asyncio.to_thread(gather, conns, command)
+        return summarize(results, seconds)
+
+
+def http_binary(kind: str, callers: int, conns: list[Connection], args: argparse.Namespace) -> dict[str, Any]:
+    from ferrobatch.serve import ServeConfig, serve_in_thread
+
+    config = ServeConfig(http_port=0, grpc_port=None, log_level="warning")
+    with serve_in_thread([make_server(kind)], config) as listening:
+        url = f"127.0.0.1:{listening.http_port}"
+        start_at, warmup, seconds = window(args)
+        results = gather(conns, ("http", url, kind, callers, start_at, warmup, seconds))
+    return summarize(results, seconds)
+
+
+def torchrl(kind: str, transport_kind: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    from tensordict import TensorDict
+    from tensordict.nn import TensorDictModule
+    from torchrl.modules.inference_server import InferenceServer, MPTransport, SharedMemoryTransport
+
+    model = make_model(kind)
+
+    class Wrapped(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return model({"x": x})["y"]
+
+    ctx = multiprocessing.get_context("spawn")
+    if transport_kind == "torchrl-mp":
+        transport: Any = MPTransport(ctx=ctx)
+    else:
+        spec = TensorDict({"x": torch.zeros(FEATURES)})
+        out = TensorDict({"y": torch.zeros(FEATURES)})
+        transport = SharedMemoryTransport(spec, out, num_slots=PROCESSES * args.callers, ctx=ctx)
+    module = TensorDictModule(Wrapped(), in_keys=["x"], out_keys=["y"])
+    server = InferenceServer(module, transport, max_batch_size=MAX_BATCH_SIZE, min_batch_size=1)
+    clients = [transport.client() for _ in range(PROCESSES)]
+    pipes = [ctx.Pipe() for _ in range(PROCESSES)]
+    procs = [ctx.Process(target=torchrl_process, args=(child, c)) for (_, child), c in zip(pipes, clients)]
+    for p in procs:
+        p.start()
+    for parent, _ in pipes:
+        assert parent.recv() == "ready"
+    server.start()
+    runs = []
+    try:
+        for _ in range(args.runs):
+            start_at, warmup, seconds = window(args)
+            results = gather([parent for parent, _ in pipes], (args.callers, start_at, warmup, seconds))
+            runs.append(summarize(results, seconds))
+            print(f"  {kind:8} {transport_kind:12} {runs[-1]['req_per_s']:10.0f} req/s", flush=True)
+    finally:
+        for parent, _ in pipes:
+            parent.send(None)
+        for p in procs:
+            p.join(60)
+        server.shutdown()
+    return runs
+
+
+# -- the plan ---------------------------------------------------------------------------
+
+
+def median_of(runs: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def run_system(system: str, kind: str, conns: list[Connection], args: argparse.Namespace) -> dict[str, Any]:
+    callers = 1 if system.endswith("@1") else args.callers
+    if system.startswith("in-process"):
+        return asyncio.run(in_process(kind, callers if callers == 1 else PROCESSES * callers, args))
+    if system.startswith("shm"):
+        return asyncio.run(shared(kind, callers, conns[:1] if callers == 1 else conns, args))
+    return http_binary(kind, callers, conns, args)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="identity,mlp")
+    parser.add_argument("--callers", type=int, default=256, help="callers per client process (default 256)")
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--warmup", type=float, default=1.0)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--no-torchrl", action="store_true")
+    args = parser.parse_args()
+    uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    print(f"bench_shm: {' '.join(sys.argv[1:]) or '(defaults)'}; {uptime}", flush=True)
+    ctx = multiprocessing.get_context("spawn")
+    pipes = [ctx.Pipe() for _ in range(PROCESSES)]
+    procs = [ctx.Process(target=client_process, args=(child,)) for _, child in pipes]
+    for p in procs:
+        p.start()
+    conns = [parent for parent, _ in pipes]
+    for conn in conns:
+        assert conn.recv() == "ready"
+    rows: list[dict[str, Any]] = []
+    try:
+        for kind in args.models.split(","):
+            runs: dict[str, list[dict[str, Any]]] = {}
+            for _ in range(args.runs):
+                for system in ("in-process", "shm", "in-process @1", "shm @1", "http-binary"):
+                    result = run_system(system, kind, conns, args)
+                    runs.setdefault(system, []).append(result)
+                    p50 = f"{result['p50_us']:8.0f} us p50" if result["p50_us"] else ""
+                    print(f"  {kind:8} {system:14} {result['req_per_s']:10.0f} req/s {p50}", flush=True)
+            if not args.no_torchrl and torchrl_available():
+                for transport in ("torchrl-mp", "torchrl-shm"):
+                    runs[transport] = torchrl(kind, transport, args)
+            for system, results in runs.items():
+                rows.append(
+                    {
+                        "model": kind,
+                        "system": system,
+                        "callers": (1 if "@1" in system else PROCESSES * args.callers),
+                        "processes": 1 if system.startswith("in-process") else (1 if "@1" in system else PROCESSES),
+                        "req_per_s": median_of(results, "req_per_s"),
+                        "p50_us": median_of(results, "p50_us"),
+                        "errors": sum(r["errors"] for r in results),
+                        "runs": [round(r["req_per_s"]) for r in results],
+                    }
+                )
+    finally:
+        for conn in conns:
+            conn.send(None)
+        for p in procs:
+            p.join(60)
+    meta = {
+        "command": "python benches/python/bench_shm.py " + " ".join(sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "uptime": uptime,
+        "seconds": args.seconds,
+        "runs": args.runs,
+        "cpus": os.cpu_count(),
+    }
+    RESULTS.parent.mkdir(exist_ok=True)
+    with RESULTS.open("w") as out:
+        out.write(json.dumps({"meta": meta}) + "\n")
+        for row in rows:
+            out.write(json.dumps(row) + "\n")
+    report(rows)
+    print(f"\nresults: {RESULTS}")
+
+
+def report(rows: list[dict[str, Any]]) -> None:
+    def get(model: str, system: str, key: str) -> float | None:
+        for r in rows:
+            if r["model"] == model and r["system"] == system:
+                value: float | None = r[key]
+                return value
+        return None
+
+    print("\n| model | system | callers | req/s (median) | p50 round trip |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    for r in rows:
+        p50 = f"{r['p50_us']:.0f} µs" if r["p50_us"] else "—"
+        print(f"| {r['model']} | {r['system']} | {r['callers']} | {r['req_per_s']:.0f} | {p50} |")
+    print()
+    for model in dict.fromkeys(r["model"] for r in rows):
+        shm, local = get(model, "shm", "req_per_s"), get(model, "in-process", "req_per_s")
+        trl = get(model, "torchrl-shm", "req_per_s")
+        trl_mp = get(model, "torchrl-mp", "req_per_s")
+        p50, p50_local = get(model, "shm @1", "p50_us"), get(model, "in-process @1", "p50_us")
+        parts = []
+        if shm and local:
+            parts.append(f"shm / in-process {shm / local:.2f}x (target >= 0.7)")
+        if shm and trl:
+            parts.append(f"shm / torchrl-shm {shm / trl:.1f}x (target >= 10)")
+        if shm and trl_mp:
+            parts.append(f"shm / torchrl-mp {shm / trl_mp:.1f}x (target >= 50)")
+        if p50 and p50_local:
+            parts.append(f"p50@1 shm / in-process {p50 / p50_local:.2f}x (target <= 2)")
+        print(f"{model}: " + "; ".join(parts))
+
+
+if __name__ == "__main__":
+    main()

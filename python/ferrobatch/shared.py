@@ -1,0 +1,317 @@
+"""One model, many processes: ``server.share(name)`` exposes a running server
+through shared memory, and ``fb.connect(name)`` in any process of the same
+user returns a client with the API of ``server.client()``.
+
+A client writes each request's bytes into its own cells of the shared
+segment and pushes a descriptor on a lock-free ring; the server's thread
+queues it into the same batcher local callers use, and each batch writes
+the client's rows back and wakes the client process once. See
+``rust/core/src/shm`` for the protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import json
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Mapping
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import _core
+from ._torch import make_coerce
+from .client import _is_tensordict, _to_tensordict, flatten_inputs
+from .errors import ServerClosedError
+from .specs import TensorSpec
+
+if TYPE_CHECKING:
+    from .server import Server
+
+__all__ = ["Shared", "SharedClient", "connect"]
+
+log = logging.getLogger("ferrobatch")
+
+#: Bumped in a forked child: its clients reconnect instead of using the parent's slot.
+_fork_generation = 0
+
+
+def _after_fork() -> None:
+    global _fork_generation
+    _fork_generation += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
+
+#: Timeouts at least this long arm no timer (no deadline, as in ``infer``).
+_NO_TIMER = 1e9
+
+
+class Shared:
+    """A server shared under a name (what :meth:`Server.share` returns), until
+    the server stops: then requests still pending fail with
+    :class:`ServerClosedError` and the segment is removed."""
+
+    def __init__(self, name: str, core: _core.SharedServer) -> None:
+        self.name = name
+        self._core = core
+
+    def clients(self) -> list[tuple[int, int]]:
+        """``[(slot, pid)]`` of the client processes connected now."""
+        return self._core.clients()
+
+    @property
+    def in_flight(self) -> int:
+        """Requests from clients accepted and not answered yet."""
+        return self._core.in_flight
+
+    @property
+    def reclaimed(self) -> int:
+        """Client slots reclaimed so far (clients that closed or died)."""
+        return self._core.reclaimed
+
+    def _stop_accepting(self) -> None:
+        self._core.stop_accepting()
+
+    def _close(self, message: str) -> None:
+        self._core.close(message)
+
+    def __repr__(self) -> str:
+        return f"Shared(name={self.name!r}, clients={len(self.clients())}, in_flight={self.in_flight})"
+
+
+def _spec_tuples(specs: tuple[TensorSpec, ...]) -> list[tuple[str, str, list[int], torch.dtype]]:
+    return [(s.name, s.dtype, list(s.shape), s.torch_dtype) for s in specs]
+
+
+def share(
+    server: Server,
+    name: str,
+    *,
+    max_clients: int = 32,
+    rows_per_client: int = 1024,
+    ring_size: int = 4096,
+    mode: int = 0o600,
+) -> Shared:
+    """See :meth:`Server.share`."""
+    batcher, registry = server._native_parts()
+    meta = json.dumps(
+        {
+            "ferrobatch": _core.__version__,
+            "model": server.name,
+            "max_batch_size": server.max_batch_size,
+            "inputs": [[s.name, s.dtype, list(s.shape)] for s in server.inputs],
+            "outputs": [[s.name, s.dtype, list(s.shape)] for s in server.outputs],
+        }
+    )
+    for option, value in (("max_clients", max_clients), ("rows_per_client", rows_per_client)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{option} must be an int >= 1, got {value!r}")
+    if not isinstance(ring_size, int) or ring_size < 2 or ring_size & (ring_size - 1):
+        raise ValueError(f"ring_size must be a power of two >= 2, got {ring_size!r}")
+    if not isinstance(mode, int) or not 0 <= mode <= 0o777:
+        raise ValueError(f"mode must be file permissions such as 0o600, got {mode!r}")
+    core = _core.SharedServer(
+        name,
+        batcher,
+        registry,
+        _spec_tuples(server.outputs),
+        meta,
+        model_name=server.name,
+        max_clients=max_clients,
+        rows_per_client=rows_per_client,
+        ring_size=ring_size,
+        mode=mode,
+    )
+    if core.replaced is not None:
+        log.warning("ferrobatch: %s", core.replaced)
+    log.info("ferrobatch: model '%s' shared as '%s'", server.name, name)
+    return Shared(name, core)
+
+
+#: Every live client, closed at exit (before the interpreter goes, so their
+#: collector threads never touch a finalizing interpreter).
+_live: weakref.WeakSet[SharedClient] = weakref.WeakSet()
+_live_lock = threading.Lock()
+
+
+def _close_all() -> None:
+    with _live_lock:
+        clients = list(_live)
+    for client in clients:
+        client.close()
+
+
+atexit.register(_close_all)
+
+
+def connect(name: str, timeout: float = 5.0) -> SharedClient:
+    """A client of the server shared as ``name`` (``server.share(name)``), in
+    this process: the methods and errors of ``server.client()``, plus
+    :meth:`SharedClient.close`. Waits up to ``timeout`` seconds for the
+    server to share the name; then raises :class:`ServerClosedError`. A
+    segment of another ferrobatch version raises :class:`FerrobatchError`
+    naming both versions.
+    """
+    return SharedClient(name, timeout)
+
+
+class SharedClient:
+    """A client of a model shared by another process (get one with
+    :func:`ferrobatch.connect`).
+
+    Share it across tasks, event loops and threads of this process. It
+    pickles: its name travels and the unpickling process connects anew
+    (``multiprocessing`` workers, spawn or fork). A forked child that uses a
+    client connected before the fork connects again on first use. Use
+    ``close()`` (or ``with``) to give its slot back; at exit it is closed.
+    """
+
+    def __init__(self, name: str, timeout: float = 5.0) -> None:
+        self.name = name
+        self._timeout = timeout
+        self._core: _core.SharedClient | None = None
+        self._generation = -1
+        self._lock = threading.Lock()
+        self._closed = False
+        self.model = ""
+        self.max_batch_size = 0
+        self.inputs: tuple[TensorSpec, ...] = ()
+        self.outputs: tuple[TensorSpec, ...] = ()
+        self._input_names: frozenset[str] = frozenset()
+        self._connect()
+        with _live_lock:
+            _live.add(self)
+
+    def _connect(self) -> _core.SharedClient:
+        with self._lock:
+            if self._core is not None and self._generation == _fork_generation:
+                return self._core
+            if self._closed:
+                raise ServerClosedError(f"the client of '{self.name}' was closed")
+            deadline = time.monotonic() + max(0.0, self._timeout)
+            while True:
+                try:
+                    self._core = self._open()
+                    break
+                except ServerClosedError:  # not shared yet, or still starting
+                    if time.monotonic() >= deadline:
+                        raise
+                    time.sleep(0.02)
+            self._generation = _fork_generation
+            return self._core
+
+    def _open(self) -> _core.SharedClient:
+        meta = json.loads(_core.shared_meta(self.name))
+        self.model = str(meta["model"])
+        self.max_batch_size = int(meta["max_batch_size"])
+        self.inputs = tuple(TensorSpec(n, d, tuple(s)) for n, d, s in meta["inputs"])
+        self.outputs = tuple(TensorSpec(n, d, tuple(s)) for n, d, s in meta["outputs"])
+        self._input_names = frozenset(s.name for s in self.inputs)
+        return _core.SharedClient(
+            self.name,
+            _spec_tuples(self.inputs),
+            _spec_tuples(self.outputs),
+            model_name=self.model,
+            max_batch_size=self.max_batch_size,
+            tensor_type=torch.Tensor,
+            coerce=make_coerce(self.inputs),
+            empty=torch.empty,
+        )
+
+    def _live_core(self) -> _core.SharedClient:
+        core = self._core
+        if core is not None and self._generation == _fork_generation:
+            return core
+        return self._connect()
+
+    async def infer(self, inputs: Mapping[str, Any], timeout: float | None = None) -> Any:
+        """As :meth:`Client.infer`: one sample in, ``{output: tensor}`` out."""
+        return await self._infer(inputs, timeout, False)
+
+    async def infer_batch(self, inputs: Mapping[str, Any], timeout: float | None = None) -> dict[str, torch.Tensor]:
+        """As :meth:`Client.infer_batch`: ``n`` rows that join one batch together."""
+        out: dict[str, torch.Tensor] = await self._infer(inputs, timeout, True)
+        return out
+
+    async def _infer(self, inputs: Mapping[str, Any], timeout: float | None, batched: bool) -> Any:
+        core = self._live_core()
+        tensordict = False
+        if type(inputs) is not dict and isinstance(inputs, Mapping):
+            tensordict = _is_tensordict(inputs)
+            inputs = flatten_inputs(inputs, self._input_names if tensordict else None)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        key = core.submit(inputs, timeout, batched, future, loop)
+        timer = None
+        if timeout is not None and timeout < _NO_TIMER:
+            timer = loop.call_later(timeout, core.expire, key, timeout)
+        try:
+            out = await future
+        except asyncio.CancelledError:
+            core.cancel(key)
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+            del future, inputs
+        return _to_tensordict(out) if tensordict else out
+
+    def infer_sync(self, inputs: Mapping[str, Any], timeout: float | None = None) -> Any:
+        """As :meth:`Client.infer_sync`: blocking, from any thread but an event
+        loop's; the thread waits with the GIL released."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            raise RuntimeError(
+                "infer_sync() blocks and was called from a thread running an event loop; "
+                "use `await client.infer(...)` there"
+            )
+        core = self._live_core()
+        if type(inputs) is not dict and isinstance(inputs, Mapping):
+            if _is_tensordict(inputs):
+                flat = flatten_inputs(inputs, self._input_names)
+                return _to_tensordict(core.infer_blocking(flat, timeout, False))
+            inputs = flatten_inputs(inputs)
+        return core.infer_blocking(inputs, timeout, False)
+
+    @property
+    def pending(self) -> int:
+        """Requests of this client (in this process) not answered yet."""
+        core = self._core
+        return 0 if core is None or self._generation != _fork_generation else core.pending
+
+    def close(self) -> None:
+        """Gives the client's slot back; requests still waiting fail with
+        :class:`ServerClosedError`. Idempotent."""
+        with self._lock:
+            self._closed = True
+            core, self._core = self._core, None
+        if core is not None and self._generation == _fork_generation:
+            core.close()
+
+    def __enter__(self) -> SharedClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __reduce__(self) -> tuple[Any, tuple[str, float]]:
+        return (SharedClient, (self.name, self._timeout))
+
+    def __repr__(self) -> str:
+        return f"SharedClient(name={self.name!r}, model={self.model!r})"

@@ -1,0 +1,385 @@
+//! A client process's side: claim a slot, write requests into its cells
+//! and push their descriptors, withdraw them, collect finished ones, and
+//! notice a server that stopped or died.
+//!
+//! One `ClientCore` per connected process; what waits for each request (an
+//! asyncio future, a blocked thread) is the binding's.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use super::segment::word;
+use super::{
+    client_state, code, current_pid, notify, pid_alive, server_state, sleep_unless, state, Arena,
+    Descriptor, Segment, ShmError, Withdraw, SPIN,
+};
+
+/// A finished request, read from its entry (its outputs still in its cells
+/// until [`ClientCore::release`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Completed {
+    pub cell: u32,
+    pub tag: u32,
+    pub rows: u32,
+    pub code: u32,
+    pub message: String,
+}
+
+/// Why the server no longer answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ServerGone {
+    /// It is stopping: accepted requests still run, new ones are refused.
+    Stopping,
+    /// It stopped: every request it accepted was answered.
+    Stopped,
+    /// Its process is gone.
+    Died,
+}
+
+#[derive(Debug)]
+pub struct ClientCore {
+    segment: Arc<Segment>,
+    slot: u32,
+    /// The process that claimed the slot: a forked child is not it.
+    pid: u32,
+    in_rows: Vec<usize>,
+    out_rows: Vec<usize>,
+    arena: Mutex<Arena>,
+    /// Withdrawals the ring had no room for, retried by `retry_withdrawals`.
+    withdrawals: Mutex<Vec<u64>>,
+    closed: AtomicBool,
+}
+
+impl ClientCore {
+    /// Claims a free client slot of `segment` for this process. `in_rows` /
+    /// `out_rows`: bytes per row of each input / output (they must add up
+    /// to the segment's).
+    pub fn connect(
+        segment: Arc<Segment>,
+        in_rows: Vec<usize>,
+        out_rows: Vec<usize>,
+    ) -> Result<ClientCore, ShmError> {
+        let config = segment.config();
+        if in_rows.iter().sum::<usize>() != config.in_row as usize
+            || out_rows.iter().sum::<usize>() != config.out_row as usize
+        {
+            return Err(ShmError::Version(
+                "the model's inputs and outputs disagree with the shared segment's sizes".into(),
+            ));
+        }
+        match segment.state() {
+            server_state::RUNNING => {}
+            server_state::STARTING => {
+                return Err(ShmError::NotFound("the server is starting".into()))
+            }
+            _ => return Err(ShmError::Closed("the server is stopping".into())),
+        }
+        if !pid_alive(segment.server_pid()) {
+            return Err(ShmError::Closed(format!(
+                "the server (pid {}) is gone",
+                segment.server_pid()
+            )));
+        }
+        let pid = current_pid();
+        for slot in 0..config.clients {
+            let claimed = segment.client_status(slot).compare_exchange(
+                client_state::FREE,
+                client_state::ACTIVE,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            );
+            if claimed.is_ok() {
+                segment.client_owner(slot).store(pid, Ordering::Release);
+                return Ok(ClientCore {
+                    arena: Mutex::new(Arena::new(config.cells as usize)),
+                    segment,
+                    slot,
+                    pid,
+                    in_rows,
+                    out_rows,
+                    withdrawals: Mutex::new(Vec::new()),
+                    closed: AtomicBool::new(false),
+                });
+            }
+        }
+        Err(ShmError::Full(format!(
+            "all {} client slots are taken (max_clients)",
+            config.clients
+        )))
+    }
+
+    pub fn slot(&self) -> u32 {
+        self.slot
+    }
+
+    pub fn segment(&self) -> &Segment {
+        &self.segment
+    }
+
+    fn arena(&self) -> MutexGuard<'_, Arena> {
+        self.arena.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Rows in flight (cells in use).
+    pub fn in_flight(&self) -> usize {
+        self.arena().used()
+    }
+
+    /// Writes a request of `rows` rows (`inputs[i]`: input `i`'s bytes) into
+    /// free cells and queues it: `(cell, tag)` name it from now on.
+    /// `Full` at once when the cells or the ring have no room.
+    pub fn submit(
+        &self,
+        inputs: &[&[u8]],
+        rows: u32,
+        timeout: Option<Duration>,
+    ) -> Result<(u32, u32), ShmError> {
+        if let Some(gone) = self.server_gone() {
+            return Err(ShmError::Closed(gone.to_string()));
+        }
+        let config = self.segment.config();
+        if rows == 0 || rows > config.max_rows || rows > config.cells {
+            return Err(ShmError::Invalid(format!(
+                "a request of {rows} rows; at most {} fit (max_batch_size, rows_per_client)",
+                config.max_rows.min(config.cells)
+            )));
+        }
+        if inputs.len() != self.in_rows.len()
+            || inputs
+                .iter()
+                .zip(&self.in_rows)
+                .any(|(bytes, row)| bytes.len() != row * rows as usize)
+        {
+            return Err(ShmError::Invalid(
+                "input sizes disagree with the request's rows".into(),
+            ));
+        }
+        let Some(cell) = self.arena().alloc(rows as usize) else {
+            return Err(ShmError::Full(format!(
+                "this client has {} rows in flight, all its cells (rows_per_client={})",
+                self.in_flight(),
+                config.cells
+            )));
+        };
+        let cell = cell as u32;
+        let tag = self
+            .segment
+            .client_next_tag(self.slot)
+            .fetch_add(1, Ordering::Relaxed);
+        let entry = self.segment.entry(self.slot, cell);
+        let Some(base) = self.segment.inputs(self.slot, cell, rows) else {
+            self.arena().free(cell as usize, rows as usize);
+            return Err(ShmError::Invalid("cells out of range".into()));
+        };
+        let mut offset = 0;
+        for bytes in inputs {
+            // SAFETY: the cells are this process's (allocated above, FREE):
+            // nobody else reads or writes them until QUEUED is published
+            // below; `inputs` checked the room for `rows` rows at `base`.
+            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), base.add(offset), bytes.len()) };
+            offset += bytes.len();
+        }
+        entry.rows().store(rows, Ordering::Relaxed);
+        let ns = timeout.map_or(u64::MAX, |t| {
+            t.as_nanos().min(u128::from(u64::MAX - 1)) as u64
+        });
+        entry.timeout_ns().store(ns, Ordering::Relaxed);
+        entry
+            .word()
+            .store(word(tag, state::QUEUED), Ordering::Release);
+        let descriptor = Descriptor {
+            client: self.slot,
+            cell,
+            tag,
+            withdraw: None,
+        };
+        if self.segment.ring().push(descriptor.encode()).is_err() {
+            // Never seen by the server: take it back.
+            entry
+                .word()
+                .store(word(tag, state::FREE), Ordering::Release);
+            self.arena().free(cell as usize, rows as usize);
+            return Err(ShmError::Full(format!(
+                "the shared request ring is full ({} requests waiting: ring_size)",
+                config.ring_capacity
+            )));
+        }
+        let (word, sleeping) = self.segment.server_doorbell();
+        notify(word, sleeping);
+        Ok((cell, tag))
+    }
+
+    /// Withdraws request `(cell, tag)` of `rows` rows. True: it will never
+    /// run and its cells are free again. False: the server has it; a
+    /// withdrawal is sent, and its answer (its result, or `why`'s code if
+    /// the server withdrew it in time) still comes through `collect`.
+    pub fn withdraw(&self, cell: u32, tag: u32, rows: u32, why: Withdraw) -> bool {
+        let entry = self.segment.entry(self.slot, cell);
+        let taken_back = entry.word().compare_exchange(
+            word(tag, state::QUEUED),
+            word(tag, state::FREE),
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+        if taken_back.is_ok() {
+            self.arena().free(cell as usize, rows as usize);
+            return true;
+        }
+        let descriptor = Descriptor {
+            client: self.slot,
+            cell,
+            tag,
+            withdraw: Some(why),
+        }
+        .encode();
+        if self.segment.ring().push(descriptor).is_err() {
+            self.withdrawals
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(descriptor);
+        } else {
+            let (word, sleeping) = self.segment.server_doorbell();
+            notify(word, sleeping);
+        }
+        false
+    }
+
+    /// Pushes withdrawals the ring had no room for earlier.
+    pub fn retry_withdrawals(&self) {
+        let mut left = self.withdrawals.lock().unwrap_or_else(|e| e.into_inner());
+        if left.is_empty() {
+            return;
+        }
+        let ring = self.segment.ring();
+        left.retain(|&d| ring.push(d).is_err());
+        let (word, sleeping) = self.segment.server_doorbell();
+        notify(word, sleeping);
+    }
+
+    /// Sleeps until the server completes something, or `timeout`; with
+    /// requests in flight it polls for `SPIN` first.
+    pub fn wait(&self, timeout: Duration) {
+        let (word, sleeping) = self.segment.client_doorbell(self.slot);
+        let completions = self.segment.completions(self.slot);
+        let spin = if self.in_flight() > 0 {
+            SPIN
+        } else {
+            Duration::ZERO
+        };
+        sleep_unless(word, sleeping, timeout, spin, || completions.is_empty());
+    }
+
+    /// Appends the requests finished since the last call to `out`.
+    pub fn collect(&self, out: &mut Vec<Completed>) {
+        let completions = self.segment.completions(self.slot);
+        while let Some(cell) = completions.pop() {
+            let Ok(cell) = u32::try_from(cell) else {
+                continue;
+            };
+            if cell >= self.segment.config().cells {
+                continue;
+            }
+            let entry = self.segment.entry(self.slot, cell);
+            let w = entry.word().load(Ordering::Acquire);
+            if w as u32 != state::DONE {
+                continue;
+            }
+            let code = entry.code().load(Ordering::Relaxed);
+            out.push(Completed {
+                cell,
+                tag: (w >> 32) as u32,
+                rows: entry.rows().load(Ordering::Relaxed),
+                message: if code == code::OK {
+                    String::new()
+                } else {
+                    entry.message()
+                },
+                code,
+            });
+        }
+    }
+
+    /// Output `index`'s bytes of finished request `done` (valid until
+    /// `release(done)`).
+    pub fn output(&self, done: &Completed, index: usize) -> &[u8] {
+        let Some(base) = self.segment.outputs(self.slot, done.cell, done.rows) else {
+            return &[];
+        };
+        let rows = done.rows as usize;
+        let offset: usize = self.out_rows[..index].iter().sum::<usize>() * rows;
+        let len = self.out_rows.get(index).copied().unwrap_or(0) * rows;
+        // SAFETY: the request is DONE: its cells are this process's until
+        // `release`, which takes `&self` too but is called by the owner of
+        // `done` only after the returned borrow ends; the bytes lie in the
+        // cells (`outputs` checked the range).
+        unsafe { std::slice::from_raw_parts(base.add(offset), len) }
+    }
+
+    /// Frees a finished request's cells.
+    pub fn release(&self, done: &Completed) {
+        let entry = self.segment.entry(self.slot, done.cell);
+        entry
+            .word()
+            .store(word(done.tag, state::FREE), Ordering::Release);
+        self.arena().free(done.cell as usize, done.rows as usize);
+    }
+
+    /// Why the server no longer answers, if it does not.
+    pub fn server_gone(&self) -> Option<ServerGone> {
+        if self.closed.load(Ordering::Acquire) {
+            return Some(ServerGone::Stopped);
+        }
+        match self.segment.state() {
+            server_state::STOPPED => return Some(ServerGone::Stopped),
+            server_state::STOPPING => return Some(ServerGone::Stopping),
+            _ => {}
+        }
+        if !pid_alive(self.segment.server_pid()) {
+            return Some(ServerGone::Died);
+        }
+        // Our slot was reclaimed: the server thought this process dead.
+        if self.segment.client_owner(self.slot).load(Ordering::Acquire) != self.pid {
+            return Some(ServerGone::Died);
+        }
+        None
+    }
+
+    /// Gives the slot back (the server reclaims it once none of its requests
+    /// is in a batch). A no-op in a forked child: the slot is its parent's.
+    pub fn close(&self) {
+        if self.closed.swap(true, Ordering::AcqRel) || current_pid() != self.pid {
+            return;
+        }
+        let _ = self.segment.client_status(self.slot).compare_exchange(
+            client_state::ACTIVE,
+            client_state::CLOSING,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+        let (word, _) = self.segment.server_doorbell();
+        word.fetch_add(1, Ordering::SeqCst);
+        super::futex_wake(word);
+    }
+
+    /// Bytes per row of each output.
+    pub fn out_rows(&self) -> &[usize] {
+        &self.out_rows
+    }
+}
+
+impl std::fmt::Display for ServerGone {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ServerGone::Stopping => "the shared server is stopping",
+            ServerGone::Stopped => "the shared server stopped",
+            ServerGone::Died => "the shared server's process is gone",
+        })
+    }
+}
+
+impl Drop for ClientCore {
+    fn drop(&mut self) {
+        self.close();
+    }
+}

@@ -1,0 +1,1007 @@
+//! Binding of the shared-memory transport (`ferrobatch_core::shm`).
+//!
+//! Server side: [`SharedServer`] makes a model's segment and starts the
+//! core's pull thread; the model's `LoopRegistry` holds a [`SharedSink`],
+//! through which `Worker.finish` hands each batch's `Sink::SharedMemory`
+//! rows to [`deliver`]: outputs read once per batch (with the GIL), rows
+//! copied into the clients' cells and each client woken without it.
+//!
+//! Client side: [`SharedClient`] claims a client slot; `submit` (event
+//! loops) and `infer_blocking` (threads) copy a request into its cells, and
+//! a collector thread of the client's own sleeps on the slot's futex (GIL
+//! released), takes what each wake-up finished, builds the results with
+//! the GIL once per wake-up, and hands each event loop its share with one
+//! `call_soon_threadsafe` (a thread waiter its own condvar). It also fails
+//! every waiter with `ServerClosedError` once the server stops or dies.
+//!
+//! One owner per request: whoever removes its waiter from `waiters`
+//! answers it (the collector, its deadline, its cancellation, `close`).
+
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use ferrobatch_core::shm::{
+    code, ClientCore, Completed, Delivery, Segment, SegmentConfig, ServerGone, ShmError, Withdraw,
+    POLL,
+};
+use ferrobatch_core::{DType, Route, Tally};
+use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PySlice, PyString, PyTuple, PyType};
+
+use crate::batcher::Batcher;
+use crate::errors::{ferrobatch_error, invalid_input};
+use crate::fanout::{BatchOutcome, FailedRows, ModelFailure};
+use crate::inputs::{Converter, InputSpec};
+use crate::loops::LoopRegistry;
+use crate::without_gil;
+
+/// How often a blocked thread comes back for the GIL to see signals.
+const SIGNAL_CHECK: Duration = Duration::from_millis(50);
+
+fn shm_error(py: Python<'_>, err: ShmError) -> PyErr {
+    let message = err.to_string();
+    match err {
+        ShmError::NotFound(_) | ShmError::Closed(_) => {
+            ferrobatch_error(py, "ServerClosedError", message)
+        }
+        ShmError::Full(_) => ferrobatch_error(py, "QueueFullError", message),
+        ShmError::Invalid(_) => invalid_input(py, message),
+        ShmError::Version(_) => ferrobatch_error(py, "FerrobatchError", message),
+        ShmError::Config(_) => PyValueError::new_err(message),
+        ShmError::Io(..) => PyOSError::new_err(message),
+    }
+}
+
+/// One output as the binding reads it: name, dtype, per-sample shape.
+struct OutputSpec {
+    key: Py<PyString>,
+    torch_dtype: Py<PyAny>,
+    shape: Vec<usize>,
+    row_nbytes: usize,
+}
+
+type SpecTuple = (String, String, Vec<usize>, Py<PyAny>);
+
+fn output_specs(py: Python<'_>, outputs: Vec<SpecTuple>) -> PyResult<Vec<OutputSpec>> {
+    outputs
+        .into_iter()
+        .map(|(name, dtype, shape, torch_dtype)| {
+            let parsed = DType::parse(&dtype).ok_or_else(|| {
+                PyValueError::new_err(format!("output '{name}': unknown dtype '{dtype}'"))
+            })?;
+            let spec =
+                ferrobatch_core::InputSpec::new(&name, parsed, shape.clone()).ok_or_else(|| {
+                    PyValueError::new_err(format!("output '{name}': its shape is too large"))
+                })?;
+            Ok(OutputSpec {
+                key: PyString::intern(py, &name).unbind(),
+                torch_dtype,
+                shape,
+                row_nbytes: spec.row_nbytes,
+            })
+        })
+        .collect()
+}
+
+fn row_u32(n: usize, what: &str) -> PyResult<u32> {
+    u32::try_from(n).map_err(|_| PyValueError::new_err(format!("{what} is too large")))
+}
+
+// -- server -------------------------------------------------------------------
+
+/// Where a model's shared-memory requests are answered (in its registry).
+pub(crate) struct SharedSink {
+    server: Arc<ferrobatch_core::shm::SharedServer>,
+    model_name: Arc<str>,
+    outputs: Vec<OutputSpec>,
+}
+
+impl SharedSink {
+    pub(crate) fn tally(&self) -> &Tally {
+        &self.server.tally
+    }
+}
+
+/// Answers client `client`'s requests (`routes`) of one finished batch.
+pub(crate) fn deliver(
+    py: Python<'_>,
+    sink: &SharedSink,
+    client: u32,
+    routes: &[Route],
+    outcome: &BatchOutcome,
+    failed: Option<&FailedRows>,
+) {
+    let server = &sink.server;
+    let fail = |message: &str| {
+        without_gil(py, || {
+            server.deliver(client, routes, Delivery::Failed(message))
+        })
+    };
+    let outputs = match outcome {
+        Ok(outputs) => outputs.bind(py),
+        Err(error) => {
+            let failure = ModelFailure::new(py, &sink.model_name, error.bind(py), "raised");
+            return fail(failure.message());
+        }
+    };
+    let failed: Vec<(u32, String)> = failed
+        .map(|rows| {
+            rows.iter()
+                .map(|(start, error)| {
+                    let failure = ModelFailure::new(py, &sink.model_name, error.bind(py), "raised");
+                    (*start, failure.message().to_owned())
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let read: PyResult<Vec<(Bound<'_, PyAny>, usize, usize)>> = sink
+        .outputs
+        .iter()
+        .map(|spec| read_output(py, outputs, spec))
+        .collect();
+    let read = match read {
+        Ok(read) => read,
+        Err(err) => {
+            let what = "returned outputs its rows could not be taken from:";
+            let failure = ModelFailure::new(py, &sink.model_name, err.value(py), what);
+            return fail(failure.message());
+        }
+    };
+    let columns: Vec<(usize, usize)> = read.iter().map(|(_, ptr, len)| (*ptr, *len)).collect();
+    without_gil(py, || {
+        let columns: Vec<&[u8]> = columns
+            .iter()
+            .map(|&(ptr, len)| {
+                if len == 0 {
+                    return &[][..];
+                }
+                // SAFETY: each (ptr, len) is a contiguous CPU tensor's bytes,
+                // kept alive by `read` (outside this closure, which it outlives).
+                unsafe { std::slice::from_raw_parts(ptr as *const u8, len) }
+            })
+            .collect();
+        server.deliver(
+            client,
+            routes,
+            Delivery::Outputs {
+                columns: &columns,
+                failed: &failed,
+            },
+        );
+    });
+    drop(read);
+}
+
+/// One output of a batch as contiguous CPU bytes of its declared dtype:
+/// the tensor (kept alive by the caller), its data pointer and length.
+fn read_output<'py>(
+    py: Python<'py>,
+    outputs: &Bound<'py, PyDict>,
+    spec: &OutputSpec,
+) -> PyResult<(Bound<'py, PyAny>, usize, usize)> {
+    let key = spec.key.bind(py);
+    let mut tensor = outputs
+        .get_item(key)?
+        .ok_or_else(|| PyValueError::new_err(format!("the model returned no output '{key}'")))?;
+    let expected = spec.torch_dtype.bind(py);
+    if !tensor.getattr(intern!(py, "dtype"))?.is(expected) {
+        tensor = tensor.call_method1(intern!(py, "to"), (expected,))?;
+    }
+    if !tensor.getattr(intern!(py, "is_cpu"))?.is_truthy()? {
+        tensor = tensor.call_method0(intern!(py, "cpu"))?;
+    }
+    if !tensor
+        .call_method0(intern!(py, "is_contiguous"))?
+        .is_truthy()?
+    {
+        tensor = tensor.call_method0(intern!(py, "contiguous"))?;
+    }
+    let shape: Vec<usize> = tensor.getattr(intern!(py, "shape"))?.extract()?;
+    if shape.get(1..) != Some(&spec.shape[..]) {
+        return Err(PyValueError::new_err(format!(
+            "output '{key}' has shape {shape:?}, expected [rows, {}]",
+            spec.shape
+                .iter()
+                .map(|d| d.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )));
+    }
+    let len = shape[0]
+        .checked_mul(spec.row_nbytes)
+        .ok_or_else(|| PyValueError::new_err(format!("output '{key}' is too large")))?;
+    let ptr: usize = if len == 0 {
+        0
+    } else {
+        tensor.call_method0(intern!(py, "data_ptr"))?.extract()?
+    };
+    Ok((tensor, ptr, len))
+}
+
+/// A model shared under a name, until `close`.
+#[pyclass(frozen, module = "ferrobatch._core")]
+pub struct SharedServer {
+    server: Arc<ferrobatch_core::shm::SharedServer>,
+    /// What replacing a stale segment of the name said (for the log).
+    #[pyo3(get)]
+    replaced: Option<String>,
+}
+
+#[pymethods]
+impl SharedServer {
+    /// Makes the segment `name` (mode `mode`) for the running `batcher`,
+    /// with `meta` (JSON for clients) and `outputs` (`(name, dtype, shape,
+    /// torch dtype)` each), and starts taking requests from it; its rows
+    /// are delivered through `registry`. Raises `ValueError` if a live
+    /// server shares the name, `OSError` if the segment cannot be made.
+    #[new]
+    #[pyo3(signature = (name, batcher, registry, outputs, meta, *, model_name, max_clients, rows_per_client, ring_size, mode))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        name: &str,
+        batcher: &Bound<'_, Batcher>,
+        registry: &Bound<'_, LoopRegistry>,
+        outputs: Vec<SpecTuple>,
+        meta: &str,
+        model_name: &str,
+        max_clients: u32,
+        rows_per_client: u32,
+        ring_size: u32,
+        mode: u32,
+    ) -> PyResult<SharedServer> {
+        let outputs = output_specs(py, outputs)?;
+        let in_rows: Vec<usize> = batcher
+            .get()
+            .input_specs()
+            .iter()
+            .map(|s| s.row_nbytes)
+            .collect();
+        let out_rows: Vec<usize> = outputs.iter().map(|o| o.row_nbytes).collect();
+        let max_rows = batcher.get().core().rule().max_batch_size;
+        let config = SegmentConfig {
+            clients: max_clients,
+            cells: rows_per_client,
+            ring_capacity: ring_size,
+            in_row: row_u32(in_rows.iter().sum(), "a row of the inputs")?,
+            out_row: row_u32(out_rows.iter().sum(), "a row of the outputs")?,
+            max_rows: row_u32(max_rows, "max_batch_size")?,
+            meta_len: 0,
+        };
+        let core = batcher.get().core().clone();
+        let meta = meta.as_bytes().to_vec();
+        let name = name.to_owned();
+        let made = without_gil(py, move || -> Result<_, ShmError> {
+            let (segment, replaced) = Segment::create(&name, config, &meta, mode)?;
+            let server = ferrobatch_core::shm::SharedServer::start(
+                Arc::new(segment),
+                core,
+                in_rows,
+                out_rows,
+            )
+            .map_err(|e| ShmError::Io("cannot start the shared-memory thread".into(), e))?;
+            Ok((server, replaced))
+        });
+        let (server, replaced) = made.map_err(|e| shm_error(py, e))?;
+        registry.get().attach_shared(Arc::new(SharedSink {
+            server: server.clone(),
+            model_name: model_name.into(),
+            outputs,
+        }));
+        Ok(SharedServer { server, replaced })
+    }
+
+    /// Stops taking requests (accepted ones still run; clients refuse new
+    /// ones at once). Blocks (without the GIL) until the pull thread ended.
+    fn stop_accepting(&self, py: Python<'_>) {
+        without_gil(py, || self.server.stop_accepting());
+    }
+
+    /// Answers what is still pending with `ServerClosedError(message)`,
+    /// tells the clients the server stopped and removes the segment.
+    fn close(&self, py: Python<'_>, message: &str) {
+        without_gil(py, || self.server.close(message));
+    }
+
+    /// Requests accepted and not answered yet.
+    #[getter]
+    fn in_flight(&self) -> usize {
+        self.server.in_flight()
+    }
+
+    /// Client slots reclaimed so far (closed, or their process died).
+    #[getter]
+    fn reclaimed(&self) -> u64 {
+        self.server.reclaimed()
+    }
+
+    /// `[(slot, pid)]` of the connected clients.
+    fn clients(&self) -> Vec<(u32, u32)> {
+        self.server.clients()
+    }
+}
+
+// -- client -------------------------------------------------------------------
+
+/// What a waiter gets from the collector: its finished entry, or why the
+/// server will never answer. Plain data: the collector never needs the GIL.
+enum Answer {
+    Done(Completed),
+    Closed(String),
+}
+
+/// A thread blocked in `infer_blocking`, until its answer is in.
+#[derive(Default)]
+struct ThreadWaiter {
+    answer: Mutex<Option<Answer>>,
+    ready: Condvar,
+}
+
+impl ThreadWaiter {
+    fn set(&self, answer: Answer) {
+        *self.answer.lock().unwrap_or_else(|e| e.into_inner()) = Some(answer);
+        self.ready.notify_one();
+    }
+
+    fn wait_until(&self, until: Instant) -> Option<Answer> {
+        let mut answer = self.answer.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(done) = answer.take() {
+                return Some(done);
+            }
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            answer = self
+                .ready
+                .wait_timeout(answer, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+}
+
+/// One event loop's answers, posted by the collector and drained on the
+/// loop (its reader callback on `fd`, an eventfd rung once per post).
+struct LoopInbox {
+    event_loop: Py<PyAny>,
+    fd: OwnedFd,
+    posted: Mutex<Vec<(Py<PyAny>, bool, Answer)>>,
+}
+
+impl LoopInbox {
+    /// Posts an answer; true if the inbox was empty (its fd must ring).
+    fn post(&self, future: Py<PyAny>, batched: bool, answer: Answer) -> bool {
+        let mut posted = self.posted.lock().unwrap_or_else(|e| e.into_inner());
+        posted.push((future, batched, answer));
+        posted.len() == 1
+    }
+
+    fn ring(&self) {
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: writes 8 bytes from a live buffer to an eventfd this inbox
+        // owns (open while `self` lives); a full counter only loses a
+        // redundant wake-up.
+        unsafe { libc::write(self.fd.as_raw_fd(), one.as_ptr().cast(), one.len()) };
+    }
+}
+
+enum Target {
+    Loop {
+        future: Py<PyAny>,
+        inbox: Arc<LoopInbox>,
+    },
+    Thread(Arc<ThreadWaiter>),
+}
+
+struct Waiting {
+    tag: u32,
+    rows: u32,
+    batched: bool,
+    target: Target,
+}
+
+impl Waiting {
+    /// Hands `answer` to whoever waits; the loop inbox to ring, if any.
+    fn answer(self, answer: Answer) -> Option<Arc<LoopInbox>> {
+        match self.target {
+            Target::Thread(waiter) => {
+                waiter.set(answer);
+                None
+            }
+            Target::Loop { future, inbox } => {
+                let first = inbox.post(future, self.batched, answer);
+                first.then_some(inbox)
+            }
+        }
+    }
+}
+
+struct ClientInner {
+    core: ClientCore,
+    model_name: String,
+    converter: Converter,
+    outputs: Vec<OutputSpec>,
+    /// By first cell: every request not answered yet.
+    waiters: Mutex<HashMap<u32, Waiting>>,
+    /// The inbox of every event loop that submitted.
+    loops: Mutex<Vec<Arc<LoopInbox>>>,
+    /// `torch.empty`, for the result tensors.
+    empty: Py<PyAny>,
+    stop: AtomicBool,
+    /// The collector thread, joined by `close` (never by a forked child,
+    /// which has no such thread).
+    collector: Mutex<Option<std::thread::JoinHandle<()>>>,
+    pid: u32,
+}
+
+impl ClientInner {
+    fn waiters(&self) -> MutexGuard<'_, HashMap<u32, Waiting>> {
+        // Nothing under this lock panics or runs Python code.
+        self.waiters.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Removes the waiter of `(cell, tag)` if it is still there.
+    fn take(&self, cell: u32, tag: u32) -> Option<Waiting> {
+        let mut waiters = self.waiters();
+        match waiters.get(&cell) {
+            Some(w) if w.tag == tag => waiters.remove(&cell),
+            _ => None,
+        }
+    }
+
+    /// The collector thread (never holds the GIL): wait, collect, hand each
+    /// answer to its waiter, ring each loop once; until closed, or the
+    /// server is gone (then every waiter gets `Closed`).
+    fn collect_forever(self: Arc<Self>) {
+        let mut done = Vec::new();
+        let mut checked = Instant::now();
+        let mut to_ring: Vec<Arc<LoopInbox>> = Vec::new();
+        while !self.stop.load(Ordering::Acquire) {
+            self.core.wait(POLL);
+            self.core.retry_withdrawals();
+            self.core.collect(&mut done);
+            let gone = if checked.elapsed() >= POLL || !done.is_empty() {
+                checked = Instant::now();
+                self.core.server_gone()
+            } else {
+                None
+            };
+            let over = matches!(gone, Some(ServerGone::Stopped | ServerGone::Died));
+            if over {
+                // What the server answered before it stopped, first.
+                self.core.collect(&mut done);
+            }
+            for d in done.drain(..) {
+                match self.take(d.cell, d.tag) {
+                    Some(w) => to_ring.extend(w.answer(Answer::Done(d))),
+                    None => self.core.release(&d), // its caller gave up
+                }
+            }
+            if over {
+                let why = gone.map(|g| g.to_string()).unwrap_or_default();
+                to_ring.extend(self.close_waiters(&why));
+            }
+            for inbox in to_ring.drain(..) {
+                inbox.ring();
+            }
+            if over {
+                return;
+            }
+        }
+    }
+
+    /// Answers every waiter with `Closed(why)`; the inboxes to ring.
+    fn close_waiters(&self, why: &str) -> Vec<Arc<LoopInbox>> {
+        let waiting: Vec<Waiting> = self.waiters().drain().map(|(_, w)| w).collect();
+        let message = format!("model '{}': {why}", self.model_name);
+        waiting
+            .into_iter()
+            .filter_map(|w| w.answer(Answer::Closed(message.clone())))
+            .collect()
+    }
+
+    /// The results of `answers` (in order; GIL held), their cells freed.
+    fn results(&self, py: Python<'_>, answers: &[(bool, &Answer)]) -> Vec<PyResult<Py<PyAny>>> {
+        let ok: Vec<&Completed> = answers
+            .iter()
+            .filter_map(|(_, a)| match a {
+                Answer::Done(d) if d.code == code::OK => Some(d),
+                _ => None,
+            })
+            .collect();
+        let rows: usize = ok.iter().map(|d| d.rows as usize).sum();
+        let columns = self.columns(py, &ok, rows);
+        let mut row = 0usize;
+        let mut out = Vec::with_capacity(answers.len());
+        for (batched, answer) in answers {
+            out.push(match answer {
+                Answer::Closed(message) => {
+                    Err(ferrobatch_error(py, "ServerClosedError", message.clone()))
+                }
+                Answer::Done(d) if d.code != code::OK => Err(self.error(py, d)),
+                Answer::Done(d) => {
+                    let result = match &columns {
+                        Ok(columns) => self.result(py, columns, row, d.rows as usize, *batched),
+                        Err(e) => Err(e.clone_ref(py)),
+                    };
+                    row += d.rows as usize;
+                    result
+                }
+            });
+            if let Answer::Done(d) = answer {
+                self.core.release(d);
+            }
+        }
+        out
+    }
+
+    /// One tensor per output holding the rows of `ok` back to back.
+    fn columns(&self, py: Python<'_>, ok: &[&Completed], rows: usize) -> PyResult<Vec<Py<PyAny>>> {
+        let mut columns = Vec::with_capacity(self.outputs.len());
+        if rows == 0 {
+            return Ok(columns);
+        }
+        for (index, spec) in self.outputs.iter().enumerate() {
+            let mut shape = Vec::with_capacity(spec.shape.len() + 1);
+            shape.push(rows);
+            shape.extend_from_slice(&spec.shape);
+            let kwargs = PyDict::new(py);
+            kwargs.set_item(intern!(py, "dtype"), spec.torch_dtype.bind(py))?;
+            let tensor = self
+                .empty
+                .bind(py)
+                .call((PyTuple::new(py, &shape)?,), Some(&kwargs))?;
+            let ptr: usize = tensor.call_method0(intern!(py, "data_ptr"))?.extract()?;
+            let mut offset = 0usize;
+            for d in ok {
+                let src = self.core.output(d, index);
+                if ptr != 0 && !src.is_empty() {
+                    // SAFETY: the tensor was just made with `rows` rows of
+                    // `row_nbytes` each, contiguous; the requests' rows sum
+                    // to `rows`, so `offset + src.len()` stays within it.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            src.as_ptr(),
+                            (ptr as *mut u8).add(offset),
+                            src.len(),
+                        )
+                    };
+                }
+                offset += src.len();
+            }
+            columns.push(tensor.unbind());
+        }
+        Ok(columns)
+    }
+
+    fn result(
+        &self,
+        py: Python<'_>,
+        columns: &[Py<PyAny>],
+        start: usize,
+        rows: usize,
+        batched: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let result = PyDict::new(py);
+        for (spec, column) in self.outputs.iter().zip(columns) {
+            let column = column.bind(py);
+            let value = if batched {
+                let (Ok(s), Ok(e)) = (isize::try_from(start), isize::try_from(start + rows)) else {
+                    return Err(PyRuntimeError::new_err("row index out of range"));
+                };
+                column.get_item(PySlice::new(py, s, e, 1))?
+            } else {
+                column.get_item(start)?
+            };
+            result.set_item(spec.key.bind(py), value)?;
+        }
+        Ok(result.into_any().unbind())
+    }
+
+    fn error(&self, py: Python<'_>, d: &Completed) -> PyErr {
+        let class = match d.code {
+            code::INVALID_INPUT => "InvalidInputError",
+            code::QUEUE_FULL => "QueueFullError",
+            code::DEADLINE_EXCEEDED => "DeadlineExceededError",
+            code::MODEL_ERROR => "ModelError",
+            _ => "ServerClosedError",
+        };
+        ferrobatch_error(py, class, d.message.clone())
+    }
+
+    /// Resolves what the collector posted to `inbox` (its loop's thread).
+    fn drain(&self, py: Python<'_>, inbox: &LoopInbox) -> PyResult<()> {
+        let mut counter = [0u8; 8];
+        // SAFETY: reads at most 8 bytes into a live buffer from the
+        // non-blocking eventfd this inbox owns; a failed read is harmless.
+        unsafe { libc::read(inbox.fd.as_raw_fd(), counter.as_mut_ptr().cast(), 8) };
+        let posted = std::mem::take(&mut *inbox.posted.lock().unwrap_or_else(|e| e.into_inner()));
+        if posted.is_empty() {
+            return Ok(());
+        }
+        let answers: Vec<(bool, &Answer)> = posted.iter().map(|(_, b, a)| (*b, a)).collect();
+        let results = self.results(py, &answers);
+        for ((future, _, _), result) in posted.iter().zip(results) {
+            let future = future.bind(py);
+            if future.call_method0(intern!(py, "done"))?.is_truthy()? {
+                continue; // cancelled meanwhile
+            }
+            match result {
+                Ok(value) => future.call_method1(intern!(py, "set_result"), (value,))?,
+                Err(err) => {
+                    future.call_method1(intern!(py, "set_exception"), (err.into_value(py),))?
+                }
+            };
+        }
+        Ok(())
+    }
+
+    /// The inbox of `event_loop` (the running loop of this thread), made
+    /// and watched on first use.
+    fn inbox_for(
+        self: &Arc<Self>,
+        py: Python<'_>,
+        event_loop: &Bound<'_, PyAny>,
+    ) -> PyResult<Arc<LoopInbox>> {
+        if let Some(inbox) = self
+            .loops
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .find(|i| i.event_loop.is(event_loop))
+        {
+            return Ok(inbox.clone());
+        }
+        // SAFETY: eventfd makes a new fd (or -1, checked), owned from here.
+        let raw = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if raw < 0 {
+            return Err(PyOSError::new_err(format!(
+                "cannot make an eventfd: {}",
+                std::io::Error::last_os_error()
+            )));
+        }
+        // SAFETY: `raw` is a fresh fd nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let inbox = Arc::new(LoopInbox {
+            event_loop: event_loop.clone().unbind(),
+            fd,
+            posted: Mutex::new(Vec::new()),
+        });
+        let drain = Bound::new(
+            py,
+            SharedDrain {
+                inner: self.clone(),
+                inbox: inbox.clone(),
+            },
+        )?;
+        let drain = drain.getattr(intern!(py, "drain"))?;
+        event_loop.call_method1(intern!(py, "add_reader"), (raw, drain))?;
+        self.loops
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(inbox.clone());
+        Ok(inbox)
+    }
+
+    /// Converts and queues a request, its waiter registered first (the
+    /// collector may answer it at once): `(cell, tag)`.
+    fn submit(
+        &self,
+        py: Python<'_>,
+        inputs: &Bound<'_, PyAny>,
+        timeout: Option<f64>,
+        batched: bool,
+        target: Target,
+    ) -> PyResult<(u32, u32)> {
+        let timeout = parse_timeout(py, timeout)?;
+        let (rows, _, keep) = self.converter.convert_dict(py, inputs, batched)?;
+        let bytes: Vec<&[u8]> = keep.iter().map(|k| k.bytes()).collect();
+        let rows = row_u32(rows, "rows")?;
+        // Held across the submit: the collector finds the waiter (it takes
+        // this lock only without the GIL, so this thread never waits on it
+        // while the collector waits for this thread's GIL).
+        let mut waiters = self.waiters();
+        let (cell, tag) = self
+            .core
+            .submit(&bytes, rows, timeout)
+            .map_err(|e| shm_error(py, e))?;
+        waiters.insert(
+            cell,
+            Waiting {
+                tag,
+                rows,
+                batched,
+                target,
+            },
+        );
+        Ok((cell, tag))
+    }
+
+    /// The caller gave up on `(cell, tag)`: its waiter is dropped and the
+    /// request withdrawn. None if it was answered first.
+    fn abandon(&self, cell: u32, tag: u32, why: Withdraw) -> Option<Waiting> {
+        let waiting = self.take(cell, tag)?;
+        self.core.withdraw(cell, tag, waiting.rows, why);
+        Some(waiting)
+    }
+
+    /// Stops the collector (and, with `join`, waits for it) and gives the
+    /// slot back.
+    fn close(&self, join: bool) {
+        self.stop.store(true, Ordering::Release);
+        self.core.close();
+        let (word, _) = self.core.segment().client_doorbell(self.core.slot());
+        word.fetch_add(1, Ordering::SeqCst);
+        ferrobatch_core::shm::futex_wake(word);
+        if join && ferrobatch_core::shm::current_pid() == self.pid {
+            let handle = self
+                .collector
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take();
+            if let Some(handle) = handle {
+                let _ = handle.join();
+            }
+        }
+    }
+}
+
+/// An event loop's reader callback for its inbox's eventfd.
+#[pyclass(frozen, module = "ferrobatch._core")]
+pub struct SharedDrain {
+    inner: Arc<ClientInner>,
+    inbox: Arc<LoopInbox>,
+}
+
+#[pymethods]
+impl SharedDrain {
+    /// Resolves what the collector posted since the last call.
+    fn drain(&self, py: Python<'_>) -> PyResult<()> {
+        self.inner.drain(py, &self.inbox)
+    }
+}
+
+fn parse_timeout(py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Duration>> {
+    match timeout {
+        None => Ok(None),
+        Some(t) if t.is_nan() || t < 0.0 => Err(invalid_input(
+            py,
+            format!("timeout must be a number of seconds >= 0, got {t}"),
+        )),
+        Some(t) => Ok(Duration::try_from_secs_f64(t).ok()),
+    }
+}
+
+fn key(cell: u32, tag: u32) -> u64 {
+    (u64::from(tag) << 32) | u64::from(cell)
+}
+
+fn unkey(key: u64) -> (u32, u32) {
+    (key as u32, (key >> 32) as u32)
+}
+
+/// The segment's metadata (JSON), after checking its version: what
+/// `connect` builds the client's specs from.
+#[pyfunction]
+pub fn shared_meta(py: Python<'_>, name: &str) -> PyResult<String> {
+    let name = name.to_owned();
+    let meta = without_gil(py, move || Segment::open(&name).map(|s| s.meta()))
+        .map_err(|e| shm_error(py, e))?;
+    String::from_utf8(meta)
+        .map_err(|_| PyValueError::new_err("the segment's metadata is not UTF-8"))
+}
+
+/// A client of a shared model, in this process (see the module docs).
+#[pyclass(frozen, module = "ferrobatch._core")]
+pub struct SharedClient {
+    inner: Arc<ClientInner>,
+}
+
+#[pymethods]
+impl SharedClient {
+    /// Connects to the segment `name`: `inputs` / `outputs` as `(name,
+    /// dtype, shape, torch dtype)`, read from its metadata.
+    #[new]
+    #[pyo3(signature = (name, inputs, outputs, *, model_name, max_batch_size, tensor_type, coerce, empty))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        name: &str,
+        inputs: Vec<SpecTuple>,
+        outputs: Vec<SpecTuple>,
+        model_name: String,
+        max_batch_size: usize,
+        tensor_type: Py<PyType>,
+        coerce: Py<PyAny>,
+        empty: Py<PyAny>,
+    ) -> PyResult<SharedClient> {
+        let mut specs = Vec::with_capacity(inputs.len());
+        for (input, dtype, shape, torch_dtype) in inputs {
+            let parsed = DType::parse(&dtype).ok_or_else(|| {
+                PyValueError::new_err(format!("input '{input}': unknown dtype '{dtype}'"))
+            })?;
+            let core = ferrobatch_core::InputSpec::new(&input, parsed, shape).ok_or_else(|| {
+                PyValueError::new_err(format!("input '{input}': its shape is too large"))
+            })?;
+            specs.push(InputSpec {
+                core,
+                key: PyString::intern(py, &input).unbind(),
+                torch_dtype,
+            });
+        }
+        let outputs = output_specs(py, outputs)?;
+        let in_rows: Vec<usize> = specs.iter().map(|s| s.row_nbytes).collect();
+        let out_rows: Vec<usize> = outputs.iter().map(|o| o.row_nbytes).collect();
+        let name = name.to_owned();
+        let core = without_gil(py, move || {
+            let segment = Arc::new(Segment::open(&name)?);
+            ClientCore::connect(segment, in_rows, out_rows)
+        })
+        .map_err(|e| shm_error(py, e))?;
+        let inner = Arc::new(ClientInner {
+            core,
+            model_name,
+            converter: Converter {
+                specs,
+                tensor_type,
+                coerce,
+                max_rows: max_batch_size,
+            },
+            outputs,
+            waiters: Mutex::new(HashMap::new()),
+            loops: Mutex::new(Vec::new()),
+            empty,
+            stop: AtomicBool::new(false),
+            collector: Mutex::new(None),
+            pid: ferrobatch_core::shm::current_pid(),
+        });
+        let collector = inner.clone();
+        let handle = std::thread::Builder::new()
+            .name("ferrobatch-shm-client".into())
+            .spawn(move || collector.collect_forever())
+            .map_err(|e| PyOSError::new_err(format!("cannot start the collector thread: {e}")))?;
+        *inner.collector.lock().unwrap_or_else(|e| e.into_inner()) = Some(handle);
+        Ok(SharedClient { inner })
+    }
+
+    /// Queues a request from the running event loop `event_loop`, answered
+    /// through `future` (made on that loop): its key, for `cancel`/`expire`.
+    #[pyo3(signature = (inputs, timeout, batched, future, event_loop))]
+    fn submit(
+        &self,
+        py: Python<'_>,
+        inputs: &Bound<'_, PyAny>,
+        timeout: Option<f64>,
+        batched: bool,
+        future: Py<PyAny>,
+        event_loop: &Bound<'_, PyAny>,
+    ) -> PyResult<u64> {
+        let inbox = self.inner.inbox_for(py, event_loop)?;
+        let target = Target::Loop { future, inbox };
+        let (cell, tag) = self.inner.submit(py, inputs, timeout, batched, target)?;
+        Ok(key(cell, tag))
+    }
+
+    /// The task awaiting request `key` was cancelled: withdraws it where
+    /// no batch has taken it yet (loop thread).
+    fn cancel(&self, key: u64) {
+        let (cell, tag) = unkey(key);
+        self.inner.abandon(cell, tag, Withdraw::Cancelled);
+    }
+
+    /// Request `key`'s deadline passed (loop thread): fails its future with
+    /// `DeadlineExceededError` unless it was answered first.
+    fn expire(&self, py: Python<'_>, key: u64, timeout: f64) -> PyResult<()> {
+        let (cell, tag) = unkey(key);
+        let Some(waiting) = self.inner.abandon(cell, tag, Withdraw::Expired) else {
+            return Ok(());
+        };
+        if let Target::Loop { future, .. } = waiting.target {
+            let future = future.bind(py);
+            if !future.call_method0(intern!(py, "done"))?.is_truthy()? {
+                let message = format!(
+                    "request to model '{}' exceeded its {timeout}s timeout",
+                    self.inner.model_name
+                );
+                let err = ferrobatch_error(py, "DeadlineExceededError", message);
+                future.call_method1(intern!(py, "set_exception"), (err.into_value(py),))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs a request from a plain thread, blocking (GIL released) until
+    /// its answer; Ctrl-C withdraws it where it is still queued.
+    #[pyo3(signature = (inputs, timeout=None, batched=false))]
+    fn infer_blocking(
+        &self,
+        py: Python<'_>,
+        inputs: &Bound<'_, PyAny>,
+        timeout: Option<f64>,
+        batched: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let waiter = Arc::new(ThreadWaiter::default());
+        let target = Target::Thread(waiter.clone());
+        let (cell, tag) = self.inner.submit(py, inputs, timeout, batched, target)?;
+        let deadline = timeout
+            .and_then(|t| Duration::try_from_secs_f64(t).ok())
+            .and_then(|t| Instant::now().checked_add(t));
+        loop {
+            let slice = Instant::now() + SIGNAL_CHECK;
+            let until = deadline.map_or(slice, |d| d.min(slice));
+            if let Some(answer) = without_gil(py, || waiter.wait_until(until)) {
+                let mut results = self.inner.results(py, &[(batched, &answer)]);
+                return results
+                    .pop()
+                    .unwrap_or_else(|| Err(PyRuntimeError::new_err("no result")));
+            }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                if self.inner.abandon(cell, tag, Withdraw::Expired).is_some() {
+                    let message = format!(
+                        "request to model '{}' exceeded its {}s timeout",
+                        self.inner.model_name,
+                        timeout.unwrap_or_default()
+                    );
+                    return Err(ferrobatch_error(py, "DeadlineExceededError", message));
+                }
+                continue; // answered meanwhile
+            }
+            if let Err(interrupted) = py.check_signals() {
+                if self.inner.abandon(cell, tag, Withdraw::Cancelled).is_some() {
+                    return Err(interrupted);
+                }
+            }
+        }
+    }
+
+    /// Gives the client slot back; requests still waiting fail with
+    /// `ServerClosedError`. Idempotent.
+    fn close(&self, py: Python<'_>) {
+        without_gil(py, || self.inner.close(true));
+        for inbox in self.inner.close_waiters("the client was closed") {
+            inbox.ring();
+        }
+    }
+
+    /// Requests of this client not answered yet.
+    #[getter]
+    fn pending(&self) -> usize {
+        self.inner.waiters().len()
+    }
+
+    /// The client slot this process holds.
+    #[getter]
+    fn slot(&self) -> u32 {
+        self.inner.core.slot()
+    }
+
+    /// Rows whose cells are in use (answered requests free theirs).
+    #[getter]
+    fn cells_in_use(&self) -> usize {
+        self.inner.core.in_flight()
+    }
+}
+
+impl Drop for SharedClient {
+    fn drop(&mut self) {
+        // The collector holds the rest of `inner`: it ends, and the slot is
+        // given back when the last reference goes.
+        // Not joined: this thread may hold the GIL the collector waits for.
+        self.inner.close(false);
+    }
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<SharedServer>()?;
+    m.add_class::<SharedClient>()?;
+    m.add_class::<SharedDrain>()?;
+    m.add_function(wrap_pyfunction!(shared_meta, m)?)?;
+    Ok(())
+}

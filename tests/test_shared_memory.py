@@ -1,0 +1,414 @@
+"""Shared-memory clients: `server.share(name)` and `fb.connect(name)`, in this
+process and in others (spawned, forked, killed)."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import pickle
+import struct
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import ferrobatch as fb
+
+WIDTH = 8
+INPUTS = [fb.TensorSpec("x", "float32", (WIDTH,))]
+OUTPUTS = [fb.TensorSpec("y", "float32", (WIDTH,)), fb.TensorSpec("s", "float64", ())]
+
+
+def model(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """y = 2x + 1 and s = sum(x): each row's outputs depend only on that row."""
+    x = batch["x"]
+    if bool((x[:, 0] < -1e6).any()):
+        raise RuntimeError("a poisoned row")
+    return {"y": x * 2 + 1, "s": x.sum(dim=1, dtype=torch.float64)}
+
+
+def sample(i: int) -> torch.Tensor:
+    return torch.arange(WIDTH, dtype=torch.float32) + i * 0.5
+
+
+def check(i: int, out: dict[str, torch.Tensor]) -> None:
+    x = sample(i)
+    assert torch.equal(out["y"], x * 2 + 1), (i, out)
+    assert out["s"].item() == pytest.approx(float(x.double().sum())), (i, out)
+
+
+def unique(test: str) -> str:
+    return f"fbtest-{test}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def segment(name: str) -> str:
+    return f"/dev/shm/ferrobatch.{name}"
+
+
+@pytest.fixture
+async def shared() -> AsyncIterator[tuple[fb.Server, fb.Shared]]:
+    server = fb.Server(model, inputs=INPUTS, outputs=OUTPUTS, max_batch_size=32, max_delay=0.001)
+    async with server:
+        yield server, server.share(unique("fixture"))
+
+
+# -- the API, in one process -------------------------------------------------------
+
+
+async def test_a_connected_client_gets_each_callers_own_rows(shared: tuple[fb.Server, fb.Shared]) -> None:
+    server, share = shared
+    with fb.connect(share.name) as client:
+        outs = await asyncio.gather(*(client.infer({"x": sample(i)}) for i in range(500)))
+        for i, out in enumerate(outs):
+            check(i, out)
+        batch = await client.infer_batch({"x": torch.stack([sample(i) for i in range(5)])})
+        assert batch["y"].shape == (5, WIDTH)
+        for i in range(5):
+            check(i, {"y": batch["y"][i], "s": batch["s"][i]})
+        # Threads: infer_sync queues from the thread and waits without the GIL.
+        results: dict[int, dict[str, torch.Tensor]] = {}
+
+        def call(i: int) -> None:
+            results[i] = client.infer_sync({"x": sample(i).numpy()})
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(8)]
+        await asyncio.to_thread(lambda: [(t.start(), t.join()) for t in threads])
+        for i in range(8):
+            check(i, results[i])
+        assert share.clients() == [(0, os.getpid())]
+    stats = server.stats()
+    assert stats["requests_succeeded"] == 500 + 1 + 8
+    assert stats["mean_batch_size"] > 1, "shared requests are batched together"
+
+
+async def test_errors_reach_the_client_as_in_process(shared: tuple[fb.Server, fb.Shared]) -> None:
+    server, share = shared
+    with fb.connect(share.name) as client:
+        with pytest.raises(fb.InvalidInputError, match="'x'"):
+            await client.infer({"x": torch.zeros(WIDTH + 1)})
+        with pytest.raises(fb.InvalidInputError, match="unexpected input"):
+            await client.infer({"x": sample(0), "z": sample(0)})
+        poisoned = sample(0)
+        poisoned[0] = -1e7
+        good = asyncio.ensure_future(client.infer({"x": sample(3)}))
+        with pytest.raises(fb.ModelError, match="poisoned row"):
+            await client.infer({"x": poisoned})
+        check(3, await good)  # failure isolation: the batch's other request succeeded
+        with pytest.raises(fb.InvalidInputError):
+            await client.infer({"x": sample(0)}, timeout=-1)
+    with pytest.raises(fb.ServerClosedError):
+        await client.infer({"x": sample(0)})
+    assert server.stats()["requests_failed"]["model_error"] == 1  # counted where it ran
+
+
+async def test_deadline_cancellation_and_full_cells() -> None:
+    gate = threading.Event()
+    seen: list[float] = []
+
+    def slow(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        seen.extend(batch["x"][:, 0].tolist())
+        gate.wait(10)
+        return model(batch)
+
+    server = fb.Server(slow, inputs=INPUTS, outputs=OUTPUTS, max_batch_size=1, max_delay=0)
+    async with server:
+        share = server.share(unique("slow"), rows_per_client=4)
+        with fb.connect(share.name) as client:
+            first = asyncio.ensure_future(client.infer({"x": sample(0)}))
+            while not seen:  # the worker holds the first request
+                await asyncio.sleep(0.01)
+            queued = asyncio.ensure_future(client.infer({"x": sample(100)}))
+            started = time.monotonic()
+            with pytest.raises(fb.DeadlineExceededError):
+                await client.infer({"x": sample(200)}, timeout=0.1)
+            assert time.monotonic() - started < 5
+            # The expired request's cell comes back once the server withdrew it.
+            deadline = time.monotonic() + 10
+            while client._live_core().cells_in_use != 2:
+                assert time.monotonic() < deadline, "the expired request's cell never came back"
+                await asyncio.sleep(0.01)
+            more = [asyncio.ensure_future(client.infer({"x": sample(300 + i)})) for i in range(2)]
+            await asyncio.sleep(0.05)
+            # 4 cells, all in flight (first, queued and the two above): refused at once.
+            with pytest.raises(fb.QueueFullError, match="rows_per_client=4"):
+                await client.infer({"x": sample(400)})
+            queued.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await queued
+            gate.set()
+            check(0, await first)
+            for i, task in enumerate(more):
+                check(300 + i, await task)
+            assert sample(100)[0].item() not in seen, "a cancelled request ran"
+            assert sample(200)[0].item() not in seen, "an expired request ran"
+            deadline = time.monotonic() + 10
+            while share.in_flight:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            assert client.pending == 0
+
+
+async def test_stop_fails_waiting_clients_and_removes_the_segment() -> None:
+    gate = threading.Event()
+
+    def stuck(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        gate.wait(10)
+        return model(batch)
+
+    server = fb.Server(stuck, inputs=INPUTS, outputs=OUTPUTS, max_batch_size=1, max_delay=0)
+    await server.start()
+    share = server.share(unique("stop"))
+    assert os.path.exists(segment(share.name))
+    client = fb.connect(share.name)
+    calls = [asyncio.ensure_future(client.infer({"x": sample(i)})) for i in range(5)]
+    await asyncio.sleep(0.2)
+    await server.stop(timeout=0.2)
+    gate.set()
+    results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 5)
+    closed = [r for r in results if isinstance(r, fb.ServerClosedError)]
+    assert len(closed) >= 4, results
+    assert not os.path.exists(segment(share.name))
+    with pytest.raises(fb.ServerClosedError):
+        await client.infer({"x": sample(0)})
+    with pytest.raises(fb.ServerClosedError):
+        fb.connect(share.name, timeout=0.1)
+    client.close()
+
+
+async def test_segment_permissions_names_and_versions(caplog: pytest.LogCaptureFixture) -> None:
+    server = fb.Server(model, inputs=INPUTS, outputs=OUTPUTS)
+    async with server:
+        name = unique("perm")
+        share = server.share(name)
+        assert os.stat(segment(name)).st_mode & 0o777 == 0o600
+        with pytest.raises(ValueError, match="already shared as"):
+            server.share(unique("perm"))
+        other_server = fb.Server(model, inputs=INPUTS, outputs=OUTPUTS)
+        async with other_server:
+            with pytest.raises(ValueError, match="already shared by a running server"):
+                other_server.share(name)
+            other = other_server.share(unique("perm"), mode=0o640)
+            assert os.stat(segment(other.name)).st_mode & 0o777 == 0o640
+        # A segment of another layout version: refused, naming both versions.
+        with open(segment(name), "r+b") as f:
+            f.seek(8)
+            (layout,) = struct.unpack("<I", f.read(4))
+            f.seek(8)
+            f.write(struct.pack("<I", layout + 1))
+        with pytest.raises(fb.FerrobatchError, match="same ferrobatch version"):
+            fb.connect(name)
+        with pytest.raises(ValueError):
+            server.share("../escape")
+        assert share.name == name
+    assert not os.path.exists(segment(name))
+
+
+async def test_a_client_pickles_by_name_and_reconnects(shared: tuple[fb.Server, fb.Shared]) -> None:
+    _, share = shared
+    client = fb.connect(share.name)
+    copy = pickle.loads(pickle.dumps(client))
+    assert copy is not client
+    check(7, await copy.infer({"x": sample(7)}))
+    assert len(share.clients()) == 2
+    copy.close()
+    client.close()
+    deadline = time.monotonic() + 5
+    while share.clients():
+        assert time.monotonic() < deadline, "closed clients' slots were never reclaimed"
+        await asyncio.sleep(0.02)
+
+
+# -- other processes ---------------------------------------------------------------
+
+
+def _load(client: fb.SharedClient, seed: int, n: int, done: Any) -> None:
+    """A worker process: n requests from 256 concurrent callers, plus some
+    from threads, each result checked row by row."""
+
+    async def run() -> int:
+        sem = asyncio.Semaphore(256)
+
+        async def one(i: int) -> None:
+            async with sem:
+                check(i, await client.infer({"x": sample(i)}))
+
+        await asyncio.gather(*(one(seed + i) for i in range(n)))
+        return n
+
+    count = asyncio.run(run())
+    for i in range(20):
+        check(seed + i, client.infer_sync({"x": sample(seed + i)}))
+    done.put((os.getpid(), count + 20))
+    client.close()
+
+
+@pytest.mark.parametrize("method", ["spawn", "fork"])
+async def test_spawned_and_forked_workers_each_get_their_own_rows(method: str) -> None:
+    server = fb.Server(model, inputs=INPUTS, outputs=OUTPUTS, max_batch_size=64, max_delay=0.001)
+    async with server:
+        share = server.share(unique(method))
+        # Connected here, then pickled (spawn) or inherited (fork): either
+        # way each worker ends up with a slot of its own.
+        client = fb.connect(share.name)
+        check(1, await client.infer({"x": sample(1)}))
+        ctx = multiprocessing.get_context(method)
+        done = ctx.Queue()
+        workers = [ctx.Process(target=_load, args=(client, 10_000 * (w + 1), 2000, done)) for w in range(2)]
+        for w in workers:
+            w.start()
+        results = await asyncio.to_thread(lambda: [done.get(timeout=240) for _ in workers])
+        for w in workers:
+            await asyncio.to_thread(w.join, 60)
+            assert w.exitcode == 0
+        assert sorted(n for _, n in results) == [2020, 2020]
+        assert {pid for pid, _ in results} == {w.pid for w in workers}
+        # The parent's client still works: the children never used its slot.
+        check(2, await client.infer({"x": sample(2)}))
+        client.close()
+        deadline = time.monotonic() + 10
+        while share.clients():
+            assert time.monotonic() < deadline, share.clients()
+            await asyncio.sleep(0.05)
+        stats = server.stats()
+        assert stats["requests_succeeded"] == 2 + 2 * 2020
+        assert stats["mean_batch_size"] > 1
+
+
+CLIENT_SCRIPT = """
+import asyncio, sys, torch, ferrobatch as fb
+client = fb.connect(sys.argv[1], timeout=60)
+async def main():
+    n = 0
+    async def one(i):
+        nonlocal n
+        await client.infer({"x": torch.full((8,), float(i))})
+        n += 1
+        if n % 200 == 0:
+            print(n, flush=True)
+    i = 0
+    while True:
+        await asyncio.gather(*(one(i + k) for k in range(128)))
+        i += 128
+asyncio.run(main())
+"""
+
+
+@pytest.fixture
+def processes() -> Iterator[list[Any]]:
+    import subprocess
+
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+        p.wait(30)
+
+
+async def test_a_killed_client_leaks_nothing_and_harms_no_one(processes: list[Any]) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    server = fb.Server(model, inputs=INPUTS, outputs=OUTPUTS, max_batch_size=64, max_delay=0.001)
+    async with server:
+        share = server.share(unique("killclient"))
+        victim = subprocess.Popen([sys.executable, "-c", CLIENT_SCRIPT, share.name], stdout=subprocess.PIPE, text=True)
+        processes.append(victim)
+        assert victim.stdout is not None
+        line = await asyncio.to_thread(victim.stdout.readline)  # mid-load: 200 answered, 128 in flight
+        assert line.strip(), "the client process failed"
+        with fb.connect(share.name) as survivor:
+            load = asyncio.ensure_future(asyncio.gather(*(survivor.infer({"x": sample(i)}) for i in range(300))))
+            os.kill(victim.pid, signal.SIGKILL)
+            await asyncio.to_thread(victim.wait, 30)
+            for i, out in enumerate(await asyncio.wait_for(load, 120)):
+                check(i, out)
+            # Its slot and every request it had queued are reclaimed.
+            deadline = time.monotonic() + 20
+            while any(pid == victim.pid for _, pid in share.clients()) or share.in_flight:
+                assert time.monotonic() < deadline, (share.clients(), share.in_flight)
+                await asyncio.sleep(0.05)
+            assert share.reclaimed >= 1
+            assert server.stats()["queue_depth"] == 0
+            # The server serves on.
+            check(5, await survivor.infer({"x": sample(5)}))
+
+
+SERVER_SCRIPT = """
+import asyncio, sys, time, torch, ferrobatch as fb
+def slowish(batch):
+    time.sleep(0.002)
+    return {"y": batch["x"] * 2 + 1, "s": batch["x"].sum(dim=1, dtype=torch.float64)}
+async def main():
+    server = fb.Server(slowish, inputs=[fb.TensorSpec("x", "float32", (8,))],
+                       outputs=[fb.TensorSpec("y", "float32", (8,)), fb.TensorSpec("s", "float64", ())],
+                       max_batch_size=32)
+    async with server:
+        server.share(sys.argv[1])
+        print("ready", flush=True)
+        await asyncio.sleep(3600)
+asyncio.run(main())
+"""
+
+
+async def test_a_killed_server_fails_every_waiting_client_within_a_second(
+    processes: list[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    name = unique("killserver")
+    victim = subprocess.Popen([sys.executable, "-c", SERVER_SCRIPT, name], stdout=subprocess.PIPE, text=True)
+    processes.append(victim)
+    assert victim.stdout is not None
+    assert (await asyncio.to_thread(victim.stdout.readline)).strip() == "ready"
+    client = fb.connect(name)
+    check(3, await client.infer({"x": sample(3)}))
+    failed_at: list[float] = []
+
+    async def caller(i: int) -> None:
+        while True:
+            try:
+                check(i, await client.infer({"x": sample(i)}))
+            except fb.ServerClosedError:
+                failed_at.append(time.monotonic())
+                return
+
+    def thread_caller() -> None:
+        while True:
+            try:
+                client.infer_sync({"x": sample(1)})
+            except fb.ServerClosedError:
+                failed_at.append(time.monotonic())
+                return
+
+    threads = [threading.Thread(target=thread_caller) for _ in range(2)]
+    for t in threads:
+        t.start()
+    callers = [asyncio.ensure_future(caller(i)) for i in range(64)]
+    await asyncio.sleep(1.0)  # mid-load
+    assert not failed_at
+    os.kill(victim.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    await asyncio.to_thread(victim.wait, 30)
+    await asyncio.wait_for(asyncio.gather(*callers), 30)
+    await asyncio.to_thread(lambda: [t.join(30) for t in threads])
+    assert len(failed_at) == 64 + 2
+    assert max(failed_at) - killed < 1.0, max(failed_at) - killed
+    client.close()
+    # The dead server's segment is still there; the next share replaces it.
+    assert os.path.exists(segment(name))
+    server = fb.Server(model, inputs=INPUTS, outputs=OUTPUTS)
+    async with server:
+        with caplog.at_level("WARNING", logger="ferrobatch"):
+            server.share(name)
+        assert any("stale" in r.getMessage() for r in caplog.records)
+        with fb.connect(name) as fresh:
+            check(4, await fresh.infer({"x": sample(4)}))
