@@ -412,3 +412,15 @@ async def test_a_killed_server_fails_every_waiting_client_within_a_second(
         assert any("stale" in r.getMessage() for r in caplog.records)
         with fb.connect(name) as fresh:
             check(4, await fresh.infer({"x": sample(4)}))
+
+
+async def test_a_model_with_bytes_or_variable_length_tensors_is_not_shared() -> None:
+    text = fb.TensorSpec("text", "bytes", (1,))
+    server = fb.Server(
+        lambda d: {"n": torch.zeros(len(d["text"]))}, inputs=[text], outputs=[fb.TensorSpec("n", "float32", ())]
+    )
+    name = unique("bytes")
+    async with server:
+        with pytest.raises(ValueError, match="fixed-shape numeric tensors only; text"):
+            server.share(name)
+        assert not os.path.exists(segment(name))

@@ -591,6 +591,12 @@ class Server:
 
         if self._shared:
             raise ValueError(f"server '{self.name}' is already shared as '{self._shared[0].name}'")
+        variable = [s.name for s in (*self.inputs, *self.outputs) if s.is_bytes or s.is_ragged]
+        if variable:
+            raise ValueError(
+                f"server '{self.name}': shared memory carries fixed-shape numeric tensors only;"
+                f" {', '.join(variable)} are BYTES or variable-length"
+            )
         shared = share(
             self, name, max_clients=max_clients, rows_per_client=rows_per_client, ring_size=ring_size, mode=mode
         )

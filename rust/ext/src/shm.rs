@@ -830,8 +830,10 @@ impl SharedClient {
             let core = ferrobatch_core::InputSpec::new(&input, parsed, shape).ok_or_else(|| {
                 PyValueError::new_err(format!("input '{input}': its shape is too large"))
             })?;
+            // A shared model's inputs are fixed-shape (`share` refuses others).
             specs.push(InputSpec {
                 core,
+                layout: ferrobatch_core::Layout::Fixed,
                 key: PyString::intern(py, &input).unbind(),
                 torch_dtype,
             });
@@ -853,6 +855,8 @@ impl SharedClient {
                 tensor_type,
                 coerce,
                 max_rows: max_batch_size,
+                max_elements: None,
+                bytes_limits: ferrobatch_core::bytes::BytesLimits::default(),
             },
             outputs,
             waiters: Mutex::new(HashMap::new()),

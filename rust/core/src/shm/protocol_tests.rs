@@ -35,6 +35,11 @@ fn fixture(test: &str, clients: u32, cells: u32, ring: u32) -> Fixture {
         max_queue_size: 10_000,
         workers: 1,
         readiness: Readiness::OnPush,
+        layouts: Vec::new(),
+        max_batch_elements: None,
+        bytes_limits: Default::default(),
+        priorities: crate::Priorities::NONE,
+        default_priority: None,
     };
     let batcher = Arc::new(Batcher::new(config, buffers).unwrap());
     let segment = SegmentConfig {
