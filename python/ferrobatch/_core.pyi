@@ -125,6 +125,9 @@ class Batch:
         """Per input: a padded one's longest row, a jagged one's total length; 0 otherwise."""
     def take_bytes(self, index: int) -> list[bytes]:
         """BYTES input ``index``'s elements, in batch order (once per input)."""
+    def take_ragged_bytes(self, index: int) -> tuple[list[bytes], list[int]]:
+        """Variable-length BYTES input ``index``'s elements, in batch order, and
+        each row's length (once per input)."""
     def request_parameters(self) -> list[tuple[int, str | None]]:
         """Each request's ``(rows, parameters as JSON text or None)``, in row order."""
     def release_slot(self) -> bool: ...

@@ -78,7 +78,9 @@ class TensorSpec:
     int64 ``[B]``) or ``ragged="jagged"`` (the rows' values concatenated,
     ``[sum of lengths, ...]``, and ``name + "_offsets"``, int64 ``[B + 1]``).
     An output with ``-1`` is returned by the model the same way, and each
-    caller gets its own row's length.
+    caller gets its own row's length. A BYTES tensor may be variable-length
+    too: padded with ``b""`` (numpy object arrays ``[B, L_max, ...]``) or
+    jagged (``[sum of lengths, ...]``).
     """
 
     name: str
@@ -102,10 +104,6 @@ class TensorSpec:
         variable = bool(shape) and shape[0] == -1
         if self.ragged is not None and self.ragged not in _RAGGED_MODES:
             raise ValueError(f"TensorSpec {self.name!r}: ragged must be 'pad' or 'jagged', got {self.ragged!r}")
-        if variable and self.dtype == "bytes":
-            raise ValueError(
-                f"TensorSpec {self.name!r}: a BYTES tensor with a variable-length dimension is not supported"
-            )
         if variable and self.ragged is None:
             raise ValueError(
                 f"TensorSpec {self.name!r}: shape {shape} has a variable-length dimension; "

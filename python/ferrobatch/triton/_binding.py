@@ -281,7 +281,8 @@ def _padded(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     longest = max(a.shape[1] for a in arrays)
     total = sum(a.shape[0] for a in arrays)
     first = arrays[0]
-    joined = np.zeros((total, longest, *first.shape[2:]), dtype=first.dtype)
+    pad: Any = b"" if first.dtype == object else 0  # BYTES pad with empty strings
+    joined = np.full((total, longest, *first.shape[2:]), pad, dtype=first.dtype)
     lengths = np.empty(total, dtype=np.int64)
     start = 0
     for a in arrays:

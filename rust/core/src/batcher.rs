@@ -328,6 +328,26 @@ impl Batcher {
                     crate::bytes::check(data, count, self.bytes_limits)
                         .map_err(|e| CoreError::InvalidInput(format!("input {i}: {e}")))?;
                 }
+                Layout::RaggedBytes(r) => {
+                    let elements = rows
+                        .checked_mul(input.extent())
+                        .and_then(|n| n.checked_mul(r.unit_elements));
+                    let limit = self.max_batch_elements.unwrap_or(0);
+                    let count = match elements {
+                        Some(n) if n <= limit => n,
+                        _ => {
+                            return Err(CoreError::InvalidInput(format!(
+                                "input {i}: a request of {rows} rows of length {} exceeds \
+                                 max_batch_elements ({limit})",
+                                input.extent()
+                            )))
+                        }
+                    };
+                    // SAFETY: as above.
+                    let data = unsafe { input.as_slice() };
+                    crate::bytes::check(data, count, self.bytes_limits)
+                        .map_err(|e| CoreError::InvalidInput(format!("input {i}: {e}")))?;
+                }
             }
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
@@ -556,25 +576,25 @@ impl Budget {
         let limit = limit.unwrap_or(usize::MAX);
         let n = r.rows as usize;
         layouts.iter().enumerate().all(|(i, layout)| {
-            let Layout::Ragged(ragged) = layout else {
+            let Some((unit_elements, padded)) = layout.variable() else {
                 return true;
             };
             let extent = r.inputs()[i].extent();
             let (positions, longest) = self.used[i];
-            let after = if ragged.pad.is_some() {
+            let after = if padded {
                 (rows + n).checked_mul(longest.max(extent))
             } else {
                 n.checked_mul(extent).and_then(|p| p.checked_add(positions))
             };
             after
-                .and_then(|p| p.checked_mul(ragged.unit_elements))
+                .and_then(|p| p.checked_mul(unit_elements))
                 .is_some_and(|e| e <= limit)
         })
     }
 
     fn add(&mut self, r: &Request, layouts: &[Layout]) {
         for (i, layout) in layouts.iter().enumerate() {
-            if let Layout::Ragged(_) = layout {
+            if layout.variable().is_some() {
                 let extent = r.inputs()[i].extent();
                 let (positions, longest) = &mut self.used[i];
                 *positions += r.rows as usize * extent;

@@ -124,8 +124,9 @@ impl StagingRing {
     /// input in order: one buffer of `max_rows * row_nbytes[i]` bytes for a
     /// [`Layout::Fixed`] input; two for a [`Layout::Ragged`] one (its values,
     /// room for `max_elements` elements, and its index, `max_rows + 1`
-    /// int64); none for [`Layout::Bytes`] (collated into memory of the
-    /// batch's own, [`Collated::Bytes`]).
+    /// int64); none for [`Layout::Bytes`] and [`Layout::RaggedBytes`]
+    /// (collated into memory of the batch's own, [`Collated::Bytes`] and
+    /// [`Collated::RaggedBytes`]).
     pub fn with_layouts(
         row_nbytes: Vec<usize>,
         layouts: Vec<Layout>,
@@ -186,6 +187,18 @@ impl StagingRing {
                     needs.push((i, index));
                 }
                 Layout::Bytes { .. } => {}
+                Layout::RaggedBytes(r) => {
+                    if max_elements.is_none() {
+                        return Err(CoreError::InvalidConfig(format!(
+                            "input {i} has a variable-length dimension: max_batch_elements is needed"
+                        )));
+                    }
+                    if r.unit_elements == 0 {
+                        return Err(CoreError::InvalidConfig(format!(
+                            "input {i}: a variable-length dimension needs non-empty inner dimensions"
+                        )));
+                    }
+                }
             }
         }
         for (s, buffers) in slots.iter().enumerate() {
@@ -396,6 +409,17 @@ impl HeldSlot {
                     }
                     Collated::Bytes(out)
                 }
+                Layout::RaggedBytes(_) => {
+                    let total: usize = requests.iter().map(|r| r.inputs()[i].len()).sum();
+                    let mut data = Vec::with_capacity(total);
+                    let mut lengths = Vec::with_capacity(rows);
+                    for (n, input) in inputs {
+                        // SAFETY: as above.
+                        data.extend_from_slice(unsafe { input.as_slice() });
+                        lengths.extend(std::iter::repeat(input.extent()).take(n));
+                    }
+                    Collated::RaggedBytes { data, lengths }
+                }
             });
         }
         (rows, collated)
@@ -422,6 +446,33 @@ pub enum Layout {
     /// BYTES: each row `elements_per_row` serialized elements
     /// ([`crate::bytes`]), concatenated.
     Bytes { elements_per_row: usize },
+    /// BYTES with a variable-length first dimension: each row of a request
+    /// [`crate::InputBytes::extent`] positions of `unit_elements` serialized
+    /// elements, concatenated into memory the batch owns (as [`Layout::Bytes`]),
+    /// with each row's length.
+    RaggedBytes(RaggedBytes),
+}
+
+/// A BYTES input with a variable-length first dimension.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RaggedBytes {
+    /// Elements of one position (the product of the inner dimensions).
+    pub unit_elements: usize,
+    /// Counted padded against `max_batch_elements` (rows times the longest
+    /// row, what the model gets), else jagged (the sum of the rows).
+    pub padded: bool,
+}
+
+impl Layout {
+    /// For an input whose rows vary in length: the elements of one position
+    /// and whether the batch is counted padded against `max_batch_elements`.
+    pub fn variable(&self) -> Option<(usize, bool)> {
+        match self {
+            Layout::Ragged(r) => Some((r.unit_elements, r.pad.is_some())),
+            Layout::RaggedBytes(r) => Some((r.unit_elements, r.padded)),
+            Layout::Fixed | Layout::Bytes { .. } => None,
+        }
+    }
 }
 
 /// A variable-length input: rows of `extent` positions of `unit_nbytes`
@@ -448,6 +499,9 @@ pub enum Collated {
     Jagged { total: usize },
     /// The rows' serialized elements, back to back.
     Bytes(Vec<u8>),
+    /// The rows' serialized elements, back to back, and each row's length
+    /// (positions of `unit_elements` elements; `rows` of them).
+    RaggedBytes { data: Vec<u8>, lengths: Vec<usize> },
 }
 
 /// Writes `src` at `offset` of `buf`.

@@ -9,7 +9,7 @@ use ferrobatch_core as core;
 use ferrobatch_core::bytes::BytesLimits;
 use ferrobatch_core::{
     BatcherConfig, Collated, DType, DispatchReason, DispatchRule, InputBytes, Layout, Ragged,
-    Readiness, RequestState, Route, Sink, SlotBuffer,
+    RaggedBytes, Readiness, RequestState, Route, Sink, SlotBuffer,
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::intern;
@@ -108,6 +108,13 @@ impl Batcher {
                     elements_per_row: elements,
                 },
                 None | Some(("fixed", _)) => Layout::Fixed,
+                Some((mode @ ("pad" | "jagged"), _)) if dtype == DType::Bytes => {
+                    // `shape` is what follows the variable dimension.
+                    Layout::RaggedBytes(RaggedBytes {
+                        unit_elements: elements,
+                        padded: mode == "pad",
+                    })
+                }
                 Some(("pad" | "jagged", pad)) if dtype != DType::Bytes => {
                     // `shape` is what follows the variable dimension.
                     let unit_nbytes = core.row_nbytes;
@@ -633,7 +640,7 @@ impl Batch {
             .map(|c| match c {
                 Collated::Padded { max_len } => *max_len,
                 Collated::Jagged { total } => *total,
-                Collated::Fixed | Collated::Bytes(_) => 0,
+                Collated::Fixed | Collated::Bytes(_) | Collated::RaggedBytes { .. } => 0,
             })
             .collect()
     }
@@ -658,6 +665,37 @@ impl Batch {
             py,
             ferrobatch_core::bytes::elements(&data).map(|e| PyBytes::new(py, e)),
         )
+    }
+
+    /// Variable-length BYTES input `index`'s elements, in batch order, as
+    /// `bytes` objects, and each row's length (in positions); its collated
+    /// bytes are let go: call once per input.
+    #[allow(clippy::type_complexity)]
+    fn take_ragged_bytes<'py>(
+        &self,
+        py: Python<'py>,
+        index: usize,
+    ) -> PyResult<(Bound<'py, PyList>, Vec<usize>)> {
+        let (data, lengths) = match self
+            .collated
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_mut(index)
+        {
+            Some(Collated::RaggedBytes { data, lengths }) => {
+                (std::mem::take(data), std::mem::take(lengths))
+            }
+            _ => {
+                return Err(PyValueError::new_err(format!(
+                    "input {index} is not a variable-length BYTES input of this batch"
+                )))
+            }
+        };
+        let elements = PyList::new(
+            py,
+            ferrobatch_core::bytes::elements(&data).map(|e| PyBytes::new(py, e)),
+        )?;
+        Ok((elements, lengths))
     }
 
     #[getter]

@@ -91,6 +91,12 @@ impl InputSpec {
                 .ragged_rows_for_shape(actual, batched, max_rows, max_elements.unwrap_or(0))
                 .map(|(rows, extent)| (rows, rows * extent * r.unit_nbytes, extent))
                 .map_err(|e| invalid_input(py, e.0)),
+            // The byte count of BYTES is checked as they are serialized.
+            Layout::RaggedBytes(_) => self
+                .core
+                .ragged_rows_for_shape(actual, batched, max_rows, max_elements.unwrap_or(0))
+                .map(|(rows, extent)| (rows, 0, extent))
+                .map_err(|e| invalid_input(py, e.0)),
             _ => self
                 .core
                 .rows_for_shape(actual, batched, max_rows)
@@ -162,10 +168,6 @@ pub(crate) struct Converted {
 }
 
 impl Converted {
-    fn new(copy: Box<[u8]>, rows: usize) -> Converted {
-        Converted::with_extent(copy, rows, 0)
-    }
-
     fn with_extent(copy: Box<[u8]>, rows: usize, extent: usize) -> Converted {
         // SAFETY: the view covers exactly the boxed slice, whose heap memory
         // does not move when the box does; the box is the returned `Keep`,
@@ -218,8 +220,14 @@ impl Converter {
         value: &Bound<'_, PyAny>,
         batched: bool,
     ) -> PyResult<Converted> {
-        if let Layout::Bytes { elements_per_row } = spec.layout {
-            return self.read_bytes(py, spec, value, batched, elements_per_row);
+        match spec.layout {
+            Layout::Bytes { elements_per_row } => {
+                return self.read_bytes(py, spec, value, batched, elements_per_row)
+            }
+            Layout::RaggedBytes(ref r) => {
+                return self.read_bytes(py, spec, value, batched, r.unit_elements)
+            }
+            _ => {}
         }
         let tensor_type = self.tensor_type.bind(py);
         if value.is_instance(tensor_type)? {
@@ -378,34 +386,58 @@ impl Converter {
                 return Err(spec.dtype_error(py, got));
             };
             let dims: Vec<usize> = shape.iter().map(|&d| d.max(0) as usize).collect();
-            let (rows, _, _) = spec.rows_for_shape(py, &dims, batched, self.max_rows, None)?;
-            bytes::check(data, rows * elements_per_row, self.bytes_limits)
-                .map_err(|e| spec.error(py, e))?;
+            let (rows, _, extent) =
+                spec.rows_for_shape(py, &dims, batched, self.max_rows, self.max_elements)?;
+            // A variable-length row is `extent` positions of `elements_per_row`.
+            let count = rows * extent.max(fixed_row(spec)) * elements_per_row;
+            bytes::check(data, count, self.bytes_limits).map_err(|e| spec.error(py, e))?;
             let mut copy = allocate(data.len())?;
             copy.extend_from_slice(data);
-            return Ok(Converted::new(copy.into_boxed_slice(), rows));
+            return Ok(Converted::with_extent(
+                copy.into_boxed_slice(),
+                rows,
+                extent,
+            ));
         }
         let single =
             value.is_instance_of::<pyo3::types::PyBytes>() || value.is_instance_of::<PyString>();
-        let (rows, flat) = if single {
-            let (rows, _, _) = spec
-                .rows_for_shape(py, &[], batched, self.max_rows, None)
-                .or_else(|_| spec.rows_for_shape(py, &[1], batched, self.max_rows, None))?;
-            (rows, pyo3::types::PyList::new(py, [value])?.into_any())
+        let max = self.max_elements;
+        let (rows, extent, flat) = if single {
+            let (rows, _, extent) = spec
+                .rows_for_shape(py, &[], batched, self.max_rows, max)
+                .or_else(|_| spec.rows_for_shape(py, &[1], batched, self.max_rows, max))?;
+            (
+                rows,
+                extent,
+                pyo3::types::PyList::new(py, [value])?.into_any(),
+            )
         } else {
             let array = py
                 .import(intern!(py, "numpy"))?
                 .call_method1(intern!(py, "asarray"), (value, intern!(py, "object")))?;
             let dims: Vec<usize> = array.getattr(intern!(py, "shape"))?.extract()?;
-            let (rows, _, _) = spec.rows_for_shape(py, &dims, batched, self.max_rows, None)?;
-            (rows, array.call_method0(intern!(py, "ravel"))?)
+            let (rows, _, extent) = spec.rows_for_shape(py, &dims, batched, self.max_rows, max)?;
+            (rows, extent, array.call_method0(intern!(py, "ravel"))?)
         };
-        let count = rows * elements_per_row;
+        // Bounded by the shape checks above (max_batch_size rows, or
+        // max_batch_elements elements of a variable-length input).
+        let count = rows * extent.max(fixed_row(spec)) * elements_per_row;
         let data = crate::codec::serialize_elements(py, &flat, count, self.bytes_limits, |m| {
             spec.error(py, m)
         })?;
-        Ok(Converted::new(data.into_boxed_slice(), rows))
+        Ok(Converted::with_extent(
+            data.into_boxed_slice(),
+            rows,
+            extent,
+        ))
     }
+}
+
+/// Positions per row that multiply a BYTES row's elements: 1 for a fixed
+/// shape (its row is `elements_per_row`), 0 for a variable-length one (its
+/// row is `extent` positions).
+fn fixed_row(spec: &InputSpec) -> usize {
+    usize::from(matches!(spec.layout, Layout::Bytes { .. }))
 }
 
 /// A dtype name for a buffer format ("float64", "big-endian float32"), or the
