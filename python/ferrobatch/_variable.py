@@ -55,6 +55,9 @@ def layouts(specs: Sequence[TensorSpec]) -> list[tuple[str, bytes | None]]:
     for s in specs:
         if s.is_bytes:
             out.append((s.ragged or "bytes", None))
+        elif s.is_padded_nd:
+            one = torch.full((1,), s.pad_value, dtype=s.torch_dtype)
+            out.append(("pad", one.view(torch.uint8).numpy().tobytes()))
         elif s.ragged == "pad":
             one = torch.full((1, *s.inner_shape), s.pad_value, dtype=s.torch_dtype)
             out.append(("pad", one.contiguous().view(torch.uint8).numpy().tobytes()))
@@ -66,8 +69,21 @@ def layouts(specs: Sequence[TensorSpec]) -> list[tuple[str, bytes | None]]:
 
 
 def core_shape(spec: TensorSpec) -> list[int]:
-    """The shape the core checks rows against: what follows a variable dimension."""
-    return list(spec.inner_shape)
+    """The shape the core checks rows against: what follows a variable dimension
+    (nothing for one padded along several: its ``padded_dims`` say)."""
+    return [] if spec.is_padded_nd else list(spec.inner_shape)
+
+
+def padded_dims(specs: Sequence[TensorSpec]) -> list[list[int | None] | None]:
+    """Per input, for one padded along variable dimensions other than (or
+    besides) the first: its row shape with ``None`` for each ``-1``."""
+    return [[None if d == -1 else d for d in s.shape] if s.is_padded_nd else None for s in specs]
+
+
+def _full_shape(spec: TensorSpec, longest: Sequence[int]) -> tuple[int, ...]:
+    """``spec.shape`` with its ``-1`` dimensions at ``longest``, in order."""
+    it = iter(longest)
+    return tuple(next(it) if d == -1 else d for d in spec.shape)
 
 
 def allocate_slot(specs: Sequence[TensorSpec], max_batch_size: int, max_elements: int) -> dict[str, torch.Tensor]:
@@ -80,7 +96,10 @@ def allocate_slot(specs: Sequence[TensorSpec], max_batch_size: int, max_elements
     for s in specs:
         if s.is_bytes:
             continue
-        if s.is_ragged:
+        if s.is_padded_nd:
+            slot[s.name] = torch.zeros(max_elements, dtype=s.torch_dtype)
+            slot[s.name + INDEX] = torch.zeros(max_batch_size * len(s.variable_dims), dtype=torch.int64)
+        elif s.is_ragged:
             unit = max(1, int(np.prod(s.inner_shape)))
             slot[s.name] = torch.zeros((max_elements // unit) * unit, dtype=s.torch_dtype)
             slot[s.name + INDEX] = torch.zeros(max_batch_size + 1, dtype=torch.int64)
@@ -102,6 +121,12 @@ def batch_inputs(specs: Sequence[TensorSpec], slot: Mapping[str, torch.Tensor], 
             flat = np.empty(rows * int(np.prod(s.shape, dtype=np.int64)), dtype=object)
             flat[:] = batch.take_bytes(i)
             inputs[s.name] = flat.reshape((rows, *s.shape))
+        elif s.is_padded_nd:
+            shape = _full_shape(s, batch.padded_extents(i))
+            k = len(s.variable_dims)
+            inputs[s.name] = slot[s.name][: rows * int(np.prod(shape, dtype=np.int64))].view(rows, *shape)
+            index = slot[s.name + INDEX][: rows * k]
+            inputs[s.name + LENGTHS] = index if k == 1 else index.view(rows, k)
         elif s.ragged == "pad":
             unit = int(np.prod(s.inner_shape, dtype=np.int64))
             longest = extents[i]
@@ -182,6 +207,70 @@ class RaggedOutput:
         return out
 
 
+class PaddedOutput:
+    """A batch's output padded along several variable dimensions (or one
+    not first): ``values`` ``[B, *shape at the longest]`` and each row's
+    lengths along them (``[B, k]``). :meth:`request_rows` cuts a request's
+    result out of it."""
+
+    __slots__ = ("values", "lengths", "variable", "pad_value")
+
+    def __init__(self, values: torch.Tensor, lengths: list[list[int]], variable: tuple[int, ...], pad_value: float):
+        self.values = values
+        self.lengths = lengths
+        self.variable = variable  # positions of the -1 dimensions in a row's shape
+        self.pad_value = pad_value
+
+    def _box(self, lengths: Sequence[int]) -> tuple[slice, ...]:
+        ends = dict(zip(self.variable, lengths))
+        return tuple(slice(0, ends.get(d)) for d in range(self.values.dim() - 1))
+
+    def request_rows(self, start: int, rows: int, batched: bool) -> torch.Tensor:
+        """One-sample request: its row at its own lengths. A multi-row one:
+        ``[rows, *its longest]``, shorter rows padded with ``pad_value``."""
+        if not batched:
+            return self.values[start][self._box(self.lengths[start])]
+        own = self.lengths[start : start + rows]
+        longest = [max(column) for column in zip(*own)]
+        box = self._box(longest)
+        shape = [len(range(*b.indices(n))) for b, n in zip(box, self.values.shape[1:])]
+        out = self.values.new_full((rows, *shape), self.pad_value)
+        for j, lengths in enumerate(own):
+            cut = self._box(lengths)
+            out[j][cut] = self.values[start + j][cut]
+        return out
+
+
+def _padded_output(spec: TensorSpec, named: Mapping[str, Any], rows: int) -> PaddedOutput:
+    value = named[spec.name]
+    values = torch.from_numpy(value) if isinstance(value, np.ndarray) else value
+    if not isinstance(values, torch.Tensor):
+        raise ModelError(f"output '{spec.name}': expected a tensor, got {type(value).__name__}")
+    if values.dtype != spec.torch_dtype:
+        raise ModelError(f"output '{spec.name}': expected dtype {spec.dtype}, got {values.dtype}")
+    values = values.cpu()
+    fixed_ok = all(d == -1 or d == n for d, n in zip(spec.shape, values.shape[1:]))
+    if values.dim() != len(spec.shape) + 1 or values.shape[0] != rows or not fixed_ok:
+        raise ModelError(
+            f"output '{spec.name}': expected shape ({rows}, {', '.join(map(str, spec.shape))}) (-1: any length),"
+            f" got {tuple(values.shape)}"
+        )
+    k = len(spec.variable_dims)
+    key = spec.name + LENGTHS
+    raw = named.get(key)
+    if raw is None:
+        raise ModelError(f"output '{spec.name}' (ragged='pad') needs '{key}' beside it")
+    t = torch.as_tensor(raw)
+    if t.dtype.is_floating_point or tuple(t.shape) not in ((rows, k), (rows,) if k == 1 else (rows, k)):
+        raise ModelError(f"output '{key}': expected integers of shape {(rows, k) if k > 1 else (rows,)}, got"
+                         f" {tuple(t.shape)} {t.dtype}")  # fmt: skip
+    lengths: list[list[int]] = t.reshape(rows, k).tolist()
+    bounds = [values.shape[1 + d] for d in spec.variable_dims]
+    if any(not 0 <= n <= b for row in lengths for n, b in zip(row, bounds)):
+        raise ModelError(f"output '{key}': lengths must be within the output's shape {tuple(values.shape)}")
+    return PaddedOutput(values, lengths, spec.variable_dims, spec.pad_value)
+
+
 def _named(raw: Any, specs: Sequence[TensorSpec]) -> Mapping[str, Any]:
     if isinstance(raw, Mapping):
         return raw
@@ -244,7 +333,9 @@ def _ragged_bytes_output(spec: TensorSpec, named: Mapping[str, Any], rows: int) 
     return _cut(spec, named, values, rows, b"")
 
 
-def _ragged_output(spec: TensorSpec, named: Mapping[str, Any], rows: int) -> RaggedOutput:
+def _ragged_output(spec: TensorSpec, named: Mapping[str, Any], rows: int) -> RaggedOutput | PaddedOutput:
+    if spec.is_padded_nd:
+        return _padded_output(spec, named, rows)
     if spec.is_bytes:
         return _ragged_bytes_output(spec, named, rows)
     value = named[spec.name]
@@ -334,7 +425,7 @@ class VariableExecutor(CpuExecutor):
             if isinstance(out, torch.Tensor) and _storage_ptr(out) in staging:
                 outputs[name] = out.clone()  # the slot is reused by the next batch
             elif (
-                isinstance(out, RaggedOutput)
+                isinstance(out, (RaggedOutput, PaddedOutput))
                 and isinstance(out.values, torch.Tensor)
                 and _storage_ptr(out.values) in staging
             ):

@@ -328,6 +328,30 @@ impl Batcher {
                     crate::bytes::check(data, count, self.bytes_limits)
                         .map_err(|e| CoreError::InvalidInput(format!("input {i}: {e}")))?;
                 }
+                Layout::Padded(p) => {
+                    let extents = &input.extents()[..p.variable_dims()];
+                    let limit = self.max_batch_elements.unwrap_or(0);
+                    let elements = p.row_elements(extents).and_then(|e| e.checked_mul(rows));
+                    let elements = match elements {
+                        Some(n) if n <= limit => n,
+                        _ => {
+                            return Err(CoreError::InvalidInput(format!(
+                                "input {i}: a request of {rows} rows of shape {:?} exceeds \
+                                 max_batch_elements ({limit})",
+                                p.row_shape(extents)
+                            )))
+                        }
+                    };
+                    // Fits: at most `limit` elements of `itemsize` bytes.
+                    let expected = elements * p.itemsize;
+                    if input.len() != expected {
+                        return Err(CoreError::InvalidInput(format!(
+                            "input {i}: expected {expected} bytes ({rows} rows of shape {:?}), got {}",
+                            p.row_shape(extents),
+                            input.len()
+                        )));
+                    }
+                }
                 Layout::RaggedBytes(r) => {
                     let elements = rows
                         .checked_mul(input.extent())
@@ -558,16 +582,38 @@ impl Batcher {
 }
 
 /// The elements a batch being gathered holds of each variable-length
-/// input: `(positions, longest row)` per input (zero for the others).
+/// input: `(positions, longest row)` per input (zero for the others), and
+/// for inputs padded along several dimensions the longest along each.
 struct Budget {
     used: Vec<(usize, usize)>,
+    longest: Vec<[usize; crate::MAX_VARIABLE_DIMS]>,
 }
 
 impl Budget {
     fn new(layouts: &[Layout]) -> Budget {
         Budget {
             used: vec![(0, 0); layouts.len()],
+            longest: vec![[0; crate::MAX_VARIABLE_DIMS]; layouts.len()],
         }
+    }
+
+    /// Whether `r` joins a batch of `rows` rows with input `i`, padded
+    /// along several dimensions, within `limit` elements counted padded.
+    fn padded_fits(
+        &self,
+        p: &crate::Padded,
+        r: &Request,
+        i: usize,
+        rows: usize,
+        limit: usize,
+    ) -> bool {
+        let mut longest = self.longest[i];
+        for (m, &e) in longest.iter_mut().zip(r.inputs()[i].extents()) {
+            *m = (*m).max(e);
+        }
+        p.row_elements(&longest[..p.variable_dims()])
+            .and_then(|e| e.checked_mul(rows + r.rows as usize))
+            .is_some_and(|e| e <= limit)
     }
 
     /// Whether `r` joins a batch of `rows` rows within `limit` elements of
@@ -576,6 +622,9 @@ impl Budget {
         let limit = limit.unwrap_or(usize::MAX);
         let n = r.rows as usize;
         layouts.iter().enumerate().all(|(i, layout)| {
+            if let Layout::Padded(p) = layout {
+                return self.padded_fits(p, r, i, rows, limit);
+            }
             let Some((unit_elements, padded)) = layout.variable() else {
                 return true;
             };
@@ -594,6 +643,11 @@ impl Budget {
 
     fn add(&mut self, r: &Request, layouts: &[Layout]) {
         for (i, layout) in layouts.iter().enumerate() {
+            if let Layout::Padded(_) = layout {
+                for (m, &e) in self.longest[i].iter_mut().zip(r.inputs()[i].extents()) {
+                    *m = (*m).max(e);
+                }
+            }
             if layout.variable().is_some() {
                 let extent = r.inputs()[i].extent();
                 let (positions, longest) = &mut self.used[i];

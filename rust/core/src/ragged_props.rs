@@ -5,7 +5,9 @@
 //! found exactly, at its place, with its length (and, padded, pad bytes
 //! after it). The same for BYTES rows of a variable number of elements
 //! (each of its own length): every element of every row back, in order,
-//! with its row's length.
+//! with its row's length. And rows padded along several variable
+//! dimensions, anywhere in their shape: each element at its place in the
+//! batch's box, pad elsewhere, each row's lengths.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,8 +16,8 @@ use proptest::prelude::*;
 
 use crate::bytes::{self, BytesLimits};
 use crate::{
-    Batcher, BatcherConfig, Collated, DispatchRule, InputBytes, Layout, Ragged, RaggedBytes,
-    Readiness, Sink, SlotBuffer, Worker,
+    Batcher, BatcherConfig, Collated, DispatchRule, InputBytes, Layout, Padded, Ragged,
+    RaggedBytes, Readiness, Sink, SlotBuffer, Worker,
 };
 
 /// One request: rows of `len` positions of `unit` bytes each, all filled
@@ -401,4 +403,168 @@ fn a_bytes_request_over_the_budget_or_miscounted_is_refused_at_submit() {
         default_priority: None,
     };
     assert!(Batcher::new(config, vec![vec![]]).is_err());
+}
+
+/// Rows padded along several variable dimensions: row shape `dims` (`None`
+/// variable); each request `(rows, extents)`, its elements numbered so each
+/// is unique. Every element of every row is found at its place in the
+/// padded box, pad everywhere else, and the lengths are each row's own.
+fn run_padded(
+    dims: Vec<Option<usize>>,
+    shape: Vec<(usize, Vec<usize>)>,
+    budget: usize,
+    max_rows: usize,
+) {
+    let k = dims.iter().filter(|d| d.is_none()).count();
+    let padded = Padded {
+        dims: dims.clone().into_boxed_slice(),
+        itemsize: 2,
+        pad: Box::new([0xFF, 0xFF]),
+    };
+    struct PadReq {
+        rows: usize,
+        extents: Vec<usize>,
+        data: Vec<u8>,
+    }
+    let mut next = 0u16;
+    let reqs: Vec<PadReq> = shape
+        .into_iter()
+        .map(|(rows, extents)| {
+            let extents = extents[..k].to_vec();
+            let n = rows * padded.row_elements(&extents).unwrap();
+            let data = (0..n)
+                .flat_map(|_| {
+                    next += 1;
+                    next.to_le_bytes()
+                })
+                .collect();
+            PadReq {
+                rows,
+                extents,
+                data,
+            }
+        })
+        .filter(|r| {
+            r.rows * padded.row_elements(&r.extents).unwrap() <= budget && r.rows <= max_rows
+        })
+        .collect();
+    let mut store: Vec<Vec<u8>> = (0..2)
+        .map(|_| vec![0u8; budget * 2])
+        .chain((0..2).map(|_| vec![0u8; max_rows * k * 8]))
+        .collect();
+    let (values, index) = store.split_at_mut(2);
+    let slots = values
+        .iter_mut()
+        .zip(index.iter_mut())
+        // SAFETY: `store` outlives the batcher (dropped at the end of `run_padded`).
+        .map(|(v, i)| unsafe {
+            vec![
+                SlotBuffer::new(v.as_mut_ptr(), v.len()),
+                SlotBuffer::new(i.as_mut_ptr(), i.len()),
+            ]
+        })
+        .collect();
+    let config = BatcherConfig {
+        rule: DispatchRule::new(max_rows, Duration::ZERO, 1, vec![]).unwrap(),
+        row_nbytes: vec![0],
+        max_queue_size: 1024,
+        workers: 1,
+        readiness: Readiness::OnPush,
+        layouts: vec![Layout::Padded(padded.clone())],
+        max_batch_elements: Some(budget),
+        bytes_limits: BytesLimits::default(),
+        priorities: crate::Priorities::NONE,
+        default_priority: None,
+    };
+    let batcher = Arc::new(Batcher::new(config, slots).unwrap());
+    let mut ids = Vec::new();
+    for r in &reqs {
+        // SAFETY: `reqs` outlives every batch taken below.
+        let input = unsafe { InputBytes::new(r.data.as_ptr(), r.data.len()) }
+            .with_extents(&r.extents)
+            .unwrap();
+        let request = batcher
+            .submit(Sink::EventLoop(0), r.rows, Box::new([input]), None)
+            .unwrap();
+        ids.push(request.id);
+    }
+    batcher.close();
+    let mut worker = Worker::new();
+    let mut seen = 0usize;
+    while let Some(batch) = batcher.next_batch(&mut worker) {
+        let Collated::PaddedNd { longest } = &batch.collated[0] else {
+            panic!("unexpected {:?}", batch.collated[0]);
+        };
+        let out_shape = padded.row_shape(longest);
+        let row_elements: usize = out_shape.iter().product();
+        assert!(batch.rows * row_elements <= budget, "batch over the budget");
+        let (b_values, b_index) = (&store[batch.slot.index()], &store[2 + batch.slot.index()]);
+        let lengths = i64s(b_index, batch.rows * k);
+        let element = |row: usize, at: usize| {
+            let o = (row * row_elements + at) * 2;
+            u16::from_le_bytes([b_values[o], b_values[o + 1]])
+        };
+        let mut row = 0usize;
+        for request in &batch.requests {
+            let r = &reqs[seen];
+            assert_eq!(request.id, ids[seen], "taken in order");
+            seen += 1;
+            let own = padded.row_shape(&r.extents);
+            let own_elements: usize = own.iter().product();
+            for j in 0..r.rows {
+                let got: Vec<usize> = lengths[row * k..(row + 1) * k]
+                    .iter()
+                    .map(|&n| n as usize)
+                    .collect();
+                assert_eq!(got, r.extents, "the row's own lengths");
+                // Walk the padded box: inside the row's own box, its element; pad outside.
+                let mut own_at = 0usize;
+                for at in 0..row_elements {
+                    let mut rest = at;
+                    let mut index = vec![0usize; out_shape.len()];
+                    for d in (0..out_shape.len()).rev() {
+                        index[d] = rest % out_shape[d];
+                        rest /= out_shape[d];
+                    }
+                    let inside = index.iter().zip(&own).all(|(i, n)| i < n);
+                    let value = element(row, at);
+                    if inside {
+                        let o = (j * own_elements + own_at) * 2;
+                        let want = u16::from_le_bytes([r.data[o], r.data[o + 1]]);
+                        assert_eq!(value, want, "element {index:?} of row {j}");
+                        own_at += 1;
+                    } else {
+                        assert_eq!(value, 0xFFFF, "padding at {index:?}");
+                    }
+                }
+                assert_eq!(own_at, own_elements);
+                row += 1;
+            }
+        }
+    }
+    assert_eq!(seen, reqs.len(), "every request taken exactly once");
+}
+
+fn padded_dims() -> impl Strategy<Value = Vec<Option<usize>>> {
+    proptest::collection::vec(prop_oneof![Just(None), (1usize..4).prop_map(Some)], 1..4)
+        .prop_filter("at least one variable dimension", |d| {
+            d.iter().any(Option::is_none)
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: if cfg!(miri) { 4 } else { 256 }, ..ProptestConfig::default() })]
+
+    #[test]
+    fn every_callers_padded_box_is_exact(
+        dims in padded_dims(),
+        shape in proptest::collection::vec(
+            (1usize..3, proptest::collection::vec(0usize..5, 4)),
+            1..16,
+        ),
+        budget in 24usize..160,
+        max_rows in 3usize..8,
+    ) {
+        run_padded(dims, shape, budget, max_rows);
+    }
 }

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use ferrobatch_core as core;
 use ferrobatch_core::bytes::BytesLimits;
 use ferrobatch_core::{
-    BatcherConfig, Collated, DType, DispatchReason, DispatchRule, InputBytes, Layout, Ragged,
-    RaggedBytes, Readiness, RequestState, Route, Sink, SlotBuffer,
+    BatcherConfig, Collated, DType, DispatchReason, DispatchRule, InputBytes, Layout, Padded,
+    Ragged, RaggedBytes, Readiness, RequestState, Route, Sink, SlotBuffer,
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::intern;
@@ -39,7 +39,7 @@ impl Batcher {
     #[pyo3(signature = (
         inputs, slots, *, tensor_type, coerce, max_batch_size, max_delay,
         min_batch_size, preferred_batch_sizes, max_queue_size, workers, adaptive=false,
-        layouts=Vec::new(), max_batch_elements=None,
+        layouts=Vec::new(), max_batch_elements=None, padded_dims=Vec::new(),
         priority_levels=0, default_priority=None, max_priority_wait=None,
     ))]
     #[allow(clippy::too_many_arguments)]
@@ -58,6 +58,7 @@ impl Batcher {
         adaptive: bool,
         layouts: Vec<(String, Option<Vec<u8>>)>,
         max_batch_elements: Option<usize>,
+        padded_dims: Vec<Option<Vec<Option<usize>>>>,
         priority_levels: u8,
         default_priority: Option<u32>,
         max_priority_wait: Option<f64>,
@@ -108,6 +109,20 @@ impl Batcher {
                     elements_per_row: elements,
                 },
                 None | Some(("fixed", _)) => Layout::Fixed,
+                // Padded along variable dimensions anywhere: `dims` is the
+                // row's whole shape (`None`: variable), `shape` unused.
+                Some(("pad", pad))
+                    if dtype != DType::Bytes && padded_dims.get(i).is_some_and(Option::is_some) =>
+                {
+                    let dims = padded_dims[i].clone().unwrap_or_default();
+                    let itemsize = dtype.itemsize();
+                    let pad = pad.clone().unwrap_or_else(|| vec![0u8; itemsize]);
+                    Layout::Padded(Padded {
+                        dims: dims.into_boxed_slice(),
+                        itemsize,
+                        pad: pad.into_boxed_slice(),
+                    })
+                }
                 Some((mode @ ("pad" | "jagged"), _)) if dtype == DType::Bytes => {
                     // `shape` is what follows the variable dimension.
                     Layout::RaggedBytes(RaggedBytes {
@@ -640,9 +655,26 @@ impl Batch {
             .map(|c| match c {
                 Collated::Padded { max_len } => *max_len,
                 Collated::Jagged { total } => *total,
-                Collated::Fixed | Collated::Bytes(_) | Collated::RaggedBytes { .. } => 0,
+                Collated::Fixed
+                | Collated::Bytes(_)
+                | Collated::RaggedBytes { .. }
+                | Collated::PaddedNd { .. } => 0,
             })
             .collect()
+    }
+
+    /// Per variable dimension of input `index` (padded along several), the
+    /// batch's longest; empty for other inputs.
+    fn padded_extents(&self, index: usize) -> Vec<usize> {
+        match self
+            .collated
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(index)
+        {
+            Some(Collated::PaddedNd { longest }) => longest.clone(),
+            _ => Vec::new(),
+        }
     }
 
     /// BYTES input `index`'s elements, in batch order, as `bytes` objects

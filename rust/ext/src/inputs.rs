@@ -85,6 +85,46 @@ impl InputSpec {
         max_rows: usize,
         max_elements: Option<usize>,
     ) -> PyResult<(usize, usize, usize)> {
+        self.rows_and_extents(py, actual, batched, max_rows, max_elements)
+            .map(|(rows, nbytes, extents)| (rows, nbytes, extents.first().copied().unwrap_or(0)))
+    }
+
+    /// [`InputSpec::rows_for_shape`], with the lengths along every variable
+    /// dimension (one, or those of an input padded along several).
+    fn rows_and_extents(
+        &self,
+        py: Python<'_>,
+        actual: &[usize],
+        batched: bool,
+        max_rows: usize,
+        max_elements: Option<usize>,
+    ) -> PyResult<(usize, usize, Vec<usize>)> {
+        match &self.layout {
+            Layout::Padded(p) => self
+                .core
+                .padded_rows_for_shape(
+                    &p.dims,
+                    actual,
+                    batched,
+                    max_rows,
+                    max_elements.unwrap_or(0),
+                )
+                .map(|(rows, extents, elements)| (rows, elements * p.itemsize, extents))
+                .map_err(|e| invalid_input(py, e.0)),
+            _ => self
+                .rows_for_one(py, actual, batched, max_rows, max_elements)
+                .map(|(rows, nbytes, extent)| (rows, nbytes, vec![extent])),
+        }
+    }
+
+    fn rows_for_one(
+        &self,
+        py: Python<'_>,
+        actual: &[usize],
+        batched: bool,
+        max_rows: usize,
+        max_elements: Option<usize>,
+    ) -> PyResult<(usize, usize, usize)> {
         match &self.layout {
             Layout::Ragged(r) => self
                 .core
@@ -168,6 +208,15 @@ pub(crate) struct Converted {
 }
 
 impl Converted {
+    fn with_extents(copy: Box<[u8]>, rows: usize, extents: &[usize]) -> Converted {
+        let mut converted = Converted::with_extent(copy, rows, 0);
+        // At most MAX_VARIABLE_DIMS: the batcher refuses specs with more.
+        if let Some(bytes) = converted.bytes.with_extents(extents) {
+            converted.bytes = bytes;
+        }
+        converted
+    }
+
     fn with_extent(copy: Box<[u8]>, rows: usize, extent: usize) -> Converted {
         // SAFETY: the view covers exactly the boxed slice, whose heap memory
         // does not move when the box does; the box is the returned `Keep`,
@@ -268,8 +317,8 @@ impl Converter {
             .iter()
             .map(|d| d.extract::<usize>())
             .collect::<PyResult<Vec<_>>>()?;
-        let (rows, nbytes, extent) =
-            spec.rows_for_shape(py, &dims, batched, self.max_rows, self.max_elements)?;
+        let (rows, nbytes, extents) =
+            spec.rows_and_extents(py, &dims, batched, self.max_rows, self.max_elements)?;
         let itemsize = spec.dtype.itemsize();
         // Contiguous strided tensors, the common case, take one call here;
         // the rest are checked for what raw bytes would misread.
@@ -323,7 +372,7 @@ impl Converter {
                 nbytes,
             )
         }?;
-        Ok(Converted::with_extent(copy, rows, extent))
+        Ok(Converted::with_extents(copy, rows, &extents))
     }
 
     fn read_buffer(
@@ -345,8 +394,8 @@ impl Converter {
             return Err(spec.error(py, "indirect buffers (with suboffsets) are not supported"));
         }
         let dims = buffer.shape();
-        let (rows, nbytes, extent) =
-            spec.rows_for_shape(py, dims, batched, self.max_rows, self.max_elements)?;
+        let (rows, nbytes, extents) =
+            spec.rows_and_extents(py, dims, batched, self.max_rows, self.max_elements)?;
         let strides = (!buffer.is_c_contiguous()).then(|| buffer.strides());
         // SAFETY: the buffer protocol guarantees that every element of a
         // buffer of this shape and these byte strides (of `itemsize` bytes:
@@ -362,7 +411,7 @@ impl Converter {
                 nbytes,
             )
         }?;
-        Ok(Converted::with_extent(copy, rows, extent))
+        Ok(Converted::with_extents(copy, rows, &extents))
     }
 }
 
