@@ -137,6 +137,9 @@ def test_the_token_budget_counts_the_padded_batch() -> None:
             client = server.client()
             with pytest.raises(fb.InvalidInputError, match=r"'x'.*exceeds max_batch_elements \(24\)"):
                 await client.infer({"x": torch.zeros(5, 5)})
+            # An empty dimension counts as 1: a box of no elements is bounded too.
+            with pytest.raises(fb.InvalidInputError, match=r"'x'.*exceeds max_batch_elements \(24\)"):
+                await client.infer({"x": torch.zeros(0, 10**6)})
             with pytest.raises(fb.InvalidInputError, match=r"'x': expected shape \(L1, L2\)"):
                 await client.infer({"x": torch.zeros(5)})
             return await asyncio.gather(*(client.infer({"x": x}) for x in xs))

@@ -331,9 +331,12 @@ impl Batcher {
                 Layout::Padded(p) => {
                     let extents = &input.extents()[..p.variable_dims()];
                     let limit = self.max_batch_elements.unwrap_or(0);
+                    // Counted as the gather counts it (empty dimensions as 1),
+                    // so a request admitted here fits a batch of its own.
+                    let bound = p.row_bound(extents).and_then(|e| e.checked_mul(rows));
                     let elements = p.row_elements(extents).and_then(|e| e.checked_mul(rows));
-                    let elements = match elements {
-                        Some(n) if n <= limit => n,
+                    let elements = match (bound, elements) {
+                        (Some(b), Some(n)) if b <= limit => n,
                         _ => {
                             return Err(CoreError::InvalidInput(format!(
                                 "input {i}: a request of {rows} rows of shape {:?} exceeds \
@@ -611,7 +614,7 @@ impl Budget {
         for (m, &e) in longest.iter_mut().zip(r.inputs()[i].extents()) {
             *m = (*m).max(e);
         }
-        p.row_elements(&longest[..p.variable_dims()])
+        p.row_bound(&longest[..p.variable_dims()])
             .and_then(|e| e.checked_mul(rows + r.rows as usize))
             .is_some_and(|e| e <= limit)
     }

@@ -444,9 +444,7 @@ fn run_padded(
                 data,
             }
         })
-        .filter(|r| {
-            r.rows * padded.row_elements(&r.extents).unwrap() <= budget && r.rows <= max_rows
-        })
+        .filter(|r| r.rows * padded.row_bound(&r.extents).unwrap() <= budget && r.rows <= max_rows)
         .collect();
     let mut store: Vec<Vec<u8>> = (0..2)
         .map(|_| vec![0u8; budget * 2])
@@ -497,7 +495,8 @@ fn run_padded(
         };
         let out_shape = padded.row_shape(longest);
         let row_elements: usize = out_shape.iter().product();
-        assert!(batch.rows * row_elements <= budget, "batch over the budget");
+        let bound = padded.row_bound(longest).unwrap();
+        assert!(batch.rows * bound <= budget, "batch over the budget");
         let (b_values, b_index) = (&store[batch.slot.index()], &store[2 + batch.slot.index()]);
         let lengths = i64s(b_index, batch.rows * k);
         let element = |row: usize, at: usize| {

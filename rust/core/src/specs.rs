@@ -235,10 +235,13 @@ impl InputSpec {
             .filter(|(_, d)| d.is_none())
             .map(|(&a, _)| a)
             .collect();
-        let elements = per_row
+        // Empty dimensions count as 1 against the budget (as the batcher
+        // counts them), so every product of the dimensions is bounded.
+        let bound = per_row
             .iter()
-            .try_fold(rows, |n, &d| n.checked_mul(d))
+            .try_fold(rows, |n, &d| n.checked_mul(d.max(1)))
             .filter(|&e| e <= max_elements);
+        let elements = bound.map(|_| rows * per_row.iter().product::<usize>());
         let Some(elements) = elements else {
             return Err(self.error(format_args!(
                 "a request of {rows} rows of shape {} exceeds max_batch_elements ({max_elements})",
@@ -351,6 +354,9 @@ mod tests {
         assert_eq!(ok, Ok((2, vec![4, 5], 120)));
         let one = s.padded_rows_for_shape(&dims, &[3, 0, 7], false, 8, 1000);
         assert_eq!(one, Ok((1, vec![0, 7], 0)));
+        // An empty dimension counts as 1: no huge box of zero elements.
+        let huge = s.padded_rows_for_shape(&dims, &[3, 0, usize::MAX], false, 8, 1000);
+        assert!(huge.is_err());
         let err = |actual: &[usize], max: usize| {
             s.padded_rows_for_shape(&dims, actual, true, 8, max)
                 .unwrap_err()

@@ -524,6 +524,16 @@ impl Padded {
             .iter()
             .try_fold(1usize, |n, &d| n.checked_mul(d))
     }
+
+    /// What such a row counts against `max_batch_elements`: its elements,
+    /// an empty dimension counted as 1, so that every product of its
+    /// dimensions (and of a batch's box, its strides) is bounded by it;
+    /// `None` when it overflows.
+    pub fn row_bound(&self, extents: &[usize]) -> Option<usize> {
+        self.row_shape(extents)
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(d.max(1)))
+    }
 }
 
 /// A BYTES input with a variable-length first dimension.
@@ -701,8 +711,9 @@ unsafe fn collate_padded<'a>(
     }
     let item = p.itemsize;
     let out_shape = p.row_shape(&longest);
-    // Byte strides of a padded row, last dimension fastest. Every product is
-    // at most the slot's values (`gather` kept the batch within the budget).
+    // Byte strides of a padded row, last dimension fastest. Every product of
+    // its dimensions is at most `row_bound(longest)`, which `gather` kept
+    // within the budget, and so the slot.
     let mut strides = vec![item; out_shape.len()];
     for d in (0..out_shape.len().saturating_sub(1)).rev() {
         strides[d] = strides[d + 1] * out_shape[d + 1];
