@@ -157,10 +157,19 @@ def test_model_outputs_with_bad_lengths_are_model_errors() -> None:
 def test_specs_say_what_a_variable_dimension_needs() -> None:
     with pytest.raises(ValueError, match="ragged='pad' or ragged='jagged'"):
         fb.TensorSpec("t", "int64", (-1,))
-    with pytest.raises(ValueError, match="only the first may be -1"):
-        fb.TensorSpec("t", "int64", (3, -1), ragged="pad")
-    with pytest.raises(ValueError, match="needs a shape starting with -1"):
+    with pytest.raises(ValueError, match="'jagged' takes one variable dimension, the first"):
+        fb.TensorSpec("t", "int64", (3, -1), ragged="jagged")
+    with pytest.raises(ValueError, match="'jagged' takes one variable dimension, the first"):
+        fb.TensorSpec("t", "int64", (-1, -1), ragged="jagged")
+    with pytest.raises(ValueError, match="BYTES tensor may be variable along its first dimension only"):
+        fb.TensorSpec("t", "bytes", (2, -1), ragged="pad")
+    with pytest.raises(ValueError, match="at most 4 dimensions"):
+        fb.TensorSpec("t", "int64", (-1,) * 5, ragged="pad")
+    with pytest.raises(ValueError, match="non-negative ints or -1"):
+        fb.TensorSpec("t", "int64", (3, -2), ragged="pad")
+    with pytest.raises(ValueError, match="needs a -1 in its shape"):
         fb.TensorSpec("t", "int64", (3,), ragged="jagged")
+    assert fb.TensorSpec("t", "int64", (3, -1), ragged="pad").variable_dims == (1,)
     with pytest.raises(ValueError, match="max_batch_elements applies"):
         fb.Server(lambda b: b, inputs=[fb.TensorSpec("x", "int64", (3,))], outputs=[fb.TensorSpec("x", "int64", (3,))],
                   max_batch_elements=10)  # fmt: skip

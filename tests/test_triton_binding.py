@@ -804,3 +804,109 @@ def test_serve_in_a_script_serves_until_a_signal_then_returns(sig: signal.Signal
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_bytes_of_variable_length_several_rows_and_requests_in_one_call() -> None:
+    """``dtype=bytes, shape=(-1,)``: each request gets its own rows, cut to its
+    own number of strings, of several lengths; each caller gets back its own."""
+    calls: list[list[tuple[int, ...]]] = []
+    server: list[Any] = []
+    hold = gated(server, 4)
+
+    def infer(requests: list[Request]) -> list[dict[str, np.ndarray]]:
+        hold()
+        calls.append([r["text"].shape for r in requests])
+        out = []
+        for r in requests:
+            text = r["text"]
+            assert text.dtype == object and all(isinstance(t, bytes) and t for t in text.flat)  # no padding
+            out.append({
+                "shouted": np.array([[t.upper() for t in row] + [b"!"] for row in text], dtype=object),
+                "sizes": np.array([[len(t) for t in row] for row in text], dtype=np.int64),
+            })  # fmt: skip
+        return out
+
+    triton = ephemeral()
+    triton.bind(
+        "words",
+        infer,
+        inputs=[Tensor(name="text", dtype=bytes, shape=(-1,))],
+        outputs=[Tensor(name="shouted", dtype=bytes, shape=(-1,)), Tensor(name="sizes", dtype=np.int64, shape=(-1,))],
+        config=ModelConfig(max_batch_size=16),
+        strict=True,
+    )
+    server.extend(triton.servers)
+    with running(triton) as (http, grpc):
+
+        def call(i: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+            n, rows = 1 + (i * 5) % 7, 1 + i % 3
+            text = np.array(
+                [[b"w" + b"x" * ((i + r * 3 + j * 2) % 9) + b"%d" % i for j in range(n)] for r in range(rows)],
+                dtype=object,
+            )
+            kind: Any = httpclient if i % 2 else grpcclient
+            client = kind.InferenceServerClient(http if i % 2 else grpc)
+            tensor = kind.InferInput("text", list(text.shape), "BYTES")
+            tensor.set_data_from_numpy(text)
+            result = client.infer("words", [tensor])
+            client.close()
+            return text, {n: result.as_numpy(n) for n in ("shouted", "sizes")}
+
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(call, range(16)))
+    for text, out in results:
+        assert out["shouted"].tolist() == [[t.upper() for t in row] + [b"!"] for row in text.tolist()]
+        np.testing.assert_array_equal(out["sizes"], [[len(t) for t in row] for row in text.tolist()])
+    assert max(len(c) for c in calls) > 1, calls
+    # Requests of several lengths shared a call, each with its own.
+    assert any(len({shape[1] for shape in c}) > 1 for c in calls), calls
+
+
+def test_variable_dimensions_anywhere_reach_each_request_unpadded() -> None:
+    """``shape=(2, -1)`` in, ``(-1, -1)`` out: each request gets its own rows
+    at its own length, never the batch's padding, and each caller gets back
+    its own shape."""
+    calls: list[list[tuple[int, ...]]] = []
+    server: list[Any] = []
+    hold = gated(server, 4)
+
+    def infer(requests: list[Request]) -> list[dict[str, np.ndarray]]:
+        hold()
+        calls.append([r["x"].shape for r in requests])
+        out = []
+        for r in requests:
+            x = r["x"]  # [n, 2, L]
+            assert x.min(initial=1) > 0  # no padding reached the callable
+            out.append({"t": np.swapaxes(x, 1, 2).repeat(2, axis=1) * 3})  # [n, 2L, 2]... as (-1, -1)
+        return out
+
+    triton = ephemeral()
+    triton.bind(
+        "grid",
+        infer,
+        inputs=[Tensor(name="x", dtype=np.int32, shape=(2, -1))],
+        outputs=[Tensor(name="t", dtype=np.int32, shape=(-1, -1))],
+        config=ModelConfig(max_batch_size=16),
+        strict=True,
+    )
+    server.extend(triton.servers)
+    with running(triton) as (http, grpc):
+
+        def call(i: int) -> tuple[np.ndarray, np.ndarray]:
+            n, length = 1 + i % 2, 1 + (i * 3) % 7
+            x = (np.arange(n * 2 * length, dtype=np.int32).reshape(n, 2, length) + 1 + i) % 50 + 1
+            kind: Any = httpclient if i % 2 else grpcclient
+            client = kind.InferenceServerClient(http if i % 2 else grpc)
+            tensor = kind.InferInput("x", list(x.shape), "INT32")
+            tensor.set_data_from_numpy(x)
+            result = client.infer("grid", [tensor])
+            client.close()
+            return x, result.as_numpy("t")
+
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(call, range(16)))
+    for x, t in results:
+        np.testing.assert_array_equal(t, np.swapaxes(x, 1, 2).repeat(2, axis=1) * 3)
+    assert any(len({shape[2] for shape in c}) > 1 for c in calls), calls  # several lengths in one call
+    with pytest.raises(PyTritonModelConfigError, match="first dimension only"):
+        ephemeral().bind("b", infer, [Tensor(name="s", dtype=bytes, shape=(2, -1))], [Y])

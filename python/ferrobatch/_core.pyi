@@ -48,6 +48,7 @@ class Batcher:
         adaptive: bool = False,
         layouts: list[tuple[str, bytes | None]] = ...,
         max_batch_elements: int | None = None,
+        padded_dims: list[list[int | None] | None] = ...,
         priority_levels: int = 0,
         default_priority: int | None = None,
         max_priority_wait: float | None = None,
@@ -129,6 +130,12 @@ class Batch:
         """Per input: a padded one's longest row, a jagged one's total length; 0 otherwise."""
     def take_bytes(self, index: int) -> list[bytes]:
         """BYTES input ``index``'s elements, in batch order (once per input)."""
+    def padded_extents(self, index: int) -> list[int]:
+        """Input ``index`` padded along several variable dimensions: the batch's
+        longest along each (empty for other inputs)."""
+    def take_ragged_bytes(self, index: int) -> tuple[list[bytes], list[int]]:
+        """Variable-length BYTES input ``index``'s elements, in batch order, and
+        each row's length (once per input)."""
     def request_parameters(self) -> list[tuple[int, str | None]]:
         """Each request's ``(rows, parameters as JSON text or None)``, in row order."""
     def release_slot(self) -> bool: ...

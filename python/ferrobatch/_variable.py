@@ -54,7 +54,10 @@ def layouts(specs: Sequence[TensorSpec]) -> list[tuple[str, bytes | None]]:
     out: list[tuple[str, bytes | None]] = []
     for s in specs:
         if s.is_bytes:
-            out.append(("bytes", None))
+            out.append((s.ragged or "bytes", None))
+        elif s.is_padded_nd:
+            one = torch.full((1,), s.pad_value, dtype=s.torch_dtype)
+            out.append(("pad", one.view(torch.uint8).numpy().tobytes()))
         elif s.ragged == "pad":
             one = torch.full((1, *s.inner_shape), s.pad_value, dtype=s.torch_dtype)
             out.append(("pad", one.contiguous().view(torch.uint8).numpy().tobytes()))
@@ -66,8 +69,21 @@ def layouts(specs: Sequence[TensorSpec]) -> list[tuple[str, bytes | None]]:
 
 
 def core_shape(spec: TensorSpec) -> list[int]:
-    """The shape the core checks rows against: what follows a variable dimension."""
-    return list(spec.inner_shape)
+    """The shape the core checks rows against: what follows a variable dimension
+    (nothing for one padded along several: its ``padded_dims`` say)."""
+    return [] if spec.is_padded_nd else list(spec.inner_shape)
+
+
+def padded_dims(specs: Sequence[TensorSpec]) -> list[list[int | None] | None]:
+    """Per input, for one padded along variable dimensions other than (or
+    besides) the first: its row shape with ``None`` for each ``-1``."""
+    return [[None if d == -1 else d for d in s.shape] if s.is_padded_nd else None for s in specs]
+
+
+def _full_shape(spec: TensorSpec, longest: Sequence[int]) -> tuple[int, ...]:
+    """``spec.shape`` with its ``-1`` dimensions at ``longest``, in order."""
+    it = iter(longest)
+    return tuple(next(it) if d == -1 else d for d in spec.shape)
 
 
 def allocate_slot(specs: Sequence[TensorSpec], max_batch_size: int, max_elements: int) -> dict[str, torch.Tensor]:
@@ -80,7 +96,10 @@ def allocate_slot(specs: Sequence[TensorSpec], max_batch_size: int, max_elements
     for s in specs:
         if s.is_bytes:
             continue
-        if s.is_ragged:
+        if s.is_padded_nd:
+            slot[s.name] = torch.zeros(max_elements, dtype=s.torch_dtype)
+            slot[s.name + INDEX] = torch.zeros(max_batch_size * len(s.variable_dims), dtype=torch.int64)
+        elif s.is_ragged:
             unit = max(1, int(np.prod(s.inner_shape)))
             slot[s.name] = torch.zeros((max_elements // unit) * unit, dtype=s.torch_dtype)
             slot[s.name + INDEX] = torch.zeros(max_batch_size + 1, dtype=torch.int64)
@@ -96,10 +115,18 @@ def batch_inputs(specs: Sequence[TensorSpec], slot: Mapping[str, torch.Tensor], 
     extents = batch.extents()
     inputs: dict[str, Any] = {}
     for i, s in enumerate(specs):
-        if s.is_bytes:
+        if s.is_bytes and s.is_ragged:
+            inputs.update(_ragged_bytes_input(s, *batch.take_ragged_bytes(i)))
+        elif s.is_bytes:
             flat = np.empty(rows * int(np.prod(s.shape, dtype=np.int64)), dtype=object)
             flat[:] = batch.take_bytes(i)
             inputs[s.name] = flat.reshape((rows, *s.shape))
+        elif s.is_padded_nd:
+            shape = _full_shape(s, batch.padded_extents(i))
+            k = len(s.variable_dims)
+            inputs[s.name] = slot[s.name][: rows * int(np.prod(shape, dtype=np.int64))].view(rows, *shape)
+            index = slot[s.name + INDEX][: rows * k]
+            inputs[s.name + LENGTHS] = index if k == 1 else index.view(rows, k)
         elif s.ragged == "pad":
             unit = int(np.prod(s.inner_shape, dtype=np.int64))
             longest = extents[i]
@@ -115,6 +142,28 @@ def batch_inputs(specs: Sequence[TensorSpec], slot: Mapping[str, torch.Tensor], 
     return inputs
 
 
+def _ragged_bytes_input(spec: TensorSpec, elements: list[bytes], lengths: list[int]) -> dict[str, Any]:
+    """A variable-length BYTES input of a batch (its elements in batch order
+    and each row's length): padded with ``b""`` to ``[B, L_max, ...]`` with
+    ``name + "_lengths"``, or jagged ``[sum L, ...]`` with ``name + "_offsets"``."""
+    unit = int(np.prod(spec.inner_shape, dtype=np.int64))
+    rows = len(lengths)
+    index = torch.tensor(lengths, dtype=torch.int64)
+    if spec.ragged == "jagged":
+        values = np.empty(len(elements), dtype=object)
+        values[:] = elements
+        offsets = torch.zeros(rows + 1, dtype=torch.int64)
+        torch.cumsum(index, 0, out=offsets[1:])
+        return {spec.name: values.reshape((-1, *spec.inner_shape)), spec.name + OFFSETS: offsets}
+    longest = max(lengths, default=0)
+    padded = np.full((rows, longest * unit), b"", dtype=object)
+    at = 0
+    for row, n in enumerate(lengths):
+        padded[row, : n * unit] = elements[at : at + n * unit]
+        at += n * unit
+    return {spec.name: padded.reshape((rows, longest, *spec.inner_shape)), spec.name + LENGTHS: index}
+
+
 class RaggedOutput:
     """A batch's variable-length output, as the model returned it: padded
     ``values`` ``[B, L_max, ...]`` with each row's length, or jagged
@@ -123,30 +172,103 @@ class RaggedOutput:
 
     __slots__ = ("values", "starts", "lengths", "padded", "pad_value")
 
-    def __init__(self, values: torch.Tensor, starts: list[int], lengths: list[int], padded: bool, pad_value: float):
+    def __init__(
+        self, values: Any, starts: list[int], lengths: list[int], padded: bool, pad_value: float | bytes
+    ) -> None:
         self.values = values
         self.starts = starts  # per row: where it starts (jagged); unused when padded
         self.lengths = lengths
         self.padded = padded
         self.pad_value = pad_value
 
-    def row(self, i: int) -> torch.Tensor:
-        """Row ``i``: its own length, ``[L_i, ...]``."""
+    def row(self, i: int) -> Any:
+        """Row ``i``: its own length, ``[L_i, ...]`` (a tensor; a numpy object
+        array for BYTES)."""
         if self.padded:
             return self.values[i, : self.lengths[i]]
         return self.values[self.starts[i] : self.starts[i] + self.lengths[i]]
 
-    def request_rows(self, start: int, rows: int, batched: bool) -> torch.Tensor:
+    def request_rows(self, start: int, rows: int, batched: bool) -> Any:
         """One-sample request: its row, of its own length. A multi-row one:
-        ``[rows, its longest, ...]``, shorter rows padded with ``pad_value``."""
+        ``[rows, its longest, ...]``, shorter rows padded with ``pad_value``
+        (``b""`` for BYTES)."""
         if not batched:
             return self.row(start)
         longest = max(self.lengths[start : start + rows], default=0)
-        out = self.values.new_full((rows, longest, *self.values.shape[2 if self.padded else 1 :]), self.pad_value)
+        shape = (rows, longest, *self.values.shape[2 if self.padded else 1 :])
+        out: Any
+        if isinstance(self.values, np.ndarray):
+            out = np.full(shape, self.pad_value, dtype=object)
+        else:
+            out = self.values.new_full(shape, self.pad_value)
         for j in range(rows):
             n = self.lengths[start + j]
             out[j, :n] = self.row(start + j)
         return out
+
+
+class PaddedOutput:
+    """A batch's output padded along several variable dimensions (or one
+    not first): ``values`` ``[B, *shape at the longest]`` and each row's
+    lengths along them (``[B, k]``). :meth:`request_rows` cuts a request's
+    result out of it."""
+
+    __slots__ = ("values", "lengths", "variable", "pad_value")
+
+    def __init__(self, values: torch.Tensor, lengths: list[list[int]], variable: tuple[int, ...], pad_value: float):
+        self.values = values
+        self.lengths = lengths
+        self.variable = variable  # positions of the -1 dimensions in a row's shape
+        self.pad_value = pad_value
+
+    def _box(self, lengths: Sequence[int]) -> tuple[slice, ...]:
+        ends = dict(zip(self.variable, lengths))
+        return tuple(slice(0, ends.get(d)) for d in range(self.values.dim() - 1))
+
+    def request_rows(self, start: int, rows: int, batched: bool) -> torch.Tensor:
+        """One-sample request: its row at its own lengths. A multi-row one:
+        ``[rows, *its longest]``, shorter rows padded with ``pad_value``."""
+        if not batched:
+            return self.values[start][self._box(self.lengths[start])]
+        own = self.lengths[start : start + rows]
+        longest = [max(column) for column in zip(*own)]
+        box = self._box(longest)
+        shape = [len(range(*b.indices(n))) for b, n in zip(box, self.values.shape[1:])]
+        out = self.values.new_full((rows, *shape), self.pad_value)
+        for j, lengths in enumerate(own):
+            cut = self._box(lengths)
+            out[j][cut] = self.values[start + j][cut]
+        return out
+
+
+def _padded_output(spec: TensorSpec, named: Mapping[str, Any], rows: int) -> PaddedOutput:
+    value = named[spec.name]
+    values = torch.from_numpy(value) if isinstance(value, np.ndarray) else value
+    if not isinstance(values, torch.Tensor):
+        raise ModelError(f"output '{spec.name}': expected a tensor, got {type(value).__name__}")
+    if values.dtype != spec.torch_dtype:
+        raise ModelError(f"output '{spec.name}': expected dtype {spec.dtype}, got {values.dtype}")
+    values = values.cpu()
+    fixed_ok = all(d == -1 or d == n for d, n in zip(spec.shape, values.shape[1:]))
+    if values.dim() != len(spec.shape) + 1 or values.shape[0] != rows or not fixed_ok:
+        raise ModelError(
+            f"output '{spec.name}': expected shape ({rows}, {', '.join(map(str, spec.shape))}) (-1: any length),"
+            f" got {tuple(values.shape)}"
+        )
+    k = len(spec.variable_dims)
+    key = spec.name + LENGTHS
+    raw = named.get(key)
+    if raw is None:
+        raise ModelError(f"output '{spec.name}' (ragged='pad') needs '{key}' beside it")
+    t = torch.as_tensor(raw)
+    if t.dtype.is_floating_point or tuple(t.shape) not in ((rows, k), (rows,) if k == 1 else (rows, k)):
+        raise ModelError(f"output '{key}': expected integers of shape {(rows, k) if k > 1 else (rows,)}, got"
+                         f" {tuple(t.shape)} {t.dtype}")  # fmt: skip
+    lengths: list[list[int]] = t.reshape(rows, k).tolist()
+    bounds = [values.shape[1 + d] for d in spec.variable_dims]
+    if any(not 0 <= n <= b for row in lengths for n, b in zip(row, bounds)):
+        raise ModelError(f"output '{key}': lengths must be within the output's shape {tuple(values.shape)}")
+    return PaddedOutput(values, lengths, spec.variable_dims, spec.pad_value)
 
 
 def _named(raw: Any, specs: Sequence[TensorSpec]) -> Mapping[str, Any]:
@@ -190,7 +312,32 @@ def _index(spec: TensorSpec, named: Mapping[str, Any], key: str, length: int) ->
     return out
 
 
-def _ragged_output(spec: TensorSpec, named: Mapping[str, Any], rows: int) -> RaggedOutput:
+def _ragged_bytes_output(spec: TensorSpec, named: Mapping[str, Any], rows: int) -> RaggedOutput:
+    """A variable-length BYTES output: a numpy object array (or nested
+    lists) of ``bytes``/``str``, padded ``[B, L_max, ...]`` with
+    ``name + "_lengths"`` or jagged ``[sum L, ...]`` with ``name + "_offsets"``."""
+    value = named[spec.name]
+    if isinstance(value, torch.Tensor):
+        raise ModelError(f"output '{spec.name}': expected a numpy object array or a list of bytes, got a tensor")
+    padded = spec.ragged == "pad"
+    try:
+        values = np.asarray(value, dtype=object)
+    except Exception as exc:
+        raise ModelError(f"output '{spec.name}': cannot read it as an array of bytes: {exc}") from exc
+    lead = 2 if padded else 1
+    if values.ndim != len(spec.inner_shape) + lead or tuple(values.shape[lead:]) != spec.inner_shape:
+        raise ModelError(f"output '{spec.name}': expected shape {spec.shape} per row, got {values.shape}")
+    for element in values.flat:
+        if not isinstance(element, (bytes, str)):
+            raise ModelError(f"output '{spec.name}': BYTES elements must be bytes or str, got {type(element).__name__}")
+    return _cut(spec, named, values, rows, b"")
+
+
+def _ragged_output(spec: TensorSpec, named: Mapping[str, Any], rows: int) -> RaggedOutput | PaddedOutput:
+    if spec.is_padded_nd:
+        return _padded_output(spec, named, rows)
+    if spec.is_bytes:
+        return _ragged_bytes_output(spec, named, rows)
     value = named[spec.name]
     values = torch.from_numpy(value) if isinstance(value, np.ndarray) else value
     if not isinstance(values, torch.Tensor):
@@ -201,20 +348,25 @@ def _ragged_output(spec: TensorSpec, named: Mapping[str, Any], rows: int) -> Rag
     inner = tuple(values.shape[2:] if spec.ragged == "pad" else values.shape[1:])
     if inner != spec.inner_shape or values.dim() != len(spec.inner_shape) + (2 if spec.ragged == "pad" else 1):
         raise ModelError(f"output '{spec.name}': expected shape {spec.shape} per row, got {tuple(values.shape)}")
+    return _cut(spec, named, values, rows, spec.pad_value)
+
+
+def _cut(spec: TensorSpec, named: Mapping[str, Any], values: Any, rows: int, pad: float | bytes) -> RaggedOutput:
+    """The rows of a padded or jagged output, by its lengths or offsets."""
     if spec.ragged == "pad":
         if values.shape[0] != rows:
             raise ModelError(f"output '{spec.name}': expected leading dimension {rows} (the batch)")
         lengths = _index(spec, named, spec.name + LENGTHS, rows)
         if any(not 0 <= n <= values.shape[1] for n in lengths):
             raise ModelError(f"output '{spec.name + LENGTHS}': lengths must be within 0..{values.shape[1]}")
-        return RaggedOutput(values, [], lengths, True, spec.pad_value)
+        return RaggedOutput(values, [], lengths, True, pad)
     offsets = _index(spec, named, spec.name + OFFSETS, rows + 1)
     if offsets[0] != 0 or offsets[-1] != values.shape[0] or any(a > b for a, b in itertools.pairwise(offsets)):
         raise ModelError(
             f"output '{spec.name + OFFSETS}': offsets must rise from 0 to {values.shape[0]} (the values' length)"
         )
     lengths = [b - a for a, b in itertools.pairwise(offsets)]
-    return RaggedOutput(values, offsets[:-1], lengths, False, spec.pad_value)
+    return RaggedOutput(values, offsets[:-1], lengths, False, pad)
 
 
 def normalize_variable_outputs(raw: Any, specs: Sequence[TensorSpec], rows: int) -> dict[str, Any]:
@@ -230,7 +382,8 @@ def normalize_variable_outputs(raw: Any, specs: Sequence[TensorSpec], rows: int)
         if s.is_bytes or s.is_ragged:
             if s.name not in named:
                 raise ModelError(f"model output is missing '{s.name}' (it returned {sorted(map(str, named))})")
-            outputs[s.name] = _bytes_output(s, named[s.name], rows) if s.is_bytes else _ragged_output(s, named, rows)
+            fixed_bytes = s.is_bytes and not s.is_ragged
+            outputs[s.name] = _bytes_output(s, named[s.name], rows) if fixed_bytes else _ragged_output(s, named, rows)
     return outputs
 
 
@@ -271,7 +424,11 @@ class VariableExecutor(CpuExecutor):
         for name, out in outputs.items():
             if isinstance(out, torch.Tensor) and _storage_ptr(out) in staging:
                 outputs[name] = out.clone()  # the slot is reused by the next batch
-            elif isinstance(out, RaggedOutput) and _storage_ptr(out.values) in staging:
+            elif (
+                isinstance(out, (RaggedOutput, PaddedOutput))
+                and isinstance(out.values, torch.Tensor)
+                and _storage_ptr(out.values) in staging
+            ):
                 out.values = out.values.clone()
         return outputs
 

@@ -38,7 +38,7 @@ from ._torch import (
     resolve_instances,
     warmup_batches,
 )
-from ._variable import DEFAULT_ELEMENTS_PER_ROW, VariableExecutor, core_shape, is_variable, layouts
+from ._variable import DEFAULT_ELEMENTS_PER_ROW, VariableExecutor, core_shape, is_variable, layouts, padded_dims
 from ._variable import allocate_slot as variable_slot
 from ._weights import WeightUpdate, WeightUpdates
 from .client import Client, flatten_inputs
@@ -449,6 +449,7 @@ class Server:
             slots,
             layouts=layouts(self.inputs),
             max_batch_elements=self.max_batch_elements,
+            padded_dims=padded_dims(self.inputs),
             tensor_type=torch.Tensor,
             coerce=make_coerce(self.inputs),
             max_batch_size=self.max_batch_size,

@@ -57,6 +57,7 @@ def dtype_name(dtype: Any) -> str:
 
 
 _RAGGED_MODES = ("pad", "jagged")
+_MAX_VARIABLE_DIMS = 4  # as the core's MAX_VARIABLE_DIMS
 
 
 @dataclass(frozen=True)
@@ -72,13 +73,18 @@ class TensorSpec:
     element a byte string (``str`` is encoded UTF-8); the model sees numpy
     object arrays of ``bytes``.
 
-    A shape starting with ``-1`` is variable-length along that dimension
+    A shape with ``-1`` is variable-length along that dimension
     (``(-1,)``, ``(-1, 4)``), with ``ragged="pad"`` (the model gets the batch
     padded to its longest row with ``pad_value``, and ``name + "_lengths"``,
     int64 ``[B]``) or ``ragged="jagged"`` (the rows' values concatenated,
     ``[sum of lengths, ...]``, and ``name + "_offsets"``, int64 ``[B + 1]``).
     An output with ``-1`` is returned by the model the same way, and each
-    caller gets its own row's length.
+    caller gets its own row's length. A BYTES tensor may be variable-length
+    too: padded with ``b""`` (numpy object arrays ``[B, L_max, ...]``) or
+    jagged (``[sum of lengths, ...]``). With ``ragged="pad"``, any
+    dimensions may be ``-1`` (``(3, -1)``, ``(-1, -1)``): the batch is padded
+    to its longest along each, and ``name + "_lengths"`` is int64 ``[B, k]``
+    for ``k`` variable dimensions (``[B]`` for one).
     """
 
     name: str
@@ -92,27 +98,38 @@ class TensorSpec:
             raise ValueError(f"TensorSpec name must be a non-empty string, got {self.name!r}")
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
         shape = tuple(self.shape)
-        for i, dim in enumerate(shape):
-            if not isinstance(dim, int) or isinstance(dim, bool) or (dim < 0 and (dim, i) != (-1, 0)):
+        for dim in shape:
+            if not isinstance(dim, int) or isinstance(dim, bool) or dim < -1:
                 raise ValueError(
-                    f"TensorSpec {self.name!r}: dimensions must be non-negative ints, got {shape}"
-                    " (only the first may be -1, a variable length)"
+                    f"TensorSpec {self.name!r}: dimensions must be non-negative ints or -1 (a variable length),"
+                    f" got {shape}"
                 )
         object.__setattr__(self, "shape", shape)
-        variable = bool(shape) and shape[0] == -1
+        variable = -1 in shape
         if self.ragged is not None and self.ragged not in _RAGGED_MODES:
             raise ValueError(f"TensorSpec {self.name!r}: ragged must be 'pad' or 'jagged', got {self.ragged!r}")
-        if variable and self.dtype == "bytes":
-            raise ValueError(
-                f"TensorSpec {self.name!r}: a BYTES tensor with a variable-length dimension is not supported"
-            )
+        if (variable and shape.index(-1) != 0) or shape.count(-1) > 1:
+            if self.ragged == "jagged":
+                raise ValueError(
+                    f"TensorSpec {self.name!r}: ragged='jagged' takes one variable dimension, the first"
+                    f" ((-1, ...)); shape {shape} needs ragged='pad'"
+                )
+            if self.dtype == "bytes":
+                raise ValueError(
+                    f"TensorSpec {self.name!r}: a BYTES tensor may be variable along its first dimension only,"
+                    f" got {shape}"
+                )
+            if shape.count(-1) > _MAX_VARIABLE_DIMS:
+                raise ValueError(
+                    f"TensorSpec {self.name!r}: at most {_MAX_VARIABLE_DIMS} dimensions may be -1, got {shape}"
+                )
         if variable and self.ragged is None:
             raise ValueError(
                 f"TensorSpec {self.name!r}: shape {shape} has a variable-length dimension; "
                 "say how a batch holds it: ragged='pad' or ragged='jagged'"
             )
         if self.ragged is not None and not variable:
-            raise ValueError(f"TensorSpec {self.name!r}: ragged={self.ragged!r} needs a shape starting with -1")
+            raise ValueError(f"TensorSpec {self.name!r}: ragged={self.ragged!r} needs a -1 in its shape")
         if not isinstance(self.pad_value, (int, float)):
             raise ValueError(f"TensorSpec {self.name!r}: pad_value must be a number, got {self.pad_value!r}")
 
@@ -127,9 +144,20 @@ class TensorSpec:
         return self.ragged is not None
 
     @property
+    def is_padded_nd(self) -> bool:
+        """Variable-length along a dimension other than the first, or several:
+        padded along each (``ragged="pad"``), with ``[B, k]`` lengths."""
+        return self.is_ragged and (self.shape.count(-1) > 1 or self.shape[0] != -1)
+
+    @property
+    def variable_dims(self) -> tuple[int, ...]:
+        """The positions of the ``-1`` dimensions in the shape."""
+        return tuple(i for i, d in enumerate(self.shape) if d == -1)
+
+    @property
     def inner_shape(self) -> tuple[int, ...]:
         """The shape after a variable-length first dimension (the whole shape otherwise)."""
-        return self.shape[1:] if self.is_ragged else self.shape
+        return self.shape[1:] if self.is_ragged and not self.is_padded_nd else self.shape
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -141,6 +169,8 @@ class TensorSpec:
     def row_nbytes(self) -> int:
         """Bytes of one sample (of one position of a variable-length one)."""
         n = self.torch_dtype.itemsize
+        if self.is_padded_nd:
+            return n  # one element: the rows vary along several dimensions
         for dim in self.inner_shape:
             n *= dim
         return n

@@ -115,16 +115,12 @@ def current_context() -> TritonContext | None:
 
 def tensor_spec(tensor: Tensor, name: str) -> TensorSpec:
     """The ferrobatch spec of a PyTriton tensor (named ``name``): ``np.bytes_``
-    / ``object`` is BYTES, a first dimension of ``-1`` is variable-length,
-    batched padded (``ragged="pad"``)."""
+    / ``object`` is BYTES, a ``-1`` dimension is variable-length, batched
+    padded (``ragged="pad"``)."""
     if tensor.optional:
         raise PyTritonModelConfigError(f"tensor '{name}': optional inputs are not supported; every input is required")
     kind = np.dtype(tensor.dtype).kind
     dtype: Any = "bytes" if kind in "SUO" else np.dtype(tensor.dtype)
-    if -1 in tensor.shape[1:]:
-        raise PyTritonModelConfigError(
-            f"tensor '{name}': shape {tensor.shape}: only the first dimension may be variable (-1)"
-        )
     try:
         return TensorSpec(name, dtype, tensor.shape, ragged="pad" if is_variable(tensor) else None)
     except ValueError as exc:
@@ -132,8 +128,13 @@ def tensor_spec(tensor: Tensor, name: str) -> TensorSpec:
 
 
 def is_variable(tensor: Tensor) -> bool:
-    """Variable-length along its first dimension (``shape=(-1, ...)``)."""
-    return bool(tensor.shape) and tensor.shape[0] == -1
+    """Variable-length along some dimension (``shape=(-1,)``, ``(3, -1)``)."""
+    return -1 in tensor.shape
+
+
+def variable_dims(tensor: Tensor) -> list[int]:
+    """The positions of a tensor's ``-1`` dimensions in one row's shape."""
+    return [i for i, d in enumerate(tensor.shape) if d == -1]
 
 
 def numpy_dtype(tensor: Tensor) -> np.dtype[Any]:
@@ -184,19 +185,18 @@ class BoundModel:
         batch = {str(t.name): _owned_array(inputs[str(t.name)]) for t in self.config.inputs}
         # A variable-length input comes padded to the batch's longest row:
         # each request gets its rows cut to its own longest.
-        lengths = {str(t.name): np.asarray(inputs[f"{t.name}{LENGTHS}"]) for t in self.config.inputs if is_variable(t)}
+        # ``[B]`` for one variable dimension, ``[B, k]`` for several.
+        lengths: dict[str, tuple[np.ndarray, list[int]]] = {}
+        for t in filter(is_variable, self.config.inputs):
+            name = str(t.name)
+            lengths[name] = (np.asarray(inputs[name + LENGTHS]).reshape(len(batch[name]), -1), variable_dims(t))
         rows = [r.rows for r in requests]
         split = []
         start = 0
         for r in requests:
             end = start + r.rows
             if lengths:
-                data = {
-                    name: a[start:end]
-                    if name not in lengths
-                    else a[start:end, : int(lengths[name][start:end].max(initial=0))]
-                    for name, a in batch.items()
-                }
+                data = {name: _cut_rows(a, start, end, lengths.get(name)) for name, a in batch.items()}
             else:
                 data = {name: a[start:end] for name, a in batch.items()}
             params = {k: v for k, v in r.parameters.items() if k not in _RESERVED} if r.parameters else {}
@@ -215,6 +215,20 @@ class BoundModel:
             raise
         finally:
             _local.config = _local.context = None
+
+
+def _cut_rows(array: np.ndarray, start: int, end: int, lengths: tuple[np.ndarray, list[int]] | None) -> np.ndarray:
+    """A request's rows of a batch input, each variable dimension cut to the
+    request's own longest (its rows share their lengths over the wire)."""
+    rows = array[start:end]
+    if lengths is None:
+        return rows
+    own, dims = lengths
+    longest = own[start:end].max(axis=0, initial=0)
+    box = [slice(None)] * rows.ndim
+    for j, d in enumerate(dims):
+        box[1 + d] = slice(0, int(longest[j]))
+    return rows[tuple(box)]
 
 
 def _owned_array(value: Any) -> np.ndarray:
@@ -269,26 +283,29 @@ def collect_outputs(
     outputs: dict[str, np.ndarray] = {}
     for out_name, arrays in parts.items():
         if is_variable(declared[out_name]):
-            outputs[out_name], outputs[out_name + LENGTHS] = _padded(arrays)
+            outputs[out_name], outputs[out_name + LENGTHS] = _padded(arrays, variable_dims(declared[out_name]))
         else:
             outputs[out_name] = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
     return outputs
 
 
-def _padded(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Each request's ``[rows, length, ...]`` joined into one batch padded to
-    the longest length, and each row's length."""
-    longest = max(a.shape[1] for a in arrays)
+def _padded(arrays: Sequence[np.ndarray], dims: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Each request's ``[rows, *shape]`` joined into one batch padded to the
+    longest along each variable dimension (``dims``, positions in a row's
+    shape), and each row's lengths along them (``[B]`` for one, ``[B, k]``)."""
+    longest = [max(a.shape[d] for a in arrays) for d in range(1, arrays[0].ndim)]
     total = sum(a.shape[0] for a in arrays)
     first = arrays[0]
-    joined = np.zeros((total, longest, *first.shape[2:]), dtype=first.dtype)
-    lengths = np.empty(total, dtype=np.int64)
+    pad: Any = b"" if first.dtype == object else 0  # BYTES pad with empty strings
+    joined = np.full((total, *longest), pad, dtype=first.dtype)
+    lengths = np.empty((total, len(dims)), dtype=np.int64)
     start = 0
     for a in arrays:
-        joined[start : start + a.shape[0], : a.shape[1]] = a
-        lengths[start : start + a.shape[0]] = a.shape[1]
+        box = (slice(start, start + a.shape[0]), *(slice(0, n) for n in a.shape[1:]))
+        joined[box] = a
+        lengths[start : start + a.shape[0]] = [a.shape[1 + d] for d in dims]
         start += a.shape[0]
-    return joined, lengths
+    return joined, lengths[:, 0] if len(dims) == 1 else lengths
 
 
 def _checked(value: Any, tensor: Tensor, rows: int, strict: bool) -> np.ndarray:

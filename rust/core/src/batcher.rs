@@ -328,6 +328,53 @@ impl Batcher {
                     crate::bytes::check(data, count, self.bytes_limits)
                         .map_err(|e| CoreError::InvalidInput(format!("input {i}: {e}")))?;
                 }
+                Layout::Padded(p) => {
+                    let extents = &input.extents()[..p.variable_dims()];
+                    let limit = self.max_batch_elements.unwrap_or(0);
+                    // Counted as the gather counts it (empty dimensions as 1),
+                    // so a request admitted here fits a batch of its own.
+                    let bound = p.row_bound(extents).and_then(|e| e.checked_mul(rows));
+                    let elements = p.row_elements(extents).and_then(|e| e.checked_mul(rows));
+                    let elements = match (bound, elements) {
+                        (Some(b), Some(n)) if b <= limit => n,
+                        _ => {
+                            return Err(CoreError::InvalidInput(format!(
+                                "input {i}: a request of {rows} rows of shape {:?} exceeds \
+                                 max_batch_elements ({limit})",
+                                p.row_shape(extents)
+                            )))
+                        }
+                    };
+                    // Fits: at most `limit` elements of `itemsize` bytes.
+                    let expected = elements * p.itemsize;
+                    if input.len() != expected {
+                        return Err(CoreError::InvalidInput(format!(
+                            "input {i}: expected {expected} bytes ({rows} rows of shape {:?}), got {}",
+                            p.row_shape(extents),
+                            input.len()
+                        )));
+                    }
+                }
+                Layout::RaggedBytes(r) => {
+                    let elements = rows
+                        .checked_mul(input.extent())
+                        .and_then(|n| n.checked_mul(r.unit_elements));
+                    let limit = self.max_batch_elements.unwrap_or(0);
+                    let count = match elements {
+                        Some(n) if n <= limit => n,
+                        _ => {
+                            return Err(CoreError::InvalidInput(format!(
+                                "input {i}: a request of {rows} rows of length {} exceeds \
+                                 max_batch_elements ({limit})",
+                                input.extent()
+                            )))
+                        }
+                    };
+                    // SAFETY: as above.
+                    let data = unsafe { input.as_slice() };
+                    crate::bytes::check(data, count, self.bytes_limits)
+                        .map_err(|e| CoreError::InvalidInput(format!("input {i}: {e}")))?;
+                }
             }
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
@@ -538,16 +585,38 @@ impl Batcher {
 }
 
 /// The elements a batch being gathered holds of each variable-length
-/// input: `(positions, longest row)` per input (zero for the others).
+/// input: `(positions, longest row)` per input (zero for the others), and
+/// for inputs padded along several dimensions the longest along each.
 struct Budget {
     used: Vec<(usize, usize)>,
+    longest: Vec<[usize; crate::MAX_VARIABLE_DIMS]>,
 }
 
 impl Budget {
     fn new(layouts: &[Layout]) -> Budget {
         Budget {
             used: vec![(0, 0); layouts.len()],
+            longest: vec![[0; crate::MAX_VARIABLE_DIMS]; layouts.len()],
         }
+    }
+
+    /// Whether `r` joins a batch of `rows` rows with input `i`, padded
+    /// along several dimensions, within `limit` elements counted padded.
+    fn padded_fits(
+        &self,
+        p: &crate::Padded,
+        r: &Request,
+        i: usize,
+        rows: usize,
+        limit: usize,
+    ) -> bool {
+        let mut longest = self.longest[i];
+        for (m, &e) in longest.iter_mut().zip(r.inputs()[i].extents()) {
+            *m = (*m).max(e);
+        }
+        p.row_bound(&longest[..p.variable_dims()])
+            .and_then(|e| e.checked_mul(rows + r.rows as usize))
+            .is_some_and(|e| e <= limit)
     }
 
     /// Whether `r` joins a batch of `rows` rows within `limit` elements of
@@ -556,25 +625,33 @@ impl Budget {
         let limit = limit.unwrap_or(usize::MAX);
         let n = r.rows as usize;
         layouts.iter().enumerate().all(|(i, layout)| {
-            let Layout::Ragged(ragged) = layout else {
+            if let Layout::Padded(p) = layout {
+                return self.padded_fits(p, r, i, rows, limit);
+            }
+            let Some((unit_elements, padded)) = layout.variable() else {
                 return true;
             };
             let extent = r.inputs()[i].extent();
             let (positions, longest) = self.used[i];
-            let after = if ragged.pad.is_some() {
+            let after = if padded {
                 (rows + n).checked_mul(longest.max(extent))
             } else {
                 n.checked_mul(extent).and_then(|p| p.checked_add(positions))
             };
             after
-                .and_then(|p| p.checked_mul(ragged.unit_elements))
+                .and_then(|p| p.checked_mul(unit_elements))
                 .is_some_and(|e| e <= limit)
         })
     }
 
     fn add(&mut self, r: &Request, layouts: &[Layout]) {
         for (i, layout) in layouts.iter().enumerate() {
-            if let Layout::Ragged(_) = layout {
+            if let Layout::Padded(_) = layout {
+                for (m, &e) in self.longest[i].iter_mut().zip(r.inputs()[i].extents()) {
+                    *m = (*m).max(e);
+                }
+            }
+            if layout.variable().is_some() {
                 let extent = r.inputs()[i].extent();
                 let (positions, longest) = &mut self.used[i];
                 *positions += r.rows as usize * extent;

@@ -46,8 +46,14 @@
 //!   request only while the batch stays within `max_batch_elements` (a
 //!   padded input counted padded), so collation never passes the slot, which
 //!   holds that many elements (a request that does not fit leads the next
-//!   batch). BYTES are collated into memory the [`Batch`] owns
-//!   ([`Collated::Bytes`]), not into the slot.
+//!   batch). An input padded along several variable dimensions
+//!   ([`Layout::Padded`]) carries each one's length
+//!   ([`InputBytes::extents`]) and is counted padded, its box at the
+//!   batch's longest along each. BYTES are collated into memory the [`Batch`] owns
+//!   ([`Collated::Bytes`]; with a variable-length dimension,
+//!   [`Collated::RaggedBytes`], each row's length beside), not into the
+//!   slot, and count against `max_batch_elements` as variable-length inputs
+//!   do.
 //! * **The queue** ([`RequestQueue`]) takes pushes from any thread; a refused
 //!   push hands the request back ([`queue::PushError`]).
 //! * **Fan-out**: each request names its [`Sink`] (an event loop's mailbox,
@@ -93,7 +99,9 @@ pub use fanout::{Route, Routes, Sink};
 pub use inbox::Inbox;
 pub use outcome::{Outcome, Tally, OUTCOMES};
 pub use queue::{Message, Priorities, PushError, Readiness, RequestQueue};
-pub use request::{InputBytes, Request, RequestState, Withdrawal};
+pub use request::{InputBytes, Request, RequestState, Withdrawal, MAX_VARIABLE_DIMS};
 pub use specs::{InputSpec, SpecError};
-pub use staging::{Collated, HeldSlot, Layout, Ragged, SlotBuffer, StagingRing};
+pub use staging::{
+    Collated, HeldSlot, Layout, Padded, Ragged, RaggedBytes, SlotBuffer, StagingRing,
+};
 pub use unflushed::Unflushed;

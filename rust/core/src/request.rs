@@ -54,9 +54,13 @@ pub struct InputBytes {
     ptr: *const u8,
     len: usize,
     /// Positions per row along a variable-length first dimension (0 for
-    /// other inputs).
-    extent: usize,
+    /// other inputs); for an input padded along several variable
+    /// dimensions ([`crate::Layout::Padded`]), each one's length, in order.
+    extents: [usize; MAX_VARIABLE_DIMS],
 }
+
+/// The most variable-length (`-1`) dimensions one input may have.
+pub const MAX_VARIABLE_DIMS: usize = 4;
 
 impl InputBytes {
     /// # Safety
@@ -67,18 +71,37 @@ impl InputBytes {
         InputBytes {
             ptr,
             len,
-            extent: 0,
+            extents: [0; MAX_VARIABLE_DIMS],
         }
     }
 
     /// The same view, its rows `extent` positions long (a variable-length
     /// input: `len` is `rows * extent` positions' bytes).
     pub fn with_extent(self, extent: usize) -> InputBytes {
-        InputBytes { extent, ..self }
+        let mut extents = [0; MAX_VARIABLE_DIMS];
+        extents[0] = extent;
+        InputBytes { extents, ..self }
     }
 
+    /// The same view, its rows as long as `extents` along their variable
+    /// dimensions, in order; `None` for more than [`MAX_VARIABLE_DIMS`].
+    pub fn with_extents(self, extents: &[usize]) -> Option<InputBytes> {
+        let mut all = [0; MAX_VARIABLE_DIMS];
+        all.get_mut(..extents.len())?.copy_from_slice(extents);
+        Some(InputBytes {
+            extents: all,
+            ..self
+        })
+    }
+
+    /// The length along the (first) variable dimension.
     pub fn extent(&self) -> usize {
-        self.extent
+        self.extents[0]
+    }
+
+    /// The lengths along every variable dimension (unused ones 0).
+    pub fn extents(&self) -> &[usize; MAX_VARIABLE_DIMS] {
+        &self.extents
     }
 
     pub fn len(&self) -> usize {

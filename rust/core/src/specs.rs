@@ -173,6 +173,84 @@ impl InputSpec {
         Ok((rows, length))
     }
 
+    /// For an input padded along variable dimensions anywhere in its row
+    /// shape (`dims`, `None` for a variable one): the rows of a value of
+    /// shape `actual`, its lengths along the variable dimensions and its
+    /// elements, or an error naming both shapes. Refuses more than
+    /// `max_rows` rows and more than `max_elements` elements, so the byte
+    /// count is bounded before anything is allocated.
+    pub fn padded_rows_for_shape(
+        &self,
+        dims: &[Option<usize>],
+        actual: &[usize],
+        batched: bool,
+        max_rows: usize,
+        max_elements: usize,
+    ) -> Result<(usize, Vec<usize>, usize), SpecError> {
+        let (rows, per_row) = match (batched, actual.split_first()) {
+            (true, Some((&n, rest))) => (n, rest),
+            (true, None) => (0, actual),
+            (false, _) => (1, actual),
+        };
+        let k = dims.iter().filter(|d| d.is_none()).count();
+        let mut variable = 0;
+        let mut names: Vec<String> = Vec::with_capacity(dims.len() + 1);
+        if batched {
+            names.push("n".into());
+        }
+        for d in dims {
+            names.push(match d {
+                Some(n) => n.to_string(),
+                None if k == 1 => "L".into(),
+                None => {
+                    variable += 1;
+                    format!("L{variable}")
+                }
+            });
+        }
+        let expected = match names.as_slice() {
+            [one] => format!("({one},)"),
+            _ => format!("({})", names.join(", ")),
+        };
+        let fits = per_row.len() == dims.len()
+            && per_row
+                .iter()
+                .zip(dims)
+                .all(|(&a, d)| d.map_or(true, |d| d == a))
+            && !(batched && actual.is_empty());
+        if !fits {
+            return Err(self.error(format_args!(
+                "expected shape {expected} (L: any length), got {}",
+                describe_dims(actual)
+            )));
+        }
+        if rows > max_rows {
+            return Err(self.error(format_args!(
+                "a request of {rows} rows exceeds max_batch_size ({max_rows})"
+            )));
+        }
+        let extents: Vec<usize> = per_row
+            .iter()
+            .zip(dims)
+            .filter(|(_, d)| d.is_none())
+            .map(|(&a, _)| a)
+            .collect();
+        // Empty dimensions count as 1 against the budget (as the batcher
+        // counts them), so every product of the dimensions is bounded.
+        let bound = per_row
+            .iter()
+            .try_fold(rows, |n, &d| n.checked_mul(d.max(1)))
+            .filter(|&e| e <= max_elements);
+        let elements = bound.map(|_| rows * per_row.iter().product::<usize>());
+        let Some(elements) = elements else {
+            return Err(self.error(format_args!(
+                "a request of {rows} rows of shape {} exceeds max_batch_elements ({max_elements})",
+                describe_dims(per_row)
+            )));
+        };
+        Ok((rows, extents, elements))
+    }
+
     /// The error for a value of dtype `got`.
     pub fn dtype_error(&self, got: impl fmt::Display) -> SpecError {
         self.error(format_args!(
@@ -266,6 +344,35 @@ mod tests {
                 order: vec![1, 0]
             }
         );
+    }
+
+    #[test]
+    fn padded_shapes_give_their_lengths_or_say_what_was_expected() {
+        let s = spec("g", &[]);
+        let dims = [Some(3), None, None];
+        let ok = s.padded_rows_for_shape(&dims, &[2, 3, 4, 5], true, 8, 1000);
+        assert_eq!(ok, Ok((2, vec![4, 5], 120)));
+        let one = s.padded_rows_for_shape(&dims, &[3, 0, 7], false, 8, 1000);
+        assert_eq!(one, Ok((1, vec![0, 7], 0)));
+        // An empty dimension counts as 1: no huge box of zero elements.
+        let huge = s.padded_rows_for_shape(&dims, &[3, 0, usize::MAX], false, 8, 1000);
+        assert!(huge.is_err());
+        let err = |actual: &[usize], max: usize| {
+            s.padded_rows_for_shape(&dims, actual, true, 8, max)
+                .unwrap_err()
+                .to_string()
+        };
+        assert_eq!(
+            err(&[2, 4, 4, 5], 1000),
+            "input 'g': expected shape (n, 3, L1, L2) (L: any length), got (2, 4, 4, 5)"
+        );
+        assert!(err(&[2, 3, 4], 1000).contains("expected shape"));
+        assert!(err(&[9, 3, 1, 1], 1000).contains("exceeds max_batch_size (8)"));
+        assert_eq!(
+            err(&[2, 3, 4, 5], 119),
+            "input 'g': a request of 2 rows of shape (3, 4, 5) exceeds max_batch_elements (119)"
+        );
+        assert!(err(&[2, 3, usize::MAX, 2], usize::MAX).contains("max_batch_elements"));
     }
 
     #[test]

@@ -124,8 +124,9 @@ impl StagingRing {
     /// input in order: one buffer of `max_rows * row_nbytes[i]` bytes for a
     /// [`Layout::Fixed`] input; two for a [`Layout::Ragged`] one (its values,
     /// room for `max_elements` elements, and its index, `max_rows + 1`
-    /// int64); none for [`Layout::Bytes`] (collated into memory of the
-    /// batch's own, [`Collated::Bytes`]).
+    /// int64); none for [`Layout::Bytes`] and [`Layout::RaggedBytes`]
+    /// (collated into memory of the batch's own, [`Collated::Bytes`] and
+    /// [`Collated::RaggedBytes`]).
     pub fn with_layouts(
         row_nbytes: Vec<usize>,
         layouts: Vec<Layout>,
@@ -186,6 +187,47 @@ impl StagingRing {
                     needs.push((i, index));
                 }
                 Layout::Bytes { .. } => {}
+                Layout::Padded(p) => {
+                    let Some(max_elements) = max_elements else {
+                        return Err(CoreError::InvalidConfig(format!(
+                            "input {i} has a variable-length dimension: max_batch_elements is needed"
+                        )));
+                    };
+                    let k = p.variable_dims();
+                    if k == 0 || k > crate::request::MAX_VARIABLE_DIMS {
+                        return Err(CoreError::InvalidConfig(format!(
+                            "input {i}: padding needs 1 to {} variable dimensions, got {k}",
+                            crate::request::MAX_VARIABLE_DIMS
+                        )));
+                    }
+                    if p.pad.len() != p.itemsize {
+                        return Err(CoreError::InvalidConfig(format!(
+                            "input {i}: the pad value must be one element's bytes ({})",
+                            p.itemsize
+                        )));
+                    }
+                    let values = max_elements
+                        .checked_mul(p.itemsize)
+                        .ok_or_else(|| overflow(i))?;
+                    let index = max_rows
+                        .checked_mul(k)
+                        .and_then(|n| n.checked_mul(8))
+                        .ok_or_else(|| overflow(i))?;
+                    needs.push((i, values));
+                    needs.push((i, index));
+                }
+                Layout::RaggedBytes(r) => {
+                    if max_elements.is_none() {
+                        return Err(CoreError::InvalidConfig(format!(
+                            "input {i} has a variable-length dimension: max_batch_elements is needed"
+                        )));
+                    }
+                    if r.unit_elements == 0 {
+                        return Err(CoreError::InvalidConfig(format!(
+                            "input {i}: a variable-length dimension needs non-empty inner dimensions"
+                        )));
+                    }
+                }
             }
         }
         for (s, buffers) in slots.iter().enumerate() {
@@ -387,6 +429,11 @@ impl HeldSlot {
                     // SAFETY: as above (taken, unresolved requests; the one guard).
                     unsafe { collate_ragged(r, values, index, inputs, rows, self.index) }
                 }
+                Layout::Padded(p) => {
+                    let (values, index) = (buffers[first], buffers[first + 1]);
+                    // SAFETY: as above (taken, unresolved requests; the one guard).
+                    unsafe { collate_padded(p, values, index, inputs, self.index) }
+                }
                 Layout::Bytes { .. } => {
                     let total: usize = requests.iter().map(|r| r.inputs()[i].len()).sum();
                     let mut out = Vec::with_capacity(total);
@@ -395,6 +442,17 @@ impl HeldSlot {
                         out.extend_from_slice(unsafe { input.as_slice() });
                     }
                     Collated::Bytes(out)
+                }
+                Layout::RaggedBytes(_) => {
+                    let total: usize = requests.iter().map(|r| r.inputs()[i].len()).sum();
+                    let mut data = Vec::with_capacity(total);
+                    let mut lengths = Vec::with_capacity(rows);
+                    for (n, input) in inputs {
+                        // SAFETY: as above.
+                        data.extend_from_slice(unsafe { input.as_slice() });
+                        lengths.extend(std::iter::repeat(input.extent()).take(n));
+                    }
+                    Collated::RaggedBytes { data, lengths }
                 }
             });
         }
@@ -422,6 +480,82 @@ pub enum Layout {
     /// BYTES: each row `elements_per_row` serialized elements
     /// ([`crate::bytes`]), concatenated.
     Bytes { elements_per_row: usize },
+    /// BYTES with a variable-length first dimension: each row of a request
+    /// [`crate::InputBytes::extent`] positions of `unit_elements` serialized
+    /// elements, concatenated into memory the batch owns (as [`Layout::Bytes`]),
+    /// with each row's length.
+    RaggedBytes(RaggedBytes),
+    /// Variable-length along any of its dimensions (a request's
+    /// [`crate::InputBytes::extents`], one per variable dimension), padded
+    /// along each to the batch's longest.
+    Padded(Padded),
+}
+
+/// An input padded along one or more variable-length dimensions, any of them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Padded {
+    /// The shape of one row: `None` for a variable-length dimension.
+    pub dims: Box<[Option<usize>]>,
+    /// Bytes of one element.
+    pub itemsize: usize,
+    /// One element's bytes, written wherever a row is shorter than the batch.
+    pub pad: Box<[u8]>,
+}
+
+impl Padded {
+    /// How many dimensions are variable.
+    pub fn variable_dims(&self) -> usize {
+        self.dims.iter().filter(|d| d.is_none()).count()
+    }
+
+    /// The shape of a row whose variable dimensions are `extents` long.
+    pub fn row_shape(&self, extents: &[usize]) -> Vec<usize> {
+        let mut variable = extents.iter();
+        self.dims
+            .iter()
+            .map(|d| d.unwrap_or_else(|| variable.next().copied().unwrap_or(0)))
+            .collect()
+    }
+
+    /// Elements of a row whose variable dimensions are `extents` long;
+    /// `None` when the count overflows.
+    pub fn row_elements(&self, extents: &[usize]) -> Option<usize> {
+        self.row_shape(extents)
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(d))
+    }
+
+    /// What such a row counts against `max_batch_elements`: its elements,
+    /// an empty dimension counted as 1, so that every product of its
+    /// dimensions (and of a batch's box, its strides) is bounded by it;
+    /// `None` when it overflows.
+    pub fn row_bound(&self, extents: &[usize]) -> Option<usize> {
+        self.row_shape(extents)
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(d.max(1)))
+    }
+}
+
+/// A BYTES input with a variable-length first dimension.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RaggedBytes {
+    /// Elements of one position (the product of the inner dimensions).
+    pub unit_elements: usize,
+    /// Counted padded against `max_batch_elements` (rows times the longest
+    /// row, what the model gets), else jagged (the sum of the rows).
+    pub padded: bool,
+}
+
+impl Layout {
+    /// For an input whose rows vary in length: the elements of one position
+    /// and whether the batch is counted padded against `max_batch_elements`.
+    pub fn variable(&self) -> Option<(usize, bool)> {
+        match self {
+            Layout::Ragged(r) => Some((r.unit_elements, r.pad.is_some())),
+            Layout::RaggedBytes(r) => Some((r.unit_elements, r.padded)),
+            Layout::Fixed | Layout::Bytes { .. } | Layout::Padded(_) => None,
+        }
+    }
 }
 
 /// A variable-length input: rows of `extent` positions of `unit_nbytes`
@@ -448,6 +582,13 @@ pub enum Collated {
     Jagged { total: usize },
     /// The rows' serialized elements, back to back.
     Bytes(Vec<u8>),
+    /// `[rows, *shape]` padded values (`shape`: the row shape with each
+    /// variable dimension at the batch's longest, `longest`), and `rows x k`
+    /// lengths in the index.
+    PaddedNd { longest: Vec<usize> },
+    /// The rows' serialized elements, back to back, and each row's length
+    /// (positions of `unit_elements` elements; `rows` of them).
+    RaggedBytes { data: Vec<u8>, lengths: Vec<usize> },
 }
 
 /// Writes `src` at `offset` of `buf`.
@@ -545,6 +686,86 @@ unsafe fn collate_ragged<'a>(
             Collated::Jagged { total }
         }
     }
+}
+
+/// Collates one input padded along several variable dimensions: each
+/// request's rows (`rows * row_elements(extents)` elements) into boxes of the
+/// batch's longest extents, padded with `p.pad`; each row's extents (k
+/// int64) into `index`.
+///
+/// # Safety
+/// As [`HeldSlot::collate_all`]; `values` and `index` are that slot's.
+unsafe fn collate_padded<'a>(
+    p: &Padded,
+    values: SlotBuffer,
+    index: SlotBuffer,
+    inputs: impl Iterator<Item = (usize, &'a crate::InputBytes)> + Clone,
+    slot: usize,
+) -> Collated {
+    let k = p.variable_dims();
+    let mut longest = vec![0usize; k];
+    for (_, input) in inputs.clone() {
+        for (m, &e) in longest.iter_mut().zip(input.extents()) {
+            *m = (*m).max(e);
+        }
+    }
+    let item = p.itemsize;
+    let out_shape = p.row_shape(&longest);
+    // Byte strides of a padded row, last dimension fastest. Every product of
+    // its dimensions is at most `row_bound(longest)`, which `gather` kept
+    // within the budget, and so the slot.
+    let mut strides = vec![item; out_shape.len()];
+    for d in (0..out_shape.len().saturating_sub(1)).rev() {
+        strides[d] = strides[d + 1] * out_shape[d + 1];
+    }
+    let row_bytes = out_shape.iter().product::<usize>() * item;
+    let pad_row: Vec<u8> = p.pad.iter().copied().cycle().take(row_bytes).collect();
+    let mut entries: Vec<u8> = Vec::new();
+    let mut row = 0usize;
+    for (n, input) in inputs {
+        let extents = &input.extents()[..k];
+        let shape = p.row_shape(extents);
+        // SAFETY: the caller's contract: taken, unresolved requests.
+        let src = unsafe { input.as_slice() };
+        let own = shape.iter().product::<usize>() * item;
+        debug_assert_eq!(src.len(), n * own);
+        // Innermost runs: the last dimension's own length, copied whole.
+        let (run, outer) = match shape.split_last() {
+            Some((&last, outer)) => (last * item, outer),
+            None => (item, &[][..]),
+        };
+        for r in 0..n {
+            let base = row * row_bytes;
+            if shape != out_shape {
+                // SAFETY: the one guard of this slot (the caller's).
+                unsafe { write_at(values, base, &pad_row, slot) };
+            }
+            let src_row = &src[r * own..(r + 1) * own];
+            if own > 0 {
+                let mut at = vec![0usize; outer.len()];
+                for chunk in src_row.chunks_exact(run.max(1)) {
+                    let offset: usize = at.iter().zip(&strides).map(|(i, s)| i * s).sum();
+                    // SAFETY: as above.
+                    unsafe { write_at(values, base + offset, chunk, slot) };
+                    // Next outer index, last fastest.
+                    for d in (0..outer.len()).rev() {
+                        at[d] += 1;
+                        if at[d] < outer[d] {
+                            break;
+                        }
+                        at[d] = 0;
+                    }
+                }
+            }
+            for &e in extents {
+                entries.extend_from_slice(&(e as i64).to_le_bytes());
+            }
+            row += 1;
+        }
+    }
+    // SAFETY: as above.
+    unsafe { write_at(index, 0, &entries, slot) };
+    Collated::PaddedNd { longest }
 }
 
 #[cfg(all(test, not(loom)))]

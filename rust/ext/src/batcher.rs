@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use ferrobatch_core as core;
 use ferrobatch_core::bytes::BytesLimits;
 use ferrobatch_core::{
-    BatcherConfig, Collated, DType, DispatchReason, DispatchRule, InputBytes, Layout, Ragged,
-    Readiness, RequestState, Route, Sink, SlotBuffer,
+    BatcherConfig, Collated, DType, DispatchReason, DispatchRule, InputBytes, Layout, Padded,
+    Ragged, RaggedBytes, Readiness, RequestState, Route, Sink, SlotBuffer,
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::intern;
@@ -39,7 +39,7 @@ impl Batcher {
     #[pyo3(signature = (
         inputs, slots, *, tensor_type, coerce, max_batch_size, max_delay,
         min_batch_size, preferred_batch_sizes, max_queue_size, workers, adaptive=false,
-        layouts=Vec::new(), max_batch_elements=None,
+        layouts=Vec::new(), max_batch_elements=None, padded_dims=Vec::new(),
         priority_levels=0, default_priority=None, max_priority_wait=None,
     ))]
     #[allow(clippy::too_many_arguments)]
@@ -58,6 +58,7 @@ impl Batcher {
         adaptive: bool,
         layouts: Vec<(String, Option<Vec<u8>>)>,
         max_batch_elements: Option<usize>,
+        padded_dims: Vec<Option<Vec<Option<usize>>>>,
         priority_levels: u8,
         default_priority: Option<u32>,
         max_priority_wait: Option<f64>,
@@ -108,6 +109,27 @@ impl Batcher {
                     elements_per_row: elements,
                 },
                 None | Some(("fixed", _)) => Layout::Fixed,
+                // Padded along variable dimensions anywhere: `dims` is the
+                // row's whole shape (`None`: variable), `shape` unused.
+                Some(("pad", pad))
+                    if dtype != DType::Bytes && padded_dims.get(i).is_some_and(Option::is_some) =>
+                {
+                    let dims = padded_dims[i].clone().unwrap_or_default();
+                    let itemsize = dtype.itemsize();
+                    let pad = pad.clone().unwrap_or_else(|| vec![0u8; itemsize]);
+                    Layout::Padded(Padded {
+                        dims: dims.into_boxed_slice(),
+                        itemsize,
+                        pad: pad.into_boxed_slice(),
+                    })
+                }
+                Some((mode @ ("pad" | "jagged"), _)) if dtype == DType::Bytes => {
+                    // `shape` is what follows the variable dimension.
+                    Layout::RaggedBytes(RaggedBytes {
+                        unit_elements: elements,
+                        padded: mode == "pad",
+                    })
+                }
                 Some(("pad" | "jagged", pad)) if dtype != DType::Bytes => {
                     // `shape` is what follows the variable dimension.
                     let unit_nbytes = core.row_nbytes;
@@ -635,9 +657,26 @@ impl Batch {
             .map(|c| match c {
                 Collated::Padded { max_len } => *max_len,
                 Collated::Jagged { total } => *total,
-                Collated::Fixed | Collated::Bytes(_) => 0,
+                Collated::Fixed
+                | Collated::Bytes(_)
+                | Collated::RaggedBytes { .. }
+                | Collated::PaddedNd { .. } => 0,
             })
             .collect()
+    }
+
+    /// Per variable dimension of input `index` (padded along several), the
+    /// batch's longest; empty for other inputs.
+    fn padded_extents(&self, index: usize) -> Vec<usize> {
+        match self
+            .collated
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(index)
+        {
+            Some(Collated::PaddedNd { longest }) => longest.clone(),
+            _ => Vec::new(),
+        }
     }
 
     /// BYTES input `index`'s elements, in batch order, as `bytes` objects
@@ -660,6 +699,37 @@ impl Batch {
             py,
             ferrobatch_core::bytes::elements(&data).map(|e| PyBytes::new(py, e)),
         )
+    }
+
+    /// Variable-length BYTES input `index`'s elements, in batch order, as
+    /// `bytes` objects, and each row's length (in positions); its collated
+    /// bytes are let go: call once per input.
+    #[allow(clippy::type_complexity)]
+    fn take_ragged_bytes<'py>(
+        &self,
+        py: Python<'py>,
+        index: usize,
+    ) -> PyResult<(Bound<'py, PyList>, Vec<usize>)> {
+        let (data, lengths) = match self
+            .collated
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_mut(index)
+        {
+            Some(Collated::RaggedBytes { data, lengths }) => {
+                (std::mem::take(data), std::mem::take(lengths))
+            }
+            _ => {
+                return Err(PyValueError::new_err(format!(
+                    "input {index} is not a variable-length BYTES input of this batch"
+                )))
+            }
+        };
+        let elements = PyList::new(
+            py,
+            ferrobatch_core::bytes::elements(&data).map(|e| PyBytes::new(py, e)),
+        )?;
+        Ok((elements, lengths))
     }
 
     #[getter]

@@ -85,11 +85,57 @@ impl InputSpec {
         max_rows: usize,
         max_elements: Option<usize>,
     ) -> PyResult<(usize, usize, usize)> {
+        self.rows_and_extents(py, actual, batched, max_rows, max_elements)
+            .map(|(rows, nbytes, extents)| (rows, nbytes, extents.first().copied().unwrap_or(0)))
+    }
+
+    /// [`InputSpec::rows_for_shape`], with the lengths along every variable
+    /// dimension (one, or those of an input padded along several).
+    fn rows_and_extents(
+        &self,
+        py: Python<'_>,
+        actual: &[usize],
+        batched: bool,
+        max_rows: usize,
+        max_elements: Option<usize>,
+    ) -> PyResult<(usize, usize, Vec<usize>)> {
+        match &self.layout {
+            Layout::Padded(p) => self
+                .core
+                .padded_rows_for_shape(
+                    &p.dims,
+                    actual,
+                    batched,
+                    max_rows,
+                    max_elements.unwrap_or(0),
+                )
+                .map(|(rows, extents, elements)| (rows, elements * p.itemsize, extents))
+                .map_err(|e| invalid_input(py, e.0)),
+            _ => self
+                .rows_for_one(py, actual, batched, max_rows, max_elements)
+                .map(|(rows, nbytes, extent)| (rows, nbytes, vec![extent])),
+        }
+    }
+
+    fn rows_for_one(
+        &self,
+        py: Python<'_>,
+        actual: &[usize],
+        batched: bool,
+        max_rows: usize,
+        max_elements: Option<usize>,
+    ) -> PyResult<(usize, usize, usize)> {
         match &self.layout {
             Layout::Ragged(r) => self
                 .core
                 .ragged_rows_for_shape(actual, batched, max_rows, max_elements.unwrap_or(0))
                 .map(|(rows, extent)| (rows, rows * extent * r.unit_nbytes, extent))
+                .map_err(|e| invalid_input(py, e.0)),
+            // The byte count of BYTES is checked as they are serialized.
+            Layout::RaggedBytes(_) => self
+                .core
+                .ragged_rows_for_shape(actual, batched, max_rows, max_elements.unwrap_or(0))
+                .map(|(rows, extent)| (rows, 0, extent))
                 .map_err(|e| invalid_input(py, e.0)),
             _ => self
                 .core
@@ -169,8 +215,13 @@ pub(crate) struct Converted {
 }
 
 impl Converted {
-    fn new(copy: Box<[u8]>, rows: usize) -> Converted {
-        Converted::with_extent(copy, rows, 0)
+    fn with_extents(copy: Box<[u8]>, rows: usize, extents: &[usize]) -> Converted {
+        let mut converted = Converted::with_extent(copy, rows, 0);
+        // At most MAX_VARIABLE_DIMS: the batcher refuses specs with more.
+        if let Some(bytes) = converted.bytes.with_extents(extents) {
+            converted.bytes = bytes;
+        }
+        converted
     }
 
     fn with_extent(copy: Box<[u8]>, rows: usize, extent: usize) -> Converted {
@@ -225,8 +276,14 @@ impl Converter {
         value: &Bound<'_, PyAny>,
         batched: bool,
     ) -> PyResult<Converted> {
-        if let Layout::Bytes { elements_per_row } = spec.layout {
-            return self.read_bytes(py, spec, value, batched, elements_per_row);
+        match spec.layout {
+            Layout::Bytes { elements_per_row } => {
+                return self.read_bytes(py, spec, value, batched, elements_per_row)
+            }
+            Layout::RaggedBytes(ref r) => {
+                return self.read_bytes(py, spec, value, batched, r.unit_elements)
+            }
+            _ => {}
         }
         let tensor_type = self.tensor_type.bind(py);
         if value.is_instance(tensor_type)? {
@@ -267,8 +324,8 @@ impl Converter {
             .iter()
             .map(|d| d.extract::<usize>())
             .collect::<PyResult<Vec<_>>>()?;
-        let (rows, nbytes, extent) =
-            spec.rows_for_shape(py, &dims, batched, self.max_rows, self.max_elements)?;
+        let (rows, nbytes, extents) =
+            spec.rows_and_extents(py, &dims, batched, self.max_rows, self.max_elements)?;
         let itemsize = spec.dtype.itemsize();
         // Contiguous strided tensors, the common case, take one call here;
         // the rest are checked for what raw bytes would misread.
@@ -322,7 +379,7 @@ impl Converter {
                 nbytes,
             )
         }?;
-        Ok(Converted::with_extent(copy, rows, extent))
+        Ok(Converted::with_extents(copy, rows, &extents))
     }
 
     fn read_buffer(
@@ -344,8 +401,8 @@ impl Converter {
             return Err(spec.error(py, "indirect buffers (with suboffsets) are not supported"));
         }
         let dims = buffer.shape();
-        let (rows, nbytes, extent) =
-            spec.rows_for_shape(py, dims, batched, self.max_rows, self.max_elements)?;
+        let (rows, nbytes, extents) =
+            spec.rows_and_extents(py, dims, batched, self.max_rows, self.max_elements)?;
         let strides = (!buffer.is_c_contiguous()).then(|| buffer.strides());
         // SAFETY: the buffer protocol guarantees that every element of a
         // buffer of this shape and these byte strides (of `itemsize` bytes:
@@ -361,7 +418,7 @@ impl Converter {
                 nbytes,
             )
         }?;
-        Ok(Converted::with_extent(copy, rows, extent))
+        Ok(Converted::with_extents(copy, rows, &extents))
     }
 }
 
@@ -385,34 +442,58 @@ impl Converter {
                 return Err(spec.dtype_error(py, got));
             };
             let dims: Vec<usize> = shape.iter().map(|&d| d.max(0) as usize).collect();
-            let (rows, _, _) = spec.rows_for_shape(py, &dims, batched, self.max_rows, None)?;
-            bytes::check(data, rows * elements_per_row, self.bytes_limits)
-                .map_err(|e| spec.error(py, e))?;
+            let (rows, _, extent) =
+                spec.rows_for_shape(py, &dims, batched, self.max_rows, self.max_elements)?;
+            // A variable-length row is `extent` positions of `elements_per_row`.
+            let count = rows * extent.max(fixed_row(spec)) * elements_per_row;
+            bytes::check(data, count, self.bytes_limits).map_err(|e| spec.error(py, e))?;
             let mut copy = allocate(data.len())?;
             copy.extend_from_slice(data);
-            return Ok(Converted::new(copy.into_boxed_slice(), rows));
+            return Ok(Converted::with_extent(
+                copy.into_boxed_slice(),
+                rows,
+                extent,
+            ));
         }
         let single =
             value.is_instance_of::<pyo3::types::PyBytes>() || value.is_instance_of::<PyString>();
-        let (rows, flat) = if single {
-            let (rows, _, _) = spec
-                .rows_for_shape(py, &[], batched, self.max_rows, None)
-                .or_else(|_| spec.rows_for_shape(py, &[1], batched, self.max_rows, None))?;
-            (rows, pyo3::types::PyList::new(py, [value])?.into_any())
+        let max = self.max_elements;
+        let (rows, extent, flat) = if single {
+            let (rows, _, extent) = spec
+                .rows_for_shape(py, &[], batched, self.max_rows, max)
+                .or_else(|_| spec.rows_for_shape(py, &[1], batched, self.max_rows, max))?;
+            (
+                rows,
+                extent,
+                pyo3::types::PyList::new(py, [value])?.into_any(),
+            )
         } else {
             let array = py
                 .import(intern!(py, "numpy"))?
                 .call_method1(intern!(py, "asarray"), (value, intern!(py, "object")))?;
             let dims: Vec<usize> = array.getattr(intern!(py, "shape"))?.extract()?;
-            let (rows, _, _) = spec.rows_for_shape(py, &dims, batched, self.max_rows, None)?;
-            (rows, array.call_method0(intern!(py, "ravel"))?)
+            let (rows, _, extent) = spec.rows_for_shape(py, &dims, batched, self.max_rows, max)?;
+            (rows, extent, array.call_method0(intern!(py, "ravel"))?)
         };
-        let count = rows * elements_per_row;
+        // Bounded by the shape checks above (max_batch_size rows, or
+        // max_batch_elements elements of a variable-length input).
+        let count = rows * extent.max(fixed_row(spec)) * elements_per_row;
         let data = crate::codec::serialize_elements(py, &flat, count, self.bytes_limits, |m| {
             spec.error(py, m)
         })?;
-        Ok(Converted::new(data.into_boxed_slice(), rows))
+        Ok(Converted::with_extent(
+            data.into_boxed_slice(),
+            rows,
+            extent,
+        ))
     }
+}
+
+/// Positions per row that multiply a BYTES row's elements: 1 for a fixed
+/// shape (its row is `elements_per_row`), 0 for a variable-length one (its
+/// row is `extent` positions).
+fn fixed_row(spec: &InputSpec) -> usize {
+    usize::from(matches!(spec.layout, Layout::Bytes { .. }))
 }
 
 /// A dtype name for a buffer format ("float64", "big-endian float32"), or the
