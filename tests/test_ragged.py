@@ -300,3 +300,38 @@ def test_bad_variable_length_requests_over_http_are_400(addresses: tuple[str, st
             assert "'tokens'" in response.json()["error"], (case, response.text)
         ok = client.post("/v2/models/ragged/infer", json=body([1, 512], [1] * 512))
         assert ok.status_code == 200, ok.text
+
+
+def test_variable_length_models_refuse_what_they_cannot_do_yet() -> None:
+    model = lambda d: {"n": d["tokens_lengths"]}  # noqa: E731
+    out = fb.TensorSpec("n", "int64", ())
+    for options in ({"cuda_graphs": True}, {"compile": True}, {"warmup": True}):
+        with pytest.raises(ValueError, match="without cuda_graphs, compile or warm-up"):
+            fb.Server(model, inputs=[spec("pad")], outputs=[out], **options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["pad", "jagged"])
+async def test_a_variable_length_model_runs_on_cuda(mode: str) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    seen: list[torch.device] = []
+
+    def model(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        values = d["tokens"]
+        seen.append(values.device)
+        if mode == "pad":
+            return {"total": values.sum(dim=1)}
+        offsets = d["tokens_offsets"]
+        sums = torch.stack([values[a:b].sum() for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())])
+        return {"total": sums}
+
+    server = fb.Server(
+        model, inputs=[spec(mode)], outputs=[fb.TensorSpec("total", "int64", ())], device="cuda", max_delay=0.01
+    )
+    async with server:
+        client = server.client()
+        rows = [torch.arange(n, dtype=torch.int64) for n in (1, 5, 3, 8)]
+        results = await asyncio.gather(*(client.infer({"tokens": r}) for r in rows))
+    assert all(d.type == "cuda" for d in seen)
+    assert [int(r["total"]) for r in results] == [int(r.sum()) for r in rows]

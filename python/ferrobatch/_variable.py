@@ -7,7 +7,8 @@ into the batch's own buffer (its elements serialized, turned into a numpy
 object array here), a variable-length one into the staging slot, padded
 (values ``[B, L_max, ...]`` and lengths ``[B]``) or jagged (values
 ``[sum L, ...]`` and offsets ``[B + 1]``), with the GIL released. Such
-models run on CPU instances, called with a dict of inputs.
+models are called with a dict of inputs, on CPU or (without CUDA graphs,
+compile or warm-up) on a CUDA device.
 """
 
 from __future__ import annotations
@@ -388,10 +389,12 @@ def normalize_variable_outputs(raw: Any, specs: Sequence[TensorSpec], rows: int)
 
 
 class VariableExecutor(CpuExecutor):
-    """Runs a model with BYTES or variable-length tensors on CPU: each batch's
-    inputs are built from its slot (:func:`batch_inputs`), its outputs
-    checked by :func:`normalize_variable_outputs`. A failed batch fails
-    every request in it (no retry in halves)."""
+    """Runs a model with BYTES or variable-length tensors: each batch's
+    inputs are built from its slot (:func:`batch_inputs`), its tensors moved
+    to the instance's device (CUDA: a plain copy and a synchronous call on
+    the worker thread, no stream pipelining), its outputs checked by
+    :func:`normalize_variable_outputs` and brought back to the CPU. A failed
+    batch fails every request in it (no retry in halves)."""
 
     def __init__(
         self,
@@ -411,6 +414,8 @@ class VariableExecutor(CpuExecutor):
     def call(
         self, inputs: Mapping[str, Any], rows: int, staging: frozenset[int], requests: list[RequestInfo] | None = None
     ) -> dict[str, Any]:
+        if self.device.type != "cpu":  # the tensors go to the model's device; BYTES stay numpy arrays
+            inputs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
         with inference_mode():
             if self.gate is None:
                 raw = self._call_model(dict(inputs), requests)
@@ -422,7 +427,9 @@ class VariableExecutor(CpuExecutor):
         if self.version_output is not None and version is not None:
             outputs[self.version_output] = version_rows(version, rows)
         for name, out in outputs.items():
-            if isinstance(out, torch.Tensor) and _storage_ptr(out) in staging:
+            if isinstance(out, torch.Tensor) and not out.is_cpu:
+                outputs[name] = out.cpu()  # padded and jagged outputs are moved as they are cut
+            elif isinstance(out, torch.Tensor) and _storage_ptr(out) in staging:
                 outputs[name] = out.clone()  # the slot is reused by the next batch
             elif (
                 isinstance(out, (RaggedOutput, PaddedOutput))

@@ -322,15 +322,10 @@ class Server:
         """Resolves the instances and their devices, and checks the
         ``cuda_graphs`` / ``compile`` / ``warmup`` options."""
         self._models, self.devices = resolve_instances(self._models, device)
-        if self._variable and (
-            any(d.type != "cpu" for d in self.devices)
-            or cuda_graphs
-            or compile is not False
-            or warmup not in (None, False)
-        ):
+        if self._variable and (cuda_graphs or compile is not False or warmup not in (None, False)):
             raise ValueError(
-                f"model '{self.name}': BYTES and variable-length tensors run on CPU instances, without"
-                " cuda_graphs, compile or warm-up, for now"
+                f"model '{self.name}': BYTES and variable-length tensors run without cuda_graphs, compile or"
+                " warm-up, for now"
             )
         if warmup is False and (cuda_graphs or compile is not False):
             raise ValueError("cuda_graphs and compile need warm-up: warmup=False is not allowed with them")
