@@ -47,6 +47,8 @@ log = logging.getLogger("ferrobatch.triton")
 
 #: Seconds :meth:`Triton.run` waits for the listeners and the models.
 STARTUP_TIMEOUT_S = 120.0
+#: Seconds readiness says 503, listeners open, before an UnrecoverableError's shutdown.
+UNRECOVERABLE_DRAIN_S = 1.0
 MONITORING_PERIOD_S = 10.0
 
 
@@ -475,8 +477,12 @@ class Triton:
 
     def _on_unrecoverable(self, exc: UnrecoverableError) -> None:
         """From a worker thread: shut down as :meth:`stop` does, without
-        waiting (the worker's own batch must end first)."""
+        waiting (the worker's own batch must end first), after readiness has
+        said 503 for :data:`UNRECOVERABLE_DRAIN_S` with the listeners still
+        open, so probes and load balancers see the server go, as in PyTriton."""
         self.unrecoverable = self.unrecoverable or exc
+        # Read by serve() once the stop event is set, which _ask_stop does after this.
+        self._serve_config.drain_delay = max(self._serve_config.drain_delay, UNRECOVERABLE_DRAIN_S)
         self._ask_stop()
 
 
