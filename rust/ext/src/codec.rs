@@ -359,20 +359,7 @@ impl V2Codec {
         if spec.dtype == DType::Bytes {
             return read_bytes_output(py, &spec.name, value);
         }
-        let expected = self.output_dtypes[index].bind(py);
-        let mut tensor = value;
-        if !tensor.getattr(intern!(py, "dtype"))?.is(expected) {
-            tensor = tensor.call_method1(intern!(py, "to"), (expected,))?;
-        }
-        if !tensor.getattr(intern!(py, "is_cpu"))?.is_truthy()? {
-            tensor = tensor.call_method0(intern!(py, "cpu"))?;
-        }
-        if !tensor
-            .call_method0(intern!(py, "is_contiguous"))?
-            .is_truthy()?
-        {
-            tensor = tensor.call_method0(intern!(py, "contiguous"))?;
-        }
+        let tensor = host_contiguous(py, value, self.output_dtypes[index].bind(py))?;
         let shape: Vec<u64> = tensor.getattr(intern!(py, "shape"))?.extract()?;
         let count = shape
             .iter()
@@ -784,4 +771,26 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<V2Request>()?;
     m.add_class::<V2Tensor>()?;
     Ok(())
+}
+
+/// `tensor` as `dtype`, on the CPU and contiguous: an output's bytes as the
+/// wire (or a shared-memory client) takes them; each step only when needed.
+pub(crate) fn host_contiguous<'py>(
+    py: Python<'py>,
+    mut tensor: Bound<'py, PyAny>,
+    dtype: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyAny>> {
+    if !tensor.getattr(intern!(py, "dtype"))?.is(dtype) {
+        tensor = tensor.call_method1(intern!(py, "to"), (dtype,))?;
+    }
+    if !tensor.getattr(intern!(py, "is_cpu"))?.is_truthy()? {
+        tensor = tensor.call_method0(intern!(py, "cpu"))?;
+    }
+    if !tensor
+        .call_method0(intern!(py, "is_contiguous"))?
+        .is_truthy()?
+    {
+        tensor = tensor.call_method0(intern!(py, "contiguous"))?;
+    }
+    Ok(tensor)
 }

@@ -20,7 +20,7 @@
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use ferrobatch_core::shm::{
@@ -185,22 +185,10 @@ fn read_output<'py>(
     spec: &OutputSpec,
 ) -> PyResult<(Bound<'py, PyAny>, usize, usize)> {
     let key = spec.key.bind(py);
-    let mut tensor = outputs
+    let tensor = outputs
         .get_item(key)?
         .ok_or_else(|| PyValueError::new_err(format!("the model returned no output '{key}'")))?;
-    let expected = spec.torch_dtype.bind(py);
-    if !tensor.getattr(intern!(py, "dtype"))?.is(expected) {
-        tensor = tensor.call_method1(intern!(py, "to"), (expected,))?;
-    }
-    if !tensor.getattr(intern!(py, "is_cpu"))?.is_truthy()? {
-        tensor = tensor.call_method0(intern!(py, "cpu"))?;
-    }
-    if !tensor
-        .call_method0(intern!(py, "is_contiguous"))?
-        .is_truthy()?
-    {
-        tensor = tensor.call_method0(intern!(py, "contiguous"))?;
-    }
+    let tensor = crate::codec::host_contiguous(py, tensor, spec.torch_dtype.bind(py))?;
     let shape: Vec<usize> = tensor.getattr(intern!(py, "shape"))?.extract()?;
     if shape.get(1..) != Some(&spec.shape[..]) {
         return Err(PyValueError::new_err(format!(
@@ -336,36 +324,7 @@ enum Answer {
 }
 
 /// A thread blocked in `infer_blocking`, until its answer is in.
-#[derive(Default)]
-struct ThreadWaiter {
-    answer: Mutex<Option<Answer>>,
-    ready: Condvar,
-}
-
-impl ThreadWaiter {
-    fn set(&self, answer: Answer) {
-        *self.answer.lock().unwrap_or_else(|e| e.into_inner()) = Some(answer);
-        self.ready.notify_one();
-    }
-
-    fn wait_until(&self, until: Instant) -> Option<Answer> {
-        let mut answer = self.answer.lock().unwrap_or_else(|e| e.into_inner());
-        loop {
-            if let Some(done) = answer.take() {
-                return Some(done);
-            }
-            let left = until.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return None;
-            }
-            answer = self
-                .ready
-                .wait_timeout(answer, left)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
-    }
-}
+type ThreadWaiter = crate::threads::Waiter<Answer>;
 
 /// One event loop's answers, posted by the collector and drained on the
 /// loop (its reader callback on `fd`, an eventfd rung once per post).

@@ -27,21 +27,32 @@ use crate::without_gil;
 /// How often a waiting thread comes back for the GIL to see signals (Ctrl-C).
 const SIGNAL_CHECK: Duration = Duration::from_millis(50);
 
-/// One blocked caller's answer, once it is in.
-#[derive(Default)]
-pub(crate) struct Waiter {
-    answer: Mutex<Option<PyResult<Py<PyDict>>>>,
+/// A blocked thread's answer slot: set once by whoever answers, taken by
+/// the thread waiting on it (see [`Waiter::wait_until`]). `T` is what the
+/// answer is: a result built with the GIL (in-process callers), or plain
+/// data from a collector that never takes it (shared-memory clients).
+pub(crate) struct Waiter<T = PyResult<Py<PyDict>>> {
+    answer: Mutex<Option<T>>,
     ready: Condvar,
 }
 
-impl Waiter {
-    fn set(&self, answer: PyResult<Py<PyDict>>) {
+impl<T> Default for Waiter<T> {
+    fn default() -> Self {
+        Waiter {
+            answer: Mutex::new(None),
+            ready: Condvar::new(),
+        }
+    }
+}
+
+impl<T> Waiter<T> {
+    pub(crate) fn set(&self, answer: T) {
         *self.answer.lock().unwrap_or_else(|e| e.into_inner()) = Some(answer);
         self.ready.notify_one();
     }
 
     /// Waits (call without the GIL) until the answer is in or `until`.
-    fn wait_until(&self, until: Instant) -> Option<PyResult<Py<PyDict>>> {
+    pub(crate) fn wait_until(&self, until: Instant) -> Option<T> {
         let mut answer = self.answer.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             if let Some(done) = answer.take() {
