@@ -457,6 +457,7 @@ class Server:
             priority_levels=self.priority_levels,
             default_priority=self.default_priority,
             max_priority_wait=self.max_priority_wait,
+            keep_parameters=self.with_requests,  # others never carry a request's parameters
         )
         self._token = anyio.lowlevel.current_token()
         # torch's intra-op thread count is per OpenMP thread once set: pin each

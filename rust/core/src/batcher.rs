@@ -112,6 +112,9 @@ pub struct Batcher {
     workers: usize,
     /// Priority level of requests that name none (0-based lane).
     default_lane: u8,
+    /// Requests keep their parameters for the model (it asked for them);
+    /// otherwise they are dropped at submit and never travel with a batch.
+    keep_parameters: bool,
     next_id: AtomicU64,
     stats: Stats,
     max_batch_elements: Option<usize>,
@@ -163,6 +166,7 @@ impl Batcher {
                 config.priorities,
             ),
             default_lane,
+            keep_parameters: false,
             rule: config.rule,
             last_rows: AtomicUsize::new(1),
             ring: Arc::new(ring),
@@ -197,6 +201,18 @@ impl Batcher {
     }
 
     /// Priority level (1: most urgent) of requests that name none.
+    /// This batcher, keeping each request's parameters for the model
+    /// (`Batch::requests`) when `keep` (the model asked for them).
+    pub fn keeping_parameters(mut self, keep: bool) -> Batcher {
+        self.keep_parameters = keep;
+        self
+    }
+
+    /// Whether requests keep their parameters (see [`Batcher::keeping_parameters`]).
+    pub fn keeps_parameters(&self) -> bool {
+        self.keep_parameters
+    }
+
     pub fn default_priority(&self) -> u32 {
         u32::from(self.default_lane) + 1
     }
@@ -384,7 +400,7 @@ impl Batcher {
             .and_then(|t| Instant::now().checked_add(t));
         let request = Request::new(id, sink, rows as u32, inputs, deadline)
             .in_lane(lane)
-            .with_parameters(submission.parameters);
+            .with_parameters(submission.parameters.filter(|_| self.keep_parameters));
         let request = Arc::new(request);
         register(&request);
         // A refused request was never seen by anyone: it is dropped here.
@@ -676,9 +692,10 @@ mod tests {
     }
 
     fn fixture(max: usize, delay: Duration, min: usize, queue: usize, workers: usize) -> Fixture {
-        fixture_with(max, delay, min, queue, workers, Priorities::NONE)
+        build(max, delay, min, queue, workers, Priorities::NONE, false)
     }
 
+    /// A batcher with `priorities` that keeps request parameters.
     fn fixture_with(
         max: usize,
         delay: Duration,
@@ -686,6 +703,18 @@ mod tests {
         queue: usize,
         workers: usize,
         priorities: Priorities,
+    ) -> Fixture {
+        build(max, delay, min, queue, workers, priorities, true)
+    }
+
+    fn build(
+        max: usize,
+        delay: Duration,
+        min: usize,
+        queue: usize,
+        workers: usize,
+        priorities: Priorities,
+        keep_parameters: bool,
     ) -> Fixture {
         let mut store: Vec<Vec<u8>> = (0..workers + 1).map(|_| vec![0u8; max * ROW]).collect();
         let slots = store
@@ -708,7 +737,11 @@ mod tests {
             default_priority: None,
         };
         Fixture {
-            batcher: Arc::new(Batcher::new(config, slots).unwrap()),
+            batcher: Arc::new(
+                Batcher::new(config, slots)
+                    .unwrap()
+                    .keeping_parameters(keep_parameters),
+            ),
             _slots: store,
         }
     }
@@ -758,6 +791,19 @@ mod tests {
         let second = f.batcher.next_batch(&mut w).unwrap();
         assert_eq!(ids(&second), vec![mid.id, low.id]);
         assert_eq!(f.batcher.queue_lens(), vec![0, 0, 0]);
+    }
+
+    #[test]
+    fn parameters_travel_only_to_a_model_that_keeps_them() {
+        let keeping = fixture_with(2, Duration::ZERO, 1, 100, 1, Priorities::NONE);
+        let kept = submit_at(&keeping.batcher, Some(1)).unwrap();
+        assert_eq!(kept.parameters.as_deref(), Some("{\"p\": 1}"));
+        let plain = fixture(2, Duration::ZERO, 1, 100, 1); // not keeping
+        let dropped = submit_at(&plain.batcher, Some(1)).unwrap();
+        assert_eq!(
+            dropped.parameters, None,
+            "dropped at submit: nothing to carry"
+        );
     }
 
     #[test]

@@ -114,6 +114,7 @@ struct Lane {
     capacity: usize,
     /// Request messages the channel may hold, withdrawn ones included.
     room: usize,
+    /// Live requests of this lane (kept only with several lanes: one lane's is the total).
     waiting: AtomicUsize,
     in_channel: AtomicUsize,
 }
@@ -260,7 +261,8 @@ impl RequestQueue {
             self.waiting.fetch_sub(1, Ordering::AcqRel);
             return Err(self.full(request));
         }
-        if lane.waiting.fetch_add(1, Ordering::AcqRel) >= lane.capacity {
+        let several = self.lanes.len() > 1; // one lane: its count is the total
+        if several && lane.waiting.fetch_add(1, Ordering::AcqRel) >= lane.capacity {
             lane.waiting.fetch_sub(1, Ordering::AcqRel);
             self.waiting.fetch_sub(1, Ordering::AcqRel);
             return Err(self.full(request));
@@ -268,7 +270,9 @@ impl RequestQueue {
         if lane.in_channel.fetch_add(1, Ordering::AcqRel) >= lane.room {
             // Full of withdrawn requests no worker has popped yet (a stuck model).
             lane.in_channel.fetch_sub(1, Ordering::AcqRel);
-            lane.waiting.fetch_sub(1, Ordering::AcqRel);
+            if several {
+                lane.waiting.fetch_sub(1, Ordering::AcqRel);
+            }
             self.waiting.fetch_sub(1, Ordering::AcqRel);
             return Err(self.full(request));
         }
@@ -449,8 +453,10 @@ impl RequestQueue {
     /// Records that one pushed request left the queued state (taken or withdrawn).
     /// Call exactly once per request, by whoever won its transition.
     pub fn left(&self, request: &Request) {
-        if let Some(lane) = self.lanes.get(usize::from(request.lane)) {
-            lane.waiting.fetch_sub(1, Ordering::AcqRel);
+        if self.lanes.len() > 1 {
+            if let Some(lane) = self.lanes.get(usize::from(request.lane)) {
+                lane.waiting.fetch_sub(1, Ordering::AcqRel);
+            }
         }
         self.waiting.fetch_sub(1, Ordering::AcqRel);
     }
@@ -476,6 +482,9 @@ impl RequestQueue {
 
     /// Live requests waiting at each priority level, most urgent first.
     pub fn lane_lens(&self) -> Vec<usize> {
+        if self.lanes.len() == 1 {
+            return vec![self.len()];
+        }
         self.lanes
             .iter()
             .map(|l| l.waiting.load(Ordering::Acquire))

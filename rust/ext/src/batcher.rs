@@ -40,7 +40,7 @@ impl Batcher {
         inputs, slots, *, tensor_type, coerce, max_batch_size, max_delay,
         min_batch_size, preferred_batch_sizes, max_queue_size, workers, adaptive=false,
         layouts=Vec::new(), max_batch_elements=None, padded_dims=Vec::new(),
-        priority_levels=0, default_priority=None, max_priority_wait=None,
+        priority_levels=0, default_priority=None, max_priority_wait=None, keep_parameters=false,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -62,6 +62,7 @@ impl Batcher {
         priority_levels: u8,
         default_priority: Option<u32>,
         max_priority_wait: Option<f64>,
+        keep_parameters: bool,
     ) -> PyResult<Batcher> {
         if !layouts.is_empty() && layouts.len() != inputs.len() {
             return Err(PyValueError::new_err(format!(
@@ -210,7 +211,9 @@ impl Batcher {
             priorities,
             default_priority,
         };
-        let core = core::Batcher::new(config, slot_buffers).map_err(|e| to_pyerr(py, e))?;
+        let core = core::Batcher::new(config, slot_buffers)
+            .map_err(|e| to_pyerr(py, e))?
+            .keeping_parameters(keep_parameters);
         Ok(Batcher {
             core: Arc::new(core),
             converter: Converter {

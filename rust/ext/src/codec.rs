@@ -753,7 +753,10 @@ impl V2Codec {
             id: request.id,
             timeout: request.timeout,
             priority: request.priority,
-            parameters: request.parameters,
+            parameters: request
+                .parameters
+                .and_then(|span| body.as_bytes().get(span))
+                .map(|text| String::from_utf8_lossy(text).into_owned()),
             inputs: inputs.unbind(),
             bf16,
             selected,

@@ -335,7 +335,12 @@ fn submit(
     let meta = RequestMeta {
         timeout,
         priority: priority(&request.parameters)?,
-        parameters: crate::model::with_headers(parameters_json(&request.parameters), forwarded)?,
+        // Only a model that asks for parameters gets them: others convert nothing.
+        parameters: if model.replies().batcher().keeps_parameters() {
+            crate::model::with_headers(parameters_json(&request.parameters), forwarded)?
+        } else {
+            None
+        },
     };
     model.enqueue(
         &tensors,

@@ -161,6 +161,17 @@ impl ServedModel {
                 bytes,
             })
             .collect();
+        // Only a model that asks for parameters gets them: others copy nothing.
+        let parameters = if self.replies.batcher().keeps_parameters() {
+            let text = request
+                .parameters
+                .take()
+                .and_then(|span| body.get(span))
+                .map(|text| String::from_utf8_lossy(text).into_owned());
+            with_headers(text, forwarded)?
+        } else {
+            None
+        };
         let owners = InputOwners {
             shared: vec![body],
             decoded,
@@ -168,7 +179,7 @@ impl ServedModel {
         let meta = RequestMeta {
             timeout: request.timeout,
             priority: request.priority,
-            parameters: with_headers(request.parameters.take(), forwarded)?,
+            parameters,
         };
         self.enqueue(&tensors, owners, meta, plan)
     }

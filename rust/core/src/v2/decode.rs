@@ -22,9 +22,10 @@ pub struct InferRequest {
     pub binary_data_output: bool,
     /// The `priority` parameter (1: most urgent; 0 or absent: the default).
     pub priority: Option<u32>,
-    /// The request's `parameters` object, as its JSON text (all of it,
-    /// `timeout` and `priority` included), for models that ask for them.
-    pub parameters: Option<String>,
+    /// Where the request's `parameters` object lies in the body (its JSON
+    /// text, `timeout` and `priority` included), for models that ask for
+    /// them: a range, so a request whose model does not ask copies nothing.
+    pub parameters: Option<Range<usize>>,
     /// The inputs, in the request's order.
     pub inputs: Vec<Input>,
     /// The outputs the request names (`None`: all, binary as
@@ -244,7 +245,7 @@ impl<'a> Decoder<'a, '_> {
                     let start = self.p.offset();
                     if self.object_or_null(error)? {
                         self.request_parameters(&mut timeout, &mut priority, &mut binary_default)?;
-                        parameters = Some(self.text(start..self.p.offset()).to_owned());
+                        parameters = Some(start..self.p.offset());
                     }
                 }
                 "inputs" => {
