@@ -301,6 +301,8 @@ class SharedServer:
     @property
     def reclaimed(self) -> int: ...
     def clients(self) -> list[tuple[int, int]]: ...
+    @property
+    def faults(self) -> int: ...
 
 @final
 class SharedClient:
@@ -317,6 +319,7 @@ class SharedClient:
         tensor_type: type[torch.Tensor],
         coerce: Callable[[Any, int, bool], Any],
         empty: Callable[..., torch.Tensor],
+        owner: int | None = None,
     ) -> SharedClient: ...
     def submit(
         self,
@@ -343,5 +346,6 @@ class SharedDrain:
 
     def drain(self) -> None: ...
 
-def shared_meta(name: str) -> str:
-    """The metadata (JSON) of the segment ``name``, after checking its version."""
+def shared_meta(name: str, owner: int | None = None) -> str:
+    """The metadata (JSON) of the segment ``name``, after checking its owner
+    (``owner``'s uid, or this user's) and its version."""

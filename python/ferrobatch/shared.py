@@ -77,6 +77,13 @@ class Shared:
         """Client slots reclaimed so far (clients that closed or died)."""
         return self._core.reclaimed
 
+    @property
+    def faults(self) -> int:
+        """Faults survived so far: resets of a request ring a client process
+        corrupted, and clients closed for writing what the protocol never
+        writes into their slot (each is logged on the ``ferrobatch`` logger)."""
+        return self._core.faults
+
     def _stop_accepting(self) -> None:
         self._core.stop_accepting()
 
@@ -152,15 +159,35 @@ def _close_all() -> None:
 atexit.register(_close_all)
 
 
-def connect(name: str, timeout: float = 5.0) -> SharedClient:
+def connect(name: str, timeout: float = 5.0, *, owner: int | str | None = None) -> SharedClient:
     """A client of the server shared as ``name`` (``server.share(name)``), in
     this process: the methods and errors of ``server.client()``, plus
     :meth:`SharedClient.close`. Waits up to ``timeout`` seconds for the
     server to share the name; then raises :class:`ServerClosedError`. A
     segment of another ferrobatch version raises :class:`FerrobatchError`
     naming both versions.
+
+    Only a segment owned by this user is trusted: whoever owns it reads
+    every request and writes every answer, so one of another user (who may
+    have taken the name first) raises :class:`FerrobatchError` naming its
+    owner, unless ``owner`` names that user (a uid or a user name).
     """
-    return SharedClient(name, timeout)
+    return SharedClient(name, timeout, owner=owner)
+
+
+def _uid(owner: int | str | None) -> int | None:
+    if owner is None or isinstance(owner, int):
+        return owner
+    import pwd
+
+    try:
+        return pwd.getpwnam(owner).pw_uid
+    except KeyError:
+        raise ValueError(f"owner: no user named {owner!r}") from None
+
+
+def _reconnect(name: str, timeout: float, owner: int | str | None) -> SharedClient:
+    return SharedClient(name, timeout, owner=owner)
 
 
 class SharedClient:
@@ -174,9 +201,11 @@ class SharedClient:
     ``close()`` (or ``with``) to give its slot back; at exit it is closed.
     """
 
-    def __init__(self, name: str, timeout: float = 5.0) -> None:
+    def __init__(self, name: str, timeout: float = 5.0, *, owner: int | str | None = None) -> None:
         self.name = name
         self._timeout = timeout
+        self._owner = owner
+        self._owner_uid = _uid(owner)
         self._core: _core.SharedClient | None = None
         self._generation = -1
         self._lock = threading.Lock()
@@ -209,7 +238,7 @@ class SharedClient:
             return self._core
 
     def _open(self) -> _core.SharedClient:
-        meta = json.loads(_core.shared_meta(self.name))
+        meta = json.loads(_core.shared_meta(self.name, self._owner_uid))
         self.model = str(meta["model"])
         self.max_batch_size = int(meta["max_batch_size"])
         self.inputs = tuple(TensorSpec(n, d, tuple(s)) for n, d, s in meta["inputs"])
@@ -224,6 +253,7 @@ class SharedClient:
             tensor_type=torch.Tensor,
             coerce=make_coerce(self.inputs),
             empty=torch.empty,
+            owner=self._owner_uid,
         )
 
     def _live_core(self) -> _core.SharedClient:
@@ -310,8 +340,8 @@ class SharedClient:
     ) -> None:
         self.close()
 
-    def __reduce__(self) -> tuple[Any, tuple[str, float]]:
-        return (SharedClient, (self.name, self._timeout))
+    def __reduce__(self) -> tuple[Any, tuple[str, float, int | str | None]]:
+        return (_reconnect, (self.name, self._timeout, self._owner))
 
     def __repr__(self) -> str:
         return f"SharedClient(name={self.name!r}, model={self.model!r})"

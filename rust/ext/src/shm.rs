@@ -51,7 +51,9 @@ fn shm_error(py: Python<'_>, err: ShmError) -> PyErr {
         }
         ShmError::Full(_) => ferrobatch_error(py, "QueueFullError", message),
         ShmError::Invalid(_) => invalid_input(py, message),
-        ShmError::Version(_) => ferrobatch_error(py, "FerrobatchError", message),
+        ShmError::Version(_) | ShmError::Owner(_) => {
+            ferrobatch_error(py, "FerrobatchError", message)
+        }
         ShmError::Config(_) => PyValueError::new_err(message),
         ShmError::Io(..) => PyOSError::new_err(message),
     }
@@ -271,6 +273,7 @@ impl SharedServer {
                 core,
                 in_rows,
                 out_rows,
+                Box::new(log_warning),
             )
             .map_err(|e| ShmError::Io("cannot start the shared-memory thread".into(), e))?;
             Ok((server, replaced))
@@ -312,6 +315,24 @@ impl SharedServer {
     fn clients(&self) -> Vec<(u32, u32)> {
         self.server.clients()
     }
+
+    /// Faults handled so far: resets of a corrupt request ring, clients
+    /// closed for malformed memory (each logged when it happens).
+    #[getter]
+    fn faults(&self) -> u64 {
+        self.server.faults()
+    }
+}
+
+/// A line on the `ferrobatch` logger, from any thread (none once the
+/// interpreter is finalizing).
+fn log_warning(message: &str) {
+    let _ = Python::try_attach(|py| -> PyResult<()> {
+        py.import("logging")?
+            .call_method1("getLogger", ("ferrobatch",))?
+            .call_method1("warning", ("ferrobatch: %s", message))?;
+        Ok(())
+    });
 }
 
 // -- client -------------------------------------------------------------------
@@ -361,7 +382,6 @@ enum Target {
 
 struct Waiting {
     tag: u32,
-    rows: u32,
     batched: bool,
     target: Target,
 }
@@ -425,17 +445,22 @@ impl ClientInner {
         while !self.stop.load(Ordering::Acquire) {
             self.core.wait(POLL);
             self.core.retry_withdrawals();
-            self.core.collect(&mut done);
-            let gone = if checked.elapsed() >= POLL || !done.is_empty() {
+            let sound = self.core.collect(&mut done).is_ok();
+            let gone = if !sound {
+                Some(ServerGone::Evicted)
+            } else if checked.elapsed() >= POLL || !done.is_empty() {
                 checked = Instant::now();
                 self.core.server_gone()
             } else {
                 None
             };
-            let over = matches!(gone, Some(ServerGone::Stopped | ServerGone::Died));
-            if over {
+            let over = matches!(
+                gone,
+                Some(ServerGone::Stopped | ServerGone::Died | ServerGone::Evicted)
+            );
+            if over && sound {
                 // What the server answered before it stopped, first.
-                self.core.collect(&mut done);
+                let _ = self.core.collect(&mut done);
             }
             for d in done.drain(..) {
                 match self.take(d.cell, d.tag) {
@@ -675,7 +700,6 @@ impl ClientInner {
             cell,
             Waiting {
                 tag,
-                rows,
                 batched,
                 target,
             },
@@ -687,7 +711,7 @@ impl ClientInner {
     /// request withdrawn. None if it was answered first.
     fn abandon(&self, cell: u32, tag: u32, why: Withdraw) -> Option<Waiting> {
         let waiting = self.take(cell, tag)?;
-        self.core.withdraw(cell, tag, waiting.rows, why);
+        self.core.withdraw(cell, tag, why);
         Some(waiting)
     }
 
@@ -746,12 +770,13 @@ fn unkey(key: u64) -> (u32, u32) {
     (key as u32, (key >> 32) as u32)
 }
 
-/// The segment's metadata (JSON), after checking its version: what
-/// `connect` builds the client's specs from.
+/// The segment's metadata (JSON), after checking its owner (`owner`, or
+/// this user) and version: what `connect` builds the client's specs from.
 #[pyfunction]
-pub fn shared_meta(py: Python<'_>, name: &str) -> PyResult<String> {
+#[pyo3(signature = (name, owner=None))]
+pub fn shared_meta(py: Python<'_>, name: &str, owner: Option<u32>) -> PyResult<String> {
     let name = name.to_owned();
-    let meta = without_gil(py, move || Segment::open(&name).map(|s| s.meta()))
+    let meta = without_gil(py, move || Segment::open(&name, owner).map(|s| s.meta()))
         .map_err(|e| shm_error(py, e))?;
     String::from_utf8(meta)
         .map_err(|_| PyValueError::new_err("the segment's metadata is not UTF-8"))
@@ -768,7 +793,7 @@ impl SharedClient {
     /// Connects to the segment `name`: `inputs` / `outputs` as `(name,
     /// dtype, shape, torch dtype)`, read from its metadata.
     #[new]
-    #[pyo3(signature = (name, inputs, outputs, *, model_name, max_batch_size, tensor_type, coerce, empty))]
+    #[pyo3(signature = (name, inputs, outputs, *, model_name, max_batch_size, tensor_type, coerce, empty, owner=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -780,6 +805,7 @@ impl SharedClient {
         tensor_type: Py<PyType>,
         coerce: Py<PyAny>,
         empty: Py<PyAny>,
+        owner: Option<u32>,
     ) -> PyResult<SharedClient> {
         let mut specs = Vec::with_capacity(inputs.len());
         for (input, dtype, shape, torch_dtype) in inputs {
@@ -802,7 +828,7 @@ impl SharedClient {
         let out_rows: Vec<usize> = outputs.iter().map(|o| o.row_nbytes).collect();
         let name = name.to_owned();
         let core = without_gil(py, move || {
-            let segment = Arc::new(Segment::open(&name)?);
+            let segment = Arc::new(Segment::open(&name, owner)?);
             ClientCore::connect(segment, in_rows, out_rows)
         })
         .map_err(|e| shm_error(py, e))?;

@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use super::segment::word;
 use super::{
-    client_state, code, current_pid, notify, pid_alive, server_state, sleep_unless, state, Arena,
-    Descriptor, Segment, ShmError, Withdraw, SPIN,
+    client_state, code, current_pid, notify, server_state, sleep_unless, state, Arena, Corrupt,
+    Descriptor, Peer, PushError, Segment, ShmError, Withdraw, SPIN,
 };
 
 /// A finished request, read from its entry (its outputs still in its cells
@@ -35,6 +35,43 @@ pub enum ServerGone {
     Stopped,
     /// Its process is gone.
     Died,
+    /// It closed this client's slot: it found words there the protocol
+    /// never writes, or took this process for dead.
+    Evicted,
+}
+
+/// This process's own record of its cells: which are used, and the tag
+/// and rows of each request in flight (by its first cell). The segment's
+/// copies are for the server; what a completion names is checked here.
+#[derive(Debug)]
+struct Cells {
+    arena: Arena,
+    /// `(tag, rows)` per first cell; rows 0: no request starts there.
+    requests: Vec<(u32, u32)>,
+}
+
+impl Cells {
+    fn alloc(&mut self, rows: u32, tag: u32) -> Option<u32> {
+        let cell = self.arena.alloc(rows as usize)?;
+        self.requests[cell] = (tag, rows);
+        Some(cell as u32)
+    }
+
+    /// The rows of request `(cell, tag)`, if it is in flight.
+    fn rows(&self, cell: u32, tag: u32) -> Option<u32> {
+        match self.requests.get(cell as usize) {
+            Some(&(t, rows)) if t == tag && rows > 0 => Some(rows),
+            _ => None,
+        }
+    }
+
+    /// Frees request `(cell, tag)`'s cells (nothing if it is not in flight).
+    fn free(&mut self, cell: u32, tag: u32) {
+        if let Some(rows) = self.rows(cell, tag) {
+            self.requests[cell as usize] = (0, 0);
+            self.arena.free(cell as usize, rows as usize);
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -43,9 +80,11 @@ pub struct ClientCore {
     slot: u32,
     /// The process that claimed the slot: a forked child is not it.
     pid: u32,
+    /// The server's process.
+    server: Peer,
     in_rows: Vec<usize>,
     out_rows: Vec<usize>,
-    arena: Mutex<Arena>,
+    cells: Mutex<Cells>,
     /// Withdrawals the ring had no room for, retried by `retry_withdrawals`.
     withdrawals: Mutex<Vec<u64>>,
     closed: AtomicBool,
@@ -75,13 +114,14 @@ impl ClientCore {
             }
             _ => return Err(ShmError::Closed("the server is stopping".into())),
         }
-        if !pid_alive(segment.server_pid()) {
+        let server = segment.server();
+        if !server.is_alive() {
             return Err(ShmError::Closed(format!(
                 "the server (pid {}) is gone",
-                segment.server_pid()
+                server.pid()
             )));
         }
-        let pid = current_pid();
+        let (pid, start) = Peer::me();
         for slot in 0..config.clients {
             let claimed = segment.client_status(slot).compare_exchange(
                 client_state::FREE,
@@ -90,9 +130,16 @@ impl ClientCore {
                 Ordering::Acquire,
             );
             if claimed.is_ok() {
+                segment
+                    .client_owner_start(slot)
+                    .store(start, Ordering::Release);
                 segment.client_owner(slot).store(pid, Ordering::Release);
                 return Ok(ClientCore {
-                    arena: Mutex::new(Arena::new(config.cells as usize)),
+                    server,
+                    cells: Mutex::new(Cells {
+                        arena: Arena::new(config.cells as usize),
+                        requests: vec![(0, 0); config.cells as usize],
+                    }),
                     segment,
                     slot,
                     pid,
@@ -117,13 +164,13 @@ impl ClientCore {
         &self.segment
     }
 
-    fn arena(&self) -> MutexGuard<'_, Arena> {
-        self.arena.lock().unwrap_or_else(|e| e.into_inner())
+    fn cells(&self) -> MutexGuard<'_, Cells> {
+        self.cells.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Rows in flight (cells in use).
     pub fn in_flight(&self) -> usize {
-        self.arena().used()
+        self.cells().arena.used()
     }
 
     /// Writes a request of `rows` rows (`inputs[i]`: input `i`'s bytes) into
@@ -155,21 +202,20 @@ impl ClientCore {
                 "input sizes disagree with the request's rows".into(),
             ));
         }
-        let Some(cell) = self.arena().alloc(rows as usize) else {
+        let tag = self
+            .segment
+            .client_next_tag(self.slot)
+            .fetch_add(1, Ordering::Relaxed);
+        let Some(cell) = self.cells().alloc(rows, tag) else {
             return Err(ShmError::Full(format!(
                 "this client has {} rows in flight, all its cells (rows_per_client={})",
                 self.in_flight(),
                 config.cells
             )));
         };
-        let cell = cell as u32;
-        let tag = self
-            .segment
-            .client_next_tag(self.slot)
-            .fetch_add(1, Ordering::Relaxed);
         let entry = self.segment.entry(self.slot, cell);
         let Some(base) = self.segment.inputs(self.slot, cell, rows) else {
-            self.arena().free(cell as usize, rows as usize);
+            self.cells().free(cell, tag);
             return Err(ShmError::Invalid("cells out of range".into()));
         };
         let mut offset = 0;
@@ -194,12 +240,15 @@ impl ClientCore {
             tag,
             withdraw: None,
         };
-        if self.segment.ring().push(descriptor.encode()).is_err() {
+        let pushed = self.segment.ring().push(descriptor.encode());
+        // A corrupt ring lost the descriptor, not the request: the server
+        // resets the ring and its sweep finds the QUEUED entry.
+        if let Err(PushError::Full(_)) = pushed {
             // Never seen by the server: take it back.
             entry
                 .word()
                 .store(word(tag, state::FREE), Ordering::Release);
-            self.arena().free(cell as usize, rows as usize);
+            self.cells().free(cell, tag);
             return Err(ShmError::Full(format!(
                 "the shared request ring is full ({} requests waiting: ring_size)",
                 config.ring_capacity
@@ -210,11 +259,11 @@ impl ClientCore {
         Ok((cell, tag))
     }
 
-    /// Withdraws request `(cell, tag)` of `rows` rows. True: it will never
+    /// Withdraws request `(cell, tag)`. True: it will never
     /// run and its cells are free again. False: the server has it; a
     /// withdrawal is sent, and its answer (its result, or `why`'s code if
     /// the server withdrew it in time) still comes through `collect`.
-    pub fn withdraw(&self, cell: u32, tag: u32, rows: u32, why: Withdraw) -> bool {
+    pub fn withdraw(&self, cell: u32, tag: u32, why: Withdraw) -> bool {
         let entry = self.segment.entry(self.slot, cell);
         let taken_back = entry.word().compare_exchange(
             word(tag, state::QUEUED),
@@ -223,7 +272,7 @@ impl ClientCore {
             Ordering::Acquire,
         );
         if taken_back.is_ok() {
-            self.arena().free(cell as usize, rows as usize);
+            self.cells().free(cell, tag);
             return true;
         }
         let descriptor = Descriptor {
@@ -270,10 +319,13 @@ impl ClientCore {
         sleep_unless(word, sleeping, timeout, spin, || completions.is_empty());
     }
 
-    /// Appends the requests finished since the last call to `out`.
-    pub fn collect(&self, out: &mut Vec<Completed>) {
+    /// Appends the requests finished since the last call to `out`. `Err`:
+    /// this client's completion ring holds words the server never writes
+    /// (its answers can no longer be trusted to arrive).
+    pub fn collect(&self, out: &mut Vec<Completed>) -> Result<(), Corrupt> {
         let completions = self.segment.completions(self.slot);
-        while let Some(cell) = completions.pop() {
+        completions.check()?;
+        while let Some(cell) = completions.pop()? {
             let Ok(cell) = u32::try_from(cell) else {
                 continue;
             };
@@ -282,14 +334,19 @@ impl ClientCore {
             }
             let entry = self.segment.entry(self.slot, cell);
             let w = entry.word().load(Ordering::Acquire);
+            let tag = (w >> 32) as u32;
             if w as u32 != state::DONE {
                 continue;
             }
+            // Only a request of ours, with the rows we sent.
+            let Some(rows) = self.cells().rows(cell, tag) else {
+                continue;
+            };
             let code = entry.code().load(Ordering::Relaxed);
             out.push(Completed {
                 cell,
-                tag: (w >> 32) as u32,
-                rows: entry.rows().load(Ordering::Relaxed),
+                tag,
+                rows,
                 message: if code == code::OK {
                     String::new()
                 } else {
@@ -298,6 +355,7 @@ impl ClientCore {
                 code,
             });
         }
+        Ok(())
     }
 
     /// Output `index`'s bytes of finished request `done` (valid until
@@ -322,7 +380,7 @@ impl ClientCore {
         entry
             .word()
             .store(word(done.tag, state::FREE), Ordering::Release);
-        self.arena().free(done.cell as usize, done.rows as usize);
+        self.cells().free(done.cell, done.tag);
     }
 
     /// Why the server no longer answers, if it does not.
@@ -335,12 +393,20 @@ impl ClientCore {
             server_state::STOPPING => return Some(ServerGone::Stopping),
             _ => {}
         }
-        if !pid_alive(self.segment.server_pid()) {
+        if !self.server.is_alive() {
+            // Nobody else removes what a killed server left behind.
+            self.segment.unlink();
             return Some(ServerGone::Died);
         }
-        // Our slot was reclaimed: the server thought this process dead.
-        if self.segment.client_owner(self.slot).load(Ordering::Acquire) != self.pid {
-            return Some(ServerGone::Died);
+        // The server closed or reclaimed our slot.
+        if self.segment.client_owner(self.slot).load(Ordering::Acquire) != self.pid
+            || self
+                .segment
+                .client_status(self.slot)
+                .load(Ordering::Acquire)
+                != client_state::ACTIVE
+        {
+            return Some(ServerGone::Evicted);
         }
         None
     }
@@ -374,6 +440,10 @@ impl std::fmt::Display for ServerGone {
             ServerGone::Stopping => "the shared server is stopping",
             ServerGone::Stopped => "the shared server stopped",
             ServerGone::Died => "the shared server's process is gone",
+            ServerGone::Evicted => {
+                "the shared server closed this client: its slot held words the protocol never \
+                 writes, or its process was taken for dead"
+            }
         })
     }
 }

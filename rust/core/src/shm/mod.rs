@@ -42,12 +42,28 @@
 //! futex word (an event count: the sleeper says it sleeps, re-checks its
 //! ring, then waits for the word to change; the waker bumps the word and
 //! wakes only when someone sleeps), always with a timeout, so a dead peer is
-//! noticed: a client checks the server's pid and state, the server each
-//! client's. A batch wakes each client process once, whatever its number of
+//! noticed: a client watches the server's process and state, the server
+//! each client's ([`Peer`]: a pidfd, never `kill(pid, 0)`, which a zombie
+//! passes). A batch wakes each client process once, whatever its number of
 //! requests in the batch.
+//!
+//! # Hostile memory
+//!
+//! Every process that may write the segment may write anything anywhere
+//! in it. The server validates each word it reads before use (a
+//! descriptor's client and cell, a request's rows, a slot's state), keeps
+//! its own state in its own memory, and bounds every loop over shared
+//! words ([`Ring`]). A client's malformed slot or completion ring fails
+//! that client alone (its slot is closed and reclaimed, logged once); a
+//! malformed request ring, which every client shares, is reset, and the
+//! requests whose descriptors it lost are found by the server's sweep of
+//! the entries (each `QUEUED` entry is accepted by one compare-and-swap,
+//! whichever finds it first). Clients connect only to a segment owned by
+//! their own user unless told to trust another.
 
 mod arena;
 mod client;
+mod liveness;
 #[cfg(all(test, not(miri), not(loom)))]
 mod protocol_tests;
 mod ring;
@@ -56,9 +72,10 @@ mod server;
 
 pub use arena::Arena;
 pub use client::{ClientCore, Completed, ServerGone};
-pub use ring::Ring;
-pub use segment::{Entry, Layout, Segment, SegmentConfig};
-pub use server::{Delivery, SharedServer};
+pub use liveness::{start_time, Peer};
+pub use ring::{Corrupt, PushError, Ring};
+pub use segment::{current_uid, Entry, Layout, Segment, SegmentConfig};
+pub use server::{Delivery, OnFault, SharedServer};
 
 use std::fmt;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -67,7 +84,7 @@ use std::time::Duration;
 /// "FERROSHM", little-endian: the first word of every segment.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"FERROSHM");
 /// Bumped whenever the layout or the protocol changes.
-pub const LAYOUT_VERSION: u32 = 1;
+pub const LAYOUT_VERSION: u32 = 2;
 /// The version of ferrobatch that made a segment, checked by clients too.
 pub const CRATE_VERSION: &str = env!("CARGO_PKG_VERSION");
 
@@ -188,6 +205,8 @@ pub enum ShmError {
     Invalid(String),
     /// The name is in use by a live server, or a bad name / size.
     Config(String),
+    /// The segment belongs to a user the client was not told to trust.
+    Owner(String),
     Io(String, std::io::Error),
 }
 
@@ -199,27 +218,14 @@ impl fmt::Display for ShmError {
             | ShmError::Closed(m)
             | ShmError::Full(m)
             | ShmError::Invalid(m)
-            | ShmError::Config(m) => f.write_str(m),
+            | ShmError::Config(m)
+            | ShmError::Owner(m) => f.write_str(m),
             ShmError::Io(what, e) => write!(f, "{what}: {e}"),
         }
     }
 }
 
 impl std::error::Error for ShmError {}
-
-/// True if process `pid` exists (it may be a zombie: dead for our purpose
-/// only once reaped, which is what its parent does).
-pub fn pid_alive(pid: u32) -> bool {
-    if pid == 0 {
-        return false;
-    }
-    let Ok(pid) = i32::try_from(pid) else {
-        return false;
-    };
-    // SAFETY: kill with signal 0 sends nothing; it only checks the pid.
-    let r = unsafe { libc::kill(pid, 0) };
-    r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
-}
 
 /// This process's id.
 pub fn current_pid() -> u32 {
@@ -352,13 +358,5 @@ mod tests {
         ] {
             assert_eq!(Descriptor::decode(d.encode()), d);
         }
-    }
-
-    #[test]
-    fn a_dead_pid_is_not_alive() {
-        assert!(pid_alive(current_pid()));
-        assert!(!pid_alive(0));
-        // Beyond pid_max (at most 2^22 on Linux).
-        assert!(!pid_alive(1 << 30));
     }
 }

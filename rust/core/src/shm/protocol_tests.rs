@@ -14,6 +14,7 @@ const MAX: usize = 16;
 
 struct Fixture {
     name: String,
+    faults: Arc<Mutex<Vec<String>>>,
     batcher: Arc<Batcher>,
     server: Arc<SharedServer>,
     slots: Arc<Vec<Mutex<Vec<u8>>>>,
@@ -52,10 +53,20 @@ fn fixture(test: &str, clients: u32, cells: u32, ring: u32) -> Fixture {
         meta_len: 0,
     };
     let (segment, _) = Segment::create(&name, segment, b"{}", 0o600).unwrap();
-    let server =
-        SharedServer::start(Arc::new(segment), batcher.clone(), vec![ROW], vec![ROW]).unwrap();
+    let faults = Arc::new(Mutex::new(Vec::new()));
+    let log = faults.clone();
+    let on_fault: OnFault = Box::new(move |m: &str| log.lock().unwrap().push(m.to_string()));
+    let server = SharedServer::start(
+        Arc::new(segment),
+        batcher.clone(),
+        vec![ROW],
+        vec![ROW],
+        on_fault,
+    )
+    .unwrap();
     Fixture {
         name,
+        faults,
         batcher,
         server,
         slots,
@@ -92,7 +103,7 @@ fn spawn_worker(f: &Fixture) -> std::thread::JoinHandle<()> {
 }
 
 fn connect(f: &Fixture) -> ClientCore {
-    let segment = Arc::new(Segment::open(&f.name).unwrap());
+    let segment = Arc::new(Segment::open(&f.name, None).unwrap());
     ClientCore::connect(segment, vec![ROW], vec![ROW]).unwrap()
 }
 
@@ -107,7 +118,7 @@ fn collect(client: &ClientCore, n: usize) -> Vec<Completed> {
             done.len()
         );
         client.wait(Duration::from_millis(20));
-        client.collect(&mut done);
+        client.collect(&mut done).unwrap();
     }
     done
 }
@@ -138,7 +149,7 @@ fn every_request_gets_its_own_rows_back() {
                                 // other clients), are full: take what came.
                                 let mut done = Vec::new();
                                 client.wait(Duration::from_millis(1));
-                                client.collect(&mut done);
+                                client.collect(&mut done).unwrap();
                                 for done in done {
                                     check(client, &mut sent, &done);
                                 }
@@ -182,7 +193,7 @@ fn a_queued_request_is_withdrawn_and_never_run() {
     // Withdrawn before the server took it off the ring, or after: either
     // way it never runs and its cells come back.
     let (cell, tag) = client.submit(&[&bytes], 1, None).unwrap();
-    if !client.withdraw(cell, tag, 1, Withdraw::Cancelled) {
+    if !client.withdraw(cell, tag, Withdraw::Cancelled) {
         let done = collect(&client, 1);
         assert_eq!(done[0].code, code::CANCELLED);
         client.release(&done[0]);
@@ -205,7 +216,7 @@ fn full_cells_and_full_ring_refuse_at_once() {
     let err = client.submit(&[&bytes[..ROW]], 1, None).unwrap_err();
     assert!(matches!(err, ShmError::Full(_)), "{err}");
     let err = ClientCore::connect(
-        Arc::new(Segment::open(&f.name).unwrap()),
+        Arc::new(Segment::open(&f.name, None).unwrap()),
         vec![ROW],
         vec![ROW],
     )
@@ -238,7 +249,7 @@ fn a_dead_clients_slot_and_requests_are_reclaimed() {
         0,
         "its queued requests were withdrawn"
     );
-    assert_eq!(client.server_gone(), Some(ServerGone::Died));
+    assert_eq!(client.server_gone(), Some(ServerGone::Evicted));
     // The slot serves a new client.
     let again = connect(&f);
     assert_eq!(again.slot(), 0);
@@ -263,5 +274,149 @@ fn stop_answers_what_is_pending_with_server_closed() {
         client.submit(&[&[0u8; ROW]], 1, None),
         Err(ShmError::Closed(_))
     ));
-    assert!(matches!(Segment::open(&f.name), Err(ShmError::NotFound(_))));
+    assert!(matches!(
+        Segment::open(&f.name, None),
+        Err(ShmError::NotFound(_))
+    ));
+}
+
+fn until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Sends `n` one-row requests, four at a time, and checks every answer.
+fn round_trips(client: &ClientCore, n: u8) {
+    for first in (0..n).step_by(4) {
+        let mut sent = HashMap::new();
+        let last = n.min(first + 4);
+        for i in first..last {
+            let bytes = vec![i; ROW];
+            sent.insert(client.submit(&[&bytes], 1, None).unwrap(), bytes);
+        }
+        for done in collect(client, usize::from(last - first)) {
+            check(client, &mut sent, &done);
+        }
+    }
+}
+
+/// Issue: one 8-byte write into a client's own completion ring made the
+/// model's worker spin forever, for every client of the model.
+#[test]
+fn a_client_that_scribbles_its_completion_ring_is_closed_alone() {
+    let f = fixture("scribble-completions", 4, 16, 64);
+    let worker = spawn_worker(&f);
+    let (bad, good) = (connect(&f), connect(&f));
+    // Slot 0's sequence (word 16) ahead of the ring's tail.
+    f.server.segment().completions(bad.slot()).scribble(16, 5);
+    bad.submit(&[&[1u8; ROW]], 1, None).unwrap();
+    until("the scribbler is evicted", || bad.server_gone().is_some());
+    assert_eq!(bad.server_gone(), Some(ServerGone::Evicted));
+    round_trips(&good, 20);
+    until("its slot is reclaimed", || f.server.reclaimed() == 1);
+    assert_eq!(f.server.faults(), 1);
+    let faults = f.faults.lock().unwrap().clone();
+    assert_eq!(faults.len(), 1, "logged once: {faults:?}");
+    assert!(faults[0].contains("completion ring"), "{faults:?}");
+    f.server.close("stopped");
+    f.batcher.close();
+    worker.join().unwrap();
+}
+
+/// Issue: a request ring whose head sequence is ahead, or whose head is
+/// huge, spun the server's thread and every client's push forever, and
+/// the server could not stop.
+#[test]
+fn a_corrupt_request_ring_is_reset_and_loses_no_request() {
+    // The head (word 0), the sequence of the slot at the head (4 requests
+    // went through: slot 4, word 16 + 2 * 4) and the tail (word 8).
+    for (word, value) in [(0usize, u64::MAX - 3), (24, 77), (8, 1 << 40)] {
+        let f = fixture("scribble-ring", 2, 16, 8);
+        let worker = spawn_worker(&f);
+        let client = connect(&f);
+        round_trips(&client, 4);
+        // The shared ring's words, as a client process could write them.
+        f.server.segment().ring().scribble(word, value);
+        round_trips(&client, 12);
+        assert!(f.server.faults() >= 1, "word {word}: the reset is counted");
+        assert_eq!(f.faults.lock().unwrap().len(), 1, "logged once");
+        let stopped = Instant::now();
+        f.server.close("stopped");
+        assert!(stopped.elapsed() < Duration::from_secs(2));
+        f.batcher.close();
+        worker.join().unwrap();
+    }
+}
+
+/// A producer killed between claiming a position and publishing it left
+/// the ring empty to the server for good.
+#[test]
+fn a_ring_stuck_behind_a_dead_producer_is_reset() {
+    let f = fixture("stuck", 2, 16, 8);
+    let worker = spawn_worker(&f);
+    let client = connect(&f);
+    f.server.segment().ring().scribble(8, 1); // tail 1: position 0 claimed, never published
+    let started = Instant::now();
+    round_trips(&client, 6);
+    assert!(started.elapsed() < Duration::from_secs(3));
+    assert!(f.server.faults() >= 1);
+    f.server.close("stopped");
+    f.batcher.close();
+    worker.join().unwrap();
+}
+
+/// Issue: only ACTIVE-with-a-dead-owner and CLOSING slots were reclaimed,
+/// so garbage in every slot's state locked every client out until restart.
+#[test]
+fn garbage_in_slot_states_is_reclaimed() {
+    let f = fixture("garbage-state", 3, 4, 8);
+    for slot in 0..3 {
+        f.server
+            .segment()
+            .client_status(slot)
+            .store(0xdead_0000 + slot, Ordering::SeqCst);
+    }
+    until("every slot is reclaimed", || f.server.reclaimed() == 3);
+    assert_eq!(f.faults.lock().unwrap().len(), 3, "one line per slot");
+    let worker = spawn_worker(&f);
+    let client = connect(&f);
+    round_trips(&client, 3);
+    f.server.close("stopped");
+    f.batcher.close();
+    worker.join().unwrap();
+}
+
+/// The header's state is for clients: a client writing STOPPING there
+/// does not make the server refuse requests.
+#[test]
+fn a_forged_server_state_does_not_stop_the_server() {
+    let f = fixture("forged-state", 2, 8, 8);
+    let worker = spawn_worker(&f);
+    let client = connect(&f);
+    f.server.segment().set_state(server_state::STOPPING);
+    until("the server writes its state back", || {
+        f.server.segment().state() == server_state::RUNNING
+    });
+    round_trips(&client, 4);
+    f.server.close("stopped");
+    f.batcher.close();
+    worker.join().unwrap();
+}
+
+/// A segment whose file belongs to another user is refused (another user
+/// could have taken the name to read requests and forge answers), unless
+/// the client names that user.
+#[test]
+fn a_segment_of_another_user_is_refused_unless_trusted() {
+    let f = fixture("owner", 1, 4, 8);
+    let me = current_uid();
+    let err = Segment::open(&f.name, Some(me.wrapping_add(1))).unwrap_err();
+    assert!(matches!(err, ShmError::Owner(_)), "{err}");
+    assert!(err.to_string().contains(&format!("uid {me}")), "{err}");
+    assert!(Segment::open(&f.name, Some(me)).is_ok());
+    assert!(Segment::open(&f.name, None).is_ok());
+    f.server.close("stopped");
 }

@@ -12,21 +12,63 @@
 //! lap. Everything is an atomic of the mapping, so processes that map the
 //! same memory share the queue.
 //!
+//! # Memory another process writes
+//!
+//! Any process mapping the segment may write anything into a ring: a bug,
+//! a crash mid-push or a hostile neighbour. Nothing here trusts it: no loop
+//! runs more than [`MAX_RETRIES`] rounds, a position that cannot be right
+//! (a slot's sequence ahead of the index that should have moved past it)
+//! is [`Corrupt`], and [`Ring::check`] tells its only consumer whether the
+//! indices still bound the queue. What to do with a corrupt ring is the
+//! owner's call ([`Ring::reset`]); values popped are validated by whoever
+//! uses them.
+//!
 //! A producer killed between claiming a position and publishing it leaves
-//! that position unreadable: consumers see the queue empty from there on.
-//! The window is a few instructions long.
+//! that position unreadable: consumers see the queue empty from there on,
+//! with `head != tail` ([`Ring::stuck`]); the owner resets such a ring.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+#[cfg(all(loom, test))]
+use loom::sync::atomic::AtomicU64;
+#[cfg(not(all(loom, test)))]
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering;
 
 const LINE: usize = 64;
 /// `head`, then `tail`, each on a cache line of its own.
 const HEADER: usize = 2 * LINE;
 const SLOT: usize = 16;
+const WORD: usize = 8;
+
+/// Most rounds one push or pop takes: a race lost to another producer or
+/// consumer costs one round, so far more than the processes sharing a
+/// ring can cost means the indices lie.
+pub const MAX_RETRIES: u32 = 1 << 12;
+
+/// The ring's words break its invariants: someone wrote into it what the
+/// algorithm never writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Corrupt;
+
+impl std::fmt::Display for Corrupt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a shared ring holds words its algorithm never writes")
+    }
+}
+
+/// Why a push did not happen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PushError {
+    /// No room: the value, given back.
+    Full(u64),
+    Corrupt,
+}
 
 /// A view of a ring in memory someone else owns (see [`Ring::attach`]).
 #[derive(Debug)]
 pub struct Ring {
-    base: *const u8,
+    /// The ring's words: `head`, `tail` (each at the start of its line),
+    /// then `(seq, value)` per slot.
+    base: *const AtomicU64,
     mask: u64,
 }
 
@@ -52,13 +94,7 @@ impl Ring {
         assert!(capacity.is_power_of_two());
         // SAFETY: the caller gives us the memory, aligned and in bounds.
         let ring = unsafe { Ring::attach(base, capacity) };
-        ring.head().store(0, Ordering::Relaxed);
-        ring.tail().store(0, Ordering::Relaxed);
-        for i in 0..capacity {
-            ring.seq(i as u64).store(i as u64, Ordering::Relaxed);
-            ring.value(i as u64).store(0, Ordering::Relaxed);
-        }
-        std::sync::atomic::fence(Ordering::Release);
+        ring.reset();
         ring
     }
 
@@ -73,7 +109,7 @@ impl Ring {
         debug_assert!(capacity.is_power_of_two());
         debug_assert_eq!(base as usize % LINE, 0);
         Ring {
-            base,
+            base: base as *const AtomicU64,
             mask: capacity as u64 - 1,
         }
     }
@@ -83,10 +119,11 @@ impl Ring {
     }
 
     fn atomic(&self, offset: usize) -> &AtomicU64 {
-        // SAFETY: `offset` is within the ring's bytes and 8-byte aligned
-        // (callers below), the memory is valid while `self` is (attach's
+        // SAFETY: `offset` is a multiple of 8 within the ring's bytes
+        // (callers below; `pos & mask` keeps slots in range whatever the
+        // indices hold), the memory is valid while `self` is (attach's
         // contract), and it is only ever accessed atomically.
-        unsafe { &*(self.base.add(offset) as *const AtomicU64) }
+        unsafe { &*self.base.add(offset / WORD) }
     }
 
     fn head(&self) -> &AtomicU64 {
@@ -102,13 +139,26 @@ impl Ring {
     }
 
     fn value(&self, pos: u64) -> &AtomicU64 {
-        self.atomic(HEADER + (pos & self.mask) as usize * SLOT + 8)
+        self.atomic(HEADER + (pos & self.mask) as usize * SLOT + WORD)
+    }
+
+    /// Empties the ring, whatever its words held. Values pushed meanwhile
+    /// may be lost, and a push racing the reset may leave a slot that the
+    /// next push or pop finds [`Corrupt`]: the owner resets again.
+    pub fn reset(&self) {
+        self.head().store(0, Ordering::Relaxed);
+        self.tail().store(0, Ordering::Relaxed);
+        for i in 0..=self.mask {
+            self.seq(i).store(i, Ordering::Relaxed);
+            self.value(i).store(0, Ordering::Relaxed);
+        }
+        std::sync::atomic::fence(Ordering::SeqCst);
     }
 
     /// Appends `value`; gives it back if the ring is full.
-    pub fn push(&self, value: u64) -> Result<(), u64> {
+    pub fn push(&self, value: u64) -> Result<(), PushError> {
         let mut pos = self.tail().load(Ordering::Relaxed);
-        loop {
+        for _ in 0..MAX_RETRIES {
             let seq = self.seq(pos).load(Ordering::Acquire);
             let diff = seq.wrapping_sub(pos) as i64;
             if diff == 0 {
@@ -126,17 +176,36 @@ impl Ring {
                     Err(now) => pos = now,
                 }
             } else if diff < 0 {
-                return Err(value); // the slot still holds last lap's value: full
-            } else {
+                // Last lap's value is still there: full, if `head` agrees
+                // (a sound ring keeps `0 <= tail - head <= capacity`, so a
+                // head more than a lap behind `pos`, or past it, has moved
+                // since `pos` was read, or lies).
+                let head = self.head().load(Ordering::Acquire);
+                if pos.wrapping_sub(head) <= self.mask + 1 {
+                    return Err(PushError::Full(value));
+                }
+                // No Corrupt at once here: `head` moves by a Relaxed CAS, so
+                // seeing it past `pos` does not promise seeing `tail` past
+                // `pos` yet. A lying ring runs out of rounds.
                 pos = self.tail().load(Ordering::Relaxed);
+            } else {
+                // Another producer published `pos`, so it moved `tail` first
+                // (before its Release of `seq`, which we acquired): an
+                // unmoved tail means the slot's word is not the algorithm's.
+                let now = self.tail().load(Ordering::Relaxed);
+                if now == pos {
+                    return Err(PushError::Corrupt);
+                }
+                pos = now;
             }
         }
+        Err(PushError::Corrupt)
     }
 
     /// Takes the oldest value, if any.
-    pub fn pop(&self) -> Option<u64> {
+    pub fn pop(&self) -> Result<Option<u64>, Corrupt> {
         let mut pos = self.head().load(Ordering::Relaxed);
-        loop {
+        for _ in 0..MAX_RETRIES {
             let seq = self.seq(pos).load(Ordering::Acquire);
             let diff = seq.wrapping_sub(pos.wrapping_add(1)) as i64;
             if diff == 0 {
@@ -150,16 +219,55 @@ impl Ring {
                         let value = self.value(pos).load(Ordering::Relaxed);
                         self.seq(pos)
                             .store(pos.wrapping_add(self.mask + 1), Ordering::Release);
-                        return Some(value);
+                        return Ok(Some(value));
                     }
                     Err(now) => pos = now,
                 }
             } else if diff < 0 {
-                return None; // not published yet: empty
+                return Ok(None); // not published yet: empty
             } else {
-                pos = self.head().load(Ordering::Relaxed);
+                // As in `push`: whoever moved the slot past `pos` moved
+                // `head` first.
+                let now = self.head().load(Ordering::Relaxed);
+                if now == pos {
+                    return Err(Corrupt);
+                }
+                pos = now;
             }
         }
+        Err(Corrupt)
+    }
+
+    /// For the ring's only consumer: `Err` when the indices no longer bound
+    /// the queue (`tail` behind `head`, or more than `capacity` ahead).
+    /// Exact only there: with one consumer, `head` cannot move between the
+    /// two loads, and producers cannot get more than a lap ahead of it.
+    pub fn check(&self) -> Result<(), Corrupt> {
+        let head = self.head().load(Ordering::SeqCst);
+        let tail = self.tail().load(Ordering::SeqCst);
+        if tail.wrapping_sub(head) > self.mask + 1 {
+            return Err(Corrupt);
+        }
+        Ok(())
+    }
+
+    /// The position of the oldest value when positions were claimed that
+    /// cannot be popped (`head != tail` yet nothing is ready): a producer
+    /// died mid-push, or is merely slow, or someone wrote into the ring.
+    /// The owner resets a ring stuck at the same position for long.
+    pub fn stuck(&self) -> Option<u64> {
+        let head = self.head().load(Ordering::SeqCst);
+        let tail = self.tail().load(Ordering::SeqCst);
+        (head != tail && self.seq(head).load(Ordering::SeqCst) != head.wrapping_add(1))
+            .then_some(head)
+    }
+
+    /// Writes `value` over word `index` of the ring (0: head, 8: tail,
+    /// then `seq`, `value` per slot from 16): what a buggy or hostile
+    /// process can do, for the tests.
+    #[cfg(test)]
+    pub(crate) fn scribble(&self, index: usize, value: u64) {
+        self.atomic(index * WORD).store(value, Ordering::SeqCst);
     }
 
     /// True when nothing is ready to pop (a snapshot).
@@ -177,7 +285,7 @@ impl Ring {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
     use std::collections::HashSet;
@@ -206,16 +314,17 @@ mod tests {
         for v in 10..14 {
             r.push(v).unwrap();
         }
-        assert_eq!(r.push(99), Err(99));
+        assert_eq!(r.push(99), Err(PushError::Full(99)));
         assert_eq!(r.len(), 4);
-        assert_eq!(r.pop(), Some(10));
+        assert_eq!(r.pop(), Ok(Some(10)));
         r.push(14).unwrap();
         assert_eq!(
-            std::iter::from_fn(|| r.pop()).collect::<Vec<_>>(),
+            std::iter::from_fn(|| r.pop().unwrap()).collect::<Vec<_>>(),
             vec![11, 12, 13, 14]
         );
         assert!(r.is_empty());
-        assert_eq!(r.pop(), None);
+        assert_eq!(r.pop(), Ok(None));
+        assert_eq!(r.check(), Ok(()));
     }
 
     #[test]
@@ -225,8 +334,8 @@ mod tests {
         let b = unsafe { Ring::attach(m.0.as_ptr() as *mut u8, 8) };
         a.push(1).unwrap();
         b.push(2).unwrap();
-        assert_eq!(b.pop(), Some(1));
-        assert_eq!(a.pop(), Some(2));
+        assert_eq!(b.pop(), Ok(Some(1)));
+        assert_eq!(a.pop(), Ok(Some(2)));
     }
 
     /// Producers and consumers race over many laps: every value comes out
@@ -246,8 +355,12 @@ mod tests {
                     barrier.wait();
                     for i in 0..PER {
                         let mut v = (p << 32) | i;
-                        while let Err(back) = r.push(v) {
-                            v = back;
+                        loop {
+                            match r.push(v) {
+                                Ok(()) => break,
+                                Err(PushError::Full(back)) => v = back,
+                                Err(PushError::Corrupt) => panic!("a sound ring found corrupt"),
+                            }
                             std::thread::yield_now();
                         }
                     }
@@ -263,7 +376,7 @@ mod tests {
                     barrier.wait();
                     let mut got = Vec::new();
                     while popped.load(Ordering::Relaxed) < total {
-                        match r.pop() {
+                        match r.pop().expect("a sound ring found corrupt") {
                             Some(v) => {
                                 popped.fetch_add(1, Ordering::Relaxed);
                                 got.push(v);
@@ -295,6 +408,73 @@ mod tests {
         drop(memory);
     }
 
+    /// Words as another process could write them: every scribble ends in
+    /// `Corrupt` or an ordinary answer within bounded time, never a spin.
+    #[test]
+    fn a_slot_sequence_ahead_of_its_index_is_corrupt_not_a_spin() {
+        let (_m, r) = ring(8);
+        r.seq(0).store(5, Ordering::SeqCst); // ahead of tail 0
+        assert_eq!(r.push(1), Err(PushError::Corrupt));
+        r.reset();
+        r.push(1).unwrap();
+        r.seq(1).store(9, Ordering::SeqCst); // ahead of head 1 + 1
+        assert_eq!(r.pop(), Ok(Some(1)));
+        assert_eq!(r.pop(), Err(Corrupt));
+    }
+
+    #[test]
+    fn indices_out_of_bounds_are_corrupt_for_the_consumer() {
+        let (_m, r) = ring(8);
+        r.push(1).unwrap();
+        r.head().store(u64::MAX - 3, Ordering::SeqCst);
+        assert_eq!(r.pop(), Err(Corrupt), "a huge head spins no more");
+        r.reset();
+        r.head().store(1 << 40, Ordering::SeqCst);
+        assert_eq!(r.check(), Err(Corrupt), "tail behind head");
+        r.reset();
+        r.tail().store(1 << 40, Ordering::SeqCst);
+        assert_eq!(r.check(), Err(Corrupt));
+        assert_eq!(r.pop(), Ok(None));
+        r.reset();
+        assert_eq!(r.check(), Ok(()));
+        r.push(2).unwrap();
+        assert_eq!(r.pop(), Ok(Some(2)));
+    }
+
+    #[test]
+    fn a_claimed_unpublished_position_is_stuck() {
+        let (_m, r) = ring(4);
+        assert_eq!(r.stuck(), None);
+        r.tail().store(1, Ordering::SeqCst); // a producer claimed 0 and died
+        r.push(7).unwrap();
+        assert_eq!(r.pop(), Ok(None));
+        assert_eq!(r.stuck(), Some(0));
+        r.reset();
+        assert_eq!(r.stuck(), None);
+    }
+
+    /// Random words in random places: every push and pop returns at once.
+    #[test]
+    fn scribbled_words_never_make_push_or_pop_loop() {
+        let (_m, r) = ring(8);
+        let words = Ring::bytes(8).unwrap() / WORD;
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for _ in 0..if cfg!(miri) { 50 } else { 5_000 } {
+            let at = (next() % words as u64) as usize;
+            let v = next() >> (next() % 64);
+            r.atomic(at * WORD).store(v, Ordering::SeqCst);
+            let _ = r.push(next());
+            let _ = r.pop();
+            let _ = (r.check(), r.stuck(), r.len(), r.is_empty());
+        }
+    }
+
     trait LessThan {
         fn is_none_or_less(&self, i: u64) -> bool;
     }
@@ -306,5 +486,108 @@ mod tests {
                 Some(prev) => *prev < i,
             }
         }
+    }
+}
+
+/// Every interleaving of two producers and a consumer (`make loom`): each
+/// value comes out once, and a sound ring is never found corrupt.
+#[cfg(all(loom, test))]
+mod loom_tests {
+    use super::*;
+    use loom::sync::Arc;
+    use loom::thread;
+
+    struct Words(Vec<AtomicU64>);
+
+    // SAFETY: the words are atomics; the Vec is never resized while shared.
+    unsafe impl Send for Words {}
+    // SAFETY: as above.
+    unsafe impl Sync for Words {}
+
+    fn ring(capacity: usize) -> (Arc<Words>, Ring) {
+        let words = Ring::bytes(capacity).unwrap() / WORD;
+        let memory = Arc::new(Words((0..words).map(|_| AtomicU64::new(0)).collect()));
+        let ring = Ring {
+            base: memory.0.as_ptr(),
+            mask: capacity as u64 - 1,
+        };
+        for i in 0..capacity as u64 {
+            ring.seq(i).store(i, Ordering::Relaxed);
+        }
+        (memory, ring)
+    }
+
+    fn view(memory: &Arc<Words>, capacity: usize) -> Ring {
+        Ring {
+            base: memory.0.as_ptr(),
+            mask: capacity as u64 - 1,
+        }
+    }
+
+    #[test]
+    fn loom_ring_two_producers_one_consumer_exactly_once() {
+        loom::model(|| {
+            let (memory, consumer) = ring(2);
+            let producers: Vec<_> = (0..2u64)
+                .map(|p| {
+                    let memory = memory.clone();
+                    thread::spawn(move || {
+                        let ring = view(&memory, 2);
+                        assert_eq!(ring.push(10 + p), Ok(()), "room for both");
+                    })
+                })
+                .collect();
+            let mut got = Vec::new();
+            for _ in 0..2 {
+                if let Some(v) = consumer.pop().expect("a sound ring found corrupt") {
+                    got.push(v);
+                }
+                assert_eq!(consumer.check(), Ok(()));
+            }
+            for p in producers {
+                p.join().unwrap();
+            }
+            while let Some(v) = consumer.pop().expect("a sound ring found corrupt") {
+                got.push(v);
+            }
+            got.sort_unstable();
+            assert_eq!(got, vec![10, 11]);
+        });
+    }
+
+    #[test]
+    fn loom_ring_wraps_a_lap_under_a_racing_consumer() {
+        loom::model(|| {
+            let (memory, ring) = ring(2);
+            ring.push(1).unwrap();
+            ring.push(2).unwrap();
+            let consumer = {
+                let memory = memory.clone();
+                thread::spawn(move || {
+                    let ring = view(&memory, 2);
+                    let mut got = Vec::new();
+                    for _ in 0..3 {
+                        if let Some(v) = ring.pop().expect("a sound ring found corrupt") {
+                            got.push(v);
+                        }
+                    }
+                    got
+                })
+            };
+            let pushed = match ring.push(3) {
+                Ok(()) => true,
+                Err(PushError::Full(3)) => false,
+                Err(e) => panic!("{e:?}"),
+            };
+            let mut got = consumer.join().unwrap();
+            while let Some(v) = ring.pop().unwrap() {
+                got.push(v);
+            }
+            let mut want = vec![1, 2];
+            if pushed {
+                want.push(3);
+            }
+            assert_eq!(got, want, "FIFO, each once");
+        });
     }
 }

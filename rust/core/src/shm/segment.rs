@@ -5,7 +5,7 @@
 use std::fs::{File, OpenOptions};
 use std::io::Read;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
@@ -13,7 +13,7 @@ use super::{
     server_state, ShmError, CRATE_VERSION, LAYOUT_VERSION, MAGIC, MAX_CELLS, MAX_CLIENTS,
     MESSAGE_BYTES,
 };
-use crate::shm::Ring;
+use crate::shm::{Peer, Ring};
 
 const LINE: usize = 64;
 /// The header's size (one page).
@@ -32,6 +32,8 @@ mod at {
     pub const MAX_ROWS: usize = 40;
     pub const META_LEN: usize = 44;
     pub const TOTAL: usize = 48;
+    /// The server process's start time (see `liveness`), a u64.
+    pub const SERVER_START: usize = 56;
     /// The crate version, NUL-padded, as 4 u64 words.
     pub const VERSION: usize = 64;
     pub const SERVER_WORD: usize = 128;
@@ -42,6 +44,8 @@ mod client_at {
     pub const STATUS: usize = 0;
     pub const OWNER_PID: usize = 4;
     pub const NEXT_TAG: usize = 8;
+    /// The owner's start time (see `liveness`), a u64.
+    pub const OWNER_START: usize = 16;
     pub const WORD: usize = 64;
     pub const SLEEPING: usize = 128;
     pub const COMPLETIONS: usize = 192;
@@ -191,6 +195,8 @@ pub struct Segment {
     ptr: *mut u8,
     layout: Layout,
     path: PathBuf,
+    /// `(device, inode)` of the file mapped: `unlink` removes only that one.
+    file: (u64, u64),
 }
 
 // SAFETY: the mapping is process-wide and lives until drop; every shared
@@ -227,14 +233,30 @@ fn map(file: &File, len: usize) -> Result<*mut u8, ShmError> {
     Ok(ptr.cast())
 }
 
-/// What an existing segment file says about its server: its pid and
-/// state, if it is a ferrobatch segment at all.
-fn read_owner(path: &Path) -> Option<(u32, u32)> {
-    let mut head = [0u8; 24];
+/// What an existing segment file says about its server: a watch on it
+/// and its state, if it is a ferrobatch segment at all.
+fn read_owner(path: &Path) -> Option<(Peer, u32)> {
+    let mut head = [0u8; 64];
     File::open(path).ok()?.read_exact(&mut head).ok()?;
-    let word = |at: usize| u32::from_ne_bytes(head[at..at + 4].try_into().unwrap_or([0; 4]));
-    (u64::from_ne_bytes(head[..8].try_into().unwrap_or([0; 8])) == MAGIC)
-        .then(|| (word(at::SERVER_PID), word(at::STATE)))
+    let u32_at = |at: usize| u32::from_ne_bytes(head[at..at + 4].try_into().unwrap_or([0; 4]));
+    let u64_at = |at: usize| u64::from_ne_bytes(head[at..at + 8].try_into().unwrap_or([0; 8]));
+    (u64_at(at::MAGIC) == MAGIC).then(|| {
+        let server = Peer::watch(u32_at(at::SERVER_PID), u64_at(at::SERVER_START));
+        (server, u32_at(at::STATE))
+    })
+}
+
+fn identity(file: &File, path: &Path) -> Result<(u64, u64), ShmError> {
+    let meta = file
+        .metadata()
+        .map_err(io(format!("cannot stat {}", path.display())))?;
+    Ok((meta.dev(), meta.ino()))
+}
+
+/// This process's effective user id.
+pub fn current_uid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
 }
 
 impl Segment {
@@ -267,15 +289,22 @@ impl Segment {
         let file = match open() {
             Ok(file) => file,
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                let uid = std::fs::metadata(&path).map(|m| m.uid()).ok();
                 match read_owner(&path) {
-                    Some((pid, state))
-                        if super::pid_alive(pid) && state != server_state::STOPPED =>
+                    Some((server, state))
+                        if server.is_alive() && state != server_state::STOPPED =>
                     {
-                        return Err(ShmError::Config(format!(
-                            "'{name}' is already shared by a running server (pid {pid})"
-                        )));
+                        let pid = server.pid();
+                        return Err(ShmError::Config(match uid {
+                            Some(uid) if uid != current_uid() => format!(
+                                "'{name}' is taken by a process of another user (uid {uid}, pid {pid}): \
+                                 share under another name"
+                            ),
+                            _ => format!("'{name}' is already shared by a running server (pid {pid})"),
+                        }));
                     }
-                    Some((pid, _)) => {
+                    Some((server, _)) => {
+                        let pid = server.pid();
                         replaced = Some(format!(
                             "replaced the stale shared segment '{name}' of server pid {pid}, which is gone"
                         ))
@@ -328,6 +357,7 @@ impl Segment {
             ptr,
             layout,
             path: path.to_path_buf(),
+            file: identity(file, path)?,
         };
         let c = layout.config;
         for (at, v) in [
@@ -347,6 +377,9 @@ impl Segment {
         segment
             .u64_at(at::TOTAL)
             .store(layout.total as u64, Ordering::Relaxed);
+        segment
+            .u64_at(at::SERVER_START)
+            .store(Peer::me().1, Ordering::Relaxed);
         let mut version = [0u8; 32];
         let v = CRATE_VERSION.as_bytes();
         version[..v.len().min(32)].copy_from_slice(&v[..v.len().min(32)]);
@@ -373,9 +406,11 @@ impl Segment {
         Ok(segment)
     }
 
-    /// Maps the segment of `name` (a client), after checking that a server
-    /// of this very version made it.
-    pub fn open(name: &str) -> Result<Segment, ShmError> {
+    /// Maps the segment of `name` (a client), after checking that its file
+    /// belongs to user `owner` (None: this process's user; anyone who may
+    /// write the segment sees every request and writes every answer) and
+    /// that a server of this very version made it.
+    pub fn open(name: &str, owner: Option<u32>) -> Result<Segment, ShmError> {
         let path = segment_path(name)?;
         let file = match OpenOptions::new().read(true).write(true).open(&path) {
             Ok(file) => file,
@@ -387,10 +422,24 @@ impl Segment {
             }
             Err(e) => return Err(io(format!("cannot open {}", path.display()))(e)),
         };
-        let size = file
+        let stat = file
             .metadata()
-            .map_err(io(format!("cannot stat {}", path.display())))?
-            .len();
+            .map_err(io(format!("cannot stat {}", path.display())))?;
+        let expected = owner.unwrap_or_else(current_uid);
+        if stat.uid() != expected {
+            return Err(ShmError::Owner(format!(
+                "'{name}' ({}) belongs to uid {}, not to {}: refusing to send it requests, as \
+                 another user may have taken the name; pass owner={} to connect if you trust them",
+                path.display(),
+                stat.uid(),
+                match owner {
+                    Some(uid) => format!("uid {uid}"),
+                    None => format!("this user (uid {expected})"),
+                },
+                stat.uid()
+            )));
+        }
+        let size = stat.len();
         if size < HEADER as u64 {
             return Err(ShmError::NotFound(format!(
                 "'{name}' is not ready yet (or not a ferrobatch segment)"
@@ -412,6 +461,7 @@ impl Segment {
                 })?
             },
             path: path.clone(),
+            file: (stat.dev(), stat.ino()),
         };
         let magic = peek.u64_at(at::MAGIC).load(Ordering::Acquire);
         if magic == 0 {
@@ -458,7 +508,12 @@ impl Segment {
             )));
         }
         let ptr = map(&file, layout.total)?;
-        Ok(Segment { ptr, layout, path })
+        Ok(Segment {
+            ptr,
+            layout,
+            path,
+            file: (stat.dev(), stat.ino()),
+        })
     }
 
     pub fn layout(&self) -> &Layout {
@@ -469,9 +524,13 @@ impl Segment {
         self.layout.config
     }
 
-    /// Removes the file (mappings stay valid until dropped).
+    /// Removes the file (mappings stay valid until dropped), unless the
+    /// name now holds another segment (a new server's).
     pub fn unlink(&self) {
-        let _ = std::fs::remove_file(&self.path);
+        let same = std::fs::metadata(&self.path).is_ok_and(|m| (m.dev(), m.ino()) == self.file);
+        if same {
+            let _ = std::fs::remove_file(&self.path);
+        }
     }
 
     fn u32_at(&self, offset: usize) -> &AtomicU32 {
@@ -490,6 +549,14 @@ impl Segment {
 
     pub fn server_pid(&self) -> u32 {
         self.u32_at(at::SERVER_PID).load(Ordering::Acquire)
+    }
+
+    /// A watch on the server's process (see `liveness`).
+    pub fn server(&self) -> Peer {
+        Peer::watch(
+            self.server_pid(),
+            self.u64_at(at::SERVER_START).load(Ordering::Acquire),
+        )
     }
 
     pub fn state(&self) -> u32 {
@@ -554,6 +621,12 @@ impl Segment {
 
     pub fn client_owner(&self, client: u32) -> &AtomicU32 {
         self.client_u32(client, client_at::OWNER_PID)
+    }
+
+    /// The start time of the slot's owner (see `liveness`).
+    pub fn client_owner_start(&self, client: u32) -> &AtomicU64 {
+        let base = self.client_base(client) as usize - self.ptr as usize;
+        self.u64_at(base + client_at::OWNER_START)
     }
 
     /// The next tag of the slot: it carries on across owners, so a stale
@@ -740,12 +813,12 @@ mod tests {
         let n = name("made");
         let (server, replaced) = Segment::create(&n, config(), b"{\"m\":1}", 0o600).unwrap();
         assert!(replaced.is_none());
-        let client = Segment::open(&n).unwrap();
+        let client = Segment::open(&n, None).unwrap();
         assert_eq!(client.config(), server.config());
         assert_eq!(client.meta(), b"{\"m\":1}");
         assert_eq!(client.server_pid(), std::process::id());
         client.ring().push(42).unwrap();
-        assert_eq!(server.ring().pop(), Some(42));
+        assert_eq!(server.ring().pop(), Ok(Some(42)));
         client
             .client_status(1)
             .store(client_state::ACTIVE, Ordering::SeqCst);
@@ -761,7 +834,10 @@ mod tests {
             .mode();
         assert_eq!(mode & 0o777, 0o600);
         server.unlink();
-        assert!(matches!(Segment::open(&n), Err(ShmError::NotFound(_))));
+        assert!(matches!(
+            Segment::open(&n, None),
+            Err(ShmError::NotFound(_))
+        ));
     }
 
     #[test]
@@ -787,7 +863,7 @@ mod tests {
         server
             .u32_at(at::LAYOUT)
             .store(LAYOUT_VERSION + 1, Ordering::SeqCst);
-        let err = Segment::open(&n).unwrap_err();
+        let err = Segment::open(&n, None).unwrap_err();
         assert!(matches!(err, ShmError::Version(_)));
         assert!(err.to_string().contains("same ferrobatch version"), "{err}");
         server.unlink();

@@ -10,6 +10,13 @@
 //! withdrawal, the server stopping), so each is answered exactly once, and
 //! a slot is reclaimed only when none of its requests is pending (a batch
 //! may still be reading its cells).
+//!
+//! What clients can write is checked before use (see "Hostile memory" in
+//! [`crate::shm`]): the server's own state lives here, not in the header;
+//! a corrupt or stuck request ring is reset and the entries swept for the
+//! requests it lost; a client whose completion ring or slot state is
+//! malformed is closed and reclaimed. Each such fault is reported once
+//! through [`OnFault`] and counted ([`SharedServer::faults`]).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -19,10 +26,22 @@ use std::time::{Duration, Instant};
 
 use super::segment::word;
 use super::{
-    client_state, code, server_state, sleep_unless, state, Descriptor, Segment, Withdraw, POLL,
-    SPIN,
+    client_state, code, server_state, sleep_unless, state, Descriptor, Peer, Segment, Withdraw,
+    POLL, SPIN,
 };
 use crate::{Batcher, CoreError, InputBytes, Outcome, Request, RequestState, Route, Sink, Tally};
+
+/// How the server reports a fault of a client or of the shared ring (a
+/// line for the log; called rarely, from any of the server's threads).
+pub type OnFault = Box<dyn Fn(&str) + Send + Sync>;
+
+/// How often the pull thread sweeps the entries for requests whose
+/// descriptor a ring lost (at once after a reset).
+const SWEEP: Duration = Duration::from_secs(1);
+
+/// How long the request ring may stay stuck at one position (a producer
+/// killed between claiming and publishing it) before it is reset.
+const STUCK: Duration = Duration::from_millis(250);
 
 /// A finished batch, as the binding hands it over.
 #[derive(Debug, Clone, Copy)]
@@ -62,7 +81,6 @@ impl Pending {
 }
 
 /// One model shared through one segment.
-#[derive(Debug)]
 pub struct SharedServer {
     segment: Arc<Segment>,
     batcher: Arc<Batcher>,
@@ -74,8 +92,27 @@ pub struct SharedServer {
     pub tally: Tally,
     /// Client slots reclaimed (closed, or their process died).
     reclaimed: AtomicU64,
+    /// Faults handled: ring resets, clients closed for malformed memory.
+    faults: AtomicU64,
+    on_fault: OnFault,
+    /// The server's own truth; the header's copy is for clients (and is
+    /// written back if someone else changes it).
+    accepting: AtomicBool,
+    /// A watch on each slot's owner, made when it changes.
+    peers: Mutex<Vec<Option<Peer>>>,
     stop: AtomicBool,
     thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for SharedServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedServer")
+            .field("segment", &self.segment)
+            .field("in_flight", &self.in_flight())
+            .field("reclaimed", &self.reclaimed())
+            .field("faults", &self.faults())
+            .finish_non_exhaustive()
+    }
 }
 
 impl SharedServer {
@@ -85,7 +122,9 @@ impl SharedServer {
         batcher: Arc<Batcher>,
         in_rows: Vec<usize>,
         out_rows: Vec<usize>,
+        on_fault: OnFault,
     ) -> Result<Arc<SharedServer>, std::io::Error> {
+        let clients = segment.config().clients as usize;
         let server = Arc::new(SharedServer {
             segment,
             batcher,
@@ -94,6 +133,10 @@ impl SharedServer {
             pending: Mutex::default(),
             tally: Tally::default(),
             reclaimed: AtomicU64::new(0),
+            faults: AtomicU64::new(0),
+            on_fault,
+            accepting: AtomicBool::new(true),
+            peers: Mutex::new((0..clients).map(|_| None).collect()),
             stop: AtomicBool::new(false),
             thread: Mutex::new(None),
         });
@@ -124,6 +167,33 @@ impl SharedServer {
         self.reclaimed.load(Ordering::Relaxed)
     }
 
+    /// Faults handled so far (see the module docs).
+    pub fn faults(&self) -> u64 {
+        self.faults.load(Ordering::Relaxed)
+    }
+
+    fn fault(&self, message: &str) {
+        self.faults.fetch_add(1, Ordering::Relaxed);
+        (self.on_fault)(message);
+    }
+
+    /// Closes client slot `client` for malformed memory: its requests are
+    /// withdrawn and the slot reclaimed like a dead client's.
+    fn evict(&self, client: u32, status: u32, why: &str) {
+        let closed = self.segment.client_status(client).compare_exchange(
+            status,
+            client_state::CLOSING,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+        if closed.is_ok() {
+            let pid = self.segment.client_owner(client).load(Ordering::Acquire);
+            self.fault(&format!(
+                "shared-memory client slot {client} (pid {pid}) closed: {why}"
+            ));
+        }
+    }
+
     /// `(slot, pid)` of every connected client (closing ones included).
     pub fn clients(&self) -> Vec<(u32, u32)> {
         (0..self.segment.config().clients)
@@ -139,24 +209,70 @@ impl SharedServer {
         let (word, sleeping) = self.segment.server_doorbell();
         let mut wake = Vec::new();
         let mut checked = Instant::now();
+        let mut swept = Instant::now();
+        let mut sweep_now = false;
+        let mut stuck: Option<(u64, Instant)> = None;
+        let mut reset_before = false;
         // Requests came in lately: poll a little before sleeping.
         let mut active = false;
         while !self.stop.load(Ordering::Acquire) {
             let mut rows = 0;
             let mut taken = 0;
+            let mut corrupt = false;
             while taken < 1024 {
-                let Some(v) = ring.pop() else { break };
-                rows += self.handle(Descriptor::decode(v), &mut wake);
+                match ring.pop() {
+                    Ok(Some(v)) => rows += self.handle(Descriptor::decode(v), &mut wake),
+                    Ok(None) => break,
+                    Err(_) => {
+                        corrupt = true;
+                        break;
+                    }
+                }
                 taken += 1;
+            }
+            if taken == 0 && !corrupt {
+                corrupt = ring.check().is_err();
+                stuck = match (ring.stuck(), stuck) {
+                    (Some(pos), Some((at, since))) if pos == at => {
+                        corrupt |= since.elapsed() >= STUCK;
+                        Some((at, since))
+                    }
+                    (Some(pos), _) => Some((pos, Instant::now())),
+                    (None, _) => None,
+                };
+            }
+            if corrupt {
+                ring.reset();
+                stuck = None;
+                sweep_now = true;
+                self.faults.fetch_add(1, Ordering::Relaxed);
+                if !reset_before {
+                    reset_before = true;
+                    (self.on_fault)(
+                        "the shared request ring held words its algorithm never writes (a client \
+                         process wrote into it, or died pushing): reset it; requests it lost are \
+                         taken from their entries",
+                    );
+                }
+            }
+            if sweep_now || swept.elapsed() >= SWEEP {
+                rows += self.sweep(&mut wake);
+                swept = Instant::now();
+                sweep_now = false;
             }
             // Greedy batchers take rows once flushed: all of this drain at once.
             self.batcher.flush(rows);
             self.wake(&mut wake);
             if checked.elapsed() >= POLL {
                 self.reclaim();
+                if self.accepting.load(Ordering::Acquire)
+                    && self.segment.state() != server_state::RUNNING
+                {
+                    self.segment.set_state(server_state::RUNNING);
+                }
                 checked = Instant::now();
             }
-            if taken == 0 {
+            if taken == 0 && !corrupt {
                 let spin = if active { SPIN } else { Duration::ZERO };
                 sleep_unless(word, sleeping, POLL, spin, || {
                     ring.is_empty() && !self.stop.load(Ordering::Acquire)
@@ -164,6 +280,36 @@ impl SharedServer {
             }
             active = taken > 0;
         }
+    }
+
+    /// Accepts every QUEUED entry of an active client, as its descriptor
+    /// would have (the descriptor, if it comes, then finds it taken).
+    /// Returns the rows it queued.
+    fn sweep(&self, wake: &mut Vec<u32>) -> usize {
+        let config = self.segment.config();
+        let mut rows = 0;
+        for client in 0..config.clients {
+            if self.segment.client_status(client).load(Ordering::Acquire) != client_state::ACTIVE {
+                continue;
+            }
+            for cell in 0..config.cells {
+                let w = self
+                    .segment
+                    .entry(client, cell)
+                    .word()
+                    .load(Ordering::Relaxed);
+                if w as u32 == state::QUEUED {
+                    let d = Descriptor {
+                        client,
+                        cell,
+                        tag: (w >> 32) as u32,
+                        withdraw: None,
+                    };
+                    rows += self.handle(d, wake);
+                }
+            }
+        }
+        rows
     }
 
     /// Wakes each client in `wake` once.
@@ -188,8 +334,20 @@ impl SharedServer {
         entry
             .word()
             .store(word(tag, state::DONE), Ordering::Release);
-        // Never full: a client has at most `cells` requests, each completed once.
-        let _ = self.segment.completions(client).push(u64::from(cell));
+        // Never full from a sound client: it has at most `cells` requests,
+        // each completed once, and pops each completion before reusing it.
+        if self
+            .segment
+            .completions(client)
+            .push(u64::from(cell))
+            .is_err()
+        {
+            self.evict(
+                client,
+                client_state::ACTIVE,
+                "its completion ring holds words the server never writes",
+            );
+        }
     }
 
     /// Handles one descriptor; returns the rows it queued.
@@ -219,7 +377,7 @@ impl SharedServer {
             self.write_done(d.client, d.cell, d.tag, code, message);
             0
         };
-        if self.segment.state() != server_state::RUNNING {
+        if !self.accepting.load(Ordering::Acquire) {
             return fail(
                 code::SERVER_CLOSED,
                 Outcome::ServerClosed,
@@ -402,15 +560,19 @@ impl SharedServer {
         let segment = &self.segment;
         for client in 0..segment.config().clients {
             let status = segment.client_status(client);
-            if status.load(Ordering::Acquire) == client_state::ACTIVE
-                && !super::pid_alive(segment.client_owner(client).load(Ordering::Acquire))
-            {
-                let _ = status.compare_exchange(
-                    client_state::ACTIVE,
-                    client_state::CLOSING,
-                    Ordering::AcqRel,
-                    Ordering::Acquire,
-                );
+            match status.load(Ordering::Acquire) {
+                client_state::FREE | client_state::CLOSING => {}
+                client_state::ACTIVE => {
+                    if !self.owner_alive(client) {
+                        let _ = status.compare_exchange(
+                            client_state::ACTIVE,
+                            client_state::CLOSING,
+                            Ordering::AcqRel,
+                            Ordering::Acquire,
+                        );
+                    }
+                }
+                garbage => self.evict(client, garbage, &format!("its state word is {garbage:#x}")),
             }
             if status.load(Ordering::Acquire) != client_state::CLOSING {
                 continue;
@@ -448,17 +610,34 @@ impl SharedServer {
                     .word()
                     .store(word(tag, state::FREE), Ordering::Release);
             }
-            let completions = segment.completions(client);
-            while completions.pop().is_some() {}
+            segment.completions(client).reset();
             segment.client_owner(client).store(0, Ordering::Release);
             status.store(client_state::FREE, Ordering::Release);
             self.reclaimed.fetch_add(1, Ordering::Relaxed);
         }
     }
 
+    /// True while the process owning client slot `client` runs.
+    fn owner_alive(&self, client: u32) -> bool {
+        let pid = self.segment.client_owner(client).load(Ordering::Acquire);
+        let start = self
+            .segment
+            .client_owner_start(client)
+            .load(Ordering::Acquire);
+        let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(peer) = peers.get_mut(client as usize) else {
+            return false;
+        };
+        match peer {
+            Some(p) if p.pid() == pid && p.start() == start => p.is_alive(),
+            _ => peer.insert(Peer::watch(pid, start)).is_alive(),
+        }
+    }
+
     /// Stops taking requests off the ring (accepted ones still run); the
     /// clients refuse new ones from now on. Returns once the pull thread ended.
     pub fn stop_accepting(&self) {
+        self.accepting.store(false, Ordering::Release);
         self.segment.set_state(server_state::STOPPING);
         self.stop.store(true, Ordering::Release);
         let (word, _) = self.segment.server_doorbell();
