@@ -242,6 +242,32 @@ def test_malformed_requests_are_400_with_a_clear_message(kind: str) -> None:
         assert http.post(INFER, content=GOOD).status_code == 200
 
 
+def nested(levels: int) -> bytes:
+    """A repository index request (``{"ready": true}``) whose extra member
+    takes its nesting to ``levels`` levels."""
+    return b'{"ready": true, "deep": ' + b"[" * (levels - 1) + b"]" * (levels - 1) + b"}"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("frontend", ["python", "native"])
+def test_json_nested_past_the_codecs_limit_is_400_on_every_route(frontend: str) -> None:
+    config = ServeConfig(http_port=0, grpc_port=None, frontend=frontend)
+    with (
+        serve_in_thread(make_servers(), config) as listening,
+        httpx.Client(base_url=f"http://127.0.0.1:{listening.http_port}", timeout=30) as http,
+    ):
+        index = "/v2/repository/index"
+        at_limit = http.post(index, content=nested(128))  # the v2 codec's limit, exactly
+        assert at_limit.status_code == 200, at_limit.text
+        assert [m["name"] for m in at_limit.json()] == ["double", "leaky"]
+        for route in (index, INFER):
+            for body in (nested(129), b"[" * 100_000 + b"]" * 100_000):
+                response = http.post(route, content=body)
+                assert response.status_code == 400, (frontend, route, len(body), response.text[:300])
+                assert "nested too deep" in response.json()["error"], (frontend, route, response.text[:300])
+        assert http.post(INFER, content=GOOD).status_code == 200
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_huge_and_infinite_timeouts_mean_no_deadline(kind: str) -> None:
     with app_in_thread(kind, make_servers()) as url, httpx.Client(base_url=url, timeout=30) as http:

@@ -225,3 +225,86 @@ def test_mp_transport_clients_work_in_spawned_processes() -> None:
             torch.testing.assert_close(torch.tensor(action), module.module(torch.full((4,), float(i))))
     assert versions == [0, 0, 0]
     assert error == "negative observation"
+
+
+# -- batched requests, and MPTransport's clients when something breaks --------------------------
+
+
+@pytest.mark.parametrize("transport_type", [ThreadingTransport, MPTransport])
+def test_a_batched_request_gets_its_rows_and_one_version_per_row(transport_type: type) -> None:
+    module = policy()
+    seen: list[torch.Size] = []
+
+    def model(td: TensorDict) -> TensorDict:
+        seen.append(td.batch_size)
+        return module(td)
+
+    transport = transport_type()
+    with InferenceServer(model, transport, max_batch_size=4, policy_version=2):
+        client = transport.client()  # an MPTransport client works in this process too
+        observation = torch.randn(3, 4)
+        out = client.submit(TensorDict({"observation": observation}, batch_size=[3])).result(10)
+    assert out.batch_size == torch.Size([3])
+    with torch.no_grad():
+        torch.testing.assert_close(out["action"], module.module(observation))
+    assert torch.equal(out["policy_version"], torch.full((3,), 2))
+    assert seen and all(size[1:] == torch.Size([3]) for size in seen)  # stacked as TorchRL does
+
+
+class BrokenPipe:
+    """A client's end of its pipe whose reads fail (a corrupt stream)."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+    def send(self, message: Any) -> None:
+        self.conn.send(message)
+
+    def recv(self) -> Any:
+        raise RuntimeError("corrupt stream")
+
+
+def test_an_mp_client_whose_reader_fails_fails_its_waiting_and_later_requests() -> None:
+    transport = MPTransport()
+    with InferenceServer(policy(), transport, max_batch_size=4):
+        client = transport.client()
+        client._conn = BrokenPipe(client._conn)
+        with pytest.raises(fb.ServerClosedError, match="RuntimeError: corrupt stream"):
+            client.submit(request()).result(10)
+        with pytest.raises(fb.ServerClosedError, match="corrupt stream"):
+            client.submit(request()).result(10)
+
+
+class Picky(Exception):
+    """An exception pickle cannot rebuild (its constructor takes two arguments)."""
+
+    def __init__(self, a: int, b: int) -> None:
+        super().__init__(f"{a} {b}")
+
+
+def test_an_mp_answer_the_client_cannot_rebuild_fails_that_request_alone() -> None:
+    module = policy()
+
+    def model(td: TensorDict) -> TensorDict:
+        if bool((td["observation"] < 0).any()):
+            raise Picky(1, 2)
+        return module(td)
+
+    transport = MPTransport()
+    with InferenceServer(model, transport, max_batch_size=4):
+        client = transport.client()
+        with pytest.raises(fb.ModelError, match="cannot rebuild"):
+            client.submit(request(-1.0)).result(10)
+        out = client.submit(request(1.0)).result(10)
+    with torch.no_grad():
+        torch.testing.assert_close(out["action"], module.module(torch.full((4,), 1.0)))
+
+
+def test_mp_clients_get_server_closed_after_shutdown() -> None:
+    transport = MPTransport()
+    server = InferenceServer(policy(), transport, max_batch_size=4).start()
+    client = transport.client()
+    assert "action" in client.submit(request()).result(10).keys()
+    server.shutdown()
+    with pytest.raises(fb.ServerClosedError):
+        client.submit(request()).result(10)

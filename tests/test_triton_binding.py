@@ -806,6 +806,41 @@ def test_serve_in_a_script_serves_until_a_signal_then_returns(sig: signal.Signal
             proc.wait()
 
 
+RUN_AND_EXIT_SCRIPT = """
+import atexit, json, socket, urllib.request
+import numpy as np
+from ferrobatch.triton import Triton, TritonConfig, Tensor, batch
+
+@batch
+def infer(x):
+    return {"y": x + 1}
+
+triton = Triton(config=TritonConfig(http_port=0, grpc_port=0))
+triton.bind("inc", infer, inputs=[Tensor(name="x", dtype=np.float32, shape=(4,))],
+            outputs=[Tensor(name="y", dtype=np.float32, shape=(4,))])
+triton.run()
+port = triton.http_port
+body = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [0, 1, 2, 3]}]})
+with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/models/inc/infer", body.encode(), timeout=30) as reply:
+    print("answered", json.load(reply)["outputs"][0]["data"], flush=True)
+
+def after_exit_hooks():  # atexit functions run once the server's exit hook has run
+    with socket.socket() as probe:
+        refused = probe.connect_ex(("127.0.0.1", port)) != 0
+    print("alive", triton.is_alive(), "refused", refused, flush=True)
+
+atexit.register(after_exit_hooks)
+"""
+
+
+def test_interpreter_exit_after_run_stops_the_server_silently() -> None:
+    proc = subprocess.run([sys.executable, "-c", RUN_AND_EXIT_SCRIPT], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "answered [1.0, 2.0, 3.0, 4.0]" in proc.stdout, (proc.stdout, proc.stderr)
+    assert "alive False refused True" in proc.stdout, (proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr and "ERROR" not in proc.stderr, proc.stderr
+
+
 def test_bytes_of_variable_length_several_rows_and_requests_in_one_call() -> None:
     """``dtype=bytes, shape=(-1,)``: each request gets its own rows, cut to its
     own number of strings, of several lengths; each caller gets back its own."""

@@ -15,10 +15,13 @@ What differs from TorchRL's server, and what it costs:
 - Batching, queueing and fan-out run in ferrobatch's core (Rust), on an event
   loop and worker thread of the server's own; callers in threads block on a
   ``concurrent.futures.Future``.
-- The model is called with a ``TensorDict`` of batch size ``[B]`` holding the
-  model's inputs (its ``in_keys`` when it has them, else every tensor of the
-  first request); the result a caller gets is its request (a shallow copy)
-  with the model's outputs and the policy version set in it.
+- The model is called with a ``TensorDict`` of batch size ``[B, *dims]``
+  holding the model's inputs (its ``in_keys`` when it has them, else every
+  tensor of the first request), where ``dims`` is the first request's own
+  batch size (``[]`` for an unbatched one), as TorchRL stacks requests; the
+  result a caller gets is its request (a shallow copy) with the model's
+  outputs and the policy version set in it, the version of the request's own
+  batch size (a request of batch size ``[3]`` gets three).
 - Specs are fixed by the first request (or ``request_spec``): later requests
   must carry the same keys, dtypes and shapes (else ``ValueError``).
 - ``collate_fn`` is honoured: the batch is unbound into the requests' TensorDicts and
@@ -33,7 +36,10 @@ What differs from TorchRL's server, and what it costs:
 - :class:`MPTransport` carries requests over a ``multiprocessing`` Pipe per
   client to a thread in the server's process, until ferrobatch's shared-memory
   clients (``server.share`` / ``fb.connect``) land; it will move to them, with
-  the same API.
+  the same API. Every request's Future resolves: an answer that cannot be
+  read fails that request alone; a client whose connection fails (the server
+  went away, a broken stream) fails its waiting and later requests with
+  :class:`~ferrobatch.ServerClosedError`.
 """
 
 from __future__ import annotations
@@ -43,9 +49,11 @@ import concurrent.futures
 import itertools
 import multiprocessing
 import multiprocessing.connection
+import pickle
 import threading
 import time
 from collections.abc import Callable, Sequence
+from multiprocessing.reduction import ForkingPickler
 from types import TracebackType
 from typing import Any
 
@@ -207,6 +215,7 @@ class InferenceServer:
                 future.result(None if timeout is None else timeout + 1.0)
             except (concurrent.futures.TimeoutError, RuntimeError):
                 pass
+        self.transport._close()
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout)
         if self._poller is not None:
@@ -365,10 +374,12 @@ class InferenceServer:
         inputs = [TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in leaves.items()]
         in_keys_nested = [(s.name, nested_key(s.name)) for s in inputs]
         model, collate_fn, device = self.model, self.collate_fn, self.device
+        # As TorchRL stacks requests: the first request's batch dims follow the batch's.
+        dims = tuple(getattr(example, "batch_size", ()))
 
         def call(batch: dict[str, torch.Tensor]) -> Any:
             rows = next(iter(batch.values())).shape[0]
-            td = TensorDict({key: batch[name] for name, key in in_keys_nested}, batch_size=[rows], device=device)
+            td = TensorDict({key: batch[name] for name, key in in_keys_nested}, batch_size=[rows, *dims], device=device)
             if collate_fn is not None:
                 td = collate_fn(list(td.unbind(0)))
             return model(td)
@@ -416,13 +427,18 @@ class InferenceServer:
             raise ValueError(f"the request lacks the model's input {exc}") from None
         return client._submitter.infer_blocking(flat, None, False)
 
-    def _result_pairs(self, outputs: dict[str, torch.Tensor]) -> list[tuple[NestedKey, torch.Tensor]]:
-        """What a request's result adds to it: the outputs, and the version."""
+    def _result_pairs(
+        self, outputs: dict[str, torch.Tensor], batch_size: Sequence[int] = ()
+    ) -> list[tuple[NestedKey, torch.Tensor]]:
+        """What a request of ``batch_size`` gets added to it: the outputs, and
+        the version (one per element of its batch, as TorchRL stamps it)."""
         pairs: list[tuple[NestedKey, torch.Tensor]] = [(key, outputs[name]) for name, key in self._out_keys]
         if self.policy_version_key is not None:
             version = outputs[_VERSION]
             if self._version_base:
                 version = version + self._version_base
+            if len(batch_size):
+                version = version.expand(*batch_size).clone()
             pairs.append((self.policy_version_key, version))
         if self.output_device is not None:
             pairs = [(key, value.to(self.output_device)) for key, value in pairs]
@@ -453,6 +469,9 @@ class ThreadingTransport:
     def _stop(self) -> None:
         pass
 
+    def _close(self) -> None:
+        pass
+
     def client(self) -> ThreadingClient:
         """A callable ``client(td) -> td``, with ``client.submit(td) -> Future``."""
         if self._server is None:
@@ -480,7 +499,7 @@ class ThreadingClient:
             error = _unwrap(exc)
         if error is not None:
             raise error
-        return _complete(td, self._server._result_pairs(outputs))
+        return _complete(td, self._server._result_pairs(outputs, td.batch_size))
 
     def submit(self, td: Any) -> concurrent.futures.Future[Any]:
         server = self._server
@@ -493,7 +512,7 @@ class ThreadingClient:
                 result.set_exception(_unwrap(error))
                 return
             try:
-                result.set_result(_complete(td, server._result_pairs(future.result())))
+                result.set_result(_complete(td, server._result_pairs(future.result(), td.batch_size)))
             except BaseException as exc:  # noqa: BLE001 - the caller's to see
                 result.set_exception(exc)
 
@@ -549,6 +568,21 @@ class MPTransport:
             self._listener.join(5.0)
             self._listener = None
 
+    def _close(self) -> None:
+        """After the server has stopped: ends every client's connection, so
+        their waiting and later requests fail with ServerClosedError."""
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for conn in conns:
+            conn.close()
+
+    def _drop(self, conn: Any, *, close: bool) -> None:
+        with self._lock:
+            if conn in self._conns:
+                self._conns.remove(conn)
+        if close:
+            conn.close()  # the client sees its connection end
+
     def _listen(self) -> None:
         server = self._server
         assert server is not None
@@ -562,39 +596,61 @@ class MPTransport:
             ready: list[Any] = multiprocessing.connection.wait(conns, timeout=0.05)
             for conn in ready:
                 try:
-                    rid, flat = conn.recv()
+                    rid, flat, batch_size = conn.recv()
                 except (EOFError, OSError):
-                    with self._lock:
-                        self._conns.remove(conn)
+                    self._drop(conn, close=False)
+                    send_locks.pop(id(conn), None)
+                    continue
+                except Exception:  # noqa: BLE001 - not a request: the stream cannot be trusted
+                    self._drop(conn, close=True)
+                    send_locks.pop(id(conn), None)
                     continue
                 lock = send_locks.setdefault(id(conn), threading.Lock())
-                self._serve(server, conn, lock, rid, flat)
+                self._serve(server, conn, lock, rid, flat, batch_size)
 
     @staticmethod
-    def _serve(server: InferenceServer, conn: Any, lock: threading.Lock, rid: int, flat: dict[str, Any]) -> None:
+    def _serve(
+        server: InferenceServer,
+        conn: Any,
+        lock: threading.Lock,
+        rid: int,
+        flat: dict[str, Any],
+        batch_size: Sequence[int],
+    ) -> None:
+        """Submits one request; its answer is sent back whatever happens.
+        The payload travels pickled on its own, so a client that cannot
+        rebuild it fails that request alone."""
+
         def reply(ok: bool, payload: Any) -> None:
             try:
+                blob = bytes(ForkingPickler.dumps(payload))
+            except Exception as exc:  # noqa: BLE001 - an unpicklable error: say what it was
+                ok = False
+                blob = bytes(ForkingPickler.dumps(RuntimeError(f"{type(payload).__name__}: {payload}; ({exc})")))
+            try:
                 with lock:
-                    conn.send((rid, ok, payload))
+                    conn.send((rid, ok, blob))
             except (OSError, ValueError):
                 pass  # the client is gone
-            except Exception as exc:  # noqa: BLE001 - an unpicklable error: say what it was
-                with lock:
-                    conn.send((rid, False, RuntimeError(f"{type(payload).__name__}: {payload}; ({exc})")))
 
         def settle(future: concurrent.futures.Future[dict[str, torch.Tensor]]) -> None:
-            error = future.exception()
-            if error is not None:
-                reply(False, _unwrap(error))
+            try:
+                error = future.exception()
+                if error is not None:
+                    reply(False, _unwrap(error))
+                    return
+                pairs = server._result_pairs(future.result(), batch_size)
+                payload = [(key, value.numpy()) for key, value in pairs]
+            except BaseException as exc:  # noqa: BLE001 - the client's to see
+                reply(False, exc)
                 return
-            pairs = server._result_pairs(future.result())
-            reply(True, [(key, value.numpy()) for key, value in pairs])
+            reply(True, payload)
 
         try:
             from tensordict import TensorDict
 
             tensors = {name: torch.from_numpy(value) for name, value in flat.items()}
-            example = TensorDict({nested_key(name): t for name, t in tensors.items()}, batch_size=[])
+            example = TensorDict({nested_key(name): t for name, t in tensors.items()}, batch_size=list(batch_size))
             server._submit(example).add_done_callback(settle)
         except BaseException as exc:  # noqa: BLE001 - the client's to see
             reply(False, _unwrap(exc))
@@ -602,7 +658,13 @@ class MPTransport:
 
 class MPClient:
     """``client(td) -> td`` and ``client.submit(td) -> Future`` in any process
-    it was passed to (picklable); many threads may share it."""
+    it was passed to (picklable); many threads may share it.
+
+    Every Future resolves. An answer this process cannot read (a model
+    exception that cannot be rebuilt here: :class:`~ferrobatch.ModelError`)
+    fails its request alone. Once the connection fails (the server went away
+    or stopped, or the stream broke), the requests waiting and every later
+    one fail with :class:`~ferrobatch.ServerClosedError`."""
 
     _ids = itertools.count()
 
@@ -614,6 +676,7 @@ class MPClient:
         self._lock = threading.Lock()
         self._pending: dict[int, tuple[concurrent.futures.Future[Any], Any]] = {}
         self._reader: threading.Thread | None = None
+        self._closed: ServerClosedError | None = None  # why the connection failed, once it has
 
     def __getstate__(self) -> dict[str, Any]:
         return {"conn": self._conn}
@@ -626,32 +689,79 @@ class MPClient:
         flat = {name: t.detach().cpu().numpy() for name, t in _tensor_leaves(td).items()}
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         future.set_running_or_notify_cancel()
+        error: BaseException | None = None
         with self._lock:
-            rid = next(self._ids)
-            self._pending[rid] = (future, td)
-            if self._reader is None:
-                self._reader = threading.Thread(target=self._read, name="ferrobatch-torchrl-client", daemon=True)
-                self._reader.start()
-            self._conn.send((rid, flat))
+            if self._closed is not None:
+                error = _closed_again(self._closed)
+            else:
+                rid = next(self._ids)
+                self._pending[rid] = (future, td)
+                if self._reader is None:
+                    self._reader = threading.Thread(target=self._read, name="ferrobatch-torchrl-client", daemon=True)
+                    self._reader.start()
+                try:
+                    self._conn.send((rid, flat, tuple(td.batch_size)))
+                except Exception as exc:  # noqa: BLE001 - the caller's to see, on its Future
+                    del self._pending[rid]
+                    error = exc
+                    if isinstance(exc, (OSError, ValueError)):  # the connection is closed
+                        error = ServerClosedError(f"the inference server went away ({exc})")
+        if error is not None:
+            future.set_exception(error)
         return future
 
     def __call__(self, td: Any) -> Any:
         return self.submit(td).result()
 
     def _read(self) -> None:
-        while True:
-            try:
-                rid, ok, payload = self._conn.recv()
-            except (EOFError, OSError):
+        try:
+            while True:
+                try:
+                    rid, ok, blob = self._conn.recv()
+                except (EOFError, OSError):
+                    raise ServerClosedError("the inference server went away") from None
                 with self._lock:
-                    pending, self._pending = self._pending, {}
-                    self._reader = None
-                for future, _ in pending.values():
-                    future.set_exception(ServerClosedError("the inference server went away"))
-                return
-            with self._lock:
-                future, td = self._pending.pop(rid)
-            if ok:
-                future.set_result(_complete(td, [(key, torch.from_numpy(value)) for key, value in payload]))
-            else:
-                future.set_exception(payload)
+                    entry = self._pending.pop(rid, None)
+                if entry is not None:
+                    _answer(*entry, ok, blob)
+        except BaseException as exc:  # noqa: BLE001 - whatever ends the reader fails every request
+            self._fail_all(exc)
+
+    def _fail_all(self, cause: BaseException) -> None:
+        if isinstance(cause, ServerClosedError):
+            error = cause
+        else:
+            error = ServerClosedError(f"the connection to the inference server failed: {type(cause).__name__}: {cause}")
+            error.__cause__ = cause
+        with self._lock:
+            self._closed = error
+            pending, self._pending = self._pending, {}
+        for future, _ in pending.values():
+            future.set_exception(_closed_again(error))
+
+
+def _closed_again(error: ServerClosedError) -> ServerClosedError:
+    """A fresh copy of ``error`` (each Future raises its own)."""
+    again = ServerClosedError(str(error))
+    again.__cause__ = error.__cause__
+    return again
+
+
+def _answer(future: concurrent.futures.Future[Any], td: Any, ok: bool, blob: bytes) -> None:
+    """Resolves one request's Future from its answer; whatever fails, fails it alone."""
+    try:
+        payload = pickle.loads(blob)
+        if not ok:
+            future.set_exception(payload)
+            return
+        result = _complete(td, [(key, torch.from_numpy(value)) for key, value in payload])
+    except Exception as exc:  # noqa: BLE001 - this request's to see
+        error: BaseException = exc
+        if not ok:
+            error = ModelError(
+                f"the model raised an exception this process cannot rebuild: {type(exc).__name__}: {exc}"
+            )
+            error.__cause__ = exc
+        future.set_exception(error)
+        return
+    future.set_result(result)

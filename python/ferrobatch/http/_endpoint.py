@@ -7,7 +7,9 @@ without a framework (the native front-end forwards what Rust does not answer
 there), and the adapters register their routes from it. JSON versus the
 binary tensor data extension is decided by ``Inference-Header-Content-Length``
 (present: the body is a JSON header of that many bytes, then the binary
-tensors), never by ``Content-Type``.
+tensors), never by ``Content-Type``. Every JSON body, an inference request's
+or another route's, is read by the v2 codec's rules (``load_json``): the same
+syntax, and the same nesting limit (deeper is a 400, never a 500).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from .protocol import (
     ProtocolError,
     error_message,
     error_status,
+    load_json,
     request_inputs,
 )
 
@@ -300,9 +303,9 @@ class Endpoint:
         ready_only = False
         if body.strip():
             try:
-                request = json.loads(body)
-            except ValueError as exc:
-                return error_reply(ProtocolError(400, f"malformed repository index request: {exc}"))
+                request = load_json(body)
+            except ProtocolError as exc:
+                return error_reply(exc)
             ready = request.get("ready", False) if isinstance(request, dict) else None
             if not isinstance(ready, bool):
                 return error_reply(ProtocolError(400, 'a repository index request is a JSON object; "ready" a bool'))

@@ -14,6 +14,7 @@ rows (``[n, *shape]``), which join one batch together and are never split;
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 import sys
@@ -51,6 +52,7 @@ __all__ = [
     "datatype_of",
     "error_message",
     "error_status",
+    "load_json",
     "model_inputs",
     "request_inputs",
 ]
@@ -105,6 +107,32 @@ class ProtocolError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
+
+
+#: The v2 codec as a reader of JSON bodies that are not inference requests
+#: (it serves no model; bodies are limited by the transports).
+_JSON_READER = V2Codec("", [], max_body_size=sys.maxsize, max_elements=0)
+#: How the codec's refusals of the JSON itself begin (syntax, UTF-8, nesting).
+_MALFORMED_JSON = "malformed JSON"
+
+
+def load_json(body: bytes) -> Any:
+    """``body`` parsed as JSON by the v2 codec's rules: the syntax it accepts
+    and its nesting limit, the same for every route as for an inference
+    request. :class:`ProtocolError` 400 with the codec's message (``nested
+    too deep``...) otherwise. The codec's own parser (iterative) reads the
+    body first, so a document too deep for Python's recursive ``json``
+    module never reaches it."""
+    try:
+        _JSON_READER.decode(body)
+    except CodecError as exc:
+        # Any other refusal says the JSON is fine but no inference request.
+        if str(exc).startswith(_MALFORMED_JSON):
+            raise ProtocolError(400, str(exc)) from None
+    try:
+        return json.loads(body)
+    except ValueError as exc:  # what the codec takes and Python does not (none known)
+        raise ProtocolError(400, f"malformed JSON in the request: {exc}") from None
 
 
 class UnknownModelError(ProtocolError):

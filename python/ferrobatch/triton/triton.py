@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures.thread  # noqa: F401 - its exit hook first: see _at_main_thread_exit
 import dataclasses
 import logging
 import os
@@ -26,6 +27,7 @@ import queue
 import re
 import threading
 import typing
+import weakref
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
@@ -337,13 +339,15 @@ class Triton:
 
     def run(self) -> None:
         """Starts serving in the background; returns once every model is
-        ready (the listeners open first)."""
+        ready (the listeners open first). Stopped by :meth:`stop`, or, if
+        still running when the main thread ends, at interpreter exit, as
+        :meth:`stop` does."""
         started: queue.SimpleQueue[Listening | BaseException] = queue.SimpleQueue()
         self._start()
         thread = threading.Thread(target=self._serve_here, args=(started.put,), name="ferrobatch-triton", daemon=True)
         self._thread = thread
         thread.start()
-        atexit.register(self.stop)
+        _at_main_thread_exit(weakref.WeakMethod(self.stop))
         try:
             first = started.get(timeout=STARTUP_TIMEOUT_S)
         except queue.Empty:
@@ -377,7 +381,6 @@ class Triton:
             if self._phase != "running":
                 return False
             self._phase = "stopped"
-        atexit.unregister(self.stop)
         self._ask_stop()
         if threading.current_thread() is not self._serving_thread:
             # Not from an inference callable: it would wait for itself (raise
@@ -484,6 +487,26 @@ class Triton:
         # Read by serve() once the stop event is set, which _ask_stop does after this.
         self._serve_config.drain_delay = max(self._serve_config.drain_delay, UNRECOVERABLE_DRAIN_S)
         self._ask_stop()
+
+
+def _at_main_thread_exit(stop: weakref.WeakMethod[Callable[[], bool]]) -> None:
+    """Calls ``stop`` (if its object lives) when the interpreter exits, while
+    it still can shut a server down: when the main thread ends, before
+    :mod:`concurrent.futures` stops its thread pools (``asyncio.to_thread``
+    refuses work after that, and ``atexit`` functions run later still).
+    Python's exit hooks run last registered first; this module imports
+    ``concurrent.futures.thread``, so its hook was registered before."""
+
+    def at_exit() -> None:
+        method = stop()
+        if method is not None:
+            method()
+
+    register = getattr(threading, "_register_atexit", None)  # what concurrent.futures uses
+    if register is not None:
+        register(at_exit)
+    else:
+        atexit.register(at_exit)
 
 
 def _ports(listening: Listening) -> tuple[int | None, int | None]:
