@@ -346,6 +346,10 @@ class SharedDrain:
 
     def drain(self) -> None: ...
 
+def check_json(body: bytes) -> None:
+    """``ValueError`` unless ``body`` is one JSON document by the v2 codec's
+    rules (its syntax and its nesting limit)."""
+
 def shared_meta(name: str, owner: int | None = None) -> str:
     """The metadata (JSON) of the segment ``name``, after checking its owner
     (``owner``'s uid, or this user's) and its version."""

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import _core
 from .._core import CodecError, V2Codec, V2Request, __version__
 from ..client import Client
 from ..errors import (
@@ -109,13 +110,6 @@ class ProtocolError(Exception):
         self.message = message
 
 
-#: The v2 codec as a reader of JSON bodies that are not inference requests
-#: (it serves no model; bodies are limited by the transports).
-_JSON_READER = V2Codec("", [], max_body_size=sys.maxsize, max_elements=0)
-#: How the codec's refusals of the JSON itself begin (syntax, UTF-8, nesting).
-_MALFORMED_JSON = "malformed JSON"
-
-
 def load_json(body: bytes) -> Any:
     """``body`` parsed as JSON by the v2 codec's rules: the syntax it accepts
     and its nesting limit, the same for every route as for an inference
@@ -124,11 +118,9 @@ def load_json(body: bytes) -> Any:
     body first, so a document too deep for Python's recursive ``json``
     module never reaches it."""
     try:
-        _JSON_READER.decode(body)
-    except CodecError as exc:
-        # Any other refusal says the JSON is fine but no inference request.
-        if str(exc).startswith(_MALFORMED_JSON):
-            raise ProtocolError(400, str(exc)) from None
+        _core.check_json(body)
+    except ValueError as exc:
+        raise ProtocolError(400, f"{exc} in the request") from None
     try:
         return json.loads(body)
     except ValueError as exc:  # what the codec takes and Python does not (none known)

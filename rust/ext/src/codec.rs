@@ -797,3 +797,20 @@ pub(crate) fn host_contiguous<'py>(
     }
     Ok(tensor)
 }
+
+/// Checks that `body` is one JSON document by the v2 codec's rules (its
+/// syntax and its nesting limit, `MAX_DEPTH`): `ValueError` with the
+/// codec's message otherwise. For bodies that are not inference requests.
+#[pyfunction]
+pub fn check_json(body: &[u8]) -> PyResult<()> {
+    let mut parser = ferrobatch_core::v2::json::Parser::new(body);
+    parser
+        .skip_value()
+        .and_then(|_| parser.end())
+        .map_err(|e| {
+            pyo3::exceptions::PyValueError::new_err(format!(
+                "malformed JSON: {} (at byte {})",
+                e.message, e.offset
+            ))
+        })
+}

@@ -41,6 +41,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<fanout::LoopMailbox>()?;
     m.add_class::<submit::Submitter>()?;
     m.add_function(wrap_pyfunction!(submit::after_fork_in_child, m)?)?;
+    m.add_function(wrap_pyfunction!(codec::check_json, m)?)?;
     codec::register(m)?;
     native::register(m)?;
     shm::register(m)?;
