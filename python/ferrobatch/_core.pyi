@@ -24,6 +24,7 @@ __all__ = [
     "Worker",
     "__version__",
     "after_fork_in_child",
+    "check_json",
     "shared_meta",
 ]
 __version__: str
