@@ -96,13 +96,16 @@ miri:
 loom:
 	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --quiet --release --lib -- loom_
 
-# The v2 decoder under libFuzzer (cargo-fuzz on nightly) for FUZZ_SECONDS;
-# installs cargo-fuzz if it is missing. Findings land in rust/fuzz/artifacts.
+# The v2 decoder (FUZZ_TARGET=decode) or a live shared segment scribbled
+# while served (FUZZ_TARGET=shm) under libFuzzer (cargo-fuzz on nightly) for
+# FUZZ_SECONDS; installs cargo-fuzz if it is missing. Findings land in
+# rust/fuzz/artifacts.
 FUZZ_SECONDS ?= 60
+FUZZ_TARGET ?= decode
 .PHONY: fuzz
 fuzz:
 	@command -v cargo-fuzz >/dev/null 2>&1 || cargo install --locked cargo-fuzz
-	cargo +nightly fuzz run --fuzz-dir rust/fuzz decode -- -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048
+	cargo +nightly fuzz run --fuzz-dir rust/fuzz $(FUZZ_TARGET) -- -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048
 
 bench: build bench-serve-deps
 	cargo bench

@@ -804,13 +804,10 @@ pub(crate) fn host_contiguous<'py>(
 #[pyfunction]
 pub fn check_json(body: &[u8]) -> PyResult<()> {
     let mut parser = ferrobatch_core::v2::json::Parser::new(body);
-    parser
-        .skip_value()
-        .and_then(|_| parser.end())
-        .map_err(|e| {
-            pyo3::exceptions::PyValueError::new_err(format!(
-                "malformed JSON: {} (at byte {})",
-                e.message, e.offset
-            ))
-        })
+    parser.skip_value().and_then(|_| parser.end()).map_err(|e| {
+        pyo3::exceptions::PyValueError::new_err(format!(
+            "malformed JSON: {} (at byte {})",
+            e.message, e.offset
+        ))
+    })
 }

@@ -176,12 +176,13 @@ impl Ring {
                     Err(now) => pos = now,
                 }
             } else if diff < 0 {
-                // Last lap's value is still there: full, if `head` agrees
-                // (a sound ring keeps `0 <= tail - head <= capacity`, so a
-                // head more than a lap behind `pos`, or past it, has moved
-                // since `pos` was read, or lies).
+                // Last lap's value is still there: full, if `head` agrees.
+                // When the slot was read, `head <= pos - capacity` (its value
+                // was not taken) and `tail - head <= capacity`, so `head` was
+                // exactly a lap behind `pos`; a head elsewhere has moved
+                // since `pos` was read, or lies.
                 let head = self.head().load(Ordering::Acquire);
-                if pos.wrapping_sub(head) <= self.mask + 1 {
+                if pos.wrapping_sub(head) == self.mask + 1 {
                     return Err(PushError::Full(value));
                 }
                 // No Corrupt at once here: `head` moves by a Relaxed CAS, so
@@ -239,13 +240,16 @@ impl Ring {
     }
 
     /// For the ring's only consumer: `Err` when the indices no longer bound
-    /// the queue (`tail` behind `head`, or more than `capacity` ahead).
-    /// Exact only there: with one consumer, `head` cannot move between the
-    /// two loads, and producers cannot get more than a lap ahead of it.
+    /// the queue (`tail` behind `head`, or more than `capacity` ahead), or
+    /// the slot at `head` holds a sequence other than "empty" (`head`) or
+    /// "ready" (`head + 1`). Exact only there: with one consumer, `head`
+    /// cannot move meanwhile, the consumer itself wrote `head` into that
+    /// slot a lap ago, and producers cannot get a lap ahead of it.
     pub fn check(&self) -> Result<(), Corrupt> {
         let head = self.head().load(Ordering::SeqCst);
         let tail = self.tail().load(Ordering::SeqCst);
-        if tail.wrapping_sub(head) > self.mask + 1 {
+        let seq = self.seq(head).load(Ordering::SeqCst);
+        if tail.wrapping_sub(head) > self.mask + 1 || seq.wrapping_sub(head) > 1 {
             return Err(Corrupt);
         }
         Ok(())
@@ -439,6 +443,17 @@ mod tests {
         assert_eq!(r.check(), Ok(()));
         r.push(2).unwrap();
         assert_eq!(r.pop(), Ok(Some(2)));
+    }
+
+    /// A slot that says "full" while the indices say "empty": producers
+    /// see no room, the consumer sees nothing to take.
+    #[test]
+    fn a_slot_claiming_full_in_an_empty_ring_is_corrupt() {
+        let (_m, r) = ring(8);
+        r.seq(0).store(0xfffe_feff_0000_0000, Ordering::SeqCst);
+        assert_eq!(r.push(1), Err(PushError::Corrupt));
+        assert_eq!(r.pop(), Ok(None));
+        assert_eq!(r.check(), Err(Corrupt));
     }
 
     #[test]

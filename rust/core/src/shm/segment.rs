@@ -524,6 +524,35 @@ impl Segment {
         self.layout.config
     }
 
+    /// The bytes of the request ring, or of client slot `client`'s area
+    /// (its state, doorbell, completion ring, entries and cells): where
+    /// clients write. None for a client out of range.
+    pub fn region(&self, client: Option<u32>) -> Option<std::ops::Range<usize>> {
+        match client {
+            None => Some(self.layout.ring..self.layout.clients),
+            Some(c) if c < self.layout.config.clients => {
+                let start = self.layout.clients + c as usize * self.layout.client_stride;
+                Some(start..start + self.layout.client_stride)
+            }
+            Some(_) => None,
+        }
+    }
+
+    /// Stores `value` at byte `offset` (rounded down to a word) atomically:
+    /// what any process mapping the segment can do, for chaos tests and
+    /// fuzzing. False if the offset lies outside the segment.
+    pub fn scribble(&self, offset: usize, value: u64) -> bool {
+        let offset = offset & !7;
+        if offset
+            .checked_add(8)
+            .is_none_or(|end| end > self.layout.total)
+        {
+            return false;
+        }
+        self.u64_at(offset).store(value, Ordering::SeqCst);
+        true
+    }
+
     /// Removes the file (mappings stay valid until dropped), unless the
     /// name now holds another segment (a new server's).
     pub fn unlink(&self) {
