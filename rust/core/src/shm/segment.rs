@@ -543,11 +543,9 @@ impl Segment {
     /// fuzzing. False if the offset lies outside the segment.
     pub fn scribble(&self, offset: usize, value: u64) -> bool {
         let offset = offset & !7;
-        if offset
-            .checked_add(8)
-            .is_none_or(|end| end > self.layout.total)
-        {
-            return false;
+        match offset.checked_add(8) {
+            Some(end) if end <= self.layout.total => {}
+            _ => return false,
         }
         self.u64_at(offset).store(value, Ordering::SeqCst);
         true
