@@ -544,3 +544,24 @@ def test_both_front_ends_give_the_same_model_infer_responses() -> None:
                 rpc.ModelReady(pb.ModelReadyRequest(name="m", version="1")),
             ]
     assert replies["native"] == replies["python"]
+
+
+def test_models_with_bytes_or_variable_length_tensors_are_ready_over_native_grpc() -> None:
+    # PyTriton's ModelClient waits for ModelReady: it said false for these.
+    text = fb.Server(
+        lambda d: {"n": torch.tensor([len(t[0]) for t in d["text"]], dtype=torch.int64)},
+        inputs=[fb.TensorSpec("text", "bytes", (1,))],
+        outputs=[fb.TensorSpec("n", "int64", ())],
+        name="text",
+    )
+    tokens = fb.Server(
+        lambda d: {"t": d["tokens"] + 1},
+        inputs=[fb.TensorSpec("tokens", "int64", (-1,), ragged="pad")],
+        outputs=[fb.TensorSpec("t", "int64", (-1,), ragged="pad")],
+        name="tokens",
+    )
+    with serving([text, tokens]) as address, client(address) as triton:
+        assert triton.is_model_ready("text") and triton.is_model_ready("tokens", "1")
+        for name, version in (("tokens", "2"), ("nobody", "")):
+            with pytest.raises(InferenceServerException, match="unknown model"):
+                triton.is_model_ready(name, version)

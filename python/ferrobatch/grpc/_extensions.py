@@ -1,5 +1,5 @@
-"""Triton's ``ModelConfig``, ``ModelStatistics`` and ``RepositoryIndex``
-RPCs, answered from the documents the HTTP routes serve
+"""Triton's ``ModelReady``, ``ModelConfig``, ``ModelStatistics`` and
+``RepositoryIndex`` RPCs, answered from the documents the HTTP routes serve
 (:meth:`ModelRepository.model_config`, ``model_statistics``,
 ``repository_index``), so both protocols say the same.
 
@@ -28,6 +28,11 @@ INTERNAL = 13
 UNIMPLEMENTED = 12
 
 
+def model_ready(repository: ModelRepository, request: pb.ModelReadyRequest) -> pb.ModelReadyResponse:
+    """Whether the model serves now; :class:`UnknownModelError` if unknown."""
+    return pb.ModelReadyResponse(ready=repository.model_ready(request.name, request.version))
+
+
 def model_config(repository: ModelRepository, request: pb.ModelConfigRequest) -> pb.ModelConfigResponse:
     """The model's configuration; :class:`UnknownModelError` if unknown."""
     config = repository.model_config(request.name, request.version)
@@ -48,6 +53,7 @@ def repository_index(repository: ModelRepository, request: pb.RepositoryIndexReq
 
 
 _RPCS: dict[str, tuple[type[Message], Callable[[ModelRepository, Any], Message]]] = {
+    "ModelReady": (pb.ModelReadyRequest, model_ready),
     "ModelConfig": (pb.ModelConfigRequest, model_config),
     "ModelStatistics": (pb.ModelStatisticsRequest, model_statistics),
     "RepositoryIndex": (pb.RepositoryIndexRequest, repository_index),

@@ -96,11 +96,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelReady(self, request: pb.ModelReadyRequest, context: Context) -> pb.ModelReadyResponse:
         try:
-            ready = self.repository.model_ready(request.name, request.version)
+            return _extensions.model_ready(self.repository, request)
         except ProtocolError as exc:
             _fail(context, exc)
             return pb.ModelReadyResponse()
-        return pb.ModelReadyResponse(ready=ready)
 
     async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Context) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(**self.repository.server_metadata())

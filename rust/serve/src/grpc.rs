@@ -184,13 +184,15 @@ impl GrpcInferenceService for Inference {
         &self,
         request: Request<ModelReadyRequest>,
     ) -> Result<Response<ModelReadyResponse>, Status> {
-        let request = request.into_inner();
-        let served = matches!(
-            self.known(&request.name, &request.version)?,
-            Lookup::Served(_)
-        );
-        let ready = served && self.shared.is_ready();
-        Ok(Response::new(ModelReadyResponse { ready }))
+        let known = self.known(&request.get_ref().name, &request.get_ref().version)?;
+        match known {
+            Lookup::Served(_) => Ok(Response::new(ModelReadyResponse {
+                ready: self.shared.is_ready(),
+            })),
+            // Models answered by the Python handlers (BYTES, variable
+            // length) are theirs to call ready, as over HTTP.
+            Lookup::NotRunning => self.fallback("ModelReady", request).await,
+        }
     }
 
     async fn server_metadata(
