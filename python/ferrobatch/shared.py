@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import _core
+from ._requests import Parameter, encode_parameters
 from ._torch import make_coerce
 from .client import _is_tensordict, _to_tensordict, flatten_inputs
 from .errors import ServerClosedError
@@ -262,16 +263,38 @@ class SharedClient:
             return core
         return self._connect()
 
-    async def infer(self, inputs: Mapping[str, Any], timeout: float | None = None) -> Any:
-        """As :meth:`Client.infer`: one sample in, ``{output: tensor}`` out."""
-        return await self._infer(inputs, timeout, False)
+    async def infer(
+        self,
+        inputs: Mapping[str, Any],
+        timeout: float | None = None,
+        *,
+        priority: int | None = None,
+        parameters: Mapping[str, Parameter] | None = None,
+    ) -> Any:
+        """As :meth:`Client.infer`: one sample in, ``{output: tensor}`` out.
+        ``parameters`` take at most 256 bytes as JSON here."""
+        return await self._infer(inputs, timeout, False, priority, encode_parameters(parameters))
 
-    async def infer_batch(self, inputs: Mapping[str, Any], timeout: float | None = None) -> dict[str, torch.Tensor]:
+    async def infer_batch(
+        self,
+        inputs: Mapping[str, Any],
+        timeout: float | None = None,
+        *,
+        priority: int | None = None,
+        parameters: Mapping[str, Parameter] | None = None,
+    ) -> dict[str, torch.Tensor]:
         """As :meth:`Client.infer_batch`: ``n`` rows that join one batch together."""
-        out: dict[str, torch.Tensor] = await self._infer(inputs, timeout, True)
+        out: dict[str, torch.Tensor] = await self._infer(inputs, timeout, True, priority, encode_parameters(parameters))
         return out
 
-    async def _infer(self, inputs: Mapping[str, Any], timeout: float | None, batched: bool) -> Any:
+    async def _infer(
+        self,
+        inputs: Mapping[str, Any],
+        timeout: float | None,
+        batched: bool,
+        priority: int | None,
+        parameters: str | None,
+    ) -> Any:
         core = self._live_core()
         tensordict = False
         if type(inputs) is not dict and isinstance(inputs, Mapping):
@@ -279,7 +302,7 @@ class SharedClient:
             inputs = flatten_inputs(inputs, self._input_names if tensordict else None)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
-        key = core.submit(inputs, timeout, batched, future, loop)
+        key = core.submit(inputs, timeout, batched, future, loop, priority, parameters)
         timer = None
         if timeout is not None and timeout < _NO_TIMER:
             timer = loop.call_later(timeout, core.expire, key, timeout)
@@ -294,7 +317,14 @@ class SharedClient:
             del future, inputs
         return _to_tensordict(out) if tensordict else out
 
-    def infer_sync(self, inputs: Mapping[str, Any], timeout: float | None = None) -> Any:
+    def infer_sync(
+        self,
+        inputs: Mapping[str, Any],
+        timeout: float | None = None,
+        *,
+        priority: int | None = None,
+        parameters: Mapping[str, Parameter] | None = None,
+    ) -> Any:
         """As :meth:`Client.infer_sync`: blocking, from any thread but an event
         loop's; the thread waits with the GIL released."""
         try:
@@ -307,12 +337,13 @@ class SharedClient:
                 "use `await client.infer(...)` there"
             )
         core = self._live_core()
+        encoded = encode_parameters(parameters)
         if type(inputs) is not dict and isinstance(inputs, Mapping):
             if _is_tensordict(inputs):
                 flat = flatten_inputs(inputs, self._input_names)
-                return _to_tensordict(core.infer_blocking(flat, timeout, False))
+                return _to_tensordict(core.infer_blocking(flat, timeout, False, priority, encoded))
             inputs = flatten_inputs(inputs)
-        return core.infer_blocking(inputs, timeout, False)
+        return core.infer_blocking(inputs, timeout, False, priority, encoded)
 
     @property
     def pending(self) -> int:

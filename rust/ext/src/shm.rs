@@ -676,15 +676,18 @@ impl ClientInner {
 
     /// Converts and queues a request, its waiter registered first (the
     /// collector may answer it at once): `(cell, tag)`.
+    #[allow(clippy::too_many_arguments)]
     fn submit(
         &self,
         py: Python<'_>,
         inputs: &Bound<'_, PyAny>,
         timeout: Option<f64>,
         batched: bool,
+        priority: Option<i64>,
+        parameters: Option<String>,
         target: Target,
     ) -> PyResult<(u32, u32)> {
-        let timeout = parse_timeout(py, timeout)?;
+        let submission = crate::submit::submission(py, timeout, priority, parameters)?;
         let (rows, _, keep) = self.converter.convert_dict(py, inputs, batched)?;
         let bytes: Vec<&[u8]> = keep.iter().map(|k| k.bytes()).collect();
         let rows = row_u32(rows, "rows")?;
@@ -694,7 +697,7 @@ impl ClientInner {
         let mut waiters = self.waiters();
         let (cell, tag) = self
             .core
-            .submit(&bytes, rows, timeout)
+            .submit_with(&bytes, rows, &submission)
             .map_err(|e| shm_error(py, e))?;
         waiters.insert(
             cell,
@@ -748,17 +751,6 @@ impl SharedDrain {
     /// Resolves what the collector posted since the last call.
     fn drain(&self, py: Python<'_>) -> PyResult<()> {
         self.inner.drain(py, &self.inbox)
-    }
-}
-
-fn parse_timeout(py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Duration>> {
-    match timeout {
-        None => Ok(None),
-        Some(t) if t.is_nan() || t < 0.0 => Err(invalid_input(
-            py,
-            format!("timeout must be a number of seconds >= 0, got {t}"),
-        )),
-        Some(t) => Ok(Duration::try_from_secs_f64(t).ok()),
     }
 }
 
@@ -862,7 +854,8 @@ impl SharedClient {
 
     /// Queues a request from the running event loop `event_loop`, answered
     /// through `future` (made on that loop): its key, for `cancel`/`expire`.
-    #[pyo3(signature = (inputs, timeout, batched, future, event_loop))]
+    #[pyo3(signature = (inputs, timeout, batched, future, event_loop, priority=None, parameters=None))]
+    #[allow(clippy::too_many_arguments)]
     fn submit(
         &self,
         py: Python<'_>,
@@ -871,10 +864,14 @@ impl SharedClient {
         batched: bool,
         future: Py<PyAny>,
         event_loop: &Bound<'_, PyAny>,
+        priority: Option<i64>,
+        parameters: Option<String>,
     ) -> PyResult<u64> {
         let inbox = self.inner.inbox_for(py, event_loop)?;
         let target = Target::Loop { future, inbox };
-        let (cell, tag) = self.inner.submit(py, inputs, timeout, batched, target)?;
+        let (cell, tag) = self
+            .inner
+            .submit(py, inputs, timeout, batched, priority, parameters, target)?;
         Ok(key(cell, tag))
     }
 
@@ -908,17 +905,21 @@ impl SharedClient {
 
     /// Runs a request from a plain thread, blocking (GIL released) until
     /// its answer; Ctrl-C withdraws it where it is still queued.
-    #[pyo3(signature = (inputs, timeout=None, batched=false))]
+    #[pyo3(signature = (inputs, timeout=None, batched=false, priority=None, parameters=None))]
     fn infer_blocking(
         &self,
         py: Python<'_>,
         inputs: &Bound<'_, PyAny>,
         timeout: Option<f64>,
         batched: bool,
+        priority: Option<i64>,
+        parameters: Option<String>,
     ) -> PyResult<Py<PyAny>> {
         let waiter = Arc::new(ThreadWaiter::default());
         let target = Target::Thread(waiter.clone());
-        let (cell, tag) = self.inner.submit(py, inputs, timeout, batched, target)?;
+        let (cell, tag) = self
+            .inner
+            .submit(py, inputs, timeout, batched, priority, parameters, target)?;
         let deadline = timeout
             .and_then(|t| Duration::try_from_secs_f64(t).ok())
             .and_then(|t| Instant::now().checked_add(t));

@@ -250,7 +250,7 @@ impl Submitter {
 /// deadline offset: None without one, and also for one too long to represent
 /// (infinity, 1e300: no deadline). A negative or NaN timeout, or a negative
 /// priority, is an `InvalidInputError`.
-fn submission(
+pub(crate) fn submission(
     py: Python<'_>,
     timeout: Option<f64>,
     priority: Option<i64>,

@@ -182,6 +182,30 @@ impl ClientCore {
         rows: u32,
         timeout: Option<Duration>,
     ) -> Result<(u32, u32), ShmError> {
+        let submission = crate::Submission {
+            timeout,
+            ..Default::default()
+        };
+        self.submit_with(inputs, rows, &submission)
+    }
+
+    /// [`ClientCore::submit`] with a priority level (the server checks it)
+    /// and parameters (a JSON object's text, at most `PARAMETERS_BYTES`).
+    pub fn submit_with(
+        &self,
+        inputs: &[&[u8]],
+        rows: u32,
+        submission: &crate::Submission,
+    ) -> Result<(u32, u32), ShmError> {
+        let (timeout, priority) = (submission.timeout, submission.priority);
+        let parameters = submission.parameters.as_deref();
+        if parameters.is_some_and(|p| p.len() > super::PARAMETERS_BYTES) {
+            return Err(ShmError::Invalid(format!(
+                "parameters of {} bytes; at most {} cross shared memory",
+                parameters.map_or(0, str::len),
+                super::PARAMETERS_BYTES
+            )));
+        }
         if let Some(gone) = self.server_gone() {
             return Err(ShmError::Closed(gone.to_string()));
         }
@@ -227,6 +251,11 @@ impl ClientCore {
             offset += bytes.len();
         }
         entry.rows().store(rows, Ordering::Relaxed);
+        entry
+            .priority()
+            .store(priority.unwrap_or(0), Ordering::Relaxed);
+        // Checked above: it fits.
+        entry.set_parameters(parameters.unwrap_or(""));
         let ns = timeout.map_or(u64::MAX, |t| {
             t.as_nanos().min(u128::from(u64::MAX - 1)) as u64
         });

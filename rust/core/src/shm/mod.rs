@@ -143,6 +143,8 @@ pub const MAX_CLIENTS: u32 = 1 << 12;
 pub const MAX_CELLS: u32 = 1 << 18;
 /// Longest error message kept in an entry.
 pub const MESSAGE_BYTES: usize = 200;
+/// Longest request parameters (a JSON object's text) an entry carries.
+pub const PARAMETERS_BYTES: usize = 256;
 
 /// One ring element: a request (or a request's withdrawal) of a client.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -176,19 +176,11 @@ impl Ring {
                     Err(now) => pos = now,
                 }
             } else if diff < 0 {
-                // Last lap's value is still there: full, if `head` agrees.
-                // When the slot was read, `head <= pos - capacity` (its value
-                // was not taken) and `tail - head <= capacity`, so `head` was
-                // exactly a lap behind `pos`; a head elsewhere has moved
-                // since `pos` was read, or lies.
-                let head = self.head().load(Ordering::Acquire);
-                if pos.wrapping_sub(head) == self.mask + 1 {
-                    return Err(PushError::Full(value));
-                }
-                // No Corrupt at once here: `head` moves by a Relaxed CAS, so
-                // seeing it past `pos` does not promise seeing `tail` past
-                // `pos` yet. A lying ring runs out of rounds.
-                pos = self.tail().load(Ordering::Relaxed);
+                // Last lap's value is still there: full. (A slot that says
+                // so in a ring whose indices say empty is corrupt; only the
+                // consumer can tell, with `check`: with several consumers a
+                // stalled one looks the same for a while.)
+                return Err(PushError::Full(value));
             } else {
                 // Another producer published `pos`, so it moved `tail` first
                 // (before its Release of `seq`, which we acquired): an
@@ -451,7 +443,7 @@ mod tests {
     fn a_slot_claiming_full_in_an_empty_ring_is_corrupt() {
         let (_m, r) = ring(8);
         r.seq(0).store(0xfffe_feff_0000_0000, Ordering::SeqCst);
-        assert_eq!(r.push(1), Err(PushError::Corrupt));
+        assert_eq!(r.push(1), Err(PushError::Full(1)));
         assert_eq!(r.pop(), Ok(None));
         assert_eq!(r.check(), Err(Corrupt));
     }

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use super::{
     server_state, ShmError, CRATE_VERSION, LAYOUT_VERSION, MAGIC, MAX_CELLS, MAX_CLIENTS,
-    MESSAGE_BYTES,
+    MESSAGE_BYTES, PARAMETERS_BYTES,
 };
 use crate::shm::{Peer, Ring};
 
@@ -51,7 +51,7 @@ mod client_at {
     pub const COMPLETIONS: usize = 192;
 }
 /// Bytes of one entry, and offsets within it.
-const ENTRY: usize = 256;
+const ENTRY: usize = 512;
 mod entry_at {
     pub const WORD: usize = 0;
     pub const ROWS: usize = 8;
@@ -59,6 +59,11 @@ mod entry_at {
     pub const TIMEOUT_NS: usize = 16;
     pub const MESSAGE_LEN: usize = 24;
     pub const MESSAGE: usize = 32;
+    /// After the message's `MESSAGE_BYTES`.
+    pub const PRIORITY: usize = 232;
+    pub const PARAMETERS_LEN: usize = 236;
+    /// `PARAMETERS_BYTES` of them, to the end of the entry.
+    pub const PARAMETERS: usize = 256;
 }
 
 fn round_up(n: usize) -> Option<usize> {
@@ -794,6 +799,63 @@ impl Entry<'_> {
         };
         self.u32_at(entry_at::MESSAGE_LEN)
             .store(len as u32, Ordering::Relaxed);
+    }
+
+    /// The request's priority level (0: the server's default).
+    pub fn priority(&self) -> &AtomicU32 {
+        self.u32_at(entry_at::PRIORITY)
+    }
+
+    /// Writes the request's parameters (a JSON object's text; empty: none).
+    /// False, writing nothing, if longer than `PARAMETERS_BYTES`. Call only
+    /// while owning the entry's bytes.
+    pub fn set_parameters(&self, parameters: &str) -> bool {
+        let len = parameters.len();
+        if len > PARAMETERS_BYTES {
+            return false;
+        }
+        // SAFETY: the parameters field has PARAMETERS_BYTES bytes inside
+        // the entry, `len` fits; the caller owns the entry's bytes now.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                parameters.as_ptr(),
+                self.base.add(entry_at::PARAMETERS),
+                len,
+            )
+        };
+        self.u32_at(entry_at::PARAMETERS_LEN)
+            .store(len as u32, Ordering::Relaxed);
+        true
+    }
+
+    /// The request's parameters: None if it has none, `Err` if its length
+    /// word is out of range or the bytes are not UTF-8. Call only while
+    /// owning the entry's bytes.
+    pub fn parameters(&self) -> Result<Option<Box<str>>, String> {
+        let len = self
+            .u32_at(entry_at::PARAMETERS_LEN)
+            .load(Ordering::Relaxed) as usize;
+        if len == 0 {
+            return Ok(None);
+        }
+        if len > PARAMETERS_BYTES {
+            return Err(format!(
+                "parameters of {len} bytes; at most {PARAMETERS_BYTES} fit a cell"
+            ));
+        }
+        let mut out = vec![0u8; len];
+        // SAFETY: `len` <= PARAMETERS_BYTES bytes lie inside the entry; the
+        // caller owns the entry's bytes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.base.add(entry_at::PARAMETERS),
+                out.as_mut_ptr(),
+                len,
+            )
+        };
+        String::from_utf8(out)
+            .map(|s| Some(s.into_boxed_str()))
+            .map_err(|_| "parameters that are not UTF-8".to_string())
     }
 
     /// The error message. Call only while owning the entry's bytes.

@@ -411,11 +411,29 @@ impl SharedServer {
             u64::MAX => None,
             ns => Some(Duration::from_nanos(ns)),
         };
-        let submitted = self.batcher.submit_with(
+        let priority = match entry.priority().load(Ordering::Relaxed) {
+            0 => None,
+            level => Some(level),
+        };
+        // Read only for a model that asks for them (`with_requests`).
+        let parameters = if self.batcher.keeps_parameters() {
+            match entry.parameters() {
+                Ok(parameters) => parameters,
+                Err(why) => return fail(code::INVALID_INPUT, Outcome::InvalidInput, &why),
+            }
+        } else {
+            None
+        };
+        let submission = crate::Submission {
+            timeout,
+            priority,
+            parameters,
+        };
+        let submitted = self.batcher.submit_request(
             Sink::SharedMemory(d.client),
             rows as usize,
             inputs.into_boxed_slice(),
-            timeout,
+            submission,
             |request| {
                 let mut pending = self.lock();
                 pending.by_cell.insert((d.client, d.cell), request.id);
