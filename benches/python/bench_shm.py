@@ -9,6 +9,8 @@ and drives it for ``--seconds`` (after ``--warmup``), ``--runs`` times:
   ``await server.client().infer(...)`` in a loop (the same total callers);
 - ``shm``: the server shares itself (``server.share``); 2 client processes
   (spawned once) each run ``--callers`` asyncio callers, ``fb.connect(name)``;
+- ``shm +options``: the same, the server with ``priority_levels=2`` and each
+  request given ``priority=1`` and ``parameters={"tenant": "a"}``;
 - ``http-binary``: ``ferrobatch serve``'s native front-end on 127.0.0.1; the
   same 2 processes each run ``--callers`` callers with ``tritonclient.http.aio``
   (binary tensors in and out);
@@ -57,10 +59,16 @@ RESULTS = Path(__file__).resolve().parents[1] / "results" / "shm.jsonl"
 PROCESSES = 2
 
 
-def make_server(kind: str) -> fb.Server:
+def make_server(kind: str, **options: Any) -> fb.Server:
     spec = [fb.TensorSpec("x", "float32", (FEATURES,))]
     out = [fb.TensorSpec("y", "float32", (FEATURES,))]
-    return fb.Server(make_model(kind), inputs=spec, outputs=out, max_batch_size=MAX_BATCH_SIZE, max_delay=0, name=kind)
+    return fb.Server(
+        make_model(kind), inputs=spec, outputs=out, max_batch_size=MAX_BATCH_SIZE, max_delay=0, name=kind, **options
+    )
+
+
+#: What ``shm +options`` requests carry.
+OPTIONS: dict[str, Any] = {"priority": 1, "parameters": {"tenant": "a"}}
 
 
 # -- the client processes ---------------------------------------------------------------
@@ -117,11 +125,12 @@ def client_process(conn: Connection) -> None:
             conn.send("connected")
             continue
         kind, target, model, callers, start_at, warmup, seconds = command
-        if kind == "shm":
+        if kind.startswith("shm"):
             client = clients[target]
+            options = OPTIONS if kind == "shm +options" else {}
 
-            async def shm_call(x: torch.Tensor, client: fb.SharedClient = client) -> Any:
-                return await client.infer({"x": x})
+            async def shm_call(x: torch.Tensor, client: fb.SharedClient = client, options: Any = options) -> Any:
+                return await client.infer({"x": x}, **options)
 
             result = asyncio.run(_callers(shm_call, callers, start_at, warmup, seconds))
         else:
@@ -212,13 +221,16 @@ async def in_process(kind: str, callers: int, args: argparse.Namespace) -> dict[
         return summarize([result], seconds)
 
 
-async def shared(kind: str, callers: int, conns: list[Connection], args: argparse.Namespace) -> dict[str, Any]:
-    async with make_server(kind) as server:
+async def shared(
+    kind: str, callers: int, conns: list[Connection], args: argparse.Namespace, system: str = "shm"
+) -> dict[str, Any]:
+    options = {"priority_levels": 2} if system == "shm +options" else {}
+    async with make_server(kind, **options) as server:
         name = f"bench-shm-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         server.share(name, rows_per_client=max(1024, 2 * callers))
         await asyncio.to_thread(gather, conns, ("connect", name))
         start_at, warmup, seconds = window(args)
-        command = ("shm", name, kind, callers, start_at, warmup, seconds)
+        command = (system, name, kind, callers, start_at, warmup, seconds)
         results = await asyncio.to_thread(gather, conns, command)
         return summarize(results, seconds)
 
@@ -291,7 +303,8 @@ def run_system(system: str, kind: str, conns: list[Connection], args: argparse.N
     if system.startswith("in-process"):
         return asyncio.run(in_process(kind, callers if callers == 1 else PROCESSES * callers, args))
     if system.startswith("shm"):
-        return asyncio.run(shared(kind, callers, conns[:1] if callers == 1 else conns, args))
+        plain = "shm +options" if system == "shm +options" else "shm"
+        return asyncio.run(shared(kind, callers, conns[:1] if callers == 1 else conns, args, plain))
     return http_binary(kind, callers, conns, args)
 
 
@@ -319,7 +332,7 @@ def main() -> None:
         for kind in args.models.split(","):
             runs: dict[str, list[dict[str, Any]]] = {}
             for _ in range(args.runs):
-                for system in ("in-process", "shm", "in-process @1", "shm @1", "http-binary"):
+                for system in ("in-process", "shm", "shm +options", "in-process @1", "shm @1", "http-binary"):
                     result = run_system(system, kind, conns, args)
                     runs.setdefault(system, []).append(result)
                     p50 = f"{result['p50_us']:8.0f} us p50" if result["p50_us"] else ""
@@ -384,6 +397,9 @@ def report(rows: list[dict[str, Any]]) -> None:
         parts = []
         if shm and local:
             parts.append(f"shm / in-process {shm / local:.2f}x (target >= 0.7)")
+        options = get(model, "shm +options", "req_per_s")
+        if shm and options:
+            parts.append(f"shm +options / shm {options / shm:.2f}x (target >= 0.9)")
         if shm and trl:
             parts.append(f"shm / torchrl-shm {shm / trl:.1f}x (target >= 10)")
         if shm and trl_mp:
