@@ -308,3 +308,23 @@ def test_mp_clients_get_server_closed_after_shutdown() -> None:
     server.shutdown()
     with pytest.raises(fb.ServerClosedError):
         client.submit(request()).result(10)
+
+
+def test_a_server_started_again_after_shutdown_serves_again() -> None:
+    # start() -> shutdown() -> start() said is_alive and refused every request.
+    module = policy()
+    transport = ThreadingTransport()
+    server = InferenceServer(module, transport, max_batch_size=4)
+    client = transport.client()
+    for round in range(3):
+        server.start()
+        assert server.is_alive
+        if round == 1:
+            server.update_model(lambda m: None)
+        out = client(request(float(round)))
+        torch.testing.assert_close(out["action"], module(request(float(round)))["action"])
+        assert int(out["policy_version"]) == (0 if round == 0 else 1), "the version carries over"
+        server.shutdown()
+        assert not server.is_alive
+    with pytest.raises(fb.ServerClosedError):
+        client(request())

@@ -222,6 +222,12 @@ class InferenceServer:
             self._poller.join(timeout)
             self._poller = None
         self._thread = None
+        # A stopped core server does not start again: start() builds a new
+        # one on its first request, carrying the policy version on.
+        with self._build_lock:
+            if self._core is not None:
+                self._version_base += self._core.model_version
+            self._core, self._client = None, None
 
     @property
     def is_alive(self) -> bool:
