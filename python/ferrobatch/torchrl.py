@@ -178,6 +178,13 @@ class InferenceServer:
         workers) and returns it."""
         if self.is_alive:
             raise RuntimeError("Server is already running.")
+        # The core server of an earlier run (stopped; its stats read until
+        # now) does not start again: the first request builds a new one,
+        # and the policy version carries on.
+        with self._build_lock:
+            if self._core is not None:
+                self._version_base += self._core.model_version
+            self._core, self._client = None, None
         self._stopping.clear()
         loop = asyncio.new_event_loop()
         ready = threading.Event()
@@ -222,12 +229,6 @@ class InferenceServer:
             self._poller.join(timeout)
             self._poller = None
         self._thread = None
-        # A stopped core server does not start again: start() builds a new
-        # one on its first request, carrying the policy version on.
-        with self._build_lock:
-            if self._core is not None:
-                self._version_base += self._core.model_version
-            self._core, self._client = None, None
 
     @property
     def is_alive(self) -> bool:
