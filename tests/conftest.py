@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import subprocess
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -44,3 +45,15 @@ async def server() -> AsyncIterator[fb.Server]:
 
 def sample(i: float) -> torch.Tensor:
     return torch.full((WIDTH,), float(i))
+
+
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen[str]]]:
+    """Child processes a test starts: killed by PID and reaped at its end,
+    whatever happened (a child that died and was never reaped included)."""
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+        p.wait(30)

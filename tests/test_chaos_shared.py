@@ -17,7 +17,6 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -136,22 +135,11 @@ def leftovers() -> list[str]:
     return [f for f in os.listdir("/dev/shm") if f.startswith("ferrobatch.fbchaos-") and str(os.getpid()) in f]
 
 
-@pytest.fixture
-def children() -> Iterator[list[subprocess.Popen[str]]]:
-    """Processes a test starts: killed by PID and reaped, whatever happens."""
-    started: list[subprocess.Popen[str]] = []
-    yield started
-    for p in started:
-        if p.poll() is None:
-            p.kill()
-        p.wait(30)
-
-
-def start(children: list[subprocess.Popen[str]], script: str, *args: object) -> subprocess.Popen[str]:
+def start(processes: list[subprocess.Popen[str]], script: str, *args: object) -> subprocess.Popen[str]:
     p = subprocess.Popen(
         [sys.executable, "-c", script, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    children.append(p)
+    processes.append(p)
     return p
 
 
@@ -173,12 +161,12 @@ async def tally_of(p: subprocess.Popen[str]) -> Counter[str]:
 
 
 @pytest.mark.timeout(240)
-async def test_clients_killed_and_giving_up_harm_no_other_client(children: list[subprocess.Popen[str]]) -> None:
+async def test_clients_killed_and_giving_up_harm_no_other_client(processes: list[subprocess.Popen[str]]) -> None:
     server = fb.Server(model, inputs=INPUTS, outputs=OUTPUTS, max_batch_size=32, max_delay=0.0005)
     async with server:
         share = server.share(unique("kill"))
-        survivors = [start(children, CLIENT, share.name, seed, 3000, 1) for seed in range(3)]
-        victims = [start(children, CLIENT, share.name, 100 + seed, 10**9, 1) for seed in range(2)]
+        survivors = [start(processes, CLIENT, share.name, seed, 3000, 1) for seed in range(3)]
+        victims = [start(processes, CLIENT, share.name, 100 + seed, 10**9, 1) for seed in range(2)]
         for p in victims:
             assert await first_line(p) == "running"
         await asyncio.sleep(0.3)  # the victims have requests queued and in the model
@@ -205,13 +193,13 @@ async def test_clients_killed_and_giving_up_harm_no_other_client(children: list[
 
 
 @pytest.mark.timeout(240)
-async def test_stats_equal_what_client_processes_saw(children: list[subprocess.Popen[str]]) -> None:
+async def test_stats_equal_what_client_processes_saw(processes: list[subprocess.Popen[str]]) -> None:
     # No caller gives up here, so each request's outcome is decided by the
     # server alone (a caller that gives up races the answer across processes).
     server = fb.Server(model, inputs=INPUTS, outputs=OUTPUTS, max_batch_size=32, max_delay=0.0005, max_queue_size=100)
     await server.start()
     share = server.share(unique("stats"))
-    clients = [start(children, CLIENT, share.name, seed, 50_000, 0) for seed in range(3)]
+    clients = [start(processes, CLIENT, share.name, seed, 50_000, 0) for seed in range(3)]
     for p in clients:
         assert await first_line(p) == "running"
     await asyncio.sleep(1.0)
@@ -234,12 +222,12 @@ async def test_stats_equal_what_client_processes_saw(children: list[subprocess.P
 
 @pytest.mark.timeout(120)
 async def test_a_killed_server_left_unreaped_fails_every_client_process_within_a_second(
-    children: list[subprocess.Popen[str]],
+    processes: list[subprocess.Popen[str]],
 ) -> None:
     name = unique("server")
-    server = start(children, SERVER, name)
+    server = start(processes, SERVER, name)
     assert await first_line(server) == "ready"
-    clients = [start(children, CLIENT, name, seed, 10**9, 1) for seed in range(3)]
+    clients = [start(processes, CLIENT, name, seed, 10**9, 1) for seed in range(3)]
     for p in clients:
         assert await first_line(p) == "running"
     await asyncio.sleep(0.3)

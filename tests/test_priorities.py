@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -51,23 +53,39 @@ def gated_server(model: Gated, **kwargs: Any) -> fb.Server:
     return fb.Server(model, inputs=[TAG], outputs=[OUT], **{**options, **kwargs})
 
 
-async def test_the_urgent_level_runs_first_fifo_within_a_level() -> None:
+#: The ways in that take priority= and parameters= in process: the server's
+#: own client, and a shared-memory client (here, of this process's server).
+WAYS = ["in-process", "shared-memory"]
+
+
+@contextlib.contextmanager
+def client_of(server: fb.Server, way: str) -> Iterator[Any]:
+    if way == "in-process":
+        yield server.client()
+        return
+    name = f"fbtest-priorities-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    with fb.connect(server.share(name).name) as client:
+        yield client
+
+
+@pytest.mark.parametrize("way", WAYS)
+async def test_the_urgent_level_runs_first_fifo_within_a_level(way: str) -> None:
     model = Gated()
     server = gated_server(model, max_priority_wait=None)
     async with server:
-        client = server.client()
-        blocker = asyncio.ensure_future(client.infer({"tag": torch.tensor(0)}))
-        await asyncio.to_thread(model.entered.wait, 10)
-        calls = []
-        for i in range(1, 7):
-            # Odd tags are urgent (1), even ones the default level (2, the least urgent).
-            priority = 1 if i % 2 else None
-            calls.append(asyncio.ensure_future(client.infer({"tag": torch.tensor(i)}, priority=priority)))
-            await asyncio.sleep(0)
-        await asyncio.sleep(0.05)
-        assert server.stats()["queue_depth_by_priority"] == {1: 3, 2: 3}
-        model.gate.set()
-        results = await asyncio.gather(blocker, *calls)
+        with client_of(server, way) as client:
+            blocker = asyncio.ensure_future(client.infer({"tag": torch.tensor(0)}))
+            await asyncio.to_thread(model.entered.wait, 10)
+            calls = []
+            for i in range(1, 7):
+                # Odd tags are urgent (1), even ones the default level (2, the least urgent).
+                priority = 1 if i % 2 else None
+                calls.append(asyncio.ensure_future(client.infer({"tag": torch.tensor(i)}, priority=priority)))
+                await asyncio.sleep(0)
+            await asyncio.sleep(0.05)
+            assert server.stats()["queue_depth_by_priority"] == {1: 3, 2: 3}
+            model.gate.set()
+            results = await asyncio.gather(blocker, *calls)
     assert [int(r["out"]) for r in results] == [0, 10, 20, 30, 40, 50, 60]
     assert model.order == [0, 1, 3, 5, 2, 4, 6]
 
@@ -100,31 +118,33 @@ async def test_a_passed_over_request_goes_first_after_max_priority_wait() -> Non
     assert sum(urgent) > 20, "the urgent level kept the worker busy meanwhile"
 
 
-async def test_a_full_low_level_never_refuses_an_urgent_request() -> None:
+@pytest.mark.parametrize("way", WAYS)
+async def test_a_full_low_level_never_refuses_an_urgent_request(way: str) -> None:
     model = Gated()
     server = gated_server(model, max_queue_size=4, max_priority_wait=None)
     async with server:
-        client = server.client()
-        blocker = asyncio.ensure_future(client.infer({"tag": torch.tensor(0)}))
-        await asyncio.to_thread(model.entered.wait, 10)
-        lows = [asyncio.ensure_future(client.infer({"tag": torch.tensor(2)}, priority=2)) for _ in range(2)]
-        await asyncio.sleep(0)
-        with pytest.raises(fb.QueueFullError):
-            await client.infer({"tag": torch.tensor(2)}, priority=2)
-        highs = [asyncio.ensure_future(client.infer({"tag": torch.tensor(1)}, priority=1)) for _ in range(2)]
-        await asyncio.sleep(0)
-        with pytest.raises(fb.QueueFullError):
-            await client.infer({"tag": torch.tensor(1)}, priority=1)  # the whole queue is full now
-        with pytest.raises(fb.InvalidInputError, match="between 1"):
-            await client.infer({"tag": torch.tensor(1)}, priority=3)
-        with pytest.raises(fb.InvalidInputError, match="priority"):
-            await client.infer({"tag": torch.tensor(1)}, priority=-1)
-        model.gate.set()
-        await asyncio.gather(blocker, *lows, *highs)
-        stats = server.stats()
+        with client_of(server, way) as client:
+            blocker = asyncio.ensure_future(client.infer({"tag": torch.tensor(0)}))
+            await asyncio.to_thread(model.entered.wait, 10)
+            lows = [asyncio.ensure_future(client.infer({"tag": torch.tensor(2)}, priority=2)) for _ in range(2)]
+            await asyncio.sleep(0)
+            with pytest.raises(fb.QueueFullError):
+                await client.infer({"tag": torch.tensor(2)}, priority=2)
+            highs = [asyncio.ensure_future(client.infer({"tag": torch.tensor(1)}, priority=1)) for _ in range(2)]
+            await asyncio.sleep(0)
+            with pytest.raises(fb.QueueFullError):
+                await client.infer({"tag": torch.tensor(1)}, priority=1)  # the whole queue is full now
+            with pytest.raises(fb.InvalidInputError, match="between 1"):
+                await client.infer({"tag": torch.tensor(1)}, priority=3)
+            with pytest.raises(fb.InvalidInputError, match="priority"):
+                await client.infer({"tag": torch.tensor(1)}, priority=-1)
+            model.gate.set()
+            await asyncio.gather(blocker, *lows, *highs)
+            stats = server.stats()
     assert stats["requests_succeeded"] == 5
     assert stats["requests_failed"]["queue_full"] == 2
-    assert stats["requests_failed"]["invalid_input"] == 2
+    # A shared client refuses a negative level itself: it never reaches the server.
+    assert stats["requests_failed"]["invalid_input"] == (2 if way == "in-process" else 1)
 
 
 async def test_without_levels_a_priority_is_accepted_and_ignored() -> None:
@@ -165,19 +185,23 @@ class Recorder:
         return {"out": inputs["tag"] * scales}
 
 
-async def test_parameters_reach_a_model_built_with_requests() -> None:
+@pytest.mark.parametrize("way", WAYS)
+async def test_parameters_reach_a_model_built_with_requests(way: str) -> None:
     model = Recorder()
     server = fb.Server(model, inputs=[TAG], outputs=[OUT], max_batch_size=16, max_delay=0.01, with_requests=True)
     async with server:
-        client = server.client()
-        results = await asyncio.gather(
-            client.infer({"tag": torch.tensor(1)}, parameters={"scale": 3, "who": "a"}),
-            client.infer({"tag": torch.tensor(2)}),
-            client.infer_batch({"tag": torch.tensor([4, 5])}, parameters={"scale": 2}),
-        )
-        sync = await asyncio.to_thread(client.infer_sync, {"tag": torch.tensor(7)}, parameters={"scale": 5})
-        with pytest.raises(fb.InvalidInputError, match="must be a bool, int, finite float or str"):
-            await client.infer({"tag": torch.tensor(1)}, parameters={"bad": [1, 2]})
+        with client_of(server, way) as client:
+            results = await asyncio.gather(
+                client.infer({"tag": torch.tensor(1)}, parameters={"scale": 3, "who": "a"}),
+                client.infer({"tag": torch.tensor(2)}),
+                client.infer_batch({"tag": torch.tensor([4, 5])}, parameters={"scale": 2}),
+            )
+            sync = await asyncio.to_thread(client.infer_sync, {"tag": torch.tensor(7)}, parameters={"scale": 5})
+            with pytest.raises(fb.InvalidInputError, match="must be a bool, int, finite float or str"):
+                await client.infer({"tag": torch.tensor(1)}, parameters={"bad": [1, 2]})
+            if way == "shared-memory":
+                with pytest.raises(fb.InvalidInputError, match="at most 256"):
+                    await client.infer({"tag": torch.tensor(1)}, parameters={"long": "x" * 300})
     assert [int(results[0]["out"]), int(results[1]["out"])] == [3, 2]
     assert results[2]["out"].tolist() == [8, 10]
     assert int(sync["out"]) == 35

@@ -11,7 +11,7 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -298,18 +298,6 @@ asyncio.run(main())
 """
 
 
-@pytest.fixture
-def processes() -> Iterator[list[Any]]:
-    import subprocess
-
-    started: list[subprocess.Popen[str]] = []
-    yield started
-    for p in started:
-        if p.poll() is None:
-            p.kill()
-        p.wait(30)
-
-
 async def test_a_killed_client_leaks_nothing_and_harms_no_one(processes: list[Any]) -> None:
     import signal
     import subprocess
@@ -425,54 +413,3 @@ async def test_a_model_with_bytes_or_variable_length_tensors_is_not_shared() -> 
         with pytest.raises(ValueError, match="fixed-shape numeric tensors only; text"):
             server.share(name)
         assert not os.path.exists(segment(name))
-
-
-# -- priority and parameters, as server.client() takes them --------------------------
-
-
-async def test_priority_levels_and_parameters_cross_shared_memory() -> None:
-    from test_priorities import OUT, TAG, Gated, Recorder, gated_server
-
-    model = Gated()
-    server = gated_server(model, max_priority_wait=None)
-    async with server:
-        with fb.connect(server.share(unique("priority")).name) as client:
-            blocker = asyncio.ensure_future(client.infer({"tag": torch.tensor(0)}))
-            await asyncio.to_thread(model.entered.wait, 10)
-            calls = []
-            for i in range(1, 7):
-                priority = 1 if i % 2 else None  # odd tags urgent
-                calls.append(asyncio.ensure_future(client.infer({"tag": torch.tensor(i)}, priority=priority)))
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(0.05)
-            assert server.stats()["queue_depth_by_priority"] == {1: 3, 2: 3}
-            model.gate.set()
-            results = await asyncio.gather(blocker, *calls)
-            assert [int(r["out"]) for r in results] == [0, 10, 20, 30, 40, 50, 60]
-            assert model.order == [0, 1, 3, 5, 2, 4, 6]
-            sync = await asyncio.to_thread(client.infer_sync, {"tag": torch.tensor(7)}, priority=1)
-            assert int(sync["out"]) == 70
-            for bad in (3, -1):
-                with pytest.raises(fb.InvalidInputError, match="priority"):
-                    await client.infer({"tag": torch.tensor(1)}, priority=bad)
-
-    recorder = Recorder()
-    server = fb.Server(recorder, inputs=[TAG], outputs=[OUT], max_batch_size=16, max_delay=0.01, with_requests=True)
-    async with server:
-        with fb.connect(server.share(unique("parameters")).name) as client:
-            results = await asyncio.gather(
-                client.infer({"tag": torch.tensor(1)}, parameters={"scale": 3, "who": "a"}),
-                client.infer({"tag": torch.tensor(2)}),
-                client.infer_batch({"tag": torch.tensor([4, 5])}, parameters={"scale": 2}),
-            )
-            sync = await asyncio.to_thread(client.infer_sync, {"tag": torch.tensor(7)}, parameters={"scale": 5})
-            with pytest.raises(fb.InvalidInputError, match="at most 256"):
-                await client.infer({"tag": torch.tensor(1)}, parameters={"long": "x" * 300})
-            with pytest.raises(fb.InvalidInputError, match="must be a bool, int, finite float or str"):
-                await client.infer({"tag": torch.tensor(1)}, parameters={"bad": [1, 2]})  # type: ignore[dict-item]
-    assert [int(results[0]["out"]), int(results[1]["out"])] == [3, 2]
-    assert results[2]["out"].tolist() == [8, 10]
-    assert int(sync["out"]) == 35
-    seen = [r for batch in recorder.batches for r in batch]
-    assert fb.RequestInfo(1, {"scale": 3, "who": "a"}) in seen
-    assert fb.RequestInfo(2, {"scale": 2}) in seen
