@@ -7,6 +7,7 @@
 
 use std::fmt;
 
+use crate::v2::Clipped;
 use crate::DType;
 
 /// One declared model input.
@@ -285,8 +286,9 @@ pub fn match_inputs(
     {
         let known: Vec<&str> = specs.iter().map(|s| s.name.as_str()).collect();
         return Err(SpecError(format!(
-            "unexpected input '{name}'; the model takes: {}",
-            known.join(", ")
+            "unexpected input '{shown}'; the model takes: {}",
+            known.join(", "),
+            shown = Clipped(name.as_ref())
         )));
     }
     let mut order = Vec::with_capacity(specs.len());

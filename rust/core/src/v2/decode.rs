@@ -1,5 +1,6 @@
 //! Decoding one infer request: JSON, or a JSON header and binary tensors.
 
+use crate::v2::{shape_text, Clipped};
 use std::borrow::Cow;
 use std::ops::Range;
 
@@ -455,8 +456,9 @@ impl<'a> Decoder<'a, '_> {
             Field::Got(d) => input_dtype(&name, d)?,
             other => {
                 return Err(invalid(format!(
-                    "input '{name}': 'datatype' must be a string, got {}",
-                    other.shown()
+                    "input '{shown}': 'datatype' must be a string, got {}",
+                    other.shown(),
+                    shown = Clipped(name.as_ref())
                 )))
             }
         };
@@ -464,8 +466,9 @@ impl<'a> Decoder<'a, '_> {
             Field::Got(s) => s.clone(),
             other => {
                 return Err(invalid(format!(
-                    "input '{name}': 'shape' must be a list of non-negative integers, got {}",
-                    other.shown()
+                    "input '{shown}': 'shape' must be a list of non-negative integers, got {}",
+                    other.shown(),
+                    shown = Clipped(name.as_ref())
                 )))
             }
         };
@@ -500,7 +503,7 @@ impl<'a> Decoder<'a, '_> {
                 "shape" => shape = self.shape()?,
                 "parameters" => {
                     let what = match &name {
-                        Field::Got(n) => format!("input '{n}'"),
+                        Field::Got(n) => format!("input '{}'", Clipped(n.as_ref())),
                         _ => "an input".into(),
                     };
                     let error = || invalid(format!("'parameters' of {what} must be an object"));
@@ -530,17 +533,20 @@ impl<'a> Decoder<'a, '_> {
             (Some(_), DataField::Missing) => None,
             (Some(_), _) => {
                 return Err(invalid(format!(
-                    "input '{name}' has both 'data' and 'binary_data_size'"
+                    "input '{shown}' has both 'data' and 'binary_data_size'",
+                    shown = Clipped(name.as_ref())
                 )))
             }
             (None, DataField::Missing) => {
                 return Err(invalid(format!(
-                    "input '{name}' has neither 'data' nor 'binary_data_size'"
+                    "input '{shown}' has neither 'data' nor 'binary_data_size'",
+                    shown = Clipped(name.as_ref())
                 )))
             }
             (None, DataField::Bad) => {
                 return Err(invalid(format!(
-                    "input '{name}': 'data' must be a JSON array"
+                    "input '{shown}': 'data' must be a JSON array",
+                    shown = Clipped(name.as_ref())
                 )))
             }
             (None, DataField::Decoded(bytes)) => Some(bytes),
@@ -620,7 +626,11 @@ impl<'a> Decoder<'a, '_> {
                 return Ok(Field::Bad(text));
             };
             match n.integer.then(|| n.to_i128()).flatten() {
-                Some(d) if d >= 0 => dims.push(u64::try_from(d).unwrap_or(u64::MAX)),
+                // Past u64: shown as sent, not as u64::MAX.
+                Some(d) if d >= 0 => match u64::try_from(d) {
+                    Ok(d) => dims.push(d),
+                    Err(_) => return Ok(Field::Bad(text)),
+                },
                 _ => return Ok(Field::Bad(text)),
             }
         }
@@ -642,8 +652,10 @@ impl<'a> Decoder<'a, '_> {
         let room = self.p.remaining() / 2 + 1;
         if count > room {
             return Err(invalid(format!(
-                "input '{name}': shape {shape:?} needs {count} values, more than the \
-                 request's JSON holds"
+                "input '{shown}': shape {shape} needs {count} values, more than the \
+                 request's JSON holds",
+                shown = Clipped(name.as_ref()),
+                shape = shape_text(&shape)
             )));
         }
         let mut elements = Elements::new(dtype, count, usize::MAX);
@@ -765,12 +777,14 @@ impl<'a> Decoder<'a, '_> {
             let index = self.codec.output_index(&name)?;
             if params_bad {
                 return Err(invalid(format!(
-                    "'parameters' of output '{name}' must be an object"
+                    "'parameters' of output '{shown}' must be an object",
+                    shown = Clipped(name.as_ref())
                 )));
             }
             if classification {
                 return Err(invalid(format!(
-                    "output '{name}': the classification extension is not supported"
+                    "output '{shown}': the classification extension is not supported",
+                    shown = Clipped(name.as_ref())
                 )));
             }
             let binary = match binary {
@@ -778,7 +792,8 @@ impl<'a> Decoder<'a, '_> {
                 Some(Some(b)) => Some(b),
                 Some(None) => {
                     return Err(invalid(format!(
-                        "output '{name}': binary_data must be true or false"
+                        "output '{shown}': binary_data must be true or false",
+                        shown = Clipped(name.as_ref())
                     )))
                 }
             };
