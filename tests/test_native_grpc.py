@@ -9,6 +9,7 @@ import contextlib
 import socket
 import threading
 import time
+import urllib.parse
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +17,7 @@ from functools import partial
 from typing import Any
 
 import grpc
+import h2.settings
 import httpx
 import numpy as np
 import pytest
@@ -435,6 +437,39 @@ def test_a_cancelled_call_withdraws_its_queued_request() -> None:
     assert server.stats()["batches"] == 1  # the cancelled request never ran
 
 
+def test_a_cancelled_call_withdraws_its_request_answered_by_python() -> None:
+    """A BYTES model's ModelInfer is answered by the Python handlers behind the
+    native listener: a cancelled call withdraws its queued request there too."""
+    from test_native_http import HeldBytes, T
+
+    held = HeldBytes()
+    server = fb.Server(held, inputs=[T], outputs=[T], name="b", max_batch_size=1, max_delay=0)
+
+    def request() -> pb.ModelInferRequest:
+        message = pb.ModelInferRequest(model_name="b")
+        message.inputs.add(name="t", datatype="BYTES", shape=[1, 1])
+        message.raw_input_contents.append(len(b"hi").to_bytes(4, "little") + b"hi")
+        return message
+
+    with serving([server]) as address, grpc.insecure_channel(address) as channel:
+        infer = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer
+        first = infer.future(request())
+        assert held.entered.wait(30)
+        queued = [infer.future(request()) for _ in range(3)]
+        deadline = time.monotonic() + 10
+        while server.stats()["queue_depth"] < len(queued) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        for call in queued:
+            assert call.cancel()
+        while outcomes(server)["cancelled"] < len(queued) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        held.release.set()
+        assert first.result(30).raw_output_contents
+    seen = outcomes(server)
+    assert seen["cancelled"] == len(queued) and seen["succeeded"] == 1, seen
+    assert server.stats()["batches"] == 1  # the cancelled requests never ran
+
+
 def test_calls_still_waiting_at_shutdown_get_unavailable_not_cancelled() -> None:
     held = Held()
     server = fb.Server(held, inputs=[X], outputs=[Y, N], name="h", max_batch_size=1, max_delay=0)
@@ -544,3 +579,148 @@ def test_both_front_ends_give_the_same_model_infer_responses() -> None:
                 rpc.ModelReady(pb.ModelReadyRequest(name="m", version="1")),
             ]
     assert replies["native"] == replies["python"]
+
+
+# -- the gRPC protocol, as sent on the wire -------------------------------------------
+
+
+def frame(message: bytes, compressed: bool = False) -> bytes:
+    """One length-prefixed gRPC message."""
+    return bytes([int(compressed)]) + len(message).to_bytes(4, "big") + message
+
+
+def h2_call(
+    address: str, path: str, body: bytes, content_type: str = "application/grpc", **headers: str
+) -> dict[str, str]:
+    """One HTTP/2 request to the gRPC port, as given: the response's headers
+    and trailers (``:status``, ``grpc-status``, ``grpc-message``)."""
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    host, port = address.rsplit(":", 1)
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+    conn.initiate_connection()
+    conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 1 << 24})
+    sent = [(":method", "POST"), (":path", path), (":scheme", "http"), (":authority", address)]
+    sent += [("content-type", content_type), ("te", "trailers"), *((k.replace("_", "-"), v) for k, v in headers.items())]
+    conn.send_headers(1, sent)
+    received: dict[str, str] = {}
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(conn.data_to_send())
+        pending = memoryview(body)
+        ended = False
+        deadline = time.monotonic() + 10
+        while not ended and time.monotonic() < deadline:
+            while pending and conn.local_flow_control_window(1) > 0:
+                size = min(len(pending), conn.local_flow_control_window(1), conn.max_outbound_frame_size)
+                conn.send_data(1, bytes(pending[:size]), end_stream=size == len(pending))
+                pending = pending[size:]
+            if not body:
+                conn.end_stream(1)
+                body = b"-"  # ended once
+            sock.sendall(conn.data_to_send())
+            data = sock.recv(65536)
+            if not data:
+                break
+            for event in conn.receive_data(data):
+                if isinstance(event, (h2.events.ResponseReceived, h2.events.TrailersReceived)):
+                    received.update(dict(event.headers))
+                if isinstance(event, h2.events.DataReceived):
+                    conn.acknowledge_received_data(event.flow_controlled_length, 1)
+                if isinstance(event, (h2.events.StreamEnded, h2.events.StreamReset, h2.events.ConnectionTerminated)):
+                    ended = True
+            sock.sendall(conn.data_to_send())
+    if "grpc-message" in received:
+        received["grpc-message"] = urllib.parse.unquote(received["grpc-message"])
+    return received
+
+
+INFER = "/inference.GRPCInferenceService/ModelInfer"
+
+
+def test_a_unary_call_with_two_messages_is_refused_and_runs_nothing(served: tuple[fb.Server, str]) -> None:
+    server, address = served
+    message = raw_request(np.ones((1, 4))).SerializeToString()
+    answer = h2_call(address, INFER, frame(message) + frame(message))
+    assert answer["grpc-status"] == str(grpc.StatusCode.INTERNAL.value[0]), answer
+    assert "one request message" in answer["grpc-message"]
+    once = h2_call(address, INFER, frame(message))
+    assert once["grpc-status"] == "0", once
+    assert outcomes(server) == Counter({"succeeded": 1})
+
+
+@pytest.mark.parametrize("content_type", ["application/json", "application/grpcx", "text/plain", ""])
+def test_a_request_that_is_not_grpc_is_refused_with_415(served: tuple[fb.Server, str], content_type: str) -> None:
+    server, address = served
+    message = raw_request(np.ones((1, 4))).SerializeToString()
+    answer = h2_call(address, INFER, frame(message), content_type=content_type)
+    assert answer[":status"] == "415", answer
+    for accepted in ("application/grpc+proto", "application/grpc;charset=utf-8"):
+        assert h2_call(address, INFER, frame(message), content_type=accepted)["grpc-status"] == "0"
+    assert outcomes(server) == Counter({"succeeded": 2})
+
+
+def test_gzip_messages_are_inflated_off_the_runtime_thread() -> None:
+    """A stream of small gzip messages that inflate to 48 MB each: health
+    checks and inference on the same runtime stay fast meanwhile."""
+    import gzip
+    import statistics
+
+    server = fb.Server(double, inputs=[X], outputs=[Y, N], name="m", max_batch_size=16, max_delay=0.002)
+    bomb = pb.ModelInferRequest(model_name="m")
+    bomb.inputs.add(name="x", datatype="FP32", shape=[1, 4])
+    bomb.raw_input_contents.append(bytes(48 << 20))
+    body = frame(gzip.compress(bomb.SerializeToString(), 9), compressed=True)
+    stop = threading.Event()
+    inflated = []
+
+    with serve_in_thread([server], native(http_port=0)) as listening:
+        address = f"127.0.0.1:{listening.grpc_port}"
+
+        def send() -> None:
+            while not stop.is_set():
+                inflated.append(h2_call(address, INFER, body, grpc_encoding="gzip").get("grpc-status"))
+
+        senders = [threading.Thread(target=send) for _ in range(2)]
+        for sender in senders:
+            sender.start()
+        waits = []
+        try:
+            with httpx.Client(base_url=f"http://127.0.0.1:{listening.http_port}", timeout=10) as health:
+                time.sleep(0.3)
+                for _ in range(40):
+                    began = time.perf_counter()
+                    assert health.get("/v2/health/live").status_code == 200
+                    waits.append(time.perf_counter() - began)
+                    time.sleep(0.02)
+        finally:
+            stop.set()
+            for sender in senders:
+                sender.join(30)
+    # Inflated, then refused for its shape: the bomb is not what the model takes.
+    assert inflated and set(inflated) == {str(grpc.StatusCode.INVALID_ARGUMENT.value[0])}, set(inflated)
+    assert statistics.median(waits) < 0.02, f"health p50 {statistics.median(waits) * 1e3:.1f} ms"
+
+
+def test_echoed_names_are_clipped_so_the_status_is_the_real_one(served: tuple[fb.Server, str]) -> None:
+    """A model, version or input name of 20 KB is echoed clipped: the call
+    gets its own status, not RESOURCE_EXHAUSTED for an oversized message."""
+    _, address = served
+    huge = "n" * 20_000
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        x = np.ones((1, 4))
+        for request, code in [
+            (raw_request(x, model=huge), grpc.StatusCode.NOT_FOUND),
+            (raw_request(x, model_version=huge), grpc.StatusCode.NOT_FOUND),
+            (raw_request(x, model="m", id="a"), None),
+        ]:
+            if code is None:
+                request.inputs[0].name = huge
+                code = grpc.StatusCode.INVALID_ARGUMENT
+            got, message = failure(lambda request=request: stub.ModelInfer(request, timeout=10))
+            assert got == code, (got, message[:200])
+            assert "nnn..." in message and len(message) < 300, message[:300]
+        got, message = failure(lambda: stub.ModelMetadata(pb.ModelMetadataRequest(name=huge), timeout=10))
+        assert got == grpc.StatusCode.NOT_FOUND and len(message) < 300

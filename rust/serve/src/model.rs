@@ -223,7 +223,7 @@ impl ServedModel {
         let timeout = match timeout {
             None => None,
             Some(t) if t.is_nan() || t < 0.0 => {
-                let message = format!("timeout must be >= 0 seconds, got {t}");
+                let message = format!("timeout must be >= 0 seconds, got {t:?}");
                 return Err(self.refuse(Outcome::InvalidInput, Failure::new(400, message)));
             }
             // Too long to represent: no deadline at all.
@@ -328,7 +328,7 @@ impl ServedModel {
                             return Err(Failure::new(
                                 504,
                                 format!(
-                                    "request to model '{}' exceeded its {timeout}s timeout",
+                                    "request to model '{}' exceeded its {timeout:?}s timeout",
                                     self.name
                                 ),
                             ));
