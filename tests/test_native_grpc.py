@@ -17,7 +17,6 @@ from functools import partial
 from typing import Any
 
 import grpc
-import h2.settings
 import httpx
 import numpy as np
 import pytest
@@ -603,7 +602,11 @@ def h2_call(
     conn.initiate_connection()
     conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 1 << 24})
     sent = [(":method", "POST"), (":path", path), (":scheme", "http"), (":authority", address)]
-    sent += [("content-type", content_type), ("te", "trailers"), *((k.replace("_", "-"), v) for k, v in headers.items())]
+    sent += [
+        ("content-type", content_type),
+        ("te", "trailers"),
+        *((k.replace("_", "-"), v) for k, v in headers.items()),
+    ]
     conn.send_headers(1, sent)
     received: dict[str, str] = {}
     with socket.create_connection((host, int(port)), timeout=10) as sock:

@@ -196,7 +196,9 @@ def h2_exchange(sock: socket.socket, seconds: float, until: type) -> list[object
 
     conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     conn.initiate_connection()
-    conn.send_headers(1, [(":method", "GET"), (":path", "/v2/health/live"), (":scheme", "http"), (":authority", "t")], end_stream=True)
+    conn.send_headers(
+        1, [(":method", "GET"), (":path", "/v2/health/live"), (":scheme", "http"), (":authority", "t")], end_stream=True
+    )
     sock.sendall(conn.data_to_send())
     events: list[object] = []
     deadline = time.monotonic() + seconds

@@ -246,7 +246,11 @@ class Endpoint:
         if not allowed:
             return NOT_FOUND
         allow = ", ".join(sorted({*allowed, *(["HEAD"] if "GET" in allowed else [])}))
-        return Reply(405, _json(405, {"error": f"Method Not Allowed: {clipped(method)} {clipped(path)} takes {allow}"}).body, allow=allow)
+        return Reply(
+            405,
+            _json(405, {"error": f"Method Not Allowed: {clipped(method)} {clipped(path)} takes {allow}"}).body,
+            allow=allow,
+        )
 
     async def answer(self, route: Route, call: Call) -> Reply:
         """``route``'s reply to ``call``; never raises."""

@@ -288,7 +288,7 @@ pub fn match_inputs(
         return Err(SpecError(format!(
             "unexpected input '{shown}'; the model takes: {}",
             known.join(", "),
-            shown = Clipped(name.as_ref())
+            shown = Clipped(name)
         )));
     }
     let mut order = Vec::with_capacity(specs.len());

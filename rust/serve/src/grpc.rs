@@ -344,14 +344,14 @@ impl Inference {
         if !catalogued && served.is_none() {
             return Err(Status::not_found(format!(
                 "Request for unknown model: '{shown}' is not found",
-                shown = Clipped(name.as_ref())
+                shown = Clipped(name)
             )));
         }
         if !(version.is_empty() || version == MODEL_VERSION) {
             return Err(Status::not_found(format!(
                 "Request for unknown model: '{shown}' version {} is not found",
                 Clipped(version),
-                shown = Clipped(name.as_ref())
+                shown = Clipped(name)
             )));
         }
         Ok(served.map_or(Lookup::NotRunning, Lookup::Served))
@@ -835,10 +835,7 @@ fn typed_bytes(
             let limits = ferrobatch_core::bytes::BytesLimits::default();
             let lens = c.bytes_contents.iter().take(take).map(|v| v.len());
             ferrobatch_core::bytes::serialized_size(lens, limits).map_err(|e| {
-                V2Error::Invalid(format!(
-                    "input '{shown}': {e}",
-                    shown = Clipped(name.as_ref())
-                ))
+                V2Error::Invalid(format!("input '{shown}': {e}", shown = Clipped(name)))
             })?;
             for v in c.bytes_contents.iter().take(take) {
                 elements.push_bytes(v)?;

@@ -654,8 +654,8 @@ impl<'a> Decoder<'a, '_> {
             return Err(invalid(format!(
                 "input '{shown}': shape {shape} needs {count} values, more than the \
                  request's JSON holds",
-                shown = Clipped(name.as_ref()),
-                shape = shape_text(&shape)
+                shown = Clipped(name),
+                shape = shape_text(shape)
             )));
         }
         let mut elements = Elements::new(dtype, count, usize::MAX);

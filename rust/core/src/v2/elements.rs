@@ -54,8 +54,8 @@ impl Elements {
                 "input '{shown}': shape {shape} needs {} values, got {}",
                 self.expected,
                 self.count,
-                shown = Clipped(name.as_ref()),
-                shape = shape_text(&shape)
+                shown = Clipped(name),
+                shape = shape_text(shape)
             )));
         }
         Ok(self.out)
@@ -124,7 +124,7 @@ impl Elements {
             "input '{shown}': data is not valid {}: expected numbers, got {}",
             self.dtype.v2_name(),
             short(what),
-            shown = Clipped(name.as_ref())
+            shown = Clipped(name)
         ))
     }
 
@@ -133,22 +133,22 @@ impl Elements {
         V2Error::Invalid(match refusal {
             Refusal::NotBool => format!(
                 "input '{shown}': BOOL data must be true or false",
-                shown = Clipped(name.as_ref())
+                shown = Clipped(name)
             ),
             Refusal::NotBytes => format!(
                 "input '{shown}': BYTES data must be strings, got {}",
                 short(text),
-                shown = Clipped(name.as_ref())
+                shown = Clipped(name)
             ),
             Refusal::OutOfRange => format!(
                 "input '{shown}': data is not valid {datatype}: {} is out of range",
                 short(text),
-                shown = Clipped(name.as_ref())
+                shown = Clipped(name)
             ),
             Refusal::NotInteger => format!(
                 "input '{shown}': data is not valid {datatype}: {} is not an integer",
                 short(text),
-                shown = Clipped(name.as_ref())
+                shown = Clipped(name)
             ),
         })
     }

@@ -160,7 +160,7 @@ pub fn input_dtype(name: &str, datatype: &str) -> Result<DType, V2Error> {
         "input '{shown}': unknown datatype {}; expected one of {}",
         error::quote(datatype),
         known.join(", "),
-        shown = Clipped(name.as_ref())
+        shown = Clipped(name)
     )))
 }
 
@@ -181,8 +181,8 @@ pub fn tensor_header(
     let dims = dims.ok_or_else(|| {
         V2Error::Invalid(format!(
             "input '{shown}': 'shape' must be a list of non-negative integers, got {shape}",
-            shown = Clipped(name.as_ref()),
-            shape = shape_text(&shape)
+            shown = Clipped(name),
+            shape = shape_text(shape)
         ))
     })?;
     Ok((dtype, dims))
@@ -220,28 +220,22 @@ pub fn checked_size(
 pub fn check_raw(name: &str, dtype: DType, shape: &[u64], data: &[u8]) -> Result<(), V2Error> {
     let (count, expected) = checked_size(name, dtype, shape, usize::MAX)?;
     if dtype == DType::Bytes {
-        return crate::bytes::check(data, count, crate::bytes::BytesLimits::default()).map_err(
-            |e| {
-                V2Error::Invalid(format!(
-                    "input '{shown}': {e}",
-                    shown = Clipped(name.as_ref())
-                ))
-            },
-        );
+        return crate::bytes::check(data, count, crate::bytes::BytesLimits::default())
+            .map_err(|e| V2Error::Invalid(format!("input '{shown}': {e}", shown = Clipped(name))));
     }
     if data.len() != expected {
         return Err(V2Error::Invalid(format!(
             "input '{shown}': {} shape {shape} needs {expected} bytes, got {}",
             dtype.v2_name(),
             data.len(),
-            shown = Clipped(name.as_ref()),
-            shape = shape_text(&shape)
+            shown = Clipped(name),
+            shape = shape_text(shape)
         )));
     }
     if dtype == DType::Bool && data.iter().any(|&b| b > 1) {
         return Err(V2Error::Invalid(format!(
             "input '{shown}': BOOL bytes must be 0 or 1",
-            shown = Clipped(name.as_ref())
+            shown = Clipped(name)
         )));
     }
     Ok(())
