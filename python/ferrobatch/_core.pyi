@@ -241,6 +241,7 @@ class FallbackAnswer:
 
     def __call__(self, answer: tuple[int, list[tuple[str, str]], bytes] | tuple[int, str, bytes] | None, /) -> None: ...
 
+@final
 class NativeFrontend:
     """The native front-end (tokio + hyper for HTTP, tonic for gRPC): listens
     from construction until ``stop()``; serves natively the models given to
