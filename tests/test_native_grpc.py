@@ -727,3 +727,24 @@ def test_echoed_names_are_clipped_so_the_status_is_the_real_one(served: tuple[fb
             assert "nnn..." in message and len(message) < 300, message[:300]
         got, message = failure(lambda: stub.ModelMetadata(pb.ModelMetadataRequest(name=huge), timeout=10))
         assert got == grpc.StatusCode.NOT_FOUND and len(message) < 300
+
+
+def test_datatype_and_shape_are_checked_against_the_model_before_contents_are_converted(
+    served: tuple[fb.Server, str],
+) -> None:
+    """Typed contents of the wrong datatype or shape are refused naming the
+    input, expected and actual, before they are converted (too many values
+    would be the converter's complaint)."""
+    server, address = served
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        for datatype, shape, field, expected in [
+            ("FP64", [1, 4], "fp64_contents", "input 'x': expected dtype float32, got float64"),
+            ("FP32", [1, 5], "fp32_contents", "input 'x': expected shape (n, 4), got (1, 5)"),
+        ]:
+            request = pb.ModelInferRequest(model_name="m")
+            tensor = request.inputs.add(name="x", datatype=datatype, shape=shape)
+            getattr(tensor.contents, field).extend([1.0] * 100)
+            code, message = failure(lambda request=request: stub.ModelInfer(request, timeout=10))
+            assert (code, message) == (grpc.StatusCode.INVALID_ARGUMENT, expected)
+    assert outcomes(server)["invalid_input"] == 2

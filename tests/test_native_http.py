@@ -467,3 +467,26 @@ def test_echoed_client_strings_are_clipped(served: tuple[fb.Server, str]) -> Non
     refused = httpx.post(f"{base}/v2/models/m/infer", content=named)
     assert refused.status_code == 400 and "nnn..." in refused.json()["error"]
     assert len(refused.text) < 1000, len(refused.text)
+
+
+def test_datatype_and_shape_are_checked_against_the_model_before_the_data_is_decoded(
+    served: tuple[fb.Server, str],
+) -> None:
+    """An input of the wrong datatype or shape is refused, naming the input,
+    what the model expects and what was sent, before its data is parsed
+    (data that would not parse proves it: the refusal is the model's rule)."""
+    server, base = served
+    unparsable = '[1.5, 2.5, 3.5, "not a number"]'
+    for datatype, shape, expected in [
+        ("FP64", [1, 4], "input 'x': expected dtype float32, got float64"),
+        ("FP32", [1, 5], "input 'x': expected shape (n, 4), got (1, 5)"),
+    ]:
+        body = f'{{"inputs":[{{"name":"x","datatype":"{datatype}","shape":{shape},"data":{unparsable}}}]}}'
+        refused = httpx.post(f"{base}/v2/models/m/infer", content=body.encode())
+        assert refused.status_code == 400
+        assert refused.json()["error"] == expected
+    # The data first, the header after: checked before the data is read too.
+    body = '{"inputs":[{"data":' + unparsable + ',"name":"x","datatype":"FP64","shape":[1,4]}]}'
+    refused = httpx.post(f"{base}/v2/models/m/infer", content=body.encode())
+    assert refused.json()["error"] == "input 'x': expected dtype float32, got float64"
+    assert outcomes(server)["invalid_input"] == 3

@@ -546,7 +546,19 @@ fn submit(
 ) -> Result<crate::model::Submitted, Failure> {
     let codec = model.replies().codec();
     let raw = std::mem::take(&mut request.raw_input_contents);
-    let decoded = decode_inputs(&request.inputs, raw, codec.limits())?;
+    let mut refused_input = false;
+    let mut check = |name: &str, dtype: DType, shape: &[u64]| {
+        model
+            .check_header(name, dtype, shape)
+            .inspect_err(|_| refused_input = true)
+    };
+    let decoded =
+        decode_inputs(&request.inputs, raw, codec.limits(), &mut check).map_err(|failure| {
+            match refused_input {
+                true => model.refuse_input(failure),
+                false => failure,
+            }
+        })?;
     let outputs = requested_outputs(request, codec)?;
     let timeout = timeout(&request.parameters, call_timeout)?;
     let tensors: Vec<Tensor<'_>> = request
@@ -665,12 +677,13 @@ enum Contents<'a> {
 /// Decodes the inputs as the Python servicer does, with the same messages:
 /// every input's contents chosen first, then each input's name, datatype
 /// and shape checked (the elements of all inputs together at most
-/// `limits.max_elements`), raw bytes checked against its shape, typed
-/// contents converted element by element.
+/// `limits.max_elements`; then `check`, the model's rule), raw bytes
+/// checked against its shape, typed contents converted element by element.
 fn decode_inputs(
     inputs: &[InferInputTensor],
     raw: Vec<Bytes>,
     limits: Limits,
+    check: &mut dyn FnMut(&str, DType, &[u64]) -> Result<(), Failure>,
 ) -> Result<Decoded, Failure> {
     if !raw.is_empty() && raw.len() != inputs.len() {
         return Err(invalid(format!(
@@ -732,6 +745,8 @@ fn decode_inputs(
                 e => codec_error(e),
             })?;
         elements_left -= count;
+        // Against the model's inputs before any data is converted.
+        check(name, dtype, &shape)?;
         let source = match contents {
             Contents::Raw(buffer) => {
                 let bytes = raw.get(buffer).map_or(&[][..], |b| &b[..]);

@@ -89,6 +89,8 @@ enum Field<'a, T> {
     Missing,
     Got(T),
     Bad(&'a str),
+    /// A shape with a dimension past u64 (its JSON text): too many elements.
+    Huge(&'a str),
 }
 
 impl<'a, T> Field<'a, T> {
@@ -96,7 +98,7 @@ impl<'a, T> Field<'a, T> {
         match self {
             Field::Missing => "nothing".into(),
             Field::Got(_) => String::new(),
-            Field::Bad(text) => short(text),
+            Field::Bad(text) | Field::Huge(text) => short(text),
         }
     }
 }
@@ -112,12 +114,17 @@ enum DataField {
     Bad,
 }
 
+/// Checks an input's name, datatype and shape (the caller's model's rule)
+/// before its data is decoded.
+pub type HeaderCheck<'c> = &'c mut dyn FnMut(&str, DType, &[u64]) -> Result<(), V2Error>;
+
 struct Decoder<'a, 'c> {
     codec: &'c Codec,
     src: &'a [u8],
     p: Parser<'a>,
     /// Elements declared by the inputs so far.
     elements: usize,
+    check: HeaderCheck<'c>,
 }
 
 impl Codec {
@@ -127,6 +134,19 @@ impl Codec {
         &self,
         body: &[u8],
         header_length: Option<&str>,
+    ) -> Result<InferRequest, V2Error> {
+        self.decode_checked(body, header_length, &mut |_, _, _| Ok(()))
+    }
+
+    /// [`Codec::decode`], with `check` called on each input's name,
+    /// datatype and shape before its data is decoded (a model's inputs: a
+    /// 60 MB FP64 array sent to an FP32 input is refused before a number of
+    /// it is parsed).
+    pub fn decode_checked(
+        &self,
+        body: &[u8],
+        header_length: Option<&str>,
+        check: HeaderCheck<'_>,
     ) -> Result<InferRequest, V2Error> {
         let limit = self.limits().max_body_size;
         if body.len() > limit {
@@ -153,6 +173,7 @@ impl Codec {
             src: header,
             p: Parser::new(header),
             elements: 0,
+            check,
         };
         match decoder
             .request(header_end, body.len())
@@ -239,7 +260,7 @@ impl<'a> Decoder<'a, '_> {
                 "id" => match self.string_field()? {
                     Field::Got(text) => id = Some(text.into_owned()),
                     Field::Missing => id = None,
-                    Field::Bad(_) => return Err(invalid("'id' must be a string")),
+                    Field::Bad(_) | Field::Huge(_) => return Err(invalid("'id' must be a string")),
                 },
                 "parameters" => {
                     let error = || invalid("'parameters' of the request must be an object");
@@ -464,6 +485,13 @@ impl<'a> Decoder<'a, '_> {
         };
         let shape = match shape {
             Field::Got(s) => s.clone(),
+            Field::Huge(text) => {
+                return Err(V2Error::TooManyElements {
+                    input: name,
+                    shape: short(text),
+                    limit: self.codec.limits().max_elements,
+                })
+            }
             other => {
                 return Err(invalid(format!(
                     "input '{shown}': 'shape' must be a list of non-negative integers, got {}",
@@ -516,6 +544,7 @@ impl<'a> Decoder<'a, '_> {
                         self.skip()?;
                         data = DataField::Bad;
                     } else if let Ok((n, dtype, s, count)) = self.header(&name, &datatype, &shape) {
+                        (self.check)(&n, dtype, &s)?;
                         data = DataField::Decoded(self.data(&n, dtype, &s, count)?);
                     } else {
                         let at = self.p.offset();
@@ -529,6 +558,9 @@ impl<'a> Decoder<'a, '_> {
             }
         }
         let (name, dtype, shape, count) = self.header(&name, &datatype, &shape)?;
+        if !matches!(data, DataField::Decoded(_)) {
+            (self.check)(&name, dtype, &shape)?; // checked already if decoded
+        }
         let data = match (binary_size, data) {
             (Some(_), DataField::Missing) => None,
             (Some(_), _) => {
@@ -626,10 +658,10 @@ impl<'a> Decoder<'a, '_> {
                 return Ok(Field::Bad(text));
             };
             match n.integer.then(|| n.to_i128()).flatten() {
-                // Past u64: shown as sent, not as u64::MAX.
+                // Past u64: too many elements, shown as sent (not as u64::MAX).
                 Some(d) if d >= 0 => match u64::try_from(d) {
                     Ok(d) => dims.push(d),
-                    Err(_) => return Ok(Field::Bad(text)),
+                    Err(_) => return Ok(Field::Huge(text)),
                 },
                 _ => return Ok(Field::Bad(text)),
             }

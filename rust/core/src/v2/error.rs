@@ -19,7 +19,8 @@ pub enum V2Error {
     /// from the shapes alone, before anything is allocated.
     TooManyElements {
         input: String,
-        shape: Vec<u64>,
+        /// The shape as the client sent it, as messages show it ([`shape_text`]).
+        shape: String,
         limit: usize,
     },
     /// Valid JSON that is not a valid inference request; the message names
@@ -66,9 +67,8 @@ impl fmt::Display for V2Error {
                 limit,
             } => write!(
                 f,
-                "input '{}': shape {} is over the limit of {limit} elements per request",
+                "input '{}': shape {shape} is over the limit of {limit} elements per request",
                 Clipped(input),
-                shape_text(shape)
             ),
             V2Error::Invalid(message) | V2Error::Output(message) => f.write_str(message),
         }

@@ -39,7 +39,7 @@ mod encode;
 mod error;
 pub mod json;
 
-pub use decode::{Data, InferRequest, Input, RequestedOutput};
+pub use decode::{Data, HeaderCheck, InferRequest, Input, RequestedOutput};
 pub use elements::Elements;
 pub use encode::{write_json_string, Encoded, Output};
 pub use error::{quote, shape_text, short, Clipped, V2Error};
@@ -198,7 +198,7 @@ pub fn checked_size(
 ) -> Result<(usize, usize), V2Error> {
     let too_many = || V2Error::TooManyElements {
         input: name.to_owned(),
-        shape: shape.to_vec(),
+        shape: shape_text(shape),
         limit,
     };
     let mut count: usize = 1;
