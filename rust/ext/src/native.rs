@@ -336,17 +336,18 @@ pub struct NativeFrontend {
 impl NativeFrontend {
     /// Binds `host:port` for HTTP and `host:grpc_port` for gRPC (0: any
     /// free port; None: not that one). HTTP requests are answered with
-    /// `fallback(method, path, headers, body) -> (status, headers, body)`,
-    /// and gRPC inference UNAVAILABLE, until `serve()` names the models
+    /// `fallback(method, path, headers, body, answer) -> cancel`, which
+    /// returns at once and calls `answer((status, headers, body))` later
+    /// (see [`PyFallback`]), and gRPC inference UNAVAILABLE, until `serve()` names the models
     /// served natively. gRPC's metadata RPCs answer `server_metadata`
     /// (`(name, version, extensions)`) and `model_metadata` (`(name,
     /// platform, inputs, outputs)` per model, each tensor `(name, datatype,
     /// shape)`); a model not in it is unknown to gRPC until served.
     /// `ModelConfig`, `ModelStatistics` and `RepositoryIndex` are answered by
-    /// `grpc_fallback(method, request) -> (code, message, response)` on a
-    /// blocking thread: the RPC's name and request message as protobuf
-    /// bytes; code 0 and the response message's bytes, or a gRPC status code
-    /// and its message (None: UNIMPLEMENTED). Raises `OSError` when an
+    /// `grpc_fallback(method, request, answer) -> cancel`: the RPC's name and
+    /// request message as protobuf bytes; `answer((code, message,
+    /// response))`, code 0 and the response message's bytes, or a gRPC
+    /// status code and its message (None: UNIMPLEMENTED). Raises `OSError` when an
     /// address cannot be bound.
     #[new]
     #[pyo3(signature = (

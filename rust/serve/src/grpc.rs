@@ -13,8 +13,9 @@
 //!
 //! Triton's `ModelConfig`, `ModelStatistics` and `RepositoryIndex` are rare
 //! and their answers change while serving (statistics, readiness): they go to
-//! the [`Fallback`](crate::Fallback) on a blocking thread, as protobuf bytes
-//! both ways (the Python servicer's own answers), decoded here.
+//! the [`Fallback`](crate::Fallback) (as does `ModelInfer` for a model the
+//! Python handlers answer), as protobuf bytes both ways (the Python
+//! servicer's own answers), decoded here; a cancelled call withdraws it.
 //!
 //! Statuses are those of the Python servicer: NOT_FOUND for an unknown model
 //! or version, INVALID_ARGUMENT (HTTP 400), UNAVAILABLE (503: queue full,

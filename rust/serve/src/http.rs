@@ -8,8 +8,9 @@
 //! [`crate::encoding`]; other codings go to the fallback, which refuses
 //! them). Everything else (metadata, config, statistics, `/metrics`, unknown
 //! models and routes) goes to the [`Fallback`], the Python front-end's
-//! handlers, on a blocking thread: one implementation of the rarely-called
-//! surface for both front-ends.
+//! handlers: one implementation of the rarely-called surface for both
+//! front-ends. A blocking thread only starts that call ([`ask`]); its answer
+//! is awaited without one, and a client that goes away withdraws it.
 
 use std::convert::Infallible;
 use std::sync::atomic::Ordering;
