@@ -675,6 +675,10 @@ enum Contents<'a> {
     Unknown,
 }
 
+/// The model's rule for one input's name, datatype and shape
+/// ([`ServedModel::check_header`]).
+type InputCheck<'a> = &'a mut dyn FnMut(&str, DType, &[u64]) -> Result<(), Failure>;
+
 /// Decodes the inputs as the Python servicer does, with the same messages:
 /// every input's contents chosen first, then each input's name, datatype
 /// and shape checked (the elements of all inputs together at most
@@ -684,7 +688,7 @@ fn decode_inputs(
     inputs: &[InferInputTensor],
     raw: Vec<Bytes>,
     limits: Limits,
-    check: &mut dyn FnMut(&str, DType, &[u64]) -> Result<(), Failure>,
+    check: InputCheck<'_>,
 ) -> Result<Decoded, Failure> {
     if !raw.is_empty() && raw.len() != inputs.len() {
         return Err(invalid(format!(
