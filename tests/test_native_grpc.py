@@ -748,3 +748,25 @@ def test_datatype_and_shape_are_checked_against_the_model_before_contents_are_co
             code, message = failure(lambda request=request: stub.ModelInfer(request, timeout=10))
             assert (code, message) == (grpc.StatusCode.INVALID_ARGUMENT, expected)
     assert outcomes(server)["invalid_input"] == 2
+
+
+def test_echoed_names_are_clipped_for_models_the_python_handlers_answer() -> None:
+    """The same for a BYTES model's ModelInfer, answered by the Python
+    handlers behind the native listener."""
+    from test_native_http import HeldBytes, T
+
+    held = HeldBytes()
+    held.release.set()
+    server = fb.Server(held, inputs=[T], outputs=[T], name="b", max_batch_size=1, max_delay=0)
+    huge = "n" * 20_000
+    with serving([server]) as address, grpc.insecure_channel(address) as channel:
+        infer = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer
+        request = pb.ModelInferRequest(model_name="b", model_version=huge)
+        request.inputs.add(name=huge, datatype="BYTES", shape=[1, 1])
+        got, message = failure(lambda: infer(request, timeout=10))
+        assert got == grpc.StatusCode.NOT_FOUND and "nnn..." in message and len(message) < 300, message[:300]
+        request.model_version = ""
+        request.inputs[0].contents.bytes_contents.append(b"hi")
+        request.outputs.add(name=huge)
+        got, message = failure(lambda: infer(request, timeout=10))
+        assert got == grpc.StatusCode.INVALID_ARGUMENT and "nnn..." in message and len(message) < 300, message[:300]
