@@ -403,6 +403,8 @@ const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 #[derive(Debug, Default)]
 struct Activity {
     in_flight: usize,
+    /// Requests so far (the watchdog may first look after one is done).
+    requests: u64,
 }
 
 /// Counts a request of a connection in flight while it lives.
@@ -410,7 +412,10 @@ struct InFlight(Arc<watch::Sender<Activity>>);
 
 impl InFlight {
     fn new(activity: &Arc<watch::Sender<Activity>>) -> InFlight {
-        activity.send_modify(|a| a.in_flight = a.in_flight.saturating_add(1));
+        activity.send_modify(|a| {
+            a.in_flight = a.in_flight.saturating_add(1);
+            a.requests = a.requests.saturating_add(1);
+        });
         InFlight(activity.clone())
     }
 }
@@ -426,9 +431,14 @@ impl Drop for InFlight {
 /// (before its first request: the header timeout, for HTTP/2 as for
 /// HTTP/1) or `idle` (after one), never while a request is in flight.
 async fn until_idle(mut activity: watch::Receiver<Activity>, first: Duration, idle: Duration) {
-    let mut limit = first;
     loop {
-        let busy = activity.borrow_and_update().in_flight > 0;
+        let (busy, limit) = {
+            let now = activity.borrow_and_update();
+            (
+                now.in_flight > 0,
+                if now.requests == 0 { first } else { idle },
+            )
+        };
         let changed = if busy {
             activity.changed().await
         } else {
@@ -441,7 +451,6 @@ async fn until_idle(mut activity: watch::Receiver<Activity>, first: Duration, id
             // Nothing counts requests any more: the connection is gone.
             return std::future::pending().await;
         }
-        limit = idle;
     }
 }
 
@@ -680,5 +689,61 @@ impl AsyncWrite for FirstBytes {
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_connection_whose_request_ended_before_its_watchdog_looked_is_idle_after_the_idle_timeout(
+    ) {
+        let activity = Arc::new(watch::Sender::new(Activity::default()));
+        let watchdog = until_idle(
+            activity.subscribe(),
+            Duration::from_secs(30),
+            Duration::from_millis(20),
+        );
+        drop(InFlight::new(&activity)); // a request came and went
+        let began = std::time::Instant::now();
+        let idled = tokio::time::timeout(Duration::from_secs(5), watchdog).await;
+        assert!(
+            idled.is_ok(),
+            "waited for the header timeout, not the idle one"
+        );
+        assert!(began.elapsed() >= Duration::from_millis(20));
+    }
+
+    #[tokio::test]
+    async fn a_connection_with_a_request_in_flight_is_never_idle() {
+        let activity = Arc::new(watch::Sender::new(Activity::default()));
+        let in_flight = InFlight::new(&activity);
+        let watchdog = until_idle(
+            activity.subscribe(),
+            Duration::from_millis(10),
+            Duration::from_millis(10),
+        );
+        let mut watchdog = std::pin::pin!(watchdog);
+        let early = tokio::time::timeout(Duration::from_millis(100), watchdog.as_mut()).await;
+        assert!(early.is_err(), "idle with a request in flight");
+        drop(in_flight);
+        let idled = tokio::time::timeout(Duration::from_secs(5), watchdog).await;
+        assert!(idled.is_ok());
+    }
+
+    #[tokio::test]
+    async fn a_connection_with_no_request_is_idle_after_the_header_timeout() {
+        let activity = Arc::new(watch::Sender::new(Activity::default()));
+        let began = std::time::Instant::now();
+        let watchdog = until_idle(
+            activity.subscribe(),
+            Duration::from_millis(30),
+            Duration::from_secs(30),
+        );
+        assert!(tokio::time::timeout(Duration::from_secs(5), watchdog)
+            .await
+            .is_ok());
+        assert!(began.elapsed() >= Duration::from_millis(30));
     }
 }
