@@ -218,20 +218,26 @@ async fn unary(
     parts.headers.remove("grpc-encoding");
     let body = if compressed {
         let coded = message.slice(PREFIX..);
-        let inflated = shared
-            .offload(move || crate::encoding::inflate(&coded, crate::encoding::Coding::Gzip, limit))
+        // Inflated and framed off the runtime's threads, in one buffer.
+        let framed = shared
+            .offload(move || {
+                let mut framed = crate::encoding::inflate_after(
+                    &[0; PREFIX],
+                    &coded,
+                    crate::encoding::Coding::Gzip,
+                    limit,
+                )
+                .map_err(|failure| match failure.status {
+                    413 => Status::resource_exhausted(too_large(limit)),
+                    _ => status(failure),
+                })?;
+                let length = u32::try_from(framed.len().saturating_sub(PREFIX))
+                    .map_err(|_| Status::resource_exhausted(too_large(limit)))?;
+                framed[1..PREFIX].copy_from_slice(&length.to_be_bytes());
+                Ok::<_, Status>(framed)
+            })
             .await
-            .ok_or_else(|| Status::internal("internal error inflating the request"))?
-            .map_err(|failure| match failure.status {
-                413 => Status::resource_exhausted(too_large(limit)),
-                _ => status(failure),
-            })?;
-        let length = u32::try_from(inflated.len())
-            .map_err(|_| Status::resource_exhausted(too_large(limit)))?;
-        let mut framed = Vec::with_capacity(PREFIX.saturating_add(inflated.len()));
-        framed.push(0);
-        framed.extend_from_slice(&length.to_be_bytes());
-        framed.extend_from_slice(&inflated);
+            .ok_or_else(|| Status::internal("internal error inflating the request"))??;
         Bytes::from(framed)
     } else {
         message

@@ -151,7 +151,7 @@ impl Shared {
     }
 
     /// Runs `work` (CPU-heavy: inflating, compressing) on a blocking
-    /// thread, at most [`OFFLOADED`] at once (the others wait here, without
+    /// thread, at most [`offloaded`] at once (the others wait here, without
     /// holding a thread), so that the runtime's threads stay free for I/O.
     /// `None` if the work panicked (or the runtime is stopping).
     pub async fn offload<T: Send + 'static>(
@@ -182,8 +182,11 @@ impl Shared {
 pub const HEADROOM: usize = 4;
 
 /// CPU-heavy jobs (inflating, compressing) running at once on blocking
-/// threads; more wait for a permit.
-pub const OFFLOADED: usize = 4;
+/// threads: half the machine's cores (at least one), so that they never
+/// take every core from the runtime's threads; more wait for a permit.
+pub fn offloaded() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1))
+}
 
 /// A running native front-end.
 pub struct Frontend {
@@ -236,7 +239,7 @@ impl Frontend {
             draining: AtomicBool::new(false),
             connections: Arc::new(Semaphore::new(config.max_connections)),
             headroom: Arc::new(Semaphore::new(HEADROOM)),
-            offloaded: Arc::new(Semaphore::new(OFFLOADED)),
+            offloaded: Arc::new(Semaphore::new(offloaded())),
             config,
         });
         let (stop, stopped) = watch::channel(None);
