@@ -668,7 +668,8 @@ def test_a_request_that_is_not_grpc_is_refused_with_415(served: tuple[fb.Server,
 
 def test_gzip_messages_are_inflated_off_the_runtime_thread() -> None:
     """A stream of small gzip messages that inflate to 48 MB each (sent by
-    another process): health checks on the same runtime stay fast meanwhile."""
+    another process): health checks on the same runtime are not held up
+    meanwhile."""
     import statistics
     import subprocess
     import sys
@@ -706,7 +707,11 @@ def test_gzip_messages_are_inflated_off_the_runtime_thread() -> None:
         out.append(lines.get())
     # Inflated, then refused for its shape: the bomb is not what the model takes.
     assert len(out) > 3 and {line.strip() for line in out} == {str(grpc.StatusCode.INVALID_ARGUMENT.value[0])}, out
-    assert statistics.median(waits) < 0.01, f"health p50 {statistics.median(waits) * 1e3:.1f} ms"
+    # Inflating on the runtime's thread, every check waits for a bomb (30 ms
+    # and more); off it, most answer at once (some wait to be scheduled: the
+    # machine may have two cores, busy inflating).
+    p25, p50, _ = statistics.quantiles(waits, n=4)
+    assert p25 < 0.005, f"health p25 {p25 * 1e3:.1f} ms, p50 {p50 * 1e3:.1f} ms"
 
 
 #: Sends gzip ModelInfer messages inflating to 48 MB to argv[1] for argv[2]
