@@ -358,3 +358,25 @@ fn the_models_rule_refuses_an_input_before_its_data_is_converted() {
     assert_eq!(got, "input 'x': expected dtype float32, got float64");
     assert_eq!(checked, [("x".to_owned(), vec![1, 2])]);
 }
+
+#[test]
+fn a_grpc_content_type_begins_with_application_grpc() {
+    let is = |v: &str| is_grpc(Some(&HeaderValue::from_str(v).unwrap()));
+    for ok in [
+        "application/grpc",
+        "application/grpc+proto",
+        "application/grpc;charset=utf-8",
+        "Application/GRPC",
+    ] {
+        assert!(is(ok), "{ok}");
+    }
+    for refused in [
+        "application/grpcx",
+        "application/json",
+        "application/grp",
+        "",
+    ] {
+        assert!(!is(refused), "{refused}");
+    }
+    assert!(!is_grpc(None));
+}
