@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import queue
 import socket
 import threading
 import time
+import urllib.parse
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -435,6 +438,39 @@ def test_a_cancelled_call_withdraws_its_queued_request() -> None:
     assert server.stats()["batches"] == 1  # the cancelled request never ran
 
 
+def test_a_cancelled_call_withdraws_its_request_answered_by_python() -> None:
+    """A BYTES model's ModelInfer is answered by the Python handlers behind the
+    native listener: a cancelled call withdraws its queued request there too."""
+    from test_native_http import HeldBytes, T
+
+    held = HeldBytes()
+    server = fb.Server(held, inputs=[T], outputs=[T], name="b", max_batch_size=1, max_delay=0)
+
+    def request() -> pb.ModelInferRequest:
+        message = pb.ModelInferRequest(model_name="b")
+        message.inputs.add(name="t", datatype="BYTES", shape=[1, 1])
+        message.raw_input_contents.append(len(b"hi").to_bytes(4, "little") + b"hi")
+        return message
+
+    with serving([server]) as address, grpc.insecure_channel(address) as channel:
+        infer = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer
+        first = infer.future(request())
+        assert held.entered.wait(30)
+        queued = [infer.future(request()) for _ in range(3)]
+        deadline = time.monotonic() + 10
+        while server.stats()["queue_depth"] < len(queued) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        for call in queued:
+            assert call.cancel()
+        while outcomes(server)["cancelled"] < len(queued) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        held.release.set()
+        assert first.result(30).raw_output_contents
+    seen = outcomes(server)
+    assert seen["cancelled"] == len(queued) and seen["succeeded"] == 1, seen
+    assert server.stats()["batches"] == 1  # the cancelled requests never ran
+
+
 def test_calls_still_waiting_at_shutdown_get_unavailable_not_cancelled() -> None:
     held = Held()
     server = fb.Server(held, inputs=[X], outputs=[Y, N], name="h", max_batch_size=1, max_delay=0)
@@ -565,3 +601,216 @@ def test_models_with_bytes_or_variable_length_tensors_are_ready_over_native_grpc
         for name, version in (("tokens", "2"), ("nobody", "")):
             with pytest.raises(InferenceServerException, match="unknown model"):
                 triton.is_model_ready(name, version)
+
+
+# -- the gRPC protocol, as sent on the wire -------------------------------------------
+
+
+def frame(message: bytes, compressed: bool = False) -> bytes:
+    """One length-prefixed gRPC message."""
+    return bytes([int(compressed)]) + len(message).to_bytes(4, "big") + message
+
+
+def h2_call(
+    address: str, path: str, body: bytes, content_type: str = "application/grpc", **headers: str
+) -> dict[str, str]:
+    """One HTTP/2 request to the gRPC port, as given: the response's headers
+    and trailers (``:status``, ``grpc-status``, ``grpc-message``)."""
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    host, port = address.rsplit(":", 1)
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+    conn.initiate_connection()
+    conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 1 << 24})
+    sent = [(":method", "POST"), (":path", path), (":scheme", "http"), (":authority", address)]
+    sent += [
+        ("content-type", content_type),
+        ("te", "trailers"),
+        *((k.replace("_", "-"), v) for k, v in headers.items()),
+    ]
+    conn.send_headers(1, sent)
+    received: dict[str, str] = {}
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(conn.data_to_send())
+        pending = memoryview(body)
+        ended = False
+        deadline = time.monotonic() + 10
+        while not ended and time.monotonic() < deadline:
+            while pending and conn.local_flow_control_window(1) > 0:
+                size = min(len(pending), conn.local_flow_control_window(1), conn.max_outbound_frame_size)
+                conn.send_data(1, bytes(pending[:size]), end_stream=size == len(pending))
+                pending = pending[size:]
+            if not body:
+                conn.end_stream(1)
+                body = b"-"  # ended once
+            sock.sendall(conn.data_to_send())
+            data = sock.recv(65536)
+            if not data:
+                break
+            for event in conn.receive_data(data):
+                if isinstance(event, (h2.events.ResponseReceived, h2.events.TrailersReceived)):
+                    received.update(dict(event.headers))
+                if isinstance(event, h2.events.DataReceived):
+                    conn.acknowledge_received_data(event.flow_controlled_length, 1)
+                if isinstance(event, (h2.events.StreamEnded, h2.events.StreamReset, h2.events.ConnectionTerminated)):
+                    ended = True
+            sock.sendall(conn.data_to_send())
+    if "grpc-message" in received:
+        received["grpc-message"] = urllib.parse.unquote(received["grpc-message"])
+    return received
+
+
+INFER = "/inference.GRPCInferenceService/ModelInfer"
+
+
+def test_a_unary_call_with_two_messages_is_refused_and_runs_nothing(served: tuple[fb.Server, str]) -> None:
+    server, address = served
+    message = raw_request(np.ones((1, 4))).SerializeToString()
+    answer = h2_call(address, INFER, frame(message) + frame(message))
+    assert answer["grpc-status"] == str(grpc.StatusCode.INTERNAL.value[0]), answer
+    assert "one request message" in answer["grpc-message"]
+    once = h2_call(address, INFER, frame(message))
+    assert once["grpc-status"] == "0", once
+    assert outcomes(server) == Counter({"succeeded": 1})
+
+
+@pytest.mark.parametrize("content_type", ["application/json", "application/grpcx", "text/plain", ""])
+def test_a_request_that_is_not_grpc_is_refused_with_415(served: tuple[fb.Server, str], content_type: str) -> None:
+    server, address = served
+    message = raw_request(np.ones((1, 4))).SerializeToString()
+    answer = h2_call(address, INFER, frame(message), content_type=content_type)
+    assert answer[":status"] == "415", answer
+    for accepted in ("application/grpc+proto", "application/grpc;charset=utf-8"):
+        assert h2_call(address, INFER, frame(message), content_type=accepted)["grpc-status"] == "0"
+    assert outcomes(server) == Counter({"succeeded": 2})
+
+
+def test_gzip_messages_are_inflated_off_the_runtime_thread() -> None:
+    """A stream of small gzip messages that inflate to 48 MB each (sent by
+    another process): health checks on the same runtime are not held up
+    meanwhile."""
+    import statistics
+    import subprocess
+    import sys
+
+    server = fb.Server(double, inputs=[X], outputs=[Y, N], name="m", max_batch_size=16, max_delay=0.002)
+    with serve_in_thread([server], native(http_port=0)) as listening:
+        address = f"127.0.0.1:{listening.grpc_port}"
+        sender = subprocess.Popen(
+            [sys.executable, "-c", BOMBS, address, "3"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=str(Path(__file__).parent),
+        )
+        lines: queue.SimpleQueue[str] = queue.SimpleQueue()
+        assert sender.stdout is not None
+        stdout = sender.stdout
+        threading.Thread(target=lambda: [lines.put(line) for line in stdout], daemon=True).start()
+        waits = []
+        try:
+            first = lines.get(timeout=60)  # bombs are arriving
+            with httpx.Client(base_url=f"http://127.0.0.1:{listening.http_port}", timeout=10) as health:
+                for _ in range(60):
+                    began = time.perf_counter()
+                    assert health.get("/v2/health/live").status_code == 200
+                    waits.append(time.perf_counter() - began)
+                    time.sleep(0.02)
+            assert sender.wait(60) == 0
+        finally:
+            if sender.poll() is None:
+                sender.kill()
+                sender.wait(30)
+    out = [first]
+    while not lines.empty():
+        out.append(lines.get())
+    # Inflated, then refused for its shape: the bomb is not what the model takes.
+    assert len(out) > 3 and {line.strip() for line in out} == {str(grpc.StatusCode.INVALID_ARGUMENT.value[0])}, out
+    # Inflating on the runtime's thread, every check waits for a bomb (30 ms
+    # and more); off it, most answer at once (some wait to be scheduled: the
+    # machine may have two cores, busy inflating).
+    p25, p50, _ = statistics.quantiles(waits, n=4)
+    assert p25 < 0.005, f"health p25 {p25 * 1e3:.1f} ms, p50 {p50 * 1e3:.1f} ms"
+
+
+#: Sends gzip ModelInfer messages inflating to 48 MB to argv[1] for argv[2]
+#: seconds; prints each call's grpc-status.
+BOMBS = """
+import gzip, sys, time
+from test_native_grpc import INFER, frame, h2_call, pb
+bomb = pb.ModelInferRequest(model_name="m")
+bomb.inputs.add(name="x", datatype="FP32", shape=[1, 4])
+bomb.raw_input_contents.append(bytes(48 << 20))
+body = frame(gzip.compress(bomb.SerializeToString(), 9), compressed=True)
+end = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    print(h2_call(sys.argv[1], INFER, body, grpc_encoding="gzip").get("grpc-status"), flush=True)
+"""
+
+
+def test_echoed_names_are_clipped_so_the_status_is_the_real_one(served: tuple[fb.Server, str]) -> None:
+    """A model, version or input name of 20 KB is echoed clipped: the call
+    gets its own status, not RESOURCE_EXHAUSTED for an oversized message."""
+    _, address = served
+    huge = "n" * 20_000
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        x = np.ones((1, 4))
+        for request, code in [
+            (raw_request(x, model=huge), grpc.StatusCode.NOT_FOUND),
+            (raw_request(x, model_version=huge), grpc.StatusCode.NOT_FOUND),
+            (raw_request(x, model="m", id="a"), None),
+        ]:
+            if code is None:
+                request.inputs[0].name = huge
+                code = grpc.StatusCode.INVALID_ARGUMENT
+            got, message = failure(lambda request=request: stub.ModelInfer(request, timeout=10))
+            assert got == code, (got, message[:200])
+            assert "nnn..." in message and len(message) < 300, message[:300]
+        got, message = failure(lambda: stub.ModelMetadata(pb.ModelMetadataRequest(name=huge), timeout=10))
+        assert got == grpc.StatusCode.NOT_FOUND and len(message) < 300
+
+
+def test_datatype_and_shape_are_checked_against_the_model_before_contents_are_converted(
+    served: tuple[fb.Server, str],
+) -> None:
+    """Typed contents of the wrong datatype or shape are refused naming the
+    input, expected and actual, before they are converted (too many values
+    would be the converter's complaint)."""
+    server, address = served
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        for datatype, shape, field, expected in [
+            ("FP64", [1, 4], "fp64_contents", "input 'x': expected dtype float32, got float64"),
+            ("FP32", [1, 5], "fp32_contents", "input 'x': expected shape (n, 4), got (1, 5)"),
+        ]:
+            request = pb.ModelInferRequest(model_name="m")
+            tensor = request.inputs.add(name="x", datatype=datatype, shape=shape)
+            getattr(tensor.contents, field).extend([1.0] * 100)
+            code, message = failure(lambda request=request: stub.ModelInfer(request, timeout=10))
+            assert (code, message) == (grpc.StatusCode.INVALID_ARGUMENT, expected)
+    assert outcomes(server)["invalid_input"] == 2
+
+
+def test_echoed_names_are_clipped_for_models_the_python_handlers_answer() -> None:
+    """The same for a BYTES model's ModelInfer, answered by the Python
+    handlers behind the native listener."""
+    from test_native_http import HeldBytes, T
+
+    held = HeldBytes()
+    held.release.set()
+    server = fb.Server(held, inputs=[T], outputs=[T], name="b", max_batch_size=1, max_delay=0)
+    huge = "n" * 20_000
+    with serving([server]) as address, grpc.insecure_channel(address) as channel:
+        infer = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer
+        request = pb.ModelInferRequest(model_name="b", model_version=huge)
+        request.inputs.add(name=huge, datatype="BYTES", shape=[1, 1])
+        got, message = failure(lambda: infer(request, timeout=10))
+        assert got == grpc.StatusCode.NOT_FOUND and "nnn..." in message and len(message) < 300, message[:300]
+        request.model_version = ""
+        request.inputs[0].contents.bytes_contents.append(b"hi")
+        request.outputs.add(name=huge)
+        got, message = failure(lambda: infer(request, timeout=10))
+        assert got == grpc.StatusCode.INVALID_ARGUMENT and "nnn..." in message and len(message) < 300, message[:300]

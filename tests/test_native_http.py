@@ -390,3 +390,103 @@ def test_listening_reports_the_bound_port() -> None:
     server = fb.Server(double, inputs=[X], outputs=[Y, N], name="m")
     with serve_in_thread([server], native()) as listening:
         assert isinstance(listening, Listening) and listening.http_port not in (None, 0)
+
+
+T = fb.TensorSpec("t", "bytes", (1,))
+
+
+class HeldBytes:
+    """A BYTES model (answered by the Python handlers behind the native
+    listener) whose first batch waits for ``release``: the next requests queue."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.entered.set()
+        self.release.wait(30)
+        return {"t": inputs["t"]}
+
+
+def test_clients_that_go_away_withdraw_their_requests_answered_by_python() -> None:
+    held = HeldBytes()
+    server = fb.Server(held, inputs=[T], outputs=[T], name="b", max_batch_size=1, max_delay=0)
+    gone = 5
+    with serve_in_thread([server], native()) as listening:
+        port = listening.http_port
+        assert port is not None
+        url = f"http://127.0.0.1:{port}/v2/models/b/infer"
+        body = json.dumps({"inputs": [{"name": "t", "datatype": "BYTES", "shape": [1, 1], "data": ["hi"]}]}).encode()
+        holder = threading.Thread(target=httpx.post, args=(url,), kwargs={"content": body, "timeout": 30})
+        holder.start()
+        assert held.entered.wait(30)
+        head = f"POST /v2/models/b/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        socks = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(gone)]
+        for sock in socks:
+            sock.sendall(head + body)
+        deadline = time.monotonic() + 10
+        while server.stats()["queue_depth"] < gone and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for sock in socks:
+            sock.close()
+        while outcomes(server)["cancelled"] < gone and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # Nothing waits on a thread for them: the rest of the surface answers at once.
+        began = time.monotonic()
+        assert httpx.get(f"http://127.0.0.1:{port}/v2/models/b/config", timeout=10).status_code == 200
+        assert time.monotonic() - began < 2
+        held.release.set()
+        holder.join(30)
+    seen = outcomes(server)
+    assert seen["cancelled"] == gone and seen["succeeded"] == 1, seen
+    assert server.stats()["batches"] == 1  # the withdrawn requests never ran
+
+
+def test_echoed_client_strings_are_clipped(served: tuple[fb.Server, str]) -> None:
+    """A huge method, a shape past 2**64, a huge input name: each answer
+    echoes what was sent, cut short (never u64::MAX for the shape)."""
+    _, base = served
+    port = int(base.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"X" * 70_000 + b" /v2/health/live HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\n\r\n")
+        answer = b""
+        while b"}" not in answer:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 405"), answer[:100]
+    assert b"XXX..." in answer and len(answer) < 1000, len(answer)
+    huge_shape = b'{"inputs":[{"name":"x","datatype":"FP32","shape":[1,99999999999999999999999],"data":[1]}]}'
+    refused = httpx.post(f"{base}/v2/models/m/infer", content=huge_shape)
+    assert refused.status_code == 400
+    assert "99999999999999999999999" in refused.json()["error"]
+    assert str(2**64 - 1) not in refused.json()["error"]
+    named = infer_body([[1, 2, 3, 4]]).replace(b'"name": "x"', b'"name": "' + b"n" * 70_000 + b'"')
+    refused = httpx.post(f"{base}/v2/models/m/infer", content=named)
+    assert refused.status_code == 400 and "nnn..." in refused.json()["error"]
+    assert len(refused.text) < 1000, len(refused.text)
+
+
+def test_datatype_and_shape_are_checked_against_the_model_before_the_data_is_decoded(
+    served: tuple[fb.Server, str],
+) -> None:
+    """An input of the wrong datatype or shape is refused, naming the input,
+    what the model expects and what was sent, before its data is parsed
+    (data that would not parse proves it: the refusal is the model's rule)."""
+    server, base = served
+    unparsable = '[1.5, 2.5, 3.5, "not a number"]'
+    for datatype, shape, expected in [
+        ("FP64", [1, 4], "input 'x': expected dtype float32, got float64"),
+        ("FP32", [1, 5], "input 'x': expected shape (n, 4), got (1, 5)"),
+    ]:
+        body = f'{{"inputs":[{{"name":"x","datatype":"{datatype}","shape":{shape},"data":{unparsable}}}]}}'
+        refused = httpx.post(f"{base}/v2/models/m/infer", content=body.encode())
+        assert refused.status_code == 400
+        assert refused.json()["error"] == expected
+    # The data first, the header after: checked before the data is read too.
+    body = '{"inputs":[{"data":' + unparsable + ',"name":"x","datatype":"FP64","shape":[1,4]}]}'
+    refused = httpx.post(f"{base}/v2/models/m/infer", content=body.encode())
+    assert refused.json()["error"] == "input 'x': expected dtype float32, got float64"
+    assert outcomes(server)["invalid_input"] == 3

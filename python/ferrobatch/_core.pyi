@@ -12,6 +12,7 @@ __all__ = [
     "CodecError",
     "LoopMailbox",
     "LoopRegistry",
+    "FallbackAnswer",
     "NativeFrontend",
     "SharedClient",
     "SharedDrain",
@@ -23,6 +24,7 @@ __all__ = [
     "V2Tensor",
     "Worker",
     "__version__",
+    "clipped",
     "after_fork_in_child",
     "check_json",
     "shared_meta",
@@ -85,6 +87,10 @@ class Submitter:
         """Runs a request from a plain thread, blocking (GIL released) until its batch answers."""
     def cancel(self, id: int, future: asyncio.Future[Any]) -> None:
         """The task awaiting request ``id``'s ``future`` was cancelled."""
+
+def clipped(text: str) -> str:
+    """``text``, a client's string, as error messages echo it: cut to 80
+    characters, with "..." when cut."""
 
 def after_fork_in_child() -> None:
     """Forgets the event loops cached before a fork (``os.register_at_fork``)."""
@@ -229,6 +235,14 @@ class V2Codec:
     def raw_outputs(self, names: list[str], results: dict[str, torch.Tensor]) -> list[tuple[bytes, list[int]]]: ...
 
 @final
+class FallbackAnswer:
+    """Where the Python handlers send the answer to a request the native
+    front-end hands them: called once with ``(status, headers, body)`` (gRPC:
+    ``(code, message, response)``), or None when answering failed."""
+
+    def __call__(self, answer: tuple[int, list[tuple[str, str]], bytes] | tuple[int, str, bytes] | None, /) -> None: ...
+
+@final
 class NativeFrontend:
     """The native front-end (tokio + hyper for HTTP, tonic for gRPC): listens
     from construction until ``stop()``; serves natively the models given to
@@ -236,19 +250,22 @@ class NativeFrontend:
     ``model_metadata`` has ``(name, platform, inputs, outputs)`` per model,
     each tensor ``(name, datatype, shape)``. gRPC's ``ModelConfig``,
     ``ModelStatistics`` and ``RepositoryIndex`` are answered by
-    ``grpc_fallback(method, request) -> (code, message, response)``, the
-    messages as protobuf bytes (code 0: OK; None: UNIMPLEMENTED)."""
+    ``grpc_fallback(method, request, answer) -> cancel``, the messages as
+    protobuf bytes, ``answer((code, message, response))`` (code 0: OK; None:
+    UNIMPLEMENTED); HTTP's fallback is ``fallback(method, path, headers,
+    body, answer) -> cancel``, ``answer((status, headers, body))``. Both
+    return at once; ``cancel()`` is called if the client goes away first."""
 
     def __new__(
         cls,
         host: str,
         port: int | None,
-        fallback: Callable[[str, str, list[tuple[str, str]], bytes], tuple[int, list[tuple[str, str]], bytes]],
+        fallback: Callable[[str, str, list[tuple[str, str]], bytes, FallbackAnswer], Callable[[], object] | None],
         *,
         grpc_port: int | None = None,
         server_metadata: tuple[str, str, list[str]] | None = None,
         model_metadata: list[tuple[str, str, list[tuple[str, str, list[int]]], list[tuple[str, str, list[int]]]]] = ...,
-        grpc_fallback: Callable[[str, bytes], tuple[int, str, bytes]] | None = None,
+        grpc_fallback: Callable[[str, bytes, FallbackAnswer], Callable[[], object] | None] | None = None,
         threads: int = 1,
         max_body_size: int = ...,
         max_decompressed_size: int = ...,
@@ -256,6 +273,8 @@ class NativeFrontend:
         max_streams: int = 1024,
         header_timeout: float = 30.0,
         body_timeout: float = 60.0,
+        idle_timeout: float = 300.0,
+        keepalive_interval: float = 60.0,
         http_header_forward_pattern: str | None = None,
         grpc_header_forward_pattern: str | None = None,
     ) -> NativeFrontend: ...

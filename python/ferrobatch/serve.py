@@ -26,9 +26,12 @@ short: requests still waiting then (a model call that never returns
 included) are answered 503 / UNAVAILABLE, and the process exits.
 
 The native front-end bounds what a client can hold: ``--max-connections``
-open at once (more are closed on accept), ``--header-timeout`` for a
-request's headers (and a new connection's first bytes: slowloris clients are
-cut off), ``--body-timeout`` for its body (408). It inflates gzip and deflate
+open at once (more are closed on accept; a few beyond answer health checks
+only), ``--header-timeout`` for a request's headers (and a new connection's
+first bytes and first request, HTTP/2 included: slowloris clients are cut
+off), ``--body-timeout`` for its body (408), ``--idle-timeout`` for a
+connection with no request in flight; HTTP/2 connections are pinged every
+``--keepalive-interval`` seconds. It inflates gzip and deflate
 request bodies up to ``--max-decompressed-size`` bytes (413 beyond) and codes
 responses as the request's ``Accept-Encoding`` asks (gzip, else deflate).
 
@@ -176,6 +179,12 @@ class ServeConfig:
     header_timeout: float = 30.0
     #: Native front-end: seconds for a request's body to arrive (408 after).
     body_timeout: float = 60.0
+    #: Native front-end: seconds a connection may stay open with no request
+    #: in flight (HTTP/2: GOAWAY, then closed).
+    idle_timeout: float = 300.0
+    #: Native front-end: HTTP/2 connections are pinged this often (seconds)
+    #: and closed when a ping is not answered within as long; 0: no pings.
+    keepalive_interval: float = 60.0
     #: Native front-end: a regular expression; HTTP request headers whose
     #: names it matches (anywhere, ignoring case) join the request's parameters,
     #: by lowercase name, for models built ``with_requests`` (Triton's
@@ -269,6 +278,8 @@ async def serve(
                         max_streams=config.max_streams,
                         header_timeout=config.header_timeout,
                         body_timeout=config.body_timeout,
+                        idle_timeout=config.idle_timeout,
+                        keepalive_interval=config.keepalive_interval,
                         http_header_forward_pattern=config.http_header_forward_pattern,
                         grpc_header_forward_pattern=config.grpc_header_forward_pattern,
                     )
@@ -687,6 +698,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="native front-end: time for a request's body to arrive; 408 after (default 60)",
     )
     parser.add_argument(
+        "--idle-timeout",
+        type=_seconds,
+        default=300.0,
+        metavar="SECONDS",
+        help="native front-end: a connection with no request in flight this long is closed (default 300)",
+    )
+    parser.add_argument(
+        "--keepalive-interval",
+        type=_seconds,
+        default=60.0,
+        metavar="SECONDS",
+        help="native front-end: HTTP/2 connections are pinged this often and closed when a ping"
+        " goes unanswered as long; 0: no pings (default 60)",
+    )
+    parser.add_argument(
         "--http-header-forward-pattern",
         metavar="REGEX",
         help="native front-end: HTTP headers whose names match join the request's parameters"
@@ -760,8 +786,8 @@ def check_arguments(args: argparse.Namespace) -> str | None:
     """What is wrong with parsed ``serve`` arguments (for ``parser.error``), or None."""
     if args.demo == (args.target is not None):
         return "give either a target (module:attr) or --demo"
-    if args.header_timeout <= 0 or args.body_timeout <= 0:
-        return "--header-timeout and --body-timeout must be > 0 seconds"
+    if args.header_timeout <= 0 or args.body_timeout <= 0 or args.idle_timeout <= 0:
+        return "--header-timeout, --body-timeout and --idle-timeout must be > 0 seconds"
     if args.no_http and args.no_grpc:
         return "--no-http and --no-grpc leave nothing to serve; drop one of them"
     return None
@@ -804,6 +830,8 @@ def main(args: argparse.Namespace) -> int:
         max_streams=args.max_streams,
         header_timeout=args.header_timeout,
         body_timeout=args.body_timeout,
+        idle_timeout=args.idle_timeout,
+        keepalive_interval=args.keepalive_interval,
         http_header_forward_pattern=args.http_header_forward_pattern,
         grpc_header_forward_pattern=args.grpc_header_forward_pattern,
         share=args.share,

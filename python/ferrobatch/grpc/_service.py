@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from .._core import clipped
 from ..http.protocol import (
     DATATYPES,
     MODEL_VERSION,
@@ -187,13 +188,15 @@ def _decode_inputs(request: pb.ModelInferRequest, model: ServedModel) -> dict[st
         data: Any
         if raw:
             if tensor.HasField("contents"):
-                raise ProtocolError(400, f"input '{tensor.name}' has both contents and raw_input_contents")
+                raise ProtocolError(400, f"input '{clipped(tensor.name)}' has both contents and raw_input_contents")
             data = raw[i]
         elif tensor.datatype in DATATYPES:
             field = _CONTENTS.get(tensor.datatype)
             if field is None:
                 raise ProtocolError(
-                    400, f"input '{tensor.name}': {tensor.datatype} data must be sent in raw_input_contents"
+                    400,
+                    f"input '{clipped(tensor.name)}': {clipped(tensor.datatype)} data"
+                    " must be sent in raw_input_contents",
                 )
             data = getattr(tensor.contents, field)
         else:
@@ -214,7 +217,7 @@ def _requested_outputs(request: pb.ModelInferRequest, model: ServedModel) -> lis
         if out.name not in known:
             raise ProtocolError(
                 400,
-                f"unknown output {out.name!r} for model '{model.server.name}'; outputs: {', '.join(known)}",
+                f"unknown output {clipped(out.name)!r} for model '{model.server.name}'; outputs: {', '.join(known)}",
             )
         if "classification" in out.parameters:
             raise ProtocolError(400, f"output '{out.name}': the classification extension is not supported")

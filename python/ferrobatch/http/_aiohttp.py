@@ -9,6 +9,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from aiohttp.web_protocol import RequestPayloadError
 
+from .._core import clipped
 from ..server import Server
 from ._endpoint import HEADER_LENGTH, INFER, NOT_FOUND, Call, Endpoint, Reply, Route, _json, error_reply, too_large
 from ._lifecycle import serving
@@ -86,7 +87,7 @@ def aiohttp_app(
             if exc.status == 404:
                 reply = NOT_FOUND
             elif exc.status == 405:
-                reply = _json(405, {"error": f"Method Not Allowed: {request.method} {request.path}"})
+                reply = _json(405, {"error": f"Method Not Allowed: {clipped(request.method)} {clipped(request.path)}"})
             else:
                 raise
             response = _response(reply)

@@ -25,6 +25,7 @@ from urllib.parse import unquote
 import anyio.to_thread
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from .._core import clipped
 from ..metrics import exposition, registry
 from ..server import Server
 from .protocol import (
@@ -248,7 +249,11 @@ class Endpoint:
         if not allowed:
             return NOT_FOUND
         allow = ", ".join(sorted({*allowed, *(["HEAD"] if "GET" in allowed else [])}))
-        return Reply(405, _json(405, {"error": f"Method Not Allowed: {method} {path} takes {allow}"}).body, allow=allow)
+        return Reply(
+            405,
+            _json(405, {"error": f"Method Not Allowed: {clipped(method)} {clipped(path)} takes {allow}"}).body,
+            allow=allow,
+        )
 
     async def answer(self, route: Route, call: Call) -> Reply:
         """``route``'s reply to ``call``; never raises."""

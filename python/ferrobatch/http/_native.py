@@ -15,21 +15,30 @@ start-up. Triton's ``ModelConfig``, ``ModelStatistics`` and
 ``RepositoryIndex`` (rare; statistics change while serving) come back to
 Python as protobuf bytes and are answered by the grpcio servicer's code
 (:mod:`ferrobatch.grpc._extensions`), on the server's event loop.
+
+A request handed to Python is a task on the event loop; no thread waits for
+it. Its answer goes back through the ``FallbackAnswer`` it came with, and a
+client that goes away cancels the task (a request still queued is withdrawn).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
-from typing import Any
+import concurrent.futures
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
-from .._core import NativeFrontend
+from .._core import FallbackAnswer, NativeFrontend
 from ..errors import ModelError
 from ._endpoint import Endpoint
 from .protocol import ModelRepository, error_message
 
 Answer = tuple[int, list[tuple[str, str]], bytes]
 TensorMeta = tuple[str, str, list[int]]
+T = TypeVar("T")
+
+log = logging.getLogger("ferrobatch.serve")
 
 
 class NativeListeners:
@@ -54,6 +63,8 @@ class NativeListeners:
         max_streams: int = 1024,
         header_timeout: float = 30.0,
         body_timeout: float = 60.0,
+        idle_timeout: float = 300.0,
+        keepalive_interval: float = 60.0,
         http_header_forward_pattern: str | None = None,
         grpc_header_forward_pattern: str | None = None,
     ) -> None:
@@ -76,6 +87,8 @@ class NativeListeners:
             max_streams=max_streams,
             header_timeout=header_timeout,
             body_timeout=body_timeout,
+            idle_timeout=idle_timeout,
+            keepalive_interval=keepalive_interval,
             http_header_forward_pattern=http_header_forward_pattern,
             grpc_header_forward_pattern=grpc_header_forward_pattern,
         )
@@ -133,17 +146,40 @@ class NativeListeners:
 
         return describe
 
-    # -- what Rust does not answer over HTTP: on the event loop, from a blocking thread --
+    # -- what Rust does not answer: tasks on the event loop, started from a blocking thread --
 
-    def _fallback(self, method: str, path: str, headers: Sequence[tuple[str, str]], body: bytes) -> Answer:
+    def _start(self, answer: Awaitable[T], done: FallbackAnswer, convert: Callable[[T], Any]) -> Callable[[], bool]:
+        """Runs ``answer`` on the loop; ``done`` gets ``convert(result)``, or
+        None if it failed (logged). Returns what cancels it."""
+
+        async def run() -> T:
+            return await answer
+
+        future = asyncio.run_coroutine_threadsafe(run(), self._loop)
+
+        def finished(future: concurrent.futures.Future[T]) -> None:
+            if future.cancelled():
+                return  # the client went away: nobody waits for it
+            error = future.exception()
+            if error is not None:
+                log.error("answering a request failed", exc_info=error)
+                done(None)
+                return
+            done(convert(future.result()))
+
+        future.add_done_callback(finished)
+        return future.cancel
+
+    def _fallback(
+        self, method: str, path: str, headers: Sequence[tuple[str, str]], body: bytes, done: FallbackAnswer
+    ) -> Callable[[], bool]:
         dispatched = self.endpoint.dispatch(method, path, dict(headers), body)
-        reply = asyncio.run_coroutine_threadsafe(dispatched, self._loop).result()
-        return reply.status, list(reply.headers.items()), reply.body
+        return self._start(dispatched, done, lambda reply: (reply.status, list(reply.headers.items()), reply.body))
 
     async def _grpc_infer(self, request: bytes) -> tuple[int, str, bytes]:
         return await _grpc_infer_answer(self.repository, request, self.repository.expose_errors)
 
-    def _grpc_fallback(self, method: str, request: bytes) -> tuple[int, str, bytes]:
+    def _grpc_fallback(self, method: str, request: bytes, done: FallbackAnswer) -> Callable[[], bool]:
         from ..grpc import _extensions  # protobuf is needed only with gRPC
 
         async def answer() -> tuple[int, str, bytes]:
@@ -151,7 +187,7 @@ class NativeListeners:
                 return await self._grpc_infer(request)
             return _extensions.answer(self.repository, method, request)
 
-        return asyncio.run_coroutine_threadsafe(answer(), self._loop).result()
+        return self._start(answer(), done, lambda reply: reply)
 
 
 def _model_metadata(meta: dict[str, Any]) -> tuple[str, str, list[TensorMeta], list[TensorMeta]]:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from .. import _core
-from .._core import CodecError, V2Codec, V2Request, __version__
+from .._core import CodecError, V2Codec, V2Request, __version__, clipped
 from ..client import Client
 from ..errors import (
     DeadlineExceededError,
@@ -267,9 +267,11 @@ class ModelRepository:
         """Model ``name`` (``version``: "" or "1"); :class:`UnknownModelError` if unknown."""
         model = self._models.get(name)
         if model is None:
-            raise UnknownModelError(f"Request for unknown model: '{name}' is not found")
+            raise UnknownModelError(f"Request for unknown model: '{clipped(name)}' is not found")
         if version and version != MODEL_VERSION:
-            raise UnknownModelError(f"Request for unknown model: '{name}' version {version} is not found")
+            raise UnknownModelError(
+                f"Request for unknown model: '{clipped(name)}' version {clipped(version)} is not found"
+            )
         return model
 
     def get(self, name: str, version: str = "") -> Server:

@@ -7,6 +7,7 @@
 
 use std::fmt;
 
+use crate::v2::Clipped;
 use crate::DType;
 
 /// One declared model input.
@@ -270,6 +271,36 @@ pub struct Matched {
     pub order: Vec<usize>,
 }
 
+/// The error for a tensor `name` that is none of `specs`.
+fn unexpected(specs: &[InputSpec], name: &str) -> SpecError {
+    let known: Vec<&str> = specs.iter().map(|s| s.name.as_str()).collect();
+    SpecError(format!(
+        "unexpected input '{}'; the model takes: {}",
+        Clipped(name),
+        known.join(", ")
+    ))
+}
+
+/// Checks one tensor of a batched request against `specs`, as
+/// [`match_inputs`] does (its name among them, its dtype, its row shape and
+/// rows at most `max_rows`), from its header alone: a front-end refuses it
+/// before decoding its data.
+pub fn check_input(
+    specs: &[InputSpec],
+    name: &str,
+    dtype: DType,
+    shape: &[usize],
+    max_rows: usize,
+) -> Result<(), SpecError> {
+    let Some(spec) = specs.iter().find(|s| s.name == name) else {
+        return Err(unexpected(specs, name));
+    };
+    if dtype != spec.dtype {
+        return Err(spec.dtype_error(dtype.name()));
+    }
+    spec.rows_for_shape(shape, true, max_rows).map(|_| ())
+}
+
 /// Matches the tensors of a batched request (`(name, dtype, shape)` each,
 /// the shape with its leading batch dimension) to `specs`: every input
 /// once, nothing else, dtypes and row shapes as declared, the same number
@@ -283,11 +314,7 @@ pub fn match_inputs(
         .iter()
         .find(|(name, ..)| !specs.iter().any(|s| s.name == *name))
     {
-        let known: Vec<&str> = specs.iter().map(|s| s.name.as_str()).collect();
-        return Err(SpecError(format!(
-            "unexpected input '{name}'; the model takes: {}",
-            known.join(", ")
-        )));
+        return Err(unexpected(specs, name));
     }
     let mut order = Vec::with_capacity(specs.len());
     let mut rows: Option<usize> = None;

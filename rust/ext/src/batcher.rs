@@ -411,13 +411,13 @@ impl Converter {
                 .iter()
                 .map(|k| k.str().map(|s| s.to_string()).unwrap_or_default())
                 .filter(|k| !specs.iter().any(|s| &s.name == k))
-                .map(|k| format!("'{k}'"))
+                .map(|k| format!("'{}'", ferrobatch_core::v2::Clipped(&k)))
                 .collect();
             return Err(invalid_input(
                 py,
                 format!(
                     "unexpected input {}; the model takes {}",
-                    extra.join(", "),
+                    ferrobatch_core::v2::Clipped(&extra.join(", ")),
                     specs
                         .iter()
                         .map(|s| format!("'{}'", s.name))

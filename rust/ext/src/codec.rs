@@ -548,7 +548,7 @@ impl V2Codec {
             if inputs.contains(&name)? {
                 return Err(codec_error(
                     py,
-                    V2Error::Invalid(format!("input '{name}' is given twice")),
+                    V2Error::Invalid(format!("input '{}' is given twice", v2::Clipped(&name))),
                 ));
             }
             let (count, nbytes) =

@@ -9,18 +9,19 @@
 //! every request's response is encoded and its handler woken without it.
 
 use std::net::{IpAddr, SocketAddr};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ferrobatch_core::{Outcome, Route};
 use ferrobatch_serve::{
     Catalog, Column, Config, Failure, Fallback, FallbackCall, FallbackReply, FallbackRequest,
     FallbackResponse, Frontend, Listen, ModelMetadata, Replies, ServedModel, ServerMetadata,
-    TensorMetadata,
+    TensorMetadata, Withdraw,
 };
 use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
+use tokio::sync::oneshot;
 
 use crate::batcher::Batcher;
 use crate::codec::V2Codec;
@@ -108,68 +109,176 @@ const GRPC_INTERNAL: i32 = 13;
 const GRPC_UNIMPLEMENTED: i32 = 12;
 
 /// Calls the Python handlers for what the native routes do not answer:
-/// `http(method, path, headers, body) -> (status, headers, body)` and
-/// `grpc(method, request) -> (code, message, response)` (None: gRPC's
-/// fallback calls are UNIMPLEMENTED).
+/// `http(method, path, headers, body, answer) -> cancel` and
+/// `grpc(method, request, answer) -> cancel` (None: gRPC's fallback calls
+/// are UNIMPLEMENTED). Each starts the answer on the event loop and returns
+/// at once; the handlers call `answer` (a [`FallbackAnswer`]) once with
+/// `(status, headers, body)` (gRPC: `(code, message, response)`), or None
+/// when answering failed (they log why); `cancel()` stops it (its client
+/// went away).
 struct PyFallback {
     http: Py<PyAny>,
     grpc: Option<Py<PyAny>>,
 }
 
+/// Where a fallback call's answer goes.
+enum Waiting {
+    Http(oneshot::Sender<FallbackResponse>),
+    Grpc(&'static str, oneshot::Sender<FallbackReply>),
+}
+
+/// The callable the Python handlers answer a fallback call with: once, with
+/// the answer, or None (answering failed).
+#[pyclass(frozen, module = "ferrobatch._core")]
+pub struct FallbackAnswer {
+    waiting: Mutex<Option<Waiting>>,
+}
+
+#[pymethods]
+impl FallbackAnswer {
+    #[pyo3(signature = (answer, /))]
+    fn __call__(&self, answer: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let waiting = self
+            .waiting
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        match waiting {
+            None => Ok(()), // answered already
+            Some(Waiting::Http(tx)) => {
+                let answered = answer
+                    .map(|a| a.extract::<(u16, Vec<(String, String)>, Vec<u8>)>())
+                    .transpose();
+                let internal = || FallbackResponse {
+                    status: 500,
+                    headers: vec![("content-type".into(), "application/json".into())],
+                    body: br#"{"error":"internal error"}"#.to_vec(),
+                };
+                let response = match answered {
+                    Ok(Some((status, headers, body))) => FallbackResponse {
+                        status,
+                        headers,
+                        body,
+                    },
+                    Ok(None) => internal(),
+                    Err(err) => {
+                        let _ = tx.send(internal());
+                        return Err(err);
+                    }
+                };
+                let _ = tx.send(response);
+                Ok(())
+            }
+            Some(Waiting::Grpc(method, tx)) => {
+                let answered = answer
+                    .map(|a| a.extract::<(i32, String, Vec<u8>)>())
+                    .transpose();
+                let internal =
+                    || Err((GRPC_INTERNAL, format!("internal error answering {method}")));
+                let reply = match answered {
+                    Ok(Some((0, _, response))) => Ok(response),
+                    Ok(Some((code, message, _))) => Err((code, message)),
+                    Ok(None) => internal(),
+                    Err(err) => {
+                        let _ = tx.send(internal());
+                        return Err(err);
+                    }
+                };
+                let _ = tx.send(reply);
+                Ok(())
+            }
+        }
+    }
+}
+
+impl PyFallback {
+    /// Calls `handler(*args, answer)`; the `cancel` it returns withdraws the
+    /// call. A handler that raises answers "internal error" at once.
+    fn start<'py>(
+        py: Python<'py>,
+        handler: &Py<PyAny>,
+        args: Vec<Bound<'py, PyAny>>,
+        waiting: Waiting,
+    ) -> Option<Withdraw> {
+        let answer = match Py::new(
+            py,
+            FallbackAnswer {
+                waiting: Mutex::new(Some(waiting)),
+            },
+        ) {
+            Ok(answer) => answer,
+            Err(err) => {
+                err.print(py);
+                return None; // the waiting sender is dropped: "internal error"
+            }
+        };
+        let mut args = args;
+        args.push(answer.clone_ref(py).into_bound(py).into_any());
+        let started =
+            pyo3::types::PyTuple::new(py, args).and_then(|args| handler.bind(py).call1(args));
+        match started {
+            Ok(cancel) if !cancel.is_none() => {
+                let cancel = cancel.unbind();
+                Some(Box::new(move || {
+                    Python::attach(|py| {
+                        if let Err(err) = cancel.bind(py).call0() {
+                            err.print(py);
+                        }
+                    })
+                }))
+            }
+            Ok(_) => None,
+            Err(err) => {
+                err.print(py);
+                let _ = answer.get().__call__(None);
+                None
+            }
+        }
+    }
+}
+
 impl Fallback for PyFallback {
-    fn call(&self, request: FallbackRequest) -> FallbackResponse {
+    fn call(
+        &self,
+        request: FallbackRequest,
+        answer: oneshot::Sender<FallbackResponse>,
+    ) -> Option<Withdraw> {
         Python::attach(|py| {
-            let answer = self
-                .http
-                .bind(py)
-                .call1((
-                    request.method,
-                    request.path,
-                    request.headers,
-                    PyBytes::new(py, &request.body),
-                ))
-                .and_then(|a| a.extract::<(u16, Vec<(String, String)>, Vec<u8>)>());
-            match answer {
-                Ok((status, headers, body)) => FallbackResponse {
-                    status,
-                    headers,
-                    body,
-                },
+            let args = (
+                request.method,
+                request.path,
+                request.headers,
+                PyBytes::new(py, &request.body),
+            );
+            let args = match args.into_pyobject(py) {
+                Ok(args) => args.iter().collect(),
                 Err(err) => {
                     err.print(py);
-                    FallbackResponse {
-                        status: 500,
-                        headers: vec![("content-type".into(), "application/json".into())],
-                        body: br#"{"error":"internal error"}"#.to_vec(),
-                    }
+                    return None;
                 }
-            }
+            };
+            PyFallback::start(py, &self.http, args, Waiting::Http(answer))
         })
     }
 
-    fn call_grpc(&self, call: FallbackCall) -> FallbackReply {
+    fn call_grpc(
+        &self,
+        call: FallbackCall,
+        answer: oneshot::Sender<FallbackReply>,
+    ) -> Option<Withdraw> {
         let Some(grpc) = &self.grpc else {
-            return Err((
+            let _ = answer.send(Err((
                 GRPC_UNIMPLEMENTED,
                 format!("{} is not implemented", call.method),
-            ));
+            )));
+            return None;
         };
         Python::attach(|py| {
-            let answer = grpc
-                .bind(py)
-                .call1((call.method, PyBytes::new(py, &call.request)))
-                .and_then(|a| a.extract::<(i32, String, Vec<u8>)>());
-            match answer {
-                Ok((0, _, response)) => Ok(response),
-                Ok((code, message, _)) => Err((code, message)),
-                Err(err) => {
-                    err.print(py);
-                    Err((
-                        GRPC_INTERNAL,
-                        format!("internal error answering {}", call.method),
-                    ))
-                }
-            }
+            let args = vec![
+                pyo3::types::PyString::new(py, call.method).into_any(),
+                PyBytes::new(py, &call.request).into_any(),
+            ];
+            PyFallback::start(py, grpc, args, Waiting::Grpc(call.method, answer))
         })
     }
 }
@@ -227,23 +336,25 @@ pub struct NativeFrontend {
 impl NativeFrontend {
     /// Binds `host:port` for HTTP and `host:grpc_port` for gRPC (0: any
     /// free port; None: not that one). HTTP requests are answered with
-    /// `fallback(method, path, headers, body) -> (status, headers, body)`,
-    /// and gRPC inference UNAVAILABLE, until `serve()` names the models
+    /// `fallback(method, path, headers, body, answer) -> cancel`, which
+    /// returns at once and calls `answer((status, headers, body))` later
+    /// (see [`PyFallback`]), and gRPC inference UNAVAILABLE, until `serve()` names the models
     /// served natively. gRPC's metadata RPCs answer `server_metadata`
     /// (`(name, version, extensions)`) and `model_metadata` (`(name,
     /// platform, inputs, outputs)` per model, each tensor `(name, datatype,
     /// shape)`); a model not in it is unknown to gRPC until served.
     /// `ModelConfig`, `ModelStatistics` and `RepositoryIndex` are answered by
-    /// `grpc_fallback(method, request) -> (code, message, response)` on a
-    /// blocking thread: the RPC's name and request message as protobuf
-    /// bytes; code 0 and the response message's bytes, or a gRPC status code
-    /// and its message (None: UNIMPLEMENTED). Raises `OSError` when an
+    /// `grpc_fallback(method, request, answer) -> cancel`: the RPC's name and
+    /// request message as protobuf bytes; `answer((code, message,
+    /// response))`, code 0 and the response message's bytes, or a gRPC
+    /// status code and its message (None: UNIMPLEMENTED). Raises `OSError` when an
     /// address cannot be bound.
     #[new]
     #[pyo3(signature = (
         host, port, fallback, *, grpc_port=None, server_metadata=None, model_metadata=Vec::new(), grpc_fallback=None,
         threads=1, max_body_size=64 << 20, max_decompressed_size=64 << 20, max_connections=10_000, max_streams=1024,
-        header_timeout=30.0, body_timeout=60.0, http_header_forward_pattern=None, grpc_header_forward_pattern=None,
+        header_timeout=30.0, body_timeout=60.0, idle_timeout=300.0, keepalive_interval=60.0,
+        http_header_forward_pattern=None, grpc_header_forward_pattern=None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -262,6 +373,8 @@ impl NativeFrontend {
         max_streams: u32,
         header_timeout: f64,
         body_timeout: f64,
+        idle_timeout: f64,
+        keepalive_interval: f64,
         http_header_forward_pattern: Option<&str>,
         grpc_header_forward_pattern: Option<&str>,
     ) -> PyResult<NativeFrontend> {
@@ -288,6 +401,10 @@ impl NativeFrontend {
             max_streams,
             header_timeout: seconds("header_timeout", header_timeout)?,
             body_timeout: seconds("body_timeout", body_timeout)?,
+            idle_timeout: seconds("idle_timeout", idle_timeout)?,
+            // 0: no pings.
+            keepalive_interval: Some(seconds("keepalive_interval", keepalive_interval)?)
+                .filter(|d| !d.is_zero()),
             http_header_forward_pattern: pattern(http_header_forward_pattern)?,
             grpc_header_forward_pattern: pattern(grpc_header_forward_pattern)?,
         };
@@ -406,7 +523,17 @@ pub(crate) fn fail_all(sink: &NativeSink, message: &str) {
         .fail_all(&Failure::new(503, message), Outcome::ServerClosed);
 }
 
+/// `text`, a client's string, as error messages echo it: cut to 80
+/// characters, with "..." when cut (the core's one rule, for the Python
+/// handlers' messages too).
+#[pyfunction]
+fn clipped(text: &str) -> String {
+    ferrobatch_core::v2::short(text)
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(clipped, m)?)?;
     m.add_class::<NativeFrontend>()?;
+    m.add_class::<FallbackAnswer>()?;
     Ok(())
 }

@@ -13,8 +13,9 @@
 //!
 //! Triton's `ModelConfig`, `ModelStatistics` and `RepositoryIndex` are rare
 //! and their answers change while serving (statistics, readiness): they go to
-//! the [`Fallback`](crate::Fallback) on a blocking thread, as protobuf bytes
-//! both ways (the Python servicer's own answers), decoded here.
+//! the [`Fallback`](crate::Fallback) (as does `ModelInfer` for a model the
+//! Python handlers answer), as protobuf bytes both ways (the Python
+//! servicer's own answers), decoded here; a cancelled call withdraws it.
 //!
 //! Statuses are those of the Python servicer: NOT_FOUND for an unknown model
 //! or version, INVALID_ARGUMENT (HTTP 400), UNAVAILABLE (503: queue full,
@@ -27,9 +28,12 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
+use std::future::Future;
+
 use bytes::Bytes;
-use ferrobatch_core::v2::{self, Limits, V2Error, MODEL_VERSION};
+use ferrobatch_core::v2::{self, quote, Clipped, Limits, V2Error, MODEL_VERSION};
 use ferrobatch_core::DType;
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::header::HeaderValue;
 use tonic::codec::CompressionEncoding;
@@ -75,13 +79,68 @@ pub(crate) fn server(shared: Arc<Shared>) -> Server {
         .accept_compressed(CompressionEncoding::Gzip)
 }
 
-/// Answers one HTTP/2 request of a gRPC connection (`limit`: the server's
-/// message size limit).
+/// The RPCs a connection beyond `max_connections` (the
+/// [`HEADROOM`](crate::server::HEADROOM)) answers: health checks.
+const PROBES: [&str; 2] = [
+    "/inference.GRPCInferenceService/ServerLive",
+    "/inference.GRPCInferenceService/ServerReady",
+];
+
+/// The length of a gRPC message's prefix: a compressed flag and a
+/// big-endian u32 length.
+const PREFIX: usize = 5;
+
+/// Whether `content_type` is gRPC's: `application/grpc`, alone or followed
+/// by `+format` or `;parameters`.
+fn is_grpc(content_type: Option<&HeaderValue>) -> bool {
+    content_type.is_some_and(|value| {
+        let value = value.as_bytes();
+        value.len() >= 16
+            && value[..16].eq_ignore_ascii_case(b"application/grpc")
+            && matches!(value.get(16), None | Some(b'+' | b';'))
+    })
+}
+
+/// Answers one HTTP/2 request of a gRPC connection (`pooled`: false for a
+/// connection in the headroom beyond `max_connections`, which answers
+/// health checks only). Refused before tonic reads it: a content-type that
+/// is not gRPC's (HTTP 415, as the gRPC protocol asks), a second message
+/// (every RPC here is unary: INTERNAL, as gRPC's libraries answer it), a
+/// message that does not arrive within the body timeout. A gzip message is
+/// inflated here, off the runtime's threads ([`Shared::offload`]).
 pub(crate) async fn handle(
     mut server: Server,
-    limit: usize,
+    shared: Arc<Shared>,
+    pooled: bool,
     request: hyper::Request<Incoming>,
 ) -> Result<hyper::Response<tonic::body::Body>, Infallible> {
+    let limit = shared.config.max_body_size;
+    if !is_grpc(request.headers().get(hyper::header::CONTENT_TYPE)) {
+        let given = request
+            .headers()
+            .get(hyper::header::CONTENT_TYPE)
+            .map_or_else(
+                || "none".to_owned(),
+                |v| quote(&String::from_utf8_lossy(v.as_bytes())),
+            );
+        let mut refused = Status::internal(format!(
+            "a gRPC request's content-type must begin with application/grpc, got {given}"
+        ))
+        .into_http();
+        *refused.status_mut() = hyper::StatusCode::UNSUPPORTED_MEDIA_TYPE;
+        return Ok(refused);
+    }
+    if !pooled && !PROBES.contains(&request.uri().path()) {
+        return Ok(Status::unavailable(
+            "the server is at its connection limit (max_connections); \
+             only ServerLive and ServerReady are answered on this connection",
+        )
+        .into_http());
+    }
+    let request = match unary(&shared, request).await {
+        Ok(request) => request,
+        Err(status) => return Ok(status.into_http()),
+    };
     let mut response = server.call(request).await?;
     // tonic refuses a message over the limit with OUT_OF_RANGE, before any
     // handler runs (and no handler answers OUT_OF_RANGE): gRPC's status for
@@ -93,13 +152,182 @@ pub(crate) async fn handle(
             "grpc-status",
             HeaderValue::from(Code::ResourceExhausted as i32),
         );
-        if let Ok(message) = HeaderValue::from_str(&format!(
-            "the request message is over the limit of {limit} bytes"
-        )) {
+        if let Ok(message) = HeaderValue::from_str(&too_large(limit)) {
             headers.insert("grpc-message", message);
         }
     }
     Ok(response)
+}
+
+fn too_large(limit: usize) -> String {
+    format!("the request message is over the limit of {limit} bytes")
+}
+
+fn second_message() -> Status {
+    Status::internal("a unary call carries one request message; this one has more")
+}
+
+fn body_late() -> Status {
+    Status::deadline_exceeded("the request message did not arrive within the body timeout")
+}
+
+/// The request as tonic reads it: its body refused past one message or the
+/// body timeout ([`Unary`]); a gzip message read whole, inflated off the
+/// runtime within `max_body_size` and handed on uncompressed.
+async fn unary(
+    shared: &Shared,
+    request: hyper::Request<Incoming>,
+) -> Result<hyper::Request<tonic::body::Body>, Status> {
+    let limit = shared.config.max_body_size;
+    let timeout = shared.config.body_timeout;
+    let gzip = request
+        .headers()
+        .get("grpc-encoding")
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"gzip"));
+    if !gzip {
+        return Ok(request.map(|body| tonic::body::Body::new(Unary::new(body, timeout))));
+    }
+    let (mut parts, body) = request.into_parts();
+    let read = tokio::time::timeout(
+        timeout,
+        http_body_util::Limited::new(body, limit.saturating_add(PREFIX)).collect(),
+    )
+    .await
+    .map_err(|_| body_late())?
+    .map_err(|e| {
+        if e.downcast_ref::<http_body_util::LengthLimitError>()
+            .is_some()
+        {
+            Status::resource_exhausted(too_large(limit))
+        } else {
+            Status::cancelled("the request message could not be read")
+        }
+    })?;
+    let message = read.to_bytes();
+    let (compressed, length) = match message.get(..PREFIX) {
+        Some(&[flag, a, b, c, d]) => (flag == 1, u32::from_be_bytes([a, b, c, d]) as usize),
+        _ => return Err(Status::internal("the request message is incomplete")),
+    };
+    let end = PREFIX.saturating_add(length);
+    if message.len() > end {
+        return Err(second_message());
+    }
+    if message.len() < end {
+        return Err(Status::internal("the request message is incomplete"));
+    }
+    parts.headers.remove("grpc-encoding");
+    let body = if compressed {
+        let coded = message.slice(PREFIX..);
+        // Inflated and framed off the runtime's threads, in one buffer.
+        let framed = shared
+            .offload(move || {
+                let mut framed = crate::encoding::inflate_after(
+                    &[0; PREFIX],
+                    &coded,
+                    crate::encoding::Coding::Gzip,
+                    limit,
+                )
+                .map_err(|failure| match failure.status {
+                    413 => Status::resource_exhausted(too_large(limit)),
+                    _ => status(failure),
+                })?;
+                let length = u32::try_from(framed.len().saturating_sub(PREFIX))
+                    .map_err(|_| Status::resource_exhausted(too_large(limit)))?;
+                framed[1..PREFIX].copy_from_slice(&length.to_be_bytes());
+                Ok::<_, Status>(framed)
+            })
+            .await
+            .ok_or_else(|| Status::internal("internal error inflating the request"))??;
+        Bytes::from(framed)
+    } else {
+        message
+    };
+    Ok(hyper::Request::from_parts(
+        parts,
+        tonic::body::Body::new(http_body_util::Full::new(body)),
+    ))
+}
+
+/// The body of a unary call: its bytes as they come, refused with a
+/// [`Status`] (which tonic answers as it is) when they go on past the first
+/// message or do not all arrive within the body timeout.
+struct Unary {
+    body: Incoming,
+    /// Bytes of the body so far.
+    seen: usize,
+    /// The first message's prefix, as far as it came.
+    prefix: [u8; PREFIX],
+    /// Where the first message ends, once its prefix came.
+    end: Option<usize>,
+    deadline: std::pin::Pin<Box<tokio::time::Sleep>>,
+}
+
+impl Unary {
+    fn new(body: Incoming, timeout: Duration) -> Unary {
+        Unary {
+            body,
+            seen: 0,
+            prefix: [0; PREFIX],
+            end: None,
+            deadline: Box::pin(tokio::time::sleep(timeout)),
+        }
+    }
+
+    /// Counts `data`; a second message's bytes are refused.
+    fn count(&mut self, data: &[u8]) -> Result<(), Status> {
+        let before = self.seen;
+        self.seen = self.seen.saturating_add(data.len());
+        if before < PREFIX {
+            let take = (PREFIX - before).min(data.len());
+            self.prefix[before..before + take].copy_from_slice(&data[..take]);
+            if self.seen >= PREFIX {
+                let [_, a, b, c, d] = self.prefix;
+                let length = u32::from_be_bytes([a, b, c, d]) as usize;
+                self.end = Some(PREFIX.saturating_add(length));
+            }
+        }
+        match self.end {
+            Some(end) if self.seen > end => Err(second_message()),
+            _ => Ok(()),
+        }
+    }
+}
+
+impl hyper::body::Body for Unary {
+    type Data = Bytes;
+    type Error = Status;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Status>>> {
+        use std::task::Poll;
+        let this = self.get_mut();
+        match std::pin::Pin::new(&mut this.body).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    if let Err(refused) = this.count(data) {
+                        return Poll::Ready(Some(Err(refused)));
+                    }
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(Status::from_error(Box::new(e))))),
+            Poll::Ready(None) => Poll::Ready(None),
+            Poll::Pending => match this.deadline.as_mut().poll(cx) {
+                Poll::Ready(()) => Poll::Ready(Some(Err(body_late()))),
+                Poll::Pending => Poll::Pending,
+            },
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
+    }
 }
 
 /// The `inference.GRPCInferenceService` implementation.
@@ -122,19 +350,23 @@ impl Inference {
         let served = self.shared.model(name, "");
         if !catalogued && served.is_none() {
             return Err(Status::not_found(format!(
-                "Request for unknown model: '{name}' is not found"
+                "Request for unknown model: '{shown}' is not found",
+                shown = Clipped(name)
             )));
         }
         if !(version.is_empty() || version == MODEL_VERSION) {
             return Err(Status::not_found(format!(
-                "Request for unknown model: '{name}' version {version} is not found"
+                "Request for unknown model: '{shown}' version {} is not found",
+                Clipped(version),
+                shown = Clipped(name)
             )));
         }
         Ok(served.map_or(Lookup::NotRunning, Lookup::Served))
     }
 
-    /// Answers RPC `method` with the fallback (Python), on a blocking
-    /// thread: `request` encoded, the response decoded.
+    /// Answers RPC `method` with the fallback (Python; see
+    /// [`crate::http::ask`]: a client that goes away withdraws it):
+    /// `request` encoded, the response decoded.
     async fn fallback<Q, R>(
         &self,
         method: &'static str,
@@ -149,9 +381,9 @@ impl Inference {
             request: request.into_inner().encode_to_vec(),
         };
         let handler = self.shared.fallback.clone();
-        let reply = tokio::task::spawn_blocking(move || handler.call_grpc(call))
+        let reply = crate::http::ask(move |answer| handler.call_grpc(call, answer))
             .await
-            .map_err(|_| Status::internal(format!("internal error answering {method}")))?;
+            .ok_or_else(|| Status::internal(format!("internal error answering {method}")))?;
         match reply {
             Ok(body) => R::decode(&body[..]).map(Response::new).map_err(|e| {
                 Status::internal(format!(
@@ -214,7 +446,10 @@ impl GrpcInferenceService for Inference {
         let request = request.into_inner();
         self.known(&request.name, &request.version)?;
         let model = self.shared.catalog.model(&request.name).ok_or_else(|| {
-            Status::not_found(format!("model '{}' has no metadata", request.name))
+            Status::not_found(format!(
+                "model '{}' has no metadata",
+                Clipped(&request.name)
+            ))
         })?;
         Ok(Response::new(model_metadata(model)))
     }
@@ -238,7 +473,7 @@ impl GrpcInferenceService for Inference {
             Lookup::NotRunning => {
                 return Err(Status::unavailable(format!(
                     "server '{}' is not running",
-                    request.model_name
+                    Clipped(&request.model_name)
                 )))
             }
         };
@@ -320,7 +555,19 @@ fn submit(
 ) -> Result<crate::model::Submitted, Failure> {
     let codec = model.replies().codec();
     let raw = std::mem::take(&mut request.raw_input_contents);
-    let decoded = decode_inputs(&request.inputs, raw, codec.limits())?;
+    let mut refused_input = false;
+    let mut check = |name: &str, dtype: DType, shape: &[u64]| {
+        model
+            .check_header(name, dtype, shape)
+            .inspect_err(|_| refused_input = true)
+    };
+    let decoded =
+        decode_inputs(&request.inputs, raw, codec.limits(), &mut check).map_err(|failure| {
+            match refused_input {
+                true => model.refuse_input(failure),
+                false => failure,
+            }
+        })?;
     let outputs = requested_outputs(request, codec)?;
     let timeout = timeout(&request.parameters, call_timeout)?;
     let tensors: Vec<Tensor<'_>> = request
@@ -436,15 +683,20 @@ enum Contents<'a> {
     Unknown,
 }
 
+/// The model's rule for one input's name, datatype and shape
+/// ([`ServedModel::check_header`]).
+type InputCheck<'a> = &'a mut dyn FnMut(&str, DType, &[u64]) -> Result<(), Failure>;
+
 /// Decodes the inputs as the Python servicer does, with the same messages:
 /// every input's contents chosen first, then each input's name, datatype
 /// and shape checked (the elements of all inputs together at most
-/// `limits.max_elements`), raw bytes checked against its shape, typed
-/// contents converted element by element.
+/// `limits.max_elements`; then `check`, the model's rule), raw bytes
+/// checked against its shape, typed contents converted element by element.
 fn decode_inputs(
     inputs: &[InferInputTensor],
     raw: Vec<Bytes>,
     limits: Limits,
+    check: InputCheck<'_>,
 ) -> Result<Decoded, Failure> {
     if !raw.is_empty() && raw.len() != inputs.len() {
         return Err(invalid(format!(
@@ -459,15 +711,17 @@ fn decode_inputs(
         contents.push(if !raw.is_empty() {
             if input.contents.is_some() {
                 return Err(invalid(format!(
-                    "input '{name}' has both contents and raw_input_contents"
+                    "input '{shown}' has both contents and raw_input_contents",
+                    shown = Clipped(name.as_ref())
                 )));
             }
             Contents::Raw(i)
         } else if let Some(dtype) = DType::from_v2(&input.datatype) {
             if matches!(dtype, DType::Float16 | DType::BFloat16) {
                 return Err(invalid(format!(
-                    "input '{name}': {} data must be sent in raw_input_contents",
-                    input.datatype
+                    "input '{shown}': {} data must be sent in raw_input_contents",
+                    input.datatype,
+                    shown = Clipped(name.as_ref())
                 )));
             }
             Contents::Typed(input.contents.as_ref())
@@ -487,7 +741,10 @@ fn decode_inputs(
         let (dtype, shape) =
             v2::tensor_header(name, &input.datatype, &input.shape).map_err(codec_error)?;
         if inputs[..i].iter().any(|earlier| earlier.name == *name) {
-            return Err(invalid(format!("input '{name}' is given twice")));
+            return Err(invalid(format!(
+                "input '{shown}' is given twice",
+                shown = Clipped(name.as_ref())
+            )));
         }
         let (count, nbytes) =
             v2::checked_size(name, dtype, &shape, elements_left).map_err(|e| match e {
@@ -501,6 +758,8 @@ fn decode_inputs(
                 e => codec_error(e),
             })?;
         elements_left -= count;
+        // Against the model's inputs before any data is converted.
+        check(name, dtype, &shape)?;
         let source = match contents {
             Contents::Raw(buffer) => {
                 let bytes = raw.get(buffer).map_or(&[][..], |b| &b[..]);
@@ -521,8 +780,9 @@ fn decode_inputs(
             // The header check above refuses what has no contents field.
             Contents::Unknown => {
                 return Err(invalid(format!(
-                    "input '{name}': {} data must be sent in raw_input_contents",
-                    input.datatype
+                    "input '{shown}': {} data must be sent in raw_input_contents",
+                    input.datatype,
+                    shown = Clipped(name.as_ref())
                 )))
             }
         };
@@ -602,8 +862,9 @@ fn typed_bytes(
         DType::Bytes => {
             let limits = ferrobatch_core::bytes::BytesLimits::default();
             let lens = c.bytes_contents.iter().take(take).map(|v| v.len());
-            ferrobatch_core::bytes::serialized_size(lens, limits)
-                .map_err(|e| V2Error::Invalid(format!("input '{name}': {e}")))?;
+            ferrobatch_core::bytes::serialized_size(lens, limits).map_err(|e| {
+                V2Error::Invalid(format!("input '{shown}': {e}", shown = Clipped(name)))
+            })?;
             for v in c.bytes_contents.iter().take(take) {
                 elements.push_bytes(v)?;
             }

@@ -8,12 +8,13 @@
 //! [`crate::encoding`]; other codings go to the fallback, which refuses
 //! them). Everything else (metadata, config, statistics, `/metrics`, unknown
 //! models and routes) goes to the [`Fallback`], the Python front-end's
-//! handlers, on a blocking thread: one implementation of the rarely-called
-//! surface for both front-ends.
+//! handlers: one implementation of the rarely-called surface for both
+//! front-ends. A blocking thread only starts that call ([`ask`]); its answer
+//! is awaited without one, and a client that goes away withdraws it.
 
 use std::convert::Infallible;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
@@ -22,6 +23,7 @@ use hyper::header::{
     HeaderValue, ACCEPT_ENCODING, CONNECTION, CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE, VARY,
 };
 use hyper::{Method, Request, Response, StatusCode};
+use tokio::sync::oneshot;
 
 use ferrobatch_core::v2::write_json_string;
 
@@ -65,19 +67,102 @@ pub struct FallbackCall {
 /// or the call's gRPC status code and message.
 pub type FallbackReply = Result<Vec<u8>, (i32, String)>;
 
-/// Answers what the native routes do not (blocking: called on a blocking thread).
+/// What withdraws a fallback call still in progress when its client goes
+/// away (called on a blocking thread).
+pub type Withdraw = Box<dyn FnOnce() + Send>;
+
+/// Answers what the native routes do not. Each call starts the answer and
+/// returns at once (it runs on a blocking thread, briefly): the answer is
+/// sent to `answer` when ready (dropping it unsent answers "internal
+/// error"), and the [`Withdraw`] returned, if any, stops it when the client
+/// goes away first. No thread waits for the answer.
 pub trait Fallback: Send + Sync + 'static {
-    fn call(&self, request: FallbackRequest) -> FallbackResponse;
+    fn call(
+        &self,
+        request: FallbackRequest,
+        answer: oneshot::Sender<FallbackResponse>,
+    ) -> Option<Withdraw>;
 
     /// Answers a gRPC call that is not answered natively (the rare ones whose
     /// answer changes while serving, such as statistics). By default:
     /// UNIMPLEMENTED.
-    fn call_grpc(&self, call: FallbackCall) -> FallbackReply {
-        Err((
+    fn call_grpc(
+        &self,
+        call: FallbackCall,
+        answer: oneshot::Sender<FallbackReply>,
+    ) -> Option<Withdraw> {
+        let _ = answer.send(Err((
             tonic::Code::Unimplemented as i32,
             format!("{} is not implemented", call.method),
-        ))
+        )));
+        None
     }
+}
+
+/// Where a fallback call stands, between the handler waiting for it and
+/// the blocking thread starting it.
+enum Asked {
+    Starting,
+    Started(Option<Withdraw>),
+    /// The handler went away (its client did).
+    Gone,
+}
+
+/// Withdraws a fallback call whose handler is dropped before its answer came.
+struct WithdrawOnDrop {
+    asked: Arc<Mutex<Asked>>,
+    armed: bool,
+}
+
+impl Drop for WithdrawOnDrop {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let mut asked = self.asked.lock().unwrap_or_else(|e| e.into_inner());
+        if let Asked::Started(Some(withdraw)) = std::mem::replace(&mut *asked, Asked::Gone) {
+            // Withdrawing takes the interpreter's lock: not on the runtime's thread.
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                drop(runtime.spawn_blocking(withdraw));
+            }
+        }
+    }
+}
+
+/// Asks the fallback: `start` (a [`Fallback`] method) runs on a blocking
+/// thread, only to start the call; its answer is awaited here without
+/// holding a thread. Dropping this future before the answer came (the
+/// client went away) withdraws the call. `None`: no answer (the fallback
+/// dropped it, or panicked).
+pub(crate) async fn ask<T: Send + 'static>(
+    start: impl FnOnce(oneshot::Sender<T>) -> Option<Withdraw> + Send + 'static,
+) -> Option<T> {
+    let (tx, rx) = oneshot::channel();
+    let asked = Arc::new(Mutex::new(Asked::Starting));
+    let mut guard = WithdrawOnDrop {
+        asked: asked.clone(),
+        armed: true,
+    };
+    let started = tokio::task::spawn_blocking(move || {
+        let withdraw = start(tx);
+        let mut state = asked.lock().unwrap_or_else(|e| e.into_inner());
+        if matches!(*state, Asked::Gone) {
+            drop(state);
+            if let Some(withdraw) = withdraw {
+                withdraw(); // gone while it started
+            }
+        } else {
+            *state = Asked::Started(withdraw);
+        }
+    })
+    .await;
+    if started.is_err() {
+        guard.armed = false;
+        return None;
+    }
+    let answer = rx.await.ok();
+    guard.armed = false;
+    answer
 }
 
 type Body = Full<Bytes>;
@@ -146,15 +231,44 @@ pub(crate) async fn handle(
     Ok(answer)
 }
 
+/// The answer to a health check (`GET /v2/health/live` or `.../ready`).
+fn health(shared: &Shared, method: &Method, path: &str) -> Option<Response<Body>> {
+    match (method, path) {
+        (&Method::GET, "/v2/health/live") => Some(empty(200)),
+        (&Method::GET, "/v2/health/ready") => {
+            Some(empty(if shared.is_ready() { 200 } else { 503 }))
+        }
+        _ => None,
+    }
+}
+
+/// Answers a request of a connection beyond `max_connections` (the
+/// [`HEADROOM`](crate::server::HEADROOM)): health checks only, 503 for the
+/// rest; the connection closes after it.
+pub(crate) async fn probe(
+    shared: Arc<Shared>,
+    request: Request<Incoming>,
+) -> Result<Response<Body>, Infallible> {
+    let mut answer = health(&shared, request.method(), request.uri().path()).unwrap_or_else(|| {
+        error(&Failure::new(
+            503,
+            "the server is at its connection limit (max_connections); \
+             only /v2/health/live and /v2/health/ready are answered on this connection",
+        ))
+    });
+    answer
+        .headers_mut()
+        .insert(CONNECTION, HeaderValue::from_static("close"));
+    Ok(answer)
+}
+
 async fn route(shared: &Arc<Shared>, request: Request<Incoming>) -> Response<Body> {
     let path = request.uri().path();
     let method = request.method();
+    if let Some(answer) = health(shared, method, path) {
+        return answer;
+    }
     if method == Method::GET {
-        match path {
-            "/v2/health/live" => return empty(200),
-            "/v2/health/ready" => return empty(if shared.is_ready() { 200 } else { 503 }),
-            _ => {}
-        }
         if let Some((name, version, "ready")) = model_route(path) {
             if shared.model(name, version).is_some() {
                 return empty(if shared.is_ready() { 200 } else { 503 });
@@ -228,20 +342,10 @@ async fn read_body(
     }
 }
 
-/// Coded bodies at most this large are inflated or compressed on the
-/// runtime's thread; larger ones on a blocking thread.
+/// Responses at most this large are compressed on the runtime's thread;
+/// larger ones off it ([`Shared::offload`]). Request bodies are always
+/// inflated off it: a small body may inflate to a large one.
 const INLINE_CODING: usize = 16 << 10;
-
-/// Runs `work` on a blocking thread when `size` is over [`INLINE_CODING`].
-async fn off_runtime<T: Send + 'static>(
-    size: usize,
-    work: impl FnOnce() -> T + Send + 'static,
-) -> Option<T> {
-    if size <= INLINE_CODING {
-        return Some(work());
-    }
-    tokio::task::spawn_blocking(work).await.ok()
-}
 
 async fn infer(
     shared: &Shared,
@@ -257,10 +361,9 @@ async fn infer(
     if let Some(coding) = coding {
         let limit = shared.config.max_decompressed_size;
         let coded = body.clone();
-        let inflated = off_runtime(coded.len(), move || {
-            encoding::inflate(&coded, coding, limit)
-        })
-        .await;
+        let inflated = shared
+            .offload(move || encoding::inflate(&coded, coding, limit))
+            .await;
         body = match inflated {
             Some(Ok(inflated)) => Bytes::from(inflated),
             Some(Err(failure)) => return error(&failure),
@@ -280,7 +383,9 @@ async fn infer(
         Err(failure) => return error(&failure),
     };
     match respond_coded {
-        Some(coding) if answer.status() == StatusCode::OK => compressed(answer, coding).await,
+        Some(coding) if answer.status() == StatusCode::OK => {
+            compressed(shared, answer, coding).await
+        }
         _ => answer,
     }
 }
@@ -306,7 +411,7 @@ fn forwarded_headers(
 /// `answer` with its body coded as `coding` (its headers, the inference
 /// header's length included, as they were: that length counts the
 /// uncoded JSON, as Triton sends it).
-async fn compressed(answer: Response<Body>, coding: Coding) -> Response<Body> {
+async fn compressed(shared: &Shared, answer: Response<Body>, coding: Coding) -> Response<Body> {
     let (mut parts, body) = answer.into_parts();
     let plain = body
         .collect()
@@ -314,7 +419,13 @@ async fn compressed(answer: Response<Body>, coding: Coding) -> Response<Body> {
         .map(|c| c.to_bytes())
         .unwrap_or_default();
     let input = plain.clone();
-    let coded = off_runtime(plain.len(), move || encoding::compress(&input, coding)).await;
+    let coded = if plain.len() <= INLINE_CODING {
+        Some(encoding::compress(&input, coding))
+    } else {
+        shared
+            .offload(move || encoding::compress(&input, coding))
+            .await
+    };
     let body = match coded.flatten() {
         Some(coded) => {
             parts
@@ -351,8 +462,8 @@ async fn fallback(shared: &Arc<Shared>, request: Request<Incoming>) -> Response<
         body,
     };
     let handler = shared.fallback.clone();
-    match tokio::task::spawn_blocking(move || handler.call(forwarded)).await {
-        Ok(answer) => {
+    match ask(move |answer| handler.call(forwarded, answer)).await {
+        Some(answer) => {
             let mut r = Response::new(Full::new(Bytes::from(answer.body)));
             *r.status_mut() =
                 StatusCode::from_u16(answer.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
@@ -366,6 +477,6 @@ async fn fallback(shared: &Arc<Shared>, request: Request<Incoming>) -> Response<
             }
             r
         }
-        Err(_) => error(&Failure::new(500, "internal error answering the request")),
+        None => error(&Failure::new(500, "internal error answering the request")),
     }
 }

@@ -27,7 +27,9 @@ pub mod model;
 pub mod replies;
 pub mod server;
 
-pub use http::{Fallback, FallbackCall, FallbackReply, FallbackRequest, FallbackResponse};
+pub use http::{
+    Fallback, FallbackCall, FallbackReply, FallbackRequest, FallbackResponse, Withdraw,
+};
 pub use metadata::{Catalog, ModelMetadata, ServerMetadata, TensorMetadata};
 pub use model::ServedModel;
 pub use replies::{Column, Failure, Replies};

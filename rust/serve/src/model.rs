@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use ferrobatch_core::specs::match_inputs;
+use ferrobatch_core::specs::{check_input, match_inputs};
 use ferrobatch_core::v2::Data;
 use ferrobatch_core::{
     CoreError, DType, InputBytes, InputSpec, Outcome, Readiness, RequestState, Sink, Submission,
@@ -128,9 +128,22 @@ impl ServedModel {
         forwarded: &[(String, String)],
     ) -> Result<Submitted, Failure> {
         let codec = self.replies.codec();
-        let mut request = codec
-            .decode(&body, header_length)
-            .map_err(|e| Failure::new(e.status(), e.to_string()))?;
+        let mut refused_input = false;
+        let mut check = |name: &str, dtype: DType, shape: &[u64]| {
+            self.check_header(name, dtype, shape).map_err(|e| {
+                refused_input = true;
+                ferrobatch_core::v2::V2Error::Invalid(e.message)
+            })
+        };
+        let decoded = codec.decode_checked(&body, header_length, &mut check);
+        let mut request = decoded.map_err(|e| {
+            let failure = Failure::new(e.status(), e.to_string());
+            match refused_input {
+                // Counted as match_inputs' refusals are.
+                true => self.refuse(Outcome::InvalidInput, failure),
+                false => failure,
+            }
+        })?;
         let plan = ResponsePlan::Encoded {
             id: request.id.clone(),
             outputs: request.selected_outputs(codec),
@@ -184,6 +197,25 @@ impl ServedModel {
         self.enqueue(&tensors, owners, meta, plan)
     }
 
+    /// Checks one input's name, datatype and shape (with its rows) against
+    /// the model's inputs, before its data is decoded: the failure names
+    /// the input, what was expected and what was sent (not counted: the
+    /// caller counts the refusal).
+    pub fn check_header(&self, name: &str, dtype: DType, shape: &[u64]) -> Result<(), Failure> {
+        let shape: Vec<usize> = shape
+            .iter()
+            .map(|&d| usize::try_from(d).unwrap_or(usize::MAX))
+            .collect();
+        let max_rows = self.replies.batcher().rule().max_batch_size;
+        check_input(&self.specs, name, dtype, &shape, max_rows).map_err(|e| Failure::new(400, e.0))
+    }
+
+    /// Counts a request refused before it reached [`ServedModel::enqueue`]
+    /// for its inputs ([`ServedModel::check_header`]).
+    pub fn refuse_input(&self, failure: Failure) -> Failure {
+        self.refuse(Outcome::InvalidInput, failure)
+    }
+
     /// Queues a request whose tensors are decoded already (`tensors`, their
     /// bytes in `owners`, kept until it resolves): matched to the model's
     /// inputs (a mismatch is counted `invalid_input`), registered in the
@@ -223,7 +255,7 @@ impl ServedModel {
         let timeout = match timeout {
             None => None,
             Some(t) if t.is_nan() || t < 0.0 => {
-                let message = format!("timeout must be >= 0 seconds, got {t}");
+                let message = format!("timeout must be >= 0 seconds, got {t:?}");
                 return Err(self.refuse(Outcome::InvalidInput, Failure::new(400, message)));
             }
             // Too long to represent: no deadline at all.
@@ -328,7 +360,7 @@ impl ServedModel {
                             return Err(Failure::new(
                                 504,
                                 format!(
-                                    "request to model '{}' exceeded its {timeout}s timeout",
+                                    "request to model '{}' exceeded its {timeout:?}s timeout",
                                     self.name
                                 ),
                             ));

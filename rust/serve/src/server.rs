@@ -15,7 +15,7 @@ use std::time::Duration;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::server::graceful::GracefulConnection;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::runtime::Runtime;
@@ -72,6 +72,12 @@ pub struct Config {
     pub header_timeout: Duration,
     /// Time for a request's body to arrive.
     pub body_timeout: Duration,
+    /// A connection with no request in flight for this long is closed
+    /// (HTTP/2: GOAWAY, then closed once its streams are done).
+    pub idle_timeout: Duration,
+    /// HTTP/2 connections are pinged this often while idle, and closed when a
+    /// ping is not answered within as long (`None`: no pings).
+    pub keepalive_interval: Option<Duration>,
     /// HTTP request headers whose (lowercase) names match join the request's
     /// parameters, for models that ask for them (Triton's
     /// `--http-header-forward-pattern`); `None`: none.
@@ -102,6 +108,8 @@ impl Default for Config {
             max_streams: 1024,
             header_timeout: Duration::from_secs(30),
             body_timeout: Duration::from_secs(60),
+            idle_timeout: Duration::from_secs(300),
+            keepalive_interval: Some(Duration::from_secs(60)),
             http_header_forward_pattern: None,
             grpc_header_forward_pattern: None,
         }
@@ -121,6 +129,11 @@ pub(crate) struct Shared {
     pub draining: AtomicBool,
     /// One permit per open connection, up to `config.max_connections`.
     connections: Arc<Semaphore>,
+    /// Connections beyond `max_connections`, for health checks only
+    /// ([`HEADROOM`]).
+    headroom: Arc<Semaphore>,
+    /// Permits for CPU-heavy work on blocking threads ([`Shared::offload`]).
+    offloaded: Arc<Semaphore>,
 }
 
 impl Shared {
@@ -137,11 +150,42 @@ impl Shared {
         models.iter().find(|m| m.name == name).cloned()
     }
 
+    /// Runs `work` (CPU-heavy: inflating, compressing) on a blocking
+    /// thread, at most [`offloaded`] at once (the others wait here, without
+    /// holding a thread), so that the runtime's threads stay free for I/O.
+    /// `None` if the work panicked (or the runtime is stopping).
+    pub async fn offload<T: Send + 'static>(
+        &self,
+        work: impl FnOnce() -> T + Send + 'static,
+    ) -> Option<T> {
+        let permit = self.offloaded.clone().acquire_owned().await.ok()?;
+        tokio::task::spawn_blocking(move || {
+            let done = work();
+            drop(permit);
+            done
+        })
+        .await
+        .ok()
+    }
+
     /// Whether model `name`'s inference is the fallback's to answer.
     pub fn handed_over(&self, name: &str) -> bool {
         let names = self.handed_over.read().unwrap_or_else(|e| e.into_inner());
         names.iter().any(|n| n == name)
     }
+}
+
+/// Connections accepted beyond `max_connections` while it is reached:
+/// they answer health and readiness checks only (anything else: 503, or
+/// gRPC UNAVAILABLE), one request each, within the header timeout, so that
+/// probes still see a full server as alive.
+pub const HEADROOM: usize = 4;
+
+/// CPU-heavy jobs (inflating, compressing) running at once on blocking
+/// threads: half the machine's cores (at least one), so that they never
+/// take every core from the runtime's threads; more wait for a permit.
+pub fn offloaded() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1))
 }
 
 /// A running native front-end.
@@ -194,6 +238,8 @@ impl Frontend {
             ready: AtomicBool::new(false),
             draining: AtomicBool::new(false),
             connections: Arc::new(Semaphore::new(config.max_connections)),
+            headroom: Arc::new(Semaphore::new(HEADROOM)),
+            offloaded: Arc::new(Semaphore::new(offloaded())),
             config,
         });
         let (stop, stopped) = watch::channel(None);
@@ -269,12 +315,13 @@ impl Frontend {
     /// Connections open now.
     pub fn open_connections(&self) -> usize {
         let config = &self.shared.config;
-        config.max_connections
+        let pooled = config.max_connections
             - self
                 .shared
                 .connections
                 .available_permits()
-                .min(config.max_connections)
+                .min(config.max_connections);
+        pooled + (HEADROOM - self.shared.headroom.available_permits().min(HEADROOM))
     }
 
     /// Closes the listeners, asks every connection to close once its
@@ -326,6 +373,122 @@ impl Drop for Frontend {
     }
 }
 
+/// Waits after an accept error that is the process's or the system's, not
+/// the connection's: out of file descriptors or memory. Retrying at once
+/// would spin (the pending connection stays in the backlog); the first time
+/// it happens, says so on stderr.
+async fn accept_failed(error: &io::Error, logged: &mut bool) {
+    /// EMFILE, ENFILE, ENOBUFS, ENOMEM (Linux and the BSDs agree on these).
+    const EXHAUSTED: [i32; 4] = [24, 23, 105, 12];
+    /// ENOBUFS on the BSDs and macOS.
+    const ENOBUFS_BSD: i32 = 55;
+    let exhausted = error.raw_os_error().is_some_and(|code| {
+        EXHAUSTED.contains(&code) || (cfg!(not(target_os = "linux")) && code == ENOBUFS_BSD)
+    });
+    if !exhausted {
+        return; // that connection's problem (reset, aborted): go on
+    }
+    if !std::mem::replace(logged, true) {
+        eprintln!(
+            "ferrobatch serve: cannot accept connections: {error}; retrying every {} ms \
+             (raise the open files limit, `ulimit -n`, or lower --max-connections)",
+            ACCEPT_BACKOFF.as_millis()
+        );
+    }
+    tokio::time::sleep(ACCEPT_BACKOFF).await;
+}
+
+/// Pause after an accept error for want of file descriptors or memory.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+
+/// What one connection is doing: its requests in flight, for its watchdog
+/// ([`until_idle`]).
+#[derive(Debug, Default)]
+struct Activity {
+    in_flight: usize,
+    /// Requests so far (the watchdog may first look after one is done).
+    requests: u64,
+}
+
+/// Counts a request of a connection in flight while it lives.
+struct InFlight(Arc<watch::Sender<Activity>>);
+
+impl InFlight {
+    fn new(activity: &Arc<watch::Sender<Activity>>) -> InFlight {
+        activity.send_modify(|a| {
+            a.in_flight = a.in_flight.saturating_add(1);
+            a.requests = a.requests.saturating_add(1);
+        });
+        InFlight(activity.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0
+            .send_modify(|a| a.in_flight = a.in_flight.saturating_sub(1));
+    }
+}
+
+/// Returns once the connection has had no request in flight for `first`
+/// (before its first request: the header timeout, for HTTP/2 as for
+/// HTTP/1) or `idle` (after one), never while a request is in flight.
+async fn until_idle(mut activity: watch::Receiver<Activity>, first: Duration, idle: Duration) {
+    loop {
+        let (busy, limit) = {
+            let now = activity.borrow_and_update();
+            (
+                now.in_flight > 0,
+                if now.requests == 0 { first } else { idle },
+            )
+        };
+        let changed = if busy {
+            activity.changed().await
+        } else {
+            match tokio::time::timeout(limit, activity.changed()).await {
+                Ok(changed) => changed,
+                Err(_) => return,
+            }
+        };
+        if changed.is_err() {
+            // Nothing counts requests any more: the connection is gone.
+            return std::future::pending().await;
+        }
+    }
+}
+
+/// Serves one connection until it ends: closed gracefully (HTTP/2: GOAWAY;
+/// HTTP/1: after the response in progress) when it is idle ([`until_idle`];
+/// then it has a second to go) or the front-end stops (then it goes on
+/// answering what it has in flight until the runtime stops).
+async fn drive<C: GracefulConnection>(
+    connection: C,
+    idle: impl Future<Output = ()>,
+    mut stopped: watch::Receiver<Option<Duration>>,
+) {
+    let mut connection = std::pin::pin!(connection);
+    let mut idle = std::pin::pin!(idle);
+    let idled = loop {
+        tokio::select! {
+            _ = connection.as_mut() => return,
+            () = idle.as_mut() => break true,
+            changed = stopped.changed() => match (changed, stopped.borrow().is_some()) {
+                (Ok(()), true) | (Err(_), _) => break false,
+                _ => {}
+            },
+        }
+    };
+    connection.as_mut().graceful_shutdown();
+    if idled {
+        let _ = tokio::time::timeout(IDLE_CLOSE, connection).await;
+    } else {
+        let _ = connection.await;
+    }
+}
+
+/// Time an idle connection has to close once told to.
+const IDLE_CLOSE: Duration = Duration::from_secs(1);
+
 async fn accept(
     listener: TcpListener,
     protocol: Protocol,
@@ -338,44 +501,92 @@ async fn accept(
         builder = builder.http2_only();
     }
     let grpc = grpc::server(shared.clone());
-    let limit = shared.config.max_body_size;
+    let config = &shared.config;
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(shared.config.header_timeout);
-    builder
-        .http2()
+        .header_read_timeout(config.header_timeout);
+    let mut http2 = builder.http2();
+    http2
         .timer(TokioTimer::new())
-        .max_concurrent_streams(shared.config.max_streams);
-    let connections = shared.connections.clone();
-    let header_timeout = shared.config.header_timeout;
-    let graceful = GracefulShutdown::new();
+        .max_concurrent_streams(config.max_streams);
+    if let Some(interval) = config.keepalive_interval {
+        http2
+            .keep_alive_interval(interval)
+            .keep_alive_timeout(interval);
+    }
+    let header_timeout = config.header_timeout;
+    let idle_timeout = config.idle_timeout;
+    // Every connection task holds a clone; all dropped: all connections are done.
+    let (open, mut finished) = tokio::sync::mpsc::channel::<()>(1);
+    let mut logged = false;
     let grace = loop {
         tokio::select! {
             accepted = listener.accept() => {
-                let Ok((stream, _)) = accepted else { continue };
-                let Ok(permit) = connections.clone().try_acquire_owned() else {
-                    continue; // over max_connections: dropping the stream closes it
+                let stream = match accepted {
+                    Ok((stream, _)) => stream,
+                    Err(error) => {
+                        accept_failed(&error, &mut logged).await;
+                        continue;
+                    }
+                };
+                let (permit, pooled) = match shared.connections.clone().try_acquire_owned() {
+                    Ok(permit) => (permit, true),
+                    Err(_) => match shared.headroom.clone().try_acquire_owned() {
+                        Ok(permit) => (permit, false),
+                        // Over max_connections and the headroom: dropping the stream closes it.
+                        Err(_) => continue,
+                    },
                 };
                 let _ = stream.set_nodelay(true);
                 let io = TokioIo::new(FirstBytes::new(stream, header_timeout));
+                let activity = Arc::new(watch::Sender::new(Activity::default()));
+                // A headroom connection answers one probe, then closes.
+                let idle = until_idle(
+                    activity.subscribe(),
+                    header_timeout,
+                    if pooled { idle_timeout } else { Duration::ZERO },
+                );
+                let stopped = stopped.clone();
+                let open = open.clone();
                 match protocol {
                     Protocol::Http => {
                         let shared = shared.clone();
-                        let service = service_fn(move |request| handle(shared.clone(), request));
-                        let connection = graceful.watch(builder.serve_connection(io, service).into_owned());
+                        let service = service_fn(move |request| {
+                            let in_flight = InFlight::new(&activity);
+                            let shared = shared.clone();
+                            async move {
+                                let answer = if pooled {
+                                    handle(shared, request).await
+                                } else {
+                                    crate::http::probe(shared, request).await
+                                };
+                                drop(in_flight);
+                                answer
+                            }
+                        });
+                        let connection = builder.serve_connection(io, service).into_owned();
                         tokio::spawn(async move {
-                            let _ = connection.await;
-                            drop(permit);
+                            drive(connection, idle, stopped).await;
+                            drop((permit, open));
                         });
                     }
                     Protocol::Grpc => {
                         let grpc = grpc.clone();
-                        let service = service_fn(move |request| grpc::handle(grpc.clone(), limit, request));
-                        let connection = graceful.watch(builder.serve_connection(io, service).into_owned());
+                        let shared = shared.clone();
+                        let service = service_fn(move |request| {
+                            let in_flight = InFlight::new(&activity);
+                            let (grpc, shared) = (grpc.clone(), shared.clone());
+                            async move {
+                                let answer = grpc::handle(grpc, shared, pooled, request).await;
+                                drop(in_flight);
+                                answer
+                            }
+                        });
+                        let connection = builder.serve_connection(io, service).into_owned();
                         tokio::spawn(async move {
-                            let _ = connection.await;
-                            drop(permit);
+                            drive(connection, idle, stopped).await;
+                            drop((permit, open));
                         });
                     }
                 }
@@ -391,7 +602,9 @@ async fn accept(
         }
     };
     drop(listener);
-    let _ = tokio::time::timeout(grace, graceful.shutdown()).await;
+    drop(open);
+    // Each connection was told to close by the same signal.
+    let _ = tokio::time::timeout(grace, finished.recv()).await;
     let _ = done.send(());
 }
 
@@ -479,5 +692,61 @@ impl AsyncWrite for FirstBytes {
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_connection_whose_request_ended_before_its_watchdog_looked_is_idle_after_the_idle_timeout(
+    ) {
+        let activity = Arc::new(watch::Sender::new(Activity::default()));
+        let watchdog = until_idle(
+            activity.subscribe(),
+            Duration::from_secs(30),
+            Duration::from_millis(20),
+        );
+        drop(InFlight::new(&activity)); // a request came and went
+        let began = std::time::Instant::now();
+        let idled = tokio::time::timeout(Duration::from_secs(5), watchdog).await;
+        assert!(
+            idled.is_ok(),
+            "waited for the header timeout, not the idle one"
+        );
+        assert!(began.elapsed() >= Duration::from_millis(20));
+    }
+
+    #[tokio::test]
+    async fn a_connection_with_a_request_in_flight_is_never_idle() {
+        let activity = Arc::new(watch::Sender::new(Activity::default()));
+        let in_flight = InFlight::new(&activity);
+        let watchdog = until_idle(
+            activity.subscribe(),
+            Duration::from_millis(10),
+            Duration::from_millis(10),
+        );
+        let mut watchdog = std::pin::pin!(watchdog);
+        let early = tokio::time::timeout(Duration::from_millis(100), watchdog.as_mut()).await;
+        assert!(early.is_err(), "idle with a request in flight");
+        drop(in_flight);
+        let idled = tokio::time::timeout(Duration::from_secs(5), watchdog).await;
+        assert!(idled.is_ok());
+    }
+
+    #[tokio::test]
+    async fn a_connection_with_no_request_is_idle_after_the_header_timeout() {
+        let activity = Arc::new(watch::Sender::new(Activity::default()));
+        let began = std::time::Instant::now();
+        let watchdog = until_idle(
+            activity.subscribe(),
+            Duration::from_millis(30),
+            Duration::from_secs(30),
+        );
+        assert!(tokio::time::timeout(Duration::from_secs(5), watchdog)
+            .await
+            .is_ok());
+        assert!(began.elapsed() >= Duration::from_millis(30));
     }
 }

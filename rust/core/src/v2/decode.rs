@@ -1,5 +1,6 @@
 //! Decoding one infer request: JSON, or a JSON header and binary tensors.
 
+use crate::v2::{shape_text, Clipped};
 use std::borrow::Cow;
 use std::ops::Range;
 
@@ -88,6 +89,8 @@ enum Field<'a, T> {
     Missing,
     Got(T),
     Bad(&'a str),
+    /// A shape with a dimension past u64 (its JSON text): too many elements.
+    Huge(&'a str),
 }
 
 impl<'a, T> Field<'a, T> {
@@ -95,7 +98,7 @@ impl<'a, T> Field<'a, T> {
         match self {
             Field::Missing => "nothing".into(),
             Field::Got(_) => String::new(),
-            Field::Bad(text) => short(text),
+            Field::Bad(text) | Field::Huge(text) => short(text),
         }
     }
 }
@@ -111,12 +114,17 @@ enum DataField {
     Bad,
 }
 
+/// Checks an input's name, datatype and shape (the caller's model's rule)
+/// before its data is decoded.
+pub type HeaderCheck<'c> = &'c mut dyn FnMut(&str, DType, &[u64]) -> Result<(), V2Error>;
+
 struct Decoder<'a, 'c> {
     codec: &'c Codec,
     src: &'a [u8],
     p: Parser<'a>,
     /// Elements declared by the inputs so far.
     elements: usize,
+    check: HeaderCheck<'c>,
 }
 
 impl Codec {
@@ -126,6 +134,19 @@ impl Codec {
         &self,
         body: &[u8],
         header_length: Option<&str>,
+    ) -> Result<InferRequest, V2Error> {
+        self.decode_checked(body, header_length, &mut |_, _, _| Ok(()))
+    }
+
+    /// [`Codec::decode`], with `check` called on each input's name,
+    /// datatype and shape before its data is decoded (a model's inputs: a
+    /// 60 MB FP64 array sent to an FP32 input is refused before a number of
+    /// it is parsed).
+    pub fn decode_checked(
+        &self,
+        body: &[u8],
+        header_length: Option<&str>,
+        check: HeaderCheck<'_>,
     ) -> Result<InferRequest, V2Error> {
         let limit = self.limits().max_body_size;
         if body.len() > limit {
@@ -152,6 +173,7 @@ impl Codec {
             src: header,
             p: Parser::new(header),
             elements: 0,
+            check,
         };
         match decoder
             .request(header_end, body.len())
@@ -238,7 +260,7 @@ impl<'a> Decoder<'a, '_> {
                 "id" => match self.string_field()? {
                     Field::Got(text) => id = Some(text.into_owned()),
                     Field::Missing => id = None,
-                    Field::Bad(_) => return Err(invalid("'id' must be a string")),
+                    Field::Bad(_) | Field::Huge(_) => return Err(invalid("'id' must be a string")),
                 },
                 "parameters" => {
                     let error = || invalid("'parameters' of the request must be an object");
@@ -455,17 +477,26 @@ impl<'a> Decoder<'a, '_> {
             Field::Got(d) => input_dtype(&name, d)?,
             other => {
                 return Err(invalid(format!(
-                    "input '{name}': 'datatype' must be a string, got {}",
-                    other.shown()
+                    "input '{shown}': 'datatype' must be a string, got {}",
+                    other.shown(),
+                    shown = Clipped(name.as_ref())
                 )))
             }
         };
         let shape = match shape {
             Field::Got(s) => s.clone(),
+            Field::Huge(text) => {
+                return Err(V2Error::TooManyElements {
+                    input: name,
+                    shape: short(text),
+                    limit: self.codec.limits().max_elements,
+                })
+            }
             other => {
                 return Err(invalid(format!(
-                    "input '{name}': 'shape' must be a list of non-negative integers, got {}",
-                    other.shown()
+                    "input '{shown}': 'shape' must be a list of non-negative integers, got {}",
+                    other.shown(),
+                    shown = Clipped(name.as_ref())
                 )))
             }
         };
@@ -500,7 +531,7 @@ impl<'a> Decoder<'a, '_> {
                 "shape" => shape = self.shape()?,
                 "parameters" => {
                     let what = match &name {
-                        Field::Got(n) => format!("input '{n}'"),
+                        Field::Got(n) => format!("input '{}'", Clipped(n.as_ref())),
                         _ => "an input".into(),
                     };
                     let error = || invalid(format!("'parameters' of {what} must be an object"));
@@ -513,6 +544,7 @@ impl<'a> Decoder<'a, '_> {
                         self.skip()?;
                         data = DataField::Bad;
                     } else if let Ok((n, dtype, s, count)) = self.header(&name, &datatype, &shape) {
+                        (self.check)(&n, dtype, &s)?;
                         data = DataField::Decoded(self.data(&n, dtype, &s, count)?);
                     } else {
                         let at = self.p.offset();
@@ -526,21 +558,27 @@ impl<'a> Decoder<'a, '_> {
             }
         }
         let (name, dtype, shape, count) = self.header(&name, &datatype, &shape)?;
+        if !matches!(data, DataField::Decoded(_)) {
+            (self.check)(&name, dtype, &shape)?; // checked already if decoded
+        }
         let data = match (binary_size, data) {
             (Some(_), DataField::Missing) => None,
             (Some(_), _) => {
                 return Err(invalid(format!(
-                    "input '{name}' has both 'data' and 'binary_data_size'"
+                    "input '{shown}' has both 'data' and 'binary_data_size'",
+                    shown = Clipped(name.as_ref())
                 )))
             }
             (None, DataField::Missing) => {
                 return Err(invalid(format!(
-                    "input '{name}' has neither 'data' nor 'binary_data_size'"
+                    "input '{shown}' has neither 'data' nor 'binary_data_size'",
+                    shown = Clipped(name.as_ref())
                 )))
             }
             (None, DataField::Bad) => {
                 return Err(invalid(format!(
-                    "input '{name}': 'data' must be a JSON array"
+                    "input '{shown}': 'data' must be a JSON array",
+                    shown = Clipped(name.as_ref())
                 )))
             }
             (None, DataField::Decoded(bytes)) => Some(bytes),
@@ -620,7 +658,11 @@ impl<'a> Decoder<'a, '_> {
                 return Ok(Field::Bad(text));
             };
             match n.integer.then(|| n.to_i128()).flatten() {
-                Some(d) if d >= 0 => dims.push(u64::try_from(d).unwrap_or(u64::MAX)),
+                // Past u64: too many elements, shown as sent (not as u64::MAX).
+                Some(d) if d >= 0 => match u64::try_from(d) {
+                    Ok(d) => dims.push(d),
+                    Err(_) => return Ok(Field::Huge(text)),
+                },
                 _ => return Ok(Field::Bad(text)),
             }
         }
@@ -642,8 +684,10 @@ impl<'a> Decoder<'a, '_> {
         let room = self.p.remaining() / 2 + 1;
         if count > room {
             return Err(invalid(format!(
-                "input '{name}': shape {shape:?} needs {count} values, more than the \
-                 request's JSON holds"
+                "input '{shown}': shape {shape} needs {count} values, more than the \
+                 request's JSON holds",
+                shown = Clipped(name),
+                shape = shape_text(shape)
             )));
         }
         let mut elements = Elements::new(dtype, count, usize::MAX);
@@ -765,12 +809,14 @@ impl<'a> Decoder<'a, '_> {
             let index = self.codec.output_index(&name)?;
             if params_bad {
                 return Err(invalid(format!(
-                    "'parameters' of output '{name}' must be an object"
+                    "'parameters' of output '{shown}' must be an object",
+                    shown = Clipped(name.as_ref())
                 )));
             }
             if classification {
                 return Err(invalid(format!(
-                    "output '{name}': the classification extension is not supported"
+                    "output '{shown}': the classification extension is not supported",
+                    shown = Clipped(name.as_ref())
                 )));
             }
             let binary = match binary {
@@ -778,7 +824,8 @@ impl<'a> Decoder<'a, '_> {
                 Some(Some(b)) => Some(b),
                 Some(None) => {
                     return Err(invalid(format!(
-                        "output '{name}': binary_data must be true or false"
+                        "output '{shown}': binary_data must be true or false",
+                        shown = Clipped(name.as_ref())
                     )))
                 }
             };

@@ -1,5 +1,6 @@
 //! Writing tensor elements, one value at a time, into a little-endian buffer.
 
+use crate::v2::{shape_text, Clipped};
 use half::{bf16, f16};
 
 use super::error::{short, V2Error};
@@ -50,8 +51,11 @@ impl Elements {
     pub fn finish(self, name: &str, shape: &[u64]) -> Result<Vec<u8>, V2Error> {
         if self.count != self.expected {
             return Err(V2Error::Invalid(format!(
-                "input '{name}': shape {shape:?} needs {} values, got {}",
-                self.expected, self.count
+                "input '{shown}': shape {shape} needs {} values, got {}",
+                self.expected,
+                self.count,
+                shown = Clipped(name),
+                shape = shape_text(shape)
             )));
         }
         Ok(self.out)
@@ -117,27 +121,34 @@ impl Elements {
             return self.refusal(name, Refusal::NotBytes, what);
         }
         V2Error::Invalid(format!(
-            "input '{name}': data is not valid {}: expected numbers, got {}",
+            "input '{shown}': data is not valid {}: expected numbers, got {}",
             self.dtype.v2_name(),
-            short(what)
+            short(what),
+            shown = Clipped(name)
         ))
     }
 
     fn refusal(&self, name: &str, refusal: Refusal, text: &str) -> V2Error {
         let datatype = self.dtype.v2_name();
         V2Error::Invalid(match refusal {
-            Refusal::NotBool => format!("input '{name}': BOOL data must be true or false"),
+            Refusal::NotBool => format!(
+                "input '{shown}': BOOL data must be true or false",
+                shown = Clipped(name)
+            ),
             Refusal::NotBytes => format!(
-                "input '{name}': BYTES data must be strings, got {}",
-                short(text)
+                "input '{shown}': BYTES data must be strings, got {}",
+                short(text),
+                shown = Clipped(name)
             ),
             Refusal::OutOfRange => format!(
-                "input '{name}': data is not valid {datatype}: {} is out of range",
-                short(text)
+                "input '{shown}': data is not valid {datatype}: {} is out of range",
+                short(text),
+                shown = Clipped(name)
             ),
             Refusal::NotInteger => format!(
-                "input '{name}': data is not valid {datatype}: {} is not an integer",
-                short(text)
+                "input '{shown}': data is not valid {datatype}: {} is not an integer",
+                short(text),
+                shown = Clipped(name)
             ),
         })
     }

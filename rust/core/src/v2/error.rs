@@ -19,7 +19,8 @@ pub enum V2Error {
     /// from the shapes alone, before anything is allocated.
     TooManyElements {
         input: String,
-        shape: Vec<u64>,
+        /// The shape as the client sent it, as messages show it ([`shape_text`]).
+        shape: String,
         limit: usize,
     },
     /// Valid JSON that is not a valid inference request; the message names
@@ -66,7 +67,8 @@ impl fmt::Display for V2Error {
                 limit,
             } => write!(
                 f,
-                "input '{input}': shape {shape:?} is over the limit of {limit} elements per request"
+                "input '{}': shape {shape} is over the limit of {limit} elements per request",
+                Clipped(input),
             ),
             V2Error::Invalid(message) | V2Error::Output(message) => f.write_str(message),
         }
@@ -77,16 +79,44 @@ impl std::error::Error for V2Error {}
 
 /// `text` in single quotes, cut to 80 characters (error messages quote what
 /// a client sent, which may be huge).
-pub(crate) fn quote(text: &str) -> String {
+pub fn quote(text: &str) -> String {
     format!("'{}'", short(text))
 }
 
-/// `text` cut to 80 characters, with "..." when cut.
-pub(crate) fn short(text: &str) -> String {
-    const LIMIT: usize = 80;
-    if text.chars().count() <= LIMIT {
-        return text.to_owned();
+/// `text` cut to 80 characters, with "..." when cut ([`Clipped`]).
+pub fn short(text: &str) -> String {
+    Clipped(text).to_string()
+}
+
+/// Characters of a client's string that a message shows at most.
+const SHOWN: usize = 80;
+
+/// A client's string as every message (HTTP error, gRPC status) echoes it
+/// (a name, a version, a method, a number as sent): cut to 80 characters,
+/// with "..." when cut, so that no echo makes a message huge (gRPC sends
+/// its message as a header, refused past 16 KB). Formats without
+/// allocating: `format!("input '{}'", Clipped(name))`.
+#[derive(Debug, Clone, Copy)]
+pub struct Clipped<'a>(pub &'a str);
+
+impl fmt::Display for Clipped<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let text = self.0;
+        match text.char_indices().nth(SHOWN) {
+            None => f.write_str(text),
+            Some(_) => {
+                let cut = text
+                    .char_indices()
+                    .nth(SHOWN - 3)
+                    .map_or(text.len(), |(i, _)| i);
+                f.write_str(&text[..cut])?;
+                f.write_str("...")
+            }
+        }
     }
-    let cut: String = text.chars().take(LIMIT - 3).collect();
-    cut + "..."
+}
+
+/// A shape in a message: its dimensions, cut as [`Clipped`] cuts text.
+pub fn shape_text(shape: &[impl fmt::Debug]) -> String {
+    short(&format!("{shape:?}"))
 }

@@ -39,10 +39,10 @@ mod encode;
 mod error;
 pub mod json;
 
-pub use decode::{Data, InferRequest, Input, RequestedOutput};
+pub use decode::{Data, HeaderCheck, InferRequest, Input, RequestedOutput};
 pub use elements::Elements;
 pub use encode::{write_json_string, Encoded, Output};
-pub use error::V2Error;
+pub use error::{quote, shape_text, short, Clipped, V2Error};
 
 use crate::DType;
 
@@ -157,9 +157,10 @@ pub fn input_dtype(name: &str, datatype: &str) -> Result<DType, V2Error> {
         .map(|d| d.v2_name())
         .collect();
     Err(V2Error::Invalid(format!(
-        "input '{name}': unknown datatype {}; expected one of {}",
+        "input '{shown}': unknown datatype {}; expected one of {}",
         error::quote(datatype),
-        known.join(", ")
+        known.join(", "),
+        shown = Clipped(name)
     )))
 }
 
@@ -179,7 +180,9 @@ pub fn tensor_header(
     let dims: Option<Vec<u64>> = shape.iter().map(|&d| u64::try_from(d).ok()).collect();
     let dims = dims.ok_or_else(|| {
         V2Error::Invalid(format!(
-            "input '{name}': 'shape' must be a list of non-negative integers, got {shape:?}"
+            "input '{shown}': 'shape' must be a list of non-negative integers, got {shape}",
+            shown = Clipped(name),
+            shape = shape_text(shape)
         ))
     })?;
     Ok((dtype, dims))
@@ -195,7 +198,7 @@ pub fn checked_size(
 ) -> Result<(usize, usize), V2Error> {
     let too_many = || V2Error::TooManyElements {
         input: name.to_owned(),
-        shape: shape.to_vec(),
+        shape: shape_text(shape),
         limit,
     };
     let mut count: usize = 1;
@@ -218,18 +221,21 @@ pub fn check_raw(name: &str, dtype: DType, shape: &[u64], data: &[u8]) -> Result
     let (count, expected) = checked_size(name, dtype, shape, usize::MAX)?;
     if dtype == DType::Bytes {
         return crate::bytes::check(data, count, crate::bytes::BytesLimits::default())
-            .map_err(|e| V2Error::Invalid(format!("input '{name}': {e}")));
+            .map_err(|e| V2Error::Invalid(format!("input '{shown}': {e}", shown = Clipped(name))));
     }
     if data.len() != expected {
         return Err(V2Error::Invalid(format!(
-            "input '{name}': {} shape {shape:?} needs {expected} bytes, got {}",
+            "input '{shown}': {} shape {shape} needs {expected} bytes, got {}",
             dtype.v2_name(),
-            data.len()
+            data.len(),
+            shown = Clipped(name),
+            shape = shape_text(shape)
         )));
     }
     if dtype == DType::Bool && data.iter().any(|&b| b > 1) {
         return Err(V2Error::Invalid(format!(
-            "input '{name}': BOOL bytes must be 0 or 1"
+            "input '{shown}': BOOL bytes must be 0 or 1",
+            shown = Clipped(name)
         )));
     }
     Ok(())

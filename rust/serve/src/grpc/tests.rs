@@ -20,6 +20,11 @@ fn typed(mut tensor: InferInputTensor, contents: InferTensorContents) -> InferIn
     tensor
 }
 
+/// A model that takes any input.
+fn any_input(_: &str, _: DType, _: &[u64]) -> Result<(), Failure> {
+    Ok(())
+}
+
 fn message(result: Result<Decoded, Failure>) -> String {
     match result {
         Ok(_) => panic!("decoded"),
@@ -83,7 +88,7 @@ fn the_smaller_of_the_timeout_parameter_and_the_calls_deadline_wins() {
 fn raw_contents_are_checked_and_kept_as_they_are() {
     let inputs = [input("x", "FP32", &[2, 2]), input("b", "BOOL", &[1])];
     let raw = vec![Bytes::from(vec![0u8; 16]), Bytes::from_static(&[1])];
-    let decoded = decode_inputs(&inputs, raw.clone(), Limits::default()).unwrap();
+    let decoded = decode_inputs(&inputs, raw.clone(), Limits::default(), &mut any_input).unwrap();
     assert_eq!(decoded.owners.shared, raw);
     assert!(decoded.owners.decoded.is_empty());
     let sources: Vec<&Source> = decoded.tensors.iter().map(|(.., s)| s).collect();
@@ -104,13 +109,28 @@ fn raw_contents_are_checked_and_kept_as_they_are() {
     assert_eq!(decoded.tensors[0].1, vec![2, 2]);
 
     let short = vec![Bytes::from(vec![0u8; 12]), Bytes::from_static(&[1])];
-    let got = message(decode_inputs(&inputs, short, Limits::default()));
+    let got = message(decode_inputs(
+        &inputs,
+        short,
+        Limits::default(),
+        &mut any_input,
+    ));
     assert_eq!(got, "input 'x': FP32 shape [2, 2] needs 16 bytes, got 12");
     let not_bool = vec![Bytes::from(vec![0u8; 16]), Bytes::from_static(&[2])];
-    let got = message(decode_inputs(&inputs, not_bool, Limits::default()));
+    let got = message(decode_inputs(
+        &inputs,
+        not_bool,
+        Limits::default(),
+        &mut any_input,
+    ));
     assert_eq!(got, "input 'b': BOOL bytes must be 0 or 1");
     let one = vec![Bytes::from(vec![0u8; 16])];
-    let got = message(decode_inputs(&inputs, one, Limits::default()));
+    let got = message(decode_inputs(
+        &inputs,
+        one,
+        Limits::default(),
+        &mut any_input,
+    ));
     assert_eq!(
         got,
         "raw_input_contents has 1 entries but the request has 2 inputs; give one per input, in order"
@@ -135,7 +155,13 @@ fn typed_contents_are_converted_once_with_the_codecs_messages() {
             ..Default::default()
         },
     );
-    let decoded = decode_inputs(&[x.clone(), n], Vec::new(), Limits::default()).unwrap();
+    let decoded = decode_inputs(
+        &[x.clone(), n],
+        Vec::new(),
+        Limits::default(),
+        &mut any_input,
+    )
+    .unwrap();
     let floats: Vec<u8> = [1.5f32, -2.0, 0.25]
         .iter()
         .flat_map(|v| v.to_le_bytes())
@@ -150,7 +176,12 @@ fn typed_contents_are_converted_once_with_the_codecs_messages() {
             ..Default::default()
         },
     );
-    let got = message(decode_inputs(&[wide], Vec::new(), Limits::default()));
+    let got = message(decode_inputs(
+        &[wide],
+        Vec::new(),
+        Limits::default(),
+        &mut any_input,
+    ));
     assert_eq!(
         got,
         "input 'n': data is not valid INT8: 300 is out of range"
@@ -162,19 +193,34 @@ fn typed_contents_are_converted_once_with_the_codecs_messages() {
             ..Default::default()
         },
     );
-    let got = message(decode_inputs(&[few], Vec::new(), Limits::default()));
+    let got = message(decode_inputs(
+        &[few],
+        Vec::new(),
+        Limits::default(),
+        &mut any_input,
+    ));
     assert_eq!(got, "input 'x': shape [2, 2] needs 4 values, got 3");
     let absent = input("x", "UINT64", &[1]);
-    let got = message(decode_inputs(&[absent], Vec::new(), Limits::default()));
+    let got = message(decode_inputs(
+        &[absent],
+        Vec::new(),
+        Limits::default(),
+        &mut any_input,
+    ));
     assert_eq!(got, "input 'x': shape [1] needs 1 values, got 0");
     let fp16 = input("h", "FP16", &[1]);
-    let got = message(decode_inputs(&[fp16], Vec::new(), Limits::default()));
+    let got = message(decode_inputs(
+        &[fp16],
+        Vec::new(),
+        Limits::default(),
+        &mut any_input,
+    ));
     assert_eq!(
         got,
         "input 'h': FP16 data must be sent in raw_input_contents"
     );
     let both = vec![Bytes::from(vec![0u8; 12])];
-    let got = message(decode_inputs(&[x], both, Limits::default()));
+    let got = message(decode_inputs(&[x], both, Limits::default(), &mut any_input));
     assert_eq!(got, "input 'x' has both contents and raw_input_contents");
 }
 
@@ -184,36 +230,43 @@ fn headers_names_and_sizes_are_refused_before_any_data_is_read() {
         max_body_size: 1 << 20,
         max_elements: 10,
     };
-    let got = message(decode_inputs(&[], Vec::new(), limits));
+    let got = message(decode_inputs(&[], Vec::new(), limits, &mut any_input));
     assert_eq!(got, "the request has no inputs");
     let got = message(decode_inputs(
         &[input("s", "BYTES", &[1])],
         Vec::new(),
         limits,
+        &mut any_input,
     ));
     assert_eq!(got, "input 's': shape [1] needs 1 values, got 0");
     let got = message(decode_inputs(
         &[input("x", "FP32", &[-1, 2])],
         Vec::new(),
         limits,
+        &mut any_input,
     ));
     assert!(got.contains("non-negative integers"), "{got}");
     let twice = [input("x", "INT32", &[1]), input("x", "INT32", &[1])];
     let raw = vec![Bytes::from(vec![0u8; 4]), Bytes::from(vec![0u8; 4])];
     assert_eq!(
-        message(decode_inputs(&twice, raw, limits)),
+        message(decode_inputs(&twice, raw, limits, &mut any_input)),
         "input 'x' is given twice"
     );
     // The limit is on all inputs together, named as configured.
     let big = [input("a", "INT8", &[6]), input("b", "INT8", &[6])];
     let raw = vec![Bytes::from(vec![0u8; 6]), Bytes::from(vec![0u8; 6])];
-    let got = message(decode_inputs(&big, raw, limits));
+    let got = message(decode_inputs(&big, raw, limits, &mut any_input));
     assert_eq!(
         got,
         "input 'b': shape [6] is over the limit of 10 elements per request"
     );
     let huge = [input("x", "FP32", &[1, 1 << 40])];
-    let got = message(decode_inputs(&huge, vec![Bytes::new()], limits));
+    let got = message(decode_inputs(
+        &huge,
+        vec![Bytes::new()],
+        limits,
+        &mut any_input,
+    ));
     assert!(got.contains("over the limit of 10 elements"), "{got}");
 }
 
@@ -269,4 +322,61 @@ fn failures_map_to_the_python_servicers_statuses() {
     assert_eq!(code(413), Code::ResourceExhausted);
     assert_eq!(code(418), Code::Internal);
     assert_eq!(status(Failure::new(400, "why")).message(), "why");
+}
+
+#[test]
+fn the_models_rule_refuses_an_input_before_its_data_is_converted() {
+    // FP64 contents of 3 values for a shape of 2: converting would fail on
+    // the count; the model's rule (FP32 only) is met first.
+    let sent = [typed(
+        input("x", "FP64", &[1, 2]),
+        InferTensorContents {
+            fp64_contents: vec![1.0, 2.0, 3.0],
+            ..Default::default()
+        },
+    )];
+    let mut checked = Vec::new();
+    let mut fp32_only = |name: &str, dtype: DType, shape: &[u64]| {
+        checked.push((name.to_owned(), shape.to_vec()));
+        match dtype {
+            DType::Float32 => Ok(()),
+            other => Err(Failure::new(
+                400,
+                format!(
+                    "input '{name}': expected dtype float32, got {}",
+                    other.name()
+                ),
+            )),
+        }
+    };
+    let got = message(decode_inputs(
+        &sent,
+        Vec::new(),
+        Limits::default(),
+        &mut fp32_only,
+    ));
+    assert_eq!(got, "input 'x': expected dtype float32, got float64");
+    assert_eq!(checked, [("x".to_owned(), vec![1, 2])]);
+}
+
+#[test]
+fn a_grpc_content_type_begins_with_application_grpc() {
+    let is = |v: &str| is_grpc(Some(&HeaderValue::from_str(v).unwrap()));
+    for ok in [
+        "application/grpc",
+        "application/grpc+proto",
+        "application/grpc;charset=utf-8",
+        "Application/GRPC",
+    ] {
+        assert!(is(ok), "{ok}");
+    }
+    for refused in [
+        "application/grpcx",
+        "application/json",
+        "application/grp",
+        "",
+    ] {
+        assert!(!is(refused), "{refused}");
+    }
+    assert!(!is_grpc(None));
 }
