@@ -27,6 +27,7 @@ __all__ = [
     "clipped",
     "after_fork_in_child",
     "check_json",
+    "encode_parameters",
     "shared_meta",
 ]
 __version__: str
@@ -378,6 +379,10 @@ class SharedDrain:
 def check_json(body: bytes) -> None:
     """``ValueError`` unless ``body`` is one JSON document by the v2 codec's
     rules (its syntax and its nesting limit)."""
+
+def encode_parameters(parameters: dict[str, Any]) -> str:
+    """``parameters`` as a JSON object's text; ``InvalidInputError`` for a
+    name that is no str or a value that is no bool, int, finite float or str."""
 
 def shared_meta(name: str, owner: int | None = None) -> str:
     """The metadata (JSON) of the segment ``name``, after checking its owner

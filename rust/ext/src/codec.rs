@@ -21,6 +21,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 use pyo3::{ffi, intern};
 
+use crate::errors::invalid_input;
 use crate::without_gil;
 
 /// Bodies and outputs at least this large are decoded and encoded with the
@@ -810,4 +811,70 @@ pub fn check_json(body: &[u8]) -> PyResult<()> {
             e.message, e.offset
         ))
     })
+}
+
+/// A caller's parameters (a dict) as a JSON object's text, checked as the
+/// v2 protocol has them: string names; bool, int, finite float or string
+/// values (`InvalidInputError` otherwise). Floats keep a fraction or an
+/// exponent, so they come back as floats.
+#[pyfunction]
+pub fn encode_parameters(py: Python<'_>, parameters: &Bound<'_, PyDict>) -> PyResult<String> {
+    use pyo3::types::{PyBool, PyFloat, PyInt};
+    let mut out = Vec::with_capacity(2 + 24 * parameters.len());
+    out.push(b'{');
+    for (i, (name, value)) in parameters.iter().enumerate() {
+        let Ok(name) = name.cast::<PyString>() else {
+            return Err(invalid_input(
+                py,
+                format!(
+                    "parameter names must be strings, got {}",
+                    clipped_repr(&name)
+                ),
+            ));
+        };
+        let name = name.to_str()?;
+        if i > 0 {
+            out.push(b',');
+        }
+        ferrobatch_core::v2::write_json_string(&mut out, name);
+        out.push(b':');
+        if let Ok(flag) = value.cast::<PyBool>() {
+            out.extend_from_slice(if flag.is_true() { b"true" } else { b"false" });
+        } else if value.is_instance_of::<PyInt>() {
+            // Python's own digits: any size, as json.dumps writes it.
+            out.extend_from_slice(value.str()?.to_str()?.as_bytes());
+        } else if let Some(v) = value
+            .cast::<PyFloat>()
+            .ok()
+            .map(|f| f.value())
+            .filter(|v| v.is_finite())
+        {
+            // `{:?}` keeps "1.0" a float ("1" would come back an int).
+            out.extend_from_slice(format!("{v:?}").as_bytes());
+        } else if let Ok(text) = value.cast::<PyString>() {
+            ferrobatch_core::v2::write_json_string(&mut out, text.to_str()?);
+        } else {
+            let kind = value.get_type().name()?;
+            return Err(invalid_input(
+                py,
+                format!(
+                    "parameter {} must be a bool, int, finite float or str, got {kind} {}",
+                    clipped_repr(&name.into_pyobject(py)?.into_any()),
+                    clipped_repr(&value)
+                ),
+            ));
+        }
+    }
+    out.push(b'}');
+    // Only JSON punctuation, digits and serde_json's escaped strings: UTF-8.
+    String::from_utf8(out).map_err(|_| PyValueError::new_err("parameters are not UTF-8"))
+}
+
+/// `repr(value)`, cut to what an error message may echo.
+fn clipped_repr(value: &Bound<'_, PyAny>) -> String {
+    let text = value
+        .repr()
+        .and_then(|r| r.to_str().map(str::to_owned))
+        .unwrap_or_else(|_| "?".to_owned());
+    ferrobatch_core::v2::Clipped(&text).to_string()
 }
