@@ -58,7 +58,7 @@ BOUND = 30.0
 HEADER_TIMEOUT = 1.0
 BODY_TIMEOUT = 1.0
 #: Below the header timeout: an idle HTTP/1 keep-alive connection is cut
-#: after the header timeout instead of this one.
+#: after the header timeout instead of this one (see the xfail test below).
 IDLE_TIMEOUT = 0.75
 GRACEFUL_TIMEOUT = 2.0
 #: Load before the stop (longer if a misbehaving kind has not been checked yet).
@@ -665,3 +665,63 @@ def test_every_caller_gets_one_answer_in_time_and_stats_match_through_chaos_and_
         assert everything[outcome] > 0, (outcome, dict(everything))
     assert abandoned["g"] > 0 and abandoned["b"] > 0, abandoned
     assert counted["g"]["cancelled"] + counted["b"]["cancelled"] > 0, counted
+
+
+# -- found by the chaos above, kept strict until fixed --------------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.xfail(
+    strict=True,
+    reason="hyper's header_read_timeout restarts after each HTTP/1 response, so an idle keep-alive connection "
+    "is closed after header_timeout, not idle_timeout (defaults: 30 s instead of 300 s)",
+)
+def test_an_idle_http1_keep_alive_connection_stays_open_for_the_idle_timeout() -> None:
+    """Reproduction: ``header_timeout=0.5, idle_timeout=3``; one GET on a
+    keep-alive connection, then nothing: the server closes it after 0.5 s.
+    The header timeout is documented for a request's headers and a new
+    connection's first request; a connection with no request in flight is
+    the idle timeout's."""
+    server = fb.Server(chaotic, inputs=[X], outputs=[Y], name="m")
+    config = ServeConfig(http_port=0, grpc_port=None, frontend="native", header_timeout=0.5, idle_timeout=3.0)
+    with serve_in_thread([server], config) as listening:
+        with socket.create_connection(("127.0.0.1", listening.http_port or 0), timeout=BOUND) as sock:
+            sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: chaos\r\n\r\n")
+            assert read_response(sock, time.monotonic() + BOUND)[0] == 200
+            closed, _ = closed_within(sock, 1.5)
+            assert not closed, "closed after the header timeout, before the idle timeout"
+            closed, _ = closed_within(sock, BOUND)
+            assert closed
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.xfail(
+    strict=True,
+    reason="when every request of a batch fails in isolation, the worker finishes the batch with no outputs and "
+    "the native answer fails encoding them: each caller gets CodecError ('the model returned no output') "
+    "under one request id instead of its model's exception",
+)
+def test_requests_that_all_fail_in_isolation_each_get_their_models_error() -> None:
+    """Reproduction: two poisoned requests in one batch (``min_batch_size=2``)
+    over native HTTP; both answer 500 ``model 'p' failed: CodecError (request
+    id X...)`` with the same id, and the log's cause is "the model returned no
+    output 'y'" rather than the model's RuntimeError. Status and counts are
+    right (the chaos test sees 500 / model_error)."""
+    server = fb.Server(chaotic, inputs=[X], outputs=[Y], name="p", max_batch_size=8, min_batch_size=2, max_delay=1.0)
+    body = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [-1, 0, 1, 1]}]})
+    with serve_in_thread([server], ServeConfig(http_port=0, grpc_port=None, frontend="native")) as listening:
+        port = listening.http_port or 0
+        answers: list[tuple[int, str]] = []
+
+        def call() -> None:
+            conn = HttpConnection(port)
+            status, _, reply = conn.post(Call("p", "good", body.encode(), {}, lambda h, b: True))
+            conn.close()
+            answers.append((status, json.loads(reply)["error"]))
+
+        with started([threading.Thread(target=call) for _ in range(2)]):
+            pass
+    assert [status for status, _ in answers] == [500, 500], answers
+    assert all("RuntimeError" in error for _, error in answers), answers
+    assert answers[0][1] != answers[1][1], "two requests, one request id"
+    assert outcomes(server)["model_error"] == 2
