@@ -695,18 +695,11 @@ def test_an_idle_http1_keep_alive_connection_stays_open_for_the_idle_timeout() -
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    strict=True,
-    reason="when every request of a batch fails in isolation, the worker finishes the batch with no outputs and "
-    "the native answer fails encoding them: each caller gets CodecError ('the model returned no output') "
-    "under one request id instead of its model's exception",
-)
 def test_requests_that_all_fail_in_isolation_each_get_their_models_error() -> None:
-    """Reproduction: two poisoned requests in one batch (``min_batch_size=2``)
-    over native HTTP; both answer 500 ``model 'p' failed: CodecError (request
-    id X...)`` with the same id, and the log's cause is "the model returned no
-    output 'y'" rather than the model's RuntimeError. Status and counts are
-    right (the chaos test sees 500 / model_error)."""
+    """Two poisoned requests in one batch (``min_batch_size=2``) over native
+    HTTP: each fails alone, and each answer names its own failure. (The
+    batch once finished with no outputs at all, and both answers were 500
+    ``CodecError`` under one request id.)"""
     server = fb.Server(chaotic, inputs=[X], outputs=[Y], name="p", max_batch_size=8, min_batch_size=2, max_delay=1.0)
     body = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [-1, 0, 1, 1]}]})
     with serve_in_thread([server], ServeConfig(http_port=0, grpc_port=None, frontend="native")) as listening:

@@ -326,7 +326,7 @@ class CudaExecutor:
             self._requests = everyone
         merged = InFlight(batch.rows)
         merged.started_ns = flight.started_ns
-        merged.outputs = merge_rows(isolated.done, batch.rows)
+        merged.outputs = merge_rows(isolated.done, batch.rows, self.outputs, self.version_output)
         merged.failed = isolated.failed
         merged.retry_calls = isolated.calls
         merged.isolated = isolated.alone

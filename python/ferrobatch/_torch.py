@@ -515,11 +515,19 @@ def batch_requests(batch: _core.Batch) -> list[tuple[int, RequestInfo]]:
     return list(zip(starts, infos))
 
 
-def merge_rows(done: Sequence[tuple[int, int, Outputs]], rows: int) -> Outputs:
+def merge_rows(
+    done: Sequence[tuple[int, int, Outputs]], rows: int, specs: Sequence[TensorSpec], version_output: str | None
+) -> Outputs:
     """One batch of ``rows`` rows from the parts in ``done``; rows no part
-    covers are left uninitialised (they belong to failed requests)."""
+    covers are left uninitialised (they belong to failed requests). With no
+    part done (every request failed alone) the outputs ``specs`` declare
+    (and ``version_output``), all uninitialised: each sink still finds every
+    output it reads, and answers each request with its own error."""
     if not done:
-        return {}
+        empty: Outputs = {s.name: torch.empty((rows, *s.shape), dtype=s.torch_dtype) for s in specs}
+        if version_output is not None:
+            empty[version_output] = torch.zeros(rows, dtype=torch.int64)
+        return empty
     merged: Outputs = {}
     for name, t in done[0][2].items():
         whole = torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
@@ -633,7 +641,8 @@ class CpuExecutor:
                 counters.retry_calls += isolated.calls
                 counters.isolated_failures += isolated.alone
                 try:
-                    outputs, error, failed = merge_rows(isolated.done, batch.rows), None, isolated.failed
+                    merged = merge_rows(isolated.done, batch.rows, self.outputs, self.version_output)
+                    outputs, error, failed = merged, None, isolated.failed
                 except BaseException as exc:  # noqa: BLE001 - parts that cannot be merged: all fail
                     outputs, error = None, exc
             if self.sampler is not None and outputs is not None and failed is None and not failed_batch:
