@@ -502,10 +502,13 @@ async fn accept(
     }
     let grpc = grpc::server(shared.clone());
     let config = &shared.config;
+    // Not hyper's header timer: it restarts when a response ends, so it would
+    // close an idle keep-alive connection after the header timeout instead
+    // of the idle timeout. `FirstBytes` times each request's head instead.
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(config.header_timeout);
+        .header_read_timeout(None);
     let mut http2 = builder.http2();
     http2
         .timer(TokioTimer::new())
@@ -539,8 +542,8 @@ async fn accept(
                     },
                 };
                 let _ = stream.set_nodelay(true);
-                let io = TokioIo::new(FirstBytes::new(stream, header_timeout));
                 let activity = Arc::new(watch::Sender::new(Activity::default()));
+                let io = TokioIo::new(FirstBytes::new(stream, header_timeout, activity.subscribe()));
                 // A headroom connection answers one probe, then closes.
                 let idle = until_idle(
                     activity.subscribe(),
@@ -608,26 +611,91 @@ async fn accept(
     let _ = done.send(());
 }
 
-/// Bytes enough to tell HTTP/1 from the HTTP/2 preface.
-const PREFACE: usize = 24;
-
-/// A connection that must send its first [`PREFACE`] bytes within the
-/// header timeout (a client that connects and sends nothing, or part of
-/// the HTTP/2 preface, is cut off; after that, HTTP/1's header timeout
-/// takes over).
+/// A connection whose requests must each begin within the header timeout.
+///
+/// Its first bytes (a client that connects and sends nothing, or part of
+/// the HTTP/2 preface, is cut off) and, on HTTP/1, each request's head:
+/// the clock starts at the connection or at the first byte read while no
+/// request is in flight, and stops when a request starts (the connection's
+/// [`Activity`] counts one more). An HTTP/1 connection that sends nothing
+/// between requests is the idle timeout's ([`until_idle`]). HTTP/2 frames
+/// (pings, settings) come between requests: after its preface, HTTP/2 is
+/// timed by [`until_idle`] alone.
 struct FirstBytes {
     stream: TcpStream,
+    timeout: Duration,
     read: usize,
+    /// The connection's first bytes, to tell HTTP/2's preface ("PRI").
+    start: [u8; 3],
+    http2: bool,
     deadline: Option<Pin<Box<Sleep>>>,
+    /// Requests started when the deadline was set.
+    armed_at: u64,
+    activity: watch::Receiver<Activity>,
 }
 
 impl FirstBytes {
-    fn new(stream: TcpStream, timeout: Duration) -> FirstBytes {
+    fn new(
+        stream: TcpStream,
+        timeout: Duration,
+        activity: watch::Receiver<Activity>,
+    ) -> FirstBytes {
         FirstBytes {
             stream,
+            timeout,
             read: 0,
+            start: [0; 3],
+            http2: false,
             deadline: Some(Box::pin(tokio::time::sleep(timeout))),
+            armed_at: 0,
+            activity,
         }
+    }
+
+    /// Bytes `new` just arrived: note the protocol, and on HTTP/1 start
+    /// the clock if they begin a request's head.
+    fn arrived(&mut self, new: &[u8]) {
+        for &b in new.iter().take(self.start.len().saturating_sub(self.read)) {
+            self.start[self.read] = b;
+            self.read += 1;
+        }
+        if self.read >= self.start.len() && &self.start == b"PRI" {
+            self.http2 = true;
+        }
+        let (in_flight, requests) = {
+            let a = self.activity.borrow();
+            (a.in_flight, a.requests)
+        };
+        if self.http2 {
+            if self.read >= self.start.len() {
+                self.deadline = None; // the preface's first bytes came: until_idle times the rest
+            }
+        } else if requests != self.armed_at || in_flight > 0 {
+            // A request started since the clock was set, or one is in flight
+            // (these bytes are its body, or pipelined): stop it.
+            self.deadline = None;
+            self.armed_at = requests;
+            if in_flight == 0 && !new.is_empty() {
+                self.deadline = Some(Box::pin(tokio::time::sleep(self.timeout)));
+            }
+        } else if self.deadline.is_none() && !new.is_empty() {
+            self.deadline = Some(Box::pin(tokio::time::sleep(self.timeout)));
+        }
+    }
+
+    /// True once the deadline passed with no request started.
+    fn expired(&mut self, cx: &mut Context<'_>) -> bool {
+        let started = {
+            let a = self.activity.borrow();
+            a.requests != self.armed_at || a.in_flight > 0
+        };
+        if started && !self.http2 {
+            self.deadline = None;
+            return false;
+        }
+        self.deadline
+            .as_mut()
+            .is_some_and(|deadline| deadline.as_mut().poll(cx).is_ready())
     }
 }
 
@@ -641,19 +709,12 @@ impl AsyncRead for FirstBytes {
         let before = buf.filled().len();
         match Pin::new(&mut this.stream).poll_read(cx, buf) {
             Poll::Ready(done) => {
-                let now = buf.filled().len().saturating_sub(before);
-                this.read = this.read.saturating_add(now);
-                if this.read >= PREFACE {
-                    this.deadline = None;
-                }
+                let new = buf.filled().get(before..).unwrap_or(&[]);
+                this.arrived(new);
                 Poll::Ready(done)
             }
             Poll::Pending => {
-                let expired = this
-                    .deadline
-                    .as_mut()
-                    .is_some_and(|deadline| deadline.as_mut().poll(cx).is_ready());
-                if expired {
+                if this.expired(cx) {
                     return Poll::Ready(Err(io::Error::new(
                         io::ErrorKind::TimedOut,
                         "the request did not begin within the header timeout",
