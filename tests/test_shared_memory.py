@@ -413,3 +413,20 @@ async def test_a_model_with_bytes_or_variable_length_tensors_is_not_shared() -> 
         with pytest.raises(ValueError, match="fixed-shape numeric tensors only; text"):
             server.share(name)
         assert not os.path.exists(segment(name))
+
+
+async def test_connect_trusts_only_this_users_segment_unless_told_whom(shared: tuple[fb.Server, fb.Shared]) -> None:
+    import pwd
+
+    _, share = shared
+    me = os.getuid()
+    with pytest.raises(fb.FerrobatchError, match=f"belongs to uid {me}, not to uid {me + 1}"):
+        fb.connect(share.name, owner=me + 1)
+    with pytest.raises(ValueError, match="no user named"):
+        fb.connect(share.name, owner="no-such-user-here")
+    for owner in (None, me, pwd.getpwuid(me).pw_name):
+        with fb.connect(share.name, owner=owner) as client:
+            check(2, await client.infer({"x": sample(2)}))
+            # It pickles with whom it trusts.
+            with pickle.loads(pickle.dumps(client)) as clone:
+                assert clone._owner == owner
