@@ -325,3 +325,22 @@ def test_a_bad_priority_over_grpc_is_invalid_argument() -> None:
         with pytest.raises(InferenceServerException, match="between 1"):
             triton.infer("m", [tensor], priority=7)
         assert int(triton.infer("m", [tensor], priority=0).as_numpy("out")[0]) == 50
+
+
+def test_parameters_are_encoded_as_json_whatever_their_subclasses_print() -> None:
+    import json
+
+    from ferrobatch._requests import encode_parameters
+
+    class Loud(int):
+        def __str__(self) -> str:
+            return "not json"
+
+        __repr__ = __str__
+
+    parameters = {"n": Loud(3), "big": Loud(10**30), "ratio": 1.0, "flag": True, "s": 'é"x', "neg": -5}
+    encoded = encode_parameters(parameters)
+    assert encoded is not None
+    decoded = json.loads(encoded)
+    assert decoded == {"n": 3, "big": 10**30, "ratio": 1.0, "flag": True, "s": 'é"x', "neg": -5}
+    assert type(decoded["ratio"]) is float and type(decoded["flag"]) is bool

@@ -841,8 +841,17 @@ pub fn encode_parameters(py: Python<'_>, parameters: &Bound<'_, PyDict>) -> PyRe
         if let Ok(flag) = value.cast::<PyBool>() {
             out.extend_from_slice(if flag.is_true() { b"true" } else { b"false" });
         } else if value.is_instance_of::<PyInt>() {
-            // Python's own digits: any size, as json.dumps writes it.
-            out.extend_from_slice(value.str()?.to_str()?.as_bytes());
+            match value.extract::<i64>() {
+                Ok(v) => out.extend_from_slice(v.to_string().as_bytes()),
+                // Any size, by int's own repr (as json.dumps writes it): a
+                // subclass's __str__ or __repr__ may say anything.
+                Err(_) => {
+                    let digits = py
+                        .get_type::<PyInt>()
+                        .call_method1(intern!(py, "__repr__"), (&value,))?;
+                    out.extend_from_slice(digits.str()?.to_str()?.as_bytes());
+                }
+            }
         } else if let Some(v) = value
             .cast::<PyFloat>()
             .ok()
