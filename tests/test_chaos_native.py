@@ -2,8 +2,7 @@
 load tool: callers on raw HTTP/1.1 sockets (JSON and binary tensors) and on
 gRPC, some with a ``timeout`` parameter, some sending malformed or
 mismatched requests, against a model that fails some rows and is slow for
-others behind a queue small enough to overflow, and a BYTES model answered by
-the Python handlers behind the listener. Beside them, clients that close
+others behind a queue small enough to overflow, and a BYTES model. Beside them, clients that close
 their socket (or reset it) with a request in flight, send half a body and
 close, send half a body and stall past the body timeout, send nothing, send
 only the HTTP/2 preface, send half a header, stay idle after a request, or
@@ -65,7 +64,7 @@ LOAD_SECONDS = 3.0
 HTTP_CALLERS = 8
 GRPC_CALLERS = 2
 #: Models: "m" is never abandoned (its stats are compared exactly); clients
-#: abandon requests to "g" (native) and "b" (BYTES, the Python handlers).
+#: abandon requests to "g" (fixed shapes) and "b" (BYTES).
 MODELS = ("m", "g", "b")
 #: What a caller can see that the server does not count.
 UNCOUNTED = frozenset({"malformed", "refused", "dropped", "shutting_down"})
@@ -335,7 +334,7 @@ def unavailable(message: str) -> str:
     if "queue is full" in message:
         return "queue_full"
     if "shutting down" in message:
-        return "shutting_down"  # the Python handlers refuse before the model sees it
+        return "shutting_down"  # refused before the model sees it
     if any(s in message for s in ("not running", "stopped before answering", "closed to new requests")):
         return "server_closed"
     return f"503 {message}"

@@ -438,9 +438,9 @@ def test_a_cancelled_call_withdraws_its_queued_request() -> None:
     assert server.stats()["batches"] == 1  # the cancelled request never ran
 
 
-def test_a_cancelled_call_withdraws_its_request_answered_by_python() -> None:
-    """A BYTES model's ModelInfer is answered by the Python handlers behind the
-    native listener: a cancelled call withdraws its queued request there too."""
+def test_a_cancelled_call_withdraws_its_request_to_a_bytes_model() -> None:
+    """A BYTES model's ModelInfer: a cancelled call withdraws its queued
+    request too."""
     from test_native_http import HeldBytes, T
 
     held = HeldBytes()
@@ -794,9 +794,8 @@ def test_datatype_and_shape_are_checked_against_the_model_before_contents_are_co
     assert outcomes(server)["invalid_input"] == 2
 
 
-def test_echoed_names_are_clipped_for_models_the_python_handlers_answer() -> None:
-    """The same for a BYTES model's ModelInfer, answered by the Python
-    handlers behind the native listener."""
+def test_echoed_names_are_clipped_for_bytes_models() -> None:
+    """The same for a BYTES model's ModelInfer."""
     from test_native_http import HeldBytes, T
 
     held = HeldBytes()

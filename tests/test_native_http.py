@@ -1,6 +1,7 @@
 """The native HTTP front-end (``ServeConfig(frontend="native")``, the
-default of ``ferrobatch serve``): inference answered in Rust, the rest of the
-v2 surface by the Python handlers, every request answered and counted once."""
+default of ``ferrobatch serve``): inference answered in Rust for every model
+(fixed, BYTES and variable-length tensors), the rest of the v2 surface by
+the Python handlers, every request answered and counted once."""
 
 from __future__ import annotations
 
@@ -396,8 +397,8 @@ T = fb.TensorSpec("t", "bytes", (1,))
 
 
 class HeldBytes:
-    """A BYTES model (answered by the Python handlers behind the native
-    listener) whose first batch waits for ``release``: the next requests queue."""
+    """A BYTES model whose first batch waits for ``release``: the next
+    requests queue."""
 
     def __init__(self) -> None:
         self.entered = threading.Event()
@@ -409,7 +410,7 @@ class HeldBytes:
         return {"t": inputs["t"]}
 
 
-def test_clients_that_go_away_withdraw_their_requests_answered_by_python() -> None:
+def test_clients_that_go_away_withdraw_their_requests_to_a_bytes_model() -> None:
     held = HeldBytes()
     server = fb.Server(held, inputs=[T], outputs=[T], name="b", max_batch_size=1, max_delay=0)
     gone = 5

@@ -14,6 +14,7 @@ compile or warm-up) on a CUDA device.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Mapping, Sequence
 from time import perf_counter_ns
 from typing import Any
@@ -189,6 +190,22 @@ class RaggedOutput:
             return self.values[i, : self.lengths[i]]
         return self.values[self.starts[i] : self.starts[i] + self.lengths[i]]
 
+    def packed(self) -> tuple[Any, list[int], list[list[int]], bytes]:
+        """Every row for the native front-end's encoder: ``(values, starts,
+        shapes, pad)``, the values flat (row ``i`` from element ``starts[i]``
+        on, of shape ``shapes[i]``) and ``pad`` one element's bytes."""
+        inner = list(self.values.shape[2 if self.padded else 1 :])
+        unit = math.prod(inner)
+        if self.padded:
+            stride = self.values.shape[1] * unit
+            starts = [i * stride for i in range(len(self.lengths))]
+        else:
+            starts = [s * unit for s in self.starts]
+        shapes = [[n, *inner] for n in self.lengths]
+        if isinstance(self.values, np.ndarray):
+            return self.values.ravel(), starts, shapes, _element_bytes(self.pad_value)
+        return self.values.reshape(-1), starts, shapes, _pad_bytes(self.pad_value, self.values.dtype)
+
     def request_rows(self, start: int, rows: int, batched: bool) -> Any:
         """One-sample request: its row, of its own length. A multi-row one:
         ``[rows, its longest, ...]``, shorter rows padded with ``pad_value``
@@ -226,6 +243,14 @@ class PaddedOutput:
         ends = dict(zip(self.variable, lengths))
         return tuple(slice(0, ends.get(d)) for d in range(self.values.dim() - 1))
 
+    def packed(self) -> tuple[torch.Tensor, list[int], list[list[int]], bytes]:
+        """Every row for the native front-end's encoder, as
+        :meth:`RaggedOutput.packed`: each row cut to its own lengths."""
+        rows = [self.values[i][self._box(lengths)] for i, lengths in enumerate(self.lengths)]
+        starts = list(itertools.accumulate((r.numel() for r in rows), initial=0))[:-1]
+        flat = torch.cat([r.reshape(-1) for r in rows]) if rows else self.values.reshape(-1)
+        return flat, starts, [list(r.shape) for r in rows], _pad_bytes(self.pad_value, self.values.dtype)
+
     def request_rows(self, start: int, rows: int, batched: bool) -> torch.Tensor:
         """One-sample request: its row at its own lengths. A multi-row one:
         ``[rows, *its longest]``, shorter rows padded with ``pad_value``."""
@@ -240,6 +265,18 @@ class PaddedOutput:
             cut = self._box(lengths)
             out[j][cut] = self.values[start + j][cut]
         return out
+
+
+def _pad_bytes(value: float | bytes, dtype: torch.dtype) -> bytes:
+    """One element of ``value`` in ``dtype``, as bytes."""
+    if isinstance(value, bytes):
+        raise ModelError(f"a pad of bytes for a {dtype} output")
+    return torch.full((1,), value, dtype=dtype).view(torch.uint8).numpy().tobytes()
+
+
+def _element_bytes(value: Any) -> bytes:
+    """A BYTES pad element's bytes (``str`` as UTF-8)."""
+    return value.encode() if isinstance(value, str) else bytes(value)
 
 
 def _padded_output(spec: TensorSpec, named: Mapping[str, Any], rows: int) -> PaddedOutput:

@@ -103,16 +103,11 @@ class NativeListeners:
 
     def attach(self) -> None:
         """Serves the started models natively and turns readiness on."""
-        models, handed_over = [], []
+        models = []
         for model in self.repository.models:
-            if model.server._variable:
-                # BYTES and variable-length tensors: answered by the Python
-                # handlers (HTTP through the fallback, gRPC ModelInfer too).
-                handed_over.append(model.server.name)
-                continue
             batcher, registry = model.server._native_parts()
             models.append((batcher, registry, model.codec, self._describer(model.server.name)))
-        self._frontend.serve(models, handed_over)
+        self._frontend.serve(models)
         self._frontend.set_ready(True)
 
     def set_ready(self, ready: bool) -> None:
@@ -176,15 +171,10 @@ class NativeListeners:
         dispatched = self.endpoint.dispatch(method, path, dict(headers), body)
         return self._start(dispatched, done, lambda reply: (reply.status, list(reply.headers.items()), reply.body))
 
-    async def _grpc_infer(self, request: bytes) -> tuple[int, str, bytes]:
-        return await _grpc_infer_answer(self.repository, request, self.repository.expose_errors)
-
     def _grpc_fallback(self, method: str, request: bytes, done: FallbackAnswer) -> Callable[[], bool]:
         from ..grpc import _extensions  # protobuf is needed only with gRPC
 
         async def answer() -> tuple[int, str, bytes]:
-            if method == "ModelInfer":
-                return await self._grpc_infer(request)
             return _extensions.answer(self.repository, method, request)
 
         return self._start(answer(), done, lambda reply: reply)
@@ -197,24 +187,3 @@ def _model_metadata(meta: dict[str, Any]) -> tuple[str, str, list[TensorMeta], l
         return [(t["name"], t["datatype"], list(t["shape"])) for t in docs]
 
     return meta["name"], meta["platform"], tensors(meta["inputs"]), tensors(meta["outputs"])
-
-
-async def _grpc_infer_answer(repository: ModelRepository, request: bytes, expose: bool) -> tuple[int, str, bytes]:
-    """ModelInfer for a model the native front-end does not answer in Rust:
-    ``(0, "", response bytes)`` or ``(gRPC status code, message, b"")``."""
-    from google.protobuf.message import DecodeError
-
-    from ..grpc import _service
-    from ..grpc import grpc_predict_v2_pb2 as pb
-
-    try:
-        message = pb.ModelInferRequest.FromString(request)
-    except DecodeError as exc:
-        return 3, f"malformed ModelInfer request: {exc}", b""  # INVALID_ARGUMENT
-    try:
-        timeout = _service.timeout_parameter(message.parameters)
-        response = await _service.infer(repository, message, timeout)
-    except Exception as exc:  # noqa: BLE001 - every failure becomes the call's status
-        code: int = _service.status_code(exc).value[0]
-        return code, error_message(exc, message.model_name, expose=expose), b""
-    return 0, "", response.SerializeToString()

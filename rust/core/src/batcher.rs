@@ -200,7 +200,17 @@ impl Batcher {
         self.queue.lane_lens()
     }
 
-    /// Priority level (1: most urgent) of requests that name none.
+    /// How each input's rows are collated, in input order.
+    pub fn layouts(&self) -> &[Layout] {
+        self.ring.layouts()
+    }
+
+    /// The most elements of a variable-length input one batch holds (0: no
+    /// such input).
+    pub fn max_batch_elements(&self) -> usize {
+        self.max_batch_elements.unwrap_or(0)
+    }
+
     /// This batcher, keeping each request's parameters for the model
     /// (`Batch::requests`) when `keep` (the model asked for them).
     pub fn keeping_parameters(mut self, keep: bool) -> Batcher {
@@ -213,6 +223,7 @@ impl Batcher {
         self.keep_parameters
     }
 
+    /// Priority level (1: most urgent) of requests that name none.
     pub fn default_priority(&self) -> u32 {
         u32::from(self.default_lane) + 1
     }

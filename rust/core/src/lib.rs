@@ -100,7 +100,7 @@ pub use inbox::Inbox;
 pub use outcome::{Outcome, Tally, OUTCOMES};
 pub use queue::{Message, Priorities, PushError, Readiness, RequestQueue};
 pub use request::{InputBytes, Request, RequestState, Withdrawal, MAX_VARIABLE_DIMS};
-pub use specs::{InputSpec, SpecError};
+pub use specs::{InputRules, InputSpec, Matched, Measured, SpecError};
 pub use staging::{
     Collated, HeldSlot, Layout, Padded, Ragged, RaggedBytes, SlotBuffer, StagingRing,
 };

@@ -8,7 +8,7 @@
 use std::fmt;
 
 use crate::v2::Clipped;
-use crate::DType;
+use crate::{DType, Layout};
 
 /// One declared model input.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -259,6 +259,72 @@ impl InputSpec {
             self.dtype.name()
         ))
     }
+
+    /// Measures a value of shape `actual` for this input collated as
+    /// `layout`: its rows, its byte count and its lengths along the
+    /// variable dimensions, or an error naming both shapes. Every way in
+    /// measures its values here, so the rules and messages are the same
+    /// for all; rows are bounded by `max_rows` and a variable-length
+    /// input's elements by `max_elements` (`max_batch_elements`) before
+    /// anything is allocated.
+    pub fn measure(
+        &self,
+        layout: &Layout,
+        actual: &[usize],
+        batched: bool,
+        max_rows: usize,
+        max_elements: usize,
+    ) -> Result<Measured, SpecError> {
+        let (rows, nbytes, extents) = match layout {
+            Layout::Padded(p) => {
+                let (rows, extents, elements) =
+                    self.padded_rows_for_shape(&p.dims, actual, batched, max_rows, max_elements)?;
+                (rows, elements * p.itemsize, extents)
+            }
+            Layout::Ragged(r) => {
+                let (rows, extent) =
+                    self.ragged_rows_for_shape(actual, batched, max_rows, max_elements)?;
+                // Bounded: at most `max_elements` elements of a position's bytes.
+                (rows, rows * extent * r.unit_nbytes, vec![extent])
+            }
+            // The byte count of BYTES is checked as they are serialized.
+            Layout::RaggedBytes(_) => {
+                let (rows, extent) =
+                    self.ragged_rows_for_shape(actual, batched, max_rows, max_elements)?;
+                (rows, 0, vec![extent])
+            }
+            Layout::Fixed | Layout::Bytes { .. } => {
+                let (rows, nbytes) = self.rows_for_shape(actual, batched, max_rows)?;
+                (rows, nbytes, vec![0])
+            }
+        };
+        let elements = match layout {
+            Layout::Bytes { elements_per_row } => rows * elements_per_row,
+            // Bounded by `max_elements` above.
+            Layout::RaggedBytes(r) => rows * extents[0] * r.unit_elements,
+            _ => 0,
+        };
+        Ok(Measured {
+            rows,
+            nbytes,
+            extents,
+            elements,
+        })
+    }
+}
+
+/// What a value's shape says, measured by [`InputSpec::measure`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Measured {
+    pub rows: usize,
+    /// Bytes of its data (0 for BYTES, whose size is their elements').
+    pub nbytes: usize,
+    /// Its lengths along the variable dimensions: one for a variable first
+    /// dimension, one per variable dimension of a padded input, `[0]` for
+    /// a fixed shape.
+    pub extents: Vec<usize>,
+    /// Elements of a BYTES input (what its serialized data must hold).
+    pub elements: usize,
 }
 
 /// A request's tensors, matched to the model's inputs.
@@ -269,82 +335,97 @@ pub struct Matched {
     /// For each spec, in the model's order: the index of its tensor among
     /// those sent.
     pub order: Vec<usize>,
+    /// For each spec, in the model's order: its tensor's lengths along its
+    /// variable dimensions ([`Measured::extents`]).
+    pub extents: Vec<Vec<usize>>,
 }
 
-/// The error for a tensor `name` that is none of `specs`.
-fn unexpected(specs: &[InputSpec], name: &str) -> SpecError {
-    let known: Vec<&str> = specs.iter().map(|s| s.name.as_str()).collect();
-    SpecError(format!(
-        "unexpected input '{}'; the model takes: {}",
-        Clipped(name),
-        known.join(", ")
-    ))
+/// A model's inputs as a front-end checks requests against them: each
+/// one's spec and collation, and the bounds of one request.
+#[derive(Debug, Clone, Copy)]
+pub struct InputRules<'a> {
+    pub specs: &'a [InputSpec],
+    /// One per spec: how its rows are collated (fixed, variable-length, BYTES).
+    pub layouts: &'a [Layout],
+    /// `max_batch_size`.
+    pub max_rows: usize,
+    /// `max_batch_elements` (0 when the model has no variable-length input).
+    pub max_elements: usize,
 }
 
-/// Checks one tensor of a batched request against `specs`, as
-/// [`match_inputs`] does (its name among them, its dtype, its row shape and
-/// rows at most `max_rows`), from its header alone: a front-end refuses it
-/// before decoding its data.
-pub fn check_input(
-    specs: &[InputSpec],
-    name: &str,
-    dtype: DType,
-    shape: &[usize],
-    max_rows: usize,
-) -> Result<(), SpecError> {
-    let Some(spec) = specs.iter().find(|s| s.name == name) else {
-        return Err(unexpected(specs, name));
-    };
-    if dtype != spec.dtype {
-        return Err(spec.dtype_error(dtype.name()));
+impl InputRules<'_> {
+    /// The error for a tensor `name` that is none of the inputs.
+    fn unexpected(&self, name: &str) -> SpecError {
+        let known: Vec<&str> = self.specs.iter().map(|s| s.name.as_str()).collect();
+        SpecError(format!(
+            "unexpected input '{}'; the model takes: {}",
+            Clipped(name),
+            known.join(", ")
+        ))
     }
-    spec.rows_for_shape(shape, true, max_rows).map(|_| ())
-}
 
-/// Matches the tensors of a batched request (`(name, dtype, shape)` each,
-/// the shape with its leading batch dimension) to `specs`: every input
-/// once, nothing else, dtypes and row shapes as declared, the same number
-/// of rows in each, at most `max_rows`.
-pub fn match_inputs(
-    specs: &[InputSpec],
-    tensors: &[(&str, DType, &[usize])],
-    max_rows: usize,
-) -> Result<Matched, SpecError> {
-    if let Some((name, ..)) = tensors
-        .iter()
-        .find(|(name, ..)| !specs.iter().any(|s| s.name == *name))
-    {
-        return Err(unexpected(specs, name));
-    }
-    let mut order = Vec::with_capacity(specs.len());
-    let mut rows: Option<usize> = None;
-    for spec in specs {
-        let mut found = tensors.iter().enumerate().filter(|(_, t)| t.0 == spec.name);
-        let Some((index, &(_, dtype, shape))) = found.next() else {
-            return Err(spec.error("missing"));
-        };
-        if found.next().is_some() {
-            return Err(spec.error("given more than once"));
-        }
+    fn measure(&self, index: usize, dtype: DType, shape: &[usize]) -> Result<Measured, SpecError> {
+        let spec = &self.specs[index];
         if dtype != spec.dtype {
             return Err(spec.dtype_error(dtype.name()));
         }
-        let (n, _) = spec.rows_for_shape(shape, true, max_rows)?;
-        if n == 0 {
-            return Err(spec.error("a request must carry at least one row, got none"));
-        }
-        match rows {
-            Some(r) if r != n => {
-                return Err(spec.error(format_args!("{n} rows, but the other inputs have {r}")))
-            }
-            _ => rows = Some(n),
-        }
-        order.push(index);
+        let layout = self.layouts.get(index).unwrap_or(&Layout::Fixed);
+        spec.measure(layout, shape, true, self.max_rows, self.max_elements)
     }
-    Ok(Matched {
-        rows: rows.unwrap_or(0),
-        order,
-    })
+
+    /// Checks one tensor of a batched request as [`InputRules::match_tensors`]
+    /// does (its name among the inputs, its dtype, its shape, its rows and
+    /// elements within bounds), from its header alone: a front-end refuses
+    /// it before decoding its data.
+    pub fn check(&self, name: &str, dtype: DType, shape: &[usize]) -> Result<(), SpecError> {
+        let Some(index) = self.specs.iter().position(|s| s.name == name) else {
+            return Err(self.unexpected(name));
+        };
+        self.measure(index, dtype, shape).map(|_| ())
+    }
+
+    /// Matches the tensors of a batched request (`(name, dtype, shape)` each,
+    /// the shape with its leading batch dimension) to the inputs: every
+    /// input once, nothing else, dtypes and shapes as declared, the same
+    /// number of rows in each, at least one and at most `max_rows`.
+    pub fn match_tensors(&self, tensors: &[(&str, DType, &[usize])]) -> Result<Matched, SpecError> {
+        if let Some((name, ..)) = tensors
+            .iter()
+            .find(|(name, ..)| !self.specs.iter().any(|s| s.name == *name))
+        {
+            return Err(self.unexpected(name));
+        }
+        let mut order = Vec::with_capacity(self.specs.len());
+        let mut extents = Vec::with_capacity(self.specs.len());
+        let mut rows: Option<usize> = None;
+        for (i, spec) in self.specs.iter().enumerate() {
+            let mut found = tensors.iter().enumerate().filter(|(_, t)| t.0 == spec.name);
+            let Some((index, &(_, dtype, shape))) = found.next() else {
+                return Err(spec.error("missing"));
+            };
+            if found.next().is_some() {
+                return Err(spec.error("given more than once"));
+            }
+            let measured = self.measure(i, dtype, shape)?;
+            let n = measured.rows;
+            if n == 0 {
+                return Err(spec.error("a request must carry at least one row, got none"));
+            }
+            match rows {
+                Some(r) if r != n => {
+                    return Err(spec.error(format_args!("{n} rows, but the other inputs have {r}")))
+                }
+                _ => rows = Some(n),
+            }
+            order.push(index);
+            extents.push(measured.extents);
+        }
+        Ok(Matched {
+            rows: rows.unwrap_or(0),
+            order,
+            extents,
+        })
+    }
 }
 
 #[cfg(test)]
@@ -355,20 +436,29 @@ mod tests {
         InputSpec::new(name, DType::Float32, shape.to_vec()).unwrap()
     }
 
+    const FIXED: [Layout; 2] = [Layout::Fixed, Layout::Fixed];
+
+    fn rules(specs: &[InputSpec]) -> InputRules<'_> {
+        InputRules {
+            specs,
+            layouts: &FIXED[..specs.len()],
+            max_rows: 8,
+            max_elements: 0,
+        }
+    }
+
     #[test]
     fn matches_inputs_in_the_models_order_and_counts_rows() {
         let specs = [spec("a", &[3]), spec("b", &[])];
-        let m = match_inputs(
-            &specs,
-            &[("b", DType::Float32, &[2]), ("a", DType::Float32, &[2, 3])],
-            8,
-        )
-        .unwrap();
+        let m = rules(&specs)
+            .match_tensors(&[("b", DType::Float32, &[2]), ("a", DType::Float32, &[2, 3])])
+            .unwrap();
         assert_eq!(
             m,
             Matched {
                 rows: 2,
-                order: vec![1, 0]
+                order: vec![1, 0],
+                extents: vec![vec![0], vec![0]],
             }
         );
     }
@@ -406,7 +496,10 @@ mod tests {
     fn refuses_what_the_model_does_not_take_with_the_inputs_name() {
         let specs = [spec("a", &[3]), spec("b", &[])];
         let err = |tensors: &[(&str, DType, &[usize])]| {
-            match_inputs(&specs, tensors, 8).unwrap_err().to_string()
+            rules(&specs)
+                .match_tensors(tensors)
+                .unwrap_err()
+                .to_string()
         };
         let a: &[usize] = &[1, 3];
         let b: &[usize] = &[1];

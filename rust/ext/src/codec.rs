@@ -16,6 +16,7 @@ use std::ffi::{c_char, c_int, c_void};
 use ferrobatch_core::bytes::{self, BytesLimits};
 use ferrobatch_core::v2::{self, Codec, Data, InferRequest, Limits, Output, OutputSpec, V2Error};
 use ferrobatch_core::DType;
+use ferrobatch_serve::VaryingRows;
 use pyo3::exceptions::{PyBufferError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
@@ -295,6 +296,8 @@ pub(crate) struct Readable<'py> {
     pub len: usize,
     /// A BYTES output's elements, serialized here (`ptr` points into it).
     _serialized: Option<Box<[u8]>>,
+    /// Where each row is when rows differ in size (BYTES, variable length).
+    pub rows: Option<VaryingRows>,
 }
 
 /// The `len` bytes at `ptr` (none when `len` is 0).
@@ -357,6 +360,11 @@ impl V2Codec {
         value: Bound<'py, PyAny>,
     ) -> PyResult<Readable<'py>> {
         let spec = &self.core.outputs()[index];
+        // A variable-length output (`_variable.RaggedOutput`, `PaddedOutput`).
+        if let Some(packed) = value.getattr_opt(intern!(py, "packed"))? {
+            let dtype = self.output_dtypes[index].bind(py);
+            return read_packed(py, &spec.name, spec.dtype, dtype, packed.call0()?);
+        }
         if spec.dtype == DType::Bytes {
             return read_bytes_output(py, &spec.name, value);
         }
@@ -384,6 +392,7 @@ impl V2Codec {
             ptr,
             len,
             _serialized: None,
+            rows: None,
         })
     }
 }
@@ -407,12 +416,139 @@ fn read_bytes_output<'py>(
         max_request: usize::MAX,
     };
     let serialized = serialize_elements(py, &flat, count, unbounded, refuse)?.into_boxed_slice();
+    // Rows of one shape, but not of one size: each row's elements' bounds.
+    let row_shape = shape.get(1..).unwrap_or(&[]).to_vec();
+    let batch_rows = shape.first().map_or(0, |&n| n as usize);
+    let per_row = count.checked_div(batch_rows).unwrap_or(0);
+    let starts: Vec<usize> = (0..batch_rows).map(|i| i * per_row).collect();
+    let shapes = vec![row_shape; batch_rows];
+    let rows = bytes_rows(&serialized, count, &starts, shapes, Vec::new())
+        .ok_or_else(|| refuse("its elements do not match its shape".into()))?;
     Ok(Readable {
         _owner: array,
         shape,
         ptr: serialized.as_ptr() as usize,
         len: serialized.len(),
         _serialized: Some(serialized),
+        rows: Some(rows),
+    })
+}
+
+/// Where each row of serialized BYTES (`count` elements) is: row `i` the
+/// elements from `starts[i]` on, as many as `shapes[i]` holds. `None` when
+/// a row is out of the data.
+fn bytes_rows(
+    data: &[u8],
+    count: usize,
+    starts: &[usize],
+    shapes: Vec<Vec<u64>>,
+    pad: Vec<u8>,
+) -> Option<VaryingRows> {
+    let bounds = bytes::boundaries(data, count);
+    let ranges = starts
+        .iter()
+        .zip(&shapes)
+        .map(|(&start, shape)| {
+            let n = shape_elements(shape)?;
+            let from = *bounds.get(start)?;
+            let to = *bounds.get(start.checked_add(n)?)?;
+            Some(from..to)
+        })
+        .collect::<Option<_>>()?;
+    Some(VaryingRows {
+        ranges,
+        shapes,
+        itemsize: None,
+        pad,
+    })
+}
+
+/// Elements of `shape` (`None` when the count overflows).
+fn shape_elements(shape: &[u64]) -> Option<usize> {
+    shape
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(usize::try_from(d).ok()?))
+}
+
+/// A variable-length output, as its `packed()` gives it: `(values, starts,
+/// shapes, pad)`, every row's elements back to back in the flat `values`
+/// (a tensor, or an object array of BYTES), row `i` from element
+/// `starts[i]` on, of shape `shapes[i]`, and `pad` one element's bytes.
+fn read_packed<'py>(
+    py: Python<'py>,
+    name: &str,
+    dtype: DType,
+    torch_dtype: &Bound<'py, PyAny>,
+    packed: Bound<'py, PyAny>,
+) -> PyResult<Readable<'py>> {
+    let refuse = |m: String| codec_error(py, V2Error::Output(format!("output '{name}': {m}")));
+    let (values, starts, shapes, pad): (Bound<'py, PyAny>, Vec<usize>, Vec<Vec<u64>>, Vec<u8>) =
+        packed.extract()?;
+    if starts.len() != shapes.len() {
+        return Err(refuse(
+            "its rows' starts and shapes differ in number".into(),
+        ));
+    }
+    let batch_rows = vec![starts.len() as u64];
+    if dtype == DType::Bytes {
+        let flat = values.call_method0(intern!(py, "ravel"))?;
+        let count = flat.len()?;
+        let unbounded = BytesLimits {
+            max_element: u32::MAX as usize,
+            max_request: usize::MAX,
+        };
+        let serialized =
+            serialize_elements(py, &flat, count, unbounded, refuse)?.into_boxed_slice();
+        let rows = bytes_rows(&serialized, count, &starts, shapes, pad)
+            .ok_or_else(|| refuse("a row lies outside its values".into()))?;
+        return Ok(Readable {
+            _owner: values,
+            shape: batch_rows,
+            ptr: serialized.as_ptr() as usize,
+            len: serialized.len(),
+            _serialized: Some(serialized),
+            rows: Some(rows),
+        });
+    }
+    let itemsize = dtype.itemsize();
+    if pad.len() != itemsize {
+        return Err(refuse(format!(
+            "its pad is {} bytes, not one element",
+            pad.len()
+        )));
+    }
+    let tensor = host_contiguous(py, values, torch_dtype)?;
+    let numel: usize = tensor.call_method0(intern!(py, "numel"))?.extract()?;
+    let len = numel
+        .checked_mul(itemsize)
+        .ok_or_else(|| refuse("it is too large".into()))?;
+    let ranges = starts
+        .iter()
+        .zip(&shapes)
+        .map(|(&start, shape)| {
+            let from = start.checked_mul(itemsize)?;
+            let to = from.checked_add(shape_elements(shape)?.checked_mul(itemsize)?)?;
+            (to <= len).then_some(from..to)
+        })
+        .collect::<Option<_>>()
+        .ok_or_else(|| refuse("a row lies outside its values".into()))?;
+    let ptr: usize = if len == 0 {
+        0
+    } else {
+        tensor.call_method0(intern!(py, "data_ptr"))?.extract()?
+    };
+    Ok(Readable {
+        _owner: tensor,
+        shape: batch_rows,
+        ptr,
+        len,
+        _serialized: None,
+        rows: Some(VaryingRows {
+            ranges,
+            shapes,
+            itemsize: Some(itemsize),
+            pad,
+        }),
     })
 }
 

@@ -90,7 +90,8 @@ impl InputSpec {
     }
 
     /// [`InputSpec::rows_for_shape`], with the lengths along every variable
-    /// dimension (one, or those of an input padded along several).
+    /// dimension (one, or those of an input padded along several): the
+    /// core's rule ([`ferrobatch_core::InputSpec::measure`]).
     fn rows_and_extents(
         &self,
         py: Python<'_>,
@@ -99,50 +100,16 @@ impl InputSpec {
         max_rows: usize,
         max_elements: Option<usize>,
     ) -> PyResult<(usize, usize, Vec<usize>)> {
-        match &self.layout {
-            Layout::Padded(p) => self
-                .core
-                .padded_rows_for_shape(
-                    &p.dims,
-                    actual,
-                    batched,
-                    max_rows,
-                    max_elements.unwrap_or(0),
-                )
-                .map(|(rows, extents, elements)| (rows, elements * p.itemsize, extents))
-                .map_err(|e| invalid_input(py, e.0)),
-            _ => self
-                .rows_for_one(py, actual, batched, max_rows, max_elements)
-                .map(|(rows, nbytes, extent)| (rows, nbytes, vec![extent])),
-        }
-    }
-
-    fn rows_for_one(
-        &self,
-        py: Python<'_>,
-        actual: &[usize],
-        batched: bool,
-        max_rows: usize,
-        max_elements: Option<usize>,
-    ) -> PyResult<(usize, usize, usize)> {
-        match &self.layout {
-            Layout::Ragged(r) => self
-                .core
-                .ragged_rows_for_shape(actual, batched, max_rows, max_elements.unwrap_or(0))
-                .map(|(rows, extent)| (rows, rows * extent * r.unit_nbytes, extent))
-                .map_err(|e| invalid_input(py, e.0)),
-            // The byte count of BYTES is checked as they are serialized.
-            Layout::RaggedBytes(_) => self
-                .core
-                .ragged_rows_for_shape(actual, batched, max_rows, max_elements.unwrap_or(0))
-                .map(|(rows, extent)| (rows, 0, extent))
-                .map_err(|e| invalid_input(py, e.0)),
-            _ => self
-                .core
-                .rows_for_shape(actual, batched, max_rows)
-                .map(|(rows, nbytes)| (rows, nbytes, 0))
-                .map_err(|e| invalid_input(py, e.0)),
-        }
+        self.core
+            .measure(
+                &self.layout,
+                actual,
+                batched,
+                max_rows,
+                max_elements.unwrap_or(0),
+            )
+            .map(|m| (m.rows, m.nbytes, m.extents))
+            .map_err(|e| invalid_input(py, e.0))
     }
 
     fn dtype_error(&self, py: Python<'_>, got: impl std::fmt::Display) -> PyErr {

@@ -16,7 +16,7 @@ use ferrobatch_core::{Outcome, Route};
 use ferrobatch_serve::{
     Catalog, Column, Config, Failure, Fallback, FallbackCall, FallbackReply, FallbackRequest,
     FallbackResponse, Frontend, Listen, ModelMetadata, Replies, ServedModel, ServerMetadata,
-    TensorMetadata, Withdraw,
+    TensorMetadata, VaryingRows, Withdraw,
 };
 use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
@@ -76,7 +76,7 @@ pub(crate) fn deliver(
         .unwrap_or_default();
     let codec = sink.codec.get();
     let read = codec.read_outputs(py, outputs);
-    let read = match read {
+    let mut read = match read {
         Ok(read) => read,
         Err(err) => {
             let failure = sink.failure(py, err.value(py));
@@ -84,18 +84,20 @@ pub(crate) fn deliver(
             return;
         }
     };
-    let columns: Vec<(Vec<u64>, usize, usize)> = read
-        .iter()
-        .map(|r| (r.shape.clone(), r.ptr, r.len))
+    let columns: Vec<(Vec<u64>, usize, usize, Option<VaryingRows>)> = read
+        .iter_mut()
+        .map(|r| (r.shape.clone(), r.ptr, r.len, r.rows.take()))
         .collect();
     without_gil(py, || {
         let columns: Vec<Column<'_>> = columns
             .iter()
-            .map(|(shape, ptr, len)| Column {
+            .map(|(shape, ptr, len, rows)| Column {
                 shape,
-                // SAFETY: each (ptr, len) is a contiguous CPU tensor's bytes,
-                // kept alive by `read` (outside this closure, which it outlives).
+                // SAFETY: each (ptr, len) is a contiguous CPU tensor's bytes
+                // (or serialized BYTES), kept alive by `read` (outside this
+                // closure, which it outlives).
                 data: unsafe { crate::codec::bytes_at(*ptr, *len) },
+                rows: rows.as_ref(),
             })
             .collect();
         replies.deliver(routes, &columns, &failed);
@@ -424,10 +426,8 @@ impl NativeFrontend {
 
     /// Serves `models` natively from now on: each a `(batcher, registry,
     /// codec, describe)` of a started server, where `describe(error) -> str`
-    /// words a model failure for remote clients. The inference of the
-    /// models named in `handed_over` goes to the fallbacks (HTTP and gRPC).
+    /// words a model failure for remote clients.
     #[allow(clippy::type_complexity)]
-    #[pyo3(signature = (models, handed_over=Vec::new()))]
     fn serve(
         &self,
         models: Vec<(
@@ -436,9 +436,7 @@ impl NativeFrontend {
             Bound<'_, V2Codec>,
             Py<PyAny>,
         )>,
-        handed_over: Vec<String>,
     ) {
-        self.frontend.hand_over(handed_over);
         let mut served = Vec::with_capacity(models.len());
         for (batcher, registry, codec, describe) in models {
             let core_codec = codec.get().core().clone();

@@ -13,9 +13,10 @@
 //!
 //! Triton's `ModelConfig`, `ModelStatistics` and `RepositoryIndex` are rare
 //! and their answers change while serving (statistics, readiness): they go to
-//! the [`Fallback`](crate::Fallback) (as does `ModelInfer` for a model the
-//! Python handlers answer), as protobuf bytes both ways (the Python
+//! the [`Fallback`](crate::Fallback), as protobuf bytes both ways (the Python
 //! servicer's own answers), decoded here; a cancelled call withdraws it.
+//! Every model's `ModelInfer` is answered here, BYTES and variable-length
+//! tensors included.
 //!
 //! Statuses are those of the Python servicer: NOT_FOUND for an unknown model
 //! or version, INVALID_ARGUMENT (HTTP 400), UNAVAILABLE (503: queue full,
@@ -421,9 +422,7 @@ impl GrpcInferenceService for Inference {
             Lookup::Served(_) => Ok(Response::new(ModelReadyResponse {
                 ready: self.shared.is_ready(),
             })),
-            // Models answered by the Python handlers (BYTES, variable
-            // length) are theirs to call ready, as over HTTP.
-            Lookup::NotRunning => self.fallback("ModelReady", request).await,
+            Lookup::NotRunning => Ok(Response::new(ModelReadyResponse { ready: false })),
         }
     }
 
@@ -466,10 +465,6 @@ impl GrpcInferenceService for Inference {
         let mut request = request.into_inner();
         let model = match self.known(&request.model_name, &request.model_version)? {
             Lookup::Served(model) => model,
-            // Answered by the Python handlers (BYTES and variable-length tensors).
-            Lookup::NotRunning if self.shared.handed_over(&request.model_name) => {
-                return self.fallback("ModelInfer", Request::new(request)).await
-            }
             Lookup::NotRunning => {
                 return Err(Status::unavailable(format!(
                     "server '{}' is not running",

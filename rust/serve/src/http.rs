@@ -25,7 +25,7 @@ use hyper::header::{
 use hyper::{Method, Request, Response, StatusCode};
 use tokio::sync::oneshot;
 
-use ferrobatch_core::v2::write_json_string;
+use ferrobatch_core::v2::{write_json_string, Clipped};
 
 use crate::encoding::{self, Coding};
 use crate::model::ServedModel;
@@ -206,6 +206,11 @@ fn reply(reply: Reply) -> Response<Body> {
 }
 
 /// What a path names: `/v2/models/{m}[/versions/{v}]/{what}`.
+/// Whether `version` names the one version models are served as (or none).
+fn version_known(version: &str) -> bool {
+    version.is_empty() || version == ferrobatch_core::v2::MODEL_VERSION
+}
+
 fn model_route(path: &str) -> Option<(&str, &str, &str)> {
     let rest = path.strip_prefix("/v2/models/")?;
     let mut parts = rest.split('/');
@@ -278,8 +283,15 @@ async fn route(shared: &Arc<Shared>, request: Request<Incoming>) -> Response<Bod
     if method == Method::POST {
         if let Some((name, version, "infer")) = model_route(path) {
             let coding = encoding::content_coding(request.headers().get(CONTENT_ENCODING));
-            if let (Some(model), Ok(coding)) = (shared.model(name, version), coding) {
-                return infer(shared, &model, coding, request).await;
+            match (shared.model(name, version), coding) {
+                (Some(model), Ok(coding)) => return infer(shared, &model, coding, request).await,
+                // Known, not served (warming up, or stopped): nothing else
+                // answers inference.
+                (None, _) if shared.catalog.model(name).is_some() && version_known(version) => {
+                    let message = format!("server '{}' is not running", Clipped(name));
+                    return error(&Failure::new(503, message));
+                }
+                _ => {}
             }
         }
     }

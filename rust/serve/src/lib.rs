@@ -32,5 +32,5 @@ pub use http::{
 };
 pub use metadata::{Catalog, ModelMetadata, ServerMetadata, TensorMetadata};
 pub use model::ServedModel;
-pub use replies::{Column, Failure, Replies};
+pub use replies::{Column, Failure, Replies, VaryingRows};
 pub use server::{header_pattern, Config, Frontend, Listen};

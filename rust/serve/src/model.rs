@@ -7,10 +7,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use ferrobatch_core::specs::{check_input, match_inputs};
 use ferrobatch_core::v2::Data;
 use ferrobatch_core::{
-    CoreError, DType, InputBytes, InputSpec, Outcome, Readiness, RequestState, Sink, Submission,
+    CoreError, DType, InputBytes, InputRules, InputSpec, Outcome, Readiness, RequestState, Sink,
+    Submission,
 };
 use tokio::sync::oneshot;
 
@@ -206,8 +206,21 @@ impl ServedModel {
             .iter()
             .map(|&d| usize::try_from(d).unwrap_or(usize::MAX))
             .collect();
-        let max_rows = self.replies.batcher().rule().max_batch_size;
-        check_input(&self.specs, name, dtype, &shape, max_rows).map_err(|e| Failure::new(400, e.0))
+        self.rules()
+            .check(name, dtype, &shape)
+            .map_err(|e| Failure::new(400, e.0))
+    }
+
+    /// The model's inputs as requests are checked against them: the same
+    /// rules (and messages) as in process, every layout included.
+    fn rules(&self) -> InputRules<'_> {
+        let batcher = self.replies.batcher();
+        InputRules {
+            specs: &self.specs,
+            layouts: batcher.layouts(),
+            max_rows: batcher.rule().max_batch_size,
+            max_elements: batcher.max_batch_elements(),
+        }
     }
 
     /// Counts a request refused before it reached [`ServedModel::enqueue`]
@@ -249,8 +262,9 @@ impl ServedModel {
             .zip(&shapes)
             .map(|(t, shape)| (t.name, t.dtype, shape.as_slice()))
             .collect();
-        let max_rows = batcher.rule().max_batch_size;
-        let matched = match_inputs(&self.specs, &described, max_rows)
+        let matched = self
+            .rules()
+            .match_tensors(&described)
             .map_err(|e| self.refuse(Outcome::InvalidInput, Failure::new(400, e.0)))?;
         let timeout = match timeout {
             None => None,
@@ -262,7 +276,7 @@ impl ServedModel {
             Some(t) => Duration::try_from_secs_f64(t).ok().map(|d| (d, t)),
         };
         let mut views = Vec::with_capacity(matched.order.len());
-        for &i in &matched.order {
+        for (&i, extents) in matched.order.iter().zip(&matched.extents) {
             let bytes = match tensors.get(i).map(|t| &t.bytes) {
                 Some(Source::Shared { buffer, range }) => owners
                     .shared
@@ -279,7 +293,9 @@ impl ServedModel {
             // reallocated or dropped) into the reply table below and stays
             // there until the request is resolved, as `InputBytes` requires;
             // if the request is refused, nothing reads the view.
-            views.push(unsafe { InputBytes::new(bytes.as_ptr(), bytes.len()) });
+            let view = unsafe { InputBytes::new(bytes.as_ptr(), bytes.len()) };
+            // Extents come from `measure`: at most MAX_VARIABLE_DIMS of them.
+            views.push(view.with_extents(extents).unwrap_or(view));
         }
         let (tx, rx) = oneshot::channel();
         let mut registered = None;

@@ -11,7 +11,9 @@
 //! the request's input bytes, until that batch resolves it: the batch's
 //! worker may still be reading them.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
@@ -88,11 +90,37 @@ struct Entry {
 }
 
 /// One finished batch output, whole: its shape (rows first) and bytes, in
-/// the codec's output order.
+/// the codec's output order; `rows` says where each row is when rows differ
+/// in size (BYTES, variable length), `None` when every row is
+/// `data.len() / rows` bytes of `shape[1..]`.
 pub struct Column<'a> {
     pub shape: &'a [u64],
     pub data: &'a [u8],
+    pub rows: Option<&'a VaryingRows>,
 }
+
+/// Where each row of an output whose rows differ in size is: its bytes and
+/// its own shape. A request of one row is answered with that row as it is;
+/// a request of several, with its rows padded to their longest, as in
+/// process.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VaryingRows {
+    /// Per row: its bytes in the column's data.
+    pub ranges: Vec<Range<usize>>,
+    /// Per row: its shape (without the batch dimension), every row of the
+    /// same rank.
+    pub shapes: Vec<Vec<u64>>,
+    /// Bytes of one element; `None` for BYTES (each element serialized, see
+    /// [`ferrobatch_core::bytes`]).
+    pub itemsize: Option<usize>,
+    /// The element written where a row is shorter than the request's
+    /// longest: `itemsize` bytes, or a BYTES element's own bytes.
+    pub pad: Vec<u8>,
+}
+
+/// Most bytes a multi-row request's padded output may take: a model whose
+/// rows' lengths make the padded box explode is answered with an error.
+const MAX_PADDED_BYTES: usize = 1 << 30;
 
 /// The pending requests of one served model.
 pub struct Replies {
@@ -235,7 +263,7 @@ impl Replies {
         match plan {
             ResponsePlan::Encoded { id, outputs } => {
                 let mut shapes: Vec<Vec<u64>> = Vec::with_capacity(outputs.len());
-                let mut slices: Vec<&[u8]> = Vec::with_capacity(outputs.len());
+                let mut slices: Vec<Cow<'_, [u8]>> = Vec::with_capacity(outputs.len());
                 for &(index, _) in outputs {
                     let (shape, data) = self.rows(route, index, columns)?;
                     shapes.push(shape);
@@ -247,7 +275,7 @@ impl Replies {
                     .map(|(&(index, binary), (shape, data))| Output {
                         index,
                         shape,
-                        data,
+                        data: data.as_ref(),
                         binary,
                     })
                     .collect();
@@ -260,11 +288,11 @@ impl Replies {
                 .iter()
                 .map(|&index| {
                     let (shape, data) = self.rows(route, index, columns)?;
-                    Ok(RawOutput {
-                        index,
-                        shape,
-                        data: Bytes::copy_from_slice(data),
-                    })
+                    let data = match data {
+                        Cow::Borrowed(data) => Bytes::copy_from_slice(data),
+                        Cow::Owned(data) => Bytes::from(data),
+                    };
+                    Ok(RawOutput { index, shape, data })
                 })
                 .collect::<Result<Vec<_>, Failure>>()
                 .map(Answer::Raw),
@@ -278,7 +306,7 @@ impl Replies {
         route: &Route,
         index: usize,
         columns: &[Column<'a>],
-    ) -> Result<(Vec<u64>, &'a [u8]), Failure> {
+    ) -> Result<(Vec<u64>, Cow<'a, [u8]>), Failure> {
         let column = columns.get(index).ok_or_else(|| {
             Failure::new(
                 500,
@@ -307,7 +335,10 @@ impl Replies {
 
 /// Rows `route.start..+route.rows` of `column`: their shape and bytes, or
 /// None when the column has no such rows (or its bytes do not match its shape).
-fn rows_of<'a>(column: &Column<'a>, route: &Route) -> Option<(Vec<u64>, &'a [u8])> {
+fn rows_of<'a>(column: &Column<'a>, route: &Route) -> Option<(Vec<u64>, Cow<'a, [u8]>)> {
+    if let Some(varying) = column.rows {
+        return varying_rows_of(column.data, varying, route);
+    }
     let (&batch_rows, rest) = column.shape.split_first()?;
     let batch_rows = usize::try_from(batch_rows).ok()?;
     let row_bytes = column.data.len().checked_div(batch_rows).unwrap_or(0);
@@ -324,5 +355,112 @@ fn rows_of<'a>(column: &Column<'a>, route: &Route) -> Option<(Vec<u64>, &'a [u8]
     let mut shape = Vec::with_capacity(column.shape.len());
     shape.push(route.rows as u64);
     shape.extend_from_slice(rest);
-    Some((shape, column.data.get(from..to)?))
+    Some((shape, Cow::Borrowed(column.data.get(from..to)?)))
+}
+
+/// [`rows_of`] for rows that differ in size: one row as it is; several
+/// back to back when they are of one shape and adjacent, else padded to
+/// their longest along each dimension.
+fn varying_rows_of<'a>(
+    data: &'a [u8],
+    varying: &VaryingRows,
+    route: &Route,
+) -> Option<(Vec<u64>, Cow<'a, [u8]>)> {
+    let start = usize::try_from(route.start).ok()?;
+    let end = start.checked_add(usize::try_from(route.rows).ok()?)?;
+    let ranges = varying.ranges.get(start..end)?;
+    let shapes = varying.shapes.get(start..end)?;
+    let (first, first_shape) = (ranges.first()?, shapes.first()?);
+    let last = ranges.last()?;
+    let same_shape = shapes.iter().all(|s| s == first_shape);
+    let adjacent = ranges.windows(2).all(|w| w[0].end == w[1].start);
+    let mut shape = Vec::with_capacity(first_shape.len() + 1);
+    shape.push(route.rows as u64);
+    if same_shape && adjacent {
+        shape.extend_from_slice(first_shape);
+        return Some((shape, Cow::Borrowed(data.get(first.start..last.end)?)));
+    }
+    let rank = first_shape.len();
+    if shapes.iter().any(|s| s.len() != rank) {
+        return None;
+    }
+    let longest: Vec<u64> = (0..rank)
+        .map(|d| shapes.iter().map(|s| s[d]).max().unwrap_or(0))
+        .collect();
+    let rows: Vec<(&[u8], &[u64])> = ranges
+        .iter()
+        .zip(shapes)
+        .map(|(r, s)| Some((data.get(r.clone())?, s.as_slice())))
+        .collect::<Option<_>>()?;
+    let padded = pad_rows(&rows, &longest, varying.itemsize, &varying.pad)?;
+    shape.extend_from_slice(&longest);
+    Some((shape, Cow::Owned(padded)))
+}
+
+/// `rows` (each its bytes and shape) in a box of shape `[rows, *longest]`,
+/// row-major, `pad` wherever a row is shorter; `None` when a row's bytes do
+/// not match its shape or the box is too large.
+fn pad_rows(
+    rows: &[(&[u8], &[u64])],
+    longest: &[u64],
+    itemsize: Option<usize>,
+    pad: &[u8],
+) -> Option<Vec<u8>> {
+    let dims: Vec<usize> = longest
+        .iter()
+        .map(|&d| usize::try_from(d).ok())
+        .collect::<Option<_>>()?;
+    let box_elements = dims.iter().try_fold(1usize, |n, &d| n.checked_mul(d))?;
+    let element_bytes = itemsize.unwrap_or(4 + pad.len());
+    let total = box_elements
+        .checked_mul(rows.len())?
+        .checked_mul(element_bytes.max(1))?;
+    if total > MAX_PADDED_BYTES {
+        return None;
+    }
+    let mut out = Vec::with_capacity(total);
+    for &(data, shape) in rows {
+        let shape: Vec<usize> = shape
+            .iter()
+            .map(|&d| usize::try_from(d).ok())
+            .collect::<Option<_>>()?;
+        let count = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d))?;
+        let elements: Vec<&[u8]> = match itemsize {
+            Some(n) if n > 0 && data.len() == count.checked_mul(n)? => {
+                data.chunks_exact(n).collect()
+            }
+            Some(_) => return None,
+            None => ferrobatch_core::bytes::elements(data).collect(),
+        };
+        if elements.len() != count {
+            return None;
+        }
+        let mut index = vec![0usize; dims.len()];
+        for _ in 0..box_elements {
+            // Row-major position `index` of the box: the row's own element
+            // when it lies within the row's shape, else the pad.
+            let own = index.iter().zip(&shape).all(|(&i, &n)| i < n);
+            let element = if own {
+                let at = index
+                    .iter()
+                    .zip(&shape)
+                    .fold(0usize, |at, (&i, &n)| at * n + i);
+                elements[at]
+            } else {
+                pad
+            };
+            match itemsize {
+                Some(_) => out.extend_from_slice(element),
+                None => ferrobatch_core::bytes::push(&mut out, element).ok()?,
+            }
+            for d in (0..dims.len()).rev() {
+                index[d] += 1;
+                if index[d] < dims[d] {
+                    break;
+                }
+                index[d] = 0;
+            }
+        }
+    }
+    Some(out)
 }

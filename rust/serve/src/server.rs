@@ -120,9 +120,6 @@ impl Default for Config {
 pub(crate) struct Shared {
     pub config: Config,
     models: RwLock<Vec<Arc<ServedModel>>>,
-    /// Models whose inference the fallback answers (BYTES and
-    /// variable-length tensors): their gRPC ModelInfer goes there too.
-    handed_over: RwLock<Vec<String>>,
     pub fallback: Arc<dyn Fallback>,
     pub catalog: Catalog,
     ready: AtomicBool,
@@ -166,12 +163,6 @@ impl Shared {
         })
         .await
         .ok()
-    }
-
-    /// Whether model `name`'s inference is the fallback's to answer.
-    pub fn handed_over(&self, name: &str) -> bool {
-        let names = self.handed_over.read().unwrap_or_else(|e| e.into_inner());
-        names.iter().any(|n| n == name)
     }
 }
 
@@ -231,7 +222,6 @@ impl Frontend {
             .enable_all()
             .build()?;
         let shared = Arc::new(Shared {
-            handed_over: RwLock::new(Vec::new()),
             models: RwLock::new(Vec::new()),
             fallback,
             catalog: listen.catalog,
@@ -290,16 +280,6 @@ impl Frontend {
             .models
             .write()
             .unwrap_or_else(|e| e.into_inner()) = models;
-    }
-
-    /// The models (by name) whose inference the fallback answers, HTTP and
-    /// gRPC, from now on.
-    pub fn hand_over(&self, names: Vec<String>) {
-        *self
-            .shared
-            .handed_over
-            .write()
-            .unwrap_or_else(|e| e.into_inner()) = names;
     }
 
     pub fn set_ready(&self, ready: bool) {
