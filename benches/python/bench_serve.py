@@ -15,6 +15,14 @@ completed. It also records the 1-minute load average and how busy each of the
 two cores was (from /proc/stat), since other work on the machine shows there.
 Needs ``wrk``, ``h2load`` and ``taskset`` (``make bench-serve`` installs them).
 
+Models: ``identity`` and ``mlp`` take ``x`` float32[256] (fixed shapes);
+``--models`` adds PyTriton's usual shapes (wrk driver only): ``add_sub``
+(two float32 ``(-1,)`` inputs ``a``, ``b`` of 16 elements per request, outputs
+``add``, ``sub``, as PyTriton's add_sub example) and ``bytes_echo`` (BYTES
+``(1,)``, one 32-byte string, echoed). ferrobatch serves ``(-1,)`` padded
+(``ragged="pad"``), as ``ferrobatch.triton`` binds it; PyTriton binds the same
+shapes. Issue 24's targets compare them with identity in the same run.
+
 ``--driver aio``: C concurrent callers (C = 1, 64, 512), each awaiting one request at a time
 through tritonclient's aio clients; a request is ``{"x": float32[1, 256]}``
 (binary tensor data over HTTP, raw contents over gRPC); models ``identity``
@@ -95,6 +103,12 @@ LATEST = RESULTS / "serve.jsonl"
 #: Where ``make bench-serve`` puts PyTriton's own venv (it pins numpy < 2).
 PYTRITON_VENV = ROOT / ".venv-pytriton"
 WIDTH = 256
+#: PyTriton's usual shapes: add_sub's requests carry this many elements per
+#: (-1,) input, bytes_echo's one string of this many bytes.
+ADD_SUB_LENGTH = 16
+BYTES_LENGTH = 32
+#: Every model each server serves.
+MODELS = ("identity", "mlp", "add_sub", "bytes_echo")
 MAX_BATCH = 64
 MAX_DELAY = 0.001
 
@@ -124,7 +138,9 @@ def _torch_threads(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def make_servers() -> list[Any]:
-    """The ferrobatch servers: ``identity`` and ``mlp``."""
+    """The ferrobatch servers: ``identity`` and ``mlp`` (fixed shapes), and
+    PyTriton's usual shapes: ``add_sub`` (two FP32 ``(-1,)`` inputs and
+    outputs, padded) and ``bytes_echo`` (BYTES ``(1,)`` in and out)."""
     import torch
 
     import ferrobatch as fb
@@ -133,16 +149,58 @@ def make_servers() -> list[Any]:
     def identity(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {"y": inputs["x"]}
 
+    def add_sub(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        a, b, lengths = inputs["a"], inputs["b"], inputs["a_lengths"]
+        return {"add": a + b, "add_lengths": lengths, "sub": a - b, "sub_lengths": lengths}
+
+    def bytes_echo(inputs: dict[str, Any]) -> dict[str, Any]:
+        return {"y": inputs["x"]}
+
+    batching = {"max_batch_size": MAX_BATCH, "max_delay": MAX_DELAY}
     specs = {
         "inputs": [fb.TensorSpec("x", "float32", (WIDTH,))],
         "outputs": [fb.TensorSpec("y", "float32", (WIDTH,))],
-        "max_batch_size": MAX_BATCH,
-        "max_delay": MAX_DELAY,
+        **batching,
     }
+    variable = [fb.TensorSpec(name, "float32", (-1,), ragged="pad") for name in ("a", "b", "add", "sub")]
     return [
         fb.Server(_torch_threads(identity), name="identity", **specs),
         fb.Server(_torch_threads(make_demo_model(WIDTH)), name="mlp", **specs),
+        fb.Server(_torch_threads(add_sub), name="add_sub", inputs=variable[:2], outputs=variable[2:], **batching),
+        fb.Server(
+            bytes_echo,
+            name="bytes_echo",
+            inputs=[fb.TensorSpec("x", "bytes", (1,))],
+            outputs=[fb.TensorSpec("y", "bytes", (1,))],
+            **batching,
+        ),
     ]
+
+
+def payload(model: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One request's inputs for ``model`` (batch dimension 1) and the outputs
+    it must get back, by name."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    if model in ("identity", "mlp"):
+        x = rng.standard_normal((1, WIDTH)).astype(np.float32)
+        if model == "identity":
+            return {"x": x}, {"y": x}
+        import torch
+
+        from ferrobatch.demo import make_demo_model
+
+        with torch.inference_mode():
+            return {"x": x}, {"y": make_demo_model(WIDTH)({"x": torch.from_numpy(x)})["y"].numpy()}
+    if model == "add_sub":
+        a, b = (rng.standard_normal((1, ADD_SUB_LENGTH)).astype(np.float32) for _ in range(2))
+        return {"a": a, "b": b}, {"add": a + b, "sub": a - b}
+    if model == "bytes_echo":
+        text = np.empty((1, 1), dtype=object)
+        text[0, 0] = bytes(rng.integers(ord("a"), ord("z") + 1, BYTES_LENGTH, dtype=np.uint8))
+        return {"x": text}, {"y": text}
+    raise ValueError(f"unknown model {model!r}")
 
 
 def run_pytriton(http_port: int, grpc_port: int, metrics_port: int) -> None:
@@ -161,6 +219,14 @@ def run_pytriton(http_port: int, grpc_port: int, metrics_port: int) -> None:
     @batch  # type: ignore[misc]
     @_torch_threads
     def identity_fn(x: np.ndarray) -> dict[str, np.ndarray]:
+        return {"y": x}
+
+    @batch  # type: ignore[misc]
+    def add_sub_fn(a: np.ndarray, b: np.ndarray) -> dict[str, np.ndarray]:
+        return {"add": a + b, "sub": a - b}
+
+    @batch  # type: ignore[misc]
+    def bytes_echo_fn(x: np.ndarray) -> dict[str, np.ndarray]:
         return {"y": x}
 
     @batch  # type: ignore[misc]
@@ -183,6 +249,20 @@ def run_pytriton(http_port: int, grpc_port: int, metrics_port: int) -> None:
                 outputs=[Tensor(name="y", dtype=np.float32, shape=(WIDTH,))],
                 config=model_config,
             )
+        triton.bind(
+            model_name="add_sub",
+            infer_func=add_sub_fn,
+            inputs=[Tensor(name=n, dtype=np.float32, shape=(-1,)) for n in ("a", "b")],
+            outputs=[Tensor(name=n, dtype=np.float32, shape=(-1,)) for n in ("add", "sub")],
+            config=model_config,
+        )
+        triton.bind(
+            model_name="bytes_echo",
+            infer_func=bytes_echo_fn,
+            inputs=[Tensor(name="x", dtype=np.bytes_, shape=(1,))],
+            outputs=[Tensor(name="y", dtype=np.bytes_, shape=(1,))],
+            config=model_config,
+        )
         triton.serve()
 
 
@@ -315,7 +395,7 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], seconds: float = 180) ->
             if proc.poll() is not None:
                 raise RuntimeError(f"the server exited with status {proc.returncode}")
             try:
-                if client.is_server_ready() and all(client.is_model_ready(m) for m in ("identity", "mlp")):
+                if client.is_server_ready() and all(client.is_model_ready(m) for m in MODELS):
                     return
             except Exception:  # noqa: BLE001 - not listening yet
                 pass
@@ -524,23 +604,12 @@ class Native:
     """The wrk / h2load driver: fixed requests and their checked reply lengths."""
 
     def __init__(self, models: list[str], protocols: list[str]) -> None:
-        import numpy as np
-
-        x = np.random.default_rng(0).standard_normal((1, WIDTH)).astype(np.float32)
-        self.expected = {model: self._model_output(model, x) for model in models}
-        self.requests = {(p, m): loadgen.make_request(p, m, x) for p in protocols for m in models}
+        payloads = {model: payload(model) for model in models}
+        self.expected = {model: expected for model, (_, expected) in payloads.items()}
+        self.requests = {
+            (p, m): loadgen.make_request(p, m, payloads[m][0], tuple(payloads[m][1])) for p in protocols for m in models
+        }
         self.reply_length: dict[tuple[str, str, str], int] = {}
-
-    @staticmethod
-    def _model_output(model: str, x: Any) -> Any:
-        if model == "identity":
-            return x
-        import torch
-
-        from ferrobatch.demo import make_demo_model
-
-        with torch.inference_mode():
-            return make_demo_model(WIDTH)({"x": torch.from_numpy(x)})["y"].numpy()
 
     def _load(self, endpoint: Endpoint, protocol: str, model: str, c: int, seconds: float, cpu: str) -> Any:
         request = self.requests[protocol, model]
@@ -645,6 +714,42 @@ def native_targets(results: list[Result]) -> list[str]:
     return lines
 
 
+#: Issue 24's targets, 256 connections: PyTriton's usual shapes on the native front-end, as a
+#: share of the fixed-shape identity's req/s in the same run, and at least this multiple of
+#: PyTriton serving the same model; add_sub's server CPU per request at most this multiple of
+#: identity's.
+SHAPES_VS_IDENTITY = {"add_sub": 0.7, "bytes_echo": 0.5}
+SHAPES_VS_PYTRITON = 10.0
+ADD_SUB_CPU_VS_IDENTITY = 1.5
+
+
+def shapes_targets(results: list[Result]) -> list[str]:
+    """Issue 24's targets, checked on the wrk driver's medians: binary and gRPC, 256 connections."""
+    by_key = {(r.server, r.protocol, r.model, r.callers): r for r in results if r.driver == "wrk"}
+    lines = []
+    for protocol in ("binary", "grpc", "json"):
+        identity = by_key.get(("ferrobatch", protocol, "identity", 256))
+        for model, share in SHAPES_VS_IDENTITY.items():
+            r = by_key.get(("ferrobatch", protocol, model, 256))
+            if r is None or identity is None or not identity.rps:
+                continue
+            ratio = r.rps / identity.rps
+            checks = [f"{r.rps:.0f} req/s, x{ratio:.2f} identity (target >= {share}: " + _met(ratio >= share)]
+            other = by_key.get(("pytriton", protocol, model, 256))
+            if other is not None and other.rps:
+                vs = r.rps / other.rps
+                checks.append(
+                    f"x{vs:.1f} PyTriton (target >= {SHAPES_VS_PYTRITON:.0f}: " + _met(vs >= SHAPES_VS_PYTRITON)
+                )
+            cpu = r.server_cpu_us / identity.server_cpu_us
+            line = f"{r.server_cpu_us:.1f} µs CPU/request, x{cpu:.2f} identity's"
+            if model == "add_sub":
+                line += f" (target <= {ADD_SUB_CPU_VS_IDENTITY}: " + _met(cpu <= ADD_SUB_CPU_VS_IDENTITY)
+            checks.append(line)
+            lines.append(f"{protocol} {model}: " + "; ".join(checks))
+    return lines
+
+
 def _met(ok: bool) -> str:
     return "met)" if ok else "MISSED)"
 
@@ -672,14 +777,14 @@ def targets(results: list[Result]) -> list[str]:
 
 def print_table(results: list[Result]) -> None:
     header = (
-        f"{'server':<18}{'proto':<7}{'model':<9}{'C':>5}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}"
+        f"{'server':<18}{'proto':<7}{'model':<11}{'C':>5}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}"
         f"{'batch':>7}{'cpu us/req':>11}{'errors':>8}"
     )
     print(header)
     print("-" * len(header))
     for r in results:
         print(
-            f"{r.server:<18}{r.protocol:<7}{r.model:<9}{r.callers:>5}{r.rps:>10.0f}"
+            f"{r.server:<18}{r.protocol:<7}{r.model:<11}{r.callers:>5}{r.rps:>10.0f}"
             f"{r.p50_ms:>9.2f}{r.p99_ms:>9.2f}{r.mean_batch:>7.1f}{r.server_cpu_us:>11.0f}{r.errors:>8}"
         )
 
@@ -694,7 +799,7 @@ def print_ratios(results: list[Result]) -> None:
         if server != "ferrobatch" or other is None or not other.rps:
             continue
         line = (
-            f"  {protocol:<7}{model:<9}C={callers:<4} req/s x{r.rps / other.rps:.2f}"
+            f"  {protocol:<7}{model:<11}C={callers:<4} req/s x{r.rps / other.rps:.2f}"
             f"   p99 {r.p99_ms:.1f} ms vs {other.p99_ms:.1f} ms"
             f"   server CPU per request x{other.server_cpu_us / r.server_cpu_us:.2f} less"
         )
@@ -712,6 +817,10 @@ def print_ratios(results: list[Result]) -> None:
     checked = native_targets(results)
     if checked:
         print("\nferrobatch serve (native front-end), identity, 256 connections (issue 13):")
+        print("\n".join(f"  {line}" for line in checked))
+    checked = shapes_targets(results)
+    if checked:
+        print("\nferrobatch serve (native front-end), PyTriton's usual shapes, 256 connections (issue 24):")
         print("\n".join(f"  {line}" for line in checked))
 
 
@@ -752,6 +861,10 @@ def markdown(path: Path) -> str:
     if checked:
         out += ["", "Issue 13's targets (the native front-end, identity, 256 connections):", ""]
         out += [f"- {line}" for line in checked]
+    checked = shapes_targets(results)
+    if checked:
+        out += ["", "Issue 24's targets (the native front-end, PyTriton's usual shapes, 256 connections):", ""]
+        out += [f"- {line}" for line in checked]
     return "\n".join(out)
 
 
@@ -779,7 +892,11 @@ def main() -> int:
         dest="callers",
         help="comma-separated C values: connections (wrk; default 64,256) or callers (aio; default 1,64,512)",
     )
-    parser.add_argument("--models", default="identity,mlp")
+    parser.add_argument(
+        "--models",
+        default="identity,mlp",
+        help=f"comma-separated, of {','.join(MODELS)} (default identity,mlp; add_sub and bytes_echo: wrk only)",
+    )
     parser.add_argument(
         "--protocols", help="comma-separated: json,binary,grpc (wrk, the default) or http,grpc (aio, the default)"
     )
@@ -844,6 +961,10 @@ def main() -> int:
     os.environ["BENCH_TORCH_THREADS"] = str(args.torch_threads)  # inherited by the servers
     callers = [int(c) for c in args.callers.split(",")]
     models = args.models.split(",")
+    if unknown := [m for m in models if m not in MODELS]:
+        parser.error(f"unknown model(s): {', '.join(unknown)} (known: {', '.join(MODELS)})")
+    if not wrk and (fixed_only := [m for m in models if m not in ("identity", "mlp")]):
+        parser.error(f"--driver aio drives identity and mlp only, not {', '.join(fixed_only)}")
     protocols = args.protocols.split(",")
     known = loadgen.PROTOCOLS if wrk else ("http", "grpc")
     if unknown := [p for p in protocols if p not in known]:

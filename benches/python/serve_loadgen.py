@@ -3,13 +3,15 @@
 Each case posts one fixed request, built here once, over and over:
 
 - ``json``: ``POST /v2/models/NAME/infer`` with a v2 JSON body (``data`` as a
-  flat list of the float32 values, printed as Python prints them);
+  flat list of the float32 values, printed as Python prints them, or of
+  strings for BYTES);
 - ``binary``: the same with the binary tensor extension: a JSON header whose
-  length is sent in ``Inference-Header-Content-Length``, then the raw
-  little-endian bytes of ``x``; the output is asked for as binary too;
+  length is sent in ``Inference-Header-Content-Length``, then each input's
+  raw bytes (little-endian float32, or 4-byte-length-prefixed BYTES
+  elements); the outputs are asked for as binary too;
 - ``grpc``: ``POST /inference.GRPCInferenceService/ModelInfer`` over h2c with
   ``content-type: application/grpc`` and ``te: trailers``: a length-prefixed
-  ``ModelInferRequest`` with the tensor in ``raw_input_contents``.
+  ``ModelInferRequest`` with the tensors in ``raw_input_contents``.
 
 wrk runs one thread and C connections, a Lua script supplying the body and
 writing wrk's summary (requests, errors, latency percentiles) as JSON; h2load
@@ -35,6 +37,7 @@ import tempfile
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -57,49 +60,89 @@ class Request:
 
     protocol: str
     model: str
-    x: np.ndarray  # float32[1, width]: the input it carries
+    inputs: dict[str, np.ndarray]  # float32, or object arrays of bytes (BYTES), each [1, ...]
+    outputs: tuple[str, ...]  # asked for by name, in this order
     path: str
     body: bytes
     headers: dict[str, str]
 
 
-def make_request(protocol: str, model: str, x: np.ndarray) -> Request:
-    shape = list(x.shape)
+def _datatype(array: np.ndarray) -> str:
+    return "BYTES" if array.dtype == object else "FP32"
+
+
+def _raw(array: np.ndarray) -> bytes:
+    """The binary extension's and gRPC raw contents' bytes: little-endian
+    float32, or each element 4-byte-length-prefixed (BYTES)."""
+    if array.dtype == object:
+        return b"".join(struct.pack("<I", len(e)) + e for e in array.ravel())
+    return np.ascontiguousarray(array, dtype="<f4").tobytes()
+
+
+def _from_raw(datatype: str, raw: bytes) -> np.ndarray:
+    if datatype != "BYTES":
+        return np.frombuffer(raw, dtype="<f4")
+    elements, at = [], 0
+    while at < len(raw):
+        (n,) = struct.unpack_from("<I", raw, at)
+        elements.append(raw[at + 4 : at + 4 + n])
+        at += 4 + n
+    return np.asarray(elements, dtype=object)
+
+
+def _json_data(array: np.ndarray) -> list[Any]:
+    return [e.decode() for e in array.ravel()] if array.dtype == object else array.ravel().tolist()
+
+
+def make_request(protocol: str, model: str, inputs: dict[str, np.ndarray], outputs: tuple[str, ...]) -> Request:
+    path = f"/v2/models/{model}/infer"
     if protocol == "json":
         doc = {
-            "inputs": [{"name": "x", "shape": shape, "datatype": "FP32", "data": x.ravel().tolist()}],
-            "outputs": [{"name": "y"}],
+            "inputs": [
+                {"name": name, "shape": list(a.shape), "datatype": _datatype(a), "data": _json_data(a)}
+                for name, a in inputs.items()
+            ],
+            "outputs": [{"name": name} for name in outputs],
         }
         body = json.dumps(doc, separators=(",", ":")).encode()
-        return Request(protocol, model, x, f"/v2/models/{model}/infer", body, {"Content-Type": "application/json"})
+        return Request(protocol, model, inputs, outputs, path, body, {"Content-Type": "application/json"})
     if protocol == "binary":
-        raw = np.ascontiguousarray(x, dtype="<f4").tobytes()
+        raws = [_raw(a) for a in inputs.values()]
         header = {
-            "inputs": [{"name": "x", "shape": shape, "datatype": "FP32", "parameters": {"binary_data_size": len(raw)}}],
-            "outputs": [{"name": "y", "parameters": {"binary_data": True}}],
+            "inputs": [
+                {
+                    "name": name,
+                    "shape": list(a.shape),
+                    "datatype": _datatype(a),
+                    "parameters": {"binary_data_size": len(raw)},
+                }
+                for (name, a), raw in zip(inputs.items(), raws)
+            ],
+            "outputs": [{"name": name, "parameters": {"binary_data": True}} for name in outputs],
         }
         head = json.dumps(header, separators=(",", ":")).encode()
         headers = {"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(len(head))}
-        return Request(protocol, model, x, f"/v2/models/{model}/infer", head + raw, headers)
+        return Request(protocol, model, inputs, outputs, path, head + b"".join(raws), headers)
     if protocol == "grpc":
         from tritonclient.grpc import service_pb2 as pb
 
         message = pb.ModelInferRequest(model_name=model)
-        tensor = message.inputs.add(name="x", datatype="FP32")
-        tensor.shape.extend(shape)
-        message.outputs.add(name="y")
-        message.raw_input_contents.append(np.ascontiguousarray(x, dtype="<f4").tobytes())
+        for name, a in inputs.items():
+            tensor = message.inputs.add(name=name, datatype=_datatype(a))
+            tensor.shape.extend(a.shape)
+            message.raw_input_contents.append(_raw(a))
+        for name in outputs:
+            message.outputs.add(name=name)
         payload = message.SerializeToString()
         body = struct.pack(">BI", 0, len(payload)) + payload  # gRPC framing: not compressed, length
         headers = {"content-type": "application/grpc", "te": "trailers"}
-        return Request(protocol, model, x, GRPC_METHOD, body, headers)
+        return Request(protocol, model, inputs, outputs, GRPC_METHOD, body, headers)
     raise ValueError(f"unknown protocol {protocol!r}")
 
 
-def check(request: Request, http: str, grpc: str, expected: np.ndarray) -> int:
-    """Sends ``request`` once; raises unless the server answers ``expected``
-    (within float32 rounding). Returns the response's length in bytes (the
-    body for HTTP, the framed message for gRPC)."""
+def _answered(request: Request, http: str, grpc: str) -> tuple[dict[str, np.ndarray], int]:
+    """Sends ``request`` once: its outputs by name (flat), and the response's
+    length in bytes (the body for HTTP, the framed message for gRPC)."""
     if request.protocol == "grpc":
         import grpc as grpclib
         from tritonclient.grpc import service_pb2 as pb
@@ -108,21 +151,45 @@ def check(request: Request, http: str, grpc: str, expected: np.ndarray) -> int:
             call = channel.unary_unary(GRPC_METHOD)  # bytes in, bytes out
             reply = call(request.body[5:], timeout=30)
         response = pb.ModelInferResponse.FromString(reply)
-        y = np.frombuffer(response.raw_output_contents[0], dtype="<f4")
-        length = 5 + len(reply)
-    else:
-        sent = urllib.request.Request(f"http://{http}{request.path}", data=request.body, headers=request.headers)
-        with urllib.request.urlopen(sent, timeout=30) as answer:
-            body = answer.read()
-            header_length = answer.headers.get("Inference-Header-Content-Length")
-        length = len(body)
-        if header_length is None:
-            doc = json.loads(body)
-            y = np.asarray(doc["outputs"][0]["data"], dtype=np.float32)
+        raws = zip(response.outputs, response.raw_output_contents)
+        return {o.name: _from_raw(o.datatype, raw) for o, raw in raws}, 5 + len(reply)
+    sent = urllib.request.Request(f"http://{http}{request.path}", data=request.body, headers=request.headers)
+    with urllib.request.urlopen(sent, timeout=30) as answer:
+        body = answer.read()
+        header_length = answer.headers.get("Inference-Header-Content-Length")
+    got: dict[str, np.ndarray] = {}
+    if header_length is None:
+        for o in json.loads(body)["outputs"]:
+            data = o["data"]
+            bytes_data = o["datatype"] == "BYTES"
+            got[o["name"]] = (
+                np.asarray([e.encode() for e in data], dtype=object) if bytes_data else np.asarray(data, np.float32)
+            )
+        return got, len(body)
+    at = int(header_length)
+    for o in json.loads(body[:at])["outputs"]:
+        n = o["parameters"]["binary_data_size"]
+        got[o["name"]] = _from_raw(o["datatype"], body[at : at + n])
+        at += n
+    return got, len(body)
+
+
+def check(request: Request, http: str, grpc: str, expected: dict[str, np.ndarray]) -> int:
+    """Sends ``request`` once; raises unless the server answers ``expected``
+    for every output (floats within float32 rounding, bytes exactly).
+    Returns the response's length in bytes (the body for HTTP, the framed
+    message for gRPC)."""
+    got, length = _answered(request, http, grpc)
+    for name, want in expected.items():
+        y = got.get(name)
+        if y is None or y.size != want.size:
+            raise RuntimeError(f"{request.protocol} {request.model}: no '{name}' of {want.size} elements answered")
+        if want.dtype == object:
+            same = list(y.ravel()) == list(want.ravel())
         else:
-            y = np.frombuffer(body[int(header_length) :], dtype="<f4")
-    if y.size != expected.size or not np.allclose(y, expected.ravel(), rtol=1e-5, atol=1e-5):
-        raise RuntimeError(f"{request.protocol} {request.model}: the server answered a wrong y: {y[:4]}...")
+            same = bool(np.allclose(y, want.ravel(), rtol=1e-5, atol=1e-5))
+        if not same:
+            raise RuntimeError(f"{request.protocol} {request.model}: the server answered a wrong '{name}': {y[:4]}...")
     return length
 
 
