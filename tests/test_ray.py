@@ -272,7 +272,7 @@ async def test_the_client_batches_before_the_hop(double_app: Any) -> None:
         assert calls <= 256 // 4, f"{calls} handle calls for 256 requests"
         assert client.stats()["mean_batch_size"] <= 16  # never more than the replica's max_batch_size
     after = await double_app.stats.remote()
-    # Each handle call carried its rows as one tensor: the replica saw `calls` requests.
+    # Plain rows of fixed shapes cross stacked, one request per handle call in the replica.
     assert after["requests_succeeded"] - before["requests_succeeded"] == calls
     assert after["rows"] - before["rows"] == 256
 
@@ -297,6 +297,72 @@ def test_the_clients_infer_sync_serves_threads(double_app: Any) -> None:
         client.close()
     with pytest.raises(fb.ServerClosedError):
         client.infer_sync({"x": row(1)})
+
+
+def tokens_and_words(batch: dict[str, Any], requests: list[fb.RequestInfo]) -> dict[str, Any]:
+    """Each row's tokens times its request's ``scale`` parameter (own length),
+    its text split into words (own count), and the priority it waited at."""
+    scale = torch.tensor([float(r.parameters.get("scale", 1)) for r in requests for _ in range(r.rows)])
+    priority = torch.tensor([r.priority for r in requests for _ in range(r.rows)], dtype=torch.int64)
+    words = [row[0].split() for row in batch["text"]]
+    padded = np.full((len(words), max(len(w) for w in words)), b"", dtype=object)
+    for i, w in enumerate(words):
+        padded[i, : len(w)] = w
+    return {
+        "scaled": batch["tokens"] * scale[:, None],
+        "scaled_lengths": batch["tokens_lengths"],
+        "words": padded,
+        "words_lengths": torch.tensor([len(w) for w in words], dtype=torch.int64),
+        "priority": priority,
+    }
+
+
+def make_tokens() -> fb.Server:
+    return fb.Server(
+        tokens_and_words,
+        inputs=[fb.TensorSpec("tokens", "float32", (-1,), ragged="pad"), fb.TensorSpec("text", "bytes", (1,))],
+        outputs=[
+            fb.TensorSpec("scaled", "float32", (-1,), ragged="pad", pad_value=-1),
+            fb.TensorSpec("words", "bytes", (-1,), ragged="pad"),
+            fb.TensorSpec("priority", "int64", ()),
+        ],
+        max_batch_size=16,
+        max_delay=0.005,
+        priority_levels=2,
+        default_priority=2,
+        with_requests=True,
+        name="tokens",
+    )
+
+
+async def test_the_client_carries_bytes_lengths_priority_and_parameters(cluster: int) -> None:
+    app = serve.run(
+        fray.deployment(make_tokens, name="tokens", ray_actor_options=NO_CPU), name="tokens", route_prefix="/tokens"
+    )
+    texts = [b"a", b"b c", b"d e f", b"g h i j"]
+    async with fray.client(app, max_delay=0.02) as client:
+        singles = await asyncio.gather(
+            *(
+                client.infer(
+                    {"tokens": torch.arange(1.0, n + 2), "text": np.array([texts[n]], dtype=object)},
+                    parameters={"scale": n + 1},
+                    priority=1 if n % 2 else None,
+                )
+                for n in range(4)
+            )
+        )
+        pair = await client.infer_batch(
+            {"tokens": torch.ones(2, 3), "text": np.array([[b"x y"], [b"z"]], dtype=object)},
+            parameters={"scale": 5},
+        )
+        assert client.stats()["batches"] < 5, "the requests crossed in fewer handle calls"
+    for n, out in enumerate(singles):
+        assert out["scaled"].tolist() == [float(k * (n + 1)) for k in range(1, n + 2)], n
+        assert out["words"].tolist() == texts[n].split(), n
+        assert int(out["priority"]) == (1 if n % 2 else 2), n
+    assert pair["scaled"].tolist() == [[5.0] * 3] * 2
+    assert pair["words"].tolist() == [[b"x", b"y"], [b"z", b""]]
+    assert pair["priority"].tolist() == [2, 2]
 
 
 async def test_a_sample_the_replica_fails_fails_alone_across_the_hop(double_app: Any) -> None:

@@ -145,7 +145,7 @@ class Batch:
     def take_ragged_bytes(self, index: int) -> tuple[list[bytes], list[int]]:
         """Variable-length BYTES input ``index``'s elements, in batch order, and
         each row's length (once per input)."""
-    def request_parameters(self) -> list[tuple[int, str | None]]:
+    def request_parameters(self) -> list[tuple[int, str | None, int]]:
         """Each request's ``(rows, parameters as JSON text or None)``, in row order."""
     def release_slot(self) -> bool: ...
 

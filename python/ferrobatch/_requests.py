@@ -30,16 +30,21 @@ class RequestInfo:
     parameters={...})`` in process, the v2 request's ``parameters`` over HTTP
     and gRPC (``timeout`` and ``priority`` included), plus the headers that
     ``ServeConfig``'s ``http_header_forward_pattern`` /
-    ``grpc_header_forward_pattern`` forward, by lowercase name.
+    ``grpc_header_forward_pattern`` forward, by lowercase name. ``priority``:
+    the priority level it waited at (1 is the most urgent; the default level
+    when it gave none; 1 for a server without ``priority_levels``).
     """
 
     rows: int
     parameters: Mapping[str, Any] = field(default_factory=lambda: _NONE)
+    priority: int = 1
 
 
-def request_infos(pairs: Sequence[tuple[int, str | None]]) -> list[RequestInfo]:
-    """The batch's ``(rows, parameters as JSON text)`` as :class:`RequestInfo`s."""
-    return [RequestInfo(rows, _NONE if text is None else json.loads(text)) for rows, text in pairs]
+def request_infos(triples: Sequence[tuple[int, str | None, int]]) -> list[RequestInfo]:
+    """The batch's ``(rows, parameters as JSON text, priority)`` as :class:`RequestInfo`s."""
+    return [
+        RequestInfo(rows, _NONE if text is None else json.loads(text), priority) for rows, text, priority in triples
+    ]
 
 
 def encode_parameters(parameters: Mapping[str, Parameter] | None) -> str | None:

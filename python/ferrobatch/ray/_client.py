@@ -5,41 +5,136 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
 import anyio.from_thread
 import anyio.to_thread
+import numpy as np
+import torch
 
+from .._requests import Parameter, RequestInfo
+from .._variable import LENGTHS, OFFSETS
 from ..client import Client
 from ..server import Server
+from ..specs import TensorSpec
 from ._wire import to_wire
 
 __all__ = ["RayClient", "client"]
 
 
 class _Forward:
-    """The local server's "model": sends its batch as one ``infer_batch``
-    handle call (one array per input, rows stacked) and returns the
-    replica's rows (one array per output). It runs on a worker thread of the
-    local server, which waits for the reply: each instance is one batch in
-    flight."""
+    """The local server's "model": sends its batch as one handle call, each
+    request of it an item of its own (its rows at its own lengths, its
+    priority and parameters) that the replica submits as a request of its
+    own, then lays the replies out as the local batch's outputs. It runs on
+    a worker thread of the local server, which waits for the reply: each
+    instance is one batch in flight."""
 
-    def __init__(self, call: Any, call_timeout: float | None) -> None:
+    def __init__(self, call: Any, call_timeout: float | None, description: Mapping[str, Any]) -> None:
         self._call = call
         self._timeout = call_timeout
+        self._inputs: list[TensorSpec] = list(description["inputs"])
+        self._outputs: list[TensorSpec] = list(description["outputs"])
+        self._with_priority = int(description.get("priority_levels", 0)) >= 2
+        # Rows of fixed shapes stack: neighbours with no parameters and the
+        # same priority cross as one item (one request in the replica),
+        # which halves the cost per request of the hop on both sides.
+        self._stackable = not any(s.is_ragged for s in (*self._inputs, *self._outputs))
 
-    def __call__(self, batch: Mapping[str, Any]) -> dict[str, Any]:
-        # The batch's tensors view the local staging slot: the slot is not
-        # reused before this returns, after Ray has sent the rows.
-        response = self._call.remote(to_wire(batch))
+    def __call__(self, batch: Mapping[str, Any], requests: Sequence[RequestInfo]) -> dict[str, Any]:
+        spans: list[tuple[int, int, int | None, dict[str, Any] | None]] = []  # start, rows, priority, parameters
+        start = 0
+        for request in requests:
+            priority = request.priority if self._with_priority else None
+            parameters = dict(request.parameters) or None
+            last = spans[-1] if spans else None
+            if self._stackable and parameters is None and last is not None and last[2:] == (priority, None):
+                spans[-1] = (last[0], last[1] + request.rows, priority, None)
+            else:
+                spans.append((start, request.rows, priority, parameters))
+            start += request.rows
+        items = [
+            (to_wire({s.name: _rows_of(s, batch, first, rows) for s in self._inputs}), priority, parameters)
+            for first, rows, priority, parameters in spans
+        ]
+        # The items view the local staging slot: it is not reused before this
+        # returns, after Ray has sent them.
+        response = self._call.remote(items)
         try:
-            result: dict[str, Any] = response.result(timeout_s=self._timeout)
+            replies: list[tuple[bool, Any]] = response.result(timeout_s=self._timeout)
         except BaseException:
             response.cancel()
             raise
-        return result
+        failed = [reply for ok, reply in replies if not ok]
+        if failed:
+            raise failed[0]  # with isolate_failures, the halves find whose it is
+        rows = [span[1] for span in spans]
+        laid_out: dict[str, Any] = {}
+        for spec in self._outputs:
+            laid_out.update(_batch_of(spec, [reply[spec.name] for _, reply in replies], rows))
+        return laid_out
+
+
+def _rows_of(spec: TensorSpec, batch: Mapping[str, Any], start: int, rows: int) -> Any:
+    """A request's rows of input ``spec``, cut from the collated batch at the
+    request's own lengths (the rows of one request share them)."""
+    value = batch[spec.name]
+    if not spec.is_ragged:
+        return value[start : start + rows]
+    if spec.ragged == "jagged":
+        offsets = batch[spec.name + OFFSETS]
+        first, end = int(offsets[start]), int(offsets[start + rows])
+        return value[first:end].reshape(rows, int(offsets[start + 1]) - first, *value.shape[1:])
+    own = [int(n) for n in batch[spec.name + LENGTHS].reshape(len(value), -1)[start]]
+    box = [slice(None)] * (value.ndim - 1)
+    for d, n in zip(_variable_dims(spec), own):
+        box[d] = slice(0, n)
+    return value[(slice(start, start + rows), *box)]
+
+
+def _batch_of(spec: TensorSpec, parts: Sequence[Any], rows: Sequence[int]) -> dict[str, Any]:
+    """Output ``spec`` of the whole batch from each request's part
+    (``[rows, *its own shape]``, as the replica answered it), laid out as
+    the local server takes a model's outputs: stacked, padded with
+    ``_lengths`` or jagged with ``_offsets``."""
+    # numpy where it can (Ray's arrays are read-only: numpy copies them
+    # without a warning); torch for dtypes numpy lacks.
+    as_torch = any(isinstance(p, torch.Tensor) for p in parts)
+    arrays: list[Any] = [torch.as_tensor(p) for p in parts] if as_torch else [np.asarray(p) for p in parts]
+    concat: Any = torch.cat if as_torch else np.concatenate
+    if not spec.is_ragged:
+        return {spec.name: concat(arrays)}
+    if spec.ragged == "jagged":
+        row_lengths = [a.shape[1] for a, n in zip(arrays, rows) for _ in range(n)]
+        flat = concat([a.reshape(-1, *a.shape[2:]) for a in arrays])
+        return {spec.name: flat, spec.name + OFFSETS: np.cumsum([0, *row_lengths], dtype=np.int64)}
+    dims = _variable_dims(spec)
+    shape = list(arrays[0].shape[1:])
+    for d in dims:
+        shape[d] = max(a.shape[1 + d] for a in arrays)
+    total = sum(rows)
+    values: Any
+    if spec.is_bytes:
+        values = np.full((total, *shape), b"", dtype=object)
+    elif as_torch:
+        values = torch.full((total, *shape), spec.pad_value, dtype=arrays[0].dtype)
+    else:
+        values = np.full((total, *shape), spec.pad_value, dtype=arrays[0].dtype)
+    lengths: list[list[int]] = []
+    at = 0
+    for a, n in zip(arrays, rows):
+        values[(slice(at, at + n), *(slice(0, m) for m in a.shape[1:]))] = a
+        lengths += [[a.shape[1 + d] for d in dims]] * n
+        at += n
+    index = np.asarray(lengths, dtype=np.int64)
+    return {spec.name: values, spec.name + LENGTHS: index if len(dims) > 1 else index[:, 0]}
+
+
+def _variable_dims(spec: TensorSpec) -> tuple[int, ...]:
+    """Where a padded tensor's lengths apply in one row's shape."""
+    return spec.variable_dims if spec.is_padded_nd else (0,)
 
 
 class RayClient:
@@ -48,8 +143,12 @@ class RayClient:
 
     Requests from any task, event loop or thread of this process queue in a
     local :class:`~ferrobatch.Server` whose model forwards each batch as one
-    handle call (Ray picks the replica); each caller gets its own row back.
-    So Ray's cost per call is paid once per batch, not once per sample.
+    handle call (Ray picks the replica), each request in it with its own
+    rows (BYTES and variable-length ones at their own lengths), priority and
+    parameters; the replica submits each as a request of its own, and each
+    caller gets its own rows back. So Ray's cost per call is paid once per
+    batch, not once per sample, and nothing a caller gives is lost on the
+    way.
 
     The local server starts on first use (it asks a replica for the model's
     specs first), on an event loop thread of its own, or with ``start()`` /
@@ -116,18 +215,27 @@ class RayClient:
             description: dict[str, Any] = self._handle.describe.remote().result()
             remote_max = int(description["max_batch_size"])
             max_batch_size = min(self._max_batch_size or remote_max, remote_max)
-            call = self._handle.infer_batch
+            call = self._handle.infer_requests
+            # The replica's priority levels and token budget apply here first:
+            # the local queue orders and refuses as the replica's would.
+            forwards: list[Any] = [  # with_requests: each called as model(inputs, requests)
+                _Forward(call, self._call_timeout, description) for _ in range(self._batches_in_flight)
+            ]
             server = Server(
-                [_Forward(call, self._call_timeout) for _ in range(self._batches_in_flight)],
+                forwards,
                 inputs=description["inputs"],
                 outputs=description["outputs"],
                 max_batch_size=max_batch_size,
                 max_delay=self._max_delay,
                 max_queue_size=self._max_queue_size,
+                max_batch_elements=description.get("max_batch_elements"),
+                priority_levels=int(description.get("priority_levels", 0)),
+                default_priority=description.get("default_priority"),
                 device="cpu",
                 name=str(description["name"]),
                 isolate_failures=self._isolate_failures,
                 warmup=False,
+                with_requests=True,
             )
             portal_cm = anyio.from_thread.start_blocking_portal()
             portal = portal_cm.__enter__()
@@ -180,30 +288,53 @@ class RayClient:
 
     # -- requests -------------------------------------------------------------------------
 
-    async def infer(self, inputs: Mapping[str, Any], timeout: float | None = None) -> Any:
+    async def infer(
+        self,
+        inputs: Mapping[str, Any],
+        timeout: float | None = None,
+        *,
+        priority: int | None = None,
+        parameters: Mapping[str, Parameter] | None = None,
+    ) -> Any:
         """One sample, as :meth:`ferrobatch.Client.infer`: batched with this
         process's other requests, sent with them in one handle call.
-        ``timeout``, cancellation and errors behave as there."""
+        ``timeout``, cancellation and errors behave as there; ``priority``
+        orders the local queue and the replica's, ``parameters`` reach the
+        replica's model (``with_requests``) as if given there."""
         local = self._client
         if local is None:
             await self.astart()
             local = self._client
             assert local is not None
-        return await local.infer(inputs, timeout)
+        return await local.infer(inputs, timeout, priority=priority, parameters=parameters)
 
-    async def infer_batch(self, inputs: Mapping[str, Any], timeout: float | None = None) -> dict[str, Any]:
+    async def infer_batch(
+        self,
+        inputs: Mapping[str, Any],
+        timeout: float | None = None,
+        *,
+        priority: int | None = None,
+        parameters: Mapping[str, Parameter] | None = None,
+    ) -> dict[str, Any]:
         """``n`` rows that travel together, as :meth:`ferrobatch.Client.infer_batch`."""
         local = self._client
         if local is None:
             await self.astart()
             local = self._client
             assert local is not None
-        return await local.infer_batch(inputs, timeout)
+        return await local.infer_batch(inputs, timeout, priority=priority, parameters=parameters)
 
-    def infer_sync(self, inputs: Mapping[str, Any], timeout: float | None = None) -> Any:
+    def infer_sync(
+        self,
+        inputs: Mapping[str, Any],
+        timeout: float | None = None,
+        *,
+        priority: int | None = None,
+        parameters: Mapping[str, Parameter] | None = None,
+    ) -> Any:
         """Blocking :meth:`infer`, for threads that run no event loop."""
         local = self._client or self._started()
-        return local.infer_sync(inputs, timeout)
+        return local.infer_sync(inputs, timeout, priority=priority, parameters=parameters)
 
     @property
     def server(self) -> Server | None:

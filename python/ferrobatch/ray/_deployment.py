@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import sys
 import warnings
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from ray import serve
@@ -91,16 +92,49 @@ class FerrobatchReplica:
 
     # -- through a DeploymentHandle ---------------------------------------------------
 
-    async def infer(self, inputs: Mapping[str, Any], timeout: float | None = None) -> dict[str, Any]:
+    async def infer(
+        self,
+        inputs: Mapping[str, Any],
+        timeout: float | None = None,
+        *,
+        priority: int | None = None,
+        parameters: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
         """One sample, batched with everything else reaching this replica:
         ``{output: numpy array}`` (a torch tensor for a dtype numpy lacks).
         Raises what ``Client.infer`` raises (Ray re-raises it at the caller)."""
-        return to_wire(await self._client.infer(inputs, timeout))
+        return to_wire(await self._client.infer(inputs, timeout, priority=priority, parameters=parameters))
 
-    async def infer_batch(self, inputs: Mapping[str, Any], timeout: float | None = None) -> dict[str, Any]:
+    async def infer_batch(
+        self,
+        inputs: Mapping[str, Any],
+        timeout: float | None = None,
+        *,
+        priority: int | None = None,
+        parameters: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
         """``n`` rows at once (a leading dimension on every input, at most
         ``max_batch_size``), as ``Client.infer_batch``: they join one batch."""
-        return to_wire(await self._client.infer_batch(inputs, timeout))
+        return to_wire(await self._client.infer_batch(inputs, timeout, priority=priority, parameters=parameters))
+
+    async def infer_requests(
+        self, items: Sequence[tuple[Mapping[str, Any], int | None, Mapping[str, Any] | None]]
+    ) -> list[tuple[bool, Any]]:
+        """Several requests at once, as :class:`~ferrobatch.ray.RayClient`
+        sends a batch: each ``(inputs with a leading rows dimension,
+        priority, parameters)`` is submitted as its own ``infer_batch``, so
+        each keeps its lengths, priority and parameters. Each answer is
+        ``(True, outputs)`` or ``(False, the exception it raised)``, in
+        order: one request's failure is its own."""
+
+        async def one(inputs: Mapping[str, Any], priority: int | None, parameters: Any) -> tuple[bool, Any]:
+            try:
+                outputs = await self._client.infer_batch(inputs, priority=priority, parameters=parameters)
+            except Exception as exc:  # noqa: BLE001 - the caller's to raise, not the replica's
+                return False, exc
+            return True, to_wire(outputs)
+
+        return list(await asyncio.gather(*(one(*item) for item in items)))
 
     async def describe(self) -> dict[str, Any]:
         """What a client needs to batch for this deployment: the specs and
@@ -111,6 +145,9 @@ class FerrobatchReplica:
             "inputs": list(server.inputs),
             "outputs": list(server.outputs),
             "max_batch_size": server.max_batch_size,
+            "max_batch_elements": server.max_batch_elements,
+            "priority_levels": server.priority_levels,
+            "default_priority": server.default_priority,
             "instances": len(server.devices),
             "capacity": self._capacity,
             "max_ongoing_requests": self._max_ongoing_requests,

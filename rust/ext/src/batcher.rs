@@ -740,12 +740,14 @@ impl Batch {
         self.groups.iter().map(|(_, r)| r.len()).sum()
     }
 
-    /// Each request's `(rows, parameters)` in row order: its parameters as
-    /// a JSON object's text, None when it gave none.
-    fn request_parameters(&self) -> Vec<(u32, Option<&str>)> {
+    /// Each request's `(rows, parameters, priority)` in row order: its
+    /// parameters as a JSON object's text (None when it gave none), and the
+    /// priority level of the lane it waited in (1 is the most urgent; 1
+    /// for a batcher without levels).
+    fn request_parameters(&self) -> Vec<(u32, Option<&str>, u32)> {
         self.requests
             .iter()
-            .map(|r| (r.rows, r.parameters.as_deref()))
+            .map(|r| (r.rows, r.parameters.as_deref(), u32::from(r.lane) + 1))
             .collect()
     }
 
