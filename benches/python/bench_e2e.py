@@ -9,16 +9,22 @@ the caller sees it), mean batch size, and whether every response equals the
 model's output for that request.
 
 Systems (see ``e2e_systems.py``): ferrobatch on the default event loop and on
-uvloop (if installed); the asyncio floor (bare futures resolved 64 at a time:
-an upper bound); a naive asyncio batcher; TorchRL's InferenceServer with its
-ThreadingTransport (if ``torchrl`` is installed); ``torchrl-compat``: the same
-TorchRL workload (threads calling ``client(TensorDict)``, the same arguments)
-through ``ferrobatch.torchrl``. With ``torchrl-compat``, the weight-update
-latency under load is measured too (64 threads; ``update_model`` every 20 ms;
-call to the first result carrying the new version, in ms and batch times).
+uvloop (if installed); ``ferrobatch-all-threads`` (not run unless named):
+ferrobatch with its worker at torch's own intra-op setting
+(``torch_threads=torch.get_num_threads()``), as before its thread budget; the
+asyncio floor (bare futures resolved 64 at a time: an upper bound); a naive
+asyncio batcher; TorchRL's InferenceServer with its ThreadingTransport (if
+``torchrl`` is installed); ``torchrl-compat``: the same TorchRL workload
+(threads calling ``client(TensorDict)``, the same arguments) through
+``ferrobatch.torchrl``. With ``torchrl-compat``, the weight-update latency
+under load is measured too (64 threads; ``update_model`` every 20 ms; call to
+the first result carrying the new version, in ms and batch times).
 
 Every system runs with torch's intra-op threads set to 1 (``--torch-threads``):
-on a small machine the event loop and the model thread each need a core. The
+on a small machine the event loop and the model thread each need a core.
+``--torch-threads 0`` leaves torch's default (every core), as a user who never
+set it runs: ferrobatch's workers then take its thread budget, the naive
+batcher runs the model on the loop at torch's setting. The
 timed section runs with the garbage collector as a service sees it (see
 ``quiet_gc``).
 
@@ -73,10 +79,19 @@ except ImportError:  # optional: the `bench` extra
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 #: The latest run's results: each run replaces them (older ones live in git history).
 LATEST = RESULTS / "e2e.jsonl"
-ALL_SYSTEMS = ("ferrobatch", "ferrobatch-uvloop", "floor", "naive", "torchrl", "torchrl-compat")
+ALL_SYSTEMS = (
+    "ferrobatch",
+    "ferrobatch-uvloop",
+    "ferrobatch-all-threads",
+    "floor",
+    "naive",
+    "torchrl",
+    "torchrl-compat",
+)
 LABELS = {
     "ferrobatch": "ferrobatch",
     "ferrobatch-uvloop": "ferrobatch (uvloop)",
+    "ferrobatch-all-threads": "ferrobatch (torch's threads)",
     "floor": "asyncio floor",
     "naive": "naive asyncio batcher",
     "torchrl": "torchrl InferenceServer",
@@ -264,9 +279,13 @@ def run_thread_system(system: systems.TorchRL, work: Workload, callers: int) -> 
 
 
 def measure(system: str, cfg: Config, model: systems.Model, work: Workload, run: int) -> Result:
-    if system in ("ferrobatch", "ferrobatch-uvloop"):
+    if system in ("ferrobatch", "ferrobatch-uvloop", "ferrobatch-all-threads"):
         factory = uvloop.new_event_loop if system == "ferrobatch-uvloop" and uvloop else None
-        out = run_async_system(lambda: systems.Ferrobatch(model, cfg.max_delay), work, cfg.callers, factory)
+        # ferrobatch-all-threads: the worker at torch's own setting, as before the thread budget.
+        threads = torch.get_num_threads() if system == "ferrobatch-all-threads" else None
+        out = run_async_system(
+            lambda: systems.Ferrobatch(model, cfg.max_delay, torch_threads=threads), work, cfg.callers, factory
+        )
     elif system == "floor":
         out = run_async_system(
             lambda: systems.AsyncioFloor(model, identity=cfg.model == "identity"),
@@ -617,6 +636,7 @@ def plot(medians: list[dict[str, Any]], args: argparse.Namespace, path: Path) ->
 MARKDOWN_LABELS = {
     "ferrobatch": "ferrobatch",
     "ferrobatch-uvloop": "ferrobatch (uvloop)",
+    "ferrobatch-all-threads": "ferrobatch (torch's threads)",
     "floor": "asyncio floor",
     "naive": "naive batcher",
     "torchrl": "TorchRL",
@@ -721,7 +741,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--callers", type=csv(int), default=[1, 64, 512], help="e.g. 1,64,512")
     p.add_argument("--models", type=csv(str), default=["identity", "mlp"], help="identity,mlp")
     p.add_argument("--delays", type=csv(float), default=[0.001, 0.0], help="max_delay values in seconds, e.g. 0.001,0")
-    p.add_argument("--systems", type=csv(str), default=list(ALL_SYSTEMS), help=f"any of {','.join(ALL_SYSTEMS)}")
+    p.add_argument(
+        "--systems",
+        type=csv(str),
+        default=[s for s in ALL_SYSTEMS if s != "ferrobatch-all-threads"],
+        help=f"any of {','.join(ALL_SYSTEMS)}",
+    )
     p.add_argument(
         "--runs", type=int, default=1, help="repeat the whole plan; figures are medians, ratios taken within runs"
     )

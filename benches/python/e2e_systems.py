@@ -77,7 +77,9 @@ class AsyncSystem:
 class Ferrobatch(AsyncSystem):
     """ferrobatch, as a user would run it: ``await client.infer({"x": x})``."""
 
-    def __init__(self, model: Model, max_delay: float, name: str = "ferrobatch") -> None:
+    def __init__(
+        self, model: Model, max_delay: float, name: str = "ferrobatch", torch_threads: int | None = None
+    ) -> None:
         self.name = name
         spec = [fb.TensorSpec("x", "float32", (FEATURES,))]
         self.server = fb.Server(
@@ -86,6 +88,7 @@ class Ferrobatch(AsyncSystem):
             outputs=[fb.TensorSpec("y", "float32", (FEATURES,))],
             max_batch_size=MAX_BATCH_SIZE,
             max_delay=max_delay,
+            torch_threads=torch_threads,  # None: ferrobatch's thread budget
         )
         self._base = (0, 0)
 

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import queue
 import threading
 import warnings
@@ -156,6 +157,13 @@ class Server:
             row order (each request's rows and parameters); warm-up and
             invariance re-runs pass one request per row, without parameters.
             Not with ``cuda_graphs`` (a replayed graph calls no Python).
+        torch_threads: torch intra-op threads of each instance's worker
+            thread. ``None`` (default): a budget that never oversubscribes
+            the cores the process may use: those cores less one (for the
+            event loop and the native front-end), shared among the CPU
+            instances, at least 1, at most ``torch.get_num_threads()``.
+            ``stats()["torch_threads"]`` and the start-up log (``ferrobatch``
+            logger, INFO) say what was picked.
     """
 
     def __init__(
@@ -183,6 +191,7 @@ class Server:
         default_priority: int | None = None,
         max_priority_wait: float | None = 1.0,
         with_requests: bool = False,
+        torch_threads: int | None = None,
     ) -> None:
         self._models: list[Model] = (
             list(model) if isinstance(model, (list, tuple)) else [model]  # type: ignore[list-item]
@@ -220,6 +229,11 @@ class Server:
         self.default_priority = default_priority
         self.max_priority_wait = max_priority_wait
         self.with_requests = bool(with_requests)
+        if torch_threads is not None and (not isinstance(torch_threads, int) or torch_threads < 1):
+            raise ValueError(f"torch_threads must be an int >= 1 or None, got {torch_threads!r}")
+        self._torch_threads_given = torch_threads
+        #: torch intra-op threads of each instance's worker, as picked at start (0 before).
+        self.torch_threads = 0
         if self.with_requests and cuda_graphs:
             raise ValueError("with_requests needs the model called from Python: not with cuda_graphs")
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
@@ -460,9 +474,20 @@ class Server:
             keep_parameters=self.with_requests,  # others never carry a request's parameters
         )
         self._token = anyio.lowlevel.current_token()
-        # torch's intra-op thread count is per OpenMP thread once set: pin each
-        # worker to the value the caller has now, whatever ran before on it.
-        torch_threads = torch.get_num_threads()
+        # torch's intra-op thread count is per OpenMP thread once set: each
+        # worker is pinned to the budget, whatever ran before on its thread.
+        cpu_instances = sum(not isinstance(e, CudaExecutor) for e in executors)
+        torch_threads = self._torch_threads_given or thread_budget(cpu_instances)
+        self.torch_threads = torch_threads
+        log.info(
+            "server '%s': %d instance(s), %d torch intra-op thread(s) each%s",
+            self.name,
+            len(executors),
+            torch_threads,
+            ""
+            if self._torch_threads_given
+            else f" (picked: {usable_cores()} usable cores, one kept for the event loop)",
+        )
         for i, executor in enumerate(executors):
             counters = WorkerCounters()
             self._counters.append(counters)
@@ -715,6 +740,7 @@ class Server:
             "retry_calls": sum(c.retry_calls for c in self._counters),
             "invariance_checks": summed(self._samplers)[0],
             "invariance_mismatches": summed(self._samplers)[1],
+            "torch_threads": self.torch_threads,
             "batch_sizes": dict(sorted(batch_sizes.items())),
             "batch_compute_ns": dict(sorted(batch_compute_ns.items())),
             "last_inference_ms": max((c.last_inference_ns for c in self._counters), default=0) // 1_000_000,
@@ -762,6 +788,25 @@ def _refuse_on_event_loop(what: str, instead: str) -> None:
     except RuntimeError:
         return
     raise RuntimeError(f"{what} blocks and was called from a thread running an event loop; use `{instead}` there")
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity masks (macOS, Windows)
+        return os.cpu_count() or 1
+
+
+def thread_budget(cpu_instances: int) -> int:
+    """Each CPU instance's torch intra-op threads when the user set none: the
+    usable cores less one for the event loop (and the native front-end),
+    shared among the CPU instances, at least 1, and never more than torch's
+    own setting (``torch.set_num_threads`` or ``OMP_NUM_THREADS``). torch's
+    default is every core: its threads would fight the event loop's for
+    them, and each model call waits for its slowest thread."""
+    spare = max(1, usable_cores() - 1)
+    return max(1, min(torch.get_num_threads(), spare // max(1, cpu_instances)))
 
 
 def _with_torch_threads(threads: int, target: Callable[..., None], *args: Any) -> None:
