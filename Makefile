@@ -81,7 +81,7 @@ lint-python: $(DEPS_STAMP)
 # The core's unsafe code (staging ring, queue, request state) under Miri: their
 # unit tests, with smaller iteration counts under cfg(miri) (about a minute).
 # Where the nightly toolchain has no Miri component, says so and succeeds.
-MIRI_TESTS := staging:: request:: queue:: batcher:: inbox::
+MIRI_TESTS := staging:: request:: queue:: batcher:: inbox:: pending::
 miri:
 	@if cargo +nightly miri --version >/dev/null 2>&1; then \
 		cargo +nightly miri setup --quiet && \

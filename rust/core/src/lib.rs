@@ -60,13 +60,19 @@
 //!   a native connection, a shared-memory client). A batch's [`Routes`] group
 //!   its rows by sink in one pass; each sink's owner (outside this crate)
 //!   delivers its group with one wake-up per batch.
+//! * **Pending requests**: a way in registers each request in a
+//!   [`Pending`] table before queueing it; the table owns who answers it
+//!   (exactly once: its batch, its caller giving up, or the stop), the
+//!   count of what its caller saw, and when its inputs may go (only once
+//!   no batch can read them). Ways in supply only how an answer is handed
+//!   over.
 //!
 //! # Checked
 //!
 //! The unsafe code (staging ring, queue, request state) runs under Miri
 //! (`make miri`: `cargo +nightly miri test` with smaller iteration counts
-//! under `cfg(miri)`), and the request state transitions and the ring's
-//! acquire/release have loom models (`make loom`: the `loom_` tests, built
+//! under `cfg(miri)`), and the request state transitions, the pending
+//! table's and the ring's acquire/release have loom models (`make loom`: the `loom_` tests, built
 //! with `--cfg loom`, which swaps in loom's mutex, condvar and atomics).
 //!
 //! The dispatch rule ([`DispatchRule`]) is a pure function of the batch being
@@ -80,6 +86,7 @@ pub mod error;
 pub mod fanout;
 pub mod inbox;
 pub mod outcome;
+pub mod pending;
 pub mod queue;
 #[cfg(all(test, not(loom)))]
 mod ragged_props;
@@ -98,6 +105,7 @@ pub use error::CoreError;
 pub use fanout::{Route, Routes, Sink};
 pub use inbox::Inbox;
 pub use outcome::{Outcome, Tally, OUTCOMES};
+pub use pending::{Pending, Taken, Withdraw};
 pub use queue::{Message, Priorities, PushError, Readiness, RequestQueue};
 pub use request::{InputBytes, Request, RequestState, Withdrawal, MAX_VARIABLE_DIMS};
 pub use specs::{InputRules, InputSpec, Matched, Measured, SpecError};

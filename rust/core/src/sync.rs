@@ -9,9 +9,9 @@
 #[cfg(all(loom, test))]
 pub(crate) use loom::sync::atomic::AtomicU8;
 #[cfg(all(loom, test))]
-pub(crate) use loom::sync::{Condvar, Mutex};
+pub(crate) use loom::sync::{Condvar, Mutex, MutexGuard};
 
 #[cfg(not(all(loom, test)))]
 pub(crate) use std::sync::atomic::AtomicU8;
 #[cfg(not(all(loom, test)))]
-pub(crate) use std::sync::{Condvar, Mutex};
+pub(crate) use std::sync::{Condvar, Mutex, MutexGuard};

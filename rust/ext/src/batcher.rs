@@ -1,15 +1,16 @@
-//! The Python classes: `Batcher` (submit side), `Ticket` (one request),
-//! `Worker` (batch side) and `Batch` (what a worker got).
+//! The Python classes: `Batcher` (submit side), `Worker` (batch side) and
+//! `Batch` (what a worker got). A request from an event loop is a
+//! [`Ticket`] of its loop's mailbox.
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ferrobatch_core as core;
 use ferrobatch_core::bytes::BytesLimits;
 use ferrobatch_core::{
     BatcherConfig, Collated, DType, DispatchReason, DispatchRule, InputBytes, Layout, Padded,
-    Ragged, RaggedBytes, Readiness, RequestState, Route, Sink, SlotBuffer,
+    Ragged, RaggedBytes, Readiness, Route, Sink, SlotBuffer,
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::intern;
@@ -17,9 +18,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyType};
 
 use crate::errors::{invalid_input, to_pyerr};
-use crate::fanout::{doorbells, post_batch, ring_fd, LoopMailbox};
 use crate::inputs::{Converter, InputSpec, Keep};
 use crate::loops::LoopRegistry;
+use crate::mailbox::{doorbells, ring_fd, LoopMailbox, Ticket};
 use crate::threads::{ThreadWaiters, Waiter};
 use crate::without_gil;
 
@@ -304,14 +305,7 @@ impl Batcher {
         if self.core.readiness() == Readiness::OnFlush {
             mailbox.add_unflushed(rows);
         }
-        let ticket = Ticket {
-            request,
-            batcher: self.core.clone(),
-            future,
-            timer: Mutex::new(None),
-            batched,
-            _keep: keep,
-        };
+        let ticket = Ticket::new(request, self.core.clone(), future, batched, keep);
         let ticket = Bound::new(py, ticket)?;
         mailbox.add_pending(py, &ticket)?;
         Ok(ticket)
@@ -430,73 +424,6 @@ impl Converter {
     }
 }
 
-/// One submitted request: its future, deadline timer, and the caller's input
-/// objects, held alive until the request is resolved or withdrawn
-/// (`withdraw` returned True); its loop's `pending` holds it until then.
-///
-/// Not seen by Python's cycle collector (cheaper per request), so nothing the
-/// ticket refers to may refer back to it once it is resolved: callers await
-/// its future without keeping the ticket, and the deadline timer (whose
-/// callback holds the ticket) is dropped by `cancel_timer` on every path.
-#[pyclass(frozen, module = "ferrobatch._core")]
-pub struct Ticket {
-    request: Arc<core::Request>,
-    batcher: Arc<core::Batcher>,
-    /// Resolved once, on the submitting loop, with the outputs or an error.
-    pub(crate) future: Py<PyAny>,
-    /// The deadline's TimerHandle (its callback args hold the mailbox and
-    /// the request id): cancelled and dropped when the request resolves.
-    timer: Mutex<Option<Py<PyAny>>>,
-    /// A multi-row request (`infer_batch`): its result keeps the batch dimension.
-    pub(crate) batched: bool,
-    _keep: Vec<Keep>,
-}
-
-impl Ticket {
-    pub(crate) fn enqueued_at(&self) -> Instant {
-        self.request.enqueued_at
-    }
-
-    /// True if the request has a deadline (a timeout short enough to
-    /// represent; a longer one means none).
-    pub(crate) fn has_deadline(&self) -> bool {
-        self.request.deadline.is_some()
-    }
-
-    /// Remembers the request's deadline timer, cancelled when it resolves.
-    pub(crate) fn set_timer(&self, handle: Py<PyAny>) {
-        *self.timer.lock().unwrap_or_else(|e| e.into_inner()) = Some(handle);
-    }
-
-    /// Cancels the deadline timer, if any, and lets go of it.
-    pub(crate) fn cancel_timer(&self, py: Python<'_>) -> PyResult<()> {
-        let timer = self.timer.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(timer) = timer {
-            timer.call_method0(py, intern!(py, "cancel"))?;
-        }
-        Ok(())
-    }
-
-    /// Withdraws the request (`to`: `Cancelled`, `Expired` or `Closed`).
-    /// True if it will never run; False if a batch already took it.
-    pub(crate) fn withdraw_as(&self, to: RequestState) -> bool {
-        self.batcher.withdraw(&self.request, to)
-    }
-}
-
-#[pymethods]
-impl Ticket {
-    #[getter]
-    pub(crate) fn id(&self) -> u64 {
-        self.request.id
-    }
-
-    #[getter]
-    fn future(&self, py: Python<'_>) -> Py<PyAny> {
-        self.future.clone_ref(py)
-    }
-}
-
 /// The batch side for one model instance; used by one thread at a time.
 #[pyclass(frozen, module = "ferrobatch._core")]
 pub struct Worker {
@@ -554,13 +481,10 @@ impl Worker {
             f.sort_by_key(|(start, _)| *start);
             Arc::new(f)
         });
-        let posted = post_batch(
-            py,
-            self.registry.get(),
-            &batch.groups,
-            &outcome,
-            failed.as_ref(),
-        );
+        let posted = self
+            .registry
+            .get()
+            .route_batch(py, &batch.groups, &outcome, failed.as_ref());
         if ring_now {
             let targets = doorbells(&posted);
             // `posted` keeps each mailbox, and so its fd, alive meanwhile.

@@ -2,20 +2,32 @@
 //!
 //! This crate converts: Python objects to byte views and ids, core results
 //! to Python objects, `CoreError` to the `ferrobatch.errors` hierarchy; and
-//! it holds the part of fan-out that needs Python objects: each event loop's
-//! mailbox of finished batches (`fanout.rs`) and the waiters of callers
-//! blocked in plain threads (`threads.rs`). The GIL is released in one
-//! place, [`without_gil`]. `native.rs` starts the native front-end
-//! (`ferrobatch-serve`) and hands it the batches of the requests it submitted.
+//! it holds the ways in that answer callers with Python objects or need
+//! them to word a failure. Its modules, in layers (each uses only those
+//! above it, so there is no import circle):
+//!
+//! 1. `errors`, `codec`, `inputs`, `results`: conversions, and what the
+//!    callers of a finished batch get;
+//! 2. the ways in, each only how an answer is handed over: `mailbox` (event
+//!    loops), `threads` (blocked threads), `native_sink` (the native
+//!    front-end's connections), `shm_sink` (shared-memory clients);
+//! 3. `loops`: a model's registry of them, which routes each batch's rows;
+//! 4. `batcher`, `submit`, `native`, `shm`: the Python classes (`native`
+//!    starts the native front-end, `ferrobatch-serve`).
+//!
+//! The GIL is released in one place, [`without_gil`].
 
 mod batcher;
 mod codec;
 mod errors;
-mod fanout;
 mod inputs;
 mod loops;
+mod mailbox;
 mod native;
+mod native_sink;
+mod results;
 mod shm;
+mod shm_sink;
 mod submit;
 mod threads;
 
@@ -34,11 +46,11 @@ where
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<batcher::Batcher>()?;
-    m.add_class::<batcher::Ticket>()?;
+    m.add_class::<mailbox::Ticket>()?;
     m.add_class::<batcher::Worker>()?;
     m.add_class::<batcher::Batch>()?;
     m.add_class::<loops::LoopRegistry>()?;
-    m.add_class::<fanout::LoopMailbox>()?;
+    m.add_class::<mailbox::LoopMailbox>()?;
     m.add_class::<submit::Submitter>()?;
     m.add_function(wrap_pyfunction!(submit::after_fork_in_child, m)?)?;
     m.add_function(wrap_pyfunction!(codec::check_json, m)?)?;

@@ -22,11 +22,12 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use ferrobatch_core::{Outcome, Tally, OUTCOMES};
+use ferrobatch_core::{Outcome, Route, Sink, Tally, OUTCOMES};
 
-use crate::fanout::LoopMailbox;
-use crate::native::{self, NativeSink};
-use crate::shm::SharedSink;
+use crate::mailbox::LoopMailbox;
+use crate::native_sink::{self, NativeSink};
+use crate::results::{BatchOutcome, FailedRows};
+use crate::shm_sink::{self, SharedSink};
 use crate::threads::ThreadWaiters;
 
 #[derive(Default)]
@@ -81,9 +82,9 @@ impl LoopRegistry {
         let mut counts = [0u64; OUTCOMES];
         let mut request_ns = 0u64;
         self.retired.add_to(&mut counts, &mut request_ns);
-        self.threads.tally.add_to(&mut counts, &mut request_ns);
+        self.threads.tally().add_to(&mut counts, &mut request_ns);
         if let Some(native) = self.native() {
-            native::add_counts(&native, &mut counts, &mut request_ns);
+            native_sink::add_counts(&native, &mut counts, &mut request_ns);
         }
         if let Some(shared) = self.shared() {
             shared.tally().add_to(&mut counts, &mut request_ns);
@@ -103,10 +104,10 @@ impl LoopRegistry {
     /// each on its own loop's thread (at once for the calling loop's).
     fn fail_all(&self, py: Python<'_>, message: &str) -> PyResult<()> {
         if let Some(native) = self.native() {
-            native::fail_all(&native, message);
+            native_sink::fail_all(&native, message);
         }
         // The workers are done by now: a request still here was never taken.
-        self.threads.fail_all(py, None, message);
+        self.threads.fail_all(py, message);
         for mailbox in self.all(py) {
             let fail_all = mailbox.bind(py).getattr(intern!(py, "fail_all"))?;
             on_loop(py, &mailbox.get().event_loop, &fail_all, message)?;
@@ -128,6 +129,69 @@ impl LoopRegistry {
 }
 
 impl LoopRegistry {
+    /// Hands a finished batch's rows to each way in it has requests from
+    /// (one group per sink): event loops' mailboxes, blocked threads, native
+    /// connections, shared-memory clients.
+    /// Returns the mailboxes whose doorbell must ring (after the GIL is
+    /// released); a loop without a doorbell is woken here with
+    /// `call_soon_threadsafe`. A loop dropped from the registry (closed) is
+    /// skipped: nobody awaits its requests any more.
+    pub(crate) fn route_batch(
+        &self,
+        py: Python<'_>,
+        groups: &[(Sink, Arc<Vec<Route>>)],
+        outcome: &BatchOutcome,
+        failed: Option<&FailedRows>,
+    ) -> Vec<Py<LoopMailbox>> {
+        let mut to_ring = Vec::new();
+        for (sink, routes) in groups {
+            let loop_id = match sink {
+                Sink::EventLoop(loop_id) => loop_id,
+                Sink::Connection(_) => {
+                    if let Some(native) = self.native() {
+                        native_sink::deliver(py, &native, routes, outcome, failed);
+                    }
+                    continue;
+                }
+                Sink::Thread => {
+                    self.threads.deliver(py, routes, outcome, failed);
+                    continue;
+                }
+                Sink::SharedMemory(client) => {
+                    if let Some(shared) = self.shared() {
+                        shm_sink::deliver(py, &shared, *client, routes, outcome, failed);
+                    }
+                    continue;
+                }
+            };
+            let Some(mailbox) = self.get(py, *loop_id) else {
+                continue;
+            };
+            let outcome = match outcome {
+                Ok(outputs) => Ok(outputs.clone_ref(py)),
+                Err(error) => Err(error.clone_ref(py)),
+            };
+            if !mailbox.get().post(routes.clone(), outcome, failed.cloned()) {
+                continue; // the loop is already due to drain
+            }
+            if mailbox.get().doorbell_target().is_some() {
+                to_ring.push(mailbox);
+            } else {
+                let drain = mailbox.bind(py).getattr(intern!(py, "drain"));
+                let woken = drain.and_then(|drain| {
+                    mailbox.get().event_loop.call_method1(
+                        py,
+                        intern!(py, "call_soon_threadsafe"),
+                        (drain,),
+                    )
+                });
+                // A closed loop: nobody is left to await these requests.
+                drop(woken);
+            }
+        }
+        to_ring
+    }
+
     /// Routes this model's `Sink::Connection` rows to `sink` from now on. A
     /// front-end served before keeps its counts (in `retired`).
     pub(crate) fn attach_native(&self, sink: NativeSink) {

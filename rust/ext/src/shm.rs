@@ -1,10 +1,8 @@
 //! Binding of the shared-memory transport (`ferrobatch_core::shm`).
 //!
 //! Server side: [`SharedServer`] makes a model's segment and starts the
-//! core's pull thread; the model's `LoopRegistry` holds a [`SharedSink`],
-//! through which `Worker.finish` hands each batch's `Sink::SharedMemory`
-//! rows to [`deliver`]: outputs read once per batch (with the GIL), rows
-//! copied into the clients' cells and each client woken without it.
+//! core's pull thread; the model's `LoopRegistry` holds a [`SharedSink`]
+//! (see `shm_sink.rs`), to which its batches' `Sink::SharedMemory` rows go.
 //!
 //! Client side: [`SharedClient`] claims a client slot; `submit` (event
 //! loops) and `infer_blocking` (threads) copy a request into its cells, and
@@ -24,10 +22,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use ferrobatch_core::shm::{
-    code, ClientCore, Completed, Delivery, Segment, SegmentConfig, ServerGone, ShmError, Withdraw,
-    POLL,
+    code, ClientCore, Completed, Segment, SegmentConfig, ServerGone, ShmError, Withdraw, POLL,
 };
-use ferrobatch_core::{DType, Route, Tally};
+use ferrobatch_core::DType;
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -35,9 +32,9 @@ use pyo3::types::{PyDict, PySlice, PyString, PyTuple, PyType};
 
 use crate::batcher::Batcher;
 use crate::errors::{ferrobatch_error, invalid_input};
-use crate::fanout::{BatchOutcome, FailedRows, ModelFailure};
 use crate::inputs::{Converter, InputSpec};
 use crate::loops::LoopRegistry;
+use crate::shm_sink::{output_specs, OutputSpec, SharedSink, SpecTuple};
 use crate::without_gil;
 
 /// How often a blocked thread comes back for the GIL to see signals.
@@ -59,159 +56,11 @@ fn shm_error(py: Python<'_>, err: ShmError) -> PyErr {
     }
 }
 
-/// One output as the binding reads it: name, dtype, per-sample shape.
-struct OutputSpec {
-    key: Py<PyString>,
-    torch_dtype: Py<PyAny>,
-    shape: Vec<usize>,
-    row_nbytes: usize,
-}
-
-type SpecTuple = (String, String, Vec<usize>, Py<PyAny>);
-
-fn output_specs(py: Python<'_>, outputs: Vec<SpecTuple>) -> PyResult<Vec<OutputSpec>> {
-    outputs
-        .into_iter()
-        .map(|(name, dtype, shape, torch_dtype)| {
-            let parsed = DType::parse(&dtype).ok_or_else(|| {
-                PyValueError::new_err(format!("output '{name}': unknown dtype '{dtype}'"))
-            })?;
-            let spec =
-                ferrobatch_core::InputSpec::new(&name, parsed, shape.clone()).ok_or_else(|| {
-                    PyValueError::new_err(format!("output '{name}': its shape is too large"))
-                })?;
-            Ok(OutputSpec {
-                key: PyString::intern(py, &name).unbind(),
-                torch_dtype,
-                shape,
-                row_nbytes: spec.row_nbytes,
-            })
-        })
-        .collect()
-}
-
 fn row_u32(n: usize, what: &str) -> PyResult<u32> {
     u32::try_from(n).map_err(|_| PyValueError::new_err(format!("{what} is too large")))
 }
 
 // -- server -------------------------------------------------------------------
-
-/// Where a model's shared-memory requests are answered (in its registry).
-pub(crate) struct SharedSink {
-    server: Arc<ferrobatch_core::shm::SharedServer>,
-    model_name: Arc<str>,
-    outputs: Vec<OutputSpec>,
-}
-
-impl SharedSink {
-    pub(crate) fn tally(&self) -> &Tally {
-        &self.server.tally
-    }
-}
-
-/// Answers client `client`'s requests (`routes`) of one finished batch.
-pub(crate) fn deliver(
-    py: Python<'_>,
-    sink: &SharedSink,
-    client: u32,
-    routes: &[Route],
-    outcome: &BatchOutcome,
-    failed: Option<&FailedRows>,
-) {
-    let server = &sink.server;
-    let fail = |message: &str| {
-        without_gil(py, || {
-            server.deliver(client, routes, Delivery::Failed(message))
-        })
-    };
-    let outputs = match outcome {
-        Ok(outputs) => outputs.bind(py),
-        Err(error) => {
-            let failure = ModelFailure::new(py, &sink.model_name, error.bind(py), "raised");
-            return fail(failure.message());
-        }
-    };
-    let failed: Vec<(u32, String)> = failed
-        .map(|rows| {
-            rows.iter()
-                .map(|(start, error)| {
-                    let failure = ModelFailure::new(py, &sink.model_name, error.bind(py), "raised");
-                    (*start, failure.message().to_owned())
-                })
-                .collect()
-        })
-        .unwrap_or_default();
-    let read: PyResult<Vec<(Bound<'_, PyAny>, usize, usize)>> = sink
-        .outputs
-        .iter()
-        .map(|spec| read_output(py, outputs, spec))
-        .collect();
-    let read = match read {
-        Ok(read) => read,
-        Err(err) => {
-            let what = "returned outputs its rows could not be taken from:";
-            let failure = ModelFailure::new(py, &sink.model_name, err.value(py), what);
-            return fail(failure.message());
-        }
-    };
-    let columns: Vec<(usize, usize)> = read.iter().map(|(_, ptr, len)| (*ptr, *len)).collect();
-    without_gil(py, || {
-        let columns: Vec<&[u8]> = columns
-            .iter()
-            .map(|&(ptr, len)| {
-                if len == 0 {
-                    return &[][..];
-                }
-                // SAFETY: each (ptr, len) is a contiguous CPU tensor's bytes,
-                // kept alive by `read` (outside this closure, which it outlives).
-                unsafe { std::slice::from_raw_parts(ptr as *const u8, len) }
-            })
-            .collect();
-        server.deliver(
-            client,
-            routes,
-            Delivery::Outputs {
-                columns: &columns,
-                failed: &failed,
-            },
-        );
-    });
-    drop(read);
-}
-
-/// One output of a batch as contiguous CPU bytes of its declared dtype:
-/// the tensor (kept alive by the caller), its data pointer and length.
-fn read_output<'py>(
-    py: Python<'py>,
-    outputs: &Bound<'py, PyDict>,
-    spec: &OutputSpec,
-) -> PyResult<(Bound<'py, PyAny>, usize, usize)> {
-    let key = spec.key.bind(py);
-    let tensor = outputs
-        .get_item(key)?
-        .ok_or_else(|| PyValueError::new_err(format!("the model returned no output '{key}'")))?;
-    let tensor = crate::codec::host_contiguous(py, tensor, spec.torch_dtype.bind(py))?;
-    let shape: Vec<usize> = tensor.getattr(intern!(py, "shape"))?.extract()?;
-    if shape.get(1..) != Some(&spec.shape[..]) {
-        return Err(PyValueError::new_err(format!(
-            "output '{key}' has shape {shape:?}, expected [rows, {}]",
-            spec.shape
-                .iter()
-                .map(|d| d.to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
-        )));
-    }
-    let len = shape[0]
-        .checked_mul(spec.row_nbytes)
-        .ok_or_else(|| PyValueError::new_err(format!("output '{key}' is too large")))?;
-    let ptr: usize = if len == 0 {
-        0
-    } else {
-        tensor.call_method0(intern!(py, "data_ptr"))?.extract()?
-    };
-    Ok((tensor, ptr, len))
-}
 
 /// A model shared under a name, until `close`.
 #[pyclass(frozen, module = "ferrobatch._core")]
@@ -279,11 +128,11 @@ impl SharedServer {
             Ok((server, replaced))
         });
         let (server, replaced) = made.map_err(|e| shm_error(py, e))?;
-        registry.get().attach_shared(Arc::new(SharedSink {
-            server: server.clone(),
-            model_name: model_name.into(),
+        registry.get().attach_shared(Arc::new(SharedSink::new(
+            server.clone(),
+            model_name.into(),
             outputs,
-        }));
+        )));
         Ok(SharedServer { server, replaced })
     }
 

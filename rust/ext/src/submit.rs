@@ -26,8 +26,9 @@ use crate::batcher::Batcher;
 use crate::errors::{invalid_input, is_ferrobatch_error};
 use ferrobatch_core::Outcome;
 
-use crate::fanout::{outcome_of_error, LoopMailbox};
 use crate::loops::LoopRegistry;
+use crate::mailbox::LoopMailbox;
+use crate::results::outcome_of_error;
 
 /// Bumped in a forked child, so that no loop cached in the parent is used.
 static FORK_GENERATION: AtomicU64 = AtomicU64::new(0);
@@ -217,7 +218,7 @@ impl Submitter {
             .as_ref()
             .map(|b| b.clone_ref(py));
         let Some(batcher) = batcher else {
-            waiters.tally.count(Outcome::ServerClosed);
+            waiters.tally().count(Outcome::ServerClosed);
             return Err(PyErr::from_value(
                 self.not_running.call0(py)?.into_bound(py),
             ));
@@ -229,7 +230,7 @@ impl Submitter {
             Ok(submitted) => submitted,
             Err(err) => {
                 if is_ferrobatch_error(py, &err) {
-                    waiters.tally.count(outcome_of_error(py, err.value(py)));
+                    waiters.tally().count(outcome_of_error(py, err.value(py)));
                 }
                 return Err(err);
             }

@@ -4,24 +4,21 @@
 //! finishes the batch hands it its rows. No event loop, no hop between
 //! threads other than the batch's own.
 //!
-//! One owner: the server's [`ThreadWaiters`] table (in its `LoopRegistry`).
-//! Whoever takes an entry's answer slot answers the request and counts its
-//! outcome once: the batch ([`ThreadWaiters::deliver`]), the waiting thread
-//! giving up (deadline, interrupt: [`ThreadWaiters::abandon`]) or the server
-//! stopping ([`ThreadWaiters::fail_all`]). An entry whose request a batch
-//! took stays, with its input bytes, until that batch resolves it.
+//! Their requests wait in the server's [`ThreadWaiters`] (in its
+//! `LoopRegistry`): the core's pending table ([`ferrobatch_core::pending`],
+//! which owns the exactly-once rules), a thread's answer handed to its
+//! [`Waiter`].
 
-use std::collections::HashMap;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use ferrobatch_core::{Batcher, Outcome, Request, RequestState, Route, Tally};
+use ferrobatch_core::{Batcher, Outcome, Pending, Request, RequestState, Route, Tally};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::errors::ferrobatch_error;
-use crate::fanout::{BatchOutcome, FailedRows, ModelFailure, ResultRows};
 use crate::inputs::Keep;
+use crate::results::{BatchOutcome, FailedRows, ModelFailure, ResultRows};
 use crate::without_gil;
 
 /// How often a waiting thread comes back for the GIL to see signals (Ctrl-C).
@@ -71,34 +68,32 @@ impl<T> Waiter<T> {
     }
 }
 
-struct Entry {
-    /// None once answered by its thread (a batch still holds the request).
-    waiter: Option<Arc<Waiter>>,
-    request: Arc<Request>,
+/// What a thread caller's request holds until its batch is done.
+struct Held {
     /// A multi-row request: its result keeps the batch dimension.
     batched: bool,
+    /// What keeps its input bytes alive.
     _keep: Vec<Keep>,
 }
 
-/// The requests of one server's thread callers, until each is answered.
+/// The requests of one server's thread callers, until each is answered
+/// (the core's pending table; a thread's answer is handed to its waiter).
 pub(crate) struct ThreadWaiters {
     model_name: Arc<str>,
-    entries: Mutex<HashMap<u64, Entry>>,
-    pub(crate) tally: Tally,
+    pending: Pending<Arc<Waiter>, Held>,
 }
 
 impl ThreadWaiters {
     pub(crate) fn new(model_name: Arc<str>) -> ThreadWaiters {
         ThreadWaiters {
             model_name,
-            entries: Mutex::new(HashMap::new()),
-            tally: Tally::default(),
+            pending: Pending::new(),
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, HashMap<u64, Entry>> {
-        // Nothing that can panic runs under this lock; a poisoned map is still whole.
-        self.entries.lock().unwrap_or_else(|e| e.into_inner())
+    /// What this server's thread callers saw.
+    pub(crate) fn tally(&self) -> &Tally {
+        self.pending.tally()
     }
 
     /// Registers `request` (not queued yet): its answer goes to the waiter returned.
@@ -109,37 +104,17 @@ impl ThreadWaiters {
         keep: Vec<Keep>,
     ) -> Arc<Waiter> {
         let waiter = Arc::new(Waiter::default());
-        let entry = Entry {
-            waiter: Some(waiter.clone()),
-            request: request.clone(),
+        let held = Held {
             batched,
             _keep: keep,
         };
-        self.lock().insert(request.id, entry);
+        self.pending.register(request, waiter.clone(), held);
         waiter
     }
 
     /// Drops the entry of a request the queue refused.
     pub(crate) fn unregister(&self, id: u64) {
-        self.lock().remove(&id);
-    }
-
-    /// The thread of request `id` gives up (`to`: `Expired` or `Cancelled`):
-    /// withdraws it if no batch took it, counts `outcome`. False when an
-    /// answer was given first (the thread takes that one instead).
-    fn abandon(&self, batcher: &Batcher, id: u64, to: RequestState, outcome: Outcome) -> bool {
-        let mut entries = self.lock();
-        let Some(entry) = entries.get_mut(&id) else {
-            return false;
-        };
-        if entry.waiter.take().is_none() {
-            return false;
-        }
-        self.tally.count(outcome);
-        if batcher.withdraw(&entry.request, to) {
-            entries.remove(&id); // never read by a worker: its inputs may go
-        }
-        true
+        self.pending.unregister(id);
     }
 
     /// Blocks the calling thread (GIL released) until request `id` is
@@ -160,12 +135,13 @@ impl ThreadWaiters {
                 return answer;
             }
             if let Some((_, timeout)) = deadline.filter(|(at, _)| Instant::now() >= *at) {
-                if self.abandon(
+                let gave_up = self.pending.abandon(
                     batcher,
                     id,
                     RequestState::Expired,
                     Outcome::DeadlineExceeded,
-                ) {
+                );
+                if gave_up.is_some() {
                     let message = format!(
                         "request to model '{}' exceeded its {timeout}s timeout",
                         self.model_name
@@ -175,24 +151,14 @@ impl ThreadWaiters {
                 continue; // answered meanwhile: it is in the waiter now
             }
             if let Err(interrupted) = py.check_signals() {
-                if self.abandon(batcher, id, RequestState::Cancelled, Outcome::Cancelled) {
+                let gave_up =
+                    self.pending
+                        .abandon(batcher, id, RequestState::Cancelled, Outcome::Cancelled);
+                if gave_up.is_some() {
                     return Err(interrupted);
                 }
             }
         }
-    }
-
-    /// Takes the entries of `routes` still waiting for their answer (an
-    /// entry answered by its thread is dropped here: its batch is done).
-    fn take(&self, routes: &[Route]) -> Vec<(Route, Arc<Waiter>, bool, Instant)> {
-        let mut entries = self.lock();
-        routes
-            .iter()
-            .filter_map(|r| {
-                let entry = entries.remove(&r.id)?;
-                Some((*r, entry.waiter?, entry.batched, entry.request.enqueued_at))
-            })
-            .collect()
     }
 
     /// Answers this server's thread callers of one finished batch (worker
@@ -206,66 +172,53 @@ impl ThreadWaiters {
         outcome: &BatchOutcome,
         failed: Option<&FailedRows>,
     ) {
-        let taken = self.take(routes);
+        let taken = self.pending.take(routes);
         if taken.is_empty() {
             return;
         }
+        let now = Instant::now();
         let outputs = match outcome {
             Ok(outputs) => outputs.bind(py),
             Err(error) => {
                 let failure = ModelFailure::new(py, &self.model_name, error.bind(py), "raised");
-                for (_, waiter, ..) in taken {
-                    self.tally.count(Outcome::ModelError);
-                    waiter.set(Err(failure.error(py)));
+                for t in taken {
+                    self.pending.count(Outcome::ModelError, t.enqueued_at, now);
+                    t.answer.set(Err(failure.error(py)));
                 }
                 return;
             }
         };
         let mut rows = ResultRows::new(outputs);
-        let now = Instant::now();
-        for (route, waiter, batched, enqueued_at) in taken {
+        for t in taken {
             let failed_alone = failed.and_then(|f| {
                 let i = f
-                    .binary_search_by_key(&route.start, |(start, _)| *start)
+                    .binary_search_by_key(&t.route.start, |(start, _)| *start)
                     .ok()?;
                 Some(f[i].1.bind(py).clone())
             });
-            if let Some(error) = failed_alone {
-                let failure = ModelFailure::new(py, &self.model_name, &error, "raised");
-                self.tally.count(Outcome::ModelError);
-                waiter.set(Err(failure.error(py)));
-                continue;
-            }
-            let built = rows.result(&route, batched);
-            match built {
-                Ok(result) => {
-                    let waited = now.saturating_duration_since(enqueued_at);
-                    self.tally.add_request_ns(waited.as_nanos() as u64);
-                    self.tally.count(Outcome::Succeeded);
-                    waiter.set(Ok(result.unbind()));
+            let answer = match failed_alone {
+                Some(error) => {
+                    Err(ModelFailure::new(py, &self.model_name, &error, "raised").error(py))
                 }
-                Err(err) => {
+                None => rows.result(&t.route, t.held.batched).map_err(|err| {
                     let what = "returned outputs its rows could not be taken from:";
-                    let failure = ModelFailure::new(py, &self.model_name, err.value(py), what);
-                    self.tally.count(Outcome::ModelError);
-                    waiter.set(Err(failure.error(py)));
-                }
-            }
+                    ModelFailure::new(py, &self.model_name, err.value(py), what).error(py)
+                }),
+            };
+            let counted = if answer.is_ok() {
+                Outcome::Succeeded
+            } else {
+                Outcome::ModelError
+            };
+            self.pending.count(counted, t.enqueued_at, now);
+            t.answer.set(answer.map(Bound::unbind));
         }
     }
 
     /// Answers every thread still waiting with `ServerClosedError` (the
-    /// server stops); requests no batch took are withdrawn.
-    pub(crate) fn fail_all(&self, py: Python<'_>, batcher: Option<&Batcher>, message: &str) {
-        let mut waiters = Vec::new();
-        self.lock().retain(|_, entry| {
-            if let Some(waiter) = entry.waiter.take() {
-                self.tally.count(Outcome::ServerClosed);
-                waiters.push(waiter);
-            }
-            !batcher.is_some_and(|b| b.withdraw(&entry.request, RequestState::Closed))
-        });
-        for waiter in waiters {
+    /// server stops; its workers are done, so nothing is left to withdraw).
+    pub(crate) fn fail_all(&self, py: Python<'_>, message: &str) {
+        for waiter in self.pending.fail_all(None, Outcome::ServerClosed) {
             waiter.set(Err(ferrobatch_error(
                 py,
                 "ServerClosedError",

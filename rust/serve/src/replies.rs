@@ -1,25 +1,17 @@
-//! The native front-end's reply table: the owner of every request it
-//! submitted ([`Sink::Connection`](ferrobatch_core::Sink)), until its caller
-//! is answered.
-//!
-//! A request is registered before it is queued (a worker may take and finish
-//! it at once). Whoever takes its entry's sender answers it, and counts the
-//! outcome once: a finished batch ([`Replies::deliver`],
-//! [`Replies::fail_batch`]), the handler giving up (its deadline passed, or
-//! the client went away: [`Replies::abandon`]), or the server stopping
-//! ([`Replies::fail_all`]). An entry whose request a batch took stays, with
-//! the request's input bytes, until that batch resolves it: the batch's
-//! worker may still be reading them.
+//! The native front-end's replies: every request it submitted
+//! ([`Sink::Connection`](ferrobatch_core::Sink)) waits in the core's pending
+//! table ([`ferrobatch_core::pending`], which owns the exactly-once rules)
+//! until its handler is answered through a oneshot sender; this module adds
+//! how an answer is encoded from a batch's outputs.
 
 use std::borrow::Cow;
-use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
 use ferrobatch_core::v2::{Codec, Encoded, Output};
-use ferrobatch_core::{Batcher, Outcome, Request, RequestState, Route, Tally};
+use ferrobatch_core::{Batcher, Outcome, Pending, Request, RequestState, Route, Tally};
 use tokio::sync::oneshot;
 
 /// Why a request got no result: its HTTP status and the message for the client.
@@ -81,10 +73,8 @@ pub enum ResponsePlan {
     Raw { outputs: Vec<usize> },
 }
 
-struct Entry {
-    /// None once answered by the handler (a batch still holds the request).
-    tx: Option<oneshot::Sender<Reply>>,
-    request: Arc<Request>,
+/// What a native request holds until its batch is done.
+struct Held {
     plan: ResponsePlan,
     _inputs: InputOwners,
 }
@@ -126,8 +116,7 @@ const MAX_PADDED_BYTES: usize = 1 << 30;
 pub struct Replies {
     codec: Codec,
     batcher: Arc<Batcher>,
-    entries: Mutex<HashMap<u64, Entry>>,
-    tally: Tally,
+    pending: Pending<oneshot::Sender<Reply>, Held>,
 }
 
 impl Replies {
@@ -135,8 +124,7 @@ impl Replies {
         Replies {
             codec,
             batcher,
-            entries: Mutex::new(HashMap::new()),
-            tally: Tally::default(),
+            pending: Pending::new(),
         }
     }
 
@@ -150,12 +138,7 @@ impl Replies {
 
     /// What this model's native callers saw.
     pub fn tally(&self) -> &Tally {
-        &self.tally
-    }
-
-    fn lock(&self) -> MutexGuard<'_, HashMap<u64, Entry>> {
-        // No code that can panic runs under this lock; a poisoned map is still whole.
-        self.entries.lock().unwrap_or_else(|e| e.into_inner())
+        self.pending.tally()
     }
 
     /// Registers `request` (not queued yet); its result goes to `tx`.
@@ -166,18 +149,16 @@ impl Replies {
         inputs: InputOwners,
         tx: oneshot::Sender<Reply>,
     ) {
-        let entry = Entry {
-            tx: Some(tx),
-            request: request.clone(),
+        let held = Held {
             plan,
             _inputs: inputs,
         };
-        self.lock().insert(request.id, entry);
+        self.pending.register(request, tx, held);
     }
 
     /// Drops the entry of a request the queue refused (it was never queued).
     pub fn unregister(&self, id: u64) {
-        self.lock().remove(&id);
+        self.pending.unregister(id);
     }
 
     /// The handler of request `id` gives up on it (`to`: `Expired` when its
@@ -186,48 +167,25 @@ impl Replies {
     /// Returns true when this call answered it (the caller replies
     /// `outcome`'s error), false when a result was sent first.
     pub fn abandon(&self, id: u64, to: RequestState, outcome: Outcome) -> bool {
-        let mut entries = self.lock();
-        let Some(entry) = entries.get_mut(&id) else {
-            return false;
-        };
-        if entry.tx.take().is_none() {
-            return false;
-        }
-        self.tally.count(outcome);
-        if self.batcher.withdraw(&entry.request, to) {
-            entries.remove(&id); // never read by a worker: its inputs may go
-        }
-        true
+        self.pending
+            .abandon(&*self.batcher, id, to, outcome)
+            .is_some()
     }
 
     /// Answers every request still pending with `failure` (the server stops).
     pub fn fail_all(&self, failure: &Failure, outcome: Outcome) {
-        let mut entries = self.lock();
-        entries.retain(|_, entry| {
-            if let Some(tx) = entry.tx.take() {
-                self.tally.count(outcome);
-                let _ = tx.send(Err(failure.clone()));
-            }
-            !self.batcher.withdraw(&entry.request, RequestState::Closed)
-        });
-    }
-
-    /// Takes the entries of `routes` (those still pending) out of the table.
-    fn take(&self, routes: &[Route]) -> Vec<(Route, Entry)> {
-        let mut entries = self.lock();
-        routes
-            .iter()
-            .filter_map(|r| entries.remove(&r.id).map(|e| (*r, e)))
-            .collect()
+        for tx in self.pending.fail_all(Some(&*self.batcher), outcome) {
+            let _ = tx.send(Err(failure.clone()));
+        }
     }
 
     /// Answers the requests of one batch whose model call failed.
     pub fn fail_batch(&self, routes: &[Route], failure: &Failure) {
-        for (_, entry) in self.take(routes) {
-            if let Some(tx) = entry.tx {
-                self.tally.count(Outcome::ModelError);
-                let _ = tx.send(Err(failure.clone()));
-            }
+        let now = Instant::now();
+        for taken in self.pending.take(routes) {
+            self.pending
+                .count(Outcome::ModelError, taken.enqueued_at, now);
+            let _ = taken.answer.send(Err(failure.clone()));
         }
     }
 
@@ -237,24 +195,20 @@ impl Replies {
     /// here, on the calling thread (a worker, without the GIL).
     pub fn deliver(&self, routes: &[Route], columns: &[Column<'_>], failed: &[(u32, Failure)]) {
         let now = Instant::now();
-        for (route, entry) in self.take(routes) {
-            let Some(tx) = entry.tx else {
-                continue; // answered already (deadline, disconnect)
-            };
+        for taken in self.pending.take(routes) {
+            let route = taken.route;
             let reply = match failed.binary_search_by_key(&route.start, |(start, _)| *start) {
                 Ok(i) => Err(failed[i].1.clone()),
-                Err(_) => self.encode(&route, &entry.plan, columns),
+                Err(_) => self.encode(&route, &taken.held.plan, columns),
             };
             // Counted before the caller can see it: stats() never lags a reply.
-            match &reply {
-                Ok(_) => {
-                    let waited = now.saturating_duration_since(entry.request.enqueued_at);
-                    self.tally.add_request_ns(waited.as_nanos() as u64);
-                    self.tally.count(Outcome::Succeeded);
-                }
-                Err(_) => self.tally.count(Outcome::ModelError),
-            }
-            let _ = tx.send(reply);
+            let outcome = if reply.is_ok() {
+                Outcome::Succeeded
+            } else {
+                Outcome::ModelError
+            };
+            self.pending.count(outcome, taken.enqueued_at, now);
+            let _ = taken.answer.send(reply);
         }
     }
 

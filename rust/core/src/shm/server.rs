@@ -5,11 +5,12 @@
 //! process once ([`SharedServer::deliver`]). The pull thread also reclaims
 //! the slots of clients that closed or died.
 //!
-//! One owner: `pending` holds every request accepted and not yet answered;
-//! whoever removes it from there writes its entry's `DONE` (a batch, a
+//! One owner: every request accepted waits in the core's pending table
+//! ([`crate::pending`]) until its `DONE` is written (by its batch, a
 //! withdrawal, the server stopping), so each is answered exactly once, and
 //! a slot is reclaimed only when none of its requests is pending (a batch
-//! may still be reading its cells).
+//! may still be reading its cells). A client may withdraw a request only
+//! while no batch took it: its cells are the batch's until then.
 //!
 //! What clients can write is checked before use (see "Hostile memory" in
 //! [`crate::shm`]): the server's own state lives here, not in the header;
@@ -18,9 +19,8 @@
 //! malformed is closed and reclaimed. Each such fault is reported once
 //! through [`OnFault`] and counted ([`SharedServer::faults`]).
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -29,7 +29,8 @@ use super::{
     client_state, code, server_state, sleep_unless, state, Descriptor, Peer, Segment, Withdraw,
     POLL, SPIN,
 };
-use crate::{Batcher, CoreError, InputBytes, Outcome, Request, RequestState, Route, Sink, Tally};
+use crate::pending::Pending;
+use crate::{Batcher, CoreError, InputBytes, Outcome, RequestState, Route, Sink, Tally};
 
 /// How the server reports a fault of a client or of the shared ring (a
 /// line for the log; called rarely, from any of the server's threads).
@@ -57,27 +58,13 @@ pub enum Delivery<'a> {
     Failed(&'a str),
 }
 
-#[derive(Debug)]
-struct Held {
+/// The cells of one accepted request: where its `DONE` (and its rows) go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Cell {
     client: u32,
     cell: u32,
     tag: u32,
     rows: u32,
-    request: Arc<Request>,
-}
-
-#[derive(Debug, Default)]
-struct Pending {
-    by_id: HashMap<u64, Held>,
-    by_cell: HashMap<(u32, u32), u64>,
-}
-
-impl Pending {
-    fn remove(&mut self, id: u64) -> Option<Held> {
-        let held = self.by_id.remove(&id)?;
-        self.by_cell.remove(&(held.client, held.cell));
-        Some(held)
-    }
 }
 
 /// One model shared through one segment.
@@ -87,9 +74,12 @@ pub struct SharedServer {
     /// Bytes of one row of each input / output, in the model's order.
     in_rows: Vec<usize>,
     out_rows: Vec<usize>,
-    pending: Mutex<Pending>,
-    /// What the shared clients saw, counted when their entry is written.
-    pub tally: Tally,
+    /// Accepted requests until their `DONE` is written; what the clients
+    /// saw is counted there.
+    pending: Pending<Cell, Cell>,
+    /// The request id last accepted in each cell (`client * cells + cell`),
+    /// to find the one a client withdraws (a stale id finds nothing).
+    cell_ids: Box<[AtomicU64]>,
     /// Client slots reclaimed (closed, or their process died).
     reclaimed: AtomicU64,
     /// Faults handled: ring resets, clients closed for malformed memory.
@@ -125,13 +115,14 @@ impl SharedServer {
         on_fault: OnFault,
     ) -> Result<Arc<SharedServer>, std::io::Error> {
         let clients = segment.config().clients as usize;
+        let cell_count = clients.saturating_mul(segment.config().cells as usize);
         let server = Arc::new(SharedServer {
             segment,
             batcher,
             in_rows,
             out_rows,
-            pending: Mutex::default(),
-            tally: Tally::default(),
+            pending: Pending::new(),
+            cell_ids: (0..cell_count).map(|_| AtomicU64::new(0)).collect(),
             reclaimed: AtomicU64::new(0),
             faults: AtomicU64::new(0),
             on_fault,
@@ -153,14 +144,26 @@ impl SharedServer {
         &self.segment
     }
 
-    fn lock(&self) -> MutexGuard<'_, Pending> {
-        // Nothing under this lock panics; a poisoned map is still whole.
-        self.pending.lock().unwrap_or_else(|e| e.into_inner())
+    /// What the shared clients saw, counted when their entry is written.
+    pub fn tally(&self) -> &Tally {
+        self.pending.tally()
     }
 
-    /// Requests accepted and not answered yet.
+    /// Requests accepted and not yet done with (unanswered, or answered at
+    /// the stop while their batch still reads them).
     pub fn in_flight(&self) -> usize {
-        self.lock().by_id.len()
+        self.pending.len()
+    }
+
+    /// Where cell `cell` of client `client` keeps its request id (both
+    /// checked against the layout by the caller).
+    fn cell_id(&self, client: u32, cell: u32) -> Option<&AtomicU64> {
+        let cells = self.segment.config().cells as usize;
+        self.cell_ids.get(
+            (client as usize)
+                .checked_mul(cells)?
+                .checked_add(cell as usize)?,
+        )
     }
 
     pub fn reclaimed(&self) -> u64 {
@@ -373,7 +376,7 @@ impl SharedServer {
         wake.push(d.client);
         let rows = entry.rows().load(Ordering::Relaxed);
         let fail = |code: u32, outcome: Outcome, message: &str| {
-            self.tally.count(outcome);
+            self.pending.tally().count(outcome);
             self.write_done(d.client, d.cell, d.tag, code, message);
             0
         };
@@ -429,34 +432,31 @@ impl SharedServer {
             priority,
             parameters,
         };
+        let cell = Cell {
+            client: d.client,
+            cell: d.cell,
+            tag: d.tag,
+            rows,
+        };
+        let mut registered = None;
         let submitted = self.batcher.submit_request(
             Sink::SharedMemory(d.client),
             rows as usize,
             inputs.into_boxed_slice(),
             submission,
             |request| {
-                let mut pending = self.lock();
-                pending.by_cell.insert((d.client, d.cell), request.id);
-                pending.by_id.insert(
-                    request.id,
-                    Held {
-                        client: d.client,
-                        cell: d.cell,
-                        tag: d.tag,
-                        rows,
-                        request: request.clone(),
-                    },
-                );
+                registered = Some(request.id);
+                self.pending.register(request, cell, cell);
+                if let Some(id) = self.cell_id(d.client, d.cell) {
+                    id.store(request.id, Ordering::Release);
+                }
             },
         );
         match submitted {
             Ok(_) => rows as usize,
             Err(err) => {
-                {
-                    let mut pending = self.lock();
-                    if let Some(id) = pending.by_cell.get(&(d.client, d.cell)).copied() {
-                        pending.remove(id);
-                    }
+                if let Some(id) = registered {
+                    self.pending.unregister(id);
                 }
                 let (code, outcome) = match err {
                     CoreError::QueueFull { .. } => (code::QUEUE_FULL, Outcome::QueueFull),
@@ -471,13 +471,10 @@ impl SharedServer {
     /// A client gave up on an accepted request: withdrawn unless a batch
     /// took it (then its batch answers it).
     fn withdraw(&self, d: Descriptor, why: Withdraw, wake: &mut Vec<u32>) {
-        let mut pending = self.lock();
-        let Some(&id) = pending.by_cell.get(&(d.client, d.cell)) else {
+        let Some(id) = self.cell_id(d.client, d.cell) else {
             return;
         };
-        let Some(held) = pending.by_id.get(&id) else {
-            return;
-        };
+        let id = id.load(Ordering::Acquire);
         let (to, code, outcome) = match why {
             Withdraw::Cancelled => (RequestState::Cancelled, code::CANCELLED, Outcome::Cancelled),
             Withdraw::Expired => (
@@ -486,54 +483,46 @@ impl SharedServer {
                 Outcome::DeadlineExceeded,
             ),
         };
-        if held.tag != d.tag || !self.batcher.withdraw(&held.request, to) {
-            return;
-        }
-        if let Some(held) = pending.remove(id) {
-            drop(pending);
-            self.tally.count(outcome);
-            self.write_done(held.client, held.cell, held.tag, code, "withdrawn");
-            wake.push(held.client);
+        let this_cell = |c: &Cell| (c.client, c.cell, c.tag) == (d.client, d.cell, d.tag);
+        if let Some((cell, _)) = self
+            .pending
+            .withdraw(&*self.batcher, id, this_cell, to, outcome)
+        {
+            self.write_done(cell.client, cell.cell, cell.tag, code, "withdrawn");
+            wake.push(cell.client);
         }
     }
 
     /// Writes the rows of one finished batch (`routes`: this client's
     /// requests in it) into client `client`'s cells and wakes it once.
     pub fn deliver(&self, client: u32, routes: &[Route], delivery: Delivery<'_>) {
-        let taken: Vec<(Route, Held)> = {
-            let mut pending = self.lock();
-            routes
-                .iter()
-                .filter_map(|r| Some((*r, pending.remove(r.id)?)))
-                .collect()
-        };
+        let taken = self.pending.take(routes);
         if taken.is_empty() {
             return;
         }
         let now = Instant::now();
-        for (route, held) in &taken {
+        for t in &taken {
+            let cell = &t.held;
             let outcome = match delivery {
                 Delivery::Failed(message) => Err(message.to_string()),
                 Delivery::Outputs { columns, failed } => {
-                    match failed.iter().find(|(start, _)| *start == route.start) {
+                    match failed.iter().find(|(start, _)| *start == t.route.start) {
                         Some((_, message)) => Err(message.clone()),
-                        None => self.write_rows(held, route, columns),
+                        None => self.write_rows(cell, &t.route, columns),
                     }
                 }
             };
             match outcome {
                 Ok(()) => {
-                    let waited = now.saturating_duration_since(held.request.enqueued_at);
-                    self.tally.add_request_ns(waited.as_nanos() as u64);
-                    self.tally.count(Outcome::Succeeded);
-                    self.write_done(held.client, held.cell, held.tag, code::OK, "");
+                    self.pending.count(Outcome::Succeeded, t.enqueued_at, now);
+                    self.write_done(cell.client, cell.cell, cell.tag, code::OK, "");
                 }
                 Err(message) => {
-                    self.tally.count(Outcome::ModelError);
+                    self.pending.count(Outcome::ModelError, t.enqueued_at, now);
                     self.write_done(
-                        held.client,
-                        held.cell,
-                        held.tag,
+                        cell.client,
+                        cell.cell,
+                        cell.tag,
                         code::MODEL_ERROR,
                         &message,
                     );
@@ -545,7 +534,7 @@ impl SharedServer {
     }
 
     /// Copies the request's rows of every output into its cells.
-    fn write_rows(&self, held: &Held, route: &Route, columns: &[&[u8]]) -> Result<(), String> {
+    fn write_rows(&self, held: &Cell, route: &Route, columns: &[&[u8]]) -> Result<(), String> {
         if columns.len() != self.out_rows.len() {
             return Err(format!(
                 "the model gave {} outputs, {} expected",
@@ -595,29 +584,14 @@ impl SharedServer {
             if status.load(Ordering::Acquire) != client_state::CLOSING {
                 continue;
             }
-            let left = {
-                let mut pending = self.lock();
-                let ids: Vec<u64> = pending
-                    .by_id
-                    .iter()
-                    .filter(|(_, h)| h.client == client)
-                    .map(|(id, _)| *id)
-                    .collect();
-                let mut left = 0;
-                for id in ids {
-                    let withdrawn = pending
-                        .by_id
-                        .get(&id)
-                        .is_some_and(|h| self.batcher.withdraw(&h.request, RequestState::Closed));
-                    if withdrawn {
-                        pending.remove(id);
-                        self.tally.count(Outcome::Cancelled);
-                    } else {
-                        left += 1; // a batch holds it: its cells are still read
-                    }
-                }
-                left
-            };
+            // A closing slot's requests: withdrawn, counted cancelled (nobody
+            // reads their answers); those a batch holds keep the slot.
+            let (_, left) = self.pending.withdraw_where(
+                &*self.batcher,
+                |cell| cell.client == client,
+                RequestState::Closed,
+                Outcome::Cancelled,
+            );
             if left > 0 {
                 continue;
             }
@@ -671,15 +645,17 @@ impl SharedServer {
     /// the clients the server stopped, wakes them, and removes the file.
     pub fn close(&self, message: &str) {
         self.stop_accepting();
-        let held: Vec<Held> = {
-            let mut pending = self.lock();
-            pending.by_cell.clear();
-            pending.by_id.drain().map(|(_, h)| h).collect()
-        };
-        for h in held {
-            self.batcher.withdraw(&h.request, RequestState::Closed);
-            self.tally.count(Outcome::ServerClosed);
-            self.write_done(h.client, h.cell, h.tag, code::SERVER_CLOSED, message);
+        for cell in self
+            .pending
+            .fail_all(Some(&*self.batcher), Outcome::ServerClosed)
+        {
+            self.write_done(
+                cell.client,
+                cell.cell,
+                cell.tag,
+                code::SERVER_CLOSED,
+                message,
+            );
         }
         self.segment.set_state(server_state::STOPPED);
         for client in 0..self.segment.config().clients {

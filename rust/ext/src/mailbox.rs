@@ -1,9 +1,9 @@
-//! The loop side of fan-out: each event loop's `LoopMailbox`, and what its
-//! callers saw (`Outcome`, `Tally`).
+//! Event loops as a way in: each loop's `LoopMailbox` (its pending
+//! requests' `Ticket`s, what its callers saw, its doorbell).
 //!
 //! A worker finishes a batch with one call (`Worker.finish`): it posts the
 //! batch's outcome into the mailbox of each event loop it has requests from
-//! ([`post_batch`]) and rings that loop's doorbell (an eventfd, or a pipe,
+//! (`LoopRegistry::route_batch`) and rings that loop's doorbell (an eventfd, or a pipe,
 //! the loop watches with `add_reader`) once the GIL is released, so the woken
 //! loop never waits for the GIL the worker still holds. The loop drains
 //! everything posted since its last drain in one callback and resolves each
@@ -24,92 +24,18 @@ use std::io::{Read, Write};
 use std::mem::ManuallyDrop;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
-use ferrobatch_core::{Inbox, Outcome, RequestState, Route, Sink, Tally, Unflushed};
+use ferrobatch_core::{Batcher, Inbox, Outcome, Request, RequestState, Route, Tally, Unflushed};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PySlice, PyTuple};
+use pyo3::types::PyDict;
 
-use crate::batcher::Ticket;
-use crate::errors::{describe, error_class, ferrobatch_error};
-use crate::loops::LoopRegistry;
-use crate::native;
-use crate::shm;
-
-/// What a caller that got `error` saw.
-pub(crate) fn outcome_of_error(py: Python<'_>, error: &Bound<'_, PyAny>) -> Outcome {
-    let classes = [
-        ("InvalidInputError", Outcome::InvalidInput),
-        ("QueueFullError", Outcome::QueueFull),
-        ("DeadlineExceededError", Outcome::DeadlineExceeded),
-        ("ServerClosedError", Outcome::ServerClosed),
-    ];
-    for (class, outcome) in classes {
-        if error_class(py, class).is_ok_and(|c| error.is_instance(&c).unwrap_or(false)) {
-            return outcome;
-        }
-    }
-    Outcome::ModelError
-}
-
-/// What the callers of a batch whose model call raised `error` get: a
-/// `ModelError` naming the model, caused by `error` (unless it is one
-/// already). `what` says how the batch failed ("raised", or why its rows
-/// could not be delivered). The message is made once, and cannot raise.
-pub(crate) struct ModelFailure {
-    message: String,
-    cause: Option<Py<PyAny>>,
-}
-
-impl ModelFailure {
-    pub(crate) fn new(
-        py: Python<'_>,
-        model_name: &str,
-        error: &Bound<'_, PyAny>,
-        what: &str,
-    ) -> ModelFailure {
-        let is_model_error =
-            error_class(py, "ModelError").is_ok_and(|c| error.is_instance(&c).unwrap_or(false));
-        let text = describe(py, &PyErr::from_value(error.clone()));
-        if is_model_error {
-            ModelFailure {
-                message: format!("model '{model_name}': {text}"),
-                cause: None,
-            }
-        } else {
-            ModelFailure {
-                message: format!("model '{model_name}' {what} {text}"),
-                cause: Some(error.clone().unbind()),
-            }
-        }
-    }
-
-    /// The message every caller of the failed batch gets.
-    pub(crate) fn message(&self) -> &str {
-        &self.message
-    }
-
-    /// A fresh `ModelError` for one caller: one instance raised in many
-    /// tasks or threads would collect all their tracebacks.
-    pub(crate) fn error(&self, py: Python<'_>) -> PyErr {
-        let err = ferrobatch_error(py, "ModelError", self.message.clone());
-        if let Some(cause) = &self.cause {
-            err.set_cause(py, Some(PyErr::from_value(cause.bind(py).clone())));
-        }
-        err
-    }
-}
-
-/// A finished batch's outcome: its `outputs` (`{name: batch tensor}`) or the
-/// error its model call raised.
-pub(crate) type BatchOutcome = Result<Py<PyDict>, Py<PyAny>>;
-
-/// Requests of a batch that failed alone, by their first row (sorted):
-/// each gets `ModelError` caused by its exception.
-pub(crate) type FailedRows = Arc<Vec<(u32, Py<PyAny>)>>;
+use crate::errors::ferrobatch_error;
+use crate::inputs::Keep;
+use crate::results::{outcome_of_error, BatchOutcome, FailedRows, ModelFailure, ResultRows};
 
 /// One batch's outcome for one loop, waiting to be drained.
 struct Post {
@@ -142,67 +68,6 @@ pub(crate) fn ring_fd(fd: RawFd, eventfd: bool) {
     } else {
         file.write(&[1u8])
     };
-}
-
-/// Posts a finished batch to the mailbox of each loop it has requests from.
-/// Returns the mailboxes whose doorbell must ring (after the GIL is
-/// released); a loop without a doorbell is woken here with
-/// `call_soon_threadsafe`. A loop dropped from the registry (closed) is
-/// skipped: nobody awaits its requests any more.
-pub(crate) fn post_batch(
-    py: Python<'_>,
-    registry: &LoopRegistry,
-    groups: &[(Sink, Arc<Vec<Route>>)],
-    outcome: &BatchOutcome,
-    failed: Option<&FailedRows>,
-) -> Vec<Py<LoopMailbox>> {
-    let mut to_ring = Vec::new();
-    for (sink, routes) in groups {
-        let loop_id = match sink {
-            Sink::EventLoop(loop_id) => loop_id,
-            Sink::Connection(_) => {
-                if let Some(native) = registry.native() {
-                    native::deliver(py, &native, routes, outcome, failed);
-                }
-                continue;
-            }
-            Sink::Thread => {
-                registry.threads.deliver(py, routes, outcome, failed);
-                continue;
-            }
-            Sink::SharedMemory(client) => {
-                if let Some(shared) = registry.shared() {
-                    shm::deliver(py, &shared, *client, routes, outcome, failed);
-                }
-                continue;
-            }
-        };
-        let Some(mailbox) = registry.get(py, *loop_id) else {
-            continue;
-        };
-        let outcome = match outcome {
-            Ok(outputs) => Ok(outputs.clone_ref(py)),
-            Err(error) => Err(error.clone_ref(py)),
-        };
-        if !mailbox.get().post(routes.clone(), outcome, failed.cloned()) {
-            continue; // the loop is already due to drain
-        }
-        if mailbox.get().doorbell.get().is_some() {
-            to_ring.push(mailbox);
-        } else {
-            let drain = mailbox.bind(py).getattr(intern!(py, "drain"));
-            let woken = drain.and_then(|drain| {
-                mailbox.get().event_loop.call_method1(
-                    py,
-                    intern!(py, "call_soon_threadsafe"),
-                    (drain,),
-                )
-            });
-            // A closed loop: nobody is left to await these requests.
-            drop(woken);
-        }
-    }
-    to_ring
 }
 
 /// Rings the doorbells of `mailboxes` (call with the GIL released; the
@@ -375,7 +240,7 @@ impl LoopMailbox {
 
     /// Posts a batch's outcome (worker thread). True when this post must
     /// wake the loop.
-    fn post(
+    pub(crate) fn post(
         &self,
         routes: Arc<Vec<Route>>,
         outcome: BatchOutcome,
@@ -646,108 +511,94 @@ impl LoopMailbox {
     }
 }
 
-/// A finished batch's outputs (`{name: batch tensor}`), cut into each
-/// request's result: `{name: outputs[name][start:start + rows]}` for a
-/// multi-row request, `{name: outputs[name].unbind(0)[start]}` for a
-/// one-sample one (each output unbound at most once per batch, and only if
-/// a one-sample request needs it). The one place every Python sink owner
-/// (event loops, thread waiters) takes rows from.
-pub(crate) struct ResultRows<'py> {
-    py: Python<'py>,
-    columns: Vec<Column<'py>>,
-}
-
-/// One output of a batch: its name, the batch tensor, and its rows once a
-/// one-sample request needs them.
-struct Column<'py> {
-    name: Bound<'py, PyAny>,
-    whole: Bound<'py, PyAny>,
-    rows: Option<Bound<'py, PyTuple>>,
-    kind: ColumnKind,
-}
-
-/// What a batch output is, so how a request's rows are taken from it.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum ColumnKind {
-    /// A torch tensor: unbound once per batch for one-sample requests.
-    Tensor,
-    /// Anything with `request_rows(start, rows, batched)` (a
-    /// variable-length output, which knows each row's length).
-    Rows,
-    /// Anything indexable by row (a numpy object array of BYTES).
-    Indexed,
-}
-
-impl<'py> ResultRows<'py> {
-    pub(crate) fn new(outputs: &Bound<'py, PyDict>) -> ResultRows<'py> {
-        let py = outputs.py();
-        let columns = outputs
-            .iter()
-            .map(|(name, whole)| {
-                let has = |attr| whole.hasattr(attr).unwrap_or(false);
-                let kind = if has(intern!(py, "unbind")) {
-                    ColumnKind::Tensor
-                } else if has(intern!(py, "request_rows")) {
-                    ColumnKind::Rows
-                } else {
-                    ColumnKind::Indexed
-                };
-                Column {
-                    name,
-                    whole,
-                    rows: None,
-                    kind,
-                }
-            })
-            .collect();
-        ResultRows {
-            py: outputs.py(),
-            columns,
-        }
-    }
-
-    /// The result of the request `route` routes (`batched`: a multi-row
-    /// request, whose result keeps the batch dimension).
-    pub(crate) fn result(&mut self, route: &Route, batched: bool) -> PyResult<Bound<'py, PyDict>> {
-        let py = self.py;
-        let result = PyDict::new(py);
-        let start = route.start as usize;
-        for column in &mut self.columns {
-            let value = if column.kind == ColumnKind::Rows {
-                column.whole.call_method1(
-                    intern!(py, "request_rows"),
-                    (start, route.rows as usize, batched),
-                )?
-            } else if batched {
-                let end = start.saturating_add(route.rows as usize);
-                let (Ok(start), Ok(end)) = (isize::try_from(start), isize::try_from(end)) else {
-                    return Err(PyRuntimeError::new_err("row index out of range"));
-                };
-                column.whole.get_item(PySlice::new(py, start, end, 1))?
-            } else if column.kind == ColumnKind::Indexed {
-                column.whole.get_item(start)?
-            } else {
-                let rows = match &mut column.rows {
-                    Some(rows) => rows,
-                    none => none.insert(
-                        column
-                            .whole
-                            .call_method1(intern!(py, "unbind"), (0,))?
-                            .cast_into::<PyTuple>()?,
-                    ),
-                };
-                rows.get_item(start)?
-            };
-            result.set_item(&column.name, value)?;
-        }
-        Ok(result)
-    }
-}
-
 fn is_done(future: &Bound<'_, PyAny>) -> bool {
     let py = future.py();
     future
         .call_method0(intern!(py, "done"))
         .and_then(|d| d.is_truthy())
         .unwrap_or(true)
+}
+
+/// One submitted request: its future, deadline timer, and the caller's input
+/// objects, held alive until the request is resolved or withdrawn
+/// (`withdraw` returned True); its loop's `pending` holds it until then.
+///
+/// Not seen by Python's cycle collector (cheaper per request), so nothing the
+/// ticket refers to may refer back to it once it is resolved: callers await
+/// its future without keeping the ticket, and the deadline timer (whose
+/// callback holds the ticket) is dropped by `cancel_timer` on every path.
+#[pyclass(frozen, module = "ferrobatch._core")]
+pub struct Ticket {
+    request: Arc<Request>,
+    batcher: Arc<Batcher>,
+    /// Resolved once, on the submitting loop, with the outputs or an error.
+    pub(crate) future: Py<PyAny>,
+    /// The deadline's TimerHandle (its callback args hold the mailbox and
+    /// the request id): cancelled and dropped when the request resolves.
+    timer: Mutex<Option<Py<PyAny>>>,
+    /// A multi-row request (`infer_batch`): its result keeps the batch dimension.
+    pub(crate) batched: bool,
+    _keep: Vec<Keep>,
+}
+
+impl Ticket {
+    pub(crate) fn new(
+        request: Arc<Request>,
+        batcher: Arc<Batcher>,
+        future: Py<PyAny>,
+        batched: bool,
+        keep: Vec<Keep>,
+    ) -> Ticket {
+        Ticket {
+            request,
+            batcher,
+            future,
+            timer: Mutex::new(None),
+            batched,
+            _keep: keep,
+        }
+    }
+
+    pub(crate) fn enqueued_at(&self) -> Instant {
+        self.request.enqueued_at
+    }
+
+    /// True if the request has a deadline (a timeout short enough to
+    /// represent; a longer one means none).
+    pub(crate) fn has_deadline(&self) -> bool {
+        self.request.deadline.is_some()
+    }
+
+    /// Remembers the request's deadline timer, cancelled when it resolves.
+    pub(crate) fn set_timer(&self, handle: Py<PyAny>) {
+        *self.timer.lock().unwrap_or_else(|e| e.into_inner()) = Some(handle);
+    }
+
+    /// Cancels the deadline timer, if any, and lets go of it.
+    pub(crate) fn cancel_timer(&self, py: Python<'_>) -> PyResult<()> {
+        let timer = self.timer.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(timer) = timer {
+            timer.call_method0(py, intern!(py, "cancel"))?;
+        }
+        Ok(())
+    }
+
+    /// Withdraws the request (`to`: `Cancelled`, `Expired` or `Closed`).
+    /// True if it will never run; False if a batch already took it.
+    pub(crate) fn withdraw_as(&self, to: RequestState) -> bool {
+        self.batcher.withdraw(&self.request, to)
+    }
+}
+
+#[pymethods]
+impl Ticket {
+    #[getter]
+    pub(crate) fn id(&self) -> u64 {
+        self.request.id
+    }
+
+    #[getter]
+    fn future(&self, py: Python<'_>) -> Py<PyAny> {
+        self.future.clone_ref(py)
+    }
 }

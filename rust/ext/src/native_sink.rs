@@ -1,0 +1,120 @@
+//! The native front-end as a way in: a model it serves has a [`NativeSink`]
+//! in its `LoopRegistry`, holding the front-end's replies for that model
+//! (the core's pending table), the codec that reads its outputs, and the
+//! Python hook that words a model failure for remote clients (and logs it).
+//! A finished batch's `Sink::Connection` rows come to [`deliver`]: the
+//! outputs are read once per batch (with the GIL), then every request's
+//! response is encoded and its handler woken without it.
+
+use std::sync::Arc;
+
+use ferrobatch_core::{Outcome, Route};
+use ferrobatch_serve::{Column, Failure, Replies, VaryingRows};
+use pyo3::prelude::*;
+
+use crate::codec::V2Codec;
+use crate::results::{BatchOutcome, FailedRows};
+use crate::without_gil;
+
+/// Where a model's natively submitted requests are answered.
+pub(crate) struct NativeSink {
+    pub replies: Arc<Replies>,
+    codec: Py<V2Codec>,
+    /// `describe(error) -> str`: the message a remote client gets for a
+    /// model failure (logging it once).
+    describe: Py<PyAny>,
+}
+
+impl NativeSink {
+    pub(crate) fn new(
+        replies: Arc<Replies>,
+        codec: Py<V2Codec>,
+        describe: Py<PyAny>,
+    ) -> NativeSink {
+        NativeSink {
+            replies,
+            codec,
+            describe,
+        }
+    }
+
+    fn failure(&self, py: Python<'_>, error: &Bound<'_, PyAny>) -> Failure {
+        let message = self
+            .describe
+            .bind(py)
+            .call1((error,))
+            .and_then(|m| m.extract::<String>())
+            .unwrap_or_else(|_| format!("model '{}' failed", self.replies.codec().model()));
+        Failure::new(500, message)
+    }
+}
+
+/// Answers the native requests (`routes`) of one finished batch.
+pub(crate) fn deliver(
+    py: Python<'_>,
+    sink: &NativeSink,
+    routes: &[Route],
+    outcome: &BatchOutcome,
+    failed: Option<&FailedRows>,
+) {
+    let replies = &sink.replies;
+    let outputs = match outcome {
+        Ok(outputs) => outputs.bind(py),
+        Err(error) => {
+            let failure = sink.failure(py, error.bind(py));
+            without_gil(py, || replies.fail_batch(routes, &failure));
+            return;
+        }
+    };
+    let failed: Vec<(u32, Failure)> = failed
+        .map(|rows| {
+            rows.iter()
+                .map(|(start, error)| (*start, sink.failure(py, error.bind(py))))
+                .collect()
+        })
+        .unwrap_or_default();
+    let codec = sink.codec.get();
+    let read = codec.read_outputs(py, outputs);
+    let mut read = match read {
+        Ok(read) => read,
+        Err(err) => {
+            let failure = sink.failure(py, err.value(py));
+            without_gil(py, || replies.fail_batch(routes, &failure));
+            return;
+        }
+    };
+    let columns: Vec<(Vec<u64>, usize, usize, Option<VaryingRows>)> = read
+        .iter_mut()
+        .map(|r| (r.shape.clone(), r.ptr, r.len, r.rows.take()))
+        .collect();
+    without_gil(py, || {
+        let columns: Vec<Column<'_>> = columns
+            .iter()
+            .map(|(shape, ptr, len, rows)| Column {
+                shape,
+                // SAFETY: each (ptr, len) is a contiguous CPU tensor's bytes
+                // (or serialized BYTES), kept alive by `read` (outside this
+                // closure, which it outlives).
+                data: unsafe { crate::codec::bytes_at(*ptr, *len) },
+                rows: rows.as_ref(),
+            })
+            .collect();
+        replies.deliver(routes, &columns, &failed);
+    });
+    drop(read);
+}
+
+/// `{outcome: requests}` of a native sink, added into a registry's stats.
+pub(crate) fn add_counts(
+    sink: &NativeSink,
+    counts: &mut [u64; ferrobatch_core::OUTCOMES],
+    request_ns: &mut u64,
+) {
+    sink.replies.tally().add_to(counts, request_ns);
+}
+
+/// Answers the native requests still pending with 503 (the server stops).
+pub(crate) fn fail_all(sink: &NativeSink, message: &str) {
+    sink.replies
+        .fail_all(&Failure::new(503, message), Outcome::ServerClosed);
+}

@@ -1,0 +1,185 @@
+//! What callers of a finished batch get, for every way in that answers
+//! with Python objects (event loops, blocked threads) or words a failure
+//! from them (the native front-end, shared memory): a batch's outcome, the
+//! `ModelError` of a failed batch or row, and each request's rows of the
+//! outputs.
+
+use std::sync::Arc;
+
+use ferrobatch_core::{Outcome, Route};
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PySlice, PyTuple};
+
+use crate::errors::{describe, error_class, ferrobatch_error};
+
+/// What a caller that got `error` saw.
+pub(crate) fn outcome_of_error(py: Python<'_>, error: &Bound<'_, PyAny>) -> Outcome {
+    let classes = [
+        ("InvalidInputError", Outcome::InvalidInput),
+        ("QueueFullError", Outcome::QueueFull),
+        ("DeadlineExceededError", Outcome::DeadlineExceeded),
+        ("ServerClosedError", Outcome::ServerClosed),
+    ];
+    for (class, outcome) in classes {
+        if error_class(py, class).is_ok_and(|c| error.is_instance(&c).unwrap_or(false)) {
+            return outcome;
+        }
+    }
+    Outcome::ModelError
+}
+
+/// What the callers of a batch whose model call raised `error` get: a
+/// `ModelError` naming the model, caused by `error` (unless it is one
+/// already). `what` says how the batch failed ("raised", or why its rows
+/// could not be delivered). The message is made once, and cannot raise.
+pub(crate) struct ModelFailure {
+    message: String,
+    cause: Option<Py<PyAny>>,
+}
+
+impl ModelFailure {
+    pub(crate) fn new(
+        py: Python<'_>,
+        model_name: &str,
+        error: &Bound<'_, PyAny>,
+        what: &str,
+    ) -> ModelFailure {
+        let is_model_error =
+            error_class(py, "ModelError").is_ok_and(|c| error.is_instance(&c).unwrap_or(false));
+        let text = describe(py, &PyErr::from_value(error.clone()));
+        if is_model_error {
+            ModelFailure {
+                message: format!("model '{model_name}': {text}"),
+                cause: None,
+            }
+        } else {
+            ModelFailure {
+                message: format!("model '{model_name}' {what} {text}"),
+                cause: Some(error.clone().unbind()),
+            }
+        }
+    }
+
+    /// The message every caller of the failed batch gets.
+    pub(crate) fn message(&self) -> &str {
+        &self.message
+    }
+
+    /// A fresh `ModelError` for one caller: one instance raised in many
+    /// tasks or threads would collect all their tracebacks.
+    pub(crate) fn error(&self, py: Python<'_>) -> PyErr {
+        let err = ferrobatch_error(py, "ModelError", self.message.clone());
+        if let Some(cause) = &self.cause {
+            err.set_cause(py, Some(PyErr::from_value(cause.bind(py).clone())));
+        }
+        err
+    }
+}
+
+/// A finished batch's outcome: its `outputs` (`{name: batch tensor}`) or the
+/// error its model call raised.
+pub(crate) type BatchOutcome = Result<Py<PyDict>, Py<PyAny>>;
+
+/// Requests of a batch that failed alone, by their first row (sorted):
+/// each gets `ModelError` caused by its exception.
+pub(crate) type FailedRows = Arc<Vec<(u32, Py<PyAny>)>>;
+
+/// A finished batch's outputs (`{name: batch tensor}`), cut into each
+/// request's result: `{name: outputs[name][start:start + rows]}` for a
+/// multi-row request, `{name: outputs[name].unbind(0)[start]}` for a
+/// one-sample one (each output unbound at most once per batch, and only if
+/// a one-sample request needs it). The one place every Python sink owner
+/// (event loops, thread waiters) takes rows from.
+pub(crate) struct ResultRows<'py> {
+    py: Python<'py>,
+    columns: Vec<Column<'py>>,
+}
+
+/// One output of a batch: its name, the batch tensor, and its rows once a
+/// one-sample request needs them.
+struct Column<'py> {
+    name: Bound<'py, PyAny>,
+    whole: Bound<'py, PyAny>,
+    rows: Option<Bound<'py, PyTuple>>,
+    kind: ColumnKind,
+}
+
+/// What a batch output is, so how a request's rows are taken from it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum ColumnKind {
+    /// A torch tensor: unbound once per batch for one-sample requests.
+    Tensor,
+    /// Anything with `request_rows(start, rows, batched)` (a
+    /// variable-length output, which knows each row's length).
+    Rows,
+    /// Anything indexable by row (a numpy object array of BYTES).
+    Indexed,
+}
+
+impl<'py> ResultRows<'py> {
+    pub(crate) fn new(outputs: &Bound<'py, PyDict>) -> ResultRows<'py> {
+        let py = outputs.py();
+        let columns = outputs
+            .iter()
+            .map(|(name, whole)| {
+                let has = |attr| whole.hasattr(attr).unwrap_or(false);
+                let kind = if has(intern!(py, "unbind")) {
+                    ColumnKind::Tensor
+                } else if has(intern!(py, "request_rows")) {
+                    ColumnKind::Rows
+                } else {
+                    ColumnKind::Indexed
+                };
+                Column {
+                    name,
+                    whole,
+                    rows: None,
+                    kind,
+                }
+            })
+            .collect();
+        ResultRows {
+            py: outputs.py(),
+            columns,
+        }
+    }
+
+    /// The result of the request `route` routes (`batched`: a multi-row
+    /// request, whose result keeps the batch dimension).
+    pub(crate) fn result(&mut self, route: &Route, batched: bool) -> PyResult<Bound<'py, PyDict>> {
+        let py = self.py;
+        let result = PyDict::new(py);
+        let start = route.start as usize;
+        for column in &mut self.columns {
+            let value = if column.kind == ColumnKind::Rows {
+                column.whole.call_method1(
+                    intern!(py, "request_rows"),
+                    (start, route.rows as usize, batched),
+                )?
+            } else if batched {
+                let end = start.saturating_add(route.rows as usize);
+                let (Ok(start), Ok(end)) = (isize::try_from(start), isize::try_from(end)) else {
+                    return Err(PyRuntimeError::new_err("row index out of range"));
+                };
+                column.whole.get_item(PySlice::new(py, start, end, 1))?
+            } else if column.kind == ColumnKind::Indexed {
+                column.whole.get_item(start)?
+            } else {
+                let rows = match &mut column.rows {
+                    Some(rows) => rows,
+                    none => none.insert(
+                        column
+                            .whole
+                            .call_method1(intern!(py, "unbind"), (0,))?
+                            .cast_into::<PyTuple>()?,
+                    ),
+                };
+                rows.get_item(start)?
+            };
+            result.set_item(&column.name, value)?;
+        }
+        Ok(result)
+    }
+}

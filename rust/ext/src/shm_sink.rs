@@ -1,0 +1,178 @@
+//! Shared memory as a way in, server side: a shared model has a
+//! [`SharedSink`] in its `LoopRegistry`, to which its batches'
+//! `Sink::SharedMemory` rows go ([`deliver`]): outputs read once per batch
+//! (with the GIL), rows copied into the clients' cells and each client woken
+//! without it. The requests themselves wait in the core's
+//! `SharedServer` (its pending table).
+
+use std::sync::Arc;
+
+use ferrobatch_core::shm::Delivery;
+use ferrobatch_core::{DType, Route, Tally};
+use pyo3::exceptions::PyValueError;
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyString};
+
+use crate::results::{BatchOutcome, FailedRows, ModelFailure};
+use crate::without_gil;
+
+/// One output as the binding reads it: name, dtype, per-sample shape.
+pub(crate) struct OutputSpec {
+    pub(crate) key: Py<PyString>,
+    pub(crate) torch_dtype: Py<PyAny>,
+    pub(crate) shape: Vec<usize>,
+    pub(crate) row_nbytes: usize,
+}
+
+pub(crate) type SpecTuple = (String, String, Vec<usize>, Py<PyAny>);
+
+pub(crate) fn output_specs(py: Python<'_>, outputs: Vec<SpecTuple>) -> PyResult<Vec<OutputSpec>> {
+    outputs
+        .into_iter()
+        .map(|(name, dtype, shape, torch_dtype)| {
+            let parsed = DType::parse(&dtype).ok_or_else(|| {
+                PyValueError::new_err(format!("output '{name}': unknown dtype '{dtype}'"))
+            })?;
+            let spec =
+                ferrobatch_core::InputSpec::new(&name, parsed, shape.clone()).ok_or_else(|| {
+                    PyValueError::new_err(format!("output '{name}': its shape is too large"))
+                })?;
+            Ok(OutputSpec {
+                key: PyString::intern(py, &name).unbind(),
+                torch_dtype,
+                shape,
+                row_nbytes: spec.row_nbytes,
+            })
+        })
+        .collect()
+}
+
+/// Where a model's shared-memory requests are answered (in its registry).
+pub(crate) struct SharedSink {
+    server: Arc<ferrobatch_core::shm::SharedServer>,
+    model_name: Arc<str>,
+    outputs: Vec<OutputSpec>,
+}
+
+impl SharedSink {
+    pub(crate) fn new(
+        server: Arc<ferrobatch_core::shm::SharedServer>,
+        model_name: Arc<str>,
+        outputs: Vec<OutputSpec>,
+    ) -> SharedSink {
+        SharedSink {
+            server,
+            model_name,
+            outputs,
+        }
+    }
+
+    pub(crate) fn tally(&self) -> &Tally {
+        self.server.tally()
+    }
+}
+
+/// Answers client `client`'s requests (`routes`) of one finished batch.
+pub(crate) fn deliver(
+    py: Python<'_>,
+    sink: &SharedSink,
+    client: u32,
+    routes: &[Route],
+    outcome: &BatchOutcome,
+    failed: Option<&FailedRows>,
+) {
+    let server = &sink.server;
+    let fail = |message: &str| {
+        without_gil(py, || {
+            server.deliver(client, routes, Delivery::Failed(message))
+        })
+    };
+    let outputs = match outcome {
+        Ok(outputs) => outputs.bind(py),
+        Err(error) => {
+            let failure = ModelFailure::new(py, &sink.model_name, error.bind(py), "raised");
+            return fail(failure.message());
+        }
+    };
+    let failed: Vec<(u32, String)> = failed
+        .map(|rows| {
+            rows.iter()
+                .map(|(start, error)| {
+                    let failure = ModelFailure::new(py, &sink.model_name, error.bind(py), "raised");
+                    (*start, failure.message().to_owned())
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let read: PyResult<Vec<(Bound<'_, PyAny>, usize, usize)>> = sink
+        .outputs
+        .iter()
+        .map(|spec| read_output(py, outputs, spec))
+        .collect();
+    let read = match read {
+        Ok(read) => read,
+        Err(err) => {
+            let what = "returned outputs its rows could not be taken from:";
+            let failure = ModelFailure::new(py, &sink.model_name, err.value(py), what);
+            return fail(failure.message());
+        }
+    };
+    let columns: Vec<(usize, usize)> = read.iter().map(|(_, ptr, len)| (*ptr, *len)).collect();
+    without_gil(py, || {
+        let columns: Vec<&[u8]> = columns
+            .iter()
+            .map(|&(ptr, len)| {
+                if len == 0 {
+                    return &[][..];
+                }
+                // SAFETY: each (ptr, len) is a contiguous CPU tensor's bytes,
+                // kept alive by `read` (outside this closure, which it outlives).
+                unsafe { std::slice::from_raw_parts(ptr as *const u8, len) }
+            })
+            .collect();
+        server.deliver(
+            client,
+            routes,
+            Delivery::Outputs {
+                columns: &columns,
+                failed: &failed,
+            },
+        );
+    });
+    drop(read);
+}
+
+/// One output of a batch as contiguous CPU bytes of its declared dtype:
+/// the tensor (kept alive by the caller), its data pointer and length.
+pub(crate) fn read_output<'py>(
+    py: Python<'py>,
+    outputs: &Bound<'py, PyDict>,
+    spec: &OutputSpec,
+) -> PyResult<(Bound<'py, PyAny>, usize, usize)> {
+    let key = spec.key.bind(py);
+    let tensor = outputs
+        .get_item(key)?
+        .ok_or_else(|| PyValueError::new_err(format!("the model returned no output '{key}'")))?;
+    let tensor = crate::codec::host_contiguous(py, tensor, spec.torch_dtype.bind(py))?;
+    let shape: Vec<usize> = tensor.getattr(intern!(py, "shape"))?.extract()?;
+    if shape.get(1..) != Some(&spec.shape[..]) {
+        return Err(PyValueError::new_err(format!(
+            "output '{key}' has shape {shape:?}, expected [rows, {}]",
+            spec.shape
+                .iter()
+                .map(|d| d.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )));
+    }
+    let len = shape[0]
+        .checked_mul(spec.row_nbytes)
+        .ok_or_else(|| PyValueError::new_err(format!("output '{key}' is too large")))?;
+    let ptr: usize = if len == 0 {
+        0
+    } else {
+        tensor.call_method0(intern!(py, "data_ptr"))?.extract()?
+    };
+    Ok((tensor, ptr, len))
+}

@@ -1,0 +1,54 @@
+"""The binding crate's modules form layers: no import circle among them
+(each concern has one owner, and reading one module never needs another
+that needs it back)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+EXT = Path(__file__).resolve().parent.parent / "rust" / "ext" / "src"
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Module -> the sibling modules it names (``crate::name``)."""
+    modules = {p.stem for p in EXT.glob("*.rs")} - {"lib"}
+    graph: dict[str, set[str]] = {}
+    for name in modules:
+        text = (EXT / f"{name}.rs").read_text()
+        used = set(re.findall(r"crate::([a-z_]+)", text)) & modules
+        graph[name] = used - {name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (cycle := visit(nxt)) is not None:
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)) is not None:
+            return cycle
+    return None
+
+
+def test_the_binding_crate_has_no_import_circle() -> None:
+    graph = module_graph()
+    assert len(graph) >= 10, graph  # the crate's modules were found
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
