@@ -138,7 +138,7 @@ def test_first_value_under_batch_squeezes_and_checks_the_values_are_equal() -> N
         Request({"x": rows(1), "temperature": np.float32([[0.5]])}),
         Request({"x": rows(1), "temperature": np.float32([[0.7]])}),
     ]
-    with pytest.raises(PyTritonRuntimeError, match="not all equal"):
+    with pytest.raises(PyTritonRuntimeError, match="input are not equal"):
         infer(unequal)
 
     @batch
@@ -945,3 +945,72 @@ def test_variable_dimensions_anywhere_reach_each_request_unpadded() -> None:
     assert any(len({shape[2] for shape in c}) > 1 for c in calls), calls  # several lengths in one call
     with pytest.raises(PyTritonModelConfigError, match="first dimension only"):
         ephemeral().bind("b", infer, [Tensor(name="s", dtype=bytes, shape=(2, -1))], [Y])
+
+
+def test_bind_gives_each_callable_its_context_which_any_wrapt_decorator_reads() -> None:
+    import wrapt
+
+    from ferrobatch.triton.decorators import get_model_config
+
+    seen: list[str] = []
+
+    @wrapt.decorator
+    def records_its_model(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        seen.append(get_model_config(wrapped, instance).model_name)
+        return wrapped(*args, **kwargs)
+
+    class Model:
+        @records_its_model
+        @batch
+        def __call__(self, x: np.ndarray) -> dict[str, np.ndarray]:
+            return {"y": x * 2}
+
+    function_model = records_its_model(batch(lambda x: {"y": x + 1}))
+    method_model = Model()
+    triton = Triton(config=TritonConfig(http_port=0, grpc_port=0))
+    triton.bind("f", function_model, [X], [Y])
+    triton.bind("m", method_model, [X], [Y])
+    assert function_model.__triton_context__ is method_model.__triton_context__  # type: ignore[attr-defined]
+    np.testing.assert_array_equal(function_model([Request({"x": rows(1)})])[0]["y"], rows(1) + 1)
+    np.testing.assert_array_equal(method_model([Request({"x": rows(2)})])[0]["y"], rows(2) * 2)
+    assert seen == ["f", "m"]  # outside any server call: found through the callables alone
+
+
+def test_fill_optionals_fills_what_each_request_left_out_and_checks_the_defaults() -> None:
+    from ferrobatch.triton.decorators import TritonContext, fill_optionals
+    from ferrobatch.triton.exceptions import PyTritonBadParameterError
+    from ferrobatch.triton.model_config.triton_model_config import TensorSpec, TritonModelConfig
+    from ferrobatch.triton.models.model import inject_triton_context
+
+    @fill_optionals(k=np.int64([7, 8]))
+    def infer(requests: list[Request]) -> list[dict[str, np.ndarray]]:
+        return [dict(r) for r in requests]
+
+    def bind(function: Any, dtype: Any = np.int64, batching: bool = True) -> None:
+        context = TritonContext()
+        specs = [TensorSpec("x", (2,), np.int64), TensorSpec("k", (2,), dtype, optional=True)]
+        context.model_configs[function] = TritonModelConfig("m", batching=batching, inputs=specs, outputs=specs)
+        inject_triton_context(context, function)
+
+    bind(infer)
+    given = np.int64([[1, 2]])
+    out = infer([Request({"x": np.int64([[0, 0], [1, 1]])}), Request({"x": np.int64([[2, 2]]), "k": given})])
+    np.testing.assert_array_equal(out[0]["k"], [[7, 8], [7, 8]])  # repeated to the request's rows
+    np.testing.assert_array_equal(out[1]["k"], given)  # given: kept
+    bind(infer, batching=False)
+    np.testing.assert_array_equal(infer([Request({"x": np.int64([0, 0])})])[0]["k"], [7, 8])
+    bind(infer, dtype=np.int32)
+    with pytest.raises(PyTritonBadParameterError, match="dtype=int64 of its default"):
+        infer([Request({"x": rows(1)})])
+
+
+def test_batch_splits_each_result_a_generator_yields() -> None:
+    @batch
+    def stream(x: np.ndarray) -> Iterator[dict[str, np.ndarray]]:
+        for step in range(3):
+            yield {"y": x + step}
+
+    parts = list(stream([Request({"x": rows(2)}), Request({"x": rows(1)})]))
+    assert len(parts) == 3 and all(len(p) == 2 for p in parts)  # per yield: one response per request
+    np.testing.assert_array_equal(parts[2][0]["y"], rows(2) + 2)
+    np.testing.assert_array_equal(parts[2][1]["y"], rows(1) + 2)

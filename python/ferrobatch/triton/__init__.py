@@ -19,17 +19,19 @@
         triton.serve()
 
 The submodules mirror PyTriton's (``pytriton.X`` is ``ferrobatch.triton.X``):
-:mod:`.triton`, :mod:`.model_config`, :mod:`.decorators`, :mod:`.exceptions`,
-and :mod:`.client` (``ModelClient``, on tritonclient).
+:mod:`.triton`, :mod:`.model_config` (and ``.model_config.triton_model_config``),
+:mod:`.decorators`, :mod:`.exceptions`, :mod:`.constants`, :mod:`.proxy.types`,
+:mod:`.models.model` and :mod:`.client` (``ModelClient``, on tritonclient).
 Each bound model is a :class:`ferrobatch.Server` (``triton.servers``) served
 by ferrobatch's own HTTP and gRPC front-end; tritonclient and PyTriton's
 ``ModelClient`` talk to it as to Triton.
 """
 
-from ._binding import Request, TritonContext, TritonModelConfig
+from ._binding import Request, TritonContext
 from .decorators import (
     ConstantPadder,
     batch,
+    fill_optionals,
     first_value,
     group_by_keys,
     group_by_values,
@@ -48,6 +50,7 @@ from .exceptions import (
     UnrecoverableError,
 )
 from .model_config import DeviceKind, DynamicBatcher, ModelConfig, QueuePolicy, Tensor, TimeoutAction
+from .model_config.triton_model_config import TritonModelConfig
 from .triton import Triton, TritonConfig
 
 __all__ = [
@@ -63,6 +66,7 @@ __all__ = [
     "TritonContext",
     "TritonModelConfig",
     "batch",
+    "fill_optionals",
     "sample",
     "first_value",
     "group_by_values",

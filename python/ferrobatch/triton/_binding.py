@@ -5,19 +5,32 @@ responses checked and joined back into the batch's outputs."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
+from typing import Any, cast
 
 import numpy as np
 
 from .._requests import RequestInfo
 from ..specs import TensorSpec
+from .constants import TRITON_CONTEXT_ATTRIBUTE
 from .exceptions import PyTritonModelConfigError, PyTritonValidationError, UnrecoverableError
-from .model_config import DynamicBatcher, ModelConfig, Tensor
+from .model_config import DeviceKind, ModelConfig, Tensor
+from .model_config.triton_model_config import TensorSpec as TritonTensorSpec
+from .model_config.triton_model_config import TritonModelConfig
 
-__all__ = ["BoundModel", "Request", "TritonContext", "TritonModelConfig", "collect_outputs"]
+__all__ = [
+    "BoundModel",
+    "ModelConfigDict",
+    "Request",
+    "TritonContext",
+    "collect_outputs",
+    "get_model_config",
+    "get_triton_context",
+    "inject_triton_context",
+]
 
 log = logging.getLogger("ferrobatch.triton")
 
@@ -56,39 +69,49 @@ class Request(dict[str, np.ndarray]):
         return f"Request({shapes}, parameters={self.parameters})"
 
 
-@dataclasses.dataclass
-class TritonModelConfig:
-    """What the decorators (and ``@triton_context`` users) may read about the
-    model being served: PyTriton's ``TritonModelConfig`` fields."""
+class ModelConfigDict(MutableMapping[Any, TritonModelConfig]):
+    """Model configs by inference callable. A callable is keyed by its
+    ``str`` (a wrapper and what it wraps share it); a bound ``__call__`` by
+    its object, so ``configs[model]`` and ``configs[model.__call__]`` are
+    one entry. A lookup that misses tries what the key belongs to or wraps,
+    then the model whose callable this thread runs."""
 
-    model_name: str
-    model_version: int = 1
-    max_batch_size: int = 4
-    batching: bool = True
-    batcher: DynamicBatcher | None = None
-    instance_count: int = 1
-    inputs: list[Tensor] = dataclasses.field(default_factory=list)
-    outputs: list[Tensor] = dataclasses.field(default_factory=list)
+    def __init__(self) -> None:
+        self._configs: dict[str, tuple[Any, TritonModelConfig]] = {}
 
-
-class _ModelConfigs(dict[Any, TritonModelConfig]):
-    """Model configs by inference callable; a bound method or a decorated
-    callable finds the config of what it wraps or belongs to."""
+    @staticmethod
+    def _get_model_config_key(key: Any) -> str:
+        if inspect.ismethod(key) and key.__name__ == "__call__":
+            return str(key.__self__)
+        return str(key)
 
     def __getitem__(self, key: Any) -> TritonModelConfig:
         seen: set[int] = set()
         while key is not None and id(key) not in seen:
             seen.add(id(key))
-            if dict.__contains__(self, key):
-                return dict.__getitem__(self, key)
+            found = self._configs.get(self._get_model_config_key(key))
+            if found is not None:
+                return found[1]
             owner = getattr(key, "__self__", None)
-            if owner is not None and dict.__contains__(self, owner):
-                return dict.__getitem__(self, owner)
+            if owner is not None and (found := self._configs.get(self._get_model_config_key(owner))) is not None:
+                return found[1]
             key = getattr(key, "__wrapped__", None)
         current = current_model_config()
         if current is not None:
             return current
         raise KeyError("no model is bound to this callable")
+
+    def __setitem__(self, key: Any, config: TritonModelConfig) -> None:
+        self._configs[self._get_model_config_key(key)] = (key, config)
+
+    def __delitem__(self, key: Any) -> None:
+        del self._configs[self._get_model_config_key(key)]
+
+    def __iter__(self) -> Iterator[Any]:
+        return (key for key, _ in self._configs.values())
+
+    def __len__(self) -> int:
+        return len(self._configs)
 
 
 @dataclasses.dataclass
@@ -96,7 +119,7 @@ class TritonContext:
     """PyTriton's ``TritonContext``: the model configs of the bound callables
     (``triton_context.model_configs[infer_func]``)."""
 
-    model_configs: _ModelConfigs = dataclasses.field(default_factory=_ModelConfigs)
+    model_configs: ModelConfigDict = dataclasses.field(default_factory=ModelConfigDict)
 
 
 _local = threading.local()
@@ -113,7 +136,51 @@ def current_context() -> TritonContext | None:
     return context
 
 
-def tensor_spec(tensor: Tensor, name: str) -> TensorSpec:
+def inject_triton_context(context: TritonContext, model_callable: Any) -> Any:
+    """Gives ``model_callable`` its ``__triton_context__`` (a bound method's
+    object gets it; a ``wrapt`` decorator passes it to what it wraps), where
+    the decorators find it; returns the callable. :meth:`Triton.bind` does
+    this for every callable it binds."""
+    target = model_callable.__self__ if inspect.ismethod(model_callable) else model_callable
+    try:
+        setattr(target, TRITON_CONTEXT_ATTRIBUTE, context)
+    except (AttributeError, TypeError):
+        pass  # a callable without attributes: found through the thread running it
+    return model_callable
+
+
+def get_triton_context(wrapped: Any, instance: Any) -> TritonContext:
+    """The context of a bound callable, from inside a decorator: the
+    ``__triton_context__`` of the object it is a method of, or of the
+    callable itself, or that of the model this thread runs."""
+    for owner in (instance, wrapped):
+        context = getattr(owner, TRITON_CONTEXT_ATTRIBUTE, None) if owner is not None else None
+        if context is not None:
+            return cast(TritonContext, context)
+    context = current_context()
+    if context is not None:
+        return context
+    raise PyTritonValidationError(
+        "Wrapped function or object must bound with triton to get  __triton_context__ (Triton.bind sets it)"
+    )
+
+
+def get_model_config(wrapped: Any, instance: Any) -> TritonModelConfig:
+    """The config of the bound model a decorated callable belongs to."""
+    configs = get_triton_context(wrapped, instance).model_configs
+    try:
+        return configs[wrapped]
+    except KeyError:
+        if instance is None:
+            raise
+        return configs[instance]
+
+
+#: A tensor of a binding, as declared (``Tensor``) or as the callables see it (``TensorSpec``).
+AnyTensor = Tensor | TritonTensorSpec
+
+
+def tensor_spec(tensor: AnyTensor, name: str) -> TensorSpec:
     """The ferrobatch spec of a PyTriton tensor (named ``name``): ``np.bytes_``
     / ``object`` is BYTES, a ``-1`` dimension is variable-length, batched
     padded (``ragged="pad"``)."""
@@ -127,17 +194,17 @@ def tensor_spec(tensor: Tensor, name: str) -> TensorSpec:
         raise PyTritonModelConfigError(f"tensor '{name}': {exc}") from None
 
 
-def is_variable(tensor: Tensor) -> bool:
+def is_variable(tensor: AnyTensor) -> bool:
     """Variable-length along some dimension (``shape=(-1,)``, ``(3, -1)``)."""
     return -1 in tensor.shape
 
 
-def variable_dims(tensor: Tensor) -> list[int]:
+def variable_dims(tensor: AnyTensor) -> list[int]:
     """The positions of a tensor's ``-1`` dimensions in one row's shape."""
     return [i for i, d in enumerate(tensor.shape) if d == -1]
 
 
-def numpy_dtype(tensor: Tensor) -> np.dtype[Any]:
+def numpy_dtype(tensor: AnyTensor) -> np.dtype[Any]:
     """The numpy dtype a tensor is carried in (object for BYTES)."""
     dtype = np.dtype(tensor.dtype)
     return np.dtype(object) if dtype.kind in "SUO" else dtype
@@ -182,12 +249,12 @@ class BoundModel:
         self.on_unrecoverable = on_unrecoverable
 
     def __call__(self, inputs: Mapping[str, Any], requests: Sequence[RequestInfo]) -> dict[str, Any]:
-        batch = {str(t.name): _owned_array(inputs[str(t.name)]) for t in self.config.inputs}
+        batch = {str(t.name): _owned_array(inputs[str(t.name)]) for t in self.config.inputs or []}
         # A variable-length input comes padded to the batch's longest row:
         # each request gets its rows cut to its own longest.
         # ``[B]`` for one variable dimension, ``[B, k]`` for several.
         lengths: dict[str, tuple[np.ndarray, list[int]]] = {}
-        for t in filter(is_variable, self.config.inputs):
+        for t in filter(is_variable, self.config.inputs or []):
             name = str(t.name)
             lengths[name] = (np.asarray(inputs[name + LENGTHS]).reshape(len(batch[name]), -1), variable_dims(t))
         rows = [r.rows for r in requests]
@@ -260,7 +327,7 @@ def collect_outputs(
         raise PyTritonValidationError(
             f"the inference callable returned {len(responses)} responses for {len(rows)} requests"
         )
-    declared = {str(t.name): t for t in config.outputs}
+    declared = {str(t.name): t for t in config.outputs or []}
     parts: dict[str, list[np.ndarray]] = {n: [] for n in declared}
     for i, (response, n) in enumerate(zip(responses, rows)):
         if not isinstance(response, (dict, Mapping)):  # dict first: no ABC check for the common case
@@ -308,7 +375,7 @@ def _padded(arrays: Sequence[np.ndarray], dims: Sequence[int]) -> tuple[np.ndarr
     return joined, lengths[:, 0] if len(dims) == 1 else lengths
 
 
-def _checked(value: Any, tensor: Tensor, rows: int, strict: bool) -> np.ndarray:
+def _checked(value: Any, tensor: AnyTensor, rows: int, strict: bool) -> np.ndarray:
     if (
         type(value) is np.ndarray
         and value.dtype == tensor.dtype
@@ -361,15 +428,22 @@ def model_config_of(
 ) -> TritonModelConfig:
     """The :class:`TritonModelConfig` of a binding, with every tensor named
     (``INPUT_<i>`` / ``OUTPUT_<i>`` from 1 when unnamed, as PyTriton does)."""
-    named_in = [t if t.name else dataclasses.replace(t, name=f"INPUT_{i}") for i, t in enumerate(inputs, 1)]
-    named_out = [t if t.name else dataclasses.replace(t, name=f"OUTPUT_{i}") for i, t in enumerate(outputs, 1)]
+
+    def named(tensors: Sequence[Tensor], prefix: str) -> list[TritonTensorSpec]:
+        return [
+            TritonTensorSpec(t.name or f"{prefix}_{i}", tuple(t.shape), t.dtype, t.optional)
+            for i, t in enumerate(tensors, 1)
+        ]
+
     return TritonModelConfig(
         model_name=model_name,
         model_version=model_version,
         max_batch_size=config.max_batch_size,
         batching=config.batching,
         batcher=config.batcher,
-        instance_count=instances,
-        inputs=named_in,
-        outputs=named_out,
+        instance_group={DeviceKind.KIND_CPU: instances},
+        decoupled=config.decoupled,
+        inputs=named(inputs, "INPUT"),
+        outputs=named(outputs, "OUTPUT"),
+        response_cache=config.response_cache,
     )

@@ -7,9 +7,12 @@ shapes of callable to that:
 
 - :func:`batch`: the requests' inputs concatenated into one batch, passed as
   keyword arguments; the outputs (a dict, or a list/tuple in the declared
-  outputs' order) split back by each request's rows;
+  outputs' order) split back by each request's rows. A generator callable
+  (a decoupled model's) yields such outputs, each split the same way;
 - :func:`sample`: each request's inputs as keyword arguments, one call per
   request (PyTriton's non-batching models see one request per call);
+- :func:`fill_optionals`: the optional inputs a request left out, filled
+  with defaults (repeated to the request's rows);
 - :func:`first_value`: the named inputs replaced by their first value (a
   scalar when it has one element), checking that all values are equal;
 - :func:`group_by_values`: under :func:`batch`, one call per group of rows
@@ -17,28 +20,44 @@ shapes of callable to that:
 - :func:`group_by_keys`, :func:`pad_batch`, :func:`triton_context`, and
   :class:`ConstantPadder` (a ``pad_fn`` for :func:`group_by_values`).
 
-A method works as well as a function: the requests are the last positional
-argument, whatever comes before them (``self``) is passed through.
+The decorators are ``wrapt`` decorators, as PyTriton's: they work on
+functions, methods and callable objects, stack in any order that makes
+sense, and each finds the bound model's config through the callable's
+``__triton_context__`` (:func:`get_model_config`), which
+:meth:`Triton.bind <ferrobatch.triton.triton.Triton.bind>` sets.
 """
 
 from __future__ import annotations
 
 import bisect
-import functools
+import inspect
 import itertools
 import operator
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar, cast
 
 import numpy as np
+import wrapt
 
-from ._binding import TritonModelConfig, current_context, current_model_config
+from ._binding import ModelConfigDict, Request, TritonContext, get_model_config, get_triton_context
+from .constants import TRITON_CONTEXT_FIELD_NAME
 from .exceptions import PyTritonBadParameterError, PyTritonRuntimeError, PyTritonValidationError
+from .model_config.triton_model_config import TritonModelConfig
 
 __all__ = [
     "ConstantPadder",
+    "InferenceRequest",
+    "InferenceRequests",
+    "InferenceResult",
+    "InferenceResults",
+    "InputNames",
+    "ModelConfigDict",
+    "TritonContext",
     "batch",
+    "fill_optionals",
     "first_value",
+    "get_model_config",
+    "get_triton_context",
     "group_by_keys",
     "group_by_values",
     "pad_batch",
@@ -47,112 +66,171 @@ __all__ = [
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
-InferenceRequest = Mapping[str, np.ndarray]
+InferenceRequest = Request
+InferenceRequests = list[Request]
 InferenceResult = dict[str, np.ndarray]
+InferenceResults = list[InferenceResult]
+InputNames = list[str]
 
-#: Keyword arguments that are no input (added by :func:`triton_context`).
-_SPECIAL_KEYS = frozenset({"triton_context"})
+#: Keyword arguments that are no input (the context :func:`triton_context` adds).
+_SPECIAL_KEYS = frozenset({TRITON_CONTEXT_FIELD_NAME, "__triton_context__"})
+
+#: ``wrapt.decorator``, typed: ``wrapper(wrapped, instance, args, kwargs)``
+#: becomes a decorator that keeps the decorated callable's type.
+_Wrapper = Callable[[Any, Any, tuple[Any, ...], dict[str, Any]], Any]
+_decorator = cast(Callable[[_Wrapper], Callable[[F], F]], wrapt.decorator)
 
 
-def _rows(request: InferenceRequest) -> int:
+def _rows(request: Mapping[str, Any]) -> int:
     """A request's batch size: the leading dimension of its first input."""
     return int(next(iter(request.values())).shape[0])
 
 
-def _split(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], Sequence[Any]]:
-    """``(self...,)`` and the requests: the last positional argument."""
+def _requests(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], Sequence[Any]]:
+    """What comes before the requests (passed through), and the requests:
+    the last positional argument."""
     if not args:
         raise PyTritonBadParameterError("an inference callable is called with its list of requests")
     return args[:-1], args[-1]
 
 
-def _config() -> TritonModelConfig:
-    config = current_model_config()
-    if config is None:
-        raise PyTritonValidationError("this decorator needs the model's config: call the callable through Triton.bind")
-    return config
-
-
 def convert_output(outputs: Any, model_config: TritonModelConfig | None = None) -> InferenceResult:
     """A callable's result as a dict: a list or tuple is named by the
-    declared outputs, in order."""
+    declared outputs, in order (which ``model_config`` gives)."""
     if isinstance(outputs, Mapping):
         return dict(outputs)
     if isinstance(outputs, (list, tuple)):
-        config = model_config or _config()
-        if len(outputs) != len(config.outputs):
+        if model_config is None:
+            raise PyTritonValidationError("naming a list of outputs needs the model's config: bind the callable")
+        declared = model_config.outputs or []
+        if len(outputs) != len(declared):
             raise PyTritonValidationError(
-                f"the callable returned {len(outputs)} outputs; the model declares {len(config.outputs)}"
+                f"the callable returned {len(outputs)} outputs; the model declares {len(declared)}"
             )
-        return {str(t.name): value for t, value in zip(config.outputs, outputs)}
+        return {str(t.name): value for t, value in zip(declared, outputs)}
     raise PyTritonValidationError(f"unsupported output type {type(outputs).__name__}; return a dict of numpy arrays")
+
+
+def _config_or_none(wrapped: Any, instance: Any) -> TritonModelConfig | None:
+    try:
+        return get_model_config(wrapped, instance)
+    except (PyTritonValidationError, KeyError):
+        return None
+
+
+def _batch(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """:func:`batch`: concatenates the requests' inputs into one batch per input and calls
+    ``wrapped(**inputs)``; splits what it returns back into one response per
+    request, by each request's rows. Every request must carry the same
+    inputs (:func:`group_by_keys` first otherwise). A generator callable
+    gives a generator of such lists of responses."""
+    prefix, requests = _requests(args)
+    names = list(requests[0].keys())
+    for request in requests[1:]:
+        if set(request.keys()) != set(names):
+            raise PyTritonValidationError("cannot batch requests with different sets of inputs")
+    inputs = {n: requests[0][n] if len(requests) == 1 else np.concatenate([r[n] for r in requests]) for n in names}
+    sizes = [_rows(r) for r in requests]
+    outputs = wrapped(*prefix, **kwargs, **inputs)
+
+    def split(result: Any) -> InferenceResults:
+        named = convert_output(result, None if isinstance(result, Mapping) else _config_or_none(wrapped, instance))
+        total = sum(sizes)
+        wrong = {n: tuple(np.shape(v)) for n, v in named.items() if np.ndim(v) == 0 or len(v) != total}
+        if wrong:
+            raise ValueError(
+                f"Received output tensors with different batch sizes: {wrong}; the requests hold {total} rows"
+            )
+        bounds = list(itertools.accumulate(sizes, initial=0))
+        return [{n: v[lo:hi] for n, v in named.items()} for lo, hi in itertools.pairwise(bounds)]
+
+    if inspect.isgenerator(outputs):
+        generated: Iterator[Any] = outputs
+        return (split(result) for result in generated)
+    return split(outputs)
+
+
+batch = _decorator(_batch)
 
 
 def _is_batch(func: Any) -> bool:
     """Whether :func:`batch` is anywhere in ``func``'s chain of wrappers."""
-    while func is not None:
-        if getattr(func, "_ferrobatch_batch", False):
+    seen: set[int] = set()
+    while func is not None and id(func) not in seen:
+        seen.add(id(func))
+        if getattr(func, "_self_wrapper", None) is _batch:
             return True
         func = getattr(func, "__wrapped__", None)
     return False
 
 
-def batch(wrapped: F) -> F:
-    """Concatenates the requests' inputs into one batch per input and calls
-    ``wrapped(**inputs)``; splits what it returns back into one response per
-    request, by each request's rows. Every request must carry the same
-    inputs (:func:`group_by_keys` first otherwise)."""
-
-    @functools.wraps(wrapped)
-    def wrapper(*args: Any, **kwargs: Any) -> list[InferenceResult]:
-        prefix, requests = _split(args)
-        names = list(requests[0].keys())
-        for request in requests[1:]:
-            if set(request.keys()) != set(names):
-                raise PyTritonValidationError("cannot batch requests with different sets of inputs")
-        inputs = {n: requests[0][n] if len(requests) == 1 else np.concatenate([r[n] for r in requests]) for n in names}
-        outputs = convert_output(wrapped(*prefix, **kwargs, **inputs))
-        sizes = [_rows(r) for r in requests]
-        total = sum(sizes)
-        wrong = {n: tuple(v.shape) for n, v in outputs.items() if np.ndim(v) == 0 or v.shape[0] != total}
-        if wrong:
-            raise ValueError(f"outputs with a batch size other than the requests' {total}: {wrong}")
-        bounds = list(itertools.accumulate(sizes, initial=0))
-        return [{n: v[lo:hi] for n, v in outputs.items()} for lo, hi in itertools.pairwise(bounds)]
-
-    wrapper._ferrobatch_batch = True  # type: ignore[attr-defined]
-    return wrapper  # type: ignore[return-value]
-
-
-def sample(wrapped: F) -> F:
+@_decorator
+def sample(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Calls ``wrapped(**request)`` for each request and returns its result
     (a dict, or a list/tuple in the declared outputs' order) as that
     request's response."""
-
-    @functools.wraps(wrapped)
-    def wrapper(*args: Any, **kwargs: Any) -> list[InferenceResult]:
-        prefix, requests = _split(args)
-        return [convert_output(wrapped(*prefix, **{**kwargs, **request})) for request in requests]
-
-    return wrapper  # type: ignore[return-value]
+    prefix, requests = _requests(args)
+    config = _config_or_none(wrapped, instance)
+    return [convert_output(wrapped(*prefix, **{**kwargs, **request}), config) for request in requests]
 
 
-def group_by_keys(wrapped: F) -> F:
+@_decorator
+def group_by_keys(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Calls ``wrapped`` once per group of requests with the same set of
     inputs, and returns the responses in the requests' order."""
+    prefix, requests = _requests(args)
+    keyed = sorted(enumerate(requests), key=lambda item: tuple(sorted(item[1].keys())))
+    results: list[tuple[int, InferenceResult]] = []
+    for _, group in itertools.groupby(keyed, key=lambda item: tuple(sorted(item[1].keys()))):
+        members = list(group)
+        out = wrapped(*prefix, [r for _, r in members], **kwargs)
+        results.extend(zip((i for i, _ in members), out))
+    return [r for _, r in sorted(results, key=operator.itemgetter(0))]
 
-    @functools.wraps(wrapped)
-    def wrapper(*args: Any, **kwargs: Any) -> list[InferenceResult]:
-        prefix, requests = _split(args)
-        keyed = sorted(enumerate(requests), key=lambda item: tuple(sorted(item[1].keys())))
-        results: list[tuple[int, InferenceResult]] = []
-        for _, group in itertools.groupby(keyed, key=lambda item: tuple(sorted(item[1].keys()))):
-            members = list(group)
-            out = wrapped(*prefix, [r for _, r in members], **kwargs)
-            results.extend(zip((i for i, _ in members), out))
-        return [r for _, r in sorted(results, key=operator.itemgetter(0))]
 
-    return wrapper  # type: ignore[return-value]
+def fill_optionals(**defaults: Any) -> Callable[[F], F]:
+    """Fills the inputs a request left out (declared ``optional=True``) with
+    ``defaults`` (numpy arrays of one sample's shape and the input's dtype),
+    repeated to the request's rows; a non-batching model's request gets the
+    default as it is. Checked against the bound model's inputs at each call
+    (:class:`PyTritonBadParameterError`)."""
+
+    def check(config: TritonModelConfig) -> None:
+        not_arrays = [f"{name}={value!r}" for name, value in defaults.items() if not isinstance(value, np.ndarray)]
+        if not_arrays:
+            raise PyTritonBadParameterError(
+                f"Could not use {', '.join(not_arrays)} as defaults: they are not NumPy arrays"
+            )
+        specs = {str(t.name): t for t in config.inputs or []}
+        for name, value in defaults.items():
+            spec = specs.get(name)
+            if spec is None:
+                raise PyTritonBadParameterError(f"Could not use {name}: the model has no input of that name")
+            if value.dtype != np.dtype(spec.dtype):
+                raise PyTritonBadParameterError(
+                    f"Could not use {name}: dtype={value.dtype} of its default; defaults may not have different"
+                    f" than input signature dtypes (dtype={np.dtype(spec.dtype)})"
+                )
+            declared = tuple(spec.shape)
+            if len(value.shape) != len(declared) or any(d != s != -1 for d, s in zip(value.shape, declared)):
+                raise PyTritonBadParameterError(
+                    f"Could not use {name}: shape={value.shape} of its default; defaults may not"
+                    f" have different than input signature shapes (shape={declared})"
+                )
+
+    @_decorator
+    def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        config = get_model_config(wrapped, instance)
+        check(config)
+        _, requests = _requests(args)
+        for request in requests:
+            rows = _rows(request) if config.batching and len(request) else 1
+            for name, value in defaults.items():
+                if name not in request:
+                    request[name] = np.repeat(value[np.newaxis], rows, axis=0) if config.batching else value.copy()
+        return wrapped(*args, **kwargs)
+
+    return wrapper
 
 
 def first_value(*keys: str, squeeze_single_values: bool = True, strict: bool = True) -> Callable[[F], F]:
@@ -165,7 +243,9 @@ def first_value(*keys: str, squeeze_single_values: bool = True, strict: bool = T
     """
     special = sorted(set(keys) & _SPECIAL_KEYS)
     if special:
-        raise PyTritonBadParameterError(f"the keys {', '.join(special)} are not allowed in @first_value")
+        raise PyTritonBadParameterError(
+            f"The keys {', '.join(special)} are not allowed as keys for @first_value wrapper."
+        )
 
     def replace(request: Any) -> Any:
         for name in keys:
@@ -176,7 +256,7 @@ def first_value(*keys: str, squeeze_single_values: bool = True, strict: bool = T
                 uniques = np.unique(values, axis=None if values.dtype == object else 0)
                 if len(uniques) > 1:
                     raise PyTritonRuntimeError(
-                        f"the values of input {name!r} are not all equal; disable strict in @first_value or"
+                        f"The values on the {name!r} input are not equal; disable strict in @first_value or"
                         f" send equal values. They are {values!r}."
                     )
             first = values[0]
@@ -185,20 +265,17 @@ def first_value(*keys: str, squeeze_single_values: bool = True, strict: bool = T
             request[name] = first
         return request
 
-    def decorator(wrapped: F) -> F:
-        @functools.wraps(wrapped)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            config = current_model_config()
-            if config is not None and not config.batching:
-                raise PyTritonRuntimeError("@first_value can only be used with models that batch")
-            if set(kwargs) - _SPECIAL_KEYS:
-                return wrapped(*args, **replace(kwargs))
-            prefix, requests = _split(args)
-            return wrapped(*prefix, [replace(r) for r in requests], **kwargs)
+    @_decorator
+    def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        config = _config_or_none(wrapped, instance)
+        if config is not None and not config.batching:
+            raise PyTritonRuntimeError("The @first_value decorator can only be used with models that support batching.")
+        if set(kwargs) - _SPECIAL_KEYS:
+            return wrapped(*args, **replace(kwargs))
+        prefix, requests = _requests(args)
+        return wrapped(*prefix, [replace(r) for r in requests], **kwargs)
 
-        return wrapper  # type: ignore[return-value]
-
-    return decorator
+    return wrapper
 
 
 def _value_key(value: Any) -> Any:
@@ -219,37 +296,39 @@ def group_by_values(
     puts the outputs back in row order. ``pad_fn`` (e.g.
     :class:`ConstantPadder`) makes the groups' outputs one shape first."""
 
-    def decorator(wrapped: F) -> F:
+    @_decorator
+    def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if args:  # a list of requests: this decorator sits above @batch
+            raise PyTritonRuntimeError("The @group_by_values decorator must be used after the @batch decorator.")
+        request = {k: v for k, v in kwargs.items() if k not in _SPECIAL_KEYS}
+        other = {k: v for k, v in kwargs.items() if k in _SPECIAL_KEYS}
+        rows = _rows(request)
+        keyed = sorted(
+            ((i, tuple(_value_key(request[k][i]) for k in keys if k in request)) for i in range(rows)),
+            key=operator.itemgetter(1),
+        )
+        config = _config_or_none(wrapped, instance)
+        groups: list[tuple[np.ndarray, InferenceResult]] = []
+        for _, group in itertools.groupby(keyed, key=operator.itemgetter(1)):
+            index = np.array([i for i, _ in group], dtype=np.intp)
+            part = {name: value[index] for name, value in request.items()}
+            groups.append((index, convert_output(wrapped(**part, **other), config)))
+        results = [r for _, r in groups]
+        if pad_fn is not None:
+            results = list(pad_fn(results))
+        first = results[0]
+        merged = {name: np.zeros((rows, *v.shape[1:]), dtype=v.dtype) for name, v in first.items()}
+        for (index, _), result in zip(groups, results):
+            for name, v in result.items():
+                merged[name][index] = v
+        return merged
+
+    def decorate(wrapped: F) -> F:
         if _is_batch(wrapped):
-            raise PyTritonRuntimeError("@group_by_values must come after (below) @batch")
+            raise PyTritonRuntimeError("The @group_by_values decorator must be used after the @batch decorator.")
+        return wrapper(wrapped)
 
-        @functools.wraps(wrapped)
-        def wrapper(*args: Any, **kwargs: Any) -> InferenceResult:
-            request = {k: v for k, v in kwargs.items() if k not in _SPECIAL_KEYS}
-            other = {k: v for k, v in kwargs.items() if k in _SPECIAL_KEYS}
-            rows = _rows(request)
-            keyed = sorted(
-                ((i, tuple(_value_key(request[k][i]) for k in keys)) for i in range(rows)),
-                key=operator.itemgetter(1),
-            )
-            groups: list[tuple[np.ndarray, InferenceResult]] = []
-            for _, group in itertools.groupby(keyed, key=operator.itemgetter(1)):
-                index = np.array([i for i, _ in group], dtype=np.intp)
-                part = {name: value[index] for name, value in request.items()}
-                groups.append((index, convert_output(wrapped(*args, **part, **other))))
-            results = [r for _, r in groups]
-            if pad_fn is not None:
-                results = list(pad_fn(results))
-            first = results[0]
-            merged = {name: np.zeros((rows, *v.shape[1:]), dtype=v.dtype) for name, v in first.items()}
-            for (index, _), result in zip(groups, results):
-                for name, v in result.items():
-                    merged[name][index] = v
-            return merged
-
-        return wrapper  # type: ignore[return-value]
-
-    return decorator
+    return decorate
 
 
 class ConstantPadder:
@@ -283,38 +362,28 @@ class ConstantPadder:
         return padded
 
 
-def pad_batch(wrapped: F) -> F:
+@_decorator
+def pad_batch(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Under :func:`batch`: repeats the last row of every input until the
     batch reaches the next preferred batch size (or ``max_batch_size``)."""
-
-    @functools.wraps(wrapped)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        inputs = {k: v for k, v in kwargs.items() if k not in _SPECIAL_KEYS}
-        config = _config()
-        preferred = config.batcher.preferred_batch_size if config.batcher is not None else None
-        sizes = [*sorted(preferred or []), config.max_batch_size]
-        rows = _rows(inputs)
-        target = sizes[min(bisect.bisect_left(sizes, rows), len(sizes) - 1)]
-        for name, value in inputs.items():
-            repeats = np.ones(rows, dtype=np.int64)
-            repeats[-1] += max(0, target - rows)
-            kwargs[name] = np.repeat(value, repeats, axis=0)
-        return wrapped(*args, **kwargs)
-
-    return wrapper  # type: ignore[return-value]
+    inputs = {k: v for k, v in kwargs.items() if k not in _SPECIAL_KEYS}
+    config = get_model_config(wrapped, instance)
+    preferred = config.batcher.preferred_batch_size if config.batcher is not None else None
+    sizes = [*sorted(preferred or []), config.max_batch_size]
+    rows = _rows(inputs)
+    target = sizes[min(bisect.bisect_left(sizes, rows), len(sizes) - 1)]
+    for name, value in inputs.items():
+        repeats = np.ones(rows, dtype=np.int64)
+        repeats[-1] += max(0, target - rows)
+        kwargs[name] = np.repeat(value, repeats, axis=0)
+    return wrapped(*args, **kwargs)
 
 
-def triton_context(wrapped: F) -> F:
+@_decorator
+def triton_context(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Passes ``triton_context`` (a :class:`TritonContext`: the bound models'
     configs, ``triton_context.model_configs[infer_func]``) as a keyword
-    argument."""
-
-    @functools.wraps(wrapped)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        context = current_context()
-        if context is None:
-            raise PyTritonValidationError("@triton_context needs the callable to be called through Triton.bind")
-        kwargs["triton_context"] = context
-        return wrapped(*args, **kwargs)
-
-    return wrapper  # type: ignore[return-value]
+    argument. Works on functions, methods, callable objects and classes
+    (their ``__init__`` gets it)."""
+    kwargs[TRITON_CONTEXT_FIELD_NAME] = get_triton_context(wrapped, instance)
+    return wrapped(*args, **kwargs)

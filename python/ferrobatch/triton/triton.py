@@ -34,7 +34,7 @@ from typing import Any
 
 from ..serve import Listening, ServeConfig, serve
 from ..server import Server
-from ._binding import BoundModel, InferFunc, TritonContext, model_config_of, tensor_spec
+from ._binding import BoundModel, InferFunc, TritonContext, inject_triton_context, model_config_of, tensor_spec
 from .exceptions import (
     PyTritonInvalidOperationError,
     PyTritonModelConfigError,
@@ -313,8 +313,8 @@ class Triton:
             BoundModel(f, described, self._context, strict=strict, on_unrecoverable=self._on_unrecoverable)
             for f in funcs
         ]
-        in_specs = [tensor_spec(t, str(t.name)) for t in described.inputs]
-        out_specs = [tensor_spec(t, str(t.name)) for t in described.outputs]
+        in_specs = [tensor_spec(t, str(t.name)) for t in described.inputs or []]
+        out_specs = [tensor_spec(t, str(t.name)) for t in described.outputs or []]
         try:
             server = Server(
                 models,  # type: ignore[arg-type]  # with_requests: called as model(inputs, requests)
@@ -333,6 +333,7 @@ class Triton:
             raise PyTritonModelConfigError(f"model '{model_name}': {exc}") from exc
         for f in funcs:
             self._context.model_configs[f] = described
+            inject_triton_context(self._context, f)
         self._servers.append(server)
 
     # -- lifecycle -------------------------------------------------------------------------

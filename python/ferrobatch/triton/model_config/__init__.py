@@ -75,7 +75,9 @@ class ModelConfig:
 
     ``batching=False`` (Triton's ``max_batch_size: 0``), ``decoupled=True``
     (streaming responses) and ``response_cache=True`` are not supported and
-    refused at :meth:`Triton.bind`; ``model_warmup`` is ignored.
+    refused at :meth:`Triton.bind`; ``model_warmup`` is ignored. What the
+    callables see of a bound model is its
+    :class:`~ferrobatch.triton.model_config.triton_model_config.TritonModelConfig`.
     """
 
     batching: bool = True

@@ -1,0 +1,1 @@
+"""Bound models (``pytriton.models``)."""

@@ -1,0 +1,1 @@
+"""What an inference callable is handed (``pytriton.proxy``)."""
