@@ -4,10 +4,12 @@
 //!
 //! * `queue/uncontended`: one thread pushes one request and pops it back, so
 //!   the figure is the cost of one push plus one pop.
-//! * `queue/1p1c`, `queue/4p1c`: producers on their own threads push
-//!   pre-made requests while one consumer pops them all. Threads start
-//!   together on a barrier; the time is from the first thread's start to the
-//!   last thread's stop (`iter_custom`), per request.
+//! * `queue/1p1c`, `queue/2p1c`, `queue/4p1c`, `queue/8p1c`: producers on
+//!   their own threads push pre-made requests while one consumer pops them
+//!   all (the native front-end's runtime threads, or event loops, submitting
+//!   to one model). Threads start together on a barrier; the time is from
+//!   the first thread's start to the last thread's stop (`iter_custom`), per
+//!   request. More producers than cores measure the queue under preemption.
 //!
 //! Requests are made before the clock starts and dropped after it stops, so
 //! no allocation or reference counting is timed; the consumer keeps what it
@@ -206,7 +208,7 @@ fn bench_queues(c: &mut Criterion) {
     group.bench_function(Seg::NAME, |b| b.iter_custom(uncontended::<Seg>));
     group.finish();
 
-    for producers in [1usize, 4] {
+    for producers in [1usize, 2, 4, 8] {
         let mut group = c.benchmark_group(format!("queue/{producers}p1c"));
         group.throughput(Throughput::Elements(1));
         // Two-thread runs vary with scheduling on a small machine: fewer,

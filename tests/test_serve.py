@@ -440,3 +440,38 @@ def test_limits_and_drain_delay_are_on_the_command_line() -> None:
         timeout=120,
     )
     assert done.returncode == 2 and "must be > 0 seconds" in done.stderr, done.stderr
+
+
+def _threads_named(pid: int, name: str) -> int:
+    tasks = Path(f"/proc/{pid}/task")
+    return sum((task / "comm").read_text().strip() == name for task in tasks.iterdir())
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread names from /proc")
+def test_threads_sets_the_native_runtime_and_the_models_budget_leaves_them(
+    serve_process: Callable[..., Process],
+) -> None:
+    served = serve_process("--demo", "--threads", "3")
+    assert "native front-end: 3 runtime thread(s)\n" in served.startup, served.startup
+    assert _threads_named(served.proc.pid, "ferrobatch-serv") == 3  # comm keeps 15 characters
+    # The demo's worker budgets around them: the usable cores less one for the loop, less 3 (at least 1).
+    budget = re.search(r"(\d+) torch intra-op thread\(s\) each \(picked", served.startup)
+    cores = len(os.sched_getaffinity(0))
+    assert budget is not None and int(budget.group(1)) <= max(1, cores - 1 - 3), served.startup
+    response = httpx.post(
+        f"http://{served.http}/v2/models/mlp/infer",
+        json={"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 256], "data": [0.0] * 256}]},
+        timeout=30,
+    )
+    assert response.status_code == 200, response.text
+    served.proc.send_signal(signal.SIGINT)
+    assert served.proc.wait(60) == 0, served.log()
+
+
+def test_the_native_runtime_takes_half_the_usable_cores_by_default(serve_process: Callable[..., Process]) -> None:
+    served = serve_process("--demo")
+    cores = len(os.sched_getaffinity(0))
+    expected = f"native front-end: {max(1, cores // 2)} runtime thread(s) (picked: half of {cores} usable cores)"
+    assert expected in served.startup, served.startup
+    served.proc.send_signal(signal.SIGINT)
+    assert served.proc.wait(60) == 0, served.log()

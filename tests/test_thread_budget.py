@@ -74,3 +74,21 @@ def test_torch_threads_given_is_used_as_it_is(monkeypatch: pytest.MonkeyPatch, t
     for bad in (0, -1, 1.5, "2"):
         with pytest.raises(ValueError, match="torch_threads"):
             fb.Server(threads_seen, inputs=[X], outputs=[N], torch_threads=bad)  # type: ignore[arg-type]
+
+
+def test_the_budget_leaves_the_native_front_ends_threads_their_cores(
+    monkeypatch: pytest.MonkeyPatch, torch_threads: None
+) -> None:
+    monkeypatch.setattr(server_module, "usable_cores", lambda: 16)
+    torch.set_num_threads(16)  # torch's default on sixteen cores
+    assert server_module.front_end_threads() == 8
+    assert server_module.thread_budget(1) == 15
+    server_module.hold_front_end_cores(8)
+    try:
+        assert server_module.thread_budget(1) == 7  # 16 - 1 (event loop) - 8 (front-end)
+        assert server_module.thread_budget(2) == 3
+        seen, stats = run_once(fb.Server(threads_seen, inputs=[X], outputs=[N], name="beside-front-end"))
+        assert seen == stats["torch_threads"] == 7
+    finally:
+        server_module.hold_front_end_cores(-8)
+    assert server_module.thread_budget(1) == 15

@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import ModelError
 from .http.protocol import MAX_BODY_SIZE, MAX_DECOMPRESSED_SIZE, ModelRepository
-from .server import Server
+from .server import Server, usable_cores
 
 if TYPE_CHECKING:
     import grpc.aio
@@ -169,6 +169,11 @@ class ServeConfig:
     #: balancer sees not-ready and stops sending first). A second signal
     #: ends it early.
     drain_delay: float = 0.0
+    #: Native front-end: its runtime's threads, across which connections
+    #: spread. None: half the cores the process may run on
+    #: (``os.sched_getaffinity``), the rest left to the models' workers,
+    #: whose default torch threads leave these out.
+    threads: int | None = None
     #: Native front-end: connections open at once; a new one beyond is closed
     #: on accept.
     max_connections: int = 10_000
@@ -243,6 +248,8 @@ async def serve(
     config = config or ServeConfig()
     if config.http_port is None and config.grpc_port is None:
         raise ValueError("nothing to serve: both the HTTP and the gRPC endpoint are disabled")
+    if config.threads is not None and config.threads < 1:
+        raise ValueError(f"threads must be at least 1, got {config.threads}")
     if config.frontend not in ("native", "python"):
         raise ValueError(f"frontend must be 'native' or 'python', got {config.frontend!r}")
     forwarding = config.http_header_forward_pattern is not None or config.grpc_header_forward_pattern is not None
@@ -274,6 +281,7 @@ async def serve(
                         config.grpc_port,
                         max_body_size=config.max_body_size,
                         max_decompressed_size=config.max_decompressed_size,
+                        threads=config.threads,
                         max_connections=config.max_connections,
                         max_streams=config.max_streams,
                         header_timeout=config.header_timeout,
@@ -286,6 +294,11 @@ async def serve(
                 except OSError as exc:
                     raise StartupError(str(exc)) from None
                 http_port, grpc_port = native.http_port, native.grpc_port
+                log.info(
+                    "native front-end: %d runtime thread(s)%s",
+                    native.threads,
+                    "" if config.threads is not None else f" (picked: half of {usable_cores()} usable cores)",
+                )
             elif config.grpc_port is not None:
                 rpc = grpc_server(repository, None, max_message_size=config.max_body_size)
                 address = f"{_bracket(config.host)}:{config.grpc_port}"
@@ -669,6 +682,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " ends it early (default 0)",
     )
     parser.add_argument(
+        "--threads",
+        type=_size,
+        default=None,
+        metavar="N",
+        help="native front-end: runtime threads, across which connections spread (default: half"
+        " the cores the process may run on, the rest left to the models)",
+    )
+    parser.add_argument(
         "--max-connections",
         type=_size,
         default=10_000,
@@ -826,6 +847,7 @@ def main(args: argparse.Namespace) -> int:
         max_body_size=args.max_body_size,
         max_decompressed_size=args.max_decompressed_size,
         drain_delay=args.drain_delay,
+        threads=args.threads,
         max_connections=args.max_connections,
         max_streams=args.max_streams,
         header_timeout=args.header_timeout,

@@ -798,14 +798,36 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+#: Cores the native front-end's runtime threads hold in this process (its
+#: listeners add theirs while they run): the models' thread budget leaves them.
+_front_end_cores = 0
+_front_end_lock = threading.Lock()
+
+
+def front_end_threads() -> int:
+    """The native front-end's runtime threads when the user set none: half
+    the usable cores (at least one), the other half left to the models'
+    workers and the event loop. One on a 2-core machine, as before."""
+    return max(1, usable_cores() // 2)
+
+
+def hold_front_end_cores(threads: int) -> None:
+    """The native front-end runs ``threads`` more runtime threads (a negative
+    count: fewer); servers started from now on budget around them."""
+    global _front_end_cores
+    with _front_end_lock:
+        _front_end_cores = max(0, _front_end_cores + threads)
+
+
 def thread_budget(cpu_instances: int) -> int:
     """Each CPU instance's torch intra-op threads when the user set none: the
-    usable cores less one for the event loop (and the native front-end),
-    shared among the CPU instances, at least 1, and never more than torch's
-    own setting (``torch.set_num_threads`` or ``OMP_NUM_THREADS``). torch's
-    default is every core: its threads would fight the event loop's for
-    them, and each model call waits for its slowest thread."""
-    spare = max(1, usable_cores() - 1)
+    usable cores less one for the event loop and those the native
+    front-end's threads hold, shared among the CPU instances, at least 1,
+    and never more than torch's own setting (``torch.set_num_threads`` or
+    ``OMP_NUM_THREADS``). torch's default is every core: its threads would
+    fight the event loop's for them, and each model call waits for its
+    slowest thread."""
+    spare = max(1, usable_cores() - 1 - _front_end_cores)
     return max(1, min(torch.get_num_threads(), spare // max(1, cpu_instances)))
 
 

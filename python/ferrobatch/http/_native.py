@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 from .._core import FallbackAnswer, NativeFrontend
 from ..errors import ModelError
+from ..server import front_end_threads, hold_front_end_cores
 from ._endpoint import Endpoint
 from .protocol import ModelRepository, error_message
 
@@ -58,7 +59,7 @@ class NativeListeners:
         *,
         max_body_size: int,
         max_decompressed_size: int,
-        threads: int = 1,
+        threads: int | None = None,
         max_connections: int = 10_000,
         max_streams: int = 1024,
         header_timeout: float = 30.0,
@@ -72,6 +73,8 @@ class NativeListeners:
         self.endpoint = Endpoint(repository, max_decompressed_size=max_decompressed_size)
         self._loop = asyncio.get_running_loop()
         server = repository.server_metadata()
+        #: The runtime's threads: connections spread across them.
+        self.threads = front_end_threads() if threads is None else threads
         self._frontend = NativeFrontend(
             host,
             http_port,
@@ -80,7 +83,7 @@ class NativeListeners:
             server_metadata=(server["name"], server["version"], list(server["extensions"])),
             model_metadata=[_model_metadata(repository.model_metadata(s.name)) for s in repository.servers],
             grpc_fallback=None if grpc_port is None else self._grpc_fallback,
-            threads=threads,
+            threads=self.threads,
             max_body_size=max_body_size,
             max_decompressed_size=max_decompressed_size,
             max_connections=max_connections,
@@ -92,6 +95,8 @@ class NativeListeners:
             http_header_forward_pattern=http_header_forward_pattern,
             grpc_header_forward_pattern=grpc_header_forward_pattern,
         )
+        hold_front_end_cores(self.threads)
+        self._holding = True
 
     @property
     def http_port(self) -> int | None:
@@ -128,6 +133,9 @@ class NativeListeners:
     async def stop(self, grace: float) -> None:
         """Waits up to ``grace`` seconds for the answers still being written, then stops."""
         await asyncio.to_thread(self._frontend.stop, grace)
+        if self._holding:
+            self._holding = False
+            hold_front_end_cores(-self.threads)
 
     def _describer(self, name: str) -> Callable[[BaseException], str]:
         expose = self.repository.expose_errors

@@ -185,6 +185,7 @@ _USED = {
     "log_verbose",
     "http_header_forward_pattern",
     "grpc_header_forward_pattern",
+    "http_thread_count",
 }
 
 
@@ -209,6 +210,7 @@ def serve_config(config: TritonConfig, *, expose_errors: bool, frontend: str) ->
         expose_errors=expose_errors,
         http_header_forward_pattern=config.http_header_forward_pattern,
         grpc_header_forward_pattern=config.grpc_header_forward_pattern,
+        threads=config.http_thread_count,
     )
 
 
