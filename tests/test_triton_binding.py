@@ -752,6 +752,13 @@ def test_model_client_infers_samples_and_batches_the_pytriton_way(scheme: str) -
         port = triton.http_port if scheme == "http" else triton.grpc_port
         with ModelClient(f"{scheme}://127.0.0.1:{port}", "scale", lazy_init=False) as client:
             assert client.is_batching_supported
+            config = client.model_config  # typed, as PyTriton's
+            assert (config.model_name, config.max_batch_size, config.batching) == ("scale", 8, True)
+            assert [(t.name, t.shape, t.dtype) for t in config.inputs or []] == [
+                ("x", (4,), np.float32),
+                ("k", (1,), np.float32),
+            ]
+            client.wait_for_server(5)
             out = client.infer_sample(rows(1)[0], np.float32([3]))  # positional: the model's order
             np.testing.assert_array_equal(out["y"], rows(1)[0] * 3)
             out = client.infer_batch(x=rows(3), k=np.float32([[1], [2], [3]]))
@@ -1014,3 +1021,48 @@ def test_batch_splits_each_result_a_generator_yields() -> None:
     assert len(parts) == 3 and all(len(p) == 2 for p in parts)  # per yield: one response per request
     np.testing.assert_array_equal(parts[2][0]["y"], rows(2) + 2)
     np.testing.assert_array_equal(parts[2][1]["y"], rows(1) + 2)
+
+
+@pytest.mark.parametrize("scheme", ["http", "grpc"])
+def test_futures_and_asyncio_clients_infer_the_pytriton_way(scheme: str) -> None:
+    import asyncio
+
+    from ferrobatch.triton.client import (
+        AsyncioModelClient,
+        FuturesModelClient,
+        PyTritonClientClosedError,
+        PyTritonClientInferenceServerError,
+    )
+
+    @batch
+    def infer(x: np.ndarray) -> dict[str, np.ndarray]:
+        if (x < 0).any():
+            raise ValueError("x must be >= 0")
+        return {"y": x + 1}
+
+    triton = ephemeral()
+    triton.bind("inc", infer, inputs=[X], outputs=[Y], config=ModelConfig(max_batch_size=8))
+    with running(triton):
+        url = f"{scheme}://127.0.0.1:{triton.http_port if scheme == 'http' else triton.grpc_port}"
+        with FuturesModelClient(url, "inc", max_workers=4) as futures:
+            submitted = [futures.infer_sample(x=rows(1)[0] * i) for i in range(8)]
+            for i, future in enumerate(submitted):
+                np.testing.assert_array_equal(future.result(30)["y"], rows(1)[0] * i + 1)
+            assert futures.model_config().result(30).max_batch_size == 8
+            with pytest.raises(PyTritonClientInferenceServerError, match="x must be >= 0"):
+                futures.infer_batch(x=-rows(2)).result(30)
+        with pytest.raises(PyTritonClientClosedError):
+            futures.infer_sample(x=rows(1)[0])
+
+        async def calls() -> None:
+            async with AsyncioModelClient(url, "inc", lazy_init=False, access_token="t") as client:
+                outs = await asyncio.gather(*(client.infer_sample(rows(1)[0] * i) for i in range(8)))
+                for i, out in enumerate(outs):
+                    np.testing.assert_array_equal(out["y"], rows(1)[0] * i + 1)
+                out = await client.infer_batch(x=rows(3))
+                np.testing.assert_array_equal(out["y"], rows(3) + 1)
+                assert (await client.model_config).inputs[0].name == "x"  # type: ignore[index]
+                with pytest.raises(PyTritonClientInferenceServerError, match="x must be >= 0"):
+                    await client.infer_sample(-rows(1)[0])
+
+        asyncio.run(calls())

@@ -1,35 +1,55 @@
-"""PyTriton's ``ModelClient`` (``pytriton.client``) on tritonclient, for
-scripts that call their models the PyTriton way::
+"""PyTriton's clients (``pytriton.client``) on tritonclient, for scripts
+that call their models the PyTriton way::
 
     with ModelClient("localhost:8000", "double") as client:       # "grpc://localhost:8001" for gRPC
         out = client.infer_batch(x=np.ones((2, 4), np.float32))   # {"y": array of shape (2, 4)}
         one = client.infer_sample(np.ones(4, np.float32))         # positional: the model's input order
 
-It talks to any v2 server (ferrobatch's, Triton's). Needs ``tritonclient``
-(``pip install 'tritonclient[http,grpc]'``).
+    with FuturesModelClient("localhost", "double") as client:     # from any thread, without blocking
+        future = client.infer_batch(x=batch)                      # concurrent.futures.Future
+
+    async with AsyncioModelClient("localhost", "double") as client:
+        out = await client.infer_sample(np.ones(4, np.float32))
+
+They talk to any v2 server (ferrobatch's, Triton's). Each reads the model's
+config first (``model_config``: a :class:`TritonModelConfig`), waiting for the
+model to be ready, unless given one. Needs ``tritonclient``
+(``pip install 'tritonclient[http,grpc]'``). Decoupled (streaming) models
+are not served by ferrobatch: there is no ``DecoupledModelClient``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import importlib
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import ModuleType, TracebackType
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import numpy as np
 
 from .exceptions import PyTritonError
+from .model_config import DynamicBatcher
+from .model_config.triton_model_config import TensorSpec, TritonModelConfig
 
 __all__ = [
+    "AsyncioModelClient",
+    "FuturesModelClient",
     "ModelClient",
+    "PyTritonClientClosedError",
     "PyTritonClientError",
     "PyTritonClientInferenceServerError",
     "PyTritonClientModelUnavailableError",
     "PyTritonClientTimeoutError",
     "PyTritonClientValueError",
 ]
+
+T = TypeVar("T")
+Parameters = Mapping[str, str | int | float | bool]
 
 
 class PyTritonClientError(PyTritonError):
@@ -52,22 +72,183 @@ class PyTritonClientInferenceServerError(PyTritonClientError):
     """The server answered the inference with an error (the message says which)."""
 
 
+class PyTritonClientClosedError(PyTritonClientError):
+    """The client was closed."""
+
+
 _DEFAULT_PORTS = {"http": 8000, "grpc": 8001}
+#: Triton's header for its access-restricted endpoints (gRPC: as metadata with its prefix).
+_ACCESS_HEADER = "triton-access-token"
 
 
-def _lib(scheme: str) -> ModuleType:
+def _lib(scheme: str, aio: bool = False) -> ModuleType:
     """tritonclient's module for ``scheme`` (imported here: an optional dependency)."""
-    return importlib.import_module(f"tritonclient.{scheme}")
+    return importlib.import_module(f"tritonclient.{scheme}{'.aio' if aio else ''}")
+
+
+def _utils() -> ModuleType:
+    return importlib.import_module("tritonclient.utils")
+
+
+def _parse_url(url: str) -> tuple[str, str]:
+    """``(scheme, host:port)`` of ``[http://|grpc://]host[:port]``."""
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    scheme = parts.scheme.lower()
+    if scheme not in _DEFAULT_PORTS or not parts.hostname:
+        raise PyTritonClientValueError(f"url must be [http://|grpc://]host[:port], got {url!r}")
+    return scheme, f"{parts.hostname}:{parts.port or _DEFAULT_PORTS[scheme]}"
+
+
+def parse_model_config(config: Mapping[str, Any]) -> TritonModelConfig:
+    """A :class:`TritonModelConfig` from Triton's JSON model config (HTTP's,
+    or gRPC's as JSON, whose 64-bit integers are strings)."""
+    to_dtype = _utils().triton_to_np_dtype
+
+    def tensors(key: str) -> list[TensorSpec]:
+        specs = []
+        for t in config.get(key, []):
+            dtype = to_dtype(str(t.get("data_type", "TYPE_FP32")).removeprefix("TYPE_").replace("STRING", "BYTES"))
+            specs.append(
+                TensorSpec(
+                    str(t["name"]),
+                    tuple(int(d) for d in t.get("dims", [])),
+                    np.bytes_ if dtype is np.object_ else dtype,
+                    bool(t.get("optional", False)),
+                )
+            )
+        return specs
+
+    max_batch_size = int(config.get("max_batch_size", 0))
+    batching = config.get("dynamic_batching")
+    batcher = None
+    if batching is not None:
+        batcher = DynamicBatcher(
+            max_queue_delay_microseconds=int(batching.get("max_queue_delay_microseconds", 0)),
+            preferred_batch_size=[int(s) for s in batching.get("preferred_batch_size", [])] or None,
+            preserve_ordering=bool(batching.get("preserve_ordering", False)),
+            priority_levels=int(batching.get("priority_levels", 0)),
+            default_priority_level=int(batching.get("default_priority_level", 0)),
+        )
+    return TritonModelConfig(
+        model_name=str(config.get("name", "")),
+        max_batch_size=max_batch_size,
+        batching=max_batch_size > 0,
+        batcher=batcher,
+        decoupled=bool(config.get("model_transaction_policy", {}).get("decoupled", False)),
+        inputs=tensors("input"),
+        outputs=tensors("output"),
+        response_cache=bool(config.get("response_cache", {}).get("enable", False)),
+    )
+
+
+class _Requests:
+    """What every client shares: the address, the model, and how inputs
+    become tritonclient requests and answers become numpy arrays."""
+
+    def __init__(
+        self,
+        url: str,
+        model_name: str,
+        model_version: str | None,
+        init_timeout_s: float | None,
+        inference_timeout_s: float | None,
+        access_token: str | None,
+    ) -> None:
+        self.scheme, self.url = _parse_url(url)
+        self.model_name = model_name
+        self.model_version = model_version or ""
+        self.init_timeout_s = 300.0 if init_timeout_s is None else init_timeout_s
+        self.inference_timeout_s = 60.0 if inference_timeout_s is None else inference_timeout_s
+        self.headers: dict[str, str] = {}
+        if access_token is not None:
+            prefix = "triton-grpc-protocol-" if self.scheme == "grpc" else ""
+            self.headers[prefix + _ACCESS_HEADER] = access_token
+
+    def named(
+        self, config: TritonModelConfig, inputs: tuple[np.ndarray, ...], named_inputs: Mapping[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
+        if inputs and named_inputs:
+            raise PyTritonClientValueError("pass the inputs either by position or by name, not both")
+        if not inputs:
+            return dict(named_inputs)
+        names = [t.name for t in config.inputs or []]
+        if len(inputs) != len(names):
+            raise PyTritonClientValueError(f"model {self.model_name!r} takes {len(names)} inputs: {names}")
+        return dict(zip(names, inputs))
+
+    def tensors(self, lib: ModuleType, inputs: Mapping[str, np.ndarray]) -> list[Any]:
+        utils = _utils()
+        tensors = []
+        for name, array in inputs.items():
+            array = np.asarray(array)
+            if array.dtype.kind == "U":
+                raise PyTritonClientValueError(
+                    f"input {name!r}: text must be encoded first (np.char.encode(array, 'utf-8'))"
+                )
+            tensor = lib.InferInput(name, list(array.shape), utils.np_to_triton_dtype(array.dtype))
+            tensor.set_data_from_numpy(array)
+            tensors.append(tensor)
+        return tensors
+
+    def infer_kwargs(self, parameters: Parameters | None, headers: Mapping[str, str] | None) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {
+            "model_version": self.model_version,
+            "parameters": dict(parameters) if parameters else None,
+            "headers": {**self.headers, **headers} if headers else (self.headers or None),
+        }
+        if self.scheme == "grpc":
+            kwargs["client_timeout"] = self.inference_timeout_s
+        return kwargs
+
+    def failed(self, exc: BaseException) -> PyTritonClientError:
+        """The client's error for what an inference raised."""
+        if isinstance(exc, TimeoutError | asyncio.TimeoutError):
+            return PyTritonClientTimeoutError(f"inference timed out after {self.inference_timeout_s} s")
+        message = exc.message() if hasattr(exc, "message") and callable(exc.message) else str(exc)
+        message = message or str(exc)
+        if "Deadline Exceeded" in message:
+            return PyTritonClientTimeoutError(f"inference timed out: {message}")
+        if "unknown model" in message:
+            return PyTritonClientModelUnavailableError(message)
+        return PyTritonClientInferenceServerError(f"inference failed: {message}")
+
+    @staticmethod
+    def outputs(result: Any) -> dict[str, np.ndarray]:
+        response = result.get_response()
+        names = [o["name"] for o in response["outputs"]] if isinstance(response, dict) else [
+            o.name for o in response.outputs
+        ]  # fmt: skip
+        return {n: result.as_numpy(n) for n in names}
+
+    def config_json(self, raw: Any) -> Mapping[str, Any]:
+        """The JSON config tritonclient returned (gRPC's ``as_json`` wraps it)."""
+        if self.scheme == "grpc":
+            config: Mapping[str, Any] = raw["config"]
+            return config
+        return dict(raw)
+
+    def not_ready(self, timeout_s: float) -> PyTritonClientTimeoutError:
+        return PyTritonClientTimeoutError(f"model {self.model_name!r} not ready at {self.url} in {timeout_s} s")
+
+
+def _batched(config: TritonModelConfig, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {n: a[np.newaxis, ...] for n, a in arrays.items()} if config.batching else dict(arrays)
+
+
+def _debatched(config: TritonModelConfig, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {n: a[0] for n, a in arrays.items()} if config.batching else dict(arrays)
 
 
 class ModelClient:
     """A blocking client of one model, as PyTriton's: ``url`` is ``host``,
     ``host:port``, ``http://host:port`` or ``grpc://host:port`` (no scheme:
     HTTP; no port: 8000 for HTTP, 8001 for gRPC). The model's config (its
-    inputs' order, whether it batches) is read before the first inference,
-    waiting up to ``init_timeout_s`` for the model to be ready (at once in
-    ``__init__`` with ``lazy_init=False``). ``inference_timeout_s`` (default
-    60) bounds each request."""
+    inputs' order, whether it batches) is read before the first inference
+    (at once with ``lazy_init=False``), after waiting up to
+    ``init_timeout_s`` for the model to be ready, unless ``model_config`` is
+    given (and ``ensure_model_is_ready=False`` skips the wait).
+    ``inference_timeout_s`` (default 60) bounds each request;
+    ``access_token`` is sent as Triton's ``triton-access-token``."""
 
     def __init__(
         self,
@@ -78,87 +259,100 @@ class ModelClient:
         lazy_init: bool = True,
         init_timeout_s: float | None = None,
         inference_timeout_s: float | None = None,
+        model_config: TritonModelConfig | None = None,
+        ensure_model_is_ready: bool = True,
+        access_token: str | None = None,
     ) -> None:
-        parts = urlsplit(url if "://" in url else f"http://{url}")
-        scheme = parts.scheme.lower()
-        if scheme not in _DEFAULT_PORTS or not parts.hostname:
-            raise PyTritonClientValueError(f"url must be [http://|grpc://]host[:port], got {url!r}")
-        self.url = f"{parts.hostname}:{parts.port or _DEFAULT_PORTS[scheme]}"
-        self.scheme = scheme
-        self.model_name = model_name
-        self.model_version = model_version or ""
-        self._init_timeout_s = 300.0 if init_timeout_s is None else init_timeout_s
-        self._inference_timeout_s = 60.0 if inference_timeout_s is None else inference_timeout_s
-        self._lib = _lib(scheme)
-        if scheme == "http":
-            timeout = self._inference_timeout_s
+        self._requests = _Requests(url, model_name, model_version, init_timeout_s, inference_timeout_s, access_token)
+        self.url, self.scheme = self._requests.url, self._requests.scheme
+        self.model_name, self.model_version = model_name, self._requests.model_version
+        self._lib = _lib(self.scheme)
+        if self.scheme == "http":
+            timeout = self._requests.inference_timeout_s
             self._client: Any = self._lib.InferenceServerClient(
                 self.url, connection_timeout=timeout, network_timeout=timeout
             )
         else:
             self._client = self._lib.InferenceServerClient(self.url)
-        self._config: dict[str, Any] | None = None
+        self._config = model_config
+        self._ensure_ready = ensure_model_is_ready
         if not lazy_init:
             self.model_config  # noqa: B018 - read now: waits for the model
 
     # -- PyTriton's API -------------------------------------------------------------------------
 
+    def get_lib(self) -> ModuleType:
+        """tritonclient's module this client uses (``tritonclient.http`` or ``.grpc``)."""
+        return self._lib
+
     def infer_sample(
         self,
         *inputs: np.ndarray,
-        parameters: Mapping[str, str | int | float | bool] | None = None,
+        parameters: Parameters | None = None,
         headers: Mapping[str, str] | None = None,
         **named_inputs: np.ndarray,
     ) -> dict[str, np.ndarray]:
         """One sample (inputs without the batch dimension) → its outputs."""
-        if self.is_batching_supported:
-            inputs = tuple(a[np.newaxis, ...] for a in inputs)
-            named_inputs = {n: a[np.newaxis, ...] for n, a in named_inputs.items()}
-        result = self._infer(inputs, named_inputs, parameters, headers)
-        return {n: a[0] for n, a in result.items()} if self.is_batching_supported else result
+        config = self.model_config
+        arrays = _batched(config, self._requests.named(config, inputs, named_inputs))
+        return _debatched(config, self._infer(arrays, parameters, headers))
 
     def infer_batch(
         self,
         *inputs: np.ndarray,
-        parameters: Mapping[str, str | int | float | bool] | None = None,
+        parameters: Parameters | None = None,
         headers: Mapping[str, str] | None = None,
         **named_inputs: np.ndarray,
     ) -> dict[str, np.ndarray]:
         """A batch (inputs with a leading batch dimension) → its outputs."""
-        if not self.is_batching_supported:
+        config = self.model_config
+        if not config.batching:
             raise PyTritonClientValueError(f"model {self.model_name!r} does not batch: use infer_sample")
-        return self._infer(inputs, named_inputs, parameters, headers)
+        return self._infer(self._requests.named(config, inputs, named_inputs), parameters, headers)
 
     @property
-    def model_config(self) -> dict[str, Any]:
-        """The model's config (Triton's JSON form), read once."""
+    def model_config(self) -> TritonModelConfig:
+        """The model's config, read once (after waiting for the model)."""
         if self._config is None:
-            self.wait_for_model(self._init_timeout_s)
-            if self.scheme == "grpc":
-                self._config = self._client.get_model_config(self.model_name, self.model_version, as_json=True)[
-                    "config"
-                ]
-            else:
-                self._config = self._client.get_model_config(self.model_name, self.model_version)
-        assert self._config is not None
+            if self._ensure_ready:
+                self.wait_for_model(self._requests.init_timeout_s)
+            raw = self._client.get_model_config(
+                self.model_name, self.model_version, headers=self._requests.headers or None,
+                **({"as_json": True} if self.scheme == "grpc" else {}),
+            )  # fmt: skip
+            self._config = parse_model_config(self._requests.config_json(raw))
         return self._config
 
     @property
     def is_batching_supported(self) -> bool:
-        return int(self.model_config.get("max_batch_size", 0)) > 0
+        return self.model_config.batching
+
+    def wait_for_server(self, timeout_s: float) -> None:
+        """Waits until the server says it is ready."""
+        self._wait(lambda: bool(self._client.is_server_ready(headers=self._requests.headers or None)), timeout_s,
+                   lambda: PyTritonClientTimeoutError(f"server at {self.url} not ready in {timeout_s} s"))  # fmt: skip
 
     def wait_for_model(self, timeout_s: float) -> None:
         """Waits until the server says the model is ready."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                if self._client.is_model_ready(self.model_name, self.model_version):
-                    return
-            except (OSError, self._utils().InferenceServerException):
-                pass  # not up yet
-            if time.monotonic() >= deadline:
-                raise PyTritonClientTimeoutError(f"model {self.model_name!r} not ready at {self.url} in {timeout_s} s")
-            time.sleep(0.05)
+        ready = lambda: bool(  # noqa: E731
+            self._client.is_model_ready(self.model_name, self.model_version, headers=self._requests.headers or None)
+        )
+        self._wait(ready, timeout_s, lambda: self._requests.not_ready(timeout_s))
+
+    def load_model(self, config: str | None = None, files: dict[str, bytes] | None = None) -> None:
+        """Asks the server to load the model (Triton's repository API; a
+        server that serves a fixed set of models, as ferrobatch's, refuses)."""
+        try:
+            self._client.load_model(self.model_name, config=config, files=files, headers=self._requests.headers or None)
+        except _utils().InferenceServerException as exc:
+            raise self._requests.failed(exc) from exc
+
+    def unload_model(self) -> None:
+        """Asks the server to unload the model (see :meth:`load_model`)."""
+        try:
+            self._client.unload_model(self.model_name, headers=self._requests.headers or None)
+        except _utils().InferenceServerException as exc:
+            raise self._requests.failed(exc) from exc
 
     def close(self) -> None:
         self._client.close()
@@ -173,56 +367,237 @@ class ModelClient:
 
     # -- internals --------------------------------------------------------------------------------
 
-    @staticmethod
-    def _utils() -> ModuleType:
-        return importlib.import_module("tritonclient.utils")
+    def _wait(self, ready: Callable[[], bool], timeout_s: float, timed_out: Callable[[], Exception]) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if ready():
+                    return
+            except (OSError, _utils().InferenceServerException):
+                pass  # not up yet
+            if time.monotonic() >= deadline:
+                raise timed_out()
+            time.sleep(0.05)
 
     def _infer(
-        self,
-        inputs: tuple[np.ndarray, ...],
-        named_inputs: Mapping[str, np.ndarray],
-        parameters: Mapping[str, str | int | float | bool] | None,
-        headers: Mapping[str, str] | None,
+        self, inputs: Mapping[str, np.ndarray], parameters: Parameters | None, headers: Mapping[str, str] | None
     ) -> dict[str, np.ndarray]:
-        if inputs and named_inputs:
-            raise PyTritonClientValueError("pass the inputs either by position or by name, not both")
-        if inputs:
-            names = [i["name"] for i in self.model_config.get("input", [])]
-            if len(inputs) != len(names):
-                raise PyTritonClientValueError(f"model {self.model_name!r} takes {len(names)} inputs: {names}")
-            named_inputs = dict(zip(names, inputs))
-        utils = self._utils()
-        tensors = []
-        for name, array in named_inputs.items():
-            array = np.asarray(array)
-            if array.dtype.kind == "U":
-                raise PyTritonClientValueError(
-                    f"input {name!r}: text must be encoded first (np.char.encode(array, 'utf-8'))"
-                )
-            tensor = self._lib.InferInput(name, list(array.shape), utils.np_to_triton_dtype(array.dtype))
-            tensor.set_data_from_numpy(array)
-            tensors.append(tensor)
-        extra: dict[str, Any] = {"client_timeout": self._inference_timeout_s} if self.scheme == "grpc" else {}
+        tensors = self._requests.tensors(self._lib, inputs)
         try:
-            result = self._client.infer(
-                self.model_name,
-                tensors,
-                model_version=self.model_version,
-                parameters=dict(parameters) if parameters else None,
-                headers=dict(headers) if headers else None,
-                **extra,
+            result = self._client.infer(self.model_name, tensors, **self._requests.infer_kwargs(parameters, headers))
+        except (_utils().InferenceServerException, TimeoutError) as exc:
+            raise self._requests.failed(exc) from exc
+        return self._requests.outputs(result)
+
+
+class FuturesModelClient:
+    """PyTriton's ``FuturesModelClient``: every call returns a
+    ``concurrent.futures.Future`` at once, run by up to ``max_workers``
+    threads, each with a :class:`ModelClient` of its own. Arguments as
+    :class:`ModelClient`'s; ``close(wait=True)`` waits for what was
+    submitted, and later calls raise :class:`PyTritonClientClosedError`."""
+
+    def __init__(
+        self,
+        url: str,
+        model_name: str,
+        model_version: str | None = None,
+        *,
+        max_workers: int = 128,
+        max_queue_size: int = 128,
+        non_blocking: bool = False,
+        init_timeout_s: float | None = None,
+        inference_timeout_s: float | None = None,
+        model_config: TritonModelConfig | None = None,
+        ensure_model_is_ready: bool = True,
+        access_token: str | None = None,
+    ) -> None:
+        if max_workers < 1:
+            raise PyTritonClientValueError(f"max_workers must be at least 1, got {max_workers}")
+        del max_queue_size, non_blocking  # PyTriton's knobs of its own queue; the executor's is unbounded
+
+        def make() -> ModelClient:
+            return ModelClient(
+                url,
+                model_name,
+                model_version,
+                init_timeout_s=init_timeout_s,
+                inference_timeout_s=inference_timeout_s,
+                model_config=model_config,
+                ensure_model_is_ready=ensure_model_is_ready,
+                access_token=access_token,
             )
-        except utils.InferenceServerException as exc:
-            message = exc.message() or str(exc)
-            if "Deadline Exceeded" in message:
-                raise PyTritonClientTimeoutError(f"inference timed out: {message}") from exc
-            if "unknown model" in message:
-                raise PyTritonClientModelUnavailableError(message) from exc
-            raise PyTritonClientInferenceServerError(f"inference failed: {message}") from exc
-        except TimeoutError as exc:  # tritonclient.http: the socket's timeout
-            raise PyTritonClientTimeoutError(f"inference timed out after {self._inference_timeout_s} s") from exc
-        response = result.get_response()
-        names = [o["name"] for o in response["outputs"]] if isinstance(response, dict) else [
-            o.name for o in response.outputs
-        ]  # fmt: skip
-        return {n: result.as_numpy(n) for n in names}
+
+        self._make = make
+        self._local = threading.local()
+        self._clients: list[ModelClient] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="ferrobatch-client")
+
+    def _client(self) -> ModelClient:
+        client: ModelClient | None = getattr(self._local, "client", None)
+        if client is None:
+            client = self._local.client = self._make()
+            with self._lock:
+                self._clients.append(client)
+        return client
+
+    def _submit(self, call: Callable[[ModelClient], T]) -> concurrent.futures.Future[T]:
+        with self._lock:
+            if self._closed:
+                raise PyTritonClientClosedError("the FuturesModelClient is closed")
+            return self._executor.submit(lambda: call(self._client()))
+
+    def infer_sample(
+        self,
+        *inputs: np.ndarray,
+        parameters: Parameters | None = None,
+        headers: Mapping[str, str] | None = None,
+        **named_inputs: np.ndarray,
+    ) -> concurrent.futures.Future[dict[str, np.ndarray]]:
+        return self._submit(lambda c: c.infer_sample(*inputs, parameters=parameters, headers=headers, **named_inputs))
+
+    def infer_batch(
+        self,
+        *inputs: np.ndarray,
+        parameters: Parameters | None = None,
+        headers: Mapping[str, str] | None = None,
+        **named_inputs: np.ndarray,
+    ) -> concurrent.futures.Future[dict[str, np.ndarray]]:
+        return self._submit(lambda c: c.infer_batch(*inputs, parameters=parameters, headers=headers, **named_inputs))
+
+    def model_config(self) -> concurrent.futures.Future[TritonModelConfig]:
+        return self._submit(lambda c: c.model_config)
+
+    def wait_for_model(self, timeout_s: float) -> concurrent.futures.Future[None]:
+        return self._submit(lambda c: c.wait_for_model(timeout_s))
+
+    def close(self, wait: bool = True) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._executor.shutdown(wait=wait)
+        for client in self._clients:
+            client.close()
+
+    def __enter__(self) -> FuturesModelClient:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class AsyncioModelClient:
+    """PyTriton's ``AsyncioModelClient``: :class:`ModelClient`'s calls as
+    coroutines, on tritonclient's asyncio clients (``tritonclient.http.aio``,
+    ``tritonclient.grpc.aio``). ``await client.model_config`` reads the
+    config (once)."""
+
+    def __init__(
+        self,
+        url: str,
+        model_name: str,
+        model_version: str | None = None,
+        *,
+        lazy_init: bool = True,
+        init_timeout_s: float | None = None,
+        inference_timeout_s: float | None = None,
+        model_config: TritonModelConfig | None = None,
+        ensure_model_is_ready: bool = True,
+        access_token: str | None = None,
+    ) -> None:
+        self._requests = _Requests(url, model_name, model_version, init_timeout_s, inference_timeout_s, access_token)
+        self.url, self.scheme = self._requests.url, self._requests.scheme
+        self.model_name, self.model_version = model_name, self._requests.model_version
+        self._lib = _lib(self.scheme, aio=True)
+        if self.scheme == "http":
+            timeout = self._requests.inference_timeout_s
+            self._client: Any = self._lib.InferenceServerClient(self.url, conn_timeout=timeout)
+        else:
+            self._client = self._lib.InferenceServerClient(self.url)
+        self._config = model_config
+        self._ensure_ready = ensure_model_is_ready
+        self._lazy = lazy_init
+
+    def get_lib(self) -> ModuleType:
+        return self._lib
+
+    async def __aenter__(self) -> AsyncioModelClient:
+        if not self._lazy:
+            await self.model_config
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._client.close()
+
+    @property
+    async def model_config(self) -> TritonModelConfig:
+        if self._config is None:
+            if self._ensure_ready:
+                await self.wait_for_model(self._requests.init_timeout_s)
+            raw = await self._client.get_model_config(
+                self.model_name, self.model_version, headers=self._requests.headers or None,
+                **({"as_json": True} if self.scheme == "grpc" else {}),
+            )  # fmt: skip
+            self._config = parse_model_config(self._requests.config_json(raw))
+        return self._config
+
+    async def wait_for_model(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if await self._client.is_model_ready(
+                    self.model_name, self.model_version, headers=self._requests.headers or None
+                ):
+                    return
+            except (OSError, _utils().InferenceServerException):
+                pass  # not up yet
+            if time.monotonic() >= deadline:
+                raise self._requests.not_ready(timeout_s)
+            await asyncio.sleep(0.05)
+
+    async def infer_sample(
+        self,
+        *inputs: np.ndarray,
+        parameters: Parameters | None = None,
+        headers: Mapping[str, str] | None = None,
+        **named_inputs: np.ndarray,
+    ) -> dict[str, np.ndarray]:
+        config = await self.model_config
+        arrays = _batched(config, self._requests.named(config, inputs, named_inputs))
+        return _debatched(config, await self._infer(arrays, parameters, headers))
+
+    async def infer_batch(
+        self,
+        *inputs: np.ndarray,
+        parameters: Parameters | None = None,
+        headers: Mapping[str, str] | None = None,
+        **named_inputs: np.ndarray,
+    ) -> dict[str, np.ndarray]:
+        config = await self.model_config
+        if not config.batching:
+            raise PyTritonClientValueError(f"model {self.model_name!r} does not batch: use infer_sample")
+        return await self._infer(self._requests.named(config, inputs, named_inputs), parameters, headers)
+
+    async def _infer(
+        self, inputs: Mapping[str, np.ndarray], parameters: Parameters | None, headers: Mapping[str, str] | None
+    ) -> dict[str, np.ndarray]:
+        tensors = self._requests.tensors(self._lib, inputs)
+        kwargs = self._requests.infer_kwargs(parameters, headers)
+        try:
+            call = self._client.infer(self.model_name, tensors, **kwargs)
+            if self.scheme == "http":
+                call = asyncio.wait_for(call, self._requests.inference_timeout_s)
+            result = await call
+        except (_utils().InferenceServerException, TimeoutError) as exc:
+            raise self._requests.failed(exc) from exc
+        return self._requests.outputs(result)
