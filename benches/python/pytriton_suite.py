@@ -15,8 +15,17 @@ PyTriton itself runs the unmodified copies with ``--pytriton-python`` (an
 interpreter with ``nvidia-pytriton`` and pytest installed, e.g. the one
 ``make bench-serve-deps`` makes in ``.venv-pytriton``).
 
+``--examples`` runs PyTriton's examples that need no GPU and no downloaded
+weights the same way: each ``server.py`` (imports switched) on its default
+ports 8000/8001 of 127.0.0.1, then its ``client.py`` (imports switched) as it
+is (HTTP) and with its ``ModelClient`` pointed at ``grpc://localhost:8001``
+(not for an example whose server forwards HTTP headers only);
+an example passes when the client exits 0 within a minute. Each server is
+stopped with SIGINT (killed after 30 s), by its PID.
+
     python benches/python/pytriton_suite.py ~/src/pytriton
     python benches/python/pytriton_suite.py ~/src/pytriton --pytriton-python .venv-pytriton/bin/python -- -x
+    python benches/python/pytriton_suite.py ~/src/pytriton --examples
 """
 
 from __future__ import annotations
@@ -26,9 +35,12 @@ import importlib
 import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 #: The suites run: PyTriton's decorator tests (what a model author's code
@@ -38,6 +50,18 @@ HELPERS = ("__init__.py", "utils.py")
 
 FROM_IMPORT = re.compile(r"^from pytriton((?:\.\w+)*) import (\([^)]*\)|[^\n]*)", re.M)
 OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
+
+#: PyTriton's examples that run on a CPU with nothing downloaded.
+EXAMPLES = (
+    "add_sub_python",
+    "add_sub_python_with_optional",
+    "identity_python",
+    "linear_random_pytorch",
+    "multiple_models_python",
+    "use_parameters_and_headers",
+)
+#: Examples whose server forwards HTTP headers only (``http_header_forward_pattern``): no gRPC run.
+HTTP_ONLY = frozenset({"use_parameters_and_headers"})
 
 STAND_IN = '''
 class _Missing:
@@ -117,12 +141,80 @@ def run(python: str, unit: Path, extra: list[str]) -> dict[str, int]:
     return {o: int(n) for n, o in re.findall(r"(\d+) (\w+?)s?\b", summary) if o in OUTCOMES}
 
 
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def run_example(checkout: Path, name: str, into: Path) -> dict[str, str]:
+    """One example served by ferrobatch.triton: ``{"http": outcome, "grpc": outcome}``."""
+    source = checkout / "examples" / name
+    work = into / name
+    work.mkdir(parents=True)
+    missing: set[str] = set()
+    for script in ("server.py", "client.py"):
+        (work / script).write_text(switched((source / script).read_text(), missing))
+    grpc_client = (
+        (work / "client.py").read_text().replace('ModelClient("localhost"', 'ModelClient("grpc://localhost:8001"')
+    )
+    (work / "client_grpc.py").write_text(grpc_client)
+    if _port_open(8000) or _port_open(8001):
+        return {"http": "skipped: port 8000 or 8001 in use", "grpc": "skipped"}
+    log = (work / "server.log").open("w")
+    server = subprocess.Popen([sys.executable, "server.py"], cwd=work, stdout=log, stderr=subprocess.STDOUT)
+    outcomes: dict[str, str] = {}
+    try:
+        deadline = time.monotonic() + 90
+        while not _port_open(8000) and server.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        runs = [("http", "client.py")] + ([] if name in HTTP_ONLY else [("grpc", "client_grpc.py")])
+        for protocol, script in runs:
+            if server.poll() is not None:
+                outcomes[protocol] = f"failed: the server exited ({server.returncode})"
+                continue
+            try:
+                done = subprocess.run([sys.executable, script], cwd=work, capture_output=True, text=True, timeout=60)
+            except subprocess.TimeoutExpired:
+                outcomes[protocol] = "failed: the client did not finish in 60 s"
+                continue
+            last = (done.stderr.strip().splitlines() or [""])[-1][:120]
+            outcomes[protocol] = "passed" if done.returncode == 0 else f"failed: {last}"
+    finally:
+        if server.poll() is None:
+            server.send_signal(signal.SIGINT)
+            try:
+                server.wait(30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+        server.wait()  # reaped, whatever happened: no zombie left
+        log.close()
+    if outcomes and any(o != "passed" for o in outcomes.values()):
+        tail = (work / "server.log").read_text().strip().splitlines()[-3:]
+        for line in tail:
+            print(f"      server: {line[:150]}")
+    return outcomes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkout", type=Path, help="a local copy of the pytriton repository")
     parser.add_argument("--pytriton-python", help="an interpreter with nvidia-pytriton and pytest, to run PyTriton")
+    parser.add_argument("--examples", action="store_true", help="run PyTriton's CPU examples instead of its tests")
     parser.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
     args = parser.parse_args()
+    if args.examples:
+        with tempfile.TemporaryDirectory(prefix="pytriton-examples-") as tmp:
+            results = {}
+            for name in EXAMPLES:
+                print(f"{name}:", flush=True)
+                results[name] = run_example(args.checkout, name, Path(tmp))
+                for protocol, outcome in results[name].items():
+                    print(f"  {protocol}: {outcome}", flush=True)
+            passed = sum(o == "passed" for r in results.values() for o in r.values())
+            total = sum(len(r) for r in results.values())
+            print(f"\nexamples served by ferrobatch.triton: {passed} of {total} client runs passed")
+        return
     if not (args.checkout / "tests" / "unit" / TEST_FILES[0]).is_file():
         raise SystemExit(f"{args.checkout} has no tests/unit/{TEST_FILES[0]}")
     with tempfile.TemporaryDirectory(prefix="pytriton-suite-") as tmp:

@@ -191,10 +191,12 @@ class _Requests:
         return tensors
 
     def infer_kwargs(self, parameters: Parameters | None, headers: Mapping[str, str] | None) -> dict[str, Any]:
+        # Header values as text: gRPC metadata takes nothing else (PyTriton's examples pass ints).
+        merged = {**self.headers, **{k: str(v) for k, v in (headers or {}).items()}}
         kwargs: dict[str, Any] = {
             "model_version": self.model_version,
             "parameters": dict(parameters) if parameters else None,
-            "headers": {**self.headers, **headers} if headers else (self.headers or None),
+            "headers": merged or None,
         }
         if self.scheme == "grpc":
             kwargs["client_timeout"] = self.inference_timeout_s
