@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --quiet --disable-pip-version-check
 DEPS_STAMP := $(VENV)/.deps-stamp
 BUILD_STAMP := $(VENV)/.build-stamp
-RUST_SOURCES := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml Cargo.lock pyproject.toml
+RUST_SOURCES := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml Cargo.lock pyproject.toml python/ferrobatch/grpc/grpc_predict_v2.proto
 SERVING_TESTS := tests/test_http.py tests/test_grpc.py tests/test_serve.py
 # tritonclient caps protobuf below 7, so the pins take protobuf 6; the serving
 # tests run again on this one, laid over the venv's (PYTHONPATH), which stays as is.

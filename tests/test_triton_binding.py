@@ -330,8 +330,8 @@ def test_tensor_dtypes_and_what_bind_refuses() -> None:
         triton.bind("m", infer, [X], [Y], config=ModelConfig(batching=False))
     with pytest.raises(PyTritonModelConfigError, match="decoupled"):
         triton.bind("m", infer, [X], [Y], config=ModelConfig(decoupled=True))
-    with pytest.raises(PyTritonModelConfigError, match="optional"):
-        triton.bind("m", infer, [Tensor(name="x", dtype=np.float32, shape=(4,), optional=True)], [Y])
+    with pytest.raises(PyTritonModelConfigError, match="outputs cannot be optional"):
+        triton.bind("m", infer, [X], [Tensor(name="y", dtype=np.float32, shape=(4,), optional=True)])
     with pytest.raises(PyTritonModelConfigError, match="preferred_batch_sizes"):
         triton.bind("m", infer, [X], [Y], config=ModelConfig(batcher=DynamicBatcher(preferred_batch_size=[64])))
     with pytest.raises(PyTritonValidationError, match="model name"):
@@ -1066,3 +1066,32 @@ def test_futures_and_asyncio_clients_infer_the_pytriton_way(scheme: str) -> None
                     await client.infer_sample(-rows(1)[0])
 
         asyncio.run(calls())
+
+
+@pytest.mark.parametrize("scheme", ["http", "grpc"])
+def test_optional_inputs_are_left_out_of_requests_and_filled_by_fill_optionals(scheme: str) -> None:
+    from ferrobatch.triton.client import ModelClient
+    from ferrobatch.triton.decorators import fill_optionals
+
+    seen: list[list[str]] = []
+
+    @fill_optionals(w=np.float32([2]))
+    @group_by_keys
+    @batch
+    def infer(x: np.ndarray, w: np.ndarray) -> dict[str, np.ndarray]:
+        return {"y": x * w}
+
+    def record(requests: list[Request]) -> Any:
+        seen.append([",".join(sorted(r)) for r in requests])
+        return infer(requests)
+
+    w = Tensor(name="w", dtype=np.float32, shape=(1,), optional=True)
+    triton = ephemeral()
+    triton.bind("scale", record, inputs=[X, w], outputs=[Y], config=ModelConfig(max_batch_size=8))
+    with running(triton):
+        port = triton.http_port if scheme == "http" else triton.grpc_port
+        with ModelClient(f"{scheme}://127.0.0.1:{port}", "scale") as client:
+            assert [t.optional for t in client.model_config.inputs or []] == [False, True]
+            np.testing.assert_array_equal(client.infer_batch(rows(2))["y"], rows(2) * 2)  # w left out: filled
+            np.testing.assert_array_equal(client.infer_batch(rows(2), np.float32([[3], [3]]))["y"], rows(2) * 3)
+    assert seen == [["x"], ["w,x"]]  # the callable sees the request as sent, as in PyTriton

@@ -57,6 +57,7 @@ class Batcher:
         default_priority: int | None = None,
         max_priority_wait: float | None = None,
         keep_parameters: bool = False,
+        optional: list[bool] = ...,
     ) -> Batcher: ...
     def close(self) -> None: ...
     def stats(self) -> dict[str, Any]: ...
@@ -145,8 +146,9 @@ class Batch:
     def take_ragged_bytes(self, index: int) -> tuple[list[bytes], list[int]]:
         """Variable-length BYTES input ``index``'s elements, in batch order, and
         each row's length (once per input)."""
-    def request_parameters(self) -> list[tuple[int, str | None, int]]:
-        """Each request's ``(rows, parameters as JSON text or None)``, in row order."""
+    def request_parameters(self) -> list[tuple[int, str | None, int, int]]:
+        """Each request's ``(rows, parameters as JSON text or None, priority,
+        optional inputs left out as bits)``, in row order."""
     def release_slot(self) -> bool: ...
 
 @final

@@ -280,7 +280,7 @@ class CudaExecutor:
                 if batch is None:
                     return
                 if self.with_requests:
-                    self._requests = [r for _, r in batch_requests(batch)]
+                    self._requests = [r for _, r in batch_requests(batch, [s.name for s in self.inputs])]
                 try:
                     if self.gate is None:
                         flight = self._launch_batch(slots[batch.slot], batch)

@@ -33,17 +33,29 @@ class RequestInfo:
     ``grpc_header_forward_pattern`` forward, by lowercase name. ``priority``:
     the priority level it waited at (1 is the most urgent; the default level
     when it gave none; 1 for a server without ``priority_levels``).
+    ``absent``: the optional inputs (``TensorSpec(optional=True)``) the
+    request left out; the model got zeros (or empty rows) in their place.
     """
 
     rows: int
     parameters: Mapping[str, Any] = field(default_factory=lambda: _NONE)
     priority: int = 1
+    absent: frozenset[str] = frozenset()
 
 
-def request_infos(triples: Sequence[tuple[int, str | None, int]]) -> list[RequestInfo]:
-    """The batch's ``(rows, parameters as JSON text, priority)`` as :class:`RequestInfo`s."""
+def request_infos(
+    entries: Sequence[tuple[int, str | None, int, int]], input_names: Sequence[str] = ()
+) -> list[RequestInfo]:
+    """The batch's ``(rows, parameters as JSON text, priority, optional
+    inputs left out as bits of ``input_names``)`` as :class:`RequestInfo`s."""
     return [
-        RequestInfo(rows, _NONE if text is None else json.loads(text), priority) for rows, text, priority in triples
+        RequestInfo(
+            rows,
+            _NONE if text is None else json.loads(text),
+            priority,
+            frozenset(n for i, n in enumerate(input_names) if absent >> i & 1) if absent else frozenset(),
+        )
+        for rows, text, priority, absent in entries
     ]
 
 

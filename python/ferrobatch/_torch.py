@@ -508,9 +508,10 @@ def isolate(
     return result
 
 
-def batch_requests(batch: _core.Batch) -> list[tuple[int, RequestInfo]]:
-    """The batch's requests as ``(start row, RequestInfo)``, in row order."""
-    infos = request_infos(batch.request_parameters())
+def batch_requests(batch: _core.Batch, input_names: Sequence[str]) -> list[tuple[int, RequestInfo]]:
+    """The batch's requests as ``(start row, RequestInfo)``, in row order
+    (``input_names``: the model's inputs, to name those a request left out)."""
+    infos = request_infos(batch.request_parameters(), input_names)
     starts = itertools.accumulate((r.rows for r in infos), initial=0)
     return list(zip(starts, infos))
 
@@ -554,6 +555,7 @@ class CpuExecutor:
     isolate_failures: bool = False
     sampler: InvarianceSampler | None = None  # re-runs sampled rows alone (invariance_sample_rate)
     with_requests: bool = False  # the model takes (inputs, requests)
+    input_names: tuple[str, ...] = ()  # the model's inputs, in order (RequestInfo.absent names them)
     # With ``with_requests``: the batch being served, as (start row, request) in row order.
     _requests: Sequence[tuple[int, RequestInfo]] = ()
 
@@ -629,7 +631,7 @@ class CpuExecutor:
             failed: list[tuple[int, BaseException]] | None = None
             slot = slots[batch.slot]
             if self.with_requests:
-                self._requests = batch_requests(batch)
+                self._requests = batch_requests(batch, self.input_names)
             started = perf_counter_ns()
             try:
                 outputs = self._attempt(slot, 0, batch.rows)

@@ -488,7 +488,8 @@ class VariableExecutor(CpuExecutor):
             try:
                 inputs = batch_inputs(self.inputs, slot, batch)
                 staging = frozenset(_storage_ptr(t) for t in slot.values())
-                requests = [r for _, r in batch_requests(batch)] if self.with_requests else None
+                names = [s.name for s in self.inputs]
+                requests = [r for _, r in batch_requests(batch, names)] if self.with_requests else None
                 outputs = self.call(inputs, batch.rows, staging, requests)
             except BaseException as exc:  # noqa: BLE001 - even SystemExit: the worker survives
                 error = exc

@@ -200,6 +200,12 @@ class Server:
             raise TypeError("model must be a callable or a non-empty list of callables")
         self.inputs = tuple(_check_specs("inputs", inputs))
         self.outputs = tuple(_check_specs("outputs", outputs))
+        optional_outputs = [s.name for s in self.outputs if s.optional]
+        if optional_outputs:
+            raise ValueError(f"outputs cannot be optional (only inputs): {', '.join(optional_outputs)}")
+        late = [s.name for s in self.inputs[64:] if s.optional]
+        if late:
+            raise ValueError(f"optional inputs must be among the first 64 inputs: {', '.join(late)}")
         # What the model returns; ``outputs`` adds the version output, if any.
         self._model_outputs = self.outputs
         if version_output is not None:
@@ -378,6 +384,7 @@ class Server:
             return cuda
         executor = CpuExecutor(model, device, outputs, pad_to=padded if self._compile is not False else None)
         executor.with_requests = self.with_requests
+        executor.input_names = tuple(s.name for s in self.inputs)
         executor.isolate_failures = self.isolate_failures
         if self.invariance_sample_rate > 0 and self._compile is False:
             weights = self._weights
@@ -472,6 +479,7 @@ class Server:
             default_priority=self.default_priority,
             max_priority_wait=self.max_priority_wait,
             keep_parameters=self.with_requests,  # others never carry a request's parameters
+            optional=[s.optional for s in self.inputs],
         )
         self._token = anyio.lowlevel.current_token()
         # torch's intra-op thread count is per OpenMP thread once set: each
@@ -618,6 +626,12 @@ class Server:
             raise ValueError(
                 f"server '{self.name}': shared memory carries fixed-shape numeric tensors only;"
                 f" {', '.join(variable)} are BYTES or variable-length"
+            )
+        optional = [s.name for s in self.inputs if s.optional]
+        if optional:
+            raise ValueError(
+                f"server '{self.name}': shared memory carries every input of every request;"
+                f" {', '.join(optional)} are optional"
             )
         shared = share(
             self, name, max_clients=max_clients, rows_per_client=rows_per_client, ring_size=ring_size, mode=mode

@@ -85,6 +85,12 @@ class TensorSpec:
     dimensions may be ``-1`` (``(3, -1)``, ``(-1, -1)``): the batch is padded
     to its longest along each, and ``name + "_lengths"`` is int64 ``[B, k]``
     for ``k`` variable dimensions (``[B]`` for one).
+
+    ``optional=True`` (an input, among a model's first 64): a request may
+    leave it out. The model gets zeros in its rows (empty rows for a
+    variable-length input, empty strings for BYTES), and a model built
+    ``with_requests`` finds the inputs each request left out in
+    :attr:`RequestInfo.absent <ferrobatch.RequestInfo.absent>`.
     """
 
     name: str
@@ -92,6 +98,7 @@ class TensorSpec:
     shape: tuple[int, ...] = ()
     ragged: str | None = None
     pad_value: float = 0
+    optional: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:

@@ -308,6 +308,7 @@ class ModelRepository:
                     "name": s.name,
                     "data_type": "TYPE_STRING" if s.is_bytes else "TYPE_" + datatype_of(s),
                     "dims": list(s.shape),
+                    **({"optional": True} if s.optional else {}),
                 }
                 for s in specs
             ]

@@ -184,12 +184,12 @@ def tensor_spec(tensor: AnyTensor, name: str) -> TensorSpec:
     """The ferrobatch spec of a PyTriton tensor (named ``name``): ``np.bytes_``
     / ``object`` is BYTES, a ``-1`` dimension is variable-length, batched
     padded (``ragged="pad"``)."""
-    if tensor.optional:
-        raise PyTritonModelConfigError(f"tensor '{name}': optional inputs are not supported; every input is required")
     kind = np.dtype(tensor.dtype).kind
     dtype: Any = "bytes" if kind in "SUO" else np.dtype(tensor.dtype)
     try:
-        return TensorSpec(name, dtype, tensor.shape, ragged="pad" if is_variable(tensor) else None)
+        return TensorSpec(
+            name, dtype, tensor.shape, ragged="pad" if is_variable(tensor) else None, optional=tensor.optional
+        )
     except ValueError as exc:
         raise PyTritonModelConfigError(f"tensor '{name}': {exc}") from None
 
@@ -267,6 +267,8 @@ class BoundModel:
             else:
                 data = {name: a[start:end] for name, a in batch.items()}
             params = {k: v for k, v in r.parameters.items() if k not in _RESERVED} if r.parameters else {}
+            for name in r.absent:  # optional inputs it left out: absent from its request, as in PyTriton
+                data.pop(name, None)
             split.append(Request(data, params))
             start = end
         responses = self._call(split)

@@ -171,8 +171,11 @@ class _Requests:
             raise PyTritonClientValueError("pass the inputs either by position or by name, not both")
         if not inputs:
             return dict(named_inputs)
-        names = [t.name for t in config.inputs or []]
-        if len(inputs) != len(names):
+        declared = config.inputs or []
+        names = [t.name for t in declared]
+        # By position: the model's inputs in order; the optional ones at the end may be left out.
+        required = max((i + 1 for i, t in enumerate(declared) if not t.optional), default=0)
+        if not required <= len(inputs) <= len(names):
             raise PyTritonClientValueError(f"model {self.model_name!r} takes {len(names)} inputs: {names}")
         return dict(zip(names, inputs))
 

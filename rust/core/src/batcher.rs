@@ -46,6 +46,9 @@ pub struct Submission {
     pub priority: Option<u32>,
     /// Request parameters (a JSON object's text) handed to the model with its batch.
     pub parameters: Option<Box<str>>,
+    /// Bit `i` set: the request left out optional input `i` (its bytes stand
+    /// in for it; the model is told).
+    pub absent: u64,
 }
 
 /// Counters, updated with relaxed atomics (a snapshot may be torn across fields).
@@ -411,7 +414,8 @@ impl Batcher {
             .and_then(|t| Instant::now().checked_add(t));
         let request = Request::new(id, sink, rows as u32, inputs, deadline)
             .in_lane(lane)
-            .with_parameters(submission.parameters.filter(|_| self.keep_parameters));
+            .with_parameters(submission.parameters.filter(|_| self.keep_parameters))
+            .with_absent(submission.absent);
         let request = Arc::new(request);
         register(&request);
         // A refused request was never seen by anyone: it is dropped here.

@@ -146,6 +146,8 @@ pub struct Request {
     /// The caller's request parameters, a JSON object's text, for models that
     /// ask for them; `None`: none given.
     pub parameters: Option<Box<str>>,
+    /// Bit `i` set: the caller left out optional input `i`.
+    pub absent: u64,
     inputs: Box<[InputBytes]>,
     state: AtomicU8,
 }
@@ -173,6 +175,7 @@ impl Request {
             deadline,
             lane: 0,
             parameters: None,
+            absent: 0,
             inputs,
             state: AtomicU8::new(RequestState::Queued as u8),
         }
@@ -181,6 +184,12 @@ impl Request {
     /// This request, waiting in queue lane `lane` (0: most urgent).
     pub fn in_lane(mut self, lane: u8) -> Request {
         self.lane = lane;
+        self
+    }
+
+    /// This request, without the optional inputs of the bits of `absent`.
+    pub fn with_absent(mut self, absent: u64) -> Request {
+        self.absent = absent;
         self
     }
 

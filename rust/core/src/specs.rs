@@ -19,7 +19,14 @@ pub struct InputSpec {
     pub shape: Vec<usize>,
     /// Bytes of one row: the shape's elements times the dtype's size.
     pub row_nbytes: usize,
+    /// A request may leave it out: the model gets zeros (an empty row for
+    /// a variable-length input) and is told which requests lacked it.
+    pub optional: bool,
 }
+
+/// Most inputs a model with optional ones may have: which ones a request
+/// left out is one bit each ([`Matched::absent`]).
+pub const MAX_OPTIONAL_INPUTS: usize = 64;
 
 /// A value refused for an input; its message names the input.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -59,6 +66,34 @@ impl InputSpec {
             dtype,
             shape,
             row_nbytes,
+            optional: false,
+        })
+    }
+
+    /// This spec, optional (see [`InputSpec::optional`]).
+    pub fn optional(mut self, optional: bool) -> InputSpec {
+        self.optional = optional;
+        self
+    }
+
+    /// What stands for this input in a request of `rows` rows that left it
+    /// out, collated as `layout`: its bytes (zeros: zero values, or BYTES
+    /// elements of length zero) and its lengths along the variable
+    /// dimensions (all zero: empty rows). `None` when the bytes would
+    /// overflow (`rows` is bounded by `max_batch_size` before this).
+    pub fn absent(&self, layout: &Layout, rows: usize) -> Option<(Vec<u8>, Vec<usize>)> {
+        Some(match layout {
+            Layout::Fixed => (vec![0; rows.checked_mul(self.row_nbytes)?], vec![0]),
+            // Each element a 4-byte length of zero.
+            Layout::Bytes { elements_per_row } => {
+                let elements = rows.checked_mul(*elements_per_row)?;
+                (vec![0; elements.checked_mul(4)?], vec![0])
+            }
+            Layout::Padded(p) => (
+                Vec::new(),
+                vec![0; p.dims.iter().filter(|d| d.is_none()).count()],
+            ),
+            Layout::Ragged(_) | Layout::RaggedBytes(_) => (Vec::new(), vec![0]),
         })
     }
 
@@ -333,11 +368,13 @@ pub struct Matched {
     /// Rows the request carries (every input agrees).
     pub rows: usize,
     /// For each spec, in the model's order: the index of its tensor among
-    /// those sent.
-    pub order: Vec<usize>,
+    /// those sent; `None` for an optional input the request left out.
+    pub order: Vec<Option<usize>>,
     /// For each spec, in the model's order: its tensor's lengths along its
     /// variable dimensions ([`Measured::extents`]).
     pub extents: Vec<Vec<usize>>,
+    /// Bit `i` set: the request left out optional input `i`.
+    pub absent: u64,
 }
 
 /// A model's inputs as a front-end checks requests against them: each
@@ -397,11 +434,20 @@ impl InputRules<'_> {
         }
         let mut order = Vec::with_capacity(self.specs.len());
         let mut extents = Vec::with_capacity(self.specs.len());
+        let mut absent = 0u64;
         let mut rows: Option<usize> = None;
         for (i, spec) in self.specs.iter().enumerate() {
             let mut found = tensors.iter().enumerate().filter(|(_, t)| t.0 == spec.name);
             let Some((index, &(_, dtype, shape))) = found.next() else {
-                return Err(spec.error("missing"));
+                if !spec.optional || i >= MAX_OPTIONAL_INPUTS {
+                    return Err(spec.error("missing"));
+                }
+                let layout = self.layouts.get(i).unwrap_or(&Layout::Fixed);
+                absent |= 1 << i;
+                order.push(None);
+                // Zero lengths: the rows the request does carry come from the others.
+                extents.push(spec.absent(layout, 0).map(|(_, e)| e).unwrap_or_default());
+                continue;
             };
             if found.next().is_some() {
                 return Err(spec.error("given more than once"));
@@ -417,13 +463,23 @@ impl InputRules<'_> {
                 }
                 _ => rows = Some(n),
             }
-            order.push(index);
+            order.push(Some(index));
             extents.push(measured.extents);
         }
+        let rows = match rows {
+            Some(rows) => rows,
+            None if absent == 0 => 0, // a model of no inputs (refused as a request of no rows)
+            None => {
+                return Err(SpecError(
+                    "a request must carry at least one of the model's inputs, got none".into(),
+                ))
+            }
+        };
         Ok(Matched {
-            rows: rows.unwrap_or(0),
+            rows,
             order,
             extents,
+            absent,
         })
     }
 }
@@ -448,6 +504,28 @@ mod tests {
     }
 
     #[test]
+    fn an_optional_input_may_be_left_out_and_is_named_in_absent() {
+        let specs = [spec("a", &[3]), spec("w", &[]).optional(true)];
+        let m = rules(&specs)
+            .match_tensors(&[("a", DType::Float32, &[2, 3])])
+            .unwrap();
+        assert_eq!(
+            (m.rows, m.order.clone(), m.absent),
+            (2, vec![Some(0), None], 0b10)
+        );
+        let (zeros, extents) = specs[1].absent(&Layout::Fixed, m.rows).unwrap();
+        assert_eq!((zeros, extents), (vec![0u8; 8], vec![0]));
+        let err = |t: &[(&str, DType, &[usize])]| rules(&specs).match_tensors(t).unwrap_err().0;
+        assert_eq!(err(&[("w", DType::Float32, &[2])]), "input 'a': missing");
+        let only_optional = [spec("w", &[]).optional(true)];
+        let none = rules(&only_optional).match_tensors(&[]).unwrap_err().0;
+        assert!(
+            none.contains("at least one of the model's inputs"),
+            "{none}"
+        );
+    }
+
+    #[test]
     fn matches_inputs_in_the_models_order_and_counts_rows() {
         let specs = [spec("a", &[3]), spec("b", &[])];
         let m = rules(&specs)
@@ -457,8 +535,9 @@ mod tests {
             m,
             Matched {
                 rows: 2,
-                order: vec![1, 0],
+                order: vec![Some(1), Some(0)],
                 extents: vec![vec![0], vec![0]],
+                absent: 0,
             }
         );
     }

@@ -42,6 +42,7 @@ impl Batcher {
         min_batch_size, preferred_batch_sizes, max_queue_size, workers, adaptive=false,
         layouts=Vec::new(), max_batch_elements=None, padded_dims=Vec::new(),
         priority_levels=0, default_priority=None, max_priority_wait=None, keep_parameters=false,
+        optional=Vec::new(),
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -64,6 +65,7 @@ impl Batcher {
         default_priority: Option<u32>,
         max_priority_wait: Option<f64>,
         keep_parameters: bool,
+        optional: Vec<bool>,
     ) -> PyResult<Batcher> {
         if !layouts.is_empty() && layouts.len() != inputs.len() {
             return Err(PyValueError::new_err(format!(
@@ -105,6 +107,14 @@ impl Batcher {
                     PyValueError::new_err(format!("input '{name}': its shape is too large"))
                 })?;
             let (core, elements) = core;
+            let optional = optional.get(i).copied().unwrap_or(false);
+            if optional && i >= ferrobatch_core::MAX_OPTIONAL_INPUTS {
+                return Err(PyValueError::new_err(format!(
+                    "input '{name}': an optional input must be among the first {} inputs",
+                    ferrobatch_core::MAX_OPTIONAL_INPUTS
+                )));
+            }
+            let core = core.optional(optional);
             let mode = layouts.get(i).map(|(mode, pad)| (mode.as_str(), pad));
             let layout = match mode {
                 None | Some(("fixed" | "bytes", _)) if dtype == DType::Bytes => Layout::Bytes {
@@ -287,7 +297,11 @@ impl Batcher {
         submission: core::Submission,
         batched: bool,
     ) -> PyResult<Bound<'py, Ticket>> {
-        let (rows, bytes, keep) = self.converter.convert_dict(py, inputs, batched)?;
+        let (rows, bytes, keep, absent) = self.converter.convert_dict(py, inputs, batched)?;
+        let submission = core::Submission {
+            absent,
+            ..submission
+        };
         // Made before the request is queued: once queued, nothing may fail.
         let future = mailbox.get().new_future(py)?;
         LoopMailbox::schedule_flush(mailbox, &self.core)?;
@@ -322,7 +336,11 @@ impl Batcher {
         batched: bool,
         waiters: &ThreadWaiters,
     ) -> PyResult<(Arc<core::Request>, Arc<Waiter>)> {
-        let (rows, bytes, keep) = self.converter.convert_dict(py, inputs, batched)?;
+        let (rows, bytes, keep, absent) = self.converter.convert_dict(py, inputs, batched)?;
+        let submission = core::Submission {
+            absent,
+            ..submission
+        };
         let mut waiter = None;
         let mut keep = Some(keep);
         let submitted = self.core.submit_request(
@@ -357,14 +375,15 @@ impl Batcher {
 
 impl Converter {
     /// Checks a request's `inputs` (a dict) against the specs and copies
-    /// them: its rows, the byte views, and what keeps the bytes alive.
+    /// them: its rows, the byte views, what keeps the bytes alive, and the
+    /// optional inputs it left out (a bit each; zeros stand in for them).
     #[allow(clippy::type_complexity)]
     pub(crate) fn convert_dict(
         &self,
         py: Python<'_>,
         inputs: &Bound<'_, PyAny>,
         batched: bool,
-    ) -> PyResult<(usize, Vec<InputBytes>, Vec<Keep>)> {
+    ) -> PyResult<(usize, Vec<InputBytes>, Vec<Keep>, u64)> {
         let Ok(inputs) = inputs.cast::<PyDict>() else {
             return Err(invalid_input(
                 py,
@@ -378,10 +397,22 @@ impl Converter {
         let mut bytes = Vec::with_capacity(specs.len());
         let mut keep = Vec::with_capacity(specs.len());
         let mut rows = None;
+        let mut absent = 0u64;
+        let mut given = 0usize;
         for (index, spec) in specs.iter().enumerate() {
             let Some(value) = inputs.get_item(spec.key.bind(py))? else {
-                return Err(invalid_input(py, format!("missing input '{}'", spec.name)));
+                if !spec.optional {
+                    return Err(invalid_input(py, spec.core.error("missing").0));
+                }
+                absent |= 1 << index; // filled below, once the rows are known
+                                      // SAFETY: an empty view, replaced below before anything reads it.
+                bytes.push(unsafe {
+                    InputBytes::new(std::ptr::NonNull::<u8>::dangling().as_ptr(), 0)
+                });
+                keep.push(Keep::default());
+                continue;
             };
+            given += 1;
             let converted = self.convert(py, index, &value, batched)?;
             match rows {
                 None => rows = Some(converted.rows),
@@ -399,7 +430,32 @@ impl Converter {
             bytes.push(converted.bytes);
             keep.push(converted.keep);
         }
-        if inputs.len() != specs.len() {
+        let rows = match rows {
+            Some(rows) => rows,
+            None if specs.is_empty() => 1, // a model of no inputs: one row per request
+            None => {
+                return Err(invalid_input(
+                    py,
+                    "a request must carry at least one of the model's inputs, got none".to_owned(),
+                ))
+            }
+        };
+        for (index, spec) in specs.iter().enumerate() {
+            if absent & (1 << index) == 0 {
+                continue;
+            }
+            let (zeros, extents) = spec
+                .core
+                .absent(&spec.layout, rows)
+                .ok_or_else(|| invalid_input(py, spec.core.error("the input is too large").0))?;
+            let filled = Keep::new(zeros);
+            // SAFETY: the bytes are `filled`'s heap memory, kept with the
+            // request (in `keep`) until it is resolved.
+            let view = unsafe { InputBytes::new(filled.bytes().as_ptr(), filled.bytes().len()) };
+            bytes[index] = view.with_extents(&extents).unwrap_or(view);
+            keep[index] = filled;
+        }
+        if inputs.len() != given {
             let extra: Vec<String> = inputs
                 .keys()
                 .iter()
@@ -420,7 +476,7 @@ impl Converter {
                 ),
             ));
         }
-        Ok((rows.unwrap_or(1), bytes, keep))
+        Ok((rows, bytes, keep, absent))
     }
 }
 
@@ -664,14 +720,22 @@ impl Batch {
         self.groups.iter().map(|(_, r)| r.len()).sum()
     }
 
-    /// Each request's `(rows, parameters, priority)` in row order: its
-    /// parameters as a JSON object's text (None when it gave none), and the
-    /// priority level of the lane it waited in (1 is the most urgent; 1
-    /// for a batcher without levels).
-    fn request_parameters(&self) -> Vec<(u32, Option<&str>, u32)> {
+    /// Each request's `(rows, parameters, priority, absent)` in row order:
+    /// its parameters as a JSON object's text (None when it gave none), the
+    /// priority level of the lane it waited in (1 is the most urgent; 1 for
+    /// a batcher without levels), and the optional inputs it left out (bit
+    /// `i`: input `i`).
+    fn request_parameters(&self) -> Vec<(u32, Option<&str>, u32, u64)> {
         self.requests
             .iter()
-            .map(|r| (r.rows, r.parameters.as_deref(), u32::from(r.lane) + 1))
+            .map(|r| {
+                (
+                    r.rows,
+                    r.parameters.as_deref(),
+                    u32::from(r.lane) + 1,
+                    r.absent,
+                )
+            })
             .collect()
     }
 

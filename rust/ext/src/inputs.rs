@@ -119,9 +119,15 @@ impl InputSpec {
 
 /// What keeps a request's input bytes alive until it is resolved: the
 /// request's own copy of them (see the module docs).
+#[derive(Default)]
 pub(crate) struct Keep(Box<[u8]>);
 
 impl Keep {
+    /// Keeps `bytes` (the zeros standing in for an optional input left out).
+    pub(crate) fn new(bytes: Vec<u8>) -> Keep {
+        Keep(bytes.into_boxed_slice())
+    }
+
     /// The copied bytes.
     pub(crate) fn bytes(&self) -> &[u8] {
         &self.0

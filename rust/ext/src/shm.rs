@@ -537,7 +537,8 @@ impl ClientInner {
         target: Target,
     ) -> PyResult<(u32, u32)> {
         let submission = crate::submit::submission(py, timeout, priority, parameters)?;
-        let (rows, _, keep) = self.converter.convert_dict(py, inputs, batched)?;
+        // A shared model has no optional inputs (`share` refuses them): nothing is left out.
+        let (rows, _, keep, _) = self.converter.convert_dict(py, inputs, batched)?;
         let bytes: Vec<&[u8]> = keep.iter().map(|k| k.bytes()).collect();
         let rows = row_u32(rows, "rows")?;
         // Held across the submit: the collector finds the waiter (it takes

@@ -282,6 +282,7 @@ pub(crate) fn submission(
         timeout,
         priority,
         parameters: parameters.map(String::into_boxed_str),
+        absent: 0,
     })
 }
 

@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use ferrobatch_core::v2::Data;
 use ferrobatch_core::{
-    CoreError, DType, InputBytes, InputRules, InputSpec, Outcome, Readiness, RequestState, Sink,
-    Submission,
+    CoreError, DType, InputBytes, InputRules, InputSpec, Layout, Outcome, Readiness, RequestState,
+    Sink, Submission,
 };
 use tokio::sync::oneshot;
 
@@ -275,8 +275,27 @@ impl ServedModel {
             // Too long to represent: no deadline at all.
             Some(t) => Duration::try_from_secs_f64(t).ok().map(|d| (d, t)),
         };
+        let mut owners = owners;
+        let layouts = batcher.layouts();
         let mut views = Vec::with_capacity(matched.order.len());
-        for (&i, extents) in matched.order.iter().zip(&matched.extents) {
+        for (spec_index, (&i, extents)) in matched.order.iter().zip(&matched.extents).enumerate() {
+            let Some(i) = i else {
+                // An optional input the request left out: zeros (or empty rows) in its place.
+                let spec = &self.specs[spec_index];
+                let layout = layouts.get(spec_index).unwrap_or(&Layout::Fixed);
+                let Some((zeros, extents)) = spec.absent(layout, matched.rows) else {
+                    let failure = Failure::new(400, spec.error("the input is too large").0);
+                    return Err(self.refuse(Outcome::InvalidInput, failure));
+                };
+                owners.decoded.push(zeros);
+                let bytes = owners.decoded.last().map_or(&[][..], Vec::as_slice);
+                // SAFETY: as below: a `Vec`'s heap memory in `owners`, kept
+                // until the request is resolved (pushing more buffers moves
+                // the outer vector, never this one's bytes).
+                let view = unsafe { InputBytes::new(bytes.as_ptr(), bytes.len()) };
+                views.push(view.with_extents(&extents).unwrap_or(view));
+                continue;
+            };
             let bytes = match tensors.get(i).map(|t| &t.bytes) {
                 Some(Source::Shared { buffer, range }) => owners
                     .shared
@@ -303,6 +322,7 @@ impl ServedModel {
             timeout: timeout.map(|(d, _)| d),
             priority,
             parameters: parameters.map(String::into_boxed_str),
+            absent: matched.absent,
         };
         let submitted = batcher.submit_request(
             SINK,

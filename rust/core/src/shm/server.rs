@@ -431,6 +431,7 @@ impl SharedServer {
             timeout,
             priority,
             parameters,
+            absent: 0, // a shared model has no optional inputs (`share` refuses them)
         };
         let cell = Cell {
             client: d.client,
