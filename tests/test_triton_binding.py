@@ -326,8 +326,6 @@ def test_tensor_dtypes_and_what_bind_refuses() -> None:
     def infer(requests: list[Request]) -> list[dict[str, np.ndarray]]:
         return []
 
-    with pytest.raises(PyTritonModelConfigError, match="batching=False"):
-        triton.bind("m", infer, [X], [Y], config=ModelConfig(batching=False))
     with pytest.raises(PyTritonModelConfigError, match="decoupled"):
         triton.bind("m", infer, [X], [Y], config=ModelConfig(decoupled=True))
     with pytest.raises(PyTritonModelConfigError, match="outputs cannot be optional"):
@@ -1095,3 +1093,28 @@ def test_optional_inputs_are_left_out_of_requests_and_filled_by_fill_optionals(s
             np.testing.assert_array_equal(client.infer_batch(rows(2))["y"], rows(2) * 2)  # w left out: filled
             np.testing.assert_array_equal(client.infer_batch(rows(2), np.float32([[3], [3]]))["y"], rows(2) * 3)
     assert seen == [["x"], ["w,x"]]  # the callable sees the request as sent, as in PyTriton
+
+
+@pytest.mark.parametrize("scheme", ["http", "grpc"])
+def test_a_model_without_batching_gets_one_sample_per_call_as_declared(scheme: str) -> None:
+    from ferrobatch.triton.client import ModelClient, PyTritonClientValueError
+
+    shapes: list[tuple[int, ...]] = []
+
+    def infer(requests: list[Request]) -> list[dict[str, np.ndarray]]:
+        shapes.extend(tuple(r["x"].shape) for r in requests)
+        return [{"y": r["x"] * 2} for r in requests]
+
+    triton = ephemeral()
+    triton.bind("double", infer, inputs=[X], outputs=[Y], config=ModelConfig(batching=False))
+    with running(triton):
+        port = triton.http_port if scheme == "http" else triton.grpc_port
+        with ModelClient(f"{scheme}://127.0.0.1:{port}", "double") as client:
+            config = client.model_config
+            assert (config.batching, config.max_batch_size) == (False, 0)
+            out = client.infer_sample(x=rows(1)[0])
+            np.testing.assert_array_equal(out["y"], rows(1)[0] * 2)
+            assert out["y"].shape == (4,)  # no batch dimension, as declared
+            with pytest.raises(PyTritonClientValueError, match="does not batch"):
+                client.infer_batch(x=rows(2))
+    assert shapes == [(4,)]  # the callable sees the sample as sent

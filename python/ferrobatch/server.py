@@ -164,6 +164,11 @@ class Server:
             instances, at least 1, at most ``torch.get_num_threads()``.
             ``stats()["torch_threads"]`` and the start-up log (``ferrobatch``
             logger, INFO) say what was picked.
+        batching: False serves a model that takes one sample per call
+            (Triton's ``max_batch_size: 0``): each request runs alone
+            (``max_batch_size`` 1, no wait), and over HTTP and gRPC its
+            tensors have no batch dimension, shaped as declared. In process,
+            ``infer`` is unchanged (one sample).
     """
 
     def __init__(
@@ -192,6 +197,7 @@ class Server:
         max_priority_wait: float | None = 1.0,
         with_requests: bool = False,
         torch_threads: int | None = None,
+        batching: bool = True,
     ) -> None:
         self._models: list[Model] = (
             list(model) if isinstance(model, (list, tuple)) else [model]  # type: ignore[list-item]
@@ -242,6 +248,9 @@ class Server:
         self.torch_threads = 0
         if self.with_requests and cuda_graphs:
             raise ValueError("with_requests needs the model called from Python: not with cuda_graphs")
+        self.batching = bool(batching)
+        if not self.batching:  # one request per model call, at once
+            max_batch_size, max_delay, min_batch_size, preferred_batch_sizes = 1, 0.0, 1, ()
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
         self.adaptive_delay = max_delay == "auto"

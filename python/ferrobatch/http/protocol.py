@@ -193,7 +193,9 @@ class ServedModel:
         outputs = [(s.name, s.dtype, None if s.is_bytes else s.torch_dtype) for s in server.outputs]
         # Bodies are limited by the transports (max_body_size,
         # max_decompressed_size, gRPC's message size) before they get here.
-        codec = V2Codec(server.name, outputs, max_body_size=sys.maxsize, max_elements=max_elements)
+        codec = V2Codec(
+            server.name, outputs, max_body_size=sys.maxsize, max_elements=max_elements, batching=server.batching
+        )
         return cls(server, server.client(), {s.name: datatype_of(s) for s in server.outputs}, codec)
 
 
@@ -288,7 +290,8 @@ class ModelRepository:
         server = self.get(name, version)
 
         def tensors(specs: Sequence[TensorSpec]) -> list[dict[str, Any]]:
-            return [{"name": s.name, "datatype": datatype_of(s), "shape": [-1, *s.shape]} for s in specs]
+            batch = [-1] if server.batching else []  # a model without batching: one sample, as declared
+            return [{"name": s.name, "datatype": datatype_of(s), "shape": [*batch, *s.shape]} for s in specs]
 
         return {
             "name": server.name,
@@ -317,13 +320,19 @@ class ModelRepository:
             "name": server.name,
             "platform": "pytorch",
             "backend": "ferrobatch",
-            "max_batch_size": server.max_batch_size,
+            "max_batch_size": server.max_batch_size if server.batching else 0,
             "input": tensors(server.inputs),
             "output": tensors(server.outputs),
-            "dynamic_batching": {
-                "preferred_batch_size": list(server.preferred_batch_sizes),
-                "max_queue_delay_microseconds": round(server.max_delay * 1e6),
-            },
+            **(
+                {
+                    "dynamic_batching": {
+                        "preferred_batch_size": list(server.preferred_batch_sizes),
+                        "max_queue_delay_microseconds": round(server.max_delay * 1e6),
+                    }
+                }
+                if server.batching
+                else {}
+            ),
             "instance_group": [{"count": len(server.devices), "kind": _instance_kind(server)}],
         }
 
@@ -369,10 +378,11 @@ class ModelRepository:
             raise ServerClosedError(f"server is shutting down; model '{model.server.name}' takes no new requests")
         self._in_flight += 1
         try:
-            if priority is None and (parameters is None or not model.server.with_requests):
+            batched = model.server.batching  # without batching: one sample, no batch dimension
+            if batched and priority is None and (parameters is None or not model.server.with_requests):
                 return await model.client.infer_batch(inputs, timeout=timeout)
             outputs: dict[str, torch.Tensor] = await model.client._infer_with(
-                inputs, timeout, True, priority, parameters
+                inputs, timeout, batched, priority, parameters
             )
             return outputs
         finally:

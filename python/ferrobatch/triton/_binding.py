@@ -269,9 +269,13 @@ class BoundModel:
             params = {k: v for k, v in r.parameters.items() if k not in _RESERVED} if r.parameters else {}
             for name in r.absent:  # optional inputs it left out: absent from its request, as in PyTriton
                 data.pop(name, None)
+            if not self.config.batching:  # one sample, shaped as declared: no batch dimension
+                data = {name: a[0] for name, a in data.items()}
             split.append(Request(data, params))
             start = end
         responses = self._call(split)
+        if not self.config.batching and isinstance(responses, (list, tuple)):
+            responses = [_with_batch_dim(r) for r in responses]
         return collect_outputs(responses, rows, self.config, strict=self.strict)
 
     def _call(self, requests: list[Request]) -> Any:
@@ -284,6 +288,13 @@ class BoundModel:
             raise
         finally:
             _local.config = _local.context = None
+
+
+def _with_batch_dim(response: Any) -> Any:
+    """A non-batching model's response with the one row the batch holds it as."""
+    if not isinstance(response, Mapping):
+        return response  # collect_outputs says what is wrong with it
+    return {name: np.expand_dims(np.asarray(value), 0) for name, value in response.items()}
 
 
 def _cut_rows(array: np.ndarray, start: int, end: int, lengths: tuple[np.ndarray, list[int]] | None) -> np.ndarray:
@@ -440,7 +451,7 @@ def model_config_of(
     return TritonModelConfig(
         model_name=model_name,
         model_version=model_version,
-        max_batch_size=config.max_batch_size,
+        max_batch_size=config.max_batch_size if config.batching else 0,
         batching=config.batching,
         batcher=config.batcher,
         instance_group={DeviceKind.KIND_CPU: instances},

@@ -329,6 +329,7 @@ class Triton:
                 isolate_failures=False,  # a failed call fails its requests, as in PyTriton
                 warmup=False,
                 with_requests=True,
+                batching=config.batching,
                 **kwargs,
             )
         except ValueError as exc:  # the batching settings
@@ -518,8 +519,6 @@ def _ports(listening: Listening) -> tuple[int | None, int | None]:
 
 def _refuse_unsupported(name: str, config: ModelConfig) -> None:
     problems = []
-    if not config.batching:
-        problems.append("batching=False (ferrobatch always batches: use max_batch_size=1 for one row per call)")
     if config.decoupled:
         problems.append("decoupled=True (streaming responses)")
     if config.response_cache:

@@ -388,6 +388,9 @@ pub struct InputRules<'a> {
     pub max_rows: usize,
     /// `max_batch_elements` (0 when the model has no variable-length input).
     pub max_elements: usize,
+    /// Tensors carry a leading batch dimension; false: one sample each,
+    /// shaped as declared (a model served without batching).
+    pub batched: bool,
 }
 
 impl InputRules<'_> {
@@ -407,7 +410,7 @@ impl InputRules<'_> {
             return Err(spec.dtype_error(dtype.name()));
         }
         let layout = self.layouts.get(index).unwrap_or(&Layout::Fixed);
-        spec.measure(layout, shape, true, self.max_rows, self.max_elements)
+        spec.measure(layout, shape, self.batched, self.max_rows, self.max_elements)
     }
 
     /// Checks one tensor of a batched request as [`InputRules::match_tensors`]
@@ -500,6 +503,7 @@ mod tests {
             layouts: &FIXED[..specs.len()],
             max_rows: 8,
             max_elements: 0,
+            batched: true,
         }
     }
 

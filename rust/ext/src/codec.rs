@@ -620,13 +620,14 @@ pub(crate) fn element_bytes<'py>(value: &Bound<'py, PyAny>) -> PyResult<Bound<'p
 impl V2Codec {
     /// `outputs`: `(name, dtype name, torch dtype)` per model output, in order.
     #[new]
-    #[pyo3(signature = (model, outputs, *, max_body_size, max_elements))]
+    #[pyo3(signature = (model, outputs, *, max_body_size, max_elements, batching=true))]
     fn new(
         py: Python<'_>,
         model: &str,
         outputs: Vec<(String, String, Py<PyAny>)>,
         max_body_size: usize,
         max_elements: usize,
+        batching: bool,
     ) -> PyResult<V2Codec> {
         let mut specs = Vec::with_capacity(outputs.len());
         let mut output_keys = Vec::with_capacity(outputs.len());
@@ -644,7 +645,11 @@ impl V2Codec {
             max_elements,
         };
         Ok(V2Codec {
-            core: Codec::new(model, specs, limits),
+            core: if batching {
+                Codec::new(model, specs, limits)
+            } else {
+                Codec::new(model, specs, limits).without_batching()
+            },
             output_keys,
             output_dtypes,
         })

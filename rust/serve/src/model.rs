@@ -220,6 +220,7 @@ impl ServedModel {
             layouts: batcher.layouts(),
             max_rows: batcher.rule().max_batch_size,
             max_elements: batcher.max_batch_elements(),
+            batched: self.replies.codec().batching(),
         }
     }
 

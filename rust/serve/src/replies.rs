@@ -267,7 +267,7 @@ impl Replies {
                 format!("model '{}' returned too few outputs", self.codec.model()),
             )
         })?;
-        rows_of(column, route).ok_or_else(|| {
+        let (mut shape, data) = rows_of(column, route).ok_or_else(|| {
             let name = self
                 .codec
                 .outputs()
@@ -283,7 +283,11 @@ impl Replies {
                     u64::from(route.start) + u64::from(route.rows)
                 ),
             )
-        })
+        })?;
+        if !self.codec.batching() && !shape.is_empty() {
+            shape.remove(0); // one sample, shaped as declared: no batch dimension
+        }
+        Ok((shape, data))
     }
 }
 

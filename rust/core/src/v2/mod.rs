@@ -86,6 +86,10 @@ pub struct Codec {
     response_prefix: Vec<u8>,
     /// `{"name":...,"datatype":"FP32","shape":[`: the opening of each output entry.
     output_prefixes: Vec<Vec<u8>>,
+    /// False for a model served without batching (Triton's `max_batch_size:
+    /// 0`): a request's tensors are one sample each, shaped as declared,
+    /// with no batch dimension, and so are the response's.
+    batching: bool,
 }
 
 impl Codec {
@@ -114,7 +118,19 @@ impl Codec {
             limits,
             response_prefix,
             output_prefixes,
+            batching: true,
         }
+    }
+
+    /// This codec, for a model served without batching (see [`Codec::batching`]).
+    pub fn without_batching(mut self) -> Codec {
+        self.batching = false;
+        self
+    }
+
+    /// Whether requests carry a batch dimension (false: one sample each).
+    pub fn batching(&self) -> bool {
+        self.batching
     }
 
     pub fn model(&self) -> &str {
