@@ -410,7 +410,13 @@ impl InputRules<'_> {
             return Err(spec.dtype_error(dtype.name()));
         }
         let layout = self.layouts.get(index).unwrap_or(&Layout::Fixed);
-        spec.measure(layout, shape, self.batched, self.max_rows, self.max_elements)
+        spec.measure(
+            layout,
+            shape,
+            self.batched,
+            self.max_rows,
+            self.max_elements,
+        )
     }
 
     /// Checks one tensor of a batched request as [`InputRules::match_tensors`]
