@@ -328,3 +328,78 @@ def test_a_server_started_again_after_shutdown_serves_again() -> None:
         assert not server.is_alive
     with pytest.raises(fb.ServerClosedError):
         client(request())
+
+
+class QueueTransport:
+    """A custom transport written against TorchRL's ``InferenceTransport``
+    interface (``submit``/``drain``/``wait_for_work``/``resolve``), as
+    TorchRL users write them: ferrobatch serves it as it is."""
+
+    def __init__(self) -> None:
+        self.queue: list[tuple[TensorDict, Future[Any]]] = []
+        self.lock = threading.Lock()
+        self.work = threading.Event()
+
+    def submit(self, td: TensorDict) -> Future[Any]:
+        future: Future[Any] = Future()
+        with self.lock:
+            self.queue.append((td, future))
+        self.work.set()
+        return future
+
+    def drain(self, max_items: int) -> tuple[list[TensorDict], list[Future[Any]]]:
+        with self.lock:
+            taken, self.queue = self.queue[:max_items], self.queue[max_items:]
+        return [td for td, _ in taken], [f for _, f in taken]
+
+    def wait_for_work(self, timeout: float) -> None:
+        self.work.wait(timeout)
+        self.work.clear()
+
+    def resolve(self, future: Future[Any], result: Any) -> None:
+        future.set_result(result)
+
+    def resolve_exception(self, future: Future[Any], error: BaseException) -> None:
+        future.set_exception(error)
+
+
+def test_a_custom_inference_transport_is_drained_into_ferrobatchs_batches() -> None:
+    transport = QueueTransport()
+    early = [transport.submit(request(float(i))) for i in range(6)]  # queued before the server starts
+    seen: list[int] = []
+
+    def collate(items: list[TensorDict]) -> TensorDict:
+        seen.append(len(items))
+        return torch.stack(items)
+
+    with InferenceServer(policy(), transport, max_batch_size=4, collate_fn=collate) as server:
+        assert server.transport_kind == "custom"
+        results = [f.result(timeout=10) for f in early]
+        late = transport.submit(request(9.0)).result(timeout=10)
+    assert all(r["action"].shape == (2,) for r in [*results, late])
+    assert sum(seen) == 7 and max(seen) <= 4, seen  # collate_fn sees requests only, never a probe
+    assert results[3]["observation"][0] == 3  # each caller its own request back
+
+
+def test_threading_transport_submit_before_start_and_the_stats_percentiles() -> None:
+    transport = ThreadingTransport()
+    held = [transport.submit(request(float(i))) for i in range(3)]
+    with InferenceServer(policy_factory=policy, transport="auto", policy_device="cpu") as server:
+        assert (server.service_backend, server.transport_kind) == ("thread", "thread")
+    with pytest.raises(ValueError, match="incompatible"):
+        InferenceServer(policy(), "ray")
+    with InferenceServer(policy(), transport, max_batch_size=8) as server:
+        assert [f.result(timeout=10)["observation"][0].item() for f in held] == [0, 1, 2]
+        client = transport.client()
+        for i in range(5):
+            client(request(float(i)))
+        stats = server.stats(reset=True)
+        assert stats["requests"] == 8
+        for key in ("p50_queue_ms", "p95_queue_ms", "p50_forward_ms", "p95_forward_ms"):
+            assert stats[key] > 0, key
+        assert stats["p95_forward_ms"] >= stats["p50_forward_ms"]
+        assert server.stats()["requests"] == 0  # counted again from the reset
+    waiting = transport.submit(request(7.0))  # between runs: it waits for the next start, as in TorchRL
+    assert not waiting.done()
+    with server:  # started again
+        assert waiting.result(timeout=10)["observation"][0] == 7

@@ -35,27 +35,30 @@ class RequestInfo:
     when it gave none; 1 for a server without ``priority_levels``).
     ``absent``: the optional inputs (``TensorSpec(optional=True)``) the
     request left out; the model got zeros (or empty rows) in their place.
+    ``queued_ns``: nanoseconds from its submit to its batch's model call.
     """
 
     rows: int
     parameters: Mapping[str, Any] = field(default_factory=lambda: _NONE)
     priority: int = 1
     absent: frozenset[str] = frozenset()
+    queued_ns: int = field(default=0, compare=False)  # a measurement, not what the request is
 
 
 def request_infos(
-    entries: Sequence[tuple[int, str | None, int, int]], input_names: Sequence[str] = ()
+    entries: Sequence[tuple[int, str | None, int, int, int]], input_names: Sequence[str] = ()
 ) -> list[RequestInfo]:
     """The batch's ``(rows, parameters as JSON text, priority, optional
-    inputs left out as bits of ``input_names``)`` as :class:`RequestInfo`s."""
+    inputs left out as bits of ``input_names``, queued ns)`` as :class:`RequestInfo`s."""
     return [
         RequestInfo(
             rows,
             _NONE if text is None else json.loads(text),
             priority,
             frozenset(n for i, n in enumerate(input_names) if absent >> i & 1) if absent else frozenset(),
+            queued_ns,
         )
-        for rows, text, priority, absent in entries
+        for rows, text, priority, absent, queued_ns in entries
     ]
 
 

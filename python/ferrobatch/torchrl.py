@@ -26,7 +26,12 @@ What differs from TorchRL's server, and what it costs:
   must carry the same keys, dtypes and shapes (else ``ValueError``).
 - ``collate_fn`` is honoured: the batch is unbound into the requests' TensorDicts and
   passed through it in Python before the model (about 1-2 us per request more
-  than the default path).
+  than the default path). It sees the requests' model inputs only, and is
+  not called when the specs are learnt (the model is, once, on the first
+  request).
+- Any TorchRL ``InferenceTransport`` (custom ones too) is served through
+  TorchRL's own interface (``drain``/``wait_for_work``/``resolve``): a thread
+  of the server's drains it into ferrobatch's queue.
 - Weight updates (``update_model``, ``update_policy_weights_``, a polled
   ``weight_sync`` scheme) go through the core's barrier: between batches, never
   during a forward pass; each bumps the version stamped into the results.
@@ -45,6 +50,7 @@ What differs from TorchRL's server, and what it costs:
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import itertools
 import multiprocessing
@@ -59,6 +65,7 @@ from typing import Any
 
 import torch
 
+from ._requests import RequestInfo
 from .client import Client
 from .errors import FerrobatchError, ModelError, ServerClosedError
 from .server import Server
@@ -98,7 +105,12 @@ class InferenceServer:
     Args:
         model: a callable mapping a batched ``TensorDict`` to a batched
             ``TensorDict`` (e.g. a ``TensorDictModule``).
-        transport: :class:`ThreadingTransport` or :class:`MPTransport`.
+        transport: :class:`ThreadingTransport` (``None``, ``"auto"`` and
+            ``"thread"`` make one), :class:`MPTransport`, or any TorchRL
+            ``InferenceTransport`` (``submit``, ``drain``, ``wait_for_work``,
+            ``resolve``, ``resolve_exception``): a thread of the server's
+            drains it into ferrobatch's queue and resolves each request's
+            future as its batch finishes.
         max_batch_size: most requests per forward pass (default 64).
         min_batch_size: a batch waits for this many requests, at most
             ``timeout`` seconds from its oldest (default 1: never waits; a free
@@ -119,8 +131,8 @@ class InferenceServer:
 
     def __init__(
         self,
-        model: Callable[[Any], Any],
-        transport: ThreadingTransport | MPTransport,
+        model: Callable[[Any], Any] | None = None,
+        transport: Any = None,
         *,
         max_batch_size: int = 64,
         min_batch_size: int = 1,
@@ -133,15 +145,59 @@ class InferenceServer:
         policy_version_key: NestedKey | None = "policy_version",
         output_device: torch.device | str | None = None,
         request_spec: Any = None,
+        policy_device: torch.device | str | None = None,
+        service_backend: str = "thread",
+        num_clients: int | None = None,
+        policy_factory: Callable[[], Any] | None = None,
     ) -> None:
+        if isinstance(transport, str) or transport is None:
+            kind = transport or "auto"
+            allowed = _ALLOWED_TRANSPORTS.get(service_backend)
+            if allowed is None:
+                raise ValueError(
+                    f"service_backend must be one of {sorted(_ALLOWED_TRANSPORTS)}, got {service_backend!r}"
+                )
+            if kind not in allowed:
+                raise ValueError(f"transport={kind!r} is incompatible with service_backend={service_backend!r}.")
+            if service_backend != "thread" or kind not in _THREAD_TRANSPORTS:
+                raise ValueError(
+                    f"ferrobatch.torchrl serves service_backend='thread' with transport='auto'/'thread' here;"
+                    f" for other processes pass MPTransport(), got service_backend={service_backend!r},"
+                    f" transport={kind!r}"
+                )
+            transport = ThreadingTransport()
+        if policy_device is not None:
+            if device is not None and torch.device(device) != torch.device(policy_device):
+                raise ValueError(f"device={device!r} and policy_device={policy_device!r} disagree")
+            device = policy_device
+        del num_clients  # how many clients a slot transport makes room for: none to make here
+        if (model is None) == (policy_factory is None):
+            raise ValueError("give either model or policy_factory (it makes the model), not both")
+        if model is None:
+            assert policy_factory is not None
+            model = policy_factory()
         if not callable(model):
             raise TypeError(f"model must be callable, got {type(model).__name__}")
+        self.service_backend = "thread"
         if not isinstance(transport, (ThreadingTransport, MPTransport)):
-            raise TypeError(f"transport must be a ThreadingTransport or MPTransport, got {type(transport).__name__}")
+            if not all(callable(getattr(transport, m, None)) for m in _TRANSPORT_METHODS):
+                raise TypeError(
+                    "transport must be a ThreadingTransport, an MPTransport, or an InferenceTransport"
+                    f" (with {', '.join(_TRANSPORT_METHODS)}), got {type(transport).__name__}"
+                )
+            transport = _PumpedTransport(transport)
         if not 1 <= min_batch_size <= max_batch_size:
             raise ValueError(f"min_batch_size must be in 1..{max_batch_size}, got {min_batch_size}")
         self.model = model
-        self.transport = transport
+        self.transport: ThreadingTransport | MPTransport | _PumpedTransport = transport
+        #: TorchRL's names for what serves the requests and how they come.
+        self.transport_kind = (
+            "thread"
+            if isinstance(transport, ThreadingTransport)
+            else "mp"
+            if isinstance(transport, MPTransport)
+            else "custom"
+        )
         self.max_batch_size = max_batch_size
         self.min_batch_size = min_batch_size
         self.timeout = float(timeout)
@@ -169,6 +225,10 @@ class InferenceServer:
         self._poller: threading.Thread | None = None
         self._polling = threading.local()
         self._started_at = time.monotonic()
+        # Recent model calls' durations and requests' waits (ms), for the percentiles of stats().
+        self._forward_ms: collections.deque[float] = collections.deque(maxlen=_STATS_WINDOW)
+        self._queue_ms: collections.deque[float] = collections.deque(maxlen=_STATS_WINDOW)
+        self._stats_base: dict[str, int] = {}
         transport._bind(self)
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -257,25 +317,41 @@ class InferenceServer:
 
     def stats(self, *, reset: bool = False) -> dict[str, float | int]:
         """TorchRL's keys: ``requests``, ``batches``, ``requests_per_s``,
-        ``batches_per_s``, ``avg_batch_size``, ``policy_version``,
-        ``weight_updates``; and ferrobatch's ``queue_ms`` / ``forward_ms``
-        (means). ``reset`` is accepted and ignored (ferrobatch's counters
-        count from the start)."""
-        del reset
+        ``batches_per_s``, ``avg_batch_size``, ``p50_queue_ms`` /
+        ``p95_queue_ms`` (submit to model call, per request) and
+        ``p50_forward_ms`` / ``p95_forward_ms`` (per model call, over the
+        last 1024 of each), ``policy_version``, ``weight_updates``; and
+        ``queue_ms`` / ``forward_ms`` (means). ``reset=True`` starts the
+        counts and the windows again after reading them."""
         core = self._core.stats() if self._core is not None else {}
-        elapsed = max(time.monotonic() - self._started_at, 1e-12)
-        rows, batches = int(core.get("rows", 0)), int(core.get("batches", 0))
-        return {
+        now = time.monotonic()
+        elapsed = max(now - self._started_at, 1e-12)
+        base = self._stats_base
+        rows = int(core.get("rows", 0)) - base.get("rows", 0)
+        batches = int(core.get("batches", 0)) - base.get("batches", 0)
+        queue_ns = int(core.get("queue_ns", 0)) - base.get("queue_ns", 0)
+        compute_ns = int(core.get("compute_ns", 0)) - base.get("compute_ns", 0)
+        stats: dict[str, float | int] = {
             "requests": rows,
             "batches": batches,
             "requests_per_s": rows / elapsed,
             "batches_per_s": batches / elapsed,
             "avg_batch_size": rows / batches if batches else 0.0,
-            "queue_ms": core.get("queue_ns", 0) / 1e6 / rows if rows else 0.0,
-            "forward_ms": core.get("compute_ns", 0) / 1e6 / batches if batches else 0.0,
+            "p50_queue_ms": _percentile(self._queue_ms, 50),
+            "p95_queue_ms": _percentile(self._queue_ms, 95),
+            "p50_forward_ms": _percentile(self._forward_ms, 50),
+            "p95_forward_ms": _percentile(self._forward_ms, 95),
+            "queue_ms": queue_ns / 1e6 / rows if rows else 0.0,
+            "forward_ms": compute_ns / 1e6 / batches if batches else 0.0,
             "policy_version": self.policy_version,
             "weight_updates": self._early_updates + int(core.get("weight_updates", 0)),
         }
+        if reset:
+            self._stats_base = {k: int(core.get(k, 0)) for k in ("rows", "batches", "queue_ns", "compute_ns")}
+            self._forward_ms.clear()
+            self._queue_ms.clear()
+            self._started_at = now
+        return stats
 
     # -- weight updates --------------------------------------------------------------------
 
@@ -384,25 +460,31 @@ class InferenceServer:
         # As TorchRL stacks requests: the first request's batch dims follow the batch's.
         dims = tuple(getattr(example, "batch_size", ()))
 
-        def call(batch: dict[str, torch.Tensor]) -> Any:
+        def call(batch: dict[str, torch.Tensor], collate: bool = True) -> Any:
             rows = next(iter(batch.values())).shape[0]
             td = TensorDict({key: batch[name] for name, key in in_keys_nested}, batch_size=[rows, *dims], device=device)
-            if collate_fn is not None:
+            if collate_fn is not None and collate:
                 td = collate_fn(list(td.unbind(0)))
             return model(td)
 
         sample = {name: t.detach().unsqueeze(0).to(device or "cpu") for name, t in leaves.items()}
         with torch.inference_mode():
-            raw = call(sample)
+            raw = call(sample, collate=False)  # the outputs' specs; collate_fn sees requests only
         outputs = example_specs(_tensor_leaves(raw), exclude=set(leaves))
         out_keys = [(s.name, nested_key(s.name)) for s in outputs]
 
-        def run(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        forward_ms, queue_ms = self._forward_ms, self._queue_ms
+
+        def run(batch: dict[str, torch.Tensor], requests: Sequence[RequestInfo]) -> dict[str, torch.Tensor]:
+            queue_ms.extend(r.queued_ns / 1e6 for r in requests)
+            began = time.perf_counter_ns()
             result = call(batch)
-            return {name: result.get(key) for name, key in out_keys}
+            outputs = {name: result.get(key) for name, key in out_keys}
+            forward_ms.append((time.perf_counter_ns() - began) / 1e6)
+            return outputs
 
         core = Server(
-            run,
+            run,  # type: ignore[arg-type]  # with_requests: called as run(inputs, requests)
             inputs=inputs,
             outputs=outputs,
             max_batch_size=self.max_batch_size,
@@ -413,6 +495,7 @@ class InferenceServer:
             device=self.device,
             version_output=_VERSION,
             name="policy",
+            with_requests=True,  # for each request's wait (stats' queue percentiles)
         )
         self._in_names = tuple(leaves)
         self._out_keys = out_keys
@@ -452,6 +535,17 @@ class InferenceServer:
         return pairs
 
 
+#: Model calls and requests the percentiles of ``stats()`` are taken over.
+_STATS_WINDOW = 1024
+
+
+def _percentile(samples: collections.deque[float], q: float) -> float:
+    if not samples:
+        return 0.0
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
 def _complete(td: Any, pairs: Sequence[tuple[NestedKey, torch.Tensor]]) -> Any:
     result = td.copy()
     for key, value in pairs:
@@ -459,31 +553,158 @@ def _complete(td: Any, pairs: Sequence[tuple[NestedKey, torch.Tensor]]) -> Any:
     return result
 
 
+#: TorchRL's transports by service backend (which pairs it accepts), and those served here.
+_ALLOWED_TRANSPORTS = {
+    "thread": {"auto", "thread", "queue", "direct"},
+    "process": {"auto", "process", "shared_memory", "distributed"},
+    "ray": {"auto", "ray", "distributed"},
+}
+_THREAD_TRANSPORTS = {"auto", "thread", "queue", "direct"}
+
+#: What a TorchRL ``InferenceTransport`` offers the server side.
+_TRANSPORT_METHODS = ("drain", "wait_for_work", "resolve", "resolve_exception")
+
+
+class _PumpedTransport:
+    """A TorchRL ``InferenceTransport`` (a custom one: TorchRL's own API,
+    ``drain``/``wait_for_work``/``resolve``), served by a thread of the
+    server's that drains its requests into ferrobatch's queue as they come,
+    up to ``max_batch_size`` at a time, and resolves each one's future when
+    its batch is done. Batches form in ferrobatch's core, with the requests
+    of every other transport of the server."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self._server: InferenceServer | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)  # its client(), submit() and the rest, as they are
+
+    def _bind(self, server: InferenceServer) -> None:
+        self._server = server
+
+    def client(self) -> Any:
+        return self.inner.client()
+
+    def _start(self) -> None:
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._pump, name="ferrobatch-torchrl-pump", daemon=True)
+        self._thread.start()
+
+    def _stop(self) -> None:
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+            self._thread = None
+
+    def _close(self) -> None:
+        """After the server stopped: what is still in the transport fails."""
+        items, futures = self.inner.drain(1 << 30)
+        for _, future in zip(items, futures):
+            self._fail(future, ServerClosedError("the inference server stopped"))
+
+    def _fail(self, future: Any, error: BaseException) -> None:
+        try:
+            self.inner.resolve_exception(future, error)
+        except Exception:  # noqa: BLE001 - resolved already (cancelled by its caller)
+            pass
+
+    def _pump(self) -> None:
+        server = self._server
+        assert server is not None
+        while not self._stopping.is_set():
+            self.inner.wait_for_work(server.timeout)
+            items, futures = self.inner.drain(server.max_batch_size)
+            for td, future in zip(items, futures):
+                self._forward(server, td, future)
+
+    def _forward(self, server: InferenceServer, td: Any, future: Any) -> None:
+        inner = self.inner
+
+        def settle(done: concurrent.futures.Future[dict[str, torch.Tensor]]) -> None:
+            try:
+                error = done.exception()
+                if error is None:
+                    result = _complete(td, server._result_pairs(done.result(), td.batch_size))
+            except BaseException as exc:  # noqa: BLE001 - this request's to see
+                error = exc
+            try:
+                if error is not None:
+                    inner.resolve_exception(future, _unwrap(error))
+                else:
+                    inner.resolve(future, result)
+            except Exception:  # noqa: BLE001 - resolved already (cancelled by its caller)
+                pass
+
+        try:
+            server._submit(td).add_done_callback(settle)
+        except BaseException as exc:  # noqa: BLE001 - this request's to see
+            self._fail(future, _unwrap(exc))
+
+
 class ThreadingTransport:
-    """Callers in threads of the server's process."""
+    """Callers in threads of the server's process. ``submit(td)`` (TorchRL's
+    transport method) returns a Future; requests submitted before the server
+    starts wait for it, and fail with ``ServerClosedError`` if it stops first."""
 
     def __init__(self) -> None:
         self._server: InferenceServer | None = None
+        self._lock = threading.Lock()
+        self._running = False
+        self._held: list[tuple[Any, concurrent.futures.Future[Any]]] = []
 
     def _bind(self, server: InferenceServer) -> None:
         if self._server is not None and self._server is not server:
             raise ValueError("this transport already serves another InferenceServer")
         self._server = server
 
+    def submit(self, td: Any) -> concurrent.futures.Future[Any]:
+        """Queues ``td``; its Future resolves with the result (or the error)."""
+        with self._lock:
+            if not self._running:
+                held: concurrent.futures.Future[Any] = concurrent.futures.Future()
+                held.set_running_or_notify_cancel()
+                self._held.append((td, held))
+                return held
+        return self.client().submit(td)
+
     def _start(self) -> None:
-        pass
+        with self._lock:
+            self._running = True
+            held, self._held = self._held, []
+        for td, future in held:
+            _chain(self.client().submit(td), future)
 
     def _stop(self) -> None:
-        pass
+        with self._lock:
+            self._running = False
 
     def _close(self) -> None:
-        pass
+        with self._lock:
+            held, self._held = self._held, []
+        for _, future in held:
+            future.set_exception(ServerClosedError("the inference server stopped"))
 
     def client(self) -> ThreadingClient:
         """A callable ``client(td) -> td``, with ``client.submit(td) -> Future``."""
         if self._server is None:
             raise RuntimeError("create the InferenceServer with this transport first")
         return ThreadingClient(self._server)
+
+
+def _chain(source: concurrent.futures.Future[Any], target: concurrent.futures.Future[Any]) -> None:
+    """Resolves ``target`` as ``source`` resolves."""
+
+    def copy(done: concurrent.futures.Future[Any]) -> None:
+        error = done.exception()
+        if error is not None:
+            target.set_exception(error)
+        else:
+            target.set_result(done.result())
+
+    source.add_done_callback(copy)
 
 
 class ThreadingClient:

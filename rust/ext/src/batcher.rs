@@ -4,7 +4,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ferrobatch_core as core;
 use ferrobatch_core::bytes::BytesLimits;
@@ -720,20 +720,23 @@ impl Batch {
         self.groups.iter().map(|(_, r)| r.len()).sum()
     }
 
-    /// Each request's `(rows, parameters, priority, absent)` in row order:
-    /// its parameters as a JSON object's text (None when it gave none), the
-    /// priority level of the lane it waited in (1 is the most urgent; 1 for
-    /// a batcher without levels), and the optional inputs it left out (bit
-    /// `i`: input `i`).
-    fn request_parameters(&self) -> Vec<(u32, Option<&str>, u32, u64)> {
+    /// Each request's `(rows, parameters, priority, absent, queued_ns)` in
+    /// row order: its parameters as a JSON object's text (None when it gave
+    /// none), the priority level of the lane it waited in (1 is the most
+    /// urgent; 1 for a batcher without levels), the optional inputs it left
+    /// out (bit `i`: input `i`), and the nanoseconds from its submit to now.
+    fn request_parameters(&self) -> Vec<(u32, Option<&str>, u32, u64, u64)> {
+        let now = Instant::now();
         self.requests
             .iter()
             .map(|r| {
+                let queued = now.saturating_duration_since(r.enqueued_at).as_nanos();
                 (
                     r.rows,
                     r.parameters.as_deref(),
                     u32::from(r.lane) + 1,
                     r.absent,
+                    u64::try_from(queued).unwrap_or(u64::MAX),
                 )
             })
             .collect()
