@@ -92,3 +92,34 @@ def test_the_budget_leaves_the_native_front_ends_threads_their_cores(
     finally:
         server_module.hold_front_end_cores(-8)
     assert server_module.thread_budget(1) == 15
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_setaffinity"), reason="Linux only")
+def test_cpu_affinity_pins_each_instance_to_its_cores_and_sizes_its_threads(torch_threads: None) -> None:
+    import os
+
+    usable = sorted(os.sched_getaffinity(0))
+    sets = [{usable[0]}, {usable[-1]}]  # two instances on their own cores (one core: both on it)
+
+    def where(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        cores = sorted(os.sched_getaffinity(0))
+        seen = torch.tensor([cores[0] * 100 + len(cores) * 10 + torch.get_num_threads()], dtype=torch.int64)
+        return {"n": seen.expand(batch["x"].shape[0])}
+
+    server = fb.Server([where, where], inputs=[X], outputs=[N], cpu_affinity=sets, name="pinned", max_delay=0)
+
+    async def main() -> set[int]:
+        async with server:
+            client = server.client()
+            outs = await asyncio.gather(*(client.infer({"x": torch.zeros(2)}) for _ in range(64)))
+            assert server.stats()["cpu_affinity"] == [sorted(s) for s in sets]
+            return {int(o["n"]) for o in outs}
+
+    seen = asyncio.run(main())
+    # Each answer: its instance's one core, a set of one, one torch thread.
+    assert seen <= {usable[0] * 100 + 11, usable[-1] * 100 + 11}, seen
+    assert len(os.sched_getaffinity(0)) == len(usable), "the caller's own affinity is untouched"
+    with pytest.raises(ValueError, match="one each"):
+        fb.Server(where, inputs=[X], outputs=[N], cpu_affinity=sets)
+    with pytest.raises(ValueError, match="usable cores"):
+        fb.Server([where, where], inputs=[X], outputs=[N], cpu_affinity=[{usable[0]}, {10_000}])

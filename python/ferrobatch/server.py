@@ -12,7 +12,7 @@ import queue
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -164,6 +164,11 @@ class Server:
             instances, at least 1, at most ``torch.get_num_threads()``.
             ``stats()["torch_threads"]`` and the start-up log (``ferrobatch``
             logger, INFO) say what was picked.
+        cpu_affinity: one set of core numbers per instance (``[{0, 1},
+            {2, 3}]``): each instance's worker thread(s), and the torch
+            intra-op threads they start, run on its set only, and its
+            default ``torch_threads`` is the set's size. ``None`` (default):
+            wherever the OS puts them. Linux only (``os.sched_setaffinity``).
         batching: False serves a model that takes one sample per call
             (Triton's ``max_batch_size: 0``): each request runs alone
             (``max_batch_size`` 1, no wait), and over HTTP and gRPC its
@@ -198,6 +203,7 @@ class Server:
         with_requests: bool = False,
         torch_threads: int | None = None,
         batching: bool = True,
+        cpu_affinity: Sequence[Iterable[int]] | None = None,
     ) -> None:
         self._models: list[Model] = (
             list(model) if isinstance(model, (list, tuple)) else [model]  # type: ignore[list-item]
@@ -244,6 +250,7 @@ class Server:
         if torch_threads is not None and (not isinstance(torch_threads, int) or torch_threads < 1):
             raise ValueError(f"torch_threads must be an int >= 1 or None, got {torch_threads!r}")
         self._torch_threads_given = torch_threads
+        self.cpu_affinity = _check_affinity(cpu_affinity, len(self._models))
         #: torch intra-op threads of each instance's worker, as picked at start (0 before).
         self.torch_threads = 0
         if self.with_requests and cuda_graphs:
@@ -495,6 +502,8 @@ class Server:
         # worker is pinned to the budget, whatever ran before on its thread.
         cpu_instances = sum(not isinstance(e, CudaExecutor) for e in executors)
         torch_threads = self._torch_threads_given or thread_budget(cpu_instances)
+        if self.cpu_affinity is not None and self._torch_threads_given is None:
+            torch_threads = min(len(cores) for cores in self.cpu_affinity)  # each instance its own cores
         self.torch_threads = torch_threads
         log.info(
             "server '%s': %d instance(s), %d torch intra-op thread(s) each%s",
@@ -503,7 +512,9 @@ class Server:
             torch_threads,
             ""
             if self._torch_threads_given
-            else f" (picked: {usable_cores()} usable cores, one kept for the event loop)",
+            else f" (picked: {usable_cores()} usable cores, one kept for the event loop)"
+            if self.cpu_affinity is None
+            else f" (picked: the smallest of the instances' core sets {[sorted(c) for c in self.cpu_affinity]})",
         )
         for i, executor in enumerate(executors):
             counters = WorkerCounters()
@@ -522,9 +533,10 @@ class Server:
                 ]
             else:
                 loops = [(thread_name, executor.serve, (worker, self._slots, counters))]
+            cores = None if self.cpu_affinity is None else self.cpu_affinity[i]
             self._threads += [
                 threading.Thread(
-                    target=_with_torch_threads, args=(torch_threads, target, *args), name=name, daemon=True
+                    target=_with_torch_threads, args=(torch_threads, cores, target, *args), name=name, daemon=True
                 )
                 for name, target, args in loops
             ]
@@ -764,6 +776,7 @@ class Server:
             "invariance_checks": summed(self._samplers)[0],
             "invariance_mismatches": summed(self._samplers)[1],
             "torch_threads": self.torch_threads,
+            "cpu_affinity": None if self.cpu_affinity is None else [sorted(c) for c in self.cpu_affinity],
             "batch_sizes": dict(sorted(batch_sizes.items())),
             "batch_compute_ns": dict(sorted(batch_compute_ns.items())),
             "last_inference_ms": max((c.last_inference_ns for c in self._counters), default=0) // 1_000_000,
@@ -854,9 +867,29 @@ def thread_budget(cpu_instances: int) -> int:
     return max(1, min(torch.get_num_threads(), spare // max(1, cpu_instances)))
 
 
-def _with_torch_threads(threads: int, target: Callable[..., None], *args: Any) -> None:
+def _with_torch_threads(threads: int, cores: frozenset[int] | None, target: Callable[..., None], *args: Any) -> None:
+    if cores is not None:
+        os.sched_setaffinity(0, cores)  # this thread (Linux), and the OpenMP threads it starts
     torch.set_num_threads(threads)
     target(*args)
+
+
+def _check_affinity(cpu_affinity: Sequence[Iterable[int]] | None, instances: int) -> list[frozenset[int]] | None:
+    """One non-empty set of usable core numbers per instance, or None."""
+    if cpu_affinity is None:
+        return None
+    if not hasattr(os, "sched_setaffinity"):
+        raise ValueError("cpu_affinity needs os.sched_setaffinity (Linux)")
+    sets = [frozenset(int(c) for c in cores) for cores in cpu_affinity]
+    if len(sets) != instances:
+        raise ValueError(f"cpu_affinity gives {len(sets)} core sets for {instances} instance(s); give one each")
+    usable = os.sched_getaffinity(0)
+    for i, cores in enumerate(sets):
+        if not cores or not cores <= usable:
+            raise ValueError(
+                f"cpu_affinity[{i}] = {sorted(cores)}: a non-empty set of the usable cores {sorted(usable)}"
+            )
+    return sets
 
 
 def _check_specs(kind: str, specs: Sequence[TensorSpec]) -> list[TensorSpec]:
