@@ -403,3 +403,13 @@ def test_threading_transport_submit_before_start_and_the_stats_percentiles() -> 
     assert not waiting.done()
     with server:  # started again
         assert waiting.result(timeout=10)["observation"][0] == 7
+
+
+def test_mp_transport_takes_torchrls_arguments_and_closes_its_clients() -> None:
+    transport = MPTransport(ctx="spawn", use_manager=True)
+    client = transport.client()
+    with InferenceServer(policy(), transport, max_batch_size=4):
+        assert client(request())["action"].shape == (2,)
+        transport.close()  # TorchRL's: every client's connection ends
+        with pytest.raises(fb.ServerClosedError):
+            client(request())

@@ -761,9 +761,12 @@ class MPTransport:
 
     Args:
         ctx: a ``multiprocessing`` context or its name; default ``"spawn"``.
+        use_manager: TorchRL's choice of Manager queues over plain ones;
+            accepted for compatibility (the clients' pipes serve either way).
     """
 
-    def __init__(self, ctx: Any = None) -> None:
+    def __init__(self, ctx: Any = None, use_manager: bool = False) -> None:
+        del use_manager
         if ctx is None or isinstance(ctx, str):
             ctx = multiprocessing.get_context(ctx or "spawn")
         self._ctx = ctx
@@ -795,6 +798,11 @@ class MPTransport:
         if self._listener is not None:
             self._listener.join(5.0)
             self._listener = None
+
+    def close(self) -> None:
+        """Ends every client's connection (TorchRL's ``MPTransport.close``):
+        their waiting and later requests fail with ServerClosedError."""
+        self._close()
 
     def _close(self) -> None:
         """After the server has stopped: ends every client's connection, so
