@@ -41,7 +41,8 @@ def test_the_seed_contract_of_torchrl_holds() -> None:
                  "weight_sync_model_id", "policy_version", "policy_version_key", "output_device"):  # fmt: skip
         assert name in params
     defaults = inspect.signature(InferenceServer).parameters
-    assert defaults["max_batch_size"].default == 64 and defaults["timeout"].default == 0.01
+    # None, as TorchRL's: 64 and 0.01 unless server_config= gives them (the two exclude each other).
+    assert defaults["max_batch_size"].default is None and defaults["timeout"].default is None
     transport = ThreadingTransport()
     server = InferenceServer(policy(), transport, max_batch_size=8)
     assert not server.is_alive
@@ -413,3 +414,19 @@ def test_mp_transport_takes_torchrls_arguments_and_closes_its_clients() -> None:
         transport.close()  # TorchRL's: every client's connection ends
         with pytest.raises(fb.ServerClosedError):
             client(request())
+
+
+def test_server_and_device_configs_as_torchrl_gives_them() -> None:
+    from torchrl.modules.inference_server import InferenceDeviceConfig, InferenceServerConfig
+
+    transport = ThreadingTransport()
+    config = InferenceServerConfig(max_batch_size=2, timeout=0.001)
+    devices = InferenceDeviceConfig(policy_device="cpu", env_device="cpu")
+    with InferenceServer(policy(), transport, server_config=config, device_config=devices) as server:
+        assert (server.max_batch_size, server.timeout) == (2, 0.001)
+        assert server.policy_device == server.output_device == torch.device("cpu")  # output: the env's
+        assert transport.client()(request())["action"].shape == (2,)
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        InferenceServer(policy(), ThreadingTransport(), max_batch_size=64, server_config=config)
+    with pytest.raises(ValueError, match="storing_device is a collector-level"):
+        InferenceServer(policy(), ThreadingTransport(), device_config=InferenceDeviceConfig(storing_device="cpu"))

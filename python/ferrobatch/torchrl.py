@@ -134,9 +134,9 @@ class InferenceServer:
         model: Callable[[Any], Any] | None = None,
         transport: Any = None,
         *,
-        max_batch_size: int = 64,
-        min_batch_size: int = 1,
-        timeout: float = 0.01,
+        max_batch_size: int | None = None,
+        min_batch_size: int | None = None,
+        timeout: float | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         device: torch.device | str | None = None,
         weight_sync: Any = None,
@@ -149,7 +149,39 @@ class InferenceServer:
         service_backend: str = "thread",
         num_clients: int | None = None,
         policy_factory: Callable[[], Any] | None = None,
+        server_config: Any = None,
+        device_config: Any = None,
     ) -> None:
+        loose = {
+            k: v
+            for k, v in (("max_batch_size", max_batch_size), ("min_batch_size", min_batch_size), ("timeout", timeout))
+            if v is not None
+        }
+        if server_config is not None:
+            if loose:
+                raise ValueError(f"server_config and {', '.join(loose)} are mutually exclusive: give one")
+            max_batch_size = server_config.max_batch_size
+            min_batch_size = server_config.min_batch_size
+            timeout = server_config.timeout
+        max_batch_size = 64 if max_batch_size is None else max_batch_size
+        min_batch_size = 1 if min_batch_size is None else min_batch_size
+        timeout = 0.01 if timeout is None else timeout
+        if device_config is not None:
+            given = [
+                k
+                for k, v in (("device", device), ("policy_device", policy_device), ("output_device", output_device))
+                if v is not None
+            ]
+            if given:
+                raise ValueError(f"device_config and {', '.join(given)} are mutually exclusive: give one")
+            if getattr(device_config, "storing_device", None) is not None:
+                raise ValueError(
+                    "storing_device is a collector-level setting (where collected data is kept); an inference"
+                    " server has policy_device and output_device only"
+                )
+            policy_device = device_config.policy_device
+            resolve = getattr(device_config, "server_output_device", None)
+            output_device = resolve() if callable(resolve) else device_config.output_device
         if isinstance(transport, str) or transport is None:
             kind = transport or "auto"
             allowed = _ALLOWED_TRANSPORTS.get(service_backend)
@@ -203,6 +235,7 @@ class InferenceServer:
         self.timeout = float(timeout)
         self.collate_fn = collate_fn
         self.device = torch.device(device) if device is not None else None
+        self.policy_device = self.device  # TorchRL's name for it
         self.output_device = torch.device(output_device) if output_device is not None else None
         self.weight_sync = weight_sync
         self._weight_sync_model_id = weight_sync_model_id
