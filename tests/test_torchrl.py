@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import multiprocessing
+import os
 import threading
 from concurrent.futures import Future
 from typing import Any
@@ -430,3 +431,36 @@ def test_server_and_device_configs_as_torchrl_gives_them() -> None:
         InferenceServer(policy(), ThreadingTransport(), max_batch_size=64, server_config=config)
     with pytest.raises(ValueError, match="storing_device is a collector-level"):
         InferenceServer(policy(), ThreadingTransport(), device_config=InferenceDeviceConfig(storing_device="cpu"))
+
+
+def _counting_policy() -> TensorDictModule:
+    return policy()
+
+
+def test_a_process_inference_server_serves_from_a_child_and_its_death_fails_its_clients() -> None:
+    from ferrobatch.torchrl import ProcessInferenceServer
+
+    transport = MPTransport(ctx="spawn")
+    early = transport.client()  # made before the child exists
+    server = ProcessInferenceServer(_counting_policy, transport, max_batch_size=4, mp_context="spawn")
+    server.start()
+    try:
+        late = server.client()  # made after: its end is sent to the child
+        assert early(request())["action"].shape == (2,)
+        assert late(request(2.0))["action"].shape == (2,)
+        assert server.stats(reset=True)["requests"] == 2 and server.stats()["requests"] == 0
+        assert server.health()["process_alive"]
+        with pytest.raises(RuntimeError, match="Unknown process-server verb"):
+            server._request_control("bogus")
+        pid = server._process.pid
+        server._process.kill()
+        server._process.join(10)
+        with pytest.raises(fb.ServerClosedError):
+            early(request())  # the pipe ends with the child: no hang
+    finally:
+        server.shutdown(timeout=1.0)
+    assert not server.is_alive and not server.health()["process_alive"]
+    with pytest.raises(RuntimeError, match="not running"):
+        server.stats()
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)  # reaped: no zombie of ours left

@@ -71,7 +71,7 @@ from .errors import FerrobatchError, ModelError, ServerClosedError
 from .server import Server
 from .specs import TensorSpec, dtype_name, example_specs, nested_key
 
-__all__ = ["InferenceServer", "MPTransport", "ThreadingTransport"]
+__all__ = ["InferenceServer", "MPTransport", "ProcessInferenceServer", "ThreadingTransport"]
 
 # The core's output carrying the version each row ran with (flat: no dot).
 _VERSION = "_ferrobatch_policy_version"
@@ -808,6 +808,7 @@ class MPTransport:
         self._lock = threading.Lock()
         self._listener: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._forward: tuple[Any, threading.Lock] | None = None
 
     def _bind(self, server: InferenceServer) -> None:
         if self._server is not None and self._server is not server:
@@ -817,9 +818,22 @@ class MPTransport:
     def client(self) -> MPClient:
         """A picklable client: pass it to a process; ``client(td) -> td`` there."""
         ours, theirs = self._ctx.Pipe()
-        with self._lock:
-            self._conns.append(ours)
+        forward = self._forward
+        if forward is not None:  # the server runs in a child process: its end goes there
+            control, lock = forward
+            with lock:
+                control.send(("client", ours))
+                control.recv()
+            ours.close()
+        else:
+            with self._lock:
+                self._conns.append(ours)
         return MPClient(theirs)
+
+    def _forward_to(self, control: Any, lock: threading.Lock) -> None:
+        """Clients made from now on have their server end sent over
+        ``control`` (a ProcessInferenceServer's child); None: kept here."""
+        self._forward = None if control is None else (control, lock)
 
     def _start(self) -> None:
         self._stopping.clear()
@@ -1007,6 +1021,166 @@ class MPClient:
             pending, self._pending = self._pending, {}
         for future, _ in pending.values():
             future.set_exception(_closed_again(error))
+
+
+class ProcessInferenceServer:
+    """TorchRL's ``ProcessInferenceServer``: an :class:`InferenceServer` (a
+    ferrobatch core, its batching and its workers) in a child process of its
+    own, fed by an :class:`MPTransport` whose clients were made here, before
+    or after ``start()``. ``policy_factory`` builds the policy in the child
+    (so it must be picklable: a module-level function); the other keyword
+    arguments are :class:`InferenceServer`'s.
+
+    ``start()`` waits up to ``startup_timeout`` seconds for the child to say
+    it serves (``TimeoutError`` after, the child killed). ``stats(reset=)``
+    and ``health()`` ask the child over a control pipe (one caller at a
+    time); ``shutdown()`` stops it gracefully, then kills it after
+    ``timeout``. A child that dies closes its end of every client's pipe:
+    their waiting and later requests fail with ``ServerClosedError``.
+    """
+
+    def __init__(
+        self,
+        policy_factory: Callable[[], Any],
+        transport: MPTransport | None = None,
+        *,
+        mp_context: Any = None,
+        startup_timeout: float = 60.0,
+        **server_kwargs: Any,
+    ) -> None:
+        if isinstance(mp_context, str) or mp_context is None:
+            mp_context = multiprocessing.get_context(mp_context or "spawn")
+        self.transport = transport if transport is not None else MPTransport(ctx=mp_context)
+        if not isinstance(self.transport, MPTransport):
+            raise TypeError(f"a ProcessInferenceServer is fed by an MPTransport, got {type(transport).__name__}")
+        self._factory = policy_factory
+        self._ctx = mp_context
+        self._startup_timeout = float(startup_timeout)
+        self._kwargs = server_kwargs
+        self._process: Any = None
+        self._control: Any = None
+        self._lock = threading.Lock()
+
+    def start(self) -> ProcessInferenceServer:
+        if self.is_alive:
+            raise RuntimeError("Server is already running.")
+        ours, theirs = self._ctx.Pipe()
+        with self.transport._lock:
+            conns = list(self.transport._conns)
+        process = self._ctx.Process(
+            target=_serve_in_child,
+            args=(self._factory, conns, self._kwargs, theirs),
+            name="ferrobatch-torchrl-server",
+            daemon=True,
+        )
+        process.start()
+        theirs.close()
+        # The child holds the clients' server ends now: closed here, so a
+        # child that dies leaves each client a pipe that ends.
+        with self.transport._lock:
+            self.transport._conns = [c for c in self.transport._conns if c not in conns]
+        for conn in conns:
+            conn.close()
+        self._process, self._control = process, ours
+        self.transport._forward_to(ours, self._lock)
+        if not ours.poll(self._startup_timeout):
+            self._kill()
+            raise TimeoutError(f"the server process did not report readiness in {self._startup_timeout} s")
+        try:
+            ready = ours.recv()
+        except (EOFError, OSError):
+            ready = "exited before it served"
+        if ready != "ready":
+            self._kill()
+            raise RuntimeError(f"the server process failed to start: {ready}")
+        return self
+
+    def _kill(self) -> None:
+        process, self._process = self._process, None
+        if process is not None:
+            process.kill()
+            process.join(5.0)  # reaped: no zombie left
+        self.transport._forward_to(None, self._lock)
+        if self._control is not None:
+            self._control.close()
+            self._control = None
+
+    def shutdown(self, timeout: float | None = 5.0) -> None:
+        process = self._process
+        if process is None:
+            return
+        try:
+            self._request_control("stop", timeout)
+        except (RuntimeError, EOFError, OSError):
+            pass  # dead already: reaped below
+        process.join(timeout)
+        self._kill()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._process is not None and self._process.is_alive()
+
+    def client(self) -> MPClient:
+        """A new client (its pipe's other end handed to the running child)."""
+        return self.transport.client()
+
+    def stats(self, *, reset: bool = False) -> dict[str, Any]:
+        stats: dict[str, Any] = self._request_control("stats", reset)
+        return stats
+
+    def health(self) -> dict[str, Any]:
+        """``process_alive`` and the child's pid; never raises."""
+        alive = self.is_alive
+        return {"process_alive": alive, "pid": self._process.pid if alive else None}
+
+    def _request_control(self, verb: str, argument: Any = None) -> Any:
+        with self._lock:
+            if not self.is_alive or self._control is None:
+                raise RuntimeError("the server process is not running")
+            try:
+                self._control.send((verb, argument))
+                ok, answer = self._control.recv()
+            except (EOFError, OSError) as exc:
+                raise RuntimeError("the server process is not alive") from exc
+        if not ok:
+            raise RuntimeError(answer)
+        return answer
+
+    def __enter__(self) -> ProcessInferenceServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _serve_in_child(factory: Callable[[], Any], conns: list[Any], kwargs: dict[str, Any], control: Any) -> None:
+    """The child's side: an InferenceServer over the clients' pipes, and
+    the control loop (stats, stop, new clients' pipes)."""
+    transport = MPTransport()
+    transport._conns.extend(conns)
+    try:
+        server = InferenceServer(factory(), transport, **kwargs).start()
+    except BaseException as exc:  # noqa: BLE001 - the parent's to see
+        control.send(f"{type(exc).__name__}: {exc}")
+        return
+    control.send("ready")
+    try:
+        while True:
+            verb, argument = control.recv()
+            if verb == "stop":
+                server.shutdown(argument)
+                control.send((True, None))
+                return
+            if verb == "stats":
+                control.send((True, server.stats(reset=bool(argument))))
+            elif verb == "client":
+                with transport._lock:
+                    transport._conns.append(argument)
+                control.send((True, None))
+            else:
+                control.send((False, f"Unknown process-server verb {verb!r}"))
+    except (EOFError, OSError):
+        server.shutdown(1.0)  # the parent went away
 
 
 def _closed_again(error: ServerClosedError) -> ServerClosedError:
