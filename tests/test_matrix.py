@@ -1,0 +1,263 @@
+"""Every feature through every way in: fixed tensors, BYTES, variable-length
+(padded and jagged), optional inputs, priority, parameters and the version
+output, each sent in process (asyncio, a blocked thread), over HTTP (JSON,
+binary) and gRPC to the native and the Python front-ends, and through shared
+memory. A cell that does not behave as in process fails here; the cells a
+way in does not carry (shared memory: BYTES, variable-length and optional
+inputs) must be refused up front with a clear error. (The Ray client, which
+needs a Ray cluster, crosses the same features in tests/test_ray.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+import ferrobatch as fb
+from ferrobatch.serve import ServeConfig, serve_in_thread
+
+LEVELS = 3
+
+
+def _tag_len(request: fb.RequestInfo) -> int:
+    return len(str(request.parameters.get("tag", "")))
+
+
+def fixed(batch: dict[str, torch.Tensor], requests: list[fb.RequestInfo]) -> dict[str, torch.Tensor]:
+    """y = 2x; per row its request's priority and the length of its "tag" parameter."""
+    rows = [r for r in requests for _ in range(r.rows)]
+    return {
+        "y": batch["x"] * 2,
+        "pri": torch.tensor([r.priority for r in rows], dtype=torch.int64),
+        "tag_len": torch.tensor([_tag_len(r) for r in rows], dtype=torch.int64),
+    }
+
+
+def bytes_len(batch: dict[str, Any]) -> dict[str, Any]:
+    return {"n": torch.tensor([len(row[0]) for row in batch["s"]], dtype=torch.int64)}
+
+
+def padded_sum(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {"total": batch["v"].sum(1)}  # the padding is zeros
+
+
+def jagged_sum(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    offsets = batch["v_offsets"].tolist()
+    values = batch["v"]
+    return {"total": torch.stack([values[a:b].sum() for a, b in itertools.pairwise(offsets)])}
+
+
+def optional_sum(batch: dict[str, torch.Tensor], requests: list[fb.RequestInfo]) -> dict[str, torch.Tensor]:
+    absent = [int("w" in r.absent) for r in requests for _ in range(r.rows)]
+    return {"total": batch["x"].sum(1) + batch["w"].sum(1), "absent": torch.tensor(absent, dtype=torch.int64)}
+
+
+def servers() -> list[fb.Server]:
+    f32 = "float32"
+    return [
+        fb.Server(
+            fixed,
+            inputs=[fb.TensorSpec("x", f32, (4,))],
+            outputs=[
+                fb.TensorSpec("y", f32, (4,)),
+                fb.TensorSpec("pri", "int64", ()),
+                fb.TensorSpec("tag_len", "int64", ()),
+            ],
+            name="fixed",
+            with_requests=True,
+            priority_levels=LEVELS,
+            version_output="ver",
+        ),
+        fb.Server(
+            bytes_len,
+            inputs=[fb.TensorSpec("s", "bytes", (1,))],
+            outputs=[fb.TensorSpec("n", "int64", ())],
+            name="bytes",
+        ),
+        fb.Server(
+            padded_sum,
+            inputs=[fb.TensorSpec("v", f32, (-1,), ragged="pad")],
+            outputs=[fb.TensorSpec("total", f32, ())],
+            name="pad",
+        ),
+        fb.Server(
+            jagged_sum,
+            inputs=[fb.TensorSpec("v", f32, (-1,), ragged="jagged")],
+            outputs=[fb.TensorSpec("total", f32, ())],
+            name="jagged",
+        ),
+        fb.Server(
+            optional_sum,
+            inputs=[fb.TensorSpec("x", f32, (2,)), fb.TensorSpec("w", f32, (2,), optional=True)],
+            outputs=[fb.TensorSpec("total", f32, ()), fb.TensorSpec("absent", "int64", ())],
+            name="optional",
+            with_requests=True,
+        ),
+    ]
+
+
+Send = Callable[..., dict[str, np.ndarray]]
+"""``send(model, inputs, priority=None, parameters=None)``: one request of
+a batch of rows (``inputs``: name -> numpy array with the batch dimension),
+its outputs as numpy arrays."""
+
+
+def _numpy(outputs: dict[str, Any]) -> dict[str, np.ndarray]:
+    return {k: v.numpy() if isinstance(v, torch.Tensor) else np.asarray(v) for k, v in outputs.items()}
+
+
+def _as_input(value: np.ndarray) -> Any:
+    return value if value.dtype == object else torch.from_numpy(value)
+
+
+def in_process(by_name: dict[str, fb.Server], loop: asyncio.AbstractEventLoop, blocking: bool) -> Send:
+    def send(model: str, inputs: dict[str, np.ndarray], priority: int | None = None, parameters: Any = None) -> Any:
+        client = by_name[model].client()
+        given = {k: _as_input(v) for k, v in inputs.items()}
+        options = {"priority": priority, "parameters": parameters}
+        if blocking:  # a plain thread's calls: one request per row (infer_sync takes one sample)
+            n = len(next(iter(given.values())))
+            outs = [_numpy(client.infer_sync({k: v[i] for k, v in given.items()}, **options)) for i in range(n)]
+            return {k: np.stack([o[k] for o in outs]) for k in outs[0]}
+        call = client.infer_batch(given, **options)
+        return _numpy(asyncio.run_coroutine_threadsafe(call, loop).result(30))
+
+    return send
+
+
+_V2 = {np.dtype("float32"): "FP32", np.dtype("int64"): "INT64", np.dtype(object): "BYTES"}
+
+
+def remote(address: str, protocol: str) -> Send:
+    lib: Any = grpcclient if protocol == "grpc" else httpclient
+    client = lib.InferenceServerClient(address)
+    binary = protocol == "binary"
+
+    def send(model: str, inputs: dict[str, np.ndarray], priority: int | None = None, parameters: Any = None) -> Any:
+        tensors = []
+        for name, value in inputs.items():
+            tensor = lib.InferInput(name, list(value.shape), _V2[value.dtype])
+            if protocol == "grpc":
+                tensor.set_data_from_numpy(value)
+            else:
+                tensor.set_data_from_numpy(value, binary_data=binary)
+            tensors.append(tensor)
+        result = client.infer(model, tensors, priority=priority or 0, parameters=parameters)
+        response = result.get_response()
+        names = [o["name"] for o in response["outputs"]] if isinstance(response, dict) else [
+            o.name for o in response.outputs
+        ]  # fmt: skip
+        return {n: result.as_numpy(n) for n in names}
+
+    return send
+
+
+@pytest.fixture(scope="module")
+def ways() -> Iterator[dict[str, Send]]:
+    """Every way in, to the same models (two servings of them: native, Python)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    native_servers, python_servers = servers(), servers()
+    native = ServeConfig(http_port=0, grpc_port=0, frontend="native", log_level="warning")
+    python = ServeConfig(http_port=0, grpc_port=0, frontend="python", log_level="warning")
+    with serve_in_thread(native_servers, native) as n, serve_in_thread(python_servers, python) as p:
+        by_name = {s.name: s for s in native_servers}
+        yield {
+            "asyncio": in_process(by_name, loop, blocking=False),
+            "thread": in_process(by_name, loop, blocking=True),
+            "native-json": remote(f"127.0.0.1:{n.http_port}", "json"),
+            "native-binary": remote(f"127.0.0.1:{n.http_port}", "binary"),
+            "native-grpc": remote(f"127.0.0.1:{n.grpc_port}", "grpc"),
+            "python-json": remote(f"127.0.0.1:{p.http_port}", "json"),
+            "python-binary": remote(f"127.0.0.1:{p.http_port}", "binary"),
+            "python-grpc": remote(f"127.0.0.1:{p.grpc_port}", "grpc"),
+        }
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
+
+
+WAYS = [
+    "asyncio",
+    "thread",
+    "native-json",
+    "native-binary",
+    "native-grpc",
+    "python-json",
+    "python-binary",
+    "python-grpc",
+]
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_fixed_tensors_priority_parameters_and_the_version(ways: dict[str, Send], way: str) -> None:
+    send = ways[way]
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    plain = send("fixed", {"x": x})
+    np.testing.assert_array_equal(plain["y"], x * 2)
+    assert plain["pri"].tolist() == [LEVELS, LEVELS]  # no priority given: the lowest level
+    assert plain["ver"].tolist() == [0, 0]
+    urgent = send("fixed", {"x": x[:1]}, priority=1, parameters={"tag": "abcd"})
+    assert urgent["pri"].tolist() == [1] and urgent["tag_len"].tolist() == [4]
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_bytes_and_variable_length_tensors(ways: dict[str, Send], way: str) -> None:
+    send = ways[way]
+    words = np.array([[b"a"], [b"abcdef"]], dtype=object)
+    assert send("bytes", {"s": words})["n"].tolist() == [1, 6]
+    values = np.array([[1, 2, 3], [4, 5, 6]], dtype=np.float32)
+    assert send("pad", {"v": values})["total"].tolist() == [6, 15]
+    assert send("jagged", {"v": values[:1]})["total"].tolist() == [6]
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_optional_inputs(ways: dict[str, Send], way: str) -> None:
+    send = ways[way]
+    x = np.ones((2, 2), dtype=np.float32)
+    left_out = send("optional", {"x": x})
+    assert left_out["total"].tolist() == [2, 2] and left_out["absent"].tolist() == [1, 1]
+    given = send("optional", {"x": x, "w": x * 3})
+    assert given["total"].tolist() == [8, 8] and given["absent"].tolist() == [0, 0]
+
+
+def test_shared_memory_carries_fixed_tensors_priority_and_parameters_and_refuses_the_rest() -> None:
+    made = {s.name: s for s in servers()}
+
+    async def main() -> None:
+        async with made["fixed"]:
+            made["fixed"].share("matrix-fixed")
+            client = fb.connect("matrix-fixed")
+            try:
+                x = torch.arange(4, dtype=torch.float32)
+                out = await client.infer({"x": x}, priority=1, parameters={"tag": "abc"})
+                assert out["y"].tolist() == (x * 2).tolist() and int(out["pri"]) == 1
+                assert int(out["tag_len"]) == 3 and int(out["ver"]) == 0
+            finally:
+                client.close()
+        for name in ("bytes", "pad", "jagged", "optional"):
+            async with made[name]:
+                with pytest.raises(ValueError, match="shared memory carries"):
+                    made[name].share(f"matrix-{name}")
+
+    asyncio.run(main())
+
+
+def test_every_model_is_ready_with_its_batch_dimension_over_http_and_grpc() -> None:
+    natives = servers()
+    config = ServeConfig(http_port=0, grpc_port=0, frontend="native", log_level="warning")
+    with serve_in_thread(natives, config) as served:
+        with httpclient.InferenceServerClient(f"127.0.0.1:{served.http_port}") as h, \
+                grpcclient.InferenceServerClient(f"127.0.0.1:{served.grpc_port}") as g:  # fmt: skip
+            for s in natives:
+                assert h.is_model_ready(s.name) and g.is_model_ready(s.name), s.name
+                shapes = [i["shape"] for i in h.get_model_metadata(s.name)["inputs"]]
+                assert all(shape[0] == -1 for shape in shapes), shapes
