@@ -43,7 +43,7 @@ from .exceptions import (
 )
 from .model_config import ModelConfig, Tensor
 
-__all__ = ["Triton", "TritonConfig"]
+__all__ = ["Triton", "TritonConfig", "TritonLifecyclePolicy", "TritonSecurityConfig"]
 
 log = logging.getLogger("ferrobatch.triton")
 
@@ -52,6 +52,25 @@ STARTUP_TIMEOUT_S = 120.0
 #: Seconds readiness says 503, listeners open, before an UnrecoverableError's shutdown.
 UNRECOVERABLE_DRAIN_S = 1.0
 MONITORING_PERIOD_S = 10.0
+
+
+@dataclasses.dataclass
+class TritonLifecyclePolicy:
+    """PyTriton's: when the Triton process starts and where its models are
+    stored. ferrobatch starts none and stores nothing: accepted, unused."""
+
+    launch_triton_on_startup: bool = True
+    local_model_store: bool = False
+
+
+@dataclasses.dataclass
+class TritonSecurityConfig:
+    """PyTriton's access-restricted endpoints (``restricted_endpoints``;
+    None: Triton's defaults, ``[]``: none). :class:`Triton` refuses any
+    restriction: ferrobatch checks no access token."""
+
+    access_token: str | None = None
+    restricted_endpoints: list[str] | None = None
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -228,6 +247,13 @@ class Triton:
     :meth:`bind` every model first, then :meth:`run` (in the background) or
     :meth:`serve` (blocking); :meth:`stop` (or leaving the ``with`` block)
     shuts down gracefully.
+
+    ``triton_lifecycle_policy`` (PyTriton's: when to launch the Triton
+    process, where its model store lives) is accepted and has nothing to
+    do: there is no separate process and nothing is written to disk.
+    ``security_config`` (Triton's access-restricted endpoints) is refused
+    when it restricts anything: ferrobatch checks no access token, and a
+    silently open endpoint would be worse than an error.
     """
 
     def __init__(
@@ -237,7 +263,18 @@ class Triton:
         workspace: Any = None,
         expose_errors: bool = True,
         frontend: str = "native",
+        triton_lifecycle_policy: Any = None,
+        security_config: Any = None,
     ) -> None:
+        del triton_lifecycle_policy  # no Triton process to launch, no model store to write
+        restricted = getattr(security_config, "restricted_endpoints", None) if security_config is not None else None
+        if security_config is not None and (restricted is None or restricted):
+            raise PyTritonValidationError(
+                "security_config: access-restricted endpoints (Triton's --http/grpc-restricted-api with an"
+                " access token) are not supported by ferrobatch; serve behind an authenticating proxy, or"
+                " bind to 127.0.0.1 (the default)"
+            )
+
         def given(c: TritonConfig) -> dict[str, Any]:
             return {k: v for k, v in c.to_dict().items() if v is not None}
 
