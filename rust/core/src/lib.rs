@@ -95,6 +95,7 @@ pub mod shm;
 pub mod specs;
 pub mod staging;
 mod sync;
+pub mod timeout;
 pub mod unflushed;
 pub mod v2;
 
@@ -112,4 +113,5 @@ pub use specs::{InputRules, InputSpec, Matched, Measured, SpecError, MAX_OPTIONA
 pub use staging::{
     Collated, HeldSlot, Layout, Padded, Ragged, RaggedBytes, SlotBuffer, StagingRing,
 };
+pub use timeout::{timeout_from_secs, InvalidTimeout};
 pub use unflushed::Unflushed;

@@ -770,8 +770,9 @@ impl SharedClient {
         let (cell, tag) = self
             .inner
             .submit(py, inputs, timeout, batched, priority, parameters, target)?;
+        // Checked by `submit` above: an invalid timeout never gets here.
         let deadline = timeout
-            .and_then(|t| Duration::try_from_secs_f64(t).ok())
+            .and_then(|t| ferrobatch_core::timeout_from_secs(t).ok().flatten())
             .and_then(|t| Instant::now().checked_add(t));
         loop {
             let slice = Instant::now() + SIGNAL_CHECK;

@@ -14,7 +14,6 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
-use std::time::Duration;
 
 use pyo3::ffi;
 use pyo3::intern;
@@ -257,15 +256,10 @@ pub(crate) fn submission(
     priority: Option<i64>,
     parameters: Option<String>,
 ) -> PyResult<ferrobatch_core::Submission> {
-    let timeout = match timeout {
+    let timeout = match timeout.map(ferrobatch_core::timeout_from_secs) {
         None => None,
-        Some(t) if t.is_nan() || t < 0.0 => {
-            return Err(invalid_input(
-                py,
-                format!("timeout must be a number of seconds >= 0, got {t}"),
-            ))
-        }
-        Some(t) => Duration::try_from_secs_f64(t).ok(),
+        Some(Ok(deadline)) => deadline,
+        Some(Err(invalid)) => return Err(invalid_input(py, invalid.to_string())),
     };
     let priority = match priority {
         None => None,

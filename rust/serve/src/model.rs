@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use ferrobatch_core::v2::Data;
 use ferrobatch_core::{
-    CoreError, DType, InputBytes, InputRules, InputSpec, Layout, Outcome, Readiness, RequestState,
-    Sink, Submission,
+    timeout_from_secs, CoreError, DType, InputBytes, InputRules, InputSpec, Layout, Outcome,
+    Readiness, RequestState, Sink, Submission,
 };
 use tokio::sync::oneshot;
 
@@ -267,14 +267,13 @@ impl ServedModel {
             .rules()
             .match_tensors(&described)
             .map_err(|e| self.refuse(Outcome::InvalidInput, Failure::new(400, e.0)))?;
-        let timeout = match timeout {
+        let timeout = match timeout.map(|t| (timeout_from_secs(t), t)) {
             None => None,
-            Some(t) if t.is_nan() || t < 0.0 => {
-                let message = format!("timeout must be >= 0 seconds, got {t:?}");
-                return Err(self.refuse(Outcome::InvalidInput, Failure::new(400, message)));
+            Some((Ok(deadline), t)) => deadline.map(|d| (d, t)),
+            Some((Err(invalid), _)) => {
+                let failure = Failure::new(400, invalid.to_string());
+                return Err(self.refuse(Outcome::InvalidInput, failure));
             }
-            // Too long to represent: no deadline at all.
-            Some(t) => Duration::try_from_secs_f64(t).ok().map(|d| (d, t)),
         };
         let mut owners = owners;
         let layouts = batcher.layouts();
