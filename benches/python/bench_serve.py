@@ -421,11 +421,14 @@ def pinned(cpu: str | None) -> list[str]:
 
 
 @contextmanager
-def ferrobatch_server(log: Path, cpu: str | None = None, frontend: str = "native") -> Iterator[Endpoint]:
+def ferrobatch_server(
+    log: Path, cpu: str | None = None, frontend: str = "native", threads: int | None = None
+) -> Iterator[Endpoint]:
     http, grpc = free_ports(2)
     cmd = [
         *pinned(cpu), sys.executable, "-m", "ferrobatch", "serve", f"{HERE}:make_servers",
         "--http-port", str(http), "--grpc-port", str(grpc), "--log-level", "warning", "--frontend", frontend,
+        *(["--threads", str(threads)] if threads else []),
     ]  # fmt: skip
     name = "ferrobatch" if frontend == "native" else f"ferrobatch-{frontend}"
     # It imports this file, which imports serve_loadgen beside it.
@@ -628,12 +631,12 @@ class Native:
         if args.warmup > 0:
             self._load(endpoint, protocol, model, c, args.warmup, cpu)
         before = scrape_batches(endpoint.metrics, model)
-        cores = [int(args.server_cpu), int(cpu)]
-        busy_before = loadgen.cpu_busy(cores)
+        server_cores, load_cores = loadgen.cpu_list(args.server_cpu), loadgen.cpu_list(cpu)
+        busy_before = loadgen.cpu_busy(server_cores + load_cores)
         cpu_before = cpu_seconds(endpoint.pid)
         load = self._load(endpoint, protocol, model, c, args.seconds, cpu)
         cpu_used = cpu_seconds(endpoint.pid) - cpu_before
-        busy_after = loadgen.cpu_busy(cores)
+        busy_after = loadgen.cpu_busy(server_cores + load_cores)
         after = scrape_batches(endpoint.metrics, model)
         rows, execs = after[0] - before[0], after[1] - before[1]
         n = load.requests
@@ -654,9 +657,108 @@ class Native:
             first_error=load.detail or None,
             driver="wrk",
             load1=load1,
-            server_core_busy=loadgen.busy_fraction(busy_before, busy_after, cores[0]),
-            loadgen_core_busy=loadgen.busy_fraction(busy_before, busy_after, cores[1]),
+            server_core_busy=_mean_busy(busy_before, busy_after, server_cores),
+            loadgen_core_busy=_mean_busy(busy_before, busy_after, load_cores),
         )
+
+
+def _mean_busy(
+    before: dict[int, tuple[float, float]], after: dict[int, tuple[float, float]], cores: list[int]
+) -> float:
+    return statistics.fmean(loadgen.busy_fraction(before, after, c) for c in cores) if cores else float("nan")
+
+
+def scaling_points(total: int) -> list[tuple[int, str, str]]:
+    """``(server cores, server cpu list, load generator cpu list)`` per point:
+    the server on 1, 2, 4, ... cores from core 0, the load generators on all
+    the others, as long as at least one core is left to them."""
+    points = []
+    n = 1
+    while n < total:
+        points.append((n, "0" if n == 1 else f"0-{n - 1}", str(n) if n == total - 1 else f"{n}-{total - 1}"))
+        n *= 2
+    return points
+
+
+def run_scaling(args: argparse.Namespace, models: list[str], protocols: list[str], callers: list[int]) -> int:
+    """``--scaling``: ``ferrobatch serve --threads n`` pinned to n cores, the
+    load generators on the rest, n = 1, 2, 4, ... below the machine's cores;
+    req/s and server CPU per request per point, the speedup over one core,
+    a plot beside the results."""
+    cores = sorted(os.sched_getaffinity(0))
+    if cores != list(range(len(cores))):
+        print(f"--scaling needs cores 0..n-1 (this process may run on {cores})", file=sys.stderr)
+        return 2
+    points = scaling_points(len(cores))
+    if not points:
+        print("--scaling needs at least 2 cores: one for the server, one for the load generators", file=sys.stderr)
+        return 2
+    prefix = args.out or LATEST.with_name("serve-scaling")
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    logs = Path(tempfile.mkdtemp(prefix="bench_serve-scaling-"))
+    native = Native(models, protocols)
+    stamp = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    meta = {
+        "date": stamp,
+        "cpus": len(cores),
+        "ferrobatch_commit": ferrobatch_commit(),
+        "command": " ".join(sys.argv[1:]),
+    }
+    print(f"# bench_serve --scaling {stamp}  {len(cores)} cores  points {[p[0] for p in points]}")
+    rows: list[dict[str, Any]] = []
+    with (prefix.with_suffix(".jsonl")).open("w") as out:
+        for n, server_cpu, load_cpu in points:
+            point = argparse.Namespace(**{**vars(args), "server_cpu": server_cpu, "loadgen_cpu": load_cpu})
+            with ferrobatch_server(logs / f"ferrobatch-{n}.log", server_cpu, threads=n) as endpoint:
+                for model in models:
+                    for protocol in protocols:
+                        for c in callers:
+                            runs = [native.measure(endpoint, protocol, model, c, point) for _ in range(args.runs)]
+                            best = medians(runs)[0]
+                            row = {**meta, "server_cores": n, **asdict(best)}
+                            rows.append(row)
+                            out.write(json.dumps(row) + "\n")
+                            out.flush()
+                            print(
+                                f"  {n} core(s) {protocol} {model} C={c}: {best.rps:.0f} req/s,"
+                                f" {best.server_cpu_us:.1f} us CPU/request, errors {best.errors}",
+                                flush=True,
+                            )
+    print("\n| model | protocol | C | server cores | req/s | server CPU µs/request | vs 1 core |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        one = next(x["rps"] for x in rows if x["server_cores"] == 1 and
+                   (x["model"], x["protocol"], x["callers"]) == (r["model"], r["protocol"], r["callers"]))  # fmt: skip
+        print(
+            f"| {r['model']} | {r['protocol']} | {r['callers']} | {r['server_cores']} | {r['rps']:,.0f} |"
+            f" {r['server_cpu_us']:.1f} | {r['rps'] / one:.2f} × |"
+        )
+    plot_scaling(rows, prefix.with_suffix(".png"))
+    print(f"\nresults: {prefix.with_suffix('.jsonl')}, plot: {prefix.with_suffix('.png')}; server logs: {logs}")
+    return 0
+
+
+def plot_scaling(rows: list[dict[str, Any]], path: Path) -> None:
+    """req/s against server cores, one line per model, protocol and C."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("# plot skipped: matplotlib is not installed")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key in sorted({(r["model"], r["protocol"], r["callers"]) for r in rows}):
+        points = sorted((r["server_cores"], r["rps"]) for r in rows if (r["model"], r["protocol"], r["callers"]) == key)
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"{key[0]} {key[1]} C={key[2]}")
+    ax.set_xlabel("server cores (ferrobatch serve --threads n, pinned)")
+    ax.set_ylabel("requests / s")
+    ax.set_xscale("log", base=2)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 # -- reporting ---------------------------------------------------------------------------------
@@ -925,6 +1027,12 @@ def main() -> int:
     parser.add_argument("--out", type=Path, help="output prefix (default benches/results/serve, replaced by each run)")
     parser.add_argument("--quick", action="store_true", help="one run, 1 s per case (aio: C=1,64; wrk: C=64)")
     parser.add_argument(
+        "--scaling",
+        action="store_true",
+        help="ferrobatch serve on 1, 2, 4, ... pinned cores (--threads n), wrk/h2load on the rest;"
+        " of --models (default identity,mlp); results serve-scaling.jsonl and a plot",
+    )
+    parser.add_argument(
         "--report",
         type=Path,
         nargs="?",
@@ -959,6 +1067,11 @@ def main() -> int:
             parser.error("--server-cpu and --loadgen-cpu must differ")
 
     os.environ["BENCH_TORCH_THREADS"] = str(args.torch_threads)  # inherited by the servers
+    if args.scaling:
+        if not wrk:
+            parser.error("--scaling needs --driver wrk")
+        models = args.models.split(",")
+        return run_scaling(args, models, args.protocols.split(","), [int(c) for c in args.callers.split(",")])
     callers = [int(c) for c in args.callers.split(",")]
     models = args.models.split(",")
     if unknown := [m for m in models if m not in MODELS]:

@@ -231,8 +231,19 @@ def _lua_string(text: str) -> str:
     return json.dumps(text)  # a JSON string literal is a valid Lua one for this (ASCII) text
 
 
+def cpu_list(spec: str) -> list[int]:
+    """The cores of a ``taskset -c`` list: ``"1"``, ``"2-15"``, ``"0,2-3"``."""
+    cores: list[int] = []
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        cores.extend(range(int(first), int(last or first) + 1))
+    return cores
+
+
 def run_wrk(request: Request, http: str, connections: int, seconds: float, cpu: str) -> LoadResult:
-    """wrk on ``cpu``: one thread, ``connections`` connections, for ``seconds``."""
+    """wrk on ``cpu`` (one thread per core of it, at most one per
+    connection), ``connections`` connections, for ``seconds``."""
+    threads = max(1, min(len(cpu_list(cpu)), connections))
     with tempfile.TemporaryDirectory(prefix="bench_serve-wrk-") as tmp:
         body, out, script = Path(tmp, "body"), Path(tmp, "out.json"), Path(tmp, "post.lua")
         body.write_bytes(request.body)
@@ -243,7 +254,7 @@ def run_wrk(request: Request, http: str, connections: int, seconds: float, cpu: 
             )
         )
         cmd = [
-            "taskset", "-c", cpu, "wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s",
+            "taskset", "-c", cpu, "wrk", f"-t{threads}", f"-c{connections}", f"-d{max(1, round(seconds))}s",
             "--timeout", "10s", "-s", str(script), f"http://{http}{request.path}",
         ]  # fmt: skip
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60)
@@ -274,14 +285,15 @@ def _h2load_field(text: str, pattern: str) -> float:
 def run_h2load(
     request: Request, grpc: str, connections: int, seconds: float, cpu: str, reply_length: int
 ) -> LoadResult:
-    """h2load on ``cpu``: one thread, ``connections`` h2c connections with one
+    """h2load on ``cpu`` (a thread per core of it), ``connections`` h2c connections with one
     stream in flight each, for ``seconds``. ``reply_length``: the framed
     response of the checked request; shorter ones count as errors."""
     with tempfile.TemporaryDirectory(prefix="bench_serve-h2load-") as tmp:
         body, log = Path(tmp, "body"), Path(tmp, "log.tsv")
         body.write_bytes(request.body)
         cmd = [
-            "taskset", "-c", cpu, "h2load", "-t1", f"-c{connections}", "-m1", f"-D{max(1, round(seconds))}",
+            "taskset", "-c", cpu, "h2load", f"-t{max(1, min(len(cpu_list(cpu)), connections))}",
+            f"-c{connections}", "-m1", f"-D{max(1, round(seconds))}",
             "-d", str(body), f"--log-file={log}",
         ]  # fmt: skip
         for name, value in request.headers.items():
