@@ -464,3 +464,19 @@ def test_a_process_inference_server_serves_from_a_child_and_its_death_fails_its_
         server.stats()
     with pytest.raises(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)  # reaped: no zombie of ours left
+
+
+def test_the_process_service_backend_runs_the_server_in_a_child() -> None:
+    server = InferenceServer(
+        policy_factory=_counting_policy, service_backend="process", service_backend_options={"mp_context": "spawn"}
+    )
+    assert (server.service_backend, server.transport_kind) == ("process", "process")
+    with server:
+        assert server.is_alive
+        assert server.client()(request())["action"].shape == (2,)
+        assert server.stats()["requests"] == 1
+        with pytest.raises(RuntimeError, match="lives in its child process"):
+            server.update_model(lambda m: None)
+    assert not server.is_alive
+    with pytest.raises(ValueError, match="give policy_factory"):
+        InferenceServer(policy(), service_backend="process")

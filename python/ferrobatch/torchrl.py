@@ -58,7 +58,7 @@ import multiprocessing.connection
 import pickle
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.reduction import ForkingPickler
 from types import TracebackType
 from typing import Any
@@ -151,7 +151,9 @@ class InferenceServer:
         policy_factory: Callable[[], Any] | None = None,
         server_config: Any = None,
         device_config: Any = None,
+        service_backend_options: Mapping[str, Any] | None = None,
     ) -> None:
+        self._in_child: ProcessInferenceServer | None = None
         loose = {
             k: v
             for k, v in (("max_batch_size", max_batch_size), ("min_batch_size", min_batch_size), ("timeout", timeout))
@@ -191,10 +193,29 @@ class InferenceServer:
                 )
             if kind not in allowed:
                 raise ValueError(f"transport={kind!r} is incompatible with service_backend={service_backend!r}.")
+            if service_backend == "process" and kind in ("auto", "process"):
+                # TorchRL's process-owned server: a ProcessInferenceServer, fed by pipes.
+                if policy_factory is None or model is not None:
+                    raise ValueError("service_backend='process' builds the policy in the child: give policy_factory")
+                options = dict(service_backend_options or {})
+                self._in_child = ProcessInferenceServer(
+                    policy_factory,
+                    mp_context=options.pop("mp_context", None),
+                    max_batch_size=max_batch_size,
+                    min_batch_size=min_batch_size,
+                    timeout=timeout,
+                    collate_fn=collate_fn,
+                    policy_version=policy_version,
+                    policy_version_key=policy_version_key,
+                    **options,
+                )
+                self.service_backend = self.transport_kind = "process"
+                self.max_batch_size, self.timeout = max_batch_size, float(timeout)
+                return  # the model lives in the child: start/shutdown/client/stats go there
             if service_backend != "thread" or kind not in _THREAD_TRANSPORTS:
                 raise ValueError(
-                    f"ferrobatch.torchrl serves service_backend='thread' with transport='auto'/'thread' here;"
-                    f" for other processes pass MPTransport(), got service_backend={service_backend!r},"
+                    f"ferrobatch.torchrl serves service_backend='thread' (transport 'auto'/'thread') and"
+                    f" 'process' (transport 'auto'/'process'), got service_backend={service_backend!r},"
                     f" transport={kind!r}"
                 )
             transport = ThreadingTransport()
@@ -269,6 +290,9 @@ class InferenceServer:
     def start(self) -> InferenceServer:
         """Starts the server (its event loop and, once specs are known, its
         workers) and returns it."""
+        if self._in_child is not None:
+            self._in_child.start()
+            return self
         if self.is_alive:
             raise RuntimeError("Server is already running.")
         # The core server of an earlier run (stopped; its stats read until
@@ -304,6 +328,9 @@ class InferenceServer:
     def shutdown(self, timeout: float | None = 5.0) -> None:
         """Stops accepting requests, finishes the accepted ones (failing those
         still queued after ``timeout`` seconds) and stops the threads."""
+        if self._in_child is not None:
+            self._in_child.shutdown(timeout)
+            return
         self._stopping.set()
         self.transport._stop()
         loop, thread = self._loop, self._thread
@@ -326,6 +353,8 @@ class InferenceServer:
     @property
     def is_alive(self) -> bool:
         """Whether the server's thread runs (from ``start()`` to ``shutdown()``)."""
+        if self._in_child is not None:
+            return self._in_child.is_alive
         return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
 
     def __enter__(self) -> InferenceServer:
@@ -338,6 +367,8 @@ class InferenceServer:
 
     def client(self) -> Any:
         """A client of the transport: ``client(td) -> td``."""
+        if self._in_child is not None:
+            return self._in_child.client()
         return self.transport.client()
 
     # -- stats and versions --------------------------------------------------------------
@@ -345,6 +376,7 @@ class InferenceServer:
     @property
     def policy_version(self) -> int:
         """The version stamped into results computed from now on."""
+        self._not_in_child("policy_version")
         core = self._core
         return self._version_base + (core.model_version if core is not None else 0)
 
@@ -356,6 +388,9 @@ class InferenceServer:
         last 1024 of each), ``policy_version``, ``weight_updates``; and
         ``queue_ms`` / ``forward_ms`` (means). ``reset=True`` starts the
         counts and the windows again after reading them."""
+        if self._in_child is not None:
+            from_child: dict[str, float | int] = self._in_child.stats(reset=reset)
+            return from_child
         core = self._core.stats() if self._core is not None else {}
         now = time.monotonic()
         elapsed = max(now - self._started_at, 1e-12)
@@ -388,9 +423,14 @@ class InferenceServer:
 
     # -- weight updates --------------------------------------------------------------------
 
+    def _not_in_child(self, what: str) -> None:
+        if self._in_child is not None:
+            raise RuntimeError(f"{what}: the policy of a service_backend='process' server lives in its child process")
+
     def _apply(self, update: Callable[[Any], Any], bump: Callable[[list[Any]], bool] | None = None) -> Any:
         """Runs ``update(model)`` between batches (the core's barrier), or at
         once before the core server exists; returns what it returned."""
+        self._not_in_child("a weight update")
         with self._build_lock:
             core = self._core
             if core is None:
