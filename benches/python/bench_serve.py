@@ -693,16 +693,18 @@ def run_scaling(args: argparse.Namespace, models: list[str], protocols: list[str
     if not points:
         print("--scaling needs at least 2 cores: one for the server, one for the load generators", file=sys.stderr)
         return 2
-    prefix = args.out or LATEST.with_name("serve-scaling")
+    prefix = args.out or LATEST.with_suffix("")  # the bench's one results file: its latest run
     prefix.parent.mkdir(parents=True, exist_ok=True)
     logs = Path(tempfile.mkdtemp(prefix="bench_serve-scaling-"))
     native = Native(models, protocols)
     stamp = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     meta = {
         "date": stamp,
+        "machine": platform.machine(),
         "cpus": len(cores),
+        "python": platform.python_version(),
         "ferrobatch_commit": ferrobatch_commit(),
-        "command": " ".join(sys.argv[1:]),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
     }
     print(f"# bench_serve --scaling {stamp}  {len(cores)} cores  points {[p[0] for p in points]}")
     rows: list[dict[str, Any]] = []
@@ -713,12 +715,18 @@ def run_scaling(args: argparse.Namespace, models: list[str], protocols: list[str
                 for model in models:
                     for protocol in protocols:
                         for c in callers:
-                            runs = [native.measure(endpoint, protocol, model, c, point) for _ in range(args.runs)]
-                            best = medians(runs)[0]
-                            row = {**meta, "server_cores": n, **asdict(best)}
-                            rows.append(row)
-                            out.write(json.dumps(row) + "\n")
+                            # Named by its cores, so --report keeps the points apart.
+                            name = f"ferrobatch ({n} core{'s' if n > 1 else ''})"
+                            runs = [
+                                replace(native.measure(endpoint, protocol, model, c, point), server=name)
+                                for _ in range(args.runs)
+                            ]
+                            for i, r in enumerate(runs):
+                                out.write(json.dumps({**meta, "run": i, "server_cores": n, **asdict(r)}) + "\n")
                             out.flush()
+                            best = medians(runs)[0]
+                            row = {"server_cores": n, **asdict(best)}
+                            rows.append(row)
                             print(
                                 f"  {n} core(s) {protocol} {model} C={c}: {best.rps:.0f} req/s,"
                                 f" {best.server_cpu_us:.1f} us CPU/request, errors {best.errors}",
@@ -1030,7 +1038,7 @@ def main() -> int:
         "--scaling",
         action="store_true",
         help="ferrobatch serve on 1, 2, 4, ... pinned cores (--threads n), wrk/h2load on the rest;"
-        " of --models (default identity,mlp); results serve-scaling.jsonl and a plot",
+        " of --models (default identity,mlp); results in serve.jsonl (each point its own server name) and a plot",
     )
     parser.add_argument(
         "--report",
