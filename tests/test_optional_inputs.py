@@ -138,3 +138,22 @@ def test_the_front_ends_take_requests_without_their_optional_inputs(frontend: st
             w_only.set_data_from_numpy(np.ones((1, 2), dtype=np.float32))
             with pytest.raises(InferenceServerException, match="input 'a': missing"):
                 gclient.infer("opt", [w_only])
+
+
+def test_an_optional_first_input_leaves_the_65th_alone() -> None:
+    """A left-out input is one bit of 64: the inputs past them are never taken for it."""
+    specs = [fb.TensorSpec("a0", "float32", (1,), optional=True)]
+    specs += [fb.TensorSpec(f"x{i}", "float32", (1,)) for i in range(1, 65)]
+    server = fb.Server(
+        lambda batch: {"y": batch["x64"][:, 0] + batch["a0"][:, 0]},
+        inputs=specs,
+        outputs=[fb.TensorSpec("y", "float32", ())],
+        name="wide",
+    )
+
+    async def main() -> float:
+        async with server:
+            given = {f"x{i}": torch.full((1,), float(i)) for i in range(1, 65)}
+            return float((await server.client().infer(given))["y"])
+
+    assert asyncio.run(main()) == 64.0

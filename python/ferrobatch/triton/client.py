@@ -225,6 +225,13 @@ class _Requests:
         ]  # fmt: skip
         return {n: result.as_numpy(n) for n in names}
 
+    def config_kwargs(self) -> dict[str, Any]:
+        """``get_model_config``'s keyword arguments (gRPC's answer as JSON, like HTTP's)."""
+        kwargs: dict[str, Any] = {"headers": self.headers or None}
+        if self.scheme == "grpc":
+            kwargs["as_json"] = True
+        return kwargs
+
     def config_json(self, raw: Any) -> Mapping[str, Any]:
         """The JSON config tritonclient returned (gRPC's ``as_json`` wraps it)."""
         if self.scheme == "grpc":
@@ -321,10 +328,7 @@ class ModelClient:
         if self._config is None:
             if self._ensure_ready:
                 self.wait_for_model(self._requests.init_timeout_s)
-            raw = self._client.get_model_config(
-                self.model_name, self.model_version, headers=self._requests.headers or None,
-                **({"as_json": True} if self.scheme == "grpc" else {}),
-            )  # fmt: skip
+            raw = self._client.get_model_config(self.model_name, self.model_version, **self._requests.config_kwargs())
             self._config = parse_model_config(self._requests.config_json(raw))
         return self._config
 
@@ -550,9 +554,8 @@ class AsyncioModelClient:
             if self._ensure_ready:
                 await self.wait_for_model(self._requests.init_timeout_s)
             raw = await self._client.get_model_config(
-                self.model_name, self.model_version, headers=self._requests.headers or None,
-                **({"as_json": True} if self.scheme == "grpc" else {}),
-            )  # fmt: skip
+                self.model_name, self.model_version, **self._requests.config_kwargs()
+            )
             self._config = parse_model_config(self._requests.config_json(raw))
         return self._config
 

@@ -441,7 +441,8 @@ impl Converter {
             }
         };
         for (index, spec) in specs.iter().enumerate() {
-            if absent & (1 << index) == 0 {
+            // Only an optional input (among the first 64) has a bit: test that first.
+            if !spec.optional || absent & (1 << index) == 0 {
                 continue;
             }
             let (zeros, extents) = spec
