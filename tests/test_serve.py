@@ -475,3 +475,28 @@ def test_the_native_runtime_takes_half_the_usable_cores_by_default(serve_process
     assert expected in served.startup, served.startup
     served.proc.send_signal(signal.SIGINT)
     assert served.proc.wait(60) == 0, served.log()
+
+
+def test_the_native_front_end_needs_no_python_web_packages() -> None:
+    # uvicorn, Starlette and grpcio belong to frontend="python": a deployment
+    # that has only torch beside ferrobatch must still serve natively.
+    program = """
+import json, sys, urllib.request
+for name in ("uvicorn", "starlette", "httptools", "grpc", "aiohttp"):
+    sys.modules[name] = None  # importing it now raises ImportError
+import torch
+import ferrobatch as fb
+from ferrobatch.serve import ServeConfig, serve_in_thread
+spec = lambda name: fb.TensorSpec(name, "float32", (2,))
+server = fb.Server(lambda d: {"y": d["x"] * 2}, inputs=[spec("x")], outputs=[spec("y")], name="double")
+with serve_in_thread([server], ServeConfig(http_port=0, grpc_port=0, threads=1)) as where:
+    body = {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1.0, 2.0]}]}
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{where.http_port}/v2/models/double/infer", data=json.dumps(body).encode()
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        print(json.load(response)["outputs"][0]["data"])
+"""
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[2.0, 4.0]", done.stdout

@@ -240,11 +240,6 @@ async def serve(
     here (warm-up: not ready meanwhile) and stopped on the way out.
     ``on_ready`` is called once every server is ready.
     """
-    import uvicorn
-
-    from .grpc import grpc_server
-    from .http import starlette_app
-
     config = config or ServeConfig()
     if config.http_port is None and config.grpc_port is None:
         raise ValueError("nothing to serve: both the HTTP and the gRPC endpoint are disabled")
@@ -300,6 +295,10 @@ async def serve(
                     "" if config.threads is not None else f" (picked: half of {usable_cores()} usable cores)",
                 )
             elif config.grpc_port is not None:
+                # The Python front-end's packages (grpcio, uvicorn, Starlette) are
+                # imported only when it runs: the native one needs none of them.
+                from .grpc import grpc_server
+
                 rpc = grpc_server(repository, None, max_message_size=config.max_body_size)
                 address = f"{_bracket(config.host)}:{config.grpc_port}"
                 try:
@@ -308,6 +307,10 @@ async def serve(
                     raise StartupError(f"gRPC: cannot listen on {address}: {exc}") from None
                 await rpc.start()
             if config.http_port is not None and config.frontend == "python":
+                import uvicorn
+
+                from .http import starlette_app
+
                 app = starlette_app(
                     repository,
                     manage_servers=False,
