@@ -163,3 +163,22 @@ async def test_compile_pads_to_buckets_and_compiles_nothing_after_start() -> Non
         big = await client.infer_batch({"x": torch.stack([sample(i) for i in range(6)])})
         torch.testing.assert_close(big["y"], torch.stack([sample(2 * i + 1) for i in range(6)]))
     assert len(compiled_shapes) == compiled_at_start, "a request paid for a compilation"
+
+
+@pytest.mark.parametrize("annotation", ["dict", "tensor"])
+async def test_a_compiled_module_is_called_as_its_own_forward_asks(annotation: str) -> None:
+    # torch.compile wraps a module in one whose forward takes (*args, **kwargs):
+    # the call style must come from the module it wraps.
+    class TakesDict(torch.nn.Module):
+        def forward(self, d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return {"y": d["x"] * 2}
+
+    class TakesTensor(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+    module = TakesDict() if annotation == "dict" else TakesTensor()
+    server = fb.Server(module, inputs=[X], outputs=[Y], max_batch_size=4, compile={"backend": "eager"})
+    async with server:
+        out = await server.client().infer({"x": sample(3)})
+    torch.testing.assert_close(out["y"], sample(6))

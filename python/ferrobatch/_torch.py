@@ -322,6 +322,8 @@ def call_style(model: Any, inputs: Sequence[TensorSpec]) -> str:
       or Mapping;
     - ``"dict"``: everything else gets ``{input name: tensor}``.
     """
+    # torch.compile's wrapper forwards (*args, **kwargs): ask the module it wraps.
+    model = getattr(model, "_orig_mod", model)
     td_base = _tensordict_module_base()
     if td_base is not None and isinstance(model, td_base):
         return "tensordict"
