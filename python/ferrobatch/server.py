@@ -425,7 +425,8 @@ class Server:
             executors.append(executor)
             warm = self._warmup is True or isinstance(self._warmup, Mapping)
             if self._warmup is None:
-                warm = device.type == "cuda" or self._compile is not False
+                # A variable-length batch has no fixed shape to warm up with (see __init__).
+                warm = (device.type == "cuda" or self._compile is not False) and not self._variable
             if not warm:
                 continue
             if slot is None:
