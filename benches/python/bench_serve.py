@@ -79,6 +79,7 @@ import multiprocessing as mp
 import os
 import platform
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -157,6 +158,9 @@ def make_servers() -> list[Any]:
         return {"y": inputs["x"]}
 
     batching = {"max_batch_size": MAX_BATCH, "max_delay": MAX_DELAY}
+    # --scaling --instances cores: one worker per server core for the fixed-shape models.
+    instances = int(os.environ.get("BENCH_INSTANCES", "1"))
+    mlp = make_demo_model(WIDTH)
     specs = {
         "inputs": [fb.TensorSpec("x", "float32", (WIDTH,))],
         "outputs": [fb.TensorSpec("y", "float32", (WIDTH,))],
@@ -164,8 +168,8 @@ def make_servers() -> list[Any]:
     }
     variable = [fb.TensorSpec(name, "float32", (-1,), ragged="pad") for name in ("a", "b", "add", "sub")]
     return [
-        fb.Server(_torch_threads(identity), name="identity", **specs),
-        fb.Server(_torch_threads(make_demo_model(WIDTH)), name="mlp", **specs),
+        fb.Server([_torch_threads(identity)] * instances, name="identity", **specs),
+        fb.Server([_torch_threads(mlp)] * instances, name="mlp", **specs),
         fb.Server(_torch_threads(add_sub), name="add_sub", inputs=variable[:2], outputs=variable[2:], **batching),
         fb.Server(
             bytes_echo,
@@ -711,6 +715,8 @@ def run_scaling(args: argparse.Namespace, models: list[str], protocols: list[str
     with (prefix.with_suffix(".jsonl")).open("w") as out:
         for n, server_cpu, load_cpu in points:
             point = argparse.Namespace(**{**vars(args), "server_cpu": server_cpu, "loadgen_cpu": load_cpu})
+            instances = n if args.instances == "cores" else 1
+            os.environ["BENCH_INSTANCES"] = str(instances)  # inherited by the server
             with ferrobatch_server(logs / f"ferrobatch-{n}.log", server_cpu, threads=n) as endpoint:
                 for model in models:
                     for protocol in protocols:
@@ -721,25 +727,27 @@ def run_scaling(args: argparse.Namespace, models: list[str], protocols: list[str
                                 replace(native.measure(endpoint, protocol, model, c, point), server=name)
                                 for _ in range(args.runs)
                             ]
+                            point_meta = {"server_cores": n, "instances": instances}
                             for i, r in enumerate(runs):
-                                out.write(json.dumps({**meta, "run": i, "server_cores": n, **asdict(r)}) + "\n")
+                                out.write(json.dumps({**meta, "run": i, **point_meta, **asdict(r)}) + "\n")
                             out.flush()
                             best = medians(runs)[0]
-                            row = {"server_cores": n, **asdict(best)}
+                            row = {"server_cores": n, "instances": instances, **asdict(best)}
                             rows.append(row)
                             print(
-                                f"  {n} core(s) {protocol} {model} C={c}: {best.rps:.0f} req/s,"
+                                f"  {n} core(s), {instances} instance(s), {protocol} {model} C={c}:"
+                                f" {best.rps:.0f} req/s,"
                                 f" {best.server_cpu_us:.1f} us CPU/request, errors {best.errors}",
                                 flush=True,
                             )
-    print("\n| model | protocol | C | server cores | req/s | server CPU µs/request | vs 1 core |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    print("\n| model | protocol | C | server cores | instances | req/s | server CPU µs/request | vs 1 core |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         one = next(x["rps"] for x in rows if x["server_cores"] == 1 and
                    (x["model"], x["protocol"], x["callers"]) == (r["model"], r["protocol"], r["callers"]))  # fmt: skip
         print(
-            f"| {r['model']} | {r['protocol']} | {r['callers']} | {r['server_cores']} | {r['rps']:,.0f} |"
-            f" {r['server_cpu_us']:.1f} | {r['rps'] / one:.2f} × |"
+            f"| {r['model']} | {r['protocol']} | {r['callers']} | {r['server_cores']} | {r['instances']} |"
+            f" {r['rps']:,.0f} | {r['server_cpu_us']:.1f} | {r['rps'] / one:.2f} × |"
         )
     plot_scaling(rows, prefix.with_suffix(".png"))
     print(f"\nresults: {prefix.with_suffix('.jsonl')}, plot: {prefix.with_suffix('.png')}; server logs: {logs}")
@@ -1041,6 +1049,13 @@ def main() -> int:
         " of --models (default identity,mlp); results in serve.jsonl (each point its own server name) and a plot",
     )
     parser.add_argument(
+        "--instances",
+        choices=("1", "cores"),
+        default="1",
+        help="--scaling: model instances (worker threads) of identity and mlp per point:"
+        " 1 (default) or one per server core",
+    )
+    parser.add_argument(
         "--report",
         type=Path,
         nargs="?",
@@ -1075,6 +1090,10 @@ def main() -> int:
             parser.error("--server-cpu and --loadgen-cpu must differ")
 
     os.environ["BENCH_TORCH_THREADS"] = str(args.torch_threads)  # inherited by the servers
+    # A load generator opens a socket per connection: lift the soft descriptor
+    # limit (often 1024) to the hard one, for it and the servers.
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     if args.scaling:
         if not wrk:
             parser.error("--scaling needs --driver wrk")
