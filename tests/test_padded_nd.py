@@ -226,3 +226,35 @@ def test_bad_shapes_over_http_are_400_naming_the_input(addresses: tuple[str, str
             assert "'x'" in response.json()["error"], (case, response.text)
         ok = client.post("/v2/models/grid/infer", json=body([2, 16, 16]))
         assert ok.status_code == 200, ok.text
+
+
+def test_one_poisoned_request_fails_alone_and_each_part_is_padded_to_its_own() -> None:
+    rec = Recorder()
+    inner = grid_model(rec)
+
+    def model(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if bool((batch["x"] == 77.0).any()):
+            raise ValueError("poisoned grid")
+        return inner(batch)
+
+    server = fb.Server(
+        model,
+        inputs=[fb.TensorSpec("x", "float32", (-1, -1), ragged="pad", pad_value=PAD)],
+        outputs=[fb.TensorSpec("y", "float32", (-1, -1), ragged="pad", pad_value=-1.0)],
+        max_batch_size=len(SHAPES),
+        max_delay=5.0,
+    )
+    xs = [grid(s, i) for i, s in enumerate(SHAPES)]
+    xs[4][1, 2] = 77.0
+
+    async def main() -> list[Any]:
+        async with server:
+            return await asyncio.gather(*(server.client().infer({"x": x}) for x in xs), return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert [i for i, r in enumerate(results) if isinstance(r, BaseException)] == [4]
+    for i, (x, out) in enumerate(zip(xs, results)):
+        if i != 4:
+            assert torch.equal(out["y"], x * 10)
+    for part in rec.batches:  # the parts that ran, each padded to its own longest
+        assert part["shape"][1:] == tuple(max(column) for column in zip(*part["lengths"]))

@@ -15,6 +15,7 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
 
 import ferrobatch as fb
 from ferrobatch.serve import ServeConfig, serve_in_thread
@@ -336,3 +337,112 @@ async def test_a_variable_length_model_runs_on_cuda(mode: str) -> None:
         results = await asyncio.gather(*(client.infer({"tokens": r}) for r in rows))
     assert all(d.type == "cuda" for d in seen)
     assert [int(r["total"]) for r in results] == [int(r.sum()) for r in rows]
+
+
+POISON = 555  # a token the sample() tokens never hold: a batch holding it raises
+
+
+def poisoned(model: Any) -> Any:
+    def call(batch: dict[str, torch.Tensor]) -> Any:
+        if bool((batch["tokens"] == POISON).any()):
+            raise ValueError("poisoned row")
+        return model(batch)
+
+    return call
+
+
+def poisoned_server(mode: str, rec: Recorder, **kwargs: Any) -> fb.Server:
+    model = padded_model(rec) if mode == "pad" else jagged_model(rec)
+    return fb.Server(
+        poisoned(model),
+        inputs=[spec(mode)],
+        outputs=[spec(mode, "out"), fb.TensorSpec("total", "int64", ())],
+        name=mode,
+        max_batch_size=len(LENGTHS),
+        max_delay=5.0,  # the batch closes full: every request in one batch
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("mode", ["pad", "jagged"])
+async def test_one_poisoned_variable_length_request_fails_alone(mode: str) -> None:
+    rec = Recorder()
+    xs = [sample(n, i) for i, n in enumerate(LENGTHS)]
+    xs[2] = xs[2].clone()
+    xs[2][1] = POISON
+    async with poisoned_server(mode, rec) as server:
+        client = server.client()
+        results = await asyncio.gather(*(client.infer({"tokens": x}) for x in xs), return_exceptions=True)
+        stats = server.stats()
+    failed = [i for i, r in enumerate(results) if isinstance(r, BaseException)]
+    assert failed == [2]
+    assert isinstance(results[2], fb.ModelError) and isinstance(results[2].__cause__, ValueError)
+    for i, (x, out) in enumerate(zip(xs, results)):
+        if i != 2:
+            assert isinstance(out, dict)
+            check_result(x, out)
+    assert stats["requests_succeeded"] == len(LENGTHS) - 1
+    assert stats["isolated_failures"] == 1 and stats["retry_calls"] == 6  # two halves at log2(8) levels
+    # Each retried part is a batch of its own: cut to its own longest row, or offsets from 0.
+    for part in rec.batches:
+        if mode == "pad":
+            assert part["shape"][1] == max(part["lengths"], default=0), part
+        else:
+            assert part["offsets"][0] == 0 and part["shape"] == (part["offsets"][-1],), part
+
+
+async def test_variable_length_isolation_can_be_turned_off() -> None:
+    rec = Recorder()
+    xs = [sample(n, i) for i, n in enumerate(LENGTHS)]
+    xs[0] = torch.tensor([POISON, 1, 2])
+    async with poisoned_server("pad", rec, isolate_failures=False) as server:
+        results = await asyncio.gather(*(server.client().infer({"tokens": x}) for x in xs), return_exceptions=True)
+    assert all(isinstance(r, fb.ModelError) for r in results)
+
+
+async def test_one_poisoned_bytes_request_fails_alone() -> None:
+    def echo(batch: dict[str, Any]) -> dict[str, Any]:
+        if any(b == b"poison" for b in batch["text"].ravel()):
+            raise ValueError("poisoned text")
+        return {"echo": batch["text"]}
+
+    text = fb.TensorSpec("text", "bytes", (1,))
+    server = fb.Server(
+        echo, inputs=[text], outputs=[fb.TensorSpec("echo", "bytes", (1,))], max_batch_size=8, max_delay=5.0
+    )
+    words = [b"a", b"bb", b"poison", b"ccc", b"d", b"ee", b"fff", b"g"]
+    async with server:
+        client = server.client()
+        results = await asyncio.gather(
+            *(client.infer({"text": np.array([w], dtype=object)}) for w in words), return_exceptions=True
+        )
+    assert [i for i, r in enumerate(results) if isinstance(r, BaseException)] == [2]
+    assert [list(r["echo"]) for i, r in enumerate(results) if i != 2] == [[w] for i, w in enumerate(words) if i != 2]
+
+
+@pytest.mark.parametrize("mode", ["pad", "jagged"])
+def test_isolated_variable_length_outputs_go_out_natively(mode: str) -> None:
+    # The native front-end encodes a merged batch (only the parts that ran) row by row.
+    rec = Recorder()
+    config = ServeConfig(http_port=0, grpc_port=None, log_level="warning")
+    xs = [sample(n, 40 + i).numpy() for i, n in enumerate(LENGTHS)]
+    xs[5] = np.array([7, POISON], dtype=np.int64)
+    with serve_in_thread([poisoned_server(mode, rec)], config) as listening:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{listening.http_port}", concurrency=len(xs))
+        try:
+            pending = []
+            for i, x in enumerate(xs):
+                tokens = httpclient.InferInput("tokens", [1, len(x)], "INT64")
+                tokens.set_data_from_numpy(x[None, :], binary_data=i % 2 == 0)
+                pending.append(client.async_infer(mode, [tokens]))
+            for i, (x, p) in enumerate(zip(xs, pending)):
+                if i == 5:
+                    with pytest.raises(InferenceServerException, match="failed: ValueError"):
+                        p.get_result()
+                    continue
+                result = p.get_result()
+                assert result.as_numpy("out").tolist() == [list(x[::-1] * 10)]
+                assert result.as_numpy("total").tolist() == [int(x.sum())]
+        finally:
+            client.close()
+    assert len(rec.batches) > 1  # the first batch failed and was retried in parts

@@ -19,6 +19,7 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
 
 import ferrobatch as fb
 from ferrobatch.serve import ServeConfig, serve_in_thread
@@ -293,3 +294,57 @@ def test_bad_requests_over_http_are_400_naming_the_input(addresses: tuple[str, s
         ok = client.post("/v2/models/words/infer", content=body([1, 64], ["a"] * 64))
         assert ok.status_code == 200, ok.text
         assert ok.json()["outputs"][0]["shape"] == [1, 64]
+
+
+@pytest.mark.parametrize("mode", ["pad", "jagged"])
+def test_one_poisoned_request_fails_alone_in_process_and_natively(mode: str) -> None:
+    rec = Recorder()
+    inner = padded_model(rec) if mode == "pad" else jagged_model(rec)
+
+    def model(batch: dict[str, Any]) -> dict[str, Any]:
+        if any(w == b"poison" for w in batch["text"].ravel()):
+            raise ValueError("poisoned text")
+        return inner(batch)
+
+    def server() -> fb.Server:
+        return fb.Server(
+            model,
+            inputs=[fb.TensorSpec("text", "bytes", (-1,), ragged=mode)],
+            outputs=[fb.TensorSpec("out", "bytes", (-1,), ragged=mode), fb.TensorSpec("count", "int64", ())],
+            name="words",
+            max_batch_size=len(LENGTHS),
+            max_delay=5.0,
+        )
+
+    rows = [words(i, n) for i, n in enumerate(LENGTHS)]
+    rows[2] = [b"a", b"poison"]
+
+    async def in_process() -> list[Any]:
+        async with server() as s:
+            return await asyncio.gather(
+                *(s.client().infer({"text": np.array(r, dtype=object)}) for r in rows), return_exceptions=True
+            )
+
+    results = asyncio.run(in_process())
+    assert [i for i, r in enumerate(results) if isinstance(r, BaseException)] == [2]
+    for i, (r, out) in enumerate(zip(rows, results)):
+        if i != 2:
+            assert list(out["out"]) == shout(r) and int(out["count"]) == len(r)
+
+    config = ServeConfig(http_port=0, grpc_port=None, log_level="warning")
+    with serve_in_thread([server()], config) as listening:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{listening.http_port}", concurrency=len(rows))
+        try:
+            pending = []
+            for i, r in enumerate(rows):
+                text = httpclient.InferInput("text", [1, len(r)], "BYTES")
+                text.set_data_from_numpy(np.array([r], dtype=object), binary_data=i % 2 == 0)
+                pending.append(client.async_infer("words", [text]))
+            for i, (r, p) in enumerate(zip(rows, pending)):
+                if i == 2:
+                    with pytest.raises(InferenceServerException, match="failed: ValueError"):
+                        p.get_result()
+                    continue
+                assert p.get_result().as_numpy("out").tolist() == [shout(r)]
+        finally:
+            client.close()

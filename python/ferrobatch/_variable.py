@@ -13,6 +13,7 @@ compile or warm-up) on a CUDA device.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Mapping, Sequence
@@ -31,7 +32,9 @@ from ._torch import (
     batch_requests,
     finish,
     inference_mode,
+    isolate,
     normalize_outputs,
+    retryable,
     version_rows,
 )
 from .errors import ModelError
@@ -164,6 +167,36 @@ def _ragged_bytes_input(spec: TensorSpec, elements: list[bytes], lengths: list[i
         padded[row, : n * unit] = elements[at : at + n * unit]
         at += n * unit
     return {spec.name: padded.reshape((rows, longest, *spec.inner_shape)), spec.name + LENGTHS: index}
+
+
+def slice_inputs(specs: Sequence[TensorSpec], inputs: Mapping[str, Any], start: int, rows: int) -> dict[str, Any]:
+    """Rows ``start..start + rows`` of a batch's model inputs (as
+    :func:`batch_inputs` built them), as a batch of their own: a padded input
+    cut to the longest of these rows, a jagged one's offsets from 0. Failure
+    isolation calls the model with such parts."""
+    end = start + rows
+    part: dict[str, Any] = {}
+    for s in specs:
+        values = inputs[s.name]
+        if s.ragged == "jagged":
+            offsets = inputs[s.name + OFFSETS]
+            first, last = int(offsets[start]), int(offsets[end])
+            part[s.name] = values[first:last]
+            part[s.name + OFFSETS] = offsets[start : end + 1] - first
+        elif s.is_padded_nd:
+            lengths = inputs[s.name + LENGTHS][start:end]
+            longest = lengths.reshape(rows, -1).amax(dim=0).tolist() if rows else [0] * len(s.variable_dims)
+            ends = dict(zip(s.variable_dims, longest))
+            part[s.name] = values[(slice(start, end), *(slice(0, ends.get(d)) for d in range(len(s.shape))))]
+            part[s.name + LENGTHS] = lengths
+        elif s.ragged == "pad":
+            lengths = inputs[s.name + LENGTHS][start:end]
+            longest = int(max(lengths.tolist(), default=0))
+            part[s.name] = values[start:end, :longest]
+            part[s.name + LENGTHS] = lengths
+        else:
+            part[s.name] = values[start:end]
+    return part
 
 
 class RaggedOutput:
@@ -425,13 +458,92 @@ def normalize_variable_outputs(raw: Any, specs: Sequence[TensorSpec], rows: int)
     return outputs
 
 
+class MergedOutput:
+    """A variable-length output of a batch that failure isolation ran in
+    parts: each part's output (``(start row, rows, RaggedOutput |
+    PaddedOutput)``) answers its own rows; the rows of failed requests,
+    which no part covers, are empty and never asked for."""
+
+    __slots__ = ("parts", "rows", "spec")
+
+    def __init__(self, parts: list[tuple[int, int, RaggedOutput | PaddedOutput]], rows: int, spec: TensorSpec):
+        self.parts = parts
+        self.rows = rows
+        self.spec = spec
+
+    def request_rows(self, start: int, rows: int, batched: bool) -> Any:
+        for first, n, part in self.parts:
+            if first <= start < first + n:
+                return part.request_rows(start - first, rows, batched)
+        raise ModelError(f"output '{self.spec.name}': row {start} belongs to no part that ran")
+
+    def packed(self) -> tuple[Any, list[int], list[list[int]], bytes]:
+        """Every row for the native front-end's encoder (see
+        :meth:`RaggedOutput.packed`), the parts' values back to back."""
+        chunks: list[Any] = []
+        starts: list[int] = []
+        shapes: list[list[int]] = []
+        at = 0
+        covered: dict[int, tuple[int, list[int]]] = {}
+        for first, _, part in self.parts:
+            values, part_starts, part_shapes, _ = part.packed()
+            chunks.append(values)
+            for i, (begin, shape) in enumerate(zip(part_starts, part_shapes)):
+                covered[first + i] = (at + begin, shape)
+            at += len(values)
+        empty = [0] * len(self.spec.shape)
+        for row in range(self.rows):
+            begin, shape = covered.get(row, (0, empty))
+            starts.append(begin)
+            shapes.append(shape)
+        if self.spec.is_bytes:
+            flat: Any = np.concatenate(chunks) if chunks else np.empty(0, dtype=object)
+            return flat, starts, shapes, _element_bytes(b"")
+        flat = torch.cat(chunks) if chunks else torch.empty(0, dtype=self.spec.torch_dtype)
+        return flat, starts, shapes, _pad_bytes(self.spec.pad_value, self.spec.torch_dtype)
+
+
+def merge_parts(
+    done: Sequence[tuple[int, int, Mapping[str, Any]]],
+    rows: int,
+    specs: Sequence[TensorSpec],
+    version_output: str | None,
+) -> dict[str, Any]:
+    """One batch's outputs from the parts failure isolation ran (``(start
+    row, rows, outputs)``); rows no part covers belong to failed requests and
+    hold nothing that is read. With no part done, every output is empty."""
+    merged: dict[str, Any] = {}
+    for s in specs:
+        got = [(start, n, outputs[s.name]) for start, n, outputs in done]
+        if s.is_ragged:
+            merged[s.name] = MergedOutput(got, rows, s)
+        elif s.is_bytes:
+            array = np.full((rows, *s.shape), b"", dtype=object)
+            for start, n, value in got:
+                array[start : start + n] = value
+            merged[s.name] = array
+        else:
+            whole = torch.empty((rows, *s.shape), dtype=s.torch_dtype)
+            for start, n, value in got:
+                whole[start : start + n].copy_(value)
+            merged[s.name] = whole
+    if version_output is not None:
+        versions = torch.zeros(rows, dtype=torch.int64)
+        for start, n, outputs in done:
+            versions[start : start + n] = outputs[version_output]
+        merged[version_output] = versions
+    return merged
+
+
 class VariableExecutor(CpuExecutor):
     """Runs a model with BYTES or variable-length tensors: each batch's
     inputs are built from its slot (:func:`batch_inputs`), its tensors moved
     to the instance's device (CUDA: a plain copy and a synchronous call on
     the worker thread, no stream pipelining), its outputs checked by
-    :func:`normalize_variable_outputs` and brought back to the CPU. A failed
-    batch fails every request in it (no retry in halves)."""
+    :func:`normalize_variable_outputs` and brought back to the CPU. With
+    ``isolate_failures``, a batch whose model call raised is retried in
+    halves (:func:`isolate`), each part its own batch (:func:`slice_inputs`),
+    and the parts that ran are merged (:func:`merge_parts`)."""
 
     def __init__(
         self,
@@ -476,23 +588,51 @@ class VariableExecutor(CpuExecutor):
                 out.values = out.values.clone()
         return outputs
 
+    def _call_part(
+        self,
+        inputs: Mapping[str, Any],
+        requests: Sequence[tuple[int, RequestInfo]],
+        staging: frozenset[int],
+        start: int,
+        rows: int,
+    ) -> dict[str, Any]:
+        """The model on rows ``start..start + rows`` of a batch, as a batch of
+        their own (failure isolation's retry of a part)."""
+        chosen = [r for first, r in requests if start <= first < start + rows] or None
+        return self.call(slice_inputs(self.inputs, inputs, start, rows), rows, staging, chosen)
+
     @torch.inference_mode()
     def serve(
         self, worker: _core.Worker, slots: Sequence[Mapping[str, torch.Tensor]], counters: WorkerCounters
     ) -> None:
+        names = [s.name for s in self.inputs]
         while (batch := worker.next_batch()) is not None:
             outputs: dict[str, Any] | None = None
             error: BaseException | None = None
+            failed: list[tuple[int, BaseException]] | None = None
             slot = slots[batch.slot]
             started = perf_counter_ns()
+            inputs: dict[str, Any] | None = None
+            requests: list[tuple[int, RequestInfo]] = []
+            staging = frozenset(_storage_ptr(t) for t in slot.values())
             try:
                 inputs = batch_inputs(self.inputs, slot, batch)
-                staging = frozenset(_storage_ptr(t) for t in slot.values())
-                names = [s.name for s in self.inputs]
-                requests = [r for _, r in batch_requests(batch, names)] if self.with_requests else None
-                outputs = self.call(inputs, batch.rows, staging, requests)
+                requests = batch_requests(batch, names) if self.with_requests else []
+                outputs = self.call(inputs, batch.rows, staging, [r for _, r in requests] or None)
             except BaseException as exc:  # noqa: BLE001 - even SystemExit: the worker survives
                 error = exc
+            failed_batch = error is not None
+            if inputs is not None and error is not None and self.isolate_failures and retryable(error):
+                if batch.n_requests > 1:
+                    part = functools.partial(self._call_part, inputs, requests, staging)
+                    isolated = isolate(batch.request_rows(), error, part)
+                    counters.retry_calls += isolated.calls
+                    counters.isolated_failures += isolated.alone
+                    try:
+                        merged = merge_parts(isolated.done, batch.rows, self.outputs, self.version_output)
+                        outputs, error, failed = merged, None, isolated.failed
+                    except BaseException as exc:  # noqa: BLE001 - parts that cannot be merged: all fail
+                        outputs, error = None, exc
             batch.release_slot()  # outputs never alias the slot
-            counters.add(perf_counter_ns() - started, batch.n_requests, error is not None, batch.rows)
-            finish(worker, batch, outputs, error)  # tensors, numpy arrays and RaggedOutputs
+            counters.add(perf_counter_ns() - started, batch.n_requests, failed_batch, batch.rows)
+            finish(worker, batch, outputs, error, failed=failed)  # tensors, numpy arrays and RaggedOutputs

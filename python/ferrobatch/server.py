@@ -289,7 +289,6 @@ class Server:
         elif max_batch_elements is not None:
             raise ValueError("max_batch_elements applies to variable-length inputs (a shape starting with -1)")
         if self._variable:
-            self.isolate_failures = False  # a failed batch fails whole (see _variable)
             if rate:
                 raise ValueError("invariance_sample_rate is not supported with BYTES or variable-length tensors yet")
         # The fixed window, or the adaptive window's cap.
@@ -380,9 +379,11 @@ class Server:
 
     def _make_executor(self, i: int) -> CpuExecutor | CudaExecutor:
         if self._variable:  # called with a dict: it needs the lengths/offsets beside each input
-            return VariableExecutor(
+            variable = VariableExecutor(
                 self._models[i], self.devices[i], self.inputs, self._model_outputs, self.with_requests
             )
+            variable.isolate_failures = self.isolate_failures
+            return variable
         model = compile_model(self._models[i], self._compile)
         if not self.with_requests:  # a model given its requests takes the dict of inputs as it is
             model = adapt_model(model, self.inputs, self._model_outputs)
