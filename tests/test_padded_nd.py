@@ -258,3 +258,15 @@ def test_one_poisoned_request_fails_alone_and_each_part_is_padded_to_its_own() -
             assert torch.equal(out["y"], x * 10)
     for part in rec.batches:  # the parts that ran, each padded to its own longest
         assert part["shape"][1:] == tuple(max(column) for column in zip(*part["lengths"]))
+
+
+def test_warmup_runs_rows_of_one_element_along_each_variable_dimension() -> None:
+    rec = Recorder()
+
+    async def main() -> None:
+        async with make_grid(rec, max_batch_size=4, warmup=True):
+            pass
+
+    asyncio.run(main())
+    assert [b["shape"] for b in rec.batches] == [(1, 1, 1), (2, 1, 1), (4, 1, 1)]
+    assert all(b["lengths"] == [[1, 1]] * b["shape"][0] for b in rec.batches)

@@ -306,8 +306,8 @@ def test_bad_variable_length_requests_over_http_are_400(addresses: tuple[str, st
 def test_variable_length_models_refuse_what_they_cannot_do_yet() -> None:
     model = lambda d: {"n": d["tokens_lengths"]}  # noqa: E731
     out = fb.TensorSpec("n", "int64", ())
-    for options in ({"cuda_graphs": True}, {"compile": True}, {"warmup": True}):
-        with pytest.raises(ValueError, match="without cuda_graphs, compile or warm-up"):
+    for options in ({"cuda_graphs": True}, {"compile": True}, {"warmup": {"tokens": torch.ones(3)}}):
+        with pytest.raises(ValueError, match="without cuda_graphs, compile or warm-up samples"):
             fb.Server(model, inputs=[spec("pad")], outputs=[out], **options)
 
 
@@ -446,3 +446,28 @@ def test_isolated_variable_length_outputs_go_out_natively(mode: str) -> None:
         finally:
             client.close()
     assert len(rec.batches) > 1  # the first batch failed and was retried in parts
+
+
+@pytest.mark.parametrize("mode", ["pad", "jagged"])
+async def test_warmup_runs_every_bucket_with_rows_at_their_minimum_shape(mode: str) -> None:
+    rec = Recorder()
+    server = make_server(mode, rec, max_batch_size=8, warmup=True)
+    async with server:
+        warmed = list(rec.batches)
+        out = await server.client().infer({"tokens": torch.tensor([4, 5, 6])})
+    assert torch.equal(out["out"], torch.tensor([60, 50, 40]))
+    if mode == "pad":
+        assert [b["shape"] for b in warmed] == [(n, 1) for n in (1, 2, 4, 8)]
+        assert all(b["lengths"] == [1] * b["shape"][0] for b in warmed)
+    else:
+        assert [b["offsets"] for b in warmed] == [list(range(n + 1)) for n in (1, 2, 4, 8)]
+
+
+async def test_a_variable_length_model_failing_in_warmup_fails_start() -> None:
+    def model(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        raise RuntimeError("cannot start")
+
+    server = fb.Server(model, inputs=[spec("pad")], outputs=[fb.TensorSpec("total", "int64", ())], warmup=True)
+    with pytest.raises(fb.ModelError, match="failed during warm-up"):
+        await server.start()
+    assert not server.ready

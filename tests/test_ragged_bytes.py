@@ -348,3 +348,17 @@ def test_one_poisoned_request_fails_alone_in_process_and_natively(mode: str) -> 
                 assert p.get_result().as_numpy("out").tolist() == [shout(r)]
         finally:
             client.close()
+
+
+@pytest.mark.parametrize("mode", ["pad", "jagged"])
+def test_warmup_runs_rows_of_one_empty_element(mode: str) -> None:
+    rec = Recorder()
+
+    async def main() -> None:
+        async with make_server(mode, rec, max_batch_size=4, warmup=True):
+            pass
+
+    asyncio.run(main())
+    assert [b["shape"] for b in rec.batches] == ([(n, 1) for n in (1, 2, 4)] if mode == "pad" else [(1,), (2,), (4,)])
+    if mode == "pad":
+        assert all(b["text"].ravel().tolist() == [b""] * b["shape"][0] for b in rec.batches)

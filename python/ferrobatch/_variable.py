@@ -199,6 +199,32 @@ def slice_inputs(specs: Sequence[TensorSpec], inputs: Mapping[str, Any], start: 
     return part
 
 
+def minimum_inputs(specs: Sequence[TensorSpec], rows: int) -> dict[str, Any]:
+    """A batch of ``rows`` rows at the specs' minimum shapes, as
+    :func:`batch_inputs` would give it: each ``-1`` one element long, tensors
+    zero, BYTES empty. What warm-up runs a variable-length model with."""
+    inputs: dict[str, Any] = {}
+    for s in specs:
+        row = [1 if d == -1 else d for d in s.shape]
+
+        def zeros(shape: Sequence[int], spec: TensorSpec = s) -> Any:
+            if spec.is_bytes:
+                return np.full(tuple(shape), b"", dtype=object)
+            return torch.zeros(tuple(shape), dtype=spec.torch_dtype)
+
+        if s.ragged == "jagged":
+            inputs[s.name] = zeros((rows, *row[1:]))
+            inputs[s.name + OFFSETS] = torch.arange(rows + 1, dtype=torch.int64)
+        elif s.is_ragged:
+            inputs[s.name] = zeros((rows, *row))
+            k = len(s.variable_dims) if s.is_padded_nd else 1
+            lengths = torch.ones((rows, k) if k > 1 else (rows,), dtype=torch.int64)
+            inputs[s.name + LENGTHS] = lengths
+        else:
+            inputs[s.name] = zeros((rows, *row))
+    return inputs
+
+
 class RaggedOutput:
     """A batch's variable-length output, as the model returned it: padded
     ``values`` ``[B, L_max, ...]`` with each row's length, or jagged
@@ -561,12 +587,19 @@ class VariableExecutor(CpuExecutor):
         return self.model(inputs) if requests is None else self.model(inputs, requests)  # type: ignore[call-arg]
 
     def call(
-        self, inputs: Mapping[str, Any], rows: int, staging: frozenset[int], requests: list[RequestInfo] | None = None
+        self,
+        inputs: Mapping[str, Any],
+        rows: int,
+        staging: frozenset[int],
+        requests: list[RequestInfo] | None = None,
+        gated: bool = True,
     ) -> dict[str, Any]:
+        """The model on a batch's inputs, its outputs checked and on the CPU;
+        under the weight gate unless ``gated`` is False (warm-up holds it)."""
         if self.device.type != "cpu":  # the tensors go to the model's device; BYTES stay numpy arrays
             inputs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
         with inference_mode():
-            if self.gate is None:
+            if self.gate is None or not gated:
                 raw = self._call_model(dict(inputs), requests)
                 version = None
             else:
@@ -587,6 +620,14 @@ class VariableExecutor(CpuExecutor):
             ):
                 out.values = out.values.clone()
         return outputs
+
+    def warm_up_minimum(self, buckets: Sequence[int]) -> None:
+        """Runs each bucket size once with every row at its minimum shape
+        (:func:`minimum_inputs`), under the weight gate its caller holds;
+        raises what the model raised."""
+        for rows in buckets:
+            requests = [RequestInfo(1)] * rows if self.with_requests else None
+            self.call(minimum_inputs(self.inputs, rows), rows, frozenset(), requests, gated=False)
 
     def _call_part(
         self,

@@ -104,8 +104,11 @@ class Server:
             compiled during warm-up, so no request pays for compilation.
         warmup: ``None`` (default): warm up with zeros where it pays — CUDA
             instances, ``cuda_graphs``, ``compile`` — and not for plain CPU
-            models. ``True``: always with zeros. A dict ``{input: sample}``
-            (one sample, or ``n`` stacked): with those samples. ``False``:
+            models. ``True``: always with zeros (BYTES and variable-length
+            inputs: every row at its minimum shape, each ``-1`` one element,
+            BYTES empty). A dict ``{input: sample}`` (one sample, or ``n``
+            stacked; not for BYTES or variable-length models): with those
+            samples. ``False``:
             never (not allowed with ``cuda_graphs`` or ``compile``). Warm-up
             runs every bucket size once in ``start()``, which returns once it
             is done; a model error there fails ``start()`` with
@@ -357,10 +360,10 @@ class Server:
         """Resolves the instances and their devices, and checks the
         ``cuda_graphs`` / ``compile`` / ``warmup`` options."""
         self._models, self.devices = resolve_instances(self._models, device)
-        if self._variable and (cuda_graphs or compile is not False or warmup not in (None, False)):
+        if self._variable and (cuda_graphs or compile is not False or isinstance(warmup, Mapping)):
             raise ValueError(
                 f"model '{self.name}': BYTES and variable-length tensors run without cuda_graphs, compile or"
-                " warm-up, for now"
+                " warm-up samples (warmup=True warms them up at their minimum shapes), for now"
             )
         if warmup is False and (cuda_graphs or compile is not False):
             raise ValueError("cuda_graphs and compile need warm-up: warmup=False is not allowed with them")
@@ -426,15 +429,19 @@ class Server:
             executors.append(executor)
             warm = self._warmup is True or isinstance(self._warmup, Mapping)
             if self._warmup is None:
-                # A variable-length batch has no fixed shape to warm up with (see __init__).
-                warm = (device.type == "cuda" or self._compile is not False) and not self._variable
+                warm = device.type == "cuda" or self._compile is not False
             if not warm:
                 continue
-            if slot is None:
+            if slot is None and not isinstance(executor, VariableExecutor):
                 slot = dict(zip((s.name for s in self.inputs), allocate_slot(self.inputs, self.max_batch_size, pin)))
             try:
                 with gate:  # weight updates wait for warm-up
-                    why = executor.warm_up(self._warmup_batch, self.buckets, slot)
+                    if isinstance(executor, VariableExecutor):  # no staging: each row at its minimum shape
+                        executor.warm_up_minimum(self.buckets)
+                        why = None
+                    else:
+                        assert slot is not None
+                        why = executor.warm_up(self._warmup_batch, self.buckets, slot)
             except Exception as exc:
                 raise ModelError(
                     f"model '{self.name}' (instance {i} on {device}) failed during warm-up:"
