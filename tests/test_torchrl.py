@@ -455,8 +455,12 @@ def test_a_process_inference_server_serves_from_a_child_and_its_death_fails_its_
         pid = server._process.pid
         server._process.kill()
         server._process.join(10)
-        with pytest.raises(fb.ServerClosedError):
+        with pytest.raises(fb.ServerClosedError, match="peer closed") as closed:
             early(request())  # the pipe ends with the child: no hang
+        if _has_torchrl():  # also what TorchRL's own clients raise then
+            from torchrl._comm.mailbox import MailboxPeerClosedError
+
+            assert isinstance(closed.value, MailboxPeerClosedError)
     finally:
         server.shutdown(timeout=1.0)
     assert not server.is_alive and not server.health()["process_alive"]
@@ -480,3 +484,46 @@ def test_the_process_service_backend_runs_the_server_in_a_child() -> None:
     assert not server.is_alive
     with pytest.raises(ValueError, match="give policy_factory"):
         InferenceServer(policy(), service_backend="process")
+
+
+def _has_torchrl() -> bool:
+    try:
+        import torchrl  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_torchrls_scoped_backends_choose_what_arguments_leave_open() -> None:
+    pytest.importorskip("torchrl")
+    from torchrl import service_backend, transport_backend
+
+    with service_backend("thread"), transport_backend("direct"):
+        server = InferenceServer(policy(), num_clients=2)
+    with server:
+        assert (server.service_backend, server.transport_kind) == ("thread", "direct")
+        client = server.client()
+        assert client(request())["action"].shape == (2,)
+    with transport_backend("distributed"):
+        auto = InferenceServer(policy(), transport="auto")  # an explicit argument wins
+        assert auto.transport_kind == "thread"
+        auto.shutdown()
+        with pytest.raises(ValueError, match="enclosing torchrl.transport_backend context"):
+            InferenceServer(policy())
+    with service_backend("distributed"), pytest.raises(ValueError, match="enclosing torchrl.service_backend"):
+        InferenceServer(policy())
+    with pytest.raises(ValueError, match="requires num_clients"):
+        InferenceServer(policy(), transport="direct")
+
+
+def test_every_name_of_torchrls_inference_server_module_imports_from_here() -> None:
+    torchrl_inference = pytest.importorskip("torchrl.modules.inference_server")
+    import ferrobatch.torchrl as ours
+
+    for name in torchrl_inference.__all__:
+        assert hasattr(ours, name), name
+    # Configs and base classes are TorchRL's own; the server and the transports it owns are ferrobatch's.
+    assert ours.InferenceServerConfig is torchrl_inference.InferenceServerConfig
+    assert ours.InferenceServer is not torchrl_inference.InferenceServer
+    with pytest.raises(AttributeError):
+        _ = ours.NotAName

@@ -73,6 +73,34 @@ from .specs import TensorSpec, dtype_name, example_specs, nested_key
 
 __all__ = ["InferenceServer", "MPTransport", "ProcessInferenceServer", "ThreadingTransport"]
 
+#: The rest of ``torchrl.modules.inference_server``'s names, TorchRL's own
+#: (configs, the transport and client base classes, its other transports, which
+#: this InferenceServer serves through its pump): re-exported, so that a whole
+#: import block switches to ``ferrobatch.torchrl``.
+_FROM_TORCHRL = (
+    "InferenceClient",
+    "InferenceDeviceConfig",
+    "InferenceServerConfig",
+    "InferenceTransport",
+    "MonarchTransport",
+    "PolicyClientModule",
+    "ProcessSlotTransport",
+    "RayTransport",
+    "SharedMemoryTransport",
+    "SlotTransport",
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _FROM_TORCHRL:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        import torchrl.modules.inference_server as torchrl_inference
+    except ImportError as exc:
+        raise ImportError(f"ferrobatch.torchrl.{name} is TorchRL's own: pip install torchrl") from exc
+    return getattr(torchrl_inference, name)
+
+
 # The core's output carrying the version each row ran with (flat: no dot).
 _VERSION = "_ferrobatch_policy_version"
 
@@ -146,7 +174,7 @@ class InferenceServer:
         output_device: torch.device | str | None = None,
         request_spec: Any = None,
         policy_device: torch.device | str | None = None,
-        service_backend: str = "thread",
+        service_backend: str | None = None,
         num_clients: int | None = None,
         policy_factory: Callable[[], Any] | None = None,
         server_config: Any = None,
@@ -184,15 +212,33 @@ class InferenceServer:
             policy_device = device_config.policy_device
             resolve = getattr(device_config, "server_output_device", None)
             output_device = resolve() if callable(resolve) else device_config.output_device
+        # TorchRL's scoped defaults (`with torchrl.service_backend(...)`), below explicit arguments.
+        context_service, context_transport = _torchrl_context()
+        service_from_context = service_backend is None and server_config is None and context_service is not None
+        if service_backend is None:
+            configured = getattr(server_config, "service_backend", None)
+            service_backend = configured or context_service or "thread"
+        transport_from_context = transport is None and context_transport is not None
+        if transport is None:
+            transport = context_transport
         if isinstance(transport, str) or transport is None:
             kind = transport or "auto"
             allowed = _ALLOWED_TRANSPORTS.get(service_backend)
             if allowed is None:
                 raise ValueError(
-                    f"service_backend must be one of {sorted(_ALLOWED_TRANSPORTS)}, got {service_backend!r}"
+                    _from_context(
+                        f"service_backend must be one of {sorted(_ALLOWED_TRANSPORTS)}, got {service_backend!r}",
+                        service=service_from_context,
+                    )
                 )
             if kind not in allowed:
-                raise ValueError(f"transport={kind!r} is incompatible with service_backend={service_backend!r}.")
+                raise ValueError(
+                    _from_context(
+                        f"transport={kind!r} is incompatible with service_backend={service_backend!r}.",
+                        service=service_from_context,
+                        transport=transport_from_context,
+                    )
+                )
             if service_backend == "process" and kind in ("auto", "process"):
                 # TorchRL's process-owned server: a ProcessInferenceServer, fed by pipes.
                 if policy_factory is None or model is not None:
@@ -218,7 +264,14 @@ class InferenceServer:
                     f" 'process' (transport 'auto'/'process'), got service_backend={service_backend!r},"
                     f" transport={kind!r}"
                 )
-            transport = ThreadingTransport()
+            if kind == "direct":  # TorchRL's slot transport: one slot per client, served through the pump
+                if num_clients is None:
+                    raise ValueError("transport='direct' requires num_clients.")
+                from torchrl.modules.inference_server import SlotTransport
+
+                transport = SlotTransport(num_clients)
+            else:
+                transport = ThreadingTransport()
         if policy_device is not None:
             if device is not None and torch.device(device) != torch.device(policy_device):
                 raise ValueError(f"device={device!r} and policy_device={policy_device!r} disagree")
@@ -249,6 +302,8 @@ class InferenceServer:
             if isinstance(transport, ThreadingTransport)
             else "mp"
             if isinstance(transport, MPTransport)
+            else "direct"
+            if type(getattr(transport, "inner", None)).__name__ == "SlotTransport"
             else "custom"
         )
         self.max_batch_size = max_batch_size
@@ -624,6 +679,25 @@ def _complete(td: Any, pairs: Sequence[tuple[NestedKey, torch.Tensor]]) -> Any:
     for key, value in pairs:
         result.set(key, value)
     return result
+
+
+def _torchrl_context() -> tuple[str | None, str | None]:
+    """The service and transport backends that an enclosing
+    ``torchrl.service_backend(...)`` / ``torchrl.transport_backend(...)``
+    context selects (TorchRL's scoped defaults), or ``None``s without TorchRL."""
+    try:
+        from torchrl._comm.backends import _get_service_backend, _get_transport_backend
+    except ImportError:
+        return None, None
+    return _get_service_backend(), _get_transport_backend()
+
+
+def _from_context(message: str, service: bool = False, transport: bool = False) -> str:
+    """``message``, naming the TorchRL context that chose the failing setting."""
+    contexts = [name for name, chose in (("service_backend", service), ("transport_backend", transport)) if chose]
+    if not contexts:
+        return message
+    return f"{message} (selected by an enclosing {' and '.join(f'torchrl.{c}' for c in contexts)} context.)"
 
 
 #: TorchRL's transports by service backend (which pairs it accepts), and those served here.
@@ -1028,7 +1102,7 @@ class MPClient:
                     del self._pending[rid]
                     error = exc
                     if isinstance(exc, (OSError, ValueError)):  # the connection is closed
-                        error = ServerClosedError(f"the inference server went away ({exc})")
+                        error = _server_went_away(str(exc))
         if error is not None:
             future.set_exception(error)
         return future
@@ -1042,7 +1116,7 @@ class MPClient:
                 try:
                     rid, ok, blob = self._conn.recv()
                 except (EOFError, OSError):
-                    raise ServerClosedError("the inference server went away") from None
+                    raise _server_went_away() from None
                 with self._lock:
                     entry = self._pending.pop(rid, None)
                 if entry is not None:
@@ -1225,9 +1299,30 @@ def _serve_in_child(factory: Callable[[], Any], conns: list[Any], kwargs: dict[s
 
 def _closed_again(error: ServerClosedError) -> ServerClosedError:
     """A fresh copy of ``error`` (each Future raises its own)."""
-    again = ServerClosedError(str(error))
+    again = type(error)(str(error))
     again.__cause__ = error.__cause__
     return again
+
+
+_peer_closed_class: list[type[ServerClosedError]] = []
+
+
+def _server_went_away(detail: str = "") -> ServerClosedError:
+    """The error of a request whose server process went away: a
+    :class:`ServerClosedError` that is also TorchRL's
+    ``MailboxPeerClosedError`` where TorchRL is installed (what its own
+    clients raise then), so code written against either catches it."""
+    if not _peer_closed_class:
+        bases: tuple[type, ...] = (ServerClosedError,)
+        try:
+            from torchrl._comm.mailbox import MailboxPeerClosedError
+        except ImportError:
+            pass
+        else:
+            bases = (ServerClosedError, MailboxPeerClosedError)
+        _peer_closed_class.append(type("PeerClosedError", bases, {"__module__": __name__}))
+    message = "the inference server went away (peer closed)" + (f": {detail}" if detail else "")
+    return _peer_closed_class[0](message)
 
 
 def _answer(future: concurrent.futures.Future[Any], td: Any, ok: bool, blob: bytes) -> None:
