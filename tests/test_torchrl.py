@@ -508,9 +508,9 @@ def test_torchrls_scoped_backends_choose_what_arguments_leave_open() -> None:
         auto = InferenceServer(policy(), transport="auto")  # an explicit argument wins
         assert auto.transport_kind == "thread"
         auto.shutdown()
-        with pytest.raises(ValueError, match="enclosing torchrl.transport_backend context"):
+        with pytest.raises(ValueError, match=r"enclosing torchrl\.transport_backend context"):
             InferenceServer(policy())
-    with service_backend("distributed"), pytest.raises(ValueError, match="enclosing torchrl.service_backend"):
+    with service_backend("distributed"), pytest.raises(ValueError, match=r"enclosing torchrl\.service_backend"):
         InferenceServer(policy())
     with pytest.raises(ValueError, match="requires num_clients"):
         InferenceServer(policy(), transport="direct")
