@@ -72,3 +72,53 @@ async def test_metrics_count_the_checks() -> None:
         text = exposition(TritonCollector([server])).decode()
     assert f'ferrobatch_invariance_checks{{model="model",version="1"}} {stats["invariance_checks"]}' in text
     assert "# TYPE ferrobatch_invariance_mismatches counter" in text
+
+
+TOKENS = fb.TensorSpec("tokens", "float32", (-1,), ragged="pad")
+TOTAL = fb.TensorSpec("total", "float32", ())
+OUT = fb.TensorSpec("out", "float32", (-1,), ragged="pad")
+
+
+def padded_row_wise(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    tokens, lengths = inputs["tokens"], inputs["tokens_lengths"]
+    mask = torch.arange(tokens.shape[1])[None, :] < lengths[:, None]
+    return {"total": (tokens * mask).sum(1), "out": tokens * 2, "out_lengths": lengths}
+
+
+def padded_batch_dependent(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    tokens = inputs["tokens"]  # sums the padding too: a row's result depends on the batch's longest row
+    return {"total": tokens.sum(1), "out": tokens * 2, "out_lengths": inputs["tokens_lengths"]}
+
+
+def bytes_row_wise(inputs: dict[str, object]) -> dict[str, object]:
+    return {"echo": inputs["text"]}
+
+
+async def test_variable_length_and_bytes_models_are_sampled_too() -> None:
+    def server(model: object) -> fb.Server:
+        return fb.Server(
+            model,  # type: ignore[arg-type]
+            inputs=[fb.TensorSpec("tokens", "float32", (-1,), ragged="pad", pad_value=1.0)],
+            outputs=[TOTAL, OUT],
+            max_delay=0.005,
+            invariance_sample_rate=1.0,
+        )
+
+    text = fb.TensorSpec("text", "bytes", (1,))
+    echo = fb.Server(
+        bytes_row_wise,  # type: ignore[arg-type]
+        inputs=[text],
+        outputs=[fb.TensorSpec("echo", "bytes", (1,))],
+        max_delay=0.005,
+        invariance_sample_rate=1.0,
+    )
+    caught, clean = server(padded_batch_dependent), server(padded_row_wise)
+    async with caught, clean, echo:
+        for s in (caught, clean):
+            client = s.client()
+            await asyncio.gather(*(client.infer({"tokens": torch.ones(1 + i % 7)}) for i in range(300)))
+        await asyncio.gather(*(echo.client().infer({"text": [b"w%d" % i]}) for i in range(300)))
+        bad, good, words = await _settled(caught), await _settled(clean), await _settled(echo)
+    assert bad["invariance_checks"] > 0 and bad["invariance_mismatches"] > 0, bad
+    assert good["invariance_checks"] > 0 and good["invariance_mismatches"] == 0, good
+    assert words["invariance_checks"] > 0 and words["invariance_mismatches"] == 0, words

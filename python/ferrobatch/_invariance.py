@@ -20,7 +20,9 @@ import random
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 log = logging.getLogger("ferrobatch")
@@ -71,10 +73,33 @@ def compare(batched: torch.Tensor, alone: torch.Tensor, rtol: float | None, atol
     return max_abs, ratio
 
 
+def row_value(value: Any, row: int) -> Any:
+    """Row ``row`` of a batch output: of a tensor or a numpy (BYTES) array,
+    or, of a variable-length output, the row at its own length."""
+    if hasattr(value, "request_rows"):
+        return value.request_rows(row, 1, False)
+    return value[row]
+
+
+def _owned(value: Any) -> Any:
+    """``value`` copied out of whatever buffer it views."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    return np.array(value, dtype=object, copy=True) if isinstance(value, np.ndarray) else value
+
+
+def _differs(batched: Any, alone: Any) -> bool:
+    if isinstance(batched, torch.Tensor) and isinstance(alone, torch.Tensor):
+        return compare(batched, alone, None, None)[1] > 1
+    # BYTES: the elements must be equal.
+    a, b = np.asarray(batched, dtype=object), np.asarray(alone, dtype=object)
+    return a.shape != b.shape or a.tolist() != b.tolist()
+
+
 @dataclass(frozen=True, slots=True)
 class _Sample:
-    inputs: Outputs  # one row of each input, without the batch dimension
-    outputs: Outputs  # the same row of each output, as the batch computed it
+    inputs: dict[str, Any]  # one row, as a batch of one (what run_alone takes)
+    outputs: dict[str, Any]  # the same row of each output, as the batch computed it (see row_value)
     version: int  # the weights' version the batch ran with
 
 
@@ -83,7 +108,8 @@ class InvarianceSampler:
     the ones whose result differed from their batch's (see the module docs).
 
     ``run_alone(inputs)`` runs the model on a batch of one row (``{name:
-    tensor [1, ...]}``) and returns its outputs; ``version()`` reads the
+    tensor [1, ...]}``, or what a variable-length model takes) and returns
+    its outputs; ``version()`` reads the
     weights' version. ``checks``, ``mismatches`` and ``dropped`` are written
     by this sampler's thread or the worker's only, and read by ``stats()``.
     """
@@ -91,7 +117,7 @@ class InvarianceSampler:
     def __init__(
         self,
         rate: float,
-        run_alone: Callable[[Outputs], Outputs],
+        run_alone: Callable[[dict[str, Any]], Mapping[str, Any]],
         version: Callable[[], int],
         *,
         capacity: int = 64,
@@ -112,12 +138,21 @@ class InvarianceSampler:
         """After a successful batch of ``rows`` rows (worker thread, the slot
         still held): with probability ``rows * rate`` (at most 1), one of its
         rows is copied out to be checked. Cheap when not sampled."""
+        self.offer_row(rows, lambda row: ({name: t[row : row + 1] for name, t in slot.items()}, outputs))
+
+    def offer_row(
+        self, rows: int, inputs_and_outputs: Callable[[int], tuple[Mapping[str, Any], Mapping[str, Any]]]
+    ) -> None:
+        """As :meth:`offer`, for any model: ``inputs_and_outputs(row)`` gives
+        row ``row`` as a batch of one (views are fine: they are copied here)
+        and the batch's outputs."""
         if rows < 2 or self._random.random() >= rows * self.rate:
             return
         row = self._random.randrange(rows)
+        inputs, outputs = inputs_and_outputs(row)
         sample = _Sample(
-            {name: t[row].clone() for name, t in slot.items()},
-            {name: t[row].clone() for name, t in outputs.items()},
+            {name: _owned(value) for name, value in inputs.items()},
+            {name: _owned(row_value(value, row)) for name, value in outputs.items()},
             self._version(),
         )
         try:
@@ -143,15 +178,13 @@ class InvarianceSampler:
     def _check(self, sample: _Sample) -> None:
         before = self._version()
         with torch.inference_mode():
-            alone = self._run_alone({name: t[None] for name, t in sample.inputs.items()})
+            alone = self._run_alone(dict(sample.inputs))
         if not before == self._version() == sample.version:
             return  # the weights changed meanwhile: nothing to compare
         differed = False
         for name, batched in sample.outputs.items():
-            if name not in alone:
-                continue
-            _, ratio = compare(batched, alone[name][0], None, None)
-            differed |= ratio > 1
+            if name in alone:
+                differed |= _differs(batched, row_value(alone[name], 0))
         self.checks += 1
         self.mismatches += differed
 

@@ -561,6 +561,14 @@ def merge_parts(
     return merged
 
 
+def _row_of(
+    specs: Sequence[TensorSpec], inputs: Mapping[str, Any], outputs: Mapping[str, Any], row: int
+) -> tuple[dict[str, Any], Mapping[str, Any]]:
+    """Row ``row`` of a batch as a batch of one, and the batch's outputs
+    (what the invariance sampler copies a sampled row from)."""
+    return slice_inputs(specs, inputs, row, 1), outputs
+
+
 class VariableExecutor(CpuExecutor):
     """Runs a model with BYTES or variable-length tensors: each batch's
     inputs are built from its slot (:func:`batch_inputs`), its tensors moved
@@ -621,6 +629,11 @@ class VariableExecutor(CpuExecutor):
                 out.values = out.values.clone()
         return outputs
 
+    def run_alone(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        """The model on one row (a batch of one, as :func:`slice_inputs`
+        cuts it), outside the weight gate: the invariance sampler's re-run."""
+        return self.call(inputs, 1, frozenset(), [RequestInfo(1)] if self.with_requests else None, gated=False)
+
     def warm_up_minimum(self, buckets: Sequence[int]) -> None:
         """Runs each bucket size once with every row at its minimum shape
         (:func:`minimum_inputs`), under the weight gate its caller holds;
@@ -674,6 +687,9 @@ class VariableExecutor(CpuExecutor):
                         outputs, error, failed = merged, None, isolated.failed
                     except BaseException as exc:  # noqa: BLE001 - parts that cannot be merged: all fail
                         outputs, error = None, exc
+            if self.sampler is not None and inputs is not None and outputs is not None and not failed_batch:
+                sample = functools.partial(_row_of, self.inputs, inputs, outputs)
+                self.sampler.offer_row(batch.rows, sample)  # copies the row before the slot goes
             batch.release_slot()  # outputs never alias the slot
             counters.add(perf_counter_ns() - started, batch.n_requests, failed_batch, batch.rows)
             finish(worker, batch, outputs, error, failed=failed)  # tensors, numpy arrays and RaggedOutputs

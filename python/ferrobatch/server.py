@@ -291,9 +291,6 @@ class Server:
             self.max_batch_elements = max_batch_elements or max_batch_size * DEFAULT_ELEMENTS_PER_ROW
         elif max_batch_elements is not None:
             raise ValueError("max_batch_elements applies to variable-length inputs (a shape starting with -1)")
-        if self._variable:
-            if rate:
-                raise ValueError("invariance_sample_rate is not supported with BYTES or variable-length tensors yet")
         # The fixed window, or the adaptive window's cap.
         self.max_delay = float(max_delay)
         self.min_batch_size = min_batch_size
@@ -386,6 +383,12 @@ class Server:
                 self._models[i], self.devices[i], self.inputs, self._model_outputs, self.with_requests
             )
             variable.isolate_failures = self.isolate_failures
+            if self.invariance_sample_rate > 0:
+                version = self._weights
+                variable.sampler = InvarianceSampler(
+                    self.invariance_sample_rate, variable.run_alone, lambda: version.version
+                )
+                self._samplers.append(variable.sampler)
             return variable
         model = compile_model(self._models[i], self._compile)
         if not self.with_requests:  # a model given its requests takes the dict of inputs as it is
