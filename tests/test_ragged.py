@@ -39,7 +39,7 @@ def padded_model(rec: Recorder) -> Any:
     def model(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         tokens, lengths = batch["tokens"], batch["tokens_lengths"]
         rec.batches.append({"shape": tuple(tokens.shape), "lengths": lengths.tolist(), "tokens": tokens.clone()})
-        mask = torch.arange(tokens.shape[1])[None, :] < lengths[:, None]
+        mask = torch.arange(tokens.shape[1], device=tokens.device)[None, :] < lengths[:, None]
         # Each row reversed within its own length (so a caller's result
         # depends on its length being right), padded with garbage past it.
         out = torch.full_like(tokens, 999)
@@ -332,9 +332,11 @@ async def test_a_variable_length_model_runs_on_cuda(mode: str) -> None:
         model, inputs=[spec(mode)], outputs=[fb.TensorSpec("total", "int64", ())], device="cuda", max_delay=0.01
     )
     async with server:
+        warmed = len(seen)  # on a GPU, warm-up is the default: rows at their minimum shape
         client = server.client()
         rows = [torch.arange(n, dtype=torch.int64) for n in (1, 5, 3, 8)]
         results = await asyncio.gather(*(client.infer({"tokens": r}) for r in rows))
+    assert warmed == len(server.buckets)
     assert all(d.type == "cuda" for d in seen)
     assert [int(r["total"]) for r in results] == [int(r.sum()) for r in rows]
 
@@ -471,3 +473,18 @@ async def test_a_variable_length_model_failing_in_warmup_fails_start() -> None:
     with pytest.raises(fb.ModelError, match="failed during warm-up"):
         await server.start()
     assert not server.ready
+
+
+@pytest.mark.gpu
+async def test_a_poisoned_variable_length_request_fails_alone_on_cuda() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    rec = Recorder()
+    xs = [sample(n, i) for i, n in enumerate(LENGTHS)]
+    xs[3] = torch.tensor([POISON])
+    async with poisoned_server("pad", rec, device="cuda") as server:
+        results = await asyncio.gather(*(server.client().infer({"tokens": x}) for x in xs), return_exceptions=True)
+    assert [i for i, r in enumerate(results) if isinstance(r, BaseException)] == [3]
+    for i, (x, out) in enumerate(zip(xs, results)):
+        if i != 3:
+            check_result(x, out)
