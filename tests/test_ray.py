@@ -455,3 +455,55 @@ def test_an_application_deleted_under_load_answers_what_its_replica_accepted(slo
     time.sleep(0.1)
     serve.delete("slow")
     assert [r.result(timeout_s=30)["y"][0] for r in responses] == [0.0, 2.0, 4.0, 6.0]
+
+
+def optional_offset(batch: dict[str, torch.Tensor], requests: list[fb.RequestInfo]) -> dict[str, torch.Tensor]:
+    """y = 2x + w; per row, whether its request left w out (as the replica saw it)."""
+    absent = [int("w" in r.absent) for r in requests for _ in range(r.rows)]
+    return {"y": batch["x"] * 2 + batch["w"], "absent": torch.tensor(absent, dtype=torch.int64)}
+
+
+def make_optional() -> fb.Server:
+    return fb.Server(
+        optional_offset,
+        inputs=[X, fb.TensorSpec("w", "float32", (4,), optional=True)],
+        outputs=[Y, fb.TensorSpec("absent", "int64", ())],
+        max_batch_size=8,
+        max_delay=0.005,
+        with_requests=True,
+        name="optional",
+    )
+
+
+def one_sample(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if inputs["x"].shape != (1, 4):  # in process, a batching=False model sees one request, one row
+        raise ValueError(f"a batching=False model got {tuple(inputs['x'].shape)}")
+    return {"y": inputs["x"] + 1}
+
+
+def make_unbatched() -> fb.Server:
+    return fb.Server(one_sample, inputs=[X], outputs=[Y], batching=False, name="unbatched")
+
+
+async def test_the_client_carries_optional_inputs_and_models_without_batching(cluster: int) -> None:
+    optional = serve.run(
+        fray.deployment(make_optional, name="optional", ray_actor_options=NO_CPU),
+        name="optional",
+        route_prefix="/optional",
+    )
+    unbatched = serve.run(
+        fray.deployment(make_unbatched, name="unbatched", ray_actor_options=NO_CPU),
+        name="unbatched",
+        route_prefix="/unbatched",
+    )
+    async with fray.client(optional, max_delay=0.02) as client:
+        outs = await asyncio.gather(
+            *(client.infer({"x": row(i), **({"w": row(10)} if i % 2 else {})}) for i in range(6))
+        )
+    for i, out in enumerate(outs):
+        assert out["y"].tolist() == [2.0 * i + (10 if i % 2 else 0)] * 4, i
+        assert int(out["absent"]) == (0 if i % 2 else 1), i  # the replica saw w left out, not zeros given
+    async with fray.client(unbatched) as client:
+        assert not client.description["batching"]
+        outs = await asyncio.gather(*(client.infer({"x": row(i)}) for i in range(3)))
+    assert [out["y"].tolist() for out in outs] == [[i + 1.0] * 4 for i in range(3)]

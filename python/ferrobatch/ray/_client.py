@@ -44,29 +44,32 @@ class _Forward:
         self._stackable = not any(s.is_ragged for s in (*self._inputs, *self._outputs))
 
     def __call__(self, batch: Mapping[str, Any], requests: Sequence[RequestInfo]) -> dict[str, Any]:
-        spans: list[tuple[int, int, int | None, dict[str, Any] | None]] = []  # start, rows, priority, parameters
+        # start, rows, priority, parameters, the optional inputs the request left out
+        spans: list[tuple[int, int, int | None, dict[str, Any] | None, frozenset[str]]] = []
         start = 0
         for request in requests:
             priority = request.priority if self._with_priority else None
             parameters = dict(request.parameters) or None
             last = spans[-1] if spans else None
-            if self._stackable and parameters is None and last is not None and last[2:] == (priority, None):
-                spans[-1] = (last[0], last[1] + request.rows, priority, None)
+            if (
+                self._stackable
+                and parameters is None
+                and last is not None
+                and last[2:] == (priority, None, request.absent)
+            ):
+                spans[-1] = (last[0], last[1] + request.rows, priority, None, request.absent)
             else:
-                spans.append((start, request.rows, priority, parameters))
+                spans.append((start, request.rows, priority, parameters, request.absent))
             start += request.rows
         items = [
-            (to_wire({s.name: _rows_of(s, batch, first, rows) for s in self._inputs}), priority, parameters)
-            for first, rows, priority, parameters in spans
+            (
+                to_wire({s.name: _rows_of(s, batch, first, rows) for s in self._inputs if s.name not in absent}),
+                priority,
+                parameters,
+            )
+            for first, rows, priority, parameters, absent in spans
         ]
-        # The items view the local staging slot: it is not reused before this
-        # returns, after Ray has sent them.
-        response = self._call.remote(items)
-        try:
-            replies: list[tuple[bool, Any]] = response.result(timeout_s=self._timeout)
-        except BaseException:
-            response.cancel()
-            raise
+        replies = self._send(items)
         failed = [reply for ok, reply in replies if not ok]
         if failed:
             raise failed[0]  # with isolate_failures, the halves find whose it is
@@ -75,6 +78,18 @@ class _Forward:
         for spec in self._outputs:
             laid_out.update(_batch_of(spec, [reply[spec.name] for _, reply in replies], rows))
         return laid_out
+
+    def _send(self, items: list[tuple[dict[str, Any], int | None, dict[str, Any] | None]]) -> list[tuple[bool, Any]]:
+        """One handle call carrying ``items``; the replica's answer to each."""
+        # The items view the local staging slot: it is not reused before this
+        # returns, after Ray has sent them.
+        response = self._call.remote(items)
+        try:
+            replies: list[tuple[bool, Any]] = response.result(timeout_s=self._timeout)
+        except BaseException:
+            response.cancel()
+            raise
+        return replies
 
 
 def _rows_of(spec: TensorSpec, batch: Mapping[str, Any], start: int, rows: int) -> Any:
@@ -236,6 +251,7 @@ class RayClient:
                 isolate_failures=self._isolate_failures,
                 warmup=False,
                 with_requests=True,
+                batching=bool(description.get("batching", True)),
             )
             portal_cm = anyio.from_thread.start_blocking_portal()
             portal = portal_cm.__enter__()

@@ -145,6 +145,7 @@ class FerrobatchReplica:
             "inputs": list(server.inputs),
             "outputs": list(server.outputs),
             "max_batch_size": server.max_batch_size,
+            "batching": server.batching,
             "max_batch_elements": server.max_batch_elements,
             "priority_levels": server.priority_levels,
             "default_priority": server.default_priority,
