@@ -150,6 +150,27 @@ def test_no_version_key_stamps_nothing_and_collate_fn_is_honoured() -> None:
     assert seen and all(n >= 1 for n in seen)
 
 
+def test_collate_fn_sees_each_request_whole_and_its_failure_is_that_requests() -> None:
+    seen: list[set[str]] = []
+
+    def fragile(items: list[TensorDict]) -> TensorDict:
+        seen.extend(set(item.keys()) for item in items)
+        if any("poison" in item.keys() for item in items):
+            raise ValueError("cannot collate a poisoned batch")
+        return torch.stack(items)
+
+    transport = ThreadingTransport()
+    with InferenceServer(policy(), transport, max_batch_size=1, collate_fn=fragile) as server:
+        client = transport.client()
+        bad = TensorDict({"observation": torch.ones(4), "poison": torch.ones(1)})
+        with pytest.raises(ValueError, match="poisoned"):
+            client(bad)  # the first request: its keys fix what travels
+        assert client(request())["action"].shape == (2,)  # one without the extra key
+        assert server.is_alive
+    assert seen[0] == {"observation", "poison"}
+    assert seen[-1] == {"observation"}  # collated without what it did not carry
+
+
 class FakeScheme:
     """The receiver side of a torchrl.weight_update scheme: receive() applies
     what the trainer sent (here: a number added to the bias) and returns it."""

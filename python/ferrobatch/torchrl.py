@@ -326,6 +326,7 @@ class InferenceServer:
         self._core: Server | None = None
         self._client: Client | None = None
         self._in_names: tuple[str, ...] = ()
+        self._extra_names: tuple[str, ...] = ()  # the other keys collate_fn sees (optional inputs)
         self._out_keys: list[tuple[str, NestedKey]] = []
         self._build_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -577,27 +578,40 @@ class InferenceServer:
         if self.policy_version_key is not None:
             leaves.pop(_name(self.policy_version_key), None)
         in_keys = getattr(self.model, "in_keys", None)
+        extras: dict[str, torch.Tensor] = {}
         if in_keys is not None:
             wanted = {_name(k) for k in in_keys}
+            extras = {k: v for k, v in leaves.items() if k not in wanted}
             leaves = {k: v for k, v in leaves.items() if k in wanted}
         if not leaves:
             raise ValueError("the request carries none of the model's inputs")
         inputs = [TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in leaves.items()]
-        in_keys_nested = [(s.name, nested_key(s.name)) for s in inputs]
+        model_keys = [(s.name, nested_key(s.name)) for s in inputs]
         model, collate_fn, device = self.model, self.collate_fn, self.device
+        if collate_fn is not None and len(inputs) + len(extras) <= 64:
+            # collate_fn sees each request whole, as TorchRL gives it: the first
+            # request's other keys travel too, each optional (a request without
+            # it is collated without it).
+            inputs += [TensorSpec(n, dtype_name(t.dtype), tuple(t.shape), optional=True) for n, t in extras.items()]
+        all_keys = [(s.name, nested_key(s.name)) for s in inputs]
         # As TorchRL stacks requests: the first request's batch dims follow the batch's.
         dims = tuple(getattr(example, "batch_size", ()))
 
-        def call(batch: dict[str, torch.Tensor], collate: bool = True) -> Any:
+        def call(batch: dict[str, torch.Tensor], requests: Sequence[RequestInfo] = ()) -> Any:
             rows = next(iter(batch.values())).shape[0]
-            td = TensorDict({key: batch[name] for name, key in in_keys_nested}, batch_size=[rows, *dims], device=device)
-            if collate_fn is not None and collate:
-                td = collate_fn(list(td.unbind(0)))
-            return model(td)
+            if collate_fn is None or not requests:  # no collate_fn, or the spec probe: the model's keys only
+                td = TensorDict({key: batch[name] for name, key in model_keys}, batch_size=[rows, *dims], device=device)
+                return model(td)
+            whole = TensorDict({key: batch[name] for name, key in all_keys}, batch_size=[rows, *dims], device=device)
+            items = list(whole.unbind(0))
+            for item, request in zip(items, requests):  # one row per request
+                for name in request.absent:
+                    del item[nested_key(name)]
+            return model(collate_fn(items))
 
         sample = {name: t.detach().unsqueeze(0).to(device or "cpu") for name, t in leaves.items()}
         with torch.inference_mode():
-            raw = call(sample, collate=False)  # the outputs' specs; collate_fn sees requests only
+            raw = call(sample)  # the outputs' specs; collate_fn sees requests only
         outputs = example_specs(_tensor_leaves(raw), exclude=set(leaves))
         out_keys = [(s.name, nested_key(s.name)) for s in outputs]
 
@@ -606,7 +620,7 @@ class InferenceServer:
         def run(batch: dict[str, torch.Tensor], requests: Sequence[RequestInfo]) -> dict[str, torch.Tensor]:
             queue_ms.extend(r.queued_ns / 1e6 for r in requests)
             began = time.perf_counter_ns()
-            result = call(batch)
+            result = call(batch, requests)
             outputs = {name: result.get(key) for name, key in out_keys}
             forward_ms.append((time.perf_counter_ns() - began) / 1e6)
             return outputs
@@ -626,24 +640,30 @@ class InferenceServer:
             with_requests=True,  # for each request's wait (stats' queue percentiles)
         )
         self._in_names = tuple(leaves)
+        self._extra_names = tuple(s.name for s in inputs[len(leaves) :])
         self._out_keys = out_keys
         return core
 
-    def _submit(self, td: Any) -> concurrent.futures.Future[dict[str, torch.Tensor]]:
-        client = self._client or self._ensure_core(td)
+    def _flat(self, td: Any) -> dict[str, Any]:
+        """A request's tensors the core takes: the model's inputs, and the
+        other keys collate_fn sees that this request has."""
         try:
             flat = {name: td.get(nested_key(name)) for name in self._in_names}
         except KeyError as exc:
             raise ValueError(f"the request lacks the model's input {exc}") from None
-        return client._submit_threadsafe(flat)
+        for name in self._extra_names:
+            value = td.get(nested_key(name), None)
+            if value is not None:
+                flat[name] = value
+        return flat
+
+    def _submit(self, td: Any) -> concurrent.futures.Future[dict[str, torch.Tensor]]:
+        client = self._client or self._ensure_core(td)
+        return client._submit_threadsafe(self._flat(td))
 
     def _infer_blocking(self, td: Any) -> dict[str, torch.Tensor]:
         client = self._client or self._ensure_core(td)
-        try:
-            flat = {name: td.get(nested_key(name)) for name in self._in_names}
-        except KeyError as exc:
-            raise ValueError(f"the request lacks the model's input {exc}") from None
-        return client._submitter.infer_blocking(flat, None, False)
+        return client._submitter.infer_blocking(self._flat(td), None, False)
 
     def _result_pairs(
         self, outputs: dict[str, torch.Tensor], batch_size: Sequence[int] = ()
