@@ -8,6 +8,7 @@ from __future__ import annotations
 import inspect
 import multiprocessing
 import os
+import sys
 import threading
 from concurrent.futures import Future
 from typing import Any
@@ -535,6 +536,10 @@ def test_torchrls_scoped_backends_choose_what_arguments_leave_open() -> None:
         InferenceServer(policy())
     with pytest.raises(ValueError, match="requires num_clients"):
         InferenceServer(policy(), transport="direct")
+    with pytest.raises(ValueError, match="explicit transport instance"):
+        InferenceServer(policy(), ThreadingTransport(), transport_options={"num_slots": 2})
+    with pytest.raises(ValueError, match="transport_options are for service_backend='thread'"):
+        InferenceServer(policy_factory=policy, service_backend="process", transport_options={"num_slots": 2})
 
 
 def test_every_name_of_torchrls_inference_server_module_imports_from_here() -> None:
@@ -548,3 +553,42 @@ def test_every_name_of_torchrls_inference_server_module_imports_from_here() -> N
     assert ours.InferenceServer is not torchrl_inference.InferenceServer
     with pytest.raises(AttributeError):
         _ = ours.NotAName
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(180)
+def test_the_ray_service_backend_serves_from_a_ray_actor_and_batches_its_clients() -> None:
+    ray = pytest.importorskip("ray")
+    # The policy factory is this module's: it travels to the actor by value.
+    pytest.importorskip("ray.cloudpickle").register_pickle_by_value(sys.modules[__name__])
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(num_cpus=2, include_dashboard=False, address="local", log_to_driver=False, configure_logging=False)
+    try:
+        server = InferenceServer(
+            policy_factory=policy,
+            service_backend="ray",
+            service_backend_options={"remote_config": {"num_cpus": 0}},
+            max_batch_size=8,
+            min_batch_size=4,
+            timeout=0.05,
+        )
+        try:
+            assert (server.service_backend, server.transport_kind) == ("ray", "ray")
+            first, second = server.clients(2)
+            assert first is not second and not hasattr(first, "shutdown")
+            futures = [c.submit(request(float(i))) for i, c in enumerate([first, second] * 4)]
+            results = [f.result(timeout=60) for f in futures]
+            expected = policy()
+            for i, result in enumerate(results):
+                torch.testing.assert_close(result["action"], expected(request(float(i)))["action"])
+            stats = server.stats()
+            assert stats["requests"] == 8 and stats["batches"] < 8  # the actor batched them
+            with pytest.raises(RuntimeError, match="Ray actor"):
+                server.update_model(lambda m: None)
+        finally:
+            server.shutdown()
+        assert not server.is_alive and ray.is_initialized()  # Ray is not the server's to stop
+    finally:
+        if started_here:
+            ray.shutdown()

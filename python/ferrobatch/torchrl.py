@@ -155,6 +155,13 @@ class InferenceServer:
         output_device: results are moved there (default: CPU).
         request_spec: one request, to fix the specs at ``start()`` instead of
             at the first request.
+        service_backend: where the policy runs: ``"thread"`` (here, the
+            default, or what an enclosing ``torchrl.service_backend(...)``
+            says), ``"process"`` (a :class:`ProcessInferenceServer` child) or
+            ``"ray"`` (a Ray actor, started at once; ``policy_factory`` builds
+            the policy there, ``service_backend_options={"remote_config":
+            {...}}`` gives the actor's options, clients call it through Ray
+            and their calls batch on the actor).
     """
 
     def __init__(
@@ -180,8 +187,10 @@ class InferenceServer:
         server_config: Any = None,
         device_config: Any = None,
         service_backend_options: Mapping[str, Any] | None = None,
+        transport_options: Mapping[str, Any] | None = None,
     ) -> None:
-        self._in_child: ProcessInferenceServer | None = None
+        # Where the policy lives when it is not here: a child process or a Ray actor.
+        self._in_child: ProcessInferenceServer | _RayOwnedServer | None = None
         loose = {
             k: v
             for k, v in (("max_batch_size", max_batch_size), ("min_batch_size", min_batch_size), ("timeout", timeout))
@@ -221,6 +230,8 @@ class InferenceServer:
         transport_from_context = transport is None and context_transport is not None
         if transport is None:
             transport = context_transport
+        if transport_options and not (isinstance(transport, str) or transport is None):
+            raise ValueError("transport_options cannot be used with an explicit transport instance.")
         if isinstance(transport, str) or transport is None:
             kind = transport or "auto"
             allowed = _ALLOWED_TRANSPORTS.get(service_backend)
@@ -239,6 +250,8 @@ class InferenceServer:
                         transport=transport_from_context,
                     )
                 )
+            if transport_options and service_backend != "thread":
+                raise ValueError(f"transport_options are for service_backend='thread', not {service_backend!r}")
             if service_backend == "process" and kind in ("auto", "process"):
                 # TorchRL's process-owned server: a ProcessInferenceServer, fed by pipes.
                 if policy_factory is None or model is not None:
@@ -258,6 +271,25 @@ class InferenceServer:
                 self.service_backend = self.transport_kind = "process"
                 self.max_batch_size, self.timeout = max_batch_size, float(timeout)
                 return  # the model lives in the child: start/shutdown/client/stats go there
+            if service_backend == "ray" and kind in ("auto", "ray"):
+                # TorchRL's Ray-owned server: the policy is built on a Ray actor that serves it.
+                if policy_factory is None or model is not None:
+                    raise ValueError("service_backend='ray' builds the policy on the Ray actor: give policy_factory")
+                self._in_child = _RayOwnedServer(
+                    policy_factory,
+                    dict(service_backend_options or {}),
+                    {
+                        "max_batch_size": max_batch_size,
+                        "min_batch_size": min_batch_size,
+                        "timeout": timeout,
+                        "collate_fn": collate_fn,
+                        "policy_version": policy_version,
+                        "policy_version_key": policy_version_key,
+                    },
+                )
+                self.service_backend = self.transport_kind = "ray"
+                self.max_batch_size, self.timeout = max_batch_size, float(timeout)
+                return  # the model lives on the actor: start/shutdown/client/stats go there
             if service_backend != "thread" or kind not in _THREAD_TRANSPORTS:
                 raise ValueError(
                     f"ferrobatch.torchrl serves service_backend='thread' (transport 'auto'/'thread') and"
@@ -269,9 +301,9 @@ class InferenceServer:
                     raise ValueError("transport='direct' requires num_clients.")
                 from torchrl.modules.inference_server import SlotTransport
 
-                transport = SlotTransport(num_clients)
+                transport = SlotTransport(num_clients, **dict(transport_options or {}))
             else:
-                transport = ThreadingTransport()
+                transport = ThreadingTransport(**dict(transport_options or {}))
         if policy_device is not None:
             if device is not None and torch.device(device) != torch.device(policy_device):
                 raise ValueError(f"device={device!r} and policy_device={policy_device!r} disagree")
@@ -427,6 +459,12 @@ class InferenceServer:
             return self._in_child.client()
         return self.transport.client()
 
+    def clients(self, num_clients: int) -> list[Any]:
+        """``num_clients`` distinct clients (one per actor, say)."""
+        if not isinstance(num_clients, int) or num_clients < 1:
+            raise ValueError(f"num_clients must be an int >= 1, got {num_clients!r}")
+        return [self.client() for _ in range(num_clients)]
+
     # -- stats and versions --------------------------------------------------------------
 
     @property
@@ -481,7 +519,10 @@ class InferenceServer:
 
     def _not_in_child(self, what: str) -> None:
         if self._in_child is not None:
-            raise RuntimeError(f"{what}: the policy of a service_backend='process' server lives in its child process")
+            where = "its Ray actor" if isinstance(self._in_child, _RayOwnedServer) else "its child process"
+            raise RuntimeError(
+                f"{what}: the policy of a service_backend={self.service_backend!r} server lives in {where}"
+            )
 
     def _apply(self, update: Callable[[Any], Any], bump: Callable[[list[Any]], bool] | None = None) -> Any:
         """Runs ``update(model)`` between batches (the core's barrier), or at
@@ -1155,6 +1196,91 @@ class MPClient:
             pending, self._pending = self._pending, {}
         for future, _ in pending.values():
             future.set_exception(_closed_again(error))
+
+
+class _RayActor:
+    """The Ray actor of a ``service_backend="ray"`` server: builds the policy
+    from its factory, serves it with an :class:`InferenceServer` of its own,
+    and answers many calls at once (a threaded actor), so they batch."""
+
+    def __init__(self, policy_factory: Callable[[], Any], kwargs: dict[str, Any]) -> None:
+        self.server = InferenceServer(policy_factory=policy_factory, **kwargs).start()
+        self._client = self.server.client()
+
+    def infer(self, td: Any) -> Any:
+        return self._client(td)
+
+    def stats(self, reset: bool) -> dict[str, float | int]:
+        return self.server.stats(reset=reset)
+
+    def shutdown(self, timeout: float | None) -> None:
+        self.server.shutdown(timeout)
+
+
+class _RayOwnedServer:
+    """``service_backend="ray"``: the server on a Ray actor, started with it
+    (``remote_config`` gives the actor's options), and clients that call it
+    through Ray from any process or actor (they pickle)."""
+
+    def __init__(self, policy_factory: Callable[[], Any], options: dict[str, Any], kwargs: dict[str, Any]) -> None:
+        import ray
+
+        remote_config = dict(options.pop("remote_config", None) or {})
+        if options:
+            raise ValueError(f"service_backend='ray' takes remote_config only, got {sorted(options)}")
+        # Concurrent calls run on threads of the actor: that is how they meet in one batch.
+        remote_config.setdefault("max_concurrency", 1024)
+        actor_class: Any = ray.remote(_RayActor)
+        self._actor = actor_class.options(**remote_config).remote(policy_factory, kwargs)
+        ray.get(self._actor.__ray_ready__.remote())  # the actor's constructor ran (or raised)
+        self._alive = True
+
+    def start(self) -> None:
+        if not self._alive:
+            raise RuntimeError("a service_backend='ray' server does not start again once shut down")
+
+    def shutdown(self, timeout: float | None = 5.0) -> None:
+        if not self._alive:
+            return
+        self._alive = False
+        import ray
+
+        try:
+            ray.get(self._actor.shutdown.remote(timeout), timeout=None if timeout is None else timeout + 5.0)
+        except Exception:  # noqa: BLE001 - a dead or stuck actor is ended below all the same
+            pass
+        ray.kill(self._actor)  # Ray itself keeps running: it is not ours
+
+    @property
+    def is_alive(self) -> bool:
+        return self._alive
+
+    def client(self) -> _RayServerClient:
+        return _RayServerClient(self._actor)
+
+    def stats(self, reset: bool = False) -> dict[str, float | int]:
+        import ray
+
+        stats: dict[str, float | int] = ray.get(self._actor.stats.remote(reset))
+        return stats
+
+
+class _RayServerClient:
+    """``client(td) -> td`` and ``client.submit(td) -> Future`` of a
+    ``service_backend="ray"`` server, through Ray; picklable. A model's
+    exception reaches the caller as Ray re-raises it (its cause within)."""
+
+    def __init__(self, actor: Any) -> None:
+        self._actor = actor
+
+    def submit(self, td: Any) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = self._actor.infer.remote(td).future()
+        return future
+
+    def __call__(self, td: Any, timeout: float | None = None) -> Any:
+        import ray
+
+        return ray.get(self._actor.infer.remote(td), timeout=timeout)
 
 
 class ProcessInferenceServer:
