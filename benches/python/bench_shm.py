@@ -18,7 +18,10 @@ and drives it for ``--seconds`` (after ``--warmup``), ``--runs`` times:
   ``MPTransport`` / ``SharedMemoryTransport`` (``num_slots = 2 x callers``);
   2 client processes (clients made before spawning, as TorchRL requires)
   each keep ``--callers`` requests in flight (``client.submit`` futures, the
-  oldest awaited and replaced).
+  oldest awaited and replaced);
+- ``ferrobatch.torchrl-mp``: the same code as ``torchrl-mp`` with
+  ``InferenceServer`` and ``MPTransport`` imported from ``ferrobatch.torchrl``
+  (``--transports-only`` runs these three alone).
 
 Throughput is completed requests per second inside the measured window,
 summed over the client processes; ``p50 @1`` is the median round trip of a
@@ -251,6 +254,9 @@ def torchrl(kind: str, transport_kind: str, args: argparse.Namespace) -> list[di
     from tensordict.nn import TensorDictModule
     from torchrl.modules.inference_server import InferenceServer, MPTransport, SharedMemoryTransport
 
+    if transport_kind == "ferrobatch.torchrl-mp":  # the same code with the import switched
+        from ferrobatch.torchrl import InferenceServer, MPTransport
+
     model = make_model(kind)
 
     class Wrapped(torch.nn.Module):
@@ -258,7 +264,7 @@ def torchrl(kind: str, transport_kind: str, args: argparse.Namespace) -> list[di
             return model({"x": x})["y"]
 
     ctx = multiprocessing.get_context("spawn")
-    if transport_kind == "torchrl-mp":
+    if transport_kind.endswith("torchrl-mp"):
         transport: Any = MPTransport(ctx=ctx)
     else:
         spec = TensorDict({"x": torch.zeros(FEATURES)})
@@ -316,6 +322,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=1.0)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--no-torchrl", action="store_true")
+    parser.add_argument(
+        "--transports-only",
+        action="store_true",
+        help="only TorchRL's transports and ferrobatch.torchrl's MPTransport (the same TorchRL code, imports switched)",
+    )
     args = parser.parse_args()
     uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     print(f"bench_shm: {' '.join(sys.argv[1:]) or '(defaults)'}; {uptime}", flush=True)
@@ -331,14 +342,14 @@ def main() -> None:
     try:
         for kind in args.models.split(","):
             runs: dict[str, list[dict[str, Any]]] = {}
-            for _ in range(args.runs):
+            for _ in range(0 if args.transports_only else args.runs):
                 for system in ("in-process", "shm", "shm +options", "in-process @1", "shm @1", "http-binary"):
                     result = run_system(system, kind, conns, args)
                     runs.setdefault(system, []).append(result)
                     p50 = f"{result['p50_us']:8.0f} us p50" if result["p50_us"] else ""
                     print(f"  {kind:8} {system:14} {result['req_per_s']:10.0f} req/s {p50}", flush=True)
             if not args.no_torchrl and torchrl_available():
-                for transport in ("torchrl-mp", "torchrl-shm"):
+                for transport in ("torchrl-mp", "torchrl-shm", "ferrobatch.torchrl-mp"):
                     runs[transport] = torchrl(kind, transport, args)
             for system, results in runs.items():
                 rows.append(
@@ -404,6 +415,9 @@ def report(rows: list[dict[str, Any]]) -> None:
             parts.append(f"shm / torchrl-shm {shm / trl:.1f}x (target >= 10)")
         if shm and trl_mp:
             parts.append(f"shm / torchrl-mp {shm / trl_mp:.1f}x (target >= 50)")
+        ours_mp = get(model, "ferrobatch.torchrl-mp", "req_per_s")
+        if ours_mp and trl_mp:
+            parts.append(f"ferrobatch.torchrl-mp / torchrl-mp {ours_mp / trl_mp:.1f}x (target >= 10)")
         if p50 and p50_local:
             parts.append(f"p50@1 shm / in-process {p50 / p50_local:.2f}x (target <= 2)")
         print(f"{model}: " + "; ".join(parts))
