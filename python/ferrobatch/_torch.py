@@ -510,6 +510,25 @@ def isolate(
     return result
 
 
+def retry_in_parts(
+    batch: _core.Batch,
+    error: BaseException,
+    call: Callable[[int, int], Any],
+    merge: Callable[[list[tuple[int, int, Any]]], Any],
+    counters: WorkerCounters,
+) -> tuple[Any, BaseException | None, list[tuple[int, BaseException]] | None]:
+    """A failed batch retried in halves (:func:`isolate`), the parts that ran
+    merged by ``merge``: ``(outputs, None, each failed request's error)``, or
+    ``(None, error, None)`` when the parts cannot be merged (all fail)."""
+    isolated = isolate(batch.request_rows(), error, call)
+    counters.retry_calls += isolated.calls
+    counters.isolated_failures += isolated.alone
+    try:
+        return merge(isolated.done), None, isolated.failed
+    except BaseException as exc:  # noqa: BLE001 - parts that cannot be merged: all fail
+        return None, exc, None
+
+
 def batch_requests(batch: _core.Batch, input_names: Sequence[str]) -> list[tuple[int, RequestInfo]]:
     """The batch's requests as ``(start row, RequestInfo)``, in row order
     (``input_names``: the model's inputs, to name those a request left out)."""
@@ -641,14 +660,12 @@ class CpuExecutor:
                 error = exc
             failed_batch = error is not None
             if error is not None and self.isolate_failures and retryable(error) and batch.n_requests > 1:
-                isolated = isolate(batch.request_rows(), error, functools.partial(self._attempt, slot))
-                counters.retry_calls += isolated.calls
-                counters.isolated_failures += isolated.alone
-                try:
-                    merged = merge_rows(isolated.done, batch.rows, self.outputs, self.version_output)
-                    outputs, error, failed = merged, None, isolated.failed
-                except BaseException as exc:  # noqa: BLE001 - parts that cannot be merged: all fail
-                    outputs, error = None, exc
+                merge = functools.partial(
+                    merge_rows, rows=batch.rows, specs=self.outputs, version_output=self.version_output
+                )
+                outputs, error, failed = retry_in_parts(
+                    batch, error, functools.partial(self._attempt, slot), merge, counters
+                )
             if self.sampler is not None and outputs is not None and failed is None and not failed_batch:
                 self.sampler.offer(slot, outputs, batch.rows)  # copies a row before the slot goes
             batch.release_slot()  # outputs never alias the slot

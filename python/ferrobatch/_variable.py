@@ -32,8 +32,8 @@ from ._torch import (
     batch_requests,
     finish,
     inference_mode,
-    isolate,
     normalize_outputs,
+    retry_in_parts,
     retryable,
     version_rows,
 )
@@ -676,17 +676,18 @@ class VariableExecutor(CpuExecutor):
             except BaseException as exc:  # noqa: BLE001 - even SystemExit: the worker survives
                 error = exc
             failed_batch = error is not None
-            if inputs is not None and error is not None and self.isolate_failures and retryable(error):
-                if batch.n_requests > 1:
-                    part = functools.partial(self._call_part, inputs, requests, staging)
-                    isolated = isolate(batch.request_rows(), error, part)
-                    counters.retry_calls += isolated.calls
-                    counters.isolated_failures += isolated.alone
-                    try:
-                        merged = merge_parts(isolated.done, batch.rows, self.outputs, self.version_output)
-                        outputs, error, failed = merged, None, isolated.failed
-                    except BaseException as exc:  # noqa: BLE001 - parts that cannot be merged: all fail
-                        outputs, error = None, exc
+            if (
+                inputs is not None
+                and error is not None
+                and self.isolate_failures
+                and retryable(error)
+                and batch.n_requests > 1
+            ):
+                part = functools.partial(self._call_part, inputs, requests, staging)
+                merge = functools.partial(
+                    merge_parts, rows=batch.rows, specs=self.outputs, version_output=self.version_output
+                )
+                outputs, error, failed = retry_in_parts(batch, error, part, merge, counters)
             if self.sampler is not None and inputs is not None and outputs is not None and not failed_batch:
                 sample = functools.partial(_row_of, self.inputs, inputs, outputs)
                 self.sampler.offer_row(batch.rows, sample)  # copies the row before the slot goes
