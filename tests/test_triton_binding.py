@@ -326,8 +326,8 @@ def test_tensor_dtypes_and_what_bind_refuses() -> None:
     def infer(requests: list[Request]) -> list[dict[str, np.ndarray]]:
         return []
 
-    with pytest.raises(PyTritonModelConfigError, match="decoupled"):
-        triton.bind("m", infer, [X], [Y], config=ModelConfig(decoupled=True))
+    with pytest.raises(PyTritonModelConfigError, match="response_cache"):
+        triton.bind("m", infer, [X], [Y], config=ModelConfig(response_cache=True))
     with pytest.raises(PyTritonModelConfigError, match="outputs cannot be optional"):
         triton.bind("m", infer, [X], [Tensor(name="y", dtype=np.float32, shape=(4,), optional=True)])
     with pytest.raises(PyTritonModelConfigError, match="preferred_batch_sizes"):

@@ -123,6 +123,10 @@ class Worker:
         """Hands a batch's outputs (or its model error) to its callers' event
         loops; with ``failed`` (``(row_start, error)``), those requests fail
         with ``ModelError`` and the others get their rows of ``outputs``."""
+    def stream(self, batch: Batch, outputs: dict[str, Any]) -> int:
+        """Hands one partial answer of a decoupled model's batch to its
+        streaming requests, leaving them pending (``finish(batch, {}, None)``
+        ends their streams); returns how many still listen."""
 
 @final
 class Batch:
@@ -231,6 +235,7 @@ class V2Codec:
         max_body_size: int,
         max_elements: int,
         batching: bool = True,
+        decoupled: bool = False,
     ) -> V2Codec: ...
     def decode(self, body: bytes, header_length: str | None = None) -> V2Request: ...
     def decode_tensors(self, tensors: list[tuple[str, str, list[int], Any]]) -> dict[str, V2Tensor]: ...

@@ -574,6 +574,7 @@ class CpuExecutor:
     gate: Gate | None = None
     version_output: str | None = None
     isolate_failures: bool = False
+    decoupled: bool = False  # the model yields its outputs (VariableExecutor streams them)
     sampler: InvarianceSampler | None = None  # re-runs sampled rows alone (invariance_sample_rate)
     with_requests: bool = False  # the model takes (inputs, requests)
     input_names: tuple[str, ...] = ()  # the model's inputs, in order (RequestInfo.absent names them)

@@ -13,10 +13,11 @@ compile or warm-up) on a CUDA device.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from time import perf_counter_ns
 from typing import Any
 
@@ -604,8 +605,7 @@ class VariableExecutor(CpuExecutor):
     ) -> dict[str, Any]:
         """The model on a batch's inputs, its outputs checked and on the CPU;
         under the weight gate unless ``gated`` is False (warm-up holds it)."""
-        if self.device.type != "cpu":  # the tensors go to the model's device; BYTES stay numpy arrays
-            inputs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        inputs = self._on_device(inputs)
         with inference_mode():
             if self.gate is None or not gated:
                 raw = self._call_model(dict(inputs), requests)
@@ -613,7 +613,50 @@ class VariableExecutor(CpuExecutor):
             else:
                 with self.gate as version:  # no weight update during the forward pass
                     raw = self._call_model(dict(inputs), requests)
-            outputs = normalize_variable_outputs(raw, self.outputs, rows)
+            return self._checked(raw, rows, staging, version)
+
+    def stream(
+        self,
+        inputs: Mapping[str, Any],
+        rows: int,
+        requests: list[RequestInfo] | None,
+        emit: Callable[[dict[str, Any]], int],
+        gated: bool = True,
+    ) -> None:
+        """A decoupled model on a batch's inputs: each item it yields is
+        checked as :meth:`call` checks outputs and handed to ``emit``, which
+        says how many callers still listen; at 0 the model is closed
+        (``GeneratorExit`` at its ``yield``). Runs under the weight gate
+        (the whole stream: one version) unless ``gated`` is False."""
+        inputs = self._on_device(inputs)
+        gate = self.gate if self.gate is not None and gated else contextlib.nullcontext()
+        with inference_mode(), gate as version:
+            produced = self._call_model(dict(inputs), requests)
+            if isinstance(produced, (Mapping, torch.Tensor, np.ndarray)) or not hasattr(produced, "__iter__"):
+                raise ModelError(
+                    "a decoupled model returns an iterable of outputs (a generator), one item per response;"
+                    f" it returned {type(produced).__name__}"
+                )
+            items = iter(produced)
+            try:
+                for raw in items:
+                    if emit(self._checked(raw, rows, frozenset(), version)) == 0:
+                        break  # every caller went away
+            finally:
+                close = getattr(items, "close", None)
+                if close is not None:
+                    close()
+
+    def _on_device(self, inputs: Mapping[str, Any]) -> Mapping[str, Any]:
+        if self.device.type == "cpu":
+            return inputs
+        # The tensors go to the model's device; BYTES stay numpy arrays.
+        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+    def _checked(self, raw: Any, rows: int, staging: frozenset[int], version: int | None) -> dict[str, Any]:
+        """A model call's result as outputs: checked, with the version
+        output, on the CPU, none aliasing the staging slot."""
+        outputs = normalize_variable_outputs(raw, self.outputs, rows)
         if self.version_output is not None and version is not None:
             outputs[self.version_output] = version_rows(version, rows)
         for name, out in outputs.items():
@@ -640,7 +683,10 @@ class VariableExecutor(CpuExecutor):
         raises what the model raised."""
         for rows in buckets:
             requests = [RequestInfo(1)] * rows if self.with_requests else None
-            self.call(minimum_inputs(self.inputs, rows), rows, frozenset(), requests, gated=False)
+            if self.decoupled:  # every item made and checked, none sent
+                self.stream(minimum_inputs(self.inputs, rows), rows, requests, lambda _: 1, gated=False)
+            else:
+                self.call(minimum_inputs(self.inputs, rows), rows, frozenset(), requests, gated=False)
 
     def _call_part(
         self,
@@ -669,6 +715,9 @@ class VariableExecutor(CpuExecutor):
             inputs: dict[str, Any] | None = None
             requests: list[tuple[int, RequestInfo]] = []
             staging = frozenset(_storage_ptr(t) for t in slot.values())
+            if self.decoupled:
+                self._serve_stream(worker, batch, slot, counters, started)
+                continue
             try:
                 inputs = batch_inputs(self.inputs, slot, batch)
                 requests = batch_requests(batch, names) if self.with_requests else []
@@ -694,3 +743,22 @@ class VariableExecutor(CpuExecutor):
             batch.release_slot()  # outputs never alias the slot
             counters.add(perf_counter_ns() - started, batch.n_requests, failed_batch, batch.rows)
             finish(worker, batch, outputs, error, failed=failed)  # tensors, numpy arrays and RaggedOutputs
+
+    def _serve_stream(
+        self, worker: _core.Worker, batch: _core.Batch, slot: Mapping[str, torch.Tensor], counters: WorkerCounters,
+        started: int,
+    ) -> None:  # fmt: skip
+        """One batch of a decoupled model: each item it yields goes to the
+        batch's callers at once (``worker.stream``), then ``finish`` with no
+        outputs ends their streams, or fails them if the model raised."""
+        error: BaseException | None = None
+        try:
+            inputs = batch_inputs(self.inputs, slot, batch)
+            names = [s.name for s in self.inputs]
+            requests = [r for _, r in batch_requests(batch, names)] if self.with_requests else None
+            self.stream(inputs, batch.rows, requests, functools.partial(worker.stream, batch))
+        except BaseException as exc:  # noqa: BLE001 - even SystemExit: the worker survives
+            error = exc
+        batch.release_slot()  # the model is done with its inputs
+        counters.add(perf_counter_ns() - started, batch.n_requests, error is not None, batch.rows)
+        finish(worker, batch, None if error is not None else {}, error)

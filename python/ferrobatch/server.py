@@ -43,7 +43,7 @@ from ._variable import DEFAULT_ELEMENTS_PER_ROW, VariableExecutor, core_shape, i
 from ._variable import allocate_slot as variable_slot
 from ._weights import WeightUpdate, WeightUpdates
 from .client import Client, flatten_inputs
-from .errors import ModelError, ServerClosedError
+from .errors import InvalidInputError, ModelError, ServerClosedError
 from .specs import TensorSpec, dtype_name, example_specs
 
 if TYPE_CHECKING:
@@ -177,6 +177,20 @@ class Server:
             (``max_batch_size`` 1, no wait), and over HTTP and gRPC its
             tensors have no batch dimension, shaped as declared. In process,
             ``infer`` is unchanged (one sample).
+        decoupled: the model streams its responses (Triton's decoupled
+            mode): called on a batch as usual, it returns an iterable (a
+            generator) whose every item is a batch's outputs, each handed to
+            the batch's callers at once. Served over gRPC
+            ``ModelStreamInfer`` by the native front-end (``ferrobatch
+            serve``, ``ferrobatch.triton``), where each request gets one
+            response per item, then an empty final response when it asks
+            (``triton_enable_empty_final_response``). A client that goes
+            away stops the model once no request of its batch listens. Its
+            batch's failure (the generator raising) fails its requests
+            (responses sent stay sent): no failure isolation, no invariance
+            sampling, no CUDA graphs or compile. In process, ``client()``
+            and ``share()`` refuse it (a request's one result cannot carry a
+            stream).
     """
 
     def __init__(
@@ -207,6 +221,7 @@ class Server:
         torch_threads: int | None = None,
         batching: bool = True,
         cpu_affinity: Sequence[Iterable[int]] | None = None,
+        decoupled: bool = False,
     ) -> None:
         self._models: list[Model] = (
             list(model) if isinstance(model, (list, tuple)) else [model]  # type: ignore[list-item]
@@ -230,8 +245,12 @@ class Server:
                 raise ValueError(f"version_output {version_output!r} is already one of the model's outputs")
             self.outputs += (TensorSpec(version_output, "int64", ()),)
         self.version_output = version_output
-        self.isolate_failures = bool(isolate_failures)
+        self.decoupled = bool(decoupled)
+        # A stream's responses are sent as they come: a failed batch cannot be retried.
+        self.isolate_failures = bool(isolate_failures) and not self.decoupled
         rate = float(invariance_sample_rate)
+        if self.decoupled and rate > 0:
+            raise ValueError("invariance_sample_rate needs one result per request: not with decoupled=True")
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"invariance_sample_rate must be between 0 and 1, got {invariance_sample_rate!r}")
         self.invariance_sample_rate = rate
@@ -282,8 +301,9 @@ class Server:
             not isinstance(max_batch_elements, int) or isinstance(max_batch_elements, bool) or max_batch_elements < 1
         ):
             raise ValueError(f"max_batch_elements must be an int >= 1 or None, got {max_batch_elements!r}")
-        # BYTES or variable-length tensors: collated by layout, run on CPU.
-        self._variable = is_variable(self.inputs) or is_variable(self.outputs)
+        # BYTES or variable-length tensors: collated by layout, run on CPU;
+        # a decoupled model runs on the same executor, which streams.
+        self._variable = is_variable(self.inputs) or is_variable(self.outputs) or self.decoupled
         #: The most elements of each variable-length input one batch holds
         #: (padded ones counted padded); None without such inputs.
         self.max_batch_elements: int | None = None
@@ -357,6 +377,10 @@ class Server:
         """Resolves the instances and their devices, and checks the
         ``cuda_graphs`` / ``compile`` / ``warmup`` options."""
         self._models, self.devices = resolve_instances(self._models, device)
+        if self.decoupled and (cuda_graphs or compile is not False or isinstance(warmup, Mapping)):
+            raise ValueError(
+                f"model '{self.name}': a decoupled model runs without cuda_graphs, compile or warm-up samples"
+            )
         if self._variable and (cuda_graphs or compile is not False or isinstance(warmup, Mapping)):
             raise ValueError(
                 f"model '{self.name}': BYTES and variable-length tensors run without cuda_graphs, compile or"
@@ -383,6 +407,7 @@ class Server:
                 self._models[i], self.devices[i], self.inputs, self._model_outputs, self.with_requests
             )
             variable.isolate_failures = self.isolate_failures
+            variable.decoupled = self.decoupled
             if self.invariance_sample_rate > 0:
                 version = self._weights
                 variable.sampler = InvarianceSampler(
@@ -553,7 +578,8 @@ class Server:
                 for name, target, args in loops
             ]
         self._phase = "running"
-        self._submitter.accept(self._batcher)
+        if not self.decoupled:  # a decoupled model's streams come over gRPC only
+            self._submitter.accept(self._batcher)
         for thread in self._threads:
             thread.start()
 
@@ -654,6 +680,8 @@ class Server:
 
         if self._shared:
             raise ValueError(f"server '{self.name}' is already shared as '{self._shared[0].name}'")
+        if self.decoupled:
+            raise ValueError(f"server '{self.name}' is decoupled: its responses stream over gRPC only")
         variable = [s.name for s in (*self.inputs, *self.outputs) if s.is_bytes or s.is_ragged]
         if variable:
             raise ValueError(
@@ -679,7 +707,12 @@ class Server:
             raise ServerClosedError(f"server '{self.name}' is not running ({self._phase})")
         return self._batcher, self._loops
 
-    def _not_running(self) -> ServerClosedError:
+    def _not_running(self) -> ServerClosedError | InvalidInputError:
+        if self.decoupled and self._phase == "running":
+            return InvalidInputError(
+                f"model '{self.name}' is decoupled (it streams its responses): in process it takes no"
+                " requests; serve it and call it over gRPC ModelStreamInfer"
+            )
         return ServerClosedError(f"server '{self.name}' is not running ({self._phase})")
 
     def _loop_token(self) -> anyio.lowlevel.EventLoopToken:

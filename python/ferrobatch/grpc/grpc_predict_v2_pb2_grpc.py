@@ -65,6 +65,11 @@ class GRPCInferenceServiceStub(object):
                 request_serializer=ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.ModelInferRequest.SerializeToString,
                 response_deserializer=ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.ModelInferResponse.FromString,
                 _registered_method=True)
+        self.ModelStreamInfer = channel.stream_stream(
+                '/inference.GRPCInferenceService/ModelStreamInfer',
+                request_serializer=ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.ModelInferRequest.SerializeToString,
+                response_deserializer=ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.ModelStreamInferResponse.FromString,
+                _registered_method=True)
         self.ModelConfig = channel.unary_unary(
                 '/inference.GRPCInferenceService/ModelConfig',
                 request_serializer=ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.ModelConfigRequest.SerializeToString,
@@ -127,6 +132,15 @@ class GRPCInferenceServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ModelStreamInfer(self, request_iterator, context):
+        """Triton: inference on a bidirectional stream. Each request gets its
+        response(s) on the stream, errors included (error_message); a decoupled
+        model streams any number of responses per request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ModelConfig(self, request, context):
         """Triton: a model's configuration.
         """
@@ -180,6 +194,11 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.ModelInfer,
                     request_deserializer=ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.ModelInferRequest.FromString,
                     response_serializer=ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.ModelInferResponse.SerializeToString,
+            ),
+            'ModelStreamInfer': grpc.stream_stream_rpc_method_handler(
+                    servicer.ModelStreamInfer,
+                    request_deserializer=ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.ModelInferRequest.FromString,
+                    response_serializer=ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.ModelStreamInferResponse.SerializeToString,
             ),
             'ModelConfig': grpc.unary_unary_rpc_method_handler(
                     servicer.ModelConfig,
@@ -359,6 +378,33 @@ class GRPCInferenceService(object):
             '/inference.GRPCInferenceService/ModelInfer',
             ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.ModelInferRequest.SerializeToString,
             ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.ModelInferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModelStreamInfer(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/inference.GRPCInferenceService/ModelStreamInfer',
+            ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.ModelInferRequest.SerializeToString,
+            ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.ModelStreamInferResponse.FromString,
             options,
             channel_credentials,
             insecure,

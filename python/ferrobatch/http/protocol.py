@@ -194,7 +194,12 @@ class ServedModel:
         # Bodies are limited by the transports (max_body_size,
         # max_decompressed_size, gRPC's message size) before they get here.
         codec = V2Codec(
-            server.name, outputs, max_body_size=sys.maxsize, max_elements=max_elements, batching=server.batching
+            server.name,
+            outputs,
+            max_body_size=sys.maxsize,
+            max_elements=max_elements,
+            batching=server.batching,
+            decoupled=server.decoupled,
         )
         return cls(server, server.client(), {s.name: datatype_of(s) for s in server.outputs}, codec)
 
@@ -334,6 +339,7 @@ class ModelRepository:
                 else {}
             ),
             "instance_group": [{"count": len(server.devices), "kind": _instance_kind(server)}],
+            **({"model_transaction_policy": {"decoupled": True}} if server.decoupled else {}),
         }
 
     def repository_index(self, ready_only: bool = False) -> list[dict[str, Any]]:

@@ -4,6 +4,7 @@ responses checked and joined back into the batch's outputs."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
@@ -248,7 +249,9 @@ class BoundModel:
         self.strict = strict
         self.on_unrecoverable = on_unrecoverable
 
-    def __call__(self, inputs: Mapping[str, Any], requests: Sequence[RequestInfo]) -> dict[str, Any]:
+    def __call__(
+        self, inputs: Mapping[str, Any], requests: Sequence[RequestInfo]
+    ) -> dict[str, Any] | Iterator[dict[str, Any]]:
         batch = {str(t.name): _owned_array(inputs[str(t.name)]) for t in self.config.inputs or []}
         # A variable-length input comes padded to the batch's longest row:
         # each request gets its rows cut to its own longest.
@@ -273,15 +276,50 @@ class BoundModel:
                 data = {name: a[0] for name, a in data.items()}
             split.append(Request(data, params))
             start = end
-        responses = self._call(split)
+        if self.config.decoupled:
+            return self._stream(split, rows)
+        return self._collected(self._call(split), rows)
+
+    def _collected(self, responses: Any, rows: list[int]) -> dict[str, Any]:
         if not self.config.batching and isinstance(responses, (list, tuple)):
             responses = [_with_batch_dim(r) for r in responses]
         return collect_outputs(responses, rows, self.config, strict=self.strict)
 
+    def _stream(self, requests: list[Request], rows: list[int]) -> Iterator[dict[str, Any]]:
+        """A decoupled callable's responses: each list it yields (one
+        response per request) joined into the batch's outputs."""
+        produced = self._call(requests)
+        if not inspect.isgenerator(produced) and not isinstance(produced, Iterator):
+            raise PyTritonValidationError(
+                f"model '{self.config.model_name}' is decoupled: its inference callable must be a generator"
+                f" (yielding a list of responses per step); it returned {type(produced).__name__}"
+            )
+        try:
+            while True:
+                with self._context_set():
+                    try:
+                        responses = next(produced)
+                    except StopIteration:
+                        return
+                yield self._collected(responses, rows)
+        finally:  # closed early (every caller went away): the callable's generator too
+            close = getattr(produced, "close", None)
+            if close is not None:
+                with self._context_set():
+                    close()
+
     def _call(self, requests: list[Request]) -> Any:
+        with self._context_set():
+            return self.infer_func(requests)
+
+    @contextlib.contextmanager
+    def _context_set(self) -> Iterator[None]:
+        """The callable's model config and context for this thread (what
+        ``get_model_config`` and ``get_triton_context`` read) while it runs;
+        an :class:`UnrecoverableError` it raises stops the server."""
         _local.config, _local.context = self.config, self.context
         try:
-            return self.infer_func(requests)
+            yield
         except UnrecoverableError as exc:
             log.error("model '%s': unrecoverable error, shutting down: %s", self.config.model_name, exc)
             self.on_unrecoverable(exc)

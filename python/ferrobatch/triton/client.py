@@ -11,21 +11,27 @@ that call their models the PyTriton way::
     async with AsyncioModelClient("localhost", "double") as client:
         out = await client.infer_sample(np.ones(4, np.float32))
 
+    with DecoupledModelClient("grpc://localhost:8001", "tokens") as client:  # a decoupled model
+        for out in client.infer_sample(np.ones(4, np.float32)):    # each response as it comes
+            ...
+
 They talk to any v2 server (ferrobatch's, Triton's). Each reads the model's
 config first (``model_config``: a :class:`TritonModelConfig`), waiting for the
 model to be ready, unless given one. Needs ``tritonclient``
-(``pip install 'tritonclient[http,grpc]'``). Decoupled (streaming) models
-are not served by ferrobatch: there is no ``DecoupledModelClient``.
+(``pip install 'tritonclient[http,grpc]'``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import importlib
+import itertools
+import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from types import ModuleType, TracebackType
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -38,6 +44,7 @@ from .model_config.triton_model_config import TensorSpec, TritonModelConfig
 
 __all__ = [
     "AsyncioModelClient",
+    "DecoupledModelClient",
     "FuturesModelClient",
     "ModelClient",
     "PyTritonClientClosedError",
@@ -397,6 +404,143 @@ class ModelClient:
         except (_utils().InferenceServerException, TimeoutError) as exc:
             raise self._requests.failed(exc) from exc
         return self._requests.outputs(result)
+
+
+class DecoupledModelClient(ModelClient):
+    """PyTriton's client of a decoupled model (gRPC only): ``infer_sample``
+    and ``infer_batch`` send the request at once and return an iterator of
+    its responses, each as it comes, until the server flags the last one.
+    One request at a time per client; leaving the iterator early cancels
+    the request (the server stops the model once nobody listens to its
+    batch). ``inference_timeout_s`` bounds the wait for each response.
+    Unlike PyTriton's, it sends ``parameters`` (headers: refused, as there)."""
+
+    def __init__(
+        self,
+        url: str,
+        model_name: str,
+        model_version: str | None = None,
+        *,
+        lazy_init: bool = True,
+        init_timeout_s: float | None = None,
+        inference_timeout_s: float | None = None,
+        model_config: TritonModelConfig | None = None,
+        ensure_model_is_ready: bool = True,
+        access_token: str | None = None,
+    ) -> None:
+        if _parse_url(url)[0] != "grpc":
+            raise PyTritonClientValueError("DecoupledModelClient is only supported for grpc protocol")
+        super().__init__(
+            url, model_name, model_version, lazy_init=lazy_init, init_timeout_s=init_timeout_s,
+            inference_timeout_s=inference_timeout_s, model_config=model_config,
+            ensure_model_is_ready=ensure_model_is_ready, access_token=access_token,
+        )  # fmt: skip
+        self._busy = threading.Lock()
+        self._streaming = False
+        # What the stream's callback hands over: a result, an error, or None (the last response).
+        self._responses: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._ids = itertools.count()
+        # Which stream is current: a cancelled one's late callbacks are dropped.
+        self._generation = 0
+
+    def infer_sample(  # type: ignore[override]
+        self,
+        *inputs: np.ndarray,
+        parameters: Parameters | None = None,
+        headers: Mapping[str, str] | None = None,
+        **named_inputs: np.ndarray,
+    ) -> Iterator[dict[str, np.ndarray]]:
+        """One sample (inputs without the batch dimension) → an iterator of its responses."""
+        config = self.model_config
+        arrays = _batched(config, self._requests.named(config, inputs, named_inputs))
+        return (_debatched(config, out) for out in self._stream(arrays, parameters, headers))
+
+    def infer_batch(  # type: ignore[override]
+        self,
+        *inputs: np.ndarray,
+        parameters: Parameters | None = None,
+        headers: Mapping[str, str] | None = None,
+        **named_inputs: np.ndarray,
+    ) -> Iterator[dict[str, np.ndarray]]:
+        """A batch (inputs with a leading batch dimension) → an iterator of its responses."""
+        config = self.model_config
+        if not config.batching:
+            raise PyTritonClientValueError(f"model {self.model_name!r} does not batch: use infer_sample")
+        return self._stream(self._requests.named(config, inputs, named_inputs), parameters, headers)
+
+    def close(self) -> None:
+        self._stop_stream()
+        super().close()
+
+    def _stop_stream(self) -> None:
+        if self._streaming:
+            self._generation += 1
+            self._client.stop_stream(cancel_requests=True)
+            self._streaming = False
+            self._responses = queue.SimpleQueue()
+
+    def _stream(
+        self, inputs: Mapping[str, np.ndarray], parameters: Parameters | None, headers: Mapping[str, str] | None
+    ) -> Iterator[dict[str, np.ndarray]]:
+        """Sends the request now; the iterator of its responses."""
+        if headers:
+            raise PyTritonClientValueError("DecoupledModelClient does not support headers")
+        if not self._busy.acquire(blocking=False):
+            raise PyTritonClientInferenceServerError("Inference is already in progress")
+        try:
+            if not self.model_config.decoupled:
+                raise PyTritonClientInferenceServerError("Model config is coupled. Use ModelClient instead.")
+            tensors = self._requests.tensors(self._lib, inputs)
+            if not self._streaming:
+                callback = functools.partial(self._on_response, self._generation)
+                self._client.start_stream(callback=callback, headers=self._requests.headers or None)
+                self._streaming = True
+            self._client.async_stream_infer(
+                self.model_name,
+                tensors,
+                model_version=self.model_version,
+                request_id=str(next(self._ids)),
+                enable_empty_final_response=True,
+                parameters=dict(parameters) if parameters else None,
+            )
+        except _utils().InferenceServerException as exc:
+            self._busy.release()
+            raise self._requests.failed(exc) from exc
+        except BaseException:
+            self._busy.release()
+            raise
+        return self._responses_until_final()
+
+    def _on_response(self, generation: int, result: Any, error: Any) -> None:
+        if generation != self._generation:
+            return  # a cancelled stream's
+        if error is not None:
+            self._responses.put(error)
+            return
+        flag = result.get_response().parameters.get("triton_final_response")
+        self._responses.put(None if flag is not None and flag.bool_param else result)
+
+    def _responses_until_final(self) -> Iterator[dict[str, np.ndarray]]:
+        finished = False
+        try:
+            while True:
+                try:
+                    item = self._responses.get(timeout=self._requests.inference_timeout_s)
+                except queue.Empty as exc:
+                    raise PyTritonClientTimeoutError(
+                        f"no response in {self._requests.inference_timeout_s} s (inference_timeout_s)"
+                    ) from exc
+                if item is None:
+                    finished = True
+                    return
+                if isinstance(item, BaseException):
+                    finished = True  # the server's last word on this request
+                    raise self._requests.failed(item) from item
+                yield self._requests.outputs(item)
+        finally:
+            if not finished:  # left early: cancel it, and drop what it still sends
+                self._stop_stream()
+            self._busy.release()
 
 
 class FuturesModelClient:

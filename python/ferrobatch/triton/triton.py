@@ -367,6 +367,7 @@ class Triton:
                 warmup=False,
                 with_requests=True,
                 batching=config.batching,
+                decoupled=config.decoupled,
                 **kwargs,
             )
         except ValueError as exc:  # the batching settings
@@ -556,8 +557,6 @@ def _ports(listening: Listening) -> tuple[int | None, int | None]:
 
 def _refuse_unsupported(name: str, config: ModelConfig) -> None:
     problems = []
-    if config.decoupled:
-        problems.append("decoupled=True (streaming responses)")
     if config.response_cache:
         problems.append("response_cache=True")
     if problems:

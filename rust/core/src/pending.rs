@@ -212,6 +212,22 @@ impl<A, H> Pending<A, H> {
         answers
     }
 
+    /// For each of `routes` whose caller still waits, what `pick` reads from
+    /// its `held` (a streaming request's channel for its partial answers),
+    /// the entry left in place. `pick` runs under the table's lock: it must
+    /// only copy or clone.
+    pub fn peek<T>(&self, routes: &[Route], pick: impl Fn(&H) -> Option<T>) -> Vec<(Route, T)> {
+        let entries = self.lock();
+        routes
+            .iter()
+            .filter_map(|route| {
+                let entry = entries.get(&route.id)?;
+                entry.answer.as_ref()?;
+                Some((*route, pick(&entry.held)?))
+            })
+            .collect()
+    }
+
     /// Takes the entries of a finished batch's `routes` out of the table;
     /// returns those whose caller still waits (an entry answered already
     /// is dropped here: its batch is done with its inputs). Each one taken
@@ -299,6 +315,27 @@ mod tests {
         let counts = counts(&table);
         assert_eq!(counts[Outcome::Succeeded as usize], 1);
         assert_eq!(counts[Outcome::Cancelled as usize], 1);
+    }
+
+    #[test]
+    fn peek_reads_the_waiting_callers_and_leaves_their_entries() {
+        let table = Pending::new();
+        let (a, b) = (request(1), request(2));
+        table.register(&a, 10, "a");
+        table.register(&b, 20, "b");
+        assert!(a.take() && b.take());
+        table.abandon(&StateOnly, 2, RequestState::Cancelled, Outcome::Cancelled);
+        let routes = [route(1, 0), route(2, 1), route(3, 2)];
+        let seen = table.peek(&routes, |held| Some(held.len()));
+        assert_eq!(seen, vec![(route(1, 0), 1)], "only callers still waiting");
+        assert!(table.peek(&routes, |_| None::<()>).is_empty());
+        assert_eq!(table.len(), 2, "nothing taken");
+        assert_eq!(table.take(&routes).len(), 1);
+        assert_eq!(
+            counts(&table)[Outcome::Succeeded as usize],
+            0,
+            "peek counts nothing"
+        );
     }
 
     #[test]

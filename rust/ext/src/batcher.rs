@@ -559,6 +559,17 @@ impl Worker {
         Ok(())
     }
 
+    /// Hands one partial answer of a decoupled model's batch (`outputs`,
+    /// `{name: batch tensor}`, as for `finish`) to its requests at once,
+    /// leaving them pending; `finish(batch, {}, None)` ends their streams.
+    /// Returns how many requests still listen: 0 means every caller went
+    /// away (or failed), and the model may stop.
+    fn stream(&self, py: Python<'_>, batch: &Batch, outputs: Bound<'_, PyDict>) -> usize {
+        self.registry
+            .get()
+            .route_partial(py, &batch.groups, &outputs)
+    }
+
     /// Rings the doorbells of what was delivered, then blocks (GIL released)
     /// until a batch is gathered and collated into a staging slot; None once
     /// the batcher is closed and drained.

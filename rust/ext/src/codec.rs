@@ -618,9 +618,11 @@ pub(crate) fn element_bytes<'py>(value: &Bound<'py, PyAny>) -> PyResult<Bound<'p
 
 #[pymethods]
 impl V2Codec {
-    /// `outputs`: `(name, dtype name, torch dtype)` per model output, in order.
+    /// `outputs`: `(name, dtype name, torch dtype)` per model output, in
+    /// order. `decoupled`: the model streams its responses (gRPC
+    /// `ModelStreamInfer` only).
     #[new]
-    #[pyo3(signature = (model, outputs, *, max_body_size, max_elements, batching=true))]
+    #[pyo3(signature = (model, outputs, *, max_body_size, max_elements, batching=true, decoupled=false))]
     fn new(
         py: Python<'_>,
         model: &str,
@@ -628,6 +630,7 @@ impl V2Codec {
         max_body_size: usize,
         max_elements: usize,
         batching: bool,
+        decoupled: bool,
     ) -> PyResult<V2Codec> {
         let mut specs = Vec::with_capacity(outputs.len());
         let mut output_keys = Vec::with_capacity(outputs.len());
@@ -644,12 +647,15 @@ impl V2Codec {
             max_body_size,
             max_elements,
         };
+        let mut core = Codec::new(model, specs, limits);
+        if !batching {
+            core = core.without_batching();
+        }
+        if decoupled {
+            core = core.decoupled_responses();
+        }
         Ok(V2Codec {
-            core: if batching {
-                Codec::new(model, specs, limits)
-            } else {
-                Codec::new(model, specs, limits).without_batching()
-            },
+            core,
             output_keys,
             output_dtypes,
         })

@@ -192,6 +192,26 @@ impl LoopRegistry {
         to_ring
     }
 
+    /// Hands one partial answer of a decoupled model's batch to its
+    /// streaming requests; returns how many still listen. Only the native
+    /// front-end's gRPC streams take partial answers: the other ways in
+    /// refuse a decoupled model's requests when they are submitted.
+    pub(crate) fn route_partial(
+        &self,
+        py: Python<'_>,
+        groups: &[(Sink, Arc<Vec<Route>>)],
+        outputs: &Bound<'_, PyDict>,
+    ) -> usize {
+        let Some(native) = self.native() else {
+            return 0;
+        };
+        groups
+            .iter()
+            .filter(|(sink, _)| matches!(sink, Sink::Connection(_)))
+            .map(|(_, routes)| native_sink::stream(py, &native, routes, outputs))
+            .sum()
+    }
+
     /// Routes this model's `Sink::Connection` rows to `sink` from now on. A
     /// front-end served before keeps its counts (in `retired`).
     pub(crate) fn attach_native(&self, sink: NativeSink) {

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use ferrobatch_core::{Outcome, Route};
 use ferrobatch_serve::{Column, Failure, Replies, VaryingRows};
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
 use crate::codec::V2Codec;
 use crate::results::{BatchOutcome, FailedRows};
@@ -49,7 +50,8 @@ impl NativeSink {
     }
 }
 
-/// Answers the native requests (`routes`) of one finished batch.
+/// Answers the native requests (`routes`) of one finished batch. A
+/// decoupled model's batch ends with no outputs: its streams end.
 pub(crate) fn deliver(
     py: Python<'_>,
     sink: &NativeSink,
@@ -59,6 +61,10 @@ pub(crate) fn deliver(
 ) {
     let replies = &sink.replies;
     let outputs = match outcome {
+        Ok(_) if replies.codec().decoupled() => {
+            without_gil(py, || replies.end_streams(routes));
+            return;
+        }
         Ok(outputs) => outputs.bind(py),
         Err(error) => {
             let failure = sink.failure(py, error.bind(py));
@@ -73,6 +79,37 @@ pub(crate) fn deliver(
                 .collect()
         })
         .unwrap_or_default();
+    with_columns(py, sink, outputs, routes, |columns| {
+        replies.deliver(routes, columns, &failed)
+    });
+}
+
+/// Hands one partial answer of a decoupled model's batch (`outputs`) to
+/// its native streaming requests (`routes`); returns how many still listen.
+/// Outputs that cannot be read fail those requests.
+pub(crate) fn stream(
+    py: Python<'_>,
+    sink: &NativeSink,
+    routes: &[Route],
+    outputs: &Bound<'_, PyDict>,
+) -> usize {
+    with_columns(py, sink, outputs, routes, |columns| {
+        sink.replies.stream(routes, columns)
+    })
+    .unwrap_or(0)
+}
+
+/// Runs `answer` on the columns of `outputs` (read once, with the GIL;
+/// `answer` runs without it). Outputs that cannot be read fail `routes`
+/// instead (None).
+fn with_columns<R: Send>(
+    py: Python<'_>,
+    sink: &NativeSink,
+    outputs: &Bound<'_, PyDict>,
+    routes: &[Route],
+    answer: impl FnOnce(&[Column<'_>]) -> R + Send,
+) -> Option<R> {
+    let replies = &sink.replies;
     let codec = sink.codec.get();
     let read = codec.read_outputs(py, outputs);
     let mut read = match read {
@@ -80,14 +117,14 @@ pub(crate) fn deliver(
         Err(err) => {
             let failure = sink.failure(py, err.value(py));
             without_gil(py, || replies.fail_batch(routes, &failure));
-            return;
+            return None;
         }
     };
     let columns: Vec<(Vec<u64>, usize, usize, Option<VaryingRows>)> = read
         .iter_mut()
         .map(|r| (r.shape.clone(), r.ptr, r.len, r.rows.take()))
         .collect();
-    without_gil(py, || {
+    let answered = without_gil(py, || {
         let columns: Vec<Column<'_>> = columns
             .iter()
             .map(|(shape, ptr, len, rows)| Column {
@@ -99,9 +136,10 @@ pub(crate) fn deliver(
                 rows: rows.as_ref(),
             })
             .collect();
-        replies.deliver(routes, &columns, &failed);
+        answer(&columns)
     });
     drop(read);
+    Some(answered)
 }
 
 /// `{outcome: requests}` of a native sink, added into a registry's stats.

@@ -23,7 +23,6 @@ use pyo3::{PyTraverseError, PyVisit};
 
 use crate::batcher::Batcher;
 use crate::errors::{invalid_input, is_ferrobatch_error};
-use ferrobatch_core::Outcome;
 
 use crate::loops::LoopRegistry;
 use crate::mailbox::LoopMailbox;
@@ -74,7 +73,8 @@ pub struct Submitter {
     batcher: Mutex<Option<Py<Batcher>>>,
     /// Every event loop's mailbox (made on its first submit).
     registry: Py<LoopRegistry>,
-    /// `not_running() -> ServerClosedError`, raised while no batcher is in.
+    /// `not_running() -> ServerClosedError` (or why a running server takes
+    /// no requests in process), raised while no batcher is in.
     not_running: Py<PyAny>,
     get_running_loop: Py<PyAny>,
     /// The last event loop seen (threads never see a torn entry).
@@ -152,12 +152,13 @@ impl Submitter {
             .as_ref()
             .map(|b| b.clone_ref(py));
         let Some(batcher) = batcher else {
-            let err = PyErr::from_value(self.not_running.call0(py)?.into_bound(py));
-            // Counted like any refusal, where there is a loop to count it in.
+            let refusal = self.not_running.call0(py)?.into_bound(py);
+            // Counted like any refusal (as what it is: not running, or a
+            // decoupled model's), where there is a loop to count it in.
             if let Ok(mailbox) = self.mailbox(py) {
-                mailbox.get().tally.count(Outcome::ServerClosed);
+                mailbox.get().tally.count(outcome_of_error(py, &refusal));
             }
-            return Err(err);
+            return Err(PyErr::from_value(refusal));
         };
         let mailbox = self.mailbox(py)?;
         let submitted = submission(py, timeout, priority, parameters).and_then(|submission| {
@@ -217,10 +218,9 @@ impl Submitter {
             .as_ref()
             .map(|b| b.clone_ref(py));
         let Some(batcher) = batcher else {
-            waiters.tally().count(Outcome::ServerClosed);
-            return Err(PyErr::from_value(
-                self.not_running.call0(py)?.into_bound(py),
-            ));
+            let refusal = self.not_running.call0(py)?.into_bound(py);
+            waiters.tally().count(outcome_of_error(py, &refusal));
+            return Err(PyErr::from_value(refusal));
         };
         let batcher = batcher.get();
         let submitted = submission(py, timeout, priority, parameters)

@@ -37,10 +37,12 @@ use ferrobatch_core::DType;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::header::HeaderValue;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::codec::CompressionEncoding;
 use tonic::codegen::Service;
 use tonic::metadata::MetadataMap;
-use tonic::{Code, Request, Response, Status};
+use tonic::{Code, Request, Response, Status, Streaming};
 
 use crate::http::FallbackCall;
 use crate::metadata::ModelMetadata;
@@ -64,8 +66,9 @@ use pb::{
     InferParameter, InferTensorContents, ModelConfigRequest, ModelConfigResponse,
     ModelInferRequest, ModelInferResponse, ModelMetadataRequest, ModelMetadataResponse,
     ModelReadyRequest, ModelReadyResponse, ModelStatisticsRequest, ModelStatisticsResponse,
-    RepositoryIndexRequest, RepositoryIndexResponse, ServerLiveRequest, ServerLiveResponse,
-    ServerMetadataRequest, ServerMetadataResponse, ServerReadyRequest, ServerReadyResponse,
+    ModelStreamInferResponse, RepositoryIndexRequest, RepositoryIndexResponse, ServerLiveRequest,
+    ServerLiveResponse, ServerMetadataRequest, ServerMetadataResponse, ServerReadyRequest,
+    ServerReadyResponse,
 };
 
 /// The tonic service of one front-end, as every connection serves it.
@@ -86,6 +89,15 @@ const PROBES: [&str; 2] = [
     "/inference.GRPCInferenceService/ServerLive",
     "/inference.GRPCInferenceService/ServerReady",
 ];
+
+/// The one RPC whose request is a stream of messages (read by tonic as they
+/// come, each within `max_body_size`).
+const STREAM_INFER: &str = "/inference.GRPCInferenceService/ModelStreamInfer";
+
+/// Triton's request parameter asking for an empty response that flags the
+/// end of each request's responses, and the response parameter flagging it.
+const ENABLE_EMPTY_FINAL: &str = "triton_enable_empty_final_response";
+const FINAL_RESPONSE: &str = "triton_final_response";
 
 /// The length of a gRPC message's prefix: a compressed flag and a
 /// big-endian u32 length.
@@ -138,9 +150,13 @@ pub(crate) async fn handle(
         )
         .into_http());
     }
-    let request = match unary(&shared, request).await {
-        Ok(request) => request,
-        Err(status) => return Ok(status.into_http()),
+    let request = if request.uri().path() == STREAM_INFER {
+        request.map(tonic::body::Body::new)
+    } else {
+        match unary(&shared, request).await {
+            Ok(request) => request,
+            Err(status) => return Ok(status.into_http()),
+        }
     };
     let mut response = server.call(request).await?;
     // tonic refuses a message over the limit with OUT_OF_RANGE, before any
@@ -365,6 +381,101 @@ impl Inference {
         Ok(served.map_or(Lookup::NotRunning, Lookup::Served))
     }
 
+    /// Answers one request of a `ModelStreamInfer` stream on `out`.
+    async fn stream_one(
+        &self,
+        mut request: ModelInferRequest,
+        call_timeout: Option<Duration>,
+        forwarded: &[(String, String)],
+        out: &StreamOut,
+    ) {
+        let tag = ResponseTag {
+            model_name: request.model_name.clone(),
+            id: request.id.clone(),
+            empty_final: matches!(
+                request
+                    .parameters
+                    .get(ENABLE_EMPTY_FINAL)
+                    .and_then(|p| p.parameter_choice.as_ref()),
+                Some(ParameterChoice::BoolParam(true))
+            ),
+        };
+        let answered = tokio::select! {
+            answered = self.answer_streamed(&mut request, call_timeout, forwarded, &tag, out) => answered,
+            // The client went away: dropping the answer cancels the request.
+            () = out.closed() => return,
+        };
+        if let Err(status) = answered {
+            let response = tag.response(Vec::new(), Vec::new(), true);
+            let _ = out.send(Ok(ModelStreamInferResponse {
+                error_message: status.message().to_owned(),
+                infer_response: Some(response),
+            }));
+        }
+    }
+
+    /// The responses of one streamed request, sent on `out` as they come;
+    /// the status of its failure, if it fails.
+    async fn answer_streamed(
+        &self,
+        request: &mut ModelInferRequest,
+        call_timeout: Option<Duration>,
+        forwarded: &[(String, String)],
+        tag: &ResponseTag,
+        out: &StreamOut,
+    ) -> Result<(), Status> {
+        let model = match self.known(&request.model_name, &request.model_version)? {
+            Lookup::Served(model) => model,
+            Lookup::NotRunning => {
+                return Err(Status::unavailable(format!(
+                    "server '{}' is not running",
+                    Clipped(&request.model_name)
+                )))
+            }
+        };
+        let send = |outputs: Vec<RawOutput>, last: bool| {
+            let (described, raw) = described_outputs(&model, outputs);
+            let response = tag.response(described, raw, last);
+            let _ = out.send(Ok(ModelStreamInferResponse {
+                error_message: String::new(),
+                infer_response: Some(response),
+            }));
+        };
+        if !model.replies().codec().decoupled() {
+            let submitted = submit(&model, request, call_timeout, forwarded, |outputs| {
+                ResponsePlan::Raw { outputs }
+            })
+            .map_err(status)?;
+            match model.reply(submitted).await.map_err(status)? {
+                Answer::Raw(outputs) => send(outputs, true),
+                Answer::Encoded(_) => return Err(Status::internal("an HTTP reply to a gRPC call")),
+            }
+            return Ok(());
+        }
+        let (partial, mut parts) = mpsc::unbounded_channel();
+        let submitted = submit(&model, request, call_timeout, forwarded, |outputs| {
+            ResponsePlan::Stream { outputs, partial }
+        })
+        .map_err(status)?;
+        let reply = model.reply(submitted);
+        tokio::pin!(reply);
+        let done = loop {
+            tokio::select! {
+                biased; // the parts a worker sent before it ended the stream come first
+                Some(part) = parts.recv() => send(part, false),
+                done = &mut reply => break done,
+            }
+        };
+        while let Ok(part) = parts.try_recv() {
+            send(part, false);
+        }
+        done.map_err(status)?;
+        if tag.empty_final {
+            send(Vec::new(), true);
+        }
+        Ok(())
+    }
+
     /// Answers RPC `method` with the fallback (Python; see
     /// [`crate::http::ask`]: a client that goes away withdraws it):
     /// `request` encoded, the response decoded.
@@ -472,12 +583,77 @@ impl GrpcInferenceService for Inference {
                 )))
             }
         };
-        let submitted = submit(&model, &mut request, call_timeout, &forwarded).map_err(status)?;
+        model.refuse_decoupled("ModelInfer").map_err(status)?;
+        let submitted = submit(&model, &mut request, call_timeout, &forwarded, |outputs| {
+            ResponsePlan::Raw { outputs }
+        })
+        .map_err(status)?;
         let outputs = match model.reply(submitted).await.map_err(status)? {
             Answer::Raw(outputs) => outputs,
             Answer::Encoded(_) => return Err(Status::internal("an HTTP reply to a gRPC call")),
         };
         Ok(Response::new(infer_response(&model, request, outputs)))
+    }
+
+    type ModelStreamInferStream = UnboundedReceiverStream<Result<ModelStreamInferResponse, Status>>;
+
+    /// Reads the stream's requests as they come and answers each on the
+    /// stream as soon as it can (in any order; `id` tells them apart): a
+    /// decoupled model's responses one by one as its model yields them, any
+    /// other model's one response. A request's failure is an
+    /// `error_message` on the stream, which goes on; the stream ends once
+    /// the client has closed its side (or the front-end stops) and every
+    /// request is answered. A client that goes away cancels what it left
+    /// pending.
+    async fn model_stream_infer(
+        &self,
+        request: Request<Streaming<ModelInferRequest>>,
+    ) -> Result<Response<Self::ModelStreamInferStream>, Status> {
+        let call_timeout = grpc_timeout(request.metadata());
+        let forwarded: Arc<[(String, String)]> = forwarded_metadata(
+            request.metadata(),
+            self.shared.config.grpc_header_forward_pattern.as_ref(),
+        )
+        .into();
+        let mut incoming = request.into_inner();
+        let (out, responses) = mpsc::unbounded_channel();
+        let inference = Inference {
+            shared: self.shared.clone(),
+        };
+        let mut stopped = self.shared.stopped.clone();
+        tokio::spawn(async move {
+            let inference = Arc::new(inference);
+            loop {
+                if stopped.borrow_and_update().is_some() {
+                    break; // the front-end stops: what is in flight is answered, then the stream ends
+                }
+                let message = tokio::select! {
+                    message = incoming.message() => message,
+                    () = out.closed() => break, // the client went away
+                    changed = stopped.changed() => match changed {
+                        Ok(()) => continue,
+                        Err(_) => break, // the front-end is gone
+                    },
+                };
+                match message {
+                    Ok(Some(request)) => {
+                        let (inference, out) = (inference.clone(), out.clone());
+                        let forwarded = forwarded.clone();
+                        tokio::spawn(async move {
+                            inference
+                                .stream_one(request, call_timeout, &forwarded, &out)
+                                .await;
+                        });
+                    }
+                    Ok(None) => break,
+                    Err(status) => {
+                        let _ = out.send(Err(status));
+                        break;
+                    }
+                }
+            }
+        });
+        Ok(Response::new(UnboundedReceiverStream::new(responses)))
     }
 
     async fn model_config(
@@ -547,6 +723,7 @@ fn submit(
     request: &mut ModelInferRequest,
     call_timeout: Option<Duration>,
     forwarded: &[(String, String)],
+    plan: impl FnOnce(Vec<usize>) -> ResponsePlan,
 ) -> Result<crate::model::Submitted, Failure> {
     let codec = model.replies().codec();
     let raw = std::mem::take(&mut request.raw_input_contents);
@@ -586,12 +763,7 @@ fn submit(
             None
         },
     };
-    model.enqueue(
-        &tensors,
-        decoded.owners,
-        meta,
-        ResponsePlan::Raw { outputs },
-    )
+    model.enqueue(&tensors, decoded.owners, meta, plan(outputs))
 }
 
 /// The `priority` parameter: an int64 or uint64 >= 0 (0: the default level).
@@ -946,12 +1118,62 @@ fn parse_grpc_timeout(text: &str) -> Option<Duration> {
     })
 }
 
+/// The sending side of a `ModelStreamInfer` call's response stream.
+type StreamOut = mpsc::UnboundedSender<Result<ModelStreamInferResponse, Status>>;
+
+/// What every response to one streamed request carries: its model, its
+/// `id`, and whether the client asked for an empty final response.
+struct ResponseTag {
+    model_name: String,
+    id: String,
+    empty_final: bool,
+}
+
+impl ResponseTag {
+    /// One response on the stream; `last`: the request's last
+    /// (`triton_final_response`, as Triton flags it).
+    fn response(
+        &self,
+        outputs: Vec<InferOutputTensor>,
+        raw: Vec<Bytes>,
+        last: bool,
+    ) -> ModelInferResponse {
+        let flag = InferParameter {
+            parameter_choice: Some(ParameterChoice::BoolParam(last)),
+        };
+        ModelInferResponse {
+            model_name: self.model_name.clone(),
+            model_version: MODEL_VERSION.to_owned(),
+            id: self.id.clone(),
+            parameters: [(FINAL_RESPONSE.to_owned(), flag)].into_iter().collect(),
+            outputs,
+            raw_output_contents: raw,
+        }
+    }
+}
+
 /// The response of a call from its outputs' rows.
 fn infer_response(
     model: &ServedModel,
     request: ModelInferRequest,
     outputs: Vec<RawOutput>,
 ) -> ModelInferResponse {
+    let (described, raw) = described_outputs(model, outputs);
+    ModelInferResponse {
+        model_name: request.model_name,
+        model_version: MODEL_VERSION.to_owned(),
+        id: request.id,
+        parameters: Default::default(),
+        outputs: described,
+        raw_output_contents: raw,
+    }
+}
+
+/// Each output's description and its raw bytes, in the order given.
+fn described_outputs(
+    model: &ServedModel,
+    outputs: Vec<RawOutput>,
+) -> (Vec<InferOutputTensor>, Vec<Bytes>) {
     let specs = model.replies().codec().outputs();
     let described = outputs
         .iter()
@@ -970,14 +1192,7 @@ fn infer_response(
             }
         })
         .collect();
-    ModelInferResponse {
-        model_name: request.model_name,
-        model_version: MODEL_VERSION.to_owned(),
-        id: request.id,
-        parameters: Default::default(),
-        outputs: described,
-        raw_output_contents: outputs.into_iter().map(|o| o.data).collect(),
-    }
+    (described, outputs.into_iter().map(|o| o.data).collect())
 }
 
 #[cfg(test)]

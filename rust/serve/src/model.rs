@@ -128,6 +128,7 @@ impl ServedModel {
         forwarded: &[(String, String)],
     ) -> Result<Submitted, Failure> {
         let codec = self.replies.codec();
+        self.refuse_decoupled("the HTTP endpoint")?;
         let mut refused_input = false;
         let mut check = |name: &str, dtype: DType, shape: &[u64]| {
             self.check_header(name, dtype, shape).map_err(|e| {
@@ -222,6 +223,21 @@ impl ServedModel {
             max_elements: batcher.max_batch_elements(),
             batched: self.replies.codec().batching(),
         }
+    }
+
+    /// Refuses a request that comes by `way` (a protocol that answers once)
+    /// to a decoupled model, whose responses stream over gRPC
+    /// `ModelStreamInfer` only (counted `invalid_input`).
+    pub fn refuse_decoupled(&self, way: &str) -> Result<(), Failure> {
+        if !self.replies.codec().decoupled() {
+            return Ok(());
+        }
+        let message = format!(
+            "model '{}' is decoupled (it streams its responses): {way} does not serve it; \
+             use gRPC ModelStreamInfer",
+            self.name
+        );
+        Err(self.refuse(Outcome::InvalidInput, Failure::new(400, message)))
     }
 
     /// Counts a request refused before it reached [`ServedModel::enqueue`]

@@ -12,7 +12,7 @@ use std::time::Instant;
 use bytes::Bytes;
 use ferrobatch_core::v2::{Codec, Encoded, Output};
 use ferrobatch_core::{Batcher, Outcome, Pending, Request, RequestState, Route, Tally};
-use tokio::sync::oneshot;
+use tokio::sync::{mpsc, oneshot};
 
 /// Why a request got no result: its HTTP status and the message for the client.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -71,6 +71,14 @@ pub enum ResponsePlan {
     },
     /// The raw rows of these outputs (indices), in this order.
     Raw { outputs: Vec<usize> },
+    /// A decoupled model's request: each partial answer of its batch (the
+    /// raw rows of these outputs, as `Raw`) goes to `partial` as it comes;
+    /// the final answer, through the pending table as for any request, is
+    /// the end of the stream (`Answer::Raw` with no outputs) or a failure.
+    Stream {
+        outputs: Vec<usize>,
+        partial: mpsc::UnboundedSender<Vec<RawOutput>>,
+    },
 }
 
 /// What a native request holds until its batch is done.
@@ -189,6 +197,48 @@ impl Replies {
         }
     }
 
+    /// Hands one partial answer of a decoupled model's batch (`columns`, as
+    /// for [`Replies::deliver`]) to each of its streaming requests whose
+    /// caller still listens; their entries stay. Returns how many listen
+    /// (0: the model may stop producing). Encoding runs on the calling
+    /// thread (a worker, without the GIL).
+    pub fn stream(&self, routes: &[Route], columns: &[Column<'_>]) -> usize {
+        let listening = self.pending.peek(routes, |held| match &held.plan {
+            ResponsePlan::Stream { outputs, partial } => Some((outputs.clone(), partial.clone())),
+            _ => None,
+        });
+        let mut sent = 0;
+        for (route, (outputs, partial)) in listening {
+            match self.raw_rows(&route, &outputs, columns) {
+                // A closed channel: the caller went away (its handler abandons it).
+                Ok(part) => sent += usize::from(partial.send(part).is_ok()),
+                // Rows the model did not give: the request fails now, counted
+                // once; its batch goes on for the others.
+                Err(failure) => {
+                    let to = RequestState::Cancelled; // moot: a batch holds it
+                    if let Some(answer) =
+                        self.pending
+                            .abandon(&*self.batcher, route.id, to, Outcome::ModelError)
+                    {
+                        let _ = answer.send(Err(failure));
+                    }
+                }
+            }
+        }
+        sent
+    }
+
+    /// Ends the streams of a decoupled model's finished batch: each caller
+    /// still waiting gets the end of its stream, counted a success.
+    pub fn end_streams(&self, routes: &[Route]) {
+        let now = Instant::now();
+        for taken in self.pending.take(routes) {
+            self.pending
+                .count(Outcome::Succeeded, taken.enqueued_at, now);
+            let _ = taken.answer.send(Ok(Answer::Raw(Vec::new())));
+        }
+    }
+
     /// Answers the requests of one finished batch from its `columns` (every
     /// output, whole, in the codec's order). A request whose first row is in
     /// `failed` gets that failure instead (it failed alone). Encoding runs
@@ -238,19 +288,31 @@ impl Replies {
                     .map(Answer::Encoded)
                     .map_err(|e| Failure::new(e.status(), e.to_string()))
             }
-            ResponsePlan::Raw { outputs } => outputs
-                .iter()
-                .map(|&index| {
-                    let (shape, data) = self.rows(route, index, columns)?;
-                    let data = match data {
-                        Cow::Borrowed(data) => Bytes::copy_from_slice(data),
-                        Cow::Owned(data) => Bytes::from(data),
-                    };
-                    Ok(RawOutput { index, shape, data })
-                })
-                .collect::<Result<Vec<_>, Failure>>()
-                .map(Answer::Raw),
+            ResponsePlan::Stream { .. } => Ok(Answer::Raw(Vec::new())),
+            ResponsePlan::Raw { outputs } => {
+                self.raw_rows(route, outputs, columns).map(Answer::Raw)
+            }
         }
+    }
+
+    /// The rows of `route` in each of `outputs` (indices), as raw bytes.
+    fn raw_rows(
+        &self,
+        route: &Route,
+        outputs: &[usize],
+        columns: &[Column<'_>],
+    ) -> Result<Vec<RawOutput>, Failure> {
+        outputs
+            .iter()
+            .map(|&index| {
+                let (shape, data) = self.rows(route, index, columns)?;
+                let data = match data {
+                    Cow::Borrowed(data) => Bytes::copy_from_slice(data),
+                    Cow::Owned(data) => Bytes::from(data),
+                };
+                Ok(RawOutput { index, shape, data })
+            })
+            .collect()
     }
 
     /// The rows of `route` in output `index`: their shape and bytes, or the

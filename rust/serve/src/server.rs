@@ -131,6 +131,9 @@ pub(crate) struct Shared {
     headroom: Arc<Semaphore>,
     /// Permits for CPU-heavy work on blocking threads ([`Shared::offload`]).
     offloaded: Arc<Semaphore>,
+    /// Some once the front-end stops: open request streams take no more
+    /// requests (those in flight are answered, then the stream ends).
+    pub stopped: watch::Receiver<Option<Duration>>,
 }
 
 impl Shared {
@@ -221,6 +224,7 @@ impl Frontend {
             .thread_name("ferrobatch-serve")
             .enable_all()
             .build()?;
+        let (stop, stopped) = watch::channel(None);
         let shared = Arc::new(Shared {
             models: RwLock::new(Vec::new()),
             fallback,
@@ -231,8 +235,8 @@ impl Frontend {
             headroom: Arc::new(Semaphore::new(HEADROOM)),
             offloaded: Arc::new(Semaphore::new(offloaded())),
             config,
+            stopped: stopped.clone(),
         });
-        let (stop, stopped) = watch::channel(None);
         let mut done = Vec::new();
         let http_addr = http.as_ref().map(|(_, local)| *local);
         let grpc_addr = grpc.as_ref().map(|(_, local)| *local);

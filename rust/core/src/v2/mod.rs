@@ -90,6 +90,10 @@ pub struct Codec {
     /// 0`): a request's tensors are one sample each, shaped as declared,
     /// with no batch dimension, and so are the response's.
     batching: bool,
+    /// True for a decoupled model (Triton's `model_transaction_policy {
+    /// decoupled: true }`): any number of responses per request, streamed
+    /// over gRPC `ModelStreamInfer` only.
+    decoupled: bool,
 }
 
 impl Codec {
@@ -119,6 +123,7 @@ impl Codec {
             response_prefix,
             output_prefixes,
             batching: true,
+            decoupled: false,
         }
     }
 
@@ -131,6 +136,18 @@ impl Codec {
     /// Whether requests carry a batch dimension (false: one sample each).
     pub fn batching(&self) -> bool {
         self.batching
+    }
+
+    /// This codec, for a decoupled model (see [`Codec::decoupled`]).
+    pub fn decoupled_responses(mut self) -> Codec {
+        self.decoupled = true;
+        self
+    }
+
+    /// Whether the model streams its responses (decoupled): its requests
+    /// come over gRPC `ModelStreamInfer` only.
+    pub fn decoupled(&self) -> bool {
+        self.decoupled
     }
 
     pub fn model(&self) -> &str {

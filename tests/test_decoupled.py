@@ -1,0 +1,326 @@
+"""Decoupled models (``Server(decoupled=True)``, Triton's decoupled mode): a
+generator model streams its responses over gRPC ``ModelStreamInfer``, each
+caller getting its own rows of every item as it is made, the last one
+flagged as Triton flags it; a caller that goes away stops the model; every
+request resolves once, and ``stats()`` says what the callers saw."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+import ferrobatch as fb
+from ferrobatch.serve import ServeConfig, serve_in_thread
+from ferrobatch.triton import Triton, TritonConfig
+from ferrobatch.triton.client import (
+    DecoupledModelClient,
+    ModelClient,
+    PyTritonClientInferenceServerError,
+    PyTritonClientValueError,
+)
+from ferrobatch.triton.decorators import batch
+from ferrobatch.triton.model_config import ModelConfig, Tensor
+
+CONFIG = ServeConfig(http_port=0, grpc_port=0, log_level="warning")
+X = fb.TensorSpec("x", "float32", (3,))
+Y = fb.TensorSpec("y", "float32", (3,))
+
+
+def counting(steps: int, closed: list[int] | None = None, fail_at: int | None = None) -> Any:
+    """A decoupled model yielding ``x * i`` for i in 0..steps, raising at
+    step ``fail_at``; records in ``closed`` the step a GeneratorExit came at."""
+
+    def model(inputs: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
+        i = 0
+        try:
+            for i in range(steps):
+                if i == fail_at:
+                    raise RuntimeError(f"failed at step {i}")
+                yield {"y": inputs["x"] * i}
+        except GeneratorExit:
+            if closed is not None:
+                closed.append(i)
+            raise
+
+    return model
+
+
+class Stream:
+    """One ModelStreamInfer call through tritonclient, its messages queued."""
+
+    def __init__(self, port: int) -> None:
+        self.client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+        self.messages: queue.SimpleQueue[tuple[Any, Any]] = queue.SimpleQueue()
+        self.client.start_stream(callback=lambda result, error: self.messages.put((result, error)))
+
+    def send(self, model: str, x: np.ndarray, request_id: str, final: bool = True) -> None:
+        given = grpcclient.InferInput("x", list(x.shape), "FP32")
+        given.set_data_from_numpy(x)
+        self.client.async_stream_infer(model, [given], request_id=request_id, enable_empty_final_response=final)
+
+    def next(self, timeout: float = 10.0) -> tuple[Any, Any]:
+        return self.messages.get(timeout=timeout)
+
+    def close(self, cancel: bool = False) -> None:
+        self.client.stop_stream(cancel_requests=cancel)
+        self.client.close()
+
+
+def is_final(result: Any) -> bool:
+    return bool(result.get_response().parameters["triton_final_response"].bool_param)
+
+
+def failures(server: fb.Server) -> dict[str, int]:
+    return {k: v for k, v in server.stats()["requests_failed"].items() if v}
+
+
+def test_each_caller_gets_its_rows_of_every_item_then_the_final_flag() -> None:
+    server = fb.Server(counting(4), inputs=[X], outputs=[Y], decoupled=True, max_delay=0.02, name="count")
+    with serve_in_thread([server], CONFIG) as listening:
+        stream = Stream(listening.grpc_port)
+        for k in range(3):  # in one batch (20 ms window): each its own rows
+            stream.send("count", np.full((1, 3), k + 1, np.float32), request_id=f"r{k}")
+        got: dict[str, list[Any]] = {f"r{k}": [] for k in range(3)}
+        finals = 0
+        while finals < 3:
+            result, error = stream.next()
+            assert error is None, error
+            rid = result.get_response().id
+            if is_final(result):
+                finals += 1
+                assert result.get_response().outputs == [], "the final response is empty"
+                got[rid].append("end")
+            else:
+                got[rid].append(result.as_numpy("y").tolist())
+        stream.close()
+        for k in range(3):
+            assert got[f"r{k}"] == [[[float((k + 1) * i)] * 3] for i in range(4)] + ["end"]
+        stats = server.stats()
+        assert stats["requests_succeeded"] == 3 and not failures(server)
+        assert stats["batches"] < 3, "the three requests were batched"
+
+
+def test_without_the_final_flag_only_the_responses_come_and_a_plain_model_answers_once() -> None:
+    plain = fb.Server(lambda b: {"y": b["x"] + 1}, inputs=[X], outputs=[Y], name="plain")
+    streaming = fb.Server(counting(2), inputs=[X], outputs=[Y], decoupled=True, name="count")
+    with serve_in_thread([plain, streaming], CONFIG) as listening:
+        stream = Stream(listening.grpc_port)
+        stream.send("count", np.ones((1, 3), np.float32), "a", final=False)
+        firsts = [stream.next()[0] for _ in range(2)]
+        assert [is_final(r) for r in firsts] == [False, False]
+        stream.send("plain", np.ones((1, 3), np.float32), "b", final=False)
+        result, error = stream.next()
+        assert error is None and result.get_response().id == "b" and is_final(result)
+        assert result.as_numpy("y").tolist() == [[2.0, 2.0, 2.0]]
+        with pytest.raises(queue.Empty):
+            stream.next(timeout=0.3)  # nothing flags the end of "a": none was asked for
+        stream.close()
+
+
+def test_a_caller_that_goes_away_stops_the_model_and_is_counted_cancelled() -> None:
+    closed: list[int] = []
+
+    def slow(inputs: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
+        for item in counting(100_000, closed)(inputs):
+            time.sleep(0.001)
+            yield item
+
+    server = fb.Server(slow, inputs=[X], outputs=[Y], decoupled=True, name="endless")
+    with serve_in_thread([server], CONFIG) as listening:
+        stream = Stream(listening.grpc_port)
+        stream.send("endless", np.ones((1, 3), np.float32), "a")
+        for _ in range(3):
+            assert stream.next()[1] is None
+        stream.close(cancel=True)
+        deadline = time.monotonic() + 10
+        while not closed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert closed and closed[0] < 100_000 - 1, "the generator was closed at its yield"
+        while server.stats()["requests_failed"]["cancelled"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert failures(server) == {"cancelled": 1} and server.stats()["requests_succeeded"] == 0
+        # The worker is free again: the next stream is answered.
+        again = Stream(listening.grpc_port)
+        again.send("endless", np.ones((1, 3), np.float32), "b")
+        assert again.next()[1] is None
+        again.close(cancel=True)
+
+
+def test_a_model_that_fails_mid_stream_fails_its_requests_after_what_was_sent() -> None:
+    server = fb.Server(counting(5, fail_at=2), inputs=[X], outputs=[Y], decoupled=True, name="flaky")
+    with serve_in_thread([server], CONFIG) as listening:
+        stream = Stream(listening.grpc_port)
+        stream.send("flaky", np.ones((1, 3), np.float32), "a")
+        messages = [stream.next() for _ in range(3)]
+        assert [e is None for _, e in messages] == [True, True, False]
+        error = messages[2][1]
+        assert isinstance(error, InferenceServerException) and "model 'flaky'" in error.message()
+        stream.send("flaky", np.ones((1, 3), np.float32), "b")  # the stream goes on
+        assert stream.next()[1] is None
+        stream.close(cancel=True)
+    assert server.stats()["requests_failed"]["model_error"] >= 1
+
+
+def test_a_response_of_the_wrong_shape_fails_that_request_once() -> None:
+    def bad(inputs: dict[str, torch.Tensor]) -> Iterator[dict[str, Any]]:
+        yield {"y": inputs["x"]}
+        yield {"y": inputs["x"][:, :2]}  # not the declared (3,)
+
+    server = fb.Server(bad, inputs=[X], outputs=[Y], decoupled=True, name="bad")
+    with serve_in_thread([server], CONFIG) as listening:
+        stream = Stream(listening.grpc_port)
+        stream.send("bad", np.ones((1, 3), np.float32), "a")
+        assert stream.next()[1] is None
+        _, error = stream.next()
+        assert error is not None and "model 'bad' failed" in error.message()
+        with pytest.raises(queue.Empty):
+            stream.next(timeout=0.3)  # nothing after its failure
+        stream.close()
+    assert failures(server) == {"model_error": 1} and server.stats()["requests_succeeded"] == 0
+
+
+def test_the_ways_that_answer_once_refuse_a_decoupled_model_with_a_clear_error() -> None:
+    server = fb.Server(counting(2), inputs=[X], outputs=[Y], decoupled=True, name="count")
+    with serve_in_thread([server], CONFIG) as listening:
+        base = f"http://127.0.0.1:{listening.http_port}/v2/models/count"
+        sample = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 3], "data": [1, 2, 3]}]}
+        answer = httpx.post(f"{base}/infer", json=sample)
+        assert answer.status_code == 400 and "decoupled" in answer.json()["error"]
+        assert httpx.get(f"{base}/config").json()["model_transaction_policy"] == {"decoupled": True}
+        with grpcclient.InferenceServerClient(f"127.0.0.1:{listening.grpc_port}") as client:
+            given = grpcclient.InferInput("x", [1, 3], "FP32")
+            given.set_data_from_numpy(np.ones((1, 3), np.float32))
+            with pytest.raises(InferenceServerException, match="ModelStreamInfer"):
+                client.infer("count", [given])
+            config = client.get_model_config("count", as_json=True)["config"]
+            assert config["model_transaction_policy"] == {"decoupled": True}
+            assert client.is_model_ready("count")
+        with pytest.raises(fb.InvalidInputError, match="decoupled"):
+            server.client().infer_sync({"x": torch.ones(3)})
+        with pytest.raises(ValueError, match="decoupled"):
+            server.share("fb-test-decoupled")
+    assert failures(server) == {"invalid_input": 3}
+
+
+def test_a_decoupled_model_must_return_an_iterable() -> None:
+    server = fb.Server(lambda b: {"y": b["x"]}, inputs=[X], outputs=[Y], decoupled=True, name="dict")
+    with serve_in_thread([server], CONFIG) as listening:
+        stream = Stream(listening.grpc_port)
+        stream.send("dict", np.ones((1, 3), np.float32), "a")
+        _, error = stream.next()
+        assert error is not None and "model 'dict' failed" in error.message()
+        # Left open: stopping the front-end ends the stream, without waiting for the client.
+        started = time.monotonic()
+    assert time.monotonic() - started < 5
+    assert failures(server) == {"model_error": 1}
+
+
+def test_what_a_decoupled_server_refuses_at_construction() -> None:
+    with pytest.raises(ValueError, match="invariance_sample_rate"):
+        fb.Server(counting(1), inputs=[X], outputs=[Y], decoupled=True, invariance_sample_rate=0.5)
+    with pytest.raises(ValueError, match="decoupled"):
+        fb.Server(counting(1), inputs=[X], outputs=[Y], decoupled=True, compile=True)
+    assert not fb.Server(counting(1), inputs=[X], outputs=[Y], decoupled=True).isolate_failures
+
+
+# -- PyTriton's API ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def triton() -> Iterator[tuple[Triton, list[str]]]:
+    events: list[str] = []
+
+    @batch
+    def tokens(x: np.ndarray) -> Iterator[dict[str, np.ndarray]]:
+        try:
+            for i in range(3):
+                yield {"y": x + i}
+        except GeneratorExit:
+            events.append("closed")
+            raise
+
+    @batch
+    def endless(x: np.ndarray) -> Iterator[dict[str, np.ndarray]]:
+        try:
+            while True:
+                time.sleep(0.001)
+                yield {"y": x}
+        except GeneratorExit:
+            events.append("endless closed")
+            raise
+
+    with Triton(config=TritonConfig(http_port=0, grpc_port=0)) as server:
+        vector = [Tensor(name="x", dtype=np.float32, shape=(-1,))], [Tensor(name="y", dtype=np.float32, shape=(-1,))]
+        server.bind("tokens", tokens, *vector, config=ModelConfig(max_batch_size=8, decoupled=True))
+        server.bind("endless", endless, *vector, config=ModelConfig(max_batch_size=8, decoupled=True))
+        server.bind("plain", lambda requests: [{"y": r["x"]} for r in requests], *vector)
+        server.run()
+        yield server, events
+
+
+def test_decoupled_model_client_iterates_the_responses(triton: tuple[Triton, list[str]]) -> None:
+    server, _ = triton
+    with DecoupledModelClient(f"grpc://127.0.0.1:{server.grpc_port}", "tokens") as client:
+        assert client.model_config.decoupled
+        samples = [out["y"].tolist() for out in client.infer_sample(np.float32([1, 2]))]
+        assert samples == [[1, 2], [2, 3], [3, 4]]
+        batches = [out["y"].tolist() for out in client.infer_batch(np.float32([[0], [10]]))]
+        assert batches == [[[0], [10]], [[1], [11]], [[2], [12]]]
+
+
+def test_decoupled_model_client_left_early_cancels_and_stays_usable(triton: tuple[Triton, list[str]]) -> None:
+    server, events = triton
+    with DecoupledModelClient(f"grpc://127.0.0.1:{server.grpc_port}", "endless") as client:
+        responses = client.infer_sample(np.float32([5]))
+        assert [next(responses)["y"].tolist() for _ in range(3)] == [[5.0]] * 3
+        with pytest.raises(PyTritonClientInferenceServerError, match="already in progress"):
+            client.infer_sample(np.float32([5]))
+        responses.close()  # left early
+        deadline = time.monotonic() + 10
+        while "endless closed" not in events and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "endless closed" in events
+        again = client.infer_sample(np.float32([7]))
+        assert next(again)["y"].tolist() == [7.0]
+        again.close()
+
+
+def test_decoupled_model_client_refuses_http_coupled_models_and_headers(triton: tuple[Triton, list[str]]) -> None:
+    server, _ = triton
+    with pytest.raises(PyTritonClientValueError, match="grpc"):
+        DecoupledModelClient(f"http://127.0.0.1:{server.http_port}", "tokens")
+    with DecoupledModelClient(f"grpc://127.0.0.1:{server.grpc_port}", "plain") as client:
+        with pytest.raises(PyTritonClientInferenceServerError, match="coupled"):
+            client.infer_sample(np.float32([1]))
+    with DecoupledModelClient(f"grpc://127.0.0.1:{server.grpc_port}", "tokens") as client:
+        with pytest.raises(PyTritonClientValueError, match="headers"):
+            client.infer_sample(np.float32([1]), headers={"a": "b"})
+    with ModelClient(f"grpc://127.0.0.1:{server.grpc_port}", "tokens") as plain:
+        with pytest.raises(PyTritonClientInferenceServerError, match="decoupled"):
+            plain.infer_sample(np.float32([1]))
+
+
+def test_many_threads_stream_at_once_each_its_own_rows(triton: tuple[Triton, list[str]]) -> None:
+    server, _ = triton
+    got: dict[int, list[list[float]]] = {}
+
+    def one(k: int) -> None:
+        with DecoupledModelClient(f"grpc://127.0.0.1:{server.grpc_port}", "tokens") as client:
+            got[k] = [out["y"].tolist() for out in client.infer_sample(np.float32([k, -k]))]
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert got == {k: [[float(k + i), float(i - k)] for i in range(3)] for k in range(8)}
