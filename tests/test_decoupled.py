@@ -6,6 +6,7 @@ request resolves once, and ``stats()`` says what the callers saw."""
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 import time
@@ -23,6 +24,7 @@ import ferrobatch as fb
 from ferrobatch.serve import ServeConfig, serve_in_thread
 from ferrobatch.triton import Triton, TritonConfig
 from ferrobatch.triton.client import (
+    AsyncioDecoupledModelClient,
     DecoupledModelClient,
     ModelClient,
     PyTritonClientInferenceServerError,
@@ -324,3 +326,28 @@ def test_many_threads_stream_at_once_each_its_own_rows(triton: tuple[Triton, lis
     for t in threads:
         t.join(30)
     assert got == {k: [[float(k + i), float(i - k)] for i in range(3)] for k in range(8)}
+
+
+def test_asyncio_decoupled_model_client_iterates_and_cancels(triton: tuple[Triton, list[str]]) -> None:
+    server, events = triton
+
+    async def main() -> tuple[list[list[float]], list[list[float]]]:
+        url = f"grpc://127.0.0.1:{server.grpc_port}"
+        async with AsyncioDecoupledModelClient(url, "tokens") as client:
+            got = [out["y"].tolist() async for out in client.infer_sample(np.float32([1, 2]))]
+            endless = AsyncioDecoupledModelClient(url, "endless")
+            firsts = []
+            async for out in endless.infer_batch(np.float32([[3]])):
+                firsts.append(out["y"].tolist())
+                if len(firsts) == 2:
+                    break
+            await endless.close()
+            return got, firsts
+
+    events.clear()
+    got, firsts = asyncio.run(main())
+    assert got == [[1, 2], [2, 3], [3, 4]] and firsts == [[[3.0]], [[3.0]]]
+    deadline = time.monotonic() + 10
+    while "endless closed" not in events and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "endless closed" in events, "leaving the stream cancelled the request"

@@ -1,9 +1,10 @@
-"""PyTriton's own unit tests of its decorators, run against ``ferrobatch.triton``
-with only their imports switched, beside PyTriton itself; prints both counts.
+"""PyTriton's own unit tests of its decorators and its decoupled-mode test, run
+against ``ferrobatch.triton`` with only their imports switched, beside PyTriton
+itself; prints both counts.
 
 It fetches nothing: give it a local checkout of triton-inference-server/pytriton
 (``git clone https://github.com/triton-inference-server/pytriton``, or any
-copy holding ``tests/unit/``). The test files are copied into a temporary
+copy holding ``tests/unit/`` and ``tests/functional/L0_decoupled_mode/``). The test files are copied into a temporary
 directory (never into this repository) and each ``from pytriton.X import
 names`` becomes ``from ferrobatch.triton.X import names``. A name
 ferrobatch.triton does not have (a private helper of PyTriton's, or
@@ -43,9 +44,16 @@ import tempfile
 import time
 from pathlib import Path
 
-#: The suites run: PyTriton's decorator tests (what a model author's code
-#: touches), and the helpers they import from their own package.
-TEST_FILES = ("test_decorators.py", "test_decorators_batch.py")
+#: The suites run, by their place in PyTriton's checkout, and the name each
+#: is run under: its decorator tests (what a model author's code touches) and
+#: its decoupled-mode functional test (a streaming model served, and
+#: ``DecoupledModelClient`` against it); then the helpers they import from
+#: their own package.
+TEST_FILES = {
+    "tests/unit/test_decorators.py": "test_decorators.py",
+    "tests/unit/test_decorators_batch.py": "test_decorators_batch.py",
+    "tests/functional/L0_decoupled_mode/test_pytest.py": "test_decoupled_mode.py",
+}
 HELPERS = ("__init__.py", "utils.py")
 
 FROM_IMPORT = re.compile(r"^from pytriton((?:\.\w+)*) import (\([^)]*\)|[^\n]*)", re.M)
@@ -107,8 +115,9 @@ def copy_suite(checkout: Path, into: Path, *, switch: bool, missing: set[str]) -
     unit = into / "tests" / "unit"
     unit.mkdir(parents=True)
     (into / "tests" / "__init__.py").write_text("")
-    for name in (*TEST_FILES, *HELPERS):
-        source = (checkout / "tests" / "unit" / name).read_text()
+    files = {**TEST_FILES, **{f"tests/unit/{name}": name for name in HELPERS}}
+    for path, name in files.items():
+        source = (checkout / path).read_text()
         (unit / name).write_text(switched(source, missing) if switch else source)
     return unit
 
@@ -125,12 +134,13 @@ def run(python: str, unit: Path, extra: list[str]) -> dict[str, int]:
             "--rootdir",
             str(unit.parent.parent),
             *extra,
-            *TEST_FILES,
+            *TEST_FILES.values(),
         ],
         cwd=unit,
         capture_output=True,
         text=True,
         timeout=600,
+        env=_with_libpython(python),
     )
     lines = done.stdout.strip().splitlines()
     failed = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
@@ -139,6 +149,19 @@ def run(python: str, unit: Path, extra: list[str]) -> dict[str, int]:
     summary = lines[-1] if lines else done.stderr[-500:]
     print(f"  {summary}")
     return {o: int(n) for n, o in re.findall(r"(\d+) (\w+?)s?\b", summary) if o in OUTCOMES}
+
+
+def _with_libpython(python: str) -> dict[str, str]:
+    """The environment for ``python``, its LIBDIR first on ``LD_LIBRARY_PATH``:
+    Triton's Python-backend stub (PyTriton's server) links its libpython."""
+    libdir = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_config_var('LIBDIR') or '')"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    env = dict(os.environ)
+    if libdir:
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [libdir, env.get("LD_LIBRARY_PATH")]))
+    return env
 
 
 def _port_open(port: int) -> bool:
@@ -215,8 +238,9 @@ def main() -> None:
             total = sum(len(r) for r in results.values())
             print(f"\nexamples served by ferrobatch.triton: {passed} of {total} client runs passed")
         return
-    if not (args.checkout / "tests" / "unit" / TEST_FILES[0]).is_file():
-        raise SystemExit(f"{args.checkout} has no tests/unit/{TEST_FILES[0]}")
+    absent = [path for path in TEST_FILES if not (args.checkout / path).is_file()]
+    if absent:
+        raise SystemExit(f"{args.checkout} has no {', '.join(absent)}")
     with tempfile.TemporaryDirectory(prefix="pytriton-suite-") as tmp:
         counts = {}
         if args.pytriton_python:

@@ -31,18 +31,29 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from types import ModuleType, TracebackType
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import numpy as np
 
-from .exceptions import PyTritonError
-from .model_config import DynamicBatcher
-from .model_config.triton_model_config import TensorSpec, TritonModelConfig
+from ..model_config import DynamicBatcher
+from ..model_config.triton_model_config import TensorSpec, TritonModelConfig
+from .exceptions import (
+    PyTritonClientClosedError,
+    PyTritonClientError,
+    PyTritonClientInferenceServerError,
+    PyTritonClientInvalidUrlError,
+    PyTritonClientModelDoesntSupportBatchingError,
+    PyTritonClientModelUnavailableError,
+    PyTritonClientQueueFullError,
+    PyTritonClientTimeoutError,
+    PyTritonClientValueError,
+)
 
 __all__ = [
+    "AsyncioDecoupledModelClient",
     "AsyncioModelClient",
     "DecoupledModelClient",
     "FuturesModelClient",
@@ -50,37 +61,16 @@ __all__ = [
     "PyTritonClientClosedError",
     "PyTritonClientError",
     "PyTritonClientInferenceServerError",
+    "PyTritonClientInvalidUrlError",
+    "PyTritonClientModelDoesntSupportBatchingError",
     "PyTritonClientModelUnavailableError",
+    "PyTritonClientQueueFullError",
     "PyTritonClientTimeoutError",
     "PyTritonClientValueError",
 ]
 
 T = TypeVar("T")
 Parameters = Mapping[str, str | int | float | bool]
-
-
-class PyTritonClientError(PyTritonError):
-    """Base class of the client's errors."""
-
-
-class PyTritonClientValueError(PyTritonClientError):
-    """Inputs or arguments the client cannot send."""
-
-
-class PyTritonClientTimeoutError(PyTritonClientError):
-    """The server, the model or an inference took longer than allowed."""
-
-
-class PyTritonClientModelUnavailableError(PyTritonClientError):
-    """The model is not (or not yet) served."""
-
-
-class PyTritonClientInferenceServerError(PyTritonClientError):
-    """The server answered the inference with an error (the message says which)."""
-
-
-class PyTritonClientClosedError(PyTritonClientError):
-    """The client was closed."""
 
 
 _DEFAULT_PORTS = {"http": 8000, "grpc": 8001}
@@ -102,7 +92,7 @@ def _parse_url(url: str) -> tuple[str, str]:
     parts = urlsplit(url if "://" in url else f"http://{url}")
     scheme = parts.scheme.lower()
     if scheme not in _DEFAULT_PORTS or not parts.hostname:
-        raise PyTritonClientValueError(f"url must be [http://|grpc://]host[:port], got {url!r}")
+        raise PyTritonClientInvalidUrlError(f"url must be [http://|grpc://]host[:port], got {url!r}")
     return scheme, f"{parts.hostname}:{parts.port or _DEFAULT_PORTS[scheme]}"
 
 
@@ -326,7 +316,9 @@ class ModelClient:
         """A batch (inputs with a leading batch dimension) → its outputs."""
         config = self.model_config
         if not config.batching:
-            raise PyTritonClientValueError(f"model {self.model_name!r} does not batch: use infer_sample")
+            raise PyTritonClientModelDoesntSupportBatchingError(
+                f"model {self.model_name!r} does not batch: use infer_sample"
+            )
         return self._infer(self._requests.named(config, inputs, named_inputs), parameters, headers)
 
     @property
@@ -412,7 +404,9 @@ class DecoupledModelClient(ModelClient):
     its responses, each as it comes, until the server flags the last one.
     One request at a time per client; leaving the iterator early cancels
     the request (the server stops the model once nobody listens to its
-    batch). ``inference_timeout_s`` bounds the wait for each response.
+    batch). As PyTriton's, it waits for each response as long as the stream
+    lives (``inference_timeout_s`` does not bound a stream: a model may take
+    any time between responses); a lost connection ends it with an error.
     Unlike PyTriton's, it sends ``parameters`` (headers: refused, as there)."""
 
     def __init__(
@@ -465,7 +459,9 @@ class DecoupledModelClient(ModelClient):
         """A batch (inputs with a leading batch dimension) → an iterator of its responses."""
         config = self.model_config
         if not config.batching:
-            raise PyTritonClientValueError(f"model {self.model_name!r} does not batch: use infer_sample")
+            raise PyTritonClientModelDoesntSupportBatchingError(
+                f"model {self.model_name!r} does not batch: use infer_sample"
+            )
         return self._stream(self._requests.named(config, inputs, named_inputs), parameters, headers)
 
     def close(self) -> None:
@@ -524,12 +520,7 @@ class DecoupledModelClient(ModelClient):
         finished = False
         try:
             while True:
-                try:
-                    item = self._responses.get(timeout=self._requests.inference_timeout_s)
-                except queue.Empty as exc:
-                    raise PyTritonClientTimeoutError(
-                        f"no response in {self._requests.inference_timeout_s} s (inference_timeout_s)"
-                    ) from exc
+                item = self._responses.get()  # a lost connection comes as an error
                 if item is None:
                     finished = True
                     return
@@ -737,7 +728,9 @@ class AsyncioModelClient:
     ) -> dict[str, np.ndarray]:
         config = await self.model_config
         if not config.batching:
-            raise PyTritonClientValueError(f"model {self.model_name!r} does not batch: use infer_sample")
+            raise PyTritonClientModelDoesntSupportBatchingError(
+                f"model {self.model_name!r} does not batch: use infer_sample"
+            )
         return await self._infer(self._requests.named(config, inputs, named_inputs), parameters, headers)
 
     async def _infer(
@@ -753,3 +746,100 @@ class AsyncioModelClient:
         except (_utils().InferenceServerException, TimeoutError) as exc:
             raise self._requests.failed(exc) from exc
         return self._requests.outputs(result)
+
+
+class AsyncioDecoupledModelClient(AsyncioModelClient):
+    """PyTriton's asyncio client of a decoupled model (gRPC only):
+    ``infer_sample`` and ``infer_batch`` are async generators of the
+    request's responses, each as it comes (one stream per call, ended by the
+    server after the last response). Leaving one early cancels its request.
+    As :class:`DecoupledModelClient`, it waits for each response as long as
+    the stream lives."""
+
+    def __init__(
+        self,
+        url: str,
+        model_name: str,
+        model_version: str | None = None,
+        *,
+        lazy_init: bool = True,
+        init_timeout_s: float | None = None,
+        inference_timeout_s: float | None = None,
+        model_config: TritonModelConfig | None = None,
+        ensure_model_is_ready: bool = True,
+        access_token: str | None = None,
+    ) -> None:
+        if _parse_url(url)[0] != "grpc":
+            raise PyTritonClientValueError("AsyncioDecoupledModelClient is only supported for grpc protocol")
+        super().__init__(
+            url, model_name, model_version, lazy_init=lazy_init, init_timeout_s=init_timeout_s,
+            inference_timeout_s=inference_timeout_s, model_config=model_config,
+            ensure_model_is_ready=ensure_model_is_ready, access_token=access_token,
+        )  # fmt: skip
+
+    async def infer_sample(  # type: ignore[override]
+        self,
+        *inputs: np.ndarray,
+        parameters: Parameters | None = None,
+        headers: Mapping[str, str] | None = None,
+        **named_inputs: np.ndarray,
+    ) -> AsyncIterator[dict[str, np.ndarray]]:
+        """One sample (inputs without the batch dimension) → its responses, as they come."""
+        config = await self.model_config
+        arrays = _batched(config, self._requests.named(config, inputs, named_inputs))
+        async for out in self._stream(arrays, parameters, headers):
+            yield _debatched(config, out)
+
+    async def infer_batch(  # type: ignore[override]
+        self,
+        *inputs: np.ndarray,
+        parameters: Parameters | None = None,
+        headers: Mapping[str, str] | None = None,
+        **named_inputs: np.ndarray,
+    ) -> AsyncIterator[dict[str, np.ndarray]]:
+        """A batch (inputs with a leading batch dimension) → its responses, as they come."""
+        config = await self.model_config
+        if not config.batching:
+            raise PyTritonClientModelDoesntSupportBatchingError(
+                f"model {self.model_name!r} does not batch: use infer_sample"
+            )
+        async for out in self._stream(self._requests.named(config, inputs, named_inputs), parameters, headers):
+            yield out
+
+    async def _stream(
+        self, inputs: Mapping[str, np.ndarray], parameters: Parameters | None, headers: Mapping[str, str] | None
+    ) -> AsyncIterator[dict[str, np.ndarray]]:
+        if headers:
+            raise PyTritonClientValueError("AsyncioDecoupledModelClient does not support headers")
+        if not (await self.model_config).decoupled:
+            raise PyTritonClientInferenceServerError("Model config is coupled. Use AsyncioModelClient instead.")
+        request = {
+            "model_name": self.model_name,
+            "model_version": self.model_version,
+            "inputs": self._requests.tensors(self._lib, inputs),
+            "parameters": dict(parameters) if parameters else None,
+        }
+
+        async def one_request() -> AsyncIterator[dict[str, Any]]:
+            yield request
+
+        responses = self._client.stream_infer(one_request(), headers=self._requests.headers or None)
+        finished = False
+        try:
+            while True:
+                try:
+                    result, error = await anext(responses)  # a lost connection comes as an error
+                except StopAsyncIteration:
+                    finished = True
+                    return
+                if error is not None:
+                    finished = True
+                    raise self._requests.failed(error) from error
+                flag = result.get_response().parameters.get("triton_final_response")
+                if flag is not None and flag.bool_param and not result.get_response().outputs:
+                    finished = True
+                    return
+                yield self._requests.outputs(result)
+        finally:
+            if not finished:  # left early: cancel the call
+                responses.cancel()
