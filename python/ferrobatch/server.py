@@ -25,6 +25,7 @@ import torch
 from . import _core
 from ._cuda import IN_FLIGHT, CudaExecutor, Handoff, cuda_graph_fallback_warning
 from ._invariance import InvarianceSampler, summed
+from ._process import ProcessExecutor, share_slots
 from ._torch import (
     CpuExecutor,
     Model,
@@ -191,6 +192,17 @@ class Server:
             sampling, no CUDA graphs or compile. In process, ``client()``
             and ``share()`` refuse it (a request's one result cannot carry a
             stream).
+        instance_kind: ``"thread"`` (default): each instance is a worker
+            thread of this process. ``"process"``: each instance's model runs
+            in a child process of its own (``spawn``; the model must be
+            picklable), past the GIL, fed through shared memory (the staging
+            slots and its output buffers; a batch crosses as a slot index on
+            a pipe). A child that dies fails only the batch it held (with
+            ``isolate_failures``, its requests are retried on the instance's
+            new process) and is started again. CPU, fixed-shape tensors only;
+            no warm-up, invariance sampling or weight updates (the weights
+            live in the children). ``cpu_affinity`` and ``torch_threads``
+            apply to each child.
     """
 
     def __init__(
@@ -222,6 +234,7 @@ class Server:
         batching: bool = True,
         cpu_affinity: Sequence[Iterable[int]] | None = None,
         decoupled: bool = False,
+        instance_kind: Literal["thread", "process"] = "thread",
     ) -> None:
         self._models: list[Model] = (
             list(model) if isinstance(model, (list, tuple)) else [model]  # type: ignore[list-item]
@@ -316,7 +329,12 @@ class Server:
         self.min_batch_size = min_batch_size
         self.preferred_batch_sizes = tuple(sorted(set(preferred_batch_sizes)))
         self.max_queue_size = max_queue_size
+        if instance_kind not in ("thread", "process"):
+            raise ValueError(f"instance_kind must be 'thread' or 'process', got {instance_kind!r}")
+        self.instance_kind = instance_kind
         self._init_instances(device, cuda_graphs, compile, warmup)
+        if instance_kind == "process":
+            self._check_process_instances(warmup)
         self._weights = WeightUpdates(len(self._models))
         # Every event loop that submits: its pending requests, what its
         # callers saw, and the mailbox its batches are delivered to.
@@ -401,7 +419,29 @@ class Server:
         self._warmup_batch = warmup_batches(self.inputs, warmup if isinstance(warmup, Mapping) else None)
         self.buckets = batch_buckets(self.max_batch_size, self.preferred_batch_sizes)
 
+    def _check_process_instances(self, warmup: bool | Mapping[str, Any] | None) -> None:
+        refused = [
+            ("a CUDA device", any(d.type != "cpu" for d in self.devices)),
+            ("BYTES or variable-length tensors", self._variable and not self.decoupled),
+            ("decoupled=True", self.decoupled),
+            ("cuda_graphs", self.cuda_graphs),
+            ("compile", self._compile is not False),
+            ("warm-up", warmup is True or isinstance(warmup, Mapping)),
+            ("invariance_sample_rate", self.invariance_sample_rate > 0),
+        ]
+        what = [name for name, given in refused if given]
+        if what:
+            raise ValueError(f"model '{self.name}': instance_kind='process' runs without {', '.join(what)}")
+
     def _make_executor(self, i: int) -> CpuExecutor | CudaExecutor:
+        if self.instance_kind == "process":
+            process = ProcessExecutor(
+                self._models[i], i, self.name, self.inputs, self._model_outputs, self.max_batch_size
+            )
+            process.with_requests = self.with_requests
+            process.input_names = tuple(s.name for s in self.inputs)
+            process.isolate_failures = self.isolate_failures
+            return process
         if self._variable:  # called with a dict: it needs the lengths/offsets beside each input
             variable = VariableExecutor(
                 self._models[i], self.devices[i], self.inputs, self._model_outputs, self.with_requests
@@ -513,6 +553,8 @@ class Server:
         else:
             slots = [allocate_slot(self.inputs, self.max_batch_size, pin) for _ in range(sum(per_instance))]
             self._slots = [{s.name: t for s, t in zip(self.inputs, slot)} for slot in slots]
+        if self.instance_kind == "process":
+            share_slots(self._slots)  # before the batcher takes their addresses
         self._batcher = _core.Batcher(
             [(s.name, s.dtype, core_shape(s), None if s.is_bytes else s.torch_dtype) for s in self.inputs],
             slots,
@@ -553,6 +595,16 @@ class Server:
             if self.cpu_affinity is None
             else f" (picked: the smallest of the instances' core sets {[sorted(c) for c in self.cpu_affinity]})",
         )
+        try:
+            for i, executor in enumerate(executors):
+                if isinstance(executor, ProcessExecutor):
+                    cores = None if self.cpu_affinity is None else self.cpu_affinity[i]
+                    await anyio.to_thread.run_sync(executor.launch, self._slots, torch_threads, cores)
+        except BaseException:
+            await anyio.to_thread.run_sync(self._stop_processes)
+            self._batcher.close()
+            self._batcher, self._phase = None, "created"
+            raise
         for i, executor in enumerate(executors):
             counters = WorkerCounters()
             self._counters.append(counters)
@@ -600,6 +652,7 @@ class Server:
         self._batcher.close()
         with anyio.move_on_after(math.inf if timeout is None else timeout):
             await _joined(self._threads)
+        await anyio.to_thread.run_sync(self._stop_processes)
         message = f"server '{self.name}' stopped before the request could run"
         self._loops.fail_all(message)
         for shared in self._shared:
@@ -700,6 +753,11 @@ class Server:
         self._shared.append(shared)
         return shared
 
+    def _stop_processes(self) -> None:
+        for executor in self._executors:
+            if isinstance(executor, ProcessExecutor):
+                executor.stop()
+
     def _native_parts(self) -> tuple[_core.Batcher, _core.LoopRegistry]:
         """The batcher and the loop registry (the owner of this server's
         sinks), for the native front-end to submit to and deliver through."""
@@ -750,6 +808,8 @@ class Server:
         """Blocking :meth:`update_weights`, for threads other than the event
         loop's (it would block that loop: ``RuntimeError`` there)."""
         _refuse_on_event_loop("update_weights_sync()", "await server.update_weights(...)")
+        if self.instance_kind == "process":
+            raise ValueError(f"server '{self.name}': the weights of process instances live in their processes")
         version, _ = self._weights.apply(update, self._models, self.devices)
         return version
 
@@ -784,6 +844,7 @@ class Server:
         once they have finished) and ``batch_compute_ns`` (``compute_ns`` by
         the same batch sizes); ``last_inference_ms`` (when the latest batch
         finished, in milliseconds since the epoch; 0 before the first);
+        ``instance_kind`` and, for process instances, ``process_restarts``;
         with ``invariance_sample_rate``, ``invariance_checks`` (requests
         re-run alone) and ``invariance_mismatches`` (of those, the ones whose
         result alone differed from their batch's).
@@ -822,6 +883,9 @@ class Server:
             "invariance_mismatches": summed(self._samplers)[1],
             "torch_threads": self.torch_threads,
             "cpu_affinity": None if self.cpu_affinity is None else [sorted(c) for c in self.cpu_affinity],
+            "instance_kind": self.instance_kind,
+            # Instance processes started again after one died.
+            "process_restarts": sum(max(0, e.starts - 1) for e in self._executors if isinstance(e, ProcessExecutor)),
             "batch_sizes": dict(sorted(batch_sizes.items())),
             "batch_compute_ns": dict(sorted(batch_compute_ns.items())),
             "last_inference_ms": max((c.last_inference_ns for c in self._counters), default=0) // 1_000_000,
