@@ -67,21 +67,25 @@ class Request:
     headers: dict[str, str]
 
 
+#: v2 datatypes of the arrays a request may carry, and their little-endian numpy dtypes.
+_DATATYPES = {"float32": ("FP32", "<f4"), "float64": ("FP64", "<f8"), "object": ("BYTES", "")}
+
+
 def _datatype(array: np.ndarray) -> str:
-    return "BYTES" if array.dtype == object else "FP32"
+    return _DATATYPES[array.dtype.name][0]
 
 
 def _raw(array: np.ndarray) -> bytes:
     """The binary extension's and gRPC raw contents' bytes: little-endian
-    float32, or each element 4-byte-length-prefixed (BYTES)."""
+    numbers, or each element 4-byte-length-prefixed (BYTES)."""
     if array.dtype == object:
         return b"".join(struct.pack("<I", len(e)) + e for e in array.ravel())
-    return np.ascontiguousarray(array, dtype="<f4").tobytes()
+    return np.ascontiguousarray(array, dtype=_DATATYPES[array.dtype.name][1]).tobytes()
 
 
 def _from_raw(datatype: str, raw: bytes) -> np.ndarray:
     if datatype != "BYTES":
-        return np.frombuffer(raw, dtype="<f4")
+        return np.frombuffer(raw, dtype="<f8" if datatype == "FP64" else "<f4")
     elements, at = [], 0
     while at < len(raw):
         (n,) = struct.unpack_from("<I", raw, at)

@@ -123,10 +123,11 @@ class Worker:
         """Hands a batch's outputs (or its model error) to its callers' event
         loops; with ``failed`` (``(row_start, error)``), those requests fail
         with ``ModelError`` and the others get their rows of ``outputs``."""
-    def stream(self, batch: Batch, outputs: dict[str, Any]) -> int:
+    def stream(self, batch: Batch, outputs: dict[str, Any], only: list[int] | None = None) -> int:
         """Hands one partial answer of a decoupled model's batch to its
-        streaming requests, leaving them pending (``finish(batch, {}, None)``
-        ends their streams); returns how many still listen."""
+        streaming requests (``only``: those whose first rows are these),
+        leaving them pending (``finish(batch, {}, None)`` ends their
+        streams); returns how many still listen."""
 
 @final
 class Batch:

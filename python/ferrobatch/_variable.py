@@ -620,13 +620,16 @@ class VariableExecutor(CpuExecutor):
         inputs: Mapping[str, Any],
         rows: int,
         requests: list[RequestInfo] | None,
-        emit: Callable[[dict[str, Any]], int],
+        emit: Callable[[dict[str, Any], list[int] | None], int],
         gated: bool = True,
     ) -> None:
         """A decoupled model on a batch's inputs: each item it yields is
         checked as :meth:`call` checks outputs and handed to ``emit``, which
         says how many callers still listen; at 0 the model is closed
-        (``GeneratorExit`` at its ``yield``). Runs under the weight gate
+        (``GeneratorExit`` at its ``yield``). An item with ``only`` (the
+        first rows of some requests; ``ferrobatch.triton``'s groups of one
+        shape) goes to those requests, and how many of them listen is sent
+        back into the generator, which decides. Runs under the weight gate
         (the whole stream: one version) unless ``gated`` is False."""
         inputs = self._on_device(inputs)
         gate = self.gate if self.gate is not None and gated else contextlib.nullcontext()
@@ -638,9 +641,18 @@ class VariableExecutor(CpuExecutor):
                     f" it returned {type(produced).__name__}"
                 )
             items = iter(produced)
+            feedback: int | None = None
             try:
-                for raw in items:
-                    if emit(self._checked(raw, rows, frozenset(), version)) == 0:
+                while True:
+                    try:
+                        raw = next(items) if feedback is None else items.send(feedback)
+                    except StopIteration:
+                        break
+                    only: list[int] | None = getattr(raw, "only", None)
+                    listening = emit(self._checked(raw, rows, frozenset(), version), only)
+                    if only is not None:
+                        feedback = listening
+                    elif listening == 0:
                         break  # every caller went away
             finally:
                 close = getattr(items, "close", None)
@@ -684,7 +696,7 @@ class VariableExecutor(CpuExecutor):
         for rows in buckets:
             requests = [RequestInfo(1)] * rows if self.with_requests else None
             if self.decoupled:  # every item made and checked, none sent
-                self.stream(minimum_inputs(self.inputs, rows), rows, requests, lambda _: 1, gated=False)
+                self.stream(minimum_inputs(self.inputs, rows), rows, requests, lambda *_: 1, gated=False)
             else:
                 self.call(minimum_inputs(self.inputs, rows), rows, frozenset(), requests, gated=False)
 

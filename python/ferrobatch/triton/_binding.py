@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import itertools
 import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
@@ -68,6 +69,15 @@ class Request(dict[str, np.ndarray]):
     def __repr__(self) -> str:
         shapes = {name: tuple(v.shape) for name, v in self.items()}
         return f"Request({shapes}, parameters={self.parameters})"
+
+
+class ToSome(dict[str, Any]):
+    """One response of a decoupled model's batch for some of its requests
+    only: those whose first rows are ``only``."""
+
+    def __init__(self, outputs: Mapping[str, Any], only: list[int]) -> None:
+        super().__init__(outputs)
+        self.only = only
 
 
 class ModelConfigDict(MutableMapping[Any, TritonModelConfig]):
@@ -248,6 +258,19 @@ class BoundModel:
         self.context = context
         self.strict = strict
         self.on_unrecoverable = on_unrecoverable
+        from .decorators import _batch, _is_batch  # imported here: decorators imports this module
+
+        # A callable with @batch in its chain concatenates its requests: as
+        # behind Triton's batcher, it is called once per shape in a batch.
+        self._one_shape_per_call = _is_batch(infer_func)
+
+        # A callable whose outermost decorator is @batch concatenates the
+        # requests' inputs, which are already one batch here: it is called
+        # on the batch as it is (and its outputs checked once), when that is
+        # what @batch would have built.
+        self._whole_batch: Callable[..., Any] | None = None
+        if config.batching and getattr(infer_func, "_self_wrapper", None) is _batch:
+            self._whole_batch = infer_func.__wrapped__  # type: ignore[attr-defined]
 
     def __call__(
         self, inputs: Mapping[str, Any], requests: Sequence[RequestInfo]
@@ -261,7 +284,10 @@ class BoundModel:
             name = str(t.name)
             lengths[name] = (np.asarray(inputs[name + LENGTHS]).reshape(len(batch[name]), -1), variable_dims(t))
         rows = [r.rows for r in requests]
+        if self._whole_batch is not None and _as_batch_would_build(requests, lengths):
+            return self._call_whole(batch, sum(rows))
         split = []
+        shapes: list[tuple[Any, ...]] = []  # each request's own shape of every input
         start = 0
         for r in requests:
             end = start + r.rows
@@ -275,20 +301,50 @@ class BoundModel:
             if not self.config.batching:  # one sample, shaped as declared: no batch dimension
                 data = {name: a[0] for name, a in data.items()}
             split.append(Request(data, params))
+            if lengths:
+                shapes.append(tuple((name, a.shape[1:]) for name, a in sorted(data.items())))
             start = end
+        groups = _same_shapes(shapes) if lengths and self._one_shape_per_call else [list(range(len(split)))]
         if self.config.decoupled:
-            return self._stream(split, rows)
-        return self._collected(self._call(split), rows)
+            if len(groups) > 1:
+                return self._stream_groups(split, rows, groups)
+            return self._stream(self._call(split), rows)
+        if len(groups) == 1:
+            return self._collected(self._call(split), rows)
+        # As Triton's batcher: the callable never gets requests of different
+        # shapes in one call (@batch could not concatenate them).
+        responses: list[Any] = [None] * len(split)
+        for group in groups:
+            answered = self._call([split[i] for i in group])
+            if not isinstance(answered, (list, tuple)) or len(answered) != len(group):
+                return self._collected(answered, [rows[i] for i in group])  # says what is wrong with it
+            for i, response in zip(group, answered):
+                responses[i] = response
+        return self._collected(responses, rows)
+
+    def _call_whole(self, batch: dict[str, np.ndarray], rows: int) -> dict[str, Any] | Iterator[dict[str, Any]]:
+        """The @batch callable's own function on the whole batch: one
+        response of ``rows`` rows (a decoupled one's every yield too)."""
+        from .decorators import convert_output
+
+        assert self._whole_batch is not None
+        with self._context_set():
+            produced = self._whole_batch(**batch)
+        if self.config.decoupled:
+            if inspect.isgenerator(produced):
+                produced = ([convert_output(item, self.config)] for item in produced)
+            return self._stream(produced, [rows])
+        return self._collected([convert_output(produced, self.config)], [rows])
 
     def _collected(self, responses: Any, rows: list[int]) -> dict[str, Any]:
         if not self.config.batching and isinstance(responses, (list, tuple)):
             responses = [_with_batch_dim(r) for r in responses]
         return collect_outputs(responses, rows, self.config, strict=self.strict)
 
-    def _stream(self, requests: list[Request], rows: list[int]) -> Iterator[dict[str, Any]]:
+    def _stream(self, produced: Any, rows: list[int], joined: bool = True) -> Iterator[Any]:
         """A decoupled callable's responses: each list it yields (one
-        response per request) joined into the batch's outputs."""
-        produced = self._call(requests)
+        response per request) joined into the batch's outputs (``joined``;
+        else as it is)."""
         if not inspect.isgenerator(produced) and not isinstance(produced, Iterator):
             raise PyTritonValidationError(
                 f"model '{self.config.model_name}' is decoupled: its inference callable must be a generator"
@@ -301,12 +357,41 @@ class BoundModel:
                         responses = next(produced)
                     except StopIteration:
                         return
-                yield self._collected(responses, rows)
+                yield self._collected(responses, rows) if joined else responses
         finally:  # closed early (every caller went away): the callable's generator too
             close = getattr(produced, "close", None)
             if close is not None:
                 with self._context_set():
                     close()
+
+    def _stream_groups(
+        self, split: list[Request], rows: list[int], groups: list[list[int]]
+    ) -> Iterator[dict[str, Any]]:
+        """A decoupled callable on a batch of requests of different shapes:
+        one call per group of one shape, in turn (as Triton's batcher would
+        make them separate batches). Each response goes to its group's
+        requests only (:class:`ToSome`); a group none of whose callers
+        listens any more (what the executor sends back) is closed."""
+        starts = list(itertools.accumulate(rows, initial=0))[:-1]
+        for group in groups:
+            produced = self._call([split[i] for i in group])
+            for responses in self._stream(produced, [rows[i] for i in group], joined=False):
+                full = [self._nothing(n) for n in rows]
+                for i, response in zip(group, responses):
+                    full[i] = response
+                listening = yield ToSome(self._collected(full, rows), [starts[i] for i in group])
+                if listening == 0:
+                    break  # closes this group's generator (the finally of _stream)
+
+    def _nothing(self, rows: int) -> dict[str, np.ndarray]:
+        """A response that fills the rows of a request of another group:
+        every output empty along its variable dimensions."""
+        out = {}
+        for t in self.config.outputs or []:
+            shape = (rows, *(0 if d == -1 else d for d in t.shape))
+            dtype = numpy_dtype(t)
+            out[str(t.name)] = np.full(shape, b"", dtype=object) if dtype.kind == "O" else np.zeros(shape, dtype)
+        return out
 
     def _call(self, requests: list[Request]) -> Any:
         with self._context_set():
@@ -326,6 +411,25 @@ class BoundModel:
             raise
         finally:
             _local.config = _local.context = None
+
+
+def _same_shapes(shapes: Sequence[tuple[Any, ...]]) -> list[list[int]]:
+    """The requests' indices grouped by their inputs' shapes, each group in
+    request order, groups in the order of their first request."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, shape in enumerate(shapes):
+        groups.setdefault(shape, []).append(i)
+    return list(groups.values())
+
+
+def _as_batch_would_build(requests: Sequence[RequestInfo], lengths: Mapping[str, tuple[np.ndarray, list[int]]]) -> bool:
+    """Whether @batch, given the batch's requests one by one, would build
+    the batch as it is: every request carries every input, and every row of
+    a variable-length input has the batch's length (requests of other
+    lengths go one by one: @batch refuses them, as PyTriton's does)."""
+    if any(r.absent for r in requests):
+        return False
+    return all(bool((own == own[:1]).all()) for own, _ in lengths.values())
 
 
 def _with_batch_dim(response: Any) -> Any:

@@ -563,11 +563,19 @@ impl Worker {
     /// `{name: batch tensor}`, as for `finish`) to its requests at once,
     /// leaving them pending; `finish(batch, {}, None)` ends their streams.
     /// Returns how many requests still listen: 0 means every caller went
-    /// away (or failed), and the model may stop.
-    fn stream(&self, py: Python<'_>, batch: &Batch, outputs: Bound<'_, PyDict>) -> usize {
+    /// away (or failed), and the model may stop. With `only` (the first rows
+    /// of some of the batch's requests), only those requests get it.
+    #[pyo3(signature = (batch, outputs, only=None))]
+    fn stream(
+        &self,
+        py: Python<'_>,
+        batch: &Batch,
+        outputs: Bound<'_, PyDict>,
+        only: Option<Vec<u32>>,
+    ) -> usize {
         self.registry
             .get()
-            .route_partial(py, &batch.groups, &outputs)
+            .route_partial(py, &batch.groups, &outputs, only.as_deref())
     }
 
     /// Rings the doorbells of what was delivered, then blocks (GIL released)

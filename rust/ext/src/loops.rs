@@ -201,6 +201,7 @@ impl LoopRegistry {
         py: Python<'_>,
         groups: &[(Sink, Arc<Vec<Route>>)],
         outputs: &Bound<'_, PyDict>,
+        only: Option<&[u32]>,
     ) -> usize {
         let Some(native) = self.native() else {
             return 0;
@@ -208,7 +209,17 @@ impl LoopRegistry {
         groups
             .iter()
             .filter(|(sink, _)| matches!(sink, Sink::Connection(_)))
-            .map(|(_, routes)| native_sink::stream(py, &native, routes, outputs))
+            .map(|(_, routes)| match only {
+                None => native_sink::stream(py, &native, routes, outputs),
+                Some(starts) => {
+                    let chosen: Vec<Route> = routes
+                        .iter()
+                        .filter(|r| starts.contains(&r.start))
+                        .copied()
+                        .collect();
+                    native_sink::stream(py, &native, &chosen, outputs)
+                }
+            })
             .sum()
     }
 
