@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The checks a CUDA machine is for, in one run: the gpu tests, bench_gpu.py,
-# and bench_serve.py --scaling over the machine's cores. Each step is bounded
+# bench_serve.py --scaling over the machine's cores, and (step "instances")
+# the MLP with one process instance per server core, and bench_instances.py
+# up to 8 instances. Each step is bounded
 # in time and writes its log under $OUT (default: a new temporary directory);
 # a failing step does not stop the next.
 #
@@ -14,7 +16,7 @@
 set -u
 PY=${PY:-python3}
 OUT=${OUT:-$(mktemp -d -t gpu-check-XXXXXX)}
-STEPS=${STEPS:-tests,bench,scaling}
+STEPS=${STEPS:-tests,bench,scaling,instances}
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 if [[ -n ${WHEELS:-} ]]; then
@@ -36,5 +38,12 @@ if [[ $STEPS == *scaling* ]]; then
   timeout "${SCALING_S:-300}" $PY benches/python/bench_serve.py --scaling --models identity,mlp \
     --protocols binary,grpc,json --callers 256 --instances "${INSTANCES:-1}" --runs 1 --seconds 3 --warmup 1 \
     --out "$OUT/serve" 2>&1 | tee "$OUT/scaling.log"
+fi
+if [[ $STEPS == *instances* ]]; then
+  timeout "${INSTANCES_S:-240}" $PY benches/python/bench_serve.py --scaling --models mlp --protocols binary \
+    --callers 256 --instances cores --instance-kind process --runs 1 --seconds 3 --warmup 1 \
+    --out "$OUT/serve-processes" 2>&1 | tee "$OUT/scaling-processes.log"
+  timeout "${INSTANCES_S:-240}" $PY benches/python/bench_instances.py --instances 1,2,4,8 --runs 1 --seconds 3 \
+    2>&1 | tee "$OUT/instances.log"
 fi
 echo "logs and results: $OUT"

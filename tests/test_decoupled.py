@@ -351,3 +351,57 @@ def test_asyncio_decoupled_model_client_iterates_and_cancels(triton: tuple[Trito
     while "endless closed" not in events and time.monotonic() < deadline:
         time.sleep(0.01)
     assert "endless closed" in events, "leaving the stream cancelled the request"
+
+
+def test_a_stream_past_its_deadline_fails_once_and_stops_the_model() -> None:
+    closed: list[int] = []
+
+    def slow(inputs: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
+        for item in counting(100_000, closed)(inputs):
+            time.sleep(0.01)
+            yield item
+
+    server = fb.Server(slow, inputs=[X], outputs=[Y], decoupled=True, name="slow")
+    with serve_in_thread([server], CONFIG) as listening:
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{listening.grpc_port}")
+        messages: queue.SimpleQueue[tuple[Any, Any]] = queue.SimpleQueue()
+        client.start_stream(callback=lambda result, error: messages.put((result, error)))
+        given = grpcclient.InferInput("x", [1, 3], "FP32")
+        given.set_data_from_numpy(np.ones((1, 3), np.float32))
+        client.async_stream_infer("slow", [given], request_id="a", timeout=200_000)  # 0.2 s, in microseconds
+        error = None
+        responses = 0
+        while error is None:
+            result, error = messages.get(timeout=10)
+            responses += error is None
+        assert "timeout" in error.message() and 0 < responses < 100
+        deadline = time.monotonic() + 10
+        while not closed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert closed, "nobody listens: the generator was closed"
+        client.stop_stream()
+    assert failures(server) == {"deadline_exceeded": 1} and server.stats()["requests_succeeded"] == 0
+
+
+def test_a_full_queue_refuses_a_streamed_request_on_the_stream() -> None:
+    started, gate = threading.Event(), threading.Event()
+
+    def held(inputs: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
+        started.set()
+        gate.wait(10)
+        yield {"y": inputs["x"]}
+
+    server = fb.Server(held, inputs=[X], outputs=[Y], decoupled=True, max_queue_size=1, max_batch_size=1, name="held")
+    with serve_in_thread([server], CONFIG) as listening:
+        stream = Stream(listening.grpc_port)
+        stream.send("held", np.ones((1, 3), np.float32), "0")
+        assert started.wait(10)
+        for k in range(1, 4):  # one waits, the rest find the queue full
+            stream.send("held", np.ones((1, 3), np.float32), str(k))
+        refused = [stream.next() for _ in range(2)]
+        assert all(e is not None and "queue" in e.message().lower() for _, e in refused)
+        gate.set()
+        answered = [stream.next() for _ in range(4)]  # two responses, two final flags
+        assert all(e is None for _, e in answered)
+        stream.close()
+    assert failures(server) == {"queue_full": 2} and server.stats()["requests_succeeded"] == 2

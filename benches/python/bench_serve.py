@@ -138,6 +138,10 @@ def _torch_threads(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _identity(inputs: dict[str, Any]) -> dict[str, Any]:
+    return {"y": inputs["x"]}
+
+
 def make_servers() -> list[Any]:
     """The ferrobatch servers: ``identity`` and ``mlp`` (fixed shapes), and
     PyTriton's usual shapes: ``add_sub`` (two FP32 ``(-1,)`` inputs and
@@ -158,18 +162,30 @@ def make_servers() -> list[Any]:
         return {"y": inputs["x"]}
 
     batching = {"max_batch_size": MAX_BATCH, "max_delay": MAX_DELAY}
-    # --scaling --instances cores: one worker per server core for the fixed-shape models.
+    # --scaling --instances cores: one worker per server core for the fixed-shape models,
+    # threads or (--instance-kind process) processes.
     instances = int(os.environ.get("BENCH_INSTANCES", "1"))
+    kind = os.environ.get("BENCH_INSTANCE_KIND", "thread")
     mlp = make_demo_model(WIDTH)
     specs = {
         "inputs": [fb.TensorSpec("x", "float32", (WIDTH,))],
         "outputs": [fb.TensorSpec("y", "float32", (WIDTH,))],
+        "instance_kind": kind,
         **batching,
     }
+    if kind == "process":  # sent to the processes: picklable models (torch threads: the server's budget)
+        fixed = [
+            fb.Server([_identity] * instances, name="identity", **specs),
+            fb.Server([mlp] * instances, name="mlp", **specs),
+        ]
+    else:
+        fixed = [
+            fb.Server([_torch_threads(identity)] * instances, name="identity", **specs),
+            fb.Server([_torch_threads(mlp)] * instances, name="mlp", **specs),
+        ]
     variable = [fb.TensorSpec(name, "float32", (-1,), ragged="pad") for name in ("a", "b", "add", "sub")]
     return [
-        fb.Server([_torch_threads(identity)] * instances, name="identity", **specs),
-        fb.Server([_torch_threads(mlp)] * instances, name="mlp", **specs),
+        *fixed,
         fb.Server(_torch_threads(add_sub), name="add_sub", inputs=variable[:2], outputs=variable[2:], **batching),
         fb.Server(
             bytes_echo,
@@ -717,6 +733,7 @@ def run_scaling(args: argparse.Namespace, models: list[str], protocols: list[str
             point = argparse.Namespace(**{**vars(args), "server_cpu": server_cpu, "loadgen_cpu": load_cpu})
             instances = n if args.instances == "cores" else 1
             os.environ["BENCH_INSTANCES"] = str(instances)  # inherited by the server
+            os.environ["BENCH_INSTANCE_KIND"] = args.instance_kind
             with ferrobatch_server(logs / f"ferrobatch-{n}.log", server_cpu, threads=n) as endpoint:
                 for model in models:
                     for protocol in protocols:
@@ -727,7 +744,11 @@ def run_scaling(args: argparse.Namespace, models: list[str], protocols: list[str
                                 replace(native.measure(endpoint, protocol, model, c, point), server=name)
                                 for _ in range(args.runs)
                             ]
-                            point_meta = {"server_cores": n, "instances": instances}
+                            point_meta = {
+                                "server_cores": n,
+                                "instances": instances,
+                                "instance_kind": args.instance_kind,
+                            }
                             for i, r in enumerate(runs):
                                 out.write(json.dumps({**meta, "run": i, **point_meta, **asdict(r)}) + "\n")
                             out.flush()
@@ -1054,6 +1075,12 @@ def main() -> int:
         default="1",
         help="--scaling: model instances (worker threads) of identity and mlp per point:"
         " 1 (default) or one per server core",
+    )
+    parser.add_argument(
+        "--instance-kind",
+        choices=("thread", "process"),
+        default="thread",
+        help="--scaling: identity and mlp instances as worker threads (default) or processes (instance_kind)",
     )
     parser.add_argument(
         "--report",

@@ -14,21 +14,22 @@ from .specs import TensorSpec
 __all__ = ["make_demo_model", "make_demo_server", "run_demo"]
 
 
+class DemoMLP(torch.nn.Module):
+    """Linear(width, width) -> ReLU -> Linear(width, width), taking ``{"x": ...}``
+    (a module-level class: picklable, for process instances)."""
+
+    def __init__(self, width: int = 256) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width))
+
+    def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"y": self.net(inputs["x"])}
+
+
 def make_demo_model(width: int = 256) -> torch.nn.Module:
-    """Linear(width, width) -> ReLU -> Linear(width, width), taking ``{"x": ...}``."""
-
-    class MLP(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = torch.nn.Sequential(
-                torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width)
-            )
-
-        def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-            return {"y": self.net(inputs["x"])}
-
+    """The demo :class:`DemoMLP`, its weights seeded (the same every call)."""
     torch.manual_seed(0)
-    return MLP().eval()
+    return DemoMLP(width).eval()
 
 
 def make_demo_server(width: int = 256, max_batch_size: int = 64, max_delay: float = 0.001, name: str = "mlp") -> Server:
