@@ -372,7 +372,7 @@ def test_a_stream_past_its_deadline_fails_once_and_stops_the_model() -> None:
         error = None
         responses = 0
         while error is None:
-            result, error = messages.get(timeout=10)
+            _, error = messages.get(timeout=10)
             responses += error is None
         assert "timeout" in error.message() and 0 < responses < 100
         deadline = time.monotonic() + 10
