@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import pytest
 import tritonclient.grpc as grpcclient
 
 from ferrobatch.triton import Triton, TritonConfig
@@ -106,3 +107,11 @@ def test_only_an_outermost_batch_decorator_is_called_on_the_whole_batch() -> Non
     assert (
         BoundModel(plain, unbatched, TritonContext(), strict=True, on_unrecoverable=lambda e: None)._whole_batch is None
     )
+
+
+def test_remote_triton_is_refused_with_what_to_do_instead() -> None:
+    from ferrobatch.triton import RemoteTriton
+    from ferrobatch.triton.exceptions import PyTritonValidationError
+
+    with pytest.raises(PyTritonValidationError, match="instance_kind='process'"):
+        RemoteTriton("grpc://localhost:8001")

@@ -51,9 +51,10 @@ from .exceptions import (
 )
 from .model_config import DeviceKind, DynamicBatcher, ModelConfig, QueuePolicy, Tensor, TimeoutAction
 from .model_config.triton_model_config import TritonModelConfig
-from .triton import Triton, TritonConfig
+from .triton import RemoteTriton, Triton, TritonConfig
 
 __all__ = [
+    "RemoteTriton",
     "Triton",
     "TritonConfig",
     "ModelConfig",

@@ -43,7 +43,7 @@ from .exceptions import (
 )
 from .model_config import ModelConfig, Tensor
 
-__all__ = ["Triton", "TritonConfig", "TritonLifecyclePolicy", "TritonSecurityConfig"]
+__all__ = ["RemoteTriton", "Triton", "TritonConfig", "TritonLifecyclePolicy", "TritonSecurityConfig"]
 
 log = logging.getLogger("ferrobatch.triton")
 
@@ -529,6 +529,21 @@ class Triton:
         # Read by serve() once the stop event is set, which _ask_stop does after this.
         self._serve_config.drain_delay = max(self._serve_config.drain_delay, UNRECOVERABLE_DRAIN_S)
         self._ask_stop()
+
+
+class RemoteTriton:
+    """PyTriton's binding of this process's callables to a Triton server
+    started by another process. Refused: a ferrobatch server runs the models
+    of the process that serves them. Bind them with :class:`Triton` in the
+    serving process; to run a model's Python outside that process (past its
+    GIL), give its ``Server`` ``instance_kind="process"``."""
+
+    def __init__(self, url: str, *args: Any, **kwargs: Any) -> None:
+        raise PyTritonValidationError(
+            f"RemoteTriton({url!r}) is not supported by ferrobatch: a ferrobatch server runs the models of the"
+            " process that serves them; bind them with Triton in that process (for a model's Python outside it,"
+            " past its GIL: Server(instance_kind='process'))"
+        )
 
 
 def _at_main_thread_exit(stop: weakref.WeakMethod[Callable[[], bool]]) -> None:
