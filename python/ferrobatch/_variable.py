@@ -124,22 +124,22 @@ def batch_inputs(specs: Sequence[TensorSpec], slot: Mapping[str, torch.Tensor], 
         if s.is_bytes and s.is_ragged:
             inputs.update(_ragged_bytes_input(s, *batch.take_ragged_bytes(i)))
         elif s.is_bytes:
-            flat = np.empty(rows * int(np.prod(s.shape, dtype=np.int64)), dtype=object)
+            flat = np.empty(rows * math.prod(s.shape), dtype=object)
             flat[:] = batch.take_bytes(i)
             inputs[s.name] = flat.reshape((rows, *s.shape))
         elif s.is_padded_nd:
             shape = _full_shape(s, batch.padded_extents(i))
             k = len(s.variable_dims)
-            inputs[s.name] = slot[s.name][: rows * int(np.prod(shape, dtype=np.int64))].view(rows, *shape)
+            inputs[s.name] = slot[s.name][: rows * math.prod(shape)].view(rows, *shape)
             index = slot[s.name + INDEX][: rows * k]
             inputs[s.name + LENGTHS] = index if k == 1 else index.view(rows, k)
         elif s.ragged == "pad":
-            unit = int(np.prod(s.inner_shape, dtype=np.int64))
+            unit = math.prod(s.inner_shape)
             longest = extents[i]
             inputs[s.name] = slot[s.name][: rows * longest * unit].view(rows, longest, *s.inner_shape)
             inputs[s.name + LENGTHS] = slot[s.name + INDEX][:rows]
         elif s.ragged == "jagged":
-            unit = int(np.prod(s.inner_shape, dtype=np.int64))
+            unit = math.prod(s.inner_shape)
             total = extents[i]
             inputs[s.name] = slot[s.name][: total * unit].view(total, *s.inner_shape)
             inputs[s.name + OFFSETS] = slot[s.name + INDEX][: rows + 1]
@@ -327,8 +327,10 @@ class PaddedOutput:
         return out
 
 
+@functools.lru_cache(maxsize=256)
 def _pad_bytes(value: float | bytes, dtype: torch.dtype) -> bytes:
-    """One element of ``value`` in ``dtype``, as bytes."""
+    """One element of ``value`` in ``dtype``, as bytes (made once per pair:
+    every batch of a variable-length output asks)."""
     if isinstance(value, bytes):
         raise ModelError(f"a pad of bytes for a {dtype} output")
     return torch.full((1,), value, dtype=dtype).view(torch.uint8).numpy().tobytes()
