@@ -381,6 +381,18 @@ impl Inference {
         Ok(served.map_or(Lookup::NotRunning, Lookup::Served))
     }
 
+    /// Model `name` at `version`, served now: else NOT_FOUND (unknown) or
+    /// UNAVAILABLE (known, not running).
+    fn served(&self, name: &str, version: &str) -> Result<Arc<ServedModel>, Status> {
+        match self.known(name, version)? {
+            Lookup::Served(model) => Ok(model),
+            Lookup::NotRunning => Err(Status::unavailable(format!(
+                "server '{}' is not running",
+                Clipped(name)
+            ))),
+        }
+    }
+
     /// Answers one request of a `ModelStreamInfer` stream on `out`.
     async fn stream_one(
         &self,
@@ -424,15 +436,7 @@ impl Inference {
         tag: &ResponseTag,
         out: &StreamOut,
     ) -> Result<(), Status> {
-        let model = match self.known(&request.model_name, &request.model_version)? {
-            Lookup::Served(model) => model,
-            Lookup::NotRunning => {
-                return Err(Status::unavailable(format!(
-                    "server '{}' is not running",
-                    Clipped(&request.model_name)
-                )))
-            }
-        };
+        let model = self.served(&request.model_name, &request.model_version)?;
         let send = |outputs: Vec<RawOutput>, last: bool| {
             let (described, raw) = described_outputs(&model, outputs);
             let response = tag.response(described, raw, last);
@@ -574,15 +578,7 @@ impl GrpcInferenceService for Inference {
             self.shared.config.grpc_header_forward_pattern.as_ref(),
         );
         let mut request = request.into_inner();
-        let model = match self.known(&request.model_name, &request.model_version)? {
-            Lookup::Served(model) => model,
-            Lookup::NotRunning => {
-                return Err(Status::unavailable(format!(
-                    "server '{}' is not running",
-                    Clipped(&request.model_name)
-                )))
-            }
-        };
+        let model = self.served(&request.model_name, &request.model_version)?;
         model.refuse_decoupled("ModelInfer").map_err(status)?;
         let submitted = submit(&model, &mut request, call_timeout, &forwarded, |outputs| {
             ResponsePlan::Raw { outputs }

@@ -96,6 +96,12 @@ def _parse_url(url: str) -> tuple[str, str]:
     return scheme, f"{parts.hostname}:{parts.port or _DEFAULT_PORTS[scheme]}"
 
 
+def _grpc_only(url: str, client: str) -> None:
+    """Refuses a URL that is not gRPC's for a decoupled model's client (streams are gRPC only)."""
+    if _parse_url(url)[0] != "grpc":
+        raise PyTritonClientValueError(f"{client} is only supported for grpc protocol")
+
+
 def parse_model_config(config: Mapping[str, Any]) -> TritonModelConfig:
     """A :class:`TritonModelConfig` from Triton's JSON model config (HTTP's,
     or gRPC's as JSON, whose 64-bit integers are strings)."""
@@ -422,8 +428,7 @@ class DecoupledModelClient(ModelClient):
         ensure_model_is_ready: bool = True,
         access_token: str | None = None,
     ) -> None:
-        if _parse_url(url)[0] != "grpc":
-            raise PyTritonClientValueError("DecoupledModelClient is only supported for grpc protocol")
+        _grpc_only(url, type(self).__name__)
         super().__init__(
             url, model_name, model_version, lazy_init=lazy_init, init_timeout_s=init_timeout_s,
             inference_timeout_s=inference_timeout_s, model_config=model_config,
@@ -769,8 +774,7 @@ class AsyncioDecoupledModelClient(AsyncioModelClient):
         ensure_model_is_ready: bool = True,
         access_token: str | None = None,
     ) -> None:
-        if _parse_url(url)[0] != "grpc":
-            raise PyTritonClientValueError("AsyncioDecoupledModelClient is only supported for grpc protocol")
+        _grpc_only(url, type(self).__name__)
         super().__init__(
             url, model_name, model_version, lazy_init=lazy_init, init_timeout_s=init_timeout_s,
             inference_timeout_s=inference_timeout_s, model_config=model_config,
