@@ -405,3 +405,106 @@ def test_a_full_queue_refuses_a_streamed_request_on_the_stream() -> None:
         assert all(e is None for _, e in answered)
         stream.close()
     assert failures(server) == {"queue_full": 2} and server.stats()["requests_succeeded"] == 2
+
+
+# -- in process: client.stream ----------------------------------------------------------------
+
+
+def test_in_process_streams_each_get_their_rows_of_every_response() -> None:
+    server = fb.Server(counting(4), inputs=[X], outputs=[Y], decoupled=True, max_delay=0.02, name="count")
+
+    async def main() -> tuple[list[list[list[float]]], list[tuple[int, ...]]]:
+        async with server:
+            client = server.client()
+
+            async def one(k: int) -> list[list[float]]:
+                return [out["y"].tolist() async for out in client.stream({"x": torch.full((3,), float(k))})]
+
+            rows = await asyncio.gather(*(one(k) for k in range(3)))
+            shapes = [tuple(out["y"].shape) async for out in client.stream_batch({"x": torch.ones(2, 3)})]
+            return list(rows), shapes
+
+    rows, shapes = asyncio.run(main())
+    assert rows == [[[float(k * i)] * 3 for i in range(4)] for k in range(3)]
+    assert shapes == [(2, 3)] * 4
+    stats = server.stats()
+    assert stats["requests_succeeded"] == 4 and not failures(server)
+    assert stats["batches"] <= 3, "the three streams shared a batch"
+
+
+def test_an_in_process_stream_left_early_is_cancelled_and_stops_the_model() -> None:
+    closed: list[int] = []
+
+    def slow(inputs: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
+        for item in counting(100_000, closed)(inputs):
+            time.sleep(0.001)
+            yield item
+
+    server = fb.Server(slow, inputs=[X], outputs=[Y], decoupled=True, name="endless")
+
+    async def main() -> int:
+        async with server:
+            seen = 0
+            async for _ in server.client().stream({"x": torch.ones(3)}):
+                seen += 1
+                if seen == 3:
+                    break
+            deadline = time.monotonic() + 10
+            while not closed and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            return seen
+
+    assert asyncio.run(main()) == 3
+    assert closed and closed[0] < 100_000 - 1
+    assert failures(server) == {"cancelled": 1} and server.stats()["requests_succeeded"] == 0
+
+
+def test_an_in_process_stream_ends_with_the_models_error_after_its_responses() -> None:
+    server = fb.Server(counting(5, fail_at=2), inputs=[X], outputs=[Y], decoupled=True, name="flaky")
+
+    async def main() -> tuple[list[list[float]], BaseException | None]:
+        async with server:
+            got: list[list[float]] = []
+            try:
+                async for out in server.client().stream({"x": torch.ones(3)}):
+                    got.append(out["y"].tolist())
+            except fb.ModelError as exc:
+                return got, exc
+            return got, None
+
+    got, error = asyncio.run(main())
+    assert got == [[0.0] * 3, [1.0] * 3]
+    assert error is not None and isinstance(error.__cause__, RuntimeError) and "step 2" in str(error.__cause__)
+    assert failures(server) == {"model_error": 1}
+
+
+def test_each_in_process_response_is_its_own_copy() -> None:
+    def reusing(inputs: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
+        buffer = inputs["x"].clone()
+        for _ in range(3):
+            buffer += 1  # the same tensor, changed in place, yielded again
+            yield {"y": buffer}
+
+    server = fb.Server(reusing, inputs=[X], outputs=[Y], decoupled=True, name="reusing")
+
+    async def main() -> list[list[float]]:
+        async with server:
+            return [out["y"].tolist() async for out in server.client().stream({"x": torch.zeros(3)})]
+
+    assert asyncio.run(main()) == [[1.0] * 3, [2.0] * 3, [3.0] * 3]
+
+
+def test_infer_on_a_streaming_model_and_stream_on_another_are_refused() -> None:
+    streaming = fb.Server(counting(2), inputs=[X], outputs=[Y], decoupled=True, name="streaming")
+    plain = fb.Server(lambda b: {"y": b["x"]}, inputs=[X], outputs=[Y], name="plain")
+
+    async def main() -> None:
+        async with streaming, plain:
+            with pytest.raises(fb.InvalidInputError, match=r"client\.stream"):
+                await streaming.client().infer({"x": torch.ones(3)})
+            with pytest.raises(fb.InvalidInputError, match="not decoupled"):
+                async for _ in plain.client().stream({"x": torch.ones(3)}):
+                    pass
+
+    asyncio.run(main())
+    assert failures(streaming) == {"invalid_input": 1} and failures(plain) == {"invalid_input": 1}

@@ -66,7 +66,9 @@ class Batcher:
 class Submitter:
     """Submits requests to one server from any event loop (``Client.infer``'s way in)."""
 
-    def __new__(cls, registry: LoopRegistry, not_running: Callable[[], BaseException]) -> Submitter: ...
+    def __new__(
+        cls, registry: LoopRegistry, not_running: Callable[[], BaseException], decoupled: bool = False
+    ) -> Submitter: ...
     def accept(self, batcher: Batcher | None) -> None:
         """Starts (a batcher) or stops (None) accepting requests."""
     def submit(
@@ -76,8 +78,10 @@ class Submitter:
         batched: bool = False,
         priority: int | None = None,
         parameters: str | None = None,
+        stream: Any = None,
     ) -> tuple[asyncio.Future[dict[str, torch.Tensor]], int]:
-        """Queues a request from the running event loop: ``(future, request id)``."""
+        """Queues a request from the running event loop: ``(future, request id)``;
+        a decoupled model's with a ``stream`` (``put_nowait`` gets each response)."""
     def infer_blocking(
         self,
         inputs: Any,

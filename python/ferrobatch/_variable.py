@@ -572,6 +572,22 @@ def _row_of(
     return slice_inputs(specs, inputs, row, 1), outputs
 
 
+def _snapshot(outputs: dict[str, Any]) -> dict[str, Any]:
+    """One streamed response's outputs, copied: an event loop reads its
+    callers' rows later, and the model may reuse its buffers (or the staging
+    slot's) for its next response."""
+    copied: dict[str, Any] = {}
+    for name, out in outputs.items():
+        if isinstance(out, torch.Tensor):
+            out = out.clone()
+        elif isinstance(out, np.ndarray):
+            out = out.copy()
+        elif isinstance(out, (RaggedOutput, PaddedOutput)) and isinstance(out.values, torch.Tensor):
+            out.values = out.values.clone()
+        copied[name] = out
+    return copied
+
+
 class VariableExecutor(CpuExecutor):
     """Runs a model with BYTES or variable-length tensors: each batch's
     inputs are built from its slot (:func:`batch_inputs`), its tensors moved
@@ -651,7 +667,7 @@ class VariableExecutor(CpuExecutor):
                     except StopIteration:
                         break
                     only: list[int] | None = getattr(raw, "only", None)
-                    listening = emit(self._checked(raw, rows, frozenset(), version), only)
+                    listening = emit(_snapshot(self._checked(raw, rows, frozenset(), version)), only)
                     if only is not None:
                         feedback = listening
                     elif listening == 0:

@@ -6,7 +6,8 @@ import asyncio
 import concurrent.futures
 import os
 import sys
-from collections.abc import Callable, Collection, Mapping
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 import anyio.from_thread
@@ -240,6 +241,77 @@ class Client:
         finally:
             del future, inputs  # as in infer
 
+    async def stream(
+        self,
+        inputs: Inputs,
+        timeout: float | None = None,
+        *,
+        priority: int | None = None,
+        parameters: Mapping[str, Parameter] | None = None,
+    ) -> AsyncIterator[Any]:
+        """A decoupled model's responses to one sample (``Server(decoupled=True)``),
+        each as its batch's model yields it::
+
+            async for out in client.stream({"x": x}):   # {output name: tensor} per response
+                ...
+
+        The request is queued at the first iteration, batched with other
+        callers' as :meth:`infer` is (same inputs, errors, ``timeout``,
+        ``priority`` and ``parameters``); the iteration ends with the model's
+        generator. An error raised after some responses (the model failed,
+        the deadline passed, the server stopped) ends it with that error.
+        Leaving the loop early (``break``, or the task cancelled) cancels the
+        request: once no request of its batch is awaited, the model's
+        generator is closed. ``stats()`` counts the request once, as the
+        iteration ended.
+        """
+        async for out in self._stream(inputs, timeout, False, priority, parameters):
+            yield out
+
+    async def stream_batch(
+        self,
+        inputs: Inputs,
+        timeout: float | None = None,
+        *,
+        priority: int | None = None,
+        parameters: Mapping[str, Parameter] | None = None,
+    ) -> AsyncIterator[Outputs]:
+        """Like :meth:`stream` for ``n >= 1`` samples at once (as
+        :meth:`infer_batch`): each response has a leading dimension ``n``."""
+        async for out in self._stream(inputs, timeout, True, priority, parameters):
+            yield out
+
+    async def _stream(
+        self,
+        inputs: Inputs,
+        timeout: float | None,
+        batched: bool,
+        priority: int | None,
+        parameters: Mapping[str, Parameter] | None,
+    ) -> AsyncIterator[Any]:
+        tensordict = not batched and _is_tensordict(inputs)
+        if type(inputs) is not dict and isinstance(inputs, Mapping):
+            inputs = flatten_inputs(inputs, self._input_names if tensordict else None)
+        responses = _Responses()
+        future, rid = self._submitter.submit(
+            inputs, timeout, batched, priority, encode_parameters(parameters), responses
+        )
+        del inputs
+        future.add_done_callback(responses.wake)
+        try:
+            while True:
+                while responses.items:
+                    out = responses.items.popleft()
+                    yield _to_tensordict(out) if tensordict else out
+                if future.done():
+                    future.result()  # the end of the stream, or the error that ended it
+                    return
+                await responses.wait()
+        finally:
+            if not future.done():  # left early, or cancelled: the request goes
+                self._withdraw(rid, future)
+            del future
+
     def _withdraw(self, rid: int, future: asyncio.Future[Outputs]) -> None:
         """The awaiting task was cancelled (on the loop that submitted ``rid``)."""
         self._submitter.cancel(rid, future)
@@ -277,3 +349,28 @@ class Client:
                 return _to_tensordict(self._submitter.infer_blocking(flat, timeout, False, priority, encoded))
             inputs = flatten_inputs(inputs)
         return self._submitter.infer_blocking(inputs, timeout, False, priority, encoded)
+
+
+class _Responses:
+    """A streamed request's responses as its mailbox hands them over
+    (``put_nowait``, on the loop thread), and a wait for the next one or the
+    end (the request's future, whose callback is :meth:`wake`)."""
+
+    __slots__ = ("_waiter", "items")
+
+    def __init__(self) -> None:
+        self.items: deque[Any] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, item: Any) -> None:
+        self.items.append(item)
+        self.wake()
+
+    def wake(self, _: object = None) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait(self) -> None:
+        self._waiter = asyncio.get_running_loop().create_future()
+        await self._waiter

@@ -44,7 +44,7 @@ from ._variable import DEFAULT_ELEMENTS_PER_ROW, VariableExecutor, core_shape, i
 from ._variable import allocate_slot as variable_slot
 from ._weights import WeightUpdate, WeightUpdates
 from .client import Client, flatten_inputs
-from .errors import InvalidInputError, ModelError, ServerClosedError
+from .errors import ModelError, ServerClosedError
 from .specs import TensorSpec, dtype_name, example_specs
 
 if TYPE_CHECKING:
@@ -189,9 +189,10 @@ class Server:
             away stops the model once no request of its batch listens. Its
             batch's failure (the generator raising) fails its requests
             (responses sent stay sent): no failure isolation, no invariance
-            sampling, no CUDA graphs or compile. In process, ``client()``
-            and ``share()`` refuse it (a request's one result cannot carry a
-            stream).
+            sampling, no CUDA graphs or compile. In process, on an event
+            loop, ``client().stream(...)`` iterates a request's responses;
+            ``infer``, ``infer_sync`` and ``share()`` refuse it (one result
+            cannot carry a stream).
         instance_kind: ``"thread"`` (default): each instance is a worker
             thread of this process. ``"process"``: each instance's model runs
             in a child process of its own (``spawn``; the model must be
@@ -343,7 +344,7 @@ class Server:
         weakref.finalize(self, self._loops.close)
         self._batcher: _core.Batcher | None = None
         # Client.infer's way in: holds the batcher while the server runs.
-        self._submitter = _core.Submitter(self._loops, self._not_running)
+        self._submitter = _core.Submitter(self._loops, self._not_running, decoupled=self.decoupled)
         self._slots: list[dict[str, torch.Tensor]] = []
         self._threads: list[threading.Thread] = []
         self._counters: list[WorkerCounters] = []
@@ -630,8 +631,7 @@ class Server:
                 for name, target, args in loops
             ]
         self._phase = "running"
-        if not self.decoupled:  # a decoupled model's streams come over gRPC only
-            self._submitter.accept(self._batcher)
+        self._submitter.accept(self._batcher)
         for thread in self._threads:
             thread.start()
 
@@ -765,12 +765,7 @@ class Server:
             raise ServerClosedError(f"server '{self.name}' is not running ({self._phase})")
         return self._batcher, self._loops
 
-    def _not_running(self) -> ServerClosedError | InvalidInputError:
-        if self.decoupled and self._phase == "running":
-            return InvalidInputError(
-                f"model '{self.name}' is decoupled (it streams its responses): in process it takes no"
-                " requests; serve it and call it over gRPC ModelStreamInfer"
-            )
+    def _not_running(self) -> ServerClosedError:
         return ServerClosedError(f"server '{self.name}' is not running ({self._phase})")
 
     def _loop_token(self) -> anyio.lowlevel.EventLoopToken:

@@ -296,6 +296,7 @@ impl Batcher {
         mailbox: &Bound<'py, LoopMailbox>,
         submission: core::Submission,
         batched: bool,
+        stream: Option<Py<PyAny>>,
     ) -> PyResult<Bound<'py, Ticket>> {
         let (rows, bytes, keep, absent) = self.converter.convert_dict(py, inputs, batched)?;
         let submission = core::Submission {
@@ -319,7 +320,7 @@ impl Batcher {
         if self.core.readiness() == Readiness::OnFlush {
             mailbox.add_unflushed(rows);
         }
-        let ticket = Ticket::new(request, self.core.clone(), future, batched, keep);
+        let ticket = Ticket::new(request, self.core.clone(), future, batched, stream, keep);
         let ticket = Bound::new(py, ticket)?;
         mailbox.add_pending(py, &ticket)?;
         Ok(ticket)
@@ -573,9 +574,18 @@ impl Worker {
         outputs: Bound<'_, PyDict>,
         only: Option<Vec<u32>>,
     ) -> usize {
-        self.registry
-            .get()
-            .route_partial(py, &batch.groups, &outputs, only.as_deref())
+        let (listening, posted) =
+            self.registry
+                .get()
+                .route_partial(py, &batch.groups, &outputs, only.as_deref());
+        let targets = doorbells(&posted);
+        // `posted` keeps each mailbox, and so its fd, alive meanwhile.
+        without_gil(py, || {
+            for (fd, eventfd) in targets {
+                ring_fd(fd, eventfd);
+            }
+        });
+        listening
     }
 
     /// Rings the doorbells of what was delivered, then blocks (GIL released)

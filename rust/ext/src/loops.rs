@@ -174,53 +174,84 @@ impl LoopRegistry {
             if !mailbox.get().post(routes.clone(), outcome, failed.cloned()) {
                 continue; // the loop is already due to drain
             }
-            if mailbox.get().doorbell_target().is_some() {
-                to_ring.push(mailbox);
-            } else {
-                let drain = mailbox.bind(py).getattr(intern!(py, "drain"));
-                let woken = drain.and_then(|drain| {
-                    mailbox.get().event_loop.call_method1(
-                        py,
-                        intern!(py, "call_soon_threadsafe"),
-                        (drain,),
-                    )
-                });
-                // A closed loop: nobody is left to await these requests.
-                drop(woken);
-            }
+            self.wake(py, mailbox, &mut to_ring);
         }
         to_ring
     }
 
     /// Hands one partial answer of a decoupled model's batch to its
-    /// streaming requests; returns how many still listen. Only the native
-    /// front-end's gRPC streams take partial answers: the other ways in
-    /// refuse a decoupled model's requests when they are submitted.
+    /// streaming requests (`only`: those whose first rows are these): the
+    /// native front-end's gRPC streams at once, event loops' streams through
+    /// their mailboxes. Returns how many of them still listen, and the
+    /// mailboxes whose doorbell must ring (after the GIL is released). The
+    /// other ways in (threads, shared memory) refuse a decoupled model's
+    /// requests when they are submitted.
     pub(crate) fn route_partial(
         &self,
         py: Python<'_>,
         groups: &[(Sink, Arc<Vec<Route>>)],
         outputs: &Bound<'_, PyDict>,
         only: Option<&[u32]>,
-    ) -> usize {
-        let Some(native) = self.native() else {
-            return 0;
+    ) -> (usize, Vec<Py<LoopMailbox>>) {
+        let chosen = |routes: &[Route]| -> Vec<Route> {
+            routes
+                .iter()
+                .filter(|r| only.map_or(true, |starts| starts.contains(&r.start)))
+                .copied()
+                .collect()
         };
-        groups
-            .iter()
-            .filter(|(sink, _)| matches!(sink, Sink::Connection(_)))
-            .map(|(_, routes)| match only {
-                None => native_sink::stream(py, &native, routes, outputs),
-                Some(starts) => {
-                    let chosen: Vec<Route> = routes
-                        .iter()
-                        .filter(|r| starts.contains(&r.start))
-                        .copied()
-                        .collect();
-                    native_sink::stream(py, &native, &chosen, outputs)
+        let mut listening = 0;
+        let mut to_ring = Vec::new();
+        for (sink, routes) in groups {
+            match sink {
+                Sink::Connection(_) => {
+                    if let Some(native) = self.native() {
+                        listening += native_sink::stream(py, &native, &chosen(routes), outputs);
+                    }
                 }
-            })
-            .sum()
+                Sink::EventLoop(loop_id) => {
+                    let Some(mailbox) = self.get(py, *loop_id) else {
+                        continue;
+                    };
+                    let awaited = mailbox.get().listening(py, chosen(routes).into_iter());
+                    if awaited.is_empty() {
+                        continue;
+                    }
+                    listening += awaited.len();
+                    let posted = mailbox
+                        .get()
+                        .post_partial(Arc::new(awaited), outputs.clone().unbind());
+                    if posted {
+                        self.wake(py, mailbox, &mut to_ring);
+                    }
+                }
+                Sink::Thread | Sink::SharedMemory(_) => {}
+            }
+        }
+        (listening, to_ring)
+    }
+
+    /// Wakes `mailbox`'s loop to drain what was posted: its doorbell (rung
+    /// by the caller, once the GIL is released: added to `to_ring`), or
+    /// `call_soon_threadsafe(drain)` for a loop without one.
+    fn wake(&self, py: Python<'_>, mailbox: Py<LoopMailbox>, to_ring: &mut Vec<Py<LoopMailbox>>) {
+        if mailbox.get().doorbell_target().is_some() {
+            to_ring.push(mailbox);
+            return;
+        }
+        let drain = mailbox.bind(py).getattr(intern!(py, "drain"));
+        let woken = drain.and_then(|drain| {
+            mailbox
+                .get()
+                .event_loop
+                .call_method1(py, intern!(py, "call_soon_threadsafe"), (drain,))
+        });
+        // A closed loop: nobody is left to await these requests.
+        drop(woken);
+    }
+
+    pub(crate) fn model_name(&self) -> &str {
+        &self.model_name
     }
 
     /// Routes this model's `Sink::Connection` rows to `sink` from now on. A

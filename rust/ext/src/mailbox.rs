@@ -37,11 +37,13 @@ use crate::errors::ferrobatch_error;
 use crate::inputs::Keep;
 use crate::results::{outcome_of_error, BatchOutcome, FailedRows, ModelFailure, ResultRows};
 
-/// One batch's outcome for one loop, waiting to be drained.
+/// One batch's outcome for one loop, waiting to be drained; or (`partial`)
+/// one response of a decoupled model's batch, for its streaming requests.
 struct Post {
     routes: Arc<Vec<Route>>,
     outcome: BatchOutcome,
     failed: Option<FailedRows>,
+    partial: bool,
 }
 
 /// The file descriptors a loop watches; `write` is None for an eventfd.
@@ -181,6 +183,12 @@ impl LoopMailbox {
         self.wakeups.fetch_add(1, Ordering::Relaxed);
         let mut first_error = None;
         for post in posts {
+            if post.partial {
+                if let Ok(outputs) = &post.outcome {
+                    self.stream_rows(py, &post.routes, outputs.bind(py));
+                }
+                continue;
+            }
             match post.outcome {
                 Ok(outputs) => {
                     let routes = match &post.failed {
@@ -250,7 +258,69 @@ impl LoopMailbox {
             routes,
             outcome,
             failed,
+            partial: false,
         })
+    }
+
+    /// Posts one response of a decoupled model's batch for its streaming
+    /// requests `routes` (worker thread). True when this post must wake the loop.
+    pub(crate) fn post_partial(&self, routes: Arc<Vec<Route>>, outputs: Py<PyDict>) -> bool {
+        self.inbox.post(Post {
+            routes,
+            outcome: Ok(outputs),
+            failed: None,
+            partial: true,
+        })
+    }
+
+    /// Of `routes`, those whose caller still awaits its stream (worker
+    /// thread, with the GIL: a future's `done()` only reads its state).
+    pub(crate) fn listening(
+        &self,
+        py: Python<'_>,
+        routes: impl Iterator<Item = Route>,
+    ) -> Vec<Route> {
+        let pending = self.pending.bind(py);
+        routes
+            .filter(|route| {
+                let Ok(Some(entry)) = pending.get_item(route.id) else {
+                    return false;
+                };
+                entry
+                    .cast_into::<Ticket>()
+                    .is_ok_and(|ticket| !is_done(ticket.get().future.bind(py)))
+            })
+            .collect()
+    }
+
+    /// Hands each streaming request of `routes` still awaited its rows of
+    /// one response (`put_nowait` on its stream; loop thread). Rows that
+    /// cannot be taken from the outputs fail that request as a model error.
+    fn stream_rows(&self, py: Python<'_>, routes: &[Route], outputs: &Bound<'_, PyDict>) {
+        let mut rows = ResultRows::new(outputs);
+        let pending = self.pending.bind(py);
+        for route in routes {
+            let Ok(Some(entry)) = pending.get_item(route.id) else {
+                continue;
+            };
+            let Ok(ticket) = entry.cast_into::<Ticket>() else {
+                continue;
+            };
+            let ticket = ticket.get();
+            let Some(stream) = &ticket.stream else {
+                continue;
+            };
+            if is_done(ticket.future.bind(py)) {
+                continue; // its caller is gone
+            }
+            let handed = rows
+                .result(route, ticket.batched)
+                .and_then(|result| stream.call_method1(py, intern!(py, "put_nowait"), (result,)));
+            if let Err(err) = handed {
+                let what = "returned a response its rows could not be taken from:";
+                self.fail_batch(py, std::slice::from_ref(route), err.value(py), what);
+            }
+        }
     }
 
     /// Fails the requests of `routes` listed in `failed` (each with its own
@@ -538,6 +608,9 @@ pub struct Ticket {
     timer: Mutex<Option<Py<PyAny>>>,
     /// A multi-row request (`infer_batch`): its result keeps the batch dimension.
     pub(crate) batched: bool,
+    /// A decoupled model's request: where each response goes
+    /// (`put_nowait`); its future then resolves at the end of the stream.
+    pub(crate) stream: Option<Py<PyAny>>,
     _keep: Vec<Keep>,
 }
 
@@ -547,6 +620,7 @@ impl Ticket {
         batcher: Arc<Batcher>,
         future: Py<PyAny>,
         batched: bool,
+        stream: Option<Py<PyAny>>,
         keep: Vec<Keep>,
     ) -> Ticket {
         Ticket {
@@ -555,6 +629,7 @@ impl Ticket {
             future,
             timer: Mutex::new(None),
             batched,
+            stream,
             _keep: keep,
         }
     }

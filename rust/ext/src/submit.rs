@@ -22,6 +22,8 @@ use pyo3::types::{PyDict, PyTuple};
 use pyo3::{PyTraverseError, PyVisit};
 
 use crate::batcher::Batcher;
+use ferrobatch_core::Outcome;
+
 use crate::errors::{invalid_input, is_ferrobatch_error};
 
 use crate::loops::LoopRegistry;
@@ -79,15 +81,20 @@ pub struct Submitter {
     get_running_loop: Py<PyAny>,
     /// The last event loop seen (threads never see a torn entry).
     cached: Mutex<Option<CachedLoop>>,
+    /// The model streams its responses: its requests come with a stream
+    /// (`Client.stream`), every other one's without.
+    decoupled: bool,
 }
 
 #[pymethods]
 impl Submitter {
     #[new]
+    #[pyo3(signature = (registry, not_running, decoupled=false))]
     fn new(
         py: Python<'_>,
         registry: Py<LoopRegistry>,
         not_running: Py<PyAny>,
+        decoupled: bool,
     ) -> PyResult<Submitter> {
         let get_running_loop = py.import("asyncio")?.getattr("get_running_loop")?.unbind();
         Ok(Submitter {
@@ -96,6 +103,7 @@ impl Submitter {
             not_running,
             get_running_loop,
             cached: Mutex::new(None),
+            decoupled,
         })
     }
 
@@ -135,7 +143,10 @@ impl Submitter {
     ///
     /// `priority`: the level (1: most urgent; None or 0: the default);
     /// `parameters`: a JSON object's text, handed to a model that asks.
-    #[pyo3(signature = (inputs, timeout=None, batched=false, priority=None, parameters=None))]
+    /// `stream` (a decoupled model's request, and only then): where each
+    /// response goes (`put_nowait`); the future resolves at the stream's end.
+    #[pyo3(signature = (inputs, timeout=None, batched=false, priority=None, parameters=None, stream=None))]
+    #[allow(clippy::too_many_arguments)] // one per keyword of Client.infer / stream
     fn submit<'py>(
         &self,
         py: Python<'py>,
@@ -144,6 +155,7 @@ impl Submitter {
         batched: bool,
         priority: Option<i64>,
         parameters: Option<String>,
+        stream: Option<Py<PyAny>>,
     ) -> PyResult<Bound<'py, PyTuple>> {
         let batcher = self
             .batcher
@@ -161,10 +173,14 @@ impl Submitter {
             return Err(PyErr::from_value(refusal));
         };
         let mailbox = self.mailbox(py)?;
+        if self.decoupled != stream.is_some() {
+            mailbox.get().tally.count(Outcome::InvalidInput);
+            return Err(self.wrong_call(py, stream.is_some()));
+        }
         let submitted = submission(py, timeout, priority, parameters).and_then(|submission| {
             batcher
                 .get()
-                .submit(py, inputs, mailbox.bind(py), submission, batched)
+                .submit(py, inputs, mailbox.bind(py), submission, batched, stream)
         });
         let ticket = match submitted {
             Ok(ticket) => ticket,
@@ -222,6 +238,10 @@ impl Submitter {
             waiters.tally().count(outcome_of_error(py, &refusal));
             return Err(PyErr::from_value(refusal));
         };
+        if self.decoupled {
+            waiters.tally().count(Outcome::InvalidInput);
+            return Err(self.wrong_call(py, false));
+        }
         let batcher = batcher.get();
         let submitted = submission(py, timeout, priority, parameters)
             .and_then(|s| batcher.submit_from_thread(py, inputs, s, batched, waiters));
@@ -278,6 +298,23 @@ pub(crate) fn submission(
         parameters: parameters.map(String::into_boxed_str),
         absent: 0,
     })
+}
+
+impl Submitter {
+    /// Why a request cannot be made this way: a decoupled model's (which
+    /// streams) without a stream, or another model's with one.
+    fn wrong_call(&self, py: Python<'_>, streamed: bool) -> PyErr {
+        let model = self.registry.get().model_name();
+        let message = if streamed {
+            format!("model '{model}' is not decoupled: it answers once; use client.infer()")
+        } else {
+            format!(
+                "model '{model}' is decoupled (it streams its responses): iterate \
+                 `async for out in client.stream(...)` on an event loop, or call it over gRPC ModelStreamInfer"
+            )
+        };
+        invalid_input(py, message)
+    }
 }
 
 impl Submitter {
