@@ -11,6 +11,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -86,9 +87,10 @@ def failures(server: fb.Server) -> dict[str, int]:
     return {k: v for k, v in server.stats()["requests_failed"].items() if v}
 
 
-def test_each_caller_gets_its_rows_of_every_item_then_the_final_flag() -> None:
+@pytest.mark.parametrize("frontend", ["native", "python"])
+def test_each_caller_gets_its_rows_of_every_item_then_the_final_flag(frontend: str) -> None:
     server = fb.Server(counting(4), inputs=[X], outputs=[Y], decoupled=True, max_delay=0.02, name="count")
-    with serve_in_thread([server], CONFIG) as listening:
+    with serve_in_thread([server], replace(CONFIG, frontend=frontend)) as listening:
         stream = Stream(listening.grpc_port)
         for k in range(3):  # in one batch (20 ms window): each its own rows
             stream.send("count", np.full((1, 3), k + 1, np.float32), request_id=f"r{k}")
@@ -112,10 +114,11 @@ def test_each_caller_gets_its_rows_of_every_item_then_the_final_flag() -> None:
         assert stats["batches"] < 3, "the three requests were batched"
 
 
-def test_without_the_final_flag_only_the_responses_come_and_a_plain_model_answers_once() -> None:
+@pytest.mark.parametrize("frontend", ["native", "python"])
+def test_without_the_final_flag_only_the_responses_come_and_a_plain_model_answers_once(frontend: str) -> None:
     plain = fb.Server(lambda b: {"y": b["x"] + 1}, inputs=[X], outputs=[Y], name="plain")
     streaming = fb.Server(counting(2), inputs=[X], outputs=[Y], decoupled=True, name="count")
-    with serve_in_thread([plain, streaming], CONFIG) as listening:
+    with serve_in_thread([plain, streaming], replace(CONFIG, frontend=frontend)) as listening:
         stream = Stream(listening.grpc_port)
         stream.send("count", np.ones((1, 3), np.float32), "a", final=False)
         firsts = [stream.next()[0] for _ in range(2)]
@@ -129,7 +132,8 @@ def test_without_the_final_flag_only_the_responses_come_and_a_plain_model_answer
         stream.close()
 
 
-def test_a_caller_that_goes_away_stops_the_model_and_is_counted_cancelled() -> None:
+@pytest.mark.parametrize("frontend", ["native", "python"])
+def test_a_caller_that_goes_away_stops_the_model_and_is_counted_cancelled(frontend: str) -> None:
     closed: list[int] = []
 
     def slow(inputs: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
@@ -138,7 +142,7 @@ def test_a_caller_that_goes_away_stops_the_model_and_is_counted_cancelled() -> N
             yield item
 
     server = fb.Server(slow, inputs=[X], outputs=[Y], decoupled=True, name="endless")
-    with serve_in_thread([server], CONFIG) as listening:
+    with serve_in_thread([server], replace(CONFIG, frontend=frontend)) as listening:
         stream = Stream(listening.grpc_port)
         stream.send("endless", np.ones((1, 3), np.float32), "a")
         for _ in range(3):
@@ -158,9 +162,10 @@ def test_a_caller_that_goes_away_stops_the_model_and_is_counted_cancelled() -> N
         again.close(cancel=True)
 
 
-def test_a_model_that_fails_mid_stream_fails_its_requests_after_what_was_sent() -> None:
+@pytest.mark.parametrize("frontend", ["native", "python"])
+def test_a_model_that_fails_mid_stream_fails_its_requests_after_what_was_sent(frontend: str) -> None:
     server = fb.Server(counting(5, fail_at=2), inputs=[X], outputs=[Y], decoupled=True, name="flaky")
-    with serve_in_thread([server], CONFIG) as listening:
+    with serve_in_thread([server], replace(CONFIG, frontend=frontend)) as listening:
         stream = Stream(listening.grpc_port)
         stream.send("flaky", np.ones((1, 3), np.float32), "a")
         messages = [stream.next() for _ in range(3)]

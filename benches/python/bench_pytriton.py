@@ -6,7 +6,8 @@ import switched (``--serve ferrobatch`` or ``--serve pytriton``):
   ``add_sub`` two float32 ``(-1,)`` inputs ``a``, ``b`` (16 elements per
   request) and outputs ``add``, ``sub``; ``identity`` a float64 ``(-1,)``
   input (16 elements) and a BYTES ``(1,)`` one (one 32-byte string), echoed;
-  ``@batch``, ``max_batch_size`` 128, the default batcher, ``strict=True``;
+  ``@batch``, ``max_batch_size`` 128, the default batcher (greedy; a queue
+  delay with ``--queue-delay-us``, for both servers), ``strict=True``;
 - ``tokens``: a decoupled ``@batch`` generator taking ``x`` float32
   ``(-1,)`` (16 elements) and yielding ``--responses`` responses
   ``{"y": x + i}``, ``max_batch_size`` 64, 1 ms queue delay.
@@ -79,7 +80,7 @@ STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 RESULTS = ROOT / "benches" / "results" / "pytriton.jsonl"
 
 
-def serve(server: str, http_port: int, grpc_port: int, metrics_port: int, responses: int) -> None:
+def serve(server: str, http_port: int, grpc_port: int, metrics_port: int, responses: int, delay_us: int) -> None:
     """Binds ``tokens`` with ``server``'s PyTriton API and serves until SIGINT."""
     if server == "ferrobatch":
         sys.path.insert(0, str(ROOT / "python"))
@@ -111,7 +112,7 @@ def serve(server: str, http_port: int, grpc_port: int, metrics_port: int, respon
             infer_func=add_sub,
             inputs=[Tensor(name=n, dtype=np.float32, shape=(-1,)) for n in ("a", "b")],
             outputs=[Tensor(name=n, dtype=np.float32, shape=(-1,)) for n in ("add", "sub")],
-            config=ModelConfig(max_batch_size=128),
+            config=ModelConfig(max_batch_size=128, batcher=DynamicBatcher(max_queue_delay_microseconds=delay_us)),
             strict=True,
         )
         triton.bind(
@@ -125,7 +126,7 @@ def serve(server: str, http_port: int, grpc_port: int, metrics_port: int, respon
                 Tensor(name="numbers_out", dtype=np.float64, shape=(-1,)),
                 Tensor(name="text_out", dtype=object, shape=(1,)),
             ],
-            config=ModelConfig(max_batch_size=128),
+            config=ModelConfig(max_batch_size=128, batcher=DynamicBatcher(max_queue_delay_microseconds=delay_us)),
             strict=True,
         )
         triton.bind(
@@ -203,11 +204,12 @@ class Endpoint:
 
 
 @contextmanager
-def server_process(server: str, python: str, responses: int, cpu: str, log: Path) -> Iterator[Endpoint]:
+def server_process(server: str, python: str, responses: int, delay_us: int, cpu: str, log: Path) -> Iterator[Endpoint]:
     """The server running on ``cpu``, every model ready."""
     http, grpc, metrics = free_ports(3)
     cmd = [
         *pinned(cpu), python, str(HERE), "--serve", server, "--responses", str(responses),
+        "--queue-delay-us", str(delay_us),
         "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
     ]  # fmt: skip
     env = dict(os.environ)
@@ -303,6 +305,12 @@ def main() -> int:
     parser.add_argument("--metrics-port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--responses", type=int, default=16, help="responses per streamed request (default 16)")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    parser.add_argument(
+        "--queue-delay-us",
+        type=int,
+        default=0,
+        help="add_sub's and identity's max_queue_delay_microseconds, both servers (0, the default: greedy)",
+    )
     parser.add_argument("--connections", default="256", help="connections, comma-separated")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=10.0)
@@ -314,7 +322,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="1 run of 3 s")
     args = parser.parse_args()
     if args.serve:
-        serve(args.serve, args.http_port, args.grpc_port, args.metrics_port, args.responses)
+        serve(args.serve, args.http_port, args.grpc_port, args.metrics_port, args.responses, args.queue_delay_us)
         return 0
     if args.quick:
         args.runs, args.seconds, args.warmup = 1, 3.0, 1.0
@@ -343,7 +351,9 @@ def main() -> int:
         for run in range(args.runs):
             for server in servers:  # the servers take turns, run by run
                 log = Path(tmp, f"{server}-{run}.log")
-                with server_process(server, pythons[server], args.responses, args.server_cpu, log) as endpoint:
+                with server_process(
+                    server, pythons[server], args.responses, args.queue_delay_us, args.server_cpu, log
+                ) as endpoint:
                     for case in cases:
                         driver.check(endpoint, case)
                         for c in connections:
@@ -360,7 +370,10 @@ def main() -> int:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     with RESULTS.open("w") as out:
         for row in rows:
-            out.write(json.dumps({**row, "time": stamp, "host_cpus": os.cpu_count()}) + "\n")
+            out.write(
+                json.dumps({**row, "queue_delay_us": args.queue_delay_us, "time": stamp, "host_cpus": os.cpu_count()})
+                + "\n"
+            )
     print(f"\nmedians of {args.runs} run(s) (wrote {RESULTS}); a stream's figures are per call")
     print("| case | C | server | req/s | p50 ms | p99 ms | µs server CPU each | ferrobatch / PyTriton |")
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |")

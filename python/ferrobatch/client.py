@@ -265,7 +265,7 @@ class Client:
         generator is closed. ``stats()`` counts the request once, as the
         iteration ended.
         """
-        async for out in self._stream(inputs, timeout, False, priority, parameters):
+        async for out in self._stream(inputs, timeout, False, priority, encode_parameters(parameters)):
             yield out
 
     async def stream_batch(
@@ -278,7 +278,7 @@ class Client:
     ) -> AsyncIterator[Outputs]:
         """Like :meth:`stream` for ``n >= 1`` samples at once (as
         :meth:`infer_batch`): each response has a leading dimension ``n``."""
-        async for out in self._stream(inputs, timeout, True, priority, parameters):
+        async for out in self._stream(inputs, timeout, True, priority, encode_parameters(parameters)):
             yield out
 
     async def _stream(
@@ -287,15 +287,15 @@ class Client:
         timeout: float | None,
         batched: bool,
         priority: int | None,
-        parameters: Mapping[str, Parameter] | None,
+        parameters: str | None,
     ) -> AsyncIterator[Any]:
+        """``stream`` / ``stream_batch`` (``parameters``: a JSON object's
+        text: the v2 front-ends pass on what a request carried)."""
         tensordict = not batched and _is_tensordict(inputs)
         if type(inputs) is not dict and isinstance(inputs, Mapping):
             inputs = flatten_inputs(inputs, self._input_names if tensordict else None)
         responses = _Responses()
-        future, rid = self._submitter.submit(
-            inputs, timeout, batched, priority, encode_parameters(parameters), responses
-        )
+        future, rid = self._submitter.submit(inputs, timeout, batched, priority, parameters, responses)
         del inputs
         future.add_done_callback(responses.wake)
         try:

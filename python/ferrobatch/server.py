@@ -182,8 +182,8 @@ class Server:
             mode): called on a batch as usual, it returns an iterable (a
             generator) whose every item is a batch's outputs, each handed to
             the batch's callers at once. Served over gRPC
-            ``ModelStreamInfer`` by the native front-end (``ferrobatch
-            serve``, ``ferrobatch.triton``), where each request gets one
+            ``ModelStreamInfer`` (``ferrobatch serve``, ``ferrobatch.triton``,
+            either front-end), where each request gets one
             response per item, then an empty final response when it asks
             (``triton_enable_empty_final_response``). A client that goes
             away stops the model once no request of its batch listens. Its

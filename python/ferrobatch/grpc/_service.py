@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any
 
 import grpc
@@ -144,6 +145,53 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             _fail(context, exc, request.model_name, self.expose_errors)
             return pb.ModelInferResponse()
 
+    async def ModelStreamInfer(
+        self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: Context
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """Triton's streaming inference: each request of the stream answered
+        on it as soon as it can be, the stream's requests at once (so they
+        batch together; ``id`` tells their responses apart): a decoupled
+        model's responses as they come, any other model's one response,
+        flagged ``triton_final_response`` as the native front-end flags
+        them. A request's failure is an ``error_message`` on the stream,
+        which goes on; a client that goes away cancels what it left."""
+        messages: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        answering: set[asyncio.Task[None]] = set()
+        open_parts = 1  # the reader, then one per request; each ends with a None
+
+        async def answer(request: pb.ModelInferRequest) -> None:
+            try:
+                async for message in stream_responses(self.repository, request, self.expose_errors):
+                    messages.put_nowait(message)
+            finally:
+                messages.put_nowait(None)
+
+        async def read() -> None:
+            nonlocal open_parts
+            try:
+                async for request in request_iterator:
+                    open_parts += 1
+                    task = asyncio.create_task(answer(request))
+                    answering.add(task)
+                    task.add_done_callback(answering.discard)
+            except Exception:  # the client's side broke: answer what came
+                log.debug("ModelStreamInfer: the request stream ended with an error", exc_info=True)
+            finally:
+                messages.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while open_parts:
+                message = await messages.get()
+                if message is None:
+                    open_parts -= 1
+                else:
+                    yield message
+        finally:  # done, or the client went away: nothing is left running
+            reader.cancel()
+            for task in list(answering):
+                task.cancel()
+
 
 async def infer(
     repository: ModelRepository, request: pb.ModelInferRequest, timeout: float | None
@@ -158,7 +206,57 @@ async def infer(
     priority = _priority(request.parameters)
     parameters = _parameters_json(request.parameters) if model.server.with_requests else None
     results = await repository.infer(model, inputs, timeout, priority, parameters)
-    response = pb.ModelInferResponse(model_name=name, model_version=MODEL_VERSION, id=request.id)
+    return _response(model, request, outputs, results)
+
+
+async def stream_responses(
+    repository: ModelRepository, request: pb.ModelInferRequest, expose_errors: bool
+) -> AsyncIterator[pb.ModelStreamInferResponse]:
+    """One ModelStreamInfer request's messages: a decoupled model's
+    responses, then (when asked) the empty final one; another model's one
+    response; or the error that ended it, as Triton words it on a stream."""
+    name = request.model_name
+    flag = request.parameters.get(_EMPTY_FINAL)
+    empty_final = flag is not None and flag.WhichOneof("parameter_choice") == "bool_param" and flag.bool_param
+    try:
+        model = repository.model(name, request.model_version)
+        inputs = _decode_inputs(request, model)
+        outputs = _requested_outputs(request, model)
+        priority = _priority(request.parameters)
+        parameters = _parameters_json(request.parameters) if model.server.with_requests else None
+        timeout = timeout_parameter(request.parameters)
+        if not model.server.decoupled:
+            results = await repository.infer(model, inputs, timeout, priority, parameters)
+            yield _streamed(_response(model, request, outputs, results), last=True)
+            return
+        async for results in repository.stream(model, inputs, timeout, priority, parameters):
+            yield _streamed(_response(model, request, outputs, results), last=False)
+    except Exception as exc:  # noqa: BLE001 - every failure becomes an error on the stream
+        failed = pb.ModelInferResponse(model_name=name, model_version=MODEL_VERSION, id=request.id)
+        message = error_message(exc, name, expose=expose_errors)
+        yield pb.ModelStreamInferResponse(
+            error_message=message, infer_response=_streamed(failed, last=True).infer_response
+        )
+        return
+    if empty_final:
+        yield _streamed(pb.ModelInferResponse(model_name=name, model_version=MODEL_VERSION, id=request.id), last=True)
+
+
+#: Triton's request parameter asking for an empty final response, and the flag on each response.
+_EMPTY_FINAL = "triton_enable_empty_final_response"
+_FINAL = "triton_final_response"
+
+
+def _streamed(response: pb.ModelInferResponse, *, last: bool) -> pb.ModelStreamInferResponse:
+    response.parameters[_FINAL].bool_param = last
+    return pb.ModelStreamInferResponse(infer_response=response)
+
+
+def _response(
+    model: ServedModel, request: pb.ModelInferRequest, outputs: list[str], results: dict[str, Any]
+) -> pb.ModelInferResponse:
+    """The response to ``request`` from its ``results``: the outputs it asked for, raw."""
+    response = pb.ModelInferResponse(model_name=request.model_name, model_version=MODEL_VERSION, id=request.id)
     datatypes = model.output_types
     raw = response.raw_output_contents
     # One call into the codec for every output of the response.

@@ -14,11 +14,12 @@ rows (``[n, *shape]``), which join one batch together and are never split;
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -380,10 +381,7 @@ class ModelRepository:
         """Runs ``n`` rows through ``model``; every output has leading dimension ``n``.
         ``priority`` and ``parameters`` (a JSON object's text) as the request gave them;
         the parameters reach only a model built ``with_requests``."""
-        if self._closing:
-            raise ServerClosedError(f"server is shutting down; model '{model.server.name}' takes no new requests")
-        self._in_flight += 1
-        try:
+        with self._accepted(model):
             batched = model.server.batching  # without batching: one sample, no batch dimension
             if batched and priority is None and (parameters is None or not model.server.with_requests):
                 return await model.client.infer_batch(inputs, timeout=timeout)
@@ -391,6 +389,30 @@ class ModelRepository:
                 inputs, timeout, batched, priority, parameters
             )
             return outputs
+
+    async def stream(
+        self,
+        model: ServedModel,
+        inputs: dict[str, Any],
+        timeout: float | None,
+        priority: int | None = None,
+        parameters: str | None = None,
+    ) -> AsyncIterator[dict[str, torch.Tensor]]:
+        """A decoupled model's responses to ``n`` rows, as :meth:`infer` takes them."""
+        with self._accepted(model):
+            keep = parameters if model.server.with_requests else None
+            async for out in model.client._stream(inputs, timeout, model.server.batching, priority, keep):
+                yield out
+
+    @contextlib.contextmanager
+    def _accepted(self, model: ServedModel) -> Iterator[None]:
+        """One request in flight (:meth:`close` waits for them), or
+        :class:`ServerClosedError` once closing."""
+        if self._closing:
+            raise ServerClosedError(f"server is shutting down; model '{model.server.name}' takes no new requests")
+        self._in_flight += 1
+        try:
+            yield
         finally:
             self._in_flight -= 1
             if not self._in_flight and self._idle is not None:
