@@ -513,3 +513,30 @@ def test_infer_on_a_streaming_model_and_stream_on_another_are_refused() -> None:
 
     asyncio.run(main())
     assert failures(streaming) == {"invalid_input": 1} and failures(plain) == {"invalid_input": 1}
+
+
+def test_a_thread_streams_with_stream_sync_and_leaving_early_cancels() -> None:
+    closed: list[int] = []
+
+    def slow(inputs: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
+        for item in counting(100_000, closed)(inputs):
+            time.sleep(0.001)
+            yield item
+
+    short = fb.Server(counting(3), inputs=[X], outputs=[Y], decoupled=True, name="short")
+    endless = fb.Server(slow, inputs=[X], outputs=[Y], decoupled=True, name="endless")
+    flaky = fb.Server(counting(5, fail_at=1), inputs=[X], outputs=[Y], decoupled=True, name="flaky")
+    with short.run_in_background(), endless.run_in_background(), flaky.run_in_background():
+        got = [out["y"].tolist() for out in short.client().stream_sync({"x": torch.ones(3)})]
+        assert got == [[0.0] * 3, [1.0] * 3, [2.0] * 3]
+        responses = endless.client().stream_sync({"x": torch.ones(3)})
+        assert [next(responses)["y"].tolist() for _ in range(2)] == [[0.0] * 3, [1.0] * 3]
+        responses.close()  # left early
+        deadline = time.monotonic() + 10
+        while not closed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert closed, "the model was stopped"
+        with pytest.raises(fb.ModelError):
+            list(flaky.client().stream_sync({"x": torch.ones(3)}))
+    assert short.stats()["requests_succeeded"] == 1
+    assert failures(endless) == {"cancelled": 1} and failures(flaky) == {"model_error": 1}

@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+import queue
 import sys
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Collection, Mapping
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import anyio.from_thread
@@ -349,6 +350,60 @@ class Client:
                 return _to_tensordict(self._submitter.infer_blocking(flat, timeout, False, priority, encoded))
             inputs = flatten_inputs(inputs)
         return self._submitter.infer_blocking(inputs, timeout, False, priority, encoded)
+
+    def stream_sync(
+        self,
+        inputs: Inputs,
+        timeout: float | None = None,
+        *,
+        priority: int | None = None,
+        parameters: Mapping[str, Parameter] | None = None,
+    ) -> Iterator[Any]:
+        """Blocking :meth:`stream`, for threads other than an event loop's:
+        iterates a decoupled model's responses to one sample. The request is
+        made on the server's event loop (``run_in_background`` or the loop
+        ``start()`` ran on), and each response handed to this thread as it
+        comes; leaving the loop early cancels the request, as in :meth:`stream`.
+        """
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            raise RuntimeError(
+                "stream_sync() blocks and was called from a thread running an event loop; "
+                "use `async for out in client.stream(...)` there"
+            )
+        loop = self._loop_token().native_token
+        assert isinstance(loop, asyncio.AbstractEventLoop), "the server runs on asyncio"
+        handed: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+        async def pump() -> None:
+            try:
+                async for out in self.stream(inputs, timeout, priority=priority, parameters=parameters):
+                    handed.put(out)
+            except BaseException as exc:  # this thread's to raise
+                handed.put(_Ended(exc))
+                raise
+            handed.put(_Ended(None))
+
+        pumping = asyncio.run_coroutine_threadsafe(pump(), loop)
+        try:
+            while not isinstance(item := handed.get(), _Ended):
+                yield item
+            if item.error is not None:
+                raise item.error
+        finally:
+            pumping.cancel()  # left early: the request is cancelled on its loop
+
+
+class _Ended:
+    """The end of a :meth:`Client.stream_sync` stream: ``error``, or None."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException | None) -> None:
+        self.error = error
 
 
 class _Responses:
