@@ -540,3 +540,28 @@ def test_a_thread_streams_with_stream_sync_and_leaving_early_cancels() -> None:
             list(flaky.client().stream_sync({"x": torch.ones(3)}))
     assert short.stats()["requests_succeeded"] == 1
     assert failures(endless) == {"cancelled": 1} and failures(flaky) == {"model_error": 1}
+
+
+@pytest.mark.parametrize("frontend", ["native", "python"])
+def test_one_stream_holds_at_most_1024_requests_unanswered(frontend: str) -> None:
+    gate = threading.Event()
+
+    def held(inputs: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
+        gate.wait(30)
+        yield {"y": inputs["x"]}
+
+    server = fb.Server(held, inputs=[X], outputs=[Y], decoupled=True, max_batch_size=1, name="held")
+    with serve_in_thread([server], replace(CONFIG, frontend=frontend)) as listening:
+        stream = Stream(listening.grpc_port)
+        for k in range(1100):
+            stream.send("held", np.ones((1, 3), np.float32), str(k), final=False)
+        deadline = time.monotonic() + 10
+        while server.stats()["queue_depth"] < 1023 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        assert server.stats()["queue_depth"] == 1023, "1024 read: one running, the rest queued"
+        gate.set()
+        for _ in range(1100):
+            assert stream.next()[1] is None
+        stream.close()
+    assert server.stats()["requests_succeeded"] == 1100

@@ -158,18 +158,27 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         messages: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
         answering: set[asyncio.Task[None]] = set()
         open_parts = 1  # the reader, then one per request; each ends with a None
+        # Past this many requests of the stream unanswered, the next is read once one is.
+        in_flight = asyncio.Semaphore(STREAM_IN_FLIGHT)
 
         async def answer(request: pb.ModelInferRequest) -> None:
             try:
                 async for message in stream_responses(self.repository, request, self.expose_errors):
                     messages.put_nowait(message)
             finally:
+                in_flight.release()
                 messages.put_nowait(None)
 
         async def read() -> None:
             nonlocal open_parts
             try:
-                async for request in request_iterator:
+                requests = aiter(request_iterator)
+                while True:
+                    await in_flight.acquire()
+                    try:
+                        request = await anext(requests)
+                    except StopAsyncIteration:
+                        break
                     open_parts += 1
                     task = asyncio.create_task(answer(request))
                     answering.add(task)
@@ -242,6 +251,8 @@ async def stream_responses(
         yield _streamed(pb.ModelInferResponse(model_name=name, model_version=MODEL_VERSION, id=request.id), last=True)
 
 
+#: Requests of one ModelStreamInfer stream answered at once, at most (as the native front-end).
+STREAM_IN_FLIGHT = 1024
 #: Triton's request parameter asking for an empty final response, and the flag on each response.
 _EMPTY_FINAL = "triton_enable_empty_final_response"
 _FINAL = "triton_final_response"

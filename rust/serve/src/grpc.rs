@@ -37,7 +37,7 @@ use ferrobatch_core::DType;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::header::HeaderValue;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Semaphore};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::codec::CompressionEncoding;
 use tonic::codegen::Service;
@@ -97,6 +97,9 @@ const STREAM_INFER: &str = "/inference.GRPCInferenceService/ModelStreamInfer";
 /// Triton's request parameter asking for an empty response that flags the
 /// end of each request's responses, and the response parameter flagging it.
 const ENABLE_EMPTY_FINAL: &str = "triton_enable_empty_final_response";
+/// Requests of one `ModelStreamInfer` stream answered at once, at most: each
+/// holds a queued request and its answers' buffer.
+const STREAM_IN_FLIGHT: usize = 1024;
 const FINAL_RESPONSE: &str = "triton_final_response";
 
 /// The length of a gRPC message's prefix: a compressed flag and a
@@ -617,14 +620,21 @@ impl GrpcInferenceService for Inference {
             shared: self.shared.clone(),
         };
         let mut stopped = self.shared.stopped.clone();
+        let in_flight = Arc::new(Semaphore::new(STREAM_IN_FLIGHT));
         tokio::spawn(async move {
             let inference = Arc::new(inference);
             loop {
                 if stopped.borrow_and_update().is_some() {
                     break; // the front-end stops: what is in flight is answered, then the stream ends
                 }
-                let message = tokio::select! {
-                    message = incoming.message() => message,
+                // The next message is read once a request of this stream is
+                // answered, past STREAM_IN_FLIGHT (HTTP/2 flow control holds
+                // the client back meanwhile).
+                let (message, permit) = tokio::select! {
+                    read = async {
+                        let permit = in_flight.clone().acquire_owned().await;
+                        (incoming.message().await, permit)
+                    } => read,
                     () = out.closed() => break, // the client went away
                     changed = stopped.changed() => match changed {
                         Ok(()) => continue,
@@ -639,6 +649,7 @@ impl GrpcInferenceService for Inference {
                             inference
                                 .stream_one(request, call_timeout, &forwarded, &out)
                                 .await;
+                            drop(permit);
                         });
                     }
                     Ok(None) => break,
