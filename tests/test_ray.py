@@ -507,3 +507,55 @@ async def test_the_client_carries_optional_inputs_and_models_without_batching(cl
         assert not client.description["batching"]
         outs = await asyncio.gather(*(client.infer({"x": row(i)}) for i in range(3)))
     assert [out["y"].tolist() for out in outs] == [[i + 1.0] * 4 for i in range(3)]
+
+
+def steps(batch: dict[str, torch.Tensor]) -> Any:
+    """A decoupled model: three responses, ``x + i``."""
+    for i in range(3):
+        yield {"y": batch["x"] + i}
+
+
+def endless_steps(batch: dict[str, torch.Tensor]) -> Any:
+    while True:
+        time.sleep(0.005)
+        yield {"y": batch["x"]}
+
+
+def make_steps() -> fb.Server:
+    return fb.Server(steps, inputs=[X], outputs=[Y], decoupled=True, max_delay=0.01, name="steps")
+
+
+def make_endless() -> fb.Server:
+    return fb.Server(endless_steps, inputs=[X], outputs=[Y], decoupled=True, name="endless")
+
+
+async def test_the_client_streams_a_decoupled_deployment_and_leaving_cancels(cluster: int) -> None:
+    app = serve.run(
+        fray.deployment(make_steps, name="steps", ray_actor_options=NO_CPU), name="steps", route_prefix="/steps"
+    )
+    endless = serve.run(
+        fray.deployment(make_endless, name="endless", ray_actor_options=NO_CPU),
+        name="endless",
+        route_prefix="/endless",
+    )
+    client = fray.client(app)
+
+    async def one(k: int) -> list[list[float]]:
+        return [out["y"].tolist() async for out in client.stream({"x": row(k)})]
+
+    got = await asyncio.gather(*(one(k) for k in range(4)))
+    assert got == [[[float(k + i)] * 4 for i in range(3)] for k in range(4)]
+    pair = [out["y"].shape async for out in client.stream_batch({"x": torch.ones(2, 4)})]
+    assert pair == [torch.Size([2, 4])] * 3
+    stats = await app.stats.remote()
+    assert stats["requests_succeeded"] == 5 and stats["batches"] < 5
+    assert (await app.describe.remote())["decoupled"]
+    seen = 0
+    async for _ in fray.client(endless).stream({"x": row(1)}):
+        seen += 1
+        if seen == 3:
+            break
+    deadline = time.monotonic() + 20
+    while (await endless.stats.remote())["requests_failed"]["cancelled"] == 0 and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert (await endless.stats.remote())["requests_failed"]["cancelled"] == 1, "leaving early cancelled it"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -145,6 +145,16 @@ def _batch_of(spec: TensorSpec, parts: Sequence[Any], rows: Sequence[int]) -> di
         at += n
     index = np.asarray(lengths, dtype=np.int64)
     return {spec.name: values, spec.name + LENGTHS: index if len(dims) > 1 else index[:, 0]}
+
+
+def _from_wire(outputs: Mapping[str, Any]) -> dict[str, Any]:
+    """A response as it crossed the hop (numpy arrays; see ``_wire``) as
+    ``Client`` answers: torch tensors (copied: Ray's arrays are read-only),
+    BYTES as numpy object arrays."""
+    return {
+        name: torch.from_numpy(np.array(value)) if isinstance(value, np.ndarray) and value.dtype != object else value
+        for name, value in outputs.items()
+    }
 
 
 def _variable_dims(spec: TensorSpec) -> tuple[int, ...]:
@@ -339,6 +349,53 @@ class RayClient:
             local = self._client
             assert local is not None
         return await local.infer_batch(inputs, timeout, priority=priority, parameters=parameters)
+
+    async def stream(
+        self,
+        inputs: Mapping[str, Any],
+        timeout: float | None = None,
+        *,
+        priority: int | None = None,
+        parameters: Mapping[str, Parameter] | None = None,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """A decoupled deployment's responses to one sample, as
+        :meth:`ferrobatch.Client.stream`: one streaming handle call (the
+        replica batches it with its other requests; nothing is batched here),
+        each response as its replica's model makes it. Leaving the loop early
+        cancels the call, and so the request."""
+        async for out in self._stream(inputs, timeout, False, priority, parameters):
+            yield out
+
+    async def stream_batch(
+        self,
+        inputs: Mapping[str, Any],
+        timeout: float | None = None,
+        *,
+        priority: int | None = None,
+        parameters: Mapping[str, Parameter] | None = None,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """``n`` rows' responses, as :meth:`ferrobatch.Client.stream_batch`."""
+        async for out in self._stream(inputs, timeout, True, priority, parameters):
+            yield out
+
+    async def _stream(
+        self,
+        inputs: Mapping[str, Any],
+        timeout: float | None,
+        batched: bool,
+        priority: int | None,
+        parameters: Mapping[str, Parameter] | None,
+    ) -> AsyncIterator[dict[str, Any]]:
+        call = self._handle.options(stream=True).stream
+        responses = call.remote(dict(inputs), timeout, batched=batched, priority=priority, parameters=parameters)
+        finished = False
+        try:
+            async for out in responses:
+                yield _from_wire(out)
+            finished = True
+        finally:
+            if not finished:  # left early, or failed: the replica's request goes
+                responses.cancel()
 
     def infer_sync(
         self,

@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 import warnings
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from ray import serve
@@ -136,6 +136,23 @@ class FerrobatchReplica:
 
         return list(await asyncio.gather(*(one(*item) for item in items)))
 
+    async def stream(
+        self,
+        inputs: Mapping[str, Any],
+        timeout: float | None = None,
+        *,
+        batched: bool = False,
+        priority: int | None = None,
+        parameters: Mapping[str, Any] | None = None,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """A decoupled model's responses to one sample (``batched``: ``n``
+        rows), each as the replica's model makes it, as ``Client.stream``;
+        called through a handle with ``.options(stream=True)``. Ray
+        cancelling the call (its caller went away) cancels the request."""
+        stream = self._client.stream_batch if batched else self._client.stream
+        async for out in stream(inputs, timeout, priority=priority, parameters=parameters):
+            yield to_wire(out)
+
     async def describe(self) -> dict[str, Any]:
         """What a client needs to batch for this deployment: the specs and
         limits of the model, and this replica's identity and warnings."""
@@ -146,6 +163,7 @@ class FerrobatchReplica:
             "outputs": list(server.outputs),
             "max_batch_size": server.max_batch_size,
             "batching": server.batching,
+            "decoupled": server.decoupled,
             "max_batch_elements": server.max_batch_elements,
             "priority_levels": server.priority_levels,
             "default_priority": server.default_priority,
