@@ -3,8 +3,8 @@
 output, each sent in process (asyncio, a blocked thread), over HTTP (JSON,
 binary) and gRPC to the native and the Python front-ends, and through shared
 memory. A cell that does not behave as in process fails here; the cells a
-way in does not carry (shared memory: BYTES, variable-length and optional
-inputs) must be refused up front with a clear error. (The Ray client, which
+way in does not carry (shared memory: BYTES and variable-length tensors)
+must be refused up front with a clear error. (The Ray client, which
 needs a Ray cluster, crosses the same features in tests/test_ray.py.)"""
 
 from __future__ import annotations
@@ -229,7 +229,7 @@ def test_optional_inputs(ways: dict[str, Send], way: str) -> None:
     assert given["total"].tolist() == [8, 8] and given["absent"].tolist() == [0, 0]
 
 
-def test_shared_memory_carries_fixed_tensors_priority_and_parameters_and_refuses_the_rest() -> None:
+def test_shared_memory_carries_fixed_tensors_priority_parameters_optional_inputs_and_refuses_the_rest() -> None:
     made = {s.name: s for s in servers()}
 
     async def main() -> None:
@@ -243,7 +243,18 @@ def test_shared_memory_carries_fixed_tensors_priority_and_parameters_and_refuses
                 assert int(out["tag_len"]) == 3 and int(out["ver"]) == 0
             finally:
                 client.close()
-        for name in ("bytes", "pad", "jagged", "optional"):
+        async with made["optional"]:
+            made["optional"].share("matrix-optional")
+            client = fb.connect("matrix-optional")
+            try:
+                x = torch.ones(2)
+                left_out = await client.infer({"x": x})
+                assert float(left_out["total"]) == 2 and int(left_out["absent"]) == 1
+                given = await client.infer_batch({"x": x[None], "w": x[None] * 3})
+                assert given["total"].tolist() == [8] and given["absent"].tolist() == [0]
+            finally:
+                client.close()
+        for name in ("bytes", "pad", "jagged"):
             async with made[name]:
                 with pytest.raises(ValueError, match="shared memory carries"):
                     made[name].share(f"matrix-{name}")

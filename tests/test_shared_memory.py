@@ -430,3 +430,37 @@ async def test_connect_trusts_only_this_users_segment_unless_told_whom(shared: t
             # It pickles with whom it trusts.
             with pickle.loads(pickle.dumps(client)) as clone:
                 assert clone._owner == owner
+
+
+def optional_total(batch: dict[str, torch.Tensor], requests: list[fb.RequestInfo]) -> dict[str, torch.Tensor]:
+    absent = [int("w" in r.absent) for r in requests for _ in range(r.rows)]
+    return {"total": batch["x"].sum(1) + batch["w"].sum(1), "absent": torch.tensor(absent, dtype=torch.int64)}
+
+
+def _leave_out(name: str, done: Any) -> None:
+    """Another process: one request leaving the optional input out, one giving it."""
+    with fb.connect(name) as client:
+        left_out = client.infer_sync({"x": torch.ones(2)})
+        given = client.infer_sync({"x": torch.ones(2), "w": torch.full((2,), 3.0)})
+    done.put([float(left_out["total"]), int(left_out["absent"]), float(given["total"]), int(given["absent"])])
+
+
+async def test_another_process_may_leave_an_optional_input_out() -> None:
+    server = fb.Server(
+        optional_total,
+        inputs=[fb.TensorSpec("x", "float32", (2,)), fb.TensorSpec("w", "float32", (2,), optional=True)],
+        outputs=[fb.TensorSpec("total", "float32", ()), fb.TensorSpec("absent", "int64", ())],
+        with_requests=True,
+        name="optional",
+    )
+    async with server:
+        share = server.share(unique("optional"))
+        ctx = multiprocessing.get_context("spawn")
+        done = ctx.Queue()
+        worker = ctx.Process(target=_leave_out, args=(share.name, done))
+        worker.start()
+        got = await asyncio.to_thread(done.get, timeout=120)
+        await asyncio.to_thread(worker.join, 60)
+        assert worker.exitcode == 0
+    assert got == [2.0, 1, 8.0, 0], "zeros in its place, and the model told it was left out"
+    assert server.stats()["requests_succeeded"] == 2

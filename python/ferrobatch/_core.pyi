@@ -350,6 +350,7 @@ class SharedClient:
         coerce: Callable[[Any, int, bool], Any],
         empty: Callable[..., torch.Tensor],
         owner: int | None = None,
+        optional: list[bool] = ...,
     ) -> SharedClient: ...
     def submit(
         self,

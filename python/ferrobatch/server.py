@@ -741,12 +741,6 @@ class Server:
                 f"server '{self.name}': shared memory carries fixed-shape numeric tensors only;"
                 f" {', '.join(variable)} are BYTES or variable-length"
             )
-        optional = [s.name for s in self.inputs if s.optional]
-        if optional:
-            raise ValueError(
-                f"server '{self.name}': shared memory carries every input of every request;"
-                f" {', '.join(optional)} are optional"
-            )
         shared = share(
             self, name, max_clients=max_clients, rows_per_client=rows_per_client, ring_size=ring_size, mode=mode
         )

@@ -115,7 +115,7 @@ def share(
             "ferrobatch": _core.__version__,
             "model": server.name,
             "max_batch_size": server.max_batch_size,
-            "inputs": [[s.name, s.dtype, list(s.shape)] for s in server.inputs],
+            "inputs": [[s.name, s.dtype, list(s.shape), s.optional] for s in server.inputs],
             "outputs": [[s.name, s.dtype, list(s.shape)] for s in server.outputs],
         }
     )
@@ -242,7 +242,7 @@ class SharedClient:
         meta = json.loads(_core.shared_meta(self.name, self._owner_uid))
         self.model = str(meta["model"])
         self.max_batch_size = int(meta["max_batch_size"])
-        self.inputs = tuple(TensorSpec(n, d, tuple(s)) for n, d, s in meta["inputs"])
+        self.inputs = tuple(TensorSpec(n, d, tuple(s), optional=bool(o)) for n, d, s, o in meta["inputs"])
         self.outputs = tuple(TensorSpec(n, d, tuple(s)) for n, d, s in meta["outputs"])
         self._input_names = frozenset(s.name for s in self.inputs)
         return _core.SharedClient(
@@ -255,6 +255,7 @@ class SharedClient:
             coerce=make_coerce(self.inputs),
             empty=torch.empty,
             owner=self._owner_uid,
+            optional=[s.optional for s in self.inputs],
         )
 
     def _live_core(self) -> _core.SharedClient:

@@ -95,12 +95,15 @@ impl SharedServer {
         mode: u32,
     ) -> PyResult<SharedServer> {
         let outputs = output_specs(py, outputs)?;
-        let in_rows: Vec<usize> = batcher
-            .get()
-            .input_specs()
+        let specs = batcher.get().input_specs();
+        let in_rows: Vec<usize> = specs.iter().map(|s| s.row_nbytes).collect();
+        // Optional inputs are among the first 64 (the Server checks it).
+        let optional = specs
             .iter()
-            .map(|s| s.row_nbytes)
-            .collect();
+            .take(64)
+            .enumerate()
+            .filter(|(_, s)| s.optional)
+            .fold(0u64, |mask, (i, _)| mask | (1u64 << i));
         let out_rows: Vec<usize> = outputs.iter().map(|o| o.row_nbytes).collect();
         let max_rows = batcher.get().core().rule().max_batch_size;
         let config = SegmentConfig {
@@ -122,6 +125,7 @@ impl SharedServer {
                 core,
                 in_rows,
                 out_rows,
+                optional,
                 Box::new(log_warning),
             )
             .map_err(|e| ShmError::Io("cannot start the shared-memory thread".into(), e))?;
@@ -537,8 +541,12 @@ impl ClientInner {
         target: Target,
     ) -> PyResult<(u32, u32)> {
         let submission = crate::submit::submission(py, timeout, priority, parameters)?;
-        // A shared model has no optional inputs (`share` refuses them): nothing is left out.
-        let (rows, _, keep, _) = self.converter.convert_dict(py, inputs, batched)?;
+        // An optional input left out travels as zeros, named in `absent`.
+        let (rows, _, keep, absent) = self.converter.convert_dict(py, inputs, batched)?;
+        let submission = ferrobatch_core::Submission {
+            absent,
+            ..submission
+        };
         let bytes: Vec<&[u8]> = keep.iter().map(|k| k.bytes()).collect();
         let rows = row_u32(rows, "rows")?;
         // Held across the submit: the collector finds the waiter (it takes
@@ -633,9 +641,10 @@ pub struct SharedClient {
 #[pymethods]
 impl SharedClient {
     /// Connects to the segment `name`: `inputs` / `outputs` as `(name,
-    /// dtype, shape, torch dtype)`, read from its metadata.
+    /// dtype, shape, torch dtype)`, read from its metadata; `optional`:
+    /// per input, whether a request may leave it out.
     #[new]
-    #[pyo3(signature = (name, inputs, outputs, *, model_name, max_batch_size, tensor_type, coerce, empty, owner=None))]
+    #[pyo3(signature = (name, inputs, outputs, *, model_name, max_batch_size, tensor_type, coerce, empty, owner=None, optional=Vec::new()))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -648,15 +657,18 @@ impl SharedClient {
         coerce: Py<PyAny>,
         empty: Py<PyAny>,
         owner: Option<u32>,
+        optional: Vec<bool>,
     ) -> PyResult<SharedClient> {
         let mut specs = Vec::with_capacity(inputs.len());
-        for (input, dtype, shape, torch_dtype) in inputs {
+        for (i, (input, dtype, shape, torch_dtype)) in inputs.into_iter().enumerate() {
             let parsed = DType::parse(&dtype).ok_or_else(|| {
                 PyValueError::new_err(format!("input '{input}': unknown dtype '{dtype}'"))
             })?;
-            let core = ferrobatch_core::InputSpec::new(&input, parsed, shape).ok_or_else(|| {
-                PyValueError::new_err(format!("input '{input}': its shape is too large"))
-            })?;
+            let core = ferrobatch_core::InputSpec::new(&input, parsed, shape)
+                .ok_or_else(|| {
+                    PyValueError::new_err(format!("input '{input}': its shape is too large"))
+                })?
+                .optional(optional.get(i).copied().unwrap_or(false));
             // A shared model's inputs are fixed-shape (`share` refuses others).
             specs.push(InputSpec {
                 core,

@@ -63,6 +63,7 @@ fuzz_target!(|input: &[u8]| {
         batcher.clone(),
         vec![ROW],
         vec![ROW],
+        0,
         Box::new(|_| {}),
     )
     .unwrap();

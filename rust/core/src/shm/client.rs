@@ -254,6 +254,7 @@ impl ClientCore {
         entry
             .priority()
             .store(priority.unwrap_or(0), Ordering::Relaxed);
+        entry.absent().store(submission.absent, Ordering::Relaxed);
         // Checked above: it fits.
         entry.set_parameters(parameters.unwrap_or(""));
         let ns = timeout.map_or(u64::MAX, |t| {

@@ -61,6 +61,7 @@ fn fixture(test: &str, clients: u32, cells: u32, ring: u32) -> Fixture {
         batcher.clone(),
         vec![ROW],
         vec![ROW],
+        0,
         on_fault,
     )
     .unwrap();
@@ -172,6 +173,33 @@ fn every_request_gets_its_own_rows_back() {
     f.batcher.close();
     worker.join().unwrap();
     assert_eq!(clients[0].server_gone(), Some(ServerGone::Stopped));
+}
+
+#[test]
+fn a_request_that_leaves_out_an_input_not_optional_is_refused() {
+    let f = fixture("absent", 2, 8, 8); // its one input is not optional
+    let worker = spawn_worker(&f);
+    let client = connect(&f);
+    let submission = crate::Submission {
+        absent: 1,
+        ..Default::default()
+    };
+    let bytes = vec![0u8; ROW];
+    client.submit_with(&[&bytes], 1, &submission).unwrap();
+    let done = collect(&client, 1);
+    assert_eq!(done[0].code, code::INVALID_INPUT, "{}", done[0].message);
+    assert!(
+        done[0].message.contains("not optional"),
+        "{}",
+        done[0].message
+    );
+    client.release(&done[0]);
+    // What a forged word cannot pass, an honest request still does.
+    client.submit(&[&bytes], 1, None).unwrap();
+    assert_eq!(collect(&client, 1)[0].code, code::OK);
+    f.server.close("stopped");
+    f.batcher.close();
+    worker.join().unwrap();
 }
 
 fn check(client: &ClientCore, sent: &mut HashMap<(u32, u32), Vec<u8>>, done: &Completed) {

@@ -62,6 +62,7 @@ mod entry_at {
     /// After the message's `MESSAGE_BYTES`.
     pub const PRIORITY: usize = 232;
     pub const PARAMETERS_LEN: usize = 236;
+    pub const ABSENT: usize = 240;
     /// `PARAMETERS_BYTES` of them, to the end of the entry.
     pub const PARAMETERS: usize = 256;
 }
@@ -804,6 +805,13 @@ impl Entry<'_> {
     /// The request's priority level (0: the server's default).
     pub fn priority(&self) -> &AtomicU32 {
         self.u32_at(entry_at::PRIORITY)
+    }
+
+    /// Bit `i` set: the request left out optional input `i` (its cells hold
+    /// zeros in its place). The server checks it against the model's
+    /// optional inputs before use.
+    pub fn absent(&self) -> &AtomicU64 {
+        self.u64_at(entry_at::ABSENT)
     }
 
     /// Writes the request's parameters (a JSON object's text; empty: none).

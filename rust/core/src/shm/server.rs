@@ -74,6 +74,8 @@ pub struct SharedServer {
     /// Bytes of one row of each input / output, in the model's order.
     in_rows: Vec<usize>,
     out_rows: Vec<usize>,
+    /// Bit `i` set: input `i` is optional (a request may leave it out).
+    optional: u64,
     /// Accepted requests until their `DONE` is written; what the clients
     /// saw is counted there.
     pending: Pending<Cell, Cell>,
@@ -112,6 +114,7 @@ impl SharedServer {
         batcher: Arc<Batcher>,
         in_rows: Vec<usize>,
         out_rows: Vec<usize>,
+        optional: u64,
         on_fault: OnFault,
     ) -> Result<Arc<SharedServer>, std::io::Error> {
         let clients = segment.config().clients as usize;
@@ -121,6 +124,7 @@ impl SharedServer {
             batcher,
             in_rows,
             out_rows,
+            optional,
             pending: Pending::new(),
             cell_ids: (0..cell_count).map(|_| AtomicU64::new(0)).collect(),
             reclaimed: AtomicU64::new(0),
@@ -427,11 +431,17 @@ impl SharedServer {
         } else {
             None
         };
+        // Only inputs the model declares optional may be left out.
+        let absent = entry.absent().load(Ordering::Relaxed);
+        if absent & !self.optional != 0 {
+            let why = "the request left out inputs that are not optional";
+            return fail(code::INVALID_INPUT, Outcome::InvalidInput, why);
+        }
         let submission = crate::Submission {
             timeout,
             priority,
             parameters,
-            absent: 0, // a shared model has no optional inputs (`share` refuses them)
+            absent,
         };
         let cell = Cell {
             client: d.client,
