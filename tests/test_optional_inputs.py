@@ -78,19 +78,26 @@ def test_in_process_callers_may_leave_optional_inputs_out() -> None:
     asyncio.run(main())
 
 
-def test_shared_memory_refuses_a_model_with_optional_inputs() -> None:
+def test_shared_memory_carries_a_request_without_its_optional_input() -> None:
     server = fb.Server(
         lambda batch: {"y": batch["a"].sum(1) + batch["w"].sum(1)},
         inputs=INPUTS[:2],
         outputs=[fb.TensorSpec("y", "float32", ())],
     )
 
-    async def main() -> None:
+    async def main() -> tuple[float, float]:
         async with server:
-            with pytest.raises(ValueError, match="optional"):
-                server.share("optional-inputs-test")
+            server.share("optional-inputs-test")
+            with fb.connect("optional-inputs-test") as client:
+                a = torch.ones(INPUTS[0].shape)
+                left_out = await client.infer({"a": a})
+                given = await client.infer({"a": a, "w": torch.full(INPUTS[1].shape, 2.0)})
+            return float(left_out["y"]), float(given["y"])
 
-    asyncio.run(main())
+    left_out, given = asyncio.run(main())
+    per_a = float(torch.ones(INPUTS[0].shape).sum())
+    assert left_out == per_a, "zeros in the left-out input's place"
+    assert given == per_a + 2.0 * float(torch.ones(INPUTS[1].shape).sum())
 
 
 def test_outputs_cannot_be_optional() -> None:
