@@ -31,9 +31,9 @@ Two measurements, each against its reference in the same run:
    (pad-and-stack, ``asyncio.to_thread``). Target: the token budget's p99 <=
    0.5x the fixed-size batcher's.
 
-Results: ``benches/results/e2e_ragged.jsonl`` (replaced by each run): one
-``meta`` line (command, date, ``uptime``, machine), then one line per
-measurement.
+Results: ``benches/results/e2e.jsonl``, bench_e2e's one results file (its
+latest run, either workload; replaced by each run): one ``meta`` line
+(command, date, ``uptime``, machine), then one line per measurement.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ import ferrobatch as fb
 from ferrobatch import _core
 from ferrobatch._variable import allocate_slot, batch_inputs, core_shape, layouts
 
-RESULTS = Path(__file__).resolve().parents[1] / "results" / "e2e_ragged.jsonl"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "e2e.jsonl"
 BATCH = 64
 MAX_LEN = 512
 VOCAB = 30_000

@@ -143,6 +143,9 @@ class Batch:
     def rows(self) -> int: ...
     @property
     def n_requests(self) -> int: ...
+    @property
+    def has_loop_requests(self) -> bool:
+        """Whether any request came from an event loop (its streamed responses are read later)."""
     def request_rows(self) -> list[tuple[int, int]]:
         """Each request's ``(start, rows)``, in batch order."""
     def extents(self) -> list[int]:

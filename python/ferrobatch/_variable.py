@@ -573,9 +573,9 @@ def _row_of(
 
 
 def _snapshot(outputs: dict[str, Any]) -> dict[str, Any]:
-    """One streamed response's outputs, copied: an event loop reads its
-    callers' rows later, and the model may reuse its buffers (or the staging
-    slot's) for its next response."""
+    """One streamed response's outputs, copied (for requests of event
+    loops, which read their rows later): the model may reuse its buffers
+    (or the staging slot's) for its next response."""
     copied: dict[str, Any] = {}
     for name, out in outputs.items():
         if isinstance(out, torch.Tensor):
@@ -667,7 +667,7 @@ class VariableExecutor(CpuExecutor):
                     except StopIteration:
                         break
                     only: list[int] | None = getattr(raw, "only", None)
-                    listening = emit(_snapshot(self._checked(raw, rows, frozenset(), version)), only)
+                    listening = emit(self._checked(raw, rows, frozenset(), version), only)
                     if only is not None:
                         feedback = listening
                     elif listening == 0:
@@ -786,7 +786,14 @@ class VariableExecutor(CpuExecutor):
             inputs = batch_inputs(self.inputs, slot, batch)
             names = [s.name for s in self.inputs]
             requests = [r for _, r in batch_requests(batch, names)] if self.with_requests else None
-            self.stream(inputs, batch.rows, requests, functools.partial(worker.stream, batch))
+            # An event loop reads its callers' rows later: they get a copy of
+            # each response (the native front-end encodes them at once).
+            copied = batch.has_loop_requests
+
+            def emit(outputs: dict[str, Any], only: list[int] | None) -> int:
+                return worker.stream(batch, _snapshot(outputs) if copied else outputs, only)
+
+            self.stream(inputs, batch.rows, requests, emit)
         except BaseException as exc:  # noqa: BLE001 - even SystemExit: the worker survives
             error = exc
         batch.release_slot()  # the model is done with its inputs

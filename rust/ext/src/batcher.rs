@@ -745,6 +745,16 @@ impl Batch {
         Ok((elements, lengths))
     }
 
+    /// Whether any of the batch's requests came from an event loop: a
+    /// decoupled model's responses to them are read later, on that loop
+    /// (so they must not share memory the model may reuse).
+    #[getter]
+    fn has_loop_requests(&self) -> bool {
+        self.groups
+            .iter()
+            .any(|(sink, _)| matches!(sink, Sink::EventLoop(_)))
+    }
+
     #[getter]
     fn n_requests(&self) -> usize {
         self.groups.iter().map(|(_, r)| r.len()).sum()

@@ -461,7 +461,10 @@ impl Inference {
         }
         let (partial, mut parts) = mpsc::unbounded_channel();
         let submitted = submit(&model, request, call_timeout, forwarded, |outputs| {
-            ResponsePlan::Stream { outputs, partial }
+            ResponsePlan::Stream {
+                outputs: outputs.into(),
+                partial,
+            }
         })
         .map_err(status)?;
         let reply = model.reply(submitted);

@@ -76,7 +76,8 @@ pub enum ResponsePlan {
     /// the final answer, through the pending table as for any request, is
     /// the end of the stream (`Answer::Raw` with no outputs) or a failure.
     Stream {
-        outputs: Vec<usize>,
+        /// Shared: each response reads it under the table's lock (no allocation there).
+        outputs: Arc<[usize]>,
         partial: mpsc::UnboundedSender<Vec<RawOutput>>,
     },
 }

@@ -265,6 +265,8 @@ class ModelClient:
     ``inference_timeout_s`` (default 60) bounds each request;
     ``access_token`` is sent as Triton's ``triton-access-token``."""
 
+    _streams = False  # True: a decoupled model's client (gRPC only)
+
     def __init__(
         self,
         url: str,
@@ -278,6 +280,8 @@ class ModelClient:
         ensure_model_is_ready: bool = True,
         access_token: str | None = None,
     ) -> None:
+        if self._streams:  # a decoupled model's client: streams are gRPC only
+            _grpc_only(url, type(self).__name__)
         self._requests = _Requests(url, model_name, model_version, init_timeout_s, inference_timeout_s, access_token)
         self.url, self.scheme = self._requests.url, self._requests.scheme
         self.model_name, self.model_version = model_name, self._requests.model_version
@@ -415,6 +419,8 @@ class DecoupledModelClient(ModelClient):
     any time between responses); a lost connection ends it with an error.
     Unlike PyTriton's, it sends ``parameters`` (headers: refused, as there)."""
 
+    _streams = True
+
     def __init__(
         self,
         url: str,
@@ -428,7 +434,6 @@ class DecoupledModelClient(ModelClient):
         ensure_model_is_ready: bool = True,
         access_token: str | None = None,
     ) -> None:
-        _grpc_only(url, type(self).__name__)
         super().__init__(
             url, model_name, model_version, lazy_init=lazy_init, init_timeout_s=init_timeout_s,
             inference_timeout_s=inference_timeout_s, model_config=model_config,
@@ -646,6 +651,8 @@ class AsyncioModelClient:
     ``tritonclient.grpc.aio``). ``await client.model_config`` reads the
     config (once)."""
 
+    _streams = False  # True: a decoupled model's client (gRPC only)
+
     def __init__(
         self,
         url: str,
@@ -659,6 +666,8 @@ class AsyncioModelClient:
         ensure_model_is_ready: bool = True,
         access_token: str | None = None,
     ) -> None:
+        if self._streams:  # a decoupled model's client: streams are gRPC only
+            _grpc_only(url, type(self).__name__)
         self._requests = _Requests(url, model_name, model_version, init_timeout_s, inference_timeout_s, access_token)
         self.url, self.scheme = self._requests.url, self._requests.scheme
         self.model_name, self.model_version = model_name, self._requests.model_version
@@ -761,25 +770,7 @@ class AsyncioDecoupledModelClient(AsyncioModelClient):
     As :class:`DecoupledModelClient`, it waits for each response as long as
     the stream lives."""
 
-    def __init__(
-        self,
-        url: str,
-        model_name: str,
-        model_version: str | None = None,
-        *,
-        lazy_init: bool = True,
-        init_timeout_s: float | None = None,
-        inference_timeout_s: float | None = None,
-        model_config: TritonModelConfig | None = None,
-        ensure_model_is_ready: bool = True,
-        access_token: str | None = None,
-    ) -> None:
-        _grpc_only(url, type(self).__name__)
-        super().__init__(
-            url, model_name, model_version, lazy_init=lazy_init, init_timeout_s=init_timeout_s,
-            inference_timeout_s=inference_timeout_s, model_config=model_config,
-            ensure_model_is_ready=ensure_model_is_ready, access_token=access_token,
-        )  # fmt: skip
+    _streams = True
 
     async def infer_sample(  # type: ignore[override]
         self,
