@@ -140,6 +140,12 @@ async def test_deadline_cancellation_and_full_cells() -> None:
             queued.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await queued
+            # A cancel is a withdrawal sent to the server: only once it was
+            # taken (the cell came back) is the request sure never to run.
+            deadline = time.monotonic() + 10
+            while client._live_core().cells_in_use != 3:
+                assert time.monotonic() < deadline, "the cancelled request's cell never came back"
+                await asyncio.sleep(0.01)
             gate.set()
             check(0, await first)
             for i, task in enumerate(more):
