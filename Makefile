@@ -97,7 +97,8 @@ loom:
 	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --quiet --release --lib -- loom_
 
 # The v2 decoder (FUZZ_TARGET=decode) or a live shared segment scribbled
-# while served (FUZZ_TARGET=shm) under libFuzzer (cargo-fuzz on nightly) for
+# while served (FUZZ_TARGET=shm), or a varying model's cells (FUZZ_TARGET=shm_cells),
+# under libFuzzer (cargo-fuzz on nightly) for
 # FUZZ_SECONDS; installs cargo-fuzz if it is missing. Findings land in
 # rust/fuzz/artifacts.
 FUZZ_SECONDS ?= 60

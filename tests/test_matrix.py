@@ -2,10 +2,10 @@
 (padded and jagged), optional inputs, priority, parameters and the version
 output, each sent in process (asyncio, a blocked thread), over HTTP (JSON,
 binary) and gRPC to the native and the Python front-ends, and through shared
-memory. A cell that does not behave as in process fails here; the cells a
-way in does not carry (shared memory: BYTES and variable-length tensors)
-must be refused up front with a clear error. (The Ray client, which
-needs a Ray cluster, crosses the same features in tests/test_ray.py.)"""
+memory. A cell that does not behave as in process fails here. (The Ray
+client, which needs a Ray cluster, crosses the same features in
+tests/test_ray.py; a shared-memory client in another process, in
+tests/test_shared_memory.py.)"""
 
 from __future__ import annotations
 
@@ -133,6 +133,18 @@ def in_process(by_name: dict[str, fb.Server], loop: asyncio.AbstractEventLoop, b
     return send
 
 
+def shared(by_name: dict[str, fb.Server], loop: asyncio.AbstractEventLoop) -> Send:
+    """Each model shared (``server.share``) and called through ``fb.connect``."""
+    clients = {name: fb.connect(server.share(f"matrix-{name}-{id(server)}").name) for name, server in by_name.items()}
+
+    def send(model: str, inputs: dict[str, np.ndarray], priority: int | None = None, parameters: Any = None) -> Any:
+        given = {k: _as_input(v) for k, v in inputs.items()}
+        call = clients[model].infer_batch(given, priority=priority, parameters=parameters)
+        return _numpy(asyncio.run_coroutine_threadsafe(call, loop).result(30))
+
+    return send
+
+
 _V2 = {np.dtype("float32"): "FP32", np.dtype("int64"): "INT64", np.dtype(object): "BYTES"}
 
 
@@ -180,6 +192,7 @@ def ways() -> Iterator[dict[str, Send]]:
             "python-json": remote(f"127.0.0.1:{p.http_port}", "json"),
             "python-binary": remote(f"127.0.0.1:{p.http_port}", "binary"),
             "python-grpc": remote(f"127.0.0.1:{p.grpc_port}", "grpc"),
+            "shared-memory": shared(by_name, loop),
         }
     loop.call_soon_threadsafe(loop.stop)
     thread.join(5)
@@ -194,6 +207,7 @@ WAYS = [
     "python-json",
     "python-binary",
     "python-grpc",
+    "shared-memory",
 ]
 
 
@@ -227,39 +241,6 @@ def test_optional_inputs(ways: dict[str, Send], way: str) -> None:
     assert left_out["total"].tolist() == [2, 2] and left_out["absent"].tolist() == [1, 1]
     given = send("optional", {"x": x, "w": x * 3})
     assert given["total"].tolist() == [8, 8] and given["absent"].tolist() == [0, 0]
-
-
-def test_shared_memory_carries_fixed_tensors_priority_parameters_optional_inputs_and_refuses_the_rest() -> None:
-    made = {s.name: s for s in servers()}
-
-    async def main() -> None:
-        async with made["fixed"]:
-            made["fixed"].share("matrix-fixed")
-            client = fb.connect("matrix-fixed")
-            try:
-                x = torch.arange(4, dtype=torch.float32)
-                out = await client.infer({"x": x}, priority=1, parameters={"tag": "abc"})
-                assert out["y"].tolist() == (x * 2).tolist() and int(out["pri"]) == 1
-                assert int(out["tag_len"]) == 3 and int(out["ver"]) == 0
-            finally:
-                client.close()
-        async with made["optional"]:
-            made["optional"].share("matrix-optional")
-            client = fb.connect("matrix-optional")
-            try:
-                x = torch.ones(2)
-                left_out = await client.infer({"x": x})
-                assert float(left_out["total"]) == 2 and int(left_out["absent"]) == 1
-                given = await client.infer_batch({"x": x[None], "w": x[None] * 3})
-                assert given["total"].tolist() == [8] and given["absent"].tolist() == [0]
-            finally:
-                client.close()
-        for name in ("bytes", "pad", "jagged"):
-            async with made[name]:
-                with pytest.raises(ValueError, match="shared memory carries"):
-                    made[name].share(f"matrix-{name}")
-
-    asyncio.run(main())
 
 
 def test_every_model_is_ready_with_its_batch_dimension_over_http_and_grpc() -> None:

@@ -4,6 +4,7 @@ process and in others (spawned, forked, killed)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import multiprocessing
 import os
 import pickle
@@ -14,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -409,16 +411,130 @@ async def test_a_killed_unreaped_server_fails_every_waiting_client_within_a_seco
             check(4, await fresh.infer({"x": sample(4)}))
 
 
-async def test_a_model_with_bytes_or_variable_length_tensors_is_not_shared() -> None:
-    text = fb.TensorSpec("text", "bytes", (1,))
+def varying(batch: dict[str, Any]) -> dict[str, Any]:
+    """A PyTriton-shaped model: ``add`` = a + b for (-1,) rows (padded),
+    ``tail`` = each jagged row reversed, ``echo`` = its text upper-cased
+    (BYTES (-1,)); a row starting with -1 poisons its request alone."""
+    a, b, lengths = batch["a"], batch["b"], batch["a_lengths"]
+    if bool((a[:, 0] == -1).any()):
+        raise RuntimeError("a poisoned row")
+    offsets = batch["t_offsets"].tolist()
+    tails = [batch["t"][x:y].flip(0) for x, y in itertools.pairwise(offsets)]
+    echo = [[w.upper() for w in row] for row in batch["s"]]
+    longest = max((len(r) for r in echo), default=0)
+    padded = np.full((len(echo), longest), b"", dtype=object)
+    for i, row in enumerate(echo):
+        padded[i, : len(row)] = row
+    return {
+        "add": a + b,
+        "add_lengths": lengths,
+        "tail": torch.cat(tails) if tails else batch["t"],
+        "tail_offsets": batch["t_offsets"],
+        "echo": padded,
+        "echo_lengths": torch.tensor([len(r) for r in echo]),
+        "total": (a + b).sum(1),
+    }
+
+
+VARYING_INPUTS = [
+    fb.TensorSpec("a", "float32", (-1,), ragged="pad"),
+    fb.TensorSpec("b", "float32", (-1,), ragged="pad"),
+    fb.TensorSpec("t", "int64", (-1, 2), ragged="jagged"),
+    fb.TensorSpec("s", "bytes", (-1,), ragged="pad"),
+]
+VARYING_OUTPUTS = [
+    fb.TensorSpec("add", "float32", (-1,), ragged="pad"),
+    fb.TensorSpec("tail", "int64", (-1, 2), ragged="jagged"),
+    fb.TensorSpec("echo", "bytes", (-1,), ragged="pad"),
+    fb.TensorSpec("total", "float32", ()),
+]
+
+
+def varying_request(n: int) -> dict[str, Any]:
+    return {
+        "a": torch.arange(n, dtype=torch.float32),
+        "b": torch.full((n,), 0.5),
+        "t": torch.arange(2 * (n % 3 + 1)).view(-1, 2),
+        "s": np.array([b"w%d" % i for i in range(n % 4 + 1)], dtype=object),
+    }
+
+
+def _as_lists(out: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v.tolist(), str(v.dtype), tuple(v.shape)) for k, v in out.items()}
+
+
+async def _varying_calls(client: Any) -> list[Any]:
+    """What one client gets for each kind of call (compared across clients)."""
+    single = await asyncio.gather(*(client.infer(varying_request(n)) for n in range(1, 40)))
+    rows = {
+        "a": torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]),
+        "b": torch.ones(2, 3),
+        "t": torch.arange(8).view(2, 2, 2),
+        "s": np.array([[b"x", b"yy"], [b"zzz", b""]], dtype=object),
+    }
+    batched = await client.infer_batch(rows, priority=1, parameters={"k": "v"})
+    with pytest.raises(fb.ModelError, match="poisoned"):
+        await client.infer({**varying_request(3), "a": torch.tensor([-1.0, 0, 0])})
+    return [_as_lists(o) for o in single] + [_as_lists(batched)]
+
+
+def _varying_client(name: str, done: Any) -> None:
+    async def main() -> list[Any]:
+        with fb.connect(name) as client:
+            got = await _varying_calls(client)
+            big = {**varying_request(1), "a": torch.zeros(300), "b": torch.zeros(300)}
+            got.append(_as_lists(await client.infer(big)))  # spans several cells
+            return got
+
+    done.put(asyncio.run(main()))
+
+
+async def test_another_process_sends_bytes_and_variable_length_tensors() -> None:
     server = fb.Server(
-        lambda d: {"n": torch.zeros(len(d["text"]))}, inputs=[text], outputs=[fb.TensorSpec("n", "float32", ())]
+        varying,
+        inputs=VARYING_INPUTS,
+        outputs=VARYING_OUTPUTS,
+        max_batch_size=16,
+        max_delay=0.002,
+        isolate_failures=True,
     )
-    name = unique("bytes")
     async with server:
-        with pytest.raises(ValueError, match="fixed-shape numeric tensors only; text"):
-            server.share(name)
-        assert not os.path.exists(segment(name))
+        share = server.share(unique("varying"), rows_per_client=64, cell_bytes=512)
+        ctx = multiprocessing.get_context("spawn")
+        done = ctx.Queue()
+        worker = ctx.Process(target=_varying_client, args=(share.name, done))
+        worker.start()
+        got = await asyncio.to_thread(done.get, timeout=120)
+        await asyncio.to_thread(worker.join, 60)
+        assert worker.exitcode == 0
+        expected = await _varying_calls(server.client())
+        big = {**varying_request(1), "a": torch.zeros(300), "b": torch.zeros(300)}
+        expected.append(_as_lists(await server.client().infer(big)))
+    assert got == expected, "shared memory gives what server.client() gives"
+    assert got[2]["echo"][0] == [b"W0", b"W1", b"W2", b"W3"] and got[2]["add"][0] == [0.5, 1.5, 2.5]
+    assert got[-2]["add"][2] == (2, 3) and got[-2]["echo"][0] == [[b"X", b"YY"], [b"ZZZ", b""]]
+
+
+async def test_a_varying_request_is_bounded_by_its_cells() -> None:
+    server = fb.Server(
+        lambda batch: {"y": np.array([[w * 3] for w in batch["s"][:, 0]], dtype=object)},
+        inputs=[fb.TensorSpec("s", "bytes", (1,))],
+        outputs=[fb.TensorSpec("y", "bytes", (1,))],
+    )
+    async with server:
+        with pytest.raises(ValueError, match="multiple of 8"):
+            server.share(unique("odd"), cell_bytes=12)
+        share = server.share(unique("bounded"), rows_per_client=8, cell_bytes=64)
+        with fb.connect(share.name) as client:
+            out = await client.infer({"s": np.array([b"ab"], dtype=object)})
+            assert out["y"].tolist() == [b"ababab"]
+            # Its input takes 2 cells (128 bytes); its 184-byte output outgrows them.
+            with pytest.raises(fb.ModelError, match="cell_bytes"):
+                await client.infer({"s": np.array([b"x" * 60], dtype=object)})
+            with pytest.raises(fb.InvalidInputError, match="at most 512 fit"):
+                await client.infer({"s": np.array([b"x" * 600], dtype=object)})
+            assert client._live_core().cells_in_use == 0
+        assert server.stats()["requests_failed"]["model_error"] == 1
 
 
 async def test_connect_trusts_only_this_users_segment_unless_told_whom(shared: tuple[fb.Server, fb.Shared]) -> None:

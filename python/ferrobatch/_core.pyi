@@ -305,7 +305,7 @@ class NativeFrontend:
     def close(self, grace: float) -> None: ...
     def stop(self, grace: float = 5.0) -> None: ...
 
-_SpecTuple = tuple[str, str, list[int], torch.dtype]
+_SpecTuple = tuple[str, str, list[int], torch.dtype | None]
 
 @final
 class SharedServer:
@@ -324,6 +324,8 @@ class SharedServer:
         rows_per_client: int,
         ring_size: int,
         mode: int,
+        codec: V2Codec | None = None,
+        cell_bytes: int = 0,
     ) -> SharedServer: ...
     @property
     def replaced(self) -> str | None: ...
@@ -354,6 +356,11 @@ class SharedClient:
         empty: Callable[..., torch.Tensor],
         owner: int | None = None,
         optional: list[bool] = ...,
+        layouts: list[tuple[str, bytes | None]] = ...,
+        padded_dims: list[list[int | None] | None] = ...,
+        max_batch_elements: int | None = None,
+        cell_bytes: int = 0,
+        varying: Callable[[list[tuple[bytes, list[list[int]], bytes]], bool], dict[str, Any]] | None = None,
     ) -> SharedClient: ...
     def submit(
         self,

@@ -588,6 +588,78 @@ def _snapshot(outputs: dict[str, Any]) -> dict[str, Any]:
     return copied
 
 
+def _deserialize(data: bytes) -> list[bytes]:
+    """BYTES elements serialized as Triton does (a 4-byte little-endian length
+    before each)."""
+    elements: list[bytes] = []
+    at = 0
+    while at < len(data):
+        if at + 4 > len(data):
+            raise ValueError("a truncated BYTES element")
+        n = int.from_bytes(data[at : at + 4], "little")
+        if at + 4 + n > len(data):
+            raise ValueError("a truncated BYTES element")
+        elements.append(data[at + 4 : at + 4 + n])
+        at += 4 + n
+    return elements
+
+
+def _join_rows(rows: list[Any], shapes: list[tuple[int, ...]], pad: Any, new_full: Callable[..., Any]) -> Any:
+    """Rows of one request as one value ``[rows, *longest]``: shorter rows
+    padded with ``pad`` (as :meth:`RaggedOutput.request_rows` does)."""
+    longest = tuple(max(column) for column in zip(*shapes)) if shapes else ()
+    out = new_full((len(rows), *longest), pad)
+    for j, (row, shape) in enumerate(zip(rows, shapes)):
+        out[(j, *(slice(0, n) for n in shape))] = row
+    return out
+
+
+def shared_result(
+    specs: Sequence[TensorSpec], outputs: Sequence[tuple[bytes, list[list[int]], bytes]], batched: bool
+) -> dict[str, Any]:
+    """A shared-memory request's result for a model with BYTES or
+    variable-length outputs, from each output's ``(bytes, row shapes, pad
+    element)`` as the server wrote them: what ``server.client()`` would
+    give (a row at its own shape; several rows padded to their longest)."""
+    if len(outputs) != len(specs):
+        raise ValueError(f"the shared answer has {len(outputs)} outputs, the model {len(specs)}")
+    result: dict[str, Any] = {}
+    for spec, (data, raw_shapes, pad) in zip(specs, outputs):
+        shapes = [tuple(s) for s in raw_shapes]
+        counts = [math.prod(s) for s in shapes]
+        bounds = list(itertools.accumulate(counts, initial=0))
+        rows: list[Any]
+        if spec.is_bytes:
+            elements = _deserialize(data)
+            if len(elements) != bounds[-1]:
+                raise ValueError(f"output '{spec.name}': {len(elements)} elements for shapes {shapes}")
+            rows = []
+            for (a, b), shape in zip(itertools.pairwise(bounds), shapes):
+                row = np.empty(b - a, dtype=object)
+                row[:] = elements[a:b]
+                rows.append(row.reshape(shape))
+            if not batched:
+                result[spec.name] = rows[0]
+            elif len(set(shapes)) == 1:
+                result[spec.name] = np.stack(rows) if rows else np.empty((0,), dtype=object)
+            else:
+                result[spec.name] = _join_rows(rows, shapes, pad, lambda shape, v: np.full(shape, v, dtype=object))
+            continue
+        dtype = spec.torch_dtype
+        if len(data) != bounds[-1] * dtype.itemsize:
+            raise ValueError(f"output '{spec.name}': {len(data)} bytes for shapes {shapes}")
+        flat = torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)
+        rows = [flat[a:b].view(shape) for (a, b), shape in zip(itertools.pairwise(bounds), shapes)]
+        if not batched:
+            result[spec.name] = rows[0]
+        elif len(set(shapes)) == 1:
+            result[spec.name] = flat.view(len(rows), *shapes[0])
+        else:
+            value = torch.frombuffer(bytearray(pad), dtype=dtype)[0] if pad else 0
+            result[spec.name] = _join_rows(rows, shapes, value, functools.partial(torch.full, dtype=dtype))
+    return result
+
+
 class VariableExecutor(CpuExecutor):
     """Runs a model with BYTES or variable-length tensors: each batch's
     inputs are built from its slot (:func:`batch_inputs`), its tensors moved

@@ -714,6 +714,7 @@ class Server:
         rows_per_client: int = 1024,
         ring_size: int = 4096,
         mode: int = 0o600,
+        cell_bytes: int = 1024,
     ) -> Shared:
         """Exposes this running server to other processes of the same user as
         ``name``: ``ferrobatch.connect(name)`` there returns a client with the
@@ -728,6 +729,13 @@ class Server:
         replaced (with a log line), one of a running server is a
         ``ValueError``, and so is sharing one server twice. Raises
         :class:`ServerClosedError` unless running.
+
+        A model with BYTES or variable-length tensors is shared too: each
+        request takes as many cells as its bytes need, ``cell_bytes`` each
+        (for its inputs, and as many for its outputs; a request whose
+        outputs outgrow them fails with :class:`ModelError` naming the
+        size). ``rows_per_client * cell_bytes`` bounds what one client has
+        in flight.
         """
         from .shared import share
 
@@ -735,14 +743,14 @@ class Server:
             raise ValueError(f"server '{self.name}' is already shared as '{self._shared[0].name}'")
         if self.decoupled:
             raise ValueError(f"server '{self.name}' is decoupled: its responses stream over gRPC only")
-        variable = [s.name for s in (*self.inputs, *self.outputs) if s.is_bytes or s.is_ragged]
-        if variable:
-            raise ValueError(
-                f"server '{self.name}': shared memory carries fixed-shape numeric tensors only;"
-                f" {', '.join(variable)} are BYTES or variable-length"
-            )
         shared = share(
-            self, name, max_clients=max_clients, rows_per_client=rows_per_client, ring_size=ring_size, mode=mode
+            self,
+            name,
+            max_clients=max_clients,
+            rows_per_client=rows_per_client,
+            ring_size=ring_size,
+            mode=mode,
+            cell_bytes=cell_bytes,
         )
         self._shared.append(shared)
         return shared

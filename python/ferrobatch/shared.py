@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import functools
 import json
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -28,6 +30,7 @@ import torch
 from . import _core
 from ._requests import Parameter, encode_parameters
 from ._torch import make_coerce
+from ._variable import core_shape, is_variable, layouts, padded_dims, shared_result
 from .client import _is_tensordict, _to_tensordict, flatten_inputs
 from .errors import ServerClosedError
 from .specs import TensorSpec
@@ -95,8 +98,32 @@ class Shared:
         return f"Shared(name={self.name!r}, clients={len(self.clients())}, in_flight={self.in_flight})"
 
 
-def _spec_tuples(specs: tuple[TensorSpec, ...]) -> list[tuple[str, str, list[int], torch.dtype]]:
-    return [(s.name, s.dtype, list(s.shape), s.torch_dtype) for s in specs]
+def _spec_tuples(specs: tuple[TensorSpec, ...]) -> list[tuple[str, str, list[int], torch.dtype | None]]:
+    """Outputs as the binding takes them (a varying model's are read by its
+    codec: only their names count there)."""
+    return [(s.name, s.dtype, [max(d, 0) for d in s.shape], None if s.is_bytes else s.torch_dtype) for s in specs]
+
+
+def _spec_meta(spec: TensorSpec) -> dict[str, Any]:
+    return {
+        "name": spec.name,
+        "dtype": spec.dtype,
+        "shape": list(spec.shape),
+        "ragged": spec.ragged,
+        "pad_value": spec.pad_value,
+        "optional": spec.optional,
+    }
+
+
+def _spec_of(meta: Mapping[str, Any]) -> TensorSpec:
+    return TensorSpec(
+        str(meta["name"]),
+        str(meta["dtype"]),
+        tuple(int(d) for d in meta["shape"]),
+        ragged=meta["ragged"],
+        pad_value=meta["pad_value"],
+        optional=bool(meta["optional"]),
+    )
 
 
 def share(
@@ -107,21 +134,35 @@ def share(
     rows_per_client: int = 1024,
     ring_size: int = 4096,
     mode: int = 0o600,
+    cell_bytes: int = 1024,
 ) -> Shared:
     """See :meth:`Server.share`."""
     batcher, registry = server._native_parts()
+    variable = is_variable((*server.inputs, *server.outputs))
     meta = json.dumps(
         {
             "ferrobatch": _core.__version__,
             "model": server.name,
             "max_batch_size": server.max_batch_size,
-            "inputs": [[s.name, s.dtype, list(s.shape), s.optional] for s in server.inputs],
-            "outputs": [[s.name, s.dtype, list(s.shape)] for s in server.outputs],
+            "max_batch_elements": server.max_batch_elements,
+            "cell_bytes": cell_bytes if variable else 0,
+            "inputs": [_spec_meta(s) for s in server.inputs],
+            "outputs": [_spec_meta(s) for s in server.outputs],
         }
     )
-    for option, value in (("max_clients", max_clients), ("rows_per_client", rows_per_client)):
+    for option, value in (
+        ("max_clients", max_clients),
+        ("rows_per_client", rows_per_client),
+        ("cell_bytes", cell_bytes),
+    ):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{option} must be an int >= 1, got {value!r}")
+    if cell_bytes % 8:
+        raise ValueError(f"cell_bytes must be a multiple of 8, got {cell_bytes}")
+    codec = None
+    if variable:
+        outputs = [(s.name, s.dtype, None if s.is_bytes else s.torch_dtype) for s in server.outputs]
+        codec = _core.V2Codec(server.name, outputs, max_body_size=sys.maxsize, max_elements=sys.maxsize)
     if not isinstance(ring_size, int) or ring_size < 2 or ring_size & (ring_size - 1):
         raise ValueError(f"ring_size must be a power of two >= 2, got {ring_size!r}")
     if not isinstance(mode, int) or not 0 <= mode <= 0o777:
@@ -137,6 +178,8 @@ def share(
         rows_per_client=rows_per_client,
         ring_size=ring_size,
         mode=mode,
+        codec=codec,
+        cell_bytes=cell_bytes if variable else 0,
     )
     if core.replaced is not None:
         log.warning("ferrobatch: %s", core.replaced)
@@ -242,12 +285,13 @@ class SharedClient:
         meta = json.loads(_core.shared_meta(self.name, self._owner_uid))
         self.model = str(meta["model"])
         self.max_batch_size = int(meta["max_batch_size"])
-        self.inputs = tuple(TensorSpec(n, d, tuple(s), optional=bool(o)) for n, d, s, o in meta["inputs"])
-        self.outputs = tuple(TensorSpec(n, d, tuple(s)) for n, d, s in meta["outputs"])
+        self.inputs = tuple(_spec_of(s) for s in meta["inputs"])
+        self.outputs = tuple(_spec_of(s) for s in meta["outputs"])
         self._input_names = frozenset(s.name for s in self.inputs)
+        cell_bytes = int(meta["cell_bytes"])
         return _core.SharedClient(
             self.name,
-            _spec_tuples(self.inputs),
+            [(s.name, s.dtype, core_shape(s), None if s.is_bytes else s.torch_dtype) for s in self.inputs],
             _spec_tuples(self.outputs),
             model_name=self.model,
             max_batch_size=self.max_batch_size,
@@ -256,6 +300,11 @@ class SharedClient:
             empty=torch.empty,
             owner=self._owner_uid,
             optional=[s.optional for s in self.inputs],
+            layouts=layouts(self.inputs),
+            padded_dims=padded_dims(self.inputs),
+            max_batch_elements=meta["max_batch_elements"],
+            cell_bytes=cell_bytes,
+            varying=functools.partial(shared_result, self.outputs) if cell_bytes else None,
         )
 
     def _live_core(self) -> _core.SharedClient:

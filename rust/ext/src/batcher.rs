@@ -67,13 +67,6 @@ impl Batcher {
         keep_parameters: bool,
         optional: Vec<bool>,
     ) -> PyResult<Batcher> {
-        if !layouts.is_empty() && layouts.len() != inputs.len() {
-            return Err(PyValueError::new_err(format!(
-                "{} layouts for {} inputs",
-                layouts.len(),
-                inputs.len()
-            )));
-        }
         let max_wait = match max_priority_wait {
             None => None,
             Some(w) if w.is_nan() || w < 0.0 => {
@@ -95,82 +88,7 @@ impl Batcher {
         }
         // Longer than a Duration holds: batches wait for size, as with no limit.
         let max_delay_duration = Duration::try_from_secs_f64(max_delay).unwrap_or(Duration::MAX);
-        let mut specs = Vec::with_capacity(inputs.len());
-        for (i, (name, dtype, shape, torch_dtype)) in inputs.into_iter().enumerate() {
-            let dtype = DType::parse(&dtype).ok_or_else(|| {
-                PyValueError::new_err(format!("input '{name}': unknown dtype '{dtype}'"))
-            })?;
-            let elements = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
-            let core = ferrobatch_core::InputSpec::new(&name, dtype, shape)
-                .zip(elements)
-                .ok_or_else(|| {
-                    PyValueError::new_err(format!("input '{name}': its shape is too large"))
-                })?;
-            let (core, elements) = core;
-            let optional = optional.get(i).copied().unwrap_or(false);
-            if optional && i >= ferrobatch_core::MAX_OPTIONAL_INPUTS {
-                return Err(PyValueError::new_err(format!(
-                    "input '{name}': an optional input must be among the first {} inputs",
-                    ferrobatch_core::MAX_OPTIONAL_INPUTS
-                )));
-            }
-            let core = core.optional(optional);
-            let mode = layouts.get(i).map(|(mode, pad)| (mode.as_str(), pad));
-            let layout = match mode {
-                None | Some(("fixed" | "bytes", _)) if dtype == DType::Bytes => Layout::Bytes {
-                    elements_per_row: elements,
-                },
-                None | Some(("fixed", _)) => Layout::Fixed,
-                // Padded along variable dimensions anywhere: `dims` is the
-                // row's whole shape (`None`: variable), `shape` unused.
-                Some(("pad", pad))
-                    if dtype != DType::Bytes && padded_dims.get(i).is_some_and(Option::is_some) =>
-                {
-                    let dims = padded_dims[i].clone().unwrap_or_default();
-                    let itemsize = dtype.itemsize();
-                    let pad = pad.clone().unwrap_or_else(|| vec![0u8; itemsize]);
-                    Layout::Padded(Padded {
-                        dims: dims.into_boxed_slice(),
-                        itemsize,
-                        pad: pad.into_boxed_slice(),
-                    })
-                }
-                Some((mode @ ("pad" | "jagged"), _)) if dtype == DType::Bytes => {
-                    // `shape` is what follows the variable dimension.
-                    Layout::RaggedBytes(RaggedBytes {
-                        unit_elements: elements,
-                        padded: mode == "pad",
-                    })
-                }
-                Some(("pad" | "jagged", pad)) if dtype != DType::Bytes => {
-                    // `shape` is what follows the variable dimension.
-                    let unit_nbytes = core.row_nbytes;
-                    let pad = match (mode, pad) {
-                        (Some(("pad", _)), Some(pad)) => Some(pad.clone().into_boxed_slice()),
-                        (Some(("pad", _)), None) => Some(vec![0u8; unit_nbytes].into_boxed_slice()),
-                        _ => None,
-                    };
-                    Layout::Ragged(Ragged {
-                        unit_nbytes,
-                        unit_elements: elements,
-                        pad,
-                    })
-                }
-                Some((other, _)) => {
-                    return Err(PyValueError::new_err(format!(
-                        "input '{name}': layout '{other}' does not apply to dtype {}",
-                        dtype.name()
-                    )))
-                }
-            };
-            let key = PyString::intern(py, &name).unbind();
-            specs.push(InputSpec {
-                core,
-                layout,
-                key,
-                torch_dtype,
-            });
-        }
+        let specs = input_specs(py, inputs, &layouts, &padded_dims, &optional)?;
         let mut slot_tensors = Vec::new();
         let mut slot_buffers = Vec::with_capacity(slots.len());
         for slot in &slots {
@@ -793,4 +711,103 @@ impl Batch {
         rows.sort_unstable();
         rows
     }
+}
+
+/// The model's inputs as the binding checks and copies them: `inputs` as
+/// `(name, dtype, shape, torch dtype)`, each collated as `layouts` says
+/// (`("fixed" | "bytes" | "pad" | "jagged", pad bytes)`; none: fixed, or
+/// BYTES for that dtype), `padded_dims` the whole row shape of an input
+/// padded along several dimensions, `optional` whether a request may leave
+/// it out. Shared by the batcher and shared-memory clients.
+pub(crate) fn input_specs(
+    py: Python<'_>,
+    inputs: Vec<(String, String, Vec<usize>, Py<PyAny>)>,
+    layouts: &[(String, Option<Vec<u8>>)],
+    padded_dims: &[Option<Vec<Option<usize>>>],
+    optional: &[bool],
+) -> PyResult<Vec<InputSpec>> {
+    if !layouts.is_empty() && layouts.len() != inputs.len() {
+        return Err(PyValueError::new_err(format!(
+            "{} layouts for {} inputs",
+            layouts.len(),
+            inputs.len()
+        )));
+    }
+    let mut specs = Vec::with_capacity(inputs.len());
+    for (i, (name, dtype, shape, torch_dtype)) in inputs.into_iter().enumerate() {
+        let dtype = DType::parse(&dtype).ok_or_else(|| {
+            PyValueError::new_err(format!("input '{name}': unknown dtype '{dtype}'"))
+        })?;
+        let elements = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+        let core = ferrobatch_core::InputSpec::new(&name, dtype, shape)
+            .zip(elements)
+            .ok_or_else(|| {
+                PyValueError::new_err(format!("input '{name}': its shape is too large"))
+            })?;
+        let (core, elements) = core;
+        let optional = optional.get(i).copied().unwrap_or(false);
+        if optional && i >= ferrobatch_core::MAX_OPTIONAL_INPUTS {
+            return Err(PyValueError::new_err(format!(
+                "input '{name}': an optional input must be among the first {} inputs",
+                ferrobatch_core::MAX_OPTIONAL_INPUTS
+            )));
+        }
+        let core = core.optional(optional);
+        let mode = layouts.get(i).map(|(mode, pad)| (mode.as_str(), pad));
+        let layout = match mode {
+            None | Some(("fixed" | "bytes", _)) if dtype == DType::Bytes => Layout::Bytes {
+                elements_per_row: elements,
+            },
+            None | Some(("fixed", _)) => Layout::Fixed,
+            // Padded along variable dimensions anywhere: `dims` is the
+            // row's whole shape (`None`: variable), `shape` unused.
+            Some(("pad", pad))
+                if dtype != DType::Bytes && padded_dims.get(i).is_some_and(Option::is_some) =>
+            {
+                let dims = padded_dims[i].clone().unwrap_or_default();
+                let itemsize = dtype.itemsize();
+                let pad = pad.clone().unwrap_or_else(|| vec![0u8; itemsize]);
+                Layout::Padded(Padded {
+                    dims: dims.into_boxed_slice(),
+                    itemsize,
+                    pad: pad.into_boxed_slice(),
+                })
+            }
+            Some((mode @ ("pad" | "jagged"), _)) if dtype == DType::Bytes => {
+                // `shape` is what follows the variable dimension.
+                Layout::RaggedBytes(RaggedBytes {
+                    unit_elements: elements,
+                    padded: mode == "pad",
+                })
+            }
+            Some(("pad" | "jagged", pad)) if dtype != DType::Bytes => {
+                // `shape` is what follows the variable dimension.
+                let unit_nbytes = core.row_nbytes;
+                let pad = match (mode, pad) {
+                    (Some(("pad", _)), Some(pad)) => Some(pad.clone().into_boxed_slice()),
+                    (Some(("pad", _)), None) => Some(vec![0u8; unit_nbytes].into_boxed_slice()),
+                    _ => None,
+                };
+                Layout::Ragged(Ragged {
+                    unit_nbytes,
+                    unit_elements: elements,
+                    pad,
+                })
+            }
+            Some((other, _)) => {
+                return Err(PyValueError::new_err(format!(
+                    "input '{name}': layout '{other}' does not apply to dtype {}",
+                    dtype.name()
+                )))
+            }
+        };
+        let key = PyString::intern(py, &name).unbind();
+        specs.push(InputSpec {
+            core,
+            layout,
+            key,
+            torch_dtype,
+        });
+    }
+    Ok(specs)
 }

@@ -22,17 +22,19 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use ferrobatch_core::shm::{
-    code, ClientCore, Completed, Segment, SegmentConfig, ServerGone, ShmError, Withdraw, POLL,
+    code, CellLayout, ClientCore, Completed, Segment, SegmentConfig, ServerGone, ShmError,
+    Withdraw, POLL,
 };
-use ferrobatch_core::DType;
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PySlice, PyString, PyTuple, PyType};
+use pyo3::types::{PyBytes, PyDict, PyList, PySlice, PyTuple, PyType};
 
+use crate::batcher::input_specs;
 use crate::batcher::Batcher;
+use crate::codec::V2Codec;
 use crate::errors::{ferrobatch_error, invalid_input};
-use crate::inputs::{Converter, InputSpec};
+use crate::inputs::Converter;
 use crate::loops::LoopRegistry;
 use crate::shm_sink::{output_specs, OutputSpec, SharedSink, SpecTuple};
 use crate::without_gil;
@@ -76,10 +78,13 @@ impl SharedServer {
     /// Makes the segment `name` (mode `mode`) for the running `batcher`,
     /// with `meta` (JSON for clients) and `outputs` (`(name, dtype, shape,
     /// torch dtype)` each), and starts taking requests from it; its rows
-    /// are delivered through `registry`. Raises `ValueError` if a live
-    /// server shares the name, `OSError` if the segment cannot be made.
+    /// are delivered through `registry`. A model with BYTES or
+    /// variable-length tensors passes `codec` (its outputs are read by it)
+    /// and `cell_bytes` (the input and output bytes of each cell). Raises
+    /// `ValueError` if a live server shares the name, `OSError` if the
+    /// segment cannot be made.
     #[new]
-    #[pyo3(signature = (name, batcher, registry, outputs, meta, *, model_name, max_clients, rows_per_client, ring_size, mode))]
+    #[pyo3(signature = (name, batcher, registry, outputs, meta, *, model_name, max_clients, rows_per_client, ring_size, mode, codec=None, cell_bytes=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -93,10 +98,11 @@ impl SharedServer {
         rows_per_client: u32,
         ring_size: u32,
         mode: u32,
+        codec: Option<Py<V2Codec>>,
+        cell_bytes: usize,
     ) -> PyResult<SharedServer> {
         let outputs = output_specs(py, outputs)?;
         let specs = batcher.get().input_specs();
-        let in_rows: Vec<usize> = specs.iter().map(|s| s.row_nbytes).collect();
         // Optional inputs are among the first 64 (the Server checks it).
         let optional = specs
             .iter()
@@ -104,14 +110,31 @@ impl SharedServer {
             .enumerate()
             .filter(|(_, s)| s.optional)
             .fold(0u64, |mask, (i, _)| mask | (1u64 << i));
-        let out_rows: Vec<usize> = outputs.iter().map(|o| o.row_nbytes).collect();
+        let layout = if codec.is_some() {
+            if cell_bytes == 0 || cell_bytes % 8 != 0 {
+                return Err(PyValueError::new_err(format!(
+                    "cell_bytes must be a multiple of 8 and at least 8, got {cell_bytes}"
+                )));
+            }
+            CellLayout::Varying {
+                inputs: cell_bytes,
+                outputs: cell_bytes,
+            }
+        } else {
+            CellLayout::Rows {
+                inputs: specs.iter().map(|s| s.row_nbytes).collect(),
+                outputs: outputs.iter().map(|o| o.row_nbytes).collect(),
+            }
+        };
+        let counts = (specs.len(), outputs.len());
+        let (in_row, out_row) = layout.cell_bytes();
         let max_rows = batcher.get().core().rule().max_batch_size;
         let config = SegmentConfig {
             clients: max_clients,
             cells: rows_per_client,
             ring_capacity: ring_size,
-            in_row: row_u32(in_rows.iter().sum(), "a row of the inputs")?,
-            out_row: row_u32(out_rows.iter().sum(), "a row of the outputs")?,
+            in_row: row_u32(in_row, "a row of the inputs")?,
+            out_row: row_u32(out_row, "a row of the outputs")?,
             max_rows: row_u32(max_rows, "max_batch_size")?,
             meta_len: 0,
         };
@@ -123,8 +146,8 @@ impl SharedServer {
             let server = ferrobatch_core::shm::SharedServer::start(
                 Arc::new(segment),
                 core,
-                in_rows,
-                out_rows,
+                layout,
+                counts,
                 optional,
                 Box::new(log_warning),
             )
@@ -136,6 +159,7 @@ impl SharedServer {
             server.clone(),
             model_name.into(),
             outputs,
+            codec,
         )));
         Ok(SharedServer { server, replaced })
     }
@@ -260,6 +284,9 @@ struct ClientInner {
     model_name: String,
     converter: Converter,
     outputs: Vec<OutputSpec>,
+    /// A model with BYTES or variable-length tensors: makes a request's
+    /// result from its outputs' `(bytes, row shapes, pad)` (see `new`).
+    varying: Option<Py<PyAny>>,
     /// By first cell: every request not answered yet.
     waiters: Mutex<HashMap<u32, Waiting>>,
     /// The inbox of every event loop that submitted.
@@ -346,6 +373,24 @@ impl ClientInner {
 
     /// The results of `answers` (in order; GIL held), their cells freed.
     fn results(&self, py: Python<'_>, answers: &[(bool, &Answer)]) -> Vec<PyResult<Py<PyAny>>> {
+        if let Some(varying) = &self.varying {
+            return answers
+                .iter()
+                .map(|(batched, answer)| {
+                    let result = match answer {
+                        Answer::Closed(message) => {
+                            Err(ferrobatch_error(py, "ServerClosedError", message.clone()))
+                        }
+                        Answer::Done(d) if d.code != code::OK => Err(self.error(py, d)),
+                        Answer::Done(d) => self.varying_result(py, varying.bind(py), d, *batched),
+                    };
+                    if let Answer::Done(d) = answer {
+                        self.core.release(d);
+                    }
+                    result
+                })
+                .collect();
+        }
         let ok: Vec<&Completed> = answers
             .iter()
             .filter_map(|(_, a)| match a {
@@ -440,6 +485,32 @@ impl ClientInner {
             result.set_item(spec.key.bind(py), value)?;
         }
         Ok(result.into_any().unbind())
+    }
+
+    /// The result of finished request `d` of a varying model: its outputs'
+    /// `(bytes, row shapes, pad)` read from its cells, made a result by
+    /// the `varying` hook.
+    fn varying_result(
+        &self,
+        py: Python<'_>,
+        varying: &Bound<'_, PyAny>,
+        d: &Completed,
+        batched: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let read = self
+            .core
+            .varying_outputs(d, self.outputs.len())
+            .map_err(|why| ferrobatch_error(py, "FerrobatchError", why))?;
+        let outputs = PyList::empty(py);
+        for output in read {
+            let shapes = PyList::new(py, output.shapes)?;
+            outputs.append((
+                PyBytes::new(py, output.data),
+                shapes,
+                PyBytes::new(py, output.pad),
+            ))?;
+        }
+        Ok(varying.call1((outputs, batched))?.unbind())
     }
 
     fn error(&self, py: Python<'_>, d: &Completed) -> PyErr {
@@ -542,21 +613,28 @@ impl ClientInner {
     ) -> PyResult<(u32, u32)> {
         let submission = crate::submit::submission(py, timeout, priority, parameters)?;
         // An optional input left out travels as zeros, named in `absent`.
-        let (rows, _, keep, absent) = self.converter.convert_dict(py, inputs, batched)?;
+        let (rows, views, keep, absent) = self.converter.convert_dict(py, inputs, batched)?;
         let submission = ferrobatch_core::Submission {
             absent,
             ..submission
         };
-        let bytes: Vec<&[u8]> = keep.iter().map(|k| k.bytes()).collect();
         let rows = row_u32(rows, "rows")?;
         // Held across the submit: the collector finds the waiter (it takes
         // this lock only without the GIL, so this thread never waits on it
         // while the collector waits for this thread's GIL).
         let mut waiters = self.waiters();
-        let (cell, tag) = self
-            .core
-            .submit_with(&bytes, rows, &submission)
-            .map_err(|e| shm_error(py, e))?;
+        let submitted = if self.varying.is_some() {
+            let inputs: Vec<_> = keep
+                .iter()
+                .zip(&views)
+                .map(|(k, v)| (k.bytes(), *v.extents()))
+                .collect();
+            self.core.submit_varying(&inputs, rows, &submission)
+        } else {
+            let bytes: Vec<&[u8]> = keep.iter().map(|k| k.bytes()).collect();
+            self.core.submit_with(&bytes, rows, &submission)
+        };
+        let (cell, tag) = submitted.map_err(|e| shm_error(py, e))?;
         waiters.insert(
             cell,
             Waiting {
@@ -640,11 +718,15 @@ pub struct SharedClient {
 
 #[pymethods]
 impl SharedClient {
-    /// Connects to the segment `name`: `inputs` / `outputs` as `(name,
-    /// dtype, shape, torch dtype)`, read from its metadata; `optional`:
-    /// per input, whether a request may leave it out.
+    /// Connects to the segment `name`: `inputs` as the batcher takes them
+    /// (with `layouts`, `padded_dims`, `optional`) and `outputs` as `(name,
+    /// dtype, shape, torch dtype)`, read from its metadata. A model with
+    /// BYTES or variable-length tensors passes `cell_bytes` (its cells'
+    /// size), `max_batch_elements`, and `varying(outputs, batched)`, which
+    /// makes a request's result from its outputs' `(bytes, row shapes,
+    /// pad)`.
     #[new]
-    #[pyo3(signature = (name, inputs, outputs, *, model_name, max_batch_size, tensor_type, coerce, empty, owner=None, optional=Vec::new()))]
+    #[pyo3(signature = (name, inputs, outputs, *, model_name, max_batch_size, tensor_type, coerce, empty, owner=None, optional=Vec::new(), layouts=Vec::new(), padded_dims=Vec::new(), max_batch_elements=None, cell_bytes=0, varying=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -658,32 +740,28 @@ impl SharedClient {
         empty: Py<PyAny>,
         owner: Option<u32>,
         optional: Vec<bool>,
+        layouts: Vec<(String, Option<Vec<u8>>)>,
+        padded_dims: Vec<Option<Vec<Option<usize>>>>,
+        max_batch_elements: Option<usize>,
+        cell_bytes: usize,
+        varying: Option<Py<PyAny>>,
     ) -> PyResult<SharedClient> {
-        let mut specs = Vec::with_capacity(inputs.len());
-        for (i, (input, dtype, shape, torch_dtype)) in inputs.into_iter().enumerate() {
-            let parsed = DType::parse(&dtype).ok_or_else(|| {
-                PyValueError::new_err(format!("input '{input}': unknown dtype '{dtype}'"))
-            })?;
-            let core = ferrobatch_core::InputSpec::new(&input, parsed, shape)
-                .ok_or_else(|| {
-                    PyValueError::new_err(format!("input '{input}': its shape is too large"))
-                })?
-                .optional(optional.get(i).copied().unwrap_or(false));
-            // A shared model's inputs are fixed-shape (`share` refuses others).
-            specs.push(InputSpec {
-                core,
-                layout: ferrobatch_core::Layout::Fixed,
-                key: PyString::intern(py, &input).unbind(),
-                torch_dtype,
-            });
-        }
+        let specs = input_specs(py, inputs, &layouts, &padded_dims, &optional)?;
         let outputs = output_specs(py, outputs)?;
-        let in_rows: Vec<usize> = specs.iter().map(|s| s.row_nbytes).collect();
-        let out_rows: Vec<usize> = outputs.iter().map(|o| o.row_nbytes).collect();
+        let layout = match varying {
+            Some(_) => CellLayout::Varying {
+                inputs: cell_bytes,
+                outputs: cell_bytes,
+            },
+            None => CellLayout::Rows {
+                inputs: specs.iter().map(|s| s.row_nbytes).collect(),
+                outputs: outputs.iter().map(|o| o.row_nbytes).collect(),
+            },
+        };
         let name = name.to_owned();
         let core = without_gil(py, move || {
             let segment = Arc::new(Segment::open(&name, owner)?);
-            ClientCore::connect(segment, in_rows, out_rows)
+            ClientCore::connect(segment, layout)
         })
         .map_err(|e| shm_error(py, e))?;
         let inner = Arc::new(ClientInner {
@@ -694,10 +772,11 @@ impl SharedClient {
                 tensor_type,
                 coerce,
                 max_rows: max_batch_size,
-                max_elements: None,
+                max_elements: max_batch_elements,
                 bytes_limits: ferrobatch_core::bytes::BytesLimits::default(),
             },
             outputs,
+            varying,
             waiters: Mutex::new(HashMap::new()),
             loops: Mutex::new(Vec::new()),
             empty,

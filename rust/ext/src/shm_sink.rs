@@ -7,13 +7,16 @@
 
 use std::sync::Arc;
 
-use ferrobatch_core::shm::Delivery;
+use std::ops::Range;
+
+use ferrobatch_core::shm::{Delivery, VaryingColumn};
 use ferrobatch_core::{DType, Route, Tally};
 use pyo3::exceptions::PyValueError;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString};
 
+use crate::codec::V2Codec;
 use crate::results::{BatchOutcome, FailedRows, ModelFailure};
 use crate::without_gil;
 
@@ -53,6 +56,8 @@ pub(crate) struct SharedSink {
     server: Arc<ferrobatch_core::shm::SharedServer>,
     model_name: Arc<str>,
     outputs: Vec<OutputSpec>,
+    /// A model with BYTES or variable-length tensors: what reads its outputs.
+    codec: Option<Py<V2Codec>>,
 }
 
 impl SharedSink {
@@ -60,11 +65,13 @@ impl SharedSink {
         server: Arc<ferrobatch_core::shm::SharedServer>,
         model_name: Arc<str>,
         outputs: Vec<OutputSpec>,
+        codec: Option<Py<V2Codec>>,
     ) -> SharedSink {
         SharedSink {
             server,
             model_name,
             outputs,
+            codec,
         }
     }
 
@@ -105,6 +112,9 @@ pub(crate) fn deliver(
                 .collect()
         })
         .unwrap_or_default();
+    if let Some(codec) = &sink.codec {
+        return deliver_varying(py, sink, codec.get(), client, routes, outputs, &failed);
+    }
     let read: PyResult<Vec<(Bound<'_, PyAny>, usize, usize)>> = sink
         .outputs
         .iter()
@@ -137,6 +147,74 @@ pub(crate) fn deliver(
             Delivery::Outputs {
                 columns: &columns,
                 failed: &failed,
+            },
+        );
+    });
+    drop(read);
+}
+
+/// [`deliver`] for a model with BYTES or variable-length tensors: each
+/// output read by the model's codec (every batch row's bytes and shape),
+/// then each request's rows written with their shapes.
+fn deliver_varying(
+    py: Python<'_>,
+    sink: &SharedSink,
+    codec: &V2Codec,
+    client: u32,
+    routes: &[Route],
+    outputs: &Bound<'_, PyDict>,
+    failed: &[(u32, String)],
+) {
+    let server = &sink.server;
+    let mut read = match codec.read_outputs(py, outputs) {
+        Ok(read) => read,
+        Err(err) => {
+            let what = "returned outputs its rows could not be taken from:";
+            let failure = ModelFailure::new(py, &sink.model_name, err.value(py), what);
+            let message = failure.message();
+            return without_gil(py, || {
+                server.deliver(client, routes, Delivery::Failed(message))
+            });
+        }
+    };
+    // Per output: its bytes, each batch row's range and shape, its pad.
+    type Rows = (Vec<Range<usize>>, Vec<Vec<u64>>, Vec<u8>);
+    let columns: Vec<(usize, usize, Rows)> = read
+        .iter_mut()
+        .map(|r| {
+            let rows = match r.rows.take() {
+                Some(v) => (v.ranges, v.shapes, v.pad),
+                // Fixed-shape rows: `shape[0]` of `len / shape[0]` bytes each.
+                None => {
+                    let batch = r.shape.first().copied().unwrap_or(0) as usize;
+                    let row = r.len.checked_div(batch).unwrap_or(0);
+                    let shape = r.shape.get(1..).unwrap_or(&[]).to_vec();
+                    let ranges = (0..batch).map(|i| i * row..(i + 1) * row).collect();
+                    (ranges, vec![shape; batch], Vec::new())
+                }
+            };
+            (r.ptr, r.len, rows)
+        })
+        .collect();
+    without_gil(py, || {
+        let columns: Vec<VaryingColumn<'_>> = columns
+            .iter()
+            .map(|(ptr, len, (ranges, shapes, pad))| VaryingColumn {
+                // SAFETY: each (ptr, len) is a contiguous CPU tensor's bytes
+                // (or serialized BYTES), kept alive by `read` (outside this
+                // closure, which it outlives).
+                data: unsafe { crate::codec::bytes_at(*ptr, *len) },
+                rows: ranges,
+                shapes,
+                pad,
+            })
+            .collect();
+        server.deliver(
+            client,
+            routes,
+            Delivery::Varying {
+                columns: &columns,
+                failed,
             },
         );
     });

@@ -11,7 +11,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ferrobatch_core::shm::{ClientCore, Delivery, Segment, SegmentConfig, SharedServer, ShmError};
+use ferrobatch_core::shm::{
+    CellLayout, ClientCore, Delivery, Segment, SegmentConfig, SharedServer, ShmError,
+};
 use ferrobatch_core::{
     Batcher, BatcherConfig, DispatchRule, Priorities, Readiness, Sink, SlotBuffer, Worker,
 };
@@ -61,8 +63,8 @@ fuzz_target!(|input: &[u8]| {
     let server = SharedServer::start(
         Arc::new(segment),
         batcher.clone(),
-        vec![ROW],
-        vec![ROW],
+        rows_layout(),
+        (1, 1),
         0,
         Box::new(|_| {}),
     )
@@ -92,7 +94,7 @@ fuzz_target!(|input: &[u8]| {
     };
     let connect = || {
         let segment = Arc::new(Segment::open(&name, None).unwrap());
-        ClientCore::connect(segment, vec![ROW], vec![ROW]).unwrap()
+        ClientCore::connect(segment, rows_layout()).unwrap()
     };
     let good = connect();
     let bad = [connect(), connect()];
@@ -143,3 +145,10 @@ fuzz_target!(|input: &[u8]| {
     batcher.close();
     worker.join().unwrap();
 });
+
+fn rows_layout() -> CellLayout {
+    CellLayout::Rows {
+        inputs: vec![ROW],
+        outputs: vec![ROW],
+    }
+}

@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use super::segment::word;
 use super::{
-    client_state, code, current_pid, notify, server_state, sleep_unless, state, Arena, Corrupt,
-    Descriptor, Peer, PushError, Segment, ShmError, Withdraw, SPIN,
+    client_state, code, current_pid, notify, server_state, sleep_unless, state, varying, Arena,
+    CellLayout, Corrupt, Descriptor, Peer, PushError, Segment, ShmError, Withdraw, SPIN,
 };
 
 /// A finished request, read from its entry (its outputs still in its cells
@@ -22,6 +22,8 @@ pub struct Completed {
     pub cell: u32,
     pub tag: u32,
     pub rows: u32,
+    /// Cells it took: its rows, or more for a varying model's request.
+    pub span: u32,
     pub code: u32,
     pub message: String,
 }
@@ -40,36 +42,37 @@ pub enum ServerGone {
     Evicted,
 }
 
-/// This process's own record of its cells: which are used, and the tag
-/// and rows of each request in flight (by its first cell). The segment's
-/// copies are for the server; what a completion names is checked here.
+/// This process's own record of its cells: which are used, and the tag,
+/// span and rows of each request in flight (by its first cell). The
+/// segment's copies are for the server; what a completion names is checked
+/// here.
 #[derive(Debug)]
 struct Cells {
     arena: Arena,
-    /// `(tag, rows)` per first cell; rows 0: no request starts there.
-    requests: Vec<(u32, u32)>,
+    /// `(tag, span, rows)` per first cell; span 0: no request starts there.
+    requests: Vec<(u32, u32, u32)>,
 }
 
 impl Cells {
-    fn alloc(&mut self, rows: u32, tag: u32) -> Option<u32> {
-        let cell = self.arena.alloc(rows as usize)?;
-        self.requests[cell] = (tag, rows);
+    fn alloc(&mut self, span: u32, rows: u32, tag: u32) -> Option<u32> {
+        let cell = self.arena.alloc(span as usize)?;
+        self.requests[cell] = (tag, span, rows);
         Some(cell as u32)
     }
 
-    /// The rows of request `(cell, tag)`, if it is in flight.
-    fn rows(&self, cell: u32, tag: u32) -> Option<u32> {
+    /// The span and rows of request `(cell, tag)`, if it is in flight.
+    fn find(&self, cell: u32, tag: u32) -> Option<(u32, u32)> {
         match self.requests.get(cell as usize) {
-            Some(&(t, rows)) if t == tag && rows > 0 => Some(rows),
+            Some(&(t, span, rows)) if t == tag && span > 0 => Some((span, rows)),
             _ => None,
         }
     }
 
     /// Frees request `(cell, tag)`'s cells (nothing if it is not in flight).
     fn free(&mut self, cell: u32, tag: u32) {
-        if let Some(rows) = self.rows(cell, tag) {
-            self.requests[cell as usize] = (0, 0);
-            self.arena.free(cell as usize, rows as usize);
+        if let Some((span, _)) = self.find(cell, tag) {
+            self.requests[cell as usize] = (0, 0, 0);
+            self.arena.free(cell as usize, span as usize);
         }
     }
 }
@@ -82,8 +85,7 @@ pub struct ClientCore {
     pid: u32,
     /// The server's process.
     server: Peer,
-    in_rows: Vec<usize>,
-    out_rows: Vec<usize>,
+    layout: CellLayout,
     cells: Mutex<Cells>,
     /// Withdrawals the ring had no room for, retried by `retry_withdrawals`.
     withdrawals: Mutex<Vec<u64>>,
@@ -91,18 +93,12 @@ pub struct ClientCore {
 }
 
 impl ClientCore {
-    /// Claims a free client slot of `segment` for this process. `in_rows` /
-    /// `out_rows`: bytes per row of each input / output (they must add up
-    /// to the segment's).
-    pub fn connect(
-        segment: Arc<Segment>,
-        in_rows: Vec<usize>,
-        out_rows: Vec<usize>,
-    ) -> Result<ClientCore, ShmError> {
+    /// Claims a free client slot of `segment` for this process. `layout`:
+    /// how the model's requests lie in their cells (its sizes must be the
+    /// segment's).
+    pub fn connect(segment: Arc<Segment>, layout: CellLayout) -> Result<ClientCore, ShmError> {
         let config = segment.config();
-        if in_rows.iter().sum::<usize>() != config.in_row as usize
-            || out_rows.iter().sum::<usize>() != config.out_row as usize
-        {
+        if layout.cell_bytes() != (config.in_row as usize, config.out_row as usize) {
             return Err(ShmError::Version(
                 "the model's inputs and outputs disagree with the shared segment's sizes".into(),
             ));
@@ -138,13 +134,12 @@ impl ClientCore {
                     server,
                     cells: Mutex::new(Cells {
                         arena: Arena::new(config.cells as usize),
-                        requests: vec![(0, 0); config.cells as usize],
+                        requests: vec![(0, 0, 0); config.cells as usize],
                     }),
                     segment,
                     slot,
                     pid,
-                    in_rows,
-                    out_rows,
+                    layout,
                     withdrawals: Mutex::new(Vec::new()),
                     closed: AtomicBool::new(false),
                 });
@@ -197,6 +192,87 @@ impl ClientCore {
         rows: u32,
         submission: &crate::Submission,
     ) -> Result<(u32, u32), ShmError> {
+        let CellLayout::Rows {
+            inputs: in_rows, ..
+        } = &self.layout
+        else {
+            return Err(ShmError::Invalid(
+                "a model of varying tensors takes `submit_varying`".into(),
+            ));
+        };
+        if inputs.len() != in_rows.len()
+            || inputs
+                .iter()
+                .zip(in_rows)
+                .any(|(bytes, row)| bytes.len() != row * rows as usize)
+        {
+            return Err(ShmError::Invalid(
+                "input sizes disagree with the request's rows".into(),
+            ));
+        }
+        self.queue(rows, rows, submission, |base, _| {
+            let mut offset = 0;
+            for bytes in inputs {
+                // SAFETY: the cells are this process's (allocated, FREE):
+                // nobody else reads or writes them until QUEUED is
+                // published; `rows * in_row` bytes lie at `base` (`queue`).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(bytes.as_ptr(), base.add(offset), bytes.len())
+                };
+                offset += bytes.len();
+            }
+        })
+    }
+
+    /// Queues a request of a model with BYTES or variable-length tensors:
+    /// `inputs[i]` is input `i`'s bytes and extents, as the batcher takes
+    /// them. It takes as many cells as its bytes need (at least `rows`),
+    /// laid out as [`super::varying`] says; its outputs must fit as many.
+    pub fn submit_varying(
+        &self,
+        inputs: &[(&[u8], [usize; crate::request::MAX_VARIABLE_DIMS])],
+        rows: u32,
+        submission: &crate::Submission,
+    ) -> Result<(u32, u32), ShmError> {
+        let CellLayout::Varying { inputs: cell, .. } = self.layout else {
+            return Err(ShmError::Invalid(
+                "a model of fixed-size tensors takes `submit_with`".into(),
+            ));
+        };
+        let lens: Vec<usize> = inputs.iter().map(|(b, _)| b.len()).collect();
+        let config = self.segment.config();
+        let need = varying::inputs_len(&lens)
+            .and_then(|n| n.checked_add(cell - 1))
+            .map(|n| n / cell)
+            .and_then(|n| u32::try_from(n).ok())
+            .filter(|&n| n <= config.cells);
+        let Some(need) = need else {
+            return Err(ShmError::Invalid(format!(
+                "a request of {} bytes; at most {} fit this client's cells \
+                 (rows_per_client x cell_bytes)",
+                lens.iter().sum::<usize>(),
+                config.cells as usize * cell
+            )));
+        };
+        let span = need.max(rows);
+        self.queue(rows, span, submission, |base, len| {
+            // SAFETY: as in `submit_with`: `span` cells of `cell` bytes, this
+            // process's until QUEUED is published.
+            let region = unsafe { std::slice::from_raw_parts_mut(base, len) };
+            // Fits: `span` cells hold at least `need` cells' bytes.
+            varying::write_inputs(region, inputs);
+        })
+    }
+
+    /// Takes `span` free cells, lets `write` fill their `span * in_row`
+    /// input bytes, and queues the request of `rows` rows.
+    fn queue(
+        &self,
+        rows: u32,
+        span: u32,
+        submission: &crate::Submission,
+        write: impl FnOnce(*mut u8, usize),
+    ) -> Result<(u32, u32), ShmError> {
         let (timeout, priority) = (submission.timeout, submission.priority);
         let parameters = submission.parameters.as_deref();
         if parameters.is_some_and(|p| p.len() > super::PARAMETERS_BYTES) {
@@ -210,27 +286,17 @@ impl ClientCore {
             return Err(ShmError::Closed(gone.to_string()));
         }
         let config = self.segment.config();
-        if rows == 0 || rows > config.max_rows || rows > config.cells {
+        if rows == 0 || rows > config.max_rows || span > config.cells {
             return Err(ShmError::Invalid(format!(
                 "a request of {rows} rows; at most {} fit (max_batch_size, rows_per_client)",
                 config.max_rows.min(config.cells)
             )));
         }
-        if inputs.len() != self.in_rows.len()
-            || inputs
-                .iter()
-                .zip(&self.in_rows)
-                .any(|(bytes, row)| bytes.len() != row * rows as usize)
-        {
-            return Err(ShmError::Invalid(
-                "input sizes disagree with the request's rows".into(),
-            ));
-        }
         let tag = self
             .segment
             .client_next_tag(self.slot)
             .fetch_add(1, Ordering::Relaxed);
-        let Some(cell) = self.cells().alloc(rows, tag) else {
+        let Some(cell) = self.cells().alloc(span, rows, tag) else {
             return Err(ShmError::Full(format!(
                 "this client has {} rows in flight, all its cells (rows_per_client={})",
                 self.in_flight(),
@@ -238,19 +304,13 @@ impl ClientCore {
             )));
         };
         let entry = self.segment.entry(self.slot, cell);
-        let Some(base) = self.segment.inputs(self.slot, cell, rows) else {
+        let Some(base) = self.segment.inputs(self.slot, cell, span) else {
             self.cells().free(cell, tag);
             return Err(ShmError::Invalid("cells out of range".into()));
         };
-        let mut offset = 0;
-        for bytes in inputs {
-            // SAFETY: the cells are this process's (allocated above, FREE):
-            // nobody else reads or writes them until QUEUED is published
-            // below; `inputs` checked the room for `rows` rows at `base`.
-            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), base.add(offset), bytes.len()) };
-            offset += bytes.len();
-        }
+        write(base, span as usize * config.in_row as usize);
         entry.rows().store(rows, Ordering::Relaxed);
+        entry.span().store(span, Ordering::Relaxed);
         entry
             .priority()
             .store(priority.unwrap_or(0), Ordering::Relaxed);
@@ -369,7 +429,7 @@ impl ClientCore {
                 continue;
             }
             // Only a request of ours, with the rows we sent.
-            let Some(rows) = self.cells().rows(cell, tag) else {
+            let Some((span, rows)) = self.cells().find(cell, tag) else {
                 continue;
             };
             let code = entry.code().load(Ordering::Relaxed);
@@ -377,6 +437,7 @@ impl ClientCore {
                 cell,
                 tag,
                 rows,
+                span,
                 message: if code == code::OK {
                     String::new()
                 } else {
@@ -391,17 +452,43 @@ impl ClientCore {
     /// Output `index`'s bytes of finished request `done` (valid until
     /// `release(done)`).
     pub fn output(&self, done: &Completed, index: usize) -> &[u8] {
+        let CellLayout::Rows {
+            outputs: out_rows, ..
+        } = &self.layout
+        else {
+            return &[];
+        };
         let Some(base) = self.segment.outputs(self.slot, done.cell, done.rows) else {
             return &[];
         };
         let rows = done.rows as usize;
-        let offset: usize = self.out_rows[..index].iter().sum::<usize>() * rows;
-        let len = self.out_rows.get(index).copied().unwrap_or(0) * rows;
+        let offset: usize = out_rows[..index].iter().sum::<usize>() * rows;
+        let len = out_rows.get(index).copied().unwrap_or(0) * rows;
         // SAFETY: the request is DONE: its cells are this process's until
         // `release`, which takes `&self` too but is called by the owner of
         // `done` only after the returned borrow ends; the bytes lie in the
         // cells (`outputs` checked the range).
         unsafe { std::slice::from_raw_parts(base.add(offset), len) }
+    }
+
+    /// The outputs of finished request `done` of a varying model, read from
+    /// its cells (valid until `release(done)`); Err: the server wrote
+    /// what its protocol never writes.
+    pub fn varying_outputs(
+        &self,
+        done: &Completed,
+        count: usize,
+    ) -> Result<Vec<varying::OutputRead<'_>>, String> {
+        let CellLayout::Varying { outputs: cell, .. } = self.layout else {
+            return Err("a model of fixed-size outputs".into());
+        };
+        let Some(base) = self.segment.outputs(self.slot, done.cell, done.span) else {
+            return Err("the request's cells are out of range".into());
+        };
+        // SAFETY: as in `output`: `span` cells of `cell` output bytes, this
+        // process's while DONE.
+        let region = unsafe { std::slice::from_raw_parts(base, done.span as usize * cell) };
+        varying::read_outputs(region, count, done.rows as usize)
     }
 
     /// Frees a finished request's cells.
@@ -458,9 +545,9 @@ impl ClientCore {
         super::futex_wake(word);
     }
 
-    /// Bytes per row of each output.
-    pub fn out_rows(&self) -> &[usize] {
-        &self.out_rows
+    /// How the model's requests lie in their cells.
+    pub fn layout(&self) -> &CellLayout {
+        &self.layout
     }
 }
 

@@ -15,7 +15,10 @@
 //!   one [`Entry`] per cell (a request's state, rows, deadline and error),
 //!   and the arena: per cell one row of every input and one row of every
 //!   output. A request of `r` rows takes `r` consecutive cells, allocated by
-//!   its client process alone ([`Arena`]) and named by its first cell.
+//!   its client process alone ([`Arena`]) and named by its first cell. A
+//!   model with BYTES or variable-length tensors has cells of a size given
+//!   at share time instead, and a request takes as many as its bytes need,
+//!   laid out as [`varying`] says.
 //!
 //! # Ownership of a cell
 //!
@@ -69,13 +72,14 @@ mod protocol_tests;
 mod ring;
 mod segment;
 mod server;
+pub mod varying;
 
 pub use arena::Arena;
 pub use client::{ClientCore, Completed, ServerGone};
 pub use liveness::{start_time, Peer};
 pub use ring::{Corrupt, PushError, Ring};
 pub use segment::{current_uid, Entry, Layout, Segment, SegmentConfig};
-pub use server::{Delivery, OnFault, SharedServer};
+pub use server::{CellLayout, Delivery, OnFault, SharedServer, VaryingColumn};
 
 use std::fmt;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -84,7 +88,7 @@ use std::time::Duration;
 /// "FERROSHM", little-endian: the first word of every segment.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"FERROSHM");
 /// Bumped whenever the layout or the protocol changes.
-pub const LAYOUT_VERSION: u32 = 3;
+pub const LAYOUT_VERSION: u32 = 4;
 /// The version of ferrobatch that made a segment, checked by clients too.
 pub const CRATE_VERSION: &str = env!("CARGO_PKG_VERSION");
 

@@ -21,6 +21,20 @@ struct Fixture {
 }
 
 fn fixture(test: &str, clients: u32, cells: u32, ring: u32) -> Fixture {
+    fixture_with(test, clients, cells, ring, rows_layout())
+}
+
+/// A varying model's layout: cells of `VARYING_CELL` bytes each way.
+const VARYING_CELL: usize = 64;
+
+fn varying_layout() -> CellLayout {
+    CellLayout::Varying {
+        inputs: VARYING_CELL,
+        outputs: VARYING_CELL,
+    }
+}
+
+fn fixture_with(test: &str, clients: u32, cells: u32, ring: u32, layout: CellLayout) -> Fixture {
     let name = format!("coretest-{test}-{}", std::process::id());
     let slots: Arc<Vec<Mutex<Vec<u8>>>> =
         Arc::new((0..3).map(|_| Mutex::new(vec![0u8; MAX * ROW])).collect());
@@ -47,8 +61,8 @@ fn fixture(test: &str, clients: u32, cells: u32, ring: u32) -> Fixture {
         clients,
         cells,
         ring_capacity: ring,
-        in_row: ROW as u32,
-        out_row: ROW as u32,
+        in_row: layout.cell_bytes().0 as u32,
+        out_row: layout.cell_bytes().1 as u32,
         max_rows: MAX as u32,
         meta_len: 0,
     };
@@ -59,8 +73,8 @@ fn fixture(test: &str, clients: u32, cells: u32, ring: u32) -> Fixture {
     let server = SharedServer::start(
         Arc::new(segment),
         batcher.clone(),
-        vec![ROW],
-        vec![ROW],
+        layout,
+        (1, 1),
         0,
         on_fault,
     )
@@ -90,14 +104,25 @@ fn spawn_worker(f: &Fixture) -> std::thread::JoinHandle<()> {
                     panic!("only shared-memory requests here")
                 };
                 let columns = [&out[..]];
-                server.deliver(
-                    *client,
-                    routes,
-                    Delivery::Outputs {
+                let ranges: Vec<_> = (0..batch.rows).map(|r| r * ROW..(r + 1) * ROW).collect();
+                let shapes = vec![vec![ROW as u64]; batch.rows];
+                let varying = [VaryingColumn {
+                    data: &out,
+                    rows: &ranges,
+                    shapes: &shapes,
+                    pad: &[],
+                }];
+                let delivery = match server.segment().config().in_row as usize {
+                    ROW => Delivery::Outputs {
                         columns: &columns,
                         failed: &[],
                     },
-                );
+                    _ => Delivery::Varying {
+                        columns: &varying,
+                        failed: &[],
+                    },
+                };
+                server.deliver(*client, routes, delivery);
             }
         }
     })
@@ -105,7 +130,127 @@ fn spawn_worker(f: &Fixture) -> std::thread::JoinHandle<()> {
 
 fn connect(f: &Fixture) -> ClientCore {
     let segment = Arc::new(Segment::open(&f.name, None).unwrap());
-    ClientCore::connect(segment, vec![ROW], vec![ROW]).unwrap()
+    let layout = match segment.config().in_row as usize {
+        ROW => rows_layout(),
+        _ => varying_layout(),
+    };
+    ClientCore::connect(segment, layout).unwrap()
+}
+
+/// Queues a request the way a hostile process could: `region` written
+/// as the request's input cells, `rows` and `span` as its entry says.
+fn forge(f: &Fixture, client: &ClientCore, cell: u32, rows: u32, span: u32, region: &[u8]) {
+    let segment = Segment::open(&f.name, None).unwrap();
+    let slot = client.slot();
+    let tag = segment
+        .client_next_tag(slot)
+        .fetch_add(1, Ordering::Relaxed);
+    let base = segment.inputs(slot, cell, 1).unwrap();
+    // SAFETY: the cell's input bytes (VARYING_CELL of them) lie at `base`;
+    // the region written is at most that long.
+    unsafe { std::ptr::copy_nonoverlapping(region.as_ptr(), base, region.len().min(VARYING_CELL)) };
+    let entry = segment.entry(slot, cell);
+    entry.rows().store(rows, Ordering::Relaxed);
+    entry.span().store(span, Ordering::Relaxed);
+    entry.timeout_ns().store(u64::MAX, Ordering::Relaxed);
+    entry
+        .word()
+        .store(super::segment::word(tag, state::QUEUED), Ordering::Release);
+    let descriptor = Descriptor {
+        client: slot,
+        cell,
+        tag,
+        withdraw: None,
+    };
+    segment.ring().push(descriptor.encode()).unwrap();
+}
+
+/// Waits until `cell` of `client` is DONE: its code and message.
+fn done_code(f: &Fixture, client: &ClientCore, cell: u32) -> (u32, String) {
+    let segment = Segment::open(&f.name, None).unwrap();
+    let entry = segment.entry(client.slot(), cell);
+    let until = Instant::now() + Duration::from_secs(20);
+    while entry.word().load(Ordering::Acquire) as u32 != state::DONE {
+        assert!(Instant::now() < until, "never answered");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    (entry.code().load(Ordering::Relaxed), entry.message())
+}
+
+#[test]
+fn a_varying_request_spans_the_cells_its_bytes_need() {
+    let f = fixture_with("varying", 2, 16, 16, varying_layout());
+    let worker = spawn_worker(&f);
+    let client = connect(&f);
+    let submission = crate::Submission::default();
+    for rows in [1u32, 3, 7] {
+        let bytes: Vec<u8> = (0..rows as usize * ROW).map(|k| k as u8).collect();
+        let (cell, tag) = client
+            .submit_varying(&[(&bytes, [0; 4])], rows, &submission)
+            .unwrap();
+        let done = collect(&client, 1);
+        assert_eq!((done[0].cell, done[0].tag), (cell, tag));
+        assert_eq!(done[0].code, code::OK, "{}", done[0].message);
+        // 40 header bytes and the rows: more than one cell from 3 rows on.
+        let need = (varying::INPUT_HEADER + bytes.len()).div_ceil(VARYING_CELL) as u32;
+        assert_eq!(done[0].span, need.max(rows));
+        let outputs = client.varying_outputs(&done[0], 1).unwrap();
+        let expected: Vec<u8> = bytes.iter().map(|b| b.wrapping_add(1)).collect();
+        assert_eq!(outputs[0].data, &expected[..]);
+        assert_eq!(outputs[0].shapes, vec![vec![ROW]; rows as usize]);
+        client.release(&done[0]);
+    }
+    // More bytes than the client's cells: refused before anything is written.
+    let huge = vec![0u8; 16 * VARYING_CELL];
+    let err = client
+        .submit_varying(&[(&huge, [0; 4])], 1, &submission)
+        .unwrap_err();
+    assert!(matches!(err, ShmError::Invalid(_)), "{err}");
+    assert_eq!(client.in_flight(), 0);
+    f.server.close("stopped");
+    f.batcher.close();
+    worker.join().unwrap();
+}
+
+#[test]
+fn a_forged_varying_request_is_refused_alone() {
+    let f = fixture_with("forged", 2, 16, 16, varying_layout());
+    let worker = spawn_worker(&f);
+    let client = connect(&f);
+    let header = |len: u64| {
+        let mut region = vec![0u8; VARYING_CELL];
+        region[..8].copy_from_slice(&len.to_le_bytes());
+        region
+    };
+    // An input longer than its cells, a length that overflows, a span past
+    // the client's cells, more rows than cells, no rows.
+    let forged = [
+        (header(VARYING_CELL as u64), 1, 1),
+        (header(u64::MAX - 3), 1, 1),
+        (header(ROW as u64), 1, 17),
+        (header(ROW as u64), 2, 1),
+        (header(ROW as u64), 0, 1),
+    ];
+    for (cell, (region, rows, span)) in forged.iter().enumerate() {
+        forge(&f, &client, cell as u32, *rows, *span, region);
+        let (code, message) = done_code(&f, &client, cell as u32);
+        assert_eq!(code, code::INVALID_INPUT, "forgery {cell}: {message}");
+    }
+    // The batcher itself refuses bytes that disagree with the rows.
+    forge(&f, &client, 8, 1, 1, &header(3));
+    assert_eq!(done_code(&f, &client, 8).0, code::INVALID_INPUT);
+    // And an honest request still goes through.
+    let bytes = [7u8; ROW];
+    let submission = crate::Submission::default();
+    client
+        .submit_varying(&[(&bytes, [0; 4])], 1, &submission)
+        .unwrap();
+    let done = collect(&client, 1);
+    assert_eq!(done[0].code, code::OK, "{}", done[0].message);
+    assert!(f.faults.lock().unwrap().is_empty());
+    f.server.close("stopped");
+    f.batcher.close();
+    worker.join().unwrap();
 }
 
 /// Waits for `n` completions.
@@ -245,8 +390,7 @@ fn full_cells_and_full_ring_refuse_at_once() {
     assert!(matches!(err, ShmError::Full(_)), "{err}");
     let err = ClientCore::connect(
         Arc::new(Segment::open(&f.name, None).unwrap()),
-        vec![ROW],
-        vec![ROW],
+        rows_layout(),
     )
     .unwrap_err();
     assert!(err.to_string().contains("client slots"), "{err}");
@@ -517,5 +661,12 @@ fn scribblers_harm_only_themselves() {
         assert!(stopped.elapsed() < Duration::from_secs(2), "seed {seed}");
         f.batcher.close();
         worker.join().unwrap();
+    }
+}
+
+fn rows_layout() -> CellLayout {
+    CellLayout::Rows {
+        inputs: vec![ROW],
+        outputs: vec![ROW],
     }
 }

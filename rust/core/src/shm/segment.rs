@@ -63,6 +63,8 @@ mod entry_at {
     pub const PRIORITY: usize = 232;
     pub const PARAMETERS_LEN: usize = 236;
     pub const ABSENT: usize = 240;
+    /// Cells a varying model's request takes (its rows, or more).
+    pub const SPAN: usize = 248;
     /// `PARAMETERS_BYTES` of them, to the end of the entry.
     pub const PARAMETERS: usize = 256;
 }
@@ -775,6 +777,11 @@ impl Entry<'_> {
 
     pub fn rows(&self) -> &AtomicU32 {
         self.u32_at(entry_at::ROWS)
+    }
+
+    /// Cells the request takes (a varying model's; see `shm::varying`).
+    pub fn span(&self) -> &AtomicU32 {
+        self.u32_at(entry_at::SPAN)
     }
 
     pub fn code(&self) -> &AtomicU32 {

@@ -26,8 +26,8 @@ use std::time::{Duration, Instant};
 
 use super::segment::word;
 use super::{
-    client_state, code, server_state, sleep_unless, state, Descriptor, Peer, Segment, Withdraw,
-    POLL, SPIN,
+    client_state, code, server_state, sleep_unless, state, varying, Descriptor, Peer, Segment,
+    Withdraw, POLL, SPIN,
 };
 use crate::pending::Pending;
 use crate::{Batcher, CoreError, InputBytes, Outcome, RequestState, Route, Sink, Tally};
@@ -56,6 +56,47 @@ pub enum Delivery<'a> {
     },
     /// The batch failed as a whole (the model raised): this message.
     Failed(&'a str),
+    /// The outputs of a model with BYTES or variable-length tensors: per
+    /// output, each batch row's bytes and shape and one pad element;
+    /// `failed` as for `Outputs`.
+    Varying {
+        columns: &'a [VaryingColumn<'a>],
+        failed: &'a [(u32, String)],
+    },
+}
+
+/// One output of a batch of a model with BYTES or variable-length tensors.
+#[derive(Debug, Clone, Copy)]
+pub struct VaryingColumn<'a> {
+    /// Batch row `r`'s bytes: `data[rows[r].clone()]`, of shape `shapes[r]`.
+    pub data: &'a [u8],
+    pub rows: &'a [std::ops::Range<usize>],
+    pub shapes: &'a [Vec<u64>],
+    pub pad: &'a [u8],
+}
+
+/// How a model's requests lie in their cells.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CellLayout {
+    /// Fixed-shape tensors: a request of `r` rows takes `r` cells, each
+    /// holding a row of every input and output (these bytes each).
+    Rows {
+        inputs: Vec<usize>,
+        outputs: Vec<usize>,
+    },
+    /// BYTES or variable-length tensors: a request takes as many cells as
+    /// its bytes need, laid out as [`super::varying`] says.
+    Varying { inputs: usize, outputs: usize },
+}
+
+impl CellLayout {
+    /// Bytes of one cell's inputs and outputs, as the segment has them.
+    pub fn cell_bytes(&self) -> (usize, usize) {
+        match self {
+            CellLayout::Rows { inputs, outputs } => (inputs.iter().sum(), outputs.iter().sum()),
+            CellLayout::Varying { inputs, outputs } => (*inputs, *outputs),
+        }
+    }
 }
 
 /// The cells of one accepted request: where its `DONE` (and its rows) go.
@@ -65,20 +106,31 @@ struct Cell {
     cell: u32,
     tag: u32,
     rows: u32,
+    /// Cells it takes: its rows, or more for a varying model's request.
+    span: u32,
+}
+
+/// What a pending request holds: its cells and, for a varying model's
+/// request, the server's own copy of its inputs (the batch reads that).
+#[derive(Debug)]
+struct Held {
+    cell: Cell,
+    _copy: Option<Box<[u8]>>,
 }
 
 /// One model shared through one segment.
 pub struct SharedServer {
     segment: Arc<Segment>,
     batcher: Arc<Batcher>,
-    /// Bytes of one row of each input / output, in the model's order.
-    in_rows: Vec<usize>,
-    out_rows: Vec<usize>,
+    /// How requests lie in their cells.
+    layout: CellLayout,
+    /// Inputs and outputs the model has.
+    counts: (usize, usize),
     /// Bit `i` set: input `i` is optional (a request may leave it out).
     optional: u64,
     /// Accepted requests until their `DONE` is written; what the clients
     /// saw is counted there.
-    pending: Pending<Cell, Cell>,
+    pending: Pending<Cell, Held>,
     /// The request id last accepted in each cell (`client * cells + cell`),
     /// to find the one a client withdraws (a stale id finds nothing).
     cell_ids: Box<[AtomicU64]>,
@@ -112,8 +164,8 @@ impl SharedServer {
     pub fn start(
         segment: Arc<Segment>,
         batcher: Arc<Batcher>,
-        in_rows: Vec<usize>,
-        out_rows: Vec<usize>,
+        layout: CellLayout,
+        counts: (usize, usize),
         optional: u64,
         on_fault: OnFault,
     ) -> Result<Arc<SharedServer>, std::io::Error> {
@@ -122,8 +174,8 @@ impl SharedServer {
         let server = Arc::new(SharedServer {
             segment,
             batcher,
-            in_rows,
-            out_rows,
+            layout,
+            counts,
             optional,
             pending: Pending::new(),
             cell_ids: (0..cell_count).map(|_| AtomicU64::new(0)).collect(),
@@ -391,8 +443,12 @@ impl SharedServer {
                 "the server is stopping",
             );
         }
-        let base = match self.segment.inputs(d.client, d.cell, rows) {
-            Some(base) if rows <= config.max_rows => base,
+        let span = match self.layout {
+            CellLayout::Rows { .. } => rows,
+            CellLayout::Varying { .. } => entry.span().load(Ordering::Relaxed),
+        };
+        let base = match self.segment.inputs(d.client, d.cell, span) {
+            Some(base) if rows <= config.max_rows && rows >= 1 && rows <= span => base,
             _ => {
                 return fail(
                     code::INVALID_INPUT,
@@ -401,19 +457,37 @@ impl SharedServer {
                 )
             }
         };
-        let mut inputs = Vec::with_capacity(self.in_rows.len());
-        let mut offset = 0usize;
-        for &row in &self.in_rows {
-            let len = row * rows as usize;
-            // SAFETY: the request's cells hold `rows * in_row` bytes at
-            // `base` (checked by `inputs` above), laid out input after
-            // input; they are the server's from ACCEPTED until it writes
-            // DONE, which happens only after the request is resolved (by
-            // its batch, a withdrawal, or the stop), and the segment is
-            // mapped as long as `self` lives, which the batcher's sink does.
-            inputs.push(unsafe { InputBytes::new(base.add(offset), len) });
-            offset += len;
-        }
+        let (inputs, copy) = match &self.layout {
+            CellLayout::Rows {
+                inputs: in_rows, ..
+            } => {
+                let mut inputs = Vec::with_capacity(in_rows.len());
+                let mut offset = 0usize;
+                for &row in in_rows {
+                    let len = row * rows as usize;
+                    // SAFETY: the request's cells hold `rows * in_row` bytes
+                    // at `base` (checked by `inputs` above), laid out input
+                    // after input; they are the server's from ACCEPTED until
+                    // it writes DONE, which happens only after the request is
+                    // resolved (by its batch, a withdrawal, or the stop), and
+                    // the segment is mapped as long as `self` lives, which
+                    // the batcher's sink does.
+                    inputs.push(unsafe { InputBytes::new(base.add(offset), len) });
+                    offset += len;
+                }
+                (inputs, None)
+            }
+            CellLayout::Varying {
+                inputs: cell_in, ..
+            } => {
+                // `span` cells fit the client's area (checked by `inputs`).
+                let region_len = span as usize * cell_in;
+                match self.copy_inputs(base, region_len) {
+                    Ok(copied) => copied,
+                    Err(why) => return fail(code::INVALID_INPUT, Outcome::InvalidInput, &why),
+                }
+            }
+        };
         let timeout = match entry.timeout_ns().load(Ordering::Relaxed) {
             u64::MAX => None,
             ns => Some(Duration::from_nanos(ns)),
@@ -448,6 +522,7 @@ impl SharedServer {
             cell: d.cell,
             tag: d.tag,
             rows,
+            span,
         };
         let mut registered = None;
         let submitted = self.batcher.submit_request(
@@ -457,7 +532,8 @@ impl SharedServer {
             submission,
             |request| {
                 registered = Some(request.id);
-                self.pending.register(request, cell, cell);
+                self.pending
+                    .register(request, cell, Held { cell, _copy: copy });
                 if let Some(id) = self.cell_id(d.client, d.cell) {
                     id.store(request.id, Ordering::Release);
                 }
@@ -494,7 +570,8 @@ impl SharedServer {
                 Outcome::DeadlineExceeded,
             ),
         };
-        let this_cell = |c: &Cell| (c.client, c.cell, c.tag) == (d.client, d.cell, d.tag);
+        let this_cell =
+            |h: &Held| (h.cell.client, h.cell.cell, h.cell.tag) == (d.client, d.cell, d.tag);
         if let Some((cell, _)) = self
             .pending
             .withdraw(&*self.batcher, id, this_cell, to, outcome)
@@ -513,15 +590,23 @@ impl SharedServer {
         }
         let now = Instant::now();
         for t in &taken {
-            let cell = &t.held;
+            let cell = &t.held.cell;
+            let failed_alone = |failed: &[(u32, String)]| {
+                failed
+                    .iter()
+                    .find(|(start, _)| *start == t.route.start)
+                    .map(|(_, message)| message.clone())
+            };
             let outcome = match delivery {
                 Delivery::Failed(message) => Err(message.to_string()),
-                Delivery::Outputs { columns, failed } => {
-                    match failed.iter().find(|(start, _)| *start == t.route.start) {
-                        Some((_, message)) => Err(message.clone()),
-                        None => self.write_rows(cell, &t.route, columns),
-                    }
-                }
+                Delivery::Outputs { columns, failed } => match failed_alone(failed) {
+                    Some(message) => Err(message),
+                    None => self.write_rows(cell, &t.route, columns),
+                },
+                Delivery::Varying { columns, failed } => match failed_alone(failed) {
+                    Some(message) => Err(message),
+                    None => self.write_varying(cell, &t.route, columns),
+                },
             };
             match outcome {
                 Ok(()) => {
@@ -546,18 +631,24 @@ impl SharedServer {
 
     /// Copies the request's rows of every output into its cells.
     fn write_rows(&self, held: &Cell, route: &Route, columns: &[&[u8]]) -> Result<(), String> {
-        if columns.len() != self.out_rows.len() {
+        let CellLayout::Rows {
+            outputs: out_rows, ..
+        } = &self.layout
+        else {
+            return Err("fixed-size outputs for a model of varying ones".into());
+        };
+        if columns.len() != out_rows.len() {
             return Err(format!(
                 "the model gave {} outputs, {} expected",
                 columns.len(),
-                self.out_rows.len()
+                out_rows.len()
             ));
         }
         let Some(base) = self.segment.outputs(held.client, held.cell, held.rows) else {
             return Err("the request's cells are out of range".into());
         };
         let mut offset = 0usize;
-        for (i, (column, &row)) in columns.iter().zip(&self.out_rows).enumerate() {
+        for (i, (column, &row)) in columns.iter().zip(out_rows).enumerate() {
             let len = row * route.rows as usize;
             let start = row * route.start as usize;
             let Some(src) = column.get(start..start + len) else {
@@ -569,6 +660,120 @@ impl SharedServer {
             unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), base.add(offset), len) };
             offset += len;
         }
+        Ok(())
+    }
+
+    /// A varying model's request: its inputs copied out of its cells
+    /// (`region_len` bytes at `base`) into the server's own memory and
+    /// placed there; every length is checked against the region first.
+    /// The copy is what the batch reads: a client that writes its cells
+    /// after queueing them changes nothing the batcher checked.
+    #[allow(clippy::type_complexity)]
+    fn copy_inputs(
+        &self,
+        base: *const u8,
+        region_len: usize,
+    ) -> Result<(Vec<InputBytes>, Option<Box<[u8]>>), String> {
+        let count = self.counts.0;
+        let header_len = count
+            .checked_mul(varying::INPUT_HEADER)
+            .filter(|&h| h <= region_len)
+            .ok_or("the request's cells cannot hold its inputs' header")?;
+        let mut header = vec![0u8; header_len];
+        // SAFETY: `header_len <= region_len` bytes at `base` lie in the
+        // request's cells (the caller's contract), the server's while ACCEPTED.
+        unsafe { std::ptr::copy_nonoverlapping(base, header.as_mut_ptr(), header_len) };
+        let used = varying::used_len(&header, count, region_len)?;
+        let mut copy = Vec::new();
+        copy.try_reserve_exact(used)
+            .map_err(|_| format!("cannot allocate {used} bytes for a request"))?;
+        copy.resize(used, 0);
+        // SAFETY: `used <= region_len` (checked by `used_len`), as above.
+        unsafe { std::ptr::copy_nonoverlapping(base, copy.as_mut_ptr(), used) };
+        let copy = copy.into_boxed_slice();
+        // Placed from the copy (whose header may differ from the first
+        // read): every range is checked against the copy itself.
+        let places = varying::read_inputs(&copy, count)?;
+        let mut inputs = Vec::with_capacity(count);
+        for (i, place) in places.iter().enumerate() {
+            let bytes = &copy[place.range.clone()];
+            // SAFETY: the view lies in `copy`, a boxed slice whose heap
+            // memory does not move and which the pending entry holds
+            // until the request is resolved (`Held`).
+            let view = unsafe { InputBytes::new(bytes.as_ptr(), bytes.len()) };
+            let view = view
+                .with_extents(&place.extents)
+                .ok_or_else(|| format!("input {i}: too many extents"))?;
+            inputs.push(view);
+        }
+        Ok((inputs, Some(copy)))
+    }
+
+    /// Copies the request's rows of every output of a varying model into
+    /// its cells, each row with its shape.
+    fn write_varying(
+        &self,
+        held: &Cell,
+        route: &Route,
+        columns: &[VaryingColumn<'_>],
+    ) -> Result<(), String> {
+        let CellLayout::Varying {
+            outputs: cell_out, ..
+        } = self.layout
+        else {
+            return Err("varying outputs for a model of fixed-size ones".into());
+        };
+        if columns.len() != self.counts.1 {
+            return Err(format!(
+                "the model gave {} outputs, {} expected",
+                columns.len(),
+                self.counts.1
+            ));
+        }
+        let Some(base) = self.segment.outputs(held.client, held.cell, held.span) else {
+            return Err("the request's cells are out of range".into());
+        };
+        let region_len = held.span as usize * cell_out;
+        // Made here, then copied once: the cells are shared memory.
+        let mut answer = Vec::new();
+        let first = route.start as usize;
+        let rows = first..first + route.rows as usize;
+        for (i, column) in columns.iter().enumerate() {
+            let (Some(ranges), Some(shapes)) = (
+                column.rows.get(rows.clone()),
+                column.shapes.get(rows.clone()),
+            ) else {
+                return Err(format!("output {i} has fewer rows than the batch"));
+            };
+            let bytes: Option<Vec<&[u8]>> =
+                ranges.iter().map(|r| column.data.get(r.clone())).collect();
+            let bytes = bytes.ok_or_else(|| format!("output {i}: a row outside its data"))?;
+            let shapes: Vec<&[u64]> = shapes.iter().map(Vec::as_slice).collect();
+            let output = varying::OutputRows {
+                rows: &bytes,
+                shapes: &shapes,
+                pad: column.pad,
+            };
+            let len = output
+                .encoded_len()
+                .ok_or_else(|| format!("output {i}: rows of different ranks"))?;
+            let at = answer.len();
+            let grown = at.checked_add(len).filter(|&n| n <= region_len);
+            let Some(grown) = grown else {
+                let need = at.saturating_add(len);
+                return Err(format!(
+                    "the outputs take {need} bytes or more; the request's {} cells hold {region_len}: \
+                     share() with a larger cell_bytes",
+                    held.span
+                ));
+            };
+            answer.resize(grown, 0);
+            varying::write_output(&mut answer, at, &output)
+                .map_err(|_| format!("output {i} does not fit"))?;
+        }
+        // SAFETY: `answer.len() <= region_len` bytes: the request's output
+        // cells (checked by `outputs`), the server's until it writes DONE.
+        unsafe { std::ptr::copy_nonoverlapping(answer.as_ptr(), base, answer.len()) };
         Ok(())
     }
 
@@ -599,7 +804,7 @@ impl SharedServer {
             // reads their answers); those a batch holds keep the slot.
             let (_, left) = self.pending.withdraw_where(
                 &*self.batcher,
-                |cell| cell.client == client,
+                |held| held.cell.client == client,
                 RequestState::Closed,
                 Outcome::Cancelled,
             );
