@@ -508,6 +508,79 @@ def test_the_process_service_backend_runs_the_server_in_a_child() -> None:
         InferenceServer(policy(), service_backend="process")
 
 
+def test_the_distributed_transport_feeds_a_process_server_its_pairs_and_tells_them_it_stopped() -> None:
+    pytest.importorskip("torchrl")
+    import time
+
+    import torch.distributed as dist
+    from torchrl._comm.mailbox import MailboxPeerClosedError, MailboxTransportError
+
+    with pytest.raises(ValueError, match="requires request_spec and response_spec"):
+        InferenceServer(policy_factory=policy, service_backend="process", transport="distributed")
+    response = TensorDict({"action": torch.zeros(2), "policy_version": torch.zeros((), dtype=torch.long)})
+    server = InferenceServer(
+        policy_factory=policy,
+        service_backend="process",
+        service_backend_options={"mp_context": "spawn"},
+        transport="distributed",
+        transport_options={"backend": "gloo", "timeout": 30.0},
+        request_spec=TensorDict({"observation": torch.zeros(4)}),
+        response_spec=response,
+    )
+    assert (server.service_backend, server.transport_kind) == ("process", "distributed")
+    first = server.client()  # made before the child starts
+    with server:
+        second = server.client()
+        expected = policy()
+        for i, client in enumerate([first, second, first]):
+            td = TensorDict({"observation": torch.full((4,), float(i))})
+            out = client(td, timeout=30.0)
+            torch.testing.assert_close(out["action"], expected(td.clone())["action"])
+            assert int(out["policy_version"]) == 0
+        assert server.stats()["requests"] == 3  # batched by the child's ferrobatch core
+        assert not dist.is_initialized()  # the default process group stays the caller's
+    started = time.monotonic()
+    with pytest.raises((MailboxPeerClosedError, MailboxTransportError)):
+        first(TensorDict({"observation": torch.zeros(4)}), timeout=5.0)
+    assert time.monotonic() - started < 3.0
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(180)
+def test_the_distributed_transport_to_a_ray_actor_learns_its_layout_from_the_first_request() -> None:
+    ray = pytest.importorskip("ray")
+    pytest.importorskip("torchrl")
+    from torchrl._comm.mailbox import MailboxPeerClosedError, MailboxTransportError
+
+    pytest.importorskip("ray.cloudpickle").register_pickle_by_value(sys.modules[__name__])
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(num_cpus=2, include_dashboard=False, address="local", log_to_driver=False, configure_logging=False)
+    try:
+        server = InferenceServer(
+            policy_factory=policy,
+            service_backend="ray",
+            service_backend_options={"remote_config": {"num_cpus": 0}},
+            transport="distributed",
+            transport_options={"backend": "gloo", "timeout": 30.0},
+        )
+        try:
+            assert (server.service_backend, server.transport_kind) == ("ray", "distributed")
+            first, second = server.clients(2)
+            expected = policy()
+            for i, client in enumerate([first, second, first]):
+                td = TensorDict({"observation": torch.full((4,), float(i))})
+                out = client(td, timeout=30.0)
+                torch.testing.assert_close(out["action"], expected(td.clone())["action"])
+        finally:
+            server.shutdown()
+        with pytest.raises((MailboxPeerClosedError, MailboxTransportError)):
+            first(TensorDict({"observation": torch.zeros(4)}), timeout=5.0)
+    finally:
+        if started_here:
+            ray.shutdown()
+
+
 def _has_torchrl() -> bool:
     try:
         import torchrl  # noqa: F401

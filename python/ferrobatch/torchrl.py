@@ -155,6 +155,8 @@ class InferenceServer:
         output_device: results are moved there (default: CPU).
         request_spec: one request, to fix the specs at ``start()`` instead of
             at the first request.
+        response_spec: one response, for ``transport="distributed"`` with
+            ``service_backend="process"`` (its payloads are fixed by both).
         service_backend: where the policy runs: ``"thread"`` (here, the
             default, or what an enclosing ``torchrl.service_backend(...)``
             says), ``"process"`` (a :class:`ProcessInferenceServer` child) or
@@ -162,6 +164,13 @@ class InferenceServer:
             the policy there, ``service_backend_options={"remote_config":
             {...}}`` gives the actor's options, clients call it through Ray
             and their calls batch on the actor).
+        transport: also ``"distributed"`` with ``service_backend="process"``
+            or ``"ray"``: TorchRL's torch.distributed transport (gloo, or
+            NCCL; ``transport_options`` are its own), for actors on other
+            nodes: each client a pair of process groups of its own, the
+            default group untouched, its requests drained into the
+            server's batches. With ``"ray"``, its payload layout is learnt
+            from a client's first request.
     """
 
     def __init__(
@@ -180,6 +189,7 @@ class InferenceServer:
         policy_version_key: NestedKey | None = "policy_version",
         output_device: torch.device | str | None = None,
         request_spec: Any = None,
+        response_spec: Any = None,
         policy_device: torch.device | str | None = None,
         service_backend: str | None = None,
         num_clients: int | None = None,
@@ -250,15 +260,23 @@ class InferenceServer:
                         transport=transport_from_context,
                     )
                 )
-            if transport_options and service_backend != "thread":
+            if transport_options and service_backend != "thread" and kind != "distributed":
                 raise ValueError(f"transport_options are for service_backend='thread', not {service_backend!r}")
-            if service_backend == "process" and kind in ("auto", "process"):
-                # TorchRL's process-owned server: a ProcessInferenceServer, fed by pipes.
+            if service_backend == "process" and kind in ("auto", "process", "distributed"):
+                # TorchRL's process-owned server: a ProcessInferenceServer, fed by
+                # pipes, or by torch.distributed pairs.
                 if policy_factory is None or model is not None:
                     raise ValueError("service_backend='process' builds the policy in the child: give policy_factory")
                 options = dict(service_backend_options or {})
+                fed_by: Any = None
+                if kind == "distributed":
+                    if request_spec is None or response_spec is None:
+                        raise ValueError("Process-owned distributed inference requires request_spec and response_spec.")
+                    fed_by = _distributed_transport(request_spec, response_spec, transport_options)
+                    options["request_spec"] = request_spec
                 self._in_child = ProcessInferenceServer(
                     policy_factory,
+                    fed_by,
                     mp_context=options.pop("mp_context", None),
                     max_batch_size=max_batch_size,
                     min_batch_size=min_batch_size,
@@ -268,10 +286,11 @@ class InferenceServer:
                     policy_version_key=policy_version_key,
                     **options,
                 )
-                self.service_backend = self.transport_kind = "process"
+                self.service_backend = "process"
+                self.transport_kind = "distributed" if kind == "distributed" else "process"
                 self.max_batch_size, self.timeout = max_batch_size, float(timeout)
                 return  # the model lives in the child: start/shutdown/client/stats go there
-            if service_backend == "ray" and kind in ("auto", "ray"):
+            if service_backend == "ray" and kind in ("auto", "ray", "distributed"):
                 # TorchRL's Ray-owned server: the policy is built on a Ray actor that serves it.
                 if policy_factory is None or model is not None:
                     raise ValueError("service_backend='ray' builds the policy on the Ray actor: give policy_factory")
@@ -286,8 +305,10 @@ class InferenceServer:
                         "policy_version": policy_version,
                         "policy_version_key": policy_version_key,
                     },
+                    distributed=dict(transport_options or {}) if kind == "distributed" else None,
                 )
-                self.service_backend = self.transport_kind = "ray"
+                self.service_backend = "ray"
+                self.transport_kind = "distributed" if kind == "distributed" else "ray"
                 self.max_batch_size, self.timeout = max_batch_size, float(timeout)
                 return  # the model lives on the actor: start/shutdown/client/stats go there
             if service_backend != "thread" or kind not in _THREAD_TRANSPORTS:
@@ -1198,23 +1219,55 @@ class MPClient:
             future.set_exception(_closed_again(error))
 
 
+def _distributed_transport(request_spec: Any, response_spec: Any, options: Mapping[str, Any] | None) -> Any:
+    """TorchRL's torch.distributed request/reply transport for these specs
+    (its options its own): what ``transport="distributed"`` is fed by."""
+    try:
+        from torchrl._comm.distributed import TorchDistributedTransport
+    except ImportError as exc:
+        raise ValueError("transport='distributed' is TorchRL's torch.distributed transport: install torchrl") from exc
+    return TorchDistributedTransport(request_spec, response_spec, **dict(options or {}))
+
+
 class _RayActor:
     """The Ray actor of a ``service_backend="ray"`` server: builds the policy
     from its factory, serves it with an :class:`InferenceServer` of its own,
-    and answers many calls at once (a threaded actor), so they batch."""
+    and answers many calls at once (a threaded actor), so they batch. With
+    ``transport="distributed"``, the first client's request fixes the
+    payloads of a torch.distributed transport drained into the same server."""
 
     def __init__(self, policy_factory: Callable[[], Any], kwargs: dict[str, Any]) -> None:
         self.server = InferenceServer(policy_factory=policy_factory, **kwargs).start()
         self._client = self.server.client()
+        self._distributed: _PumpedTransport | None = None
+        self._lock = threading.Lock()
 
     def infer(self, td: Any) -> Any:
         return self._client(td)
+
+    def bootstrap_distributed(self, request: Any, options: dict[str, Any]) -> Any:
+        """A new client of the actor's torch.distributed transport, made on
+        the first call from ``request`` and the response the policy gives it."""
+        with self._lock:
+            if self._distributed is None:
+                response = self._client(request.clone())
+                transport = _distributed_transport(request.clone(), response, options)
+                pump = _PumpedTransport(transport)
+                pump._bind(self.server)
+                pump._start()
+                self._distributed = pump
+            return self._distributed.inner.client()
 
     def stats(self, reset: bool) -> dict[str, float | int]:
         return self.server.stats(reset=reset)
 
     def shutdown(self, timeout: float | None) -> None:
+        pump, self._distributed = self._distributed, None
+        if pump is not None:
+            pump._stop()
         self.server.shutdown(timeout)
+        if pump is not None:
+            pump.inner.close()  # its clients are told: their calls fail at once
 
 
 class _RayOwnedServer:
@@ -1222,8 +1275,23 @@ class _RayOwnedServer:
     (``remote_config`` gives the actor's options), and clients that call it
     through Ray from any process or actor (they pickle)."""
 
-    def __init__(self, policy_factory: Callable[[], Any], options: dict[str, Any], kwargs: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        policy_factory: Callable[[], Any],
+        options: dict[str, Any],
+        kwargs: dict[str, Any],
+        distributed: dict[str, Any] | None = None,
+    ) -> None:
         import ray
+
+        if distributed is not None:  # TorchRL's transport, checked here before the actor starts
+            try:
+                import torchrl._comm.distributed  # noqa: F401
+            except ImportError as exc:
+                raise ValueError(
+                    "transport='distributed' is TorchRL's torch.distributed transport: install torchrl"
+                ) from exc
+        self._distributed = distributed
 
         remote_config = dict(options.pop("remote_config", None) or {})
         if options:
@@ -1256,7 +1324,7 @@ class _RayOwnedServer:
         return self._alive
 
     def client(self) -> _RayServerClient:
-        return _RayServerClient(self._actor)
+        return _RayServerClient(self._actor, self._distributed)
 
     def stats(self, reset: bool = False) -> dict[str, float | int]:
         import ray
@@ -1268,16 +1336,36 @@ class _RayOwnedServer:
 class _RayServerClient:
     """``client(td) -> td`` and ``client.submit(td) -> Future`` of a
     ``service_backend="ray"`` server, through Ray; picklable. A model's
-    exception reaches the caller as Ray re-raises it (its cause within)."""
+    exception reaches the caller as Ray re-raises it (its cause within).
+    With ``transport="distributed"`` (``distributed``: its options), the
+    first request asks the actor for a torch.distributed client, which
+    carries this and every later request."""
 
-    def __init__(self, actor: Any) -> None:
+    def __init__(self, actor: Any, distributed: dict[str, Any] | None = None) -> None:
         self._actor = actor
+        self._distributed = distributed
+        self._pair: Any = None
 
-    def submit(self, td: Any) -> concurrent.futures.Future[Any]:
+    def _pair_client(self, td: Any) -> Any:
+        if self._pair is None:
+            import ray
+
+            assert self._distributed is not None
+            try:
+                self._pair = ray.get(self._actor.bootstrap_distributed.remote(td, self._distributed))
+            except ray.exceptions.RayActorError as exc:
+                raise _server_went_away(str(exc)) from exc
+        return self._pair
+
+    def submit(self, td: Any) -> Any:
+        if self._distributed is not None:
+            return self._pair_client(td).submit(td)
         future: concurrent.futures.Future[Any] = self._actor.infer.remote(td).future()
         return future
 
     def __call__(self, td: Any, timeout: float | None = None) -> Any:
+        if self._distributed is not None:
+            return self._pair_client(td)(td, timeout=timeout)
         import ray
 
         return ray.get(self._actor.infer.remote(td), timeout=timeout)
@@ -1297,12 +1385,16 @@ class ProcessInferenceServer:
     time); ``shutdown()`` stops it gracefully, then kills it after
     ``timeout``. A child that dies closes its end of every client's pipe:
     their waiting and later requests fail with ``ServerClosedError``.
+
+    ``transport`` may also be a TorchRL ``InferenceTransport`` that pickles
+    into the child (TorchRL's torch.distributed one): the child drains it
+    into its batches, and its clients are told when the child goes away.
     """
 
     def __init__(
         self,
         policy_factory: Callable[[], Any],
-        transport: MPTransport | None = None,
+        transport: Any = None,
         *,
         mp_context: Any = None,
         startup_timeout: float = 60.0,
@@ -1311,8 +1403,21 @@ class ProcessInferenceServer:
         if isinstance(mp_context, str) or mp_context is None:
             mp_context = multiprocessing.get_context(mp_context or "spawn")
         self.transport = transport if transport is not None else MPTransport(ctx=mp_context)
-        if not isinstance(self.transport, MPTransport):
-            raise TypeError(f"a ProcessInferenceServer is fed by an MPTransport, got {type(transport).__name__}")
+        served = isinstance(self.transport, MPTransport) or (
+            not isinstance(self.transport, ThreadingTransport)
+            and all(callable(getattr(self.transport, m, None)) for m in (*_TRANSPORT_METHODS, "client"))
+        )
+        if not served:
+            raise TypeError(
+                "a ProcessInferenceServer is fed by an MPTransport or an InferenceTransport that pickles,"
+                f" got {type(transport).__name__}"
+            )
+        # A TorchRL transport's clients watch this flag: cleared when the child is gone.
+        self._peer_alive: Any = None
+        if hasattr(self.transport, "_set_peer_alive"):
+            self._peer_alive = mp_context.Event()
+            self._peer_alive.set()
+            self.transport._set_peer_alive(self._peer_alive)
         self._factory = policy_factory
         self._ctx = mp_context
         self._startup_timeout = float(startup_timeout)
@@ -1325,24 +1430,35 @@ class ProcessInferenceServer:
         if self.is_alive:
             raise RuntimeError("Server is already running.")
         ours, theirs = self._ctx.Pipe()
-        with self.transport._lock:
-            conns = list(self.transport._conns)
+        conns: list[Any] = []
+        if isinstance(self.transport, MPTransport):
+            with self.transport._lock:
+                conns = list(self.transport._conns)
+        feed = conns if isinstance(self.transport, MPTransport) else self.transport
         process = self._ctx.Process(
             target=_serve_in_child,
-            args=(self._factory, conns, self._kwargs, theirs),
+            args=(self._factory, feed, self._kwargs, theirs),
             name="ferrobatch-torchrl-server",
             daemon=True,
         )
+        if self._peer_alive is not None:
+            self._peer_alive.set()
         process.start()
         theirs.close()
-        # The child holds the clients' server ends now: closed here, so a
-        # child that dies leaves each client a pipe that ends.
-        with self.transport._lock:
-            self.transport._conns = [c for c in self.transport._conns if c not in conns]
-        for conn in conns:
-            conn.close()
         self._process, self._control = process, ours
-        self.transport._forward_to(ours, self._lock)
+        if isinstance(self.transport, MPTransport):
+            # The child holds the clients' server ends now: closed here, so a
+            # child that dies leaves each client a pipe that ends.
+            with self.transport._lock:
+                self.transport._conns = [c for c in self.transport._conns if c not in conns]
+            for conn in conns:
+                conn.close()
+            self.transport._forward_to(ours, self._lock)
+        if self._peer_alive is not None:
+            watch = threading.Thread(
+                target=_clear_when_gone, args=(process, self._peer_alive), name="ferrobatch-torchrl-watch", daemon=True
+            )
+            watch.start()
         if not ours.poll(self._startup_timeout):
             self._kill()
             raise TimeoutError(f"the server process did not report readiness in {self._startup_timeout} s")
@@ -1360,7 +1476,10 @@ class ProcessInferenceServer:
         if process is not None:
             process.kill()
             process.join(5.0)  # reaped: no zombie left
-        self.transport._forward_to(None, self._lock)
+        if self._peer_alive is not None:
+            self._peer_alive.clear()
+        if isinstance(self.transport, MPTransport):
+            self.transport._forward_to(None, self._lock)
         if self._control is not None:
             self._control.close()
             self._control = None
@@ -1380,8 +1499,9 @@ class ProcessInferenceServer:
     def is_alive(self) -> bool:
         return self._process is not None and self._process.is_alive()
 
-    def client(self) -> MPClient:
-        """A new client (its pipe's other end handed to the running child)."""
+    def client(self) -> Any:
+        """A new client (of an MPTransport: its pipe's other end handed to
+        the running child)."""
         return self.transport.client()
 
     def stats(self, *, reset: bool = False) -> dict[str, Any]:
@@ -1413,11 +1533,20 @@ class ProcessInferenceServer:
         self.shutdown()
 
 
-def _serve_in_child(factory: Callable[[], Any], conns: list[Any], kwargs: dict[str, Any], control: Any) -> None:
-    """The child's side: an InferenceServer over the clients' pipes, and
-    the control loop (stats, stop, new clients' pipes)."""
-    transport = MPTransport()
-    transport._conns.extend(conns)
+def _clear_when_gone(process: Any, alive: Any) -> None:
+    """Clears ``alive`` once ``process`` has exited (its clients stop waiting)."""
+    multiprocessing.connection.wait([process.sentinel])
+    alive.clear()
+
+
+def _serve_in_child(factory: Callable[[], Any], feed: Any, kwargs: dict[str, Any], control: Any) -> None:
+    """The child's side: an InferenceServer over the clients' pipes (``feed``
+    a list of them) or a TorchRL transport (``feed`` itself), and the
+    control loop (stats, stop, new clients' pipes)."""
+    transport: Any = feed
+    if isinstance(feed, list):
+        transport = MPTransport()
+        transport._conns.extend(feed)
     try:
         server = InferenceServer(factory(), transport, **kwargs).start()
     except BaseException as exc:  # noqa: BLE001 - the parent's to see
@@ -1429,11 +1558,13 @@ def _serve_in_child(factory: Callable[[], Any], conns: list[Any], kwargs: dict[s
             verb, argument = control.recv()
             if verb == "stop":
                 server.shutdown(argument)
+                if not isinstance(transport, MPTransport) and callable(getattr(transport, "close", None)):
+                    transport.close()  # its clients are told: their calls fail at once
                 control.send((True, None))
                 return
             if verb == "stats":
                 control.send((True, server.stats(reset=bool(argument))))
-            elif verb == "client":
+            elif verb == "client" and isinstance(transport, MPTransport):
                 with transport._lock:
                     transport._conns.append(argument)
                 control.send((True, None))
