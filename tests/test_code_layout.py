@@ -52,3 +52,21 @@ def test_the_binding_crate_has_no_import_circle() -> None:
 def test_the_cycle_finder_finds_a_cycle() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_dtype_table_is_the_cores_alone() -> None:
+    """Python's dtype names, v2 datatypes and gRPC contents fields are read
+    from the core (``_core.dtypes()``), never restated."""
+    package = EXT.parent.parent / "python" / "ferrobatch"
+    restated = re.compile(r'"FP32"\s*:|"float32"\s*:\s*torch\.float32|"fp32_contents"')
+    found = [
+        str(p.relative_to(package))
+        for p in package.rglob("*.py")
+        if "_pb2" not in p.name and restated.search(p.read_text())
+    ]
+    assert found == []
+    from ferrobatch import _core
+    from ferrobatch.http.protocol import DATATYPES
+
+    assert DATATYPES["FP32"] == "float32" and DATATYPES["BYTES"] == "bytes"
+    assert ("float16", "FP16", None) in _core.dtypes()

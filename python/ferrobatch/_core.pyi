@@ -396,6 +396,9 @@ class SharedDrain:
 
     def drain(self) -> None: ...
 
+def dtypes() -> list[tuple[str, str, str | None]]:
+    """Every element type: ``(name, v2 datatype, v2 gRPC contents field)``."""
+
 def check_json(body: bytes) -> None:
     """``ValueError`` unless ``body`` is one JSON document by the v2 codec's
     rules (its syntax and its nesting limit)."""

@@ -9,23 +9,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import _core
+
 __all__ = ["TensorSpec"]
 
-_DTYPES: dict[str, torch.dtype] = {
-    "bool": torch.bool,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "uint8": torch.uint8,
-    "uint16": torch.uint16,
-    "uint32": torch.uint32,
-    "uint64": torch.uint64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-}
+#: The numeric dtypes by canonical name (the core's table; BYTES apart).
+_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name, _, _ in _core.dtypes() if name != "bytes"}
 _ALIASES = {"float": "float32", "double": "float64", "half": "float16", "long": "int64", "int": "int32"}
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from .. import _core
 from .._core import clipped
 from ..http.protocol import (
     DATATYPES,
@@ -38,20 +39,7 @@ _STATUS = {
     500: grpc.StatusCode.INTERNAL,
 }
 # Typed contents field of each datatype (FP16 and BF16 travel only as raw bytes).
-_CONTENTS = {
-    "BOOL": "bool_contents",
-    "INT8": "int_contents",
-    "INT16": "int_contents",
-    "INT32": "int_contents",
-    "INT64": "int64_contents",
-    "UINT8": "uint_contents",
-    "UINT16": "uint_contents",
-    "UINT32": "uint_contents",
-    "UINT64": "uint64_contents",
-    "FP32": "fp32_contents",
-    "FP64": "fp64_contents",
-    "BYTES": "bytes_contents",
-}
+_CONTENTS = {v2: field for _, v2, field in _core.dtypes() if field is not None}
 
 Context = grpc.aio.ServicerContext[Any, Any]
 

@@ -78,22 +78,7 @@ MODEL_VERSION = "1"
 EXTENSIONS = ("binary_tensor_data", "statistics", "model_configuration", "parameters")
 
 #: v2 datatype -> ferrobatch dtype name. BF16 travels as raw 2-byte words.
-DATATYPES: dict[str, str] = {
-    "BOOL": "bool",
-    "INT8": "int8",
-    "INT16": "int16",
-    "INT32": "int32",
-    "INT64": "int64",
-    "UINT8": "uint8",
-    "UINT16": "uint16",
-    "UINT32": "uint32",
-    "UINT64": "uint64",
-    "FP16": "float16",
-    "FP32": "float32",
-    "FP64": "float64",
-    "BF16": "bfloat16",
-    "BYTES": "bytes",
-}
+DATATYPES: dict[str, str] = {v2: name for name, v2, _ in _core.dtypes()}
 _V2_OF = {dtype: v2 for v2, dtype in DATATYPES.items()}
 
 

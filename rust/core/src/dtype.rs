@@ -103,6 +103,23 @@ impl DType {
         }
     }
 
+    /// The field of the v2 gRPC `InferTensorContents` that carries this
+    /// type's elements typed (`"fp32_contents"`); `None` for FP16 and BF16,
+    /// which travel as raw bytes only.
+    pub fn v2_contents(self) -> Option<&'static str> {
+        Some(match self {
+            DType::Bool => "bool_contents",
+            DType::Int8 | DType::Int16 | DType::Int32 => "int_contents",
+            DType::Int64 => "int64_contents",
+            DType::UInt8 | DType::UInt16 | DType::UInt32 => "uint_contents",
+            DType::UInt64 => "uint64_contents",
+            DType::Float32 => "fp32_contents",
+            DType::Float64 => "fp64_contents",
+            DType::Bytes => "bytes_contents",
+            DType::Float16 | DType::BFloat16 => return None,
+        })
+    }
+
     /// The type of a v2 datatype name (`"FP32"`, `"BYTES"`); `None` for
     /// unknown names.
     pub fn from_v2(name: &str) -> Option<DType> {

@@ -45,6 +45,17 @@ fn codec_error(py: Python<'_>, err: V2Error) -> PyErr {
     err
 }
 
+/// Every element type, as `(name, v2 datatype, v2 gRPC contents field)`:
+/// the one table Python's specs and front-ends read theirs from.
+#[pyfunction]
+pub fn dtypes() -> Vec<(&'static str, &'static str, Option<&'static str>)> {
+    DType::ALL
+        .into_iter()
+        .chain([DType::Bytes])
+        .map(|d| (d.name(), d.v2_name(), d.v2_contents()))
+        .collect()
+}
+
 fn dtype_of(name: &str) -> PyResult<DType> {
     DType::parse(name).ok_or_else(|| PyValueError::new_err(format!("unknown dtype '{name}'")))
 }

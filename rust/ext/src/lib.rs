@@ -54,6 +54,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<submit::Submitter>()?;
     m.add_function(wrap_pyfunction!(submit::after_fork_in_child, m)?)?;
     m.add_function(wrap_pyfunction!(codec::check_json, m)?)?;
+    m.add_function(wrap_pyfunction!(codec::dtypes, m)?)?;
     m.add_function(wrap_pyfunction!(codec::encode_parameters, m)?)?;
     codec::register(m)?;
     native::register(m)?;
