@@ -2,8 +2,11 @@
 transports and binary HTTP over loopback, on one model server.
 
 Each case serves one model (``identity`` or ``mlp`` on ``float32[256]``, from
-``e2e_systems.py``; ``max_batch_size=64``, greedy dispatch) from this process
-and drives it for ``--seconds`` (after ``--warmup``), ``--runs`` times:
+``e2e_systems.py``, or PyTriton's ``add_sub``: two float32 ``(-1,)`` inputs,
+padded, two ``(-1,)`` outputs, requests of 16 elements, which crosses shared
+memory in variable-size cells; ``max_batch_size=64``, greedy dispatch) from
+this process and drives it for ``--seconds`` (after ``--warmup``), ``--runs``
+times (``add_sub``: the in-process and shared-memory cases):
 
 - ``in-process``: ``2 x --callers`` asyncio callers on this process's loop,
   ``await server.client().infer(...)`` in a loop (the same total callers);
@@ -62,12 +65,35 @@ RESULTS = Path(__file__).resolve().parents[1] / "results" / "shm.jsonl"
 PROCESSES = 2
 
 
+#: Elements of each ``add_sub`` request's inputs.
+ADD_SUB_ELEMENTS = 16
+
+
+def add_sub(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """PyTriton's add_sub example, padded: each row's own length comes back."""
+    a, b, lengths = batch["a"], batch["b"], batch["a_lengths"]
+    return {"add": a + b, "add_lengths": lengths, "sub": a - b, "sub_lengths": lengths}
+
+
 def make_server(kind: str, **options: Any) -> fb.Server:
+    if kind == "add_sub":
+        variable = [fb.TensorSpec(n, "float32", (-1,), ragged="pad") for n in ("a", "b")]
+        results = [fb.TensorSpec(n, "float32", (-1,), ragged="pad") for n in ("add", "sub")]
+        return fb.Server(
+            add_sub, inputs=variable, outputs=results, max_batch_size=MAX_BATCH_SIZE, max_delay=0, name=kind, **options
+        )
     spec = [fb.TensorSpec("x", "float32", (FEATURES,))]
     out = [fb.TensorSpec("y", "float32", (FEATURES,))]
     return fb.Server(
         make_model(kind), inputs=spec, outputs=out, max_batch_size=MAX_BATCH_SIZE, max_delay=0, name=kind, **options
     )
+
+
+def request_of(kind: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One caller's request to model ``kind``, from its sample ``x``."""
+    if kind == "add_sub":
+        return {"a": x[:ADD_SUB_ELEMENTS], "b": x[ADD_SUB_ELEMENTS : 2 * ADD_SUB_ELEMENTS]}
+    return {"x": x}
 
 
 #: What ``shm +options`` requests carry.
@@ -132,8 +158,10 @@ def client_process(conn: Connection) -> None:
             client = clients[target]
             options = OPTIONS if kind == "shm +options" else {}
 
-            async def shm_call(x: torch.Tensor, client: fb.SharedClient = client, options: Any = options) -> Any:
-                return await client.infer({"x": x}, **options)
+            async def shm_call(
+                x: torch.Tensor, client: fb.SharedClient = client, options: Any = options, model: str = model
+            ) -> Any:
+                return await client.infer(request_of(model, x), **options)
 
             result = asyncio.run(_callers(shm_call, callers, start_at, warmup, seconds))
         else:
@@ -217,7 +245,7 @@ async def in_process(kind: str, callers: int, args: argparse.Namespace) -> dict[
         client = server.client()
 
         async def call(x: torch.Tensor) -> Any:
-            return await client.infer({"x": x})
+            return await client.infer(request_of(kind, x))
 
         start_at, warmup, seconds = window(args)
         result = await _callers(call, callers, start_at, warmup, seconds)
@@ -316,7 +344,7 @@ def run_system(system: str, kind: str, conns: list[Connection], args: argparse.N
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="identity,mlp")
+    parser.add_argument("--models", default="identity,mlp,add_sub")
     parser.add_argument("--callers", type=int, default=256, help="callers per client process (default 256)")
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--warmup", type=float, default=1.0)
@@ -343,12 +371,13 @@ def main() -> None:
         for kind in args.models.split(","):
             runs: dict[str, list[dict[str, Any]]] = {}
             for _ in range(0 if args.transports_only else args.runs):
-                for system in ("in-process", "shm", "shm +options", "in-process @1", "shm @1", "http-binary"):
+                systems = ["in-process", "shm", "shm +options", "in-process @1", "shm @1", "http-binary"]
+                for system in systems[:-1] if kind == "add_sub" else systems:
                     result = run_system(system, kind, conns, args)
                     runs.setdefault(system, []).append(result)
                     p50 = f"{result['p50_us']:8.0f} us p50" if result["p50_us"] else ""
                     print(f"  {kind:8} {system:14} {result['req_per_s']:10.0f} req/s {p50}", flush=True)
-            if not args.no_torchrl and torchrl_available():
+            if not args.no_torchrl and torchrl_available() and kind != "add_sub":
                 for transport in ("torchrl-mp", "torchrl-shm", "ferrobatch.torchrl-mp"):
                     runs[transport] = torchrl(kind, transport, args)
             for system, results in runs.items():

@@ -757,6 +757,7 @@ def _percentile(samples: collections.deque[float], q: float) -> float:
 
 
 def _complete(td: Any, pairs: Sequence[tuple[NestedKey, torch.Tensor]]) -> Any:
+    """The request ``td`` with ``pairs`` added, as a new TensorDict."""
     result = td.copy()
     for key, value in pairs:
         result.set(key, value)
