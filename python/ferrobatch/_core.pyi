@@ -27,6 +27,7 @@ __all__ = [
     "clipped",
     "after_fork_in_child",
     "check_json",
+    "dtypes",
     "encode_parameters",
     "shared_meta",
 ]
