@@ -70,3 +70,15 @@ def test_the_dtype_table_is_the_cores_alone() -> None:
 
     assert DATATYPES["FP32"] == "float32" and DATATYPES["BYTES"] == "bytes"
     assert ("float16", "FP16", None) in _core.dtypes()
+
+
+def test_content_coding_is_the_native_front_ends_alone() -> None:
+    """The Python front-ends undo and apply gzip/deflate with the native
+    front-end's code (``_core.inflate``/``compress``/``response_coding``)."""
+    package = EXT.parent.parent / "python" / "ferrobatch"
+    coded = [
+        str(p.relative_to(package))
+        for p in package.rglob("*.py")
+        if re.search(r"^import (zlib|gzip)", p.read_text(), re.M)
+    ]
+    assert coded == []

@@ -27,7 +27,10 @@ __all__ = [
     "clipped",
     "after_fork_in_child",
     "check_json",
+    "compress",
     "dtypes",
+    "inflate",
+    "response_coding",
     "encode_parameters",
     "shared_meta",
 ]
@@ -399,6 +402,15 @@ class SharedDrain:
 
 def dtypes() -> list[tuple[str, str, str | None]]:
     """Every element type: ``(name, v2 datatype, v2 gRPC contents field)``."""
+
+def inflate(body: bytes, coding: str, limit: int) -> bytes:
+    """``body`` with its Content-Encoding undone (``CodecError``: 400 or 413)."""
+
+def compress(body: bytes, coding: str) -> bytes | None:
+    """``body`` coded ``"gzip"`` or ``"deflate"``; None for another coding."""
+
+def response_coding(accept: str | None = None) -> str | None:
+    """The coding of a response to a request with ``Accept-Encoding: accept``."""
 
 def check_json(body: bytes) -> None:
     """``ValueError`` unless ``body`` is one JSON document by the v2 codec's

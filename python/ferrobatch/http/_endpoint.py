@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import re
-import zlib
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +24,7 @@ from urllib.parse import unquote
 import anyio.to_thread
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from .. import _core
 from .._core import clipped
 from ..metrics import exposition, registry
 from ..server import Server
@@ -337,26 +337,31 @@ class Endpoint:
         try:
             model = self.repository.model(name, version)
             if content_encoding and content_encoding != "identity":
-                inflater = _Inflater(body, content_encoding, self.max_decompressed_size)
-                # A small body is done in one bounded step on the loop; what
-                # expands further continues on a thread (zlib drops the GIL).
-                inflated = inflater.run(_INLINE_INFLATE)
-                if inflated is None:
-                    inflated = await anyio.to_thread.run_sync(inflater.run, None)
-                assert inflated is not None
-                body = inflated
+                # The native front-end's inflater (Rust, without the GIL). A
+                # body this small inflates to about a MiB at most (deflate's
+                # ratio is bounded near 1032:1): on the loop; larger, on a thread.
+                limit = self.max_decompressed_size
+                if len(body) <= _INLINE_INFLATE_INPUT:
+                    body = _core.inflate(body, content_encoding, limit)
+                else:
+                    body = await anyio.to_thread.run_sync(_core.inflate, body, content_encoding, limit)
             # One call into the codec to decode, one to encode (see ServedModel).
             request = model.codec.decode(body, header_length)
             results = await self.repository.infer(
                 model, request_inputs(request), request.timeout, request.priority, request.parameters
             )
             payload, length = model.codec.encode(request, results)
-            coding = response_coding(accept_encoding)
+            coding = _core.response_coding(accept_encoding)
             if coding is not None:
-                if len(payload) > _INLINE_INFLATE:  # zlib drops the GIL: off the loop
-                    payload = await anyio.to_thread.run_sync(_compress, payload, coding)
+                coded = (
+                    await anyio.to_thread.run_sync(_core.compress, payload, coding)
+                    if len(payload) > _INLINE_COMPRESS  # off the loop (the GIL is released)
+                    else _core.compress(payload, coding)
+                )
+                if coded is None:
+                    coding = None
                 else:
-                    payload = _compress(payload, coding)
+                    payload = coded
             if length is None:
                 return Reply(200, payload, content_encoding=coding)
             return Reply(200, payload, _BINARY, length, content_encoding=coding)
@@ -364,82 +369,7 @@ class Endpoint:
             return error_reply(exc, name, expose=self.expose_errors)
 
 
-def response_coding(accept_encoding: str | None) -> str | None:
-    """The coding of a response to a request that sent ``accept_encoding``:
-    gzip if it accepts it, else deflate if it accepts that, else None (a
-    coding with ``q=0`` is not accepted)."""
-    if not accept_encoding:
-        return None
-    accepted = set()
-    for item in accept_encoding.split(","):
-        name, _, params = item.strip().partition(";")
-        q = params.strip().removeprefix("q=").strip() if params.strip().startswith("q=") else "1"
-        try:
-            if float(q) <= 0:
-                continue
-        except ValueError:
-            continue
-        accepted.add(name.strip().lower())
-    for coding in ("gzip", "deflate"):
-        if coding in accepted:
-            return coding
-    return None
-
-
-def _compress(payload: bytes, coding: str) -> bytes:
-    """``payload`` coded gzip, or deflate (the zlib format, as HTTP's deflate)."""
-    coder = zlib.compressobj(6, zlib.DEFLATED, _WBITS[coding])
-    return coder.compress(payload) + coder.flush()
-
-
-#: Output bytes inflated on the event loop before the rest moves to a thread.
-_INLINE_INFLATE = 1 << 20
-_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
-
-
-class _Inflater:
-    """Undoes a gzip or deflate Content-Encoding in bounded steps, refusing
-    (413) output beyond ``limit`` bytes before producing it."""
-
-    def __init__(self, body: bytes, encoding: str, limit: int) -> None:
-        wbits = _WBITS.get(encoding)
-        if wbits is None:
-            raise ProtocolError(400, f"unsupported Content-Encoding {encoding[:40]!r}; use gzip or deflate")
-        self._encoding = encoding
-        self._wbits = wbits
-        self._limit = limit
-        self._pending = body  # input not yet given to the decompressor
-        self._inflate = zlib.decompressobj(wbits)
-        self._out: list[bytes] = []
-        self._size = 0
-
-    def run(self, budget: int | None) -> bytes | None:
-        """Inflates at most ``budget`` more bytes (``None``: up to the limit);
-        the whole body when done, ``None`` when more remains."""
-        stop = self._limit + 1 if budget is None else min(self._limit + 1, self._size + budget)
-        try:
-            while True:
-                if self._size > self._limit:
-                    raise ProtocolError(
-                        413,
-                        f"the {self._encoding} body expands past the limit of"
-                        f" {self._limit} bytes (max_decompressed_size)",
-                    )
-                if self._inflate.eof:
-                    rest = self._inflate.unused_data
-                    if not rest:
-                        return b"".join(self._out)
-                    if self._encoding != "gzip":
-                        raise ProtocolError(400, "the deflate body has data after its end")
-                    self._inflate = zlib.decompressobj(self._wbits)  # the next gzip member
-                    self._pending = rest
-                if self._size >= stop:
-                    return None
-                data, self._pending = self._pending or self._inflate.unconsumed_tail, b""
-                chunk = self._inflate.decompress(data, stop - self._size)
-                if not chunk and not self._inflate.unconsumed_tail and not self._inflate.eof:
-                    raise ProtocolError(400, f"the {self._encoding} body is truncated")
-                self._out.append(chunk)
-                self._size += len(chunk)
-        except zlib.error as exc:
-            raise ProtocolError(400, f"body is not valid {self._encoding}: {exc}") from None
+#: A coded request body at most this long is inflated on the event loop.
+_INLINE_INFLATE_INPUT = 1 << 10
+#: A response at most this long is coded on the event loop.
+_INLINE_COMPRESS = 1 << 20

@@ -16,7 +16,7 @@ use std::ffi::{c_char, c_int, c_void};
 use ferrobatch_core::bytes::{self, BytesLimits};
 use ferrobatch_core::v2::{self, Codec, Data, InferRequest, Limits, Output, OutputSpec, V2Error};
 use ferrobatch_core::DType;
-use ferrobatch_serve::VaryingRows;
+use ferrobatch_serve::{encoding, VaryingRows};
 use pyo3::exceptions::{PyBufferError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
@@ -43,6 +43,61 @@ fn codec_error(py: Python<'_>, err: V2Error) -> PyErr {
     // memory; the class attribute (400) stands in if it does.
     let _ = err.value(py).setattr(intern!(py, "status"), status);
     err
+}
+
+fn status_error(py: Python<'_>, status: u16, message: String) -> PyErr {
+    let err = CodecError::new_err(message);
+    let _ = err.value(py).setattr(intern!(py, "status"), status);
+    err
+}
+
+/// Undoes a request body's `Content-Encoding` (`gzip` or `deflate`;
+/// `identity` or empty: the body as it is) with the native front-end's
+/// rules and bound: at most `limit` inflated bytes. `CodecError` with
+/// `status` 400 (an unsupported coding, a corrupt or truncated body) or
+/// 413 (past the limit). Runs without the GIL.
+#[pyfunction]
+pub fn inflate<'py>(
+    py: Python<'py>,
+    body: &Bound<'py, PyBytes>,
+    coding: &str,
+    limit: usize,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let Ok(named) = encoding::content_coding_of(Some(coding.as_bytes())) else {
+        let shown = v2::short(coding);
+        let message = format!("unsupported Content-Encoding '{shown}'; use gzip or deflate");
+        return Err(status_error(py, 400, message));
+    };
+    let Some(named) = named else {
+        return Ok(body.clone());
+    };
+    let bytes = body.as_bytes();
+    match without_gil(py, || encoding::inflate(bytes, named, limit)) {
+        Ok(inflated) => Ok(PyBytes::new(py, &inflated)),
+        Err(failure) => Err(status_error(py, failure.status, failure.message)),
+    }
+}
+
+/// The coding of a response to a request whose `Accept-Encoding` is
+/// `accept`: `"gzip"` when accepted, else `"deflate"`, else None.
+#[pyfunction]
+#[pyo3(signature = (accept=None))]
+pub fn response_coding(accept: Option<&str>) -> Option<&'static str> {
+    encoding::accepted_of(accept.map(str::as_bytes)).map(encoding::Coding::name)
+}
+
+/// `body` coded `coding` (`"gzip"` or `"deflate"`), without the GIL; None
+/// for another coding.
+#[pyfunction]
+pub fn compress<'py>(
+    py: Python<'py>,
+    body: &Bound<'py, PyBytes>,
+    coding: &str,
+) -> Option<Bound<'py, PyBytes>> {
+    let named = encoding::content_coding_of(Some(coding.as_bytes())).ok()??;
+    let bytes = body.as_bytes();
+    let coded = without_gil(py, || encoding::compress(bytes, named))?;
+    Some(PyBytes::new(py, &coded))
 }
 
 /// Every element type, as `(name, v2 datatype, v2 gRPC contents field)`:

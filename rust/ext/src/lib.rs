@@ -55,6 +55,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(submit::after_fork_in_child, m)?)?;
     m.add_function(wrap_pyfunction!(codec::check_json, m)?)?;
     m.add_function(wrap_pyfunction!(codec::dtypes, m)?)?;
+    m.add_function(wrap_pyfunction!(codec::inflate, m)?)?;
+    m.add_function(wrap_pyfunction!(codec::compress, m)?)?;
+    m.add_function(wrap_pyfunction!(codec::response_coding, m)?)?;
     m.add_function(wrap_pyfunction!(codec::encode_parameters, m)?)?;
     codec::register(m)?;
     native::register(m)?;

@@ -47,8 +47,14 @@ impl Coding {
 /// (a list of codings included).
 #[allow(clippy::result_unit_err)]
 pub fn content_coding(value: Option<&HeaderValue>) -> Result<Option<Coding>, ()> {
+    content_coding_of(value.map(HeaderValue::as_bytes))
+}
+
+/// [`content_coding`] of a header's bytes (the Python front-ends' way in).
+#[allow(clippy::result_unit_err)]
+pub fn content_coding_of(value: Option<&[u8]>) -> Result<Option<Coding>, ()> {
     let Some(value) = value else { return Ok(None) };
-    let token = value.as_bytes().trim_ascii();
+    let token = value.trim_ascii();
     if token.is_empty() || token.eq_ignore_ascii_case(b"identity") {
         return Ok(None);
     }
@@ -59,7 +65,12 @@ pub fn content_coding(value: Option<&HeaderValue>) -> Result<Option<Coding>, ()>
 /// gzip when it is accepted, else deflate, else none. A coding with `q=0`
 /// is not accepted.
 pub fn accepted(value: Option<&HeaderValue>) -> Option<Coding> {
-    let value = value?.as_bytes();
+    accepted_of(value.map(HeaderValue::as_bytes))
+}
+
+/// [`accepted`] of a header's bytes (the Python front-ends' way in).
+pub fn accepted_of(value: Option<&[u8]>) -> Option<Coding> {
+    let value = value?;
     let mut deflate = false;
     for item in value.split(|&b| b == b',') {
         let mut parts = item.split(|&b| b == b';');
