@@ -986,8 +986,11 @@ class MPTransport:
 
     Each client has a ``multiprocessing`` Pipe to a thread in the server's
     process, which submits its requests to the core and sends the results
-    back; the tensors travel as numpy arrays. (This will move to ferrobatch's
-    shared-memory clients once they land, keeping this API.)
+    back; the tensors travel as numpy arrays, and a model's exception
+    travels pickled (the client raises it as itself). ferrobatch's
+    shared-memory clients (``server.share`` / ``fb.connect``) are the faster
+    way across processes; they need the model's specs before the first
+    request and carry a model's error as its message.
 
     Args:
         ctx: a ``multiprocessing`` context or its name; default ``"spawn"``.
