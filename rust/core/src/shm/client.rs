@@ -242,8 +242,8 @@ impl ClientCore {
         let lens: Vec<usize> = inputs.iter().map(|(b, _)| b.len()).collect();
         let config = self.segment.config();
         let need = varying::inputs_len(&lens)
-            .and_then(|n| n.checked_add(cell - 1))
-            .map(|n| n / cell)
+            .zip(std::num::NonZeroUsize::new(cell))
+            .map(|(n, cell)| n.div_ceil(cell.get()))
             .and_then(|n| u32::try_from(n).ok())
             .filter(|&n| n <= config.cells);
         let Some(need) = need else {
