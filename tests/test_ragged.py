@@ -306,9 +306,44 @@ def test_bad_variable_length_requests_over_http_are_400(addresses: tuple[str, st
 def test_variable_length_models_refuse_what_they_cannot_do_yet() -> None:
     model = lambda d: {"n": d["tokens_lengths"]}  # noqa: E731
     out = fb.TensorSpec("n", "int64", ())
-    for options in ({"cuda_graphs": True}, {"compile": True}, {"warmup": {"tokens": torch.ones(3)}}):
-        with pytest.raises(ValueError, match="without cuda_graphs, compile or warm-up samples"):
+    for options in ({"cuda_graphs": True}, {"compile": True}):
+        with pytest.raises(ValueError, match="without cuda_graphs or compile"):
             fb.Server(model, inputs=[spec("pad")], outputs=[out], **options)
+
+
+async def test_variable_length_models_warm_up_with_the_samples_given() -> None:
+    """Each sample a row of its own length, collated as requests are: padded
+    (values and lengths), jagged (values and offsets), BYTES padded with b""."""
+    seen: list[tuple[list[list[float]], list[int], list[int], list[list[bytes]]]] = []
+
+    def model(d: dict[str, Any]) -> dict[str, torch.Tensor]:
+        seen.append((d["a"].tolist(), d["a_lengths"].tolist(), d["j_offsets"].tolist(), d["s"].tolist()))
+        return {"n": d["a_lengths"]}
+
+    inputs = [
+        fb.TensorSpec("a", "float32", (-1,), ragged="pad", pad_value=-1),
+        fb.TensorSpec("j", "int64", (-1, 2), ragged="jagged"),
+        fb.TensorSpec("s", "bytes", (-1,), ragged="pad"),
+    ]
+    samples = {
+        "a": [torch.tensor([1.0, 2.0]), torch.tensor([3.0])],
+        "j": torch.ones(3, 2, dtype=torch.int64),
+        "s": [np.array([b"x"], dtype=object), np.array([b"y", b"zz"], dtype=object)],
+    }
+    server = fb.Server(
+        model, inputs=inputs, outputs=[fb.TensorSpec("n", "int64", ())], max_batch_size=3, warmup=samples
+    )
+    async with server:
+        assert seen, "warm-up ran the model"
+        assert (server.stats()["batches"], server.stats()["requests_succeeded"]) == (0, 0)
+    three = next(s for s in seen if len(s[1]) == 3)  # the bucket of 3 rows: samples repeated
+    assert three[0] == [[1.0, 2.0], [3.0, -1.0], [1.0, 2.0]] and three[1] == [2, 1, 2]
+    assert three[2] == [0, 3, 6, 9]
+    assert three[3] == [[b"x", b""], [b"y", b"zz"], [b"x", b""]]
+    bad = [{"a": torch.ones(2, 2)}, {**samples, "a": torch.ones(2, dtype=torch.int64)}, {**samples, "z": 1}]
+    for warmup in bad:
+        with pytest.raises(fb.InvalidInputError, match="warmup"):
+            fb.Server(model, inputs=inputs, outputs=[fb.TensorSpec("n", "int64", ())], warmup=warmup)
 
 
 @pytest.mark.gpu

@@ -38,7 +38,7 @@ from ._torch import (
     retryable,
     version_rows,
 )
-from .errors import ModelError
+from .errors import InvalidInputError, ModelError
 from .specs import TensorSpec
 
 #: ``max_batch_elements`` when a model has a variable-length input and none is given.
@@ -223,6 +223,74 @@ def minimum_inputs(specs: Sequence[TensorSpec], rows: int) -> dict[str, Any]:
             inputs[s.name + LENGTHS] = lengths
         else:
             inputs[s.name] = zeros((rows, *row))
+    return inputs
+
+
+def sample_rows(specs: Sequence[TensorSpec], samples: Mapping[str, Any]) -> dict[str, list[Any]]:
+    """Warm-up samples of a model with BYTES or variable-length inputs, per
+    input: one row (a tensor or array of the spec's shape, each ``-1`` any
+    length) or a list of rows. Raises :class:`InvalidInputError` naming what
+    does not match."""
+    if not isinstance(samples, Mapping):
+        raise InvalidInputError(f"warmup must be a dict of input name to sample(s), got {type(samples).__name__}")
+    names = [s.name for s in specs]
+    extra = sorted(set(map(str, samples)) - set(names))
+    if extra:
+        raise InvalidInputError(f"warmup has unexpected inputs {extra}; the model takes {names}")
+    out: dict[str, list[Any]] = {}
+    for s in specs:
+        if s.name not in samples:
+            raise InvalidInputError(f"warmup is missing input '{s.name}'")
+        given = samples[s.name]
+        rows = list(given) if isinstance(given, (list, tuple)) else [given]
+        if not rows:
+            raise InvalidInputError(f"warmup input '{s.name}': no sample")
+        checked = []
+        for row in rows:
+            value: Any = np.asarray(row, dtype=object) if s.is_bytes else torch.as_tensor(row).cpu()
+            if not s.is_bytes and value.dtype != s.torch_dtype:
+                raise InvalidInputError(f"warmup input '{s.name}': expected dtype {s.dtype}, got {value.dtype}")
+            shape = tuple(value.shape)
+            if len(shape) != len(s.shape) or any(d not in (-1, n) for d, n in zip(s.shape, shape)):
+                raise InvalidInputError(f"warmup input '{s.name}': expected a row of shape {s.shape}, got {shape}")
+            checked.append(value)
+        out[s.name] = checked
+    return out
+
+
+def sample_inputs(specs: Sequence[TensorSpec], samples: Mapping[str, list[Any]], rows: int) -> dict[str, Any]:
+    """A batch of ``rows`` rows of ``samples`` (from :func:`sample_rows`,
+    repeated to fill it), collated as the core collates requests and given
+    to the model as :func:`batch_inputs` gives it."""
+    inputs: dict[str, Any] = {}
+    for s in specs:
+        given = samples[s.name]
+        picked = [given[i % len(given)] for i in range(rows)]
+        if s.is_bytes and s.is_ragged:
+            elements = [e for row in picked for e in row.reshape(-1)]
+            inputs.update(_ragged_bytes_input(s, elements, [row.shape[0] for row in picked]))
+        elif s.is_bytes:
+            stacked = np.empty((rows, *s.shape), dtype=object)
+            for i, row in enumerate(picked):
+                stacked[i] = row
+            inputs[s.name] = stacked
+        elif s.ragged == "jagged":
+            inputs[s.name] = torch.cat(picked)
+            offsets = torch.tensor([0, *itertools.accumulate(row.shape[0] for row in picked)], dtype=torch.int64)
+            inputs[s.name + OFFSETS] = offsets
+        elif s.is_ragged:  # padded, along the first dimension or several
+            dims = s.variable_dims
+            lengths = [[row.shape[d] for d in dims] for row in picked]
+            longest = [max(column) for column in zip(*lengths)]
+            values = torch.full((rows, *_full_shape(s, longest)), s.pad_value, dtype=s.torch_dtype)
+            for i, row in enumerate(picked):
+                box: tuple[int | slice, ...] = (i, *(slice(0, n) for n in row.shape))
+                values[box] = row
+            index = torch.tensor(lengths, dtype=torch.int64)
+            inputs[s.name] = values
+            inputs[s.name + LENGTHS] = index if len(dims) > 1 else index[:, 0]
+        else:
+            inputs[s.name] = torch.stack(picked)
     return inputs
 
 
@@ -779,16 +847,20 @@ class VariableExecutor(CpuExecutor):
         cuts it), outside the weight gate: the invariance sampler's re-run."""
         return self.call(inputs, 1, frozenset(), [RequestInfo(1)] if self.with_requests else None, gated=False)
 
-    def warm_up_minimum(self, buckets: Sequence[int]) -> None:
+    def warm_up_minimum(self, buckets: Sequence[int], samples: Mapping[str, list[Any]] | None = None) -> None:
         """Runs each bucket size once with every row at its minimum shape
-        (:func:`minimum_inputs`), under the weight gate its caller holds;
-        raises what the model raised."""
+        (:func:`minimum_inputs`), or made of ``samples`` (:func:`sample_rows`),
+        under the weight gate its caller holds; raises what the model raised."""
         for rows in buckets:
             requests = [RequestInfo(1)] * rows if self.with_requests else None
-            if self.decoupled:  # every item made and checked, none sent
-                self.stream(minimum_inputs(self.inputs, rows), rows, requests, lambda *_: 1, gated=False)
+            if samples is None:
+                inputs = minimum_inputs(self.inputs, rows)
             else:
-                self.call(minimum_inputs(self.inputs, rows), rows, frozenset(), requests, gated=False)
+                inputs = sample_inputs(self.inputs, samples, rows)
+            if self.decoupled:  # every item made and checked, none sent
+                self.stream(inputs, rows, requests, lambda *_: 1, gated=False)
+            else:
+                self.call(inputs, rows, frozenset(), requests, gated=False)
 
     def _call_part(
         self,

@@ -40,7 +40,15 @@ from ._torch import (
     resolve_instances,
     warmup_batches,
 )
-from ._variable import DEFAULT_ELEMENTS_PER_ROW, VariableExecutor, core_shape, is_variable, layouts, padded_dims
+from ._variable import (
+    DEFAULT_ELEMENTS_PER_ROW,
+    VariableExecutor,
+    core_shape,
+    is_variable,
+    layouts,
+    padded_dims,
+    sample_rows,
+)
 from ._variable import allocate_slot as variable_slot
 from ._weights import WeightUpdate, WeightUpdates
 from .client import Client, flatten_inputs
@@ -108,8 +116,9 @@ class Server:
             models. ``True``: always with zeros (BYTES and variable-length
             inputs: every row at its minimum shape, each ``-1`` one element,
             BYTES empty). A dict ``{input: sample}`` (one sample, or ``n``
-            stacked; not for BYTES or variable-length models): with those
-            samples. ``False``:
+            stacked; for a BYTES or variable-length model one row, or a list
+            of rows, each at its own length, collated as requests are):
+            with those samples. ``False``:
             never (not allowed with ``cuda_graphs`` or ``compile``). Warm-up
             runs every bucket size once in ``start()``, which returns once it
             is done; a model error there fails ``start()`` with
@@ -400,10 +409,9 @@ class Server:
             raise ValueError(
                 f"model '{self.name}': a decoupled model runs without cuda_graphs, compile or warm-up samples"
             )
-        if self._variable and (cuda_graphs or compile is not False or isinstance(warmup, Mapping)):
+        if self._variable and (cuda_graphs or compile is not False):
             raise ValueError(
-                f"model '{self.name}': BYTES and variable-length tensors run without cuda_graphs, compile or"
-                " warm-up samples (warmup=True warms them up at their minimum shapes), for now"
+                f"model '{self.name}': BYTES and variable-length tensors run without cuda_graphs or compile"
             )
         if warmup is False and (cuda_graphs or compile is not False):
             raise ValueError("cuda_graphs and compile need warm-up: warmup=False is not allowed with them")
@@ -417,7 +425,10 @@ class Server:
         self.cuda_graphs = bool(cuda_graphs)
         self._compile = compile
         self._warmup = warmup
-        self._warmup_batch = warmup_batches(self.inputs, warmup if isinstance(warmup, Mapping) else None)
+        samples = warmup if isinstance(warmup, Mapping) else None
+        # A variable-length model's samples are rows of their own lengths, collated at warm-up.
+        self._warmup_rows = sample_rows(self.inputs, samples) if self._variable and samples is not None else None
+        self._warmup_batch = warmup_batches(self.inputs, None if self._variable else samples)
         self.buckets = batch_buckets(self.max_batch_size, self.preferred_batch_sizes)
 
     def _check_process_instances(self, warmup: bool | Mapping[str, Any] | None) -> None:
@@ -505,8 +516,8 @@ class Server:
                 slot = dict(zip((s.name for s in self.inputs), allocate_slot(self.inputs, self.max_batch_size, pin)))
             try:
                 with gate:  # weight updates wait for warm-up
-                    if isinstance(executor, VariableExecutor):  # no staging: each row at its minimum shape
-                        executor.warm_up_minimum(self.buckets)
+                    if isinstance(executor, VariableExecutor):  # no staging: the rows as they are
+                        executor.warm_up_minimum(self.buckets, self._warmup_rows)
                         why = None
                     else:
                         assert slot is not None
