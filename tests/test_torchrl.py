@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import sys
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -273,6 +274,51 @@ def test_a_batched_request_gets_its_rows_and_one_version_per_row(transport_type:
         torch.testing.assert_close(out["action"], module.module(observation))
     assert torch.equal(out["policy_version"], torch.full((3,), 2))
     assert seen and all(size[1:] == torch.Size([3]) for size in seen)  # stacked as TorchRL does
+
+
+def test_an_mp_client_rides_shared_memory_once_the_server_shares_itself() -> None:
+    """The first request (through the pipe) fixes the specs and the server
+    shares itself; the client's next requests go through shared memory, with
+    the same results, versions and the model's own exceptions (fetched over
+    the pipe), blocking or as futures; a stopped server fails them."""
+    module = policy()
+
+    def model(td: TensorDict) -> TensorDict:
+        if bool((td["observation"] < 0).any()):
+            raise KeyError("negative observation")
+        return module(td)
+
+    transport = MPTransport()
+    client = transport.client()
+    server = InferenceServer(model, transport, max_batch_size=8, policy_version=5).start()
+    try:
+        client(request(1.0))  # through the pipe: the specs are learnt from it
+        shared = server._core._shared[0]  # type: ignore[union-attr]
+        assert shared.name == transport.shm_name
+        deadline = time.monotonic() + 10
+        while os.getpid() not in [pid for _, pid in shared.clients()]:
+            assert time.monotonic() < deadline, "the client never joined the share"
+            client(request(1.0))
+        served = server.stats()["requests"]
+        out = client(request(2.0))
+        futures = [client.submit(request(float(i))) for i in range(16)]
+        with torch.no_grad():
+            torch.testing.assert_close(out["action"], module.module(torch.full((4,), 2.0)))
+            for i, future in enumerate(futures):
+                result = future.result(10)
+                torch.testing.assert_close(result["action"], module.module(torch.full((4,), float(i))))
+                assert int(result["policy_version"]) == 5
+        assert int(out["policy_version"]) == 5
+        with pytest.raises(KeyError, match="negative observation"):
+            client(request(-1.0))
+        with pytest.raises(KeyError, match="negative observation"):
+            client.submit(request(-1.0)).result(10)
+        assert server.stats()["requests"] == served + 19
+        assert shared.in_flight == 0 and client._route is not None
+    finally:
+        server.shutdown()
+    with pytest.raises(fb.ServerClosedError):
+        client(request(1.0))
 
 
 class BrokenPipe:

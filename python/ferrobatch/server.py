@@ -726,6 +726,7 @@ class Server:
         ring_size: int = 4096,
         mode: int = 0o600,
         cell_bytes: int = 1024,
+        metadata: Mapping[str, Any] | None = None,
     ) -> Shared:
         """Exposes this running server to other processes of the same user as
         ``name``: ``ferrobatch.connect(name)`` there returns a client with the
@@ -747,6 +748,9 @@ class Server:
         outputs outgrow them fails with :class:`ModelError` naming the
         size). ``rows_per_client * cell_bytes`` bounds what one client has
         in flight.
+
+        ``metadata`` (JSON-serializable) travels with the share: clients read
+        it as ``client.metadata``.
         """
         from .shared import share
 
@@ -762,6 +766,7 @@ class Server:
             ring_size=ring_size,
             mode=mode,
             cell_bytes=cell_bytes,
+            metadata=metadata,
         )
         self._shared.append(shared)
         return shared

@@ -135,12 +135,18 @@ def share(
     ring_size: int = 4096,
     mode: int = 0o600,
     cell_bytes: int = 1024,
+    metadata: Mapping[str, Any] | None = None,
 ) -> Shared:
     """See :meth:`Server.share`."""
     batcher, registry = server._native_parts()
     variable = is_variable((*server.inputs, *server.outputs))
+    try:
+        extra = json.loads(json.dumps(dict(metadata or {})))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"metadata must be JSON-serializable: {exc}") from None
     meta = json.dumps(
         {
+            "metadata": extra,
             "ferrobatch": _core.__version__,
             "model": server.name,
             "max_batch_size": server.max_batch_size,
@@ -258,6 +264,8 @@ class SharedClient:
         self.max_batch_size = 0
         self.inputs: tuple[TensorSpec, ...] = ()
         self.outputs: tuple[TensorSpec, ...] = ()
+        #: What the server shared with (``server.share(..., metadata=)``).
+        self.metadata: dict[str, Any] = {}
         self._input_names: frozenset[str] = frozenset()
         self._connect()
         with _live_lock:
@@ -287,6 +295,7 @@ class SharedClient:
         self.max_batch_size = int(meta["max_batch_size"])
         self.inputs = tuple(_spec_of(s) for s in meta["inputs"])
         self.outputs = tuple(_spec_of(s) for s in meta["outputs"])
+        self.metadata = dict(meta.get("metadata") or {})
         self._input_names = frozenset(s.name for s in self.inputs)
         cell_bytes = int(meta["cell_bytes"])
         return _core.SharedClient(

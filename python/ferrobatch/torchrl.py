@@ -53,11 +53,14 @@ import asyncio
 import collections
 import concurrent.futures
 import itertools
+import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import pickle
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.reduction import ForkingPickler
 from types import TracebackType
@@ -67,7 +70,7 @@ import torch
 
 from ._requests import RequestInfo
 from .client import Client
-from .errors import FerrobatchError, ModelError, ServerClosedError
+from .errors import FerrobatchError, ModelError, QueueFullError, ServerClosedError
 from .server import Server
 from .specs import TensorSpec, dtype_name, example_specs, nested_key
 
@@ -103,6 +106,19 @@ def __getattr__(name: str) -> Any:
 
 # The core's output carrying the version each row ran with (flat: no dot).
 _VERSION = "_ferrobatch_policy_version"
+
+_log = logging.getLogger("ferrobatch")
+
+#: What an MPTransport's share holds: client processes, and each one's
+#: requests in flight over shared memory (beyond, they take its pipe).
+_MP_MAX_CLIENTS = 64
+_MP_ROWS_PER_CLIENT = 256
+#: Model exceptions of shared-memory requests kept for their clients to fetch.
+_MP_ERRORS_KEPT = 1024
+#: The request parameter naming a shared-memory request of an MPTransport client.
+_MP_TOKEN = "ferrobatch.mp"
+#: How often a client looks for its server's share until it finds it (seconds).
+_MP_RETRY = 0.05
 
 NestedKey = str | tuple[str, ...]
 
@@ -631,6 +647,8 @@ class InferenceServer:
             asyncio.run_coroutine_threadsafe(core.start(), self._loop).result()
             self._core = core
             self._client = core.client()
+            if isinstance(self.transport, MPTransport):
+                self.transport._share(core, self)
             return self._client
 
     def _build_core(self, example: Any) -> Server:
@@ -678,12 +696,21 @@ class InferenceServer:
         out_keys = [(s.name, nested_key(s.name)) for s in outputs]
 
         forward_ms, queue_ms = self._forward_ms, self._queue_ms
+        keep_error = self.transport._keep_error if isinstance(self.transport, MPTransport) else None
 
         def run(batch: dict[str, torch.Tensor], requests: Sequence[RequestInfo]) -> dict[str, torch.Tensor]:
             queue_ms.extend(r.queued_ns / 1e6 for r in requests)
             began = time.perf_counter_ns()
-            result = call(batch, requests)
-            outputs = {name: result.get(key) for name, key in out_keys}
+            try:
+                result = call(batch, requests)
+                outputs = {name: result.get(key) for name, key in out_keys}
+            except BaseException as exc:
+                if keep_error is not None:  # shared-memory clients fetch it over their pipe
+                    for request in requests:
+                        token = request.parameters.get(_MP_TOKEN)
+                        if token is not None:
+                            keep_error(str(token), exc)
+                raise
             forward_ms.append((time.perf_counter_ns() - began) / 1e6)
             return outputs
 
@@ -984,13 +1011,17 @@ class ThreadingClient:
 class MPTransport:
     """Callers in other processes (``spawn`` or ``fork``).
 
-    Each client has a ``multiprocessing`` Pipe to a thread in the server's
-    process, which submits its requests to the core and sends the results
-    back; the tensors travel as numpy arrays, and a model's exception
-    travels pickled (the client raises it as itself). ferrobatch's
-    shared-memory clients (``server.share`` / ``fb.connect``) are the faster
-    way across processes; they need the model's specs before the first
-    request and carry a model's error as its message.
+    Requests ride ferrobatch's shared memory (``server.share`` /
+    ``fb.connect``): once the server knows its model's specs (from
+    ``request_spec``, or the first request), it shares itself under the
+    transport's name, and each client process connects and sends its
+    requests there, its tensors copied once into shared cells. Each client
+    also has a ``multiprocessing`` Pipe to a thread in the server's process:
+    it carries the requests sent before the share exists (and those beyond
+    a process's shared cells), and the model's exceptions, pickled, so a
+    client raises a model's exception as itself (a pickle never travels
+    through the shared segment, which other processes of the user may
+    write).
 
     Args:
         ctx: a ``multiprocessing`` context or its name; default ``"spawn"``.
@@ -1003,6 +1034,11 @@ class MPTransport:
         if ctx is None or isinstance(ctx, str):
             ctx = multiprocessing.get_context(ctx or "spawn")
         self._ctx = ctx
+        #: The name the server shares itself under once its specs are known.
+        self.shm_name = f"ferrobatch-mp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        # Model exceptions of shared-memory requests, by request token, until fetched.
+        self._errors: collections.OrderedDict[str, BaseException] = collections.OrderedDict()
+        self._errors_lock = threading.Lock()
         self._server: InferenceServer | None = None
         self._conns: list[Any] = []
         self._lock = threading.Lock()
@@ -1028,7 +1064,44 @@ class MPTransport:
         else:
             with self._lock:
                 self._conns.append(ours)
-        return MPClient(theirs)
+        return MPClient(theirs, self.shm_name)
+
+    def _share(self, core: Server, server: InferenceServer) -> None:
+        """Shares the core server just built under :attr:`shm_name`, with
+        what clients need to make its results TorchRL's (the version base is
+        the core's for life). A share that fails leaves the pipes serving."""
+        meta = {
+            "inputs": list(server._in_names),
+            "extras": list(server._extra_names),
+            "outputs": [name for name, _ in server._out_keys],
+            "version": server.policy_version_key
+            if server.policy_version_key is None
+            else _name(server.policy_version_key),
+            "version_base": server._version_base,
+            "output_device": None if server.output_device is None else str(server.output_device),
+        }
+        try:
+            core.share(
+                self.shm_name,
+                max_clients=_MP_MAX_CLIENTS,
+                rows_per_client=_MP_ROWS_PER_CLIENT,
+                metadata={"torchrl": meta},
+            )
+        except (OSError, ValueError, FerrobatchError) as exc:
+            _log.warning("ferrobatch.torchrl: MPTransport serves through pipes only: sharing failed: %s", exc)
+
+    def _keep_error(self, token: str, error: BaseException) -> None:
+        with self._errors_lock:
+            self._errors[token] = error
+            while len(self._errors) > _MP_ERRORS_KEPT:
+                self._errors.popitem(last=False)
+
+    def _take_error(self, token: str) -> BaseException:
+        with self._errors_lock:
+            error = self._errors.pop(token, None)
+        if error is None:
+            return ModelError("the model failed; its exception is no longer kept")
+        return _unwrap(error)
 
     def _forward_to(self, control: Any, lock: threading.Lock) -> None:
         """Clients made from now on have their server end sent over
@@ -1089,6 +1162,9 @@ class MPTransport:
                     send_locks.pop(id(conn), None)
                     continue
                 lock = send_locks.setdefault(id(conn), threading.Lock())
+                if flat is None:  # a shared-memory request's exception, asked for by its token
+                    _reply(conn, lock, rid, False, self._take_error(str(batch_size)))
+                    continue
                 self._serve(server, conn, lock, rid, flat, batch_size)
 
     @staticmethod
@@ -1100,21 +1176,10 @@ class MPTransport:
         flat: dict[str, Any],
         batch_size: Sequence[int],
     ) -> None:
-        """Submits one request; its answer is sent back whatever happens.
-        The payload travels pickled on its own, so a client that cannot
-        rebuild it fails that request alone."""
+        """Submits one request; its answer is sent back whatever happens."""
 
         def reply(ok: bool, payload: Any) -> None:
-            try:
-                blob = bytes(ForkingPickler.dumps(payload))
-            except Exception as exc:  # noqa: BLE001 - an unpicklable error: say what it was
-                ok = False
-                blob = bytes(ForkingPickler.dumps(RuntimeError(f"{type(payload).__name__}: {payload}; ({exc})")))
-            try:
-                with lock:
-                    conn.send((rid, ok, blob))
-            except (OSError, ValueError):
-                pass  # the client is gone
+            _reply(conn, lock, rid, ok, payload)
 
         def settle(future: concurrent.futures.Future[dict[str, torch.Tensor]]) -> None:
             try:
@@ -1139,6 +1204,21 @@ class MPTransport:
             reply(False, _unwrap(exc))
 
 
+def _reply(conn: Any, lock: threading.Lock, rid: int, ok: bool, payload: Any) -> None:
+    """Sends one answer down a client's pipe. The payload travels pickled on
+    its own, so a client that cannot rebuild it fails that request alone."""
+    try:
+        blob = bytes(ForkingPickler.dumps(payload))
+    except Exception as exc:  # noqa: BLE001 - an unpicklable error: say what it was
+        ok = False
+        blob = bytes(ForkingPickler.dumps(RuntimeError(f"{type(payload).__name__}: {payload}; ({exc})")))
+    try:
+        with lock:
+            conn.send((rid, ok, blob))
+    except (OSError, ValueError):
+        pass  # the client is gone
+
+
 class MPClient:
     """``client(td) -> td`` and ``client.submit(td) -> Future`` in any process
     it was passed to (picklable); many threads may share it.
@@ -1151,8 +1231,9 @@ class MPClient:
 
     _ids = itertools.count()
 
-    def __init__(self, conn: Any) -> None:
+    def __init__(self, conn: Any, shm_name: str | None = None) -> None:
         self._conn = conn
+        self._shm_name = shm_name
         self._setup()
 
     def _setup(self) -> None:
@@ -1160,16 +1241,58 @@ class MPClient:
         self._pending: dict[int, tuple[concurrent.futures.Future[Any], Any]] = {}
         self._reader: threading.Thread | None = None
         self._closed: ServerClosedError | None = None  # why the connection failed, once it has
+        self._route: _SharedRoute | None = None
+        self._next_look = 0.0
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"conn": self._conn}
+        return {"conn": self._conn, "shm_name": self._shm_name}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._conn = state["conn"]
+        self._shm_name = state.get("shm_name")
         self._setup()
 
+    def _shared(self) -> _SharedRoute | None:
+        """This process's shared-memory route to the server, once it shares
+        itself (looked for every ``_MP_RETRY`` seconds until then)."""
+        route = self._route
+        if route is not None and route.usable():
+            return route
+        self._route = None
+        if self._shm_name is None or self._closed is not None:
+            return None
+        now = time.monotonic()
+        if now < self._next_look:
+            return None
+        self._next_look = now + _MP_RETRY
+        self._route = _route_for(self._shm_name)
+        return self._route
+
     def submit(self, td: Any) -> concurrent.futures.Future[Any]:
+        route = self._shared()
+        if route is None:
+            return self._submit_pipe(td)
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        future.set_running_or_notify_cancel()
+        route.submit(td, self, future)
+        return future
+
+    def __call__(self, td: Any) -> Any:
+        route = self._shared()
+        if route is None or _on_event_loop():
+            return self.submit(td).result()
+        return route.call(td, self)
+
+    def _ask_error(self, token: str) -> concurrent.futures.Future[Any]:
+        """The model's exception of shared-memory request ``token``, asked
+        for over the pipe (the Future raises it)."""
+        return self._send(None, token, None)
+
+    def _submit_pipe(self, td: Any) -> concurrent.futures.Future[Any]:
         flat = {name: t.detach().cpu().numpy() for name, t in _tensor_leaves(td).items()}
+        return self._send(flat, tuple(td.batch_size), td)
+
+    def _send(self, flat: Any, batch_size: Any, td: Any) -> concurrent.futures.Future[Any]:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         future.set_running_or_notify_cancel()
         error: BaseException | None = None
@@ -1183,7 +1306,7 @@ class MPClient:
                     self._reader = threading.Thread(target=self._read, name="ferrobatch-torchrl-client", daemon=True)
                     self._reader.start()
                 try:
-                    self._conn.send((rid, flat, tuple(td.batch_size)))
+                    self._conn.send((rid, flat, batch_size))
                 except Exception as exc:  # noqa: BLE001 - the caller's to see, on its Future
                     del self._pending[rid]
                     error = exc
@@ -1192,9 +1315,6 @@ class MPClient:
         if error is not None:
             future.set_exception(error)
         return future
-
-    def __call__(self, td: Any) -> Any:
-        return self.submit(td).result()
 
     def _read(self) -> None:
         try:
@@ -1221,6 +1341,188 @@ class MPClient:
             pending, self._pending = self._pending, {}
         for future, _ in pending.values():
             future.set_exception(_closed_again(error))
+
+
+class _SharedRoute:
+    """An MPTransport's way to its server through shared memory, in one
+    client process (its MPClients share it): a ``fb.connect`` client, and
+    what makes its results TorchRL's (the share's metadata, from
+    ``MPTransport._share``)."""
+
+    def __init__(self, client: Any) -> None:
+        meta = client.metadata["torchrl"]
+        self.client = client
+        self.pid = os.getpid()
+        self.closed = False
+        self.inputs = [(name, nested_key(name)) for name in meta["inputs"]]
+        self.extras = [(name, nested_key(name)) for name in meta["extras"]]
+        self.outputs = [(name, nested_key(name)) for name in meta["outputs"]]
+        self.version = None if meta["version"] is None else nested_key(meta["version"])
+        self.version_base = int(meta["version_base"])
+        self.output_device = None if meta["output_device"] is None else torch.device(meta["output_device"])
+
+    def usable(self) -> bool:
+        return not self.closed and self.pid == os.getpid()
+
+    def close(self) -> None:
+        """The server stopped or went away: the next request looks again."""
+        self.closed = True
+        self.client.close()
+
+    def flat(self, td: Any) -> dict[str, Any]:
+        try:
+            flat = {name: td.get(key) for name, key in self.inputs}
+        except KeyError as exc:
+            raise ValueError(f"the request lacks the model's input {exc}") from None
+        for name, key in self.extras:
+            value = td.get(key, None)
+            if value is not None:
+                flat[name] = value
+        return flat
+
+    def complete(self, td: Any, outputs: Mapping[str, torch.Tensor]) -> Any:
+        """``td`` with the outputs and the version, as the server's own
+        ``_result_pairs`` makes them."""
+        pairs: list[tuple[NestedKey, torch.Tensor]] = [(key, outputs[name]) for name, key in self.outputs]
+        if self.version is not None:
+            version = outputs[_VERSION]
+            if self.version_base:
+                version = version + self.version_base
+            if len(td.batch_size):
+                version = version.expand(*td.batch_size).clone()
+            pairs.append((self.version, version))
+        if self.output_device is not None:
+            pairs = [(key, value.to(self.output_device)) for key, value in pairs]
+        return _complete(td, pairs)
+
+    def call(self, td: Any, mp: MPClient) -> Any:
+        """One request from this thread, blocking (the GIL released)."""
+        token = _mp_token()
+        try:
+            outputs = self.client.infer_sync(self.flat(td), parameters={_MP_TOKEN: token})
+        except QueueFullError:  # this process's shared cells are all in flight
+            return mp._submit_pipe(td).result()
+        except ModelError as exc:
+            raise _model_error(mp, token, exc) from None
+        except ServerClosedError as exc:
+            self.close()
+            raise _server_went_away(str(exc)) from exc
+        return self.complete(td, outputs)
+
+    def submit(self, td: Any, mp: MPClient, future: concurrent.futures.Future[Any]) -> None:
+        """One request resolving ``future``, through this process's
+        background event loop."""
+        token = _mp_token()
+        try:
+            flat = self.flat(td)
+        except Exception as exc:  # noqa: BLE001 - the caller's, on its Future
+            future.set_exception(exc)
+            return
+        call = self.client.infer(flat, parameters={_MP_TOKEN: token})
+        sent = asyncio.run_coroutine_threadsafe(call, _background_loop())
+
+        def settle(done: concurrent.futures.Future[Any]) -> None:
+            try:
+                outputs = done.result()
+            except QueueFullError:
+                _chain(mp._submit_pipe(td), future)
+            except ModelError as exc:
+                fallback = exc
+
+                def raise_asked(asked: concurrent.futures.Future[Any]) -> None:
+                    future.set_exception(_asked_error(asked, fallback))
+
+                mp._ask_error(token).add_done_callback(raise_asked)
+            except ServerClosedError as exc:
+                self.close()
+                future.set_exception(_server_went_away(str(exc)))
+            except BaseException as exc:  # noqa: BLE001 - the caller's, on its Future
+                future.set_exception(exc)
+            else:
+                try:
+                    future.set_result(self.complete(td, outputs))
+                except BaseException as exc:  # noqa: BLE001 - the caller's, on its Future
+                    future.set_exception(exc)
+
+        sent.add_done_callback(settle)
+
+
+def _asked_error(asked: concurrent.futures.Future[Any], fallback: ModelError) -> BaseException:
+    """The model's own exception the pipe brought back, else ``fallback``."""
+    error = asked.exception()
+    if error is None or isinstance(error, ServerClosedError):
+        return fallback
+    return error
+
+
+def _model_error(mp: MPClient, token: str, fallback: ModelError) -> BaseException:
+    """The model's own exception of shared-memory request ``token`` (over
+    the pipe), as the pipe's requests raise it; ``fallback`` without it."""
+    asked = mp._ask_error(token)
+    concurrent.futures.wait([asked])
+    return _asked_error(asked, fallback)
+
+
+_tokens = itertools.count()
+
+
+def _mp_token() -> str:
+    """A name for one shared-memory request, unique among the server's clients."""
+    return f"{os.getpid()}:{next(_tokens)}"
+
+
+_routes: dict[str, _SharedRoute] = {}
+_routes_lock = threading.Lock()
+
+
+def _route_for(name: str) -> _SharedRoute | None:
+    """This process's route to the server shared as ``name``; None while it
+    is not shared (or cannot be joined: then its pipes serve)."""
+    with _routes_lock:
+        route = _routes.get(name)
+        if route is not None and route.usable():
+            return route
+        _routes.pop(name, None)
+    from .shared import connect
+
+    try:
+        client = connect(name, timeout=0)
+    except (FerrobatchError, OSError, ValueError):
+        return None
+    if "torchrl" not in client.metadata:
+        client.close()
+        return None
+    made = _SharedRoute(client)
+    with _routes_lock:
+        route = _routes.setdefault(name, made)
+    if route is not made:
+        client.close()
+    return route
+
+
+_loop_lock = threading.Lock()
+_loop: tuple[int, asyncio.AbstractEventLoop] | None = None
+
+
+def _background_loop() -> asyncio.AbstractEventLoop:
+    """An event loop on a daemon thread of this process, for MPClient
+    futures over shared memory (one per process, made on first use)."""
+    global _loop
+    with _loop_lock:
+        if _loop is not None and _loop[0] == os.getpid():
+            return _loop[1]
+        loop = asyncio.new_event_loop()
+        threading.Thread(target=loop.run_forever, name="ferrobatch-torchrl-mp-loop", daemon=True).start()
+        _loop = (os.getpid(), loop)
+        return loop
+
+
+def _on_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _distributed_transport(request_spec: Any, response_spec: Any, options: Mapping[str, Any] | None) -> Any:
@@ -1438,7 +1740,7 @@ class ProcessInferenceServer:
         if isinstance(self.transport, MPTransport):
             with self.transport._lock:
                 conns = list(self.transport._conns)
-        feed = conns if isinstance(self.transport, MPTransport) else self.transport
+        feed = (conns, self.transport.shm_name) if isinstance(self.transport, MPTransport) else self.transport
         process = self._ctx.Process(
             target=_serve_in_child,
             args=(self._factory, feed, self._kwargs, theirs),
@@ -1544,13 +1846,16 @@ def _clear_when_gone(process: Any, alive: Any) -> None:
 
 
 def _serve_in_child(factory: Callable[[], Any], feed: Any, kwargs: dict[str, Any], control: Any) -> None:
-    """The child's side: an InferenceServer over the clients' pipes (``feed``
-    a list of them) or a TorchRL transport (``feed`` itself), and the
-    control loop (stats, stop, new clients' pipes)."""
+    """The child's side: an InferenceServer over the clients' pipes and
+    their shared memory (``feed``: the pipes and the transport's shared
+    name) or a TorchRL transport (``feed`` itself), and the control loop
+    (stats, stop, new clients' pipes)."""
     transport: Any = feed
-    if isinstance(feed, list):
+    if isinstance(feed, tuple):
+        conns, name = feed
         transport = MPTransport()
-        transport._conns.extend(feed)
+        transport.shm_name = name  # the clients made in the parent look for this one
+        transport._conns.extend(conns)
     try:
         server = InferenceServer(factory(), transport, **kwargs).start()
     except BaseException as exc:  # noqa: BLE001 - the parent's to see
