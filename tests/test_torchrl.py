@@ -520,6 +520,10 @@ def test_a_process_inference_server_serves_from_a_child_and_its_death_fails_its_
         assert server.health()["process_alive"]
         with pytest.raises(RuntimeError, match="Unknown process-server verb"):
             server._request_control("bogus")
+        for _ in range(3):  # the child shared itself once it knew its specs: the clients join it
+            assert late(request(3.0))["action"].shape == (2,)
+            time.sleep(0.06)
+        assert late._route is not None
         pid = server._process.pid
         server._process.kill()
         server._process.join(10)

@@ -1681,7 +1681,9 @@ class ProcessInferenceServer:
     """TorchRL's ``ProcessInferenceServer``: an :class:`InferenceServer` (a
     ferrobatch core, its batching and its workers) in a child process of its
     own, fed by an :class:`MPTransport` whose clients were made here, before
-    or after ``start()``. ``policy_factory`` builds the policy in the child
+    or after ``start()`` (the child shares itself under the transport's
+    name, so their requests ride shared memory once it knows its specs).
+    ``policy_factory`` builds the policy in the child
     (so it must be picklable: a module-level function); the other keyword
     arguments are :class:`InferenceServer`'s.
 
