@@ -586,3 +586,13 @@ async def test_another_process_may_leave_an_optional_input_out() -> None:
         assert worker.exitcode == 0
     assert got == [2.0, 1, 8.0, 0], "zeros in its place, and the model told it was left out"
     assert server.stats()["requests_succeeded"] == 2
+
+
+async def test_metadata_travels_with_the_share() -> None:
+    server = fb.Server(model, inputs=INPUTS, outputs=OUTPUTS)
+    async with server:
+        with pytest.raises(ValueError, match="JSON-serializable"):
+            server.share(unique("meta-bad"), metadata={"x": object()})
+        share = server.share(unique("meta"), metadata={"owner": "team-a", "layers": [256, 256]})
+        with fb.connect(share.name) as client:
+            assert client.metadata == {"owner": "team-a", "layers": [256, 256]}
