@@ -11,6 +11,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -595,40 +596,47 @@ def test_the_distributed_transport_feeds_a_process_server_its_pairs_and_tells_th
     assert time.monotonic() - started < 3.0
 
 
-@pytest.mark.ray
-@pytest.mark.timeout(180)
-def test_the_distributed_transport_to_a_ray_actor_learns_its_layout_from_the_first_request() -> None:
+@pytest.fixture
+def ray_cluster() -> Iterator[Any]:
+    """Ray, started here unless it runs (and then left running); this
+    module's policy factory travels to actors by value."""
     ray = pytest.importorskip("ray")
-    pytest.importorskip("torchrl")
-    from torchrl._comm.mailbox import MailboxPeerClosedError, MailboxTransportError
-
     pytest.importorskip("ray.cloudpickle").register_pickle_by_value(sys.modules[__name__])
     started_here = not ray.is_initialized()
     if started_here:
         ray.init(num_cpus=2, include_dashboard=False, address="local", log_to_driver=False, configure_logging=False)
     try:
-        server = InferenceServer(
-            policy_factory=policy,
-            service_backend="ray",
-            service_backend_options={"remote_config": {"num_cpus": 0}},
-            transport="distributed",
-            transport_options={"backend": "gloo", "timeout": 30.0},
-        )
-        try:
-            assert (server.service_backend, server.transport_kind) == ("ray", "distributed")
-            first, second = server.clients(2)
-            expected = policy()
-            for i, client in enumerate([first, second, first]):
-                td = TensorDict({"observation": torch.full((4,), float(i))})
-                out = client(td, timeout=30.0)
-                torch.testing.assert_close(out["action"], expected(td.clone())["action"])
-        finally:
-            server.shutdown()
-        with pytest.raises((MailboxPeerClosedError, MailboxTransportError)):
-            first(TensorDict({"observation": torch.zeros(4)}), timeout=5.0)
+        yield ray
     finally:
         if started_here:
             ray.shutdown()
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(180)
+def test_the_distributed_transport_to_a_ray_actor_learns_its_layout_from_the_first_request(ray_cluster: Any) -> None:
+    pytest.importorskip("torchrl")
+    from torchrl._comm.mailbox import MailboxPeerClosedError, MailboxTransportError
+
+    server = InferenceServer(
+        policy_factory=policy,
+        service_backend="ray",
+        service_backend_options={"remote_config": {"num_cpus": 0}},
+        transport="distributed",
+        transport_options={"backend": "gloo", "timeout": 30.0},
+    )
+    try:
+        assert (server.service_backend, server.transport_kind) == ("ray", "distributed")
+        first, second = server.clients(2)
+        expected = policy()
+        for i, client in enumerate([first, second, first]):
+            td = TensorDict({"observation": torch.full((4,), float(i))})
+            out = client(td, timeout=30.0)
+            torch.testing.assert_close(out["action"], expected(td.clone())["action"])
+    finally:
+        server.shutdown()
+    with pytest.raises((MailboxPeerClosedError, MailboxTransportError)):
+        first(TensorDict({"observation": torch.zeros(4)}), timeout=5.0)
 
 
 def _has_torchrl() -> bool:
@@ -680,38 +688,29 @@ def test_every_name_of_torchrls_inference_server_module_imports_from_here() -> N
 
 @pytest.mark.ray
 @pytest.mark.timeout(180)
-def test_the_ray_service_backend_serves_from_a_ray_actor_and_batches_its_clients() -> None:
-    ray = pytest.importorskip("ray")
-    # The policy factory is this module's: it travels to the actor by value.
-    pytest.importorskip("ray.cloudpickle").register_pickle_by_value(sys.modules[__name__])
-    started_here = not ray.is_initialized()
-    if started_here:
-        ray.init(num_cpus=2, include_dashboard=False, address="local", log_to_driver=False, configure_logging=False)
+def test_the_ray_service_backend_serves_from_a_ray_actor_and_batches_its_clients(ray_cluster: Any) -> None:
+    ray = ray_cluster
+    server = InferenceServer(
+        policy_factory=policy,
+        service_backend="ray",
+        service_backend_options={"remote_config": {"num_cpus": 0}},
+        max_batch_size=8,
+        min_batch_size=4,
+        timeout=0.05,
+    )
     try:
-        server = InferenceServer(
-            policy_factory=policy,
-            service_backend="ray",
-            service_backend_options={"remote_config": {"num_cpus": 0}},
-            max_batch_size=8,
-            min_batch_size=4,
-            timeout=0.05,
-        )
-        try:
-            assert (server.service_backend, server.transport_kind) == ("ray", "ray")
-            first, second = server.clients(2)
-            assert first is not second and not hasattr(first, "shutdown")
-            futures = [c.submit(request(float(i))) for i, c in enumerate([first, second] * 4)]
-            results = [f.result(timeout=60) for f in futures]
-            expected = policy()
-            for i, result in enumerate(results):
-                torch.testing.assert_close(result["action"], expected(request(float(i)))["action"])
-            stats = server.stats()
-            assert stats["requests"] == 8 and stats["batches"] < 8  # the actor batched them
-            with pytest.raises(RuntimeError, match="Ray actor"):
-                server.update_model(lambda m: None)
-        finally:
-            server.shutdown()
-        assert not server.is_alive and ray.is_initialized()  # Ray is not the server's to stop
+        assert (server.service_backend, server.transport_kind) == ("ray", "ray")
+        first, second = server.clients(2)
+        assert first is not second and not hasattr(first, "shutdown")
+        futures = [c.submit(request(float(i))) for i, c in enumerate([first, second] * 4)]
+        results = [f.result(timeout=60) for f in futures]
+        expected = policy()
+        for i, result in enumerate(results):
+            torch.testing.assert_close(result["action"], expected(request(float(i)))["action"])
+        stats = server.stats()
+        assert stats["requests"] == 8 and stats["batches"] < 8  # the actor batched them
+        with pytest.raises(RuntimeError, match="Ray actor"):
+            server.update_model(lambda m: None)
     finally:
-        if started_here:
-            ray.shutdown()
+        server.shutdown()
+    assert not server.is_alive and ray.is_initialized()  # Ray is not the server's to stop

@@ -130,6 +130,19 @@ def padding_table(buckets: Sequence[int]) -> list[int]:
 WarmupBatch = Callable[[int], dict[str, torch.Tensor]]
 
 
+def check_warmup_names(specs: Sequence[TensorSpec], samples: Any) -> None:
+    """``InvalidInputError`` unless ``samples`` maps exactly the model's inputs."""
+    if not isinstance(samples, Mapping):
+        raise InvalidInputError(f"warmup must be a dict of input name to sample(s), got {type(samples).__name__}")
+    names = [s.name for s in specs]
+    extra = sorted(set(map(str, samples)) - set(names))
+    if extra:
+        raise InvalidInputError(f"warmup has unexpected inputs {extra}; the model takes {names}")
+    missing = [name for name in names if name not in samples]
+    if missing:
+        raise InvalidInputError(f"warmup is missing input '{missing[0]}'")
+
+
 def warmup_batches(specs: Sequence[TensorSpec], samples: Mapping[str, Any] | None) -> WarmupBatch:
     """A function ``rows -> {input: (rows, *shape) CPU tensor}`` for warm-up.
 
@@ -144,16 +157,9 @@ def warmup_batches(specs: Sequence[TensorSpec], samples: Mapping[str, Any] | Non
             return {s.name: torch.zeros((rows, *s.shape), dtype=s.torch_dtype) for s in specs}
 
         return zeros
-    if not isinstance(samples, Mapping):
-        raise InvalidInputError(f"warmup must be a dict of input name to sample(s), got {type(samples).__name__}")
-    names = [s.name for s in specs]
-    extra = sorted(set(map(str, samples)) - set(names))
-    if extra:
-        raise InvalidInputError(f"warmup has unexpected inputs {extra}; the model takes {names}")
+    check_warmup_names(specs, samples)
     base: dict[str, torch.Tensor] = {}
     for spec in specs:
-        if spec.name not in samples:
-            raise InvalidInputError(f"warmup is missing input '{spec.name}'")
         value = torch.as_tensor(samples[spec.name]).cpu()
         if value.dtype != spec.torch_dtype:
             raise InvalidInputError(f"warmup input '{spec.name}': expected dtype {spec.dtype}, got {value.dtype}")

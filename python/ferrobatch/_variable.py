@@ -31,6 +31,7 @@ from ._torch import (
     WorkerCounters,
     _storage_ptr,
     batch_requests,
+    check_warmup_names,
     finish,
     inference_mode,
     normalize_outputs,
@@ -231,16 +232,9 @@ def sample_rows(specs: Sequence[TensorSpec], samples: Mapping[str, Any]) -> dict
     input: one row (a tensor or array of the spec's shape, each ``-1`` any
     length) or a list of rows. Raises :class:`InvalidInputError` naming what
     does not match."""
-    if not isinstance(samples, Mapping):
-        raise InvalidInputError(f"warmup must be a dict of input name to sample(s), got {type(samples).__name__}")
-    names = [s.name for s in specs]
-    extra = sorted(set(map(str, samples)) - set(names))
-    if extra:
-        raise InvalidInputError(f"warmup has unexpected inputs {extra}; the model takes {names}")
+    check_warmup_names(specs, samples)
     out: dict[str, list[Any]] = {}
     for s in specs:
-        if s.name not in samples:
-            raise InvalidInputError(f"warmup is missing input '{s.name}'")
         given = samples[s.name]
         rows = list(given) if isinstance(given, (list, tuple)) else [given]
         if not rows:
