@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import functools
 import json
 import logging
@@ -375,6 +376,40 @@ class SharedClient:
                 timer.cancel()
             del future, inputs
         return _to_tensordict(out) if tensordict else out
+
+    def _submit_threadsafe(
+        self,
+        inputs: dict[str, Any],
+        loop: asyncio.AbstractEventLoop,
+        *,
+        parameters: Mapping[str, Parameter] | None = None,
+    ) -> concurrent.futures.Future[Any]:
+        """One sample from any thread, answered through ``loop`` (running on
+        another thread): a Future of its outputs, or of the error ``infer``
+        would raise. No task per request: queued by a callback on the loop."""
+        core = self._live_core()
+        encoded = encode_parameters(parameters)
+        result: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        result.set_running_or_notify_cancel()
+
+        def settle(future: asyncio.Future[Any]) -> None:
+            error = future.exception()
+            if error is None:
+                result.set_result(future.result())
+            else:
+                result.set_exception(error)
+
+        def submit() -> None:
+            future: asyncio.Future[Any] = loop.create_future()
+            try:
+                core.submit(inputs, None, False, future, loop, None, encoded)
+            except BaseException as exc:  # noqa: BLE001 - the caller's to see
+                result.set_exception(exc)
+                return
+            future.add_done_callback(settle)
+
+        loop.call_soon_threadsafe(submit)
+        return result
 
     def infer_sync(
         self,

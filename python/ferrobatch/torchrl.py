@@ -1418,8 +1418,7 @@ class _SharedRoute:
         except Exception as exc:  # noqa: BLE001 - the caller's, on its Future
             future.set_exception(exc)
             return
-        call = self.client.infer(flat, parameters={_MP_TOKEN: token})
-        sent = asyncio.run_coroutine_threadsafe(call, _background_loop())
+        sent = self.client._submit_threadsafe(flat, _background_loop(), parameters={_MP_TOKEN: token})
 
         def settle(done: concurrent.futures.Future[Any]) -> None:
             try:
