@@ -364,7 +364,7 @@ class SharedClient:
         padded_dims: list[list[int | None] | None] = ...,
         max_batch_elements: int | None = None,
         cell_bytes: int = 0,
-        varying: Callable[[list[tuple[bytes, list[list[int]], bytes]], bool], dict[str, Any]] | None = None,
+        varying: Callable[[list[tuple[bytearray, list[list[int]], bytes]], bool], dict[str, Any]] | None = None,
     ) -> SharedClient: ...
     def submit(
         self,

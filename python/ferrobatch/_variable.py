@@ -677,7 +677,7 @@ def _join_rows(rows: list[Any], shapes: list[tuple[int, ...]], pad: Any, new_ful
 
 
 def shared_result(
-    specs: Sequence[TensorSpec], outputs: Sequence[tuple[bytes, list[list[int]], bytes]], batched: bool
+    specs: Sequence[TensorSpec], outputs: Sequence[tuple[bytearray, list[list[int]], bytes]], batched: bool
 ) -> dict[str, Any]:
     """A shared-memory request's result for a model with BYTES or
     variable-length outputs, from each output's ``(bytes, row shapes, pad
@@ -692,7 +692,7 @@ def shared_result(
         bounds = list(itertools.accumulate(counts, initial=0))
         rows: list[Any]
         if spec.is_bytes:
-            elements = _deserialize(data)
+            elements = _deserialize(bytes(data))
             if len(elements) != bounds[-1]:
                 raise ValueError(f"output '{spec.name}': {len(elements)} elements for shapes {shapes}")
             rows = []
@@ -710,7 +710,8 @@ def shared_result(
         dtype = spec.torch_dtype
         if len(data) != bounds[-1] * dtype.itemsize:
             raise ValueError(f"output '{spec.name}': {len(data)} bytes for shapes {shapes}")
-        flat = torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)
+        # A view of the bytearray the answer was copied into (it is the result's own).
+        flat = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
         rows = [flat[a:b].view(shape) for (a, b), shape in zip(itertools.pairwise(bounds), shapes)]
         if not batched:
             result[spec.name] = rows[0]

@@ -48,6 +48,37 @@ def flatten_inputs(inputs: Mapping[Any, Any], names: Collection[str] | None = No
     return flat
 
 
+def submit_from_thread(
+    loop: asyncio.AbstractEventLoop, submit: Callable[[], asyncio.Future[Any]]
+) -> concurrent.futures.Future[Any]:
+    """Runs ``submit`` (which queues a request and returns its future) by a
+    callback on ``loop``, from any other thread: a Future of the request's
+    outputs or of the error ``infer`` would raise. No task per request."""
+    result: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    result.set_running_or_notify_cancel()
+
+    def settle(future: asyncio.Future[Any]) -> None:
+        if future.cancelled():
+            result.set_exception(ServerClosedError("the request was cancelled"))
+            return
+        error = future.exception()
+        if error is None:
+            result.set_result(future.result())
+        else:
+            result.set_exception(error)
+
+    def on_loop() -> None:
+        try:
+            future = submit()
+        except BaseException as exc:  # noqa: BLE001 - the caller's to see
+            result.set_exception(exc)
+            return
+        future.add_done_callback(settle)
+
+    loop.call_soon_threadsafe(on_loop)
+    return result
+
+
 def _is_tensordict(value: object) -> bool:
     if "tensordict" not in sys.modules:
         return False
@@ -194,30 +225,13 @@ class Client:
         resolves with the outputs or the error ``infer`` would raise."""
         loop = self._loop_token().native_token
         assert isinstance(loop, asyncio.AbstractEventLoop), "the server runs on asyncio"
-        result: concurrent.futures.Future[Outputs] = concurrent.futures.Future()
-        result.set_running_or_notify_cancel()
         submitter = self._submitter
 
-        def settle(future: asyncio.Future[Outputs]) -> None:
-            if future.cancelled():
-                result.set_exception(ServerClosedError("the request was cancelled"))
-                return
-            error = future.exception()
-            if error is None:
-                result.set_result(future.result())
-            else:
-                result.set_exception(error)
+        def submit() -> asyncio.Future[Outputs]:
+            future, _ = submitter.submit(inputs, None, False)
+            return future
 
-        def submit() -> None:
-            try:
-                future, _ = submitter.submit(inputs, None, False)
-            except BaseException as exc:  # noqa: BLE001 - the caller's to see
-                result.set_exception(exc)
-                return
-            future.add_done_callback(settle)
-
-        loop.call_soon_threadsafe(submit)
-        return result
+        return submit_from_thread(loop, submit)
 
     async def infer_batch(
         self,

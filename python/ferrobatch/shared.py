@@ -32,7 +32,7 @@ from . import _core
 from ._requests import Parameter, encode_parameters
 from ._torch import make_coerce
 from ._variable import core_shape, is_variable, layouts, padded_dims, shared_result
-from .client import _is_tensordict, _to_tensordict, flatten_inputs
+from .client import _is_tensordict, _to_tensordict, flatten_inputs, submit_from_thread
 from .errors import ServerClosedError
 from .specs import TensorSpec
 
@@ -389,27 +389,13 @@ class SharedClient:
         would raise. No task per request: queued by a callback on the loop."""
         core = self._live_core()
         encoded = encode_parameters(parameters)
-        result: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        result.set_running_or_notify_cancel()
 
-        def settle(future: asyncio.Future[Any]) -> None:
-            error = future.exception()
-            if error is None:
-                result.set_result(future.result())
-            else:
-                result.set_exception(error)
-
-        def submit() -> None:
+        def submit() -> asyncio.Future[Any]:
             future: asyncio.Future[Any] = loop.create_future()
-            try:
-                core.submit(inputs, None, False, future, loop, None, encoded)
-            except BaseException as exc:  # noqa: BLE001 - the caller's to see
-                result.set_exception(exc)
-                return
-            future.add_done_callback(settle)
+            core.submit(inputs, None, False, future, loop, None, encoded)
+            return future
 
-        loop.call_soon_threadsafe(submit)
-        return result
+        return submit_from_thread(loop, submit)
 
     def infer_sync(
         self,

@@ -28,7 +28,7 @@ use ferrobatch_core::shm::{
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PySlice, PyTuple, PyType};
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PySlice, PyTuple, PyType};
 
 use crate::batcher::input_specs;
 use crate::batcher::Batcher;
@@ -504,8 +504,10 @@ impl ClientInner {
         let outputs = PyList::empty(py);
         for output in read {
             let shapes = PyList::new(py, output.shapes)?;
+            // A bytearray: the result's tensors are views of it (one copy
+            // out of the cells, none more).
             outputs.append((
-                PyBytes::new(py, output.data),
+                PyByteArray::new(py, output.data),
                 shapes,
                 PyBytes::new(py, output.pad),
             ))?;
