@@ -7,7 +7,15 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-EXT = Path(__file__).resolve().parent.parent / "rust" / "ext" / "src"
+ROOT = Path(__file__).resolve().parent.parent
+EXT = ROOT / "rust" / "ext" / "src"
+PACKAGE = ROOT / "python" / "ferrobatch"
+
+
+def package_files() -> list[Path]:
+    files = [p for p in PACKAGE.rglob("*.py") if "_pb2" not in p.name]
+    assert len(files) >= 30, PACKAGE  # the package was found
+    return files
 
 
 def module_graph() -> dict[str, set[str]]:
@@ -57,13 +65,8 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 def test_the_dtype_table_is_the_cores_alone() -> None:
     """Python's dtype names, v2 datatypes and gRPC contents fields are read
     from the core (``_core.dtypes()``), never restated."""
-    package = EXT.parent.parent / "python" / "ferrobatch"
     restated = re.compile(r'"FP32"\s*:|"float32"\s*:\s*torch\.float32|"fp32_contents"')
-    found = [
-        str(p.relative_to(package))
-        for p in package.rglob("*.py")
-        if "_pb2" not in p.name and restated.search(p.read_text())
-    ]
+    found = [str(p.relative_to(PACKAGE)) for p in package_files() if restated.search(p.read_text())]
     assert found == []
     from ferrobatch import _core
     from ferrobatch.http.protocol import DATATYPES
@@ -75,10 +78,28 @@ def test_the_dtype_table_is_the_cores_alone() -> None:
 def test_content_coding_is_the_native_front_ends_alone() -> None:
     """The Python front-ends undo and apply gzip/deflate with the native
     front-end's code (``_core.inflate``/``compress``/``response_coding``)."""
-    package = EXT.parent.parent / "python" / "ferrobatch"
-    coded = [
-        str(p.relative_to(package))
-        for p in package.rglob("*.py")
-        if re.search(r"^import (zlib|gzip)", p.read_text(), re.M)
-    ]
+    coded = [str(p.relative_to(PACKAGE)) for p in package_files() if re.search(r"^import (zlib|gzip)", p.read_text(), re.M)]
     assert coded == []
+
+
+def test_every_way_in_waits_in_the_cores_pending_table() -> None:
+    """Event loops, blocked threads, native connections and shared-memory
+    clients each keep their requests in the core's ``Pending`` table (which
+    owns register-before-queue, withdrawal and exactly-once counting);
+    nothing else keeps a table of requests by id."""
+    owners = {
+        "rust/ext/src/mailbox.rs": "event loops",
+        "rust/ext/src/threads.rs": "blocked threads",
+        "rust/serve/src/replies.rs": "native connections",
+        "rust/core/src/shm/server.rs": "shared-memory clients",
+    }
+    for path, way_in in owners.items():
+        assert re.search(r"pending: Pending<", (ROOT / path).read_text()), way_in
+    tables = re.compile(r"HashMap<u64,|pending: Py<PyDict>")
+    found = [
+        str(p.relative_to(ROOT))
+        for d in ("rust/ext/src", "rust/serve/src", "rust/core/src")
+        for p in (ROOT / d).rglob("*.rs")
+        if p.name != "pending.rs" and tables.search(p.read_text())
+    ]
+    assert found == []

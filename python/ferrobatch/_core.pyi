@@ -18,7 +18,6 @@ __all__ = [
     "SharedDrain",
     "SharedServer",
     "Submitter",
-    "Ticket",
     "V2Codec",
     "V2Request",
     "V2Tensor",
@@ -106,15 +105,6 @@ def after_fork_in_child() -> None:
     """Forgets the event loops cached before a fork (``os.register_at_fork``)."""
 
 @final
-class Ticket:
-    """One submitted request: its future, deadline timer and inputs."""
-
-    @property
-    def id(self) -> int: ...
-    @property
-    def future(self) -> asyncio.Future[dict[str, torch.Tensor]]: ...
-
-@final
 class Worker:
     """The batch side for one model instance."""
 
@@ -179,7 +169,7 @@ class LoopRegistry:
 
 @final
 class LoopMailbox:
-    """One event loop's requests: pending tickets, posted batches, doorbell."""
+    """One event loop's requests: their pending table, posted batches, doorbell."""
 
     @property
     def doorbell_fd(self) -> int | None: ...

@@ -38,13 +38,15 @@ use crate::sync::{Mutex, MutexGuard};
 use crate::Batcher;
 
 /// Takes a queued request back out of its queue: true when it will never
-/// be run (withdrawn now or before), false when a batch took it.
-pub trait Withdraw {
-    fn withdraw(&self, request: &Request, to: RequestState) -> bool;
+/// be run (withdrawn now or before), false when a batch took it. `held` is
+/// what its entry holds: a table whose requests may sit in several queues
+/// (an event loop's, across a restart) names each one's queue there.
+pub trait Withdraw<H = ()> {
+    fn withdraw(&self, request: &Request, held: &H, to: RequestState) -> bool;
 }
 
-impl Withdraw for Batcher {
-    fn withdraw(&self, request: &Request, to: RequestState) -> bool {
+impl<H> Withdraw<H> for Batcher {
+    fn withdraw(&self, request: &Request, _held: &H, to: RequestState) -> bool {
         Batcher::withdraw(self, request, to)
     }
 }
@@ -130,7 +132,7 @@ impl<A, H> Pending<A, H> {
     /// done). None when it was answered first.
     pub fn abandon(
         &self,
-        queue: &dyn Withdraw,
+        queue: &dyn Withdraw<H>,
         id: u64,
         to: RequestState,
         outcome: Outcome,
@@ -139,7 +141,7 @@ impl<A, H> Pending<A, H> {
         let entry = entries.get_mut(&id)?;
         let answer = entry.answer.take()?;
         self.tally.count(outcome);
-        if queue.withdraw(&entry.request, to) {
+        if queue.withdraw(&entry.request, &entry.held, to) {
             entries.remove(&id); // never read by a worker: its inputs may go
         }
         Some(answer)
@@ -151,7 +153,7 @@ impl<A, H> Pending<A, H> {
     /// a batch took it, it was answered, or `check` refused.
     pub fn withdraw(
         &self,
-        queue: &dyn Withdraw,
+        queue: &dyn Withdraw<H>,
         id: u64,
         check: impl FnOnce(&H) -> bool,
         to: RequestState,
@@ -159,7 +161,10 @@ impl<A, H> Pending<A, H> {
     ) -> Option<(A, H)> {
         let mut entries = self.lock();
         let entry = entries.get(&id)?;
-        if entry.answer.is_none() || !check(&entry.held) || !queue.withdraw(&entry.request, to) {
+        if entry.answer.is_none()
+            || !check(&entry.held)
+            || !queue.withdraw(&entry.request, &entry.held, to)
+        {
             return None;
         }
         let entry = entries.remove(&id)?;
@@ -172,7 +177,7 @@ impl<A, H> Pending<A, H> {
     /// those withdrawn, and how many matching entries a batch still holds.
     pub fn withdraw_where(
         &self,
-        queue: &dyn Withdraw,
+        queue: &dyn Withdraw<H>,
         matches: impl Fn(&H) -> bool,
         to: RequestState,
         outcome: Outcome,
@@ -183,7 +188,7 @@ impl<A, H> Pending<A, H> {
             if !matches(&entry.held) {
                 return true;
             }
-            if !queue.withdraw(&entry.request, to) {
+            if !queue.withdraw(&entry.request, &entry.held, to) {
                 left += 1;
                 return true;
             }
@@ -200,32 +205,45 @@ impl<A, H> Pending<A, H> {
     /// `outcome` for each, and withdraws what no batch took (with no queue,
     /// every entry stays until its batch, if any, is done). The caller
     /// answers the slots returned.
-    pub fn fail_all(&self, queue: Option<&dyn Withdraw>, outcome: Outcome) -> Vec<A> {
+    pub fn fail_all(&self, queue: Option<&dyn Withdraw<H>>, outcome: Outcome) -> Vec<A> {
         let mut answers = Vec::new();
         self.lock().retain(|_, entry| {
             if let Some(answer) = entry.answer.take() {
                 self.tally.count(outcome);
                 answers.push(answer);
             }
-            !queue.is_some_and(|q| q.withdraw(&entry.request, RequestState::Closed))
+            !queue.is_some_and(|q| q.withdraw(&entry.request, &entry.held, RequestState::Closed))
         });
         answers
     }
 
     /// For each of `routes` whose caller still waits, what `pick` reads from
-    /// its `held` (a streaming request's channel for its partial answers),
-    /// the entry left in place. `pick` runs under the table's lock: it must
-    /// only copy or clone.
-    pub fn peek<T>(&self, routes: &[Route], pick: impl Fn(&H) -> Option<T>) -> Vec<(Route, T)> {
+    /// its answer and `held` (a streaming request's channel for its partial
+    /// answers), the entry left in place. `pick` runs under the table's
+    /// lock: it must only copy or clone.
+    pub fn peek<T>(&self, routes: &[Route], pick: impl Fn(&A, &H) -> Option<T>) -> Vec<(Route, T)> {
         let entries = self.lock();
         routes
             .iter()
             .filter_map(|route| {
                 let entry = entries.get(&route.id)?;
-                entry.answer.as_ref()?;
-                Some((*route, pick(&entry.held)?))
+                Some((*route, pick(entry.answer.as_ref()?, &entry.held)?))
             })
             .collect()
+    }
+
+    /// Sets something on the answer of request `id` whose caller still
+    /// waits (its deadline timer, armed once it is queued): false when it
+    /// was answered. `set` runs under the table's lock: it must only move
+    /// a value in.
+    pub fn update(&self, id: u64, set: impl FnOnce(&mut A)) -> bool {
+        match self.lock().get_mut(&id).and_then(|e| e.answer.as_mut()) {
+            Some(answer) => {
+                set(answer);
+                true
+            }
+            None => false,
+        }
     }
 
     /// Takes the entries of a finished batch's `routes` out of the table;
@@ -269,8 +287,8 @@ mod tests {
     /// `Queued` unless a worker took it.
     struct StateOnly;
 
-    impl Withdraw for StateOnly {
-        fn withdraw(&self, request: &Request, to: RequestState) -> bool {
+    impl<H> Withdraw<H> for StateOnly {
+        fn withdraw(&self, request: &Request, _held: &H, to: RequestState) -> bool {
             request.withdraw(to) != crate::request::Withdrawal::Taken
         }
     }
@@ -326,9 +344,9 @@ mod tests {
         assert!(a.take() && b.take());
         table.abandon(&StateOnly, 2, RequestState::Cancelled, Outcome::Cancelled);
         let routes = [route(1, 0), route(2, 1), route(3, 2)];
-        let seen = table.peek(&routes, |held| Some(held.len()));
+        let seen = table.peek(&routes, |_, held| Some(held.len()));
         assert_eq!(seen, vec![(route(1, 0), 1)], "only callers still waiting");
-        assert!(table.peek(&routes, |_| None::<()>).is_empty());
+        assert!(table.peek(&routes, |_, _| None::<()>).is_empty());
         assert_eq!(table.len(), 2, "nothing taken");
         assert_eq!(table.take(&routes).len(), 1);
         assert_eq!(
@@ -474,8 +492,8 @@ mod loom_tests {
 
     struct StateOnly;
 
-    impl Withdraw for StateOnly {
-        fn withdraw(&self, request: &Request, to: RequestState) -> bool {
+    impl<H> Withdraw<H> for StateOnly {
+        fn withdraw(&self, request: &Request, _held: &H, to: RequestState) -> bool {
             request.withdraw(to) != crate::request::Withdrawal::Taken
         }
     }

@@ -1,6 +1,6 @@
 //! The Python classes: `Batcher` (submit side), `Worker` (batch side) and
-//! `Batch` (what a worker got). A request from an event loop is a
-//! [`Ticket`] of its loop's mailbox.
+//! `Batch` (what a worker got). A request from an event loop waits in the
+//! pending table of its loop's mailbox.
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -20,7 +20,7 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyType};
 use crate::errors::{invalid_input, to_pyerr};
 use crate::inputs::{Converter, InputSpec, Keep};
 use crate::loops::LoopRegistry;
-use crate::mailbox::{doorbells, ring_fd, LoopMailbox, Ticket};
+use crate::mailbox::{doorbells, ring_fd, LoopAnswer, LoopHeld, LoopMailbox};
 use crate::threads::{ThreadWaiters, Waiter};
 use crate::without_gil;
 
@@ -202,20 +202,21 @@ impl Batcher {
             .collect()
     }
 
-    /// Validates `inputs` against the specs, queues the request and registers
-    /// its ticket (with a new future of the mailbox's loop) in
-    /// `mailbox.pending`. Call on the mailbox's loop thread. A greedy batcher
-    /// (`max_delay=0`) lets workers take the request once the loop runs the
-    /// `mailbox.flush` the first submit of its iteration schedules.
-    pub(crate) fn submit<'py>(
+    /// Validates `inputs` against the specs, registers the request in the
+    /// mailbox's pending table (answered through a new future of its loop)
+    /// and queues it: the future and the queued request. Call on the
+    /// mailbox's loop thread. A greedy batcher (`max_delay=0`) lets workers
+    /// take the request once the loop runs the `mailbox.flush` the first
+    /// submit of its iteration schedules.
+    pub(crate) fn submit(
         &self,
-        py: Python<'py>,
-        inputs: &Bound<'py, PyAny>,
-        mailbox: &Bound<'py, LoopMailbox>,
+        py: Python<'_>,
+        inputs: &Bound<'_, PyAny>,
+        mailbox: &Bound<'_, LoopMailbox>,
         submission: core::Submission,
         batched: bool,
         stream: Option<Py<PyAny>>,
-    ) -> PyResult<Bound<'py, Ticket>> {
+    ) -> PyResult<(Py<PyAny>, Arc<core::Request>)> {
         let (rows, bytes, keep, absent) = self.converter.convert_dict(py, inputs, batched)?;
         let submission = core::Submission {
             absent,
@@ -225,23 +226,34 @@ impl Batcher {
         let future = mailbox.get().new_future(py)?;
         LoopMailbox::schedule_flush(mailbox, &self.core)?;
         let mailbox = mailbox.get();
-        let request = self
-            .core
-            .submit_request(
-                Sink::EventLoop(mailbox.loop_id()),
-                rows,
-                bytes.into_boxed_slice(),
-                submission,
-                |_| (),
-            )
-            .map_err(|e| to_pyerr(py, e))?;
+        let answer = LoopAnswer::new(future.clone_ref(py), batched, stream);
+        let mut entry = Some((answer, LoopHeld::new(self.core.clone(), keep)));
+        let mut registered = None;
+        let submitted = self.core.submit_request(
+            Sink::EventLoop(mailbox.loop_id()),
+            rows,
+            bytes.into_boxed_slice(),
+            submission,
+            |r| {
+                if let Some((answer, held)) = entry.take() {
+                    mailbox.register(r, answer, held);
+                    registered = Some(r.id);
+                }
+            },
+        );
+        let request = match submitted {
+            Ok(request) => request,
+            Err(err) => {
+                if let Some(id) = registered {
+                    mailbox.unregister(id);
+                }
+                return Err(to_pyerr(py, err));
+            }
+        };
         if self.core.readiness() == Readiness::OnFlush {
             mailbox.add_unflushed(rows);
         }
-        let ticket = Ticket::new(request, self.core.clone(), future, batched, stream, keep);
-        let ticket = Bound::new(py, ticket)?;
-        mailbox.add_pending(py, &ticket)?;
-        Ok(ticket)
+        Ok((future, request))
     }
 
     /// Queues a request from a plain thread, registered with `waiters`

@@ -46,7 +46,6 @@ where
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<batcher::Batcher>()?;
-    m.add_class::<mailbox::Ticket>()?;
     m.add_class::<batcher::Worker>()?;
     m.add_class::<batcher::Batch>()?;
     m.add_class::<loops::LoopRegistry>()?;

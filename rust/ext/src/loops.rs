@@ -90,7 +90,7 @@ impl LoopRegistry {
             shared.tally().add_to(&mut counts, &mut request_ns);
         }
         for mailbox in self.all(py) {
-            mailbox.get().tally.add_to(&mut counts, &mut request_ns);
+            mailbox.get().tally().add_to(&mut counts, &mut request_ns);
         }
         let stats = PyDict::new(py);
         for outcome in Outcome::ALL {
@@ -327,7 +327,7 @@ impl LoopRegistry {
         };
         let mailbox = Bound::new(
             py,
-            LoopMailbox::new(py, loop_id, event_loop, self.model_name.clone())?,
+            LoopMailbox::new(loop_id, event_loop, self.model_name.clone())?,
         )?;
         watch_doorbell(py, event_loop, &mailbox)?;
         let mailbox = mailbox.unbind();
@@ -357,10 +357,10 @@ impl LoopRegistry {
                 .call_method0(intern!(py, "is_closed"))
                 .and_then(|c| c.is_truthy())
                 .unwrap_or(false);
-            if !closed || !mailbox.get().abandon(py) {
+            if !closed || !mailbox.get().abandon() {
                 continue;
             }
-            self.retired.absorb(&mailbox.get().tally);
+            self.retired.absorb(mailbox.get().tally());
             let mut mailboxes = self.lock();
             mailboxes.by_id.remove(&mailbox.get().loop_id());
             mailboxes.by_loop.remove(&(event_loop.as_ptr() as usize));

@@ -1,5 +1,9 @@
 //! Event loops as a way in: each loop's `LoopMailbox` (its pending
-//! requests' `Ticket`s, what its callers saw, its doorbell).
+//! requests, what its callers saw, its doorbell).
+//!
+//! A loop's requests wait in the core's pending table
+//! ([`ferrobatch_core::pending`], which owns the exactly-once rules): a
+//! caller is answered through its future, resolved on the loop's thread.
 //!
 //! A worker finishes a batch with one call (`Worker.finish`): it posts the
 //! batch's outcome into the mailbox of each event loop it has requests from
@@ -13,21 +17,23 @@
 //! rule): a busy loop gets one wake-up however many batches land before it
 //! drains, and no post is ever left undrained.
 //!
-//! Failing a request has one path, [`LoopMailbox::fail`], whatever the
-//! reason (deadline, stop, model error, a fan-out that could not take the
-//! rows); a caller's cancellation goes through [`LoopMailbox::cancel`],
-//! which also settles what the caller saw. Everything here but `post` and
-//! the ringing runs on the mailbox's loop thread.
+//! A task may cancel the future it awaits before the mailbox hears of it
+//! (`cancel` comes later in the same loop iteration). So whoever takes the
+//! answer of a future already done counts `Cancelled`, what its caller saw,
+//! and hands it nothing; `cancel` settles the rest. Everything here but
+//! `post`, `listening` and the ringing runs on the mailbox's loop thread.
 
 use std::fs::File;
 use std::io::{Read, Write};
 use std::mem::ManuallyDrop;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
-use ferrobatch_core::{Batcher, Inbox, Outcome, Request, RequestState, Route, Tally, Unflushed};
+use ferrobatch_core::{
+    Batcher, Inbox, Outcome, Pending, Request, RequestState, Route, Tally, Unflushed, Withdraw,
+};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -35,7 +41,9 @@ use pyo3::types::PyDict;
 
 use crate::errors::ferrobatch_error;
 use crate::inputs::Keep;
-use crate::results::{outcome_of_error, BatchOutcome, FailedRows, ModelFailure, ResultRows};
+use crate::results::{
+    outcome_of_error, BatchAnswers, BatchOutcome, FailedRows, ModelFailure, ResultRows,
+};
 
 /// One batch's outcome for one loop, waiting to be drained; or (`partial`)
 /// one response of a decoupled model's batch, for its streaming requests.
@@ -44,6 +52,57 @@ struct Post {
     outcome: BatchOutcome,
     failed: Option<FailedRows>,
     partial: bool,
+}
+
+/// How a loop's caller is answered.
+pub(crate) struct LoopAnswer {
+    /// Resolved once, on the loop's thread, with the outputs or an error.
+    future: Py<PyAny>,
+    /// The deadline's TimerHandle (its callback's args hold the mailbox and
+    /// the request id, never the answer): cancelled by whoever answers.
+    timer: Option<Py<PyAny>>,
+    /// A multi-row request (`infer_batch`): its result keeps the batch dimension.
+    batched: bool,
+    /// A decoupled model's request: where each response goes
+    /// (`put_nowait`); its future then resolves at the end of the stream.
+    stream: Option<Py<PyAny>>,
+}
+
+impl LoopAnswer {
+    pub(crate) fn new(future: Py<PyAny>, batched: bool, stream: Option<Py<PyAny>>) -> LoopAnswer {
+        LoopAnswer {
+            future,
+            timer: None,
+            batched,
+            stream,
+        }
+    }
+}
+
+/// What a loop's request holds until no batch can read its inputs.
+pub(crate) struct LoopHeld {
+    /// The queue it went to: a loop's requests may outlive a batcher
+    /// (a server stopped and started again).
+    batcher: Arc<Batcher>,
+    _keep: Vec<Keep>,
+}
+
+impl LoopHeld {
+    pub(crate) fn new(batcher: Arc<Batcher>, keep: Vec<Keep>) -> LoopHeld {
+        LoopHeld {
+            batcher,
+            _keep: keep,
+        }
+    }
+}
+
+/// Withdraws a loop's request from the queue it went to.
+struct ItsQueue;
+
+impl Withdraw<LoopHeld> for ItsQueue {
+    fn withdraw(&self, request: &Request, held: &LoopHeld, to: RequestState) -> bool {
+        held.batcher.withdraw(request, to)
+    }
 }
 
 /// The file descriptors a loop watches; `write` is None for an eventfd.
@@ -81,16 +140,14 @@ pub(crate) fn doorbells(mailboxes: &[Py<LoopMailbox>]) -> Vec<(RawFd, bool)> {
         .collect()
 }
 
-/// One event loop's requests to one server: pending tickets by id, what
-/// its callers saw, posted batches and the doorbell.
+/// One event loop's requests to one server: the pending table, what its
+/// callers saw, posted batches and the doorbell.
 #[pyclass(frozen, module = "ferrobatch._core")]
 pub struct LoopMailbox {
     loop_id: u32,
     pub(crate) event_loop: Py<PyAny>,
     model_name: Arc<str>,
-    /// Request id -> Ticket, for requests submitted from this loop.
-    pending: Py<PyDict>,
-    pub(crate) tally: Tally,
+    pending: Pending<LoopAnswer, LoopHeld>,
     create_future: Py<PyAny>,
     call_soon: Py<PyAny>,
     call_later: Py<PyAny>,
@@ -120,8 +177,8 @@ impl LoopMailbox {
     /// Requests of this loop not resolved yet (or resolved, and still held
     /// by the batch that took them).
     #[getter]
-    fn pending_count(&self, py: Python<'_>) -> usize {
-        self.pending.bind(py).len()
+    fn pending_count(&self) -> usize {
+        self.pending.len()
     }
 
     /// Readies for the workers the requests this loop submitted since the
@@ -132,44 +189,36 @@ impl LoopMailbox {
 
     /// The deadline timer of request `id` fired (loop thread).
     fn expire(&self, py: Python<'_>, id: u64, timeout: f64) {
-        self.fail(
-            py,
+        let gave_up = self.pending.abandon(
+            &ItsQueue,
             id,
-            Some(RequestState::Expired),
+            RequestState::Expired,
             Outcome::DeadlineExceeded,
-            || {
-                let message = format!(
-                    "request to model '{}' exceeded its {timeout}s timeout",
-                    self.model_name
-                );
-                ferrobatch_error(py, "DeadlineExceededError", message)
-            },
         );
+        if let Some(answer) = gave_up {
+            let message = format!(
+                "request to model '{}' exceeded its {timeout}s timeout",
+                self.model_name
+            );
+            let error = ferrobatch_error(py, "DeadlineExceededError", message);
+            self.settle(py, answer, Err(&error), Outcome::DeadlineExceeded);
+        }
     }
 
     /// Fails every request still pending with `ServerClosedError` (loop thread).
     fn fail_all(&self, py: Python<'_>, message: &str) {
-        let ids: Vec<u64> = self
+        for answer in self
             .pending
-            .bind(py)
-            .keys()
-            .iter()
-            .filter_map(|k| k.extract().ok())
-            .collect();
-        for id in ids {
-            self.fail(
-                py,
-                id,
-                Some(RequestState::Closed),
-                Outcome::ServerClosed,
-                || ferrobatch_error(py, "ServerClosedError", message.to_owned()),
-            );
+            .fail_all(Some(&ItsQueue), Outcome::ServerClosed)
+        {
+            let error = ferrobatch_error(py, "ServerClosedError", message.to_owned());
+            self.settle(py, answer, Err(&error), Outcome::ServerClosed);
         }
     }
 
     /// Resolves everything posted since the last drain (loop thread; the
     /// doorbell's reader callback).
-    fn drain(&self, py: Python<'_>) -> PyResult<()> {
+    fn drain(&self, py: Python<'_>) {
         if let Some(d) = self.doorbell.get() {
             // SAFETY: as in `ring_fd`; the fd is non-blocking, so this never waits.
             let mut file = ManuallyDrop::new(unsafe { File::from_raw_fd(d.read.as_raw_fd()) });
@@ -178,10 +227,9 @@ impl LoopMailbox {
         }
         let posts = self.inbox.drain();
         if posts.is_empty() {
-            return Ok(());
+            return;
         }
         self.wakeups.fetch_add(1, Ordering::Relaxed);
-        let mut first_error = None;
         for post in posts {
             if post.partial {
                 if let Ok(outputs) = &post.outcome {
@@ -189,39 +237,23 @@ impl LoopMailbox {
                 }
                 continue;
             }
-            match post.outcome {
-                Ok(outputs) => {
-                    let routes = match &post.failed {
-                        Some(failed) => self.fail_rows(py, &post.routes, failed),
-                        None => post.routes.clone(),
-                    };
-                    if let Err(e) = self.resolve(py, &routes, outputs.bind(py)) {
-                        // A bug, or outputs Python refused to index: whatever
-                        // it was, no caller of this batch is left waiting.
-                        self.fail_batch(py, &routes, e.value(py), "could not deliver its rows:");
-                        first_error.get_or_insert(e);
-                    }
-                }
-                Err(error) => self.fail_batch(py, &post.routes, error.bind(py), "raised"),
-            }
+            self.resolve(py, &post);
         }
-        first_error.map_or(Ok(()), Err)
     }
 }
 
 impl LoopMailbox {
     pub(crate) fn new(
-        py: Python<'_>,
         loop_id: u32,
         event_loop: &Bound<'_, PyAny>,
         model_name: Arc<str>,
     ) -> PyResult<LoopMailbox> {
+        let py = event_loop.py();
         Ok(LoopMailbox {
             loop_id,
             event_loop: event_loop.clone().unbind(),
             model_name,
-            pending: PyDict::new(py).unbind(),
-            tally: Tally::default(),
+            pending: Pending::new(),
             create_future: event_loop.getattr(intern!(py, "create_future"))?.unbind(),
             call_soon: event_loop.getattr(intern!(py, "call_soon"))?.unbind(),
             call_later: event_loop.getattr(intern!(py, "call_later"))?.unbind(),
@@ -230,6 +262,11 @@ impl LoopMailbox {
             doorbell: OnceLock::new(),
             wakeups: AtomicU64::new(0),
         })
+    }
+
+    /// What this loop's callers saw.
+    pub(crate) fn tally(&self) -> &Tally {
+        self.pending.tally()
     }
 
     /// Takes ownership of the doorbell's non-blocking file descriptors: an
@@ -280,94 +317,46 @@ impl LoopMailbox {
         py: Python<'_>,
         routes: impl Iterator<Item = Route>,
     ) -> Vec<Route> {
-        let pending = self.pending.bind(py);
-        routes
-            .filter(|route| {
-                let Ok(Some(entry)) = pending.get_item(route.id) else {
-                    return false;
-                };
-                entry
-                    .cast_into::<Ticket>()
-                    .is_ok_and(|ticket| !is_done(ticket.get().future.bind(py)))
-            })
+        let routes: Vec<Route> = routes.collect();
+        self.pending
+            .peek(&routes, |answer, _| Some(answer.future.clone_ref(py)))
+            .into_iter()
+            .filter(|(_, future)| !is_done(future.bind(py)))
+            .map(|(route, _)| route)
             .collect()
     }
 
-    /// Hands each streaming request of `routes` still awaited its rows of
-    /// one response (`put_nowait` on its stream; loop thread). Rows that
-    /// cannot be taken from the outputs fail that request as a model error.
-    fn stream_rows(&self, py: Python<'_>, routes: &[Route], outputs: &Bound<'_, PyDict>) {
-        let mut rows = ResultRows::new(outputs);
-        let pending = self.pending.bind(py);
-        for route in routes {
-            let Ok(Some(entry)) = pending.get_item(route.id) else {
-                continue;
-            };
-            let Ok(ticket) = entry.cast_into::<Ticket>() else {
-                continue;
-            };
-            let ticket = ticket.get();
-            let Some(stream) = &ticket.stream else {
-                continue;
-            };
-            if is_done(ticket.future.bind(py)) {
-                continue; // its caller is gone
-            }
-            let handed = rows
-                .result(route, ticket.batched)
-                .and_then(|result| stream.call_method1(py, intern!(py, "put_nowait"), (result,)));
-            if let Err(err) = handed {
-                let what = "returned a response its rows could not be taken from:";
-                self.fail_batch(py, std::slice::from_ref(route), err.value(py), what);
-            }
-        }
-    }
-
-    /// Fails the requests of `routes` listed in `failed` (each with its own
-    /// error, as `fail_batch` does) and returns the others, to resolve.
-    fn fail_rows(
-        &self,
-        py: Python<'_>,
-        routes: &Arc<Vec<Route>>,
-        failed: &[(u32, Py<PyAny>)],
-    ) -> Arc<Vec<Route>> {
-        let mut rest = Vec::with_capacity(routes.len());
-        for route in routes.iter() {
-            match failed.binary_search_by_key(&route.start, |(start, _)| *start) {
-                Ok(i) => {
-                    let error = failed[i].1.bind(py);
-                    self.fail_batch(py, std::slice::from_ref(route), error, "raised");
-                }
-                Err(_) => rest.push(*route),
-            }
-        }
-        Arc::new(rest)
-    }
-
-    /// Submit side (loop thread): a new future of this loop, for a ticket.
+    /// Submit side (loop thread): a new future of this loop, for a request.
     pub(crate) fn new_future(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         self.create_future.call0(py)
     }
 
-    /// Submit side (loop thread): registers a queued request's ticket.
-    pub(crate) fn add_pending(&self, py: Python<'_>, ticket: &Bound<'_, Ticket>) -> PyResult<()> {
-        self.pending.bind(py).set_item(ticket.get().id(), ticket)
+    /// Submit side: registers `request` (not queued yet) with its answer
+    /// and what it holds.
+    pub(crate) fn register(&self, request: &Arc<Request>, answer: LoopAnswer, held: LoopHeld) {
+        self.pending.register(request, answer, held);
     }
 
-    /// Submit side (loop thread): arms the deadline timer of a queued request.
-    pub(crate) fn arm_timer(
-        this: &Bound<'_, LoopMailbox>,
-        ticket: &Ticket,
-        timeout: f64,
-    ) -> PyResult<()> {
+    /// Submit side: drops the entry of a request the queue refused.
+    pub(crate) fn unregister(&self, id: u64) {
+        self.pending.unregister(id);
+    }
+
+    /// Submit side (loop thread): arms the deadline timer of queued request `id`.
+    pub(crate) fn arm_timer(this: &Bound<'_, LoopMailbox>, id: u64, timeout: f64) -> PyResult<()> {
         let py = this.py();
         let expire = this.getattr(intern!(py, "expire"))?;
-        // The handle's args hold the mailbox and the id, never the ticket.
         let handle = this
             .get()
             .call_later
-            .call1(py, (timeout, expire, ticket.id(), timeout))?;
-        ticket.set_timer(handle);
+            .call1(py, (timeout, expire, id, timeout))?;
+        let mut handle = Some(handle);
+        this.get()
+            .pending
+            .update(id, |answer| answer.timer = handle.take());
+        if let Some(unused) = handle {
+            unused.call_method0(py, intern!(py, "cancel"))?; // answered already
+        }
         Ok(())
     }
 
@@ -376,7 +365,7 @@ impl LoopMailbox {
     /// for batchers that wait for it (`Readiness::OnFlush`).
     pub(crate) fn schedule_flush(
         this: &Bound<'_, LoopMailbox>,
-        batcher: &Arc<ferrobatch_core::Batcher>,
+        batcher: &Arc<Batcher>,
     ) -> PyResult<()> {
         let mailbox = this.get();
         if mailbox.unflushed.open(batcher) {
@@ -407,79 +396,90 @@ impl LoopMailbox {
     }
 
     /// Settles requests nobody can await any more (the loop is closed):
-    /// withdraws the queued ones and drops delivered batches. True once no
-    /// batch holds any of them, so the mailbox may go.
-    pub(crate) fn abandon(&self, py: Python<'_>) -> bool {
-        let posts = self.inbox.drain();
-        let pending = self.pending.bind(py);
-        for post in &posts {
-            for route in post.routes.iter() {
-                let _ = pending.del_item(route.id);
-            }
+    /// drops delivered batches and withdraws the queued requests (counted
+    /// as cancelled: their tasks are gone). True once no batch holds any of
+    /// them, so the mailbox may go.
+    pub(crate) fn abandon(&self) -> bool {
+        for post in self.inbox.drain() {
+            drop(self.pending.take(&post.routes)); // nobody is left to hand them to
         }
-        let entries: Vec<_> = pending.iter().collect();
-        for (key, entry) in entries {
-            let Ok(ticket) = entry.cast_into::<Ticket>() else {
+        self.pending.withdraw_where(
+            &ItsQueue,
+            |_| true,
+            RequestState::Closed,
+            Outcome::Cancelled,
+        );
+        self.pending.is_empty()
+    }
+
+    /// Answers this loop's requests of one finished batch: each gets its
+    /// rows (`{name: row}`, or `{name: rows}` for a multi-row request), or
+    /// the `ModelError` of its batch or of its own rows.
+    fn resolve(&self, py: Python<'_>, post: &Post) {
+        let taken = self.pending.take(&post.routes);
+        if taken.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        let mut answers =
+            BatchAnswers::new(py, &self.model_name, &post.outcome, post.failed.as_ref());
+        for t in taken {
+            let answer = answers.answer(&t.route, t.answer.batched);
+            let counted = match (&answer, hand_over(py, t.answer, answer.as_ref().map(Some))) {
+                (_, false) => Outcome::Cancelled, // its task cancelled the future first
+                (Ok(_), true) => Outcome::Succeeded,
+                (Err(_), true) => Outcome::ModelError,
+            };
+            self.pending.count(counted, t.enqueued_at, now);
+        }
+    }
+
+    /// Hands each streaming request of `routes` still awaited its rows of
+    /// one response (`put_nowait` on its stream; loop thread). Rows that
+    /// cannot be taken from the outputs fail that request as a model error.
+    fn stream_rows(&self, py: Python<'_>, routes: &[Route], outputs: &Bound<'_, PyDict>) {
+        let mut rows = ResultRows::new(outputs);
+        let listening = self.pending.peek(routes, |answer, _| {
+            let stream = answer.stream.as_ref()?.clone_ref(py);
+            Some((answer.future.clone_ref(py), stream, answer.batched))
+        });
+        for (route, (future, stream, batched)) in listening {
+            if is_done(future.bind(py)) {
+                continue; // its caller is gone
+            }
+            let handed = rows
+                .result(&route, batched)
+                .and_then(|result| stream.call_method1(py, intern!(py, "put_nowait"), (result,)));
+            let Err(err) = handed else {
                 continue;
             };
-            if ticket.get().withdraw_as(RequestState::Closed) {
-                let _ = pending.del_item(key);
+            let what = "returned a response its rows could not be taken from:";
+            let failure = ModelFailure::new(py, &self.model_name, err.value(py), what);
+            // Its batch holds it: the entry stays until the batch is done.
+            let gave_up = self.pending.abandon(
+                &ItsQueue,
+                route.id,
+                RequestState::Cancelled,
+                Outcome::ModelError,
+            );
+            if let Some(answer) = gave_up {
+                self.settle(py, answer, Err(&failure.error(py)), Outcome::ModelError);
             }
         }
-        pending.is_empty()
     }
 
-    /// The one path that fails request `id`: cancels its deadline timer,
-    /// withdraws it (`withdraw_as`; None for a request whose batch is done),
-    /// lets the ticket (and its inputs) go once no batch can read them, and
-    /// hands its future `error()` unless it is resolved already, counting
-    /// `outcome` then. Cannot fail: a request it cannot fail is one resolved
-    /// already.
-    fn fail(
+    /// Hands over an answer taken by giving up on its request, counted as
+    /// `counted` already: recounted as cancelled if its task cancelled the
+    /// future first.
+    fn settle(
         &self,
         py: Python<'_>,
-        id: u64,
-        withdraw_as: Option<RequestState>,
-        outcome: Outcome,
-        error: impl FnOnce() -> PyErr,
+        answer: LoopAnswer,
+        outcome: Result<Option<&Bound<'_, PyDict>>, &PyErr>,
+        counted: Outcome,
     ) {
-        let pending = self.pending.bind(py);
-        let Ok(Some(entry)) = pending.get_item(id) else {
-            return;
-        };
-        let Ok(ticket) = entry.cast_into::<Ticket>() else {
-            return;
-        };
-        let ticket = ticket.get();
-        let _ = ticket.cancel_timer(py);
-        // Still held by a batch (it took the request): its inputs stay until
-        // that batch resolves it.
-        let gone = match withdraw_as {
-            Some(to) => ticket.withdraw_as(to),
-            None => true,
-        };
-        if gone {
-            let _ = pending.del_item(id);
-        }
-        let future = ticket.future.bind(py);
-        if is_done(future) {
-            return;
-        }
-        let set = future.call_method1(intern!(py, "set_exception"), (error().value(py),));
-        if set.is_ok() {
-            self.tally.count(outcome);
-        }
-    }
-
-    /// Fails this loop's requests of a batch with `ModelError`: its model
-    /// call raised `error` (or the fan-out could not take its rows, `what`).
-    /// The message is made once, and cannot raise.
-    fn fail_batch(&self, py: Python<'_>, routes: &[Route], error: &Bound<'_, PyAny>, what: &str) {
-        let failure = ModelFailure::new(py, &self.model_name, error, what);
-        for route in routes {
-            self.fail(py, route.id, None, Outcome::ModelError, || {
-                failure.error(py)
-            });
+        if !hand_over(py, answer, outcome) {
+            self.pending.tally().recount(counted, Outcome::Cancelled);
         }
     }
 
@@ -493,91 +493,60 @@ impl LoopMailbox {
         id: u64,
         future: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let pending = self.pending.bind(py);
-        if let Some(entry) = pending.get_item(id)? {
-            let ticket = entry.cast_into::<Ticket>()?;
-            let ticket = ticket.get();
-            ticket.cancel_timer(py)?;
-            if ticket.withdraw_as(RequestState::Cancelled) {
-                pending.del_item(id)?; // never runs: its inputs may go
+        let gave_up =
+            self.pending
+                .abandon(&ItsQueue, id, RequestState::Cancelled, Outcome::Cancelled);
+        if let Some(answer) = gave_up {
+            hand_over(py, answer, Ok(None)); // counted: a late result is dropped
+            if !is_done(future) {
+                future.call_method0(intern!(py, "cancel"))?;
             }
+            return Ok(());
         }
         if !is_done(future) {
-            future.call_method0(intern!(py, "cancel"))?; // a late result is dropped, uncounted
+            future.call_method0(intern!(py, "cancel"))?;
+            self.pending.tally().count(Outcome::Cancelled);
         } else if !future.call_method0(intern!(py, "cancelled"))?.is_truthy()? {
+            // Answered in this iteration, before its task saw it.
             let error = future.call_method0(intern!(py, "exception"))?;
             let counted = if error.is_none() {
                 Outcome::Succeeded
             } else {
                 outcome_of_error(py, &error)
             };
-            self.tally.recount(counted, Outcome::Cancelled);
-            return Ok(());
+            self.pending.tally().recount(counted, Outcome::Cancelled);
         }
-        self.tally.count(Outcome::Cancelled);
+        // Otherwise whoever took its answer counted it cancelled.
         Ok(())
     }
+}
 
-    /// Resolves this loop's requests of one successful batch.
-    ///
-    /// Each pending ticket found is given `{name: row}` (one-sample
-    /// requests: a row of `outputs[name].unbind(0)`, made here at most once
-    /// per batch, and only if a one-sample request is in it: the loop thread
-    /// runs it, so the worker never drops the GIL for it) or
-    /// `{name: outputs[name][first:first + n]}` (multi-row requests), then
-    /// removed, its timer cancelled, and its future resolved. A future
-    /// already done (its task was cancelled, or its deadline passed)
-    /// refuses the result, and that is fine: it was resolved once already.
-    /// Rows that cannot be taken from the outputs fail as a model error.
-    fn resolve(
-        &self,
-        py: Python<'_>,
-        routes: &[Route],
-        outputs: &Bound<'_, PyDict>,
-    ) -> PyResult<()> {
-        let mut rows = ResultRows::new(outputs);
-        let pending = self.pending.bind(py);
-        let now = Instant::now();
-        let (mut succeeded, mut request_ns) = (0u64, 0u64);
-        let mut unbuilt: Vec<Route> = Vec::new();
-        let mut build_error = None;
-        for route in routes {
-            let key = route.id.into_pyobject(py)?;
-            let Some(entry) = pending.get_item(&key)? else {
-                continue;
-            };
-            let entry = entry.cast_into::<Ticket>()?;
-            let ticket = entry.get();
-            let result = match rows.result(route, ticket.batched) {
-                Ok(result) => result,
-                Err(err) => {
-                    unbuilt.push(*route);
-                    build_error.get_or_insert(err);
-                    continue;
-                }
-            };
-            pending.del_item(&key)?;
-            ticket.cancel_timer(py)?;
-            let future = ticket.future.bind(py);
-            match future.call_method1(intern!(py, "set_result"), (result,)) {
-                Ok(_) => {
-                    succeeded += 1;
-                    request_ns += now
-                        .saturating_duration_since(ticket.enqueued_at())
-                        .as_nanos() as u64;
-                }
-                // Already resolved (cancelled, or past its deadline): drop the result.
-                Err(_) if is_done(future) => {}
-                Err(e) => return Err(e),
-            }
+/// Hands a taken answer over: cancels its deadline timer, then resolves its
+/// future with a result (`Ok(Some)`), an error, or nothing (`Ok(None)`: its
+/// caller is gone). False when the future was done already (its task
+/// cancelled it) and refused what it was handed, which is fine: the caller
+/// counts what its caller saw.
+fn hand_over(
+    py: Python<'_>,
+    answer: LoopAnswer,
+    outcome: Result<Option<&Bound<'_, PyDict>>, &PyErr>,
+) -> bool {
+    if let Some(timer) = answer.timer {
+        let _ = timer.call_method0(py, intern!(py, "cancel"));
+    }
+    let future = answer.future.bind(py);
+    let handed = match outcome {
+        Ok(None) => return true,
+        Ok(Some(result)) => future.call_method1(intern!(py, "set_result"), (result,)),
+        Err(error) => future.call_method1(intern!(py, "set_exception"), (error.value(py),)),
+    };
+    match handed {
+        Ok(_) => true,
+        Err(_) if is_done(future) => false,
+        Err(err) => {
+            err.write_unraisable(py, Some(future)); // a bug: the future took nothing
+            true
         }
-        self.tally.count_n(Outcome::Succeeded, succeeded);
-        self.tally.add_request_ns(request_ns);
-        if let Some(err) = build_error {
-            let what = "returned outputs its rows could not be taken from:";
-            self.fail_batch(py, &unbuilt, err.value(py), what);
-        }
-        Ok(())
     }
 }
 
@@ -587,93 +556,4 @@ fn is_done(future: &Bound<'_, PyAny>) -> bool {
         .call_method0(intern!(py, "done"))
         .and_then(|d| d.is_truthy())
         .unwrap_or(true)
-}
-
-/// One submitted request: its future, deadline timer, and the caller's input
-/// objects, held alive until the request is resolved or withdrawn
-/// (`withdraw` returned True); its loop's `pending` holds it until then.
-///
-/// Not seen by Python's cycle collector (cheaper per request), so nothing the
-/// ticket refers to may refer back to it once it is resolved: callers await
-/// its future without keeping the ticket, and the deadline timer (whose
-/// callback holds the ticket) is dropped by `cancel_timer` on every path.
-#[pyclass(frozen, module = "ferrobatch._core")]
-pub struct Ticket {
-    request: Arc<Request>,
-    batcher: Arc<Batcher>,
-    /// Resolved once, on the submitting loop, with the outputs or an error.
-    pub(crate) future: Py<PyAny>,
-    /// The deadline's TimerHandle (its callback args hold the mailbox and
-    /// the request id): cancelled and dropped when the request resolves.
-    timer: Mutex<Option<Py<PyAny>>>,
-    /// A multi-row request (`infer_batch`): its result keeps the batch dimension.
-    pub(crate) batched: bool,
-    /// A decoupled model's request: where each response goes
-    /// (`put_nowait`); its future then resolves at the end of the stream.
-    pub(crate) stream: Option<Py<PyAny>>,
-    _keep: Vec<Keep>,
-}
-
-impl Ticket {
-    pub(crate) fn new(
-        request: Arc<Request>,
-        batcher: Arc<Batcher>,
-        future: Py<PyAny>,
-        batched: bool,
-        stream: Option<Py<PyAny>>,
-        keep: Vec<Keep>,
-    ) -> Ticket {
-        Ticket {
-            request,
-            batcher,
-            future,
-            timer: Mutex::new(None),
-            batched,
-            stream,
-            _keep: keep,
-        }
-    }
-
-    pub(crate) fn enqueued_at(&self) -> Instant {
-        self.request.enqueued_at
-    }
-
-    /// True if the request has a deadline (a timeout short enough to
-    /// represent; a longer one means none).
-    pub(crate) fn has_deadline(&self) -> bool {
-        self.request.deadline.is_some()
-    }
-
-    /// Remembers the request's deadline timer, cancelled when it resolves.
-    pub(crate) fn set_timer(&self, handle: Py<PyAny>) {
-        *self.timer.lock().unwrap_or_else(|e| e.into_inner()) = Some(handle);
-    }
-
-    /// Cancels the deadline timer, if any, and lets go of it.
-    pub(crate) fn cancel_timer(&self, py: Python<'_>) -> PyResult<()> {
-        let timer = self.timer.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(timer) = timer {
-            timer.call_method0(py, intern!(py, "cancel"))?;
-        }
-        Ok(())
-    }
-
-    /// Withdraws the request (`to`: `Cancelled`, `Expired` or `Closed`).
-    /// True if it will never run; False if a batch already took it.
-    pub(crate) fn withdraw_as(&self, to: RequestState) -> bool {
-        self.batcher.withdraw(&self.request, to)
-    }
-}
-
-#[pymethods]
-impl Ticket {
-    #[getter]
-    pub(crate) fn id(&self) -> u64 {
-        self.request.id
-    }
-
-    #[getter]
-    fn future(&self, py: Python<'_>) -> Py<PyAny> {
-        self.future.clone_ref(py)
-    }
 }

@@ -183,3 +183,57 @@ impl<'py> ResultRows<'py> {
         Ok(result)
     }
 }
+
+/// The answers of a finished batch's requests, for the ways in that answer
+/// with Python objects (event loops, blocked threads): each request's rows
+/// of the outputs, or the `ModelError` of its batch or of its own rows.
+pub(crate) struct BatchAnswers<'a, 'py> {
+    py: Python<'py>,
+    model_name: &'a str,
+    rows: Result<ResultRows<'py>, ModelFailure>,
+    failed: Option<&'a FailedRows>,
+}
+
+impl<'a, 'py> BatchAnswers<'a, 'py> {
+    pub(crate) fn new(
+        py: Python<'py>,
+        model_name: &'a str,
+        outcome: &'a BatchOutcome,
+        failed: Option<&'a FailedRows>,
+    ) -> BatchAnswers<'a, 'py> {
+        let rows = match outcome {
+            Ok(outputs) => Ok(ResultRows::new(outputs.bind(py))),
+            Err(error) => Err(ModelFailure::new(py, model_name, error.bind(py), "raised")),
+        };
+        BatchAnswers {
+            py,
+            model_name,
+            rows,
+            failed,
+        }
+    }
+
+    /// The answer of the request `route` routes (`batched`: a multi-row
+    /// request): its result, or the `ModelError` it gets (a failure counted
+    /// as `Outcome::ModelError`).
+    pub(crate) fn answer(&mut self, route: &Route, batched: bool) -> PyResult<Bound<'py, PyDict>> {
+        let py = self.py;
+        let rows = match &mut self.rows {
+            Ok(rows) => rows,
+            Err(failure) => return Err(failure.error(py)),
+        };
+        let failed_alone = self.failed.and_then(|f| {
+            let i = f
+                .binary_search_by_key(&route.start, |(start, _)| *start)
+                .ok()?;
+            Some(&f[i].1)
+        });
+        if let Some(error) = failed_alone {
+            return Err(ModelFailure::new(py, self.model_name, error.bind(py), "raised").error(py));
+        }
+        rows.result(route, batched).map_err(|err| {
+            let what = "returned outputs its rows could not be taken from:";
+            ModelFailure::new(py, self.model_name, err.value(py), what).error(py)
+        })
+    }
+}

@@ -168,13 +168,13 @@ impl Submitter {
             // Counted like any refusal (as what it is: not running, or a
             // decoupled model's), where there is a loop to count it in.
             if let Ok(mailbox) = self.mailbox(py) {
-                mailbox.get().tally.count(outcome_of_error(py, &refusal));
+                mailbox.get().tally().count(outcome_of_error(py, &refusal));
             }
             return Err(PyErr::from_value(refusal));
         };
         let mailbox = self.mailbox(py)?;
         if self.decoupled != stream.is_some() {
-            mailbox.get().tally.count(Outcome::InvalidInput);
+            mailbox.get().tally().count(Outcome::InvalidInput);
             return Err(self.wrong_call(py, stream.is_some()));
         }
         let submitted = submission(py, timeout, priority, parameters).and_then(|submission| {
@@ -182,32 +182,31 @@ impl Submitter {
                 .get()
                 .submit(py, inputs, mailbox.bind(py), submission, batched, stream)
         });
-        let ticket = match submitted {
-            Ok(ticket) => ticket,
+        let (future, request) = match submitted {
+            Ok(submitted) => submitted,
             Err(err) => {
                 if is_ferrobatch_error(py, &err) {
                     mailbox
                         .get()
-                        .tally
+                        .tally()
                         .count(outcome_of_error(py, err.value(py)));
                 }
                 return Err(err);
             }
         };
-        if let Some(timeout) = timeout.filter(|_| ticket.get().has_deadline()) {
+        if let Some(timeout) = timeout.filter(|_| request.deadline.is_some()) {
             // Queued: arming the timer must not fail the submit now; if it
             // does, the request still resolves by its batch or by stop().
             let mailbox = mailbox.bind(py);
-            if let Err(err) = LoopMailbox::arm_timer(mailbox, ticket.get(), timeout) {
+            if let Err(err) = LoopMailbox::arm_timer(mailbox, request.id, timeout) {
                 err.write_unraisable(py, Some(mailbox.as_any()));
             }
         }
-        let ticket = ticket.get();
         PyTuple::new(
             py,
             [
-                ticket.future.bind(py).clone(),
-                ticket.id().into_pyobject(py)?.into_any(),
+                future.into_bound(py),
+                request.id.into_pyobject(py)?.into_any(),
             ],
         )
     }

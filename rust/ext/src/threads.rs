@@ -18,7 +18,7 @@ use pyo3::types::PyDict;
 
 use crate::errors::ferrobatch_error;
 use crate::inputs::Keep;
-use crate::results::{BatchOutcome, FailedRows, ModelFailure, ResultRows};
+use crate::results::{BatchAnswers, BatchOutcome, FailedRows};
 use crate::without_gil;
 
 /// How often a waiting thread comes back for the GIL to see signals (Ctrl-C).
@@ -177,34 +177,9 @@ impl ThreadWaiters {
             return;
         }
         let now = Instant::now();
-        let outputs = match outcome {
-            Ok(outputs) => outputs.bind(py),
-            Err(error) => {
-                let failure = ModelFailure::new(py, &self.model_name, error.bind(py), "raised");
-                for t in taken {
-                    self.pending.count(Outcome::ModelError, t.enqueued_at, now);
-                    t.answer.set(Err(failure.error(py)));
-                }
-                return;
-            }
-        };
-        let mut rows = ResultRows::new(outputs);
+        let mut answers = BatchAnswers::new(py, &self.model_name, outcome, failed);
         for t in taken {
-            let failed_alone = failed.and_then(|f| {
-                let i = f
-                    .binary_search_by_key(&t.route.start, |(start, _)| *start)
-                    .ok()?;
-                Some(f[i].1.bind(py).clone())
-            });
-            let answer = match failed_alone {
-                Some(error) => {
-                    Err(ModelFailure::new(py, &self.model_name, &error, "raised").error(py))
-                }
-                None => rows.result(&t.route, t.held.batched).map_err(|err| {
-                    let what = "returned outputs its rows could not be taken from:";
-                    ModelFailure::new(py, &self.model_name, err.value(py), what).error(py)
-                }),
-            };
+            let answer = answers.answer(&t.route, t.held.batched);
             let counted = if answer.is_ok() {
                 Outcome::Succeeded
             } else {

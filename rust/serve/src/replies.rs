@@ -204,7 +204,7 @@ impl Replies {
     /// (0: the model may stop producing). Encoding runs on the calling
     /// thread (a worker, without the GIL).
     pub fn stream(&self, routes: &[Route], columns: &[Column<'_>]) -> usize {
-        let listening = self.pending.peek(routes, |held| match &held.plan {
+        let listening = self.pending.peek(routes, |_, held| match &held.plan {
             ResponsePlan::Stream { outputs, partial } => Some((outputs.clone(), partial.clone())),
             _ => None,
         });
