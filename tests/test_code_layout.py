@@ -78,7 +78,9 @@ def test_the_dtype_table_is_the_cores_alone() -> None:
 def test_content_coding_is_the_native_front_ends_alone() -> None:
     """The Python front-ends undo and apply gzip/deflate with the native
     front-end's code (``_core.inflate``/``compress``/``response_coding``)."""
-    coded = [str(p.relative_to(PACKAGE)) for p in package_files() if re.search(r"^import (zlib|gzip)", p.read_text(), re.M)]
+    coded = [
+        str(p.relative_to(PACKAGE)) for p in package_files() if re.search(r"^import (zlib|gzip)", p.read_text(), re.M)
+    ]
     assert coded == []
 
 
@@ -103,3 +105,19 @@ def test_every_way_in_waits_in_the_cores_pending_table() -> None:
         if p.name != "pending.rs" and tables.search(p.read_text())
     ]
     assert found == []
+
+
+def test_the_worker_pipeline_is_the_executor_bases() -> None:
+    """The weight gate, the version output, failure isolation and the worker
+    loop live in ``_executor.py`` (a CUDA instance's launch thread takes its
+    batches itself, and uses the same gate and isolation)."""
+    rules = {
+        r"\.gate as ": {"_executor.py"},
+        r"\bisolate\(": {"_executor.py"},
+        r"version_rows\(": {"_executor.py"},
+        r"\.next_batch\(\)": {"_executor.py", "_cuda.py"},
+    }
+    files = package_files()
+    for pattern, owners in rules.items():
+        found = {p.name for p in files if re.search(pattern, p.read_text())}
+        assert found == owners, (pattern, found)

@@ -57,6 +57,16 @@ class FakeStream:
         return event
 
 
+class Drain:
+    """What the executor synchronises: everything enqueued on the fake stream."""
+
+    def __init__(self, fake: FakeStream) -> None:
+        self.fake = fake
+
+    def synchronize(self) -> None:
+        self.fake.record().synchronize()
+
+
 class FakeGpuExecutor(CudaExecutor):
     """A CudaExecutor whose stream is a FakeStream: ``launch`` only enqueues
     the copy in (after ``copy_delay``), the model and the copy out."""
@@ -71,6 +81,7 @@ class FakeGpuExecutor(CudaExecutor):
         self._graphs = {}
         self._padded = {}
         self.fake = FakeStream()
+        self.stream = Drain(self.fake)  # type: ignore[assignment]
         self.copy_delay = copy_delay
         self.compute_delay = compute_delay
         self.launched = 0
@@ -86,8 +97,10 @@ class FakeGpuExecutor(CudaExecutor):
     def warm_up(self, batch_for: Any, buckets: Any, slot: Any) -> str | None:
         return None
 
-    def launch(self, slot: Mapping[str, torch.Tensor], rows: int) -> InFlight:
+    def launch(self, slot: Mapping[str, torch.Tensor], rows: int, start: int = 0) -> InFlight:
         flight = InFlight(rows)
+        if start:
+            slot = {name: t[start:] for name, t in slot.items()}
         if self._last is not None:
             self.previous_done.append(self._last.done.query())  # type: ignore[union-attr]
         self._last = flight
@@ -118,9 +131,15 @@ class FakeGpuExecutor(CudaExecutor):
         return flight
 
 
+    def run_alone(self, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        return normalize_outputs(self.model(dict(inputs)), self.outputs, 1)
+
+
 def fake_gpu_server(monkeypatch: pytest.MonkeyPatch, executors: list[FakeGpuExecutor], **kwargs: Any) -> fb.Server:
+    """A server whose instances are ``executors``, set up as the server sets
+    up every instance (requests, isolation, sampling)."""
     server = make_server([e.model for e in executors], **kwargs)
-    monkeypatch.setattr(server, "_make_executor", lambda i: executors[i])
+    monkeypatch.setattr(server, "_executor_of_kind", lambda i: executors[i])
     return server
 
 
@@ -217,3 +236,61 @@ async def test_stop_resolves_every_launched_batch(monkeypatch: pytest.MonkeyPatc
     for i, fut in enumerate(pending):
         torch.testing.assert_close((await fut)["y"], sample(2 * i))
     assert not any(t.is_alive() for t in server._threads), "both threads of the instance ended"
+
+
+
+async def test_a_cuda_instance_isolates_a_failing_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Failure isolation is the executor base's: on a CUDA instance a batch
+    whose model raised as it was enqueued is retried in parts, each launched
+    and waited for on the launch thread."""
+
+    class RaisesAtLaunch(FakeGpuExecutor):
+        def launch(self, slot: Mapping[str, torch.Tensor], rows: int, start: int = 0) -> InFlight:
+            if bool((slot["x"][start : start + rows] < 0).any()):  # the model raises on the host
+                flight = InFlight(rows)
+                flight.error = RuntimeError("negative input")
+                return flight
+            return super().launch(slot, rows, start)
+
+    executor = RaisesAtLaunch(double)
+    server = fake_gpu_server(monkeypatch, [executor], max_batch_size=8, max_delay=0.05, isolate_failures=True)
+    async with server:
+        client = server.client()
+        values = [1, 2, -1, 3, 4, 5, 6, 7]
+        outs = await asyncio.gather(*(client.infer({"x": sample(v)}) for v in values), return_exceptions=True)
+        stats = server.stats()
+    for v, out in zip(values, outs):
+        if v < 0:
+            assert isinstance(out, fb.ModelError), out
+            assert "negative input" in str(out)
+        else:
+            assert isinstance(out, dict), out
+            torch.testing.assert_close(out["y"], sample(2 * v))
+    assert stats["requests_failed"]["model_error"] == 1
+    assert stats["isolated_failures"] == 1 and stats["retry_calls"] > 0, stats
+
+
+def batch_dependent(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {"y": d["x"] - d["x"].mean(dim=0)}
+
+
+@pytest.mark.parametrize(("model", "mismatches"), [(double, False), (batch_dependent, True)])
+async def test_a_cuda_instance_samples_invariance(
+    monkeypatch: pytest.MonkeyPatch, model: Callable[[dict[str, torch.Tensor]], Any], mismatches: bool
+) -> None:
+    """Invariance sampling is the executor base's: the complete thread copies
+    a sampled row from the slot once the outputs are in, before giving the
+    slot back."""
+    executor = FakeGpuExecutor(model, copy_delay=0.001)
+    server = fake_gpu_server(monkeypatch, [executor], max_batch_size=4, max_delay=0.0, invariance_sample_rate=1.0)
+    async with server:
+        client = server.client()
+        await asyncio.gather(*(client.infer({"x": sample(i)}) for i in range(200)))
+        deadline = time.monotonic() + 10
+        while server.stats()["invariance_checks"] < 20 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        stats = server.stats()
+    assert stats["invariance_checks"] >= 20, stats
+    assert (stats["invariance_mismatches"] > 0) == mismatches, stats
+    if not mismatches:
+        assert stats["invariance_mismatches"] == 0

@@ -12,7 +12,7 @@ import torch
 from conftest import make_server, sample
 
 import ferrobatch as fb
-from ferrobatch._torch import isolate
+from ferrobatch._executor import isolate
 
 BAD = -1.0  # a row whose first element is this makes the model raise
 

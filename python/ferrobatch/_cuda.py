@@ -19,32 +19,20 @@ dropped and the copy into it has completed.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import threading
 import warnings
 from collections.abc import Mapping, Sequence
 from time import perf_counter_ns
+from typing import Any
 
 import torch
 
 from . import _core
+from ._executor import Executor, Retried, WorkerCounters
 from ._requests import RequestInfo
-from ._torch import (
-    Model,
-    WarmupBatch,
-    WorkerCounters,
-    batch_requests,
-    fill_slot,
-    finish,
-    isolate,
-    merge_rows,
-    normalize_outputs,
-    retryable,
-    version_rows,
-)
-from ._weights import Gate
+from ._torch import Model, WarmupBatch, fill_slot, merge_rows, normalize_outputs
 from .specs import TensorSpec
 
 __all__ = ["IN_FLIGHT", "CudaExecutor", "InFlight", "cuda_graph_fallback_warning"]
@@ -61,7 +49,7 @@ class InFlight:
     """A batch enqueued on an instance's stream. ``wait_staged`` and ``wait``
     block on CUDA events with the GIL released; call them from one thread."""
 
-    __slots__ = ("rows", "started_ns", "staged", "done", "outputs", "error", "failed", "retry_calls", "isolated")
+    __slots__ = ("rows", "started_ns", "staged", "done", "outputs", "error", "retried")
 
     def __init__(self, rows: int) -> None:
         self.rows = rows
@@ -70,11 +58,8 @@ class InFlight:
         self.done: torch.cuda.Event | None = None
         self.outputs: dict[str, torch.Tensor] = {}
         self.error: BaseException | None = None
-        # After failure isolation: each failed request's (start row, error);
-        # the retries made, and how many requests failed in a call of their own.
-        self.failed: list[tuple[int, BaseException]] | None = None
-        self.retry_calls = 0
-        self.isolated = 0
+        # After failure isolation: what it found (counted on completion).
+        self.retried: Retried | None = None
 
     def wait_staged(self) -> None:
         """Returns once the staging slot's bytes have been copied to the device:
@@ -96,7 +81,7 @@ class InFlight:
 Handoff = queue.SimpleQueue[tuple[_core.Batch, InFlight] | None]
 
 
-class CudaExecutor:
+class CudaExecutor(Executor):
     """Runs one model instance on its own CUDA stream.
 
     ``pad_to`` (a table ``rows -> bucket``, given with ``cuda_graphs`` or
@@ -105,22 +90,12 @@ class CudaExecutor:
     the outputs of the padding rows are dropped. With ``cuda_graphs``, one
     graph per bucket is captured by :meth:`warm_up`.
 
-    Once :meth:`bind_weights` gave it a gate, each batch is enqueued under
-    it; a weight update takes the gate, then waits for the device before
-    copying the weights in place (so the graphs stay valid).
+    Each batch is enqueued under the weight gate (:meth:`Executor.gated`); a
+    weight update takes the gate, then waits for the device before copying
+    the weights in place (so the graphs stay valid). Instead of
+    :meth:`Executor.serve`, two threads serve the instance:
+    :meth:`serve_launch` and :meth:`serve_complete`.
     """
-
-    gate: Gate | None = None
-    version_output: str | None = None
-    with_requests: bool = False  # the model takes (inputs, requests)
-    _requests: list[RequestInfo] | None = None  # the batch being launched's, with with_requests
-    isolate_failures: bool = False  # retry a failed batch in halves (see _torch.isolate)
-
-    def bind_weights(self, gate: Gate, version_output: str | None) -> None:
-        """Enqueues every batch of :meth:`serve_launch` under ``gate``; with
-        ``version_output``, adds that output: the version each row ran with."""
-        self.gate = gate
-        self.version_output = version_output
 
     def __init__(
         self,
@@ -194,11 +169,20 @@ class CudaExecutor:
                 return f"{type(exc).__name__}: {exc}"
         return None
 
-    def _run_eager(self, on_device: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
-        if self.with_requests:  # warm-up: one request per row
-            requests = self._requests or [RequestInfo(1)] * rows
+    def _run_eager(
+        self, on_device: dict[str, torch.Tensor], rows: int, requests: list[RequestInfo] | None
+    ) -> dict[str, torch.Tensor]:
+        if requests is not None:
             return normalize_outputs(self.model(on_device, requests), self.outputs, rows)  # type: ignore[call-arg]
         return normalize_outputs(self.model(on_device), self.outputs, rows)
+
+    def run_alone(self, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """The model on one row, eagerly on the device, outside the weight
+        gate: the invariance sampler's re-run (on the sampler's thread)."""
+        with torch.inference_mode(), torch.cuda.device(self.device):
+            on_device = {name: t.to(self.device) for name, t in inputs.items()}
+            requests = [RequestInfo(1)] if self.with_requests else None
+            return {name: t.cpu() for name, t in self._run_eager(on_device, 1, requests).items()}
 
     def _capture(self, buckets: Sequence[int]) -> None:
         # One memory pool for every bucket of this instance: its graphs replay
@@ -212,7 +196,7 @@ class CudaExecutor:
                 torch.inference_mode(),
                 torch.cuda.graph(graph, pool=pool, stream=self.stream, capture_error_mode="thread_local"),
             ):
-                static_out = self._run_eager(static_in, rows)
+                static_out = self._run_eager(static_in, rows, self.requests_of(0, rows))
             self._graphs[rows] = (graph, static_out)
 
     # -- serving ----------------------------------------------------------------------
@@ -241,7 +225,7 @@ class CudaExecutor:
                     graph[0].replay()
                     outputs = graph[1]
                 else:
-                    outputs = self._run_eager(on_device, bucket)
+                    outputs = self._run_eager(on_device, bucket, self.requests_of(start, rows))
                 # Copied out right behind the model (or the replay) on the same
                 # stream: the next replay of that graph cannot overwrite them first.
                 for name, out in outputs.items():
@@ -279,16 +263,12 @@ class CudaExecutor:
                 batch = worker.next_batch()
                 if batch is None:
                     return
-                if self.with_requests:
-                    self._requests = [r for _, r in batch_requests(batch, [s.name for s in self.inputs])]
+                self.take_requests(batch)
                 try:
-                    if self.gate is None:
+                    with self.gated() as version:  # no weight update while enqueuing it
                         flight = self._launch_batch(slots[batch.slot], batch)
-                    else:
-                        with self.gate as version:  # no weight update while enqueuing it
-                            flight = self._launch_batch(slots[batch.slot], batch)
-                        if self.version_output is not None and flight.error is None:
-                            flight.outputs[self.version_output] = version_rows(version, batch.rows)
+                    if flight.error is None:
+                        self.stamp(flight.outputs, version, batch.rows)
                 except BaseException as exc:  # noqa: BLE001 - launch keeps model errors; not this
                     flight = InFlight(batch.rows)
                     flight.error = exc
@@ -304,41 +284,40 @@ class CudaExecutor:
 
     def _launch_batch(self, slot: Mapping[str, torch.Tensor], batch: _core.Batch) -> InFlight:
         """Launches ``batch``; if its model call raised (eagerly, at launch),
-        retries it in halves with :func:`~ferrobatch._torch.isolate`, each part
-        launched and waited for on this thread, so only the requests whose own
-        call still fails get the error."""
+        retries it in halves (:meth:`Executor.retry`), each part launched and
+        waited for on this thread, so only the requests whose own call still
+        fails get the error."""
         flight = self.launch(slot, batch.rows)
-        error = flight.error
-        if error is None or not self.isolate_failures or not retryable(error) or batch.n_requests < 2:
+        if flight.error is None:
             return flight
-        everyone = self._requests
-
-        def call(start: int, rows: int) -> dict[str, torch.Tensor]:
-            if everyone is not None:  # with_requests: the part's own requests
-                offsets = itertools.accumulate((r.rows for r in everyone), initial=0)
-                self._requests = [r for first, r in zip(offsets, everyone) if start <= first < start + rows]
-            return self.launch(slot, rows, start).wait()
-
-        try:
-            isolated = isolate(batch.request_rows(), error, call)
-            self.stream.synchronize()  # every part's reads of the slot are done
-        finally:
-            self._requests = everyone
+        retried = self.retry(batch, flight.error, lambda start, rows: self.launch(slot, rows, start).wait())
+        if retried is None:
+            return flight
+        self.stream.synchronize()  # every part's reads of the slot are done
         merged = InFlight(batch.rows)
         merged.started_ns = flight.started_ns
-        merged.outputs = merge_rows(isolated.done, batch.rows, self.outputs, self.version_output)
-        merged.failed = isolated.failed
-        merged.retry_calls = isolated.calls
-        merged.isolated = isolated.alone
+        merged.outputs = retried.outputs if retried.outputs is not None else {}
+        merged.error = retried.error
+        merged.retried = retried
         return merged
+
+    def merge(self, done: list[tuple[int, int, Any]], rows: int) -> dict[str, torch.Tensor]:
+        return merge_rows(done, rows, self.outputs, self.version_output)
 
     @torch.inference_mode()  # once per thread: entering it per batch costs microseconds
     def serve_complete(
-        self, worker: _core.Worker, handoff: Handoff, tokens: threading.Semaphore, counters: WorkerCounters
+        self,
+        worker: _core.Worker,
+        slots: Sequence[Mapping[str, torch.Tensor]],
+        handoff: Handoff,
+        tokens: threading.Semaphore,
+        counters: WorkerCounters,
     ) -> None:
         """The instance's second thread: for each launched batch, in order,
         waits (GIL released) for its host-to-device copy and only then gives
-        the slot back, waits for its outputs, and finishes the batch."""
+        the slot back, waits for its outputs, and finishes the batch. With
+        invariance sampling, the slot is given back once the outputs are in:
+        a sampled row is copied from it."""
         while (item := handoff.get()) is not None:
             batch, flight = item
             outputs: dict[str, torch.Tensor] | None = None
@@ -347,17 +326,18 @@ class CudaExecutor:
                 flight.wait_staged()
             except BaseException as exc:  # noqa: BLE001 - the CUDA context is broken
                 error = exc
-            batch.release_slot()
+            if self.sampler is None:
+                batch.release_slot()
             if error is None:
                 try:
                     outputs = flight.wait()
                 except BaseException as exc:  # noqa: BLE001 - delivered to the callers
                     error, outputs = exc, None
-            failed_batch = error is not None or flight.failed is not None
-            counters.retry_calls += flight.retry_calls
-            counters.isolated_failures += flight.isolated
-            counters.add(perf_counter_ns() - flight.started_ns, batch.n_requests, failed_batch, batch.rows)
-            finish(worker, batch, outputs, error, ring_now=True, failed=flight.failed)
+            if self.sampler is not None:
+                if outputs is not None and flight.retried is None:
+                    self.offer(slots[batch.slot], outputs, batch.rows)
+                batch.release_slot()
+            self.complete(worker, batch, counters, flight.started_ns, outputs, error, flight.retried, ring_now=True)
             tokens.release()
 
 

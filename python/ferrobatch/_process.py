@@ -202,7 +202,7 @@ class ProcessExecutor(CpuExecutor):
         conn = self._conn
         if conn is None:
             raise ModelError(f"model '{self.server_name}': instance {self.index} has no process")
-        requests = self._requests_of(start, rows) if self.with_requests else None
+        requests = self.requests_of(start, rows)
         try:
             conn.send(("run", self._slot_index[id(slot)], start, rows, requests))
             answer = conn.recv()
@@ -226,9 +226,6 @@ class ProcessExecutor(CpuExecutor):
         except ModelError:
             log.exception("ferrobatch: model '%s': instance %d could not be restarted", self.server_name, self.index)
         return what
-
-    def run_alone(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        raise ModelError("invariance sampling does not run on process instances")
 
     def stop(self) -> None:
         """Tells the child to stop, and reaps it (killed if it does not go)."""

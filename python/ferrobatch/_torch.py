@@ -1,30 +1,24 @@
 """Everything that touches torch on the worker side: devices, staging memory,
 input coercion, batch buckets and warm-up batches, running a model on a
-collated batch and checking its outputs. The CUDA executor is in ``_cuda``."""
+collated batch and checking its outputs. What every executor shares is in
+``_executor``; the CUDA executor is in ``_cuda``."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import inspect
-import itertools
 import logging
 import sys
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from time import perf_counter_ns, time_ns
 from typing import Any
 
 import numpy as np
 import torch
 import torch.utils.dlpack
 
-from . import _core
-from ._invariance import InvarianceSampler
-from ._requests import RequestInfo, request_infos
-from ._weights import Gate
+from ._executor import Executor
+from ._requests import RequestInfo
 from .errors import InvalidInputError, ModelError
 from .specs import TensorSpec, nested_key
 
@@ -298,11 +292,6 @@ def _from_numpy(spec: TensorSpec, array: np.ndarray) -> torch.Tensor:
         raise ModelError(f"output '{spec.name}': numpy dtype {array.dtype} has no torch equivalent") from None
 
 
-def version_rows(version: int, rows: int) -> torch.Tensor:
-    """The ``version_output`` of a batch: its weights' version, one int64 per row."""
-    return torch.full((rows,), version, dtype=torch.int64)
-
-
 def _tensordict_module_base() -> type | None:
     """``tensordict.nn.TensorDictModuleBase`` if tensordict is imported (a
     model cannot be one otherwise), else None."""
@@ -424,125 +413,6 @@ class StagedViews:
         )
 
 
-@dataclass
-class WorkerCounters:
-    """One instance's counters: written by its worker thread only, once per
-    batch, and summed by ``Server.stats()`` (which copies the dicts: a copy
-    of a dict of ints is one step that a worker's update cannot interleave)."""
-
-    compute_ns: int = 0  # per batch
-    request_compute_ns: int = 0  # per request: a batch's compute time counts once per request
-    failed_batches: int = 0
-    isolated_failures: int = 0  # requests failed alone: their own model call raised too
-    retry_calls: int = 0  # model calls made to isolate failures
-    batch_sizes: dict[int, int] = field(default_factory=dict)  # rows -> batches of that many rows
-    batch_compute_ns: dict[int, int] = field(default_factory=dict)  # rows -> their compute_ns
-    last_inference_ns: int = 0  # wall clock (time.time_ns) when the latest batch finished
-
-    def add(self, elapsed_ns: int, n_requests: int, failed: bool, rows: int) -> None:
-        self.compute_ns += elapsed_ns
-        self.request_compute_ns += elapsed_ns * n_requests
-        self.failed_batches += failed
-        self.batch_sizes[rows] = self.batch_sizes.get(rows, 0) + 1
-        self.batch_compute_ns[rows] = self.batch_compute_ns.get(rows, 0) + elapsed_ns
-        self.last_inference_ns = time_ns()
-
-
-def finish(worker: _core.Worker, batch: _core.Batch, outputs: Outputs | None, error: BaseException | None,
-           ring_now: bool = False, failed: list[tuple[int, BaseException]] | None = None) -> None:  # fmt: skip
-    """Hands a batch's outcome to its callers (one call into Rust). Never
-    raises: a failure here is a bug, logged, and the worker goes on."""
-    try:
-        worker.finish(batch, outputs, error, ring_now, failed)
-    except BaseException:
-        log.exception("ferrobatch: finishing a batch failed")
-
-
-def retryable(error: BaseException) -> bool:
-    """Whether failure isolation may retry after ``error``: any ``Exception``,
-    never a ``BaseException`` that means the process is going down
-    (``KeyboardInterrupt``, ``SystemExit``, ``GeneratorExit``) or a
-    cancellation."""
-    return isinstance(error, Exception)
-
-
-@dataclass
-class Isolated:
-    """What retrying a failed batch in halves found: ``done`` holds
-    ``(start_row, rows, outputs)`` of the parts that ran, ``failed``
-    ``(start_row, error)`` of each request that did not get a result,
-    ``calls`` the model calls made and ``alone`` how many of the failed
-    requests failed in a call of their own."""
-
-    done: list[tuple[int, int, Outputs]]
-    failed: list[tuple[int, BaseException]]
-    calls: int
-    alone: int
-
-
-def isolate(
-    request_rows: Sequence[tuple[int, int]], error: BaseException, call: Callable[[int, int], Outputs]
-) -> Isolated:
-    """Retries a batch whose model call raised ``error``, in halves, so that
-    only the requests whose own call still fails are failed.
-
-    ``request_rows`` is each request's ``(start_row, rows)`` in batch order;
-    ``call(start_row, rows)`` runs the model on those rows of the batch.
-    A failed part of more than one request is split in two (by requests),
-    each half a model call, breadth first: a batch of ``n`` requests with
-    one bad request takes ``2 * ceil(log2(n))`` calls, and however many fail,
-    at most ``n`` calls are made (one per request): once the next split
-    would exceed that, the parts still failed fail with the error they
-    raised. An error :func:`retryable` refuses is never retried.
-    """
-    result = Isolated([], [], 0, 0)
-    budget = len(request_rows)
-    todo: deque[tuple[int, int, BaseException, bool]] = deque([(0, len(request_rows), error, False)])
-    while todo:
-        first, count, err, retried = todo.popleft()
-        if count == 1 or result.calls + 2 > budget or not retryable(err):
-            result.failed += [(request_rows[i][0], err) for i in range(first, first + count)]
-            result.alone += count == 1 and retried
-            continue
-        half = count // 2
-        for lo, n in ((first, half), (first + half, count - half)):
-            start = request_rows[lo][0]
-            last_start, last_rows = request_rows[lo + n - 1]
-            result.calls += 1
-            try:
-                result.done.append((start, last_start + last_rows - start, call(start, last_start + last_rows - start)))
-            except BaseException as exc:  # noqa: BLE001 - split further, or failed as it is
-                todo.append((lo, n, exc, True))
-    return result
-
-
-def retry_in_parts(
-    batch: _core.Batch,
-    error: BaseException,
-    call: Callable[[int, int], Any],
-    merge: Callable[[list[tuple[int, int, Any]]], Any],
-    counters: WorkerCounters,
-) -> tuple[Any, BaseException | None, list[tuple[int, BaseException]] | None]:
-    """A failed batch retried in halves (:func:`isolate`), the parts that ran
-    merged by ``merge``: ``(outputs, None, each failed request's error)``, or
-    ``(None, error, None)`` when the parts cannot be merged (all fail)."""
-    isolated = isolate(batch.request_rows(), error, call)
-    counters.retry_calls += isolated.calls
-    counters.isolated_failures += isolated.alone
-    try:
-        return merge(isolated.done), None, isolated.failed
-    except BaseException as exc:  # noqa: BLE001 - parts that cannot be merged: all fail
-        return None, exc, None
-
-
-def batch_requests(batch: _core.Batch, input_names: Sequence[str]) -> list[tuple[int, RequestInfo]]:
-    """The batch's requests as ``(start row, RequestInfo)``, in row order
-    (``input_names``: the model's inputs, to name those a request left out)."""
-    infos = request_infos(batch.request_parameters(), input_names)
-    starts = itertools.accumulate((r.rows for r in infos), initial=0)
-    return list(zip(starts, infos))
-
-
 def merge_rows(
     done: Sequence[tuple[int, int, Outputs]], rows: int, specs: Sequence[TensorSpec], version_output: str | None
 ) -> Outputs:
@@ -565,33 +435,15 @@ def merge_rows(
     return merged
 
 
-class CpuExecutor:
+class CpuExecutor(Executor):
     """Runs the model straight on the staging slot (no copy). The caller may
     reuse the slot as soon as :meth:`run` returns: outputs never alias it.
 
     With ``pad_to`` (``compile=True``), a batch runs padded up to its bucket,
     so a compiled model only ever sees the bucket sizes it was warmed with.
-    Once :meth:`bind_weights` gave it a gate, each forward pass of
-    :meth:`serve` runs under it (weight updates wait for it). With
-    ``isolate_failures``, a batch whose model call raised is retried in
-    halves on its staging slot (:func:`isolate`).
+    The weight gate, failure isolation (retries on the staging slot),
+    sampling and the worker loop are :class:`~ferrobatch._executor.Executor`'s.
     """
-
-    gate: Gate | None = None
-    version_output: str | None = None
-    isolate_failures: bool = False
-    decoupled: bool = False  # the model yields its outputs (VariableExecutor streams them)
-    sampler: InvarianceSampler | None = None  # re-runs sampled rows alone (invariance_sample_rate)
-    with_requests: bool = False  # the model takes (inputs, requests)
-    input_names: tuple[str, ...] = ()  # the model's inputs, in order (RequestInfo.absent names them)
-    # With ``with_requests``: the batch being served, as (start row, request) in row order.
-    _requests: Sequence[tuple[int, RequestInfo]] = ()
-
-    def bind_weights(self, gate: Gate, version_output: str | None) -> None:
-        """Runs every batch of :meth:`serve` under ``gate``; with
-        ``version_output``, adds that output: the version each row ran with."""
-        self.gate = gate
-        self.version_output = version_output
 
     def __init__(
         self,
@@ -625,7 +477,7 @@ class CpuExecutor:
     def run(self, slot: Mapping[str, torch.Tensor], rows: int, start: int = 0) -> dict[str, torch.Tensor]:
         """The outputs for ``rows`` rows of the staging slot from ``start``."""
         n = self.pad_to[rows] if self.pad_to else rows
-        requests = self._requests_of(start, rows) if self.with_requests else None
+        requests = self.requests_of(start, rows)
         if start == 0:
             staged = self._staged(slot, n)
             views = dict(staged.views)
@@ -646,61 +498,13 @@ class CpuExecutor:
             outputs[name] = out
         return outputs
 
-    @torch.inference_mode()  # once per thread: entering it per batch costs microseconds
-    def serve(
-        self, worker: _core.Worker, slots: Sequence[Mapping[str, torch.Tensor]], counters: WorkerCounters
-    ) -> None:
-        """The instance's worker loop, until the batcher closes: takes a
-        collated batch (the GIL released while it waits and collates), runs
-        it on its staging slot, gives the slot back and finishes the batch."""
-        while (batch := worker.next_batch()) is not None:
-            outputs: Outputs | None = None
-            error: BaseException | None = None
-            failed: list[tuple[int, BaseException]] | None = None
-            slot = slots[batch.slot]
-            if self.with_requests:
-                self._requests = batch_requests(batch, self.input_names)
-            started = perf_counter_ns()
-            try:
-                outputs = self._attempt(slot, 0, batch.rows)
-            except BaseException as exc:  # noqa: BLE001 - even SystemExit: the worker survives
-                error = exc
-            failed_batch = error is not None
-            if error is not None and self.isolate_failures and retryable(error) and batch.n_requests > 1:
-                merge = functools.partial(
-                    merge_rows, rows=batch.rows, specs=self.outputs, version_output=self.version_output
-                )
-                outputs, error, failed = retry_in_parts(
-                    batch, error, functools.partial(self._attempt, slot), merge, counters
-                )
-            if self.sampler is not None and outputs is not None and failed is None and not failed_batch:
-                self.sampler.offer(slot, outputs, batch.rows)  # copies a row before the slot goes
-            batch.release_slot()  # outputs never alias the slot
-            counters.add(perf_counter_ns() - started, batch.n_requests, failed_batch, batch.rows)
-            # Its callers' doorbells ring at the next next_batch, GIL released.
-            finish(worker, batch, outputs, error, failed=failed)
+    def merge(self, done: list[tuple[int, int, Any]], rows: int) -> Outputs:
+        return merge_rows(done, rows, self.outputs, self.version_output)
 
-    def run_alone(self, inputs: Outputs) -> Outputs:
+    def run_alone(self, inputs: Mapping[str, Any]) -> Outputs:
         """The model on one row (``{name: tensor [1, ...]}``), outside the
         weight gate: the invariance sampler's re-run (see ``_invariance``)."""
         with inference_mode():
             if self.with_requests:
-                return normalize_outputs(self.model(inputs, [RequestInfo(1)]), self.outputs, 1)  # type: ignore[call-arg]
-            return normalize_outputs(self.model(inputs), self.outputs, 1)
-
-    def _requests_of(self, start: int, rows: int) -> list[RequestInfo]:
-        """The requests of rows ``start..start + rows`` of the batch being
-        served; one per row, without parameters, outside one (warm-up)."""
-        chosen = [r for first, r in self._requests if start <= first < start + rows]
-        return chosen if chosen else [RequestInfo(1)] * rows
-
-    def _attempt(self, slot: Mapping[str, torch.Tensor], start: int, rows: int) -> Outputs:
-        """One model call on ``rows`` rows of ``slot`` from ``start``, under
-        the weight gate, with the version output if asked for."""
-        if self.gate is None:
-            return self.run(slot, rows, start)
-        with self.gate as version:  # no weight update during the forward pass
-            outputs = self.run(slot, rows, start)
-        if self.version_output is not None:
-            outputs[self.version_output] = version_rows(version, rows)
-        return outputs
+                return normalize_outputs(self.model(dict(inputs), [RequestInfo(1)]), self.outputs, 1)  # type: ignore[call-arg]
+            return normalize_outputs(self.model(dict(inputs)), self.outputs, 1)

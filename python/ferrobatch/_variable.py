@@ -18,27 +18,15 @@ import functools
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from time import perf_counter_ns
 from typing import Any
 
 import numpy as np
 import torch
 
 from . import _core
+from ._executor import WorkerCounters
 from ._requests import RequestInfo
-from ._torch import (
-    CpuExecutor,
-    WorkerCounters,
-    _storage_ptr,
-    batch_requests,
-    check_warmup_names,
-    finish,
-    inference_mode,
-    normalize_outputs,
-    retry_in_parts,
-    retryable,
-    version_rows,
-)
+from ._torch import CpuExecutor, _storage_ptr, check_warmup_names, inference_mode, normalize_outputs
 from .errors import InvalidInputError, ModelError
 from .specs import TensorSpec
 
@@ -728,10 +716,10 @@ class VariableExecutor(CpuExecutor):
     inputs are built from its slot (:func:`batch_inputs`), its tensors moved
     to the instance's device (CUDA: a plain copy and a synchronous call on
     the worker thread, no stream pipelining), its outputs checked by
-    :func:`normalize_variable_outputs` and brought back to the CPU. With
-    ``isolate_failures``, a batch whose model call raised is retried in
-    halves (:func:`isolate`), each part its own batch (:func:`slice_inputs`),
-    and the parts that ran are merged (:func:`merge_parts`)."""
+    :func:`normalize_variable_outputs` and brought back to the CPU. A part
+    of a batch retried by failure isolation is a batch of its own
+    (:func:`slice_inputs`), and the parts that ran are merged
+    (:func:`merge_parts`)."""
 
     def __init__(
         self,
@@ -739,11 +727,12 @@ class VariableExecutor(CpuExecutor):
         device: torch.device,
         inputs: Sequence[TensorSpec],
         outputs: Sequence[TensorSpec],
-        with_requests: bool = False,
     ) -> None:
         super().__init__(model, device, outputs)
         self.inputs = inputs
-        self.with_requests = with_requests
+        # The batch being served: its rows, and its staging slot's storage.
+        self._rows = 0
+        self._staging: frozenset[int] = frozenset()
 
     def _call_model(self, inputs: dict[str, Any], requests: list[RequestInfo] | None) -> Any:
         return self.model(inputs) if requests is None else self.model(inputs, requests)  # type: ignore[call-arg]
@@ -754,19 +743,12 @@ class VariableExecutor(CpuExecutor):
         rows: int,
         staging: frozenset[int],
         requests: list[RequestInfo] | None = None,
-        gated: bool = True,
     ) -> dict[str, Any]:
-        """The model on a batch's inputs, its outputs checked and on the CPU;
-        under the weight gate unless ``gated`` is False (warm-up holds it)."""
+        """The model on a batch's inputs, its outputs checked and on the CPU
+        (outside the weight gate: its caller holds it, or needs none)."""
         inputs = self._on_device(inputs)
         with inference_mode():
-            if self.gate is None or not gated:
-                raw = self._call_model(dict(inputs), requests)
-                version = None
-            else:
-                with self.gate as version:  # no weight update during the forward pass
-                    raw = self._call_model(dict(inputs), requests)
-            return self._checked(raw, rows, staging, version)
+            return self._checked(self._call_model(dict(inputs), requests), rows, staging, None)
 
     def stream(
         self,
@@ -785,7 +767,7 @@ class VariableExecutor(CpuExecutor):
         back into the generator, which decides. Runs under the weight gate
         (the whole stream: one version) unless ``gated`` is False."""
         inputs = self._on_device(inputs)
-        gate = self.gate if self.gate is not None and gated else contextlib.nullcontext()
+        gate = self.gated() if gated else contextlib.nullcontext()
         with inference_mode(), gate as version:
             produced = self._call_model(dict(inputs), requests)
             if isinstance(produced, (Mapping, torch.Tensor, np.ndarray)) or not hasattr(produced, "__iter__"):
@@ -820,10 +802,10 @@ class VariableExecutor(CpuExecutor):
 
     def _checked(self, raw: Any, rows: int, staging: frozenset[int], version: int | None) -> dict[str, Any]:
         """A model call's result as outputs: checked, with the version
-        output, on the CPU, none aliasing the staging slot."""
+        output (``version``: a stream's), on the CPU, none aliasing the
+        staging slot."""
         outputs = normalize_variable_outputs(raw, self.outputs, rows)
-        if self.version_output is not None and version is not None:
-            outputs[self.version_output] = version_rows(version, rows)
+        self.stamp(outputs, version, rows)
         for name, out in outputs.items():
             if isinstance(out, torch.Tensor) and not out.is_cpu:
                 outputs[name] = out.cpu()  # padded and jagged outputs are moved as they are cut
@@ -840,7 +822,7 @@ class VariableExecutor(CpuExecutor):
     def run_alone(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         """The model on one row (a batch of one, as :func:`slice_inputs`
         cuts it), outside the weight gate: the invariance sampler's re-run."""
-        return self.call(inputs, 1, frozenset(), [RequestInfo(1)] if self.with_requests else None, gated=False)
+        return self.call(inputs, 1, frozenset(), [RequestInfo(1)] if self.with_requests else None)
 
     def warm_up_minimum(self, buckets: Sequence[int], samples: Mapping[str, list[Any]] | None = None) -> None:
         """Runs each bucket size once with every row at its minimum shape
@@ -855,65 +837,30 @@ class VariableExecutor(CpuExecutor):
             if self.decoupled:  # every item made and checked, none sent
                 self.stream(inputs, rows, requests, lambda *_: 1, gated=False)
             else:
-                self.call(inputs, rows, frozenset(), requests, gated=False)
+                self.call(inputs, rows, frozenset(), requests)
 
-    def _call_part(
-        self,
-        inputs: Mapping[str, Any],
-        requests: Sequence[tuple[int, RequestInfo]],
-        staging: frozenset[int],
-        start: int,
-        rows: int,
-    ) -> dict[str, Any]:
-        """The model on rows ``start..start + rows`` of a batch, as a batch of
-        their own (failure isolation's retry of a part)."""
-        chosen = [r for first, r in requests if start <= first < start + rows] or None
-        return self.call(slice_inputs(self.inputs, inputs, start, rows), rows, staging, chosen)
+    # -- the Executor's hooks --------------------------------------------------------
 
-    @torch.inference_mode()
-    def serve(
-        self, worker: _core.Worker, slots: Sequence[Mapping[str, torch.Tensor]], counters: WorkerCounters
-    ) -> None:
-        names = [s.name for s in self.inputs]
-        while (batch := worker.next_batch()) is not None:
-            outputs: dict[str, Any] | None = None
-            error: BaseException | None = None
-            failed: list[tuple[int, BaseException]] | None = None
-            slot = slots[batch.slot]
-            started = perf_counter_ns()
-            inputs: dict[str, Any] | None = None
-            requests: list[tuple[int, RequestInfo]] = []
-            staging = frozenset(_storage_ptr(t) for t in slot.values())
-            if self.decoupled:
-                self._serve_stream(worker, batch, slot, counters, started)
-                continue
-            try:
-                inputs = batch_inputs(self.inputs, slot, batch)
-                requests = batch_requests(batch, names) if self.with_requests else []
-                outputs = self.call(inputs, batch.rows, staging, [r for _, r in requests] or None)
-            except BaseException as exc:  # noqa: BLE001 - even SystemExit: the worker survives
-                error = exc
-            failed_batch = error is not None
-            if (
-                inputs is not None
-                and error is not None
-                and self.isolate_failures
-                and retryable(error)
-                and batch.n_requests > 1
-            ):
-                part = functools.partial(self._call_part, inputs, requests, staging)
-                merge = functools.partial(
-                    merge_parts, rows=batch.rows, specs=self.outputs, version_output=self.version_output
-                )
-                outputs, error, failed = retry_in_parts(batch, error, part, merge, counters)
-            if self.sampler is not None and inputs is not None and outputs is not None and not failed_batch:
-                sample = functools.partial(_row_of, self.inputs, inputs, outputs)
-                self.sampler.offer_row(batch.rows, sample)  # copies the row before the slot goes
-            batch.release_slot()  # outputs never alias the slot
-            counters.add(perf_counter_ns() - started, batch.n_requests, failed_batch, batch.rows)
-            finish(worker, batch, outputs, error, failed=failed)  # tensors, numpy arrays and RaggedOutputs
+    def stage(self, slot: Mapping[str, torch.Tensor], batch: _core.Batch) -> dict[str, Any]:
+        """The batch's inputs, built from its slot (:func:`batch_inputs`)."""
+        self._rows = batch.rows
+        self._staging = frozenset(_storage_ptr(t) for t in slot.values())
+        return batch_inputs(self.inputs, slot, batch)
 
-    def _serve_stream(
+    def run(self, staged: Any, rows: int, start: int = 0) -> dict[str, Any]:
+        """The model on rows ``start..start + rows`` of the staged batch; a
+        part of it (failure isolation's retry) as a batch of its own."""
+        part = staged if start == 0 and rows == self._rows else slice_inputs(self.inputs, staged, start, rows)
+        return self.call(part, rows, self._staging, self.requests_of(start, rows))
+
+    def merge(self, done: list[tuple[int, int, Any]], rows: int) -> dict[str, Any]:
+        return merge_parts(done, rows=rows, specs=self.outputs, version_output=self.version_output)
+
+    def offer(self, staged: Any, outputs: Any, rows: int) -> None:
+        if self.sampler is not None:
+            self.sampler.offer_row(rows, functools.partial(_row_of, self.inputs, staged, outputs))
+
+    def serve_stream(
         self, worker: _core.Worker, batch: _core.Batch, slot: Mapping[str, torch.Tensor], counters: WorkerCounters,
         started: int,
     ) -> None:  # fmt: skip
@@ -923,8 +870,6 @@ class VariableExecutor(CpuExecutor):
         error: BaseException | None = None
         try:
             inputs = batch_inputs(self.inputs, slot, batch)
-            names = [s.name for s in self.inputs]
-            requests = [r for _, r in batch_requests(batch, names)] if self.with_requests else None
             # An event loop reads its callers' rows later: they get a copy of
             # each response (the native front-end encodes them at once).
             copied = batch.has_loop_requests
@@ -932,9 +877,8 @@ class VariableExecutor(CpuExecutor):
             def emit(outputs: dict[str, Any], only: list[int] | None) -> int:
                 return worker.stream(batch, _snapshot(outputs) if copied else outputs, only)
 
-            self.stream(inputs, batch.rows, requests, emit)
+            self.stream(inputs, batch.rows, self.requests_of(0, batch.rows), emit)
         except BaseException as exc:  # noqa: BLE001 - even SystemExit: the worker survives
             error = exc
         batch.release_slot()  # the model is done with its inputs
-        counters.add(perf_counter_ns() - started, batch.n_requests, error is not None, batch.rows)
-        finish(worker, batch, None if error is not None else {}, error)
+        self.complete(worker, batch, counters, started, None if error is not None else {}, error)

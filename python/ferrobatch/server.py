@@ -24,12 +24,12 @@ import torch
 
 from . import _core
 from ._cuda import IN_FLIGHT, CudaExecutor, Handoff, cuda_graph_fallback_warning
+from ._executor import Executor, WorkerCounters
 from ._invariance import InvarianceSampler, summed
 from ._process import ProcessExecutor, share_slots
 from ._torch import (
     CpuExecutor,
     Model,
-    WorkerCounters,
     adapt_model,
     allocate_slot,
     batch_buckets,
@@ -146,8 +146,8 @@ class Server:
             with probability ``n * r`` and a thread of its own runs the model
             on it alone and compares, with the output dtype's tolerance.
             ``stats()`` counts ``invariance_checks`` and
-            ``invariance_mismatches``. 0 (default): off. CPU instances
-            without ``compile``.
+            ``invariance_mismatches``. 0 (default): off. CPU and CUDA
+            instances, without ``compile``; not process instances.
         priority_levels: ``n >= 2`` priority levels, as Triton's: a request's
             ``priority`` (``client.infer(..., priority=p)``, or the v2
             request parameter ``priority`` over HTTP and gRPC) is 1, the most
@@ -357,7 +357,7 @@ class Server:
         self._slots: list[dict[str, torch.Tensor]] = []
         self._threads: list[threading.Thread] = []
         self._counters: list[WorkerCounters] = []
-        self._executors: list[CpuExecutor | CudaExecutor] = []
+        self._executors: list[Executor] = []
         self._token: anyio.lowlevel.EventLoopToken | None = None
         self._shared: list[Shared] = []
         self._phase = "created"  # created -> starting (warm-up) -> running -> stopping -> stopped
@@ -445,58 +445,45 @@ class Server:
         if what:
             raise ValueError(f"model '{self.name}': instance_kind='process' runs without {', '.join(what)}")
 
-    def _make_executor(self, i: int) -> CpuExecutor | CudaExecutor:
-        if self.instance_kind == "process":
-            process = ProcessExecutor(
-                self._models[i], i, self.name, self.inputs, self._model_outputs, self.max_batch_size
-            )
-            process.with_requests = self.with_requests
-            process.input_names = tuple(s.name for s in self.inputs)
-            process.isolate_failures = self.isolate_failures
-            return process
-        if self._variable:  # called with a dict: it needs the lengths/offsets beside each input
-            variable = VariableExecutor(
-                self._models[i], self.devices[i], self.inputs, self._model_outputs, self.with_requests
-            )
-            variable.isolate_failures = self.isolate_failures
-            variable.decoupled = self.decoupled
-            if self.invariance_sample_rate > 0:
-                version = self._weights
-                variable.sampler = InvarianceSampler(
-                    self.invariance_sample_rate, variable.run_alone, lambda: version.version
-                )
-                self._samplers.append(variable.sampler)
-            return variable
-        model = compile_model(self._models[i], self._compile)
-        if not self.with_requests:  # a model given its requests takes the dict of inputs as it is
-            model = adapt_model(model, self.inputs, self._model_outputs)
-        device = self.devices[i]
-        padded = padding_table(self.buckets)
-        outputs = self._model_outputs
-        if device.type == "cuda":
-            pad = self.cuda_graphs or self._compile is not False
-            cuda = CudaExecutor(
-                model, device, self.inputs, outputs, self.max_batch_size,
-                pad_to=padded if pad else None, cuda_graphs=self.cuda_graphs,
-            )  # fmt: skip
-            cuda.with_requests = self.with_requests
-            cuda.isolate_failures = self.isolate_failures
-            return cuda
-        executor = CpuExecutor(model, device, outputs, pad_to=padded if self._compile is not False else None)
+    def _make_executor(self, i: int) -> Executor:
+        """Instance ``i``'s executor, set up as every kind is: requests for a
+        model that takes them, failure isolation, decoupled streaming and
+        invariance sampling (not for compiled models, whose re-run of one
+        row would compile anew, nor for process instances)."""
+        executor = self._executor_of_kind(i)
         executor.with_requests = self.with_requests
         executor.input_names = tuple(s.name for s in self.inputs)
         executor.isolate_failures = self.isolate_failures
-        if self.invariance_sample_rate > 0 and self._compile is False:
+        executor.decoupled = self.decoupled
+        if self.invariance_sample_rate > 0 and self._compile is False and self.instance_kind != "process":
             weights = self._weights
             sampler = InvarianceSampler(self.invariance_sample_rate, executor.run_alone, lambda: weights.version)
             executor.sampler = sampler
             self._samplers.append(sampler)
         return executor
 
-    def _prepare_instances(self) -> tuple[list[CpuExecutor | CudaExecutor], dict[int, str]]:
+    def _executor_of_kind(self, i: int) -> Executor:
+        if self.instance_kind == "process":
+            return ProcessExecutor(self._models[i], i, self.name, self.inputs, self._model_outputs, self.max_batch_size)
+        if self._variable:  # called with a dict: it needs the lengths/offsets beside each input
+            return VariableExecutor(self._models[i], self.devices[i], self.inputs, self._model_outputs)
+        model = compile_model(self._models[i], self._compile)
+        if not self.with_requests:  # a model given its requests takes the dict of inputs as it is
+            model = adapt_model(model, self.inputs, self._model_outputs)
+        device = self.devices[i]
+        padded = padding_table(self.buckets)
+        if device.type == "cuda":
+            pad = self.cuda_graphs or self._compile is not False
+            return CudaExecutor(
+                model, device, self.inputs, self._model_outputs, self.max_batch_size,
+                pad_to=padded if pad else None, cuda_graphs=self.cuda_graphs,
+            )  # fmt: skip
+        return CpuExecutor(model, device, self._model_outputs, pad_to=padded if self._compile is not False else None)
+
+    def _prepare_instances(self) -> tuple[list[Executor], dict[int, str]]:
         """Builds every instance's executor and warms it up (on a worker thread).
         Returns the executors and, by instance, why a CUDA graph capture failed."""
-        executors: list[CpuExecutor | CudaExecutor] = []
+        executors: list[Executor] = []
         capture_failures: dict[int, str] = {}
         self._samplers = []
         pin = any(d.type == "cuda" for d in self.devices)
@@ -520,7 +507,7 @@ class Server:
                         executor.warm_up_minimum(self.buckets, self._warmup_rows)
                         why = None
                     else:
-                        assert slot is not None
+                        assert slot is not None and isinstance(executor, (CpuExecutor, CudaExecutor))
                         why = executor.warm_up(self._warmup_batch, self.buckets, slot)
             except Exception as exc:
                 raise ModelError(
@@ -628,9 +615,10 @@ class Server:
             if isinstance(executor, CudaExecutor):
                 handoff: Handoff = queue.SimpleQueue()
                 tokens = threading.Semaphore(IN_FLIGHT)
+                ring = self._slots
                 loops = [
-                    (f"{thread_name}-launch", executor.serve_launch, (worker, self._slots, handoff, tokens)),
-                    (f"{thread_name}-complete", executor.serve_complete, (worker, handoff, tokens, counters)),
+                    (f"{thread_name}-launch", executor.serve_launch, (worker, ring, handoff, tokens)),
+                    (f"{thread_name}-complete", executor.serve_complete, (worker, ring, handoff, tokens, counters)),
                 ]
             else:
                 loops = [(thread_name, executor.serve, (worker, self._slots, counters))]
