@@ -130,7 +130,6 @@ class FakeGpuExecutor(CudaExecutor):
         flight.done = self.fake.record()  # type: ignore[assignment]
         return flight
 
-
     def run_alone(self, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         return normalize_outputs(self.model(dict(inputs)), self.outputs, 1)
 
@@ -236,7 +235,6 @@ async def test_stop_resolves_every_launched_batch(monkeypatch: pytest.MonkeyPatc
     for i, fut in enumerate(pending):
         torch.testing.assert_close((await fut)["y"], sample(2 * i))
     assert not any(t.is_alive() for t in server._threads), "both threads of the instance ended"
-
 
 
 async def test_a_cuda_instance_isolates_a_failing_request(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -143,6 +143,36 @@ def test_typed_contents_and_output_selection(stub: pb_grpc.GRPCInferenceServiceS
     np.testing.assert_array_equal(y, np.arange(2 * WIDTH, dtype=np.float32) * 2)
 
 
+async def test_a_servicer_registered_by_the_generated_code_answers_messages() -> None:
+    """``add_to_server`` hands ModelInfer the message's bytes (read in Rust);
+    a servicer registered with the generated function gets messages, and
+    answers in kind."""
+    from ferrobatch.grpc import InferenceServicer
+
+    async with fb.Server(double, inputs=[X], outputs=[Y], max_batch_size=MAX_BATCH, name="double") as server:
+        grpc_server = grpc.aio.server()
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer([server]), grpc_server)
+        port = grpc_server.add_insecure_port("127.0.0.1:0")
+        await grpc_server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb_grpc.GRPCInferenceServiceStub(channel)
+                request = pb.ModelInferRequest(model_name="double", id="msg")
+                request.inputs.add(name="x", datatype="FP32", shape=[1, WIDTH]).contents.fp32_contents.extend(
+                    [1.5] * WIDTH
+                )
+                response = await stub.ModelInfer(request)
+                streamed = [r async for r in stub.ModelStreamInfer(iter([request]))]
+                request.model_name = "nope"
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.ModelInfer(request)
+        finally:
+            await grpc_server.stop(None)
+    assert response.id == "msg" and np.frombuffer(response.raw_output_contents[0], np.float32).tolist() == [3.0] * WIDTH
+    assert len(streamed) == 1 and streamed[0].infer_response.id == "msg" and not streamed[0].error_message
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
 async def test_aio_concurrent_callers_get_their_own_rows(url: str) -> None:
     client = aiogrpcclient.InferenceServerClient(url)
     try:

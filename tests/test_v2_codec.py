@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ferrobatch as fb
-from ferrobatch._core import CodecError, V2Codec
+from ferrobatch._core import CodecError, GrpcInferRequest, V2Codec, grpc_response
 from ferrobatch.http import starlette_app
 from ferrobatch.http.protocol import ModelRepository, request_inputs
 
@@ -72,11 +72,49 @@ def test_errors_name_what_was_wrong() -> None:
     with pytest.raises(CodecError, match="unknown output 'q' for model 'm'; outputs: y, b"):
         codec().decode(body([{"name": "x", "datatype": "UINT8", "shape": [1], "data": [1]}], outputs=[{"name": "q"}]))
     with pytest.raises(CodecError, match="input 'x': data is not valid INT8: 300 is out of range"):
-        codec().decode_tensors([("x", "INT8", [1], [300])])
+        grpc_call("INT8", [1], ints=[300]).read(codec(), None, False)
     with pytest.raises(CodecError, match="needs 8 bytes, got 4"):
-        codec().decode_tensors([("x", "FP32", [2], b"\0" * 4)])
+        grpc_call("FP32", [2], raw=b"\0" * 4).read(codec(), None, False)
     with pytest.raises(CodecError, match="over the limit"):
-        codec().decode_tensors([("x", "FP32", [1, 10**12], b"")])
+        grpc_call("FP32", [1, 10**12], raw=b"").read(codec(), None, False)
+
+
+def grpc_call(datatype: str, shape: list[int], raw: bytes | None = None, ints: list[int] = ()) -> GrpcInferRequest:
+    """A gRPC ModelInferRequest of one input ``x``, as its message arrives."""
+    from ferrobatch.grpc import grpc_predict_v2_pb2 as pb
+
+    request = pb.ModelInferRequest(model_name="m")
+    tensor = request.inputs.add(name="x", datatype=datatype, shape=shape)
+    if raw is not None:
+        request.raw_input_contents.append(raw)
+    else:
+        tensor.contents.int_contents.extend(ints)
+    return GrpcInferRequest(request.SerializeToString())
+
+
+def test_grpc_requests_are_read_by_the_native_rules() -> None:
+    from ferrobatch.grpc import grpc_predict_v2_pb2 as pb
+
+    request = pb.ModelInferRequest(model_name="m", id="7")
+    request.inputs.add(name="x", datatype="FP32", shape=[1, 2])
+    request.raw_input_contents.append(np.array([[1.5, -2.0]], dtype=np.float32).tobytes())
+    request.outputs.add(name="b")
+    request.parameters["priority"].int64_param = 2
+    request.parameters["timeout"].int64_param = 250_000
+    call = GrpcInferRequest(request.SerializeToString())
+    assert (call.model_name, call.id, call.empty_final) == ("m", "7", False)
+    inputs, outputs, priority, parameters, timeout = call.read(codec(), 0.1, True)
+    np.testing.assert_array_equal(np.asarray(inputs["x"]), [[1.5, -2.0]])
+    assert (outputs, priority, timeout) == (["b"], 2, 0.1)  # the call's deadline is the sooner
+    assert json.loads(parameters or "") == {"priority": 2, "timeout": 250_000}
+    with pytest.raises(CodecError, match="not a ModelInferRequest") as info:
+        GrpcInferRequest(b"\xff\xff\xff")
+    assert info.value.status == 400
+    answer = pb.ModelInferResponse.FromString(
+        grpc_response(codec(), "m", "7", ["y"], {"y": torch.tensor([[1.0, 2.0]])})
+    )
+    assert (answer.id, answer.outputs[0].name, list(answer.outputs[0].shape)) == ("7", "y", [1, 2])
+    assert np.frombuffer(answer.raw_output_contents[0], dtype=np.float32).tolist() == [1.0, 2.0]
 
 
 def test_encoded_floats_are_shortest_and_outputs_may_be_strided() -> None:

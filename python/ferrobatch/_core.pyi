@@ -1,7 +1,7 @@
 """Type stubs for the Rust extension ``ferrobatch._core`` (checked by mypy.stubtest)."""
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, final
 
 import torch
@@ -240,10 +240,7 @@ class V2Codec:
         decoupled: bool = False,
     ) -> V2Codec: ...
     def decode(self, body: bytes, header_length: str | None = None) -> V2Request: ...
-    def decode_tensors(self, tensors: list[tuple[str, str, list[int], Any]]) -> dict[str, V2Tensor]: ...
     def encode(self, request: V2Request, results: dict[str, torch.Tensor]) -> tuple[bytes, int | None]: ...
-    def raw_output(self, name: str, tensor: torch.Tensor) -> tuple[bytes, list[int]]: ...
-    def raw_outputs(self, names: list[str], results: dict[str, torch.Tensor]) -> list[tuple[bytes, list[int]]]: ...
 
 @final
 class FallbackAnswer:
@@ -405,6 +402,42 @@ def response_coding(accept: str | None = None) -> str | None:
 def check_json(body: bytes) -> None:
     """``ValueError`` unless ``body`` is one JSON document by the v2 codec's
     rules (its syntax and its nesting limit)."""
+
+@final
+class GrpcInferRequest:
+    """One ``ModelInferRequest`` decoded from its message (``CodecError``,
+    400, for bytes that are not one), read by the native front-end's gRPC
+    infer rules."""
+
+    def __new__(cls, message: bytes) -> GrpcInferRequest: ...
+    @property
+    def model_name(self) -> str: ...
+    @property
+    def model_version(self) -> str: ...
+    @property
+    def id(self) -> str: ...
+    @property
+    def empty_final(self) -> bool:
+        """Whether a streamed request asks for an empty final response."""
+    def read(
+        self, codec: V2Codec, call_timeout: float | None, keeps_parameters: bool
+    ) -> tuple[dict[str, V2Tensor], list[str], int | None, str | None, float | None]:
+        """``(inputs, outputs, priority, parameters, timeout)`` for the model
+        of ``codec`` (once): inputs by name, the outputs' names, the priority
+        level, the parameters as a JSON object's text (only when
+        ``keeps_parameters``) and the deadline in seconds (the ``timeout``
+        parameter or ``call_timeout``, the smaller). ``CodecError`` with its
+        HTTP status for a request the rules refuse."""
+
+def grpc_response(
+    codec: V2Codec, model_name: str, id: str, outputs: list[str], results: Mapping[str, Any], last: bool | None = None
+) -> bytes:
+    """The encoded answer: a ``ModelInferResponse`` of the ``outputs`` named,
+    read from ``results``; with ``last``, a stream's
+    ``ModelStreamInferResponse`` flagged ``triton_final_response``."""
+
+def grpc_stream_error(model_name: str, id: str, message: str) -> bytes:
+    """The encoded ``ModelStreamInferResponse`` that ends a streamed request with ``message``."""
 
 def encode_parameters(parameters: dict[str, Any]) -> str:
     """``parameters`` as a JSON object's text; ``InvalidInputError`` for a

@@ -19,7 +19,7 @@ use ferrobatch_core::DType;
 use ferrobatch_serve::{encoding, VaryingRows};
 use pyo3::exceptions::{PyBufferError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyString, PyTuple};
 use pyo3::{ffi, intern};
 
 use crate::errors::invalid_input;
@@ -45,7 +45,7 @@ fn codec_error(py: Python<'_>, err: V2Error) -> PyErr {
     err
 }
 
-fn status_error(py: Python<'_>, status: u16, message: String) -> PyErr {
+pub(crate) fn status_error(py: Python<'_>, status: u16, message: String) -> PyErr {
     let err = CodecError::new_err(message);
     let _ = err.value(py).setattr(intern!(py, "status"), status);
     err
@@ -148,6 +148,8 @@ pub(crate) struct V2Codec {
 
 enum Storage {
     Owned(Box<[u8]>),
+    /// A buffer of a decoded gRPC message (`raw_input_contents`).
+    Shared(::bytes::Bytes),
     /// `len` bytes of `body` from `start`.
     Body {
         body: Py<PyBytes>,
@@ -191,6 +193,7 @@ impl V2Tensor {
     fn bytes<'a>(&'a self, py: Python<'a>) -> &'a [u8] {
         match &self.storage {
             Storage::Owned(data) => data,
+            Storage::Shared(data) => data,
             Storage::Body { body, start, len } => body
                 .bind(py)
                 .as_bytes()
@@ -201,6 +204,17 @@ impl V2Tensor {
 }
 
 impl V2Tensor {
+    /// A decoded input whose bytes are `data` (checked against its dtype
+    /// and shape already).
+    pub(crate) fn from_bytes(
+        py: Python<'_>,
+        dtype: DType,
+        shape: &[u64],
+        data: ::bytes::Bytes,
+    ) -> PyResult<V2Tensor> {
+        V2Tensor::new(py, dtype, shape, Storage::Shared(data))
+    }
+
     pub(crate) fn datatype_name(&self) -> &'static str {
         self.dtype.name()
     }
@@ -379,7 +393,7 @@ pub(crate) unsafe fn bytes_at<'a>(ptr: usize, len: usize) -> &'a [u8] {
 }
 
 impl Readable<'_> {
-    fn data(&self) -> &[u8] {
+    pub(crate) fn data(&self) -> &[u8] {
         if self.len == 0 {
             return &[];
         }
@@ -419,7 +433,7 @@ impl V2Codec {
 
     /// Reads result `value` for output `index`: a torch tensor (converted to
     /// the output's dtype, contiguous, on the CPU when it is not already).
-    fn read_output<'py>(
+    pub(crate) fn read_output<'py>(
         &self,
         py: Python<'py>,
         index: usize,
@@ -746,101 +760,6 @@ impl V2Codec {
         self.request(py, request, &body)
     }
 
-    /// Decodes tensors given outside JSON (gRPC): `(name, datatype, shape,
-    /// data)` each, `data` the raw little-endian bytes or a sequence of
-    /// values (typed contents). Returns name -> [`V2Tensor`].
-    fn decode_tensors<'py>(
-        &self,
-        py: Python<'py>,
-        tensors: Vec<(String, String, Vec<i64>, Bound<'py, PyAny>)>,
-    ) -> PyResult<Bound<'py, PyDict>> {
-        let inputs = PyDict::new(py);
-        let mut elements_left = self.core.limits().max_elements;
-        for (name, datatype, shape, data) in tensors {
-            let (dtype, shape) =
-                v2::tensor_header(&name, &datatype, &shape).map_err(|e| codec_error(py, e))?;
-            if inputs.contains(&name)? {
-                return Err(codec_error(
-                    py,
-                    V2Error::Invalid(format!("input '{}' is given twice", v2::Clipped(&name))),
-                ));
-            }
-            let (count, nbytes) =
-                v2::checked_size(&name, dtype, &shape, elements_left).map_err(|e| {
-                    codec_error(
-                        py,
-                        match e {
-                            V2Error::TooManyElements { input, shape, .. } => {
-                                V2Error::TooManyElements {
-                                    input,
-                                    shape,
-                                    limit: self.core.limits().max_elements,
-                                }
-                            }
-                            e => e,
-                        },
-                    )
-                })?;
-            elements_left -= count;
-            let storage = if let Ok(raw) = data.cast::<PyBytes>() {
-                v2::check_raw(&name, dtype, &shape, raw.as_bytes())
-                    .map_err(|e| codec_error(py, e))?;
-                Storage::Body {
-                    body: raw.clone().unbind(),
-                    start: 0,
-                    // All of it: `check_raw` found it the shape's size (BYTES:
-                    // the shape's count of serialized elements).
-                    len: if dtype == DType::Bytes {
-                        raw.as_bytes().len()
-                    } else {
-                        nbytes
-                    },
-                }
-            } else if dtype == DType::Bytes {
-                let refuse =
-                    |m: String| codec_error(py, V2Error::Invalid(format!("input '{name}': {m}")));
-                let bytes = serialize_elements(py, &data, count, BytesLimits::default(), refuse)?;
-                Storage::Owned(bytes.into_boxed_slice())
-            } else {
-                let given = data.len()?;
-                let mut elements =
-                    v2::Elements::new(dtype, count, given.saturating_mul(dtype.itemsize()));
-                for value in data.try_iter()? {
-                    let value = value?;
-                    let pushed = if dtype == DType::Bool {
-                        match value.extract::<bool>() {
-                            Ok(b) => {
-                                elements.push_bool(b);
-                                Ok(())
-                            }
-                            Err(_) => Err(elements.not_a_number(&name, "a non-boolean")),
-                        }
-                    } else if matches!(
-                        dtype,
-                        DType::Float16 | DType::BFloat16 | DType::Float32 | DType::Float64
-                    ) {
-                        let v: f64 = value.extract()?;
-                        elements.push_float(&name, v)
-                    } else {
-                        let v: i128 = value.extract()?;
-                        elements.push_integer(&name, v)
-                    };
-                    pushed.map_err(|e| codec_error(py, e))?;
-                    if elements.count() > count {
-                        break;
-                    }
-                }
-                let bytes = elements
-                    .finish(&name, &shape)
-                    .map_err(|e| codec_error(py, e))?;
-                Storage::Owned(bytes.into_boxed_slice())
-            };
-            let tensor = V2Tensor::new(py, dtype, &shape, storage)?;
-            inputs.set_item(name, Py::new(py, tensor)?)?;
-        }
-        Ok(inputs)
-    }
-
     /// The response to `request`: `(body, header_length)`, `header_length`
     /// (for `Inference-Header-Content-Length`) `None` when the body is all
     /// JSON. `results`: output name -> tensor.
@@ -898,45 +817,6 @@ impl V2Codec {
             Ok(())
         })?;
         Ok((body, Some(header.len())))
-    }
-
-    /// Each output in `names`, read from `results` (`{name: tensor}`): its
-    /// raw little-endian bytes (gRPC's `raw_output_contents`) and shape. One
-    /// call per response.
-    fn raw_outputs<'py>(
-        &self,
-        py: Python<'py>,
-        names: Vec<String>,
-        results: &Bound<'py, PyDict>,
-    ) -> PyResult<Vec<(Bound<'py, PyBytes>, Bound<'py, PyList>)>> {
-        names
-            .iter()
-            .map(|name| {
-                let tensor = results.get_item(name)?.ok_or_else(|| {
-                    codec_error(
-                        py,
-                        V2Error::Output(format!("the model returned no output '{name}'")),
-                    )
-                })?;
-                self.raw_output(py, name, tensor)
-            })
-            .collect()
-    }
-
-    /// The raw little-endian bytes of `tensor` as output `name` (gRPC's
-    /// `raw_output_contents`), and its shape.
-    fn raw_output<'py>(
-        &self,
-        py: Python<'py>,
-        name: &str,
-        tensor: Bound<'py, PyAny>,
-    ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyList>)> {
-        let index = self
-            .core
-            .output_index(name)
-            .map_err(|e| codec_error(py, e))?;
-        let r = self.read_output(py, index, tensor)?;
-        Ok((PyBytes::new(py, r.data()), PyList::new(py, &r.shape)?))
     }
 }
 

@@ -20,6 +20,7 @@
 mod batcher;
 mod codec;
 mod errors;
+mod grpc_codec;
 mod inputs;
 mod loops;
 mod mailbox;
@@ -59,6 +60,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(codec::response_coding, m)?)?;
     m.add_function(wrap_pyfunction!(codec::encode_parameters, m)?)?;
     codec::register(m)?;
+    m.add_class::<grpc_codec::GrpcInferRequest>()?;
+    m.add_function(wrap_pyfunction!(grpc_codec::grpc_response, m)?)?;
+    m.add_function(wrap_pyfunction!(grpc_codec::grpc_stream_error, m)?)?;
     native::register(m)?;
     shm::register(m)?;
     Ok(())

@@ -407,13 +407,7 @@ impl Inference {
         let tag = ResponseTag {
             model_name: request.model_name.clone(),
             id: request.id.clone(),
-            empty_final: matches!(
-                request
-                    .parameters
-                    .get(ENABLE_EMPTY_FINAL)
-                    .and_then(|p| p.parameter_choice.as_ref()),
-                Some(ParameterChoice::BoolParam(true))
-            ),
+            empty_final: asks_empty_final(&request),
         };
         let answered = tokio::select! {
             answered = self.answer_streamed(&mut request, call_timeout, forwarded, &tag, out) => answered,
@@ -441,7 +435,7 @@ impl Inference {
     ) -> Result<(), Status> {
         let model = self.served(&request.model_name, &request.model_version)?;
         let send = |outputs: Vec<RawOutput>, last: bool| {
-            let (described, raw) = described_outputs(&model, outputs);
+            let (described, raw) = described_outputs(model.replies().codec(), outputs);
             let response = tag.response(described, raw, last);
             let _ = out.send(Ok(ModelStreamInferResponse {
                 error_message: String::new(),
@@ -735,27 +729,30 @@ fn submit(
     forwarded: &[(String, String)],
     plan: impl FnOnce(Vec<usize>) -> ResponsePlan,
 ) -> Result<crate::model::Submitted, Failure> {
-    let codec = model.replies().codec();
-    let raw = std::mem::take(&mut request.raw_input_contents);
     let mut refused_input = false;
     let mut check = |name: &str, dtype: DType, shape: &[u64]| {
         model
             .check_header(name, dtype, shape)
             .inspect_err(|_| refused_input = true)
     };
-    let decoded =
-        decode_inputs(&request.inputs, raw, codec.limits(), &mut check).map_err(|failure| {
-            match refused_input {
-                true => model.refuse_input(failure),
-                false => failure,
-            }
-        })?;
-    let outputs = requested_outputs(request, codec)?;
-    let timeout = timeout(&request.parameters, call_timeout)?;
+    let keeps_parameters = model.replies().batcher().keeps_parameters();
+    let codec = model.replies().codec();
+    let call = read_infer_call(
+        request,
+        codec,
+        call_timeout,
+        forwarded,
+        keeps_parameters,
+        &mut check,
+    )
+    .map_err(|failure| match refused_input {
+        true => model.refuse_input(failure),
+        false => failure,
+    })?;
     let tensors: Vec<Tensor<'_>> = request
         .inputs
         .iter()
-        .zip(&decoded.tensors)
+        .zip(&call.tensors)
         .map(|(input, (dtype, shape, bytes))| Tensor {
             name: &input.name,
             dtype: *dtype,
@@ -763,17 +760,117 @@ fn submit(
             bytes: bytes.clone(),
         })
         .collect();
+    model.enqueue(&tensors, call.owners, call.meta, plan(call.outputs))
+}
+
+/// A `ModelInfer` request read by the gRPC infer rules, the one copy of
+/// them (the native front-end and the Python servicer both read requests
+/// here): its inputs decoded and checked (`tensors[i]` is input `i` of
+/// the request: its dtype, shape and where its bytes are in `owners`), the
+/// outputs it asks for (indices in the codec's outputs) and what it says
+/// besides.
+pub struct InferCall {
+    pub tensors: Vec<(DType, Vec<u64>, Source)>,
+    pub owners: InputOwners,
+    pub outputs: Vec<usize>,
+    pub meta: RequestMeta,
+}
+
+/// Reads `request` (its raw contents moved out of it) for a model whose
+/// codec is `codec`: inputs (see [`decode_inputs`]; `check`: the model's
+/// rule for each input's header), requested outputs, priority, parameters
+/// (only for a model that `keeps_parameters`, with the `forwarded`
+/// headers) and the deadline, its `timeout` parameter or `call_timeout`,
+/// the smaller.
+pub fn read_infer_call(
+    request: &mut ModelInferRequest,
+    codec: &v2::Codec,
+    call_timeout: Option<Duration>,
+    forwarded: &[(String, String)],
+    keeps_parameters: bool,
+    check: InputCheck<'_>,
+) -> Result<InferCall, Failure> {
+    let raw = std::mem::take(&mut request.raw_input_contents);
+    let decoded = decode_inputs(&request.inputs, raw, codec.limits(), check)?;
+    let outputs = requested_outputs(request, codec)?;
     let meta = RequestMeta {
-        timeout,
+        timeout: timeout(&request.parameters, call_timeout)?,
         priority: priority(&request.parameters)?,
         // Only a model that asks for parameters gets them: others convert nothing.
-        parameters: if model.replies().batcher().keeps_parameters() {
+        parameters: if keeps_parameters {
             crate::model::with_headers(parameters_json(&request.parameters), forwarded)?
         } else {
             None
         },
     };
-    model.enqueue(&tensors, decoded.owners, meta, plan(outputs))
+    Ok(InferCall {
+        tensors: decoded.tensors,
+        owners: decoded.owners,
+        outputs,
+        meta,
+    })
+}
+
+/// Decodes a `ModelInferRequest` message (a 400 for bytes that are not one).
+pub fn decode_infer_request(message: &[u8]) -> Result<ModelInferRequest, Failure> {
+    prost::Message::decode(message)
+        .map_err(|e| invalid(format!("the message is not a ModelInferRequest: {e}")))
+}
+
+/// Whether a streamed request asks for an empty final response.
+pub fn asks_empty_final(request: &ModelInferRequest) -> bool {
+    matches!(
+        request
+            .parameters
+            .get(ENABLE_EMPTY_FINAL)
+            .and_then(|p| p.parameter_choice.as_ref()),
+        Some(ParameterChoice::BoolParam(true))
+    )
+}
+
+/// The encoded answer to request `id` of `model_name` with `outputs`
+/// (described by `codec`): a `ModelInferResponse`, or with `last` a
+/// `ModelStreamInferResponse` flagged as a stream's response is.
+pub fn encode_infer_response(
+    codec: &v2::Codec,
+    model_name: &str,
+    id: &str,
+    outputs: Vec<RawOutput>,
+    last: Option<bool>,
+) -> Vec<u8> {
+    let (described, raw) = described_outputs(codec, outputs);
+    let tag = ResponseTag {
+        model_name: model_name.to_owned(),
+        id: id.to_owned(),
+        empty_final: false,
+    };
+    match last {
+        None => prost::Message::encode_to_vec(&ModelInferResponse {
+            model_name: tag.model_name,
+            model_version: MODEL_VERSION.to_owned(),
+            id: tag.id,
+            parameters: Default::default(),
+            outputs: described,
+            raw_output_contents: raw,
+        }),
+        Some(last) => prost::Message::encode_to_vec(&ModelStreamInferResponse {
+            error_message: String::new(),
+            infer_response: Some(tag.response(described, raw, last)),
+        }),
+    }
+}
+
+/// The encoded error that ends streamed request `id` of `model_name`.
+pub fn encode_stream_error(model_name: &str, id: &str, message: &str) -> Vec<u8> {
+    let tag = ResponseTag {
+        model_name: model_name.to_owned(),
+        id: id.to_owned(),
+        empty_final: false,
+    };
+    prost::Message::encode_to_vec(&ModelStreamInferResponse {
+        error_message: message.to_owned(),
+        infer_response: Some(tag.response(Vec::new(), Vec::new(), true)),
+    })
 }
 
 /// The `priority` parameter: an int64 or uint64 >= 0 (0: the default level).
@@ -862,7 +959,7 @@ enum Contents<'a> {
 
 /// The model's rule for one input's name, datatype and shape
 /// ([`ServedModel::check_header`]).
-type InputCheck<'a> = &'a mut dyn FnMut(&str, DType, &[u64]) -> Result<(), Failure>;
+pub type InputCheck<'a> = &'a mut dyn FnMut(&str, DType, &[u64]) -> Result<(), Failure>;
 
 /// Decodes the inputs as the Python servicer does, with the same messages:
 /// every input's contents chosen first, then each input's name, datatype
@@ -1168,7 +1265,7 @@ fn infer_response(
     request: ModelInferRequest,
     outputs: Vec<RawOutput>,
 ) -> ModelInferResponse {
-    let (described, raw) = described_outputs(model, outputs);
+    let (described, raw) = described_outputs(model.replies().codec(), outputs);
     ModelInferResponse {
         model_name: request.model_name,
         model_version: MODEL_VERSION.to_owned(),
@@ -1181,10 +1278,10 @@ fn infer_response(
 
 /// Each output's description and its raw bytes, in the order given.
 fn described_outputs(
-    model: &ServedModel,
+    codec: &v2::Codec,
     outputs: Vec<RawOutput>,
 ) -> (Vec<InferOutputTensor>, Vec<Bytes>) {
-    let specs = model.replies().codec().outputs();
+    let specs = codec.outputs();
     let described = outputs
         .iter()
         .map(|o| {

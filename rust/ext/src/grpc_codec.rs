@@ -1,0 +1,185 @@
+//! The Python gRPC servicer's `ModelInfer` and `ModelStreamInfer` on
+//! protobuf bytes: each request is read by the native front-end's gRPC
+//! infer rules ([`ferrobatch_serve::grpc::read_infer_call`], the one copy of
+//! them) and each answer encoded by its encoder; Python only submits.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use bytes::Bytes;
+use ferrobatch_serve::grpc::{self, pb::ModelInferRequest, InferCall};
+use ferrobatch_serve::model::Source;
+use ferrobatch_serve::replies::RawOutput;
+use ferrobatch_serve::Failure;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+use crate::codec::{status_error, V2Codec, V2Tensor};
+
+fn failure_error(py: Python<'_>, failure: Failure) -> PyErr {
+    status_error(py, failure.status, failure.message)
+}
+
+/// One `ModelInferRequest`, decoded from its message.
+#[pyclass(frozen, module = "ferrobatch._core")]
+pub(crate) struct GrpcInferRequest {
+    /// Its raw contents are moved out by `read`.
+    request: Mutex<ModelInferRequest>,
+    model_name: String,
+    model_version: String,
+    id: String,
+    empty_final: bool,
+}
+
+#[pymethods]
+impl GrpcInferRequest {
+    /// Decodes `message`; a `CodecError` (400) for bytes that are not one.
+    #[new]
+    fn new(py: Python<'_>, message: &[u8]) -> PyResult<GrpcInferRequest> {
+        let request = grpc::decode_infer_request(message).map_err(|f| failure_error(py, f))?;
+        Ok(GrpcInferRequest {
+            model_name: request.model_name.clone(),
+            model_version: request.model_version.clone(),
+            id: request.id.clone(),
+            empty_final: grpc::asks_empty_final(&request),
+            request: Mutex::new(request),
+        })
+    }
+
+    #[getter]
+    fn model_name(&self) -> &str {
+        &self.model_name
+    }
+
+    #[getter]
+    fn model_version(&self) -> &str {
+        &self.model_version
+    }
+
+    #[getter]
+    fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Whether a streamed request asks for an empty final response.
+    #[getter]
+    fn empty_final(&self) -> bool {
+        self.empty_final
+    }
+
+    /// Reads the request for the model of `codec` (once: its raw contents
+    /// move into the inputs): `(inputs, outputs, priority, parameters,
+    /// timeout)`, the inputs `{name: V2Tensor}`, the outputs' names, the
+    /// priority level (None: the default), the parameters as a JSON
+    /// object's text (only when `keeps_parameters`), and the deadline in
+    /// seconds (its `timeout` parameter or `call_timeout`, the smaller).
+    /// A `CodecError` with its HTTP status for a request the rules refuse.
+    #[allow(clippy::type_complexity)]
+    fn read<'py>(
+        &self,
+        py: Python<'py>,
+        codec: &V2Codec,
+        call_timeout: Option<f64>,
+        keeps_parameters: bool,
+    ) -> PyResult<(
+        Bound<'py, PyDict>,
+        Vec<String>,
+        Option<u32>,
+        Option<String>,
+        Option<f64>,
+    )> {
+        let call_timeout = call_timeout.and_then(|t| Duration::try_from_secs_f64(t.max(0.0)).ok());
+        let mut request = self.request.lock().unwrap_or_else(|e| e.into_inner());
+        // Every header is checked by the model's submit, as in process.
+        let mut accept = |_: &str, _, _: &[u64]| Ok(());
+        let InferCall {
+            tensors,
+            mut owners,
+            outputs,
+            meta,
+        } = grpc::read_infer_call(
+            &mut request,
+            codec.core(),
+            call_timeout,
+            &[],
+            keeps_parameters,
+            &mut accept,
+        )
+        .map_err(|f| failure_error(py, f))?;
+        let inputs = PyDict::new(py);
+        for (input, (dtype, shape, source)) in request.inputs.iter().zip(tensors) {
+            let data = match source {
+                Source::Shared { buffer, range } => owners
+                    .shared
+                    .get(buffer)
+                    .and_then(|b| b.get(range.clone()).map(|_| b.slice(range)))
+                    .unwrap_or_default(),
+                Source::Decoded(i) => owners
+                    .decoded
+                    .get_mut(i)
+                    .map(|d| Bytes::from(std::mem::take(d)))
+                    .unwrap_or_default(),
+            };
+            inputs.set_item(&input.name, V2Tensor::from_bytes(py, dtype, &shape, data)?)?;
+        }
+        let names = codec.core().outputs();
+        let outputs = outputs
+            .into_iter()
+            .filter_map(|i| names.get(i).map(|o| o.name.clone()))
+            .collect();
+        Ok((
+            inputs,
+            outputs,
+            meta.priority,
+            meta.parameters,
+            meta.timeout,
+        ))
+    }
+}
+
+/// The encoded answer to request `id` of `model_name`: the outputs named in
+/// `outputs`, read from `results` (`{name: tensor}`) by `codec`; a
+/// `ModelInferResponse`, or, with `last`, a stream's
+/// `ModelStreamInferResponse` flagged `triton_final_response`.
+#[pyfunction]
+#[pyo3(signature = (codec, model_name, id, outputs, results, last=None))]
+pub(crate) fn grpc_response<'py>(
+    py: Python<'py>,
+    codec: &V2Codec,
+    model_name: &str,
+    id: &str,
+    outputs: Vec<String>,
+    results: &Bound<'py, PyDict>,
+    last: Option<bool>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let mut raw = Vec::with_capacity(outputs.len());
+    for name in &outputs {
+        let index = codec
+            .core()
+            .output_index(name)
+            .map_err(|e| status_error(py, e.status(), e.to_string()))?;
+        let Some(value) = results.get_item(name)? else {
+            let message = format!("the model returned no output '{name}'");
+            return Err(status_error(py, 500, message));
+        };
+        let readable = codec.read_output(py, index, value)?;
+        raw.push(RawOutput {
+            index,
+            shape: readable.shape.clone(),
+            data: Bytes::copy_from_slice(readable.data()),
+        });
+    }
+    let message = grpc::encode_infer_response(codec.core(), model_name, id, raw, last);
+    Ok(PyBytes::new(py, &message))
+}
+
+/// The encoded error that ends streamed request `id` of `model_name`.
+#[pyfunction]
+pub(crate) fn grpc_stream_error<'py>(
+    py: Python<'py>,
+    model_name: &str,
+    id: &str,
+    message: &str,
+) -> Bound<'py, PyBytes> {
+    PyBytes::new(py, &grpc::encode_stream_error(model_name, id, message))
+}
