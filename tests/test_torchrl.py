@@ -714,3 +714,37 @@ def test_the_ray_service_backend_serves_from_a_ray_actor_and_batches_its_clients
     finally:
         server.shutdown()
     assert not server.is_alive and ray.is_initialized()  # Ray is not the server's to stop
+
+
+@pytest.mark.parametrize(
+    "request_td",
+    [
+        TensorDict({"observation": torch.arange(4.0), "extra": {"deep": torch.ones(1)}}, batch_size=[]),
+        TensorDict({"observation": torch.arange(12.0).view(3, 4)}, batch_size=[3]),
+        TensorDict({"observation": torch.arange(4.0)}, batch_size=[], device="cpu"),
+    ],
+    ids=["nested", "batched", "on-a-device"],
+)
+@pytest.mark.parametrize("nested_output", [False, True])
+def test_a_result_is_the_request_with_its_outputs_whatever_path_builds_it(
+    request_td: TensorDict, nested_output: bool
+) -> None:
+    """A result is built from the request's entries at once where it can
+    be (a plain TensorDict, top-level keys, no device): the same as the
+    request's copy with each output set."""
+    from ferrobatch.torchrl import _complete
+
+    rows = request_td.batch_size
+    key: Any = ("out", "action") if nested_output else "action"
+    pairs = [(key, torch.full((*rows, 2), 7.0)), ("policy_version", torch.full(tuple(rows), 3))]
+    expected = request_td.copy()
+    for k, v in pairs:
+        expected.set(k, v)
+    result = _complete(request_td, pairs)
+    assert type(result) is type(expected) and result.batch_size == expected.batch_size
+    assert result.device == expected.device
+    assert set(result.keys(include_nested=True, leaves_only=True)) == set(
+        expected.keys(include_nested=True, leaves_only=True)
+    )
+    assert (result == expected).all()
+    assert "action" not in request_td.keys(include_nested=True) and "out" not in request_td.keys()  # a new one
