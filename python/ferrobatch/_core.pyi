@@ -13,6 +13,7 @@ __all__ = [
     "LoopMailbox",
     "LoopRegistry",
     "FallbackAnswer",
+    "GrpcInferRequest",
     "NativeFrontend",
     "SharedClient",
     "SharedDrain",
@@ -31,6 +32,8 @@ __all__ = [
     "inflate",
     "response_coding",
     "encode_parameters",
+    "grpc_response",
+    "grpc_stream_error",
     "shared_meta",
 ]
 __version__: str
