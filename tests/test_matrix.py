@@ -1,6 +1,6 @@
 """Every feature through every way in: fixed tensors, BYTES, variable-length
-(padded and jagged), optional inputs, priority, parameters and the version
-output, each sent in process (asyncio, a blocked thread), over HTTP (JSON,
+(padded and jagged), optional inputs, priority, parameters, the version
+output, failure isolation and deadlines, each sent in process (asyncio, a blocked thread), over HTTP (JSON,
 binary) and gRPC to the native and the Python front-ends, and through shared
 memory. A cell that does not behave as in process fails here. (The Ray
 client, which needs a Ray cluster, crosses the same features in
@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -60,9 +62,38 @@ def optional_sum(batch: dict[str, torch.Tensor], requests: list[fb.RequestInfo])
     return {"total": batch["x"].sum(1) + batch["w"].sum(1), "absent": torch.tensor(absent, dtype=torch.int64)}
 
 
+def fragile(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if bool((batch["x"] < 0).any()):
+        raise RuntimeError("negative input")
+    return {"y": batch["x"] * 2}
+
+
+def slow(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    time.sleep(SLOW_S)
+    return {"y": batch["x"]}
+
+
+SLOW_S = 0.4
+
+
 def servers() -> list[fb.Server]:
     f32 = "float32"
     return [
+        fb.Server(
+            fragile,
+            inputs=[fb.TensorSpec("x", f32, (2,))],
+            outputs=[fb.TensorSpec("y", f32, (2,))],
+            name="fragile",
+            max_delay=0.1,  # two concurrent requests share a batch
+            isolate_failures=True,
+        ),
+        fb.Server(
+            slow,
+            inputs=[fb.TensorSpec("x", f32, (2,))],
+            outputs=[fb.TensorSpec("y", f32, (2,))],
+            name="slow",
+            max_batch_size=1,  # a request behind a running one waits in the queue
+        ),
         fb.Server(
             fixed,
             inputs=[fb.TensorSpec("x", f32, (4,))],
@@ -105,9 +136,10 @@ def servers() -> list[fb.Server]:
 
 
 Send = Callable[..., dict[str, np.ndarray]]
-"""``send(model, inputs, priority=None, parameters=None)``: one request of
-a batch of rows (``inputs``: name -> numpy array with the batch dimension),
-its outputs as numpy arrays."""
+"""``send(model, inputs, priority=None, parameters=None, timeout=None)``: one
+request of a batch of rows (``inputs``: name -> numpy array with the batch
+dimension), its outputs as numpy arrays; a failure raises the way in's
+error."""
 
 
 def _numpy(outputs: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -119,10 +151,16 @@ def _as_input(value: np.ndarray) -> Any:
 
 
 def in_process(by_name: dict[str, fb.Server], loop: asyncio.AbstractEventLoop, blocking: bool) -> Send:
-    def send(model: str, inputs: dict[str, np.ndarray], priority: int | None = None, parameters: Any = None) -> Any:
+    def send(
+        model: str,
+        inputs: dict[str, np.ndarray],
+        priority: int | None = None,
+        parameters: Any = None,
+        timeout: float | None = None,
+    ) -> Any:
         client = by_name[model].client()
         given = {k: _as_input(v) for k, v in inputs.items()}
-        options = {"priority": priority, "parameters": parameters}
+        options = {"priority": priority, "parameters": parameters, "timeout": timeout}
         if blocking:  # a plain thread's calls: one request per row (infer_sync takes one sample)
             n = len(next(iter(given.values())))
             outs = [_numpy(client.infer_sync({k: v[i] for k, v in given.items()}, **options)) for i in range(n)]
@@ -137,9 +175,15 @@ def shared(by_name: dict[str, fb.Server], loop: asyncio.AbstractEventLoop) -> Se
     """Each model shared (``server.share``) and called through ``fb.connect``."""
     clients = {name: fb.connect(server.share(f"matrix-{name}-{id(server)}").name) for name, server in by_name.items()}
 
-    def send(model: str, inputs: dict[str, np.ndarray], priority: int | None = None, parameters: Any = None) -> Any:
+    def send(
+        model: str,
+        inputs: dict[str, np.ndarray],
+        priority: int | None = None,
+        parameters: Any = None,
+        timeout: float | None = None,
+    ) -> Any:
         given = {k: _as_input(v) for k, v in inputs.items()}
-        call = clients[model].infer_batch(given, priority=priority, parameters=parameters)
+        call = clients[model].infer_batch(given, priority=priority, parameters=parameters, timeout=timeout)
         return _numpy(asyncio.run_coroutine_threadsafe(call, loop).result(30))
 
     return send
@@ -150,10 +194,17 @@ _V2 = {np.dtype("float32"): "FP32", np.dtype("int64"): "INT64", np.dtype(object)
 
 def remote(address: str, protocol: str) -> Send:
     lib: Any = grpcclient if protocol == "grpc" else httpclient
-    client = lib.InferenceServerClient(address)
+    # One client per calling thread: tritonclient's HTTP client is not thread-safe.
+    local = threading.local()
     binary = protocol == "binary"
 
-    def send(model: str, inputs: dict[str, np.ndarray], priority: int | None = None, parameters: Any = None) -> Any:
+    def send(
+        model: str,
+        inputs: dict[str, np.ndarray],
+        priority: int | None = None,
+        parameters: Any = None,
+        timeout: float | None = None,
+    ) -> Any:
         tensors = []
         for name, value in inputs.items():
             tensor = lib.InferInput(name, list(value.shape), _V2[value.dtype])
@@ -162,7 +213,11 @@ def remote(address: str, protocol: str) -> Send:
             else:
                 tensor.set_data_from_numpy(value, binary_data=binary)
             tensors.append(tensor)
-        result = client.infer(model, tensors, priority=priority or 0, parameters=parameters)
+        # Triton's request `timeout`, in microseconds.
+        micros = None if timeout is None else int(timeout * 1e6)
+        if not hasattr(local, "client"):
+            local.client = lib.InferenceServerClient(address)
+        result = local.client.infer(model, tensors, priority=priority or 0, parameters=parameters, timeout=micros)
         response = result.get_response()
         names = [o["name"] for o in response["outputs"]] if isinstance(response, dict) else [
             o.name for o in response.outputs
@@ -241,6 +296,43 @@ def test_optional_inputs(ways: dict[str, Send], way: str) -> None:
     assert left_out["total"].tolist() == [2, 2] and left_out["absent"].tolist() == [1, 1]
     given = send("optional", {"x": x, "w": x * 3})
     assert given["total"].tolist() == [8, 8] and given["absent"].tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_a_failing_request_fails_alone(ways: dict[str, Send], way: str) -> None:
+    """A bad request and a good one in one batch: only the bad one fails
+    (failure isolation), with the way in's error, and the way in goes on."""
+    send = ways[way]
+    good, bad = np.ones((1, 2), dtype=np.float32), -np.ones((1, 2), dtype=np.float32)
+    with ThreadPoolExecutor(2) as pool:
+        failing = pool.submit(send, "fragile", {"x": bad})
+        time.sleep(0.02)  # both within the batch's 100 ms window
+        passing = pool.submit(send, "fragile", {"x": good})
+        assert passing.result(30)["y"].tolist() == [[2, 2]]
+        with pytest.raises(Exception) as info:  # each way in raises its own type
+            failing.result(30)
+    assert not isinstance(info.value, AssertionError)
+    assert send("fragile", {"x": good})["y"].tolist() == [[2, 2]]
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_a_request_past_its_deadline_fails_and_the_next_is_served(ways: dict[str, Send], way: str) -> None:
+    """A request queued behind a running one past its `timeout` fails with
+    the way in's deadline error; a request without one is then served."""
+    send = ways[way]
+    x = np.ones((1, 2), dtype=np.float32)
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(send, "slow", {"x": x})
+        time.sleep(SLOW_S / 4)  # the first runs: the next waits in the queue
+        started = time.monotonic()
+        with pytest.raises(Exception) as info:  # each way in raises its own type
+            send("slow", {"x": x}, timeout=0.05)
+        waited = time.monotonic() - started
+        assert running.result(30)["y"].tolist() == [[1, 1]]
+    text = f"{type(info.value).__name__}: {info.value}".lower()
+    assert "deadline" in text or "timeout" in text or "timed out" in text, text
+    assert waited < SLOW_S, f"answered after {waited:.2f} s, not at its deadline"
+    assert send("slow", {"x": x})["y"].tolist() == [[1, 1]]
 
 
 def test_every_model_is_ready_with_its_batch_dimension_over_http_and_grpc() -> None:
