@@ -175,9 +175,9 @@ class Client:
             return await self._infer_mapping(inputs, timeout)
         # One call into Rust per request (it finds this loop's mailbox, queues
         # the request and arms the deadline). The caller keeps the future and
-        # id, never the ticket: a failed future's traceback holds the caller's
-        # frame, and the ticket (which the cycle collector does not see) holds
-        # the future.
+        # id, never the mailbox's entry: a failed future's traceback holds the
+        # caller's frame, and the entry (which the cycle collector does not
+        # see) holds the future.
         future, rid = self._submitter.submit(inputs, timeout, False)
         try:
             return await future

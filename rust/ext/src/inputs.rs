@@ -11,7 +11,7 @@
 //!
 //! Every input is copied, in C order, into a buffer the request owns, at
 //! submit: the caller may modify, resize or free its objects as soon as
-//! `infer` has queued the request, and the ticket holds no Python object of
+//! `infer` has queued the request, and its pending entry holds no Python object of
 //! the caller's. Holding the caller's object (or its storage) instead is not
 //! sound: `tensor.resize_()` to a larger size reallocates the storage in
 //! place, freeing the memory a queued request points at even while the
@@ -200,7 +200,7 @@ impl Converted {
     fn with_extent(copy: Box<[u8]>, rows: usize, extent: usize) -> Converted {
         // SAFETY: the view covers exactly the boxed slice, whose heap memory
         // does not move when the box does; the box is the returned `Keep`,
-        // which the request's ticket holds until the request is resolved.
+        // which the request's pending entry holds until no batch can read it.
         let bytes = unsafe { InputBytes::new(copy.as_ptr(), copy.len()) }.with_extent(extent);
         Converted {
             bytes,
