@@ -136,10 +136,10 @@ def servers() -> list[fb.Server]:
 
 
 Send = Callable[..., dict[str, np.ndarray]]
-"""``send(model, inputs, priority=None, parameters=None, timeout=None)``: one
-request of a batch of rows (``inputs``: name -> numpy array with the batch
-dimension), its outputs as numpy arrays; a failure raises the way in's
-error."""
+"""``send(model, inputs, **options)``: one request of a batch of rows
+(``inputs``: name -> numpy array with the batch dimension; ``options``:
+``priority``, ``parameters`` and ``timeout`` as ``client.infer`` takes
+them), its outputs as numpy arrays; a failure raises the way in's error."""
 
 
 def _numpy(outputs: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -151,16 +151,9 @@ def _as_input(value: np.ndarray) -> Any:
 
 
 def in_process(by_name: dict[str, fb.Server], loop: asyncio.AbstractEventLoop, blocking: bool) -> Send:
-    def send(
-        model: str,
-        inputs: dict[str, np.ndarray],
-        priority: int | None = None,
-        parameters: Any = None,
-        timeout: float | None = None,
-    ) -> Any:
+    def send(model: str, inputs: dict[str, np.ndarray], **options: Any) -> Any:
         client = by_name[model].client()
         given = {k: _as_input(v) for k, v in inputs.items()}
-        options = {"priority": priority, "parameters": parameters, "timeout": timeout}
         if blocking:  # a plain thread's calls: one request per row (infer_sync takes one sample)
             n = len(next(iter(given.values())))
             outs = [_numpy(client.infer_sync({k: v[i] for k, v in given.items()}, **options)) for i in range(n)]
@@ -175,15 +168,9 @@ def shared(by_name: dict[str, fb.Server], loop: asyncio.AbstractEventLoop) -> Se
     """Each model shared (``server.share``) and called through ``fb.connect``."""
     clients = {name: fb.connect(server.share(f"matrix-{name}-{id(server)}").name) for name, server in by_name.items()}
 
-    def send(
-        model: str,
-        inputs: dict[str, np.ndarray],
-        priority: int | None = None,
-        parameters: Any = None,
-        timeout: float | None = None,
-    ) -> Any:
+    def send(model: str, inputs: dict[str, np.ndarray], **options: Any) -> Any:
         given = {k: _as_input(v) for k, v in inputs.items()}
-        call = clients[model].infer_batch(given, priority=priority, parameters=parameters, timeout=timeout)
+        call = clients[model].infer_batch(given, **options)
         return _numpy(asyncio.run_coroutine_threadsafe(call, loop).result(30))
 
     return send
@@ -198,13 +185,7 @@ def remote(address: str, protocol: str) -> Send:
     local = threading.local()
     binary = protocol == "binary"
 
-    def send(
-        model: str,
-        inputs: dict[str, np.ndarray],
-        priority: int | None = None,
-        parameters: Any = None,
-        timeout: float | None = None,
-    ) -> Any:
+    def send(model: str, inputs: dict[str, np.ndarray], **options: Any) -> Any:
         tensors = []
         for name, value in inputs.items():
             tensor = lib.InferInput(name, list(value.shape), _V2[value.dtype])
@@ -213,11 +194,16 @@ def remote(address: str, protocol: str) -> Send:
             else:
                 tensor.set_data_from_numpy(value, binary_data=binary)
             tensors.append(tensor)
-        # Triton's request `timeout`, in microseconds.
-        micros = None if timeout is None else int(timeout * 1e6)
+        timeout = options.get("timeout")
         if not hasattr(local, "client"):
             local.client = lib.InferenceServerClient(address)
-        result = local.client.infer(model, tensors, priority=priority or 0, parameters=parameters, timeout=micros)
+        result = local.client.infer(
+            model,
+            tensors,
+            priority=options.get("priority") or 0,
+            parameters=options.get("parameters"),
+            timeout=None if timeout is None else int(timeout * 1e6),  # Triton's request `timeout`, in µs
+        )
         response = result.get_response()
         names = [o["name"] for o in response["outputs"]] if isinstance(response, dict) else [
             o.name for o in response.outputs

@@ -52,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import functools
 import itertools
 import logging
 import multiprocessing
@@ -802,9 +803,16 @@ def _complete(td: Any, pairs: Sequence[tuple[NestedKey, torch.Tensor]]) -> Any:
 
 def _new_unsafe(td: Any) -> Any:
     """``TensorDict._new_unsafe`` for a plain TensorDict on no device, else None."""
-    if td.device is not None or type(td).__name__ != "TensorDict" or type(td).__module__.split(".")[0] != "tensordict":
+    if td.device is not None or type(td) is not _plain_tensordict():
         return None
     return getattr(type(td), "_new_unsafe", None)
+
+
+@functools.cache
+def _plain_tensordict() -> Any:
+    from tensordict import TensorDict
+
+    return TensorDict
 
 
 def _torchrl_context() -> tuple[str | None, str | None]:

@@ -108,17 +108,22 @@ impl GrpcInferRequest {
         .map_err(|f| failure_error(py, f))?;
         let inputs = PyDict::new(py);
         for (input, (dtype, shape, source)) in request.inputs.iter().zip(tensors) {
+            // `read_infer_call` checked each source against its shape; a
+            // source it did not make is refused, never read short.
             let data = match source {
                 Source::Shared { buffer, range } => owners
                     .shared
                     .get(buffer)
-                    .and_then(|b| b.get(range.clone()).map(|_| b.slice(range)))
-                    .unwrap_or_default(),
+                    .filter(|b| b.get(range.clone()).is_some())
+                    .map(|b| b.slice(range)),
                 Source::Decoded(i) => owners
                     .decoded
                     .get_mut(i)
-                    .map(|d| Bytes::from(std::mem::take(d)))
-                    .unwrap_or_default(),
+                    .map(|d| Bytes::from(std::mem::take(d))),
+            };
+            let Some(data) = data else {
+                let message = format!("input '{}': its bytes are missing", input.name);
+                return Err(status_error(py, 500, message));
             };
             inputs.set_item(&input.name, V2Tensor::from_bytes(py, dtype, &shape, data)?)?;
         }
@@ -169,8 +174,13 @@ pub(crate) fn grpc_response<'py>(
             data: Bytes::copy_from_slice(readable.data()),
         });
     }
-    let message = grpc::encode_infer_response(codec.core(), model_name, id, raw, last);
-    Ok(PyBytes::new(py, &message))
+    // Encoded straight into the bytes object Python gets.
+    let answer = grpc::infer_answer(codec.core(), model_name, id, raw, last);
+    PyBytes::new_with(py, answer.encoded_len(), |out| {
+        answer
+            .encode(out)
+            .map_err(|e| status_error(py, 500, format!("the answer could not be encoded: {e}")))
+    })
 }
 
 /// The encoded error that ends streamed request `id` of `model_name`.

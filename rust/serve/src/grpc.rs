@@ -828,16 +828,16 @@ pub fn asks_empty_final(request: &ModelInferRequest) -> bool {
     )
 }
 
-/// The encoded answer to request `id` of `model_name` with `outputs`
-/// (described by `codec`): a `ModelInferResponse`, or with `last` a
+/// The answer to request `id` of `model_name` with `outputs` (described by
+/// `codec`): a `ModelInferResponse`, or with `last` a
 /// `ModelStreamInferResponse` flagged as a stream's response is.
-pub fn encode_infer_response(
+pub fn infer_answer(
     codec: &v2::Codec,
     model_name: &str,
     id: &str,
     outputs: Vec<RawOutput>,
     last: Option<bool>,
-) -> Vec<u8> {
+) -> InferAnswer {
     let (described, raw) = described_outputs(codec, outputs);
     let tag = ResponseTag {
         model_name: model_name.to_owned(),
@@ -845,7 +845,7 @@ pub fn encode_infer_response(
         empty_final: false,
     };
     match last {
-        None => prost::Message::encode_to_vec(&ModelInferResponse {
+        None => InferAnswer::Unary(ModelInferResponse {
             model_name: tag.model_name,
             model_version: MODEL_VERSION.to_owned(),
             id: tag.id,
@@ -853,10 +853,34 @@ pub fn encode_infer_response(
             outputs: described,
             raw_output_contents: raw,
         }),
-        Some(last) => prost::Message::encode_to_vec(&ModelStreamInferResponse {
+        Some(last) => InferAnswer::Stream(ModelStreamInferResponse {
             error_message: String::new(),
             infer_response: Some(tag.response(described, raw, last)),
         }),
+    }
+}
+
+/// A `ModelInfer` answer, or one response on a `ModelStreamInfer` stream,
+/// to be encoded where its caller wants the bytes.
+pub enum InferAnswer {
+    Unary(ModelInferResponse),
+    Stream(ModelStreamInferResponse),
+}
+
+impl InferAnswer {
+    pub fn encoded_len(&self) -> usize {
+        match self {
+            InferAnswer::Unary(m) => prost::Message::encoded_len(m),
+            InferAnswer::Stream(m) => prost::Message::encoded_len(m),
+        }
+    }
+
+    /// Encodes the message into `out`, which holds `encoded_len()` bytes.
+    pub fn encode(&self, mut out: &mut [u8]) -> Result<(), prost::EncodeError> {
+        match self {
+            InferAnswer::Unary(m) => prost::Message::encode(m, &mut out),
+            InferAnswer::Stream(m) => prost::Message::encode(m, &mut out),
+        }
     }
 }
 
