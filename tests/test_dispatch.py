@@ -104,7 +104,16 @@ async def test_dispatch_reasons_sum_to_the_batches() -> None:
     reasons = stats["dispatch_reasons"]
     assert sum(reasons.values()) == stats["batches"], reasons
     assert reasons["full"] >= 2 and reasons["greedy"] >= 1, reasons
-    expected = {"full", "next_does_not_fit", "preferred_size", "delay_expired", "greedy", "adaptive", "shutdown"}
+    expected = {
+        "full",
+        "next_does_not_fit",
+        "preferred_size",
+        "delay_expired",
+        "greedy",
+        "adaptive",
+        "callers_waiting",
+        "shutdown",
+    }
     assert set(reasons) == expected
 
 

@@ -47,6 +47,56 @@ def test_many_threads_get_their_own_rows_in_shared_batches() -> None:
     assert stats["request_ns"] > 0
 
 
+def test_a_batch_goes_once_every_thread_caller_is_in_it() -> None:
+    """Threads that each wait for their answer before calling again: once
+    all of them are in the batch, no row can join it, so it goes without
+    waiting out a long ``max_delay``; a thread that thinks for a while is
+    waited for (inside the window), and the batch goes when it arrives."""
+    server = fb.Server(double, inputs=[X], outputs=[Y], max_batch_size=64, max_delay=1.5)
+    callers, rounds = 4, 10
+    waited: dict[tuple[int, int], float] = {}
+    with server.run_in_background():
+        client = server.client()
+        barrier = threading.Barrier(callers)
+
+        def call(k: int) -> None:
+            for i in range(rounds):
+                barrier.wait()  # rounds in step: no thread runs ahead or leaves early
+                if k == 0 and i == rounds // 2:
+                    time.sleep(0.2)  # the others' batch waits for this thread
+                began = time.monotonic()
+                y = client.infer_sync({"x": torch.full((4,), float(k * rounds + i))})["y"]
+                waited[k, i] = time.monotonic() - began
+                assert torch.equal(y, torch.full((4,), 2.0 * (k * rounds + i)))
+
+        with ThreadPoolExecutor(callers) as pool:
+            list(pool.map(call, range(callers)))
+        stats = server.stats()
+    # Round 0 may split: the first thread in is the only one seen yet, so
+    # its request goes at once, and the others then wait for it (blocked
+    # on the barrier, it looks like a thread thinking) for the window.
+    slow = {key: t for key, t in waited.items() if key[1] > 0 and t > 1.0}
+    assert not slow, f"batches waited out max_delay: {slow}"
+    assert min(waited[k, rounds // 2] for k in range(1, callers)) >= 0.15, "they did not wait for thread 0"
+    assert stats["requests_succeeded"] == callers * rounds
+    assert stats["batches"] <= rounds + 1  # each round's four rows in one batch
+
+
+def test_a_thread_that_ended_is_not_waited_for() -> None:
+    """A thread caller that ended sends no more rows: the batches of the
+    threads still calling go without waiting for it."""
+    server = fb.Server(double, inputs=[X], outputs=[Y], max_batch_size=64, max_delay=3.0)
+    with server.run_in_background():
+        client = server.client()
+        gone = threading.Thread(target=lambda: client.infer_sync({"x": torch.ones(4)}))
+        gone.start()
+        gone.join()
+        began = time.monotonic()
+        client.infer_sync({"x": torch.ones(4)})  # this thread is now the only caller
+        took = time.monotonic() - began
+    assert took < 1.5, f"waited {took:.2f}s for a thread that had ended"
+
+
 def test_no_event_loop_hop_the_server_loop_may_be_busy() -> None:
     """The thread queues the request itself: a server loop blocked for a
     while does not hold it up (it would, through the loop)."""

@@ -29,7 +29,7 @@ server's name) and ``version`` ("1"):
   whose result alone differed from their batch's;
 - ``ferrobatch_batches{reason=...}``: model calls by why their batch was
   released (full, next_does_not_fit, preferred_size, delay_expired, greedy,
-  shutdown);
+  adaptive, callers_waiting, shutdown);
 - ``ferrobatch_batch_size``: a histogram of batches by their rows, with
   buckets 1, 2, 4, ... up to ``max_batch_size`` (``_bucket{le=...}``,
   ``_sum``: rows, ``_count``: batches), from ``stats()["batch_sizes"]``.

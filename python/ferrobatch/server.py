@@ -831,7 +831,7 @@ class Server:
         ``queue_depth_by_priority`` (``{level: requests}``); ``queue_ns`` (time queued,
         summed over requests); ``dispatch_reasons`` (batches by why they were
         released: full, next_does_not_fit, preferred_size, delay_expired,
-        greedy, shutdown; they sum to ``batches``) and ``release_age_ns``
+        greedy, adaptive, callers_waiting, shutdown; they sum to ``batches``) and ``release_age_ns``
         (the oldest request's age when its batch was released, summed over
         batches); ``weight_updates`` and ``model_version``
         (see :meth:`update_weights`); ``compute_ns`` (model time, summed over

@@ -5,6 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::bytes::BytesLimits;
+use crate::callers::BlockingCallers;
 use crate::queue::{Popped, Priorities, Readiness};
 use crate::request::Withdrawal;
 use crate::{
@@ -49,6 +50,10 @@ pub struct Submission {
     /// Bit `i` set: the request left out optional input `i` (its bytes stand
     /// in for it; the model is told).
     pub absent: u64,
+    /// The caller blocks until this request is answered, and is known by
+    /// this key (a thread's); `None`: a caller that does not block. See
+    /// [`crate::callers`].
+    pub blocking_caller: Option<u64>,
 }
 
 /// Counters, updated with relaxed atomics (a snapshot may be torn across fields).
@@ -122,6 +127,8 @@ pub struct Batcher {
     stats: Stats,
     max_batch_elements: Option<usize>,
     bytes_limits: BytesLimits,
+    /// Who may still add a row to the batch being gathered.
+    callers: BlockingCallers,
 }
 
 impl Batcher {
@@ -161,6 +168,7 @@ impl Batcher {
                     ))
                 })?,
         };
+        let max_delay = config.rule.max_delay;
         Ok(Batcher {
             queue: RequestQueue::with_priorities(
                 config.max_queue_size,
@@ -179,6 +187,7 @@ impl Batcher {
             stats: Stats::default(),
             max_batch_elements: config.max_batch_elements,
             bytes_limits: config.bytes_limits,
+            callers: BlockingCallers::new(max_delay),
         })
     }
 
@@ -412,15 +421,32 @@ impl Batcher {
         let deadline = submission
             .timeout
             .and_then(|t| Instant::now().checked_add(t));
+        let caller = submission.blocking_caller;
         let request = Request::new(id, sink, rows as u32, inputs, deadline)
             .in_lane(lane)
             .with_parameters(submission.parameters.filter(|_| self.keep_parameters))
-            .with_absent(submission.absent);
+            .with_absent(submission.absent)
+            .blocking(caller.is_some());
         let request = Arc::new(request);
+        self.callers.arrive(caller, request.enqueued_at);
         register(&request);
         // A refused request was never seen by anyone: it is dropped here.
         self.queue.push(request.clone()).map_err(CoreError::from)?;
+        if caller.is_some()
+            && self
+                .callers
+                .all_in(self.queue.blocking(), request.enqueued_at)
+        {
+            self.queue.nudge(); // the gathering worker need not wait for more
+        }
         Ok(request)
+    }
+
+    /// The blocking caller `key` is gone (its thread ended): batches no
+    /// longer wait for it (see [`crate::callers`]).
+    pub fn forget_caller(&self, key: u64) {
+        self.callers.forget(key);
+        self.queue.nudge();
     }
 
     /// Makes `rows` rows submitted since the submitter's last flush ready
@@ -443,7 +469,9 @@ impl Batcher {
         let mut gathered: Vec<Arc<Request>> = Vec::with_capacity(self.rule.max_batch_size);
         let (rows, reason) = {
             let mut carry = self.gather.lock().unwrap_or_else(|e| e.into_inner());
-            self.gather(&mut carry, worker, &mut gathered)
+            let gathered_by = self.gather(&mut carry, worker, &mut gathered);
+            self.callers.set_gathered(0); // released: its callers wait on it, not in the batcher
+            gathered_by
         };
         if gathered.is_empty() {
             return None; // `slot` goes back to the ring
@@ -533,8 +561,22 @@ impl Batcher {
                 };
                 match decision {
                     Decision::Dispatch(reason) => return (rows, reason),
-                    // A wait too long to represent is a wait without a limit.
-                    Decision::Wait(limit) => limit.and_then(|l| now.checked_add(l)),
+                    Decision::Wait(limit) => {
+                        // A wait too long to represent is a wait without a limit.
+                        let until = limit.and_then(|l| now.checked_add(l));
+                        let blocking = gathered.iter().filter(|r| r.blocking).count();
+                        self.callers.set_gathered(blocking);
+                        if blocking == 0 {
+                            until
+                        } else {
+                            let queued = self.queue.blocking();
+                            match self.callers.all_in_now(queued, now) {
+                                (true, _) => return (rows, DispatchReason::CallersWaiting),
+                                (false, Some(quiet)) => Some(until.map_or(quiet, |u| u.min(quiet))),
+                                (false, None) => until,
+                            }
+                        }
+                    }
                 }
             };
             // Sleep until the decision can change: enough rows, or the deadline.
@@ -771,6 +813,18 @@ mod tests {
             timeout,
         )
         .unwrap()
+    }
+
+    /// A request of the blocking caller `caller` (a thread that waits for it).
+    fn submit_blocking(b: &Batcher, caller: u64) -> Arc<Request> {
+        // SAFETY: static bytes outlive everything.
+        let input = unsafe { InputBytes::new(ROW_A.as_ptr(), ROW) };
+        let submission = Submission {
+            blocking_caller: Some(caller),
+            ..Submission::default()
+        };
+        b.submit_request(Sink::Thread, 1, Box::new([input]), submission, |_| {})
+            .unwrap()
     }
 
     fn submit_at(b: &Batcher, priority: Option<u32>) -> Result<Arc<Request>, CoreError> {
@@ -1098,6 +1152,52 @@ mod tests {
         late.join().unwrap();
         assert_eq!(b.rows, 2, "the late request joined the open batch");
         assert!(started.elapsed() >= Duration::from_millis(20));
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "timed: Miri's clock advances with interpretation")]
+    fn a_batch_goes_once_every_blocking_caller_is_in_it() {
+        let f = fixture(8, Duration::from_secs(10), 1, 100, 1);
+        submit_blocking(&f.batcher, 1);
+        submit_blocking(&f.batcher, 2);
+        let mut worker = Worker::new();
+        let started = Instant::now();
+        let b = f.batcher.next_batch(&mut worker).unwrap();
+        assert_eq!((b.rows, b.reason), (2, DispatchReason::CallersWaiting));
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "it waited out max_delay"
+        );
+        drop(b);
+        // Caller 2 answered and thinking; caller 1's next request waits for it...
+        let batcher = f.batcher.clone();
+        let late = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(30));
+            submit_blocking(&batcher, 2); // ...and its arrival releases both at once
+        });
+        submit_blocking(&f.batcher, 1);
+        let started = Instant::now();
+        let b = f.batcher.next_batch(&mut worker).unwrap();
+        late.join().unwrap();
+        assert_eq!((b.rows, b.reason), (2, DispatchReason::CallersWaiting));
+        assert!(
+            started.elapsed() >= Duration::from_millis(20),
+            "it left caller 2 behind"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the last arrival did not wake it"
+        );
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "timed: Miri's clock advances with interpretation")]
+    fn a_caller_that_does_not_block_keeps_the_window() {
+        let f = fixture(8, Duration::from_millis(30), 1, 100, 1);
+        submit(&f.batcher, &ROW_A, None); // an event loop's request
+        submit_blocking(&f.batcher, 1);
+        let b = f.batcher.next_batch(&mut Worker::new()).unwrap();
+        assert_eq!((b.rows, b.reason), (2, DispatchReason::DelayExpired));
     }
 
     #[test]

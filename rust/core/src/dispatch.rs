@@ -43,18 +43,22 @@ pub enum DispatchReason {
     Greedy,
     /// Adaptive: as many rows as the load brought the batch before.
     Adaptive,
+    /// Every caller that could add a row blocks on a request already in it
+    /// (see [`crate::callers`]): waiting longer could not fill it.
+    CallersWaiting,
     /// The batcher closed: what was left goes, whatever its size.
     Shutdown,
 }
 
 impl DispatchReason {
-    pub const ALL: [DispatchReason; 7] = [
+    pub const ALL: [DispatchReason; 8] = [
         DispatchReason::Full,
         DispatchReason::NextDoesNotFit,
         DispatchReason::PreferredSize,
         DispatchReason::DelayExpired,
         DispatchReason::Greedy,
         DispatchReason::Adaptive,
+        DispatchReason::CallersWaiting,
         DispatchReason::Shutdown,
     ];
 
@@ -67,6 +71,7 @@ impl DispatchReason {
             DispatchReason::DelayExpired => "delay_expired",
             DispatchReason::Greedy => "greedy",
             DispatchReason::Adaptive => "adaptive",
+            DispatchReason::CallersWaiting => "callers_waiting",
             DispatchReason::Shutdown => "shutdown",
         }
     }

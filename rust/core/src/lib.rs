@@ -80,6 +80,7 @@
 
 mod batcher;
 pub mod bytes;
+pub mod callers;
 pub mod dispatch;
 pub mod dtype;
 pub mod error;
@@ -100,6 +101,7 @@ pub mod unflushed;
 pub mod v2;
 
 pub use batcher::{Batch, Batcher, BatcherConfig, Stats, Submission, Worker};
+pub use callers::BlockingCallers;
 pub use dispatch::{Decision, DispatchReason, DispatchRule};
 pub use dtype::DType;
 pub use error::CoreError;

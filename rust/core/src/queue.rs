@@ -178,6 +178,11 @@ pub struct RequestQueue {
     bell: Condvar,
     /// Times a push or close rang the doorbell (for tests and stats).
     rings: AtomicUsize,
+    /// Live requests of callers that block on them (signed: the worker may
+    /// count one off before its push counted it on).
+    blocking: AtomicIsize,
+    /// A submitter asked the sleeping worker to decide again now.
+    nudged: AtomicBool,
 }
 
 const NOBODY_WAITS: isize = isize::MAX;
@@ -232,6 +237,8 @@ impl RequestQueue {
             sleep_lock: Mutex::new(()),
             bell: Condvar::new(),
             rings: AtomicUsize::new(0),
+            blocking: AtomicIsize::new(0),
+            nudged: AtomicBool::new(false),
         }
     }
 
@@ -279,11 +286,15 @@ impl RequestQueue {
         // Cannot fail for lack of room: `in_channel` reserved a place, and close
         // messages have places of their own.
         let rows = request.rows as usize;
+        let blocking = request.blocking;
         lane.tx
             .try_send(Message::Request(request))
             .expect("in_channel reserved a place in the channel");
         if self.readiness == Readiness::OnPush {
             self.make_ready(rows);
+        }
+        if blocking {
+            self.blocking.fetch_add(1, Ordering::AcqRel);
         }
         Ok(())
     }
@@ -349,7 +360,9 @@ impl RequestQueue {
         let mut held = self.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             self.wake_at.store(rows, Ordering::SeqCst);
-            if self.ready_rows.load(Ordering::SeqCst) >= rows || self.closed.load(Ordering::SeqCst)
+            if self.ready_rows.load(Ordering::SeqCst) >= rows
+                || self.closed.load(Ordering::SeqCst)
+                || self.nudged.swap(false, Ordering::SeqCst)
             {
                 break;
             }
@@ -459,6 +472,22 @@ impl RequestQueue {
             }
         }
         self.waiting.fetch_sub(1, Ordering::AcqRel);
+        if request.blocking {
+            self.blocking.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+
+    /// Live requests of callers that block on them (see [`crate::callers`]).
+    pub fn blocking(&self) -> usize {
+        usize::try_from(self.blocking.load(Ordering::Acquire)).unwrap_or(0)
+    }
+
+    /// Wakes the sleeping worker to decide again now, whatever its row
+    /// count (or the next one to sleep, at once).
+    pub fn nudge(&self) {
+        let _held = self.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
+        self.nudged.store(true, Ordering::SeqCst);
+        self.bell.notify_all();
     }
 
     /// Refuses new requests from now on and sends one close message per

@@ -148,6 +148,8 @@ pub struct Request {
     pub parameters: Option<Box<str>>,
     /// Bit `i` set: the caller left out optional input `i`.
     pub absent: u64,
+    /// Its caller blocks until it is answered (see [`crate::callers`]).
+    pub blocking: bool,
     inputs: Box<[InputBytes]>,
     state: AtomicU8,
 }
@@ -176,6 +178,7 @@ impl Request {
             lane: 0,
             parameters: None,
             absent: 0,
+            blocking: false,
             inputs,
             state: AtomicU8::new(RequestState::Queued as u8),
         }
@@ -190,6 +193,12 @@ impl Request {
     /// This request, without the optional inputs of the bits of `absent`.
     pub fn with_absent(mut self, absent: u64) -> Request {
         self.absent = absent;
+        self
+    }
+
+    /// This request, from a caller that blocks until it is answered.
+    pub fn blocking(mut self, blocking: bool) -> Request {
+        self.blocking = blocking;
         self
     }
 

@@ -2,8 +2,9 @@
 //! `Batch` (what a worker got). A request from an event loop waits in the
 //! pending table of its loop's mailbox.
 
-use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use ferrobatch_core as core;
@@ -19,7 +20,7 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyType};
 
 use crate::errors::{invalid_input, to_pyerr};
 use crate::inputs::{Converter, InputSpec, Keep};
-use crate::loops::LoopRegistry;
+use crate::loops::{LoopRegistry, Wakeups};
 use crate::mailbox::{doorbells, ring_fd, LoopAnswer, LoopHeld, LoopMailbox};
 use crate::threads::{ThreadWaiters, Waiter};
 use crate::without_gil;
@@ -270,6 +271,7 @@ impl Batcher {
         let (rows, bytes, keep, absent) = self.converter.convert_dict(py, inputs, batched)?;
         let submission = core::Submission {
             absent,
+            blocking_caller: thread_key(&self.core),
             ..submission
         };
         let mut waiter = None;
@@ -302,6 +304,52 @@ impl Batcher {
             }
         }
     }
+}
+
+/// This thread as a blocking caller: its key (never reused) and the
+/// batchers it called, which forget it when the thread ends.
+struct ThreadCaller {
+    key: u64,
+    called: RefCell<Vec<Weak<core::Batcher>>>,
+}
+
+impl Drop for ThreadCaller {
+    fn drop(&mut self) {
+        for batcher in self.called.get_mut().drain(..) {
+            if let Some(batcher) = batcher.upgrade() {
+                batcher.forget_caller(self.key);
+            }
+        }
+    }
+}
+
+thread_local! {
+    static THREAD_CALLER: ThreadCaller = ThreadCaller {
+        key: {
+            static NEXT: AtomicU64 = AtomicU64::new(1);
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        },
+        called: RefCell::new(Vec::new()),
+    };
+}
+
+/// This thread's key among `batcher`'s blocking callers (`None` while the
+/// thread ends: then it counts as a caller that does not block).
+fn thread_key(batcher: &Arc<core::Batcher>) -> Option<u64> {
+    THREAD_CALLER
+        .try_with(|caller| {
+            let mut called = caller.called.try_borrow_mut().ok()?;
+            if !called
+                .iter()
+                .any(|b| std::ptr::eq(b.as_ptr(), Arc::as_ptr(batcher)))
+            {
+                called.retain(|b| b.strong_count() > 0);
+                called.push(Arc::downgrade(batcher));
+            }
+            Some(caller.key)
+        })
+        .ok()
+        .flatten()
 }
 
 impl Converter {
@@ -422,8 +470,9 @@ pub struct Worker {
     state: Mutex<core::Worker>,
     /// The server's event loops, whose mailboxes the batches go to.
     registry: Py<LoopRegistry>,
-    /// Mailboxes posted to since the last `next_batch`: rung once the GIL is released.
-    to_ring: Mutex<Vec<Py<LoopMailbox>>>,
+    /// Mailboxes posted to and threads answered since the last
+    /// `next_batch`: woken there, once the GIL is released.
+    to_wake: Mutex<Wakeups>,
 }
 
 #[pymethods]
@@ -435,7 +484,7 @@ impl Worker {
             _batcher: batcher.unbind(),
             registry,
             state: Mutex::new(core::Worker::new()),
-            to_ring: Mutex::new(Vec::new()),
+            to_wake: Mutex::new(Wakeups::default()),
         }
     }
 
@@ -474,18 +523,13 @@ impl Worker {
             .get()
             .route_batch(py, &batch.groups, &outcome, failed.as_ref());
         if ring_now {
-            let targets = doorbells(&posted);
-            // `posted` keeps each mailbox, and so its fd, alive meanwhile.
-            without_gil(py, || {
-                for (fd, eventfd) in targets {
-                    ring_fd(fd, eventfd);
-                }
-            });
+            let doorbells = posted.doorbells();
+            without_gil(py, || posted.wake(&doorbells));
         } else {
-            self.to_ring
+            self.to_wake
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .extend(posted);
+                .append(posted);
         }
         Ok(())
     }
@@ -522,18 +566,15 @@ impl Worker {
     /// until a batch is gathered and collated into a staging slot; None once
     /// the batcher is closed and drained.
     fn next_batch(&self, py: Python<'_>) -> PyResult<Option<Batch>> {
-        let to_ring = std::mem::take(&mut *self.to_ring.lock().unwrap_or_else(|e| e.into_inner()));
-        let targets = doorbells(&to_ring);
+        let to_wake = std::mem::take(&mut *self.to_wake.lock().unwrap_or_else(|e| e.into_inner()));
+        let doorbells = to_wake.doorbells();
         let batch = without_gil(py, || {
-            // `to_ring` keeps each mailbox, and so its fd, alive meanwhile.
-            for (fd, eventfd) in targets {
-                ring_fd(fd, eventfd);
-            }
+            to_wake.wake(&doorbells);
             let mut state = self.state.lock().map_err(|_| "worker state poisoned")?;
             Ok::<_, &str>(self.core.next_batch(&mut state))
         })
         .map_err(PyTypeError::new_err)?;
-        drop(to_ring);
+        drop(to_wake);
         Ok(batch.map(|b| Batch {
             index: b.slot.index(),
             slot: Mutex::new(Some(b.slot)),

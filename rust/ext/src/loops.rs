@@ -24,11 +24,11 @@ use pyo3::types::{PyDict, PyList};
 
 use ferrobatch_core::{Outcome, Route, Sink, Tally, OUTCOMES};
 
-use crate::mailbox::LoopMailbox;
+use crate::mailbox::{doorbells, ring_fd, LoopMailbox};
 use crate::native_sink::{self, NativeSink};
 use crate::results::{BatchOutcome, FailedRows};
 use crate::shm_sink::{self, SharedSink};
-use crate::threads::ThreadWaiters;
+use crate::threads::{ThreadWaiters, Waiter};
 
 #[derive(Default)]
 struct Mailboxes {
@@ -52,6 +52,38 @@ pub struct LoopRegistry {
     native: Mutex<Option<Arc<NativeSink>>>,
     /// The shared-memory clients of this model, once it is shared.
     shared: Mutex<Option<Arc<SharedSink>>>,
+}
+
+/// Whom a finished batch wakes once the GIL is released (woken with it
+/// held, they would only sleep again on it): the event loops whose
+/// doorbells ring, and the blocked threads answered.
+#[derive(Default)]
+pub(crate) struct Wakeups {
+    pub(crate) mailboxes: Vec<Py<LoopMailbox>>,
+    pub(crate) threads: Vec<Arc<Waiter>>,
+}
+
+impl Wakeups {
+    pub(crate) fn append(&mut self, mut other: Wakeups) {
+        self.mailboxes.append(&mut other.mailboxes);
+        self.threads.append(&mut other.threads);
+    }
+
+    /// The doorbells to ring, read with the GIL held.
+    pub(crate) fn doorbells(&self) -> Vec<(RawFd, bool)> {
+        doorbells(&self.mailboxes)
+    }
+
+    /// Rings `doorbells` (this value's, which it keeps open meanwhile) and
+    /// wakes the threads. Call without the GIL.
+    pub(crate) fn wake(&self, doorbells: &[(RawFd, bool)]) {
+        for &(fd, eventfd) in doorbells {
+            ring_fd(fd, eventfd);
+        }
+        for thread in &self.threads {
+            thread.wake();
+        }
+    }
 }
 
 #[pymethods]
@@ -132,18 +164,20 @@ impl LoopRegistry {
     /// Hands a finished batch's rows to each way in it has requests from
     /// (one group per sink): event loops' mailboxes, blocked threads, native
     /// connections, shared-memory clients.
-    /// Returns the mailboxes whose doorbell must ring (after the GIL is
-    /// released); a loop without a doorbell is woken here with
-    /// `call_soon_threadsafe`. A loop dropped from the registry (closed) is
-    /// skipped: nobody awaits its requests any more.
+    /// Returns whom to wake once the GIL is released: the mailboxes whose
+    /// doorbell must ring, and the threads answered. A loop without a
+    /// doorbell is woken here with `call_soon_threadsafe`. A loop dropped
+    /// from the registry (closed) is skipped: nobody awaits its requests any
+    /// more.
     pub(crate) fn route_batch(
         &self,
         py: Python<'_>,
         groups: &[(Sink, Arc<Vec<Route>>)],
         outcome: &BatchOutcome,
         failed: Option<&FailedRows>,
-    ) -> Vec<Py<LoopMailbox>> {
-        let mut to_ring = Vec::new();
+    ) -> Wakeups {
+        let mut wakeups = Wakeups::default();
+        let to_ring = &mut wakeups.mailboxes;
         for (sink, routes) in groups {
             let loop_id = match sink {
                 Sink::EventLoop(loop_id) => loop_id,
@@ -154,7 +188,8 @@ impl LoopRegistry {
                     continue;
                 }
                 Sink::Thread => {
-                    self.threads.deliver(py, routes, outcome, failed);
+                    let to_wake = &mut wakeups.threads;
+                    self.threads.deliver(py, routes, outcome, failed, to_wake);
                     continue;
                 }
                 Sink::SharedMemory(client) => {
@@ -174,9 +209,9 @@ impl LoopRegistry {
             if !mailbox.get().post(routes.clone(), outcome, failed.cloned()) {
                 continue; // the loop is already due to drain
             }
-            self.wake(py, mailbox, &mut to_ring);
+            self.wake(py, mailbox, to_ring);
         }
-        to_ring
+        wakeups
     }
 
     /// Hands one partial answer of a decoupled model's batch to its

@@ -296,6 +296,7 @@ pub(crate) fn submission(
         priority,
         parameters: parameters.map(String::into_boxed_str),
         absent: 0,
+        blocking_caller: None,
     })
 }
 

@@ -44,7 +44,20 @@ impl<T> Default for Waiter<T> {
 
 impl<T> Waiter<T> {
     pub(crate) fn set(&self, answer: T) {
+        self.put(answer);
+        self.wake();
+    }
+
+    /// Leaves the answer for the thread without waking it: [`Waiter::wake`]
+    /// follows once the GIL is released (a thread woken while the GIL is
+    /// held would only sleep again on it). Its next periodic look finds the
+    /// answer even if no wake comes.
+    pub(crate) fn put(&self, answer: T) {
         *self.answer.lock().unwrap_or_else(|e| e.into_inner()) = Some(answer);
+    }
+
+    /// Wakes the thread waiting for the answer put.
+    pub(crate) fn wake(&self) {
         self.ready.notify_one();
     }
 
@@ -164,18 +177,21 @@ impl ThreadWaiters {
     /// Answers this server's thread callers of one finished batch (worker
     /// thread, GIL held): each gets `{name: its row}` (or its rows, for a
     /// multi-row request), or the `ModelError` of its batch or of its own
-    /// row (`failed`). Counted before the caller can see it.
+    /// row (`failed`). Counted before the caller can see it. The waiters
+    /// answered are added to `to_wake`: wake them once the GIL is released.
     pub(crate) fn deliver(
         &self,
         py: Python<'_>,
         routes: &[Route],
         outcome: &BatchOutcome,
         failed: Option<&FailedRows>,
+        to_wake: &mut Vec<Arc<Waiter>>,
     ) {
         let taken = self.pending.take(routes);
         if taken.is_empty() {
             return;
         }
+        to_wake.reserve(taken.len());
         let now = Instant::now();
         let mut answers = BatchAnswers::new(py, &self.model_name, outcome, failed);
         for t in taken {
@@ -186,7 +202,8 @@ impl ThreadWaiters {
                 Outcome::ModelError
             };
             self.pending.count(counted, t.enqueued_at, now);
-            t.answer.set(answer.map(Bound::unbind));
+            t.answer.put(answer.map(Bound::unbind));
+            to_wake.push(t.answer);
         }
     }
 

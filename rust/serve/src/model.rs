@@ -339,6 +339,7 @@ impl ServedModel {
             priority,
             parameters: parameters.map(String::into_boxed_str),
             absent: matched.absent,
+            blocking_caller: None,
         };
         let submitted = batcher.submit_request(
             SINK,

@@ -516,6 +516,7 @@ impl SharedServer {
             priority,
             parameters,
             absent,
+            blocking_caller: None,
         };
         let cell = Cell {
             client: d.client,
