@@ -361,7 +361,7 @@ class SharedClient:
         inputs: Any,
         timeout: float | None,
         batched: bool,
-        future: asyncio.Future[Any],
+        future: Any,  # done(), set_result(), set_exception(): the loop's Future, a concurrent one, or alike
         event_loop: asyncio.AbstractEventLoop,
         priority: int | None = None,
         parameters: str | None = None,

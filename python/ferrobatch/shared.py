@@ -24,7 +24,7 @@ import time
 import weakref
 from collections.abc import Mapping
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -32,7 +32,7 @@ from . import _core
 from ._requests import Parameter, encode_parameters
 from ._torch import make_coerce
 from ._variable import core_shape, is_variable, layouts, padded_dims, shared_result
-from .client import _is_tensordict, _to_tensordict, flatten_inputs, submit_from_thread
+from .client import _is_tensordict, _to_tensordict, flatten_inputs
 from .errors import ServerClosedError
 from .specs import TensorSpec
 
@@ -57,6 +57,17 @@ if hasattr(os, "register_at_fork"):
 
 #: Timeouts at least this long arm no timer (no deadline, as in ``infer``).
 _NO_TIMER = 1e9
+
+
+class Answered(Protocol):
+    """Whom a request's answer is handed to, on its event loop's thread (a
+    ``concurrent.futures.Future`` is one)."""
+
+    def done(self) -> bool: ...
+
+    def set_result(self, result: Any) -> None: ...
+
+    def set_exception(self, exception: BaseException) -> None: ...
 
 
 class Shared:
@@ -386,16 +397,22 @@ class SharedClient:
     ) -> concurrent.futures.Future[Any]:
         """One sample from any thread, answered through ``loop`` (running on
         another thread): a Future of its outputs, or of the error ``infer``
-        would raise. No task per request: queued by a callback on the loop."""
-        core = self._live_core()
-        encoded = encode_parameters(parameters)
+        would raise. Queued from the calling thread; no callback per request."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        future.set_running_or_notify_cancel()
+        try:
+            self._submit_to(inputs, future, loop, encode_parameters(parameters))
+        except BaseException as exc:  # noqa: BLE001 - the caller's to see, on its Future
+            future.set_exception(exc)
+        return future
 
-        def submit() -> asyncio.Future[Any]:
-            future: asyncio.Future[Any] = loop.create_future()
-            core.submit(inputs, None, False, future, loop, None, encoded)
-            return future
-
-        return submit_from_thread(loop, submit)
+    def _submit_to(
+        self, inputs: dict[str, Any], target: Answered, loop: asyncio.AbstractEventLoop, parameters: str | None
+    ) -> None:
+        """Queues one sample from any thread; ``loop``'s thread hands its
+        outputs to ``target.set_result`` (or the error to ``set_exception``)
+        unless ``target.done()``. Raises what refuses it at once."""
+        self._live_core().submit(inputs, None, False, target, loop, None, parameters)
 
     def infer_sync(
         self,

@@ -26,9 +26,9 @@ What differs from TorchRL's server, and what it costs:
   must carry the same keys, dtypes and shapes (else ``ValueError``).
 - ``collate_fn`` is honoured: the batch is unbound into the requests' TensorDicts and
   passed through it in Python before the model (about 1-2 us per request more
-  than the default path). It sees the requests' model inputs only, and is
-  not called when the specs are learnt (the model is, once, on the first
-  request).
+  than the default path). It sees each request whole (the first request's
+  other keys travel as optional inputs), and is not called when the specs
+  are learnt (the model is, once, on the first request).
 - Any TorchRL ``InferenceTransport`` (custom ones too) is served through
   TorchRL's own interface (``drain``/``wait_for_work``/``resolve``): a thread
   of the server's drains it into ferrobatch's queue.
@@ -38,12 +38,13 @@ What differs from TorchRL's server, and what it costs:
 - A model's exception reaches ``client(td)`` as itself (``ValueError`` stays a
   ``ValueError``), where the core API raises :class:`~ferrobatch.ModelError`
   with it as ``__cause__``.
-- :class:`MPTransport` carries requests over a ``multiprocessing`` Pipe per
-  client to a thread in the server's process, until ferrobatch's shared-memory
-  clients (``server.share`` / ``fb.connect``) land; it will move to them, with
-  the same API. Every request's Future resolves: an answer that cannot be
-  read fails that request alone; a client whose connection fails (the server
-  went away, a broken stream) fails its waiting and later requests with
+- :class:`MPTransport` carries requests through ferrobatch's shared memory
+  (``server.share`` / ``fb.connect``) once the server knows its specs; each
+  client's ``multiprocessing`` Pipe carries what cannot go there (the
+  requests before that, those past a process's cells, and model exceptions,
+  pickled). Every request's Future resolves: an answer that cannot be read
+  fails that request alone; a client whose connection fails (the server went
+  away, a broken stream) fails its waiting and later requests with
   :class:`~ferrobatch.ServerClosedError`.
 """
 
@@ -69,7 +70,7 @@ from typing import Any
 
 import torch
 
-from ._requests import RequestInfo
+from ._requests import RequestInfo, encode_parameters
 from .client import Client
 from .errors import FerrobatchError, ModelError, QueueFullError, ServerClosedError
 from .server import Server
@@ -1434,40 +1435,60 @@ class _SharedRoute:
         return self.complete(td, outputs)
 
     def submit(self, td: Any, mp: MPClient, future: concurrent.futures.Future[Any]) -> None:
-        """One request resolving ``future``, through this process's
-        background event loop."""
+        """One request resolving ``future``: queued from this thread, its
+        answer completed on this process's background event loop."""
         token = _mp_token()
+        answered = _MPAnswer(self, mp, td, future, token)
         try:
-            flat = self.flat(td)
-        except Exception as exc:  # noqa: BLE001 - the caller's, on its Future
-            future.set_exception(exc)
-            return
-        sent = self.client._submit_threadsafe(flat, _background_loop(), parameters={_MP_TOKEN: token})
+            self.client._submit_to(self.flat(td), answered, _background_loop(), encode_parameters({_MP_TOKEN: token}))
+        except BaseException as exc:  # noqa: BLE001 - the caller's, on its Future
+            answered.set_exception(exc)
 
-        def settle(done: concurrent.futures.Future[Any]) -> None:
-            try:
-                outputs = done.result()
-            except QueueFullError:
-                _chain(mp._submit_pipe(td), future)
-            except ModelError as exc:
-                fallback = exc
+
+class _MPAnswer:
+    """Where a shared-memory request of an MPClient is answered (on the
+    background loop): its Future gets the request completed as TorchRL's,
+    or the error the pipe path would raise. Never raises: the loop hands
+    the other answers of its batch on after it."""
+
+    __slots__ = ("route", "mp", "td", "future", "token")
+
+    def __init__(
+        self, route: _SharedRoute, mp: MPClient, td: Any, future: concurrent.futures.Future[Any], token: str
+    ) -> None:
+        self.route, self.mp, self.td, self.future, self.token = route, mp, td, future, token
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def set_result(self, outputs: Mapping[str, torch.Tensor]) -> None:
+        try:
+            self.future.set_result(self.route.complete(self.td, outputs))
+        except BaseException as exc:  # noqa: BLE001 - the caller's, on its Future
+            self._fail(exc)
+
+    def set_exception(self, error: BaseException) -> None:
+        try:
+            if isinstance(error, QueueFullError):  # this process's shared cells are all in flight
+                _chain(self.mp._submit_pipe(self.td), self.future)
+            elif isinstance(error, ModelError):
+                fallback, future = error, self.future
 
                 def raise_asked(asked: concurrent.futures.Future[Any]) -> None:
                     future.set_exception(_asked_error(asked, fallback))
 
-                mp._ask_error(token).add_done_callback(raise_asked)
-            except ServerClosedError as exc:
-                self.close()
-                future.set_exception(_server_went_away(str(exc)))
-            except BaseException as exc:  # noqa: BLE001 - the caller's, on its Future
-                future.set_exception(exc)
+                self.mp._ask_error(self.token).add_done_callback(raise_asked)
+            elif isinstance(error, ServerClosedError):
+                self.route.close()
+                self._fail(_server_went_away(str(error)))
             else:
-                try:
-                    future.set_result(self.complete(td, outputs))
-                except BaseException as exc:  # noqa: BLE001 - the caller's, on its Future
-                    future.set_exception(exc)
+                self._fail(error)
+        except BaseException as exc:  # noqa: BLE001 - the caller's, on its Future
+            self._fail(exc)
 
-        sent.add_done_callback(settle)
+    def _fail(self, error: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(error)
 
 
 def _asked_error(asked: concurrent.futures.Future[Any], fallback: ModelError) -> BaseException:

@@ -553,8 +553,9 @@ impl ClientInner {
         Ok(())
     }
 
-    /// The inbox of `event_loop` (the running loop of this thread), made
-    /// and watched on first use.
+    /// The inbox of `event_loop`, made and watched on first use (from any
+    /// thread: the loop starts watching it at its next iteration, and an
+    /// answer posted before then waits in it, its eventfd set).
     fn inbox_for(
         self: &Arc<Self>,
         py: Python<'_>,
@@ -592,7 +593,11 @@ impl ClientInner {
             },
         )?;
         let drain = drain.getattr(intern!(py, "drain"))?;
-        event_loop.call_method1(intern!(py, "add_reader"), (raw, drain))?;
+        let add_reader = event_loop.getattr(intern!(py, "add_reader"))?;
+        event_loop.call_method1(
+            intern!(py, "call_soon_threadsafe"),
+            (add_reader, raw, drain),
+        )?;
         self.loops
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -795,8 +800,10 @@ impl SharedClient {
         Ok(SharedClient { inner })
     }
 
-    /// Queues a request from the running event loop `event_loop`, answered
-    /// through `future` (made on that loop): its key, for `cancel`/`expire`.
+    /// Queues a request answered on `event_loop`'s thread through `future`
+    /// (anything with `done()`, `set_result` and `set_exception`; from that
+    /// loop, or from any thread with a `concurrent.futures.Future`): its key,
+    /// for `cancel`/`expire` (on the loop).
     #[pyo3(signature = (inputs, timeout, batched, future, event_loop, priority=None, parameters=None))]
     #[allow(clippy::too_many_arguments)]
     fn submit(
