@@ -748,3 +748,63 @@ def test_a_result_is_the_request_with_its_outputs_whatever_path_builds_it(
     )
     assert (result == expected).all()
     assert "action" not in request_td.keys(include_nested=True) and "out" not in request_td.keys()  # a new one
+
+
+def test_the_transports_are_torchrls_and_a_torchrl_server_serves_them() -> None:
+    """ThreadingTransport and SlotTransport are TorchRL InferenceTransports
+    (once TorchRL is loaded), with its server-side methods: TorchRL's own
+    InferenceServer serves ferrobatch's ThreadingTransport."""
+    pytest.importorskip("torchrl")
+    from torchrl.modules.inference_server import InferenceServer as TorchRLServer
+    from torchrl.modules.inference_server import InferenceTransport
+
+    from ferrobatch.torchrl import SlotTransport
+
+    transport = ThreadingTransport()
+    assert isinstance(transport, InferenceTransport)
+    assert isinstance(SlotTransport(1), InferenceTransport)
+    with TorchRLServer(policy(), transport, max_batch_size=4):
+        client = transport.client()
+        futures = [transport.submit(request(i)) for i in range(3)]
+        got = client(request(5.0))
+        assert got["action"].shape == (2,)
+        expected = policy()(TensorDict({"observation": torch.full((4,), 5.0)}))["action"]
+        assert torch.allclose(got["action"], expected)
+        assert [f.result(timeout=10)["action"].shape for f in futures] == [(2,)] * 3
+
+
+def test_a_slot_transport_serves_its_clients_threads_on_the_thread_path() -> None:
+    """TorchRL's SlotTransport, switched by its import: at most num_slots
+    clients, requests through clients only, a model's exception raised as
+    itself, and the requests queued straight from the clients' threads."""
+    from ferrobatch.torchrl import SlotTransport
+
+    transport = SlotTransport(num_slots=2)
+    with pytest.raises(NotImplementedError):
+        transport.submit(request())
+    with pytest.raises(ValueError, match="num_slots"):
+        SlotTransport(0)
+
+    def model(td: TensorDict) -> TensorDict:
+        if (td["observation"] < 0).any():
+            raise ValueError("slot model error")
+        return td.set("action", td["observation"][..., :2] * 2)
+
+    with InferenceServer(model, transport, max_batch_size=4) as server:
+        assert server.transport_kind == "direct"
+        clients = [transport.client(), transport.client()]
+        with pytest.raises(RuntimeError, match="slots"):
+            transport.client()
+        results: dict[int, torch.Tensor] = {}
+
+        def run(k: int) -> None:
+            results[k] = clients[k](request(float(k + 1)))["action"]
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert {k: v.tolist() for k, v in results.items()} == {0: [2.0, 2.0], 1: [4.0, 4.0]}
+        with pytest.raises(ValueError, match="slot model error"):
+            clients[0](request(-1.0))

@@ -48,7 +48,18 @@ def switched(source: str) -> tuple[str, list[str], list[str]]:
 def run(test_file: Path, extra: list[str]) -> dict[str, int]:
     """pytest on ``test_file``; its outcome counts."""
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=120", str(test_file), *extra],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rf",
+            "-p",
+            "no:cacheprovider",
+            "--timeout=120",
+            str(test_file),
+            *extra,
+        ],
         cwd=test_file.parent,
         capture_output=True,
         text=True,
@@ -56,6 +67,9 @@ def run(test_file: Path, extra: list[str]) -> dict[str, int]:
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-500:]
     counts = {o: int(n) for n, o in re.findall(r"(\d+) (\w+?)s?\b", summary) if o in OUTCOMES}
     print(f"  {summary}")
+    for line in done.stdout.splitlines():  # each failure by name (-rf)
+        if line.startswith("FAILED "):
+            print(f"    {line.split(' - ')[0]}")
     return counts
 
 

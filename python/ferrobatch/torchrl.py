@@ -60,6 +60,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import sys
 import threading
 import time
 import uuid
@@ -76,7 +77,7 @@ from .errors import FerrobatchError, ModelError, QueueFullError, ServerClosedErr
 from .server import Server
 from .specs import TensorSpec, dtype_name, example_specs, nested_key
 
-__all__ = ["InferenceServer", "MPTransport", "ProcessInferenceServer", "ThreadingTransport"]
+__all__ = ["InferenceServer", "MPTransport", "ProcessInferenceServer", "SlotTransport", "ThreadingTransport"]
 
 #: The rest of ``torchrl.modules.inference_server``'s names, TorchRL's own
 #: (configs, the transport and client base classes, its other transports, which
@@ -92,7 +93,6 @@ _FROM_TORCHRL = (
     "ProcessSlotTransport",
     "RayTransport",
     "SharedMemoryTransport",
-    "SlotTransport",
 )
 
 
@@ -103,7 +103,28 @@ def __getattr__(name: str) -> Any:
         import torchrl.modules.inference_server as torchrl_inference
     except ImportError as exc:
         raise ImportError(f"ferrobatch.torchrl.{name} is TorchRL's own: pip install torchrl") from exc
+    _register_with_torchrl()
     return getattr(torchrl_inference, name)
+
+
+_registered_with_torchrl = False
+
+
+def _register_with_torchrl() -> None:
+    """Makes this module's transports TorchRL ``InferenceTransport``s
+    (virtual subclasses) once TorchRL's module is loaded: checked when a
+    transport is made and when a TorchRL name is taken from here, so users
+    who never load TorchRL (seconds to import) do not pay for it."""
+    global _registered_with_torchrl
+    if _registered_with_torchrl:
+        return
+    torchrl_inference = sys.modules.get("torchrl.modules.inference_server")
+    base = getattr(torchrl_inference, "InferenceTransport", None)
+    if base is None:
+        return
+    for transport in (ThreadingTransport, SlotTransport):  # with TorchRL's server-side methods
+        base.register(transport)
+    _registered_with_torchrl = True
 
 
 # The core's output carrying the version each row ran with (flat: no dot).
@@ -335,11 +356,9 @@ class InferenceServer:
                     f" 'process' (transport 'auto'/'process'), got service_backend={service_backend!r},"
                     f" transport={kind!r}"
                 )
-            if kind == "direct":  # TorchRL's slot transport: one slot per client, served through the pump
+            if kind == "direct":  # TorchRL's slot transport: one slot per client thread
                 if num_clients is None:
                     raise ValueError("transport='direct' requires num_clients.")
-                from torchrl.modules.inference_server import SlotTransport
-
                 transport = SlotTransport(num_clients, **dict(transport_options or {}))
             else:
                 transport = ThreadingTransport(**dict(transport_options or {}))
@@ -369,12 +388,12 @@ class InferenceServer:
         self.transport: ThreadingTransport | MPTransport | _PumpedTransport = transport
         #: TorchRL's names for what serves the requests and how they come.
         self.transport_kind = (
-            "thread"
+            "direct"
+            if isinstance(transport, SlotTransport)
+            else "thread"
             if isinstance(transport, ThreadingTransport)
             else "mp"
             if isinstance(transport, MPTransport)
-            else "direct"
-            if type(getattr(transport, "inner", None)).__name__ == "SlotTransport"
             else "custom"
         )
         self.max_batch_size = max_batch_size
@@ -929,13 +948,21 @@ class _PumpedTransport:
 class ThreadingTransport:
     """Callers in threads of the server's process. ``submit(td)`` (TorchRL's
     transport method) returns a Future; requests submitted before the server
-    starts wait for it, and fail with ``ServerClosedError`` if it stops first."""
+    starts wait for it, and fail with ``ServerClosedError`` if it stops first.
+
+    It is a TorchRL ``InferenceTransport`` (registered once TorchRL is
+    loaded) with TorchRL's server-side methods too: a TorchRL
+    ``InferenceServer`` (or any loop of ``wait_for_work``/``drain``/
+    ``resolve``) serves the requests it holds, as TorchRL's own does."""
 
     def __init__(self) -> None:
         self._server: InferenceServer | None = None
         self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
         self._running = False
+        self._stopped = False  # ferrobatch's server ran and stopped (clients are refused until it starts again)
         self._held: list[tuple[Any, concurrent.futures.Future[Any]]] = []
+        _register_with_torchrl()
 
     def _bind(self, server: InferenceServer) -> None:
         if self._server is not None and self._server is not server:
@@ -943,25 +970,68 @@ class ThreadingTransport:
         self._server = server
 
     def submit(self, td: Any) -> concurrent.futures.Future[Any]:
-        """Queues ``td``; its Future resolves with the result (or the error)."""
+        """Queues ``td``; its Future resolves with the result (or the error).
+        Between a stop and the next start it waits for that start."""
+        held = self._hold(td, after_stop=True)
+        return held if held is not None else ThreadingClient(self).submit(td)
+
+    def _hold(self, td: Any, after_stop: bool = False) -> concurrent.futures.Future[Any] | None:
+        """Holds ``td`` while ferrobatch's server does not run (until it
+        starts, or for another server's ``drain``): its Future; None when the
+        server runs (queue it there). Once that server has stopped, only
+        with ``after_stop`` (else ``ServerClosedError``)."""
         with self._lock:
-            if not self._running:
-                held: concurrent.futures.Future[Any] = concurrent.futures.Future()
-                held.set_running_or_notify_cancel()
-                self._held.append((td, held))
-                return held
-        return self.client().submit(td)
+            if self._running:
+                return None
+            if self._stopped and not after_stop:
+                raise ServerClosedError("the inference server is not running; call start() first")
+            held: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            held.set_running_or_notify_cancel()
+            self._held.append((td, held))
+            self._work.notify()
+            return held
+
+    # -- TorchRL's server side, for a server other than ferrobatch's --------------------
+
+    # What TorchRL's server reads of a transport besides its methods (its
+    # base class's defaults, which a registered transport does not inherit).
+    _batched_slot_io = False
+    _clients_require_registration = True
+
+    def _set_peer_alive(self, alive_event: Any) -> None:
+        """Clients here live in the server's process: nothing to watch."""
+
+    def wait_for_work(self, timeout: float) -> None:
+        """Blocks until a request is held or ``timeout`` seconds pass."""
+        with self._work:
+            if not self._held:
+                self._work.wait(timeout)
+
+    def drain(self, max_items: int) -> tuple[list[Any], list[concurrent.futures.Future[Any]]]:
+        """Takes up to ``max_items`` held requests: their TensorDicts, and the
+        callbacks (``resolve`` takes one and its result)."""
+        with self._lock:
+            taken, self._held = self._held[:max_items], self._held[max_items:]
+        return [td for td, _ in taken], [future for _, future in taken]
+
+    def resolve(self, callback: concurrent.futures.Future[Any], result: Any) -> None:
+        callback.set_result(result)
+
+    def resolve_exception(self, callback: concurrent.futures.Future[Any], exc: BaseException) -> None:
+        callback.set_exception(exc)
+
+    # -- ferrobatch's server -----------------------------------------------------------
 
     def _start(self) -> None:
         with self._lock:
-            self._running = True
+            self._running, self._stopped = True, False
             held, self._held = self._held, []
         for td, future in held:
-            _chain(self.client().submit(td), future)
+            _chain(ThreadingClient(self).submit(td), future)
 
     def _stop(self) -> None:
         with self._lock:
-            self._running = False
+            self._running, self._stopped = False, True
 
     def _close(self) -> None:
         with self._lock:
@@ -970,10 +1040,36 @@ class ThreadingTransport:
             future.set_exception(ServerClosedError("the inference server stopped"))
 
     def client(self) -> ThreadingClient:
-        """A callable ``client(td) -> td``, with ``client.submit(td) -> Future``."""
-        if self._server is None:
-            raise RuntimeError("create the InferenceServer with this transport first")
-        return ThreadingClient(self._server)
+        """A callable ``client(td) -> td``, with ``client.submit(td) -> Future``;
+        it may be made before the server (or for another server)."""
+        return ThreadingClient(self)
+
+
+class SlotTransport(ThreadingTransport):
+    """TorchRL's ``SlotTransport`` (a slot per client thread, for
+    ``transport="direct"``) on the thread path: each client queues its
+    request from its own thread and blocks on it, with the GIL released.
+    ``num_slots`` bounds the clients made; requests come through clients
+    only, as in TorchRL."""
+
+    def __init__(self, num_slots: int, *, preallocate: bool = False) -> None:
+        del preallocate  # TorchRL's slots' buffers: a request here is copied once, into the batch
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be at least 1, got {num_slots}")
+        super().__init__()
+        self.num_slots = num_slots
+        self._clients = 0
+
+    def submit(self, td: Any) -> concurrent.futures.Future[Any]:
+        raise NotImplementedError("a SlotTransport takes requests through its clients: transport.client()(td)")
+
+    def client(self) -> ThreadingClient:
+        """A client for one thread (``client(td) -> td``); at most ``num_slots``."""
+        with self._lock:
+            if self._clients >= self.num_slots:
+                raise RuntimeError(f"all {self.num_slots} slots of this SlotTransport have a client")
+            self._clients += 1
+        return super().client()
 
 
 def _chain(source: concurrent.futures.Future[Any], target: concurrent.futures.Future[Any]) -> None:
@@ -992,27 +1088,37 @@ def _chain(source: concurrent.futures.Future[Any], target: concurrent.futures.Fu
 class ThreadingClient:
     """``client(td)`` blocks for the result; ``client.submit(td)`` returns a
     ``concurrent.futures.Future``. Share it between threads freely; it cannot
-    leave the process (use :class:`MPTransport` for that)."""
+    leave the process (use :class:`MPTransport` for that). Until the server
+    runs, its requests wait in the transport."""
 
-    __slots__ = ("_server",)
+    __slots__ = ("_transport",)
 
-    def __init__(self, server: InferenceServer) -> None:
-        self._server = server
+    def __init__(self, transport: ThreadingTransport) -> None:
+        self._transport = transport
 
     def __call__(self, td: Any) -> Any:
+        held = self._transport._hold(td)
+        if held is not None:
+            return held.result()
+        server = self._transport._server
+        assert server is not None  # it runs
         # Queued from this thread, which then waits for its batch with the GIL
         # released: no hop through the server's event loop.
         error: BaseException | None = None
         try:
-            outputs = self._server._infer_blocking(td)
+            outputs = server._infer_blocking(td)
         except FerrobatchError as exc:
             error = _unwrap(exc)
         if error is not None:
             raise error
-        return _complete(td, self._server._result_pairs(outputs, td.batch_size))
+        return _complete(td, server._result_pairs(outputs, td.batch_size))
 
     def submit(self, td: Any) -> concurrent.futures.Future[Any]:
-        server = self._server
+        held = self._transport._hold(td)
+        if held is not None:
+            return held
+        server = self._transport._server
+        assert server is not None  # it runs
         result: concurrent.futures.Future[Any] = concurrent.futures.Future()
         result.set_running_or_notify_cancel()
 
@@ -1975,3 +2081,6 @@ def _answer(future: concurrent.futures.Future[Any], td: Any, ok: bool, blob: byt
         future.set_exception(error)
         return
     future.set_result(result)
+
+
+_register_with_torchrl()  # TorchRL loaded first: its checks know these transports now
