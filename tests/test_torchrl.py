@@ -765,7 +765,7 @@ def test_the_transports_are_torchrls_and_a_torchrl_server_serves_them() -> None:
     assert isinstance(SlotTransport(1), InferenceTransport)
     with TorchRLServer(policy(), transport, max_batch_size=4):
         client = transport.client()
-        futures = [transport.submit(request(i)) for i in range(3)]
+        futures = [transport.submit(request(float(i))) for i in range(3)]
         got = client(request(5.0))
         assert got["action"].shape == (2,)
         expected = policy()(TensorDict({"observation": torch.full((4,), 5.0)}))["action"]
@@ -808,3 +808,43 @@ def test_a_slot_transport_serves_its_clients_threads_on_the_thread_path() -> Non
         assert {k: v.tolist() for k, v in results.items()} == {0: [2.0, 2.0], 1: [4.0, 4.0]}
         with pytest.raises(ValueError, match="slot model error"):
             clients[0](request(-1.0))
+
+
+def test_torchrls_server_serves_an_mp_transport_through_its_pipes() -> None:
+    """MPTransport is a TorchRL InferenceTransport too: TorchRL's own
+    server drains its clients' pipes and answers them, a model's exception
+    raised as itself."""
+    pytest.importorskip("torchrl")
+    from torchrl.modules.inference_server import InferenceServer as TorchRLServer
+    from torchrl.modules.inference_server import InferenceTransport
+
+    def model(td: TensorDict) -> TensorDict:
+        if (td["observation"] < 0).any():
+            raise ValueError("negative observation")
+        return td.set("action", td["observation"][..., :2] + 1)
+
+    transport = MPTransport()
+    assert isinstance(transport, InferenceTransport)
+    client = transport.client()
+    with TorchRLServer(model, transport, max_batch_size=4):
+        futures = [client.submit(request(float(i))) for i in range(4)]
+        assert [f.result(timeout=10)["action"].tolist() for f in futures] == [[i + 1.0] * 2 for i in range(4)]
+        got = client(request(2.0))
+        assert got["action"].tolist() == [3.0, 3.0] and "reward" in got.keys()
+        with pytest.raises(ValueError, match="negative observation"):
+            client(request(-1.0))
+
+
+def test_a_client_that_went_away_leaves_torchrls_drain_serving_the_others() -> None:
+    pytest.importorskip("torchrl")
+    transport = MPTransport()
+    gone, staying = transport.client(), transport.client()
+    gone._conn.close()  # its process ended: the server's end reads EOF
+    staying.submit(request(1.0))
+    deadline = time.monotonic() + 10
+    tds: list[Any] = []
+    while not tds and time.monotonic() < deadline:
+        transport.wait_for_work(0.1)
+        tds, _ = transport.drain(4)
+    assert [td["observation"][0].item() for td in tds] == [1.0]
+    assert len(transport._conns) == 1  # the ended pipe was dropped, not read forever

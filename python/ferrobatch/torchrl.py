@@ -122,7 +122,7 @@ def _register_with_torchrl() -> None:
     base = getattr(torchrl_inference, "InferenceTransport", None)
     if base is None:
         return
-    for transport in (ThreadingTransport, SlotTransport):  # with TorchRL's server-side methods
+    for transport in (ThreadingTransport, SlotTransport, MPTransport):  # with TorchRL's server-side methods
         base.register(transport)
     _registered_with_torchrl = True
 
@@ -945,7 +945,19 @@ class _PumpedTransport:
             self._fail(future, _unwrap(exc))
 
 
-class ThreadingTransport:
+class _TorchRLTransport:
+    """What TorchRL's server reads of a transport besides its methods (its
+    base class's defaults, which a registered transport does not inherit)."""
+
+    _batched_slot_io = False
+    _clients_require_registration = True
+
+    def _set_peer_alive(self, alive_event: Any) -> None:
+        """The server's liveness is the clients' own business here (a pipe
+        that ends, shared memory that says so): nothing to keep."""
+
+
+class ThreadingTransport(_TorchRLTransport):
     """Callers in threads of the server's process. ``submit(td)`` (TorchRL's
     transport method) returns a Future; requests submitted before the server
     starts wait for it, and fail with ``ServerClosedError`` if it stops first.
@@ -992,14 +1004,6 @@ class ThreadingTransport:
             return held
 
     # -- TorchRL's server side, for a server other than ferrobatch's --------------------
-
-    # What TorchRL's server reads of a transport besides its methods (its
-    # base class's defaults, which a registered transport does not inherit).
-    _batched_slot_io = False
-    _clients_require_registration = True
-
-    def _set_peer_alive(self, alive_event: Any) -> None:
-        """Clients here live in the server's process: nothing to watch."""
 
     def wait_for_work(self, timeout: float) -> None:
         """Blocks until a request is held or ``timeout`` seconds pass."""
@@ -1139,7 +1143,7 @@ class ThreadingClient:
         raise TypeError("a ThreadingTransport client serves threads of one process; use MPTransport across processes")
 
 
-class MPTransport:
+class MPTransport(_TorchRLTransport):
     """Callers in other processes (``spawn`` or ``fork``).
 
     Requests ride ferrobatch's shared memory (``server.share`` /
@@ -1153,6 +1157,11 @@ class MPTransport:
     client raises a model's exception as itself (a pickle never travels
     through the shared segment, which other processes of the user may
     write).
+
+    It is a TorchRL ``InferenceTransport`` (registered once TorchRL is
+    loaded) with TorchRL's server-side methods too: without ferrobatch's
+    server, a TorchRL ``InferenceServer`` serves its clients through their
+    pipes.
 
     Args:
         ctx: a ``multiprocessing`` context or its name; default ``"spawn"``.
@@ -1176,6 +1185,8 @@ class MPTransport:
         self._listener: threading.Thread | None = None
         self._stopping = threading.Event()
         self._forward: tuple[Any, threading.Lock] | None = None
+        self._send_locks: dict[int, threading.Lock] = {}  # by connection: one answer at a time
+        _register_with_torchrl()
 
     def _bind(self, server: InferenceServer) -> None:
         if self._server is not None and self._server is not server:
@@ -1267,13 +1278,13 @@ class MPTransport:
         with self._lock:
             if conn in self._conns:
                 self._conns.remove(conn)
+            self._send_locks.pop(id(conn), None)
         if close:
             conn.close()  # the client sees its connection end
 
     def _listen(self) -> None:
         server = self._server
         assert server is not None
-        send_locks: dict[int, threading.Lock] = {}
         while not self._stopping.is_set():
             with self._lock:
                 conns = list(self._conns)
@@ -1282,21 +1293,71 @@ class MPTransport:
                 continue
             ready: list[Any] = multiprocessing.connection.wait(conns, timeout=0.05)
             for conn in ready:
-                try:
-                    rid, flat, batch_size = conn.recv()
-                except (EOFError, OSError):
-                    self._drop(conn, close=False)
-                    send_locks.pop(id(conn), None)
-                    continue
-                except Exception:  # noqa: BLE001 - not a request: the stream cannot be trusted
-                    self._drop(conn, close=True)
-                    send_locks.pop(id(conn), None)
-                    continue
-                lock = send_locks.setdefault(id(conn), threading.Lock())
-                if flat is None:  # a shared-memory request's exception, asked for by its token
-                    _reply(conn, lock, rid, False, self._take_error(str(batch_size)))
-                    continue
-                self._serve(server, conn, lock, rid, flat, batch_size)
+                received = self._receive(conn)
+                if received is not None:
+                    self._serve(server, conn, *received)
+
+    def _receive(self, conn: Any) -> tuple[threading.Lock, int, dict[str, Any], Sequence[int]] | None:
+        """One request from a client's pipe, ready to serve: its send lock,
+        id, tensors and batch size. None: the pipe ended or broke (dropped),
+        or it asked for an exception (answered here)."""
+        try:
+            rid, flat, batch_size = conn.recv()
+        except (EOFError, OSError):
+            self._drop(conn, close=False)
+            return None
+        except Exception:  # noqa: BLE001 - not a request: the stream cannot be trusted
+            self._drop(conn, close=True)
+            return None
+        lock = self._send_locks.setdefault(id(conn), threading.Lock())
+        if flat is None:  # a shared-memory request's exception, asked for by its token
+            _reply(conn, lock, rid, False, self._take_error(str(batch_size)))
+            return None
+        return lock, rid, flat, batch_size
+
+    # -- TorchRL's server side, for a server other than ferrobatch's --------------------
+
+    def wait_for_work(self, timeout: float) -> None:
+        """Blocks until a client's pipe has a request, or ``timeout`` seconds."""
+        with self._lock:
+            conns = list(self._conns)
+        if conns:
+            multiprocessing.connection.wait(conns, timeout=timeout)
+        else:
+            time.sleep(min(timeout, 0.05))
+
+    def drain(self, max_items: int) -> tuple[list[Any], list[Any]]:
+        """Takes up to ``max_items`` requests waiting in the clients' pipes:
+        their TensorDicts, and the callbacks ``resolve`` answers."""
+        from tensordict import TensorDict
+
+        with self._lock:
+            conns = list(self._conns)
+        tds: list[Any] = []
+        callbacks: list[Any] = []
+        for conn in conns:
+            while len(tds) < max_items and _has_data(conn):
+                received = self._receive(conn)
+                if received is None:
+                    if conn in self._conns:
+                        continue  # it asked for an exception: answered
+                    break  # it ended: dropped
+                lock, rid, flat, batch_size = received
+                tensors = {nested_key(name): torch.from_numpy(value) for name, value in flat.items()}
+                tds.append(TensorDict(tensors, batch_size=list(batch_size)))
+                callbacks.append((conn, lock, rid))
+        return tds, callbacks
+
+    def resolve(self, callback: Any, result: Any) -> None:
+        conn, lock, rid = callback
+        leaves = result.items(include_nested=True, leaves_only=True)
+        _reply(conn, lock, rid, True, [(k, v.detach().cpu().numpy()) for k, v in leaves if isinstance(v, torch.Tensor)])
+
+    def resolve_exception(self, callback: Any, exc: BaseException) -> None:
+        conn, lock, rid = callback
+        _reply(conn, lock, rid, False, exc)
+
+    # -- ferrobatch's server -----------------------------------------------------------
 
     @staticmethod
     def _serve(
@@ -1333,6 +1394,15 @@ class MPTransport:
             server._submit(example).add_done_callback(settle)
         except BaseException as exc:  # noqa: BLE001 - the client's to see
             reply(False, _unwrap(exc))
+
+
+def _has_data(conn: Any) -> bool:
+    """Whether ``conn`` can be read without blocking (its end counts: the
+    read then says so); a connection closed here has nothing."""
+    try:
+        return bool(conn.poll())
+    except (OSError, ValueError):
+        return False
 
 
 def _reply(conn: Any, lock: threading.Lock, rid: int, ok: bool, payload: Any) -> None:
