@@ -848,3 +848,76 @@ def test_a_client_that_went_away_leaves_torchrls_drain_serving_the_others() -> N
         tds, _ = transport.drain(4)
     assert [td["observation"][0].item() for td in tds] == [1.0]
     assert len(transport._conns) == 1  # the ended pipe was dropped, not read forever
+
+
+def _shm_specs() -> tuple[TensorDict, TensorDict]:
+    request_spec = TensorDict({"observation": torch.zeros(4)})
+    response_spec = TensorDict({"action": torch.zeros(2), "policy_version": torch.zeros((), dtype=torch.long)})
+    return request_spec, response_spec
+
+
+def test_a_shared_memory_transport_rides_shared_memory_from_the_start_with_torchrls_rules() -> None:
+    from ferrobatch.torchrl import SharedMemoryTransport
+
+    request_spec, response_spec = _shm_specs()
+    with pytest.raises(TypeError, match="tensor leaves"):
+        SharedMemoryTransport(TensorDict({"text": "hello"}), response_spec, num_slots=1)
+    with pytest.raises(ValueError, match="at least one tensor leaf"):
+        SharedMemoryTransport(TensorDict({}), response_spec, num_slots=1)
+    with pytest.raises(ValueError, match="num_slots"):
+        SharedMemoryTransport(request_spec, response_spec, num_slots=0)
+
+    def model(td: TensorDict) -> TensorDict:
+        if (td["observation"] < 0).any():
+            raise ValueError("negative observation")
+        return td.set("action", td["observation"][..., :2] * 2)
+
+    transport = SharedMemoryTransport(request_spec, response_spec, num_slots=1)
+    client = transport.client()
+    with pytest.raises(KeyError):
+        client.submit(TensorDict({"wrong": torch.zeros(4)}))
+    with InferenceServer(model, transport, max_batch_size=4) as server:
+        assert server.transport_kind == "shared_memory"
+        got = client(TensorDict({"observation": torch.ones(4), "extra": torch.zeros(3)}))
+        assert set(got.keys()) == {"action", "policy_version"}  # the response spec's keys only
+        assert got["action"].tolist() == [2.0, 2.0]
+        assert client._route is not None, "the first request did not ride shared memory"
+        with pytest.raises(ValueError, match="negative observation"):
+            client(TensorDict({"observation": -torch.ones(4)}))
+        # One slot: the failed request gave it back, and futures take turns for it.
+        futures = [client.submit(TensorDict({"observation": torch.full((4,), float(i))})) for i in range(3)]
+        assert [f.result(timeout=10)["action"][0].item() for f in futures] == [0.0, 2.0, 4.0]
+
+
+def test_a_shared_memory_transport_without_a_server_holds_its_slots_and_times_out_as_torchrl() -> None:
+    """No ferrobatch server: requests wait in the clients' pipes for any
+    server's drain; a slot is held until the answer comes, and a timed-out
+    result() raises queue.Empty (and TimeoutError), the request still in flight."""
+    import queue
+
+    from ferrobatch.torchrl import SharedMemoryTransport
+
+    transport = SharedMemoryTransport(*_shm_specs(), num_slots=1)
+    client = transport.client()
+    first = client.submit(TensorDict({"observation": torch.ones(4)}))
+    with pytest.raises(queue.Empty):
+        first.result(timeout=0.1)
+    with pytest.raises(TimeoutError):
+        first.result(timeout=0.05)
+    second: list[Future[Any]] = []
+    blocked = threading.Thread(target=lambda: second.append(client.submit(TensorDict({"observation": torch.zeros(4)}))))
+    blocked.start()
+    blocked.join(0.3)
+    assert blocked.is_alive(), "a second request took the only slot"
+    transport.wait_for_work(5.0)
+    tds, callbacks = transport.drain(4)
+    assert len(tds) == 1
+    transport.resolve(callbacks[0], TensorDict({"action": torch.ones(2), "policy_version": torch.tensor(0)}))
+    assert first.result(timeout=10)["action"].tolist() == [1.0, 1.0]
+    blocked.join(10)
+    assert not blocked.is_alive() and len(second) == 1
+    transport.wait_for_work(5.0)
+    tds, callbacks = transport.drain(4)
+    transport.resolve_exception(callbacks[0], KeyError("boom"))
+    with pytest.raises(KeyError, match="boom"):
+        second[0].result(timeout=10)

@@ -60,6 +60,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import queue
 import sys
 import threading
 import time
@@ -77,7 +78,15 @@ from .errors import FerrobatchError, ModelError, QueueFullError, ServerClosedErr
 from .server import Server
 from .specs import TensorSpec, dtype_name, example_specs, nested_key
 
-__all__ = ["InferenceServer", "MPTransport", "ProcessInferenceServer", "SlotTransport", "ThreadingTransport"]
+__all__ = [
+    "InferenceServer",
+    "MPTransport",
+    "ProcessInferenceServer",
+    "ResultTimeout",
+    "SharedMemoryTransport",
+    "SlotTransport",
+    "ThreadingTransport",
+]
 
 #: The rest of ``torchrl.modules.inference_server``'s names, TorchRL's own
 #: (configs, the transport and client base classes, its other transports, which
@@ -92,7 +101,6 @@ _FROM_TORCHRL = (
     "PolicyClientModule",
     "ProcessSlotTransport",
     "RayTransport",
-    "SharedMemoryTransport",
 )
 
 
@@ -122,7 +130,7 @@ def _register_with_torchrl() -> None:
     base = getattr(torchrl_inference, "InferenceTransport", None)
     if base is None:
         return
-    for transport in (ThreadingTransport, SlotTransport, MPTransport):  # with TorchRL's server-side methods
+    for transport in (ThreadingTransport, SlotTransport, MPTransport, SharedMemoryTransport):  # with its server side
         base.register(transport)
     _registered_with_torchrl = True
 
@@ -392,6 +400,8 @@ class InferenceServer:
             if isinstance(transport, SlotTransport)
             else "thread"
             if isinstance(transport, ThreadingTransport)
+            else "shared_memory"
+            if isinstance(transport, SharedMemoryTransport)
             else "mp"
             if isinstance(transport, MPTransport)
             else "custom"
@@ -406,6 +416,8 @@ class InferenceServer:
         self.weight_sync = weight_sync
         self._weight_sync_model_id = weight_sync_model_id
         self.policy_version_key = policy_version_key
+        if request_spec is None and isinstance(transport, SharedMemoryTransport):
+            request_spec = transport.request_spec  # shared from the start
         self._request_spec = request_spec
         if self.device is not None and isinstance(model, torch.nn.Module):
             model.to(self.device)
@@ -1420,6 +1432,133 @@ def _reply(conn: Any, lock: threading.Lock, rid: int, ok: bool, payload: Any) ->
         pass  # the client is gone
 
 
+class SharedMemoryTransport(MPTransport):
+    """TorchRL's ``SharedMemoryTransport``, switched by its import: callers in
+    other processes whose requests ride ferrobatch's shared memory
+    (``server.share`` / ``fb.connect``) from the server's start, its specs
+    given here, as :class:`MPTransport`'s do once it knows them.
+
+    TorchRL's rules hold: only the keys of ``request_spec`` travel (a
+    request missing one raises ``KeyError``, a CUDA tensor ``ValueError``), a
+    result holds the keys of ``response_spec`` only, and at most
+    ``num_slots`` requests of a client's process are in flight (``submit``
+    blocks for a free slot; a timed-out ``result(timeout)`` raises
+    ``queue.Empty`` and leaves the request in flight). Results are always
+    the client's own tensors (``copy_result`` is accepted; nothing aliases
+    the shared cells). Without ferrobatch's server, a TorchRL server serves
+    it through the clients' pipes, as :class:`MPTransport`."""
+
+    def __init__(
+        self,
+        request_spec: Any,
+        response_spec: Any,
+        *,
+        num_slots: int,
+        ctx: Any = None,
+        copy_result: bool = True,
+    ) -> None:
+        request_keys = _spec_keys(request_spec, "request_spec")
+        response_keys = _spec_keys(response_spec, "response_spec")
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be at least 1, got {num_slots}")
+        super().__init__(ctx=ctx)
+        self.request_spec = request_spec
+        self.response_spec = response_spec
+        self.num_slots = num_slots
+        self.copy_result = copy_result
+        self._rules = _SlotRules(request_keys, response_keys, num_slots)
+
+    def client(self) -> MPClient:
+        client = super().client()
+        client._rules = self._rules
+        return client
+
+
+def _spec_keys(spec: Any, what: str) -> list[NestedKey]:
+    """The keys of a SharedMemoryTransport spec's leaves, checked as TorchRL does."""
+    from tensordict import TensorDictBase
+
+    # Every leaf, non-tensor data too (TorchRL refuses those; plain leaves_only skips them).
+    leaves = list(
+        spec.items(include_nested=True, leaves_only=True, is_leaf=lambda cls: not issubclass(cls, TensorDictBase))
+    )
+    kinds = {type(value).__name__ for _, value in leaves if not isinstance(value, torch.Tensor)}
+    if kinds:
+        raise TypeError(f"{what} must have tensor leaves only, got {', '.join(sorted(kinds))}")
+    if not leaves:
+        raise ValueError(f"{what} must have at least one tensor leaf")
+    if any(value.device.type != "cpu" for _, value in leaves):
+        raise ValueError(f"{what} must live in CPU shared memory: its tensors must be on the CPU")
+    return [key for key, _ in leaves]
+
+
+class ResultTimeout(queue.Empty, TimeoutError):
+    """A SharedMemoryTransport future's ``result(timeout)`` ran out: TorchRL's
+    ``queue.Empty`` and the standard ``TimeoutError`` at once."""
+
+
+class _SlotFuture(concurrent.futures.Future[Any]):
+    def result(self, timeout: float | None = None) -> Any:
+        try:
+            return super().result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise ResultTimeout(f"no result within {timeout}s; the request is still in flight") from None
+
+
+class _SlotRules:
+    """What a SharedMemoryTransport's clients keep to TorchRL's (the class's
+    documentation): the declared keys each way, and the process's slots."""
+
+    def __init__(self, request_keys: list[NestedKey], response_keys: list[NestedKey], num_slots: int) -> None:
+        self.request_keys, self.response_keys, self.num_slots = request_keys, response_keys, num_slots
+        self._slots = threading.BoundedSemaphore(num_slots)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"request_keys": self.request_keys, "response_keys": self.response_keys, "num_slots": self.num_slots}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["request_keys"], state["response_keys"], state["num_slots"])  # type: ignore[misc]
+
+    def request(self, td: Any) -> Any:
+        for key in self.request_keys:
+            if td[key].device.type != "cpu":  # a missing key: tensordict's KeyError
+                raise ValueError(f"a SharedMemoryTransport takes CPU tensors; {key!r} is not one")
+        return td.select(*self.request_keys)
+
+    def result(self, td: Any) -> Any:
+        return td.select(*self.response_keys)
+
+    def submit(self, mp: MPClient, td: Any) -> concurrent.futures.Future[Any]:
+        request = self.request(td)
+        self._slots.acquire()
+        try:
+            inner = mp._submit_any(request)
+        except BaseException:
+            self._slots.release()
+            raise
+        outer = _SlotFuture()
+        outer.set_running_or_notify_cancel()
+
+        def settle(done: concurrent.futures.Future[Any]) -> None:
+            self._slots.release()
+            error = done.exception()
+            if error is not None:
+                outer.set_exception(error)
+                return
+            try:
+                outer.set_result(self.result(done.result()))
+            except BaseException as exc:  # noqa: BLE001 - the caller's, on its Future
+                outer.set_exception(exc)
+
+        inner.add_done_callback(settle)
+        return outer
+
+    def call(self, mp: MPClient, td: Any) -> Any:
+        request = self.request(td)
+        with self._slots:
+            return self.result(mp._call_any(request))
+
+
 class MPClient:
     """``client(td) -> td`` and ``client.submit(td) -> Future`` in any process
     it was passed to (picklable); many threads may share it.
@@ -1432,9 +1571,10 @@ class MPClient:
 
     _ids = itertools.count()
 
-    def __init__(self, conn: Any, shm_name: str | None = None) -> None:
+    def __init__(self, conn: Any, shm_name: str | None = None, rules: _SlotRules | None = None) -> None:
         self._conn = conn
         self._shm_name = shm_name
+        self._rules = rules  # a SharedMemoryTransport's client: TorchRL's slot rules on top
         self._setup()
 
     def _setup(self) -> None:
@@ -1446,11 +1586,12 @@ class MPClient:
         self._next_look = 0.0
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"conn": self._conn, "shm_name": self._shm_name}
+        return {"conn": self._conn, "shm_name": self._shm_name, "rules": self._rules}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._conn = state["conn"]
         self._shm_name = state.get("shm_name")
+        self._rules = state.get("rules")
         self._setup()
 
     def _shared(self) -> _SharedRoute | None:
@@ -1470,6 +1611,16 @@ class MPClient:
         return self._route
 
     def submit(self, td: Any) -> concurrent.futures.Future[Any]:
+        if self._rules is not None:
+            return self._rules.submit(self, td)
+        return self._submit_any(td)
+
+    def __call__(self, td: Any) -> Any:
+        if self._rules is not None:
+            return self._rules.call(self, td)
+        return self._call_any(td)
+
+    def _submit_any(self, td: Any) -> concurrent.futures.Future[Any]:
         route = self._shared()
         if route is None:
             return self._submit_pipe(td)
@@ -1478,10 +1629,10 @@ class MPClient:
         route.submit(td, self, future)
         return future
 
-    def __call__(self, td: Any) -> Any:
+    def _call_any(self, td: Any) -> Any:
         route = self._shared()
         if route is None or _on_event_loop():
-            return self.submit(td).result()
+            return self._submit_any(td).result()
         return route.call(td, self)
 
     def _ask_error(self, token: str) -> concurrent.futures.Future[Any]:
