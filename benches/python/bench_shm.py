@@ -22,9 +22,10 @@ times (``add_sub``: the in-process and shared-memory cases):
   2 client processes (clients made before spawning, as TorchRL requires)
   each keep ``--callers`` requests in flight (``client.submit`` futures, the
   oldest awaited and replaced);
-- ``ferrobatch.torchrl-mp``: the same code as ``torchrl-mp`` with
-  ``InferenceServer`` and ``MPTransport`` imported from ``ferrobatch.torchrl``
-  (``--transports-only`` runs these three alone).
+- ``ferrobatch.torchrl-mp`` / ``ferrobatch.torchrl-shm``: the same code as
+  ``torchrl-mp`` / ``torchrl-shm`` with ``InferenceServer`` and the transport
+  imported from ``ferrobatch.torchrl`` (``--transports-only`` runs these four
+  alone).
 
 Throughput is completed requests per second inside the measured window,
 summed over the client processes; ``p50 @1`` is the median round trip of a
@@ -282,8 +283,8 @@ def torchrl(kind: str, transport_kind: str, args: argparse.Namespace) -> list[di
     from tensordict.nn import TensorDictModule
     from torchrl.modules.inference_server import InferenceServer, MPTransport, SharedMemoryTransport
 
-    if transport_kind == "ferrobatch.torchrl-mp":  # the same code with the import switched
-        from ferrobatch.torchrl import InferenceServer, MPTransport
+    if transport_kind.startswith("ferrobatch."):  # the same code with the imports switched
+        from ferrobatch.torchrl import InferenceServer, MPTransport, SharedMemoryTransport
 
     model = make_model(kind)
 
@@ -378,7 +379,7 @@ def main() -> None:
                     p50 = f"{result['p50_us']:8.0f} us p50" if result["p50_us"] else ""
                     print(f"  {kind:8} {system:14} {result['req_per_s']:10.0f} req/s {p50}", flush=True)
             if not args.no_torchrl and torchrl_available() and kind != "add_sub":
-                for transport in ("torchrl-mp", "torchrl-shm", "ferrobatch.torchrl-mp"):
+                for transport in ("torchrl-mp", "torchrl-shm", "ferrobatch.torchrl-mp", "ferrobatch.torchrl-shm"):
                     runs[transport] = torchrl(kind, transport, args)
             for system, results in runs.items():
                 rows.append(
@@ -447,6 +448,9 @@ def report(rows: list[dict[str, Any]]) -> None:
         ours_mp = get(model, "ferrobatch.torchrl-mp", "req_per_s")
         if ours_mp and trl_mp:
             parts.append(f"ferrobatch.torchrl-mp / torchrl-mp {ours_mp / trl_mp:.1f}x (target >= 10)")
+        ours_shm = get(model, "ferrobatch.torchrl-shm", "req_per_s")
+        if ours_shm and trl:
+            parts.append(f"ferrobatch.torchrl-shm / torchrl-shm {ours_shm / trl:.1f}x (target >= 10)")
         if p50 and p50_local:
             parts.append(f"p50@1 shm / in-process {p50 / p50_local:.2f}x (target <= 2)")
         print(f"{model}: " + "; ".join(parts))

@@ -1238,11 +1238,16 @@ class MPTransport(_TorchRLTransport):
             core.share(
                 self.shm_name,
                 max_clients=_MP_MAX_CLIENTS,
-                rows_per_client=_MP_ROWS_PER_CLIENT,
+                rows_per_client=self._cells_per_client(),
                 metadata={"torchrl": meta},
             )
         except (OSError, ValueError, FerrobatchError) as exc:
             _log.warning("ferrobatch.torchrl: MPTransport serves through pipes only: sharing failed: %s", exc)
+
+    def _cells_per_client(self) -> int:
+        """Requests a client process may have in shared memory at once (past
+        them, its requests take its pipe)."""
+        return _MP_ROWS_PER_CLIENT
 
     def _keep_error(self, token: str, error: BaseException) -> None:
         with self._errors_lock:
@@ -1472,6 +1477,9 @@ class SharedMemoryTransport(MPTransport):
         client = super().client()
         client._rules = self._rules
         return client
+
+    def _cells_per_client(self) -> int:
+        return self.num_slots  # a process's slots all fit: none overflows to the pipe
 
 
 def _spec_keys(spec: Any, what: str) -> list[NestedKey]:
