@@ -1527,44 +1527,32 @@ class _SlotRules:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["request_keys"], state["response_keys"], state["num_slots"])  # type: ignore[misc]
 
-    def request(self, td: Any) -> Any:
+    def check(self, td: Any) -> None:
+        """A missing declared key is a KeyError, a tensor off the CPU a
+        ValueError (undeclared keys are left behind by the route)."""
         for key in self.request_keys:
             if td[key].device.type != "cpu":  # a missing key: tensordict's KeyError
                 raise ValueError(f"a SharedMemoryTransport takes CPU tensors; {key!r} is not one")
-        return td.select(*self.request_keys)
 
-    def result(self, td: Any) -> Any:
-        return td.select(*self.response_keys)
-
-    def submit(self, mp: MPClient, td: Any) -> concurrent.futures.Future[Any]:
-        request = self.request(td)
+    def take_slot(self) -> None:
         self._slots.acquire()
-        try:
-            inner = mp._submit_any(request)
-        except BaseException:
-            self._slots.release()
-            raise
-        outer = _SlotFuture()
-        outer.set_running_or_notify_cancel()
 
-        def settle(done: concurrent.futures.Future[Any]) -> None:
-            self._slots.release()
-            error = done.exception()
-            if error is not None:
-                outer.set_exception(error)
-                return
-            try:
-                outer.set_result(self.result(done.result()))
-            except BaseException as exc:  # noqa: BLE001 - the caller's, on its Future
-                outer.set_exception(exc)
+    def give_slot(self, _: object = None) -> None:
+        self._slots.release()
 
-        inner.add_done_callback(settle)
-        return outer
+    def response(self, td: Any, pairs: Sequence[tuple[NestedKey, torch.Tensor]]) -> Any:
+        """The result: the response spec's keys of ``pairs``, in a TensorDict
+        of the request's batch size."""
+        from tensordict import TensorDict
 
-    def call(self, mp: MPClient, td: Any) -> Any:
-        request = self.request(td)
-        with self._slots:
-            return self.result(mp._call_any(request))
+        given = dict(pairs)
+        result = TensorDict(batch_size=td.batch_size)
+        for key in self.response_keys:
+            value = given.get(key)
+            if value is None:
+                raise KeyError(f"the server's answer lacks the response spec's key {key!r}")
+            result.set(key, value)
+        return result
 
 
 class MPClient:
@@ -1587,7 +1575,7 @@ class MPClient:
 
     def _setup(self) -> None:
         self._lock = threading.Lock()
-        self._pending: dict[int, tuple[concurrent.futures.Future[Any], Any]] = {}
+        self._pending: dict[int, tuple[concurrent.futures.Future[Any], Any, _SlotRules | None]] = {}
         self._reader: threading.Thread | None = None
         self._closed: ServerClosedError | None = None  # why the connection failed, once it has
         self._route: _SharedRoute | None = None
@@ -1619,29 +1607,35 @@ class MPClient:
         return self._route
 
     def submit(self, td: Any) -> concurrent.futures.Future[Any]:
-        if self._rules is not None:
-            return self._rules.submit(self, td)
-        return self._submit_any(td)
-
-    def __call__(self, td: Any) -> Any:
-        if self._rules is not None:
-            return self._rules.call(self, td)
-        return self._call_any(td)
-
-    def _submit_any(self, td: Any) -> concurrent.futures.Future[Any]:
+        rules = self._rules
+        if rules is None:
+            future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        else:
+            rules.check(td)
+            future = _SlotFuture()
+            rules.take_slot()
+            future.add_done_callback(rules.give_slot)
+        future.set_running_or_notify_cancel()
         route = self._shared()
         if route is None:
-            return self._submit_pipe(td)
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        future.set_running_or_notify_cancel()
-        route.submit(td, self, future)
+            _chain(self._submit_pipe(td), future)
+        else:
+            route.submit(td, self, future)
         return future
 
-    def _call_any(self, td: Any) -> Any:
+    def __call__(self, td: Any) -> Any:
         route = self._shared()
         if route is None or _on_event_loop():
-            return self._submit_any(td).result()
-        return route.call(td, self)
+            return self.submit(td).result()
+        rules = self._rules
+        if rules is None:
+            return route.call(td, self)
+        rules.check(td)
+        rules.take_slot()
+        try:
+            return route.call(td, self)
+        finally:
+            rules.give_slot()
 
     def _ask_error(self, token: str) -> concurrent.futures.Future[Any]:
         """The model's exception of shared-memory request ``token``, asked
@@ -1649,7 +1643,8 @@ class MPClient:
         return self._send(None, token, None)
 
     def _submit_pipe(self, td: Any) -> concurrent.futures.Future[Any]:
-        flat = {name: t.detach().cpu().numpy() for name, t in _tensor_leaves(td).items()}
+        sent = td if self._rules is None else td.select(*self._rules.request_keys)
+        flat = {name: t.detach().cpu().numpy() for name, t in _tensor_leaves(sent).items()}
         return self._send(flat, tuple(td.batch_size), td)
 
     def _send(self, flat: Any, batch_size: Any, td: Any) -> concurrent.futures.Future[Any]:
@@ -1661,7 +1656,7 @@ class MPClient:
                 error = _closed_again(self._closed)
             else:
                 rid = next(self._ids)
-                self._pending[rid] = (future, td)
+                self._pending[rid] = (future, td, self._rules)
                 if self._reader is None:
                     self._reader = threading.Thread(target=self._read, name="ferrobatch-torchrl-client", daemon=True)
                     self._reader.start()
@@ -1699,7 +1694,7 @@ class MPClient:
         with self._lock:
             self._closed = error
             pending, self._pending = self._pending, {}
-        for future, _ in pending.values():
+        for future, _, _ in pending.values():
             future.set_exception(_closed_again(error))
 
 
@@ -1740,9 +1735,9 @@ class _SharedRoute:
                 flat[name] = value
         return flat
 
-    def complete(self, td: Any, outputs: Mapping[str, torch.Tensor]) -> Any:
+    def complete(self, td: Any, outputs: Mapping[str, torch.Tensor], rules: _SlotRules | None = None) -> Any:
         """``td`` with the outputs and the version, as the server's own
-        ``_result_pairs`` makes them."""
+        ``_result_pairs`` makes them (with ``rules``: the response only)."""
         pairs: list[tuple[NestedKey, torch.Tensor]] = [(key, outputs[name]) for name, key in self.outputs]
         if self.version is not None:
             version = outputs[_VERSION]
@@ -1753,7 +1748,7 @@ class _SharedRoute:
             pairs.append((self.version, version))
         if self.output_device is not None:
             pairs = [(key, value.to(self.output_device)) for key, value in pairs]
-        return _complete(td, pairs)
+        return _complete(td, pairs) if rules is None else rules.response(td, pairs)
 
     def call(self, td: Any, mp: MPClient) -> Any:
         """One request from this thread, blocking (the GIL released)."""
@@ -1767,7 +1762,7 @@ class _SharedRoute:
         except ServerClosedError as exc:
             self.close()
             raise _server_went_away(str(exc)) from exc
-        return self.complete(td, outputs)
+        return self.complete(td, outputs, mp._rules)
 
     def submit(self, td: Any, mp: MPClient, future: concurrent.futures.Future[Any]) -> None:
         """One request resolving ``future``: queued from this thread, its
@@ -1798,7 +1793,7 @@ class _MPAnswer:
 
     def set_result(self, outputs: Mapping[str, torch.Tensor]) -> None:
         try:
-            self.future.set_result(self.route.complete(self.td, outputs))
+            self.future.set_result(self.route.complete(self.td, outputs, self.mp._rules))
         except BaseException as exc:  # noqa: BLE001 - the caller's, on its Future
             self._fail(exc)
 
@@ -2292,14 +2287,15 @@ def _server_went_away(detail: str = "") -> ServerClosedError:
     return _peer_closed_class[0](message)
 
 
-def _answer(future: concurrent.futures.Future[Any], td: Any, ok: bool, blob: bytes) -> None:
+def _answer(future: concurrent.futures.Future[Any], td: Any, rules: _SlotRules | None, ok: bool, blob: bytes) -> None:
     """Resolves one request's Future from its answer; whatever fails, fails it alone."""
     try:
         payload = pickle.loads(blob)
         if not ok:
             future.set_exception(payload)
             return
-        result = _complete(td, [(key, torch.from_numpy(value)) for key, value in payload])
+        pairs = [(key, torch.from_numpy(value)) for key, value in payload]
+        result = _complete(td, pairs) if rules is None else rules.response(td, pairs)
     except Exception as exc:  # noqa: BLE001 - this request's to see
         error: BaseException = exc
         if not ok:
