@@ -1543,14 +1543,18 @@ class _SlotRules:
     def response(self, td: Any, pairs: Sequence[tuple[NestedKey, torch.Tensor]]) -> Any:
         """The result: the response spec's keys of ``pairs``, in a TensorDict
         of the request's batch size."""
-        from tensordict import TensorDict
-
         given = dict(pairs)
-        result = TensorDict(batch_size=td.batch_size)
+        entries = {}
         for key in self.response_keys:
             value = given.get(key)
             if value is None:
                 raise KeyError(f"the server's answer lacks the response spec's key {key!r}")
+            entries[key] = value
+        plain = _plain_tensordict()
+        if all(type(key) is str for key in entries):  # built at once: the values fit its batch
+            return plain._new_unsafe(entries, batch_size=td.batch_size, device=None)
+        result = plain(batch_size=td.batch_size)
+        for key, value in entries.items():
             result.set(key, value)
         return result
 
