@@ -1521,11 +1521,9 @@ class _SlotRules:
         self.request_keys, self.response_keys, self.num_slots = request_keys, response_keys, num_slots
         self._slots = threading.BoundedSemaphore(num_slots)
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {"request_keys": self.request_keys, "response_keys": self.response_keys, "num_slots": self.num_slots}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["request_keys"], state["response_keys"], state["num_slots"])  # type: ignore[misc]
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The semaphore stays behind: each process has slots of its own.
+        return (_SlotRules, (self.request_keys, self.response_keys, self.num_slots))
 
     def check(self, td: Any) -> None:
         """A missing declared key is a KeyError, a tensor off the CPU a

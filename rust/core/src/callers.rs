@@ -21,6 +21,10 @@ use std::time::{Duration, Instant};
 /// How long a caller counts as one that may still send a row, at least.
 pub const HORIZON: Duration = Duration::from_secs(1);
 
+/// How stale the last submission of a caller that does not block may be
+/// recorded: a small part of the horizon, so a few writes a second at most.
+const OPEN_STAMP_STEP_NS: u64 = 10_000_000;
+
 #[derive(Debug)]
 pub struct BlockingCallers {
     /// Each blocking caller seen within the horizon (its key, its last request).
@@ -56,7 +60,12 @@ impl BlockingCallers {
         let Some(key) = caller else {
             let since = now.saturating_duration_since(self.epoch).as_nanos();
             let stamp = u64::try_from(since).unwrap_or(u64::MAX - 1) + 1;
-            self.open_at.store(stamp, Ordering::Relaxed);
+            // Every request of every loop and connection passes here: write the
+            // shared word only when it moved on, not once per request.
+            let last = self.open_at.load(Ordering::Relaxed);
+            if last == 0 || stamp.saturating_sub(last) >= OPEN_STAMP_STEP_NS {
+                self.open_at.store(stamp, Ordering::Relaxed);
+            }
             return;
         };
         let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
@@ -112,8 +121,10 @@ impl BlockingCallers {
         if open_at == 0 {
             return true;
         }
-        let at = self.epoch + Duration::from_nanos(open_at - 1);
-        now.saturating_duration_since(at) >= self.horizon
+        match self.epoch.checked_add(Duration::from_nanos(open_at - 1)) {
+            Some(at) => now.saturating_duration_since(at) >= self.horizon,
+            None => false, // unrepresentable: as if just now
+        }
     }
 }
 
