@@ -921,3 +921,80 @@ def test_a_shared_memory_transport_without_a_server_holds_its_slots_and_times_ou
     transport.resolve_exception(callbacks[0], KeyError("boom"))
     with pytest.raises(KeyError, match="boom"):
         second[0].result(timeout=10)
+
+
+def _ray_task_calls(client: Any, values: list[float]) -> tuple[list[torch.Tensor], str]:
+    """In a Ray worker: one request per value, in turn; the actions, and
+    what the model's exception raises there."""
+    actions = [client(request(v))["action"] for v in values]
+    try:
+        client(TensorDict({"observation": torch.full((4,), -1.0)}))
+    except ValueError as exc:
+        return actions, f"{type(exc).__name__}: {exc}"
+    return actions, "nothing raised"
+
+
+class _FailsOnNegative(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = policy().module
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        if bool((observation < 0).any()):
+            raise ValueError("a negative observation")
+        return self.inner(observation)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(180)
+def test_a_ray_transports_tasks_ride_shared_memory_and_raise_the_models_exception(ray_cluster: Any) -> None:
+    """RayTransport: the first request (specs unknown) and the exceptions go
+    through its actor; every later request of a task on the server's node
+    rides shared memory. After shutdown a client fails, never hangs."""
+    ray = ray_cluster
+    from ferrobatch.torchrl import RayTransport
+
+    transport = RayTransport()
+    client = transport.client()  # made before the server starts, as TorchRL's tests do
+    model = _FailsOnNegative()
+    server = InferenceServer(TensorDictModule(model, in_keys=["observation"], out_keys=["action"]), transport)
+    assert server.transport_kind == "ray"
+    with server:
+        assert client(request(0.5))["action"].shape == (2,)  # through the actor: it teaches the specs
+        assert transport._through_actor == 1
+        task = ray.remote(num_cpus=0)(_ray_task_calls)
+        outs = ray.get([task.remote(client, [float(i), float(i) + 0.5] * 10) for i in range(2)], timeout=120)
+        for i, (actions, raised) in enumerate(outs):
+            expected = policy()
+            for action, value in zip(actions, [float(i), float(i) + 0.5] * 10):
+                torch.testing.assert_close(action, expected(request(value))["action"])
+            assert raised == "ValueError: a negative observation"  # the model's own, over the actor
+        assert transport._through_actor == 1  # 40 requests, none through the actor
+        assert server.stats()["requests"] == 1 + 2 * 21
+    started = time.monotonic()
+    with pytest.raises(fb.ServerClosedError):
+        client(request())
+    assert time.monotonic() - started < 10
+    with pytest.raises(TypeError, match="RayTransport"):
+        from ferrobatch.torchrl import ProcessInferenceServer
+
+        ProcessInferenceServer(policy, RayTransport())
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(180)
+def test_torchrls_server_serves_a_ray_transport_through_its_actor(ray_cluster: Any) -> None:
+    pytest.importorskip("torchrl")
+    from torchrl.modules.inference_server import InferenceServer as TorchRLServer
+    from torchrl.modules.inference_server import InferenceTransport
+
+    from ferrobatch.torchrl import RayTransport
+
+    transport = RayTransport()
+    assert isinstance(transport, InferenceTransport)
+    clients = [transport.client() for _ in range(3)]
+    with TorchRLServer(policy(), transport, max_batch_size=4):
+        futures = [c.submit(request(float(i))) for i, c in enumerate(clients)]
+        expected = policy()
+        for i, future in enumerate(futures):
+            torch.testing.assert_close(future.result(timeout=30)["action"], expected(request(float(i)))["action"])

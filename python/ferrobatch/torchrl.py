@@ -82,6 +82,7 @@ __all__ = [
     "InferenceServer",
     "MPTransport",
     "ProcessInferenceServer",
+    "RayTransport",
     "ResultTimeout",
     "SharedMemoryTransport",
     "SlotTransport",
@@ -100,7 +101,6 @@ _FROM_TORCHRL = (
     "MonarchTransport",
     "PolicyClientModule",
     "ProcessSlotTransport",
-    "RayTransport",
 )
 
 
@@ -130,7 +130,7 @@ def _register_with_torchrl() -> None:
     base = getattr(torchrl_inference, "InferenceTransport", None)
     if base is None:
         return
-    for transport in (ThreadingTransport, SlotTransport, MPTransport, SharedMemoryTransport):  # with its server side
+    for transport in (ThreadingTransport, SlotTransport, MPTransport, SharedMemoryTransport, RayTransport):
         base.register(transport)
     _registered_with_torchrl = True
 
@@ -402,6 +402,8 @@ class InferenceServer:
             if isinstance(transport, ThreadingTransport)
             else "shared_memory"
             if isinstance(transport, SharedMemoryTransport)
+            else "ray"
+            if isinstance(transport, RayTransport)
             else "mp"
             if isinstance(transport, MPTransport)
             else "custom"
@@ -1319,11 +1321,21 @@ class MPTransport(_TorchRLTransport):
         id, tensors and batch size. None: the pipe ended or broke (dropped),
         or it asked for an exception (answered here)."""
         try:
-            rid, flat, batch_size = conn.recv()
+            message = conn.recv()
         except (EOFError, OSError):
             self._drop(conn, close=False)
             return None
         except Exception:  # noqa: BLE001 - not a request: the stream cannot be trusted
+            self._drop(conn, close=True)
+            return None
+        return self._accept(conn, message)
+
+    def _accept(self, conn: Any, message: Any) -> tuple[threading.Lock, int, dict[str, Any], Sequence[int]] | None:
+        """``_receive``'s message, read from ``conn``: the request, or None
+        (an exception asked for, answered here; not a request: ``conn`` dropped)."""
+        try:
+            rid, flat, batch_size = message
+        except (TypeError, ValueError):  # not a request: the stream cannot be trusted
             self._drop(conn, close=True)
             return None
         lock = self._send_locks.setdefault(id(conn), threading.Lock())
@@ -1360,7 +1372,7 @@ class MPTransport(_TorchRLTransport):
                         continue  # it asked for an exception: answered
                     break  # it ended: dropped
                 lock, rid, flat, batch_size = received
-                tensors = {nested_key(name): torch.from_numpy(value) for name, value in flat.items()}
+                tensors = {nested_key(name): _writable(value) for name, value in flat.items()}
                 tds.append(TensorDict(tensors, batch_size=list(batch_size)))
                 callbacks.append((conn, lock, rid))
         return tds, callbacks
@@ -1406,11 +1418,17 @@ class MPTransport(_TorchRLTransport):
         try:
             from tensordict import TensorDict
 
-            tensors = {name: torch.from_numpy(value) for name, value in flat.items()}
+            tensors = {name: _writable(value) for name, value in flat.items()}
             example = TensorDict({nested_key(name): t for name, t in tensors.items()}, batch_size=list(batch_size))
             server._submit(example).add_done_callback(settle)
         except BaseException as exc:  # noqa: BLE001 - the client's to see
             reply(False, _unwrap(exc))
+
+
+def _writable(value: Any) -> torch.Tensor:
+    """A request's array as a tensor; copied where it is read-only (Ray
+    hands arrays over in its object store's memory)."""
+    return torch.from_numpy(value if value.flags.writeable else value.copy())
 
 
 def _has_data(conn: Any) -> bool:
@@ -1480,6 +1498,177 @@ class SharedMemoryTransport(MPTransport):
 
     def _cells_per_client(self) -> int:
         return self.num_slots  # a process's slots all fit: none overflows to the pipe
+
+
+class RayTransport(MPTransport):
+    """TorchRL's ``RayTransport``, switched by its import: clients passed to
+    Ray actors and tasks (or used in the driver's threads).
+
+    On the server's node a client's requests ride ferrobatch's shared
+    memory, as :class:`MPTransport`'s do (no Ray call per request). What
+    does not ride it (the requests sent before the server knows its specs,
+    those of clients on other nodes or past their process's shared cells,
+    and the model's exceptions, pickled) goes through one Ray actor of the
+    transport's (``ferrobatch.ray``'s ``Mailbox``) instead of pipes, and so
+    does a TorchRL ``InferenceServer``'s serving of it.
+
+    Ray is imported when the transport is made, and started if it is not
+    (as ``ray.util.queue`` does).
+
+    Args:
+        max_queue_size: how many requests wait in the actor at most (a
+            client's request past them waits for room); default 1000.
+    """
+
+    def __init__(self, *, max_queue_size: int = 1000) -> None:
+        try:
+            import ray
+
+            from .ray._mailbox import Mailbox
+        except ImportError as exc:
+            raise ImportError("Ray is required for RayTransport. Install it with: pip install ray") from exc
+        super().__init__()
+        self.shm_name = f"ferrobatch-ray-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._ray = ray
+        self._mailbox = Mailbox.remote(max_queue_size)
+        self._ends: dict[str, _RayEnd] = {}
+        self._through_actor = 0  # requests served through the actor (not shared memory), for tests
+        self._peeked: collections.deque[tuple[str, Any]] = collections.deque()
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a RayTransport stays with its server: pass transport.client() to Ray actors")
+
+    def client(self) -> MPClient:
+        """A client to pass to a Ray actor or task (or to use here)."""
+        return MPClient(_RayConn(self._mailbox), self.shm_name)
+
+    def _start(self) -> None:
+        self._ray.get(self._mailbox.reopen.remote())
+        super()._start()
+
+    def _close(self) -> None:
+        try:
+            left = self._ray.get(self._mailbox.close.remote())
+        except self._ray.exceptions.RayError:
+            return  # the actor is gone: its clients see it
+        for client, message in left:
+            accepted = self._accept(self._end(client), message)
+            if accepted is not None:
+                lock, rid, _, _ = accepted
+                _reply(self._end(client), lock, rid, False, ServerClosedError("the inference server stopped"))
+
+    def _end(self, client: str) -> _RayEnd:
+        end = self._ends.get(client)
+        if end is None:
+            end = self._ends[client] = _RayEnd(self._mailbox, client)
+        return end
+
+    def _drop(self, conn: Any, *, close: bool) -> None:
+        self._send_locks.pop(id(conn), None)
+        self._ends = {client: end for client, end in self._ends.items() if end is not conn}
+
+    def _take(self, max_items: int, timeout: float) -> list[tuple[str, Any]]:
+        try:
+            taken: list[tuple[str, Any]] = self._ray.get(self._mailbox.take.remote(max_items, timeout))
+        except self._ray.exceptions.RayError:
+            self._stopping.wait(timeout)
+            return []
+        return taken
+
+    def _listen(self) -> None:
+        server = self._server
+        assert server is not None
+        while not self._stopping.is_set():
+            for client, message in self._take(server.max_batch_size, 0.1):
+                end = self._end(client)
+                accepted = self._accept(end, message)
+                if accepted is not None:
+                    self._through_actor += 1
+                    self._serve(server, end, *accepted)
+
+    # -- TorchRL's server side, for a server other than ferrobatch's --------------------
+
+    def wait_for_work(self, timeout: float) -> None:
+        """Blocks until a request waits in the actor, or ``timeout`` seconds."""
+        if not self._peeked:
+            self._peeked.extend(self._take(1 << 10, timeout))
+
+    def drain(self, max_items: int) -> tuple[list[Any], list[Any]]:
+        """Takes up to ``max_items`` waiting requests: their TensorDicts, and
+        the callbacks ``resolve`` answers."""
+        from tensordict import TensorDict
+
+        if len(self._peeked) < max_items:
+            self._peeked.extend(self._take(max_items - len(self._peeked), 0.0))
+        tds: list[Any] = []
+        callbacks: list[Any] = []
+        while self._peeked and len(tds) < max_items:
+            client, message = self._peeked.popleft()
+            end = self._end(client)
+            accepted = self._accept(end, message)
+            if accepted is None:
+                continue  # it asked for an exception: answered
+            lock, rid, flat, batch_size = accepted
+            tensors = {nested_key(name): _writable(value) for name, value in flat.items()}
+            tds.append(TensorDict(tensors, batch_size=list(batch_size)))
+            callbacks.append((end, lock, rid))
+        return tds, callbacks
+
+
+class _RayConn:
+    """A client's end of a :class:`RayTransport`'s control channel: what an
+    MPClient's pipe does, through the transport's Mailbox actor. Each copy
+    (each process it is passed to) has an answer box of its own."""
+
+    def __init__(self, mailbox: Any) -> None:
+        import ray
+
+        self._ray = ray
+        self._mailbox = mailbox
+        self._id = uuid.uuid4().hex
+        self._waiting: collections.deque[Any] = collections.deque()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_RayConn, (self._mailbox,))
+
+    def send(self, message: Any) -> None:
+        try:
+            queued = self._ray.get(self._mailbox.put.remote(self._id, message))
+        except self._ray.exceptions.RayError as exc:
+            raise OSError(f"the transport's Ray actor is gone ({type(exc).__name__})") from exc
+        if not queued:
+            raise OSError("the inference server stopped")
+
+    def recv(self) -> Any:
+        from .ray._mailbox import CLOSED
+
+        while not self._waiting:
+            try:
+                self._waiting.extend(self._ray.get(self._mailbox.answers.remote(self._id, 1.0)))
+            except self._ray.exceptions.RayError as exc:
+                raise EOFError(f"the transport's Ray actor is gone ({type(exc).__name__})") from exc
+        message = self._waiting.popleft()
+        if isinstance(message, str) and message == CLOSED:
+            raise EOFError("the inference server stopped")
+        return message
+
+    def close(self) -> None:
+        pass  # nothing of this process's to release
+
+
+class _RayEnd:
+    """The server's end toward one :class:`RayTransport` client: answers go
+    to its box (in order: Ray runs one caller's calls to an actor in turn)."""
+
+    def __init__(self, mailbox: Any, client: str) -> None:
+        self._mailbox = mailbox
+        self._client = client
+
+    def send(self, message: Any) -> None:
+        self._mailbox.answer.remote(self._client, message)
+
+    def close(self) -> None:
+        pass
 
 
 def _spec_keys(spec: Any, what: str) -> list[NestedKey]:
@@ -2086,6 +2275,10 @@ class ProcessInferenceServer:
     ) -> None:
         if isinstance(mp_context, str) or mp_context is None:
             mp_context = multiprocessing.get_context(mp_context or "spawn")
+        if isinstance(transport, RayTransport):
+            raise TypeError(
+                "a RayTransport is served from the driver or by service_backend='ray', not by a child process"
+            )
         self.transport = transport if transport is not None else MPTransport(ctx=mp_context)
         served = isinstance(self.transport, MPTransport) or (
             not isinstance(self.transport, ThreadingTransport)
