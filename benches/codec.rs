@@ -21,8 +21,21 @@ fn values() -> Vec<f32> {
     (0..WIDTH).map(|i| (i as f32 * 0.37).sin() * 3.1).collect()
 }
 
-fn json_body(values: &[f32]) -> Vec<u8> {
-    let data: Vec<String> = values.iter().map(|v| format!("{v}")).collect();
+/// The request's JSON body, its floats spelt shortest for `f32` (about 9
+/// digits), or, `widened`, as a Python client spells them (`float` of each
+/// `f32`, shortest for `f64`: 17 significant digits, beyond the 15-digit
+/// fast path of a float parser).
+fn json_body(values: &[f32], widened: bool) -> Vec<u8> {
+    let data: Vec<String> = values
+        .iter()
+        .map(|&v| {
+            if widened {
+                format!("{}", f64::from(v))
+            } else {
+                format!("{v}")
+            }
+        })
+        .collect();
     format!(
         r#"{{"id":"bench","inputs":[{{"name":"x","datatype":"FP32","shape":[1,{WIDTH}],"data":[{}]}}],"outputs":[{{"name":"y","parameters":{{"binary_data":false}}}}]}}"#,
         data.join(",")
@@ -50,7 +63,8 @@ fn bench_codec(c: &mut Criterion) {
         Limits::default(),
     );
     let values = values();
-    let json = json_body(&values);
+    let json = json_body(&values, false);
+    let json17 = json_body(&values, true);
     let (binary, header_length) = binary_body(&values);
     let out: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
     let shape = [1u64, WIDTH as u64];
@@ -60,6 +74,19 @@ fn bench_codec(c: &mut Criterion) {
     group.bench_function("json 256 x FP32", |b| {
         b.iter(|| black_box(codec.decode(black_box(&json), None).unwrap()))
     });
+    group.throughput(Throughput::Bytes(json17.len() as u64));
+    group.bench_function("json 256 x FP32, 17 digits", |b| {
+        b.iter(|| black_box(codec.decode(black_box(&json17), None).unwrap()))
+    });
+    group.bench_function(
+        "reference: serde_json::from_slice to Value, 17 digits",
+        |b| {
+            b.iter(|| {
+                black_box(serde_json::from_slice::<serde_json::Value>(black_box(&json17)).unwrap())
+            })
+        },
+    );
+    group.throughput(Throughput::Bytes(json.len() as u64));
     group.bench_function("reference: serde_json::from_slice to Value", |b| {
         b.iter(|| black_box(serde_json::from_slice::<serde_json::Value>(black_box(&json)).unwrap()))
     });

@@ -98,7 +98,11 @@ impl Elements {
         let result = match self.dtype {
             DType::Bool => Err(Refusal::NotBool),
             DType::Bytes => Err(Refusal::NotBytes),
-            DType::Float16 | DType::BFloat16 | DType::Float32 | DType::Float64 => {
+            DType::Float32 => {
+                self.write(&number.to_f32().to_le_bytes());
+                Ok(())
+            }
+            DType::Float16 | DType::BFloat16 | DType::Float64 => {
                 self.push_f64(number.to_f64());
                 Ok(())
             }

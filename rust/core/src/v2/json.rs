@@ -56,7 +56,36 @@ pub struct Number<'a> {
     /// small enough for one correctly rounded `f64` operation (Clinger's
     /// fast path: mantissa < 2^53, |exp| <= 22), as most numbers are.
     fast: Option<f64>,
+    /// The value's magnitude as `mantissa * 10^exponent`, when every
+    /// significant digit fits in `mantissa` (at most 19) and |exponent| <=
+    /// 22: what [`Number::to_f32`] rounds without the correctly rounded
+    /// `f64` (17-digit spellings of `f32` values, as Python clients send).
+    near: Option<(u64, i64, bool)>,
 }
+
+/// The value of eight ASCII digits (`None` if any byte is not one), in a
+/// few word operations: each byte's digit, then pairs, quads and the
+/// eight combined by multiplications that keep them in separate lanes.
+fn eight_digits(bytes: &[u8]) -> Option<u64> {
+    let word = u64::from_le_bytes(bytes.try_into().ok()?);
+    // A byte is a digit iff it is >= b'0' and adding 0x46 does not reach 0x80.
+    let below = word.wrapping_sub(0x3030_3030_3030_3030);
+    let above = word.wrapping_add(0x4646_4646_4646_4646);
+    if (below | above) & 0x8080_8080_8080_8080 != 0 {
+        return None;
+    }
+    let pairs = below.wrapping_mul(10).wrapping_add(below >> 8);
+    const LANES: u64 = 0x0000_00ff_0000_00ff;
+    let high = (pairs & LANES).wrapping_mul(0x000f_4240_0000_0064); // * 1_000_000, * 100
+    let low = ((pairs >> 16) & LANES).wrapping_mul(0x0000_2710_0000_0001); // * 10_000, * 1
+    Some(u64::from((high.wrapping_add(low) >> 32) as u32))
+}
+
+/// 10^0 ..= 10^22: every one exact in an `f64`.
+const POW10: [f64; 23] = [
+    1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11, 1e12, 1e13, 1e14, 1e15, 1e16,
+    1e17, 1e18, 1e19, 1e20, 1e21, 1e22,
+];
 
 impl Number<'_> {
     /// The nearest `f64` (correctly rounded, as Python's `float()`).
@@ -71,6 +100,46 @@ impl Number<'_> {
             // A validated JSON number is a valid Rust float literal.
             text => text.parse().unwrap_or(f64::NAN),
         }
+    }
+
+    /// `self.to_f64() as f32`: the `f32` nearest to the nearest `f64`, as
+    /// numpy casts Python's floats, most often without the correctly
+    /// rounded `f64`.
+    ///
+    /// `mantissa * 10^exponent` in `f64` (the mantissa's conversion and
+    /// one multiplication or division, each correctly rounded) is within
+    /// 2^-52 of the exact value, relatively, and so within 1.5 * 2^-52 of
+    /// its nearest `f64`. When that approximation is farther than 2^-50 of
+    /// itself from both midpoints between its nearest `f32` and that
+    /// `f32`'s neighbours, the nearest `f64` lies between the same two
+    /// midpoints and rounds to the same `f32`. Otherwise (a value near a
+    /// midpoint, about one in 2^24 of random digits; `f32` overflow or
+    /// underflow to zero) the correctly rounded `f64` decides.
+    pub fn to_f32(self) -> f32 {
+        if let Some(v) = self.fast {
+            return v as f32;
+        }
+        if let Some((mantissa, exponent, negative)) = self.near {
+            let m = mantissa as f64;
+            let approx = if exponent >= 0 {
+                m * POW10[exponent as usize]
+            } else {
+                m / POW10[(-exponent) as usize]
+            };
+            let nearest = approx as f32;
+            if nearest.is_finite() && nearest > 0.0 {
+                let below = f32::from_bits(nearest.to_bits() - 1);
+                let above = f32::from_bits(nearest.to_bits() + 1);
+                // Midpoints of adjacent f32s are exact in f64.
+                let low = (f64::from(nearest) + f64::from(below)) / 2.0;
+                let high = (f64::from(nearest) + f64::from(above)) / 2.0;
+                let margin = approx * (1.0 / (1u64 << 50) as f64);
+                if above.is_finite() && approx - low > margin && high - approx > margin {
+                    return if negative { -nearest } else { nearest };
+                }
+            }
+        }
+        self.to_f64() as f32
     }
 
     /// The value as an `i128` when it is an integer that fits (JSON integers
@@ -380,6 +449,7 @@ impl<'a> Parser<'a> {
                     text: self.text(start),
                     integer: false,
                     fast: None,
+                    near: None,
                 });
             }
         }
@@ -389,6 +459,15 @@ impl<'a> Parser<'a> {
         let mut significant: u32 = 0;
         let digits = |p: &mut Self, mantissa: &mut u64, significant: &mut u32| {
             let from = p.pos;
+            // Past the leading zeros, eight digits at a time while they fit.
+            while *mantissa != 0 && *significant <= 11 {
+                let Some(eight) = p.src.get(p.pos..p.pos + 8).and_then(eight_digits) else {
+                    break;
+                };
+                *mantissa = *mantissa * 100_000_000 + eight;
+                *significant += 8;
+                p.pos += 8;
+            }
             while let Some(&d @ b'0'..=b'9') = p.src.get(p.pos) {
                 if *significant < 19 {
                     *mantissa = *mantissa * 10 + u64::from(d - b'0');
@@ -449,10 +528,6 @@ impl<'a> Parser<'a> {
             }
             exponent += sign * e;
         }
-        const POW10: [f64; 23] = [
-            1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11, 1e12, 1e13, 1e14, 1e15,
-            1e16, 1e17, 1e18, 1e19, 1e20, 1e21, 1e22,
-        ];
         let fast = (significant <= 15 && mantissa < (1 << 53) && exponent.abs() <= 22).then(|| {
             let m = mantissa as f64;
             let v = if exponent >= 0 {
@@ -466,10 +541,13 @@ impl<'a> Parser<'a> {
                 v
             }
         });
+        let near = (fast.is_none() && significant <= 19 && exponent.abs() <= 22)
+            .then_some((mantissa, exponent, negative));
         Ok(Number {
             text: self.text(start),
             integer,
             fast,
+            near,
         })
     }
 

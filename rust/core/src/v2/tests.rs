@@ -583,6 +583,54 @@ proptest! {
     }
 
     #[test]
+    fn f32s_are_the_nearest_to_the_nearest_f64(
+        negative in any::<bool>(),
+        int in "(0|[1-9][0-9]{0,20})",
+        frac in proptest::option::of("[0-9]{1,20}"),
+        exp in proptest::option::of(-50i32..50),
+    ) {
+        let mut text = format!("{}{int}", if negative { "-" } else { "" });
+        if let Some(f) = frac {
+            text += &format!(".{f}");
+        }
+        if let Some(e) = exp {
+            text += &format!("e{e}");
+        }
+        let n = json::Parser::new(text.as_bytes()).number().unwrap();
+        let expected = text.parse::<f64>().unwrap() as f32;
+        prop_assert_eq!(n.to_f32().to_bits(), expected.to_bits(), "{}", text);
+    }
+
+    #[test]
+    fn f32s_near_a_rounding_midpoint_are_the_nearest_to_the_nearest_f64(
+        bits in 1u32..0x7f7f_ffff,
+        digits in 8usize..22,
+        nudge in -3i64..=3,
+    ) {
+        // The exact midpoint between two adjacent f32s, spelt with `digits`
+        // significant digits and its last digit nudged: the cases where
+        // a shortcut could round the other way.
+        let (a, b) = (f32::from_bits(bits), f32::from_bits(bits + 1));
+        let midpoint = (f64::from(a) + f64::from(b)) / 2.0;
+        let spelt = format!("{:.*e}", digits - 1, midpoint);
+        let (digits_part, exponent) = spelt.split_once('e').unwrap();
+        let mantissa: i128 = digits_part.replace('.', "").parse().unwrap();
+        let text = format!("{}e{}", mantissa + i128::from(nudge), exponent.parse::<i64>().unwrap() - (digits as i64 - 1));
+        let n = json::Parser::new(text.as_bytes()).number().unwrap();
+        let expected = text.parse::<f64>().unwrap() as f32;
+        prop_assert_eq!(n.to_f32().to_bits(), expected.to_bits(), "{}", text);
+    }
+
+    #[test]
+    fn a_widened_f32_comes_back_as_itself(bits in any::<u32>()) {
+        let v = f32::from_bits(bits);
+        let v = if v.is_finite() { v } else { f32::from_bits(bits ^ 0x4000_0000) }; // inf, NaN: another exponent
+        let text = format!("{}", f64::from(v));
+        let n = json::Parser::new(text.as_bytes()).number().unwrap();
+        prop_assert_eq!(n.to_f32().to_bits(), v.to_bits(), "{}", text);
+    }
+
+    #[test]
     fn arbitrary_bytes_never_panic(body in proptest::collection::vec(any::<u8>(), 0..256), split in proptest::option::of(0usize..300)) {
         let length = split.map(|n| n.to_string());
         let _ = codec().decode(&body, length.as_deref());
@@ -616,5 +664,19 @@ proptest! {
                 prop_assert!(matches!(e, V2Error::TooManyElements { .. }), "{}", e);
             }
         }
+    }
+}
+
+#[test]
+fn eight_digits_read_as_their_number() {
+    for text in ["00000000", "12345678", "99999999", "10000001", "00000009"] {
+        let spelt = format!("1{text}");
+        let n = json::Parser::new(spelt.as_bytes()).number().unwrap();
+        assert_eq!(n.to_f64(), spelt.parse::<f64>().unwrap(), "{text}");
+    }
+    for text in ["1234567/", "1234567:", "12345 78", "1234567a"] {
+        let mut p = json::Parser::new(text.as_bytes());
+        let n = p.number().unwrap();
+        assert!(p.end().is_err() || n.text.len() == text.len(), "{text}");
     }
 }
