@@ -112,7 +112,7 @@ impl Elements {
                 None => Err(Refusal::NotInteger),
             },
         };
-        result.map_err(|refusal| self.refusal(name, refusal, number.text))
+        result.map_err(|refusal| self.refusal(name, refusal, number.text()))
     }
 
     /// A value of another kind than number or boolean (a string, null, an

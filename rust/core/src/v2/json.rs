@@ -50,7 +50,9 @@ impl Kind {
 /// nor an exponent.
 #[derive(Debug, Clone, Copy)]
 pub struct Number<'a> {
-    pub text: &'a str,
+    /// Its spelling, ASCII (read as text only when needed: errors, the
+    /// slow path).
+    spelt: &'a [u8],
     pub integer: bool,
     /// The value, when the token is exactly `mantissa * 10^exp` with both
     /// small enough for one correctly rounded `f64` operation (Clinger's
@@ -62,6 +64,13 @@ pub struct Number<'a> {
     /// `f64` (17-digit spellings of `f32` values, as Python clients send).
     near: Option<(u64, i64, bool)>,
 }
+
+/// 10^-0 ..= 10^-22, each the nearest `f64` (a multiplication by one is
+/// cheaper than a division by 10^k, and as close for [`Number::to_f32`]).
+const NEG_POW10: [f64; 23] = [
+    1e0, 1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6, 1e-7, 1e-8, 1e-9, 1e-10, 1e-11, 1e-12, 1e-13, 1e-14,
+    1e-15, 1e-16, 1e-17, 1e-18, 1e-19, 1e-20, 1e-21, 1e-22,
+];
 
 /// The value of eight ASCII digits (`None` if any byte is not one), in a
 /// few word operations: each byte's digit, then pairs, quads and the
@@ -87,13 +96,18 @@ const POW10: [f64; 23] = [
     1e17, 1e18, 1e19, 1e20, 1e21, 1e22,
 ];
 
-impl Number<'_> {
+impl<'a> Number<'a> {
+    /// Its JSON spelling (or `NaN`, `Infinity`, `-Infinity`).
+    pub fn text(self) -> &'a str {
+        std::str::from_utf8(self.spelt).unwrap_or("")
+    }
+
     /// The nearest `f64` (correctly rounded, as Python's `float()`).
     pub fn to_f64(self) -> f64 {
         if let Some(v) = self.fast {
             return v;
         }
-        match self.text {
+        match self.text() {
             "NaN" => f64::NAN,
             "Infinity" => f64::INFINITY,
             "-Infinity" => f64::NEG_INFINITY,
@@ -106,15 +120,17 @@ impl Number<'_> {
     /// numpy casts Python's floats, most often without the correctly
     /// rounded `f64`.
     ///
-    /// `mantissa * 10^exponent` in `f64` (the mantissa's conversion and
-    /// one multiplication or division, each correctly rounded) is within
-    /// 2^-52 of the exact value, relatively, and so within 1.5 * 2^-52 of
-    /// its nearest `f64`. When that approximation is farther than 2^-50 of
-    /// itself from both midpoints between its nearest `f32` and that
-    /// `f32`'s neighbours, the nearest `f64` lies between the same two
-    /// midpoints and rounds to the same `f32`. Otherwise (a value near a
-    /// midpoint, about one in 2^24 of random digits; `f32` overflow or
-    /// underflow to zero) the correctly rounded `f64` decides.
+    /// `mantissa * 10^exponent` in `f64` (the mantissa's conversion, the
+    /// power of ten (10^-k is not exact) and one multiplication, each
+    /// correctly rounded) is within 3 * 2^-53 of the exact value,
+    /// relatively, and so within 2^-51 (4 units in its last place) of its
+    /// nearest `f64`. An `f64` in `f32`'s normal range rounds to `f32` by
+    /// its 29 low mantissa bits, the midpoint between two `f32`s being
+    /// 2^28 there. When the approximation's are more than 8 units from
+    /// it, the nearest `f64` lies on the same side of the same midpoint
+    /// and rounds to the same `f32`. Otherwise (a value near a midpoint,
+    /// about one in 2^24 of random digits; past `f32`'s normal range) the
+    /// correctly rounded `f64` decides.
     pub fn to_f32(self) -> f32 {
         if let Some(v) = self.fast {
             return v as f32;
@@ -124,19 +140,13 @@ impl Number<'_> {
             let approx = if exponent >= 0 {
                 m * POW10[exponent as usize]
             } else {
-                m / POW10[(-exponent) as usize]
+                m * NEG_POW10[(-exponent) as usize]
             };
+            const LOW_BITS: u64 = (1 << 29) - 1;
+            let low = approx.to_bits() & LOW_BITS;
             let nearest = approx as f32;
-            if nearest.is_finite() && nearest > 0.0 {
-                let below = f32::from_bits(nearest.to_bits() - 1);
-                let above = f32::from_bits(nearest.to_bits() + 1);
-                // Midpoints of adjacent f32s are exact in f64.
-                let low = (f64::from(nearest) + f64::from(below)) / 2.0;
-                let high = (f64::from(nearest) + f64::from(above)) / 2.0;
-                let margin = approx * (1.0 / (1u64 << 50) as f64);
-                if above.is_finite() && approx - low > margin && high - approx > margin {
-                    return if negative { -nearest } else { nearest };
-                }
+            if nearest.is_normal() && low.abs_diff(1 << 28) > 8 {
+                return if negative { -nearest } else { nearest };
             }
         }
         self.to_f64() as f32
@@ -147,9 +157,10 @@ impl Number<'_> {
     /// Integral spellings such as `3.0` or `1e3` count as integers.
     pub fn to_i128(self) -> Option<i128> {
         if self.integer {
-            let (negative, digits) = match self.text.strip_prefix('-') {
+            let text = self.text();
+            let (negative, digits) = match text.strip_prefix('-') {
                 Some(rest) => (true, rest),
-                None => (false, self.text),
+                None => (false, text),
             };
             if digits.len() > 38 {
                 return None;
@@ -443,10 +454,14 @@ impl<'a> Parser<'a> {
     pub fn number(&mut self) -> Result<Number<'a>> {
         self.skip_ws();
         let start = self.pos;
-        for literal in [&b"NaN"[..], b"Infinity", b"-Infinity"] {
+        let literals: &[&'static [u8]] = match self.src.get(start) {
+            Some(b'N' | b'I' | b'-') => &[b"NaN", b"Infinity", b"-Infinity"],
+            _ => &[],
+        };
+        for &literal in literals {
             if self.eat_literal(literal) {
                 return Ok(Number {
-                    text: self.text(start),
+                    spelt: &self.src[start..self.pos],
                     integer: false,
                     fast: None,
                     near: None,
@@ -544,16 +559,11 @@ impl<'a> Parser<'a> {
         let near = (fast.is_none() && significant <= 19 && exponent.abs() <= 22)
             .then_some((mantissa, exponent, negative));
         Ok(Number {
-            text: self.text(start),
+            spelt: &self.src[start..self.pos],
             integer,
             fast,
             near,
         })
-    }
-
-    /// `src[start..pos]`, which the caller has checked is ASCII.
-    fn text(&self, start: usize) -> &'a str {
-        std::str::from_utf8(&self.src[start..self.pos]).unwrap_or("")
     }
 
     /// `true` or `false`.
