@@ -10,7 +10,7 @@ times (``add_sub``: the in-process and shared-memory cases):
 
 - ``in-process``: ``2 x --callers`` asyncio callers on this process's loop,
   ``await server.client().infer(...)`` in a loop (the same total callers);
-- ``shm``: the server shares itself (``server.share``); 2 client processes
+- ``shm``: the server shares itself (``server.share``); 2 client processes (``--processes``)
   (spawned once) each run ``--callers`` asyncio callers, ``fb.connect(name)``;
 - ``shm +options``: the same, the server with ``priority_levels=2`` and each
   request given ``priority=1`` and ``parameters={"tenant": "a"}``;
@@ -25,7 +25,10 @@ times (``add_sub``: the in-process and shared-memory cases):
 - ``ferrobatch.torchrl-mp`` / ``ferrobatch.torchrl-shm``: the same code as
   ``torchrl-mp`` / ``torchrl-shm`` with ``InferenceServer`` and the transport
   imported from ``ferrobatch.torchrl`` (``--transports-only`` runs these four
-  alone).
+  alone);
+- ``torchrl-ray`` / ``ferrobatch.torchrl-ray`` (with ``--ray``): the same with
+  a ``RayTransport``, its 2 clients on Ray actors of this machine (Ray
+  started here with 2 CPUs).
 
 Throughput is completed requests per second inside the measured window,
 summed over the client processes; ``p50 @1`` is the median round trip of a
@@ -63,6 +66,7 @@ from e2e_systems import FEATURES, MAX_BATCH_SIZE, make_model, torchrl_available
 import ferrobatch as fb
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "shm.jsonl"
+#: Client processes (Ray actors for the RayTransport cases); ``--processes``.
 PROCESSES = 2
 
 
@@ -189,34 +193,51 @@ async def _http(url: str, model: str, callers: int, start_at: float, warmup: flo
         await client.close()
 
 
-def torchrl_process(conn: Connection, client: Any) -> None:
-    """Keeps ``callers`` requests in flight through a TorchRL transport client."""
+def keep_in_flight(client: Any, callers: int, start_at: float, warmup: float, seconds: float) -> dict[str, Any]:
+    """Keeps ``callers`` requests in flight through a TorchRL transport
+    client (``client.submit`` futures, the oldest awaited and replaced)."""
     from collections import deque
 
     from tensordict import TensorDict
 
+    measure_from = start_at + warmup
+    until = measure_from + seconds
+    tds = [TensorDict({"x": torch.randn(FEATURES)}) for _ in range(callers)]
+    time.sleep(max(0.0, start_at - time.time()))
+    inflight: deque[tuple[Any, int]] = deque((client.submit(tds[i]), i) for i in range(callers))
+    count = 0
+    while inflight:
+        future, i = inflight.popleft()
+        future.result(timeout=120)
+        done = time.time()
+        if measure_from <= done < until:
+            count += 1
+        if done < until:
+            inflight.append((client.submit(tds[i]), i))
+    return {"count": count, "p50_s": None, "errors": 0}
+
+
+def torchrl_process(conn: Connection, client: Any) -> None:
+    """A client process: :func:`keep_in_flight` on each command."""
     torch.set_num_threads(1)
     conn.send("ready")
     while True:
         command = conn.recv()
         if command is None:
             break
-        callers, start_at, warmup, seconds = command
-        measure_from = start_at + warmup
-        until = measure_from + seconds
-        tds = [TensorDict({"x": torch.randn(FEATURES)}) for _ in range(callers)]
-        time.sleep(max(0.0, start_at - time.time()))
-        inflight: deque[tuple[float, Any, int]] = deque((time.time(), client.submit(tds[i]), i) for i in range(callers))
-        count = 0
-        while inflight:
-            _, future, i = inflight.popleft()
-            future.result(timeout=120)
-            done = time.time()
-            if measure_from <= done < until:
-                count += 1
-            if done < until:
-                inflight.append((time.time(), client.submit(tds[i]), i))
-        conn.send({"count": count, "p50_s": None, "errors": 0})
+        conn.send(keep_in_flight(client, *command))
+
+
+class RayCaller:
+    """A Ray actor holding one TorchRL transport client (as TorchRL's
+    ``RayTransport`` is used): :func:`keep_in_flight` on each call."""
+
+    def __init__(self, client: Any) -> None:
+        torch.set_num_threads(1)
+        self.client = client
+
+    def run(self, callers: int, start_at: float, warmup: float, seconds: float) -> dict[str, Any]:
+        return keep_in_flight(self.client, callers, start_at, warmup, seconds)
 
 
 # -- the systems ------------------------------------------------------------------------
@@ -286,6 +307,8 @@ def torchrl(kind: str, transport_kind: str, args: argparse.Namespace) -> list[di
     if transport_kind.startswith("ferrobatch."):  # the same code with the imports switched
         from ferrobatch.torchrl import InferenceServer, MPTransport, SharedMemoryTransport
 
+    if transport_kind.endswith("torchrl-ray"):
+        return torchrl_ray(kind, transport_kind, args)
     model = make_model(kind)
 
     class Wrapped(torch.nn.Module):
@@ -325,6 +348,45 @@ def torchrl(kind: str, transport_kind: str, args: argparse.Namespace) -> list[di
     return runs
 
 
+def torchrl_ray(kind: str, transport_kind: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``torchrl()`` with a ``RayTransport``: its clients on Ray actors of this machine."""
+    import ray
+    from tensordict.nn import TensorDictModule
+    from torchrl.modules.inference_server import InferenceServer, RayTransport
+
+    if transport_kind.startswith("ferrobatch."):  # the same code with the imports switched
+        from ferrobatch.torchrl import InferenceServer, RayTransport
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=max(2, PROCESSES), include_dashboard=False, log_to_driver=False, configure_logging=False)
+    model = make_model(kind)
+
+    class Wrapped(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return model({"x": x})["y"]
+
+    transport = RayTransport()
+    module = TensorDictModule(Wrapped(), in_keys=["x"], out_keys=["y"])
+    server = InferenceServer(module, transport, max_batch_size=MAX_BATCH_SIZE, min_batch_size=1)
+    actors = [ray.remote(num_cpus=1)(RayCaller).remote(transport.client()) for _ in range(PROCESSES)]
+    server.start()
+    runs = []
+    try:
+        # The actors' start and their clients' first requests (TorchRL's make a
+        # queue actor each) are not measured.
+        ray.get([a.run.remote(1, time.time(), 0.0, 0.5) for a in actors], timeout=600)
+        for _ in range(args.runs):
+            start_at, warmup, seconds = window(args)
+            results = ray.get([a.run.remote(args.callers, start_at, warmup, seconds) for a in actors], timeout=600)
+            runs.append(summarize(results, seconds))
+            print(f"  {kind:8} {transport_kind:12} {runs[-1]['req_per_s']:10.0f} req/s", flush=True)
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+        server.shutdown()
+    return runs
+
+
 # -- the plan ---------------------------------------------------------------------------
 
 
@@ -344,6 +406,7 @@ def run_system(system: str, kind: str, conns: list[Connection], args: argparse.N
 
 
 def main() -> None:
+    global PROCESSES
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="identity,mlp,add_sub")
     parser.add_argument("--callers", type=int, default=256, help="callers per client process (default 256)")
@@ -351,12 +414,18 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=1.0)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--no-torchrl", action="store_true")
+    parser.add_argument("--processes", type=int, default=PROCESSES, help="client processes (default 2)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help=f"where the results go (default {RESULTS.name})")
+    parser.add_argument(
+        "--ray", action="store_true", help="also TorchRL's RayTransport and ferrobatch.torchrl's (on Ray actors)"
+    )
     parser.add_argument(
         "--transports-only",
         action="store_true",
         help="only TorchRL's transports and ferrobatch.torchrl's MPTransport (the same TorchRL code, imports switched)",
     )
     args = parser.parse_args()
+    PROCESSES = args.processes
     uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     print(f"bench_shm: {' '.join(sys.argv[1:]) or '(defaults)'}; {uptime}", flush=True)
     ctx = multiprocessing.get_context("spawn")
@@ -379,7 +448,10 @@ def main() -> None:
                     p50 = f"{result['p50_us']:8.0f} us p50" if result["p50_us"] else ""
                     print(f"  {kind:8} {system:14} {result['req_per_s']:10.0f} req/s {p50}", flush=True)
             if not args.no_torchrl and torchrl_available() and kind != "add_sub":
-                for transport in ("torchrl-mp", "torchrl-shm", "ferrobatch.torchrl-mp", "ferrobatch.torchrl-shm"):
+                transports = ["torchrl-mp", "torchrl-shm", "ferrobatch.torchrl-mp", "ferrobatch.torchrl-shm"]
+                if args.ray:
+                    transports += ["torchrl-ray", "ferrobatch.torchrl-ray"]
+                for transport in transports:
                     runs[transport] = torchrl(kind, transport, args)
             for system, results in runs.items():
                 rows.append(
@@ -406,14 +478,15 @@ def main() -> None:
         "seconds": args.seconds,
         "runs": args.runs,
         "cpus": os.cpu_count(),
+        "processes": PROCESSES,
     }
-    RESULTS.parent.mkdir(exist_ok=True)
-    with RESULTS.open("w") as out:
+    args.out.parent.mkdir(exist_ok=True)
+    with args.out.open("w") as out:
         out.write(json.dumps({"meta": meta}) + "\n")
         for row in rows:
             out.write(json.dumps(row) + "\n")
     report(rows)
-    print(f"\nresults: {RESULTS}")
+    print(f"\nresults: {args.out}")
 
 
 def report(rows: list[dict[str, Any]]) -> None:
@@ -451,6 +524,9 @@ def report(rows: list[dict[str, Any]]) -> None:
         ours_shm = get(model, "ferrobatch.torchrl-shm", "req_per_s")
         if ours_shm and trl:
             parts.append(f"ferrobatch.torchrl-shm / torchrl-shm {ours_shm / trl:.1f}x (target >= 10)")
+        trl_ray, ours_ray = get(model, "torchrl-ray", "req_per_s"), get(model, "ferrobatch.torchrl-ray", "req_per_s")
+        if trl_ray and ours_ray:
+            parts.append(f"ferrobatch.torchrl-ray / torchrl-ray {ours_ray / trl_ray:.1f}x")
         if p50 and p50_local:
             parts.append(f"p50@1 shm / in-process {p50 / p50_local:.2f}x (target <= 2)")
         print(f"{model}: " + "; ".join(parts))
