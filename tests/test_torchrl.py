@@ -983,6 +983,27 @@ def test_a_ray_transports_tasks_ride_shared_memory_and_raise_the_models_exceptio
 
 @pytest.mark.ray
 @pytest.mark.timeout(180)
+def test_a_ray_transports_client_that_cannot_reach_the_share_is_served_through_its_actor(ray_cluster: Any) -> None:
+    """A client on another node than the server's (here: one without the
+    share's name) sends every request through the transport's actor, and
+    gets the same results and the model's own exceptions."""
+    from ferrobatch.torchrl import MPClient, RayTransport, _RayConn
+
+    transport = RayTransport(max_queue_size=4)
+    elsewhere = MPClient(_RayConn(transport._mailbox), None)
+    model = TensorDictModule(_FailsOnNegative(), in_keys=["observation"], out_keys=["action"])
+    with InferenceServer(model, transport, max_batch_size=8):
+        futures = [elsewhere.submit(request(float(i))) for i in range(12)]  # past max_queue_size: they wait
+        expected = policy()
+        for i, future in enumerate(futures):
+            torch.testing.assert_close(future.result(timeout=60)["action"], expected(request(float(i)))["action"])
+        with pytest.raises(ValueError, match="a negative observation"):
+            elsewhere(TensorDict({"observation": torch.full((4,), -1.0)}))
+        assert transport._through_actor == 13
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(180)
 def test_torchrls_server_serves_a_ray_transport_through_its_actor(ray_cluster: Any) -> None:
     pytest.importorskip("torchrl")
     from torchrl.modules.inference_server import InferenceServer as TorchRLServer
