@@ -45,7 +45,10 @@ What differs from TorchRL's server, and what it costs:
   pickled). Every request's Future resolves: an answer that cannot be read
   fails that request alone; a client whose connection fails (the server went
   away, a broken stream) fails its waiting and later requests with
-  :class:`~ferrobatch.ServerClosedError`.
+  :class:`~ferrobatch.ServerClosedError`. :class:`SharedMemoryTransport`
+  is the same path with TorchRL's slot rules, and :class:`RayTransport` with
+  one Ray actor (``ferrobatch.ray``'s ``Mailbox``) in place of the pipes, for
+  clients on Ray actors.
 """
 
 from __future__ import annotations
