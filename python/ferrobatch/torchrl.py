@@ -1529,7 +1529,7 @@ class RayTransport(MPTransport):
 
             from .ray._mailbox import Mailbox
         except ImportError as exc:
-            raise ImportError("Ray is required for RayTransport. Install it with: pip install ray") from exc
+            raise ImportError(f"RayTransport needs Ray: pip install 'ferrobatch[ray]' ({exc})") from exc
         super().__init__()
         self.shm_name = f"ferrobatch-ray-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._ray = ray
