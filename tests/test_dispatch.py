@@ -151,3 +151,10 @@ def test_auto_delay_is_checked() -> None:
         make_server(max_delay="auto", max_delay_cap=-1.0)
     with pytest.raises(ValueError, match="max_delay"):
         make_server(max_delay="fast")
+
+
+def test_delay_from_is_checked_and_kept() -> None:
+    with pytest.raises(ValueError, match="delay_from"):
+        make_server(delay_from="oldest")
+    assert make_server(delay_from="free_worker").delay_from == "free_worker"
+    assert make_server().delay_from == "request"

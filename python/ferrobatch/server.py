@@ -90,6 +90,12 @@ class Server:
             ``max_delay_cap`` old (a fall in load costs one batch that wait).
         max_delay_cap: the adaptive window's cap in seconds (default 0.005;
             only with ``max_delay="auto"``).
+        delay_from: where ``max_delay`` counts from: ``"request"`` (default,
+            the oldest request's arrival) or ``"free_worker"``: from when a
+            free worker starts gathering, if later, as TorchRL's ``timeout``
+            (a worker back from a batch waits that long for its callers' next
+            requests instead of sending at once what queued meanwhile; with
+            thread callers the batch still goes as soon as all are in it).
         min_batch_size: a batch with fewer rows waits for more, with no time
             limit (default 1: never waits). Callers bound it with ``timeout``;
             ``stop()`` dispatches what is left.
@@ -224,6 +230,7 @@ class Server:
         max_batch_size: int = 64,
         max_delay: float | Literal["auto"] = 0.001,
         max_delay_cap: float = 0.005,
+        delay_from: str = "request",
         min_batch_size: int = 1,
         preferred_batch_sizes: Sequence[int] = (),
         max_queue_size: int = 10_000,
@@ -305,6 +312,9 @@ class Server:
             max_batch_size, max_delay, min_batch_size, preferred_batch_sizes = 1, 0.0, 1, ()
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
+        if delay_from not in ("request", "free_worker"):
+            raise ValueError(f"delay_from must be 'request' or 'free_worker', got {delay_from!r}")
+        self.delay_from = delay_from
         self.adaptive_delay = max_delay == "auto"
         if self.adaptive_delay:
             max_delay = max_delay_cap
@@ -569,6 +579,7 @@ class Server:
             max_queue_size=self.max_queue_size,
             workers=len(self._models),
             adaptive=self.adaptive_delay,
+            delay_from_free_worker=self.delay_from == "free_worker",
             priority_levels=self.priority_levels,
             default_priority=self.default_priority,
             max_priority_wait=self.max_priority_wait,

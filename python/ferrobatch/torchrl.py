@@ -762,6 +762,7 @@ class InferenceServer:
             if self.min_batch_size > 1
             else (),
             device=self.device,
+            delay_from="free_worker",  # TorchRL's timeout: from when the server is back for more
             version_output=_VERSION,
             name="policy",
             with_requests=True,  # for each request's wait (stats' queue percentiles)

@@ -523,6 +523,7 @@ impl Batcher {
         let max = self.rule.max_batch_size;
         let mut rows = 0usize;
         let mut budget = Budget::new(self.ring.layouts());
+        let free_since = Instant::now();
         if let Some(r) = carry.take() {
             self.admit(r, Instant::now(), carry, gathered, &mut rows, &mut budget);
         }
@@ -550,7 +551,11 @@ impl Batcher {
             let wait_until = if gathered.is_empty() {
                 None
             } else {
-                let oldest_age = now.saturating_duration_since(gathered[0].enqueued_at);
+                let mut window_start = gathered[0].enqueued_at;
+                if self.rule.delay_from_free_worker {
+                    window_start = window_start.max(free_since);
+                }
+                let oldest_age = now.saturating_duration_since(window_start);
                 let more_waiting = !self.queue.is_empty();
                 let decision = if self.rule.adaptive {
                     let target = self.last_rows.load(Ordering::Relaxed);
@@ -749,7 +754,16 @@ mod tests {
     }
 
     fn fixture(max: usize, delay: Duration, min: usize, queue: usize, workers: usize) -> Fixture {
-        build(max, delay, min, queue, workers, Priorities::NONE, false)
+        build(
+            max,
+            delay,
+            min,
+            queue,
+            workers,
+            Priorities::NONE,
+            false,
+            false,
+        )
     }
 
     /// A batcher with `priorities` that keeps request parameters.
@@ -761,9 +775,10 @@ mod tests {
         workers: usize,
         priorities: Priorities,
     ) -> Fixture {
-        build(max, delay, min, queue, workers, priorities, true)
+        build(max, delay, min, queue, workers, priorities, true, false)
     }
 
+    #[allow(clippy::too_many_arguments)] // a test fixture's knobs, named at each call
     fn build(
         max: usize,
         delay: Duration,
@@ -772,6 +787,7 @@ mod tests {
         workers: usize,
         priorities: Priorities,
         keep_parameters: bool,
+        delay_from_free_worker: bool,
     ) -> Fixture {
         let mut store: Vec<Vec<u8>> = (0..workers + 1).map(|_| vec![0u8; max * ROW]).collect();
         let slots = store
@@ -779,7 +795,10 @@ mod tests {
             // SAFETY: `store` moves into the fixture, which outlives the batcher's use.
             .map(|v| vec![unsafe { SlotBuffer::new(v.as_mut_ptr(), v.len()) }])
             .collect();
-        let rule = DispatchRule::new(max, delay, min, vec![]).unwrap();
+        let mut rule = DispatchRule::new(max, delay, min, vec![]).unwrap();
+        if delay_from_free_worker {
+            rule = rule.delay_from_free_worker();
+        }
         let readiness = Readiness::OnPush;
         let config = BatcherConfig {
             rule,
@@ -1188,6 +1207,41 @@ mod tests {
             started.elapsed() < Duration::from_secs(5),
             "the last arrival did not wake it"
         );
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "timed: Miri's clock advances with interpretation")]
+    fn the_window_counts_from_a_free_worker_when_asked() {
+        // A request older than max_delay when the worker comes for it: by
+        // default it goes at once; counted from the free worker, a request
+        // arriving 20 ms later joins it.
+        for from_free in [false, true] {
+            let f = build(
+                8,
+                Duration::from_millis(200),
+                1,
+                100,
+                1,
+                Priorities::NONE,
+                false,
+                from_free,
+            );
+            submit(&f.batcher, &ROW_A, None);
+            std::thread::sleep(Duration::from_millis(250));
+            let batcher = f.batcher.clone();
+            let late = std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(20));
+                submit(&batcher, &ROW_A, None);
+            });
+            let b = f.batcher.next_batch(&mut Worker::new()).unwrap();
+            late.join().unwrap();
+            let expected = if from_free { 2 } else { 1 };
+            assert_eq!(
+                (b.rows, b.reason),
+                (expected, DispatchReason::DelayExpired),
+                "from_free={from_free}"
+            );
+        }
     }
 
     #[test]

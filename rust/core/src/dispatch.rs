@@ -26,6 +26,11 @@ pub struct DispatchRule {
     /// soon as it has as many rows as the batch before it (see
     /// [`DispatchRule::decide_adaptive`]).
     pub adaptive: bool,
+    /// `max_delay` counts from when a free worker starts gathering, if that
+    /// is later than the oldest request's arrival (TorchRL's `timeout`: a
+    /// server back from a batch waits that long for its callers' next
+    /// requests instead of sending what queued meanwhile at once).
+    pub delay_from_free_worker: bool,
 }
 
 /// Why a batch was released to its model call.
@@ -118,7 +123,15 @@ impl DispatchRule {
             min_batch_size,
             preferred_batch_sizes,
             adaptive: false,
+            delay_from_free_worker: false,
         })
+    }
+
+    /// The same rule with `max_delay` counted from when a free worker
+    /// starts gathering (see [`DispatchRule::delay_from_free_worker`]).
+    pub fn delay_from_free_worker(mut self) -> DispatchRule {
+        self.delay_from_free_worker = true;
+        self
     }
 
     /// The same rule with an adaptive window capped at `max_delay`.

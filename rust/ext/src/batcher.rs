@@ -43,7 +43,7 @@ impl Batcher {
         min_batch_size, preferred_batch_sizes, max_queue_size, workers, adaptive=false,
         layouts=Vec::new(), max_batch_elements=None, padded_dims=Vec::new(),
         priority_levels=0, default_priority=None, max_priority_wait=None, keep_parameters=false,
-        optional=Vec::new(),
+        optional=Vec::new(), delay_from_free_worker=false,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -67,6 +67,7 @@ impl Batcher {
         max_priority_wait: Option<f64>,
         keep_parameters: bool,
         optional: Vec<bool>,
+        delay_from_free_worker: bool,
     ) -> PyResult<Batcher> {
         let max_wait = match max_priority_wait {
             None => None,
@@ -115,6 +116,9 @@ impl Batcher {
         if adaptive {
             // `max_delay` is then the cap of the adaptive window.
             rule = rule.adaptive();
+        }
+        if delay_from_free_worker {
+            rule = rule.delay_from_free_worker();
         }
         let config = BatcherConfig {
             rule,
