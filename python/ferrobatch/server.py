@@ -230,7 +230,7 @@ class Server:
         max_batch_size: int = 64,
         max_delay: float | Literal["auto"] = 0.001,
         max_delay_cap: float = 0.005,
-        delay_from: str = "request",
+        delay_from: Literal["request", "free_worker"] = "request",
         min_batch_size: int = 1,
         preferred_batch_sizes: Sequence[int] = (),
         max_queue_size: int = 10_000,

@@ -1362,7 +1362,6 @@ class MPTransport(_TorchRLTransport):
     def drain(self, max_items: int) -> tuple[list[Any], list[Any]]:
         """Takes up to ``max_items`` requests waiting in the clients' pipes:
         their TensorDicts, and the callbacks ``resolve`` answers."""
-        from tensordict import TensorDict
 
         with self._lock:
             conns = list(self._conns)
@@ -1376,8 +1375,7 @@ class MPTransport(_TorchRLTransport):
                         continue  # it asked for an exception: answered
                     break  # it ended: dropped
                 lock, rid, flat, batch_size = received
-                tensors = {nested_key(name): _writable(value) for name, value in flat.items()}
-                tds.append(TensorDict(tensors, batch_size=list(batch_size)))
+                tds.append(_request_td(flat, batch_size))
                 callbacks.append((conn, lock, rid))
         return tds, callbacks
 
@@ -1420,19 +1418,22 @@ class MPTransport(_TorchRLTransport):
             reply(True, payload)
 
         try:
-            from tensordict import TensorDict
-
-            tensors = {name: _writable(value) for name, value in flat.items()}
-            example = TensorDict({nested_key(name): t for name, t in tensors.items()}, batch_size=list(batch_size))
-            server._submit(example).add_done_callback(settle)
+            server._submit(_request_td(flat, batch_size)).add_done_callback(settle)
         except BaseException as exc:  # noqa: BLE001 - the client's to see
             reply(False, _unwrap(exc))
 
 
-def _writable(value: Any) -> torch.Tensor:
-    """A request's array as a tensor; copied where it is read-only (Ray
-    hands arrays over in its object store's memory)."""
-    return torch.from_numpy(value if value.flags.writeable else value.copy())
+def _request_td(flat: Mapping[str, Any], batch_size: Sequence[int]) -> Any:
+    """A request that came through a control channel (its arrays by flat
+    name) as its TensorDict; an array Ray hands over read-only (in its
+    object store's memory) is copied."""
+    from tensordict import TensorDict
+
+    tensors = {
+        nested_key(name): torch.from_numpy(value if value.flags.writeable else value.copy())
+        for name, value in flat.items()
+    }
+    return TensorDict(tensors, batch_size=list(batch_size))
 
 
 def _has_data(conn: Any) -> bool:
@@ -1556,10 +1557,11 @@ class RayTransport(MPTransport):
         except self._ray.exceptions.RayError:
             return  # the actor is gone: its clients see it
         for client, message in left:
-            accepted = self._accept(self._end(client), message)
+            end = self._end(client)
+            accepted = self._accept(end, message)
             if accepted is not None:
                 lock, rid, _, _ = accepted
-                _reply(self._end(client), lock, rid, False, ServerClosedError("the inference server stopped"))
+                _reply(end, lock, rid, False, ServerClosedError("the inference server stopped"))
 
     def _end(self, client: str) -> _RayEnd:
         end = self._ends.get(client)
@@ -1600,7 +1602,6 @@ class RayTransport(MPTransport):
     def drain(self, max_items: int) -> tuple[list[Any], list[Any]]:
         """Takes up to ``max_items`` waiting requests: their TensorDicts, and
         the callbacks ``resolve`` answers."""
-        from tensordict import TensorDict
 
         if len(self._peeked) < max_items:
             self._peeked.extend(self._take(max_items - len(self._peeked), 0.0))
@@ -1613,8 +1614,7 @@ class RayTransport(MPTransport):
             if accepted is None:
                 continue  # it asked for an exception: answered
             lock, rid, flat, batch_size = accepted
-            tensors = {nested_key(name): _writable(value) for name, value in flat.items()}
-            tds.append(TensorDict(tensors, batch_size=list(batch_size)))
+            tds.append(_request_td(flat, batch_size))
             callbacks.append((end, lock, rid))
         return tds, callbacks
 
