@@ -262,6 +262,7 @@ def test_out_of_file_descriptors_the_accept_loop_backs_off_and_says_so_once(tmp_
     stdout = proc.stdout
     threading.Thread(target=lambda: [lines.put(line) for line in stdout], daemon=True).start()
     held: list[socket.socket] = []
+    seen: list[str] = []  # the server's output, for a failure's message
     try:
         port = None
         deadline = time.monotonic() + 90
@@ -269,10 +270,11 @@ def test_out_of_file_descriptors_the_accept_loop_backs_off_and_says_so_once(tmp_
             try:
                 line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                raise AssertionError("serve did not report its port") from None
+                raise AssertionError(f"serve did not report its port: {''.join(seen)}") from None
+            seen.append(line)
             found = re.search(r"HTTP http://[\d.]+:(\d+)", line)
             port = int(found.group(1)) if found else None
-            assert proc.poll() is None or not lines.empty(), "serve exited"
+            assert proc.poll() is None or not lines.empty(), f"serve exited ({proc.poll()}): {''.join(seen)}"
         keep = connect(port)
         assert request(keep).startswith(b"HTTP/1.1 200")
         for _ in range(limit + 30):
