@@ -24,6 +24,7 @@ pub mod grpc;
 pub mod http;
 pub mod metadata;
 pub mod model;
+mod outbox;
 pub mod replies;
 pub mod server;
 

@@ -17,7 +17,8 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulConnection;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::tcp::OwnedReadHalf;
+use tokio::net::TcpListener;
 use tokio::runtime::Runtime;
 use tokio::sync::{watch, Semaphore};
 use tokio::time::Sleep;
@@ -26,6 +27,7 @@ use crate::grpc;
 use crate::http::{handle, Fallback};
 use crate::metadata::Catalog;
 use crate::model::ServedModel;
+use crate::outbox::{Outbox, Sending};
 
 /// Where a front-end listens: HTTP, gRPC, or both (one runtime).
 #[derive(Debug, Clone, Default)]
@@ -447,14 +449,19 @@ async fn until_idle(mut activity: watch::Receiver<Activity>, first: Duration, id
 /// answering what it has in flight until the runtime stops).
 async fn drive<C: GracefulConnection>(
     connection: C,
+    outbox: Arc<Outbox>,
     idle: impl Future<Output = ()>,
     mut stopped: watch::Receiver<Option<Duration>>,
 ) {
     let mut connection = std::pin::pin!(connection);
     let mut idle = std::pin::pin!(idle);
     let idled = loop {
+        let sending = Sending {
+            connection: connection.as_mut(),
+            outbox: &outbox,
+        };
         tokio::select! {
-            _ = connection.as_mut() => return,
+            _ = sending => return,
             () = idle.as_mut() => break true,
             changed = stopped.changed() => match (changed, stopped.borrow().is_some()) {
                 (Ok(()), true) | (Err(_), _) => break false,
@@ -463,10 +470,14 @@ async fn drive<C: GracefulConnection>(
         }
     };
     connection.as_mut().graceful_shutdown();
+    let sending = Sending {
+        connection: connection.as_mut(),
+        outbox: &outbox,
+    };
     if idled {
-        let _ = tokio::time::timeout(IDLE_CLOSE, connection).await;
+        let _ = tokio::time::timeout(IDLE_CLOSE, sending).await;
     } else {
-        let _ = connection.await;
+        let _ = sending.await;
     }
 }
 
@@ -527,7 +538,14 @@ async fn accept(
                 };
                 let _ = stream.set_nodelay(true);
                 let activity = Arc::new(watch::Sender::new(Activity::default()));
-                let io = TokioIo::new(FirstBytes::new(stream, header_timeout, activity.subscribe()));
+                let (reader, writer) = stream.into_split();
+                let outbox = Outbox::new(writer);
+                let io = TokioIo::new(FirstBytes::new(
+                    reader,
+                    outbox.clone(),
+                    header_timeout,
+                    activity.subscribe(),
+                ));
                 // A headroom connection answers one probe, then closes.
                 let idle = until_idle(
                     activity.subscribe(),
@@ -554,7 +572,7 @@ async fn accept(
                         });
                         let connection = builder.serve_connection(io, service).into_owned();
                         tokio::spawn(async move {
-                            drive(connection, idle, stopped).await;
+                            drive(connection, outbox, idle, stopped).await;
                             drop((permit, open));
                         });
                     }
@@ -572,7 +590,7 @@ async fn accept(
                         });
                         let connection = builder.serve_connection(io, service).into_owned();
                         tokio::spawn(async move {
-                            drive(connection, idle, stopped).await;
+                            drive(connection, outbox, idle, stopped).await;
                             drop((permit, open));
                         });
                     }
@@ -606,7 +624,9 @@ async fn accept(
 /// (pings, settings) come between requests: after its preface, HTTP/2 is
 /// timed by [`until_idle`] alone.
 struct FirstBytes {
-    stream: TcpStream,
+    stream: OwnedReadHalf,
+    /// Where its writes go (gathered per poll of the connection).
+    outbox: Arc<Outbox>,
     timeout: Duration,
     read: usize,
     /// The connection's first bytes, to tell HTTP/2's preface ("PRI").
@@ -620,12 +640,14 @@ struct FirstBytes {
 
 impl FirstBytes {
     fn new(
-        stream: TcpStream,
+        stream: OwnedReadHalf,
+        outbox: Arc<Outbox>,
         timeout: Duration,
         activity: watch::Receiver<Activity>,
     ) -> FirstBytes {
         FirstBytes {
             stream,
+            outbox,
             timeout,
             read: 0,
             start: [0; 3],
@@ -716,7 +738,8 @@ impl AsyncWrite for FirstBytes {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().stream).poll_write(cx, buf)
+        self.outbox
+            .poll_write_vectored(cx, &[io::IoSlice::new(buf)])
     }
 
     fn poll_write_vectored(
@@ -724,19 +747,19 @@ impl AsyncWrite for FirstBytes {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().stream).poll_write_vectored(cx, bufs)
+        self.outbox.poll_write_vectored(cx, bufs)
     }
 
     fn is_write_vectored(&self) -> bool {
-        self.stream.is_write_vectored()
+        true
     }
 
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().stream).poll_flush(cx)
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.outbox.poll_flush()
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
+        self.outbox.poll_shutdown(cx)
     }
 }
 
