@@ -10,6 +10,8 @@
 //! [`ServedModel::enqueue`] as HTTP's: the same checks, queue, deadlines and
 //! counts. Its reply is each requested output's rows as raw bytes
 //! (`raw_output_contents`), cut from the batch on the model's worker.
+//! `ModelInfer` calls skip tonic's per-call machinery ([`infer_call`] reads,
+//! decodes and answers them with prost); the other RPCs go through tonic.
 //!
 //! Triton's `ModelConfig`, `ModelStatistics` and `RepositoryIndex` are rare
 //! and their answers change while serving (statistics, readiness): they go to
@@ -90,6 +92,10 @@ const PROBES: [&str; 2] = [
     "/inference.GRPCInferenceService/ServerReady",
 ];
 
+/// The RPC answered without tonic ([`infer_call`]): the one every client
+/// sends many of.
+const INFER: &str = "/inference.GRPCInferenceService/ModelInfer";
+
 /// The one RPC whose request is a stream of messages (read by tonic as they
 /// come, each within `max_body_size`).
 const STREAM_INFER: &str = "/inference.GRPCInferenceService/ModelStreamInfer";
@@ -153,6 +159,9 @@ pub(crate) async fn handle(
         )
         .into_http());
     }
+    if request.uri().path() == INFER {
+        return Ok(infer_call(Inference { shared }, request).await);
+    }
     let request = if request.uri().path() == STREAM_INFER {
         request.map(tonic::body::Body::new)
     } else {
@@ -191,81 +200,160 @@ fn body_late() -> Status {
     Status::deadline_exceeded("the request message did not arrive within the body timeout")
 }
 
-/// The request as tonic reads it: its body refused past one message or the
-/// body timeout ([`Unary`]); a gzip message read whole, inflated off the
-/// runtime within `max_body_size` and handed on uncompressed.
+/// Whether the call's messages are gzip (`grpc-encoding`).
+fn is_gzip(headers: &hyper::HeaderMap) -> bool {
+    headers
+        .get("grpc-encoding")
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"gzip"))
+}
+
+/// The request as tonic reads it: its body refused past one message, past
+/// `max_body_size` or the body timeout ([`Unary`]); a gzip message read
+/// whole, inflated off the runtime within `max_body_size` and handed on
+/// uncompressed.
 async fn unary(
     shared: &Shared,
     request: hyper::Request<Incoming>,
 ) -> Result<hyper::Request<tonic::body::Body>, Status> {
-    let limit = shared.config.max_body_size;
-    let timeout = shared.config.body_timeout;
-    let gzip = request
-        .headers()
-        .get("grpc-encoding")
-        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"gzip"));
-    if !gzip {
-        return Ok(request.map(|body| tonic::body::Body::new(Unary::new(body, timeout))));
+    let config = &shared.config;
+    if !is_gzip(request.headers()) {
+        return Ok(request.map(|body| {
+            tonic::body::Body::new(Unary::new(body, config.body_timeout, config.max_body_size))
+        }));
     }
     let (mut parts, body) = request.into_parts();
-    let read = tokio::time::timeout(
-        timeout,
-        http_body_util::Limited::new(body, limit.saturating_add(PREFIX)).collect(),
-    )
-    .await
-    .map_err(|_| body_late())?
-    .map_err(|e| {
-        if e.downcast_ref::<http_body_util::LengthLimitError>()
-            .is_some()
-        {
-            Status::resource_exhausted(too_large(limit))
-        } else {
-            Status::cancelled("the request message could not be read")
-        }
-    })?;
+    let message = read_message(shared, body, true).await?;
+    parts.headers.remove("grpc-encoding");
+    let mut framed = Vec::with_capacity(PREFIX.saturating_add(message.len()));
+    framed.push(0);
+    framed.extend_from_slice(&prefix_length(message.len(), config.max_body_size)?);
+    framed.extend_from_slice(&message);
+    Ok(hyper::Request::from_parts(
+        parts,
+        tonic::body::Body::new(http_body_util::Full::new(Bytes::from(framed))),
+    ))
+}
+
+/// A message's length as its prefix writes it.
+fn prefix_length(length: usize, limit: usize) -> Result<[u8; 4], Status> {
+    u32::try_from(length)
+        .map(u32::to_be_bytes)
+        .map_err(|_| Status::resource_exhausted(too_large(limit)))
+}
+
+/// The one message of a unary call's `body`, without its prefix: refused
+/// past one message, past `max_body_size` (as sent and, `gzip`, once
+/// inflated, off the runtime's threads) or the body timeout.
+async fn read_message(shared: &Shared, body: Incoming, gzip: bool) -> Result<Bytes, Status> {
+    let limit = shared.config.max_body_size;
+    let read = Unary::new(body, shared.config.body_timeout, limit)
+        .collect()
+        .await?;
     let message = read.to_bytes();
     let (compressed, length) = match message.get(..PREFIX) {
         Some(&[flag, a, b, c, d]) => (flag == 1, u32::from_be_bytes([a, b, c, d]) as usize),
         _ => return Err(Status::internal("the request message is incomplete")),
     };
-    let end = PREFIX.saturating_add(length);
-    if message.len() > end {
-        return Err(second_message());
-    }
-    if message.len() < end {
+    if message.len() < PREFIX.saturating_add(length) {
         return Err(Status::internal("the request message is incomplete"));
     }
-    parts.headers.remove("grpc-encoding");
-    let body = if compressed {
-        let coded = message.slice(PREFIX..);
-        // Inflated and framed off the runtime's threads, in one buffer.
-        let framed = shared
-            .offload(move || {
-                let mut framed = crate::encoding::inflate_after(
-                    &[0; PREFIX],
-                    &coded,
-                    crate::encoding::Coding::Gzip,
-                    limit,
-                )
+    let message = message.slice(PREFIX..);
+    if !compressed {
+        return Ok(message);
+    }
+    if !gzip {
+        // tonic's words for it.
+        return Err(Status::internal(
+            "protocol error: received message with compressed-flag but no grpc-encoding was specified",
+        ));
+    }
+    // Inflated off the runtime's threads.
+    let inflated = shared
+        .offload(move || {
+            crate::encoding::inflate_after(&[], &message, crate::encoding::Coding::Gzip, limit)
                 .map_err(|failure| match failure.status {
                     413 => Status::resource_exhausted(too_large(limit)),
                     _ => status(failure),
-                })?;
-                let length = u32::try_from(framed.len().saturating_sub(PREFIX))
-                    .map_err(|_| Status::resource_exhausted(too_large(limit)))?;
-                framed[1..PREFIX].copy_from_slice(&length.to_be_bytes());
-                Ok::<_, Status>(framed)
-            })
-            .await
-            .ok_or_else(|| Status::internal("internal error inflating the request"))??;
-        Bytes::from(framed)
-    } else {
-        message
+                })
+        })
+        .await
+        .ok_or_else(|| Status::internal("internal error inflating the request"))??;
+    Ok(Bytes::from(inflated))
+}
+
+/// A `ModelInfer` call, answered without tonic's per-call machinery (its
+/// request and response wrappers, codec buffers and body encoder were a
+/// fifth of a call's time on the runtime's thread): its message read whole
+/// ([`read_message`]), decoded, queued as tonic's handler queues it
+/// ([`Inference::infer`]), and the reply sent as one DATA frame and the
+/// trailers. A failure is a trailers-only response, as tonic sends it.
+async fn infer_call(
+    inference: Inference,
+    request: hyper::Request<Incoming>,
+) -> hyper::Response<tonic::body::Body> {
+    let (parts, body) = request.into_parts();
+    let gzip = is_gzip(&parts.headers);
+    let metadata = MetadataMap::from_headers(parts.headers);
+    let answered = async {
+        let message = read_message(&inference.shared, body, gzip).await?;
+        let request = <ModelInferRequest as prost::Message>::decode(message)
+            .map_err(|e| Status::internal(format!("failed to decode Protobuf message: {e}")))?;
+        let response = inference.infer(&metadata, request).await?;
+        let length = prost::Message::encoded_len(&response);
+        let mut framed = Vec::with_capacity(PREFIX.saturating_add(length));
+        framed.push(0);
+        framed.extend_from_slice(&prefix_length(length, usize::MAX)?);
+        prost::Message::encode(&response, &mut framed)
+            .map_err(|e| Status::internal(format!("encoding the response: {e}")))?;
+        Ok::<_, Status>(Bytes::from(framed))
     };
-    Ok(hyper::Request::from_parts(
-        parts,
-        tonic::body::Body::new(http_body_util::Full::new(body)),
-    ))
+    match answered.await {
+        Ok(framed) => {
+            let mut response = hyper::Response::new(tonic::body::Body::new(OneMessage {
+                framed: Some(framed),
+                ended: false,
+            }));
+            response.headers_mut().insert(
+                hyper::header::CONTENT_TYPE,
+                HeaderValue::from_static("application/grpc"),
+            );
+            response
+        }
+        Err(status) => status.into_http(),
+    }
+}
+
+/// A unary call's response body: its one message (prefixed), then the
+/// trailers of an OK status.
+struct OneMessage {
+    framed: Option<Bytes>,
+    ended: bool,
+}
+
+impl hyper::body::Body for OneMessage {
+    type Data = Bytes;
+    type Error = Status;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Status>>> {
+        let this = self.get_mut();
+        if let Some(framed) = this.framed.take() {
+            return std::task::Poll::Ready(Some(Ok(hyper::body::Frame::data(framed))));
+        }
+        if this.ended {
+            return std::task::Poll::Ready(None);
+        }
+        this.ended = true;
+        let mut trailers = hyper::HeaderMap::with_capacity(1);
+        trailers.insert("grpc-status", HeaderValue::from_static("0"));
+        std::task::Poll::Ready(Some(Ok(hyper::body::Frame::trailers(trailers))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.ended
+    }
 }
 
 /// The body of a unary call: its bytes as they come, refused with a
@@ -279,16 +367,19 @@ struct Unary {
     prefix: [u8; PREFIX],
     /// Where the first message ends, once its prefix came.
     end: Option<usize>,
+    /// The longest message taken (`max_body_size`).
+    limit: usize,
     deadline: std::pin::Pin<Box<tokio::time::Sleep>>,
 }
 
 impl Unary {
-    fn new(body: Incoming, timeout: Duration) -> Unary {
+    fn new(body: Incoming, timeout: Duration, limit: usize) -> Unary {
         Unary {
             body,
             seen: 0,
             prefix: [0; PREFIX],
             end: None,
+            limit,
             deadline: Box::pin(tokio::time::sleep(timeout)),
         }
     }
@@ -303,6 +394,9 @@ impl Unary {
             if self.seen >= PREFIX {
                 let [_, a, b, c, d] = self.prefix;
                 let length = u32::from_be_bytes([a, b, c, d]) as usize;
+                if length > self.limit {
+                    return Err(Status::resource_exhausted(too_large(self.limit)));
+                }
                 self.end = Some(PREFIX.saturating_add(length));
             }
         }
@@ -394,6 +488,32 @@ impl Inference {
                 Clipped(name)
             ))),
         }
+    }
+
+    /// One `ModelInfer` call: its request (with its call's `metadata`:
+    /// `grpc-timeout`, forwarded headers) queued on its model, the reply
+    /// awaited.
+    async fn infer(
+        &self,
+        metadata: &MetadataMap,
+        mut request: ModelInferRequest,
+    ) -> Result<ModelInferResponse, Status> {
+        let call_timeout = grpc_timeout(metadata);
+        let forwarded = forwarded_metadata(
+            metadata,
+            self.shared.config.grpc_header_forward_pattern.as_ref(),
+        );
+        let model = self.served(&request.model_name, &request.model_version)?;
+        model.refuse_decoupled("ModelInfer").map_err(status)?;
+        let submitted = submit(&model, &mut request, call_timeout, &forwarded, |outputs| {
+            ResponsePlan::Raw { outputs }
+        })
+        .map_err(status)?;
+        let outputs = match model.reply(submitted).await.map_err(status)? {
+            Answer::Raw(outputs) => outputs,
+            Answer::Encoded(_) => return Err(Status::internal("an HTTP reply to a gRPC call")),
+        };
+        Ok(infer_response(&model, request, outputs))
     }
 
     /// Answers one request of a `ModelStreamInfer` stream on `out`.
@@ -568,27 +688,14 @@ impl GrpcInferenceService for Inference {
         Ok(Response::new(model_metadata(model)))
     }
 
+    /// Answered by [`infer_call`] on the native front-end; kept for a
+    /// server built from [`server`] alone.
     async fn model_infer(
         &self,
         request: Request<ModelInferRequest>,
     ) -> Result<Response<ModelInferResponse>, Status> {
-        let call_timeout = grpc_timeout(request.metadata());
-        let forwarded = forwarded_metadata(
-            request.metadata(),
-            self.shared.config.grpc_header_forward_pattern.as_ref(),
-        );
-        let mut request = request.into_inner();
-        let model = self.served(&request.model_name, &request.model_version)?;
-        model.refuse_decoupled("ModelInfer").map_err(status)?;
-        let submitted = submit(&model, &mut request, call_timeout, &forwarded, |outputs| {
-            ResponsePlan::Raw { outputs }
-        })
-        .map_err(status)?;
-        let outputs = match model.reply(submitted).await.map_err(status)? {
-            Answer::Raw(outputs) => outputs,
-            Answer::Encoded(_) => return Err(Status::internal("an HTTP reply to a gRPC call")),
-        };
-        Ok(Response::new(infer_response(&model, request, outputs)))
+        let (metadata, _, request) = request.into_parts();
+        self.infer(&metadata, request).await.map(Response::new)
     }
 
     type ModelStreamInferStream = UnboundedReceiverStream<Result<ModelStreamInferResponse, Status>>;
