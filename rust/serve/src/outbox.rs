@@ -28,6 +28,10 @@ use tokio::net::tcp::OwnedWriteHalf;
 /// above it (a large tensor) are written as they come, without a copy.
 const HELD: usize = 64 * 1024;
 
+/// The buffer an idle connection keeps at most: one that grew past it
+/// (many replies in one poll) is let go once sent.
+const KEPT: usize = 16 * 1024;
+
 /// The write side of one connection, shared by its I/O object (inside
 /// hyper) and the future that drives it ([`Sending`]): both run on the
 /// connection's task, so its lock is never contended.
@@ -130,7 +134,11 @@ impl State {
             }
             self.sent = self.sent.saturating_add(n);
         }
-        self.held.clear();
+        if self.held.capacity() > KEPT {
+            self.held = Vec::new();
+        } else {
+            self.held.clear();
+        }
         self.sent = 0;
         Poll::Ready(Ok(()))
     }
