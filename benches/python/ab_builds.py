@@ -1,0 +1,116 @@
+"""Two builds of the extension, side by side on a noisy machine.
+
+A shared machine's speed moves by a third within an hour (the bare hyper echo of
+``bench_serve.py`` read 58k to 109k req/s on the same day), so a change to the Rust
+hot path is only measured against its base in alternating runs:
+
+    python benches/python/ab_builds.py --base fe8d543 --rounds 5 -- \\
+        --models identity --servers ferrobatch --protocols binary,grpc,json --callers 256
+
+builds ``ferrobatch._core`` at ``--base`` (a git worktree, its own cargo target
+directory) and at the working tree, then runs ``bench_serve.py`` with the arguments
+after ``--`` (``--runs 1`` each time) ``--rounds`` times for each build, alternating
+them, swapping only ``python/ferrobatch/_core.abi3.so`` (so the change measured is
+its Rust code; the Python package is the working tree's for both). It prints, per
+server, protocol, model and connections, the median requests/s and server CPU per
+request of each build and their ratio, writes every run to
+``benches/results/ab.jsonl`` (with its ``build``), and puts the working tree's build
+back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+INSTALLED = ROOT / "python" / "ferrobatch" / "_core.abi3.so"
+
+
+def build(source: Path, target: Path) -> Path:
+    """The extension built from the checkout at ``source`` into ``target``."""
+    subprocess.run(
+        ["cargo", "build", "--release", "-p", "ferrobatch-ext", "--target-dir", str(target)],
+        cwd=source,
+        check=True,
+    )
+    return target / "release" / "lib_core.so"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", required=True, help="the commit to compare the working tree with")
+    parser.add_argument("--rounds", type=int, default=5, help="runs of each build, alternating (default 5)")
+    parser.add_argument("--out", default=str(ROOT / "benches" / "results" / "ab.jsonl"))
+    parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then bench_serve.py's arguments")
+    args = parser.parse_args()
+    bench_args = [a for a in args.bench_args if a != "--"]
+    if any(a.startswith(("--runs", "--out", "--report")) for a in bench_args):
+        parser.error("--runs, --out and --report are this script's")
+    base = subprocess.run(
+        ["git", "rev-parse", "--short", args.base], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout.strip()
+    with tempfile.TemporaryDirectory(prefix="ab_builds-") as tmp:
+        work = Path(tmp)
+        tree = work / "base"
+        subprocess.run(["git", "worktree", "add", "--detach", str(tree), base], cwd=ROOT, check=True)
+        try:
+            builds = {
+                f"base {base}": build(tree, ROOT / "target" / "ab-base"),
+                "working tree": build(ROOT, ROOT / "target"),
+            }
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=True)
+        kept = work / "installed.so"
+        shutil.copy2(INSTALLED, kept)
+        rows: list[dict[str, object]] = []
+        try:
+            for round_ in range(args.rounds):
+                for label, library in builds.items():
+                    shutil.copy2(library, INSTALLED)
+                    out = work / f"run-{round_}-{len(rows)}"
+                    cmd = [sys.executable, str(ROOT / "benches/python/bench_serve.py"), *bench_args]
+                    subprocess.run([*cmd, "--runs", "1", "--out", str(out)], cwd=ROOT, check=True)
+                    for line in Path(f"{out}.jsonl").read_text().splitlines():
+                        row = json.loads(line)
+                        row.update(build=label, round=round_, command=" ".join(["ab_builds.py", *sys.argv[1:]]))
+                        rows.append(row)
+        finally:
+            shutil.copy2(kept, INSTALLED)
+    Path(args.out).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    report(rows, list(builds))
+
+
+def report(rows: list[dict[str, object]], labels: list[str]) -> None:
+    """Medians of each build per case, and the working tree's over the base's."""
+    cases = sorted({(str(r["server"]), str(r["protocol"]), str(r["model"]), int(str(r["callers"]))) for r in rows})
+    print(f"\nmedians of {len({r['round'] for r in rows})} alternating runs per build")
+    head = f"{'server':16} {'proto':6} {'model':10} {'C':>4}"
+    for label in labels:
+        head += f" {label[:16]:>16} {'cpu us':>7}"
+    print(head + "   ratio")
+    for server, protocol, model, callers in cases:
+        line = f"{server:16} {protocol:6} {model:10} {callers:4}"
+        rps = []
+        for label in labels:
+            mine = [
+                r
+                for r in rows
+                if (r["server"], r["protocol"], r["model"], r["callers"], r["build"])
+                == (server, protocol, model, callers, label)
+            ]
+            rate = statistics.median(float(str(r["rps"])) for r in mine)
+            cpu = statistics.median(float(str(r["server_cpu_us"])) for r in mine)
+            rps.append(rate)
+            line += f" {rate:16.0f} {cpu:7.1f}"
+        print(line + f"   {rps[-1] / rps[0]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
