@@ -176,6 +176,17 @@ mod tests {
         (Outbox::new(writer), far.unwrap().0)
     }
 
+    /// `connection` run to its end as the server runs it, sending `outbox`
+    /// after each poll.
+    async fn driven<F: Future>(outbox: &Outbox, connection: F) -> F::Output {
+        let mut connection = std::pin::pin!(connection);
+        Sending {
+            connection: connection.as_mut(),
+            outbox,
+        }
+        .await
+    }
+
     /// Writes `data` to `outbox` as hyper does: a write, then a flush.
     fn write(outbox: &Outbox, cx: &mut Context<'_>, data: &[u8]) {
         let n = outbox.poll_write_vectored(cx, &[io::IoSlice::new(data)]);
@@ -203,12 +214,7 @@ mod tests {
             cx.waker().wake_by_ref();
             Poll::Pending
         });
-        let mut connection = std::pin::pin!(connection);
-        Sending {
-            connection: connection.as_mut(),
-            outbox: &outbox,
-        }
-        .await;
+        driven(&outbox, connection).await;
         let mut got = [0u8; 21];
         far.read_exact(&mut got).await.unwrap();
         assert_eq!(&got, b"headers+data trailers");
@@ -263,13 +269,7 @@ mod tests {
             cx.waker().wake_by_ref();
             Poll::Pending
         });
-        let mut connection = std::pin::pin!(connection);
-        Sending {
-            connection: connection.as_mut(),
-            outbox: &outbox,
-        }
-        .await
-        .unwrap();
+        driven(&outbox, connection).await.unwrap();
         let got = reader.await.unwrap();
         assert_eq!(got.len(), expected.len());
         assert!(got == expected, "bytes out of order");
@@ -289,12 +289,7 @@ mod tests {
                 }
                 Poll::Ready(None)
             });
-            let mut outcome = std::pin::pin!(outcome);
-            let sending = Sending {
-                connection: outcome.as_mut(),
-                outbox: &outbox,
-            };
-            if let Some(e) = sending.await {
+            if let Some(e) = driven(&outbox, outcome).await {
                 failed = Some(e);
                 break;
             }
