@@ -676,6 +676,23 @@ def test_a_unary_call_with_two_messages_is_refused_and_runs_nothing(served: tupl
     assert outcomes(server) == Counter({"succeeded": 1})
 
 
+@pytest.mark.parametrize("path", [INFER, "/inference.GRPCInferenceService/ServerLive"])
+def test_a_message_encoding_other_than_gzip_is_refused_as_unimplemented(
+    served: tuple[fb.Server, str], path: str
+) -> None:
+    """ModelInfer (answered without tonic) refuses an encoding it cannot read
+    as tonic refuses it for the other RPCs: UNIMPLEMENTED, naming gzip and identity."""
+    server, address = served
+    message = raw_request(np.ones((1, 4))).SerializeToString() if path == INFER else b""
+    answer = h2_call(address, path, frame(message), grpc_encoding="deflate")
+    assert answer["grpc-status"] == str(grpc.StatusCode.UNIMPLEMENTED.value[0]), answer
+    assert "`deflate` which isn't supported" in answer["grpc-message"]
+    assert answer["grpc-accept-encoding"] == "gzip,identity"
+    for accepted in ("identity", "GZIP"):
+        assert h2_call(address, path, frame(message), grpc_encoding=accepted)["grpc-status"] == "0"
+    assert outcomes(server) == (Counter({"succeeded": 2}) if path == INFER else Counter())
+
+
 @pytest.mark.parametrize("content_type", ["application/json", "application/grpcx", "text/plain", ""])
 def test_a_request_that_is_not_grpc_is_refused_with_415(served: tuple[fb.Server, str], content_type: str) -> None:
     server, address = served

@@ -207,6 +207,30 @@ fn is_gzip(headers: &hyper::HeaderMap) -> bool {
         .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"gzip"))
 }
 
+/// Whether a `ModelInfer` call's message is gzip (`grpc-encoding`); an
+/// encoding other than gzip and identity is refused as tonic refuses it
+/// for the other RPCs: UNIMPLEMENTED, naming those it accepts.
+fn message_encoding(headers: &hyper::HeaderMap) -> Result<bool, Status> {
+    let Some(encoding) = headers.get("grpc-encoding") else {
+        return Ok(false);
+    };
+    if encoding.as_bytes().eq_ignore_ascii_case(b"identity") {
+        return Ok(false);
+    }
+    if is_gzip(headers) {
+        return Ok(true);
+    }
+    let mut refused = Status::unimplemented(format!(
+        "Content is compressed with `{}` which isn't supported",
+        Clipped(&String::from_utf8_lossy(encoding.as_bytes()))
+    ));
+    refused.metadata_mut().insert(
+        "grpc-accept-encoding",
+        tonic::metadata::MetadataValue::from_static("gzip,identity"),
+    );
+    Err(refused)
+}
+
 /// The request as tonic reads it: its body refused past one message, past
 /// `max_body_size` or the body timeout ([`Unary`]); a gzip message read
 /// whole, inflated off the runtime within `max_body_size` and handed on
@@ -292,10 +316,10 @@ async fn infer_call(
     request: hyper::Request<Incoming>,
 ) -> hyper::Response<tonic::body::Body> {
     let (parts, body) = request.into_parts();
-    let gzip = is_gzip(&parts.headers);
+    let encoding = message_encoding(&parts.headers);
     let metadata = MetadataMap::from_headers(parts.headers);
     let answered = async {
-        let message = read_message(&inference.shared, body, gzip).await?;
+        let message = read_message(&inference.shared, body, encoding?).await?;
         let request = <ModelInferRequest as prost::Message>::decode(message)
             .map_err(|e| Status::internal(format!("failed to decode Protobuf message: {e}")))?;
         let response = inference.infer(&metadata, request).await?;
