@@ -7,10 +7,10 @@ use std::future::Future;
 use std::io;
 use std::net::{SocketAddr, TcpListener as StdListener};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -387,58 +387,88 @@ async fn accept_failed(error: &io::Error, logged: &mut bool) {
 /// Pause after an accept error for want of file descriptors or memory.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
-/// What one connection is doing: its requests in flight, for its watchdog
-/// ([`until_idle`]).
-#[derive(Debug, Default)]
+/// What one connection is doing, for its watchdog ([`until_idle`]) and its
+/// header clock ([`FirstBytes`]). A request only updates counters: nothing
+/// is woken and no timer is set per request; the watchdog looks when its
+/// own deadline comes.
+#[derive(Debug)]
 struct Activity {
-    in_flight: usize,
+    in_flight: AtomicUsize,
     /// Requests so far (the watchdog may first look after one is done).
-    requests: u64,
+    requests: AtomicU64,
+    /// When the last request ended, in nanoseconds since `opened`.
+    ended_at: AtomicU64,
+    opened: Instant,
+}
+
+impl Activity {
+    fn new() -> Arc<Activity> {
+        Arc::new(Activity {
+            in_flight: AtomicUsize::new(0),
+            requests: AtomicU64::new(0),
+            ended_at: AtomicU64::new(0),
+            opened: Instant::now(),
+        })
+    }
+
+    fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Acquire)
+    }
+
+    fn requests(&self) -> u64 {
+        self.requests.load(Ordering::Acquire)
+    }
+
+    /// When the last request ended (meaningful once one has).
+    fn ended_at(&self) -> Instant {
+        self.opened + Duration::from_nanos(self.ended_at.load(Ordering::Acquire))
+    }
 }
 
 /// Counts a request of a connection in flight while it lives.
-struct InFlight(Arc<watch::Sender<Activity>>);
+struct InFlight(Arc<Activity>);
 
 impl InFlight {
-    fn new(activity: &Arc<watch::Sender<Activity>>) -> InFlight {
-        activity.send_modify(|a| {
-            a.in_flight = a.in_flight.saturating_add(1);
-            a.requests = a.requests.saturating_add(1);
-        });
+    fn new(activity: &Arc<Activity>) -> InFlight {
+        activity.requests.fetch_add(1, Ordering::AcqRel);
+        activity.in_flight.fetch_add(1, Ordering::AcqRel);
         InFlight(activity.clone())
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.0
-            .send_modify(|a| a.in_flight = a.in_flight.saturating_sub(1));
+        let since = u64::try_from(self.0.opened.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        // Stored before the count drops: a watchdog that sees none in flight sees when.
+        self.0.ended_at.fetch_max(since, Ordering::AcqRel);
+        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
+/// The shortest time between two looks of a watchdog (a headroom
+/// connection's idle time is zero).
+const LOOK_AT_LEAST: Duration = Duration::from_millis(5);
+
 /// Returns once the connection has had no request in flight for `first`
 /// (before its first request: the header timeout, for HTTP/2 as for
-/// HTTP/1) or `idle` (after one), never while a request is in flight.
-async fn until_idle(mut activity: watch::Receiver<Activity>, first: Duration, idle: Duration) {
+/// HTTP/1) or `idle` (after one), never while a request is in flight. It
+/// looks at the connection's [`Activity`] at its deadline, and at least
+/// every `idle` (a request may have come and gone before `first`).
+async fn until_idle(activity: Arc<Activity>, first: Duration, idle: Duration) {
+    let look = idle.max(LOOK_AT_LEAST);
+    let mut deadline = activity.opened + first;
     loop {
-        let (busy, limit) = {
-            let now = activity.borrow_and_update();
-            (
-                now.in_flight > 0,
-                if now.requests == 0 { first } else { idle },
-            )
-        };
-        let changed = if busy {
-            activity.changed().await
+        tokio::time::sleep_until(deadline.min(Instant::now() + look).into()).await;
+        let now = Instant::now();
+        deadline = if activity.in_flight() > 0 {
+            now + look
+        } else if activity.requests() == 0 {
+            activity.opened + first
         } else {
-            match tokio::time::timeout(limit, activity.changed()).await {
-                Ok(changed) => changed,
-                Err(_) => return,
-            }
+            activity.ended_at() + idle
         };
-        if changed.is_err() {
-            // Nothing counts requests any more: the connection is gone.
-            return std::future::pending().await;
+        if deadline <= now {
+            return;
         }
     }
 }
@@ -537,18 +567,18 @@ async fn accept(
                     },
                 };
                 let _ = stream.set_nodelay(true);
-                let activity = Arc::new(watch::Sender::new(Activity::default()));
+                let activity = Activity::new();
                 let (reader, writer) = stream.into_split();
                 let outbox = Outbox::new(writer);
                 let io = TokioIo::new(FirstBytes::new(
                     reader,
                     outbox.clone(),
                     header_timeout,
-                    activity.subscribe(),
+                    activity.clone(),
                 ));
                 // A headroom connection answers one probe, then closes.
                 let idle = until_idle(
-                    activity.subscribe(),
+                    activity.clone(),
                     header_timeout,
                     if pooled { idle_timeout } else { Duration::ZERO },
                 );
@@ -635,7 +665,7 @@ struct FirstBytes {
     deadline: Option<Pin<Box<Sleep>>>,
     /// Requests started when the deadline was set.
     armed_at: u64,
-    activity: watch::Receiver<Activity>,
+    activity: Arc<Activity>,
 }
 
 impl FirstBytes {
@@ -643,7 +673,7 @@ impl FirstBytes {
         stream: OwnedReadHalf,
         outbox: Arc<Outbox>,
         timeout: Duration,
-        activity: watch::Receiver<Activity>,
+        activity: Arc<Activity>,
     ) -> FirstBytes {
         FirstBytes {
             stream,
@@ -668,10 +698,7 @@ impl FirstBytes {
         if self.read >= self.start.len() && &self.start == b"PRI" {
             self.http2 = true;
         }
-        let (in_flight, requests) = {
-            let a = self.activity.borrow();
-            (a.in_flight, a.requests)
-        };
+        let (in_flight, requests) = (self.activity.in_flight(), self.activity.requests());
         if self.http2 {
             if self.read >= self.start.len() {
                 self.deadline = None; // the preface's first bytes came: until_idle times the rest
@@ -691,10 +718,7 @@ impl FirstBytes {
 
     /// True once the deadline passed with no request started.
     fn expired(&mut self, cx: &mut Context<'_>) -> bool {
-        let started = {
-            let a = self.activity.borrow();
-            a.requests != self.armed_at || a.in_flight > 0
-        };
+        let started = self.activity.requests() != self.armed_at || self.activity.in_flight() > 0;
         if started && !self.http2 {
             self.deadline = None;
             return false;
@@ -770,9 +794,9 @@ mod tests {
     #[tokio::test]
     async fn a_connection_whose_request_ended_before_its_watchdog_looked_is_idle_after_the_idle_timeout(
     ) {
-        let activity = Arc::new(watch::Sender::new(Activity::default()));
+        let activity = Activity::new();
         let watchdog = until_idle(
-            activity.subscribe(),
+            activity.clone(),
             Duration::from_secs(30),
             Duration::from_millis(20),
         );
@@ -788,10 +812,10 @@ mod tests {
 
     #[tokio::test]
     async fn a_connection_with_a_request_in_flight_is_never_idle() {
-        let activity = Arc::new(watch::Sender::new(Activity::default()));
+        let activity = Activity::new();
         let in_flight = InFlight::new(&activity);
         let watchdog = until_idle(
-            activity.subscribe(),
+            activity.clone(),
             Duration::from_millis(10),
             Duration::from_millis(10),
         );
@@ -805,10 +829,10 @@ mod tests {
 
     #[tokio::test]
     async fn a_connection_with_no_request_is_idle_after_the_header_timeout() {
-        let activity = Arc::new(watch::Sender::new(Activity::default()));
+        let activity = Activity::new();
         let began = std::time::Instant::now();
         let watchdog = until_idle(
-            activity.subscribe(),
+            activity.clone(),
             Duration::from_millis(30),
             Duration::from_secs(30),
         );
