@@ -420,7 +420,9 @@ def varying(batch: dict[str, Any]) -> dict[str, Any]:
         raise RuntimeError("a poisoned row")
     offsets = batch["t_offsets"].tolist()
     tails = [batch["t"][x:y].flip(0) for x, y in itertools.pairwise(offsets)]
-    echo = [[w.upper() for w in row] for row in batch["s"]]
+    # Each row's own elements: the input is padded to the batch's longest row,
+    # so an echo of the padding would depend on which requests share a batch.
+    echo = [[w.upper() for w in row[:n]] for row, n in zip(batch["s"], batch["s_lengths"].tolist(), strict=True)]
     longest = max((len(r) for r in echo), default=0)
     padded = np.full((len(echo), longest), b"", dtype=object)
     for i, row in enumerate(echo):
