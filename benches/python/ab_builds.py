@@ -13,9 +13,10 @@ after ``--`` (``--runs 1`` each time) ``--rounds`` times for each build, alterna
 them, swapping only ``python/ferrobatch/_core.abi3.so`` (so the change measured is
 its Rust code; the Python package is the working tree's for both). It prints, per
 server, protocol, model and connections, the median requests/s and server CPU per
-request of each build and their ratio, writes every run to
-``benches/results/ab.jsonl`` (with its ``build``), and puts the working tree's build
-back.
+request of each build and their ratio, writes every run (with its ``build``) to
+``--out`` when given, and puts the working tree's build back. Its runs are
+``bench_serve.py``'s, not that bench's latest results: they are kept out of
+``benches/results``.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", required=True, help="the commit to compare the working tree with")
     parser.add_argument("--rounds", type=int, default=5, help="runs of each build, alternating (default 5)")
-    parser.add_argument("--out", default=str(ROOT / "benches" / "results" / "ab.jsonl"))
+    parser.add_argument("--out", help="a JSON-lines file for every run (default: none)")
     parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then bench_serve.py's arguments")
     args = parser.parse_args()
     bench_args = [a for a in args.bench_args if a != "--"]
@@ -83,7 +84,8 @@ def main() -> None:
                         rows.append(row)
         finally:
             shutil.copy2(kept, INSTALLED)
-    Path(args.out).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    if args.out:
+        Path(args.out).write_text("".join(json.dumps(row) + "\n" for row in rows))
     report(rows, list(builds))
 
 

@@ -421,8 +421,18 @@ impl Activity {
 
     /// When the last request ended (meaningful once one has).
     fn ended_at(&self) -> Instant {
-        self.opened + Duration::from_nanos(self.ended_at.load(Ordering::Acquire))
+        later(
+            self.opened,
+            Duration::from_nanos(self.ended_at.load(Ordering::Acquire)),
+        )
     }
+}
+
+/// `at + by`, with `by` (a timeout the user set) at most a century, so the
+/// sum never overflows.
+fn later(at: Instant, by: Duration) -> Instant {
+    const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+    at.checked_add(by.min(CENTURY)).unwrap_or(at)
 }
 
 /// Counts a request of a connection in flight while it lives.
@@ -456,16 +466,16 @@ const LOOK_AT_LEAST: Duration = Duration::from_millis(5);
 /// every `idle` (a request may have come and gone before `first`).
 async fn until_idle(activity: Arc<Activity>, first: Duration, idle: Duration) {
     let look = idle.max(LOOK_AT_LEAST);
-    let mut deadline = activity.opened + first;
+    let mut deadline = later(activity.opened, first);
     loop {
-        tokio::time::sleep_until(deadline.min(Instant::now() + look).into()).await;
+        tokio::time::sleep_until(deadline.min(later(Instant::now(), look)).into()).await;
         let now = Instant::now();
         deadline = if activity.in_flight() > 0 {
-            now + look
+            later(now, look)
         } else if activity.requests() == 0 {
-            activity.opened + first
+            later(activity.opened, first)
         } else {
-            activity.ended_at() + idle
+            later(activity.ended_at(), idle)
         };
         if deadline <= now {
             return;
