@@ -103,18 +103,6 @@ const STEP: usize = 64 << 10;
 /// found without producing more), 400 for a corrupt or truncated stream or
 /// data after a deflate stream's end.
 pub fn inflate(body: &[u8], coding: Coding, limit: usize) -> Result<Vec<u8>, Failure> {
-    inflate_after(&[], body, coding, limit)
-}
-
-/// [`inflate`], the output written after `prefix` (gRPC's message prefix:
-/// the inflated message needs no copy to be framed); `limit` counts the
-/// inflated bytes only.
-pub fn inflate_after(
-    prefix: &[u8],
-    body: &[u8],
-    coding: Coding,
-    limit: usize,
-) -> Result<Vec<u8>, Failure> {
     let corrupt = |why: &dyn std::fmt::Display| {
         Failure::new(
             400,
@@ -122,12 +110,11 @@ pub fn inflate_after(
         )
     };
     let mut source = Source::new(body, coding);
-    let mut out: Vec<u8> = prefix.to_vec();
-    let mut filled = prefix.len();
+    let mut out: Vec<u8> = Vec::new();
+    let mut filled = 0usize;
     loop {
         if filled == out.len() {
-            let inflated = filled - prefix.len();
-            let left = limit.saturating_sub(inflated);
+            let left = limit.saturating_sub(filled);
             if left == 0 {
                 // Full: one byte more is over the limit.
                 let mut probe = [0u8; 1];
@@ -146,7 +133,7 @@ pub fn inflate_after(
                     )),
                 };
             }
-            let step = inflated.max(STEP).min(left);
+            let step = filled.max(STEP).min(left);
             out.try_reserve_exact(step)
                 .map_err(|_| Failure::new(503, "no memory left to inflate the request body"))?;
             out.resize(filled.saturating_add(step), 0);

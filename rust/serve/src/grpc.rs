@@ -217,7 +217,7 @@ fn message_encoding(headers: &hyper::HeaderMap) -> Result<bool, Status> {
     if encoding.as_bytes().eq_ignore_ascii_case(b"identity") {
         return Ok(false);
     }
-    if is_gzip(headers) {
+    if encoding.as_bytes().eq_ignore_ascii_case(b"gzip") {
         return Ok(true);
     }
     let mut refused = Status::unimplemented(format!(
@@ -294,11 +294,12 @@ async fn read_message(shared: &Shared, body: Incoming, gzip: bool) -> Result<Byt
     // Inflated off the runtime's threads.
     let inflated = shared
         .offload(move || {
-            crate::encoding::inflate_after(&[], &message, crate::encoding::Coding::Gzip, limit)
-                .map_err(|failure| match failure.status {
+            crate::encoding::inflate(&message, crate::encoding::Coding::Gzip, limit).map_err(
+                |failure| match failure.status {
                     413 => Status::resource_exhausted(too_large(limit)),
                     _ => status(failure),
-                })
+                },
+            )
         })
         .await
         .ok_or_else(|| Status::internal("internal error inflating the request"))??;
