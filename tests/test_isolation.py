@@ -136,6 +136,23 @@ def test_isolate_splits_by_request_and_keeps_rows_together() -> None:
     assert result.calls == 4 and result.alone == 1
 
 
+@pytest.mark.parametrize("requests", [2, 3, 5, 6, 7])
+def test_one_bad_request_in_a_small_batch_fails_alone(requests: int) -> None:
+    """3 or 5 requests need more halving calls (4, 6) than requests: the
+    budget allows a lone bad request's path, so its neighbours never fail
+    with it (with a budget of n calls, 3 requests failed two)."""
+    request_rows = [(i, 1) for i in range(requests)]
+
+    def call(start: int, rows: int) -> dict[str, torch.Tensor]:
+        if start <= requests - 1 < start + rows:
+            raise ValueError("bad")
+        return {"y": torch.arange(start, start + rows)}
+
+    result = isolate(request_rows, ValueError("first"), call)
+    assert [start for start, _ in result.failed] == [requests - 1]
+    assert result.calls <= max(requests, 2 * (requests - 1).bit_length())
+
+
 @pytest.mark.gpu
 async def test_a_poisoned_request_fails_alone_on_a_cuda_instance() -> None:
     if not torch.cuda.is_available():

@@ -113,13 +113,16 @@ def isolate(request_rows: Sequence[tuple[int, int]], error: BaseException, call:
     ``call(start_row, rows)`` runs the model on those rows of the batch.
     A failed part of more than one request is split in two (by requests),
     each half a model call, breadth first: a batch of ``n`` requests with
-    one bad request takes ``2 * ceil(log2(n))`` calls, and however many fail,
-    at most ``n`` calls are made (one per request): once the next split
-    would exceed that, the parts still failed fail with the error they
-    raised. An error :func:`retryable` refuses is never retried.
+    one bad request takes ``2 * ceil(log2(n))`` calls, always allowed (so
+    one bad request fails alone), and however many fail, at most that or
+    ``n`` calls are made, the larger: once the next split would exceed it,
+    the parts still failed fail with the error they raised. An error
+    :func:`retryable` refuses is never retried.
     """
     result = Isolated([], [], 0, 0)
-    budget = len(request_rows)
+    n = len(request_rows)
+    # 2 * ceil(log2(n)): a lone bad request's path; more than n for n = 3 or 5.
+    budget = max(n, 2 * (n - 1).bit_length())
     todo: deque[tuple[int, int, BaseException, bool]] = deque([(0, len(request_rows), error, False)])
     while todo:
         first, count, err, retried = todo.popleft()
