@@ -137,8 +137,8 @@ class Server:
             recursively) so that only the requests whose own call still
             raises get :class:`ModelError`; everyone else gets a result
             (default True). A batch of ``n`` requests costs at most ``n``
-            extra calls however many fail (``2 * log2(n)`` for one bad
-            request). ``KeyboardInterrupt``, ``SystemExit`` and the other
+            extra calls however many fail, or ``2 * ceil(log2(n))`` if that
+            is more (what one bad request takes, so it always fails alone). ``KeyboardInterrupt``, ``SystemExit`` and the other
             non-``Exception`` errors are never retried. ``stats()`` counts
             ``retry_calls`` and ``isolated_failures``. On a CUDA instance
             the retries run when the model call raises as it is enqueued
