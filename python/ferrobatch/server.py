@@ -138,7 +138,8 @@ class Server:
             raises get :class:`ModelError`; everyone else gets a result
             (default True). A batch of ``n`` requests costs at most ``n``
             extra calls however many fail, or ``2 * ceil(log2(n))`` if that
-            is more (what one bad request takes, so it always fails alone). ``KeyboardInterrupt``, ``SystemExit`` and the other
+            is more (what one bad request takes, so it always fails alone).
+            ``KeyboardInterrupt``, ``SystemExit`` and the other
             non-``Exception`` errors are never retried. ``stats()`` counts
             ``retry_calls`` and ``isolated_failures``. On a CUDA instance
             the retries run when the model call raises as it is enqueued
