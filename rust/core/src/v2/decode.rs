@@ -699,6 +699,12 @@ impl<'a> Decoder<'a, '_> {
                 open.pop();
                 continue;
             }
+            if dtype == DType::Float32 {
+                if let Some(v) = self.p.f32_number() {
+                    elements.push_f32(v);
+                    continue;
+                }
+            }
             match self.p.peek_kind().map_err(json_error)? {
                 // BYTES: each element a JSON string, taken as its UTF-8 bytes
                 // (as Triton does); a string for any other type is refused below.

@@ -68,6 +68,11 @@ impl Elements {
         self.count += 1;
     }
 
+    /// One FP32 value (the caller checked the dtype).
+    pub fn push_f32(&mut self, value: f32) {
+        self.write(&value.to_le_bytes());
+    }
+
     /// One BYTES element (the caller checked the dtype is `Bytes` and the
     /// element's size against its limits); written serialized.
     pub fn push_bytes(&mut self, element: &[u8]) -> Result<(), V2Error> {
@@ -99,7 +104,7 @@ impl Elements {
             DType::Bool => Err(Refusal::NotBool),
             DType::Bytes => Err(Refusal::NotBytes),
             DType::Float32 => {
-                self.write(&number.to_f32().to_le_bytes());
+                self.push_f32(number.to_f32());
                 Ok(())
             }
             DType::Float16 | DType::BFloat16 | DType::Float64 => {

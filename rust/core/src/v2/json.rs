@@ -96,6 +96,55 @@ const POW10: [f64; 23] = [
     1e17, 1e18, 1e19, 1e20, 1e21, 1e22,
 ];
 
+/// A number's magnitude as `mantissa * 10^exponent`, as scanned: exact
+/// while `significant` (its significant digits, `u32::MAX` past 19) is at
+/// most 19.
+#[derive(Debug, Clone, Copy)]
+struct Scanned {
+    mantissa: u64,
+    significant: u32,
+    exponent: i64,
+    negative: bool,
+    integer: bool,
+}
+
+impl Scanned {
+    /// The value, when one correctly rounded `f64` operation gives it
+    /// (Clinger's fast path: mantissa < 2^53, |exponent| <= 22).
+    fn exact(self) -> Option<f64> {
+        if self.significant > 15 || self.mantissa >= (1 << 53) || self.exponent.abs() > 22 {
+            return None;
+        }
+        let m = self.mantissa as f64;
+        let v = if self.exponent >= 0 {
+            m * POW10[self.exponent as usize]
+        } else {
+            m / POW10[(-self.exponent) as usize]
+        };
+        Some(if self.negative { -v } else { v })
+    }
+}
+
+/// `mantissa * 10^exponent` (|exponent| <= 22) rounded to `f32` as its
+/// correctly rounded `f64` would round, when an approximation decides it
+/// (see [`Number::to_f32`]); `None` near a rounding midpoint or past
+/// `f32`'s normal range.
+fn near_f32(mantissa: u64, exponent: i64, negative: bool) -> Option<f32> {
+    let m = mantissa as f64;
+    let approx = match usize::try_from(exponent) {
+        Ok(e) => m * *POW10.get(e)?,
+        Err(_) => m * *NEG_POW10.get(usize::try_from(exponent.unsigned_abs()).ok()?)?,
+    };
+    const LOW_BITS: u64 = (1 << 29) - 1;
+    let low = approx.to_bits() & LOW_BITS;
+    let nearest = approx as f32;
+    (nearest.is_normal() && low.abs_diff(1 << 28) > 8).then_some(if negative {
+        -nearest
+    } else {
+        nearest
+    })
+}
+
 impl<'a> Number<'a> {
     /// Its JSON spelling (or `NaN`, `Infinity`, `-Infinity`).
     pub fn text(self) -> &'a str {
@@ -136,17 +185,8 @@ impl<'a> Number<'a> {
             return v as f32;
         }
         if let Some((mantissa, exponent, negative)) = self.near {
-            let m = mantissa as f64;
-            let approx = if exponent >= 0 {
-                m * POW10[exponent as usize]
-            } else {
-                m * NEG_POW10[(-exponent) as usize]
-            };
-            const LOW_BITS: u64 = (1 << 29) - 1;
-            let low = approx.to_bits() & LOW_BITS;
-            let nearest = approx as f32;
-            if nearest.is_normal() && low.abs_diff(1 << 28) > 8 {
-                return if negative { -nearest } else { nearest };
+            if let Some(v) = near_f32(mantissa, exponent, negative) {
+                return v;
             }
         }
         self.to_f64() as f32
@@ -468,34 +508,76 @@ impl<'a> Parser<'a> {
                 });
             }
         }
-        // Digits are read once: validated and, while few enough, gathered
-        // into a mantissa for the fast path.
+        let scanned = self.scan_number()?;
+        let fast = scanned.exact();
+        let near = (fast.is_none() && scanned.significant <= 19 && scanned.exponent.abs() <= 22)
+            .then_some((scanned.mantissa, scanned.exponent, scanned.negative));
+        Ok(Number {
+            spelt: &self.src[start..self.pos],
+            integer: scanned.integer,
+            fast,
+            near,
+        })
+    }
+
+    /// The next value as [`Number::to_f32`] gives it, when it is a finite
+    /// number whose `f32` needs no correctly rounded `f64` (as almost every
+    /// number does); otherwise `None`, with nothing consumed, for
+    /// [`Parser::peek_kind`] and [`Parser::number`] to take it. A fused
+    /// scan and conversion for FP32 data, the most common payload.
+    pub fn f32_number(&mut self) -> Option<f32> {
+        self.skip_ws();
+        let start = self.pos;
+        let scanned = match self.src.get(start) {
+            Some(b'-' | b'0'..=b'9') => self.scan_number().ok(),
+            _ => None,
+        };
+        let value = scanned.and_then(|s| match s.exact() {
+            Some(v) => Some(v as f32),
+            None if s.significant <= 19 && s.exponent.abs() <= 22 => {
+                near_f32(s.mantissa, s.exponent, s.negative)
+            }
+            None => None,
+        });
+        if value.is_none() {
+            self.pos = start;
+        }
+        value
+    }
+
+    /// Reads a run of digits, gathering them into `mantissa` while it has at
+    /// most 19 significant digits (`significant` is `u32::MAX` past that);
+    /// returns how many digits were read.
+    fn digits(&mut self, mantissa: &mut u64, significant: &mut u32) -> usize {
+        let from = self.pos;
+        // Past the leading zeros, eight digits at a time while they fit.
+        while *mantissa != 0 && *significant <= 11 {
+            let Some(eight) = self.src.get(self.pos..self.pos + 8).and_then(eight_digits) else {
+                break;
+            };
+            *mantissa = *mantissa * 100_000_000 + eight;
+            *significant += 8;
+            self.pos += 8;
+        }
+        while let Some(&d @ b'0'..=b'9') = self.src.get(self.pos) {
+            if *significant < 19 {
+                *mantissa = *mantissa * 10 + u64::from(d - b'0');
+                if *mantissa != 0 {
+                    *significant += 1;
+                }
+            } else {
+                *significant = u32::MAX;
+            }
+            self.pos += 1;
+        }
+        self.pos - from
+    }
+
+    /// Reads a JSON number's spelling (not a literal), validating it; its
+    /// digits are read once, and while few enough gathered into a mantissa.
+    fn scan_number(&mut self) -> Result<Scanned> {
         let mut mantissa: u64 = 0;
         let mut significant: u32 = 0;
-        let digits = |p: &mut Self, mantissa: &mut u64, significant: &mut u32| {
-            let from = p.pos;
-            // Past the leading zeros, eight digits at a time while they fit.
-            while *mantissa != 0 && *significant <= 11 {
-                let Some(eight) = p.src.get(p.pos..p.pos + 8).and_then(eight_digits) else {
-                    break;
-                };
-                *mantissa = *mantissa * 100_000_000 + eight;
-                *significant += 8;
-                p.pos += 8;
-            }
-            while let Some(&d @ b'0'..=b'9') = p.src.get(p.pos) {
-                if *significant < 19 {
-                    *mantissa = *mantissa * 10 + u64::from(d - b'0');
-                    if *mantissa != 0 {
-                        *significant += 1;
-                    }
-                } else {
-                    *significant = u32::MAX;
-                }
-                p.pos += 1;
-            }
-            p.pos - from
-        };
         let negative = self.src.get(self.pos) == Some(&b'-');
         if negative {
             self.pos += 1;
@@ -503,7 +585,7 @@ impl<'a> Parser<'a> {
         match self.src.get(self.pos) {
             Some(b'0') => self.pos += 1,
             Some(b'1'..=b'9') => {
-                digits(self, &mut mantissa, &mut significant);
+                self.digits(&mut mantissa, &mut significant);
             }
             _ => return self.error("expected a number"),
         }
@@ -512,7 +594,7 @@ impl<'a> Parser<'a> {
         if self.src.get(self.pos) == Some(&b'.') {
             self.pos += 1;
             integer = false;
-            let n = digits(self, &mut mantissa, &mut significant);
+            let n = self.digits(&mut mantissa, &mut significant);
             if n == 0 {
                 return self.error("expected digits after '.'");
             }
@@ -543,26 +625,12 @@ impl<'a> Parser<'a> {
             }
             exponent += sign * e;
         }
-        let fast = (significant <= 15 && mantissa < (1 << 53) && exponent.abs() <= 22).then(|| {
-            let m = mantissa as f64;
-            let v = if exponent >= 0 {
-                m * POW10[exponent as usize]
-            } else {
-                m / POW10[(-exponent) as usize]
-            };
-            if negative {
-                -v
-            } else {
-                v
-            }
-        });
-        let near = (fast.is_none() && significant <= 19 && exponent.abs() <= 22)
-            .then_some((mantissa, exponent, negative));
-        Ok(Number {
-            spelt: &self.src[start..self.pos],
+        Ok(Scanned {
+            mantissa,
+            significant,
+            exponent,
+            negative,
             integer,
-            fast,
-            near,
         })
     }
 

@@ -622,6 +622,65 @@ proptest! {
     }
 
     #[test]
+    fn fp32_data_decodes_each_number_as_rust_parses_it(
+        numbers in proptest::collection::vec(
+            (
+                any::<bool>(),
+                "(0|[1-9][0-9]{0,20})",
+                proptest::option::of("[0-9]{1,20}"),
+                proptest::option::of(-50i32..50),
+                "[ \n]{0,2}",
+            ),
+            1..24,
+        ),
+        nested in any::<bool>(),
+    ) {
+        // FP32 data takes a fused scan-and-convert path; its values must be
+        // what the generic path (and Rust's parser) gives, whatever the
+        // spelling, and the literals and odd spellings must fall back to it.
+        let texts: Vec<String> = numbers
+            .iter()
+            .enumerate()
+            .map(|(i, (negative, int, frac, exp, _))| match i % 11 {
+                7 => "NaN".into(),
+                9 => if *negative { "-Infinity".into() } else { "Infinity".into() },
+                _ => {
+                    let mut text = format!("{}{int}", if *negative { "-" } else { "" });
+                    if let Some(f) = frac {
+                        text += &format!(".{f}");
+                    }
+                    if let Some(e) = exp {
+                        text += &format!("{}{e}", if e % 2 == 0 { "e" } else { "E" });
+                    }
+                    text
+                }
+            })
+            .collect();
+        let spaced: Vec<String> = texts.iter().zip(&numbers).map(|(t, n)| format!("{}{t}{}", n.4, n.4)).collect();
+        let data = if nested {
+            spaced.iter().map(|t| format!("[{t}]")).collect::<Vec<_>>().join(",")
+        } else {
+            spaced.join(",")
+        };
+        let body = format!(
+            r#"{{"inputs":[{{"name":"x","datatype":"FP32","shape":[{}],"data":[{data}]}}]}}"#,
+            texts.len()
+        );
+        let request = decode(&body).unwrap();
+        let expected: Vec<u32> = texts
+            .iter()
+            .map(|t| match t.as_str() {
+                "NaN" => f32::NAN.to_bits(),
+                "Infinity" => f32::INFINITY.to_bits(),
+                "-Infinity" => f32::NEG_INFINITY.to_bits(),
+                t => (t.parse::<f64>().unwrap() as f32).to_bits(),
+            })
+            .collect();
+        let got: Vec<u32> = f32s(&request.inputs[0].data).iter().map(|v| v.to_bits()).collect();
+        prop_assert_eq!(got, expected, "{}", body);
+    }
+
+    #[test]
     fn a_widened_f32_comes_back_as_itself(bits in any::<u32>()) {
         let v = f32::from_bits(bits);
         let v = if v.is_finite() { v } else { f32::from_bits(bits ^ 0x4000_0000) }; // inf, NaN: another exponent
