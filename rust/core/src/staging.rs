@@ -82,11 +82,21 @@ pub struct StagingRing {
     /// `slots[s][i]`: input `i`'s buffer in slot `s`. Written only through
     /// the one `HeldSlot` for `s`.
     slots: Box<[Box<[SlotBuffer]>]>,
+    free: Mutex<FreeSlots>,
+    /// Notified when a slot is given back while a worker is blocked in
+    /// `acquire`.
+    freed: Condvar,
+}
+
+#[derive(Debug)]
+struct FreeSlots {
     /// Indices of the slots no guard holds; most recently released last (it
     /// is taken first: its memory is the likeliest to be in cache).
-    free: Mutex<Vec<usize>>,
-    /// Notified when a slot is given back, for a worker blocked in `acquire`.
-    freed: Condvar,
+    indices: Vec<usize>,
+    /// Threads blocked in `acquire`. A give-back notifies only when there
+    /// is one: a notification is a futex call even with nobody waiting, and
+    /// a slot is given back once per batch.
+    waiters: usize,
 }
 
 // SAFETY: the raw pointers in `slots` are written only through `HeldSlot::collate`
@@ -262,7 +272,10 @@ impl StagingRing {
             layouts: layouts.into(),
             first_buffer: first_buffer.into(),
             slots: slots.into_iter().map(Vec::into_boxed_slice).collect(),
-            free: Mutex::new(free),
+            free: Mutex::new(FreeSlots {
+                indices: free,
+                waiters: 0,
+            }),
             freed: Condvar::new(),
         })
     }
@@ -288,19 +301,26 @@ impl StagingRing {
     pub fn acquire(self: &Arc<Self>) -> HeldSlot {
         let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
         loop {
-            if let Some(index) = free.pop() {
+            if let Some(index) = free.indices.pop() {
                 return HeldSlot {
                     ring: Arc::clone(self),
                     index,
                 };
             }
+            free.waiters += 1;
             free = self.freed.wait(free).unwrap_or_else(|e| e.into_inner());
+            free.waiters -= 1;
         }
     }
 
     /// Takes a free slot if there is one, without blocking.
     pub fn try_acquire(self: &Arc<Self>) -> Option<HeldSlot> {
-        let index = self.free.lock().unwrap_or_else(|e| e.into_inner()).pop()?;
+        let index = self
+            .free
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .indices
+            .pop()?;
         Some(HeldSlot {
             ring: Arc::clone(self),
             index,
@@ -309,7 +329,11 @@ impl StagingRing {
 
     /// Slots no guard holds now.
     pub fn free_slots(&self) -> usize {
-        self.free.lock().unwrap_or_else(|e| e.into_inner()).len()
+        self.free
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .indices
+            .len()
     }
 
     /// Whether a guard holds slot `index` now (false for an index out of range).
@@ -319,16 +343,25 @@ impl StagingRing {
                 .free
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
+                .indices
                 .contains(&index)
     }
 
     /// Called by `HeldSlot::drop` alone, once per guard: puts `index` back.
     fn give_back(&self, index: usize) {
         let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
-        debug_assert!(!free.contains(&index), "slot {index} given back while free");
-        free.push(index);
+        debug_assert!(
+            !free.indices.contains(&index),
+            "slot {index} given back while free"
+        );
+        free.indices.push(index);
+        let waiting = free.waiters > 0;
         drop(free);
-        self.freed.notify_one();
+        // After the unlock, as the queue's doorbell: the waiter counted
+        // itself under the lock before it began to wait.
+        if waiting {
+            self.freed.notify_one();
+        }
     }
 }
 
