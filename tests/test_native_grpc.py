@@ -676,6 +676,19 @@ def test_a_unary_call_with_two_messages_is_refused_and_runs_nothing(served: tupl
     assert outcomes(server) == Counter({"succeeded": 1})
 
 
+def test_grpc_replies_carry_no_date_header(served: tuple[fb.Server, str]) -> None:
+    """gRPC's own servers send no ``Date``; the native front-end's gRPC port
+    does not either (one header less to encode per call), answered or refused."""
+    _, address = served
+    message = raw_request(np.ones((1, 4))).SerializeToString()
+    for path, body in ((INFER, frame(message)), ("/inference.GRPCInferenceService/ServerLive", frame(b""))):
+        answer = h2_call(address, path, body)
+        assert answer["grpc-status"] == "0" and answer[":status"] == "200", answer
+        assert "date" not in answer, answer
+    refused = h2_call(address, INFER, frame(message), content_type="text/plain")
+    assert refused[":status"] == "415" and "date" not in refused, refused
+
+
 @pytest.mark.parametrize("path", [INFER, "/inference.GRPCInferenceService/ServerLive"])
 def test_a_message_encoding_other_than_gzip_is_refused_as_unimplemented(
     served: tuple[fb.Server, str], path: str

@@ -547,7 +547,10 @@ async fn accept(
     let mut http2 = builder.http2();
     http2
         .timer(TokioTimer::new())
-        .max_concurrent_streams(config.max_streams);
+        .max_concurrent_streams(config.max_streams)
+        // gRPC sends no `Date` (gRPC's own servers do not): one header less
+        // to encode per call. HTTP responses keep it, as HTTP asks.
+        .auto_date_header(protocol != Protocol::Grpc);
     if let Some(interval) = config.keepalive_interval {
         http2
             .keep_alive_interval(interval)
