@@ -200,16 +200,9 @@ fn body_late() -> Status {
     Status::deadline_exceeded("the request message did not arrive within the body timeout")
 }
 
-/// Whether the call's messages are gzip (`grpc-encoding`).
-fn is_gzip(headers: &hyper::HeaderMap) -> bool {
-    headers
-        .get("grpc-encoding")
-        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"gzip"))
-}
-
-/// Whether a `ModelInfer` call's message is gzip (`grpc-encoding`); an
-/// encoding other than gzip and identity is refused as tonic refuses it
-/// for the other RPCs: UNIMPLEMENTED, naming those it accepts.
+/// Whether a call's messages are gzip (`grpc-encoding`); an encoding other
+/// than gzip and identity is refused as tonic refuses it: UNIMPLEMENTED,
+/// naming those it accepts.
 fn message_encoding(headers: &hyper::HeaderMap) -> Result<bool, Status> {
     let Some(encoding) = headers.get("grpc-encoding") else {
         return Ok(false);
@@ -240,7 +233,8 @@ async fn unary(
     request: hyper::Request<Incoming>,
 ) -> Result<hyper::Request<tonic::body::Body>, Status> {
     let config = &shared.config;
-    if !is_gzip(request.headers()) {
+    // Another encoding goes on to tonic, which refuses it in the same words.
+    if !matches!(message_encoding(request.headers()), Ok(true)) {
         return Ok(request.map(|body| {
             tonic::body::Body::new(Unary::new(body, config.body_timeout, config.max_body_size))
         }));
