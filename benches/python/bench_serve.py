@@ -758,17 +758,22 @@ def run_scaling(args: argparse.Namespace, models: list[str], protocols: list[str
                             print(
                                 f"  {n} core(s), {instances} instance(s), {protocol} {model} C={c}:"
                                 f" {best.rps:.0f} req/s,"
-                                f" {best.server_cpu_us:.1f} us CPU/request, errors {best.errors}",
+                                f" {best.server_cpu_us:.1f} us CPU/request, batch {best.mean_batch:.1f},"
+                                f" server cores {best.server_core_busy:.0%} busy, errors {best.errors}",
                                 flush=True,
                             )
-    print("\n| model | protocol | C | server cores | instances | req/s | server CPU µs/request | vs 1 core |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(
+        "\n| model | protocol | C | server cores | instances | req/s | server CPU µs/request"
+        " | mean batch | server cores busy | vs 1 core |"
+    )
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         one = next(x["rps"] for x in rows if x["server_cores"] == 1 and
                    (x["model"], x["protocol"], x["callers"]) == (r["model"], r["protocol"], r["callers"]))  # fmt: skip
         print(
             f"| {r['model']} | {r['protocol']} | {r['callers']} | {r['server_cores']} | {r['instances']} |"
-            f" {r['rps']:,.0f} | {r['server_cpu_us']:.1f} | {r['rps'] / one:.2f} × |"
+            f" {r['rps']:,.0f} | {r['server_cpu_us']:.1f} | {r['mean_batch']:.1f} | {r['server_core_busy']:.0%} |"
+            f" {r['rps'] / one:.2f} × |"
         )
     plot_scaling(rows, prefix.with_suffix(".png"))
     print(f"\nresults: {prefix.with_suffix('.jsonl')}, plot: {prefix.with_suffix('.png')}; server logs: {logs}")
