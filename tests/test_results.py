@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import random
+import weakref
 
 import pytest
 import torch
@@ -156,8 +157,18 @@ async def test_a_freed_server_stops_the_loop_watching_its_doorbell() -> None:
     (mailbox,) = server._loops.mailboxes()
     fd = mailbox.doorbell_fd
     assert fd is not None
+    freed = weakref.ref(server)
     del server, mailbox
-    gc.collect()
+    # Another thread's garbage collection may free the server first (its
+    # finalizer then hands the removal to the loop): wait for it to be gone,
+    # then let the loop run what was handed to it.
+    for _ in range(100):
+        gc.collect()
+        if freed() is None:
+            break
+        await asyncio.sleep(0.01)
+    assert freed() is None, "the server was not freed"
+    await asyncio.sleep(0)
     assert not asyncio.get_running_loop().remove_reader(fd), "the reader was left behind"
 
 
