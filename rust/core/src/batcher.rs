@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use crate::bytes::BytesLimits;
 use crate::callers::BlockingCallers;
+use crate::doorbell::GatherRole;
 use crate::queue::{Popped, Priorities, Readiness};
 use crate::request::Withdrawal;
 use crate::{
@@ -114,9 +115,10 @@ pub struct Batcher {
     last_rows: AtomicUsize,
     queue: RequestQueue,
     ring: Arc<StagingRing>,
-    /// Held by the one worker gathering; holds the request popped that did
-    /// not fit the last batch (it leads the next).
-    gather: Mutex<Option<Arc<Request>>>,
+    /// The request popped that did not fit the last batch (it leads the
+    /// next). Locked only by the holder of the gatherer's role, so never
+    /// contended.
+    carry: Mutex<Option<Arc<Request>>>,
     workers: usize,
     /// Priority level of requests that name none (0-based lane).
     default_lane: u8,
@@ -181,7 +183,7 @@ impl Batcher {
             rule: config.rule,
             last_rows: AtomicUsize::new(1),
             ring: Arc::new(ring),
-            gather: Mutex::new(None),
+            carry: Mutex::new(None),
             workers: config.workers,
             next_id: AtomicU64::new(1),
             stats: Stats::default(),
@@ -460,17 +462,21 @@ impl Batcher {
     /// the submitters need. `None` once the batcher is closed and this worker
     /// has dispatched everything it was given.
     ///
-    /// One worker gathers at a time (the others wait for the gather lock), so
-    /// batches fill instead of being split between idle workers, and one
-    /// sleeper at most waits on the queue's doorbell. Collation runs after the
-    /// lock is released: the next worker gathers while this one copies.
+    /// One worker gathers at a time (it holds the gatherer's role; the
+    /// others wait for it), so batches fill instead of being split between
+    /// idle workers, and one sleeper at most waits for rows. Collation runs
+    /// after the role is let go: the next worker gathers while this one copies.
     pub fn next_batch(&self, worker: &mut Worker) -> Option<Batch> {
         let mut slot = self.ring.acquire();
         let mut gathered: Vec<Arc<Request>> = Vec::with_capacity(self.rule.max_batch_size);
         let (rows, reason) = {
-            let mut carry = self.gather.lock().unwrap_or_else(|e| e.into_inner());
-            let gathered_by = self.gather(&mut carry, worker, &mut gathered);
+            let role = self.queue.take_role();
+            let mut carry = self.carry.lock().unwrap_or_else(|e| e.into_inner());
+            let gathered_by = self.gather(&role, &mut carry, worker, &mut gathered);
             self.callers.set_gathered(0); // released: its callers wait on it, not in the batcher
+            let more = carry.is_some();
+            drop(carry);
+            role.release(more);
             gathered_by
         };
         if gathered.is_empty() {
@@ -513,9 +519,10 @@ impl Batcher {
     /// Fills `gathered` by the dispatch rule; returns its rows and why it
     /// stopped gathering. Empty only
     /// once this worker has seen its close message and no carried request is
-    /// left. Called with the gather lock held (`carry` lives under it).
+    /// left. Called by the holder of the gatherer's role.
     fn gather(
         &self,
+        role: &GatherRole<'_>,
         carry: &mut Option<Arc<Request>>,
         worker: &mut Worker,
         gathered: &mut Vec<Arc<Request>>,
@@ -591,7 +598,7 @@ impl Batcher {
             } else {
                 self.rule.recheck_at(rows)
             };
-            self.queue.wait_for_rows(recheck_at - rows, wait_until);
+            role.wait_for_rows(recheck_at - rows, wait_until);
         }
         (rows, DispatchReason::Shutdown)
     }

@@ -13,9 +13,11 @@
 //!   behind those pointers alive until the request is resolved (see
 //!   [`Request`]). Nothing else crosses threads.
 //! * **Workers** (one thread per model instance) call [`Batcher::next_batch`].
-//!   One worker gathers at a time (the gather lock), sleeping on the queue's
-//!   doorbell until enough rows for its next dispatch decision have arrived
-//!   or its deadline passes, so a submit wakes it at most once per batch.
+//!   One worker gathers at a time (it holds the gatherer's role), sleeping
+//!   on the queue's doorbell until enough rows for its next dispatch
+//!   decision have arrived or its deadline passes, so a submit wakes it at
+//!   most once per batch; the others wait for the role, woken only when
+//!   there is something to gather (the `doorbell` module).
 //!   With [`Readiness::OnFlush`] (greedy batching) a submitter's rows count
 //!   only once it calls [`Batcher::flush`]; an event loop does so once per
 //!   iteration ([`Unflushed`] counts the rows and says when to schedule
@@ -72,7 +74,8 @@
 //! The unsafe code (staging ring, queue, request state) runs under Miri
 //! (`make miri`: `cargo +nightly miri test` with smaller iteration counts
 //! under `cfg(miri)`), and the request state transitions, the pending
-//! table's and the ring's acquire/release have loom models (`make loom`: the `loom_` tests, built
+//! table's, the ring's acquire/release and the doorbell's hand-over of the
+//! gatherer's role have loom models (`make loom`: the `loom_` tests, built
 //! with `--cfg loom`, which swaps in loom's mutex, condvar and atomics).
 //!
 //! The dispatch rule ([`DispatchRule`]) is a pure function of the batch being
@@ -82,6 +85,7 @@ mod batcher;
 pub mod bytes;
 pub mod callers;
 pub mod dispatch;
+mod doorbell;
 pub mod dtype;
 pub mod error;
 pub mod fanout;

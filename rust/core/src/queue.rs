@@ -12,21 +12,10 @@
 //! only a worker stuck for long under many timeouts reaches) plus `wake_slots`
 //! places that only close messages use: closing never blocks.
 //!
-//! Waiting is a doorbell, not a blocking pop: a worker gathering a batch
-//! sleeps until enough rows for its next decision have arrived
-//! ([`RequestQueue::wait_for_rows`]), so a submitter makes a wake-up syscall
-//! once per batch at most, not once per request. `ready_rows` counts the rows
-//! of request messages sent and not yet popped; a sleeping worker publishes in
-//! `wake_at` the count it waits for, and the push that reaches it rings. Both
-//! sides use SeqCst on those two counters (a store then a load each), so either
-//! the push sees the worker's `wake_at` or the worker sees the push's rows:
-//! no wake-up is lost. Ringing takes the sleep lock, which the worker holds
-//! from its check until it sleeps, and notifies after letting it go: a
-//! worker woken while the lock is held (on one core the woken thread often
-//! runs at once) would block on it, and the hand-back would cost two more
-//! futex calls and context switches per batch. The order still holds: the
-//! ringer takes the lock after the worker checked and began to wait, or
-//! before it checked.
+//! Waiting is a doorbell, not a blocking pop ([`crate::doorbell`]): the
+//! worker gathering a batch (the one holding the gatherer's role) sleeps
+//! until enough rows for its next decision have arrived, so a submitter
+//! makes a wake-up syscall once per batch at most, not once per request.
 //!
 //! With [`Readiness::OnFlush`] (greedy batching) pushed rows count as ready
 //! only once their submitter flushes them: an event loop flushes once per
@@ -35,12 +24,13 @@
 //! pops only while ready rows remain (or the queue is closed), so it never
 //! takes part of an iteration's requests before the flush.
 
-use std::sync::atomic::{AtomicBool, AtomicIsize, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::atomic::{AtomicIsize, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 
+use crate::doorbell::{Doorbell, GatherRole};
 use crate::{CoreError, Request};
 
 /// When pushed rows become ready for a worker to take.
@@ -151,8 +141,8 @@ struct Heads {
 
 /// The bounded queue of requests between submitters and workers.
 ///
-/// Any number of threads push; one worker at a time waits and pops (the
-/// batcher's gather lock). Shared by reference (`&self` throughout).
+/// Any number of threads push; one worker at a time waits and pops: the
+/// holder of the gatherer's role ([`RequestQueue::take_role`]). Shared by reference (`&self` throughout).
 ///
 /// With several priority levels each has a lane of its own. A pop takes the
 /// most urgent lane's oldest request, except that a less urgent lane's head
@@ -171,26 +161,14 @@ pub struct RequestQueue {
     max_wait: Option<Duration>,
     capacity: usize,
     waiting: AtomicUsize,
-    closed: AtomicBool,
     readiness: Readiness,
-    /// Rows of request messages sent (`OnPush`) or flushed (`OnFlush`) and
-    /// not yet popped (signed: a pop may count its rows off before the push
-    /// or flush that readied them counted them on).
-    ready_rows: AtomicIsize,
-    /// `ready_rows` a sleeping worker waits for; `NOBODY_WAITS` otherwise.
-    wake_at: AtomicIsize,
-    sleep_lock: Mutex<()>,
-    bell: Condvar,
-    /// Times a push or close rang the doorbell (for tests and stats).
-    rings: AtomicUsize,
+    /// Ready rows (sent with `OnPush`, flushed with `OnFlush`), the close,
+    /// the sleeping gatherer and the workers waiting for its role.
+    doorbell: Doorbell,
     /// Live requests of callers that block on them (signed: the worker may
     /// count one off before its push counted it on).
     blocking: AtomicIsize,
-    /// A submitter asked the sleeping worker to decide again now.
-    nudged: AtomicBool,
 }
-
-const NOBODY_WAITS: isize = isize::MAX;
 
 /// What a pop saw.
 #[derive(Debug)]
@@ -235,15 +213,9 @@ impl RequestQueue {
             max_wait: priorities.max_wait,
             capacity,
             waiting: AtomicUsize::new(0),
-            closed: AtomicBool::new(false),
             readiness,
-            ready_rows: AtomicIsize::new(0),
-            wake_at: AtomicIsize::new(NOBODY_WAITS),
-            sleep_lock: Mutex::new(()),
-            bell: Condvar::new(),
-            rings: AtomicUsize::new(0),
+            doorbell: Doorbell::new(),
             blocking: AtomicIsize::new(0),
-            nudged: AtomicBool::new(false),
         }
     }
 
@@ -255,7 +227,7 @@ impl RequestQueue {
     /// Pushes a request into its lane, or refuses it at once when full or
     /// closed (or its lane does not exist) and hands it back in the error.
     pub fn push(&self, request: Arc<Request>) -> Result<(), PushError> {
-        if self.closed.load(Ordering::Acquire) {
+        if self.doorbell.is_closed() {
             return Err(PushError {
                 error: CoreError::Closed,
                 request,
@@ -296,7 +268,7 @@ impl RequestQueue {
             .try_send(Message::Request(request))
             .expect("in_channel reserved a place in the channel");
         if self.readiness == Readiness::OnPush {
-            self.make_ready(rows);
+            self.doorbell.make_ready(rows);
         }
         if blocking {
             self.blocking.fetch_add(1, Ordering::AcqRel);
@@ -320,15 +292,7 @@ impl RequestQueue {
     /// (`Readiness::OnFlush`; with `OnPush` pushes are ready already).
     pub fn flush(&self, rows: usize) {
         if self.readiness == Readiness::OnFlush && rows > 0 {
-            self.make_ready(rows);
-        }
-    }
-
-    fn make_ready(&self, rows: usize) {
-        let rows = rows as isize;
-        let ready = self.ready_rows.fetch_add(rows, Ordering::SeqCst) + rows;
-        if ready >= self.wake_at.load(Ordering::SeqCst) {
-            self.ring();
+            self.doorbell.make_ready(rows);
         }
     }
 
@@ -336,20 +300,8 @@ impl RequestQueue {
     /// closed (then everything accepted goes out).
     pub fn may_pop(&self) -> bool {
         self.readiness == Readiness::OnPush
-            || self.ready_rows.load(Ordering::SeqCst) > 0
-            || self.closed.load(Ordering::SeqCst)
-    }
-
-    /// Wakes the sleeping worker, if any; later pushes do not ring again
-    /// until it sleeps anew.
-    fn ring(&self) {
-        {
-            let _held = self.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
-            self.wake_at.store(NOBODY_WAITS, Ordering::SeqCst);
-        }
-        // Notified once the lock is let go (see the module's comment).
-        self.bell.notify_all();
-        self.rings.fetch_add(1, Ordering::Relaxed);
+            || self.doorbell.ready_rows() > 0
+            || self.doorbell.is_closed()
     }
 
     pub fn readiness(&self) -> Readiness {
@@ -358,37 +310,14 @@ impl RequestQueue {
 
     /// Times the doorbell rang since the queue was made.
     pub fn rings(&self) -> usize {
-        self.rings.load(Ordering::Relaxed)
+        self.doorbell.rings()
     }
 
-    /// Sleeps until at least `rows` rows of requests are ready to pop, the
-    /// queue is closed, or `deadline` passes. One worker at a time may wait.
-    pub fn wait_for_rows(&self, rows: usize, deadline: Option<Instant>) {
-        let rows = rows.clamp(1, NOBODY_WAITS as usize - 1) as isize;
-        let mut held = self.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
-        loop {
-            self.wake_at.store(rows, Ordering::SeqCst);
-            if self.ready_rows.load(Ordering::SeqCst) >= rows
-                || self.closed.load(Ordering::SeqCst)
-                || self.nudged.swap(false, Ordering::SeqCst)
-            {
-                break;
-            }
-            held = match deadline {
-                None => self.bell.wait(held).unwrap_or_else(|e| e.into_inner()),
-                Some(d) => {
-                    let now = Instant::now();
-                    if now >= d {
-                        break;
-                    }
-                    self.bell
-                        .wait_timeout(held, d - now)
-                        .unwrap_or_else(|e| e.into_inner())
-                        .0
-                }
-            };
-        }
-        self.wake_at.store(NOBODY_WAITS, Ordering::SeqCst);
+    /// Takes the gatherer's role: only its holder pops and sleeps for rows
+    /// ([`GatherRole::wait_for_rows`]). Sleeps while another worker holds
+    /// it; see [`crate::doorbell`] for when a waiter is woken.
+    pub(crate) fn take_role(&self) -> GatherRole<'_> {
+        self.doorbell.take_role()
     }
 
     /// Pops without blocking: the most urgent lane's oldest request, unless a
@@ -467,7 +396,7 @@ impl RequestQueue {
     /// A request leaves the channel (or the heads) for the worker: its rows
     /// are no longer ready.
     fn handed_out(&self, r: Arc<Request>) -> Popped {
-        self.ready_rows.fetch_sub(r.rows as isize, Ordering::SeqCst);
+        self.doorbell.popped(r.rows as usize);
         Popped::Request(r)
     }
 
@@ -490,20 +419,16 @@ impl RequestQueue {
         usize::try_from(self.blocking.load(Ordering::Acquire)).unwrap_or(0)
     }
 
-    /// Wakes the sleeping worker to decide again now, whatever its row
+    /// Wakes the sleeping gatherer to decide again now, whatever its row
     /// count (or the next one to sleep, at once).
     pub fn nudge(&self) {
-        {
-            let _held = self.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
-            self.nudged.store(true, Ordering::SeqCst);
-        }
-        self.bell.notify_all();
+        self.doorbell.nudge();
     }
 
     /// Refuses new requests from now on and sends one close message per
     /// worker, behind every request already accepted.
     pub fn close(&self, workers: usize) {
-        if self.closed.swap(true, Ordering::AcqRel) {
+        if !self.doorbell.mark_closed() {
             return;
         }
         let last = &self.lanes[self.lanes.len() - 1];
@@ -511,7 +436,7 @@ impl RequestQueue {
             // Never blocks: request messages cannot take the last `wake_slots` places.
             let _ = last.tx.try_send(Message::Close);
         }
-        self.ring();
+        self.doorbell.ring();
     }
 
     /// Live requests waiting: pushed and not yet taken or withdrawn.
@@ -559,7 +484,8 @@ mod tests {
         let waiter = {
             let q = q.clone();
             std::thread::spawn(move || {
-                q.wait_for_rows(2, Some(Instant::now() + Duration::from_secs(10)))
+                q.take_role()
+                    .wait_for_rows(2, Some(Instant::now() + Duration::from_secs(10)))
             })
         };
         std::thread::sleep(Duration::from_millis(20));
@@ -635,11 +561,12 @@ mod tests {
             let q = q.clone();
             std::thread::spawn(move || {
                 let started = Instant::now();
-                q.wait_for_rows(4, Some(started + std::time::Duration::from_secs(30)));
+                q.take_role()
+                    .wait_for_rows(4, Some(started + std::time::Duration::from_secs(30)));
                 started.elapsed()
             })
         };
-        while q.wake_at.load(Ordering::SeqCst) == NOBODY_WAITS {
+        while !q.doorbell.someone_waits() {
             std::thread::yield_now();
         }
         for id in 0..3 {
@@ -661,9 +588,10 @@ mod tests {
     fn wait_returns_at_once_when_rows_are_ready_and_at_the_deadline_when_not() {
         let q = RequestQueue::new(8, 1, Readiness::OnPush);
         q.push(req(1)).unwrap();
-        q.wait_for_rows(1, None); // would hang if the ready row were missed
+        let role = q.take_role();
+        role.wait_for_rows(1, None); // would hang if the ready row were missed
         let deadline = Instant::now() + std::time::Duration::from_millis(20);
-        q.wait_for_rows(5, Some(deadline));
+        role.wait_for_rows(5, Some(deadline));
         assert!(Instant::now() >= deadline);
     }
 
@@ -684,12 +612,62 @@ mod tests {
                 }
             })
         };
+        let role = q.take_role();
         for _ in 0..rounds {
-            q.wait_for_rows(1, None);
+            role.wait_for_rows(1, None);
             assert!(matches!(q.try_pop(), Popped::Request(_)));
             q.left(&req(0));
         }
         pusher.join().unwrap();
+    }
+
+    #[test]
+    fn a_worker_waiting_for_the_role_takes_it_at_the_next_push_not_at_the_release() {
+        let q = Arc::new(RequestQueue::new(8, 2, Readiness::OnPush));
+        let held = q.take_role();
+        let (took, taken) = std::sync::mpsc::channel();
+        let waiter = {
+            let q = q.clone();
+            std::thread::spawn(move || {
+                let role = q.take_role();
+                took.send(()).unwrap();
+                role.release(false);
+            })
+        };
+        while !q.doorbell.someone_waits() {
+            std::thread::yield_now();
+        }
+        held.release(false); // nothing to gather: the waiter sleeps on
+        let wait = Duration::from_millis(50);
+        assert!(
+            taken.recv_timeout(wait).is_err(),
+            "woken with nothing to do"
+        );
+        assert_eq!(q.rings(), 0);
+        q.push(req(1)).unwrap();
+        taken.recv_timeout(Duration::from_secs(10)).unwrap();
+        assert_eq!(q.rings(), 1, "the push rang for the waiter");
+        waiter.join().unwrap();
+    }
+
+    #[test]
+    fn a_release_with_rows_ready_or_a_carry_hands_the_role_over_at_once() {
+        for carry in [false, true] {
+            let q = Arc::new(RequestQueue::new(8, 2, Readiness::OnPush));
+            let held = q.take_role();
+            let waiter = {
+                let q = q.clone();
+                std::thread::spawn(move || q.take_role().release(false))
+            };
+            while !q.doorbell.someone_waits() {
+                std::thread::yield_now();
+            }
+            if !carry {
+                q.push(req(1)).unwrap();
+            }
+            held.release(carry);
+            waiter.join().unwrap(); // hangs if the hand-over were missed
+        }
     }
 
     #[test]
