@@ -1306,6 +1306,61 @@ mod tests {
         );
     }
 
+    /// A request one worker's batch could not take goes to the worker
+    /// waiting for the gatherer's role at once, with no push after it to
+    /// ring: each worker takes one batch and keeps it.
+    #[test]
+    #[cfg_attr(miri, ignore = "leaks its slots on purpose, which Miri reports")]
+    fn a_left_over_request_goes_to_the_waiting_worker_without_another_push() {
+        // Leaked: a worker left asleep when the test fails still holds the slots.
+        let store = Vec::leak((0..3).map(|_| vec![0u8; 4 * ROW]).collect());
+        let slots = store
+            .iter_mut()
+            // SAFETY: `store` lives to the end of the process.
+            .map(|v| vec![unsafe { SlotBuffer::new(v.as_mut_ptr(), v.len()) }])
+            .collect();
+        let config = BatcherConfig {
+            rule: DispatchRule::new(4, Duration::ZERO, 1, vec![]).unwrap(),
+            row_nbytes: vec![ROW],
+            max_queue_size: 100,
+            workers: 2,
+            // Both requests become ready at once, at the flush: the first
+            // worker takes one and is left with the other.
+            readiness: Readiness::OnFlush,
+            layouts: Vec::new(),
+            max_batch_elements: None,
+            bytes_limits: BytesLimits::default(),
+            priorities: Priorities::NONE,
+            default_priority: None,
+        };
+        let batcher = Arc::new(Batcher::new(config, slots).unwrap());
+        let (done, batches) = std::sync::mpsc::channel();
+        let one_batch = |b: Arc<Batcher>, done: std::sync::mpsc::Sender<usize>| {
+            std::thread::spawn(move || {
+                let batch = b.next_batch(&mut Worker::new()).unwrap();
+                done.send(batch.rows).unwrap();
+                batch // kept until joined: this worker takes no other
+            })
+        };
+        // The first sleeps for rows holding the role, the second waits for it.
+        let first = one_batch(batcher.clone(), done.clone());
+        std::thread::sleep(Duration::from_millis(50));
+        let second = one_batch(batcher.clone(), done);
+        std::thread::sleep(Duration::from_millis(50));
+        submit(&batcher, &ROWS_3, None);
+        submit(&batcher, &ROWS_3, None);
+        batcher.flush(6); // rings the first; the second request does not fit its batch
+        let wait = Duration::from_secs(10);
+        assert_eq!(batches.recv_timeout(wait), Ok(3));
+        assert_eq!(
+            batches.recv_timeout(wait),
+            Ok(3),
+            "the left-over request waited"
+        );
+        drop((first.join().unwrap(), second.join().unwrap()));
+        batcher.close();
+    }
+
     /// Producers submit and randomly cancel while workers batch: every request
     /// is either taken exactly once or withdrawn, never both, never lost.
     #[test]
