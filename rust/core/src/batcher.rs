@@ -761,16 +761,7 @@ mod tests {
     }
 
     fn fixture(max: usize, delay: Duration, min: usize, queue: usize, workers: usize) -> Fixture {
-        build(
-            max,
-            delay,
-            min,
-            queue,
-            workers,
-            Priorities::NONE,
-            false,
-            false,
-        )
+        build(max, delay, min, queue, workers, Knobs::default())
     }
 
     /// A batcher with `priorities` that keeps request parameters.
@@ -782,19 +773,40 @@ mod tests {
         workers: usize,
         priorities: Priorities,
     ) -> Fixture {
-        build(max, delay, min, queue, workers, priorities, true, false)
+        let knobs = Knobs {
+            priorities,
+            keep_parameters: true,
+            ..Knobs::default()
+        };
+        build(max, delay, min, queue, workers, knobs)
     }
 
-    #[allow(clippy::too_many_arguments)] // a test fixture's knobs, named at each call
+    /// What a fixture may set besides its sizes.
+    struct Knobs {
+        priorities: Priorities,
+        keep_parameters: bool,
+        delay_from_free_worker: bool,
+        readiness: Readiness,
+    }
+
+    impl Default for Knobs {
+        fn default() -> Knobs {
+            Knobs {
+                priorities: Priorities::NONE,
+                keep_parameters: false,
+                delay_from_free_worker: false,
+                readiness: Readiness::OnPush,
+            }
+        }
+    }
+
     fn build(
         max: usize,
         delay: Duration,
         min: usize,
         queue: usize,
         workers: usize,
-        priorities: Priorities,
-        keep_parameters: bool,
-        delay_from_free_worker: bool,
+        knobs: Knobs,
     ) -> Fixture {
         let mut store: Vec<Vec<u8>> = (0..workers + 1).map(|_| vec![0u8; max * ROW]).collect();
         let slots = store
@@ -803,27 +815,26 @@ mod tests {
             .map(|v| vec![unsafe { SlotBuffer::new(v.as_mut_ptr(), v.len()) }])
             .collect();
         let mut rule = DispatchRule::new(max, delay, min, vec![]).unwrap();
-        if delay_from_free_worker {
+        if knobs.delay_from_free_worker {
             rule = rule.delay_from_free_worker();
         }
-        let readiness = Readiness::OnPush;
         let config = BatcherConfig {
             rule,
             row_nbytes: vec![ROW],
             max_queue_size: queue,
             workers,
-            readiness,
+            readiness: knobs.readiness,
             layouts: Vec::new(),
             max_batch_elements: None,
             bytes_limits: BytesLimits::default(),
-            priorities,
+            priorities: knobs.priorities,
             default_priority: None,
         };
         Fixture {
             batcher: Arc::new(
                 Batcher::new(config, slots)
                     .unwrap()
-                    .keeping_parameters(keep_parameters),
+                    .keeping_parameters(knobs.keep_parameters),
             ),
             _slots: store,
         }
@@ -1223,16 +1234,11 @@ mod tests {
         // default it goes at once; counted from the free worker, a request
         // arriving 20 ms later joins it.
         for from_free in [false, true] {
-            let f = build(
-                8,
-                Duration::from_millis(200),
-                1,
-                100,
-                1,
-                Priorities::NONE,
-                false,
-                from_free,
-            );
+            let knobs = Knobs {
+                delay_from_free_worker: from_free,
+                ..Knobs::default()
+            };
+            let f = build(8, Duration::from_millis(200), 1, 100, 1, knobs);
             submit(&f.batcher, &ROW_A, None);
             std::thread::sleep(Duration::from_millis(250));
             let batcher = f.batcher.clone();
@@ -1310,30 +1316,16 @@ mod tests {
     /// waiting for the gatherer's role at once, with no push after it to
     /// ring: each worker takes one batch and keeps it.
     #[test]
-    #[cfg_attr(miri, ignore = "leaks its slots on purpose, which Miri reports")]
+    #[cfg_attr(miri, ignore = "timed: Miri's clock advances with interpretation")]
     fn a_left_over_request_goes_to_the_waiting_worker_without_another_push() {
-        // Leaked: a worker left asleep when the test fails still holds the slots.
-        let store = Vec::leak((0..3).map(|_| vec![0u8; 4 * ROW]).collect());
-        let slots = store
-            .iter_mut()
-            // SAFETY: `store` lives to the end of the process.
-            .map(|v| vec![unsafe { SlotBuffer::new(v.as_mut_ptr(), v.len()) }])
-            .collect();
-        let config = BatcherConfig {
-            rule: DispatchRule::new(4, Duration::ZERO, 1, vec![]).unwrap(),
-            row_nbytes: vec![ROW],
-            max_queue_size: 100,
-            workers: 2,
-            // Both requests become ready at once, at the flush: the first
-            // worker takes one and is left with the other.
+        // Both requests become ready at once, at the flush: the first worker
+        // takes one and is left with the other.
+        let knobs = Knobs {
             readiness: Readiness::OnFlush,
-            layouts: Vec::new(),
-            max_batch_elements: None,
-            bytes_limits: BytesLimits::default(),
-            priorities: Priorities::NONE,
-            default_priority: None,
+            ..Knobs::default()
         };
-        let batcher = Arc::new(Batcher::new(config, slots).unwrap());
+        let f = build(4, Duration::ZERO, 1, 100, 2, knobs);
+        let batcher = &f.batcher;
         let (done, batches) = std::sync::mpsc::channel();
         let one_batch = |b: Arc<Batcher>, done: std::sync::mpsc::Sender<usize>| {
             std::thread::spawn(move || {
@@ -1347,8 +1339,8 @@ mod tests {
         std::thread::sleep(Duration::from_millis(50));
         let second = one_batch(batcher.clone(), done);
         std::thread::sleep(Duration::from_millis(50));
-        submit(&batcher, &ROWS_3, None);
-        submit(&batcher, &ROWS_3, None);
+        submit(batcher, &ROWS_3, None);
+        submit(batcher, &ROWS_3, None);
         batcher.flush(6); // rings the first; the second request does not fit its batch
         let wait = Duration::from_secs(10);
         assert_eq!(batches.recv_timeout(wait), Ok(3));

@@ -166,13 +166,13 @@ impl Doorbell {
     /// Wakes the gatherer to decide again now, whatever its row count (or
     /// the next one to sleep for rows, at once).
     pub(crate) fn nudge(&self) {
-        let sleeper = {
+        let gathering = {
             let role = self.lock();
             self.nudged.store(true, Ordering::SeqCst);
-            Self::sleeper(&role)
+            role.held
         };
-        if let Sleeper::Gatherer = sleeper {
-            self.wake(sleeper);
+        if gathering {
+            self.bell.notify_all();
         }
     }
 
@@ -187,10 +187,7 @@ impl Doorbell {
             role.waiting -= 1;
         }
         role.held = true;
-        GatherRole {
-            doorbell: self,
-            released: false,
-        }
+        GatherRole { doorbell: self }
     }
 
     /// Lets the role go; wakes one worker waiting for it when `more` (a
@@ -228,7 +225,6 @@ impl Doorbell {
 #[derive(Debug)]
 pub(crate) struct GatherRole<'a> {
     doorbell: &'a Doorbell,
-    released: bool,
 }
 
 impl GatherRole<'_> {
@@ -266,17 +262,16 @@ impl GatherRole<'_> {
 
     /// Lets the role go; `more`: a request is left over for the next
     /// batch, so a waiting worker is woken at once.
-    pub(crate) fn release(mut self, more: bool) {
-        self.released = true;
-        self.doorbell.release_role(more);
+    pub(crate) fn release(self, more: bool) {
+        let doorbell = self.doorbell;
+        std::mem::forget(self); // released here, not again by `drop`
+        doorbell.release_role(more);
     }
 }
 
 impl Drop for GatherRole<'_> {
     fn drop(&mut self) {
-        if !self.released {
-            self.doorbell.release_role(true);
-        }
+        self.doorbell.release_role(true);
     }
 }
 

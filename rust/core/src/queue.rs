@@ -142,7 +142,8 @@ struct Heads {
 /// The bounded queue of requests between submitters and workers.
 ///
 /// Any number of threads push; one worker at a time waits and pops: the
-/// holder of the gatherer's role ([`RequestQueue::take_role`]). Shared by reference (`&self` throughout).
+/// holder of the gatherer's role ([`RequestQueue::take_role`]). Shared by
+/// reference (`&self` throughout).
 ///
 /// With several priority levels each has a lane of its own. A pop takes the
 /// most urgent lane's oldest request, except that a less urgent lane's head
