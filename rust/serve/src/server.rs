@@ -195,16 +195,35 @@ pub struct Frontend {
     done: Mutex<Vec<std::sync::mpsc::Receiver<()>>>,
 }
 
+/// Connections the kernel completes before the accept loop takes them.
+/// `std`'s bind asks for 128: a burst of more clients than that (256 load
+/// generator connections, a fleet restarting its clients) overflows it, and
+/// the kernel drops their SYNs, so those clients connect only after their
+/// one-second SYN retransmission. The kernel caps it at `net.core.somaxconn`
+/// (4096 by default on Linux since 5.4).
+const LISTEN_BACKLOG: i32 = 4096;
+
 /// Binds `addr` now, so that a port in use fails at once; the error names
 /// the protocol (`what`) and the address.
 fn bind(addr: Option<SocketAddr>, what: &str) -> io::Result<Option<(StdListener, SocketAddr)>> {
     let Some(addr) = addr else { return Ok(None) };
     let named =
         |e: io::Error| io::Error::new(e.kind(), format!("{what}: cannot listen on {addr}: {e}"));
-    let listener = StdListener::bind(addr).map_err(named)?;
-    listener.set_nonblocking(true).map_err(named)?;
+    let listener = listen(addr).map_err(named)?;
     let local = listener.local_addr().map_err(named)?;
     Ok(Some((listener, local)))
+}
+
+/// A non-blocking listener on `addr` with [`LISTEN_BACKLOG`], `SO_REUSEADDR`
+/// set as `std` sets it (a restarted server rebinds past `TIME_WAIT`).
+fn listen(addr: SocketAddr) -> io::Result<StdListener> {
+    use socket2::{Domain, Socket, Type};
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+    socket.set_reuse_address(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(LISTEN_BACKLOG)?;
+    socket.set_nonblocking(true)?;
+    Ok(socket.into())
 }
 
 impl Frontend {
@@ -803,6 +822,21 @@ impl AsyncWrite for FirstBytes {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_burst_of_connections_larger_than_stds_backlog_connects_before_any_accept() {
+        let listener = listen("127.0.0.1:0".parse().unwrap()).unwrap();
+        let addr = listener.local_addr().unwrap();
+        // Twice `std`'s 128: past it the kernel drops SYNs and a client waits
+        // a second for the retransmission.
+        let clients: Vec<_> = (0..256)
+            .map(|n| {
+                std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(500))
+                    .unwrap_or_else(|e| panic!("connection {n} did not complete: {e}"))
+            })
+            .collect();
+        assert_eq!(clients.len(), 256);
+    }
 
     #[tokio::test]
     async fn a_connection_whose_request_ended_before_its_watchdog_looked_is_idle_after_the_idle_timeout(
