@@ -7,8 +7,19 @@
 
 use std::fmt;
 
+use smallvec::{smallvec, SmallVec};
+
+use crate::request::MAX_VARIABLE_DIMS;
 use crate::v2::Clipped;
 use crate::{DType, Layout};
+
+/// A value's lengths along its variable dimensions ([`Measured::extents`]):
+/// inline, as a model's inputs have at most [`MAX_VARIABLE_DIMS`] of them
+/// (a spec with more, refused by the batcher, spills to the heap).
+pub type Extents = SmallVec<[usize; MAX_VARIABLE_DIMS]>;
+
+/// Per input of a request, inline for the few inputs models take.
+pub type PerInput<T> = SmallVec<[T; 4]>;
 
 /// One declared model input.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -81,19 +92,19 @@ impl InputSpec {
     /// elements of length zero) and its lengths along the variable
     /// dimensions (all zero: empty rows). `None` when the bytes would
     /// overflow (`rows` is bounded by `max_batch_size` before this).
-    pub fn absent(&self, layout: &Layout, rows: usize) -> Option<(Vec<u8>, Vec<usize>)> {
+    pub fn absent(&self, layout: &Layout, rows: usize) -> Option<(Vec<u8>, Extents)> {
         Some(match layout {
-            Layout::Fixed => (vec![0; rows.checked_mul(self.row_nbytes)?], vec![0]),
+            Layout::Fixed => (vec![0; rows.checked_mul(self.row_nbytes)?], smallvec![0]),
             // Each element a 4-byte length of zero.
             Layout::Bytes { elements_per_row } => {
                 let elements = rows.checked_mul(*elements_per_row)?;
-                (vec![0; elements.checked_mul(4)?], vec![0])
+                (vec![0; elements.checked_mul(4)?], smallvec![0])
             }
             Layout::Padded(p) => (
                 Vec::new(),
-                vec![0; p.dims.iter().filter(|d| d.is_none()).count()],
+                smallvec![0; p.dims.iter().filter(|d| d.is_none()).count()],
             ),
-            Layout::Ragged(_) | Layout::RaggedBytes(_) => (Vec::new(), vec![0]),
+            Layout::Ragged(_) | Layout::RaggedBytes(_) => (Vec::new(), smallvec![0]),
         })
     }
 
@@ -222,7 +233,7 @@ impl InputSpec {
         batched: bool,
         max_rows: usize,
         max_elements: usize,
-    ) -> Result<(usize, Vec<usize>, usize), SpecError> {
+    ) -> Result<(usize, Extents, usize), SpecError> {
         let (rows, per_row) = match (batched, actual.split_first()) {
             (true, Some((&n, rest))) => (n, rest),
             (true, None) => (0, actual),
@@ -265,7 +276,7 @@ impl InputSpec {
                 "a request of {rows} rows exceeds max_batch_size ({max_rows})"
             )));
         }
-        let extents: Vec<usize> = per_row
+        let extents: Extents = per_row
             .iter()
             .zip(dims)
             .filter(|(_, d)| d.is_none())
@@ -320,17 +331,17 @@ impl InputSpec {
                 let (rows, extent) =
                     self.ragged_rows_for_shape(actual, batched, max_rows, max_elements)?;
                 // Bounded: at most `max_elements` elements of a position's bytes.
-                (rows, rows * extent * r.unit_nbytes, vec![extent])
+                (rows, rows * extent * r.unit_nbytes, smallvec![extent])
             }
             // The byte count of BYTES is checked as they are serialized.
             Layout::RaggedBytes(_) => {
                 let (rows, extent) =
                     self.ragged_rows_for_shape(actual, batched, max_rows, max_elements)?;
-                (rows, 0, vec![extent])
+                (rows, 0, smallvec![extent])
             }
             Layout::Fixed | Layout::Bytes { .. } => {
                 let (rows, nbytes) = self.rows_for_shape(actual, batched, max_rows)?;
-                (rows, nbytes, vec![0])
+                (rows, nbytes, smallvec![0])
             }
         };
         let elements = match layout {
@@ -357,7 +368,7 @@ pub struct Measured {
     /// Its lengths along the variable dimensions: one for a variable first
     /// dimension, one per variable dimension of a padded input, `[0]` for
     /// a fixed shape.
-    pub extents: Vec<usize>,
+    pub extents: Extents,
     /// Elements of a BYTES input (what its serialized data must hold).
     pub elements: usize,
 }
@@ -369,10 +380,10 @@ pub struct Matched {
     pub rows: usize,
     /// For each spec, in the model's order: the index of its tensor among
     /// those sent; `None` for an optional input the request left out.
-    pub order: Vec<Option<usize>>,
+    pub order: PerInput<Option<usize>>,
     /// For each spec, in the model's order: its tensor's lengths along its
     /// variable dimensions ([`Measured::extents`]).
-    pub extents: Vec<Vec<usize>>,
+    pub extents: PerInput<Extents>,
     /// Bit `i` set: the request left out optional input `i`.
     pub absent: u64,
 }
@@ -441,8 +452,8 @@ impl InputRules<'_> {
         {
             return Err(self.unexpected(name));
         }
-        let mut order = Vec::with_capacity(self.specs.len());
-        let mut extents = Vec::with_capacity(self.specs.len());
+        let mut order = PerInput::with_capacity(self.specs.len());
+        let mut extents = PerInput::with_capacity(self.specs.len());
         let mut absent = 0u64;
         let mut rows: Option<usize> = None;
         for (i, spec) in self.specs.iter().enumerate() {
@@ -521,10 +532,10 @@ mod tests {
             .unwrap();
         assert_eq!(
             (m.rows, m.order.clone(), m.absent),
-            (2, vec![Some(0), None], 0b10)
+            (2, smallvec![Some(0), None], 0b10)
         );
         let (zeros, extents) = specs[1].absent(&Layout::Fixed, m.rows).unwrap();
-        assert_eq!((zeros, extents), (vec![0u8; 8], vec![0]));
+        assert_eq!((zeros, extents), (vec![0u8; 8], smallvec![0]));
         let err = |t: &[(&str, DType, &[usize])]| rules(&specs).match_tensors(t).unwrap_err().0;
         assert_eq!(err(&[("w", DType::Float32, &[2])]), "input 'a': missing");
         let only_optional = [spec("w", &[]).optional(true)];
@@ -545,8 +556,8 @@ mod tests {
             m,
             Matched {
                 rows: 2,
-                order: vec![Some(1), Some(0)],
-                extents: vec![vec![0], vec![0]],
+                order: smallvec![Some(1), Some(0)],
+                extents: smallvec![smallvec![0], smallvec![0]],
                 absent: 0,
             }
         );
@@ -557,9 +568,9 @@ mod tests {
         let s = spec("g", &[]);
         let dims = [Some(3), None, None];
         let ok = s.padded_rows_for_shape(&dims, &[2, 3, 4, 5], true, 8, 1000);
-        assert_eq!(ok, Ok((2, vec![4, 5], 120)));
+        assert_eq!(ok, Ok((2, smallvec![4, 5], 120)));
         let one = s.padded_rows_for_shape(&dims, &[3, 0, 7], false, 8, 1000);
-        assert_eq!(one, Ok((1, vec![0, 7], 0)));
+        assert_eq!(one, Ok((1, smallvec![0, 7], 0)));
         // An empty dimension counts as 1: no huge box of zero elements.
         let huge = s.padded_rows_for_shape(&dims, &[3, 0, usize::MAX], false, 8, 1000);
         assert!(huge.is_err());

@@ -316,7 +316,7 @@ pub(crate) struct V2Request {
     inputs: Py<PyDict>,
     bf16: bool,
     /// `(output index, as binary)`, in response order.
-    selected: Vec<(usize, bool)>,
+    selected: ferrobatch_core::PerInput<(usize, bool)>,
 }
 
 #[pymethods]

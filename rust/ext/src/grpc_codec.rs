@@ -170,7 +170,7 @@ pub(crate) fn grpc_response<'py>(
         let readable = codec.read_output(py, index, value)?;
         raw.push(RawOutput {
             index,
-            shape: readable.shape.clone(),
+            shape: readable.shape.as_slice().into(),
             data: Bytes::copy_from_slice(readable.data()),
         });
     }

@@ -39,7 +39,7 @@ use std::ptr;
 use std::sync::Mutex;
 
 use ferrobatch_core::bytes::{self, BytesLimits};
-use ferrobatch_core::{DType, InputBytes, Layout};
+use ferrobatch_core::{DType, Extents, InputBytes, Layout};
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyException, PyMemoryError};
 use pyo3::intern;
@@ -99,7 +99,7 @@ impl InputSpec {
         batched: bool,
         max_rows: usize,
         max_elements: Option<usize>,
-    ) -> PyResult<(usize, usize, Vec<usize>)> {
+    ) -> PyResult<(usize, usize, Extents)> {
         self.core
             .measure(
                 &self.layout,

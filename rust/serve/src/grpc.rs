@@ -875,7 +875,7 @@ fn submit(
         true => model.refuse_input(failure),
         false => failure,
     })?;
-    let tensors: Vec<Tensor<'_>> = request
+    let tensors: ferrobatch_core::PerInput<Tensor<'_>> = request
         .inputs
         .iter()
         .zip(&call.tensors)
@@ -1215,7 +1215,7 @@ fn decode_inputs(
     Ok(Decoded {
         tensors,
         owners: InputOwners {
-            shared: raw,
+            shared: raw.into(),
             decoded,
         },
     })

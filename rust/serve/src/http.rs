@@ -167,13 +167,14 @@ pub(crate) async fn ask<T: Send + 'static>(
 
 type Body = Full<Bytes>;
 
-fn response(status: u16, content_type: &str, body: impl Into<Bytes>) -> Response<Body> {
+fn response(status: u16, content_type: &'static str, body: impl Into<Bytes>) -> Response<Body> {
     let mut response = Response::new(Full::new(body.into()));
     *response.status_mut() =
         StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    if let Ok(value) = HeaderValue::from_str(content_type) {
-        response.headers_mut().insert(CONTENT_TYPE, value);
-    }
+    // Static: no copy of it per response.
+    response
+        .headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
     response
 }
 
@@ -195,8 +196,11 @@ fn reply(reply: Reply) -> Response<Body> {
             None => response(200, JSON, encoded.body),
             Some(length) => {
                 let mut r = response(200, BINARY, encoded.body);
-                r.headers_mut()
-                    .insert(HEADER_LENGTH, HeaderValue::from(length));
+                // One copy of the digits: `From<usize>` allocates twice (a
+                // buffer, then its freeze). Digits are a valid value.
+                if let Ok(value) = HeaderValue::from_str(itoa::Buffer::new().format(length)) {
+                    r.headers_mut().insert(HEADER_LENGTH, value);
+                }
                 r
             }
         },

@@ -10,7 +10,7 @@ use bytes::Bytes;
 use ferrobatch_core::v2::Data;
 use ferrobatch_core::{
     timeout_from_secs, CoreError, DType, InputBytes, InputRules, InputSpec, Layout, Outcome,
-    Readiness, RequestState, Sink, Submission,
+    PerInput, Readiness, RequestState, Sink, Submission,
 };
 use tokio::sync::oneshot;
 
@@ -50,6 +50,9 @@ pub struct Tensor<'a> {
     pub shape: &'a [u64],
     pub bytes: Source,
 }
+
+/// A shape, inline for the few dimensions tensors have.
+type Dims = smallvec::SmallVec<[usize; 6]>;
 
 /// Where a tensor's bytes are among its request's [`InputOwners`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -150,7 +153,7 @@ impl ServedModel {
             outputs: request.selected_outputs(codec),
         };
         let mut decoded = Vec::new();
-        let sources: Vec<Source> = request
+        let sources: PerInput<Source> = request
             .inputs
             .iter_mut()
             .map(|input| match &mut input.data {
@@ -164,7 +167,7 @@ impl ServedModel {
                 },
             })
             .collect();
-        let tensors: Vec<Tensor<'_>> = request
+        let tensors: PerInput<Tensor<'_>> = request
             .inputs
             .iter()
             .zip(sources)
@@ -187,7 +190,7 @@ impl ServedModel {
             None
         };
         let owners = InputOwners {
-            shared: vec![body],
+            shared: smallvec::smallvec![body],
             decoded,
         };
         let meta = RequestMeta {
@@ -203,7 +206,7 @@ impl ServedModel {
     /// the input, what was expected and what was sent (not counted: the
     /// caller counts the refusal).
     pub fn check_header(&self, name: &str, dtype: DType, shape: &[u64]) -> Result<(), Failure> {
-        let shape: Vec<usize> = shape
+        let shape: Dims = shape
             .iter()
             .map(|&d| usize::try_from(d).unwrap_or(usize::MAX))
             .collect();
@@ -265,7 +268,7 @@ impl ServedModel {
             parameters,
         } = meta;
         let batcher = self.replies.batcher();
-        let shapes: Vec<Vec<usize>> = tensors
+        let shapes: PerInput<Dims> = tensors
             .iter()
             .map(|t| {
                 t.shape
@@ -274,7 +277,7 @@ impl ServedModel {
                     .collect()
             })
             .collect();
-        let described: Vec<(&str, DType, &[usize])> = tensors
+        let described: PerInput<(&str, DType, &[usize])> = tensors
             .iter()
             .zip(&shapes)
             .map(|(t, shape)| (t.name, t.dtype, shape.as_slice()))

@@ -10,8 +10,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use ferrobatch_core::v2::{Codec, Encoded, Output};
-use ferrobatch_core::{Batcher, Outcome, Pending, Request, RequestState, Route, Tally};
+use ferrobatch_core::v2::{Codec, Encoded, Output, Shape};
+use ferrobatch_core::{Batcher, Outcome, Pending, PerInput, Request, RequestState, Route, Tally};
 use tokio::sync::{mpsc, oneshot};
 
 /// Why a request got no result: its HTTP status and the message for the client.
@@ -49,7 +49,7 @@ pub struct RawOutput {
     /// Its index in the codec's outputs.
     pub index: usize,
     /// Its shape: the request's rows first.
-    pub shape: Vec<u64>,
+    pub shape: Shape,
     pub data: Bytes,
 }
 
@@ -57,7 +57,8 @@ pub struct RawOutput {
 /// inputs are ranges of (an HTTP body, gRPC's raw contents) and the buffers
 /// inputs were decoded into (JSON, gRPC's typed contents).
 pub struct InputOwners {
-    pub shared: Vec<Bytes>,
+    /// One for an HTTP body (inline), one per raw content for gRPC.
+    pub shared: smallvec::SmallVec<[Bytes; 1]>,
     pub decoded: Vec<Vec<u8>>,
 }
 
@@ -67,7 +68,7 @@ pub enum ResponsePlan {
     /// as binary)` per output to send.
     Encoded {
         id: Option<String>,
-        outputs: Vec<(usize, bool)>,
+        outputs: PerInput<(usize, bool)>,
     },
     /// The raw rows of these outputs (indices), in this order.
     Raw { outputs: Vec<usize> },
@@ -267,14 +268,14 @@ impl Replies {
     fn encode(&self, route: &Route, plan: &ResponsePlan, columns: &[Column<'_>]) -> Reply {
         match plan {
             ResponsePlan::Encoded { id, outputs } => {
-                let mut shapes: Vec<Vec<u64>> = Vec::with_capacity(outputs.len());
-                let mut slices: Vec<Cow<'_, [u8]>> = Vec::with_capacity(outputs.len());
+                let mut shapes: PerInput<Shape> = PerInput::with_capacity(outputs.len());
+                let mut slices: PerInput<Cow<'_, [u8]>> = PerInput::with_capacity(outputs.len());
                 for &(index, _) in outputs {
                     let (shape, data) = self.rows(route, index, columns)?;
                     shapes.push(shape);
                     slices.push(data);
                 }
-                let outputs: Vec<Output<'_>> = outputs
+                let outputs: PerInput<Output<'_>> = outputs
                     .iter()
                     .zip(shapes.iter().zip(&slices))
                     .map(|(&(index, binary), (shape, data))| Output {
@@ -323,7 +324,7 @@ impl Replies {
         route: &Route,
         index: usize,
         columns: &[Column<'a>],
-    ) -> Result<(Vec<u64>, Cow<'a, [u8]>), Failure> {
+    ) -> Result<(Shape, Cow<'a, [u8]>), Failure> {
         let column = columns.get(index).ok_or_else(|| {
             Failure::new(
                 500,
@@ -356,7 +357,7 @@ impl Replies {
 
 /// Rows `route.start..+route.rows` of `column`: their shape and bytes, or
 /// None when the column has no such rows (or its bytes do not match its shape).
-fn rows_of<'a>(column: &Column<'a>, route: &Route) -> Option<(Vec<u64>, Cow<'a, [u8]>)> {
+fn rows_of<'a>(column: &Column<'a>, route: &Route) -> Option<(Shape, Cow<'a, [u8]>)> {
     if let Some(varying) = column.rows {
         return varying_rows_of(column.data, varying, route);
     }
@@ -373,7 +374,7 @@ fn rows_of<'a>(column: &Column<'a>, route: &Route) -> Option<(Vec<u64>, Cow<'a, 
     }
     let from = start.checked_mul(row_bytes)?;
     let to = from.checked_add(rows.checked_mul(row_bytes)?)?;
-    let mut shape = Vec::with_capacity(column.shape.len());
+    let mut shape = Shape::with_capacity(column.shape.len());
     shape.push(route.rows as u64);
     shape.extend_from_slice(rest);
     Some((shape, Cow::Borrowed(column.data.get(from..to)?)))
@@ -386,7 +387,7 @@ fn varying_rows_of<'a>(
     data: &'a [u8],
     varying: &VaryingRows,
     route: &Route,
-) -> Option<(Vec<u64>, Cow<'a, [u8]>)> {
+) -> Option<(Shape, Cow<'a, [u8]>)> {
     let start = usize::try_from(route.start).ok()?;
     let end = start.checked_add(usize::try_from(route.rows).ok()?)?;
     let ranges = varying.ranges.get(start..end)?;
@@ -395,7 +396,7 @@ fn varying_rows_of<'a>(
     let last = ranges.last()?;
     let same_shape = shapes.iter().all(|s| s == first_shape);
     let adjacent = ranges.windows(2).all(|w| w[0].end == w[1].start);
-    let mut shape = Vec::with_capacity(first_shape.len() + 1);
+    let mut shape = Shape::with_capacity(first_shape.len() + 1);
     shape.push(route.rows as u64);
     if same_shape && adjacent {
         shape.extend_from_slice(first_shape);

@@ -28,15 +28,15 @@ pub struct InferRequest {
     /// them: a range, so a request whose model does not ask copies nothing.
     pub parameters: Option<Range<usize>>,
     /// The inputs, in the request's order.
-    pub inputs: Vec<Input>,
+    pub inputs: crate::PerInput<Input>,
     /// The outputs the request names (`None`: all, binary as
     /// `binary_data_output` says).
-    pub outputs: Option<Vec<RequestedOutput>>,
+    pub outputs: Option<crate::PerInput<RequestedOutput>>,
 }
 
 impl InferRequest {
     /// The outputs to send: `(index in the codec's outputs, as binary)`.
-    pub fn selected_outputs(&self, codec: &Codec) -> Vec<(usize, bool)> {
+    pub fn selected_outputs(&self, codec: &Codec) -> crate::PerInput<(usize, bool)> {
         match &self.outputs {
             Some(outputs) => outputs.iter().map(|o| (o.index, o.binary)).collect(),
             None => (0..codec.outputs().len())
@@ -51,9 +51,12 @@ impl InferRequest {
 pub struct Input {
     pub name: String,
     pub dtype: DType,
-    pub shape: Vec<u64>,
+    pub shape: Shape,
     pub data: Data,
 }
+
+/// A tensor's shape, inline for the few dimensions tensors have.
+pub type Shape = smallvec::SmallVec<[u64; 6]>;
 
 /// Where an input's little-endian bytes are.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -252,8 +255,8 @@ impl<'a> Decoder<'a, '_> {
         let mut priority = None;
         let mut parameters = None;
         let mut binary_default = None;
-        let mut inputs: Option<Vec<Pending>> = None;
-        let mut outputs: Option<Vec<Selected>> = None;
+        let mut inputs: Option<crate::PerInput<Pending>> = None;
+        let mut outputs: Option<crate::PerInput<Selected>> = None;
         let mut first = true;
         while let Some(key) = self.next_key(&mut first)? {
             match &*key {
@@ -291,7 +294,7 @@ impl<'a> Decoder<'a, '_> {
         };
         // Binary data follows the header in the inputs' order.
         let mut offset = header_end;
-        let mut decoded = Vec::with_capacity(pending.len());
+        let mut decoded = crate::PerInput::with_capacity(pending.len());
         for input in pending {
             let data = match input.data {
                 PendingData::Owned(bytes) => Data::Owned(bytes),
@@ -433,13 +436,13 @@ impl<'a> Decoder<'a, '_> {
         }
     }
 
-    fn inputs(&mut self) -> Result<Vec<Pending>, V2Error> {
+    fn inputs(&mut self) -> Result<crate::PerInput<Pending>, V2Error> {
         if self.p.peek_kind().map_err(json_error)? != Kind::Array {
             self.skip()?;
             return Err(invalid("the request needs a non-empty 'inputs' list"));
         }
         self.p.begin_array().map_err(json_error)?;
-        let mut inputs: Vec<Pending> = Vec::new();
+        let mut inputs = crate::PerInput::<Pending>::new();
         let mut first = true;
         while self.p.next_element(&mut first).map_err(json_error)? {
             if self.p.peek_kind().map_err(json_error)? != Kind::Object {
@@ -461,8 +464,8 @@ impl<'a> Decoder<'a, '_> {
         &self,
         name: &Field<'a, Cow<'a, str>>,
         datatype: &Field<'a, Cow<'a, str>>,
-        shape: &Field<'a, Vec<u64>>,
-    ) -> Result<(String, DType, Vec<u64>, usize), V2Error> {
+        shape: &Field<'a, Shape>,
+    ) -> Result<(String, DType, Shape, usize), V2Error> {
         let name = match name {
             Field::Got(n) if !n.is_empty() => n.to_string(),
             Field::Got(_) => return Err(invalid("every tensor needs a non-empty 'name', got ''")),
@@ -530,13 +533,14 @@ impl<'a> Decoder<'a, '_> {
                 "datatype" => datatype = self.string_field()?,
                 "shape" => shape = self.shape()?,
                 "parameters" => {
-                    let what = match &name {
+                    // Named only in an error: no text made for a good request.
+                    let what = || match &name {
                         Field::Got(n) => format!("input '{}'", Clipped(n.as_ref())),
                         _ => "an input".into(),
                     };
-                    let error = || invalid(format!("'parameters' of {what} must be an object"));
+                    let error = || invalid(format!("'parameters' of {} must be an object", what()));
                     if self.object_or_null(error)? {
-                        binary_size = self.input_parameters(&what)?.or(binary_size);
+                        binary_size = self.input_parameters(what)?.or(binary_size);
                     }
                 }
                 "data" => {
@@ -603,7 +607,7 @@ impl<'a> Decoder<'a, '_> {
     }
 
     /// `binary_data_size` from an input's parameters (others are ignored).
-    fn input_parameters(&mut self, what: &str) -> Result<Option<u64>, V2Error> {
+    fn input_parameters(&mut self, what: impl Fn() -> String) -> Result<Option<u64>, V2Error> {
         let mut size = None;
         let mut first = true;
         while let Some(key) = self.next_key(&mut first)? {
@@ -631,7 +635,8 @@ impl<'a> Decoder<'a, '_> {
                 Some(v) => size = Some(v),
                 None => {
                     return Err(invalid(format!(
-                        "{what}: binary_data_size must be an int >= 0"
+                        "{}: binary_data_size must be an int >= 0",
+                        what()
                     )))
                 }
             }
@@ -640,11 +645,11 @@ impl<'a> Decoder<'a, '_> {
     }
 
     /// A `shape`: a list of non-negative integers, or the text sent.
-    fn shape(&mut self) -> Result<Field<'a, Vec<u64>>, V2Error> {
+    fn shape(&mut self) -> Result<Field<'a, Shape>, V2Error> {
         let range = self.p.skip_value().map_err(json_error)?;
         let text = self.text(range.clone());
         let mut p = Parser::at(self.src, range.start);
-        let mut dims = Vec::new();
+        let mut dims = Shape::new();
         if p.peek_kind() != Ok(Kind::Array) {
             return Ok(Field::Bad(text));
         }
@@ -737,7 +742,7 @@ impl<'a> Decoder<'a, '_> {
         elements.finish(name, shape)
     }
 
-    fn outputs(&mut self) -> Result<Option<Vec<Selected>>, V2Error> {
+    fn outputs(&mut self) -> Result<Option<crate::PerInput<Selected>>, V2Error> {
         match self.p.peek_kind().map_err(json_error)? {
             Kind::Null => {
                 self.p.null();
@@ -750,7 +755,7 @@ impl<'a> Decoder<'a, '_> {
             }
         }
         self.p.begin_array().map_err(json_error)?;
-        let mut outputs = Vec::new();
+        let mut outputs = crate::PerInput::new();
         let mut first = true;
         let entry_error =
             || invalid("every entry of 'outputs' must be an object with a string 'name'");
@@ -847,7 +852,7 @@ type Selected = (usize, Option<bool>);
 struct Pending {
     name: String,
     dtype: DType,
-    shape: Vec<u64>,
+    shape: Shape,
     data: PendingData,
 }
 

@@ -657,8 +657,9 @@ impl<'a> Parser<'a> {
         self.skip_ws();
         let start = self.pos;
         // Iterative: the depth limit, not the stack, bounds the nesting.
-        // Each open container: (is an object, no member read yet).
-        let mut open: Vec<(bool, bool)> = Vec::new();
+        // Each open container: (is an object, no member read yet); inline
+        // for the usual nesting, so skipping a value allocates nothing.
+        let mut open: smallvec::SmallVec<[(bool, bool); 16]> = smallvec::SmallVec::new();
         loop {
             match self.peek_kind()? {
                 kind @ (Kind::Object | Kind::Array) => {

@@ -39,7 +39,7 @@ mod encode;
 mod error;
 pub mod json;
 
-pub use decode::{Data, HeaderCheck, InferRequest, Input, RequestedOutput};
+pub use decode::{Data, HeaderCheck, InferRequest, Input, RequestedOutput, Shape};
 pub use elements::Elements;
 pub use encode::{write_json_string, Encoded, Output};
 pub use error::{quote, shape_text, short, Clipped, V2Error};

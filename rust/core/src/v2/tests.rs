@@ -48,7 +48,7 @@ fn decodes_flat_and_nested_json_data() {
         let request = decode(&body).unwrap();
         assert_eq!(request.id.as_deref(), Some("r-1"));
         assert_eq!(request.inputs.len(), 1);
-        assert_eq!(request.inputs[0].shape, vec![2, 2]);
+        assert_eq!(request.inputs[0].shape.as_slice(), [2, 2]);
         assert_eq!(f32s(&request.inputs[0].data), vec![1.0, 2.5, -3.0, 4.0]);
         assert_eq!(request.outputs, None);
         assert_eq!(request.timeout, None);
@@ -78,8 +78,8 @@ fn parameters_and_requested_outputs() {
     assert_eq!(request.priority, None);
     assert!(request.binary_data_output);
     assert_eq!(
-        request.selected_outputs(&codec()),
-        vec![(1, true), (0, false)]
+        request.selected_outputs(&codec()).as_slice(),
+        [(1, true), (0, false)]
     );
     for (timeout, expected) in [
         ("0", None),
@@ -552,7 +552,7 @@ proptest! {
         prop_assert_eq!(decoded.inputs.len(), 1);
         let input = &decoded.inputs[0];
         prop_assert_eq!(input.dtype, dtype);
-        prop_assert_eq!(&input.shape, &shape);
+        prop_assert_eq!(input.shape.as_slice(), shape.as_slice());
         let bytes = match &input.data {
             Data::Owned(v) => v.as_slice(),
             Data::Body(r) => &request[r.clone()],

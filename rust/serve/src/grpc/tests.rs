@@ -89,7 +89,7 @@ fn raw_contents_are_checked_and_kept_as_they_are() {
     let inputs = [input("x", "FP32", &[2, 2]), input("b", "BOOL", &[1])];
     let raw = vec![Bytes::from(vec![0u8; 16]), Bytes::from_static(&[1])];
     let decoded = decode_inputs(&inputs, raw.clone(), Limits::default(), &mut any_input).unwrap();
-    assert_eq!(decoded.owners.shared, raw);
+    assert_eq!(decoded.owners.shared.as_slice(), raw.as_slice());
     assert!(decoded.owners.decoded.is_empty());
     let sources: Vec<&Source> = decoded.tensors.iter().map(|(.., s)| s).collect();
     assert_eq!(
