@@ -116,7 +116,7 @@ pub use pending::{Pending, Taken, Withdraw};
 pub use queue::{Message, Priorities, PushError, Readiness, RequestQueue};
 pub use request::{InputBytes, Request, RequestState, Withdrawal, MAX_VARIABLE_DIMS};
 pub use specs::{
-    Extents, InputRules, InputSpec, Matched, Measured, PerInput, SpecError, MAX_OPTIONAL_INPUTS,
+    Extents, InputRules, InputSpec, Matched, Measured, PerTensor, SpecError, MAX_OPTIONAL_INPUTS,
 };
 pub use staging::{
     Collated, HeldSlot, Layout, Padded, Ragged, RaggedBytes, SlotBuffer, StagingRing,

@@ -18,8 +18,9 @@ use crate::{DType, Layout};
 /// (a spec with more, refused by the batcher, spills to the heap).
 pub type Extents = SmallVec<[usize; MAX_VARIABLE_DIMS]>;
 
-/// Per input of a request, inline for the few inputs models take.
-pub type PerInput<T> = SmallVec<[T; 4]>;
+/// One per tensor of a request (its inputs, the outputs it asks for), inline
+/// for the few tensors models take.
+pub type PerTensor<T> = SmallVec<[T; 4]>;
 
 /// One declared model input.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -380,10 +381,10 @@ pub struct Matched {
     pub rows: usize,
     /// For each spec, in the model's order: the index of its tensor among
     /// those sent; `None` for an optional input the request left out.
-    pub order: PerInput<Option<usize>>,
+    pub order: PerTensor<Option<usize>>,
     /// For each spec, in the model's order: its tensor's lengths along its
     /// variable dimensions ([`Measured::extents`]).
-    pub extents: PerInput<Extents>,
+    pub extents: PerTensor<Extents>,
     /// Bit `i` set: the request left out optional input `i`.
     pub absent: u64,
 }
@@ -452,8 +453,8 @@ impl InputRules<'_> {
         {
             return Err(self.unexpected(name));
         }
-        let mut order = PerInput::with_capacity(self.specs.len());
-        let mut extents = PerInput::with_capacity(self.specs.len());
+        let mut order = PerTensor::with_capacity(self.specs.len());
+        let mut extents = PerTensor::with_capacity(self.specs.len());
         let mut absent = 0u64;
         let mut rows: Option<usize> = None;
         for (i, spec) in self.specs.iter().enumerate() {

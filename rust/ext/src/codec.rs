@@ -316,7 +316,7 @@ pub(crate) struct V2Request {
     inputs: Py<PyDict>,
     bf16: bool,
     /// `(output index, as binary)`, in response order.
-    selected: ferrobatch_core::PerInput<(usize, bool)>,
+    selected: ferrobatch_core::PerTensor<(usize, bool)>,
 }
 
 #[pymethods]

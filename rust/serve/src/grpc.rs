@@ -875,7 +875,7 @@ fn submit(
         true => model.refuse_input(failure),
         false => failure,
     })?;
-    let tensors: ferrobatch_core::PerInput<Tensor<'_>> = request
+    let tensors: ferrobatch_core::PerTensor<Tensor<'_>> = request
         .inputs
         .iter()
         .zip(&call.tensors)

@@ -10,7 +10,7 @@ use bytes::Bytes;
 use ferrobatch_core::v2::Data;
 use ferrobatch_core::{
     timeout_from_secs, CoreError, DType, InputBytes, InputRules, InputSpec, Layout, Outcome,
-    PerInput, Readiness, RequestState, Sink, Submission,
+    PerTensor, Readiness, RequestState, Sink, Submission,
 };
 use tokio::sync::oneshot;
 
@@ -153,7 +153,7 @@ impl ServedModel {
             outputs: request.selected_outputs(codec),
         };
         let mut decoded = Vec::new();
-        let sources: PerInput<Source> = request
+        let sources: PerTensor<Source> = request
             .inputs
             .iter_mut()
             .map(|input| match &mut input.data {
@@ -167,7 +167,7 @@ impl ServedModel {
                 },
             })
             .collect();
-        let tensors: PerInput<Tensor<'_>> = request
+        let tensors: PerTensor<Tensor<'_>> = request
             .inputs
             .iter()
             .zip(sources)
@@ -268,7 +268,7 @@ impl ServedModel {
             parameters,
         } = meta;
         let batcher = self.replies.batcher();
-        let shapes: PerInput<Dims> = tensors
+        let shapes: PerTensor<Dims> = tensors
             .iter()
             .map(|t| {
                 t.shape
@@ -277,7 +277,7 @@ impl ServedModel {
                     .collect()
             })
             .collect();
-        let described: PerInput<(&str, DType, &[usize])> = tensors
+        let described: PerTensor<(&str, DType, &[usize])> = tensors
             .iter()
             .zip(&shapes)
             .map(|(t, shape)| (t.name, t.dtype, shape.as_slice()))

@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use ferrobatch_core::v2::{Codec, Encoded, Output, Shape};
-use ferrobatch_core::{Batcher, Outcome, Pending, PerInput, Request, RequestState, Route, Tally};
+use ferrobatch_core::{Batcher, Outcome, Pending, PerTensor, Request, RequestState, Route, Tally};
 use tokio::sync::{mpsc, oneshot};
 
 /// Why a request got no result: its HTTP status and the message for the client.
@@ -68,7 +68,7 @@ pub enum ResponsePlan {
     /// as binary)` per output to send.
     Encoded {
         id: Option<String>,
-        outputs: PerInput<(usize, bool)>,
+        outputs: PerTensor<(usize, bool)>,
     },
     /// The raw rows of these outputs (indices), in this order.
     Raw { outputs: Vec<usize> },
@@ -268,14 +268,14 @@ impl Replies {
     fn encode(&self, route: &Route, plan: &ResponsePlan, columns: &[Column<'_>]) -> Reply {
         match plan {
             ResponsePlan::Encoded { id, outputs } => {
-                let mut shapes: PerInput<Shape> = PerInput::with_capacity(outputs.len());
-                let mut slices: PerInput<Cow<'_, [u8]>> = PerInput::with_capacity(outputs.len());
+                let mut shapes: PerTensor<Shape> = PerTensor::with_capacity(outputs.len());
+                let mut slices: PerTensor<Cow<'_, [u8]>> = PerTensor::with_capacity(outputs.len());
                 for &(index, _) in outputs {
                     let (shape, data) = self.rows(route, index, columns)?;
                     shapes.push(shape);
                     slices.push(data);
                 }
-                let outputs: PerInput<Output<'_>> = outputs
+                let outputs: PerTensor<Output<'_>> = outputs
                     .iter()
                     .zip(shapes.iter().zip(&slices))
                     .map(|(&(index, binary), (shape, data))| Output {

@@ -28,15 +28,15 @@ pub struct InferRequest {
     /// them: a range, so a request whose model does not ask copies nothing.
     pub parameters: Option<Range<usize>>,
     /// The inputs, in the request's order.
-    pub inputs: crate::PerInput<Input>,
+    pub inputs: crate::PerTensor<Input>,
     /// The outputs the request names (`None`: all, binary as
     /// `binary_data_output` says).
-    pub outputs: Option<crate::PerInput<RequestedOutput>>,
+    pub outputs: Option<crate::PerTensor<RequestedOutput>>,
 }
 
 impl InferRequest {
     /// The outputs to send: `(index in the codec's outputs, as binary)`.
-    pub fn selected_outputs(&self, codec: &Codec) -> crate::PerInput<(usize, bool)> {
+    pub fn selected_outputs(&self, codec: &Codec) -> crate::PerTensor<(usize, bool)> {
         match &self.outputs {
             Some(outputs) => outputs.iter().map(|o| (o.index, o.binary)).collect(),
             None => (0..codec.outputs().len())
@@ -255,8 +255,8 @@ impl<'a> Decoder<'a, '_> {
         let mut priority = None;
         let mut parameters = None;
         let mut binary_default = None;
-        let mut inputs: Option<crate::PerInput<Pending>> = None;
-        let mut outputs: Option<crate::PerInput<Selected>> = None;
+        let mut inputs: Option<crate::PerTensor<Pending>> = None;
+        let mut outputs: Option<crate::PerTensor<Selected>> = None;
         let mut first = true;
         while let Some(key) = self.next_key(&mut first)? {
             match &*key {
@@ -294,7 +294,7 @@ impl<'a> Decoder<'a, '_> {
         };
         // Binary data follows the header in the inputs' order.
         let mut offset = header_end;
-        let mut decoded = crate::PerInput::with_capacity(pending.len());
+        let mut decoded = crate::PerTensor::with_capacity(pending.len());
         for input in pending {
             let data = match input.data {
                 PendingData::Owned(bytes) => Data::Owned(bytes),
@@ -436,13 +436,13 @@ impl<'a> Decoder<'a, '_> {
         }
     }
 
-    fn inputs(&mut self) -> Result<crate::PerInput<Pending>, V2Error> {
+    fn inputs(&mut self) -> Result<crate::PerTensor<Pending>, V2Error> {
         if self.p.peek_kind().map_err(json_error)? != Kind::Array {
             self.skip()?;
             return Err(invalid("the request needs a non-empty 'inputs' list"));
         }
         self.p.begin_array().map_err(json_error)?;
-        let mut inputs = crate::PerInput::<Pending>::new();
+        let mut inputs = crate::PerTensor::<Pending>::new();
         let mut first = true;
         while self.p.next_element(&mut first).map_err(json_error)? {
             if self.p.peek_kind().map_err(json_error)? != Kind::Object {
@@ -742,7 +742,7 @@ impl<'a> Decoder<'a, '_> {
         elements.finish(name, shape)
     }
 
-    fn outputs(&mut self) -> Result<Option<crate::PerInput<Selected>>, V2Error> {
+    fn outputs(&mut self) -> Result<Option<crate::PerTensor<Selected>>, V2Error> {
         match self.p.peek_kind().map_err(json_error)? {
             Kind::Null => {
                 self.p.null();
@@ -755,7 +755,7 @@ impl<'a> Decoder<'a, '_> {
             }
         }
         self.p.begin_array().map_err(json_error)?;
-        let mut outputs = crate::PerInput::new();
+        let mut outputs = crate::PerTensor::new();
         let mut first = true;
         let entry_error =
             || invalid("every entry of 'outputs' must be an object with a string 'name'");
