@@ -54,6 +54,15 @@ pub struct Tensor<'a> {
 /// A shape, inline for the few dimensions tensors have.
 type Dims = smallvec::SmallVec<[usize; 6]>;
 
+/// A wire shape as the input rules measure it: a dimension past `usize`
+/// becomes `usize::MAX`, which every bound refuses.
+fn dims(shape: &[u64]) -> Dims {
+    shape
+        .iter()
+        .map(|&d| usize::try_from(d).unwrap_or(usize::MAX))
+        .collect()
+}
+
 /// Where a tensor's bytes are among its request's [`InputOwners`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Source {
@@ -206,12 +215,8 @@ impl ServedModel {
     /// the input, what was expected and what was sent (not counted: the
     /// caller counts the refusal).
     pub fn check_header(&self, name: &str, dtype: DType, shape: &[u64]) -> Result<(), Failure> {
-        let shape: Dims = shape
-            .iter()
-            .map(|&d| usize::try_from(d).unwrap_or(usize::MAX))
-            .collect();
         self.rules()
-            .check(name, dtype, &shape)
+            .check(name, dtype, &dims(shape))
             .map_err(|e| Failure::new(400, e.0))
     }
 
@@ -268,15 +273,7 @@ impl ServedModel {
             parameters,
         } = meta;
         let batcher = self.replies.batcher();
-        let shapes: PerTensor<Dims> = tensors
-            .iter()
-            .map(|t| {
-                t.shape
-                    .iter()
-                    .map(|&d| usize::try_from(d).unwrap_or(usize::MAX))
-                    .collect()
-            })
-            .collect();
+        let shapes: PerTensor<Dims> = tensors.iter().map(|t| dims(t.shape)).collect();
         let described: PerTensor<(&str, DType, &[usize])> = tensors
             .iter()
             .zip(&shapes)
