@@ -110,6 +110,7 @@ fuzz:
 
 bench: build bench-serve-deps
 	cargo bench
+	cargo bench -p ferrobatch-serve --bench grpc
 	$(PY) benches/python/bench_e2e.py
 	$(PY) benches/python/bench_submit.py
 	$(PY) benches/python/bench_serve.py
