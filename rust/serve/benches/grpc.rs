@@ -9,7 +9,7 @@
 //! a gRPC request takes on one core (benches/README.md), is what a decoder
 //! that skipped prost's owned strings could save.
 //!
-//! Run: `cargo bench -p ferrobatch-serve --bench grpc`.
+//! Run: `cargo bench -p ferrobatch-serve --bench grpc` (or `make bench`).
 
 use std::hint::black_box;
 use std::time::Duration;
