@@ -64,6 +64,12 @@ fn bench_grpc(c: &mut Criterion) {
     };
     let mut accept = |_: &str, _: DType, _: &[u64]| -> Result<(), Failure> { Ok(()) };
 
+    // The timed paths are the successful ones: checked once before timing.
+    assert!(
+        read_infer_call(&mut decode(&wire), &codec, None, &[], false, &mut accept).is_ok(),
+        "the bench's request is read"
+    );
+
     let mut group = c.benchmark_group("grpc/request");
     group.bench_function("reference: prost decode", |b| {
         b.iter(|| black_box(decode(black_box(&wire))))
@@ -86,6 +92,10 @@ fn bench_grpc(c: &mut Criterion) {
         infer_answer(&codec, "identity", "", outputs, None)
     };
     let built = answer(&data);
+    let mut framed = vec![0u8; PREFIX + built.encoded_len()];
+    built
+        .encode(&mut framed[PREFIX..])
+        .expect("the bench's answer encodes");
     let mut group = c.benchmark_group("grpc/answer");
     group.bench_function("reference: prost encode of a built answer", |b| {
         b.iter(|| {
