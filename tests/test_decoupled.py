@@ -61,10 +61,17 @@ def counting(steps: int, closed: list[int] | None = None, fail_at: int | None = 
 class Stream:
     """One ModelStreamInfer call through tritonclient, its messages queued."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, reading: threading.Event | None = None) -> None:
+        """``reading``: the client reads the stream only once it is set."""
         self.client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
         self.messages: queue.SimpleQueue[tuple[Any, Any]] = queue.SimpleQueue()
-        self.client.start_stream(callback=lambda result, error: self.messages.put((result, error)))
+
+        def received(result: Any, error: Any) -> None:
+            if reading is not None:
+                reading.wait(60)
+            self.messages.put((result, error))
+
+        self.client.start_stream(callback=received)
 
     def send(self, model: str, x: np.ndarray, request_id: str, final: bool = True) -> None:
         given = grpcclient.InferInput("x", list(x.shape), "FP32")
@@ -565,3 +572,85 @@ def test_one_stream_holds_at_most_1024_requests_unanswered(frontend: str) -> Non
             assert stream.next()[1] is None
         stream.close()
     assert server.stats()["requests_succeeded"] == 1100
+
+
+def test_an_in_process_reader_that_falls_behind_is_cut_off_and_others_in_its_batch_go_on() -> None:
+    closed: list[int] = []
+
+    def paced(inputs: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
+        for item in counting(300, closed)(inputs):
+            time.sleep(0.001)
+            yield item
+
+    # Each response is 12 bytes: a reader may leave 20 unread.
+    server = fb.Server(paced, inputs=[X], outputs=[Y], decoupled=True, max_delay=0.05, max_stream_backlog=240)
+
+    async def main() -> tuple[int, BaseException | None, int]:
+        async with server:
+            client = server.client()
+
+            async def slow() -> tuple[int, BaseException | None]:
+                seen = 0
+                deadline = time.monotonic() + 10
+                try:
+                    async for _ in client.stream({"x": torch.ones(3)}):
+                        seen += 1
+                        while seen == 1 and time.monotonic() < deadline:
+                            if server.stats()["requests_failed"]["queue_full"]:
+                                break
+                            await asyncio.sleep(0.01)  # stops reading until it is cut off
+                except fb.FerrobatchError as exc:
+                    return seen, exc
+                return seen, None
+
+            async def fast() -> int:
+                return len([out async for out in client.stream({"x": torch.ones(3)})])
+
+            (seen, error), read = await asyncio.gather(slow(), fast())
+            return seen, error, read
+
+    seen, error, read = asyncio.run(main())
+    assert isinstance(error, fb.StreamBacklogError) and isinstance(error, fb.QueueFullError)
+    assert "max_stream_backlog (240)" in str(error)
+    assert seen == 1 + 20, "what was held before the bound is still read, then the error"
+    assert read == 300, "the other stream of the batch got every response"
+    assert failures(server) == {"queue_full": 1} and server.stats()["requests_succeeded"] == 1
+
+
+def test_a_response_counts_its_tensors_and_bytes_elements() -> None:
+    from ferrobatch.client import response_bytes
+
+    words = np.array([b"abc", b"de"], dtype=object)
+    assert response_bytes({"y": torch.zeros(4, dtype=torch.float64), "w": words, "b": b"xyz"}) == 32 + 5 + 3
+
+
+@pytest.mark.parametrize("frontend", ["native", "python"])
+def test_a_grpc_client_that_stops_reading_costs_at_most_the_streams_backlog(frontend: str) -> None:
+    closed: list[int] = []
+    big = fb.TensorSpec("x", "float32", (16384,))  # 64 KiB per response
+    server = fb.Server(
+        counting(1000, closed), inputs=[big], outputs=[replace(big, name="y")], decoupled=True, name="big"
+    )
+    short = fb.Server(counting(3), inputs=[X], outputs=[Y], decoupled=True, name="short")
+    reading = threading.Event()
+    config = replace(CONFIG, frontend=frontend, max_stream_backlog=1 << 20)
+    with serve_in_thread([server, short], config) as listening:
+        stream = Stream(listening.grpc_port, reading)
+        stream.send("big", np.ones((1, 16384), np.float32), "a")
+        deadline = time.monotonic() + 30
+        while not server.stats()["requests_failed"]["queue_full"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        reading.set()
+        messages = []
+        while not messages or messages[-1][1] is None:
+            messages.append(stream.next())
+        error = messages[-1][1]
+        assert isinstance(error, InferenceServerException) and "max_stream_backlog" in error.message()
+        assert len(messages) - 1 < 1000 // 2, "most responses were never made"
+        stream.send("short", np.ones((1, 3), np.float32), "b")  # the stream goes on
+        answered = [stream.next() for _ in range(4)]
+        assert all(e is None for _, e in answered) and is_final(answered[-1][0])
+        stream.close()
+    assert closed and closed[0] < 999, "the model stopped making what no one would read"
+    assert failures(server) == {"queue_full": 1} and server.stats()["requests_succeeded"] == 0
+    assert short.stats()["requests_succeeded"] == 1

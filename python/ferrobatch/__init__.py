@@ -16,6 +16,7 @@ from .errors import (
     ModelError,
     QueueFullError,
     ServerClosedError,
+    StreamBacklogError,
 )
 from .server import Server
 from .shared import Shared, SharedClient, connect
@@ -33,6 +34,7 @@ __all__ = [
     "ServerClosedError",
     "Shared",
     "SharedClient",
+    "StreamBacklogError",
     "TensorSpec",
     "__version__",
     "connect",

@@ -289,6 +289,7 @@ class NativeFrontend:
         keepalive_interval: float = 60.0,
         http_header_forward_pattern: str | None = None,
         grpc_header_forward_pattern: str | None = None,
+        max_stream_backlog: int = ...,
     ) -> NativeFrontend: ...
     @property
     def port(self) -> int | None: ...

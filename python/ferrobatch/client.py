@@ -17,16 +17,49 @@ import torch
 
 from . import _core
 from ._requests import Parameter, encode_parameters
-from .errors import InvalidInputError, ServerClosedError
+from .errors import InvalidInputError, ServerClosedError, StreamBacklogError
 from .specs import flatten_into, nested_key
 
 if TYPE_CHECKING:
     from .server import Server
 
-__all__ = ["Client", "flatten_inputs"]
+__all__ = ["Client", "StreamBacklog", "flatten_inputs"]
 
 Inputs = Mapping[str, Any]
 Outputs = dict[str, torch.Tensor]
+
+#: ``Server(max_stream_backlog=)``'s and ``ServeConfig``'s default: bytes.
+MAX_STREAM_BACKLOG = 64 << 20
+
+
+class StreamBacklog:
+    """The bytes of a stream's responses made but not yet read, bounded by
+    ``limit``: one per ``client.stream`` call, or one shared by the requests
+    of a gRPC stream (counting its messages not yet sent as well). Loop
+    thread only."""
+
+    __slots__ = ("limit", "unread")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.unread = 0
+
+    def take(self, nbytes: int) -> None:
+        """Counts a new response's ``nbytes``; past ``limit``, counts nothing
+        and raises :class:`StreamBacklogError` (its request then fails)."""
+        if self.unread + nbytes > self.limit:
+            raise StreamBacklogError(
+                f"the stream's reader is too slow: {self.unread} bytes of responses are unread and the next "
+                f"({nbytes} bytes) would pass max_stream_backlog ({self.limit}); the request is cancelled"
+            )
+        self.unread += nbytes
+
+    def add(self, nbytes: int) -> None:
+        """Counts bytes already made (a response re-encoded on its way out): never refused."""
+        self.unread += nbytes
+
+    def release(self, nbytes: int) -> None:
+        self.unread = max(0, self.unread - nbytes)
 
 
 def flatten_inputs(inputs: Mapping[Any, Any], names: Collection[str] | None = None) -> dict[str, Any]:
@@ -77,6 +110,23 @@ def submit_from_thread(
 
     loop.call_soon_threadsafe(on_loop)
     return result
+
+
+def response_bytes(response: object) -> int:
+    """The bytes one streamed response holds: its tensors' and arrays'
+    elements, a BYTES output's elements by their lengths."""
+    values = response.values() if isinstance(response, Mapping) else (response,)
+    total = 0
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            total += value.nbytes
+        elif isinstance(value, (bytes, str)):
+            total += len(value)
+        elif getattr(getattr(value, "dtype", None), "kind", None) == "O":  # numpy BYTES elements
+            total += sum(len(v) for v in getattr(value, "flat", ()) if isinstance(v, (bytes, str)))
+        else:
+            total += int(getattr(value, "nbytes", 0))
+    return total
 
 
 def _is_tensordict(value: object) -> bool:
@@ -303,20 +353,22 @@ class Client:
         batched: bool,
         priority: int | None,
         parameters: str | None,
+        backlog: StreamBacklog | None = None,
     ) -> AsyncIterator[Any]:
         """``stream`` / ``stream_batch`` (``parameters``: a JSON object's
-        text: the v2 front-ends pass on what a request carried)."""
+        text: the v2 front-ends pass on what a request carried; ``backlog``:
+        the gRPC stream's the request answers on, else its own)."""
         tensordict = not batched and _is_tensordict(inputs)
         if type(inputs) is not dict and isinstance(inputs, Mapping):
             inputs = flatten_inputs(inputs, self._input_names if tensordict else None)
-        responses = _Responses()
+        responses = _Responses(backlog or StreamBacklog(self._server.max_stream_backlog))
         future, rid = self._submitter.submit(inputs, timeout, batched, priority, parameters, responses)
         del inputs
         future.add_done_callback(responses.wake)
         try:
             while True:
                 while responses.items:
-                    out = responses.items.popleft()
+                    out = responses.popleft()
                     yield _to_tensordict(out) if tensordict else out
                 if future.done():
                     future.result()  # the end of the stream, or the error that ended it
@@ -425,15 +477,25 @@ class _Responses:
     (``put_nowait``, on the loop thread), and a wait for the next one or the
     end (the request's future, whose callback is :meth:`wake`)."""
 
-    __slots__ = ("_waiter", "items")
+    __slots__ = ("_backlog", "_waiter", "items")
 
-    def __init__(self) -> None:
-        self.items: deque[Any] = deque()
+    def __init__(self, backlog: StreamBacklog) -> None:
+        self.items: deque[tuple[Any, int]] = deque()
+        self._backlog = backlog
         self._waiter: asyncio.Future[None] | None = None
 
     def put_nowait(self, item: Any) -> None:
-        self.items.append(item)
+        """Raises :class:`StreamBacklogError` past the backlog's bound (the
+        mailbox then fails the request, counted under ``queue_full``)."""
+        nbytes = response_bytes(item)
+        self._backlog.take(nbytes)
+        self.items.append((item, nbytes))
         self.wake()
+
+    def popleft(self) -> Any:
+        item, nbytes = self.items.popleft()
+        self._backlog.release(nbytes)
+        return item
 
     def wake(self, _: object = None) -> None:
         waiter, self._waiter = self._waiter, None

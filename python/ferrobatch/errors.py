@@ -9,6 +9,7 @@ __all__ = [
     "FerrobatchError",
     "InvalidInputError",
     "QueueFullError",
+    "StreamBacklogError",
     "DeadlineExceededError",
     "ServerClosedError",
     "ModelError",
@@ -28,6 +29,14 @@ class InvalidInputError(FerrobatchError, ValueError):
 
 class QueueFullError(FerrobatchError):
     """``max_queue_size`` requests are already waiting; raised at once."""
+
+
+class StreamBacklogError(QueueFullError):
+    """A streamed request's responses went unread past ``max_stream_backlog``
+    bytes (its reader is slower than its model): the request is cancelled,
+    and its stream ends with this error after the responses it holds.
+    Counted under ``queue_full`` in ``stats()``.
+    """
 
 
 class DeadlineExceededError(FerrobatchError, TimeoutError):

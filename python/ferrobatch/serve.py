@@ -62,6 +62,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .client import MAX_STREAM_BACKLOG
 from .errors import ModelError
 from .http.protocol import MAX_BODY_SIZE, MAX_DECOMPRESSED_SIZE, ModelRepository
 from .server import Server, usable_cores
@@ -197,6 +198,12 @@ class ServeConfig:
     http_header_forward_pattern: str | None = None
     #: The same for gRPC metadata (``--grpc-header-forward-pattern``).
     grpc_header_forward_pattern: str | None = None
+    #: The most bytes of a decoupled model's responses one gRPC
+    #: ``ModelStreamInfer`` stream holds before its client reads them (either
+    #: front-end): a response past them fails its request (an
+    #: ``error_message`` on the stream, counted ``queue_full``) instead of
+    #: being held, so a client that stops reading costs at most that much.
+    max_stream_backlog: int = MAX_STREAM_BACKLOG
     #: Also share the models with other processes of this user (see
     #: :meth:`Server.share`) under this name (one model), or
     #: ``"{share}.{model}"`` each (several); ``ferrobatch.connect`` there.
@@ -285,6 +292,7 @@ async def serve(
                         keepalive_interval=config.keepalive_interval,
                         http_header_forward_pattern=config.http_header_forward_pattern,
                         grpc_header_forward_pattern=config.grpc_header_forward_pattern,
+                        max_stream_backlog=config.max_stream_backlog,
                     )
                 except OSError as exc:
                     raise StartupError(str(exc)) from None
@@ -299,7 +307,12 @@ async def serve(
                 # imported only when it runs: the native one needs none of them.
                 from .grpc import grpc_server
 
-                rpc = grpc_server(repository, None, max_message_size=config.max_body_size)
+                rpc = grpc_server(
+                    repository,
+                    None,
+                    max_message_size=config.max_body_size,
+                    max_stream_backlog=config.max_stream_backlog,
+                )
                 address = f"{_bracket(config.host)}:{config.grpc_port}"
                 try:
                     grpc_port = rpc.add_insecure_port(address)
@@ -707,6 +720,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="native front-end: HTTP/2 (h2c, gRPC) streams in flight per connection (default 1024)",
     )
     parser.add_argument(
+        "--max-stream-backlog",
+        type=_size,
+        default=MAX_STREAM_BACKLOG,
+        metavar="BYTES",
+        help="bytes of a decoupled model's responses one gRPC stream holds unread by its client;"
+        " a response past them fails its request (default 64 MiB)",
+    )
+    parser.add_argument(
         "--header-timeout",
         type=_seconds,
         default=30.0,
@@ -859,6 +880,7 @@ def main(args: argparse.Namespace) -> int:
         keepalive_interval=args.keepalive_interval,
         http_header_forward_pattern=args.http_header_forward_pattern,
         grpc_header_forward_pattern=args.grpc_header_forward_pattern,
+        max_stream_backlog=args.max_stream_backlog,
         share=args.share,
     )
     try:

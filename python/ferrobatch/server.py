@@ -51,7 +51,7 @@ from ._variable import (
 )
 from ._variable import allocate_slot as variable_slot
 from ._weights import WeightUpdate, WeightUpdates
-from .client import Client, flatten_inputs
+from .client import MAX_STREAM_BACKLOG, Client, flatten_inputs
 from .errors import ModelError, ServerClosedError
 from .specs import TensorSpec, dtype_name, example_specs
 
@@ -209,6 +209,13 @@ class Server:
             loop, ``client().stream(...)`` iterates a request's responses;
             ``infer``, ``infer_sync`` and ``share()`` refuse it (one result
             cannot carry a stream).
+        max_stream_backlog: the most bytes of a decoupled model's
+            responses one ``client().stream(...)`` holds before its caller
+            reads them (default 64 MiB): a response past them ends the stream
+            with :class:`StreamBacklogError` and cancels the request, so a
+            reader that stops costs at most that much. The network
+            front-ends bound each gRPC stream the same way
+            (``ServeConfig.max_stream_backlog``).
         instance_kind: ``"thread"`` (default): each instance is a worker
             thread of this process. ``"process"``: each instance's model runs
             in a child process of its own (``spawn``; the model must be
@@ -252,6 +259,7 @@ class Server:
         batching: bool = True,
         cpu_affinity: Sequence[Iterable[int]] | None = None,
         decoupled: bool = False,
+        max_stream_backlog: int = MAX_STREAM_BACKLOG,
         instance_kind: Literal["thread", "process"] = "thread",
     ) -> None:
         self._models: list[Model] = (
@@ -277,6 +285,9 @@ class Server:
             self.outputs += (TensorSpec(version_output, "int64", ()),)
         self.version_output = version_output
         self.decoupled = bool(decoupled)
+        if not isinstance(max_stream_backlog, int) or max_stream_backlog < 1:
+            raise ValueError(f"max_stream_backlog must be an int >= 1 (bytes), got {max_stream_backlog!r}")
+        self.max_stream_backlog = max_stream_backlog
         # A stream's responses are sent as they come: a failed batch cannot be retried.
         self.isolate_failures = bool(isolate_failures) and not self.decoupled
         rate = float(invariance_sample_rate)

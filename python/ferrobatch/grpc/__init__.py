@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from ..client import MAX_STREAM_BACKLOG
+
 if TYPE_CHECKING:
     import grpc.aio
 
@@ -42,6 +44,7 @@ def grpc_server(
     *,
     max_message_size: int = MAX_MESSAGE_SIZE,
     options: Sequence[tuple[str, int | str]] = (),
+    max_stream_backlog: int = MAX_STREAM_BACKLOG,
 ) -> grpc.aio.Server:
     """A ``grpc.aio.Server`` with the v2 service for ``servers``, bound to
     ``address`` (``None``: bind nothing; call ``add_insecure_port`` yourself).
@@ -61,7 +64,7 @@ def grpc_server(
             *options,
         ]
     )
-    add_to_server(InferenceServicer(servers), server)
+    add_to_server(InferenceServicer(servers, max_stream_backlog=max_stream_backlog), server)
     if address is not None:
         server.add_insecure_port(address)
     return server

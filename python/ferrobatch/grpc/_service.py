@@ -11,6 +11,7 @@ import grpc
 import grpc.aio
 
 from .. import _core
+from ..client import MAX_STREAM_BACKLOG, StreamBacklog
 from ..http.protocol import (
     ModelRepository,
     ProtocolError,
@@ -65,7 +66,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         servers: Server | Iterable[Server] | ModelRepository,
         *,
         expose_errors: bool | None = None,
+        max_stream_backlog: int = MAX_STREAM_BACKLOG,
     ) -> None:
+        #: Bytes of decoupled responses one ModelStreamInfer stream holds unread, at most.
+        self.max_stream_backlog = max_stream_backlog
         if isinstance(servers, ModelRepository):
             self.repository = servers
         else:
@@ -145,6 +149,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         them. A request's failure is an ``error_message`` on the stream,
         which goes on; a client that goes away cancels what it left."""
         messages: asyncio.Queue[bytes | None] = asyncio.Queue()
+        # The stream's responses made and not yet sent (its requests' own,
+        # then `messages`): a decoupled response past the bound fails its request.
+        backlog = StreamBacklog(self.max_stream_backlog)
         as_bytes: bool | None = None  # answered in kind, as ModelInfer
         answering: set[asyncio.Task[None]] = set()
         open_parts = 1  # the reader, then one per request; each ends with a None
@@ -153,7 +160,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
         async def answer(request: bytes) -> None:
             try:
-                async for message in stream_responses(self.repository, request, self.expose_errors):
+                async for message in stream_responses(self.repository, request, self.expose_errors, backlog):
+                    backlog.add(len(message))
                     messages.put_nowait(message)
             finally:
                 in_flight.release()
@@ -187,6 +195,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 if message is None:
                     open_parts -= 1
                 else:
+                    backlog.release(len(message))
                     yield message if as_bytes else pb.ModelStreamInferResponse.FromString(message)
         finally:  # done, or the client went away: nothing is left running
             reader.cancel()
@@ -205,10 +214,13 @@ async def infer(repository: ModelRepository, call: _core.GrpcInferRequest, call_
     return _core.grpc_response(model.codec, call.model_name, call.id, outputs, results)
 
 
-async def stream_responses(repository: ModelRepository, message: bytes, expose_errors: bool) -> AsyncIterator[bytes]:
+async def stream_responses(
+    repository: ModelRepository, message: bytes, expose_errors: bool, backlog: StreamBacklog
+) -> AsyncIterator[bytes]:
     """One ModelStreamInfer request's messages: a decoupled model's
     responses, then (when asked) the empty final one; another model's one
-    response; or the error that ended it, as Triton words it on a stream."""
+    response; or the error that ended it, as Triton words it on a stream.
+    Its decoupled responses count against the stream's ``backlog``."""
     name, rid, empty_final = "", "", False
     try:
         call = _core.GrpcInferRequest(message)
@@ -220,7 +232,7 @@ async def stream_responses(repository: ModelRepository, message: bytes, expose_e
             results = await repository.infer(model, tensors, timeout, priority, parameters)
             yield _core.grpc_response(model.codec, name, rid, outputs, results, last=True)
             return
-        async for results in repository.stream(model, tensors, timeout, priority, parameters):
+        async for results in repository.stream(model, tensors, timeout, priority, parameters, backlog):
             yield _core.grpc_response(model.codec, name, rid, outputs, results, last=False)
     except Exception as exc:  # noqa: BLE001 - every failure becomes an error on the stream
         yield _core.grpc_stream_error(name, rid, error_message(exc, name, expose=expose_errors))

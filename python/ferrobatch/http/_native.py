@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from .._core import FallbackAnswer, NativeFrontend
+from ..client import MAX_STREAM_BACKLOG
 from ..errors import ModelError
 from ..server import front_end_threads, hold_front_end_cores
 from ._endpoint import Endpoint
@@ -68,6 +69,7 @@ class NativeListeners:
         keepalive_interval: float = 60.0,
         http_header_forward_pattern: str | None = None,
         grpc_header_forward_pattern: str | None = None,
+        max_stream_backlog: int = MAX_STREAM_BACKLOG,
     ) -> None:
         self.repository = repository
         self.endpoint = Endpoint(repository, max_decompressed_size=max_decompressed_size)
@@ -94,6 +96,7 @@ class NativeListeners:
             keepalive_interval=keepalive_interval,
             http_header_forward_pattern=http_header_forward_pattern,
             grpc_header_forward_pattern=grpc_header_forward_pattern,
+            max_stream_backlog=max_stream_backlog,
         )
         hold_front_end_cores(self.threads)
         self._holding = True

@@ -28,7 +28,7 @@ import torch
 
 from .. import _core
 from .._core import CodecError, V2Codec, V2Request, __version__, clipped
-from ..client import Client
+from ..client import Client, StreamBacklog
 from ..errors import (
     DeadlineExceededError,
     FerrobatchError,
@@ -382,11 +382,15 @@ class ModelRepository:
         timeout: float | None,
         priority: int | None = None,
         parameters: str | None = None,
+        backlog: StreamBacklog | None = None,
     ) -> AsyncIterator[dict[str, torch.Tensor]]:
-        """A decoupled model's responses to ``n`` rows, as :meth:`infer` takes them."""
+        """A decoupled model's responses to ``n`` rows, as :meth:`infer`
+        takes them (``backlog``: the gRPC stream's, see
+        :class:`~ferrobatch.client.StreamBacklog`)."""
         with self._accepted(model):
             keep = parameters if model.server.with_requests else None
-            async for out in model.client._stream(inputs, timeout, model.server.batching, priority, keep):
+            batching = model.server.batching
+            async for out in model.client._stream(inputs, timeout, batching, priority, keep, backlog):
                 yield out
 
     @contextlib.contextmanager

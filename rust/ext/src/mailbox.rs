@@ -39,7 +39,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::errors::ferrobatch_error;
+use crate::errors::{error_class, ferrobatch_error};
 use crate::inputs::Keep;
 use crate::results::{
     outcome_of_error, BatchAnswers, BatchOutcome, FailedRows, ModelFailure, ResultRows,
@@ -436,7 +436,9 @@ impl LoopMailbox {
 
     /// Hands each streaming request of `routes` still awaited its rows of
     /// one response (`put_nowait` on its stream; loop thread). Rows that
-    /// cannot be taken from the outputs fail that request as a model error.
+    /// cannot be taken from the outputs fail that request as a model error;
+    /// a stream whose reader left too much unread refuses the response
+    /// (`StreamBacklogError`), which fails that request as its queue full.
     fn stream_rows(&self, py: Python<'_>, routes: &[Route], outputs: &Bound<'_, PyDict>) {
         let mut rows = ResultRows::new(outputs);
         let listening = self.pending.peek(routes, |answer, _| {
@@ -453,17 +455,21 @@ impl LoopMailbox {
             let Err(err) = handed else {
                 continue;
             };
-            let what = "returned a response its rows could not be taken from:";
-            let failure = ModelFailure::new(py, &self.model_name, err.value(py), what);
+            let backlog =
+                error_class(py, "StreamBacklogError").is_ok_and(|cls| err.is_instance(py, &cls));
+            let (error, outcome) = if backlog {
+                (err, Outcome::QueueFull)
+            } else {
+                let what = "returned a response its rows could not be taken from:";
+                let failure = ModelFailure::new(py, &self.model_name, err.value(py), what);
+                (failure.error(py), Outcome::ModelError)
+            };
             // Its batch holds it: the entry stays until the batch is done.
-            let gave_up = self.pending.abandon(
-                &ItsQueue,
-                route.id,
-                RequestState::Cancelled,
-                Outcome::ModelError,
-            );
+            let gave_up =
+                self.pending
+                    .abandon(&ItsQueue, route.id, RequestState::Cancelled, outcome);
             if let Some(answer) = gave_up {
-                self.settle(py, answer, Err(&failure.error(py)), Outcome::ModelError);
+                self.settle(py, answer, Err(&error), outcome);
             }
         }
     }

@@ -275,7 +275,7 @@ impl NativeFrontend {
         host, port, fallback, *, grpc_port=None, server_metadata=None, model_metadata=Vec::new(), grpc_fallback=None,
         threads=1, max_body_size=64 << 20, max_decompressed_size=64 << 20, max_connections=10_000, max_streams=1024,
         header_timeout=30.0, body_timeout=60.0, idle_timeout=300.0, keepalive_interval=60.0,
-        http_header_forward_pattern=None, grpc_header_forward_pattern=None,
+        http_header_forward_pattern=None, grpc_header_forward_pattern=None, max_stream_backlog=64 << 20,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -298,6 +298,7 @@ impl NativeFrontend {
         keepalive_interval: f64,
         http_header_forward_pattern: Option<&str>,
         grpc_header_forward_pattern: Option<&str>,
+        max_stream_backlog: usize,
     ) -> PyResult<NativeFrontend> {
         let pattern = |p: Option<&str>| {
             p.map(ferrobatch_serve::header_pattern)
@@ -328,6 +329,7 @@ impl NativeFrontend {
                 .filter(|d| !d.is_zero()),
             http_header_forward_pattern: pattern(http_header_forward_pattern)?,
             grpc_header_forward_pattern: pattern(grpc_header_forward_pattern)?,
+            max_stream_backlog,
         };
         let listen = Listen {
             http: port.map(|port| SocketAddr::new(ip, port)),

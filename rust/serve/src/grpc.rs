@@ -25,7 +25,8 @@
 //! not running), DEADLINE_EXCEEDED (504: the `timeout` parameter in
 //! microseconds or the call's `grpc-timeout`, the smaller), INTERNAL (500:
 //! the model failed), RESOURCE_EXHAUSTED for a message over `max_body_size`
-//! (as sent, or gzip-inflated).
+//! (as sent, or gzip-inflated), and on a `ModelStreamInfer` stream for a
+//! decoupled request whose client left `max_stream_backlog` bytes unread.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -40,7 +41,6 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::header::HeaderValue;
 use tokio::sync::{mpsc, Semaphore};
-use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::codec::CompressionEncoding;
 use tonic::codegen::Service;
 use tonic::metadata::MetadataMap;
@@ -49,7 +49,7 @@ use tonic::{Code, Request, Response, Status, Streaming};
 use crate::http::FallbackCall;
 use crate::metadata::ModelMetadata;
 use crate::model::{RequestMeta, ServedModel, Source, Tensor};
-use crate::replies::{Answer, Failure, InputOwners, RawOutput, ResponsePlan};
+use crate::replies::{part_bytes, Answer, Backlog, Failure, InputOwners, RawOutput, ResponsePlan};
 use crate::server::Shared;
 
 /// The messages and the server trait generated from the vendored
@@ -555,10 +555,13 @@ impl Inference {
         };
         if let Err(status) = answered {
             let response = tag.response(Vec::new(), Vec::new(), true);
-            let _ = out.send(Ok(ModelStreamInferResponse {
-                error_message: status.message().to_owned(),
-                infer_response: Some(response),
-            }));
+            out.send(
+                Ok(ModelStreamInferResponse {
+                    error_message: status.message().to_owned(),
+                    infer_response: Some(response),
+                }),
+                0,
+            );
         }
     }
 
@@ -573,13 +576,15 @@ impl Inference {
         out: &StreamOut,
     ) -> Result<(), Status> {
         let model = self.served(&request.model_name, &request.model_version)?;
-        let send = |outputs: Vec<RawOutput>, last: bool| {
+        // `counted`: the bytes the response holds of the stream's backlog.
+        let send = |outputs: Vec<RawOutput>, last: bool, counted: usize| {
             let (described, raw) = described_outputs(model.replies().codec(), outputs);
             let response = tag.response(described, raw, last);
-            let _ = out.send(Ok(ModelStreamInferResponse {
+            let message = ModelStreamInferResponse {
                 error_message: String::new(),
                 infer_response: Some(response),
-            }));
+            };
+            out.send(Ok(message), counted);
         };
         if !model.replies().codec().decoupled() {
             let submitted = submit(&model, request, call_timeout, forwarded, |outputs| {
@@ -587,7 +592,7 @@ impl Inference {
             })
             .map_err(status)?;
             match model.reply(submitted).await.map_err(status)? {
-                Answer::Raw(outputs) => send(outputs, true),
+                Answer::Raw(outputs) => send(outputs, true, 0),
                 Answer::Encoded(_) => return Err(Status::internal("an HTTP reply to a gRPC call")),
             }
             return Ok(());
@@ -597,6 +602,7 @@ impl Inference {
             ResponsePlan::Stream {
                 outputs: outputs.into(),
                 partial,
+                backlog: out.backlog.clone(),
             }
         })
         .map_err(status)?;
@@ -605,16 +611,20 @@ impl Inference {
         let done = loop {
             tokio::select! {
                 biased; // the parts a worker sent before it ended the stream come first
-                Some(part) = parts.recv() => send(part, false),
+                Some(part) = parts.recv() => {
+                    let counted = part_bytes(&part);
+                    send(part, false, counted);
+                }
                 done = &mut reply => break done,
             }
         };
         while let Ok(part) = parts.try_recv() {
-            send(part, false);
+            let counted = part_bytes(&part);
+            send(part, false, counted);
         }
         done.map_err(status)?;
         if tag.empty_final {
-            send(Vec::new(), true);
+            send(Vec::new(), true, 0);
         }
         Ok(())
     }
@@ -717,7 +727,7 @@ impl GrpcInferenceService for Inference {
         self.infer(&metadata, request).await.map(Response::new)
     }
 
-    type ModelStreamInferStream = UnboundedReceiverStream<Result<ModelStreamInferResponse, Status>>;
+    type ModelStreamInferStream = StreamResponses;
 
     /// Reads the stream's requests as they come and answers each on the
     /// stream as soon as it can (in any order; `id` tells them apart): a
@@ -738,7 +748,12 @@ impl GrpcInferenceService for Inference {
         )
         .into();
         let mut incoming = request.into_inner();
+        let backlog = Backlog::new(self.shared.config.max_stream_backlog);
         let (out, responses) = mpsc::unbounded_channel();
+        let out = StreamOut {
+            messages: out,
+            backlog: backlog.clone(),
+        };
         let inference = Inference {
             shared: self.shared.clone(),
         };
@@ -777,13 +792,13 @@ impl GrpcInferenceService for Inference {
                     }
                     Ok(None) => break,
                     Err(status) => {
-                        let _ = out.send(Err(status));
+                        out.send(Err(status), 0);
                         break;
                     }
                 }
             }
         });
-        Ok(Response::new(UnboundedReceiverStream::new(responses)))
+        Ok(Response::new(StreamResponses { responses, backlog }))
     }
 
     async fn model_config(
@@ -833,7 +848,7 @@ fn status(failure: Failure) -> Status {
     let code = match failure.status {
         400 => Code::InvalidArgument,
         404 => Code::NotFound,
-        413 => Code::ResourceExhausted,
+        413 | 429 => Code::ResourceExhausted,
         503 => Code::Unavailable,
         504 => Code::DeadlineExceeded,
         _ => Code::Internal,
@@ -1375,8 +1390,55 @@ fn parse_grpc_timeout(text: &str) -> Option<Duration> {
     })
 }
 
-/// The sending side of a `ModelStreamInfer` call's response stream.
-type StreamOut = mpsc::UnboundedSender<Result<ModelStreamInferResponse, Status>>;
+/// One message of a `ModelStreamInfer` call's response stream, and the
+/// bytes it holds of the stream's [`Backlog`].
+type Outgoing = (Result<ModelStreamInferResponse, Status>, usize);
+
+/// The sending side of a `ModelStreamInfer` call's response stream, and the
+/// bytes of decoupled responses on it that its client has not taken yet
+/// (counted by the model's worker, [`crate::replies::Replies::stream`]).
+#[derive(Clone)]
+struct StreamOut {
+    messages: mpsc::UnboundedSender<Outgoing>,
+    backlog: Arc<Backlog>,
+}
+
+impl StreamOut {
+    /// Queues `message`, which holds `counted` bytes of the backlog; they
+    /// are let go at once if the client is gone.
+    fn send(&self, message: Result<ModelStreamInferResponse, Status>, counted: usize) {
+        if self.messages.send((message, counted)).is_err() {
+            self.backlog.release(counted);
+        }
+    }
+
+    fn closed(&self) -> impl Future<Output = ()> + '_ {
+        self.messages.closed()
+    }
+}
+
+/// A `ModelStreamInfer` call's responses as tonic writes them: a message's
+/// bytes leave the stream's backlog as tonic takes it (HTTP/2 flow control
+/// stops tonic taking more while the client does not read).
+pub struct StreamResponses {
+    responses: mpsc::UnboundedReceiver<Outgoing>,
+    backlog: Arc<Backlog>,
+}
+
+impl tokio_stream::Stream for StreamResponses {
+    type Item = Result<ModelStreamInferResponse, Status>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        let next = std::task::ready!(self.responses.poll_recv(cx));
+        std::task::Poll::Ready(next.map(|(message, counted)| {
+            self.backlog.release(counted);
+            message
+        }))
+    }
+}
 
 /// What every response to one streamed request carries: its model, its
 /// `id`, and whether the client asked for an empty final response.

@@ -6,6 +6,7 @@
 
 use std::borrow::Cow;
 use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -80,7 +81,60 @@ pub enum ResponsePlan {
         /// Shared: each response reads it under the table's lock (no allocation there).
         outputs: Arc<[usize]>,
         partial: mpsc::UnboundedSender<Vec<RawOutput>>,
+        /// The unread bytes of the stream it answers on.
+        backlog: Arc<Backlog>,
     },
+}
+
+/// The bytes of a stream's responses made but not yet taken by its client
+/// (the gRPC stream's writer), bounded: a response past the bound fails its
+/// request (`QueueFull`, 429) instead of being held, so a client that stops
+/// reading costs at most `limit` bytes, whatever the model makes.
+#[derive(Debug)]
+pub struct Backlog {
+    unread: AtomicUsize,
+    limit: usize,
+}
+
+impl Backlog {
+    pub fn new(limit: usize) -> Arc<Backlog> {
+        Arc::new(Backlog {
+            unread: AtomicUsize::new(0),
+            limit,
+        })
+    }
+
+    /// Counts `bytes` more unread; false, counting nothing, past the limit.
+    pub fn take(&self, bytes: usize) -> bool {
+        self.unread
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |unread| {
+                unread.checked_add(bytes).filter(|&n| n <= self.limit)
+            })
+            .is_ok()
+    }
+
+    /// `bytes` counted by [`Backlog::take`] were read.
+    pub fn release(&self, bytes: usize) {
+        let _ = self
+            .unread
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |unread| {
+                Some(unread.saturating_sub(bytes))
+            });
+    }
+
+    pub fn unread(&self) -> usize {
+        self.unread.load(Ordering::Acquire)
+    }
+
+    pub fn limit(&self) -> usize {
+        self.limit
+    }
+}
+
+/// The bytes a partial answer counts against its stream's [`Backlog`].
+pub fn part_bytes(part: &[RawOutput]) -> usize {
+    part.iter()
+        .fold(0usize, |n, o| n.saturating_add(o.data.len()))
 }
 
 /// What a native request holds until its batch is done.
@@ -121,6 +175,21 @@ pub struct VaryingRows {
 /// Most bytes a multi-row request's padded output may take: a model whose
 /// rows' lengths make the padded box explode is answered with an error.
 const MAX_PADDED_BYTES: usize = 1 << 30;
+
+/// Why a streamed request failed: its client left `backlog.limit()` bytes
+/// of responses unread.
+fn backlog_full(backlog: &Backlog, bytes: usize) -> Failure {
+    Failure::new(
+        429,
+        format!(
+            "the client reads this stream's responses too slowly: {} bytes are unread \
+             and the next response ({bytes} bytes) would pass the stream's bound of {} \
+             (max_stream_backlog); the request is cancelled",
+            backlog.unread(),
+            backlog.limit()
+        ),
+    )
+}
 
 /// The pending requests of one served model.
 pub struct Replies {
@@ -206,28 +275,43 @@ impl Replies {
     /// thread (a worker, without the GIL).
     pub fn stream(&self, routes: &[Route], columns: &[Column<'_>]) -> usize {
         let listening = self.pending.peek(routes, |_, held| match &held.plan {
-            ResponsePlan::Stream { outputs, partial } => Some((outputs.clone(), partial.clone())),
+            ResponsePlan::Stream {
+                outputs,
+                partial,
+                backlog,
+            } => Some((outputs.clone(), partial.clone(), backlog.clone())),
             _ => None,
         });
         let mut sent = 0;
-        for (route, (outputs, partial)) in listening {
+        for (route, (outputs, partial, backlog)) in listening {
             match self.raw_rows(&route, &outputs, columns) {
-                // A closed channel: the caller went away (its handler abandons it).
-                Ok(part) => sent += usize::from(partial.send(part).is_ok()),
-                // Rows the model did not give: the request fails now, counted
-                // once; its batch goes on for the others.
-                Err(failure) => {
-                    let to = RequestState::Cancelled; // moot: a batch holds it
-                    if let Some(answer) =
-                        self.pending
-                            .abandon(&*self.batcher, route.id, to, Outcome::ModelError)
-                    {
-                        let _ = answer.send(Err(failure));
+                Ok(part) => {
+                    let bytes = part_bytes(&part);
+                    if !backlog.take(bytes) {
+                        self.fail_one(route.id, Outcome::QueueFull, backlog_full(&backlog, bytes));
+                        continue;
+                    }
+                    match partial.send(part) {
+                        Ok(()) => sent += 1,
+                        // The caller went away (its handler abandons it).
+                        Err(_) => backlog.release(bytes),
                     }
                 }
+                // Rows the model did not give: the request fails now, counted
+                // once; its batch goes on for the others.
+                Err(failure) => self.fail_one(route.id, Outcome::ModelError, failure),
             }
         }
         sent
+    }
+
+    /// Fails one streaming request of a batch still running, counted once
+    /// as `outcome`; its batch goes on for the others.
+    fn fail_one(&self, id: u64, outcome: Outcome, failure: Failure) {
+        let to = RequestState::Cancelled; // moot: a batch holds it
+        if let Some(answer) = self.pending.abandon(&*self.batcher, id, to, outcome) {
+            let _ = answer.send(Err(failure));
+        }
     }
 
     /// Ends the streams of a decoupled model's finished batch: each caller
@@ -485,4 +569,23 @@ fn pad_rows(
         }
     }
     Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Backlog;
+
+    #[test]
+    fn a_backlog_refuses_what_would_pass_its_limit_and_counts_nothing_then() {
+        let backlog = Backlog::new(100);
+        assert!(backlog.take(60));
+        assert!(!backlog.take(41), "60 + 41 > 100");
+        assert_eq!(backlog.unread(), 60, "a refused take counts nothing");
+        assert!(backlog.take(40));
+        backlog.release(70);
+        assert_eq!(backlog.unread(), 30);
+        assert!(!backlog.take(usize::MAX), "no overflow");
+        backlog.release(usize::MAX);
+        assert_eq!(backlog.unread(), 0, "never below zero");
+    }
 }

@@ -86,6 +86,10 @@ pub struct Config {
     pub http_header_forward_pattern: Option<regex::Regex>,
     /// The same for gRPC metadata (`--grpc-header-forward-pattern`).
     pub grpc_header_forward_pattern: Option<regex::Regex>,
+    /// The most bytes of a decoupled model's responses one
+    /// `ModelStreamInfer` stream holds unread by its client; a response past
+    /// them fails its request (RESOURCE_EXHAUSTED) instead of being held.
+    pub max_stream_backlog: usize,
 }
 
 /// A header-forwarding pattern: a regular expression found anywhere in a
@@ -114,6 +118,7 @@ impl Default for Config {
             keepalive_interval: Some(Duration::from_secs(60)),
             http_header_forward_pattern: None,
             grpc_header_forward_pattern: None,
+            max_stream_backlog: 64 << 20,
         }
     }
 }
