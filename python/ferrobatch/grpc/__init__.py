@@ -49,7 +49,9 @@ def grpc_server(
     """A ``grpc.aio.Server`` with the v2 service for ``servers``, bound to
     ``address`` (``None``: bind nothing; call ``add_insecure_port`` yourself).
     It is not started, and it does not start or stop the ferrobatch servers.
-    Call it on the event loop that will run it.
+    Call it on the event loop that will run it. ``max_stream_backlog``: the
+    bytes of a decoupled model's responses one ``ModelStreamInfer`` stream
+    holds unread by its client (``ServeConfig.max_stream_backlog``).
     """
     import grpc.aio
 
