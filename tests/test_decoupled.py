@@ -575,15 +575,8 @@ def test_one_stream_holds_at_most_1024_requests_unanswered(frontend: str) -> Non
 
 
 def test_an_in_process_reader_that_falls_behind_is_cut_off_and_others_in_its_batch_go_on() -> None:
-    closed: list[int] = []
-
-    def paced(inputs: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
-        for item in counting(300, closed)(inputs):
-            time.sleep(0.001)
-            yield item
-
     # Each response is 12 bytes: a reader may leave 20 unread.
-    server = fb.Server(paced, inputs=[X], outputs=[Y], decoupled=True, max_delay=0.05, max_stream_backlog=240)
+    server = fb.Server(paced(300), inputs=[X], outputs=[Y], decoupled=True, max_delay=0.05, max_stream_backlog=240)
 
     async def main() -> tuple[int, BaseException | None, int]:
         async with server:
@@ -617,11 +610,40 @@ def test_an_in_process_reader_that_falls_behind_is_cut_off_and_others_in_its_bat
     assert failures(server) == {"queue_full": 1} and server.stats()["requests_succeeded"] == 1
 
 
+def paced(steps: int) -> Any:
+    """``counting(steps)``, one response a millisecond: a reader that reads keeps up."""
+
+    def model(inputs: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
+        for item in counting(steps)(inputs):
+            time.sleep(0.001)
+            yield item
+
+    return model
+
+
+def test_a_thread_reader_that_falls_behind_is_cut_off_too() -> None:
+    server = fb.Server(paced(300), inputs=[X], outputs=[Y], decoupled=True, max_stream_backlog=240)
+    with server.run_in_background():
+        responses = server.client().stream_sync({"x": torch.ones(3)})
+        seen = [next(responses)]
+        deadline = time.monotonic() + 10
+        while not server.stats()["requests_failed"]["queue_full"] and time.monotonic() < deadline:
+            time.sleep(0.01)  # this thread stops reading; what was handed to it counts
+        with pytest.raises(fb.StreamBacklogError):
+            seen.extend(responses)
+    assert len(seen) <= 1 + 20, "at most the bound's 20 responses were held for it"
+    assert failures(server) == {"queue_full": 1}
+
+
 def test_a_response_counts_its_tensors_and_bytes_elements() -> None:
+    from tensordict import TensorDict
+
     from ferrobatch.client import response_bytes
 
     words = np.array([b"abc", b"de"], dtype=object)
     assert response_bytes({"y": torch.zeros(4, dtype=torch.float64), "w": words, "b": b"xyz"}) == 32 + 5 + 3
+    nested = TensorDict({"a": torch.zeros(2), "b": {"c": torch.zeros(3, dtype=torch.int64)}}, batch_size=[])
+    assert response_bytes(nested) == 8 + 24
 
 
 @pytest.mark.parametrize("frontend", ["native", "python"])

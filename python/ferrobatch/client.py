@@ -7,6 +7,7 @@ import concurrent.futures
 import os
 import queue
 import sys
+import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -35,31 +36,38 @@ MAX_STREAM_BACKLOG = 64 << 20
 class StreamBacklog:
     """The bytes of a stream's responses made but not yet read, bounded by
     ``limit``: one per ``client.stream`` call, or one shared by the requests
-    of a gRPC stream (counting its messages not yet sent as well). Loop
-    thread only."""
+    of a gRPC stream (counting its messages not yet sent as well). Counted
+    on the loop thread, let go there or by the thread that reads
+    (``stream_sync``), hence the lock."""
 
-    __slots__ = ("limit", "unread")
+    __slots__ = ("_lock", "limit", "unread")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.unread = 0
+        self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> None:
         """Counts a new response's ``nbytes``; past ``limit``, counts nothing
         and raises :class:`StreamBacklogError` (its request then fails)."""
-        if self.unread + nbytes > self.limit:
-            raise StreamBacklogError(
-                f"the stream's reader is too slow: {self.unread} bytes of responses are unread and the next "
-                f"({nbytes} bytes) would pass max_stream_backlog ({self.limit}); the request is cancelled"
-            )
-        self.unread += nbytes
+        with self._lock:
+            unread = self.unread
+            if unread + nbytes <= self.limit:
+                self.unread = unread + nbytes
+                return
+        raise StreamBacklogError(
+            f"the stream's reader is too slow: {unread} bytes of responses are unread and the next "
+            f"({nbytes} bytes) would pass max_stream_backlog ({self.limit}); the request is cancelled"
+        )
 
     def add(self, nbytes: int) -> None:
-        """Counts bytes already made (a response re-encoded on its way out): never refused."""
-        self.unread += nbytes
+        """Counts bytes already made (a response on its way to its reader): never refused."""
+        with self._lock:
+            self.unread += nbytes
 
     def release(self, nbytes: int) -> None:
-        self.unread = max(0, self.unread - nbytes)
+        with self._lock:
+            self.unread = max(0, self.unread - nbytes)
 
 
 def flatten_inputs(inputs: Mapping[Any, Any], names: Collection[str] | None = None) -> dict[str, Any]:
@@ -114,19 +122,18 @@ def submit_from_thread(
 
 def response_bytes(response: object) -> int:
     """The bytes one streamed response holds: its tensors' and arrays'
-    elements, a BYTES output's elements by their lengths."""
-    values = response.values() if isinstance(response, Mapping) else (response,)
-    total = 0
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            total += value.nbytes
-        elif isinstance(value, (bytes, str)):
-            total += len(value)
-        elif getattr(getattr(value, "dtype", None), "kind", None) == "O":  # numpy BYTES elements
-            total += sum(len(v) for v in getattr(value, "flat", ()) if isinstance(v, (bytes, str)))
-        else:
-            total += int(getattr(value, "nbytes", 0))
-    return total
+    elements, a BYTES output's elements by their lengths, through a dict or
+    a TensorDict of them."""
+    if isinstance(response, torch.Tensor):
+        return response.nbytes
+    if isinstance(response, (bytes, str)):
+        return len(response)
+    if getattr(getattr(response, "dtype", None), "kind", None) == "O":  # a numpy array of BYTES elements
+        return sum(len(v) for v in getattr(response, "flat", ()) if isinstance(v, (bytes, str)))
+    values = getattr(response, "values", None)
+    if callable(values):  # a dict or a TensorDict
+        return sum(response_bytes(v) for v in values())
+    return int(getattr(response, "nbytes", 0))
 
 
 def _is_tensordict(value: object) -> bool:
@@ -442,12 +449,17 @@ class Client:
             )
         loop = self._loop_token().native_token
         assert isinstance(loop, asyncio.AbstractEventLoop), "the server runs on asyncio"
-        handed: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        handed: queue.SimpleQueue[tuple[Any, int] | _Ended] = queue.SimpleQueue()
+        # What is handed and not yet read counts too: this thread is the reader.
+        backlog = StreamBacklog(self._server.max_stream_backlog)
+        encoded = encode_parameters(parameters)
 
         async def pump() -> None:
             try:
-                async for out in self.stream(inputs, timeout, priority=priority, parameters=parameters):
-                    handed.put(out)
+                async for out in self._stream(inputs, timeout, False, priority, encoded, backlog):
+                    nbytes = response_bytes(out)
+                    backlog.add(nbytes)
+                    handed.put((out, nbytes))
             except BaseException as exc:  # this thread's to raise
                 handed.put(_Ended(exc))
                 raise
@@ -456,7 +468,9 @@ class Client:
         pumping = asyncio.run_coroutine_threadsafe(pump(), loop)
         try:
             while not isinstance(item := handed.get(), _Ended):
-                yield item
+                out, nbytes = item
+                backlog.release(nbytes)
+                yield out
             if item.error is not None:
                 raise item.error
         finally:
