@@ -368,7 +368,7 @@ class Client:
         tensordict = not batched and _is_tensordict(inputs)
         if type(inputs) is not dict and isinstance(inputs, Mapping):
             inputs = flatten_inputs(inputs, self._input_names if tensordict else None)
-        responses = _Responses(backlog or StreamBacklog(self._server.max_stream_backlog))
+        responses = _Responses(StreamBacklog(self._server.max_stream_backlog) if backlog is None else backlog)
         future, rid = self._submitter.submit(inputs, timeout, batched, priority, parameters, responses)
         del inputs
         future.add_done_callback(responses.wake)
