@@ -575,8 +575,8 @@ def test_one_stream_holds_at_most_1024_requests_unanswered(frontend: str) -> Non
 
 
 def test_an_in_process_reader_that_falls_behind_is_cut_off_and_others_in_its_batch_go_on() -> None:
-    # Each response is 12 bytes: a reader may leave 20 unread.
-    server = fb.Server(paced(300), inputs=[X], outputs=[Y], decoupled=True, max_delay=0.05, max_stream_backlog=240)
+    # Each response is 12 bytes: a reader may leave 100 unread (100 ms of the model's).
+    server = fb.Server(paced(400), inputs=[X], outputs=[Y], decoupled=True, max_delay=0.05, max_stream_backlog=1200)
 
     async def main() -> tuple[int, BaseException | None, int]:
         async with server:
@@ -604,9 +604,9 @@ def test_an_in_process_reader_that_falls_behind_is_cut_off_and_others_in_its_bat
 
     seen, error, read = asyncio.run(main())
     assert isinstance(error, fb.StreamBacklogError) and isinstance(error, fb.QueueFullError)
-    assert "max_stream_backlog (240)" in str(error)
-    assert seen == 1 + 20, "what was held before the bound is still read, then the error"
-    assert read == 300, "the other stream of the batch got every response"
+    assert "max_stream_backlog (1200)" in str(error)
+    assert seen == 1 + 100, "what was held before the bound is still read, then the error"
+    assert read == 400, "the other stream of the batch got every response"
     assert failures(server) == {"queue_full": 1} and server.stats()["requests_succeeded"] == 1
 
 
@@ -622,7 +622,7 @@ def paced(steps: int) -> Any:
 
 
 def test_a_thread_reader_that_falls_behind_is_cut_off_too() -> None:
-    server = fb.Server(paced(300), inputs=[X], outputs=[Y], decoupled=True, max_stream_backlog=240)
+    server = fb.Server(paced(400), inputs=[X], outputs=[Y], decoupled=True, max_stream_backlog=1200)
     with server.run_in_background():
         responses = server.client().stream_sync({"x": torch.ones(3)})
         seen = [next(responses)]
@@ -631,7 +631,7 @@ def test_a_thread_reader_that_falls_behind_is_cut_off_too() -> None:
             time.sleep(0.01)  # this thread stops reading; what was handed to it counts
         with pytest.raises(fb.StreamBacklogError):
             seen.extend(responses)
-    assert len(seen) <= 1 + 20, "at most the bound's 20 responses were held for it"
+    assert len(seen) <= 1 + 100, "at most the bound's 100 responses were held for it"
     assert failures(server) == {"queue_full": 1}
 
 
