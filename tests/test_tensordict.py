@@ -128,3 +128,10 @@ async def test_a_tensordict_module_takes_weight_updates() -> None:
         assert await server.update_weights(zero) == 1
         out = await client.infer(TensorDict({"obs": {"pixels": torch.ones(WIDTH)}}))
     assert torch.equal(out["action"], torch.zeros(2)) and int(out["v"]) == 1
+
+
+def test_a_streamed_tensordict_response_counts_every_nested_tensor() -> None:
+    from ferrobatch.client import response_bytes
+
+    nested = TensorDict({"a": torch.zeros(2), "b": {"c": torch.zeros(3, dtype=torch.int64)}}, batch_size=[])
+    assert response_bytes(nested) == 8 + 24, "what counts against max_stream_backlog"
