@@ -672,3 +672,12 @@ def test_a_grpc_client_that_stops_reading_costs_at_most_the_streams_backlog(fron
     assert closed and closed[0] < 999, "the model stopped making what no one would read"
     assert failures(server) == {"queue_full": 1} and server.stats()["requests_succeeded"] == 0
     assert short.stats()["requests_succeeded"] == 1
+
+
+def test_a_stream_bound_below_one_byte_is_refused_where_it_is_given() -> None:
+    server = fb.Server(counting(2), inputs=[X], outputs=[Y], decoupled=True)
+    with pytest.raises(ValueError, match="max_stream_backlog must be an int >= 1"):
+        fb.Server(counting(2), inputs=[X], outputs=[Y], decoupled=True, max_stream_backlog=0)
+    with pytest.raises(ValueError, match="max_stream_backlog must be an int >= 1"):
+        with serve_in_thread([server], replace(CONFIG, max_stream_backlog=-1)):
+            pass

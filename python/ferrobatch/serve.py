@@ -257,6 +257,8 @@ async def serve(
     forwarding = config.http_header_forward_pattern is not None or config.grpc_header_forward_pattern is not None
     if forwarding and config.frontend != "native":
         raise ValueError("header forwarding (http/grpc_header_forward_pattern) needs frontend='native'")
+    if not isinstance(config.max_stream_backlog, int) or config.max_stream_backlog < 1:
+        raise ValueError(f"max_stream_backlog must be an int >= 1 (bytes), got {config.max_stream_backlog!r}")
     if not (config.drain_delay >= 0 and math.isfinite(config.drain_delay)):
         raise ValueError(f"drain_delay must be a number of seconds >= 0, got {config.drain_delay!r}")
     repository = _Repository(servers, expose_errors=config.expose_errors)
