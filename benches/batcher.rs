@@ -54,7 +54,7 @@ fn bench_batcher(c: &mut Criterion) {
                     let input = unsafe { InputBytes::new(SAMPLE.as_ptr(), ROW) };
                     tickets.push(
                         batcher
-                            .submit(Sink::EventLoop(0), 1, Box::new([input]), None)
+                            .submit(Sink::EventLoop(0), 1, [input], None)
                             .expect("admitted"),
                     );
                 }

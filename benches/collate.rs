@@ -107,7 +107,7 @@ fn setup(n: usize, size: usize, behind_rows: bool) -> Setup {
                 id as u64,
                 Sink::EventLoop(0),
                 1,
-                Box::new([input]),
+                [input],
                 None,
             ));
             assert!(r.take(), "a fresh request is queued");

@@ -19,7 +19,7 @@ fn batch(n: usize, loops: u32) -> Vec<Arc<Request>> {
                 i as u64,
                 Sink::EventLoop(i as u32 % loops),
                 1,
-                Box::new([]),
+                ferrobatch_core::Inputs::default(),
                 None,
             ))
         })

@@ -38,13 +38,7 @@ fn requests(n: u64, first_id: u64) -> Vec<Arc<Request>> {
         .map(|id| {
             // SAFETY: `SAMPLE` is static, so it outlives every request.
             let input = unsafe { InputBytes::new(SAMPLE.as_ptr(), SAMPLE.len()) };
-            Arc::new(Request::new(
-                id,
-                Sink::EventLoop(0),
-                1,
-                Box::new([input]),
-                None,
-            ))
+            Arc::new(Request::new(id, Sink::EventLoop(0), 1, [input], None))
         })
         .collect()
 }

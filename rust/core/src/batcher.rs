@@ -10,8 +10,8 @@ use crate::doorbell::GatherRole;
 use crate::queue::{Popped, Priorities, Readiness};
 use crate::request::Withdrawal;
 use crate::{
-    Collated, CoreError, Decision, DispatchReason, DispatchRule, HeldSlot, InputBytes, Layout,
-    Request, RequestQueue, RequestState, Routes, Sink, SlotBuffer, StagingRing,
+    Collated, CoreError, Decision, DispatchReason, DispatchRule, HeldSlot, Inputs, Layout, Request,
+    RequestQueue, RequestState, Routes, Sink, SlotBuffer, StagingRing,
 };
 
 #[derive(Debug, Clone)]
@@ -269,7 +269,7 @@ impl Batcher {
         &self,
         sink: Sink,
         rows: usize,
-        inputs: Box<[InputBytes]>,
+        inputs: impl Into<Inputs>,
         timeout: Option<Duration>,
     ) -> Result<Arc<Request>, CoreError> {
         self.submit_with(sink, rows, inputs, timeout, |_| ())
@@ -283,7 +283,7 @@ impl Batcher {
         &self,
         sink: Sink,
         rows: usize,
-        inputs: Box<[InputBytes]>,
+        inputs: impl Into<Inputs>,
         timeout: Option<Duration>,
         register: impl FnOnce(&Arc<Request>),
     ) -> Result<Arc<Request>, CoreError> {
@@ -299,10 +299,11 @@ impl Batcher {
         &self,
         sink: Sink,
         rows: usize,
-        inputs: Box<[InputBytes]>,
+        inputs: impl Into<Inputs>,
         submission: Submission,
         register: impl FnOnce(&Arc<Request>),
     ) -> Result<Arc<Request>, CoreError> {
+        let inputs: Inputs = inputs.into();
         let lane = self.lane(submission.priority)?;
         let row_nbytes = self.ring.row_nbytes();
         if rows == 0 {
@@ -749,6 +750,7 @@ impl Budget {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+    use crate::InputBytes;
     use std::collections::HashSet;
     use std::sync::Mutex;
 
@@ -843,13 +845,8 @@ mod tests {
     fn submit(b: &Batcher, bytes: &'static [u8], timeout: Option<Duration>) -> Arc<Request> {
         // SAFETY: static bytes outlive everything.
         let input = unsafe { InputBytes::new(bytes.as_ptr(), bytes.len()) };
-        b.submit(
-            Sink::EventLoop(0),
-            bytes.len() / ROW,
-            Box::new([input]),
-            timeout,
-        )
-        .unwrap()
+        b.submit(Sink::EventLoop(0), bytes.len() / ROW, [input], timeout)
+            .unwrap()
     }
 
     /// A request of the blocking caller `caller` (a thread that waits for it).
@@ -860,7 +857,7 @@ mod tests {
             blocking_caller: Some(caller),
             ..Submission::default()
         };
-        b.submit_request(Sink::Thread, 1, Box::new([input]), submission, |_| {})
+        b.submit_request(Sink::Thread, 1, [input], submission, |_| {})
             .unwrap()
     }
 
@@ -872,7 +869,7 @@ mod tests {
             parameters: Some(format!("{{\"p\": {}}}", priority.unwrap_or(0)).into()),
             ..Submission::default()
         };
-        b.submit_request(Sink::EventLoop(0), 1, Box::new([input]), submission, |_| ())
+        b.submit_request(Sink::EventLoop(0), 1, [input], submission, |_| ())
     }
 
     fn levels(n: u8, max_wait: Option<Duration>) -> Priorities {
@@ -1073,22 +1070,21 @@ mod tests {
         let input = unsafe { InputBytes::new(SHORT.as_ptr(), SHORT.len()) };
         let err = f
             .batcher
-            .submit(Sink::EventLoop(0), 1, Box::new([input]), None)
+            .submit(Sink::EventLoop(0), 1, [input], None)
             .unwrap_err();
         assert!(matches!(err, CoreError::InvalidInput(m) if m.contains("expected 8 bytes")));
         static BIG: [u8; 3 * ROW] = [0; 3 * ROW];
         let input = unsafe { InputBytes::new(BIG.as_ptr(), BIG.len()) };
         let err = f
             .batcher
-            .submit(Sink::EventLoop(0), 3, Box::new([input]), None)
+            .submit(Sink::EventLoop(0), 3, [input], None)
             .unwrap_err();
         assert!(err.to_string().contains("exceeds max_batch_size"));
         assert_eq!(f.batcher.queue_len(), 0);
         submit(&f.batcher, &ROW_A, None);
         let input = unsafe { InputBytes::new(ROW_A.as_ptr(), ROW) };
         assert!(matches!(
-            f.batcher
-                .submit(Sink::EventLoop(0), 1, Box::new([input]), None),
+            f.batcher.submit(Sink::EventLoop(0), 1, [input], None),
             Err(CoreError::QueueFull { capacity: 1 })
         ));
     }
@@ -1387,7 +1383,7 @@ mod tests {
                     for _ in 0..PER_PRODUCER {
                         let input = unsafe { InputBytes::new(ROW_A.as_ptr(), ROW) };
                         loop {
-                            match b.submit(Sink::EventLoop(0), 1, Box::new([input]), None) {
+                            match b.submit(Sink::EventLoop(0), 1, [input], None) {
                                 Ok(r) => {
                                     submitted.push(r);
                                     break;

@@ -83,7 +83,7 @@ mod tests {
                     id,
                     Sink::EventLoop(lp),
                     rows,
-                    Box::new([]),
+                    crate::Inputs::default(),
                     None,
                 ))
             })
@@ -141,7 +141,15 @@ mod tests {
         let reqs: Vec<_> = sinks
             .iter()
             .enumerate()
-            .map(|(i, &sink)| Arc::new(Request::new(i as u64, sink, 1, Box::new([]), None)))
+            .map(|(i, &sink)| {
+                Arc::new(Request::new(
+                    i as u64,
+                    sink,
+                    1,
+                    crate::Inputs::default(),
+                    None,
+                ))
+            })
             .collect();
         let routes = Routes::for_batch(&reqs);
         let groups: Vec<(Sink, Vec<u64>)> = routes

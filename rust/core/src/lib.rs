@@ -114,7 +114,7 @@ pub use inbox::Inbox;
 pub use outcome::{Outcome, Tally, OUTCOMES};
 pub use pending::{Pending, Taken, Withdraw};
 pub use queue::{Message, Priorities, PushError, Readiness, RequestQueue};
-pub use request::{InputBytes, Request, RequestState, Withdrawal, MAX_VARIABLE_DIMS};
+pub use request::{InputBytes, Inputs, Request, RequestState, Withdrawal, MAX_VARIABLE_DIMS};
 pub use specs::{
     Extents, InputRules, InputSpec, Matched, Measured, PerTensor, SpecError, MAX_OPTIONAL_INPUTS,
 };

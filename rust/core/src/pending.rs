@@ -294,7 +294,13 @@ mod tests {
     }
 
     fn request(id: u64) -> Arc<Request> {
-        Arc::new(Request::new(id, Sink::Thread, 1, Box::new([]), None))
+        Arc::new(Request::new(
+            id,
+            Sink::Thread,
+            1,
+            crate::Inputs::default(),
+            None,
+        ))
     }
 
     fn route(id: u64, start: u32) -> Route {
@@ -522,7 +528,13 @@ mod loom_tests {
 
     fn shared() -> LoomArc<Shared> {
         let input = LoomArc::new(UnsafeCell::new(7));
-        let request = Arc::new(Request::new(1, Sink::Thread, 1, Box::new([]), None));
+        let request = Arc::new(Request::new(
+            1,
+            Sink::Thread,
+            1,
+            crate::Inputs::default(),
+            None,
+        ));
         let table = Pending::new();
         table.register(&request, 1, Input(input.clone()));
         LoomArc::new(Shared {

@@ -473,7 +473,13 @@ mod tests {
     use std::time::Duration;
 
     fn req(id: u64) -> Arc<Request> {
-        Arc::new(Request::new(id, Sink::EventLoop(0), 1, Box::new([]), None))
+        Arc::new(Request::new(
+            id,
+            Sink::EventLoop(0),
+            1,
+            crate::Inputs::default(),
+            None,
+        ))
     }
 
     #[test]

@@ -96,7 +96,7 @@ fn run(shape: Vec<(usize, usize)>, unit: usize, padded: bool, budget: usize, max
         // SAFETY: `reqs` outlives every batch taken below.
         let input = unsafe { InputBytes::new(r.data.as_ptr(), r.data.len()) }.with_extent(r.len);
         let request = batcher
-            .submit(Sink::EventLoop(0), r.rows, Box::new([input]), None)
+            .submit(Sink::EventLoop(0), r.rows, [input], None)
             .unwrap();
         ids.push(request.id);
     }
@@ -226,7 +226,7 @@ fn run_bytes(
         // SAFETY: `reqs` outlives every batch taken below.
         let input = unsafe { InputBytes::new(r.data.as_ptr(), r.data.len()) }.with_extent(r.len);
         let request = batcher
-            .submit(Sink::EventLoop(0), r.rows, Box::new([input]), None)
+            .submit(Sink::EventLoop(0), r.rows, [input], None)
             .unwrap();
         ids.push(request.id);
     }
@@ -336,7 +336,7 @@ fn a_request_over_the_budget_is_refused_at_submit() {
     // SAFETY: `data` outlives the batcher.
     let input = unsafe { InputBytes::new(data.as_ptr(), 9) }.with_extent(9);
     let err = batcher
-        .submit(Sink::EventLoop(0), 1, Box::new([input]), None)
+        .submit(Sink::EventLoop(0), 1, [input], None)
         .unwrap_err();
     assert!(
         err.to_string().contains("exceeds max_batch_elements (8)"),
@@ -345,7 +345,7 @@ fn a_request_over_the_budget_is_refused_at_submit() {
     // A length that disagrees with the bytes is refused too.
     let input = unsafe { InputBytes::new(data.as_ptr(), 9) }.with_extent(4);
     assert!(batcher
-        .submit(Sink::EventLoop(0), 1, Box::new([input]), None)
+        .submit(Sink::EventLoop(0), 1, [input], None)
         .is_err());
     assert_eq!(batcher.queue_len(), 0);
 }
@@ -375,7 +375,7 @@ fn a_bytes_request_over_the_budget_or_miscounted_is_refused_at_submit() {
     let submit = |len: usize, extent: usize| {
         // SAFETY: `data` outlives the batcher.
         let input = unsafe { InputBytes::new(data.as_ptr(), len) }.with_extent(extent);
-        batcher.submit(Sink::EventLoop(0), 1, Box::new([input]), None)
+        batcher.submit(Sink::EventLoop(0), 1, [input], None)
     };
     let err = submit(data.len(), 4).unwrap_err().to_string();
     assert!(err.contains("exceeds max_batch_elements (3)"), "{err}");
@@ -482,7 +482,7 @@ fn run_padded(
             .with_extents(&r.extents)
             .unwrap();
         let request = batcher
-            .submit(Sink::EventLoop(0), r.rows, Box::new([input]), None)
+            .submit(Sink::EventLoop(0), r.rows, [input], None)
             .unwrap();
         ids.push(request.id);
     }

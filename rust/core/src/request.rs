@@ -125,6 +125,64 @@ impl InputBytes {
     }
 }
 
+/// A request's inputs, one view per input. Up to two are held in the
+/// request itself, so the usual model's request costs no allocation of its
+/// own for them.
+#[derive(Debug, Default)]
+pub struct Inputs(smallvec::SmallVec<[InputBytes; 2]>);
+
+impl Inputs {
+    pub fn with_capacity(n: usize) -> Inputs {
+        Inputs(smallvec::SmallVec::with_capacity(n))
+    }
+
+    pub fn push(&mut self, input: InputBytes) {
+        self.0.push(input);
+    }
+
+    pub fn as_slice(&self) -> &[InputBytes] {
+        &self.0
+    }
+}
+
+impl std::ops::Deref for Inputs {
+    type Target = [InputBytes];
+
+    fn deref(&self) -> &[InputBytes] {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Inputs {
+    fn deref_mut(&mut self) -> &mut [InputBytes] {
+        &mut self.0
+    }
+}
+
+impl From<Vec<InputBytes>> for Inputs {
+    fn from(inputs: Vec<InputBytes>) -> Inputs {
+        Inputs(smallvec::SmallVec::from_vec(inputs))
+    }
+}
+
+impl<const N: usize> From<[InputBytes; N]> for Inputs {
+    fn from(inputs: [InputBytes; N]) -> Inputs {
+        inputs.into_iter().collect()
+    }
+}
+
+impl From<Box<[InputBytes]>> for Inputs {
+    fn from(inputs: Box<[InputBytes]>) -> Inputs {
+        Inputs::from(inputs.into_vec())
+    }
+}
+
+impl FromIterator<InputBytes> for Inputs {
+    fn from_iter<I: IntoIterator<Item = InputBytes>>(iter: I) -> Inputs {
+        Inputs(iter.into_iter().collect())
+    }
+}
+
 /// A request in flight.
 ///
 /// The submitter keeps the memory behind `inputs` alive until the request is
@@ -150,7 +208,7 @@ pub struct Request {
     pub absent: u64,
     /// Its caller blocks until it is answered (see [`crate::callers`]).
     pub blocking: bool,
-    inputs: Box<[InputBytes]>,
+    inputs: Inputs,
     state: AtomicU8,
 }
 
@@ -166,7 +224,7 @@ impl Request {
         id: u64,
         sink: Sink,
         rows: u32,
-        inputs: Box<[InputBytes]>,
+        inputs: impl Into<Inputs>,
         deadline: Option<Instant>,
     ) -> Request {
         Request {
@@ -179,7 +237,7 @@ impl Request {
             parameters: None,
             absent: 0,
             blocking: false,
-            inputs,
+            inputs: inputs.into(),
             state: AtomicU8::new(RequestState::Queued as u8),
         }
     }
@@ -209,7 +267,7 @@ impl Request {
     }
 
     pub fn inputs(&self) -> &[InputBytes] {
-        &self.inputs
+        self.inputs.as_slice()
     }
 
     pub fn state(&self) -> RequestState {
@@ -264,7 +322,7 @@ mod tests {
     use std::sync::{Arc, Barrier};
 
     fn request(id: u64) -> Request {
-        Request::new(id, Sink::EventLoop(0), 1, Box::new([]), None)
+        Request::new(id, Sink::EventLoop(0), 1, Inputs::default(), None)
     }
 
     #[test]
@@ -361,7 +419,7 @@ mod loom_tests {
 
     fn shared() -> Arc<Shared> {
         Arc::new(Shared {
-            request: Request::new(1, Sink::EventLoop(0), 1, Box::new([]), None),
+            request: Request::new(1, Sink::EventLoop(0), 1, Inputs::default(), None),
             input: UnsafeCell::new(7),
             waiting: AtomicUsize::new(1),
             worker_won: AtomicUsize::new(0),

@@ -819,13 +819,7 @@ mod tests {
     fn taken(id: u64, bytes: &[u8], rows: u32) -> Arc<Request> {
         // SAFETY: every caller's bytes outlive the requests it makes.
         let input = unsafe { InputBytes::new(bytes.as_ptr(), bytes.len()) };
-        let r = Arc::new(Request::new(
-            id,
-            Sink::EventLoop(0),
-            rows,
-            Box::new([input]),
-            None,
-        ));
+        let r = Arc::new(Request::new(id, Sink::EventLoop(0), rows, [input], None));
         assert!(r.take());
         r
     }

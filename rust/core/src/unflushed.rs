@@ -90,7 +90,7 @@ mod tests {
             // SAFETY: static bytes outlive the batcher.
             let input = unsafe { InputBytes::new(BYTES.as_ptr(), ROW) };
             batcher
-                .submit(Sink::EventLoop(0), 1, Box::new([input]), None)
+                .submit(Sink::EventLoop(0), 1, [input], None)
                 .unwrap();
             unflushed.add(1);
         }

@@ -237,7 +237,7 @@ impl Batcher {
         let submitted = self.core.submit_request(
             Sink::EventLoop(mailbox.loop_id()),
             rows,
-            bytes.into_boxed_slice(),
+            bytes,
             submission,
             |r| {
                 if let Some((answer, held)) = entry.take() {
@@ -280,16 +280,12 @@ impl Batcher {
         };
         let mut waiter = None;
         let mut keep = Some(keep);
-        let submitted = self.core.submit_request(
-            Sink::Thread,
-            rows,
-            bytes.into_boxed_slice(),
-            submission,
-            |r| {
+        let submitted = self
+            .core
+            .submit_request(Sink::Thread, rows, bytes, submission, |r| {
                 let keep = keep.take().unwrap_or_default();
                 waiter = Some((r.id, waiters.register(r, batched, keep)));
-            },
-        );
+            });
         match (submitted, waiter) {
             (Ok(request), Some((_, waiter))) => {
                 if self.core.readiness() == Readiness::OnFlush {
@@ -366,7 +362,7 @@ impl Converter {
         py: Python<'_>,
         inputs: &Bound<'_, PyAny>,
         batched: bool,
-    ) -> PyResult<(usize, Vec<InputBytes>, Vec<Keep>, u64)> {
+    ) -> PyResult<(usize, core::Inputs, Vec<Keep>, u64)> {
         let Ok(inputs) = inputs.cast::<PyDict>() else {
             return Err(invalid_input(
                 py,
@@ -377,7 +373,7 @@ impl Converter {
             ));
         };
         let specs = &self.specs;
-        let mut bytes = Vec::with_capacity(specs.len());
+        let mut bytes = core::Inputs::with_capacity(specs.len());
         let mut keep = Vec::with_capacity(specs.len());
         let mut rows = None;
         let mut absent = 0u64;

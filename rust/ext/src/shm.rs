@@ -633,7 +633,7 @@ impl ClientInner {
         let submitted = if self.varying.is_some() {
             let inputs: Vec<_> = keep
                 .iter()
-                .zip(&views)
+                .zip(views.iter())
                 .map(|(k, v)| (k.bytes(), *v.extents()))
                 .collect();
             self.core.submit_varying(&inputs, rows, &submission)

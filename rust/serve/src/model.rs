@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use ferrobatch_core::v2::Data;
 use ferrobatch_core::{
-    timeout_from_secs, CoreError, DType, InputBytes, InputRules, InputSpec, Layout, Outcome,
-    PerTensor, Readiness, RequestState, Sink, Submission,
+    timeout_from_secs, CoreError, DType, InputBytes, InputRules, InputSpec, Inputs, Layout,
+    Outcome, PerTensor, Readiness, RequestState, Sink, Submission,
 };
 use tokio::sync::oneshot;
 
@@ -293,7 +293,7 @@ impl ServedModel {
         };
         let mut owners = owners;
         let layouts = batcher.layouts();
-        let mut views = Vec::with_capacity(matched.order.len());
+        let mut views = Inputs::with_capacity(matched.order.len());
         for (spec_index, (&i, extents)) in matched.order.iter().zip(&matched.extents).enumerate() {
             let Some(i) = i else {
                 // An optional input the request left out: zeros (or empty rows) in its place.
@@ -341,16 +341,10 @@ impl ServedModel {
             absent: matched.absent,
             blocking_caller: None,
         };
-        let submitted = batcher.submit_request(
-            SINK,
-            matched.rows,
-            views.into_boxed_slice(),
-            submission,
-            |request| {
-                registered = Some(request.id);
-                self.replies.register(request, plan, owners, tx);
-            },
-        );
+        let submitted = batcher.submit_request(SINK, matched.rows, views, submission, |request| {
+            registered = Some(request.id);
+            self.replies.register(request, plan, owners, tx);
+        });
         match submitted {
             Ok(request) => {
                 if batcher.readiness() == Readiness::OnFlush {

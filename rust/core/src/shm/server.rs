@@ -461,7 +461,7 @@ impl SharedServer {
             CellLayout::Rows {
                 inputs: in_rows, ..
             } => {
-                let mut inputs = Vec::with_capacity(in_rows.len());
+                let mut inputs = crate::Inputs::with_capacity(in_rows.len());
                 let mut offset = 0usize;
                 for &row in in_rows {
                     let len = row * rows as usize;
@@ -529,7 +529,7 @@ impl SharedServer {
         let submitted = self.batcher.submit_request(
             Sink::SharedMemory(d.client),
             rows as usize,
-            inputs.into_boxed_slice(),
+            inputs,
             submission,
             |request| {
                 registered = Some(request.id);
@@ -674,7 +674,7 @@ impl SharedServer {
         &self,
         base: *const u8,
         region_len: usize,
-    ) -> Result<(Vec<InputBytes>, Option<Box<[u8]>>), String> {
+    ) -> Result<(crate::Inputs, Option<Box<[u8]>>), String> {
         let count = self.counts.0;
         let header_len = count
             .checked_mul(varying::INPUT_HEADER)
@@ -695,7 +695,7 @@ impl SharedServer {
         // Placed from the copy (whose header may differ from the first
         // read): every range is checked against the copy itself.
         let places = varying::read_inputs(&copy, count)?;
-        let mut inputs = Vec::with_capacity(count);
+        let mut inputs = crate::Inputs::with_capacity(count);
         for (i, place) in places.iter().enumerate() {
             let bytes = &copy[place.range.clone()];
             // SAFETY: the view lies in `copy`, a boxed slice whose heap

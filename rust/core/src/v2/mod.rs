@@ -199,18 +199,14 @@ pub fn input_dtype(name: &str, datatype: &str) -> Result<DType, V2Error> {
 
 /// Checks a tensor's name, datatype and shape as a client sent them outside
 /// JSON (gRPC): the same rules and messages as the JSON decoder's.
-pub fn tensor_header(
-    name: &str,
-    datatype: &str,
-    shape: &[i64],
-) -> Result<(DType, Vec<u64>), V2Error> {
+pub fn tensor_header(name: &str, datatype: &str, shape: &[i64]) -> Result<(DType, Shape), V2Error> {
     if name.is_empty() {
         return Err(V2Error::Invalid(
             "every tensor needs a non-empty 'name', got ''".into(),
         ));
     }
     let dtype = input_dtype(name, datatype)?;
-    let dims: Option<Vec<u64>> = shape.iter().map(|&d| u64::try_from(d).ok()).collect();
+    let dims: Option<Shape> = shape.iter().map(|&d| u64::try_from(d).ok()).collect();
     let dims = dims.ok_or_else(|| {
         V2Error::Invalid(format!(
             "input '{shown}': 'shape' must be a list of non-negative integers, got {shape}",
