@@ -7,6 +7,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use bytes::Bytes;
+use ferrobatch_serve::grpc::response::{InferResponse, OutputRows};
 use ferrobatch_serve::grpc::{self, pb::ModelInferRequest, InferCall};
 use ferrobatch_serve::model::Source;
 use ferrobatch_serve::replies::RawOutput;
@@ -157,7 +158,7 @@ pub(crate) fn grpc_response<'py>(
     results: &Bound<'py, PyDict>,
     last: Option<bool>,
 ) -> PyResult<Bound<'py, PyBytes>> {
-    let mut raw = Vec::with_capacity(outputs.len());
+    let mut read = Vec::with_capacity(outputs.len());
     for name in &outputs {
         let index = codec
             .core()
@@ -167,18 +168,37 @@ pub(crate) fn grpc_response<'py>(
             let message = format!("the model returned no output '{name}'");
             return Err(status_error(py, 500, message));
         };
-        let readable = codec.read_output(py, index, value)?;
-        raw.push(RawOutput {
-            index,
+        read.push((index, codec.read_output(py, index, value)?));
+    }
+    let Some(last) = last else {
+        // A `ModelInfer` answer: written from the results straight into the
+        // bytes object Python gets.
+        let rows: Vec<OutputRows<'_>> = read
+            .iter()
+            .map(|(index, readable)| OutputRows {
+                index: *index,
+                shape: &readable.shape,
+                data: readable.data(),
+            })
+            .collect();
+        let answer = InferResponse::new(codec.core(), model_name, id, &rows);
+        return PyBytes::new_with(py, answer.encoded_len(), |mut out| {
+            answer.encode(&mut out);
+            Ok(())
+        });
+    };
+    let raw = read
+        .iter()
+        .map(|(index, readable)| RawOutput {
+            index: *index,
             shape: readable.shape.as_slice().into(),
             data: Bytes::copy_from_slice(readable.data()),
-        });
-    }
-    // Encoded straight into the bytes object Python gets.
-    let answer = grpc::infer_answer(codec.core(), model_name, id, raw, last);
-    PyBytes::new_with(py, answer.encoded_len(), |out| {
-        answer
-            .encode(out)
+        })
+        .collect();
+    let answer = grpc::stream_answer(codec.core(), model_name, id, raw, last);
+    let length = prost::Message::encoded_len(&answer);
+    PyBytes::new_with(py, length, |mut out| {
+        prost::Message::encode(&answer, &mut out)
             .map_err(|e| status_error(py, 500, format!("the answer could not be encoded: {e}")))
     })
 }

@@ -3,11 +3,13 @@
 //! `y`, as tritonclient sends it) and its answer: decoding the message
 //! (prost, raw contents as slices of the received bytes), reading it into a
 //! submission (`read_infer_call`: inputs checked, requested outputs, priority,
-//! deadline), and building and encoding the answer into a framed buffer.
-//! Beside them, the reference: prost's decode alone, and prost's encode of an
-//! answer already built. What these cost, against the 25–45 µs of server CPU
-//! a gRPC request takes on one core (benches/README.md), is what a decoder
-//! that skipped prost's owned strings could save.
+//! deadline), and writing the answer from its rows into a framed buffer
+//! (`InferResponse::framed`, as the model's worker does). Beside them, the
+//! references: prost's decode alone; the answer built as a prost message
+//! from the same rows, encoded and framed (how it was written before); and
+//! prost's encode of that message already built. What these cost, against
+//! the 25–45 µs of server CPU a gRPC request takes on one core
+//! (benches/README.md), is what the protobuf work can still save.
 //!
 //! Run: `cargo bench -p ferrobatch-serve --bench grpc` (or `make bench`).
 
@@ -21,9 +23,10 @@ use ferrobatch_core::DType;
 use ferrobatch_serve::grpc::pb::model_infer_request::{
     InferInputTensor, InferRequestedOutputTensor,
 };
-use ferrobatch_serve::grpc::pb::ModelInferRequest;
-use ferrobatch_serve::grpc::{infer_answer, read_infer_call};
-use ferrobatch_serve::replies::RawOutput;
+use ferrobatch_serve::grpc::pb::model_infer_response::InferOutputTensor;
+use ferrobatch_serve::grpc::pb::{ModelInferRequest, ModelInferResponse};
+use ferrobatch_serve::grpc::read_infer_call;
+use ferrobatch_serve::grpc::response::{InferResponse, OutputRows};
 use ferrobatch_serve::Failure;
 
 const WIDTH: u64 = 256;
@@ -82,35 +85,57 @@ fn bench_grpc(c: &mut Criterion) {
     });
     group.finish();
 
-    let data = Bytes::from(vec![0x3f; WIDTH as usize * 4]);
-    let answer = |data: &Bytes| {
-        let outputs = vec![RawOutput {
-            index: 0,
-            shape: [1, WIDTH].into_iter().collect(),
-            data: data.clone(),
-        }];
-        infer_answer(&codec, "identity", "", outputs, None)
+    // The request's rows of the batch's output, as the worker cuts them.
+    let rows = vec![0x3fu8; WIDTH as usize * 4];
+    let shape = [1, WIDTH];
+    let built = |rows: &[u8]| ModelInferResponse {
+        model_name: "identity".to_owned(),
+        model_version: "1".to_owned(),
+        id: String::new(),
+        parameters: Default::default(),
+        outputs: vec![InferOutputTensor {
+            name: "y".to_owned(),
+            datatype: "FP32".to_owned(),
+            shape: shape.iter().map(|&d| d as i64).collect(),
+            parameters: Default::default(),
+            contents: None,
+        }],
+        raw_output_contents: vec![Bytes::copy_from_slice(rows)],
     };
-    let built = answer(&data);
-    let mut framed = vec![0u8; PREFIX + built.encoded_len()];
-    built
-        .encode(&mut framed[PREFIX..])
-        .expect("the bench's answer encodes");
+    let prost_framed = |message: &ModelInferResponse| {
+        let length = prost::Message::encoded_len(message);
+        let mut framed = Vec::with_capacity(PREFIX + length);
+        framed.push(0);
+        framed.extend_from_slice(&(length as u32).to_be_bytes());
+        prost::Message::encode(message, &mut framed).expect("the bench's answer encodes");
+        framed
+    };
+    let written = |rows: &[u8]| {
+        let outputs = [OutputRows {
+            index: 0,
+            shape: &shape,
+            data: rows,
+        }];
+        InferResponse::new(&codec, "identity", "", &outputs)
+            .framed()
+            .expect("the bench's answer frames")
+    };
+    let message = built(&rows);
+    assert_eq!(
+        written(&rows),
+        prost_framed(&message),
+        "the answer written is prost's, byte for byte"
+    );
     let mut group = c.benchmark_group("grpc/answer");
     group.bench_function("reference: prost encode of a built answer", |b| {
-        b.iter(|| {
-            let mut framed = vec![0u8; PREFIX + built.encoded_len()];
-            built.encode(&mut framed[PREFIX..]).ok();
-            black_box(framed)
-        })
+        b.iter(|| black_box(prost_framed(black_box(&message))))
     });
-    group.bench_function("build, encode and frame", |b| {
-        b.iter(|| {
-            let answer = answer(black_box(&data));
-            let mut framed = vec![0u8; PREFIX + answer.encoded_len()];
-            answer.encode(&mut framed[PREFIX..]).ok();
-            black_box(framed)
-        })
+    group.bench_function(
+        "reference: built from the rows, prost encode, framed",
+        |b| b.iter(|| black_box(prost_framed(&built(black_box(&rows))))),
+    );
+    group.bench_function("written from the rows, framed", |b| {
+        b.iter(|| black_box(written(black_box(&rows))))
     });
     group.finish();
 }

@@ -35,9 +35,8 @@ use std::time::Duration;
 use std::future::Future;
 
 use bytes::Bytes;
-use ferrobatch_core::v2::{self, quote, Clipped, Limits, V2Error, MODEL_VERSION};
-use ferrobatch_core::DType;
-use http_body_util::BodyExt;
+use ferrobatch_core::v2::{self, quote, Clipped, Limits, Shape, V2Error, MODEL_VERSION};
+use ferrobatch_core::{DType, PerTensor};
 use hyper::body::Incoming;
 use hyper::header::HeaderValue;
 use tokio::sync::{mpsc, Semaphore};
@@ -236,7 +235,11 @@ async fn unary(
     // Another encoding goes on to tonic, which refuses it in the same words.
     if !matches!(message_encoding(request.headers()), Ok(true)) {
         return Ok(request.map(|body| {
-            tonic::body::Body::new(Unary::new(body, config.body_timeout, config.max_body_size))
+            tonic::body::Body::new(Unary::new(
+                body,
+                Some(config.body_timeout),
+                config.max_body_size,
+            ))
         }));
     }
     let (mut parts, body) = request.into_parts();
@@ -264,10 +267,11 @@ fn prefix_length(length: usize, limit: usize) -> Result<[u8; 4], Status> {
 /// inflated, off the runtime's threads) or the body timeout.
 async fn read_message(shared: &Shared, body: Incoming, gzip: bool) -> Result<Bytes, Status> {
     let limit = shared.config.max_body_size;
-    let read = Unary::new(body, shared.config.body_timeout, limit)
-        .collect()
-        .await?;
-    let message = read.to_bytes();
+    // Timed here, not by the body: its clock would be a second allocation.
+    let read = crate::http::concatenated(Unary::new(body, None, limit));
+    let message = tokio::time::timeout(shared.config.body_timeout, read)
+        .await
+        .map_err(|_| body_late())??;
     let (compressed, length) = match message.get(..PREFIX) {
         Some(&[flag, a, b, c, d]) => (flag == 1, u32::from_be_bytes([a, b, c, d]) as usize),
         _ => return Err(Status::internal("the request message is incomplete")),
@@ -317,14 +321,7 @@ async fn infer_call(
         let message = read_message(&inference.shared, body, encoding?).await?;
         let request = <ModelInferRequest as prost::Message>::decode(message)
             .map_err(|e| Status::internal(format!("failed to decode Protobuf message: {e}")))?;
-        let response = inference.infer(&metadata, request).await?;
-        let length = prost::Message::encoded_len(&response);
-        let mut framed = Vec::with_capacity(PREFIX.saturating_add(length));
-        framed.push(0);
-        framed.extend_from_slice(&prefix_length(length, usize::MAX)?);
-        prost::Message::encode(&response, &mut framed)
-            .map_err(|e| Status::internal(format!("encoding the response: {e}")))?;
-        Ok::<_, Status>(Bytes::from(framed))
+        inference.infer(&metadata, request).await
     };
     match answered.await {
         Ok(framed) => {
@@ -341,6 +338,11 @@ async fn infer_call(
         Err(status) => status.into_http(),
     }
 }
+
+/// The trailer every answer ends with, named without an allocation (a
+/// `&str` name not among HTTP's standard headers is copied per response).
+static GRPC_STATUS: hyper::header::HeaderName =
+    hyper::header::HeaderName::from_static("grpc-status");
 
 /// A unary call's response body: its one message (prefixed), then the
 /// trailers of an OK status.
@@ -366,7 +368,7 @@ impl hyper::body::Body for OneMessage {
         }
         this.ended = true;
         let mut trailers = hyper::HeaderMap::with_capacity(1);
-        trailers.insert("grpc-status", HeaderValue::from_static("0"));
+        trailers.insert(GRPC_STATUS.clone(), HeaderValue::from_static("0"));
         std::task::Poll::Ready(Some(Ok(hyper::body::Frame::trailers(trailers))))
     }
 
@@ -388,18 +390,19 @@ struct Unary {
     end: Option<usize>,
     /// The longest message taken (`max_body_size`).
     limit: usize,
-    deadline: std::pin::Pin<Box<tokio::time::Sleep>>,
+    /// The body timeout, when its reader does not time the body itself.
+    deadline: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl Unary {
-    fn new(body: Incoming, timeout: Duration, limit: usize) -> Unary {
+    fn new(body: Incoming, timeout: Option<Duration>, limit: usize) -> Unary {
         Unary {
             body,
             seen: 0,
             prefix: [0; PREFIX],
             end: None,
             limit,
-            deadline: Box::pin(tokio::time::sleep(timeout)),
+            deadline: timeout.map(|timeout| Box::pin(tokio::time::sleep(timeout))),
         }
     }
 
@@ -447,9 +450,9 @@ impl hyper::body::Body for Unary {
             }
             Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(Status::from_error(Box::new(e))))),
             Poll::Ready(None) => Poll::Ready(None),
-            Poll::Pending => match this.deadline.as_mut().poll(cx) {
-                Poll::Ready(()) => Poll::Ready(Some(Err(body_late()))),
-                Poll::Pending => Poll::Pending,
+            Poll::Pending => match this.deadline.as_mut().map(|d| d.as_mut().poll(cx)) {
+                Some(Poll::Ready(())) => Poll::Ready(Some(Err(body_late()))),
+                _ => Poll::Pending,
             },
         }
     }
@@ -511,12 +514,13 @@ impl Inference {
 
     /// One `ModelInfer` call: its request (with its call's `metadata`:
     /// `grpc-timeout`, forwarded headers) queued on its model, the reply
-    /// awaited.
+    /// awaited: the answer as one gRPC message, prefixed, written by the
+    /// model's worker ([`response::InferResponse`]).
     async fn infer(
         &self,
         metadata: &MetadataMap,
         mut request: ModelInferRequest,
-    ) -> Result<ModelInferResponse, Status> {
+    ) -> Result<Bytes, Status> {
         let call_timeout = grpc_timeout(metadata);
         let forwarded = forwarded_metadata(
             metadata,
@@ -524,15 +528,24 @@ impl Inference {
         );
         let model = self.served(&request.model_name, &request.model_version)?;
         model.refuse_decoupled("ModelInfer").map_err(status)?;
+        // Moved into the plan: the answer echoes them.
+        let model_name = std::mem::take(&mut request.model_name);
+        let id = std::mem::take(&mut request.id);
         let submitted = submit(&model, &mut request, call_timeout, &forwarded, |outputs| {
-            ResponsePlan::Raw { outputs }
+            ResponsePlan::Message {
+                model_name,
+                id,
+                outputs,
+            }
         })
         .map_err(status)?;
-        let outputs = match model.reply(submitted).await.map_err(status)? {
-            Answer::Raw(outputs) => outputs,
-            Answer::Encoded(_) => return Err(Status::internal("an HTTP reply to a gRPC call")),
-        };
-        Ok(infer_response(&model, request, outputs))
+        drop(request); // its raw contents are the submission's now
+        match model.reply(submitted).await.map_err(status)? {
+            Answer::Message(framed) => Ok(framed),
+            _ => Err(Status::internal(
+                "a ModelInfer call answered as another kind",
+            )),
+        }
     }
 
     /// Answers one request of a `ModelStreamInfer` stream on `out`.
@@ -593,14 +606,18 @@ impl Inference {
             .map_err(status)?;
             match model.reply(submitted).await.map_err(status)? {
                 Answer::Raw(outputs) => send(outputs, true, 0),
-                Answer::Encoded(_) => return Err(Status::internal("an HTTP reply to a gRPC call")),
+                _ => {
+                    return Err(Status::internal(
+                        "a streamed request answered as another kind",
+                    ))
+                }
             }
             return Ok(());
         }
         let (partial, mut parts) = mpsc::unbounded_channel();
         let submitted = submit(&model, request, call_timeout, forwarded, |outputs| {
             ResponsePlan::Stream {
-                outputs: outputs.into(),
+                outputs: Arc::from(outputs.as_slice()),
                 partial,
                 backlog: out.backlog.clone(),
             }
@@ -724,7 +741,10 @@ impl GrpcInferenceService for Inference {
         request: Request<ModelInferRequest>,
     ) -> Result<Response<ModelInferResponse>, Status> {
         let (metadata, _, request) = request.into_parts();
-        self.infer(&metadata, request).await.map(Response::new)
+        let framed = self.infer(&metadata, request).await?;
+        <ModelInferResponse as prost::Message>::decode(framed.slice(PREFIX..))
+            .map(Response::new)
+            .map_err(|e| Status::internal(format!("decoding the answer: {e}")))
     }
 
     type ModelStreamInferStream = StreamResponses;
@@ -868,7 +888,7 @@ fn submit(
     request: &mut ModelInferRequest,
     call_timeout: Option<Duration>,
     forwarded: &[(String, String)],
-    plan: impl FnOnce(Vec<usize>) -> ResponsePlan,
+    plan: impl FnOnce(PerTensor<usize>) -> ResponsePlan,
 ) -> Result<crate::model::Submitted, Failure> {
     let mut refused_input = false;
     let mut check = |name: &str, dtype: DType, shape: &[u64]| {
@@ -911,9 +931,9 @@ fn submit(
 /// outputs it asks for (indices in the codec's outputs) and what it says
 /// besides.
 pub struct InferCall {
-    pub tensors: Vec<(DType, Vec<u64>, Source)>,
+    pub tensors: PerTensor<(DType, Shape, Source)>,
     pub owners: InputOwners,
-    pub outputs: Vec<usize>,
+    pub outputs: PerTensor<usize>,
     pub meta: RequestMeta,
 }
 
@@ -969,59 +989,25 @@ pub fn asks_empty_final(request: &ModelInferRequest) -> bool {
     )
 }
 
-/// The answer to request `id` of `model_name` with `outputs` (described by
-/// `codec`): a `ModelInferResponse`, or with `last` a
-/// `ModelStreamInferResponse` flagged as a stream's response is.
-pub fn infer_answer(
+/// One response to streamed request `id` of `model_name` with `outputs`
+/// (described by `codec`), flagged `last` as a stream's response is. (A
+/// `ModelInfer` answer is written by [`response::InferResponse`].)
+pub fn stream_answer(
     codec: &v2::Codec,
     model_name: &str,
     id: &str,
     outputs: Vec<RawOutput>,
-    last: Option<bool>,
-) -> InferAnswer {
+    last: bool,
+) -> ModelStreamInferResponse {
     let (described, raw) = described_outputs(codec, outputs);
     let tag = ResponseTag {
         model_name: model_name.to_owned(),
         id: id.to_owned(),
         empty_final: false,
     };
-    match last {
-        None => InferAnswer::Unary(ModelInferResponse {
-            model_name: tag.model_name,
-            model_version: MODEL_VERSION.to_owned(),
-            id: tag.id,
-            parameters: Default::default(),
-            outputs: described,
-            raw_output_contents: raw,
-        }),
-        Some(last) => InferAnswer::Stream(ModelStreamInferResponse {
-            error_message: String::new(),
-            infer_response: Some(tag.response(described, raw, last)),
-        }),
-    }
-}
-
-/// A `ModelInfer` answer, or one response on a `ModelStreamInfer` stream,
-/// to be encoded where its caller wants the bytes.
-pub enum InferAnswer {
-    Unary(ModelInferResponse),
-    Stream(ModelStreamInferResponse),
-}
-
-impl InferAnswer {
-    pub fn encoded_len(&self) -> usize {
-        match self {
-            InferAnswer::Unary(m) => prost::Message::encoded_len(m),
-            InferAnswer::Stream(m) => prost::Message::encoded_len(m),
-        }
-    }
-
-    /// Encodes the message into `out`, which holds `encoded_len()` bytes.
-    pub fn encode(&self, mut out: &mut [u8]) -> Result<(), prost::EncodeError> {
-        match self {
-            InferAnswer::Unary(m) => prost::Message::encode(m, &mut out),
-            InferAnswer::Stream(m) => prost::Message::encode(m, &mut out),
-        }
+    ModelStreamInferResponse {
+        error_message: String::new(),
+        infer_response: Some(tag.response(described, raw, last)),
     }
 }
 
@@ -1108,7 +1094,7 @@ fn forwarded_metadata(
 /// A request's inputs, decoded and checked: `(dtype, shape, where its
 /// bytes are)` per input, in the request's order, and their owners.
 struct Decoded {
-    tensors: Vec<(DType, Vec<u64>, Source)>,
+    tensors: PerTensor<(DType, Shape, Source)>,
     owners: InputOwners,
 }
 
@@ -1144,7 +1130,7 @@ fn decode_inputs(
             inputs.len()
         )));
     }
-    let mut contents = Vec::with_capacity(inputs.len());
+    let mut contents: PerTensor<Contents<'_>> = PerTensor::with_capacity(inputs.len());
     for (i, input) in inputs.iter().enumerate() {
         let name = &input.name;
         contents.push(if !raw.is_empty() {
@@ -1173,7 +1159,7 @@ fn decode_inputs(
     }
     let codec_error = |e: V2Error| Failure::new(e.status(), e.to_string());
     let mut elements_left = limits.max_elements;
-    let mut tensors: Vec<(DType, Vec<u64>, Source)> = Vec::with_capacity(inputs.len());
+    let mut tensors: PerTensor<(DType, Shape, Source)> = PerTensor::with_capacity(inputs.len());
     let mut decoded = Vec::new();
     for (i, (input, contents)) in inputs.iter().zip(contents).enumerate() {
         let name = &input.name;
@@ -1317,7 +1303,7 @@ fn typed_bytes(
 fn requested_outputs(
     request: &ModelInferRequest,
     codec: &v2::Codec,
-) -> Result<Vec<usize>, Failure> {
+) -> Result<PerTensor<usize>, Failure> {
     if request.outputs.is_empty() {
         return Ok((0..codec.outputs().len()).collect());
     }
@@ -1471,23 +1457,6 @@ impl ResponseTag {
     }
 }
 
-/// The response of a call from its outputs' rows.
-fn infer_response(
-    model: &ServedModel,
-    request: ModelInferRequest,
-    outputs: Vec<RawOutput>,
-) -> ModelInferResponse {
-    let (described, raw) = described_outputs(model.replies().codec(), outputs);
-    ModelInferResponse {
-        model_name: request.model_name,
-        model_version: MODEL_VERSION.to_owned(),
-        id: request.id,
-        parameters: Default::default(),
-        outputs: described,
-        raw_output_contents: raw,
-    }
-}
-
 /// Each output's description and its raw bytes, in the order given.
 fn described_outputs(
     codec: &v2::Codec,
@@ -1513,6 +1482,8 @@ fn described_outputs(
         .collect();
     (described, outputs.into_iter().map(|o| o.data).collect())
 }
+
+pub mod response;
 
 #[cfg(test)]
 mod tests;

@@ -20,7 +20,8 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper::header::{
-    HeaderValue, ACCEPT_ENCODING, CONNECTION, CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE, VARY,
+    HeaderName, HeaderValue, ACCEPT_ENCODING, CONNECTION, CONTENT_ENCODING, CONTENT_LENGTH,
+    CONTENT_TYPE, VARY,
 };
 use hyper::{Method, Request, Response, StatusCode};
 use tokio::sync::oneshot;
@@ -33,6 +34,10 @@ use crate::replies::{Answer, Failure, Reply};
 use crate::server::Shared;
 
 pub const HEADER_LENGTH: &str = "inference-header-content-length";
+/// [`HEADER_LENGTH`] as a response's header name: a static one is inserted
+/// without allocating (a `&str` name not among HTTP's standard headers is
+/// copied into a new buffer per response).
+static HEADER_LENGTH_NAME: HeaderName = HeaderName::from_static(HEADER_LENGTH);
 const JSON: &str = "application/json";
 const BINARY: &str = "application/octet-stream";
 
@@ -199,12 +204,14 @@ fn reply(reply: Reply) -> Response<Body> {
                 // One copy of the digits: `From<usize>` allocates twice (a
                 // buffer, then its freeze). Digits are a valid value.
                 if let Ok(value) = HeaderValue::from_str(itoa::Buffer::new().format(length)) {
-                    r.headers_mut().insert(HEADER_LENGTH, value);
+                    r.headers_mut().insert(HEADER_LENGTH_NAME.clone(), value);
                 }
                 r
             }
         },
-        Ok(Answer::Raw(_)) => error(&Failure::new(500, "a gRPC reply to an HTTP request")),
+        Ok(Answer::Raw(_) | Answer::Message(_)) => {
+            error(&Failure::new(500, "a gRPC reply to an HTTP request"))
+        }
         Err(failure) => error(&failure),
     }
 }
@@ -331,11 +338,11 @@ async fn read_body(
     let (parts, body) = request.into_parts();
     let read = tokio::time::timeout(
         shared.config.body_timeout,
-        Limited::new(body, limit).collect(),
+        concatenated(Limited::new(body, limit)),
     )
     .await;
     match read {
-        Ok(Ok(collected)) => Ok((parts, collected.to_bytes())),
+        Ok(Ok(bytes)) => Ok((parts, bytes)),
         Ok(Err(e))
             if e.downcast_ref::<http_body_util::LengthLimitError>()
                 .is_some() =>
@@ -356,6 +363,32 @@ async fn read_body(
             Err(r)
         }
     }
+}
+
+/// A body's data, whole: its one data frame as it came (no copy and no
+/// allocation, the usual case), or its frames joined. Trailers are skipped.
+pub(crate) async fn concatenated<B>(mut body: B) -> Result<Bytes, B::Error>
+where
+    B: hyper::body::Body<Data = Bytes> + Unpin,
+{
+    let mut first: Option<Bytes> = None;
+    let mut joined: Option<bytes::BytesMut> = None;
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame?.into_data() else {
+            continue;
+        };
+        if let Some(joined) = joined.as_mut() {
+            joined.extend_from_slice(&data);
+        } else if let Some(before) = first.take() {
+            let mut both = bytes::BytesMut::with_capacity(before.len().saturating_add(data.len()));
+            both.extend_from_slice(&before);
+            both.extend_from_slice(&data);
+            joined = Some(both);
+        } else {
+            first = Some(data);
+        }
+    }
+    Ok(joined.map_or_else(|| first.unwrap_or_default(), bytes::BytesMut::freeze))
 }
 
 /// Responses at most this large are compressed on the runtime's thread;

@@ -15,6 +15,8 @@ use ferrobatch_core::v2::{Codec, Encoded, Output, Shape};
 use ferrobatch_core::{Batcher, Outcome, Pending, PerTensor, Request, RequestState, Route, Tally};
 use tokio::sync::{mpsc, oneshot};
 
+use crate::grpc::response::{InferResponse, OutputRows};
+
 /// Why a request got no result: its HTTP status and the message for the client.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Failure {
@@ -42,6 +44,8 @@ pub enum Answer {
     /// The rows of each output asked for, as raw little-endian bytes (gRPC's
     /// `raw_output_contents`), in the order asked.
     Raw(Vec<RawOutput>),
+    /// A `ModelInfer` call's answer: one gRPC message, prefixed, as sent.
+    Message(Bytes),
 }
 
 /// One output's rows for one request.
@@ -72,7 +76,15 @@ pub enum ResponsePlan {
         outputs: PerTensor<(usize, bool)>,
     },
     /// The raw rows of these outputs (indices), in this order.
-    Raw { outputs: Vec<usize> },
+    Raw { outputs: PerTensor<usize> },
+    /// A `ModelInfer` call: its answer to request `id` of `model_name`, the
+    /// rows of these outputs (indices) in this order, written as one gRPC
+    /// message ([`InferResponse`]).
+    Message {
+        model_name: String,
+        id: String,
+        outputs: PerTensor<usize>,
+    },
     /// A decoupled model's request: each partial answer of its batch (the
     /// raw rows of these outputs, as `Raw`) goes to `partial` as it comes;
     /// the final answer, through the pending table as for any request, is
@@ -377,6 +389,29 @@ impl Replies {
             ResponsePlan::Stream { .. } => Ok(Answer::Raw(Vec::new())),
             ResponsePlan::Raw { outputs } => {
                 self.raw_rows(route, outputs, columns).map(Answer::Raw)
+            }
+            ResponsePlan::Message {
+                model_name,
+                id,
+                outputs,
+            } => {
+                let mut rows: PerTensor<(usize, Shape, Cow<'_, [u8]>)> =
+                    PerTensor::with_capacity(outputs.len());
+                for &index in outputs {
+                    let (shape, data) = self.rows(route, index, columns)?;
+                    rows.push((index, shape, data));
+                }
+                let outputs: PerTensor<OutputRows<'_>> = rows
+                    .iter()
+                    .map(|(index, shape, data)| OutputRows {
+                        index: *index,
+                        shape,
+                        data,
+                    })
+                    .collect();
+                let framed = InferResponse::new(&self.codec, model_name, id, &outputs).framed()?;
+                // Exactly its capacity: the `Bytes` takes the buffer as it is.
+                Ok(Answer::Message(Bytes::from(framed)))
             }
         }
     }

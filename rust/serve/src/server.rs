@@ -699,7 +699,10 @@ struct FirstBytes {
     /// The connection's first bytes, to tell HTTP/2's preface ("PRI").
     start: [u8; 3],
     http2: bool,
-    deadline: Option<Pin<Box<Sleep>>>,
+    /// The header clock, set again for each request (one allocation per
+    /// connection, not per request); it counts only while `armed`.
+    clock: Pin<Box<Sleep>>,
+    armed: bool,
     /// Requests started when the deadline was set.
     armed_at: u64,
     activity: Arc<Activity>,
@@ -719,7 +722,8 @@ impl FirstBytes {
             read: 0,
             start: [0; 3],
             http2: false,
-            deadline: Some(Box::pin(tokio::time::sleep(timeout))),
+            clock: Box::pin(tokio::time::sleep(timeout)),
+            armed: true,
             armed_at: 0,
             activity,
         }
@@ -738,31 +742,40 @@ impl FirstBytes {
         let (in_flight, requests) = (self.activity.in_flight(), self.activity.requests());
         if self.http2 {
             if self.read >= self.start.len() {
-                self.deadline = None; // the preface's first bytes came: until_idle times the rest
+                self.armed = false; // the preface's first bytes came: until_idle times the rest
             }
         } else if requests != self.armed_at || in_flight > 0 {
             // A request started since the clock was set, or one is in flight
             // (these bytes are its body, or pipelined): stop it.
-            self.deadline = None;
+            self.armed = false;
             self.armed_at = requests;
             if in_flight == 0 && !new.is_empty() {
-                self.deadline = Some(Box::pin(tokio::time::sleep(self.timeout)));
+                self.arm();
             }
-        } else if self.deadline.is_none() && !new.is_empty() {
-            self.deadline = Some(Box::pin(tokio::time::sleep(self.timeout)));
+        } else if !self.armed && !new.is_empty() {
+            self.arm();
         }
+    }
+
+    /// Starts the header clock: `timeout` from now (about 30 years, as
+    /// tokio's `sleep` takes it, for a timeout past what an instant holds).
+    fn arm(&mut self) {
+        let now = tokio::time::Instant::now();
+        let at = now
+            .checked_add(self.timeout)
+            .unwrap_or_else(|| now + Duration::from_secs(86_400 * 365 * 30));
+        self.clock.as_mut().reset(at);
+        self.armed = true;
     }
 
     /// True once the deadline passed with no request started.
     fn expired(&mut self, cx: &mut Context<'_>) -> bool {
         let started = self.activity.requests() != self.armed_at || self.activity.in_flight() > 0;
         if started && !self.http2 {
-            self.deadline = None;
+            self.armed = false;
             return false;
         }
-        self.deadline
-            .as_mut()
-            .is_some_and(|deadline| deadline.as_mut().poll(cx).is_ready())
+        self.armed && self.clock.as_mut().poll(cx).is_ready()
     }
 }
 

@@ -106,7 +106,7 @@ fn raw_contents_are_checked_and_kept_as_they_are() {
         ]
     );
     assert_eq!(decoded.tensors[0].0, DType::Float32);
-    assert_eq!(decoded.tensors[0].1, vec![2, 2]);
+    assert_eq!(decoded.tensors[0].1.as_slice(), [2, 2]);
 
     let short = vec![Bytes::from(vec![0u8; 12]), Bytes::from_static(&[1])];
     let got = message(decode_inputs(
@@ -287,13 +287,19 @@ fn requested_outputs_are_named_outputs_of_the_model() {
         Limits::default(),
     );
     let mut request = ModelInferRequest::default();
-    assert_eq!(requested_outputs(&request, &codec), Ok(vec![0, 1]));
+    assert_eq!(
+        requested_outputs(&request, &codec),
+        Ok([0, 1].into_iter().collect())
+    );
     let wanted = |name: &str| InferRequestedOutputTensor {
         name: name.into(),
         parameters: HashMap::new(),
     };
     request.outputs = vec![wanted("n")];
-    assert_eq!(requested_outputs(&request, &codec), Ok(vec![1]));
+    assert_eq!(
+        requested_outputs(&request, &codec),
+        Ok([1].into_iter().collect())
+    );
     request.outputs = vec![wanted("n"), wanted("q")];
     let refused = requested_outputs(&request, &codec).unwrap_err();
     assert_eq!(
