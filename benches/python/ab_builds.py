@@ -28,6 +28,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,6 +46,36 @@ def build(source: Path, target: Path) -> Path:
     return target / "release" / "lib_core.so"
 
 
+def builds_of(base: str) -> dict[str, Path]:
+    """The extension built at commit ``base`` (a git worktree, removed after)
+    and at the working tree: label to library."""
+    short = subprocess.run(
+        ["git", "rev-parse", "--short", base], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout.strip()
+    with tempfile.TemporaryDirectory(prefix="ab_builds-") as tmp:
+        tree = Path(tmp) / "base"
+        subprocess.run(["git", "worktree", "add", "--detach", str(tree), short], cwd=ROOT, check=True)
+        try:
+            return {
+                f"base {short}": build(tree, ROOT / "target" / "ab-base"),
+                "working tree": build(ROOT, ROOT / "target"),
+            }
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=True)
+
+
+@contextmanager
+def installed_kept() -> Iterator[None]:
+    """Puts the installed extension back as it was, whatever ran in between."""
+    with tempfile.TemporaryDirectory(prefix="ab_builds-") as tmp:
+        kept = Path(tmp) / "installed.so"
+        shutil.copy2(INSTALLED, kept)
+        try:
+            yield
+        finally:
+            shutil.copy2(kept, INSTALLED)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", required=True, help="the commit to compare the working tree with")
@@ -54,36 +86,19 @@ def main() -> None:
     bench_args = [a for a in args.bench_args if a != "--"]
     if any(a.startswith(("--runs", "--out", "--report")) for a in bench_args):
         parser.error("--runs, --out and --report are this script's")
-    base = subprocess.run(
-        ["git", "rev-parse", "--short", args.base], cwd=ROOT, check=True, capture_output=True, text=True
-    ).stdout.strip()
-    with tempfile.TemporaryDirectory(prefix="ab_builds-") as tmp:
-        work = Path(tmp)
-        tree = work / "base"
-        subprocess.run(["git", "worktree", "add", "--detach", str(tree), base], cwd=ROOT, check=True)
-        try:
-            builds = {
-                f"base {base}": build(tree, ROOT / "target" / "ab-base"),
-                "working tree": build(ROOT, ROOT / "target"),
-            }
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=True)
-        kept = work / "installed.so"
-        shutil.copy2(INSTALLED, kept)
-        rows: list[dict[str, object]] = []
-        try:
-            for round_ in range(args.rounds):
-                for label, library in builds.items():
-                    shutil.copy2(library, INSTALLED)
-                    out = work / f"run-{round_}-{len(rows)}"
-                    cmd = [sys.executable, str(ROOT / "benches/python/bench_serve.py"), *bench_args]
-                    subprocess.run([*cmd, "--runs", "1", "--out", str(out)], cwd=ROOT, check=True)
-                    for line in Path(f"{out}.jsonl").read_text().splitlines():
-                        row = json.loads(line)
-                        row.update(build=label, round=round_, command=" ".join(["ab_builds.py", *sys.argv[1:]]))
-                        rows.append(row)
-        finally:
-            shutil.copy2(kept, INSTALLED)
+    builds = builds_of(args.base)
+    rows: list[dict[str, object]] = []
+    with tempfile.TemporaryDirectory(prefix="ab_builds-") as tmp, installed_kept():
+        for round_ in range(args.rounds):
+            for label, library in builds.items():
+                shutil.copy2(library, INSTALLED)
+                out = Path(tmp) / f"run-{round_}-{len(rows)}"
+                cmd = [sys.executable, str(ROOT / "benches/python/bench_serve.py"), *bench_args]
+                subprocess.run([*cmd, "--runs", "1", "--out", str(out)], cwd=ROOT, check=True)
+                for line in Path(f"{out}.jsonl").read_text().splitlines():
+                    row = json.loads(line)
+                    row.update(build=label, round=round_, command=" ".join(["ab_builds.py", *sys.argv[1:]]))
+                    rows.append(row)
     if args.out:
         Path(args.out).write_text("".join(json.dumps(row) + "\n" for row in rows))
     report(rows, list(builds))

@@ -9,7 +9,8 @@
 //! or typed `contents`, decoded once) go through the same
 //! [`ServedModel::enqueue`] as HTTP's: the same checks, queue, deadlines and
 //! counts. Its reply is each requested output's rows as raw bytes
-//! (`raw_output_contents`), cut from the batch on the model's worker.
+//! (`raw_output_contents`), cut from the batch and written as the whole
+//! message by the model's worker ([`response`]).
 //! `ModelInfer` calls skip tonic's per-call machinery ([`infer_call`] reads,
 //! decodes and answers them with prost); the other RPCs go through tonic.
 //!
