@@ -110,7 +110,9 @@ impl Codec {
     /// Fails (a 500: the caller's bug, not the client's) when an output's
     /// index is unknown or its byte length is not its shape's.
     pub fn encode(&self, id: Option<&str>, outputs: &[Output<'_>]) -> Result<Encoded, V2Error> {
-        let (mut body, binary_bytes) = self.encode_header(id, outputs, 0)?;
+        // Room for the binary outputs from the start: reserving it after the
+        // header would move the header (a reallocation per response).
+        let (mut body, binary_bytes) = self.header(id, outputs, true, 0)?;
         if !outputs.iter().any(|o| o.binary) {
             return Ok(Encoded {
                 body,
@@ -137,6 +139,18 @@ impl Codec {
         &self,
         id: Option<&str>,
         outputs: &[Output<'_>],
+        extra: usize,
+    ) -> Result<(Vec<u8>, usize), V2Error> {
+        self.header(id, outputs, false, extra)
+    }
+
+    /// [`Codec::encode_header`], its buffer also holding room for the
+    /// binary outputs when `with_binary`.
+    fn header(
+        &self,
+        id: Option<&str>,
+        outputs: &[Output<'_>],
+        with_binary: bool,
         extra: usize,
     ) -> Result<(Vec<u8>, usize), V2Error> {
         let mut header_estimate: usize = 128 + id.map_or(0, str::len);
@@ -176,7 +190,9 @@ impl Codec {
                     .saturating_add(o.data.len());
             }
         }
-        let mut out = Vec::with_capacity(header_estimate.saturating_add(extra));
+        let room = if with_binary { binary_bytes } else { 0 };
+        let mut out =
+            Vec::with_capacity(header_estimate.saturating_add(extra).saturating_add(room));
         out.extend_from_slice(&self.response_prefix);
         if let Some(id) = id {
             out.extend_from_slice(b",\"id\":");
