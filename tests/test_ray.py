@@ -5,6 +5,7 @@ the module; skipped where ray is not installed."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import subprocess
 import sys
@@ -202,6 +203,7 @@ def cluster() -> Iterator[int]:
         yield port
     finally:
         serve.shutdown()
+        gc.collect()  # Ray's handles freed while its core worker runs (see test_torchrl's ray_cluster)
         ray.shutdown()
 
 

@@ -5,6 +5,7 @@ collate_fn, the model's own exceptions, threads and spawned processes)."""
 
 from __future__ import annotations
 
+import gc
 import inspect
 import multiprocessing
 import os
@@ -609,6 +610,10 @@ def ray_cluster() -> Iterator[Any]:
         yield ray
     finally:
         if started_here:
+            # Ray's handles and references left in cycles are freed now, while
+            # its core worker runs: freed after ray.shutdown(), a later test's
+            # collection would call into the stopped worker.
+            gc.collect()
             ray.shutdown()
 
 

@@ -181,8 +181,9 @@ impl<'a> InferResponse<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::grpc::pb::model_infer_response::InferOutputTensor;
+    use crate::grpc::described_outputs;
     use crate::grpc::pb::ModelInferResponse;
+    use crate::replies::RawOutput;
     use bytes::Bytes;
     use ferrobatch_core::v2::{Limits, OutputSpec};
     use ferrobatch_core::DType;
@@ -199,39 +200,30 @@ mod tests {
         v2::Codec::new("m", specs, Limits::default())
     }
 
-    /// The message prost writes for the same answer, built as a message.
+    /// The message prost writes for the same answer, built as a message
+    /// (as a stream's responses are: [`described_outputs`]).
     fn by_prost(
         codec: &v2::Codec,
         model_name: &str,
         id: &str,
         outputs: &[OutputRows<'_>],
     ) -> Vec<u8> {
+        let rows = outputs
+            .iter()
+            .map(|o| RawOutput {
+                index: o.index,
+                shape: o.shape.iter().copied().collect(),
+                data: Bytes::copy_from_slice(o.data),
+            })
+            .collect();
+        let (described, raw) = described_outputs(codec, rows);
         let message = ModelInferResponse {
             model_name: model_name.to_owned(),
             model_version: MODEL_VERSION.to_owned(),
             id: id.to_owned(),
             parameters: Default::default(),
-            outputs: outputs
-                .iter()
-                .map(|o| {
-                    let spec = codec.outputs().get(o.index);
-                    InferOutputTensor {
-                        name: spec.map_or_else(String::new, |s| s.name.clone()),
-                        datatype: spec.map_or("", |s| s.dtype.v2_name()).to_owned(),
-                        shape: o
-                            .shape
-                            .iter()
-                            .map(|&d| i64::try_from(d).unwrap_or(i64::MAX))
-                            .collect(),
-                        parameters: Default::default(),
-                        contents: None,
-                    }
-                })
-                .collect(),
-            raw_output_contents: outputs
-                .iter()
-                .map(|o| Bytes::copy_from_slice(o.data))
-                .collect(),
+            outputs: described,
+            raw_output_contents: raw,
         };
         prost::Message::encode_to_vec(&message)
     }
