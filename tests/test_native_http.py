@@ -271,20 +271,30 @@ def test_a_failing_request_fails_alone_and_the_client_does_not_see_the_models_te
     assert seen["succeeded"] == 11 and seen["model_error"] == 1
 
 
-def slow(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    time.sleep(0.3)
-    return double(inputs)
+def gated_model(gate: threading.Event, entered: threading.Event):  # type: ignore[no-untyped-def]
+    """A model that says when a batch is in it and holds it until ``gate``."""
+
+    def model(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        entered.set()
+        gate.wait(30)
+        return double(inputs)
+
+    return model
 
 
 def test_a_passed_deadline_is_a_504_counted_once() -> None:
-    server = fb.Server(slow, inputs=[X], outputs=[Y, N], name="s", max_batch_size=1, max_delay=0)
+    gate, entered = threading.Event(), threading.Event()
+    server = fb.Server(gated_model(gate, entered), inputs=[X], outputs=[Y, N], name="s", max_batch_size=1, max_delay=0)
     with serve_in_thread([server], native()) as listening:
         url = f"http://127.0.0.1:{listening.http_port}/v2/models/s/infer"
         first = threading.Thread(target=httpx.post, args=(url,), kwargs={"content": infer_body([[1, 2, 3, 4]])})
         first.start()
-        time.sleep(0.05)  # the first holds the model; this one waits in the queue
+        # The first holds the model (a sleep could lose the race to a slow
+        # client thread); this one waits in the queue.
+        assert entered.wait(10)
         body = infer_body([[1, 2, 3, 4]], parameters={"timeout": 50_000})
         response = httpx.post(url, content=body)
+        gate.set()
         first.join()
         assert response.status_code == 504
         assert "exceeded its 0.05s timeout" in response.json()["error"]
@@ -294,24 +304,16 @@ def test_a_passed_deadline_is_a_504_counted_once() -> None:
     assert server.stats()["batches"] == 1  # the expired request never ran
 
 
-def gated_model(gate: threading.Event):  # type: ignore[no-untyped-def]
-    def model(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        gate.wait(30)
-        return double(inputs)
-
-    return model
-
-
 def test_a_client_that_goes_away_withdraws_its_queued_request() -> None:
-    gate = threading.Event()
-    server = fb.Server(gated_model(gate), inputs=[X], outputs=[Y, N], name="g", max_batch_size=1, max_delay=0)
+    gate, entered = threading.Event(), threading.Event()
+    server = fb.Server(gated_model(gate, entered), inputs=[X], outputs=[Y, N], name="g", max_batch_size=1, max_delay=0)
     with serve_in_thread([server], native()) as listening:
         port = listening.http_port
         assert port is not None
         url = f"http://127.0.0.1:{port}/v2/models/g/infer"
         holder = threading.Thread(target=httpx.post, args=(url,), kwargs={"content": infer_body([[1, 2, 3, 4]])})
         holder.start()
-        time.sleep(0.1)
+        assert entered.wait(10)  # the holder's batch is in the model
         body = infer_body([[5, 5, 5, 5]])
         with socket.create_connection(("127.0.0.1", port)) as sock:
             head = f"POST /v2/models/g/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
