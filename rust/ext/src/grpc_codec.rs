@@ -3,12 +3,11 @@
 //! infer rules ([`ferrobatch_serve::grpc::read_infer_call`], the one copy of
 //! them) and each answer encoded by its encoder; Python only submits.
 
-use std::sync::Mutex;
 use std::time::Duration;
 
 use bytes::Bytes;
 use ferrobatch_serve::grpc::response::{InferResponse, OutputRows};
-use ferrobatch_serve::grpc::{self, pb::ModelInferRequest, InferCall};
+use ferrobatch_serve::grpc::{self, InferCall};
 use ferrobatch_serve::model::Source;
 use ferrobatch_serve::replies::RawOutput;
 use ferrobatch_serve::Failure;
@@ -24,8 +23,8 @@ fn failure_error(py: Python<'_>, failure: Failure) -> PyErr {
 /// One `ModelInferRequest`, decoded from its message.
 #[pyclass(frozen, module = "ferrobatch._core")]
 pub(crate) struct GrpcInferRequest {
-    /// Its raw contents are moved out by `read`.
-    request: Mutex<ModelInferRequest>,
+    /// Read again by `read`: its raw contents are slices of it.
+    message: Bytes,
     model_name: String,
     model_version: String,
     id: String,
@@ -37,13 +36,21 @@ impl GrpcInferRequest {
     /// Decodes `message`; a `CodecError` (400) for bytes that are not one.
     #[new]
     fn new(py: Python<'_>, message: &[u8]) -> PyResult<GrpcInferRequest> {
-        let request = grpc::decode_infer_request(message).map_err(|f| failure_error(py, f))?;
+        let message = Bytes::copy_from_slice(message);
+        let request = grpc::decode_infer_request(&message).map_err(|f| failure_error(py, f))?;
+        let (model_name, model_version, id) = (
+            request.model_name.to_owned(),
+            request.model_version.to_owned(),
+            request.id.to_owned(),
+        );
+        let empty_final = grpc::asks_empty_final(&request.parameters);
+        drop(request);
         Ok(GrpcInferRequest {
-            model_name: request.model_name.clone(),
-            model_version: request.model_version.clone(),
-            id: request.id.clone(),
-            empty_final: grpc::asks_empty_final(&request),
-            request: Mutex::new(request),
+            message,
+            model_name,
+            model_version,
+            id,
+            empty_final,
         })
     }
 
@@ -68,8 +75,7 @@ impl GrpcInferRequest {
         self.empty_final
     }
 
-    /// Reads the request for the model of `codec` (once: its raw contents
-    /// move into the inputs): `(inputs, outputs, priority, parameters,
+    /// Reads the request for the model of `codec`: `(inputs, outputs, priority, parameters,
     /// timeout)`, the inputs `{name: V2Tensor}`, the outputs' names, the
     /// priority level (None: the default), the parameters as a JSON
     /// object's text (only when `keeps_parameters`), and the deadline in
@@ -90,7 +96,9 @@ impl GrpcInferRequest {
         Option<f64>,
     )> {
         let call_timeout = call_timeout.and_then(|t| Duration::try_from_secs_f64(t.max(0.0)).ok());
-        let mut request = self.request.lock().unwrap_or_else(|e| e.into_inner());
+        // Decoded again, borrowing: this allocates nothing for its strings.
+        let mut request =
+            grpc::decode_infer_request(&self.message).map_err(|f| failure_error(py, f))?;
         // Every header is checked by the model's submit, as in process.
         let mut accept = |_: &str, _, _: &[u64]| Ok(());
         let InferCall {
@@ -126,7 +134,7 @@ impl GrpcInferRequest {
                 let message = format!("input '{}': its bytes are missing", input.name);
                 return Err(status_error(py, 500, message));
             };
-            inputs.set_item(&input.name, V2Tensor::from_bytes(py, dtype, &shape, data)?)?;
+            inputs.set_item(input.name, V2Tensor::from_bytes(py, dtype, &shape, data)?)?;
         }
         let names = codec.core().outputs();
         let outputs = outputs

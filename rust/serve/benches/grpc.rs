@@ -1,11 +1,13 @@
 //! A `ModelInfer` call's protobuf work on the native gRPC front-end, for the
 //! serving benchmark's request (`x`: FP32[1, 256] as raw contents, asking for
-//! `y`, as tritonclient sends it) and its answer: decoding the message
-//! (prost, raw contents as slices of the received bytes), reading it into a
-//! submission (`read_infer_call`: inputs checked, requested outputs, priority,
-//! deadline), and writing the answer from its rows into a framed buffer
-//! (`InferResponse::framed`, as the model's worker does). Beside them, the
-//! references: prost's decode alone; the answer built as a prost message
+//! `y`, as tritonclient sends it) and its answer: reading the message where
+//! it lies (`InferRequest::decode`: strings borrowed, raw contents slices of
+//! the received bytes), reading it into a submission (`read_infer_call`:
+//! inputs checked, requested outputs, priority, deadline), and writing the
+//! answer from its rows into a framed buffer (`InferResponse::framed`, as the
+//! model's worker does). Beside them, the references: prost's decode alone
+//! (how requests were decoded before) and with the read into a submission;
+//! the answer built as a prost message
 //! from the same rows, encoded and framed (how it was written before); and
 //! prost's encode of that message already built. What these cost, against
 //! the 25–45 µs of server CPU a gRPC request takes on one core
@@ -26,6 +28,7 @@ use ferrobatch_serve::grpc::pb::model_infer_request::{
 use ferrobatch_serve::grpc::pb::model_infer_response::InferOutputTensor;
 use ferrobatch_serve::grpc::pb::{ModelInferRequest, ModelInferResponse};
 use ferrobatch_serve::grpc::read_infer_call;
+use ferrobatch_serve::grpc::request::InferRequest;
 use ferrobatch_serve::grpc::response::{InferResponse, OutputRows};
 use ferrobatch_serve::Failure;
 
@@ -67,9 +70,15 @@ fn bench_grpc(c: &mut Criterion) {
     };
     let mut accept = |_: &str, _: DType, _: &[u64]| -> Result<(), Failure> { Ok(()) };
 
+    let in_place = |wire: &Bytes| {
+        InferRequest::decode(wire)
+            .map(|r| r.inputs.len())
+            .expect("the bench's request decodes")
+    };
     // The timed paths are the successful ones: checked once before timing.
+    let mut request = InferRequest::decode(&wire).expect("the bench's request decodes");
     assert!(
-        read_infer_call(&mut decode(&wire), &codec, None, &[], false, &mut accept).is_ok(),
+        read_infer_call(&mut request, &codec, None, &[], false, &mut accept).is_ok(),
         "the bench's request is read"
     );
 
@@ -77,9 +86,19 @@ fn bench_grpc(c: &mut Criterion) {
     group.bench_function("reference: prost decode", |b| {
         b.iter(|| black_box(decode(black_box(&wire))))
     });
-    group.bench_function("decode and read into a submission", |b| {
+    group.bench_function("decoded in place", |b| {
+        b.iter(|| black_box(in_place(black_box(&wire))))
+    });
+    group.bench_function("reference: prost decode, read into a submission", |b| {
         b.iter(|| {
-            let mut request = decode(black_box(&wire));
+            let mut owned = decode(black_box(&wire));
+            let mut request = InferRequest::of(&mut owned);
+            black_box(read_infer_call(&mut request, &codec, None, &[], false, &mut accept).ok())
+        })
+    });
+    group.bench_function("decoded in place, read into a submission", |b| {
+        b.iter(|| {
+            let mut request = InferRequest::decode(black_box(&wire)).expect("decodes");
             black_box(read_infer_call(&mut request, &codec, None, &[], false, &mut accept).ok())
         })
     });

@@ -11,8 +11,9 @@
 //! counts. Its reply is each requested output's rows as raw bytes
 //! (`raw_output_contents`), cut from the batch and written as the whole
 //! message by the model's worker ([`response`]).
-//! `ModelInfer` calls skip tonic's per-call machinery ([`infer_call`] reads,
-//! decodes and answers them with prost); the other RPCs go through tonic.
+//! `ModelInfer` calls skip tonic's per-call machinery ([`infer_call`] reads
+//! and answers them; their messages are read where they lie,
+//! [`request::InferRequest`]); the other RPCs go through tonic.
 //!
 //! Triton's `ModelConfig`, `ModelStatistics` and `RepositoryIndex` are rare
 //! and their answers change while serving (statistics, readiness): they go to
@@ -51,6 +52,7 @@ use crate::metadata::ModelMetadata;
 use crate::model::{RequestMeta, ServedModel, Source, Tensor};
 use crate::replies::{part_bytes, Answer, Backlog, Failure, InputOwners, RawOutput, ResponsePlan};
 use crate::server::Shared;
+use request::{InferRequest, Parameters};
 
 /// The messages and the server trait generated from the vendored
 /// `grpc_predict_v2.proto` (see `build.rs`).
@@ -61,7 +63,6 @@ pub mod pb {
 
 use pb::grpc_inference_service_server::{GrpcInferenceService, GrpcInferenceServiceServer};
 use pb::infer_parameter::ParameterChoice;
-use pb::model_infer_request::InferInputTensor;
 use pb::model_infer_response::InferOutputTensor;
 use pb::model_metadata_response::TensorMetadata;
 use pb::{
@@ -308,9 +309,9 @@ async fn read_message(shared: &Shared, body: Incoming, gzip: bool) -> Result<Byt
 /// A `ModelInfer` call, answered without tonic's per-call machinery (its
 /// request and response wrappers, codec buffers and body encoder were a
 /// fifth of a call's time on the runtime's thread): its message read whole
-/// ([`read_message`]), decoded, queued as tonic's handler queues it
-/// ([`Inference::infer`]), and the reply sent as one DATA frame and the
-/// trailers. A failure is a trailers-only response, as tonic sends it.
+/// ([`read_message`]), decoded in place ([`InferRequest::decode`]), queued
+/// as tonic's handler queues it ([`Inference::infer`]), and the reply sent
+/// as one DATA frame and the trailers. A failure is a trailers-only response, as tonic sends it.
 async fn infer_call(
     inference: Inference,
     request: hyper::Request<Incoming>,
@@ -320,7 +321,7 @@ async fn infer_call(
     let metadata = MetadataMap::from_headers(parts.headers);
     let answered = async {
         let message = read_message(&inference.shared, body, encoding?).await?;
-        let request = <ModelInferRequest as prost::Message>::decode(message)
+        let request = InferRequest::decode(&message)
             .map_err(|e| Status::internal(format!("failed to decode Protobuf message: {e}")))?;
         inference.infer(&metadata, request).await
     };
@@ -520,18 +521,18 @@ impl Inference {
     async fn infer(
         &self,
         metadata: &MetadataMap,
-        mut request: ModelInferRequest,
+        mut request: InferRequest<'_>,
     ) -> Result<Bytes, Status> {
         let call_timeout = grpc_timeout(metadata);
         let forwarded = forwarded_metadata(
             metadata,
             self.shared.config.grpc_header_forward_pattern.as_ref(),
         );
-        let model = self.served(&request.model_name, &request.model_version)?;
+        let model = self.served(request.model_name, request.model_version)?;
         model.refuse_decoupled("ModelInfer").map_err(status)?;
-        // Moved into the plan: the answer echoes them.
-        let model_name = std::mem::take(&mut request.model_name);
-        let id = std::mem::take(&mut request.id);
+        // The answer echoes them: the model's name is the one asked for.
+        let model_name = model.name.clone();
+        let id = request.id.to_owned();
         let submitted = submit(&model, &mut request, call_timeout, &forwarded, |outputs| {
             ResponsePlan::Message {
                 model_name,
@@ -560,8 +561,9 @@ impl Inference {
         let tag = ResponseTag {
             model_name: request.model_name.clone(),
             id: request.id.clone(),
-            empty_final: asks_empty_final(&request),
+            empty_final: asks_empty_final(&request.parameters),
         };
+        let mut request = InferRequest::of(&mut request);
         let answered = tokio::select! {
             answered = self.answer_streamed(&mut request, call_timeout, forwarded, &tag, out) => answered,
             // The client went away: dropping the answer cancels the request.
@@ -583,13 +585,13 @@ impl Inference {
     /// the status of its failure, if it fails.
     async fn answer_streamed(
         &self,
-        request: &mut ModelInferRequest,
+        request: &mut InferRequest<'_>,
         call_timeout: Option<Duration>,
         forwarded: &[(String, String)],
         tag: &ResponseTag,
         out: &StreamOut,
     ) -> Result<(), Status> {
-        let model = self.served(&request.model_name, &request.model_version)?;
+        let model = self.served(request.model_name, request.model_version)?;
         // `counted`: the bytes the response holds of the stream's backlog.
         let send = |outputs: Vec<RawOutput>, last: bool, counted: usize| {
             let (described, raw) = described_outputs(model.replies().codec(), outputs);
@@ -741,8 +743,10 @@ impl GrpcInferenceService for Inference {
         &self,
         request: Request<ModelInferRequest>,
     ) -> Result<Response<ModelInferResponse>, Status> {
-        let (metadata, _, request) = request.into_parts();
-        let framed = self.infer(&metadata, request).await?;
+        let (metadata, _, mut request) = request.into_parts();
+        let framed = self
+            .infer(&metadata, InferRequest::of(&mut request))
+            .await?;
         <ModelInferResponse as prost::Message>::decode(framed.slice(PREFIX..))
             .map(Response::new)
             .map_err(|e| Status::internal(format!("decoding the answer: {e}")))
@@ -886,7 +890,7 @@ fn invalid(message: impl Into<String>) -> Failure {
 /// deadline, the `timeout` parameter or `call_timeout`, the smaller.
 fn submit(
     model: &ServedModel,
-    request: &mut ModelInferRequest,
+    request: &mut InferRequest<'_>,
     call_timeout: Option<Duration>,
     forwarded: &[(String, String)],
     plan: impl FnOnce(PerTensor<usize>) -> ResponsePlan,
@@ -916,7 +920,7 @@ fn submit(
         .iter()
         .zip(&call.tensors)
         .map(|(input, (dtype, shape, bytes))| Tensor {
-            name: &input.name,
+            name: input.name,
             dtype: *dtype,
             shape,
             bytes: bytes.clone(),
@@ -945,7 +949,7 @@ pub struct InferCall {
 /// headers) and the deadline, its `timeout` parameter or `call_timeout`,
 /// the smaller.
 pub fn read_infer_call(
-    request: &mut ModelInferRequest,
+    request: &mut InferRequest<'_>,
     codec: &v2::Codec,
     call_timeout: Option<Duration>,
     forwarded: &[(String, String)],
@@ -974,16 +978,15 @@ pub fn read_infer_call(
 }
 
 /// Decodes a `ModelInferRequest` message (a 400 for bytes that are not one).
-pub fn decode_infer_request(message: &[u8]) -> Result<ModelInferRequest, Failure> {
-    prost::Message::decode(message)
+pub fn decode_infer_request(message: &Bytes) -> Result<InferRequest<'_>, Failure> {
+    InferRequest::decode(message)
         .map_err(|e| invalid(format!("the message is not a ModelInferRequest: {e}")))
 }
 
-/// Whether a streamed request asks for an empty final response.
-pub fn asks_empty_final(request: &ModelInferRequest) -> bool {
+/// Whether a streamed request's `parameters` ask for an empty final response.
+pub fn asks_empty_final(parameters: &Parameters) -> bool {
     matches!(
-        request
-            .parameters
+        parameters
             .get(ENABLE_EMPTY_FINAL)
             .and_then(|p| p.parameter_choice.as_ref()),
         Some(ParameterChoice::BoolParam(true))
@@ -1119,8 +1122,8 @@ pub type InputCheck<'a> = &'a mut dyn FnMut(&str, DType, &[u64]) -> Result<(), F
 /// `limits.max_elements`; then `check`, the model's rule), raw bytes
 /// checked against its shape, typed contents converted element by element.
 fn decode_inputs(
-    inputs: &[InferInputTensor],
-    raw: Vec<Bytes>,
+    inputs: &[request::Input<'_>],
+    raw: smallvec::SmallVec<[Bytes; 1]>,
     limits: Limits,
     check: InputCheck<'_>,
 ) -> Result<Decoded, Failure> {
@@ -1138,19 +1141,19 @@ fn decode_inputs(
             if input.contents.is_some() {
                 return Err(invalid(format!(
                     "input '{shown}' has both contents and raw_input_contents",
-                    shown = Clipped(name.as_ref())
+                    shown = Clipped(name)
                 )));
             }
             Contents::Raw(i)
-        } else if let Some(dtype) = DType::from_v2(&input.datatype) {
+        } else if let Some(dtype) = DType::from_v2(input.datatype) {
             if matches!(dtype, DType::Float16 | DType::BFloat16) {
                 return Err(invalid(format!(
                     "input '{shown}': {} data must be sent in raw_input_contents",
                     input.datatype,
-                    shown = Clipped(name.as_ref())
+                    shown = Clipped(name)
                 )));
             }
-            Contents::Typed(input.contents.as_ref())
+            Contents::Typed(input.contents.as_deref())
         } else {
             Contents::Unknown
         });
@@ -1165,11 +1168,11 @@ fn decode_inputs(
     for (i, (input, contents)) in inputs.iter().zip(contents).enumerate() {
         let name = &input.name;
         let (dtype, shape) =
-            v2::tensor_header(name, &input.datatype, &input.shape).map_err(codec_error)?;
+            v2::tensor_header(name, input.datatype, &input.shape).map_err(codec_error)?;
         if inputs[..i].iter().any(|earlier| earlier.name == *name) {
             return Err(invalid(format!(
                 "input '{shown}' is given twice",
-                shown = Clipped(name.as_ref())
+                shown = Clipped(name)
             )));
         }
         let (count, nbytes) =
@@ -1208,7 +1211,7 @@ fn decode_inputs(
                 return Err(invalid(format!(
                     "input '{shown}': {} data must be sent in raw_input_contents",
                     input.datatype,
-                    shown = Clipped(name.as_ref())
+                    shown = Clipped(name)
                 )))
             }
         };
@@ -1217,7 +1220,7 @@ fn decode_inputs(
     Ok(Decoded {
         tensors,
         owners: InputOwners {
-            shared: raw.into(),
+            shared: raw,
             decoded,
         },
     })
@@ -1302,7 +1305,7 @@ fn typed_bytes(
 /// The outputs `request` asks for (indices in the codec's outputs; none
 /// named: all, in their order).
 fn requested_outputs(
-    request: &ModelInferRequest,
+    request: &InferRequest<'_>,
     codec: &v2::Codec,
 ) -> Result<PerTensor<usize>, Failure> {
     if request.outputs.is_empty() {
@@ -1313,7 +1316,7 @@ fn requested_outputs(
         .iter()
         .map(|output| {
             let index = codec
-                .output_index(&output.name)
+                .output_index(output.name)
                 .map_err(|e| invalid(e.to_string()))?;
             if output.parameters.contains_key("classification") {
                 return Err(invalid(format!(
@@ -1484,6 +1487,7 @@ fn described_outputs(
     (described, outputs.into_iter().map(|o| o.data).collect())
 }
 
+pub mod request;
 pub mod response;
 
 #[cfg(test)]

@@ -28,7 +28,8 @@ pub const DEADLINE_SLACK: Duration = Duration::from_millis(20);
 
 /// A model the native front-end serves.
 pub struct ServedModel {
-    pub name: String,
+    /// Shared: each gRPC answer echoes it.
+    pub name: Arc<str>,
     specs: Vec<InputSpec>,
     replies: Arc<Replies>,
 }
@@ -113,7 +114,7 @@ impl ServedModel {
     /// `specs`: the model's inputs, in the order its batcher collates them.
     pub fn new(name: &str, specs: Vec<InputSpec>, replies: Arc<Replies>) -> ServedModel {
         ServedModel {
-            name: name.to_owned(),
+            name: Arc::from(name),
             specs,
             replies,
         }

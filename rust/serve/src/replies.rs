@@ -81,7 +81,7 @@ pub enum ResponsePlan {
     /// rows of these outputs (indices) in this order, written as one gRPC
     /// message ([`InferResponse`]).
     Message {
-        model_name: String,
+        model_name: Arc<str>,
         id: String,
         outputs: PerTensor<usize>,
     },

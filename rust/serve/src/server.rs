@@ -154,7 +154,7 @@ impl Shared {
             return None;
         }
         let models = self.models.read().unwrap_or_else(|e| e.into_inner());
-        models.iter().find(|m| m.name == name).cloned()
+        models.iter().find(|m| &*m.name == name).cloned()
     }
 
     /// Runs `work` (CPU-heavy: inflating, compressing) on a blocking

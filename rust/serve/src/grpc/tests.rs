@@ -2,8 +2,36 @@ use std::collections::HashMap;
 
 use ferrobatch_core::v2::{Codec, OutputSpec};
 
-use super::pb::model_infer_request::InferRequestedOutputTensor;
+use super::pb::model_infer_request::{InferInputTensor, InferRequestedOutputTensor};
 use super::*;
+
+/// [`super::decode_inputs`] of prost's inputs, read as both front-ends
+/// read them ([`InferRequest::of`]).
+fn decode_inputs(
+    inputs: &[InferInputTensor],
+    raw: Vec<Bytes>,
+    limits: Limits,
+    check: InputCheck<'_>,
+) -> Result<Decoded, Failure> {
+    let mut request = ModelInferRequest {
+        inputs: inputs.to_vec(),
+        raw_input_contents: raw,
+        ..Default::default()
+    };
+    let read = InferRequest::of(&mut request);
+    super::decode_inputs(&read.inputs, read.raw_input_contents, limits, check)
+}
+
+/// [`super::requested_outputs`] of a prost request.
+fn requested_outputs(
+    request: &ModelInferRequest,
+    codec: &Codec,
+) -> Result<PerTensor<usize>, Failure> {
+    let mut request = request.clone();
+    let read = InferRequest::of(&mut request);
+
+    super::requested_outputs(&read, codec)
+}
 
 fn input(name: &str, datatype: &str, shape: &[i64]) -> InferInputTensor {
     InferInputTensor {
