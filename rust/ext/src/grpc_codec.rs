@@ -75,12 +75,13 @@ impl GrpcInferRequest {
         self.empty_final
     }
 
-    /// Reads the request for the model of `codec`: `(inputs, outputs, priority, parameters,
-    /// timeout)`, the inputs `{name: V2Tensor}`, the outputs' names, the
-    /// priority level (None: the default), the parameters as a JSON
-    /// object's text (only when `keeps_parameters`), and the deadline in
-    /// seconds (its `timeout` parameter or `call_timeout`, the smaller).
-    /// A `CodecError` with its HTTP status for a request the rules refuse.
+    /// Reads the request for the model of `codec`: `(inputs, outputs,
+    /// priority, parameters, timeout)`, the inputs `{name: V2Tensor}`, the
+    /// outputs' names, the priority level (None: the default), the
+    /// parameters as a JSON object's text (only when `keeps_parameters`),
+    /// and the deadline in seconds (its `timeout` parameter or
+    /// `call_timeout`, the smaller). A `CodecError` with its HTTP status for
+    /// a request the rules refuse.
     #[allow(clippy::type_complexity)]
     fn read<'py>(
         &self,

@@ -311,7 +311,8 @@ async fn read_message(shared: &Shared, body: Incoming, gzip: bool) -> Result<Byt
 /// fifth of a call's time on the runtime's thread): its message read whole
 /// ([`read_message`]), decoded in place ([`InferRequest::decode`]), queued
 /// as tonic's handler queues it ([`Inference::infer`]), and the reply sent
-/// as one DATA frame and the trailers. A failure is a trailers-only response, as tonic sends it.
+/// as one DATA frame and the trailers. A failure is a trailers-only
+/// response, as tonic sends it.
 async fn infer_call(
     inference: Inference,
     request: hyper::Request<Incoming>,
