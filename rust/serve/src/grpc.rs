@@ -30,7 +30,6 @@
 //! (as sent, or gzip-inflated), and on a `ModelStreamInfer` stream for a
 //! decoupled request whose client left `max_stream_backlog` bytes unread.
 
-use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -49,7 +48,7 @@ use tonic::{Code, Request, Response, Status, Streaming};
 
 use crate::http::FallbackCall;
 use crate::metadata::ModelMetadata;
-use crate::model::{RequestMeta, ServedModel, Source, Tensor};
+use crate::model::{RequestMeta, ServedModel, Source, Submitted, Tensor};
 use crate::replies::{part_bytes, Answer, Backlog, Failure, InputOwners, RawOutput, ResponsePlan};
 use crate::server::Shared;
 use request::{InferRequest, Parameters};
@@ -124,20 +123,49 @@ fn is_grpc(content_type: Option<&HeaderValue>) -> bool {
     })
 }
 
-/// Answers one HTTP/2 request of a gRPC connection (`pooled`: false for a
-/// connection in the headroom beyond `max_connections`, which answers
+/// The answer to one HTTP/2 request of a gRPC connection (`pooled`: false
+/// for a connection in the headroom beyond `max_connections`, which answers
 /// health checks only). Refused before tonic reads it: a content-type that
 /// is not gRPC's (HTTP 415, as the gRPC protocol asks), a second message
 /// (every RPC here is unary: INTERNAL, as gRPC's libraries answer it), a
 /// message that does not arrive within the body timeout. A gzip message is
 /// inflated here, off the runtime's threads ([`Shared::offload`]).
-pub(crate) async fn handle(
-    mut server: Server,
-    shared: Arc<Shared>,
+///
+/// hyper moves each stream's future several times as it spawns it, so a
+/// `ModelInfer` call's future holds only what its read and its reply need
+/// ([`ModelInferCall`]: a future of kilobytes, the request inside, made copies a
+/// twentieth of a call's time); the other RPCs go to tonic, boxed.
+pub(crate) fn handle(
+    server: &Server,
+    shared: &Arc<Shared>,
     pooled: bool,
     request: hyper::Request<Incoming>,
-) -> Result<hyper::Response<tonic::body::Body>, Infallible> {
-    let limit = shared.config.max_body_size;
+) -> impl Future<Output = hyper::Response<tonic::body::Body>> + Send + 'static {
+    let call = route(server, shared, pooled, request);
+    async move {
+        match call {
+            Call::Answered(answer) => answer,
+            Call::Infer(infer) => infer.answer().await,
+            Call::Tonic(answer) => answer.await,
+        }
+    }
+}
+
+/// What answers one request of a gRPC connection.
+enum Call {
+    /// Refused before its body is read.
+    Answered(hyper::Response<tonic::body::Body>),
+    Infer(ModelInferCall),
+    /// Any other RPC, or `ModelStreamInfer`: tonic's.
+    Tonic(std::pin::Pin<Box<dyn Future<Output = hyper::Response<tonic::body::Body>> + Send>>),
+}
+
+fn route(
+    server: &Server,
+    shared: &Arc<Shared>,
+    pooled: bool,
+    request: hyper::Request<Incoming>,
+) -> Call {
     if !is_grpc(request.headers().get(hyper::header::CONTENT_TYPE)) {
         let given = request
             .headers()
@@ -151,27 +179,50 @@ pub(crate) async fn handle(
         ))
         .into_http();
         *refused.status_mut() = hyper::StatusCode::UNSUPPORTED_MEDIA_TYPE;
-        return Ok(refused);
+        return Call::Answered(refused);
     }
     if !pooled && !PROBES.contains(&request.uri().path()) {
-        return Ok(Status::unavailable(
-            "the server is at its connection limit (max_connections); \
-             only ServerLive and ServerReady are answered on this connection",
-        )
-        .into_http());
+        return Call::Answered(
+            Status::unavailable(
+                "the server is at its connection limit (max_connections); \
+                 only ServerLive and ServerReady are answered on this connection",
+            )
+            .into_http(),
+        );
     }
     if request.uri().path() == INFER {
-        return Ok(infer_call(Inference { shared }, request).await);
+        return match ModelInferCall::new(shared, request) {
+            Ok(call) => Call::Infer(call),
+            Err(status) => Call::Answered(status.into_http()),
+        };
     }
+    Call::Tonic(Box::pin(tonic_call(
+        server.clone(),
+        shared.clone(),
+        request,
+    )))
+}
+
+/// An RPC answered by tonic: a unary call's body refused past one message,
+/// `max_body_size` or the body timeout ([`unary`]).
+async fn tonic_call(
+    mut server: Server,
+    shared: Arc<Shared>,
+    request: hyper::Request<Incoming>,
+) -> hyper::Response<tonic::body::Body> {
+    let limit = shared.config.max_body_size;
     let request = if request.uri().path() == STREAM_INFER {
         request.map(tonic::body::Body::new)
     } else {
         match unary(&shared, request).await {
             Ok(request) => request,
-            Err(status) => return Ok(status.into_http()),
+            Err(status) => return status.into_http(),
         }
     };
-    let mut response = server.call(request).await?;
+    let mut response = match server.call(request).await {
+        Ok(response) => response,
+        Err(never) => match never {},
+    };
     // tonic refuses a message over the limit with OUT_OF_RANGE, before any
     // handler runs (and no handler answers OUT_OF_RANGE): gRPC's status for
     // it, and grpcio's, is RESOURCE_EXHAUSTED.
@@ -186,7 +237,7 @@ pub(crate) async fn handle(
             headers.insert("grpc-message", message);
         }
     }
-    Ok(response)
+    response
 }
 
 fn too_large(limit: usize) -> String {
@@ -310,35 +361,74 @@ async fn read_message(shared: &Shared, body: Incoming, gzip: bool) -> Result<Byt
 /// request and response wrappers, codec buffers and body encoder were a
 /// fifth of a call's time on the runtime's thread): its message read whole
 /// ([`read_message`]), decoded in place ([`InferRequest::decode`]), queued
-/// as tonic's handler queues it ([`Inference::infer`]), and the reply sent
+/// as tonic's handler queues it ([`Inference::queue`]), and the reply sent
 /// as one DATA frame and the trailers. A failure is a trailers-only
-/// response, as tonic sends it.
-async fn infer_call(
+/// response, as tonic sends it. It keeps of its request's head only what
+/// it needs.
+struct ModelInferCall {
     inference: Inference,
-    request: hyper::Request<Incoming>,
-) -> hyper::Response<tonic::body::Body> {
-    let (parts, body) = request.into_parts();
-    let encoding = message_encoding(&parts.headers);
-    let metadata = MetadataMap::from_headers(parts.headers);
-    let answered = async {
-        let message = read_message(&inference.shared, body, encoding?).await?;
-        let request = InferRequest::decode(&message)
-            .map_err(|e| Status::internal(format!("failed to decode Protobuf message: {e}")))?;
-        inference.infer(&metadata, request).await
-    };
-    match answered.await {
-        Ok(framed) => {
-            let mut response = hyper::Response::new(tonic::body::Body::new(OneMessage {
-                framed: Some(framed),
-                ended: false,
-            }));
-            response.headers_mut().insert(
-                hyper::header::CONTENT_TYPE,
-                HeaderValue::from_static("application/grpc"),
-            );
-            response
+    body: Incoming,
+    gzip: bool,
+    /// `grpc-timeout`.
+    call_timeout: Option<Duration>,
+    forwarded: Vec<(String, String)>,
+}
+
+impl ModelInferCall {
+    fn new(
+        shared: &Arc<Shared>,
+        request: hyper::Request<Incoming>,
+    ) -> Result<ModelInferCall, Status> {
+        let (parts, body) = request.into_parts();
+        let gzip = message_encoding(&parts.headers)?;
+        let inference = Inference {
+            shared: shared.clone(),
+        };
+        let (call_timeout, forwarded) =
+            inference.call_metadata(&MetadataMap::from_headers(parts.headers));
+        Ok(ModelInferCall {
+            inference,
+            body,
+            gzip,
+            call_timeout,
+            forwarded,
+        })
+    }
+
+    async fn answer(self) -> hyper::Response<tonic::body::Body> {
+        match self.answered().await {
+            Ok(framed) => {
+                let mut response = hyper::Response::new(tonic::body::Body::new(OneMessage {
+                    framed: Some(framed),
+                    ended: false,
+                }));
+                response.headers_mut().insert(
+                    hyper::header::CONTENT_TYPE,
+                    HeaderValue::from_static("application/grpc"),
+                );
+                response
+            }
+            Err(status) => status.into_http(),
         }
-        Err(status) => status.into_http(),
+    }
+
+    async fn answered(self) -> Result<Bytes, Status> {
+        let ModelInferCall {
+            inference,
+            body,
+            gzip,
+            call_timeout,
+            forwarded,
+        } = self;
+        // The message and its view end here: the submission holds its raw contents.
+        let (model, submitted) = {
+            let message = read_message(&inference.shared, body, gzip).await?;
+            let request = InferRequest::decode(&message)
+                .map_err(|e| Status::internal(format!("failed to decode Protobuf message: {e}")))?;
+            inference.queue(request, call_timeout, &forwarded)?
+        };
+        drop(forwarded);
+        Inference::answer(&model, submitted).await
     }
 }
 
@@ -515,26 +605,30 @@ impl Inference {
         }
     }
 
-    /// One `ModelInfer` call: its request (with its call's `metadata`:
-    /// `grpc-timeout`, forwarded headers) queued on its model, the reply
-    /// awaited: the answer as one gRPC message, prefixed, written by the
-    /// model's worker ([`response::InferResponse`]).
-    async fn infer(
+    /// What a call's `metadata` asks of it: `grpc-timeout`, and the
+    /// headers forwarded to the model (`grpc_header_forward_pattern`).
+    fn call_metadata(&self, metadata: &MetadataMap) -> (Option<Duration>, Vec<(String, String)>) {
+        let pattern = self.shared.config.grpc_header_forward_pattern.as_ref();
+        (
+            grpc_timeout(metadata),
+            forwarded_metadata(metadata, pattern),
+        )
+    }
+
+    /// Queues one `ModelInfer` call's request on its model: the model and
+    /// the submission whose reply answers the call ([`Inference::answer`]).
+    fn queue(
         &self,
-        metadata: &MetadataMap,
         mut request: InferRequest<'_>,
-    ) -> Result<Bytes, Status> {
-        let call_timeout = grpc_timeout(metadata);
-        let forwarded = forwarded_metadata(
-            metadata,
-            self.shared.config.grpc_header_forward_pattern.as_ref(),
-        );
+        call_timeout: Option<Duration>,
+        forwarded: &[(String, String)],
+    ) -> Result<(Arc<ServedModel>, Submitted), Status> {
         let model = self.served(request.model_name, request.model_version)?;
         model.refuse_decoupled("ModelInfer").map_err(status)?;
         // The answer echoes them: the model's name is the one asked for.
         let model_name = model.name.clone();
         let id = request.id.to_owned();
-        let submitted = submit(&model, &mut request, call_timeout, &forwarded, |outputs| {
+        let submitted = submit(&model, &mut request, call_timeout, forwarded, |outputs| {
             ResponsePlan::Message {
                 model_name,
                 id,
@@ -542,7 +636,12 @@ impl Inference {
             }
         })
         .map_err(status)?;
-        drop(request); // its raw contents are the submission's now
+        Ok((model, submitted))
+    }
+
+    /// A queued `ModelInfer` call's answer: one gRPC message, prefixed,
+    /// written by the model's worker ([`response::InferResponse`]).
+    async fn answer(model: &ServedModel, submitted: Submitted) -> Result<Bytes, Status> {
         match model.reply(submitted).await.map_err(status)? {
             Answer::Message(framed) => Ok(framed),
             _ => Err(Status::internal(
@@ -745,9 +844,10 @@ impl GrpcInferenceService for Inference {
         request: Request<ModelInferRequest>,
     ) -> Result<Response<ModelInferResponse>, Status> {
         let (metadata, _, mut request) = request.into_parts();
-        let framed = self
-            .infer(&metadata, InferRequest::of(&mut request))
-            .await?;
+        let (call_timeout, forwarded) = self.call_metadata(&metadata);
+        let (model, submitted) =
+            self.queue(InferRequest::of(&mut request), call_timeout, &forwarded)?;
+        let framed = Inference::answer(&model, submitted).await?;
         <ModelInferResponse as prost::Message>::decode(framed.slice(PREFIX..))
             .map(Response::new)
             .map_err(|e| Status::internal(format!("decoding the answer: {e}")))
@@ -895,7 +995,7 @@ fn submit(
     call_timeout: Option<Duration>,
     forwarded: &[(String, String)],
     plan: impl FnOnce(PerTensor<usize>) -> ResponsePlan,
-) -> Result<crate::model::Submitted, Failure> {
+) -> Result<Submitted, Failure> {
     let mut refused_input = false;
     let mut check = |name: &str, dtype: DType, shape: &[u64]| {
         model

@@ -3,6 +3,7 @@
 //! another, bounded in connections, streams, header and body time; graceful
 //! drain on stop.
 
+use std::convert::Infallible;
 use std::future::Future;
 use std::io;
 use std::net::{SocketAddr, TcpListener as StdListener};
@@ -648,11 +649,13 @@ async fn accept(
                         let shared = shared.clone();
                         let service = service_fn(move |request| {
                             let in_flight = InFlight::new(&activity);
-                            let (grpc, shared) = (grpc.clone(), shared.clone());
+                            // Boxed: hyper moves a stream's future several
+                            // times as it spawns it (see `grpc::handle`).
+                            let answer = Box::pin(grpc::handle(&grpc, &shared, pooled, request));
                             async move {
-                                let answer = grpc::handle(grpc, shared, pooled, request).await;
+                                let answer = answer.await;
                                 drop(in_flight);
-                                answer
+                                Ok::<_, Infallible>(answer)
                             }
                         });
                         let connection = builder.serve_connection(io, service).into_owned();

@@ -414,3 +414,18 @@ fn a_grpc_content_type_begins_with_application_grpc() {
     }
     assert!(!is_grpc(None));
 }
+
+/// hyper moves each HTTP/2 stream's future several times as it spawns it:
+/// at 2.9 KiB (the request's head inside, tonic's call beside it) the copies
+/// cost a `ModelInfer` call a fifth of its server CPU (benches/README.md).
+#[test]
+fn a_model_infer_call_future_stays_small() {
+    fn future_size<F: Fn(A) -> R, A, R>(_: F) -> usize {
+        std::mem::size_of::<R>()
+    }
+    let size = future_size(super::ModelInferCall::answer);
+    assert!(
+        size <= 1024,
+        "ModelInferCall::answer's future is {size} bytes"
+    );
+}
