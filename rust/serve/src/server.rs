@@ -21,7 +21,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::TcpListener;
 use tokio::runtime::Runtime;
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::{oneshot, watch, Semaphore};
 use tokio::time::Sleep;
 
 use crate::grpc;
@@ -508,6 +508,41 @@ async fn until_idle(activity: Arc<Activity>, first: Duration, idle: Duration) {
     }
 }
 
+/// Why a connection is told to close.
+enum Close {
+    /// No request in flight for its idle time ([`until_idle`]).
+    Idle,
+    /// The front-end stops.
+    Stopping,
+}
+
+/// Watches one connection, in a task of its own, for a reason to close it
+/// ([`Close`]), and tells its task; returns without telling once the
+/// connection has ended. The connection's task then polls one oneshot per
+/// wake-up, where it polled the idle timer and the stop signal on every
+/// one (1.6 % of a binary request's server CPU, in `Sleep::poll` and the
+/// watch's `Notified`).
+async fn watch_connection(
+    idle: impl Future<Output = ()>,
+    mut stopped: watch::Receiver<Option<Duration>>,
+    mut tell: oneshot::Sender<Close>,
+) {
+    let stopping = async {
+        loop {
+            match stopped.changed().await {
+                Ok(()) if stopped.borrow().is_none() => {}
+                _ => return,
+            }
+        }
+    };
+    let why = tokio::select! {
+        () = idle => Close::Idle,
+        () = stopping => Close::Stopping,
+        () = tell.closed() => return,
+    };
+    let _ = tell.send(why);
+}
+
 /// Serves one connection until it ends: closed gracefully (HTTP/2: GOAWAY;
 /// HTTP/1: after the response in progress) when it is idle ([`until_idle`];
 /// then it has a second to go) or the front-end stops (then it goes on
@@ -515,24 +550,20 @@ async fn until_idle(activity: Arc<Activity>, first: Duration, idle: Duration) {
 async fn drive<C: GracefulConnection>(
     connection: C,
     outbox: Arc<Outbox>,
-    idle: impl Future<Output = ()>,
-    mut stopped: watch::Receiver<Option<Duration>>,
+    idle: impl Future<Output = ()> + Send + 'static,
+    stopped: watch::Receiver<Option<Duration>>,
 ) {
+    let (tell, told) = oneshot::channel();
+    tokio::spawn(watch_connection(idle, stopped, tell));
     let mut connection = std::pin::pin!(connection);
-    let mut idle = std::pin::pin!(idle);
-    let idled = loop {
-        let sending = Sending {
-            connection: connection.as_mut(),
-            outbox: &outbox,
-        };
-        tokio::select! {
-            _ = sending => return,
-            () = idle.as_mut() => break true,
-            changed = stopped.changed() => match (changed, stopped.borrow().is_some()) {
-                (Ok(()), true) | (Err(_), _) => break false,
-                _ => {}
-            },
-        }
+    let sending = Sending {
+        connection: connection.as_mut(),
+        outbox: &outbox,
+    };
+    let idled = tokio::select! {
+        _ = sending => return,
+        // Without an answer the watcher is gone: the runtime stops.
+        why = told => matches!(why, Ok(Close::Idle)),
     };
     connection.as_mut().graceful_shutdown();
     let sending = Sending {
