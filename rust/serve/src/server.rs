@@ -520,7 +520,7 @@ enum Close {
 /// ([`Close`]), and tells its task; returns without telling once the
 /// connection has ended. The connection's task then polls one oneshot per
 /// wake-up, where it polled the idle timer and the stop signal on every
-/// one (1.6 % of a binary request's server CPU, in `Sleep::poll` and the
+/// one (1.3 % of a binary request's server CPU, in `Sleep::poll` and the
 /// watch's `Notified`).
 async fn watch_connection(
     idle: impl Future<Output = ()>,
