@@ -133,8 +133,9 @@ fn is_grpc(content_type: Option<&HeaderValue>) -> bool {
 ///
 /// hyper moves each stream's future several times as it spawns it, so a
 /// `ModelInfer` call's future holds only what its read and its reply need
-/// ([`ModelInferCall`]: a future of kilobytes, the request inside, made copies a
-/// twentieth of a call's time); the other RPCs go to tonic, boxed.
+/// ([`ModelInferCall`], under 1 KiB; at 2.9 KiB, with the request's head
+/// and tonic's call beside it, `memmove` was 7 % of a call's samples); the
+/// other RPCs go to tonic, boxed.
 pub(crate) fn handle(
     server: &Server,
     shared: &Arc<Shared>,

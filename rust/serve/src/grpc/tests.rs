@@ -416,8 +416,9 @@ fn a_grpc_content_type_begins_with_application_grpc() {
 }
 
 /// hyper moves each HTTP/2 stream's future several times as it spawns it:
-/// at 2.9 KiB (the request's head inside, tonic's call beside it) the copies
-/// cost a `ModelInfer` call a fifth of its server CPU (benches/README.md).
+/// at 2.9 KiB (the request's head inside, tonic's call beside it) a
+/// `ModelInfer` call took 1.1–1.25 × the server CPU it takes now (two A/Bs
+/// in benches/README.md).
 #[test]
 fn a_model_infer_call_future_stays_small() {
     fn future_size<F: Fn(A) -> R, A, R>(_: F) -> usize {
