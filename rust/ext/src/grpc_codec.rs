@@ -12,6 +12,7 @@ use ferrobatch_serve::model::Source;
 use ferrobatch_serve::replies::RawOutput;
 use ferrobatch_serve::Failure;
 use pyo3::prelude::*;
+use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::{PyBytes, PyDict};
 
 use crate::codec::{status_error, V2Codec, V2Tensor};
@@ -23,7 +24,8 @@ fn failure_error(py: Python<'_>, failure: Failure) -> PyErr {
 /// One `ModelInferRequest`, decoded from its message.
 #[pyclass(frozen, module = "ferrobatch._core")]
 pub(crate) struct GrpcInferRequest {
-    /// Read again by `read`: its raw contents are slices of it.
+    /// Read again by `read`: its raw contents are slices of it, and it is
+    /// the Python `bytes` object's memory, not a copy.
     message: Bytes,
     model_name: String,
     model_version: String,
@@ -35,8 +37,8 @@ pub(crate) struct GrpcInferRequest {
 impl GrpcInferRequest {
     /// Decodes `message`; a `CodecError` (400) for bytes that are not one.
     #[new]
-    fn new(py: Python<'_>, message: &[u8]) -> PyResult<GrpcInferRequest> {
-        let message = Bytes::copy_from_slice(message);
+    fn new(py: Python<'_>, message: PyBackedBytes) -> PyResult<GrpcInferRequest> {
+        let message = Bytes::from_owner(message);
         let request = grpc::decode_infer_request(&message).map_err(|f| failure_error(py, f))?;
         let (model_name, model_version, id) = (
             request.model_name.to_owned(),
