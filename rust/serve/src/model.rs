@@ -2,16 +2,18 @@
 //! path of one infer request from its decoded tensors to the queue and back,
 //! the same for every protocol.
 
+use std::cell::RefCell;
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use ferrobatch_core::v2::Data;
+use ferrobatch_core::v2::{Data, HeaderMemo};
 use ferrobatch_core::{
     timeout_from_secs, CoreError, DType, InputBytes, InputRules, InputSpec, Inputs, Layout,
     Outcome, PerTensor, Readiness, RequestState, Sink, Submission,
 };
+use thread_local::ThreadLocal;
 use tokio::sync::oneshot;
 
 use crate::replies::{Failure, InputOwners, Replies, Reply, ResponsePlan};
@@ -32,6 +34,9 @@ pub struct ServedModel {
     pub name: Arc<str>,
     specs: Vec<InputSpec>,
     replies: Arc<Replies>,
+    /// Binary requests' headers decoded lately, one memo per runtime
+    /// thread: no lock between connections.
+    headers: ThreadLocal<RefCell<HeaderMemo>>,
 }
 
 /// A request in the queue, and where its reply will come.
@@ -117,6 +122,7 @@ impl ServedModel {
             name: Arc::from(name),
             specs,
             replies,
+            headers: ThreadLocal::new(),
         }
     }
 
@@ -149,7 +155,12 @@ impl ServedModel {
                 ferrobatch_core::v2::V2Error::Invalid(e.message)
             })
         };
-        let decoded = codec.decode_checked(&body, header_length, &mut check);
+        let memo = self.headers.get_or_default();
+        let decoded = match memo.try_borrow_mut() {
+            Ok(mut memo) => codec.decode_remembered(&mut memo, &body, header_length, &mut check),
+            // Not reached (nothing here decodes twice at once): decode it afresh.
+            Err(_) => codec.decode_checked(&body, header_length, &mut check),
+        };
         let mut request = decoded.map_err(|e| {
             let failure = Failure::new(e.status(), e.to_string());
             match refused_input {

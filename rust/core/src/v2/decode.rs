@@ -151,6 +151,18 @@ impl Codec {
         header_length: Option<&str>,
         check: HeaderCheck<'_>,
     ) -> Result<InferRequest, V2Error> {
+        let header_end = self.header_end(body, header_length)?;
+        self.decode_header(body, header_end, check)
+    }
+
+    /// Where the JSON header of `body` ends: all of it, or the
+    /// `Inference-Header-Content-Length` the client sent (checked against
+    /// the body, itself checked against the limit).
+    pub(super) fn header_end(
+        &self,
+        body: &[u8],
+        header_length: Option<&str>,
+    ) -> Result<usize, V2Error> {
         let limit = self.limits().max_body_size;
         if body.len() > limit {
             return Err(V2Error::BodyTooLarge {
@@ -158,19 +170,31 @@ impl Codec {
                 limit,
             });
         }
-        let header_end = match header_length {
-            None => body.len(),
+        match header_length {
+            None => Ok(body.len()),
             Some(text) => match text.trim().parse::<usize>() {
-                Ok(n) if n <= body.len() => n,
-                _ => {
-                    return Err(V2Error::HeaderLength {
-                        got: text.to_owned(),
-                        body: body.len(),
-                    })
-                }
+                Ok(n) if n <= body.len() => Ok(n),
+                _ => Err(V2Error::HeaderLength {
+                    got: text.to_owned(),
+                    body: body.len(),
+                }),
             },
+        }
+    }
+
+    /// Decodes `body` whose JSON header is `body[..header_end]`.
+    pub(super) fn decode_header(
+        &self,
+        body: &[u8],
+        header_end: usize,
+        check: HeaderCheck<'_>,
+    ) -> Result<InferRequest, V2Error> {
+        let Some(header) = body.get(..header_end) else {
+            return Err(V2Error::HeaderLength {
+                got: header_end.to_string(),
+                body: body.len(),
+            });
         };
-        let header = &body[..header_end];
         let mut decoder = Decoder {
             codec: self,
             src: header,
@@ -864,7 +888,7 @@ enum PendingData {
 impl InferRequest {
     /// Checks the binary inputs' bytes in `body`: lengths against shapes,
     /// BOOL bytes 0 or 1.
-    fn check_binary(&self, body: &[u8]) -> Result<(), V2Error> {
+    pub(super) fn check_binary(&self, body: &[u8]) -> Result<(), V2Error> {
         for input in &self.inputs {
             if let Data::Body(range) = &input.data {
                 let bytes = body.get(range.clone()).ok_or_else(|| {

@@ -38,11 +38,13 @@ mod elements;
 mod encode;
 mod error;
 pub mod json;
+mod memo;
 
 pub use decode::{Data, HeaderCheck, InferRequest, Input, RequestedOutput, Shape};
 pub use elements::Elements;
 pub use encode::{write_json_string, Encoded, Output};
 pub use error::{quote, shape_text, short, Clipped, V2Error};
+pub use memo::{HeaderMemo, MAX_REMEMBERED_HEADER, REMEMBERED_HEADERS};
 
 use crate::DType;
 

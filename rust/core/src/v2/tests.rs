@@ -527,6 +527,108 @@ fn tensor() -> impl Strategy<Value = (DType, Vec<u64>, Vec<u8>)> {
 
 /// A request document for the encoded response body (as a client would
 /// send back what it received).
+/// A binary request: `header`, then `binary`; its header length as sent.
+fn binary_request(header: &[u8], binary: &[u8]) -> (Vec<u8>, String) {
+    let mut body = header.to_vec();
+    body.extend_from_slice(binary);
+    (body, header.len().to_string())
+}
+
+#[test]
+fn a_remembered_header_decodes_as_a_fresh_one_without_being_read() {
+    let header = br#"{"inputs":[{"name":"a","datatype":"FP32","shape":[1,2],"parameters":{"binary_data_size":8}},{"name":"b","datatype":"BOOL","shape":[2],"parameters":{"binary_data_size":2}}],"outputs":[{"name":"z","parameters":{"binary_data":true}}],"parameters":{"timeout":2}}"#;
+    let c = codec();
+    let mut memo = HeaderMemo::new();
+    let mut checked = 0;
+    let mut check = |_: &str, _: DType, _: &[u64]| {
+        checked += 1;
+        Ok(())
+    };
+    let (body, length) = binary_request(header, &[0, 0, 128, 63, 0, 0, 0, 64, 1, 0]);
+    let first = c
+        .decode_remembered(&mut memo, &body, Some(&length), &mut check)
+        .unwrap();
+    assert_eq!(first, c.decode(&body, Some(&length)).unwrap());
+    let (body, _) = binary_request(header, &[9, 9, 9, 9, 8, 8, 8, 8, 0, 1]);
+    let again = c
+        .decode_remembered(&mut memo, &body, Some(&length), &mut check)
+        .unwrap();
+    assert_eq!(again, c.decode(&body, Some(&length)).unwrap());
+    assert_eq!(again, first);
+    assert_eq!(checked, 2, "the second request's header was read again");
+    assert_eq!(memo.len(), 1);
+}
+
+#[test]
+fn a_remembered_header_still_checks_the_bytes_after_it() {
+    let header = br#"{"inputs":[{"name":"b","datatype":"BOOL","shape":[2],"parameters":{"binary_data_size":2}}]}"#;
+    let c = codec();
+    let mut memo = HeaderMemo::new();
+    let mut check = |_: &str, _: DType, _: &[u64]| Ok(());
+    let (body, length) = binary_request(header, &[1, 0]);
+    c.decode_remembered(&mut memo, &body, Some(&length), &mut check)
+        .unwrap();
+    let (body, _) = binary_request(header, &[1, 2]);
+    let e = c
+        .decode_remembered(&mut memo, &body, Some(&length), &mut check)
+        .unwrap_err();
+    assert_eq!(e.to_string(), "input 'b': BOOL bytes must be 0 or 1");
+    // Same header, more bytes after it: the sizes no longer add up.
+    let (body, _) = binary_request(header, &[1, 0, 0]);
+    let e = c
+        .decode_remembered(&mut memo, &body, Some(&length), &mut check)
+        .unwrap_err();
+    assert!(e.to_string().contains("add up to 2 bytes, but 3"), "{e}");
+    assert_eq!(memo.len(), 1);
+}
+
+#[test]
+fn only_headers_that_decoded_are_remembered_and_only_a_few() {
+    let c = codec();
+    let mut memo = HeaderMemo::new();
+    let mut refusals = 0;
+    let mut refuse = |_: &str, _: DType, _: &[u64]| {
+        refusals += 1;
+        Err(V2Error::Invalid("refused".into()))
+    };
+    let header = br#"{"inputs":[{"name":"a","datatype":"FP32","shape":[1],"parameters":{"binary_data_size":4}}]}"#;
+    let (body, length) = binary_request(header, &[0; 4]);
+    for _ in 0..2 {
+        let e = c
+            .decode_remembered(&mut memo, &body, Some(&length), &mut refuse)
+            .unwrap_err();
+        assert_eq!(e.to_string(), "refused");
+    }
+    assert_eq!((refusals, memo.len()), (2, 0));
+    // Bodies without a header length (all JSON) are decoded each time.
+    let json = br#"{"inputs":[{"name":"a","datatype":"FP32","shape":[1],"data":[1]}]}"#;
+    let mut accept = |_: &str, _: DType, _: &[u64]| Ok(());
+    c.decode_remembered(&mut memo, json, None, &mut accept)
+        .unwrap();
+    assert!(memo.is_empty());
+    for rows in 1..=REMEMBERED_HEADERS + 3 {
+        let header = format!(
+            r#"{{"inputs":[{{"name":"a","datatype":"FP32","shape":[{rows}],"parameters":{{"binary_data_size":{}}}}}]}}"#,
+            rows * 4
+        );
+        let (body, length) = binary_request(header.as_bytes(), &vec![0; rows * 4]);
+        let request = c
+            .decode_remembered(&mut memo, &body, Some(&length), &mut accept)
+            .unwrap();
+        assert_eq!(request.inputs[0].shape.as_slice(), [rows as u64]);
+        assert!(memo.len() <= REMEMBERED_HEADERS);
+    }
+    let long = format!(
+        r#"{{"id":"{}","inputs":[{{"name":"a","datatype":"FP32","shape":[1],"parameters":{{"binary_data_size":4}}}}]}}"#,
+        "i".repeat(MAX_REMEMBERED_HEADER)
+    );
+    let (body, length) = binary_request(long.as_bytes(), &[0; 4]);
+    let mut memo = HeaderMemo::new();
+    c.decode_remembered(&mut memo, &body, Some(&length), &mut accept)
+        .unwrap();
+    assert!(memo.is_empty());
+}
+
 fn as_request(body: &[u8], header_length: Option<usize>) -> (Vec<u8>, Option<String>) {
     let header = &body[..header_length.unwrap_or(body.len())];
     let text = std::str::from_utf8(header).unwrap();
