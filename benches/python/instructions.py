@@ -1,0 +1,209 @@
+"""Instructions per request of the native front-end, a build beside its base.
+
+    python benches/python/instructions.py --base 0ae3af9                  # binary, gRPC and JSON
+    python benches/python/instructions.py --base 0ae3af9 --protocols binary --top 20
+
+builds ``ferrobatch._core`` at ``--base`` and at the working tree (as
+``ab_builds.py`` does), and for each build: installs it, starts ``ferrobatch
+serve`` with ``bench_serve.py``'s models under valgrind's callgrind (one count
+per thread, counting off until the measured load) on core 0, and for each
+protocol sends the identity model ``--requests`` fixed requests with h2load
+(``bench_serve.py``'s bodies; HTTP/1.1 for binary and JSON, h2c for gRPC; 256
+connections, one request in flight on each, on core 1), after a warm-up of an
+eighth as many. It prints the instructions executed per request by the
+front-end's threads (those that ran hyper) and by the rest of the process (the
+model's worker and Python), the rows per model execution, and the working
+tree's ratio to the base. ``--top`` lists the front-end's costliest functions
+(instructions in the function itself, per request) for each build.
+
+Counts, not times: a shared machine's speed moves by a third within an hour,
+the instructions a request takes do not (two runs of the same build agree
+within about 1 %). They leave out the kernel (system calls) and what
+instructions cost (cache misses, branches): a change that saves instructions
+saves time only in proportion. Under callgrind the server runs about 50 times
+slower with its threads one at a time, so batches are smaller than at full
+speed (about 8 rows instead of 30 to 60): the rest's share per request is
+larger here. The working tree's build is put back at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import ab_builds  # beside this file, as bench_serve.py imports serve_loadgen
+import bench_serve
+
+CONNECTIONS = 256
+
+
+@dataclass
+class Counted:
+    """One protocol's measured load under one build."""
+
+    requests: int
+    front_end: int  # instructions of the threads that ran hyper
+    rest: int  # every other thread's
+    rows_per_execution: float
+    dumps: list[Path]  # the front-end threads' profiles
+
+
+def h2load(endpoint: bench_serve.Endpoint, request: bench_serve.loadgen.Request, requests: int, body: Path) -> None:
+    """``requests`` of ``request``, all answered, from core 1."""
+    address = endpoint.grpc if request.protocol == "grpc" else endpoint.http
+    cmd = ["taskset", "-c", "1", "h2load", f"-c{CONNECTIONS}", "-m1", f"-n{requests}", "-d", str(body)]
+    if request.protocol != "grpc":
+        cmd.append("--h1")
+    for name, value in request.headers.items():
+        cmd += ["-H", f"{name}: {value}"]
+    cmd.append(f"http://{address}{request.path}")
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    found = re.search(r"^requests: .* (\d+) succeeded", done.stdout, re.MULTILINE)
+    status = re.search(r"^status codes: (\d+) 2xx", done.stdout, re.MULTILINE)
+    if done.returncode != 0 or not found or int(found.group(1)) != requests or not status:
+        raise RuntimeError(f"h2load did not get {requests} answers:\n{done.stdout}{done.stderr}")
+    if int(status.group(1)) != requests:
+        raise RuntimeError(f"not every answer was a 2xx:\n{done.stdout}")
+
+
+def callgrind_control(pid: int, *args: str) -> None:
+    subprocess.run(["callgrind_control", *args, str(pid)], check=True, capture_output=True, timeout=120)
+
+
+def totals(dump: Path) -> tuple[int, bool]:
+    """(instructions, whether the thread ran hyper) of one thread's profile."""
+    text = dump.read_text(errors="replace")
+    found = re.search(r"^totals: (\d+)", text, re.MULTILINE)
+    return (int(found.group(1)) if found else 0), "hyper::proto" in text
+
+
+@contextmanager
+def server_under_callgrind(logs: Path, dumps: Path) -> Iterator[bench_serve.Endpoint]:
+    """``ferrobatch serve`` on core 0, run by callgrind with counting off."""
+    http, grpc = bench_serve.free_ports(2)
+    cmd = [
+        "taskset", "-c", "0", "valgrind", "--tool=callgrind", "--instr-atstart=no", "--separate-threads=yes",
+        f"--callgrind-out-file={dumps}/callgrind.%p", sys.executable, "-m", "ferrobatch", "serve",
+        f"{bench_serve.HERE}:make_servers", "--http-port", str(http), "--grpc-port", str(grpc),
+        "--log-level", "warning",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(bench_serve.HERE.parent)}
+    with (logs / "ferrobatch.log").open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=bench_serve.ROOT, env=env)
+        try:
+            bench_serve.wait_ready(f"127.0.0.1:{http}", proc, seconds=600)
+            yield bench_serve.Endpoint(
+                "ferrobatch", f"127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"http://127.0.0.1:{http}", proc.pid
+            )
+        finally:
+            bench_serve.stop(proc, seconds=120)
+
+
+def count(protocols: list[str], requests: int, tmp: Path) -> dict[str, Counted]:
+    """Each protocol's instructions per request under the installed build."""
+    native = bench_serve.Native(["identity"], protocols)
+    dumps = Path(tempfile.mkdtemp(prefix="dumps-", dir=tmp))
+    counted = {}
+    with server_under_callgrind(tmp, dumps) as endpoint:
+        for protocol in protocols:
+            request = native.requests[protocol, "identity"]
+            bench_serve.loadgen.check(request, endpoint.http, endpoint.grpc, native.expected["identity"])
+            body = tmp / f"{protocol}.body"
+            body.write_bytes(request.body)
+            h2load(endpoint, request, max(requests // 8, CONNECTIONS), body)  # connections, first batches
+            rows, executions = bench_serve.scrape_batches(endpoint.metrics, "identity")
+            before = set(dumps.iterdir())
+            callgrind_control(endpoint.pid, "--zero")
+            callgrind_control(endpoint.pid, "--instr=on")
+            h2load(endpoint, request, requests, body)
+            callgrind_control(endpoint.pid, f"--dump={protocol}")
+            callgrind_control(endpoint.pid, "--instr=off")
+            rows_after, executions_after = bench_serve.scrape_batches(endpoint.metrics, "identity")
+            time.sleep(0.5)  # the dump's files are written by then
+            front_end, rest, front_dumps = 0, 0, []
+            for dump in sorted(set(dumps.iterdir()) - before):
+                instructions, ran_hyper = totals(dump)
+                if ran_hyper:
+                    front_end += instructions
+                    front_dumps.append(dump)
+                else:
+                    rest += instructions
+            executed = executions_after - executions
+            counted[protocol] = Counted(
+                requests, front_end, rest, (rows_after - rows) / executed if executed else float("nan"), front_dumps
+            )
+    return counted
+
+
+def top_functions(dumps: list[Path], requests: int, limit: int) -> list[tuple[float, str]]:
+    """The front-end's costliest functions: (instructions per request, name)."""
+    costs: dict[str, int] = {}
+    for dump in dumps:
+        done = subprocess.run(
+            ["callgrind_annotate", "--threshold=100", str(dump)], capture_output=True, text=True, check=True
+        )
+        for line in done.stdout.splitlines():
+            found = re.match(r"^\s*([\d,]+) \([ \d.]+%\)\s+(\S.*?)\s*(\[.*\])?$", line)
+            if found and "PROGRAM TOTALS" not in line:
+                name = found.group(2).split(":", 1)[-1]
+                costs[name] = costs.get(name, 0) + int(found.group(1).replace(",", ""))
+    ranked = sorted(costs.items(), key=lambda item: -item[1])[:limit]
+    return [(cost / requests, name) for name, cost in ranked]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", required=True, help="the commit to compare the working tree with")
+    parser.add_argument("--protocols", default="binary,grpc,json")
+    parser.add_argument("--requests", type=int, default=10240, help="measured requests per protocol")
+    parser.add_argument("--top", type=int, default=0, help="list the front-end's N costliest functions")
+    args = parser.parse_args()
+    tools = ("valgrind", "callgrind_control", "callgrind_annotate", "h2load", "taskset")
+    missing = [tool for tool in tools if shutil.which(tool) is None]
+    if missing:
+        raise SystemExit(f"needs valgrind, h2load and taskset: missing {missing}")
+    protocols = args.protocols.split(",")
+    builds = ab_builds.builds_of(args.base)
+    results: dict[str, dict[str, Counted]] = {}
+    tops: dict[tuple[str, str], list[tuple[float, str]]] = {}
+    with tempfile.TemporaryDirectory(prefix="instructions-") as tmp, ab_builds.installed_kept():
+        for label, library in builds.items():
+            shutil.copy2(library, ab_builds.INSTALLED)
+            run = Path(tempfile.mkdtemp(prefix="build-", dir=tmp))
+            results[label] = count(protocols, args.requests, run)
+            if args.top:
+                for protocol, counted in results[label].items():
+                    tops[label, protocol] = top_functions(counted.dumps, counted.requests, args.top)
+    labels = list(builds)
+    print(f"\ninstructions per request, identity, {CONNECTIONS} connections, {args.requests} requests each")
+    print(f"{'protocol':9} {'build':24} {'front-end':>10} {'rest':>9} {'total':>9} {'rows/exec':>9}")
+    for protocol in protocols:
+        for label in labels:
+            r = results[label][protocol]
+            print(
+                f"{protocol:9} {label[:24]:24} {r.front_end / r.requests:10.0f} {r.rest / r.requests:9.0f}"
+                f" {(r.front_end + r.rest) / r.requests:9.0f} {r.rows_per_execution:9.1f}"
+            )
+        base, tree = (results[label][protocol] for label in labels)
+        print(
+            f"{protocol:9} {'working tree / base':24} {tree.front_end / base.front_end:10.3f}"
+            f" {tree.rest / base.rest:9.3f} {(tree.front_end + tree.rest) / (base.front_end + base.rest):9.3f}"
+        )
+    for (label, protocol), ranked in tops.items():
+        print(f"\n{protocol}, {label}: the front-end's costliest functions (instructions per request)")
+        for cost, name in ranked:
+            print(f"{cost:9.0f}  {name[:110]}")
+
+
+if __name__ == "__main__":
+    main()
