@@ -72,22 +72,44 @@ const NEG_POW10: [f64; 23] = [
     1e-15, 1e-16, 1e-17, 1e-18, 1e-19, 1e-20, 1e-21, 1e-22,
 ];
 
-/// The value of eight ASCII digits (`None` if any byte is not one), in a
-/// few word operations: each byte's digit, then pairs, quads and the
-/// eight combined by multiplications that keep them in separate lanes.
-fn eight_digits(bytes: &[u8]) -> Option<u64> {
-    let word = u64::from_le_bytes(bytes.try_into().ok()?);
-    // A byte is a digit iff it is >= b'0' and adding 0x46 does not reach 0x80.
+/// 10^0 ..= 10^8.
+const POW10_U64: [u64; 9] = [
+    1,
+    10,
+    100,
+    1_000,
+    10_000,
+    100_000,
+    1_000_000,
+    10_000_000,
+    100_000_000,
+];
+
+/// The digits that begin `bytes` (eight of them), up to the first byte
+/// that is not one: `(their value, how many)`, in a few word operations:
+/// each byte's digit, the run's length from where the first non-digit is,
+/// then pairs, quads and the eight combined by multiplications that keep
+/// them in separate lanes.
+pub(super) fn leading_digits(bytes: [u8; 8]) -> (u64, usize) {
+    let word = u64::from_le_bytes(bytes);
+    // A byte is a digit iff it is >= b'0' and adding 0x46 does not reach
+    // 0x80. A borrow or carry only runs upwards, from a byte that is not a
+    // digit: the bytes below the first such one are read right.
     let below = word.wrapping_sub(0x3030_3030_3030_3030);
     let above = word.wrapping_add(0x4646_4646_4646_4646);
-    if (below | above) & 0x8080_8080_8080_8080 != 0 {
-        return None;
+    let not_digits = (below | above) & 0x8080_8080_8080_8080;
+    let count = (not_digits.trailing_zeros() / 8) as usize;
+    if count == 0 {
+        return (0, 0);
     }
-    let pairs = below.wrapping_mul(10).wrapping_add(below >> 8);
+    // The run's digits moved to the last places, zeros before them (the
+    // first byte is the lowest): what follows the run is shifted out.
+    let digits = below << (8 * (8 - count));
+    let pairs = digits.wrapping_mul(10).wrapping_add(digits >> 8);
     const LANES: u64 = 0x0000_00ff_0000_00ff;
     let high = (pairs & LANES).wrapping_mul(0x000f_4240_0000_0064); // * 1_000_000, * 100
     let low = ((pairs >> 16) & LANES).wrapping_mul(0x0000_2710_0000_0001); // * 10_000, * 1
-    Some(u64::from((high.wrapping_add(low) >> 32) as u32))
+    (u64::from((high.wrapping_add(low) >> 32) as u32), count)
 }
 
 /// 10^0 ..= 10^22: every one exact in an `f64`.
@@ -550,16 +572,26 @@ impl<'a> Parser<'a> {
     /// returns how many digits were read.
     fn digits(&mut self, mantissa: &mut u64, significant: &mut u32) -> usize {
         let from = self.pos;
-        // Past the leading zeros, eight digits at a time while they fit.
-        while *mantissa != 0 && *significant <= 11 {
-            let Some(eight) = self.src.get(self.pos..self.pos + 8).and_then(eight_digits) else {
+        loop {
+            // Past the leading zeros, up to eight digits at a time while
+            // they fit (`0.4967141449451446`: one digit, then eight, then
+            // the last seven).
+            if *mantissa != 0 && *significant <= 11 {
+                let next = self.src.get(self.pos..self.pos + 8);
+                if let Some(bytes) = next.and_then(|b| <[u8; 8]>::try_from(b).ok()) {
+                    let (value, count) = leading_digits(bytes);
+                    *mantissa = *mantissa * POW10_U64[count] + value;
+                    *significant += count as u32;
+                    self.pos += count;
+                    if count < 8 {
+                        break;
+                    }
+                    continue;
+                }
+            }
+            let Some(&d @ b'0'..=b'9') = self.src.get(self.pos) else {
                 break;
             };
-            *mantissa = *mantissa * 100_000_000 + eight;
-            *significant += 8;
-            self.pos += 8;
-        }
-        while let Some(&d @ b'0'..=b'9') = self.src.get(self.pos) {
             if *significant < 19 {
                 *mantissa = *mantissa * 10 + u64::from(d - b'0');
                 if *mantissa != 0 {

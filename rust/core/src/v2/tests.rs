@@ -828,12 +828,43 @@ proptest! {
     }
 }
 
+/// `json::leading_digits` one byte at a time.
+fn leading_digits_slowly(bytes: [u8; 8]) -> (u64, usize) {
+    let count = bytes.iter().take_while(|b| b.is_ascii_digit()).count();
+    let value = bytes[..count]
+        .iter()
+        .fold(0, |v, &d| v * 10 + u64::from(d - b'0'));
+    (value, count)
+}
+
+proptest! {
+    #[test]
+    fn leading_digits_are_read_as_one_at_a_time(
+        digits in "[0-9]{0,8}",
+        rest in proptest::collection::vec(any::<u8>(), 8),
+    ) {
+        let mut bytes = [0u8; 8];
+        let spelt: Vec<u8> = digits.bytes().chain(rest).take(8).collect();
+        bytes.copy_from_slice(&spelt);
+        prop_assert_eq!(json::leading_digits(bytes), leading_digits_slowly(bytes));
+    }
+}
+
 #[test]
 fn eight_digits_read_as_their_number() {
     for text in ["00000000", "12345678", "99999999", "10000001", "00000009"] {
         let spelt = format!("1{text}");
         let n = json::Parser::new(spelt.as_bytes()).number().unwrap();
         assert_eq!(n.to_f64(), spelt.parse::<f64>().unwrap(), "{text}");
+    }
+    for text in [
+        "0.1257302165031433,",
+        "-0.13210485875606537]",
+        "1.3040000200271606 ",
+    ] {
+        let n = json::Parser::new(text.as_bytes()).number().unwrap();
+        let expected = text[..text.len() - 1].parse::<f64>().unwrap();
+        assert_eq!(n.to_f64(), expected, "{text}");
     }
     for text in ["1234567/", "1234567:", "12345 78", "1234567a"] {
         let mut p = json::Parser::new(text.as_bytes());
