@@ -2,6 +2,7 @@
 
     python benches/python/instructions.py --base 0ae3af9                  # binary, gRPC and JSON
     python benches/python/instructions.py --base 0ae3af9 --protocols binary --top 20
+    python benches/python/instructions.py --base 0ae3af9 --keep /tmp/profiles   # then callgrind_annotate
 
 builds ``ferrobatch._core`` at ``--base`` and at the working tree (as
 ``ab_builds.py`` does), and for each build: installs it, starts ``ferrobatch
@@ -14,16 +15,19 @@ eighth as many. It prints the instructions executed per request by the
 front-end's threads (those that ran hyper) and by the rest of the process (the
 model's worker and Python), the rows per model execution, and the working
 tree's ratio to the base. ``--top`` lists the front-end's costliest functions
-(instructions in the function itself, per request) for each build.
+(instructions in the function itself, per request) for each build; ``--keep``
+leaves the front-end threads' profiles in a folder per build and protocol, for
+``callgrind_annotate --tree=caller``.
 
 Counts, not times: a shared machine's speed moves by a third within an hour,
-the instructions a request takes do not (two runs of the same build agree
-within about 1 %). They leave out the kernel (system calls) and what
-instructions cost (cache misses, branches): a change that saves instructions
-saves time only in proportion. Under callgrind the server runs about 50 times
-slower with its threads one at a time, so batches are smaller than at full
-speed (about 8 rows instead of 30 to 60): the rest's share per request is
-larger here. The working tree's build is put back at the end.
+the instructions a request takes do not (two builds of the same code read the
+same front-end count to 0.03 %). The rest of the process varies with the batch
+size callgrind's scheduling happens to give (its threads run one at a time,
+about 50 times slower, so batches are smaller than at full speed): compare
+builds by the front-end's column. The counts leave out the kernel (system
+calls) and what instructions cost (cache misses, branches): a change that saves
+instructions saves time only in proportion. The working tree's build is put
+back at the end.
 """
 
 from __future__ import annotations
@@ -167,6 +171,7 @@ def main() -> None:
     parser.add_argument("--protocols", default="binary,grpc,json")
     parser.add_argument("--requests", type=int, default=10240, help="measured requests per protocol")
     parser.add_argument("--top", type=int, default=0, help="list the front-end's N costliest functions")
+    parser.add_argument("--keep", type=Path, help="a folder to leave the threads' profiles in")
     args = parser.parse_args()
     tools = ("valgrind", "callgrind_control", "callgrind_annotate", "h2load", "taskset")
     missing = [tool for tool in tools if shutil.which(tool) is None]
@@ -181,9 +186,14 @@ def main() -> None:
             shutil.copy2(library, ab_builds.INSTALLED)
             run = Path(tempfile.mkdtemp(prefix="build-", dir=tmp))
             results[label] = count(protocols, args.requests, run)
-            if args.top:
-                for protocol, counted in results[label].items():
+            for protocol, counted in results[label].items():
+                if args.top:
                     tops[label, protocol] = top_functions(counted.dumps, counted.requests, args.top)
+                if args.keep:
+                    kept = args.keep / re.sub(r"\W+", "-", label) / protocol
+                    kept.mkdir(parents=True, exist_ok=True)
+                    for dump in counted.dumps:
+                        shutil.copy2(dump, kept / dump.name)
     labels = list(builds)
     print(f"\ninstructions per request, identity, {CONNECTIONS} connections, {args.requests} requests each")
     print(f"{'protocol':9} {'build':24} {'front-end':>10} {'rest':>9} {'total':>9} {'rows/exec':>9}")

@@ -11,6 +11,9 @@
 //! element straight into that buffer ([`json`] is a pull parser: no tree of
 //! values, no intermediate `Vec<f64>`); binary data is a range of the body,
 //! validated ([`Data::Body`]), so the caller may use it without copying.
+//! [`Codec::decode_remembered`] answers a binary request whose JSON header a
+//! [`HeaderMemo`] holds (the same bytes, the same body length) without
+//! reading it again: clients send one header per shape.
 //!
 //! # Limits
 //!
