@@ -93,6 +93,44 @@ def test_tritonclient_binary_infer_many_callers_at_once(served: tuple[fb.Server,
     assert outcomes(server)["succeeded"] == 64
 
 
+def binary_body(x: np.ndarray, shape: list[int] | None = None) -> tuple[bytes, dict[str, str]]:
+    """A binary-extension request of ``x`` (as FP32) asking for ``y`` as binary."""
+    raw = x.astype(np.float32).tobytes()
+    tensor = {"name": "x", "datatype": "FP32", "shape": shape or list(x.shape)}
+    doc = {
+        "inputs": [{**tensor, "parameters": {"binary_data_size": len(raw)}}],
+        "outputs": [{"name": "y", "parameters": {"binary_data": True}}],
+    }
+    header = json.dumps(doc).encode()
+    return header + raw, {
+        "Inference-Header-Content-Length": str(len(header)),
+        "Content-Type": "application/octet-stream",
+    }
+
+
+def test_repeated_binary_headers_answer_each_requests_own_rows(served: tuple[fb.Server, str]) -> None:
+    """A model remembers the binary headers it decoded (``v2::HeaderMemo``, per
+    runtime thread): the same header with other bytes, more shapes than it
+    holds, and a refused header, each time counted again."""
+    server, base = served
+    url = f"{base}/v2/models/m/infer"
+    with httpx.Client() as client:  # one connection: one runtime thread's memo
+        for turn in range(3):
+            for rows in range(1, 8):
+                x = np.arange(rows * 4, dtype=np.float32).reshape(rows, 4) + turn
+                body, headers = binary_body(x)
+                response = client.post(url, content=body, headers=headers)
+                assert response.status_code == 200, response.text
+                length = int(response.headers["inference-header-content-length"])
+                y = np.frombuffer(response.content[length:], np.float32).reshape(rows, 4)
+                np.testing.assert_array_equal(y, x * 2)
+            body, headers = binary_body(np.zeros((1, 3)))
+            response = client.post(url, content=body, headers=headers)
+            assert response.status_code == 400 and "expected shape (n, 4)" in response.json()["error"]
+    seen = outcomes(server)
+    assert seen["succeeded"] == 21 and seen["invalid_input"] == 3
+
+
 def test_http2_cleartext_with_prior_knowledge(served: tuple[fb.Server, str]) -> None:
     _, base = served
     with httpx.Client(http1=False, http2=True) as client:
