@@ -88,7 +88,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -442,11 +442,18 @@ def pinned(cpu: str | None) -> list[str]:
 
 @contextmanager
 def ferrobatch_server(
-    log: Path, cpu: str | None = None, frontend: str = "native", threads: int | None = None
+    log: Path,
+    cpu: str | None = None,
+    frontend: str = "native",
+    threads: int | None = None,
+    wrapper: Sequence[str] = (),
+    ready_seconds: float = 180,
 ) -> Iterator[Endpoint]:
+    """``ferrobatch serve`` with this file's models, run by ``wrapper`` (a
+    profiler's command line) when given."""
     http, grpc = free_ports(2)
     cmd = [
-        *pinned(cpu), sys.executable, "-m", "ferrobatch", "serve", f"{HERE}:make_servers",
+        *pinned(cpu), *wrapper, sys.executable, "-m", "ferrobatch", "serve", f"{HERE}:make_servers",
         "--http-port", str(http), "--grpc-port", str(grpc), "--log-level", "warning", "--frontend", frontend,
         *(["--threads", str(threads)] if threads else []),
     ]  # fmt: skip
@@ -456,7 +463,7 @@ def ferrobatch_server(
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
         try:
-            wait_ready(f"127.0.0.1:{http}", proc)
+            wait_ready(f"127.0.0.1:{http}", proc, ready_seconds)
             yield Endpoint(name, f"127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"http://127.0.0.1:{http}", proc.pid)
         finally:
             stop(proc)

@@ -33,15 +33,11 @@ back at the end.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,34 +87,14 @@ def totals(dump: Path) -> tuple[int, bool]:
     return (int(found.group(1)) if found else 0), "hyper::proto" in text
 
 
-@contextmanager
-def server_under_callgrind(logs: Path, dumps: Path) -> Iterator[bench_serve.Endpoint]:
-    """``ferrobatch serve`` on core 0, run by callgrind with counting off."""
-    http, grpc = bench_serve.free_ports(2)
-    cmd = [
-        "taskset", "-c", "0", "valgrind", "--tool=callgrind", "--instr-atstart=no", "--separate-threads=yes",
-        f"--callgrind-out-file={dumps}/callgrind.%p", sys.executable, "-m", "ferrobatch", "serve",
-        f"{bench_serve.HERE}:make_servers", "--http-port", str(http), "--grpc-port", str(grpc),
-        "--log-level", "warning",
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(bench_serve.HERE.parent)}
-    with (logs / "ferrobatch.log").open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=bench_serve.ROOT, env=env)
-        try:
-            bench_serve.wait_ready(f"127.0.0.1:{http}", proc, seconds=600)
-            yield bench_serve.Endpoint(
-                "ferrobatch", f"127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"http://127.0.0.1:{http}", proc.pid
-            )
-        finally:
-            bench_serve.stop(proc, seconds=120)
-
-
 def count(protocols: list[str], requests: int, tmp: Path) -> dict[str, Counted]:
     """Each protocol's instructions per request under the installed build."""
     native = bench_serve.Native(["identity"], protocols)
     dumps = Path(tempfile.mkdtemp(prefix="dumps-", dir=tmp))
     counted = {}
-    with server_under_callgrind(tmp, dumps) as endpoint:
+    callgrind = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--separate-threads=yes"]
+    callgrind.append(f"--callgrind-out-file={dumps}/callgrind.%p")
+    with bench_serve.ferrobatch_server(tmp / "ferrobatch.log", "0", wrapper=callgrind, ready_seconds=600) as endpoint:
         for protocol in protocols:
             request = native.requests[protocol, "identity"]
             bench_serve.loadgen.check(request, endpoint.http, endpoint.grpc, native.expected["identity"])

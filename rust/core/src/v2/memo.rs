@@ -5,7 +5,7 @@
 //! inputs' names, datatypes and shapes), and reading it was about a quarter of
 //! the instructions the native front-end spends on such a request. A header's
 //! decoded form depends only on its bytes, the body's length, the codec and
-//! the caller's input check, and both of those are fixed for a model. So:
+//! the caller's input check, and the last two are fixed for a model. So:
 //!
 //! - a header decoded once, with a body of the same length, decodes the same
 //!   again, and is answered from the memo without being read;
@@ -99,9 +99,8 @@ impl Codec {
             _ => return self.decode_header(body, header_end, check),
         };
         if let Some(request) = memo.find(header, body.len()) {
-            let request = request.clone();
             request.check_binary(body)?;
-            return Ok(request);
+            return Ok(request.clone());
         }
         let request = self.decode_header(body, header_end, check)?;
         memo.remember(header, body.len(), &request);
