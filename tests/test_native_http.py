@@ -131,6 +131,21 @@ def test_repeated_binary_headers_answer_each_requests_own_rows(served: tuple[fb.
     assert seen["succeeded"] == 21 and seen["invalid_input"] == 3
 
 
+def test_a_remembered_header_with_its_data_inline_answers_each_time(served: tuple[fb.Server, str]) -> None:
+    """A binary-extension request whose header carries its input's data
+    (JSON) and no bytes after it: remembered after the first, each later one
+    is answered from the memo's own copy of the data (lent, not taken)."""
+    server, base = served
+    header = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]})
+    headers = {"Inference-Header-Content-Length": str(len(header)), "Content-Type": "application/octet-stream"}
+    with httpx.Client() as client:  # one connection: one runtime thread's memo
+        for _ in range(3):
+            response = client.post(f"{base}/v2/models/m/infer", content=header.encode(), headers=headers)
+            assert response.status_code == 200, response.text
+            assert response.json()["outputs"][0]["data"] == [2, 4, 6, 8]
+    assert outcomes(server)["succeeded"] == 3
+
+
 def test_http2_cleartext_with_prior_knowledge(served: tuple[fb.Server, str]) -> None:
     _, base = served
     with httpx.Client(http1=False, http2=True) as client:

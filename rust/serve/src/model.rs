@@ -2,6 +2,7 @@
 //! path of one infer request from its decoded tensors to the queue and back,
 //! the same for every protocol.
 
+use std::borrow::Cow;
 use std::cell::RefCell;
 use std::ops::Range;
 use std::sync::Arc;
@@ -76,6 +77,14 @@ pub enum Source {
     Shared { buffer: usize, range: Range<usize> },
     /// All of `decoded[buffer]`.
     Decoded(usize),
+}
+
+/// A tensor whose bytes are `range` of its request's body.
+fn body_source(range: &Range<usize>) -> Source {
+    Source::Shared {
+        buffer: 0,
+        range: range.clone(),
+    }
 }
 
 /// What a request says besides its tensors.
@@ -155,11 +164,14 @@ impl ServedModel {
                 ferrobatch_core::v2::V2Error::Invalid(e.message)
             })
         };
-        let memo = self.headers.get_or_default();
-        let decoded = match memo.try_borrow_mut() {
-            Ok(mut memo) => codec.decode_remembered(&mut memo, &body, header_length, &mut check),
+        // Held until the request is queued: a remembered request is lent by the memo.
+        let mut memo = self.headers.get_or_default().try_borrow_mut();
+        let decoded = match memo.as_deref_mut() {
+            Ok(memo) => codec.decode_remembered(memo, &body, header_length, &mut check),
             // Not reached (nothing here decodes twice at once): decode it afresh.
-            Err(_) => codec.decode_checked(&body, header_length, &mut check),
+            Err(_) => codec
+                .decode_checked(&body, header_length, &mut check)
+                .map(Cow::Owned),
         };
         let mut request = decoded.map_err(|e| {
             let failure = Failure::new(e.status(), e.to_string());
@@ -173,21 +185,39 @@ impl ServedModel {
             id: request.id.clone(),
             outputs: request.selected_outputs(codec),
         };
-        let mut decoded = Vec::new();
-        let sources: PerTensor<Source> = request
+        if request
             .inputs
-            .iter_mut()
-            .map(|input| match &mut input.data {
-                Data::Owned(buffer) => {
-                    decoded.push(std::mem::take(buffer));
-                    Source::Decoded(decoded.len() - 1)
-                }
-                Data::Body(range) => Source::Shared {
-                    buffer: 0,
-                    range: range.clone(),
-                },
-            })
-            .collect();
+            .iter()
+            .any(|i| matches!(i.data, Data::Owned(_)))
+        {
+            // Its decoded buffers move into the request's owners: a
+            // remembered request's are copied (the memo keeps its own).
+            request.to_mut();
+        }
+        let mut decoded = Vec::new();
+        let sources: PerTensor<Source> = match &mut request {
+            Cow::Owned(request) => request
+                .inputs
+                .iter_mut()
+                .map(|input| match &mut input.data {
+                    Data::Owned(buffer) => {
+                        decoded.push(std::mem::take(buffer));
+                        Source::Decoded(decoded.len() - 1)
+                    }
+                    Data::Body(range) => body_source(range),
+                })
+                .collect(),
+            // Only ranges of the body (made owned above otherwise; a source
+            // out of the owners would be refused, never misread).
+            Cow::Borrowed(request) => request
+                .inputs
+                .iter()
+                .map(|input| match &input.data {
+                    Data::Body(range) => body_source(range),
+                    Data::Owned(_) => Source::Decoded(usize::MAX),
+                })
+                .collect(),
+        };
         let tensors: PerTensor<Tensor<'_>> = request
             .inputs
             .iter()
@@ -203,7 +233,7 @@ impl ServedModel {
         let parameters = if self.replies.batcher().keeps_parameters() {
             let text = request
                 .parameters
-                .take()
+                .clone()
                 .and_then(|span| body.get(span))
                 .map(|text| String::from_utf8_lossy(text).into_owned());
             with_headers(text, forwarded)?
