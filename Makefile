@@ -99,14 +99,16 @@ loom:
 # The v2 decoder (FUZZ_TARGET=decode) or a live shared segment scribbled
 # while served (FUZZ_TARGET=shm), or a varying model's cells (FUZZ_TARGET=shm_cells),
 # under libFuzzer (cargo-fuzz on nightly) for
-# FUZZ_SECONDS; installs cargo-fuzz if it is missing. Findings land in
-# rust/fuzz/artifacts.
+# FUZZ_SECONDS, starting from rust/fuzz/seeds/$(FUZZ_TARGET) where it exists;
+# installs cargo-fuzz if it is missing. Findings land in rust/fuzz/artifacts.
 FUZZ_SECONDS ?= 60
 FUZZ_TARGET ?= decode
 .PHONY: fuzz
 fuzz:
 	@command -v cargo-fuzz >/dev/null 2>&1 || cargo install --locked cargo-fuzz
-	cargo +nightly fuzz run --fuzz-dir rust/fuzz $(FUZZ_TARGET) -- -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048
+	mkdir -p rust/fuzz/corpus/$(FUZZ_TARGET)
+	cargo +nightly fuzz run --fuzz-dir rust/fuzz $(FUZZ_TARGET) rust/fuzz/corpus/$(FUZZ_TARGET) \
+		$(wildcard rust/fuzz/seeds/$(FUZZ_TARGET)) -- -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048
 
 bench: build bench-serve-deps
 	cargo bench
