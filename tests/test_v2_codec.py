@@ -50,6 +50,32 @@ def test_binary_inputs_are_views_of_the_body() -> None:
     assert np.shares_memory(decoded, np.frombuffer(raw, np.uint8))
 
 
+def test_a_repeated_binary_header_is_remembered_and_each_body_read_as_its_own() -> None:
+    """The Python front-end's codec keeps the native front-end's header memo:
+    the same header again is not read, but the bytes after it are each
+    request's own, and checked (a bad BOOL byte refused); refusals and JSON
+    bodies are not kept."""
+    c = codec()
+    header = body(
+        [
+            {"name": "x", "datatype": "FP32", "shape": [1, 4], "parameters": {"binary_data_size": 16}},
+            {"name": "b", "datatype": "BOOL", "shape": [2], "parameters": {"binary_data_size": 2}},
+        ]
+    )
+    for turn in range(3):
+        x = np.arange(4, dtype=np.float32) + turn
+        request = c.decode(header + x.tobytes() + bytes([1, turn % 2]), str(len(header)))
+        np.testing.assert_array_equal(np.asarray(request.inputs["x"]), x[None])
+        np.testing.assert_array_equal(np.asarray(request.inputs["b"]), [True, bool(turn % 2)])
+    assert c.remembered_headers() == 1
+    with pytest.raises(CodecError, match="BOOL bytes must be 0 or 1"):
+        c.decode(header + x.tobytes() + bytes([1, 2]), str(len(header)))
+    with pytest.raises(CodecError):
+        c.decode(header + x.tobytes(), str(len(header)))  # the BOOL bytes left out
+    c.decode(body([{"name": "x", "datatype": "FP32", "shape": [1], "data": [1]}]))
+    assert c.remembered_headers() == 1
+
+
 def test_bf16_inputs_become_bfloat16_tensors() -> None:
     values = torch.tensor([[1.5, -2.0]], dtype=torch.bfloat16)
     request = codec().decode(body([{"name": "x", "datatype": "BF16", "shape": [1, 2], "data": [1.5, -2.0]}]))

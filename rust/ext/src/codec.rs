@@ -12,9 +12,12 @@
 //! output that cannot be encoded raises `CodecError` with status 500.
 
 use std::ffi::{c_char, c_int, c_void};
+use std::sync::Mutex;
 
 use ferrobatch_core::bytes::{self, BytesLimits};
-use ferrobatch_core::v2::{self, Codec, Data, InferRequest, Limits, Output, OutputSpec, V2Error};
+use ferrobatch_core::v2::{
+    self, Codec, Data, HeaderMemo, InferRequest, Limits, Output, OutputSpec, V2Error,
+};
 use ferrobatch_core::DType;
 use ferrobatch_serve::{encoding, VaryingRows};
 use pyo3::exceptions::{PyBufferError, PyValueError};
@@ -144,6 +147,9 @@ pub(crate) struct V2Codec {
     output_keys: Vec<Py<PyString>>,
     /// The torch dtype of each output (what a result must be, or becomes).
     output_dtypes: Vec<Py<PyAny>>,
+    /// Binary requests' headers decoded lately, as the native front-end
+    /// keeps them; a decode that finds it in use decodes afresh.
+    headers: Mutex<HeaderMemo>,
 }
 
 enum Storage {
@@ -408,6 +414,24 @@ impl Readable<'_> {
 impl V2Codec {
     pub(crate) fn core(&self) -> &Codec {
         &self.core
+    }
+
+    /// [`Codec::decode`] through the memo: a header seen with a body of the
+    /// same length is not read again (its request copied out of the memo).
+    fn decode_remembered(
+        &self,
+        body: &[u8],
+        header_length: Option<&str>,
+    ) -> Result<InferRequest, V2Error> {
+        let mut accept = |_: &str, _: DType, _: &[u64]| Ok(());
+        match self.headers.try_lock() {
+            Ok(mut memo) => self
+                .core
+                .decode_remembered(&mut memo, body, header_length, &mut accept)
+                .map(std::borrow::Cow::into_owned),
+            // In use by another thread's decode (or poisoned): decode afresh.
+            Err(_) => self.core.decode(body, header_length),
+        }
     }
 
     /// Reads every output of a batch's `outputs` (`{name: tensor}`), in the
@@ -738,6 +762,7 @@ impl V2Codec {
             core,
             output_keys,
             output_dtypes,
+            headers: Mutex::new(HeaderMemo::new()),
         })
     }
 
@@ -752,12 +777,18 @@ impl V2Codec {
     ) -> PyResult<V2Request> {
         let bytes = body.as_bytes();
         let decoded = if bytes.len() >= RELEASE_GIL_BYTES {
-            without_gil(py, || self.core.decode(bytes, header_length))
+            without_gil(py, || self.decode_remembered(bytes, header_length))
         } else {
-            self.core.decode(bytes, header_length)
+            self.decode_remembered(bytes, header_length)
         };
         let request = decoded.map_err(|e| codec_error(py, e))?;
         self.request(py, request, &body)
+    }
+
+    /// The binary headers remembered now (at most
+    /// `v2::REMEMBERED_HEADERS`).
+    fn remembered_headers(&self) -> usize {
+        self.headers.try_lock().map_or(0, |memo| memo.len())
     }
 
     /// The response to `request`: `(body, header_length)`, `header_length`

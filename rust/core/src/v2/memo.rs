@@ -15,7 +15,8 @@
 //!   against shapes, BOOL bytes), as a fresh decode checks them.
 //!
 //! A memo belongs to one caller at a time (`&mut`): the native front-end
-//! keeps one per runtime thread and model, so no lock is taken.
+//! keeps one per runtime thread and model, so no lock is taken; the Python
+//! front-end's codec (`_core.V2Codec`) keeps one behind a `try_lock`.
 
 use std::borrow::Cow;
 
