@@ -786,7 +786,7 @@ impl V2Codec {
     }
 
     /// The binary headers remembered now (at most
-    /// `v2::REMEMBERED_HEADERS`).
+    /// `v2::REMEMBERED_HEADERS`; 0 while another thread decodes).
     fn remembered_headers(&self) -> usize {
         self.headers.try_lock().map_or(0, |memo| memo.len())
     }
