@@ -109,6 +109,7 @@ impl Codec {
                     entry.request.check_binary(body)?;
                     Ok(Cow::Borrowed(&entry.request))
                 }
+                // Not reached (`found` indexes `entries`): decode it afresh.
                 None => self.decode_header(body, header_end, check).map(Cow::Owned),
             };
         }
