@@ -238,11 +238,11 @@ fn listen(addr: SocketAddr) -> io::Result<StdListener> {
 /// thread outside the runtime, so its wake-up goes to the runtime's global
 /// queue; by default a busy runtime thread looks there only about every
 /// hundred polls (tokio tunes it), serving first the tasks that reading new
-/// requests wakes on its own queue. A batch's replies then trickled out over milliseconds while the
-/// thread kept reading: at 256 connections the slowest tenth of requests
-/// took 3 times the median (p99 18 ms, p50 3.2 ms). Looking on every poll
-/// answers the oldest work first (p99 6–7 ms; benches/README.md, "Replies
-/// first").
+/// requests wakes on its own queue. A batch's replies then trickled out
+/// over milliseconds while the thread kept reading: at 256 connections the
+/// slowest tenth of requests took 3 times the median (p99 18 ms, p50
+/// 3.2 ms). Looking on every poll answers the oldest work first (p99
+/// 6–7 ms; benches/README.md, "Replies first").
 fn runtime(threads: usize) -> io::Result<Runtime> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(threads.max(1))
