@@ -636,6 +636,10 @@ def test_every_caller_gets_one_answer_in_time_and_stats_match_through_chaos_and_
     assert +counted["m"] == +callers_counted["m"], (
         f"m: stats {dict(+counted['m'])} != callers {dict(+callers_counted['m'])}"
     )
+    # Every success in the latency histogram too, once.
+    for server in servers:
+        stats = server.stats()
+        assert sum(stats["request_durations_us"].values()) == stats["requests_succeeded"], server.name
     # An abandoned request is counted once, as whatever happened to it
     # (cancelled, or run, failed or refused before the server saw it go):
     # at most one more outcome per abandoned request, none of them

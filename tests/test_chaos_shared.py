@@ -215,6 +215,7 @@ async def test_stats_equal_what_client_processes_saw(processes: list[subprocess.
     assert refused_at_home >= 0
     counted["server_closed"] += refused_at_home
     assert +counted == +seen, f"stats {dict(+counted)} != callers {dict(+seen)}"
+    assert sum(stats["request_durations_us"].values()) == stats["requests_succeeded"]
     for outcome in ("succeeded", "model_error", "queue_full", "server_closed"):
         assert seen[outcome] > 0, (outcome, seen)
     assert not leftovers()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 
 import httpx
 import numpy as np
@@ -34,6 +36,9 @@ NAMES = {
     "ferrobatch_batch_size_bucket",
     "ferrobatch_batch_size_sum",
     "ferrobatch_batch_size_count",
+    "ferrobatch_request_duration_us_bucket",
+    "ferrobatch_request_duration_us_sum",
+    "ferrobatch_request_duration_us_count",
 }
 
 
@@ -133,7 +138,60 @@ async def test_collector_reads_stats_at_scrape_time() -> None:
     assert value(after, "ferrobatch_batch_size_bucket", model="m", le="+Inf") == stats["batches"]
 
 
-def test_exposition_types_counters_under_triton_names_and_adds_a_batch_size_histogram() -> None:
+def test_request_durations_count_each_success_once_in_the_bucket_of_its_time() -> None:
+    """Successes over HTTP, from a thread and from an event loop land in
+    ``ferrobatch_request_duration_us`` once each, in their time's bucket (the
+    model sleeps 3 ms, so none is at or below 2 ms); failures are left out."""
+
+    def slow(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        time.sleep(0.003)
+        if bool((d["x"] < 0).any()):
+            raise ValueError("negative")
+        return {"y": d["x"] * 2}
+
+    server = fb.Server(slow, inputs=[X], outputs=[Y], max_batch_size=1, name="slow")
+    with serving("native", [server]) as url:
+        http = httpclient.InferenceServerClient(url)
+        try:
+            for sign in (1, 1, -1):
+                tensor = httpclient.InferInput("x", [1, WIDTH], "FP32")
+                tensor.set_data_from_numpy(np.full((1, WIDTH), sign, np.float32))
+                if sign < 0:
+                    with pytest.raises(InferenceServerException):
+                        http.infer("slow", [tensor])
+                else:
+                    http.infer("slow", [tensor])
+        finally:
+            http.close()
+        client = server.client()
+        for sign in (1, 1, 1, -1):
+            x = torch.full((WIDTH,), float(sign))
+            if sign < 0:
+                with pytest.raises(fb.ModelError):
+                    client.infer_sync({"x": x})
+            else:
+                client.infer_sync({"x": x})
+
+        async def from_a_loop() -> None:
+            await client.infer({"x": np.ones(WIDTH, np.float32)})
+
+        asyncio.run(from_a_loop())
+        stats = server.stats()
+        samples = scrape(httpx.get(f"http://{url}/metrics").text)
+    durations = stats["request_durations_us"]
+    assert stats["requests_succeeded"] == 6 and stats["requests_failed"]["model_error"] == 2
+    assert sum(durations.values()) == 6
+    assert list(durations) == [*fb._core.REQUEST_BOUNDS_US, math.inf]
+    assert sum(n for bound, n in durations.items() if bound <= 2000) == 0
+    count = value(samples, "ferrobatch_request_duration_us_count", model="slow")
+    assert count == value(samples, "ferrobatch_request_duration_us_bucket", model="slow", le="+Inf") == 6
+    assert value(samples, "ferrobatch_request_duration_us_bucket", model="slow", le="2000.0") == 0
+    assert value(samples, "ferrobatch_request_duration_us_bucket", model="slow", le="20000000.0") == 6
+    assert value(samples, "ferrobatch_request_duration_us_sum", model="slow") == stats["request_ns"] / 1000
+    assert stats["request_ns"] / 1000 >= 6 * 3000
+
+
+def test_exposition_types_counters_under_triton_names_and_adds_histograms() -> None:
     server = fb.Server(double, inputs=[X], outputs=[Y], max_batch_size=12, name="m")
     text = exposition(registry([server])).decode()
     assert "# TYPE nv_inference_request_success counter\nnv_inference_request_success{" in text
@@ -142,8 +200,13 @@ def test_exposition_types_counters_under_triton_names_and_adds_a_batch_size_hist
     # prometheus_client's own writer would announce a name no sample has.
     assert "# TYPE nv_inference_request_success_total counter" in generate_latest(registry([server])).decode()
     assert "# TYPE ferrobatch_batch_size histogram\n" in text
-    les = [s.labels["le"] for f in text_string_to_metric_families(text) for s in f.samples if "le" in s.labels]
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    les = [s.labels["le"] for s in families["ferrobatch_batch_size"].samples if "le" in s.labels]
     assert les == ["1.0", "2.0", "4.0", "8.0", "12.0", "+Inf"]
+    assert "# TYPE ferrobatch_request_duration_us histogram\n" in text
+    les = [s.labels["le"] for s in families["ferrobatch_request_duration_us"].samples if "le" in s.labels]
+    assert les[:5] == ["50.0", "100.0", "200.0", "500.0", "1000.0"]
+    assert les[-3:] == ["10000000.0", "20000000.0", "+Inf"] and len(les) == len(fb._core.REQUEST_BOUNDS_US) + 1
     assert batch_size_buckets(1) == [1] and batch_size_buckets(16) == [1, 2, 4, 8, 16]
 
 

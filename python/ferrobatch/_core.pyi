@@ -24,6 +24,7 @@ __all__ = [
     "V2Tensor",
     "Worker",
     "__version__",
+    "REQUEST_BOUNDS_US",
     "clipped",
     "after_fork_in_child",
     "check_json",
@@ -37,6 +38,7 @@ __all__ = [
     "shared_meta",
 ]
 __version__: str
+REQUEST_BOUNDS_US: tuple[int, ...]
 
 @final
 class Batcher:
@@ -168,6 +170,7 @@ class LoopRegistry:
     def __new__(cls, model_name: str) -> LoopRegistry: ...
     def mailboxes(self) -> list[LoopMailbox]: ...
     def stats(self) -> dict[str, int]: ...
+    def request_buckets(self) -> list[int]: ...
     def fail_all(self, message: str) -> None: ...
     def close(self) -> None: ...
 

@@ -32,7 +32,14 @@ server's name) and ``version`` ("1"):
   adaptive, callers_waiting, shutdown);
 - ``ferrobatch_batch_size``: a histogram of batches by their rows, with
   buckets 1, 2, 4, ... up to ``max_batch_size`` (``_bucket{le=...}``,
-  ``_sum``: rows, ``_count``: batches), from ``stats()["batch_sizes"]``.
+  ``_sum``: rows, ``_count``: batches), from ``stats()["batch_sizes"]``;
+- ``ferrobatch_request_duration_us``: a histogram of successful requests by
+  their submit-to-result time in microseconds, with buckets 50, 100, 200,
+  500, ... 20,000,000 (``_sum`` is ``nv_inference_request_duration_us``),
+  from ``stats()["request_durations_us"]``: the server's own percentiles,
+  ``histogram_quantile(0.99, rate(ferrobatch_request_duration_us_bucket[1m]))``
+  (Triton's counterpart, ``nv_inference_request_summary_us``, is a summary
+  turned on by a flag; a histogram adds up across replicas, a summary does not).
 
 The pending count is a gauge; the others but the histogram are counters
 under Triton's exact names, without the ``_total`` suffix (Triton's own
@@ -44,6 +51,7 @@ name its samples carry.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -106,6 +114,19 @@ def batch_size_buckets(max_batch_size: int) -> list[int]:
         bounds.append(bound)
         bound *= 2
     return [*bounds, max(max_batch_size, 1)]
+
+
+def cumulative(counts: dict[float, int]) -> list[tuple[str, float]]:
+    """Prometheus's ``le`` buckets of ``{upper bound: count in that bucket
+    alone}`` (the last bound ``math.inf``): each bound, written as
+    ``ferrobatch_batch_size`` writes its own (``1000000.0``, ``+Inf``), with
+    the count at or below it."""
+    buckets = []
+    total = 0
+    for bound, n in sorted(counts.items()):
+        total += n
+        buckets.append(("+Inf" if bound == math.inf else str(float(bound)), float(total)))
+    return buckets
 
 
 class TritonCollector(Collector):
@@ -188,8 +209,17 @@ class TritonCollector(Collector):
             "Number of batches by their rows (model calls, retries to isolate failures aside)",
             labels=labels,
         )
+        request_durations = HistogramMetricFamily(
+            "ferrobatch_request_duration_us",
+            "Number of successful requests by their submit-to-result time in microseconds",
+            labels=labels,
+        )
         for server in self._servers:
             stats = server.stats()
+            durations: dict[float, int] = stats["request_durations_us"]
+            request_durations.add_metric(
+                [server.name, _VERSION], cumulative(durations), sum_value=stats["request_ns"] / 1000
+            )
             sizes: dict[int, int] = stats["batch_sizes"]
             buckets = [
                 (str(float(b)), sum(n for size, n in sizes.items() if size <= b))
@@ -217,7 +247,7 @@ class TritonCollector(Collector):
             mismatches.add_metric(model, stats["invariance_mismatches"])
         yield from (
             success, failure, count, exec_count, request_us, queue_us, compute_us, pending, retries, isolated,
-            checks, mismatches, reasons, batch_size,
+            checks, mismatches, reasons, batch_size, request_durations,
         )  # fmt: skip
 
 

@@ -860,7 +860,12 @@ class Server:
         (see :meth:`update_weights`); ``compute_ns`` (model time, summed over
         batches) and ``request_compute_ns`` (the same counted once per request
         of each batch, as Triton counts it); ``request_ns`` (submit to result,
-        summed over succeeded requests); ``failed_batches`` (batches whose
+        summed over succeeded requests) and ``request_durations_us`` (the
+        succeeded requests by that time, ``{upper bound in µs: requests}``
+        over the bounds of ``ferrobatch._core.REQUEST_BOUNDS_US``, 50 µs to
+        20 s, then ``math.inf``; both count a success when its batch answers
+        it, so an event-loop caller cancelled in that same instant is in
+        them and counted cancelled); ``failed_batches`` (batches whose
         model call raised); with ``isolate_failures``, ``retry_calls`` (model
         calls made to isolate failures) and ``isolated_failures`` (requests
         that failed in a call of their own); ``batch_sizes`` (batches by
@@ -883,6 +888,7 @@ class Server:
                 batch_compute_ns[size] = batch_compute_ns.get(size, 0) + ns
         succeeded = outcomes.pop("succeeded")
         request_ns = outcomes.pop("request_ns")
+        request_buckets = self._loops.request_buckets()
         core = self._batcher.stats() if self._batcher is not None else {}
         batches = int(core.get("batches", 0))
         rows = int(core.get("rows", 0))
@@ -900,6 +906,7 @@ class Server:
             "compute_ns": sum(c.compute_ns for c in self._counters),
             "request_compute_ns": sum(c.request_compute_ns for c in self._counters),
             "request_ns": request_ns,
+            "request_durations_us": dict(zip([*_core.REQUEST_BOUNDS_US, math.inf], request_buckets, strict=True)),
             "failed_batches": sum(c.failed_batches for c in self._counters),
             "isolated_failures": sum(c.isolated_failures for c in self._counters),
             "retry_calls": sum(c.retry_calls for c in self._counters),

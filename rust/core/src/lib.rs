@@ -111,7 +111,7 @@ pub use dtype::DType;
 pub use error::CoreError;
 pub use fanout::{Route, Routes, Sink};
 pub use inbox::Inbox;
-pub use outcome::{Outcome, Tally, OUTCOMES};
+pub use outcome::{Outcome, Tally, Totals, OUTCOMES, REQUEST_BOUNDS_US, REQUEST_BUCKETS};
 pub use pending::{Pending, Taken, Withdraw};
 pub use queue::{Message, Priorities, PushError, Readiness, RequestQueue};
 pub use request::{InputBytes, Inputs, Request, RequestState, Withdrawal, MAX_VARIABLE_DIMS};

@@ -308,10 +308,9 @@ mod tests {
     }
 
     fn counts(table: &Pending<u32, &'static str>) -> [u64; crate::OUTCOMES] {
-        let mut counts = [0; crate::OUTCOMES];
-        let mut ns = 0;
-        table.tally().add_to(&mut counts, &mut ns);
-        counts
+        let mut totals = crate::Totals::default();
+        table.tally().add_to(&mut totals);
+        totals.counts
     }
 
     #[test]
@@ -565,10 +564,9 @@ mod loom_tests {
     }
 
     fn total(s: &Shared) -> u64 {
-        let mut counts = [0; crate::OUTCOMES];
-        let mut ns = 0;
-        s.table.tally().add_to(&mut counts, &mut ns);
-        counts.iter().sum()
+        let mut totals = crate::Totals::default();
+        s.table.tally().add_to(&mut totals);
+        totals.counts.iter().sum()
     }
 
     #[test]

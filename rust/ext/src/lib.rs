@@ -33,6 +33,7 @@ mod submit;
 mod threads;
 
 use pyo3::prelude::*;
+use pyo3::types::PyTuple;
 
 /// Rust's allocations of this module (requests, replies, the front-end's
 /// buffers) come from mimalloc: glibc's malloc and free were 8 % of the
@@ -52,6 +53,10 @@ where
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add(
+        "REQUEST_BOUNDS_US",
+        PyTuple::new(m.py(), ferrobatch_core::REQUEST_BOUNDS_US)?,
+    )?;
     m.add_class::<batcher::Batcher>()?;
     m.add_class::<batcher::Worker>()?;
     m.add_class::<batcher::Batch>()?;

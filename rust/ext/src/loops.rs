@@ -22,7 +22,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use ferrobatch_core::{Outcome, Route, Sink, Tally, OUTCOMES};
+use ferrobatch_core::{Outcome, Route, Sink, Tally, Totals};
 
 use crate::mailbox::{doorbells, ring_fd, LoopMailbox};
 use crate::native_sink::{self, NativeSink};
@@ -111,25 +111,20 @@ impl LoopRegistry {
     /// `server_closed`), plus `request_ns` (submit to result, summed over
     /// the successes).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let mut counts = [0u64; OUTCOMES];
-        let mut request_ns = 0u64;
-        self.retired.add_to(&mut counts, &mut request_ns);
-        self.threads.tally().add_to(&mut counts, &mut request_ns);
-        if let Some(native) = self.native() {
-            native_sink::add_counts(&native, &mut counts, &mut request_ns);
-        }
-        if let Some(shared) = self.shared() {
-            shared.tally().add_to(&mut counts, &mut request_ns);
-        }
-        for mailbox in self.all(py) {
-            mailbox.get().tally().add_to(&mut counts, &mut request_ns);
-        }
+        let totals = self.totals(py);
         let stats = PyDict::new(py);
         for outcome in Outcome::ALL {
-            stats.set_item(outcome.name(), counts[outcome as usize])?;
+            stats.set_item(outcome.name(), totals.counts[outcome as usize])?;
         }
-        stats.set_item("request_ns", request_ns)?;
+        stats.set_item("request_ns", totals.request_ns)?;
         Ok(stats)
+    }
+
+    /// The successes by their submit-to-result time: one count per bound of
+    /// `REQUEST_BOUNDS_US` (times up to it and above the one before), then
+    /// the count of those above the last.
+    fn request_buckets(&self, py: Python<'_>) -> Vec<u64> {
+        self.totals(py).request_buckets.to_vec()
     }
 
     /// Fails every pending request of every loop with `ServerClosedError`,
@@ -374,6 +369,23 @@ impl LoopRegistry {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Mailboxes> {
         self.mailboxes.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// What callers saw, added up over every sink of this server.
+    fn totals(&self, py: Python<'_>) -> Totals {
+        let mut totals = Totals::default();
+        self.retired.add_to(&mut totals);
+        self.threads.tally().add_to(&mut totals);
+        if let Some(native) = self.native() {
+            native_sink::add_counts(&native, &mut totals);
+        }
+        if let Some(shared) = self.shared() {
+            shared.tally().add_to(&mut totals);
+        }
+        for mailbox in self.all(py) {
+            mailbox.get().tally().add_to(&mut totals);
+        }
+        totals
     }
 
     fn all(&self, py: Python<'_>) -> Vec<Py<LoopMailbox>> {

@@ -142,13 +142,9 @@ fn with_columns<R: Send>(
     Some(answered)
 }
 
-/// `{outcome: requests}` of a native sink, added into a registry's stats.
-pub(crate) fn add_counts(
-    sink: &NativeSink,
-    counts: &mut [u64; ferrobatch_core::OUTCOMES],
-    request_ns: &mut u64,
-) {
-    sink.replies.tally().add_to(counts, request_ns);
+/// The outcomes counted by a native sink, added into a registry's stats.
+pub(crate) fn add_counts(sink: &NativeSink, totals: &mut ferrobatch_core::Totals) {
+    sink.replies.tally().add_to(totals);
 }
 
 /// Answers the native requests still pending with 503 (the server stops).
