@@ -10,7 +10,8 @@
 # not stop the next. About 9 minutes on 16 cores.
 #
 #   bash benches/gpu_check.sh                   # with ferrobatch installed
-#   WHEELS=dist bash benches/gpu_check.sh       # installs dist/*.whl first (--no-deps, into $SITE)
+#   WHEELS=dist bash benches/gpu_check.sh       # installs dist/*.whl first (--no-deps, into $SITE;
+#                                               # nvidia-ml-py's wheel there too for the GPU metrics)
 #   STEPS=tests,bench bash benches/gpu_check.sh
 #
 # The scaling steps need wrk, h2load and taskset on PATH. Only the test modules
@@ -32,7 +33,7 @@ $PY -c "import torch, ferrobatch; print('torch', torch.__version__, 'cuda', torc
   2>&1 | tee "$OUT/info.log"
 if [[ $STEPS == *tests* ]]; then
   timeout "${TESTS_S:-240}" $PY -m pytest -p no:cacheprovider -m gpu -rA --timeout 150 \
-    tests/test_cuda.py tests/test_isolation.py tests/test_weights.py tests/test_ragged.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+    tests/test_cuda.py tests/test_isolation.py tests/test_weights.py tests/test_ragged.py tests/test_host_metrics.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
 fi
 if [[ $STEPS == *bench* ]]; then
   timeout "${BENCH_S:-150}" $PY benches/python/bench_gpu.py --json "$OUT/gpu.json" 2>&1 | tee "$OUT/bench_gpu.log"

@@ -42,6 +42,9 @@ NAMES = {
 }
 
 
+MACHINE = ("nv_cpu_", "nv_gpu_", "nv_energy_", "process_")
+
+
 def scrape(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     """Samples by (name as exposed, labels). The parser renames a counter's
     samples to ``<name>_total``; the exposition has Triton's bare names."""
@@ -90,7 +93,8 @@ def test_metrics_count_known_requests(kind: str) -> None:
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
     samples = scrape(response.text)
-    assert {name for name, _ in samples} == NAMES
+    # The model's metrics, beside the machine's (test_host_metrics.py).
+    assert {name for name, _ in samples if not name.startswith(MACHINE)} == NAMES
 
     assert value(samples, "nv_inference_request_success", model="double") == 5
     assert value(samples, "nv_inference_count", model="double") == rows
@@ -193,7 +197,7 @@ def test_request_durations_count_each_success_once_in_the_bucket_of_its_time() -
 
 def test_exposition_types_counters_under_triton_names_and_adds_histograms() -> None:
     server = fb.Server(double, inputs=[X], outputs=[Y], max_batch_size=12, name="m")
-    text = exposition(registry([server])).decode()
+    text = exposition(registry([server], machine=False)).decode()
     assert "# TYPE nv_inference_request_success counter\nnv_inference_request_success{" in text
     assert "# TYPE nv_inference_pending_request_count gauge\n" in text
     assert "_total" not in text
@@ -225,3 +229,14 @@ async def test_metrics_count_isolated_failures() -> None:
     assert value(samples, "ferrobatch_retry_calls", model="p") == 4  # halves of 2, then of 1
     assert value(samples, "ferrobatch_isolated_failures", model="p") == 1
     assert value(samples, "nv_inference_request_success", model="p") == 3
+
+
+def test_the_served_metrics_carry_the_machine_and_the_process() -> None:
+    server = fb.Server(double, inputs=[X], outputs=[Y], name="m")
+    with serving("native", [server]) as url:
+        text = httpx.get(f"http://{url}/metrics").text
+    found = {name: v for (name, labels), v in scrape(text).items() if not labels}
+    assert 0.0 <= found["nv_cpu_utilization"] <= 1.0
+    assert found["nv_cpu_memory_total_bytes"] >= found["nv_cpu_memory_used_bytes"] > 0
+    assert found["process_resident_memory_bytes"] > 0
+    assert "# TYPE nv_cpu_utilization gauge\n" in text

@@ -3,9 +3,12 @@
     registry = ferrobatch.metrics.registry([server])
     ferrobatch.metrics.exposition(registry)       # what GET /metrics serves
 
-The values are read when Prometheus scrapes (a custom ``Collector``); nothing
-is added to the per-request path. Every metric is labelled ``model`` (the
-server's name) and ``version`` ("1"):
+The values are read when Prometheus scrapes (a custom ``Collector``); on the
+per-request path there are only the counts ``stats()`` keeps anyway (relaxed
+atomic adds in Rust). Every metric below is labelled ``model`` (the server's
+name) and ``version`` ("1"); :func:`registry` adds the machine's metrics under
+Triton's names (``nv_cpu_*``, ``nv_gpu_*``, see ``ferrobatch._host_metrics``)
+and prometheus_client's ``process_*``:
 
 - ``nv_inference_request_success``: requests that returned a result;
 - ``nv_inference_request_failure{reason=...}``: failed requests, by ferrobatch
@@ -55,7 +58,7 @@ import math
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from prometheus_client import generate_latest
+from prometheus_client import ProcessCollector, generate_latest
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
@@ -251,8 +254,16 @@ class TritonCollector(Collector):
         )  # fmt: skip
 
 
-def registry(servers: Server | Iterable[Server]) -> CollectorRegistry:
-    """A fresh registry holding only a :class:`TritonCollector` for ``servers``."""
+def registry(servers: Server | Iterable[Server], machine: bool = True) -> CollectorRegistry:
+    """A fresh registry holding a :class:`TritonCollector` for ``servers``
+    and, with ``machine``, Triton's CPU and GPU metrics of the machine
+    (``ferrobatch._host_metrics``) and prometheus_client's ``process_*``
+    metrics of this process (CPU seconds, resident memory, open files)."""
+    from ._host_metrics import HostCollector  # it imports this module
+
     result = CollectorRegistry(auto_describe=False)
     result.register(TritonCollector(servers))
+    if machine:
+        result.register(HostCollector())
+        ProcessCollector(registry=result)
     return result
