@@ -149,6 +149,17 @@ def test_without_a_driver_there_are_no_gpu_metrics(monkeypatch: pytest.MonkeyPat
     assert ("nv_cpu_utilization", "") in found
 
 
+def test_the_real_nvml_without_a_driver_gives_no_gpu_metrics() -> None:
+    import torch
+
+    pytest.importorskip("pynvml", reason="needs nvidia-ml-py (the gpu extra)")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: test_a_real_gpu_reports_its_memory_as_this_process_fills_it")
+    found = scrape(HostCollector())
+    assert not any(name.startswith(("nv_gpu", "nv_energy")) for name, _ in found)
+    assert ("nv_cpu_utilization", "") in found
+
+
 @pytest.mark.gpu
 def test_a_real_gpu_reports_its_memory_as_this_process_fills_it() -> None:
     import torch
