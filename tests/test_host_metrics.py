@@ -30,7 +30,7 @@ def samples(text: str) -> dict[tuple[str, str], float]:
 
 
 def scrape(collector: HostCollector) -> dict[tuple[str, str], float]:
-    reg = registry([], machine=False)
+    reg = registry([], cpu=False, gpu=False)
     reg.register(collector)
     return samples(exposition(reg).decode())
 

@@ -197,7 +197,7 @@ def test_request_durations_count_each_success_once_in_the_bucket_of_its_time() -
 
 def test_exposition_types_counters_under_triton_names_and_adds_histograms() -> None:
     server = fb.Server(double, inputs=[X], outputs=[Y], max_batch_size=12, name="m")
-    text = exposition(registry([server], machine=False)).decode()
+    text = exposition(registry([server], cpu=False, gpu=False)).decode()
     assert "# TYPE nv_inference_request_success counter\nnv_inference_request_success{" in text
     assert "# TYPE nv_inference_pending_request_count gauge\n" in text
     assert "_total" not in text

@@ -117,14 +117,16 @@ class _Nvml:
 class HostCollector(Collector):
     """Yields Triton's CPU and GPU metrics of the machine (see the module)."""
 
-    def __init__(self, proc: Path = Path("/proc")) -> None:
+    def __init__(self, proc: Path = Path("/proc"), *, cpu: bool = True, gpu: bool = True) -> None:
         self._proc = proc
         self._lock = threading.Lock()
-        self._last_cpu = cpu_times(proc)
-        self._nvml = _Nvml()
+        self._cpu_on = cpu
+        self._last_cpu = cpu_times(proc) if cpu else None
+        self._nvml = _Nvml() if gpu else None
 
     def collect(self) -> Iterator[Metric]:
-        yield from self._cpu()
+        if self._cpu_on:
+            yield from self._cpu()
         yield from self._gpu()
 
     def _cpu(self) -> Iterator[Metric]:
@@ -142,7 +144,7 @@ class HostCollector(Collector):
             yield GaugeMetricFamily("nv_cpu_memory_used_bytes", "CPU used memory (RAM), in bytes", value=memory[1])
 
     def _gpu(self) -> Iterator[Metric]:
-        if not self._nvml.gpus:
+        if self._nvml is None or not self._nvml.gpus:
             return
         nvml, read = self._nvml.nvml, self._nvml.read
         labels = ["gpu_uuid"]

@@ -54,18 +54,25 @@ name its samples carry.
 
 from __future__ import annotations
 
+import logging
 import math
+import socket
+import threading
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
-from prometheus_client import ProcessCollector, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, ProcessCollector, generate_latest
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
 if TYPE_CHECKING:
     from .server import Server
 
-__all__ = ["TritonCollector", "exposition", "registry"]
+__all__ = ["MetricsListener", "TritonCollector", "exposition", "registry"]
+
+log = logging.getLogger("ferrobatch.metrics")
 
 _VERSION = "1"
 
@@ -254,16 +261,113 @@ class TritonCollector(Collector):
         )  # fmt: skip
 
 
-def registry(servers: Server | Iterable[Server], machine: bool = True) -> CollectorRegistry:
-    """A fresh registry holding a :class:`TritonCollector` for ``servers``
-    and, with ``machine``, Triton's CPU and GPU metrics of the machine
-    (``ferrobatch._host_metrics``) and prometheus_client's ``process_*``
-    metrics of this process (CPU seconds, resident memory, open files)."""
+def registry(servers: Server | Iterable[Server], *, cpu: bool = True, gpu: bool = True) -> CollectorRegistry:
+    """A fresh registry holding a :class:`TritonCollector` for ``servers``;
+    with ``cpu``, Triton's CPU metrics of the machine and prometheus_client's
+    ``process_*`` metrics of this process (CPU seconds, resident memory, open
+    files); with ``gpu``, Triton's GPU metrics (``ferrobatch._host_metrics``:
+    Triton's ``--allow-cpu-metrics`` and ``--allow-gpu-metrics``)."""
     from ._host_metrics import HostCollector  # it imports this module
 
     result = CollectorRegistry(auto_describe=False)
     result.register(TritonCollector(servers))
-    if machine:
-        result.register(HostCollector())
+    if cpu or gpu:
+        result.register(HostCollector(cpu=cpu, gpu=gpu))
+    if cpu:
         ProcessCollector(registry=result)
     return result
+
+
+#: Connections the metrics port serves at once (Prometheus opens one or two).
+MAX_METRICS_CONNECTIONS = 16
+
+
+class _MetricsHandler(BaseHTTPRequestHandler):
+    """``GET /metrics`` (a query string ignored) and nothing else: 404 for
+    another path, 405 for another method."""
+
+    server: _MetricsHTTPServer
+    protocol_version = "HTTP/1.1"
+    timeout = 30  # seconds a connection may take to send a request (slow or idle clients go)
+
+    def do_GET(self) -> None:
+        self._answer(head=False)
+
+    def do_HEAD(self) -> None:
+        self._answer(head=True)
+
+    def _answer(self, head: bool) -> None:
+        if urlsplit(self.path).path != "/metrics":
+            self._send(404, b"Not Found\n", "text/plain; charset=utf-8", head)
+            return
+        try:
+            body = exposition(self.server.collector)
+        except Exception:
+            log.exception("metrics: the scrape failed")
+            self._send(500, b"the scrape failed; see the server's log\n", "text/plain; charset=utf-8", head)
+            return
+        self._send(200, body, CONTENT_TYPE_LATEST, head)
+
+    def _refuse(self) -> None:
+        self.send_response(405)
+        self.send_header("Allow", "GET, HEAD")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _refuse
+
+    def _send(self, status: int, body: bytes, content_type: str, head: bool) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if not head:
+            self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        log.debug("metrics: " + format, *args)
+
+
+class _MetricsHTTPServer(ThreadingHTTPServer):
+    """One thread per connection, at most :data:`MAX_METRICS_CONNECTIONS` at
+    once: a connection beyond is closed unanswered."""
+
+    daemon_threads = True
+    collector: Collector
+    slots = threading.BoundedSemaphore(1)  # replaced per server
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
+class _MetricsHTTPServer6(_MetricsHTTPServer):
+    address_family = socket.AF_INET6
+
+
+class MetricsListener:
+    """A port of its own for ``GET /metrics`` (Triton's ``--metrics-port``,
+    8002 there), served from a thread by the standard library's HTTP server:
+    a scrape every few seconds needs no event loop. :meth:`close` stops it."""
+
+    def __init__(self, collector: Collector, host: str, port: int) -> None:
+        server_class = _MetricsHTTPServer6 if ":" in host else _MetricsHTTPServer
+        self._server = server_class((host, port), _MetricsHandler)
+        self._server.collector = collector
+        self._server.slots = threading.BoundedSemaphore(MAX_METRICS_CONNECTIONS)
+        self.port: int = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, name="ferrobatch-metrics", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()

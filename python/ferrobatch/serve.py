@@ -72,6 +72,7 @@ if TYPE_CHECKING:
     import uvicorn
 
     from .http._native import NativeListeners
+    from .metrics import MetricsListener
 
 __all__ = ["Listening", "ServeConfig", "StartupError", "load_servers", "serve", "serve_in_thread"]
 
@@ -208,6 +209,16 @@ class ServeConfig:
     #: :meth:`Server.share`) under this name (one model), or
     #: ``"{share}.{model}"`` each (several); ``ferrobatch.connect`` there.
     share: str | None = None
+    #: A port of its own for ``GET /metrics`` (Triton's ``--metrics-port``;
+    #: 8002 there), on ``host``; ``0`` picks a free one. None: none (the
+    #: HTTP port serves ``/metrics`` either way).
+    metrics_port: int | None = None
+    #: The machine's CPU and memory (``nv_cpu_*``) and this process's
+    #: (``process_*``) in ``/metrics`` (Triton's ``--allow-cpu-metrics``).
+    cpu_metrics: bool = True
+    #: The GPUs' (``nv_gpu_*``, through NVML: the ``gpu`` extra) in
+    #: ``/metrics`` (Triton's ``--allow-gpu-metrics``).
+    gpu_metrics: bool = True
 
 
 class _Repository(ModelRepository):
@@ -231,6 +242,7 @@ class Listening:
     http_port: int | None
     grpc_port: int | None
     models: list[str]
+    metrics_port: int | None = None
 
 
 async def serve(
@@ -259,9 +271,13 @@ async def serve(
         raise ValueError("header forwarding (http/grpc_header_forward_pattern) needs frontend='native'")
     if not isinstance(config.max_stream_backlog, int) or config.max_stream_backlog < 1:
         raise ValueError(f"max_stream_backlog must be an int >= 1 (bytes), got {config.max_stream_backlog!r}")
+    if config.metrics_port is not None and not 0 <= config.metrics_port <= 65535:
+        raise ValueError(f"metrics_port must be a port number (0-65535) or None, got {config.metrics_port!r}")
     if not (config.drain_delay >= 0 and math.isfinite(config.drain_delay)):
         raise ValueError(f"drain_delay must be a number of seconds >= 0, got {config.drain_delay!r}")
-    repository = _Repository(servers, expose_errors=config.expose_errors)
+    repository = _Repository(
+        servers, expose_errors=config.expose_errors, cpu_metrics=config.cpu_metrics, gpu_metrics=config.gpu_metrics
+    )
     stop = stop or asyncio.Event()
     delayed = asyncio.Event()  # the drain delay is over (or skipped)
     forced = asyncio.Event()
@@ -270,6 +286,7 @@ async def serve(
     http_task: asyncio.Task[None] | None = None
     rpc: grpc.aio.Server | None = None
     native: NativeListeners | None = None
+    metrics: MetricsListener | None = None
     with _signals(stop, delayed, forced):
         try:
             grpc_port = None
@@ -349,12 +366,16 @@ async def serve(
                 )
                 http_task = asyncio.create_task(_serve_http(http))
                 http_port = await _bound_port(http, http_task)
-            listening = Listening(http_port, grpc_port, [s.name for s in repository.servers])
+            if config.metrics_port is not None:
+                metrics = _metrics_listener(repository, config.host, config.metrics_port)
+            metrics_port = metrics.port if metrics is not None else None
+            listening = Listening(http_port, grpc_port, [s.name for s in repository.servers], metrics_port)
             where = (
                 f"HTTP on {config.host}:{http_port}" if http_port is not None else "HTTP off",
                 f"gRPC on {config.host}:{grpc_port}" if grpc_port is not None else "gRPC off",
+                f"; metrics on {config.host}:{metrics_port}" if metrics_port is not None else "",
             )
-            log.info("listening (%s, %s); not ready until the models have started", *where)
+            log.info("listening (%s, %s%s); not ready until the models have started", *where)
             if not await _start_servers(repository.servers, started, stop, http_task):
                 return
             if native is not None:
@@ -386,7 +407,20 @@ async def serve(
             if native is not None:
                 native.drain()
             await _shutdown(http, http_task, rpc, native, repository, started, forced, config.graceful_timeout)
+            if metrics is not None:
+                await asyncio.to_thread(metrics.close)
             log.info("stopped")
+
+
+def _metrics_listener(repository: ModelRepository, host: str, port: int) -> MetricsListener:
+    """``GET /metrics`` on a port of its own (``StartupError`` when it cannot listen)."""
+    from .metrics import MetricsListener, registry
+
+    collectors = registry(repository.servers, cpu=repository.cpu_metrics, gpu=repository.gpu_metrics)
+    try:
+        return MetricsListener(collectors, host, port)
+    except OSError as exc:
+        raise StartupError(f"metrics: cannot listen on {_bracket(host)}:{port}: {exc}") from None
 
 
 async def _drain_delay(
@@ -798,6 +832,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also serve processes of this user through shared memory: ferrobatch.connect(NAME)"
         " (NAME.MODEL each when serving several models)",
     )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="also serve GET /metrics on this port (Triton's is 8002; 0: any free); the HTTP port serves it either way",
+    )
+    parser.add_argument(
+        "--no-cpu-metrics",
+        action="store_true",
+        help="leave the machine's CPU and memory (nv_cpu_*) and the process's (process_*) out of /metrics",
+    )
+    parser.add_argument(
+        "--no-gpu-metrics", action="store_true", help="leave the GPUs' metrics (nv_gpu_*, from NVML) out of /metrics"
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
     parser.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"])
@@ -884,6 +933,9 @@ def main(args: argparse.Namespace) -> int:
         grpc_header_forward_pattern=args.grpc_header_forward_pattern,
         max_stream_backlog=args.max_stream_backlog,
         share=args.share,
+        metrics_port=args.metrics_port,
+        cpu_metrics=not args.no_cpu_metrics,
+        gpu_metrics=not args.no_gpu_metrics,
     )
     try:
         return run(servers, config, loop=args.loop)

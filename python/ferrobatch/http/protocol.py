@@ -200,7 +200,9 @@ class ModelRepository:
     ``expose_errors``: send the text of a model's exceptions to remote
     clients (see :func:`error_message`); off by default. ``max_elements``:
     the most elements the inputs of one request may declare together (400
-    beyond, before anything is allocated).
+    beyond, before anything is allocated). ``cpu_metrics`` and
+    ``gpu_metrics``: the machine's metrics ``/metrics`` adds (see
+    :func:`ferrobatch.metrics.registry`).
     """
 
     def __init__(
@@ -209,6 +211,8 @@ class ModelRepository:
         *,
         expose_errors: bool = False,
         max_elements: int = MAX_ELEMENTS,
+        cpu_metrics: bool = True,
+        gpu_metrics: bool = True,
     ) -> None:
         listed = [servers] if isinstance(servers, Server) else list(servers)
         if not listed:
@@ -221,6 +225,8 @@ class ModelRepository:
                 raise ValueError(f"two servers are named {server.name!r}; model names must be unique")
             self._models[server.name] = ServedModel.of(server, max_elements=max_elements)
         self.expose_errors = expose_errors
+        self.cpu_metrics = cpu_metrics
+        self.gpu_metrics = gpu_metrics
         self._closing = False
         self._in_flight = 0
         self._idle: asyncio.Event | None = None

@@ -25,6 +25,7 @@ import logging
 import os
 import queue
 import re
+import socket
 import threading
 import typing
 import weakref
@@ -83,9 +84,13 @@ class TritonConfig:
     ``exit_timeout_secs`` (the graceful shutdown's limit, 30),
     ``log_verbose`` (>= 1: debug logs), ``http_header_forward_pattern`` /
     ``grpc_header_forward_pattern`` (headers whose names match join each
-    request's ``parameters``, by lowercase name; native front-end). The other fields are Triton
+    request's ``parameters``, by lowercase name; native front-end);
+    ``metrics_port`` (8002, when free: see :func:`claim_metrics_port`),
+    ``metrics_address`` (the one address), ``allow_metrics`` (False: no
+    metrics port), ``allow_cpu_metrics`` / ``allow_gpu_metrics`` (the
+    machine's ``nv_cpu_*`` / ``nv_gpu_*``). The other fields are Triton
     server options with no meaning here: setting one logs a warning.
-    ``/metrics`` is served on the HTTP port.
+    ``/metrics`` is served on the HTTP port too.
     """
 
     model_repository: str | None = None
@@ -205,7 +210,15 @@ _USED = {
     "http_header_forward_pattern",
     "grpc_header_forward_pattern",
     "http_thread_count",
+    "allow_metrics",
+    "allow_cpu_metrics",
+    "allow_gpu_metrics",
+    "metrics_port",
+    "metrics_address",
 }
+
+#: Triton's metrics port when ``metrics_port`` is not given.
+DEFAULT_METRICS_PORT = 8002
 
 
 def serve_config(config: TritonConfig, *, expose_errors: bool, frontend: str) -> ServeConfig:
@@ -213,12 +226,14 @@ def serve_config(config: TritonConfig, *, expose_errors: bool, frontend: str) ->
     ignored = sorted(f.name for f in dataclasses.fields(config) if f.name not in _USED and getattr(config, f.name))
     if ignored:
         log.warning("TritonConfig: %s not supported by ferrobatch; ignored", ", ".join(ignored))
-    addresses = {a for a in (config.http_address, config.grpc_address) if a}
+    addresses = {a for a in (config.http_address, config.grpc_address, config.metrics_address) if a}
     if len(addresses) > 1:
         raise PyTritonValidationError(
-            f"ferrobatch listens on one address for HTTP and gRPC; got http_address={config.http_address!r}"
-            f" and grpc_address={config.grpc_address!r}"
+            "ferrobatch listens on one address for HTTP, gRPC and metrics; got"
+            f" http_address={config.http_address!r}, grpc_address={config.grpc_address!r}"
+            f" and metrics_address={config.metrics_address!r}"
         )
+    metrics = config.allow_metrics is not False
     return ServeConfig(
         host=addresses.pop() if addresses else "127.0.0.1",
         http_port=None if config.allow_http is False else (8000 if config.http_port is None else config.http_port),
@@ -230,7 +245,32 @@ def serve_config(config: TritonConfig, *, expose_errors: bool, frontend: str) ->
         http_header_forward_pattern=config.http_header_forward_pattern,
         grpc_header_forward_pattern=config.grpc_header_forward_pattern,
         threads=config.http_thread_count,
+        metrics_port=config.metrics_port if metrics else None,  # None: see claim_metrics_port
+        cpu_metrics=metrics and config.allow_cpu_metrics is not False,
+        gpu_metrics=metrics and config.allow_gpu_metrics is not False,
     )
+
+
+def claim_metrics_port(serve: ServeConfig, config: TritonConfig) -> None:
+    """Sets ``serve.metrics_port`` to Triton's (8002) when ``config`` names
+    none and allows metrics, if that port is free now. When it is taken: a
+    warning, and ``/metrics`` on the HTTP port only (a port the user did not
+    ask for must not stop the server)."""
+    if config.metrics_port is not None or config.allow_metrics is False:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in serve.host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the listener binds
+        try:
+            probe.bind((serve.host, DEFAULT_METRICS_PORT))
+        except OSError as exc:
+            log.warning(
+                "Triton's metrics port %d is not free (%s): /metrics is on the HTTP port only;"
+                " TritonConfig(metrics_port=) names another",
+                DEFAULT_METRICS_PORT,
+                exc,
+            )
+            return
+    serve.metrics_port = DEFAULT_METRICS_PORT
 
 
 class Triton:
@@ -494,6 +534,7 @@ class Triton:
                 log.info("models %s: HTTP port %s, gRPC port %s", listening.models, *_ports(listening))
                 report(listening)
 
+            claim_metrics_port(self._serve_config, self._config)
             await serve(self._servers, self._serve_config, on_ready=ready, stop=self._stop_event)
 
         try:
