@@ -13,7 +13,11 @@
   which asks the driver without making a CUDA context. Absent without it or
   without a GPU; a value a GPU does not report (power on some boards) is left
   out for that GPU. ``CUDA_VISIBLE_DEVICES`` limits them to the GPUs it
-  names (by NVML index or by UUID prefix).
+  names (by UUID prefix, or by index: NVML's, which is CUDA's under
+  ``CUDA_DEVICE_ORDER=PCI_BUS_ID``).
+
+A scrape reads these where it is answered (the HTTP port's event loop, or the
+metrics port's thread): two reads of ``/proc`` and, per GPU, five NVML calls.
 """
 
 from __future__ import annotations
@@ -41,11 +45,11 @@ def cpu_times(proc: Path) -> tuple[int, int] | None:
     try:
         with (proc / "stat").open() as f:
             fields = f.readline().split()
-    except OSError:
+        ticks = [int(v) for v in fields[1:9]]
+    except (OSError, ValueError):
         return None
-    if len(fields) < 5 or fields[0] != "cpu":
+    if len(ticks) < 4 or fields[0] != "cpu":
         return None
-    ticks = [int(v) for v in fields[1:9]]
     idle = sum(ticks[3:5])
     return sum(ticks) - idle, sum(ticks)
 
