@@ -731,6 +731,7 @@ impl<'a> Decoder<'a, '_> {
             if dtype == DType::Float32 {
                 if let Some(v) = self.p.f32_number() {
                     elements.push_f32(v);
+                    self.p.f32_run(|v| elements.push_f32(v));
                     continue;
                 }
             }

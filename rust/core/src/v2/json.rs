@@ -72,6 +72,17 @@ const NEG_POW10: [f64; 23] = [
     1e-15, 1e-16, 1e-17, 1e-18, 1e-19, 1e-20, 1e-21, 1e-22,
 ];
 
+/// 10^0 ..= 10^19: every power of ten a `u64` holds.
+const POW10_U64_19: [u64; 20] = {
+    let mut powers = [1u64; 20];
+    let mut i = 1;
+    while i < 20 {
+        powers[i] = powers[i - 1] * 10;
+        i += 1;
+    }
+    powers
+};
+
 /// 10^0 ..= 10^8.
 const POW10_U64: [u64; 9] = [
     1,
@@ -165,6 +176,67 @@ fn near_f32(mantissa: u64, exponent: i64, negative: bool) -> Option<f32> {
     } else {
         nearest
     })
+}
+
+/// A number spelt plainly, `-?(0|[1-9][0-9]*)(\.[0-9]+)?` with at most 19
+/// digits in all and no exponent (how Python, numpy and most writers spell
+/// floats), starting at `start`: its `f32` as [`Number::to_f32`] gives it
+/// and the offset past it, in one pass over its digits, eight at a time.
+/// `None` for any other spelling, a value [`near_f32`] cannot decide, or
+/// fewer than eight bytes left after a run of digits: the general scan
+/// takes those.
+fn plain_f32(src: &[u8], start: usize) -> Option<(f32, usize)> {
+    let eight = |at: usize| -> Option<[u8; 8]> { src.get(at..at.checked_add(8)?)?.try_into().ok() };
+    let negative = src.get(start) == Some(&b'-');
+    let mut pos = start + usize::from(negative);
+    // The integer part: most often one digit before the point.
+    let (mut mantissa, mut digits) = match (src.get(pos), src.get(pos + 1)) {
+        (Some(&d @ b'0'..=b'9'), Some(b'.')) => (u64::from(d - b'0'), 1),
+        _ => {
+            let (whole, n) = leading_digits(eight(pos)?);
+            // No digit, a leading zero, or an integer part too long to be plain.
+            if n == 0 || n == 8 || (n > 1 && src[pos] == b'0') {
+                return None;
+            }
+            (whole, n)
+        }
+    };
+    pos += digits;
+    let mut exponent = 0i64;
+    if src.get(pos) == Some(&b'.') {
+        pos += 1;
+        // The fraction, eight digits a word; a word's length does not wait
+        // for the one before it (a long fraction is read in its first two).
+        let (mut fraction, mut count) = leading_digits(eight(pos)?);
+        if count == 8 {
+            let (second, more) = leading_digits(eight(pos + 8)?);
+            fraction = fraction * POW10_U64[more] + second;
+            count += more;
+            if more == 8 {
+                let (third, last) = leading_digits(eight(pos + 16)?);
+                if last > 3 {
+                    return None; // more than 19 digits
+                }
+                fraction = fraction * POW10_U64[last] + third;
+                count += last;
+            }
+        }
+        digits += count;
+        if count == 0 || digits > 19 {
+            return None;
+        }
+        // At most 19 digits in all: below 10^19, within a u64.
+        mantissa = mantissa * POW10_U64_19[count] + fraction;
+        pos += count;
+        exponent = -(count as i64);
+    }
+    if matches!(src.get(pos), Some(b'e' | b'E')) {
+        return None;
+    }
+    if mantissa == 0 {
+        return Some((if negative { -0.0 } else { 0.0 }, pos));
+    }
+    near_f32(mantissa, exponent, negative).map(|v| (v, pos))
 }
 
 impl<'a> Number<'a> {
@@ -550,6 +622,10 @@ impl<'a> Parser<'a> {
     pub fn f32_number(&mut self) -> Option<f32> {
         self.skip_ws();
         let start = self.pos;
+        if let Some((value, end)) = plain_f32(self.src, start) {
+            self.pos = end;
+            return Some(value);
+        }
         let scanned = match self.src.get(start) {
             Some(b'-' | b'0'..=b'9') => self.scan_number().ok(),
             _ => None,
@@ -565,6 +641,32 @@ impl<'a> Parser<'a> {
             self.pos = start;
         }
         value
+    }
+
+    /// After an array element: the elements that follow it in the same
+    /// array while each is a plainly spelt number (see [`plain_f32`]),
+    /// each given to `push` as its `f32`; stops before the separator of the
+    /// first that is not (or at the array's end), so that
+    /// [`Parser::next_element`] goes on from there. The loop FP32 `data`
+    /// spends its time in: one comma and the number's digits per element.
+    pub fn f32_run(&mut self, mut push: impl FnMut(f32)) {
+        loop {
+            let mut at = self.pos;
+            if self.src.get(at) != Some(&b',') {
+                return;
+            }
+            at += 1;
+            while matches!(self.src.get(at), Some(b' ' | b'\t' | b'\n' | b'\r')) {
+                at += 1;
+            }
+            match plain_f32(self.src, at) {
+                Some((value, end)) => {
+                    push(value);
+                    self.pos = end;
+                }
+                None => return,
+            }
+        }
     }
 
     /// Reads a run of digits, gathering them into `mantissa` while it has at

@@ -42,6 +42,35 @@ fn f32s(data: &Data) -> Vec<f32> {
 }
 
 #[test]
+fn fp32_data_refuses_what_json_refuses_between_plain_numbers() {
+    // Each bad spelling with plain numbers after it, so that a fused run
+    // reading past it would find a whole document's worth of bytes, and a
+    // shape counting it as one value.
+    for bad in [
+        "01", "-01", "1.", "-", "1e", "", ".5", "+2", "2.5x", "2.5 2.5", "1.5.5", "0x10", "1_0",
+    ] {
+        let data = format!("[1.5, {bad}, 7.25, 7.25, 7.25, 7.25]");
+        let count = data.matches(',').count() + 1;
+        let body = format!(
+            r#"{{"inputs":[{{"name":"x","datatype":"FP32","shape":[{count}],"data":{data}}}]}}"#
+        );
+        error(&body);
+    }
+    for data in ["[1.5 ,2.5]", "[1.5, 2.5 ]", "[ 1.5,\n2.5]", "[-0.0, 0]"] {
+        let body =
+            format!(r#"{{"inputs":[{{"name":"x","datatype":"FP32","shape":[2],"data":{data}}}]}}"#);
+        let got = f32s(&decode(&body).unwrap().inputs[0].data);
+        assert_eq!(got.len(), 2, "{data}");
+    }
+    let body = r#"{"inputs":[{"name":"x","datatype":"FP32","shape":[2],"data":[-0.0, 0]}]}"#;
+    let got = f32s(&decode(body).unwrap().inputs[0].data);
+    assert_eq!(
+        (got[0].to_bits(), got[1].to_bits()),
+        ((-0.0f32).to_bits(), 0)
+    );
+}
+
+#[test]
 fn decodes_flat_and_nested_json_data() {
     for data in ["[1, 2.5, -3, 4e0]", "[[1, 2.5], [-3, 4e0]]"] {
         let body = format!(
@@ -737,11 +766,11 @@ proptest! {
             (
                 any::<bool>(),
                 "(0|[1-9][0-9]{0,20})",
-                proptest::option::of("[0-9]{1,20}"),
+                proptest::option::of("0{0,6}[0-9]{1,20}"),
                 proptest::option::of(-50i32..50),
-                "[ \n]{0,2}",
+                "[ \t\n]{0,2}",
             ),
-            1..24,
+            1..40,
         ),
         nested in any::<bool>(),
     ) {
