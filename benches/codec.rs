@@ -90,6 +90,17 @@ fn bench_codec(c: &mut Criterion) {
     group.bench_function("reference: serde_json::from_slice to Value", |b| {
         b.iter(|| black_box(serde_json::from_slice::<serde_json::Value>(black_box(&json)).unwrap()))
     });
+    // Token ids, as a language model's INT64 input carries them over JSON.
+    let ids: Vec<String> = (0..512).map(|i| ((i * 7919) % 32000).to_string()).collect();
+    let tokens = format!(
+        r#"{{"inputs":[{{"name":"x","datatype":"INT64","shape":[1,512],"data":[{}]}}]}}"#,
+        ids.join(", ")
+    )
+    .into_bytes();
+    group.throughput(Throughput::Bytes(tokens.len() as u64));
+    group.bench_function("json 512 x INT64, token ids", |b| {
+        b.iter(|| black_box(codec.decode(black_box(&tokens), None).unwrap()))
+    });
     group.throughput(Throughput::Bytes(binary.len() as u64));
     group.bench_function("binary 256 x FP32", |b| {
         b.iter(|| {

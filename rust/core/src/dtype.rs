@@ -83,6 +83,21 @@ impl DType {
         }
     }
 
+    /// A signed or unsigned integer type (not BOOL).
+    pub fn is_integer(self) -> bool {
+        matches!(
+            self,
+            DType::Int8
+                | DType::Int16
+                | DType::Int32
+                | DType::Int64
+                | DType::UInt8
+                | DType::UInt16
+                | DType::UInt32
+                | DType::UInt64
+        )
+    }
+
     /// The Open Inference Protocol v2 datatype name, e.g. `"FP32"`.
     pub fn v2_name(self) -> &'static str {
         match self {

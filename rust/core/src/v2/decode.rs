@@ -735,6 +735,14 @@ impl<'a> Decoder<'a, '_> {
                     continue;
                 }
             }
+            if dtype.is_integer() {
+                if let Some(v) = self.p.int_number() {
+                    elements.push_integer(name, i128::from(v))?;
+                    self.p
+                        .int_run(|v| elements.push_integer(name, i128::from(v)))?;
+                    continue;
+                }
+            }
             match self.p.peek_kind().map_err(json_error)? {
                 // BYTES: each element a JSON string, taken as its UTF-8 bytes
                 // (as Triton does); a string for any other type is refused below.

@@ -239,6 +239,36 @@ fn plain_f32(src: &[u8], start: usize) -> Option<(f32, usize)> {
     near_f32(mantissa, exponent, negative).map(|v| (v, pos))
 }
 
+/// An integer spelt plainly, `-?(0|[1-9][0-9]*)` with at most 15 digits
+/// (no fraction, no exponent), starting at `start`: its value and the
+/// offset past it, its digits read eight at a time. `None` for any other
+/// spelling, or too few bytes left to read a word: the general scan takes
+/// those (token ids and indices, what INT data holds, are short).
+fn plain_int(src: &[u8], start: usize) -> Option<(i64, usize)> {
+    let eight = |at: usize| -> Option<[u8; 8]> { src.get(at..at.checked_add(8)?)?.try_into().ok() };
+    let negative = src.get(start) == Some(&b'-');
+    let mut pos = start + usize::from(negative);
+    let (mut value, mut count) = leading_digits(eight(pos)?);
+    if count == 0 || (count > 1 && src[pos] == b'0') {
+        return None;
+    }
+    if count == 8 {
+        let (more, extra) = leading_digits(eight(pos + 8)?);
+        if extra == 8 {
+            return None;
+        }
+        value = value * POW10_U64[extra] + more;
+        count += extra;
+    }
+    pos += count;
+    if matches!(src.get(pos), Some(b'.' | b'e' | b'E')) {
+        return None;
+    }
+    // At most 15 digits: below 10^15, within an i64 either way.
+    let value = value as i64;
+    Some((if negative { -value } else { value }, pos))
+}
+
 impl<'a> Number<'a> {
     /// Its JSON spelling (or `NaN`, `Infinity`, `-Infinity`).
     pub fn text(self) -> &'a str {
@@ -650,22 +680,52 @@ impl<'a> Parser<'a> {
     /// [`Parser::next_element`] goes on from there. The loop FP32 `data`
     /// spends its time in: one comma and the number's digits per element.
     pub fn f32_run(&mut self, mut push: impl FnMut(f32)) {
+        let pushed: std::result::Result<(), std::convert::Infallible> =
+            self.plain_run(plain_f32, |v| {
+                push(v);
+                Ok(())
+            });
+        let Ok(()) = pushed;
+    }
+
+    /// The next value when it is a plainly spelt integer (see
+    /// [`plain_int`]); otherwise `None`, with nothing consumed.
+    pub fn int_number(&mut self) -> Option<i64> {
+        self.skip_ws();
+        let (value, end) = plain_int(self.src, self.pos)?;
+        self.pos = end;
+        Some(value)
+    }
+
+    /// [`Parser::f32_run`] for plainly spelt integers; stops at the first
+    /// error `push` returns.
+    pub fn int_run<E>(
+        &mut self,
+        push: impl FnMut(i64) -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
+        self.plain_run(plain_int, push)
+    }
+
+    /// The elements after the one just read, while `read` takes each.
+    fn plain_run<T, E>(
+        &mut self,
+        read: impl Fn(&[u8], usize) -> Option<(T, usize)>,
+        mut push: impl FnMut(T) -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
         loop {
             let mut at = self.pos;
             if self.src.get(at) != Some(&b',') {
-                return;
+                return Ok(());
             }
             at += 1;
             while matches!(self.src.get(at), Some(b' ' | b'\t' | b'\n' | b'\r')) {
                 at += 1;
             }
-            match plain_f32(self.src, at) {
-                Some((value, end)) => {
-                    push(value);
-                    self.pos = end;
-                }
-                None => return,
-            }
+            let Some((value, end)) = read(self.src, at) else {
+                return Ok(());
+            };
+            self.pos = end;
+            push(value)?;
         }
     }
 

@@ -42,7 +42,7 @@ fn f32s(data: &Data) -> Vec<f32> {
 }
 
 #[test]
-fn fp32_data_refuses_what_json_refuses_between_plain_numbers() {
+fn fp32_and_int_data_refuse_what_json_refuses_between_plain_numbers() {
     // Each bad spelling with plain numbers after it, so that a fused run
     // reading past it would find a whole document's worth of bytes, and a
     // shape counting it as one value.
@@ -53,6 +53,14 @@ fn fp32_data_refuses_what_json_refuses_between_plain_numbers() {
         let count = data.matches(',').count() + 1;
         let body = format!(
             r#"{{"inputs":[{{"name":"x","datatype":"FP32","shape":[{count}],"data":{data}}}]}}"#
+        );
+        error(&body);
+    }
+    for bad in ["01", "-01", "-", "1e", "1.", "+2", "2x", "2 2", "0x10"] {
+        let data = format!("[1, {bad}, 7, 7, 7, 7, 7, 7]");
+        let count = data.matches(',').count() + 1;
+        let body = format!(
+            r#"{{"inputs":[{{"name":"x","datatype":"INT64","shape":[{count}],"data":{data}}}]}}"#
         );
         error(&body);
     }
@@ -698,6 +706,83 @@ proptest! {
         };
         // -0.0 and 0.0 print alike only if the formatter drops the sign: it must not.
         prop_assert_eq!(bytes, data.as_slice());
+    }
+
+    #[test]
+    fn integer_data_decodes_every_spelling_as_its_value(
+        dtype in proptest::sample::select(vec![
+            DType::Int8, DType::Int16, DType::Int32, DType::Int64,
+            DType::UInt8, DType::UInt16, DType::UInt32, DType::UInt64,
+        ]),
+        numbers in proptest::collection::vec(
+            (
+                any::<bool>(),
+                "(0|[1-9][0-9]{0,2}|[1-9][0-9]{0,19})",
+                proptest::sample::select(vec!["", "", "", ".0", "e0", "E1", ".5"]),
+                "(,|, |,\n  | ,|\t,\t)",
+            ),
+            1..40,
+        ),
+    ) {
+        // Plain integers (the fused run) beside the spellings the general
+        // scan takes: integral fractions and exponents (accepted), a
+        // fraction (refused), 16 to 20 digits; out of the type's range
+        // (refused, whichever path read it).
+        let (lowest, highest): (i128, i128) = match dtype {
+            DType::Int8 => (i8::MIN.into(), i8::MAX.into()),
+            DType::Int16 => (i16::MIN.into(), i16::MAX.into()),
+            DType::Int32 => (i32::MIN.into(), i32::MAX.into()),
+            DType::Int64 => (i64::MIN.into(), i64::MAX.into()),
+            DType::UInt8 => (0, u8::MAX.into()),
+            DType::UInt16 => (0, u16::MAX.into()),
+            DType::UInt32 => (0, u32::MAX.into()),
+            _ => (0, u64::MAX.into()),
+        };
+        let mut data = String::from("[");
+        let mut expected: Option<Vec<i128>> = Some(Vec::new());
+        for (i, (negative, digits, suffix, separator)) in numbers.iter().enumerate() {
+            if i > 0 {
+                data += separator;
+            }
+            let text = format!("{}{digits}{suffix}", if *negative { "-" } else { "" });
+            data += &text;
+            // A plain integer is read exactly; another spelling goes through
+            // its nearest f64, as Python's json and numpy take it.
+            let nearest = text.parse::<f64>().unwrap();
+            let value: i128 = if suffix.is_empty() { text.parse().unwrap() } else { nearest as i128 };
+            if nearest.fract() != 0.0 || value < lowest || value > highest {
+                expected = None;
+            } else if let Some(values) = expected.as_mut() {
+                values.push(value);
+            }
+        }
+        data += "]";
+        let body = format!(
+            r#"{{"inputs":[{{"name":"x","datatype":"{}","shape":[{}],"data":{data}}}]}}"#,
+            dtype.v2_name(),
+            numbers.len()
+        );
+        match expected {
+            None => prop_assert!(decode(&body).is_err(), "{}", data),
+            Some(values) => {
+                let request = decode(&body).unwrap();
+                let Data::Owned(bytes) = &request.inputs[0].data else { panic!("owned data") };
+                let size = dtype.itemsize();
+                let got: Vec<i128> = bytes
+                    .chunks_exact(size)
+                    .map(|b| {
+                        let mut wide = [0u8; 16];
+                        wide[..size].copy_from_slice(b);
+                        let signed = matches!(dtype, DType::Int8 | DType::Int16 | DType::Int32 | DType::Int64);
+                        if signed && b[size - 1] & 0x80 != 0 {
+                            wide[size..].fill(0xff);
+                        }
+                        i128::from_le_bytes(wide)
+                    })
+                    .collect();
+                prop_assert_eq!(got, values, "{}", data);
+            }
+        }
     }
 
     #[test]
