@@ -183,8 +183,8 @@ fn near_f32(mantissa: u64, exponent: i64, negative: bool) -> Option<f32> {
 /// floats), starting at `start`: its `f32` as [`Number::to_f32`] gives it
 /// and the offset past it, in one pass over its digits, eight at a time.
 /// `None` for any other spelling, a value [`near_f32`] cannot decide, or
-/// fewer than eight bytes left after a run of digits: the general scan
-/// takes those.
+/// too few bytes left to read its digits a word at a time: the general
+/// scan takes those.
 fn plain_f32(src: &[u8], start: usize) -> Option<(f32, usize)> {
     let eight = |at: usize| -> Option<[u8; 8]> { src.get(at..at.checked_add(8)?)?.try_into().ok() };
     let negative = src.get(start) == Some(&b'-');
