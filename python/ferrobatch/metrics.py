@@ -55,10 +55,9 @@ name its samples carry.
 from __future__ import annotations
 
 import logging
-import math
 import socket
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -66,6 +65,8 @@ from urllib.parse import urlsplit
 from prometheus_client import CONTENT_TYPE_LATEST, ProcessCollector, generate_latest
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
+
+from . import _core
 
 if TYPE_CHECKING:
     from .server import Server
@@ -126,17 +127,13 @@ def batch_size_buckets(max_batch_size: int) -> list[int]:
     return [*bounds, max(max_batch_size, 1)]
 
 
-def cumulative(counts: dict[float, int]) -> list[tuple[str, float]]:
-    """Prometheus's ``le`` buckets of ``{upper bound: count in that bucket
-    alone}`` (the last bound ``math.inf``): each bound, written as
-    ``ferrobatch_batch_size`` writes its own (``1000000.0``, ``+Inf``), with
-    the count at or below it."""
-    buckets = []
-    total = 0
-    for bound, n in sorted(counts.items()):
-        total += n
-        buckets.append(("+Inf" if bound == math.inf else str(float(bound)), float(total)))
-    return buckets
+def le_buckets(bounds: Iterable[float], counts: Mapping[float, int]) -> list[tuple[str, float]]:
+    """Prometheus's cumulative ``le`` buckets: for each of ``bounds``, then
+    ``+Inf``, the sum of ``counts``' values whose keys are at or below it
+    (keys: observed values, or the bounds of a histogram kept bucket by
+    bucket)."""
+    buckets = [(str(float(b)), float(sum(n for key, n in counts.items() if key <= b))) for b in bounds]
+    return [*buckets, ("+Inf", float(sum(counts.values())))]
 
 
 class TritonCollector(Collector):
@@ -228,16 +225,15 @@ class TritonCollector(Collector):
             stats = server.stats()
             durations: dict[float, int] = stats["request_durations_us"]
             request_durations.add_metric(
-                [server.name, _VERSION], cumulative(durations), sum_value=stats["request_ns"] / 1000
+                [server.name, _VERSION],
+                le_buckets(_core.REQUEST_BOUNDS_US, durations),
+                sum_value=stats["request_ns"] / 1000,
             )
             sizes: dict[int, int] = stats["batch_sizes"]
-            buckets = [
-                (str(float(b)), sum(n for size, n in sizes.items() if size <= b))
-                for b in batch_size_buckets(server.max_batch_size)
-            ]
-            buckets.append(("+Inf", sum(sizes.values())))
             batch_size.add_metric(
-                [server.name, _VERSION], buckets, sum_value=sum(size * n for size, n in sizes.items())
+                [server.name, _VERSION],
+                le_buckets(batch_size_buckets(server.max_batch_size), {float(k): n for k, n in sizes.items()}),
+                sum_value=sum(size * n for size, n in sizes.items()),
             )
             for reason, n in stats["dispatch_reasons"].items():
                 reasons.add_metric([server.name, _VERSION, reason], n)

@@ -96,6 +96,11 @@ const POW10_U64: [u64; 9] = [
     100_000_000,
 ];
 
+/// The eight bytes of `src` from `at`, when there are that many.
+fn word(src: &[u8], at: usize) -> Option<[u8; 8]> {
+    src.get(at..at.checked_add(8)?)?.try_into().ok()
+}
+
 /// The digits that begin `bytes` (eight of them), up to the first byte
 /// that is not one: `(their value, how many)`, in a few word operations:
 /// each byte's digit, the run's length from where the first non-digit is,
@@ -186,14 +191,13 @@ fn near_f32(mantissa: u64, exponent: i64, negative: bool) -> Option<f32> {
 /// too few bytes left to read its digits a word at a time: the general
 /// scan takes those.
 fn plain_f32(src: &[u8], start: usize) -> Option<(f32, usize)> {
-    let eight = |at: usize| -> Option<[u8; 8]> { src.get(at..at.checked_add(8)?)?.try_into().ok() };
     let negative = src.get(start) == Some(&b'-');
     let mut pos = start + usize::from(negative);
     // The integer part: most often one digit before the point.
     let (mut mantissa, mut digits) = match (src.get(pos), src.get(pos + 1)) {
         (Some(&d @ b'0'..=b'9'), Some(b'.')) => (u64::from(d - b'0'), 1),
         _ => {
-            let (whole, n) = leading_digits(eight(pos)?);
+            let (whole, n) = leading_digits(word(src, pos)?);
             // No digit, a leading zero, or an integer part too long to be plain.
             if n == 0 || n == 8 || (n > 1 && src[pos] == b'0') {
                 return None;
@@ -207,13 +211,13 @@ fn plain_f32(src: &[u8], start: usize) -> Option<(f32, usize)> {
         pos += 1;
         // The fraction, eight digits a word; a word's length does not wait
         // for the one before it (a long fraction is read in its first two).
-        let (mut fraction, mut count) = leading_digits(eight(pos)?);
+        let (mut fraction, mut count) = leading_digits(word(src, pos)?);
         if count == 8 {
-            let (second, more) = leading_digits(eight(pos + 8)?);
+            let (second, more) = leading_digits(word(src, pos + 8)?);
             fraction = fraction * POW10_U64[more] + second;
             count += more;
             if more == 8 {
-                let (third, last) = leading_digits(eight(pos + 16)?);
+                let (third, last) = leading_digits(word(src, pos + 16)?);
                 if last > 3 {
                     return None; // more than 19 digits
                 }
@@ -245,15 +249,14 @@ fn plain_f32(src: &[u8], start: usize) -> Option<(f32, usize)> {
 /// spelling, or too few bytes left to read a word: the general scan takes
 /// those (token ids and indices, what INT data holds, are short).
 fn plain_int(src: &[u8], start: usize) -> Option<(i64, usize)> {
-    let eight = |at: usize| -> Option<[u8; 8]> { src.get(at..at.checked_add(8)?)?.try_into().ok() };
     let negative = src.get(start) == Some(&b'-');
     let mut pos = start + usize::from(negative);
-    let (mut value, mut count) = leading_digits(eight(pos)?);
+    let (mut value, mut count) = leading_digits(word(src, pos)?);
     if count == 0 || (count > 1 && src[pos] == b'0') {
         return None;
     }
     if count == 8 {
-        let (more, extra) = leading_digits(eight(pos + 8)?);
+        let (more, extra) = leading_digits(word(src, pos + 8)?);
         if extra == 8 {
             return None;
         }
@@ -739,8 +742,7 @@ impl<'a> Parser<'a> {
             // they fit (`0.4967141449451446`: one digit, then eight, then
             // the last seven).
             if *mantissa != 0 && *significant <= 11 {
-                let next = self.src.get(self.pos..self.pos + 8);
-                if let Some(bytes) = next.and_then(|b| <[u8; 8]>::try_from(b).ok()) {
+                if let Some(bytes) = word(self.src, self.pos) {
                     let (value, count) = leading_digits(bytes);
                     *mantissa = *mantissa * POW10_U64[count] + value;
                     *significant += count as u32;
