@@ -146,6 +146,10 @@ class Batch:
     @property
     def has_loop_requests(self) -> bool:
         """Whether any request came from an event loop (its streamed responses are read later)."""
+    @property
+    def copies_outputs(self) -> bool:
+        """Whether ``Worker.finish`` copies every answer out of the outputs before it returns
+        (native front-end and shared-memory requests only): outputs may view the slot until then."""
     def request_rows(self) -> list[tuple[int, int]]:
         """Each request's ``(start, rows)``, in batch order."""
     def extents(self) -> list[int]:

@@ -263,7 +263,7 @@ class CudaExecutor(Executor):
                 batch = worker.next_batch()
                 if batch is None:
                     return
-                self.take_requests(batch)
+                self.begin(batch)
                 try:
                     with self.gated() as version:  # no weight update while enqueuing it
                         flight = self._launch_batch(slots[batch.slot], batch)

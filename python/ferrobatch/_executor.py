@@ -32,7 +32,7 @@ import functools
 import itertools
 import logging
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter_ns, time_ns
 from typing import Any
@@ -47,6 +47,8 @@ from .errors import ModelError
 from .specs import TensorSpec
 
 log = logging.getLogger("ferrobatch")
+
+_UNGATED: contextlib.AbstractContextManager[None] = contextlib.nullcontext()  # stateless: shared
 
 
 @dataclass
@@ -185,6 +187,10 @@ class Executor:
     outputs: Sequence[TensorSpec] = ()
     # With ``with_requests``: the batch being served, as (start row, request) in row order.
     _requests: Sequence[tuple[int, RequestInfo]] = ()
+    # Whether finishing the batch being served copies every answer out of its
+    # outputs (``Batch.copies_outputs``): outputs may then view the staging
+    # slot, which is given back only after the finish.
+    _answers_copied: bool = False
 
     def bind_weights(self, gate: Gate, version_output: str | None) -> None:
         """Runs every model call under ``gate``; with ``version_output``,
@@ -194,24 +200,22 @@ class Executor:
 
     # -- what every kind shares --------------------------------------------------------
 
-    @contextlib.contextmanager
-    def gated(self) -> Iterator[int | None]:
-        """Holds the weight gate (no weight update meanwhile); yields the
-        version the model runs with, None without a gate."""
-        if self.gate is None:
-            yield None
-            return
-        with self.gate as version:
-            yield version
+    def gated(self) -> contextlib.AbstractContextManager[int | None]:
+        """``with`` it holds the weight gate (no weight update meanwhile) and
+        gives the version the model runs with; None without a gate. The gate
+        itself, not a generator around it: this runs once per batch."""
+        return self.gate if self.gate is not None else _UNGATED
 
     def stamp(self, outputs: dict[str, Any], version: int | None, rows: int) -> None:
         """Adds the version output to a batch's ``outputs`` (if asked for)."""
         if self.version_output is not None and version is not None:
             outputs[self.version_output] = version_rows(version, rows)
 
-    def take_requests(self, batch: _core.Batch) -> None:
-        """Reads the requests of the batch about to be served (``with_requests``)."""
+    def begin(self, batch: _core.Batch) -> None:
+        """Reads what the batch about to be served tells its model calls: its
+        requests (``with_requests``) and whether its answers are copied."""
         self._requests = batch_requests(batch, self.input_names) if self.with_requests else ()
+        self._answers_copied = batch.copies_outputs
 
     def requests_of(self, start: int, rows: int) -> list[RequestInfo] | None:
         """For a model built ``with_requests``: the requests of rows
@@ -277,7 +281,7 @@ class Executor:
         while (batch := worker.next_batch()) is not None:
             started = perf_counter_ns()
             slot = slots[batch.slot]
-            self.take_requests(batch)
+            self.begin(batch)
             if self.decoupled:
                 self.serve_stream(worker, batch, slot, counters, started)
                 continue
@@ -296,8 +300,12 @@ class Executor:
                     outputs, error = retried.outputs, retried.error
             elif self.sampler is not None and outputs is not None:
                 self.offer(staged, outputs, batch.rows)  # copies a row before the slot goes
-            batch.release_slot()  # outputs never alias the slot
-            self.complete(worker, batch, counters, started, outputs, error, retried)
+            if self._answers_copied:  # outputs may view the slot: it goes once they are copied
+                self.complete(worker, batch, counters, started, outputs, error, retried)
+                batch.release_slot()
+            else:  # outputs never alias the slot here (see CpuExecutor.run)
+                batch.release_slot()
+                self.complete(worker, batch, counters, started, outputs, error, retried)
 
     # -- what each kind supplies --------------------------------------------------------
 

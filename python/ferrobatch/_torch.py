@@ -243,13 +243,15 @@ def normalize_outputs(raw: Any, specs: Sequence[TensorSpec], rows: int) -> dict[
     where numpy and torch can share it). Anything else is a
     :class:`ModelError` saying what was wrong.
     """
-    if isinstance(raw, (torch.Tensor, np.ndarray)):
+    if type(raw) is dict:  # the usual answer, before the slower Mapping check
+        named: Mapping[str, Any] = raw
+    elif isinstance(raw, (torch.Tensor, np.ndarray)):
         if len(specs) != 1:
             raise ModelError(
                 f"model returned one tensor but {len(specs)} outputs are declared: "
                 f"{', '.join(repr(s.name) for s in specs)}; return a dict or a tuple"
             )
-        named: Mapping[str, Any] = {specs[0].name: raw}
+        named = {specs[0].name: raw}
     elif isinstance(raw, Mapping):
         named = raw
     elif isinstance(raw, (tuple, list)):
@@ -269,10 +271,12 @@ def normalize_outputs(raw: Any, specs: Sequence[TensorSpec], rows: int) -> dict[
             raise ModelError(f"output '{spec.name}': expected a tensor, got {type(value).__name__}")
         if value.dtype != spec.torch_dtype:
             raise ModelError(f"output '{spec.name}': expected dtype {spec.dtype}, got {value.dtype}")
-        if value.dim() == 0 or value.shape[0] != rows:
-            got = tuple(value.shape)
-            raise ModelError(f"output '{spec.name}': expected leading dimension {rows} (the batch), got shape {got}")
-        if tuple(value.shape[1:]) != spec.shape:
+        shape = value.shape  # read once: each read is a call into torch, per output per batch
+        if not shape or shape[0] != rows:
+            raise ModelError(
+                f"output '{spec.name}': expected leading dimension {rows} (the batch), got shape {tuple(shape)}"
+            )
+        if shape[1:] != spec.shape:
             raise ModelError(
                 f"output '{spec.name}': expected shape ({rows}, {', '.join(map(str, spec.shape))}),"
                 f" got {tuple(value.shape)}"
@@ -371,7 +375,10 @@ def adapt_model(model: Model, inputs: Sequence[TensorSpec], outputs: Sequence[Te
 def inference_mode() -> contextlib.AbstractContextManager[Any]:
     """``torch.inference_mode()``, unless already in it: worker threads enter it
     once, and entering it again costs microseconds per batch."""
-    return contextlib.nullcontext() if torch.is_inference_mode_enabled() else torch.inference_mode()
+    return _ALREADY if torch.is_inference_mode_enabled() else torch.inference_mode()
+
+
+_ALREADY: contextlib.AbstractContextManager[None] = contextlib.nullcontext()  # stateless: shared
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
@@ -408,9 +415,10 @@ class StagedViews:
         self.storage_ptrs = frozenset(_storage_ptr(t) for t in slot.values())
 
     def intact(self) -> bool:
-        return all(
-            v.shape == shape and v.stride() == stride and v.data_ptr() == ptr for v, shape, stride, ptr in self.layout
-        )
+        for v, shape, stride, ptr in self.layout:  # a loop, not all(...): once per batch, on the worker
+            if v.shape != shape or v.stride() != stride or v.data_ptr() != ptr:
+                return False
+        return True
 
 
 def merge_rows(
@@ -436,8 +444,12 @@ def merge_rows(
 
 
 class CpuExecutor(Executor):
-    """Runs the model straight on the staging slot (no copy). The caller may
-    reuse the slot as soon as :meth:`run` returns: outputs never alias it.
+    """Runs the model straight on the staging slot (no copy). Outputs that
+    view the slot (an identity model's) are cloned, so the slot may be reused
+    as soon as :meth:`run` returns, unless the batch's finish copies every
+    answer out (``Batch.copies_outputs``: native and shared-memory callers);
+    :meth:`~ferrobatch._executor.Executor.serve` then gives the slot back
+    after the finish instead.
 
     With ``pad_to`` (``compile=True``), a batch runs padded up to its bucket,
     so a compiled model only ever sees the bucket sizes it was warmed with.
@@ -493,8 +505,8 @@ class CpuExecutor(Executor):
                 out = out[:rows]
             if not out.is_cpu:
                 out = out.cpu()
-            if _storage_ptr(out) in staging:
-                out = out.clone()  # the slot is reused by the next batch
+            if not self._answers_copied and _storage_ptr(out) in staging:
+                out = out.clone()  # the slot is reused by the next batch, and the callers read views
             outputs[name] = out
         return outputs
 

@@ -726,6 +726,18 @@ impl Batch {
             .any(|(sink, _)| matches!(sink, Sink::EventLoop(_)))
     }
 
+    /// Whether `Worker.finish` copies every answer out of this batch's
+    /// outputs before it returns: all its requests came through the native
+    /// front-end or shared memory (event loops and threads get views of the
+    /// outputs). Outputs that view the staging slot are then safe until the
+    /// slot is given back after `finish`.
+    #[getter]
+    fn copies_outputs(&self) -> bool {
+        self.groups
+            .iter()
+            .all(|(sink, _)| matches!(sink, Sink::Connection(_) | Sink::SharedMemory(_)))
+    }
+
     #[getter]
     fn n_requests(&self) -> usize {
         self.groups.iter().map(|(_, r)| r.len()).sum()

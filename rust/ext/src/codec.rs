@@ -22,7 +22,8 @@ use ferrobatch_core::DType;
 use ferrobatch_serve::{encoding, VaryingRows};
 use pyo3::exceptions::{PyBufferError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyString, PyTuple};
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBytes, PyDict, PyString, PyTuple, PyType};
 use pyo3::{ffi, intern};
 
 use crate::errors::invalid_input;
@@ -138,6 +139,9 @@ fn format_of(dtype: DType) -> &'static std::ffi::CStr {
         DType::Bytes => c"B",
     }
 }
+
+/// `torch.Tensor`, looked up once.
+static TENSOR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 
 /// The v2 codec of one served model.
 #[pyclass(frozen, module = "ferrobatch._core")]
@@ -464,8 +468,15 @@ impl V2Codec {
         value: Bound<'py, PyAny>,
     ) -> PyResult<Readable<'py>> {
         let spec = &self.core.outputs()[index];
-        // A variable-length output (`_variable.RaggedOutput`, `PaddedOutput`).
-        if let Some(packed) = value.getattr_opt(intern!(py, "packed"))? {
+        // A variable-length output (`_variable.RaggedOutput`, `PaddedOutput`);
+        // a plain tensor, the usual result, is not asked: a missing attribute
+        // costs an exception raised and dropped, per output per batch.
+        let packed = if value.get_type().is(TENSOR.import(py, "torch", "Tensor")?) {
+            None
+        } else {
+            value.getattr_opt(intern!(py, "packed"))?
+        };
+        if let Some(packed) = packed {
             let dtype = self.output_dtypes[index].bind(py);
             return read_packed(py, &spec.name, spec.dtype, dtype, packed.call0()?);
         }
