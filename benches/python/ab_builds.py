@@ -10,8 +10,10 @@ hot path is only measured against its base in alternating runs:
 builds ``ferrobatch._core`` at ``--base`` (a git worktree, its own cargo target
 directory) and at the working tree, then runs ``bench_serve.py`` with the arguments
 after ``--`` (``--runs 1`` each time) ``--rounds`` times for each build, alternating
-them, swapping only ``python/ferrobatch/_core.abi3.so`` (so the change measured is
-its Rust code; the Python package is the working tree's for both). It prints, per
+them. Each build runs with its own Python package: the base's is copied from its
+worktree (into ``target/ab-base/python``) and put first on ``PYTHONPATH`` for its
+runs, so a change to the Python side, or one that spans both, is measured whole
+(the bench scripts are the working tree's for both). It prints, per
 server, protocol, model and connections, the median requests/s and server CPU per
 request of each build and their ratio, writes every run (with its ``build``) to
 ``--out`` when given, and puts the working tree's build back. Its runs are
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -30,10 +33,46 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-INSTALLED = ROOT / "python" / "ferrobatch" / "_core.abi3.so"
+PACKAGE = ROOT / "python"  # the folder holding the working tree's ferrobatch package
+INSTALLED = PACKAGE / "ferrobatch" / "_core.abi3.so"
+BASE = ROOT / "target" / "ab-base"
+
+
+@dataclass(frozen=True)
+class Build:
+    """One build to measure: its extension and the folder holding the
+    ``ferrobatch`` package it goes with."""
+
+    library: Path
+    package: Path
+
+    @property
+    def extension(self) -> Path:
+        """Where :meth:`installed` puts the library: the file servers load."""
+        return self.package / "ferrobatch" / "_core.abi3.so"
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        """This build for every server started meanwhile: its extension in its
+        package and, for a package other than the working tree's, that
+        package first on ``PYTHONPATH`` (wrap in :func:`installed_kept`)."""
+        shutil.copy2(self.library, self.extension)
+        if self.package == PACKAGE:
+            yield
+            return
+        before = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.package), before]))
+        try:
+            yield
+        finally:
+            if before is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = before
 
 
 def build(source: Path, target: Path) -> Path:
@@ -46,9 +85,9 @@ def build(source: Path, target: Path) -> Path:
     return target / "release" / "lib_core.so"
 
 
-def builds_of(base: str) -> dict[str, Path]:
-    """The extension built at commit ``base`` (a git worktree, removed after)
-    and at the working tree: label to library."""
+def builds_of(base: str) -> dict[str, Build]:
+    """The builds at commit ``base`` (a git worktree, removed after: its
+    package is copied out) and of the working tree, by label."""
     short = subprocess.run(
         ["git", "rev-parse", "--short", base], cwd=ROOT, check=True, capture_output=True, text=True
     ).stdout.strip()
@@ -56,9 +95,11 @@ def builds_of(base: str) -> dict[str, Path]:
         tree = Path(tmp) / "base"
         subprocess.run(["git", "worktree", "add", "--detach", str(tree), short], cwd=ROOT, check=True)
         try:
+            shutil.rmtree(BASE / "python", ignore_errors=True)
+            shutil.copytree(tree / "python", BASE / "python")
             return {
-                f"base {short}": build(tree, ROOT / "target" / "ab-base"),
-                "working tree": build(ROOT, ROOT / "target"),
+                f"base {short}": Build(build(tree, BASE), BASE / "python"),
+                "working tree": Build(build(ROOT, ROOT / "target"), PACKAGE),
             }
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=True)
@@ -90,11 +131,11 @@ def main() -> None:
     rows: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory(prefix="ab_builds-") as tmp, installed_kept():
         for round_ in range(args.rounds):
-            for label, library in builds.items():
-                shutil.copy2(library, INSTALLED)
+            for label, build_ in builds.items():
                 out = Path(tmp) / f"run-{round_}-{len(rows)}"
                 cmd = [sys.executable, str(ROOT / "benches/python/bench_serve.py"), *bench_args]
-                subprocess.run([*cmd, "--runs", "1", "--out", str(out)], cwd=ROOT, check=True)
+                with build_.installed():
+                    subprocess.run([*cmd, "--runs", "1", "--out", str(out)], cwd=ROOT, check=True)
                 for line in Path(f"{out}.jsonl").read_text().splitlines():
                     row = json.loads(line)
                     row.update(build=label, round=round_, command=" ".join(["ab_builds.py", *sys.argv[1:]]))

@@ -4,7 +4,7 @@
     python benches/python/allocs.py --base 54d8418 --protocols grpc --seconds 5
 
 builds ``ferrobatch._core`` at ``--base`` and at the working tree (as
-``ab_builds.py`` does), and for each build: installs it, starts ``ferrobatch
+``ab_builds.py`` does, each with its own Python package), and for each build: installs it, starts ``ferrobatch
 serve`` with ``bench_serve.py``'s models on core 0, puts perf uprobes on the
 allocator's entry points, loads the identity model with wrk or h2load (256
 connections, on core 1) and counts the calls per answered request with ``perf
@@ -65,12 +65,13 @@ def remove_probes() -> None:
     subprocess.run(["perf", "probe", "-q", "-d", f"{GROUP}:*"], check=False, capture_output=True)
 
 
-def count(protocol: str, seconds: float, logs: Path) -> dict[str, float]:
-    """Allocator calls per answered request of one protocol's identity load."""
+def count(protocol: str, seconds: float, extension: Path, logs: Path) -> dict[str, float]:
+    """Allocator calls per answered request of one protocol's identity load,
+    the server running ``extension`` (the probed file)."""
     native = bench_serve.Native(["identity"], [protocol])
     with bench_serve.ferrobatch_server(logs / f"ferrobatch-{protocol}.log", cpu="0") as endpoint:
         native._load(endpoint, protocol, "identity", 256, 1.0, "1")  # warm: connections, first batches
-        events = add_probes(bench_serve.ROOT / "python" / "ferrobatch" / "_core.abi3.so")
+        events = add_probes(extension)
         perf = subprocess.Popen(
             ["perf", "stat", "-x", ",", "-e", ",".join(events), "-p", str(endpoint.pid)],
             stderr=subprocess.PIPE,
@@ -104,10 +105,10 @@ def main() -> None:
     results: dict[tuple[str, str], dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="allocs-") as tmp, ab_builds.installed_kept():
         try:
-            for label, library in builds.items():
-                shutil.copy2(library, ab_builds.INSTALLED)
-                for protocol in protocols:
-                    results[label, protocol] = count(protocol, args.seconds, Path(tmp))
+            for label, build in builds.items():
+                with build.installed():
+                    for protocol in protocols:
+                        results[label, protocol] = count(protocol, args.seconds, build.extension, Path(tmp))
         finally:
             remove_probes()
     labels = list(builds)

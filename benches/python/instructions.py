@@ -5,7 +5,7 @@
     python benches/python/instructions.py --base 0ae3af9 --keep /tmp/profiles   # then callgrind_annotate
 
 builds ``ferrobatch._core`` at ``--base`` and at the working tree (as
-``ab_builds.py`` does), and for each build: installs it, starts ``ferrobatch
+``ab_builds.py`` does, each with its own Python package), and for each build: installs it, starts ``ferrobatch
 serve`` with ``bench_serve.py``'s models under valgrind's callgrind (one count
 per thread, counting off until the measured load) on core 0, and for each
 protocol sends the identity model ``--requests`` fixed requests with h2load
@@ -158,10 +158,10 @@ def main() -> None:
     results: dict[str, dict[str, Counted]] = {}
     tops: dict[tuple[str, str], list[tuple[float, str]]] = {}
     with tempfile.TemporaryDirectory(prefix="instructions-") as tmp, ab_builds.installed_kept():
-        for label, library in builds.items():
-            shutil.copy2(library, ab_builds.INSTALLED)
+        for label, build in builds.items():
             run = Path(tempfile.mkdtemp(prefix="build-", dir=tmp))
-            results[label] = count(protocols, args.requests, run)
+            with build.installed():
+                results[label] = count(protocols, args.requests, run)
             for protocol, counted in results[label].items():
                 if args.top:
                     tops[label, protocol] = top_functions(counted.dumps, counted.requests, args.top)
