@@ -2,6 +2,7 @@
 
     python benches/python/cpu_split.py                                # binary, 3 rounds of 300,000 requests
     python benches/python/cpu_split.py --protocols binary,grpc,json --requests 100000 --rounds 2
+    python benches/python/cpu_split.py --base 3e364ae --rounds 6         # that commit's build in turn too
 
 ``bench_serve.py`` reads a server's CPU per request for its whole process
 tree. This splits it: ``ferrobatch serve`` (``bench_serve.py``'s models, as it
@@ -14,7 +15,10 @@ for gRPC) after 20,000 unmeasured ones, and each thread's utime and stime
 It prints, per protocol and round, the front-end's thread (the one with the
 most kernel time: it does the sockets' work), the other threads (the model's
 worker, Python's), and the echo's; then medians over the rounds. What ferrobatch
-adds to a request over the stack it is built on is the difference.
+adds to a request over the stack it is built on is the difference. With
+``--base``, ferrobatch at that commit (built, with its own Python package, as
+``ab_builds.py`` does) takes its turn in each round too, and the working tree's
+build is put back at the end.
 
 The clock ticks of ``/proc`` are 10 ms: 300,000 requests at 60k/s make
 about 500 ticks per thread-second, so a figure is good to about 0.1 us.
@@ -27,9 +31,13 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
+import ab_builds
 import bench_serve
 import instructions  # its h2load driver
 
@@ -92,26 +100,32 @@ def main() -> None:
     parser.add_argument("--protocols", default="binary")
     parser.add_argument("--requests", type=int, default=300_000, help="measured requests per run")
     parser.add_argument("--rounds", type=int, default=3, help="runs of each server, alternating")
+    parser.add_argument("--base", help="a commit whose ferrobatch takes its turn too")
     args = parser.parse_args()
     protocols = args.protocols.split(",")
     splits: dict[tuple[str, str], list[Split]] = {}
-    with tempfile.TemporaryDirectory(prefix="cpu-split-") as tmp_name:
+    builds = ab_builds.builds_of(args.base) if args.base else {}
+    servers: list[tuple[str, Callable[..., ContextManager[bench_serve.Endpoint]], ab_builds.Build | None]] = [
+        (f"fb {label}"[:18], bench_serve.ferrobatch_server, build) for label, build in builds.items()
+    ] or [("ferrobatch", bench_serve.ferrobatch_server, None)]
+    servers.append(("hyper-echo", bench_serve.echo_server, None))
+    with tempfile.TemporaryDirectory(prefix="cpu-split-") as tmp_name, ab_builds.installed_kept():
         tmp = Path(tmp_name)
         for round_ in range(args.rounds):
-            for name, start in (("ferrobatch", bench_serve.ferrobatch_server), ("hyper-echo", bench_serve.echo_server)):
-                with start(tmp / f"{name}.log", "0") as endpoint:
+            for name, start, build in servers:
+                with build.installed() if build else nullcontext(), start(tmp / "server.log", "0") as endpoint:
                     for protocol in protocols:
                         split = measure(endpoint, protocol, args.requests, tmp)
                         splits.setdefault((name, protocol), []).append(split)
                         print(
-                            f"round {round_ + 1} {name:10} {protocol:6} {split.rate:8.0f} req/s"
+                            f"round {round_ + 1} {name:18} {protocol:6} {split.rate:8.0f} req/s"
                             f"  front-end user {split.front_user:5.2f} kernel {split.front_kernel:5.2f}"
                             f"  other threads user {split.rest_user:5.2f} kernel {split.rest_kernel:5.2f}"
                             f"  total {split.total:5.2f} us/request",
                             flush=True,
                         )
     print(f"\nmedians of {args.rounds} round(s), {args.requests} requests each, us of CPU per request")
-    print(f"{'server':10} {'proto':6} {'req/s':>8} {'fe user':>8} {'fe kernel':>10} {'others':>7} {'total':>7}")
+    print(f"{'server':18} {'proto':6} {'req/s':>8} {'fe user':>8} {'fe kernel':>10} {'others':>7} {'total':>7}")
     for (name, protocol), runs in splits.items():
         median = {
             field: statistics.median(getattr(r, field) for r in runs)
@@ -119,7 +133,7 @@ def main() -> None:
         }
         others = statistics.median(r.rest_user + r.rest_kernel for r in runs)
         print(
-            f"{name:10} {protocol:6} {median['rate']:8.0f} {median['front_user']:8.2f}"
+            f"{name:18} {protocol:6} {median['rate']:8.0f} {median['front_user']:8.2f}"
             f" {median['front_kernel']:10.2f} {others:7.2f} {median['total']:7.2f}"
         )
 
