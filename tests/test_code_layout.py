@@ -112,7 +112,7 @@ def test_the_worker_pipeline_is_the_executor_bases() -> None:
     loop live in ``_executor.py`` (a CUDA instance's launch thread takes its
     batches itself, and uses the same gate and isolation)."""
     rules = {
-        r"\.gate as ": {"_executor.py"},
+        r"\.gate\b": {"_executor.py"},  # every model call holds it through Executor.gated()
         r"\bisolate\(": {"_executor.py"},
         r"version_rows\(": {"_executor.py"},
         r"\.next_batch\(\)": {"_executor.py", "_cuda.py"},
