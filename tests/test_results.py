@@ -255,10 +255,12 @@ def test_outputs_that_view_the_slot_are_cloned_unless_the_finish_copies_them(cop
     torch.testing.assert_close(outputs["y"], slot["x"][:3])
 
 
-def test_an_identity_model_on_two_instances_answers_native_and_thread_callers_their_own_rows() -> None:
+@pytest.mark.parametrize("variable", [False, True], ids=["fixed-shape", "variable-length"])
+def test_an_identity_model_on_two_instances_answers_native_and_thread_callers_their_own_rows(variable: bool) -> None:
     # Batches of native requests finish from views of the slot; batches
     # mixing in thread callers clone. Two instances share the slot ring, so a
     # slot given back too early is collated into while it is still read.
+    # A (-1,) model runs on VariableExecutor, a fixed one on CpuExecutor.
     import json
     from concurrent.futures import ThreadPoolExecutor
 
@@ -267,15 +269,19 @@ def test_an_identity_model_on_two_instances_answers_native_and_thread_callers_th
     from ferrobatch.serve import ServeConfig, serve_in_thread
 
     def identity(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {"y": inputs["x"]}
+        return {"y": inputs["x"], "y_lengths": inputs["x_lengths"]} if variable else {"y": inputs["x"]}
 
-    server = fb.Server([identity, identity], inputs=[X], outputs=[Y], name="same", max_batch_size=8, max_delay=0.001)
+    def width(i: int) -> int:
+        return 1 + i % WIDTH if variable else WIDTH
+
+    x, y = (fb.TensorSpec(n, "float32", (-1,), ragged="pad") for n in "xy") if variable else (X, Y)
+    server = fb.Server([identity, identity], inputs=[x], outputs=[y], name="same", max_batch_size=8, max_delay=0.001)
     config = ServeConfig(http_port=0, grpc_port=None, frontend="native")
     with serve_in_thread([server], config) as listening, httpx.Client() as http:
         url = f"http://127.0.0.1:{listening.http_port}/v2/models/same/infer"
 
         def remote(i: int) -> list[float]:
-            body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, WIDTH], "data": [i] * WIDTH}]}
+            body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, width(i)], "data": [i] * width(i)}]}
             response = http.post(url, content=json.dumps(body))
             assert response.status_code == 200, response.text
             return list(response.json()["outputs"][0]["data"])
@@ -283,11 +289,13 @@ def test_an_identity_model_on_two_instances_answers_native_and_thread_callers_th
         client = server.client()
         with ThreadPoolExecutor(24) as pool:
             remote_answers = [pool.submit(remote, i) for i in range(300)]
-            local_answers = [pool.submit(client.infer_sync, {"x": sample(1000 + i)}) for i in range(300)]
+            local_answers = [
+                pool.submit(client.infer_sync, {"x": torch.full((width(i),), 1000.0 + i)}) for i in range(300)
+            ]
             remote_rows = [f.result() for f in remote_answers]
             local_rows = [f.result()["y"] for f in local_answers]
         stats = server.stats()
-    assert all(row == [float(i)] * WIDTH for i, row in enumerate(remote_rows))
+    assert all(row == [float(i)] * width(i) for i, row in enumerate(remote_rows))
     for i, row in enumerate(local_rows):  # read after every batch ran: a view of a reused slot would show
-        torch.testing.assert_close(row, sample(1000 + i), msg=f"thread caller {i} got another's row")
+        torch.testing.assert_close(row, torch.full((width(i),), 1000.0 + i), msg=f"thread caller {i} got another's row")
     assert stats["requests_succeeded"] == 600 and stats["mean_batch_size"] > 1

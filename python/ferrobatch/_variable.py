@@ -844,7 +844,9 @@ class VariableExecutor(CpuExecutor):
     def stage(self, slot: Mapping[str, torch.Tensor], batch: _core.Batch) -> dict[str, Any]:
         """The batch's inputs, built from its slot (:func:`batch_inputs`)."""
         self._rows = batch.rows
-        self._staging = frozenset(_storage_ptr(t) for t in slot.values())
+        # The storages outputs may not view (they are cloned from them): the
+        # slot's, unless the finish copies every answer out (then it goes after).
+        self._staging = frozenset() if self._answers_copied else frozenset(_storage_ptr(t) for t in slot.values())
         return batch_inputs(self.inputs, slot, batch)
 
     def run(self, staged: Any, rows: int, start: int = 0) -> dict[str, Any]:
