@@ -256,12 +256,17 @@ def test_outputs_that_view_the_slot_are_cloned_unless_the_finish_copies_them(cop
 
 
 @pytest.mark.parametrize("variable", [False, True], ids=["fixed-shape", "variable-length"])
-def test_an_identity_model_on_two_instances_answers_native_and_thread_callers_their_own_rows(variable: bool) -> None:
-    # Batches of native requests finish from views of the slot; batches
-    # mixing in thread callers clone. Two instances share the slot ring, so a
-    # slot given back too early is collated into while it is still read.
-    # A (-1,) model runs on VariableExecutor, a fixed one on CpuExecutor.
+def test_an_identity_model_on_two_instances_answers_native_shared_and_thread_callers_their_own_rows(
+    variable: bool,
+) -> None:
+    # Batches of native and shared-memory requests finish from views of the
+    # slot; batches mixing in thread callers clone. Two instances share the
+    # slot ring, so a slot given back too early is collated into while it is
+    # still read. A (-1,) model runs on VariableExecutor, a fixed one on
+    # CpuExecutor.
     import json
+    import os
+    import uuid
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
@@ -287,15 +292,22 @@ def test_an_identity_model_on_two_instances_answers_native_and_thread_callers_th
             return list(response.json()["outputs"][0]["data"])
 
         client = server.client()
-        with ThreadPoolExecutor(24) as pool:
+        share = server.share(f"fbtest-same-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        with fb.connect(share.name) as shared, ThreadPoolExecutor(24) as pool:
             remote_answers = [pool.submit(remote, i) for i in range(300)]
             local_answers = [
                 pool.submit(client.infer_sync, {"x": torch.full((width(i),), 1000.0 + i)}) for i in range(300)
             ]
+            shared_answers = [
+                pool.submit(shared.infer_sync, {"x": torch.full((width(i),), 2000.0 + i)}) for i in range(300)
+            ]
             remote_rows = [f.result() for f in remote_answers]
             local_rows = [f.result()["y"] for f in local_answers]
+            shared_rows = [f.result()["y"] for f in shared_answers]
         stats = server.stats()
     assert all(row == [float(i)] * width(i) for i, row in enumerate(remote_rows))
     for i, row in enumerate(local_rows):  # read after every batch ran: a view of a reused slot would show
         torch.testing.assert_close(row, torch.full((width(i),), 1000.0 + i), msg=f"thread caller {i} got another's row")
-    assert stats["requests_succeeded"] == 600 and stats["mean_batch_size"] > 1
+    for i, row in enumerate(shared_rows):
+        torch.testing.assert_close(row, torch.full((width(i),), 2000.0 + i), msg=f"shared caller {i} got another's row")
+    assert stats["requests_succeeded"] == 900 and stats["mean_batch_size"] > 1

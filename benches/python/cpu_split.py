@@ -113,7 +113,10 @@ def main() -> None:
         tmp = Path(tmp_name)
         for round_ in range(args.rounds):
             for name, start, build in servers:
-                with build.installed() if build else nullcontext(), start(tmp / "server.log", "0") as endpoint:
+                with (
+                    build.installed() if build else nullcontext(),
+                    start(tmp / f"{name.replace(' ', '-')}.log", "0") as endpoint,
+                ):
                     for protocol in protocols:
                         split = measure(endpoint, protocol, args.requests, tmp)
                         splits.setdefault((name, protocol), []).append(split)

@@ -73,7 +73,7 @@ const NEG_POW10: [f64; 23] = [
 ];
 
 /// 10^0 ..= 10^19: every power of ten a `u64` holds.
-const POW10_U64_19: [u64; 20] = {
+const POW10_U64: [u64; 20] = {
     let mut powers = [1u64; 20];
     let mut i = 1;
     while i < 20 {
@@ -82,19 +82,6 @@ const POW10_U64_19: [u64; 20] = {
     }
     powers
 };
-
-/// 10^0 ..= 10^8.
-const POW10_U64: [u64; 9] = [
-    1,
-    10,
-    100,
-    1_000,
-    10_000,
-    100_000,
-    1_000_000,
-    10_000_000,
-    100_000_000,
-];
 
 /// The eight bytes of `src` from `at`, when there are that many.
 fn word(src: &[u8], at: usize) -> Option<[u8; 8]> {
@@ -230,7 +217,7 @@ fn plain_f32(src: &[u8], start: usize) -> Option<(f32, usize)> {
             return None;
         }
         // At most 19 digits in all: below 10^19, within a u64.
-        mantissa = mantissa * POW10_U64_19[count] + fraction;
+        mantissa = mantissa * POW10_U64[count] + fraction;
         pos += count;
         exponent = -(count as i64);
     }
