@@ -674,16 +674,7 @@ async fn accept(
                         let shared = shared.clone();
                         let service = service_fn(move |request| {
                             let in_flight = InFlight::new(&activity);
-                            let shared = shared.clone();
-                            async move {
-                                let answer = if pooled {
-                                    handle(shared, request).await
-                                } else {
-                                    crate::http::probe(shared, request).await
-                                };
-                                drop(in_flight);
-                                answer
-                            }
+                            handle(shared.clone(), pooled, request, in_flight)
                         });
                         let connection = builder.serve_connection(io, service).into_owned();
                         tokio::spawn(async move {
