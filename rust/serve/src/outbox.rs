@@ -9,6 +9,10 @@
 //! buffer, and [`Sending`] hands it to the socket when the connection's
 //! future returns: one syscall per poll, however many frames and streams.
 //!
+//! HTTP/1.1 needs no gathering: hyper hands a response's head and body to
+//! one vectored write. Its writes go to the socket at once
+//! ([`Outbox::poll_write_through`]), without a copy of the body.
+//!
 //! Invariant: bytes accepted by [`Outbox::poll_write_vectored`] reach the
 //! socket before any later write, and before shutdown; a poll never ends
 //! with bytes held unless the socket is full (its readiness then wakes the
@@ -84,6 +88,18 @@ impl Outbox {
             state.held.extend_from_slice(buf);
         }
         Poll::Ready(Ok(len))
+    }
+
+    /// Writes `bufs` to the socket now, after anything held.
+    pub(crate) fn poll_write_through(
+        &self,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let mut state = self.state();
+        state.take_failure()?;
+        std::task::ready!(state.poll_send(cx))?;
+        Pin::new(&mut state.socket).poll_write_vectored(cx, bufs)
     }
 
     /// Sends what is held (hyper's flush: the bytes go at the latest when
@@ -273,6 +289,39 @@ mod tests {
         let got = reader.await.unwrap();
         assert_eq!(got.len(), expected.len());
         assert!(got == expected, "bytes out of order");
+    }
+
+    #[tokio::test]
+    async fn a_write_through_reaches_the_socket_at_once_after_what_was_held() {
+        let (outbox, far) = pair().await;
+        let mut polled = false;
+        let connection = std::future::poll_fn(|cx| {
+            if polled {
+                return Poll::Ready(());
+            }
+            polled = true;
+            write(&outbox, cx, b"held ");
+            let through = outbox.poll_write_through(cx, &[io::IoSlice::new(b"through")]);
+            assert!(matches!(through, Poll::Ready(Ok(7))));
+            // Before the poll ends: both are on the wire, in order.
+            let mut got = [0u8; 12];
+            let mut n = 0;
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+            while n < got.len() {
+                match far.try_read(&mut got[n..]) {
+                    Ok(read) => n += read,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                        assert!(std::time::Instant::now() < deadline, "not sent at once");
+                        std::thread::yield_now();
+                    }
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            assert_eq!(&got, b"held through");
+            cx.waker().wake_by_ref();
+            Poll::Pending
+        });
+        driven(&outbox, connection).await;
     }
 
     #[tokio::test]

@@ -864,14 +864,21 @@ impl AsyncRead for FirstBytes {
     }
 }
 
+impl FirstBytes {
+    /// Whether the connection speaks HTTP/1 (its first bytes came, and are
+    /// not HTTP/2's preface).
+    fn http1(&self) -> bool {
+        self.read >= self.start.len() && !self.http2
+    }
+}
+
 impl AsyncWrite for FirstBytes {
     fn poll_write(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        self.outbox
-            .poll_write_vectored(cx, &[io::IoSlice::new(buf)])
+        self.poll_write_vectored(cx, &[io::IoSlice::new(buf)])
     }
 
     fn poll_write_vectored(
@@ -879,7 +886,11 @@ impl AsyncWrite for FirstBytes {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        self.outbox.poll_write_vectored(cx, bufs)
+        if self.http1() {
+            self.outbox.poll_write_through(cx, bufs)
+        } else {
+            self.outbox.poll_write_vectored(cx, bufs)
+        }
     }
 
     fn is_write_vectored(&self) -> bool {
