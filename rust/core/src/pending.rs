@@ -28,6 +28,8 @@
 //! have loom models (`make loom`) beside the request state's.
 
 use std::collections::HashMap;
+
+use foldhash::fast::FixedState;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -70,15 +72,19 @@ pub struct Taken<A, H> {
 /// The pending requests of one model through one way in. `A`: how a caller
 /// is answered; `H`: what the request holds until its batch is done (its
 /// input owners, how to encode its answer).
+/// Ids are the batcher's own sequence numbers, never a caller's: a fast
+/// fixed hash (SipHash's protection against chosen keys buys nothing here).
+type Entries<A, H> = HashMap<u64, Entry<A, H>, FixedState>;
+
 pub struct Pending<A, H = ()> {
-    entries: Mutex<HashMap<u64, Entry<A, H>>>,
+    entries: Mutex<Entries<A, H>>,
     tally: Tally,
 }
 
 impl<A, H> Default for Pending<A, H> {
     fn default() -> Self {
         Pending {
-            entries: Mutex::new(HashMap::new()),
+            entries: Mutex::new(HashMap::default()),
             tally: Tally::default(),
         }
     }
@@ -104,7 +110,7 @@ impl<A, H> Pending<A, H> {
         self.len() == 0
     }
 
-    fn lock(&self) -> MutexGuard<'_, HashMap<u64, Entry<A, H>>> {
+    fn lock(&self) -> MutexGuard<'_, Entries<A, H>> {
         // Nothing that can panic runs under this lock; a poisoned map is still whole.
         self.entries.lock().unwrap_or_else(|e| e.into_inner())
     }

@@ -23,8 +23,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper::header::{
-    HeaderName, HeaderValue, ACCEPT_ENCODING, CONNECTION, CONTENT_ENCODING, CONTENT_LENGTH,
-    CONTENT_TYPE, VARY,
+    HeaderName, HeaderValue, ACCEPT_ENCODING, CONNECTION, CONTENT_ENCODING, CONTENT_TYPE, VARY,
 };
 use hyper::{Method, Request, Response, StatusCode};
 use tokio::sync::oneshot;
@@ -227,12 +226,14 @@ fn version_known(version: &str) -> bool {
 
 fn model_route(path: &str) -> Option<(&str, &str, &str)> {
     let rest = path.strip_prefix("/v2/models/")?;
-    let mut parts = rest.split('/');
-    let name = parts.next()?;
-    match (parts.next(), parts.next(), parts.next(), parts.next()) {
-        (Some(what), None, _, _) => Some((name, "", what)),
-        (Some("versions"), Some(version), Some(what), None) => Some((name, version, what)),
-        _ => None,
+    let (name, rest) = rest.split_once('/')?;
+    match rest.split_once('/') {
+        None => Some((name, "", rest)),
+        Some(("versions", rest)) => match rest.split_once('/')? {
+            (_, what) if what.contains('/') => None,
+            (version, what) => Some((name, version, what)),
+        },
+        Some(_) => None,
     }
 }
 
@@ -352,12 +353,9 @@ fn route(shared: &Arc<Shared>, request: Request<Incoming>) -> Routed {
     Routed::Fallback(Box::pin(fallback(shared.clone(), request)))
 }
 
-/// A body's declared length (`Content-Length`), if it has a valid one.
-fn declared_length(headers: &hyper::HeaderMap) -> Option<u64> {
-    headers
-        .get(CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok())
+/// A body's declared length (`Content-Length`, as hyper read it).
+fn declared_length(body: &Incoming) -> Option<u64> {
+    hyper::body::Body::size_hint(body).exact()
 }
 
 /// 413 for a body over `limit` bytes, with `Connection: close` (the rest
@@ -474,7 +472,7 @@ impl Inference {
             model,
             coding,
             respond_coded: encoding::accepted(headers.get(ACCEPT_ENCODING)),
-            declared: declared_length(headers),
+            declared: declared_length(&body),
             forwarded: forwarded_headers(
                 headers,
                 shared.config.http_header_forward_pattern.as_ref(),
@@ -576,7 +574,7 @@ async fn compressed(shared: &Shared, answer: Response<Body>, coding: Coding) -> 
 
 async fn fallback(shared: Arc<Shared>, request: Request<Incoming>) -> Response<Body> {
     let (parts, body) = request.into_parts();
-    let body = match read_body(&shared, declared_length(&parts.headers), body).await {
+    let body = match read_body(&shared, declared_length(&body), body).await {
         Ok(body) => body,
         Err(refused) => return refused,
     };
@@ -612,5 +610,33 @@ async fn fallback(shared: Arc<Shared>, request: Request<Incoming>) -> Response<B
             r
         }
         None => error(&Failure::new(500, "internal error answering the request")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::model_route;
+
+    #[test]
+    fn model_paths_name_the_model_its_version_and_what_is_asked() {
+        let cases = [
+            ("/v2/models/m/infer", Some(("m", "", "infer"))),
+            ("/v2/models/m/ready", Some(("m", "", "ready"))),
+            ("/v2/models/m/versions/1/infer", Some(("m", "1", "infer"))),
+            ("/v2/models/m/", Some(("m", "", ""))),
+            ("/v2/models//infer", Some(("", "", "infer"))),
+            ("/v2/models/m/versions//infer", Some(("m", "", "infer"))),
+            ("/v2/models/m", None),
+            ("/v2/models/m/versions/1", None),
+            ("/v2/models/m/versions/1/infer/", None),
+            ("/v2/models/m/versions/1/infer/x", None),
+            ("/v2/models/m/other/infer", None),
+            ("/v2/models/m/infer/x", None),
+            ("/v2/model/m/infer", None),
+            ("/v2/health/ready", None),
+        ];
+        for (path, expected) in cases {
+            assert_eq!(model_route(path), expected, "{path}");
+        }
     }
 }
