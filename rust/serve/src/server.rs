@@ -577,6 +577,8 @@ async fn drive<C: GracefulConnection>(
         outbox: &outbox,
     };
     let idled = tokio::select! {
+        // In this order: no random pick on each of the connection's polls.
+        biased;
         _ = sending => return,
         // Without an answer the watcher is gone: the runtime stops.
         why = told => matches!(why, Ok(Close::Idle)),
