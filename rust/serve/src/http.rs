@@ -313,7 +313,7 @@ fn probe(shared: &Shared, request: &Request<Incoming>) -> Response<Body> {
 /// Where a request goes.
 enum Routed {
     /// Answered at once (health and readiness, a model not served), boxed:
-    /// a response is larger than an inference's state.
+    /// a response (144 bytes) would make every inference's future larger.
     Answered(Box<Response<Body>>),
     Infer(Inference),
     Fallback(Pin<Box<dyn Future<Output = Response<Body>> + Send>>),

@@ -78,11 +78,11 @@ impl Outbox {
         let mut state = self.state();
         state.take_failure()?;
         let len = bufs.iter().fold(0usize, |n, b| n.saturating_add(b.len()));
+        if len >= HELD {
+            return state.poll_write_through(cx, bufs);
+        }
         if state.held.len().saturating_add(len) > HELD {
             std::task::ready!(state.poll_send(cx))?;
-            if len >= HELD {
-                return Pin::new(&mut state.socket).poll_write_vectored(cx, bufs);
-            }
         }
         for buf in bufs {
             state.held.extend_from_slice(buf);
@@ -98,8 +98,7 @@ impl Outbox {
     ) -> Poll<io::Result<usize>> {
         let mut state = self.state();
         state.take_failure()?;
-        std::task::ready!(state.poll_send(cx))?;
-        Pin::new(&mut state.socket).poll_write_vectored(cx, bufs)
+        state.poll_write_through(cx, bufs)
     }
 
     /// Sends what is held (hyper's flush: the bytes go at the latest when
@@ -138,6 +137,16 @@ impl State {
             Some(e) => Err(e),
             None => Ok(()),
         }
+    }
+
+    /// Writes `bufs` to the socket, once the held bytes are sent.
+    fn poll_write_through(
+        &mut self,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        std::task::ready!(self.poll_send(cx))?;
+        Pin::new(&mut self.socket).poll_write_vectored(cx, bufs)
     }
 
     /// Writes the held bytes until none are left or the socket is full.
