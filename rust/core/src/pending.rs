@@ -28,10 +28,10 @@
 //! have loom models (`make loom`) beside the request state's.
 
 use std::collections::HashMap;
-
-use foldhash::fast::FixedState;
 use std::sync::Arc;
 use std::time::Instant;
+
+use foldhash::fast::FixedState;
 
 use crate::fanout::Route;
 use crate::outcome::{Outcome, Tally};
@@ -69,13 +69,14 @@ pub struct Taken<A, H> {
     pub enqueued_at: Instant,
 }
 
+/// The table's entries by request id. Ids are the batcher's own sequence
+/// numbers, never a caller's: a fast fixed hash (SipHash's protection
+/// against chosen keys buys nothing here).
+type Entries<A, H> = HashMap<u64, Entry<A, H>, FixedState>;
+
 /// The pending requests of one model through one way in. `A`: how a caller
 /// is answered; `H`: what the request holds until its batch is done (its
 /// input owners, how to encode its answer).
-/// Ids are the batcher's own sequence numbers, never a caller's: a fast
-/// fixed hash (SipHash's protection against chosen keys buys nothing here).
-type Entries<A, H> = HashMap<u64, Entry<A, H>, FixedState>;
-
 pub struct Pending<A, H = ()> {
     entries: Mutex<Entries<A, H>>,
     tally: Tally,

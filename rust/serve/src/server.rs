@@ -820,6 +820,12 @@ impl FirstBytes {
         self.armed = true;
     }
 
+    /// Whether the connection speaks HTTP/1 (its first bytes came, and are
+    /// not HTTP/2's preface).
+    fn http1(&self) -> bool {
+        self.read >= self.start.len() && !self.http2
+    }
+
     /// True once the deadline passed with no request started.
     fn expired(&mut self, cx: &mut Context<'_>) -> bool {
         let started = self.activity.requests() != self.armed_at || self.activity.in_flight() > 0;
@@ -863,14 +869,6 @@ impl AsyncRead for FirstBytes {
                 Poll::Pending
             }
         }
-    }
-}
-
-impl FirstBytes {
-    /// Whether the connection speaks HTTP/1 (its first bytes came, and are
-    /// not HTTP/2's preface).
-    fn http1(&self) -> bool {
-        self.read >= self.start.len() && !self.http2
     }
 }
 
