@@ -36,8 +36,9 @@ use crate::replies::{Answer, Failure, Reply};
 use crate::server::Shared;
 
 pub const HEADER_LENGTH: &str = "inference-header-content-length";
-/// [`HEADER_LENGTH`] as a response's header name: a static one is inserted
-/// without allocating (a `&str` name not among HTTP's standard headers is
+/// [`HEADER_LENGTH`] as a header name: a static one is looked up in a
+/// request and inserted in a response without parsing or allocating (a
+/// `&str` name not among HTTP's standard headers is parsed each time, and
 /// copied into a new buffer per response).
 static HEADER_LENGTH_NAME: HeaderName = HeaderName::from_static(HEADER_LENGTH);
 const JSON: &str = "application/json";
