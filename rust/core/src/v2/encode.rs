@@ -34,6 +34,26 @@ fn write_uint(out: &mut Vec<u8>, v: u64) {
     out.extend_from_slice(itoa::Buffer::new().format(v).as_bytes());
 }
 
+/// How many bytes [`write_uint`] writes for `v`.
+fn uint_len(v: u64) -> usize {
+    v.checked_ilog10().map_or(1, |d| d as usize + 1)
+}
+
+/// How many bytes [`write_json_string`] writes for `text`: its quotes,
+/// two for each `"`, `\\` and control character with a short escape, six
+/// for the other control characters (`\u00XX`), one for any other byte.
+fn json_string_len(text: &str) -> usize {
+    let escapes: usize = text
+        .bytes()
+        .map(|b| match b {
+            b'"' | b'\\' | b'\x08' | b'\t' | b'\n' | b'\x0c' | b'\r' => 1,
+            0..=0x1f => 5,
+            _ => 0,
+        })
+        .sum();
+    text.len().saturating_add(escapes).saturating_add(2)
+}
+
 /// Floats as Python's `json` spells the non-finite ones; finite ones
 /// shortest-round-trip in their own precision.
 macro_rules! write_float {
@@ -154,6 +174,19 @@ impl Codec {
         extra: usize,
     ) -> Result<(Vec<u8>, usize), V2Error> {
         let mut header_estimate: usize = 128 + id.map_or(0, str::len);
+        // The header's exact length while every output is binary (each one
+        // written as below): a body whose capacity is its length becomes a
+        // `Bytes` with no allocation of its own.
+        const ID: &str = ",\"id\":";
+        const OUTPUTS: &str = ",\"outputs\":[";
+        const BINARY: &str = "],\"parameters\":{\"binary_data_size\":";
+        let mut exact = Some(
+            self.response_prefix.len()
+                + id.map_or(0, |id| ID.len().saturating_add(json_string_len(id)))
+                + OUTPUTS.len()
+                + outputs.len().saturating_sub(1)
+                + 2,
+        );
         let mut binary_bytes: usize = 0;
         for o in outputs {
             let spec = self.outputs().get(o.index).ok_or_else(|| {
@@ -184,21 +217,31 @@ impl Codec {
             header_estimate = header_estimate.saturating_add(prefix);
             if o.binary {
                 binary_bytes = binary_bytes.saturating_add(o.data.len());
+                let dims: usize = o.shape.iter().map(|&d| uint_len(d)).sum();
+                exact = exact.map(|n| {
+                    n.saturating_add(self.output_prefixes[o.index].len())
+                        .saturating_add(dims)
+                        .saturating_add(o.shape.len().saturating_sub(1))
+                        .saturating_add(BINARY.len())
+                        .saturating_add(uint_len(o.data.len() as u64))
+                        .saturating_add(2)
+                });
             } else {
                 header_estimate = header_estimate
                     .saturating_add(count.saturating_mul(12))
                     .saturating_add(o.data.len());
+                exact = None;
             }
         }
         let room = if with_binary { binary_bytes } else { 0 };
-        let mut out =
-            Vec::with_capacity(header_estimate.saturating_add(extra).saturating_add(room));
+        let header = exact.unwrap_or(header_estimate);
+        let mut out = Vec::with_capacity(header.saturating_add(extra).saturating_add(room));
         out.extend_from_slice(&self.response_prefix);
         if let Some(id) = id {
-            out.extend_from_slice(b",\"id\":");
+            out.extend_from_slice(ID.as_bytes());
             write_json_string(&mut out, id);
         }
-        out.extend_from_slice(b",\"outputs\":[");
+        out.extend_from_slice(OUTPUTS.as_bytes());
         for (i, o) in outputs.iter().enumerate() {
             if i > 0 {
                 out.push(b',');
@@ -211,7 +254,7 @@ impl Codec {
                 write_uint(&mut out, d);
             }
             if o.binary {
-                out.extend_from_slice(b"],\"parameters\":{\"binary_data_size\":");
+                out.extend_from_slice(BINARY.as_bytes());
                 write_uint(&mut out, o.data.len() as u64);
                 out.extend_from_slice(b"}}");
             } else {

@@ -709,6 +709,33 @@ proptest! {
     }
 
     #[test]
+    fn a_binary_response_is_allocated_at_its_exact_length(
+        id in proptest::option::of("(.|\n|\u{1}|\\\\|\"){0,12}"),
+        shapes in proptest::collection::vec(proptest::collection::vec(0u64..=12, 0..=3), 1..=3),
+        binary in proptest::collection::vec(any::<bool>(), 3),
+    ) {
+        let specs = (0..shapes.len())
+            .map(|i| OutputSpec { name: format!("out_{i}"), dtype: DType::Int64 })
+            .collect();
+        let c = Codec::new("m", specs, Limits::default());
+        let data: Vec<Vec<u8>> = shapes
+            .iter()
+            .map(|s| vec![7u8; s.iter().product::<u64>() as usize * 8])
+            .collect();
+        let outputs: Vec<Output<'_>> = shapes
+            .iter()
+            .zip(&data)
+            .enumerate()
+            .map(|(index, (shape, data))| Output { index, shape, data, binary: binary[index] })
+            .collect();
+        let encoded = c.encode(id.as_deref(), &outputs).unwrap();
+        if outputs.iter().all(|o| o.binary) {
+            // No spare room: `Bytes::from` takes the buffer as it is.
+            prop_assert_eq!(encoded.body.len(), encoded.body.capacity());
+        }
+    }
+
+    #[test]
     fn integer_data_decodes_every_spelling_as_its_value(
         dtype in proptest::sample::select(vec![
             DType::Int8, DType::Int16, DType::Int32, DType::Int64,
