@@ -44,6 +44,55 @@ static HEADER_LENGTH_NAME: HeaderName = HeaderName::from_static(HEADER_LENGTH);
 const JSON: &str = "application/json";
 const BINARY: &str = "application/octet-stream";
 
+/// Numbers below this are sent as a header value borrowed from [`NUMBERS`].
+const SPELLED: usize = 10_000;
+const NUMBERS_LEN: usize = 10 + 90 * 2 + 900 * 3 + 9_000 * 4;
+/// 0, 1, ..., 9999 written one after another, at compile time: a reply's
+/// `Inference-Header-Content-Length` (a JSON header's length, rarely above a
+/// few hundred bytes) is a slice of it, a value made with no allocation,
+/// whose clones and drop touch no counter.
+static NUMBERS: [u8; NUMBERS_LEN] = spell_numbers();
+
+const fn spell_numbers() -> [u8; NUMBERS_LEN] {
+    let mut out = [0u8; NUMBERS_LEN];
+    let (mut n, mut at) = (0, 0);
+    while n < SPELLED {
+        let width = if n < 10 {
+            1
+        } else if n < 100 {
+            2
+        } else if n < 1000 {
+            3
+        } else {
+            4
+        };
+        let (mut i, mut rest) = (width, n);
+        while i > 0 {
+            i -= 1;
+            out[at + i] = b'0' + (rest % 10) as u8;
+            rest /= 10;
+        }
+        at += width;
+        n += 1;
+    }
+    out
+}
+
+/// `n` in decimal, as a header value.
+fn number_value(n: usize) -> Option<HeaderValue> {
+    let (start, width) = match n {
+        0..=9 => (n, 1),
+        10..=99 => (10 + (n - 10) * 2, 2),
+        100..=999 => (190 + (n - 100) * 3, 3),
+        1000..=9999 => (2890 + (n - 1000) * 4, 4),
+        // One copy of the digits: `From<usize>` allocates twice (a
+        // buffer, then its freeze). Digits are a valid value.
+        _ => return HeaderValue::from_str(itoa::Buffer::new().format(n)).ok(),
+    };
+    let digits = NUMBERS.get(start..start + width)?;
+    HeaderValue::from_maybe_shared(Bytes::from_static(digits)).ok()
+}
+
 /// A request the native routes do not answer, for the Python handlers.
 #[derive(Debug, Clone)]
 pub struct FallbackRequest {
@@ -204,9 +253,7 @@ fn reply(reply: Reply) -> Response<Body> {
             None => response(200, JSON, encoded.body),
             Some(length) => {
                 let mut r = response(200, BINARY, encoded.body);
-                // One copy of the digits: `From<usize>` allocates twice (a
-                // buffer, then its freeze). Digits are a valid value.
-                if let Ok(value) = HeaderValue::from_str(itoa::Buffer::new().format(length)) {
+                if let Some(value) = number_value(length) {
                     r.headers_mut().insert(HEADER_LENGTH_NAME.clone(), value);
                 }
                 r
@@ -616,7 +663,15 @@ async fn fallback(shared: Arc<Shared>, request: Request<Incoming>) -> Response<B
 
 #[cfg(test)]
 mod tests {
-    use super::model_route;
+    use super::{model_route, number_value};
+
+    #[test]
+    fn header_lengths_are_spelled_in_decimal_below_and_above_the_table() {
+        for n in (0..20_000).chain([usize::MAX]) {
+            let value = number_value(n).expect("digits are a valid value");
+            assert_eq!(value.to_str().unwrap(), n.to_string());
+        }
+    }
 
     #[test]
     fn model_paths_name_the_model_its_version_and_what_is_asked() {
