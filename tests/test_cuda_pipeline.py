@@ -13,6 +13,7 @@ import asyncio
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -37,16 +38,19 @@ class FakeEvent:
             raise TimeoutError("fake stream stalled")
 
 
+def _run_in_order(work: queue.SimpleQueue[Callable[[], None] | None]) -> None:
+    while (fn := work.get()) is not None:
+        fn()
+
+
 class FakeStream:
-    """Runs enqueued callables in order on a thread of its own, later."""
+    """Runs enqueued callables in order on a thread of its own, later; the
+    thread ends once the stream is freed."""
 
     def __init__(self) -> None:
-        self._work: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def _run(self) -> None:
-        while True:
-            self._work.get()()
+        self._work: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        threading.Thread(target=_run_in_order, args=(self._work,), daemon=True).start()
+        weakref.finalize(self, self._work.put, None)
 
     def enqueue(self, fn: Callable[[], None]) -> None:
         self._work.put(fn)
