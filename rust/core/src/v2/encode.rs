@@ -181,11 +181,12 @@ impl Codec {
         const OUTPUTS: &str = ",\"outputs\":[";
         const BINARY: &str = "],\"parameters\":{\"binary_data_size\":";
         let mut exact = Some(
-            self.response_prefix.len()
-                + id.map_or(0, |id| ID.len().saturating_add(json_string_len(id)))
-                + OUTPUTS.len()
-                + outputs.len().saturating_sub(1)
-                + 2,
+            self.response_prefix
+                .len()
+                .saturating_add(id.map_or(0, |id| ID.len().saturating_add(json_string_len(id))))
+                .saturating_add(OUTPUTS.len())
+                .saturating_add(outputs.len().saturating_sub(1))
+                .saturating_add(2),
         );
         let mut binary_bytes: usize = 0;
         for o in outputs {
