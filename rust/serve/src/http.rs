@@ -46,33 +46,41 @@ const BINARY: &str = "application/octet-stream";
 
 /// Numbers below this are sent as a header value borrowed from [`NUMBERS`].
 const SPELLED: usize = 10_000;
-const NUMBERS_LEN: usize = 10 + 90 * 2 + 900 * 3 + 9_000 * 4;
+const NUMBERS_LEN: usize = {
+    let (at, width) = spelled_at(SPELLED - 1);
+    at + width
+};
 /// 0, 1, ..., 9999 written one after another, at compile time: a reply's
 /// `Inference-Header-Content-Length` (a JSON header's length, rarely above a
 /// few hundred bytes) is a slice of it, a value made with no allocation,
 /// whose clones and drop touch no counter.
 static NUMBERS: [u8; NUMBERS_LEN] = spell_numbers();
 
+/// Where `n` (below [`SPELLED`]) lies in [`NUMBERS`]: its first byte and
+/// its number of digits.
+const fn spelled_at(n: usize) -> (usize, usize) {
+    if n < 10 {
+        (n, 1)
+    } else if n < 100 {
+        (10 + (n - 10) * 2, 2)
+    } else if n < 1000 {
+        (190 + (n - 100) * 3, 3)
+    } else {
+        (2890 + (n - 1000) * 4, 4)
+    }
+}
+
 const fn spell_numbers() -> [u8; NUMBERS_LEN] {
     let mut out = [0u8; NUMBERS_LEN];
-    let (mut n, mut at) = (0, 0);
+    let mut n = 0;
     while n < SPELLED {
-        let width = if n < 10 {
-            1
-        } else if n < 100 {
-            2
-        } else if n < 1000 {
-            3
-        } else {
-            4
-        };
-        let (mut i, mut rest) = (width, n);
+        let (at, mut i) = spelled_at(n);
+        let mut rest = n;
         while i > 0 {
             i -= 1;
             out[at + i] = b'0' + (rest % 10) as u8;
             rest /= 10;
         }
-        at += width;
         n += 1;
     }
     out
@@ -80,16 +88,13 @@ const fn spell_numbers() -> [u8; NUMBERS_LEN] {
 
 /// `n` in decimal, as a header value.
 fn number_value(n: usize) -> Option<HeaderValue> {
-    let (start, width) = match n {
-        0..=9 => (n, 1),
-        10..=99 => (10 + (n - 10) * 2, 2),
-        100..=999 => (190 + (n - 100) * 3, 3),
-        1000..=9999 => (2890 + (n - 1000) * 4, 4),
+    if n >= SPELLED {
         // One copy of the digits: `From<usize>` allocates twice (a
         // buffer, then its freeze). Digits are a valid value.
-        _ => return HeaderValue::from_str(itoa::Buffer::new().format(n)).ok(),
-    };
-    let digits = NUMBERS.get(start..start + width)?;
+        return HeaderValue::from_str(itoa::Buffer::new().format(n)).ok();
+    }
+    let (start, width) = spelled_at(n);
+    let digits = NUMBERS.get(start..start.checked_add(width)?)?;
     HeaderValue::from_maybe_shared(Bytes::from_static(digits)).ok()
 }
 
