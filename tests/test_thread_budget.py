@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -123,3 +124,20 @@ def test_cpu_affinity_pins_each_instance_to_its_cores_and_sizes_its_threads(torc
         fb.Server(where, inputs=[X], outputs=[N], cpu_affinity=sets)
     with pytest.raises(ValueError, match="usable cores"):
         fb.Server([where, where], inputs=[X], outputs=[N], cpu_affinity=[{usable[0]}, {10_000}])
+
+
+def policy_seen(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Answers each row with the scheduling policy of the thread the model ran on."""
+    return {"n": torch.full((batch["x"].shape[0],), os.sched_getscheduler(0), dtype=torch.int64)}
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="scheduling policies are Linux's")
+def test_cpu_workers_yield_to_the_native_front_end_and_only_to_it() -> None:
+    seen, stats = run_once(fb.Server(policy_seen, inputs=[X], outputs=[N], name="alone"))
+    assert seen == os.SCHED_OTHER and stats["workers_yield"] is False
+    server_module.hold_front_end_cores(1)
+    try:
+        seen, stats = run_once(fb.Server(policy_seen, inputs=[X], outputs=[N], name="beside-front-end"))
+    finally:
+        server_module.hold_front_end_cores(-1)
+    assert seen == os.SCHED_BATCH and stats["workers_yield"] is True

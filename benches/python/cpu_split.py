@@ -14,8 +14,10 @@ for gRPC) after 20,000 unmeasured ones, and each thread's utime and stime
 (``/proc/PID/task/TID/stat``) over the measured requests is divided by them.
 It prints, per protocol and round, the front-end's thread (the one with the
 most kernel time: it does the sockets' work), the other threads (the model's
-worker, Python's), and the echo's; then medians over the rounds. What ferrobatch
-adds to a request over the stack it is built on is the difference. With
+worker, Python's), and the echo's, each with its context switches per 1,000
+requests (``/proc/PID/task/TID/status``, voluntary and not); then medians
+over the rounds. What ferrobatch adds to a request over the stack it is
+built on is the difference. With
 ``--base``, ferrobatch at that commit (built, with its own Python package, as
 ``ab_builds.py`` does) takes its turn in each round too, and the working tree's
 build is put back at the end.
@@ -53,22 +55,31 @@ class Split:
     front_kernel: float
     rest_user: float
     rest_kernel: float
+    front_switches: float  # context switches per 1,000 requests, voluntary and not
+    rest_switches: float
 
     @property
     def total(self) -> float:
         return self.front_user + self.front_kernel + self.rest_user + self.rest_kernel
 
 
-def thread_ticks(pid: int) -> dict[str, tuple[int, int]]:
-    """(utime, stime) clock ticks of each of ``pid``'s threads."""
+def thread_ticks(pid: int) -> dict[str, tuple[int, int, int]]:
+    """(utime, stime) clock ticks and context switches (voluntary and
+    not) of each of ``pid``'s threads."""
     ticks = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
         except OSError:
             continue  # a thread that ended
         fields = stat[stat.rindex(")") + 2 :].split()
-        ticks[tid] = (int(fields[11]), int(fields[12]))
+        switches = 0
+        for line in status.splitlines():
+            key, _, value = line.partition(":")
+            if key in ("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches"):
+                switches += int(value)
+        ticks[tid] = (int(fields[11]), int(fields[12]), switches)
     return ticks
 
 
@@ -84,15 +95,19 @@ def measure(endpoint: bench_serve.Endpoint, protocol: str, requests: int, tmp: P
     instructions.h2load(endpoint, request, requests, body)
     elapsed = time.perf_counter() - started
     after = thread_ticks(endpoint.pid)
-    used = {
-        tid: (user - before.get(tid, (0, 0))[0], kernel - before.get(tid, (0, 0))[1])
-        for tid, (user, kernel) in after.items()
-    }
+    used = {tid: tuple(a - b for a, b in zip(now, before.get(tid, (0, 0, 0)))) for tid, now in after.items()}
     front = max(used, key=lambda tid: used[tid][1])
     per = 1e6 / TICK / requests
-    rest_user = sum(u for tid, (u, _) in used.items() if tid != front)
-    rest_kernel = sum(k for tid, (_, k) in used.items() if tid != front)
-    return Split(requests / elapsed, used[front][0] * per, used[front][1] * per, rest_user * per, rest_kernel * per)
+    rest_user, rest_kernel, rest_switches = (sum(t[i] for tid, t in used.items() if tid != front) for i in range(3))
+    return Split(
+        requests / elapsed,
+        used[front][0] * per,
+        used[front][1] * per,
+        rest_user * per,
+        rest_kernel * per,
+        used[front][2] * 1000 / requests,
+        rest_switches * 1000 / requests,
+    )
 
 
 def main() -> None:
@@ -124,20 +139,25 @@ def main() -> None:
                             f"round {round_ + 1} {name:18} {protocol:6} {split.rate:8.0f} req/s"
                             f"  front-end user {split.front_user:5.2f} kernel {split.front_kernel:5.2f}"
                             f"  other threads user {split.rest_user:5.2f} kernel {split.rest_kernel:5.2f}"
-                            f"  total {split.total:5.2f} us/request",
+                            f"  total {split.total:5.2f} us/request"
+                            f"  switches/1k front-end {split.front_switches:5.1f} others {split.rest_switches:5.1f}",
                             flush=True,
                         )
     print(f"\nmedians of {args.rounds} round(s), {args.requests} requests each, us of CPU per request")
-    print(f"{'server':18} {'proto':6} {'req/s':>8} {'fe user':>8} {'fe kernel':>10} {'others':>7} {'total':>7}")
+    print(
+        f"{'server':18} {'proto':6} {'req/s':>8} {'fe user':>8} {'fe kernel':>10} {'others':>7} {'total':>7}"
+        f" {'fe cs/1k':>9} {'oth cs/1k':>9}"
+    )
     for (name, protocol), runs in splits.items():
         median = {
             field: statistics.median(getattr(r, field) for r in runs)
-            for field in ("rate", "front_user", "front_kernel", "total")
+            for field in ("rate", "front_user", "front_kernel", "total", "front_switches", "rest_switches")
         }
         others = statistics.median(r.rest_user + r.rest_kernel for r in runs)
         print(
             f"{name:18} {protocol:6} {median['rate']:8.0f} {median['front_user']:8.2f}"
             f" {median['front_kernel']:10.2f} {others:7.2f} {median['total']:7.2f}"
+            f" {median['front_switches']:9.1f} {median['rest_switches']:9.1f}"
         )
 
 

@@ -317,6 +317,8 @@ class Server:
         self.cpu_affinity = _check_affinity(cpu_affinity, len(self._models))
         #: torch intra-op threads of each instance's worker, as picked at start (0 before).
         self.torch_threads = 0
+        #: Whether the CPU instances' workers run as SCHED_BATCH threads (picked at start).
+        self.workers_yield = False
         if self.with_requests and cuda_graphs:
             raise ValueError("with_requests needs the model called from Python: not with cuda_graphs")
         self.batching = bool(batching)
@@ -606,8 +608,9 @@ class Server:
         if self.cpu_affinity is not None and self._torch_threads_given is None:
             torch_threads = min(len(cores) for cores in self.cpu_affinity)  # each instance its own cores
         self.torch_threads = torch_threads
+        self.workers_yield = _front_end_cores > 0 and hasattr(os, "SCHED_BATCH")
         log.info(
-            "server '%s': %d instance(s), %d torch intra-op thread(s) each%s",
+            "server '%s': %d instance(s), %d torch intra-op thread(s) each%s%s",
             self.name,
             len(executors),
             torch_threads,
@@ -616,6 +619,7 @@ class Server:
             else f" (picked: {usable_cores()} usable cores, one kept for the event loop)"
             if self.cpu_affinity is None
             else f" (picked: the smallest of the instances' core sets {[sorted(c) for c in self.cpu_affinity]})",
+            "; CPU workers yield to the native front-end (SCHED_BATCH)" if self.workers_yield else "",
         )
         try:
             for i, executor in enumerate(executors):
@@ -646,9 +650,14 @@ class Server:
             else:
                 loops = [(thread_name, executor.serve, (worker, self._slots, counters))]
             cores = None if self.cpu_affinity is None else self.cpu_affinity[i]
+            # A CUDA instance's threads launch and complete: their wake-ups stay prompt.
+            yields = self.workers_yield and not isinstance(executor, CudaExecutor)
             self._threads += [
                 threading.Thread(
-                    target=_with_torch_threads, args=(torch_threads, cores, target, *args), name=name, daemon=True
+                    target=_worker_thread,
+                    args=(torch_threads, cores, yields, target, *args),
+                    name=name,
+                    daemon=True,
                 )
                 for name, target, args in loops
             ]
@@ -913,6 +922,7 @@ class Server:
             "invariance_checks": summed(self._samplers)[0],
             "invariance_mismatches": summed(self._samplers)[1],
             "torch_threads": self.torch_threads,
+            "workers_yield": self.workers_yield,
             "cpu_affinity": None if self.cpu_affinity is None else [sorted(c) for c in self.cpu_affinity],
             "instance_kind": self.instance_kind,
             # Instance processes started again after one died.
@@ -1007,9 +1017,25 @@ def thread_budget(cpu_instances: int) -> int:
     return max(1, min(torch.get_num_threads(), spare // max(1, cpu_instances)))
 
 
-def _with_torch_threads(threads: int, cores: frozenset[int] | None, target: Callable[..., None], *args: Any) -> None:
+def _worker_thread(
+    threads: int, cores: frozenset[int] | None, yields: bool, target: Callable[..., None], *args: Any
+) -> None:
+    """Runs a worker loop (``target``) with its torch threads, cores and,
+    with ``yields``, as a SCHED_BATCH thread: this thread and the OpenMP
+    threads it starts. A woken SCHED_BATCH thread never preempts the running
+    one. Where a CPU worker shares a core with the native front-end's
+    runtime thread, each batch would otherwise interrupt the front-end in
+    the middle of its sockets twice (its first row, then the full batch),
+    each interruption two context switches; the worker now runs when the
+    front-end waits, or at the next scheduler tick. Its share of the core is
+    unchanged, and on a core of its own it runs at once."""
     if cores is not None:
         os.sched_setaffinity(0, cores)  # this thread (Linux), and the OpenMP threads it starts
+    if yields:
+        try:
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))  # this thread (Linux)
+        except OSError as exc:  # a seccomp profile may forbid it: the worker runs as it is
+            log.debug("ferrobatch: worker stays SCHED_OTHER: %s", exc)
     torch.set_num_threads(threads)
     target(*args)
 
