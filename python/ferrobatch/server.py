@@ -317,7 +317,8 @@ class Server:
         self.cpu_affinity = _check_affinity(cpu_affinity, len(self._models))
         #: torch intra-op threads of each instance's worker, as picked at start (0 before).
         self.torch_threads = 0
-        #: Whether the CPU instances' workers run as SCHED_BATCH threads (picked at start).
+        #: Whether the CPU instances' workers are started as SCHED_BATCH threads (picked at
+        #: start: while a native front-end runs; a refusal by the OS is logged as a warning).
         self.workers_yield = False
         if self.with_requests and cuda_graphs:
             raise ValueError("with_requests needs the model called from Python: not with cuda_graphs")
@@ -1035,7 +1036,7 @@ def _worker_thread(
         try:
             os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))  # this thread (Linux)
         except OSError as exc:  # a seccomp profile may forbid it: the worker runs as it is
-            log.debug("ferrobatch: worker stays SCHED_OTHER: %s", exc)
+            log.warning("ferrobatch: a worker could not yield to the front-end (stays SCHED_OTHER): %s", exc)
     torch.set_num_threads(threads)
     target(*args)
 
