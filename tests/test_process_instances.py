@@ -54,6 +54,12 @@ def raising(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return where(inputs)
 
 
+def policy(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``y = 2x``, and the scheduling policy of the process that computed each row."""
+    x = inputs["x"]
+    return {"y": x * 2, "pid": torch.full((x.shape[0],), os.sched_getscheduler(0), dtype=torch.int64)}
+
+
 def gone(pid: int) -> bool:
     """Whether process ``pid`` has exited (a zombie has: it answers kill(pid, 0) but runs no more)."""
     try:
@@ -218,3 +224,21 @@ def test_instance_processes_exit_when_their_server_is_killed(tmp_path: Path) -> 
         if parent.poll() is None:
             parent.kill()
             parent.wait()
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="scheduling policies are Linux's")
+def test_instance_processes_yield_to_the_native_front_end_as_worker_threads_do() -> None:
+    from ferrobatch import server as server_module
+
+    async def run(name: str) -> tuple[int, object]:
+        server = fb.Server(policy, inputs=[X], outputs=[Y, PID], instance_kind="process", name=name)
+        async with server:
+            out = await server.client().infer({"x": torch.ones(8)})
+            return int(out["pid"]), server.stats()["workers_yield"]
+
+    assert asyncio.run(run("alone")) == (os.SCHED_OTHER, False)
+    server_module.hold_front_end_cores(1)
+    try:
+        assert asyncio.run(run("beside-front-end")) == (os.SCHED_BATCH, True)
+    finally:
+        server_module.hold_front_end_cores(-1)

@@ -31,6 +31,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import os
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -83,6 +84,17 @@ def finish(worker: _core.Worker, batch: _core.Batch, outputs: Any, error: BaseEx
         worker.finish(batch, outputs, error, ring_now, failed)
     except BaseException:
         log.exception("ferrobatch: finishing a batch failed")
+
+
+def yield_to_front_end() -> None:
+    """Makes the calling thread (and the threads it starts) SCHED_BATCH (Linux): a
+    woken SCHED_BATCH thread never preempts the running one. The model's
+    workers run so while a native front-end runs in the process (see
+    ``Server``'s ``_worker_thread``)."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except OSError as exc:  # a seccomp profile may forbid it: the worker runs as it is
+        log.warning("ferrobatch: a worker could not yield to the front-end (stays SCHED_OTHER): %s", exc)
 
 
 def retryable(error: BaseException) -> bool:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as torch_mp
 
+from ._executor import yield_to_front_end
 from ._torch import CpuExecutor, adapt_model, inference_mode, normalize_outputs
 from .errors import ModelError
 from .specs import TensorSpec
@@ -80,12 +81,16 @@ def _child(
     out: Mapping[str, torch.Tensor],
     torch_threads: int,
     cores: frozenset[int] | None,
+    yields: bool,
     with_requests: bool,
 ) -> None:
     """An instance process: runs the batches its worker thread sends until
-    told to stop or its parent is gone."""
+    told to stop or its parent is gone (``yields``: as a SCHED_BATCH process,
+    as the server's worker threads run beside a native front-end)."""
     if cores is not None:
         os.sched_setaffinity(0, cores)
+    if yields:
+        yield_to_front_end()
     torch.set_num_threads(torch_threads)
     call: Any = model if with_requests else adapt_model(model, inputs, outputs)
     conn.send(("ready", os.getpid()))
@@ -143,16 +148,16 @@ class ProcessExecutor(CpuExecutor):
         """The instance's process, while it runs."""
         return None if self._process is None else int(self._process.pid)
 
-    def launch(self, slots: Slots, torch_threads: int, cores: frozenset[int] | None) -> None:
+    def launch(self, slots: Slots, torch_threads: int, cores: frozenset[int] | None, yields: bool = False) -> None:
         """Starts the child (slots shared already) and waits until it is ready."""
         self._slots = slots
         self._slot_index = {id(slot): i for i, slot in enumerate(slots)}
         self._out = output_buffers(self.outputs, self.max_batch_size)
-        self._launch_args = (torch_threads, cores)
+        self._launch_args = (torch_threads, cores, yields)
         self._start_child()
 
     def _start_child(self) -> None:
-        torch_threads, cores = self._launch_args
+        torch_threads, cores, yields = self._launch_args
         context = torch_mp.get_context("spawn")
         parent, child = context.Pipe()
         process = context.Process(
@@ -166,6 +171,7 @@ class ProcessExecutor(CpuExecutor):
                 self._out,
                 torch_threads,
                 cores,
+                yields,
                 self.with_requests,
             ),
             name=f"ferrobatch-{self.server_name}-{self.index}",

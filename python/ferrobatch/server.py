@@ -24,7 +24,7 @@ import torch
 
 from . import _core
 from ._cuda import IN_FLIGHT, CudaExecutor, Handoff, cuda_graph_fallback_warning
-from ._executor import Executor, WorkerCounters
+from ._executor import Executor, WorkerCounters, yield_to_front_end
 from ._invariance import InvarianceSampler, summed
 from ._process import ProcessExecutor, share_slots
 from ._torch import (
@@ -626,7 +626,9 @@ class Server:
             for i, executor in enumerate(executors):
                 if isinstance(executor, ProcessExecutor):
                     cores = None if self.cpu_affinity is None else self.cpu_affinity[i]
-                    await anyio.to_thread.run_sync(executor.launch, self._slots, torch_threads, cores)
+                    await anyio.to_thread.run_sync(
+                        executor.launch, self._slots, torch_threads, cores, self.workers_yield
+                    )
         except BaseException:
             await anyio.to_thread.run_sync(self._stop_processes)
             self._batcher.close()
@@ -1033,10 +1035,7 @@ def _worker_thread(
     if cores is not None:
         os.sched_setaffinity(0, cores)  # this thread (Linux), and the OpenMP threads it starts
     if yields:
-        try:
-            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))  # this thread (Linux)
-        except OSError as exc:  # a seccomp profile may forbid it: the worker runs as it is
-            log.warning("ferrobatch: a worker could not yield to the front-end (stays SCHED_OTHER): %s", exc)
+        yield_to_front_end()
     torch.set_num_threads(threads)
     target(*args)
 
