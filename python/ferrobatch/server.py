@@ -609,7 +609,7 @@ class Server:
         if self.cpu_affinity is not None and self._torch_threads_given is None:
             torch_threads = min(len(cores) for cores in self.cpu_affinity)  # each instance its own cores
         self.torch_threads = torch_threads
-        self.workers_yield = _front_end_cores > 0 and hasattr(os, "SCHED_BATCH")
+        self.workers_yield = _front_end_cores > 0 and cpu_instances > 0 and hasattr(os, "SCHED_BATCH")
         log.info(
             "server '%s': %d instance(s), %d torch intra-op thread(s) each%s%s",
             self.name,
