@@ -665,15 +665,60 @@ def h2_call(
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 
 
+INVALID_ARGUMENT = str(grpc.StatusCode.INVALID_ARGUMENT.value[0])
+
+
 def test_a_unary_call_with_two_messages_is_refused_and_runs_nothing(served: tuple[fb.Server, str]) -> None:
     server, address = served
     message = raw_request(np.ones((1, 4))).SerializeToString()
     answer = h2_call(address, INFER, frame(message) + frame(message))
-    assert answer["grpc-status"] == str(grpc.StatusCode.INTERNAL.value[0]), answer
+    assert answer["grpc-status"] == INVALID_ARGUMENT, answer
     assert "one request message" in answer["grpc-message"]
     once = h2_call(address, INFER, frame(message))
     assert once["grpc-status"] == "0", once
     assert outcomes(server) == Counter({"succeeded": 1})
+
+
+def test_malformed_messages_are_the_clients_mistake_not_the_servers(served: tuple[fb.Server, str]) -> None:
+    """INVALID_ARGUMENT, never INTERNAL: for ModelInfer (read by the
+    front-end) and for the RPCs tonic reads, unary or streamed."""
+    server, address = served
+    message = raw_request(np.ones((1, 4))).SerializeToString()
+    metadata = "/inference.GRPCInferenceService/ModelMetadata"
+    stream = "/inference.GRPCInferenceService/ModelStreamInfer"
+    cases = {
+        (INFER, frame(b"\xff\xff\xff")): "not a ModelInferRequest",
+        (INFER, frame(message)[:-3]): "incomplete",
+        (INFER, frame(message, compressed=True)): "compressed-flag",
+        (metadata, frame(b"\xff\xff\xff")): "failed to decode",
+        (stream, frame(b"\xff\xff\xff")): "failed to decode",
+    }
+    for (path, body), words in cases.items():
+        answer = h2_call(address, path, body)
+        assert answer["grpc-status"] == INVALID_ARGUMENT, (path, body, answer)
+        assert words in answer["grpc-message"], (path, body, answer)
+    assert h2_call(address, INFER, frame(message))["grpc-status"] == "0"
+    assert outcomes(server) == Counter({"succeeded": 1})
+
+
+def test_an_output_asked_for_twice_is_refused(served: tuple[fb.Server, str]) -> None:
+    """Each entry of ``outputs`` is sent in full: repeats would make a
+    small request's reply as large as the client likes."""
+    server, address = served
+    request = raw_request(np.ones((1, 4)))
+    request.outputs.add(name="y")
+    request.outputs.add(name="n")
+    request.outputs.add(name="y")
+    with grpc.insecure_channel(address) as channel:
+        infer = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer
+        with pytest.raises(grpc.RpcError) as refused:
+            infer(request, timeout=30)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details() == "output 'y' is asked for twice"
+        del request.outputs[2]
+        answer = infer(request, timeout=30)
+    assert [o.name for o in answer.outputs] == ["y", "n"]
+    assert outcomes(server)["succeeded"] == 1
 
 
 def test_grpc_replies_carry_no_date_header(served: tuple[fb.Server, str]) -> None:

@@ -168,6 +168,8 @@ def test_bad_requests_get_a_4xx_naming_the_problem_and_harm_nothing(served: tupl
         b'{"inputs":[{"name":"x","datatype":"FP32","shape":[1,1000000000000],"data":[]}]}': (400, "elements"),
         b'{"inputs":[{"name":"q","datatype":"FP32","shape":[1,4],"data":[1,2,3,4]}]}': (400, "unexpected input 'q'"),
         infer_body([[1, 2, 3, 4]] * 17): (400, "exceeds max_batch_size (16)"),
+        # Each entry is sent in full: repeats would multiply the reply.
+        infer_body([[1, 2, 3, 4]], outputs=[{"name": "y"}, {"name": "y"}]): (400, "output 'y' is asked for twice"),
     }
     for body, (status, text) in cases.items():
         response = httpx.post(url, content=body)
@@ -181,6 +183,27 @@ def test_bad_requests_get_a_4xx_naming_the_problem_and_harm_nothing(served: tupl
     assert httpx.post(url, content=infer_body([[1, 2, 3, 4]])).status_code == 200
     seen = outcomes(server)
     assert seen["succeeded"] == 1 and seen["invalid_input"] == 4
+
+
+def test_an_inference_header_length_that_is_not_text_is_refused(served: tuple[fb.Server, str]) -> None:
+    """Not taken for no header (the body read as JSON): refused as the bad
+    length it is."""
+    server, base = served
+    header = json.dumps(
+        {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "parameters": {"binary_data_size": 16}}]}
+    ).encode()
+    body = header + np.ones(4, np.float32).tobytes()
+    for length in (b"\xff" + str(len(header)).encode(), b"abc"):
+        response = httpx.post(
+            f"{base}/v2/models/m/infer", content=body, headers={"Inference-Header-Content-Length": length}
+        )
+        assert response.status_code == 400, (length, response.text)
+        assert "Inference-Header-Content-Length must be" in response.json()["error"], response.text
+    good = httpx.post(
+        f"{base}/v2/models/m/infer", content=body, headers={"Inference-Header-Content-Length": str(len(header))}
+    )
+    assert good.status_code == 200, good.text
+    assert outcomes(server) == Counter({"succeeded": 1})
 
 
 def test_a_body_over_the_limit_is_refused_before_it_is_read() -> None:

@@ -16,6 +16,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         // `bytes` fields as `Bytes`: raw tensors are slices of the received
         // message, kept (not copied) until their request resolves.
         .bytes(".")
+        // prost's codec, its decoding failures INVALID_ARGUMENT (the client's).
+        .codec_path("crate::grpc::ClientCodec")
         .compile_fds(descriptors)?;
     Ok(())
 }

@@ -60,6 +60,66 @@ pub mod pb {
     tonic::include_proto!("inference");
 }
 
+/// tonic's prost codec (`build.rs` names it for every method), except
+/// that a request message which does not decode is the client's mistake:
+/// INVALID_ARGUMENT, where prost's decoder answers INTERNAL, a server fault
+/// to every client and dashboard that reads gRPC codes.
+#[derive(Debug, Clone)]
+pub struct ClientCodec<T, U>(tonic_prost::ProstCodec<T, U>);
+
+impl<T, U> Default for ClientCodec<T, U> {
+    fn default() -> Self {
+        ClientCodec(tonic_prost::ProstCodec::default())
+    }
+}
+
+impl<T, U> tonic::codec::Codec for ClientCodec<T, U>
+where
+    T: prost::Message + Send + 'static,
+    U: prost::Message + Default + Send + 'static,
+{
+    type Encode = T;
+    type Decode = U;
+    type Encoder = tonic_prost::ProstEncoder<T>;
+    type Decoder = RequestDecoder<U>;
+
+    fn encoder(&mut self) -> Self::Encoder {
+        self.0.encoder()
+    }
+
+    fn decoder(&mut self) -> Self::Decoder {
+        RequestDecoder(self.0.decoder())
+    }
+}
+
+/// [`ClientCodec`]'s decoder: prost's, its failures INVALID_ARGUMENT.
+#[derive(Debug)]
+pub struct RequestDecoder<U>(tonic_prost::ProstDecoder<U>);
+
+impl<U: prost::Message + Default> tonic::codec::Decoder for RequestDecoder<U> {
+    type Item = U;
+    type Error = Status;
+
+    fn decode(&mut self, buf: &mut tonic::codec::DecodeBuf<'_>) -> Result<Option<U>, Status> {
+        self.0.decode(buf).map_err(client_mistake)
+    }
+
+    fn buffer_settings(&self) -> tonic::codec::BufferSettings {
+        self.0.buffer_settings()
+    }
+}
+
+/// A failure to read what the client sent, as INVALID_ARGUMENT where tonic
+/// says INTERNAL (its other codes, such as RESOURCE_EXHAUSTED for a message
+/// over the limit, are kept).
+fn client_mistake(status: Status) -> Status {
+    if status.code() == Code::Internal {
+        Status::invalid_argument(status.message().to_owned())
+    } else {
+        status
+    }
+}
+
 use pb::grpc_inference_service_server::{GrpcInferenceService, GrpcInferenceServiceServer};
 use pb::infer_parameter::ParameterChoice;
 use pb::model_infer_response::InferOutputTensor;
@@ -246,7 +306,7 @@ fn too_large(limit: usize) -> String {
 }
 
 fn second_message() -> Status {
-    Status::internal("a unary call carries one request message; this one has more")
+    Status::invalid_argument("a unary call carries one request message; this one has more")
 }
 
 fn body_late() -> Status {
@@ -328,18 +388,24 @@ async fn read_message(shared: &Shared, body: Incoming, gzip: bool) -> Result<Byt
         .map_err(|_| body_late())??;
     let (compressed, length) = match message.get(..PREFIX) {
         Some(&[flag, a, b, c, d]) => (flag == 1, u32::from_be_bytes([a, b, c, d]) as usize),
-        _ => return Err(Status::internal("the request message is incomplete")),
+        _ => {
+            return Err(Status::invalid_argument(
+                "the request message is incomplete",
+            ))
+        }
     };
     if message.len() < PREFIX.saturating_add(length) {
-        return Err(Status::internal("the request message is incomplete"));
+        return Err(Status::invalid_argument(
+            "the request message is incomplete",
+        ));
     }
     let message = message.slice(PREFIX..);
     if !compressed {
         return Ok(message);
     }
     if !gzip {
-        // tonic's words for it.
-        return Err(Status::internal(
+        // tonic's words for it (its code is INTERNAL: see `ClientCodec`).
+        return Err(Status::invalid_argument(
             "protocol error: received message with compressed-flag but no grpc-encoding was specified",
         ));
     }
@@ -424,8 +490,7 @@ impl ModelInferCall {
         // The message and its view end here: the submission holds its raw contents.
         let (model, submitted) = {
             let message = read_message(&inference.shared, body, gzip).await?;
-            let request = InferRequest::decode(&message)
-                .map_err(|e| Status::internal(format!("failed to decode Protobuf message: {e}")))?;
+            let request = decode_infer_request(&message).map_err(status)?;
             inference.queue(request, call_timeout, &forwarded)?
         };
         drop(forwarded);
@@ -919,7 +984,8 @@ impl GrpcInferenceService for Inference {
                     }
                     Ok(None) => break,
                     Err(status) => {
-                        out.send(Err(status), 0);
+                        // tonic's reading of the stream: what the client sent was malformed.
+                        out.send(Err(client_mistake(status)), 0);
                         break;
                     }
                 }
@@ -1413,22 +1479,27 @@ fn requested_outputs(
     if request.outputs.is_empty() {
         return Ok((0..codec.outputs().len()).collect());
     }
-    request
-        .outputs
-        .iter()
-        .map(|output| {
-            let index = codec
-                .output_index(output.name)
-                .map_err(|e| invalid(e.to_string()))?;
-            if output.parameters.contains_key("classification") {
-                return Err(invalid(format!(
-                    "output '{}': the classification extension is not supported",
-                    output.name
-                )));
-            }
-            Ok(index)
-        })
-        .collect()
+    let mut asked = PerTensor::with_capacity(request.outputs.len());
+    for output in &request.outputs {
+        let index = codec
+            .output_index(output.name)
+            .map_err(|e| invalid(e.to_string()))?;
+        // Each entry would be sent in full (see `v2::decode`).
+        if asked.contains(&index) {
+            return Err(invalid(format!(
+                "output '{shown}' is asked for twice",
+                shown = Clipped(output.name)
+            )));
+        }
+        if output.parameters.contains_key("classification") {
+            return Err(invalid(format!(
+                "output '{}': the classification extension is not supported",
+                output.name
+            )));
+        }
+        asked.push(index);
+    }
+    Ok(asked)
 }
 
 /// The request's timeout in seconds: its `timeout` parameter (an int64 of

@@ -560,8 +560,11 @@ impl Inference {
                 None => return error(&Failure::new(500, "internal error inflating the request")),
             };
         }
-        let header_length = header_length.as_ref().and_then(|v| v.to_str().ok());
-        let answer = match model.submit(body, header_length, &forwarded) {
+        // A value that is not text is refused as a bad length, not taken for none.
+        let header_length = header_length
+            .as_ref()
+            .map(|v| String::from_utf8_lossy(v.as_bytes()));
+        let answer = match model.submit(body, header_length.as_deref(), &forwarded) {
             Ok(submitted) => reply(model.reply(submitted).await),
             Err(failure) => return error(&failure),
         };

@@ -851,6 +851,14 @@ impl<'a> Decoder<'a, '_> {
                 return Err(entry_error());
             };
             let index = self.codec.output_index(&name)?;
+            // Each entry would be sent in full: a name repeated thousands
+            // of times in a small request would make a reply of gigabytes.
+            if outputs.iter().any(|(earlier, _)| *earlier == index) {
+                return Err(invalid(format!(
+                    "output '{shown}' is asked for twice",
+                    shown = Clipped(name.as_ref())
+                )));
+            }
             if params_bad {
                 return Err(invalid(format!(
                     "'parameters' of output '{shown}' must be an object",

@@ -268,6 +268,12 @@ fn malformed_requests_have_clear_messages() {
             "unknown output 'q' for model 'double'; outputs: y, z",
         ),
         (
+            format!(
+                r#"{{"inputs":[{x}],"outputs":[{{"name":"z"}},{{"name":"y"}},{{"name":"z"}}]}}"#
+            ),
+            "output 'z' is asked for twice",
+        ),
+        (
             format!(r#"{{"inputs":[{x}],"outputs":["y"]}}"#),
             "every entry of 'outputs' must be an object with a string 'name'",
         ),

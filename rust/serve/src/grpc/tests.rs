@@ -334,6 +334,13 @@ fn requested_outputs_are_named_outputs_of_the_model() {
         refused.message,
         "unknown output 'q' for model 'm'; outputs: y, n"
     );
+    // Each entry is answered in full: a repeat would multiply the reply.
+    request.outputs = vec![wanted("y"), wanted("n"), wanted("y")];
+    let refused = requested_outputs(&request, &codec).unwrap_err();
+    assert_eq!(
+        (refused.status, refused.message.as_str()),
+        (400, "output 'y' is asked for twice")
+    );
     let mut classified = wanted("y");
     classified
         .parameters
