@@ -1,8 +1,10 @@
 """Model instances as processes (``Server(instance_kind="process")``): each
 instance's model runs in a child process fed through shared memory; results
 are those of thread instances, a child that dies fails only its batch (and
-isolation retries its requests on the restarted process), the children go
-with the server, and with a server that dies."""
+with isolation, the batch runs again on the restarted process), the children
+go with the server, and with a server that dies. Faults: every caller is
+answered once, with its result or a typed error, and no child outlives the
+server."""
 
 from __future__ import annotations
 
@@ -242,3 +244,253 @@ def test_instance_processes_yield_to_the_native_front_end_as_worker_threads_do()
         assert asyncio.run(run("beside-front-end")) == (os.SCHED_BATCH, True)
     finally:
         server_module.hold_front_end_cores(-1)
+
+
+# -- faults: every caller answered once, no child left behind ---------------------------
+
+
+def hung(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if bool((inputs["x"] < 0).any()):
+        time.sleep(60)  # killed with its process long before
+    return where(inputs)
+
+
+def with_parameters(inputs: dict[str, torch.Tensor], requests: list[fb.RequestInfo]) -> dict[str, torch.Tensor]:
+    """``y = x`` times each request's ``scale`` parameter (1 without one)."""
+    scale = torch.cat([torch.full((r.rows,), float(r.parameters.get("scale", 1))) for r in requests])
+    x = inputs["x"]
+    return {"y": x * scale[:, None], "pid": torch.full((x.shape[0],), os.getpid(), dtype=torch.int64)}
+
+
+class ShapeError(Exception):
+    """Pickles, but cannot be rebuilt from its pickle (its ``__init__``
+    takes two arguments and passes one on)."""
+
+    def __init__(self, name: str, got: int) -> None:
+        super().__init__(f"{name}: got {got}")
+
+
+def misshapen(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    raise ShapeError("x", 3)
+
+
+def forking(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Leaves a helper process holding the instance's pipe (as a model that
+    starts a subprocess would), then works slowly. The helper goes 8 s
+    after its parent."""
+    parent = os.getpid()
+    if os.fork() == 0:
+        while os.getppid() == parent:
+            time.sleep(0.05)
+        time.sleep(8)
+        os._exit(0)
+    return slow(inputs)
+
+
+class NeedsFile:
+    """A model that reads ``path`` when it is unpickled (in each new
+    instance process): without it, a process cannot be started."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __setstate__(self, state: dict[str, str]) -> None:
+        Path(state["path"]).read_bytes()
+        self.path = state["path"]
+
+    def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return where(inputs)
+
+
+def children() -> list[int]:
+    """This process's instance processes still running."""
+    import multiprocessing
+
+    return [p.pid for p in multiprocessing.active_children() if p.name.startswith("ferrobatch-") and p.pid]
+
+
+def test_a_model_built_with_requests_gets_them_in_its_process() -> None:
+    async def run() -> list[float]:
+        server = fb.Server(
+            [with_parameters], inputs=[X], outputs=[Y, PID], instance_kind="process", with_requests=True, name="wr"
+        )
+        async with server:
+            client = server.client()
+            plain, scaled = await asyncio.gather(
+                client.infer({"x": torch.ones(8)}), client.infer({"x": torch.ones(8)}, parameters={"scale": 3})
+            )
+            return [plain["y"][0].item(), scaled["y"][0].item()]
+
+    assert asyncio.run(run()) == [1.0, 3.0]
+
+
+def test_a_stop_that_times_out_closes_what_waits_and_kills_a_busy_process_at_once() -> None:
+    async def run() -> tuple[list[object], float, dict[str, object], list[int]]:
+        server = fb.Server([hung], inputs=[X], outputs=[Y, PID], instance_kind="process", name="hung", max_batch_size=1)
+        await server.start()
+        pid = server._executors[0].pid  # type: ignore[attr-defined]
+        client = server.client()
+        calls = [asyncio.ensure_future(client.infer({"x": -torch.ones(8)})) for _ in range(5)]
+        await asyncio.sleep(0.5)  # the first is in the process, the others queued
+        started = time.monotonic()
+        await server.stop(timeout=0.5)
+        took = time.monotonic() - started
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        return results, took, server.stats(), [pid]
+
+    results, took, stats, pids = asyncio.run(run())
+    assert all(isinstance(r, fb.ServerClosedError) for r in results), results
+    assert {k: n for k, n in stats["requests_failed"].items() if n} == {"server_closed": 5}, stats  # type: ignore[attr-defined]
+    assert took < 5, f"stop(timeout=0.5) took {took:.1f} s"
+    assert wait_gone(pids) and not children()
+
+
+def test_a_process_that_died_between_batches_fails_nothing() -> None:
+    async def run() -> tuple[dict[str, object], list[int]]:
+        server = fb.Server([where], inputs=[X], outputs=[Y, PID], instance_kind="process", name="idle")
+        async with server:
+            first = server._executors[0].pid  # type: ignore[attr-defined]
+            os.kill(first, signal.SIGKILL)
+            assert wait_gone([first])
+            got = await server.client().infer({"x": torch.ones(8)})
+            assert int(got["pid"]) not in (first, 0)
+            return server.stats(), [first, int(got["pid"])]
+
+    stats, pids = asyncio.run(run())
+    assert stats["requests_succeeded"] == 1 and not any(stats["requests_failed"].values())  # type: ignore[attr-defined]
+    assert stats["process_restarts"] == 1
+    assert wait_gone(pids)
+
+
+def test_a_terminals_ctrl_c_does_not_end_an_instance_process() -> None:
+    async def run() -> tuple[int, int]:
+        server = fb.Server([where], inputs=[X], outputs=[Y, PID], instance_kind="process", name="sigint")
+        async with server:
+            pid = server._executors[0].pid  # type: ignore[attr-defined]
+            os.kill(pid, signal.SIGINT)
+            await asyncio.sleep(0.3)
+            got = await server.client().infer({"x": torch.ones(8)})
+            return pid, int(got["pid"])
+
+    pid, served_by = asyncio.run(run())
+    assert served_by == pid
+
+
+def test_a_lone_request_whose_process_died_runs_again_on_the_new_one() -> None:
+    async def run() -> tuple[object, dict[str, object]]:
+        server = fb.Server(
+            [slow], inputs=[X], outputs=[Y, PID], instance_kind="process", name="lone", isolate_failures=True
+        )
+        async with server:
+            first = server._executors[0].pid  # type: ignore[attr-defined]
+            call = asyncio.ensure_future(server.client().infer({"x": torch.ones(8)}))
+            await asyncio.sleep(0.15)
+            os.kill(first, signal.SIGKILL)
+            got = await call
+            assert int(got["pid"]) != first
+            return got["y"].tolist(), server.stats()
+
+    y, stats = asyncio.run(run())
+    assert y == [2.0] * 8
+    assert stats["requests_succeeded"] == 1 and stats["retry_calls"] == 1 and stats["process_restarts"] == 1
+
+
+@pytest.mark.parametrize("isolate", [True, False])
+def test_a_killed_process_whose_helper_keeps_its_pipe_is_noticed(isolate: bool) -> None:
+    """The pipe stays open (a process the model forked holds it): the
+    child's end is seen all the same, and its batch runs again or fails."""
+
+    async def run() -> tuple[object, float, object]:
+        server = fb.Server(
+            [forking], inputs=[X], outputs=[Y, PID], instance_kind="process", name="forking", isolate_failures=isolate
+        )
+        async with server:
+            first = server._executors[0].pid  # type: ignore[attr-defined]
+            call = asyncio.ensure_future(server.client().infer({"x": torch.ones(8)}))
+            await asyncio.sleep(0.15)
+            os.kill(first, signal.SIGKILL)
+            started = time.monotonic()
+            answer = (await asyncio.gather(call, return_exceptions=True))[0]
+            took = time.monotonic() - started
+            after = await asyncio.wait_for(server.client().infer({"x": torch.ones(8)}), 60)
+            return answer, took, after["y"].tolist()
+
+    answer, took, after = asyncio.run(run())
+    if isolate:
+        assert answer["y"].tolist() == [2.0] * 8  # type: ignore[index]
+    else:
+        assert isinstance(answer, fb.ModelError) and "died" in str(answer), answer
+    assert took < 4 and after == [2.0] * 8  # not once the helper has gone
+
+
+def test_an_exception_that_cannot_be_rebuilt_arrives_named() -> None:
+    async def run() -> tuple[BaseException | None, dict[str, object]]:
+        server = fb.Server([misshapen], inputs=[X], outputs=[Y, PID], instance_kind="process", name="misshapen")
+        async with server:
+            try:
+                await server.client().infer({"x": torch.ones(8)})
+                return None, server.stats()
+            except fb.ModelError as exc:
+                return exc, server.stats()
+
+    error, stats = asyncio.run(run())
+    assert error is not None and "ShapeError: x: got 3" in str(error), error
+    assert stats["process_restarts"] == 0
+
+
+def test_an_instance_that_cannot_restart_leaves_its_batches_to_the_others(tmp_path: Path) -> None:
+    weights = tmp_path / "weights"
+    weights.write_bytes(b"w")
+
+    async def run() -> tuple[list[object], dict[str, object], bool]:
+        model = NeedsFile(str(weights))
+        server = fb.Server(
+            [model, model], inputs=[X], outputs=[Y, PID], instance_kind="process", name="needs", max_batch_size=4
+        )
+        async with server:
+            down = server._executors[0]
+            weights.unlink()
+            os.kill(down.pid, signal.SIGKILL)
+            client = server.client()
+            results = []
+            for _ in range(10):  # the first batches may reach instance 0, which then steps aside
+                results += await asyncio.gather(
+                    *(client.infer({"x": torch.ones(8)}) for _ in range(8)), return_exceptions=True
+                )
+            weights.write_bytes(b"w")  # it comes back at its next try
+            deadline = time.monotonic() + 20
+            while not down.up and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            return results, server.stats(), down.up
+
+    results, stats, back = asyncio.run(run())
+    failed = [r for r in results if isinstance(r, BaseException)]
+    assert len(failed) <= 4, failed  # one batch at most, where it found its process gone
+    assert back and stats["requests_succeeded"] == 80 - len(failed)
+
+
+def test_a_stop_while_an_instance_restarts_leaves_no_process() -> None:
+    async def run() -> None:
+        server = fb.Server(
+            [slow], inputs=[X], outputs=[Y, PID], instance_kind="process", name="restarting", isolate_failures=True
+        )
+        await server.start()
+        first = server._executors[0].pid  # type: ignore[attr-defined]
+        call = asyncio.ensure_future(server.client().infer({"x": torch.ones(8)}))
+        await asyncio.sleep(0.15)
+        os.kill(first, signal.SIGKILL)
+        await asyncio.sleep(0.2)  # the worker is starting another process
+        await server.stop(timeout=0.1)
+        await asyncio.gather(call, return_exceptions=True)
+
+    asyncio.run(run())
+    deadline = time.monotonic() + 20
+    while children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not children()
+
+
+def test_torch_threads_is_bounded() -> None:
+    for bad in (True, 0, 2**31, 1.5):
+        with pytest.raises(ValueError, match="torch_threads must be an int from 1 to 1024"):
+            fb.Server(where, inputs=[X], outputs=[Y, PID], torch_threads=bad)  # type: ignore[arg-type]

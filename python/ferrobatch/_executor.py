@@ -97,12 +97,18 @@ def yield_to_front_end() -> None:
         log.warning("ferrobatch: a worker could not yield to the front-end (stays SCHED_OTHER): %s", exc)
 
 
+class InstanceDownError(ModelError):
+    """The instance cannot run a batch now: its process could not be
+    started. Retrying there would fail the same way, so failure isolation
+    does not."""
+
+
 def retryable(error: BaseException) -> bool:
-    """Whether failure isolation may retry after ``error``: any ``Exception``,
-    never a ``BaseException`` that means the process is going down
-    (``KeyboardInterrupt``, ``SystemExit``, ``GeneratorExit``) or a
-    cancellation."""
-    return isinstance(error, Exception)
+    """Whether failure isolation may retry after ``error``: any ``Exception``
+    but :class:`InstanceDownError`, never a ``BaseException`` that means the
+    process is going down (``KeyboardInterrupt``, ``SystemExit``,
+    ``GeneratorExit``) or a cancellation."""
+    return isinstance(error, Exception) and not isinstance(error, InstanceDownError)
 
 
 @dataclass
@@ -290,7 +296,7 @@ class Executor:
         """The instance's worker loop, until the batcher closes: takes a
         collated batch (the GIL released while it waits and collates), runs
         it, gives its slot back and finishes it."""
-        while (batch := worker.next_batch()) is not None:
+        while self.ready_for_batch() and (batch := worker.next_batch()) is not None:
             started = perf_counter_ns()
             slot = slots[batch.slot]
             self.begin(batch)
@@ -320,6 +326,11 @@ class Executor:
                 self.complete(worker, batch, counters, started, outputs, error, retried)
 
     # -- what each kind supplies --------------------------------------------------------
+
+    def ready_for_batch(self) -> bool:
+        """Called before the worker takes each batch; an instance that cannot
+        run one yet may wait here, leaving the batches to the others. True."""
+        return True
 
     def stage(self, slot: Mapping[str, torch.Tensor], batch: _core.Batch) -> Any:
         """What the model runs on, from a batch's staging slot: the slot itself."""

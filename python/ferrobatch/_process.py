@@ -8,10 +8,18 @@ children once at start: a batch crosses the process boundary as a slot
 index and a row range on a pipe (``("run", slot, start, rows, requests)``),
 its outputs come back in the instance's output buffers, copied out by the
 worker thread before the next batch can overwrite them. A child that
-raises answers ``("error", exception)``; a child that dies (``kill -9``)
-fails the batch it held and is started again, so failure isolation retries
-that batch's requests on the new process. A child whose parent is gone
-reads end-of-file on its pipe and exits.
+raises answers ``("error", exception)``.
+
+A child that dies (``kill -9``) during a batch is replaced, and the batch
+runs once more on the new process (with ``isolate_failures``; a child that
+dies again there fails it, its requests then retried in halves as any
+failed batch). A child found dead between batches is replaced before the
+next one. One that cannot be started fails the batches it takes at once
+(:class:`InstanceDownError`) while no other instance runs; while another
+does, it leaves them the batches and tries again, waiting longer each
+time. A child whose parent is gone reads end-of-file on its pipe and
+exits; it ignores SIGINT, as a terminal's Ctrl-C reaches the whole process
+group: the server decides when its instances stop.
 
 Fixed-shape tensors only; the model must be picklable (``spawn``).
 """
@@ -22,15 +30,20 @@ import logging
 import multiprocessing.connection
 import os
 import pickle
+import signal
+import threading
+import time
 from collections.abc import Mapping, Sequence
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
 import torch.multiprocessing as torch_mp
 
-from ._executor import yield_to_front_end
+from . import _core
+from ._executor import InstanceDownError, Retried, WorkerCounters, yield_to_front_end
 from ._torch import CpuExecutor, adapt_model, inference_mode, normalize_outputs
-from .errors import ModelError
+from .errors import ModelError, ServerClosedError
 from .specs import TensorSpec
 
 log = logging.getLogger("ferrobatch")
@@ -39,6 +52,12 @@ log = logging.getLogger("ferrobatch")
 START_TIMEOUT_S = 120.0
 #: Seconds a child has to exit once told to, before it is killed.
 STOP_TIMEOUT_S = 10.0
+#: Seconds between looks at whether a child still runs while its answer is awaited.
+ANSWER_POLL_S = 0.05
+#: Seconds before a child that could not be started is tried again; doubled
+#: after each failure, up to RESTART_BACKOFF_MAX_S.
+RESTART_BACKOFF_S = 1.0
+RESTART_BACKOFF_MAX_S = 30.0
 
 Slots = Sequence[Mapping[str, torch.Tensor]]
 
@@ -60,9 +79,11 @@ def output_buffers(specs: Sequence[TensorSpec], max_batch_size: int) -> dict[str
 
 
 def _picklable(exc: BaseException) -> BaseException:
-    """``exc``, or a ``RuntimeError`` naming it when it cannot cross the pipe."""
+    """``exc``, or a ``RuntimeError`` naming it when it cannot cross the pipe
+    (rebuilt too: an exception whose ``__init__`` takes other arguments than
+    it passes on pickles, but cannot be rebuilt from its pickle)."""
     try:
-        pickle.dumps(exc)
+        pickle.loads(pickle.dumps(exc))
         return exc
     except Exception:  # noqa: BLE001 - any exception may fail to pickle (or to format)
         try:
@@ -87,6 +108,7 @@ def _child(
     """An instance process: runs the batches its worker thread sends until
     told to stop or its parent is gone (``yields``: as a SCHED_BATCH process,
     as the server's worker threads run beside a native front-end)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the server's to act on
     if cores is not None:
         os.sched_setaffinity(0, cores)
     if yields:
@@ -118,7 +140,11 @@ class ProcessExecutor(CpuExecutor):
     """A CPU instance whose model runs in a child process (see the module
     docstring); :meth:`run` sends a batch there and copies its outputs back,
     so the worker loop, failure isolation, the weight gate's version output
-    and the counts are those of every CPU instance."""
+    and the counts are those of every CPU instance.
+
+    The worker thread starts, replaces and talks to the child; :meth:`stop`
+    comes from another thread, so the child and its pipe change hands under
+    ``_lock``, and a child started after :meth:`stop` is killed at once."""
 
     def __init__(
         self,
@@ -138,15 +164,36 @@ class ProcessExecutor(CpuExecutor):
         self._slot_index: dict[int, int] = {}
         self._out: dict[str, torch.Tensor] = {}
         self._launch_args: tuple[Any, ...] = ()
+        self._lock = threading.Lock()
         self._conn: multiprocessing.connection.Connection | None = None
         self._process: Any = None
+        self._stopped = False
+        #: The server is draining its queue to stop: an instance without a process leaves it to the others.
+        self._closing = False
+        #: Set by closing() and stop(): a worker waiting to try a start again goes on.
+        self._stopping = threading.Event()
+        #: Why the last start failed (None: it did not), and when to try again.
+        self._down: ModelError | None = None
+        self._retry_at = 0.0
+        self._backoff = RESTART_BACKOFF_S
+        #: The server's process instances, this one included: while one of
+        #: the others runs, an instance that cannot start leaves them its batches.
+        self.peers: Sequence[ProcessExecutor] = ()
         #: Child processes started for this instance (1, plus one per restart).
         self.starts = 0
+        #: Batches run again on a new process after theirs died (counted in retry_calls).
+        self.reruns = 0
 
     @property
     def pid(self) -> int | None:
         """The instance's process, while it runs."""
-        return None if self._process is None else int(self._process.pid)
+        process = self._process
+        return None if process is None else int(process.pid)
+
+    @property
+    def up(self) -> bool:
+        """Whether the instance has a process to run batches."""
+        return self._conn is not None
 
     def launch(self, slots: Slots, torch_threads: int, cores: frozenset[int] | None, yields: bool = False) -> None:
         """Starts the child (slots shared already) and waits until it is ready."""
@@ -200,50 +247,173 @@ class ProcessExecutor(CpuExecutor):
                 f"model '{self.server_name}': instance {self.index}'s process exited at start"
                 f" (exit code {process.exitcode}); is the model picklable?"
             ) from exc
-        self._conn, self._process = parent, process
+        with self._lock:
+            if not self._stopped:
+                self._conn, self._process = parent, process
+                return
+        process.kill()  # the server stopped while it started
+        process.join()
+        raise ServerClosedError(f"server '{self.server_name}' stopped")
+
+    def _try_start(self) -> None:
+        """Starts a child; a failure is remembered (``_down``) and the next
+        try put off, longer after each."""
+        try:
+            self._start_child()
+        except ModelError as exc:
+            self._down = exc
+            self._retry_at = time.monotonic() + self._backoff
+            log.error("ferrobatch: model '%s': instance %d could not be restarted (next try in %.0f s): %s",
+                      self.server_name, self.index, self._backoff, exc)  # fmt: skip
+            self._backoff = min(2 * self._backoff, RESTART_BACKOFF_MAX_S)
+        else:
+            self._down, self._backoff = None, RESTART_BACKOFF_S
+
+    def ready_for_batch(self) -> bool:
+        """While this instance has no process and another instance has one,
+        waits to try a start again, leaving the batches to the others; False
+        (its worker ends) if the server drains its queue meanwhile."""
+        while not self.up and not self._stopped and any(p.up for p in self.peers if p is not self):
+            if self._closing:
+                return False
+            wait = self._retry_at - time.monotonic()
+            if wait > 0:
+                self._stopping.wait(wait)
+            else:
+                self._try_start()
+        return True
+
+    def complete(
+        self,
+        worker: _core.Worker,
+        batch: _core.Batch,
+        counters: WorkerCounters,
+        started_ns: int,
+        outputs: Any,
+        error: BaseException | None,
+        retried: Retried | None = None,
+        ring_now: bool = False,
+    ) -> None:
+        """As every instance's, but an instance left without a process wakes
+        the batch's callers at once: it may wait in :meth:`ready_for_batch`
+        before it takes another batch, the call that would ring them."""
+        super().complete(worker, batch, counters, started_ns, outputs, error, retried, ring_now or not self.up)
+
+    def closing(self) -> None:
+        """The server stops taking requests and drains its queue."""
+        self._closing = True
+        self._stopping.set()
+
+    def _live(self) -> tuple[multiprocessing.connection.Connection, Any]:
+        """The child and its pipe, started first if none runs (a child found
+        dead between batches is replaced); :class:`InstanceDownError` when
+        one cannot be started."""
+        with self._lock:
+            if self._stopped:
+                raise ServerClosedError(f"server '{self.server_name}' stopped")
+            conn, process = self._conn, self._process
+        if conn is not None:
+            if process.is_alive():
+                return conn, process
+            self._lost(process, "between batches")
+        if time.monotonic() >= self._retry_at:
+            self._try_start()
+        with self._lock:
+            conn, process = self._conn, self._process
+        if conn is None:
+            raise InstanceDownError(
+                f"model '{self.server_name}': instance {self.index} has no process: {self._down}"
+            ) from self._down
+        return conn, process
 
     def run(self, slot: Mapping[str, torch.Tensor], rows: int, start: int = 0) -> dict[str, torch.Tensor]:
         """The outputs for ``rows`` rows of ``slot`` from ``start``, computed
-        by the instance's process."""
-        conn = self._conn
-        if conn is None:
-            raise ModelError(f"model '{self.server_name}': instance {self.index} has no process")
-        requests = self.requests_of(start, rows)
+        by the instance's process; once more on a new process if it died
+        during the batch (with ``isolate_failures``)."""
+        message = ("run", self._slot_index[id(slot)], start, rows, self.requests_of(start, rows))
         try:
-            conn.send(("run", self._slot_index[id(slot)], start, rows, requests))
-            answer = conn.recv()
-        except (EOFError, OSError) as exc:
-            died = self._restart()
-            raise ModelError(f"model '{self.server_name}': instance {self.index}'s process {died}") from exc
+            answer = self._exchange(message)
+        except _Died as died:
+            if not self.isolate_failures or self._stopped:
+                raise died.error from died.error.__cause__
+            log.warning("ferrobatch: model '%s': the batch runs again on instance %d's new process",
+                        self.server_name, self.index)  # fmt: skip
+            self.reruns += 1
+            try:
+                answer = self._exchange(message)
+            except _Died as again:
+                raise again.error from again.error.__cause__
         if answer[0] == "error":
             raise answer[1]
         # Copied out: the next batch of this instance rewrites the buffers.
         return {name: t[:rows].clone() for name, t in self._out.items()}
 
-    def _restart(self) -> str:
-        """Reaps the dead child and starts another; says what happened."""
-        process, self._conn, self._process = self._process, None, None
-        process.join(STOP_TIMEOUT_S)
-        what = f"(pid {process.pid}) died (exit code {process.exitcode}) during the batch"
-        log.error("ferrobatch: model '%s': instance %d's process %s; starting another", self.server_name,
-                  self.index, what)  # fmt: skip
+    def _exchange(self, message: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Sends ``message`` to the child and returns its answer; :class:`_Died`
+        if the child ended first."""
+        conn, process = self._live()
         try:
-            self._start_child()
-        except ModelError:
-            log.exception("ferrobatch: model '%s': instance %d could not be restarted", self.server_name, self.index)
+            conn.send(message)
+            # The answer, or the child's end: a child killed while a process it
+            # forked keeps the pipe open (and its sentinel: the fork holds that
+            # too) would leave recv() waiting for as long as the fork lives.
+            while not conn.poll(ANSWER_POLL_S):
+                if not process.is_alive():
+                    raise EOFError("the process ended")
+            data = conn.recv_bytes()
+        except (EOFError, OSError) as exc:
+            what = self._lost(process, "during the batch")
+            error = ModelError(f"model '{self.server_name}': instance {self.index}'s process {what}")
+            error.__cause__ = exc
+            raise _Died(error) from exc
+        try:
+            answer: tuple[Any, ...] = ForkingPickler.loads(data)
+        except Exception as exc:  # the model's exception, which cannot be rebuilt here
+            raise ModelError(
+                f"model '{self.server_name}' raised an exception that could not be rebuilt here: {exc!r}"
+            ) from exc
+        return answer
+
+    def _lost(self, process: Any, when: str) -> str:
+        """Forgets a child whose pipe failed, killing it if it still runs,
+        and reaps it; says what happened."""
+        with self._lock:
+            if self._process is process:
+                self._conn, self._process = None, None
+        if process.is_alive():
+            process.kill()  # its pipe failed: it cannot be trusted with another batch
+        process.join(STOP_TIMEOUT_S)
+        what = f"(pid {process.pid}) died (exit code {process.exitcode}) {when}"
+        if not self._stopped:
+            log.error("ferrobatch: model '%s': instance %d's process %s; starting another",
+                      self.server_name, self.index, what)  # fmt: skip
         return what
 
-    def stop(self) -> None:
-        """Tells the child to stop, and reaps it (killed if it does not go)."""
-        conn, process, self._conn, self._process = self._conn, self._process, None, None
+    def stop(self, wait: bool = True) -> None:
+        """Tells the child to stop and reaps it (killed if it does not go
+        within ``STOP_TIMEOUT_S``); without ``wait`` (the server's stop
+        timed out, a batch may still be running there) killed at once.
+        Idempotent; no child is started after it."""
+        with self._lock:
+            self._stopped = True
+            conn, process, self._conn, self._process = self._conn, self._process, None, None
+        self._stopping.set()
         if process is None:
             return
-        try:
-            if conn is not None:
+        if wait and conn is not None:
+            try:
                 conn.send(("stop",))
-        except (EOFError, OSError):
-            pass
-        process.join(STOP_TIMEOUT_S)
+            except (EOFError, OSError):
+                pass
+            process.join(STOP_TIMEOUT_S)
         if process.is_alive():
             process.kill()
-            process.join()
+        process.join()
+
+
+class _Died(Exception):
+    """The child ended during an exchange; ``error`` is what its batch gets."""
+
+    def __init__(self, error: ModelError) -> None:
+        super().__init__(str(error))
+        self.error = error

@@ -44,6 +44,16 @@ class RequestInfo:
     absent: frozenset[str] = frozenset()
     queued_ns: int = field(default=0, compare=False)  # a measurement, not what the request is
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # Sent to instance processes: the read-only view of no parameters does not pickle.
+        return _request_info, (self.rows, dict(self.parameters), self.priority, self.absent, self.queued_ns)
+
+
+def _request_info(
+    rows: int, parameters: dict[str, Any], priority: int, absent: frozenset[str], queued_ns: int
+) -> RequestInfo:
+    return RequestInfo(rows, parameters or _NONE, priority, absent, queued_ns)
+
 
 def request_infos(
     entries: Sequence[tuple[int, str | None, int, int, int]], input_names: Sequence[str] = ()

@@ -23,7 +23,8 @@ and prometheus_client's ``process_*``:
 - ``nv_inference_compute_infer_duration_us``: summed model-call time, counted
   once per request of each batch, as Triton counts it;
 - ``nv_inference_pending_request_count``: requests waiting now (a gauge);
-- ``ferrobatch_retry_calls``: model calls made to isolate failures
+- ``ferrobatch_retry_calls``: model calls made to isolate failures, and batches
+  run again on an instance process started after theirs died
   (``isolate_failures``; Triton has no such metric);
 - ``ferrobatch_isolated_failures``: requests that failed in a model call of
   their own once a failed batch was split;

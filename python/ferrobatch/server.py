@@ -183,7 +183,7 @@ class Server:
             event loop and the native front-end), shared among the CPU
             instances, at least 1, at most ``torch.get_num_threads()``.
             ``stats()["torch_threads"]`` and the start-up log (``ferrobatch``
-            logger, INFO) say what was picked.
+            logger, INFO) say what was picked. At most 1024.
         cpu_affinity: one set of core numbers per instance (``[{0, 1},
             {2, 3}]``): each instance's worker thread(s), and the torch
             intra-op threads they start, run on its set only, and its
@@ -221,9 +221,13 @@ class Server:
             in a child process of its own (``spawn``; the model must be
             picklable), past the GIL, fed through shared memory (the staging
             slots and its output buffers; a batch crosses as a slot index on
-            a pipe). A child that dies fails only the batch it held (with
-            ``isolate_failures``, its requests are retried on the instance's
-            new process) and is started again. CPU, fixed-shape tensors only;
+            a pipe). A child that dies is started again; the batch it held
+            fails (with ``isolate_failures``, it runs once more on the new
+            process first), and one found dead between batches is replaced
+            before the next. An instance whose process cannot be started
+            leaves the batches to the others, trying again after 1, 2, 4, ...
+            30 s; with no other instance running, the batches it takes fail at
+            once. CPU, fixed-shape tensors only;
             no warm-up, invariance sampling or weight updates (the weights
             live in the children). ``cpu_affinity`` and ``torch_threads``
             apply to each child.
@@ -311,8 +315,14 @@ class Server:
         self.default_priority = default_priority
         self.max_priority_wait = max_priority_wait
         self.with_requests = bool(with_requests)
-        if torch_threads is not None and (not isinstance(torch_threads, int) or torch_threads < 1):
-            raise ValueError(f"torch_threads must be an int >= 1 or None, got {torch_threads!r}")
+        if torch_threads is not None and (
+            not isinstance(torch_threads, int)
+            or isinstance(torch_threads, bool)
+            or not 1 <= torch_threads <= MAX_TORCH_THREADS
+        ):
+            raise ValueError(
+                f"torch_threads must be an int from 1 to {MAX_TORCH_THREADS} or None, got {torch_threads!r}"
+            )
         self._torch_threads_given = torch_threads
         self.cpu_affinity = _check_affinity(cpu_affinity, len(self._models))
         #: torch intra-op threads of each instance's worker, as picked at start (0 before).
@@ -630,10 +640,13 @@ class Server:
                         executor.launch, self._slots, torch_threads, cores, self.workers_yield
                     )
         except BaseException:
-            await anyio.to_thread.run_sync(self._stop_processes)
+            await anyio.to_thread.run_sync(self._stop_processes, False)
             self._batcher.close()
             self._batcher, self._phase = None, "created"
             raise
+        in_processes = [e for e in executors if isinstance(e, ProcessExecutor)]
+        for executor in in_processes:
+            executor.peers = in_processes
         for i, executor in enumerate(executors):
             counters = WorkerCounters()
             self._counters.append(counters)
@@ -684,13 +697,19 @@ class Server:
         self._submitter.accept(None)
         assert self._batcher is not None
         self._batcher.close()
+        for executor in self._executors:
+            if isinstance(executor, ProcessExecutor):
+                executor.closing()
         with anyio.move_on_after(math.inf if timeout is None else timeout):
             await _joined(self._threads)
-        await anyio.to_thread.run_sync(self._stop_processes)
+        joined = not any(thread.is_alive() for thread in self._threads)
         message = f"server '{self.name}' stopped before the request could run"
         self._loops.fail_all(message)
         for shared in self._shared:
             await anyio.to_thread.run_sync(shared._close, message)
+        # Last: the callers of a batch still in an instance process when the
+        # wait ran out have their ServerClosedError, not the process's end.
+        await anyio.to_thread.run_sync(self._stop_processes, joined)
         for sampler in self._samplers:
             await anyio.to_thread.run_sync(sampler.stop)
         self._phase = "stopped"
@@ -794,10 +813,11 @@ class Server:
         self._shared.append(shared)
         return shared
 
-    def _stop_processes(self) -> None:
+    def _stop_processes(self, wait: bool = True) -> None:
+        """Stops the instance processes; without ``wait``, at once."""
         for executor in self._executors:
             if isinstance(executor, ProcessExecutor):
-                executor.stop()
+                executor.stop(wait)
 
     def _native_parts(self) -> tuple[_core.Batcher, _core.LoopRegistry]:
         """The batcher and the loop registry (the owner of this server's
@@ -879,7 +899,8 @@ class Server:
         it, so an event-loop caller cancelled in that same instant is in
         them and counted cancelled); ``failed_batches`` (batches whose
         model call raised); with ``isolate_failures``, ``retry_calls`` (model
-        calls made to isolate failures) and ``isolated_failures`` (requests
+        calls made to isolate failures, and batches run again on an instance
+        process started after theirs died) and ``isolated_failures`` (requests
         that failed in a call of their own); ``batch_sizes`` (batches by
         their number of rows, ``{rows: batches}``, summing to ``batches``
         once they have finished) and ``batch_compute_ns`` (``compute_ns`` by
@@ -921,7 +942,8 @@ class Server:
             "request_durations_us": dict(zip([*_core.REQUEST_BOUNDS_US, math.inf], request_buckets, strict=True)),
             "failed_batches": sum(c.failed_batches for c in self._counters),
             "isolated_failures": sum(c.isolated_failures for c in self._counters),
-            "retry_calls": sum(c.retry_calls for c in self._counters),
+            "retry_calls": sum(c.retry_calls for c in self._counters)
+            + sum(e.reruns for e in self._executors if isinstance(e, ProcessExecutor)),
             "invariance_checks": summed(self._samplers)[0],
             "invariance_mismatches": summed(self._samplers)[1],
             "torch_threads": self.torch_threads,
@@ -987,6 +1009,10 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+#: The most torch intra-op threads an instance may be given: past it, a
+#: typo (or 10**9) would have OpenMP start threads until the process fails.
+MAX_TORCH_THREADS = 1024
+
 #: Cores the native front-end's runtime threads hold in this process (its
 #: listeners add theirs while they run): the models' thread budget leaves them.
 _front_end_cores = 0
@@ -1032,11 +1058,14 @@ def _worker_thread(
     each interruption two context switches; the worker now runs when the
     front-end waits, or at the next scheduler tick. Its share of the core is
     unchanged, and on a core of its own it runs at once."""
-    if cores is not None:
-        os.sched_setaffinity(0, cores)  # this thread (Linux), and the OpenMP threads it starts
-    if yields:
-        yield_to_front_end()
-    torch.set_num_threads(threads)
+    try:
+        if cores is not None:
+            os.sched_setaffinity(0, cores)  # this thread (Linux), and the OpenMP threads it starts
+        if yields:
+            yield_to_front_end()
+        torch.set_num_threads(threads)
+    except Exception:  # a worker that did not start would leave its requests waiting
+        log.exception("ferrobatch: worker %s runs without its cores or threads", threading.current_thread().name)
     target(*args)
 
 
