@@ -678,6 +678,6 @@ def test_a_stream_bound_below_one_byte_is_refused_where_it_is_given() -> None:
     server = fb.Server(counting(2), inputs=[X], outputs=[Y], decoupled=True)
     with pytest.raises(ValueError, match="max_stream_backlog must be an int >= 1"):
         fb.Server(counting(2), inputs=[X], outputs=[Y], decoupled=True, max_stream_backlog=0)
-    with pytest.raises(ValueError, match="max_stream_backlog must be an int >= 1"):
+    with pytest.raises(ValueError, match="max_stream_backlog must be an int from 1"):
         with serve_in_thread([server], replace(CONFIG, max_stream_backlog=-1)):
             pass

@@ -221,6 +221,61 @@ class ServeConfig:
     gpu_metrics: bool = True
 
 
+#: Bounds of ServeConfig's numbers: each is checked before anything is
+#: started or allocated (a thread count of 10**9 would be attempted).
+MAX_FRONT_END_THREADS = 1024
+MAX_CONNECTIONS = 1 << 20
+MAX_STREAMS = 1 << 20
+MAX_BYTES_LIMIT = 1 << 40
+MAX_SECONDS = 1e9
+
+
+def check_config(config: ServeConfig) -> None:
+    """Refuses a config :func:`serve` cannot honour, naming the field, what
+    it must be and what it was (``ValueError``)."""
+
+    def whole(name: str, low: int, high: int, *, optional: bool = False, what: str = "") -> None:
+        value = getattr(config, name)
+        if optional and value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            none = " or None" if optional else ""
+            raise ValueError(f"{name} must be an int from {low} to {high}{what}{none}, got {value!r}")
+
+    def seconds(name: str, *, zero: bool = True, optional: bool = False) -> None:
+        value = getattr(config, name)
+        if optional and value is None:
+            return
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok or not (value >= 0 if zero else value > 0) or value > MAX_SECONDS:
+            low = ">= 0" if zero else "> 0"
+            raise ValueError(f"{name} must be {low} and at most {MAX_SECONDS:.0e} seconds, got {value!r}")
+
+    if config.http_port is None and config.grpc_port is None:
+        raise ValueError("nothing to serve: both the HTTP and the gRPC endpoint are disabled")
+    if config.frontend not in ("native", "python"):
+        raise ValueError(f"frontend must be 'native' or 'python', got {config.frontend!r}")
+    forwarding = config.http_header_forward_pattern is not None or config.grpc_header_forward_pattern is not None
+    if forwarding and config.frontend != "native":
+        raise ValueError("header forwarding (http/grpc_header_forward_pattern) needs frontend='native'")
+    for port in ("http_port", "grpc_port", "metrics_port"):
+        whole(port, 0, 65535, optional=True, what=" (a port; 0 picks a free one)")
+    whole("threads", 1, MAX_FRONT_END_THREADS, optional=True)
+    whole("max_connections", 1, MAX_CONNECTIONS)
+    whole("max_streams", 1, MAX_STREAMS)
+    for size in ("max_body_size", "max_decompressed_size", "max_stream_backlog"):
+        whole(size, 1, MAX_BYTES_LIMIT, what=" (bytes)")
+    for name in ("header_timeout", "body_timeout", "idle_timeout"):
+        seconds(name, zero=False)
+    seconds("keepalive_interval")  # 0: no pings
+    seconds("graceful_timeout")
+    seconds("drain_delay")
+    if config.switch_interval is not None and not (
+        isinstance(config.switch_interval, (int, float)) and 0 < config.switch_interval <= 1
+    ):
+        raise ValueError(f"switch_interval must be > 0 and at most 1 second, or None, got {config.switch_interval!r}")
+
+
 class _Repository(ModelRepository):
     """A repository whose readiness can be turned off while requests are
     still served (the drain delay)."""
@@ -260,21 +315,7 @@ async def serve(
     ``on_ready`` is called once every server is ready.
     """
     config = config or ServeConfig()
-    if config.http_port is None and config.grpc_port is None:
-        raise ValueError("nothing to serve: both the HTTP and the gRPC endpoint are disabled")
-    if config.threads is not None and config.threads < 1:
-        raise ValueError(f"threads must be at least 1, got {config.threads}")
-    if config.frontend not in ("native", "python"):
-        raise ValueError(f"frontend must be 'native' or 'python', got {config.frontend!r}")
-    forwarding = config.http_header_forward_pattern is not None or config.grpc_header_forward_pattern is not None
-    if forwarding and config.frontend != "native":
-        raise ValueError("header forwarding (http/grpc_header_forward_pattern) needs frontend='native'")
-    if not isinstance(config.max_stream_backlog, int) or config.max_stream_backlog < 1:
-        raise ValueError(f"max_stream_backlog must be an int >= 1 (bytes), got {config.max_stream_backlog!r}")
-    if config.metrics_port is not None and not 0 <= config.metrics_port <= 65535:
-        raise ValueError(f"metrics_port must be a port number (0-65535) or None, got {config.metrics_port!r}")
-    if not (config.drain_delay >= 0 and math.isfinite(config.drain_delay)):
-        raise ValueError(f"drain_delay must be a number of seconds >= 0, got {config.drain_delay!r}")
+    check_config(config)
     repository = _Repository(
         servers, expose_errors=config.expose_errors, cpu_metrics=config.cpu_metrics, gpu_metrics=config.gpu_metrics
     )
@@ -684,6 +725,7 @@ def run(
     """Blocking :func:`serve` on a fresh event loop (uvloop when installed and
     ``loop`` is "auto" or "uvloop"). Returns the process exit status."""
     config = config or ServeConfig()
+    check_config(config)
     if config.switch_interval is not None:
         sys.setswitchinterval(config.switch_interval)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -719,7 +761,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-grpc", action="store_true", help="serve HTTP only")
     parser.add_argument(
         "--graceful-timeout",
-        type=float,
+        type=_seconds,
         default=30.0,
         help="seconds to wait for accepted requests on shutdown; those still waiting then"
         " get 503 / UNAVAILABLE (default 30)",
@@ -735,7 +777,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--threads",
-        type=_size,
+        type=_count,
         default=None,
         metavar="N",
         help="native front-end: runtime threads, across which connections spread (default: half"
@@ -743,14 +785,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-connections",
-        type=_size,
+        type=_count,
         default=10_000,
         metavar="N",
         help="native front-end: connections open at once; a new one beyond is closed at once (default 10000)",
     )
     parser.add_argument(
         "--max-streams",
-        type=_size,
+        type=_count,
         default=1024,
         metavar="N",
         help="native front-end: HTTP/2 (h2c, gRPC) streams in flight per connection (default 1024)",
@@ -868,6 +910,16 @@ def _size(text: str) -> int:
     return value
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -894,20 +946,6 @@ def main(args: argparse.Namespace) -> int:
     problem = check_arguments(args)
     if problem is not None:
         print(f"ferrobatch serve: error: {problem}", file=sys.stderr)
-        return 2
-    # As `python -m` does: a target module in the current directory imports
-    # (the `ferrobatch` script's own directory is first on sys.path instead).
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        if args.demo:
-            from .demo import make_demo_server
-
-            servers = [make_demo_server()]
-        else:
-            servers = load_servers(args.target)
-    except (ValueError, ImportError) as exc:
-        print(f"ferrobatch serve: {exc}", file=sys.stderr)
         return 2
     config = ServeConfig(
         host=args.host,
@@ -937,6 +975,25 @@ def main(args: argparse.Namespace) -> int:
         cpu_metrics=not args.no_cpu_metrics,
         gpu_metrics=not args.no_gpu_metrics,
     )
+    try:
+        check_config(config)
+    except ValueError as exc:
+        print(f"ferrobatch serve: error: {exc}", file=sys.stderr)
+        return 2
+    # As `python -m` does: a target module in the current directory imports
+    # (the `ferrobatch` script's own directory is first on sys.path instead).
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        if args.demo:
+            from .demo import make_demo_server
+
+            servers = [make_demo_server()]
+        else:
+            servers = load_servers(args.target)
+    except (ValueError, ImportError) as exc:
+        print(f"ferrobatch serve: {exc}", file=sys.stderr)
+        return 2
     try:
         return run(servers, config, loop=args.loop)
     except (StartupError, ValueError) as exc:

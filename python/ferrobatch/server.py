@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import operator
 import os
 import queue
 import threading
@@ -335,30 +336,35 @@ class Server:
         self.batching = bool(batching)
         if not self.batching:  # one request per model call, at once
             max_batch_size, max_delay, min_batch_size, preferred_batch_sizes = 1, 0.0, 1, ()
-        if not isinstance(max_batch_size, int) or max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
+        if not _whole(max_batch_size, 1, MAX_BATCH_SIZE):
+            raise ValueError(f"max_batch_size must be an int from 1 to {MAX_BATCH_SIZE}, got {max_batch_size!r}")
         if delay_from not in ("request", "free_worker"):
             raise ValueError(f"delay_from must be 'request' or 'free_worker', got {delay_from!r}")
         self.delay_from = delay_from
         self.adaptive_delay = max_delay == "auto"
         if self.adaptive_delay:
             max_delay = max_delay_cap
-        if not (isinstance(max_delay, (int, float)) and math.isfinite(max_delay) and max_delay >= 0):
+        if not (
+            isinstance(max_delay, (int, float))
+            and not isinstance(max_delay, bool)
+            and math.isfinite(max_delay)
+            and max_delay >= 0
+        ):
             what = "max_delay_cap" if self.adaptive_delay else "max_delay"
             raise ValueError(f"{what} must be >= 0 seconds (or max_delay='auto'), got {max_delay!r}")
-        if not isinstance(min_batch_size, int) or not 1 <= min_batch_size <= max_batch_size:
+        if not _whole(min_batch_size, 1, max_batch_size):
             raise ValueError(f"min_batch_size must be in 1..{max_batch_size}, got {min_batch_size!r}")
-        bad = [s for s in preferred_batch_sizes if not 1 <= s <= max_batch_size]
+        bad = [s for s in preferred_batch_sizes if not _whole(s, 1, max_batch_size)]
         if bad:
             raise ValueError(f"preferred_batch_sizes must be in 1..{max_batch_size}, got {bad}")
-        if not isinstance(max_queue_size, int) or max_queue_size < 1:
-            raise ValueError(f"max_queue_size must be an int >= 1, got {max_queue_size!r}")
+        if not _whole(max_queue_size, 1, MAX_QUEUE_SIZE):
+            raise ValueError(f"max_queue_size must be an int from 1 to {MAX_QUEUE_SIZE}, got {max_queue_size!r}")
         self.name = name
         self.max_batch_size = max_batch_size
-        if max_batch_elements is not None and (
-            not isinstance(max_batch_elements, int) or isinstance(max_batch_elements, bool) or max_batch_elements < 1
-        ):
-            raise ValueError(f"max_batch_elements must be an int >= 1 or None, got {max_batch_elements!r}")
+        if max_batch_elements is not None and not _whole(max_batch_elements, 1, MAX_BATCH_ELEMENTS):
+            raise ValueError(
+                f"max_batch_elements must be an int from 1 to {MAX_BATCH_ELEMENTS} or None, got {max_batch_elements!r}"
+            )
         # BYTES or variable-length tensors: collated by layout, run on CPU;
         # a decoupled model runs on the same executor, which streams.
         self._variable = is_variable(self.inputs) or is_variable(self.outputs) or self.decoupled
@@ -565,6 +571,7 @@ class Server:
         """
         if self._phase != "created":
             raise RuntimeError(f"server '{self.name}' was already started")
+        self._check_staging_fits()
         self._phase = "starting"
         try:
             # Off the event loop: warm-up may compile and capture for seconds.
@@ -576,41 +583,47 @@ class Server:
             log.warning("ferrobatch: model '%s' runs eagerly: %s", self.name, capture_failures)
             cuda_graph_fallback_warning(self.name, capture_failures)
         self._executors = executors
-        pin = any(d.type == "cuda" for d in self.devices)
-        # Per CPU instance, two slots: one being collated while another runs.
-        # Per CUDA instance, one for each batch it may hold (IN_FLIGHT).
-        per_instance = [IN_FLIGHT if isinstance(e, CudaExecutor) else 2 for e in executors]
-        if self._variable:
-            elements = self.max_batch_elements or 0
-            self._slots = [variable_slot(self.inputs, self.max_batch_size, elements) for _ in range(sum(per_instance))]
-            slots = [list(slot.values()) for slot in self._slots]
-        else:
-            slots = [allocate_slot(self.inputs, self.max_batch_size, pin) for _ in range(sum(per_instance))]
-            self._slots = [{s.name: t for s, t in zip(self.inputs, slot)} for slot in slots]
-        if self.instance_kind == "process":
-            share_slots(self._slots)  # before the batcher takes their addresses
-        self._batcher = _core.Batcher(
-            [(s.name, s.dtype, core_shape(s), None if s.is_bytes else s.torch_dtype) for s in self.inputs],
-            slots,
-            layouts=layouts(self.inputs),
-            max_batch_elements=self.max_batch_elements,
-            padded_dims=padded_dims(self.inputs),
-            tensor_type=torch.Tensor,
-            coerce=make_coerce(self.inputs),
-            max_batch_size=self.max_batch_size,
-            max_delay=self.max_delay,
-            min_batch_size=self.min_batch_size,
-            preferred_batch_sizes=list(self.preferred_batch_sizes),
-            max_queue_size=self.max_queue_size,
-            workers=len(self._models),
-            adaptive=self.adaptive_delay,
-            delay_from_free_worker=self.delay_from == "free_worker",
-            priority_levels=self.priority_levels,
-            default_priority=self.default_priority,
-            max_priority_wait=self.max_priority_wait,
-            keep_parameters=self.with_requests,  # others never carry a request's parameters
-            optional=[s.optional for s in self.inputs],
-        )
+        try:
+            pin = any(d.type == "cuda" for d in self.devices)
+            # Per CPU instance, two slots: one being collated while another runs.
+            # Per CUDA instance, one for each batch it may hold (IN_FLIGHT).
+            per_instance = [IN_FLIGHT if isinstance(e, CudaExecutor) else 2 for e in executors]
+            if self._variable:
+                elements = self.max_batch_elements or 0
+                self._slots = [
+                    variable_slot(self.inputs, self.max_batch_size, elements) for _ in range(sum(per_instance))
+                ]
+                slots = [list(slot.values()) for slot in self._slots]
+            else:
+                slots = [allocate_slot(self.inputs, self.max_batch_size, pin) for _ in range(sum(per_instance))]
+                self._slots = [{s.name: t for s, t in zip(self.inputs, slot)} for slot in slots]
+            if self.instance_kind == "process":
+                share_slots(self._slots)  # before the batcher takes their addresses
+            self._batcher = _core.Batcher(
+                [(s.name, s.dtype, core_shape(s), None if s.is_bytes else s.torch_dtype) for s in self.inputs],
+                slots,
+                layouts=layouts(self.inputs),
+                max_batch_elements=self.max_batch_elements,
+                padded_dims=padded_dims(self.inputs),
+                tensor_type=torch.Tensor,
+                coerce=make_coerce(self.inputs),
+                max_batch_size=self.max_batch_size,
+                max_delay=self.max_delay,
+                min_batch_size=self.min_batch_size,
+                preferred_batch_sizes=list(self.preferred_batch_sizes),
+                max_queue_size=self.max_queue_size,
+                workers=len(self._models),
+                adaptive=self.adaptive_delay,
+                delay_from_free_worker=self.delay_from == "free_worker",
+                priority_levels=self.priority_levels,
+                default_priority=self.default_priority,
+                max_priority_wait=self.max_priority_wait,
+                keep_parameters=self.with_requests,  # others never carry a request's parameters
+                optional=[s.optional for s in self.inputs],
+            )
+        except BaseException:
+            self._executors, self._slots, self._phase = [], [], "created"
+            raise
         self._token = anyio.lowlevel.current_token()
         # torch's intra-op thread count is per OpenMP thread once set: each
         # worker is pinned to the budget, whatever ran before on its thread.
@@ -813,6 +826,28 @@ class Server:
         self._shared.append(shared)
         return shared
 
+    def _check_staging_fits(self) -> None:
+        """Refuses, before anything is allocated, staging slots larger than
+        the machine's memory (``max_batch_size`` rows of each input, or
+        ``max_batch_elements`` of a variable-length one, per slot)."""
+        per_slot = 0
+        for spec in self.inputs:
+            if spec.is_bytes:
+                continue  # held by the requests, not staged
+            itemsize = spec.torch_dtype.itemsize
+            if spec.is_ragged or spec.is_padded_nd:
+                per_slot += (self.max_batch_elements or 0) * itemsize + 8 * (self.max_batch_size + 1) * len(spec.shape)
+            else:
+                per_slot += self.max_batch_size * math.prod(spec.shape) * itemsize
+        slots = sum(IN_FLIGHT if d.type == "cuda" else 2 for d in self.devices)
+        memory = _physical_memory()
+        if memory is not None and per_slot * slots > memory:
+            raise ValueError(
+                f"model '{self.name}': {slots} staging slots of {per_slot} bytes (max_batch_size {self.max_batch_size}"
+                f", max_batch_elements {self.max_batch_elements}) would take more than this machine's memory"
+                f" ({memory} bytes)"
+            )
+
     def _stop_processes(self, wait: bool = True) -> None:
         """Stops the instance processes; without ``wait``, at once."""
         for executor in self._executors:
@@ -1009,6 +1044,26 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+#: Bounds of the batching sizes, checked before anything is allocated (the
+#: staging slots hold max_batch_size rows; the queue's room, max_queue_size).
+MAX_BATCH_SIZE = 1 << 20
+MAX_QUEUE_SIZE = 1 << 20
+MAX_BATCH_ELEMENTS = 1 << 32
+
+
+def _physical_memory() -> int | None:
+    """The machine's memory in bytes, where the OS says (None elsewhere)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _whole(value: object, low: int, high: int) -> bool:
+    """Whether ``value`` is an int (not a bool) from ``low`` to ``high``."""
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
 #: The most torch intra-op threads an instance may be given: past it, a
 #: typo (or 10**9) would have OpenMP start threads until the process fails.
 MAX_TORCH_THREADS = 1024
@@ -1075,7 +1130,10 @@ def _check_affinity(cpu_affinity: Sequence[Iterable[int]] | None, instances: int
         return None
     if not hasattr(os, "sched_setaffinity"):
         raise ValueError("cpu_affinity needs os.sched_setaffinity (Linux)")
-    sets = [frozenset(int(c) for c in cores) for cores in cpu_affinity]
+    try:  # core numbers, not anything int() takes (0.5, "01")
+        sets = [frozenset(operator.index(c) for c in cores) for cores in cpu_affinity]
+    except TypeError as exc:
+        raise ValueError(f"cpu_affinity must be sets of core numbers (ints), got {cpu_affinity!r}") from exc
     if len(sets) != instances:
         raise ValueError(f"cpu_affinity gives {len(sets)} core sets for {instances} instance(s); give one each")
     usable = os.sched_getaffinity(0)

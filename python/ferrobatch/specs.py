@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,8 @@ def dtype_name(dtype: Any) -> str:
 
 
 _RAGGED_MODES = ("pad", "jagged")
+#: The most elements one row of a tensor may hold (2**40: 4 TiB of float32).
+MAX_ROW_ELEMENTS = 1 << 40
 _MAX_VARIABLE_DIMS = 4  # as the core's MAX_VARIABLE_DIMS
 
 
@@ -100,6 +103,11 @@ class TensorSpec:
                     f"TensorSpec {self.name!r}: dimensions must be non-negative ints or -1 (a variable length),"
                     f" got {shape}"
                 )
+        elements = math.prod(d for d in shape if d > 0)
+        if elements > MAX_ROW_ELEMENTS:
+            raise ValueError(
+                f"TensorSpec {self.name!r}: shape {shape} holds {elements} elements per row, over {MAX_ROW_ELEMENTS}"
+            )
         object.__setattr__(self, "shape", shape)
         variable = -1 in shape
         if self.ragged is not None and self.ragged not in _RAGGED_MODES:

@@ -381,6 +381,11 @@ class Triton:
         _refuse_unsupported(model_name, config)
         policy = batcher.default_queue_policy
         kwargs: dict[str, Any] = {}
+        if policy is not None and policy.max_queue_size < 0:
+            raise PyTritonModelConfigError(
+                f"model '{model_name}': default_queue_policy.max_queue_size must be >= 0 (0: the default),"
+                f" got {policy.max_queue_size}"
+            )
         if policy is not None and policy.max_queue_size > 0:
             kwargs["max_queue_size"] = policy.max_queue_size
         if batcher.priority_levels > 1:  # one level is none, as in Triton

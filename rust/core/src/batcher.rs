@@ -14,6 +14,10 @@ use crate::{
     RequestQueue, RequestState, Routes, Sink, SlotBuffer, StagingRing,
 };
 
+/// The most requests a batcher's queue may hold: its channels are sized
+/// for them up front (twice over, for withdrawn ones).
+pub const MAX_QUEUE_SIZE: usize = 1 << 20;
+
 #[derive(Debug, Clone)]
 pub struct BatcherConfig {
     pub rule: DispatchRule,
@@ -135,10 +139,11 @@ pub struct Batcher {
 
 impl Batcher {
     pub fn new(config: BatcherConfig, slots: Vec<Vec<SlotBuffer>>) -> Result<Batcher, CoreError> {
-        if config.max_queue_size == 0 {
-            return Err(CoreError::InvalidConfig(
-                "max_queue_size must be at least 1".into(),
-            ));
+        if config.max_queue_size == 0 || config.max_queue_size > MAX_QUEUE_SIZE {
+            return Err(CoreError::InvalidConfig(format!(
+                "max_queue_size must be from 1 to {MAX_QUEUE_SIZE}, got {}",
+                config.max_queue_size
+            )));
         }
         if config.workers == 0 {
             return Err(CoreError::InvalidConfig(
@@ -876,6 +881,29 @@ mod tests {
         Priorities {
             levels: n,
             max_wait,
+        }
+    }
+
+    #[test]
+    fn a_queue_past_its_bound_is_refused_before_anything_is_allocated() {
+        for queue in [0, MAX_QUEUE_SIZE + 1, usize::MAX] {
+            let config = BatcherConfig {
+                rule: DispatchRule::new(2, Duration::ZERO, 1, vec![]).unwrap(),
+                row_nbytes: vec![ROW],
+                max_queue_size: queue,
+                workers: 1,
+                readiness: Readiness::OnPush,
+                layouts: Vec::new(),
+                max_batch_elements: None,
+                bytes_limits: BytesLimits::default(),
+                priorities: Priorities::NONE,
+                default_priority: None,
+            };
+            let refused = Batcher::new(config, Vec::new()).err();
+            assert!(
+                matches!(&refused, Some(CoreError::InvalidConfig(m)) if m.starts_with("max_queue_size must be from 1 to")),
+                "{queue}: {refused:?}"
+            );
         }
     }
 

@@ -116,8 +116,11 @@ struct Lane {
 
 impl Lane {
     fn new(capacity: usize, extra: usize) -> Lane {
-        let room = (2 * capacity).max(capacity + 1024);
-        let (tx, rx) = crossbeam_channel::bounded(room + extra);
+        // Bounded by the batcher (MAX_QUEUE_SIZE); saturating all the same.
+        let room = capacity
+            .saturating_mul(2)
+            .max(capacity.saturating_add(1024));
+        let (tx, rx) = crossbeam_channel::bounded(room.saturating_add(extra));
         Lane {
             tx,
             rx,

@@ -319,7 +319,7 @@ impl NativeFrontend {
             threads,
             max_body_size,
             max_decompressed_size,
-            max_connections: max_connections.max(1),
+            max_connections,
             max_streams,
             header_timeout: seconds("header_timeout", header_timeout)?,
             body_timeout: seconds("body_timeout", body_timeout)?,
@@ -331,6 +331,7 @@ impl NativeFrontend {
             grpc_header_forward_pattern: pattern(grpc_header_forward_pattern)?,
             max_stream_backlog,
         };
+        config.check().map_err(PyValueError::new_err)?;
         let listen = Listen {
             http: port.map(|port| SocketAddr::new(ip, port)),
             grpc: grpc_port.map(|port| SocketAddr::new(ip, port)),

@@ -93,6 +93,34 @@ pub struct Config {
     pub max_stream_backlog: usize,
 }
 
+/// The most runtime threads a front-end may have.
+pub const MAX_THREADS: usize = 1024;
+/// The most connections a front-end may hold open at once.
+pub const MAX_CONNECTIONS: usize = 1 << 20;
+
+impl Config {
+    /// What is wrong with these numbers (each bounded before anything is
+    /// started or allocated), or nothing.
+    pub fn check(&self) -> Result<(), String> {
+        if !(1..=MAX_THREADS).contains(&self.threads) {
+            return Err(format!(
+                "threads must be from 1 to {MAX_THREADS}, got {}",
+                self.threads
+            ));
+        }
+        if !(1..=MAX_CONNECTIONS).contains(&self.max_connections) {
+            return Err(format!(
+                "max_connections must be from 1 to {MAX_CONNECTIONS}, got {}",
+                self.max_connections
+            ));
+        }
+        if self.max_streams == 0 {
+            return Err("max_streams must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
 /// A header-forwarding pattern: a regular expression found anywhere in a
 /// header's name, ignoring case (header names are case-insensitive), as
 /// Triton's `--http-header-forward-pattern` matches.
@@ -263,6 +291,9 @@ impl Frontend {
         config: Config,
         fallback: Arc<dyn Fallback>,
     ) -> io::Result<Frontend> {
+        config
+            .check()
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
         let listen = listen.into();
         let http = bind(listen.http, "HTTP")?;
         let grpc = bind(listen.grpc, "gRPC")?;
@@ -909,6 +940,60 @@ impl AsyncWrite for FirstBytes {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn numbers_past_their_bounds_are_refused_before_the_front_end_starts() {
+        assert_eq!(Config::default().check(), Ok(()));
+        let cases = [
+            (
+                Config {
+                    threads: 0,
+                    ..Config::default()
+                },
+                "threads must be from 1 to 1024, got 0",
+            ),
+            (
+                Config {
+                    threads: 1_000_000_000,
+                    ..Config::default()
+                },
+                "threads must be from 1 to 1024, got 1000000000",
+            ),
+            (
+                // tokio's semaphore would panic past its MAX_PERMITS.
+                Config {
+                    max_connections: 1 << 63,
+                    ..Config::default()
+                },
+                "max_connections must be from 1 to 1048576, got 9223372036854775808",
+            ),
+            (
+                Config {
+                    max_streams: 0,
+                    ..Config::default()
+                },
+                "max_streams must be at least 1",
+            ),
+        ];
+        for (config, message) in cases {
+            assert_eq!(config.check(), Err(message.to_owned()));
+            let refused = Frontend::start(Listen::default(), config, Arc::new(Nothing)).err();
+            assert_eq!(refused.map(|e| e.to_string()), Some(message.to_owned()));
+        }
+    }
+
+    /// A fallback never called: the front-end does not start.
+    struct Nothing;
+
+    impl Fallback for Nothing {
+        fn call(
+            &self,
+            _: crate::http::FallbackRequest,
+            _: oneshot::Sender<crate::http::FallbackResponse>,
+        ) -> Option<crate::http::Withdraw> {
+            None
+        }
+    }
 
     /// A task busy with local work: it wakes itself on every poll (as a
     /// connection whose reads keep coming does), counting its polls.
