@@ -420,6 +420,7 @@ def test_a_killed_process_whose_helper_keeps_its_pipe_is_noticed(isolate: bool) 
         assert answer["y"].tolist() == [2.0] * 8  # type: ignore[index]
     else:
         assert isinstance(answer, fb.ModelError) and "died" in str(answer), answer
+        assert str(answer).startswith("model 'forking': instance 0's process (pid"), answer  # named once
     assert took < 4 and after == [2.0] * 8  # not once the helper has gone
 
 

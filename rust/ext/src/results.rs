@@ -50,8 +50,16 @@ impl ModelFailure {
             error_class(py, "ModelError").is_ok_and(|c| error.is_instance(&c).unwrap_or(false));
         let text = describe(py, &PyErr::from_value(error.clone()));
         if is_model_error {
+            // Its own words, which name the model already (not "model 'm':
+            // ModelError: model 'm': ...").
+            let named = format!("model '{model_name}'");
+            let message = match error.str().map(|t| t.to_string()) {
+                Ok(own) if own.starts_with(&named) => own,
+                Ok(own) => format!("{named}: {own}"),
+                Err(_) => format!("{named}: {text}"),
+            };
             ModelFailure {
-                message: format!("model '{model_name}': {text}"),
+                message,
                 cause: None,
             }
         } else {
