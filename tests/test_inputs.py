@@ -248,6 +248,36 @@ async def test_a_lazily_negated_view_is_read_as_its_values(server: fb.Server) ->
     torch.testing.assert_close(out["y"], -2 * torch.arange(1.0, WIDTH + 1))
 
 
+async def test_a_lazily_negated_scalar_is_read_as_its_value() -> None:
+    """One element counts as contiguous: its raw bytes are not its value."""
+    for shape in [(), (1,)]:
+        spec = fb.TensorSpec("x", "float32", shape)
+        server = fb.Server(lambda d: {"y": d["x"] * 1}, inputs=[spec], outputs=[fb.TensorSpec("y", "float32", shape)])
+        x = torch.complex(torch.zeros(shape), torch.full(shape, 3.0)).conj().imag
+        assert x.is_neg() and x.is_contiguous()
+        async with server:
+            out = await server.client().infer({"x": x})
+            assert out["y"].tolist() == x.resolve_neg().tolist()
+        assert float(out["y"].sum()) == -3.0
+
+
+async def test_numbers_past_what_a_timeout_or_priority_can_be_are_invalid_input() -> None:
+    async with make_server(priority_levels=2) as server:
+        client = server.client()
+        for call in [
+            lambda: client.infer({"x": sample(1)}, priority=2**64),
+            lambda: client.infer({"x": sample(1)}, timeout=-(10**400)),
+            lambda: client.infer({"x": sample(1)}, parameters={"a": "\ud800"}),
+        ]:
+            with pytest.raises(fb.InvalidInputError):
+                await call()
+        # An int timeout too large for a float is no deadline, as infinity is.
+        out = await client.infer({"x": sample(1)}, timeout=10**400)
+        torch.testing.assert_close(out["y"], sample(2))
+        failed = server.stats()["requests_failed"]
+        assert failed["invalid_input"] >= 2, failed  # the timeout's and the priority's
+
+
 async def test_sparse_tensors_are_invalid_input_in_batches_too() -> None:
     async with make_server() as server:
         for value in [_sparse_csr(), torch.zeros(WIDTH // 2, 2).to_sparse()]:

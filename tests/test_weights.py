@@ -116,6 +116,11 @@ async def test_a_bad_state_dict_changes_nothing() -> None:
             await server.update_weights({"a": torch.ones(WIDTH), "b": torch.ones(WIDTH + 1)})
         with pytest.raises(ValueError, match="missing"):
             await server.update_weights({"a": torch.ones(WIDTH)})
+        # Would fail in load_state_dict half-way: the first instance updated, the second not.
+        with pytest.raises(ValueError, match="a dense tensor with data is needed"):
+            await server.update_weights({"a": torch.full((WIDTH,), 7.0), "b": torch.empty(WIDTH, device="meta")})
+        with pytest.raises(ValueError, match="cannot be copied into"):
+            await server.update_weights({"a": torch.full((WIDTH,), 7.0), "b": torch.ones(WIDTH, dtype=torch.complex64)})
         assert server.model_version == 0 and server.stats()["weight_updates"] == 0
     for model in (first, second):
         torch.testing.assert_close(model.a, torch.zeros(WIDTH))

@@ -168,6 +168,8 @@ class ProcessExecutor(CpuExecutor):
         self._conn: multiprocessing.connection.Connection | None = None
         self._process: Any = None
         self._stopped = False
+        #: A child being started (stop() kills it).
+        self._starting: Any = None
         #: The server is draining its queue to stop: an instance without a process leaves it to the others.
         self._closing = False
         #: Set by closing() and stop(): a worker waiting to try a start again goes on.
@@ -233,33 +235,53 @@ class ProcessExecutor(CpuExecutor):
                 f"model '{self.server_name}': instance_kind='process' sends the model to its process, and it"
                 f" cannot be pickled: {exc} (define it at a module's top level)"
             ) from exc
+        except OSError as exc:  # out of processes or descriptors: as a failed start
+            parent.close()
+            child.close()
+            raise ModelError(f"model '{self.server_name}': instance {self.index}'s process: {exc}") from exc
         child.close()
         self.starts += 1
-        if not parent.poll(START_TIMEOUT_S):
-            process.kill()
-            process.join()
-            raise ModelError(f"model '{self.server_name}': instance {self.index}'s process did not start in time")
+        with self._lock:
+            self._starting = process  # stop() kills it, not waiting for its start
         try:
-            parent.recv()
-        except (EOFError, OSError) as exc:
-            process.join()
+            ready = self._await_start(parent, process)
+        finally:
+            with self._lock:
+                self._starting = None
+        with self._lock:
+            if ready and not self._stopped:
+                self._conn, self._process = parent, process
+                return
+        _kill(process)
+        if self._stopped:
+            raise ServerClosedError(f"server '{self.server_name}' stopped")
+        if process.exitcode not in (None, -signal.SIGKILL):
             raise ModelError(
                 f"model '{self.server_name}': instance {self.index}'s process exited at start"
                 f" (exit code {process.exitcode}); is the model picklable?"
-            ) from exc
-        with self._lock:
-            if not self._stopped:
-                self._conn, self._process = parent, process
-                return
-        process.kill()  # the server stopped while it started
-        process.join()
-        raise ServerClosedError(f"server '{self.server_name}' stopped")
+            )
+        raise ModelError(f"model '{self.server_name}': instance {self.index}'s process did not start in time")
+
+    def _await_start(self, conn: multiprocessing.connection.Connection, process: Any) -> bool:
+        """Whether the child said it is ready (False: it ended first, did not
+        within START_TIMEOUT_S, or the server stopped meanwhile)."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not conn.poll(ANSWER_POLL_S):
+            if self._stopped or not process.is_alive() or time.monotonic() > deadline:
+                return False
+        try:
+            conn.recv()
+        except (EOFError, OSError):
+            return False
+        return True
 
     def _try_start(self) -> None:
         """Starts a child; a failure is remembered (``_down``) and the next
         try put off, longer after each."""
         try:
             self._start_child()
+        except ServerClosedError:
+            return  # stopped meanwhile: the worker's loop ends
         except ModelError as exc:
             self._down = exc
             self._retry_at = time.monotonic() + self._backoff
@@ -380,9 +402,7 @@ class ProcessExecutor(CpuExecutor):
         with self._lock:
             if self._process is process:
                 self._conn, self._process = None, None
-        if process.is_alive():
-            process.kill()  # its pipe failed: it cannot be trusted with another batch
-        process.join(STOP_TIMEOUT_S)
+        _kill(process)  # if it still runs, its pipe failed: it cannot be trusted with another batch
         what = f"(pid {process.pid}) died (exit code {process.exitcode}) {when}"
         if not self._stopped:
             log.error("ferrobatch: model '%s': instance %d's process %s; starting another",
@@ -397,7 +417,10 @@ class ProcessExecutor(CpuExecutor):
         with self._lock:
             self._stopped = True
             conn, process, self._conn, self._process = self._conn, self._process, None, None
+            starting = self._starting
         self._stopping.set()
+        if starting is not None:
+            _kill(starting)
         if process is None:
             return
         if wait and conn is not None:
@@ -405,10 +428,26 @@ class ProcessExecutor(CpuExecutor):
                 conn.send(("stop",))
             except (EOFError, OSError):
                 pass
-            process.join(STOP_TIMEOUT_S)
-        if process.is_alive():
-            process.kill()
-        process.join()
+            _wait_gone(process, STOP_TIMEOUT_S)
+        _kill(process)
+
+
+def _wait_gone(process: Any, seconds: float) -> bool:
+    """Whether ``process`` ended within ``seconds``, asked by ``waitpid``:
+    ``join`` waits on a pipe that a process the model forked may hold open."""
+    deadline = time.monotonic() + seconds
+    while process.is_alive():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _kill(process: Any) -> None:
+    """Kills ``process`` if it still runs, and reaps it."""
+    if process.is_alive():
+        process.kill()
+    _wait_gone(process, STOP_TIMEOUT_S)
 
 
 class _Died(Exception):

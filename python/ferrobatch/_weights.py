@@ -130,3 +130,11 @@ def _check_state_dict(model: Any, state: Mapping[str, Any]) -> None:
         if not isinstance(new, torch.Tensor) or new.shape != value.shape:
             got = tuple(new.shape) if isinstance(new, torch.Tensor) else type(new).__name__
             raise ValueError(f"state dict entry '{key}': expected shape {tuple(value.shape)}, got {got}")
+        # What load_state_dict would fail on half-way, some instances updated
+        # and others not: refused before any is touched.
+        if new.device.type == "meta" or new.is_sparse or new.layout != torch.strided:
+            raise ValueError(
+                f"state dict entry '{key}': a dense tensor with data is needed, got {new.device} {new.layout}"
+            )
+        if new.is_complex() and not value.is_complex():
+            raise ValueError(f"state dict entry '{key}': {new.dtype} cannot be copied into {value.dtype}")

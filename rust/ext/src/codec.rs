@@ -967,7 +967,16 @@ pub fn encode_parameters(py: Python<'_>, parameters: &Bound<'_, PyDict>) -> PyRe
                 ),
             ));
         };
-        let name = name.to_str()?;
+        let not_text = |what: &str| {
+            invalid_input(
+                py,
+                format!("parameter {what} is not valid text (a lone surrogate?)"),
+            )
+        };
+        let shown = clipped_repr(name.as_any());
+        let name = name
+            .to_str()
+            .map_err(|_| not_text(&format!("name {shown}")))?;
         if i > 0 {
             out.push(b',');
         }
@@ -996,7 +1005,8 @@ pub fn encode_parameters(py: Python<'_>, parameters: &Bound<'_, PyDict>) -> PyRe
             // `{:?}` keeps "1.0" a float ("1" would come back an int).
             out.extend_from_slice(format!("{v:?}").as_bytes());
         } else if let Ok(text) = value.cast::<PyString>() {
-            ferrobatch_core::v2::write_json_string(&mut out, text.to_str()?);
+            let text = text.to_str().map_err(|_| not_text(&format!("'{name}'")))?;
+            ferrobatch_core::v2::write_json_string(&mut out, text);
         } else {
             let kind = value.get_type().name()?;
             return Err(invalid_input(

@@ -301,11 +301,20 @@ impl Converter {
             spec.rows_and_extents(py, &dims, batched, self.max_rows, self.max_elements)?;
         let itemsize = spec.dtype.itemsize();
         // Contiguous strided tensors, the common case, take one call here;
-        // the rest are checked for what raw bytes would misread.
-        let strides = if tensor
+        // the rest are checked for what raw bytes would misread. A lazily
+        // negated view (`z.conj().imag`) is one of them unless it holds one
+        // element: that one counts as contiguous, so it is asked too.
+        let contiguous = tensor
             .call_method0(intern!(py, "is_contiguous"))?
-            .is_truthy()?
+            .is_truthy()?;
+        if contiguous
+            && nbytes == itemsize
+            && tensor.call_method0(intern!(py, "is_neg"))?.is_truthy()?
         {
+            let resolved = tensor.call_method0(intern!(py, "resolve_neg"))?;
+            return self.read_tensor(py, spec, &resolved, batched);
+        }
+        let strides = if contiguous {
             None
         } else {
             let layout = tensor.getattr(intern!(py, "layout"))?;
@@ -318,8 +327,7 @@ impl Converter {
             if tensor.call_method0(intern!(py, "is_neg"))?.is_truthy()? {
                 // A lazily negated view (`z.conj().imag`): its bytes are not
                 // its values. Materialised (its size is checked above), then
-                // read as any tensor. A one-element one counts as contiguous
-                // and is read as its raw bytes: not worth a call per request.
+                // read as any tensor.
                 let resolved = tensor.call_method0(intern!(py, "resolve_neg"))?;
                 return self.read_tensor(py, spec, &resolved, batched);
             }

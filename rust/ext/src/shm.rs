@@ -810,13 +810,15 @@ impl SharedClient {
         &self,
         py: Python<'_>,
         inputs: &Bound<'_, PyAny>,
-        timeout: Option<f64>,
+        timeout: Option<Bound<'_, PyAny>>,
         batched: bool,
         future: Py<PyAny>,
         event_loop: &Bound<'_, PyAny>,
-        priority: Option<i64>,
+        priority: Option<Bound<'_, PyAny>>,
         parameters: Option<String>,
     ) -> PyResult<u64> {
+        let (timeout, priority) =
+            crate::submit::call_numbers(py, timeout.as_ref(), priority.as_ref())?;
         let inbox = self.inner.inbox_for(py, event_loop)?;
         let target = Target::Loop { future, inbox };
         let (cell, tag) = self
@@ -860,11 +862,13 @@ impl SharedClient {
         &self,
         py: Python<'_>,
         inputs: &Bound<'_, PyAny>,
-        timeout: Option<f64>,
+        timeout: Option<Bound<'_, PyAny>>,
         batched: bool,
-        priority: Option<i64>,
+        priority: Option<Bound<'_, PyAny>>,
         parameters: Option<String>,
     ) -> PyResult<Py<PyAny>> {
+        let (timeout, priority) =
+            crate::submit::call_numbers(py, timeout.as_ref(), priority.as_ref())?;
         let waiter = Arc::new(ThreadWaiter::default());
         let target = Target::Thread(waiter.clone());
         let (cell, tag) = self

@@ -151,9 +151,9 @@ impl Submitter {
         &self,
         py: Python<'py>,
         inputs: &Bound<'py, PyAny>,
-        timeout: Option<f64>,
+        timeout: Option<Bound<'py, PyAny>>,
         batched: bool,
-        priority: Option<i64>,
+        priority: Option<Bound<'py, PyAny>>,
         parameters: Option<String>,
         stream: Option<Py<PyAny>>,
     ) -> PyResult<Bound<'py, PyTuple>> {
@@ -177,11 +177,17 @@ impl Submitter {
             mailbox.get().tally().count(Outcome::InvalidInput);
             return Err(self.wrong_call(py, stream.is_some()));
         }
-        let submitted = submission(py, timeout, priority, parameters).and_then(|submission| {
-            batcher
-                .get()
-                .submit(py, inputs, mailbox.bind(py), submission, batched, stream)
-        });
+        let mut timeout_s = None;
+        let submitted = call_numbers(py, timeout.as_ref(), priority.as_ref())
+            .and_then(|(seconds, priority)| {
+                timeout_s = seconds;
+                submission(py, seconds, priority, parameters)
+            })
+            .and_then(|submission| {
+                batcher
+                    .get()
+                    .submit(py, inputs, mailbox.bind(py), submission, batched, stream)
+            });
         let (future, request) = match submitted {
             Ok(submitted) => submitted,
             Err(err) => {
@@ -194,7 +200,7 @@ impl Submitter {
                 return Err(err);
             }
         };
-        if let Some(timeout) = timeout.filter(|_| request.deadline.is_some()) {
+        if let Some(timeout) = timeout_s.filter(|_| request.deadline.is_some()) {
             // Queued: arming the timer must not fail the submit now; if it
             // does, the request still resolves by its batch or by stop().
             let mailbox = mailbox.bind(py);
@@ -220,9 +226,9 @@ impl Submitter {
         &self,
         py: Python<'_>,
         inputs: &Bound<'_, PyAny>,
-        timeout: Option<f64>,
+        timeout: Option<Bound<'_, PyAny>>,
         batched: bool,
-        priority: Option<i64>,
+        priority: Option<Bound<'_, PyAny>>,
         parameters: Option<String>,
     ) -> PyResult<Py<PyDict>> {
         let waiters = &self.registry.get().threads;
@@ -242,7 +248,12 @@ impl Submitter {
             return Err(self.wrong_call(py, false));
         }
         let batcher = batcher.get();
-        let submitted = submission(py, timeout, priority, parameters)
+        let mut timeout_s = None;
+        let submitted = call_numbers(py, timeout.as_ref(), priority.as_ref())
+            .and_then(|(seconds, priority)| {
+                timeout_s = seconds;
+                submission(py, seconds, priority, parameters)
+            })
             .and_then(|s| batcher.submit_from_thread(py, inputs, s, batched, waiters));
         let (request, waiter) = match submitted {
             Ok(submitted) => submitted,
@@ -253,7 +264,7 @@ impl Submitter {
                 return Err(err);
             }
         };
-        let deadline = request.deadline.zip(timeout);
+        let deadline = request.deadline.zip(timeout_s);
         waiters.wait(py, batcher.core(), request.id, &waiter, deadline)
     }
 
@@ -263,6 +274,44 @@ impl Submitter {
     fn cancel(&self, py: Python<'_>, id: u64, future: &Bound<'_, PyAny>) -> PyResult<()> {
         self.mailbox(py)?.get().cancel(py, id, future)
     }
+}
+
+/// A caller's `timeout` and `priority` as numbers, read here rather than by
+/// pyo3's signature so that one past f64 or i64 is the caller's
+/// `InvalidInputError` (and counted as one): an int timeout too large for a
+/// float is no deadline if positive, as infinity is.
+pub(crate) fn call_numbers(
+    py: Python<'_>,
+    timeout: Option<&Bound<'_, PyAny>>,
+    priority: Option<&Bound<'_, PyAny>>,
+) -> PyResult<(Option<f64>, Option<i64>)> {
+    let seconds = match timeout {
+        None => None,
+        Some(t) => match t.extract::<f64>() {
+            Ok(seconds) => Some(seconds),
+            Err(_) if t.is_instance_of::<pyo3::types::PyInt>() && t.gt(0).unwrap_or(false) => {
+                Some(f64::INFINITY)
+            }
+            Err(_) => {
+                return Err(invalid_input(
+                    py,
+                    format!("timeout must be a number of seconds >= 0, got {t}"),
+                ))
+            }
+        },
+    };
+    let level = match priority {
+        None => None,
+        Some(p) => Some(p.extract::<i64>().map_err(|_| {
+            invalid_input(
+                py,
+                format!(
+                    "priority must be an integer >= 1 (1: most urgent; 0: the default), got {p}"
+                ),
+            )
+        })?),
+    };
+    Ok((seconds, level))
 }
 
 /// What a caller said besides its inputs. `timeout` in seconds becomes a
