@@ -86,7 +86,7 @@ class Submitter:
         timeout: float | None = None,
         batched: bool = False,
         priority: int | None = None,
-        parameters: str | None = None,
+        parameters: Mapping[str, Any] | str | None = None,
         stream: Any = None,
     ) -> tuple[asyncio.Future[dict[str, torch.Tensor]], int]:
         """Queues a request from the running event loop: ``(future, request id)``;
@@ -97,7 +97,7 @@ class Submitter:
         timeout: float | None = None,
         batched: bool = False,
         priority: int | None = None,
-        parameters: str | None = None,
+        parameters: Mapping[str, Any] | str | None = None,
     ) -> dict[str, torch.Tensor]:
         """Runs a request from a plain thread, blocking (GIL released) until its batch answers."""
     def cancel(self, id: int, future: asyncio.Future[Any]) -> None:

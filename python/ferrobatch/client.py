@@ -17,7 +17,7 @@ import anyio.lowlevel
 import torch
 
 from . import _core
-from ._requests import Parameter, encode_parameters
+from ._requests import Parameter
 from .errors import InvalidInputError, ServerClosedError, StreamBacklogError
 from .specs import flatten_into, nested_key
 
@@ -227,7 +227,7 @@ class Client:
         :class:`~ferrobatch.RequestInfo`).
         """
         if priority is not None or parameters is not None:
-            return await self._infer_with(inputs, timeout, False, priority, encode_parameters(parameters))
+            return await self._infer_with(inputs, timeout, False, priority, parameters)
         if type(inputs) is not dict and isinstance(inputs, Mapping):
             return await self._infer_mapping(inputs, timeout)
         # One call into Rust per request (it finds this loop's mailbox, queues
@@ -253,7 +253,7 @@ class Client:
         timeout: float | None,
         batched: bool,
         priority: int | None,
-        parameters: str | None,
+        parameters: Mapping[str, Parameter] | str | None,
     ) -> Any:
         """``infer`` / ``infer_batch`` with a priority or parameters (a JSON
         object's text: the v2 front-ends pass on what a request carried)."""
@@ -302,7 +302,7 @@ class Client:
         leading dimension ``n`` (at most ``max_batch_size``), and so does every
         output. The rows join a batch together and are never split."""
         if priority is not None or parameters is not None:
-            outputs: Outputs = await self._infer_with(inputs, timeout, True, priority, encode_parameters(parameters))
+            outputs: Outputs = await self._infer_with(inputs, timeout, True, priority, parameters)
             return outputs
         future, rid = self._submitter.submit(inputs, timeout, True)
         try:
@@ -337,7 +337,7 @@ class Client:
         generator is closed. ``stats()`` counts the request once, as the
         iteration ended.
         """
-        async for out in self._stream(inputs, timeout, False, priority, encode_parameters(parameters)):
+        async for out in self._stream(inputs, timeout, False, priority, parameters):
             yield out
 
     async def stream_batch(
@@ -350,7 +350,7 @@ class Client:
     ) -> AsyncIterator[Outputs]:
         """Like :meth:`stream` for ``n >= 1`` samples at once (as
         :meth:`infer_batch`): each response has a leading dimension ``n``."""
-        async for out in self._stream(inputs, timeout, True, priority, encode_parameters(parameters)):
+        async for out in self._stream(inputs, timeout, True, priority, parameters):
             yield out
 
     async def _stream(
@@ -359,7 +359,7 @@ class Client:
         timeout: float | None,
         batched: bool,
         priority: int | None,
-        parameters: str | None,
+        parameters: Mapping[str, Parameter] | str | None,
         backlog: StreamBacklog | None = None,
     ) -> AsyncIterator[Any]:
         """``stream`` / ``stream_batch`` (``parameters``: a JSON object's
@@ -416,13 +416,12 @@ class Client:
                 "infer_sync() blocks and was called from a thread running an event loop; "
                 "use `await client.infer(...)` there"
             )
-        encoded = encode_parameters(parameters)
         if type(inputs) is not dict and isinstance(inputs, Mapping):
             if _is_tensordict(inputs):
                 flat = flatten_inputs(inputs, self._input_names)
-                return _to_tensordict(self._submitter.infer_blocking(flat, timeout, False, priority, encoded))
+                return _to_tensordict(self._submitter.infer_blocking(flat, timeout, False, priority, parameters))
             inputs = flatten_inputs(inputs)
-        return self._submitter.infer_blocking(inputs, timeout, False, priority, encoded)
+        return self._submitter.infer_blocking(inputs, timeout, False, priority, parameters)
 
     def stream_sync(
         self,
@@ -452,11 +451,10 @@ class Client:
         handed: queue.SimpleQueue[tuple[Any, int] | _Ended] = queue.SimpleQueue()
         # What is handed and not yet read counts too: this thread is the reader.
         backlog = StreamBacklog(self._server.max_stream_backlog)
-        encoded = encode_parameters(parameters)
 
         async def pump() -> None:
             try:
-                async for out in self._stream(inputs, timeout, False, priority, encoded, backlog):
+                async for out in self._stream(inputs, timeout, False, priority, parameters, backlog):
                     nbytes = response_bytes(out)
                     backlog.add(nbytes)
                     handed.put((out, nbytes))

@@ -948,6 +948,36 @@ pub fn check_json(body: &[u8]) -> PyResult<()> {
     })
 }
 
+/// A request's `parameters` as a caller gives them to `submit`: a JSON
+/// object's text as it is, or a mapping encoded by [`encode_parameters`]
+/// (here, where a refusal is counted with the request's other refusals).
+pub(crate) fn parameters_text(
+    py: Python<'_>,
+    value: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Option<String>> {
+    let Some(value) = value.filter(|v| !v.is_none()) else {
+        return Ok(None);
+    };
+    if let Ok(text) = value.cast::<PyString>() {
+        return Ok(Some(text.to_str()?.to_owned()));
+    }
+    if let Ok(dict) = value.cast::<PyDict>() {
+        return encode_parameters(py, dict).map(Some);
+    }
+    let mapping = py
+        .import(intern!(py, "collections.abc"))?
+        .getattr(intern!(py, "Mapping"))?;
+    if value.is_instance(&mapping)? {
+        let dict = py.get_type::<PyDict>().call1((value,))?;
+        return encode_parameters(py, dict.cast::<PyDict>()?).map(Some);
+    }
+    let kind = value.get_type().name()?;
+    Err(invalid_input(
+        py,
+        format!("parameters must be a mapping of name to value, got {kind}"),
+    ))
+}
+
 /// A caller's parameters (a dict) as a JSON object's text, checked as the
 /// v2 protocol has them: string names; bool, int, finite float or string
 /// values (`InvalidInputError` otherwise). Floats keep a fraction or an

@@ -154,7 +154,7 @@ impl Submitter {
         timeout: Option<Bound<'py, PyAny>>,
         batched: bool,
         priority: Option<Bound<'py, PyAny>>,
-        parameters: Option<String>,
+        parameters: Option<Bound<'py, PyAny>>,
         stream: Option<Py<PyAny>>,
     ) -> PyResult<Bound<'py, PyTuple>> {
         let batcher = self
@@ -181,6 +181,7 @@ impl Submitter {
         let submitted = call_numbers(py, timeout.as_ref(), priority.as_ref())
             .and_then(|(seconds, priority)| {
                 timeout_s = seconds;
+                let parameters = crate::codec::parameters_text(py, parameters.as_ref())?;
                 submission(py, seconds, priority, parameters)
             })
             .and_then(|submission| {
@@ -229,7 +230,7 @@ impl Submitter {
         timeout: Option<Bound<'_, PyAny>>,
         batched: bool,
         priority: Option<Bound<'_, PyAny>>,
-        parameters: Option<String>,
+        parameters: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyDict>> {
         let waiters = &self.registry.get().threads;
         let batcher = self
@@ -252,6 +253,7 @@ impl Submitter {
         let submitted = call_numbers(py, timeout.as_ref(), priority.as_ref())
             .and_then(|(seconds, priority)| {
                 timeout_s = seconds;
+                let parameters = crate::codec::parameters_text(py, parameters.as_ref())?;
                 submission(py, seconds, priority, parameters)
             })
             .and_then(|s| batcher.submit_from_thread(py, inputs, s, batched, waiters));
