@@ -178,13 +178,8 @@ impl Submitter {
             return Err(self.wrong_call(py, stream.is_some()));
         }
         let mut timeout_s = None;
-        let submitted = call_numbers(py, timeout.as_ref(), priority.as_ref())
-            .and_then(|(seconds, priority)| {
-                timeout_s = seconds;
-                let parameters = crate::codec::parameters_text(py, parameters.as_ref())?;
-                submission(py, seconds, priority, parameters)
-            })
-            .and_then(|submission| {
+        let submitted =
+            called(py, &timeout, &priority, &parameters, &mut timeout_s).and_then(|submission| {
                 batcher
                     .get()
                     .submit(py, inputs, mailbox.bind(py), submission, batched, stream)
@@ -250,12 +245,7 @@ impl Submitter {
         }
         let batcher = batcher.get();
         let mut timeout_s = None;
-        let submitted = call_numbers(py, timeout.as_ref(), priority.as_ref())
-            .and_then(|(seconds, priority)| {
-                timeout_s = seconds;
-                let parameters = crate::codec::parameters_text(py, parameters.as_ref())?;
-                submission(py, seconds, priority, parameters)
-            })
+        let submitted = called(py, &timeout, &priority, &parameters, &mut timeout_s)
             .and_then(|s| batcher.submit_from_thread(py, inputs, s, batched, waiters));
         let (request, waiter) = match submitted {
             Ok(submitted) => submitted,
@@ -276,6 +266,21 @@ impl Submitter {
     fn cancel(&self, py: Python<'_>, id: u64, future: &Bound<'_, PyAny>) -> PyResult<()> {
         self.mailbox(py)?.get().cancel(py, id, future)
     }
+}
+
+/// What a caller of `submit` or `infer_blocking` said besides its inputs,
+/// read where a refusal is counted; `timeout_s` gets the timeout in seconds.
+fn called(
+    py: Python<'_>,
+    timeout: &Option<Bound<'_, PyAny>>,
+    priority: &Option<Bound<'_, PyAny>>,
+    parameters: &Option<Bound<'_, PyAny>>,
+    timeout_s: &mut Option<f64>,
+) -> PyResult<ferrobatch_core::Submission> {
+    let (seconds, priority) = call_numbers(py, timeout.as_ref(), priority.as_ref())?;
+    *timeout_s = seconds;
+    let parameters = crate::codec::parameters_text(py, parameters.as_ref())?;
+    submission(py, seconds, priority, parameters)
 }
 
 /// A caller's `timeout` and `priority` as numbers, read here rather than by
