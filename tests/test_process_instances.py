@@ -500,3 +500,28 @@ def test_torch_threads_is_bounded() -> None:
     for bad in (True, 0, 2**31, 1.5):
         with pytest.raises(ValueError, match="torch_threads must be an int from 1 to 1024"):
             fb.Server(where, inputs=[X], outputs=[Y, PID], torch_threads=bad)  # type: ignore[arg-type]
+
+
+def deadly(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Kills its own process on a negative input (as a crash in native code would)."""
+    if bool((inputs["x"] < 0).any()):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return where(inputs)
+
+
+def test_a_request_that_kills_its_process_fails_alone_at_a_bounded_cost() -> None:
+    async def run() -> tuple[list[object], dict[str, object]]:
+        server = fb.Server(
+            [deadly], inputs=[X], outputs=[Y, PID], instance_kind="process", name="deadly", max_delay=0.05
+        )
+        async with server:
+            client = server.client()
+            xs = [torch.full((8,), -1.0 if i == 2 else float(i)) for i in range(4)]
+            results = await asyncio.gather(*(client.infer({"x": x}) for x in xs), return_exceptions=True)
+            return results, server.stats()
+
+    results, stats = asyncio.run(run())
+    assert isinstance(results[2], fb.ModelError) and "died" in str(results[2])
+    assert [r["y"][0].item() for i, r in enumerate(results) if i != 2] == [0.0, 2.0, 6.0]  # type: ignore[index]
+    # The whole batch ran twice; then its halves once each, the bad one's halves too: 4 deaths, not 6.
+    assert stats["process_restarts"] == 4, stats["process_restarts"]

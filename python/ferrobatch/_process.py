@@ -185,6 +185,8 @@ class ProcessExecutor(CpuExecutor):
         self.starts = 0
         #: Batches run again on a new process after theirs died (counted in retry_calls).
         self.reruns = 0
+        #: Rows of the batch being served (a call on all of them may run again).
+        self._batch_rows = 0
 
     @property
     def pid(self) -> int | None:
@@ -305,6 +307,10 @@ class ProcessExecutor(CpuExecutor):
                 self._try_start()
         return True
 
+    def begin(self, batch: _core.Batch) -> None:
+        super().begin(batch)
+        self._batch_rows = batch.rows
+
     def complete(
         self,
         worker: _core.Worker,
@@ -351,12 +357,15 @@ class ProcessExecutor(CpuExecutor):
     def run(self, slot: Mapping[str, torch.Tensor], rows: int, start: int = 0) -> dict[str, torch.Tensor]:
         """The outputs for ``rows`` rows of ``slot`` from ``start``, computed
         by the instance's process; once more on a new process if it died
-        during the batch (with ``isolate_failures``)."""
+        during the whole batch (with ``isolate_failures``; a part of a batch
+        being isolated is not: a request that kills its process would cost
+        two restarts per part)."""
         message = ("run", self._slot_index[id(slot)], start, rows, self.requests_of(start, rows))
         try:
             answer = self._exchange(message)
         except _Died as died:
-            if not self.isolate_failures or self._stopped:
+            whole = start == 0 and rows == self._batch_rows
+            if not self.isolate_failures or self._stopped or not whole:
                 raise died.error from died.error.__cause__
             log.warning("ferrobatch: model '%s': the batch runs again on instance %d's new process",
                         self.server_name, self.index)  # fmt: skip
