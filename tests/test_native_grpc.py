@@ -701,6 +701,16 @@ def test_malformed_messages_are_the_clients_mistake_not_the_servers(served: tupl
     assert outcomes(server) == Counter({"succeeded": 1})
 
 
+@pytest.mark.parametrize("frontend", ["native", "python"])
+def test_both_front_ends_call_a_malformed_message_the_clients_mistake(frontend: str) -> None:
+    server = fb.Server(double, inputs=[X], outputs=[Y, N], name="m", max_batch_size=16, max_delay=0.002)
+    with serving([server], frontend=frontend) as address:
+        for path in (INFER, "/inference.GRPCInferenceService/ModelMetadata"):
+            answer = h2_call(address, path, frame(b"\xff\xff\xff"))
+            assert answer["grpc-status"] == INVALID_ARGUMENT, (frontend, path, answer)
+        assert h2_call(address, INFER, frame(raw_request(np.ones((1, 4))).SerializeToString()))["grpc-status"] == "0"
+
+
 def test_an_output_asked_for_twice_is_refused(served: tuple[fb.Server, str]) -> None:
     """Each entry of ``outputs`` is sent in full: repeats would make a
     small request's reply as large as the client likes."""

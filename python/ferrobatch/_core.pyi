@@ -25,6 +25,9 @@ __all__ = [
     "Worker",
     "__version__",
     "REQUEST_BOUNDS_US",
+    "MAX_QUEUE_SIZE",
+    "MAX_FRONT_END_THREADS",
+    "MAX_CONNECTIONS",
     "clipped",
     "after_fork_in_child",
     "check_json",
@@ -39,6 +42,9 @@ __all__ = [
 ]
 __version__: str
 REQUEST_BOUNDS_US: tuple[int, ...]
+MAX_QUEUE_SIZE: int
+MAX_FRONT_END_THREADS: int
+MAX_CONNECTIONS: int
 
 @final
 class Batcher:

@@ -287,7 +287,7 @@ class Executor:
         counters.add(perf_counter_ns() - started_ns, batch.n_requests, failed_batch, batch.rows)
         failed = retried.failed if retried is not None else None
         # Without ring_now, its callers' doorbells ring at the next next_batch, GIL released.
-        finish(worker, batch, outputs, error, ring_now=ring_now, failed=failed)
+        finish(worker, batch, outputs, error, ring_now=ring_now or self.may_wait, failed=failed)
 
     @torch.inference_mode()  # once per thread: entering it per batch costs microseconds
     def serve(
@@ -331,6 +331,13 @@ class Executor:
         """Called before the worker takes each batch; an instance that cannot
         run one yet may wait here, leaving the batches to the others. True."""
         return True
+
+    @property
+    def may_wait(self) -> bool:
+        """Whether :meth:`ready_for_batch` may wait before the next batch: the
+        finished batch's callers are then woken at once, not at the
+        ``next_batch`` that would ring them."""
+        return False
 
     def stage(self, slot: Mapping[str, torch.Tensor], batch: _core.Batch) -> Any:
         """What the model runs on, from a batch's staging slot: the slot itself."""

@@ -33,7 +33,7 @@ import pickle
 import signal
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -41,7 +41,7 @@ import torch
 import torch.multiprocessing as torch_mp
 
 from . import _core
-from ._executor import InstanceDownError, Retried, WorkerCounters, yield_to_front_end
+from ._executor import InstanceDownError, yield_to_front_end
 from ._torch import CpuExecutor, adapt_model, inference_mode, normalize_outputs
 from .errors import ModelError, ServerClosedError
 from .specs import TensorSpec
@@ -268,9 +268,8 @@ class ProcessExecutor(CpuExecutor):
         """Whether the child said it is ready (False: it ended first, did not
         within START_TIMEOUT_S, or the server stopped meanwhile)."""
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not conn.poll(ANSWER_POLL_S):
-            if self._stopped or not process.is_alive() or time.monotonic() > deadline:
-                return False
+        if not _answered(conn, process, lambda: self._stopped or time.monotonic() > deadline):
+            return False
         try:
             conn.recv()
         except (EOFError, OSError):
@@ -311,21 +310,9 @@ class ProcessExecutor(CpuExecutor):
         super().begin(batch)
         self._batch_rows = batch.rows
 
-    def complete(
-        self,
-        worker: _core.Worker,
-        batch: _core.Batch,
-        counters: WorkerCounters,
-        started_ns: int,
-        outputs: Any,
-        error: BaseException | None,
-        retried: Retried | None = None,
-        ring_now: bool = False,
-    ) -> None:
-        """As every instance's, but an instance left without a process wakes
-        the batch's callers at once: it may wait in :meth:`ready_for_batch`
-        before it takes another batch, the call that would ring them."""
-        super().complete(worker, batch, counters, started_ns, outputs, error, retried, ring_now or not self.up)
+    @property
+    def may_wait(self) -> bool:
+        return not self.up  # it waits in ready_for_batch while another instance runs
 
     def closing(self) -> None:
         """The server stops taking requests and drains its queue."""
@@ -363,40 +350,31 @@ class ProcessExecutor(CpuExecutor):
         message = ("run", self._slot_index[id(slot)], start, rows, self.requests_of(start, rows))
         try:
             answer = self._exchange(message)
-        except _Died as died:
+        except _DiedError:
             whole = start == 0 and rows == self._batch_rows
             if not self.isolate_failures or self._stopped or not whole:
-                raise died.error from died.error.__cause__
+                raise
             log.warning("ferrobatch: model '%s': the batch runs again on instance %d's new process",
                         self.server_name, self.index)  # fmt: skip
             self.reruns += 1
-            try:
-                answer = self._exchange(message)
-            except _Died as again:
-                raise again.error from again.error.__cause__
+            answer = self._exchange(message)
         if answer[0] == "error":
             raise answer[1]
         # Copied out: the next batch of this instance rewrites the buffers.
         return {name: t[:rows].clone() for name, t in self._out.items()}
 
     def _exchange(self, message: tuple[Any, ...]) -> tuple[Any, ...]:
-        """Sends ``message`` to the child and returns its answer; :class:`_Died`
-        if the child ended first."""
+        """Sends ``message`` to the child and returns its answer;
+        :class:`_DiedError` if the child ended first."""
         conn, process = self._live()
         try:
             conn.send(message)
-            # The answer, or the child's end: a child killed while a process it
-            # forked keeps the pipe open (and its sentinel: the fork holds that
-            # too) would leave recv() waiting for as long as the fork lives.
-            while not conn.poll(ANSWER_POLL_S):
-                if not process.is_alive():
-                    raise EOFError("the process ended")
+            if not _answered(conn, process, lambda: False):
+                raise EOFError("the process ended")
             data = conn.recv_bytes()
         except (EOFError, OSError) as exc:
             what = self._lost(process, "during the batch")
-            error = ModelError(f"model '{self.server_name}': instance {self.index}'s process {what}")
-            error.__cause__ = exc
-            raise _Died(error) from exc
+            raise _DiedError(f"model '{self.server_name}': instance {self.index}'s process {what}") from exc
         try:
             answer: tuple[Any, ...] = ForkingPickler.loads(data)
         except Exception as exc:  # the model's exception, which cannot be rebuilt here
@@ -441,6 +419,16 @@ class ProcessExecutor(CpuExecutor):
         _kill(process)
 
 
+def _answered(conn: multiprocessing.connection.Connection, process: Any, give_up: Callable[[], bool]) -> bool:
+    """Whether ``conn`` has the child's answer to read; False once the child
+    has ended (asked of ``waitpid``: a process it forked may keep the pipe,
+    and its sentinel, open) or ``give_up()`` says so."""
+    while not conn.poll(ANSWER_POLL_S):
+        if not process.is_alive() or give_up():
+            return False
+    return True
+
+
 def _wait_gone(process: Any, seconds: float) -> bool:
     """Whether ``process`` ended within ``seconds``, asked by ``waitpid``:
     ``join`` waits on a pipe that a process the model forked may hold open."""
@@ -459,9 +447,5 @@ def _kill(process: Any) -> None:
     _wait_gone(process, STOP_TIMEOUT_S)
 
 
-class _Died(Exception):
-    """The child ended during an exchange; ``error`` is what its batch gets."""
-
-    def __init__(self, error: ModelError) -> None:
-        super().__init__(str(error))
-        self.error = error
+class _DiedError(ModelError):
+    """The child ended during a batch (which may run once more on a new one)."""

@@ -62,10 +62,11 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import _core
 from .client import MAX_STREAM_BACKLOG
 from .errors import ModelError
 from .http.protocol import MAX_BODY_SIZE, MAX_DECOMPRESSED_SIZE, ModelRepository
-from .server import Server, usable_cores
+from .server import Server, usable_cores, whole_in
 
 if TYPE_CHECKING:
     import grpc.aio
@@ -223,8 +224,8 @@ class ServeConfig:
 
 #: Bounds of ServeConfig's numbers: each is checked before anything is
 #: started or allocated (a thread count of 10**9 would be attempted).
-MAX_FRONT_END_THREADS = 1024
-MAX_CONNECTIONS = 1 << 20
+MAX_FRONT_END_THREADS = _core.MAX_FRONT_END_THREADS
+MAX_CONNECTIONS = _core.MAX_CONNECTIONS
 MAX_STREAMS = 1 << 20
 MAX_BYTES_LIMIT = 1 << 40
 MAX_SECONDS = 1e9
@@ -238,7 +239,7 @@ def check_config(config: ServeConfig) -> None:
         value = getattr(config, name)
         if optional and value is None:
             return
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        if not whole_in(value, low, high):
             none = " or None" if optional else ""
             raise ValueError(f"{name} must be an int from {low} to {high}{what}{none}, got {value!r}")
 
@@ -271,7 +272,9 @@ def check_config(config: ServeConfig) -> None:
     seconds("graceful_timeout")
     seconds("drain_delay")
     if config.switch_interval is not None and not (
-        isinstance(config.switch_interval, (int, float)) and 0 < config.switch_interval <= 1
+        isinstance(config.switch_interval, (int, float))
+        and not isinstance(config.switch_interval, bool)
+        and 0 < config.switch_interval <= 1
     ):
         raise ValueError(f"switch_interval must be > 0 and at most 1 second, or None, got {config.switch_interval!r}")
 

@@ -316,11 +316,7 @@ class Server:
         self.default_priority = default_priority
         self.max_priority_wait = max_priority_wait
         self.with_requests = bool(with_requests)
-        if torch_threads is not None and (
-            not isinstance(torch_threads, int)
-            or isinstance(torch_threads, bool)
-            or not 1 <= torch_threads <= MAX_TORCH_THREADS
-        ):
+        if torch_threads is not None and not whole_in(torch_threads, 1, MAX_TORCH_THREADS):
             raise ValueError(
                 f"torch_threads must be an int from 1 to {MAX_TORCH_THREADS} or None, got {torch_threads!r}"
             )
@@ -336,7 +332,7 @@ class Server:
         self.batching = bool(batching)
         if not self.batching:  # one request per model call, at once
             max_batch_size, max_delay, min_batch_size, preferred_batch_sizes = 1, 0.0, 1, ()
-        if not _whole(max_batch_size, 1, MAX_BATCH_SIZE):
+        if not whole_in(max_batch_size, 1, MAX_BATCH_SIZE):
             raise ValueError(f"max_batch_size must be an int from 1 to {MAX_BATCH_SIZE}, got {max_batch_size!r}")
         if delay_from not in ("request", "free_worker"):
             raise ValueError(f"delay_from must be 'request' or 'free_worker', got {delay_from!r}")
@@ -352,16 +348,16 @@ class Server:
         ):
             what = "max_delay_cap" if self.adaptive_delay else "max_delay"
             raise ValueError(f"{what} must be >= 0 seconds (or max_delay='auto'), got {max_delay!r}")
-        if not _whole(min_batch_size, 1, max_batch_size):
+        if not whole_in(min_batch_size, 1, max_batch_size):
             raise ValueError(f"min_batch_size must be in 1..{max_batch_size}, got {min_batch_size!r}")
-        bad = [s for s in preferred_batch_sizes if not _whole(s, 1, max_batch_size)]
+        bad = [s for s in preferred_batch_sizes if not whole_in(s, 1, max_batch_size)]
         if bad:
             raise ValueError(f"preferred_batch_sizes must be in 1..{max_batch_size}, got {bad}")
-        if not _whole(max_queue_size, 1, MAX_QUEUE_SIZE):
+        if not whole_in(max_queue_size, 1, MAX_QUEUE_SIZE):
             raise ValueError(f"max_queue_size must be an int from 1 to {MAX_QUEUE_SIZE}, got {max_queue_size!r}")
         self.name = name
         self.max_batch_size = max_batch_size
-        if max_batch_elements is not None and not _whole(max_batch_elements, 1, MAX_BATCH_ELEMENTS):
+        if max_batch_elements is not None and not whole_in(max_batch_elements, 1, MAX_BATCH_ELEMENTS):
             raise ValueError(
                 f"max_batch_elements must be an int from 1 to {MAX_BATCH_ELEMENTS} or None, got {max_batch_elements!r}"
             )
@@ -585,9 +581,7 @@ class Server:
         self._executors = executors
         try:
             pin = any(d.type == "cuda" for d in self.devices)
-            # Per CPU instance, two slots: one being collated while another runs.
-            # Per CUDA instance, one for each batch it may hold (IN_FLIGHT).
-            per_instance = [IN_FLIGHT if isinstance(e, CudaExecutor) else 2 for e in executors]
+            per_instance = [_staging_slots(isinstance(e, CudaExecutor)) for e in executors]
             if self._variable:
                 elements = self.max_batch_elements or 0
                 self._slots = [
@@ -839,7 +833,7 @@ class Server:
                 per_slot += (self.max_batch_elements or 0) * itemsize + 8 * (self.max_batch_size + 1) * len(spec.shape)
             else:
                 per_slot += self.max_batch_size * math.prod(spec.shape) * itemsize
-        slots = sum(IN_FLIGHT if d.type == "cuda" else 2 for d in self.devices)
+        slots = sum(_staging_slots(d.type == "cuda") for d in self.devices)
         memory = _physical_memory()
         if memory is not None and per_slot * slots > memory:
             raise ValueError(
@@ -1047,7 +1041,7 @@ def usable_cores() -> int:
 #: Bounds of the batching sizes, checked before anything is allocated (the
 #: staging slots hold max_batch_size rows; the queue's room, max_queue_size).
 MAX_BATCH_SIZE = 1 << 20
-MAX_QUEUE_SIZE = 1 << 20
+MAX_QUEUE_SIZE = _core.MAX_QUEUE_SIZE
 MAX_BATCH_ELEMENTS = 1 << 32
 
 
@@ -1059,7 +1053,13 @@ def _physical_memory() -> int | None:
         return None
 
 
-def _whole(value: object, low: int, high: int) -> bool:
+def _staging_slots(cuda: bool) -> int:
+    """Staging slots of one instance: on CPU two, one being collated while
+    another runs; on CUDA one for each batch it may hold (IN_FLIGHT)."""
+    return IN_FLIGHT if cuda else 2
+
+
+def whole_in(value: object, low: int, high: int) -> bool:
     """Whether ``value`` is an int (not a bool) from ``low`` to ``high``."""
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 

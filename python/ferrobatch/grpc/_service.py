@@ -9,6 +9,7 @@ from typing import Any
 
 import grpc
 import grpc.aio
+from google.protobuf.message import DecodeError
 
 from .. import _core
 from ..client import MAX_STREAM_BACKLOG, StreamBacklog
@@ -278,8 +279,30 @@ def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
     bytes (read and written in Rust), the other RPCs protobuf messages."""
     made = _Handlers()
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, made)  # type: ignore[no-untyped-call]
-    handlers = made.handlers
+    handlers = {
+        name: _reading_bytes(handler)
+        for name, handler in made.handlers.items()
+        if name not in ("ModelInfer", "ModelStreamInfer")  # given below
+    }
     handlers["ModelInfer"] = grpc.unary_unary_rpc_method_handler(servicer.ModelInfer)
     handlers["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(servicer.ModelStreamInfer)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     server.add_registered_method_handlers(SERVICE, handlers)
+
+
+def _reading_bytes(handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
+    """A unary RPC's handler that parses its request itself: a message that
+    does not decode is the client's mistake, INVALID_ARGUMENT, where grpcio's
+    own parsing answers UNKNOWN (as the native front-end answers it)."""
+    parse = handler.request_deserializer
+    behavior = handler.unary_unary
+    assert parse is not None and behavior is not None, "the generated handlers are unary, with a parser"
+
+    async def call(raw: bytes, context: Context) -> Any:
+        try:
+            request = parse(raw)
+        except DecodeError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"failed to decode Protobuf message: {exc}")
+        return await behavior(request, context)  # type: ignore[arg-type]  # grpc.aio's context
+
+    return grpc.unary_unary_rpc_method_handler(call, response_serializer=handler.response_serializer)

@@ -104,7 +104,7 @@ pub mod timeout;
 pub mod unflushed;
 pub mod v2;
 
-pub use batcher::{Batch, Batcher, BatcherConfig, Stats, Submission, Worker};
+pub use batcher::{Batch, Batcher, BatcherConfig, Stats, Submission, Worker, MAX_QUEUE_SIZE};
 pub use callers::BlockingCallers;
 pub use dispatch::{Decision, DispatchReason, DispatchRule};
 pub use dtype::DType;

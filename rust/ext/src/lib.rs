@@ -57,6 +57,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
         "REQUEST_BOUNDS_US",
         PyTuple::new(m.py(), ferrobatch_core::REQUEST_BOUNDS_US)?,
     )?;
+    // Bounds the Python checks share with the Rust ones (one number each).
+    m.add("MAX_QUEUE_SIZE", ferrobatch_core::MAX_QUEUE_SIZE)?;
+    m.add("MAX_FRONT_END_THREADS", ferrobatch_serve::MAX_THREADS)?;
+    m.add("MAX_CONNECTIONS", ferrobatch_serve::MAX_CONNECTIONS)?;
     m.add_class::<batcher::Batcher>()?;
     m.add_class::<batcher::Worker>()?;
     m.add_class::<batcher::Batch>()?;

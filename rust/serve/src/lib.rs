@@ -34,4 +34,4 @@ pub use http::{
 pub use metadata::{Catalog, ModelMetadata, ServerMetadata, TensorMetadata};
 pub use model::ServedModel;
 pub use replies::{Column, Failure, Replies, VaryingRows};
-pub use server::{header_pattern, Config, Frontend, Listen};
+pub use server::{header_pattern, Config, Frontend, Listen, MAX_CONNECTIONS, MAX_THREADS};
