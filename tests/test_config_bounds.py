@@ -151,3 +151,23 @@ def test_a_negative_triton_queue_size_is_refused() -> None:
             outputs=[Tensor(name="y", dtype=np.float32, shape=(4,))],
             config=ModelConfig(batcher=DynamicBatcher(default_queue_policy=policy)),
         )
+
+
+@pytest.mark.parametrize(
+    ("settings", "words"),
+    [
+        ({"ring_size": 2**32}, "ring_size must be a power of two from 2 to"),
+        ({"ring_size": 2**21}, "ring_size must be a power of two from 2 to"),
+        ({"max_clients": 2**32}, "max_clients must be an int from 1 to"),
+        ({"rows_per_client": 2**64}, "rows_per_client must be an int from 1 to"),
+        ({"cell_bytes": 2**64}, "cell_bytes must be an int from 1 to"),
+        ({"max_clients": True}, "max_clients must be an int"),
+        ({"metadata": {"a": float("nan")}}, "metadata must be JSON-serializable"),
+    ],
+)
+async def test_share_sizes_are_bounded_before_the_segment_is_made(settings: dict[str, object], words: str) -> None:
+    server = fb.Server(lambda b: {"y": b["x"]}, inputs=[fb.TensorSpec("x", "float32", (2,))],
+                       outputs=[fb.TensorSpec("y", "float32", (2,))])  # fmt: skip
+    async with server:
+        with pytest.raises(ValueError, match=words):
+            server.share(f"fbtest-bounds-{os.getpid()}", **settings)  # type: ignore[arg-type]

@@ -161,6 +161,79 @@ async def test_deadline_cancellation_and_full_cells() -> None:
             assert client.pending == 0
 
 
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"a": [1]}'])
+async def test_parameters_that_are_not_a_json_object_fail_their_request_alone(text: str) -> None:
+    """What a client writes into its entry is hostile input: parameters the
+    model's side could not read fail that request, and the worker serves on."""
+    seen: list[Any] = []
+
+    def with_requests(batch: dict[str, torch.Tensor], requests: list[Any]) -> dict[str, torch.Tensor]:
+        seen.extend(r.parameters for r in requests)
+        return model(batch)
+
+    server = fb.Server(with_requests, inputs=INPUTS, outputs=OUTPUTS, with_requests=True, max_delay=0)
+    async with server:
+        share = server.share(unique("params"))
+        with fb.connect(share.name) as client:
+            # The private submit takes parameters as text, past the public encoder.
+            with pytest.raises(fb.InvalidInputError, match=r"parameters must be a JSON object|parameter 'a'"):
+                await asyncio.wait_for(client._infer({"x": sample(1)}, None, False, None, text), 10)
+            check(2, await asyncio.wait_for(client.infer({"x": sample(2)}, parameters={"k": 1}), 10))
+        in_process = server.client()
+        with pytest.raises(fb.InvalidInputError):
+            await asyncio.wait_for(in_process.infer({"x": sample(3)}, parameters=text), 10)  # type: ignore[arg-type]
+        check(4, await asyncio.wait_for(in_process.infer({"x": sample(4)}), 10))
+    assert seen == [{"k": 1}, {}]
+    stats = server.stats()
+    assert (stats["requests_succeeded"], stats["requests_failed"]["invalid_input"]) == (2, 2)
+
+
+@pytest.mark.parametrize("give_up", ["timeout", "cancel"])
+async def test_stats_count_what_shared_callers_saw_when_they_gave_up_during_their_batch(give_up: str) -> None:
+    """A caller whose request a batch already holds gives up: in-process and
+    shared callers alike are counted as they were answered."""
+
+    def slow(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        time.sleep(0.3)
+        return model(batch)
+
+    async def one(client: Any, i: int, patience: float) -> str:
+        try:
+            if give_up == "timeout":
+                check(i, await client.infer({"x": sample(i)}, timeout=patience))
+            else:
+                check(i, await asyncio.wait_for(client.infer({"x": sample(i)}), patience))
+        except fb.DeadlineExceededError:
+            return "deadline_exceeded"
+        except (TimeoutError, asyncio.CancelledError):
+            return "cancelled"
+        return "succeeded"
+
+    counted = {}
+    for way in ("in_process", "shared"):
+        server = fb.Server(slow, inputs=INPUTS, outputs=OUTPUTS, max_batch_size=16, max_delay=0.01)
+        async with server:
+            share = server.share(unique("giveup"))
+            client = fb.connect(share.name) if way == "shared" else server.client()
+            seen = await asyncio.gather(*(one(client, i, 0.1 if i < 4 else 2.0) for i in range(8)))
+            assert sorted(seen) == sorted(
+                [("deadline_exceeded" if give_up == "timeout" else "cancelled")] * 4 + ["succeeded"] * 4
+            )
+            deadline = time.monotonic() + 10
+            while share.in_flight or (way == "shared" and client.pending):
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            if way == "shared":
+                client.close()
+        stats = server.stats()
+        counted[way] = {
+            "succeeded": stats["requests_succeeded"],
+            **{k: v for k, v in stats["requests_failed"].items() if v},
+        }
+        assert counted[way] == {seen_as: seen.count(seen_as) for seen_as in set(seen)}, way
+    assert counted["in_process"] == counted["shared"]
+
+
 async def test_stop_fails_waiting_clients_and_removes_the_segment() -> None:
     gate = threading.Event()
 
@@ -409,6 +482,58 @@ async def test_a_killed_unreaped_server_fails_every_waiting_client_within_a_seco
         server.share(name)
         with fb.connect(name) as fresh:
             check(4, await fresh.infer({"x": sample(4)}))
+
+
+STOPPING_SERVER_SCRIPT = """
+import asyncio, signal, sys, time, torch, ferrobatch as fb
+def slow(batch):
+    time.sleep(30)
+    return {"y": batch["x"] * 2 + 1, "s": batch["x"].sum(dim=1, dtype=torch.float64)}
+async def main():
+    server = fb.Server(slow, inputs=[fb.TensorSpec("x", "float32", (8,))],
+                       outputs=[fb.TensorSpec("y", "float32", (8,)), fb.TensorSpec("s", "float64", ())],
+                       max_batch_size=1)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    async with server:  # its exit stops gracefully: the 30 s batch runs on
+        server.share(sys.argv[1])
+        print("ready", flush=True)
+        await stop.wait()
+        print("stopping", flush=True)
+asyncio.run(main())
+"""
+
+
+async def test_a_server_killed_while_it_stops_fails_its_waiting_clients(processes: list[Any]) -> None:
+    """A graceful stop leaves the segment saying STOPPING while a batch
+    runs; the server dying then must still be noticed, though it never
+    writes STOPPED."""
+    import signal
+    import subprocess
+    import sys
+
+    name = unique("killstopping")
+    victim = subprocess.Popen([sys.executable, "-c", STOPPING_SERVER_SCRIPT, name], stdout=subprocess.PIPE, text=True)
+    processes.append(victim)
+    assert victim.stdout is not None
+    assert (await asyncio.to_thread(victim.stdout.readline)).strip() == "ready"
+    client = fb.connect(name)
+    in_batch = asyncio.ensure_future(client.infer({"x": sample(1)}))
+    await asyncio.sleep(0.5)
+    queued = asyncio.ensure_future(client.infer({"x": sample(2)}))
+    await asyncio.sleep(0.3)
+    victim.send_signal(signal.SIGTERM)
+    assert (await asyncio.to_thread(victim.stdout.readline)).strip() == "stopping"
+    await asyncio.sleep(0.3)  # the stop has begun: the segment says STOPPING
+    os.kill(victim.pid, signal.SIGKILL)  # not reaped: a zombie, as before
+    killed = time.monotonic()
+    for call in (in_batch, queued):
+        with pytest.raises(fb.ServerClosedError):
+            await asyncio.wait_for(call, 10)
+    assert time.monotonic() - killed < 2.0
+    client.close()
+    await asyncio.to_thread(victim.wait, 30)
+    assert not os.path.exists(segment(name))
 
 
 def varying(batch: dict[str, Any]) -> dict[str, Any]:

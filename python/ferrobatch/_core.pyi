@@ -28,6 +28,9 @@ __all__ = [
     "MAX_QUEUE_SIZE",
     "MAX_FRONT_END_THREADS",
     "MAX_CONNECTIONS",
+    "MAX_SHARED_CLIENTS",
+    "MAX_SHARED_CELLS",
+    "MAX_SHARED_RING",
     "clipped",
     "after_fork_in_child",
     "check_json",
@@ -45,6 +48,9 @@ REQUEST_BOUNDS_US: tuple[int, ...]
 MAX_QUEUE_SIZE: int
 MAX_FRONT_END_THREADS: int
 MAX_CONNECTIONS: int
+MAX_SHARED_CLIENTS: int
+MAX_SHARED_CELLS: int
+MAX_SHARED_RING: int
 
 @final
 class Batcher:

@@ -299,7 +299,12 @@ class Executor:
         while self.ready_for_batch() and (batch := worker.next_batch()) is not None:
             started = perf_counter_ns()
             slot = slots[batch.slot]
-            self.begin(batch)
+            try:
+                self.begin(batch)
+            except BaseException as exc:  # noqa: BLE001 - its callers fail; the worker survives
+                batch.release_slot()
+                self.complete(worker, batch, counters, started, None, exc)
+                continue
             if self.decoupled:
                 self.serve_stream(worker, batch, slot, counters, started)
                 continue

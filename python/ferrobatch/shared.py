@@ -34,6 +34,7 @@ from ._torch import make_coerce
 from ._variable import core_shape, is_variable, layouts, padded_dims, shared_result
 from .client import _is_tensordict, _to_tensordict, flatten_inputs
 from .errors import ServerClosedError
+from .server import whole_in
 from .specs import TensorSpec
 
 if TYPE_CHECKING:
@@ -138,6 +139,10 @@ def _spec_of(meta: Mapping[str, Any]) -> TensorSpec:
     )
 
 
+#: A cell's bytes are a 32-bit count in the segment (a multiple of 8).
+MAX_CELL_BYTES = (1 << 32) - 8
+
+
 def share(
     server: Server,
     name: str,
@@ -153,7 +158,7 @@ def share(
     batcher, registry = server._native_parts()
     variable = is_variable((*server.inputs, *server.outputs))
     try:
-        extra = json.loads(json.dumps(dict(metadata or {})))
+        extra = json.loads(json.dumps(dict(metadata or {}), allow_nan=False))
     except (TypeError, ValueError) as exc:
         raise ValueError(f"metadata must be JSON-serializable: {exc}") from None
     meta = json.dumps(
@@ -168,21 +173,21 @@ def share(
             "outputs": [_spec_meta(s) for s in server.outputs],
         }
     )
-    for option, value in (
-        ("max_clients", max_clients),
-        ("rows_per_client", rows_per_client),
-        ("cell_bytes", cell_bytes),
+    for option, value, most in (
+        ("max_clients", max_clients, _core.MAX_SHARED_CLIENTS),
+        ("rows_per_client", rows_per_client, _core.MAX_SHARED_CELLS),
+        ("cell_bytes", cell_bytes, MAX_CELL_BYTES),
     ):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{option} must be an int >= 1, got {value!r}")
+        if not whole_in(value, 1, most):
+            raise ValueError(f"{option} must be an int from 1 to {most}, got {value!r}")
     if cell_bytes % 8:
         raise ValueError(f"cell_bytes must be a multiple of 8, got {cell_bytes}")
     codec = None
     if variable:
         outputs = [(s.name, s.dtype, None if s.is_bytes else s.torch_dtype) for s in server.outputs]
         codec = _core.V2Codec(server.name, outputs, max_body_size=sys.maxsize, max_elements=sys.maxsize)
-    if not isinstance(ring_size, int) or ring_size < 2 or ring_size & (ring_size - 1):
-        raise ValueError(f"ring_size must be a power of two >= 2, got {ring_size!r}")
+    if not whole_in(ring_size, 2, _core.MAX_SHARED_RING) or ring_size & (ring_size - 1):
+        raise ValueError(f"ring_size must be a power of two from 2 to {_core.MAX_SHARED_RING}, got {ring_size!r}")
     if not isinstance(mode, int) or not 0 <= mode <= 0o777:
         raise ValueError(f"mode must be file permissions such as 0o600, got {mode!r}")
     core = _core.SharedServer(

@@ -14,7 +14,10 @@
 //!   its caller giving up ([`Pending::abandon`], [`Pending::withdraw`]) or
 //!   the server stopping ([`Pending::fail_all`]). Whoever takes the slot
 //!   answers the caller and counts the outcome in the table's [`Tally`],
-//!   before the caller can see it (so `stats()` never lags an answer).
+//!   before the caller can see it (so `stats()` never lags an answer). One
+//!   exception, counted once all the same: a caller whose slot its batch
+//!   must answer (a shared-memory cell) is counted when it gives up
+//!   ([`Pending::gave_up`]), and its batch answers the slot uncounted.
 //! * **Inputs live until no batch can read them.** An entry whose request
 //!   a batch took stays, with what keeps its input bytes alive (the `H` of
 //!   the table), until that batch resolves it, even once its caller was
@@ -59,6 +62,9 @@ struct Entry<A, H> {
     answer: Option<A>,
     request: Arc<Request>,
     held: H,
+    /// Its caller gave up while a batch held it, and that was counted
+    /// ([`Pending::gave_up`]).
+    counted: bool,
 }
 
 /// A request of a finished batch whose caller still waits for its answer.
@@ -67,6 +73,9 @@ pub struct Taken<A, H> {
     pub answer: A,
     pub held: H,
     pub enqueued_at: Instant,
+    /// Its caller gave up while the batch ran and its outcome is counted
+    /// already ([`Pending::gave_up`]): answer it, do not count it.
+    pub counted: bool,
 }
 
 /// The table's entries by request id. Ids are the batcher's own sequence
@@ -123,6 +132,7 @@ impl<A, H> Pending<A, H> {
             answer: Some(answer),
             request: request.clone(),
             held,
+            counted: false,
         };
         self.lock().insert(request.id, entry);
     }
@@ -177,6 +187,25 @@ impl<A, H> Pending<A, H> {
         let entry = entries.remove(&id)?;
         self.tally.count(outcome);
         Some((entry.answer?, entry.held))
+    }
+
+    /// The caller of request `id` gives up after a batch took it, in a way
+    /// in whose answer slot must still be answered by that batch (the
+    /// answer frees a peer's memory the batch reads): counts `outcome` now,
+    /// once, so that `stats()` says what the caller saw, and the batch
+    /// answers the slot uncounted ([`Taken::counted`]). False when it was
+    /// answered first, `held` fails `check`, or it was counted before.
+    pub fn gave_up(&self, id: u64, check: impl FnOnce(&H) -> bool, outcome: Outcome) -> bool {
+        let mut entries = self.lock();
+        let Some(entry) = entries.get_mut(&id) else {
+            return false;
+        };
+        if entry.answer.is_none() || entry.counted || !check(&entry.held) {
+            return false;
+        }
+        entry.counted = true;
+        self.tally.count(outcome);
+        true
     }
 
     /// Withdraws every request whose `held` matches (a peer that died),
@@ -268,6 +297,7 @@ impl<A, H> Pending<A, H> {
                     answer: entry.answer?,
                     held: entry.held,
                     enqueued_at: entry.request.enqueued_at,
+                    counted: entry.counted,
                 })
             })
             .collect()
@@ -345,6 +375,38 @@ mod tests {
         let counts = counts(&table);
         assert_eq!(counts[Outcome::Succeeded as usize], 1);
         assert_eq!(counts[Outcome::Cancelled as usize], 1);
+    }
+
+    #[test]
+    fn a_caller_that_gives_up_during_its_batch_is_counted_once_as_it_saw() {
+        let table = Pending::new();
+        let (a, b) = (request(1), request(2));
+        table.register(&a, 10, "a");
+        table.register(&b, 20, "b");
+        assert!(a.take() && b.take());
+        assert!(!table.gave_up(2, |held| *held == "other", Outcome::Cancelled));
+        assert!(table.gave_up(2, |held| *held == "b", Outcome::Cancelled));
+        assert!(
+            !table.gave_up(2, |_| true, Outcome::DeadlineExceeded),
+            "counted once"
+        );
+        assert!(
+            !table.gave_up(3, |_| true, Outcome::Cancelled),
+            "no such request"
+        );
+        let taken = table.take(&[route(1, 0), route(2, 1)]);
+        // Both slots are answered by the batch; only `a` is counted by it.
+        assert_eq!(
+            taken
+                .iter()
+                .map(|t| (t.answer, t.counted))
+                .collect::<Vec<_>>(),
+            vec![(10, false), (20, true)]
+        );
+        let counts = counts(&table);
+        assert_eq!(counts[Outcome::Cancelled as usize], 1);
+        assert_eq!(counts[Outcome::DeadlineExceeded as usize], 0);
+        assert!(!table.gave_up(1, |_| true, Outcome::Cancelled), "answered");
     }
 
     #[test]

@@ -315,6 +315,28 @@ impl Request {
     }
 }
 
+/// Request parameters as they reach a model: the text of one JSON object
+/// whose values are bools, numbers or strings, as the v2 protocol has them.
+/// Text that comes from another process (a shared-memory entry) or from a
+/// caller as it is must pass this before it is queued: the model's side
+/// reads it without a check.
+pub fn check_parameters(text: &str) -> Result<(), String> {
+    use serde_json::Value;
+    let object: serde_json::Map<String, Value> =
+        serde_json::from_str(text).map_err(|e| format!("parameters must be a JSON object: {e}"))?;
+    for (name, value) in &object {
+        match value {
+            Value::Bool(_) | Value::Number(_) | Value::String(_) => {}
+            _ => {
+                return Err(format!(
+                    "parameter '{name}' must be a bool, number or string"
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
@@ -388,6 +410,25 @@ mod tests {
         }
         assert_eq!(wins.load(Ordering::Relaxed), N);
         assert!(requests.iter().all(|r| r.state() != RequestState::Queued));
+    }
+    #[test]
+    fn parameters_are_one_json_object_of_scalars() {
+        assert!(check_parameters(r#"{"a": 1, "b": 2.5, "c": "x", "d": true}"#).is_ok());
+        assert!(check_parameters("{}").is_ok());
+        for bad in [
+            "{not json",
+            "[1, 2]",
+            "1",
+            r#"{"a": [1]}"#,
+            r#"{"a": {}}"#,
+            r#"{"a": null}"#,
+            "",
+        ] {
+            assert!(check_parameters(bad).is_err(), "{bad}");
+        }
+        assert!(check_parameters(r#"{"a": [1]}"#)
+            .unwrap_err()
+            .contains("parameter 'a'"));
     }
 }
 

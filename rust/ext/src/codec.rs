@@ -949,7 +949,8 @@ pub fn check_json(body: &[u8]) -> PyResult<()> {
 }
 
 /// A request's `parameters` as a caller gives them to `submit`: a JSON
-/// object's text as it is, or a mapping encoded by [`encode_parameters`]
+/// object's text, checked ([`ferrobatch_core::request::check_parameters`]),
+/// or a mapping encoded by [`encode_parameters`]
 /// (here, where a refusal is counted with the request's other refusals).
 pub(crate) fn parameters_text(
     py: Python<'_>,
@@ -959,7 +960,9 @@ pub(crate) fn parameters_text(
         return Ok(None);
     };
     if let Ok(text) = value.cast::<PyString>() {
-        return Ok(Some(text.to_str()?.to_owned()));
+        let text = text.to_str()?;
+        ferrobatch_core::request::check_parameters(text).map_err(|e| invalid_input(py, e))?;
+        return Ok(Some(text.to_owned()));
     }
     if let Ok(dict) = value.cast::<PyDict>() {
         return encode_parameters(py, dict).map(Some);

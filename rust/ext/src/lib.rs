@@ -61,6 +61,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MAX_QUEUE_SIZE", ferrobatch_core::MAX_QUEUE_SIZE)?;
     m.add("MAX_FRONT_END_THREADS", ferrobatch_serve::MAX_THREADS)?;
     m.add("MAX_CONNECTIONS", ferrobatch_serve::MAX_CONNECTIONS)?;
+    m.add("MAX_SHARED_CLIENTS", ferrobatch_core::shm::MAX_CLIENTS)?;
+    m.add("MAX_SHARED_CELLS", ferrobatch_core::shm::MAX_CELLS)?;
+    m.add("MAX_SHARED_RING", ferrobatch_core::shm::MAX_RING)?;
     m.add_class::<batcher::Batcher>()?;
     m.add_class::<batcher::Worker>()?;
     m.add_class::<batcher::Batch>()?;

@@ -505,15 +505,19 @@ impl ClientCore {
         if self.closed.load(Ordering::Acquire) {
             return Some(ServerGone::Stopped);
         }
-        match self.segment.state() {
-            server_state::STOPPED => return Some(ServerGone::Stopped),
-            server_state::STOPPING => return Some(ServerGone::Stopping),
-            _ => {}
+        let state = self.segment.state();
+        if state == server_state::STOPPED {
+            return Some(ServerGone::Stopped);
         }
+        // Before STOPPING: a server killed while it stopped never writes
+        // STOPPED, and its waiters would wait for it forever.
         if !self.server.is_alive() {
             // Nobody else removes what a killed server left behind.
             self.segment.unlink();
             return Some(ServerGone::Died);
+        }
+        if state == server_state::STOPPING {
+            return Some(ServerGone::Stopping);
         }
         // The server closed or reclaimed our slot.
         if self.segment.client_owner(self.slot).load(Ordering::Acquire) != self.pid

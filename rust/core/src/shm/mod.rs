@@ -145,6 +145,9 @@ pub mod client_state {
 pub const MAX_CLIENTS: u32 = 1 << 12;
 /// Most cells per client (18 bits in the descriptor).
 pub const MAX_CELLS: u32 = 1 << 18;
+/// Most descriptors the submission ring holds (4096 by default): past it
+/// the segment grows by 16 bytes a descriptor for no use.
+pub const MAX_RING: u32 = 1 << 20;
 /// Longest error message kept in an entry.
 pub const MESSAGE_BYTES: usize = 200;
 /// Longest request parameters (a JSON object's text) an entry carries.

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use super::{
-    server_state, ShmError, CRATE_VERSION, LAYOUT_VERSION, MAGIC, MAX_CELLS, MAX_CLIENTS,
+    server_state, ShmError, CRATE_VERSION, LAYOUT_VERSION, MAGIC, MAX_CELLS, MAX_CLIENTS, MAX_RING,
     MESSAGE_BYTES, PARAMETERS_BYTES,
 };
 use crate::shm::{Peer, Ring};
@@ -123,9 +123,11 @@ impl Layout {
                 config.cells
             ));
         }
-        if !config.ring_capacity.is_power_of_two() || config.ring_capacity < 2 {
+        if !config.ring_capacity.is_power_of_two()
+            || !(2..=MAX_RING).contains(&config.ring_capacity)
+        {
             return bad(format!(
-                "ring_size must be a power of two >= 2, got {}",
+                "ring_size must be a power of two from 2 to {MAX_RING}, got {}",
                 config.ring_capacity
             ));
         }
@@ -844,7 +846,8 @@ impl Entry<'_> {
     }
 
     /// The request's parameters: None if it has none, `Err` if its length
-    /// word is out of range or the bytes are not UTF-8. Call only while
+    /// word is out of range or the bytes are not a JSON object's UTF-8 text
+    /// ([`crate::request::check_parameters`]). Call only while
     /// owning the entry's bytes.
     pub fn parameters(&self) -> Result<Option<Box<str>>, String> {
         let len = self
@@ -868,9 +871,10 @@ impl Entry<'_> {
                 len,
             )
         };
-        String::from_utf8(out)
-            .map(|s| Some(s.into_boxed_str()))
-            .map_err(|_| "parameters that are not UTF-8".to_string())
+        let text =
+            String::from_utf8(out).map_err(|_| "parameters that are not UTF-8".to_string())?;
+        crate::request::check_parameters(&text)?;
+        Ok(Some(text.into_boxed_str()))
     }
 
     /// The error message. Call only while owning the entry's bytes.

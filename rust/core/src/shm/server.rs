@@ -557,7 +557,8 @@ impl SharedServer {
     }
 
     /// A client gave up on an accepted request: withdrawn unless a batch
-    /// took it (then its batch answers it).
+    /// took it (then its batch answers it, and the outcome counted is the
+    /// caller's).
     fn withdraw(&self, d: Descriptor, why: Withdraw, wake: &mut Vec<u32>) {
         let Some(id) = self.cell_id(d.client, d.cell) else {
             return;
@@ -579,6 +580,9 @@ impl SharedServer {
         {
             self.write_done(cell.client, cell.cell, cell.tag, code, "withdrawn");
             wake.push(cell.client);
+        } else {
+            // A batch holds it: its caller's outcome is what the caller saw.
+            self.pending.gave_up(id, this_cell, outcome);
         }
     }
 
@@ -611,11 +615,15 @@ impl SharedServer {
             };
             match outcome {
                 Ok(()) => {
-                    self.pending.count(Outcome::Succeeded, t.enqueued_at, now);
+                    if !t.counted {
+                        self.pending.count(Outcome::Succeeded, t.enqueued_at, now);
+                    }
                     self.write_done(cell.client, cell.cell, cell.tag, code::OK, "");
                 }
                 Err(message) => {
-                    self.pending.count(Outcome::ModelError, t.enqueued_at, now);
+                    if !t.counted {
+                        self.pending.count(Outcome::ModelError, t.enqueued_at, now);
+                    }
                     self.write_done(
                         cell.client,
                         cell.cell,
