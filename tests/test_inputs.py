@@ -241,6 +241,15 @@ async def test_every_bad_value_is_invalid_input_naming_the_input(
     torch.testing.assert_close(out["y"], sample(4))
 
 
+async def test_a_scalar_of_another_byte_order_is_worded_as_a_larger_array_is() -> None:
+    scalar = fb.Server(lambda b: {"y": b["x"]}, inputs=[fb.TensorSpec("x", "float32", ())],
+                       outputs=[fb.TensorSpec("y", "float32", ())])  # fmt: skip
+    async with scalar:
+        with pytest.raises(fb.InvalidInputError, match=r"input 'x': expected dtype float32, got big-endian float32"):
+            await scalar.client().infer({"x": np.array(1.5, ">f4")})
+        assert (await scalar.client().infer({"x": np.array(2.5, "<f4")}))["y"].item() == 2.5
+
+
 async def test_a_lazily_negated_view_is_read_as_its_values(server: fb.Server) -> None:
     z = torch.complex(torch.zeros(WIDTH), torch.arange(1.0, WIDTH + 1)).conj()
     assert z.imag.is_neg()

@@ -202,16 +202,25 @@ def make_coerce(specs: Sequence[TensorSpec]) -> Callable[[Any, int, bool], Any]:
 
     def coerce(value: Any, index: int, batched: bool) -> Any:
         name = specs[index].name
-        if not isinstance(value, type) and not hasattr(value, "__dlpack__"):
+        if not isinstance(value, type):
             try:
-                # A buffer the Rust side cannot take: a 0-d one (no shape).
+                # A buffer the Rust side cannot take: a 0-d one (no shape),
+                # a numpy scalar array among them (which has __dlpack__ too).
                 view = memoryview(value)
             except Exception:  # noqa: BLE001 - not a buffer
                 pass
             else:
                 import numpy as np
 
-                return torch.from_numpy(np.array(view, copy=True))
+                array = np.array(view, copy=True)
+                if not array.dtype.isnative:  # as the Rust side words it for larger arrays
+                    endian = "big" if array.dtype.byteorder == ">" else "little"
+                    raise InvalidInputError(
+                        f"input '{name}': expected dtype {specs[index].dtype}, got {endian}-endian"
+                        f" {array.dtype.newbyteorder('=').name} (non-native byte order;"
+                        f" convert with .astype('={array.dtype.char}'))"
+                    )
+                return torch.from_numpy(array)
         if isinstance(value, type) or not hasattr(value, "__dlpack__"):
             what = f"the class {value.__qualname__}" if isinstance(value, type) else type(value).__name__
             raise InvalidInputError(
