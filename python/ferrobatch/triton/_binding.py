@@ -4,6 +4,7 @@ responses checked and joined back into the batch's outputs."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import inspect
@@ -325,15 +326,15 @@ class BoundModel:
     def _call_whole(self, batch: dict[str, np.ndarray], rows: int) -> dict[str, Any] | Iterator[dict[str, Any]]:
         """The @batch callable's own function on the whole batch: one
         response of ``rows`` rows (a decoupled one's every yield too)."""
-        from .decorators import convert_output
+        from .decorators import convert_output, refuse_async
 
         assert self._whole_batch is not None
         with self._context_set():
-            produced = self._whole_batch(**batch)
+            produced = refuse_async(self._whole_batch(**batch), "batch")
         if self.config.decoupled:
             if inspect.isgenerator(produced):
-                produced = ([convert_output(item, self.config)] for item in produced)
-            return self._stream(produced, [rows])
+                return self._stream(([convert_output(item, self.config)] for item in produced), [rows])
+            return self._stream(iter([[convert_output(produced, self.config)]]), [rows])
         return self._collected([convert_output(produced, self.config)], [rows])
 
     def _collected(self, responses: Any, rows: list[int]) -> dict[str, Any]:
@@ -344,12 +345,10 @@ class BoundModel:
     def _stream(self, produced: Any, rows: list[int], joined: bool = True) -> Iterator[Any]:
         """A decoupled callable's responses: each list it yields (one
         response per request) joined into the batch's outputs (``joined``;
-        else as it is)."""
+        else as it is). A callable that returns its responses instead of
+        yielding them gives one response, as in PyTriton."""
         if not inspect.isgenerator(produced) and not isinstance(produced, Iterator):
-            raise PyTritonValidationError(
-                f"model '{self.config.model_name}' is decoupled: its inference callable must be a generator"
-                f" (yielding a list of responses per step); it returned {type(produced).__name__}"
-            )
+            produced = iter([produced])
         try:
             while True:
                 with self._context_set():
@@ -395,7 +394,7 @@ class BoundModel:
 
     def _call(self, requests: list[Request]) -> Any:
         with self._context_set():
-            return self.infer_func(requests)
+            return _awaited(self.infer_func(requests))
 
     @contextlib.contextmanager
     def _context_set(self) -> Iterator[None]:
@@ -411,6 +410,40 @@ class BoundModel:
             raise
         finally:
             _local.config = _local.context = None
+
+
+def _thread_loop() -> asyncio.AbstractEventLoop:
+    """This worker thread's event loop for async inference callables: one
+    per thread, kept across batches (``asyncio.run`` would build and close
+    one per batch)."""
+    loop: asyncio.AbstractEventLoop | None = getattr(_local, "loop", None)
+    if loop is None or loop.is_closed():
+        loop = _local.loop = asyncio.new_event_loop()
+    return loop
+
+
+def _awaited(produced: Any) -> Any:
+    """What an inference callable returned, a coroutine awaited and an async
+    generator made a generator, on this thread's loop (PyTriton takes
+    coroutine and async generator callables)."""
+    if inspect.iscoroutine(produced):
+        return _thread_loop().run_until_complete(produced)
+    if inspect.isasyncgen(produced):
+        return _iterated(produced)
+    return produced
+
+
+def _iterated(produced: Any) -> Iterator[Any]:
+    """An async generator's items, each awaited on this thread's loop;
+    closing this generator (a stream whose callers went away) closes it."""
+    try:
+        while True:
+            try:
+                yield _thread_loop().run_until_complete(produced.__anext__())
+            except StopAsyncIteration:
+                return
+    finally:
+        _thread_loop().run_until_complete(produced.aclose())
 
 
 def _same_shapes(shapes: Sequence[tuple[Any, ...]]) -> list[list[int]]:
@@ -469,9 +502,9 @@ def collect_outputs(
     each), checked as PyTriton checks them: a list of dicts of numpy arrays,
     one per request. With ``strict``, every returned output must be declared,
     of its dtype and shape (``-1``: any length); without, undeclared ones
-    are dropped and a dtype numpy casts within its kind (float64 to
-    float32) is cast to the declared one. Either way each declared output
-    must come back with the request's rows. Raises
+    are dropped and numbers and bools are cast to the declared dtype, as
+    PyTriton's ``astype`` does (strings and numbers are refused). Either way
+    each declared output must come back with the request's rows. Raises
     :class:`PyTritonValidationError` saying what was wrong."""
     if not isinstance(responses, (list, tuple)):
         raise PyTritonValidationError(
@@ -499,7 +532,9 @@ def collect_outputs(
         for out_name, tensor in declared.items():
             if out_name not in response:
                 raise PyTritonValidationError(
-                    f"response {i} has no output '{out_name}' (it has {sorted(map(str, response))})"
+                    f"response {i} has no output '{out_name}' (it has {sorted(map(str, response))}): ferrobatch"
+                    " sends every declared output, so each response must hold them all (PyTriton sends"
+                    " only those a response holds)"
                 )
             parts[out_name].append(_checked(response[out_name], tensor, n, strict))
     outputs: dict[str, np.ndarray] = {}
@@ -549,14 +584,17 @@ def _checked(value: Any, tensor: AnyTensor, rows: int, strict: bool) -> np.ndarr
         )
     if array.dtype != want:
         strings = array.dtype.kind in "OSU"
-        if strings != (want.kind == "O") or (strict and not strings):
+        if strict and not strings:
             raise PyTritonValidationError(
                 f"output '{name}' has an invalid dtype: returned {array.dtype}, declared {want}"
             )
-        if not strings and not np.can_cast(array.dtype, want, casting="same_kind"):
+        if strings != (want.kind == "O"):
             raise PyTritonValidationError(
-                f"output '{name}' has dtype {array.dtype}, which does not cast to the declared {want}"
+                f"output '{name}' has an invalid dtype: returned {array.dtype}, declared {want}"
+                " (strings and numbers do not cast to each other)"
             )
+        # Not strict: numbers and bools cast to the declared dtype whatever
+        # they lose (float64 1.7 -> int32 1), as PyTriton's astype does.
         if array.dtype.kind == "U":  # BYTES carries bytes: text is sent UTF-8
             array = np.char.encode(array, "utf-8")
         array = np.asarray(array, dtype=want)

@@ -105,10 +105,11 @@ def convert_output(outputs: Any, model_config: TritonModelConfig | None = None) 
         declared = model_config.outputs or []
         if len(outputs) != len(declared):
             raise PyTritonValidationError(
-                f"the callable returned {len(outputs)} outputs; the model declares {len(declared)}"
+                "Outputs length different than config outputs length"
+                f" (the callable returned {len(outputs)} outputs; the model declares {len(declared)})"
             )
         return {str(t.name): value for t, value in zip(declared, outputs)}
-    raise PyTritonValidationError(f"unsupported output type {type(outputs).__name__}; return a dict of numpy arrays")
+    raise PyTritonValidationError(f"Unsupported output type {type(outputs)}.")
 
 
 def _config_or_none(wrapped: Any, instance: Any) -> TritonModelConfig | None:
@@ -116,6 +117,23 @@ def _config_or_none(wrapped: Any, instance: Any) -> TritonModelConfig | None:
         return get_model_config(wrapped, instance)
     except (PyTritonValidationError, KeyError):
         return None
+
+
+def refuse_async(outputs: Any, decorator: str) -> Any:
+    """``outputs`` unless a coroutine or async generator: as PyTriton's, the
+    decorators that read what their function returns call it synchronously
+    (only an undecorated inference callable, or one under pass-through
+    decorators, may be async)."""
+    if inspect.iscoroutine(outputs) or inspect.isasyncgen(outputs):
+        close = getattr(outputs, "close", None)
+        if close is not None:
+            close()  # no "never awaited" warning
+        raise PyTritonValidationError(
+            f"@{decorator} calls the function it wraps synchronously, as PyTriton's does; it returned"
+            f" {type(outputs).__name__}: make that function a plain one (or a generator), or leave the async"
+            " inference callable undecorated"
+        )
+    return outputs
 
 
 def _batch(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -128,18 +146,19 @@ def _batch(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str,
     names = list(requests[0].keys())
     for request in requests[1:]:
         if set(request.keys()) != set(names):
-            raise PyTritonValidationError("cannot batch requests with different sets of inputs")
+            raise PyTritonValidationError("Cannot batch requests with different set of inputs keys")
     inputs = {n: requests[0][n] if len(requests) == 1 else np.concatenate([r[n] for r in requests]) for n in names}
     sizes = [_rows(r) for r in requests]
-    outputs = wrapped(*prefix, **kwargs, **inputs)
+    outputs = refuse_async(wrapped(*prefix, **kwargs, **inputs), "batch")
 
     def split(result: Any) -> InferenceResults:
         named = convert_output(result, None if isinstance(result, Mapping) else _config_or_none(wrapped, instance))
         total = sum(sizes)
         wrong = {n: tuple(np.shape(v)) for n, v in named.items() if np.ndim(v) == 0 or len(v) != total}
         if wrong:
+            shapes = ", ".join(f"{n}: {shape}" for n, shape in wrong.items())
             raise ValueError(
-                f"Received output tensors with different batch sizes: {wrong}; the requests hold {total} rows"
+                f"Received output tensors with different batch sizes: {shapes}. Expected batch size: {total}. "
             )
         bounds = list(itertools.accumulate(sizes, initial=0))
         return [{n: v[lo:hi] for n, v in named.items()} for lo, hi in itertools.pairwise(bounds)]
@@ -171,7 +190,10 @@ def sample(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str,
     request's response."""
     prefix, requests = _requests(args)
     config = _config_or_none(wrapped, instance)
-    return [convert_output(wrapped(*prefix, **{**kwargs, **request}), config) for request in requests]
+    return [
+        convert_output(refuse_async(wrapped(*prefix, **{**kwargs, **request}), "sample"), config)
+        for request in requests
+    ]
 
 
 @_decorator
@@ -183,7 +205,7 @@ def group_by_keys(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: di
     results: list[tuple[int, InferenceResult]] = []
     for _, group in itertools.groupby(keyed, key=lambda item: tuple(sorted(item[1].keys()))):
         members = list(group)
-        out = wrapped(*prefix, [r for _, r in members], **kwargs)
+        out = refuse_async(wrapped(*prefix, [r for _, r in members], **kwargs), "group_by_keys")
         results.extend(zip((i for i, _ in members), out))
     return [r for _, r in sorted(results, key=operator.itemgetter(0))]
 
@@ -196,27 +218,38 @@ def fill_optionals(**defaults: Any) -> Callable[[F], F]:
     (:class:`PyTritonBadParameterError`)."""
 
     def check(config: TritonModelConfig) -> None:
-        not_arrays = [f"{name}={value!r}" for name, value in defaults.items() if not isinstance(value, np.ndarray)]
+        # PyTriton's checks, in its order and words.
+        specs = {str(t.name): t for t in config.inputs or []}
+        unknown = sorted(set(defaults) - set(specs))
+        if unknown:
+            raise PyTritonBadParameterError(f"Could not found {', '.join(unknown)} inputs")
+        not_arrays = [f"{name}={value}" for name, value in defaults.items() if not isinstance(value, np.ndarray)]
         if not_arrays:
             raise PyTritonBadParameterError(
-                f"Could not use {', '.join(not_arrays)} as defaults: they are not NumPy arrays"
+                f"Could not use {', '.join(not_arrays)} defaults as they are not NumPy arrays"
             )
-        specs = {str(t.name): t for t in config.inputs or []}
-        for name, value in defaults.items():
-            spec = specs.get(name)
-            if spec is None:
-                raise PyTritonBadParameterError(f"Could not use {name}: the model has no input of that name")
-            if value.dtype != np.dtype(spec.dtype):
-                raise PyTritonBadParameterError(
-                    f"Could not use {name}: dtype={value.dtype} of its default; defaults may not have different"
-                    f" than input signature dtypes (dtype={np.dtype(spec.dtype)})"
-                )
-            declared = tuple(spec.shape)
-            if len(value.shape) != len(declared) or any(d != s != -1 for d, s in zip(value.shape, declared)):
-                raise PyTritonBadParameterError(
-                    f"Could not use {name}: shape={value.shape} of its default; defaults may not"
-                    f" have different than input signature shapes (shape={declared})"
-                )
+        dtypes = [
+            f"{name}: dtype={value.dtype} expected_dtype={specs[name].dtype}"
+            for name, value in defaults.items()
+            if value.dtype != np.dtype(specs[name].dtype)
+        ]
+        if dtypes:
+            raise PyTritonBadParameterError(
+                f"Could not use {', '.join(dtypes)} defaults as they have different than input signature dtypes"
+            )
+
+        def fits(shape: tuple[int, ...], declared: tuple[int, ...]) -> bool:
+            return len(shape) == len(declared) and all(d == -1 or s == d for s, d in zip(shape, declared))
+
+        shapes = [
+            f"{name}: shape={value.shape} expected_shape={tuple(specs[name].shape)}"
+            for name, value in defaults.items()
+            if not fits(value.shape, tuple(specs[name].shape))
+        ]
+        if shapes:
+            raise PyTritonBadParameterError(
+                f"Could not use {', '.join(shapes)} defaults as they have different than input signature shapes"
+            )
 
     @_decorator
     def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -245,6 +278,7 @@ def first_value(*keys: str, squeeze_single_values: bool = True, strict: bool = T
     if special:
         raise PyTritonBadParameterError(
             f"The keys {', '.join(special)} are not allowed as keys for @first_value wrapper."
+            f" The set of not allowed keys are {', '.join(sorted(_SPECIAL_KEYS))}"
         )
 
     def replace(request: Any) -> Any:
@@ -256,8 +290,9 @@ def first_value(*keys: str, squeeze_single_values: bool = True, strict: bool = T
                 uniques = np.unique(values, axis=None if values.dtype == object else 0)
                 if len(uniques) > 1:
                     raise PyTritonRuntimeError(
-                        f"The values on the {name!r} input are not equal; disable strict in @first_value or"
-                        f" send equal values. They are {values!r}."
+                        f"The values on the {name!r} input are not equal. To proceed, either disable strict mode"
+                        " in @first_value wrapper or ensure that the values always are consistent. The current"
+                        f" values of {name!r} are {values!r}."
                     )
             first = values[0]
             if squeeze_single_values and not np.isscalar(first) and all(d == 1 for d in np.shape(first)):
@@ -279,13 +314,16 @@ def first_value(*keys: str, squeeze_single_values: bool = True, strict: bool = T
 
 
 def _value_key(value: Any) -> Any:
-    if isinstance(value, np.ndarray):
-        if value.dtype.kind in "OSU":
-            return (value.shape, tuple(bytes(v) if isinstance(v, (bytes, np.bytes_)) else str(v) for v in value.flat))
-        return (value.shape, value.tobytes())
-    if isinstance(value, bytes):
+    """A row's grouping key, as PyTriton's: a scalar row by its value (0.0
+    and -0.0 one group, each NaN its own), an array row by its bytes (BYTES
+    serialized length-prefixed), so groups come in the same order."""
+    if not isinstance(value, np.ndarray):
         return value
-    return str(value) if isinstance(value, (np.str_, str)) else np.asarray(value).tobytes()
+    if value.dtype.kind in "OS":
+        items = [v if isinstance(v, bytes) else str(v).encode("utf-8") for v in value.flat]
+        body = b"".join(len(v).to_bytes(4, "little") + v for v in items)
+        return len(body).to_bytes(4, "little") + body if items else b""
+    return value.tobytes()
 
 
 def group_by_values(
@@ -304,7 +342,7 @@ def group_by_values(
         other = {k: v for k, v in kwargs.items() if k in _SPECIAL_KEYS}
         rows = _rows(request)
         keyed = sorted(
-            ((i, tuple(_value_key(request[k][i]) for k in keys if k in request)) for i in range(rows)),
+            ((i, tuple(_value_key(request[k][i]) for k in keys)) for i in range(rows)),
             key=operator.itemgetter(1),
         )
         config = _config_or_none(wrapped, instance)
@@ -312,7 +350,8 @@ def group_by_values(
         for _, group in itertools.groupby(keyed, key=operator.itemgetter(1)):
             index = np.array([i for i, _ in group], dtype=np.intp)
             part = {name: value[index] for name, value in request.items()}
-            groups.append((index, convert_output(wrapped(**part, **other), config)))
+            produced = refuse_async(wrapped(**part, **other), "group_by_values")
+            groups.append((index, convert_output(produced, config)))
         results = [r for _, r in groups]
         if pad_fn is not None:
             results = list(pad_fn(results))
@@ -347,12 +386,12 @@ class ConstantPadder:
             shape = tuple(np.max([a.shape[1:] for a in arrays], axis=0)) if arrays[0].ndim > 1 else ()
             kinds = {a.dtype.kind for a in arrays}
             if len(kinds) > 1:
-                raise PyTritonRuntimeError(f"output {name!r} has arrays of different dtypes: {kinds}")
+                raise PyTritonRuntimeError("All input arrays for given input name must have the same dtype.")
             dtype = arrays[0].dtype
             if dtype.kind in "SU":
                 dtype = max((a.dtype for a in arrays), key=lambda d: d.itemsize)
             elif any(a.dtype != dtype for a in arrays):
-                raise PyTritonRuntimeError(f"output {name!r} has arrays of different dtypes")
+                raise PyTritonRuntimeError("All input arrays for given input name must have the same dtype.")
             fill = b"" if dtype.kind in "SUO" else self.pad_value
             for r in padded:
                 if name in r:

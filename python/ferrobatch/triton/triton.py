@@ -42,7 +42,7 @@ from .exceptions import (
     PyTritonValidationError,
     UnrecoverableError,
 )
-from .model_config import ModelConfig, Tensor
+from .model_config import ModelConfig, QueuePolicy, Tensor, TimeoutAction
 
 __all__ = ["RemoteTriton", "Triton", "TritonConfig", "TritonLifecyclePolicy", "TritonSecurityConfig"]
 
@@ -361,13 +361,16 @@ class Triton:
         """
         with self._lock:
             if self._phase != "created":
-                raise PyTritonInvalidOperationError("bind every model before run() or serve()")
+                raise PyTritonInvalidOperationError(
+                    "bind every model before run() or serve(): ferrobatch serves the models bound when it"
+                    " starts (PyTriton loads a model bound later into the running server)"
+                )
         if not model_name or not re.fullmatch(r"[a-zA-Z0-9._-]+", model_name):
             raise PyTritonValidationError(
                 f"model name {model_name!r}: only letters, digits, dots, underscores and dashes"
             )
-        if any(s.name == model_name for s in self._servers):
-            raise PyTritonValidationError(f"a model named {model_name!r} is already bound")
+        if any(s.name == model_name for s in self._servers):  # PyTriton's error for a model loaded twice
+            raise PyTritonInvalidOperationError(f"a model named {model_name!r} is already bound")
         if model_version != 1:
             raise PyTritonModelConfigError(f"model '{model_name}': only model_version=1 is served")
         if trace_config:
@@ -393,6 +396,7 @@ class Triton:
             kwargs["default_priority"] = batcher.default_priority_level or None
         if batcher.priority_queue_policy:
             log.warning("model '%s': priority_queue_policy is not supported; ignored", model_name)
+        _warn_queue_policy(model_name, policy)
         models = [
             BoundModel(f, described, self._context, strict=strict, on_unrecoverable=self._on_unrecoverable)
             for f in funcs
@@ -614,6 +618,26 @@ def _at_main_thread_exit(stop: weakref.WeakMethod[Callable[[], bool]]) -> None:
 
 def _ports(listening: Listening) -> tuple[int | None, int | None]:
     return listening.http_port, listening.grpc_port
+
+
+def _warn_queue_policy(name: str, policy: QueuePolicy | None) -> None:
+    """Warns of the queue policy's settings ferrobatch cannot keep: a
+    ``Server`` has no default deadline for requests that give none (a
+    request's own ``timeout`` parameter is kept), and it never delays."""
+    if policy is None:
+        return
+    if policy.default_timeout_microseconds > 0:
+        log.warning(
+            "model '%s': default_queue_policy.default_timeout_microseconds is not supported; ignored"
+            " (requests wait without a deadline unless they send their own 'timeout' parameter)",
+            name,
+        )
+    if policy.timeout_action == TimeoutAction.DELAY:
+        log.warning(
+            "model '%s': default_queue_policy.timeout_action=DELAY is not supported; a request whose own"
+            " 'timeout' passes is rejected (504)",
+            name,
+        )
 
 
 def _refuse_unsupported(name: str, config: ModelConfig) -> None:

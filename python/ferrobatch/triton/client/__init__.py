@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from types import ModuleType, TracebackType
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -167,9 +167,25 @@ class _Requests:
             prefix = "triton-grpc-protocol-" if self.scheme == "grpc" else ""
             self.headers[prefix + _ACCESS_HEADER] = access_token
 
+    def same_as(self, config: TritonModelConfig | None) -> dict[str, Any]:
+        """The arguments of a client like this one (``from_existing_client``)."""
+        token = next((v for k, v in self.headers.items() if k.endswith(_ACCESS_HEADER)), None)
+        known: dict[str, Any] = {"model_config": config, "ensure_model_is_ready": False} if config else {}
+        return {
+            "url": f"{self.scheme}://{self.url}",
+            "model_name": self.model_name,
+            "model_version": self.model_version or None,
+            "init_timeout_s": self.init_timeout_s,
+            "inference_timeout_s": self.inference_timeout_s,
+            "access_token": token,
+            **known,
+        }
+
     def named(
         self, config: TritonModelConfig, inputs: tuple[np.ndarray, ...], named_inputs: Mapping[str, np.ndarray]
     ) -> dict[str, np.ndarray]:
+        if not inputs and not named_inputs:
+            raise PyTritonClientValueError("Provide input data")
         if inputs and named_inputs:
             raise PyTritonClientValueError("pass the inputs either by position or by name, not both")
         if not inputs:
@@ -197,6 +213,8 @@ class _Requests:
         return tensors
 
     def infer_kwargs(self, parameters: Parameters | None, headers: Mapping[str, str] | None) -> dict[str, Any]:
+        checked(parameters)
+        checked(headers)
         # Header values as text: gRPC metadata takes nothing else (PyTriton's examples pass ints).
         merged = {**self.headers, **{k: str(v) for k, v in (headers or {}).items()}}
         kwargs: dict[str, Any] = {
@@ -244,6 +262,21 @@ class _Requests:
 
     def not_ready(self, timeout_s: float) -> PyTritonClientTimeoutError:
         return PyTritonClientTimeoutError(f"model {self.model_name!r} not ready at {self.url} in {timeout_s} s")
+
+
+def checked(values: Mapping[str, Any] | None) -> None:
+    """Refuses parameters or headers PyTriton's clients refuse: keys that
+    are not text, values that are not text, int or bool (a float too, as
+    there)."""
+    if values is None:
+        return
+    if not isinstance(values, Mapping):
+        raise PyTritonClientValueError("Parameters and headers must be a dictionary")
+    for key, value in values.items():
+        if not isinstance(key, str):
+            raise PyTritonClientValueError("Parameter/header key must be a string")
+        if not isinstance(value, (str, int, bool)):
+            raise PyTritonClientValueError("Parameter/header value must be a string, integer or boolean")
 
 
 def _batched(config: TritonModelConfig, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -295,8 +328,16 @@ class ModelClient:
             self._client = self._lib.InferenceServerClient(self.url)
         self._config = model_config
         self._ensure_ready = ensure_model_is_ready
+        self._closed = False
         if not lazy_init:
             self.model_config  # noqa: B018 - read now: waits for the model
+
+    @classmethod
+    def from_existing_client(cls, existing_client: ModelClient) -> Self:
+        """A new client of ``existing_client``'s model, address, timeouts and
+        access token, with its model config if it has read it (then without
+        waiting for the model again), as PyTriton's."""
+        return cls(**existing_client._requests.same_as(existing_client._config))
 
     # -- PyTriton's API -------------------------------------------------------------------------
 
@@ -335,6 +376,7 @@ class ModelClient:
     def model_config(self) -> TritonModelConfig:
         """The model's config, read once (after waiting for the model)."""
         if self._config is None:
+            self._check_open()
             if self._ensure_ready:
                 self.wait_for_model(self._requests.init_timeout_s)
             raw = self._client.get_model_config(self.model_name, self.model_version, **self._requests.config_kwargs())
@@ -352,6 +394,7 @@ class ModelClient:
 
     def wait_for_model(self, timeout_s: float) -> None:
         """Waits until the server says the model is ready."""
+        self._check_open()
         ready = lambda: bool(  # noqa: E731
             self._client.is_model_ready(self.model_name, self.model_version, headers=self._requests.headers or None)
         )
@@ -373,6 +416,7 @@ class ModelClient:
             raise self._requests.failed(exc) from exc
 
     def close(self) -> None:
+        self._closed = True
         self._client.close()
 
     def __enter__(self) -> ModelClient:
@@ -384,6 +428,10 @@ class ModelClient:
         self.close()
 
     # -- internals --------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:  # tritonclient's own errors say less (RuntimeError, ValueError)
+            raise PyTritonClientClosedError("ModelClient is closed")
 
     def _wait(self, ready: Callable[[], bool], timeout_s: float, timed_out: Callable[[], Exception]) -> None:
         deadline = time.monotonic() + timeout_s
@@ -400,6 +448,7 @@ class ModelClient:
     def _infer(
         self, inputs: Mapping[str, np.ndarray], parameters: Parameters | None, headers: Mapping[str, str] | None
     ) -> dict[str, np.ndarray]:
+        self._check_open()
         tensors = self._requests.tensors(self._lib, inputs)
         try:
             result = self._client.infer(self.model_name, tensors, **self._requests.infer_kwargs(parameters, headers))
@@ -491,6 +540,8 @@ class DecoupledModelClient(ModelClient):
         """Sends the request now; the iterator of its responses."""
         if headers:
             raise PyTritonClientValueError("DecoupledModelClient does not support headers")
+        checked(parameters)
+        self._check_open()
         if not self._busy.acquire(blocking=False):
             raise PyTritonClientInferenceServerError("Inference is already in progress")
         try:
@@ -600,7 +651,7 @@ class FuturesModelClient:
     def _submit(self, call: Callable[[ModelClient], T]) -> concurrent.futures.Future[T]:
         with self._lock:
             if self._closed:
-                raise PyTritonClientClosedError("the FuturesModelClient is closed")
+                raise PyTritonClientClosedError("FutureModelClient is already closed")  # PyTriton's words
             return self._executor.submit(lambda: call(self._client()))
 
     def infer_sample(
@@ -680,6 +731,16 @@ class AsyncioModelClient:
         self._config = model_config
         self._ensure_ready = ensure_model_is_ready
         self._lazy = lazy_init
+        self._closed = False
+
+    @classmethod
+    def from_existing_client(cls, existing_client: AsyncioModelClient) -> Self:
+        """As :meth:`ModelClient.from_existing_client`."""
+        return cls(**existing_client._requests.same_as(existing_client._config))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PyTritonClientClosedError("ModelClient is closed")
 
     def get_lib(self) -> ModuleType:
         return self._lib
@@ -695,11 +756,13 @@ class AsyncioModelClient:
         await self.close()
 
     async def close(self) -> None:
+        self._closed = True
         await self._client.close()
 
     @property
     async def model_config(self) -> TritonModelConfig:
         if self._config is None:
+            self._check_open()
             if self._ensure_ready:
                 await self.wait_for_model(self._requests.init_timeout_s)
             raw = await self._client.get_model_config(
@@ -709,6 +772,7 @@ class AsyncioModelClient:
         return self._config
 
     async def wait_for_model(self, timeout_s: float) -> None:
+        self._check_open()
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -750,6 +814,7 @@ class AsyncioModelClient:
     async def _infer(
         self, inputs: Mapping[str, np.ndarray], parameters: Parameters | None, headers: Mapping[str, str] | None
     ) -> dict[str, np.ndarray]:
+        self._check_open()
         tensors = self._requests.tensors(self._lib, inputs)
         kwargs = self._requests.infer_kwargs(parameters, headers)
         try:
@@ -806,6 +871,8 @@ class AsyncioDecoupledModelClient(AsyncioModelClient):
     ) -> AsyncIterator[dict[str, np.ndarray]]:
         if headers:
             raise PyTritonClientValueError("AsyncioDecoupledModelClient does not support headers")
+        checked(parameters)
+        self._check_open()
         if not (await self.model_config).decoupled:
             raise PyTritonClientInferenceServerError("Model config is coupled. Use AsyncioModelClient instead.")
         request = {

@@ -1,0 +1,228 @@
+"""ferrobatch.triton as a drop-in for PyTriton: async inference callables,
+decoupled plain callables, PyTriton's output casts, grouping and wording,
+and its clients' argument checks."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from ferrobatch import RequestInfo
+from ferrobatch.triton import (
+    ConstantPadder,
+    DynamicBatcher,
+    ModelConfig,
+    PyTritonRuntimeError,
+    PyTritonValidationError,
+    QueuePolicy,
+    Request,
+    Tensor,
+    TimeoutAction,
+    Triton,
+    TritonConfig,
+    batch,
+    first_value,
+    group_by_values,
+)
+from ferrobatch.triton._binding import BoundModel, TritonContext, collect_outputs, model_config_of
+from ferrobatch.triton.client import (
+    AsyncioModelClient,
+    DecoupledModelClient,
+    ModelClient,
+    PyTritonClientClosedError,
+    PyTritonClientValueError,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+X = Tensor(name="x", dtype=np.float32, shape=(1,))
+Y = Tensor(name="y", dtype=np.float32, shape=(1,))
+
+
+def bound(infer: Any, **config: Any) -> BoundModel:
+    described = model_config_of("m", 1, ModelConfig(max_batch_size=8, **config), [X], [Y], 1)
+    return BoundModel(infer, described, TritonContext(), strict=True, on_unrecoverable=lambda e: None)
+
+
+def column(*values: float) -> torch.Tensor:
+    return torch.tensor([[v] for v in values], dtype=torch.float32)
+
+
+def test_a_coroutine_callable_runs_on_one_loop_per_worker_thread_kept_across_batches() -> None:
+    loops: list[asyncio.AbstractEventLoop] = []
+
+    async def infer(requests: list[Request]) -> list[dict[str, np.ndarray]]:
+        loops.append(asyncio.get_running_loop())
+        await asyncio.sleep(0)
+        return [{"y": r["x"] * 2} for r in requests]
+
+    model = bound(infer)
+    first = model({"x": column(1, 2)}, [RequestInfo(1), RequestInfo(1)])
+    second = model({"x": column(3)}, [RequestInfo(1)])
+    assert isinstance(first, dict) and isinstance(second, dict)
+    np.testing.assert_array_equal(first["y"], [[2], [4]])
+    np.testing.assert_array_equal(second["y"], [[6]])
+    assert loops[0] is loops[1] and not loops[0].is_closed()
+    other: list[dict[str, Any]] = []
+    worker = threading.Thread(target=lambda: other.append(model({"x": column(5)}, [RequestInfo(1)])))  # type: ignore[arg-type]
+    worker.start()
+    worker.join(10)
+    assert loops[2] is not loops[0]  # another worker thread: a loop of its own
+    np.testing.assert_array_equal(other[0]["y"], [[10]])
+
+
+def test_an_async_generator_streams_and_is_closed_when_the_stream_is_left() -> None:
+    closed: list[bool] = []
+
+    async def infer(requests: list[Request]) -> AsyncIterator[list[dict[str, np.ndarray]]]:
+        try:
+            for i in range(3):
+                await asyncio.sleep(0)
+                yield [{"y": r["x"] + i} for r in requests]
+        finally:
+            closed.append(True)
+
+    stream = bound(infer, decoupled=True)({"x": column(1)}, [RequestInfo(1)])
+    assert isinstance(stream, Iterator)
+    assert [out["y"].tolist() for out in stream] == [[[1]], [[2]], [[3]]]
+    left = bound(infer, decoupled=True)({"x": column(1)}, [RequestInfo(1)])
+    assert isinstance(left, Iterator)
+    next(left)
+    left.close()  # as the executor does when every caller went away
+    assert closed == [True, True]
+
+
+def test_a_decoupled_plain_callable_gives_one_response() -> None:
+    stream = bound(lambda requests: [{"y": r["x"] * 2} for r in requests], decoupled=True)(
+        {"x": column(1, 2)}, [RequestInfo(2)]
+    )
+    assert isinstance(stream, Iterator)
+    assert [out["y"].tolist() for out in stream] == [[[2], [4]]]
+
+
+def test_batch_refuses_an_async_function_as_pytriton_cannot_run_it() -> None:
+    async def double(x: np.ndarray) -> dict[str, np.ndarray]:
+        return {"y": x * 2}
+
+    with pytest.raises(PyTritonValidationError, match="synchronously"):
+        batch(double)([Request({"x": np.ones((1, 1), np.float32)})])
+
+
+def test_async_and_plain_decoupled_callables_answer_tritonclient() -> None:
+    async def coro(requests: list[Request]) -> list[dict[str, np.ndarray]]:
+        await asyncio.sleep(0.001)
+        return [{"y": r["x"] * 2} for r in requests]
+
+    async def agen(requests: list[Request]) -> AsyncIterator[list[dict[str, np.ndarray]]]:
+        for i in range(3):
+            await asyncio.sleep(0.001)
+            yield [{"y": r["x"] + i} for r in requests]
+
+    with Triton(config=TritonConfig(http_port=0, grpc_port=0, allow_metrics=False)) as triton:
+        triton.bind("coro", coro, [X], [Y], config=ModelConfig(max_batch_size=4))
+        triton.bind("agen", agen, [X], [Y], config=ModelConfig(max_batch_size=4, decoupled=True))
+        triton.bind("plain", lambda rs: [{"y": r["x"]} for r in rs], [X], [Y], config=ModelConfig(decoupled=True))
+        triton.run()
+        grpc = f"grpc://127.0.0.1:{triton.grpc_port}"
+        with ModelClient(f"http://127.0.0.1:{triton.http_port}", "coro", init_timeout_s=10) as client:
+            assert client.infer_sample(np.float32([3]))["y"].tolist() == [6]
+        with DecoupledModelClient(grpc, "agen", init_timeout_s=10) as stream:
+            assert [o["y"].tolist() for o in stream.infer_sample(np.float32([1]))] == [[1], [2], [3]]
+        with DecoupledModelClient(grpc, "plain", init_timeout_s=10) as stream:
+            assert [o["y"].tolist() for o in stream.infer_sample(np.float32([7]))] == [[7]]
+
+
+def test_a_missing_output_says_what_pytriton_would_send() -> None:
+    config = model_config_of("m", 1, ModelConfig(), [X], [Y, Tensor(name="z", dtype=np.float32, shape=(1,))], 1)
+    with pytest.raises(PyTritonValidationError, match=r"no output 'z'.*PyTriton sends only"):
+        collect_outputs([{"y": np.ones((1, 1), np.float32)}], [1], config, strict=False)
+
+
+def test_a_queue_timeout_or_delay_is_not_silently_ignored(caplog: pytest.LogCaptureFixture) -> None:
+    triton = Triton(config=TritonConfig(http_port=0, grpc_port=0))
+    policy = QueuePolicy(timeout_action=TimeoutAction.DELAY, default_timeout_microseconds=1000)
+    with caplog.at_level(logging.WARNING, logger="ferrobatch.triton"):
+        triton.bind(
+            "m", lambda rs: rs, [X], [Y], config=ModelConfig(batcher=DynamicBatcher(default_queue_policy=policy))
+        )
+    assert "default_timeout_microseconds is not supported" in caplog.text
+    assert "timeout_action=DELAY is not supported" in caplog.text
+
+
+def test_group_by_values_groups_and_orders_as_pytriton() -> None:
+    calls: list[list[float]] = []
+
+    @batch
+    @group_by_values("k")
+    def infer(x: np.ndarray, k: np.ndarray) -> dict[str, np.ndarray]:
+        calls.append(k.tolist())
+        return {"y": x}
+
+    def run(keys: list[float]) -> list[list[float]]:
+        calls.clear()
+        infer([Request({"x": np.zeros((len(keys), 1), np.float32), "k": np.array(keys)})])
+        return calls
+
+    assert run([256, 1, 256, 1]) == [[1, 1], [256, 256]]  # by value, not by bytes
+    assert run([0.0, -0.0]) == [[0.0, -0.0]]
+    assert [len(c) for c in run([np.nan, np.nan])] == [1, 1]
+
+
+def test_decorator_errors_use_pytritons_words() -> None:
+    @batch
+    def wrong_rows(x: np.ndarray) -> dict[str, np.ndarray]:
+        return {"y": np.concatenate([x, x])}
+
+    with pytest.raises(ValueError, match=r"different batch sizes: y: \(2, 1\)\. Expected batch size: 1\."):
+        wrong_rows([Request({"x": np.ones((1, 1), np.float32)})])
+    with pytest.raises(PyTritonRuntimeError, match="To proceed, either disable strict mode"):
+        first_value("t")(lambda requests: requests)([Request({"t": np.array([[1.0], [2.0]])})])
+    with pytest.raises(PyTritonRuntimeError, match="All input arrays for given input name must have the same dtype"):
+        ConstantPadder()([{"y": np.ones((1, 1), np.int32)}, {"y": np.ones((1, 1), np.float32)}])
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+@pytest.mark.parametrize("scheme", ["http", "grpc"])
+def test_model_client_checks_its_arguments_and_refuses_calls_after_close(scheme: str) -> None:
+    config = model_config_of("m", 1, ModelConfig(max_batch_size=4), [X], [Y], 1)
+    url = f"{scheme}://127.0.0.1:{closed_port()}"  # nothing listens: no check may reach a server
+    client = ModelClient(url, "m", model_config=config, ensure_model_is_ready=False, inference_timeout_s=5)
+    with pytest.raises(PyTritonClientValueError, match="Provide input data"):
+        client.infer_sample()
+    with pytest.raises(PyTritonClientValueError, match="string, integer or boolean"):
+        client.infer_sample(np.float32([1]), parameters={"p": 1.5})
+    twin = ModelClient.from_existing_client(client)
+    assert (twin.url, twin.scheme, twin.model_name, twin.model_config) == (client.url, scheme, "m", config)
+    client.close()
+    with pytest.raises(PyTritonClientClosedError):
+        client.infer_sample(np.float32([1]))
+    twin.close()
+
+
+def test_asyncio_model_client_from_existing_client_and_after_close() -> None:
+    config = model_config_of("m", 1, ModelConfig(max_batch_size=4), [X], [Y], 1)
+
+    async def main() -> None:
+        client = AsyncioModelClient(f"http://127.0.0.1:{closed_port()}", "m", model_config=config, init_timeout_s=3)
+        twin = AsyncioModelClient.from_existing_client(client)
+        assert (twin.url, twin.model_name, await twin.model_config) == (client.url, "m", config)
+        await twin.close()
+        await client.close()
+        with pytest.raises(PyTritonClientClosedError):
+            await client.infer_sample(np.float32([1]))
+
+    asyncio.run(main())
