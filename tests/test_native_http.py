@@ -206,6 +206,21 @@ def test_an_inference_header_length_that_is_not_text_is_refused(served: tuple[fb
     assert outcomes(server) == Counter({"succeeded": 1})
 
 
+def test_an_inference_header_length_given_twice_is_refused(served: tuple[fb.Server, str]) -> None:
+    """Which of two lengths the client meant is a guess: 400, as on the
+    Python front-end's apps."""
+    _, base = served
+    header = json.dumps(
+        {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "parameters": {"binary_data_size": 16}}]}
+    ).encode()
+    body = header + np.ones(4, np.float32).tobytes()
+    for lengths in ([len(header)] * 2, [len(header), len(header) + 1]):
+        twice = [("Inference-Header-Content-Length", str(n)) for n in lengths]
+        response = httpx.post(f"{base}/v2/models/m/infer", content=body, headers=twice)
+        assert response.status_code == 400, response.text
+        assert "Inference-Header-Content-Length is given more than once" in response.json()["error"]
+
+
 def test_a_body_over_the_limit_is_refused_before_it_is_read() -> None:
     server = fb.Server(double, inputs=[X], outputs=[Y, N], name="m")
     with serve_in_thread([server], native(max_body_size=1024)) as listening:

@@ -47,8 +47,8 @@ The framework modules are imported only when their factory is called.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from .protocol import MAX_BODY_SIZE, MAX_DECOMPRESSED_SIZE
 
@@ -59,7 +59,14 @@ if TYPE_CHECKING:
     from ..server import Server
     from .protocol import ModelRepository
 
-__all__ = ["aiohttp_app", "starlette_app"]
+__all__ = ["AIOHTTP_HANDLER_ARGS", "aiohttp_app", "starlette_app"]
+
+#: The aiohttp server settings :func:`aiohttp_app` sets for itself
+#: (``web.Application(handler_args=...)``): bodies reach it as sent (it
+#: undoes ``Content-Encoding`` itself, by the rules of the other front-ends),
+#: and a client that disconnects cancels its handler, withdrawing its
+#: request. A sub-app runs on its parent's server: give the parent them too.
+AIOHTTP_HANDLER_ARGS: Mapping[str, Any] = {"auto_decompress": False, "handler_cancellation": True}
 
 
 def starlette_app(

@@ -8,10 +8,24 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from aiohttp import web
 from aiohttp.typedefs import Handler
 from aiohttp.web_protocol import RequestPayloadError
+from aiohttp.web_urldispatcher import _default_expect_handler
 
 from .._core import clipped
 from ..server import Server
-from ._endpoint import HEADER_LENGTH, INFER, NOT_FOUND, Call, Endpoint, Reply, Route, _json, error_reply, too_large
+from . import AIOHTTP_HANDLER_ARGS
+from ._endpoint import (
+    HEADER_LENGTH,
+    INFER,
+    NOT_FOUND,
+    REPEATED_HEADER_LENGTH,
+    Call,
+    Endpoint,
+    Reply,
+    Route,
+    _json,
+    error_reply,
+    too_large,
+)
 from ._lifecycle import serving
 from .protocol import MAX_BODY_SIZE, MAX_DECOMPRESSED_SIZE, ModelRepository, ProtocolError
 
@@ -39,9 +53,40 @@ def aiohttp_app(
             response.force_close()
         return response
 
+    async def read_body(request: web.Request) -> bytes | Reply:
+        """The body as sent (aiohttp inflates nothing: ``auto_decompress`` is
+        off), read in bounded steps, or the reply that refuses it."""
+        length = request.content_length
+        if length is not None and length > max_body_size:
+            return too_large(length, max_body_size)  # at once, before reading the body
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            while chunk := await request.content.readany():
+                size += len(chunk)
+                if size > max_body_size:
+                    return too_large(None, max_body_size)
+                chunks.append(chunk)
+        except (RequestPayloadError, ConnectionResetError) as exc:  # a bad body, or the client left
+            refused = error_reply(ProtocolError(400, f"unreadable request body: {exc}"))
+            # The rest of the body cannot be read: the connection closes.
+            return dataclasses.replace(refused, close=True)
+        return b"".join(chunks)
+
+    async def expect(request: web.Request) -> web.StreamResponse | None:
+        """``Expect: 100-continue``: a declared body over the limit gets its
+        413 instead of an invitation to send it."""
+        length = request.content_length
+        if length is not None and length > max_body_size:
+            return _response(too_large(length, max_body_size))
+        await _default_expect_handler(request)
+        return None
+
     def answering(route: Route) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def handle(request: web.Request) -> web.Response:
-            body = await request.read() if route.method == "POST" else b""  # within client_max_size
+            body = await read_body(request) if route.method == "POST" else b""
+            if isinstance(body, Reply):
+                return _response(body)
             call = Call(dict(request.match_info), request.headers, body)
             return _response(await endpoint.answer(route, call))
 
@@ -49,32 +94,20 @@ def aiohttp_app(
 
     async def infer(request: web.Request) -> web.Response:
         m = request.match_info
-        length = request.content_length
-        if length is not None and length > max_body_size:
-            return _response(too_large(length, max_body_size))  # at once, before reading the body
-        # aiohttp undoes a gzip or deflate Content-Encoding as it reads, in
-        # bounded steps: what arrives here is decompressed.
-        encoded = request.headers.get("content-encoding", "identity").lower() != "identity"
-        limit = max_decompressed_size if encoded else max_body_size
-        chunks: list[bytes] = []
-        size = 0
-        try:
-            while chunk := await request.content.readany():
-                size += len(chunk)
-                if size > limit:
-                    what = "decompressed request body" if encoded else "request body"
-                    return _response(too_large(None, limit, what))
-                chunks.append(chunk)
-        except RequestPayloadError as exc:
-            refused = error_reply(ProtocolError(400, f"unreadable request body: {exc}"))
-            # The rest of the body cannot be read: the connection closes.
-            return _response(dataclasses.replace(refused, close=True))
+        body = await read_body(request)
+        if isinstance(body, Reply):
+            return _response(body)
+        headers = request.headers
+        lengths = headers.getall(HEADER_LENGTH, ())
+        if len(lengths) > 1:  # which one counts would be a guess
+            return _response(REPEATED_HEADER_LENGTH)
         reply = await endpoint.infer(
             m["name"],
             m.get("version", ""),
-            b"".join(chunks),
-            request.headers.get(HEADER_LENGTH),
-            accept_encoding=request.headers.get("accept-encoding"),
+            body,
+            lengths[0] if lengths else None,
+            headers.get("content-encoding"),  # inflated (or refused) by the shared Rust code
+            headers.get("accept-encoding"),
         )
         return _response(reply)
 
@@ -99,19 +132,21 @@ def aiohttp_app(
         async with serving(endpoint.repository, manage_servers):
             yield
 
-    # The limits are checked above; aiohttp's own (on what it decompressed)
-    # only backs them up.
-    app = web.Application(client_max_size=max(max_body_size, max_decompressed_size))
+    # The limit is checked above; aiohttp's own only backs it up. Bodies come
+    # as sent (Content-Encoding is undone by Endpoint.infer, as on the other
+    # front-ends), and a client that leaves cancels its handler, withdrawing
+    # its request. As a sub-app, the parent's server settings count instead.
+    app = web.Application(client_max_size=max_body_size, handler_args=AIOHTTP_HANDLER_ARGS)
     app[ENDPOINT_KEY] = endpoint
     # One aiohttp route per entry of the endpoint's table, in its order; GET
     # routes answer HEAD too. POST .../infer reads its body in bounded steps.
     for route in endpoint.routes:
         if route.handler is INFER:
-            app.router.add_post(route.path, infer)
+            app.router.add_post(route.path, infer, expect_handler=expect)
         elif route.method == "GET":
             app.router.add_get(route.path, answering(route))
         else:
-            app.router.add_route(route.method, route.path, answering(route))
+            app.router.add_route(route.method, route.path, answering(route), expect_handler=expect)
     app.middlewares.append(json_refusals)
     app.cleanup_ctx.append(lifespan)
     return app

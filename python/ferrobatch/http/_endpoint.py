@@ -86,6 +86,9 @@ def too_large(size: int | None, limit: int, what: str = "request body") -> Reply
 
 _EMPTY_OK = Reply(200, b"", "text/plain")
 NOT_FOUND = _json(404, {"error": "Not Found"})
+#: Which of two Inference-Header-Content-Length values counts would be a
+#: guess (Starlette's headers take the last, aiohttp's the first): refused.
+REPEATED_HEADER_LENGTH = error_reply(ProtocolError(400, "Inference-Header-Content-Length is given more than once"))
 
 
 # -- the routing table ----------------------------------------------------------------

@@ -2,24 +2,47 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import weakref
 from collections.abc import AsyncIterator
 
 from ..server import Server
 from .protocol import ModelRepository
+
+# The start in progress of each server: apps sharing a server (two mounted
+# apps, two lifespans) wait for the one start instead of racing it.
+_starts: weakref.WeakKeyDictionary[Server, asyncio.Task[None]] = weakref.WeakKeyDictionary()
+
+
+async def start_once(server: Server) -> bool:
+    """Starts ``server`` unless it runs or another caller is starting it (then
+    waits for that start, and its error). True if this call started it."""
+    task = _starts.get(server)
+    if task is not None and not task.done() and task.get_loop() is asyncio.get_running_loop():
+        await asyncio.shield(task)
+        return False
+    if server.running:
+        return False
+    task = asyncio.get_running_loop().create_task(server.start())
+    _starts[server] = task
+    await asyncio.shield(task)  # a cancelled waiter leaves the start to finish
+    return True
 
 
 @contextlib.asynccontextmanager
 async def serving(repository: ModelRepository, manage_servers: bool) -> AsyncIterator[None]:
     """While inside: the servers run. With ``manage_servers``, servers not yet
     running are started on entry and stopped (draining accepted requests) on
-    exit; either way the endpoint reports not-ready once exit begins."""
+    exit; either way the endpoint reports not-ready once exit begins, and
+    serves again if the lifespan runs again (a second TestClient session, a
+    second AppRunner over the same app)."""
     started: list[Server] = []
+    repository.reopen()
     try:
         if manage_servers:
             for server in repository.servers:
-                if not server.running:
-                    await server.start()
+                if await start_once(server):
                     started.append(server)
         yield
     finally:

@@ -7,18 +7,19 @@ import contextlib
 import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import Route, Router
 from starlette.types import Message, Receive, Scope, Send
 
 from ..server import Server
-from ._endpoint import HEADER_LENGTH, NOT_FOUND, Call, Endpoint, Reply, _json, too_large
+from ._endpoint import HEADER_LENGTH, NOT_FOUND, REPEATED_HEADER_LENGTH, Call, Endpoint, Reply, _json, too_large
 from ._endpoint import Route as EndpointRoute
-from ._lifecycle import serving, stop_at_loop_shutdown
+from ._lifecycle import serving, start_once, stop_at_loop_shutdown
 from .protocol import MAX_BODY_SIZE, MAX_DECOMPRESSED_SIZE, ModelRepository
 
 log = logging.getLogger("ferrobatch.http")
@@ -35,10 +36,18 @@ _INFER = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
 _HEADER_LENGTH = HEADER_LENGTH.encode()
 
 
-class V2App(Starlette):
-    """A Starlette app that answers ``POST .../infer`` in plain ASGI, ahead of
-    the middleware stack, router and request/response objects: the one route
-    on the per-request hot path. Every other request goes through Starlette.
+async def _cancel_on_disconnect(receive: Receive, task: asyncio.Task[Any], gone: list[bool]) -> None:
+    # The body is read: the next message is http.disconnect, if the client leaves.
+    if (await receive())["type"] == "http.disconnect":
+        gone.append(True)
+        task.cancel()
+
+
+class _V2Router(Router):
+    """Starlette's router that answers ``POST .../infer`` itself in plain ASGI:
+    inside the middleware stack (user middleware guards it as every route),
+    but ahead of route matching and request/response objects, as it is the
+    one route on the per-request hot path.
 
     With ``manage_servers`` and no lifespan (a mounted app gets none; nor
     does an ASGI server run with lifespan off), the first request starts the
@@ -48,23 +57,24 @@ class V2App(Starlette):
     """
 
     endpoint: Endpoint
-    max_body_size: int
+    body_limit: int  # not max_body_size: Starlette's own limit takes that name
     manage_servers: bool
     lifespan_ran: bool = False
     _startup: asyncio.Task[None] | None = None
     _stopper: AsyncIterator[None] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.manage_servers and not self.lifespan_ran:
-            self._start_lazily()
-        if scope["type"] == "http" and scope["method"] == "POST":
-            path: str = scope["path"]
-            root: str = scope.get("root_path", "")
-            if root and path.startswith(root):  # mounted under a prefix
-                path = path[len(root) :]
-            match = _INFER.fullmatch(path)
-            if match is not None:
-                return await self._infer(match, scope, receive, send)
+        if scope["type"] == "http":
+            if self.manage_servers and not self.lifespan_ran:
+                self._start_lazily()
+            if scope["method"] == "POST":
+                path: str = scope["path"]
+                root: str = scope.get("root_path", "")
+                if root and path.startswith(root):  # mounted under a prefix
+                    path = path[len(root) :]
+                match = _INFER.fullmatch(path)
+                if match is not None:
+                    return await self._infer(match, scope, receive, send)
         await super().__call__(scope, receive, send)
 
     def _start_lazily(self) -> None:
@@ -78,18 +88,18 @@ class V2App(Starlette):
         await anext(self._stopper)
         log.info("ferrobatch: no lifespan ran (a mounted app?): starting the servers on first use")
         for server in self.endpoint.repository.servers:
-            if not server.running:
-                try:
-                    await server.start()
-                except Exception:  # requests get 503 (not running)
-                    log.exception("ferrobatch: model '%s' failed to start", server.name)
-                    continue
-                started.append(server)
+            try:
+                if await start_once(server):  # another app may be starting it: waits
+                    started.append(server)
+            except Exception:  # requests get 503 (not running)
+                log.exception("ferrobatch: model '%s' failed to start", server.name)
 
     async def _infer(self, match: re.Match[str], scope: Scope, receive: Receive, send: Send) -> None:
         header_length = encoding = content_length = accept = None
+        repeated = False
         for key, value in scope["headers"]:
             if key == _HEADER_LENGTH:
+                repeated = header_length is not None
                 header_length = value.decode("latin-1")
             elif key == b"content-encoding":
                 encoding = value.decode("latin-1")
@@ -97,7 +107,7 @@ class V2App(Starlette):
                 accept = value.decode("latin-1")
             elif key == b"content-length":
                 content_length = value
-        limit = self.max_body_size
+        limit = self.body_limit
         reply: Reply | None = None
         if content_length is not None and content_length.isdigit() and int(content_length) > limit:
             reply = too_large(int(content_length), limit)  # at once, before reading the body
@@ -116,12 +126,27 @@ class V2App(Starlette):
                 chunks.append(chunk)
                 if not message.get("more_body", False):
                     break
+        if reply is None and repeated:
+            reply = REPEATED_HEADER_LENGTH
         if reply is None:
             body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-            if self._startup is not None and not self._startup.done():
-                await asyncio.shield(self._startup)
-            name, version = match.group(1), match.group(2) or ""
-            reply = await self.endpoint.infer(name, version, body, header_length, encoding, accept)
+            # A client that leaves withdraws its request (counted cancelled), as
+            # on the native front-end: nobody is left to take the answer.
+            task = asyncio.current_task()
+            assert task is not None
+            gone: list[bool] = []
+            watch = asyncio.get_running_loop().create_task(_cancel_on_disconnect(receive, task, gone))
+            try:
+                if self._startup is not None and not self._startup.done():
+                    await asyncio.shield(self._startup)
+                name, version = match.group(1), match.group(2) or ""
+                reply = await self.endpoint.infer(name, version, body, header_length, encoding, accept)
+            except asyncio.CancelledError:
+                if not gone or task.uncancel():  # cancelled from elsewhere too
+                    raise
+                return
+            finally:
+                watch.cancel()
         headers = [
             (b"content-type", reply.content_type.encode()),
             (b"content-length", str(len(reply.body)).encode()),
@@ -153,7 +178,10 @@ def starlette_app(
     def handler(route: EndpointRoute) -> Callable[[Request], Awaitable[Response]]:
         async def handle(request: Request) -> Response:
             body = b""
-            if route.method == "POST":  # POST .../infer does not come here: V2App._infer
+            if route.method == "POST":  # POST .../infer does not come here: _V2Router._infer
+                declared = request.headers.get("content-length", "")
+                if declared.isdigit() and int(declared) > max_body_size:
+                    return _response(too_large(int(declared), max_body_size), True)
                 chunks: list[bytes] = []
                 size = 0
                 async for chunk in request.stream():
@@ -180,13 +208,16 @@ def starlette_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        v2.lifespan_ran = True
+        router.lifespan_ran = True
         async with serving(repository, manage_servers):
             yield
 
-    v2 = V2App(routes=routes, lifespan=lifespan, exception_handlers={404: refused, 405: refused})
-    v2.endpoint = endpoint
-    v2.max_body_size = max_body_size
-    v2.manage_servers = manage_servers
-    v2.state.ferrobatch = endpoint
-    return v2
+    # No trailing-slash redirects: .../infer/ is 404, as on the other front-ends.
+    router = _V2Router(routes, redirect_slashes=False, lifespan=lifespan)
+    router.endpoint = endpoint
+    router.body_limit = max_body_size
+    router.manage_servers = manage_servers
+    app = Starlette(exception_handlers={404: refused, 405: refused})
+    app.router = router
+    app.state.ferrobatch = endpoint
+    return app

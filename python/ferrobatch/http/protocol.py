@@ -243,6 +243,10 @@ class ModelRepository:
         """Marks the endpoint as shutting down: not ready, new requests refused (503)."""
         self._closing = True
 
+    def reopen(self) -> None:
+        """Undoes :meth:`close`: an app's lifespan that runs again serves again."""
+        self._closing = False
+
     @property
     def closing(self) -> bool:
         return self._closing

@@ -391,7 +391,13 @@ fn route(shared: &Arc<Shared>, request: Request<Incoming>) -> Routed {
             let coding = encoding::content_coding(request.headers().get(CONTENT_ENCODING));
             match (shared.model(name, version), coding) {
                 (Some(model), Ok(coding)) => {
-                    return Routed::Infer(Inference::new(shared, model, coding, request))
+                    // Two lengths: which one the client meant is a guess.
+                    let lengths = request.headers().get_all(&HEADER_LENGTH_NAME);
+                    if lengths.iter().nth(1).is_some() {
+                        let message = "Inference-Header-Content-Length is given more than once";
+                        return Routed::Answered(Box::new(error(&Failure::new(400, message))));
+                    }
+                    return Routed::Infer(Inference::new(shared, model, coding, request));
                 }
                 // Known, not served (warming up, or stopped): nothing else
                 // answers inference.
