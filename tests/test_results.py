@@ -311,3 +311,27 @@ def test_an_identity_model_on_two_instances_answers_native_shared_and_thread_cal
     for i, row in enumerate(shared_rows):
         torch.testing.assert_close(row, torch.full((width(i),), 2000.0 + i), msg=f"shared caller {i} got another's row")
     assert stats["requests_succeeded"] == 900 and stats["mean_batch_size"] > 1
+
+
+@pytest.mark.parametrize("instance_kind", ["thread", "process"])
+async def test_results_are_ordinary_tensors_a_caller_may_change_and_train_with(instance_kind: str) -> None:
+    """Not inference tensors: an RL learner changes actions in place and uses
+    them beside autograd, which an inference tensor refuses outside
+    inference mode."""
+    server = fb.Server(_affine, inputs=[X], outputs=[Y], instance_kind=instance_kind)  # type: ignore[arg-type]
+    async with server:
+        client = server.client()
+        one = (await client.infer({"x": sample(1)}))["y"]
+        rows = (await client.infer_batch({"x": torch.stack([sample(2), sample(3)])}))["y"]
+        from_thread = (await asyncio.to_thread(client.infer_sync, {"x": sample(4)}))["y"]
+    weight = torch.ones(WIDTH, requires_grad=True)
+    for got in (one, rows, from_thread):
+        assert not got.is_inference()
+        got.add_(1)  # in place, outside any mode
+        (weight * got).sum().backward()  # saved for backward
+    assert torch.equal(one, sample(1) * 2 + 2)
+    assert weight.grad is not None
+
+
+def _affine(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {"y": batch["x"] * 2 + 1}

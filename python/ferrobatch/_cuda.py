@@ -211,7 +211,7 @@ class CudaExecutor(Executor):
             slot = {name: t[start : start + rows] for name, t in slot.items()}
         stream = self.stream
         try:
-            with torch.inference_mode():
+            with torch.no_grad():
                 bucket = self.pad_to[rows] if self.pad_to is not None else rows
                 if self._padded:
                     for name, buf in self._padded.items():
@@ -245,7 +245,7 @@ class CudaExecutor(Executor):
                 flight.staged = flight.done = None
         return flight
 
-    @torch.inference_mode()  # once per thread: entering it per batch costs microseconds
+    @torch.no_grad()  # once per thread (see _torch.model_mode): entering it per batch costs microseconds
     def serve_launch(
         self,
         worker: _core.Worker,
@@ -304,7 +304,7 @@ class CudaExecutor(Executor):
     def merge(self, done: list[tuple[int, int, Any]], rows: int) -> dict[str, torch.Tensor]:
         return merge_rows(done, rows, self.outputs, self.version_output)
 
-    @torch.inference_mode()  # once per thread: entering it per batch costs microseconds
+    @torch.no_grad()  # once per thread (see _torch.model_mode): entering it per batch costs microseconds
     def serve_complete(
         self,
         worker: _core.Worker,

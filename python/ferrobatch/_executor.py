@@ -289,7 +289,7 @@ class Executor:
         # Without ring_now, its callers' doorbells ring at the next next_batch, GIL released.
         finish(worker, batch, outputs, error, ring_now=ring_now or self.may_wait, failed=failed)
 
-    @torch.inference_mode()  # once per thread: entering it per batch costs microseconds
+    @torch.no_grad()  # once per thread (see _torch.model_mode): entering it per batch costs microseconds
     def serve(
         self, worker: _core.Worker, slots: Sequence[Mapping[str, torch.Tensor]], counters: WorkerCounters
     ) -> None:

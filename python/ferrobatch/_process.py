@@ -42,7 +42,7 @@ import torch.multiprocessing as torch_mp
 
 from . import _core
 from ._executor import InstanceDownError, yield_to_front_end
-from ._torch import CpuExecutor, adapt_model, inference_mode, normalize_outputs
+from ._torch import CpuExecutor, adapt_model, model_mode, normalize_outputs
 from .errors import ModelError, ServerClosedError
 from .specs import TensorSpec
 
@@ -116,7 +116,7 @@ def _child(
     torch.set_num_threads(torch_threads)
     call: Any = model if with_requests else adapt_model(model, inputs, outputs)
     conn.send(("ready", os.getpid()))
-    with inference_mode():
+    with model_mode():
         while True:
             try:
                 message = conn.recv()

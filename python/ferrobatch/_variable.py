@@ -26,7 +26,7 @@ import torch
 from . import _core
 from ._executor import WorkerCounters
 from ._requests import RequestInfo
-from ._torch import CpuExecutor, _storage_ptr, check_warmup_names, inference_mode, normalize_outputs
+from ._torch import CpuExecutor, _storage_ptr, check_warmup_names, model_mode, normalize_outputs
 from .errors import InvalidInputError, ModelError
 from .specs import TensorSpec
 
@@ -747,7 +747,7 @@ class VariableExecutor(CpuExecutor):
         """The model on a batch's inputs, its outputs checked and on the CPU
         (outside the weight gate: its caller holds it, or needs none)."""
         inputs = self._on_device(inputs)
-        with inference_mode():
+        with model_mode():
             return self._checked(self._call_model(dict(inputs), requests), rows, staging, None)
 
     def stream(
@@ -768,7 +768,7 @@ class VariableExecutor(CpuExecutor):
         (the whole stream: one version) unless ``gated`` is False."""
         inputs = self._on_device(inputs)
         gate = self.gated() if gated else contextlib.nullcontext()
-        with inference_mode(), gate as version:
+        with model_mode(), gate as version:
             produced = self._call_model(dict(inputs), requests)
             if isinstance(produced, (Mapping, torch.Tensor, np.ndarray)) or not hasattr(produced, "__iter__"):
                 raise ModelError(

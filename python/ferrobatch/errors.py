@@ -43,8 +43,10 @@ class DeadlineExceededError(FerrobatchError, TimeoutError):
     """The request's ``timeout`` passed before its result was ready."""
 
 
-class ServerClosedError(FerrobatchError):
-    """The server is not running, or stopped before the request could run."""
+class ServerClosedError(FerrobatchError, RuntimeError):
+    """The server is not running, or stopped before the request could be
+    answered. A ``RuntimeError`` too: TorchRL's server raises one when it
+    shuts down, and callers catch that."""
 
 
 class ModelError(FerrobatchError):
