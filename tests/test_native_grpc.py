@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import queue
 import socket
 import threading
@@ -32,7 +33,7 @@ from tritonclient.utils import InferenceServerException
 import ferrobatch as fb
 from ferrobatch.grpc import grpc_predict_v2_pb2 as pb
 from ferrobatch.grpc import grpc_predict_v2_pb2_grpc as pb_grpc
-from ferrobatch.serve import Listening, ServeConfig, StartupError, serve_in_thread
+from ferrobatch.serve import Listening, ServeConfig, StartupError, serve, serve_in_thread
 
 X = fb.TensorSpec("x", "float32", (4,))
 Y = fb.TensorSpec("y", "float32", (4,))
@@ -898,3 +899,135 @@ def test_echoed_names_are_clipped_for_bytes_models() -> None:
         request.outputs.add(name=huge)
         got, message = failure(lambda: infer(request, timeout=10))
         assert got == grpc.StatusCode.INVALID_ARGUMENT and "nnn..." in message and len(message) < 300, message[:300]
+
+
+STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
+
+
+def slow_double(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    time.sleep(0.5)
+    return double(inputs)
+
+
+@pytest.mark.parametrize("frontend", ["native", "python"])
+def test_a_call_over_the_metadata_limit_fails_alone(frontend: str) -> None:
+    """RESOURCE_EXHAUSTED for that call, as gRPC's own servers answer: not
+    a 431 the client cannot map, nor a GOAWAY that fails every call of the
+    channel (tritonclient sends all its calls over one)."""
+    server = fb.Server(slow_double, inputs=[X], outputs=[Y, N], name="m", max_delay=0)
+    with serving([server], frontend=frontend) as address, grpc.insecure_channel(address) as channel:
+        infer = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer
+        running = infer.future(raw_request(np.ones((1, 4))), timeout=30)
+        time.sleep(0.1)
+        for size in (20_000, 200_000):
+            with pytest.raises(grpc.RpcError) as refused:
+                infer(raw_request(np.ones((1, 4))), metadata=[("big", "v" * size)], timeout=30)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (size, refused.value)
+            assert "metadata size exceeds" in str(refused.value.details())
+        assert running.result().outputs[0].name == "y"
+        infer(raw_request(np.ones((1, 4))), metadata=[("small", "v" * 1000)], timeout=30)
+    assert outcomes(server) == Counter({"succeeded": 2})
+
+
+@pytest.mark.parametrize("frontend", ["native", "python"])
+def test_a_stream_message_over_the_limit_is_resource_exhausted(frontend: str) -> None:
+    server = fb.Server(double, inputs=[X], outputs=[Y, N], name="m")
+    big = raw_request(np.ones((1, 4)), id="x" * 3000).SerializeToString()
+    with serving([server], frontend=frontend, max_body_size=2000) as address, grpc.insecure_channel(address) as channel:
+        call = channel.stream_stream(STREAM)(iter([big]), timeout=30)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(call)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
+
+
+def test_a_stream_open_when_the_server_stops_ends_unavailable() -> None:
+    """What was in flight is answered; a request sent after the stop began
+    is never read, so the stream must not end OK as if it were answered."""
+    server = fb.Server(slow_double, inputs=[X], outputs=[Y, N], name="m", max_delay=0)
+    stopping = threading.Event()
+
+    def requests() -> Iterator[bytes]:
+        yield raw_request(np.ones((1, 4)), id="first").SerializeToString()
+        stopping.wait(30)
+        time.sleep(0.2)
+        yield raw_request(np.ones((1, 4)), id="late").SerializeToString()
+        time.sleep(5)
+
+    ready: queue.SimpleQueue[Listening] = queue.SimpleQueue()
+    stop_box: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        stop_box.append((asyncio.get_running_loop(), stop))
+        await serve([server], native(graceful_timeout=10), on_ready=ready.put, stop=stop)
+
+    thread = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
+    thread.start()
+    listening = ready.get(timeout=60)
+    channel = grpc.insecure_channel(f"127.0.0.1:{listening.grpc_port}")
+    call = channel.stream_stream(STREAM)(requests(), timeout=30)
+    answered = []
+    with pytest.raises(grpc.RpcError) as ended:
+        for message in call:
+            answered.append(pb.ModelStreamInferResponse.FromString(message).infer_response.id)
+            if not stopping.is_set():
+                stopping.set()
+                loop, stop = stop_box[0]
+                loop.call_soon_threadsafe(stop.set)
+    channel.close()
+    thread.join(30)
+    assert answered == ["first"]
+    assert ended.value.code() == grpc.StatusCode.UNAVAILABLE, ended.value
+    assert "shutting down" in str(ended.value.details())
+
+
+WIDE = fb.TensorSpec("w", "float32", (65536,))
+
+
+def widen(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {"w": inputs["x"][:, :1].expand(-1, 65536).contiguous()}
+
+
+@pytest.mark.parametrize("frontend", ["native", "python"])
+def test_a_stream_whose_client_does_not_read_is_sent_no_more(frontend: str) -> None:
+    """A model of one response per request: its responses are made before
+    their size is known, so the stream holds them (past max_stream_backlog
+    too) but reads no more requests until the client reads: what the server
+    holds stays bounded, and every request is answered once it does."""
+    server = fb.Server(widen, inputs=[X], outputs=[WIDE], name="wide", max_batch_size=8)
+    sent = 100  # 256 KiB responses: 25 MiB if all were made
+
+    def requests() -> Iterator[bytes]:
+        for i in range(sent):  # a client that keeps sending, 1 s for all
+            yield raw_request(np.ones((1, 4)), model="wide", id=str(i)).SerializeToString()
+            time.sleep(0.01)
+
+    with serving([server], frontend=frontend, max_stream_backlog=1 << 20) as address:
+        channel = grpc.insecure_channel(address)
+        call = channel.stream_stream(STREAM)(requests(), timeout=60)
+        time.sleep(2.0)  # the client reads nothing meanwhile
+        made = server.stats()["requests_succeeded"]
+        assert made < sent // 2, made
+        ids = {pb.ModelStreamInferResponse.FromString(m).infer_response.id for m in itertools.islice(call, sent)}
+        call.cancel()
+        channel.close()
+    assert ids == {str(i) for i in range(sent)}
+    assert server.stats()["requests_succeeded"] == sent
+
+
+def test_the_python_front_end_counts_a_streams_deadline_as_the_native_one() -> None:
+    """The stream call's deadline bounds each of its requests on both
+    front-ends: a request it cuts short is deadline_exceeded, not cancelled."""
+    counted = {}
+    for frontend in ("native", "python"):
+        server = fb.Server(slow_double, inputs=[X], outputs=[Y, N], name="m", max_delay=0)
+        with serving([server], frontend=frontend) as address, grpc.insecure_channel(address) as channel:
+            call = channel.stream_stream(STREAM)(iter([raw_request(np.ones((1, 4))).SerializeToString()]), timeout=0.2)
+            with pytest.raises(grpc.RpcError):
+                list(call)
+            deadline = time.monotonic() + 10
+            while sum(outcomes(server).values()) == 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        counted[frontend] = outcomes(server)
+    assert counted["native"] == counted["python"] == Counter({"deadline_exceeded": 1}), counted

@@ -158,10 +158,17 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         open_parts = 1  # the reader, then one per request; each ends with a None
         # Past this many requests of the stream unanswered, the next is read once one is.
         in_flight = asyncio.Semaphore(STREAM_IN_FLIGHT)
+        # Set when the unread responses fall to the backlog's limit: a client
+        # that does not read is sent no more until it does (as natively).
+        drained = asyncio.Event()
+        # The call's deadline bounds each of its requests, as on the native front-end.
+        call_timeout = context.time_remaining()
 
         async def answer(request: bytes) -> None:
             try:
-                async for message in stream_responses(self.repository, request, self.expose_errors, backlog):
+                async for message in stream_responses(
+                    self.repository, request, self.expose_errors, backlog, call_timeout
+                ):
                     backlog.add(len(message))
                     messages.put_nowait(message)
             finally:
@@ -173,6 +180,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             try:
                 requests = aiter(request_iterator)
                 while True:
+                    while backlog.unread > backlog.limit:
+                        drained.clear()
+                        await drained.wait()
                     await in_flight.acquire()
                     try:
                         request = await anext(requests)
@@ -197,6 +207,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     open_parts -= 1
                 else:
                     backlog.release(len(message))
+                    if backlog.unread <= backlog.limit:
+                        drained.set()
                     yield message if as_bytes else pb.ModelStreamInferResponse.FromString(message)
         finally:  # done, or the client went away: nothing is left running
             reader.cancel()
@@ -216,18 +228,26 @@ async def infer(repository: ModelRepository, call: _core.GrpcInferRequest, call_
 
 
 async def stream_responses(
-    repository: ModelRepository, message: bytes, expose_errors: bool, backlog: StreamBacklog
+    repository: ModelRepository,
+    message: bytes,
+    expose_errors: bool,
+    backlog: StreamBacklog,
+    call_timeout: float | None = None,
 ) -> AsyncIterator[bytes]:
     """One ModelStreamInfer request's messages: a decoupled model's
     responses, then (when asked) the empty final one; another model's one
     response; or the error that ended it, as Triton words it on a stream.
-    Its decoupled responses count against the stream's ``backlog``."""
+    Its decoupled responses count against the stream's ``backlog``; ``call_timeout``:
+    the stream call's deadline, in seconds, bounding the request as its own
+    ``timeout`` parameter does (the smaller wins)."""
     name, rid, empty_final = "", "", False
     try:
         call = _core.GrpcInferRequest(message)
         name, rid, empty_final = call.model_name, call.id, call.empty_final
         model = repository.model(name, call.model_version)
-        inputs, outputs, priority, parameters, timeout = call.read(model.codec, None, model.server.with_requests)
+        inputs, outputs, priority, parameters, timeout = call.read(
+            model.codec, call_timeout, model.server.with_requests
+        )
         tensors = model_inputs(inputs, _has_bf16(inputs))
         if not model.server.decoupled:
             results = await repository.infer(model, tensors, timeout, priority, parameters)

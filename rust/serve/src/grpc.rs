@@ -110,13 +110,14 @@ impl<U: prost::Message + Default> tonic::codec::Decoder for RequestDecoder<U> {
 }
 
 /// A failure to read what the client sent, as INVALID_ARGUMENT where tonic
-/// says INTERNAL (its other codes, such as RESOURCE_EXHAUSTED for a message
-/// over the limit, are kept).
+/// says INTERNAL, and a message over the limit as RESOURCE_EXHAUSTED, gRPC's
+/// status for it, where tonic says OUT_OF_RANGE (no handler answers that);
+/// its other codes are kept.
 fn client_mistake(status: Status) -> Status {
-    if status.code() == Code::Internal {
-        Status::invalid_argument(status.message().to_owned())
-    } else {
-        status
+    match status.code() {
+        Code::Internal => Status::invalid_argument(status.message().to_owned()),
+        Code::OutOfRange => Status::resource_exhausted(status.message().to_owned()),
+        _ => status,
     }
 }
 
@@ -196,6 +197,24 @@ fn is_grpc(content_type: Option<&HeaderValue>) -> bool {
 /// ([`ModelInferCall`], under 1 KiB; at 2.9 KiB, with the request's head
 /// and tonic's call beside it, `memmove` was 7 % of a call's samples); the
 /// other RPCs go to tonic, boxed.
+/// The most metadata (headers, as HPACK counts them) a call may carry, as
+/// gRPC's own servers (Triton's among them) allow by default; past it the
+/// call alone gets RESOURCE_EXHAUSTED. HTTP/2 itself lets a header block
+/// grow to [`MAX_HEADER_BLOCK`], so that such a call reaches this check
+/// instead of costing its connection (a 431 the client cannot map, or a
+/// GOAWAY that fails every call on it).
+pub const MAX_METADATA: usize = 16 * 1024;
+/// The largest header block a gRPC connection decodes (one at a time).
+pub const MAX_HEADER_BLOCK: u32 = 256 * 1024;
+
+/// A call's metadata size as HPACK counts it: each header's name and value
+/// plus 32 bytes.
+fn metadata_size(headers: &hyper::HeaderMap) -> usize {
+    headers.iter().fold(0usize, |n, (name, value)| {
+        n.saturating_add(name.as_str().len() + value.len() + 32)
+    })
+}
+
 pub(crate) fn handle(
     server: &Server,
     shared: &Arc<Shared>,
@@ -241,6 +260,13 @@ fn route(
         .into_http();
         *refused.status_mut() = hyper::StatusCode::UNSUPPORTED_MEDIA_TYPE;
         return Call::Answered(refused);
+    }
+    let metadata = metadata_size(request.headers());
+    if metadata > MAX_METADATA {
+        let refused = Status::resource_exhausted(format!(
+            "received metadata size exceeds hard limit ({metadata} vs. {MAX_METADATA})"
+        ));
+        return Call::Answered(refused.into_http());
     }
     if !pooled && !PROBES.contains(&request.uri().path()) {
         return Call::Answered(
@@ -774,7 +800,13 @@ impl Inference {
             })
             .map_err(status)?;
             match model.reply(submitted).await.map_err(status)? {
-                Answer::Raw(outputs) => send(outputs, true, 0),
+                Answer::Raw(outputs) => {
+                    // Made already: counted whatever its size (the reader
+                    // then waits for the client to read, see Backlog).
+                    let counted = part_bytes(&outputs);
+                    out.backlog.add(counted);
+                    send(outputs, true, counted);
+                }
                 _ => {
                     return Err(Status::internal(
                         "a streamed request answered as another kind",
@@ -955,13 +987,25 @@ impl GrpcInferenceService for Inference {
             let inference = Arc::new(inference);
             loop {
                 if stopped.borrow_and_update().is_some() {
-                    break; // the front-end stops: what is in flight is answered, then the stream ends
+                    // The front-end stops: what is in flight is answered,
+                    // then the stream ends UNAVAILABLE, so that a client
+                    // waiting on a request sent meanwhile (never read) is
+                    // told, not left waiting.
+                    let all = u32::try_from(STREAM_IN_FLIGHT).unwrap_or(u32::MAX);
+                    let answered = in_flight.acquire_many(all).await;
+                    let message = "the server is shutting down: this stream takes no more requests";
+                    out.send(Err(Status::unavailable(message)), 0);
+                    drop(answered);
+                    break;
                 }
                 // The next message is read once a request of this stream is
                 // answered, past STREAM_IN_FLIGHT (HTTP/2 flow control holds
                 // the client back meanwhile).
                 let (message, permit) = tokio::select! {
                     read = async {
+                        // A client that does not read its responses is sent
+                        // no more until it does (HTTP/2 flow control holds it).
+                        out.backlog.under_limit().await;
                         let permit = in_flight.clone().acquire_owned().await;
                         (incoming.message().await, permit)
                     } => read,

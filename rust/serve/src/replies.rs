@@ -102,10 +102,18 @@ pub enum ResponsePlan {
 /// (the gRPC stream's writer), bounded: a response past the bound fails its
 /// request (`QueueFull`, 429) instead of being held, so a client that stops
 /// reading costs at most `limit` bytes, whatever the model makes.
+///
+/// A response of a model of one response per request is made before its
+/// size is known: it is counted whatever its size ([`Backlog::add`]), and
+/// the stream reads no more requests while the unread bytes are over the
+/// limit ([`Backlog::under_limit`]), so it holds at most the limit plus the
+/// responses of the requests already read.
 #[derive(Debug)]
 pub struct Backlog {
     unread: AtomicUsize,
     limit: usize,
+    /// Woken when the unread bytes fall to the limit or below.
+    drained: tokio::sync::Notify,
 }
 
 impl Backlog {
@@ -113,6 +121,7 @@ impl Backlog {
         Arc::new(Backlog {
             unread: AtomicUsize::new(0),
             limit,
+            drained: tokio::sync::Notify::new(),
         })
     }
 
@@ -125,13 +134,40 @@ impl Backlog {
             .is_ok()
     }
 
-    /// `bytes` counted by [`Backlog::take`] were read.
-    pub fn release(&self, bytes: usize) {
+    /// Counts `bytes` more unread, past the limit too: a response already
+    /// made, which has nowhere else to go.
+    pub fn add(&self, bytes: usize) {
         let _ = self
             .unread
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |unread| {
-                Some(unread.saturating_sub(bytes))
+                Some(unread.saturating_add(bytes))
             });
+    }
+
+    /// `bytes` counted by [`Backlog::take`] or [`Backlog::add`] were read.
+    pub fn release(&self, bytes: usize) {
+        let before = self
+            .unread
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |unread| {
+                Some(unread.saturating_sub(bytes))
+            })
+            .unwrap_or(0);
+        if before > self.limit && before.saturating_sub(bytes) <= self.limit {
+            self.drained.notify_waiters();
+        }
+    }
+
+    /// Returns once the unread bytes are at the limit or below.
+    pub async fn under_limit(&self) {
+        loop {
+            let drained = self.drained.notified();
+            tokio::pin!(drained);
+            drained.as_mut().enable(); // before the check: a release between them wakes it
+            if self.unread() <= self.limit {
+                return;
+            }
+            drained.await;
+        }
     }
 
     pub fn unread(&self) -> usize {

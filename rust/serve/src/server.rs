@@ -656,6 +656,10 @@ async fn accept(
         // gRPC sends no `Date` (gRPC's own servers do not): one header less
         // to encode per call. HTTP responses keep it, as HTTP asks.
         .auto_date_header(protocol != Protocol::Grpc);
+    if protocol == Protocol::Grpc {
+        // A call over the metadata limit is refused alone (see grpc::MAX_METADATA).
+        http2.max_header_list_size(grpc::MAX_HEADER_BLOCK);
+    }
     if let Some(interval) = config.keepalive_interval {
         http2
             .keep_alive_interval(interval)
