@@ -1031,3 +1031,31 @@ def test_the_python_front_end_counts_a_streams_deadline_as_the_native_one() -> N
                 time.sleep(0.05)
         counted[frontend] = outcomes(server)
     assert counted["native"] == counted["python"] == Counter({"deadline_exceeded": 1}), counted
+
+
+@pytest.mark.parametrize("frontend", ["native", "python"])
+def test_a_tensor_naming_a_shared_memory_region_is_refused_not_answered_in_the_response(frontend: str) -> None:
+    """The server has no shared-memory extension: a client of it would read
+    its output region, not the response, so answering is wrong."""
+    import tritonclient.http as httpclient
+
+    server = fb.Server(double, inputs=[X], outputs=[Y, N], name="m")
+    config = native(http_port=0, frontend=frontend)
+    with serve_in_thread([server], config) as listening:
+        grpc_url, http_url = f"127.0.0.1:{listening.grpc_port}", f"127.0.0.1:{listening.http_port}"
+        for lib, url in ((grpcclient, grpc_url), (httpclient, http_url)):
+            triton = lib.InferenceServerClient(url)
+            for shared in ("input", "output"):
+                tensor = lib.InferInput("x", [1, 4], "FP32")
+                output = lib.InferRequestedOutput("y")
+                if shared == "input":
+                    tensor.set_shared_memory("region", 16)
+                else:
+                    tensor.set_data_from_numpy(np.ones((1, 4), np.float32))
+                    output.set_shared_memory("region", 16)
+                with pytest.raises(InferenceServerException, match="shared memory") as refused:
+                    triton.infer("m", [tensor], outputs=[output])
+                assert f"{shared} '" in str(refused.value), refused.value
+                assert refused.value.status() in ("400", "StatusCode.INVALID_ARGUMENT"), refused.value.status()
+            triton.close()
+    assert server.stats()["requests_succeeded"] == 0

@@ -1168,6 +1168,23 @@ pub fn read_infer_call(
     keeps_parameters: bool,
     check: InputCheck<'_>,
 ) -> Result<InferCall, Failure> {
+    let region = v2::SHARED_MEMORY_REGION;
+    if let Some(input) = request
+        .inputs
+        .iter()
+        .find(|t| t.parameters.contains_key(region))
+    {
+        let tensor = format!("input '{}'", Clipped(input.name));
+        return Err(invalid(v2::shared_memory_refused(&tensor)));
+    }
+    if let Some(output) = request
+        .outputs
+        .iter()
+        .find(|t| t.parameters.contains_key(region))
+    {
+        let tensor = format!("output '{}'", Clipped(output.name));
+        return Err(invalid(v2::shared_memory_refused(&tensor)));
+    }
     let raw = std::mem::take(&mut request.raw_input_contents);
     let decoded = decode_inputs(&request.inputs, raw, codec.limits(), check)?;
     let outputs = requested_outputs(request, codec)?;

@@ -635,6 +635,10 @@ impl<'a> Decoder<'a, '_> {
         let mut size = None;
         let mut first = true;
         while let Some(key) = self.next_key(&mut first)? {
+            if &*key == super::SHARED_MEMORY_REGION {
+                self.skip()?;
+                return Err(invalid(super::shared_memory_refused(&what())));
+            }
             if &*key != "binary_data_size" {
                 self.skip()?;
                 continue;
@@ -801,6 +805,7 @@ impl<'a> Decoder<'a, '_> {
             let mut name: Field<'a, Cow<'a, str>> = Field::Missing;
             let mut binary: Option<Option<bool>> = None; // Some(None): binary_data bad
             let mut classification = false;
+            let mut shared_memory = false;
             let mut params_bad = false;
             let mut entry_first = true;
             while let Some(key) = self.next_key(&mut entry_first)? {
@@ -826,6 +831,10 @@ impl<'a> Decoder<'a, '_> {
                                     }
                                     "classification" => {
                                         classification = true;
+                                        self.skip()?;
+                                    }
+                                    super::SHARED_MEMORY_REGION => {
+                                        shared_memory = true;
                                         self.skip()?;
                                     }
                                     _ => {
@@ -870,6 +879,10 @@ impl<'a> Decoder<'a, '_> {
                     "output '{shown}': the classification extension is not supported",
                     shown = Clipped(name.as_ref())
                 )));
+            }
+            if shared_memory {
+                let tensor = format!("output '{}'", Clipped(name.as_ref()));
+                return Err(invalid(super::shared_memory_refused(&tensor)));
             }
             let binary = match binary {
                 None => None,

@@ -47,6 +47,21 @@ pub use decode::{Data, HeaderCheck, InferRequest, Input, RequestedOutput, Shape}
 pub use elements::Elements;
 pub use encode::{write_json_string, Encoded, Output};
 pub use error::{quote, shape_text, short, Clipped, V2Error};
+
+/// The tensor parameter of Triton's shared-memory extension, which this
+/// server does not have: a tensor that names a region is refused, never
+/// answered from (or into) the request's own bytes, which a client of
+/// that extension would not read.
+pub const SHARED_MEMORY_REGION: &str = "shared_memory_region";
+
+/// Why a tensor naming a shared-memory region is refused (`tensor`: how the
+/// message names it, "input 'x'").
+pub fn shared_memory_refused(tensor: &str) -> String {
+    format!(
+        "{tensor}: shared memory (shared_memory_region) is not supported by this server; \
+         send the tensor's data in the request and read outputs from the response"
+    )
+}
 pub use memo::{HeaderMemo, MAX_REMEMBERED_HEADER, REMEMBERED_HEADERS};
 
 use crate::DType;
