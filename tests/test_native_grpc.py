@@ -746,20 +746,39 @@ def test_grpc_replies_carry_no_date_header(served: tuple[fb.Server, str]) -> Non
 
 
 @pytest.mark.parametrize("path", [INFER, "/inference.GRPCInferenceService/ServerLive"])
-def test_a_message_encoding_other_than_gzip_is_refused_as_unimplemented(
+def test_a_message_encoding_other_than_gzip_or_deflate_is_refused_as_unimplemented(
     served: tuple[fb.Server, str], path: str
 ) -> None:
     """ModelInfer (answered without tonic) refuses an encoding it cannot read
-    as tonic refuses it for the other RPCs: UNIMPLEMENTED, naming gzip and identity."""
+    as tonic refuses it for the other RPCs: UNIMPLEMENTED, naming those it reads."""
     server, address = served
     message = raw_request(np.ones((1, 4))).SerializeToString() if path == INFER else b""
-    answer = h2_call(address, path, frame(message), grpc_encoding="deflate")
+    answer = h2_call(address, path, frame(message), grpc_encoding="snappy")
     assert answer["grpc-status"] == str(grpc.StatusCode.UNIMPLEMENTED.value[0]), answer
-    assert "`deflate` which isn't supported" in answer["grpc-message"]
-    assert answer["grpc-accept-encoding"] == "gzip,identity"
-    for accepted in ("identity", "GZIP"):
+    assert "`snappy` which isn't supported" in answer["grpc-message"]
+    assert answer["grpc-accept-encoding"] == "gzip,deflate,identity"
+    for accepted in ("identity", "GZIP", "deflate"):
         assert h2_call(address, path, frame(message), grpc_encoding=accepted)["grpc-status"] == "0"
-    assert outcomes(server) == (Counter({"succeeded": 2}) if path == INFER else Counter())
+    assert outcomes(server) == (Counter({"succeeded": 3}) if path == INFER else Counter())
+
+
+@pytest.mark.parametrize("frontend", ["native", "python"])
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_tritonclient_compressed_calls_and_streams(frontend: str, algorithm: str) -> None:
+    """tritonclient offers gzip and deflate, and Triton reads both."""
+    server = fb.Server(double, inputs=[X], outputs=[Y, N], name="m")
+    x = np.arange(4, dtype=np.float32).reshape(1, 4)
+    with serving([server], frontend=frontend) as address, client(address) as triton:
+        answer = triton.infer("m", [x_input(x)], compression_algorithm=algorithm)
+        assert np.array_equal(answer.as_numpy("y"), x * 2)
+        streamed: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        triton.start_stream(callback=lambda result, error: streamed.put((result, error)), compression_algorithm=algorithm)
+        triton.async_stream_infer("m", [x_input(x + 1)])
+        result, error = streamed.get(timeout=30)
+        triton.stop_stream()
+    assert error is None, error
+    assert np.array_equal(result.as_numpy("y"), (x + 1) * 2)
+    assert outcomes(server) == Counter({"succeeded": 2})
 
 
 @pytest.mark.parametrize("content_type", ["application/json", "application/grpcx", "text/plain", ""])

@@ -27,7 +27,7 @@
 //! not running), DEADLINE_EXCEEDED (504: the `timeout` parameter in
 //! microseconds or the call's `grpc-timeout`, the smaller), INTERNAL (500:
 //! the model failed), RESOURCE_EXHAUSTED for a message over `max_body_size`
-//! (as sent, or gzip-inflated), and on a `ModelStreamInfer` stream for a
+//! (as sent, or inflated: gzip or deflate), and on a `ModelStreamInfer` stream for a
 //! decoupled request whose client left `max_stream_backlog` bytes unread.
 
 use std::sync::Arc;
@@ -46,6 +46,7 @@ use tonic::codegen::Service;
 use tonic::metadata::MetadataMap;
 use tonic::{Code, Request, Response, Status, Streaming};
 
+use crate::encoding::Coding;
 use crate::http::FallbackCall;
 use crate::metadata::ModelMetadata;
 use crate::model::{RequestMeta, ServedModel, Source, Submitted, Tensor};
@@ -138,12 +139,13 @@ use pb::{
 pub(crate) type Server = GrpcInferenceServiceServer<Inference>;
 
 /// The service with the front-end's limits: messages up to
-/// `max_body_size` (as sent and once inflated), gzip accepted.
+/// `max_body_size` (as sent and once inflated), gzip and deflate accepted.
 pub(crate) fn server(shared: Arc<Shared>) -> Server {
     let limit = shared.config.max_body_size;
     GrpcInferenceServiceServer::new(Inference { shared })
         .max_decoding_message_size(limit)
         .accept_compressed(CompressionEncoding::Gzip)
+        .accept_compressed(CompressionEncoding::Deflate)
 }
 
 /// The RPCs a connection beyond `max_connections` (the
@@ -189,7 +191,7 @@ fn is_grpc(content_type: Option<&HeaderValue>) -> bool {
 /// health checks only). Refused before tonic reads it: a content-type that
 /// is not gRPC's (HTTP 415, as the gRPC protocol asks), a second message
 /// (every RPC here is unary: INTERNAL, as gRPC's libraries answer it), a
-/// message that does not arrive within the body timeout. A gzip message is
+/// message that does not arrive within the body timeout. A compressed message is
 /// inflated here, off the runtime's threads ([`Shared::offload`]).
 ///
 /// hyper moves each stream's future several times as it spawns it, so a
@@ -339,18 +341,23 @@ fn body_late() -> Status {
     Status::deadline_exceeded("the request message did not arrive within the body timeout")
 }
 
-/// Whether a call's messages are gzip (`grpc-encoding`); an encoding other
-/// than gzip and identity is refused as tonic refuses it: UNIMPLEMENTED,
-/// naming those it accepts.
-fn message_encoding(headers: &hyper::HeaderMap) -> Result<bool, Status> {
+/// How a call's messages are compressed (`grpc-encoding`; `None`: not),
+/// gzip or deflate (a zlib stream, as gRPC's own servers read it); another
+/// encoding is refused as tonic refuses it: UNIMPLEMENTED, naming those it
+/// accepts.
+fn message_encoding(headers: &hyper::HeaderMap) -> Result<Option<Coding>, Status> {
     let Some(encoding) = headers.get("grpc-encoding") else {
-        return Ok(false);
+        return Ok(None);
     };
-    if encoding.as_bytes().eq_ignore_ascii_case(b"identity") {
-        return Ok(false);
+    let encoding_is = |name: &[u8]| encoding.as_bytes().eq_ignore_ascii_case(name);
+    if encoding_is(b"identity") {
+        return Ok(None);
     }
-    if encoding.as_bytes().eq_ignore_ascii_case(b"gzip") {
-        return Ok(true);
+    if encoding_is(b"gzip") {
+        return Ok(Some(Coding::Gzip));
+    }
+    if encoding_is(b"deflate") {
+        return Ok(Some(Coding::Deflate));
     }
     let mut refused = Status::unimplemented(format!(
         "Content is compressed with `{}` which isn't supported",
@@ -358,22 +365,22 @@ fn message_encoding(headers: &hyper::HeaderMap) -> Result<bool, Status> {
     ));
     refused.metadata_mut().insert(
         "grpc-accept-encoding",
-        tonic::metadata::MetadataValue::from_static("gzip,identity"),
+        tonic::metadata::MetadataValue::from_static("gzip,deflate,identity"),
     );
     Err(refused)
 }
 
 /// The request as tonic reads it: its body refused past one message, past
-/// `max_body_size` or the body timeout ([`Unary`]); a gzip message read
-/// whole, inflated off the runtime within `max_body_size` and handed on
-/// uncompressed.
+/// `max_body_size` or the body timeout ([`Unary`]); a compressed message
+/// read whole, inflated off the runtime within `max_body_size` and handed
+/// on uncompressed.
 async fn unary(
     shared: &Shared,
     request: hyper::Request<Incoming>,
 ) -> Result<hyper::Request<tonic::body::Body>, Status> {
     let config = &shared.config;
     // Another encoding goes on to tonic, which refuses it in the same words.
-    if !matches!(message_encoding(request.headers()), Ok(true)) {
+    let Ok(Some(coding)) = message_encoding(request.headers()) else {
         return Ok(request.map(|body| {
             tonic::body::Body::new(Unary::new(
                 body,
@@ -381,9 +388,9 @@ async fn unary(
                 config.max_body_size,
             ))
         }));
-    }
+    };
     let (mut parts, body) = request.into_parts();
-    let message = read_message(shared, body, true).await?;
+    let message = read_message(shared, body, Some(coding)).await?;
     parts.headers.remove("grpc-encoding");
     let mut framed = Vec::with_capacity(PREFIX.saturating_add(message.len()));
     framed.push(0);
@@ -403,9 +410,14 @@ fn prefix_length(length: usize, limit: usize) -> Result<[u8; 4], Status> {
 }
 
 /// The one message of a unary call's `body`, without its prefix: refused
-/// past one message, past `max_body_size` (as sent and, `gzip`, once
-/// inflated, off the runtime's threads) or the body timeout.
-async fn read_message(shared: &Shared, body: Incoming, gzip: bool) -> Result<Bytes, Status> {
+/// past one message, past `max_body_size` (as sent and, compressed as
+/// `coding` says, once inflated, off the runtime's threads) or the body
+/// timeout.
+async fn read_message(
+    shared: &Shared,
+    body: Incoming,
+    coding: Option<Coding>,
+) -> Result<Bytes, Status> {
     let limit = shared.config.max_body_size;
     // Timed here, not by the body: its clock would be a second allocation.
     let read = crate::http::concatenated(Unary::new(body, None, limit));
@@ -429,21 +441,21 @@ async fn read_message(shared: &Shared, body: Incoming, gzip: bool) -> Result<Byt
     if !compressed {
         return Ok(message);
     }
-    if !gzip {
+    let Some(coding) = coding else {
         // tonic's words for it (its code is INTERNAL: see `ClientCodec`).
         return Err(Status::invalid_argument(
             "protocol error: received message with compressed-flag but no grpc-encoding was specified",
         ));
-    }
+    };
     // Inflated off the runtime's threads.
     let inflated = shared
         .offload(move || {
-            crate::encoding::inflate(&message, crate::encoding::Coding::Gzip, limit).map_err(
-                |failure| match failure.status {
+            crate::encoding::inflate(&message, coding, limit).map_err(|failure| {
+                match failure.status {
                     413 => Status::resource_exhausted(too_large(limit)),
                     _ => status(failure),
-                },
-            )
+                }
+            })
         })
         .await
         .ok_or_else(|| Status::internal("internal error inflating the request"))??;
@@ -461,7 +473,7 @@ async fn read_message(shared: &Shared, body: Incoming, gzip: bool) -> Result<Byt
 struct ModelInferCall {
     inference: Inference,
     body: Incoming,
-    gzip: bool,
+    coding: Option<Coding>,
     /// `grpc-timeout`.
     call_timeout: Option<Duration>,
     forwarded: Vec<(String, String)>,
@@ -473,7 +485,7 @@ impl ModelInferCall {
         request: hyper::Request<Incoming>,
     ) -> Result<ModelInferCall, Status> {
         let (parts, body) = request.into_parts();
-        let gzip = message_encoding(&parts.headers)?;
+        let coding = message_encoding(&parts.headers)?;
         let inference = Inference {
             shared: shared.clone(),
         };
@@ -482,7 +494,7 @@ impl ModelInferCall {
         Ok(ModelInferCall {
             inference,
             body,
-            gzip,
+            coding,
             call_timeout,
             forwarded,
         })
@@ -509,13 +521,13 @@ impl ModelInferCall {
         let ModelInferCall {
             inference,
             body,
-            gzip,
+            coding,
             call_timeout,
             forwarded,
         } = self;
         // The message and its view end here: the submission holds its raw contents.
         let (model, submitted) = {
-            let message = read_message(&inference.shared, body, gzip).await?;
+            let message = read_message(&inference.shared, body, coding).await?;
             let request = decode_infer_request(&message).map_err(status)?;
             inference.queue(request, call_timeout, &forwarded)?
         };
