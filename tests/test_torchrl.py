@@ -168,8 +168,9 @@ def test_collate_fn_sees_each_request_whole_and_its_failure_is_that_requests() -
         client = transport.client()
         bad = TensorDict({"observation": torch.ones(4), "poison": torch.ones(1)})
         with pytest.raises(ValueError, match="poisoned"):
-            client(bad)  # the first request: its keys fix what travels
-        assert client(request())["action"].shape == (2,)  # one without the extra key
+            client(bad)  # the first request, whose model call (collated) learns the specs
+        assert client(request())["action"].shape == (2,)  # the first answered: its keys fix what travels
+        assert client(TensorDict({"observation": torch.ones(4)}))["action"].shape == (2,)  # one without "reward"
         assert server.is_alive
     assert seen[0] == {"observation", "poison"}
     assert seen[-1] == {"observation"}  # collated without what it did not carry
@@ -398,8 +399,11 @@ def test_a_server_started_again_after_shutdown_serves_again() -> None:
         assert int(out["policy_version"]) == (0 if round == 0 else 1), "the version carries over"
         server.shutdown()
         assert not server.is_alive
-    with pytest.raises(fb.ServerClosedError):
-        client(request())
+    waiting = client.submit(request())  # as TorchRL's: it waits for the next start
+    time.sleep(0.05)
+    assert not waiting.done()
+    with server:
+        assert waiting.result(10)["action"].shape == (2,)
 
 
 class QueueTransport:

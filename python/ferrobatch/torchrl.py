@@ -27,8 +27,8 @@ What differs from TorchRL's server, and what it costs:
 - ``collate_fn`` is honoured: the batch is unbound into the requests' TensorDicts and
   passed through it in Python before the model (about 1-2 us per request more
   than the default path). It sees each request whole (the first request's
-  other keys travel as optional inputs), and is not called when the specs
-  are learnt (the model is, once, on the first request).
+  other keys travel as optional inputs). The first request's model call
+  (through ``collate_fn``) learns the specs and answers that request.
 - Any TorchRL ``InferenceTransport`` (custom ones too) is served through
   TorchRL's own interface (``drain``/``wait_for_work``/``resolve``): a thread
   of the server's drains it into ferrobatch's queue.
@@ -56,6 +56,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import functools
 import itertools
 import logging
@@ -155,6 +156,45 @@ _MP_TOKEN = "ferrobatch.mp"
 _MP_RETRY = 0.05
 
 NestedKey = str | tuple[str, ...]
+
+
+#: Where TorchRL's ``PolicyClientModule`` puts the caller's interaction type
+#: (an int8 code per element of the request's batch); the server runs the
+#: model under it and never hands it to the model.
+_INTERACTION_KEY = "_torchrl_inference_interaction_type"
+#: TorchRL's codes for tensordict's ``InteractionType`` values (-1: none set).
+_INTERACTION_TYPES = ("mode", "median", "mean", "random", "deterministic")
+
+
+def _interaction_codes(stamps: torch.Tensor) -> list[int]:
+    """Each request's interaction code from its stamp (a row of ``stamps``);
+    an empty stamp is -1, as TorchRL reads it."""
+    flat = stamps.reshape(stamps.shape[0], -1)
+    if flat.shape[1] == 0:
+        return [-1] * flat.shape[0]
+    codes: list[int] = flat[:, 0].tolist()
+    return codes
+
+
+def _interaction_type(code: int | None) -> Any:
+    """The context a model call runs in for ``code``: None (unstamped) leaves
+    the ambient interaction type; -1 is the module's default, as in TorchRL."""
+    if code is None:
+        return contextlib.nullcontext()
+    from tensordict.nn import InteractionType, set_interaction_type
+
+    if not 0 <= code < len(_INTERACTION_TYPES):
+        return set_interaction_type(None)
+    return set_interaction_type(InteractionType(_INTERACTION_TYPES[code]))
+
+
+def _passed(given: torch.Tensor, returned: torch.Tensor, collate_fn: object) -> bool:
+    """Whether the model returned the request's tensor ``given`` as it was."""
+    if returned is given:
+        return True
+    if collate_fn is None or returned.shape != given.shape or returned.dtype != given.dtype:
+        return False
+    return returned.device == given.device and bool(torch.equal(returned, given))
 
 
 def _name(key: NestedKey) -> str:
@@ -428,9 +468,9 @@ class InferenceServer:
             model.to(self.device)
         # Updates made before the core server exists count here.
         self._version_base = int(policy_version)
-        self._early_updates = 0
         self._early_lock = threading.Lock()
         self._core: Server | None = None
+        self._closing = threading.Event()  # set: the core's queued batches fail without running
         self._client: Client | None = None
         self._in_names: tuple[str, ...] = ()
         self._extra_names: tuple[str, ...] = ()  # the other keys collate_fn sees (optional inputs)
@@ -445,7 +485,11 @@ class InferenceServer:
         # Recent model calls' durations and requests' waits (ms), for the percentiles of stats().
         self._forward_ms: collections.deque[float] = collections.deque(maxlen=_STATS_WINDOW)
         self._queue_ms: collections.deque[float] = collections.deque(maxlen=_STATS_WINDOW)
-        self._stats_base: dict[str, int] = {}
+        # The counts of stats(): those of earlier runs (a restart builds a new
+        # core server; TorchRL's counts carry on), and what reset=True zeroes.
+        self._totals = dict.fromkeys(_COUNTS, 0)
+        self._stats_base = dict.fromkeys(_COUNTS, 0)
+        self._probe_ns = 0
         transport._bind(self)
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -464,6 +508,7 @@ class InferenceServer:
         with self._build_lock:
             if self._core is not None:
                 self._version_base += self._core.model_version
+                self._totals = self._counts()
             self._core, self._client = None, None
         self._stopping.clear()
         loop = asyncio.new_event_loop()
@@ -480,7 +525,7 @@ class InferenceServer:
         ready.wait()
         self._started_at = time.monotonic()
         if self._request_spec is not None:
-            self._ensure_core(self._request_spec)
+            self._ensure_core(self._request_spec)  # no request to answer: the probe's answer is dropped
         if self.weight_sync is not None:
             self._init_weight_sync()
             self._poller = threading.Thread(target=self._poll_weights, name="ferrobatch-torchrl-weights", daemon=True)
@@ -490,7 +535,9 @@ class InferenceServer:
 
     def shutdown(self, timeout: float | None = 5.0) -> None:
         """Stops accepting requests, finishes the accepted ones (failing those
-        still queued after ``timeout`` seconds) and stops the threads."""
+        still queued after ``timeout`` seconds) and stops the threads. A
+        forward pass still running then answers its callers when it ends,
+        as TorchRL's does (its threads end after it)."""
         if self._in_child is not None:
             self._in_child.shutdown(timeout)
             return
@@ -499,14 +546,26 @@ class InferenceServer:
         loop, thread = self._loop, self._thread
         if loop is None or thread is None:
             return
+
+        def close(_: object = None) -> None:
+            if not self.is_alive:  # not restarted meanwhile
+                self.transport._close()
+            loop.call_soon_threadsafe(loop.stop)
+
         if self._core is not None and loop.is_running():
-            future = asyncio.run_coroutine_threadsafe(self._core.stop(timeout), loop)
+            # Unbounded, so that the core never fails a running batch's callers;
+            # past ``timeout`` the batches still queued fail without running.
+            stopped = asyncio.run_coroutine_threadsafe(self._core.stop(None), loop)
             try:
-                future.result(None if timeout is None else timeout + 1.0)
-            except (concurrent.futures.TimeoutError, RuntimeError):
+                stopped.result(timeout)
+            except concurrent.futures.TimeoutError:
+                self._closing.set()
+                stopped.add_done_callback(close)  # when the running forward pass ends
+                self._thread = None
+                return
+            except RuntimeError:
                 pass
-        self.transport._close()
-        loop.call_soon_threadsafe(loop.stop)
+        close()
         thread.join(timeout)
         if self._poller is not None:
             self._poller.join(timeout)
@@ -560,14 +619,10 @@ class InferenceServer:
         if self._in_child is not None:
             from_child: dict[str, float | int] = self._in_child.stats(reset=reset)
             return from_child
-        core = self._core.stats() if self._core is not None else {}
+        counts = self._counts()
         now = time.monotonic()
         elapsed = max(now - self._started_at, 1e-12)
-        base = self._stats_base
-        rows = int(core.get("rows", 0)) - base.get("rows", 0)
-        batches = int(core.get("batches", 0)) - base.get("batches", 0)
-        queue_ns = int(core.get("queue_ns", 0)) - base.get("queue_ns", 0)
-        compute_ns = int(core.get("compute_ns", 0)) - base.get("compute_ns", 0)
+        rows, batches, queue_ns, compute_ns, updates = (counts[k] - self._stats_base[k] for k in _COUNTS)
         stats: dict[str, float | int] = {
             "requests": rows,
             "batches": batches,
@@ -581,14 +636,19 @@ class InferenceServer:
             "queue_ms": queue_ns / 1e6 / rows if rows else 0.0,
             "forward_ms": compute_ns / 1e6 / batches if batches else 0.0,
             "policy_version": self.policy_version,
-            "weight_updates": self._early_updates + int(core.get("weight_updates", 0)),
+            "weight_updates": updates,
         }
-        if reset:
-            self._stats_base = {k: int(core.get(k, 0)) for k in ("rows", "batches", "queue_ns", "compute_ns")}
+        if reset:  # as TorchRL's: every count, weight updates included
+            self._stats_base = counts
             self._forward_ms.clear()
             self._queue_ms.clear()
             self._started_at = now
         return stats
+
+    def _counts(self) -> dict[str, int]:
+        """The running counts: earlier runs' and the current core server's."""
+        core = self._core.stats() if self._core is not None else {}
+        return {k: self._totals[k] + int(core.get(k, 0)) for k in _COUNTS}
 
     # -- weight updates --------------------------------------------------------------------
 
@@ -610,7 +670,7 @@ class InferenceServer:
                     result = update(self.model)
                     if bump is None or bump([result]):
                         self._version_base += 1
-                        self._early_updates += 1
+                        self._totals["weight_updates"] += 1
                 return result
         # The policy itself, not the wrapper the core calls, between batches.
         _, results = core._weights.apply(update, [self.model], core.devices[:1], bump)
@@ -670,78 +730,146 @@ class InferenceServer:
 
     # -- requests ------------------------------------------------------------------------
 
-    def _ensure_core(self, example: Any) -> Client:
+    def _ensure_core(self, example: Any) -> tuple[Client, dict[str, torch.Tensor] | None]:
         """The core server's client, building and starting the server from
-        ``example`` (one request) the first time."""
+        ``example`` (one request) the first time; then also the example's
+        answer (the model ran on it to learn its outputs), else None."""
         client = self._client
         if client is not None:
-            return client
+            return client, None
         with self._build_lock:
             if self._client is not None:
-                return self._client
+                return self._client, None
             if self._loop is None or self._stopping.is_set():
                 raise ServerClosedError("the inference server is not running; call start() first")
-            core = self._build_core(example)
+            core, first = self._build_core(example)
             asyncio.run_coroutine_threadsafe(core.start(), self._loop).result()
             self._core = core
             self._client = core.client()
             if isinstance(self.transport, MPTransport):
                 self.transport._share(core, self)
-            return self._client
+            return self._client, first
 
-    def _build_core(self, example: Any) -> Server:
+    def _build_core(self, example: Any) -> tuple[Server, dict[str, torch.Tensor]]:
+        """The core server for requests like ``example``, and the example's
+        answer: the model runs once on it to learn its outputs, and that
+        call is the example's own (as TorchRL's first batch would be)."""
         from tensordict import TensorDict
 
         leaves = _tensor_leaves(example)
         if self.policy_version_key is not None:
             leaves.pop(_name(self.policy_version_key), None)
+        stamp = leaves.pop(_INTERACTION_KEY, None)  # how to run the model, not its input
         in_keys = getattr(self.model, "in_keys", None)
+        model, collate_fn, device = self.model, self.collate_fn, self.device
         extras: dict[str, torch.Tensor] = {}
         if in_keys is not None:
             wanted = {_name(k) for k in in_keys}
-            extras = {k: v for k, v in leaves.items() if k not in wanted}
-            leaves = {k: v for k, v in leaves.items() if k in wanted}
-        if not leaves:
+            mine = {k: v for k, v in leaves.items() if k in wanted}
+            # A collate_fn may build the model's inputs from other keys: then all are required.
+            if collate_fn is None or mine:
+                extras = {k: v for k, v in leaves.items() if k not in wanted}
+                leaves = mine
+        if not leaves and stamp is None:
             raise ValueError("the request carries none of the model's inputs")
         inputs = [TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in leaves.items()]
         model_keys = [(s.name, nested_key(s.name)) for s in inputs]
-        model, collate_fn, device = self.model, self.collate_fn, self.device
+        carried = dict(leaves)
         if collate_fn is not None and len(inputs) + len(extras) <= 64:
             # collate_fn sees each request whole, as TorchRL gives it: the first
             # request's other keys travel too, each optional (a request without
             # it is collated without it).
             inputs += [TensorSpec(n, dtype_name(t.dtype), tuple(t.shape), optional=True) for n, t in extras.items()]
+            carried.update(extras)
         all_keys = [(s.name, nested_key(s.name)) for s in inputs]
         # As TorchRL stacks requests: the first request's batch dims follow the batch's.
         dims = tuple(getattr(example, "batch_size", ()))
+        # PolicyClientModule's interaction type, one code per element of a request's
+        # batch: optional, so that requests of other clients need none.
+        inputs.append(TensorSpec(_INTERACTION_KEY, "int8", dims, optional=bool(inputs)))
 
-        def call(batch: dict[str, torch.Tensor], requests: Sequence[RequestInfo] = ()) -> Any:
-            rows = next(iter(batch.values())).shape[0]
-            if collate_fn is None or not requests:  # no collate_fn, or the spec probe: the model's keys only
-                td = TensorDict({key: batch[name] for name, key in model_keys}, batch_size=[rows, *dims], device=device)
-                return model(td)
+        def model_input(batch: Mapping[str, torch.Tensor], requests: Sequence[RequestInfo]) -> Any:
+            rows = len(requests)  # one row each
+            if collate_fn is None:
+                return TensorDict(
+                    {key: batch[name] for name, key in model_keys}, batch_size=[rows, *dims], device=device
+                )
             whole = TensorDict({key: batch[name] for name, key in all_keys}, batch_size=[rows, *dims], device=device)
             items = list(whole.unbind(0))
             for item, request in zip(items, requests):  # one row per request
                 for name in request.absent:
-                    del item[nested_key(name)]
-            return model(collate_fn(items))
+                    if name != _INTERACTION_KEY:
+                        del item[nested_key(name)]
+            return collate_fn(items)
 
-        sample = {name: t.detach().unsqueeze(0).to(device or "cpu") for name, t in leaves.items()}
-        with torch.inference_mode():
-            raw = call(sample)  # the outputs' specs; collate_fn sees requests only
-        outputs = example_specs(_tensor_leaves(raw), exclude=set(leaves))
+        def invoke(batch: Mapping[str, torch.Tensor], requests: Sequence[RequestInfo], code: int | None) -> Any:
+            with _interaction_type(code):
+                result = model(model_input(batch, requests))
+            size = getattr(result, "batch_size", None)
+            if size is not None and len(size) and size[0] != len(requests):
+                # TorchRL's check: never hand one request another's row.
+                raise RuntimeError(f"Model returned {size[0]} results for a batch of {len(requests)} inputs.")
+            return result
+
+        sample = {name: t.detach().unsqueeze(0).to(device or "cpu") for name, t in carried.items()}
+        probe = RequestInfo(rows=1, absent=frozenset() if stamp is not None else frozenset({_INTERACTION_KEY}))
+        began = time.perf_counter_ns()
+        with torch.no_grad():  # as the worker runs it
+            raw = invoke(sample, [probe], None if stamp is None else _interaction_codes(stamp.unsqueeze(0))[0])
+        self._probe_ns = time.perf_counter_ns() - began
+        produced = _tensor_leaves(raw)
+        for hidden in (_INTERACTION_KEY, None if self.policy_version_key is None else _name(self.policy_version_key)):
+            produced.pop(hidden or "", None)
+        # What the model passed through untouched is the request's own: not copied back.
+        # Anything else it returned, an input key it wrote included, is a result, as TorchRL's.
+        # (collate_fn copies the requests: there, a tensor equal to the request's is taken as passed through).
+        passed = {name for name, t in produced.items() if name in sample and _passed(sample[name], t, collate_fn)}
+        outputs = example_specs(produced, exclude=passed)
         out_keys = [(s.name, nested_key(s.name)) for s in outputs]
+        first = {name: raw.get(key)[0].cpu() for name, key in out_keys}
+        first[_VERSION] = torch.tensor(0, dtype=torch.int64)
 
         forward_ms, queue_ms = self._forward_ms, self._queue_ms
         keep_error = self.transport._keep_error if isinstance(self.transport, MPTransport) else None
+        closing = self._closing = threading.Event()  # this core's: a restart builds another
+
+        def forward(
+            batch: Mapping[str, torch.Tensor], requests: Sequence[RequestInfo], code: int | None
+        ) -> dict[str, torch.Tensor]:
+            result = invoke(batch, requests, code)
+            return {name: result.get(key) for name, key in out_keys}
 
         def run(batch: dict[str, torch.Tensor], requests: Sequence[RequestInfo]) -> dict[str, torch.Tensor]:
             queue_ms.extend(r.queued_ns / 1e6 for r in requests)
             began = time.perf_counter_ns()
             try:
-                result = call(batch, requests)
-                outputs = {name: result.get(key) for name, key in out_keys}
+                if closing.is_set():  # shutdown's wait ran out: as the core fails what it has not run
+                    raise ServerClosedError("server 'policy' stopped before the request could run")
+                stamps = batch[_INTERACTION_KEY]
+                codes: list[int | None] = [None] * len(requests)
+                if any(_INTERACTION_KEY not in r.absent for r in requests):
+                    codes = [
+                        None if _INTERACTION_KEY in r.absent else code
+                        for r, code in zip(requests, _interaction_codes(stamps))
+                    ]
+                kinds = list(dict.fromkeys(codes))
+                if len(kinds) == 1:
+                    outputs = forward(batch, requests, kinds[0])
+                else:
+                    # Requests asking for different interaction types: one model call
+                    # per type, the rows put back in order (TorchRL fails such a batch).
+                    order = [i for kind in kinds for i, code in enumerate(codes) if code == kind]
+                    parts = []
+                    for kind in kinds:
+                        rows = [i for i, code in enumerate(codes) if code == kind]
+                        index = torch.tensor(rows)
+                        part = {name: t[index.to(t.device)] for name, t in batch.items()}
+                        parts.append(forward(part, [requests[i] for i in rows], kind))
+                    back = torch.argsort(torch.tensor(order))
+                    outputs = {}
+                    for name in parts[0]:
+                        joined = torch.cat([part[name] for part in parts])
+                        outputs[name] = joined[back.to(joined.device)]
             except BaseException as exc:
                 if keep_error is not None:  # shared-memory clients fetch it over their pipe
                     for request in requests:
@@ -766,11 +894,12 @@ class InferenceServer:
             version_output=_VERSION,
             name="policy",
             with_requests=True,  # for each request's wait (stats' queue percentiles)
+            isolate_failures=False,  # TorchRL fails the whole batch a model call failed
         )
         self._in_names = tuple(leaves)
-        self._extra_names = tuple(s.name for s in inputs[len(leaves) :])
+        self._extra_names = (*(s.name for s in inputs[len(leaves) : -1]), _INTERACTION_KEY)
         self._out_keys = out_keys
-        return core
+        return core, first
 
     def _flat(self, td: Any) -> dict[str, Any]:
         """A request's tensors the core takes: the model's inputs, and the
@@ -786,12 +915,31 @@ class InferenceServer:
         return flat
 
     def _submit(self, td: Any) -> concurrent.futures.Future[dict[str, torch.Tensor]]:
-        client = self._client or self._ensure_core(td)
+        client = self._client
+        if client is None:
+            client, first = self._ensure_core(td)
+            if first is not None:
+                answered: concurrent.futures.Future[dict[str, torch.Tensor]] = concurrent.futures.Future()
+                answered.set_result(self._probe_answered(first))
+                return answered
         return client._submit_threadsafe(self._flat(td))
 
     def _infer_blocking(self, td: Any) -> dict[str, torch.Tensor]:
-        client = self._client or self._ensure_core(td)
+        client = self._client
+        if client is None:
+            client, first = self._ensure_core(td)
+            if first is not None:
+                return self._probe_answered(first)
         return client._submitter.infer_blocking(self._flat(td), None, False)
+
+    def _probe_answered(self, first: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``first``, the answer of the model call that learnt the specs, as
+        its request's: counted as one batch of one, as TorchRL's first call."""
+        with self._build_lock:
+            for key, value in (("rows", 1), ("batches", 1), ("compute_ns", self._probe_ns)):
+                self._totals[key] += value
+        self._forward_ms.append(self._probe_ns / 1e6)
+        return first
 
     def _result_pairs(
         self, outputs: dict[str, torch.Tensor], batch_size: Sequence[int] = ()
@@ -810,6 +958,9 @@ class InferenceServer:
             pairs = [(key, value.to(self.output_device)) for key, value in pairs]
         return pairs
 
+
+#: The counts ``stats()`` keeps across restarts (the core server's names).
+_COUNTS = ("rows", "batches", "queue_ns", "compute_ns", "weight_updates")
 
 #: Model calls and requests the percentiles of ``stats()`` are taken over.
 _STATS_WINDOW = 1024
@@ -831,9 +982,12 @@ def _complete(td: Any, pairs: Sequence[tuple[NestedKey, torch.Tensor]]) -> Any:
     unsafe = _new_unsafe(td)
     if unsafe is not None and all(type(key) is str for key, _ in pairs):
         entries = dict(td.items())
+        entries.pop(_INTERACTION_KEY, None)  # the server's to read, not the caller's (as TorchRL's)
         entries.update(pairs)
         return unsafe(entries, batch_size=td.batch_size, device=None)
     result = td.copy()
+    if _INTERACTION_KEY in result.keys():
+        del result[_INTERACTION_KEY]
     for key, value in pairs:
         result.set(key, value)
     return result
@@ -990,7 +1144,6 @@ class ThreadingTransport(_TorchRLTransport):
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._running = False
-        self._stopped = False  # ferrobatch's server ran and stopped (clients are refused until it starts again)
         self._held: list[tuple[Any, concurrent.futures.Future[Any]]] = []
         _register_with_torchrl()
 
@@ -1002,19 +1155,16 @@ class ThreadingTransport(_TorchRLTransport):
     def submit(self, td: Any) -> concurrent.futures.Future[Any]:
         """Queues ``td``; its Future resolves with the result (or the error).
         Between a stop and the next start it waits for that start."""
-        held = self._hold(td, after_stop=True)
+        held = self._hold(td)
         return held if held is not None else ThreadingClient(self).submit(td)
 
-    def _hold(self, td: Any, after_stop: bool = False) -> concurrent.futures.Future[Any] | None:
+    def _hold(self, td: Any) -> concurrent.futures.Future[Any] | None:
         """Holds ``td`` while ferrobatch's server does not run (until it
-        starts, or for another server's ``drain``): its Future; None when the
-        server runs (queue it there). Once that server has stopped, only
-        with ``after_stop`` (else ``ServerClosedError``)."""
+        starts again, or for another server's ``drain``), as TorchRL's
+        transports queue: its Future; None when the server runs (queue it there)."""
         with self._lock:
             if self._running:
                 return None
-            if self._stopped and not after_stop:
-                raise ServerClosedError("the inference server is not running; call start() first")
             held: concurrent.futures.Future[Any] = concurrent.futures.Future()
             held.set_running_or_notify_cancel()
             self._held.append((td, held))
@@ -1046,14 +1196,14 @@ class ThreadingTransport(_TorchRLTransport):
 
     def _start(self) -> None:
         with self._lock:
-            self._running, self._stopped = True, False
+            self._running = True
             held, self._held = self._held, []
         for td, future in held:
             _chain(ThreadingClient(self).submit(td), future)
 
     def _stop(self) -> None:
         with self._lock:
-            self._running, self._stopped = False, True
+            self._running = False
 
     def _close(self) -> None:
         with self._lock:
@@ -1382,7 +1532,7 @@ class MPTransport(_TorchRLTransport):
     def resolve(self, callback: Any, result: Any) -> None:
         conn, lock, rid = callback
         leaves = result.items(include_nested=True, leaves_only=True)
-        _reply(conn, lock, rid, True, [(k, v.detach().cpu().numpy()) for k, v in leaves if isinstance(v, torch.Tensor)])
+        _reply(conn, lock, rid, True, [(k, _to_wire(v)) for k, v in leaves if isinstance(v, torch.Tensor)])
 
     def resolve_exception(self, callback: Any, exc: BaseException) -> None:
         conn, lock, rid = callback
@@ -1411,7 +1561,7 @@ class MPTransport(_TorchRLTransport):
                     reply(False, _unwrap(error))
                     return
                 pairs = server._result_pairs(future.result(), batch_size)
-                payload = [(key, value.numpy()) for key, value in pairs]
+                payload = [(key, _to_wire(value)) for key, value in pairs]
             except BaseException as exc:  # noqa: BLE001 - the client's to see
                 reply(False, exc)
                 return
@@ -1429,11 +1579,37 @@ def _request_td(flat: Mapping[str, Any], batch_size: Sequence[int]) -> Any:
     object store's memory) is copied."""
     from tensordict import TensorDict
 
-    tensors = {
-        nested_key(name): torch.from_numpy(value if value.flags.writeable else value.copy())
-        for name, value in flat.items()
-    }
+    tensors = {nested_key(name): _from_wire(value) for name, value in flat.items()}
     return TensorDict(tensors, batch_size=list(batch_size))
+
+
+#: Same-size integer dtypes, by element size: what carries a tensor whose
+#: dtype numpy lacks (bfloat16, float8...) through a pipe, bit for bit.
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _to_wire(tensor: torch.Tensor) -> Any:
+    """A tensor as a pipe carries it: a numpy array, or for a dtype numpy
+    lacks, its dtype's name and its bits as a same-size integer array."""
+    tensor = tensor.detach().cpu()
+    try:
+        return tensor.numpy()
+    except TypeError:
+        bits = tensor.view(_BITS[tensor.element_size()]).numpy()
+        return (str(tensor.dtype).removeprefix("torch."), bits)
+
+
+def _from_wire(value: Any) -> torch.Tensor:
+    """``_to_wire``'s tensor back; an array Ray hands over read-only (in
+    its object store's memory) is copied."""
+    dtype = None
+    if isinstance(value, tuple):
+        name, value = value
+        dtype = getattr(torch, name)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"not a torch dtype: {name!r}")
+    tensor = torch.from_numpy(value if value.flags.writeable else value.copy())
+    return tensor if dtype is None else tensor.view(dtype)
 
 
 def _has_data(conn: Any) -> bool:
@@ -1839,7 +2015,7 @@ class MPClient:
 
     def _submit_pipe(self, td: Any) -> concurrent.futures.Future[Any]:
         sent = td if self._rules is None else td.select(*self._rules.request_keys)
-        flat = {name: t.detach().cpu().numpy() for name, t in _tensor_leaves(sent).items()}
+        flat = {name: _to_wire(t) for name, t in _tensor_leaves(sent).items()}
         return self._send(flat, tuple(td.batch_size), td)
 
     def _send(self, flat: Any, batch_size: Any, td: Any) -> concurrent.futures.Future[Any]:
@@ -2493,7 +2669,7 @@ def _answer(future: concurrent.futures.Future[Any], td: Any, rules: _SlotRules |
         if not ok:
             future.set_exception(payload)
             return
-        pairs = [(key, torch.from_numpy(value)) for key, value in payload]
+        pairs = [(key, _from_wire(value)) for key, value in payload]
         result = _complete(td, pairs) if rules is None else rules.response(td, pairs)
     except Exception as exc:  # noqa: BLE001 - this request's to see
         error: BaseException = exc

@@ -1,0 +1,199 @@
+"""ferrobatch.torchrl behaves as TorchRL 0.14's InferenceServer where a
+program could tell them apart: interaction types, outputs written to input
+keys, collate_fn on the first request, whole-batch failures, dtypes over a
+pipe, requests between a shutdown and a restart, stats across restarts,
+and a forward pass running at shutdown."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("tensordict")
+from tensordict import TensorDict
+from tensordict.nn import InteractionType, TensorDictModule, set_interaction_type
+from tensordict.nn.probabilistic import interaction_type
+
+from ferrobatch.torchrl import InferenceServer, MPTransport, ThreadingTransport
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def obs(value: float = 1.0, dtype: torch.dtype = torch.float32) -> TensorDict:
+    return TensorDict({"obs": torch.full((2,), value, dtype=dtype)})
+
+
+def reports_interaction(td: Any) -> Any:
+    """A policy whose action says which interaction type it ran under."""
+    current = interaction_type()
+    code = -1.0 if current is None else float(list(InteractionType).index(current))
+    return td.clone().set("action", torch.full(td.batch_size, code))
+
+
+def test_policy_client_module_runs_the_model_under_the_callers_interaction_type() -> None:
+    torchrl = pytest.importorskip("torchrl.modules.inference_server")
+    transport = ThreadingTransport()
+    server = InferenceServer(reports_interaction, transport, request_spec=obs())
+    random = torchrl.PolicyClientModule(transport, interaction_type=InteractionType.RANDOM)
+    mode = torchrl.PolicyClientModule(transport, interaction_type=InteractionType.MODE)
+    # Queued before the start: one batch asking for two types (each gets its own).
+    futures = [client.submit(obs()) for client in (random, mode, random)]
+    with server:
+        results = [future.result(10) for future in futures]
+        with set_interaction_type(InteractionType.DETERMINISTIC):
+            ambient = random.client(obs())  # a plain client: no stamp, the server's own context
+    kinds = list(InteractionType)
+    assert [r["action"].item() for r in results] == [kinds.index(k) for k in ("random", "mode", "random")]
+    assert all("_torchrl_inference_interaction_type" not in r.keys() for r in results)
+    assert ambient["action"].item() == kinds.index(InteractionType.DETERMINISTIC)
+
+
+def test_a_model_output_written_to_an_input_key_reaches_the_caller() -> None:
+    doubles = TensorDictModule(lambda x: (x * 2, x + 1), in_keys=["obs"], out_keys=["obs", "act"])
+    transport = ThreadingTransport()
+    with InferenceServer(doubles, transport):
+        result = transport.client()(obs())
+    assert result["obs"].tolist() == [2.0, 2.0] and result["act"].tolist() == [2.0, 2.0]
+
+    def plain(td: Any) -> Any:  # no in_keys: the request's last action is an input too
+        return td.clone().set("action", td["obs"] * 10)
+
+    transport = ThreadingTransport()
+    with InferenceServer(plain, transport):
+        result = transport.client()(obs().set("action", torch.full((2,), -7.0)))
+    assert result["action"].tolist() == [10.0, 10.0]
+
+
+def test_the_first_request_reaches_the_model_through_collate_fn() -> None:
+    def collate(items: list[Any]) -> Any:  # the model's input, built from other keys
+        stacked = torch.stack(items)
+        return TensorDict({"obs": stacked["pixels"].float() / 255}, batch_size=stacked.batch_size)
+
+    module = TensorDictModule(lambda x: x + 1, in_keys=["obs"], out_keys=["act"])
+    transport = ThreadingTransport()
+    with InferenceServer(module, transport, collate_fn=collate):
+        client = transport.client()
+        results = [client(TensorDict({"pixels": torch.full((2,), 255, dtype=torch.uint8)})) for _ in range(2)]
+    assert [r["act"].tolist() for r in results] == [[2.0, 2.0]] * 2
+
+
+def test_a_failing_model_call_fails_its_whole_batch_in_one_call() -> None:
+    calls: list[list[float]] = []
+
+    def model(td: Any) -> Any:
+        calls.append(td["obs"][:, 0].tolist())
+        if (td["obs"] < 0).any():
+            raise KeyError("negative obs")
+        return td.clone().set("act", td["obs"] + 1)
+
+    transport = ThreadingTransport()
+    server = InferenceServer(model, transport, request_spec=obs(0.0), min_batch_size=3, timeout=5.0)
+    values = (1.0, -1.0, 2.0)
+    futures = [transport.submit(obs(v)) for v in values]
+    with server:
+        errors = {v: future.exception(10) for v, future in zip(values, futures)}
+    assert sum(map(len, calls[1:])) == 3  # after the spec probe, each request ran once: no retries in parts
+    failed = next(call for call in calls if -1.0 in call)
+    assert all(isinstance(errors[v], KeyError) for v in failed)  # its batch-mates too
+
+
+def test_a_model_returning_too_few_rows_fails_its_batch_as_torchrls() -> None:
+    def one_row(td: Any) -> Any:
+        return TensorDict({"act": td["obs"][:1] + 1}, batch_size=[1])
+
+    transport = ThreadingTransport()
+    server = InferenceServer(one_row, transport, request_spec=obs())
+    futures = [transport.submit(obs(v)) for v in (1.0, 2.0, 3.0)]
+    with server:
+        errors = [future.exception(10) for future in futures]
+    for error in errors:
+        assert isinstance(error, RuntimeError)
+        assert "Model returned 1 results for a batch of 3 inputs" in str(error)
+
+
+def test_the_first_request_is_answered_by_the_call_that_learns_the_specs() -> None:
+    calls: list[int] = []
+
+    def noisy(td: Any) -> Any:
+        calls.append(td.batch_size[0])
+        return td.clone().set("act", td["obs"] + torch.randn_like(td["obs"]))
+
+    torch.manual_seed(0)
+    expected = [(torch.zeros(2) + torch.randn(2)).tolist() for _ in range(3)]  # three calls, in order
+    torch.manual_seed(0)
+    transport = ThreadingTransport()
+    with InferenceServer(noisy, transport) as server:
+        client = transport.client()
+        acts = [client(obs(0.0))["act"].tolist() for _ in range(3)]
+        stats = server.stats()
+    assert calls == [1, 1, 1] and acts == expected
+    assert stats["requests"] == 3 and stats["batches"] == 3
+
+
+def test_bfloat16_travels_an_mp_transports_pipe_both_ways() -> None:
+    module = TensorDictModule(lambda x: (x * 2, (x * 3).float()), in_keys=["obs"], out_keys=["act", "f"])
+    transport = MPTransport()
+    client = transport.client()
+    with InferenceServer(module, transport):
+        result = client(obs(1.0, torch.bfloat16))  # the first request: before any share, through the pipe
+    assert result["act"].dtype == torch.bfloat16 and result["act"].tolist() == [2.0, 2.0]
+    assert result["f"].tolist() == [3.0, 3.0]
+
+
+def test_a_request_between_shutdown_and_restart_waits_for_the_restart() -> None:
+    module = TensorDictModule(lambda x: x + 1, in_keys=["obs"], out_keys=["act"])
+    transport = ThreadingTransport()
+    server = InferenceServer(module, transport).start()
+    client = transport.client()
+    client(obs())
+    server.shutdown()
+    waiting = client.submit(obs(2.0))
+    called: list[Any] = []
+    caller = threading.Thread(target=lambda: called.append(client(obs(3.0))), daemon=True)
+    caller.start()
+    time.sleep(0.1)
+    assert not waiting.done() and not called
+    with server:
+        assert waiting.result(10)["act"].tolist() == [3.0, 3.0]
+        caller.join(10)
+    assert called[0]["act"].tolist() == [4.0, 4.0]
+
+
+def test_stats_counts_carry_on_across_a_restart() -> None:
+    module = TensorDictModule(lambda x: x + 1, in_keys=["obs"], out_keys=["act"])
+    transport = ThreadingTransport()
+    server = InferenceServer(module, transport)
+    with server:
+        transport.client()(obs())
+        server.update_model(lambda _: None)
+    with server:
+        transport.client()(obs())
+        stats = server.stats(reset=True)
+        assert (stats["requests"], stats["weight_updates"], stats["policy_version"]) == (2, 1, 1)
+        after = server.stats()
+    assert (after["requests"], after["weight_updates"], after["policy_version"]) == (0, 0, 1)
+
+
+def test_a_forward_pass_running_at_shutdown_still_answers_its_caller() -> None:
+    started = threading.Event()
+
+    def slow(x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            started.set()
+            time.sleep(1.5)
+        return x + 1
+
+    transport = ThreadingTransport()
+    server = InferenceServer(TensorDictModule(slow, in_keys=["obs"], out_keys=["act"]), transport).start()
+    client = transport.client()
+    client(obs(0.0))
+    running = client.submit(obs(1.0))
+    assert started.wait(10)
+    began = time.monotonic()
+    server.shutdown(timeout=0.3)
+    assert time.monotonic() - began < 1.2 and not server.is_alive
+    assert running.result(10)["act"].tolist() == [2.0, 2.0]
