@@ -106,7 +106,8 @@ def test_a_model_returning_too_few_rows_fails_its_batch_as_torchrls() -> None:
         return TensorDict({"act": td["obs"][:1] + 1}, batch_size=[1])
 
     transport = ThreadingTransport()
-    server = InferenceServer(one_row, transport, request_spec=obs())
+    # min_batch_size: the three in one batch, however they reach its queue.
+    server = InferenceServer(one_row, transport, request_spec=obs(), min_batch_size=3, timeout=5.0)
     futures = [transport.submit(obs(v)) for v in (1.0, 2.0, 3.0)]
     with server:
         errors = [future.exception(10) for future in futures]

@@ -47,6 +47,11 @@ def status_code(exc: BaseException) -> grpc.StatusCode:
     return _STATUS.get(error_status(exc), grpc.StatusCode.INTERNAL)
 
 
+#: A stream that ends this close to its call's deadline ended because of it
+#: (the native front-end's DEADLINE_SLACK).
+_DEADLINE_SLACK_S = 0.02
+
+
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     """Implements ServerLive, ServerReady, ModelReady, ServerMetadata,
     ModelMetadata and ModelInfer for ``servers`` (or a shared repository),
@@ -212,8 +217,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     yield message if as_bytes else pb.ModelStreamInferResponse.FromString(message)
         finally:  # done, or the client went away: nothing is left running
             reader.cancel()
-            for task in list(answering):
-                task.cancel()
+            # The call's deadline passed: its requests end by their own, the
+            # same one, within moments (counted deadline_exceeded, as
+            # natively); any other end of the call cancels them.
+            remaining = context.time_remaining()
+            if remaining is None or remaining > _DEADLINE_SLACK_S:
+                for task in list(answering):
+                    task.cancel()
 
 
 async def infer(repository: ModelRepository, call: _core.GrpcInferRequest, call_timeout: float | None) -> bytes:

@@ -159,7 +159,8 @@ impl Backlog {
 
     /// Returns once the unread bytes are at the limit or below.
     pub async fn under_limit(&self) {
-        loop {
+        // The common case first: no waiter registered (Notify takes a lock).
+        while self.unread() > self.limit {
             let drained = self.drained.notified();
             tokio::pin!(drained);
             drained.as_mut().enable(); // before the check: a release between them wakes it
