@@ -7,7 +7,6 @@ starts and stops."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gzip
 import json
 import logging
@@ -15,12 +14,12 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 import torch
+from test_http_hardening import app_in_thread
 
 import ferrobatch as fb
 from ferrobatch.http import aiohttp_app, starlette_app
@@ -39,51 +38,6 @@ def double(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def make_server(model: Any = double) -> fb.Server:
     return fb.Server(model, inputs=[X], outputs=[Y], max_batch_size=8, name="double", max_delay=0)
-
-
-@contextlib.contextmanager
-def app_in_thread(kind: str, servers: Any, **options: Any) -> Iterator[str]:
-    """The ``kind`` app on its own loop and thread, its lifespan run; yields its URL."""
-    import uvicorn
-    from aiohttp import web
-
-    ready = threading.Event()
-    stop: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
-    port: list[int] = []
-
-    async def main() -> None:
-        done = asyncio.Event()
-        stop.append((asyncio.get_running_loop(), done))
-        if kind == "starlette":
-            config = uvicorn.Config(starlette_app(servers, **options), host="127.0.0.1", port=0, log_level="warning")
-            server = uvicorn.Server(config)
-            task = asyncio.create_task(server.serve())
-            while not server.started:
-                await asyncio.sleep(0.01)
-            port.append(server.servers[0].sockets[0].getsockname()[1])
-            ready.set()
-            await done.wait()
-            server.should_exit = True
-            await task
-        else:
-            runner = web.AppRunner(aiohttp_app(servers, **options))
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            port.append(runner.addresses[0][1])
-            ready.set()
-            await done.wait()
-            await runner.cleanup()
-
-    thread = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
-    thread.start()
-    assert ready.wait(30), "the app did not start"
-    try:
-        yield f"http://127.0.0.1:{port[0]}"
-    finally:
-        loop, done = stop[0]
-        loop.call_soon_threadsafe(done.set)
-        thread.join(30)
 
 
 def connect(url: str) -> socket.socket:

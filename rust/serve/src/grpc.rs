@@ -1180,21 +1180,19 @@ pub fn read_infer_call(
     keeps_parameters: bool,
     check: InputCheck<'_>,
 ) -> Result<InferCall, Failure> {
-    let region = v2::SHARED_MEMORY_REGION;
-    if let Some(input) = request
+    let inputs = request
         .inputs
         .iter()
-        .find(|t| t.parameters.contains_key(region))
-    {
-        let tensor = format!("input '{}'", Clipped(input.name));
-        return Err(invalid(v2::shared_memory_refused(&tensor)));
-    }
-    if let Some(output) = request
+        .map(|t| ("input", t.name, &t.parameters));
+    let outputs = request
         .outputs
         .iter()
-        .find(|t| t.parameters.contains_key(region))
+        .map(|t| ("output", t.name, &t.parameters));
+    let mut tensors = inputs.chain(outputs);
+    if let Some((kind, name, _)) =
+        tensors.find(|(_, _, parameters)| parameters.contains_key(v2::SHARED_MEMORY_REGION))
     {
-        let tensor = format!("output '{}'", Clipped(output.name));
+        let tensor = format!("{kind} '{}'", Clipped(name));
         return Err(invalid(v2::shared_memory_refused(&tensor)));
     }
     let raw = std::mem::take(&mut request.raw_input_contents);
