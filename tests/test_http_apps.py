@@ -232,6 +232,16 @@ def test_expect_100_continue_over_the_limit_gets_413_without_100(kind: str) -> N
             reply += chunk
         assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
         assert b"over the limit of 1000 bytes" in reply
+    with app_in_thread(kind, [make_server()], max_body_size=1000) as url, connect(url) as sock:
+        # Within the limit: invited, then answered.
+        head = f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(GOOD)}\r\nExpect: 100-continue\r\n\r\n"
+        sock.sendall(head.encode())
+        assert sock.recv(65536).startswith(b"HTTP/1.1 100 Continue"), "no invitation"
+        sock.sendall(GOOD)
+        reply = b""
+        while b"}" not in reply and (chunk := sock.recv(65536)):
+            reply += chunk
+        assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
 
 
 @pytest.mark.parametrize("kind", KINDS)

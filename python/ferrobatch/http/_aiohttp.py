@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from aiohttp import web
 from aiohttp.typedefs import Handler
 from aiohttp.web_protocol import RequestPayloadError
-from aiohttp.web_urldispatcher import _default_expect_handler
 
 from .._core import clipped
 from ..server import Server
@@ -79,7 +78,8 @@ def aiohttp_app(
         length = request.content_length
         if length is not None and length > max_body_size:
             return _response(too_large(length, max_body_size))
-        await _default_expect_handler(request)
+        if request.version >= (1, 1) and request.headers.get("Expect", "").lower() == "100-continue":
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         return None
 
     def answering(route: Route) -> Callable[[web.Request], Awaitable[web.Response]]:
