@@ -19,21 +19,10 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from test_http_hardening import app_in_thread
+from test_http_hardening import GOOD, INFER, KINDS, X, Y, app_in_thread, double
 
 import ferrobatch as fb
 from ferrobatch.http import aiohttp_app, starlette_app
-
-WIDTH = 4
-X = fb.TensorSpec("x", "float32", (WIDTH,))
-Y = fb.TensorSpec("y", "float32", (WIDTH,))
-GOOD = b'{"inputs":[{"name":"x","datatype":"FP32","shape":[1,4],"data":[1,2,3,4]}]}'
-INFER = "/v2/models/double/infer"
-KINDS = ["starlette", "aiohttp"]
-
-
-def double(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {"y": inputs["x"] * 2}
 
 
 def make_server(model: Any = double) -> fb.Server:
