@@ -263,8 +263,8 @@ class CudaExecutor(Executor):
                 batch = worker.next_batch()
                 if batch is None:
                     return
-                self.begin(batch)
                 try:
+                    self.begin(batch)  # its failure fails the batch's callers, as on CPU
                     with self.gated() as version:  # no weight update while enqueuing it
                         flight = self._launch_batch(slots[batch.slot], batch)
                     if flight.error is None:
