@@ -68,6 +68,11 @@ def make_queued() -> fb.Server:
     return fb.Server(slow_double, inputs=[X], outputs=[Y], max_batch_size=4, max_delay=0.001, name="queued")
 
 
+def make_full() -> fb.Server:
+    # Two requests wait at most: a handle call of eight overfills it.
+    return fb.Server(slow_double, inputs=[X], outputs=[Y], max_batch_size=8, max_queue_size=2, name="full")
+
+
 def row(i: float) -> np.ndarray:
     return np.full(4, i, np.float32)
 
@@ -373,6 +378,30 @@ async def test_a_sample_the_replica_fails_fails_alone_across_the_hop(double_app:
         outs = await asyncio.gather(*calls, return_exceptions=True)
     assert isinstance(outs[5], fb.ModelError)
     assert all(not isinstance(o, BaseException) and o["y"][0] == 2.0 * i for i, o in enumerate(outs) if i != 5)
+
+
+async def test_a_request_the_replica_refuses_gets_its_error_once_and_is_not_sent_again(cluster: int) -> None:
+    app = fray.deployment(make_full, name="full", ray_actor_options=NO_CPU)
+    handle = serve.run(app, name="full", route_prefix=None)
+    try:
+        async with fray.client(handle, max_delay=0.05) as client:
+            # Parameters keep each request an item of its own in the replica.
+            calls = [client.infer({"x": row(i)}, parameters={"i": i}) for i in range(8)]
+            outs = await asyncio.gather(*calls, return_exceptions=True)
+            local = client.stats()
+        replica = await handle.stats.remote()
+    finally:
+        serve.delete("full")
+    refused = [i for i, o in enumerate(outs) if isinstance(o, fb.QueueFullError)]
+    assert refused, outs
+    for i, out in enumerate(outs):
+        assert i in refused or out["y"].tolist() == [2.0 * i] * 4, (i, out)
+    assert local["requests_failed"]["queue_full"] == len(refused)
+    assert local["requests_failed"]["model_error"] == 0 and local["requests_succeeded"] == 8 - len(refused)
+    assert local["retry_calls"] == 0 and local["batches"] == 1
+    # The replica saw each request once: a refusal is not sent again.
+    assert replica["requests_failed"]["queue_full"] == len(refused)
+    assert replica["requests_succeeded"] == 8 - len(refused)
 
 
 def test_http_routes_live_under_the_applications_route_prefix(cluster: int, slow_app: Any) -> None:

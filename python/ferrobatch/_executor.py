@@ -44,7 +44,7 @@ from . import _core
 from ._invariance import InvarianceSampler
 from ._requests import RequestInfo, request_infos
 from ._weights import Gate
-from .errors import ModelError
+from .errors import DeadlineExceededError, ModelError, QueueFullError, ServerClosedError
 from .specs import TensorSpec
 
 log = logging.getLogger("ferrobatch")
@@ -103,12 +103,58 @@ class InstanceDownError(ModelError):
     does not."""
 
 
+class RequestsFailed(Exception):
+    """What a model called with its requests (``with_requests``) on a CPU
+    instance raises when some of them failed on their own: ``outputs`` as
+    it would return them for every row of the call (a failed request's rows
+    hold anything of the declared shapes: nobody reads them) and
+    ``errors``, each failed request's error by its index in the call's
+    requests. Each of those requests gets its error, the others their rows,
+    and nothing is retried. Another of ferrobatch's errors (a downstream
+    server's ``QueueFullError``, ...) reaches its caller as it is, counted
+    under its outcome. ``ferrobatch.ray``'s forwarding model raises it."""
+
+    def __init__(self, outputs: Any, errors: Mapping[int, BaseException]) -> None:
+        super().__init__(f"{len(errors)} of the call's requests failed")
+        self.outputs = outputs
+        self.errors = dict(errors)
+
+    def answered(self, outputs: Any, start: int, requests: Sequence[RequestInfo] | None) -> PartlyAnswered:
+        """What the executor raises on: ``outputs`` (the model's, checked),
+        each failed request by its first row in the batch (the call ran
+        rows ``start..``)."""
+        if requests is None:
+            return PartlyAnswered(None, [], ModelError("only a model called with its requests may fail some of them"))
+        firsts = list(itertools.accumulate((r.rows for r in requests), initial=start))
+        unknown = [i for i in self.errors if not 0 <= i < len(requests)]
+        if unknown:
+            return PartlyAnswered(None, [], ModelError(f"the model failed requests {unknown} of {len(requests)}"))
+        return PartlyAnswered(outputs, sorted((firsts[i], e) for i, e in self.errors.items()), None)
+
+
+class PartlyAnswered(Exception):
+    """A model call whose model raised :class:`RequestsFailed`, its outputs
+    checked as a call's are: the call's ``outputs`` and the requests that
+    failed, by first row (``failed``); or, when the model named requests it
+    was not given, the ``error`` the whole call fails with."""
+
+    def __init__(self, outputs: Any, failed: list[tuple[int, BaseException]], error: BaseException | None) -> None:
+        super().__init__("some of the call's requests failed")
+        self.outputs = outputs
+        self.failed = failed
+        self.error = error
+
+
 def retryable(error: BaseException) -> bool:
     """Whether failure isolation may retry after ``error``: any ``Exception``
-    but :class:`InstanceDownError`, never a ``BaseException`` that means the
-    process is going down (``KeyboardInterrupt``, ``SystemExit``,
-    ``GeneratorExit``) or a cancellation."""
-    return isinstance(error, Exception) and not isinstance(error, InstanceDownError)
+    but :class:`InstanceDownError` and the errors a retry would only repeat
+    or make worse (a downstream's ``QueueFullError``, ``ServerClosedError``
+    or ``DeadlineExceededError``, which its callers get as they are), never
+    a ``BaseException`` that means the process is going down
+    (``KeyboardInterrupt``, ``SystemExit``, ``GeneratorExit``) or a
+    cancellation."""
+    final = (InstanceDownError, QueueFullError, ServerClosedError, DeadlineExceededError)
+    return isinstance(error, Exception) and not isinstance(error, final)
 
 
 @dataclass
@@ -157,6 +203,12 @@ def isolate(request_rows: Sequence[tuple[int, int]], error: BaseException, call:
             result.calls += 1
             try:
                 result.done.append((start, last_start + last_rows - start, call(start, last_start + last_rows - start)))
+            except PartlyAnswered as part:  # the model said whose failure it is
+                if part.error is not None:
+                    todo.append((lo, n, part.error, True))
+                    continue
+                result.done.append((start, last_start + last_rows - start, part.outputs))
+                result.failed += part.failed
             except BaseException as exc:  # noqa: BLE001 - split further, or failed as it is
                 todo.append((lo, n, exc, True))
     return result
@@ -248,7 +300,12 @@ class Executor:
         """One model call on ``rows`` rows of a staged batch from ``start``,
         under the weight gate, with the version output if asked for."""
         with self.gated() as version:
-            outputs = self.run(staged, rows, start)
+            try:
+                outputs = self.run(staged, rows, start)
+            except PartlyAnswered as part:
+                if part.outputs is not None:
+                    self.stamp(part.outputs, version, rows)
+                raise
         self.stamp(outputs, version, rows)
         return outputs
 
@@ -256,7 +313,13 @@ class Executor:
         """With ``isolate_failures``, a batch whose model call raised
         ``error`` retried in halves (``call(start, rows)`` runs a part, see
         :func:`isolate`) and the parts that ran merged; None when it is not
-        retried (one request, an error that is not :func:`retryable`)."""
+        retried (one request, an error that is not :func:`retryable`). A
+        call whose model said which of its requests failed
+        (:class:`RequestsFailed`) is not retried: each gets what it said."""
+        if isinstance(error, PartlyAnswered):
+            if error.error is not None:
+                return Retried(None, error.error, None, 0, 0)
+            return Retried(error.outputs, None, error.failed, 0, 0)
         if not self.isolate_failures or not retryable(error) or batch.n_requests < 2:
             return None
         isolated = isolate(batch.request_rows(), error, call)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.utils.dlpack
 
-from ._executor import Executor
+from ._executor import Executor, RequestsFailed
 from ._requests import RequestInfo
 from .errors import InvalidInputError, ModelError
 from .specs import TensorSpec, nested_key
@@ -510,8 +510,12 @@ class CpuExecutor(Executor):
         else:  # a retry of part of a batch (failure isolation): not cached
             views = {name: _rows(t, start, n) for name, t in slot.items()}
             staging = frozenset(_storage_ptr(t) for t in slot.values())
+        failures: RequestsFailed | None = None
         with model_mode():
-            raw = self.model(views) if requests is None else self.model(views, requests)  # type: ignore[call-arg]
+            try:
+                raw = self.model(views) if requests is None else self.model(views, requests)  # type: ignore[call-arg]
+            except RequestsFailed as failed:  # its outputs are checked as any
+                raw, failures = failed.outputs, failed
             outputs = normalize_outputs(raw, self.outputs, n)
         for name, out in outputs.items():
             if n != rows:
@@ -521,6 +525,8 @@ class CpuExecutor(Executor):
             if not self._answers_copied and _storage_ptr(out) in staging:
                 out = out.clone()  # the slot is reused by the next batch, and the callers read views
             outputs[name] = out
+        if failures is not None:
+            raise failures.answered(outputs, start, requests)
         return outputs
 
     def merge(self, done: list[tuple[int, int, Any]], rows: int) -> Outputs:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from . import _core
-from ._executor import WorkerCounters
+from ._executor import PartlyAnswered, RequestsFailed, WorkerCounters
 from ._requests import RequestInfo
 from ._torch import CpuExecutor, _storage_ptr, check_warmup_names, model_mode, normalize_outputs
 from .errors import InvalidInputError, ModelError
@@ -748,7 +748,11 @@ class VariableExecutor(CpuExecutor):
         (outside the weight gate: its caller holds it, or needs none)."""
         inputs = self._on_device(inputs)
         with model_mode():
-            return self._checked(self._call_model(dict(inputs), requests), rows, staging, None)
+            try:
+                raw = self._call_model(dict(inputs), requests)
+            except RequestsFailed as failed:  # its outputs are checked as any
+                raise failed.answered(self._checked(failed.outputs, rows, staging, None), 0, requests) from None
+            return self._checked(raw, rows, staging, None)
 
     def stream(
         self,
@@ -853,7 +857,11 @@ class VariableExecutor(CpuExecutor):
         """The model on rows ``start..start + rows`` of the staged batch; a
         part of it (failure isolation's retry) as a batch of its own."""
         part = staged if start == 0 and rows == self._rows else slice_inputs(self.inputs, staged, start, rows)
-        return self.call(part, rows, self._staging, self.requests_of(start, rows))
+        try:
+            return self.call(part, rows, self._staging, self.requests_of(start, rows))
+        except PartlyAnswered as answered:  # its rows count from the part's first
+            answered.failed = [(start + row, error) for row, error in answered.failed]
+            raise
 
     def merge(self, done: list[tuple[int, int, Any]], rows: int) -> dict[str, Any]:
         return merge_parts(done, rows=rows, specs=self.outputs, version_output=self.version_output)

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 from .._core import FallbackAnswer, NativeFrontend
 from ..client import MAX_STREAM_BACKLOG
-from ..errors import ModelError
+from ..errors import FerrobatchError, ModelError
 from ..server import front_end_threads, hold_front_end_cores
 from ._endpoint import Endpoint
 from .protocol import ModelRepository, error_message
@@ -144,7 +144,9 @@ class NativeListeners:
         expose = self.repository.expose_errors
 
         def describe(exc: BaseException) -> str:
-            if not isinstance(exc, ModelError):
+            # Another of ferrobatch's errors is passed on as it is (a
+            # forwarding model's downstream refused the request): its words.
+            if not isinstance(exc, FerrobatchError):
                 wrapped = ModelError(f"model '{name}': {exc}")
                 wrapped.__cause__ = exc
                 exc = wrapped

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -14,6 +15,7 @@ import anyio.to_thread
 import numpy as np
 import torch
 
+from .._executor import RequestsFailed, retryable
 from .._requests import Parameter, RequestInfo
 from .._variable import LENGTHS, OFFSETS
 from ..client import Client
@@ -44,10 +46,9 @@ class _Forward:
         self._stackable = not any(s.is_ragged for s in (*self._inputs, *self._outputs))
 
     def __call__(self, batch: Mapping[str, Any], requests: Sequence[RequestInfo]) -> dict[str, Any]:
-        # start, rows, priority, parameters, the optional inputs the request left out
-        spans: list[tuple[int, int, int | None, dict[str, Any] | None, frozenset[str]]] = []
+        spans: list[_Span] = []
         start = 0
-        for request in requests:
+        for index, request in enumerate(requests):
             priority = request.priority if self._with_priority else None
             parameters = dict(request.parameters) or None
             last = spans[-1] if spans else None
@@ -55,28 +56,41 @@ class _Forward:
                 self._stackable
                 and parameters is None
                 and last is not None
-                and last[2:] == (priority, None, request.absent)
+                and (last.priority, last.parameters, last.absent) == (priority, None, request.absent)
             ):
-                spans[-1] = (last[0], last[1] + request.rows, priority, None, request.absent)
+                last.rows += request.rows
+                last.requests.append(index)
             else:
-                spans.append((start, request.rows, priority, parameters, request.absent))
+                spans.append(_Span(start, request.rows, priority, parameters, request.absent, [index]))
             start += request.rows
         items = [
             (
-                to_wire({s.name: _rows_of(s, batch, first, rows) for s in self._inputs if s.name not in absent}),
-                priority,
-                parameters,
+                to_wire(
+                    {
+                        s.name: _rows_of(s, batch, span.first, span.rows)
+                        for s in self._inputs
+                        if s.name not in span.absent
+                    }
+                ),
+                span.priority,
+                span.parameters,
             )
-            for first, rows, priority, parameters, absent in spans
+            for span in spans
         ]
         replies = self._send(items)
-        failed = [reply for ok, reply in replies if not ok]
-        if failed:
-            raise failed[0]  # with isolate_failures, the halves find whose it is
-        rows = [span[1] for span in spans]
+        for (ok, reply), span in zip(replies, spans):
+            if not ok and len(span.requests) > 1 and retryable(reply):
+                raise reply  # several requests' failure: with isolate_failures, the halves find whose it is
+        rows = [span.rows for span in spans]
         laid_out: dict[str, Any] = {}
         for spec in self._outputs:
-            laid_out.update(_batch_of(spec, [reply[spec.name] for _, reply in replies], rows))
+            parts = [reply[spec.name] if ok else _unread(spec, span.rows) for (ok, reply), span in zip(replies, spans)]
+            laid_out.update(_batch_of(spec, parts, rows))
+        errors = {i: reply for (ok, reply), span in zip(replies, spans) if not ok for i in span.requests}
+        if errors:
+            # Each request fails with the replica's error for it (overload
+            # stays a QueueFullError), the others get their rows: nothing is sent again.
+            raise RequestsFailed(laid_out, errors)
         return laid_out
 
     def _send(self, items: list[tuple[dict[str, Any], int | None, dict[str, Any] | None]]) -> list[tuple[bool, Any]]:
@@ -90,6 +104,27 @@ class _Forward:
             response.cancel()
             raise
         return replies
+
+
+@dataclass
+class _Span:
+    """Neighbouring requests of a batch that cross as one item: their first
+    row, rows, priority, parameters and the optional inputs they left out,
+    and their indices in the batch's requests."""
+
+    first: int
+    rows: int
+    priority: int | None
+    parameters: dict[str, Any] | None
+    absent: frozenset[str]
+    requests: list[int]
+
+
+def _unread(spec: TensorSpec, rows: int) -> Any:
+    """Output ``spec``'s rows for an item the replica failed: zeros (variable
+    dimensions empty), which nobody reads."""
+    shape = (rows, *(max(d, 0) for d in spec.shape))
+    return np.full(shape, b"", dtype=object) if spec.is_bytes else torch.zeros(shape, dtype=spec.torch_dtype)
 
 
 def _rows_of(spec: TensorSpec, batch: Mapping[str, Any], start: int, rows: int) -> Any:
@@ -178,11 +213,12 @@ class RayClient:
     The local server starts on first use (it asks a replica for the model's
     specs first), on an event loop thread of its own, or with ``start()`` /
     ``async with`` / ``with``; ``close()`` / ``aclose()`` runs every request
-    already accepted, then stops it. Errors are ferrobatch's: a failed handle
-    call (a replica's exception, a dead replica) is a :class:`ModelError`
-    whose ``__cause__`` is Ray's exception; with ``isolate_failures`` the
-    batch's requests are retried in halves first, so a sample the replica
-    refuses fails alone.
+    already accepted, then stops it. Errors are ferrobatch's: a request the
+    replica answered with an error gets that error, alone and at once (its
+    ``QueueFullError`` stays one, counted ``queue_full``; nothing is sent
+    again); a failed handle call (a dead replica, a ``call_timeout``) is a
+    :class:`ModelError` whose ``__cause__`` is Ray's exception, and with
+    ``isolate_failures`` the batch's requests are retried in halves first.
     """
 
     def __init__(

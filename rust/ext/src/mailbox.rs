@@ -424,11 +424,13 @@ impl LoopMailbox {
         let mut answers =
             BatchAnswers::new(py, &self.model_name, &post.outcome, post.failed.as_ref());
         for t in taken {
-            let answer = answers.answer(&t.route, t.answer.batched);
-            let counted = match (&answer, hand_over(py, t.answer, answer.as_ref().map(Some))) {
-                (_, false) => Outcome::Cancelled, // its task cancelled the future first
-                (Ok(_), true) => Outcome::Succeeded,
-                (Err(_), true) => Outcome::ModelError,
+            let (answer, outcome) = match answers.answer(&t.route, t.answer.batched) {
+                Ok(rows) => (Ok(rows), Outcome::Succeeded),
+                Err((error, outcome)) => (Err(error), outcome),
+            };
+            let counted = match hand_over(py, t.answer, answer.as_ref().map(Some)) {
+                false => Outcome::Cancelled, // its task cancelled the future first
+                true => outcome,
             };
             self.pending.count(counted, t.enqueued_at, now);
         }

@@ -14,7 +14,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::codec::V2Codec;
-use crate::results::{BatchOutcome, FailedRows};
+use crate::results::{outcome_of_error, BatchOutcome, FailedRows};
 use crate::without_gil;
 
 /// Where a model's natively submitted requests are answered.
@@ -39,14 +39,25 @@ impl NativeSink {
         }
     }
 
-    fn failure(&self, py: Python<'_>, error: &Bound<'_, PyAny>) -> Failure {
+    /// What a remote client gets for a model call that raised `error`,
+    /// and the outcome it is counted under: a 500, or for another of
+    /// ferrobatch's errors (a forwarding model's downstream refused the
+    /// request) that error's status, as in-process callers get its class.
+    fn failure(&self, py: Python<'_>, error: &Bound<'_, PyAny>) -> (Failure, Outcome) {
         let message = self
             .describe
             .bind(py)
             .call1((error,))
             .and_then(|m| m.extract::<String>())
             .unwrap_or_else(|_| format!("model '{}' failed", self.replies.codec().model()));
-        Failure::new(500, message)
+        let outcome = outcome_of_error(py, error);
+        let status = match outcome {
+            Outcome::InvalidInput => 400,
+            Outcome::QueueFull | Outcome::ServerClosed => 503,
+            Outcome::DeadlineExceeded => 504,
+            _ => 500,
+        };
+        (Failure::new(status, message), outcome)
     }
 }
 
@@ -67,15 +78,18 @@ pub(crate) fn deliver(
         }
         Ok(outputs) => outputs.bind(py),
         Err(error) => {
-            let failure = sink.failure(py, error.bind(py));
-            without_gil(py, || replies.fail_batch(routes, &failure));
+            let (failure, outcome) = sink.failure(py, error.bind(py));
+            without_gil(py, || replies.fail_batch(routes, &failure, outcome));
             return;
         }
     };
-    let failed: Vec<(u32, Failure)> = failed
+    let failed: Vec<(u32, Failure, Outcome)> = failed
         .map(|rows| {
             rows.iter()
-                .map(|(start, error)| (*start, sink.failure(py, error.bind(py))))
+                .map(|(start, error)| {
+                    let (failure, outcome) = sink.failure(py, error.bind(py));
+                    (*start, failure, outcome)
+                })
                 .collect()
         })
         .unwrap_or_default();
@@ -115,8 +129,12 @@ fn with_columns<R: Send>(
     let mut read = match read {
         Ok(read) => read,
         Err(err) => {
-            let failure = sink.failure(py, err.value(py));
-            without_gil(py, || replies.fail_batch(routes, &failure));
+            // Outputs that cannot be read are the model's failure, whatever raised.
+            let (failure, _) = sink.failure(py, err.value(py));
+            let failure = Failure::new(500, failure.message);
+            without_gil(py, || {
+                replies.fail_batch(routes, &failure, Outcome::ModelError)
+            });
             return None;
         }
     };

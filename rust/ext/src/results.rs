@@ -30,16 +30,55 @@ pub(crate) fn outcome_of_error(py: Python<'_>, error: &Bound<'_, PyAny>) -> Outc
     Outcome::ModelError
 }
 
-/// What the callers of a batch whose model call raised `error` get: a
-/// `ModelError` naming the model, caused by `error` (unless it is one
-/// already). `what` says how the batch failed ("raised", or why its rows
-/// could not be delivered). The message is made once, and cannot raise.
+/// The class of the error a caller who saw `outcome` gets.
+fn error_class_of(outcome: Outcome) -> &'static str {
+    match outcome {
+        Outcome::InvalidInput => "InvalidInputError",
+        Outcome::QueueFull => "QueueFullError",
+        Outcome::DeadlineExceeded => "DeadlineExceededError",
+        Outcome::ServerClosed => "ServerClosedError",
+        _ => "ModelError",
+    }
+}
+
+/// What the callers of a batch (or of a request) whose model call raised
+/// `error` get: a `ModelError` naming the model, caused by `error` (unless
+/// it is one already); or, when `error` is another of ferrobatch's errors
+/// (a model that forwards requests, whose downstream refused them), an
+/// error of that class with its words, counted under its outcome. `what`
+/// says how the batch failed ("raised", or why its rows could not be
+/// delivered: always a `ModelError`). The message is made once, and cannot
+/// raise.
 pub(crate) struct ModelFailure {
+    outcome: Outcome,
     message: String,
     cause: Option<Py<PyAny>>,
 }
 
 impl ModelFailure {
+    /// The failure of callers whose model call raised `error`.
+    pub(crate) fn raised(
+        py: Python<'_>,
+        model_name: &str,
+        error: &Bound<'_, PyAny>,
+    ) -> ModelFailure {
+        let outcome = outcome_of_error(py, error);
+        if outcome == Outcome::ModelError {
+            return ModelFailure::new(py, model_name, error, "raised");
+        }
+        let message = match error.str() {
+            Ok(own) => own.to_string(),
+            Err(_) => describe(py, &PyErr::from_value(error.clone())),
+        };
+        ModelFailure {
+            outcome,
+            message,
+            cause: Some(error.clone().unbind()),
+        }
+    }
+
+    /// A `ModelError`: the model's call `what` (raised, or returned what
+    /// could not be delivered) `error`.
     pub(crate) fn new(
         py: Python<'_>,
         model_name: &str,
@@ -59,15 +98,22 @@ impl ModelFailure {
                 Err(_) => format!("{named}: {text}"),
             };
             ModelFailure {
+                outcome: Outcome::ModelError,
                 message,
                 cause: None,
             }
         } else {
             ModelFailure {
+                outcome: Outcome::ModelError,
                 message: format!("model '{model_name}' {what} {text}"),
                 cause: Some(error.clone().unbind()),
             }
         }
+    }
+
+    /// What its callers saw.
+    pub(crate) fn outcome(&self) -> Outcome {
+        self.outcome
     }
 
     /// The message every caller of the failed batch gets.
@@ -75,10 +121,10 @@ impl ModelFailure {
         &self.message
     }
 
-    /// A fresh `ModelError` for one caller: one instance raised in many
-    /// tasks or threads would collect all their tracebacks.
+    /// A fresh error for one caller: one instance raised in many tasks or
+    /// threads would collect all their tracebacks.
     pub(crate) fn error(&self, py: Python<'_>) -> PyErr {
-        let err = ferrobatch_error(py, "ModelError", self.message.clone());
+        let err = ferrobatch_error(py, error_class_of(self.outcome), self.message.clone());
         if let Some(cause) = &self.cause {
             err.set_cause(py, Some(PyErr::from_value(cause.bind(py).clone())));
         }
@@ -194,7 +240,8 @@ impl<'py> ResultRows<'py> {
 
 /// The answers of a finished batch's requests, for the ways in that answer
 /// with Python objects (event loops, blocked threads): each request's rows
-/// of the outputs, or the `ModelError` of its batch or of its own rows.
+/// of the outputs, or the error of its batch or of its own rows (see
+/// [`ModelFailure`]).
 pub(crate) struct BatchAnswers<'a, 'py> {
     py: Python<'py>,
     model_name: &'a str,
@@ -211,7 +258,7 @@ impl<'a, 'py> BatchAnswers<'a, 'py> {
     ) -> BatchAnswers<'a, 'py> {
         let rows = match outcome {
             Ok(outputs) => Ok(ResultRows::new(outputs.bind(py))),
-            Err(error) => Err(ModelFailure::new(py, model_name, error.bind(py), "raised")),
+            Err(error) => Err(ModelFailure::raised(py, model_name, error.bind(py))),
         };
         BatchAnswers {
             py,
@@ -222,13 +269,17 @@ impl<'a, 'py> BatchAnswers<'a, 'py> {
     }
 
     /// The answer of the request `route` routes (`batched`: a multi-row
-    /// request): its result, or the `ModelError` it gets (a failure counted
-    /// as `Outcome::ModelError`).
-    pub(crate) fn answer(&mut self, route: &Route, batched: bool) -> PyResult<Bound<'py, PyDict>> {
+    /// request): its result, or the error it gets with the outcome it is
+    /// counted under.
+    pub(crate) fn answer(
+        &mut self,
+        route: &Route,
+        batched: bool,
+    ) -> Result<Bound<'py, PyDict>, (PyErr, Outcome)> {
         let py = self.py;
         let rows = match &mut self.rows {
             Ok(rows) => rows,
-            Err(failure) => return Err(failure.error(py)),
+            Err(failure) => return Err((failure.error(py), failure.outcome())),
         };
         let failed_alone = self.failed.and_then(|f| {
             let i = f
@@ -237,11 +288,13 @@ impl<'a, 'py> BatchAnswers<'a, 'py> {
             Some(&f[i].1)
         });
         if let Some(error) = failed_alone {
-            return Err(ModelFailure::new(py, self.model_name, error.bind(py), "raised").error(py));
+            let failure = ModelFailure::raised(py, self.model_name, error.bind(py));
+            return Err((failure.error(py), failure.outcome()));
         }
         rows.result(route, batched).map_err(|err| {
             let what = "returned outputs its rows could not be taken from:";
-            ModelFailure::new(py, self.model_name, err.value(py), what).error(py)
+            let failure = ModelFailure::new(py, self.model_name, err.value(py), what);
+            (failure.error(py), Outcome::ModelError)
         })
     }
 }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::ops::Range;
 
 use ferrobatch_core::shm::{Delivery, VaryingColumn};
-use ferrobatch_core::{DType, Route, Tally};
+use ferrobatch_core::{DType, Outcome, Route, Tally};
 use pyo3::exceptions::PyValueError;
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -90,24 +90,24 @@ pub(crate) fn deliver(
     failed: Option<&FailedRows>,
 ) {
     let server = &sink.server;
-    let fail = |message: &str| {
+    let fail = |outcome: Outcome, message: &str| {
         without_gil(py, || {
-            server.deliver(client, routes, Delivery::Failed(message))
+            server.deliver(client, routes, Delivery::Failed(outcome, message))
         })
     };
     let outputs = match outcome {
         Ok(outputs) => outputs.bind(py),
         Err(error) => {
-            let failure = ModelFailure::new(py, &sink.model_name, error.bind(py), "raised");
-            return fail(failure.message());
+            let failure = ModelFailure::raised(py, &sink.model_name, error.bind(py));
+            return fail(failure.outcome(), failure.message());
         }
     };
-    let failed: Vec<(u32, String)> = failed
+    let failed: Vec<(u32, Outcome, String)> = failed
         .map(|rows| {
             rows.iter()
                 .map(|(start, error)| {
-                    let failure = ModelFailure::new(py, &sink.model_name, error.bind(py), "raised");
-                    (*start, failure.message().to_owned())
+                    let failure = ModelFailure::raised(py, &sink.model_name, error.bind(py));
+                    (*start, failure.outcome(), failure.message().to_owned())
                 })
                 .collect()
         })
@@ -125,7 +125,7 @@ pub(crate) fn deliver(
         Err(err) => {
             let what = "returned outputs its rows could not be taken from:";
             let failure = ModelFailure::new(py, &sink.model_name, err.value(py), what);
-            return fail(failure.message());
+            return fail(Outcome::ModelError, failure.message());
         }
     };
     let columns: Vec<(usize, usize)> = read.iter().map(|(_, ptr, len)| (*ptr, *len)).collect();
@@ -163,7 +163,7 @@ fn deliver_varying(
     client: u32,
     routes: &[Route],
     outputs: &Bound<'_, PyDict>,
-    failed: &[(u32, String)],
+    failed: &[(u32, Outcome, String)],
 ) {
     let server = &sink.server;
     let mut read = match codec.read_outputs(py, outputs) {
@@ -173,7 +173,11 @@ fn deliver_varying(
             let failure = ModelFailure::new(py, &sink.model_name, err.value(py), what);
             let message = failure.message();
             return without_gil(py, || {
-                server.deliver(client, routes, Delivery::Failed(message))
+                server.deliver(
+                    client,
+                    routes,
+                    Delivery::Failed(Outcome::ModelError, message),
+                )
             });
         }
     };

@@ -177,7 +177,7 @@ impl ThreadWaiters {
     /// Answers this server's thread callers of one finished batch (worker
     /// thread, GIL held): each gets `{name: its row}` (or its rows, for a
     /// multi-row request), or the `ModelError` of its batch or of its own
-    /// row (`failed`). Counted before the caller can see it. The waiters
+    /// row (`failed`; see `BatchAnswers`). Counted before the caller can see it. The waiters
     /// answered are added to `to_wake`: wake them once the GIL is released.
     pub(crate) fn deliver(
         &self,
@@ -195,14 +195,12 @@ impl ThreadWaiters {
         let now = Instant::now();
         let mut answers = BatchAnswers::new(py, &self.model_name, outcome, failed);
         for t in taken {
-            let answer = answers.answer(&t.route, t.held.batched);
-            let counted = if answer.is_ok() {
-                Outcome::Succeeded
-            } else {
-                Outcome::ModelError
+            let (answer, counted) = match answers.answer(&t.route, t.held.batched) {
+                Ok(rows) => (Ok(rows.unbind()), Outcome::Succeeded),
+                Err((error, outcome)) => (Err(error), outcome),
             };
             self.pending.count(counted, t.enqueued_at, now);
-            t.answer.put(answer.map(Bound::unbind));
+            t.answer.put(answer);
             to_wake.push(t.answer);
         }
     }

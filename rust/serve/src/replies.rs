@@ -307,12 +307,13 @@ impl Replies {
         }
     }
 
-    /// Answers the requests of one batch whose model call failed.
-    pub fn fail_batch(&self, routes: &[Route], failure: &Failure) {
+    /// Answers the requests of one batch whose model call failed, counted
+    /// as their callers see it (`Outcome::ModelError`, or the error a
+    /// forwarding model passed on).
+    pub fn fail_batch(&self, routes: &[Route], failure: &Failure, outcome: Outcome) {
         let now = Instant::now();
         for taken in self.pending.take(routes) {
-            self.pending
-                .count(Outcome::ModelError, taken.enqueued_at, now);
+            self.pending.count(outcome, taken.enqueued_at, now);
             let _ = taken.answer.send(Err(failure.clone()));
         }
     }
@@ -378,20 +379,23 @@ impl Replies {
     /// output, whole, in the codec's order). A request whose first row is in
     /// `failed` gets that failure instead (it failed alone). Encoding runs
     /// here, on the calling thread (a worker, without the GIL).
-    pub fn deliver(&self, routes: &[Route], columns: &[Column<'_>], failed: &[(u32, Failure)]) {
+    pub fn deliver(
+        &self,
+        routes: &[Route],
+        columns: &[Column<'_>],
+        failed: &[(u32, Failure, Outcome)],
+    ) {
         let now = Instant::now();
         for taken in self.pending.take(routes) {
             let route = taken.route;
-            let reply = match failed.binary_search_by_key(&route.start, |(start, _)| *start) {
-                Ok(i) => Err(failed[i].1.clone()),
-                Err(_) => self.encode(&route, &taken.held.plan, columns),
+            let (reply, outcome) = match failed.binary_search_by_key(&route.start, |f| f.0) {
+                Ok(i) => (Err(failed[i].1.clone()), failed[i].2),
+                Err(_) => match self.encode(&route, &taken.held.plan, columns) {
+                    Ok(answer) => (Ok(answer), Outcome::Succeeded),
+                    Err(failure) => (Err(failure), Outcome::ModelError),
+                },
             };
             // Counted before the caller can see it: stats() never lags a reply.
-            let outcome = if reply.is_ok() {
-                Outcome::Succeeded
-            } else {
-                Outcome::ModelError
-            };
             self.pending.count(outcome, taken.enqueued_at, now);
             let _ = taken.answer.send(reply);
         }

@@ -120,6 +120,20 @@ pub mod code {
     pub const CANCELLED: u32 = 4;
     pub const MODEL_ERROR: u32 = 5;
     pub const SERVER_CLOSED: u32 = 6;
+
+    /// The code of a request whose caller sees `outcome`.
+    pub fn of(outcome: crate::Outcome) -> u32 {
+        use crate::Outcome;
+        match outcome {
+            Outcome::Succeeded => OK,
+            Outcome::InvalidInput => INVALID_INPUT,
+            Outcome::QueueFull => QUEUE_FULL,
+            Outcome::DeadlineExceeded => DEADLINE_EXCEEDED,
+            Outcome::Cancelled => CANCELLED,
+            Outcome::ModelError => MODEL_ERROR,
+            Outcome::ServerClosed => SERVER_CLOSED,
+        }
+    }
 }
 
 /// The server's state in the header.

@@ -49,19 +49,21 @@ const STUCK: Duration = Duration::from_millis(250);
 pub enum Delivery<'a> {
     /// Each output's bytes for the whole batch (row `r` of output `i` at
     /// `r * out_rows[i]`); `failed` names requests, by their first row,
-    /// that failed alone, with their message.
+    /// that failed alone, with how their callers see it and its message.
     Outputs {
         columns: &'a [&'a [u8]],
-        failed: &'a [(u32, String)],
+        failed: &'a [(u32, Outcome, String)],
     },
-    /// The batch failed as a whole (the model raised): this message.
-    Failed(&'a str),
+    /// The batch failed as a whole (the model raised): how its callers see
+    /// it (`Outcome::ModelError`, or the error a forwarding model passed
+    /// on), and this message.
+    Failed(Outcome, &'a str),
     /// The outputs of a model with BYTES or variable-length tensors: per
     /// output, each batch row's bytes and shape and one pad element;
     /// `failed` as for `Outputs`.
     Varying {
         columns: &'a [VaryingColumn<'a>],
-        failed: &'a [(u32, String)],
+        failed: &'a [(u32, Outcome, String)],
     },
 }
 
@@ -596,43 +598,41 @@ impl SharedServer {
         let now = Instant::now();
         for t in &taken {
             let cell = &t.held.cell;
-            let failed_alone = |failed: &[(u32, String)]| {
+            let failed_alone = |failed: &[(u32, Outcome, String)]| {
                 failed
                     .iter()
-                    .find(|(start, _)| *start == t.route.start)
-                    .map(|(_, message)| message.clone())
+                    .find(|(start, ..)| *start == t.route.start)
+                    .map(|(_, outcome, message)| (*outcome, message.clone()))
             };
-            let outcome = match delivery {
-                Delivery::Failed(message) => Err(message.to_string()),
+            let written = match delivery {
+                Delivery::Failed(outcome, message) => Err((outcome, message.to_string())),
                 Delivery::Outputs { columns, failed } => match failed_alone(failed) {
-                    Some(message) => Err(message),
-                    None => self.write_rows(cell, &t.route, columns),
+                    Some(failure) => Err(failure),
+                    None => self
+                        .write_rows(cell, &t.route, columns)
+                        .map_err(|m| (Outcome::ModelError, m)),
                 },
                 Delivery::Varying { columns, failed } => match failed_alone(failed) {
-                    Some(message) => Err(message),
-                    None => self.write_varying(cell, &t.route, columns),
+                    Some(failure) => Err(failure),
+                    None => self
+                        .write_varying(cell, &t.route, columns)
+                        .map_err(|m| (Outcome::ModelError, m)),
                 },
             };
-            match outcome {
-                Ok(()) => {
-                    if !t.counted {
-                        self.pending.count(Outcome::Succeeded, t.enqueued_at, now);
-                    }
-                    self.write_done(cell.client, cell.cell, cell.tag, code::OK, "");
-                }
-                Err(message) => {
-                    if !t.counted {
-                        self.pending.count(Outcome::ModelError, t.enqueued_at, now);
-                    }
-                    self.write_done(
-                        cell.client,
-                        cell.cell,
-                        cell.tag,
-                        code::MODEL_ERROR,
-                        &message,
-                    );
-                }
+            let (outcome, message) = match written {
+                Ok(()) => (Outcome::Succeeded, String::new()),
+                Err(failure) => failure,
+            };
+            if !t.counted {
+                self.pending.count(outcome, t.enqueued_at, now);
             }
+            self.write_done(
+                cell.client,
+                cell.cell,
+                cell.tag,
+                code::of(outcome),
+                &message,
+            );
         }
         let (word, sleeping) = self.segment.client_doorbell(client);
         super::notify(word, sleeping);
