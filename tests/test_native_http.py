@@ -480,6 +480,29 @@ def test_both_front_ends_answer_the_same(tmp_path: object) -> None:
     assert replies["native"] == replies["python"]
 
 
+def test_two_native_front_ends_of_one_running_server_each_answer_and_count_their_own() -> None:
+    server = fb.Server(double, inputs=[X], outputs=[Y, N], name="m")
+    body = infer_body([[1.0, 2.0, 3.0, 4.0]])
+
+    def infer(listening: Listening) -> int:
+        url = f"http://127.0.0.1:{listening.http_port}/v2/models/m/infer"
+        with ThreadPoolExecutor(4) as pool:
+            responses = list(pool.map(lambda _: httpx.post(url, content=body, timeout=10), range(4)))
+        assert all(r.json()["outputs"][0]["data"] == [2, 4, 6, 8] for r in responses)
+        return sum(r.status_code == 200 for r in responses)
+
+    with server.run_in_background():
+        with serve_in_thread([server], native()) as first:
+            answered = infer(first)
+            with serve_in_thread([server], native()) as second:
+                answered += infer(second) + infer(first)  # the first still answers its own
+            answered += infer(first)
+        with serve_in_thread([server], native()) as third:
+            answered += infer(third)
+        seen = outcomes(server)
+    assert answered == 20 and seen["succeeded"] == 20 and sum(seen.values()) == 20
+
+
 def test_listening_reports_the_bound_port() -> None:
     server = fb.Server(double, inputs=[X], outputs=[Y, N], name="m")
     with serve_in_thread([server], native()) as listening:

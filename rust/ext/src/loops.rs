@@ -48,8 +48,11 @@ pub struct LoopRegistry {
     retired: Tally,
     /// The requests of callers blocked in plain threads.
     pub(crate) threads: ThreadWaiters,
-    /// The native front-end's reply table for this model, once it serves it.
-    native: Mutex<Option<Arc<NativeSink>>>,
+    /// The native front-ends' reply tables for this model, once one serves
+    /// it: one, unless a front-end served it after another whose requests
+    /// are not all answered yet. Each table answers its own requests, so a
+    /// second front-end loses none of the first's.
+    native: Mutex<Arc<[Arc<NativeSink>]>>,
     /// The shared-memory clients of this model, once it is shared.
     shared: Mutex<Option<Arc<SharedSink>>>,
 }
@@ -96,7 +99,7 @@ impl LoopRegistry {
             model_name,
             mailboxes: Mutex::new(Mailboxes::default()),
             retired: Tally::default(),
-            native: Mutex::new(None),
+            native: Mutex::new(Arc::new([])),
             shared: Mutex::new(None),
         }
     }
@@ -130,8 +133,8 @@ impl LoopRegistry {
     /// Fails every pending request of every loop with `ServerClosedError`,
     /// each on its own loop's thread (at once for the calling loop's).
     fn fail_all(&self, py: Python<'_>, message: &str) -> PyResult<()> {
-        if let Some(native) = self.native() {
-            native_sink::fail_all(&native, message);
+        for native in self.native().iter() {
+            native_sink::fail_all(native, message);
         }
         // The workers are done by now: a request still here was never taken.
         self.threads.fail_all(py, message);
@@ -177,8 +180,11 @@ impl LoopRegistry {
             let loop_id = match sink {
                 Sink::EventLoop(loop_id) => loop_id,
                 Sink::Connection(_) => {
-                    if let Some(native) = self.native() {
-                        native_sink::deliver(py, &native, routes, outcome, failed);
+                    let natives = self.native();
+                    for native in natives.iter() {
+                        if natives.len() == 1 || native.replies.holds_any(routes) {
+                            native_sink::deliver(py, native, routes, outcome, failed);
+                        }
                     }
                     continue;
                 }
@@ -235,8 +241,11 @@ impl LoopRegistry {
         for (sink, routes) in groups {
             match sink {
                 Sink::Connection(_) => {
-                    if let Some(native) = self.native() {
-                        listening += native_sink::stream(py, &native, &chosen(routes), outputs);
+                    let natives = self.native();
+                    for native in natives.iter() {
+                        if natives.len() == 1 || native.replies.holds_any(routes) {
+                            listening += native_sink::stream(py, native, &chosen(routes), outputs);
+                        }
                     }
                 }
                 Sink::EventLoop(loop_id) => {
@@ -284,17 +293,22 @@ impl LoopRegistry {
         &self.model_name
     }
 
-    /// Routes this model's `Sink::Connection` rows to `sink` from now on. A
-    /// front-end served before keeps its counts (in `retired`).
+    /// Routes this model's `Sink::Connection` rows to `sink` too, from now
+    /// on. The tables of front-ends that no longer serve the model and hold
+    /// no request go, their counts kept (in `retired`).
     pub(crate) fn attach_native(&self, sink: NativeSink) {
-        let old = self
-            .native
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .replace(Arc::new(sink));
-        if let Some(old) = old {
-            self.retired.absorb(old.replies.tally());
+        let mut natives = self.native.lock().unwrap_or_else(|e| e.into_inner());
+        let mut kept: Vec<Arc<NativeSink>> = Vec::with_capacity(natives.len() + 1);
+        for old in natives.iter() {
+            // Only the sink holds its table once the front-end dropped the model.
+            if Arc::strong_count(&old.replies) == 1 && old.replies.is_idle() {
+                self.retired.absorb(old.replies.tally());
+            } else {
+                kept.push(old.clone());
+            }
         }
+        kept.push(Arc::new(sink));
+        *natives = kept.into();
     }
 
     /// Routes this model's `Sink::SharedMemory` rows to `sink` from now on.
@@ -317,7 +331,7 @@ impl LoopRegistry {
             .clone()
     }
 
-    pub(crate) fn native(&self) -> Option<Arc<NativeSink>> {
+    pub(crate) fn native(&self) -> Arc<[Arc<NativeSink>]> {
         self.native
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -376,8 +390,8 @@ impl LoopRegistry {
         let mut totals = Totals::default();
         self.retired.add_to(&mut totals);
         self.threads.tally().add_to(&mut totals);
-        if let Some(native) = self.native() {
-            native_sink::add_counts(&native, &mut totals);
+        for native in self.native().iter() {
+            native_sink::add_counts(native, &mut totals);
         }
         if let Some(shared) = self.shared() {
             shared.tally().add_to(&mut totals);

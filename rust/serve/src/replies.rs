@@ -265,6 +265,16 @@ impl Replies {
     }
 
     /// What this model's native callers saw.
+    /// Whether a request of `routes` is in this table (a front-end's own).
+    pub fn holds_any(&self, routes: &[Route]) -> bool {
+        !self.pending.peek(routes, |_, _| Some(())).is_empty()
+    }
+
+    /// Whether no request is in this table.
+    pub fn is_idle(&self) -> bool {
+        self.pending.is_empty()
+    }
+
     pub fn tally(&self) -> &Tally {
         self.pending.tally()
     }
