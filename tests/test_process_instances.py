@@ -9,6 +9,7 @@ server."""
 from __future__ import annotations
 
 import asyncio
+import importlib
 import os
 import signal
 import subprocess
@@ -16,6 +17,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -525,3 +527,69 @@ def test_a_request_that_kills_its_process_fails_alone_at_a_bounded_cost() -> Non
     assert [r["y"][0].item() for i, r in enumerate(results) if i != 2] == [0.0, 2.0, 6.0]  # type: ignore[index]
     # The whole batch ran twice; then its halves once each, the bad one's halves too: 4 deaths, not 6.
     assert stats["process_restarts"] == 4, stats["process_restarts"]
+
+
+GRAD_WEIGHT = torch.ones(8, requires_grad=True)
+
+
+def raises_with_a_grad_tensor(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Raises with a tensor that plain pickle takes and the pipe's pickler refuses (non-leaf, needs grad)."""
+    x = inputs["x"]
+    if bool((x < 0).any()):
+        with torch.enable_grad():
+            raise ValueError("negative input", x * GRAD_WEIGHT)
+    return where(inputs)
+
+
+class ExitsWhenPickled(Exception):
+    def __reduce__(self) -> Any:
+        raise SystemExit("pickling this exception exits")
+
+
+def raises_unpicklable(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if bool((inputs["x"] < 0).any()):
+        raise ExitsWhenPickled("negative input")
+    return where(inputs)
+
+
+@pytest.mark.parametrize(
+    ("model", "named"),
+    [(raises_with_a_grad_tensor, "ValueError: ('negative input', tensor("), (raises_unpicklable, "ExitsWhenPickled")],
+    ids=["grad_tensor", "reduce_exits"],
+)
+def test_an_exception_the_pipe_cannot_carry_fails_its_request_not_the_process(model: Any, named: str) -> None:
+    async def run() -> tuple[BaseException, dict[str, Any], dict[str, object]]:
+        server = fb.Server([model], inputs=[X], outputs=[Y, PID], instance_kind="process", name="unsendable")
+        async with server:
+            client = server.client()
+            with pytest.raises(fb.ModelError) as failed:
+                await client.infer({"x": -torch.ones(8)})
+            ok = await client.infer({"x": torch.ones(8)})
+            return failed.value, ok, server.stats()
+
+    error, ok, stats = asyncio.run(run())
+    assert named in str(error) and "died" not in str(error), error
+    assert isinstance(error.__cause__, RuntimeError) and named in str(error.__cause__)
+    assert ok["y"].tolist() == [2.0] * 8 and stats["process_restarts"] == 0
+
+
+def test_a_process_that_cannot_load_its_model_says_how_it_ended(tmp_path: Path) -> None:
+    (tmp_path / "vanishing_model.py").write_text("def double(inputs):\n    return {'y': inputs['x'] * 2}\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        model = importlib.import_module("vanishing_model").double
+    finally:
+        sys.path.remove(str(tmp_path))  # the child, spawned with this path, cannot import it
+
+    async def run() -> str:
+        server = fb.Server(model, inputs=[X], outputs=[Y], instance_kind="process", name="vanishing")
+        with pytest.raises(fb.ModelError) as failed:
+            await server.start()
+        return str(failed.value)
+
+    try:
+        message = asyncio.run(run())
+    finally:
+        sys.modules.pop("vanishing_model", None)
+    assert "exited at start (exit code 1)" in message and "stderr" in message, message
+    assert "in time" not in message

@@ -198,3 +198,28 @@ def test_a_forward_pass_running_at_shutdown_still_answers_its_caller() -> None:
     server.shutdown(timeout=0.3)
     assert time.monotonic() - began < 1.2 and not server.is_alive
     assert running.result(10)["act"].tolist() == [2.0, 2.0]
+
+
+@pytest.mark.parametrize("served", [False, True], ids=["before_the_first_request", "while_serving"])
+def test_weights_that_do_not_fit_the_policy_change_nothing(served: bool) -> None:
+    torch.manual_seed(0)
+    module = TensorDictModule(torch.nn.Linear(2, 2), in_keys=["obs"], out_keys=["action"])
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    transport = ThreadingTransport()
+    with InferenceServer(module, transport) as server:
+        client = transport.client()
+        if served:
+            client(obs())
+        # Copied as far as the first bad entry by a plain load_state_dict: refused whole here.
+        extra = {k: torch.zeros_like(v) for k, v in before.items()} | {"module.ema": torch.zeros(1)}
+        with pytest.raises(ValueError, match=r"unexpected \['module\.ema'\]"):
+            server.update_policy_weights_(policy_or_weights=extra)
+        torn = {"module.weight": torch.full((2, 2), 7.0), "module.bias": torch.zeros(3)}
+        with pytest.raises(ValueError, match=r"'module\.bias': expected shape"):
+            server.update_policy_weights_(policy_or_weights=torn)
+        result = client(obs())
+        assert server.policy_version == 0 == server.stats()["weight_updates"]
+    for key, value in module.state_dict().items():
+        torch.testing.assert_close(value, before[key])
+    with torch.no_grad():
+        torch.testing.assert_close(result["action"], module.module(torch.ones(2)))

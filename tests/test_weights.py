@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import WIDTH, X
+from conftest import WIDTH, X, Y
 
 import ferrobatch as fb
 
@@ -124,6 +124,137 @@ async def test_a_bad_state_dict_changes_nothing() -> None:
         assert server.model_version == 0 and server.stats()["weight_updates"] == 0
     for model in (first, second):
         torch.testing.assert_close(model.a, torch.zeros(WIDTH))
+
+
+@pytest.mark.filterwarnings("ignore:.*quantize_per_tensor:UserWarning")
+async def test_a_quantized_entry_is_refused_before_anything_is_copied() -> None:
+    first, second = TwoReads(), TwoReads()
+    quantized = torch.quantize_per_tensor(torch.ones(WIDTH), 0.1, 0, torch.quint8)
+    async with two_reads_server([first, second]) as server:
+        with pytest.raises(ValueError, match=r"'b': torch\.quint8 cannot be copied into torch\.float32"):
+            await server.update_weights({"a": torch.full((WIDTH,), 7.0), "b": quantized})
+        assert server.model_version == 0
+    for model in (first, second):
+        torch.testing.assert_close(model.a, torch.zeros(WIDTH))
+
+
+async def test_a_callable_that_fails_part_way_is_undone_on_every_model() -> None:
+    first, second = TwoReads(), TwoReads()
+    updated: list[torch.nn.Module] = []
+
+    def fails_on_the_second(model: torch.nn.Module) -> None:
+        updated.append(model)
+        if len(updated) == 2:
+            raise RuntimeError("the trainer failed")
+        model.a.fill_(1.0)  # type: ignore[operator]
+
+    async with two_reads_server([first, second], version_output="v") as server:
+        with pytest.raises(RuntimeError, match="the trainer failed"):
+            await server.update_weights(fails_on_the_second)
+        client = server.client()
+        outs = await asyncio.gather(*(client.infer({"x": torch.zeros(WIDTH)}) for _ in range(64)))
+        assert server.model_version == 0 and server.stats()["weight_updates"] == 0
+    assert {(float(o["a"][0]), int(o["v"])) for o in outs} == {(0.0, 0)}  # one version, one set of weights
+    for model in (first, second):
+        torch.testing.assert_close(model.a, torch.zeros(WIDTH))
+
+
+class Scaled(torch.nn.Module):
+    """Weights and extra state (``get_extra_state``); one that ``refuses``
+    raises in ``set_extra_state``, which load_state_dict calls after copying
+    the module's weights."""
+
+    def __init__(self, scale: float = 1.0) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(WIDTH), requires_grad=False)
+        self.scale = scale
+        self.refuses = False
+
+    def get_extra_state(self) -> dict[str, float]:
+        return {"scale": self.scale}
+
+    def set_extra_state(self, state: dict[str, float]) -> None:
+        if self.refuses:
+            raise ValueError("this instance refuses the new scale")
+        self.scale = state["scale"]
+
+    def forward(self, d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"y": d["x"] * 0 + self.w * self.scale}
+
+
+async def test_a_state_dict_with_extra_state_updates_it_too() -> None:
+    model, trainer = Scaled(), Scaled(scale=2.0)
+    trainer.w.fill_(3.0)
+    async with fb.Server(model, inputs=[X], outputs=[Y]) as server:
+        assert await server.update_weights(trainer.state_dict()) == 1
+        out = await server.client().infer({"x": torch.zeros(WIDTH)})
+    assert model.scale == 2.0
+    torch.testing.assert_close(out["y"], torch.full((WIDTH,), 6.0))
+
+
+async def test_a_state_dict_refused_while_copying_is_undone_on_every_instance() -> None:
+    first, second = Scaled(), Scaled()
+    second.refuses = True  # its weights are copied, then its extra state refused
+    async with fb.Server([first, second], inputs=[X], outputs=[Y], version_output="v", max_delay=0) as server:
+        with pytest.raises(ValueError, match="refuses the new scale"):
+            await server.update_weights({"w": torch.full((WIDTH,), 5.0), "_extra_state": {"scale": 2.0}})
+        client = server.client()
+        outs = await asyncio.gather(*(client.infer({"x": torch.zeros(WIDTH)}) for _ in range(64)))
+        assert server.model_version == 0
+    assert {(float(o["y"][0]), int(o["v"])) for o in outs} == {(0.0, 0)}
+    for model in (first, second):
+        torch.testing.assert_close(model.w, torch.zeros(WIDTH))
+        assert model.scale == 1.0
+
+
+class Held(TwoReads):
+    """Holds each forward pass until ``release`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def forward(self, d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        self.entered.set()
+        self.release.wait(30)
+        return super().forward(d)
+
+
+async def test_an_update_cancelled_while_it_waits_for_a_batch_changes_nothing() -> None:
+    model = Held()
+    async with two_reads_server(model, version_output="v") as server:
+        running = asyncio.ensure_future(server.client().infer({"x": torch.zeros(WIDTH)}))
+        while not model.entered.is_set():
+            await asyncio.sleep(0.01)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(server.update_weights(state(1.0)), 0.1)
+        model.release.set()
+        assert int((await running)["v"]) == 0
+        await asyncio.sleep(0.2)  # the withdrawn update has had the gates by now
+        assert server.model_version == 0 and server.stats()["weight_updates"] == 0
+        torch.testing.assert_close(model.a, torch.zeros(WIDTH))
+        assert await server.update_weights(state(2.0)) == 1  # the next one goes through
+
+
+async def test_an_update_cancelled_once_begun_is_done_when_the_cancellation_arrives() -> None:
+    model = TwoReads()
+    begun = threading.Event()
+
+    def slow(m: torch.nn.Module) -> None:
+        begun.set()
+        time.sleep(0.5)
+        m.a.fill_(1.0)  # type: ignore[operator]
+
+    async with two_reads_server(model) as server:
+        updating = asyncio.ensure_future(server.update_weights(slow))
+        while not begun.is_set():
+            await asyncio.sleep(0.01)
+        updating.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await updating
+        assert server.model_version == 1  # what the caller sees is what happened
+        torch.testing.assert_close(model.a, torch.ones(WIDTH))
 
 
 async def test_a_state_dict_cannot_update_a_plain_callable() -> None:

@@ -85,12 +85,27 @@ def _picklable(exc: BaseException) -> BaseException:
     try:
         pickle.loads(pickle.dumps(exc))
         return exc
-    except Exception:  # noqa: BLE001 - any exception may fail to pickle (or to format)
-        try:
-            text = f"{type(exc).__name__}: {exc}"
-        except Exception:  # noqa: BLE001
-            text = type(exc).__name__
-        return RuntimeError(text)
+    except BaseException:  # noqa: BLE001 - any exception may fail to pickle (even with SystemExit)
+        return RuntimeError(_describe(exc))
+
+
+def _describe(exc: BaseException) -> str:
+    """``exc``'s type and, if it can be formatted, its text."""
+    try:
+        return f"{type(exc).__name__}: {exc}"
+    except BaseException:  # noqa: BLE001 - str() is the exception's own code
+        return type(exc).__name__
+
+
+def _send_answer(conn: multiprocessing.connection.Connection, answer: tuple[Any, ...]) -> None:
+    """Sends ``answer``, pickled as the pipe pickles (torch's reductions: a
+    tensor that plain pickle takes may be refused there); an error that
+    cannot be sent goes as a ``RuntimeError`` naming it, so the child lives."""
+    try:
+        data = ForkingPickler.dumps(answer)
+    except BaseException:  # noqa: BLE001 - pickling runs the exception's own code
+        data = ForkingPickler.dumps(("error", RuntimeError(_describe(answer[1]))))
+    conn.send_bytes(data)
 
 
 def _child(
@@ -133,7 +148,10 @@ def _child(
                 answer: tuple[Any, ...] = ("ok",)
             except BaseException as exc:  # noqa: BLE001 - even SystemExit: the instance survives
                 answer = ("error", _picklable(exc))
-            conn.send(answer)
+            try:
+                _send_answer(conn, answer)
+            except (EOFError, OSError):
+                return  # the server is gone
 
 
 class ProcessExecutor(CpuExecutor):
@@ -246,35 +264,45 @@ class ProcessExecutor(CpuExecutor):
         with self._lock:
             self._starting = process  # stop() kills it, not waiting for its start
         try:
-            ready = self._await_start(parent, process)
+            outcome = self._await_start(parent, process)
         finally:
             with self._lock:
                 self._starting = None
         with self._lock:
-            if ready and not self._stopped:
+            if outcome == "ready" and not self._stopped:
                 self._conn, self._process = parent, process
                 return
+        if outcome == "ended":  # it is exiting: its exit code is its own, not our kill's
+            _wait_gone(process, STOP_TIMEOUT_S)
         _kill(process)
+        parent.close()
         if self._stopped:
             raise ServerClosedError(f"server '{self.server_name}' stopped")
-        if process.exitcode not in (None, -signal.SIGKILL):
+        if outcome == "ended":
             raise ModelError(
                 f"model '{self.server_name}': instance {self.index}'s process exited at start"
-                f" (exit code {process.exitcode}); is the model picklable?"
+                f" (exit code {process.exitcode}); its traceback is on its stderr (the server's):"
+                " can it unpickle the model (is the model's module importable there)?"
             )
-        raise ModelError(f"model '{self.server_name}': instance {self.index}'s process did not start in time")
+        raise ModelError(
+            f"model '{self.server_name}': instance {self.index}'s process did not start in time"
+            f" ({START_TIMEOUT_S:.0f} s)"
+        )
 
-    def _await_start(self, conn: multiprocessing.connection.Connection, process: Any) -> bool:
-        """Whether the child said it is ready (False: it ended first, did not
-        within START_TIMEOUT_S, or the server stopped meanwhile)."""
+    def _await_start(self, conn: multiprocessing.connection.Connection, process: Any) -> str:
+        """How the child's start went: ``"ready"`` (it said so), ``"ended"``
+        (it ended, or closed its pipe, first), ``"late"`` (not ready within
+        START_TIMEOUT_S) or ``"stopped"`` (the server stopped meanwhile)."""
         deadline = time.monotonic() + START_TIMEOUT_S
         if not _answered(conn, process, lambda: self._stopped or time.monotonic() > deadline):
-            return False
+            if self._stopped:
+                return "stopped"
+            return "ended" if not process.is_alive() else "late"
         try:
             conn.recv()
         except (EOFError, OSError):
-            return False
-        return True
+            return "ended"
+        return "ready"
 
     def _try_start(self) -> None:
         """Starts a child; a failure is remembered (``_down``) and the next

@@ -51,7 +51,7 @@ from ._variable import (
     sample_rows,
 )
 from ._variable import allocate_slot as variable_slot
-from ._weights import WeightUpdate, WeightUpdates
+from ._weights import WeightUpdate, WeightUpdates, Withdrawable
 from .client import MAX_STREAM_BACKLOG, Client, flatten_inputs
 from .errors import ModelError, ServerClosedError
 from .specs import TensorSpec, dtype_name, example_specs
@@ -885,8 +885,27 @@ class Server:
         every instance has it: every batch that starts afterwards uses it.
         The wait and the update run on a worker thread, not the event loop.
         Works before ``start()`` and after ``stop()`` too.
+
+        Cancelled (or timed out) while it waits for the batches in progress,
+        it is withdrawn: it changes nothing, ever. Cancelled once it has
+        begun updating, it finishes first (the await returns when it is done
+        and the version is bumped), then the cancellation is raised: when
+        the caller sees it, the weights are as the cancellation says.
         """
-        version: int = await anyio.to_thread.run_sync(self.update_weights_sync, update)
+        withdrawable = Withdrawable()
+        applying = asyncio.get_running_loop().run_in_executor(None, self._update_unless_withdrawn, update, withdrawable)
+        applying.add_done_callback(_retrieve)  # a withdrawn update's outcome is nobody's
+        try:
+            return await asyncio.shield(applying)
+        except asyncio.CancelledError:
+            if not withdrawable.withdraw():
+                await _finish_despite_cancellation(applying)
+            raise
+
+    def _update_unless_withdrawn(self, update: WeightUpdate, withdrawable: Withdrawable) -> int:
+        if self.instance_kind == "process":
+            raise ValueError(f"server '{self.name}': the weights of process instances live in their processes")
+        version, _ = self._weights.apply(update, self._models, self.devices, withdrawable=withdrawable)
         return version
 
     def update_weights_sync(self, update: WeightUpdate) -> int:
@@ -1020,6 +1039,20 @@ async def _joined(threads: Sequence[threading.Thread]) -> None:
 
     threading.Thread(target=join, name="ferrobatch-join", daemon=True).start()
     await done.wait()
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """Marks a future's exception retrieved (asyncio logs those that are not)."""
+    if not future.cancelled():
+        future.exception()
+
+
+async def _finish_despite_cancellation(applying: asyncio.Future[int]) -> None:
+    """Waits until a weight update that has begun is done, whatever cancels
+    the waiting meanwhile (its caller is cancelled already)."""
+    while not applying.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait((applying,))
 
 
 def _refuse_on_event_loop(what: str, instead: str) -> None:

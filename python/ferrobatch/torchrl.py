@@ -77,6 +77,7 @@ from typing import Any
 import torch
 
 from ._requests import RequestInfo, encode_parameters
+from ._weights import WeightUpdate, apply_all_or_nothing, check_update
 from .client import Client
 from .errors import FerrobatchError, ModelError, QueueFullError, ServerClosedError
 from .server import Server
@@ -659,21 +660,27 @@ class InferenceServer:
                 f"{what}: the policy of a service_backend={self.service_backend!r} server lives in {where}"
             )
 
-    def _apply(self, update: Callable[[Any], Any], bump: Callable[[list[Any]], bool] | None = None) -> Any:
-        """Runs ``update(model)`` between batches (the core's barrier), or at
-        once before the core server exists; returns what it returned."""
+    def _apply(
+        self, update: WeightUpdate, bump: Callable[[list[Any]], bool] | None = None, *, undo: bool = True
+    ) -> Any:
+        """Runs ``update(model)``, or copies the state dict ``update`` in,
+        between batches (the core's barrier), or at once before the core
+        server exists; returns what the callable returned. Either way a state
+        dict is checked first and a failed update undone (unless ``undo`` is
+        False: no copy of the model is taken), as the core does."""
         self._not_in_child("a weight update")
         with self._build_lock:
             core = self._core
             if core is None:
                 with self._early_lock:
-                    result = update(self.model)
+                    check_update(update, [self.model])
+                    result = apply_all_or_nothing(update, [self.model], undo=undo)[0]
                     if bump is None or bump([result]):
                         self._version_base += 1
                         self._totals["weight_updates"] += 1
                 return result
         # The policy itself, not the wrapper the core calls, between batches.
-        _, results = core._weights.apply(update, [self.model], core.devices[:1], bump)
+        _, results = core._weights.apply(update, [self.model], core.devices[:1], bump, undo=undo)
         return results[0]
 
     def update_model(self, update_fn: Callable[[Any], Any], *, mark_weight_update: bool = True) -> Any:
@@ -692,13 +699,16 @@ class InferenceServer:
             return
         weights = policy_or_weights
         if weights is None:
-            self._apply(lambda _model: None)
+            self._apply(lambda _model: None, undo=False)  # nothing to undo
             return
         if isinstance(weights, torch.nn.Module):
             weights = weights.state_dict()
         elif hasattr(weights, "flatten_keys") and hasattr(weights, "to_dict"):
             weights = {_name(k): v for k, v in weights.items(include_nested=True, leaves_only=True)}
-        self._apply(lambda model: model.load_state_dict(weights))
+        if isinstance(weights, Mapping) and isinstance(self.model, torch.nn.Module):
+            self._apply(weights)  # checked before anything is copied, as Server.update_weights does
+        else:
+            self._apply(lambda model: model.load_state_dict(weights))
 
     def _init_weight_sync(self) -> None:
         ws = self.weight_sync
@@ -723,7 +733,9 @@ class InferenceServer:
                     self._polling.active = False
 
             try:
-                self._apply(receive, bump=lambda results: bool(results[0]))
+                # Most polls receive nothing: not worth a copy of the model each; a receive
+                # that fails part-way is the scheme's to undo, as under TorchRL's own server.
+                self._apply(receive, bump=lambda results: bool(results[0]), undo=False)
             except Exception:  # noqa: BLE001 - a failed receive: try again at the next poll
                 if self._stopping.is_set():
                     return
