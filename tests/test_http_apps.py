@@ -81,6 +81,20 @@ async def test_a_starlette_app_serves_again_when_its_lifespan_runs_again() -> No
                 assert response.status_code == 200, response.text
 
 
+async def test_a_request_refused_because_the_app_closes_is_counted() -> None:
+    server = make_server()
+    app = starlette_app(server, manage_servers=False)
+    transport = httpx.ASGITransport(app=app)
+    async with server, httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+        async with app.router.lifespan_context(app):
+            assert (await http.post(INFER, content=GOOD)).status_code == 200
+        # The app's lifespan ended (it closes); the server it embeds still runs.
+        response = await http.post(INFER, content=GOOD)
+        stats = server.stats()
+    assert response.status_code == 503 and "shutting down" in response.json()["error"]
+    assert stats["requests_succeeded"] == 1 and stats["requests_failed"]["server_closed"] == 1
+
+
 async def test_an_aiohttp_app_serves_again_when_its_runner_starts_again() -> None:
     from aiohttp import web
 

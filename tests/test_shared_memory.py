@@ -108,6 +108,42 @@ async def test_errors_reach_the_client_as_in_process(shared: tuple[fb.Server, fb
     assert server.stats()["requests_failed"]["model_error"] == 1  # counted where it ran
 
 
+async def test_refusals_a_client_makes_on_its_side_are_counted_by_the_server() -> None:
+    gate = threading.Event()
+
+    def held(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        gate.wait(10)
+        return model(batch)
+
+    server = fb.Server(held, inputs=INPUTS, outputs=OUTPUTS, max_batch_size=4)
+    async with server:
+        share = server.share(unique("refusals"), rows_per_client=2)
+        with fb.connect(share.name) as client:
+            refusals = [
+                ({"x": torch.zeros(WIDTH + 1)}, {}),  # wrong shape
+                ({"x": torch.zeros(WIDTH, dtype=torch.float64)}, {}),  # wrong dtype
+                ({"x": sample(0)}, {"timeout": -1}),
+                ({"x": sample(0)}, {"parameters": {"k": "v" * 400}}),  # more than the entry holds
+            ]
+            for inputs, options in refusals:
+                with pytest.raises(fb.InvalidInputError):
+                    await client.infer(inputs, **options)
+            with pytest.raises(fb.InvalidInputError):  # from a thread
+                await asyncio.to_thread(client.infer_sync, {"x": torch.zeros(WIDTH + 1)})
+            with pytest.raises(fb.InvalidInputError):  # 3 rows, 2 cells
+                await client.infer_batch({"x": torch.zeros(3, WIDTH)})
+            held_calls = [asyncio.ensure_future(client.infer({"x": sample(i)})) for i in range(2)]
+            await asyncio.sleep(0.05)
+            with pytest.raises(fb.QueueFullError):  # both cells in flight
+                await client.infer({"x": sample(2)})
+            gate.set()
+            for i, call in enumerate(held_calls):
+                check(i, await call)
+        stats = server.stats()
+    failed = stats["requests_failed"]
+    assert (failed["invalid_input"], failed["queue_full"], stats["requests_succeeded"]) == (6, 1, 2), stats
+
+
 async def test_deadline_cancellation_and_full_cells() -> None:
     gate = threading.Event()
     seen: list[float] = []

@@ -53,7 +53,7 @@ from ._variable import (
 from ._variable import allocate_slot as variable_slot
 from ._weights import WeightUpdate, WeightUpdates, Withdrawable
 from .client import MAX_STREAM_BACKLOG, Client, flatten_inputs
-from .errors import ModelError, ServerClosedError
+from .errors import FerrobatchError, ModelError, ServerClosedError
 from .specs import TensorSpec, dtype_name, example_specs
 
 if TYPE_CHECKING:
@@ -854,6 +854,12 @@ class Server:
         if self._batcher is None or self._phase != "running":
             raise ServerClosedError(f"server '{self.name}' is not running ({self._phase})")
         return self._batcher, self._loops
+
+    def _refused(self, error: FerrobatchError) -> FerrobatchError:
+        """``error``, counted in ``stats()``: a front-end refused a request
+        of this server before submitting it (it closes)."""
+        self._loops.count_refusal(error)
+        return error
 
     def _not_running(self) -> ServerClosedError:
         return ServerClosedError(f"server '{self.name}' is not running ({self._phase})")

@@ -408,7 +408,8 @@ class ModelRepository:
         """One request in flight (:meth:`close` waits for them), or
         :class:`ServerClosedError` once closing."""
         if self._closing:
-            raise ServerClosedError(f"server is shutting down; model '{model.server.name}' takes no new requests")
+            refusal = ServerClosedError(f"server is shutting down; model '{model.server.name}' takes no new requests")
+            raise model.server._refused(refusal)
         self._in_flight += 1
         try:
             yield

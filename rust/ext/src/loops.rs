@@ -26,7 +26,7 @@ use ferrobatch_core::{Outcome, Route, Sink, Tally, Totals};
 
 use crate::mailbox::{doorbells, ring_fd, LoopMailbox};
 use crate::native_sink::{self, NativeSink};
-use crate::results::{BatchOutcome, FailedRows};
+use crate::results::{outcome_of_error, BatchOutcome, FailedRows};
 use crate::shm_sink::{self, SharedSink};
 use crate::threads::{ThreadWaiters, Waiter};
 
@@ -102,6 +102,12 @@ impl LoopRegistry {
             native: Mutex::new(Arc::new([])),
             shared: Mutex::new(None),
         }
+    }
+
+    /// Counts a request refused before it reached the batcher (a front-end
+    /// that closes, ...) under the outcome its caller sees: `error`'s.
+    fn count_refusal(&self, py: Python<'_>, error: &Bound<'_, PyAny>) {
+        self.retired.count(outcome_of_error(py, error));
     }
 
     /// The mailboxes of the loops not dropped yet.
@@ -321,6 +327,9 @@ impl LoopRegistry {
             .replace(sink);
         if let Some(old) = old {
             self.retired.absorb(old.tally());
+            for (outcome, n) in old.refusals() {
+                self.retired.count_n(outcome, n);
+            }
         }
     }
 
@@ -395,6 +404,9 @@ impl LoopRegistry {
         }
         if let Some(shared) = self.shared() {
             shared.tally().add_to(&mut totals);
+            for (outcome, n) in shared.refusals() {
+                totals.counts[outcome as usize] = totals.counts[outcome as usize].saturating_add(n);
+            }
         }
         for mailbox in self.all(py) {
             mailbox.get().tally().add_to(&mut totals);

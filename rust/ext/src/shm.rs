@@ -36,6 +36,7 @@ use crate::codec::V2Codec;
 use crate::errors::{ferrobatch_error, invalid_input};
 use crate::inputs::Converter;
 use crate::loops::LoopRegistry;
+use crate::results::outcome_of_error;
 use crate::shm_sink::{output_specs, OutputSpec, SharedSink, SpecTuple};
 use crate::without_gil;
 
@@ -605,6 +606,16 @@ impl ClientInner {
         Ok(inbox)
     }
 
+    /// `queued`, a request's queueing; a refusal (made on this side, before
+    /// the server sees the request) is counted for the server's `stats()`.
+    fn counted<T>(&self, py: Python<'_>, queued: PyResult<T>) -> PyResult<T> {
+        if let Err(refusal) = &queued {
+            let outcome = outcome_of_error(py, refusal.value(py));
+            self.core.segment().count_refusal(outcome);
+        }
+        queued
+    }
+
     /// Converts and queues a request, its waiter registered first (the
     /// collector may answer it at once): `(cell, tag)`.
     #[allow(clippy::too_many_arguments)]
@@ -817,13 +828,15 @@ impl SharedClient {
         priority: Option<Bound<'_, PyAny>>,
         parameters: Option<String>,
     ) -> PyResult<u64> {
-        let (timeout, priority) =
-            crate::submit::call_numbers(py, timeout.as_ref(), priority.as_ref())?;
         let inbox = self.inner.inbox_for(py, event_loop)?;
-        let target = Target::Loop { future, inbox };
-        let (cell, tag) = self
-            .inner
-            .submit(py, inputs, timeout, batched, priority, parameters, target)?;
+        let queued = crate::submit::call_numbers(py, timeout.as_ref(), priority.as_ref()).and_then(
+            |(timeout, priority)| {
+                let target = Target::Loop { future, inbox };
+                self.inner
+                    .submit(py, inputs, timeout, batched, priority, parameters, target)
+            },
+        );
+        let (cell, tag) = self.inner.counted(py, queued)?;
         Ok(key(cell, tag))
     }
 
@@ -867,13 +880,16 @@ impl SharedClient {
         priority: Option<Bound<'_, PyAny>>,
         parameters: Option<String>,
     ) -> PyResult<Py<PyAny>> {
-        let (timeout, priority) =
-            crate::submit::call_numbers(py, timeout.as_ref(), priority.as_ref())?;
         let waiter = Arc::new(ThreadWaiter::default());
-        let target = Target::Thread(waiter.clone());
-        let (cell, tag) = self
-            .inner
-            .submit(py, inputs, timeout, batched, priority, parameters, target)?;
+        let queued = crate::submit::call_numbers(py, timeout.as_ref(), priority.as_ref()).and_then(
+            |(timeout, priority)| {
+                let target = Target::Thread(waiter.clone());
+                self.inner
+                    .submit(py, inputs, timeout, batched, priority, parameters, target)
+                    .map(|queued| (queued, timeout))
+            },
+        );
+        let ((cell, tag), timeout) = self.inner.counted(py, queued)?;
         // Checked by `submit` above: an invalid timeout never gets here.
         let deadline = timeout
             .and_then(|t| ferrobatch_core::timeout_from_secs(t).ok().flatten())

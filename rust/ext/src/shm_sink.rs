@@ -78,6 +78,11 @@ impl SharedSink {
     pub(crate) fn tally(&self) -> &Tally {
         self.server.tally()
     }
+
+    /// Requests its clients refused before queueing them, by outcome.
+    pub(crate) fn refusals(&self) -> [(Outcome, u64); 3] {
+        self.server.segment().refusals()
+    }
 }
 
 /// Answers client `client`'s requests (`routes`) of one finished batch.

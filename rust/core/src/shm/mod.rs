@@ -88,7 +88,7 @@ use std::time::Duration;
 /// "FERROSHM", little-endian: the first word of every segment.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"FERROSHM");
 /// Bumped whenever the layout or the protocol changes.
-pub const LAYOUT_VERSION: u32 = 4;
+pub const LAYOUT_VERSION: u32 = 5;
 /// The version of ferrobatch that made a segment, checked by clients too.
 pub const CRATE_VERSION: &str = env!("CARGO_PKG_VERSION");
 

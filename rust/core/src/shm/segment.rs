@@ -14,6 +14,7 @@ use super::{
     MESSAGE_BYTES, PARAMETERS_BYTES,
 };
 use crate::shm::{Peer, Ring};
+use crate::Outcome;
 
 const LINE: usize = 64;
 /// The header's size (one page).
@@ -38,7 +39,18 @@ mod at {
     pub const VERSION: usize = 64;
     pub const SERVER_WORD: usize = 128;
     pub const SERVER_SLEEPING: usize = 192;
+    /// Requests clients refused before queueing them, by outcome: a u64
+    /// each for `REFUSALS`, in that order.
+    pub const REFUSED: usize = 256;
 }
+
+/// The outcomes a client refuses a request with on its own side (its
+/// checks, its full cells, a server that stops), counted in the header.
+const REFUSALS: [Outcome; 3] = [
+    Outcome::InvalidInput,
+    Outcome::QueueFull,
+    Outcome::ServerClosed,
+];
 /// Offsets within a client area.
 mod client_at {
     pub const STATUS: usize = 0;
@@ -598,6 +610,25 @@ impl Segment {
 
     pub fn state(&self) -> u32 {
         self.u32_at(at::STATE).load(Ordering::Acquire)
+    }
+
+    /// Counts a request a client refused before queueing it (its caller
+    /// saw `outcome`), for the server's `stats()`. Other outcomes are the
+    /// server's to count.
+    pub fn count_refusal(&self, outcome: Outcome) {
+        if let Some(i) = REFUSALS.iter().position(|&o| o == outcome) {
+            self.u64_at(at::REFUSED + 8 * i)
+                .fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The requests clients refused before queueing them, by outcome.
+    pub fn refusals(&self) -> [(Outcome, u64); 3] {
+        let mut counts = REFUSALS.map(|outcome| (outcome, 0));
+        for (i, (_, n)) in counts.iter_mut().enumerate() {
+            *n = self.u64_at(at::REFUSED + 8 * i).load(Ordering::Relaxed);
+        }
+        counts
     }
 
     pub fn set_state(&self, state: u32) {
