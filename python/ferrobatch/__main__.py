@@ -16,15 +16,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
+    from .serve import _count, _positive, _positive_seconds, _seconds
+    from .server import MAX_BATCH_SIZE
+
+    # Checked here: a bad number is a usage error naming its flag, not a traceback from deep inside.
     demo = commands.add_parser("demo", help="serve a built-in MLP in process to concurrent callers")
-    demo.add_argument("--callers", type=int, default=256, help="concurrent callers (default 256)")
-    demo.add_argument("--seconds", type=float, default=5.0, help="how long to run (default 5)")
-    demo.add_argument("--max-batch-size", type=int, default=64)
-    demo.add_argument("--max-delay", type=float, default=0.001, help="seconds (default 0.001)")
-    demo.add_argument("--width", type=int, default=256, help="MLP width (default 256)")
+    demo.add_argument("--callers", type=_count, default=256, help="concurrent callers (default 256)")
+    demo.add_argument("--seconds", type=_positive_seconds, default=5.0, help="how long to run (default 5)")
+    demo.add_argument("--max-batch-size", type=_positive("a whole number", MAX_BATCH_SIZE), default=64)
+    demo.add_argument("--max-delay", type=_seconds, default=0.001, help="seconds (default 0.001)")
+    demo.add_argument("--width", type=_count, default=256, help="MLP width (default 256)")
     demo.add_argument(
         "--torch-threads",
-        type=int,
+        type=_count,
         default=1,
         help="torch intra-op threads for the model (default 1: batches this small gain nothing "
         "from more, and extra threads fight the event loop for the cores)",

@@ -48,6 +48,7 @@ import gc
 import importlib
 import importlib.util
 import inspect
+import ipaddress
 import logging
 import math
 import os
@@ -56,6 +57,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -75,9 +77,19 @@ if TYPE_CHECKING:
     from .http._native import NativeListeners
     from .metrics import MetricsListener
 
-__all__ = ["Listening", "ServeConfig", "StartupError", "load_servers", "serve", "serve_in_thread"]
+__all__ = ["Listening", "ServeConfig", "StartupError", "TargetError", "load_servers", "serve", "serve_in_thread"]
 
 log = logging.getLogger("ferrobatch.serve")
+
+
+class TargetError(RuntimeError):
+    """The target's own code failed: importing its module, or calling its
+    factory. The message names the target and the error; ``__cause__`` is
+    the error itself, with its traceback."""
+
+    def __init__(self, target: str, error: Exception) -> None:
+        super().__init__(f"cannot load target {target}: {type(error).__name__}: {error}")
+        self.target = target
 
 
 def load_servers(target: str) -> list[Server]:
@@ -85,7 +97,8 @@ def load_servers(target: str) -> list[Server]:
 
     ``attr`` may be a Server, a list or tuple of them, or a zero-argument
     function returning either (a model, or any other callable object, is not
-    called). Raises ``ValueError`` saying what was wrong.
+    called). Raises ``ValueError`` saying what was wrong with the target
+    itself, and :class:`TargetError` when the module or the factory raises.
     """
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
@@ -94,14 +107,28 @@ def load_servers(target: str) -> list[Server]:
         path = Path(module_name)
         if not path.is_file():
             raise ValueError(f"no such file: {module_name}")
+        # First on sys.path, as `python file.py` does: its sibling modules
+        # import, and so does the module itself in spawned process instances.
+        directory = str(path.resolve().parent)
+        if sys.path[:1] != [directory]:
+            sys.path.insert(0, directory)
         spec = importlib.util.spec_from_file_location(path.stem, path)
         if spec is None or spec.loader is None:
             raise ValueError(f"cannot import {module_name}")
         module = importlib.util.module_from_spec(spec)
         sys.modules[path.stem] = module
-        spec.loader.exec_module(module)
+        with _target_code(target):
+            spec.loader.exec_module(module)
     else:
-        module = importlib.import_module(module_name)
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            missing = exc.name or ""
+            if module_name != missing and not module_name.startswith(missing + "."):
+                raise TargetError(target, exc) from exc  # one that the target imports
+            raise ValueError(f"no module named {missing!r}") from None
+        except Exception as exc:
+            raise TargetError(target, exc) from exc
     obj: Any = module
     for part in attr.split("."):
         try:
@@ -111,7 +138,8 @@ def load_servers(target: str) -> list[Server]:
     # Only a function is a factory: a model (an nn.Module) is callable too,
     # and calling it with no inputs would fail with a confusing error.
     if inspect.isroutine(obj) or isinstance(obj, partial):
-        obj = obj()
+        with _target_code(target):
+            obj = obj()
     servers = [obj] if isinstance(obj, Server) else obj
     if not isinstance(servers, (list, tuple)) or not servers or not all(isinstance(s, Server) for s in servers):
         hint = ""
@@ -125,6 +153,16 @@ def load_servers(target: str) -> list[Server]:
             f" returning either; got {type(obj).__name__}{hint}"
         )
     return list(servers)
+
+
+@contextlib.contextmanager
+def _target_code(target: str) -> Iterator[None]:
+    """Runs the target's own code (its module, its factory): what it raises
+    is a bug or a missing file of the user's, a :class:`TargetError`."""
+    try:
+        yield
+    except Exception as exc:
+        raise TargetError(target, exc) from exc
 
 
 def _is_module(obj: object) -> bool:
@@ -256,6 +294,20 @@ def check_config(config: ServeConfig) -> None:
         raise ValueError("nothing to serve: both the HTTP and the gRPC endpoint are disabled")
     if config.frontend not in ("native", "python"):
         raise ValueError(f"frontend must be 'native' or 'python', got {config.frontend!r}")
+    # A real bool only: "false" (from an environment variable, say) is truthy,
+    # and would send models' error texts to clients.
+    for flag in ("access_log", "expose_errors", "cpu_metrics", "gpu_metrics"):
+        if not isinstance(getattr(config, flag), bool):
+            raise ValueError(f"{flag} must be True or False, got {getattr(config, flag)!r}")
+    if config.log_level not in LOG_LEVELS:
+        raise ValueError(f"log_level must be one of {', '.join(map(repr, LOG_LEVELS))}, got {config.log_level!r}")
+    _check_host(config.host, native=config.frontend == "native")
+    if config.share is not None:
+        _check_share_name("share", config.share)
+    for name in ("http_header_forward_pattern", "grpc_header_forward_pattern"):
+        pattern = getattr(config, name)
+        if pattern is not None and not isinstance(pattern, str):
+            raise ValueError(f"{name} must be a regular expression (a str) or None, got {pattern!r}")
     forwarding = config.http_header_forward_pattern is not None or config.grpc_header_forward_pattern is not None
     if forwarding and config.frontend != "native":
         raise ValueError("header forwarding (http/grpc_header_forward_pattern) needs frontend='native'")
@@ -279,18 +331,72 @@ def check_config(config: ServeConfig) -> None:
         raise ValueError(f"switch_interval must be > 0 and at most 1 second, or None, got {config.switch_interval!r}")
 
 
+#: What ``log_level`` may be: the names both logging and uvicorn know.
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def _check_host(host: object, *, native: bool) -> None:
+    if not isinstance(host, str) or not host:
+        raise ValueError(f"host must be a non-empty str, got {host!r}")
+    if not native or host == "localhost":
+        return
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"host must be an IP address (or 'localhost') with frontend='native', got {host!r}") from None
+
+
+def _check_share_name(what: str, name: object) -> None:
+    """Refuses a name shared memory cannot use (``ValueError`` naming ``what``)."""
+    ok = (
+        isinstance(name, str)
+        and 0 < len(name) <= MAX_SHARE_NAME
+        and not name.startswith(".")
+        and all(c.isascii() and (c.isalnum() or c in "._-") for c in name)
+    )
+    if not ok:
+        raise ValueError(
+            f"{what} must be 1 to {MAX_SHARE_NAME} letters, digits, '.', '_' or '-' (not starting with '.'),"
+            f" got {name!r}"
+        )
+
+
+#: The longest name shared memory takes (its file is /dev/shm/ferrobatch.NAME).
+MAX_SHARE_NAME = 200
+
+
 class _Repository(ModelRepository):
     """A repository whose readiness can be turned off while requests are
-    still served (the drain delay)."""
+    still served (the drain delay), or held off until the native front-end
+    serves the started models (it takes them all at once, after the last
+    warm-up: a model started before then would say ready yet answer 503)."""
 
     unready = False
+    awaiting_native = False
 
     @property
     def ready(self) -> bool:
-        return not self.unready and super().ready
+        return self._held_back_because() is None and super().ready
 
     def model_ready(self, name: str, version: str = "") -> bool:
-        return super().model_ready(name, version) and not self.unready
+        return super().model_ready(name, version) and self._held_back_because() is None
+
+    def repository_index(self, ready_only: bool = False) -> list[dict[str, Any]]:
+        reason = self._held_back_because()
+        index = super().repository_index(ready_only)
+        if reason is None:
+            return index
+        if ready_only:
+            return []  # every entry was a ready one
+        return [{**e, "state": "UNAVAILABLE", "reason": reason} if e["state"] == "READY" else e for e in index]
+
+    def _held_back_because(self) -> str | None:
+        """Why a started model must not say ready now, or None."""
+        if self.unready:
+            return "draining"
+        if self.awaiting_native:
+            return "waiting for the other models to start"
+        return None
 
 
 @dataclass(frozen=True)
@@ -322,6 +428,9 @@ async def serve(
     repository = _Repository(
         servers, expose_errors=config.expose_errors, cpu_metrics=config.cpu_metrics, gpu_metrics=config.gpu_metrics
     )
+    if config.share is not None:  # refused now, not after the warm-ups
+        for server in repository.servers:
+            _check_share_name("share name", _shared_name(repository.servers, server, config.share))
     stop = stop or asyncio.Event()
     delayed = asyncio.Event()  # the drain delay is over (or skipped)
     forced = asyncio.Event()
@@ -338,6 +447,7 @@ async def serve(
             if config.frontend == "native":
                 from .http._native import NativeListeners
 
+                repository.awaiting_native = True  # until attach(), below
                 try:
                     native = NativeListeners(
                         repository,
@@ -424,6 +534,7 @@ async def serve(
                 return
             if native is not None:
                 native.attach()
+                repository.awaiting_native = False
             if config.share is not None:
                 _share(repository.servers, config.share)
             # What start-up left on the heap (torch, the model, the imports:
@@ -507,12 +618,17 @@ def _watch(task: asyncio.Task[None] | None) -> list[Awaitable[Any]]:
 def _share(servers: Sequence[Server], name: str) -> None:
     """Shares every server through shared memory (``--share``)."""
     for server in servers:
-        shared_as = name if len(servers) == 1 else f"{name}.{server.name}"
+        shared_as = _shared_name(servers, server, name)
         try:
             server.share(shared_as)
         except (ValueError, OSError) as exc:
             raise StartupError(f"--share: {exc}") from None
         log.info("model '%s': shared as '%s' (ferrobatch.connect(%r))", server.name, shared_as, shared_as)
+
+
+def _shared_name(servers: Sequence[Server], server: Server, share: str) -> str:
+    """What ``--share`` shares ``server`` as: ``share`` (one model), else ``share.MODEL``."""
+    return share if len(servers) == 1 else f"{share}.{server.name}"
 
 
 async def _start_servers(
@@ -695,20 +811,31 @@ def serve_in_thread(
     try:
         first = ready.get(timeout=start_timeout)
     except queue.Empty:
-        raise RuntimeError(f"serve did not start listening within {start_timeout}s") from None
+        # Stopped and joined before raising: no listener or started model is left behind.
+        _stop_serving(loop_box, thread)
+        raise RuntimeError(f"serve did not become ready within {start_timeout}s") from None
     if isinstance(first, BaseException):
         thread.join()
         raise first
     try:
         yield first
     finally:
-        loop, stop = loop_box[0]
-        loop.call_soon_threadsafe(stop.set)
-        thread.join()
+        _stop_serving(loop_box, thread)
         if not ready.empty():
             leftover = ready.get()
             if isinstance(leftover, BaseException):
                 raise leftover
+
+
+def _stop_serving(loop_box: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]], thread: threading.Thread) -> None:
+    """Sets serve_in_thread's stop event from this thread and joins its thread."""
+    while not loop_box and thread.is_alive():
+        time.sleep(0.01)  # its loop is not running yet
+    if loop_box:
+        loop, stop = loop_box[0]
+        with contextlib.suppress(RuntimeError):  # the loop has closed already
+            loop.call_soon_threadsafe(stop.set)
+    thread.join()
 
 
 def _bracket(host: str) -> str:
@@ -739,7 +866,36 @@ def run(
         factory = uvloop.new_event_loop
     with asyncio.Runner(loop_factory=factory) as runner:
         runner.run(serve(servers, config))
+    _join_leftover_threads()
     return 0
+
+
+def _join_leftover_threads() -> None:
+    """Waits, as the interpreter's exit would, for the threads still running
+    after :func:`serve` (a warm-up that a signal interrupted goes on on its
+    own thread), but with SIGINT/SIGTERM still handled: the next one ends
+    the process at once, with status 0, as a second signal does while serving."""
+    leftover = [t for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon]
+    if not leftover or threading.current_thread() is not threading.main_thread():
+        return
+
+    def exit_now(signum: int, frame: object) -> None:
+        log.warning("%s again: exiting without waiting for them", signal.Signals(signum).name)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # the warm-up's thread cannot be stopped, and a normal exit would join it
+
+    names = ", ".join(t.name for t in leftover)
+    log.info("waiting for the threads still running (%s: a warm-up, say) to end; a second signal exits at once", names)
+    handled = (signal.SIGINT, signal.SIGTERM)
+    before = {sig: signal.signal(sig, exit_now) for sig in handled}
+    try:
+        for thread in leftover:
+            thread.join()
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -892,7 +1048,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-gpu-metrics", action="store_true", help="leave the GPUs' metrics (nv_gpu_*, from NVML) out of /metrics"
     )
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
     parser.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"])
     parser.add_argument(
@@ -903,8 +1059,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _positive(what: str) -> Callable[[str], int]:
-    """An argparse type: a whole number > 0 (``what`` names it in errors)."""
+def _positive(what: str, most: int | None = None) -> Callable[[str], int]:
+    """An argparse type: a whole number > 0, and at most ``most`` when given
+    (``what`` names it in errors)."""
 
     def parse(text: str) -> int:
         try:
@@ -913,6 +1070,8 @@ def _positive(what: str) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
         if value <= 0:
             raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+        if most is not None and value > most:
+            raise argparse.ArgumentTypeError(f"must be at most {most}, got {value}")
         return value
 
     return parse
@@ -932,6 +1091,17 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return value
+
+
 def check_arguments(args: argparse.Namespace) -> str | None:
     """What is wrong with parsed ``serve`` arguments (for ``parser.error``), or None."""
     if args.demo == (args.target is not None):
@@ -941,6 +1111,26 @@ def check_arguments(args: argparse.Namespace) -> str | None:
     if args.no_http and args.no_grpc:
         return "--no-http and --no-grpc leave nothing to serve; drop one of them"
     return None
+
+
+def _print_target_traceback(exc: TargetError) -> None:
+    """The traceback of the target's error from its own first frame on (the
+    loader's frames, ferrobatch's and importlib's, say nothing to its author)."""
+    error = exc.__cause__
+    if error is None:
+        return
+    frames = error.__traceback__
+    while frames is not None and _is_loader_frame(frames.tb_frame.f_code.co_filename):
+        frames = frames.tb_next
+    # With no frame of its own left (a factory called with too few arguments), the message says it all;
+    # a SyntaxError still shows its line.
+    if frames is not None or isinstance(error, SyntaxError):
+        traceback.print_exception(type(error), error, frames, file=sys.stderr)
+
+
+def _is_loader_frame(filename: str) -> bool:
+    importlib_dir = os.path.dirname(importlib.__file__ or "") + os.sep
+    return filename == __file__ or filename.startswith(("<frozen importlib", importlib_dir))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -993,7 +1183,11 @@ def main(args: argparse.Namespace) -> int:
             servers = [make_demo_server()]
         else:
             servers = load_servers(args.target)
-    except (ValueError, ImportError) as exc:
+    except TargetError as exc:
+        _print_target_traceback(exc)
+        print(f"ferrobatch serve: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
         print(f"ferrobatch serve: {exc}", file=sys.stderr)
         return 2
     try:
