@@ -46,20 +46,6 @@ def held_warm_up(warming: threading.Event, release: threading.Event) -> Callable
     return model
 
 
-def slow_to_warm(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Warm-up held until the test creates ``warmed`` in $GATE_DIR (it runs in the serve process)."""
-    gate = Path(os.environ["GATE_DIR"])
-    (gate / "warming").touch()
-    deadline = time.monotonic() + 60
-    while not (gate / "warmed").exists() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return double(inputs)
-
-
-def make_slow_to_warm() -> fb.Server:
-    return fb.Server(slow_to_warm, inputs=[X], outputs=[Y], warmup=True, name="slow")
-
-
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -313,7 +299,8 @@ def test_a_second_signal_during_a_start_up_warm_up_exits_at_once(tmp_path: Path)
     """The first signal stops the start (the warm-up's own thread goes on); the
     second exits at once with status 0, instead of dying by the signal."""
     env = {**os.environ, "GATE_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, "-m", "ferrobatch", "serve", f"{HERE}:make_slow_to_warm"]
+    # test_serve's model, whose warm-up waits for a file in $GATE_DIR.
+    command = [sys.executable, "-m", "ferrobatch", "serve", f"{HERE.with_name('test_serve.py')}:make_slow_to_warm"]
     proc = subprocess.Popen(
         [*command, "--http-port", "0", "--grpc-port", "0"],
         env=env,
