@@ -99,6 +99,29 @@ def test_a_thread_that_ended_is_not_waited_for() -> None:
     assert took < 1.5, f"waited {took:.2f}s for a thread that had ended"
 
 
+def test_below_min_batch_size_a_thread_that_went_quiet_is_not_waited_for_forever() -> None:
+    """A's request goes alone (A is every caller then); A stays alive but
+    calls no more. B's request, below ``min_batch_size``, waits for A for the
+    horizon (about a second), then goes: nothing else can come."""
+    server = fb.Server(double, inputs=[X], outputs=[Y], max_batch_size=2, min_batch_size=2, max_delay=0.001)
+    quiet = threading.Event()
+    with server.run_in_background():
+        client = server.client()
+        first = threading.Thread(target=lambda: (client.infer_sync({"x": torch.ones(4)}), quiet.wait(30)))
+        first.start()
+        try:
+            while server.stats()["requests_succeeded"] < 1:
+                time.sleep(0.01)
+            began = time.monotonic()
+            out = client.infer_sync({"x": torch.full((4,), 3.0)}, timeout=15)
+            waited = time.monotonic() - began
+        finally:
+            quiet.set()
+            first.join()
+    assert torch.equal(out["y"], torch.full((4,), 6.0))
+    assert waited < 5, waited
+
+
 def test_no_event_loop_hop_the_server_loop_may_be_busy() -> None:
     """The thread queues the request itself: a server loop blocked for a
     while does not hold it up (it would, through the loop)."""

@@ -598,7 +598,12 @@ impl Batcher {
                 }
             };
             // Sleep until the decision can change: enough rows, or the deadline.
-            let recheck_at = if self.rule.adaptive {
+            // Blocking callers seen lately may be all in with fewer rows than
+            // the rule waits for (below `min_batch_size`): the first row wakes
+            // the worker then, which decides with them (see `crate::callers`).
+            let recheck_at = if gathered.is_empty() && self.callers.any_seen() {
+                rows + 1
+            } else if self.rule.adaptive {
                 let target = self.last_rows.load(Ordering::Relaxed);
                 self.rule.recheck_at_adaptive(rows, target)
             } else {

@@ -84,6 +84,11 @@ impl BlockingCallers {
         self.active.store(seen.len(), Ordering::Relaxed);
     }
 
+    /// Whether a blocking caller was seen within the horizon.
+    pub fn any_seen(&self) -> bool {
+        self.active.load(Ordering::Relaxed) > 0
+    }
+
     /// The gathering worker holds `requests` of blocking callers.
     pub fn set_gathered(&self, requests: usize) {
         self.gathered.store(requests, Ordering::Relaxed);
@@ -110,11 +115,11 @@ impl BlockingCallers {
     /// that does not block seen lately: no other row can come.
     pub fn all_in(&self, queued: usize, now: Instant) -> bool {
         let active = self.active.load(Ordering::Relaxed);
-        if active == 0 {
-            return false;
-        }
         let in_batcher = queued.saturating_add(self.gathered.load(Ordering::Relaxed));
-        if in_batcher < active {
+        // With no caller seen lately, rows still in the batcher are those of
+        // callers that have waited past the horizon (a batch below
+        // `min_batch_size` waits without a limit): they are blocked all the same.
+        if in_batcher == 0 || in_batcher < active {
             return false;
         }
         let open_at = self.open_at.load(Ordering::Relaxed);
@@ -166,6 +171,23 @@ mod tests {
         let later = now + HORIZON;
         callers.arrive(Some(1), later);
         assert!(callers.all_in(1, later), "caller 2 went quiet");
+    }
+
+    #[test]
+    fn callers_that_waited_past_the_horizon_are_all_in() {
+        let callers = BlockingCallers::new(Duration::from_millis(1));
+        let now = Instant::now();
+        callers.arrive(Some(1), now); // answered, then idle
+        callers.arrive(Some(2), now); // its request waits in the batch
+        callers.set_gathered(1);
+        assert_eq!(callers.all_in_now(0, now), (false, Some(now + HORIZON)));
+        // Both went quiet at once: the one in the batch can only be waiting.
+        assert_eq!(callers.all_in_now(0, now + HORIZON), (true, None));
+        callers.set_gathered(0);
+        assert!(
+            !callers.all_in(0, now + HORIZON),
+            "nobody in the batcher: nothing to release"
+        );
     }
 
     #[test]
