@@ -336,3 +336,17 @@ def test_request_parameters_reach_a_bytes_model_in_process_and_over_http() -> No
         finally:
             client.close()
     assert result.as_numpy("upper").tolist() == [[b"C/z"]]  # binary output: tritonclient asks for it
+
+
+@pytest.mark.parametrize("frontend", ["native", "python"])
+def test_bytes_sent_to_a_number_input_name_both_dtypes_on_every_front_end(frontend: str) -> None:
+    ids = fb.TensorSpec("ids", "int64", (2,))
+    server = fb.Server(
+        lambda b: {"y": b["ids"] * 2}, inputs=[ids], outputs=[fb.TensorSpec("y", "int64", (2,))], name="m"
+    )
+    config = ServeConfig(http_port=0, grpc_port=None, frontend=frontend, log_level="warning")
+    body = {"inputs": [{"name": "ids", "datatype": "BYTES", "shape": [1, 2], "data": ["a", "b"]}]}
+    with serve_in_thread([server], config) as listening:
+        response = httpx.post(f"http://127.0.0.1:{listening.http_port}/v2/models/m/infer", json=body, timeout=10)
+    assert response.status_code == 400
+    assert "input 'ids': expected dtype int64, got bytes" in response.json()["error"], response.text

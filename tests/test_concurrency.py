@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -128,6 +131,9 @@ async def test_the_submitter_looks_a_loop_up_once_until_it_changes_or_the_proces
         futures = [submitter.submit({"x": sample(i)})[0] for i in range(5)]
         assert len(lookups) == 1
         _core.after_fork_in_child()  # as in a forked child: the cache is void
+        with pytest.raises(fb.ServerClosedError, match="forked from"):  # and the batcher's workers absent
+            submitter.submit({"x": sample(5)})
+        submitter.accept(server._batcher)  # as a batcher started after the fork
         futures.append(submitter.submit({"x": sample(5)})[0])
         assert len(lookups) == 2
         outs = await asyncio.wait_for(asyncio.gather(*futures), timeout=10)
@@ -146,3 +152,56 @@ async def test_the_submitter_looks_a_loop_up_once_until_it_changes_or_the_proces
         submitter.accept(None)
         with pytest.raises(fb.ServerClosedError):
             submitter.submit({"x": sample(0)})
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+async def test_a_forked_child_is_refused_at_once_not_left_waiting() -> None:
+    async with make_server() as server:
+        client = server.client()
+        await client.infer({"x": sample(1)})
+        pid = os.fork()
+        if pid == 0:  # the child: none of the server's workers run here
+            code = 3
+            try:
+                client.infer_sync({"x": sample(1)})
+            except fb.ServerClosedError as exc:
+                code = 0 if "forked from" in str(exc) else 2
+            except BaseException:  # noqa: BLE001 - whatever it is, the child must exit here
+                code = 4
+            os._exit(code)
+        deadline = time.monotonic() + 30
+        while (waited := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if waited[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child was left waiting")
+        assert os.waitstatus_to_exitcode(waited[1]) == 0
+        assert (await client.infer({"x": sample(2)}))["y"].tolist() == sample(4).tolist()  # the parent serves on
+
+
+async def test_requests_of_a_loop_that_closed_while_their_batch_ran_are_counted_cancelled() -> None:
+    def slow(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        time.sleep(0.3)
+        return {"y": inputs["x"] * 2}
+
+    async with make_server(slow, max_delay=0.01) as server:
+        client = server.client()
+
+        def close_while_in_flight() -> None:
+            loop = asyncio.new_event_loop()
+
+            async def submit() -> None:
+                calls = [asyncio.ensure_future(client.infer({"x": sample(1)})) for _ in range(3)]
+                await asyncio.sleep(0.05)  # in the model now
+                del calls  # never awaited: the loop closes under them
+
+            loop.run_until_complete(submit())
+            loop.close()  # its tasks are gone: nobody awaits the answers
+
+        await asyncio.to_thread(close_while_in_flight)
+        await asyncio.sleep(0.6)  # the batch ends, posting to the closed loop
+        # Another loop's first request sweeps the closed loop's mailbox.
+        await asyncio.to_thread(lambda: asyncio.run(client.infer({"x": sample(2)})))
+        stats = server.stats()
+    assert stats["requests_succeeded"] == 1 and stats["requests_failed"]["cancelled"] == 3, stats

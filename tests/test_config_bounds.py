@@ -119,6 +119,30 @@ def test_tensor_shapes_are_bounded() -> None:
         )
 
 
+@pytest.mark.parametrize(
+    ("dtype", "pad_value", "words"),
+    [
+        ("uint8", -1, "torch.uint8 holds 0 to 255"),
+        ("int8", 1000, "torch.int8 holds -128 to 127"),
+        ("int64", 0.5, "whole numbers only"),
+        ("int64", float("nan"), "whole numbers only"),
+        ("int64", 2**63, "holds -9223372036854775808 to 9223372036854775807"),
+        ("bool", 2, "0 and 1 only"),
+        ("float16", 1e6, "at most 65504"),
+        ("bytes", 5, "pads with b''"),
+    ],
+)
+def test_a_pad_value_the_dtype_cannot_hold_is_refused(dtype: str, pad_value: float, words: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(words)):
+        fb.TensorSpec("t", dtype, (-1,), ragged="pad", pad_value=pad_value)
+
+
+def test_pad_values_the_dtype_holds_are_taken() -> None:
+    for dtype, pad_value in [("uint8", 255), ("int64", -1), ("bool", True), ("float16", float("-inf"))]:
+        assert fb.TensorSpec("t", dtype, (-1,), ragged="pad", pad_value=pad_value).pad_value == pad_value
+    assert np.isnan(fb.TensorSpec("t", "float32", (-1,), ragged="pad", pad_value=float("nan")).pad_value)
+
+
 def test_staging_larger_than_the_machine_is_refused_before_it_is_allocated() -> None:
     """Each setting is in bounds; together they would need terabytes."""
     wide = fb.TensorSpec("x", "float32", (1 << 30,))

@@ -270,6 +270,22 @@ async def test_a_lazily_negated_scalar_is_read_as_its_value() -> None:
         assert float(out["y"].sum()) == -3.0
 
 
+async def test_a_contiguous_lazily_negated_view_is_read_as_its_values(server: fb.Server) -> None:
+    """A negated view of many elements can be contiguous too (``as_strided``,
+    ``_neg_view``): its raw bytes are not its values either."""
+    z = torch.complex(torch.zeros(WIDTH), torch.arange(1.0, WIDTH + 1)).conj()
+    x = z.imag.as_strided((WIDTH,), (1,))
+    assert x.is_neg() and x.is_contiguous()
+    client = server.client()
+    out = await client.infer({"x": x})
+    torch.testing.assert_close(out["y"], 2 * x.resolve_neg())
+    assert bool((out["y"] < 0).any())
+    rows = torch._neg_view(torch.arange(1.0, 2 * WIDTH + 1).reshape(2, WIDTH))
+    assert rows.is_neg() and rows.is_contiguous()
+    both = await client.infer_batch({"x": rows})
+    torch.testing.assert_close(both["y"], -2 * torch.arange(1.0, 2 * WIDTH + 1).reshape(2, WIDTH))
+
+
 async def test_numbers_past_what_a_timeout_or_priority_can_be_are_invalid_input() -> None:
     async with make_server(priority_levels=2) as server:
         client = server.client()

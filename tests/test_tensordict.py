@@ -63,6 +63,22 @@ async def test_nested_keys_are_named_with_dots_both_ways() -> None:
     assert torch.equal(flat["out.twice"], x * 2)
 
 
+@pytest.mark.parametrize("priority", [None, 1])
+async def test_infer_batch_takes_tensordicts_and_mappings_as_infer_does(priority: int | None) -> None:
+    from types import MappingProxyType
+
+    server = fb.Server(policy(), inputs=[OBS], outputs=[ACT], max_batch_size=8, priority_levels=2)
+    obs = torch.randn(3, WIDTH)
+    async with server:
+        client = server.client()
+        td = TensorDict({"obs": {"pixels": obs}, "reward": torch.zeros(3)}, batch_size=[3])
+        out = await client.infer_batch(td, priority=priority)  # extra keys ignored, as by infer
+        mapped = await client.infer_batch(MappingProxyType({"obs.pixels": obs}), priority=priority)
+    assert isinstance(out, TensorDict) and out.batch_size == torch.Size([3])
+    torch.testing.assert_close(out["action"], policy()(TensorDict({"obs": {"pixels": obs}}, [3]))["action"])
+    torch.testing.assert_close(mapped["action"], out["action"])
+
+
 async def test_a_mapping_with_an_unknown_key_is_refused() -> None:
     server = fb.Server(lambda d: {"y": d["x"]}, inputs=[X], outputs=[fb.TensorSpec("y", "float32", (WIDTH,))])
     async with server:

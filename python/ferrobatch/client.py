@@ -144,10 +144,18 @@ def _is_tensordict(value: object) -> bool:
     return isinstance(value, TensorDictBase)
 
 
-def _to_tensordict(outputs: Outputs) -> Any:
+def _to_tensordict(outputs: Outputs, rows: int | None = None) -> Any:
+    """A request's outputs as a TensorDict: of one sample, or (``rows``) of
+    that many."""
     from tensordict import TensorDict
 
-    return TensorDict({nested_key(k): v for k, v in outputs.items()}, batch_size=[])
+    return TensorDict({nested_key(k): v for k, v in outputs.items()}, batch_size=[] if rows is None else [rows])
+
+
+def _rows_of(inputs: Any) -> int | None:
+    """A batched TensorDict's rows: its first batch dimension (None if it has none)."""
+    batch_size = tuple(inputs.batch_size)
+    return int(batch_size[0]) if batch_size else None
 
 
 # A forked child must not reuse the parent's cached event loops (see _core.Submitter).
@@ -257,7 +265,8 @@ class Client:
     ) -> Any:
         """``infer`` / ``infer_batch`` with a priority or parameters (a JSON
         object's text: the v2 front-ends pass on what a request carried)."""
-        tensordict = not batched and _is_tensordict(inputs)
+        tensordict = _is_tensordict(inputs)
+        rows = _rows_of(inputs) if tensordict and batched else None
         if type(inputs) is not dict and isinstance(inputs, Mapping):
             inputs = flatten_inputs(inputs, self._input_names if tensordict else None)
         future, rid = self._submitter.submit(inputs, timeout, batched, priority, parameters)
@@ -268,7 +277,7 @@ class Client:
             raise
         finally:
             del future, inputs  # as in infer
-        return _to_tensordict(outputs) if tensordict else outputs
+        return _to_tensordict(outputs, rows) if tensordict else outputs
 
     async def _infer_mapping(self, inputs: Inputs, timeout: float | None) -> Any:
         if _is_tensordict(inputs):
@@ -301,7 +310,7 @@ class Client:
         """Like :meth:`infer` for ``n >= 1`` samples at once: every input has a
         leading dimension ``n`` (at most ``max_batch_size``), and so does every
         output. The rows join a batch together and are never split."""
-        if priority is not None or parameters is not None:
+        if priority is not None or parameters is not None or type(inputs) is not dict:
             outputs: Outputs = await self._infer_with(inputs, timeout, True, priority, parameters)
             return outputs
         future, rid = self._submitter.submit(inputs, timeout, True)
@@ -365,7 +374,8 @@ class Client:
         """``stream`` / ``stream_batch`` (``parameters``: a JSON object's
         text: the v2 front-ends pass on what a request carried; ``backlog``:
         the gRPC stream's the request answers on, else its own)."""
-        tensordict = not batched and _is_tensordict(inputs)
+        tensordict = _is_tensordict(inputs)
+        rows = _rows_of(inputs) if tensordict and batched else None
         if type(inputs) is not dict and isinstance(inputs, Mapping):
             inputs = flatten_inputs(inputs, self._input_names if tensordict else None)
         responses = _Responses(StreamBacklog(self._server.max_stream_backlog) if backlog is None else backlog)
@@ -376,7 +386,7 @@ class Client:
             while True:
                 while responses.items:
                     out = responses.popleft()
-                    yield _to_tensordict(out) if tensordict else out
+                    yield _to_tensordict(out, rows) if tensordict else out
                 if future.done():
                     future.result()  # the end of the stream, or the error that ended it
                     return

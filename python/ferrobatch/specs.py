@@ -136,6 +136,30 @@ class TensorSpec:
             raise ValueError(f"TensorSpec {self.name!r}: ragged={self.ragged!r} needs a -1 in its shape")
         if not isinstance(self.pad_value, (int, float)):
             raise ValueError(f"TensorSpec {self.name!r}: pad_value must be a number, got {self.pad_value!r}")
+        self._check_pad_value()
+
+    def _check_pad_value(self) -> None:
+        """Refuses a ``pad_value`` the dtype cannot hold as it is (it would be
+        wrapped, truncated or refused later, differently on each way in)."""
+        value = self.pad_value
+        if self.is_bytes:
+            if value != 0:
+                raise ValueError(f"TensorSpec {self.name!r}: a BYTES tensor pads with b'', pad_value must be 0")
+            return
+        dtype = self.torch_dtype
+        problem = None
+        if dtype == torch.bool:
+            problem = None if value in (0, 1) else "bool holds 0 and 1 only"
+        elif not dtype.is_floating_point:
+            info = torch.iinfo(dtype)
+            if isinstance(value, float) and not value.is_integer():
+                problem = f"{dtype} holds whole numbers only"
+            elif not info.min <= value <= info.max:
+                problem = f"{dtype} holds {info.min} to {info.max}"
+        elif not (isinstance(value, float) and not math.isfinite(value)) and abs(value) > torch.finfo(dtype).max:
+            problem = f"{dtype} holds at most {torch.finfo(dtype).max:g} in magnitude (or inf, or nan)"
+        if problem is not None:
+            raise ValueError(f"TensorSpec {self.name!r}: pad_value {value!r} does not fit: {problem}")
 
     @property
     def is_bytes(self) -> bool:

@@ -262,6 +262,12 @@ impl Converter {
         if value.is_instance(tensor_type)? {
             return self.read_tensor(py, spec, value, batched);
         }
+        if let Ok(decoded) = value.cast::<crate::codec::V2Tensor>() {
+            // A BYTES tensor from the wire has no buffer: named as the wire named it.
+            if decoded.get().serialized(py).is_some() {
+                return Err(spec.dtype_error(py, decoded.get().datatype_name()));
+            }
+        }
         if let Ok(buffer) = PyUntypedBuffer::get(value) {
             return self.read_buffer(py, spec, &buffer, batched);
         }
@@ -300,17 +306,14 @@ impl Converter {
         let (rows, nbytes, extents) =
             spec.rows_and_extents(py, &dims, batched, self.max_rows, self.max_elements)?;
         let itemsize = spec.dtype.itemsize();
-        // Contiguous strided tensors, the common case, take one call here;
+        // Contiguous strided tensors, the common case, take two calls here;
         // the rest are checked for what raw bytes would misread. A lazily
-        // negated view (`z.conj().imag`) is one of them unless it holds one
-        // element: that one counts as contiguous, so it is asked too.
+        // negated view (`z.conj().imag`, `as_strided` of one) may be
+        // contiguous too: its bytes are not its values.
         let contiguous = tensor
             .call_method0(intern!(py, "is_contiguous"))?
             .is_truthy()?;
-        if contiguous
-            && nbytes == itemsize
-            && tensor.call_method0(intern!(py, "is_neg"))?.is_truthy()?
-        {
+        if contiguous && tensor.call_method0(intern!(py, "is_neg"))?.is_truthy()? {
             let resolved = tensor.call_method0(intern!(py, "resolve_neg"))?;
             return self.read_tensor(py, spec, &resolved, batched);
         }

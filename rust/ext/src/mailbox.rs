@@ -400,8 +400,15 @@ impl LoopMailbox {
     /// as cancelled: their tasks are gone). True once no batch holds any of
     /// them, so the mailbox may go.
     pub(crate) fn abandon(&self) -> bool {
+        let now = Instant::now();
         for post in self.inbox.drain() {
-            drop(self.pending.take(&post.routes)); // nobody is left to hand them to
+            // Nobody is left to hand them to: their callers saw a cancellation.
+            for taken in self.pending.take(&post.routes) {
+                if !taken.counted {
+                    self.pending
+                        .count(Outcome::Cancelled, taken.enqueued_at, now);
+                }
+            }
         }
         self.pending.withdraw_where(
             &ItsQueue,

@@ -72,7 +72,9 @@ struct CachedLoop {
 /// batcher in with `accept` while it runs, and out when it stops.
 #[pyclass(frozen, module = "ferrobatch._core")]
 pub struct Submitter {
-    batcher: Mutex<Option<Py<Batcher>>>,
+    /// The batcher, and the fork generation it was accepted in: a forked
+    /// child has none of its workers, so it submits nothing there.
+    batcher: Mutex<Option<(Py<Batcher>, u64)>>,
     /// Every event loop's mailbox (made on its first submit).
     registry: Py<LoopRegistry>,
     /// `not_running() -> ServerClosedError` (or why a running server takes
@@ -114,7 +116,9 @@ impl Submitter {
         visit.call(&self.not_running)?;
         visit.call(&self.get_running_loop)?;
         if let Ok(batcher) = self.batcher.try_lock() {
-            visit.call(&*batcher)?;
+            if let Some((batcher, _)) = &*batcher {
+                visit.call(batcher)?;
+            }
         }
         if let Ok(cached) = self.cached.try_lock() {
             if let Some(c) = &*cached {
@@ -132,7 +136,8 @@ impl Submitter {
 
     /// Starts (a batcher) or stops (None) accepting requests.
     fn accept(&self, batcher: Option<Py<Batcher>>) {
-        *self.batcher.lock().unwrap_or_else(|e| e.into_inner()) = batcher;
+        let generation = FORK_GENERATION.load(Ordering::Relaxed);
+        *self.batcher.lock().unwrap_or_else(|e| e.into_inner()) = batcher.map(|b| (b, generation));
     }
 
     /// Queues a request from the running event loop: `(future, request id)`.
@@ -157,14 +162,8 @@ impl Submitter {
         parameters: Option<Bound<'py, PyAny>>,
         stream: Option<Py<PyAny>>,
     ) -> PyResult<Bound<'py, PyTuple>> {
-        let batcher = self
-            .batcher
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_ref()
-            .map(|b| b.clone_ref(py));
-        let Some(batcher) = batcher else {
-            let refusal = self.not_running.call0(py)?.into_bound(py);
+        let Some(batcher) = self.batcher(py) else {
+            let refusal = self.refusal(py)?;
             // Counted like any refusal (as what it is: not running, or a
             // decoupled model's), where there is a loop to count it in.
             if let Ok(mailbox) = self.mailbox(py) {
@@ -228,14 +227,8 @@ impl Submitter {
         parameters: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyDict>> {
         let waiters = &self.registry.get().threads;
-        let batcher = self
-            .batcher
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_ref()
-            .map(|b| b.clone_ref(py));
-        let Some(batcher) = batcher else {
-            let refusal = self.not_running.call0(py)?.into_bound(py);
+        let Some(batcher) = self.batcher(py) else {
+            let refusal = self.refusal(py)?;
             waiters.tally().count(outcome_of_error(py, &refusal));
             return Err(PyErr::from_value(refusal));
         };
@@ -357,6 +350,38 @@ pub(crate) fn submission(
 }
 
 impl Submitter {
+    /// The batcher requests go to: None while the server does not run, and
+    /// in a process forked from the one it runs in (its workers stayed there).
+    fn batcher(&self, py: Python<'_>) -> Option<Py<Batcher>> {
+        let batcher = self.batcher.lock().unwrap_or_else(|e| e.into_inner());
+        let (batcher, generation) = batcher.as_ref()?;
+        (*generation == FORK_GENERATION.load(Ordering::Relaxed)).then(|| batcher.clone_ref(py))
+    }
+
+    /// Why no request is taken now (see [`Submitter::batcher`]).
+    fn refusal<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let forked = self
+            .batcher
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some();
+        if forked {
+            let model = self.registry.get().model_name();
+            let message = format!(
+                "server '{model}' runs in the process this one was forked from (pid {}); \
+                 a forked process cannot submit to it: start a server here, or connect to a shared one",
+                std::os::unix::process::parent_id()
+            );
+            return Ok(
+                crate::errors::ferrobatch_error(py, "ServerClosedError", message)
+                    .into_value(py)
+                    .into_bound(py)
+                    .into_any(),
+            );
+        }
+        Ok(self.not_running.call0(py)?.into_bound(py))
+    }
+
     /// Why a request cannot be made this way: a decoupled model's (which
     /// streams) without a stream, or another model's with one.
     fn wrong_call(&self, py: Python<'_>, streamed: bool) -> PyErr {
