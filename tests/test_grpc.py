@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -375,3 +377,144 @@ def test_messages_over_the_body_limit_are_resource_exhausted() -> None:
             with pytest.raises(grpc.RpcError) as info:
                 infer(request(8 * 1024), compression=grpc.Compression.Gzip)
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+# -- ModelStreamInfer: how a stream ends ------------------------------------------------------
+
+
+def stream_request(model: str, rid: str) -> pb.ModelInferRequest:
+    message = pb.ModelInferRequest(model_name=model, id=rid)
+    message.inputs.add(name="x", datatype="FP32", shape=[1, WIDTH])
+    message.raw_input_contents.append(np.ones((1, WIDTH), np.float32).tobytes())
+    return message
+
+
+class OpenStream:
+    """A raw ModelStreamInfer call whose requests are sent as put (bytes as
+    they are) and whose side stays open until ``close``; its responses and
+    how it ended are collected by a thread."""
+
+    _CLOSE = b""
+
+    def __init__(self, channel: grpc.Channel, timeout: float = 30) -> None:
+        self._requests: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+        self.responses: queue.SimpleQueue[pb.ModelStreamInferResponse] = queue.SimpleQueue()
+        self.ended: tuple[grpc.StatusCode, str] | None = None
+        self.done = threading.Event()
+        method = channel.stream_stream(
+            "/inference.GRPCInferenceService/ModelStreamInfer",
+            request_serializer=lambda message: message,
+            response_deserializer=pb.ModelStreamInferResponse.FromString,
+        )
+        self._call = method(self._sent(), timeout=timeout)
+        threading.Thread(target=self._collect, daemon=True).start()
+
+    def send(self, message: bytes | pb.ModelInferRequest) -> None:
+        self._requests.put(message if isinstance(message, bytes) else message.SerializeToString())
+
+    def next(self, timeout: float = 10) -> pb.ModelStreamInferResponse:
+        return self.responses.get(timeout=timeout)
+
+    def close(self) -> None:
+        self._requests.put(self._CLOSE)
+
+    def _sent(self) -> Iterator[bytes]:
+        while (message := self._requests.get()) is not self._CLOSE:
+            yield message
+
+    def _collect(self) -> None:
+        try:
+            for response in self._call:
+                self.responses.put(response)
+            self.ended = (grpc.StatusCode.OK, "")
+        except grpc.RpcError as exc:
+            self.ended = (exc.code(), exc.details() or "")
+        finally:
+            self.done.set()
+
+
+def test_open_streams_end_unavailable_at_shutdown_once_their_requests_are_answered() -> None:
+    """An idle stream does not hold the shutdown up (it used to, graceful_timeout
+    + 5 s): it ends UNAVAILABLE at once, as natively; a stream with a request in
+    flight gets its answer first, then the same."""
+    gate = Gate()
+    servers = [
+        fb.Server(double, inputs=[X], outputs=[Y], max_batch_size=MAX_BATCH, name="double"),
+        fb.Server(gate, inputs=[X], outputs=[Y], max_batch_size=1, name="gated"),
+    ]
+    config = ServeConfig(http_port=None, grpc_port=0, frontend="python", log_level="warning", graceful_timeout=3)
+    streams: list[OpenStream] = []
+    try:
+        with contextlib.ExitStack() as stack:
+            listening = stack.enter_context(serve_in_thread(servers, config))
+            channel = grpc.insecure_channel(f"127.0.0.1:{listening.grpc_port}")
+            idle, busy = OpenStream(channel), OpenStream(channel)
+            streams += [idle, busy]
+            idle.send(stream_request("double", "idle"))
+            assert idle.next().infer_response.id == "idle"
+            busy.send(stream_request("gated", "busy"))
+            assert gate.entered.wait(10)
+            # The gate opens once the shutdown has begun (well within graceful_timeout).
+            threading.Timer(0.5, gate.release.set).start()
+            began = time.monotonic()
+            stack.close()  # serve shuts down
+            took = time.monotonic() - began
+        assert took < 2.5, f"the shutdown took {took:.2f} s"
+        assert busy.next().infer_response.id == "busy"
+        for stream in streams:
+            assert stream.done.wait(10)
+            assert stream.ended == (
+                grpc.StatusCode.UNAVAILABLE,
+                "the server is shutting down: this stream takes no more requests",
+            )
+            assert stream.responses.empty()
+        channel.close()
+    finally:
+        gate.release.set()
+        for stream in streams:
+            stream.close()
+
+
+@pytest.mark.parametrize("frontend", ["native", "python"])
+def test_an_undecodable_stream_message_ends_the_stream_invalid_argument(frontend: str) -> None:
+    """Bytes that are not a ModelInferRequest end the stream INVALID_ARGUMENT
+    on both front-ends: the responses already made are sent first, a request
+    still running is cancelled, nothing after them is read."""
+    release = threading.Event()
+
+    def one_then_wait(inputs: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
+        yield {"y": inputs["x"]}
+        release.wait(30)
+        yield {"y": inputs["x"] * 2}
+
+    server = fb.Server(one_then_wait, inputs=[X], outputs=[Y], decoupled=True, name="slow")
+    config = ServeConfig(http_port=None, grpc_port=0, frontend=frontend, log_level="warning")
+    stream: OpenStream | None = None
+    try:
+        with (
+            serve_in_thread([server], config) as listening,
+            grpc.insecure_channel(f"127.0.0.1:{listening.grpc_port}") as channel,
+        ):
+            stream = OpenStream(channel)
+            stream.send(stream_request("slow", "running"))
+            first = stream.next()
+            assert (first.error_message, first.infer_response.id) == ("", "running")
+            stream.send(b"\xff\xff\xff garbage")
+            stream.send(stream_request("slow", "never-read"))
+            assert stream.done.wait(10)
+            assert stream.ended == (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "failed to decode Protobuf message: invalid wire type value: 7",
+            )
+            assert stream.responses.empty()
+            release.set()
+            deadline = time.monotonic() + 10
+            while server.stats()["requests_failed"]["cancelled"] < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            stats = server.stats()
+            assert stats["requests_failed"]["cancelled"] == 1
+            assert stats["requests_succeeded"] == 0
+    finally:
+        release.set()
+        if stream is not None:
+            stream.close()

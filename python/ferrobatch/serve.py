@@ -701,6 +701,12 @@ async def _shutdown(
     if native is not None:
         # Closes the listener; accepted native requests finish meanwhile.
         await _any(native.close(max(0.0, deadline - loop.time())), forced.wait())
+    if rpc is not None:
+        from .grpc import stop_streams
+
+        # As native.close() does: open streams read no more requests and end
+        # once theirs are answered, or an idle one would hold rpc.stop() its whole grace.
+        stop_streams(rpc)
     for server in reversed(started):
         left = 0.0 if forced.is_set() else max(0.0, deadline - loop.time())
         await server.stop(timeout=left)

@@ -5,6 +5,7 @@ grpcio's asyncio server.
     grpc_server = ferrobatch.grpc.grpc_server([server], "127.0.0.1:8001")
     await grpc_server.start()
     ...
+    ferrobatch.grpc.stop_streams(grpc_server)   # open streams end UNAVAILABLE once answered
     await grpc_server.stop(grace=5.0)
 
 RPCs: ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata and
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
     from ..server import Server
     from ._service import InferenceServicer
 
-__all__ = ["InferenceServicer", "grpc_server"]
+__all__ = ["InferenceServicer", "grpc_server", "stop_streams"]
 
 #: Default gRPC message size limit, both ways (bytes).
 MAX_MESSAGE_SIZE = 64 * 1024 * 1024
@@ -70,6 +71,17 @@ def grpc_server(
     if address is not None:
         server.add_insecure_port(address)
     return server
+
+
+def stop_streams(server: grpc.aio.Server) -> None:
+    """Before ``await server.stop(grace)`` of a server :func:`grpc_server`
+    made (on its event loop): each open ModelStreamInfer stream reads no more
+    requests, answers those it read, then ends UNAVAILABLE, as on the native
+    front-end. Without it, a client keeping an idle stream open holds the
+    stop for its whole grace."""
+    from ._service import stop_streams as stop
+
+    stop(server)
 
 
 def __getattr__(name: str) -> object:

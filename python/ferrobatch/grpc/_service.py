@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from collections.abc import AsyncIterator, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -51,6 +53,27 @@ def status_code(exc: BaseException) -> grpc.StatusCode:
 #: (the native front-end's DEADLINE_SLACK).
 _DEADLINE_SLACK_S = 0.02
 
+#: How a ModelStreamInfer stream ends once the server stops (the native front-end's words).
+STREAM_STOPPED = "the server is shutting down: this stream takes no more requests"
+#: What the codec says of bytes that are not a ModelInferRequest, and what a
+#: stream says of them (tonic's words, as the native front-end's stream ends).
+_NOT_A_REQUEST = "the message is not a ModelInferRequest: "
+_UNDECODABLE = "failed to decode Protobuf message: "
+
+
+@dataclass(frozen=True)
+class _StreamEnd:
+    """How a stream's reader ended it: the call's status, given once its
+    responses already made are sent (and, ``after_answers``, once the
+    requests already read are answered too)."""
+
+    code: grpc.StatusCode
+    details: str
+    after_answers: bool
+
+
+_STOPPED = _StreamEnd(grpc.StatusCode.UNAVAILABLE, STREAM_STOPPED, after_answers=True)
+
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     """Implements ServerLive, ServerReady, ModelReady, ServerMetadata,
@@ -81,6 +104,20 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         else:
             self.repository = ModelRepository(servers, expose_errors=bool(expose_errors))
         self.expose_errors = self.repository.expose_errors if expose_errors is None else expose_errors
+        self._stopping = False
+        # The ModelStreamInfer streams' readers, stopped by stop_streams().
+        self._readers: set[asyncio.Task[None]] = set()
+
+    def stop_streams(self) -> None:
+        """The server stops (call it on the server's event loop, before
+        ``grpc.aio.Server.stop``, which waits for every call): each
+        ModelStreamInfer stream reads no more requests, answers those it
+        read, then ends UNAVAILABLE, as on the native front-end; a stream
+        opened later ends so at once. Without it, a client that keeps an
+        idle stream open holds the server's stop for its whole grace."""
+        self._stopping = True
+        for reader in list(self._readers):
+            reader.cancel()
 
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Context) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
@@ -153,14 +190,19 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         model's responses as they come, any other model's one response,
         flagged ``triton_final_response`` as the native front-end flags
         them. A request's failure is an ``error_message`` on the stream,
-        which goes on; a client that goes away cancels what it left."""
-        messages: asyncio.Queue[bytes | None] = asyncio.Queue()
+        which goes on; a client that goes away cancels what it left. A
+        message that is not a ModelInferRequest ends the stream
+        INVALID_ARGUMENT once the responses already made are sent (its
+        requests still running are cancelled); :meth:`stop_streams` ends it
+        UNAVAILABLE once its requests read are answered (both as natively)."""
+        messages: asyncio.Queue[bytes | _StreamEnd | None] = asyncio.Queue()
         # The stream's responses made and not yet sent (its requests' own,
         # then `messages`): a decoupled response past the bound fails its request.
         backlog = StreamBacklog(self.max_stream_backlog)
         as_bytes: bool | None = None  # answered in kind, as ModelInfer
         answering: set[asyncio.Task[None]] = set()
-        open_parts = 1  # the reader, then one per request; each ends with a None
+        # The reader, then one per request; each ends with a None (the reader: or how it ends the stream).
+        open_parts = 1
         # Past this many requests of the stream unanswered, the next is read once one is.
         in_flight = asyncio.Semaphore(STREAM_IN_FLIGHT)
         # Set when the unread responses fall to the backlog's limit: a client
@@ -169,7 +211,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         # The call's deadline bounds each of its requests, as on the native front-end.
         call_timeout = context.time_remaining()
 
-        async def answer(request: bytes) -> None:
+        async def answer(request: _core.GrpcInferRequest) -> None:
             try:
                 async for message in stream_responses(
                     self.repository, request, self.expose_errors, backlog, call_timeout
@@ -182,9 +224,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
         async def read() -> None:
             nonlocal open_parts, as_bytes
+            end: _StreamEnd | None = None
             try:
                 requests = aiter(request_iterator)
                 while True:
+                    if self._stopping:  # opened as the server stops
+                        end = _STOPPED
+                        break
                     while backlog.unread > backlog.limit:
                         drained.clear()
                         await drained.wait()
@@ -194,27 +240,52 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     except StopAsyncIteration:
                         break
                     as_bytes = isinstance(request, bytes)
-                    message = request if isinstance(request, bytes) else request.SerializeToString()
+                    if isinstance(request, bytes):
+                        try:
+                            call = _core.GrpcInferRequest(request)
+                        except _core.CodecError as exc:
+                            # Not a request at all: the client's stream is broken (as natively, tonic's words).
+                            details = _UNDECODABLE + str(exc).removeprefix(_NOT_A_REQUEST)
+                            end = _StreamEnd(grpc.StatusCode.INVALID_ARGUMENT, details, after_answers=False)
+                            break
+                    else:
+                        call = _core.GrpcInferRequest(request.SerializeToString())
                     open_parts += 1
-                    task = asyncio.create_task(answer(message))
+                    task = asyncio.create_task(answer(call))
                     answering.add(task)
                     task.add_done_callback(answering.discard)
+            except asyncio.CancelledError:
+                if not self._stopping:
+                    raise  # the call ended: nothing waits for this reader
+                # stop_streams(): no more requests are read; a client still
+                # sending is told so, not left waiting for answers.
+                end = _STOPPED
             except Exception:  # the client's side broke: answer what came
                 log.debug("ModelStreamInfer: the request stream ended with an error", exc_info=True)
             finally:
-                messages.put_nowait(None)
+                messages.put_nowait(end)
 
         reader = asyncio.create_task(read())
+        self._readers.add(reader)
+        reader.add_done_callback(self._readers.discard)
+        end: _StreamEnd | None = None
         try:
             while open_parts:
                 message = await messages.get()
-                if message is None:
+                if isinstance(message, _StreamEnd):
+                    open_parts -= 1
+                    end = message
+                    if not end.after_answers:
+                        break
+                elif message is None:
                     open_parts -= 1
                 else:
                     backlog.release(len(message))
                     if backlog.unread <= backlog.limit:
                         drained.set()
                     yield message if as_bytes else pb.ModelStreamInferResponse.FromString(message)
+            if end is not None:
+                await context.abort(end.code, end.details)
         finally:  # done, or the client went away: nothing is left running
             reader.cancel()
             # The call's deadline passed: its requests end by their own, the
@@ -239,7 +310,7 @@ async def infer(repository: ModelRepository, call: _core.GrpcInferRequest, call_
 
 async def stream_responses(
     repository: ModelRepository,
-    message: bytes,
+    message: bytes | _core.GrpcInferRequest,
     expose_errors: bool,
     backlog: StreamBacklog,
     call_timeout: float | None = None,
@@ -247,12 +318,13 @@ async def stream_responses(
     """One ModelStreamInfer request's messages: a decoupled model's
     responses, then (when asked) the empty final one; another model's one
     response; or the error that ended it, as Triton words it on a stream.
-    Its decoupled responses count against the stream's ``backlog``; ``call_timeout``:
+    ``message``: the request's bytes, or the request decoded from them. Its
+    decoupled responses count against the stream's ``backlog``; ``call_timeout``:
     the stream call's deadline, in seconds, bounding the request as its own
     ``timeout`` parameter does (the smaller wins)."""
     name, rid, empty_final = "", "", False
     try:
-        call = _core.GrpcInferRequest(message)
+        call = message if isinstance(message, _core.GrpcInferRequest) else _core.GrpcInferRequest(message)
         name, rid, empty_final = call.model_name, call.id, call.empty_final
         model = repository.model(name, call.model_version)
         inputs, outputs, priority, parameters, timeout = call.read(
@@ -303,10 +375,23 @@ class _Handlers:
         self.handlers = dict(handlers)
 
 
+#: The servicer each server answers with (see stop_streams).
+_SERVICERS: weakref.WeakKeyDictionary[grpc.aio.Server, InferenceServicer] = weakref.WeakKeyDictionary()
+
+
+def stop_streams(server: grpc.aio.Server) -> None:
+    """:meth:`InferenceServicer.stop_streams` for the servicer :func:`add_to_server`
+    registered on ``server`` (nothing for another server)."""
+    servicer = _SERVICERS.get(server)
+    if servicer is not None:
+        servicer.stop_streams()
+
+
 def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
     """Registers ``servicer`` as ``inference.GRPCInferenceService`` on
     ``server``: ModelInfer and ModelStreamInfer take and give the messages'
     bytes (read and written in Rust), the other RPCs protobuf messages."""
+    _SERVICERS[server] = servicer
     made = _Handlers()
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, made)  # type: ignore[no-untyped-call]
     handlers = {
