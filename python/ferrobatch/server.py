@@ -386,9 +386,11 @@ class Server:
         # Every event loop that submits: its pending requests, what its
         # callers saw, and the mailbox its batches are delivered to.
         self._loops = _core.LoopRegistry(name)
-        # Event loops stop watching this server's doorbells once it is freed.
-        weakref.finalize(self, self._loops.close)
-        self._batcher: _core.Batcher | None = None
+        # Held apart from the server: its finalizer must not reference it.
+        self._native = _NativeParts()
+        # A server freed while running: its workers drain and end, and event
+        # loops stop watching its doorbells.
+        weakref.finalize(self, _release_native, self._native, self._loops)
         # Client.infer's way in: holds the batcher while the server runs.
         self._submitter = _core.Submitter(self._loops, self._not_running, decoupled=self.decoupled)
         self._slots: list[dict[str, torch.Tensor]] = []
@@ -398,6 +400,19 @@ class Server:
         self._token: anyio.lowlevel.EventLoopToken | None = None
         self._shared: list[Shared] = []
         self._phase = "created"  # created -> starting (warm-up) -> running -> stopping -> stopped
+        # A stop() during start(): start() sees it after each of its awaits and never runs the workers.
+        self._stop_requested = False
+        self._start_ended: anyio.Event | None = None
+        # Serializes the last steps of concurrent stop() calls (they run on worker threads).
+        self._finish_lock = threading.Lock()
+
+    @property
+    def _batcher(self) -> _core.Batcher | None:
+        return self._native.batcher
+
+    @_batcher.setter
+    def _batcher(self, batcher: _core.Batcher | None) -> None:
+        self._native.batcher = batcher
 
     @classmethod
     def from_example(cls, model: Model | Sequence[Model], example_inputs: Mapping[str, Any], **kwargs: Any) -> Server:
@@ -563,15 +578,40 @@ class Server:
         and starts the workers. Returns once the server is :attr:`ready`.
 
         Raises :class:`ModelError` if the model fails during warm-up; the
-        server is then left as it was before ``start()``.
+        server is then left as it was before ``start()``. Raises
+        :class:`ServerClosedError` if ``stop()`` is called meanwhile: the
+        workers never start, and the server is stopped.
         """
         if self._phase != "created":
             raise RuntimeError(f"server '{self.name}' was already started")
         self._check_staging_fits()
         self._phase = "starting"
+        self._stop_requested = False
+        self._start_ended = anyio.Event()
+        try:
+            await self._start_workers()
+        except BaseException:
+            # No batch ran: the invariance samplers' threads have nothing to check.
+            for sampler in self._samplers:
+                sampler.stop()
+            self._samplers = []
+            if self._stop_requested:
+                self._phase = "stopped"
+            raise
+        finally:
+            self._start_ended.set()
+
+    def _raise_if_stop_requested(self) -> None:
+        if self._stop_requested:
+            raise ServerClosedError(f"server '{self.name}' was stopped during start()")
+
+    async def _start_workers(self) -> None:
+        """``start()`` past its checks. Every failure leaves the phase 'created'
+        and frees what it allocated."""
         try:
             # Off the event loop: warm-up may compile and capture for seconds.
             executors, capture_failures = await anyio.to_thread.run_sync(self._prepare_instances)
+            self._raise_if_stop_requested()
         except BaseException:
             self._phase = "created"
             raise
@@ -646,6 +686,8 @@ class Server:
                     await anyio.to_thread.run_sync(
                         executor.launch, self._slots, torch_threads, cores, self.workers_yield
                     )
+            # Nothing awaits from here to 'running': a stop() seen by neither check comes after.
+            self._raise_if_stop_requested()
         except BaseException:
             await anyio.to_thread.run_sync(self._stop_processes, False)
             self._batcher.close()
@@ -694,32 +736,66 @@ class Server:
 
         If ``timeout`` seconds pass first, requests still waiting fail with
         :class:`ServerClosedError` (a model call in progress is left to finish
-        on its thread). Idempotent.
+        on its thread). Idempotent. Called during ``start()``, it waits for
+        the warm-up in progress (up to ``timeout``): ``start()`` then raises
+        :class:`ServerClosedError` and no worker ever runs. A ``stop()`` that
+        is cancelled or fails part way leaves the rest to the next one.
         """
-        if self._phase != "running":
-            return
-        self._phase = "stopping"
-        for shared in self._shared:  # other processes' clients refuse new requests too
-            await anyio.to_thread.run_sync(shared._stop_accepting)
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or math.isnan(timeout)
+        ):
+            raise ValueError(f"timeout must be a number of seconds or None, got {timeout!r}")
+        deadline = math.inf if timeout is None else anyio.current_time() + timeout
+        if self._phase == "starting":
+            self._stop_requested = True
+            assert self._start_ended is not None
+            with anyio.CancelScope(deadline=deadline):
+                await self._start_ended.wait()
+        if self._phase == "running":
+            self._phase = "stopping"
+        if self._phase != "stopping":
+            return  # never started, stopped, or a start() that will stop itself
+        # Every step is idempotent, so a stop() cancelled or failed part way is finished by the next.
+        await anyio.to_thread.run_sync(self._stop_accepting_shared)
         self._submitter.accept(None)
         assert self._batcher is not None
         self._batcher.close()
         for executor in self._executors:
             if isinstance(executor, ProcessExecutor):
                 executor.closing()
-        with anyio.move_on_after(math.inf if timeout is None else timeout):
+        with anyio.CancelScope(deadline=deadline):
             await _joined(self._threads)
         joined = not any(thread.is_alive() for thread in self._threads)
-        message = f"server '{self.name}' stopped before the request could run"
+        # True of a request still queued and of one whose batch (or stream) was still running alike.
+        message = f"server '{self.name}' stopped before the request was answered"
         self._loops.fail_all(message)
+        # One call on a worker thread: a cancellation waits for it, so it is never left half done.
+        await anyio.to_thread.run_sync(self._finish_stop, message, joined)
+
+    def _stop_accepting_shared(self) -> None:
+        """Other processes' clients refuse new requests too."""
         for shared in self._shared:
-            await anyio.to_thread.run_sync(shared._close, message)
-        # Last: the callers of a batch still in an instance process when the
-        # wait ran out have their ServerClosedError, not the process's end.
-        await anyio.to_thread.run_sync(self._stop_processes, joined)
-        for sampler in self._samplers:
-            await anyio.to_thread.run_sync(sampler.stop)
-        self._phase = "stopped"
+            shared._stop_accepting()
+
+    def _finish_stop(self, message: str, joined: bool) -> None:
+        """The last steps of ``stop()`` (a worker thread): each runs even if one before fails."""
+        with self._finish_lock:
+            if self._phase != "stopping":
+                return  # a concurrent stop() finished first
+            try:
+                for shared in self._shared:
+                    shared._close(message)
+            finally:
+                try:
+                    # Last: the callers of a batch still in an instance process when the
+                    # wait ran out have their ServerClosedError, not the process's end.
+                    self._stop_processes(joined)
+                finally:
+                    try:
+                        for sampler in self._samplers:
+                            sampler.stop()
+                    finally:
+                        self._phase = "stopped"
 
     @contextlib.contextmanager
     def run_in_background(self, stop_timeout: float | None = None) -> Iterator[Server]:
@@ -1025,6 +1101,26 @@ class Server:
             f"Server(name={self.name!r}, instances={len(self._models)}, "
             f"max_batch_size={self.max_batch_size}, max_delay={self.max_delay}, {self._phase})"
         )
+
+
+class _NativeParts:
+    """What a server's finalizer closes, held apart from the server: a
+    finalizer that referenced the server would keep it alive for good."""
+
+    __slots__ = ("batcher",)
+
+    def __init__(self) -> None:
+        # Set while started; the worker threads hold it too, so it outlives the server.
+        self.batcher: _core.Batcher | None = None
+
+
+def _release_native(parts: _NativeParts, loops: _core.LoopRegistry) -> None:
+    """A server was freed without ``stop()``: no client is left (each holds
+    the server), so its workers find nothing queued and end, freeing the
+    model and the staging slots they hold."""
+    if parts.batcher is not None:
+        parts.batcher.close()
+    loops.close()
 
 
 async def _joined(threads: Sequence[threading.Thread]) -> None:
