@@ -5,9 +5,11 @@ and its clients' argument checks."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -38,6 +40,7 @@ from ferrobatch.triton.client import (
     DecoupledModelClient,
     ModelClient,
     PyTritonClientClosedError,
+    PyTritonClientInferenceServerError,
     PyTritonClientValueError,
 )
 
@@ -226,3 +229,169 @@ def test_asyncio_model_client_from_existing_client_and_after_close() -> None:
             await client.infer_sample(np.float32([1]))
 
     asyncio.run(main())
+
+
+SAMPLE = [Tensor(name="x", dtype=np.float32, shape=(-1,))], [Tensor(name="y", dtype=np.float32, shape=(-1,))]
+
+
+def wait_until(condition: Any, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_a_decoupled_client_iterator_closed_or_dropped_unread_cancels_its_request_and_frees_the_client() -> None:
+    running: set[float] = set()  # the first input of each request whose generator runs
+
+    @batch
+    def endless(x: np.ndarray) -> Iterator[dict[str, np.ndarray]]:
+        key = float(x.ravel()[0])
+        running.add(key)
+        try:
+            while True:
+                time.sleep(0.005)
+                yield {"y": x}
+        finally:
+            running.discard(key)
+
+    with Triton(config=TritonConfig(http_port=0, grpc_port=0, allow_metrics=False)) as triton:
+        triton.bind("endless", endless, *SAMPLE, config=ModelConfig(max_batch_size=4, decoupled=True))
+        triton.run()
+        with DecoupledModelClient(f"grpc://127.0.0.1:{triton.grpc_port}", "endless", init_timeout_s=10) as client:
+            client.infer_sample(np.float32([1])).close()  # closed before its first next()
+            unread = client.infer_sample(np.float32([2]))
+            del unread  # dropped before its first next()
+            third = client.infer_sample(np.float32([3]))
+            assert next(third)["y"].tolist() == [3]
+            third.close()
+            assert wait_until(lambda: not running), f"requests left running: {running}"
+
+
+def test_a_decoupled_client_opens_a_new_stream_once_the_server_ended_its_own() -> None:
+    grpc_port, http_port = closed_port(), closed_port()
+    release = threading.Event()
+
+    @batch
+    def steps(x: np.ndarray) -> Iterator[dict[str, np.ndarray]]:
+        for i in range(3):
+            if x.ravel()[0] < 0:  # a request left waiting while the server stops
+                release.wait(10)
+            yield {"y": x + i}
+
+    def serve() -> Triton:
+        triton = Triton(
+            config=TritonConfig(
+                grpc_port=grpc_port, http_port=http_port, grpc_address="127.0.0.1", http_address="127.0.0.1",
+                allow_metrics=False, exit_timeout_secs=1,
+            )
+        )  # fmt: skip
+        triton.bind("steps", steps, *SAMPLE, config=ModelConfig(max_batch_size=4, decoupled=True))
+        triton.run()
+        return triton
+
+    def three(client: DecoupledModelClient, value: float) -> list[list[float]]:
+        return [out["y"].tolist() for out in client.infer_sample(np.float32([value]))]
+
+    client = DecoupledModelClient(f"grpc://127.0.0.1:{grpc_port}", "steps", init_timeout_s=10)
+    try:
+        first = serve()
+        try:
+            assert three(client, 1) == [[1], [2], [3]]
+        finally:
+            first.stop()  # ends the idle stream
+        second = serve()
+        stopping = threading.Thread(target=second.stop)
+        try:
+            assert three(client, 1) == [[1], [2], [3]]
+            assert three(client, 4) == [[4], [5], [6]]
+            waiting = client.infer_sample(np.float32([-1]))
+            assert next(waiting)["y"].tolist() == [-1]
+            stopping.start()
+            with pytest.raises(PyTritonClientInferenceServerError, match="inference failed"):
+                next(waiting)  # the call the stream ends under fails, and frees the client
+        finally:
+            release.set()
+            if stopping.ident is None:
+                second.stop()
+            else:
+                stopping.join(10)
+        third = serve()
+        try:
+            assert three(client, 7) == [[7], [8], [9]]
+        finally:
+            third.stop()
+    finally:
+        client.close()
+
+
+class CuttableProxy:
+    """A TCP proxy to ``port`` whose connections ``cut()`` closes: a lost connection, the server still up."""
+
+    def __init__(self, port: int) -> None:
+        self.target = port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self.listener.getsockname()[1]
+        self.open: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                near, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            far = socket.create_connection(("127.0.0.1", self.target))
+            self.open += [near, far]
+            for source, sink in ((near, far), (far, near)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        for end in (source, sink):
+            end.close()
+
+    def cut(self) -> None:
+        for connection in self.open:
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
+        self.open.clear()
+
+    def close(self) -> None:
+        self.listener.close()
+        self.cut()
+
+
+def test_a_decoupled_call_whose_connection_is_lost_fails_and_the_next_opens_a_new_stream() -> None:
+    release = threading.Event()
+
+    @batch
+    def steps(x: np.ndarray) -> Iterator[dict[str, np.ndarray]]:
+        for i in range(3):
+            if x.ravel()[0] < 0 and i == 1:  # a request left waiting while its connection is cut
+                release.wait(10)
+            yield {"y": x + i}
+
+    with Triton(config=TritonConfig(http_port=0, grpc_port=0, allow_metrics=False)) as triton:
+        triton.bind("steps", steps, *SAMPLE, config=ModelConfig(max_batch_size=4, decoupled=True))
+        triton.run()
+        proxy = CuttableProxy(triton.grpc_port)
+        try:
+            with DecoupledModelClient(f"grpc://127.0.0.1:{proxy.port}", "steps", init_timeout_s=10) as client:
+                waiting = client.infer_sample(np.float32([-1]))
+                assert next(waiting)["y"].tolist() == [-1]
+                proxy.cut()
+                with pytest.raises(PyTritonClientInferenceServerError, match="the stream to the server ended"):
+                    next(waiting)
+                release.set()
+                assert [out["y"].tolist() for out in client.infer_sample(np.float32([1]))] == [[1], [2], [3]]
+        finally:
+            release.set()
+            proxy.close()

@@ -461,12 +461,15 @@ class DecoupledModelClient(ModelClient):
     """PyTriton's client of a decoupled model (gRPC only): ``infer_sample``
     and ``infer_batch`` send the request at once and return an iterator of
     its responses, each as it comes, until the server flags the last one.
-    One request at a time per client; leaving the iterator early cancels
-    the request (the server stops the model once nobody listens to its
-    batch). As PyTriton's, it waits for each response as long as the stream
-    lives (``inference_timeout_s`` does not bound a stream: a model may take
-    any time between responses); a lost connection ends it with an error.
-    Unlike PyTriton's, it sends ``parameters`` (headers: refused, as there)."""
+    One request at a time per client: the next may start once the iterator
+    is exhausted, failed, closed (``close()``) or dropped, iterated or not;
+    closing or dropping it early cancels the request (the server stops the
+    model once nobody listens to its batch). As PyTriton's, it waits for
+    each response as long as the stream lives (``inference_timeout_s`` does
+    not bound a stream: a model may take any time between responses); a
+    lost connection ends it with an error, and the next call opens a new
+    stream. Unlike PyTriton's, it sends ``parameters`` (headers: refused,
+    as there)."""
 
     _streams = True
 
@@ -490,6 +493,9 @@ class DecoupledModelClient(ModelClient):
         )  # fmt: skip
         self._busy = threading.Lock()
         self._streaming = False
+        # Set by the stream's callback once gRPC itself ended the stream (a lost
+        # connection, a server going down): tritonclient refuses to send on it.
+        self._stream_ended = False
         # What the stream's callback hands over: a result, an error, or None (the last response).
         self._responses: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._ids = itertools.count()
@@ -506,7 +512,7 @@ class DecoupledModelClient(ModelClient):
         """One sample (inputs without the batch dimension) → an iterator of its responses."""
         config = self.model_config
         arrays = _batched(config, self._requests.named(config, inputs, named_inputs))
-        return (_debatched(config, out) for out in self._stream(arrays, parameters, headers))
+        return self._stream(arrays, parameters, headers, functools.partial(_debatched, config))
 
     def infer_batch(  # type: ignore[override]
         self,
@@ -521,7 +527,7 @@ class DecoupledModelClient(ModelClient):
             raise PyTritonClientModelDoesntSupportBatchingError(
                 f"model {self.model_name!r} does not batch: use infer_sample"
             )
-        return self._stream(self._requests.named(config, inputs, named_inputs), parameters, headers)
+        return self._stream(self._requests.named(config, inputs, named_inputs), parameters, headers, dict)
 
     def close(self) -> None:
         self._stop_stream()
@@ -530,14 +536,30 @@ class DecoupledModelClient(ModelClient):
     def _stop_stream(self) -> None:
         if self._streaming:
             self._generation += 1
-            self._client.stop_stream(cancel_requests=True)
             self._streaming = False
+            # A response iterator still waiting on this stream (another thread's) is told, not left waiting.
+            self._responses.put(PyTritonClientClosedError("the client's stream was stopped"))
             self._responses = queue.SimpleQueue()
+            self._client.stop_stream(cancel_requests=True)
+
+    def _open_stream(self) -> bool:
+        """Starts a stream unless one is open; whether it started one."""
+        if self._streaming:
+            return False
+        self._stream_ended = False
+        callback = functools.partial(self._on_response, self._generation, self._responses)
+        self._client.start_stream(callback=callback, headers=self._requests.headers or None)
+        self._streaming = True
+        return True
 
     def _stream(
-        self, inputs: Mapping[str, np.ndarray], parameters: Parameters | None, headers: Mapping[str, str] | None
-    ) -> Iterator[dict[str, np.ndarray]]:
-        """Sends the request now; the iterator of its responses."""
+        self,
+        inputs: Mapping[str, np.ndarray],
+        parameters: Parameters | None,
+        headers: Mapping[str, str] | None,
+        shaped: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]],
+    ) -> _ResponseIterator:
+        """Sends the request now; the iterator of its responses (each ``shaped``)."""
         if headers:
             raise PyTritonClientValueError("DecoupledModelClient does not support headers")
         checked(parameters)
@@ -547,52 +569,106 @@ class DecoupledModelClient(ModelClient):
         try:
             if not self.model_config.decoupled:
                 raise PyTritonClientInferenceServerError("Model config is coupled. Use ModelClient instead.")
-            tensors = self._requests.tensors(self._lib, inputs)
-            if not self._streaming:
-                callback = functools.partial(self._on_response, self._generation)
-                self._client.start_stream(callback=callback, headers=self._requests.headers or None)
-                self._streaming = True
-            self._client.async_stream_infer(
+            send = functools.partial(
+                self._client.async_stream_infer,
                 self.model_name,
-                tensors,
+                self._requests.tensors(self._lib, inputs),
                 model_version=self.model_version,
                 request_id=str(next(self._ids)),
                 enable_empty_final_response=True,
                 parameters=dict(parameters) if parameters else None,
             )
+            if self._stream_ended:
+                self._stop_stream()
+            if self._open_stream():
+                send()
+            else:
+                try:
+                    send()
+                except _utils().InferenceServerException:
+                    # The stream ended before its callback said so: the request never left. Once more, on a new one.
+                    self._stop_stream()
+                    self._open_stream()
+                    send()
         except _utils().InferenceServerException as exc:
             self._busy.release()
             raise self._requests.failed(exc) from exc
         except BaseException:
             self._busy.release()
             raise
-        return self._responses_until_final()
+        return _ResponseIterator(self, self._responses, shaped)
 
-    def _on_response(self, generation: int, result: Any, error: Any) -> None:
+    def _on_response(self, generation: int, responses: queue.SimpleQueue[Any], result: Any, error: Any) -> None:
+        """tritonclient's callback of the stream ``generation``, whose responses go to ``responses``."""
         if generation != self._generation:
             return  # a cancelled stream's
         if error is not None:
-            self._responses.put(error)
+            # gRPC's own errors carry a status; a response's error (the model's) has none.
+            if error.status() is not None:
+                self._stream_ended = True
+                ended = PyTritonClientInferenceServerError(
+                    f"inference failed: the stream to the server ended ({error.status()}: {error.message()});"
+                    " the next call opens a new stream"
+                )
+                ended.__cause__ = error
+                error = ended
+            responses.put(error)
             return
         flag = result.get_response().parameters.get("triton_final_response")
-        self._responses.put(None if flag is not None and flag.bool_param else result)
+        responses.put(None if flag is not None and flag.bool_param else result)
 
-    def _responses_until_final(self) -> Iterator[dict[str, np.ndarray]]:
-        finished = False
+
+class _ResponseIterator(Iterator[dict[str, np.ndarray]]):
+    """The responses of one request of a :class:`DecoupledModelClient`, as
+    they come (the request is already sent). Its client stays busy until
+    the last response or an error, or until this is closed or dropped
+    before: that cancels the request. A generator would not do: one closed
+    or dropped before its first ``next()`` never runs its ``finally``."""
+
+    def __init__(
+        self,
+        client: DecoupledModelClient,
+        responses: queue.SimpleQueue[Any],
+        shaped: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]],
+    ) -> None:
+        self._client = client
+        self._responses = responses  # its stream's: a later stream has its own
+        self._shaped = shaped
+        self._over = False
+
+    def __iter__(self) -> Self:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        if self._over:
+            raise StopIteration
+        item = self._responses.get()  # a lost connection comes as an error
+        if item is None:
+            self._end(cancel=False)
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self._end(cancel=False)  # the server's last word on this request
+            if isinstance(item, PyTritonClientError):
+                raise item
+            raise self._client._requests.failed(item) from item
+        return self._shaped(self._client._requests.outputs(item))
+
+    def close(self) -> None:
+        """Leaves the request: cancels it unless it is over, and frees the client."""
+        self._end(cancel=True)
+
+    def __del__(self) -> None:
+        self._end(cancel=True)
+
+    def _end(self, cancel: bool) -> None:
+        if self._over:
+            return
+        self._over = True
         try:
-            while True:
-                item = self._responses.get()  # a lost connection comes as an error
-                if item is None:
-                    finished = True
-                    return
-                if isinstance(item, BaseException):
-                    finished = True  # the server's last word on this request
-                    raise self._requests.failed(item) from item
-                yield self._requests.outputs(item)
+            if cancel:  # and drop what it still sends
+                self._client._stop_stream()
         finally:
-            if not finished:  # left early: cancel it, and drop what it still sends
-                self._stop_stream()
-            self._busy.release()
+            self._client._busy.release()
 
 
 class FuturesModelClient:
