@@ -208,3 +208,31 @@ async def test_shared_memory_clients_get_the_class_of_a_passed_on_error() -> Non
             )
         stats = server.stats()
     check(results, stats)
+
+
+async def test_a_decoupled_model_fails_some_streams_and_ends_the_others() -> None:
+    def steps(batch: dict[str, torch.Tensor], requests: list[fb.RequestInfo]) -> Any:
+        for i in range(2):
+            yield {"y": batch["x"] + i}
+        raise RequestsFailed(None, {1: fb.QueueFullError("downstream queue full")})
+
+    server = fb.Server(
+        steps, inputs=[X], outputs=[Y], name="m", decoupled=True, with_requests=True, max_batch_size=2, min_batch_size=2
+    )
+
+    async def read(client: fb.Client, value: float) -> tuple[list[float], BaseException | None]:
+        seen: list[float] = []
+        try:
+            async for out in client.stream({"x": torch.full((4,), value)}):
+                seen.append(float(out["y"][0]))
+        except fb.FerrobatchError as exc:
+            return seen, exc
+        return seen, None
+
+    async with server:
+        client = server.client()
+        (first, first_error), (second, second_error) = await asyncio.gather(read(client, 0.0), read(client, 10.0))
+        stats = server.stats()
+    assert (first, first_error) == ([0.0, 1.0], None)
+    assert second == [10.0, 11.0] and isinstance(second_error, fb.QueueFullError)
+    assert stats["requests_succeeded"] == 1 and stats["requests_failed"]["queue_full"] == 1

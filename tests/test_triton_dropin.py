@@ -395,3 +395,57 @@ def test_a_decoupled_call_whose_connection_is_lost_fails_and_the_next_opens_a_ne
         finally:
             release.set()
             proxy.close()
+
+
+def test_a_decoupled_batch_group_that_raises_fails_only_its_own_requests() -> None:
+    """Requests of two shapes share a batch: the callable runs once per shape (as behind
+    Triton's batcher); the group that raises fails alone, the other streams to its end."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    tokens = Tensor(name="a", dtype=np.float32, shape=(-1,))
+    calls: list[tuple[int, ...]] = []
+
+    @batch
+    def steps(a: np.ndarray) -> Iterator[dict[str, np.ndarray]]:
+        calls.append(a.shape)
+        for i in range(3):
+            if a.shape[1] == 2 and i == 1:
+                raise RuntimeError("the group of length 2 fails at step 1")
+            yield {"y": a + i}
+
+    config = ModelConfig(max_batch_size=8, decoupled=True, batcher=DynamicBatcher(max_queue_delay_microseconds=300_000))
+    with Triton(config=TritonConfig(http_port=0, grpc_port=0, allow_metrics=False)) as triton:
+        triton.bind("steps", steps, [tokens], [Tensor(name="y", dtype=np.float32, shape=(-1,))], config=config)
+        triton.run()
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{triton.grpc_port}")
+        messages: queue.SimpleQueue[tuple[Any, Any]] = queue.SimpleQueue()
+        client.start_stream(callback=lambda result, error: messages.put((result, error)))
+        for request_id, n in (("short", 2), ("long", 3)):
+            given = grpcclient.InferInput("a", [1, n], "FP32")
+            given.set_data_from_numpy(np.ones((1, n), np.float32))
+            client.async_stream_infer("steps", [given], request_id=request_id, enable_empty_final_response=True)
+        got: list[tuple[Any, Any]] = []
+        while (
+            sum(1 for _, error in got if error is not None)
+            + sum(
+                1
+                for result, _ in got
+                if result is not None and result.get_response().parameters["triton_final_response"].bool_param
+            )
+            < 2
+        ):
+            got.append(messages.get(timeout=20))
+        client.stop_stream()
+        stats = triton.servers[0].stats()
+    assert sorted(calls) == [(1, 2), (1, 3)]
+    long = [
+        r.as_numpy("y").tolist()
+        for r, e in got
+        if e is None and r.get_response().id == "long" and r.as_numpy("y") is not None
+    ]
+    assert long == [[[1.0, 1.0, 1.0]], [[2.0, 2.0, 2.0]], [[3.0, 3.0, 3.0]]]
+    errors = [str(e) for _, e in got if e is not None]
+    assert len(errors) == 1 and "fails at step 1" in errors[0]
+    assert stats["requests_succeeded"] == 1 and stats["requests_failed"]["model_error"] == 1

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from . import _core
-from ._executor import PartlyAnswered, RequestsFailed, WorkerCounters
+from ._executor import PartlyAnswered, RequestsFailed, Retried, WorkerCounters
 from ._requests import RequestInfo
 from ._torch import CpuExecutor, _storage_ptr, check_warmup_names, model_mode, normalize_outputs
 from .errors import InvalidInputError, ModelError
@@ -876,8 +876,10 @@ class VariableExecutor(CpuExecutor):
     ) -> None:  # fmt: skip
         """One batch of a decoupled model: each item it yields goes to the
         batch's callers at once (``worker.stream``), then ``finish`` with no
-        outputs ends their streams, or fails them if the model raised."""
+        outputs ends their streams, or fails them if the model raised (only those it
+        names, with their own errors, if it raised :class:`RequestsFailed`)."""
         error: BaseException | None = None
+        failed: list[tuple[int, BaseException]] = []
         try:
             inputs = batch_inputs(self.inputs, slot, batch)
             # An event loop reads its callers' rows later: they get a copy of
@@ -888,7 +890,11 @@ class VariableExecutor(CpuExecutor):
                 return worker.stream(batch, _snapshot(outputs) if copied else outputs, only)
 
             self.stream(inputs, batch.rows, self.requests_of(0, batch.rows), emit)
+        except RequestsFailed as some:  # the others' streams end as they would have
+            answered = some.answered({}, 0, self.requests_of(0, batch.rows))
+            error, failed = answered.error, answered.failed
         except BaseException as exc:  # noqa: BLE001 - even SystemExit: the worker survives
             error = exc
         batch.release_slot()  # the model is done with its inputs
-        self.complete(worker, batch, counters, started, None if error is not None else {}, error)
+        retried = Retried({}, None, failed, 0, 0) if failed and error is None else None
+        self.complete(worker, batch, counters, started, None if error is not None else {}, error, retried)

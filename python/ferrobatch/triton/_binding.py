@@ -16,6 +16,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from .._executor import RequestsFailed
 from .._requests import RequestInfo
 from ..specs import TensorSpec
 from .constants import TRITON_CONTEXT_ATTRIBUTE
@@ -370,17 +371,27 @@ class BoundModel:
         one call per group of one shape, in turn (as Triton's batcher would
         make them separate batches). Each response goes to its group's
         requests only (:class:`ToSome`); a group none of whose callers
-        listens any more (what the executor sends back) is closed."""
+        listens any more (what the executor sends back) is closed. A group
+        whose call raises fails its own requests, as its own batch would,
+        once every group has run; the other groups stream on."""
         starts = list(itertools.accumulate(rows, initial=0))[:-1]
+        errors: dict[int, BaseException] = {}
         for group in groups:
-            produced = self._call([split[i] for i in group])
-            for responses in self._stream(produced, [rows[i] for i in group], joined=False):
-                full = [self._nothing(n) for n in rows]
-                for i, response in zip(group, responses):
-                    full[i] = response
-                listening = yield ToSome(self._collected(full, rows), [starts[i] for i in group])
-                if listening == 0:
-                    break  # closes this group's generator (the finally of _stream)
+            try:
+                produced = self._call([split[i] for i in group])
+                for responses in self._stream(produced, [rows[i] for i in group], joined=False):
+                    full = [self._nothing(n) for n in rows]
+                    for i, response in zip(group, responses):
+                        full[i] = response
+                    listening = yield ToSome(self._collected(full, rows), [starts[i] for i in group])
+                    if listening == 0:
+                        break  # closes this group's generator (the finally of _stream)
+            except UnrecoverableError:
+                raise  # it stops the server, whatever group raised it
+            except Exception as exc:  # noqa: BLE001 - this group's failure, not the others'
+                errors.update((i, exc) for i in group)
+        if errors:
+            raise RequestsFailed(None, errors)
 
     def _nothing(self, rows: int) -> dict[str, np.ndarray]:
         """A response that fills the rows of a request of another group:

@@ -73,7 +73,25 @@ pub(crate) fn deliver(
     let replies = &sink.replies;
     let outputs = match outcome {
         Ok(_) if replies.codec().decoupled() => {
-            without_gil(py, || replies.end_streams(routes));
+            // Streams the model failed alone end with their error, the others as usual.
+            let mut ended: Vec<Route> = Vec::with_capacity(routes.len());
+            for route in routes {
+                let own = failed.and_then(|f| {
+                    let i = f
+                        .binary_search_by_key(&route.start, |(start, _)| *start)
+                        .ok()?;
+                    Some(&f[i].1)
+                });
+                match own {
+                    Some(error) => {
+                        let (failure, outcome) = sink.failure(py, error.bind(py));
+                        let one = std::slice::from_ref(route);
+                        without_gil(py, || replies.fail_batch(one, &failure, outcome));
+                    }
+                    None => ended.push(*route),
+                }
+            }
+            without_gil(py, || replies.end_streams(&ended));
             return;
         }
         Ok(outputs) => outputs.bind(py),
