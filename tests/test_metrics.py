@@ -127,7 +127,7 @@ async def test_collector_reads_stats_at_scrape_time() -> None:
     assert value(after, "nv_inference_count", model="m") == stats["rows"] == 4
     assert value(after, "nv_inference_exec_count", model="m") == stats["batches"]
     assert value(after, "nv_inference_request_duration_us", model="m") == stats["request_ns"] // 1000
-    assert value(after, "nv_inference_queue_duration_us", model="m") == stats["queue_ns"] // 1000
+    assert value(after, "nv_inference_queue_duration_us", model="m") == stats["succeeded_queue_ns"] // 1000
     assert value(after, "nv_inference_compute_infer_duration_us", model="m") == stats["request_compute_ns"] // 1000
     assert value(after, "ferrobatch_retry_calls", model="m") == stats["retry_calls"] == 0
     assert value(after, "ferrobatch_isolated_failures", model="m") == stats["isolated_failures"] == 0
@@ -229,6 +229,36 @@ async def test_metrics_count_isolated_failures() -> None:
     assert value(samples, "ferrobatch_retry_calls", model="p") == 4  # halves of 2, then of 1
     assert value(samples, "ferrobatch_isolated_failures", model="p") == 1
     assert value(samples, "nv_inference_request_success", model="p") == 3
+
+
+async def test_queue_and_compute_durations_are_the_successes_as_triton_counts_them() -> None:
+    def slow(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        time.sleep(0.05)
+        if bool((d["x"][:, 0] < 0).any()):
+            raise ValueError("negative")
+        return {"y": d["x"] * 2}
+
+    failing = fb.Server(slow, inputs=[X], outputs=[Y], max_batch_size=2, max_delay=0.05, name="f")
+    async with failing:
+        client = failing.client()
+        xs = [np.full(WIDTH, -1, np.float32)] * 2
+        await asyncio.gather(*(client.infer({"x": x}) for x in xs), return_exceptions=True)
+    stats = failing.stats()
+    assert stats["requests_failed"]["model_error"] == 2 and stats["queue_ns"] > 0 and stats["compute_ns"] > 0
+    assert stats["succeeded_queue_ns"] == 0 and stats["request_compute_ns"] == 0
+    samples = scrape(exposition(registry([failing])).decode())
+    assert value(samples, "nv_inference_queue_duration_us", model="f") == 0
+    assert value(samples, "nv_inference_compute_infer_duration_us", model="f") == 0
+    # One request of two fails alone: only the other's durations count.
+    mixed = fb.Server(slow, inputs=[X], outputs=[Y], max_batch_size=2, max_delay=0.05, name="m")
+    async with mixed:
+        client = mixed.client()
+        xs = [np.full(WIDTH, -1, np.float32), np.ones(WIDTH, np.float32)]
+        await asyncio.gather(*(client.infer({"x": x}) for x in xs), return_exceptions=True)
+    stats = mixed.stats()
+    assert stats["requests_succeeded"] == 1 and stats["batches"] == 1
+    assert 0 < stats["succeeded_queue_ns"] < stats["queue_ns"]
+    assert 0 < stats["request_compute_ns"] < 2 * stats["compute_ns"]
 
 
 def test_the_served_metrics_carry_the_machine_and_the_process() -> None:

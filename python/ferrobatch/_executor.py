@@ -59,7 +59,8 @@ class WorkerCounters:
     of a dict of ints is one step that a worker's update cannot interleave)."""
 
     compute_ns: int = 0  # per batch
-    request_compute_ns: int = 0  # per request: a batch's compute time counts once per request
+    # per request the model call did not fail: a batch's compute time counts once for each (Triton's)
+    request_compute_ns: int = 0
     failed_batches: int = 0
     isolated_failures: int = 0  # requests failed alone: their own model call raised too
     retry_calls: int = 0  # model calls made to isolate failures
@@ -67,9 +68,11 @@ class WorkerCounters:
     batch_compute_ns: dict[int, int] = field(default_factory=dict)  # rows -> their compute_ns
     last_inference_ns: int = 0  # wall clock (time.time_ns) when the latest batch finished
 
-    def add(self, elapsed_ns: int, n_requests: int, failed: bool, rows: int) -> None:
+    def add(self, elapsed_ns: int, n_requests: int, failed: bool, rows: int, succeeded: int | None = None) -> None:
+        """Counts a batch of ``n_requests`` requests (``succeeded`` of them not
+        failed by it: all unless given)."""
         self.compute_ns += elapsed_ns
-        self.request_compute_ns += elapsed_ns * n_requests
+        self.request_compute_ns += elapsed_ns * (n_requests if succeeded is None else succeeded)
         self.failed_batches += failed
         self.batch_sizes[rows] = self.batch_sizes.get(rows, 0) + 1
         self.batch_compute_ns[rows] = self.batch_compute_ns.get(rows, 0) + elapsed_ns
@@ -347,8 +350,9 @@ class Executor:
             counters.retry_calls += retried.calls
             counters.isolated_failures += retried.alone
         failed_batch = error is not None or retried is not None
-        counters.add(perf_counter_ns() - started_ns, batch.n_requests, failed_batch, batch.rows)
         failed = retried.failed if retried is not None else None
+        succeeded = 0 if error is not None else batch.n_requests - len(failed or ())
+        counters.add(perf_counter_ns() - started_ns, batch.n_requests, failed_batch, batch.rows, succeeded)
         # Without ring_now, its callers' doorbells ring at the next next_batch, GIL released.
         finish(worker, batch, outputs, error, ring_now=ring_now or self.may_wait, failed=failed)
 

@@ -245,7 +245,7 @@ class TritonCollector(Collector):
             count.add_metric(model, stats["rows"])
             exec_count.add_metric(model, stats["batches"])
             request_us.add_metric(model, stats["request_ns"] // 1000)
-            queue_us.add_metric(model, stats["queue_ns"] // 1000)
+            queue_us.add_metric(model, stats["succeeded_queue_ns"] // 1000)
             compute_us.add_metric(model, stats["request_compute_ns"] // 1000)
             pending.add_metric(model, stats["queue_depth"])
             retries.add_metric(model, stats["retry_calls"])

@@ -1014,14 +1014,16 @@ class Server:
         ``batches``, ``rows`` and ``mean_batch_size`` (rows per batch);
         ``queue_depth`` (requests waiting now) and, with priority levels,
         ``queue_depth_by_priority`` (``{level: requests}``); ``queue_ns`` (time queued,
-        summed over requests); ``dispatch_reasons`` (batches by why they were
+        summed over requests) and ``succeeded_queue_ns`` (the same over the
+        requests their batch's model call did not fail, as Triton counts
+        it); ``dispatch_reasons`` (batches by why they were
         released: full, next_does_not_fit, preferred_size, delay_expired,
         greedy, adaptive, callers_waiting, shutdown; they sum to ``batches``) and ``release_age_ns``
         (the oldest request's age when its batch was released, summed over
         batches); ``weight_updates`` and ``model_version``
         (see :meth:`update_weights`); ``compute_ns`` (model time, summed over
         batches) and ``request_compute_ns`` (the same counted once per request
-        of each batch, as Triton counts it); ``request_ns`` (submit to result,
+        of each batch the model call did not fail, as Triton counts it); ``request_ns`` (submit to result,
         summed over succeeded requests) and ``request_durations_us`` (the
         succeeded requests by that time, ``{upper bound in µs: requests}``
         over the bounds of ``ferrobatch._core.REQUEST_BOUNDS_US``, 50 µs to
@@ -1064,6 +1066,7 @@ class Server:
             "queue_depth": int(core.get("queue_len", 0)),
             "queue_depth_by_priority": self._depth_by_priority(core),
             "queue_ns": int(core.get("queue_ns", 0)),
+            "succeeded_queue_ns": int(core.get("succeeded_queue_ns", 0)),
             "dispatch_reasons": dict(core.get("dispatch_reasons", {})),
             "release_age_ns": int(core.get("release_age_ns", 0)),
             "compute_ns": sum(c.compute_ns for c in self._counters),

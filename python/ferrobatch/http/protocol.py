@@ -437,7 +437,7 @@ def _model_stats(server: Server) -> dict[str, Any]:
         "inference_stats": {
             "success": _duration(succeeded, stats["request_ns"]),
             "fail": _duration(sum(stats["requests_failed"].values()), 0),
-            "queue": _duration(succeeded, stats["queue_ns"]),
+            "queue": _duration(succeeded, stats["succeeded_queue_ns"]),
             "compute_input": _duration(succeeded, 0),
             "compute_infer": _duration(succeeded, stats["request_compute_ns"]),
             "compute_output": _duration(succeeded, 0),

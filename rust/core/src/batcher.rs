@@ -73,6 +73,9 @@ pub struct Stats {
     pub skipped_expired: AtomicU64,
     /// Sum over taken requests of the time from submit to being taken.
     pub queue_ns: AtomicU64,
+    /// The same over the requests their batch's model call did not fail
+    /// (Triton's queue duration: successes only); added as batches finish.
+    pub succeeded_queue_ns: AtomicU64,
     /// Batches by why they were released, in [`DispatchReason::ALL`] order.
     pub dispatch_reasons: [AtomicU64; DispatchReason::ALL.len()],
     /// Sum over batches of their oldest request's age when released.
@@ -108,6 +111,8 @@ pub struct Batch {
     pub requests: Vec<Arc<Request>>,
     /// Why the batch was released.
     pub reason: DispatchReason,
+    /// When it was taken: its requests' queue time ends here.
+    pub taken_at: Instant,
     /// What each input became in the slot (its length, offsets, bytes).
     pub collated: Vec<Collated>,
 }
@@ -518,6 +523,7 @@ impl Batcher {
             routes: Routes::for_batch(&gathered),
             requests: gathered,
             reason,
+            taken_at,
             collated,
         })
     }

@@ -181,6 +181,7 @@ impl Batcher {
         d.set_item("skipped_withdrawn", s.skipped_withdrawn.load(Relaxed))?;
         d.set_item("skipped_expired", s.skipped_expired.load(Relaxed))?;
         d.set_item("queue_ns", s.queue_ns.load(Relaxed))?;
+        d.set_item("succeeded_queue_ns", s.succeeded_queue_ns.load(Relaxed))?;
         d.set_item("release_age_ns", s.release_age_ns.load(Relaxed))?;
         let reasons = PyDict::new(py);
         for (reason, n) in DispatchReason::ALL.iter().zip(&s.dispatch_reasons) {
@@ -518,6 +519,13 @@ impl Worker {
             f.sort_by_key(|(start, _)| *start);
             Arc::new(f)
         });
+        if outcome.is_ok() {
+            let queued = batch.succeeded_queue_ns(failed.as_deref().map(|f| f.as_slice()));
+            let stats = self.core.stats();
+            stats
+                .succeeded_queue_ns
+                .fetch_add(queued, Ordering::Relaxed);
+        }
         let posted = self
             .registry
             .get()
@@ -581,6 +589,7 @@ impl Worker {
             collated: Mutex::new(b.collated),
             rows: b.rows,
             requests: b.requests,
+            taken_at: b.taken_at,
             groups: b
                 .routes
                 .groups
@@ -605,9 +614,31 @@ pub struct Batch {
     rows: usize,
     /// The requests, in row order.
     requests: Vec<Arc<core::Request>>,
+    /// When the batcher took them.
+    taken_at: Instant,
     groups: Vec<(Sink, Arc<Vec<Route>>)>,
     /// What each input became in the slot.
     collated: Mutex<Vec<Collated>>,
+}
+
+impl Batch {
+    /// The queue time, summed, of the requests not in `failed` (by first row).
+    fn succeeded_queue_ns(&self, failed: Option<&[(u32, Py<PyAny>)]>) -> u64 {
+        let mut start = 0u32;
+        let mut total = 0u64;
+        for request in &self.requests {
+            let alone = failed.is_some_and(|f| f.binary_search_by_key(&start, |(s, _)| *s).is_ok());
+            if !alone {
+                let queued = self
+                    .taken_at
+                    .saturating_duration_since(request.enqueued_at)
+                    .as_nanos();
+                total = total.saturating_add(u64::try_from(queued).unwrap_or(u64::MAX));
+            }
+            start = start.saturating_add(request.rows);
+        }
+        total
+    }
 }
 
 #[pymethods]
