@@ -69,6 +69,12 @@ def test_a_server_is_checked_through_its_whole_path() -> None:
     assert max(m.batch_size for m in report.worst) <= 16  # the server's max_batch_size
 
 
+def test_a_server_that_never_runs_a_sample_alone_is_refused_not_waited_on() -> None:
+    with pytest.raises(ValueError, match="min_batch_size=4"):
+        check_batch_invariance(make_server(double, min_batch_size=4), SAMPLES)
+    assert check_batch_invariance(double, SAMPLES).ok  # its model, as the message says
+
+
 async def test_a_server_on_this_event_loop_is_refused() -> None:
     async with fb.Server(double, inputs=[X], outputs=[Y]) as server:
         with pytest.raises(RuntimeError, match="off the event loop"):

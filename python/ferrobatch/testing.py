@@ -148,6 +148,12 @@ def check_batch_invariance(
     for i, s in enumerate(samples):
         if list(s) != names:
             raise ValueError(f"sample {i} has inputs {list(s)}; sample 0 has {names}")
+    if isinstance(server_or_model, Server) and server_or_model.min_batch_size > 1:
+        # Each sample runs alone (its reference): such a server would hold it forever.
+        raise ValueError(
+            f"check_batch_invariance runs each sample alone, and server '{server_or_model.name}' never runs fewer"
+            f" than min_batch_size={server_or_model.min_batch_size} rows: pass its model instead"
+        )
     if isinstance(server_or_model, Server) and not server_or_model.running:
         with server_or_model.run_in_background():
             return check_batch_invariance(
