@@ -243,7 +243,7 @@ def wait_until(condition: Any, timeout_s: float = 10.0) -> bool:
     return True
 
 
-def test_a_decoupled_client_iterator_closed_or_dropped_unread_cancels_its_request_and_frees_the_client() -> None:
+def test_a_decoupled_client_iterator_closed_unread_cancels_its_request_and_frees_the_client() -> None:
     running: set[float] = set()  # the first input of each request whose generator runs
 
     @batch
@@ -263,7 +263,10 @@ def test_a_decoupled_client_iterator_closed_or_dropped_unread_cancels_its_reques
         with DecoupledModelClient(f"grpc://127.0.0.1:{triton.grpc_port}", "endless", init_timeout_s=10) as client:
             client.infer_sample(np.float32([1])).close()  # closed before its first next()
             unread = client.infer_sample(np.float32([2]))
-            del unread  # dropped before its first next()
+            del unread  # dropped before its first next(): the client stays busy, as PyTriton's
+            with pytest.raises(PyTritonClientInferenceServerError, match="in progress"):
+                client.infer_sample(np.float32([4]))
+        with DecoupledModelClient(f"grpc://127.0.0.1:{triton.grpc_port}", "endless", init_timeout_s=10) as client:
             third = client.infer_sample(np.float32([3]))
             assert next(third)["y"].tolist() == [3]
             third.close()

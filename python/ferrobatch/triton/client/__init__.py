@@ -621,9 +621,11 @@ class DecoupledModelClient(ModelClient):
 class _ResponseIterator(Iterator[dict[str, np.ndarray]]):
     """The responses of one request of a :class:`DecoupledModelClient`, as
     they come (the request is already sent). Its client stays busy until
-    the last response or an error, or until this is closed or dropped
-    before: that cancels the request. A generator would not do: one closed
-    or dropped before its first ``next()`` never runs its ``finally``."""
+    the last response or an error, or until this is closed before: that
+    cancels the request. Dropped unread, it leaves its client busy, as
+    PyTriton's does (its own suite calls twice and expects the second to
+    be refused). A generator would not do: one closed before its first
+    ``next()`` never runs its ``finally``."""
 
     def __init__(
         self,
@@ -655,9 +657,6 @@ class _ResponseIterator(Iterator[dict[str, np.ndarray]]):
 
     def close(self) -> None:
         """Leaves the request: cancels it unless it is over, and frees the client."""
-        self._end(cancel=True)
-
-    def __del__(self) -> None:
         self._end(cancel=True)
 
     def _end(self, cancel: bool) -> None:
