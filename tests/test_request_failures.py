@@ -236,3 +236,13 @@ async def test_a_decoupled_model_fails_some_streams_and_ends_the_others() -> Non
     assert (first, first_error) == ([0.0, 1.0], None)
     assert second == [10.0, 11.0] and isinstance(second_error, fb.QueueFullError)
     assert stats["requests_succeeded"] == 1 and stats["requests_failed"]["queue_full"] == 1
+
+
+async def test_a_model_naming_requests_it_was_not_given_fails_its_call() -> None:
+    def confused(batch: dict[str, torch.Tensor], requests: list[fb.RequestInfo]) -> dict[str, torch.Tensor]:
+        raise RequestsFailed({"y": batch["x"]}, {len(requests): fb.QueueFullError("no such request")})
+
+    server = fb.Server(confused, inputs=[X], outputs=[Y], name="m", with_requests=True, isolate_failures=False)
+    async with server:
+        with pytest.raises(fb.ModelError, match="failed requests \\[1\\] of 1"):
+            await server.client().infer({"x": torch.ones(4)})

@@ -125,27 +125,26 @@ class RequestsFailed(Exception):
     def answered(self, outputs: Any, start: int, requests: Sequence[RequestInfo] | None) -> PartlyAnswered:
         """What the executor raises on: ``outputs`` (the model's, checked),
         each failed request by its first row in the batch (the call ran
-        rows ``start..``)."""
+        rows ``start..``). A :class:`ModelError`, the call's failure, when
+        the model names requests it was not given."""
         if requests is None:
-            return PartlyAnswered(None, [], ModelError("only a model called with its requests may fail some of them"))
+            raise ModelError("only a model called with its requests may fail some of them")
         firsts = list(itertools.accumulate((r.rows for r in requests), initial=start))
         unknown = [i for i in self.errors if not 0 <= i < len(requests)]
         if unknown:
-            return PartlyAnswered(None, [], ModelError(f"the model failed requests {unknown} of {len(requests)}"))
-        return PartlyAnswered(outputs, sorted((firsts[i], e) for i, e in self.errors.items()), None)
+            raise ModelError(f"the model failed requests {unknown} of {len(requests)}")
+        return PartlyAnswered(outputs, sorted((firsts[i], e) for i, e in self.errors.items()))
 
 
 class PartlyAnswered(Exception):
     """A model call whose model raised :class:`RequestsFailed`, its outputs
     checked as a call's are: the call's ``outputs`` and the requests that
-    failed, by first row (``failed``); or, when the model named requests it
-    was not given, the ``error`` the whole call fails with."""
+    failed, by first row (``failed``)."""
 
-    def __init__(self, outputs: Any, failed: list[tuple[int, BaseException]], error: BaseException | None) -> None:
+    def __init__(self, outputs: Any, failed: list[tuple[int, BaseException]]) -> None:
         super().__init__("some of the call's requests failed")
         self.outputs = outputs
         self.failed = failed
-        self.error = error
 
 
 def retryable(error: BaseException) -> bool:
@@ -207,9 +206,6 @@ def isolate(request_rows: Sequence[tuple[int, int]], error: BaseException, call:
             try:
                 result.done.append((start, last_start + last_rows - start, call(start, last_start + last_rows - start)))
             except PartlyAnswered as part:  # the model said whose failure it is
-                if part.error is not None:
-                    todo.append((lo, n, part.error, True))
-                    continue
                 result.done.append((start, last_start + last_rows - start, part.outputs))
                 result.failed += part.failed
             except BaseException as exc:  # noqa: BLE001 - split further, or failed as it is
@@ -306,8 +302,7 @@ class Executor:
             try:
                 outputs = self.run(staged, rows, start)
             except PartlyAnswered as part:
-                if part.outputs is not None:
-                    self.stamp(part.outputs, version, rows)
+                self.stamp(part.outputs, version, rows)
                 raise
         self.stamp(outputs, version, rows)
         return outputs
@@ -320,8 +315,6 @@ class Executor:
         call whose model said which of its requests failed
         (:class:`RequestsFailed`) is not retried: each gets what it said."""
         if isinstance(error, PartlyAnswered):
-            if error.error is not None:
-                return Retried(None, error.error, None, 0, 0)
             return Retried(error.outputs, None, error.failed, 0, 0)
         if not self.isolate_failures or not retryable(error) or batch.n_requests < 2:
             return None

@@ -891,8 +891,10 @@ class VariableExecutor(CpuExecutor):
 
             self.stream(inputs, batch.rows, self.requests_of(0, batch.rows), emit)
         except RequestsFailed as some:  # the others' streams end as they would have
-            answered = some.answered({}, 0, self.requests_of(0, batch.rows))
-            error, failed = answered.error, answered.failed
+            try:
+                failed = some.answered({}, 0, self.requests_of(0, batch.rows)).failed
+            except ModelError as misused:
+                error = misused
         except BaseException as exc:  # noqa: BLE001 - even SystemExit: the worker survives
             error = exc
         batch.release_slot()  # the model is done with its inputs

@@ -22,6 +22,7 @@ use crate::errors::{invalid_input, to_pyerr};
 use crate::inputs::{Converter, InputSpec, Keep};
 use crate::loops::{LoopRegistry, Wakeups};
 use crate::mailbox::{doorbells, ring_fd, LoopAnswer, LoopHeld, LoopMailbox};
+use crate::results::{failed_alone, FailedRows};
 use crate::threads::{ThreadWaiters, Waiter};
 use crate::without_gil;
 
@@ -520,7 +521,7 @@ impl Worker {
             Arc::new(f)
         });
         if outcome.is_ok() {
-            let queued = batch.succeeded_queue_ns(failed.as_deref().map(|f| f.as_slice()));
+            let queued = batch.succeeded_queue_ns(failed.as_ref());
             let stats = self.core.stats();
             stats
                 .succeeded_queue_ns
@@ -623,12 +624,11 @@ pub struct Batch {
 
 impl Batch {
     /// The queue time, summed, of the requests not in `failed` (by first row).
-    fn succeeded_queue_ns(&self, failed: Option<&[(u32, Py<PyAny>)]>) -> u64 {
+    fn succeeded_queue_ns(&self, failed: Option<&FailedRows>) -> u64 {
         let mut start = 0u32;
         let mut total = 0u64;
         for request in &self.requests {
-            let alone = failed.is_some_and(|f| f.binary_search_by_key(&start, |(s, _)| *s).is_ok());
-            if !alone {
+            if failed_alone(failed, start).is_none() {
                 let queued = self
                     .taken_at
                     .saturating_duration_since(request.enqueued_at)

@@ -14,7 +14,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::codec::V2Codec;
-use crate::results::{outcome_of_error, BatchOutcome, FailedRows};
+use crate::results::{failed_alone, outcome_of_error, BatchOutcome, FailedRows};
 use crate::without_gil;
 
 /// Where a model's natively submitted requests are answered.
@@ -51,13 +51,7 @@ impl NativeSink {
             .and_then(|m| m.extract::<String>())
             .unwrap_or_else(|_| format!("model '{}' failed", self.replies.codec().model()));
         let outcome = outcome_of_error(py, error);
-        let status = match outcome {
-            Outcome::InvalidInput => 400,
-            Outcome::QueueFull | Outcome::ServerClosed => 503,
-            Outcome::DeadlineExceeded => 504,
-            _ => 500,
-        };
-        (Failure::new(status, message), outcome)
+        (Failure::new(Failure::status_of(outcome), message), outcome)
     }
 }
 
@@ -76,13 +70,7 @@ pub(crate) fn deliver(
             // Streams the model failed alone end with their error, the others as usual.
             let mut ended: Vec<Route> = Vec::with_capacity(routes.len());
             for route in routes {
-                let own = failed.and_then(|f| {
-                    let i = f
-                        .binary_search_by_key(&route.start, |(start, _)| *start)
-                        .ok()?;
-                    Some(&f[i].1)
-                });
-                match own {
+                match failed_alone(failed, route.start) {
                     Some(error) => {
                         let (failure, outcome) = sink.failure(py, error.bind(py));
                         let one = std::slice::from_ref(route);

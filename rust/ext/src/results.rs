@@ -140,6 +140,15 @@ pub(crate) type BatchOutcome = Result<Py<PyDict>, Py<PyAny>>;
 /// each gets `ModelError` caused by its exception.
 pub(crate) type FailedRows = Arc<Vec<(u32, Py<PyAny>)>>;
 
+/// The error of the request whose rows start at `start`, if it failed alone.
+pub(crate) fn failed_alone(failed: Option<&FailedRows>, start: u32) -> Option<&Py<PyAny>> {
+    let failed = failed?;
+    let i = failed
+        .binary_search_by_key(&start, |(first, _)| *first)
+        .ok()?;
+    Some(&failed[i].1)
+}
+
 /// A finished batch's outputs (`{name: batch tensor}`), cut into each
 /// request's result: `{name: outputs[name][start:start + rows]}` for a
 /// multi-row request, `{name: outputs[name].unbind(0)[start]}` for a
@@ -281,13 +290,7 @@ impl<'a, 'py> BatchAnswers<'a, 'py> {
             Ok(rows) => rows,
             Err(failure) => return Err((failure.error(py), failure.outcome())),
         };
-        let failed_alone = self.failed.and_then(|f| {
-            let i = f
-                .binary_search_by_key(&route.start, |(start, _)| *start)
-                .ok()?;
-            Some(&f[i].1)
-        });
-        if let Some(error) = failed_alone {
+        if let Some(error) = failed_alone(self.failed, route.start) {
             let failure = ModelFailure::raised(py, self.model_name, error.bind(py));
             return Err((failure.error(py), failure.outcome()));
         }

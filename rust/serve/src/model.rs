@@ -404,13 +404,14 @@ impl ServedModel {
                 if let Some(id) = registered {
                     self.replies.unregister(id);
                 }
-                let (outcome, status) = match err {
-                    CoreError::QueueFull { .. } => (Outcome::QueueFull, 503),
-                    CoreError::Closed => (Outcome::ServerClosed, 503),
+                let outcome = match err {
+                    CoreError::QueueFull { .. } => Outcome::QueueFull,
+                    CoreError::Closed => Outcome::ServerClosed,
                     CoreError::InvalidInput(_) | CoreError::InvalidConfig(_) => {
-                        (Outcome::InvalidInput, 400)
+                        Outcome::InvalidInput
                     }
                 };
+                let status = Failure::status_of(outcome);
                 let message = match err {
                     CoreError::Closed => format!("model '{}' is not running", self.name),
                     other => other.to_string(),

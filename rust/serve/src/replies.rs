@@ -25,6 +25,18 @@ pub struct Failure {
 }
 
 impl Failure {
+    /// The HTTP status of a request whose caller sees `outcome` (gRPC maps
+    /// it on): 400 its own mistake, 503 overload or not running, 504 its
+    /// deadline, 500 the model.
+    pub fn status_of(outcome: Outcome) -> u16 {
+        match outcome {
+            Outcome::InvalidInput => 400,
+            Outcome::QueueFull | Outcome::ServerClosed => 503,
+            Outcome::DeadlineExceeded => 504,
+            _ => 500,
+        }
+    }
+
     pub fn new(status: u16, message: impl Into<String>) -> Failure {
         Failure {
             status,
