@@ -834,7 +834,9 @@ def test_gzip_messages_are_inflated_off_the_runtime_thread() -> None:
     while not lines.empty():
         out.append(lines.get())
     # Inflated, then refused for its shape: the bomb is not what the model takes.
-    assert len(out) > 3 and {line.strip() for line in out} == {str(grpc.StatusCode.INVALID_ARGUMENT.value[0])}, out
+    # (Two at least: one before the checks began, more during them; a busy
+    # two-core machine inflates about one a second.)
+    assert len(out) >= 2 and {line.strip() for line in out} == {str(grpc.StatusCode.INVALID_ARGUMENT.value[0])}, out
     # Inflating on the runtime's thread, every check waits for a bomb (30 ms
     # and more); off it, most answer at once (some wait to be scheduled: the
     # machine may have two cores, busy inflating).
