@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use crossbeam_queue::{ArrayQueue, SegQueue};
 use ferrobatch_core::queue::Popped;
-use ferrobatch_core::{InputBytes, Readiness, Request, RequestQueue, Sink};
+use ferrobatch_core::{InputBytes, Request, RequestQueue, Sink};
 
 /// Bounded capacity for the bounded queues (the Python default is 10 000).
 const CAPACITY: usize = 4096;
@@ -61,7 +61,7 @@ impl BenchQueue for Ferrobatch {
 
     fn make(_producers: usize) -> Self {
         Ferrobatch {
-            queue: RequestQueue::new(CAPACITY, 1, Readiness::OnPush),
+            queue: RequestQueue::new(CAPACITY, 1),
         }
     }
 

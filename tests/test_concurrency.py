@@ -205,3 +205,43 @@ async def test_requests_of_a_loop_that_closed_while_their_batch_ran_are_counted_
         await asyncio.to_thread(lambda: asyncio.run(client.infer({"x": sample(2)})))
         stats = server.stats()
     assert stats["requests_succeeded"] == 1 and stats["requests_failed"]["cancelled"] == 3, stats
+
+
+@pytest.mark.parametrize("closed", [False, True], ids=["stopped", "closed"])
+async def test_greedy_a_loop_stopped_before_its_flush_holds_up_no_other_loop(closed: bool) -> None:
+    # A loop that stops in the iteration it submitted never runs its flush.
+    # Its requests must not stand in front of other loops' requests: before,
+    # the workers counted ready rows, popped the stopped loop's requests with
+    # another loop's rows, and that loop's last request waited for ever.
+    async with make_server(max_batch_size=8, max_delay=0.0) as server:
+        client = server.client()
+        stopped = asyncio.new_event_loop()
+
+        async def submit_then_stop() -> None:
+            calls = [asyncio.ensure_future(client.infer({"x": sample(i)})) for i in range(3)]
+            await asyncio.sleep(0)  # the calls submit in this iteration ...
+            stopped.stop()  # ... and the loop stops before it would flush them
+            del calls
+
+        def run_and_stop() -> None:
+            task = stopped.create_task(submit_then_stop())
+            stopped.run_forever()
+            assert task.done()
+            if closed:
+                stopped.close()
+
+        await asyncio.to_thread(run_and_stop)
+        for i in range(3):
+            out = await asyncio.wait_for(client.infer({"x": sample(10 + i)}), timeout=5)
+            torch.testing.assert_close(out["y"], sample(2 * (10 + i)))
+        if not closed:
+            # The stopped loop's requests run once it runs again.
+            def resume() -> None:
+                stopped.call_later(2.0, stopped.stop)
+                stopped.run_forever()
+                stopped.close()
+
+            await asyncio.to_thread(resume)
+        stats = server.stats()
+    if not closed:
+        assert stats["requests_succeeded"] == 6, stats

@@ -8,6 +8,8 @@ import pytest
 import torch
 from conftest import make_server, sample
 
+import ferrobatch as fb
+
 
 async def test_greedy_serves_a_lone_caller_one_request_per_batch() -> None:
     async with make_server(max_delay=0) as server:
@@ -158,3 +160,31 @@ def test_delay_from_is_checked_and_kept() -> None:
         make_server(delay_from="oldest")
     assert make_server(delay_from="free_worker").delay_from == "free_worker"
     assert make_server().delay_from == "request"
+
+
+async def test_a_request_withdrawn_while_its_batch_fills_never_runs() -> None:
+    # A worker gathers a request into a batch that waits out max_delay; the
+    # request stays queued meanwhile. Before, it was taken at once: one whose
+    # deadline passed (or whose task was cancelled) inside the window still
+    # ran with the batch, and queue_depth did not count it.
+    seen: list[float] = []
+
+    def record(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        seen.extend(inputs["x"][:, 0].tolist())
+        return {"y": inputs["x"] * 2}
+
+    async with make_server(record, max_batch_size=8, max_delay=0.4) as server:
+        client = server.client()
+        expiring = asyncio.ensure_future(client.infer({"x": sample(1)}, timeout=0.05))
+        cancelled = asyncio.ensure_future(client.infer({"x": sample(2)}))
+        kept = asyncio.ensure_future(client.infer({"x": sample(3)}))
+        await asyncio.sleep(0.02)  # a worker has gathered all three by now
+        assert server.stats()["queue_depth"] == 3
+        cancelled.cancel()
+        with pytest.raises(fb.DeadlineExceededError):
+            await expiring
+        torch.testing.assert_close((await asyncio.wait_for(kept, 5))["y"], sample(6))
+        assert seen == [3.0], "only the request still waiting ran"
+        stats = server.stats()
+    assert stats["requests_succeeded"] == 1 and stats["batches"] == 1, stats
+    assert stats["requests_failed"]["deadline_exceeded"] == 1 and stats["requests_failed"]["cancelled"] == 1, stats

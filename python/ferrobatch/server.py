@@ -1012,8 +1012,8 @@ class Server:
         ``requests_succeeded``; ``requests_failed`` by reason (invalid_input,
         queue_full, deadline_exceeded, cancelled, model_error, server_closed);
         ``batches``, ``rows`` and ``mean_batch_size`` (rows per batch);
-        ``queue_depth`` (requests in the queue now, not those a worker is
-        gathering into a batch still filling) and, with priority levels,
+        ``queue_depth`` (requests waiting now, those in a batch that is still
+        filling included: they are not taken until it goes) and, with priority levels,
         ``queue_depth_by_priority`` (``{level: requests}``); ``queue_ns`` (time queued,
         summed over requests) and ``succeeded_queue_ns`` (the same over the
         requests their batch's model call did not fail, as Triton counts

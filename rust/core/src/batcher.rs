@@ -1,17 +1,18 @@
 //! The batcher: submit on one side, gather + collate + route on the other.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use crate::bytes::BytesLimits;
 use crate::callers::BlockingCallers;
 use crate::doorbell::GatherRole;
-use crate::queue::{Popped, Priorities, Readiness};
+use crate::queue::{Admitted, Popped, Priorities};
 use crate::request::Withdrawal;
+use crate::unflushed::{Held, Readiness};
 use crate::{
     Collated, CoreError, Decision, DispatchReason, DispatchRule, HeldSlot, Inputs, Layout, Request,
-    RequestQueue, RequestState, Routes, Sink, SlotBuffer, StagingRing,
+    RequestQueue, RequestState, Routes, Sink, SlotBuffer, StagingRing, Unflushed,
 };
 
 /// The most requests a batcher's queue may hold: its channels are sized
@@ -26,8 +27,8 @@ pub struct BatcherConfig {
     pub max_queue_size: usize,
     /// Worker threads that will call `next_batch` (one per model instance).
     pub workers: usize,
-    /// When submitted rows may be taken: at once, or once their submitter
-    /// calls [`Batcher::flush`] (an event loop, at the end of an iteration).
+    /// When submitted rows may be taken: at once, or, submitted through an
+    /// [`Unflushed`], once it flushes (an event loop, at the end of an iteration).
     pub readiness: Readiness,
     /// How each input is collated (empty: every input [`Layout::Fixed`]).
     pub layouts: Vec<Layout>,
@@ -140,6 +141,10 @@ pub struct Batcher {
     bytes_limits: BytesLimits,
     /// Who may still add a row to the batch being gathered.
     callers: BlockingCallers,
+    readiness: Readiness,
+    /// Submitters that hold requests for this batcher ([`Unflushed`]):
+    /// flushed as it closes.
+    holders: Mutex<Vec<Weak<Held>>>,
 }
 
 impl Batcher {
@@ -185,7 +190,6 @@ impl Batcher {
             queue: RequestQueue::with_priorities(
                 config.max_queue_size,
                 config.workers,
-                config.readiness,
                 config.priorities,
             ),
             default_lane,
@@ -200,11 +204,13 @@ impl Batcher {
             max_batch_elements: config.max_batch_elements,
             bytes_limits: config.bytes_limits,
             callers: BlockingCallers::new(max_delay),
+            readiness: config.readiness,
+            holders: Mutex::new(Vec::new()),
         })
     }
 
     pub fn readiness(&self) -> Readiness {
-        self.queue.readiness()
+        self.readiness
     }
 
     pub fn rule(&self) -> &DispatchRule {
@@ -313,7 +319,44 @@ impl Batcher {
         submission: Submission,
         register: impl FnOnce(&Arc<Request>),
     ) -> Result<Arc<Request>, CoreError> {
-        let inputs: Inputs = inputs.into();
+        let (request, caller) = self.new_request(sink, rows, inputs.into(), submission)?;
+        self.enqueue(request, caller, register)
+    }
+
+    /// [`Batcher::submit_request`] from a submitter that holds its requests
+    /// until it flushes (an event loop; see [`crate::unflushed`]): with
+    /// [`Readiness::OnFlush`] and a flush opened for this batcher, the
+    /// request is admitted and held by `holder`; otherwise queued at once.
+    pub fn submit_held(
+        &self,
+        holder: &Unflushed,
+        sink: Sink,
+        rows: usize,
+        inputs: impl Into<Inputs>,
+        submission: Submission,
+        register: impl FnOnce(&Arc<Request>),
+    ) -> Result<Arc<Request>, CoreError> {
+        let (request, caller) = self.new_request(sink, rows, inputs.into(), submission)?;
+        let mut register = Some(register);
+        let mut registering = |r: &Arc<Request>| {
+            if let Some(register) = register.take() {
+                register(r);
+            }
+        };
+        match holder.held().hold(self, &request, &mut registering) {
+            Some(held) => held.map(|()| request),
+            None => self.enqueue(request, caller, registering),
+        }
+    }
+
+    /// A checked request, not yet queued, and its blocking caller's key.
+    fn new_request(
+        &self,
+        sink: Sink,
+        rows: usize,
+        inputs: Inputs,
+        submission: Submission,
+    ) -> Result<(Arc<Request>, Option<u64>), CoreError> {
         let lane = self.lane(submission.priority)?;
         let row_nbytes = self.ring.row_nbytes();
         if rows == 0 {
@@ -434,13 +477,21 @@ impl Batcher {
         let deadline = submission
             .timeout
             .and_then(|t| Instant::now().checked_add(t));
-        let caller = submission.blocking_caller;
         let request = Request::new(id, sink, rows as u32, inputs, deadline)
             .in_lane(lane)
             .with_parameters(submission.parameters.filter(|_| self.keep_parameters))
             .with_absent(submission.absent)
-            .blocking(caller.is_some());
-        let request = Arc::new(request);
+            .blocking(submission.blocking_caller.is_some());
+        Ok((Arc::new(request), submission.blocking_caller))
+    }
+
+    /// Queues `request`, ready for the workers at once.
+    fn enqueue(
+        &self,
+        request: Arc<Request>,
+        caller: Option<u64>,
+        register: impl FnOnce(&Arc<Request>),
+    ) -> Result<Arc<Request>, CoreError> {
         self.callers.arrive(caller, request.enqueued_at);
         register(&request);
         // A refused request was never seen by anyone: it is dropped here.
@@ -462,10 +513,21 @@ impl Batcher {
         self.queue.nudge();
     }
 
-    /// Makes `rows` rows submitted since the submitter's last flush ready
-    /// for workers (`Readiness::OnFlush`; a no-op with `OnPush`).
-    pub fn flush(&self, rows: usize) {
-        self.queue.flush(rows)
+    /// Admits a request a holder keeps until it flushes ([`Unflushed`]).
+    pub(crate) fn admit_held(&self, request: Arc<Request>) -> Result<Admitted, CoreError> {
+        self.queue.admit(request).map_err(CoreError::from)
+    }
+
+    /// Sends what a holder kept to the workers, ringing once.
+    pub(crate) fn send_held(&self, held: Vec<Admitted>) {
+        self.queue.send(held)
+    }
+
+    /// Remembers a holder, to flush it as this batcher closes.
+    pub(crate) fn register_holder(&self, holder: Weak<Held>) {
+        let mut holders = self.holders.lock().unwrap_or_else(|e| e.into_inner());
+        holders.retain(|h| h.strong_count() > 0);
+        holders.push(holder);
     }
 
     /// Gathers the next batch by the dispatch rule and collates it into a
@@ -483,7 +545,14 @@ impl Batcher {
         let (rows, reason) = {
             let role = self.queue.take_role();
             let mut carry = self.carry.lock().unwrap_or_else(|e| e.into_inner());
-            let gathered_by = self.gather(&role, &mut carry, worker, &mut gathered);
+            let gathered_by = loop {
+                let (_, reason) = self.gather(&role, &mut carry, worker, &mut gathered);
+                let rows = self.take_gathered(&mut gathered);
+                // Withdrawn to the last one while it filled: gather anew.
+                if rows > 0 || (worker.closed && carry.is_none()) {
+                    break (rows, reason);
+                }
+            };
             self.callers.set_gathered(0); // released: its callers wait on it, not in the batcher
             let more = carry.is_some();
             drop(carry);
@@ -493,9 +562,9 @@ impl Batcher {
         if gathered.is_empty() {
             return None; // `slot` goes back to the ring
         }
-        // SAFETY: `admit` won `take()` for every request in `gathered`, and
-        // none is resolved before this batch is returned; `gather` kept the
-        // rows within `max_batch_size`, which every slot holds.
+        // SAFETY: `take_gathered` won `take()` for every request left in
+        // `gathered`, and none is resolved before this batch is returned;
+        // `gather` kept the rows within `max_batch_size`, which every slot holds.
         let (collated_rows, collated) = unsafe { slot.collate_all(&gathered) };
         debug_assert_eq!(collated_rows, rows);
         let taken_at = Instant::now();
@@ -532,6 +601,12 @@ impl Batcher {
     /// stopped gathering. Empty only
     /// once this worker has seen its close message and no carried request is
     /// left. Called by the holder of the gatherer's role.
+    ///
+    /// Gathered requests stay queued until the batch is released
+    /// ([`Batcher::take_gathered`]): a caller may still withdraw one while
+    /// the batch fills (its deadline passes, its task is cancelled), and
+    /// then it never runs. They count as this batch's rows meanwhile, and
+    /// in the queue's length (`queue_depth`), as the requests they are.
     fn gather(
         &self,
         role: &GatherRole<'_>,
@@ -547,9 +622,29 @@ impl Batcher {
             self.admit(r, Instant::now(), carry, gathered, &mut rows, &mut budget);
         }
         while !worker.closed {
-            // Take what is already queued, without blocking.
             let now = Instant::now();
-            while rows < max && carry.is_none() && !worker.closed && self.queue.may_pop() {
+            if gathered.iter().any(|r| r.state() != RequestState::Queued) {
+                // Withdrawn while the batch filled: they leave it, and the
+                // carry may fit now.
+                gathered.retain(|r| {
+                    let queued = r.state() == RequestState::Queued;
+                    if !queued {
+                        self.stats.skipped_withdrawn.fetch_add(1, Ordering::Relaxed);
+                    }
+                    queued
+                });
+                rows = 0;
+                budget = Budget::new(self.ring.layouts());
+                for r in gathered.iter() {
+                    budget.add(r, self.ring.layouts());
+                    rows += r.rows as usize;
+                }
+                if let Some(r) = carry.take() {
+                    self.admit(r, now, carry, gathered, &mut rows, &mut budget);
+                }
+            }
+            // Take what is already queued, without blocking.
+            while rows < max && carry.is_none() && !worker.closed {
                 match self.queue.try_pop() {
                     Popped::Request(r) => {
                         self.admit(r, now, carry, gathered, &mut rows, &mut budget)
@@ -575,7 +670,10 @@ impl Batcher {
                     window_start = window_start.max(free_since);
                 }
                 let oldest_age = now.saturating_duration_since(window_start);
-                let more_waiting = !self.queue.is_empty();
+                let live = gathered
+                    .iter()
+                    .filter(|r| r.state() == RequestState::Queued);
+                let more_waiting = self.queue.len() > live.count();
                 let decision = if self.rule.adaptive {
                     let target = self.last_rows.load(Ordering::Relaxed);
                     self.rule
@@ -593,7 +691,8 @@ impl Batcher {
                         if blocking == 0 {
                             until
                         } else {
-                            let queued = self.queue.blocking();
+                            // The queue still counts the gathered ones.
+                            let queued = self.queue.blocking().saturating_sub(blocking);
                             match self.callers.all_in_now(queued, now) {
                                 (true, _) => return (rows, DispatchReason::CallersWaiting),
                                 (false, Some(quiet)) => Some(until.map_or(quiet, |u| u.min(quiet))),
@@ -620,8 +719,39 @@ impl Batcher {
         (rows, DispatchReason::Shutdown)
     }
 
-    /// Takes `r` into the batch if it is still queued, within its deadline and
-    /// fits; one that does not fit becomes the carry, to lead the next batch.
+    /// Releases the gathered batch: takes each request still queued and
+    /// within its deadline, drops the others (withdrawn while the batch
+    /// filled). Returns the rows left.
+    fn take_gathered(&self, gathered: &mut Vec<Arc<Request>>) -> usize {
+        let now = Instant::now();
+        gathered.retain(|r| self.take_one(r, now));
+        gathered.iter().map(|r| r.rows as usize).sum()
+    }
+
+    /// Takes `r` for a batch: true when this worker won it; otherwise it is
+    /// counted as skipped (expired, or withdrawn by its caller).
+    fn take_one(&self, r: &Request, now: Instant) -> bool {
+        if r.is_past_deadline(now) {
+            // The caller's own timer reports the deadline; we only never run it.
+            if r.transition(RequestState::Expired) {
+                self.queue.left(r);
+                self.stats.skipped_expired.fetch_add(1, Ordering::Relaxed);
+            } else {
+                self.stats.skipped_withdrawn.fetch_add(1, Ordering::Relaxed);
+            }
+            return false;
+        }
+        if !r.take() {
+            self.stats.skipped_withdrawn.fetch_add(1, Ordering::Relaxed);
+            return false;
+        }
+        self.queue.left(r);
+        true
+    }
+
+    /// Gathers `r` into the batch if it is still queued, within its deadline
+    /// and fits; one that does not fit becomes the carry, to lead the next
+    /// batch. It stays queued until [`Batcher::take_gathered`].
     fn admit(
         &self,
         r: Arc<Request>,
@@ -631,14 +761,8 @@ impl Batcher {
         rows: &mut usize,
         budget: &mut Budget,
     ) {
-        if r.is_past_deadline(now) {
-            // The caller's own timer reports the deadline; we only never run it.
-            if r.transition(RequestState::Expired) {
-                self.queue.left(&r);
-                self.stats.skipped_expired.fetch_add(1, Ordering::Relaxed);
-            } else {
-                self.stats.skipped_withdrawn.fetch_add(1, Ordering::Relaxed);
-            }
+        if r.state() != RequestState::Queued || r.is_past_deadline(now) {
+            self.take_one(&r, now); // fails: counts why it is skipped
             return;
         }
         if *rows + r.rows as usize > self.rule.max_batch_size
@@ -649,11 +773,6 @@ impl Batcher {
             *carry = Some(r);
             return;
         }
-        if !r.take() {
-            self.stats.skipped_withdrawn.fetch_add(1, Ordering::Relaxed);
-            return;
-        }
-        self.queue.left(&r);
         budget.add(&r, self.ring.layouts());
         *rows += r.rows as usize;
         gathered.push(r);
@@ -680,9 +799,20 @@ impl Batcher {
         self.ring.free_slots()
     }
 
-    /// Refuses new requests; each worker dispatches what it holds, then stops.
+    /// Refuses new requests; each worker dispatches what it holds, then
+    /// stops. Requests submitters hold ([`Unflushed`]) go out first.
     pub fn close(&self) {
-        self.queue.close(self.workers);
+        if !self.queue.refuse() {
+            return;
+        }
+        let holders: Vec<Arc<Held>> = {
+            let holders = self.holders.lock().unwrap_or_else(|e| e.into_inner());
+            holders.iter().filter_map(Weak::upgrade).collect()
+        };
+        for holder in holders {
+            holder.flush();
+        }
+        self.queue.send_closes(self.workers);
     }
 }
 
@@ -1347,6 +1477,41 @@ mod tests {
         );
     }
 
+    /// A request gathered into a batch that is still filling stays queued:
+    /// withdrawn meanwhile (its deadline, its caller's cancellation) it never
+    /// runs, and `queue_len` counts it until the batch goes.
+    #[test]
+    #[cfg_attr(miri, ignore = "timed: Miri's clock advances with interpretation")]
+    fn a_request_withdrawn_while_its_batch_fills_never_runs() {
+        let f = fixture(8, Duration::from_millis(300), 1, 100, 1);
+        let batcher = &f.batcher;
+        let (done, batches) = std::sync::mpsc::channel();
+        let worker = {
+            let b = batcher.clone();
+            std::thread::spawn(move || {
+                let batch = b.next_batch(&mut Worker::new()).unwrap();
+                let ids: Vec<u64> = batch.requests.iter().map(|r| r.id).collect();
+                done.send((ids, batch.rows)).unwrap();
+            })
+        };
+        let expiring = submit(batcher, &ROW_A, Some(Duration::from_millis(40)));
+        let cancelled = submit(batcher, &ROW_A, None);
+        let kept = submit(batcher, &ROW_A, None);
+        std::thread::sleep(Duration::from_millis(20)); // gathered by now
+        assert_eq!(batcher.queue_len(), 3, "gathered requests are still queued");
+        assert!(batcher.withdraw(&cancelled, RequestState::Cancelled));
+        std::thread::sleep(Duration::from_millis(60)); // past the deadline, its caller's timer not run
+        let (ids, rows) = batches.recv_timeout(Duration::from_secs(10)).unwrap();
+        assert_eq!((ids, rows), (vec![kept.id], 1));
+        assert_eq!(expiring.state(), RequestState::Expired);
+        let stats = batcher.stats();
+        assert_eq!(stats.skipped_expired.load(Ordering::Relaxed), 1);
+        assert_eq!(stats.skipped_withdrawn.load(Ordering::Relaxed), 1);
+        assert_eq!(batcher.queue_len(), 0);
+        worker.join().unwrap();
+        batcher.close();
+    }
+
     /// A request one worker's batch could not take goes to the worker
     /// waiting for the gatherer's role at once, with no push after it to
     /// ring: each worker takes one batch and keeps it.
@@ -1374,9 +1539,17 @@ mod tests {
         std::thread::sleep(Duration::from_millis(50));
         let second = one_batch(batcher.clone(), done);
         std::thread::sleep(Duration::from_millis(50));
-        submit(batcher, &ROWS_3, None);
-        submit(batcher, &ROWS_3, None);
-        batcher.flush(6); // rings the first; the second request does not fit its batch
+        let holder = Unflushed::default();
+        assert!(holder.open(batcher));
+        for _ in 0..2 {
+            // SAFETY: static bytes outlive everything.
+            let input = unsafe { InputBytes::new(ROWS_3.as_ptr(), ROWS_3.len()) };
+            let submission = Submission::default();
+            batcher
+                .submit_held(&holder, Sink::EventLoop(0), 3, [input], submission, |_| {})
+                .unwrap();
+        }
+        holder.flush(); // rings the first; the second request does not fit its batch
         let wait = Duration::from_secs(10);
         assert_eq!(batches.recv_timeout(wait), Ok(3));
         assert_eq!(

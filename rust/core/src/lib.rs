@@ -18,10 +18,11 @@
 //!   decision have arrived or its deadline passes, so a submit wakes it at
 //!   most once per batch; the others wait for the role, woken only when
 //!   there is something to gather (the `doorbell` module).
-//!   With [`Readiness::OnFlush`] (greedy batching) a submitter's rows count
-//!   only once it calls [`Batcher::flush`]; an event loop does so once per
-//!   iteration ([`Unflushed`] counts the rows and says when to schedule
-//!   it), so a burst of requests is taken as one batch.
+//!   With [`Readiness::OnFlush`] (greedy batching) an event loop holds the
+//!   requests it submits in one iteration ([`Batcher::submit_held`] into
+//!   its [`Unflushed`]) and sends them together at the iteration's end, so
+//!   a burst of requests is taken as one batch; what one submitter holds
+//!   never stands in front of another's.
 //!   `next_batch` acquires a staging slot from the [`StagingRing`] as a
 //!   [`HeldSlot`] guard and returns it inside the [`Batch`]: whoever owns the
 //!   batch (or its `slot`) owns the slot, and dropping the guard is the only
@@ -31,7 +32,9 @@
 //! * **Request state** moves once, atomically, from `Queued` to exactly one of
 //!   `Taken`, `Cancelled`, `Expired` or `Closed` ([`RequestState`]). Whoever wins
 //!   that transition owns the request's outcome: a taken request is resolved
-//!   by its batch; any other by the submitter side.
+//!   by its batch; any other by the submitter side. A worker takes the
+//!   requests of a batch as it releases it, not as it gathers them, so one
+//!   withdrawn while its batch fills never runs.
 //! * **Staging slots** are written only through their guard
 //!   ([`HeldSlot::collate`], `unsafe`: the caller vouches it took the
 //!   requests). A slot index is either in the ring's free list or owned by
@@ -113,7 +116,7 @@ pub use fanout::{Route, Routes, Sink};
 pub use inbox::Inbox;
 pub use outcome::{Outcome, Tally, Totals, OUTCOMES, REQUEST_BOUNDS_US, REQUEST_BUCKETS};
 pub use pending::{Pending, Taken, Withdraw};
-pub use queue::{Message, Priorities, PushError, Readiness, RequestQueue};
+pub use queue::{Admitted, Message, Priorities, PushError, RequestQueue};
 pub use request::{InputBytes, Inputs, Request, RequestState, Withdrawal, MAX_VARIABLE_DIMS};
 pub use specs::{
     Extents, InputRules, InputSpec, Matched, Measured, PerTensor, SpecError, MAX_OPTIONAL_INPUTS,
@@ -122,4 +125,4 @@ pub use staging::{
     Collated, HeldSlot, Layout, Padded, Ragged, RaggedBytes, SlotBuffer, StagingRing,
 };
 pub use timeout::{timeout_from_secs, InvalidTimeout};
-pub use unflushed::Unflushed;
+pub use unflushed::{Readiness, Unflushed};

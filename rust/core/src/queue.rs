@@ -17,12 +17,15 @@
 //! until enough rows for its next decision have arrived, so a submitter
 //! makes a wake-up syscall once per batch at most, not once per request.
 //!
-//! With [`Readiness::OnFlush`] (greedy batching) pushed rows count as ready
-//! only once their submitter flushes them: an event loop flushes once per
-//! iteration, so a worker takes everything the loop submitted in that
-//! iteration as one batch instead of waking at its first request. A worker
-//! pops only while ready rows remain (or the queue is closed), so it never
-//! takes part of an iteration's requests before the flush.
+//! A submitter may hold requests back: [`RequestQueue::admit`] counts a
+//! request in (admission, and its place in the channel, are settled there)
+//! and [`RequestQueue::send`] hands admitted requests to the workers
+//! together, ringing once for all of them. An event loop holds what it
+//! submitted in one iteration and sends it at the iteration's end
+//! ([`crate::Unflushed`]), so a worker takes the burst as one batch instead
+//! of waking at its first request; requests held by one submitter never
+//! stand in front of another's, because nothing reaches the channel before
+//! it is sent.
 
 use std::sync::atomic::{AtomicIsize, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -32,15 +35,6 @@ use crossbeam_channel::{Receiver, Sender, TryRecvError};
 
 use crate::doorbell::{Doorbell, GatherRole};
 use crate::{CoreError, Request};
-
-/// When pushed rows become ready for a worker to take.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Readiness {
-    /// At once.
-    OnPush,
-    /// When the submitter calls [`RequestQueue::flush`] for them.
-    OnFlush,
-}
 
 /// What travels on the queue.
 #[derive(Debug)]
@@ -81,6 +75,19 @@ impl std::fmt::Display for PushError {
 }
 
 impl std::error::Error for PushError {}
+
+/// A request the queue admitted that its submitter has not sent yet: it
+/// counts against the capacity, has its place in the channel, and reaches
+/// the workers at [`RequestQueue::send`] of the queue that admitted it.
+#[derive(Debug)]
+#[must_use = "an admitted request holds its place in the queue until it is sent"]
+pub struct Admitted(Arc<Request>);
+
+impl Admitted {
+    pub fn request(&self) -> &Arc<Request> {
+        &self.0
+    }
+}
 
 /// Priority levels: one lane per level, popped most urgent first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -165,8 +172,7 @@ pub struct RequestQueue {
     max_wait: Option<Duration>,
     capacity: usize,
     waiting: AtomicUsize,
-    readiness: Readiness,
-    /// Ready rows (sent with `OnPush`, flushed with `OnFlush`), the close,
+    /// Ready rows (sent and not yet popped), the close,
     /// the sleeping gatherer and the workers waiting for its role.
     doorbell: Doorbell,
     /// Live requests of callers that block on them (signed: the worker may
@@ -184,15 +190,14 @@ pub enum Popped {
 }
 
 impl RequestQueue {
-    pub fn new(capacity: usize, wake_slots: usize, readiness: Readiness) -> RequestQueue {
-        RequestQueue::with_priorities(capacity, wake_slots, readiness, Priorities::NONE)
+    pub fn new(capacity: usize, wake_slots: usize) -> RequestQueue {
+        RequestQueue::with_priorities(capacity, wake_slots, Priorities::NONE)
     }
 
     /// A queue of `priorities.levels` lanes (see the type's documentation).
     pub fn with_priorities(
         capacity: usize,
         wake_slots: usize,
-        readiness: Readiness,
         priorities: Priorities,
     ) -> RequestQueue {
         let levels = usize::from(priorities.levels.max(1));
@@ -217,7 +222,6 @@ impl RequestQueue {
             max_wait: priorities.max_wait,
             capacity,
             waiting: AtomicUsize::new(0),
-            readiness,
             doorbell: Doorbell::new(),
             blocking: AtomicIsize::new(0),
         }
@@ -228,9 +232,18 @@ impl RequestQueue {
         self.lanes.len()
     }
 
-    /// Pushes a request into its lane, or refuses it at once when full or
-    /// closed (or its lane does not exist) and hands it back in the error.
+    /// Pushes a request into its lane, ready for the workers at once, or
+    /// refuses it at once when full or closed (or its lane does not exist)
+    /// and hands it back in the error.
     pub fn push(&self, request: Arc<Request>) -> Result<(), PushError> {
+        let admitted = self.admit(request)?;
+        self.send([admitted]);
+        Ok(())
+    }
+
+    /// Admits a request into its lane without sending it (see the module's
+    /// documentation), or refuses it as [`RequestQueue::push`] does.
+    pub fn admit(&self, request: Arc<Request>) -> Result<Admitted, PushError> {
         if self.doorbell.is_closed() {
             return Err(PushError {
                 error: CoreError::Closed,
@@ -264,20 +277,28 @@ impl RequestQueue {
             self.waiting.fetch_sub(1, Ordering::AcqRel);
             return Err(self.full(request));
         }
-        // Cannot fail for lack of room: `in_channel` reserved a place, and close
-        // messages have places of their own.
-        let rows = request.rows as usize;
-        let blocking = request.blocking;
-        lane.tx
-            .try_send(Message::Request(request))
-            .expect("in_channel reserved a place in the channel");
-        if self.readiness == Readiness::OnPush {
-            self.doorbell.make_ready(rows);
-        }
-        if blocking {
+        if request.blocking {
             self.blocking.fetch_add(1, Ordering::AcqRel);
         }
-        Ok(())
+        Ok(Admitted(request))
+    }
+
+    /// Sends requests this queue admitted to the workers, ringing once for
+    /// all of them.
+    pub fn send(&self, admitted: impl IntoIterator<Item = Admitted>) {
+        let mut rows = 0usize;
+        for Admitted(request) in admitted {
+            rows = rows.saturating_add(request.rows as usize);
+            // `admit` found the lane, and `in_channel` reserved a place in
+            // it (close messages have places of their own): cannot fail.
+            self.lanes[usize::from(request.lane)]
+                .tx
+                .try_send(Message::Request(request))
+                .expect("in_channel reserved a place in the channel");
+        }
+        if rows > 0 {
+            self.doorbell.make_ready(rows);
+        }
     }
 
     #[cold]
@@ -290,26 +311,6 @@ impl RequestQueue {
             error: CoreError::QueueFull { capacity },
             request,
         }
-    }
-
-    /// Readies `rows` rows pushed since the submitter's last flush
-    /// (`Readiness::OnFlush`; with `OnPush` pushes are ready already).
-    pub fn flush(&self, rows: usize) {
-        if self.readiness == Readiness::OnFlush && rows > 0 {
-            self.doorbell.make_ready(rows);
-        }
-    }
-
-    /// Whether a worker may pop now: ready rows remain, or the queue is
-    /// closed (then everything accepted goes out).
-    pub fn may_pop(&self) -> bool {
-        self.readiness == Readiness::OnPush
-            || self.doorbell.ready_rows() > 0
-            || self.doorbell.is_closed()
-    }
-
-    pub fn readiness(&self) -> Readiness {
-        self.readiness
     }
 
     /// Times the doorbell rang since the queue was made.
@@ -430,11 +431,22 @@ impl RequestQueue {
     }
 
     /// Refuses new requests from now on and sends one close message per
-    /// worker, behind every request already accepted.
+    /// worker, behind every request already sent.
     pub fn close(&self, workers: usize) {
-        if !self.doorbell.mark_closed() {
-            return;
+        if self.refuse() {
+            self.send_closes(workers);
         }
+    }
+
+    /// Refuses new requests from now on; true for the first call only,
+    /// which must then [`RequestQueue::send_closes`] (after sending what
+    /// was admitted before).
+    pub fn refuse(&self) -> bool {
+        self.doorbell.mark_closed()
+    }
+
+    /// Sends one close message per worker, behind every request sent.
+    pub fn send_closes(&self, workers: usize) {
         let last = &self.lanes[self.lanes.len() - 1];
         for _ in 0..workers {
             // Never blocks: request messages cannot take the last `wake_slots` places.
@@ -486,11 +498,18 @@ mod tests {
     }
 
     #[test]
-    fn on_flush_pushes_wait_for_their_flush_until_close() {
-        let q = Arc::new(RequestQueue::new(8, 1, Readiness::OnFlush));
-        q.push(req(1)).unwrap();
-        q.push(req(2)).unwrap();
-        assert!(!q.may_pop(), "pushed, not yet flushed");
+    fn admitted_requests_count_at_once_and_reach_workers_together_when_sent() {
+        let q = Arc::new(RequestQueue::new(3, 1));
+        let held = vec![q.admit(req(1)).unwrap(), q.admit(req(2)).unwrap()];
+        assert_eq!(q.len(), 2, "admitted requests count against the capacity");
+        q.push(req(3)).unwrap();
+        assert!(matches!(
+            q.push(req(4)),
+            Err(PushError {
+                error: CoreError::QueueFull { .. },
+                ..
+            })
+        ));
         let waiter = {
             let q = q.clone();
             std::thread::spawn(move || {
@@ -498,25 +517,26 @@ mod tests {
                     .wait_for_rows(2, Some(Instant::now() + Duration::from_secs(10)))
             })
         };
-        std::thread::sleep(Duration::from_millis(20));
-        assert_eq!(q.rings(), 0, "a push alone does not wake the worker");
-        q.flush(2);
-        waiter.join().unwrap();
-        assert_eq!(q.rings(), 1);
-        assert!(matches!(q.try_pop(), Popped::Request(r) if r.id == 1));
-        assert!(q.may_pop());
-        assert!(matches!(q.try_pop(), Popped::Request(r) if r.id == 2));
-        assert!(!q.may_pop());
-        q.push(req(3)).unwrap();
-        assert!(!q.may_pop());
-        q.close(1);
-        assert!(q.may_pop(), "closing releases everything accepted");
+        // Only the pushed request is in the channel: the held ones do not stand before it.
         assert!(matches!(q.try_pop(), Popped::Request(r) if r.id == 3));
+        assert!(matches!(q.try_pop(), Popped::Empty));
+        std::thread::sleep(Duration::from_millis(20));
+        let rings = q.rings();
+        q.send(held);
+        waiter.join().unwrap();
+        assert_eq!(
+            q.rings(),
+            rings + 1,
+            "one ring for everything sent together"
+        );
+        assert!(matches!(q.try_pop(), Popped::Request(r) if r.id == 1));
+        assert!(matches!(q.try_pop(), Popped::Request(r) if r.id == 2));
+        assert!(matches!(q.try_pop(), Popped::Empty));
     }
 
     #[test]
     fn refuses_beyond_capacity_then_admits_once_a_request_left() {
-        let q = RequestQueue::new(2, 1, Readiness::OnPush);
+        let q = RequestQueue::new(2, 1);
         q.push(req(1)).unwrap();
         q.push(req(2)).unwrap();
         let third = req(3);
@@ -534,7 +554,7 @@ mod tests {
 
     #[test]
     fn withdrawn_requests_do_not_crowd_out_new_ones_until_the_channel_is_full() {
-        let q = RequestQueue::new(2, 1, Readiness::OnPush);
+        let q = RequestQueue::new(2, 1);
         for id in 0..q.lanes[0].room as u64 {
             q.push(req(id)).unwrap();
             q.left(&req(0)); // withdrawn at once; still in the channel
@@ -553,7 +573,7 @@ mod tests {
 
     #[test]
     fn close_refuses_new_requests_and_queues_behind_accepted_ones() {
-        let q = RequestQueue::new(4, 2, Readiness::OnPush);
+        let q = RequestQueue::new(4, 2);
         q.push(req(1)).unwrap();
         q.close(2);
         let refused = q.push(req(2)).unwrap_err();
@@ -566,7 +586,7 @@ mod tests {
 
     #[test]
     fn a_waiting_worker_wakes_once_enough_rows_arrived_and_not_before() {
-        let q = Arc::new(RequestQueue::new(64, 1, Readiness::OnPush));
+        let q = Arc::new(RequestQueue::new(64, 1));
         let waiter = {
             let q = q.clone();
             std::thread::spawn(move || {
@@ -596,7 +616,7 @@ mod tests {
 
     #[test]
     fn wait_returns_at_once_when_rows_are_ready_and_at_the_deadline_when_not() {
-        let q = RequestQueue::new(8, 1, Readiness::OnPush);
+        let q = RequestQueue::new(8, 1);
         q.push(req(1)).unwrap();
         let role = q.take_role();
         role.wait_for_rows(1, None); // would hang if the ready row were missed
@@ -609,7 +629,7 @@ mod tests {
     fn no_wake_up_is_lost_between_check_and_sleep() {
         // Each round the waiter wants exactly the one row the pusher sends;
         // a lost wake-up hangs the round (and the test) on `None` deadline.
-        let q = Arc::new(RequestQueue::new(4, 1, Readiness::OnPush));
+        let q = Arc::new(RequestQueue::new(4, 1));
         let rounds = if cfg!(miri) { 20 } else { 2_000 };
         let pusher = {
             let q = q.clone();
@@ -633,7 +653,7 @@ mod tests {
 
     #[test]
     fn a_worker_waiting_for_the_role_takes_it_at_the_next_push_not_at_the_release() {
-        let q = Arc::new(RequestQueue::new(8, 2, Readiness::OnPush));
+        let q = Arc::new(RequestQueue::new(8, 2));
         let held = q.take_role();
         let (took, taken) = std::sync::mpsc::channel();
         let waiter = {
@@ -663,7 +683,7 @@ mod tests {
     #[test]
     fn a_release_with_rows_ready_or_a_carry_hands_the_role_over_at_once() {
         for carry in [false, true] {
-            let q = Arc::new(RequestQueue::new(8, 2, Readiness::OnPush));
+            let q = Arc::new(RequestQueue::new(8, 2));
             let held = q.take_role();
             let waiter = {
                 let q = q.clone();
@@ -682,7 +702,7 @@ mod tests {
 
     #[test]
     fn close_fits_even_when_the_queue_is_full() {
-        let q = RequestQueue::new(1, 3, Readiness::OnPush);
+        let q = RequestQueue::new(1, 3);
         q.push(req(1)).unwrap();
         q.close(3); // must not block
         assert_eq!(q.len(), 1);

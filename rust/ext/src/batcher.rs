@@ -236,7 +236,8 @@ impl Batcher {
         let answer = LoopAnswer::new(future.clone_ref(py), batched, stream);
         let mut entry = Some((answer, LoopHeld::new(self.core.clone(), keep)));
         let mut registered = None;
-        let submitted = self.core.submit_request(
+        let submitted = self.core.submit_held(
+            mailbox.unflushed(),
             Sink::EventLoop(mailbox.loop_id()),
             rows,
             bytes,
@@ -257,9 +258,6 @@ impl Batcher {
                 return Err(to_pyerr(py, err));
             }
         };
-        if self.core.readiness() == Readiness::OnFlush {
-            mailbox.add_unflushed(rows);
-        }
         Ok((future, request))
     }
 
@@ -289,12 +287,7 @@ impl Batcher {
                 waiter = Some((r.id, waiters.register(r, batched, keep)));
             });
         match (submitted, waiter) {
-            (Ok(request), Some((_, waiter))) => {
-                if self.core.readiness() == Readiness::OnFlush {
-                    self.core.flush(rows);
-                }
-                Ok((request, waiter))
-            }
+            (Ok(request), Some((_, waiter))) => Ok((request, waiter)),
             (Ok(_), None) => Err(pyo3::exceptions::PyRuntimeError::new_err(
                 "a queued request was not registered",
             )),

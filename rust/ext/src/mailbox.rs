@@ -151,9 +151,9 @@ pub struct LoopMailbox {
     create_future: Py<PyAny>,
     call_soon: Py<PyAny>,
     call_later: Py<PyAny>,
-    /// Rows this loop submitted in its current iteration, and the batcher
-    /// they went to: made ready at once by `flush`, which `call_soon` runs
-    /// after everything else the iteration does (greedy batchers only).
+    /// Requests this loop submitted in its current iteration, held from the
+    /// workers until `flush`, which `call_soon` runs after everything else
+    /// the iteration does (greedy batchers only).
     unflushed: Unflushed,
     inbox: Inbox<Post>,
     doorbell: OnceLock<Doorbell>,
@@ -181,8 +181,8 @@ impl LoopMailbox {
         self.pending.len()
     }
 
-    /// Readies for the workers the requests this loop submitted since the
-    /// last flush (loop thread, scheduled by the first submit after it).
+    /// Sends the workers the requests this loop submitted since the last
+    /// flush (loop thread, scheduled by the first submit after it).
     fn flush(&self) {
         self.unflushed.flush();
     }
@@ -374,16 +374,16 @@ impl LoopMailbox {
                 .getattr(intern!(py, "flush"))
                 .and_then(|flush| mailbox.call_soon.call1(py, (flush,)));
             if let Err(err) = scheduled {
-                mailbox.unflushed.flush(); // nothing counted yet: the next submit opens again
+                mailbox.unflushed.flush(); // nothing held yet: the next submit opens again
                 return Err(err);
             }
         }
         Ok(())
     }
 
-    /// Counts `rows` more rows for the scheduled flush (after `schedule_flush`).
-    pub(crate) fn add_unflushed(&self, rows: usize) {
-        self.unflushed.add(rows);
+    /// What holds this loop's requests until the scheduled flush (after `schedule_flush`).
+    pub(crate) fn unflushed(&self) -> &Unflushed {
+        &self.unflushed
     }
 
     pub(crate) fn loop_id(&self) -> u32 {
@@ -416,6 +416,7 @@ impl LoopMailbox {
             RequestState::Closed,
             Outcome::Cancelled,
         );
+        self.unflushed.flush(); // withdrawn: the workers skip them
         self.pending.is_empty()
     }
 

@@ -12,7 +12,7 @@ use bytes::Bytes;
 use ferrobatch_core::v2::{Data, HeaderMemo};
 use ferrobatch_core::{
     timeout_from_secs, CoreError, DType, InputBytes, InputRules, InputSpec, Inputs, Layout,
-    Outcome, PerTensor, Readiness, RequestState, Sink, Submission,
+    Outcome, PerTensor, RequestState, Sink, Submission,
 };
 use thread_local::ThreadLocal;
 use tokio::sync::oneshot;
@@ -388,18 +388,13 @@ impl ServedModel {
             self.replies.register(request, plan, owners, tx);
         });
         match submitted {
-            Ok(request) => {
-                if batcher.readiness() == Readiness::OnFlush {
-                    batcher.flush(matched.rows);
-                }
-                Ok(Submitted {
-                    id: request.id,
-                    reply: rx,
-                    deadline: request
-                        .deadline
-                        .and_then(|at| timeout.map(|(_, t)| (at, t))),
-                })
-            }
+            Ok(request) => Ok(Submitted {
+                id: request.id,
+                reply: rx,
+                deadline: request
+                    .deadline
+                    .and_then(|at| timeout.map(|(_, t)| (at, t))),
+            }),
             Err(err) => {
                 if let Some(id) = registered {
                     self.replies.unregister(id);

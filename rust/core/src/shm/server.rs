@@ -30,7 +30,7 @@ use super::{
     Withdraw, POLL, SPIN,
 };
 use crate::pending::Pending;
-use crate::{Batcher, CoreError, InputBytes, Outcome, RequestState, Route, Sink, Tally};
+use crate::{Batcher, CoreError, InputBytes, Outcome, RequestState, Route, Sink, Tally, Unflushed};
 
 /// How the server reports a fault of a client or of the shared ring (a
 /// line for the log; called rarely, from any of the server's threads).
@@ -124,6 +124,8 @@ struct Held {
 pub struct SharedServer {
     segment: Arc<Segment>,
     batcher: Arc<Batcher>,
+    /// This drain's requests, sent together at its end (greedy batchers).
+    held: Unflushed,
     /// How requests lie in their cells.
     layout: CellLayout,
     /// Inputs and outputs the model has.
@@ -176,6 +178,7 @@ impl SharedServer {
         let server = Arc::new(SharedServer {
             segment,
             batcher,
+            held: Unflushed::default(),
             layout,
             counts,
             optional,
@@ -277,12 +280,13 @@ impl SharedServer {
         // Requests came in lately: poll a little before sleeping.
         let mut active = false;
         while !self.stop.load(Ordering::Acquire) {
-            let mut rows = 0;
+            // Greedy batchers take this drain's requests at its end, at once.
+            self.held.open(&self.batcher);
             let mut taken = 0;
             let mut corrupt = false;
             while taken < 1024 {
                 match ring.pop() {
-                    Ok(Some(v)) => rows += self.handle(Descriptor::decode(v), &mut wake),
+                    Ok(Some(v)) => self.handle(Descriptor::decode(v), &mut wake),
                     Ok(None) => break,
                     Err(_) => {
                         corrupt = true;
@@ -317,12 +321,11 @@ impl SharedServer {
                 }
             }
             if sweep_now || swept.elapsed() >= SWEEP {
-                rows += self.sweep(&mut wake);
+                self.sweep(&mut wake);
                 swept = Instant::now();
                 sweep_now = false;
             }
-            // Greedy batchers take rows once flushed: all of this drain at once.
-            self.batcher.flush(rows);
+            self.held.flush();
             self.wake(&mut wake);
             if checked.elapsed() >= POLL {
                 self.reclaim();
@@ -345,10 +348,8 @@ impl SharedServer {
 
     /// Accepts every QUEUED entry of an active client, as its descriptor
     /// would have (the descriptor, if it comes, then finds it taken).
-    /// Returns the rows it queued.
-    fn sweep(&self, wake: &mut Vec<u32>) -> usize {
+    fn sweep(&self, wake: &mut Vec<u32>) {
         let config = self.segment.config();
-        let mut rows = 0;
         for client in 0..config.clients {
             if self.segment.client_status(client).load(Ordering::Acquire) != client_state::ACTIVE {
                 continue;
@@ -366,11 +367,10 @@ impl SharedServer {
                         tag: (w >> 32) as u32,
                         withdraw: None,
                     };
-                    rows += self.handle(d, wake);
+                    self.handle(d, wake);
                 }
             }
         }
-        rows
     }
 
     /// Wakes each client in `wake` once.
@@ -411,15 +411,15 @@ impl SharedServer {
         }
     }
 
-    /// Handles one descriptor; returns the rows it queued.
-    fn handle(&self, d: Descriptor, wake: &mut Vec<u32>) -> usize {
+    /// Handles one descriptor: a request is held until the drain's flush.
+    fn handle(&self, d: Descriptor, wake: &mut Vec<u32>) {
         let config = self.segment.config();
         if d.client >= config.clients || d.cell >= config.cells {
-            return 0; // not from a client of this layout: nothing to answer
+            return; // not from a client of this layout: nothing to answer
         }
         if let Some(why) = d.withdraw {
             self.withdraw(d, why, wake);
-            return 0;
+            return;
         }
         let entry = self.segment.entry(d.client, d.cell);
         let accepted = entry.word().compare_exchange(
@@ -429,14 +429,13 @@ impl SharedServer {
             Ordering::Acquire,
         );
         if accepted.is_err() {
-            return 0; // withdrawn by its client, or stale: never run
+            return; // withdrawn by its client, or stale: never run
         }
         wake.push(d.client);
         let rows = entry.rows().load(Ordering::Relaxed);
         let fail = |code: u32, outcome: Outcome, message: &str| {
             self.pending.tally().count(outcome);
             self.write_done(d.client, d.cell, d.tag, code, message);
-            0
         };
         if !self.accepting.load(Ordering::Acquire) {
             return fail(
@@ -528,7 +527,8 @@ impl SharedServer {
             span,
         };
         let mut registered = None;
-        let submitted = self.batcher.submit_request(
+        let submitted = self.batcher.submit_held(
+            &self.held,
             Sink::SharedMemory(d.client),
             rows as usize,
             inputs,
@@ -543,7 +543,7 @@ impl SharedServer {
             },
         );
         match submitted {
-            Ok(_) => rows as usize,
+            Ok(_) => {}
             Err(err) => {
                 if let Some(id) = registered {
                     self.pending.unregister(id);
