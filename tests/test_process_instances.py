@@ -9,6 +9,7 @@ server."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib
 import os
 import signal
@@ -593,3 +594,17 @@ def test_a_process_that_cannot_load_its_model_says_how_it_ended(tmp_path: Path) 
         sys.modules.pop("vanishing_model", None)
     assert "exited at start (exit code 1)" in message and "stderr" in message, message
     assert "in time" not in message
+
+
+def test_a_server_freed_without_stop_leaves_no_instance_process() -> None:
+    # Before, stop() alone ended them: a server dropped while running left its children running.
+    async def run() -> list[int]:
+        server = fb.Server([where, where], inputs=[X], outputs=[Y, PID], instance_kind="process", name="dropped")
+        await server.start()
+        pids = [e.pid for e in server._executors]  # type: ignore[attr-defined]
+        await server.client().infer({"x": torch.ones(8)})
+        return pids
+
+    pids = asyncio.run(run())
+    gc.collect()
+    assert wait_gone(pids), "the freed server's instance processes were not ended"

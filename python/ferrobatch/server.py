@@ -396,7 +396,6 @@ class Server:
         self._slots: list[dict[str, torch.Tensor]] = []
         self._threads: list[threading.Thread] = []
         self._counters: list[WorkerCounters] = []
-        self._executors: list[Executor] = []
         self._token: anyio.lowlevel.EventLoopToken | None = None
         self._shared: list[Shared] = []
         self._phase = "created"  # created -> starting (warm-up) -> running -> stopping -> stopped
@@ -413,6 +412,14 @@ class Server:
     @_batcher.setter
     def _batcher(self, batcher: _core.Batcher | None) -> None:
         self._native.batcher = batcher
+
+    @property
+    def _executors(self) -> list[Executor]:
+        return self._native.executors
+
+    @_executors.setter
+    def _executors(self, executors: list[Executor]) -> None:
+        self._native.executors = executors
 
     @classmethod
     def from_example(cls, model: Model | Sequence[Model], example_inputs: Mapping[str, Any], **kwargs: Any) -> Server:
@@ -1111,20 +1118,25 @@ class _NativeParts:
     """What a server's finalizer closes, held apart from the server: a
     finalizer that referenced the server would keep it alive for good."""
 
-    __slots__ = ("batcher",)
+    __slots__ = ("batcher", "executors")
 
     def __init__(self) -> None:
         # Set while started; the worker threads hold it too, so it outlives the server.
         self.batcher: _core.Batcher | None = None
+        self.executors: list[Executor] = []
 
 
 def _release_native(parts: _NativeParts, loops: _core.LoopRegistry) -> None:
     """A server was freed without ``stop()``: no client is left (each holds
     the server), so its workers find nothing queued and end, freeing the
-    model and the staging slots they hold."""
+    model and the staging slots they hold; its instance processes are
+    killed (nothing is left for them to run)."""
     if parts.batcher is not None:
         parts.batcher.close()
     loops.close()
+    for executor in parts.executors:
+        if isinstance(executor, ProcessExecutor):
+            executor.stop(wait=False)
 
 
 async def _joined(threads: Sequence[threading.Thread]) -> None:
