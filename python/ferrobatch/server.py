@@ -104,6 +104,11 @@ class Server:
             other request is waiting (default none).
         max_queue_size: requests allowed to wait; beyond it ``infer`` raises
             :class:`QueueFullError` at once (default 10000).
+        default_timeout: seconds a request that gives no ``timeout`` may
+            take, on every way in (in process, threads, shared memory, HTTP
+            and gRPC): it then fails with :class:`DeadlineExceededError`, as
+            with its own ``timeout`` (Triton's queue policy
+            ``default_timeout_microseconds``). ``None`` (default): no limit.
         device: where the model runs ("cpu", "cuda", "cuda:1", a
             ``torch.device``); ``None``: the device of the model's parameters,
             else CPU. A ``torch.nn.Module`` is moved there. A list gives one
@@ -247,6 +252,7 @@ class Server:
         min_batch_size: int = 1,
         preferred_batch_sizes: Sequence[int] = (),
         max_queue_size: int = 10_000,
+        default_timeout: float | None = None,
         device: str | torch.device | None | Sequence[str | torch.device | None] = None,
         name: str = "model",
         cuda_graphs: bool = False,
@@ -355,6 +361,14 @@ class Server:
             raise ValueError(f"preferred_batch_sizes must be in 1..{max_batch_size}, got {bad}")
         if not whole_in(max_queue_size, 1, MAX_QUEUE_SIZE):
             raise ValueError(f"max_queue_size must be an int from 1 to {MAX_QUEUE_SIZE}, got {max_queue_size!r}")
+        if default_timeout is not None and (
+            isinstance(default_timeout, bool)
+            or not isinstance(default_timeout, (int, float))
+            or not default_timeout > 0
+        ):
+            raise ValueError(f"default_timeout must be > 0 seconds or None, got {default_timeout!r}")
+        #: The timeout of a request that gives none (seconds; None: no limit).
+        self.default_timeout: float | None = None if default_timeout is None else float(default_timeout)
         self.name = name
         self.max_batch_size = max_batch_size
         if max_batch_elements is not None and not whole_in(max_batch_elements, 1, MAX_BATCH_ELEMENTS):
@@ -661,6 +675,7 @@ class Server:
                 max_priority_wait=self.max_priority_wait,
                 keep_parameters=self.with_requests,  # others never carry a request's parameters
                 optional=[s.optional for s in self.inputs],
+                default_timeout=self.default_timeout,
             )
         except BaseException:
             self._executors, self._slots, self._phase = [], [], "created"

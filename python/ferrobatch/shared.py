@@ -168,6 +168,7 @@ def share(
             "model": server.name,
             "max_batch_size": server.max_batch_size,
             "max_batch_elements": server.max_batch_elements,
+            "default_timeout": server.default_timeout,
             "cell_bytes": cell_bytes if variable else 0,
             "inputs": [_spec_meta(s) for s in server.inputs],
             "outputs": [_spec_meta(s) for s in server.outputs],
@@ -283,6 +284,7 @@ class SharedClient:
         self.outputs: tuple[TensorSpec, ...] = ()
         #: What the server shared with (``server.share(..., metadata=)``).
         self.metadata: dict[str, Any] = {}
+        self._default_timeout: float | None = None
         self._input_names: frozenset[str] = frozenset()
         self._connect()
         with _live_lock:
@@ -313,6 +315,9 @@ class SharedClient:
         self.inputs = tuple(_spec_of(s) for s in meta["inputs"])
         self.outputs = tuple(_spec_of(s) for s in meta["outputs"])
         self.metadata = dict(meta.get("metadata") or {})
+        # The server's timeout for requests that give none: this client arms its timer.
+        default_timeout = meta.get("default_timeout")
+        self._default_timeout = None if default_timeout is None else float(default_timeout)
         self._input_names = frozenset(s.name for s in self.inputs)
         cell_bytes = int(meta["cell_bytes"])
         return _core.SharedClient(
@@ -372,6 +377,8 @@ class SharedClient:
         parameters: str | None,
     ) -> Any:
         core = self._live_core()
+        if timeout is None:
+            timeout = self._default_timeout
         tensordict = False
         if type(inputs) is not dict and isinstance(inputs, Mapping):
             tensordict = _is_tensordict(inputs)
@@ -439,6 +446,8 @@ class SharedClient:
                 "use `await client.infer(...)` there"
             )
         core = self._live_core()
+        if timeout is None:
+            timeout = self._default_timeout
         encoded = encode_parameters(parameters)
         if type(inputs) is not dict and isinstance(inputs, Mapping):
             if _is_tensordict(inputs):

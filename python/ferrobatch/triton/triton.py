@@ -391,6 +391,17 @@ class Triton:
             )
         if policy is not None and policy.max_queue_size > 0:
             kwargs["max_queue_size"] = policy.max_queue_size
+        if policy is not None and policy.default_timeout_microseconds < 0:
+            raise PyTritonModelConfigError(
+                f"model '{model_name}': default_queue_policy.default_timeout_microseconds must be >= 0"
+                f" (0: none), got {policy.default_timeout_microseconds}"
+            )
+        if (
+            policy is not None
+            and policy.default_timeout_microseconds > 0
+            and policy.timeout_action == TimeoutAction.REJECT
+        ):
+            kwargs["default_timeout"] = policy.default_timeout_microseconds / 1e6
         if batcher.priority_levels > 1:  # one level is none, as in Triton
             kwargs["priority_levels"] = batcher.priority_levels
             kwargs["default_priority"] = batcher.default_priority_level or None
@@ -621,21 +632,15 @@ def _ports(listening: Listening) -> tuple[int | None, int | None]:
 
 
 def _warn_queue_policy(name: str, policy: QueuePolicy | None) -> None:
-    """Warns of the queue policy's settings ferrobatch cannot keep: a
-    ``Server`` has no default deadline for requests that give none (a
-    request's own ``timeout`` parameter is kept), and it never delays."""
+    """Warns of the queue policy's settings ferrobatch cannot keep: it
+    never delays a request whose timeout passed, it rejects it."""
     if policy is None:
         return
-    if policy.default_timeout_microseconds > 0:
-        log.warning(
-            "model '%s': default_queue_policy.default_timeout_microseconds is not supported; ignored"
-            " (requests wait without a deadline unless they send their own 'timeout' parameter)",
-            name,
-        )
     if policy.timeout_action == TimeoutAction.DELAY:
         log.warning(
-            "model '%s': default_queue_policy.timeout_action=DELAY is not supported; a request whose own"
-            " 'timeout' passes is rejected (504)",
+            "model '%s': default_queue_policy.timeout_action=DELAY is not supported; its"
+            " default_timeout_microseconds is ignored, and a request whose own 'timeout' passes"
+            " is rejected (504)",
             name,
         )
 

@@ -142,6 +142,8 @@ pub struct Batcher {
     /// Who may still add a row to the batch being gathered.
     callers: BlockingCallers,
     readiness: Readiness,
+    /// The timeout of a request that gives none (see [`Batcher::with_default_timeout`]).
+    default_timeout: Option<Duration>,
     /// Submitters that hold requests for this batcher ([`Unflushed`]):
     /// flushed as it closes.
     holders: Mutex<Vec<Weak<Held>>>,
@@ -205,6 +207,7 @@ impl Batcher {
             bytes_limits: config.bytes_limits,
             callers: BlockingCallers::new(max_delay),
             readiness: config.readiness,
+            default_timeout: None,
             holders: Mutex::new(Vec::new()),
         })
     }
@@ -246,6 +249,19 @@ impl Batcher {
     pub fn keeping_parameters(mut self, keep: bool) -> Batcher {
         self.keep_parameters = keep;
         self
+    }
+
+    /// This batcher, with `timeout` for requests that give none. Each way in
+    /// applies it where it arms the caller's timer ([`Batcher::default_timeout`]):
+    /// a deadline nobody watches would leave a skipped request unanswered.
+    pub fn with_default_timeout(mut self, timeout: Option<Duration>) -> Batcher {
+        self.default_timeout = timeout;
+        self
+    }
+
+    /// The timeout of a request that gives none (`None`: no limit).
+    pub fn default_timeout(&self) -> Option<Duration> {
+        self.default_timeout
     }
 
     /// Whether requests keep their parameters (see [`Batcher::keeping_parameters`]).

@@ -44,7 +44,7 @@ impl Batcher {
         min_batch_size, preferred_batch_sizes, max_queue_size, workers, adaptive=false,
         layouts=Vec::new(), max_batch_elements=None, padded_dims=Vec::new(),
         priority_levels=0, default_priority=None, max_priority_wait=None, keep_parameters=false,
-        optional=Vec::new(), delay_from_free_worker=false,
+        optional=Vec::new(), delay_from_free_worker=false, default_timeout=None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -69,7 +69,18 @@ impl Batcher {
         keep_parameters: bool,
         optional: Vec<bool>,
         delay_from_free_worker: bool,
+        default_timeout: Option<f64>,
     ) -> PyResult<Batcher> {
+        let default_timeout = match default_timeout {
+            None => None,
+            Some(t) if t.is_nan() || t <= 0.0 => {
+                return Err(PyValueError::new_err(format!(
+                    "default_timeout must be > 0 seconds or None, got {t}"
+                )))
+            }
+            // Longer than a Duration holds: no limit.
+            Some(t) => Duration::try_from_secs_f64(t).ok(),
+        };
         let max_wait = match max_priority_wait {
             None => None,
             Some(w) if w.is_nan() || w < 0.0 => {
@@ -148,7 +159,8 @@ impl Batcher {
         };
         let core = core::Batcher::new(config, slot_buffers)
             .map_err(|e| to_pyerr(py, e))?
-            .keeping_parameters(keep_parameters);
+            .keeping_parameters(keep_parameters)
+            .with_default_timeout(default_timeout);
         Ok(Batcher {
             core: Arc::new(core),
             converter: Converter {

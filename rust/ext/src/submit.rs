@@ -14,6 +14,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
+use std::time::Duration;
 
 use pyo3::ffi;
 use pyo3::intern;
@@ -177,12 +178,20 @@ impl Submitter {
             return Err(self.wrong_call(py, stream.is_some()));
         }
         let mut timeout_s = None;
-        let submitted =
-            called(py, &timeout, &priority, &parameters, &mut timeout_s).and_then(|submission| {
-                batcher
-                    .get()
-                    .submit(py, inputs, mailbox.bind(py), submission, batched, stream)
-            });
+        let default = batcher.get().core().default_timeout();
+        let submitted = called(
+            py,
+            &timeout,
+            default,
+            &priority,
+            &parameters,
+            &mut timeout_s,
+        )
+        .and_then(|submission| {
+            batcher
+                .get()
+                .submit(py, inputs, mailbox.bind(py), submission, batched, stream)
+        });
         let (future, request) = match submitted {
             Ok(submitted) => submitted,
             Err(err) => {
@@ -238,8 +247,16 @@ impl Submitter {
         }
         let batcher = batcher.get();
         let mut timeout_s = None;
-        let submitted = called(py, &timeout, &priority, &parameters, &mut timeout_s)
-            .and_then(|s| batcher.submit_from_thread(py, inputs, s, batched, waiters));
+        let default = batcher.core().default_timeout();
+        let submitted = called(
+            py,
+            &timeout,
+            default,
+            &priority,
+            &parameters,
+            &mut timeout_s,
+        )
+        .and_then(|s| batcher.submit_from_thread(py, inputs, s, batched, waiters));
         let (request, waiter) = match submitted {
             Ok(submitted) => submitted,
             Err(err) => {
@@ -262,15 +279,18 @@ impl Submitter {
 }
 
 /// What a caller of `submit` or `infer_blocking` said besides its inputs,
-/// read where a refusal is counted; `timeout_s` gets the timeout in seconds.
+/// read where a refusal is counted; `timeout_s` gets the timeout in seconds
+/// (the server's `default` when the caller gave none).
 fn called(
     py: Python<'_>,
     timeout: &Option<Bound<'_, PyAny>>,
+    default: Option<Duration>,
     priority: &Option<Bound<'_, PyAny>>,
     parameters: &Option<Bound<'_, PyAny>>,
     timeout_s: &mut Option<f64>,
 ) -> PyResult<ferrobatch_core::Submission> {
     let (seconds, priority) = call_numbers(py, timeout.as_ref(), priority.as_ref())?;
+    let seconds = seconds.or(default.map(|d| d.as_secs_f64()));
     *timeout_s = seconds;
     let parameters = crate::codec::parameters_text(py, parameters.as_ref())?;
     submission(py, seconds, priority, parameters)

@@ -315,6 +315,7 @@ impl ServedModel {
             parameters,
         } = meta;
         let batcher = self.replies.batcher();
+        let timeout = timeout.or(batcher.default_timeout().map(|d| d.as_secs_f64()));
         let shapes: PerTensor<Dims> = tensors.iter().map(|t| dims(t.shape)).collect();
         let described: PerTensor<(&str, DType, &[usize])> = tensors
             .iter()
