@@ -360,7 +360,10 @@ impl Batcher {
             }
         };
         match holder.held().hold(self, &request, &mut registering) {
-            Some(held) => held.map(|()| request),
+            Some(held) => {
+                self.callers.arrive(caller, request.enqueued_at);
+                held.map(|()| request)
+            }
             None => self.enqueue(request, caller, registering),
         }
     }
@@ -542,7 +545,7 @@ impl Batcher {
     /// Remembers a holder, to flush it as this batcher closes.
     pub(crate) fn register_holder(&self, holder: Weak<Held>) {
         let mut holders = self.holders.lock().unwrap_or_else(|e| e.into_inner());
-        holders.retain(|h| h.strong_count() > 0);
+        holders.retain(|h| h.strong_count() > 0 && !h.ptr_eq(&holder));
         holders.push(holder);
     }
 
@@ -639,24 +642,17 @@ impl Batcher {
         }
         while !worker.closed {
             let now = Instant::now();
-            if gathered.iter().any(|r| r.state() != RequestState::Queued) {
-                // Withdrawn while the batch filled: they leave it, and the
-                // carry may fit now.
-                gathered.retain(|r| {
-                    let queued = r.state() == RequestState::Queued;
-                    if !queued {
-                        self.stats.skipped_withdrawn.fetch_add(1, Ordering::Relaxed);
-                    }
-                    queued
-                });
+            let live =
+                |r: &Arc<Request>| r.state() == RequestState::Queued && !r.is_past_deadline(now);
+            if !gathered.iter().all(live) {
+                // Withdrawn or expired while the batch filled: they leave it
+                // (counted as skipped by `take_one`, which cannot take them).
+                gathered.retain(|r| live(r) || self.take_one(r, now));
                 rows = 0;
                 budget = Budget::new(self.ring.layouts());
                 for r in gathered.iter() {
                     budget.add(r, self.ring.layouts());
                     rows += r.rows as usize;
-                }
-                if let Some(r) = carry.take() {
-                    self.admit(r, now, carry, gathered, &mut rows, &mut budget);
                 }
             }
             // Take what is already queued, without blocking.
@@ -1526,6 +1522,108 @@ mod tests {
         assert_eq!(batcher.queue_len(), 0);
         worker.join().unwrap();
         batcher.close();
+    }
+
+    fn held_submit(b: &Batcher, holder: &Unflushed) -> Arc<Request> {
+        // SAFETY: static bytes outlive everything.
+        let input = unsafe { InputBytes::new(ROW_A.as_ptr(), ROW) };
+        b.submit_held(
+            holder,
+            Sink::EventLoop(0),
+            1,
+            [input],
+            Submission::default(),
+            |_| {},
+        )
+        .unwrap()
+    }
+
+    fn next_batch_on_a_thread(
+        b: &Arc<Batcher>,
+    ) -> std::sync::mpsc::Receiver<(Vec<u64>, DispatchReason)> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let b = b.clone();
+        std::thread::spawn(move || {
+            if let Some(batch) = b.next_batch(&mut Worker::new()) {
+                let ids = batch.requests.iter().map(|r| r.id).collect();
+                let _ = tx.send((ids, batch.reason));
+            }
+        });
+        rx
+    }
+
+    /// An event loop's held request is a caller that does not block, as a
+    /// pushed one is: a batch with a blocking caller's request waits for
+    /// more (`min_batch_size`) instead of going as `CallersWaiting`.
+    #[test]
+    #[cfg_attr(miri, ignore = "timed: Miri's clock advances with interpretation")]
+    fn a_held_request_counts_as_a_caller_that_does_not_block() {
+        let knobs = Knobs {
+            readiness: Readiness::OnFlush,
+            ..Knobs::default()
+        };
+        let f = build(8, Duration::ZERO, 4, 100, 1, knobs);
+        let holder = Unflushed::default();
+        assert!(holder.open(&f.batcher));
+        let held = held_submit(&f.batcher, &holder);
+        holder.flush();
+        let blocking = submit_blocking(&f.batcher, 1);
+        let batch = next_batch_on_a_thread(&f.batcher);
+        assert!(
+            batch.recv_timeout(Duration::from_millis(300)).is_err(),
+            "an event loop may still add rows: below min_batch_size the batch waits"
+        );
+        f.batcher.close();
+        let (ids, reason) = batch.recv_timeout(Duration::from_secs(10)).unwrap();
+        assert_eq!(
+            (ids, reason),
+            (vec![held.id, blocking.id], DispatchReason::Shutdown)
+        );
+    }
+
+    /// A gathered request past its deadline leaves the batch when the
+    /// gatherer next wakes, even before its caller's timer withdraws it: it
+    /// does not count toward `min_batch_size`.
+    #[test]
+    #[cfg_attr(miri, ignore = "timed: Miri's clock advances with interpretation")]
+    fn an_expired_gathered_request_does_not_count_toward_min_batch_size() {
+        let f = fixture(8, Duration::ZERO, 2, 100, 1);
+        let batch = next_batch_on_a_thread(&f.batcher);
+        let expired = submit(&f.batcher, &ROW_A, Some(Duration::from_millis(30)));
+        std::thread::sleep(Duration::from_millis(80)); // gathered, then past its deadline
+        let kept = submit(&f.batcher, &ROW_A, None);
+        assert!(
+            batch.recv_timeout(Duration::from_millis(300)).is_err(),
+            "one live row: the batch waits for a second"
+        );
+        assert_eq!(expired.state(), RequestState::Expired);
+        f.batcher.close();
+        let (ids, _) = batch.recv_timeout(Duration::from_secs(10)).unwrap();
+        assert_eq!(ids, vec![kept.id]);
+        assert_eq!(f.batcher.stats().skipped_expired.load(Ordering::Relaxed), 1);
+    }
+
+    /// A holder registers with a batcher once, however often it switches.
+    #[test]
+    fn a_holder_switching_batchers_is_registered_once_with_each() {
+        let knobs = || Knobs {
+            readiness: Readiness::OnFlush,
+            ..Knobs::default()
+        };
+        let (a, b) = (
+            build(8, Duration::ZERO, 1, 100, 1, knobs()),
+            build(8, Duration::ZERO, 1, 100, 1, knobs()),
+        );
+        let holder = Unflushed::default();
+        for _ in 0..100 {
+            for f in [&a, &b] {
+                assert!(holder.open(&f.batcher));
+                holder.flush();
+            }
+        }
+        for f in [&a, &b] {
+            assert_eq!(f.batcher.holders.lock().unwrap().len(), 1);
+        }
     }
 
     /// A request one worker's batch could not take goes to the worker

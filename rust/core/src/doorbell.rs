@@ -115,7 +115,7 @@ impl Doorbell {
     }
 
     /// Marks the queue closed; true for the first call only. The caller
-    /// then sends its close messages and rings.
+    /// has sent its close messages; it then rings.
     pub(crate) fn mark_closed(&self) -> bool {
         !self.closed.swap(true, Ordering::SeqCst)
     }

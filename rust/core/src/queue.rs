@@ -27,7 +27,7 @@
 //! stand in front of another's, because nothing reaches the channel before
 //! it is sent.
 
-use std::sync::atomic::{AtomicIsize, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicIsize, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -172,6 +172,8 @@ pub struct RequestQueue {
     max_wait: Option<Duration>,
     capacity: usize,
     waiting: AtomicUsize,
+    /// New requests are refused (the close has begun).
+    refused: AtomicBool,
     /// Ready rows (sent and not yet popped), the close,
     /// the sleeping gatherer and the workers waiting for its role.
     doorbell: Doorbell,
@@ -222,6 +224,7 @@ impl RequestQueue {
             max_wait: priorities.max_wait,
             capacity,
             waiting: AtomicUsize::new(0),
+            refused: AtomicBool::new(false),
             doorbell: Doorbell::new(),
             blocking: AtomicIsize::new(0),
         }
@@ -244,7 +247,7 @@ impl RequestQueue {
     /// Admits a request into its lane without sending it (see the module's
     /// documentation), or refuses it as [`RequestQueue::push`] does.
     pub fn admit(&self, request: Arc<Request>) -> Result<Admitted, PushError> {
-        if self.doorbell.is_closed() {
+        if self.refused.load(Ordering::SeqCst) {
             return Err(PushError {
                 error: CoreError::Closed,
                 request,
@@ -442,17 +445,21 @@ impl RequestQueue {
     /// which must then [`RequestQueue::send_closes`] (after sending what
     /// was admitted before).
     pub fn refuse(&self) -> bool {
-        self.doorbell.mark_closed()
+        !self.refused.swap(true, Ordering::SeqCst)
     }
 
-    /// Sends one close message per worker, behind every request sent.
+    /// Sends one close message per worker, behind every request sent, then
+    /// tells the workers (until then a gatherer sleeps as usual: it does not
+    /// spin while what was admitted is sent).
     pub fn send_closes(&self, workers: usize) {
         let last = &self.lanes[self.lanes.len() - 1];
         for _ in 0..workers {
             // Never blocks: request messages cannot take the last `wake_slots` places.
             let _ = last.tx.try_send(Message::Close);
         }
-        self.doorbell.ring();
+        if self.doorbell.mark_closed() {
+            self.doorbell.ring();
+        }
     }
 
     /// Live requests waiting: pushed and not yet taken or withdrawn.
