@@ -12,6 +12,7 @@ import threading
 import time
 from collections import Counter
 
+import pytest
 import torch
 from conftest import WIDTH, make_server
 
@@ -98,9 +99,12 @@ async def caller_loop(client: fb.Client, seed: int, tally: Counter[str], stop_su
     await asyncio.gather(*(one() for _ in range(CONCURRENCY)))
 
 
-async def test_chaos_every_request_resolves_once_and_stats_match_the_callers() -> None:
+@pytest.mark.parametrize("max_delay", [0.0005, 0.0], ids=["max_delay", "greedy"])
+async def test_chaos_every_request_resolves_once_and_stats_match_the_callers(max_delay: float) -> None:
     # 576 callers in flight against a queue of 96: every slow batch overflows it.
-    server = make_server(chaotic_model(7), max_batch_size=32, max_delay=0.0005, max_queue_size=96)
+    # Greedy: each loop holds its iteration's requests until its flush, and
+    # the stop sends what the loops hold ahead of the workers' close.
+    server = make_server(chaotic_model(7), max_batch_size=32, max_delay=max_delay, max_queue_size=96)
     await server.start()
     client = server.client()
     tallies = [Counter[str]() for _ in range(LOOPS)]
