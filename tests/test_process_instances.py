@@ -608,3 +608,32 @@ def test_a_server_freed_without_stop_leaves_no_instance_process() -> None:
     pids = asyncio.run(run())
     gc.collect()
     assert wait_gone(pids), "the freed server's instance processes were not ended"
+
+
+def test_readiness_says_not_ready_while_every_instance_is_down(tmp_path: Path) -> None:
+    # Before, readiness stayed 200 while every batch failed 500 (an instance that could not restart).
+    import httpx
+
+    from ferrobatch.serve import ServeConfig, serve_in_thread
+
+    weights = tmp_path / "weights"
+    weights.write_bytes(b"w")
+    server = fb.Server(NeedsFile(str(weights)), inputs=[X], outputs=[Y, PID], instance_kind="process", name="needs")
+    config = ServeConfig(http_port=0, grpc_port=None, frontend="native")
+    with serve_in_thread([server], config) as listening:
+        base = f"http://127.0.0.1:{listening.http_port}"
+        body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 8], "data": [1.0] * 8}]}
+
+        def statuses() -> tuple[int, int]:
+            model = httpx.get(f"{base}/v2/models/needs/ready", timeout=10).status_code
+            return model, httpx.get(f"{base}/v2/health/ready", timeout=10).status_code
+
+        assert statuses() == (200, 200) and server.ready
+        weights.unlink()
+        os.kill(server._executors[0].pid, signal.SIGKILL)  # type: ignore[attr-defined]
+        assert httpx.post(f"{base}/v2/models/needs/infer", json=body, timeout=30).status_code == 500
+        assert statuses() == (503, 503) and not server.ready
+        weights.write_bytes(b"w")
+        time.sleep(1.5)  # past its next try (the first after 1 s)
+        assert httpx.post(f"{base}/v2/models/needs/infer", json=body, timeout=30).status_code == 200
+        assert statuses() == (200, 200) and server.ready

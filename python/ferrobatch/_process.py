@@ -205,6 +205,8 @@ class ProcessExecutor(CpuExecutor):
         self.reruns = 0
         #: Rows of the batch being served (a call on all of them may run again).
         self._batch_rows = 0
+        #: Called (on the worker's thread) when :attr:`down` changes.
+        self.on_health_change: Callable[[], None] | None = None
 
     @property
     def pid(self) -> int | None:
@@ -216,6 +218,12 @@ class ProcessExecutor(CpuExecutor):
     def up(self) -> bool:
         """Whether the instance has a process to run batches."""
         return self._conn is not None
+
+    @property
+    def down(self) -> bool:
+        """Whether its process died and could not be started again (it
+        tries again later): it runs no batch until then."""
+        return self._down is not None and not self.up
 
     def launch(self, slots: Slots, torch_threads: int, cores: frozenset[int] | None, yields: bool = False) -> None:
         """Starts the child (slots shared already) and waits until it is ready."""
@@ -306,7 +314,16 @@ class ProcessExecutor(CpuExecutor):
 
     def _try_start(self) -> None:
         """Starts a child; a failure is remembered (``_down``) and the next
-        try put off, longer after each."""
+        try put off, longer after each. A change of :attr:`down` is told to
+        ``on_health_change``."""
+        was_down = self.down
+        try:
+            self._try_start_once()
+        finally:
+            if self.down != was_down and self.on_health_change is not None:
+                self.on_health_change()
+
+    def _try_start_once(self) -> None:
         try:
             self._start_child()
         except ServerClosedError:

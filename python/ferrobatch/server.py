@@ -640,6 +640,9 @@ class Server:
             log.warning("ferrobatch: model '%s' runs eagerly: %s", self.name, capture_failures)
             cuda_graph_fallback_warning(self.name, capture_failures)
         self._executors = executors
+        for executor in executors:
+            if isinstance(executor, ProcessExecutor):
+                executor.on_health_change = self._native.instances_changed
         try:
             pin = any(d.type == "cuda" for d in self.devices)
             per_instance = [_staging_slots(isinstance(e, CudaExecutor)) for e in executors]
@@ -857,8 +860,16 @@ class Server:
     @property
     def ready(self) -> bool:
         """True once ``start()`` has warmed every instance up and the workers
-        run; False before, during warm-up, and from ``stop()`` on."""
-        return self._phase == "running"
+        run; False before, during warm-up, from ``stop()`` on, and while every
+        instance is down (process instances whose processes died and could
+        not be started again: each tries again, later and later)."""
+        return self._phase == "running" and self._native.instances_up()
+
+    def _watch_readiness(self, watcher: Callable[[bool], object]) -> None:
+        """Calls ``watcher(instances up)`` now and whenever that changes (a
+        native front-end's readiness follows it; a worker thread may call it)."""
+        self._native.watchers.append(watcher)
+        watcher(self._native.instances_up())
 
     def client(self) -> Client:
         """A client for this server (cheap; share it or make many)."""
@@ -1133,12 +1144,24 @@ class _NativeParts:
     """What a server's finalizer closes, held apart from the server: a
     finalizer that referenced the server would keep it alive for good."""
 
-    __slots__ = ("batcher", "executors")
+    __slots__ = ("batcher", "executors", "watchers")
 
     def __init__(self) -> None:
         # Set while started; the worker threads hold it too, so it outlives the server.
         self.batcher: _core.Batcher | None = None
         self.executors: list[Executor] = []
+        #: Told whether any instance can run batches, when that changes.
+        self.watchers: list[Callable[[bool], object]] = []
+
+    def instances_up(self) -> bool:
+        """Whether an instance can run batches (not every one is down)."""
+        return not self.executors or not all(isinstance(e, ProcessExecutor) and e.down for e in self.executors)
+
+    def instances_changed(self) -> None:
+        """An instance went down or came back (on its worker's thread)."""
+        up = self.instances_up()
+        for watcher in list(self.watchers):
+            watcher(up)
 
 
 def _release_native(parts: _NativeParts, loops: _core.LoopRegistry) -> None:

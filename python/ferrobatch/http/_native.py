@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -116,6 +117,9 @@ class NativeListeners:
             batcher, registry = model.server._native_parts()
             models.append((batcher, registry, model.codec, self._describer(model.server.name)))
         self._frontend.serve(models)
+        for model in self.repository.models:
+            # Readiness follows the model's instances (all down: 503, until one is back).
+            model.server._watch_readiness(functools.partial(self._frontend.set_model_ready, model.server.name))
         self._frontend.set_ready(True)
 
     def set_ready(self, ready: bool) -> None:

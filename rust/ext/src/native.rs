@@ -395,6 +395,12 @@ impl NativeFrontend {
         self.frontend.set_ready(ready)
     }
 
+    /// Model `name`'s readiness (and the server's) says whether its
+    /// instances can run batches; false if the model is not served.
+    fn set_model_ready(&self, name: &str, ready: bool) -> bool {
+        self.frontend.set_model_ready(name, ready)
+    }
+
     /// Readiness says 503 and responses ask clients to close; requests are
     /// still served.
     fn drain(&self) {

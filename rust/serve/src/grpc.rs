@@ -903,7 +903,7 @@ impl GrpcInferenceService for Inference {
         &self,
         _: Request<ServerReadyRequest>,
     ) -> Result<Response<ServerReadyResponse>, Status> {
-        let ready = self.shared.is_ready();
+        let ready = self.shared.server_ready();
         Ok(Response::new(ServerReadyResponse { ready }))
     }
 
@@ -913,8 +913,8 @@ impl GrpcInferenceService for Inference {
     ) -> Result<Response<ModelReadyResponse>, Status> {
         let known = self.known(&request.get_ref().name, &request.get_ref().version)?;
         match known {
-            Lookup::Served(_) => Ok(Response::new(ModelReadyResponse {
-                ready: self.shared.is_ready(),
+            Lookup::Served(model) => Ok(Response::new(ModelReadyResponse {
+                ready: self.shared.model_ready(&model),
             })),
             Lookup::NotRunning => Ok(Response::new(ModelReadyResponse { ready: false })),
         }

@@ -340,7 +340,7 @@ fn health(shared: &Shared, method: &Method, path: &str) -> Option<Response<Body>
     match (method, path) {
         (&Method::GET, "/v2/health/live") => Some(empty(200)),
         (&Method::GET, "/v2/health/ready") => {
-            Some(empty(if shared.is_ready() { 200 } else { 503 }))
+            Some(empty(if shared.server_ready() { 200 } else { 503 }))
         }
         _ => None,
     }
@@ -380,8 +380,8 @@ fn route(shared: &Arc<Shared>, request: Request<Incoming>) -> Routed {
     }
     if method == Method::GET {
         if let Some((name, version, "ready")) = model_route(path) {
-            if shared.model(name, version).is_some() {
-                let status = if shared.is_ready() { 200 } else { 503 };
+            if let Some(model) = shared.model(name, version) {
+                let status = if shared.model_ready(&model) { 200 } else { 503 };
                 return Routed::Answered(Box::new(empty(status)));
             }
         }

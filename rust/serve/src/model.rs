@@ -5,6 +5,7 @@
 use std::borrow::Cow;
 use std::cell::RefCell;
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -38,6 +39,9 @@ pub struct ServedModel {
     /// Binary requests' headers decoded lately, one memo per runtime
     /// thread: no lock between connections.
     headers: ThreadLocal<RefCell<HeaderMemo>>,
+    /// Whether its instances can run batches (false while every one is
+    /// down); readiness says so, requests are still taken.
+    ready: AtomicBool,
 }
 
 /// A request in the queue, and where its reply will come.
@@ -132,7 +136,19 @@ impl ServedModel {
             specs,
             replies,
             headers: ThreadLocal::new(),
+            ready: AtomicBool::new(true),
         }
+    }
+
+    /// See [`ServedModel::set_ready`].
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::Relaxed)
+    }
+
+    /// Whether its instances can run batches: its readiness (and the
+    /// server's) says so.
+    pub fn set_ready(&self, ready: bool) {
+        self.ready.store(ready, Ordering::Relaxed);
     }
 
     pub fn replies(&self) -> &Arc<Replies> {

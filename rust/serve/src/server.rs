@@ -177,6 +177,17 @@ impl Shared {
         self.ready.load(Ordering::Relaxed) && !self.draining.load(Ordering::Relaxed)
     }
 
+    /// The server's readiness: its own, and every model's (Triton's strict readiness).
+    pub fn server_ready(&self) -> bool {
+        let models = self.models.read().unwrap_or_else(|e| e.into_inner());
+        self.is_ready() && models.iter().all(|m| m.is_ready())
+    }
+
+    /// A served model's readiness: the server's own, and the model's.
+    pub fn model_ready(&self, model: &ServedModel) -> bool {
+        self.is_ready() && model.is_ready()
+    }
+
     /// Model `name` at `version` ("" or "1"), if served.
     pub fn model(&self, name: &str, version: &str) -> Option<Arc<ServedModel>> {
         if !(version.is_empty() || version == ferrobatch_core::v2::MODEL_VERSION) {
@@ -362,6 +373,16 @@ impl Frontend {
 
     pub fn set_ready(&self, ready: bool) {
         self.shared.ready.store(ready, Ordering::Relaxed);
+    }
+
+    /// Model `name`'s readiness (see [`ServedModel::set_ready`]); false if
+    /// it is not served.
+    pub fn set_model_ready(&self, name: &str, ready: bool) -> bool {
+        let found = self.shared.model(name, "");
+        if let Some(model) = &found {
+            model.set_ready(ready);
+        }
+        found.is_some()
     }
 
     /// Readiness says 503 and responses carry `Connection: close`; requests
