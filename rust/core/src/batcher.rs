@@ -1524,6 +1524,15 @@ mod tests {
         batcher.close();
     }
 
+    /// A greedy batcher whose event-loop requests wait for their flush.
+    fn greedy(max: usize, min: usize, workers: usize) -> Fixture {
+        let knobs = Knobs {
+            readiness: Readiness::OnFlush,
+            ..Knobs::default()
+        };
+        build(max, Duration::ZERO, min, 100, workers, knobs)
+    }
+
     fn held_submit(b: &Batcher, holder: &Unflushed) -> Arc<Request> {
         // SAFETY: static bytes outlive everything.
         let input = unsafe { InputBytes::new(ROW_A.as_ptr(), ROW) };
@@ -1558,11 +1567,7 @@ mod tests {
     #[test]
     #[cfg_attr(miri, ignore = "timed: Miri's clock advances with interpretation")]
     fn a_held_request_counts_as_a_caller_that_does_not_block() {
-        let knobs = Knobs {
-            readiness: Readiness::OnFlush,
-            ..Knobs::default()
-        };
-        let f = build(8, Duration::ZERO, 4, 100, 1, knobs);
+        let f = greedy(8, 4, 1);
         let holder = Unflushed::default();
         assert!(holder.open(&f.batcher));
         let held = held_submit(&f.batcher, &holder);
@@ -1606,14 +1611,7 @@ mod tests {
     /// A holder registers with a batcher once, however often it switches.
     #[test]
     fn a_holder_switching_batchers_is_registered_once_with_each() {
-        let knobs = || Knobs {
-            readiness: Readiness::OnFlush,
-            ..Knobs::default()
-        };
-        let (a, b) = (
-            build(8, Duration::ZERO, 1, 100, 1, knobs()),
-            build(8, Duration::ZERO, 1, 100, 1, knobs()),
-        );
+        let (a, b) = (greedy(8, 1, 1), greedy(8, 1, 1));
         let holder = Unflushed::default();
         for _ in 0..100 {
             for f in [&a, &b] {
@@ -1634,11 +1632,7 @@ mod tests {
     fn a_left_over_request_goes_to_the_waiting_worker_without_another_push() {
         // Both requests become ready at once, at the flush: the first worker
         // takes one and is left with the other.
-        let knobs = Knobs {
-            readiness: Readiness::OnFlush,
-            ..Knobs::default()
-        };
-        let f = build(4, Duration::ZERO, 1, 100, 2, knobs);
+        let f = greedy(4, 1, 2);
         let batcher = &f.batcher;
         let (done, batches) = std::sync::mpsc::channel();
         let one_batch = |b: Arc<Batcher>, done: std::sync::mpsc::Sender<usize>| {

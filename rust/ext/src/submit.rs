@@ -14,7 +14,6 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
-use std::time::Duration;
 
 use pyo3::ffi;
 use pyo3::intern;
@@ -178,20 +177,13 @@ impl Submitter {
             return Err(self.wrong_call(py, stream.is_some()));
         }
         let mut timeout_s = None;
-        let default = batcher.get().core().default_timeout();
-        let submitted = called(
-            py,
-            &timeout,
-            default,
-            &priority,
-            &parameters,
-            &mut timeout_s,
-        )
-        .and_then(|submission| {
-            batcher
-                .get()
-                .submit(py, inputs, mailbox.bind(py), submission, batched, stream)
-        });
+        let core = batcher.get().core();
+        let submitted = called(py, core, &timeout, &priority, &parameters, &mut timeout_s)
+            .and_then(|submission| {
+                batcher
+                    .get()
+                    .submit(py, inputs, mailbox.bind(py), submission, batched, stream)
+            });
         let (future, request) = match submitted {
             Ok(submitted) => submitted,
             Err(err) => {
@@ -247,11 +239,10 @@ impl Submitter {
         }
         let batcher = batcher.get();
         let mut timeout_s = None;
-        let default = batcher.core().default_timeout();
         let submitted = called(
             py,
+            batcher.core(),
             &timeout,
-            default,
             &priority,
             &parameters,
             &mut timeout_s,
@@ -280,17 +271,17 @@ impl Submitter {
 
 /// What a caller of `submit` or `infer_blocking` said besides its inputs,
 /// read where a refusal is counted; `timeout_s` gets the timeout in seconds
-/// (the server's `default` when the caller gave none).
+/// (`batcher`'s default when the caller gave none).
 fn called(
     py: Python<'_>,
+    batcher: &ferrobatch_core::Batcher,
     timeout: &Option<Bound<'_, PyAny>>,
-    default: Option<Duration>,
     priority: &Option<Bound<'_, PyAny>>,
     parameters: &Option<Bound<'_, PyAny>>,
     timeout_s: &mut Option<f64>,
 ) -> PyResult<ferrobatch_core::Submission> {
     let (seconds, priority) = call_numbers(py, timeout.as_ref(), priority.as_ref())?;
-    let seconds = seconds.or(default.map(|d| d.as_secs_f64()));
+    let seconds = seconds.or(batcher.default_timeout().map(|d| d.as_secs_f64()));
     *timeout_s = seconds;
     let parameters = crate::codec::parameters_text(py, parameters.as_ref())?;
     submission(py, seconds, priority, parameters)
