@@ -193,10 +193,15 @@ async def test_clients_killed_and_giving_up_harm_no_other_client(processes: list
 
 
 @pytest.mark.timeout(240)
-async def test_stats_equal_what_client_processes_saw(processes: list[subprocess.Popen[str]]) -> None:
+@pytest.mark.parametrize("max_delay", [0.0005, 0.0], ids=["max_delay", "greedy"])
+async def test_stats_equal_what_client_processes_saw(processes: list[subprocess.Popen[str]], max_delay: float) -> None:
     # No caller gives up here, so each request's outcome is decided by the
     # server alone (a caller that gives up races the answer across processes).
-    server = fb.Server(model, inputs=INPUTS, outputs=OUTPUTS, max_batch_size=32, max_delay=0.0005, max_queue_size=100)
+    # Greedy: the drainer holds each drain's requests until its end, and the
+    # stop sends what it holds ahead of the workers' close.
+    server = fb.Server(
+        model, inputs=INPUTS, outputs=OUTPUTS, max_batch_size=32, max_delay=max_delay, max_queue_size=100
+    )
     await server.start()
     share = server.share(unique("stats"))
     clients = [start(processes, CLIENT, share.name, seed, 50_000, 0) for seed in range(3)]
