@@ -613,20 +613,25 @@ def test_a_server_freed_without_stop_leaves_no_instance_process() -> None:
 def test_readiness_says_not_ready_while_every_instance_is_down(tmp_path: Path) -> None:
     # Before, readiness stayed 200 while every batch failed 500 (an instance that could not restart).
     import httpx
+    import tritonclient.grpc as grpcclient
 
     from ferrobatch.serve import ServeConfig, serve_in_thread
 
     weights = tmp_path / "weights"
     weights.write_bytes(b"w")
     server = fb.Server(NeedsFile(str(weights)), inputs=[X], outputs=[Y, PID], instance_kind="process", name="needs")
-    config = ServeConfig(http_port=0, grpc_port=None, frontend="native")
+    config = ServeConfig(http_port=0, grpc_port=0, frontend="native")
     with serve_in_thread([server], config) as listening:
         base = f"http://127.0.0.1:{listening.http_port}"
         body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 8], "data": [1.0] * 8}]}
+        rpc = grpcclient.InferenceServerClient(f"127.0.0.1:{listening.grpc_port}")
 
         def statuses() -> tuple[int, int]:
             model = httpx.get(f"{base}/v2/models/needs/ready", timeout=10).status_code
-            return model, httpx.get(f"{base}/v2/health/ready", timeout=10).status_code
+            health = httpx.get(f"{base}/v2/health/ready", timeout=10).status_code
+            # gRPC's ModelReady and ServerReady say the same.
+            assert rpc.is_model_ready("needs") == (model == 200) and rpc.is_server_ready() == (health == 200)
+            return model, health
 
         assert statuses() == (200, 200) and server.ready
         weights.unlink()
