@@ -205,8 +205,13 @@ class ProcessExecutor(CpuExecutor):
         self.reruns = 0
         #: Rows of the batch being served (a call on all of them may run again).
         self._batch_rows = 0
-        #: Called (on the worker's thread) when :attr:`down` changes.
+        #: Called (on the worker's or the retrying thread) when :attr:`down` changes.
         self.on_health_change: Callable[[], None] | None = None
+        #: One start at a time: the worker's, or the retrying thread's.
+        self._start_lock = threading.Lock()
+        #: Tries starts again on their schedule while the instance is down
+        #: and no batch asks (readiness says not ready meanwhile: none may come).
+        self._retrying: threading.Thread | None = None
 
     @property
     def pid(self) -> int | None:
@@ -316,12 +321,35 @@ class ProcessExecutor(CpuExecutor):
         """Starts a child; a failure is remembered (``_down``) and the next
         try put off, longer after each. A change of :attr:`down` is told to
         ``on_health_change``."""
-        was_down = self.down
-        try:
-            self._try_start_once()
-        finally:
-            if self.down != was_down and self.on_health_change is not None:
-                self.on_health_change()
+        with self._start_lock:
+            if self.up:
+                return  # the other thread started it meanwhile
+            was_down = self.down
+            try:
+                self._try_start_once()
+            finally:
+                if self.down != was_down and self.on_health_change is not None:
+                    self.on_health_change()
+        if self.down:
+            self._retry_in_background()
+
+    def _retry_in_background(self) -> None:
+        """Starts the thread that tries again on the schedule, unless one runs."""
+        with self._lock:
+            if self._stopped or (self._retrying is not None and self._retrying.is_alive()):
+                return
+            self._retrying = threading.Thread(
+                target=self._retry_until_up, name=f"ferrobatch-{self.server_name}-{self.index}-restart", daemon=True
+            )
+            self._retrying.start()
+
+    def _retry_until_up(self) -> None:
+        while self.down and not self._stopped and not self._closing:
+            wait = self._retry_at - time.monotonic()
+            if wait > 0:
+                self._stopping.wait(wait)
+                continue
+            self._try_start()
 
     def _try_start_once(self) -> None:
         try:
