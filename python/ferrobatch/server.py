@@ -107,8 +107,11 @@ class Server:
         default_timeout: seconds a request that gives no ``timeout`` may
             take, on every way in (in process, threads, shared memory, HTTP
             and gRPC): it then fails with :class:`DeadlineExceededError`, as
-            with its own ``timeout`` (Triton's queue policy
-            ``default_timeout_microseconds``). ``None`` (default): no limit.
+            with its own ``timeout``, which bounds the whole call (a running
+            batch, a decoupled request's whole stream), not only its time in
+            the queue as Triton's queue-policy timeout does. Through
+            ``ferrobatch.ray`` it bounds each batch the client forwards.
+            ``None`` (default): no limit.
         device: where the model runs ("cpu", "cuda", "cuda:1", a
             ``torch.device``); ``None``: the device of the model's parameters,
             else CPU. A ``torch.nn.Module`` is moved there. A list gives one

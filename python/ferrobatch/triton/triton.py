@@ -396,12 +396,6 @@ class Triton:
                 f"model '{model_name}': default_queue_policy.default_timeout_microseconds must be >= 0"
                 f" (0: none), got {policy.default_timeout_microseconds}"
             )
-        if (
-            policy is not None
-            and policy.default_timeout_microseconds > 0
-            and policy.timeout_action == TimeoutAction.REJECT
-        ):
-            kwargs["default_timeout"] = policy.default_timeout_microseconds / 1e6
         if batcher.priority_levels > 1:  # one level is none, as in Triton
             kwargs["priority_levels"] = batcher.priority_levels
             kwargs["default_priority"] = batcher.default_priority_level or None
@@ -632,15 +626,25 @@ def _ports(listening: Listening) -> tuple[int | None, int | None]:
 
 
 def _warn_queue_policy(name: str, policy: QueuePolicy | None) -> None:
-    """Warns of the queue policy's settings ferrobatch cannot keep: it
-    never delays a request whose timeout passed, it rejects it."""
+    """Warns of the queue policy's settings ferrobatch cannot keep: Triton's
+    default timeout bounds a request's time in the queue, ferrobatch's
+    timeouts its whole call (a running batch or stream would be cut off, so
+    it is not applied); and ferrobatch never delays a request whose timeout
+    passed, it rejects it."""
     if policy is None:
         return
+    if policy.default_timeout_microseconds > 0:
+        log.warning(
+            "model '%s': default_queue_policy.default_timeout_microseconds is not kept: Triton bounds"
+            " a request's queue time with it, ferrobatch's timeouts bound the whole call (a running"
+            " batch or stream would be cut off); requests wait without a deadline unless they send"
+            " their own 'timeout' parameter",
+            name,
+        )
     if policy.timeout_action == TimeoutAction.DELAY:
         log.warning(
-            "model '%s': default_queue_policy.timeout_action=DELAY is not supported; its"
-            " default_timeout_microseconds is ignored, and a request whose own 'timeout' passes"
-            " is rejected (504)",
+            "model '%s': default_queue_policy.timeout_action=DELAY is not supported; a request whose"
+            " own 'timeout' passes is rejected (504)",
             name,
         )
 

@@ -42,12 +42,11 @@ class TimeoutAction(enum.Enum):
 
 @dataclasses.dataclass
 class QueuePolicy:
-    """Triton's queue policy: ``max_queue_size`` (0: ferrobatch's default
-    bound of 10000 waiting requests) and, with ``timeout_action=REJECT``,
-    ``default_timeout_microseconds`` (0: none; the ``Server``'s
-    ``default_timeout``) are kept. A request's own ``timeout`` parameter
-    is kept whatever ``allow_timeout_override`` says; ``DELAY`` is not
-    kept (a warning at ``bind``)."""
+    """Triton's queue policy; only ``max_queue_size`` is used (0: ferrobatch's
+    default bound of 10000 waiting requests). ``default_timeout_microseconds``
+    is not kept (Triton bounds queue time with it; ferrobatch's timeouts bound
+    the whole call, which would cut running batches and streams off), nor
+    ``DELAY``: each logs a warning at ``bind``."""
 
     timeout_action: TimeoutAction = TimeoutAction.REJECT
     default_timeout_microseconds: int = 0
