@@ -646,3 +646,4 @@ def test_readiness_says_not_ready_while_every_instance_is_down(tmp_path: Path) -
             time.sleep(0.1)
         assert statuses() == (200, 200) and server.ready
         assert httpx.post(f"{base}/v2/models/needs/infer", json=body, timeout=30).status_code == 200
+    assert server._native.watchers == [], "a stopped front-end is told nothing more"  # type: ignore[attr-defined]

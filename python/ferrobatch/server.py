@@ -874,6 +874,11 @@ class Server:
         self._native.watchers.append(watcher)
         watcher(self._native.instances_up())
 
+    def _unwatch_readiness(self, watcher: Callable[[bool], object]) -> None:
+        """Stops calling ``watcher`` (its front-end stopped)."""
+        with contextlib.suppress(ValueError):
+            self._native.watchers.remove(watcher)
+
     def client(self) -> Client:
         """A client for this server (cheap; share it or make many)."""
         return Client(self, self._submitter, self._loop_token)

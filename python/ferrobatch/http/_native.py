@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 from .._core import FallbackAnswer, NativeFrontend
 from ..client import MAX_STREAM_BACKLOG
 from ..errors import FerrobatchError, ModelError
-from ..server import front_end_threads, hold_front_end_cores
+from ..server import Server, front_end_threads, hold_front_end_cores
 from ._endpoint import Endpoint
 from .protocol import ModelRepository, error_message
 
@@ -101,6 +101,8 @@ class NativeListeners:
         )
         hold_front_end_cores(self.threads)
         self._holding = True
+        #: The servers whose readiness this front-end follows, and its watcher of each.
+        self._watching: list[tuple[Server, Callable[[bool], object]]] = []
 
     @property
     def http_port(self) -> int | None:
@@ -119,7 +121,9 @@ class NativeListeners:
         self._frontend.serve(models)
         for model in self.repository.models:
             # Readiness follows the model's instances (all down: 503, until one is back).
-            model.server._watch_readiness(functools.partial(self._frontend.set_model_ready, model.server.name))
+            watcher = functools.partial(self._frontend.set_model_ready, model.server.name)
+            model.server._watch_readiness(watcher)
+            self._watching.append((model.server, watcher))
         self._frontend.set_ready(True)
 
     def set_ready(self, ready: bool) -> None:
@@ -140,6 +144,9 @@ class NativeListeners:
     async def stop(self, grace: float) -> None:
         """Waits up to ``grace`` seconds for the answers still being written, then stops."""
         await asyncio.to_thread(self._frontend.stop, grace)
+        for server, watcher in self._watching:  # a stopped front-end is told nothing more
+            server._unwatch_readiness(watcher)
+        self._watching.clear()
         if self._holding:
             self._holding = False
             hold_front_end_cores(-self.threads)
