@@ -452,3 +452,40 @@ def test_a_decoupled_batch_group_that_raises_fails_only_its_own_requests() -> No
     errors = [str(e) for _, e in got if e is not None]
     assert len(errors) == 1 and "fails at step 1" in errors[0]
     assert stats["requests_succeeded"] == 1 and stats["requests_failed"]["model_error"] == 1
+
+
+def test_a_request_names_the_outputs_its_client_asked_for_and_may_leave_the_others_out() -> None:
+    # PyTriton's Request.requested_output_names (Triton's requested outputs):
+    # a callable may compute only those; the others are never sent.
+    import httpx
+    import tritonclient.http as httpclient
+
+    seen: list[list[str] | None] = []
+
+    def infer(requests: list[Any]) -> list[dict[str, np.ndarray]]:
+        responses = []
+        for request in requests:
+            seen.append(request.requested_output_names)
+            outputs = {"y": request["x"] * 2, "z": request["x"] * 3}
+            responses.append({name: outputs[name] for name in request.requested_output_names})
+        return responses
+
+    z = Tensor(name="z", dtype=np.float32, shape=(1,))
+    with Triton(config=TritonConfig(http_port=0, grpc_port=0, allow_metrics=False)) as triton:
+        triton.bind("pick", infer, [X], [Y, z], config=ModelConfig(max_batch_size=4))
+        triton.run()
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{triton.http_port}")
+        x = httpclient.InferInput("x", [1, 1], "FP32")
+        x.set_data_from_numpy(np.float32([[2.0]]))
+        only_z = client.infer("pick", [x], outputs=[httpclient.InferRequestedOutput("z")])
+        assert only_z.as_numpy("z").tolist() == [[6.0]] and only_z.as_numpy("y") is None
+        both = client.infer("pick", [x])
+        assert both.as_numpy("y").tolist() == [[4.0]] and both.as_numpy("z").tolist() == [[6.0]]
+        # JSON names its outputs the same way.
+        body = {
+            "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1], "data": [1.0]}],
+            "outputs": [{"name": "y"}],
+        }
+        answer = httpx.post(f"http://127.0.0.1:{triton.http_port}/v2/models/pick/infer", json=body, timeout=10).json()
+        assert [o["name"] for o in answer["outputs"]] == ["y"]
+    assert seen == [["z"], ["y", "z"], ["y"]]

@@ -175,9 +175,10 @@ class Batch:
     def take_ragged_bytes(self, index: int) -> tuple[list[bytes], list[int]]:
         """Variable-length BYTES input ``index``'s elements, in batch order, and
         each row's length (once per input)."""
-    def request_parameters(self) -> list[tuple[int, str | None, int, int, int]]:
+    def request_parameters(self) -> list[tuple[int, str | None, int, int, int, int]]:
         """Each request's ``(rows, parameters as JSON text or None, priority,
-        optional inputs left out as bits, nanoseconds since its submit)``, in row order."""
+        optional inputs left out as bits, nanoseconds since its submit,
+        outputs asked for as bits (0: not said))``, in row order."""
     def release_slot(self) -> bool: ...
 
 @final

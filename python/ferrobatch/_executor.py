@@ -227,10 +227,13 @@ class Retried:
     alone: int
 
 
-def batch_requests(batch: _core.Batch, input_names: Sequence[str]) -> list[tuple[int, RequestInfo]]:
+def batch_requests(
+    batch: _core.Batch, input_names: Sequence[str], output_names: Sequence[str] = ()
+) -> list[tuple[int, RequestInfo]]:
     """The batch's requests as ``(start row, RequestInfo)``, in row order
-    (``input_names``: the model's inputs, to name those a request left out)."""
-    infos = request_infos(batch.request_parameters(), input_names)
+    (``input_names`` / ``output_names``: the server's inputs and outputs, to
+    name those a request left out or asked for)."""
+    infos = request_infos(batch.request_parameters(), input_names, output_names)
     starts = itertools.accumulate((r.rows for r in infos), initial=0)
     return list(zip(starts, infos))
 
@@ -253,6 +256,7 @@ class Executor:
     sampler: InvarianceSampler | None = None  # re-runs sampled rows alone (invariance_sample_rate)
     with_requests: bool = False  # the model takes (inputs, requests)
     input_names: tuple[str, ...] = ()  # the model's inputs, in order (RequestInfo.absent names them)
+    output_names: tuple[str, ...] = ()  # the server's outputs, in order (RequestInfo.requested_outputs names them)
     outputs: Sequence[TensorSpec] = ()
     # With ``with_requests``: the batch being served, as (start row, request) in row order.
     _requests: Sequence[tuple[int, RequestInfo]] = ()
@@ -283,7 +287,7 @@ class Executor:
     def begin(self, batch: _core.Batch) -> None:
         """Reads what the batch about to be served tells its model calls: its
         requests (``with_requests``) and whether its answers are copied."""
-        self._requests = batch_requests(batch, self.input_names) if self.with_requests else ()
+        self._requests = batch_requests(batch, self.input_names, self.output_names) if self.with_requests else ()
         self._answers_copied = batch.copies_outputs
 
     def requests_of(self, start: int, rows: int) -> list[RequestInfo] | None:

@@ -36,6 +36,10 @@ class RequestInfo:
     ``absent``: the optional inputs (``TensorSpec(optional=True)``) the
     request left out; the model got zeros (or empty rows) in their place.
     ``queued_ns``: nanoseconds from its submit to its batch's model call.
+    ``requested_outputs``: the outputs a v2 request asked for (its
+    ``outputs``, or every output when it named none) on the native front-end;
+    ``None`` where a caller says nothing of the kind (in process, shared
+    memory, the Python front-ends): every output.
     """
 
     rows: int
@@ -43,32 +47,47 @@ class RequestInfo:
     priority: int = 1
     absent: frozenset[str] = frozenset()
     queued_ns: int = field(default=0, compare=False)  # a measurement, not what the request is
+    requested_outputs: frozenset[str] | None = None
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         # Sent to instance processes: the read-only view of no parameters does not pickle.
-        return _request_info, (self.rows, dict(self.parameters), self.priority, self.absent, self.queued_ns)
+        state = (self.rows, dict(self.parameters), self.priority, self.absent, self.queued_ns, self.requested_outputs)
+        return _request_info, state
 
 
 def _request_info(
-    rows: int, parameters: dict[str, Any], priority: int, absent: frozenset[str], queued_ns: int
+    rows: int,
+    parameters: dict[str, Any],
+    priority: int,
+    absent: frozenset[str],
+    queued_ns: int,
+    requested_outputs: frozenset[str] | None = None,
 ) -> RequestInfo:
-    return RequestInfo(rows, parameters or _NONE, priority, absent, queued_ns)
+    return RequestInfo(rows, parameters or _NONE, priority, absent, queued_ns, requested_outputs)
+
+
+def _named(bits: int, names: Sequence[str]) -> frozenset[str]:
+    return frozenset(n for i, n in enumerate(names) if bits >> i & 1)
 
 
 def request_infos(
-    entries: Sequence[tuple[int, str | None, int, int, int]], input_names: Sequence[str] = ()
+    entries: Sequence[tuple[int, str | None, int, int, int, int]],
+    input_names: Sequence[str] = (),
+    output_names: Sequence[str] = (),
 ) -> list[RequestInfo]:
     """The batch's ``(rows, parameters as JSON text, priority, optional
-    inputs left out as bits of ``input_names``, queued ns)`` as :class:`RequestInfo`s."""
+    inputs left out as bits of ``input_names``, queued ns, outputs asked for
+    as bits of ``output_names``)`` as :class:`RequestInfo`s."""
     return [
         RequestInfo(
             rows,
             _NONE if text is None else json.loads(text),
             priority,
-            frozenset(n for i, n in enumerate(input_names) if absent >> i & 1) if absent else frozenset(),
+            _named(absent, input_names) if absent else frozenset(),
             queued_ns,
+            _named(requested, output_names) if requested else None,
         )
-        for rows, text, priority, absent, queued_ns in entries
+        for rows, text, priority, absent, queued_ns, requested in entries
     ]
 
 

@@ -529,6 +529,7 @@ class Server:
         executor = self._executor_of_kind(i)
         executor.with_requests = self.with_requests
         executor.input_names = tuple(s.name for s in self.inputs)
+        executor.output_names = tuple(s.name for s in self.outputs)
         executor.isolate_failures = self.isolate_failures
         executor.decoupled = self.decoupled
         if self.invariance_sample_rate > 0 and self._compile is False and self.instance_kind != "process":

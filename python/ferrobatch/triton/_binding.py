@@ -302,7 +302,7 @@ class BoundModel:
                 data.pop(name, None)
             if not self.config.batching:  # one sample, shaped as declared: no batch dimension
                 data = {name: a[0] for name, a in data.items()}
-            split.append(Request(data, params))
+            split.append(Request(data, params, self._asked_names(r)))
             if lengths:
                 shapes.append(tuple((name, a.shape[1:]) for name, a in sorted(data.items())))
             start = end
@@ -311,8 +311,9 @@ class BoundModel:
             if len(groups) > 1:
                 return self._stream_groups(split, rows, groups)
             return self._stream(self._call(split), rows)
+        asked = [r.requested_outputs for r in requests]
         if len(groups) == 1:
-            return self._collected(self._call(split), rows)
+            return self._collected(self._call(split), rows, asked)
         # As Triton's batcher: the callable never gets requests of different
         # shapes in one call (@batch could not concatenate them).
         responses: list[Any] = [None] * len(split)
@@ -322,7 +323,14 @@ class BoundModel:
                 return self._collected(answered, [rows[i] for i in group])  # says what is wrong with it
             for i, response in zip(group, answered):
                 responses[i] = response
-        return self._collected(responses, rows)
+        return self._collected(responses, rows, asked)
+
+    def _asked_names(self, request: RequestInfo) -> list[str]:
+        """The outputs a request asked for, in declared order (every output
+        when it named none, as Triton tells PyTriton's callables)."""
+        names = [str(t.name) for t in self.config.outputs or []]
+        asked = request.requested_outputs
+        return names if asked is None else [n for n in names if n in asked]
 
     def _call_whole(self, batch: dict[str, np.ndarray], rows: int) -> dict[str, Any] | Iterator[dict[str, Any]]:
         """The @batch callable's own function on the whole batch: one
@@ -338,10 +346,12 @@ class BoundModel:
             return self._stream(iter([[convert_output(produced, self.config)]]), [rows])
         return self._collected([convert_output(produced, self.config)], [rows])
 
-    def _collected(self, responses: Any, rows: list[int]) -> dict[str, Any]:
+    def _collected(
+        self, responses: Any, rows: list[int], asked: Sequence[frozenset[str] | None] | None = None
+    ) -> dict[str, Any]:
         if not self.config.batching and isinstance(responses, (list, tuple)):
             responses = [_with_batch_dim(r) for r in responses]
-        return collect_outputs(responses, rows, self.config, strict=self.strict)
+        return collect_outputs(responses, rows, self.config, strict=self.strict, asked=asked)
 
     def _stream(self, produced: Any, rows: list[int], joined: bool = True) -> Iterator[Any]:
         """A decoupled callable's responses: each list it yields (one
@@ -507,7 +517,12 @@ def _owned_array(value: Any) -> np.ndarray:
 
 
 def collect_outputs(
-    responses: Any, rows: Sequence[int], config: TritonModelConfig, *, strict: bool
+    responses: Any,
+    rows: Sequence[int],
+    config: TritonModelConfig,
+    *,
+    strict: bool,
+    asked: Sequence[frozenset[str] | None] | None = None,
 ) -> dict[str, np.ndarray]:
     """The batch's outputs from one response per request (``rows[i]`` rows
     each), checked as PyTriton checks them: a list of dicts of numpy arrays,
@@ -515,8 +530,10 @@ def collect_outputs(
     of its dtype and shape (``-1``: any length); without, undeclared ones
     are dropped and numbers and bools are cast to the declared dtype, as
     PyTriton's ``astype`` does (strings and numbers are refused). Either way
-    each declared output must come back with the request's rows. Raises
-    :class:`PyTritonValidationError` saying what was wrong."""
+    each declared output must come back with the request's rows, unless
+    ``asked[i]`` (the outputs request ``i`` asked for; None: every one)
+    leaves it out: it is never sent, and stands as zeros (empty rows).
+    Raises :class:`PyTritonValidationError` saying what was wrong."""
     if not isinstance(responses, (list, tuple)):
         raise PyTritonValidationError(
             "the inference callable must return a list of dicts of numpy arrays,"
@@ -540,12 +557,16 @@ def collect_outputs(
                     f"the inference callable returned outputs {unknown} that are not declared"
                     f" (outputs: {sorted(declared)})"
                 )
+        wanted = None if asked is None else asked[i]
         for out_name, tensor in declared.items():
             if out_name not in response:
+                if wanted is not None and out_name not in wanted:
+                    parts[out_name].append(_unsent(tensor, n))
+                    continue
                 raise PyTritonValidationError(
                     f"response {i} has no output '{out_name}' (it has {sorted(map(str, response))}): ferrobatch"
-                    " sends every declared output, so each response must hold them all (PyTriton sends"
-                    " only those a response holds)"
+                    " sends every output a request asks for (every declared one when it names none), so"
+                    " the response must hold them (PyTriton sends only those a response holds)"
                 )
             parts[out_name].append(_checked(response[out_name], tensor, n, strict))
     outputs: dict[str, np.ndarray] = {}
@@ -574,6 +595,16 @@ def _padded(arrays: Sequence[np.ndarray], dims: Sequence[int]) -> tuple[np.ndarr
         lengths[start : start + a.shape[0]] = [a.shape[1 + d] for d in dims]
         start += a.shape[0]
     return joined, lengths[:, 0] if len(dims) == 1 else lengths
+
+
+def _unsent(tensor: AnyTensor, rows: int) -> np.ndarray:
+    """Rows of an output the request did not ask for: zeros (empty along a
+    variable dimension, empty bytes for BYTES), never sent."""
+    shape = (rows, *(0 if d == -1 else d for d in tensor.shape))
+    want = numpy_dtype(tensor)
+    if want.kind == "O":
+        return np.full(shape, b"", dtype=object)
+    return np.zeros(shape, dtype=want)
 
 
 def _checked(value: Any, tensor: AnyTensor, rows: int, strict: bool) -> np.ndarray:

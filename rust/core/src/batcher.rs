@@ -56,6 +56,9 @@ pub struct Submission {
     /// Bit `i` set: the request left out optional input `i` (its bytes stand
     /// in for it; the model is told).
     pub absent: u64,
+    /// Bit `i` set: the caller asked for output `i` (a v2 request's
+    /// `outputs`, handed to a model that asks for its requests); 0: not said.
+    pub requested_outputs: u64,
     /// The caller blocks until this request is answered, and is known by
     /// this key (a thread's); `None`: a caller that does not block. See
     /// [`crate::callers`].
@@ -500,6 +503,7 @@ impl Batcher {
             .in_lane(lane)
             .with_parameters(submission.parameters.filter(|_| self.keep_parameters))
             .with_absent(submission.absent)
+            .with_requested_outputs(submission.requested_outputs)
             .blocking(submission.blocking_caller.is_some());
         Ok((Arc::new(request), submission.blocking_caller))
     }

@@ -206,6 +206,9 @@ pub struct Request {
     pub parameters: Option<Box<str>>,
     /// Bit `i` set: the caller left out optional input `i`.
     pub absent: u64,
+    /// Bit `i` set: the caller asked for output `i` (a v2 request's
+    /// `outputs`); 0: it did not say.
+    pub requested_outputs: u64,
     /// Its caller blocks until it is answered (see [`crate::callers`]).
     pub blocking: bool,
     inputs: Inputs,
@@ -236,6 +239,7 @@ impl Request {
             lane: 0,
             parameters: None,
             absent: 0,
+            requested_outputs: 0,
             blocking: false,
             inputs: inputs.into(),
             state: AtomicU8::new(RequestState::Queued as u8),
@@ -251,6 +255,12 @@ impl Request {
     /// This request, without the optional inputs of the bits of `absent`.
     pub fn with_absent(mut self, absent: u64) -> Request {
         self.absent = absent;
+        self
+    }
+
+    /// This request, asking for the outputs of the bits of `outputs` (0: not said).
+    pub fn with_requested_outputs(mut self, outputs: u64) -> Request {
+        self.requested_outputs = outputs;
         self
     }
 

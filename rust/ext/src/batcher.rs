@@ -646,6 +646,10 @@ impl Batch {
     }
 }
 
+/// A request of a batch as [`Batch::request_parameters`] gives it: `(rows,
+/// parameters, priority, absent, queued ns, requested outputs)`.
+type RequestEntry<'a> = (u32, Option<&'a str>, u32, u64, u64, u64);
+
 #[pymethods]
 impl Batch {
     /// Index of the staging slot the rows sit in, while the batch holds it.
@@ -779,12 +783,14 @@ impl Batch {
         self.groups.iter().map(|(_, r)| r.len()).sum()
     }
 
-    /// Each request's `(rows, parameters, priority, absent, queued_ns)` in
-    /// row order: its parameters as a JSON object's text (None when it gave
-    /// none), the priority level of the lane it waited in (1 is the most
-    /// urgent; 1 for a batcher without levels), the optional inputs it left
-    /// out (bit `i`: input `i`), and the nanoseconds from its submit to now.
-    fn request_parameters(&self) -> Vec<(u32, Option<&str>, u32, u64, u64)> {
+    /// Each request's `(rows, parameters, priority, absent, queued_ns,
+    /// requested outputs)` in row order: its parameters as a JSON object's
+    /// text (None when it gave none), the priority level of the lane it
+    /// waited in (1 is the most urgent; 1 for a batcher without levels), the
+    /// optional inputs it left out (bit `i`: input `i`), the nanoseconds
+    /// from its submit to now, and the outputs it asked for (bit `i`:
+    /// output `i`; 0: it did not say).
+    fn request_parameters(&self) -> Vec<RequestEntry<'_>> {
         let now = Instant::now();
         self.requests
             .iter()
@@ -796,6 +802,7 @@ impl Batch {
                     u32::from(r.lane) + 1,
                     r.absent,
                     u64::try_from(queued).unwrap_or(u64::MAX),
+                    r.requested_outputs,
                 )
             })
             .collect()

@@ -356,6 +356,7 @@ pub(crate) fn submission(
         priority,
         parameters: parameters.map(String::into_boxed_str),
         absent: 0,
+        requested_outputs: 0, // in process: every output
         blocking_caller: None,
     })
 }

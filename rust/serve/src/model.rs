@@ -398,6 +398,7 @@ impl ServedModel {
             priority,
             parameters: parameters.map(String::into_boxed_str),
             absent: matched.absent,
+            requested_outputs: plan.requested_outputs(),
             blocking_caller: None,
         };
         let submitted = batcher.submit_request(SINK, matched.rows, views, submission, |request| {

@@ -110,6 +110,28 @@ pub enum ResponsePlan {
     },
 }
 
+impl ResponsePlan {
+    /// The outputs it answers with, as bits of their indices (a model that
+    /// asks for its requests is told); 0 (not said) if one is past bit 63.
+    pub fn requested_outputs(&self) -> u64 {
+        let indices: Box<dyn Iterator<Item = usize> + '_> = match self {
+            ResponsePlan::Encoded { outputs, .. } => Box::new(outputs.iter().map(|&(i, _)| i)),
+            ResponsePlan::Raw { outputs } | ResponsePlan::Message { outputs, .. } => {
+                Box::new(outputs.iter().copied())
+            }
+            ResponsePlan::Stream { outputs, .. } => Box::new(outputs.iter().copied()),
+        };
+        let mut bits = 0u64;
+        for i in indices {
+            match u32::try_from(i).ok().and_then(|i| 1u64.checked_shl(i)) {
+                Some(bit) => bits |= bit,
+                None => return 0,
+            }
+        }
+        bits
+    }
+}
+
 /// The bytes of a stream's responses made but not yet taken by its client
 /// (the gRPC stream's writer), bounded: a response past the bound fails its
 /// request (`QueueFull`, 429) instead of being held, so a client that stops

@@ -517,6 +517,7 @@ impl SharedServer {
             priority,
             parameters,
             absent,
+            requested_outputs: 0, // every output: a cell holds them all
             blocking_caller: None,
         };
         let cell = Cell {
