@@ -73,9 +73,10 @@ async def test_shared_memory_clients_arm_the_servers_default() -> None:
     assert stats["requests_failed"]["deadline_exceeded"] == 2, stats
 
 
-def test_the_native_front_end_answers_504_at_the_default() -> None:
+@pytest.mark.parametrize("frontend", ["native", "python"])
+def test_both_front_ends_answer_504_at_the_default(frontend: str) -> None:
     server = pairs_only()
-    config = ServeConfig(http_port=0, grpc_port=None, frontend="native")
+    config = ServeConfig(http_port=0, grpc_port=None, frontend=frontend)
     with serve_in_thread([server], config) as listening:
         url = f"http://127.0.0.1:{listening.http_port}/v2/models/m/infer"
         body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1.0] * 4}]}

@@ -610,7 +610,8 @@ def test_a_server_freed_without_stop_leaves_no_instance_process() -> None:
     assert wait_gone(pids), "the freed server's instance processes were not ended"
 
 
-def test_readiness_says_not_ready_while_every_instance_is_down(tmp_path: Path) -> None:
+@pytest.mark.parametrize("frontend", ["native", "python"])
+def test_readiness_says_not_ready_while_every_instance_is_down(tmp_path: Path, frontend: str) -> None:
     # Before, readiness stayed 200 while every batch failed 500 (an instance that could not restart).
     import httpx
     import tritonclient.grpc as grpcclient
@@ -620,7 +621,7 @@ def test_readiness_says_not_ready_while_every_instance_is_down(tmp_path: Path) -
     weights = tmp_path / "weights"
     weights.write_bytes(b"w")
     server = fb.Server(NeedsFile(str(weights)), inputs=[X], outputs=[Y, PID], instance_kind="process", name="needs")
-    config = ServeConfig(http_port=0, grpc_port=0, frontend="native")
+    config = ServeConfig(http_port=0, grpc_port=0, frontend=frontend)
     with serve_in_thread([server], config) as listening:
         base = f"http://127.0.0.1:{listening.http_port}"
         body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 8], "data": [1.0] * 8}]}

@@ -257,6 +257,8 @@ class BoundModel:
     ) -> None:
         self.infer_func = infer_func
         self.config = config
+        #: Every declared output, in order: what a request that named none asked for.
+        self._output_names = [str(t.name) for t in config.outputs or []]
         self.context = context
         self.strict = strict
         self.on_unrecoverable = on_unrecoverable
@@ -328,9 +330,10 @@ class BoundModel:
     def _asked_names(self, request: RequestInfo) -> list[str]:
         """The outputs a request asked for, in declared order (every output
         when it named none, as Triton tells PyTriton's callables)."""
-        names = [str(t.name) for t in self.config.outputs or []]
         asked = request.requested_outputs
-        return names if asked is None else [n for n in names if n in asked]
+        if asked is None:
+            return list(self._output_names)  # the callable's own list
+        return [n for n in self._output_names if n in asked]
 
     def _call_whole(self, batch: dict[str, np.ndarray], rows: int) -> dict[str, Any] | Iterator[dict[str, Any]]:
         """The @batch callable's own function on the whole batch: one
