@@ -116,7 +116,7 @@ pub use fanout::{Route, Routes, Sink};
 pub use inbox::Inbox;
 pub use outcome::{Outcome, Tally, Totals, OUTCOMES, REQUEST_BOUNDS_US, REQUEST_BUCKETS};
 pub use pending::{Pending, Taken, Withdraw};
-pub use queue::{Admitted, Message, Priorities, PushError, RequestQueue};
+pub use queue::{Message, Priorities, PushError, RequestQueue};
 pub use request::{InputBytes, Inputs, Request, RequestState, Withdrawal, MAX_VARIABLE_DIMS};
 pub use specs::{
     Extents, InputRules, InputSpec, Matched, Measured, PerTensor, SpecError, MAX_OPTIONAL_INPUTS,

@@ -17,9 +17,9 @@
 //! until enough rows for its next decision have arrived, so a submitter
 //! makes a wake-up syscall once per batch at most, not once per request.
 //!
-//! A submitter may hold requests back: [`RequestQueue::admit`] counts a
+//! A submitter may hold requests back: `RequestQueue::admit` counts a
 //! request in (admission, and its place in the channel, are settled there)
-//! and [`RequestQueue::send`] hands admitted requests to the workers
+//! and `RequestQueue::send` hands admitted requests to the workers
 //! together, ringing once for all of them. An event loop holds what it
 //! submitted in one iteration and sends it at the iteration's end
 //! ([`crate::Unflushed`]), so a worker takes the burst as one batch instead
@@ -78,16 +78,10 @@ impl std::error::Error for PushError {}
 
 /// A request the queue admitted that its submitter has not sent yet: it
 /// counts against the capacity, has its place in the channel, and reaches
-/// the workers at [`RequestQueue::send`] of the queue that admitted it.
+/// the workers at `RequestQueue::send` of the queue that admitted it.
 #[derive(Debug)]
 #[must_use = "an admitted request holds its place in the queue until it is sent"]
-pub struct Admitted(Arc<Request>);
-
-impl Admitted {
-    pub fn request(&self) -> &Arc<Request> {
-        &self.0
-    }
-}
+pub(crate) struct Admitted(Arc<Request>);
 
 /// Priority levels: one lane per level, popped most urgent first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -246,7 +240,7 @@ impl RequestQueue {
 
     /// Admits a request into its lane without sending it (see the module's
     /// documentation), or refuses it as [`RequestQueue::push`] does.
-    pub fn admit(&self, request: Arc<Request>) -> Result<Admitted, PushError> {
+    pub(crate) fn admit(&self, request: Arc<Request>) -> Result<Admitted, PushError> {
         if self.refused.load(Ordering::SeqCst) {
             return Err(PushError {
                 error: CoreError::Closed,
@@ -287,8 +281,9 @@ impl RequestQueue {
     }
 
     /// Sends requests this queue admitted to the workers, ringing once for
-    /// all of them.
-    pub fn send(&self, admitted: impl IntoIterator<Item = Admitted>) {
+    /// all of them. Crate-private, with `admit`: only [`crate::Unflushed`]
+    /// holds admitted requests, and only for the batcher it opened with.
+    pub(crate) fn send(&self, admitted: impl IntoIterator<Item = Admitted>) {
         let mut rows = 0usize;
         for Admitted(request) in admitted {
             rows = rows.saturating_add(request.rows as usize);
