@@ -759,3 +759,22 @@ async def test_metadata_travels_with_the_share() -> None:
         share = server.share(unique("meta"), metadata={"owner": "team-a", "layers": [256, 256]})
         with fb.connect(share.name) as client:
             assert client.metadata == {"owner": "team-a", "layers": [256, 256]}
+
+
+async def test_a_bytes_scalar_comes_back_as_server_client_gives_it() -> None:
+    """A shape-() BYTES output is the ``bytes`` object itself, over shared
+    memory as in process (``infer_batch``: an object array of them)."""
+    server = fb.Server(
+        lambda batch: {"y": np.array([w * 2 for w in batch["s"]], dtype=object)},
+        inputs=[fb.TensorSpec("s", "bytes", ())],
+        outputs=[fb.TensorSpec("y", "bytes", ())],
+    )
+    async with server:
+        share = server.share(unique("scalar"), rows_per_client=8, cell_bytes=64)
+        with fb.connect(share.name) as client:
+            for caller in (server.client(), client):
+                out = await caller.infer({"s": b"ab"})
+                assert type(out["y"]) is bytes and out["y"] == b"abab"
+                assert (await asyncio.to_thread(client.infer_sync, {"s": b"c"}))["y"] == b"cc"
+                batch = await caller.infer_batch({"s": np.array([b"x", b"yz"], dtype=object)})
+                assert batch["y"].tolist() == [b"xx", b"yzyz"]

@@ -689,7 +689,8 @@ def shared_result(
                 row[:] = elements[a:b]
                 rows.append(row.reshape(shape))
             if not batched:
-                result[spec.name] = rows[0]
+                # A shape-() element is the bytes object itself, as server.client() gives it.
+                result[spec.name] = rows[0] if shapes[0] else rows[0][()]
             elif len(set(shapes)) == 1:
                 result[spec.name] = np.stack(rows) if rows else np.empty((0,), dtype=object)
             else:
