@@ -223,3 +223,119 @@ def test_weights_that_do_not_fit_the_policy_change_nothing(served: bool) -> None
         torch.testing.assert_close(value, before[key])
     with torch.no_grad():
         torch.testing.assert_close(result["action"], module.module(torch.ones(2)))
+
+
+def _deep(fn: Any, value: Any) -> Any:
+    """``fn`` on every element of a nested list (a stacked batch of text)."""
+    return [_deep(fn, item) for item in value] if isinstance(value, list) else fn(value)
+
+
+class ReadsText(torch.nn.Module):
+    """Reads non-tensor data (text) beside a tensor and writes some back."""
+
+    def forward(self, obs: torch.Tensor, text: Any) -> tuple[torch.Tensor, Any]:
+        lengths = torch.tensor(_deep(lambda t: float(len(t)), text)).reshape(obs.shape[:-1])
+        return obs.sum(-1) + lengths, _deep(lambda t: {"upper": t.upper(), "words": t.split()}, text)
+
+
+def text_policy() -> TensorDictModule:
+    return TensorDictModule(ReadsText(), in_keys=["obs", "text"], out_keys=["score", ("out", "reply")])
+
+
+def text_request(i: int, rows: int | None = None) -> TensorDict:
+    from tensordict import NonTensorData, NonTensorStack
+
+    if rows is None:
+        return TensorDict({"obs": torch.full((2,), float(i)), "text": NonTensorData(f"a {'b' * i}")}, [])
+    texts = NonTensorStack.from_list([f"r{r} {'c' * i}" for r in range(rows)])
+    return TensorDict({"obs": torch.full((rows, 2), float(i)), "text": texts}, [rows])
+
+
+def served_texts(server_type: type, transport: Any, requests: list[TensorDict]) -> list[TensorDict]:
+    """The results of ``requests`` from 8 threads at once (an MPTransport's
+    through shared memory: the first request, through the pipe, makes the
+    server share itself)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with server_type(text_policy(), transport, max_batch_size=8):
+        client = transport.client()
+        if isinstance(transport, MPTransport):
+            client(requests[0])
+            deadline = time.monotonic() + 10
+            while client._shared() is None:
+                assert time.monotonic() < deadline, "the client never found the share"
+                time.sleep(0.01)
+        with ThreadPoolExecutor(8) as pool:
+            return list(pool.map(client, requests))
+
+
+@pytest.mark.parametrize("transport_type", [ThreadingTransport, MPTransport])
+@pytest.mark.parametrize("rows", [None, 3], ids=["unbatched", "batched"])
+def test_non_tensor_data_reaches_the_model_stacked_and_its_callers_row_by_row(
+    transport_type: type, rows: int | None
+) -> None:
+    """A policy reading text (tensordict's NonTensorData) and writing
+    Python objects back: each caller gets its own, as from TorchRL's server,
+    over shared memory too (an MPTransport's requests after the first)."""
+    from torchrl.modules.inference_server import InferenceServer as TorchRLServer
+    from torchrl.modules.inference_server import ThreadingTransport as TorchRLThreading
+
+    requests = [text_request(i, rows) for i in range(24)]
+    expected = served_texts(TorchRLServer, TorchRLThreading(), requests)
+    transport = transport_type()
+    got = served_texts(InferenceServer, transport, requests)
+    for want, have, sent in zip(expected, got, requests):
+        assert have.batch_size == sent.batch_size
+        assert have["text"] == sent["text"]  # the request's own, passed through
+        assert have.get(("out", "reply")).tolist() == want.get(("out", "reply")).tolist()
+        torch.testing.assert_close(have["score"], want["score"])
+
+
+def test_non_tensor_data_through_collate_fn_split_interaction_types_and_bad_requests() -> None:
+    """collate_fn sees each request's text; a batch asking for two
+    interaction types is split and put back in order with its text; a
+    request without the text, or whose text cannot be pickled, fails alone."""
+    from tensordict import NonTensorData
+
+    torchrl = pytest.importorskip("torchrl.modules.inference_server")
+    seen: list[Any] = []
+
+    def collate(items: list[Any]) -> Any:
+        seen.append([item["text"] for item in items])
+        return torch.stack(items)
+
+    def tagged(td: Any) -> Any:  # no in_keys: every leaf of the request is an input
+        current = interaction_type()
+        code = -1 if current is None else list(InteractionType).index(current)
+        return td.clone().set("tag", [f"{code}:{t}" for t in td["text"]])
+
+    def text(value: str) -> TensorDict:
+        return TensorDict({"obs": torch.zeros(2), "text": NonTensorData(value)})
+
+    transport = ThreadingTransport()
+    server = InferenceServer(tagged, transport, collate_fn=collate, request_spec=text("spec"))
+    random = torchrl.PolicyClientModule(transport, interaction_type=InteractionType.RANDOM)
+    mode = torchrl.PolicyClientModule(transport, interaction_type=InteractionType.MODE)
+    futures = [client.submit(text(f"t{i}")) for i, client in enumerate((random, mode, random, mode))]
+    with server:
+        results = [future.result(10) for future in futures]
+        with pytest.raises(ValueError, match="text"):
+            transport.client()(TensorDict({"obs": torch.zeros(2)}))
+        with pytest.raises(TypeError, match="pickled on its way"):
+            transport.client()(TensorDict({"obs": torch.zeros(2), "text": NonTensorData(lambda: 0)}))
+        assert transport.client()(text("after"))["tag"] == "-1:after"  # no stamp: the server's context
+    kinds = list(InteractionType)
+    codes = [kinds.index(k) for k in ("random", "mode", "random", "mode")]
+    assert [r["tag"] for r in results] == [f"{c}:t{i}" for i, c in enumerate(codes)]
+    assert [r["text"] for r in results] == ["t0", "t1", "t2", "t3"]
+    assert sorted(t for batch in seen for t in batch) == ["after", "spec", "t0", "t1", "t2", "t3"]  # each once
+
+
+def test_a_shared_memory_transport_refuses_non_tensor_specs_as_torchrls() -> None:
+    from tensordict import NonTensorData
+
+    from ferrobatch.torchrl import SharedMemoryTransport
+
+    request = TensorDict({"obs": torch.zeros(2), "text": NonTensorData("x")})
+    with pytest.raises(TypeError, match="NonTensorData at 'text': use MPTransport"):
+        SharedMemoryTransport(request, TensorDict({"act": torch.zeros(2)}), num_slots=2)

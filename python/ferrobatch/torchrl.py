@@ -24,6 +24,9 @@ What differs from TorchRL's server, and what it costs:
   batch size (a request of batch size ``[3]`` gets three).
 - Specs are fixed by the first request (or ``request_spec``): later requests
   must carry the same keys, dtypes and shapes (else ``ValueError``).
+- Non-tensor data (``NonTensorData``) travels pickled, one element per row:
+  the model gets the batch's values stacked, each caller its own back, and
+  a value pickle refuses fails its request with ``TypeError``.
 - ``collate_fn`` is honoured: the batch is unbound into the requests' TensorDicts and
   passed through it in Python before the model (about 1-2 us per request more
   than the default path). It sees each request whole (the first request's
@@ -60,6 +63,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import math
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -74,6 +78,7 @@ from multiprocessing.reduction import ForkingPickler
 from types import TracebackType
 from typing import Any
 
+import numpy as np
 import torch
 
 from ._requests import RequestInfo, encode_parameters
@@ -189,10 +194,15 @@ def _interaction_type(code: int | None) -> Any:
     return set_interaction_type(InteractionType(_INTERACTION_TYPES[code]))
 
 
-def _passed(given: torch.Tensor, returned: torch.Tensor, collate_fn: object) -> bool:
-    """Whether the model returned the request's tensor ``given`` as it was."""
+def _passed(given: Any, returned: Any, collate_fn: object) -> bool:
+    """Whether the model returned the request's leaf ``given`` (as the core
+    carries it) as it was."""
     if returned is given:
         return True
+    if not isinstance(returned, torch.Tensor):  # non-tensor data: the same values
+        return isinstance(given, np.ndarray) and bool(np.array_equal(given, _pack(returned)))
+    if not isinstance(given, torch.Tensor):
+        return False
     if collate_fn is None or returned.shape != given.shape or returned.dtype != given.dtype:
         return False
     return returned.device == given.device and bool(torch.equal(returned, given))
@@ -202,12 +212,131 @@ def _name(key: NestedKey) -> str:
     return key if isinstance(key, str) else ".".join(key)
 
 
-def _tensor_leaves(td: Any) -> dict[str, torch.Tensor]:
+def _leaves(td: Any) -> dict[str, Any]:
+    """Every leaf of ``td`` by flat name: its tensors, and its non-tensor
+    data (tensordict's ``NonTensorData`` / ``NonTensorStack``) as they are."""
+    from tensordict import is_leaf_nontensor
+
     return {
-        _name(key): value
-        for key, value in td.items(include_nested=True, leaves_only=True)
-        if isinstance(value, torch.Tensor)
+        _name(key): value for key, value in td.items(include_nested=True, leaves_only=True, is_leaf=is_leaf_nontensor)
     }
+
+
+# Non-tensor data rides the core as a BYTES tensor of the leaf's batch shape,
+# each element pickled (as TorchRL's pipes pickle it): the model gets it back
+# stacked (a NonTensorStack of the batch), each caller its own elements.
+
+
+def _pack(leaf: Any) -> bytes | np.ndarray:
+    """A non-tensor leaf as the core takes it: for batch size ``[]`` its
+    value pickled, else an object array of the batch's shape, one pickled
+    element each."""
+    shape = tuple(leaf.batch_size)
+    values = leaf.tolist()
+    try:
+        if not shape:
+            return pickle.dumps(values)
+        packed = np.empty(math.prod(shape), dtype=object)
+        packed[:] = [pickle.dumps(value) for value in _flatten(values, len(shape))]
+    except Exception as exc:  # whatever pickle raises: one typed error
+        raise TypeError(
+            "non-tensor data is pickled on its way through the batcher; "
+            f"this value cannot be: {type(exc).__name__}: {exc}"
+        ) from exc
+    return packed.reshape(shape)
+
+
+def _flatten(values: Any, depth: int) -> list[Any]:
+    """The elements of a nested list ``depth`` levels deep (an element may itself be a list)."""
+    if depth == 0:
+        return [values]
+    return [element for value in values for element in _flatten(value, depth - 1)]
+
+
+def _unpack(packed: bytes | np.ndarray) -> Any:
+    """``_pack``'s leaf back: ``NonTensorData`` for one value, else a
+    ``NonTensorStack`` of the array's shape. An empty element (an optional
+    input a request left out) is ``None``."""
+    from tensordict import NonTensorData, NonTensorStack
+
+    if isinstance(packed, bytes):
+        return NonTensorData(_unpickle(packed), batch_size=[])
+    values: Any = [_unpickle(bytes(element)) for element in packed.ravel()]
+    for size in reversed(packed.shape[1:]):
+        values = [values[i : i + size] for i in range(0, len(values), size)]
+    return NonTensorStack.from_list(values)
+
+
+def _unpickle(blob: bytes) -> Any:
+    return pickle.loads(blob) if blob else None
+
+
+def _leaf_spec(name: str, leaf: Any, optional: bool = False) -> TensorSpec:
+    """The core's spec of one request's leaf (non-tensor data: BYTES of its batch shape)."""
+    if isinstance(leaf, torch.Tensor):
+        return TensorSpec(name, dtype_name(leaf.dtype), tuple(leaf.shape), optional=optional)
+    return TensorSpec(name, "bytes", tuple(leaf.batch_size), optional=optional)
+
+
+def _sample_row(leaf: Any, device: torch.device | str | None) -> Any:
+    """One request's leaf as a batch of one, as the core hands it to the model."""
+    if isinstance(leaf, torch.Tensor):
+        return leaf.detach().unsqueeze(0).to(device or "cpu")
+    packed = _pack(leaf)
+    if isinstance(packed, np.ndarray):
+        return packed[np.newaxis]
+    row = np.empty(1, dtype=object)
+    row[0] = packed
+    return row
+
+
+def _row_value(row: Any) -> Any:
+    """One row of a model's output as the core hands it to its caller."""
+    return row.cpu() if isinstance(row, torch.Tensor) else _pack(row)
+
+
+def _take_rows(column: Any, rows: list[int]) -> Any:
+    """The rows ``rows`` of a batch's column (a tensor, or packed non-tensor data)."""
+    if isinstance(column, torch.Tensor):
+        return column[torch.tensor(rows, device=column.device)]
+    return column[rows]
+
+
+def _join_rows(columns: list[Any]) -> Any:
+    if isinstance(columns[0], torch.Tensor):
+        return torch.cat(columns)
+    return np.concatenate(columns)
+
+
+def _core_value(value: Any) -> Any:
+    """A leaf as the core takes it (non-tensor data packed; a missing one,
+    None, is the core's to refuse)."""
+    return value if value is None or isinstance(value, torch.Tensor) else _pack(value)
+
+
+def _core_request(td: Any, inputs: Sequence[str], extras: Sequence[str]) -> dict[str, Any]:
+    """A request's leaves the core takes, by flat name: the model's
+    ``inputs`` (each required), and those of ``extras`` it has."""
+    flat = {}
+    for name in inputs:
+        value = td.get(nested_key(name), None)
+        if value is None:
+            raise ValueError(f"the request lacks the model's input {name!r}")
+        flat[name] = _core_value(value)
+    for name in extras:
+        value = td.get(nested_key(name), None)
+        if value is not None:
+            flat[name] = _core_value(value)
+    return flat
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
+def _leaf_value(value: Any) -> Any:
+    """A core input or output as a TensorDict leaf (non-tensor data unpacked)."""
+    return value if isinstance(value, torch.Tensor) else _unpack(value)
 
 
 def _unwrap(error: BaseException) -> BaseException:
@@ -768,7 +897,7 @@ class InferenceServer:
         call is the example's own (as TorchRL's first batch would be)."""
         from tensordict import TensorDict
 
-        leaves = _tensor_leaves(example)
+        leaves = _leaves(example)
         if self.policy_version_key is not None:
             leaves.pop(_name(self.policy_version_key), None)
         stamp = leaves.pop(_INTERACTION_KEY, None)  # how to run the model, not its input
@@ -784,14 +913,14 @@ class InferenceServer:
                 leaves = mine
         if not leaves and stamp is None:
             raise ValueError("the request carries none of the model's inputs")
-        inputs = [TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in leaves.items()]
+        inputs = [_leaf_spec(name, leaf) for name, leaf in leaves.items()]
         model_keys = [(s.name, nested_key(s.name)) for s in inputs]
         carried = dict(leaves)
         if collate_fn is not None and len(inputs) + len(extras) <= 64:
             # collate_fn sees each request whole, as TorchRL gives it: the first
             # request's other keys travel too, each optional (a request without
             # it is collated without it).
-            inputs += [TensorSpec(n, dtype_name(t.dtype), tuple(t.shape), optional=True) for n, t in extras.items()]
+            inputs += [_leaf_spec(name, leaf, optional=True) for name, leaf in extras.items()]
             carried.update(extras)
         all_keys = [(s.name, nested_key(s.name)) for s in inputs]
         # As TorchRL stacks requests: the first request's batch dims follow the batch's.
@@ -804,9 +933,11 @@ class InferenceServer:
             rows = len(requests)  # one row each
             if collate_fn is None:
                 return TensorDict(
-                    {key: batch[name] for name, key in model_keys}, batch_size=[rows, *dims], device=device
+                    {key: _leaf_value(batch[name]) for name, key in model_keys}, batch_size=[rows, *dims], device=device
                 )
-            whole = TensorDict({key: batch[name] for name, key in all_keys}, batch_size=[rows, *dims], device=device)
+            whole = TensorDict(
+                {key: _leaf_value(batch[name]) for name, key in all_keys}, batch_size=[rows, *dims], device=device
+            )
             items = list(whole.unbind(0))
             for item, request in zip(items, requests):  # one row per request
                 for name in request.absent:
@@ -823,22 +954,28 @@ class InferenceServer:
                 raise RuntimeError(f"Model returned {size[0]} results for a batch of {len(requests)} inputs.")
             return result
 
-        sample = {name: t.detach().unsqueeze(0).to(device or "cpu") for name, t in carried.items()}
+        sample = {name: _sample_row(leaf, device) for name, leaf in carried.items()}
         probe = RequestInfo(rows=1, absent=frozenset() if stamp is not None else frozenset({_INTERACTION_KEY}))
         began = time.perf_counter_ns()
         with torch.no_grad():  # as the worker runs it
             raw = invoke(sample, [probe], None if stamp is None else _interaction_codes(stamp.unsqueeze(0))[0])
         self._probe_ns = time.perf_counter_ns() - began
-        produced = _tensor_leaves(raw)
+        produced = _leaves(raw)
         for hidden in (_INTERACTION_KEY, None if self.policy_version_key is None else _name(self.policy_version_key)):
             produced.pop(hidden or "", None)
         # What the model passed through untouched is the request's own: not copied back.
         # Anything else it returned, an input key it wrote included, is a result, as TorchRL's.
         # (collate_fn copies the requests: there, a tensor equal to the request's is taken as passed through).
-        passed = {name for name, t in produced.items() if name in sample and _passed(sample[name], t, collate_fn)}
-        outputs = example_specs(produced, exclude=passed)
+        passed = {name for name, leaf in produced.items() if name in sample and _passed(sample[name], leaf, collate_fn)}
+        tensors = {name: leaf for name, leaf in produced.items() if isinstance(leaf, torch.Tensor)}
+        outputs = example_specs(tensors, exclude=passed) if set(tensors) - passed else []
+        outputs += [
+            _leaf_spec(name, leaf[0]) for name, leaf in produced.items() if name not in tensors and name not in passed
+        ]
+        if not outputs:
+            raise TypeError("the model returned no outputs besides its inputs")
         out_keys = [(s.name, nested_key(s.name)) for s in outputs]
-        first = {name: raw.get(key)[0].cpu() for name, key in out_keys}
+        first = {name: _row_value(raw.get(key)[0]) for name, key in out_keys}
         first[_VERSION] = torch.tensor(0, dtype=torch.int64)
 
         forward_ms, queue_ms = self._forward_ms, self._queue_ms
@@ -849,7 +986,7 @@ class InferenceServer:
             batch: Mapping[str, torch.Tensor], requests: Sequence[RequestInfo], code: int | None
         ) -> dict[str, torch.Tensor]:
             result = invoke(batch, requests, code)
-            return {name: result.get(key) for name, key in out_keys}
+            return {name: _core_value(result.get(key)) for name, key in out_keys}
 
         def run(batch: dict[str, torch.Tensor], requests: Sequence[RequestInfo]) -> dict[str, torch.Tensor]:
             queue_ms.extend(r.queued_ns / 1e6 for r in requests)
@@ -874,14 +1011,10 @@ class InferenceServer:
                     parts = []
                     for kind in kinds:
                         rows = [i for i, code in enumerate(codes) if code == kind]
-                        index = torch.tensor(rows)
-                        part = {name: t[index.to(t.device)] for name, t in batch.items()}
+                        part = {name: _take_rows(t, rows) for name, t in batch.items()}
                         parts.append(forward(part, [requests[i] for i in rows], kind))
-                    back = torch.argsort(torch.tensor(order))
-                    outputs = {}
-                    for name in parts[0]:
-                        joined = torch.cat([part[name] for part in parts])
-                        outputs[name] = joined[back.to(joined.device)]
+                    back = torch.argsort(torch.tensor(order)).tolist()
+                    outputs = {name: _take_rows(_join_rows([part[name] for part in parts]), back) for name in parts[0]}
             except BaseException as exc:
                 if keep_error is not None:  # shared-memory clients fetch it over their pipe
                     for request in requests:
@@ -916,15 +1049,7 @@ class InferenceServer:
     def _flat(self, td: Any) -> dict[str, Any]:
         """A request's tensors the core takes: the model's inputs, and the
         other keys collate_fn sees that this request has."""
-        try:
-            flat = {name: td.get(nested_key(name)) for name in self._in_names}
-        except KeyError as exc:
-            raise ValueError(f"the request lacks the model's input {exc}") from None
-        for name in self._extra_names:
-            value = td.get(nested_key(name), None)
-            if value is not None:
-                flat[name] = value
-        return flat
+        return _core_request(td, self._in_names, self._extra_names)
 
     def _submit(self, td: Any) -> concurrent.futures.Future[dict[str, torch.Tensor]]:
         client = self._client
@@ -958,7 +1083,7 @@ class InferenceServer:
     ) -> list[tuple[NestedKey, torch.Tensor]]:
         """What a request of ``batch_size`` gets added to it: the outputs, and
         the version (one per element of its batch, as TorchRL stamps it)."""
-        pairs: list[tuple[NestedKey, torch.Tensor]] = [(key, outputs[name]) for name, key in self._out_keys]
+        pairs: list[tuple[NestedKey, Any]] = [(key, _leaf_value(outputs[name])) for name, key in self._out_keys]
         if self.policy_version_key is not None:
             version = outputs[_VERSION]
             if self._version_base:
@@ -967,7 +1092,7 @@ class InferenceServer:
                 version = version.expand(*batch_size).clone()
             pairs.append((self.policy_version_key, version))
         if self.output_device is not None:
-            pairs = [(key, value.to(self.output_device)) for key, value in pairs]
+            pairs = [(key, _to_device(value, self.output_device)) for key, value in pairs]
         return pairs
 
 
@@ -1543,8 +1668,8 @@ class MPTransport(_TorchRLTransport):
 
     def resolve(self, callback: Any, result: Any) -> None:
         conn, lock, rid = callback
-        leaves = result.items(include_nested=True, leaves_only=True)
-        _reply(conn, lock, rid, True, [(k, _to_wire(v)) for k, v in leaves if isinstance(v, torch.Tensor)])
+        leaves = _leaves(result).items()
+        _reply(conn, lock, rid, True, [(nested_key(name), _to_wire(value)) for name, value in leaves])
 
     def resolve_exception(self, callback: Any, exc: BaseException) -> None:
         conn, lock, rid = callback
@@ -1600,9 +1725,12 @@ def _request_td(flat: Mapping[str, Any], batch_size: Sequence[int]) -> Any:
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _to_wire(tensor: torch.Tensor) -> Any:
+def _to_wire(tensor: Any) -> Any:
     """A tensor as a pipe carries it: a numpy array, or for a dtype numpy
-    lacks, its dtype's name and its bits as a same-size integer array."""
+    lacks, its dtype's name and its bits as a same-size integer array.
+    Non-tensor data travels as it is (pickled, as TorchRL's pipes send it)."""
+    if not isinstance(tensor, torch.Tensor):
+        return tensor
     tensor = tensor.detach().cpu()
     try:
         return tensor.numpy()
@@ -1611,9 +1739,11 @@ def _to_wire(tensor: torch.Tensor) -> Any:
         return (str(tensor.dtype).removeprefix("torch."), bits)
 
 
-def _from_wire(value: Any) -> torch.Tensor:
+def _from_wire(value: Any) -> Any:
     """``_to_wire``'s tensor back; an array Ray hands over read-only (in
     its object store's memory) is copied."""
+    if not isinstance(value, (tuple, np.ndarray)):
+        return value  # non-tensor data
     dtype = None
     if isinstance(value, tuple):
         name, value = value
@@ -1865,15 +1995,16 @@ class _RayEnd:
 
 def _spec_keys(spec: Any, what: str) -> list[NestedKey]:
     """The keys of a SharedMemoryTransport spec's leaves, checked as TorchRL does."""
-    from tensordict import TensorDictBase
+    from tensordict import is_leaf_nontensor
 
     # Every leaf, non-tensor data too (TorchRL refuses those; plain leaves_only skips them).
-    leaves = list(
-        spec.items(include_nested=True, leaves_only=True, is_leaf=lambda cls: not issubclass(cls, TensorDictBase))
-    )
-    kinds = {type(value).__name__ for _, value in leaves if not isinstance(value, torch.Tensor)}
-    if kinds:
-        raise TypeError(f"{what} must have tensor leaves only, got {', '.join(sorted(kinds))}")
+    leaves = list(spec.items(include_nested=True, leaves_only=True, is_leaf=is_leaf_nontensor))
+    for key, value in leaves:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"{what} must have tensor leaves only (a SharedMemoryTransport carries tensors), got a "
+                f"{type(value).__name__} at {key!r}: use MPTransport for non-tensor data"
+            )
     if not leaves:
         raise ValueError(f"{what} must have at least one tensor leaf")
     if any(value.device.type != "cpu" for _, value in leaves):
@@ -2027,7 +2158,7 @@ class MPClient:
 
     def _submit_pipe(self, td: Any) -> concurrent.futures.Future[Any]:
         sent = td if self._rules is None else td.select(*self._rules.request_keys)
-        flat = {name: _to_wire(t) for name, t in _tensor_leaves(sent).items()}
+        flat = {name: _to_wire(leaf) for name, leaf in _leaves(sent).items()}
         return self._send(flat, tuple(td.batch_size), td)
 
     def _send(self, flat: Any, batch_size: Any, td: Any) -> concurrent.futures.Future[Any]:
@@ -2092,8 +2223,8 @@ class _SharedRoute:
         self.client = client
         self.pid = os.getpid()
         self.closed = False
-        self.inputs = [(name, nested_key(name)) for name in meta["inputs"]]
-        self.extras = [(name, nested_key(name)) for name in meta["extras"]]
+        self.inputs: tuple[str, ...] = tuple(meta["inputs"])
+        self.extras: tuple[str, ...] = tuple(meta["extras"])
         self.outputs = [(name, nested_key(name)) for name in meta["outputs"]]
         self.version = None if meta["version"] is None else nested_key(meta["version"])
         self.version_base = int(meta["version_base"])
@@ -2108,20 +2239,12 @@ class _SharedRoute:
         self.client.close()
 
     def flat(self, td: Any) -> dict[str, Any]:
-        try:
-            flat = {name: td.get(key) for name, key in self.inputs}
-        except KeyError as exc:
-            raise ValueError(f"the request lacks the model's input {exc}") from None
-        for name, key in self.extras:
-            value = td.get(key, None)
-            if value is not None:
-                flat[name] = value
-        return flat
+        return _core_request(td, self.inputs, self.extras)
 
     def complete(self, td: Any, outputs: Mapping[str, torch.Tensor], rules: _SlotRules | None = None) -> Any:
         """``td`` with the outputs and the version, as the server's own
         ``_result_pairs`` makes them (with ``rules``: the response only)."""
-        pairs: list[tuple[NestedKey, torch.Tensor]] = [(key, outputs[name]) for name, key in self.outputs]
+        pairs: list[tuple[NestedKey, Any]] = [(key, _leaf_value(outputs[name])) for name, key in self.outputs]
         if self.version is not None:
             version = outputs[_VERSION]
             if self.version_base:
@@ -2130,7 +2253,7 @@ class _SharedRoute:
                 version = version.expand(*td.batch_size).clone()
             pairs.append((self.version, version))
         if self.output_device is not None:
-            pairs = [(key, value.to(self.output_device)) for key, value in pairs]
+            pairs = [(key, _to_device(value, self.output_device)) for key, value in pairs]
         return _complete(td, pairs) if rules is None else rules.response(td, pairs)
 
     def call(self, td: Any, mp: MPClient) -> Any:
