@@ -268,8 +268,10 @@ async def test_infer_before_start_and_after_stop_raises_server_closed() -> None:
         await server.client().infer({"x": sample(1)})
     with pytest.raises(fb.ServerClosedError):
         await server.client().infer({"x": sample(1)})
+    await server.start()
     with pytest.raises(RuntimeError, match="already started"):
         await server.start()
+    await server.stop()
 
 
 async def test_stop_drains_accepted_requests_first() -> None:

@@ -81,6 +81,47 @@ async def test_a_starlette_app_serves_again_when_its_lifespan_runs_again() -> No
                 assert response.status_code == 200, response.text
 
 
+@pytest.mark.filterwarnings("ignore:Using `httpx` with `starlette.testclient`")  # a newer starlette's advice
+def test_an_app_that_starts_its_server_serves_again_in_a_second_test_client_session() -> None:
+    """The default (manage_servers=True): each TestClient session, on an
+    event loop of its own, starts the server in the app's lifespan and stops
+    it at the end; the next session starts it again."""
+    from starlette.testclient import TestClient
+
+    server = make_server()
+    app = starlette_app(server)
+    for _ in range(3):
+        with TestClient(app) as http:
+            assert server.running
+            assert http.get("/v2/health/ready").status_code == 200
+            response = http.post(INFER, content=GOOD)
+            assert response.status_code == 200, response.text
+        assert not server.running
+    assert server.stats()["requests_succeeded"] == 3
+
+
+async def test_an_aiohttp_app_that_starts_its_server_serves_again_when_its_runner_starts_again() -> None:
+    from aiohttp import web
+
+    server = make_server()
+    app = aiohttp_app(server)
+    for _ in range(2):
+        runner = web.AppRunner(app)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+            async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+                assert (await http.get("/v2/health/ready")).status_code == 200
+                response = await http.post(INFER, content=GOOD)
+                assert response.status_code == 200, response.text
+        finally:
+            await runner.cleanup()
+        assert not server.running
+    assert server.stats()["requests_succeeded"] == 2
+
+
 async def test_a_request_refused_because_the_app_closes_is_counted() -> None:
     server = make_server()
     app = starlette_app(server, manage_servers=False)

@@ -1,6 +1,6 @@
 """The server's lifecycle at its edges: stop() during start(), a stop() cut
-short, a server dropped without stop(), and what a stop tells the requests
-it ends."""
+short, a server dropped without stop(), what a stop tells the requests it
+ends, and a stopped server started again."""
 
 from __future__ import annotations
 
@@ -64,8 +64,8 @@ async def test_stop_during_warmup_waits_and_the_server_never_runs(gate: Gate) ->
     assert worker_threads("stop-in-warmup") == []
     with pytest.raises(fb.ServerClosedError):
         await server.client().infer({"x": sample(1)})
-    with pytest.raises(RuntimeError, match="already started"):
-        await server.start()  # stopped means stopped
+    async with server:  # a start of its own: warmed up again, then it serves
+        assert torch.equal((await server.client().infer({"x": sample(1)}))["y"], sample(2))
 
 
 async def test_stop_timeout_during_warmup_returns_and_start_still_gives_up(gate: Gate) -> None:
@@ -189,3 +189,54 @@ async def test_a_running_stream_at_stop_is_told_it_was_not_answered() -> None:
         assert str(raised.value) == "server 'stop-stream' stopped before the request was answered"
     finally:
         done.set()
+
+
+# -- a stopped server started again -------------------------------------------------------
+
+
+@pytest.mark.parametrize("max_delay", [0.0, 0.001], ids=["greedy", "windowed"])
+async def test_a_stopped_server_starts_again_and_its_stats_carry_on(max_delay: float) -> None:
+    """Each run has workers and staging of its own; a client made in an
+    earlier run serves in the next; stats() count every run; a share ends
+    with its run and the server may share itself again."""
+    server = make_server(name="again", max_delay=max_delay, max_batch_size=8)
+    early = server.client()
+    for run in range(3):
+        async with server:
+            got = await asyncio.gather(*(early.infer({"x": sample(i)}) for i in range(20)))
+            assert [int(out["y"][0]) for out in got] == [2 * i for i in range(20)]
+            share = server.share(f"fb-again-{run}-{id(server)}")
+            with fb.connect(share.name) as other:
+                assert torch.equal((await other.infer({"x": sample(3)}))["y"], sample(6))
+            assert len(worker_threads("again")) == 1
+        stats = server.stats()
+        assert stats["requests_succeeded"] == 21 * (run + 1), stats
+        assert stats["rows"] == 21 * (run + 1) == sum(size * n for size, n in stats["batch_sizes"].items())
+        assert stats["batches"] == sum(stats["dispatch_reasons"].values()) == sum(stats["batch_sizes"].values())
+        assert stats["queue_depth"] == 0 and stats["queue_ns"] > 0
+        assert worker_threads("again") == []
+    with pytest.raises(fb.ServerClosedError, match="not running"):
+        await early.infer({"x": sample(1)})
+
+
+async def test_a_restart_waits_for_no_model_call_left_running_by_stop(gate: Gate) -> None:
+    """A model call stop(timeout) left on its thread keeps the server from
+    starting again (two calls would run the model at once): a clear
+    RuntimeError until it returns, then the start goes ahead."""
+    server = make_server(gate, name="left-running", max_batch_size=1, max_delay=0)
+    await server.start()
+    in_model = asyncio.create_task(server.client().infer({"x": sample(1)}))
+    await wait_until_entered(gate)
+    await server.stop(timeout=0.1)
+    with pytest.raises(fb.ServerClosedError):
+        await asyncio.wait_for(in_model, 5)
+    with pytest.raises(RuntimeError, match="still finishing a model call"):
+        await server.start()
+    gate.release.set()
+    deadline = time.monotonic() + 5
+    while worker_threads("left-running") and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    async with server:
+        assert torch.equal((await server.client().infer({"x": sample(2)}))["y"], sample(4))
+    stats = server.stats()
+    assert stats["requests_succeeded"] == 1 and stats["requests_failed"]["server_closed"] == 1

@@ -412,7 +412,9 @@ class Server:
         self._submitter = _core.Submitter(self._loops, self._not_running, decoupled=self.decoupled)
         self._slots: list[dict[str, torch.Tensor]] = []
         self._threads: list[threading.Thread] = []
-        self._counters: list[WorkerCounters] = []
+        self._counters: list[WorkerCounters] = []  # every run's: stats() carry on across restarts
+        #: What the runs before this one counted, besides their workers' counters.
+        self._earlier = _EarlierRuns()
         self._token: anyio.lowlevel.EventLoopToken | None = None
         self._shared: list[Shared] = []
         self._phase = "created"  # created -> starting (warm-up) -> running -> stopping -> stopped
@@ -606,8 +608,16 @@ class Server:
         server is then left as it was before ``start()``. Raises
         :class:`ServerClosedError` if ``stop()`` is called meanwhile: the
         workers never start, and the server is stopped.
+
+        A stopped server may start again: a new run, with instances, staging
+        and workers of its own (warmed up again), whose ``stats()`` carry on
+        from the last run's. Its shares ended with the last run (``share()``
+        again). Raises ``RuntimeError`` while a model call that ``stop(timeout)``
+        left running has not returned yet.
         """
-        if self._phase != "created":
+        if self._phase == "stopped":
+            self._leave_stopped_run()
+        elif self._phase != "created":
             raise RuntimeError(f"server '{self.name}' was already started")
         self._check_staging_fits()
         self._phase = "starting"
@@ -625,6 +635,26 @@ class Server:
             raise
         finally:
             self._start_ended.set()
+
+    def _leave_stopped_run(self) -> None:
+        """Before a stopped server starts again: what its last run counted is
+        kept for ``stats()``, and what that run held is let go."""
+        if any(thread.is_alive() for thread in self._threads):
+            raise RuntimeError(
+                f"server '{self.name}' is still finishing a model call that stop() left running;"
+                " start it again once that call returns"
+            )
+        if self._batcher is not None:
+            self._earlier.add_batcher(self._batcher.stats())
+        processes = [e for e in self._executors if isinstance(e, ProcessExecutor)]
+        self._earlier.retry_calls += sum(e.reruns for e in processes)
+        self._earlier.process_restarts += sum(max(0, e.starts - 1) for e in processes)
+        checks, mismatches = summed(self._samplers)
+        self._earlier.invariance_checks += checks
+        self._earlier.invariance_mismatches += mismatches
+        self._batcher, self._executors, self._slots, self._threads, self._samplers = None, [], [], [], []
+        self._shared = []  # closed by the stop
+        self._phase = "created"
 
     def _raise_if_stop_requested(self) -> None:
         if self._stop_requested:
@@ -1049,7 +1079,8 @@ class Server:
     # -- introspection ------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        """Counters since start.
+        """Counters since the first ``start()`` (a server started again
+        after ``stop()`` carries them on).
 
         ``requests_succeeded``; ``requests_failed`` by reason (invalid_input,
         queue_full, deadline_exceeded, cancelled, model_error, server_closed);
@@ -1097,7 +1128,8 @@ class Server:
         succeeded = outcomes.pop("succeeded")
         request_ns = outcomes.pop("request_ns")
         request_buckets = self._loops.request_buckets()
-        core = self._batcher.stats() if self._batcher is not None else {}
+        batcher = self._batcher
+        core = self._earlier.with_batcher({} if batcher is None else batcher.stats())
         batches = int(core.get("batches", 0))
         rows = int(core.get("rows", 0))
         return {
@@ -1119,15 +1151,17 @@ class Server:
             "failed_batches": sum(c.failed_batches for c in self._counters),
             "isolated_failures": sum(c.isolated_failures for c in self._counters),
             "retry_calls": sum(c.retry_calls for c in self._counters)
-            + sum(e.reruns for e in self._executors if isinstance(e, ProcessExecutor)),
-            "invariance_checks": summed(self._samplers)[0],
-            "invariance_mismatches": summed(self._samplers)[1],
+            + sum(e.reruns for e in self._executors if isinstance(e, ProcessExecutor))
+            + self._earlier.retry_calls,
+            "invariance_checks": summed(self._samplers)[0] + self._earlier.invariance_checks,
+            "invariance_mismatches": summed(self._samplers)[1] + self._earlier.invariance_mismatches,
             "torch_threads": self.torch_threads,
             "workers_yield": self.workers_yield,
             "cpu_affinity": None if self.cpu_affinity is None else [sorted(c) for c in self.cpu_affinity],
             "instance_kind": self.instance_kind,
             # Instance processes started again after one died.
-            "process_restarts": sum(max(0, e.starts - 1) for e in self._executors if isinstance(e, ProcessExecutor)),
+            "process_restarts": sum(max(0, e.starts - 1) for e in self._executors if isinstance(e, ProcessExecutor))
+            + self._earlier.process_restarts,
             "batch_sizes": dict(sorted(batch_sizes.items())),
             "batch_compute_ns": dict(sorted(batch_compute_ns.items())),
             "last_inference_ms": max((c.last_inference_ns for c in self._counters), default=0) // 1_000_000,
@@ -1147,6 +1181,38 @@ class Server:
             f"Server(name={self.name!r}, instances={len(self._models)}, "
             f"max_batch_size={self.max_batch_size}, max_delay={self.max_delay}, {self._phase})"
         )
+
+
+class _EarlierRuns:
+    """What the stopped runs of a server started again counted, besides
+    their workers' counters (which ``stats()`` keeps): their batchers'
+    totals, their instance processes' and their invariance samplers'."""
+
+    #: The batcher's totals (its queue lengths are of now: not carried).
+    TOTALS = ("batches", "rows", "queue_ns", "succeeded_queue_ns", "release_age_ns")
+
+    def __init__(self) -> None:
+        self.batcher: dict[str, int] = dict.fromkeys(self.TOTALS, 0)
+        self.dispatch_reasons: dict[str, int] = {}
+        self.retry_calls = self.process_restarts = 0
+        self.invariance_checks = self.invariance_mismatches = 0
+
+    def add_batcher(self, stats: Mapping[str, Any]) -> None:
+        for key in self.TOTALS:
+            self.batcher[key] += int(stats.get(key, 0))
+        for reason, n in dict(stats.get("dispatch_reasons", {})).items():
+            self.dispatch_reasons[reason] = self.dispatch_reasons.get(reason, 0) + int(n)
+
+    def with_batcher(self, stats: Mapping[str, Any]) -> dict[str, Any]:
+        """The running batcher's ``stats`` with the earlier runs' totals added."""
+        merged = dict(stats)
+        for key in self.TOTALS:
+            merged[key] = int(stats.get(key, 0)) + self.batcher[key]
+        reasons = dict(stats.get("dispatch_reasons", {}))
+        for reason, n in self.dispatch_reasons.items():
+            reasons[reason] = int(reasons.get(reason, 0)) + n
+        merged["dispatch_reasons"] = reasons
+        return merged
 
 
 class _NativeParts:
