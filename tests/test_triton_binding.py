@@ -561,7 +561,7 @@ def test_unrecoverable_error_stops_the_server_after_answering_what_it_accepted(f
         serving.join(30)
 
 
-def test_serve_blocks_until_stop_and_a_triton_serves_once() -> None:
+def test_serve_blocks_until_stop_and_stop_unbinds_the_models() -> None:
     def infer(requests: list[Request]) -> list[dict[str, np.ndarray]]:
         return [{"y": r["x"]} for r in requests]
 
@@ -583,8 +583,28 @@ def test_serve_blocks_until_stop_and_a_triton_serves_once() -> None:
     assert not triton.is_alive() and triton.stop() is False
     serving.join(5)
     assert not serving.is_alive()
-    with pytest.raises(PyTritonInvalidOperationError, match="serves once"):
+    with pytest.raises(PyTritonInvalidOperationError, match="stop\\(\\) unbinds the models"):
         triton.run()
+
+
+def test_a_stopped_triton_serves_again_what_is_bound_after_the_stop() -> None:
+    """PyTriton's notebook: run, stop, bind the model again (a new callable,
+    the same name), run again; the last run's servers keep their stats
+    until the next bind."""
+
+    def plus(k: float) -> Any:
+        def infer(requests: list[Request]) -> list[dict[str, np.ndarray]]:
+            return [{"y": r["x"] + k} for r in requests]
+
+        return infer
+
+    triton = ephemeral()
+    for k in (1.0, 2.0, 3.0):
+        triton.bind("AddSub", plus(k), inputs=[X], outputs=[Y], config=ModelConfig(max_batch_size=8))
+        with running(triton) as (http, grpc):
+            np.testing.assert_array_equal(http_infer(http, "AddSub", rows(2))["y"], rows(2) + k)
+            np.testing.assert_array_equal(grpc_infer(grpc, "AddSub", rows(1))["y"], rows(1) + k)
+        assert [s.stats()["requests_succeeded"] for s in triton.servers] == [2]
 
 
 def test_parameters_and_forwarded_headers_reach_the_callable() -> None:

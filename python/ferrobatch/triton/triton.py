@@ -324,7 +324,8 @@ class Triton:
         self._context = TritonContext()
         self._servers: list[Server] = []
         self._lock = threading.Lock()
-        self._phase = "created"  # created -> running -> stopped
+        self._phase = "created"  # created -> running -> stopped (-> running again, models bound anew)
+        self._exit_hook = False  # registered once, whatever the runs
         self._thread: threading.Thread | None = None  # run()'s
         self._serving_thread: threading.Thread | None = None  # run()'s, or the one in serve()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -360,11 +361,12 @@ class Triton:
         ferrobatch cannot serve.
         """
         with self._lock:
-            if self._phase != "created":
+            if self._phase == "running":
                 raise PyTritonInvalidOperationError(
                     "bind every model before run() or serve(): ferrobatch serves the models bound when it"
                     " starts (PyTriton loads a model bound later into the running server)"
                 )
+            self._unbind_stopped()
         if not model_name or not re.fullmatch(r"[a-zA-Z0-9._-]+", model_name):
             raise PyTritonValidationError(
                 f"model name {model_name!r}: only letters, digits, dots, underscores and dashes"
@@ -443,7 +445,9 @@ class Triton:
         thread = threading.Thread(target=self._serve_here, args=(started.put,), name="ferrobatch-triton", daemon=True)
         self._thread = thread
         thread.start()
-        _at_main_thread_exit(weakref.WeakMethod(self.stop))
+        if not self._exit_hook:
+            self._exit_hook = True
+            _at_main_thread_exit(weakref.WeakMethod(self.stop))
         try:
             first = started.get(timeout=STARTUP_TIMEOUT_S)
         except queue.Empty:
@@ -526,16 +530,33 @@ class Triton:
 
     def _start(self) -> None:
         with self._lock:
-            if self._phase != "created":
-                raise PyTritonInvalidOperationError(f"already {self._phase}: a Triton object serves once")
+            if self._phase == "running":
+                raise PyTritonInvalidOperationError("already running")
+            self._unbind_stopped()
             if not self._servers:
-                raise PyTritonInvalidOperationError("bind at least one model before run() or serve()")
+                raise PyTritonInvalidOperationError(
+                    "bind at least one model before run() or serve() (stop() unbinds the models, as PyTriton's)"
+                )
+            # A run of its own: what the last one left is not this one's.
+            self._thread = self._serving_thread = None
+            self._loop, self._stop_event, self._stop_asked = None, None, False
+            self._ended = threading.Event()
+            self._listening, self.unrecoverable = None, None
             self._phase = "running"
+
+    def _unbind_stopped(self) -> None:
+        """After a stop, the models it served are unbound (as PyTriton's
+        ``stop()`` unloads them): the next run serves the models bound
+        since. Kept until then, for their ``stats()``. Under ``_lock``."""
+        if self._phase == "stopped":
+            self._servers = []  # a new list: the stopped run's serve() may still hold its own
+            self._phase = "created"
 
     def _serve_here(self, report: Callable[[Listening | BaseException], None]) -> None:
         """Runs the server on this thread, on a new event loop, until it stops."""
 
         self._serving_thread = threading.current_thread()
+        ended = self._ended  # this run's: a later run has its own
 
         async def main() -> None:
             self._loop = asyncio.get_running_loop()
@@ -561,9 +582,10 @@ class Triton:
             else:
                 log.exception("serving stopped on an error")
         finally:
-            self._ended.set()
+            ended.set()
             with self._lock:
-                self._phase = "stopped"
+                if self._ended is ended:  # not a later run's
+                    self._phase = "stopped"
 
     def _ask_stop(self) -> None:
         """Sets the server's stop event from any thread (never blocks)."""
