@@ -22,7 +22,10 @@ ports 8000/8001 of 127.0.0.1, then its ``client.py`` (imports switched) as it
 is (HTTP) and with its ``ModelClient`` pointed at ``grpc://localhost:8001``
 (not for an example whose server forwards HTTP headers only);
 an example passes when the client exits 0 within a minute. Each server is
-stopped with SIGINT (killed after 30 s), by its PID.
+stopped with SIGINT (killed after 30 s), by its PID. Its CPU notebook runs
+too, as one script of its code cells (imports switched, shell lines such as
+``!pip install`` left out): it serves, stops, binds again and serves again on
+port 8000, and passes when it exits 0 within two minutes.
 
     python benches/python/pytriton_suite.py ~/src/pytriton
     python benches/python/pytriton_suite.py ~/src/pytriton --pytriton-python .venv-pytriton/bin/python -- -x
@@ -68,6 +71,8 @@ EXAMPLES = (
     "multiple_models_python",
     "use_parameters_and_headers",
 )
+#: PyTriton's notebooks that run on a CPU (the server and its client in one program).
+NOTEBOOKS = ("add_sub_notebook/add_sub.ipynb",)
 #: Examples whose server forwards HTTP headers only (``http_header_forward_pattern``): no gRPC run.
 HTTP_ONLY = frozenset({"use_parameters_and_headers"})
 
@@ -219,6 +224,30 @@ def run_example(checkout: Path, name: str, into: Path) -> dict[str, str]:
     return outcomes
 
 
+def run_notebook(checkout: Path, path: str, into: Path) -> str:
+    """One notebook's code cells, run as one script in a child: its outcome."""
+    import json
+
+    cells = json.loads((checkout / "examples" / path).read_text())["cells"]
+    code = []
+    for cell in cells:
+        if cell["cell_type"] == "code":
+            source = "".join(cell["source"])
+            code.append("\n".join(line for line in source.splitlines() if not line.lstrip().startswith("!")))
+    missing: set[str] = set()
+    script = into / (Path(path).stem + "_notebook.py")
+    script.write_text(switched("\n\n".join(code) + "\n", missing))
+    if _port_open(8000) or _port_open(8001):
+        return "skipped: port 8000 or 8001 in use"
+    try:
+        done = subprocess.run([sys.executable, str(script)], cwd=into, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return "failed: it did not finish in 120 s"
+    if done.returncode == 0:
+        return "passed"
+    return f"failed: {(done.stderr.strip().splitlines() or [''])[-1][:120]}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkout", type=Path, help="a local copy of the pytriton repository")
@@ -234,9 +263,13 @@ def main() -> None:
                 results[name] = run_example(args.checkout, name, Path(tmp))
                 for protocol, outcome in results[name].items():
                     print(f"  {protocol}: {outcome}", flush=True)
+            for path in NOTEBOOKS:
+                print(f"{path}:", flush=True)
+                results[path] = {"notebook": run_notebook(args.checkout, path, Path(tmp))}
+                print(f"  notebook: {results[path]['notebook']}", flush=True)
             passed = sum(o == "passed" for r in results.values() for o in r.values())
             total = sum(len(r) for r in results.values())
-            print(f"\nexamples served by ferrobatch.triton: {passed} of {total} client runs passed")
+            print(f"\nexamples served by ferrobatch.triton: {passed} of {total} client and notebook runs passed")
         return
     absent = [path for path in TEST_FILES if not (args.checkout / path).is_file()]
     if absent:
