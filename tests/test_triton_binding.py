@@ -605,6 +605,19 @@ def test_a_stopped_triton_serves_again_what_is_bound_after_the_stop() -> None:
             np.testing.assert_array_equal(http_infer(http, "AddSub", rows(2))["y"], rows(2) + k)
             np.testing.assert_array_equal(grpc_infer(grpc, "AddSub", rows(1))["y"], rows(1) + k)
         assert [s.stats()["requests_succeeded"] for s in triton.servers] == [2]
+    # After run() and stop(), serve() serves (it does not wait for the stopped run).
+    triton.bind("AddSub", plus(4.0), inputs=[X], outputs=[Y], config=ModelConfig(max_batch_size=8))
+    serving = threading.Thread(target=triton.serve)
+    serving.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not triton.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        np.testing.assert_array_equal(http_infer(f"127.0.0.1:{triton.http_port}", "AddSub", rows(1))["y"], rows(1) + 4)
+    finally:
+        assert triton.stop() is True
+        serving.join(30)
+    assert not serving.is_alive()
 
 
 def test_parameters_and_forwarded_headers_reach_the_callable() -> None:

@@ -461,7 +461,7 @@ class Triton:
         """Serves until SIGINT/SIGTERM (on the main thread), :meth:`stop`
         or an :class:`UnrecoverableError`; then shuts down gracefully and
         returns. After :meth:`run`, waits for the background server instead."""
-        if self._thread is not None:
+        if self._thread is not None and self._phase == "running":
             try:
                 while not self._ended.wait(monitoring_period_s):
                     pass
