@@ -240,3 +240,33 @@ async def test_a_restart_waits_for_no_model_call_left_running_by_stop(gate: Gate
         assert torch.equal((await server.client().infer({"x": sample(2)}))["y"], sample(4))
     stats = server.stats()
     assert stats["requests_succeeded"] == 1 and stats["requests_failed"]["server_closed"] == 1
+
+
+async def test_a_loop_busy_while_the_server_restarts_gets_each_requests_own_answer() -> None:
+    """Each event loop's table of waiting requests outlives a run: the next
+    run's batcher numbers its requests on (a request of the new run never
+    gets the answer of the old run's request with its id), the stop fails
+    only the old run's requests, and an answer posted before the stop is
+    its caller's."""
+    import anyio.from_thread
+
+    def slow(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        time.sleep(0.2)
+        return {"y": inputs["x"] * 2}
+
+    server = make_server(slow, name="ids-on", max_delay=0)
+    client = server.client()
+    with anyio.from_thread.start_blocking_portal() as portal:  # the server's loop is another
+        portal.call(server.start)
+        first = asyncio.ensure_future(client.infer({"x": sample(1)}))
+        await asyncio.sleep(0.05)  # submitted: its batch runs
+        # Submitted once this step ends: after the restart, ahead of the stop's fail_all on this loop.
+        second = asyncio.ensure_future(client.infer({"x": sample(5)}))
+        time.sleep(0.4)  # this loop busy: the batch answers, and the server restarts meanwhile
+        portal.call(server.stop)
+        portal.call(server.start)
+        assert torch.equal((await asyncio.wait_for(first, 5))["y"], sample(2))
+        assert torch.equal((await asyncio.wait_for(second, 5))["y"], sample(10))
+        portal.call(server.stop)
+    stats = server.stats()
+    assert stats["requests_succeeded"] == 2 and sum(stats["requests_failed"].values()) == 0

@@ -607,3 +607,36 @@ def test_datatype_and_shape_are_checked_against_the_model_before_the_data_is_dec
     refused = httpx.post(f"{base}/v2/models/m/infer", content=body.encode())
     assert refused.json()["error"] == "input 'x': expected dtype float32, got float64"
     assert outcomes(server)["invalid_input"] == 3
+
+
+async def test_a_server_started_again_is_served_natively_and_not_ready_while_stopped() -> None:
+    """A server the user stops and starts again under a running front-end:
+    readiness says 503 while it is stopped, and its next run is served
+    through that run's batcher (it was left on the stopped one: 503 for good)."""
+    import asyncio
+
+    from ferrobatch.serve import serve
+
+    server = fb.Server(double, inputs=[X], outputs=[Y, N], name="again", max_delay=0)
+    await server.start()  # the user's: serve() leaves it running
+    stop = asyncio.Event()
+    ready: asyncio.Future[Listening] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(serve([server], native(), on_ready=ready.set_result, stop=stop))
+    listening = await asyncio.wait_for(ready, 30)
+    body = infer_body([[1.0, 2.0, 3.0, 4.0]])
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{listening.http_port}", timeout=10) as http:
+            assert (await http.post("/v2/models/again/infer", content=body)).status_code == 200
+            await server.stop()
+            assert (await http.get("/v2/models/again/ready")).status_code == 503
+            assert (await http.post("/v2/models/again/infer", content=body)).status_code == 503
+            await server.start()
+            assert (await http.get("/v2/models/again/ready")).status_code == 200
+            answer = await http.post("/v2/models/again/infer", content=body)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["outputs"][0]["data"] == [2.0, 4.0, 6.0, 8.0]
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+        await server.stop()
+    assert server.stats()["requests_succeeded"] == 2

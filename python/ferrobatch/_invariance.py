@@ -160,6 +160,11 @@ class InvarianceSampler:
         except queue.Full:
             self.dropped += 1
 
+    @property
+    def running(self) -> bool:
+        """Whether its thread still re-runs samples (a stop() that timed out)."""
+        return self._thread.is_alive()
+
     def stop(self, timeout: float = 5.0) -> None:
         """Ends the sampler's thread once the samples queued are checked."""
         try:

@@ -415,6 +415,9 @@ class Server:
         self._counters: list[WorkerCounters] = []  # every run's: stats() carry on across restarts
         #: What the runs before this one counted, besides their workers' counters.
         self._earlier = _EarlierRuns()
+        self._first_id = 1  # the id of the first request of the next run's batcher
+        # Held while a restart moves the last run's totals into _earlier (and by stats()).
+        self._runs_lock = threading.Lock()
         self._token: anyio.lowlevel.EventLoopToken | None = None
         self._shared: list[Shared] = []
         self._phase = "created"  # created -> starting (warm-up) -> running -> stopping -> stopped
@@ -639,20 +642,22 @@ class Server:
     def _leave_stopped_run(self) -> None:
         """Before a stopped server starts again: what its last run counted is
         kept for ``stats()``, and what that run held is let go."""
-        if any(thread.is_alive() for thread in self._threads):
+        if any(thread.is_alive() for thread in self._threads) or any(s.running for s in self._samplers):
             raise RuntimeError(
                 f"server '{self.name}' is still finishing a model call that stop() left running;"
                 " start it again once that call returns"
             )
-        if self._batcher is not None:
-            self._earlier.add_batcher(self._batcher.stats())
-        processes = [e for e in self._executors if isinstance(e, ProcessExecutor)]
-        self._earlier.retry_calls += sum(e.reruns for e in processes)
-        self._earlier.process_restarts += sum(max(0, e.starts - 1) for e in processes)
-        checks, mismatches = summed(self._samplers)
-        self._earlier.invariance_checks += checks
-        self._earlier.invariance_mismatches += mismatches
-        self._batcher, self._executors, self._slots, self._threads, self._samplers = None, [], [], [], []
+        with self._runs_lock:  # stats() sees the totals before or after, never both
+            if self._batcher is not None:
+                self._earlier.add_batcher(self._batcher.stats())
+                self._first_id = self._batcher.next_id
+            processes = [e for e in self._executors if isinstance(e, ProcessExecutor)]
+            self._earlier.retry_calls += sum(e.reruns for e in processes)
+            self._earlier.process_restarts += sum(max(0, e.starts - 1) for e in processes)
+            checks, mismatches = summed(self._samplers)
+            self._earlier.invariance_checks += checks
+            self._earlier.invariance_mismatches += mismatches
+            self._batcher, self._executors, self._slots, self._threads, self._samplers = None, [], [], [], []
         self._shared = []  # closed by the stop
         self._phase = "created"
 
@@ -713,6 +718,8 @@ class Server:
                 keep_parameters=self.with_requests,  # others never carry a request's parameters
                 optional=[s.optional for s in self.inputs],
                 default_timeout=self.default_timeout,
+                # Numbered on from the last run's: the callers' tables outlive a run.
+                first_id=self._first_id,
             )
         except BaseException:
             self._executors, self._slots, self._phase = [], [], "created"
@@ -789,6 +796,10 @@ class Server:
         self._submitter.accept(self._batcher)
         for thread in self._threads:
             thread.start()
+        self._native.serving = True
+        for hook in list(self._native.on_run):
+            hook()
+        self._native.instances_changed()
 
     async def stop(self, timeout: float | None = None) -> None:
         """Stops accepting requests, runs every accepted one, then stops the workers.
@@ -812,6 +823,8 @@ class Server:
                 await self._start_ended.wait()
         if self._phase == "running":
             self._phase = "stopping"
+            self._native.serving = False
+            self._native.instances_changed()  # readiness says not ready from here on
         if self._phase != "stopping":
             return  # never started, stopped, or a start() that will stop itself
         # Every step is idempotent, so a stop() cancelled or failed part way is finished by the next.
@@ -827,7 +840,8 @@ class Server:
         joined = not any(thread.is_alive() for thread in self._threads)
         # True of a request still queued and of one whose batch (or stream) was still running alike.
         message = f"server '{self.name}' stopped before the request was answered"
-        self._loops.fail_all(message)
+        # This run's requests only: a loop's share of this call may come round after a restart.
+        self._loops.fail_all(message, self._batcher.next_id)
         # One call on a worker thread: a cancellation waits for it, so it is never left half done.
         await anyio.to_thread.run_sync(self._finish_stop, message, joined)
 
@@ -909,6 +923,15 @@ class Server:
         """Stops calling ``watcher`` (its front-end stopped)."""
         with contextlib.suppress(ValueError):
             self._native.watchers.remove(watcher)
+
+    def _on_each_run(self, hook: Callable[[], object], *, add: bool = True) -> None:
+        """Calls ``hook()`` once each later run serves (a native front-end
+        then serves its new batcher); ``add=False`` stops that."""
+        if add:
+            self._native.on_run.append(hook)
+        else:
+            with contextlib.suppress(ValueError):
+                self._native.on_run.remove(hook)
 
     def client(self) -> Client:
         """A client for this server (cheap; share it or make many)."""
@@ -1128,8 +1151,14 @@ class Server:
         succeeded = outcomes.pop("succeeded")
         request_ns = outcomes.pop("request_ns")
         request_buckets = self._loops.request_buckets()
-        batcher = self._batcher
-        core = self._earlier.with_batcher({} if batcher is None else batcher.stats())
+        with self._runs_lock:  # this run's and the earlier runs' totals, at one time
+            batcher, earlier = self._batcher, self._earlier
+            core = earlier.with_batcher({} if batcher is None else batcher.stats())
+            processes = [e for e in self._executors if isinstance(e, ProcessExecutor)]
+            reruns = sum(e.reruns for e in processes) + earlier.retry_calls
+            restarts = sum(max(0, e.starts - 1) for e in processes) + earlier.process_restarts
+            checks, mismatches = summed(self._samplers)
+            checks, mismatches = checks + earlier.invariance_checks, mismatches + earlier.invariance_mismatches
         batches = int(core.get("batches", 0))
         rows = int(core.get("rows", 0))
         return {
@@ -1150,18 +1179,15 @@ class Server:
             "request_durations_us": dict(zip([*_core.REQUEST_BOUNDS_US, math.inf], request_buckets, strict=True)),
             "failed_batches": sum(c.failed_batches for c in self._counters),
             "isolated_failures": sum(c.isolated_failures for c in self._counters),
-            "retry_calls": sum(c.retry_calls for c in self._counters)
-            + sum(e.reruns for e in self._executors if isinstance(e, ProcessExecutor))
-            + self._earlier.retry_calls,
-            "invariance_checks": summed(self._samplers)[0] + self._earlier.invariance_checks,
-            "invariance_mismatches": summed(self._samplers)[1] + self._earlier.invariance_mismatches,
+            "retry_calls": sum(c.retry_calls for c in self._counters) + reruns,
+            "invariance_checks": checks,
+            "invariance_mismatches": mismatches,
             "torch_threads": self.torch_threads,
             "workers_yield": self.workers_yield,
             "cpu_affinity": None if self.cpu_affinity is None else [sorted(c) for c in self.cpu_affinity],
             "instance_kind": self.instance_kind,
             # Instance processes started again after one died.
-            "process_restarts": sum(max(0, e.starts - 1) for e in self._executors if isinstance(e, ProcessExecutor))
-            + self._earlier.process_restarts,
+            "process_restarts": restarts,
             "batch_sizes": dict(sorted(batch_sizes.items())),
             "batch_compute_ns": dict(sorted(batch_compute_ns.items())),
             "last_inference_ms": max((c.last_inference_ns for c in self._counters), default=0) // 1_000_000,
@@ -1219,7 +1245,7 @@ class _NativeParts:
     """What a server's finalizer closes, held apart from the server: a
     finalizer that referenced the server would keep it alive for good."""
 
-    __slots__ = ("batcher", "executors", "watchers")
+    __slots__ = ("batcher", "executors", "watchers", "serving", "on_run")
 
     def __init__(self) -> None:
         # Set while started; the worker threads hold it too, so it outlives the server.
@@ -1227,9 +1253,16 @@ class _NativeParts:
         self.executors: list[Executor] = []
         #: Told whether any instance can run batches, when that changes.
         self.watchers: list[Callable[[bool], object]] = []
+        #: From a run's start until its stop begins.
+        self.serving = False
+        #: Called once each run (after the first) serves: a native front-end takes its new batcher.
+        self.on_run: list[Callable[[], object]] = []
 
     def instances_up(self) -> bool:
-        """Whether an instance can run batches (not every one is down)."""
+        """Whether an instance can run batches: the server serves, and not
+        every instance is down."""
+        if not self.serving:
+            return False
         return not self.executors or not all(isinstance(e, ProcessExecutor) and e.down for e in self.executors)
 
     def instances_changed(self) -> None:

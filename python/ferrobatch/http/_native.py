@@ -103,6 +103,10 @@ class NativeListeners:
         self._holding = True
         #: The servers whose readiness this front-end follows, and its watcher of each.
         self._watching: list[tuple[Server, Callable[[bool], object]]] = []
+        #: What it serves of each model (its server's batcher of the run that serves).
+        self._served: dict[str, tuple[Any, ...]] = {}
+        #: The servers whose later runs it serves, and its hook on each.
+        self._following: list[tuple[Server, Callable[[], object]]] = []
 
     @property
     def http_port(self) -> int | None:
@@ -114,17 +118,29 @@ class NativeListeners:
 
     def attach(self) -> None:
         """Serves the started models natively and turns readiness on."""
-        models = []
         for model in self.repository.models:
             batcher, registry = model.server._native_parts()
-            models.append((batcher, registry, model.codec, self._describer(model.server.name)))
-        self._frontend.serve(models)
+            self._served[model.server.name] = (batcher, registry, model.codec, self._describer(model.server.name))
+        self._frontend.serve(list(self._served.values()))
         for model in self.repository.models:
             # Readiness follows the model's instances (all down: 503, until one is back).
             watcher = functools.partial(self._frontend.set_model_ready, model.server.name)
             model.server._watch_readiness(watcher)
             self._watching.append((model.server, watcher))
+            # A server stopped and started again serves through its new run's batcher.
+            hook = functools.partial(self._serve_again, model)
+            model.server._on_each_run(hook)
+            self._following.append((model.server, hook))
         self._frontend.set_ready(True)
+
+    def _serve_again(self, model: Any) -> None:
+        """``model``'s server runs again: served through that run's batcher
+        (the other models as they were), readiness as each server's is."""
+        batcher, registry = model.server._native_parts()
+        self._served[model.server.name] = (batcher, registry, model.codec, self._describer(model.server.name))
+        self._frontend.serve(list(self._served.values()))
+        for server, watcher in self._watching:  # the models served anew start out ready
+            watcher(server._native.instances_up())
 
     def set_ready(self, ready: bool) -> None:
         """Readiness (HTTP and gRPC) says ``ready``; requests are served either way."""
@@ -147,6 +163,9 @@ class NativeListeners:
         for server, watcher in self._watching:  # a stopped front-end is told nothing more
             server._unwatch_readiness(watcher)
         self._watching.clear()
+        for server, hook in self._following:
+            server._on_each_run(hook, add=False)
+        self._following.clear()
         if self._holding:
             self._holding = False
             hold_front_end_cores(-self.threads)

@@ -267,6 +267,19 @@ impl Batcher {
         self.default_timeout
     }
 
+    /// This batcher, numbering its requests from `first` on: a server
+    /// started again numbers them on from its last run's batcher (its
+    /// callers' tables outlive the run, keyed by request id).
+    pub fn numbering_from(self, first: u64) -> Batcher {
+        self.next_id.store(first.max(1), Ordering::Relaxed);
+        self
+    }
+
+    /// The id the next request will get (see [`Batcher::numbering_from`]).
+    pub fn next_id(&self) -> u64 {
+        self.next_id.load(Ordering::Relaxed)
+    }
+
     /// Whether requests keep their parameters (see [`Batcher::keeping_parameters`]).
     pub fn keeps_parameters(&self) -> bool {
         self.keep_parameters

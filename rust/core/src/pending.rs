@@ -242,8 +242,23 @@ impl<A, H> Pending<A, H> {
     /// every entry stays until its batch, if any, is done). The caller
     /// answers the slots returned.
     pub fn fail_all(&self, queue: Option<&dyn Withdraw<H>>, outcome: Outcome) -> Vec<A> {
+        self.fail_all_before(queue, outcome, u64::MAX)
+    }
+
+    /// [`Pending::fail_all`] for the requests whose id is below `before`
+    /// only: those of one run of a server started again, whose batchers
+    /// number requests on from the last (a later run's stay pending).
+    pub fn fail_all_before(
+        &self,
+        queue: Option<&dyn Withdraw<H>>,
+        outcome: Outcome,
+        before: u64,
+    ) -> Vec<A> {
         let mut answers = Vec::new();
-        self.lock().retain(|_, entry| {
+        self.lock().retain(|&id, entry| {
+            if id >= before {
+                return true;
+            }
             if let Some(answer) = entry.answer.take() {
                 self.tally.count(outcome);
                 answers.push(answer);
@@ -541,6 +556,25 @@ mod tests {
             .is_empty());
         assert_eq!(counts(&table)[Outcome::ServerClosed as usize], 2);
         assert_eq!(counts(&table).iter().sum::<u64>(), 2);
+    }
+
+    #[test]
+    fn stopping_one_run_leaves_the_next_runs_requests_waiting() {
+        let table = Pending::new();
+        for id in [1u32, 2, 7, 8] {
+            table.register(&request(u64::from(id)), id * 10, "r");
+        }
+        // Ids 7 and on are a later run's (its batcher numbers on from 7).
+        let mut answers = table.fail_all_before(Some(&StateOnly), Outcome::ServerClosed, 7);
+        answers.sort_unstable();
+        assert_eq!(answers, vec![10, 20]);
+        assert_eq!(table.len(), 2);
+        assert_eq!(
+            table.take(&[route(7, 0), route(8, 1)]).len(),
+            2,
+            "still waiting"
+        );
+        assert_eq!(counts(&table)[Outcome::ServerClosed as usize], 2);
     }
 
     #[test]

@@ -44,7 +44,7 @@ impl Batcher {
         min_batch_size, preferred_batch_sizes, max_queue_size, workers, adaptive=false,
         layouts=Vec::new(), max_batch_elements=None, padded_dims=Vec::new(),
         priority_levels=0, default_priority=None, max_priority_wait=None, keep_parameters=false,
-        optional=Vec::new(), delay_from_free_worker=false, default_timeout=None,
+        optional=Vec::new(), delay_from_free_worker=false, default_timeout=None, first_id=1,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -70,6 +70,7 @@ impl Batcher {
         optional: Vec<bool>,
         delay_from_free_worker: bool,
         default_timeout: Option<f64>,
+        first_id: u64,
     ) -> PyResult<Batcher> {
         let default_timeout = match default_timeout {
             None => None,
@@ -160,7 +161,8 @@ impl Batcher {
         let core = core::Batcher::new(config, slot_buffers)
             .map_err(|e| to_pyerr(py, e))?
             .keeping_parameters(keep_parameters)
-            .with_default_timeout(default_timeout);
+            .with_default_timeout(default_timeout)
+            .numbering_from(first_id);
         Ok(Batcher {
             core: Arc::new(core),
             converter: Converter {
@@ -178,6 +180,13 @@ impl Batcher {
     /// Refuses new requests; workers dispatch what they hold, then stop.
     fn close(&self) {
         self.core.close()
+    }
+
+    /// The id its next request will get: where a batcher of the same
+    /// server's next run numbers on from (`first_id`).
+    #[getter]
+    fn next_id(&self) -> u64 {
+        self.core.next_id()
     }
 
     /// Counters since start: batches, rows, requests, skipped_withdrawn,

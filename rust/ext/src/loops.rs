@@ -137,16 +137,25 @@ impl LoopRegistry {
     }
 
     /// Fails every pending request of every loop with `ServerClosedError`,
-    /// each on its own loop's thread (at once for the calling loop's).
-    fn fail_all(&self, py: Python<'_>, message: &str) -> PyResult<()> {
+    /// each on its own loop's thread (at once for the calling loop's): those
+    /// numbered below `before`, the stopped run's (a loop's own call may come
+    /// round after the server started again).
+    #[pyo3(signature = (message, before=u64::MAX))]
+    fn fail_all(&self, py: Python<'_>, message: &str, before: u64) -> PyResult<()> {
         for native in self.native().iter() {
-            native_sink::fail_all(native, message);
+            native_sink::fail_all(native, message, before);
         }
         // The workers are done by now: a request still here was never taken.
-        self.threads.fail_all(py, message);
+        self.threads.fail_all(py, message, before);
+        let partial = py
+            .import(intern!(py, "functools"))?
+            .getattr(intern!(py, "partial"))?;
         for mailbox in self.all(py) {
             let fail_all = mailbox.bind(py).getattr(intern!(py, "fail_all"))?;
-            on_loop(py, &mailbox.get().event_loop, &fail_all, message)?;
+            let kwargs = PyDict::new(py);
+            kwargs.set_item(intern!(py, "before"), before)?;
+            let bounded = partial.call((fail_all,), Some(&kwargs))?;
+            on_loop(py, &mailbox.get().event_loop, &bounded, message)?;
         }
         Ok(())
     }

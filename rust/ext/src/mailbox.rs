@@ -205,11 +205,17 @@ impl LoopMailbox {
         }
     }
 
-    /// Fails every request still pending with `ServerClosedError` (loop thread).
-    fn fail_all(&self, py: Python<'_>, message: &str) {
+    /// Fails every request still pending with `ServerClosedError` (loop
+    /// thread): those numbered below `before` (the run that stopped; a later
+    /// run's, submitted before this call came round, stay pending).
+    #[pyo3(signature = (message, before=u64::MAX))]
+    fn fail_all(&self, py: Python<'_>, message: &str, before: u64) {
+        // Answers posted before the stop are their callers' (this call may
+        // come round before the doorbell's reader does).
+        self.drain(py);
         for answer in self
             .pending
-            .fail_all(Some(&ItsQueue), Outcome::ServerClosed)
+            .fail_all_before(Some(&ItsQueue), Outcome::ServerClosed, before)
         {
             let error = ferrobatch_error(py, "ServerClosedError", message.to_owned());
             self.settle(py, answer, Err(&error), Outcome::ServerClosed);

@@ -171,8 +171,9 @@ pub(crate) fn add_counts(sink: &NativeSink, totals: &mut ferrobatch_core::Totals
     sink.replies.tally().add_to(totals);
 }
 
-/// Answers the native requests still pending with 503 (the server stops).
-pub(crate) fn fail_all(sink: &NativeSink, message: &str) {
+/// Answers the native requests still pending with 503 (the server stops):
+/// those numbered below `before` (the stopped run's).
+pub(crate) fn fail_all(sink: &NativeSink, message: &str, before: u64) {
     sink.replies
-        .fail_all(&Failure::new(503, message), Outcome::ServerClosed);
+        .fail_all_before(&Failure::new(503, message), Outcome::ServerClosed, before);
 }

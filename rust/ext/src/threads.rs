@@ -207,8 +207,11 @@ impl ThreadWaiters {
 
     /// Answers every thread still waiting with `ServerClosedError` (the
     /// server stops; its workers are done, so nothing is left to withdraw).
-    pub(crate) fn fail_all(&self, py: Python<'_>, message: &str) {
-        for waiter in self.pending.fail_all(None, Outcome::ServerClosed) {
+    pub(crate) fn fail_all(&self, py: Python<'_>, message: &str, before: u64) {
+        for waiter in self
+            .pending
+            .fail_all_before(None, Outcome::ServerClosed, before)
+        {
             waiter.set(Err(ferrobatch_error(
                 py,
                 "ServerClosedError",

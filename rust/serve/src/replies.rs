@@ -346,7 +346,16 @@ impl Replies {
 
     /// Answers every request still pending with `failure` (the server stops).
     pub fn fail_all(&self, failure: &Failure, outcome: Outcome) {
-        for tx in self.pending.fail_all(Some(&*self.batcher), outcome) {
+        self.fail_all_before(failure, outcome, u64::MAX);
+    }
+
+    /// [`Replies::fail_all`] for the requests numbered below `before` (those
+    /// of a run that stopped; a server started again numbers on).
+    pub fn fail_all_before(&self, failure: &Failure, outcome: Outcome, before: u64) {
+        for tx in self
+            .pending
+            .fail_all_before(Some(&*self.batcher), outcome, before)
+        {
             let _ = tx.send(Err(failure.clone()));
         }
     }
