@@ -253,20 +253,16 @@ def text_request(i: int, rows: int | None = None) -> TensorDict:
 
 def served_texts(server_type: type, transport: Any, requests: list[TensorDict]) -> list[TensorDict]:
     """The results of ``requests`` from 8 threads at once (an MPTransport's
-    through shared memory: the first request, through the pipe, makes the
-    server share itself)."""
+    through its pipes: a model with non-tensor data is not shared)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    with server_type(text_policy(), transport, max_batch_size=8):
+    with server_type(text_policy(), transport, max_batch_size=8) as server:
         client = transport.client()
-        if isinstance(transport, MPTransport):
-            client(requests[0])
-            deadline = time.monotonic() + 10
-            while client._shared() is None:
-                assert time.monotonic() < deadline, "the client never found the share"
-                time.sleep(0.01)
         with ThreadPoolExecutor(8) as pool:
-            return list(pool.map(client, requests))
+            results = list(pool.map(client, requests))
+        if isinstance(transport, MPTransport):
+            assert not server._core._shared and client._shared() is None
+        return results
 
 
 @pytest.mark.parametrize("transport_type", [ThreadingTransport, MPTransport])
@@ -339,3 +335,42 @@ def test_a_shared_memory_transport_refuses_non_tensor_specs_as_torchrls() -> Non
     request = TensorDict({"obs": torch.zeros(2), "text": NonTensorData("x")})
     with pytest.raises(TypeError, match="NonTensorData at 'text': use MPTransport"):
         SharedMemoryTransport(request, TensorDict({"act": torch.zeros(2)}), num_slots=2)
+
+
+def test_non_tensor_lists_rewritten_inputs_and_unpicklable_outputs_as_torchrls() -> None:
+    """A list is one value (never more dimensions, whatever its length); a
+    non-tensor input the model rewrites is the caller's result, as TorchRL's;
+    an output value pickle refuses fails only the request it is for."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tensordict import NonTensorData
+    from torchrl.modules.inference_server import InferenceServer as TorchRLServer
+    from torchrl.modules.inference_server import ThreadingTransport as TorchRLThreading
+
+    def policy(td: Any) -> Any:
+        texts = td["text"]  # a list: one value per row
+        out = td.clone()
+        out.set("text", [t.lower() for t in texts])  # an input rewritten
+        out.set("tags", [t.split() for t in texts])  # lists of any length, per row
+        out.set("handle", [threading.Lock() if "lock" in t else t for t in texts])
+        return out
+
+    texts = ["Hello", "HeLLo World", "A b C d", "take the lock", "x"]
+    requests = [TensorDict({"obs": torch.zeros(2), "text": NonTensorData(t)}) for t in texts]
+
+    def served(server_type: type, transport: Any) -> list[Any]:
+        with server_type(policy, transport, max_batch_size=8):
+            client = transport.client()
+            with ThreadPoolExecutor(len(requests)) as pool:
+                futures = [pool.submit(client, r) for r in requests]
+                return [f.exception() or f.result() for f in futures]
+
+    theirs = served(TorchRLServer, TorchRLThreading())
+    ours = served(InferenceServer, ThreadingTransport())
+    for text, want, have in zip(texts, theirs, ours):
+        if "lock" in text:  # TorchRL hands the object over; here it must cross the batcher
+            assert isinstance(have, TypeError) and "pickled" in str(have)
+            continue
+        assert have["text"] == want["text"] == text.lower()
+        assert have["tags"] == want["tags"] == text.split()
+        assert have["handle"] == want["handle"] == text

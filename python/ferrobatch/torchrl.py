@@ -194,15 +194,10 @@ def _interaction_type(code: int | None) -> Any:
     return set_interaction_type(InteractionType(_INTERACTION_TYPES[code]))
 
 
-def _passed(given: Any, returned: Any, collate_fn: object) -> bool:
-    """Whether the model returned the request's leaf ``given`` (as the core
-    carries it) as it was."""
+def _passed(given: torch.Tensor, returned: torch.Tensor, collate_fn: object) -> bool:
+    """Whether the model returned the request's tensor ``given`` as it was."""
     if returned is given:
         return True
-    if not isinstance(returned, torch.Tensor):  # non-tensor data: the same values
-        return isinstance(given, np.ndarray) and bool(np.array_equal(given, _pack(returned)))
-    if not isinstance(given, torch.Tensor):
-        return False
     if collate_fn is None or returned.shape != given.shape or returned.dtype != given.dtype:
         return False
     return returned.device == given.device and bool(torch.equal(returned, given))
@@ -222,28 +217,50 @@ def _leaves(td: Any) -> dict[str, Any]:
     }
 
 
-# Non-tensor data rides the core as a BYTES tensor of the leaf's batch shape,
-# each element pickled (as TorchRL's pipes pickle it): the model gets it back
-# stacked (a NonTensorStack of the batch), each caller its own elements.
+# Non-tensor data rides the core as a BYTES tensor of the request's batch
+# shape, each element pickled (as TorchRL's pipes pickle it): the model gets
+# it back stacked (a NonTensorStack of the batch), each caller its own
+# elements. An element is a value as it is, a list included: never unrolled
+# into more dimensions.
 
 
-def _pack(leaf: Any) -> bytes | np.ndarray:
-    """A non-tensor leaf as the core takes it: for batch size ``[]`` its
-    value pickled, else an object array of the batch's shape, one pickled
-    element each."""
-    shape = tuple(leaf.batch_size)
-    values = leaf.tolist()
+class _Unpicklable:
+    """An element of a model's non-tensor output that pickle refused: the
+    request it is for fails with ``TypeError`` (the others of its batch do not)."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
+def _pack(value: Any, depth: int, *, per_row: bool = False) -> bytes | np.ndarray:
+    """Non-tensor data as the core takes it, its first ``depth`` dimensions
+    (a request's batch dimensions; a model output's, the batch's too): for
+    ``depth`` 0 its value pickled, else an object array of those dimensions,
+    one pickled element each. A tensor in its place (tensordict makes one of
+    a list of numbers) is taken element by element too. An element pickle
+    refuses is a ``TypeError``; ``per_row``: it is marked instead, to fail
+    only the request it is for."""
+    values = value if isinstance(value, list) else value.tolist()
+    elements = _flatten(values, depth)
+    shape = _dims(values, depth)
+    if math.prod(shape) != len(elements):
+        raise ValueError(f"non-tensor data of a ragged shape (its first {depth} dimensions must be whole)")
+    packed = np.empty(len(elements), dtype=object)
+    packed[:] = [_pickled(element, per_row) for element in elements]
+    return packed[0] if depth == 0 else packed.reshape(shape)
+
+
+def _pickled(element: Any, per_row: bool) -> bytes:
     try:
-        if not shape:
-            return pickle.dumps(values)
-        packed = np.empty(math.prod(shape), dtype=object)
-        packed[:] = [pickle.dumps(value) for value in _flatten(values, len(shape))]
+        return pickle.dumps(element)
     except Exception as exc:  # whatever pickle raises: one typed error
-        raise TypeError(
+        why = (
             "non-tensor data is pickled on its way through the batcher; "
             f"this value cannot be: {type(exc).__name__}: {exc}"
-        ) from exc
-    return packed.reshape(shape)
+        )
+        if per_row:
+            return pickle.dumps(_Unpicklable(why))
+        raise TypeError(why) from exc
 
 
 def _flatten(values: Any, depth: int) -> list[Any]:
@@ -253,46 +270,60 @@ def _flatten(values: Any, depth: int) -> list[Any]:
     return [element for value in values for element in _flatten(value, depth - 1)]
 
 
+def _dims(values: Any, depth: int) -> tuple[int, ...]:
+    """The first ``depth`` dimensions of a nested list (its first element's, below the first)."""
+    dims = []
+    for _ in range(depth):
+        if not isinstance(values, list):
+            raise ValueError(f"non-tensor data with fewer than {depth} batch dimensions")
+        dims.append(len(values))
+        values = values[0] if values else []
+    return tuple(dims)
+
+
 def _unpack(packed: bytes | np.ndarray) -> Any:
-    """``_pack``'s leaf back: ``NonTensorData`` for one value, else a
-    ``NonTensorStack`` of the array's shape. An empty element (an optional
-    input a request left out) is ``None``."""
+    """``_pack``'s data back: ``NonTensorData`` for one value, else a
+    ``NonTensorStack`` of the array's shape (each element a ``NonTensorData``,
+    a list one included). An empty element (an optional input a request
+    left out) is ``None``; a marked one raises ``TypeError``."""
     from tensordict import NonTensorData, NonTensorStack
 
     if isinstance(packed, bytes):
         return NonTensorData(_unpickle(packed), batch_size=[])
-    values: Any = [_unpickle(bytes(element)) for element in packed.ravel()]
-    for size in reversed(packed.shape[1:]):
-        values = [values[i : i + size] for i in range(0, len(values), size)]
-    return NonTensorStack.from_list(values)
+
+    def stacked(part: np.ndarray) -> Any:
+        if part.ndim == 1:
+            return NonTensorStack(*[NonTensorData(_unpickle(bytes(element))) for element in part])
+        return NonTensorStack(*[stacked(sub) for sub in part])
+
+    return stacked(packed)
 
 
 def _unpickle(blob: bytes) -> Any:
-    return pickle.loads(blob) if blob else None
+    value = pickle.loads(blob) if blob else None
+    if isinstance(value, _Unpicklable):
+        raise TypeError(value.why)
+    return value
 
 
-def _leaf_spec(name: str, leaf: Any, optional: bool = False) -> TensorSpec:
-    """The core's spec of one request's leaf (non-tensor data: BYTES of its batch shape)."""
+def _leaf_spec(name: str, leaf: Any, dims: tuple[int, ...], optional: bool = False) -> TensorSpec:
+    """The core's spec of one request's leaf (non-tensor data: BYTES of the
+    request's batch dimensions ``dims``)."""
     if isinstance(leaf, torch.Tensor):
         return TensorSpec(name, dtype_name(leaf.dtype), tuple(leaf.shape), optional=optional)
-    return TensorSpec(name, "bytes", tuple(leaf.batch_size), optional=optional)
+    return TensorSpec(name, "bytes", dims, optional=optional)
 
 
-def _sample_row(leaf: Any, device: torch.device | str | None) -> Any:
+def _sample_row(leaf: Any, device: torch.device | str | None, depth: int) -> Any:
     """One request's leaf as a batch of one, as the core hands it to the model."""
     if isinstance(leaf, torch.Tensor):
         return leaf.detach().unsqueeze(0).to(device or "cpu")
-    packed = _pack(leaf)
+    packed = _pack(leaf, depth)
     if isinstance(packed, np.ndarray):
         return packed[np.newaxis]
     row = np.empty(1, dtype=object)
     row[0] = packed
     return row
-
-
-def _row_value(row: Any) -> Any:
-    """One row of a model's output as the core hands it to its caller."""
-    return row.cpu() if isinstance(row, torch.Tensor) else _pack(row)
 
 
 def _take_rows(column: Any, rows: list[int]) -> Any:
@@ -308,25 +339,21 @@ def _join_rows(columns: list[Any]) -> Any:
     return np.concatenate(columns)
 
 
-def _core_value(value: Any) -> Any:
-    """A leaf as the core takes it (non-tensor data packed; a missing one,
-    None, is the core's to refuse)."""
-    return value if value is None or isinstance(value, torch.Tensor) else _pack(value)
-
-
 def _core_request(td: Any, inputs: Sequence[str], extras: Sequence[str]) -> dict[str, Any]:
     """A request's leaves the core takes, by flat name: the model's
-    ``inputs`` (each required), and those of ``extras`` it has."""
+    ``inputs`` (each required), and those of ``extras`` it has (non-tensor
+    data packed by the request's batch dimensions)."""
+    depth = len(td.batch_size)
     flat = {}
     for name in inputs:
         value = td.get(nested_key(name), None)
         if value is None:
             raise ValueError(f"the request lacks the model's input {name!r}")
-        flat[name] = _core_value(value)
+        flat[name] = value if isinstance(value, torch.Tensor) else _pack(value, depth)
     for name in extras:
         value = td.get(nested_key(name), None)
         if value is not None:
-            flat[name] = _core_value(value)
+            flat[name] = value if isinstance(value, torch.Tensor) else _pack(value, depth)
     return flat
 
 
@@ -913,28 +940,33 @@ class InferenceServer:
                 leaves = mine
         if not leaves and stamp is None:
             raise ValueError("the request carries none of the model's inputs")
-        inputs = [_leaf_spec(name, leaf) for name, leaf in leaves.items()]
+        # As TorchRL stacks requests: the first request's batch dims follow the batch's.
+        dims = tuple(getattr(example, "batch_size", ()))
+        inputs = [_leaf_spec(name, leaf, dims) for name, leaf in leaves.items()]
         model_keys = [(s.name, nested_key(s.name)) for s in inputs]
         carried = dict(leaves)
         if collate_fn is not None and len(inputs) + len(extras) <= 64:
             # collate_fn sees each request whole, as TorchRL gives it: the first
             # request's other keys travel too, each optional (a request without
             # it is collated without it).
-            inputs += [_leaf_spec(name, leaf, optional=True) for name, leaf in extras.items()]
+            inputs += [_leaf_spec(name, leaf, dims, optional=True) for name, leaf in extras.items()]
             carried.update(extras)
         all_keys = [(s.name, nested_key(s.name)) for s in inputs]
-        # As TorchRL stacks requests: the first request's batch dims follow the batch's.
-        dims = tuple(getattr(example, "batch_size", ()))
         # PolicyClientModule's interaction type, one code per element of a request's
         # batch: optional, so that requests of other clients need none.
         inputs.append(TensorSpec(_INTERACTION_KEY, "int8", dims, optional=bool(inputs)))
 
+        probe_inputs: list[Any] = []  # the probe's input, to tell what the model passed through
+
         def model_input(batch: Mapping[str, torch.Tensor], requests: Sequence[RequestInfo]) -> Any:
             rows = len(requests)  # one row each
             if collate_fn is None:
-                return TensorDict(
+                given = TensorDict(
                     {key: _leaf_value(batch[name]) for name, key in model_keys}, batch_size=[rows, *dims], device=device
                 )
+                if not probe_inputs:
+                    probe_inputs.append(given)
+                return given
             whole = TensorDict(
                 {key: _leaf_value(batch[name]) for name, key in all_keys}, batch_size=[rows, *dims], device=device
             )
@@ -954,7 +986,7 @@ class InferenceServer:
                 raise RuntimeError(f"Model returned {size[0]} results for a batch of {len(requests)} inputs.")
             return result
 
-        sample = {name: _sample_row(leaf, device) for name, leaf in carried.items()}
+        sample = {name: _sample_row(leaf, device, len(dims)) for name, leaf in carried.items()}
         probe = RequestInfo(rows=1, absent=frozenset() if stamp is not None else frozenset({_INTERACTION_KEY}))
         began = time.perf_counter_ns()
         with torch.no_grad():  # as the worker runs it
@@ -966,16 +998,39 @@ class InferenceServer:
         # What the model passed through untouched is the request's own: not copied back.
         # Anything else it returned, an input key it wrote included, is a result, as TorchRL's.
         # (collate_fn copies the requests: there, a tensor equal to the request's is taken as passed through).
-        passed = {name for name, leaf in produced.items() if name in sample and _passed(sample[name], leaf, collate_fn)}
         tensors = {name: leaf for name, leaf in produced.items() if isinstance(leaf, torch.Tensor)}
+        passed = {name for name, t in tensors.items() if name in sample and _passed(sample[name], t, collate_fn)}
+        # Non-tensor data: passed through when it is the very object the model was given
+        # (with collate_fn, which copies: the same values).
+        given = probe_inputs[0] if probe_inputs else None
+        depth = 1 + len(dims)  # the batch's rows, then each request's own dims
+        for name, leaf in produced.items():
+            if name in tensors or name not in sample:
+                continue
+            if (
+                (leaf is given.get(nested_key(name), None))
+                if given is not None
+                else np.array_equal(sample[name], _pack(leaf, depth))
+            ):
+                passed.add(name)
         outputs = example_specs(tensors, exclude=passed) if set(tensors) - passed else []
         outputs += [
-            _leaf_spec(name, leaf[0]) for name, leaf in produced.items() if name not in tensors and name not in passed
+            _leaf_spec(name, leaf, dims)
+            for name, leaf in produced.items()
+            if name not in tensors and name not in passed
         ]
         if not outputs:
             raise TypeError("the model returned no outputs besides its inputs")
         out_keys = [(s.name, nested_key(s.name)) for s in outputs]
-        first = {name: _row_value(raw.get(key)[0]) for name, key in out_keys}
+        objects = {s.name for s in outputs if s.is_bytes}
+
+        def core_output(name: str, value: Any) -> Any:
+            """A model output as the core takes it: non-tensor data packed row by
+            row (an element pickle refuses fails only its own request)."""
+            return _pack(value, depth, per_row=True) if name in objects else value
+
+        first = {name: core_output(name, raw.get(key))[0] for name, key in out_keys}
+        first = {name: value.cpu() if isinstance(value, torch.Tensor) else value for name, value in first.items()}
         first[_VERSION] = torch.tensor(0, dtype=torch.int64)
 
         forward_ms, queue_ms = self._forward_ms, self._queue_ms
@@ -986,7 +1041,7 @@ class InferenceServer:
             batch: Mapping[str, torch.Tensor], requests: Sequence[RequestInfo], code: int | None
         ) -> dict[str, torch.Tensor]:
             result = invoke(batch, requests, code)
-            return {name: _core_value(result.get(key)) for name, key in out_keys}
+            return {name: core_output(name, result.get(key)) for name, key in out_keys}
 
         def run(batch: dict[str, torch.Tensor], requests: Sequence[RequestInfo]) -> dict[str, torch.Tensor]:
             queue_ms.extend(r.queued_ns / 1e6 for r in requests)
@@ -1516,7 +1571,12 @@ class MPTransport(_TorchRLTransport):
     def _share(self, core: Server, server: InferenceServer) -> None:
         """Shares the core server just built under :attr:`shm_name`, with
         what clients need to make its results TorchRL's (the version base is
-        the core's for life). A share that fails leaves the pipes serving."""
+        the core's for life). A share that fails leaves the pipes serving.
+        A model with non-tensor data is served through the pipes only: its
+        requests and answers have no size its clients' cells could hold."""
+        if any(spec.is_bytes for spec in (*core.inputs, *core.outputs)):
+            _log.info("ferrobatch.torchrl: MPTransport serves through pipes only: the model has non-tensor data")
+            return
         meta = {
             "inputs": list(server._in_names),
             "extras": list(server._extra_names),
