@@ -59,6 +59,23 @@ def raising(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return where(inputs)
 
 
+def stuck(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A batch with a negative input takes 30 s (a long or hung model call)."""
+    if bool((inputs["x"] < 0).any()):
+        time.sleep(30)
+    return where(inputs)
+
+
+class Unpicklable:
+    """A model whose own pickling code raises (not one of pickle's errors)."""
+
+    def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return where(inputs)
+
+    def __reduce__(self) -> Any:
+        raise ValueError("this model cannot be pickled")
+
+
 def policy(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``y = 2x``, and the scheduling policy of the process that computed each row."""
     x = inputs["x"]
@@ -186,17 +203,22 @@ def test_what_process_instances_refuse() -> None:
     with pytest.raises(ValueError, match="weights"):
         server.update_weights_sync({})
 
-    async def unpicklable() -> str:
-        server = fb.Server(lambda b: where(b), inputs=[X], outputs=[Y, PID], instance_kind="process", name="lam")
+    async def unpicklable(model: Any) -> str:
+        server = fb.Server(model, inputs=[X], outputs=[Y, PID], instance_kind="process", name="unpicklable")
         with pytest.raises(fb.ModelError, match="pickled") as refused:
             await server.start()
         assert not server.running
         return str(refused.value)
 
-    assert "top level" in asyncio.run(unpicklable())
+    assert "top level" in asyncio.run(unpicklable(lambda b: where(b)))
+    # The model's own pickling code raised: a ModelError too, not its ValueError.
+    assert "ValueError: this model cannot be pickled" in asyncio.run(unpicklable(Unpicklable()))
 
 
-def test_instance_processes_exit_when_their_server_is_killed(tmp_path: Path) -> None:
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "in_a_batch"])
+def test_instance_processes_exit_when_their_server_is_killed(tmp_path: Path, busy: bool) -> None:
+    """Idle, a child reads end-of-file on its pipe; in a 30 s model call,
+    it sees its parent gone within a second and exits all the same."""
     script = tmp_path / "serve.py"
     script.write_text(
         textwrap.dedent(
@@ -204,11 +226,16 @@ def test_instance_processes_exit_when_their_server_is_killed(tmp_path: Path) -> 
             import asyncio, sys
             sys.path.insert(0, {str(Path(__file__).parent)!r})
             import ferrobatch as fb
-            from test_process_instances import PID, X, Y, where
+            import torch
+            from test_process_instances import PID, X, Y, stuck
 
             async def main():
-                server = fb.Server([where, where], inputs=[X], outputs=[Y, PID], instance_kind="process")
+                server = fb.Server([stuck, stuck], inputs=[X], outputs=[Y, PID], instance_kind="process")
                 async with server:
+                    if {busy!r}:
+                        neg = {{"x": -torch.ones(8)}}
+                        calls = [asyncio.ensure_future(server.client().infer(neg)) for _ in range(2)]
+                        await asyncio.sleep(1)  # both instances in their 30 s call
                     print(*[e.pid for e in server._executors], flush=True)
                     await asyncio.sleep(60)
 
@@ -224,11 +251,14 @@ def test_instance_processes_exit_when_their_server_is_killed(tmp_path: Path) -> 
         assert len(children) == 2 and not any(gone(p) for p in children)
         parent.kill()  # no stop(): its instance processes read end-of-file on their pipes
         parent.wait(10)
-        assert wait_gone(children), "an instance process outlived its server"
+        assert wait_gone(children, 10), "an instance process outlived its server"
     finally:
         if parent.poll() is None:
             parent.kill()
             parent.wait()
+        for pid in children if "children" in locals() else []:
+            if not gone(pid):  # an orphan the test failed on: not left behind
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="scheduling policies are Linux's")
@@ -302,6 +332,14 @@ class NeedsFile:
         self.path = state["path"]
 
     def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return where(inputs)
+
+
+class SlowNeedsFile(NeedsFile):
+    """:class:`NeedsFile` whose calls take 0.5 s."""
+
+    def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        time.sleep(0.5)
         return where(inputs)
 
 
@@ -648,3 +686,27 @@ def test_readiness_says_not_ready_while_every_instance_is_down(tmp_path: Path, f
         assert statuses() == (200, 200) and server.ready
         assert httpx.post(f"{base}/v2/models/needs/infer", json=body, timeout=30).status_code == 200
     assert server._native.watchers == [], "a stopped front-end is told nothing more"  # type: ignore[attr-defined]
+
+
+def test_a_batch_that_cannot_run_again_is_not_counted_as_run_again(tmp_path: Path) -> None:
+    """Its process killed mid-batch, its replacement unable to start: the
+    batch never runs again, and retry_calls does not say it did."""
+    weights = tmp_path / "weights"
+    weights.write_bytes(b"w")
+
+    async def run() -> tuple[list[object], dict[str, Any]]:
+        server = fb.Server(
+            SlowNeedsFile(str(weights)), inputs=[X], outputs=[Y, PID], instance_kind="process", name="norerun",
+            isolate_failures=True,
+        )  # fmt: skip
+        async with server:
+            call = asyncio.ensure_future(server.client().infer({"x": torch.ones(8)}))
+            await asyncio.sleep(0.2)  # in its model call
+            weights.unlink()
+            os.kill(server._executors[0].pid, signal.SIGKILL)  # type: ignore[attr-defined]
+            results = await asyncio.gather(call, return_exceptions=True)
+            return results, server.stats()
+
+    results, stats = asyncio.run(run())
+    assert isinstance(results[0], fb.ModelError), results
+    assert stats["process_restarts"] == 1 and stats["retry_calls"] == 0, stats

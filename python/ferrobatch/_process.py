@@ -26,6 +26,7 @@ Fixed-shape tensors only; the model must be picklable (``spawn``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing.connection
 import os
@@ -33,7 +34,7 @@ import pickle
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -58,6 +59,8 @@ ANSWER_POLL_S = 0.05
 #: after each failure, up to RESTART_BACKOFF_MAX_S.
 RESTART_BACKOFF_S = 1.0
 RESTART_BACKOFF_MAX_S = 30.0
+#: Seconds between a child's looks at whether its parent (the server) still runs.
+PARENT_POLL_S = 0.5
 
 Slots = Sequence[Mapping[str, torch.Tensor]]
 
@@ -124,6 +127,9 @@ def _child(
     told to stop or its parent is gone (``yields``: as a SCHED_BATCH process,
     as the server's worker threads run beside a native front-end)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the server's to act on
+    if hasattr(signal, "pthread_sigmask"):  # blocked by the parent for the start: a pending one is dropped
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    _exit_with_parent()
     if cores is not None:
         os.sched_setaffinity(0, cores)
     if yields:
@@ -152,6 +158,34 @@ def _child(
                 _send_answer(conn, answer)
             except (EOFError, OSError):
                 return  # the server is gone
+
+
+def _exit_with_parent() -> None:
+    """Ends this process once its parent (the server) is gone, even while
+    a batch runs (between batches the pipe's end says so too)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="ferrobatch-parent-watch", daemon=True).start()
+
+
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """SIGINT blocked on this thread, so a child started meanwhile inherits
+    it blocked (a terminal's Ctrl-C during its start-up is the server's, not
+    a kill of the child); the child ignores it before unblocking."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 class ProcessExecutor(CpuExecutor):
@@ -241,7 +275,10 @@ class ProcessExecutor(CpuExecutor):
     def _start_child(self) -> None:
         torch_threads, cores, yields = self._launch_args
         context = torch_mp.get_context("spawn")
-        parent, child = context.Pipe()
+        try:
+            parent, child = context.Pipe()
+        except OSError as exc:  # out of descriptors: as a failed start
+            raise ModelError(f"model '{self.server_name}': instance {self.index}'s process: {exc}") from exc
         process = context.Process(
             target=_child,
             args=(
@@ -260,18 +297,19 @@ class ProcessExecutor(CpuExecutor):
             daemon=True,
         )
         try:
-            process.start()
-        except (pickle.PicklingError, AttributeError, TypeError) as exc:
-            parent.close()
-            child.close()
-            raise ModelError(
-                f"model '{self.server_name}': instance_kind='process' sends the model to its process, and it"
-                f" cannot be pickled: {exc} (define it at a module's top level)"
-            ) from exc
+            with _sigint_blocked():
+                process.start()
         except OSError as exc:  # out of processes or descriptors: as a failed start
             parent.close()
             child.close()
             raise ModelError(f"model '{self.server_name}': instance {self.index}'s process: {exc}") from exc
+        except Exception as exc:  # pickling runs the model's own code (its __reduce__)
+            parent.close()
+            child.close()
+            raise ModelError(
+                f"model '{self.server_name}': instance_kind='process' sends the model to its process, and it"
+                f" cannot be pickled: {type(exc).__name__}: {exc} (define it at a module's top level)"
+            ) from exc
         child.close()
         self.starts += 1
         with self._lock:
@@ -349,14 +387,22 @@ class ProcessExecutor(CpuExecutor):
             if wait > 0:
                 self._stopping.wait(wait)
                 continue
-            self._try_start()
+            try:
+                self._try_start()
+            except Exception:  # this thread is the instance's way back: it must not end
+                log.exception("ferrobatch: model '%s': instance %d: a restart failed", self.server_name, self.index)
+                self._stopping.wait(RESTART_BACKOFF_S)
 
     def _try_start_once(self) -> None:
         try:
             self._start_child()
         except ServerClosedError:
             return  # stopped meanwhile: the worker's loop ends
-        except ModelError as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever the start raised, the instance is down
+            if not isinstance(exc, ModelError):
+                wrapped = ModelError(f"model '{self.server_name}': instance {self.index}'s process: {exc!r}")
+                wrapped.__cause__ = exc
+                exc = wrapped
             self._down = exc
             self._retry_at = time.monotonic() + self._backoff
             log.error("ferrobatch: model '%s': instance %d could not be restarted (next try in %.0f s): %s",
@@ -429,19 +475,20 @@ class ProcessExecutor(CpuExecutor):
                 raise
             log.warning("ferrobatch: model '%s': the batch runs again on instance %d's new process",
                         self.server_name, self.index)  # fmt: skip
-            self.reruns += 1
-            answer = self._exchange(message)
+            answer = self._exchange(message, rerun=True)
         if answer[0] == "error":
             raise answer[1]
         # Copied out: the next batch of this instance rewrites the buffers.
         return {name: t[:rows].clone() for name, t in self._out.items()}
 
-    def _exchange(self, message: tuple[Any, ...]) -> tuple[Any, ...]:
+    def _exchange(self, message: tuple[Any, ...], rerun: bool = False) -> tuple[Any, ...]:
         """Sends ``message`` to the child and returns its answer;
-        :class:`_DiedError` if the child ended first."""
+        :class:`_DiedError` if the child ended first. ``rerun``: a batch run
+        again, counted once a process has it."""
         conn, process = self._live()
         try:
             conn.send(message)
+            self.reruns += rerun
             if not _answered(conn, process, lambda: False):
                 raise EOFError("the process ended")
             data = conn.recv_bytes()
