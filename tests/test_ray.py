@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -590,3 +591,88 @@ async def test_the_client_streams_a_decoupled_deployment_and_leaving_cancels(clu
     while (await endless.stats.remote())["requests_failed"]["cancelled"] == 0 and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
     assert (await endless.stats.remote())["requests_failed"]["cancelled"] == 1, "leaving early cancelled it"
+
+
+def dies_mid_stream(batch: dict[str, torch.Tensor]) -> Any:
+    """One response, then its replica's process ends."""
+    yield {"y": batch["x"]}
+    time.sleep(0.2)
+    os._exit(17)
+
+
+def make_dies_mid_stream() -> fb.Server:
+    return fb.Server(dies_mid_stream, inputs=[X], outputs=[Y], decoupled=True, name="diesmid")
+
+
+async def test_a_streams_deadline_dead_replica_and_closed_client_end_it_with_ferrobatchs_errors(cluster: int) -> None:
+    """A stream's timeout bounds it while Ray still holds the call (the
+    replica busy), a replica that dies mid-stream is a ModelError, and a
+    closed client refuses to stream, as it refuses infer."""
+    busy = serve.run(
+        fray.deployment(make_endless, name="busy", ray_actor_options=NO_CPU, max_ongoing_requests=1),
+        name="busy",
+        route_prefix=None,
+    )
+    client = fray.client(busy)
+    holder = client.stream({"x": row(1)})
+    await holder.__anext__()  # the replica's one call is this endless stream
+    began = time.monotonic()
+    with pytest.raises(fb.DeadlineExceededError):
+        async for _ in client.stream({"x": row(2)}, timeout=0.5):
+            pass
+    assert time.monotonic() - began < 5
+    await holder.aclose()
+    client.close()
+    with pytest.raises(fb.ServerClosedError):
+        async for _ in client.stream({"x": row(3)}):
+            pass
+    dying = serve.run(
+        fray.deployment(make_dies_mid_stream, name="diesmid", ray_actor_options=NO_CPU),
+        name="diesmid",
+        route_prefix=None,
+    )
+    got = []
+    with pytest.raises(fb.ModelError) as raised:
+        async for out in fray.client(dying).stream({"x": row(4)}):
+            got.append(out["y"].tolist())
+    assert got == [[4.0] * 4] and isinstance(raised.value.__cause__, ray.exceptions.RayError)
+    serve.delete("busy")
+    serve.delete("diesmid")
+
+
+async def test_a_client_whose_deployment_is_gone_fails_its_first_request_in_time(cluster: int) -> None:
+    """Its first request waits for the deployment to describe itself, within
+    the request's timeout (DeadlineExceededError), and close() is not held
+    up by that wait."""
+    app = serve.run(fray.deployment(make_double, name="gone", ray_actor_options=NO_CPU), name="gone", route_prefix=None)
+    client = fray.client(app, call_timeout=1.0)
+    serve.delete("gone")
+    began = time.monotonic()
+    with pytest.raises(fb.DeadlineExceededError):
+        await client.infer({"x": row(1)}, timeout=0.5)
+    assert time.monotonic() - began < 3
+    closing = asyncio.get_running_loop().run_in_executor(None, client.close)
+    await asyncio.wait_for(closing, 5)
+    with pytest.raises(fb.ServerClosedError):
+        await client.infer({"x": row(1)})
+
+
+async def test_the_torchrl_mailbox_tells_a_sender_the_queue_is_full_and_keeps_answers_across_a_restart() -> None:
+    """RayTransport's control channel, driven as its actor would be: a
+    sender never waits inside it (a thousand waiting would leave the server
+    no call to make room with), a closed one queues nothing, and the
+    answers sent as it closed are still there once it opens again."""
+    from ferrobatch.ray._mailbox import _Mailbox
+
+    box = _Mailbox(1)
+    assert await box.put("a", "first") is True
+    assert await box.put("b", "second") is None  # full: send again later
+    assert await box.take(10, 0.1) == [("a", "first")]
+    assert await box.put("b", "second") is True
+    left = await box.close()
+    assert left == [("b", "second")]
+    assert await box.put("c", "late") is False
+    await box.answer("b", ("rid", False, "closed"))
+    await box.reopen()
+    assert await box.answers("b", 0.1) == [("rid", False, "closed")]
+    assert await box.take(10, 0) == []

@@ -2014,12 +2014,21 @@ class _RayConn:
         return (_RayConn, (self._mailbox,))
 
     def send(self, message: Any) -> None:
-        try:
-            queued = self._ray.get(self._mailbox.put.remote(self._id, message))
-        except self._ray.exceptions.RayError as exc:
-            raise OSError(f"the transport's Ray actor is gone ({type(exc).__name__})") from exc
-        if not queued:
-            raise OSError("the inference server stopped")
+        """Queues ``message``, sending it again while the queue is full
+        (later and later, up to 0.1 s apart)."""
+        pause = 0.005
+        while True:
+            try:
+                queued = self._ray.get(self._mailbox.put.remote(self._id, message))
+            except self._ray.exceptions.RayError as exc:
+                raise OSError(f"the transport's Ray actor is gone ({type(exc).__name__})") from exc
+            if queued is None:  # full: the server takes what is queued meanwhile
+                time.sleep(pause)
+                pause = min(2 * pause, 0.1)
+                continue
+            if not queued:
+                raise OSError("the inference server stopped")
+            return
 
     def recv(self) -> Any:
         from .ray._mailbox import CLOSED

@@ -4,7 +4,9 @@ handle call per batch."""
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -19,9 +21,14 @@ from .._executor import RequestsFailed, retryable
 from .._requests import Parameter, RequestInfo
 from .._variable import LENGTHS, OFFSETS
 from ..client import Client
+from ..errors import DeadlineExceededError, FerrobatchError, ModelError, ServerClosedError
 from ..server import Server
 from ..specs import TensorSpec
 from ._wire import to_wire
+
+#: Seconds a client waits for its deployment to describe itself when it has
+#: no ``call_timeout`` (a deployment that is gone fails its first request then).
+START_TIMEOUT_S = 60.0
 
 __all__ = ["RayClient", "client"]
 
@@ -244,6 +251,8 @@ class RayClient:
         self._call_timeout = call_timeout
         self._isolate_failures = isolate_failures
         self._lock = threading.Lock()
+        #: One start at a time (held across the deployment's describe(), which close() does not wait for).
+        self._start_lock = threading.Lock()
         self._server: Server | None = None
         self._client: Client | None = None
         # The local server's event loop thread, and how to end it.
@@ -263,17 +272,35 @@ class RayClient:
     async def astart(self) -> None:
         """:meth:`start` from an event loop (the wait runs on a worker thread)."""
         if self._client is None:
-            await anyio.to_thread.run_sync(self._started)
+            await anyio.to_thread.run_sync(self._started, abandon_on_cancel=True)
+
+    async def _local(self, timeout: float | None) -> Client:
+        """The local batcher's client, started first within ``timeout``
+        (a request's own: :class:`DeadlineExceededError` past it)."""
+        local = self._client
+        if local is not None:
+            return local
+        with anyio.move_on_after(math.inf if timeout is None else timeout) as scope:
+            await self.astart()
+        if scope.cancelled_caught:
+            raise DeadlineExceededError(
+                f"the deployment did not answer describe() within the request's {timeout}s timeout"
+            )
+        assert self._client is not None
+        return self._client
 
     def _started(self) -> Client:
-        with self._lock:
+        with self._start_lock:
             if self._client is not None:
                 return self._client
             if self._closed:
-                from ..errors import ServerClosedError
-
                 raise ServerClosedError("this ferrobatch.ray client was closed")
-            description: dict[str, Any] = self._handle.describe.remote().result()
+            try:  # bounded: a deployment that is gone must not leave its caller (or close()) waiting
+                description: dict[str, Any] = self._handle.describe.remote().result(
+                    timeout_s=self._call_timeout or START_TIMEOUT_S
+                )
+            except Exception as exc:  # Ray's errors of a handle call, whichever
+                raise ServerClosedError(f"the deployment did not describe itself: {type(exc).__name__}: {exc}") from exc
             remote_max = int(description["max_batch_size"])
             max_batch_size = min(self._max_batch_size or remote_max, remote_max)
             call = self._handle.infer_requests
@@ -306,10 +333,19 @@ class RayClient:
             except BaseException as exc:
                 portal_cm.__exit__(type(exc), exc, exc.__traceback__)
                 raise
-            self._portal, self._portal_cm = portal, portal_cm
-            self._server, self.description = server, description
-            self._client = server.client()
-            return self._client
+            with self._lock:
+                closed = self._closed
+                if not closed:
+                    self._portal, self._portal_cm = portal, portal_cm
+                    self._server, self.description = server, description
+                    self._client = server.client()
+            if closed:  # close() came while it started: nothing is left running
+                try:
+                    portal.call(server.stop)
+                finally:
+                    portal_cm.__exit__(None, None, None)
+                raise ServerClosedError("this ferrobatch.ray client was closed")
+            return server.client()
 
     def close(self, timeout: float | None = None) -> None:
         """Stops the local batcher: every accepted request still runs (within
@@ -363,11 +399,7 @@ class RayClient:
         ``timeout``, cancellation and errors behave as there; ``priority``
         orders the local queue and the replica's, ``parameters`` reach the
         replica's model (``with_requests``) as if given there."""
-        local = self._client
-        if local is None:
-            await self.astart()
-            local = self._client
-            assert local is not None
+        local = await self._local(timeout)
         return await local.infer(inputs, timeout, priority=priority, parameters=parameters)
 
     async def infer_batch(
@@ -379,11 +411,7 @@ class RayClient:
         parameters: Mapping[str, Parameter] | None = None,
     ) -> dict[str, Any]:
         """``n`` rows that travel together, as :meth:`ferrobatch.Client.infer_batch`."""
-        local = self._client
-        if local is None:
-            await self.astart()
-            local = self._client
-            assert local is not None
+        local = await self._local(timeout)
         return await local.infer_batch(inputs, timeout, priority=priority, parameters=parameters)
 
     async def stream(
@@ -422,15 +450,34 @@ class RayClient:
         priority: int | None,
         parameters: Mapping[str, Parameter] | None,
     ) -> AsyncIterator[dict[str, Any]]:
+        if self._closed:
+            raise ServerClosedError("this ferrobatch.ray client was closed")
+        from ray.exceptions import RayError
+
         call = self._handle.options(stream=True).stream
-        responses = call.remote(dict(inputs), timeout, batched=batched, priority=priority, parameters=parameters)
+        responses = call.remote(
+            to_wire(dict(inputs)), timeout, batched=batched, priority=priority, parameters=parameters
+        )
+        # The request's deadline bounds its whole stream here too: Ray may hold the call before the replica has it.
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
         finished = False
         try:
-            async for out in responses:
+            while True:
+                with anyio.move_on_after(deadline - time.monotonic()) as scope:
+                    try:
+                        out = await responses.__anext__()
+                    except StopAsyncIteration:
+                        break
+                    except RayError as exc:
+                        if isinstance(exc, FerrobatchError):  # the replica's own error, as Ray wraps it
+                            raise
+                        raise ModelError(f"the stream's replica failed: {type(exc).__name__}: {exc}") from exc
+                if scope.cancelled_caught:
+                    raise DeadlineExceededError(f"request exceeded its {timeout}s timeout")
                 yield _from_wire(out)
             finished = True
         finally:
-            if not finished:  # left early, or failed: the replica's request goes
+            if not finished:  # left early, failed or timed out: the replica's request goes
                 responses.cancel()
 
     def infer_sync(

@@ -28,34 +28,43 @@ class _Mailbox:
     """Requests ``(client, message)`` in arrival order, bounded by
     ``max_requests`` (a sender waits for room); each client's answers in
     its own box. Closing answers every waiting and later poll with
-    :data:`CLOSED` until the server opens it again (a restart)."""
+    :data:`CLOSED` until the server opens it again (a restart).
+
+    A sender finding the queue full is told so at once and sends again
+    later (:class:`ferrobatch.torchrl`'s client backs off): a call waiting
+    here for room would hold one of the actor's calls at a time, and a
+    thousand of them would leave none for the server's ``take``, which
+    makes the room."""
 
     def __init__(self, max_requests: int) -> None:
-        self._requests: asyncio.Queue[tuple[str, Any]] = asyncio.Queue(maxsize=max(1, max_requests))
+        self._requests: collections.deque[tuple[str, Any]] = collections.deque()
+        self._max_requests = max(1, max_requests)
         self._boxes: dict[str, collections.deque[Any]] = {}
-        self._arrived = asyncio.Condition()
+        self._arrived = asyncio.Condition()  # an answer, or the close
+        self._queue = asyncio.Condition()  # a request, room for one, or the close
         self._closed = False
 
-    async def put(self, client: str, message: Any) -> bool:
-        """Queues one request; False (and nothing queued) once closed."""
-        if self._closed:
-            return False
-        await self._requests.put((client, message))
-        return True
+    async def put(self, client: str, message: Any) -> bool | None:
+        """Queues one request: True; False (nothing queued) once closed;
+        None (nothing queued) while the queue is full: send it again later."""
+        async with self._queue:
+            if self._closed:
+                return False
+            if len(self._requests) >= self._max_requests:
+                return None
+            self._requests.append((client, message))
+            self._queue.notify_all()
+            return True
 
     async def take(self, max_items: int, timeout: float) -> list[tuple[str, Any]]:
         """Up to ``max_items`` requests: waits up to ``timeout`` seconds for the first."""
-        taken: list[tuple[str, Any]] = []
-        if self._requests.empty():
-            if timeout <= 0:
-                return taken
-            try:
-                taken.append(await asyncio.wait_for(self._requests.get(), timeout))
-            except TimeoutError:
-                return taken
-        while len(taken) < max_items and not self._requests.empty():
-            taken.append(self._requests.get_nowait())
-        return taken
+        async with self._queue:
+            if not self._requests and timeout > 0:
+                try:
+                    await asyncio.wait_for(self._queue.wait_for(lambda: bool(self._requests)), timeout)
+                except TimeoutError:
+                    return []
+            return [self._requests.popleft() for _ in range(min(max_items, len(self._requests)))]
 
     async def answer(self, client: str, message: Any) -> None:
         async with self._arrived:
@@ -77,17 +86,18 @@ class _Mailbox:
 
     async def close(self) -> list[tuple[str, Any]]:
         """Closes; returns the requests still queued (for the server to fail)."""
-        self._closed = True
-        left = []
-        while not self._requests.empty():
-            left.append(self._requests.get_nowait())
+        async with self._queue:
+            self._closed = True
+            left = list(self._requests)
+            self._requests.clear()
         async with self._arrived:
             self._arrived.notify_all()
         return left
 
     async def reopen(self) -> None:
+        """Opens again (a restart). Answers not yet read stay: those the
+        server sent as it closed are their clients' (their requests' ends)."""
         self._closed = False
-        self._boxes.clear()
 
 
 #: The actor class (no CPU of Ray's count: it only waits).
