@@ -778,3 +778,43 @@ async def test_a_bytes_scalar_comes_back_as_server_client_gives_it() -> None:
                 assert (await asyncio.to_thread(client.infer_sync, {"s": b"c"}))["y"] == b"cc"
                 batch = await caller.infer_batch({"s": np.array([b"x", b"yz"], dtype=object)})
                 assert batch["y"].tolist() == [b"xx", b"yzyz"]
+
+
+KILLED_SERVER_SCRIPT = """
+import asyncio, sys, torch, ferrobatch as fb
+async def main():
+    server = fb.Server(lambda b: {"y": b["x"]}, inputs=[fb.TensorSpec("x", "float32", (4,))],
+                       outputs=[fb.TensorSpec("y", "float32", (4,))])
+    async with server:
+        server.share(sys.argv[1])
+        print("shared", flush=True)
+        await asyncio.sleep(60)
+asyncio.run(main())
+"""
+
+
+async def test_a_segment_left_by_a_killed_server_goes_at_the_next_share(processes: list[Any]) -> None:
+    """A server killed before its stop leaves its segment in /dev/shm (its
+    memory with it); the next share of any name removes it, and leaves the
+    segments of servers that run."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    killed_name = unique("killedserver")
+    victim = subprocess.Popen(
+        [sys.executable, "-c", KILLED_SERVER_SCRIPT, killed_name], stdout=subprocess.PIPE, text=True
+    )
+    processes.append(victim)
+    assert victim.stdout is not None
+    assert (await asyncio.to_thread(victim.stdout.readline)).strip() == "shared"
+    os.kill(victim.pid, signal.SIGKILL)
+    await asyncio.to_thread(victim.wait, 30)
+    left = Path(f"/dev/shm/ferrobatch.{killed_name}")
+    assert left.exists(), "a killed server cannot remove its segment itself"
+    server = fb.Server(model, inputs=INPUTS, outputs=OUTPUTS)
+    async with server:
+        first = server.share(unique("livingserver"))
+        assert not left.exists(), "the next share removed it"
+        assert Path(f"/dev/shm/ferrobatch.{first.name}").exists()

@@ -479,6 +479,10 @@ def encode_parameters(parameters: dict[str, Any]) -> str:
     """``parameters`` as a JSON object's text; ``InvalidInputError`` for a
     name that is no str or a value that is no bool, int, finite float or str."""
 
+def remove_stale_segments() -> list[str]:
+    """Removes the segments of this user's servers that were killed before
+    their stop could; returns their names."""
+
 def shared_meta(name: str, owner: int | None = None) -> str:
     """The metadata (JSON) of the segment ``name``, after checking its owner
     (``owner``'s uid, or this user's) and its version."""

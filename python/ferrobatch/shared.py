@@ -207,6 +207,10 @@ def share(
     )
     if core.replaced is not None:
         log.warning("ferrobatch: %s", core.replaced)
+    # What servers killed before their stop left in /dev/shm (under other names) goes now.
+    stale = _core.remove_stale_segments()
+    if stale:
+        log.warning("ferrobatch: removed %d stale shared segment(s) of servers that are gone: %s", len(stale), stale)
     log.info("ferrobatch: model '%s' shared as '%s'", server.name, name)
     return Shared(name, core)
 

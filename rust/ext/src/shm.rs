@@ -964,5 +964,13 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<SharedClient>()?;
     m.add_class::<SharedDrain>()?;
     m.add_function(wrap_pyfunction!(shared_meta, m)?)?;
+    m.add_function(wrap_pyfunction!(remove_stale_segments, m)?)?;
     Ok(())
+}
+
+/// Removes the segments of this user's servers that were killed before
+/// their stop could (their memory stays in `/dev/shm` otherwise); the names.
+#[pyfunction]
+pub fn remove_stale_segments(py: Python<'_>) -> Vec<String> {
+    without_gil(py, ferrobatch_core::shm::remove_stale_segments)
 }

@@ -257,6 +257,45 @@ fn map(file: &File, len: usize) -> Result<*mut u8, ShmError> {
 
 /// What an existing segment file says about its server: a watch on it
 /// and its state, if it is a ferrobatch segment at all.
+/// Removes the segments this user's ferrobatch servers left behind when
+/// they were killed before their stop could remove them (each would keep
+/// its memory in `/dev/shm` until the machine restarts). A segment whose
+/// server runs, or that is not a complete ferrobatch segment yet (being
+/// made now), is left; so is a file replaced meanwhile. Returns the names
+/// removed.
+pub fn remove_stale_segments() -> Vec<String> {
+    let Ok(dir) = std::fs::read_dir("/dev/shm") else {
+        return Vec::new();
+    };
+    let me = current_uid();
+    let mut removed = Vec::new();
+    for entry in dir.flatten() {
+        let file_name = entry.file_name();
+        let Some(name) = file_name
+            .to_str()
+            .and_then(|n| n.strip_prefix("ferrobatch."))
+        else {
+            continue;
+        };
+        let path = entry.path();
+        let Ok(before) = std::fs::metadata(&path) else {
+            continue;
+        };
+        if before.uid() != me {
+            continue;
+        }
+        let Some((server, _)) = read_owner(&path) else {
+            continue;
+        };
+        let same_file = std::fs::metadata(&path)
+            .is_ok_and(|now| (now.dev(), now.ino()) == (before.dev(), before.ino()));
+        if !server.is_alive() && same_file && std::fs::remove_file(&path).is_ok() {
+            removed.push(name.to_owned());
+        }
+    }
+    removed
+}
+
 fn read_owner(path: &Path) -> Option<(Peer, u32)> {
     let mut head = [0u8; 64];
     File::open(path).ok()?.read_exact(&mut head).ok()?;
