@@ -1170,3 +1170,54 @@ def test_lifecycle_policy_is_accepted_and_a_security_restriction_refused_by_name
     Triton(config=config, security_config=TritonSecurityConfig(restricted_endpoints=[]))  # restricts nothing
     with pytest.raises(PyTritonValidationError, match=r"access-restricted endpoints .* not supported"):
         Triton(config=config, security_config=TritonSecurityConfig(access_token="t"))
+
+
+def test_model_warmup_runs_on_each_instance_before_the_model_serves(tmp_path: Any) -> None:
+    """Triton's model_warmup: count calls of batch_size rows of made-up data
+    (zeros, random, a saved array) on each instance, before run() returns;
+    an input a warm-up leaves out is absent from its request; a warm-up
+    that fails fails run()."""
+    from ferrobatch.triton.model_config.common import ModelWarmup, WarmupInput
+
+    seen: list[dict[str, np.ndarray]] = []
+
+    def infer(requests: list[Request]) -> list[dict[str, np.ndarray]]:
+        seen.extend({k: np.array(v) for k, v in r.items()} for r in requests)
+        return [{"y": r["x"]} if "x" in r else {} for r in requests]
+
+    saved = tmp_path / "x.npy"
+    np.save(saved, np.arange(4, dtype=np.float32))
+    extra = Tensor(name="extra", dtype=np.int64, shape=(-1,), optional=True)
+    warmups = [
+        ModelWarmup("zeros", batch_size=2, inputs={"x": WarmupInput(np.float32, (4,), zero_data=True)}, count=2),
+        ModelWarmup(
+            "file", batch_size=3, inputs={"x": WarmupInput(np.float32, (4,), input_data_file=str(saved))}, count=1
+        ),
+        ModelWarmup("random", batch_size=1, inputs={"extra": WarmupInput(np.int64, (5,), random_data=True)}, count=1),
+    ]
+    triton = ephemeral()
+    triton.bind(
+        "warm",
+        [infer, infer],
+        inputs=[X, extra],
+        outputs=[Y],
+        config=ModelConfig(max_batch_size=8, model_warmup=warmups),
+    )
+    with running(triton) as (http, _):
+        calls = list(seen)
+        np.testing.assert_array_equal(http_infer(http, "warm", rows(1))["y"], rows(1))  # then it serves
+    assert len(calls) == 2 * (2 + 1 + 1)  # each instance: every warm-up, count times
+    zeros, files, randoms = calls[:4], calls[4:6], calls[6:]  # each warm-up on each instance in turn
+    assert all(c["x"].shape == (2, 4) and not c["x"].any() and "extra" not in c for c in zeros)
+    for call in files:
+        np.testing.assert_array_equal(call["x"], np.tile(np.arange(4, dtype=np.float32), (3, 1)))
+    assert all(set(c) == {"extra"} and c["extra"].shape == (1, 5) for c in randoms)
+
+    def broken(requests: list[Request]) -> list[dict[str, np.ndarray]]:
+        raise ValueError("not ready for this")
+
+    failing = ephemeral()
+    failing.bind("cold", broken, inputs=[X], outputs=[Y], config=ModelConfig(model_warmup=warmups[:1]))
+    with pytest.raises(PyTritonModelConfigError, match="warm-up 'zeros' failed: ValueError"):
+        failing.run()
+    assert not failing.is_alive()

@@ -33,9 +33,21 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
+import numpy as np
+
+from .._requests import RequestInfo
+from .._variable import LENGTHS
 from ..serve import Listening, ServeConfig, serve
 from ..server import Server
-from ._binding import BoundModel, InferFunc, TritonContext, inject_triton_context, model_config_of, tensor_spec
+from ._binding import (
+    BoundModel,
+    InferFunc,
+    TritonContext,
+    inject_triton_context,
+    model_config_of,
+    numpy_dtype,
+    tensor_spec,
+)
 from .exceptions import (
     PyTritonInvalidOperationError,
     PyTritonModelConfigError,
@@ -43,6 +55,7 @@ from .exceptions import (
     UnrecoverableError,
 )
 from .model_config import ModelConfig, QueuePolicy, Tensor, TimeoutAction
+from .model_config.common import ModelWarmup, generate_warmup_data
 
 __all__ = ["RemoteTriton", "Triton", "TritonConfig", "TritonLifecyclePolicy", "TritonSecurityConfig"]
 
@@ -323,6 +336,8 @@ class Triton:
         self._serve_config = serve_config(self._config, expose_errors=expose_errors, frontend=frontend)
         self._context = TritonContext()
         self._servers: list[Server] = []
+        #: Each bound model's warm-ups: its instances, their ModelWarmup list, whether it batches.
+        self._warmups: dict[str, tuple[list[BoundModel], list[ModelWarmup], bool]] = {}
         self._lock = threading.Lock()
         self._phase = "created"  # created -> running -> stopped (-> running again, models bound anew)
         self._exit_hook = False  # registered once, whatever the runs
@@ -432,6 +447,8 @@ class Triton:
             self._context.model_configs[f] = described
             inject_triton_context(self._context, f)
         self._servers.append(server)
+        if config.model_warmup:
+            self._warmups[model_name] = (models, list(config.model_warmup), config.batching)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -537,6 +554,9 @@ class Triton:
                 raise PyTritonInvalidOperationError(
                     "bind at least one model before run() or serve() (stop() unbinds the models, as PyTriton's)"
                 )
+            # Before it listens: a model warmed up is ready when it says so (a failure: run() raises).
+            for name, (models, warmups, batching) in self._warmups.items():
+                _warm_up(name, models, warmups, batching)
             # A run of its own: what the last one left is not this one's.
             self._thread = self._serving_thread = None
             self._loop, self._stop_event, self._stop_asked = None, None, False
@@ -550,6 +570,7 @@ class Triton:
         since. Kept until then, for their ``stats()``. Under ``_lock``."""
         if self._phase == "stopped":
             self._servers = []  # a new list: the stopped run's serve() may still hold its own
+            self._warmups = {}
             self._phase = "created"
 
     def _serve_here(self, report: Callable[[Listening | BaseException], None]) -> None:
@@ -677,5 +698,55 @@ def _refuse_unsupported(name: str, config: ModelConfig) -> None:
         problems.append("response_cache=True")
     if problems:
         raise PyTritonModelConfigError(f"model '{name}': not supported by ferrobatch: {'; '.join(problems)}")
-    if config.model_warmup:
-        log.warning("model '%s': model_warmup is ignored", name)
+    for warmup in config.model_warmup or []:
+        if not isinstance(warmup, ModelWarmup):
+            raise PyTritonModelConfigError(f"model '{name}': model_warmup takes ModelWarmup entries, got {warmup!r}")
+        if warmup.batch_size < 1 or warmup.count < 1:
+            raise PyTritonModelConfigError(
+                f"model '{name}': warm-up '{warmup.name}' needs batch_size and count >= 1"
+                f" (got {warmup.batch_size}, {warmup.count})"
+            )
+        if warmup.batch_size > max(config.max_batch_size, 1):
+            raise PyTritonModelConfigError(
+                f"model '{name}': warm-up '{warmup.name}' has batch_size {warmup.batch_size}, over the"
+                f" model's max_batch_size {config.max_batch_size}"
+            )
+
+
+def _warm_up(name: str, models: Sequence[BoundModel], warmups: Sequence[ModelWarmup], batching: bool) -> None:
+    """Runs ``warmups`` on each instance (``models``), as Triton warms a
+    model up before it is ready: each call one request of ``batch_size``
+    rows of made-up data, its outputs checked and dropped (a decoupled
+    model's every response read)."""
+    declared = {str(t.name): t for t in models[0].config.inputs or []}
+    for warmup in warmups:
+        unknown = set(warmup.inputs) - set(declared)
+        if unknown:
+            raise PyTritonModelConfigError(f"model '{name}': warm-up '{warmup.name}' has undeclared inputs {unknown}")
+        inputs: dict[str, Any] = {}
+        for input_name, tensor in declared.items():
+            shape = tuple(tensor.shape)
+            spec = warmup.inputs.get(input_name)
+            if spec is not None:
+                data = generate_warmup_data(spec, warmup.batch_size)
+            else:  # left out of the warm-up: absent from its request, as an optional input left out
+                data = np.zeros((warmup.batch_size, *(max(d, 0) for d in shape)), dtype=numpy_dtype(tensor))
+            inputs[input_name] = data
+            if -1 in shape:  # as the core hands a variable input: its lengths too
+                dims = [i for i, d in enumerate(shape) if d == -1]
+                lengths = np.array([[data.shape[1 + i] for i in dims]] * warmup.batch_size, dtype=np.int64)
+                inputs[input_name + LENGTHS] = lengths
+        absent = frozenset(declared) - frozenset(warmup.inputs)
+        # Its outputs are dropped: none is required of a response (PyTriton's warm-up keeps what it gets).
+        request = RequestInfo(rows=warmup.batch_size if batching else 1, absent=absent, requested_outputs=frozenset())
+        for model in models:
+            for _ in range(warmup.count):
+                try:
+                    produced = model(inputs, [request])
+                    if not isinstance(produced, dict):
+                        for _response in produced:  # a decoupled model's responses
+                            pass
+                except Exception as exc:
+                    raise PyTritonModelConfigError(
+                        f"model '{name}': warm-up '{warmup.name}' failed: {type(exc).__name__}: {exc}"
+                    ) from exc

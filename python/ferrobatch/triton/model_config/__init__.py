@@ -76,9 +76,10 @@ class ModelConfig:
     """A bound model's configuration, with PyTriton's defaults
     (``max_batch_size=4``, batching on, greedy dynamic batching).
 
-    ``batching=False`` (Triton's ``max_batch_size: 0``), ``decoupled=True``
-    (streaming responses) and ``response_cache=True`` are not supported and
-    refused at :meth:`Triton.bind`; ``model_warmup`` is ignored. What the
+    ``response_cache=True`` is not supported and refused at
+    :meth:`Triton.bind`. ``model_warmup`` (a list of
+    :class:`~ferrobatch.triton.model_config.common.ModelWarmup`) runs
+    before the model serves, on each instance, as Triton's. What the
     callables see of a bound model is its
     :class:`~ferrobatch.triton.model_config.triton_model_config.TritonModelConfig`.
     """
