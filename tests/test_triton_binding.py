@@ -783,6 +783,8 @@ def test_model_client_infers_samples_and_batches_the_pytriton_way(scheme: str) -
     def infer(x: np.ndarray, k: np.ndarray) -> dict[str, np.ndarray]:
         if (k < 0).any():
             raise ValueError("k must be >= 0")
+        if (k == 99).any():  # a slow call
+            time.sleep(1.0)
         return {"y": x * k}
 
     k = Tensor(name="k", dtype=np.float32, shape=(1,))
@@ -809,6 +811,11 @@ def test_model_client_infers_samples_and_batches_the_pytriton_way(scheme: str) -
                 client.infer_sample(x=rows(1)[0], k=np.float32([-1]))
         with pytest.raises(PyTritonClientTimeoutError, match="not ready"):
             ModelClient(f"{scheme}://127.0.0.1:{port}", "missing", lazy_init=False, init_timeout_s=0.2)
+        # A call past inference_timeout_s: a timeout, as PyTriton's (over gRPC the server, told the
+        # deadline, says DEADLINE_EXCEEDED first).
+        with ModelClient(f"{scheme}://127.0.0.1:{port}", "scale", inference_timeout_s=0.3) as client:
+            with pytest.raises(PyTritonClientTimeoutError):
+                client.infer_sample(rows(1)[0], np.float32([99]))
 
 
 SERVE_SCRIPT = """

@@ -232,7 +232,9 @@ class _Requests:
             return PyTritonClientTimeoutError(f"inference timed out after {self.inference_timeout_s} s")
         message = exc.message() if hasattr(exc, "message") and callable(exc.message) else str(exc)
         message = message or str(exc)
-        if "Deadline Exceeded" in message:
+        status = exc.status() if hasattr(exc, "status") and callable(exc.status) else None
+        # The call's deadline, whether the client's gRPC stack or the server (which it told) says so.
+        if "Deadline Exceeded" in message or status == "StatusCode.DEADLINE_EXCEEDED":
             return PyTritonClientTimeoutError(f"inference timed out: {message}")
         if "unknown model" in message:
             return PyTritonClientModelUnavailableError(message)
