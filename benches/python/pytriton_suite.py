@@ -30,11 +30,22 @@ port 8000, and passes when it exits 0 within two minutes.
     python benches/python/pytriton_suite.py ~/src/pytriton
     python benches/python/pytriton_suite.py ~/src/pytriton --pytriton-python .venv-pytriton/bin/python -- -x
     python benches/python/pytriton_suite.py ~/src/pytriton --examples
+    python benches/python/pytriton_suite.py ~/src/pytriton --functional
+
+``--functional`` runs PyTriton's end-to-end tests that need no GPU, no
+container and nothing downloaded (``tests/functional/L0_*`` listed in
+FUNCTIONAL) the way their ``test.sh`` does, each in a temporary copy of
+``tests/`` with its imports switched. ``pytriton.check.utils`` (PyTriton's
+test tooling: free ports, a script runner, process monitoring; only the
+standard library and psutil) stays PyTriton's, loaded from the checkout: it
+is what drives the test, not what is tested. A test passes when it exits 0
+within ten minutes.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import re
@@ -59,7 +70,7 @@ TEST_FILES = {
 }
 HELPERS = ("__init__.py", "utils.py")
 
-FROM_IMPORT = re.compile(r"^from pytriton((?:\.\w+)*) import (\([^)]*\)|[^\n]*)", re.M)
+FROM_IMPORT = re.compile(r"^([ \t]*)from pytriton((?:\.\w+)*) import (\([^)]*\)|[^\n]*)", re.M)
 OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
 
 #: PyTriton's examples that run on a CPU with nothing downloaded.
@@ -73,6 +84,22 @@ EXAMPLES = (
 )
 #: PyTriton's notebooks that run on a CPU (the server and its client in one program).
 NOTEBOOKS = ("add_sub_notebook/add_sub.ipynb",)
+#: PyTriton's end-to-end tests that run on a CPU with nothing downloaded.
+FUNCTIONAL = (
+    "L0_fatal_error_handling",
+    "L0_inference_with_variable_io_size",
+    "L0_model_error_handling",
+    "L0_network_timeouts",
+    # Not L0_resources_released_after_signals: it asserts that the server process made files
+    # in /dev/shm (PyTriton's proxy does; ferrobatch's in-process path makes none), then
+    # waits for ever for a server it never signalled.
+    "L0_response_cache",
+    "L0_run_in_thread",
+    "L0_triton_close_on_parent_death",
+    "L0_tritons_cohabitation",
+    "L0_warmup_functionality",
+    "L0_warning_on_too_verbose_level",
+)
 #: Examples whose server forwards HTTP headers only (``http_header_forward_pattern``): no gRPC run.
 HTTP_ONLY = frozenset({"use_parameters_and_headers"})
 
@@ -96,19 +123,21 @@ def switched(source: str, missing: set[str]) -> str:
     ``missing``)."""
 
     def replace(match: re.Match[str]) -> str:
-        module = f"ferrobatch.triton{match.group(1)}"
-        names = [n.strip() for n in match.group(2).strip("()").split(",") if n.strip()]
+        indent, submodule = match.group(1), match.group(2)
+        module = f"ferrobatch.triton{submodule}"
+        names = [n.split("#")[0].strip() for n in match.group(3).strip("()").split(",")]
+        names = [n for n in names if n]
         try:
             ours = importlib.import_module(module)
         except ImportError:
             ours = None
         have = [n for n in names if ours is not None and hasattr(ours, n.split(" as ")[0])]
-        lines = [f"from {module} import ({', '.join(have)})"] if have else []
+        lines = [f"{indent}from {module} import ({', '.join(have)})"] if have else []
         for name in names:
             if name not in have:
-                missing.add(f"pytriton{match.group(1)}.{name}")
+                missing.add(f"pytriton{submodule}.{name}")
                 alias = name.split(" as ")[-1]
-                lines.append(f"{alias} = _Missing('pytriton{match.group(1)}.{name}')")
+                lines.append(f"{indent}{alias} = _Missing('pytriton{submodule}.{name}')")
         return "\n".join(lines)
 
     body = FROM_IMPORT.sub(replace, source)
@@ -248,13 +277,101 @@ def run_notebook(checkout: Path, path: str, into: Path) -> str:
     return f"failed: {(done.stderr.strip().splitlines() or [''])[-1][:120]}"
 
 
+def _test_command(test_sh: str, module: str, directory: str) -> list[str]:
+    """The command a functional test's ``test.sh`` runs (its ``python -m``
+    or ``pytest`` line, continuations joined), for this interpreter."""
+    import shlex
+
+    joined = re.sub(r"\\\n", " ", test_sh)
+    for line in joined.splitlines():
+        words = shlex.split(line.replace('"${TEST_MODULE}"', module).replace("${THIS_SCRIPT_DIR}", directory))
+        if words[:1] == ["pytest"]:
+            # Their async fixtures are plain pytest fixtures, which their pinned pytest-asyncio took.
+            return [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "asyncio_mode=auto", *words[1:]]
+        if words[:1] and words[0].startswith("python") and words[1:2] and words[1].startswith("-m"):
+            return [sys.executable, *words[1:]]
+    raise ValueError("no python -m or pytest command in its test.sh")
+
+
+def run_functional(checkout: Path, name: str, into: Path) -> str:
+    """One functional test of PyTriton's, served by ferrobatch.triton: its outcome."""
+    root = into / name
+    missing: set[str] = set()
+
+    def copy(relative: str, switch: bool) -> None:
+        for source in (checkout / relative).rglob("*") if (checkout / relative).is_dir() else [checkout / relative]:
+            if source.is_dir():
+                continue
+            target = root / source.relative_to(checkout)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if switch and source.suffix == ".py":
+                # PyTriton's test tooling stays its own: it drives the test.
+                text = source.read_text().replace("from pytriton.check", "from _pytriton_check")
+                text = switched(text, missing).replace("from _pytriton_check", "from pytriton.check")
+                target.write_text(text)
+            else:
+                shutil.copyfile(source, target)
+
+    for relative in ("tests/__init__.py", "tests/functional/__init__.py", "tests/utils.py"):
+        if (checkout / relative).exists():
+            copy(relative, switch=True)
+    copy("tests/functional/common", switch=True)
+    copy(f"tests/functional/{name}", switch=True)
+    tooling = root / "pytriton" / "check"
+    tooling.mkdir(parents=True)
+    (root / "pytriton" / "__init__.py").write_text("")
+    (tooling / "__init__.py").write_text("")
+    shutil.copyfile(checkout / "pytriton" / "check" / "utils.py", tooling / "utils.py")
+    directory = f"tests/functional/{name}"
+    command = _test_command(
+        (root / directory / "test.sh").read_text(), directory.replace("/", ".") + ".test", directory
+    )
+    # Its scripts start "python": this interpreter, first on PATH.
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(root),
+        "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
+    }
+    log = root / "test.log"
+    with log.open("w") as out:
+        # A session of its own: whatever it starts (its servers) is killed with it, by its group.
+        test = subprocess.Popen(
+            command, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            returncode = test.wait(600)
+        except subprocess.TimeoutExpired:
+            returncode = None
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(test.pid, signal.SIGKILL)
+            test.wait()
+    if returncode is None:
+        return "failed: it did not finish in 600 s"
+    if returncode == 0:
+        return "passed"
+    lines = [line for line in log.read_text().splitlines() if line.strip()]
+    errors = [line for line in lines if re.search(r"Error|error:|FAILED|assert", line)]
+    return f"failed: {(errors or lines or [''])[-1].strip()[:140]}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkout", type=Path, help="a local copy of the pytriton repository")
     parser.add_argument("--pytriton-python", help="an interpreter with nvidia-pytriton and pytest, to run PyTriton")
     parser.add_argument("--examples", action="store_true", help="run PyTriton's CPU examples instead of its tests")
+    parser.add_argument("--functional", action="store_true", help="run PyTriton's CPU end-to-end tests instead")
     parser.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
     args = parser.parse_args()
+    if args.functional:
+        with tempfile.TemporaryDirectory(prefix="pytriton-functional-") as tmp:
+            outcomes = {}
+            for name in FUNCTIONAL:
+                outcomes[name] = run_functional(args.checkout, name, Path(tmp))
+                print(f"{name}: {outcomes[name]}", flush=True)
+            passed = sum(o == "passed" for o in outcomes.values())
+            print(f"\nPyTriton's functional tests on ferrobatch.triton: {passed} of {len(outcomes)} passed")
+        return
     if args.examples:
         with tempfile.TemporaryDirectory(prefix="pytriton-examples-") as tmp:
             results = {}
