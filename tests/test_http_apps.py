@@ -7,6 +7,7 @@ starts and stops."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
 import logging
@@ -100,28 +101,6 @@ def test_an_app_that_starts_its_server_serves_again_in_a_second_test_client_sess
     assert server.stats()["requests_succeeded"] == 3
 
 
-async def test_an_aiohttp_app_that_starts_its_server_serves_again_when_its_runner_starts_again() -> None:
-    from aiohttp import web
-
-    server = make_server()
-    app = aiohttp_app(server)
-    for _ in range(2):
-        runner = web.AppRunner(app)
-        await runner.setup()
-        try:
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-            async with httpx.AsyncClient(base_url=url, timeout=30) as http:
-                assert (await http.get("/v2/health/ready")).status_code == 200
-                response = await http.post(INFER, content=GOOD)
-                assert response.status_code == 200, response.text
-        finally:
-            await runner.cleanup()
-        assert not server.running
-    assert server.stats()["requests_succeeded"] == 2
-
-
 async def test_a_request_refused_because_the_app_closes_is_counted() -> None:
     server = make_server()
     app = starlette_app(server, manage_servers=False)
@@ -136,12 +115,17 @@ async def test_a_request_refused_because_the_app_closes_is_counted() -> None:
     assert stats["requests_succeeded"] == 1 and stats["requests_failed"]["server_closed"] == 1
 
 
-async def test_an_aiohttp_app_serves_again_when_its_runner_starts_again() -> None:
+@pytest.mark.parametrize("manage_servers", [False, True], ids=["started_by_the_user", "started_by_the_app"])
+async def test_an_aiohttp_app_serves_again_when_its_runner_starts_again(manage_servers: bool) -> None:
+    """A second AppRunner over the same app serves again: with
+    manage_servers, each runner's lifespan starts the server and stops it."""
     from aiohttp import web
 
     server = make_server()
-    app = aiohttp_app(server, manage_servers=False)
-    async with server:
+    app = aiohttp_app(server, manage_servers=manage_servers)
+    async with contextlib.AsyncExitStack() as stack:
+        if not manage_servers:
+            await stack.enter_async_context(server)
         for _ in range(2):
             runner = web.AppRunner(app)
             await runner.setup()
@@ -155,6 +139,8 @@ async def test_an_aiohttp_app_serves_again_when_its_runner_starts_again() -> Non
                     assert response.status_code == 200, response.text
             finally:
                 await runner.cleanup()
+            assert server.running is not manage_servers
+    assert server.stats()["requests_succeeded"] == 2
 
 
 def test_two_mounted_apps_sharing_a_server_wait_for_its_one_start() -> None:
