@@ -37,6 +37,7 @@ __all__ = [
     "compress",
     "dtypes",
     "inflate",
+    "remove_stale_segments",
     "response_coding",
     "encode_parameters",
     "grpc_response",
