@@ -205,13 +205,15 @@ async def test_a_stopped_server_starts_again_and_its_stats_carry_on(max_delay: f
         async with server:
             got = await asyncio.gather(*(early.infer({"x": sample(i)}) for i in range(20)))
             assert [int(out["y"][0]) for out in got] == [2 * i for i in range(20)]
+            threaded = await asyncio.to_thread(early.infer_sync, {"x": sample(4)})  # a thread's way in too
+            assert torch.equal(threaded["y"], sample(8))
             share = server.share(f"fb-again-{run}-{id(server)}")
             with fb.connect(share.name) as other:
                 assert torch.equal((await other.infer({"x": sample(3)}))["y"], sample(6))
             assert len(worker_threads("again")) == 1
         stats = server.stats()
-        assert stats["requests_succeeded"] == 21 * (run + 1), stats
-        assert stats["rows"] == 21 * (run + 1) == sum(size * n for size, n in stats["batch_sizes"].items())
+        assert stats["requests_succeeded"] == 22 * (run + 1), stats
+        assert stats["rows"] == 22 * (run + 1) == sum(size * n for size, n in stats["batch_sizes"].items())
         assert stats["batches"] == sum(stats["dispatch_reasons"].values()) == sum(stats["batch_sizes"].values())
         assert stats["queue_depth"] == 0 and stats["queue_ns"] > 0
         assert worker_threads("again") == []

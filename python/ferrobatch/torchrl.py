@@ -339,19 +339,26 @@ def _join_rows(columns: list[Any]) -> Any:
     return np.concatenate(columns)
 
 
-def _core_request(td: Any, inputs: Sequence[str], extras: Sequence[str]) -> dict[str, Any]:
+def _keyed(names: Sequence[str]) -> tuple[tuple[str, NestedKey], ...]:
+    """Flat names with their TensorDict keys (worked out once, not per request)."""
+    return tuple((name, nested_key(name)) for name in names)
+
+
+def _core_request(
+    td: Any, inputs: Sequence[tuple[str, NestedKey]], extras: Sequence[tuple[str, NestedKey]]
+) -> dict[str, Any]:
     """A request's leaves the core takes, by flat name: the model's
     ``inputs`` (each required), and those of ``extras`` it has (non-tensor
     data packed by the request's batch dimensions)."""
     depth = len(td.batch_size)
     flat = {}
-    for name in inputs:
-        value = td.get(nested_key(name), None)
+    for name, key in inputs:
+        value = td.get(key, None)
         if value is None:
             raise ValueError(f"the request lacks the model's input {name!r}")
         flat[name] = value if isinstance(value, torch.Tensor) else _pack(value, depth)
-    for name in extras:
-        value = td.get(nested_key(name), None)
+    for name, key in extras:
+        value = td.get(key, None)
         if value is not None:
             flat[name] = value if isinstance(value, torch.Tensor) else _pack(value, depth)
     return flat
@@ -631,6 +638,8 @@ class InferenceServer:
         self._client: Client | None = None
         self._in_names: tuple[str, ...] = ()
         self._extra_names: tuple[str, ...] = ()  # the other keys collate_fn sees (optional inputs)
+        self._in_keys: tuple[tuple[str, NestedKey], ...] = ()
+        self._extra_keys: tuple[tuple[str, NestedKey], ...] = ()
         self._out_keys: list[tuple[str, NestedKey]] = []
         self._build_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -1098,13 +1107,14 @@ class InferenceServer:
         )
         self._in_names = tuple(leaves)
         self._extra_names = (*(s.name for s in inputs[len(leaves) : -1]), _INTERACTION_KEY)
+        self._in_keys, self._extra_keys = _keyed(self._in_names), _keyed(self._extra_names)
         self._out_keys = out_keys
         return core, first
 
     def _flat(self, td: Any) -> dict[str, Any]:
         """A request's tensors the core takes: the model's inputs, and the
         other keys collate_fn sees that this request has."""
-        return _core_request(td, self._in_names, self._extra_names)
+        return _core_request(td, self._in_keys, self._extra_keys)
 
     def _submit(self, td: Any) -> concurrent.futures.Future[dict[str, torch.Tensor]]:
         client = self._client
@@ -2292,8 +2302,8 @@ class _SharedRoute:
         self.client = client
         self.pid = os.getpid()
         self.closed = False
-        self.inputs: tuple[str, ...] = tuple(meta["inputs"])
-        self.extras: tuple[str, ...] = tuple(meta["extras"])
+        self.inputs = _keyed(meta["inputs"])
+        self.extras = _keyed(meta["extras"])
         self.outputs = [(name, nested_key(name)) for name in meta["outputs"]]
         self.version = None if meta["version"] is None else nested_key(meta["version"])
         self.version_base = int(meta["version_base"])

@@ -333,19 +333,20 @@ class RayClient:
             except BaseException as exc:
                 portal_cm.__exit__(type(exc), exc, exc.__traceback__)
                 raise
+            client = server.client()
             with self._lock:
                 closed = self._closed
                 if not closed:
                     self._portal, self._portal_cm = portal, portal_cm
                     self._server, self.description = server, description
-                    self._client = server.client()
+                    self._client = client
             if closed:  # close() came while it started: nothing is left running
                 try:
                     portal.call(server.stop)
                 finally:
                     portal_cm.__exit__(None, None, None)
                 raise ServerClosedError("this ferrobatch.ray client was closed")
-            return server.client()
+            return client
 
     def close(self, timeout: float | None = None) -> None:
         """Stops the local batcher: every accepted request still runs (within

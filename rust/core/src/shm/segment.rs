@@ -193,6 +193,10 @@ impl Layout {
     }
 }
 
+/// Where segments live, and what their file names start with.
+const SEGMENT_DIR: &str = "/dev/shm";
+const SEGMENT_PREFIX: &str = "ferrobatch.";
+
 /// The file behind a shared name.
 pub fn segment_path(name: &str) -> Result<PathBuf, ShmError> {
     let ok = !name.is_empty()
@@ -206,7 +210,7 @@ pub fn segment_path(name: &str) -> Result<PathBuf, ShmError> {
             "a shared name is 1 to 200 letters, digits, '.', '_' or '-' (not starting with '.'), got {name:?}"
         )));
     }
-    Ok(PathBuf::from(format!("/dev/shm/ferrobatch.{name}")))
+    Ok(Path::new(SEGMENT_DIR).join(format!("{SEGMENT_PREFIX}{name}")))
 }
 
 /// A mapped segment. Unmapped when dropped; the file is removed by
@@ -255,8 +259,6 @@ fn map(file: &File, len: usize) -> Result<*mut u8, ShmError> {
     Ok(ptr.cast())
 }
 
-/// What an existing segment file says about its server: a watch on it
-/// and its state, if it is a ferrobatch segment at all.
 /// Removes the segments this user's ferrobatch servers left behind when
 /// they were killed before their stop could remove them (each would keep
 /// its memory in `/dev/shm` until the machine restarts). A segment whose
@@ -264,7 +266,7 @@ fn map(file: &File, len: usize) -> Result<*mut u8, ShmError> {
 /// made now), is left; so is a file replaced meanwhile. Returns the names
 /// removed.
 pub fn remove_stale_segments() -> Vec<String> {
-    let Ok(dir) = std::fs::read_dir("/dev/shm") else {
+    let Ok(dir) = std::fs::read_dir(SEGMENT_DIR) else {
         return Vec::new();
     };
     let me = current_uid();
@@ -273,7 +275,7 @@ pub fn remove_stale_segments() -> Vec<String> {
         let file_name = entry.file_name();
         let Some(name) = file_name
             .to_str()
-            .and_then(|n| n.strip_prefix("ferrobatch."))
+            .and_then(|n| n.strip_prefix(SEGMENT_PREFIX))
         else {
             continue;
         };
@@ -296,6 +298,8 @@ pub fn remove_stale_segments() -> Vec<String> {
     removed
 }
 
+/// What an existing segment file says about its server: a watch on it
+/// and its state, if it is a ferrobatch segment at all.
 fn read_owner(path: &Path) -> Option<(Peer, u32)> {
     let mut head = [0u8; 64];
     File::open(path).ok()?.read_exact(&mut head).ok()?;
