@@ -1,6 +1,6 @@
 """``Server(default_timeout=)``: the timeout of a request that gives none, on
-every way in (an event loop, a thread, shared memory, the native front-end),
-and Triton's queue policy mapped onto it."""
+every way in (an event loop, a thread, shared memory, the native front-end);
+``Server(queue_timeout=)``, and Triton's queue policy mapped onto it."""
 
 from __future__ import annotations
 
@@ -94,22 +94,91 @@ def test_default_timeout_is_checked(bad: object) -> None:
         fb.Server(double, inputs=[X], outputs=[Y], default_timeout=bad)  # type: ignore[arg-type]
 
 
-def test_tritons_queue_policy_timeout_is_not_applied_to_whole_calls(caplog: pytest.LogCaptureFixture) -> None:
-    # Triton's default timeout bounds queue time; ferrobatch's bound the whole
-    # call: applied, it would cut running batches and streams off.
+def test_tritons_queue_policy_timeout_becomes_the_queue_timeout(caplog: pytest.LogCaptureFixture) -> None:
+    """REJECT with a default timeout: a request waiting longer to be taken
+    fails (504) and never runs, while the one taken in time runs on past
+    it. DELAY is not kept (a warning)."""
+    import threading
+
     from ferrobatch.triton import DynamicBatcher, ModelConfig, QueuePolicy, Tensor, TimeoutAction, Triton, TritonConfig
+    from ferrobatch.triton.client import ModelClient
+    from ferrobatch.triton.client.exceptions import PyTritonClientError
+
+    ran: list[float] = []
+
+    def slow(requests: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+        ran.extend(float(r["x"][0, 0]) for r in requests)
+        time.sleep(0.4)
+        return [{"y": r["x"]} for r in requests]
 
     tensors = ([Tensor(name="x", dtype=np.float32, shape=(4,))], [Tensor(name="y", dtype=np.float32, shape=(4,))])
-    policy = QueuePolicy(timeout_action=TimeoutAction.REJECT, default_timeout_microseconds=250_000)
+    policy = QueuePolicy(timeout_action=TimeoutAction.REJECT, default_timeout_microseconds=100_000)
+    config = ModelConfig(max_batch_size=1, batcher=DynamicBatcher(default_queue_policy=policy))
+    with Triton(config=TritonConfig(http_port=0, grpc_port=0, metrics_port=0)) as triton:
+        triton.bind("m", slow, *tensors, config=config)
+        assert triton.servers[0].queue_timeout == 0.1
+        triton.run()
+        url = f"http://127.0.0.1:{triton.http_port}"
+        answers: dict[float, object] = {}
+
+        def call(value: float) -> None:
+            with ModelClient(url, "m") as client:
+                try:
+                    answers[value] = client.infer_batch(np.full((1, 4), value, np.float32))["y"][0, 0]
+                except PyTritonClientError as exc:
+                    answers[value] = exc
+
+        first = threading.Thread(target=call, args=(1.0,))
+        first.start()
+        time.sleep(0.1)  # the first runs (0.4 s); the second waits behind it
+        call(2.0)
+        first.join()
+        assert answers[1.0] == 1.0 and ran == [1.0], (answers, ran)
+        assert "queue timeout" in str(answers[2.0]), answers
+        stats = triton.servers[0].stats()
+        assert stats["requests_failed"]["deadline_exceeded"] == 1 and stats["requests_succeeded"] == 1, stats
+
+    delay = QueuePolicy(timeout_action=TimeoutAction.DELAY, default_timeout_microseconds=250_000)
     triton = Triton(config=TritonConfig(http_port=0, grpc_port=0))
     with caplog.at_level(logging.WARNING, logger="ferrobatch.triton"):
         triton.bind(
-            "m", lambda rs: rs, *tensors, config=ModelConfig(batcher=DynamicBatcher(default_queue_policy=policy))
+            "d", lambda rs: rs, *tensors, config=ModelConfig(batcher=DynamicBatcher(default_queue_policy=delay))
         )
-    assert "default_timeout_microseconds is not kept" in caplog.text
-    assert triton._servers[0].default_timeout is None  # what bind built
+    assert "timeout_action=DELAY is not supported" in caplog.text
+    assert triton.servers[0].queue_timeout is None and triton.servers[0].default_timeout is None
     bad = QueuePolicy(default_timeout_microseconds=-1)
     with pytest.raises(Exception, match="default_timeout_microseconds must be >= 0"):
         triton.bind(
             "bad", lambda rs: rs, *tensors, config=ModelConfig(batcher=DynamicBatcher(default_queue_policy=bad))
         )
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, math.nan, True, "1"])
+def test_queue_timeout_is_checked(bad: object) -> None:
+    with pytest.raises(ValueError, match="queue_timeout"):
+        fb.Server(double, inputs=[X], outputs=[Y], queue_timeout=bad)  # type: ignore[arg-type]
+
+
+async def test_queue_timeout_answers_each_caller_once_and_stats_say_so() -> None:
+    """Eight callers on one instance taking 0.2 s a batch of 2: those still
+    queued after 0.1 s fail at once when the instance is free, never run;
+    ``stats()`` counts what they saw."""
+
+    def slow_double(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        time.sleep(0.2)
+        return double(inputs)
+
+    server = fb.Server(slow_double, inputs=[X], outputs=[Y], max_batch_size=2, max_delay=0.0, queue_timeout=0.1)
+    async with server:
+        client = server.client()
+        calls = [client.infer({"x": torch.full((4,), float(i))}) for i in range(8)]
+        outcomes = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 10)
+        stats = server.stats()
+    ok = [o for o in outcomes if isinstance(o, dict)]
+    late = [o for o in outcomes if isinstance(o, fb.DeadlineExceededError)]
+    assert len(ok) + len(late) == 8, outcomes
+    assert 1 <= len(ok) <= 4 and late, outcomes  # the first batch runs; those behind it wait too long
+    assert all("queue timeout" in str(e) for e in late)
+    assert stats["requests_succeeded"] == len(ok), stats
+    assert stats["requests_failed"]["deadline_exceeded"] == len(late), stats
+    assert stats["rows"] == len(ok), stats  # only those run were in a batch

@@ -1,10 +1,11 @@
 """Every feature through every way in: fixed tensors, BYTES, variable-length
 (padded and jagged), optional inputs, priority, parameters, the version
-output, failure isolation and deadlines, each sent in process (asyncio, a blocked thread), over HTTP (JSON,
-binary) and gRPC to the native and the Python front-ends, and through shared
-memory. A cell that does not behave as in process fails here. (The Ray
-client, which needs a Ray cluster, crosses the same features in
-tests/test_ray.py; a shared-memory client in another process, in
+output, failure isolation, deadlines and the queue timeout, each sent in
+process (asyncio, a blocked thread), over HTTP (JSON, binary) and gRPC to
+the native and the Python front-ends, and through shared memory. A cell
+that does not behave as in process fails here. (The Ray client, which needs
+a Ray cluster, crosses the same features in tests/test_ray.py; a
+shared-memory client in another process, in
 tests/test_shared_memory.py.)"""
 
 from __future__ import annotations
@@ -75,6 +76,14 @@ def slow(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 SLOW_S = 0.4
 
+#: The first input value of every row the "queued" model ran.
+RAN: set[float] = set()
+
+
+def slow_recording(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    RAN.update(batch["x"][:, 0].tolist())
+    return slow(batch)
+
 
 def servers() -> list[fb.Server]:
     f32 = "float32"
@@ -93,6 +102,14 @@ def servers() -> list[fb.Server]:
             outputs=[fb.TensorSpec("y", f32, (2,))],
             name="slow",
             max_batch_size=1,  # a request behind a running one waits in the queue
+        ),
+        fb.Server(
+            slow_recording,
+            inputs=[fb.TensorSpec("x", f32, (2,))],
+            outputs=[fb.TensorSpec("y", f32, (2,))],
+            name="queued",
+            max_batch_size=1,
+            queue_timeout=SLOW_S / 4,
         ),
         fb.Server(
             fixed,
@@ -319,6 +336,30 @@ def test_a_request_past_its_deadline_fails_and_the_next_is_served(ways: dict[str
     assert "deadline" in text or "timeout" in text or "timed out" in text, text
     assert waited < SLOW_S, f"answered after {waited:.2f} s, not at its deadline"
     assert send("slow", {"x": x})["y"].tolist() == [[1, 1]]
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_a_request_past_the_queue_timeout_fails_never_run(ways: dict[str, Send], way: str) -> None:
+    """Behind a running request, one that waits past the server's
+    `queue_timeout` fails with the way in's deadline error when the
+    instance is free, and never runs; a request taken in time runs on past
+    it (the running one takes 4 times the queue timeout)."""
+    send = ways[way]
+    tag = 10.0 * (WAYS.index(way) + 1)
+    first, stale = np.full((1, 2), tag, dtype=np.float32), np.full((1, 2), tag + 1, dtype=np.float32)
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(send, "queued", {"x": first})
+        time.sleep(SLOW_S / 4)  # the first runs: the next waits in the queue
+        started = time.monotonic()
+        with pytest.raises(Exception) as info:  # each way in raises its own type
+            send("queued", {"x": stale})
+        waited = time.monotonic() - started
+        assert running.result(30)["y"].tolist() == [[tag, tag]]
+    text = f"{type(info.value).__name__}: {info.value}".lower()
+    assert "queue timeout" in text, text
+    assert tag + 1 not in RAN and tag in RAN
+    assert waited < 2 * SLOW_S, f"answered after {waited:.2f} s: it ran"
+    assert send("queued", {"x": first})["y"].tolist() == [[tag, tag]]
 
 
 def test_every_model_is_ready_with_its_batch_dimension_over_http_and_grpc() -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import socket
 import threading
 import time
@@ -24,10 +23,8 @@ from ferrobatch.triton import (
     ModelConfig,
     PyTritonRuntimeError,
     PyTritonValidationError,
-    QueuePolicy,
     Request,
     Tensor,
-    TimeoutAction,
     Triton,
     TritonConfig,
     batch,
@@ -147,17 +144,6 @@ def test_a_missing_output_says_what_pytriton_would_send() -> None:
     config = model_config_of("m", 1, ModelConfig(), [X], [Y, Tensor(name="z", dtype=np.float32, shape=(1,))], 1)
     with pytest.raises(PyTritonValidationError, match=r"no output 'z'.*PyTriton sends only"):
         collect_outputs([{"y": np.ones((1, 1), np.float32)}], [1], config, strict=False)
-
-
-def test_a_queue_timeout_or_delay_is_not_silently_ignored(caplog: pytest.LogCaptureFixture) -> None:
-    triton = Triton(config=TritonConfig(http_port=0, grpc_port=0))
-    policy = QueuePolicy(timeout_action=TimeoutAction.DELAY, default_timeout_microseconds=1000)
-    with caplog.at_level(logging.WARNING, logger="ferrobatch.triton"):
-        triton.bind(
-            "m", lambda rs: rs, [X], [Y], config=ModelConfig(batcher=DynamicBatcher(default_queue_policy=policy))
-        )
-    assert "default_timeout_microseconds is not kept" in caplog.text
-    assert "timeout_action=DELAY is not supported" in caplog.text
 
 
 def test_group_by_values_groups_and_orders_as_pytriton() -> None:

@@ -82,6 +82,7 @@ class Batcher:
         delay_from_free_worker: bool = False,
         default_timeout: float | None = None,
         first_id: int = 1,
+        queue_timeout: float | None = None,
     ) -> Batcher: ...
     @property
     def next_id(self) -> int:

@@ -112,6 +112,13 @@ class Server:
             the queue as Triton's queue-policy timeout does. Through
             ``ferrobatch.ray`` it bounds each batch the client forwards.
             ``None`` (default): no limit.
+        queue_timeout: seconds a request may wait to be taken into a batch
+            (Triton's queue-policy timeout): one that waited longer fails
+            with :class:`DeadlineExceededError` and is never run; once in a
+            batch, only its own ``timeout`` bounds it. Every way in. Checked
+            where an instance gathers its next batch, so while every instance
+            is busy such requests are answered as soon as one is free.
+            ``None`` (default): no limit.
         device: where the model runs ("cpu", "cuda", "cuda:1", a
             ``torch.device``); ``None``: the device of the model's parameters,
             else CPU. A ``torch.nn.Module`` is moved there. A list gives one
@@ -256,6 +263,7 @@ class Server:
         preferred_batch_sizes: Sequence[int] = (),
         max_queue_size: int = 10_000,
         default_timeout: float | None = None,
+        queue_timeout: float | None = None,
         device: str | torch.device | None | Sequence[str | torch.device | None] = None,
         name: str = "model",
         cuda_graphs: bool = False,
@@ -364,14 +372,10 @@ class Server:
             raise ValueError(f"preferred_batch_sizes must be in 1..{max_batch_size}, got {bad}")
         if not whole_in(max_queue_size, 1, MAX_QUEUE_SIZE):
             raise ValueError(f"max_queue_size must be an int from 1 to {MAX_QUEUE_SIZE}, got {max_queue_size!r}")
-        if default_timeout is not None and (
-            isinstance(default_timeout, bool)
-            or not isinstance(default_timeout, (int, float))
-            or not default_timeout > 0
-        ):
-            raise ValueError(f"default_timeout must be > 0 seconds or None, got {default_timeout!r}")
         #: The timeout of a request that gives none (seconds; None: no limit).
-        self.default_timeout: float | None = None if default_timeout is None else float(default_timeout)
+        self.default_timeout = _seconds_or_none("default_timeout", default_timeout)
+        #: How long a request may wait to be taken into a batch (seconds; None: no limit).
+        self.queue_timeout = _seconds_or_none("queue_timeout", queue_timeout)
         self.name = name
         self.max_batch_size = max_batch_size
         if max_batch_elements is not None and not whole_in(max_batch_elements, 1, MAX_BATCH_ELEMENTS):
@@ -718,6 +722,7 @@ class Server:
                 keep_parameters=self.with_requests,  # others never carry a request's parameters
                 optional=[s.optional for s in self.inputs],
                 default_timeout=self.default_timeout,
+                queue_timeout=self.queue_timeout,
                 # Numbered on from the last run's: the callers' tables outlive a run.
                 first_id=self._first_id,
             )
@@ -1396,6 +1401,15 @@ def thread_budget(cpu_instances: int) -> int:
     slowest thread."""
     spare = max(1, usable_cores() - 1 - _front_end_cores)
     return max(1, min(torch.get_num_threads(), spare // max(1, cpu_instances)))
+
+
+def _seconds_or_none(name: str, value: object) -> float | None:
+    """A timeout setting: ``None``, or a number of seconds > 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be > 0 seconds or None, got {value!r}")
+    return float(value)
 
 
 def _worker_thread(

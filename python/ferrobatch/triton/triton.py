@@ -413,6 +413,12 @@ class Triton:
                 f"model '{model_name}': default_queue_policy.default_timeout_microseconds must be >= 0"
                 f" (0: none), got {policy.default_timeout_microseconds}"
             )
+        if (
+            policy is not None
+            and policy.default_timeout_microseconds > 0
+            and policy.timeout_action == TimeoutAction.REJECT
+        ):
+            kwargs["queue_timeout"] = policy.default_timeout_microseconds / 1e6
         if batcher.priority_levels > 1:  # one level is none, as in Triton
             kwargs["priority_levels"] = batcher.priority_levels
             kwargs["default_priority"] = batcher.default_priority_level or None
@@ -669,25 +675,16 @@ def _ports(listening: Listening) -> tuple[int | None, int | None]:
 
 
 def _warn_queue_policy(name: str, policy: QueuePolicy | None) -> None:
-    """Warns of the queue policy's settings ferrobatch cannot keep: Triton's
-    default timeout bounds a request's time in the queue, ferrobatch's
-    timeouts its whole call (a running batch or stream would be cut off, so
-    it is not applied); and ferrobatch never delays a request whose timeout
-    passed, it rejects it."""
+    """Warns of the queue policy's setting ferrobatch cannot keep: Triton
+    moves a request past its queue timeout behind the others (``DELAY``);
+    ferrobatch never reorders its queue, so it applies no queue timeout then."""
     if policy is None:
         return
-    if policy.default_timeout_microseconds > 0:
+    if policy.timeout_action == TimeoutAction.DELAY and policy.default_timeout_microseconds > 0:
         log.warning(
-            "model '%s': default_queue_policy.default_timeout_microseconds is not kept: Triton bounds"
-            " a request's queue time with it, ferrobatch's timeouts bound the whole call (a running"
-            " batch or stream would be cut off); requests wait without a deadline unless they send"
-            " their own 'timeout' parameter",
-            name,
-        )
-    if policy.timeout_action == TimeoutAction.DELAY:
-        log.warning(
-            "model '%s': default_queue_policy.timeout_action=DELAY is not supported; a request whose"
-            " own 'timeout' passes is rejected (504)",
+            "model '%s': default_queue_policy.timeout_action=DELAY is not supported (requests are never"
+            " reordered): its default_timeout_microseconds is not applied; a request's own 'timeout'"
+            " still bounds it (504)",
             name,
         )
 

@@ -91,11 +91,21 @@ pub struct Stats {
 pub struct Worker {
     /// This worker has popped its close message: it only flushes the carry.
     closed: bool,
+    /// Requests this worker found past the batcher's queue timeout and
+    /// withdrew (`Expired`, never run). No caller's timer answers them: the
+    /// worker's owner does ([`Worker::take_outstayed`]).
+    outstayed: Vec<Arc<Request>>,
 }
 
 impl Worker {
     pub fn new() -> Worker {
         Worker::default()
+    }
+
+    /// The requests to answer with the queue timeout's error, gathered by
+    /// the last [`Batcher::next_batch`]; each is handed out once.
+    pub fn take_outstayed(&mut self) -> Vec<Arc<Request>> {
+        std::mem::take(&mut self.outstayed)
     }
 }
 
@@ -147,6 +157,8 @@ pub struct Batcher {
     readiness: Readiness,
     /// The timeout of a request that gives none (see [`Batcher::with_default_timeout`]).
     default_timeout: Option<Duration>,
+    /// How long a request may wait to be taken (see [`Batcher::with_queue_timeout`]).
+    queue_timeout: Option<Duration>,
     /// Submitters that hold requests for this batcher ([`Unflushed`]):
     /// flushed as it closes.
     holders: Mutex<Vec<Weak<Held>>>,
@@ -211,6 +223,7 @@ impl Batcher {
             callers: BlockingCallers::new(max_delay),
             readiness: config.readiness,
             default_timeout: None,
+            queue_timeout: None,
             holders: Mutex::new(Vec::new()),
         })
     }
@@ -265,6 +278,23 @@ impl Batcher {
     /// The timeout of a request that gives none (`None`: no limit).
     pub fn default_timeout(&self) -> Option<Duration> {
         self.default_timeout
+    }
+
+    /// This batcher, with requests that wait longer than `timeout` to be
+    /// taken into a batch withdrawn (`Expired`) and never run; a request
+    /// once taken runs to its end (only its own deadline bounds it), as
+    /// Triton's queue policy. Checked where a worker gathers, so a request
+    /// waiting while every worker is busy goes when one is free; the worker
+    /// hands such requests to its owner to answer
+    /// ([`Worker::take_outstayed`]), since no caller's timer watches this.
+    pub fn with_queue_timeout(mut self, timeout: Option<Duration>) -> Batcher {
+        self.queue_timeout = timeout;
+        self
+    }
+
+    /// How long a request may wait to be taken (`None`: no limit).
+    pub fn queue_timeout(&self) -> Option<Duration> {
+        self.queue_timeout
     }
 
     /// This batcher, numbering its requests from `first` on: a server
@@ -583,9 +613,10 @@ impl Batcher {
             let mut carry = self.carry.lock().unwrap_or_else(|e| e.into_inner());
             let gathered_by = loop {
                 let (_, reason) = self.gather(&role, &mut carry, worker, &mut gathered);
-                let rows = self.take_gathered(&mut gathered);
-                // Withdrawn to the last one while it filled: gather anew.
-                if rows > 0 || (worker.closed && carry.is_none()) {
+                let rows = self.take_gathered(&mut gathered, worker);
+                // Withdrawn to the last one while it filled: gather anew,
+                // unless requests that outstayed the queue wait for their answer.
+                if rows > 0 || (worker.closed && carry.is_none()) || !worker.outstayed.is_empty() {
                     break (rows, reason);
                 }
             };
@@ -655,16 +686,18 @@ impl Batcher {
         let mut budget = Budget::new(self.ring.layouts());
         let free_since = Instant::now();
         if let Some(r) = carry.take() {
-            self.admit(r, Instant::now(), carry, gathered, &mut rows, &mut budget);
+            if self.admissible(&r, Instant::now(), worker) {
+                self.admit(r, carry, gathered, &mut rows, &mut budget);
+            }
         }
         while !worker.closed {
             let now = Instant::now();
             let live =
-                |r: &Arc<Request>| r.state() == RequestState::Queued && !r.is_past_deadline(now);
+                |r: &Arc<Request>| r.state() == RequestState::Queued && !self.past_due(r, now);
             if !gathered.iter().all(live) {
                 // Withdrawn or expired while the batch filled: they leave it
                 // (counted as skipped by `take_one`, which cannot take them).
-                gathered.retain(|r| live(r) || self.take_one(r, now));
+                gathered.retain(|r| live(r) || self.take_one(r, now, worker));
                 rows = 0;
                 budget = Budget::new(self.ring.layouts());
                 for r in gathered.iter() {
@@ -676,7 +709,9 @@ impl Batcher {
             while rows < max && carry.is_none() && !worker.closed {
                 match self.queue.try_pop() {
                     Popped::Request(r) => {
-                        self.admit(r, now, carry, gathered, &mut rows, &mut budget)
+                        if self.admissible(&r, now, worker) {
+                            self.admit(r, carry, gathered, &mut rows, &mut budget);
+                        }
                     }
                     Popped::Close => worker.closed = true,
                     Popped::Empty => break,
@@ -690,6 +725,11 @@ impl Batcher {
             }
             if worker.closed {
                 break;
+            }
+            if gathered.is_empty() && !worker.outstayed.is_empty() {
+                // Nothing to wait for but callers to answer: return them
+                // first (not a batch: `next_batch` releases none).
+                return (0, DispatchReason::Shutdown);
             }
             let wait_until = if gathered.is_empty() {
                 None
@@ -715,6 +755,11 @@ impl Batcher {
                     Decision::Wait(limit) => {
                         // A wait too long to represent is a wait without a limit.
                         let until = limit.and_then(|l| now.checked_add(l));
+                        // Wake when a gathered request outstays the queue, to answer it.
+                        let until = match (until, self.first_queue_deadline(gathered)) {
+                            (Some(u), Some(q)) => Some(u.min(q)),
+                            (u, q) => u.or(q),
+                        };
                         let blocking = gathered.iter().filter(|r| r.blocking).count();
                         self.callers.set_gathered(blocking);
                         if blocking == 0 {
@@ -751,20 +796,45 @@ impl Batcher {
     /// Releases the gathered batch: takes each request still queued and
     /// within its deadline, drops the others (withdrawn while the batch
     /// filled). Returns the rows left.
-    fn take_gathered(&self, gathered: &mut Vec<Arc<Request>>) -> usize {
+    fn take_gathered(&self, gathered: &mut Vec<Arc<Request>>, worker: &mut Worker) -> usize {
         let now = Instant::now();
-        gathered.retain(|r| self.take_one(r, now));
+        gathered.retain(|r| self.take_one(r, now, worker));
         gathered.iter().map(|r| r.rows as usize).sum()
+    }
+
+    /// Whether `r` may no longer be taken at `now`: past its own deadline,
+    /// or waiting longer than the queue timeout.
+    fn past_due(&self, r: &Request, now: Instant) -> bool {
+        r.is_past_deadline(now) || self.outstayed_queue(r, now)
+    }
+
+    /// Whether `r` has waited in the queue longer than the queue timeout at `now`.
+    fn outstayed_queue(&self, r: &Request, now: Instant) -> bool {
+        self.queue_timeout
+            .is_some_and(|t| now.saturating_duration_since(r.enqueued_at) >= t)
+    }
+
+    /// The earliest instant at which one of `gathered` outstays the queue.
+    fn first_queue_deadline(&self, gathered: &[Arc<Request>]) -> Option<Instant> {
+        let timeout = self.queue_timeout?;
+        gathered
+            .iter()
+            .filter_map(|r| r.enqueued_at.checked_add(timeout))
+            .min()
     }
 
     /// Takes `r` for a batch: true when this worker won it; otherwise it is
     /// counted as skipped (expired, or withdrawn by its caller).
-    fn take_one(&self, r: &Request, now: Instant) -> bool {
-        if r.is_past_deadline(now) {
-            // The caller's own timer reports the deadline; we only never run it.
+    fn take_one(&self, r: &Arc<Request>, now: Instant, worker: &mut Worker) -> bool {
+        if self.past_due(r, now) {
+            // The caller's own timer reports its deadline; we only never run
+            // it. A queue timeout has no timer: the worker's owner answers.
             if r.transition(RequestState::Expired) {
                 self.queue.left(r);
                 self.stats.skipped_expired.fetch_add(1, Ordering::Relaxed);
+                if self.outstayed_queue(r, now) {
+                    worker.outstayed.push(r.clone());
+                }
             } else {
                 self.stats.skipped_withdrawn.fetch_add(1, Ordering::Relaxed);
             }
@@ -778,22 +848,28 @@ impl Batcher {
         true
     }
 
-    /// Gathers `r` into the batch if it is still queued, within its deadline
-    /// and fits; one that does not fit becomes the carry, to lead the next
-    /// batch. It stays queued until [`Batcher::take_gathered`].
+    /// Whether `r` may join a batch at `now`: still queued and not past
+    /// due. One that may not is dropped here, counted as skipped by
+    /// `take_one` (and kept to answer if it outstayed the queue).
+    fn admissible(&self, r: &Arc<Request>, now: Instant, worker: &mut Worker) -> bool {
+        if r.state() != RequestState::Queued || self.past_due(r, now) {
+            self.take_one(r, now, worker); // fails: counts why it is skipped
+            return false;
+        }
+        true
+    }
+
+    /// Gathers admissible `r` into the batch if it fits; one that does not
+    /// fit becomes the carry, to lead the next batch. It stays queued until
+    /// [`Batcher::take_gathered`].
     fn admit(
         &self,
         r: Arc<Request>,
-        now: Instant,
         carry: &mut Option<Arc<Request>>,
         gathered: &mut Vec<Arc<Request>>,
         rows: &mut usize,
         budget: &mut Budget,
     ) {
-        if r.state() != RequestState::Queued || r.is_past_deadline(now) {
-            self.take_one(&r, now); // fails: counts why it is skipped
-            return;
-        }
         if *rows + r.rows as usize > self.rule.max_batch_size
             || !budget.fits(&r, *rows, self.ring.layouts(), self.max_batch_elements)
         {
@@ -964,6 +1040,7 @@ mod tests {
         keep_parameters: bool,
         delay_from_free_worker: bool,
         readiness: Readiness,
+        queue_timeout: Option<Duration>,
     }
 
     impl Default for Knobs {
@@ -973,6 +1050,7 @@ mod tests {
                 keep_parameters: false,
                 delay_from_free_worker: false,
                 readiness: Readiness::OnPush,
+                queue_timeout: None,
             }
         }
     }
@@ -1011,7 +1089,8 @@ mod tests {
             batcher: Arc::new(
                 Batcher::new(config, slots)
                     .unwrap()
-                    .keeping_parameters(knobs.keep_parameters),
+                    .keeping_parameters(knobs.keep_parameters)
+                    .with_queue_timeout(knobs.queue_timeout),
             ),
             _slots: store,
         }
@@ -1459,6 +1538,83 @@ mod tests {
         submit_blocking(&f.batcher, 1);
         let b = f.batcher.next_batch(&mut Worker::new()).unwrap();
         assert_eq!((b.rows, b.reason), (2, DispatchReason::DelayExpired));
+    }
+
+    /// A batcher whose requests may wait `queue_timeout` to be taken.
+    fn fixture_with_queue_timeout(
+        max: usize,
+        delay: Duration,
+        min: usize,
+        queue_timeout: Duration,
+    ) -> Fixture {
+        let knobs = Knobs {
+            queue_timeout: Some(queue_timeout),
+            ..Knobs::default()
+        };
+        build(max, delay, min, 100, 1, knobs)
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "timed: Miri's clock advances with interpretation")]
+    fn a_request_that_outstays_the_queue_is_handed_back_never_run() {
+        let f = fixture_with_queue_timeout(8, Duration::ZERO, 1, Duration::from_millis(20));
+        let stale = submit(&f.batcher, &ROW_A, None);
+        std::thread::sleep(Duration::from_millis(30));
+        let fresh = submit(&f.batcher, &ROW_A, None);
+        let mut worker = Worker::new();
+        let b = f.batcher.next_batch(&mut worker).unwrap();
+        assert_eq!(
+            b.requests.iter().map(|r| r.id).collect::<Vec<_>>(),
+            vec![fresh.id]
+        );
+        let outstayed = worker.take_outstayed();
+        assert_eq!(
+            outstayed.iter().map(|r| r.id).collect::<Vec<_>>(),
+            vec![stale.id]
+        );
+        assert_eq!(stale.state(), RequestState::Expired);
+        assert!(worker.take_outstayed().is_empty(), "handed out once");
+        assert_eq!(f.batcher.stats().skipped_expired.load(Ordering::Relaxed), 1);
+        assert_eq!(f.batcher.queue_len(), 0);
+        // Taken, it runs on: nothing checks the queue timeout after that.
+        std::thread::sleep(Duration::from_millis(30));
+        assert_eq!(fresh.state(), RequestState::Taken);
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "timed: Miri's clock advances with interpretation")]
+    fn a_gathered_request_that_outstays_the_queue_is_handed_back_at_once() {
+        // The batch waits for 4 rows or 10 s; the lone request's 30 ms of
+        // queue time end first, and no other request comes to wake the worker.
+        let f =
+            fixture_with_queue_timeout(8, Duration::from_secs(10), 4, Duration::from_millis(30));
+        let lone = submit(&f.batcher, &ROW_A, None);
+        let started = Instant::now();
+        let mut worker = Worker::new();
+        assert!(
+            f.batcher.next_batch(&mut worker).is_none(),
+            "no batch, only an answer to give"
+        );
+        let elapsed = started.elapsed();
+        assert!(elapsed >= Duration::from_millis(25), "{elapsed:?}");
+        assert!(elapsed < Duration::from_secs(5), "{elapsed:?}");
+        assert_eq!(
+            worker
+                .take_outstayed()
+                .iter()
+                .map(|r| r.id)
+                .collect::<Vec<_>>(),
+            vec![lone.id]
+        );
+        // The worker gathers on as before.
+        let next = submit(&f.batcher, &ROW_A, None);
+        f.batcher.close();
+        let b = f.batcher.next_batch(&mut worker).unwrap();
+        assert_eq!(
+            b.requests.iter().map(|r| r.id).collect::<Vec<_>>(),
+            vec![next.id]
+        );
+        assert!(worker.take_outstayed().is_empty());
     }
 
     #[test]

@@ -18,7 +18,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyType};
 
-use crate::errors::{invalid_input, to_pyerr};
+use crate::errors::{ferrobatch_error, invalid_input, to_pyerr};
 use crate::inputs::{Converter, InputSpec, Keep};
 use crate::loops::{LoopRegistry, Wakeups};
 use crate::mailbox::{doorbells, ring_fd, LoopAnswer, LoopHeld, LoopMailbox};
@@ -45,6 +45,7 @@ impl Batcher {
         layouts=Vec::new(), max_batch_elements=None, padded_dims=Vec::new(),
         priority_levels=0, default_priority=None, max_priority_wait=None, keep_parameters=false,
         optional=Vec::new(), delay_from_free_worker=false, default_timeout=None, first_id=1,
+        queue_timeout=None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -71,17 +72,10 @@ impl Batcher {
         delay_from_free_worker: bool,
         default_timeout: Option<f64>,
         first_id: u64,
+        queue_timeout: Option<f64>,
     ) -> PyResult<Batcher> {
-        let default_timeout = match default_timeout {
-            None => None,
-            Some(t) if t.is_nan() || t <= 0.0 => {
-                return Err(PyValueError::new_err(format!(
-                    "default_timeout must be > 0 seconds or None, got {t}"
-                )))
-            }
-            // Longer than a Duration holds: no limit.
-            Some(t) => Duration::try_from_secs_f64(t).ok(),
-        };
+        let default_timeout = positive_seconds("default_timeout", default_timeout)?;
+        let queue_timeout = positive_seconds("queue_timeout", queue_timeout)?;
         let max_wait = match max_priority_wait {
             None => None,
             Some(w) if w.is_nan() || w < 0.0 => {
@@ -162,6 +156,7 @@ impl Batcher {
             .map_err(|e| to_pyerr(py, e))?
             .keeping_parameters(keep_parameters)
             .with_default_timeout(default_timeout)
+            .with_queue_timeout(queue_timeout)
             .numbering_from(first_id);
         Ok(Batcher {
             core: Arc::new(core),
@@ -588,16 +583,31 @@ impl Worker {
     /// Rings the doorbells of what was delivered, then blocks (GIL released)
     /// until a batch is gathered and collated into a staging slot; None once
     /// the batcher is closed and drained.
+    ///
+    /// Requests that waited longer than the queue timeout to be taken are
+    /// answered here (`DeadlineExceededError`), never run: no caller's
+    /// timer watches the queue timeout.
     fn next_batch(&self, py: Python<'_>) -> PyResult<Option<Batch>> {
-        let to_wake = std::mem::take(&mut *self.to_wake.lock().unwrap_or_else(|e| e.into_inner()));
-        let doorbells = to_wake.doorbells();
-        let batch = without_gil(py, || {
-            to_wake.wake(&doorbells);
-            let mut state = self.state.lock().map_err(|_| "worker state poisoned")?;
-            Ok::<_, &str>(self.core.next_batch(&mut state))
-        })
-        .map_err(PyTypeError::new_err)?;
-        drop(to_wake);
+        let batch = loop {
+            let to_wake =
+                std::mem::take(&mut *self.to_wake.lock().unwrap_or_else(|e| e.into_inner()));
+            let doorbells = to_wake.doorbells();
+            let (batch, outstayed) = without_gil(py, || {
+                to_wake.wake(&doorbells);
+                let mut state = self.state.lock().map_err(|_| "worker state poisoned")?;
+                let batch = self.core.next_batch(&mut state);
+                Ok::<_, &str>((batch, state.take_outstayed()))
+            })
+            .map_err(PyTypeError::new_err)?;
+            drop(to_wake);
+            if outstayed.is_empty() {
+                break batch; // a batch, or None: closed and drained
+            }
+            self.answer_outstayed(py, &outstayed);
+            if batch.is_some() {
+                break batch;
+            }
+        };
         Ok(batch.map(|b| Batch {
             index: b.slot.index(),
             slot: Mutex::new(Some(b.slot)),
@@ -612,6 +622,42 @@ impl Worker {
                 .map(|(l, r)| (l, Arc::new(r)))
                 .collect(),
         }))
+    }
+}
+
+impl Worker {
+    /// Fails `outstayed` (requests past the queue timeout, never run) with
+    /// `DeadlineExceededError`, through each one's way in, and wakes their
+    /// callers at once (not after the next model call).
+    fn answer_outstayed(&self, py: Python<'_>, outstayed: &[Arc<core::Request>]) {
+        let registry = self.registry.get();
+        let seconds = self.core.queue_timeout().map_or(0.0, |t| t.as_secs_f64());
+        let message = format!(
+            "request to model '{}' waited longer than its {seconds}s queue timeout to be run; \
+             it was not run",
+            registry.model_name()
+        );
+        let error = ferrobatch_error(py, "DeadlineExceededError", message);
+        let groups: Vec<(Sink, Arc<Vec<Route>>)> = core::Routes::for_batch(outstayed)
+            .groups
+            .into_iter()
+            .map(|(sink, routes)| (sink, Arc::new(routes)))
+            .collect();
+        let posted = registry.route_batch(py, &groups, &Err(error.into_value(py).into_any()), None);
+        let doorbells = posted.doorbells();
+        without_gil(py, || posted.wake(&doorbells));
+    }
+}
+
+/// Seconds a timeout setting gives: `None` stays none, and so does a value
+/// too long for a `Duration` (no limit); NaN, zero or below is an error.
+fn positive_seconds(name: &str, seconds: Option<f64>) -> PyResult<Option<Duration>> {
+    match seconds {
+        None => Ok(None),
+        Some(t) if t.is_nan() || t <= 0.0 => Err(PyValueError::new_err(format!(
+            "{name} must be > 0 seconds or None, got {t}"
+        ))),
+        Some(t) => Ok(Duration::try_from_secs_f64(t).ok()),
     }
 }
 

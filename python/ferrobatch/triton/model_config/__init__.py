@@ -9,6 +9,8 @@ How each maps onto a :class:`ferrobatch.Server`:
 - ``DynamicBatcher.preferred_batch_size`` → ``preferred_batch_sizes``;
 - ``DynamicBatcher.default_queue_policy.max_queue_size`` → ``max_queue_size``
   (0, Triton's "unbounded", keeps ferrobatch's default bound);
+- ``DynamicBatcher.default_queue_policy.default_timeout_microseconds`` (with
+  ``timeout_action=REJECT``) → ``queue_timeout``;
 - ``Tensor(shape=...)`` without the batch dimension, as in PyTriton.
 """
 
@@ -33,8 +35,10 @@ class DeviceKind(enum.Enum):
 
 
 class TimeoutAction(enum.Enum):
-    """What Triton does with a request whose queue timeout passed; ferrobatch
-    always rejects it (504)."""
+    """What Triton does with a request whose queue timeout passed: ``REJECT``
+    fails it (here with 504 / DEADLINE_EXCEEDED, never run); ``DELAY``
+    moves it behind the others, which ferrobatch does not do (its queue
+    timeout is then not applied, with a warning at ``bind``)."""
 
     REJECT = "REJECT"
     DELAY = "DELAY"
@@ -42,11 +46,12 @@ class TimeoutAction(enum.Enum):
 
 @dataclasses.dataclass
 class QueuePolicy:
-    """Triton's queue policy; only ``max_queue_size`` is used (0: ferrobatch's
-    default bound of 10000 waiting requests). ``default_timeout_microseconds``
-    is not kept (Triton bounds queue time with it; ferrobatch's timeouts bound
-    the whole call, which would cut running batches and streams off), nor
-    ``DELAY``: each logs a warning at ``bind``."""
+    """Triton's queue policy. ``max_queue_size`` bounds the waiting requests
+    (0: ferrobatch's default bound of 10000). ``default_timeout_microseconds``
+    (0: none) bounds a request's wait to be taken into a batch, as
+    ``Server(queue_timeout=)``: past it, the request fails (504) and never
+    runs. ``allow_timeout_override`` has nothing to switch: a request's own
+    ``timeout`` parameter always bounds its whole call, besides."""
 
     timeout_action: TimeoutAction = TimeoutAction.REJECT
     default_timeout_microseconds: int = 0
