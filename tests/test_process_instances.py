@@ -386,21 +386,58 @@ def test_a_stop_that_times_out_closes_what_waits_and_kills_a_busy_process_at_onc
     assert wait_gone(pids) and not children()
 
 
-def test_a_process_that_died_between_batches_fails_nothing() -> None:
+def test_a_process_that_died_between_batches_is_replaced_before_the_next_batch() -> None:
+    """Replaced once it is seen, with no batch asking (the next one does
+    not wait for the start); the batch then fails nothing."""
+
     async def run() -> tuple[dict[str, object], list[int]]:
         server = fb.Server([where], inputs=[X], outputs=[Y, PID], instance_kind="process", name="idle")
         async with server:
-            first = server._executors[0].pid  # type: ignore[attr-defined]
+            executor = server._executors[0]  # type: ignore[attr-defined]
+            first = executor.pid
             os.kill(first, signal.SIGKILL)
             assert wait_gone([first])
+            deadline = time.monotonic() + 30
+            while executor.pid in (None, first) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            replaced = executor.pid
+            assert replaced not in (None, first), "no batch came: nothing replaced it"
+            assert server.stats()["process_restarts"] == 1
             got = await server.client().infer({"x": torch.ones(8)})
-            assert int(got["pid"]) not in (first, 0)
-            return server.stats(), [first, int(got["pid"])]
+            assert int(got["pid"]) == replaced
+            return server.stats(), [first, replaced]
 
     stats, pids = asyncio.run(run())
     assert stats["requests_succeeded"] == 1 and not any(stats["requests_failed"].values())  # type: ignore[attr-defined]
     assert stats["process_restarts"] == 1
     assert wait_gone(pids)
+
+
+def test_an_idle_process_that_cannot_be_replaced_makes_the_server_not_ready(tmp_path: Path) -> None:
+    """Readiness says so with no request sent (a load balancer sends none to
+    learn it), and again ready once a later try starts it."""
+    weights = tmp_path / "weights"
+    weights.write_bytes(b"w")
+
+    async def run() -> None:
+        server = fb.Server(NeedsFile(str(weights)), inputs=[X], outputs=[Y, PID], instance_kind="process", name="nf")
+        async with server:
+            assert server.ready
+            weights.unlink()
+            os.kill(server._executors[0].pid, signal.SIGKILL)  # type: ignore[attr-defined]
+            deadline = time.monotonic() + 30
+            while server.ready and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert not server.ready, "its death was only seen by a batch"
+            weights.write_bytes(b"w")
+            while not server.ready and time.monotonic() < deadline + 30:
+                await asyncio.sleep(0.1)
+            assert server.ready
+            assert (await server.client().infer({"x": torch.ones(8)}))["y"].shape == (8,)
+            stats = server.stats()
+        assert stats["requests_succeeded"] == 1 and not any(stats["requests_failed"].values()), stats
+
+    asyncio.run(run())
 
 
 def test_a_terminals_ctrl_c_does_not_end_an_instance_process() -> None:

@@ -13,8 +13,9 @@ raises answers ``("error", exception)``.
 A child that dies (``kill -9``) during a batch is replaced, and the batch
 runs once more on the new process (with ``isolate_failures``; a child that
 dies again there fails it, its requests then retried in halves as any
-failed batch). A child found dead between batches is replaced before the
-next one. One that cannot be started fails the batches it takes at once
+failed batch). A child that dies between batches is replaced as soon as a
+watcher thread sees it (``waitpid`` every ``WATCH_S``), before a batch
+comes for it. One that cannot be started fails the batches it takes at once
 (:class:`InstanceDownError`) while no other instance runs; while another
 does, it leaves them the batches and tries again, waiting longer each
 time. A child whose parent is gone reads end-of-file on its pipe and
@@ -61,6 +62,8 @@ RESTART_BACKOFF_S = 1.0
 RESTART_BACKOFF_MAX_S = 30.0
 #: Seconds between a child's looks at whether its parent (the server) still runs.
 PARENT_POLL_S = 0.5
+#: Seconds between the server's looks at whether an idle child still runs.
+WATCH_S = 0.5
 
 Slots = Sequence[Mapping[str, torch.Tensor]]
 
@@ -246,6 +249,8 @@ class ProcessExecutor(CpuExecutor):
         #: Tries starts again on their schedule while the instance is down
         #: and no batch asks (readiness says not ready meanwhile: none may come).
         self._retrying: threading.Thread | None = None
+        #: A batch is being exchanged with the child: if it dies, the worker sees it.
+        self._exchanging = False
 
     @property
     def pid(self) -> int | None:
@@ -271,6 +276,25 @@ class ProcessExecutor(CpuExecutor):
         self._out = output_buffers(self.outputs, self.max_batch_size)
         self._launch_args = (torch_threads, cores, yields)
         self._start_child()
+        name = f"ferrobatch-{self.server_name}-{self.index}-watch"
+        threading.Thread(target=self._watch, name=name, daemon=True).start()
+
+    def _watch(self) -> None:
+        """Replaces a child that died between batches once it is seen, not
+        when the next batch comes for it (that batch would wait for the
+        start, and readiness would say ready meanwhile). Asked of
+        ``waitpid``: a process the model forked may hold the child's
+        sentinel open. Ends when the server drains its queue or stops."""
+        while not self._stopping.wait(WATCH_S):
+            with self._lock:
+                process = self._process
+            if process is None or self._exchanging or process.is_alive():
+                continue
+            self._lost(process, "between batches")
+            try:
+                self._try_start()
+            except Exception:  # this thread must not end while the server runs
+                log.exception("ferrobatch: model '%s': instance %d: a restart failed", self.server_name, self.index)
 
     def _start_child(self) -> None:
         torch_threads, cores, yields = self._launch_args
@@ -486,6 +510,7 @@ class ProcessExecutor(CpuExecutor):
         :class:`_DiedError` if the child ended first. ``rerun``: a batch run
         again, counted once a process has it."""
         conn, process = self._live()
+        self._exchanging = True
         try:
             conn.send(message)
             self.reruns += rerun
@@ -495,6 +520,8 @@ class ProcessExecutor(CpuExecutor):
         except (EOFError, OSError) as exc:
             what = self._lost(process, "during the batch")
             raise _DiedError(f"model '{self.server_name}': instance {self.index}'s process {what}") from exc
+        finally:
+            self._exchanging = False
         try:
             answer: tuple[Any, ...] = ForkingPickler.loads(data)
         except Exception as exc:  # the model's exception, which cannot be rebuilt here
@@ -505,13 +532,15 @@ class ProcessExecutor(CpuExecutor):
 
     def _lost(self, process: Any, when: str) -> str:
         """Forgets a child whose pipe failed, killing it if it still runs,
-        and reaps it; says what happened."""
+        and reaps it; says what happened (logged once, by the thread that
+        forgot it: the worker or the watcher)."""
         with self._lock:
-            if self._process is process:
+            forgot = self._process is process
+            if forgot:
                 self._conn, self._process = None, None
         _kill(process)  # if it still runs, its pipe failed: it cannot be trusted with another batch
         what = f"(pid {process.pid}) died (exit code {process.exitcode}) {when}"
-        if not self._stopped:
+        if forgot and not self._stopped:
             log.error("ferrobatch: model '%s': instance %d's process %s; starting another",
                       self.server_name, self.index, what)  # fmt: skip
         return what
