@@ -356,3 +356,54 @@ def test_a_mounted_app_starts_its_servers_on_first_use_and_stops_them_with_the_l
 
     asyncio.run(scenario())
     assert not server.running  # stopped as asyncio.run closed the loop
+
+
+# -- shapes with no elements whose dimensions are huge --------------------------------------
+
+NO_ELEMENTS_HUGE = [
+    [2**62, 0, WIDTH],  # the strides of the dimensions after the 0 overflow
+    [0, 2**62, 2**62],
+    [2**63 + 1, 0],  # past what a dimension may be at all
+]
+
+
+@pytest.mark.parametrize("kind", ["native", "python", "aiohttp"])
+def test_a_shape_with_no_elements_and_huge_dimensions_is_400_and_counted(kind: str) -> None:
+    """As the native front-end answers it: 400 (gRPC INVALID_ARGUMENT),
+    counted as invalid input once checked against the model (a dimension
+    past 2**63 fails decoding, as malformed JSON does: uncounted on the
+    Python front-ends); the Python front-ends answered 500, counting nothing."""
+    import grpc
+
+    from ferrobatch.grpc import grpc_predict_v2_pb2 as pb
+    from ferrobatch.grpc import grpc_predict_v2_pb2_grpc as pb_grpc
+
+    checked = [shape for shape in NO_ELEMENTS_HUGE if max(shape) < 2**63]  # the proto's dimensions are int64
+    servers = make_servers()
+    with contextlib.ExitStack() as stack:
+        if kind == "aiohttp":
+            url, grpc_port = stack.enter_context(app_in_thread(kind, servers)), None
+        else:
+            config = ServeConfig(http_port=0, grpc_port=0, frontend=kind, log_level="warning")
+            listening = stack.enter_context(serve_in_thread(servers, config))
+            url, grpc_port = f"http://127.0.0.1:{listening.http_port}", listening.grpc_port
+        http = stack.enter_context(httpx.Client(base_url=url, timeout=30))
+        for shape in NO_ELEMENTS_HUGE:
+            body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": shape, "data": []}]}
+            response = http.post(INFER, json=body)
+            assert response.status_code == 400, (shape, response.text)
+        counted = len(checked)
+        if grpc_port is not None:
+            channel = stack.enter_context(grpc.insecure_channel(f"127.0.0.1:{grpc_port}"))
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            for shape in checked:
+                request = pb.ModelInferRequest(model_name="double", raw_input_contents=[b""])
+                request.inputs.add(name="x", datatype="FP32", shape=shape)
+                with pytest.raises(grpc.RpcError) as info:
+                    stub.ModelInfer(request, timeout=30)
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (shape, info.value.details())
+            counted += len(checked)
+        assert http.post(INFER, content=GOOD).status_code == 200
+        stats = servers[0].stats()
+    assert stats["requests_failed"]["invalid_input"] >= counted and stats["requests_succeeded"] == 1, stats
+    assert stats["requests_failed"]["model_error"] == 0, stats

@@ -179,19 +179,32 @@ pub(crate) struct V2Tensor {
 }
 
 impl V2Tensor {
+    /// A client's error (400), as the checks against the model's spec that
+    /// follow would give: never a plain `ValueError`, which the Python
+    /// front-ends would answer as the model's failure (500).
     fn new(py: Python<'_>, dtype: DType, shape: &[u64], storage: Storage) -> PyResult<V2Tensor> {
-        let too_large = || PyValueError::new_err("tensor shape too large");
-        let shape: Vec<isize> = shape
+        let too_large = || status_error(py, 400, format!("input shape {shape:?} is too large"));
+        let dims: Vec<isize> = shape
             .iter()
             .map(|&d| isize::try_from(d).map_err(|_| too_large()))
             .collect::<PyResult<_>>()?;
-        let mut strides = vec![0isize; shape.len()];
+        // The data was checked against the shape: with elements, every
+        // stride is within its length; without (a 0 among the dimensions),
+        // none is ever used, so any value will do.
+        let empty = dims.contains(&0);
+        let mut strides = vec![0isize; dims.len()];
         let mut stride = isize::try_from(dtype.itemsize()).map_err(|_| too_large())?;
-        for (s, &d) in strides.iter_mut().zip(&shape).rev() {
+        for (i, (s, &d)) in strides.iter_mut().zip(&dims).enumerate().rev() {
             *s = stride;
-            stride = stride.checked_mul(d.max(1)).ok_or_else(too_large)?;
+            if i > 0 {
+                stride = match stride.checked_mul(d) {
+                    Some(next) => next,
+                    None if empty => isize::MAX,
+                    None => return Err(too_large()),
+                };
+            }
         }
-        let _ = py;
+        let shape = dims;
         Ok(V2Tensor {
             dtype,
             shape,
