@@ -680,6 +680,23 @@ def test_a_unary_call_with_two_messages_is_refused_and_runs_nothing(served: tupl
     assert outcomes(server) == Counter({"succeeded": 1})
 
 
+@pytest.mark.parametrize("frontend", ["native", "python"])
+def test_a_unary_call_whose_message_never_came_whole_is_answered(frontend: str) -> None:
+    """INVALID_ARGUMENT at once, on both front-ends: no message before the
+    end of stream, or one cut short (grpcio alone held such a call for ever)."""
+    server = fb.Server(double, inputs=[X], outputs=[Y, N], name="m")
+    with serving([server], frontend=frontend) as address:
+        message = raw_request(np.ones((1, 4))).SerializeToString()
+        for body in [b"", frame(message)[:-3], frame(b"")[:3]]:
+            started = time.monotonic()
+            answer = h2_call(address, INFER, body)
+            assert answer.get("grpc-status") == INVALID_ARGUMENT, (body, answer)
+            assert "incomplete" in answer["grpc-message"], (body, answer)
+            assert time.monotonic() - started < 5, body
+        assert h2_call(address, INFER, frame(message))["grpc-status"] == "0"
+    assert outcomes(server) == Counter({"succeeded": 1})
+
+
 def test_malformed_messages_are_the_clients_mistake_not_the_servers(served: tuple[fb.Server, str]) -> None:
     """INVALID_ARGUMENT, never INTERNAL: for ModelInfer (read by the
     front-end) and for the RPCs tonic reads, unary or streamed."""
