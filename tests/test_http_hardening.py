@@ -358,6 +358,42 @@ def test_a_mounted_app_starts_its_servers_on_first_use_and_stops_them_with_the_l
     assert not server.running  # stopped as asyncio.run closed the loop
 
 
+# -- every front-end alike: native, Starlette (with grpcio), aiohttp ------------------------
+
+FRONT_ENDS = ["native", "python", "aiohttp"]
+
+
+@contextlib.contextmanager
+def front_end(kind: str, servers: list[fb.Server]) -> Iterator[tuple[str, int | None]]:
+    """``servers`` behind the ``kind`` front-end: its base URL and gRPC port (None for aiohttp)."""
+    if kind == "aiohttp":
+        with app_in_thread(kind, servers) as url:
+            yield url, None
+        return
+    config = ServeConfig(http_port=0, grpc_port=0, frontend=kind, log_level="warning")
+    with serve_in_thread(servers, config) as listening:
+        yield f"http://127.0.0.1:{listening.http_port}", listening.grpc_port
+
+
+@pytest.mark.parametrize("kind", FRONT_ENDS)
+def test_what_each_front_end_read_its_own_way_is_answered_alike(kind: str) -> None:
+    """Two Content-Encoding headers: 400 (each front-end read another one);
+    ``versions//infer`` names no version: 404 (natively it was the path
+    without one); a gzip repository index request is inflated."""
+    with front_end(kind, make_servers()) as (url, _), httpx.Client(base_url=url, timeout=30) as http:
+        twice = http.post(INFER, content=GOOD, headers=[("Content-Encoding", "identity"), ("Content-Encoding", "gzip")])
+        assert twice.status_code == 400 and "Content-Encoding is given more than once" in twice.text, twice.text
+        assert http.post("/v2/models/double/versions//infer", content=GOOD).status_code == 404
+        assert http.post("/v2/models/double/versions/1/infer", content=GOOD).status_code == 200
+        index = http.post(
+            "/v2/repository/index", content=gzip.compress(b'{"ready": true}'), headers={"Content-Encoding": "gzip"}
+        )
+        assert index.status_code == 200, index.text
+        assert {m["name"] for m in index.json()} == {"double", "leaky"}
+        bad = http.post("/v2/repository/index", content=b"{}", headers={"Content-Encoding": "br"})
+        assert bad.status_code == 400, bad.text
+
+
 # -- shapes with no elements whose dimensions are huge --------------------------------------
 
 NO_ELEMENTS_HUGE = [
@@ -367,7 +403,7 @@ NO_ELEMENTS_HUGE = [
 ]
 
 
-@pytest.mark.parametrize("kind", ["native", "python", "aiohttp"])
+@pytest.mark.parametrize("kind", FRONT_ENDS)
 def test_a_shape_with_no_elements_and_huge_dimensions_is_400_and_counted(kind: str) -> None:
     """As the native front-end answers it: 400 (gRPC INVALID_ARGUMENT),
     counted as invalid input once checked against the model (a dimension
@@ -381,12 +417,7 @@ def test_a_shape_with_no_elements_and_huge_dimensions_is_400_and_counted(kind: s
     checked = [shape for shape in NO_ELEMENTS_HUGE if max(shape) < 2**63]  # the proto's dimensions are int64
     servers = make_servers()
     with contextlib.ExitStack() as stack:
-        if kind == "aiohttp":
-            url, grpc_port = stack.enter_context(app_in_thread(kind, servers)), None
-        else:
-            config = ServeConfig(http_port=0, grpc_port=0, frontend=kind, log_level="warning")
-            listening = stack.enter_context(serve_in_thread(servers, config))
-            url, grpc_port = f"http://127.0.0.1:{listening.http_port}", listening.grpc_port
+        url, grpc_port = stack.enter_context(front_end(kind, servers))
         http = stack.enter_context(httpx.Client(base_url=url, timeout=30))
         for shape in NO_ELEMENTS_HUGE:
             body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": shape, "data": []}]}

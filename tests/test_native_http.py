@@ -640,3 +640,16 @@ async def test_a_server_started_again_is_served_natively_and_not_ready_while_sto
         await asyncio.wait_for(task, 30)
         await server.stop()
     assert server.stats()["requests_succeeded"] == 2
+
+
+def test_an_input_the_core_refuses_is_named_not_numbered() -> None:
+    """A BYTES element past 16 MiB, refused where the request is queued:
+    the message names the input, as the Python front-ends' does."""
+    server = fb.Server(lambda b: {"t": b["t"]}, inputs=[T], outputs=[T], name="b")
+    with serve_in_thread([server], native()) as listening:
+        url = f"http://127.0.0.1:{listening.http_port}/v2/models/b/infer"
+        element = "x" * (17 << 20)
+        body = {"inputs": [{"name": "t", "datatype": "BYTES", "shape": [1, 1], "data": [element]}]}
+        response = httpx.post(url, json=body, timeout=30)
+    assert response.status_code == 400, response.text[:200]
+    assert response.json()["error"].startswith("input 't': BYTES element 0 is"), response.text[:200]

@@ -16,6 +16,7 @@ from ._endpoint import (
     HEADER_LENGTH,
     INFER,
     NOT_FOUND,
+    REPEATED_CONTENT_ENCODING,
     REPEATED_HEADER_LENGTH,
     Call,
     Endpoint,
@@ -101,6 +102,8 @@ def aiohttp_app(
         lengths = headers.getall(HEADER_LENGTH, ())
         if len(lengths) > 1:  # which one counts would be a guess
             return _response(REPEATED_HEADER_LENGTH)
+        if len(headers.getall("content-encoding", ())) > 1:
+            return _response(REPEATED_CONTENT_ENCODING)
         reply = await endpoint.infer(
             m["name"],
             m.get("version", ""),

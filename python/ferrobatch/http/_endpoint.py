@@ -89,6 +89,8 @@ NOT_FOUND = _json(404, {"error": "Not Found"})
 #: Which of two Inference-Header-Content-Length values counts would be a
 #: guess (Starlette's headers take the last, aiohttp's the first): refused.
 REPEATED_HEADER_LENGTH = error_reply(ProtocolError(400, "Inference-Header-Content-Length is given more than once"))
+#: Which of two codings the body has would be a guess too (each front-end read another).
+REPEATED_CONTENT_ENCODING = error_reply(ProtocolError(400, "Content-Encoding is given more than once"))
 
 
 # -- the routing table ----------------------------------------------------------------
@@ -140,7 +142,11 @@ async def _all_statistics(e: Endpoint, c: Call) -> Reply:
 
 
 async def _repository_index(e: Endpoint, c: Call) -> Reply:
-    return e.repository_index(c.body)
+    body = c.body
+    coding = c.headers.get("content-encoding")
+    if coding and coding != "identity":  # as an infer body: inflated within the limit, or 400 / 413
+        body = _core.inflate(body, coding, e.max_decompressed_size)
+    return e.repository_index(body)
 
 
 async def _metrics(e: Endpoint, c: Call) -> Reply:

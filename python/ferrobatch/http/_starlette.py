@@ -17,7 +17,17 @@ from starlette.routing import Route, Router
 from starlette.types import Message, Receive, Scope, Send
 
 from ..server import Server
-from ._endpoint import HEADER_LENGTH, NOT_FOUND, REPEATED_HEADER_LENGTH, Call, Endpoint, Reply, _json, too_large
+from ._endpoint import (
+    HEADER_LENGTH,
+    NOT_FOUND,
+    REPEATED_CONTENT_ENCODING,
+    REPEATED_HEADER_LENGTH,
+    Call,
+    Endpoint,
+    Reply,
+    _json,
+    too_large,
+)
 from ._endpoint import Route as EndpointRoute
 from ._lifecycle import serving, start_once, stop_at_loop_shutdown
 from .protocol import MAX_BODY_SIZE, MAX_DECOMPRESSED_SIZE, ModelRepository
@@ -96,12 +106,15 @@ class _V2Router(Router):
 
     async def _infer(self, match: re.Match[str], scope: Scope, receive: Receive, send: Send) -> None:
         header_length = encoding = content_length = accept = None
-        repeated = False
+        repeated: Reply | None = None
         for key, value in scope["headers"]:
             if key == _HEADER_LENGTH:
-                repeated = header_length is not None
+                if header_length is not None:
+                    repeated = REPEATED_HEADER_LENGTH
                 header_length = value.decode("latin-1")
             elif key == b"content-encoding":
+                if encoding is not None:
+                    repeated = repeated or REPEATED_CONTENT_ENCODING
                 encoding = value.decode("latin-1")
             elif key == b"accept-encoding":
                 accept = value.decode("latin-1")
@@ -126,8 +139,8 @@ class _V2Router(Router):
                 chunks.append(chunk)
                 if not message.get("more_body", False):
                     break
-        if reply is None and repeated:
-            reply = REPEATED_HEADER_LENGTH
+        if reply is None and repeated is not None:
+            reply = repeated
         if reply is None:
             body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
             # A client that leaves withdraws its request (counted cancelled), as

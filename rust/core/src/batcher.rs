@@ -1,5 +1,6 @@
 //! The batcher: submit on one side, gather + collate + route on the other.
 
+use std::fmt;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
@@ -86,6 +87,21 @@ pub struct Stats {
     pub release_age_ns: AtomicU64,
 }
 
+/// An input as a refusal's message names it: `'name'`, or its index.
+struct InputLabel<'a> {
+    names: &'a [Arc<str>],
+    index: usize,
+}
+
+impl fmt::Display for InputLabel<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.names.get(self.index) {
+            Some(name) => write!(f, "'{name}'"),
+            None => write!(f, "{}", self.index),
+        }
+    }
+}
+
 /// A worker's own state between batches.
 #[derive(Debug, Default)]
 pub struct Worker {
@@ -159,6 +175,8 @@ pub struct Batcher {
     default_timeout: Option<Duration>,
     /// How long a request may wait to be taken (see [`Batcher::with_queue_timeout`]).
     queue_timeout: Option<Duration>,
+    /// The inputs' names, for messages (see [`Batcher::naming_inputs`]).
+    input_names: Vec<Arc<str>>,
     /// Submitters that hold requests for this batcher ([`Unflushed`]):
     /// flushed as it closes.
     holders: Mutex<Vec<Weak<Held>>>,
@@ -224,6 +242,7 @@ impl Batcher {
             readiness: config.readiness,
             default_timeout: None,
             queue_timeout: None,
+            input_names: Vec::new(),
             holders: Mutex::new(Vec::new()),
         })
     }
@@ -295,6 +314,13 @@ impl Batcher {
     /// How long a request may wait to be taken (`None`: no limit).
     pub fn queue_timeout(&self) -> Option<Duration> {
         self.queue_timeout
+    }
+
+    /// This batcher, naming its inputs `names` (in order) in the messages
+    /// of the requests it refuses; unnamed, an input is its index.
+    pub fn naming_inputs(mut self, names: Vec<Arc<str>>) -> Batcher {
+        self.input_names = names;
+        self
     }
 
     /// This batcher, numbering its requests from `first` on: a server
@@ -443,7 +469,14 @@ impl Batcher {
             )));
         }
         let layouts = self.ring.layouts();
-        for (i, ((input, row), layout)) in inputs.iter().zip(row_nbytes).zip(layouts).enumerate() {
+        for (index, ((input, row), layout)) in
+            inputs.iter().zip(row_nbytes).zip(layouts).enumerate()
+        {
+            // Formatted only into an error's message.
+            let i = InputLabel {
+                names: &self.input_names,
+                index,
+            };
             match layout {
                 Layout::Fixed => {
                     // `rows * row` fits: a slot holds max_batch_size rows of `row`.

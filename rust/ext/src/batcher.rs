@@ -157,6 +157,7 @@ impl Batcher {
             .keeping_parameters(keep_parameters)
             .with_default_timeout(default_timeout)
             .with_queue_timeout(queue_timeout)
+            .naming_inputs(specs.iter().map(|s| Arc::from(s.name.as_str())).collect())
             .numbering_from(first_id);
         Ok(Batcher {
             core: Arc::new(core),

@@ -1491,11 +1491,11 @@ fn typed_bytes(
     // Stops one past `count`: `finish` then says how many were expected.
     let take = count.saturating_add(1);
     match dtype {
-        DType::Bool => c
-            .bool_contents
-            .iter()
-            .take(take)
-            .for_each(|&b| elements.push_bool(b)),
+        DType::Bool => {
+            for &b in c.bool_contents.iter().take(take) {
+                elements.push_bool(name, b)?;
+            }
+        }
         DType::Int8 | DType::Int16 | DType::Int32 => {
             for &v in c.int_contents.iter().take(take) {
                 elements.push_integer(name, i128::from(v))?;

@@ -283,7 +283,8 @@ fn model_route(path: &str) -> Option<(&str, &str, &str)> {
     match rest.split_once('/') {
         None => Some((name, "", rest)),
         Some(("versions", rest)) => match rest.split_once('/')? {
-            (_, what) if what.contains('/') => None,
+            // `versions//infer` names no version: not the path without one.
+            (version, what) if what.contains('/') || version.is_empty() => None,
             (version, what) => Some((name, version, what)),
         },
         Some(_) => None,
@@ -391,10 +392,15 @@ fn route(shared: &Arc<Shared>, request: Request<Incoming>) -> Routed {
             let coding = encoding::content_coding(request.headers().get(CONTENT_ENCODING));
             match (shared.model(name, version), coding) {
                 (Some(model), Ok(coding)) => {
-                    // Two lengths: which one the client meant is a guess.
+                    // Two lengths, or two codings: which one the client meant is a guess.
                     let lengths = request.headers().get_all(&HEADER_LENGTH_NAME);
                     if lengths.iter().nth(1).is_some() {
                         let message = "Inference-Header-Content-Length is given more than once";
+                        return Routed::Answered(Box::new(error(&Failure::new(400, message))));
+                    }
+                    let codings = request.headers().get_all(CONTENT_ENCODING);
+                    if codings.iter().nth(1).is_some() {
+                        let message = "Content-Encoding is given more than once";
                         return Routed::Answered(Box::new(error(&Failure::new(400, message))));
                     }
                     return Routed::Infer(Inference::new(shared, model, coding, request));
@@ -695,7 +701,7 @@ mod tests {
             ("/v2/models/m/versions/1/infer", Some(("m", "1", "infer"))),
             ("/v2/models/m/", Some(("m", "", ""))),
             ("/v2/models//infer", Some(("", "", "infer"))),
-            ("/v2/models/m/versions//infer", Some(("m", "", "infer"))),
+            ("/v2/models/m/versions//infer", None),
             ("/v2/models/m", None),
             ("/v2/models/m/versions/1", None),
             ("/v2/models/m/versions/1/infer/", None),

@@ -758,7 +758,7 @@ impl<'a> Decoder<'a, '_> {
                     let n = self.p.number().map_err(json_error)?;
                     elements.push_number(name, n)?;
                 }
-                Kind::Bool => elements.push_bool(self.p.boolean().map_err(json_error)?),
+                Kind::Bool => elements.push_bool(name, self.p.boolean().map_err(json_error)?)?,
                 Kind::Array => {
                     self.p.begin_array().map_err(json_error)?;
                     open.push(true);
@@ -896,7 +896,8 @@ impl<'a> Decoder<'a, '_> {
             };
             outputs.push((index, binary));
         }
-        Ok(Some(outputs))
+        // None named, as none given: every output (as Triton and gRPC read it).
+        Ok((!outputs.is_empty()).then_some(outputs))
     }
 }
 

@@ -85,17 +85,18 @@ impl Elements {
     }
 
     /// A JSON boolean: BOOL, or 0/1 for numeric types (as numpy converts).
-    pub fn push_bool(&mut self, value: bool) {
+    /// BYTES data must be strings: a boolean is refused, as a number is.
+    pub fn push_bool(&mut self, name: &str, value: bool) -> Result<(), V2Error> {
         let v = u8::from(value);
         match self.dtype {
             DType::Bool | DType::Int8 | DType::UInt8 => self.write(&[v]),
-            // Decoders take BYTES data as strings; a boolean is its text.
             DType::Bytes => {
-                let text: &[u8] = if value { b"true" } else { b"false" };
-                let _ = self.push_bytes(text);
+                let text = if value { "true" } else { "false" };
+                return Err(self.refusal(name, Refusal::NotBytes, text));
             }
             _ => self.push_int(i128::from(v)).unwrap_or(()),
         }
+        Ok(())
     }
 
     /// A JSON number token; `name` is the input's, for the error.

@@ -120,6 +120,14 @@ fn parameters_and_requested_outputs() {
         request.selected_outputs(&codec()).as_slice(),
         [(1, true), (0, false)]
     );
+    // An empty list names none: every output, as with no list.
+    let every =
+        r#"{"inputs":[{"name":"x","datatype":"FP32","shape":[1],"data":[1]}],"outputs":[]}"#;
+    let every = decode(every).unwrap();
+    assert_eq!(
+        every.selected_outputs(&codec()).as_slice(),
+        [(0, false), (1, false)]
+    );
     for (timeout, expected) in [
         ("0", None),
         // Passed on: the batcher treats a timeout too long to represent as none.
@@ -258,6 +266,14 @@ fn malformed_requests_have_clear_messages() {
         (
             format!(r#"{{"inputs":[{}]}}"#, x.replace("FP32", "BYTES")),
             "input 'x': BYTES data must be strings, got 1",
+        ),
+        (
+            format!(
+                r#"{{"inputs":[{}]}}"#,
+                x.replace("FP32", "BYTES")
+                    .replace("[1,2,3,4]", r#"["a",true,"c","d"]"#)
+            ),
+            "input 'x': BYTES data must be strings, got true",
         ),
         (
             format!(r#"{{"inputs":[{x},{x}]}}"#),
