@@ -697,6 +697,32 @@ def test_a_unary_call_whose_message_never_came_whole_is_answered(frontend: str) 
     assert outcomes(server) == Counter({"succeeded": 1})
 
 
+@pytest.mark.parametrize("frontend", ["native", "python"])
+def test_calls_past_max_streams_on_one_connection_wait_their_turn(frontend: str) -> None:
+    """Never refused (grpcio's own limit answers REFUSED_STREAM, UNAVAILABLE)."""
+    import tritonclient.grpc.aio as aioclient
+
+    server = fb.Server(double, inputs=[X], outputs=[Y, N], name="m", max_batch_size=4)
+
+    async def calls(address: str) -> list[object]:
+        client = aioclient.InferenceServerClient(address)
+        try:
+            await client.is_server_ready()  # connected before the burst
+
+            async def one(i: int) -> object:
+                x = aioclient.InferInput("x", [1, 4], "FP32")
+                x.set_data_from_numpy(np.full((1, 4), float(i), np.float32))
+                return (await client.infer("m", [x])).as_numpy("y")[0, 0]
+
+            return await asyncio.gather(*(one(i) for i in range(32)), return_exceptions=True)
+        finally:
+            await client.close()
+
+    with serving([server], frontend=frontend, max_streams=8) as address:
+        got = asyncio.run(calls(address))
+    assert got == [2.0 * i for i in range(32)], got
+
+
 def test_malformed_messages_are_the_clients_mistake_not_the_servers(served: tuple[fb.Server, str]) -> None:
     """INVALID_ARGUMENT, never INTERNAL: for ModelInfer (read by the
     front-end) and for the RPCs tonic reads, unary or streamed."""

@@ -485,8 +485,6 @@ async def serve(
                     None,
                     max_message_size=config.max_body_size,
                     max_stream_backlog=config.max_stream_backlog,
-                    # Calls open at once on a connection, as natively.
-                    options=[("grpc.max_concurrent_streams", config.max_streams)],
                 )
                 address = f"{_bracket(config.host)}:{config.grpc_port}"
                 try:
