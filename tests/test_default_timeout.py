@@ -182,3 +182,32 @@ async def test_queue_timeout_answers_each_caller_once_and_stats_say_so() -> None
     assert stats["requests_succeeded"] == len(ok), stats
     assert stats["requests_failed"]["deadline_exceeded"] == len(late), stats
     assert stats["rows"] == len(ok), stats  # only those run were in a batch
+
+
+async def test_queue_timeout_answers_while_a_batch_fills_and_for_every_caller_kind() -> None:
+    """Below min_batch_size, with a request coming every 0.15 s, the batch
+    keeps filling for as long as they come: each request past its 0.2 s is
+    answered then, not when the trickle stops; a thread's request too."""
+    server = fb.Server(double, inputs=[X], outputs=[Y], min_batch_size=4, max_delay=10.0, queue_timeout=0.2)
+    async with server:
+        client = server.client()
+        started = time.monotonic()
+        answered: list[float] = []
+        first = asyncio.ensure_future(client.infer({"x": torch.ones(4)}))
+        first.add_done_callback(lambda _: answered.append(time.monotonic() - started))
+        trickle = []
+        while time.monotonic() - started < 1.2:
+            await asyncio.sleep(0.15)
+            trickle.append(asyncio.ensure_future(client.infer({"x": torch.ones(4)})))
+        outcomes = await asyncio.gather(first, *trickle, return_exceptions=True)
+        assert answered and answered[0] < 0.8, answered  # the trickle ran 1.2 s
+        assert isinstance(outcomes[0], fb.DeadlineExceededError), outcomes[0]
+        began = time.monotonic()
+        with pytest.raises(fb.DeadlineExceededError, match="queue timeout"):
+            await asyncio.to_thread(client.infer_sync, {"x": torch.ones(4)})
+        assert time.monotonic() - began < 5
+        stats = server.stats()
+    ran = sum(isinstance(o, dict) for o in outcomes)
+    assert stats["requests_succeeded"] == ran, stats
+    assert stats["requests_failed"]["deadline_exceeded"] == len(outcomes) - ran + 1, stats
+    assert stats["queue_depth"] == 0, stats

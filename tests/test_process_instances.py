@@ -429,6 +429,7 @@ def test_an_idle_process_that_cannot_be_replaced_makes_the_server_not_ready(tmp_
             while server.ready and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             assert not server.ready, "its death was only seen by a batch"
+            await asyncio.sleep(2.5)  # tries that fail (after 1 s, then 2 s) are no restarts
             weights.write_bytes(b"w")
             while not server.ready and time.monotonic() < deadline + 30:
                 await asyncio.sleep(0.1)
@@ -436,6 +437,7 @@ def test_an_idle_process_that_cannot_be_replaced_makes_the_server_not_ready(tmp_
             assert (await server.client().infer({"x": torch.ones(8)}))["y"].shape == (8,)
             stats = server.stats()
         assert stats["requests_succeeded"] == 1 and not any(stats["requests_failed"].values()), stats
+        assert stats["process_restarts"] == 1, stats
 
     asyncio.run(run())
 
@@ -746,4 +748,4 @@ def test_a_batch_that_cannot_run_again_is_not_counted_as_run_again(tmp_path: Pat
 
     results, stats = asyncio.run(run())
     assert isinstance(results[0], fb.ModelError), results
-    assert stats["process_restarts"] == 1 and stats["retry_calls"] == 0, stats
+    assert stats["process_restarts"] == 0 and stats["retry_calls"] == 0, stats  # its start failed: no restart

@@ -236,7 +236,8 @@ class ProcessExecutor(CpuExecutor):
         #: The server's process instances, this one included: while one of
         #: the others runs, an instance that cannot start leaves them its batches.
         self.peers: Sequence[ProcessExecutor] = ()
-        #: Child processes started for this instance (1, plus one per restart).
+        #: Child processes that started for this instance and said they were
+        #: ready (1, plus one per restart; a failed try is not counted).
         self.starts = 0
         #: Batches run again on a new process after theirs died (counted in retry_calls).
         self.reruns = 0
@@ -335,7 +336,6 @@ class ProcessExecutor(CpuExecutor):
                 f" cannot be pickled: {type(exc).__name__}: {exc} (define it at a module's top level)"
             ) from exc
         child.close()
-        self.starts += 1
         with self._lock:
             self._starting = process  # stop() kills it, not waiting for its start
         try:
@@ -346,6 +346,7 @@ class ProcessExecutor(CpuExecutor):
         with self._lock:
             if outcome == "ready" and not self._stopped:
                 self._conn, self._process = parent, process
+                self.starts += 1  # a try that failed is no start (nor a restart)
                 return
         if outcome == "ended":  # it is exiting: its exit code is its own, not our kill's
             _wait_gone(process, STOP_TIMEOUT_S)

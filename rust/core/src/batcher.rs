@@ -87,6 +87,14 @@ pub struct Stats {
     pub release_age_ns: AtomicU64,
 }
 
+/// A batch put down while it filled (its requests still queued).
+#[derive(Debug)]
+struct Parked {
+    gathered: Vec<Arc<Request>>,
+    /// When the worker that began it was free (`delay_from_free_worker`'s window).
+    free_since: Instant,
+}
+
 /// An input as a refusal's message names it: `'name'`, or its index.
 struct InputLabel<'a> {
     names: &'a [Arc<str>],
@@ -158,6 +166,10 @@ pub struct Batcher {
     /// next). Locked only by the holder of the gatherer's role, so never
     /// contended.
     carry: Mutex<Option<Arc<Request>>>,
+    /// A batch still filling when its gatherer went to answer requests that
+    /// outstayed the queue (see [`Batcher::with_queue_timeout`]): the next
+    /// gatherer goes on with it. Locked only by the gatherer's role holder.
+    parked: Mutex<Option<Parked>>,
     workers: usize,
     /// Priority level of requests that name none (0-based lane).
     default_lane: u8,
@@ -233,6 +245,7 @@ impl Batcher {
             last_rows: AtomicUsize::new(1),
             ring: Arc::new(ring),
             carry: Mutex::new(None),
+            parked: Mutex::new(None),
             workers: config.workers,
             next_id: AtomicU64::new(1),
             stats: Stats::default(),
@@ -644,15 +657,33 @@ impl Batcher {
         let (rows, reason) = {
             let role = self.queue.take_role();
             let mut carry = self.carry.lock().unwrap_or_else(|e| e.into_inner());
+            let mut parked = self.parked.lock().unwrap_or_else(|e| e.into_inner());
+            let mut free_since = Instant::now();
+            if let Some(p) = parked.take() {
+                gathered = p.gathered;
+                free_since = p.free_since;
+            }
             let gathered_by = loop {
-                let (_, reason) = self.gather(&role, &mut carry, worker, &mut gathered);
+                let Some((_, reason)) =
+                    self.gather(&role, &mut carry, worker, &mut gathered, free_since)
+                else {
+                    // Requests outstayed the queue while the batch filled:
+                    // their callers are answered before it goes on.
+                    *parked = Some(Parked {
+                        gathered: std::mem::take(&mut gathered),
+                        free_since,
+                    });
+                    break (0, DispatchReason::Shutdown);
+                };
                 let rows = self.take_gathered(&mut gathered, worker);
                 // Withdrawn to the last one while it filled: gather anew,
                 // unless requests that outstayed the queue wait for their answer.
                 if rows > 0 || (worker.closed && carry.is_none()) || !worker.outstayed.is_empty() {
                     break (rows, reason);
                 }
+                free_since = Instant::now();
             };
+            drop(parked);
             self.callers.set_gathered(0); // released: its callers wait on it, not in the batcher
             let more = carry.is_some();
             drop(carry);
@@ -697,10 +728,13 @@ impl Batcher {
         })
     }
 
-    /// Fills `gathered` by the dispatch rule; returns its rows and why it
-    /// stopped gathering. Empty only
-    /// once this worker has seen its close message and no carried request is
-    /// left. Called by the holder of the gatherer's role.
+    /// Fills `gathered` (empty, or a parked batch taken up again) by the
+    /// dispatch rule; returns its rows and why it stopped gathering. Empty
+    /// only once this worker has seen its close message and no carried
+    /// request is left. `None` when requests outstayed the queue meanwhile
+    /// (their callers are answered before the batch goes on: `next_batch`
+    /// parks it). `free_since`: when the worker that began it was free.
+    /// Called by the holder of the gatherer's role.
     ///
     /// Gathered requests stay queued until the batch is released
     /// ([`Batcher::take_gathered`]): a caller may still withdraw one while
@@ -713,11 +747,16 @@ impl Batcher {
         carry: &mut Option<Arc<Request>>,
         worker: &mut Worker,
         gathered: &mut Vec<Arc<Request>>,
-    ) -> (usize, DispatchReason) {
+        free_since: Instant,
+    ) -> Option<(usize, DispatchReason)> {
         let max = self.rule.max_batch_size;
         let mut rows = 0usize;
         let mut budget = Budget::new(self.ring.layouts());
-        let free_since = Instant::now();
+        for r in gathered.iter() {
+            // A parked batch, taken up again.
+            budget.add(r, self.ring.layouts());
+            rows += r.rows as usize;
+        }
         if let Some(r) = carry.take() {
             if self.admissible(&r, Instant::now(), worker) {
                 self.admit(r, carry, gathered, &mut rows, &mut budget);
@@ -751,18 +790,13 @@ impl Batcher {
                 }
             }
             if rows >= max {
-                return (rows, DispatchReason::Full);
+                return Some((rows, DispatchReason::Full));
             }
             if carry.is_some() {
-                return (rows, DispatchReason::NextDoesNotFit);
+                return Some((rows, DispatchReason::NextDoesNotFit));
             }
             if worker.closed {
                 break;
-            }
-            if gathered.is_empty() && !worker.outstayed.is_empty() {
-                // Nothing to wait for but callers to answer: return them
-                // first (not a batch: `next_batch` releases none).
-                return (0, DispatchReason::Shutdown);
             }
             let wait_until = if gathered.is_empty() {
                 None
@@ -784,7 +818,7 @@ impl Batcher {
                     self.rule.decide(rows, oldest_age, more_waiting)
                 };
                 match decision {
-                    Decision::Dispatch(reason) => return (rows, reason),
+                    Decision::Dispatch(reason) => return Some((rows, reason)),
                     Decision::Wait(limit) => {
                         // A wait too long to represent is a wait without a limit.
                         let until = limit.and_then(|l| now.checked_add(l));
@@ -801,7 +835,7 @@ impl Batcher {
                             // The queue still counts the gathered ones.
                             let queued = self.queue.blocking().saturating_sub(blocking);
                             match self.callers.all_in_now(queued, now) {
-                                (true, _) => return (rows, DispatchReason::CallersWaiting),
+                                (true, _) => return Some((rows, DispatchReason::CallersWaiting)),
                                 (false, Some(quiet)) => Some(until.map_or(quiet, |u| u.min(quiet))),
                                 (false, None) => until,
                             }
@@ -809,11 +843,20 @@ impl Batcher {
                     }
                 }
             };
+            if !worker.outstayed.is_empty() {
+                // Callers to answer before waiting on: the batch is parked meanwhile.
+                return None;
+            }
             // Sleep until the decision can change: enough rows, or the deadline.
             // Blocking callers seen lately may be all in with fewer rows than
             // the rule waits for (below `min_batch_size`): the first row wakes
             // the worker then, which decides with them (see `crate::callers`).
-            let recheck_at = if gathered.is_empty() && self.callers.any_seen() {
+            // With a queue timeout, each request is gathered as it comes, so
+            // that its deadline bounds the wait (one still in the queue is
+            // checked by no one).
+            let recheck_at = if (gathered.is_empty() && self.callers.any_seen())
+                || self.queue_timeout.is_some()
+            {
                 rows + 1
             } else if self.rule.adaptive {
                 let target = self.last_rows.load(Ordering::Relaxed);
@@ -823,7 +866,7 @@ impl Batcher {
             };
             role.wait_for_rows(recheck_at - rows, wait_until);
         }
-        (rows, DispatchReason::Shutdown)
+        Some((rows, DispatchReason::Shutdown))
     }
 
     /// Releases the gathered batch: takes each request still queued and
@@ -1648,6 +1691,93 @@ mod tests {
             vec![next.id]
         );
         assert!(worker.take_outstayed().is_empty());
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "timed: Miri's clock advances with interpretation")]
+    fn a_request_coming_to_a_waiting_worker_is_gathered_so_its_queue_time_is_watched() {
+        // The worker waits for min_batch_size rows before it arrives: without
+        // the queue timeout it would only be looked at with 3 more.
+        let f =
+            fixture_with_queue_timeout(8, Duration::from_secs(10), 4, Duration::from_millis(30));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let worker = {
+            let batcher = f.batcher.clone();
+            std::thread::spawn(move || {
+                let mut worker = Worker::new();
+                let batch = batcher.next_batch(&mut worker);
+                tx.send(Instant::now()).unwrap();
+                (
+                    batch.is_none(),
+                    worker
+                        .take_outstayed()
+                        .iter()
+                        .map(|r| r.id)
+                        .collect::<Vec<_>>(),
+                )
+            })
+        };
+        std::thread::sleep(Duration::from_millis(20)); // the worker waits
+        let lone = submit(&f.batcher, &ROW_A, None);
+        let submitted = Instant::now();
+        let answered = rx
+            .recv_timeout(Duration::from_secs(5))
+            .expect("never answered");
+        assert!(answered.saturating_duration_since(submitted) < Duration::from_secs(1));
+        assert_eq!(worker.join().unwrap(), (true, vec![lone.id]));
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "timed: Miri's clock advances with interpretation")]
+    fn a_batch_still_filling_is_parked_while_outstayed_requests_are_answered() {
+        // A request every 10 ms, below min_batch_size: the batch keeps
+        // filling, with fresh requests in it, while older ones outstay 30 ms.
+        let f =
+            fixture_with_queue_timeout(8, Duration::from_secs(10), 8, Duration::from_millis(30));
+        let first = submit(&f.batcher, &ROW_A, None);
+        let trickle = {
+            let batcher = f.batcher.clone();
+            std::thread::spawn(move || {
+                (0..30)
+                    .map(|_| {
+                        std::thread::sleep(Duration::from_millis(10));
+                        submit(&batcher, &ROW_A, None).id
+                    })
+                    .collect::<Vec<u64>>()
+            })
+        };
+        let started = Instant::now();
+        let mut worker = Worker::new();
+        let mut seen: Vec<u64> = Vec::new();
+        assert!(
+            f.batcher.next_batch(&mut worker).is_none(),
+            "no batch: callers to answer"
+        );
+        let answered = started.elapsed();
+        let outstayed = worker.take_outstayed();
+        assert!(outstayed.iter().any(|r| r.id == first.id));
+        assert!(
+            answered < Duration::from_millis(200),
+            "{answered:?}: not while it filled"
+        );
+        seen.extend(outstayed.iter().map(|r| r.id));
+        let mut submitted = trickle.join().unwrap();
+        submitted.push(first.id);
+        f.batcher.close();
+        // Every request once: in a batch, or handed back to answer.
+        loop {
+            let batch = f.batcher.next_batch(&mut worker);
+            seen.extend(worker.take_outstayed().iter().map(|r| r.id));
+            match batch {
+                Some(b) => seen.extend(b.requests.iter().map(|r| r.id)),
+                None if worker.closed => break,
+                None => {}
+            }
+        }
+        seen.sort_unstable();
+        submitted.sort_unstable();
+        assert_eq!(seen, submitted);
+        assert_eq!(f.batcher.queue_len(), 0);
     }
 
     #[test]
