@@ -523,12 +523,14 @@ def test_unrecoverable_error_stops_the_server_after_answering_what_it_accepted(f
 
     triton = Triton(config=TritonConfig(http_port=0, grpc_port=0), frontend=frontend)
     triton.bind("fragile", [infer, infer], inputs=[X], outputs=[Y], config=ModelConfig(max_batch_size=1))
+    assert not triton._triton_server.is_alive()  # what PyTriton's own tests poll
     serving = threading.Thread(target=triton.serve)
     serving.start()
     try:
         deadline = time.monotonic() + 30
         while triton.http_port is None and time.monotonic() < deadline:
             time.sleep(0.01)
+        assert triton._triton_server.is_alive()
         http, grpc = f"127.0.0.1:{triton.http_port}", f"127.0.0.1:{triton.grpc_port}"
         assert httpx.get(f"http://{http}/v2/health/ready", timeout=5).status_code == 200
         with ThreadPoolExecutor(1) as pool:
@@ -553,7 +555,7 @@ def test_unrecoverable_error_stops_the_server_after_answering_what_it_accepted(f
             release.set()
             np.testing.assert_array_equal(held.result(30)["y"], held_x)  # accepted: still answered
         serving.join(30)
-        assert not serving.is_alive() and not triton.is_alive()
+        assert not serving.is_alive() and not triton.is_alive() and not triton._triton_server.is_alive()
         assert isinstance(triton.unrecoverable, UnrecoverableError)
     finally:
         release.set()

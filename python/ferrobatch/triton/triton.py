@@ -517,6 +517,14 @@ class Triton:
         """True while serving (from :meth:`run` or :meth:`serve` until it ends)."""
         return self._phase == "running" and self._listening is not None and not self._ended.is_set()
 
+    @property
+    def _triton_server(self) -> _ServingHandle:
+        """What PyTriton's ``Triton`` calls its server process, whose
+        ``is_alive()`` its own tests poll after an unrecoverable error:
+        here, whether this run still serves (its listeners and workers)."""
+        ended = self._ended  # this run's
+        return _ServingHandle(lambda: self._phase == "running" and not ended.is_set())
+
     def is_connected(self) -> bool:
         return self.is_alive()
 
@@ -633,6 +641,16 @@ class Triton:
         # Read by serve() once the stop event is set, which _ask_stop does after this.
         self._serve_config.drain_delay = max(self._serve_config.drain_delay, UNRECOVERABLE_DRAIN_S)
         self._ask_stop()
+
+
+@dataclasses.dataclass(frozen=True)
+class _ServingHandle:
+    """A run of a :class:`Triton`, as PyTriton's tests see its server process."""
+
+    serving: Callable[[], bool]
+
+    def is_alive(self) -> bool:
+        return self.serving()
 
 
 class RemoteTriton:

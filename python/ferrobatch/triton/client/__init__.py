@@ -17,21 +17,28 @@ that call their models the PyTriton way::
 
 They talk to any v2 server (ferrobatch's, Triton's). Each reads the model's
 config first (``model_config``: a :class:`TritonModelConfig`), waiting for the
-model to be ready, unless given one. Needs ``tritonclient``
-(``pip install 'tritonclient[http,grpc]'``).
+model to be ready, unless given one. As PyTriton's, an HTTP server that
+cannot be reached (down, stopping) raises :class:`PyTritonClientTimeoutError`
+(gRPC's UNAVAILABLE: :class:`PyTritonClientInferenceServerError`). Needs
+``tritonclient`` (``pip install 'tritonclient[http,grpc]'``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
+import contextlib
+import dataclasses
 import functools
+import http.client
 import importlib
 import itertools
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from types import ModuleType, TracebackType
 from typing import Any, Self, TypeVar
 from urllib.parse import urlsplit
@@ -76,6 +83,14 @@ Parameters = Mapping[str, str | int | float | bool]
 _DEFAULT_PORTS = {"http": 8000, "grpc": 8001}
 #: Triton's header for its access-restricted endpoints (gRPC: as metadata with its prefix).
 _ACCESS_HEADER = "triton-access-token"
+#: The longest one readiness or config request may take (PyTriton's network timeout).
+_MAX_PROBE_S = 60.0
+#: The shortest: a request given no time at all could not even be sent.
+_MIN_PROBE_S = 0.1
+#: How a server (Triton's, ferrobatch's) starts its answer for a model it does not serve ...
+_UNKNOWN_MODEL = "Request for unknown model"
+#: ... and its status: 400 over HTTP, NOT_FOUND over gRPC (a model's own error is 500 / INTERNAL).
+_UNKNOWN_MODEL_STATUSES = frozenset({"400", "404", "StatusCode.NOT_FOUND"})
 
 
 def _lib(scheme: str, aio: bool = False) -> ModuleType:
@@ -87,13 +102,50 @@ def _utils() -> ModuleType:
     return importlib.import_module("tritonclient.utils")
 
 
-def _parse_url(url: str) -> tuple[str, str]:
+def _parse_url(url: object) -> tuple[str, str]:
     """``(scheme, host:port)`` of ``[http://|grpc://]host[:port]``."""
+    if not isinstance(url, str):
+        raise PyTritonClientInvalidUrlError(f"Invalid url {url!r}. Url must be a string.")
     parts = urlsplit(url if "://" in url else f"http://{url}")
     scheme = parts.scheme.lower()
+    try:
+        port = parts.port  # urllib checks it only when asked
+    except ValueError as exc:
+        raise PyTritonClientInvalidUrlError(f"Invalid url {url!r}: {exc}") from exc
     if scheme not in _DEFAULT_PORTS or not parts.hostname:
         raise PyTritonClientInvalidUrlError(f"url must be [http://|grpc://]host[:port], got {url!r}")
-    return scheme, f"{parts.hostname}:{parts.port or _DEFAULT_PORTS[scheme]}"
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname  # IPv6 keeps its brackets
+    return scheme, f"{host}:{port or _DEFAULT_PORTS[scheme]}"
+
+
+def _unreachable_errors() -> tuple[type[BaseException], ...]:
+    """What the HTTP clients raise when the server cannot be reached or
+    drops the connection (tritonclient leaves them as they are)."""
+    errors: tuple[type[BaseException], ...] = (OSError, http.client.HTTPException)
+    with contextlib.suppress(ImportError):  # aiohttp comes with tritonclient's asyncio HTTP client only
+        errors += (importlib.import_module("aiohttp").ClientConnectionError,)
+    return errors
+
+
+def _call_errors() -> tuple[type[BaseException], ...]:
+    """Every error of a call to the server that the clients turn into their own."""
+    return (_utils().InferenceServerException, *_unreachable_errors())
+
+
+def _message_of(exc: BaseException) -> str:
+    message = exc.message() if hasattr(exc, "message") and callable(exc.message) else None
+    return str(message or exc)
+
+
+def _status_of(exc: BaseException) -> str | None:
+    status = exc.status() if hasattr(exc, "status") and callable(exc.status) else None
+    return None if status is None else str(status)
+
+
+def _is_unknown_model(exc: BaseException) -> bool:
+    """Whether the server said it serves no such model (not a model's error
+    that happens to say so: that one comes as 500 / INTERNAL)."""
+    return _status_of(exc) in _UNKNOWN_MODEL_STATUSES and _message_of(exc).startswith(_UNKNOWN_MODEL)
 
 
 def _grpc_only(url: str, client: str) -> None:
@@ -181,13 +233,31 @@ class _Requests:
             **known,
         }
 
-    def named(
-        self, config: TritonModelConfig, inputs: tuple[np.ndarray, ...], named_inputs: Mapping[str, np.ndarray]
-    ) -> dict[str, np.ndarray]:
+    @property
+    def probe_timeout_s(self) -> float:
+        """The network timeout of readiness and config requests (PyTriton's: ``init_timeout_s``, at most 60 s)."""
+        return max(_MIN_PROBE_S, min(_MAX_PROBE_S, self.init_timeout_s))
+
+    @staticmethod
+    def check_call(
+        inputs: tuple[np.ndarray, ...],
+        named_inputs: Mapping[str, np.ndarray],
+        parameters: Parameters | None,
+        headers: Mapping[str, Any] | None,
+    ) -> None:
+        """The checks of a call that need no server, made before anything
+        else (the config read included), as PyTriton's clients make them."""
         if not inputs and not named_inputs:
             raise PyTritonClientValueError("Provide input data")
         if inputs and named_inputs:
             raise PyTritonClientValueError("pass the inputs either by position or by name, not both")
+        checked(parameters)
+        checked(headers)
+
+    def named(
+        self, config: TritonModelConfig, inputs: tuple[np.ndarray, ...], named_inputs: Mapping[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
+        """The call's inputs by name (by position: in the model's order)."""
         if not inputs:
             return dict(named_inputs)
         declared = config.inputs or []
@@ -212,33 +282,45 @@ class _Requests:
             tensors.append(tensor)
         return tensors
 
-    def infer_kwargs(self, parameters: Parameters | None, headers: Mapping[str, str] | None) -> dict[str, Any]:
-        checked(parameters)
-        checked(headers)
+    def merged_headers(self, headers: Mapping[str, Any] | None) -> dict[str, str] | None:
+        """The client's headers and the call's, the call's first."""
         # Header values as text: gRPC metadata takes nothing else (PyTriton's examples pass ints).
         merged = {**self.headers, **{k: str(v) for k, v in (headers or {}).items()}}
+        return merged or None
+
+    def infer_kwargs(self, parameters: Parameters | None, headers: Mapping[str, str] | None) -> dict[str, Any]:
+        """``infer``'s keyword arguments (``check_call`` checked the parameters and headers)."""
         kwargs: dict[str, Any] = {
             "model_version": self.model_version,
             "parameters": dict(parameters) if parameters else None,
-            "headers": merged or None,
+            "headers": self.merged_headers(headers),
         }
         if self.scheme == "grpc":
             kwargs["client_timeout"] = self.inference_timeout_s
         return kwargs
 
-    def failed(self, exc: BaseException) -> PyTritonClientError:
-        """The client's error for what an inference raised."""
-        if isinstance(exc, TimeoutError | asyncio.TimeoutError):
-            return PyTritonClientTimeoutError(f"inference timed out after {self.inference_timeout_s} s")
-        message = exc.message() if hasattr(exc, "message") and callable(exc.message) else str(exc)
-        message = message or str(exc)
-        status = exc.status() if hasattr(exc, "status") and callable(exc.status) else None
+    def failed(
+        self, exc: BaseException, during: str = "inference", timeout_s: float | None = None
+    ) -> PyTritonClientError:
+        """The client's error for what a call to the server (``during`` it) raised."""
+        timeout_s = self.inference_timeout_s if timeout_s is None else timeout_s
+        # socket.timeout and asyncio's are TimeoutError: checked before the other OSErrors.
+        if isinstance(exc, TimeoutError):
+            return PyTritonClientTimeoutError(f"{during} timed out after {timeout_s} s")
+        if isinstance(exc, _unreachable_errors()):
+            # As PyTriton's: no connection to the server (down, stopping) is a timeout.
+            return PyTritonClientTimeoutError(f"{during} failed: no answer from the server at {self.url}: {exc!r}")
+        message = _message_of(exc)
         # The call's deadline, whether the client's gRPC stack or the server (which it told) says so.
-        if "Deadline Exceeded" in message or status == "StatusCode.DEADLINE_EXCEEDED":
-            return PyTritonClientTimeoutError(f"inference timed out: {message}")
-        if "unknown model" in message:
+        if "Deadline Exceeded" in message or _status_of(exc) == "StatusCode.DEADLINE_EXCEEDED":
+            return PyTritonClientTimeoutError(f"{during} timed out: {message}")
+        if _is_unknown_model(exc):
             return PyTritonClientModelUnavailableError(message)
-        return PyTritonClientInferenceServerError(f"inference failed: {message}")
+        return PyTritonClientInferenceServerError(f"{during} failed: {message}")
+
+    def config_failed(self, exc: BaseException) -> PyTritonClientError:
+        """The client's error for what reading the model's config raised."""
+        return self.failed(exc, "reading the model config", self.init_timeout_s)
 
     @staticmethod
     def outputs(result: Any) -> dict[str, np.ndarray]:
@@ -248,9 +330,18 @@ class _Requests:
         ]  # fmt: skip
         return {n: result.as_numpy(n) for n in names}
 
-    def config_kwargs(self) -> dict[str, Any]:
-        """``get_model_config``'s keyword arguments (gRPC's answer as JSON, like HTTP's)."""
+    def probe_kwargs(self, remaining_s: float) -> dict[str, Any]:
+        """The keyword arguments of a readiness or config request with
+        ``remaining_s`` left to answer (gRPC takes a deadline per call; HTTP's
+        client has its own, ``probe_timeout_s``)."""
         kwargs: dict[str, Any] = {"headers": self.headers or None}
+        if self.scheme == "grpc":
+            kwargs["client_timeout"] = max(_MIN_PROBE_S, min(_MAX_PROBE_S, remaining_s))
+        return kwargs
+
+    def config_kwargs(self, remaining_s: float) -> dict[str, Any]:
+        """``get_model_config``'s keyword arguments (gRPC's answer as JSON, like HTTP's)."""
+        kwargs = self.probe_kwargs(remaining_s)
         if self.scheme == "grpc":
             kwargs["as_json"] = True
         return kwargs
@@ -295,10 +386,13 @@ class ModelClient:
     HTTP; no port: 8000 for HTTP, 8001 for gRPC). The model's config (its
     inputs' order, whether it batches) is read before the first inference
     (at once with ``lazy_init=False``), after waiting up to
-    ``init_timeout_s`` for the model to be ready, unless ``model_config`` is
-    given (and ``ensure_model_is_ready=False`` skips the wait).
-    ``inference_timeout_s`` (default 60) bounds each request;
-    ``access_token`` is sent as Triton's ``triton-access-token``."""
+    ``init_timeout_s`` for the model to be ready. Given a ``model_config``,
+    the client still waits for the model before its first inference, unless
+    ``ensure_model_is_ready=False``. ``inference_timeout_s`` (default 60)
+    bounds each request; each readiness or config request takes at most
+    what is left of ``init_timeout_s`` (over HTTP: at most
+    ``min(60, init_timeout_s)``, as PyTriton's). ``access_token`` is sent as
+    Triton's ``triton-access-token``."""
 
     _streams = False  # True: a decoupled model's client (gRPC only)
 
@@ -328,8 +422,11 @@ class ModelClient:
             )
         else:
             self._client = self._lib.InferenceServerClient(self.url)
+        # HTTP's readiness and config requests: a client of their own, made when first needed.
+        self._http_prober: Any = None
         self._config = model_config
-        self._ensure_ready = ensure_model_is_ready
+        # Whether the model was seen ready: a given config with ensure_model_is_ready skips the wait.
+        self._model_ready = model_config is not None and not ensure_model_is_ready
         self._closed = False
         if not lazy_init:
             self.model_config  # noqa: B018 - read now: waits for the model
@@ -355,7 +452,8 @@ class ModelClient:
         **named_inputs: np.ndarray,
     ) -> dict[str, np.ndarray]:
         """One sample (inputs without the batch dimension) → its outputs."""
-        config = self.model_config
+        self._requests.check_call(inputs, named_inputs, parameters, headers)
+        config = self._ready_config()
         arrays = _batched(config, self._requests.named(config, inputs, named_inputs))
         return _debatched(config, self._infer(arrays, parameters, headers))
 
@@ -367,7 +465,8 @@ class ModelClient:
         **named_inputs: np.ndarray,
     ) -> dict[str, np.ndarray]:
         """A batch (inputs with a leading batch dimension) → its outputs."""
-        config = self.model_config
+        self._requests.check_call(inputs, named_inputs, parameters, headers)
+        config = self._ready_config()
         if not config.batching:
             raise PyTritonClientModelDoesntSupportBatchingError(
                 f"model {self.model_name!r} does not batch: use infer_sample"
@@ -376,13 +475,10 @@ class ModelClient:
 
     @property
     def model_config(self) -> TritonModelConfig:
-        """The model's config, read once (after waiting for the model)."""
+        """The model's config, read once, after waiting for the model (as
+        PyTriton's, whatever ``ensure_model_is_ready`` says)."""
         if self._config is None:
-            self._check_open()
-            if self._ensure_ready:
-                self.wait_for_model(self._requests.init_timeout_s)
-            raw = self._client.get_model_config(self.model_name, self.model_version, **self._requests.config_kwargs())
-            self._config = parse_model_config(self._requests.config_json(raw))
+            self._config = self._read_config()
         return self._config
 
     @property
@@ -391,15 +487,19 @@ class ModelClient:
 
     def wait_for_server(self, timeout_s: float) -> None:
         """Waits until the server says it is ready."""
-        self._wait(lambda: bool(self._client.is_server_ready(headers=self._requests.headers or None)), timeout_s,
+        self._check_open()
+        self._wait(lambda prober, left: bool(prober.is_server_ready(**self._requests.probe_kwargs(left))), timeout_s,
                    lambda: PyTritonClientTimeoutError(f"server at {self.url} not ready in {timeout_s} s"))  # fmt: skip
 
     def wait_for_model(self, timeout_s: float) -> None:
         """Waits until the server says the model is ready."""
         self._check_open()
-        ready = lambda: bool(  # noqa: E731
-            self._client.is_model_ready(self.model_name, self.model_version, headers=self._requests.headers or None)
-        )
+
+        def ready(prober: Any, left_s: float) -> bool:
+            return bool(
+                prober.is_model_ready(self.model_name, self.model_version, **self._requests.probe_kwargs(left_s))
+            )
+
         self._wait(ready, timeout_s, lambda: self._requests.not_ready(timeout_s))
 
     def load_model(self, config: str | None = None, files: dict[str, bytes] | None = None) -> None:
@@ -407,18 +507,20 @@ class ModelClient:
         server that serves a fixed set of models, as ferrobatch's, refuses)."""
         try:
             self._client.load_model(self.model_name, config=config, files=files, headers=self._requests.headers or None)
-        except _utils().InferenceServerException as exc:
-            raise self._requests.failed(exc) from exc
+        except _call_errors() as exc:
+            raise self._requests.failed(exc, "loading the model") from exc
 
     def unload_model(self) -> None:
         """Asks the server to unload the model (see :meth:`load_model`)."""
         try:
             self._client.unload_model(self.model_name, headers=self._requests.headers or None)
-        except _utils().InferenceServerException as exc:
-            raise self._requests.failed(exc) from exc
+        except _call_errors() as exc:
+            raise self._requests.failed(exc, "unloading the model") from exc
 
     def close(self) -> None:
         self._closed = True
+        if self._http_prober is not None:
+            self._http_prober.close()
         self._client.close()
 
     def __enter__(self) -> ModelClient:
@@ -435,13 +537,50 @@ class ModelClient:
         if self._closed:  # tritonclient's own errors say less (RuntimeError, ValueError)
             raise PyTritonClientClosedError("ModelClient is closed")
 
-    def _wait(self, ready: Callable[[], bool], timeout_s: float, timed_out: Callable[[], Exception]) -> None:
+    def _prober(self) -> Any:
+        """The client of readiness and config requests: over HTTP, one whose
+        network timeout is ``probe_timeout_s`` (HTTP takes no deadline per
+        request); over gRPC, the client itself (each request has its own)."""
+        if self.scheme != "http":
+            return self._client
+        if self._http_prober is None:
+            timeout = self._requests.probe_timeout_s
+            self._http_prober = self._lib.InferenceServerClient(
+                self.url, connection_timeout=timeout, network_timeout=timeout
+            )
+        return self._http_prober
+
+    def _ready_config(self) -> TritonModelConfig:
+        """The model's config, once the model was seen ready (waited for once)."""
+        config = self.model_config
+        if not self._model_ready:
+            self.wait_for_model(self._requests.init_timeout_s)
+            self._model_ready = True
+        return config
+
+    def _read_config(self) -> TritonModelConfig:
+        """Waits for the model, then reads its config, within ``init_timeout_s`` in all."""
+        self._check_open()
+        deadline = time.monotonic() + self._requests.init_timeout_s
+        self.wait_for_model(self._requests.init_timeout_s)
+        self._model_ready = True
+        left_s = deadline - time.monotonic()
+        try:
+            raw = self._prober().get_model_config(
+                self.model_name, self.model_version, **self._requests.config_kwargs(left_s)
+            )
+        except _call_errors() as exc:
+            raise self._requests.config_failed(exc) from exc
+        return parse_model_config(self._requests.config_json(raw))
+
+    def _wait(self, ready: Callable[[Any, float], bool], timeout_s: float, timed_out: Callable[[], Exception]) -> None:
+        """Asks ``ready(prober, seconds left)`` until it says yes or ``timeout_s`` passed."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                if ready():
+                if ready(self._prober(), deadline - time.monotonic()):
                     return
-            except (OSError, _utils().InferenceServerException):
+            except _call_errors():
                 pass  # not up yet
             if time.monotonic() >= deadline:
                 raise timed_out()
@@ -454,7 +593,7 @@ class ModelClient:
         tensors = self._requests.tensors(self._lib, inputs)
         try:
             result = self._client.infer(self.model_name, tensors, **self._requests.infer_kwargs(parameters, headers))
-        except (_utils().InferenceServerException, TimeoutError) as exc:
+        except _call_errors() as exc:
             raise self._requests.failed(exc) from exc
         return self._requests.outputs(result)
 
@@ -512,9 +651,10 @@ class DecoupledModelClient(ModelClient):
         **named_inputs: np.ndarray,
     ) -> Iterator[dict[str, np.ndarray]]:
         """One sample (inputs without the batch dimension) → an iterator of its responses."""
-        config = self.model_config
+        self._check_stream_call(inputs, named_inputs, parameters, headers)
+        config = self._ready_config()
         arrays = _batched(config, self._requests.named(config, inputs, named_inputs))
-        return self._stream(arrays, parameters, headers, functools.partial(_debatched, config))
+        return self._stream(arrays, parameters, functools.partial(_debatched, config))
 
     def infer_batch(  # type: ignore[override]
         self,
@@ -524,12 +664,25 @@ class DecoupledModelClient(ModelClient):
         **named_inputs: np.ndarray,
     ) -> Iterator[dict[str, np.ndarray]]:
         """A batch (inputs with a leading batch dimension) → an iterator of its responses."""
-        config = self.model_config
+        self._check_stream_call(inputs, named_inputs, parameters, headers)
+        config = self._ready_config()
         if not config.batching:
             raise PyTritonClientModelDoesntSupportBatchingError(
                 f"model {self.model_name!r} does not batch: use infer_sample"
             )
-        return self._stream(self._requests.named(config, inputs, named_inputs), parameters, headers, dict)
+        return self._stream(self._requests.named(config, inputs, named_inputs), parameters, dict)
+
+    def _check_stream_call(
+        self,
+        inputs: tuple[np.ndarray, ...],
+        named_inputs: Mapping[str, np.ndarray],
+        parameters: Parameters | None,
+        headers: Mapping[str, str] | None,
+    ) -> None:
+        """The call's checks that need no server (headers: refused, as PyTriton's)."""
+        self._requests.check_call(inputs, named_inputs, parameters, headers)
+        if headers:
+            raise PyTritonClientValueError("DecoupledModelClient does not support headers")
 
     def close(self) -> None:
         self._stop_stream()
@@ -558,13 +711,9 @@ class DecoupledModelClient(ModelClient):
         self,
         inputs: Mapping[str, np.ndarray],
         parameters: Parameters | None,
-        headers: Mapping[str, str] | None,
         shaped: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]],
     ) -> _ResponseIterator:
         """Sends the request now; the iterator of its responses (each ``shaped``)."""
-        if headers:
-            raise PyTritonClientValueError("DecoupledModelClient does not support headers")
-        checked(parameters)
         self._check_open()
         if not self._busy.acquire(blocking=False):
             raise PyTritonClientInferenceServerError("Inference is already in progress")
@@ -592,7 +741,7 @@ class DecoupledModelClient(ModelClient):
                     self._stop_stream()
                     self._open_stream()
                     send()
-        except _utils().InferenceServerException as exc:
+        except _call_errors() as exc:
             self._busy.release()
             raise self._requests.failed(exc) from exc
         except BaseException:
@@ -672,12 +821,132 @@ class _ResponseIterator(Iterator[dict[str, np.ndarray]]):
             self._client._busy.release()
 
 
+@dataclasses.dataclass
+class _Call:
+    """One call submitted to a :class:`FuturesModelClient`: what to run on a worker's client, and its future."""
+
+    run: Callable[[ModelClient], Any]
+    future: concurrent.futures.Future[Any]
+
+
+class _CallQueue:
+    """A :class:`FuturesModelClient`'s calls, in order, for its workers:
+    bounded (``capacity``; None: unbounded), and closed once: then it takes
+    no more calls, while the workers still take every call it holds."""
+
+    def __init__(self, capacity: int | None) -> None:
+        self._calls: collections.deque[_Call] = collections.deque()
+        self._capacity = capacity
+        self._closed = False
+        self._idle_workers = 0
+        lock = threading.Lock()
+        self._has_call = threading.Condition(lock)
+        self._has_room = threading.Condition(lock)
+
+    def put(self, call: _Call, wait_s: float | None) -> None:
+        """Queues ``call``, waiting up to ``wait_s`` for room (None: as long as it takes)."""
+        with self._has_room:
+            if not self._has_room.wait_for(self._room_or_closed, wait_s):
+                raise PyTritonClientQueueFullError("Queue is full")
+            if self._closed:
+                raise PyTritonClientClosedError("FutureModelClient is already closed")  # PyTriton's words
+            self._calls.append(call)
+            self._has_call.notify()
+
+    def wants_worker(self) -> bool:
+        """Whether more calls wait than idle workers would take."""
+        with self._has_call:
+            return len(self._calls) > self._idle_workers
+
+    def take(self) -> _Call | None:
+        """The next call, waiting for one; None once closed and empty."""
+        with self._has_call:
+            self._idle_workers += 1
+            self._has_call.wait_for(lambda: self._calls or self._closed)
+            self._idle_workers -= 1
+            if not self._calls:
+                return None
+            self._has_room.notify()
+            return self._calls.popleft()
+
+    def close(self) -> None:
+        with self._has_call:
+            self._closed = True
+            self._has_call.notify_all()
+            self._has_room.notify_all()
+
+    def _room_or_closed(self) -> bool:
+        return self._closed or self._capacity is None or len(self._calls) < self._capacity
+
+
+@contextlib.contextmanager
+def _gevent_hub_freed(scheme: str) -> Iterator[None]:
+    """Frees the calling thread's gevent hub (an epoll and an eventfd) at
+    the end: tritonclient.http runs on gevent, and a worker thread's hub
+    lives on after the thread otherwise."""
+    try:
+        yield
+    finally:
+        if scheme == "http":
+            importlib.import_module("gevent").get_hub().destroy()
+
+
+class _WorkerClients:
+    """Makes the clients of a :class:`FuturesModelClient`'s workers: once
+    one has seen the model ready, the next ones get its config and do not
+    wait for the model again."""
+
+    def __init__(self, arguments: dict[str, Any]) -> None:
+        self._arguments = arguments
+        self._known_config: TritonModelConfig | None = None
+
+    def new(self) -> ModelClient:
+        if self._known_config is None:
+            return ModelClient(**self._arguments)
+        return ModelClient(**{**self._arguments, "model_config": self._known_config, "ensure_model_is_ready": False})
+
+    def learn_from(self, client: ModelClient) -> None:
+        if self._known_config is None and client._model_ready and client._config is not None:
+            self._known_config = client._config
+
+
+def _work(calls: _CallQueue, clients: _WorkerClients, scheme: str) -> None:
+    """A :class:`FuturesModelClient`'s worker: runs calls on a client of its
+    own until the queue is closed and empty, then closes that client (in
+    this thread, as tritonclient.http's gevent wants) and frees the
+    thread's hub. It holds no reference to its FuturesModelClient: one
+    dropped unclosed closes its queue (``weakref.finalize``), and its
+    workers end."""
+    client: ModelClient | None = None
+    with _gevent_hub_freed(scheme):
+        try:
+            while (call := calls.take()) is not None:
+                if not call.future.set_running_or_notify_cancel():
+                    continue  # cancelled while it waited
+                try:
+                    client = client or clients.new()
+                    result = call.run(client)
+                except BaseException as exc:  # noqa: BLE001 - the caller's to see, on its future
+                    call.future.set_exception(exc)
+                else:
+                    clients.learn_from(client)
+                    call.future.set_result(result)
+        finally:
+            if client is not None:
+                client.close()
+
+
 class FuturesModelClient:
     """PyTriton's ``FuturesModelClient``: every call returns a
     ``concurrent.futures.Future`` at once, run by up to ``max_workers``
-    threads, each with a :class:`ModelClient` of its own. Arguments as
-    :class:`ModelClient`'s; ``close(wait=True)`` waits for what was
-    submitted, and later calls raise :class:`PyTritonClientClosedError`."""
+    threads (None: as many as calls wait), each with a :class:`ModelClient`
+    of its own. Up to ``max_queue_size`` calls wait (None: no limit); when
+    that many do, a call raises :class:`PyTritonClientQueueFullError`, at
+    once with ``non_blocking=True``, else after waiting up to
+    ``inference_timeout_s`` for room. Other arguments as
+    :class:`ModelClient`'s. ``close()`` refuses later calls
+    (:class:`PyTritonClientClosedError`) while every call submitted before
+    runs to its end (``wait=True``, the default: ``close`` returns after)."""
 
     def __init__(
         self,
@@ -685,8 +954,8 @@ class FuturesModelClient:
         model_name: str,
         model_version: str | None = None,
         *,
-        max_workers: int = 128,
-        max_queue_size: int = 128,
+        max_workers: int | None = 128,
+        max_queue_size: int | None = 128,
         non_blocking: bool = False,
         init_timeout_s: float | None = None,
         inference_timeout_s: float | None = None,
@@ -694,42 +963,31 @@ class FuturesModelClient:
         ensure_model_is_ready: bool = True,
         access_token: str | None = None,
     ) -> None:
-        if max_workers < 1:
-            raise PyTritonClientValueError(f"max_workers must be at least 1, got {max_workers}")
-        del max_queue_size, non_blocking  # PyTriton's knobs of its own queue; the executor's is unbounded
-
-        def make() -> ModelClient:
-            return ModelClient(
-                url,
-                model_name,
-                model_version,
-                init_timeout_s=init_timeout_s,
-                inference_timeout_s=inference_timeout_s,
-                model_config=model_config,
-                ensure_model_is_ready=ensure_model_is_ready,
-                access_token=access_token,
-            )
-
-        self._make = make
-        self._local = threading.local()
-        self._clients: list[ModelClient] = []
+        # ValueError, as PyTriton's.
+        if max_workers is not None and max_workers <= 0:
+            raise ValueError("max_workers must be greater than 0")
+        if max_queue_size is not None and max_queue_size <= 0:
+            raise ValueError("max_queue_size must be greater than 0")
+        self._scheme = _parse_url(url)[0]  # a bad URL fails here, not in every future
+        arguments = {
+            "url": url,
+            "model_name": model_name,
+            "model_version": model_version,
+            "init_timeout_s": init_timeout_s,
+            "inference_timeout_s": inference_timeout_s,
+            "model_config": model_config,
+            "ensure_model_is_ready": ensure_model_is_ready,
+            "access_token": access_token,
+        }
+        self._clients = _WorkerClients(arguments)
+        self._max_workers = max_workers
+        # A blocked call waits for room as long as PyTriton's: inference_timeout_s, or for good without one.
+        self._room_wait_s = 0.0 if non_blocking else inference_timeout_s
+        self._calls = _CallQueue(max_queue_size)
+        weakref.finalize(self, self._calls.close)  # dropped unclosed: its workers still end
+        self._workers: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._closed = False
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="ferrobatch-client")
-
-    def _client(self) -> ModelClient:
-        client: ModelClient | None = getattr(self._local, "client", None)
-        if client is None:
-            client = self._local.client = self._make()
-            with self._lock:
-                self._clients.append(client)
-        return client
-
-    def _submit(self, call: Callable[[ModelClient], T]) -> concurrent.futures.Future[T]:
-        with self._lock:
-            if self._closed:
-                raise PyTritonClientClosedError("FutureModelClient is already closed")  # PyTriton's words
-            return self._executor.submit(lambda: call(self._client()))
 
     def infer_sample(
         self,
@@ -756,13 +1014,18 @@ class FuturesModelClient:
         return self._submit(lambda c: c.wait_for_model(timeout_s))
 
     def close(self, wait: bool = True) -> None:
+        """Refuses later calls; the workers run every call submitted before,
+        then close their clients and end. ``wait``: returns once they have."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        self._executor.shutdown(wait=wait)
-        for client in self._clients:
-            client.close()
+            self._calls.close()
+        if wait:
+            joined = 0
+            while joined < len(self._workers):  # a call submitted as this closed may have started one more
+                self._workers[joined].join()
+                joined += 1
 
     def __enter__(self) -> FuturesModelClient:
         return self
@@ -772,12 +1035,29 @@ class FuturesModelClient:
     ) -> None:
         self.close()
 
+    def _submit(self, run: Callable[[ModelClient], T]) -> concurrent.futures.Future[T]:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._calls.put(_Call(run, future), self._room_wait_s)
+        self._add_worker_if_wanted()
+        return future
+
+    def _add_worker_if_wanted(self) -> None:
+        with self._lock:
+            if self._calls.wants_worker() and (self._max_workers is None or len(self._workers) < self._max_workers):
+                worker = threading.Thread(
+                    target=_work, args=(self._calls, self._clients, self._scheme), name="ferrobatch-client", daemon=True
+                )
+                self._workers.append(worker)
+                worker.start()
+
 
 class AsyncioModelClient:
     """PyTriton's ``AsyncioModelClient``: :class:`ModelClient`'s calls as
     coroutines, on tritonclient's asyncio clients (``tritonclient.http.aio``,
-    ``tritonclient.grpc.aio``). ``await client.model_config`` reads the
-    config (once)."""
+    ``tritonclient.grpc.aio``), with its waits: ``await client.model_config``
+    reads the config (once), each readiness or config request within what is
+    left of ``init_timeout_s``. With ``lazy_init=False``, ``async with``
+    reads it on entry (and closes the client if that fails)."""
 
     _streams = False  # True: a decoupled model's client (gRPC only)
 
@@ -806,7 +1086,8 @@ class AsyncioModelClient:
         else:
             self._client = self._lib.InferenceServerClient(self.url)
         self._config = model_config
-        self._ensure_ready = ensure_model_is_ready
+        # Whether the model was seen ready: a given config with ensure_model_is_ready skips the wait.
+        self._model_ready = model_config is not None and not ensure_model_is_ready
         self._lazy = lazy_init
         self._closed = False
 
@@ -824,7 +1105,11 @@ class AsyncioModelClient:
 
     async def __aenter__(self) -> AsyncioModelClient:
         if not self._lazy:
-            await self.model_config
+            try:
+                await self.model_config
+            except BaseException:
+                await self.close()  # else its HTTP session is left open
+                raise
         return self
 
     async def __aexit__(
@@ -838,27 +1123,25 @@ class AsyncioModelClient:
 
     @property
     async def model_config(self) -> TritonModelConfig:
+        """The model's config, read once, after waiting for the model (as
+        PyTriton's, whatever ``ensure_model_is_ready`` says)."""
         if self._config is None:
-            self._check_open()
-            if self._ensure_ready:
-                await self.wait_for_model(self._requests.init_timeout_s)
-            raw = await self._client.get_model_config(
-                self.model_name, self.model_version, **self._requests.config_kwargs()
-            )
-            self._config = parse_model_config(self._requests.config_json(raw))
+            self._config = await self._read_config()
         return self._config
 
     async def wait_for_model(self, timeout_s: float) -> None:
         self._check_open()
         deadline = time.monotonic() + timeout_s
         while True:
+            left_s = deadline - time.monotonic()
+            probe = self._client.is_model_ready(
+                self.model_name, self.model_version, **self._requests.probe_kwargs(left_s)
+            )
             try:
-                if await self._client.is_model_ready(
-                    self.model_name, self.model_version, headers=self._requests.headers or None
-                ):
+                if await asyncio.wait_for(probe, max(_MIN_PROBE_S, left_s)):
                     return
-            except (OSError, _utils().InferenceServerException):
-                pass  # not up yet
+            except _call_errors():
+                pass  # not up yet (a probe past its time: asyncio's TimeoutError)
             if time.monotonic() >= deadline:
                 raise self._requests.not_ready(timeout_s)
             await asyncio.sleep(0.05)
@@ -870,7 +1153,8 @@ class AsyncioModelClient:
         headers: Mapping[str, str] | None = None,
         **named_inputs: np.ndarray,
     ) -> dict[str, np.ndarray]:
-        config = await self.model_config
+        self._requests.check_call(inputs, named_inputs, parameters, headers)
+        config = await self._ready_config()
         arrays = _batched(config, self._requests.named(config, inputs, named_inputs))
         return _debatched(config, await self._infer(arrays, parameters, headers))
 
@@ -881,12 +1165,37 @@ class AsyncioModelClient:
         headers: Mapping[str, str] | None = None,
         **named_inputs: np.ndarray,
     ) -> dict[str, np.ndarray]:
-        config = await self.model_config
+        self._requests.check_call(inputs, named_inputs, parameters, headers)
+        config = await self._ready_config()
         if not config.batching:
             raise PyTritonClientModelDoesntSupportBatchingError(
                 f"model {self.model_name!r} does not batch: use infer_sample"
             )
         return await self._infer(self._requests.named(config, inputs, named_inputs), parameters, headers)
+
+    async def _ready_config(self) -> TritonModelConfig:
+        """The model's config, once the model was seen ready (waited for once)."""
+        config = await self.model_config
+        if not self._model_ready:
+            await self.wait_for_model(self._requests.init_timeout_s)
+            self._model_ready = True
+        return config
+
+    async def _read_config(self) -> TritonModelConfig:
+        """Waits for the model, then reads its config, within ``init_timeout_s`` in all."""
+        self._check_open()
+        deadline = time.monotonic() + self._requests.init_timeout_s
+        await self.wait_for_model(self._requests.init_timeout_s)
+        self._model_ready = True
+        left_s = deadline - time.monotonic()
+        read = self._client.get_model_config(
+            self.model_name, self.model_version, **self._requests.config_kwargs(left_s)
+        )
+        try:
+            raw = await asyncio.wait_for(read, max(_MIN_PROBE_S, left_s))
+        except _call_errors() as exc:
+            raise self._requests.config_failed(exc) from exc
+        return parse_model_config(self._requests.config_json(raw))
 
     async def _infer(
         self, inputs: Mapping[str, np.ndarray], parameters: Parameters | None, headers: Mapping[str, str] | None
@@ -895,11 +1204,11 @@ class AsyncioModelClient:
         tensors = self._requests.tensors(self._lib, inputs)
         kwargs = self._requests.infer_kwargs(parameters, headers)
         try:
-            call = self._client.infer(self.model_name, tensors, **kwargs)
+            call: Awaitable[Any] = self._client.infer(self.model_name, tensors, **kwargs)
             if self.scheme == "http":
                 call = asyncio.wait_for(call, self._requests.inference_timeout_s)
             result = await call
-        except (_utils().InferenceServerException, TimeoutError) as exc:
+        except _call_errors() as exc:
             raise self._requests.failed(exc) from exc
         return self._requests.outputs(result)
 
@@ -908,9 +1217,10 @@ class AsyncioDecoupledModelClient(AsyncioModelClient):
     """PyTriton's asyncio client of a decoupled model (gRPC only):
     ``infer_sample`` and ``infer_batch`` are async generators of the
     request's responses, each as it comes (one stream per call, ended by the
-    server after the last response). Leaving one early cancels its request.
-    As :class:`DecoupledModelClient`, it waits for each response as long as
-    the stream lives."""
+    server after the last response), sent with the call's ``headers`` and
+    ``parameters``. Leaving one early cancels its request. As PyTriton's, it
+    waits up to ``inference_timeout_s`` for each response: past it, the
+    request is cancelled and :class:`PyTritonClientTimeoutError` raised."""
 
     _streams = True
 
@@ -922,7 +1232,8 @@ class AsyncioDecoupledModelClient(AsyncioModelClient):
         **named_inputs: np.ndarray,
     ) -> AsyncIterator[dict[str, np.ndarray]]:
         """One sample (inputs without the batch dimension) → its responses, as they come."""
-        config = await self.model_config
+        self._requests.check_call(inputs, named_inputs, parameters, headers)
+        config = await self._ready_config()
         arrays = _batched(config, self._requests.named(config, inputs, named_inputs))
         async for out in self._stream(arrays, parameters, headers):
             yield _debatched(config, out)
@@ -935,7 +1246,8 @@ class AsyncioDecoupledModelClient(AsyncioModelClient):
         **named_inputs: np.ndarray,
     ) -> AsyncIterator[dict[str, np.ndarray]]:
         """A batch (inputs with a leading batch dimension) → its responses, as they come."""
-        config = await self.model_config
+        self._requests.check_call(inputs, named_inputs, parameters, headers)
+        config = await self._ready_config()
         if not config.batching:
             raise PyTritonClientModelDoesntSupportBatchingError(
                 f"model {self.model_name!r} does not batch: use infer_sample"
@@ -946,9 +1258,6 @@ class AsyncioDecoupledModelClient(AsyncioModelClient):
     async def _stream(
         self, inputs: Mapping[str, np.ndarray], parameters: Parameters | None, headers: Mapping[str, str] | None
     ) -> AsyncIterator[dict[str, np.ndarray]]:
-        if headers:
-            raise PyTritonClientValueError("AsyncioDecoupledModelClient does not support headers")
-        checked(parameters)
         self._check_open()
         if not (await self.model_config).decoupled:
             raise PyTritonClientInferenceServerError("Model config is coupled. Use AsyncioModelClient instead.")
@@ -962,12 +1271,12 @@ class AsyncioDecoupledModelClient(AsyncioModelClient):
         async def one_request() -> AsyncIterator[dict[str, Any]]:
             yield request
 
-        responses = self._client.stream_infer(one_request(), headers=self._requests.headers or None)
+        responses = self._client.stream_infer(one_request(), headers=self._requests.merged_headers(headers))
         finished = False
         try:
             while True:
                 try:
-                    result, error = await anext(responses)  # a lost connection comes as an error
+                    result, error = await self._next_response(responses)
                 except StopAsyncIteration:
                     finished = True
                     return
@@ -980,5 +1289,17 @@ class AsyncioDecoupledModelClient(AsyncioModelClient):
                     return
                 yield self._requests.outputs(result)
         finally:
-            if not finished:  # left early: cancel the call
+            if not finished:  # left early, or timed out: cancel the call
                 responses.cancel()
+
+    async def _next_response(self, responses: Any) -> tuple[Any, Any]:
+        """The stream's next ``(result, error)``, within ``inference_timeout_s``
+        (a lost connection comes as an error)."""
+        timeout_s = self._requests.inference_timeout_s
+        try:
+            pair: tuple[Any, Any] = await asyncio.wait_for(anext(responses), timeout_s)
+        except TimeoutError as exc:
+            raise PyTritonClientTimeoutError(
+                f"model {self.model_name!r} sent no response in {timeout_s} s (inference_timeout_s)"
+            ) from exc
+        return pair
