@@ -436,3 +436,51 @@ async def test_an_asyncio_client_whose_entry_fails_closes_its_session() -> None:
         async with client:
             pass
     assert client._client._stub.closed  # aiohttp's session
+
+
+# -- ferrobatch.triton.client.utils: PyTriton's helpers ------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", ["http", "grpc"])
+def test_the_utils_wait_for_a_server_and_a_model_and_read_its_config(served: Served, scheme: str) -> None:
+    from ferrobatch.triton.client import utils
+
+    client = utils.create_client_from_url(served.url(scheme), network_timeout_s=10)
+    try:
+        utils.wait_for_server_ready(client, timeout_s=10)
+        utils.wait_for_model_ready(client, "double", timeout_s=10)
+        config = utils.get_model_config(client, "double", timeout_s=10)
+        assert config.model_name == "double" and [t.name for t in config.inputs or []] == ["x"]
+        started = time.monotonic()
+        with pytest.raises(PyTritonClientTimeoutError, match="nobody"):
+            utils.wait_for_model_ready(client, "nobody", timeout_s=0.5)
+        assert time.monotonic() - started < 5
+    finally:
+        client.close()
+    with ModelClient(served.url(scheme), "double") as model_client:  # PyTriton's tests use its private name
+        utils.wait_for_server_ready(model_client._general_client, timeout_s=10)
+
+
+def test_the_utils_time_out_on_a_server_that_is_down_and_refuse_bad_urls() -> None:
+    from ferrobatch.triton.client import utils
+
+    client = utils.create_client_from_url(f"127.0.0.1:{closed_port()}", network_timeout_s=1)
+    try:
+        with pytest.raises(PyTritonClientTimeoutError):
+            utils.wait_for_server_ready(client, timeout_s=0.5)
+    finally:
+        client.close()
+    with pytest.raises(PyTritonClientInvalidUrlError):
+        utils.create_client_from_url("ftp://somewhere")
+
+
+def test_verbose_logs_are_warned_of_as_pytriton_does(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+    import re
+
+    triton = Triton(config=TritonConfig(http_port=0, grpc_port=0, allow_metrics=False, log_verbose=1))
+    triton.bind("double", lambda requests: [{"y": r["x"]} for r in requests], *VECTOR)
+    with caplog.at_level(logging.WARNING, logger="ferrobatch.triton"), triton:
+        triton.run()
+    pattern = r"Triton Inference Server is running with enabled verbose logs.*It may affect inference performance."
+    assert re.search(pattern, caplog.text), caplog.text

@@ -577,6 +577,13 @@ class Triton:
             self._ended = threading.Event()
             self._listening, self.unrecoverable = None, None
             self._phase = "running"
+        if self._config.log_verbose:
+            # As PyTriton warns (its tests look for these words): debug logs cost time per request.
+            log.warning(
+                "Triton Inference Server is running with enabled verbose logs (log_verbose=%s: ferrobatch's"
+                " debug logs). It may affect inference performance.",
+                self._config.log_verbose,
+            )
 
     def _unbind_stopped(self) -> None:
         """After a stop, the models it served are unbound (as PyTriton's

@@ -537,6 +537,14 @@ class ModelClient:
         if self._closed:  # tritonclient's own errors say less (RuntimeError, ValueError)
             raise PyTritonClientClosedError("ModelClient is closed")
 
+    @property
+    def _general_client(self) -> Any:
+        """The tritonclient client of readiness and config requests, by the
+        name PyTriton's ``ModelClient`` gives it (its own tests hand it to
+        :func:`ferrobatch.triton.client.utils.wait_for_server_ready`)."""
+        self._check_open()
+        return self._prober()
+
     def _prober(self) -> Any:
         """The client of readiness and config requests: over HTTP, one whose
         network timeout is ``probe_timeout_s`` (HTTP takes no deadline per
