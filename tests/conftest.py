@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -41,6 +42,16 @@ async def server() -> AsyncIterator[fb.Server]:
     s = make_server()
     async with s:
         yield s
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    """Whether ``condition()`` came true within ``timeout_s`` (asked every 20 ms)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def sample(i: float) -> torch.Tensor:

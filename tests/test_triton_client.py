@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import wait_until
 
 from ferrobatch.triton import ModelConfig, Request, Tensor, Triton, TritonConfig, batch
 from ferrobatch.triton.client import (
@@ -141,15 +142,6 @@ def elapsed(call: Callable[[], object]) -> tuple[BaseException | None, float]:
     except BaseException as exc:  # noqa: BLE001 - the test looks at it
         return exc, time.monotonic() - start
     return None, time.monotonic() - start
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 ROW = np.ones(2, np.float32)

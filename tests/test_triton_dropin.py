@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from conftest import wait_until
 
 from ferrobatch import RequestInfo
 from ferrobatch.triton import (
@@ -218,15 +219,6 @@ def test_asyncio_model_client_from_existing_client_and_after_close() -> None:
 
 
 SAMPLE = [Tensor(name="x", dtype=np.float32, shape=(-1,))], [Tensor(name="y", dtype=np.float32, shape=(-1,))]
-
-
-def wait_until(condition: Any, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def test_a_decoupled_client_iterator_closed_unread_cancels_its_request_and_frees_the_client() -> None:
