@@ -15,7 +15,8 @@ runs once more on the new process (with ``isolate_failures``; a child that
 dies again there fails it, its requests then retried in halves as any
 failed batch). A child that dies between batches is replaced as soon as a
 watcher thread sees it (``waitpid`` every ``WATCH_S``), before a batch
-comes for it. One that cannot be started fails the batches it takes at once
+comes for it; a batch its instance took before (its process gone, none
+could be started) runs on another instance's process. One that cannot be started fails the batches it takes at once
 (:class:`InstanceDownError`) while no other instance runs; while another
 does, it leaves them the batches and tries again, waiting longer each
 time. A child whose parent is gone reads end-of-file on its pipe and
@@ -252,6 +253,9 @@ class ProcessExecutor(CpuExecutor):
         self._retrying: threading.Thread | None = None
         #: A batch is being exchanged with the child: if it dies, the worker sees it.
         self._exchanging = False
+        #: Held while a batch is on the child's pipe and in its output
+        #: buffers: the instance's own, or another instance's without a process.
+        self._pipe = threading.Lock()
 
     @property
     def pid(self) -> int | None:
@@ -490,20 +494,39 @@ class ProcessExecutor(CpuExecutor):
         by the instance's process; once more on a new process if it died
         during the whole batch (with ``isolate_failures``; a part of a batch
         being isolated is not: a request that kills its process would cost
-        two restarts per part)."""
+        two restarts per part). When this instance has no process and none
+        can be started (a batch it took before it saw its process gone), the
+        batch runs on another instance's process, if one runs (the staging
+        slots are every process's)."""
         message = ("run", self._slot_index[id(slot)], start, rows, self.requests_of(start, rows))
         try:
-            answer = self._exchange(message)
+            with self._pipe:
+                return self._outputs(self._exchange_or_rerun(message, start, rows), rows)
+        except InstanceDownError:
+            peer = next((p for p in self.peers if p is not self and p.up), None)
+            if peer is None:
+                raise
+            log.warning("ferrobatch: model '%s': instance %d has no process: its batch runs on instance %d's",
+                        self.server_name, self.index, peer.index)  # fmt: skip
+            with peer._pipe:  # not under this instance's own: no two are ever held
+                return peer._outputs(peer._exchange(message), rows)
+
+    def _exchange_or_rerun(self, message: tuple[Any, ...], start: int, rows: int) -> tuple[Any, ...]:
+        try:
+            return self._exchange(message)
         except _DiedError:
             whole = start == 0 and rows == self._batch_rows
             if not self.isolate_failures or self._stopped or not whole:
                 raise
             log.warning("ferrobatch: model '%s': the batch runs again on instance %d's new process",
                         self.server_name, self.index)  # fmt: skip
-            answer = self._exchange(message, rerun=True)
+            return self._exchange(message, rerun=True)
+
+    def _outputs(self, answer: tuple[Any, ...], rows: int) -> dict[str, torch.Tensor]:
+        """The outputs an answer left in this instance's buffers (under ``_pipe``)."""
         if answer[0] == "error":
             raise answer[1]
-        # Copied out: the next batch of this instance rewrites the buffers.
+        # Copied out: the next batch on this process rewrites the buffers.
         return {name: t[:rows].clone() for name, t in self._out.items()}
 
     def _exchange(self, message: tuple[Any, ...], rerun: bool = False) -> tuple[Any, ...]:
