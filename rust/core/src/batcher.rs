@@ -131,6 +131,12 @@ impl Worker {
     pub fn take_outstayed(&mut self) -> Vec<Arc<Request>> {
         std::mem::take(&mut self.outstayed)
     }
+
+    /// Whether this worker has seen the batcher close: a `None` from
+    /// [`Batcher::next_batch`] then means it is done.
+    pub fn is_closed(&self) -> bool {
+        self.closed
+    }
 }
 
 /// A collated batch: `rows` rows of every input sit in the staging slot
@@ -645,7 +651,10 @@ impl Batcher {
     /// Gathers the next batch by the dispatch rule and collates it into a
     /// staging slot the caller then holds. Blocks; call it without any lock
     /// the submitters need. `None` once the batcher is closed and this worker
-    /// has dispatched everything it was given.
+    /// has dispatched everything it was given ([`Worker::is_closed`]), or,
+    /// with a queue timeout, when requests outstayed it while a batch filled
+    /// (the batch is parked): answer [`Worker::take_outstayed`] and call
+    /// again. After any call, those requests are the caller's to answer.
     ///
     /// One worker gathers at a time (it holds the gatherer's role; the
     /// others wait for it), so batches fill instead of being split between
@@ -1770,7 +1779,7 @@ mod tests {
             seen.extend(worker.take_outstayed().iter().map(|r| r.id));
             match batch {
                 Some(b) => seen.extend(b.requests.iter().map(|r| r.id)),
-                None if worker.closed => break,
+                None if worker.is_closed() => break,
                 None => {}
             }
         }
