@@ -69,6 +69,11 @@ async def test_shared_memory_clients_arm_the_servers_default() -> None:
                 await asyncio.wait_for(client.infer({"x": torch.ones(4)}), 10)
             with pytest.raises(fb.DeadlineExceededError):
                 await asyncio.to_thread(client.infer_sync, {"x": torch.ones(4)})
+        # The client's withdrawal reaches the server through the shared
+        # memory it polls: counted a moment after the client saw it.
+        deadline = time.monotonic() + 10
+        while server.stats()["requests_failed"]["deadline_exceeded"] < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         stats = server.stats()
     assert stats["requests_failed"]["deadline_exceeded"] == 2, stats
 
