@@ -476,3 +476,12 @@ def test_verbose_logs_are_warned_of_as_pytriton_does(caplog: pytest.LogCaptureFi
         triton.run()
     pattern = r"Triton Inference Server is running with enabled verbose logs.*It may affect inference performance."
     assert re.search(pattern, caplog.text), caplog.text
+
+
+@pytest.mark.parametrize("scheme", ["http", "grpc"])
+def test_unicode_inputs_raise_what_pytriton_raises(served: Served, scheme: str) -> None:
+    """PyTriton's clients raise RuntimeError; the client's own error type still catches it."""
+    with ModelClient(served.url(scheme), "double", init_timeout_s=10) as client:
+        for caught in (RuntimeError, PyTritonClientValueError):
+            with pytest.raises(caught, match="Unicode inputs are not supported"):
+                client.infer_batch(np.array([["a", "b"]]))

@@ -274,8 +274,9 @@ class _Requests:
         for name, array in inputs.items():
             array = np.asarray(array)
             if array.dtype.kind == "U":
-                raise PyTritonClientValueError(
-                    f"input {name!r}: text must be encoded first (np.char.encode(array, 'utf-8'))"
+                raise UnencodedTextError(
+                    f"input {name!r}: Unicode inputs are not supported: encode them first"
+                    " (np.char.encode(array, 'utf-8'))"
                 )
             tensor = lib.InferInput(name, list(array.shape), utils.np_to_triton_dtype(array.dtype))
             tensor.set_data_from_numpy(array)
@@ -355,6 +356,12 @@ class _Requests:
 
     def not_ready(self, timeout_s: float) -> PyTritonClientTimeoutError:
         return PyTritonClientTimeoutError(f"model {self.model_name!r} not ready at {self.url} in {timeout_s} s")
+
+
+class UnencodedTextError(PyTritonClientValueError, RuntimeError):
+    """A ``str`` (Unicode) input array: PyTriton's clients raise
+    ``RuntimeError`` for it, ferrobatch's client errors are
+    :class:`PyTritonClientValueError`; this one is both."""
 
 
 def checked(values: Mapping[str, Any] | None) -> None:
