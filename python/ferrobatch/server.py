@@ -115,9 +115,10 @@ class Server:
         queue_timeout: seconds a request may wait to be taken into a batch
             (Triton's queue-policy timeout): one that waited longer fails
             with :class:`DeadlineExceededError` and is never run; once in a
-            batch, only its own ``timeout`` bounds it. Every way in. Checked
-            where an instance gathers its next batch, so while every instance
-            is busy such requests are answered as soon as one is free.
+            batch, only its own ``timeout`` bounds it. Every way in. Answered
+            when its time is up while an instance gathers (a batch still
+            filling included); while every instance is busy, as soon as one
+            is free.
             ``None`` (default): no limit.
         device: where the model runs ("cpu", "cuda", "cuda:1", a
             ``torch.device``); ``None``: the device of the model's parameters,
