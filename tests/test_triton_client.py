@@ -205,19 +205,23 @@ def test_a_client_given_the_config_waits_for_the_model_before_its_first_inferenc
         async with AsyncioModelClient(url, "double", **given) as client:  # type: ignore[arg-type]
             return (await client.infer_sample(ROW))["y"].tolist()
 
-    with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        calls = [
-            pool.submit(sync, http), pool.submit(sync, grpc), pool.submit(futures, http),
-            pool.submit(futures, grpc), pool.submit(lambda: asyncio.run(asynchronously(http))),
-            pool.submit(lambda: asyncio.run(asynchronously(grpc))),
-        ]  # fmt: skip
-        time.sleep(0.5)  # every client has tried the server by now: nothing listens yet
+    config = TritonConfig(http_port=http_port, grpc_port=grpc_port, allow_metrics=False)
+    triton = Triton(config=config)
+    triton.bind("double", batch(lambda x: {"y": x * 2}), *VECTOR, config=ModelConfig(max_batch_size=8))
+
+    async def main() -> list[Any]:
+        # The asyncio clients on this thread's loop: grpc.aio is not run on
+        # several threads' loops in one process.
+        loop = asyncio.get_running_loop()
+        blocking = [loop.run_in_executor(None, call, url) for call in (sync, futures) for url in (http, grpc)]
+        calls = [*blocking, asyncio.ensure_future(asynchronously(http)), asyncio.ensure_future(asynchronously(grpc))]
+        await asyncio.sleep(0.5)  # every client has tried the server by now: nothing listens yet
         assert not any(call.done() for call in calls), [call.exception() for call in calls if call.done()]
-        config = TritonConfig(http_port=http_port, grpc_port=grpc_port, allow_metrics=False)
-        with Triton(config=config) as triton:
-            triton.bind("double", batch(lambda x: {"y": x * 2}), *VECTOR, config=ModelConfig(max_batch_size=8))
-            triton.run()
-            assert [call.result(20) for call in calls] == [[2.0, 2.0]] * 6
+        await asyncio.to_thread(triton.run)
+        return await asyncio.wait_for(asyncio.gather(*calls), 20)
+
+    with triton:
+        assert asyncio.run(main()) == [[2.0, 2.0]] * 6
 
 
 @pytest.mark.parametrize("scheme", ["http", "grpc"])
