@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -129,7 +129,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         try:
             return _extensions.model_ready(self.repository, request)
         except ProtocolError as exc:
-            await _abort(context, exc)
+            _fail(context, exc)
+            return pb.ModelReadyResponse()
 
     async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Context) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(**self.repository.server_metadata())
@@ -138,7 +139,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         try:
             meta = self.repository.model_metadata(request.name, request.version)
         except ProtocolError as exc:
-            await _abort(context, exc)
+            _fail(context, exc)
+            return pb.ModelMetadataResponse()
         tensor = pb.ModelMetadataResponse.TensorMetadata
         return pb.ModelMetadataResponse(
             name=meta["name"],
@@ -152,13 +154,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         try:
             return _extensions.model_config(self.repository, request)
         except ProtocolError as exc:
-            await _abort(context, exc)
+            _fail(context, exc)
+            return pb.ModelConfigResponse()
 
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Context) -> pb.ModelStatisticsResponse:
         try:
             return _extensions.model_statistics(self.repository, request)
         except ProtocolError as exc:
-            await _abort(context, exc)
+            _fail(context, exc)
+            return pb.ModelStatisticsResponse()
 
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Context) -> pb.RepositoryIndexResponse:
         return _extensions.repository_index(self.repository, request)
@@ -173,7 +177,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             call = _core.GrpcInferRequest(message)
             answer = await infer(self.repository, call, context.time_remaining())
         except Exception as exc:  # noqa: BLE001 - every failure becomes the call's status
-            await _abort(context, exc, "" if call is None else call.model_name, self.expose_errors)
+            _fail(context, exc, "" if call is None else call.model_name, self.expose_errors)
+            answer = b""
         return answer if isinstance(request, bytes) else pb.ModelInferResponse.FromString(answer)
 
     async def ModelStreamInfer(
@@ -347,11 +352,9 @@ def _has_bf16(inputs: Mapping[str, Any]) -> bool:
     return any(t.datatype == "BF16" for t in inputs.values())
 
 
-async def _abort(context: Context, exc: BaseException, model: str = "", expose: bool = False) -> NoReturn:
-    """Ends the call with ``exc``'s status: trailers only, no empty message
-    before them (as the native front-end answers)."""
-    await context.abort(status_code(exc), error_message(exc, model, expose=expose))
-    raise AssertionError("abort returned")  # grpc.aio's abort raises
+def _fail(context: Context, exc: BaseException, model: str = "", expose: bool = False) -> None:
+    context.set_code(status_code(exc))
+    context.set_details(error_message(exc, model, expose=expose))
 
 
 SERVICE = "inference.GRPCInferenceService"
@@ -396,7 +399,7 @@ def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
         for name, handler in made.handlers.items()
         if name not in ("ModelInfer", "ModelStreamInfer")  # given below
     }
-    handlers["ModelInfer"] = _one_message(servicer.ModelInfer, None)
+    handlers["ModelInfer"] = grpc.unary_unary_rpc_method_handler(servicer.ModelInfer)
     handlers["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(servicer.ModelStreamInfer)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     server.add_registered_method_handlers(SERVICE, handlers)
@@ -417,26 +420,4 @@ def _reading_bytes(handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHa
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"failed to decode Protobuf message: {exc}")
         return await behavior(request, context)  # type: ignore[arg-type]  # grpc.aio's context
 
-    return _one_message(call, handler.response_serializer)
-
-
-def _one_message(
-    behavior: Callable[[bytes, Context], Awaitable[Any]], serialize: Callable[[Any], bytes] | None
-) -> grpc.RpcMethodHandler[Any, Any]:
-    """A unary RPC taken as a client stream, so that a call whose one
-    message never came whole (none, or cut short, before the client's
-    end of stream) is answered INVALID_ARGUMENT, as natively: grpcio's
-    unary handler waits on such a call for ever, holding it. Two or more
-    messages are INVALID_ARGUMENT too."""
-
-    async def call(messages: AsyncIterator[bytes], context: Context) -> Any:
-        received: list[bytes] = []
-        async for message in messages:
-            received.append(message)
-            if len(received) > 1:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a unary call carries one request message")
-        if not received:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the request message is incomplete")
-        return await behavior(received[0], context)
-
-    return grpc.stream_unary_rpc_method_handler(call, response_serializer=serialize)
+    return grpc.unary_unary_rpc_method_handler(call, response_serializer=handler.response_serializer)
