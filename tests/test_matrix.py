@@ -1,6 +1,7 @@
 """Every feature through every way in: fixed tensors, BYTES, variable-length
 (padded and jagged), optional inputs, priority, parameters, the version
-output, failure isolation, deadlines and the queue timeout, each sent in
+output, failure isolation, deadlines, the queue timeout and the response
+cache, each sent in
 process (asyncio, a blocked thread), over HTTP (JSON, binary) and gRPC to
 the native and the Python front-ends, and through shared memory. A cell
 that does not behave as in process fails here. (The Ray client, which needs
@@ -85,6 +86,23 @@ def slow_recording(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return slow(batch)
 
 
+#: The first input value of every row the "cached" model ran.
+CACHED_RAN: list[float] = []
+
+
+def cached_model(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """y = 2x, a BYTES label and a padded output of x[1] copies of x[0]:
+    every kind of output a response cache keeps."""
+    x = batch["x"]
+    CACHED_RAN.extend(x[:, 0].tolist())
+    lengths = x[:, 1].long().clamp(0, 8)
+    seq = torch.zeros(len(x), int(lengths.max()) if len(x) else 0)
+    for i, n in enumerate(lengths.tolist()):
+        seq[i, :n] = x[i, 0]
+    label = np.array([[b"v%d" % int(v)] for v in x[:, 0].tolist()], dtype=object)
+    return {"y": x * 2, "label": label, "seq": seq, "seq_lengths": lengths}
+
+
 def servers() -> list[fb.Server]:
     f32 = "float32"
     return [
@@ -148,6 +166,18 @@ def servers() -> list[fb.Server]:
             outputs=[fb.TensorSpec("total", f32, ()), fb.TensorSpec("absent", "int64", ())],
             name="optional",
             with_requests=True,
+        ),
+        fb.Server(
+            cached_model,
+            inputs=[fb.TensorSpec("x", f32, (2,))],
+            outputs=[
+                fb.TensorSpec("y", f32, (2,)),
+                fb.TensorSpec("label", "bytes", (1,)),
+                fb.TensorSpec("seq", f32, (-1,), ragged="pad"),
+            ],
+            name="cached",
+            version_output="ver",
+            response_cache=1 << 20,
         ),
     ]
 
@@ -360,6 +390,29 @@ def test_a_request_past_the_queue_timeout_fails_never_run(ways: dict[str, Send],
     assert tag + 1 not in RAN and tag in RAN
     assert waited < 2 * SLOW_S, f"answered after {waited:.2f} s: it ran"
     assert send("queued", {"x": first})["y"].tolist() == [[tag, tag]]
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_a_request_with_cached_inputs_is_answered_without_running(ways: dict[str, Send], way: str) -> None:
+    """Sent again, a request (one row, or several as one request) gets the
+    same outputs, every kind (tensor, BYTES, variable-length, the version),
+    and the model does not run; other inputs run."""
+    send = ways[way]
+    tag = 100.0 * (WAYS.index(way) + 1)
+    one = np.array([[tag, 3]], dtype=np.float32)
+    two = np.array([[tag + 1, 2], [tag + 2, 2]], dtype=np.float32)  # one length: a thread sends rows apart
+    first = [send("cached", {"x": one}), send("cached", {"x": two})]
+    ran = len(CACHED_RAN)
+    again = [send("cached", {"x": one}), send("cached", {"x": two})]
+    assert len(CACHED_RAN) == ran, f"the model ran again for {CACHED_RAN[ran:]}"
+    for before, after in zip(first, again):
+        assert sorted(before) == sorted(after) == ["label", "seq", "ver", "y"]
+        for name in before:
+            np.testing.assert_array_equal(after[name], before[name])
+    assert again[0]["seq"].tolist() == [[tag] * 3] and again[0]["label"].tolist() == [[b"v%d" % tag]]
+    np.testing.assert_array_equal(again[1]["y"], two * 2)
+    send("cached", {"x": one + 0.5})  # other bytes: it runs
+    assert CACHED_RAN[ran:] == [tag + 0.5]
 
 
 def test_every_model_is_ready_with_its_batch_dimension_over_http_and_grpc() -> None:

@@ -6,6 +6,7 @@ async with server:
     out = await server.client().infer({"x": torch.randn(256)})
 """
 
+from ._cache import ResponseCache
 from ._core import __version__
 from ._requests import RequestInfo
 from .client import Client
@@ -30,6 +31,7 @@ __all__ = [
     "ModelError",
     "QueueFullError",
     "RequestInfo",
+    "ResponseCache",
     "Server",
     "ServerClosedError",
     "Shared",

@@ -1,8 +1,8 @@
 """Type stubs for the Rust extension ``ferrobatch._core`` (checked by mypy.stubtest)."""
 
 import asyncio
-from collections.abc import Callable, Mapping
-from typing import Any, final
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, final
 
 import torch
 
@@ -18,6 +18,7 @@ __all__ = [
     "SharedClient",
     "SharedDrain",
     "SharedServer",
+    "ResponseCache",
     "Submitter",
     "V2Codec",
     "V2Request",
@@ -83,12 +84,38 @@ class Batcher:
         default_timeout: float | None = None,
         first_id: int = 1,
         queue_timeout: float | None = None,
+        response_cache: tuple[ResponseCache, int, _CacheRows] | None = None,
     ) -> Batcher: ...
     @property
     def next_id(self) -> int:
         """The id its next request will get (a next run's ``first_id``)."""
+    def set_cache_namespace(self, namespace: int) -> None:
+        """Looks requests up in the response cache under ``namespace`` from now on."""
     def close(self) -> None: ...
     def stats(self) -> dict[str, Any]: ...
+
+class _CacheRows(Protocol):
+    """What cuts a response cache's results out of a batch's outputs and joins them back."""
+
+    def cut(self, outputs: Mapping[str, Any], spans: Sequence[tuple[int, int]], /) -> list[tuple[Any, int] | None]: ...
+    def join(self, parts: Sequence[tuple[int, int, Mapping[str, Any]]], rows: int, /) -> dict[str, Any]: ...
+
+@final
+class ResponseCache:
+    """A bounded, least-recently-used cache of model results by the bytes of
+    their requests' inputs (Triton's response cache), shareable by servers."""
+
+    def __new__(cls, max_bytes: int) -> ResponseCache: ...
+    @property
+    def max_bytes(self) -> int: ...
+    def namespace(self) -> int:
+        """A namespace of its own for one server's entries."""
+    def forget(self, namespace: int) -> None:
+        """Drops the entries of ``namespace``."""
+    def clear(self) -> None:
+        """Drops every entry."""
+    def stats(self) -> dict[str, int]:
+        """``{entries, bytes, max_bytes, evictions, too_large}``."""
 
 @final
 class Submitter:

@@ -24,6 +24,8 @@ import anyio.to_thread
 import torch
 
 from . import _core
+from ._cache import CachedRows, ResponseCache
+from ._cache import response_cache as response_cache_of
 from ._cuda import IN_FLIGHT, CudaExecutor, Handoff, cuda_graph_fallback_warning
 from ._executor import Executor, WorkerCounters, yield_to_front_end
 from ._invariance import InvarianceSampler, summed
@@ -120,6 +122,18 @@ class Server:
             filling included); while every instance is busy, as soon as one
             is free.
             ``None`` (default): no limit.
+        response_cache: keep results by their request's inputs (Triton's
+            response cache): a request whose inputs (bytes, shapes, rows,
+            optional inputs left out, requested outputs, and its parameters
+            with ``with_requests``) match a kept result's is answered with
+            it as its batch is released, never run. A size in bytes (a
+            cache of this server's), or a :class:`ferrobatch.ResponseCache`
+            shared by several servers (one bound for all); the least
+            recently used results go first. Every way in; a weight update
+            drops this server's results. Only successes are kept, each a
+            copy of its rows; not with ``decoupled=True``. ``stats()``
+            counts ``cache_hits`` (not in ``batches`` nor ``rows``) and
+            ``cache_misses``. ``None`` (default): no cache.
         device: where the model runs ("cpu", "cuda", "cuda:1", a
             ``torch.device``); ``None``: the device of the model's parameters,
             else CPU. A ``torch.nn.Module`` is moved there. A list gives one
@@ -265,6 +279,7 @@ class Server:
         max_queue_size: int = 10_000,
         default_timeout: float | None = None,
         queue_timeout: float | None = None,
+        response_cache: int | ResponseCache | None = None,
         device: str | torch.device | None | Sequence[str | torch.device | None] = None,
         name: str = "model",
         cuda_graphs: bool = False,
@@ -308,6 +323,12 @@ class Server:
             self.outputs += (TensorSpec(version_output, "int64", ()),)
         self.version_output = version_output
         self.decoupled = bool(decoupled)
+        #: Where results are kept by their inputs (None: nowhere).
+        self.response_cache = response_cache_of(response_cache)
+        if self.response_cache is not None and self.decoupled:
+            raise ValueError("response_cache keeps one result per request: not with decoupled=True")
+        # This server's entries there; new for each weight version.
+        self._cache_namespace = 0 if self.response_cache is None else self.response_cache.namespace()
         if not isinstance(max_stream_backlog, int) or max_stream_backlog < 1:
             raise ValueError(f"max_stream_backlog must be an int >= 1 (bytes), got {max_stream_backlog!r}")
         self.max_stream_backlog = max_stream_backlog
@@ -724,12 +745,18 @@ class Server:
                 optional=[s.optional for s in self.inputs],
                 default_timeout=self.default_timeout,
                 queue_timeout=self.queue_timeout,
+                response_cache=None
+                if self.response_cache is None
+                else (self.response_cache, self._cache_namespace, CachedRows(self.outputs, self.version_output)),
                 # Numbered on from the last run's: the callers' tables outlive a run.
                 first_id=self._first_id,
             )
         except BaseException:
             self._executors, self._slots, self._phase = [], [], "created"
             raise
+        if self.response_cache is not None:
+            with self._runs_lock:  # a weight update made meanwhile renewed the namespace
+                self._batcher.set_cache_namespace(self._cache_namespace)
         self._token = anyio.lowlevel.current_token()
         # torch's intra-op thread count is per OpenMP thread once set: each
         # worker is pinned to the budget, whatever ran before on its thread.
@@ -1089,6 +1116,7 @@ class Server:
         if self.instance_kind == "process":
             raise ValueError(f"server '{self.name}': the weights of process instances live in their processes")
         version, _ = self._weights.apply(update, self._models, self.devices, withdrawable=withdrawable)
+        self._forget_cached()
         return version
 
     def update_weights_sync(self, update: WeightUpdate) -> int:
@@ -1098,7 +1126,21 @@ class Server:
         if self.instance_kind == "process":
             raise ValueError(f"server '{self.name}': the weights of process instances live in their processes")
         version, _ = self._weights.apply(update, self._models, self.devices)
+        self._forget_cached()
         return version
+
+    def _forget_cached(self) -> None:
+        """Drops the results kept under the old weights: requests are looked
+        up under a fresh namespace from now on (a batch of the old weights
+        that finishes later keeps its results under the old one, never
+        found again), and the old one's entries go."""
+        if self.response_cache is None:
+            return
+        with self._runs_lock:
+            old, self._cache_namespace = self._cache_namespace, self.response_cache.namespace()
+            if self._batcher is not None:
+                self._batcher.set_cache_namespace(self._cache_namespace)
+        self.response_cache.forget(old)
 
     @property
     def model_version(self) -> int:
@@ -1139,7 +1181,9 @@ class Server:
         that failed in a call of their own); ``batch_sizes`` (batches by
         their number of rows, ``{rows: batches}``, summing to ``batches``
         once they have finished) and ``batch_compute_ns`` (``compute_ns`` by
-        the same batch sizes); ``last_inference_ms`` (when the latest batch
+        the same batch sizes); with ``response_cache``, ``cache_hits``
+        (requests answered from it, never run) and ``cache_misses``
+        (requests looked up there and run); ``last_inference_ms`` (when the latest batch
         finished, in milliseconds since the epoch; 0 before the first);
         ``instance_kind`` and, for process instances, ``process_restarts``;
         with ``invariance_sample_rate``, ``invariance_checks`` (requests
@@ -1179,6 +1223,8 @@ class Server:
             "succeeded_queue_ns": int(core.get("succeeded_queue_ns", 0)),
             "dispatch_reasons": dict(core.get("dispatch_reasons", {})),
             "release_age_ns": int(core.get("release_age_ns", 0)),
+            "cache_hits": int(core.get("cache_hits", 0)),
+            "cache_misses": int(core.get("cache_misses", 0)),
             "compute_ns": sum(c.compute_ns for c in self._counters),
             "request_compute_ns": sum(c.request_compute_ns for c in self._counters),
             "request_ns": request_ns,
@@ -1221,7 +1267,7 @@ class _EarlierRuns:
     totals, their instance processes' and their invariance samplers'."""
 
     #: The batcher's totals (its queue lengths are of now: not carried).
-    TOTALS = ("batches", "rows", "queue_ns", "succeeded_queue_ns", "release_age_ns")
+    TOTALS = ("batches", "rows", "queue_ns", "succeeded_queue_ns", "release_age_ns", "cache_hits", "cache_misses")
 
     def __init__(self) -> None:
         self.batcher: dict[str, int] = dict.fromkeys(self.TOTALS, 0)

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from .._cache import ResponseCache
 from .._requests import RequestInfo
 from .._variable import LENGTHS
 from ..serve import Listening, ServeConfig, serve
@@ -223,6 +224,7 @@ _USED = {
     "http_header_forward_pattern",
     "grpc_header_forward_pattern",
     "http_thread_count",
+    "cache_config",
     "allow_metrics",
     "allow_cpu_metrics",
     "allow_gpu_metrics",
@@ -334,6 +336,7 @@ class Triton:
         merged = {**given(TritonConfig.from_env()), **(given(config) if config is not None else {})}
         self._config = TritonConfig(**merged)
         self._serve_config = serve_config(self._config, expose_errors=expose_errors, frontend=frontend)
+        self._response_cache = _response_cache_of(self._config.cache_config)
         self._context = TritonContext()
         self._servers: list[Server] = []
         #: Each bound model's warm-ups: its instances, their ModelWarmup list, whether it batches.
@@ -398,7 +401,7 @@ class Triton:
             raise PyTritonValidationError("infer_func must be a callable or a non-empty list of callables")
         described = model_config_of(model_name, model_version, config, inputs, outputs, len(funcs))
         batcher = config.batcher
-        _refuse_unsupported(model_name, config)
+        _check_warmups(model_name, config)
         policy = batcher.default_queue_policy
         kwargs: dict[str, Any] = {}
         if policy is not None and policy.max_queue_size < 0:
@@ -419,6 +422,14 @@ class Triton:
             and policy.timeout_action == TimeoutAction.REJECT
         ):
             kwargs["queue_timeout"] = policy.default_timeout_microseconds / 1e6
+        if config.response_cache and self._response_cache is None:
+            log.warning(
+                "model '%s': response_cache=True needs a cache: TritonConfig(cache_config=['local,size=<bytes>']);"
+                " served without one",
+                model_name,
+            )
+        elif config.response_cache:
+            kwargs["response_cache"] = self._response_cache  # one cache for every model, as Triton's
         if batcher.priority_levels > 1:  # one level is none, as in Triton
             kwargs["priority_levels"] = batcher.priority_levels
             kwargs["default_priority"] = batcher.default_priority_level or None
@@ -714,12 +725,36 @@ def _warn_queue_policy(name: str, policy: QueuePolicy | None) -> None:
         )
 
 
-def _refuse_unsupported(name: str, config: ModelConfig) -> None:
-    problems = []
-    if config.response_cache:
-        problems.append("response_cache=True")
-    if problems:
-        raise PyTritonModelConfigError(f"model '{name}': not supported by ferrobatch: {'; '.join(problems)}")
+def _response_cache_of(entries: Sequence[str] | None) -> ResponseCache | None:
+    """The cache ``TritonConfig.cache_config`` describes (Triton's
+    ``--cache-config``: ``"local,size=<bytes>"``, or its parts as separate
+    entries, as the environment gives them), shared by the models that
+    enable ``response_cache``; None without one."""
+    if not entries:
+        return None
+    size: int | None = None
+    for token in (t.strip() for entry in entries for t in str(entry).split(",")):
+        key, is_setting, value = token.partition("=")
+        if not is_setting:
+            if token != "local":
+                raise PyTritonValidationError(
+                    f"cache_config {list(entries)!r}: only Triton's 'local' cache is served (\"local,size=<bytes>\")"
+                )
+        elif key.strip() != "size":
+            log.warning("cache_config %r: only the local cache's size is applied; %r ignored", list(entries), token)
+        else:
+            try:
+                size = int(value.strip())
+            except ValueError:
+                raise PyTritonValidationError(f"cache_config: size must be a number of bytes, got {value!r}") from None
+            if size <= 0:
+                raise PyTritonValidationError(f"cache_config: size must be > 0 bytes, got {size}")
+    if size is None:
+        raise PyTritonValidationError(f"cache_config {list(entries)!r}: the local cache needs size=<bytes>")
+    return ResponseCache(size)
+
+
+def _check_warmups(name: str, config: ModelConfig) -> None:
     for warmup in config.model_warmup or []:
         if not isinstance(warmup, ModelWarmup):
             raise PyTritonModelConfigError(f"model '{name}': model_warmup takes ModelWarmup entries, got {warmup!r}")

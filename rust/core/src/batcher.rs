@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use crate::bytes::BytesLimits;
+use crate::cache::{CacheKey, CachedValue, SharedCache};
 use crate::callers::BlockingCallers;
 use crate::doorbell::GatherRole;
 use crate::queue::{Admitted, Popped, Priorities};
@@ -85,6 +86,10 @@ pub struct Stats {
     pub dispatch_reasons: [AtomicU64; DispatchReason::ALL.len()],
     /// Sum over batches of their oldest request's age when released.
     pub release_age_ns: AtomicU64,
+    /// Requests answered from the response cache (not in `requests`).
+    pub cache_hits: AtomicU64,
+    /// Requests looked up in the response cache and run.
+    pub cache_misses: AtomicU64,
 }
 
 /// A batch put down while it filled (its requests still queued).
@@ -119,6 +124,10 @@ pub struct Worker {
     /// withdrew (`Expired`, never run). No caller's timer answers them: the
     /// worker's owner does ([`Worker::take_outstayed`]).
     outstayed: Vec<Arc<Request>>,
+    /// Requests this worker took and found in the response cache, with the
+    /// value kept for each: never collated nor run; the worker's owner
+    /// answers them ([`Worker::take_cached`]).
+    cached: Vec<(Arc<Request>, Arc<CachedValue>)>,
 }
 
 impl Worker {
@@ -130,6 +139,13 @@ impl Worker {
     /// the last [`Batcher::next_batch`]; each is handed out once.
     pub fn take_outstayed(&mut self) -> Vec<Arc<Request>> {
         std::mem::take(&mut self.outstayed)
+    }
+
+    /// The requests to answer from the response cache (each with its kept
+    /// value), found by the last [`Batcher::next_batch`]; each is handed out
+    /// once. They are taken: nobody else answers them.
+    pub fn take_cached(&mut self) -> Vec<(Arc<Request>, Arc<CachedValue>)> {
+        std::mem::take(&mut self.cached)
     }
 
     /// Whether this worker has seen the batcher close: a `None` from
@@ -159,6 +175,18 @@ pub struct Batch {
     pub taken_at: Instant,
     /// What each input became in the slot (its length, offsets, bytes).
     pub collated: Vec<Collated>,
+    /// With a response cache, each request's key, in row order, for its
+    /// result to be kept once the batch succeeded; empty without one.
+    pub cache_keys: Vec<CacheKey>,
+}
+
+/// The response cache a batcher looks its requests up in, and its own
+/// namespace there (changed when the model's results change: see
+/// [`Batcher::set_cache_namespace`]).
+#[derive(Debug)]
+struct CacheLink {
+    cache: Arc<SharedCache>,
+    namespace: AtomicU64,
 }
 
 #[derive(Debug)]
@@ -198,6 +226,9 @@ pub struct Batcher {
     /// Submitters that hold requests for this batcher ([`Unflushed`]):
     /// flushed as it closes.
     holders: Mutex<Vec<Weak<Held>>>,
+    /// Where results are kept for requests with the same inputs (see
+    /// [`Batcher::with_response_cache`]).
+    cache: Option<CacheLink>,
 }
 
 impl Batcher {
@@ -263,6 +294,7 @@ impl Batcher {
             queue_timeout: None,
             input_names: Vec::new(),
             holders: Mutex::new(Vec::new()),
+            cache: None,
         })
     }
 
@@ -328,6 +360,37 @@ impl Batcher {
     pub fn with_queue_timeout(mut self, timeout: Option<Duration>) -> Batcher {
         self.queue_timeout = timeout;
         self
+    }
+
+    /// This batcher, answering from `cache` the requests whose inputs match
+    /// a kept result, under `namespace` there (see [`crate::cache`]): a
+    /// worker looks each request up as it releases its batch; a hit leaves
+    /// the batch ([`Worker::take_cached`]), a miss runs and its key rides
+    /// the batch ([`Batch::cache_keys`]).
+    pub fn with_response_cache(mut self, cache: Option<(Arc<SharedCache>, u64)>) -> Batcher {
+        self.cache = cache.map(|(cache, namespace)| CacheLink {
+            cache,
+            namespace: AtomicU64::new(namespace),
+        });
+        self
+    }
+
+    /// The response cache and this batcher's namespace there, if any.
+    pub fn response_cache(&self) -> Option<(&Arc<SharedCache>, u64)> {
+        self.cache
+            .as_ref()
+            .map(|link| (&link.cache, link.namespace.load(Ordering::Acquire)))
+    }
+
+    /// Looks requests up under `namespace` from now on (the model's weights
+    /// changed: a fresh one from the cache, after which the old one's
+    /// entries may be forgotten). A batch released before keeps the old
+    /// namespace in its keys, so what it keeps is never found again: no
+    /// result of the old weights answers a request looked up after this.
+    pub fn set_cache_namespace(&self, namespace: u64) {
+        if let Some(link) = &self.cache {
+            link.namespace.store(namespace, Ordering::Release);
+        }
     }
 
     /// How long a request may wait to be taken (`None`: no limit).
@@ -653,8 +716,10 @@ impl Batcher {
     /// the submitters need. `None` once the batcher is closed and this worker
     /// has dispatched everything it was given ([`Worker::is_closed`]), or,
     /// with a queue timeout, when requests outstayed it while a batch filled
-    /// (the batch is parked): answer [`Worker::take_outstayed`] and call
-    /// again. After any call, those requests are the caller's to answer.
+    /// (the batch is parked), or, with a response cache, when every request
+    /// of the batch was found there: answer [`Worker::take_outstayed`] and
+    /// [`Worker::take_cached`] and call again. After any call, those
+    /// requests are the caller's to answer.
     ///
     /// One worker gathers at a time (it holds the gatherer's role; the
     /// others wait for it), so batches fill instead of being split between
@@ -699,6 +764,10 @@ impl Batcher {
             role.release(more);
             gathered_by
         };
+        let (rows, cache_keys) = match &self.cache {
+            Some(link) => self.answer_from_cache(link, &mut gathered, worker),
+            None => (rows, Vec::new()),
+        };
         if gathered.is_empty() {
             return None; // `slot` goes back to the ring
         }
@@ -734,7 +803,44 @@ impl Batcher {
             reason,
             taken_at,
             collated,
+            cache_keys,
         })
+    }
+
+    /// Looks each of `gathered` (taken, not yet collated) up in the cache:
+    /// hits leave it for the worker's owner to answer; returns the rows
+    /// left and the misses' keys, in order.
+    fn answer_from_cache(
+        &self,
+        link: &CacheLink,
+        gathered: &mut Vec<Arc<Request>>,
+        worker: &mut Worker,
+    ) -> (usize, Vec<CacheKey>) {
+        let mut keys = Vec::with_capacity(gathered.len());
+        let hits_before = worker.cached.len();
+        let namespace = link.namespace.load(Ordering::Acquire);
+        gathered.retain(|r| {
+            // SAFETY: `take_gathered` won `take()` for every request left in
+            // `gathered`, and none is resolved before its batch is returned
+            // (or, for a hit, before the worker's owner answers it).
+            let key = unsafe { CacheKey::of(namespace, r) };
+            match link.cache.get(&key) {
+                Some(value) => {
+                    worker.cached.push((r.clone(), value));
+                    false
+                }
+                None => {
+                    keys.push(key);
+                    true
+                }
+            }
+        });
+        let hits = (worker.cached.len() - hits_before) as u64;
+        self.stats.cache_hits.fetch_add(hits, Ordering::Relaxed);
+        self.stats
+            .cache_misses
+            .fetch_add(keys.len() as u64, Ordering::Relaxed);
+        (gathered.iter().map(|r| r.rows as usize).sum(), keys)
     }
 
     /// Fills `gathered` (empty, or a parked batch taken up again) by the
@@ -1086,7 +1192,7 @@ impl Budget {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
-    use crate::InputBytes;
+    use crate::{InputBytes, ResponseCache};
     use std::collections::HashSet;
     use std::sync::Mutex;
 
@@ -1126,6 +1232,7 @@ mod tests {
         delay_from_free_worker: bool,
         readiness: Readiness,
         queue_timeout: Option<Duration>,
+        cache: Option<(Arc<SharedCache>, u64)>,
     }
 
     impl Default for Knobs {
@@ -1136,6 +1243,7 @@ mod tests {
                 delay_from_free_worker: false,
                 readiness: Readiness::OnPush,
                 queue_timeout: None,
+                cache: None,
             }
         }
     }
@@ -1175,7 +1283,8 @@ mod tests {
                 Batcher::new(config, slots)
                     .unwrap()
                     .keeping_parameters(knobs.keep_parameters)
-                    .with_queue_timeout(knobs.queue_timeout),
+                    .with_queue_timeout(knobs.queue_timeout)
+                    .with_response_cache(knobs.cache),
             ),
             _slots: store,
         }
@@ -1547,6 +1656,63 @@ mod tests {
         late.join().unwrap();
         assert_eq!(b.rows, 2, "the late request joined the open batch");
         assert!(started.elapsed() >= Duration::from_millis(20));
+    }
+
+    #[test]
+    fn a_cached_request_leaves_its_batch_and_the_misses_carry_their_keys() {
+        static ROW_C: [u8; ROW] = [9; ROW];
+        let cache: Arc<SharedCache> = Arc::new(ResponseCache::new(1 << 20));
+        let namespace = cache.namespace();
+        let knobs = Knobs {
+            cache: Some((cache.clone(), namespace)),
+            ..Knobs::default()
+        };
+        let f = build(8, Duration::ZERO, 1, 100, 1, knobs);
+        let mut worker = Worker::new();
+        // Nothing kept yet: both run, each with its key.
+        let a = submit(&f.batcher, &ROW_A, None);
+        let c = submit(&f.batcher, &ROW_C, None);
+        let b = f.batcher.next_batch(&mut worker).unwrap();
+        assert_eq!(b.rows, 2);
+        assert_eq!(b.cache_keys.len(), 2);
+        assert!(worker.take_cached().is_empty());
+        let value: Arc<CachedValue> = Arc::new("a's result");
+        cache.insert(b.cache_keys[0].clone(), value, 10);
+        drop(b);
+        // A's inputs again: answered from the cache; C's run.
+        let a2 = submit(&f.batcher, &ROW_A, None);
+        let c2 = submit(&f.batcher, &ROW_C, None);
+        let b = f.batcher.next_batch(&mut worker).unwrap();
+        assert_eq!(
+            b.requests.iter().map(|r| r.id).collect::<Vec<_>>(),
+            vec![c2.id]
+        );
+        assert_eq!((b.rows, b.cache_keys.len()), (1, 1));
+        let cached = worker.take_cached();
+        assert_eq!(cached.len(), 1);
+        assert_eq!(cached[0].0.id, a2.id);
+        assert_eq!(cached[0].0.state(), RequestState::Taken);
+        assert_eq!(cached[0].1.downcast_ref::<&str>(), Some(&"a's result"));
+        assert!(worker.take_cached().is_empty(), "handed out once");
+        drop(b);
+        // Only hits: no batch, and the hits wait for the worker's owner.
+        submit(&f.batcher, &ROW_A, None);
+        assert!(f.batcher.next_batch(&mut worker).is_none());
+        assert!(!worker.is_closed());
+        assert_eq!(worker.take_cached().len(), 1);
+        let stats = f.batcher.stats();
+        assert_eq!(stats.cache_hits.load(Ordering::Relaxed), 2);
+        assert_eq!(stats.cache_misses.load(Ordering::Relaxed), 3);
+        assert_eq!(stats.requests.load(Ordering::Relaxed), 3, "hits never ran");
+        // Another namespace's batcher does not see A's result.
+        let other = Knobs {
+            cache: Some((cache.clone(), cache.namespace())),
+            ..Knobs::default()
+        };
+        let g = build(8, Duration::ZERO, 1, 100, 1, other);
+        submit(&g.batcher, &ROW_A, None);
+        assert_eq!(g.batcher.next_batch(&mut Worker::new()).unwrap().rows, 1);
+        drop((a, c));
     }
 
     #[test]

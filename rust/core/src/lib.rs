@@ -65,6 +65,10 @@
 //!   a native connection, a shared-memory client). A batch's [`Routes`] group
 //!   its rows by sink in one pass; each sink's owner (outside this crate)
 //!   delivers its group with one wake-up per batch.
+//! * **Response cache** ([`cache`]): a batcher with one looks each taken
+//!   request up by its inputs' bytes as its batch is released; a hit
+//!   leaves the batch, never collated nor run, and the worker's owner
+//!   answers it with the kept result ([`Worker::take_cached`]).
 //! * **Pending requests**: a way in registers each request in a
 //!   [`Pending`] table before queueing it; the table owns who answers it
 //!   (exactly once: its batch, its caller giving up, or the stop), the
@@ -86,6 +90,7 @@
 
 mod batcher;
 pub mod bytes;
+pub mod cache;
 pub mod callers;
 pub mod dispatch;
 mod doorbell;
@@ -108,6 +113,7 @@ pub mod unflushed;
 pub mod v2;
 
 pub use batcher::{Batch, Batcher, BatcherConfig, Stats, Submission, Worker, MAX_QUEUE_SIZE};
+pub use cache::{CacheCounts, CacheKey, CachedValue, ResponseCache, SharedCache};
 pub use callers::BlockingCallers;
 pub use dispatch::{Decision, DispatchReason, DispatchRule};
 pub use dtype::DType;

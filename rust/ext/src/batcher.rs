@@ -18,6 +18,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyType};
 
+use crate::cache::{CachedResult, ResponseCache};
 use crate::errors::{ferrobatch_error, invalid_input, to_pyerr};
 use crate::inputs::{Converter, InputSpec, Keep};
 use crate::loops::{LoopRegistry, Wakeups};
@@ -34,6 +35,10 @@ pub struct Batcher {
     converter: Converter,
     /// The staging tensors whose memory the core writes; kept alive here.
     _slot_tensors: Vec<Py<PyAny>>,
+    /// With a response cache: the object that cuts a request's rows out of
+    /// a batch's outputs to keep (`cut(outputs, spans)`) and joins kept
+    /// rows into a batch's outputs to answer hits with (`join(parts, rows)`).
+    cache_rows: Option<Py<PyAny>>,
 }
 
 #[pymethods]
@@ -45,7 +50,7 @@ impl Batcher {
         layouts=Vec::new(), max_batch_elements=None, padded_dims=Vec::new(),
         priority_levels=0, default_priority=None, max_priority_wait=None, keep_parameters=false,
         optional=Vec::new(), delay_from_free_worker=false, default_timeout=None, first_id=1,
-        queue_timeout=None,
+        queue_timeout=None, response_cache=None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -73,6 +78,7 @@ impl Batcher {
         default_timeout: Option<f64>,
         first_id: u64,
         queue_timeout: Option<f64>,
+        response_cache: Option<(Bound<'_, ResponseCache>, u64, Py<PyAny>)>,
     ) -> PyResult<Batcher> {
         let default_timeout = positive_seconds("default_timeout", default_timeout)?;
         let queue_timeout = positive_seconds("queue_timeout", queue_timeout)?;
@@ -158,7 +164,12 @@ impl Batcher {
             .with_default_timeout(default_timeout)
             .with_queue_timeout(queue_timeout)
             .naming_inputs(specs.iter().map(|s| Arc::from(s.name.as_str())).collect())
-            .numbering_from(first_id);
+            .numbering_from(first_id)
+            .with_response_cache(
+                response_cache
+                    .as_ref()
+                    .map(|(cache, namespace, _)| (cache.get().core.clone(), *namespace)),
+            );
         Ok(Batcher {
             core: Arc::new(core),
             converter: Converter {
@@ -170,7 +181,14 @@ impl Batcher {
                 bytes_limits: BytesLimits::default(),
             },
             _slot_tensors: slot_tensors,
+            cache_rows: response_cache.map(|(_, _, rows)| rows),
         })
+    }
+
+    /// Looks requests up in the response cache under `namespace` from now
+    /// on (see the core's `Batcher::set_cache_namespace`).
+    fn set_cache_namespace(&self, namespace: u64) {
+        self.core.set_cache_namespace(namespace)
     }
 
     /// Refuses new requests; workers dispatch what they hold, then stop.
@@ -187,8 +205,10 @@ impl Batcher {
 
     /// Counters since start: batches, rows, requests, skipped_withdrawn,
     /// skipped_expired, queue_ns, release_age_ns (the oldest request's age
-    /// when its batch was released, summed over batches), dispatch_reasons
-    /// (`{reason: batches}`).
+    /// when its batch was released, summed over batches), cache_hits and
+    /// cache_misses (requests answered from the response cache, which are
+    /// not in `requests`, and requests looked up there and run),
+    /// dispatch_reasons (`{reason: batches}`).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         use Ordering::Relaxed;
         let s = self.core.stats();
@@ -201,6 +221,8 @@ impl Batcher {
         d.set_item("queue_ns", s.queue_ns.load(Relaxed))?;
         d.set_item("succeeded_queue_ns", s.succeeded_queue_ns.load(Relaxed))?;
         d.set_item("release_age_ns", s.release_age_ns.load(Relaxed))?;
+        d.set_item("cache_hits", s.cache_hits.load(Relaxed))?;
+        d.set_item("cache_misses", s.cache_misses.load(Relaxed))?;
         let reasons = PyDict::new(py);
         for (reason, n) in DispatchReason::ALL.iter().zip(&s.dispatch_reasons) {
             reasons.set_item(reason.name(), n.load(Relaxed))?;
@@ -485,13 +507,22 @@ pub struct Worker {
     /// Mailboxes posted to and threads answered since the last
     /// `next_batch`: woken there, once the GIL is released.
     to_wake: Mutex<Wakeups>,
+    /// The batcher's response cache and the object that cuts and joins its
+    /// results (see [`Batcher`]'s `cache_rows`), if it has one.
+    cache: Option<(Arc<core::SharedCache>, Py<PyAny>)>,
 }
 
 #[pymethods]
 impl Worker {
     #[new]
     fn new(batcher: Bound<'_, Batcher>, registry: Py<LoopRegistry>) -> Worker {
+        let py = batcher.py();
+        let cache = batcher.get().core.response_cache().and_then(|(cache, _)| {
+            let rows = batcher.get().cache_rows.as_ref()?;
+            Some((cache.clone(), rows.clone_ref(py)))
+        });
         Worker {
+            cache,
             core: batcher.get().core.clone(),
             _batcher: batcher.unbind(),
             registry,
@@ -530,6 +561,9 @@ impl Worker {
             f.sort_by_key(|(start, _)| *start);
             Arc::new(f)
         });
+        if let (Ok(outputs), None) = (&outcome, &failed) {
+            self.keep_results(py, batch, outputs.bind(py));
+        }
         if outcome.is_ok() {
             let queued = batch.succeeded_queue_ns(failed.as_ref());
             let stats = self.core.stats();
@@ -587,26 +621,30 @@ impl Worker {
     ///
     /// Requests that waited longer than the queue timeout to be taken are
     /// answered here (`DeadlineExceededError`), never run: no caller's
-    /// timer watches the queue timeout.
+    /// timer watches the queue timeout. So are requests found in the
+    /// response cache, with what it kept.
     fn next_batch(&self, py: Python<'_>) -> PyResult<Option<Batch>> {
         let batch = loop {
             let to_wake =
                 std::mem::take(&mut *self.to_wake.lock().unwrap_or_else(|e| e.into_inner()));
             let doorbells = to_wake.doorbells();
-            let (batch, outstayed) = without_gil(py, || {
+            let (batch, outstayed, cached) = without_gil(py, || {
                 to_wake.wake(&doorbells);
                 let mut state = self.state.lock().map_err(|_| "worker state poisoned")?;
                 let batch = self.core.next_batch(&mut state);
-                Ok::<_, &str>((batch, state.take_outstayed()))
+                Ok::<_, &str>((batch, state.take_outstayed(), state.take_cached()))
             })
             .map_err(PyTypeError::new_err)?;
             drop(to_wake);
-            if outstayed.is_empty() {
-                break batch; // a batch, or None: closed and drained
+            let answered = !outstayed.is_empty() || !cached.is_empty();
+            if !outstayed.is_empty() {
+                self.answer_outstayed(py, &outstayed);
             }
-            self.answer_outstayed(py, &outstayed);
-            if batch.is_some() {
-                break batch;
+            if !cached.is_empty() {
+                self.answer_cached(py, &cached);
+            }
+            if batch.is_some() || !answered {
+                break batch; // a batch, or None: closed and drained
             }
         };
         Ok(batch.map(|b| Batch {
@@ -615,6 +653,7 @@ impl Worker {
             collated: Mutex::new(b.collated),
             rows: b.rows,
             requests: b.requests,
+            cache_keys: Mutex::new(b.cache_keys),
             taken_at: b.taken_at,
             groups: b
                 .routes
@@ -647,6 +686,85 @@ impl Worker {
         let posted = registry.route_batch(py, &groups, &Err(error.into_value(py).into_any()), None);
         let doorbells = posted.doorbells();
         without_gil(py, || posted.wake(&doorbells));
+    }
+
+    /// Answers `hits` (taken, never run) with what the response cache kept
+    /// for each, through each one's way in, as one batch of their rows,
+    /// and wakes their callers at once.
+    fn answer_cached(&self, py: Python<'_>, hits: &[(Arc<core::Request>, Arc<core::CachedValue>)]) {
+        let requests: Vec<Arc<core::Request>> = hits.iter().map(|(r, _)| r.clone()).collect();
+        let groups: Vec<(Sink, Arc<Vec<Route>>)> = core::Routes::for_batch(&requests)
+            .groups
+            .into_iter()
+            .map(|(sink, routes)| (sink, Arc::new(routes)))
+            .collect();
+        let outcome = self
+            .join_cached(py, hits)
+            .map_err(|err| err.into_value(py).into_any());
+        let posted = self.registry.get().route_batch(py, &groups, &outcome, None);
+        let doorbells = posted.doorbells();
+        without_gil(py, || posted.wake(&doorbells));
+    }
+
+    /// The outputs of a batch made of `hits`' kept rows, back to back.
+    fn join_cached(
+        &self,
+        py: Python<'_>,
+        hits: &[(Arc<core::Request>, Arc<core::CachedValue>)],
+    ) -> PyResult<Py<PyDict>> {
+        let Some((_, rows)) = &self.cache else {
+            return Err(PyValueError::new_err(
+                "cached results without a response cache",
+            ));
+        };
+        let parts = PyList::empty(py);
+        let mut start = 0u32;
+        for (request, value) in hits {
+            let Some(kept) = value.downcast_ref::<CachedResult>() else {
+                return Err(PyValueError::new_err("a cached result of another kind"));
+            };
+            parts.append((start, request.rows, kept.value.bind(py)))?;
+            start = start.saturating_add(request.rows);
+        }
+        let joined = rows
+            .bind(py)
+            .call_method1(intern!(py, "join"), (parts, start))?;
+        Ok(joined.cast_into::<PyDict>()?.unbind())
+    }
+
+    /// Keeps the results of `batch`'s requests (it succeeded, with
+    /// `outputs`) in the response cache, each under its request's key.
+    /// What cannot be cut out is not kept (reported as unraisable).
+    fn keep_results(&self, py: Python<'_>, batch: &Batch, outputs: &Bound<'_, PyDict>) {
+        let Some((cache, rows)) = &self.cache else {
+            return;
+        };
+        let keys = std::mem::take(&mut *batch.cache_keys.lock().unwrap_or_else(|e| e.into_inner()));
+        if keys.is_empty() {
+            return;
+        }
+        let mut spans = Vec::with_capacity(batch.requests.len());
+        let mut start = 0u32;
+        for request in &batch.requests {
+            spans.push((start, request.rows));
+            start = start.saturating_add(request.rows);
+        }
+        let cut = rows
+            .bind(py)
+            .call_method1(intern!(py, "cut"), (outputs, spans))
+            .and_then(|cut| cut.extract::<Vec<Option<(Py<PyAny>, usize)>>>());
+        let cut = match cut {
+            Ok(cut) => cut,
+            Err(err) => {
+                err.write_unraisable(py, Some(outputs.as_any()));
+                return;
+            }
+        };
+        for (key, kept) in keys.into_iter().zip(cut) {
+            if let Some((value, nbytes)) = kept {
+                cache.insert(key, Arc::new(CachedResult { value }), nbytes);
+            }
+        }
     }
 }
 
@@ -681,6 +799,9 @@ pub struct Batch {
     groups: Vec<(Sink, Arc<Vec<Route>>)>,
     /// What each input became in the slot.
     collated: Mutex<Vec<Collated>>,
+    /// With a response cache, each request's key (row order), taken when
+    /// the batch's results are kept.
+    cache_keys: Mutex<Vec<core::CacheKey>>,
 }
 
 impl Batch {

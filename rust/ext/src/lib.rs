@@ -6,8 +6,8 @@
 //! them to word a failure. Its modules, in layers (each uses only those
 //! above it, so there is no import circle):
 //!
-//! 1. `errors`, `codec`, `inputs`, `results`: conversions, and what the
-//!    callers of a finished batch get;
+//! 1. `errors`, `codec`, `inputs`, `results`, `cache`: conversions, what
+//!    the callers of a finished batch get, and the response cache;
 //! 2. the ways in, each only how an answer is handed over: `mailbox` (event
 //!    loops), `threads` (blocked threads), `native_sink` (the native
 //!    front-end's connections), `shm_sink` (shared-memory clients);
@@ -18,6 +18,7 @@
 //! The GIL is released in one place, [`without_gil`].
 
 mod batcher;
+mod cache;
 mod codec;
 mod errors;
 mod grpc_codec;
@@ -67,6 +68,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<batcher::Batcher>()?;
     m.add_class::<batcher::Worker>()?;
     m.add_class::<batcher::Batch>()?;
+    m.add_class::<cache::ResponseCache>()?;
     m.add_class::<loops::LoopRegistry>()?;
     m.add_class::<mailbox::LoopMailbox>()?;
     m.add_class::<submit::Submitter>()?;

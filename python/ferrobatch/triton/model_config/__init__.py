@@ -81,8 +81,10 @@ class ModelConfig:
     """A bound model's configuration, with PyTriton's defaults
     (``max_batch_size=4``, batching on, greedy dynamic batching).
 
-    ``response_cache=True`` is not supported and refused at
-    :meth:`Triton.bind`. ``model_warmup`` (a list of
+    ``response_cache=True`` keeps results by their inputs in the cache
+    ``TritonConfig(cache_config=["local,size=<bytes>"])`` describes, one
+    for every model (``Server(response_cache=...)``); without one it is
+    served uncached, with a warning. ``model_warmup`` (a list of
     :class:`~ferrobatch.triton.model_config.common.ModelWarmup`) runs
     before the model serves, on each instance, as Triton's. What the
     callables see of a bound model is its

@@ -1,0 +1,91 @@
+"""The Python half of the response cache (``Server(response_cache=...)``;
+the cache itself, its keys and its bounds are ``_core.ResponseCache``'s).
+
+The core looks each request up by its inputs' bytes as its batch is
+released: a hit never runs, a miss runs and carries its key. This module
+says what is kept per request and how hits are answered: a request's rows
+of its batch's outputs, copied (:meth:`CachedRows.cut`), and a batch made
+of hits' kept rows back to back (:meth:`CachedRows.join`), which every way
+in then reads as it reads a model's batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._core import ResponseCache
+from ._variable import PaddedOutput, RaggedOutput, merge_parts
+from .specs import TensorSpec
+
+__all__ = ["CachedRows", "ResponseCache", "response_cache"]
+
+
+def response_cache(value: object) -> ResponseCache | None:
+    """``Server(response_cache=)``'s argument as a cache: ``None``, a byte
+    size (a cache of its own) or a :class:`ResponseCache` to share."""
+    if value is None or isinstance(value, ResponseCache):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return ResponseCache(value)
+    raise ValueError(f"response_cache must be a size in bytes (> 0), a ferrobatch.ResponseCache or None, got {value!r}")
+
+
+class CachedRows:
+    """Cuts what is kept out of a batch's outputs and joins it back."""
+
+    def __init__(self, outputs: Sequence[TensorSpec], version_output: str | None) -> None:
+        self.specs = [s for s in outputs if s.name != version_output]
+        self.version_output = version_output
+
+    def cut(self, outputs: Mapping[str, Any], spans: Sequence[tuple[int, int]]) -> list[tuple[Any, int] | None]:
+        """Each request's rows (``(start, rows)``) of a succeeded batch's
+        ``outputs``, copied (the batch's buffers are used again), with the
+        bytes they hold; ``None`` for what is not kept (an output of a batch
+        that failure isolation ran in parts)."""
+        kept: list[tuple[Any, int] | None] = []
+        for start, rows in spans:
+            part: dict[str, Any] = {}
+            nbytes = 0
+            for name, out in outputs.items():
+                piece = _rows_of(out, start, rows)
+                if piece is None:
+                    break
+                part[name] = piece
+                nbytes += _nbytes(piece)
+            else:
+                kept.append((part, nbytes))
+                continue
+            kept.append(None)
+        return kept
+
+    def join(self, parts: Sequence[tuple[int, int, Mapping[str, Any]]], rows: int) -> dict[str, Any]:
+        """A batch's outputs made of kept parts (``(start, rows, kept)``,
+        back to back over ``rows``)."""
+        return merge_parts(parts, rows, self.specs, self.version_output)
+
+
+def _rows_of(out: Any, start: int, rows: int) -> Any:
+    end = start + rows
+    if isinstance(out, torch.Tensor):
+        return out[start:end].clone()
+    if isinstance(out, np.ndarray):
+        return out[start:end].copy()
+    if isinstance(out, RaggedOutput):
+        values = out.request_rows(start, rows, True)
+        return RaggedOutput(values, [], out.lengths[start:end], True, out.pad_value)
+    if isinstance(out, PaddedOutput):
+        return PaddedOutput(out.request_rows(start, rows, True), out.lengths[start:end], out.variable, out.pad_value)
+    return None
+
+
+def _nbytes(piece: Any) -> int:
+    values = piece.values if isinstance(piece, (RaggedOutput, PaddedOutput)) else piece
+    if isinstance(values, torch.Tensor):
+        return int(values.nbytes)
+    if values.dtype == object:  # BYTES: the elements' own bytes too
+        return int(values.nbytes) + sum(len(v) for v in values.ravel() if isinstance(v, (bytes, str)))
+    return int(values.nbytes)

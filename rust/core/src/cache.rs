@@ -1,0 +1,379 @@
+//! The response cache (Triton's `response_cache`): the result of a request,
+//! kept by its inputs' bytes, so that a later request with the same inputs
+//! is answered without running the model.
+//!
+//! A batcher with a cache ([`crate::Batcher::with_response_cache`]) looks
+//! each request up as its batch is released, after it won `take()` (so its
+//! bytes are readable): a hit leaves the batch and is answered by the
+//! worker's owner from the cached value ([`crate::Worker::take_cached`]),
+//! never collated nor run; a miss runs, and its batch carries its key
+//! ([`crate::Batch::cache_keys`]) for the owner to [`ResponseCache::insert`]
+//! its result once the batch succeeded. Every way in goes through the
+//! batcher, so every way in has it.
+//!
+//! One cache may serve several models (as Triton's one cache serves every
+//! model that enables it): each batcher keys its entries under its own
+//! namespace ([`ResponseCache::namespace`]). Its size is bounded in bytes
+//! (values as their owner sizes them, plus keys); the least recently used
+//! entries go first, and an entry larger than the whole cache is never kept.
+//! Values are opaque here (the binding keeps Python objects): whoever
+//! inserts one reads it back.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use lru::LruCache;
+
+use crate::Request;
+
+/// Bytes counted per entry beyond its key and value: the map's own.
+const ENTRY_OVERHEAD: usize = 64;
+
+/// What a request is looked up by: its batcher's namespace, then every
+/// field that shapes its result (rows, which inputs and outputs, its
+/// parameters as the model reads them: see [`model_parameters`]), then
+/// each input's length, extents and bytes. Lengths go before what they
+/// measure, so two different requests never serialize alike.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct CacheKey(Box<[u8]>);
+
+impl CacheKey {
+    /// The key of `request` under `namespace`.
+    ///
+    /// # Safety
+    /// The caller must have won `request.take()` and not yet resolved it:
+    /// the key reads the request's input bytes (see [`crate::InputBytes::new`]).
+    pub unsafe fn of(namespace: u64, request: &Request) -> CacheKey {
+        let inputs = request.inputs();
+        let data: usize = inputs.iter().map(|i| i.len()).sum();
+        let params = request.parameters.as_deref().and_then(model_parameters);
+        let params = params.as_deref();
+        let mut key =
+            Vec::with_capacity(40 + params.map_or(0, str::len) + inputs.len() * 48 + data);
+        let word = |key: &mut Vec<u8>, w: u64| key.extend_from_slice(&w.to_le_bytes());
+        word(&mut key, namespace);
+        word(&mut key, u64::from(request.rows));
+        word(&mut key, request.absent);
+        word(&mut key, request.requested_outputs);
+        match params {
+            None => word(&mut key, u64::MAX),
+            Some(text) => {
+                word(&mut key, text.len() as u64);
+                key.extend_from_slice(text.as_bytes());
+            }
+        }
+        for input in inputs {
+            word(&mut key, input.len() as u64);
+            for &extent in input.extents() {
+                word(&mut key, extent as u64);
+            }
+            // SAFETY: the caller won `take()` and has not resolved the
+            // request, so its submitter keeps these bytes alive.
+            key.extend_from_slice(unsafe { input.as_slice() });
+        }
+        CacheKey(key.into_boxed_slice())
+    }
+
+    /// The namespace the key was made under.
+    fn namespace(&self) -> u64 {
+        let mut word = [0u8; 8];
+        if let Some(first) = self.0.get(..8) {
+            word.copy_from_slice(first);
+        }
+        u64::from_le_bytes(word)
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+/// The parameters that tell the model something, in one spelling: the
+/// request's JSON object without those that only tell ferrobatch how to
+/// serve it (`timeout`, `priority`, `binary_data_output`), its keys
+/// sorted; `None` when none is left. Text that is not an object is kept
+/// as it is.
+fn model_parameters(text: &str) -> Option<String> {
+    match serde_json::from_str::<serde_json::Value>(text) {
+        Ok(serde_json::Value::Object(mut object)) => {
+            for serving in ["timeout", "priority", "binary_data_output"] {
+                object.remove(serving);
+            }
+            // serde_json's map keeps its keys sorted (no `preserve_order`).
+            (!object.is_empty()).then(|| serde_json::Value::Object(object).to_string())
+        }
+        _ => Some(text.to_owned()),
+    }
+}
+
+/// A kept value and the bytes it is counted as (key and overhead included).
+struct Entry<V: ?Sized> {
+    value: Arc<V>,
+    nbytes: usize,
+}
+
+struct Entries<V: ?Sized> {
+    lru: LruCache<CacheKey, Entry<V>>,
+    bytes: usize,
+}
+
+/// Counters of a cache since it was made.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct CacheCounts {
+    pub entries: usize,
+    pub bytes: usize,
+    pub max_bytes: usize,
+    /// Entries dropped to make room for newer ones.
+    pub evictions: u64,
+    /// Values not kept: larger than the whole cache.
+    pub too_large: u64,
+}
+
+/// A bounded, least-recently-used map from request keys to results (see
+/// the module). `V` is what the binding keeps per result.
+pub struct ResponseCache<V: ?Sized> {
+    max_bytes: usize,
+    entries: Mutex<Entries<V>>,
+    next_namespace: AtomicU64,
+    evictions: AtomicU64,
+    too_large: AtomicU64,
+}
+
+impl<V: ?Sized> std::fmt::Debug for ResponseCache<V> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResponseCache")
+            .field("counts", &self.counts())
+            .finish()
+    }
+}
+
+/// What a batcher's cache keeps per result: whatever its binding chooses,
+/// downcast where read.
+pub type CachedValue = dyn std::any::Any + Send + Sync;
+
+/// The cache batchers share ([`crate::Batcher::with_response_cache`]).
+pub type SharedCache = ResponseCache<CachedValue>;
+
+impl<V: ?Sized> ResponseCache<V> {
+    /// A cache holding at most `max_bytes` (0 keeps nothing).
+    pub fn new(max_bytes: usize) -> ResponseCache<V> {
+        ResponseCache {
+            max_bytes,
+            entries: Mutex::new(Entries {
+                // Capped by bytes, not by count.
+                lru: LruCache::unbounded(),
+                bytes: 0,
+            }),
+            next_namespace: AtomicU64::new(1),
+            evictions: AtomicU64::new(0),
+            too_large: AtomicU64::new(0),
+        }
+    }
+
+    /// A namespace no other user of this cache has: a batcher's keys.
+    pub fn namespace(&self) -> u64 {
+        self.next_namespace.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Entries<V>> {
+        self.entries.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The value kept for `key`, now the most recently used.
+    pub fn get(&self, key: &CacheKey) -> Option<Arc<V>> {
+        self.lock().lru.get(key).map(|e| e.value.clone())
+    }
+
+    /// Keeps `value` (counted as `nbytes`, plus its key) for `key`, making
+    /// room by dropping the least recently used entries. Returns false when
+    /// it is larger than the whole cache (nothing is dropped then).
+    pub fn insert(&self, key: CacheKey, value: Arc<V>, nbytes: usize) -> bool {
+        let nbytes = nbytes
+            .saturating_add(key.len())
+            .saturating_add(ENTRY_OVERHEAD);
+        if nbytes > self.max_bytes {
+            self.too_large.fetch_add(1, Ordering::Relaxed);
+            return false;
+        }
+        let mut entries = self.lock();
+        if let Some(old) = entries.lru.pop(&key) {
+            entries.bytes -= old.nbytes;
+        }
+        while entries.bytes + nbytes > self.max_bytes {
+            let Some((_, dropped)) = entries.lru.pop_lru() else {
+                break;
+            };
+            entries.bytes -= dropped.nbytes;
+            self.evictions.fetch_add(1, Ordering::Relaxed);
+        }
+        entries.bytes += nbytes;
+        entries.lru.push(key, Entry { value, nbytes });
+        true
+    }
+
+    /// Drops every entry of `namespace` (its model's weights changed).
+    pub fn forget(&self, namespace: u64) {
+        let mut entries = self.lock();
+        let stale: Vec<CacheKey> = entries
+            .lru
+            .iter()
+            .filter(|(key, _)| key.namespace() == namespace)
+            .map(|(key, _)| key.clone())
+            .collect();
+        for key in stale {
+            if let Some(old) = entries.lru.pop(&key) {
+                entries.bytes -= old.nbytes;
+            }
+        }
+    }
+
+    /// Drops every entry.
+    pub fn clear(&self) {
+        let mut entries = self.lock();
+        entries.lru.clear();
+        entries.bytes = 0;
+    }
+
+    pub fn counts(&self) -> CacheCounts {
+        let entries = self.lock();
+        CacheCounts {
+            entries: entries.lru.len(),
+            bytes: entries.bytes,
+            max_bytes: self.max_bytes,
+            evictions: self.evictions.load(Ordering::Relaxed),
+            too_large: self.too_large.load(Ordering::Relaxed),
+        }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::{InputBytes, Sink};
+
+    fn request(rows: u32, bytes: &[u8]) -> Request {
+        // SAFETY: `bytes` outlives the request in every test here.
+        let input = unsafe { InputBytes::new(bytes.as_ptr(), bytes.len()) };
+        Request::new(1, Sink::Thread, rows, vec![input], None)
+    }
+
+    fn key(namespace: u64, r: &Request) -> CacheKey {
+        assert!(r.take());
+        // SAFETY: taken just above, and its bytes outlive it.
+        unsafe { CacheKey::of(namespace, r) }
+    }
+
+    #[test]
+    fn the_same_inputs_find_what_was_kept_and_other_inputs_do_not() {
+        let cache: ResponseCache<u32> = ResponseCache::new(1 << 20);
+        let ns = cache.namespace();
+        let data = [1u8, 2, 3, 4];
+        cache.insert(key(ns, &request(1, &data)), Arc::new(7), 4);
+        assert_eq!(cache.get(&key(ns, &request(1, &data))).as_deref(), Some(&7));
+        // Other bytes, other rows, another namespace, parameters: all miss.
+        assert!(cache.get(&key(ns, &request(1, &[1, 2, 3, 5]))).is_none());
+        assert!(cache.get(&key(ns, &request(2, &data))).is_none());
+        assert!(cache
+            .get(&key(cache.namespace(), &request(1, &data)))
+            .is_none());
+        let with_params = request(1, &data).with_parameters(Some("{\"a\":1}".into()));
+        assert!(cache.get(&key(ns, &with_params)).is_none());
+        let absent = request(1, &data).with_absent(1);
+        assert!(cache.get(&key(ns, &absent)).is_none());
+    }
+
+    #[test]
+    fn parameters_count_as_the_model_reads_them() {
+        let data = [1u8];
+        let with =
+            |text: Option<&str>| key(1, &request(1, &data).with_parameters(text.map(Into::into)));
+        let none = with(None);
+        // Only how to serve it, or nothing: as none.
+        assert_eq!(with(Some("{}")), none);
+        assert_eq!(
+            with(Some(
+                r#"{"timeout": 5, "binary_data_output": true, "priority": 1}"#
+            )),
+            none
+        );
+        // The same object spelt otherwise: one key.
+        let ab = with(Some(r#"{"a": 1, "b": "x"}"#));
+        assert_eq!(with(Some(r#"{ "b":"x","a":1, "timeout": 9 }"#)), ab);
+        assert_ne!(ab, none);
+        assert_ne!(with(Some(r#"{"a": 2, "b": "x"}"#)), ab);
+    }
+
+    #[test]
+    fn inputs_split_differently_make_different_keys() {
+        // [1, 2] + [3] and [1] + [2, 3] hold the same bytes in a row.
+        let (a, b, c, d) = ([1u8, 2], [3u8], [1u8], [2u8, 3]);
+        // SAFETY: the arrays outlive the requests.
+        let two = |x: &[u8], y: &[u8]| unsafe {
+            Request::new(
+                1,
+                Sink::Thread,
+                1,
+                vec![
+                    InputBytes::new(x.as_ptr(), x.len()),
+                    InputBytes::new(y.as_ptr(), y.len()),
+                ],
+                None,
+            )
+        };
+        assert_ne!(key(1, &two(&a, &b)), key(1, &two(&c, &d)));
+        assert_eq!(key(1, &two(&a, &b)), key(1, &two(&a, &b)));
+    }
+
+    #[test]
+    fn the_least_recently_used_go_first_and_the_bytes_stay_bounded() {
+        let datas: Vec<[u8; 1]> = (0..5u8).map(|i| [i]).collect();
+        let keys: Vec<CacheKey> = datas.iter().map(|d| key(1, &request(1, d))).collect();
+        let unit = 100 + keys[0].len() + ENTRY_OVERHEAD;
+        let cache: ResponseCache<u32> = ResponseCache::new(3 * unit);
+        for (i, k) in keys.iter().take(3).enumerate() {
+            assert!(cache.insert(k.clone(), Arc::new(i as u32), 100));
+        }
+        assert_eq!(cache.counts().entries, 3);
+        assert_eq!(cache.counts().bytes, 3 * unit);
+        assert!(cache.get(&keys[0]).is_some()); // 0 is now the most recent
+        assert!(cache.insert(keys[3].clone(), Arc::new(3), 100));
+        assert!(
+            cache.get(&keys[1]).is_none(),
+            "the least recently used went"
+        );
+        assert!(cache.get(&keys[0]).is_some());
+        let counts = cache.counts();
+        assert!(counts.bytes <= counts.max_bytes);
+        assert_eq!(counts.evictions, 1);
+        // Larger than the whole cache: refused, nothing dropped.
+        assert!(!cache.insert(keys[4].clone(), Arc::new(4), 3 * unit));
+        assert_eq!(cache.counts().entries, 3);
+        assert_eq!(cache.counts().too_large, 1);
+    }
+
+    #[test]
+    fn forgetting_a_namespace_keeps_the_others() {
+        let cache: ResponseCache<u32> = ResponseCache::new(1 << 20);
+        let (a, b) = (cache.namespace(), cache.namespace());
+        let data = [9u8; 8];
+        cache.insert(key(a, &request(1, &data)), Arc::new(1), 8);
+        cache.insert(key(b, &request(1, &data)), Arc::new(2), 8);
+        cache.forget(a);
+        assert!(cache.get(&key(a, &request(1, &data))).is_none());
+        assert_eq!(cache.get(&key(b, &request(1, &data))).as_deref(), Some(&2));
+        let one = cache.counts().bytes;
+        cache.insert(key(b, &request(1, &data)), Arc::new(3), 8);
+        assert_eq!(
+            cache.counts().bytes,
+            one,
+            "a key kept again replaces its entry"
+        );
+        cache.clear();
+        assert_eq!(cache.counts().entries, 0);
+        assert_eq!(cache.counts().bytes, 0);
+    }
+}

@@ -1,0 +1,233 @@
+"""The response cache (``Server(response_cache=...)``): a request whose
+inputs match a kept result's is answered with it and never runs; what is
+kept, when it is dropped, and what ``stats()`` says. Every way in is
+crossed in tests/test_matrix.py."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+
+import ferrobatch as fb
+
+X = [fb.TensorSpec("x", "float32", (4,))]
+Y = [fb.TensorSpec("y", "float32", (4,))]
+
+
+class Counting:
+    """y = scale * x, counting the rows it ran."""
+
+    def __init__(self, scale: float = 2.0) -> None:
+        self.scale = scale
+        self.rows: list[float] = []
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        self.rows.extend(batch["x"][:, 0].tolist())
+        return {"y": batch["x"] * self.scale}
+
+
+def row(v: float) -> dict[str, torch.Tensor]:
+    return {"x": torch.full((4,), float(v))}
+
+
+async def test_a_hit_never_runs_and_stats_count_it() -> None:
+    model = Counting()
+    server = fb.Server(model, inputs=X, outputs=Y, response_cache=1 << 20, max_delay=0)
+    async with server:
+        client = server.client()
+        first = await client.infer(row(1))
+        again = await client.infer(row(1))
+        other = await client.infer(row(2))
+        many = await asyncio.gather(*(client.infer(row(i % 2 + 1)) for i in range(20)))
+        stats = server.stats()
+    assert model.rows == [1.0, 2.0]
+    assert torch.equal(first["y"], again["y"]) and torch.equal(again["y"], torch.full((4,), 2.0))
+    assert torch.equal(other["y"], torch.full((4,), 4.0))
+    assert all(torch.equal(m["y"], torch.full((4,), 2.0 * (i % 2 + 1))) for i, m in enumerate(many))
+    assert (stats["cache_hits"], stats["cache_misses"]) == (21, 2)
+    assert stats["requests_succeeded"] == 23, "hits are answered requests"
+    assert (stats["batches"], stats["rows"]) == (2, 2), "hits are in no batch"
+    kept = server.response_cache
+    assert kept is not None and kept.stats()["entries"] == 2
+
+
+async def test_without_a_cache_every_request_runs() -> None:
+    model = Counting()
+    async with fb.Server(model, inputs=X, outputs=Y) as server:
+        for _ in range(3):
+            await server.client().infer(row(1))
+        assert server.stats()["cache_hits"] == 0
+    assert model.rows == [1.0] * 3
+
+
+async def test_one_cache_serves_two_models_each_its_own_results() -> None:
+    shared = fb.ResponseCache(1 << 20)
+    double, triple = Counting(2.0), Counting(3.0)
+    a = fb.Server(double, inputs=X, outputs=Y, name="a", response_cache=shared)
+    b = fb.Server(triple, inputs=X, outputs=Y, name="b", response_cache=shared)
+    async with a, b:
+        for _ in range(2):
+            assert (await a.client().infer(row(1)))["y"][0] == 2.0
+            assert (await b.client().infer(row(1)))["y"][0] == 3.0
+    assert double.rows == [1.0] and triple.rows == [1.0]
+    assert shared.stats()["entries"] == 2
+
+
+async def test_the_cache_stays_within_its_bytes_and_drops_the_least_recently_used() -> None:
+    model = Counting()
+    server = fb.Server(model, inputs=X, outputs=Y, response_cache=1000, max_delay=0)
+    kept = server.response_cache
+    assert kept is not None
+    async with server:
+        client = server.client()
+        for v in range(10):
+            await client.infer(row(v))
+            stats = kept.stats()
+            assert stats["bytes"] <= stats["max_bytes"] == 1000
+        assert 0 < kept.stats()["entries"] < 10 and kept.stats()["evictions"] > 0
+        ran = len(model.rows)
+        await client.infer(row(9))  # the most recent: kept
+        assert len(model.rows) == ran
+        await client.infer(row(0))  # the least recent: dropped, runs again
+        assert model.rows[ran:] == [0.0]
+
+
+async def test_a_result_larger_than_the_cache_is_not_kept() -> None:
+    model = Counting()
+    server = fb.Server(model, inputs=X, outputs=Y, response_cache=64)
+    async with server:
+        for _ in range(2):
+            await server.client().infer(row(1))
+    assert model.rows == [1.0, 1.0]
+    assert server.response_cache is not None and server.response_cache.stats()["too_large"] == 2
+
+
+async def test_a_weight_update_drops_the_results_of_the_old_weights() -> None:
+    linear = torch.nn.Linear(4, 4, bias=False)
+    torch.nn.init.eye_(linear.weight)
+    calls: list[int] = []
+
+    def model(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        calls.append(len(batch["x"]))
+        return {"y": linear(batch["x"])}
+
+    server = fb.Server(model, inputs=X, outputs=Y, response_cache=1 << 20)
+    async with server:
+        client = server.client()
+        assert (await client.infer(row(1)))["y"].tolist() == [1.0] * 4
+        assert (await client.infer(row(1)))["y"].tolist() == [1.0] * 4
+        assert len(calls) == 1
+        await server.update_weights(lambda _: linear.weight.data.mul_(2))
+        assert (await client.infer(row(1)))["y"].tolist() == [2.0] * 4, "an old result answered"
+        assert len(calls) == 2
+        assert (await client.infer(row(1)))["y"].tolist() == [2.0] * 4
+        assert len(calls) == 2, "the new weights' result is kept"
+
+
+async def test_failures_are_not_kept() -> None:
+    calls: list[int] = []
+
+    def flaky(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        calls.append(len(batch["x"]))
+        if len(calls) == 1:
+            raise RuntimeError("first call fails")
+        return {"y": batch["x"]}
+
+    async with fb.Server(flaky, inputs=X, outputs=Y, response_cache=1 << 20) as server:
+        with pytest.raises(fb.ModelError):
+            await server.client().infer(row(1))
+        for _ in range(2):
+            assert (await server.client().infer(row(1)))["y"].tolist() == [1.0] * 4
+    assert len(calls) == 2
+
+
+async def test_parameters_are_part_of_the_key_for_a_model_that_reads_them() -> None:
+    seen: list[Any] = []
+
+    def model(batch: dict[str, torch.Tensor], requests: list[fb.RequestInfo]) -> dict[str, torch.Tensor]:
+        seen.extend(r.parameters.get("k") for r in requests)
+        return {"y": batch["x"]}
+
+    server = fb.Server(model, inputs=X, outputs=Y, with_requests=True, response_cache=1 << 20)
+    async with server:
+        client = server.client()
+        for k in ("a", "a", "b", None, None):
+            await client.infer(row(1), parameters=None if k is None else {"k": k})
+    assert seen == ["a", "b", None]
+
+
+async def test_kept_results_outlive_a_restart() -> None:
+    model = Counting()
+    server = fb.Server(model, inputs=X, outputs=Y, response_cache=1 << 20)
+    async with server:
+        await server.client().infer(row(1))
+    async with server:
+        assert (await server.client().infer(row(1)))["y"][0] == 2.0
+        assert server.stats()["cache_hits"] == 1
+    assert model.rows == [1.0]
+
+
+def test_bad_settings_are_refused() -> None:
+    for bad in (0, -1, True, 1.5, "1MB"):
+        with pytest.raises(ValueError, match="response_cache"):
+            fb.Server(Counting(), inputs=X, outputs=Y, response_cache=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_bytes"):
+        fb.ResponseCache(0)
+    with pytest.raises(ValueError, match="decoupled"):
+        fb.Server(Counting(), inputs=X, outputs=Y, response_cache=1 << 20, decoupled=True)
+
+
+def test_pytritons_response_cache_with_the_local_cache_of_triton_config(caplog: pytest.LogCaptureFixture) -> None:
+    """``ModelConfig(response_cache=True)`` with ``TritonConfig(cache_config=
+    ["local,size=N"])``: every such model keeps results in the one cache;
+    without a cache configured it is served uncached, with a warning; a
+    cache other than Triton's local one, or no size, is refused."""
+    import logging
+
+    import numpy as np
+
+    from ferrobatch.triton import ModelConfig, Tensor, Triton, TritonConfig
+    from ferrobatch.triton.client import ModelClient
+    from ferrobatch.triton.exceptions import PyTritonValidationError
+
+    calls: list[int] = []
+
+    def add_one(requests: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+        calls.append(len(requests))
+        return [{"y": r["x"] + 1} for r in requests]
+
+    tensors = ([Tensor(name="x", dtype=np.float32, shape=(-1,))], [Tensor(name="y", dtype=np.float32, shape=(-1,))])
+    config = TritonConfig(http_port=0, grpc_port=0, metrics_port=0, cache_config=[f"local,size={1 << 20}"])
+    with Triton(config=config) as triton:
+        triton.bind("a", add_one, *tensors, config=ModelConfig(max_batch_size=16, response_cache=True))
+        triton.bind("b", add_one, *tensors, config=ModelConfig(max_batch_size=16, response_cache=True))
+        triton.bind("plain", add_one, *tensors, config=ModelConfig(max_batch_size=16))
+        a, b, plain = triton.servers
+        assert a.response_cache is b.response_cache is not None and plain.response_cache is None
+        triton.run()
+        batch = np.ones((16, 3), np.float32)
+        for url in (f"http://127.0.0.1:{triton.http_port}", f"grpc://127.0.0.1:{triton.grpc_port}"):
+            with ModelClient(url, "a") as client:
+                for _ in range(3):
+                    np.testing.assert_array_equal(client.infer_batch(batch)["y"], batch + 1)
+        with ModelClient(f"http://127.0.0.1:{triton.http_port}", "plain") as client:
+            for _ in range(2):
+                client.infer_batch(batch)
+        assert calls == [1, 1, 1], calls  # "a" once (then 5 hits), "plain" twice
+        assert a.stats()["cache_hits"] == 5 and a.stats()["cache_misses"] == 1
+
+    uncached = Triton(config=TritonConfig(http_port=0, grpc_port=0))
+    with caplog.at_level(logging.WARNING, logger="ferrobatch.triton"):
+        uncached.bind("c", add_one, *tensors, config=ModelConfig(response_cache=True))
+    assert "response_cache=True needs a cache" in caplog.text
+    assert uncached.servers[0].response_cache is None
+    # As the environment splits it: ["local", "size=N"].
+    split = Triton(config=TritonConfig(http_port=0, grpc_port=0, cache_config=["local", "size=4096"]))
+    split.bind("d", add_one, *tensors, config=ModelConfig(response_cache=True))
+    assert split.servers[0].response_cache is not None and split.servers[0].response_cache.max_bytes == 4096
+    for bad in (["redis,host=x"], ["local"], ["local,size=0"], ["local,size=big"]):
+        with pytest.raises(PyTritonValidationError, match="cache_config"):
+            Triton(config=TritonConfig(http_port=0, grpc_port=0, cache_config=bad))
