@@ -28,6 +28,8 @@ NAMES = {
     "nv_inference_queue_duration_us",
     "nv_inference_compute_infer_duration_us",
     "nv_inference_pending_request_count",
+    "nv_cache_num_hits_per_model",
+    "nv_cache_num_misses_per_model",
     "ferrobatch_retry_calls",
     "ferrobatch_batches",
     "ferrobatch_isolated_failures",

@@ -231,3 +231,37 @@ def test_pytritons_response_cache_with_the_local_cache_of_triton_config(caplog: 
     for bad in (["redis,host=x"], ["local"], ["local,size=0"], ["local,size=big"]):
         with pytest.raises(PyTritonValidationError, match="cache_config"):
             Triton(config=TritonConfig(http_port=0, grpc_port=0, cache_config=bad))
+
+
+@pytest.mark.parametrize("frontend", ["native", "python"])
+def test_statistics_and_metrics_count_hits_as_triton_does(frontend: str) -> None:
+    """Over HTTP: the statistics extension's ``cache_hit``/``cache_miss``
+    counts, hits in ``success`` but not in ``queue`` or ``compute_infer``;
+    ``nv_cache_num_hits_per_model`` and ``..._misses_...`` in ``/metrics``."""
+    import re
+    import urllib.request
+
+    import numpy as np
+    import tritonclient.http as httpclient
+
+    from ferrobatch.serve import ServeConfig, serve_in_thread
+
+    server = fb.Server(Counting(), inputs=X, outputs=Y, name="m", response_cache=1 << 20)
+    config = ServeConfig(http_port=0, grpc_port=0, frontend=frontend, log_level="warning")  # type: ignore[arg-type]
+    with serve_in_thread([server], config) as served:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{served.http_port}")
+        tensor = httpclient.InferInput("x", [1, 4], "FP32")
+        tensor.set_data_from_numpy(np.ones((1, 4), np.float32))
+        for _ in range(3):
+            assert client.infer("m", [tensor]).as_numpy("y").tolist() == [[2.0] * 4]
+        (stats,) = client.get_inference_statistics("m")["model_stats"]
+        text = urllib.request.urlopen(f"http://127.0.0.1:{served.http_port}/metrics", timeout=10).read().decode()
+        client.close()
+    inference = stats["inference_stats"]
+    assert inference["success"]["count"] == 3
+    assert inference["cache_hit"]["count"] == 2 and inference["cache_miss"]["count"] == 1
+    assert inference["queue"]["count"] == inference["compute_infer"]["count"] == 1
+    assert stats["inference_count"] == stats["execution_count"] == 1
+    hits = re.search(r'nv_cache_num_hits_per_model\{model="m",version="1"\} (\S+)', text)
+    misses = re.search(r'nv_cache_num_misses_per_model\{model="m",version="1"\} (\S+)', text)
+    assert hits and float(hits.group(1)) == 2 and misses and float(misses.group(1)) == 1, text

@@ -23,6 +23,9 @@ and prometheus_client's ``process_*``:
 - ``nv_inference_compute_infer_duration_us``: summed model-call time, counted
   once per request of each batch, as Triton counts it;
 - ``nv_inference_pending_request_count``: requests waiting now (a gauge);
+- ``nv_cache_num_hits_per_model`` and ``nv_cache_num_misses_per_model``:
+  requests answered from the response cache (never run), and requests
+  looked up there and run (``Server(response_cache=...)``; 0 without one);
 - ``ferrobatch_retry_calls``: model calls made to isolate failures, and batches
   run again on an instance process started after theirs died
   (``isolate_failures``; Triton has no such metric);
@@ -187,6 +190,16 @@ class TritonCollector(Collector):
             "Instantaneous number of pending requests awaiting execution",
             labels=labels,
         )
+        cache_hits = CounterFamily(
+            "nv_cache_num_hits_per_model",
+            "Number of requests answered from the response cache",
+            labels=labels,
+        )
+        cache_misses = CounterFamily(
+            "nv_cache_num_misses_per_model",
+            "Number of requests looked up in the response cache and run",
+            labels=labels,
+        )
         retries = CounterFamily(
             "ferrobatch_retry_calls",
             "Number of model calls made to isolate failed requests of failed batches",
@@ -248,13 +261,15 @@ class TritonCollector(Collector):
             queue_us.add_metric(model, stats["succeeded_queue_ns"] // 1000)
             compute_us.add_metric(model, stats["request_compute_ns"] // 1000)
             pending.add_metric(model, stats["queue_depth"])
+            cache_hits.add_metric(model, stats["cache_hits"])
+            cache_misses.add_metric(model, stats["cache_misses"])
             retries.add_metric(model, stats["retry_calls"])
             isolated.add_metric(model, stats["isolated_failures"])
             checks.add_metric(model, stats["invariance_checks"])
             mismatches.add_metric(model, stats["invariance_mismatches"])
         yield from (
-            success, failure, count, exec_count, request_us, queue_us, compute_us, pending, retries, isolated,
-            checks, mismatches, reasons, batch_size, request_durations,
+            success, failure, count, exec_count, request_us, queue_us, compute_us, pending, cache_hits,
+            cache_misses, retries, isolated, checks, mismatches, reasons, batch_size, request_durations,
         )  # fmt: skip
 
 

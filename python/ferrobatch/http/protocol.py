@@ -358,9 +358,13 @@ class ModelRepository:
         ``success`` counts succeeded requests with their submit-to-result
         time, ``fail`` failed ones (not timed), ``queue`` the time requests
         waited, ``compute_infer`` the model calls (a batch's time once per
-        request; per batch in ``batch_stats``). Collation and fan-out are not
-        timed apart from the model call: ``compute_input`` and
-        ``compute_output`` carry the counts with 0 ns, as does the absent cache.
+        request; per batch in ``batch_stats``), each over the succeeded
+        requests that ran; ``cache_hit`` and ``cache_miss`` count the
+        requests answered from the response cache and those looked up there
+        and run (as Triton, hits are in ``success`` and in no other).
+        Collation, fan-out and cache lookups are not timed apart from the
+        model call: ``compute_input``, ``compute_output`` and the cache's
+        carry the counts with 0 ns.
         """
         models = [self.model(name, version)] if name else list(self._models.values())
         return {"model_stats": [_model_stats(m.server) for m in models]}
@@ -427,6 +431,7 @@ def _duration(count: int, ns: int) -> dict[str, int]:
 def _model_stats(server: Server) -> dict[str, Any]:
     stats = server.stats()
     succeeded = stats["requests_succeeded"]
+    ran = max(0, succeeded - stats["cache_hits"])  # hits are answered, never queued for nor run
     batch_ns = stats["batch_compute_ns"]
     return {
         "name": server.name,
@@ -437,12 +442,12 @@ def _model_stats(server: Server) -> dict[str, Any]:
         "inference_stats": {
             "success": _duration(succeeded, stats["request_ns"]),
             "fail": _duration(sum(stats["requests_failed"].values()), 0),
-            "queue": _duration(succeeded, stats["succeeded_queue_ns"]),
-            "compute_input": _duration(succeeded, 0),
-            "compute_infer": _duration(succeeded, stats["request_compute_ns"]),
-            "compute_output": _duration(succeeded, 0),
-            "cache_hit": _duration(0, 0),
-            "cache_miss": _duration(0, 0),
+            "queue": _duration(ran, stats["succeeded_queue_ns"]),
+            "compute_input": _duration(ran, 0),
+            "compute_infer": _duration(ran, stats["request_compute_ns"]),
+            "compute_output": _duration(ran, 0),
+            "cache_hit": _duration(stats["cache_hits"], 0),
+            "cache_miss": _duration(stats["cache_misses"], 0),
         },
         "batch_stats": [
             {
