@@ -2,11 +2,14 @@
 the cache itself, its keys and its bounds are ``_core.ResponseCache``'s).
 
 The core looks each request up by its inputs' bytes as its batch is
-released: a hit never runs, a miss runs and carries its key. This module
-says what is kept per request and how hits are answered: a request's rows
-of its batch's outputs, copied (:meth:`CachedRows.cut`), and a batch made
-of hits' kept rows back to back (:meth:`CachedRows.join`), which every way
-in then reads as it reads a model's batch.
+released: a hit never runs, a miss runs and carries its key. What is kept
+per request is its rows of its batch's outputs, copied: for a model whose
+outputs are all fixed-shape tensors, their bytes, copied in Rust (the
+outputs named :attr:`CachedRows.fixed`, joined back by
+:meth:`CachedRows.join_rows`); for any other, what :meth:`CachedRows.cut`
+makes, joined back by :meth:`CachedRows.join`. Hits are answered as a batch
+of their kept rows back to back, which every way in reads as it reads a
+model's batch.
 """
 
 from __future__ import annotations
@@ -40,6 +43,20 @@ class CachedRows:
     def __init__(self, outputs: Sequence[TensorSpec], version_output: str | None) -> None:
         self.specs = [s for s in outputs if s.name != version_output]
         self.version_output = version_output
+        #: The outputs kept as bytes, in order: every one (the version
+        #: output included) when all are fixed-shape tensors; else none.
+        self.fixed: list[str] = [] if any(s.is_bytes or s.is_ragged for s in outputs) else [s.name for s in outputs]
+        self._fixed_specs = list(outputs)
+
+    def join_rows(self, columns: Sequence[bytearray], rows: int) -> dict[str, torch.Tensor]:
+        """A batch's outputs from each :attr:`fixed` output's rows' bytes
+        (``rows`` rows, back to back): tensors over those bytes."""
+        return {
+            s.name: torch.frombuffer(column, dtype=s.torch_dtype).reshape(rows, *s.shape)
+            if len(column)
+            else torch.empty((rows, *s.shape), dtype=s.torch_dtype)
+            for s, column in zip(self._fixed_specs, columns, strict=True)
+        }
 
     def cut(self, outputs: Mapping[str, Any], spans: Sequence[tuple[int, int]]) -> list[tuple[Any, int] | None]:
         """Each request's rows (``(start, rows)``) of a succeeded batch's

@@ -1677,7 +1677,7 @@ mod tests {
         assert_eq!(b.cache_keys.len(), 2);
         assert!(worker.take_cached().is_empty());
         let value: Arc<CachedValue> = Arc::new("a's result");
-        cache.insert(b.cache_keys[0].clone(), value, 10);
+        cache.insert(b.cache_keys[0], value, 10);
         drop(b);
         // A's inputs again: answered from the cache; C's run.
         let a2 = submit(&f.batcher, &ROW_A, None);

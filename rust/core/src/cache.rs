@@ -14,28 +14,46 @@
 //! One cache may serve several models (as Triton's one cache serves every
 //! model that enables it): each batcher keys its entries under its own
 //! namespace ([`ResponseCache::namespace`]). Its size is bounded in bytes
-//! (values as their owner sizes them, plus keys); the least recently used
+//! (values as their owner sizes them, plus a fixed cost per entry: keys
+//! are digests, see [`CacheKey`]); the least recently used
 //! entries go first, and an entry larger than the whole cache is never kept.
 //! Values are opaque here (the binding keeps Python objects): whoever
 //! inserts one reads it back.
 
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
+use foldhash::fast::RandomState as MapHasher;
 use lru::LruCache;
 
 use crate::Request;
 
-/// Bytes counted per entry beyond its key and value: the map's own.
-const ENTRY_OVERHEAD: usize = 64;
+/// Bytes counted per entry beyond its value: its key and the map's own.
+const ENTRY_OVERHEAD: usize = 64 + std::mem::size_of::<CacheKey>();
 
-/// What a request is looked up by: its batcher's namespace, then every
-/// field that shapes its result (rows, which inputs and outputs, its
-/// parameters as the model reads them: see [`model_parameters`]), then
-/// each input's length, extents and bytes. Lengths go before what they
-/// measure, so two different requests never serialize alike.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct CacheKey(Box<[u8]>);
+/// What a request is looked up by: its batcher's namespace, and a 128-bit
+/// digest of every field that shapes its result (rows, which inputs and
+/// outputs, its parameters as the model reads them: see
+/// [`model_parameters`]) and of each input's length, extents and bytes.
+/// Lengths go before what they measure, so two different requests never
+/// feed the digest alike. The digest is two SipHash-1-3 hashes under keys
+/// drawn at random once per process (as Triton keys its cache by a hash,
+/// not by the inputs): a cache holds no copy of any input, two different
+/// requests share a key only by a 128-bit collision, and nobody without
+/// the process's keys can craft one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct CacheKey {
+    namespace: u64,
+    digest: [u64; 2],
+}
+
+/// The digest's two hash keys, drawn once per process.
+fn digest_keys() -> &'static (RandomState, RandomState) {
+    static KEYS: OnceLock<(RandomState, RandomState)> = OnceLock::new();
+    KEYS.get_or_init(|| (RandomState::new(), RandomState::new()))
+}
 
 impl CacheKey {
     /// The key of `request` under `namespace`.
@@ -44,51 +62,34 @@ impl CacheKey {
     /// The caller must have won `request.take()` and not yet resolved it:
     /// the key reads the request's input bytes (see [`crate::InputBytes::new`]).
     pub unsafe fn of(namespace: u64, request: &Request) -> CacheKey {
-        let inputs = request.inputs();
-        let data: usize = inputs.iter().map(|i| i.len()).sum();
-        let params = request.parameters.as_deref().and_then(model_parameters);
-        let params = params.as_deref();
-        let mut key =
-            Vec::with_capacity(40 + params.map_or(0, str::len) + inputs.len() * 48 + data);
-        let word = |key: &mut Vec<u8>, w: u64| key.extend_from_slice(&w.to_le_bytes());
-        word(&mut key, namespace);
-        word(&mut key, u64::from(request.rows));
-        word(&mut key, request.absent);
-        word(&mut key, request.requested_outputs);
-        match params {
-            None => word(&mut key, u64::MAX),
+        let (one, two) = digest_keys();
+        let mut digest = [one.build_hasher(), two.build_hasher()];
+        let mut feed = |bytes: &[u8]| digest.iter_mut().for_each(|h| h.write(bytes));
+        let word = |w: u64| w.to_le_bytes();
+        feed(&word(u64::from(request.rows)));
+        feed(&word(request.absent));
+        feed(&word(request.requested_outputs));
+        match request.parameters.as_deref().and_then(model_parameters) {
+            None => feed(&word(u64::MAX)),
             Some(text) => {
-                word(&mut key, text.len() as u64);
-                key.extend_from_slice(text.as_bytes());
+                feed(&word(text.len() as u64));
+                feed(text.as_bytes());
             }
         }
-        for input in inputs {
-            word(&mut key, input.len() as u64);
+        for input in request.inputs() {
+            feed(&word(input.len() as u64));
             for &extent in input.extents() {
-                word(&mut key, extent as u64);
+                feed(&word(extent as u64));
             }
             // SAFETY: the caller won `take()` and has not resolved the
             // request, so its submitter keeps these bytes alive.
-            key.extend_from_slice(unsafe { input.as_slice() });
+            feed(unsafe { input.as_slice() });
         }
-        CacheKey(key.into_boxed_slice())
-    }
-
-    /// The namespace the key was made under.
-    fn namespace(&self) -> u64 {
-        let mut word = [0u8; 8];
-        if let Some(first) = self.0.get(..8) {
-            word.copy_from_slice(first);
+        let [one, two] = digest;
+        CacheKey {
+            namespace,
+            digest: [one.finish(), two.finish()],
         }
-        u64::from_le_bytes(word)
-    }
-
-    pub fn len(&self) -> usize {
-        self.0.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
     }
 }
 
@@ -117,7 +118,7 @@ struct Entry<V: ?Sized> {
 }
 
 struct Entries<V: ?Sized> {
-    lru: LruCache<CacheKey, Entry<V>>,
+    lru: LruCache<CacheKey, Entry<V>, MapHasher>,
     bytes: usize,
 }
 
@@ -164,8 +165,8 @@ impl<V: ?Sized> ResponseCache<V> {
         ResponseCache {
             max_bytes,
             entries: Mutex::new(Entries {
-                // Capped by bytes, not by count.
-                lru: LruCache::unbounded(),
+                // Capped by bytes, not by count; keys are digests already.
+                lru: LruCache::unbounded_with_hasher(MapHasher::default()),
                 bytes: 0,
             }),
             next_namespace: AtomicU64::new(1),
@@ -188,13 +189,11 @@ impl<V: ?Sized> ResponseCache<V> {
         self.lock().lru.get(key).map(|e| e.value.clone())
     }
 
-    /// Keeps `value` (counted as `nbytes`, plus its key) for `key`, making
+    /// Keeps `value` (counted as `nbytes`, plus its entry) for `key`, making
     /// room by dropping the least recently used entries. Returns false when
     /// it is larger than the whole cache (nothing is dropped then).
     pub fn insert(&self, key: CacheKey, value: Arc<V>, nbytes: usize) -> bool {
-        let nbytes = nbytes
-            .saturating_add(key.len())
-            .saturating_add(ENTRY_OVERHEAD);
+        let nbytes = nbytes.saturating_add(ENTRY_OVERHEAD);
         if nbytes > self.max_bytes {
             self.too_large.fetch_add(1, Ordering::Relaxed);
             return false;
@@ -221,8 +220,8 @@ impl<V: ?Sized> ResponseCache<V> {
         let stale: Vec<CacheKey> = entries
             .lru
             .iter()
-            .filter(|(key, _)| key.namespace() == namespace)
-            .map(|(key, _)| key.clone())
+            .filter(|(key, _)| key.namespace == namespace)
+            .map(|(key, _)| *key)
             .collect();
         for key in stale {
             if let Some(old) = entries.lru.pop(&key) {
@@ -332,15 +331,15 @@ mod tests {
     fn the_least_recently_used_go_first_and_the_bytes_stay_bounded() {
         let datas: Vec<[u8; 1]> = (0..5u8).map(|i| [i]).collect();
         let keys: Vec<CacheKey> = datas.iter().map(|d| key(1, &request(1, d))).collect();
-        let unit = 100 + keys[0].len() + ENTRY_OVERHEAD;
+        let unit = 100 + ENTRY_OVERHEAD;
         let cache: ResponseCache<u32> = ResponseCache::new(3 * unit);
         for (i, k) in keys.iter().take(3).enumerate() {
-            assert!(cache.insert(k.clone(), Arc::new(i as u32), 100));
+            assert!(cache.insert(*k, Arc::new(i as u32), 100));
         }
         assert_eq!(cache.counts().entries, 3);
         assert_eq!(cache.counts().bytes, 3 * unit);
         assert!(cache.get(&keys[0]).is_some()); // 0 is now the most recent
-        assert!(cache.insert(keys[3].clone(), Arc::new(3), 100));
+        assert!(cache.insert(keys[3], Arc::new(3), 100));
         assert!(
             cache.get(&keys[1]).is_none(),
             "the least recently used went"
@@ -350,7 +349,7 @@ mod tests {
         assert!(counts.bytes <= counts.max_bytes);
         assert_eq!(counts.evictions, 1);
         // Larger than the whole cache: refused, nothing dropped.
-        assert!(!cache.insert(keys[4].clone(), Arc::new(4), 3 * unit));
+        assert!(!cache.insert(keys[4], Arc::new(4), 3 * unit));
         assert_eq!(cache.counts().entries, 3);
         assert_eq!(cache.counts().too_large, 1);
     }

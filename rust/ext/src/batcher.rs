@@ -18,7 +18,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyType};
 
-use crate::cache::{CachedResult, ResponseCache};
+use crate::cache::{self, CachedResult, ResponseCache};
 use crate::errors::{ferrobatch_error, invalid_input, to_pyerr};
 use crate::inputs::{Converter, InputSpec, Keep};
 use crate::loops::{LoopRegistry, Wakeups};
@@ -507,9 +507,18 @@ pub struct Worker {
     /// Mailboxes posted to and threads answered since the last
     /// `next_batch`: woken there, once the GIL is released.
     to_wake: Mutex<Wakeups>,
-    /// The batcher's response cache and the object that cuts and joins its
-    /// results (see [`Batcher`]'s `cache_rows`), if it has one.
-    cache: Option<(Arc<core::SharedCache>, Py<PyAny>)>,
+    /// The batcher's response cache and how its results are cut and
+    /// joined, if it has one.
+    cache: Option<WorkerCache>,
+}
+
+/// A worker's response cache: the cache, the server's `CachedRows` (see
+/// [`Batcher`]'s `cache_rows`), and its fixed outputs' names (kept as
+/// bytes; empty when some output is not a fixed-shape tensor).
+struct WorkerCache {
+    cache: Arc<core::SharedCache>,
+    rows: Py<PyAny>,
+    fixed: Vec<Py<PyAny>>,
 }
 
 #[pymethods]
@@ -518,8 +527,16 @@ impl Worker {
     fn new(batcher: Bound<'_, Batcher>, registry: Py<LoopRegistry>) -> Worker {
         let py = batcher.py();
         let cache = batcher.get().core.response_cache().and_then(|(cache, _)| {
-            let rows = batcher.get().cache_rows.as_ref()?;
-            Some((cache.clone(), rows.clone_ref(py)))
+            let rows = batcher.get().cache_rows.as_ref()?.bind(py);
+            let fixed = rows
+                .getattr(intern!(py, "fixed"))
+                .and_then(|names| names.extract::<Vec<Py<PyAny>>>())
+                .unwrap_or_default();
+            Some(WorkerCache {
+                cache: cache.clone(),
+                rows: rows.clone().unbind(),
+                fixed,
+            })
         });
         Worker {
             cache,
@@ -712,31 +729,28 @@ impl Worker {
         py: Python<'_>,
         hits: &[(Arc<core::Request>, Arc<core::CachedValue>)],
     ) -> PyResult<Py<PyDict>> {
-        let Some((_, rows)) = &self.cache else {
+        let Some(cache) = &self.cache else {
             return Err(PyValueError::new_err(
                 "cached results without a response cache",
             ));
         };
-        let parts = PyList::empty(py);
-        let mut start = 0u32;
+        let mut parts = Vec::with_capacity(hits.len());
+        let mut rows = 0u32;
         for (request, value) in hits {
             let Some(kept) = value.downcast_ref::<CachedResult>() else {
                 return Err(PyValueError::new_err("a cached result of another kind"));
             };
-            parts.append((start, request.rows, kept.value.bind(py)))?;
-            start = start.saturating_add(request.rows);
+            parts.push((request.rows, kept));
+            rows = rows.saturating_add(request.rows);
         }
-        let joined = rows
-            .bind(py)
-            .call_method1(intern!(py, "join"), (parts, start))?;
-        Ok(joined.cast_into::<PyDict>()?.unbind())
+        Ok(cache::join(cache.rows.bind(py), &parts, rows)?.unbind())
     }
 
     /// Keeps the results of `batch`'s requests (it succeeded, with
     /// `outputs`) in the response cache, each under its request's key.
     /// What cannot be cut out is not kept (reported as unraisable).
     fn keep_results(&self, py: Python<'_>, batch: &Batch, outputs: &Bound<'_, PyDict>) {
-        let Some((cache, rows)) = &self.cache else {
+        let Some(cache) = &self.cache else {
             return;
         };
         let keys = std::mem::take(&mut *batch.cache_keys.lock().unwrap_or_else(|e| e.into_inner()));
@@ -749,22 +763,46 @@ impl Worker {
             spans.push((start, request.rows));
             start = start.saturating_add(request.rows);
         }
-        let cut = rows
-            .bind(py)
-            .call_method1(intern!(py, "cut"), (outputs, spans))
-            .and_then(|cut| cut.extract::<Vec<Option<(Py<PyAny>, usize)>>>());
-        let cut = match cut {
-            Ok(cut) => cut,
+        let kept = match self.cut(py, cache, outputs, &spans, batch.rows) {
+            Ok(kept) => kept,
             Err(err) => {
                 err.write_unraisable(py, Some(outputs.as_any()));
                 return;
             }
         };
-        for (key, kept) in keys.into_iter().zip(cut) {
+        for (key, kept) in keys.into_iter().zip(kept) {
             if let Some((value, nbytes)) = kept {
-                cache.insert(key, Arc::new(CachedResult { value }), nbytes);
+                cache.cache.insert(key, Arc::new(value), nbytes);
             }
         }
+    }
+
+    /// Each request's (`spans`) result cut out of `outputs`, with its
+    /// bytes: as bytes when every output is a fixed-shape CPU tensor, else
+    /// by the server's `CachedRows.cut`.
+    fn cut(
+        &self,
+        py: Python<'_>,
+        cache: &WorkerCache,
+        outputs: &Bound<'_, PyDict>,
+        spans: &[(u32, u32)],
+        rows: usize,
+    ) -> PyResult<Vec<Option<(CachedResult, usize)>>> {
+        if let Some(columns) = cache::FixedColumns::read(outputs, &cache.fixed, rows)? {
+            return Ok(spans
+                .iter()
+                .map(|&(start, n)| columns.rows(start as usize, n as usize))
+                .collect());
+        }
+        let cut = cache
+            .rows
+            .bind(py)
+            .call_method1(intern!(py, "cut"), (outputs, spans.to_vec()))?
+            .extract::<Vec<Option<(Py<PyAny>, usize)>>>()?;
+        Ok(cut
+            .into_iter()
+            .map(|kept| kept.map(|(value, nbytes)| (CachedResult::Object(value), nbytes)))
+            .collect())
     }
 }
 

@@ -1,15 +1,18 @@
 //! `ResponseCache`: the core's response cache as a Python object, shared
-//! by the servers given it (one namespace each). What it keeps per result
-//! is a Python object ([`CachedResult`]): the request's rows of the batch's
-//! outputs, cut and joined by the server's own code (`_cache.py`), so every
-//! output kind a model may return is kept as it was answered.
+//! by the servers given it (one namespace each), and what it keeps per
+//! result ([`CachedResult`]): a request's rows of the batch's outputs.
+//! Fixed-shape tensor outputs are kept as their rows' bytes, copied here
+//! (no Python object per entry: thousands of them would cost the cycle
+//! collector); any other kind as a Python object that the server's own code
+//! (`_cache.py`) cut out and joins back.
 
 use std::sync::Arc;
 
 use ferrobatch_core::{ResponseCache as CoreCache, SharedCache};
 use pyo3::exceptions::PyValueError;
+use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyByteArray, PyDict, PyList};
 
 /// A bounded, least-recently-used cache of model results, by the bytes of
 /// their requests' inputs (Triton's response cache). Give one to several
@@ -19,10 +22,131 @@ pub struct ResponseCache {
     pub(crate) core: Arc<SharedCache>,
 }
 
-/// One kept result: what `_cache.py` cut out of a batch's outputs for one
-/// request, read back only by the same code.
-pub(crate) struct CachedResult {
-    pub value: Py<PyAny>,
+/// One kept result.
+pub(crate) enum CachedResult {
+    /// Each output's rows' bytes, in the order of `CachedRows.fixed`.
+    Rows(Vec<Box<[u8]>>),
+    /// What `CachedRows.cut` made, read back only by `CachedRows.join`.
+    Object(Py<PyAny>),
+}
+
+/// A batch's outputs as contiguous CPU tensors' bytes, in the order of
+/// `names` (the `fixed` outputs of the server's `CachedRows`), each with
+/// its bytes per row; `None` when one is not such a tensor (its rows are
+/// then cut in Python).
+pub(crate) struct FixedColumns<'py> {
+    columns: Vec<(Bound<'py, PyAny>, usize, usize, usize)>,
+}
+
+impl<'py> FixedColumns<'py> {
+    pub(crate) fn read(
+        outputs: &Bound<'py, PyDict>,
+        names: &[Py<PyAny>],
+        rows: usize,
+    ) -> PyResult<Option<FixedColumns<'py>>> {
+        let py = outputs.py();
+        if names.is_empty() || outputs.len() != names.len() || rows == 0 {
+            return Ok(None);
+        }
+        let mut columns = Vec::with_capacity(names.len());
+        for name in names {
+            let Some(tensor) = outputs.get_item(name.bind(py))? else {
+                return Ok(None);
+            };
+            if !tensor.hasattr(intern!(py, "data_ptr"))?
+                || !tensor
+                    .call_method0(intern!(py, "is_contiguous"))?
+                    .extract::<bool>()?
+                || tensor
+                    .getattr(intern!(py, "device"))?
+                    .getattr(intern!(py, "type"))?
+                    .extract::<String>()?
+                    != "cpu"
+            {
+                return Ok(None);
+            }
+            let ptr: usize = tensor.call_method0(intern!(py, "data_ptr"))?.extract()?;
+            let len: usize = tensor.getattr(intern!(py, "nbytes"))?.extract()?;
+            let leading: usize = tensor
+                .getattr(intern!(py, "shape"))?
+                .get_item(0)
+                .and_then(|d| d.extract())
+                .unwrap_or(0);
+            if leading != rows || len % rows != 0 {
+                return Ok(None);
+            }
+            columns.push((tensor, ptr, len, len / rows));
+        }
+        Ok(Some(FixedColumns { columns }))
+    }
+
+    /// Rows `start..start + rows` of every column, copied; with their bytes.
+    pub(crate) fn rows(&self, start: usize, rows: usize) -> Option<(CachedResult, usize)> {
+        let mut kept = Vec::with_capacity(self.columns.len());
+        let mut nbytes = 0usize;
+        for (_, ptr, len, row_nbytes) in &self.columns {
+            let from = start.checked_mul(*row_nbytes)?;
+            let to = from.checked_add(rows.checked_mul(*row_nbytes)?)?;
+            // SAFETY: (ptr, len) is a contiguous CPU tensor's memory, kept
+            // alive by `self.columns` (the tensor) for as long as `self`.
+            let all = unsafe { crate::codec::bytes_at(*ptr, *len) };
+            let part: Box<[u8]> = all.get(from..to)?.into();
+            nbytes = nbytes.saturating_add(part.len());
+            kept.push(part);
+        }
+        Some((CachedResult::Rows(kept), nbytes))
+    }
+}
+
+/// The outputs of a batch made of `parts` (each hit's rows and result,
+/// back to back over `rows`), joined by `cached_rows` (the server's
+/// `CachedRows`): each fixed column's bytes in one `bytearray` when every
+/// result is kept as bytes, else each part as its Python object.
+pub(crate) fn join<'py>(
+    cached_rows: &Bound<'py, PyAny>,
+    parts: &[(u32, &CachedResult)],
+    rows: u32,
+) -> PyResult<Bound<'py, PyDict>> {
+    let py = cached_rows.py();
+    let as_bytes: Option<Vec<&Vec<Box<[u8]>>>> = parts
+        .iter()
+        .map(|(_, kept)| match kept {
+            CachedResult::Rows(columns) => Some(columns),
+            CachedResult::Object(_) => None,
+        })
+        .collect();
+    if let Some(all) = as_bytes {
+        let width = all.first().map_or(0, |columns| columns.len());
+        let columns = PyList::empty(py);
+        for i in 0..width {
+            let total: usize = all.iter().filter_map(|c| c.get(i)).map(|b| b.len()).sum();
+            let mut joined = Vec::with_capacity(total);
+            for column in &all {
+                joined.extend_from_slice(column.get(i).map_or(&[][..], |b| &b[..]));
+            }
+            columns.append(PyByteArray::new(py, &joined))?;
+        }
+        let joined = cached_rows.call_method1(intern!(py, "join_rows"), (columns, rows))?;
+        return Ok(joined.cast_into::<PyDict>()?);
+    }
+    let objects = PyList::empty(py);
+    let mut start = 0u32;
+    for (n, kept) in parts {
+        let value = match kept {
+            CachedResult::Object(value) => value.clone_ref(py).into_bound(py),
+            CachedResult::Rows(columns) => {
+                let one = PyList::empty(py);
+                for column in columns {
+                    one.append(PyByteArray::new(py, column))?;
+                }
+                cached_rows.call_method1(intern!(py, "join_rows"), (one, *n))?
+            }
+        };
+        objects.append((start, *n, value))?;
+        start = start.saturating_add(*n);
+    }
+    let joined = cached_rows.call_method1(intern!(py, "join"), (objects, rows))?;
+    Ok(joined.cast_into::<PyDict>()?)
 }
 
 #[pymethods]
