@@ -763,37 +763,43 @@ impl Worker {
             spans.push((start, request.rows));
             start = start.saturating_add(request.rows);
         }
-        let kept = match self.cut(py, cache, outputs, &spans, batch.rows) {
-            Ok(kept) => kept,
-            Err(err) => {
-                err.write_unraisable(py, Some(outputs.as_any()));
-                return;
+        match cache::FixedColumns::read(outputs, &cache.fixed, batch.rows) {
+            Ok(Some(columns)) => {
+                // Copied and kept without the GIL: the event loops go on meanwhile.
+                let bytes = columns.bytes();
+                let store = &cache.cache;
+                without_gil(py, || {
+                    for (key, &(start, n)) in keys.into_iter().zip(&spans) {
+                        if let Some((value, nbytes)) = bytes.rows(start as usize, n as usize) {
+                            store.insert(key, Arc::new(value), nbytes);
+                        }
+                    }
+                });
             }
-        };
-        for (key, kept) in keys.into_iter().zip(kept) {
-            if let Some((value, nbytes)) = kept {
-                cache.cache.insert(key, Arc::new(value), nbytes);
-            }
+            Ok(None) => match self.cut(py, cache, outputs, &spans) {
+                Ok(kept) => {
+                    for (key, kept) in keys.into_iter().zip(kept) {
+                        if let Some((value, nbytes)) = kept {
+                            cache.cache.insert(key, Arc::new(value), nbytes);
+                        }
+                    }
+                }
+                Err(err) => err.write_unraisable(py, Some(outputs.as_any())),
+            },
+            Err(err) => err.write_unraisable(py, Some(outputs.as_any())),
         }
     }
 
-    /// Each request's (`spans`) result cut out of `outputs`, with its
-    /// bytes: as bytes when every output is a fixed-shape CPU tensor, else
-    /// by the server's `CachedRows.cut`.
+    /// Each request's (`spans`) result cut out of `outputs` by the server's
+    /// `CachedRows.cut` (some output is not a fixed-shape tensor), with its
+    /// bytes.
     fn cut(
         &self,
         py: Python<'_>,
         cache: &WorkerCache,
         outputs: &Bound<'_, PyDict>,
         spans: &[(u32, u32)],
-        rows: usize,
     ) -> PyResult<Vec<Option<(CachedResult, usize)>>> {
-        if let Some(columns) = cache::FixedColumns::read(outputs, &cache.fixed, rows)? {
-            return Ok(spans
-                .iter()
-                .map(|&(start, n)| columns.rows(start as usize, n as usize))
-                .collect());
-        }
         let cut = cache
             .rows
             .bind(py)

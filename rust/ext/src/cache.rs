@@ -30,15 +30,25 @@ pub(crate) enum CachedResult {
     Object(Py<PyAny>),
 }
 
-/// A batch's outputs as contiguous CPU tensors' bytes, in the order of
-/// `names` (the `fixed` outputs of the server's `CachedRows`), each with
-/// its bytes per row; `None` when one is not such a tensor (its rows are
-/// then cut in Python).
+/// A batch's outputs as contiguous CPU tensors, in the order of `names`
+/// (the `fixed` outputs of the server's `CachedRows`), kept alive while
+/// their bytes are read ([`FixedColumns::bytes`]).
 pub(crate) struct FixedColumns<'py> {
-    columns: Vec<(Bound<'py, PyAny>, usize, usize, usize)>,
+    tensors: Vec<Bound<'py, PyAny>>,
+    /// Each one's `(address, length, bytes per row)`.
+    layout: Vec<(usize, usize, usize)>,
+}
+
+/// The bytes of [`FixedColumns`], readable without the GIL for as long as
+/// the columns live.
+pub(crate) struct ColumnBytes<'a> {
+    layout: &'a [(usize, usize, usize)],
 }
 
 impl<'py> FixedColumns<'py> {
+    /// `outputs` (of a batch of `rows` rows) as fixed columns; `None` when
+    /// one is not a contiguous CPU tensor with `rows` rows (its rows are
+    /// then cut in Python).
     pub(crate) fn read(
         outputs: &Bound<'py, PyDict>,
         names: &[Py<PyAny>],
@@ -48,7 +58,8 @@ impl<'py> FixedColumns<'py> {
         if names.is_empty() || outputs.len() != names.len() || rows == 0 {
             return Ok(None);
         }
-        let mut columns = Vec::with_capacity(names.len());
+        let mut tensors = Vec::with_capacity(names.len());
+        let mut layout = Vec::with_capacity(names.len());
         for name in names {
             let Some(tensor) = outputs.get_item(name.bind(py))? else {
                 return Ok(None);
@@ -75,20 +86,31 @@ impl<'py> FixedColumns<'py> {
             if leading != rows || len % rows != 0 {
                 return Ok(None);
             }
-            columns.push((tensor, ptr, len, len / rows));
+            tensors.push(tensor);
+            layout.push((ptr, len, len / rows));
         }
-        Ok(Some(FixedColumns { columns }))
+        Ok(Some(FixedColumns { tensors, layout }))
     }
 
+    pub(crate) fn bytes(&self) -> ColumnBytes<'_> {
+        debug_assert_eq!(self.tensors.len(), self.layout.len());
+        ColumnBytes {
+            layout: &self.layout,
+        }
+    }
+}
+
+impl ColumnBytes<'_> {
     /// Rows `start..start + rows` of every column, copied; with their bytes.
     pub(crate) fn rows(&self, start: usize, rows: usize) -> Option<(CachedResult, usize)> {
-        let mut kept = Vec::with_capacity(self.columns.len());
+        let mut kept = Vec::with_capacity(self.layout.len());
         let mut nbytes = 0usize;
-        for (_, ptr, len, row_nbytes) in &self.columns {
+        for (ptr, len, row_nbytes) in self.layout {
             let from = start.checked_mul(*row_nbytes)?;
             let to = from.checked_add(rows.checked_mul(*row_nbytes)?)?;
-            // SAFETY: (ptr, len) is a contiguous CPU tensor's memory, kept
-            // alive by `self.columns` (the tensor) for as long as `self`.
+            // SAFETY: (ptr, len) is a contiguous CPU tensor's memory; the
+            // `FixedColumns` this borrows from keeps the tensor alive, and a
+            // finished batch's outputs are no longer written.
             let all = unsafe { crate::codec::bytes_at(*ptr, *len) };
             let part: Box<[u8]> = all.get(from..to)?.into();
             nbytes = nbytes.saturating_add(part.len());
