@@ -780,3 +780,21 @@ def test_a_batch_that_cannot_run_again_is_not_counted_as_run_again(tmp_path: Pat
     results, stats = asyncio.run(run())
     assert isinstance(results[0], fb.ModelError), results
     assert stats["process_restarts"] == 0 and stats["retry_calls"] == 0, stats  # its start failed: no restart
+
+
+def test_a_response_cache_answers_for_process_instances() -> None:
+    """A result computed in an instance process is kept in the server's
+    cache: the same inputs again are answered with it (the same process
+    id), never sent to a process."""
+
+    async def run() -> tuple[list[dict[str, torch.Tensor]], dict[str, Any]]:
+        server = fb.Server([where], inputs=[X], outputs=[Y, PID], instance_kind="process", response_cache=1 << 20)
+        async with server:
+            client = server.client()
+            got = [await client.infer({"x": torch.full((8,), 3.0)}) for _ in range(3)]
+            return got, server.stats()
+
+    got, stats = asyncio.run(run())
+    assert all(torch.equal(g["y"], torch.full((8,), 6.0)) and g["pid"] == got[0]["pid"] for g in got)
+    assert got[0]["pid"] != os.getpid()
+    assert (stats["cache_hits"], stats["cache_misses"], stats["batches"]) == (2, 1, 1)
