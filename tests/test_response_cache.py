@@ -265,3 +265,69 @@ def test_statistics_and_metrics_count_hits_as_triton_does(frontend: str) -> None
     hits = re.search(r'nv_cache_num_hits_per_model\{model="m",version="1"\} (\S+)', text)
     misses = re.search(r'nv_cache_num_misses_per_model\{model="m",version="1"\} (\S+)', text)
     assert hits and float(hits.group(1)) == 2 and misses and float(misses.group(1)) == 1, text
+
+
+@pytest.mark.parametrize("kind", ["fixed", "ragged"])
+async def test_a_small_cache_turning_over_under_two_instances_never_stalls(kind: str) -> None:
+    """Two instances keep results into a cache that evicts on every insert
+    while the event loop reads its stats: each value is dropped outside the
+    cache's lock (a Python object's drop may wait for the GIL, and a thread
+    holding the GIL may wait for the lock)."""
+
+    def fixed(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"y": batch["x"] * 2}
+
+    def ragged(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        x = batch["x"]
+        return {"y": x * 2, "z": x[:, :2].clone(), "z_lengths": torch.full((len(x),), 2)}
+
+    outputs = [*Y, fb.TensorSpec("z", "float32", (-1,), ragged="pad")] if kind == "ragged" else Y
+    model = fixed if kind == "fixed" else ragged
+    server = fb.Server([model, model], inputs=X, outputs=outputs, response_cache=4096, max_delay=0)
+    cache = server.response_cache
+    assert cache is not None
+    async with server:
+        client = server.client()
+
+        async def caller(i: int) -> None:
+            for n in range(300):
+                out = await client.infer(row(i * 1000 + n))
+                assert out["y"][0] == 2.0 * (i * 1000 + n)
+                cache.stats()
+
+        await asyncio.wait_for(asyncio.gather(*(caller(i) for i in range(16))), 60)
+    assert cache.stats()["evictions"] > 0 and cache.stats()["bytes"] <= 4096
+
+
+async def test_a_caller_writing_into_its_answer_changes_no_kept_result() -> None:
+    """Every output kind, variable-length ones included (a row of which is
+    a view): what a hit's caller gets shares no memory with the cache."""
+
+    def model(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        x = batch["x"]
+        return {"y": x * 2, "z": x[:, :3].clone(), "z_lengths": torch.full((len(x),), 3)}
+
+    outputs = [*Y, fb.TensorSpec("z", "float32", (-1,), ragged="pad")]
+    async with fb.Server(model, inputs=X, outputs=outputs, response_cache=1 << 20) as server:
+        client = server.client()
+        for _ in range(3):  # a miss, then hits: each caller writes into what it got
+            got = await client.infer(row(1))
+            assert got["y"].tolist() == [2.0] * 4 and got["z"].tolist() == [1.0] * 3
+            got["y"] += 100
+            got["z"] += 100
+        assert server.stats()["cache_hits"] == 2
+
+
+async def test_a_model_told_the_priority_keeps_a_result_per_level() -> None:
+    def model(batch: dict[str, torch.Tensor], requests: list[fb.RequestInfo]) -> dict[str, torch.Tensor]:
+        levels = torch.tensor([float(r.priority) for r in requests for _ in range(r.rows)])
+        return {"y": batch["x"] * levels[:, None]}
+
+    server = fb.Server(
+        model, inputs=X, outputs=Y, with_requests=True, priority_levels=3, response_cache=1 << 20, max_delay=0
+    )
+    async with server:
+        client = server.client()
+        for level in (1, 3, 2, 1, 3):
+            assert (await client.infer(row(1), priority=level))["y"][0] == float(level)
+        assert (server.stats()["cache_hits"], server.stats()["cache_misses"]) == (2, 3)

@@ -335,8 +335,10 @@ def test_tensor_dtypes_and_what_bind_refuses() -> None:
     def infer(requests: list[Request]) -> list[dict[str, np.ndarray]]:
         return []
 
-    with pytest.raises(PyTritonModelConfigError, match="response_cache"):
-        triton.bind("m", infer, [X], [Y], config=ModelConfig(response_cache=True))
+    decoupled_cached = ModelConfig(response_cache=True, decoupled=True)
+    cached = Triton(config=TritonConfig(http_port=0, grpc_port=0, cache_config=["local,size=4096"]))
+    with pytest.raises(PyTritonModelConfigError, match="response_cache"):  # one result per request
+        cached.bind("m", infer, [X], [Y], config=decoupled_cached)
     with pytest.raises(PyTritonModelConfigError, match="outputs cannot be optional"):
         triton.bind("m", infer, [X], [Tensor(name="y", dtype=np.float32, shape=(4,), optional=True)])
     with pytest.raises(PyTritonModelConfigError, match="preferred_batch_sizes"):

@@ -84,7 +84,7 @@ class Batcher:
         default_timeout: float | None = None,
         first_id: int = 1,
         queue_timeout: float | None = None,
-        response_cache: tuple[ResponseCache, int, _CacheRows] | None = None,
+        response_cache: tuple[ResponseCache, int, _CacheRows, bool, list[str]] | None = None,
     ) -> Batcher: ...
     @property
     def next_id(self) -> int:
@@ -97,6 +97,8 @@ class Batcher:
 class _CacheRows(Protocol):
     """What cuts a response cache's results out of a batch's outputs and joins them back."""
 
+    fixed: list[str]
+    def join_rows(self, columns: Sequence[bytearray], rows: int, /) -> dict[str, Any]: ...
     def cut(self, outputs: Mapping[str, Any], spans: Sequence[tuple[int, int]], /) -> list[tuple[Any, int] | None]: ...
     def join(self, parts: Sequence[tuple[int, int, Mapping[str, Any]]], rows: int, /) -> dict[str, Any]: ...
 

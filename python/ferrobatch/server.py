@@ -355,6 +355,11 @@ class Server:
         self.default_priority = default_priority
         self.max_priority_wait = max_priority_wait
         self.with_requests = bool(with_requests)
+        # What the model is told of a request besides its inputs, so what a
+        # cache key holds: its priority, and the parameters it is never shown
+        # (ferrobatch.triton's callables see neither the priority nor the
+        # protocol's own parameters).
+        self._cache_key_rules: tuple[bool, tuple[str, ...]] = (self.with_requests, ())
         if torch_threads is not None and not whole_in(torch_threads, 1, MAX_TORCH_THREADS):
             raise ValueError(
                 f"torch_threads must be an int from 1 to {MAX_TORCH_THREADS} or None, got {torch_threads!r}"
@@ -747,7 +752,13 @@ class Server:
                 queue_timeout=self.queue_timeout,
                 response_cache=None
                 if self.response_cache is None
-                else (self.response_cache, self._cache_namespace, CachedRows(self.outputs, self.version_output)),
+                else (
+                    self.response_cache,
+                    self._cache_namespace,
+                    CachedRows(self.outputs, self.version_output),
+                    self._cache_key_rules[0],
+                    list(self._cache_key_rules[1]),
+                ),
                 # Numbered on from the last run's: the callers' tables outlive a run.
                 first_id=self._first_id,
             )

@@ -223,11 +223,13 @@ def numpy_dtype(tensor: AnyTensor) -> np.dtype[Any]:
     return np.dtype(object) if dtype.kind in "SUO" else dtype
 
 
-#: Request parameters of the protocol itself, which Triton keeps from its models.
 #: The suffix of the lengths that come with a variable-length tensor (``ragged="pad"``).
 LENGTHS = "_lengths"
 
-_RESERVED = frozenset({"timeout", "priority", "binary_data_output", "sequence_id", "sequence_start", "sequence_end"})
+#: Request parameters of the protocol itself, which Triton keeps from its models.
+RESERVED_PARAMETERS = frozenset(
+    {"timeout", "priority", "binary_data_output", "sequence_id", "sequence_start", "sequence_end"}
+)
 
 
 InferFunc = Callable[[list[Request]], Any]
@@ -299,7 +301,7 @@ class BoundModel:
                 data = {name: _cut_rows(a, start, end, lengths.get(name)) for name, a in batch.items()}
             else:
                 data = {name: a[start:end] for name, a in batch.items()}
-            params = {k: v for k, v in r.parameters.items() if k not in _RESERVED} if r.parameters else {}
+            params = {k: v for k, v in r.parameters.items() if k not in RESERVED_PARAMETERS} if r.parameters else {}
             for name in r.absent:  # optional inputs it left out: absent from its request, as in PyTriton
                 data.pop(name, None)
             if not self.config.batching:  # one sample, shaped as declared: no batch dimension

@@ -41,6 +41,7 @@ from .._variable import LENGTHS
 from ..serve import Listening, ServeConfig, serve
 from ..server import Server
 from ._binding import (
+    RESERVED_PARAMETERS,
     BoundModel,
     InferFunc,
     TritonContext,
@@ -460,6 +461,8 @@ class Triton:
             )
         except ValueError as exc:  # the batching settings
             raise PyTritonModelConfigError(f"model '{model_name}': {exc}") from exc
+        # Its callables are shown neither a request's priority nor the protocol's parameters.
+        server._cache_key_rules = (False, tuple(sorted(RESERVED_PARAMETERS)))
         for f in funcs:
             self._context.model_configs[f] = described
             inject_triton_context(self._context, f)

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use crate::bytes::BytesLimits;
-use crate::cache::{CacheKey, CachedValue, SharedCache};
+use crate::cache::{CacheKey, CachedValue, KeyRules, SharedCache};
 use crate::callers::BlockingCallers;
 use crate::doorbell::GatherRole;
 use crate::queue::{Admitted, Popped, Priorities};
@@ -187,6 +187,7 @@ pub struct Batch {
 struct CacheLink {
     cache: Arc<SharedCache>,
     namespace: AtomicU64,
+    rules: KeyRules,
 }
 
 #[derive(Debug)]
@@ -367,10 +368,15 @@ impl Batcher {
     /// worker looks each request up as it releases its batch; a hit leaves
     /// the batch ([`Worker::take_cached`]), a miss runs and its key rides
     /// the batch ([`Batch::cache_keys`]).
-    pub fn with_response_cache(mut self, cache: Option<(Arc<SharedCache>, u64)>) -> Batcher {
-        self.cache = cache.map(|(cache, namespace)| CacheLink {
+    /// `rules`: what the model is told of a request besides its inputs.
+    pub fn with_response_cache(
+        mut self,
+        cache: Option<(Arc<SharedCache>, u64, KeyRules)>,
+    ) -> Batcher {
+        self.cache = cache.map(|(cache, namespace, rules)| CacheLink {
             cache,
             namespace: AtomicU64::new(namespace),
+            rules,
         });
         self
     }
@@ -823,7 +829,7 @@ impl Batcher {
             // SAFETY: `take_gathered` won `take()` for every request left in
             // `gathered`, and none is resolved before its batch is returned
             // (or, for a hit, before the worker's owner answers it).
-            let key = unsafe { CacheKey::of(namespace, r) };
+            let key = unsafe { CacheKey::of(namespace, r, &link.rules) };
             match link.cache.get(&key) {
                 Some(value) => {
                     worker.cached.push((r.clone(), value));
@@ -1232,7 +1238,7 @@ mod tests {
         delay_from_free_worker: bool,
         readiness: Readiness,
         queue_timeout: Option<Duration>,
-        cache: Option<(Arc<SharedCache>, u64)>,
+        cache: Option<(Arc<SharedCache>, u64, KeyRules)>,
     }
 
     impl Default for Knobs {
@@ -1664,7 +1670,7 @@ mod tests {
         let cache: Arc<SharedCache> = Arc::new(ResponseCache::new(1 << 20));
         let namespace = cache.namespace();
         let knobs = Knobs {
-            cache: Some((cache.clone(), namespace)),
+            cache: Some((cache.clone(), namespace, KeyRules::default())),
             ..Knobs::default()
         };
         let f = build(8, Duration::ZERO, 1, 100, 1, knobs);
@@ -1677,7 +1683,7 @@ mod tests {
         assert_eq!(b.cache_keys.len(), 2);
         assert!(worker.take_cached().is_empty());
         let value: Arc<CachedValue> = Arc::new("a's result");
-        cache.insert(b.cache_keys[0], value, 10);
+        assert!(cache.insert(b.cache_keys[0], value, 10).kept);
         drop(b);
         // A's inputs again: answered from the cache; C's run.
         let a2 = submit(&f.batcher, &ROW_A, None);
@@ -1706,7 +1712,7 @@ mod tests {
         assert_eq!(stats.requests.load(Ordering::Relaxed), 3, "hits never ran");
         // Another namespace's batcher does not see A's result.
         let other = Knobs {
-            cache: Some((cache.clone(), cache.namespace())),
+            cache: Some((cache.clone(), cache.namespace(), KeyRules::default())),
             ..Knobs::default()
         };
         let g = build(8, Duration::ZERO, 1, 100, 1, other);

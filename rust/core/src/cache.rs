@@ -21,7 +21,7 @@
 //! inserts one reads it back.
 
 use std::collections::hash_map::RandomState;
-use std::hash::{BuildHasher, Hasher};
+use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -30,29 +30,54 @@ use lru::LruCache;
 
 use crate::Request;
 
-/// Bytes counted per entry beyond its value: its key and the map's own.
-const ENTRY_OVERHEAD: usize = 64 + std::mem::size_of::<CacheKey>();
+/// Bytes counted per entry beyond its value: its key, the map's slot and
+/// node, and the value's shared handle (measured: 300,000 entries of one
+/// 64-byte output took 207 bytes each of resident memory, counted 232
+/// with the binding's own per-column cost).
+const ENTRY_OVERHEAD: usize = 128 + std::mem::size_of::<CacheKey>();
 
 /// What a request is looked up by: its batcher's namespace, and a 128-bit
 /// digest of every field that shapes its result (rows, which inputs and
-/// outputs, its parameters as the model reads them: see
-/// [`model_parameters`]) and of each input's length, extents and bytes.
-/// Lengths go before what they measure, so two different requests never
-/// feed the digest alike. The digest is two SipHash-1-3 hashes under keys
-/// drawn at random once per process (as Triton keys its cache by a hash,
-/// not by the inputs): a cache holds no copy of any input, two different
-/// requests share a key only by a 128-bit collision, and nobody without
-/// the process's keys can craft one.
+/// outputs, and what else the model is told: see [`KeyRules`]) and of each
+/// input's length, extents and bytes. Lengths go before what they measure,
+/// so two different requests never feed the digest alike. The digest is
+/// keyed BLAKE3 under a key drawn at random once per process (as Triton
+/// keys its cache by a hash, not by the inputs): a cache holds no copy of
+/// any input, two different requests share a key only by a 128-bit
+/// collision, and nobody without the process's key can craft one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct CacheKey {
     namespace: u64,
     digest: [u64; 2],
 }
 
-/// The digest's two hash keys, drawn once per process.
-fn digest_keys() -> &'static (RandomState, RandomState) {
-    static KEYS: OnceLock<(RandomState, RandomState)> = OnceLock::new();
-    KEYS.get_or_init(|| (RandomState::new(), RandomState::new()))
+/// What a model is told of a request besides its inputs, rows, the
+/// optional inputs it left out and the outputs it asked for (all in every
+/// key): what else its key must hold.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KeyRules {
+    /// Its priority level (a model that reads its requests is told it).
+    pub priority: bool,
+    /// Parameters the model is never shown (they only tell the server how
+    /// to serve the request): left out of the key. The others count, in
+    /// any key order; a request whose parameters are only these counts as
+    /// one with none. (A request carries parameters only to a model that
+    /// reads them.)
+    pub unseen_parameters: Vec<String>,
+}
+
+/// The digest's key, drawn once per process (from the random keys the
+/// standard library seeds its hash maps with).
+fn digest_key() -> &'static [u8; 32] {
+    static KEY: OnceLock<[u8; 32]> = OnceLock::new();
+    KEY.get_or_init(|| {
+        let random = RandomState::new();
+        let mut key = [0u8; 32];
+        for (i, word) in key.chunks_exact_mut(8).enumerate() {
+            word.copy_from_slice(&random.hash_one(i as u64).to_le_bytes());
+        }
+        key
+    })
 }
 
 impl CacheKey {
@@ -61,54 +86,73 @@ impl CacheKey {
     /// # Safety
     /// The caller must have won `request.take()` and not yet resolved it:
     /// the key reads the request's input bytes (see [`crate::InputBytes::new`]).
-    pub unsafe fn of(namespace: u64, request: &Request) -> CacheKey {
-        let (one, two) = digest_keys();
-        let mut digest = [one.build_hasher(), two.build_hasher()];
-        let mut feed = |bytes: &[u8]| digest.iter_mut().for_each(|h| h.write(bytes));
+    pub unsafe fn of(namespace: u64, request: &Request, rules: &KeyRules) -> CacheKey {
+        let mut digest = blake3::Hasher::new_keyed(digest_key());
         let word = |w: u64| w.to_le_bytes();
-        feed(&word(u64::from(request.rows)));
-        feed(&word(request.absent));
-        feed(&word(request.requested_outputs));
-        match request.parameters.as_deref().and_then(model_parameters) {
-            None => feed(&word(u64::MAX)),
-            Some(text) => {
-                feed(&word(text.len() as u64));
-                feed(text.as_bytes());
-            }
-        }
+        digest.update(&word(u64::from(request.rows)));
+        digest.update(&word(request.absent));
+        digest.update(&word(request.requested_outputs));
+        digest.update(&word(if rules.priority {
+            u64::from(request.lane)
+        } else {
+            0
+        }));
+        let parameters = request
+            .parameters
+            .as_deref()
+            .and_then(|text| model_parameters(text, &rules.unseen_parameters));
+        match parameters {
+            None => digest.update(&word(u64::MAX)),
+            Some(text) => digest
+                .update(&word(text.len() as u64))
+                .update(text.as_bytes()),
+        };
         for input in request.inputs() {
-            feed(&word(input.len() as u64));
+            digest.update(&word(input.len() as u64));
             for &extent in input.extents() {
-                feed(&word(extent as u64));
+                digest.update(&word(extent as u64));
             }
             // SAFETY: the caller won `take()` and has not resolved the
             // request, so its submitter keeps these bytes alive.
-            feed(unsafe { input.as_slice() });
+            digest.update(unsafe { input.as_slice() });
         }
-        let [one, two] = digest;
+        let hash = digest.finalize();
+        let bytes = hash.as_bytes();
+        let half = |at: usize| {
+            let mut word = [0u8; 8];
+            word.copy_from_slice(&bytes[at..at + 8]);
+            u64::from_le_bytes(word)
+        };
         CacheKey {
             namespace,
-            digest: [one.finish(), two.finish()],
+            digest: [half(0), half(8)],
         }
     }
 }
 
-/// The parameters that tell the model something, in one spelling: the
-/// request's JSON object without those that only tell ferrobatch how to
-/// serve it (`timeout`, `priority`, `binary_data_output`), its keys
-/// sorted; `None` when none is left. Text that is not an object is kept
-/// as it is.
-fn model_parameters(text: &str) -> Option<String> {
+/// The parameters the model is shown, in one spelling: the request's JSON
+/// object without `unseen`, its keys sorted; `None` when none is left.
+/// Text that is not an object is kept as it is.
+fn model_parameters(text: &str, unseen: &[String]) -> Option<String> {
     match serde_json::from_str::<serde_json::Value>(text) {
         Ok(serde_json::Value::Object(mut object)) => {
-            for serving in ["timeout", "priority", "binary_data_output"] {
-                object.remove(serving);
+            for name in unseen {
+                object.remove(name);
             }
             // serde_json's map keeps its keys sorted (no `preserve_order`).
             (!object.is_empty()).then(|| serde_json::Value::Object(object).to_string())
         }
         _ => Some(text.to_owned()),
     }
+}
+
+/// What [`ResponseCache::insert`] did: whether it kept the value, and the
+/// values it took out (evicted, replaced, or the value itself when not
+/// kept), to drop once the cache's lock is let go.
+#[must_use = "drop the values taken out once the cache's lock is let go"]
+pub struct Inserted<V: ?Sized> {
+    pub kept: bool,
+    pub taken_out: Vec<Arc<V>>,
 }
 
 /// A kept value and the bytes it is counted as (key and overhead included).
@@ -190,32 +234,49 @@ impl<V: ?Sized> ResponseCache<V> {
     }
 
     /// Keeps `value` (counted as `nbytes`, plus its entry) for `key`, making
-    /// room by dropping the least recently used entries. Returns false when
-    /// it is larger than the whole cache (nothing is dropped then).
-    pub fn insert(&self, key: CacheKey, value: Arc<V>, nbytes: usize) -> bool {
+    /// room by taking out the least recently used entries. Not kept when it
+    /// is larger than the whole cache (nothing is taken out then).
+    ///
+    /// What it took out (and `value`, when not kept) comes back, to be
+    /// dropped by the caller once the cache's lock is let go: a value may
+    /// be a Python object, whose drop can wait for the GIL, and a thread
+    /// holding the GIL may be waiting for this lock.
+    pub fn insert(&self, key: CacheKey, value: Arc<V>, nbytes: usize) -> Inserted<V> {
         let nbytes = nbytes.saturating_add(ENTRY_OVERHEAD);
         if nbytes > self.max_bytes {
             self.too_large.fetch_add(1, Ordering::Relaxed);
-            return false;
+            return Inserted {
+                kept: false,
+                taken_out: vec![value],
+            };
         }
+        let mut taken_out = Vec::new();
         let mut entries = self.lock();
         if let Some(old) = entries.lru.pop(&key) {
             entries.bytes -= old.nbytes;
+            taken_out.push(old.value);
         }
         while entries.bytes + nbytes > self.max_bytes {
-            let Some((_, dropped)) = entries.lru.pop_lru() else {
+            let Some((_, old)) = entries.lru.pop_lru() else {
                 break;
             };
-            entries.bytes -= dropped.nbytes;
+            entries.bytes -= old.nbytes;
+            taken_out.push(old.value);
             self.evictions.fetch_add(1, Ordering::Relaxed);
         }
         entries.bytes += nbytes;
         entries.lru.push(key, Entry { value, nbytes });
-        true
+        drop(entries);
+        Inserted {
+            kept: true,
+            taken_out,
+        }
     }
 
-    /// Drops every entry of `namespace` (its model's weights changed).
-    pub fn forget(&self, namespace: u64) {
+    /// Takes out every entry of `namespace` (its model's weights changed);
+    /// their values come back, to drop outside the lock (see `insert`).
+    #[must_use = "drop the values once the cache's lock is let go"]
+    pub fn forget(&self, namespace: u64) -> Vec<Arc<V>> {
         let mut entries = self.lock();
         let stale: Vec<CacheKey> = entries
             .lru
@@ -223,18 +284,26 @@ impl<V: ?Sized> ResponseCache<V> {
             .filter(|(key, _)| key.namespace == namespace)
             .map(|(key, _)| *key)
             .collect();
+        let mut taken_out = Vec::with_capacity(stale.len());
         for key in stale {
             if let Some(old) = entries.lru.pop(&key) {
                 entries.bytes -= old.nbytes;
+                taken_out.push(old.value);
             }
         }
+        taken_out
     }
 
-    /// Drops every entry.
-    pub fn clear(&self) {
+    /// Takes out every entry; their values come back (see `forget`).
+    #[must_use = "drop the values once the cache's lock is let go"]
+    pub fn clear(&self) -> Vec<Arc<V>> {
         let mut entries = self.lock();
-        entries.lru.clear();
         entries.bytes = 0;
+        let mut taken_out = Vec::with_capacity(entries.lru.len());
+        while let Some((_, old)) = entries.lru.pop_lru() {
+            taken_out.push(old.value);
+        }
+        taken_out
     }
 
     pub fn counts(&self) -> CacheCounts {
@@ -261,9 +330,13 @@ mod tests {
     }
 
     fn key(namespace: u64, r: &Request) -> CacheKey {
+        key_by(namespace, r, &KeyRules::default())
+    }
+
+    fn key_by(namespace: u64, r: &Request, rules: &KeyRules) -> CacheKey {
         assert!(r.take());
         // SAFETY: taken just above, and its bytes outlive it.
-        unsafe { CacheKey::of(namespace, r) }
+        unsafe { CacheKey::of(namespace, r, rules) }
     }
 
     #[test]
@@ -271,7 +344,11 @@ mod tests {
         let cache: ResponseCache<u32> = ResponseCache::new(1 << 20);
         let ns = cache.namespace();
         let data = [1u8, 2, 3, 4];
-        cache.insert(key(ns, &request(1, &data)), Arc::new(7), 4);
+        assert!(
+            cache
+                .insert(key(ns, &request(1, &data)), Arc::new(7), 4)
+                .kept
+        );
         assert_eq!(cache.get(&key(ns, &request(1, &data))).as_deref(), Some(&7));
         // Other bytes, other rows, another namespace, parameters: all miss.
         assert!(cache.get(&key(ns, &request(1, &[1, 2, 3, 5]))).is_none());
@@ -286,24 +363,44 @@ mod tests {
     }
 
     #[test]
-    fn parameters_count_as_the_model_reads_them() {
+    fn parameters_and_priority_count_as_the_model_is_told_them() {
         let data = [1u8];
-        let with =
-            |text: Option<&str>| key(1, &request(1, &data).with_parameters(text.map(Into::into)));
-        let none = with(None);
-        // Only how to serve it, or nothing: as none.
-        assert_eq!(with(Some("{}")), none);
-        assert_eq!(
-            with(Some(
-                r#"{"timeout": 5, "binary_data_output": true, "priority": 1}"#
-            )),
-            none
-        );
-        // The same object spelt otherwise: one key.
-        let ab = with(Some(r#"{"a": 1, "b": "x"}"#));
-        assert_eq!(with(Some(r#"{ "b":"x","a":1, "timeout": 9 }"#)), ab);
-        assert_ne!(ab, none);
-        assert_ne!(with(Some(r#"{"a": 2, "b": "x"}"#)), ab);
+        let serving: Vec<String> = ["timeout", "priority", "binary_data_output"]
+            .map(String::from)
+            .into();
+        let triton = KeyRules {
+            priority: false,
+            unseen_parameters: serving,
+        };
+        let with = |text: Option<&str>, rules: &KeyRules| {
+            key_by(
+                1,
+                &request(1, &data).with_parameters(text.map(Into::into)),
+                rules,
+            )
+        };
+        let plain = KeyRules::default();
+        for rules in [&plain, &triton] {
+            let none = with(None, rules);
+            assert_eq!(with(Some("{}"), rules), none);
+            // The same object spelt otherwise: one key.
+            let ab = with(Some(r#"{"a": 1, "b": "x"}"#), rules);
+            assert_eq!(with(Some(r#"{ "b":"x","a":1 }"#), rules), ab);
+            assert_ne!(ab, none);
+            assert_ne!(with(Some(r#"{"a": 2, "b": "x"}"#), rules), ab);
+        }
+        // Unseen parameters count only where the model is shown them.
+        let serving_only = Some(r#"{"timeout": 5, "binary_data_output": true, "priority": 1}"#);
+        assert_eq!(with(serving_only, &triton), with(None, &triton));
+        assert_ne!(with(serving_only, &plain), with(None, &plain));
+        // The priority level counts only for a model told it.
+        let at = |lane: u8, rules: &KeyRules| key_by(1, &request(1, &data).in_lane(lane), rules);
+        let told = KeyRules {
+            priority: true,
+            ..KeyRules::default()
+        };
+        assert_ne!(at(0, &told), at(1, &told));
+        assert_eq!(at(0, &plain), at(1, &plain));
     }
 
     #[test]
@@ -334,12 +431,18 @@ mod tests {
         let unit = 100 + ENTRY_OVERHEAD;
         let cache: ResponseCache<u32> = ResponseCache::new(3 * unit);
         for (i, k) in keys.iter().take(3).enumerate() {
-            assert!(cache.insert(*k, Arc::new(i as u32), 100));
+            assert!(cache.insert(*k, Arc::new(i as u32), 100).kept);
         }
         assert_eq!(cache.counts().entries, 3);
         assert_eq!(cache.counts().bytes, 3 * unit);
         assert!(cache.get(&keys[0]).is_some()); // 0 is now the most recent
-        assert!(cache.insert(keys[3], Arc::new(3), 100));
+        let inserted = cache.insert(keys[3], Arc::new(3), 100);
+        assert!(inserted.kept);
+        assert_eq!(
+            inserted.taken_out.iter().map(|v| **v).collect::<Vec<_>>(),
+            vec![1],
+            "evicted, handed back"
+        );
         assert!(
             cache.get(&keys[1]).is_none(),
             "the least recently used went"
@@ -349,7 +452,7 @@ mod tests {
         assert!(counts.bytes <= counts.max_bytes);
         assert_eq!(counts.evictions, 1);
         // Larger than the whole cache: refused, nothing dropped.
-        assert!(!cache.insert(keys[4], Arc::new(4), 3 * unit));
+        assert!(!cache.insert(keys[4], Arc::new(4), 3 * unit).kept);
         assert_eq!(cache.counts().entries, 3);
         assert_eq!(cache.counts().too_large, 1);
     }
@@ -359,19 +462,34 @@ mod tests {
         let cache: ResponseCache<u32> = ResponseCache::new(1 << 20);
         let (a, b) = (cache.namespace(), cache.namespace());
         let data = [9u8; 8];
-        cache.insert(key(a, &request(1, &data)), Arc::new(1), 8);
-        cache.insert(key(b, &request(1, &data)), Arc::new(2), 8);
-        cache.forget(a);
+        assert!(
+            cache
+                .insert(key(a, &request(1, &data)), Arc::new(1), 8)
+                .kept
+        );
+        assert!(
+            cache
+                .insert(key(b, &request(1, &data)), Arc::new(2), 8)
+                .kept
+        );
+        assert_eq!(
+            cache.forget(a).iter().map(|v| **v).collect::<Vec<_>>(),
+            vec![1]
+        );
         assert!(cache.get(&key(a, &request(1, &data))).is_none());
         assert_eq!(cache.get(&key(b, &request(1, &data))).as_deref(), Some(&2));
         let one = cache.counts().bytes;
-        cache.insert(key(b, &request(1, &data)), Arc::new(3), 8);
+        let replaced = cache.insert(key(b, &request(1, &data)), Arc::new(3), 8);
+        assert_eq!(
+            replaced.taken_out.iter().map(|v| **v).collect::<Vec<_>>(),
+            vec![2]
+        );
         assert_eq!(
             cache.counts().bytes,
             one,
             "a key kept again replaces its entry"
         );
-        cache.clear();
+        assert_eq!(cache.clear().len(), 1);
         assert_eq!(cache.counts().entries, 0);
         assert_eq!(cache.counts().bytes, 0);
     }

@@ -113,7 +113,9 @@ pub mod unflushed;
 pub mod v2;
 
 pub use batcher::{Batch, Batcher, BatcherConfig, Stats, Submission, Worker, MAX_QUEUE_SIZE};
-pub use cache::{CacheCounts, CacheKey, CachedValue, ResponseCache, SharedCache};
+pub use cache::{
+    CacheCounts, CacheKey, CachedValue, Inserted, KeyRules, ResponseCache, SharedCache,
+};
 pub use callers::BlockingCallers;
 pub use dispatch::{Decision, DispatchReason, DispatchRule};
 pub use dtype::DType;

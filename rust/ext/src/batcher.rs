@@ -27,6 +27,11 @@ use crate::results::{failed_alone, FailedRows};
 use crate::threads::{ThreadWaiters, Waiter};
 use crate::without_gil;
 
+/// `Batcher(response_cache=)`: the cache, the server's namespace there, its
+/// `CachedRows`, and what the model is told of a request besides its
+/// inputs (its priority; the parameters it is never shown).
+type CacheSettings<'py> = (Bound<'py, ResponseCache>, u64, Py<PyAny>, bool, Vec<String>);
+
 /// The submit side of one model's batcher. Shared by every event loop and
 /// thread that submits, and by the model's workers.
 #[pyclass(frozen, module = "ferrobatch._core")]
@@ -78,7 +83,7 @@ impl Batcher {
         default_timeout: Option<f64>,
         first_id: u64,
         queue_timeout: Option<f64>,
-        response_cache: Option<(Bound<'_, ResponseCache>, u64, Py<PyAny>)>,
+        response_cache: Option<CacheSettings<'_>>,
     ) -> PyResult<Batcher> {
         let default_timeout = positive_seconds("default_timeout", default_timeout)?;
         let queue_timeout = positive_seconds("queue_timeout", queue_timeout)?;
@@ -165,11 +170,15 @@ impl Batcher {
             .with_queue_timeout(queue_timeout)
             .naming_inputs(specs.iter().map(|s| Arc::from(s.name.as_str())).collect())
             .numbering_from(first_id)
-            .with_response_cache(
-                response_cache
-                    .as_ref()
-                    .map(|(cache, namespace, _)| (cache.get().core.clone(), *namespace)),
-            );
+            .with_response_cache(response_cache.as_ref().map(
+                |(cache, namespace, _, priority, unseen)| {
+                    let rules = core::KeyRules {
+                        priority: *priority,
+                        unseen_parameters: unseen.clone(),
+                    };
+                    (cache.get().core.clone(), *namespace, rules)
+                },
+            ));
         Ok(Batcher {
             core: Arc::new(core),
             converter: Converter {
@@ -181,7 +190,7 @@ impl Batcher {
                 bytes_limits: BytesLimits::default(),
             },
             _slot_tensors: slot_tensors,
-            cache_rows: response_cache.map(|(_, _, rows)| rows),
+            cache_rows: response_cache.map(|(_, _, rows, _, _)| rows),
         })
     }
 
@@ -765,22 +774,29 @@ impl Worker {
         }
         match cache::FixedColumns::read(outputs, &cache.fixed, batch.rows) {
             Ok(Some(columns)) => {
-                // Copied and kept without the GIL: the event loops go on meanwhile.
+                // Copied and kept without the GIL: the event loops go on
+                // meanwhile. What the cache took out is dropped back here,
+                // with the GIL (it may hold Python objects).
                 let bytes = columns.bytes();
                 let store = &cache.cache;
-                without_gil(py, || {
+                let taken_out = without_gil(py, || {
+                    let mut taken_out = Vec::new();
                     for (key, &(start, n)) in keys.into_iter().zip(&spans) {
                         if let Some((value, nbytes)) = bytes.rows(start as usize, n as usize) {
-                            store.insert(key, Arc::new(value), nbytes);
+                            let value: Arc<core::CachedValue> = Arc::new(value);
+                            taken_out.extend(store.insert(key, value, nbytes).taken_out);
                         }
                     }
+                    taken_out
                 });
+                drop(taken_out);
             }
             Ok(None) => match self.cut(py, cache, outputs, &spans) {
                 Ok(kept) => {
                     for (key, kept) in keys.into_iter().zip(kept) {
                         if let Some((value, nbytes)) = kept {
-                            cache.cache.insert(key, Arc::new(value), nbytes);
+                            // Dropped here, the cache's lock let go.
+                            drop(cache.cache.insert(key, Arc::new(value), nbytes).taken_out);
                         }
                     }
                 }

@@ -14,6 +14,8 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyDict, PyList};
 
+use crate::without_gil;
+
 /// A bounded, least-recently-used cache of model results, by the bytes of
 /// their requests' inputs (Triton's response cache). Give one to several
 /// servers (`Server(response_cache=...)`) to share its bytes between them.
@@ -113,7 +115,13 @@ impl ColumnBytes<'_> {
             // finished batch's outputs are no longer written.
             let all = unsafe { crate::codec::bytes_at(*ptr, *len) };
             let part: Box<[u8]> = all.get(from..to)?.into();
-            nbytes = nbytes.saturating_add(part.len());
+            // Its bytes as the allocator rounds them, and its slot in the list.
+            let held = part
+                .len()
+                .div_ceil(16)
+                .saturating_mul(16)
+                .saturating_add(16);
+            nbytes = nbytes.saturating_add(held);
             kept.push(part);
         }
         Some((CachedResult::Rows(kept), nbytes))
@@ -197,19 +205,24 @@ impl ResponseCache {
     }
 
     /// Drops the entries of `namespace` (a server whose weights changed).
-    fn forget(&self, namespace: u64) {
-        self.core.forget(namespace)
+    /// Looked through without the GIL; what was kept is dropped with it.
+    fn forget(&self, py: Python<'_>, namespace: u64) {
+        let core = &self.core;
+        drop(without_gil(py, || core.forget(namespace)));
     }
 
-    /// Drops every entry.
-    fn clear(&self) {
-        self.core.clear()
+    /// Drops every entry (looked through without the GIL, as `forget`).
+    fn clear(&self, py: Python<'_>) {
+        let core = &self.core;
+        drop(without_gil(py, || core.clear()));
     }
 
     /// `{entries, bytes, max_bytes, evictions, too_large}`: what it holds
     /// now, entries dropped for room, and results never kept (larger than
     /// the whole cache).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        // Its lock is never held by a thread waiting for the GIL (values
+        // are dropped outside it), so taking it with the GIL is safe.
         let c = self.core.counts();
         let d = PyDict::new(py);
         d.set_item("entries", c.entries)?;
