@@ -2,7 +2,9 @@
 what a miss costs.
 
 ``--callers`` closed-loop callers (asyncio tasks, each awaiting one request
-at a time) call an MLP (``--width`` wide, three layers) for ``--seconds``.
+at a time) call a model for ``--seconds``: an MLP (``--width`` wide, three
+layers, a ``--cache-mib`` cache), then ``y = x + 1`` on ``--large-width``
+floats (large results cheaply, a ``--large-cache-mib`` cache).
 Two input patterns, each served with and without ``response_cache``:
 *distinct* (every request's inputs differ: all misses, the cache's cost)
 and *repeated* (each request picks one of ``--pool`` inputs: after the
@@ -12,8 +14,8 @@ cache's ratio to no cache for each pattern.
 
 Results: ``benches/results/cache.jsonl`` (replaced by each run).
 
-    python benches/python/bench_cache.py                 # about a minute
-    python benches/python/bench_cache.py --seconds 2 --runs 1
+    python benches/python/bench_cache.py                 # about two minutes
+    python benches/python/bench_cache.py --seconds 2 --runs 1 --models mlp
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ import ferrobatch as fb
 RESULTS = Path(__file__).resolve().parent.parent / "results" / "cache.jsonl"
 
 
+def add_one(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {"y": inputs["x"] + 1}
+
+
 def make_mlp(width: int) -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(
@@ -46,12 +52,12 @@ def make_mlp(width: int) -> torch.nn.Module:
 async def run_one(cached: bool, pattern: str, args: argparse.Namespace) -> dict[str, Any]:
     spec_x, spec_y = fb.TensorSpec("x", "float32", (args.width,)), fb.TensorSpec("y", "float32", (args.width,))
     server = fb.Server(
-        make_mlp(args.width),
+        make_mlp(args.width) if args.model == "mlp" else add_one,
         inputs=[spec_x],
         outputs=[spec_y],
         max_batch_size=64,
         max_delay=0.001,
-        response_cache=(64 << 20) if cached else None,
+        response_cache=(args.cache_mib << 20) if cached else None,
     )
     pool = [torch.randn(args.width) for _ in range(args.pool)]
     latencies: list[float] = []
@@ -86,28 +92,36 @@ async def run_one(cached: bool, pattern: str, args: argparse.Namespace) -> dict[
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--callers", type=int, default=256)
-    parser.add_argument("--seconds", type=float, default=5.0)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--pool", type=int, default=64)
-    parser.add_argument("--runs", type=int, default=3)
-    args = parser.parse_args()
+def scenario(args: argparse.Namespace, model: str) -> list[dict[str, Any]]:
+    """The four configurations of one model, interleaved over ``--runs``:
+    a summary row each (medians), printed."""
+    args = argparse.Namespace(**vars(args))
+    args.model = model
+    if model == "add":
+        args.width, args.cache_mib = args.large_width, args.large_cache_mib
     configs = [(cached, pattern) for pattern in ("distinct", "repeated") for cached in (False, True)]
     runs: dict[tuple[bool, str], list[dict[str, Any]]] = {c: [] for c in configs}
     for _ in range(args.runs):
         for cached, pattern in configs:  # interleaved: each sees the same machine
             runs[(cached, pattern)].append(asyncio.run(run_one(cached, pattern, args)))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    title = f"MLP {args.width}x3" if model == "mlp" else f"y = x + 1 ({args.width} floats)"
     print(
-        f"MLP {args.width}x3, {args.callers} callers, {args.seconds} s each, pool {args.pool}, "
+        f"\n{title}, cache {args.cache_mib} MiB, {args.callers} callers, {args.seconds} s each, pool {args.pool}, "
         f"torch threads {torch.get_num_threads()}, medians of {args.runs}"
     )
     print(f"{'inputs':<10}{'cache':<7}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'hits':>7}")
     results = []
     for (cached, pattern), rows in runs.items():
-        summary: dict[str, Any] = {"pattern": pattern, "cache": cached, "commit": commit, "callers": args.callers}
+        summary: dict[str, Any] = {
+            "model": model,
+            "width": args.width,
+            "cache_mib": args.cache_mib if cached else None,
+            "pattern": pattern,
+            "cache": cached,
+            "commit": commit,
+            "callers": args.callers,
+        }
         for key in ("req_s", "p50_ms", "p99_ms"):
             summary[key] = statistics.median(r[key] for r in rows)
         summary["hit_share"] = statistics.median(r["hit_share"] for r in rows) if cached else None
@@ -122,6 +136,22 @@ def main() -> None:
     for pattern in ("distinct", "repeated"):
         ratio = by[(True, pattern)]["req_s"] / by[(False, pattern)]["req_s"]
         print(f"{pattern}: cache / no cache = {ratio:.2f}x req/s")
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--callers", type=int, default=256)
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--width", type=int, default=256, help="the MLP's width")
+    parser.add_argument("--cache-mib", type=int, default=64, help="the MLP's cache")
+    parser.add_argument("--large-width", type=int, default=4096, help="y = x + 1's floats per request")
+    parser.add_argument("--large-cache-mib", type=int, default=256, help="y = x + 1's cache")
+    parser.add_argument("--pool", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--models", default="mlp,add", help="mlp, add, or both (default)")
+    args = parser.parse_args()
+    results = [row for model in args.models.split(",") for row in scenario(args, model.strip())]
     RESULTS.write_text("".join(json.dumps(r) + "\n" for r in results))
 
 

@@ -6,6 +6,8 @@
 //! collector); any other kind as a Python object that the server's own code
 //! (`_cache.py`) cut out and joins back.
 
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::ptr::NonNull;
 use std::sync::Arc;
 
 use ferrobatch_core::{ResponseCache as CoreCache, SharedCache};
@@ -27,9 +29,69 @@ pub struct ResponseCache {
 /// One kept result.
 pub(crate) enum CachedResult {
     /// Each output's rows' bytes, in the order of `CachedRows.fixed`.
-    Rows(Vec<Box<[u8]>>),
+    Rows(Vec<SystemBytes>),
     /// What `CachedRows.cut` made, read back only by `CachedRows.join`.
     Object(Py<PyAny>),
+}
+
+/// Bytes kept in memory from the system's allocator rather than this
+/// module's mimalloc: mimalloc asks for transparent huge pages, and a cache
+/// filling or turning over with large results then waited on the kernel
+/// zeroing (and compacting for) a fresh 2 MiB page again and again (16 KiB
+/// results, all misses: 0.08x the requests per second without a cache; see
+/// benches/README.md).
+pub(crate) struct SystemBytes {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: it owns its bytes alone (as a Box<[u8]> would); nothing aliases them.
+unsafe impl Send for SystemBytes {}
+// SAFETY: shared access only reads the bytes.
+unsafe impl Sync for SystemBytes {}
+
+impl SystemBytes {
+    /// A copy of `data`; `None` if the system cannot allocate it.
+    fn copy_of(data: &[u8]) -> Option<SystemBytes> {
+        if data.is_empty() {
+            return Some(SystemBytes {
+                ptr: NonNull::dangling(),
+                len: 0,
+            });
+        }
+        let layout = Layout::array::<u8>(data.len()).ok()?;
+        // SAFETY: the layout has a non-zero size.
+        let ptr = NonNull::new(unsafe { System.alloc(layout) })?;
+        // SAFETY: `ptr` is a fresh allocation of `data.len()` bytes, which
+        // cannot overlap `data`.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), ptr.as_ptr(), data.len()) };
+        Some(SystemBytes {
+            ptr,
+            len: data.len(),
+        })
+    }
+}
+
+impl std::ops::Deref for SystemBytes {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `ptr` holds `len` initialized bytes (or is dangling with
+        // `len` 0), owned by `self`.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for SystemBytes {
+    fn drop(&mut self) {
+        if self.len == 0 {
+            return;
+        }
+        if let Ok(layout) = Layout::array::<u8>(self.len) {
+            // SAFETY: allocated by `System` with this very layout in `copy_of`.
+            unsafe { System.dealloc(self.ptr.as_ptr(), layout) };
+        }
+    }
 }
 
 /// A batch's outputs as contiguous CPU tensors, in the order of `names`
@@ -114,7 +176,7 @@ impl ColumnBytes<'_> {
             // `FixedColumns` this borrows from keeps the tensor alive, and a
             // finished batch's outputs are no longer written.
             let all = unsafe { crate::codec::bytes_at(*ptr, *len) };
-            let part: Box<[u8]> = all.get(from..to)?.into();
+            let part = SystemBytes::copy_of(all.get(from..to)?)?;
             // Its bytes as the allocator rounds them, and its slot in the list.
             let held = part
                 .len()
@@ -138,7 +200,7 @@ pub(crate) fn join<'py>(
     rows: u32,
 ) -> PyResult<Bound<'py, PyDict>> {
     let py = cached_rows.py();
-    let as_bytes: Option<Vec<&Vec<Box<[u8]>>>> = parts
+    let as_bytes: Option<Vec<&Vec<SystemBytes>>> = parts
         .iter()
         .map(|(_, kept)| match kept {
             CachedResult::Rows(columns) => Some(columns),
@@ -150,11 +212,18 @@ pub(crate) fn join<'py>(
         let columns = PyList::empty(py);
         for i in 0..width {
             let total: usize = all.iter().filter_map(|c| c.get(i)).map(|b| b.len()).sum();
-            let mut joined = Vec::with_capacity(total);
-            for column in &all {
-                joined.extend_from_slice(column.get(i).map_or(&[][..], |b| &b[..]));
-            }
-            columns.append(PyByteArray::new(py, &joined))?;
+            // Written straight into the bytearray the joined tensor views.
+            let joined = PyByteArray::new_with(py, total, |buffer| {
+                let mut at = 0;
+                for part in all.iter().filter_map(|c| c.get(i)) {
+                    if let Some(to) = buffer.get_mut(at..at + part.len()) {
+                        to.copy_from_slice(part);
+                    }
+                    at += part.len();
+                }
+                Ok(())
+            })?;
+            columns.append(joined)?;
         }
         let joined = cached_rows.call_method1(intern!(py, "join_rows"), (columns, rows))?;
         return Ok(joined.cast_into::<PyDict>()?);
