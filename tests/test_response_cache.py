@@ -174,8 +174,9 @@ def test_bad_settings_are_refused() -> None:
     for bad in (0, -1, True, 1.5, "1MB"):
         with pytest.raises(ValueError, match="response_cache"):
             fb.Server(Counting(), inputs=X, outputs=Y, response_cache=bad)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="max_bytes"):
-        fb.ResponseCache(0)
+    for bad_size in (0, -1, True, 1.5, 2**64):
+        with pytest.raises(ValueError, match="max_bytes"):
+            fb.ResponseCache(bad_size)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="decoupled"):
         fb.Server(Counting(), inputs=X, outputs=Y, response_cache=1 << 20, decoupled=True)
 

@@ -21,6 +21,7 @@
 //! inserts one reads it back.
 
 use std::collections::hash_map::RandomState;
+use std::collections::BTreeMap;
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -131,19 +132,35 @@ impl CacheKey {
 }
 
 /// The parameters the model is shown, in one spelling: the request's JSON
-/// object without `unseen`, its keys sorted; `None` when none is left.
-/// Text that is not an object is kept as it is.
+/// object without `unseen`, its keys decoded and sorted, each value as its
+/// text was written (a number is never read: two numbers that a parser
+/// would round alike still differ here, as they may for the model); `None`
+/// when none is left. Text that is not an object is kept as it is.
 fn model_parameters(text: &str, unseen: &[String]) -> Option<String> {
-    match serde_json::from_str::<serde_json::Value>(text) {
-        Ok(serde_json::Value::Object(mut object)) => {
-            for name in unseen {
-                object.remove(name);
-            }
-            // serde_json's map keeps its keys sorted (no `preserve_order`).
-            (!object.is_empty()).then(|| serde_json::Value::Object(object).to_string())
-        }
-        _ => Some(text.to_owned()),
+    use serde_json::value::RawValue;
+    // A key given twice keeps its last value, as Python's json does.
+    let Ok(mut object) = serde_json::from_str::<BTreeMap<String, &RawValue>>(text) else {
+        return Some(text.to_owned());
+    };
+    for name in unseen {
+        object.remove(name);
     }
+    if object.is_empty() {
+        return None;
+    }
+    let mut canonical = String::with_capacity(text.len());
+    canonical.push('{');
+    for (i, (name, value)) in object.iter().enumerate() {
+        if i > 0 {
+            canonical.push(',');
+        }
+        // A decoded key written back as JSON: one spelling per name.
+        canonical.push_str(&serde_json::to_string(name).unwrap_or_default());
+        canonical.push(':');
+        canonical.push_str(value.get().trim());
+    }
+    canonical.push('}');
+    Some(canonical)
 }
 
 /// What [`ResponseCache::insert`] did: whether it kept the value, and the
@@ -388,6 +405,17 @@ mod tests {
             assert_eq!(with(Some(r#"{ "b":"x","a":1 }"#), rules), ab);
             assert_ne!(ab, none);
             assert_ne!(with(Some(r#"{"a": 2, "b": "x"}"#), rules), ab);
+            // Numbers a parser would round alike: still two keys.
+            for (one, two) in [
+                ("18446744073709551616", "18446744073709551617"),
+                ("0.012053200609833413", "0.012053200609833411"),
+                ("1e400", "1e401"),
+            ] {
+                let one = with(Some(&format!(r#"{{"t": {one}}}"#)), rules);
+                assert_ne!(one, with(Some(&format!(r#"{{"t": {two}}}"#)), rules));
+            }
+            // An escaped key is the same name.
+            assert_eq!(with(Some(r#"{"\u0061": 1, "b": "x"}"#), rules), ab);
         }
         // Unseen parameters count only where the model is shown them.
         let serving_only = Some(r#"{"timeout": 5, "binary_data_output": true, "priority": 1}"#);

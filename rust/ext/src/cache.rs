@@ -251,12 +251,17 @@ pub(crate) fn join<'py>(
 #[pymethods]
 impl ResponseCache {
     #[new]
-    fn new(max_bytes: usize) -> PyResult<ResponseCache> {
-        if max_bytes == 0 {
-            return Err(PyValueError::new_err(
-                "a response cache needs max_bytes > 0",
-            ));
-        }
+    fn new(max_bytes: &Bound<'_, PyAny>) -> PyResult<ResponseCache> {
+        let size = if max_bytes.is_instance_of::<pyo3::types::PyBool>() {
+            None
+        } else {
+            max_bytes.extract::<usize>().ok().filter(|&n| n > 0)
+        };
+        let Some(max_bytes) = size else {
+            return Err(PyValueError::new_err(format!(
+                "a response cache needs max_bytes, an int > 0, got {max_bytes}"
+            )));
+        };
         Ok(ResponseCache {
             core: Arc::new(CoreCache::new(max_bytes)),
         })
