@@ -1,6 +1,6 @@
 //! The response cache (Triton's `response_cache`): the result of a request,
-//! kept by its inputs' bytes, so that a later request with the same inputs
-//! is answered without running the model.
+//! kept under a digest of its inputs, so that a later request with the same
+//! inputs is answered without running the model.
 //!
 //! A batcher with a cache ([`crate::Batcher::with_response_cache`]) looks
 //! each request up as its batch is released, after it won `take()` (so its
@@ -17,8 +17,14 @@
 //! (values as their owner sizes them, plus a fixed cost per entry: keys
 //! are digests, see [`CacheKey`]); the least recently used
 //! entries go first, and an entry larger than the whole cache is never kept.
-//! Values are opaque here (the binding keeps Python objects): whoever
-//! inserts one reads it back.
+//!
+//! Values are opaque here (the binding keeps bytes, or Python objects):
+//! whoever inserts one reads it back. The one invariant: no value is
+//! dropped while the cache's lock is held. What `insert`, `forget` and
+//! `clear` take out is handed back to the caller, who drops it once the
+//! lock is let go, so the lock is never held by a thread that waits for
+//! anything (a Python value's drop may wait for the GIL, and a thread
+//! holding the GIL may be waiting for this lock).
 
 use std::collections::hash_map::RandomState;
 use std::collections::BTreeMap;

@@ -66,7 +66,7 @@
 //!   its rows by sink in one pass; each sink's owner (outside this crate)
 //!   delivers its group with one wake-up per batch.
 //! * **Response cache** ([`cache`]): a batcher with one looks each taken
-//!   request up by its inputs' bytes as its batch is released; a hit
+//!   request up by a digest of its inputs as its batch is released; a hit
 //!   leaves the batch, never collated nor run, and the worker's owner
 //!   answers it with the kept result ([`Worker::take_cached`]).
 //! * **Pending requests**: a way in registers each request in a
