@@ -1,7 +1,7 @@
 """The Python half of the response cache (``Server(response_cache=...)``;
 the cache itself, its keys and its bounds are ``_core.ResponseCache``'s).
 
-The core looks each request up by its inputs' bytes as its batch is
+The core looks each request up by a digest of its inputs as its batch is
 released: a hit never runs, a miss runs and carries its key. What is kept
 per request is its rows of its batch's outputs, copied: for a model whose
 outputs are all fixed-shape tensors, their bytes, copied in Rust (the
