@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 import json
 import os
 import subprocess
@@ -676,3 +677,31 @@ async def test_the_torchrl_mailbox_tells_a_sender_the_queue_is_full_and_keeps_an
     await box.reopen()
     assert await box.answers("b", 0.1) == [("rid", False, "closed")]
     assert await box.take(10, 0) == []
+
+
+CALL = fb.TensorSpec("call", "int64", ())
+#: Model calls made in this replica's process.
+_CALLS = itertools.count()
+
+
+def counted(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``y = 2x``, and which of the process's model calls computed it."""
+    x = batch["x"]
+    return {"y": x * 2, "call": torch.full((len(x),), next(_CALLS), dtype=torch.int64)}
+
+
+def make_cached() -> fb.Server:
+    return fb.Server(counted, inputs=[X], outputs=[Y, CALL], response_cache=1 << 20, name="cached")
+
+
+async def test_the_replicas_response_cache_answers_repeated_inputs_across_the_hop(cluster: int) -> None:
+    app = serve.run(
+        fray.deployment(make_cached, name="cached", ray_actor_options=NO_CPU), name="cached", route_prefix="/cached"
+    )
+    async with fray.client(app) as client:
+        first = await client.infer({"x": row(1)})
+        again = await client.infer({"x": row(1)})
+        other = await client.infer({"x": row(2)})
+    assert again["y"].tolist() == first["y"].tolist() == [2.0] * 4
+    assert int(again["call"]) == int(first["call"]), "the replica ran the model again"
+    assert int(other["call"]) != int(first["call"]) and other["y"].tolist() == [4.0] * 4
