@@ -932,6 +932,87 @@ def test_a_shared_memory_transport_without_a_server_holds_its_slots_and_times_ou
         second[0].result(timeout=10)
 
 
+def test_copy_result_false_lends_answers_into_the_response_slots_as_torchrl() -> None:
+    """TorchRL's ``copy_result=False``: a result is a view of its request's
+    response slot (``transport._response_slots``), and a later result read
+    from that slot overwrites it; ``copy_result=True`` results are their own.
+    An answer that does not fit its slot fails its request."""
+    from ferrobatch.torchrl import SharedMemoryTransport
+
+    def answer_next(transport: Any, action: torch.Tensor) -> None:
+        transport.wait_for_work(5.0)
+        _, callbacks = transport.drain(1)
+        transport.resolve(callbacks[0], TensorDict({"action": action, "policy_version": torch.tensor(3)}))
+
+    borrowed = SharedMemoryTransport(*_shm_specs(), num_slots=1, copy_result=False)
+    client = borrowed.client()
+    first = client.submit(TensorDict({"observation": torch.ones(4)}))
+    answer_next(borrowed, torch.tensor([1.0, 2.0]))
+    got = first.result(timeout=10)
+    assert got["action"].data_ptr() == borrowed._response_slots["action"][0].data_ptr()
+    assert got["action"].tolist() == [1.0, 2.0] and int(got["policy_version"]) == 3
+    assert first.result(timeout=10) is got  # read again: the same view
+    second = client.submit(TensorDict({"observation": torch.ones(4)}))
+    answer_next(borrowed, torch.tensor([5.0, 6.0]))
+    assert second.result(timeout=10)["action"].tolist() == [5.0, 6.0]
+    assert got["action"].tolist() == [5.0, 6.0], "the slot's later result did not overwrite the view"
+    misfit = client.submit(TensorDict({"observation": torch.ones(4)}))
+    answer_next(borrowed, torch.zeros(3))
+    with pytest.raises(ValueError, match="response slot holds"):
+        misfit.result(timeout=10)
+    assert second.result(timeout=10)["action"].tolist() == [5.0, 6.0], "a failed request wrote its slot"
+
+    owned = SharedMemoryTransport(*_shm_specs(), num_slots=1)
+    assert owned._response_slots is None
+    client = owned.client()
+    first = client.submit(TensorDict({"observation": torch.ones(4)}))
+    answer_next(owned, torch.tensor([1.0, 2.0]))
+    second = client.submit(TensorDict({"observation": torch.ones(4)}))
+    answer_next(owned, torch.tensor([5.0, 6.0]))
+    assert second.result(timeout=10)["action"].tolist() == [5.0, 6.0]
+    assert first.result(timeout=10)["action"].tolist() == [1.0, 2.0]
+
+    # Served by ferrobatch, over shared memory: two slots, each request's own.
+    borrowed = SharedMemoryTransport(*_shm_specs(), num_slots=2, copy_result=False)
+    client = borrowed.client()
+    slot_ptrs = {borrowed._response_slots["action"][slot].data_ptr() for slot in range(2)}
+    with InferenceServer(lambda td: td.set("action", td["observation"][..., :2] * 2), borrowed, max_batch_size=4):
+        called = client(TensorDict({"observation": torch.full((4,), 2.0)}))
+        assert client._route is not None, "the request did not ride shared memory"
+        assert called["action"].tolist() == [4.0, 4.0] and called["action"].data_ptr() in slot_ptrs
+        futures = [client.submit(TensorDict({"observation": torch.full((4,), float(i))})) for i in range(2)]
+        results = [f.result(timeout=10) for f in futures]
+    assert [r["action"][0].item() for r in results] == [0.0, 2.0]
+    assert {r["action"].data_ptr() for r in results} == slot_ptrs  # one slot each
+
+
+def _borrowing_actor(client: Any, results: Any) -> None:
+    bank = client._rules.response_slots["action"][0]
+    actions, lent = [], []
+    for i in range(2):
+        got = client(TensorDict({"observation": torch.full((4,), float(i))}))
+        actions.append(got["action"].tolist())  # read before the next request overwrites it
+        lent.append(got["action"].data_ptr() == bank.data_ptr())
+    results.put((actions, lent))
+
+
+def test_copy_result_false_lends_into_the_client_process_s_own_slots() -> None:
+    ctx = multiprocessing.get_context("spawn")
+    from ferrobatch.torchrl import SharedMemoryTransport
+
+    transport = SharedMemoryTransport(*_shm_specs(), num_slots=1, ctx=ctx, copy_result=False)
+    with InferenceServer(lambda td: td.set("action", td["observation"][..., :2] + 1), transport, max_batch_size=4):
+        results = ctx.Queue()
+        process = ctx.Process(target=_borrowing_actor, args=(transport.client(), results))
+        process.start()
+        actions, lent = results.get(timeout=45)
+        process.join(15)
+    assert process.exitcode == 0
+    assert actions == [[1.0, 1.0], [2.0, 2.0]]
+    assert lent == [True, True]
+    assert transport._response_slots["action"][0].tolist() == [0.0, 0.0]  # the parent's slots: untouched
+
+
 def _ray_task_calls(client: Any, values: list[float]) -> list[torch.Tensor]:
     """In a Ray worker: one request per value, in turn; the actions."""
     return [client(request(v))["action"] for v in values]

@@ -1859,10 +1859,17 @@ class SharedMemoryTransport(MPTransport):
     result holds the keys of ``response_spec`` only, and at most
     ``num_slots`` requests of a client's process are in flight (``submit``
     blocks for a free slot; a timed-out ``result(timeout)`` raises
-    ``queue.Empty`` and leaves the request in flight). Results are always
-    the client's own tensors (``copy_result`` is accepted; nothing aliases
-    the shared cells). Without ferrobatch's server, a TorchRL server serves
-    it through the clients' pipes, as :class:`MPTransport`."""
+    ``queue.Empty`` and leaves the request in flight). Without ferrobatch's
+    server, a TorchRL server serves it through the clients' pipes, as
+    :class:`MPTransport`.
+
+    ``copy_result=True`` (the default): a result's tensors are its own.
+    ``copy_result=False``: as TorchRL's, ``result()`` returns a view of the
+    request's response slot (``_response_slots[slot]``, one bank per client
+    process, shaped by ``response_spec``), which a later request's result
+    read from the same slot overwrites; an answer that does not fit its
+    slot fails its request. The slot takes the answer when the result is
+    first read, so a request's slot is free again once it is answered."""
 
     def __init__(
         self,
@@ -1882,7 +1889,9 @@ class SharedMemoryTransport(MPTransport):
         self.response_spec = response_spec
         self.num_slots = num_slots
         self.copy_result = copy_result
-        self._rules = _SlotRules(request_keys, response_keys, num_slots)
+        self._rules = _SlotRules(request_keys, response_keys, num_slots, None if copy_result else response_spec)
+        #: With ``copy_result=False``: this process's response slots, as TorchRL names them.
+        self._response_slots = self._rules.response_slots
 
     def client(self) -> MPClient:
         client = super().client()
@@ -2097,24 +2106,56 @@ class ResultTimeout(queue.Empty, TimeoutError):
 
 
 class _SlotFuture(concurrent.futures.Future[Any]):
+    """A SharedMemoryTransport request's Future: TorchRL's ``queue.Empty`` on
+    a timed-out ``result(timeout)``, and with ``copy_result=False`` the
+    answer lent into the request's slot when it is first read."""
+
+    _lend: tuple[_SlotRules, int] | None = None
+    _lent: Any = None
+
     def result(self, timeout: float | None = None) -> Any:
         try:
-            return super().result(timeout)
+            answer = super().result(timeout)
         except concurrent.futures.TimeoutError:
             raise ResultTimeout(f"no result within {timeout}s; the request is still in flight") from None
+        if self._lend is None:
+            return answer
+        with self._condition:  # two threads reading it get one view
+            if self._lent is None:
+                rules, slot = self._lend
+                self._lent = rules.lend(slot, answer)
+            return self._lent
 
 
 class _SlotRules:
     """What a SharedMemoryTransport's clients keep to TorchRL's (the class's
-    documentation): the declared keys each way, and the process's slots."""
+    documentation): the declared keys each way, the process's slots, and
+    with a ``borrowed`` response spec (``copy_result=False``) the process's
+    response slots, results lent into them as views."""
 
-    def __init__(self, request_keys: list[NestedKey], response_keys: list[NestedKey], num_slots: int) -> None:
+    def __init__(
+        self,
+        request_keys: list[NestedKey],
+        response_keys: list[NestedKey],
+        num_slots: int,
+        borrowed: Any = None,
+    ) -> None:
         self.request_keys, self.response_keys, self.num_slots = request_keys, response_keys, num_slots
-        self._slots = threading.BoundedSemaphore(num_slots)
+        self._borrowed = borrowed
+        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for slot in range(num_slots):
+            self._free.put(slot)
+        self.response_slots: Any = None
+        self._slot_views: list[dict[NestedKey, torch.Tensor]] = []
+        if borrowed is not None:
+            batch = tuple(borrowed.batch_size)
+            self.response_slots = borrowed.unsqueeze(0).expand(num_slots, *batch).clone()
+            columns = {key: self.response_slots.get(key) for key in response_keys}
+            self._slot_views = [{key: column[slot] for key, column in columns.items()} for slot in range(num_slots)]
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # The semaphore stays behind: each process has slots of its own.
-        return (_SlotRules, (self.request_keys, self.response_keys, self.num_slots))
+        # The slots stay behind: each process has slots (and response slots) of its own.
+        return (_SlotRules, (self.request_keys, self.response_keys, self.num_slots, self._borrowed))
 
     def check(self, td: Any) -> None:
         """A missing declared key is a KeyError, a tensor off the CPU a
@@ -2123,15 +2164,16 @@ class _SlotRules:
             if td[key].device.type != "cpu":  # a missing key: tensordict's KeyError
                 raise ValueError(f"a SharedMemoryTransport takes CPU tensors; {key!r} is not one")
 
-    def take_slot(self) -> None:
-        self._slots.acquire()
+    def take_slot(self) -> int:
+        """A free slot of this process, waiting for one."""
+        return self._free.get()
 
-    def give_slot(self, _: object = None) -> None:
-        self._slots.release()
+    def give_slot(self, slot: int) -> None:
+        self._free.put(slot)
 
     def response(self, td: Any, pairs: Sequence[tuple[NestedKey, torch.Tensor]]) -> Any:
         """The result: the response spec's keys of ``pairs``, in a TensorDict
-        of the request's batch size."""
+        of the request's batch size (lent later: checked to fit a slot)."""
         given = dict(pairs)
         entries = {}
         for key in self.response_keys:
@@ -2139,13 +2181,32 @@ class _SlotRules:
             if value is None:
                 raise KeyError(f"the server's answer lacks the response spec's key {key!r}")
             entries[key] = value
-        plain = _plain_tensordict()
-        if all(type(key) is str for key in entries):  # built at once: the values fit its batch
-            return plain._new_unsafe(entries, batch_size=td.batch_size, device=None)
-        result = plain(batch_size=td.batch_size)
-        for key, value in entries.items():
-            result.set(key, value)
-        return result
+        if self._slot_views:
+            for key, view in self._slot_views[0].items():
+                if entries[key].shape != view.shape:
+                    raise ValueError(
+                        f"the answer's {key!r} has shape {tuple(entries[key].shape)}; "
+                        f"its response slot holds {tuple(view.shape)}"
+                    )
+        return _tensordict_of(entries, td.batch_size)
+
+    def lend(self, slot: int, answer: Any) -> Any:
+        """``answer`` copied into response slot ``slot``: a view of it, as
+        TorchRL's ``copy_result=False`` result."""
+        views = self._slot_views[slot]
+        for key, view in views.items():
+            view.copy_(answer.get(key))
+        return _tensordict_of(dict(views), self.response_slots.batch_size[1:])
+
+
+def _tensordict_of(entries: dict[NestedKey, torch.Tensor], batch_size: Any) -> Any:
+    plain = _plain_tensordict()
+    if all(type(key) is str for key in entries):  # built at once: the values fit its batch
+        return plain._new_unsafe(entries, batch_size=batch_size, device=None)
+    result = plain(batch_size=batch_size)
+    for key, value in entries.items():
+        result.set(key, value)
+    return result
 
 
 class MPClient:
@@ -2206,8 +2267,10 @@ class MPClient:
         else:
             rules.check(td)
             future = _SlotFuture()
-            rules.take_slot()
-            future.add_done_callback(rules.give_slot)
+            slot = rules.take_slot()
+            future.add_done_callback(lambda _: rules.give_slot(slot))
+            if rules.response_slots is not None:
+                future._lend = (rules, slot)
         future.set_running_or_notify_cancel()
         route = self._shared()
         if route is None:
@@ -2224,11 +2287,12 @@ class MPClient:
         if rules is None:
             return route.call(td, self)
         rules.check(td)
-        rules.take_slot()
+        slot = rules.take_slot()
         try:
-            return route.call(td, self)
+            answer = route.call(td, self)
+            return answer if rules.response_slots is None else rules.lend(slot, answer)
         finally:
-            rules.give_slot()
+            rules.give_slot(slot)
 
     def _ask_error(self, token: str) -> concurrent.futures.Future[Any]:
         """The model's exception of shared-memory request ``token``, asked
