@@ -22,10 +22,12 @@ times (``add_sub``: the in-process and shared-memory cases):
   2 client processes (clients made before spawning, as TorchRL requires)
   each keep ``--callers`` requests in flight (``client.submit`` futures, the
   oldest awaited and replaced);
-- ``ferrobatch.torchrl-mp`` / ``ferrobatch.torchrl-shm``: the same code as
-  ``torchrl-mp`` / ``torchrl-shm`` with ``InferenceServer`` and the transport
-  imported from ``ferrobatch.torchrl`` (``--transports-only`` runs these four
-  alone);
+- ``torchrl-shm-borrowed``: ``torchrl-shm`` with ``copy_result=False`` (each
+  result a view of its response slot, not a copy);
+- ``ferrobatch.torchrl-mp`` / ``ferrobatch.torchrl-shm`` /
+  ``ferrobatch.torchrl-shm-borrowed``: the same code as the three above with
+  ``InferenceServer`` and the transport imported from ``ferrobatch.torchrl``
+  (``--transports-only`` runs these six alone);
 - ``torchrl-ray`` / ``ferrobatch.torchrl-ray`` (with ``--ray``): the same with
   a ``RayTransport``, its 2 clients on Ray actors of this machine (Ray
   started here with 2 CPUs).
@@ -321,7 +323,10 @@ def torchrl(kind: str, transport_kind: str, args: argparse.Namespace) -> list[di
     else:
         spec = TensorDict({"x": torch.zeros(FEATURES)})
         out = TensorDict({"y": torch.zeros(FEATURES)})
-        transport = SharedMemoryTransport(spec, out, num_slots=PROCESSES * args.callers, ctx=ctx)
+        borrowed = transport_kind.endswith("-borrowed")  # copy_result=False: results are views of their slots
+        transport = SharedMemoryTransport(
+            spec, out, num_slots=PROCESSES * args.callers, ctx=ctx, copy_result=not borrowed
+        )
     module = TensorDictModule(Wrapped(), in_keys=["x"], out_keys=["y"])
     server = InferenceServer(module, transport, max_batch_size=MAX_BATCH_SIZE, min_batch_size=1)
     clients = [transport.client() for _ in range(PROCESSES)]
@@ -422,7 +427,7 @@ def main() -> None:
     parser.add_argument(
         "--transports-only",
         action="store_true",
-        help="only TorchRL's transports and ferrobatch.torchrl's MPTransport (the same TorchRL code, imports switched)",
+        help="only TorchRL's transports and ferrobatch.torchrl's (the same TorchRL code, imports switched)",
     )
     args = parser.parse_args()
     PROCESSES = args.processes
@@ -448,7 +453,8 @@ def main() -> None:
                     p50 = f"{result['p50_us']:8.0f} us p50" if result["p50_us"] else ""
                     print(f"  {kind:8} {system:14} {result['req_per_s']:10.0f} req/s {p50}", flush=True)
             if not args.no_torchrl and torchrl_available() and kind != "add_sub":
-                transports = ["torchrl-mp", "torchrl-shm", "ferrobatch.torchrl-mp", "ferrobatch.torchrl-shm"]
+                transports = ["torchrl-mp", "torchrl-shm", "torchrl-shm-borrowed"]
+                transports += ["ferrobatch.torchrl-mp", "ferrobatch.torchrl-shm", "ferrobatch.torchrl-shm-borrowed"]
                 if args.ray:
                     transports += ["torchrl-ray", "ferrobatch.torchrl-ray"]
                 for transport in transports:
@@ -524,6 +530,16 @@ def report(rows: list[dict[str, Any]]) -> None:
         ours_shm = get(model, "ferrobatch.torchrl-shm", "req_per_s")
         if ours_shm and trl:
             parts.append(f"ferrobatch.torchrl-shm / torchrl-shm {ours_shm / trl:.1f}x (target >= 10)")
+        for side in ("torchrl", "ferrobatch.torchrl"):
+            copied, borrowed = get(model, f"{side}-shm", "req_per_s"), get(model, f"{side}-shm-borrowed", "req_per_s")
+            if copied and borrowed:
+                parts.append(f"{side}-shm copy_result=False / True {borrowed / copied:.2f}x")
+        ours_borrowed, trl_borrowed = (
+            get(model, "ferrobatch.torchrl-shm-borrowed", "req_per_s"),
+            get(model, "torchrl-shm-borrowed", "req_per_s"),
+        )
+        if ours_borrowed and trl_borrowed:
+            parts.append(f"ferrobatch.torchrl-shm-borrowed / torchrl-shm-borrowed {ours_borrowed / trl_borrowed:.1f}x")
         trl_ray, ours_ray = get(model, "torchrl-ray", "req_per_s"), get(model, "ferrobatch.torchrl-ray", "req_per_s")
         if trl_ray and ours_ray:
             parts.append(f"ferrobatch.torchrl-ray / torchrl-ray {ours_ray / trl_ray:.1f}x")
