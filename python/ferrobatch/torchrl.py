@@ -2147,9 +2147,11 @@ class _SlotRules:
             self._free.put(slot)
         self.response_slots: Any = None
         self._slot_views: list[dict[NestedKey, torch.Tensor]] = []
+        self._slot_batch: Any = None
         if borrowed is not None:
             batch = tuple(borrowed.batch_size)
             self.response_slots = borrowed.unsqueeze(0).expand(num_slots, *batch).clone()
+            self._slot_batch = borrowed.batch_size
             columns = {key: self.response_slots.get(key) for key in response_keys}
             self._slot_views = [{key: column[slot] for key, column in columns.items()} for slot in range(num_slots)]
 
@@ -2173,7 +2175,8 @@ class _SlotRules:
 
     def response(self, td: Any, pairs: Sequence[tuple[NestedKey, torch.Tensor]]) -> Any:
         """The result: the response spec's keys of ``pairs``, in a TensorDict
-        of the request's batch size (lent later: checked to fit a slot)."""
+        of the request's batch size; to be lent (``copy_result=False``):
+        their ``{key: tensor}``, checked to fit a slot."""
         given = dict(pairs)
         entries = {}
         for key in self.response_keys:
@@ -2181,22 +2184,23 @@ class _SlotRules:
             if value is None:
                 raise KeyError(f"the server's answer lacks the response spec's key {key!r}")
             entries[key] = value
-        if self._slot_views:
-            for key, view in self._slot_views[0].items():
-                if entries[key].shape != view.shape:
-                    raise ValueError(
-                        f"the answer's {key!r} has shape {tuple(entries[key].shape)}; "
-                        f"its response slot holds {tuple(view.shape)}"
-                    )
-        return _tensordict_of(entries, td.batch_size)
+        if not self._slot_views:
+            return _tensordict_of(entries, td.batch_size)
+        for key, view in self._slot_views[0].items():
+            if entries[key].shape != view.shape:
+                raise ValueError(
+                    f"the answer's {key!r} has shape {tuple(entries[key].shape)}; "
+                    f"its response slot holds {tuple(view.shape)}"
+                )
+        return entries
 
-    def lend(self, slot: int, answer: Any) -> Any:
-        """``answer`` copied into response slot ``slot``: a view of it, as
-        TorchRL's ``copy_result=False`` result."""
+    def lend(self, slot: int, answer: dict[NestedKey, torch.Tensor]) -> Any:
+        """``answer`` (from ``response``) copied into response slot ``slot``:
+        a view of it, as TorchRL's ``copy_result=False`` result."""
         views = self._slot_views[slot]
         for key, view in views.items():
-            view.copy_(answer.get(key))
-        return _tensordict_of(dict(views), self.response_slots.batch_size[1:])
+            view.copy_(answer[key])
+        return _tensordict_of(dict(views), self._slot_batch)
 
 
 def _tensordict_of(entries: dict[NestedKey, torch.Tensor], batch_size: Any) -> Any:
