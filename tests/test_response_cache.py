@@ -332,3 +332,36 @@ async def test_a_model_told_the_priority_keeps_a_result_per_level() -> None:
         for level in (1, 3, 2, 1, 3):
             assert (await client.infer(row(1), priority=level))["y"][0] == float(level)
         assert (server.stats()["cache_hits"], server.stats()["cache_misses"]) == (2, 3)
+
+
+async def test_a_hit_is_answered_while_every_instance_runs_a_batch() -> None:
+    """Once every instance has been busy a while, a request found in the
+    cache is answered as it comes (as Triton's), not when an instance is
+    next free (here the only one is held)."""
+    import threading
+
+    started, release = threading.Event(), threading.Event()
+
+    def model(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if bool((batch["x"] == 9).any()):
+            started.set()
+            release.wait(30)
+        return {"y": batch["x"] * 2}
+
+    server = fb.Server(model, inputs=X, outputs=Y, response_cache=1 << 20, max_delay=0)
+    async with server:
+        client = server.client()
+        await client.infer(row(1))  # kept
+        held = asyncio.create_task(client.infer(row(9)))
+        try:
+            assert await asyncio.to_thread(started.wait, 10)
+            await asyncio.sleep(0.05)  # the instance busy past HIT_WAIT_FOR_BUSY (10 ms)
+            hit = await asyncio.wait_for(client.infer(row(1)), 5)
+            hit_sync = await asyncio.wait_for(asyncio.to_thread(client.infer_sync, row(1)), 5)
+            assert not held.done(), "the instance's batch ended first"
+        finally:
+            release.set()
+        assert (await held)["y"][0] == 18.0
+        stats = server.stats()
+    assert hit["y"].tolist() == hit_sync["y"].tolist() == [2.0] * 4
+    assert (stats["cache_hits"], stats["cache_misses"], stats["requests_succeeded"]) == (2, 2, 4)

@@ -2,7 +2,9 @@
 the cache itself, its keys and its bounds are ``_core.ResponseCache``'s).
 
 The core looks each request up by a digest of its inputs as its batch is
-released: a hit never runs, a miss runs and carries its key. What is kept
+released (or, while every instance runs a slow batch, as it is submitted:
+a hit is then answered by the server's cache thread, never queued): a hit
+never runs, a miss runs and carries its key. What is kept
 per request is its rows of its batch's outputs, copied: for a model whose
 outputs are all fixed-shape tensors, their bytes, copied in Rust (the
 outputs named :attr:`CachedRows.fixed`, joined back by

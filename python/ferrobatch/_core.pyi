@@ -163,6 +163,9 @@ class Worker:
     """The batch side for one model instance."""
 
     def __new__(cls, batcher: Batcher, registry: LoopRegistry) -> Worker: ...
+    def answer_found(self) -> bool:
+        """Blocks until requests found in the response cache as they were
+        submitted wait, answers them; False once closed and none is left."""
     def next_batch(self) -> Batch | None: ...
     def finish(
         self,

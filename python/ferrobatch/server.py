@@ -126,7 +126,8 @@ class Server:
             response cache): a request whose inputs (bytes, shapes, rows,
             optional inputs left out, requested outputs, and its parameters
             with ``with_requests``) match a kept result's is answered with
-            it as its batch is released, never run. A size in bytes (a
+            it as its batch is released (as it comes, never queued, while
+            every instance runs a batch of 10 ms or more), never run. A size in bytes (a
             cache of this server's), or a :class:`ferrobatch.ResponseCache`
             shared by several servers (one bound for all); the least
             recently used results go first. Every way in; a weight update
@@ -836,6 +837,13 @@ class Server:
                 )
                 for name, target, args in loops
             ]
+        if self.response_cache is not None:
+            # Hits found as they are submitted are answered here, beside the
+            # instances: never behind a batch that is running (as Triton's).
+            found = _core.Worker(self._batcher, self._loops)
+            self._threads.append(
+                threading.Thread(target=_answer_found, args=(found,), name=f"ferrobatch-{self.name}-cache", daemon=True)
+            )
         self._phase = "running"
         self._submitter.accept(self._batcher)
         for thread in self._threads:
@@ -1468,6 +1476,12 @@ def _seconds_or_none(name: str, value: object) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"{name} must be > 0 seconds or None, got {value!r}")
     return float(value)
+
+
+def _answer_found(worker: _core.Worker) -> None:
+    """Answers the requests the response cache held as they came, until the batcher closes."""
+    while worker.answer_found():
+        pass
 
 
 def _worker_thread(

@@ -3,13 +3,18 @@
 //! inputs is answered without running the model.
 //!
 //! A batcher with a cache ([`crate::Batcher::with_response_cache`]) looks
-//! each request up as its batch is released, after it won `take()` (so its
-//! bytes are readable): a hit leaves the batch and is answered by the
-//! worker's owner from the cached value ([`crate::Worker::take_cached`]),
+//! each request up as its batch is released, after its worker won `take()`
+//! (so its bytes are readable): a hit leaves the batch and is answered by
+//! the worker's owner from the cached value ([`crate::Worker::take_cached`]),
 //! never collated nor run; a miss runs, and its batch carries its key
 //! ([`crate::Batch::cache_keys`]) for the owner to [`ResponseCache::insert`]
-//! its result once the batch succeeded. Every way in goes through the
-//! batcher, so every way in has it.
+//! its result once the batch succeeded. While every worker runs a slow
+//! batch, requests are looked up as they are submitted instead (as Triton
+//! looks hits up before its queue; see [`crate::HIT_WAIT_FOR_BUSY`]): a hit
+//! is taken and handed to the thread waiting in
+//! [`crate::Batcher::wait_found`], never queued. A digest is computed once
+//! per request and kept on it. Every way in goes through the batcher, so
+//! every way in has it.
 //!
 //! One cache may serve several models (as Triton's one cache serves every
 //! model that enables it): each batcher keys its entries under its own
@@ -88,12 +93,24 @@ fn digest_key() -> &'static [u8; 32] {
 }
 
 impl CacheKey {
-    /// The key of `request` under `namespace`.
+    /// The key of `request` under `namespace`. Its digest is computed once
+    /// per request (the rules are its batcher's, for life) and kept on it.
     ///
     /// # Safety
-    /// The caller must have won `request.take()` and not yet resolved it:
-    /// the key reads the request's input bytes (see [`crate::InputBytes::new`]).
+    /// Nobody may resolve `request` meanwhile: the caller has won
+    /// `request.take()`, or submits it and has not queued it yet. The key
+    /// reads the request's input bytes (see [`crate::InputBytes::new`]).
     pub unsafe fn of(namespace: u64, request: &Request, rules: &KeyRules) -> CacheKey {
+        // SAFETY: the caller's, as above.
+        let digest = *request
+            .cache_digest
+            .get_or_init(|| unsafe { Self::digest(request, rules) });
+        CacheKey { namespace, digest }
+    }
+
+    /// # Safety
+    /// As [`CacheKey::of`].
+    unsafe fn digest(request: &Request, rules: &KeyRules) -> [u64; 2] {
         let mut digest = blake3::Hasher::new_keyed(digest_key());
         let word = |w: u64| w.to_le_bytes();
         digest.update(&word(u64::from(request.rows)));
@@ -119,8 +136,8 @@ impl CacheKey {
             for &extent in input.extents() {
                 digest.update(&word(extent as u64));
             }
-            // SAFETY: the caller won `take()` and has not resolved the
-            // request, so its submitter keeps these bytes alive.
+            // SAFETY: nobody resolves the request meanwhile (the caller's
+            // contract), so its submitter keeps these bytes alive.
             digest.update(unsafe { input.as_slice() });
         }
         let hash = digest.finalize();
@@ -130,10 +147,7 @@ impl CacheKey {
             word.copy_from_slice(&bytes[at..at + 8]);
             u64::from_le_bytes(word)
         };
-        CacheKey {
-            namespace,
-            digest: [half(0), half(8)],
-        }
+        [half(0), half(8)]
     }
 }
 

@@ -112,7 +112,10 @@ pub mod timeout;
 pub mod unflushed;
 pub mod v2;
 
-pub use batcher::{Batch, Batcher, BatcherConfig, Stats, Submission, Worker, MAX_QUEUE_SIZE};
+pub use batcher::{
+    Batch, Batcher, BatcherConfig, FoundInCache, Stats, Submission, Worker, HIT_WAIT_FOR_BUSY,
+    MAX_QUEUE_SIZE,
+};
 pub use cache::{
     CacheCounts, CacheKey, CachedValue, Inserted, KeyRules, ResponseCache, SharedCache,
 };

@@ -641,6 +641,23 @@ impl Worker {
         listening
     }
 
+    /// Blocks (GIL released) until requests found in the response cache
+    /// as they were submitted wait, then answers them with what it kept,
+    /// through each one's way in, and wakes their callers; False once the
+    /// batcher is closed and none is left (at once without a cache). One
+    /// thread calls it in a loop beside the workers, so a hit never waits
+    /// for a free instance.
+    fn answer_found(&self, py: Python<'_>) -> bool {
+        let core = self.core.clone();
+        match without_gil(py, move || core.wait_found()) {
+            Some(found) => {
+                self.answer_cached(py, &found);
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Rings the doorbells of what was delivered, then blocks (GIL released)
     /// until a batch is gathered and collated into a staging slot; None once
     /// the batcher is closed and drained.
