@@ -127,10 +127,10 @@ class Server:
             optional inputs left out, requested outputs, and its parameters
             with ``with_requests``) match a kept result's is answered with
             it as its batch is released (as it comes, never queued, while
-            every instance runs a batch of 10 ms or more), never run. A size in bytes (a
-            cache of this server's), or a :class:`ferrobatch.ResponseCache`
-            shared by several servers (one bound for all); the least
-            recently used results go first. Every way in; a weight update
+            every instance runs a batch of 10 ms or more), never run. A
+            size in bytes (a cache of this server's), or a
+            :class:`ferrobatch.ResponseCache` shared by several servers
+            (one bound for all); the least recently used results go first. Every way in; a weight update
             drops this server's results. Only successes are kept, each a
             copy of its rows; not with ``decoupled=True``. ``stats()``
             counts ``cache_hits`` (not in ``batches`` nor ``rows``) and
