@@ -6,6 +6,7 @@ crossed in tests/test_matrix.py."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -364,4 +365,63 @@ async def test_a_hit_is_answered_while_every_instance_runs_a_batch() -> None:
         assert (await held)["y"][0] == 18.0
         stats = server.stats()
     assert hit["y"].tolist() == hit_sync["y"].tolist() == [2.0] * 4
+    assert (stats["cache_hits"], stats["cache_misses"], stats["requests_succeeded"]) == (2, 2, 4)
+
+
+@pytest.mark.parametrize("frontend", ["native", "python"])
+def test_a_hit_over_http_and_grpc_is_answered_while_the_instance_runs(frontend: str) -> None:
+    """The front-ends' requests found as they come, while the only instance
+    is held inside a batch, are answered at once (over HTTP and gRPC)."""
+    import threading
+
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    from ferrobatch.serve import ServeConfig, serve_in_thread
+
+    started, release = threading.Event(), threading.Event()
+
+    def model(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if bool((batch["x"] == 9).any()):
+            started.set()
+            release.wait(30)
+        return {"y": batch["x"] * 2}
+
+    def request(module: Any, value: float) -> Any:
+        tensor = module.InferInput("x", [1, 4], "FP32")
+        tensor.set_data_from_numpy(np.full((1, 4), value, np.float32))
+        return [tensor]
+
+    server = fb.Server(model, inputs=X, outputs=Y, name="m", response_cache=1 << 20, max_delay=0)
+    config = ServeConfig(http_port=0, grpc_port=0, frontend=frontend, log_level="warning")  # type: ignore[arg-type]
+    with serve_in_thread([server], config) as served:
+        http = httpclient.InferenceServerClient(f"127.0.0.1:{served.http_port}", network_timeout=10)
+        grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{served.grpc_port}")
+        assert http.infer("m", request(httpclient, 1)).as_numpy("y").tolist() == [[2.0] * 4]  # kept
+        answers: list[Any] = []
+
+        def hold() -> None:  # a client of its own: tritonclient's HTTP client keeps to one thread
+            holder = httpclient.InferenceServerClient(f"127.0.0.1:{served.http_port}", network_timeout=60)
+            answers.append(holder.infer("m", request(httpclient, 9)).as_numpy("y").tolist())
+            holder.close()
+
+        held = threading.Thread(target=hold)
+        held.start()
+        try:
+            assert started.wait(10)
+            time.sleep(0.05)  # the instance busy past HIT_WAIT_FOR_BUSY (10 ms)
+            over_http = httpclient.InferenceServerClient(f"127.0.0.1:{served.http_port}", network_timeout=5)
+            assert over_http.infer("m", request(httpclient, 1)).as_numpy("y").tolist() == [[2.0] * 4]
+            got = grpc.infer("m", request(grpcclient, 1), client_timeout=5).as_numpy("y")
+            assert got.tolist() == [[2.0] * 4]
+            assert held.is_alive(), "the instance's batch ended first"
+            over_http.close()
+        finally:
+            release.set()
+            held.join(30)
+        http.close()
+        grpc.close()
+    assert answers == [[[18.0] * 4]]
+    stats = server.stats()
     assert (stats["cache_hits"], stats["cache_misses"], stats["requests_succeeded"]) == (2, 2, 4)
