@@ -6,6 +6,7 @@ crossed in tests/test_matrix.py."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import Any
 
@@ -28,6 +29,20 @@ class Counting:
     def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         self.rows.extend(batch["x"][:, 0].tolist())
         return {"y": batch["x"] * self.scale}
+
+
+class HoldsOnNine:
+    """y = 2 * x; a batch with a nine in it holds its instance (``started``
+    set) until ``release`` is set."""
+
+    def __init__(self) -> None:
+        self.started, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if bool((batch["x"] == 9).any()):
+            self.started.set()
+            self.release.wait(30)
+        return {"y": batch["x"] * 2}
 
 
 def row(v: float) -> dict[str, torch.Tensor]:
@@ -339,15 +354,8 @@ async def test_a_hit_is_answered_while_every_instance_runs_a_batch() -> None:
     """Once every instance has been busy a while, a request found in the
     cache is answered as it comes (as Triton's), not when an instance is
     next free (here the only one is held)."""
-    import threading
-
-    started, release = threading.Event(), threading.Event()
-
-    def model(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if bool((batch["x"] == 9).any()):
-            started.set()
-            release.wait(30)
-        return {"y": batch["x"] * 2}
+    model = HoldsOnNine()
+    started, release = model.started, model.release
 
     server = fb.Server(model, inputs=X, outputs=Y, response_cache=1 << 20, max_delay=0)
     async with server:
@@ -372,21 +380,14 @@ async def test_a_hit_is_answered_while_every_instance_runs_a_batch() -> None:
 def test_a_hit_over_http_and_grpc_is_answered_while_the_instance_runs(frontend: str) -> None:
     """The front-ends' requests found as they come, while the only instance
     is held inside a batch, are answered at once (over HTTP and gRPC)."""
-    import threading
-
     import numpy as np
     import tritonclient.grpc as grpcclient
     import tritonclient.http as httpclient
 
     from ferrobatch.serve import ServeConfig, serve_in_thread
 
-    started, release = threading.Event(), threading.Event()
-
-    def model(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if bool((batch["x"] == 9).any()):
-            started.set()
-            release.wait(30)
-        return {"y": batch["x"] * 2}
+    model = HoldsOnNine()
+    started, release = model.started, model.release
 
     def request(module: Any, value: float) -> Any:
         tensor = module.InferInput("x", [1, 4], "FP32")
