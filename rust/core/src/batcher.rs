@@ -860,8 +860,8 @@ impl Batcher {
     /// Blocks until requests found in the response cache as they were
     /// submitted wait (then hands them all out), or, once the batcher is
     /// closed, none is left (`None`; also at once without a cache). One
-    /// thread answers them, beside the workers: a hit never waits for a
-    /// free instance.
+    /// thread answers them, beside the workers: a hit found at submit
+    /// never waits for an instance.
     pub fn wait_found(&self) -> Option<FoundInCache> {
         let link = self.cache.as_ref()?;
         let mut waiting = link.found.lock().unwrap_or_else(|e| e.into_inner());

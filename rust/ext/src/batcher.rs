@@ -645,8 +645,8 @@ impl Worker {
     /// as they were submitted wait, then answers them with what it kept,
     /// through each one's way in, and wakes their callers; False once the
     /// batcher is closed and none is left (at once without a cache). One
-    /// thread calls it in a loop beside the workers, so a hit never waits
-    /// for a free instance.
+    /// thread calls it in a loop beside the workers, so a hit found at
+    /// submit never waits for an instance.
     fn answer_found(&self, py: Python<'_>) -> bool {
         let core = self.core.clone();
         match without_gil(py, move || core.wait_found()) {
