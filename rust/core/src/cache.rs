@@ -12,9 +12,9 @@
 //! batch, requests are looked up as they are submitted instead (as Triton
 //! looks hits up before its queue; see [`crate::HIT_WAIT_FOR_BUSY`]): a hit
 //! is taken and handed to the thread waiting in
-//! [`crate::Batcher::wait_found`], never queued. A digest is computed once
-//! per request and kept on it. Every way in goes through the batcher, so
-//! every way in has it.
+//! [`crate::Batcher::wait_found`], never queued (a miss there is looked up
+//! again at release: digested twice, only while the batches are slow).
+//! Every way in goes through the batcher, so every way in has it.
 //!
 //! One cache may serve several models (as Triton's one cache serves every
 //! model that enables it): each batcher keys its entries under its own
@@ -93,24 +93,13 @@ fn digest_key() -> &'static [u8; 32] {
 }
 
 impl CacheKey {
-    /// The key of `request` under `namespace`. Its digest is computed once
-    /// per request (the rules are its batcher's, for life) and kept on it.
+    /// The key of `request` under `namespace`.
     ///
     /// # Safety
     /// Nobody may resolve `request` meanwhile: the caller has won
     /// `request.take()`, or submits it and has not queued it yet. The key
     /// reads the request's input bytes (see [`crate::InputBytes::new`]).
     pub unsafe fn of(namespace: u64, request: &Request, rules: &KeyRules) -> CacheKey {
-        // SAFETY: the caller's, as above.
-        let digest = *request
-            .cache_digest
-            .get_or_init(|| unsafe { Self::digest(request, rules) });
-        CacheKey { namespace, digest }
-    }
-
-    /// # Safety
-    /// As [`CacheKey::of`].
-    unsafe fn digest(request: &Request, rules: &KeyRules) -> [u64; 2] {
         let mut digest = blake3::Hasher::new_keyed(digest_key());
         let word = |w: u64| w.to_le_bytes();
         digest.update(&word(u64::from(request.rows)));
@@ -147,7 +136,10 @@ impl CacheKey {
             word.copy_from_slice(&bytes[at..at + 8]);
             u64::from_le_bytes(word)
         };
-        [half(0), half(8)]
+        CacheKey {
+            namespace,
+            digest: [half(0), half(8)],
+        }
     }
 }
 

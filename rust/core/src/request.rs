@@ -211,9 +211,6 @@ pub struct Request {
     pub requested_outputs: u64,
     /// Its caller blocks until it is answered (see [`crate::callers`]).
     pub blocking: bool,
-    /// Its response-cache digest, once computed (at submit, and read again
-    /// when it is gathered): see [`crate::CacheKey::of`].
-    pub(crate) cache_digest: std::sync::OnceLock<[u64; 2]>,
     inputs: Inputs,
     state: AtomicU8,
 }
@@ -244,7 +241,6 @@ impl Request {
             absent: 0,
             requested_outputs: 0,
             blocking: false,
-            cache_digest: std::sync::OnceLock::new(),
             inputs: inputs.into(),
             state: AtomicU8::new(RequestState::Queued as u8),
         }
