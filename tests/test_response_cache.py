@@ -353,7 +353,8 @@ async def test_a_model_told_the_priority_keeps_a_result_per_level() -> None:
 async def test_a_hit_is_answered_while_every_instance_runs_a_batch() -> None:
     """Once every instance has been busy a while, a request found in the
     cache is answered as it comes (as Triton's), not when an instance is
-    next free (here the only one is held)."""
+    next free (here the only one is held): from the event loop, a thread
+    and a shared-memory client."""
     model = HoldsOnNine()
     started, release = model.started, model.release
 
@@ -367,13 +368,15 @@ async def test_a_hit_is_answered_while_every_instance_runs_a_batch() -> None:
             await asyncio.sleep(0.05)  # the instance busy past HIT_WAIT_FOR_BUSY (10 ms)
             hit = await asyncio.wait_for(client.infer(row(1)), 5)
             hit_sync = await asyncio.wait_for(asyncio.to_thread(client.infer_sync, row(1)), 5)
+            with fb.connect(server.share(f"busy-hit-{id(server)}").name) as shared:
+                hit_shared = await asyncio.wait_for(shared.infer(row(1)), 5)
             assert not held.done(), "the instance's batch ended first"
         finally:
             release.set()
         assert (await held)["y"][0] == 18.0
         stats = server.stats()
-    assert hit["y"].tolist() == hit_sync["y"].tolist() == [2.0] * 4
-    assert (stats["cache_hits"], stats["cache_misses"], stats["requests_succeeded"]) == (2, 2, 4)
+    assert hit["y"].tolist() == hit_sync["y"].tolist() == hit_shared["y"].tolist() == [2.0] * 4
+    assert (stats["cache_hits"], stats["cache_misses"], stats["requests_succeeded"]) == (3, 2, 5)
 
 
 @pytest.mark.parametrize("frontend", ["native", "python"])

@@ -130,9 +130,10 @@ class Server:
             every instance runs a batch of 10 ms or more), never run. A
             size in bytes (a cache of this server's), or a
             :class:`ferrobatch.ResponseCache` shared by several servers
-            (one bound for all); the least recently used results go first. Every way in; a weight update
-            drops this server's results. Only successes are kept, each a
-            copy of its rows; not with ``decoupled=True``. ``stats()``
+            (one bound for all); the least recently used results go first.
+            Every way in; a weight update drops this server's results. Only
+            successes are kept, each a copy of its rows; not with
+            ``decoupled=True``. ``stats()``
             counts ``cache_hits`` (not in ``batches`` nor ``rows``) and
             ``cache_misses``. ``None`` (default): no cache.
         device: where the model runs ("cpu", "cuda", "cuda:1", a

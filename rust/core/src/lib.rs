@@ -68,7 +68,9 @@
 //! * **Response cache** ([`cache`]): a batcher with one looks each taken
 //!   request up by a digest of its inputs as its batch is released; a hit
 //!   leaves the batch, never collated nor run, and the worker's owner
-//!   answers it with the kept result ([`Worker::take_cached`]).
+//!   answers it with the kept result ([`Worker::take_cached`]). While every
+//!   worker runs a slow batch ([`HIT_WAIT_FOR_BUSY`]), requests are looked
+//!   up as they are submitted, and hits go to [`Batcher::wait_found`].
 //! * **Pending requests**: a way in registers each request in a
 //!   [`Pending`] table before queueing it; the table owns who answers it
 //!   (exactly once: its batch, its caller giving up, or the stop), the
