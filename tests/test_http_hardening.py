@@ -97,8 +97,11 @@ def app_in_thread(kind: str, servers: Any, **options: Any) -> Iterator[str]:
 
 
 def raw_exchange(url: str, request: bytes, seconds: float = 10) -> bytes:
-    """Sends ``request`` as is and returns what comes back until the server
-    closes the connection (or ``seconds`` pass)."""
+    """Sends ``request`` as is and returns the one response that comes back
+    (its head and its ``Content-Length`` bytes of body), or what came before
+    the server closed the connection or ``seconds`` passed. Not read until
+    the connection closes: after refusing a body, aiohttp lingers (reads and
+    discards what the client may still send) for its ``lingering_time``."""
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=seconds) as sock:
         sock.sendall(request)
@@ -106,6 +109,10 @@ def raw_exchange(url: str, request: bytes, seconds: float = 10) -> bytes:
         with contextlib.suppress(TimeoutError, ConnectionResetError):
             while chunk := sock.recv(65536):
                 received += chunk
+                head, blank, body = received.partition(b"\r\n\r\n")
+                length = re.search(rb"(?im)^content-length:\s*(\d+)\s*$", head)
+                if blank and length and len(body) >= int(length.group(1)):
+                    break
     return received
 
 
