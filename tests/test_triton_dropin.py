@@ -432,7 +432,8 @@ def test_a_decoupled_batch_group_that_raises_fails_only_its_own_requests() -> No
     assert stats["requests_succeeded"] == 1 and stats["requests_failed"]["model_error"] == 1
 
 
-def test_a_request_names_the_outputs_its_client_asked_for_and_may_leave_the_others_out() -> None:
+@pytest.mark.parametrize("frontend", ["native", "python"])
+def test_a_request_names_the_outputs_its_client_asked_for_and_may_leave_the_others_out(frontend: str) -> None:
     # PyTriton's Request.requested_output_names (Triton's requested outputs):
     # a callable may compute only those; the others are never sent.
     import httpx
@@ -449,7 +450,7 @@ def test_a_request_names_the_outputs_its_client_asked_for_and_may_leave_the_othe
         return responses
 
     z = Tensor(name="z", dtype=np.float32, shape=(1,))
-    with Triton(config=TritonConfig(http_port=0, grpc_port=0, allow_metrics=False)) as triton:
+    with Triton(config=TritonConfig(http_port=0, grpc_port=0, allow_metrics=False), frontend=frontend) as triton:
         triton.bind("pick", infer, [X], [Y, z], config=ModelConfig(max_batch_size=4))
         triton.run()
         client = httpclient.InferenceServerClient(f"127.0.0.1:{triton.http_port}")

@@ -10,10 +10,12 @@ import contextlib
 import json
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import numpy as np
 import pytest
+import torch
 import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
 from test_http import WIDTH, X, Y, aiohttp_in_thread, double
@@ -276,3 +278,73 @@ async def test_starlette_app_in_process_index_and_stats_of_a_server_not_started(
         unknown = await http.get("/v2/models/nope/versions/1/stats")
         assert unknown.status_code == 400
         assert unknown.json() == {"error": "Request for unknown model: 'nope' is not found"}
+
+
+# -- requested outputs ------------------------------------------------------------------------
+
+Z = fb.TensorSpec("z", "float32", (WIDTH,))
+
+
+def telling(told: list[frozenset[str] | None], decoupled: bool = False) -> Any:
+    """A model built with its requests: records what each request asked
+    for; ``y = 2x``, ``z = 3x`` (once more, as a stream, when ``decoupled``)."""
+
+    def outputs(inputs: dict[str, torch.Tensor], requests: list[fb.RequestInfo]) -> dict[str, torch.Tensor]:
+        told.extend(r.requested_outputs for r in requests)
+        return {"y": inputs["x"] * 2, "z": inputs["x"] * 3}
+
+    def streamed(inputs: dict[str, torch.Tensor], requests: list[fb.RequestInfo]) -> Iterator[dict[str, torch.Tensor]]:
+        yield outputs(inputs, requests)
+
+    return streamed if decoupled else outputs
+
+
+def ask(client: Any, module: Any, model: str, wanted: list[str]) -> Any:
+    """One row of ones to ``model``, asking for ``wanted`` outputs (none: every one)."""
+    given = module.InferInput("x", [1, WIDTH], "FP32")
+    given.set_data_from_numpy(np.ones((1, WIDTH), np.float32))
+    return client.infer(model, [given], outputs=[module.InferRequestedOutput(n) for n in wanted] or None)
+
+
+@pytest.mark.parametrize("kind", ["native", "python", "aiohttp"])
+def test_a_model_built_with_its_requests_is_told_the_outputs_each_asked_for(kind: str) -> None:
+    """RequestInfo.requested_outputs over HTTP and gRPC, on every front-end:
+    the outputs a request named, or every one when it named none."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    told: list[frozenset[str] | None] = []
+    streamed: list[frozenset[str] | None] = []
+    servers = [
+        fb.Server(telling(told), inputs=[X], outputs=[Y, Z], with_requests=True, name="told"),
+        fb.Server(telling(streamed, True), inputs=[X], outputs=[Y, Z], with_requests=True, decoupled=True, name="s"),
+    ]
+    if kind == "aiohttp":
+        with aiohttp_in_thread(servers) as port:
+            http = httpclient.InferenceServerClient(f"127.0.0.1:{port}", network_timeout=30)
+            only_z = ask(http, httpclient, "told", ["z"])
+            ask(http, httpclient, "told", [])
+        assert only_z.as_numpy("z").tolist() == [[3.0] * WIDTH] and only_z.as_numpy("y") is None
+        assert told == [frozenset({"z"}), frozenset({"y", "z"})]
+        return
+    config = ServeConfig(http_port=0, grpc_port=0, frontend=kind, log_level="warning")
+    with serve_in_thread(servers, config) as listening:
+        http = httpclient.InferenceServerClient(f"127.0.0.1:{listening.http_port}", network_timeout=30)
+        only_z = ask(http, httpclient, "told", ["z"])
+        ask(http, httpclient, "told", [])
+        with grpcclient.InferenceServerClient(f"127.0.0.1:{listening.grpc_port}") as grpc:
+            assert ask(grpc, grpcclient, "told", ["y"]).as_numpy("z") is None
+            ask(grpc, grpcclient, "told", [])
+            answers: queue.Queue[Any] = queue.Queue()
+            grpc.start_stream(callback=lambda result, error: answers.put((result, error)))
+            given = grpcclient.InferInput("x", [1, WIDTH], "FP32")
+            given.set_data_from_numpy(np.ones((1, WIDTH), np.float32))
+            grpc.async_stream_infer("s", [given], outputs=[grpcclient.InferRequestedOutput("z")])
+            result, error = answers.get(timeout=30)
+            grpc.stop_stream()
+        assert error is None and result.as_numpy("z").tolist() == [[3.0] * WIDTH]
+    assert only_z.as_numpy("y") is None
+    every = frozenset({"y", "z"})
+    assert told == [frozenset({"z"}), every, frozenset({"y"}), every]
+    assert streamed == [frozenset({"z"})]

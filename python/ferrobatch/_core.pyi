@@ -136,9 +136,12 @@ class Submitter:
         priority: int | None = None,
         parameters: Mapping[str, Any] | str | None = None,
         stream: Any = None,
+        requested_outputs: int = 0,
     ) -> tuple[asyncio.Future[dict[str, torch.Tensor]], int]:
         """Queues a request from the running event loop: ``(future, request id)``;
-        a decoupled model's with a ``stream`` (``put_nowait`` gets each response)."""
+        a decoupled model's with a ``stream`` (``put_nowait`` gets each response).
+        ``requested_outputs``: the outputs a v2 request asked for, as bits of
+        their indices (0: not said), told to a model built with its requests."""
     def infer_blocking(
         self,
         inputs: Any,
@@ -290,6 +293,10 @@ class V2Request:
     def inputs(self) -> dict[str, V2Tensor]: ...
     @property
     def has_bf16(self) -> bool: ...
+    @property
+    def requested_outputs(self) -> int:
+        """The outputs to send, as bits of their indices: what a model built
+        with its requests is told (every output when the request named none)."""
     def output_names(self, codec: V2Codec) -> list[str]: ...
 
 @final
@@ -491,13 +498,14 @@ class GrpcInferRequest:
         """Whether a streamed request asks for an empty final response."""
     def read(
         self, codec: V2Codec, call_timeout: float | None, keeps_parameters: bool
-    ) -> tuple[dict[str, V2Tensor], list[str], int | None, str | None, float | None]:
-        """``(inputs, outputs, priority, parameters, timeout)`` for the model
-        of ``codec`` (once): inputs by name, the outputs' names, the priority
-        level, the parameters as a JSON object's text (only when
-        ``keeps_parameters``) and the deadline in seconds (the ``timeout``
-        parameter or ``call_timeout``, the smaller). ``CodecError`` with its
-        HTTP status for a request the rules refuse."""
+    ) -> tuple[dict[str, V2Tensor], list[str], int | None, str | None, float | None, int]:
+        """``(inputs, outputs, priority, parameters, timeout, requested_outputs)``
+        for the model of ``codec`` (once): inputs by name, the outputs' names,
+        the priority level, the parameters as a JSON object's text (only when
+        ``keeps_parameters``), the deadline in seconds (the ``timeout``
+        parameter or ``call_timeout``, the smaller) and the outputs as bits of
+        their indices (what a model built with its requests is told).
+        ``CodecError`` with its HTTP status for a request the rules refuse."""
 
 def grpc_response(
     codec: V2Codec, model_name: str, id: str, outputs: list[str], results: Mapping[str, Any], last: bool | None = None

@@ -37,9 +37,9 @@ class RequestInfo:
     request left out; the model got zeros (or empty rows) in their place.
     ``queued_ns``: nanoseconds from its submit to its batch's model call.
     ``requested_outputs``: the outputs a v2 request asked for (its
-    ``outputs``, or every output when it named none) on the native front-end;
-    ``None`` where a caller says nothing of the kind (in process, shared
-    memory, the Python front-ends): every output.
+    ``outputs``, or every output when it named none) over HTTP and gRPC,
+    native or Python front-end; ``None`` where a caller says nothing of the
+    kind (in process, shared memory): every output.
     """
 
     rows: int

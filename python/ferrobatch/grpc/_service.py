@@ -303,8 +303,10 @@ async def infer(repository: ModelRepository, call: _core.GrpcInferRequest, call_
     fails it (see :func:`status_code`). ``call_timeout``: the call's
     deadline, in seconds from now."""
     model = repository.model(call.model_name, call.model_version)
-    inputs, outputs, priority, parameters, timeout = call.read(model.codec, call_timeout, model.server.with_requests)
-    results = await repository.infer(model, model_inputs(inputs, _has_bf16(inputs)), timeout, priority, parameters)
+    read = call.read(model.codec, call_timeout, model.server.with_requests)
+    inputs, outputs, priority, parameters, timeout, requested = read
+    tensors = model_inputs(inputs, _has_bf16(inputs))
+    results = await repository.infer(model, tensors, timeout, priority, parameters, requested)
     return _core.grpc_response(model.codec, call.model_name, call.id, outputs, results)
 
 
@@ -327,15 +329,15 @@ async def stream_responses(
         call = message if isinstance(message, _core.GrpcInferRequest) else _core.GrpcInferRequest(message)
         name, rid, empty_final = call.model_name, call.id, call.empty_final
         model = repository.model(name, call.model_version)
-        inputs, outputs, priority, parameters, timeout = call.read(
+        inputs, outputs, priority, parameters, timeout, requested = call.read(
             model.codec, call_timeout, model.server.with_requests
         )
         tensors = model_inputs(inputs, _has_bf16(inputs))
         if not model.server.decoupled:
-            results = await repository.infer(model, tensors, timeout, priority, parameters)
+            results = await repository.infer(model, tensors, timeout, priority, parameters, requested)
             yield _core.grpc_response(model.codec, name, rid, outputs, results, last=True)
             return
-        async for results in repository.stream(model, tensors, timeout, priority, parameters, backlog):
+        async for results in repository.stream(model, tensors, timeout, priority, parameters, backlog, requested):
             yield _core.grpc_response(model.codec, name, rid, outputs, results, last=False)
     except Exception as exc:  # noqa: BLE001 - every failure becomes an error on the stream
         yield _core.grpc_stream_error(name, rid, error_message(exc, name, expose=expose_errors))

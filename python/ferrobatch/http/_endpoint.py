@@ -359,7 +359,12 @@ class Endpoint:
             # One call into the codec to decode, one to encode (see ServedModel).
             request = model.codec.decode(body, header_length)
             results = await self.repository.infer(
-                model, request_inputs(request), request.timeout, request.priority, request.parameters
+                model,
+                request_inputs(request),
+                request.timeout,
+                request.priority,
+                request.parameters,
+                request.requested_outputs,
             )
             payload, length = model.codec.encode(request, results)
             coding = _core.response_coding(accept_encoding)

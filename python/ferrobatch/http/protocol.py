@@ -376,16 +376,19 @@ class ModelRepository:
         timeout: float | None,
         priority: int | None = None,
         parameters: str | None = None,
+        requested_outputs: int = 0,
     ) -> dict[str, torch.Tensor]:
         """Runs ``n`` rows through ``model``; every output has leading dimension ``n``.
-        ``priority`` and ``parameters`` (a JSON object's text) as the request gave them;
-        the parameters reach only a model built ``with_requests``."""
+        ``priority``, ``parameters`` (a JSON object's text) and ``requested_outputs``
+        (the outputs asked for, as bits of their indices) as the request gave them;
+        the last two reach only a model built ``with_requests``."""
         with self._accepted(model):
             batched = model.server.batching  # without batching: one sample, no batch dimension
-            if batched and priority is None and (parameters is None or not model.server.with_requests):
+            told = model.server.with_requests
+            if batched and priority is None and not told:
                 return await model.client.infer_batch(inputs, timeout=timeout)
             outputs: dict[str, torch.Tensor] = await model.client._infer_with(
-                inputs, timeout, batched, priority, parameters
+                inputs, timeout, batched, priority, parameters if told else None, requested_outputs if told else 0
             )
             return outputs
 
@@ -397,14 +400,16 @@ class ModelRepository:
         priority: int | None = None,
         parameters: str | None = None,
         backlog: StreamBacklog | None = None,
+        requested_outputs: int = 0,
     ) -> AsyncIterator[dict[str, torch.Tensor]]:
         """A decoupled model's responses to ``n`` rows, as :meth:`infer`
         takes them (``backlog``: the gRPC stream's, see
         :class:`~ferrobatch.client.StreamBacklog`)."""
         with self._accepted(model):
-            keep = parameters if model.server.with_requests else None
+            told = model.server.with_requests
+            keep, asked = (parameters, requested_outputs) if told else (None, 0)
             batching = model.server.batching
-            async for out in model.client._stream(inputs, timeout, batching, priority, keep, backlog):
+            async for out in model.client._stream(inputs, timeout, batching, priority, keep, backlog, asked):
                 yield out
 
     @contextlib.contextmanager

@@ -380,12 +380,19 @@ impl V2Request {
         self.bf16
     }
 
-    /// The names of the outputs to send, in order.
+    /// The outputs to send, as bits of their indices: what a model built
+    /// with its requests is told (every output when the request named none).
+    #[getter]
+    fn requested_outputs(&self) -> u64 {
+        ferrobatch_core::v2::output_bits(self.selected.iter().map(|&(i, _)| i))
+    }
+
+    /// The names of the outputs to send, in order (of `codec`'s outputs).
     fn output_names(&self, codec: &V2Codec) -> Vec<String> {
         let outputs = codec.core.outputs();
         self.selected
             .iter()
-            .map(|&(i, _)| outputs[i].name.clone())
+            .filter_map(|&(i, _)| outputs.get(i).map(|o| o.name.clone()))
             .collect()
     }
 }

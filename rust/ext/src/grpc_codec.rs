@@ -78,12 +78,13 @@ impl GrpcInferRequest {
     }
 
     /// Reads the request for the model of `codec`: `(inputs, outputs,
-    /// priority, parameters, timeout)`, the inputs `{name: V2Tensor}`, the
-    /// outputs' names, the priority level (None: the default), the
-    /// parameters as a JSON object's text (only when `keeps_parameters`),
-    /// and the deadline in seconds (its `timeout` parameter or
-    /// `call_timeout`, the smaller). A `CodecError` with its HTTP status for
-    /// a request the rules refuse.
+    /// priority, parameters, timeout, requested_outputs)`, the inputs
+    /// `{name: V2Tensor}`, the outputs' names, the priority level (None: the
+    /// default), the parameters as a JSON object's text (only when
+    /// `keeps_parameters`), the deadline in seconds (its `timeout` parameter
+    /// or `call_timeout`, the smaller), and the outputs as bits of their
+    /// indices (what a model built with its requests is told). A
+    /// `CodecError` with its HTTP status for a request the rules refuse.
     #[allow(clippy::type_complexity)]
     fn read<'py>(
         &self,
@@ -97,6 +98,7 @@ impl GrpcInferRequest {
         Option<u32>,
         Option<String>,
         Option<f64>,
+        u64,
     )> {
         let call_timeout = call_timeout.and_then(|t| Duration::try_from_secs_f64(t.max(0.0)).ok());
         // Decoded again, borrowing: this allocates nothing for its strings.
@@ -140,6 +142,7 @@ impl GrpcInferRequest {
             inputs.set_item(input.name, V2Tensor::from_bytes(py, dtype, &shape, data)?)?;
         }
         let names = codec.core().outputs();
+        let requested = ferrobatch_core::v2::output_bits(outputs.iter().copied());
         let outputs = outputs
             .into_iter()
             .filter_map(|i| names.get(i).map(|o| o.name.clone()))
@@ -150,6 +153,7 @@ impl GrpcInferRequest {
             meta.priority,
             meta.parameters,
             meta.timeout,
+            requested,
         ))
     }
 }

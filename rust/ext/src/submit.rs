@@ -150,8 +150,12 @@ impl Submitter {
     /// `parameters`: a JSON object's text, handed to a model that asks.
     /// `stream` (a decoupled model's request, and only then): where each
     /// response goes (`put_nowait`); the future resolves at the stream's end.
-    #[pyo3(signature = (inputs, timeout=None, batched=false, priority=None, parameters=None, stream=None))]
-    #[allow(clippy::too_many_arguments)] // one per keyword of Client.infer / stream
+    /// `requested_outputs`: the outputs a v2 request asked for, as bits of
+    /// their indices (0: not said), told to a model built with its requests.
+    #[pyo3(signature = (
+        inputs, timeout=None, batched=false, priority=None, parameters=None, stream=None, requested_outputs=0
+    ))]
+    #[allow(clippy::too_many_arguments)] // one per keyword of Client.infer / stream, and the v2 front-ends'
     fn submit<'py>(
         &self,
         py: Python<'py>,
@@ -161,6 +165,7 @@ impl Submitter {
         priority: Option<Bound<'py, PyAny>>,
         parameters: Option<Bound<'py, PyAny>>,
         stream: Option<Py<PyAny>>,
+        requested_outputs: u64,
     ) -> PyResult<Bound<'py, PyTuple>> {
         let Some(batcher) = self.batcher(py) else {
             let refusal = self.refusal(py)?;
@@ -179,6 +184,10 @@ impl Submitter {
         let mut timeout_s = None;
         let core = batcher.get().core();
         let submitted = called(py, core, &timeout, &priority, &parameters, &mut timeout_s)
+            .map(|submission| ferrobatch_core::Submission {
+                requested_outputs,
+                ..submission
+            })
             .and_then(|submission| {
                 batcher
                     .get()
@@ -356,7 +365,7 @@ pub(crate) fn submission(
         priority,
         parameters: parameters.map(String::into_boxed_str),
         absent: 0,
-        requested_outputs: 0, // in process: every output
+        requested_outputs: 0, // every output (a v2 front-end says which: `Submitter.submit`)
         blocking_caller: None,
     })
 }

@@ -121,14 +121,7 @@ impl ResponsePlan {
             }
             ResponsePlan::Stream { outputs, .. } => Box::new(outputs.iter().copied()),
         };
-        let mut bits = 0u64;
-        for i in indices {
-            match u32::try_from(i).ok().and_then(|i| 1u64.checked_shl(i)) {
-                Some(bit) => bits |= bit,
-                None => return 0,
-            }
-        }
-        bits
+        ferrobatch_core::v2::output_bits(indices)
     }
 }
 

@@ -54,6 +54,20 @@ pub use error::{quote, shape_text, short, Clipped, V2Error};
 /// that extension would not read.
 pub const SHARED_MEMORY_REGION: &str = "shared_memory_region";
 
+/// The outputs a request asked for, as bits of their indices
+/// ([`crate::Request::requested_outputs`], what a model built with its
+/// requests is told); 0 (not said) when one is past bit 63.
+pub fn output_bits(indices: impl IntoIterator<Item = usize>) -> u64 {
+    let mut bits = 0u64;
+    for i in indices {
+        match u32::try_from(i).ok().and_then(|i| 1u64.checked_shl(i)) {
+            Some(bit) => bits |= bit,
+            None => return 0,
+        }
+    }
+    bits
+}
+
 /// Why a tensor naming a shared-memory region is refused (`tensor`: how the
 /// message names it, "input 'x'").
 pub fn shared_memory_refused(tensor: &str) -> String {

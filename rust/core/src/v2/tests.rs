@@ -1043,3 +1043,11 @@ fn eight_digits_read_as_their_number() {
         assert!(p.end().is_err() || n.text().len() == text.len(), "{text}");
     }
 }
+
+#[test]
+fn output_bits_are_the_indices_and_nothing_past_bit_63() {
+    assert_eq!(output_bits([0, 2]), 0b101);
+    assert_eq!(output_bits([63]), 1 << 63);
+    assert_eq!(output_bits(std::iter::empty()), 0);
+    assert_eq!(output_bits([1, 64]), 0); // not said: every output
+}
