@@ -129,9 +129,10 @@ def test_grpc_requests_are_read_by_the_native_rules() -> None:
     request.parameters["timeout"].int64_param = 250_000
     call = GrpcInferRequest(request.SerializeToString())
     assert (call.model_name, call.id, call.empty_final) == ("m", "7", False)
-    inputs, outputs, priority, parameters, timeout = call.read(codec(), 0.1, True)
+    inputs, outputs, priority, parameters, timeout, requested = call.read(codec(), 0.1, True)
     np.testing.assert_array_equal(np.asarray(inputs["x"]), [[1.5, -2.0]])
     assert (outputs, priority, timeout) == (["b"], 2, 0.1)  # the call's deadline is the sooner
+    assert requested == 0b10  # output 1, "b"
     assert json.loads(parameters or "") == {"priority": 2, "timeout": 250_000}
     with pytest.raises(CodecError, match="not a ModelInferRequest") as info:
         GrpcInferRequest(b"\xff\xff\xff")
@@ -187,3 +188,15 @@ async def test_max_elements_is_a_400_over_http() -> None:
         huge = body([{"name": "x", "datatype": "FP32", "shape": [1, 10**12], "data": [1]}])
         response = await http.post("/v2/models/double/infer", content=huge)
         assert response.status_code == 400
+
+
+def test_a_request_encoded_by_another_models_codec_is_an_error_not_a_panic() -> None:
+    """Its outputs are told by index: one past the other codec's outputs is a
+    CodecError (the front-ends always encode with the decoding codec)."""
+    x = [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]
+    request = codec().decode(body(x, outputs=[{"name": "b"}]))
+    assert request.requested_outputs == 0b10
+    narrow = V2Codec("n", [("y", "float32", torch.float32)], max_body_size=1 << 20, max_elements=1 << 20)
+    assert request.output_names(narrow) == []
+    with pytest.raises(CodecError, match="output 1 is not one of this model's outputs"):
+        narrow.encode(request, {"y": torch.ones(1, 4)})

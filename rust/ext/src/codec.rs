@@ -833,7 +833,12 @@ impl V2Codec {
     ) -> PyResult<(Bound<'py, PyBytes>, Option<usize>)> {
         let mut read = Vec::with_capacity(request.selected.len());
         for &(index, _) in &request.selected {
-            let key = self.output_keys[index].bind(py);
+            let Some(key) = self.output_keys.get(index) else {
+                // Decoded by another model's codec, with more outputs.
+                let message = format!("output {index} is not one of this model's outputs");
+                return Err(codec_error(py, V2Error::Output(message)));
+            };
+            let key = key.bind(py);
             let value = results.get_item(key)?.ok_or_else(|| {
                 codec_error(
                     py,
