@@ -1159,11 +1159,13 @@ impl Batcher {
             // Blocking callers seen lately may be all in with fewer rows than
             // the rule waits for (below `min_batch_size`): the first row wakes
             // the worker then, which decides with them (see `crate::callers`).
-            // With a queue timeout, each request is gathered as it comes, so
-            // that its deadline bounds the wait (one still in the queue is
-            // checked by no one).
-            let recheck_at = if (gathered.is_empty() && self.callers.any_seen())
-                || self.queue_timeout.is_some()
+            // With a queue timeout, the first request is gathered as it
+            // comes, so that its deadline bounds the wait (one still in the
+            // queue is checked by no one); the later ones need no wake of
+            // their own: one timeout for all, so their deadlines are later
+            // than the earliest gathered one's, which `wait_until` keeps.
+            let recheck_at = if gathered.is_empty()
+                && (self.callers.any_seen() || self.queue_timeout.is_some())
             {
                 rows + 1
             } else if self.rule.adaptive {
