@@ -15,6 +15,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from conftest import wait_until
 
 import ferrobatch as fb
 from ferrobatch.serve import ServeConfig, serve_in_thread
@@ -110,10 +111,11 @@ def test_tritons_queue_policy_timeout_becomes_the_queue_timeout(caplog: pytest.L
     from ferrobatch.triton.client.exceptions import PyTritonClientError
 
     ran: list[float] = []
+    release = threading.Event()
 
     def slow(requests: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
         ran.extend(float(r["x"][0, 0]) for r in requests)
-        time.sleep(0.4)
+        release.wait(30)  # held until the second request outstayed the queue
         return [{"y": r["x"]} for r in requests]
 
     tensors = ([Tensor(name="x", dtype=np.float32, shape=(4,))], [Tensor(name="y", dtype=np.float32, shape=(4,))])
@@ -135,9 +137,14 @@ def test_tritons_queue_policy_timeout_becomes_the_queue_timeout(caplog: pytest.L
 
         first = threading.Thread(target=call, args=(1.0,))
         first.start()
-        time.sleep(0.1)  # the first runs (0.4 s); the second waits behind it
-        call(2.0)
-        first.join()
+        assert wait_until(lambda: ran == [1.0])  # the first runs; the second waits behind it
+        second = threading.Thread(target=call, args=(2.0,))
+        second.start()
+        assert wait_until(lambda: triton.servers[0].stats()["queue_depth"] == 1)
+        time.sleep(0.2)  # twice its queue timeout
+        release.set()
+        first.join(30)
+        second.join(30)
         assert answers[1.0] == 1.0 and ran == [1.0], (answers, ran)
         assert "queue timeout" in str(answers[2.0]), answers
         stats = triton.servers[0].stats()

@@ -24,6 +24,7 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from conftest import wait_until
 
 import ferrobatch as fb
 from ferrobatch.serve import ServeConfig, serve_in_thread
@@ -379,7 +380,7 @@ def test_a_request_past_the_queue_timeout_fails_never_run(ways: dict[str, Send],
     first, stale = np.full((1, 2), tag, dtype=np.float32), np.full((1, 2), tag + 1, dtype=np.float32)
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(send, "queued", {"x": first})
-        time.sleep(SLOW_S / 4)  # the first runs: the next waits in the queue
+        assert wait_until(lambda: tag in RAN)  # the first runs: the next waits in the queue
         started = time.monotonic()
         with pytest.raises(Exception) as info:  # each way in raises its own type
             send("queued", {"x": stale})

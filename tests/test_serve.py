@@ -352,7 +352,13 @@ def test_sigterm_with_a_stuck_model_answers_503_and_exits(
         in_model = pool.submit(httpx.post, url, content=BODY, timeout=60)
         assert _wait_for(lambda: (tmp_path / "entered").exists())
         queued = pool.submit(httpx.post, url, content=BODY, timeout=60)
-        time.sleep(0.2)  # lets it reach the queue
+
+        def pending() -> float:
+            text = httpx.get(f"http://{served.http}/metrics").text
+            found = re.search(r"nv_inference_pending_request_count\{[^}]*\} (\S+)", text)
+            return float(found.group(1)) if found else 0.0
+
+        assert _wait_for(lambda: pending() == 1)  # it reached the queue
         began = time.monotonic()
         served.proc.send_signal(signal.SIGTERM)
         for future in (in_model, queued):

@@ -144,12 +144,18 @@ def slow(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def test_a_deadline_fails_the_waiting_thread_once() -> None:
-    server = fb.Server(slow, inputs=[X], outputs=[Y], max_batch_size=1, max_delay=0)
+    entered = threading.Event()
+
+    def slow_entered(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        entered.set()
+        return slow(inputs)
+
+    server = fb.Server(slow_entered, inputs=[X], outputs=[Y], max_batch_size=1, max_delay=0)
     with server.run_in_background():
         client = server.client()
         holder = threading.Thread(target=client.infer_sync, args=({"x": torch.ones(4)},))
         holder.start()
-        time.sleep(0.05)
+        assert entered.wait(30)  # the holder's request runs: the next waits behind it
         with pytest.raises(fb.DeadlineExceededError, match=r"exceeded its 0\.05s timeout"):
             client.infer_sync({"x": torch.ones(4)}, timeout=0.05)
         holder.join()

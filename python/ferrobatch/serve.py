@@ -892,10 +892,10 @@ def _join_leftover_threads() -> None:
         sys.stderr.flush()
         os._exit(0)  # the warm-up's thread cannot be stopped, and a normal exit would join it
 
+    handled = (signal.SIGINT, signal.SIGTERM)
+    before = {sig: signal.signal(sig, exit_now) for sig in handled}  # before saying so: a signal told of is handled
     names = ", ".join(t.name for t in leftover)
     log.info("waiting for the threads still running (%s: a warm-up, say) to end; a second signal exits at once", names)
-    handled = (signal.SIGINT, signal.SIGTERM)
-    before = {sig: signal.signal(sig, exit_now) for sig in handled}
     try:
         for thread in leftover:
             thread.join()
