@@ -173,12 +173,12 @@ async def test_a_request_withdrawn_while_its_batch_fills_never_runs() -> None:
         seen.extend(inputs["x"][:, 0].tolist())
         return {"y": inputs["x"] * 2}
 
-    async with make_server(record, max_batch_size=8, max_delay=0.4) as server:
+    async with make_server(record, max_batch_size=8, max_delay=1.0) as server:
         client = server.client()
-        expiring = asyncio.ensure_future(client.infer({"x": sample(1)}, timeout=0.05))
+        expiring = asyncio.ensure_future(client.infer({"x": sample(1)}, timeout=0.3))
         cancelled = asyncio.ensure_future(client.infer({"x": sample(2)}))
         kept = asyncio.ensure_future(client.infer({"x": sample(3)}))
-        await asyncio.sleep(0.02)  # a worker has gathered all three by now
+        await asyncio.sleep(0.02)  # a worker has gathered all three by now (well within 0.3 s)
         assert server.stats()["queue_depth"] == 3
         cancelled.cancel()
         with pytest.raises(fb.DeadlineExceededError):
