@@ -129,13 +129,13 @@ def test_no_event_loop_hop_the_server_loop_may_be_busy() -> None:
     with server.run_in_background():
         loop = server._token.native_token  # type: ignore[union-attr]
         blocked = threading.Event()
-        loop.call_soon_threadsafe(lambda: (blocked.set(), time.sleep(1.0)))
+        loop.call_soon_threadsafe(lambda: (blocked.set(), time.sleep(3.0)))
         assert blocked.wait(5)
         began = time.monotonic()
         out = server.client().infer_sync({"x": torch.ones(4)})
         took = time.monotonic() - began
     assert torch.equal(out["y"], torch.full((4,), 2.0))
-    assert took < 0.5, took
+    assert took < 2.0, took  # not held for the loop's 3 s
 
 
 def slow(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -185,7 +185,7 @@ def test_a_forward_pass_running_at_shutdown_still_answers_its_caller() -> None:
     def slow(x: torch.Tensor) -> torch.Tensor:
         if x.sum() > 0:
             started.set()
-            time.sleep(1.5)
+            time.sleep(4.0)
         return x + 1
 
     transport = ThreadingTransport()
@@ -196,7 +196,7 @@ def test_a_forward_pass_running_at_shutdown_still_answers_its_caller() -> None:
     assert started.wait(10)
     began = time.monotonic()
     server.shutdown(timeout=0.3)
-    assert time.monotonic() - began < 1.2 and not server.is_alive
+    assert time.monotonic() - began < 3.0 and not server.is_alive  # not held for the model's 4 s
     assert running.result(10)["act"].tolist() == [2.0, 2.0]
 
 

@@ -347,7 +347,7 @@ def test_a_full_futures_queue_refuses_the_call(served: Served, non_blocking: boo
         queued = [client.wait_for_model(0.1), client.wait_for_model(0.1)]
         error, took = elapsed(lambda: client.wait_for_model(0.1))
         assert isinstance(error, PyTritonClientQueueFullError), error
-        assert took < 0.2 if non_blocking else 0.25 < took < 0.9, took  # blocking: waits inference_timeout_s
+        assert took < 0.25 if non_blocking else 0.25 < took < 0.9, took  # blocking: waits inference_timeout_s
     finally:
         client.close()
     for future in (busy, *queued):  # every accepted call ran
