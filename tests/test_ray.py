@@ -9,8 +9,10 @@ import gc
 import itertools
 import json
 import os
+import random
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -594,10 +596,18 @@ async def test_the_client_streams_a_decoupled_deployment_and_leaving_cancels(clu
     assert (await endless.stats.remote())["requests_failed"]["cancelled"] == 1, "leaving early cancelled it"
 
 
+def read_marker(value: float) -> str:
+    """The file the test makes once it has read the response to ``value``."""
+    return os.path.join(tempfile.gettempdir(), f"ferrobatch-test-diesmid-{int(value)}")
+
+
 def dies_mid_stream(batch: dict[str, torch.Tensor]) -> Any:
-    """One response, then its replica's process ends."""
+    """One response, then, once the test has read it, its replica's process ends."""
     yield {"y": batch["x"]}
-    time.sleep(0.2)
+    marker = read_marker(float(batch["x"][0, 0]))
+    deadline = time.monotonic() + 30
+    while not os.path.exists(marker) and time.monotonic() < deadline:
+        time.sleep(0.01)
     os._exit(17)
 
 
@@ -633,10 +643,15 @@ async def test_a_streams_deadline_dead_replica_and_closed_client_end_it_with_fer
         route_prefix=None,
     )
     got = []
+    value = float(random.randrange(1, 1 << 20))  # names its marker file: runs side by side do not meet
     with pytest.raises(fb.ModelError) as raised:
-        async for out in fray.client(dying).stream({"x": row(4)}):
+        async for out in fray.client(dying).stream({"x": row(value)}):
             got.append(out["y"].tolist())
-    assert got == [[4.0] * 4] and isinstance(raised.value.__cause__, ray.exceptions.RayError)
+            with open(read_marker(value), "w"):
+                pass
+    if os.path.exists(read_marker(value)):
+        os.unlink(read_marker(value))
+    assert got == [[value] * 4] and isinstance(raised.value.__cause__, ray.exceptions.RayError)
     serve.delete("busy")
     serve.delete("diesmid")
 
