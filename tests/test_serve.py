@@ -194,6 +194,13 @@ def test_serve_demo_answers_http_and_grpc_then_stops_on_sigint(
     assert served.proc.wait(60) == 0, served.log()
 
 
+def _pending(http: str) -> float:
+    """The requests waiting in the queue, as the server's /metrics on ``http`` counts them."""
+    text = httpx.get(f"http://{http}/metrics").text
+    found = re.search(r"nv_inference_pending_request_count\{[^}]*\} (\S+)", text)
+    return float(found.group(1)) if found else 0.0
+
+
 def test_sigterm_drains_accepted_requests_and_refuses_new_ones(
     serve_process: Callable[..., Process], tmp_path: Path
 ) -> None:
@@ -214,13 +221,7 @@ def test_sigterm_drains_accepted_requests_and_refuses_new_ones(
         in_model = pool.submit(httpx.post, f"{url}/v2/models/gated/infer", content=body, timeout=60)
         assert _wait_for(lambda: (tmp_path / "entered").exists())
         in_queue = pool.submit(grpc_call)
-
-        def pending() -> float:
-            text = httpx.get(f"{url}/metrics").text
-            found = re.search(r"nv_inference_pending_request_count\{[^}]*\} (\S+)", text)
-            return float(found.group(1)) if found else 0.0
-
-        assert _wait_for(lambda: pending() == 1)
+        assert _wait_for(lambda: _pending(served.http) == 1)
         served.proc.send_signal(signal.SIGTERM)
 
         def refused() -> bool:
@@ -352,13 +353,7 @@ def test_sigterm_with_a_stuck_model_answers_503_and_exits(
         in_model = pool.submit(httpx.post, url, content=BODY, timeout=60)
         assert _wait_for(lambda: (tmp_path / "entered").exists())
         queued = pool.submit(httpx.post, url, content=BODY, timeout=60)
-
-        def pending() -> float:
-            text = httpx.get(f"http://{served.http}/metrics").text
-            found = re.search(r"nv_inference_pending_request_count\{[^}]*\} (\S+)", text)
-            return float(found.group(1)) if found else 0.0
-
-        assert _wait_for(lambda: pending() == 1)  # it reached the queue
+        assert _wait_for(lambda: _pending(served.http) == 1)  # it reached the queue
         began = time.monotonic()
         served.proc.send_signal(signal.SIGTERM)
         for future in (in_model, queued):
