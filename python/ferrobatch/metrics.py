@@ -61,7 +61,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -141,12 +141,21 @@ def le_buckets(bounds: Iterable[float], counts: Mapping[float, int]) -> list[tup
 
 
 class TritonCollector(Collector):
-    """Yields Triton-named metrics for each server, from ``server.stats()``."""
+    """Yields Triton-named metrics for each server, from ``server.stats()``;
+    ``servers`` may be a function giving them, asked at each collection."""
 
-    def __init__(self, servers: Server | Iterable[Server]) -> None:
+    def __init__(self, servers: Server | Iterable[Server] | Callable[[], Iterable[Server]]) -> None:
         from .server import Server
 
-        self._servers = [servers] if isinstance(servers, Server) else list(servers)
+        if callable(servers) and not isinstance(servers, Server):
+            self._listed: Callable[[], Iterable[Server]] = servers
+        else:
+            fixed = [servers] if isinstance(servers, Server) else list(servers)
+            self._listed = lambda: fixed
+
+    @property
+    def _servers(self) -> list[Server]:
+        return list(self._listed())
 
     def collect(self) -> Iterator[Metric]:
         labels = ["model", "version"]
@@ -273,8 +282,11 @@ class TritonCollector(Collector):
         )  # fmt: skip
 
 
-def registry(servers: Server | Iterable[Server], *, cpu: bool = True, gpu: bool = True) -> CollectorRegistry:
-    """A fresh registry holding a :class:`TritonCollector` for ``servers``;
+def registry(
+    servers: Server | Iterable[Server] | Callable[[], Iterable[Server]], *, cpu: bool = True, gpu: bool = True
+) -> CollectorRegistry:
+    """A fresh registry holding a :class:`TritonCollector` for ``servers``
+    (or for what a function gives at each collection: models added while serving);
     with ``cpu``, Triton's CPU metrics of the machine and prometheus_client's
     ``process_*`` metrics of this process (CPU seconds, resident memory, open
     files); with ``gpu``, Triton's GPU metrics (``ferrobatch._host_metrics``:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import gc
 import importlib
@@ -58,15 +59,15 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import _core
 from .client import MAX_STREAM_BACKLOG
-from .errors import ModelError
+from .errors import ModelError, ServerClosedError
 from .http.protocol import MAX_BODY_SIZE, MAX_DECOMPRESSED_SIZE, ModelRepository
 from .server import Server, usable_cores, whole_in
 
@@ -401,12 +402,52 @@ class _Repository(ModelRepository):
 
 @dataclass(frozen=True)
 class Listening:
-    """What :func:`serve` reports once it accepts requests."""
+    """What :func:`serve` reports once it accepts requests, and how to serve
+    one more model while it runs (:meth:`add`)."""
 
     http_port: int | None
     grpc_port: int | None
+    #: The models served; grows with :meth:`add`.
     models: list[str]
     metrics_port: int | None = None
+    _adder: Callable[[Server], Coroutine[Any, Any, None]] | None = field(default=None, repr=False, compare=False)
+    _loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False, compare=False)
+
+    async def add(self, server: Server) -> None:
+        """Serves ``server`` too, from any event loop: starts it here (its
+        warm-up) if it is not running, then serves it over every listener
+        (HTTP, gRPC, metrics, ``--share``'s shared memory as ``SHARE.MODEL``).
+        Until it returns, requests to the model are answered as to an unknown
+        one. ``ValueError`` if a model of its name is served;
+        :class:`~ferrobatch.ServerClosedError` once :func:`serve` is stopping;
+        what its start raised if it failed (nothing else is affected)."""
+        if self._adder is None or self._loop is None:
+            raise ServerClosedError("this Listening was not made by serve(): it cannot add a model")
+        if asyncio.get_running_loop() is self._loop:
+            await self._adder(server)
+        else:
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._adder(server), self._loop))
+
+    def add_blocking(self, server: Server, timeout: float | None = None) -> None:
+        """:meth:`add` from a thread that runs no event loop of its own (or
+        another one's): waits for it, at most ``timeout`` seconds
+        (``TimeoutError``; the model is still added once started)."""
+        if self._adder is None or self._loop is None:
+            raise ServerClosedError("this Listening was not made by serve(): it cannot add a model")
+        if _running_loop() is self._loop:
+            raise RuntimeError("add_blocking() on serve()'s own event loop would wait for itself: await add()")
+        future = asyncio.run_coroutine_threadsafe(self._adder(server), self._loop)
+        try:
+            future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"model '{server.name}' was not served within {timeout} s") from None
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 async def serve(
@@ -523,7 +564,39 @@ async def serve(
             if config.metrics_port is not None:
                 metrics = _metrics_listener(repository, config.host, config.metrics_port)
             metrics_port = metrics.port if metrics is not None else None
-            listening = Listening(http_port, grpc_port, [s.name for s in repository.servers], metrics_port)
+            adding = asyncio.Lock()  # one model added at a time: its name is checked, then it starts
+
+            async def add(server: Server) -> None:
+                async with adding:
+                    if stop.is_set() or repository.closing:
+                        raise ServerClosedError(f"model '{server.name}' not added: the server is shutting down")
+                    if not isinstance(server, Server):
+                        raise TypeError(f"expected a ferrobatch.Server, got {type(server).__name__}")
+                    if any(s.name == server.name for s in repository.servers):
+                        raise ValueError(f"a model named {server.name!r} is served already")
+                    shared_as = f"{config.share}.{server.name}" if config.share is not None else None
+                    if shared_as is not None:
+                        _check_share_name("share name", shared_as)
+                    if not await _start_servers([server], started, stop, http_task) or repository.closing:
+                        # Stopping began during its warm-up: the shutdown may have passed it by.
+                        await server.stop(timeout=config.graceful_timeout)
+                        raise ServerClosedError(f"model '{server.name}' not added: the server is shutting down")
+                    model = repository.add(server)
+                    if native is not None:
+                        native.add(model)
+                    if shared_as is not None:
+                        _share_as(server, shared_as)
+                    listening.models.append(server.name)
+                    log.info("model '%s': added, serving", server.name)
+
+            listening = Listening(
+                http_port,
+                grpc_port,
+                [s.name for s in repository.servers],
+                metrics_port,
+                _adder=add,
+                _loop=asyncio.get_running_loop(),
+            )
             where = (
                 f"HTTP on {config.host}:{http_port}" if http_port is not None else "HTTP off",
                 f"gRPC on {config.host}:{grpc_port}" if grpc_port is not None else "gRPC off",
@@ -571,7 +644,7 @@ def _metrics_listener(repository: ModelRepository, host: str, port: int) -> Metr
     """``GET /metrics`` on a port of its own (``StartupError`` when it cannot listen)."""
     from .metrics import MetricsListener, registry
 
-    collectors = registry(repository.servers, cpu=repository.cpu_metrics, gpu=repository.gpu_metrics)
+    collectors = registry(lambda: repository.servers, cpu=repository.cpu_metrics, gpu=repository.gpu_metrics)
     try:
         return MetricsListener(collectors, host, port)
     except OSError as exc:
@@ -618,12 +691,15 @@ def _watch(task: asyncio.Task[None] | None) -> list[Awaitable[Any]]:
 def _share(servers: Sequence[Server], name: str) -> None:
     """Shares every server through shared memory (``--share``)."""
     for server in servers:
-        shared_as = _shared_name(servers, server, name)
-        try:
-            server.share(shared_as)
-        except (ValueError, OSError) as exc:
-            raise StartupError(f"--share: {exc}") from None
-        log.info("model '%s': shared as '%s' (ferrobatch.connect(%r))", server.name, shared_as, shared_as)
+        _share_as(server, _shared_name(servers, server, name))
+
+
+def _share_as(server: Server, shared_as: str) -> None:
+    try:
+        server.share(shared_as)
+    except (ValueError, OSError) as exc:
+        raise StartupError(f"--share: {exc}") from None
+    log.info("model '%s': shared as '%s' (ferrobatch.connect(%r))", server.name, shared_as, shared_as)
 
 
 def _shared_name(servers: Sequence[Server], server: Server, share: str) -> str:

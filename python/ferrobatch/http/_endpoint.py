@@ -234,8 +234,9 @@ class Endpoint:
             self.repository = ModelRepository(servers, expose_errors=bool(expose_errors))
         self.expose_errors = self.repository.expose_errors if expose_errors is None else expose_errors
         self.max_decompressed_size = max_decompressed_size
-        self.registry = registry(
-            self.repository.servers, cpu=self.repository.cpu_metrics, gpu=self.repository.gpu_metrics
+        repository = self.repository
+        self.registry = registry(  # asked at each scrape: models added while serving are reported
+            lambda: repository.servers, cpu=repository.cpu_metrics, gpu=repository.gpu_metrics
         )
         self.routes = tuple(r for r in ROUTES if metrics or not r.metrics)
 

@@ -35,7 +35,7 @@ from ..client import MAX_STREAM_BACKLOG
 from ..errors import FerrobatchError, ModelError
 from ..server import Server, front_end_threads, hold_front_end_cores
 from ._endpoint import Endpoint
-from .protocol import ModelRepository, error_message
+from .protocol import ModelRepository, ServedModel, error_message
 
 Answer = tuple[int, list[tuple[str, str]], bytes]
 TensorMeta = tuple[str, str, list[int]]
@@ -118,11 +118,21 @@ class NativeListeners:
 
     def attach(self) -> None:
         """Serves the started models natively and turns readiness on."""
-        for model in self.repository.models:
+        self._serve(self.repository.models)
+        self._frontend.set_ready(True)
+
+    def add(self, model: ServedModel) -> None:
+        """Serves ``model`` (its server started) natively too, from now on:
+        a model added to the repository while serving."""
+        self._frontend.know([_model_metadata(self.repository.model_metadata(model.server.name))])
+        self._serve([model])
+
+    def _serve(self, models: Sequence[ServedModel]) -> None:
+        for model in models:
             batcher, registry = model.server._native_parts()
             self._served[model.server.name] = (batcher, registry, model.codec, self._describer(model.server.name))
         self._frontend.serve(list(self._served.values()))
-        for model in self.repository.models:
+        for model in models:
             # Readiness follows the model's instances (all down: 503, until one is back).
             watcher = functools.partial(self._frontend.set_model_ready, model.server.name)
             model.server._watch_readiness(watcher)
@@ -131,7 +141,6 @@ class NativeListeners:
             hook = functools.partial(self._serve_again, model)
             model.server._on_each_run(hook)
             self._following.append((model.server, hook))
-        self._frontend.set_ready(True)
 
     def _serve_again(self, model: Any) -> None:
         """``model``'s server runs again: served through that run's batcher

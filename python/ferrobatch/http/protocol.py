@@ -218,18 +218,26 @@ class ModelRepository:
         if not listed:
             raise ValueError("serve at least one Server")
         self._models: dict[str, ServedModel] = {}
+        self._max_elements = max_elements
         for server in listed:
-            if not isinstance(server, Server):
-                raise TypeError(f"expected ferrobatch.Server objects, got {type(server).__name__}")
-            if server.name in self._models:
-                raise ValueError(f"two servers are named {server.name!r}; model names must be unique")
-            self._models[server.name] = ServedModel.of(server, max_elements=max_elements)
+            self.add(server)
         self.expose_errors = expose_errors
         self.cpu_metrics = cpu_metrics
         self.gpu_metrics = gpu_metrics
         self._closing = False
         self._in_flight = 0
         self._idle: asyncio.Event | None = None
+
+    def add(self, server: Server) -> ServedModel:
+        """Serves ``server`` too, from now on (a model added while serving:
+        see :meth:`ferrobatch.serve.Listening.add`); ``ValueError`` if a
+        model of its name is served already."""
+        if not isinstance(server, Server):
+            raise TypeError(f"expected ferrobatch.Server objects, got {type(server).__name__}")
+        if server.name in self._models:
+            raise ValueError(f"two servers are named {server.name!r}; model names must be unique")
+        model = self._models[server.name] = ServedModel.of(server, max_elements=self._max_elements)
+        return model
 
     @property
     def models(self) -> list[ServedModel]:

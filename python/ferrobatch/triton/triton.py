@@ -38,6 +38,7 @@ import numpy as np
 from .._cache import ResponseCache
 from .._requests import RequestInfo
 from .._variable import LENGTHS
+from ..errors import ServerClosedError
 from ..serve import Listening, ServeConfig, serve
 from ..server import Server
 from ._binding import (
@@ -300,9 +301,11 @@ class Triton:
     exception; False sends its type and a request id only. ``frontend``:
     ``"native"`` (Rust; the default) or ``"python"``.
 
-    :meth:`bind` every model first, then :meth:`run` (in the background) or
+    :meth:`bind` models, then :meth:`run` (in the background) or
     :meth:`serve` (blocking); :meth:`stop` (or leaving the ``with`` block)
-    shuts down gracefully.
+    shuts down gracefully. A model bound while serving is served by the
+    running listeners (as PyTriton loads it into its running Triton) once
+    :meth:`bind` returns; it is stopped with the others.
 
     ``triton_lifecycle_policy`` (PyTriton's: when to launch the Triton
     process, where its model store lives) is accepted and has nothing to
@@ -380,12 +383,13 @@ class Triton:
         ferrobatch cannot serve.
         """
         with self._lock:
-            if self._phase == "running":
-                raise PyTritonInvalidOperationError(
-                    "bind every model before run() or serve(): ferrobatch serves the models bound when it"
-                    " starts (PyTriton loads a model bound later into the running server)"
-                )
             self._unbind_stopped()
+            running = self._phase == "running"
+            listening = self._listening if running else None  # a stopped run's is closed
+        if running and listening is None:
+            raise PyTritonInvalidOperationError(
+                f"model '{model_name}': the server is still starting; bind it before run(), or once run() has returned"
+            )
         if not model_name or not re.fullmatch(r"[a-zA-Z0-9._-]+", model_name):
             raise PyTritonValidationError(
                 f"model name {model_name!r}: only letters, digits, dots, underscores and dashes"
@@ -466,9 +470,33 @@ class Triton:
         for f in funcs:
             self._context.model_configs[f] = described
             inject_triton_context(self._context, f)
+        if listening is not None:
+            self._serve_while_running(listening, server, models, config)
         self._servers.append(server)
-        if config.model_warmup:
+        if config.model_warmup and listening is None:
             self._warmups[model_name] = (models, list(config.model_warmup), config.batching)
+
+    def _serve_while_running(
+        self, listening: Listening, server: Server, models: list[BoundModel], config: ModelConfig
+    ) -> None:
+        """A model bound while serving (as PyTriton loads it into the running
+        Triton): warmed up, started and served before :meth:`bind` returns;
+        until then its requests are answered as an unknown model's."""
+        if threading.current_thread() is self._serving_thread:
+            raise PyTritonInvalidOperationError(
+                f"model '{server.name}': bind from another thread than the server's event loop (it would wait for"
+                " itself)"
+            )
+        if config.model_warmup:
+            _warm_up(server.name, models, list(config.model_warmup), config.batching)
+        try:
+            listening.add_blocking(server, timeout=STARTUP_TIMEOUT_S)
+        except ServerClosedError:
+            raise PyTritonInvalidOperationError(
+                f"model '{server.name}' not bound: the server stopped meanwhile"
+            ) from None
+        except ValueError as exc:  # bound twice at once, from two threads
+            raise PyTritonInvalidOperationError(f"a model named {server.name!r} is already bound") from exc
 
     # -- lifecycle -------------------------------------------------------------------------
 

@@ -211,7 +211,7 @@ type ModelMeta = (String, String, Vec<TensorMeta>, Vec<TensorMeta>);
 /// `(name, version, extensions)`: the server's metadata.
 type ServerMeta = (String, String, Vec<String>);
 
-fn catalog(server: Option<ServerMeta>, models: Vec<ModelMeta>) -> Catalog {
+fn metadata_of((name, platform, inputs, outputs): ModelMeta) -> ModelMetadata {
     let tensors = |tensors: Vec<TensorMeta>| {
         tensors
             .into_iter()
@@ -222,6 +222,15 @@ fn catalog(server: Option<ServerMeta>, models: Vec<ModelMeta>) -> Catalog {
             })
             .collect()
     };
+    ModelMetadata {
+        name,
+        platform,
+        inputs: tensors(inputs),
+        outputs: tensors(outputs),
+    }
+}
+
+fn catalog(server: Option<ServerMeta>, models: Vec<ModelMeta>) -> Catalog {
     let server = server.map_or_else(
         || ServerMetadata {
             name: "ferrobatch".into(),
@@ -234,15 +243,7 @@ fn catalog(server: Option<ServerMeta>, models: Vec<ModelMeta>) -> Catalog {
             extensions,
         },
     );
-    let models = models
-        .into_iter()
-        .map(|(name, platform, inputs, outputs)| ModelMetadata {
-            name,
-            platform,
-            inputs: tensors(inputs),
-            outputs: tensors(outputs),
-        })
-        .collect();
+    let models = models.into_iter().map(metadata_of).collect();
     Catalog { server, models }
 }
 
@@ -376,6 +377,15 @@ impl NativeFrontend {
             ));
         }
         self.frontend.serve(served);
+    }
+
+    /// Knows `models` (each `(name, platform, inputs, outputs)`, as
+    /// `model_metadata` at start) from now on: a model added while serving,
+    /// before `serve` serves it (gRPC answers its metadata, and UNAVAILABLE
+    /// to its inference until then).
+    fn know(&self, model_metadata: Vec<ModelMeta>) {
+        self.frontend
+            .know(model_metadata.into_iter().map(metadata_of).collect());
     }
 
     /// The port HTTP listens on (None: no HTTP).

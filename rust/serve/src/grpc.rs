@@ -679,9 +679,8 @@ impl Inference {
     /// Model `name` at `version`: known (in the catalog or served) or the
     /// NOT_FOUND status with Triton's message.
     fn known(&self, name: &str, version: &str) -> Result<Lookup, Status> {
-        let catalogued = self.shared.catalog.model(name).is_some();
         let served = self.shared.model(name, "");
-        if !catalogued && served.is_none() {
+        if served.is_none() && !self.shared.is_catalogued(name) {
             return Err(Status::not_found(format!(
                 "Request for unknown model: '{shown}' is not found",
                 shown = Clipped(name)
@@ -924,11 +923,11 @@ impl GrpcInferenceService for Inference {
         &self,
         _: Request<ServerMetadataRequest>,
     ) -> Result<Response<ServerMetadataResponse>, Status> {
-        let server = &self.shared.catalog.server;
+        let server = self.shared.server_metadata();
         Ok(Response::new(ServerMetadataResponse {
-            name: server.name.clone(),
-            version: server.version.clone(),
-            extensions: server.extensions.clone(),
+            name: server.name,
+            version: server.version,
+            extensions: server.extensions,
         }))
     }
 
@@ -938,13 +937,13 @@ impl GrpcInferenceService for Inference {
     ) -> Result<Response<ModelMetadataResponse>, Status> {
         let request = request.into_inner();
         self.known(&request.name, &request.version)?;
-        let model = self.shared.catalog.model(&request.name).ok_or_else(|| {
+        let model = self.shared.catalogued(&request.name).ok_or_else(|| {
             Status::not_found(format!(
                 "model '{}' has no metadata",
                 Clipped(&request.name)
             ))
         })?;
-        Ok(Response::new(model_metadata(model)))
+        Ok(Response::new(model_metadata(&model)))
     }
 
     /// Answered by [`infer_call`] on the native front-end; kept for a

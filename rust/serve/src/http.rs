@@ -407,7 +407,7 @@ fn route(shared: &Arc<Shared>, request: Request<Incoming>) -> Routed {
                 }
                 // Known, not served (warming up, or stopped): nothing else
                 // answers inference.
-                (None, _) if shared.catalog.model(name).is_some() && version_known(version) => {
+                (None, _) if version_known(version) && shared.is_catalogued(name) => {
                     let message = format!("server '{}' is not running", Clipped(name));
                     return Routed::Answered(Box::new(error(&Failure::new(503, message))));
                 }

@@ -26,7 +26,7 @@ use tokio::time::Sleep;
 
 use crate::grpc;
 use crate::http::{handle, Fallback};
-use crate::metadata::Catalog;
+use crate::metadata::{Catalog, ModelMetadata, ServerMetadata};
 use crate::model::ServedModel;
 use crate::outbox::{Outbox, Sending};
 
@@ -157,7 +157,8 @@ pub(crate) struct Shared {
     pub config: Config,
     models: RwLock<Vec<Arc<ServedModel>>>,
     pub fallback: Arc<dyn Fallback>,
-    pub catalog: Catalog,
+    /// Grows when a model is added while serving ([`Frontend::know`]).
+    catalog: RwLock<Catalog>,
     ready: AtomicBool,
     pub draining: AtomicBool,
     /// One permit per open connection, up to `config.max_connections`.
@@ -195,6 +196,22 @@ impl Shared {
         }
         let models = self.models.read().unwrap_or_else(|e| e.into_inner());
         models.iter().find(|m| &*m.name == name).cloned()
+    }
+
+    /// The metadata of model `name`, if known (served, warming up, or stopped).
+    pub fn catalogued(&self, name: &str) -> Option<ModelMetadata> {
+        let catalog = self.catalog.read().unwrap_or_else(|e| e.into_inner());
+        catalog.model(name).cloned()
+    }
+
+    pub fn is_catalogued(&self, name: &str) -> bool {
+        let catalog = self.catalog.read().unwrap_or_else(|e| e.into_inner());
+        catalog.model(name).is_some()
+    }
+
+    pub fn server_metadata(&self) -> ServerMetadata {
+        let catalog = self.catalog.read().unwrap_or_else(|e| e.into_inner());
+        catalog.server.clone()
     }
 
     /// Runs `work` (CPU-heavy: inflating, compressing) on a blocking
@@ -313,7 +330,7 @@ impl Frontend {
         let shared = Arc::new(Shared {
             models: RwLock::new(Vec::new()),
             fallback,
-            catalog: listen.catalog,
+            catalog: RwLock::new(listen.catalog),
             ready: AtomicBool::new(false),
             draining: AtomicBool::new(false),
             connections: Arc::new(Semaphore::new(config.max_connections)),
@@ -369,6 +386,22 @@ impl Frontend {
             .models
             .write()
             .unwrap_or_else(|e| e.into_inner()) = models;
+    }
+
+    /// Knows `models` from now on (replacing any of the same name): gRPC
+    /// answers their metadata, and their inference is UNAVAILABLE (not
+    /// NOT_FOUND) until [`Frontend::serve`] serves them. For a model added
+    /// while serving; those known at start come with [`Listen::catalog`].
+    pub fn know(&self, models: Vec<ModelMetadata>) {
+        let mut catalog = self
+            .shared
+            .catalog
+            .write()
+            .unwrap_or_else(|e| e.into_inner());
+        for model in models {
+            catalog.models.retain(|known| known.name != model.name);
+            catalog.models.push(model);
+        }
     }
 
     pub fn set_ready(&self, ready: bool) {
