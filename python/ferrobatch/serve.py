@@ -462,7 +462,8 @@ async def serve(
 
     The listeners open first; servers that are not running are then started
     here (warm-up: not ready meanwhile) and stopped on the way out.
-    ``on_ready`` is called once every server is ready.
+    ``on_ready`` is called once every server is ready, with the
+    :class:`Listening` whose :meth:`~Listening.add` serves one more.
     """
     config = config or ServeConfig()
     check_config(config)
