@@ -78,11 +78,15 @@ OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
 EXAMPLES = (
     "add_sub_python",
     "add_sub_python_with_optional",
+    "add_sub_vertex_ai",
     "identity_python",
     "linear_random_pytorch",
     "multiple_models_python",
     "use_parameters_and_headers",
 )
+#: The Vertex AI example's scripts (curl to its port 8080), run after its client.
+VERTEX_INFER = "infer_vertex_ai_endpoint.sh"
+VERTEX_HEALTH = "health_vertex_ai_endpoint.sh"
 #: PyTriton's notebooks that run on a CPU (the server and its client in one program).
 NOTEBOOKS = ("add_sub_notebook/add_sub.ipynb",)
 #: PyTriton's end-to-end tests that run on a CPU with nothing downloaded.
@@ -246,6 +250,8 @@ def run_example(checkout: Path, name: str, into: Path) -> dict[str, str]:
                 continue
             last = (done.stderr.strip().splitlines() or [""])[-1][:120]
             outcomes[protocol] = "passed" if done.returncode == 0 else f"failed: {last}"
+        if (source / VERTEX_INFER).is_file() and server.poll() is None:
+            outcomes.update(run_vertex_scripts(checkout, source))
     finally:
         if server.poll() is None:
             server.send_signal(signal.SIGINT)
@@ -259,6 +265,46 @@ def run_example(checkout: Path, name: str, into: Path) -> dict[str, str]:
         tail = (work / "server.log").read_text().strip().splitlines()[-3:]
         for line in tail:
             print(f"      server: {line[:150]}")
+    return outcomes
+
+
+def run_vertex_scripts(checkout: Path, source: Path) -> dict[str, str]:
+    """The Vertex AI example's curl scripts, from the checkout's root as its
+    test runs them: the health route must say 200 OK, and the predict
+    route's answer must hold each output computed from the example's
+    request body (``add``: the inputs' sum, ``sub``: their difference)."""
+    import json
+
+    import numpy as np
+
+    def script(name: str) -> subprocess.CompletedProcess[str] | str:
+        try:
+            return subprocess.run(
+                ["bash", str(source / name)], cwd=checkout, capture_output=True, text=True, timeout=60
+            )
+        except subprocess.TimeoutExpired:
+            return "failed: it did not finish in 60 s"
+
+    outcomes: dict[str, str] = {}
+    health = script(VERTEX_HEALTH)
+    if isinstance(health, str):
+        outcomes["vertex health"] = health
+    else:
+        ok = health.returncode == 0 and "200 OK" in health.stdout
+        outcomes["vertex health"] = "passed" if ok else f"failed: {health.stdout.strip()[:120]!r}"
+    infer = script(VERTEX_INFER)
+    if isinstance(infer, str):
+        outcomes["vertex infer"] = infer
+        return outcomes
+    sent = json.loads((source / "data.json").read_text())
+    a, b = (np.asarray(i["data"], np.float32).reshape(i["shape"]) for i in sent["inputs"])
+    try:
+        answer = json.loads(infer.stdout[infer.stdout.index("{") :])
+        got = {o["name"]: np.asarray(o["data"], np.float32).reshape(o["shape"]) for o in answer["outputs"]}
+        ok = np.array_equal(got["add"], a + b) and np.array_equal(got["sub"], a - b)
+    except (ValueError, KeyError, TypeError):
+        ok = False
+    outcomes["vertex infer"] = "passed" if ok else f"failed: {infer.stdout.strip()[-120:]!r}"
     return outcomes
 
 
@@ -373,7 +419,9 @@ def main() -> None:
     parser.add_argument("--pytriton-python", help="an interpreter with nvidia-pytriton and pytest, to run PyTriton")
     parser.add_argument("--examples", action="store_true", help="run PyTriton's CPU examples instead of its tests")
     parser.add_argument("--functional", action="store_true", help="run PyTriton's CPU end-to-end tests instead")
-    parser.add_argument("--only", help="with --functional: these tests (comma-separated names) of FUNCTIONAL")
+    parser.add_argument(
+        "--only", help="with --functional or --examples: these (comma-separated names) of FUNCTIONAL or EXAMPLES"
+    )
     parser.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
     args = parser.parse_args()
     if args.functional:
@@ -392,12 +440,16 @@ def main() -> None:
     if args.examples:
         with tempfile.TemporaryDirectory(prefix="pytriton-examples-") as tmp:
             results = {}
-            for name in EXAMPLES:
+            chosen = EXAMPLES if args.only is None else tuple(args.only.split(","))
+            unknown = sorted(set(chosen) - set(EXAMPLES))
+            if unknown:
+                raise SystemExit(f"--only: not in EXAMPLES: {', '.join(unknown)}")
+            for name in chosen:
                 print(f"{name}:", flush=True)
                 results[name] = run_example(args.checkout, name, Path(tmp))
                 for protocol, outcome in results[name].items():
                     print(f"  {protocol}: {outcome}", flush=True)
-            for path in NOTEBOOKS:
+            for path in NOTEBOOKS if args.only is None else ():
                 print(f"{path}:", flush=True)
                 results[path] = {"notebook": run_notebook(args.checkout, path, Path(tmp))}
                 print(f"  notebook: {results[path]['notebook']}", flush=True)

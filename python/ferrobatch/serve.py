@@ -45,6 +45,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import gc
 import importlib
 import importlib.util
@@ -54,6 +55,7 @@ import logging
 import math
 import os
 import queue
+import re
 import signal
 import sys
 import threading
@@ -76,6 +78,7 @@ if TYPE_CHECKING:
     import uvicorn
 
     from .http._native import NativeListeners
+    from .http._vertex import VertexListener
     from .metrics import MetricsListener
 
 __all__ = ["Listening", "ServeConfig", "StartupError", "TargetError", "load_servers", "serve", "serve_in_thread"]
@@ -175,6 +178,53 @@ class StartupError(RuntimeError):
     """An endpoint could not start listening (the reason is in the message)."""
 
 
+@dataclass(frozen=True)
+class VertexAI:
+    """Vertex AI's prediction endpoint (Triton's ``--allow-vertex-ai``):
+    its port, and its two routes, regular expressions matched whole: the
+    health route answers as ``/v2/health/ready``; the predict route infers
+    the default model (without ``default_model``, the server must serve
+    exactly one), or answers the v2 path an ``X-Vertex-Ai-Triton-Redirect``
+    header names (see :mod:`ferrobatch.http._vertex`)."""
+
+    predict_route: str
+    health_route: str
+    port: int = 8080
+    default_model: str | None = None
+
+    @classmethod
+    def from_env(cls, port: int | None = None, default_model: str | None = None) -> VertexAI:
+        """Vertex AI's container variables: ``AIP_PREDICT_ROUTE`` and
+        ``AIP_HEALTH_ROUTE`` (required: ``ValueError`` naming the one
+        missing), and ``AIP_HTTP_PORT`` when ``port`` is None (else 8080)."""
+        routes = {name: os.environ.get(name, "") for name in ("AIP_PREDICT_ROUTE", "AIP_HEALTH_ROUTE")}
+        for name, route in routes.items():
+            if not route:
+                raise ValueError(f"{name} is not defined for the Vertex AI endpoint")
+        if port is None:
+            given = os.environ.get("AIP_HTTP_PORT", "")
+            port = int(given) if given.isdigit() else 8080
+        return cls(routes["AIP_PREDICT_ROUTE"], routes["AIP_HEALTH_ROUTE"], port, default_model)
+
+    def check(self, models: list[str]) -> str:
+        """The model the predict route infers; ``ValueError`` if the routes
+        are not regular expressions or there is no such model."""
+        for what, route in (("predict route", self.predict_route), ("health route", self.health_route)):
+            try:
+                re.compile(route)
+            except re.error as exc:
+                raise ValueError(f"Vertex AI {what} {route!r} is not a regular expression: {exc}") from None
+        if self.default_model is None:
+            if len(models) != 1:
+                raise ValueError(
+                    f"Vertex AI: {len(models)} models are served; name the default one (vertex_ai_default_model)"
+                )
+            return models[0]
+        if self.default_model not in models:
+            raise ValueError(f"Vertex AI: the default model {self.default_model!r} is not served")
+        return self.default_model
+
+
 @dataclass
 class ServeConfig:
     """Where and how :func:`serve` listens. A port of ``None`` disables that
@@ -259,6 +309,11 @@ class ServeConfig:
     #: The GPUs' (``nv_gpu_*``, through NVML: the ``gpu`` extra) in
     #: ``/metrics`` (Triton's ``--allow-gpu-metrics``).
     gpu_metrics: bool = True
+    #: Vertex AI's prediction endpoint on a port of its own, on ``host``
+    #: (Triton's ``--allow-vertex-ai``; see :mod:`ferrobatch.http._vertex`,
+    #: ``VertexAI.from_env()`` reads Vertex AI's ``AIP_*`` variables). Opens
+    #: once the models have started. None: none.
+    vertex_ai: VertexAI | None = None
 
 
 #: Bounds of ServeConfig's numbers: each is checked before anything is
@@ -314,6 +369,12 @@ def check_config(config: ServeConfig) -> None:
         raise ValueError("header forwarding (http/grpc_header_forward_pattern) needs frontend='native'")
     for port in ("http_port", "grpc_port", "metrics_port"):
         whole(port, 0, 65535, optional=True, what=" (a port; 0 picks a free one)")
+    if config.vertex_ai is not None:
+        vertex = config.vertex_ai
+        if not isinstance(vertex, VertexAI):
+            raise ValueError(f"vertex_ai must be a VertexAI or None, got {vertex!r}")
+        if not whole_in(vertex.port, 0, 65535):
+            raise ValueError(f"vertex_ai.port must be an int from 0 to 65535 (0 picks a free one), got {vertex.port!r}")
     whole("threads", 1, MAX_FRONT_END_THREADS, optional=True)
     whole("max_connections", 1, MAX_CONNECTIONS)
     whole("max_streams", 1, MAX_STREAMS)
@@ -410,6 +471,8 @@ class Listening:
     #: The models served; grows with :meth:`add`.
     models: list[str]
     metrics_port: int | None = None
+    #: Vertex AI's endpoint's port (``ServeConfig.vertex_ai``), or None.
+    vertex_ai_port: int | None = None
     _adder: Callable[[Server], Coroutine[Any, Any, None]] | None = field(default=None, repr=False, compare=False)
     _loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False, compare=False)
 
@@ -482,6 +545,7 @@ async def serve(
     rpc: grpc.aio.Server | None = None
     native: NativeListeners | None = None
     metrics: MetricsListener | None = None
+    vertex: VertexListener | None = None
     with _signals(stop, delayed, forced):
         try:
             grpc_port = None
@@ -611,6 +675,9 @@ async def serve(
                 repository.awaiting_native = False
             if config.share is not None:
                 _share(repository.servers, config.share)
+            if config.vertex_ai is not None:
+                vertex = await _vertex_listener(repository, config, config.vertex_ai)
+                listening = dataclasses.replace(listening, vertex_ai_port=vertex.port)
             # What start-up left on the heap (torch, the model, the imports:
             # some 200k objects) is kept for good: moved out of the collector's
             # reach, a full collection no longer walks it every few hundred ms
@@ -636,9 +703,36 @@ async def serve(
             if native is not None:
                 native.drain()
             await _shutdown(http, http_task, rpc, native, repository, started, forced, config.graceful_timeout)
+            if vertex is not None:
+                await vertex.close()
             if metrics is not None:
                 await asyncio.to_thread(metrics.close)
             log.info("stopped")
+
+
+async def _vertex_listener(repository: ModelRepository, config: ServeConfig, vertex: VertexAI) -> VertexListener:
+    """Vertex AI's endpoint, listening (``StartupError`` when it cannot)."""
+    from .http._endpoint import Endpoint
+    from .http._vertex import VertexListener
+
+    endpoint = Endpoint(repository, max_decompressed_size=config.max_decompressed_size)
+    try:
+        listener = VertexListener(endpoint, vertex, max_body_size=config.max_body_size)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
+    try:
+        await listener.start(config.host, vertex.port)
+    except OSError as exc:
+        raise StartupError(f"Vertex AI: cannot listen on {_bracket(config.host)}:{vertex.port}: {exc}") from None
+    log.info(
+        "Vertex AI endpoint on %s:%s (predict %r: model '%s'; health %r)",
+        config.host,
+        listener.port,
+        vertex.predict_route,
+        listener.model,
+        vertex.health_route,
+    )
+    return listener
 
 
 def _metrics_listener(repository: ModelRepository, host: str, port: int) -> MetricsListener:

@@ -48,30 +48,7 @@ def aiohttp_app(
     repository = endpoint.repository
 
     def _response(reply: Reply) -> web.Response:
-        response = web.Response(body=reply.body, status=reply.status, headers=reply.headers)
-        if reply.close or repository.closing:  # draining: reconnect elsewhere
-            response.force_close()
-        return response
-
-    async def read_body(request: web.Request) -> bytes | Reply:
-        """The body as sent (aiohttp inflates nothing: ``auto_decompress`` is
-        off), read in bounded steps, or the reply that refuses it."""
-        length = request.content_length
-        if length is not None and length > max_body_size:
-            return too_large(length, max_body_size)  # at once, before reading the body
-        chunks: list[bytes] = []
-        size = 0
-        try:
-            while chunk := await request.content.readany():
-                size += len(chunk)
-                if size > max_body_size:
-                    return too_large(None, max_body_size)
-                chunks.append(chunk)
-        except (RequestPayloadError, ConnectionResetError) as exc:  # a bad body, or the client left
-            refused = error_reply(ProtocolError(400, f"unreadable request body: {exc}"))
-            # The rest of the body cannot be read: the connection closes.
-            return dataclasses.replace(refused, close=True)
-        return b"".join(chunks)
+        return to_response(reply, closing=repository.closing)
 
     async def expect(request: web.Request) -> web.StreamResponse | None:
         """``Expect: 100-continue``: a declared body over the limit gets its
@@ -85,7 +62,7 @@ def aiohttp_app(
 
     def answering(route: Route) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def handle(request: web.Request) -> web.Response:
-            body = await read_body(request) if route.method == "POST" else b""
+            body = await read_body(request, max_body_size) if route.method == "POST" else b""
             if isinstance(body, Reply):
                 return _response(body)
             call = Call(dict(request.match_info), request.headers, body)
@@ -95,7 +72,7 @@ def aiohttp_app(
 
     async def infer(request: web.Request) -> web.Response:
         m = request.match_info
-        body = await read_body(request)
+        body = await read_body(request, max_body_size)
         if isinstance(body, Reply):
             return _response(body)
         headers = request.headers
@@ -153,3 +130,33 @@ def aiohttp_app(
     app.middlewares.append(json_refusals)
     app.cleanup_ctx.append(lifespan)
     return app
+
+
+def to_response(reply: Reply, *, closing: bool) -> web.Response:
+    """``reply`` for aiohttp; the connection closes when it says so or the
+    server is ``closing`` (draining: reconnect elsewhere)."""
+    response = web.Response(body=reply.body, status=reply.status, headers=reply.headers)
+    if reply.close or closing:
+        response.force_close()
+    return response
+
+
+async def read_body(request: web.BaseRequest, max_body_size: int) -> bytes | Reply:
+    """The body as sent (aiohttp inflates nothing: ``auto_decompress`` is
+    off), read in bounded steps, or the reply that refuses it."""
+    length = request.content_length
+    if length is not None and length > max_body_size:
+        return too_large(length, max_body_size)  # at once, before reading the body
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        while chunk := await request.content.readany():
+            size += len(chunk)
+            if size > max_body_size:
+                return too_large(None, max_body_size)
+            chunks.append(chunk)
+    except (RequestPayloadError, ConnectionResetError) as exc:  # a bad body, or the client left
+        refused = error_reply(ProtocolError(400, f"unreadable request body: {exc}"))
+        # The rest of the body cannot be read: the connection closes.
+        return dataclasses.replace(refused, close=True)
+    return b"".join(chunks)

@@ -39,7 +39,7 @@ from .._cache import ResponseCache
 from .._requests import RequestInfo
 from .._variable import LENGTHS
 from ..errors import ServerClosedError
-from ..serve import Listening, ServeConfig, serve
+from ..serve import Listening, ServeConfig, VertexAI, serve
 from ..server import Server
 from ._binding import (
     RESERVED_PARAMETERS,
@@ -232,6 +232,9 @@ _USED = {
     "allow_gpu_metrics",
     "metrics_port",
     "metrics_address",
+    "allow_vertex_ai",
+    "vertex_ai_port",
+    "vertex_ai_default_model",
 }
 
 #: Triton's metrics port when ``metrics_port`` is not given.
@@ -266,6 +269,19 @@ def serve_config(config: TritonConfig, *, expose_errors: bool, frontend: str) ->
         cpu_metrics=metrics and config.allow_cpu_metrics is not False,
         gpu_metrics=metrics and config.allow_gpu_metrics is not False,
     )
+
+
+def vertex_ai_of(config: TritonConfig) -> VertexAI | None:
+    """Vertex AI's endpoint when ``allow_vertex_ai``: its routes from Vertex
+    AI's ``AIP_PREDICT_ROUTE`` and ``AIP_HEALTH_ROUTE``, read when the server
+    starts, as Triton reads them (``PyTritonValidationError`` if one is
+    missing); its port ``vertex_ai_port``, else ``AIP_HTTP_PORT``, else 8080."""
+    if not config.allow_vertex_ai:
+        return None
+    try:
+        return VertexAI.from_env(config.vertex_ai_port, config.vertex_ai_default_model)
+    except ValueError as exc:
+        raise PyTritonValidationError(str(exc)) from None
 
 
 def claim_metrics_port(serve: ServeConfig, config: TritonConfig) -> None:
@@ -599,6 +615,11 @@ class Triton:
         """The gRPC port listened on, once running."""
         return self._listening.grpc_port if self._listening is not None else None
 
+    @property
+    def vertex_ai_port(self) -> int | None:
+        """Vertex AI's endpoint's port (``allow_vertex_ai``), once running."""
+        return self._listening.vertex_ai_port if self._listening is not None else None
+
     # -- internals --------------------------------------------------------------------------
 
     def _start(self) -> None:
@@ -610,6 +631,7 @@ class Triton:
                 raise PyTritonInvalidOperationError(
                     "bind at least one model before run() or serve() (stop() unbinds the models, as PyTriton's)"
                 )
+            self._serve_config.vertex_ai = vertex_ai_of(self._config)
             # Before it listens: a model warmed up is ready when it says so (a failure: run() raises).
             for name, (models, warmups, batching) in self._warmups.items():
                 _warm_up(name, models, warmups, batching)

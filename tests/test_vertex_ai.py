@@ -1,0 +1,175 @@
+"""Vertex AI's prediction endpoint (``ServeConfig(vertex_ai=)``; PyTriton's
+``TritonConfig(allow_vertex_ai=True)``): the health and predict routes, the
+binary content type, the redirect header, refusals, start-up checks, and
+PyTriton's Vertex AI example's requests answered as Triton answers them."""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+import ferrobatch as fb
+from ferrobatch.serve import Listening, ServeConfig, StartupError, VertexAI, serve_in_thread
+from ferrobatch.triton import ModelConfig, Tensor, Triton, TritonConfig, batch
+from ferrobatch.triton.exceptions import PyTritonValidationError
+
+pytestmark = pytest.mark.timeout(60)
+
+SPEC = [fb.TensorSpec("x", "float32", (4,))]
+OUT = [fb.TensorSpec("y", "float32", (4,))]
+
+
+def times(k: float) -> Any:
+    def model(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"y": inputs["x"] * k}
+
+    return model
+
+
+def make(name: str, k: float) -> fb.Server:
+    return fb.Server(times(k), inputs=SPEC, outputs=OUT, max_batch_size=8, name=name)
+
+
+def request(values: list[float]) -> dict[str, Any]:
+    return {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": values}]}
+
+
+@pytest.fixture(params=["native", "python"])
+def vertex(request: pytest.FixtureRequest) -> Iterator[tuple[Listening, str]]:
+    routes = VertexAI(predict_route="/predict", health_route="/health(z)?", port=0, default_model="double")
+    config = ServeConfig(
+        http_port=0, grpc_port=None, frontend=request.param, vertex_ai=routes, log_level="warning", threads=1
+    )
+    with serve_in_thread([make("double", 2.0), make("triple", 3.0)], config) as listening:
+        assert listening.vertex_ai_port is not None
+        yield listening, f"http://127.0.0.1:{listening.vertex_ai_port}"
+
+
+def test_the_predict_route_infers_the_default_model_and_the_health_route_is_readiness(
+    vertex: tuple[Listening, str],
+) -> None:
+    _, url = vertex
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.get(f"{url}/healthz").status_code == 200  # a regular expression, matched whole
+    answer = httpx.post(f"{url}/predict", json=request([1, 2, 3, 4]))
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["outputs"][0]["data"] == [2.0, 4.0, 6.0, 8.0]
+    assert answer.json()["model_name"] == "double"
+    # Binary: the JSON part's length in Vertex AI's content type.
+    header = json.dumps(
+        {
+            "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "parameters": {"binary_data_size": 16}}],
+            "outputs": [{"name": "y", "parameters": {"binary_data": True}}],
+        }
+    ).encode()
+    content_type = f"application/vnd.vertex-ai-triton.binary+json;json-header-size={len(header)}"
+    body = header + struct.pack("<4f", 1, 1, 1, 1)
+    answer = httpx.post(f"{url}/predict", content=body, headers={"content-type": content_type})
+    assert answer.status_code == 200, answer.text
+    length = int(answer.headers["inference-header-content-length"])
+    np.testing.assert_array_equal(np.frombuffer(answer.content[length:], np.float32), [2, 2, 2, 2])
+
+
+def test_the_redirect_header_answers_another_v2_path(vertex: tuple[Listening, str]) -> None:
+    _, url = vertex
+
+    def redirected(path: str, **kwargs: Any) -> httpx.Response:
+        return httpx.post(f"{url}/predict", headers={"X-Vertex-Ai-Triton-Redirect": path}, **kwargs)
+
+    answer = redirected("v2/models/triple/infer", json=request([1, 1, 1, 1]))
+    assert answer.json()["outputs"][0]["data"] == [3.0, 3.0, 3.0, 3.0]
+    assert redirected("v2/models/triple").json()["name"] == "triple"  # metadata: read with GET
+    assert redirected("v2/health/live").status_code == 200
+    assert redirected("v2/models/triple/ready").status_code == 200
+    assert "nv_inference_request_success" in redirected("metrics").text
+    assert redirected("v2/models/nope/infer", json=request([1, 1, 1, 1])).status_code == 400
+
+
+def test_other_paths_and_methods_are_refused(vertex: tuple[Listening, str]) -> None:
+    listening, url = vertex
+    assert httpx.get(f"{url}/v2/health/ready").status_code == 400  # not one of its two routes
+    assert httpx.get(f"{url}/predict").status_code == 405
+    bad_type = "application/vnd.vertex-ai-triton.binary+json;json-header-size=x"
+    assert httpx.post(f"{url}/predict", content=b"{}", headers={"content-type": bad_type}).status_code == 400
+    assert httpx.post(f"{url}/predict", content=b"not json").status_code == 400
+    # The main HTTP port is not touched by it.
+    assert httpx.get(f"http://127.0.0.1:{listening.http_port}/v2/health/ready").status_code == 200
+
+
+def test_start_up_refuses_what_it_cannot_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    two = VertexAI(predict_route="/p", health_route="/h", port=0)
+    config = ServeConfig(http_port=0, grpc_port=None, vertex_ai=two, log_level="warning", threads=1)
+    with (
+        pytest.raises(StartupError, match="name the default one"),
+        serve_in_thread([make("a", 1), make("b", 2)], config),
+    ):
+        pass
+    config.vertex_ai = VertexAI(predict_route="/p", health_route="/h", port=0, default_model="c")
+    with pytest.raises(StartupError, match="'c' is not served"), serve_in_thread([make("a", 1)], config):
+        pass
+    config.vertex_ai = VertexAI(predict_route="(", health_route="/h", port=0)
+    with pytest.raises(StartupError, match="not a regular expression"), serve_in_thread([make("a", 1)], config):
+        pass
+    monkeypatch.delenv("AIP_PREDICT_ROUTE", raising=False)
+    monkeypatch.setenv("AIP_HEALTH_ROUTE", "/h")
+    with pytest.raises(ValueError, match="AIP_PREDICT_ROUTE is not defined"):
+        VertexAI.from_env()
+    monkeypatch.setenv("AIP_PREDICT_ROUTE", "/p")
+    monkeypatch.setenv("AIP_HTTP_PORT", "8123")
+    assert VertexAI.from_env() == VertexAI("/p", "/h", 8123, None)
+
+
+@batch
+def add_sub(**inputs: np.ndarray) -> dict[str, np.ndarray]:
+    a, b = inputs.values()
+    return {"add": a + b, "sub": a - b}
+
+
+def test_pytritons_vertex_ai_example_is_answered_as_triton_answers_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PyTriton's ``add_sub_vertex_ai``: its routes from the environment, its
+    request body, and the output text its test looks for."""
+    monkeypatch.setenv("AIP_MODE", "PREDICTION")
+    monkeypatch.setenv("AIP_PREDICT_ROUTE", "/v2/models/AddSub/infer")
+    monkeypatch.setenv("AIP_HEALTH_ROUTE", "/v2/health/ready")
+    triton = Triton(config=TritonConfig(http_port=0, grpc_port=0, allow_vertex_ai=True, vertex_ai_port=0))
+    triton.bind(
+        "AddSub",
+        add_sub,
+        inputs=[Tensor(dtype=np.float32, shape=(-1,)), Tensor(dtype=np.float32, shape=(-1,))],
+        outputs=[Tensor(name="add", dtype=np.float32, shape=(-1,)), Tensor(name="sub", dtype=np.float32, shape=(-1,))],
+        config=ModelConfig(max_batch_size=128),
+        strict=True,
+    )
+    with triton:
+        triton.run()
+        assert triton.vertex_ai_port is not None
+        url = f"http://127.0.0.1:{triton.vertex_ai_port}"
+        assert httpx.get(f"{url}/v2/health/ready").status_code == 200
+        data = [[1, 2, 3, 4]]
+        body = {
+            "id": "0",
+            "inputs": [
+                {"name": name, "shape": [1, 4], "datatype": "FP32", "parameters": {}, "data": data}
+                for name in ("INPUT_1", "INPUT_2")
+            ],
+        }
+        text = httpx.post(f"{url}/v2/models/AddSub/infer", json=body).text
+        assert '{"name":"add","datatype":"FP32","shape":[1,4],"data":[2.0,4.0,6.0,8.0]}' in text
+        assert '{"name":"sub","datatype":"FP32","shape":[1,4],"data":[0.0,0.0,0.0,0.0]}' in text
+    monkeypatch.delenv("AIP_HEALTH_ROUTE")
+    triton = Triton(config=TritonConfig(http_port=0, grpc_port=0, allow_vertex_ai=True, vertex_ai_port=0))
+    triton.bind(
+        "AddSub",
+        add_sub,
+        inputs=[Tensor(dtype=np.float32, shape=(-1,))],
+        outputs=[Tensor(name="add", dtype=np.float32, shape=(-1,))],
+    )
+    with pytest.raises(PyTritonValidationError, match="AIP_HEALTH_ROUTE"):
+        triton.run()
