@@ -443,6 +443,38 @@ def test_limits_and_drain_delay_are_on_the_command_line() -> None:
     assert done.returncode == 2 and "must be > 0 seconds" in done.stderr, done.stderr
 
 
+def test_serve_vertex_ai_reads_vertex_ais_variables(
+    serve_process: Callable[..., Process], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AIP_PREDICT_ROUTE", "/predict")
+    monkeypatch.delenv("AIP_HEALTH_ROUTE", raising=False)
+    missing = subprocess.run(
+        [sys.executable, "-m", "ferrobatch", "serve", "--demo", "--vertex-ai"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert missing.returncode == 2 and "AIP_HEALTH_ROUTE is not defined" in missing.stderr, missing.stderr
+    alone = subprocess.run(
+        [sys.executable, "-m", "ferrobatch", "serve", "--demo", "--vertex-ai-port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert alone.returncode == 2 and "need --vertex-ai" in alone.stderr, alone.stderr
+    monkeypatch.setenv("AIP_HEALTH_ROUTE", "/health")
+    served = serve_process("--demo", "--vertex-ai", "--vertex-ai-port", "0")
+    found = re.search(r"Vertex AI endpoint on [\d.]+:(\d+)", served.startup)
+    assert found, served.startup
+    url = f"http://127.0.0.1:{found.group(1)}"
+    assert httpx.get(f"{url}/health").status_code == 200
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 256], "data": [0.5] * 256}]}
+    answer = httpx.post(f"{url}/predict", json=body)
+    assert answer.status_code == 200 and answer.json()["model_name"] == "mlp", answer.text
+    served.proc.send_signal(signal.SIGINT)
+    assert served.proc.wait(60) == 0, served.log()
+
+
 def _threads_named(pid: int, name: str) -> int:
     tasks = Path(f"/proc/{pid}/task")
     return sum((task / "comm").read_text().strip() == name for task in tasks.iterdir())

@@ -1218,6 +1218,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also serve GET /metrics on this port (Triton's is 8002; 0: any free); the HTTP port serves it either way",
     )
     parser.add_argument(
+        "--vertex-ai",
+        action="store_true",
+        help="also serve Vertex AI's prediction endpoint (Triton's --allow-vertex-ai): its routes from"
+        " AIP_PREDICT_ROUTE and AIP_HEALTH_ROUTE, its port from --vertex-ai-port, else AIP_HTTP_PORT, else 8080",
+    )
+    parser.add_argument("--vertex-ai-port", type=int, default=None, metavar="PORT", help="Vertex AI's port")
+    parser.add_argument(
+        "--vertex-ai-default-model",
+        default=None,
+        metavar="MODEL",
+        help="the model Vertex AI's predict route infers (needed when several are served)",
+    )
+    parser.add_argument(
         "--no-cpu-metrics",
         action="store_true",
         help="leave the machine's CPU and memory (nv_cpu_*) and the process's (process_*) out of /metrics",
@@ -1345,6 +1358,10 @@ def main(args: argparse.Namespace) -> int:
         gpu_metrics=not args.no_gpu_metrics,
     )
     try:
+        if args.vertex_ai:
+            config.vertex_ai = VertexAI.from_env(args.vertex_ai_port, args.vertex_ai_default_model)
+        elif args.vertex_ai_port is not None or args.vertex_ai_default_model is not None:
+            raise ValueError("--vertex-ai-port and --vertex-ai-default-model need --vertex-ai")
         check_config(config)
     except ValueError as exc:
         print(f"ferrobatch serve: error: {exc}", file=sys.stderr)
