@@ -443,7 +443,7 @@ def test_limits_and_drain_delay_are_on_the_command_line() -> None:
     assert done.returncode == 2 and "must be > 0 seconds" in done.stderr, done.stderr
 
 
-def test_serve_vertex_ai_reads_vertex_ais_variables(
+def test_serve_vertex_ai_and_sagemaker_read_their_platforms_variables(
     serve_process: Callable[..., Process], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("AIP_PREDICT_ROUTE", "/predict")
@@ -463,14 +463,16 @@ def test_serve_vertex_ai_reads_vertex_ais_variables(
     )
     assert alone.returncode == 2 and "need --vertex-ai" in alone.stderr, alone.stderr
     monkeypatch.setenv("AIP_HEALTH_ROUTE", "/health")
-    served = serve_process("--demo", "--vertex-ai", "--vertex-ai-port", "0")
-    found = re.search(r"Vertex AI endpoint on [\d.]+:(\d+)", served.startup)
-    assert found, served.startup
-    url = f"http://127.0.0.1:{found.group(1)}"
-    assert httpx.get(f"{url}/health").status_code == 200
+    monkeypatch.delenv("SAGEMAKER_TRITON_DEFAULT_MODEL_NAME", raising=False)
+    served = serve_process("--demo", "--vertex-ai", "--vertex-ai-port", "0", "--sagemaker", "--sagemaker-port", "0")
     body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 256], "data": [0.5] * 256}]}
-    answer = httpx.post(f"{url}/predict", json=body)
-    assert answer.status_code == 200 and answer.json()["model_name"] == "mlp", answer.text
+    for platform, health, predict in (("Vertex AI", "/health", "/predict"), ("SageMaker", "/ping", "/invocations")):
+        found = re.search(platform + r" endpoint on [\d.]+:(\d+)", served.startup)
+        assert found, served.startup
+        url = f"http://127.0.0.1:{found.group(1)}"
+        assert httpx.get(f"{url}{health}").status_code == 200
+        answer = httpx.post(f"{url}{predict}", json=body)
+        assert answer.status_code == 200 and answer.json()["model_name"] == "mlp", answer.text
     served.proc.send_signal(signal.SIGINT)
     assert served.proc.wait(60) == 0, served.log()
 

@@ -77,11 +77,21 @@ if TYPE_CHECKING:
     import grpc.aio
     import uvicorn
 
+    from .http._cloud import PredictionListener
     from .http._native import NativeListeners
-    from .http._vertex import VertexListener
     from .metrics import MetricsListener
 
-__all__ = ["Listening", "ServeConfig", "StartupError", "TargetError", "load_servers", "serve", "serve_in_thread"]
+__all__ = [
+    "Listening",
+    "SageMaker",
+    "ServeConfig",
+    "StartupError",
+    "TargetError",
+    "VertexAI",
+    "load_servers",
+    "serve",
+    "serve_in_thread",
+]
 
 log = logging.getLogger("ferrobatch.serve")
 
@@ -185,7 +195,7 @@ class VertexAI:
     health route answers as ``/v2/health/ready``; the predict route infers
     the default model (without ``default_model``, the server must serve
     exactly one), or answers the v2 path an ``X-Vertex-Ai-Triton-Redirect``
-    header names (see :mod:`ferrobatch.http._vertex`)."""
+    header names (see :mod:`ferrobatch.http._cloud`)."""
 
     predict_route: str
     health_route: str
@@ -214,15 +224,46 @@ class VertexAI:
                 re.compile(route)
             except re.error as exc:
                 raise ValueError(f"Vertex AI {what} {route!r} is not a regular expression: {exc}") from None
-        if self.default_model is None:
-            if len(models) != 1:
-                raise ValueError(
-                    f"Vertex AI: {len(models)} models are served; name the default one (vertex_ai_default_model)"
-                )
-            return models[0]
-        if self.default_model not in models:
-            raise ValueError(f"Vertex AI: the default model {self.default_model!r} is not served")
-        return self.default_model
+        return _default_model("Vertex AI", self.default_model, models, "vertex_ai_default_model")
+
+
+@dataclass(frozen=True)
+class SageMaker:
+    """SageMaker's inference endpoint (Triton's ``--allow-sagemaker``): its
+    port; ``GET /ping`` answers as ``/v2/health/ready`` and ``POST
+    /invocations`` infers the default model (without ``default_model``, the
+    server must serve exactly one; see :mod:`ferrobatch.http._cloud`)."""
+
+    port: int = 8080
+    default_model: str | None = None
+
+    @classmethod
+    def from_env(cls, port: int | None = None) -> SageMaker:
+        """SageMaker's container variables: ``SAGEMAKER_TRITON_DEFAULT_MODEL_NAME``,
+        and ``SAGEMAKER_BIND_TO_PORT`` when ``port`` is None (else 8080).
+        ``SAGEMAKER_TRITON_INFERENCE_TYPE`` other than ``infer`` (Triton's
+        ``generate`` endpoints) is a ``ValueError``."""
+        kind = os.environ.get("SAGEMAKER_TRITON_INFERENCE_TYPE", "infer") or "infer"
+        if kind != "infer":
+            raise ValueError(f"SAGEMAKER_TRITON_INFERENCE_TYPE={kind!r}: only 'infer' is served")
+        if port is None:
+            given = os.environ.get("SAGEMAKER_BIND_TO_PORT", "")
+            port = int(given) if given.isdigit() else 8080
+        return cls(port, os.environ.get("SAGEMAKER_TRITON_DEFAULT_MODEL_NAME") or None)
+
+    def check(self, models: list[str]) -> str:
+        """The model ``/invocations`` infers; ``ValueError`` if there is no such model."""
+        return _default_model("SageMaker", self.default_model, models, "SAGEMAKER_TRITON_DEFAULT_MODEL_NAME")
+
+
+def _default_model(platform: str, named: str | None, models: list[str], how: str) -> str:
+    if named is None:
+        if len(models) != 1:
+            raise ValueError(f"{platform}: {len(models)} models are served; name the default one ({how})")
+        return models[0]
+    if named not in models:
+        raise ValueError(f"{platform}: the default model {named!r} is not served")
+    return named
 
 
 @dataclass
@@ -310,10 +351,15 @@ class ServeConfig:
     #: ``/metrics`` (Triton's ``--allow-gpu-metrics``).
     gpu_metrics: bool = True
     #: Vertex AI's prediction endpoint on a port of its own, on ``host``
-    #: (Triton's ``--allow-vertex-ai``; see :mod:`ferrobatch.http._vertex`,
+    #: (Triton's ``--allow-vertex-ai``; see :mod:`ferrobatch.http._cloud`,
     #: ``VertexAI.from_env()`` reads Vertex AI's ``AIP_*`` variables). Opens
     #: once the models have started. None: none.
     vertex_ai: VertexAI | None = None
+    #: SageMaker's inference endpoint on a port of its own, on ``host``
+    #: (Triton's ``--allow-sagemaker``; ``SageMaker.from_env()`` reads
+    #: SageMaker's ``SAGEMAKER_*`` variables). Opens once the models have
+    #: started. None: none.
+    sagemaker: SageMaker | None = None
 
 
 #: Bounds of ServeConfig's numbers: each is checked before anything is
@@ -369,12 +415,14 @@ def check_config(config: ServeConfig) -> None:
         raise ValueError("header forwarding (http/grpc_header_forward_pattern) needs frontend='native'")
     for port in ("http_port", "grpc_port", "metrics_port"):
         whole(port, 0, 65535, optional=True, what=" (a port; 0 picks a free one)")
-    if config.vertex_ai is not None:
-        vertex = config.vertex_ai
-        if not isinstance(vertex, VertexAI):
-            raise ValueError(f"vertex_ai must be a VertexAI or None, got {vertex!r}")
-        if not whole_in(vertex.port, 0, 65535):
-            raise ValueError(f"vertex_ai.port must be an int from 0 to 65535 (0 picks a free one), got {vertex.port!r}")
+    for name, kind in (("vertex_ai", VertexAI), ("sagemaker", SageMaker)):
+        platform = getattr(config, name)
+        if platform is None:
+            continue
+        if not isinstance(platform, kind):
+            raise ValueError(f"{name} must be a {kind.__name__} or None, got {platform!r}")
+        if not whole_in(platform.port, 0, 65535):
+            raise ValueError(f"{name}.port must be an int from 0 to 65535 (0 picks a free one), got {platform.port!r}")
     whole("threads", 1, MAX_FRONT_END_THREADS, optional=True)
     whole("max_connections", 1, MAX_CONNECTIONS)
     whole("max_streams", 1, MAX_STREAMS)
@@ -473,6 +521,8 @@ class Listening:
     metrics_port: int | None = None
     #: Vertex AI's endpoint's port (``ServeConfig.vertex_ai``), or None.
     vertex_ai_port: int | None = None
+    #: SageMaker's endpoint's port (``ServeConfig.sagemaker``), or None.
+    sagemaker_port: int | None = None
     _adder: Callable[[Server], Coroutine[Any, Any, None]] | None = field(default=None, repr=False, compare=False)
     _loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False, compare=False)
 
@@ -545,7 +595,7 @@ async def serve(
     rpc: grpc.aio.Server | None = None
     native: NativeListeners | None = None
     metrics: MetricsListener | None = None
-    vertex: VertexListener | None = None
+    platforms: list[PredictionListener] = []  # Vertex AI's, SageMaker's
     with _signals(stop, delayed, forced):
         try:
             grpc_port = None
@@ -676,8 +726,11 @@ async def serve(
             if config.share is not None:
                 _share(repository.servers, config.share)
             if config.vertex_ai is not None:
-                vertex = await _vertex_listener(repository, config, config.vertex_ai)
-                listening = dataclasses.replace(listening, vertex_ai_port=vertex.port)
+                platforms.append(await _prediction_listener(repository, config, config.vertex_ai))
+                listening = dataclasses.replace(listening, vertex_ai_port=platforms[-1].port)
+            if config.sagemaker is not None:
+                platforms.append(await _prediction_listener(repository, config, config.sagemaker))
+                listening = dataclasses.replace(listening, sagemaker_port=platforms[-1].port)
             # What start-up left on the heap (torch, the model, the imports:
             # some 200k objects) is kept for good: moved out of the collector's
             # reach, a full collection no longer walks it every few hundred ms
@@ -703,35 +756,32 @@ async def serve(
             if native is not None:
                 native.drain()
             await _shutdown(http, http_task, rpc, native, repository, started, forced, config.graceful_timeout)
-            if vertex is not None:
-                await vertex.close()
+            for platform in platforms:
+                await platform.close()
             if metrics is not None:
                 await asyncio.to_thread(metrics.close)
             log.info("stopped")
 
 
-async def _vertex_listener(repository: ModelRepository, config: ServeConfig, vertex: VertexAI) -> VertexListener:
-    """Vertex AI's endpoint, listening (``StartupError`` when it cannot)."""
+async def _prediction_listener(
+    repository: ModelRepository, config: ServeConfig, platform: VertexAI | SageMaker
+) -> PredictionListener:
+    """Vertex AI's or SageMaker's endpoint, listening (``StartupError`` when it cannot)."""
+    from .http._cloud import PredictionListener
     from .http._endpoint import Endpoint
-    from .http._vertex import VertexListener
 
     endpoint = Endpoint(repository, max_decompressed_size=config.max_decompressed_size)
     try:
-        listener = VertexListener(endpoint, vertex, max_body_size=config.max_body_size)
+        listener = PredictionListener(endpoint, platform, max_body_size=config.max_body_size)
     except ValueError as exc:
         raise StartupError(str(exc)) from None
     try:
-        await listener.start(config.host, vertex.port)
+        await listener.start(config.host, platform.port)
     except OSError as exc:
-        raise StartupError(f"Vertex AI: cannot listen on {_bracket(config.host)}:{vertex.port}: {exc}") from None
-    log.info(
-        "Vertex AI endpoint on %s:%s (predict %r: model '%s'; health %r)",
-        config.host,
-        listener.port,
-        vertex.predict_route,
-        listener.model,
-        vertex.health_route,
-    )
+        raise StartupError(
+            f"{listener.platform}: cannot listen on {_bracket(config.host)}:{platform.port}: {exc}"
+        ) from None
+    log.info("%s endpoint on %s:%s (%s)", listener.platform, config.host, listener.port, listener.routes)
     return listener
 
 
@@ -1231,6 +1281,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the model Vertex AI's predict route infers (needed when several are served)",
     )
     parser.add_argument(
+        "--sagemaker",
+        action="store_true",
+        help="also serve SageMaker's inference endpoint (Triton's --allow-sagemaker: GET /ping, POST /invocations):"
+        " the model from SAGEMAKER_TRITON_DEFAULT_MODEL_NAME (else the one served), the port from --sagemaker-port,"
+        " else SAGEMAKER_BIND_TO_PORT, else 8080",
+    )
+    parser.add_argument("--sagemaker-port", type=int, default=None, metavar="PORT", help="SageMaker's port")
+    parser.add_argument(
         "--no-cpu-metrics",
         action="store_true",
         help="leave the machine's CPU and memory (nv_cpu_*) and the process's (process_*) out of /metrics",
@@ -1362,6 +1420,10 @@ def main(args: argparse.Namespace) -> int:
             config.vertex_ai = VertexAI.from_env(args.vertex_ai_port, args.vertex_ai_default_model)
         elif args.vertex_ai_port is not None or args.vertex_ai_default_model is not None:
             raise ValueError("--vertex-ai-port and --vertex-ai-default-model need --vertex-ai")
+        if args.sagemaker:
+            config.sagemaker = SageMaker.from_env(args.sagemaker_port)
+        elif args.sagemaker_port is not None:
+            raise ValueError("--sagemaker-port needs --sagemaker")
         check_config(config)
     except ValueError as exc:
         print(f"ferrobatch serve: error: {exc}", file=sys.stderr)

@@ -39,7 +39,7 @@ from .._cache import ResponseCache
 from .._requests import RequestInfo
 from .._variable import LENGTHS
 from ..errors import ServerClosedError
-from ..serve import Listening, ServeConfig, VertexAI, serve
+from ..serve import Listening, SageMaker, ServeConfig, VertexAI, serve
 from ..server import Server
 from ._binding import (
     RESERVED_PARAMETERS,
@@ -235,6 +235,8 @@ _USED = {
     "allow_vertex_ai",
     "vertex_ai_port",
     "vertex_ai_default_model",
+    "allow_sagemaker",
+    "sagemaker_port",
 }
 
 #: Triton's metrics port when ``metrics_port`` is not given.
@@ -280,6 +282,18 @@ def vertex_ai_of(config: TritonConfig) -> VertexAI | None:
         return None
     try:
         return VertexAI.from_env(config.vertex_ai_port, config.vertex_ai_default_model)
+    except ValueError as exc:
+        raise PyTritonValidationError(str(exc)) from None
+
+
+def sagemaker_of(config: TritonConfig) -> SageMaker | None:
+    """SageMaker's endpoint when ``allow_sagemaker``: its default model from
+    ``SAGEMAKER_TRITON_DEFAULT_MODEL_NAME``, read when the server starts; its
+    port ``sagemaker_port``, else ``SAGEMAKER_BIND_TO_PORT``, else 8080."""
+    if not config.allow_sagemaker:
+        return None
+    try:
+        return SageMaker.from_env(config.sagemaker_port)
     except ValueError as exc:
         raise PyTritonValidationError(str(exc)) from None
 
@@ -620,6 +634,11 @@ class Triton:
         """Vertex AI's endpoint's port (``allow_vertex_ai``), once running."""
         return self._listening.vertex_ai_port if self._listening is not None else None
 
+    @property
+    def sagemaker_port(self) -> int | None:
+        """SageMaker's endpoint's port (``allow_sagemaker``), once running."""
+        return self._listening.sagemaker_port if self._listening is not None else None
+
     # -- internals --------------------------------------------------------------------------
 
     def _start(self) -> None:
@@ -632,6 +651,7 @@ class Triton:
                     "bind at least one model before run() or serve() (stop() unbinds the models, as PyTriton's)"
                 )
             self._serve_config.vertex_ai = vertex_ai_of(self._config)
+            self._serve_config.sagemaker = sagemaker_of(self._config)
             # Before it listens: a model warmed up is ready when it says so (a failure: run() raises).
             for name, (models, warmups, batching) in self._warmups.items():
                 _warm_up(name, models, warmups, batching)

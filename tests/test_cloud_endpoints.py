@@ -1,7 +1,9 @@
-"""Vertex AI's prediction endpoint (``ServeConfig(vertex_ai=)``; PyTriton's
-``TritonConfig(allow_vertex_ai=True)``): the health and predict routes, the
-binary content type, the redirect header, refusals, start-up checks, and
-PyTriton's Vertex AI example's requests answered as Triton answers them."""
+"""Cloud platforms' prediction endpoints. Vertex AI's (``ServeConfig(vertex_ai=)``;
+PyTriton's ``TritonConfig(allow_vertex_ai=True)``): the health and predict
+routes, the binary content type, the redirect header, refusals, start-up
+checks, and PyTriton's Vertex AI example's requests answered as Triton
+answers them. SageMaker's (``ServeConfig(sagemaker=)``, ``allow_sagemaker``):
+``/ping``, ``/invocations`` in JSON and binary, its variables."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import pytest
 import torch
 
 import ferrobatch as fb
-from ferrobatch.serve import Listening, ServeConfig, StartupError, VertexAI, serve_in_thread
+from ferrobatch.serve import Listening, SageMaker, ServeConfig, StartupError, VertexAI, serve_in_thread
 from ferrobatch.triton import ModelConfig, Tensor, Triton, TritonConfig, batch
 from ferrobatch.triton.exceptions import PyTritonValidationError
 
@@ -173,3 +175,80 @@ def test_pytritons_vertex_ai_example_is_answered_as_triton_answers_it(monkeypatc
     )
     with pytest.raises(PyTritonValidationError, match="AIP_HEALTH_ROUTE"):
         triton.run()
+
+
+# -- SageMaker ---------------------------------------------------------------------------------------
+
+
+def binary_request() -> tuple[bytes, int]:
+    header = json.dumps(
+        {
+            "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "parameters": {"binary_data_size": 16}}],
+            "outputs": [{"name": "y", "parameters": {"binary_data": True}}],
+        }
+    ).encode()
+    return header + struct.pack("<4f", 1, 2, 3, 4), len(header)
+
+
+@pytest.mark.parametrize("frontend", ["native", "python"])
+def test_sagemaker_pings_and_invokes_its_model_in_json_and_binary(frontend: str) -> None:
+    config = ServeConfig(
+        http_port=0,
+        grpc_port=None,
+        frontend=frontend,
+        sagemaker=SageMaker(port=0),
+        log_level="warning",
+        threads=1,
+    )
+    with serve_in_thread([make("double", 2.0)], config) as listening:
+        assert listening.sagemaker_port is not None
+        url = f"http://127.0.0.1:{listening.sagemaker_port}"
+        assert httpx.get(f"{url}/ping").status_code == 200
+        answer = httpx.post(f"{url}/invocations", json=request([1, 2, 3, 4]))
+        assert answer.status_code == 200 and answer.json()["outputs"][0]["data"] == [2.0, 4.0, 6.0, 8.0]
+        assert answer.headers["content-type"].startswith("application/json")
+        body, length = binary_request()
+        binary = f"application/vnd.sagemaker-triton.binary+json;json-header-size={length}"
+        answer = httpx.post(f"{url}/invocations", content=body, headers={"content-type": binary})
+        assert answer.status_code == 200, answer.text
+        # The answer's JSON length is in its content type, as Triton's SageMaker endpoint says it.
+        prefix = "application/vnd.sagemaker-triton.binary+json;json-header-size="
+        assert answer.headers["content-type"].startswith(prefix)
+        told = int(answer.headers["content-type"][len(prefix) :])
+        np.testing.assert_array_equal(np.frombuffer(answer.content[told:], np.float32), [2, 4, 6, 8])
+        assert "inference-header-content-length" not in answer.headers
+        assert httpx.get(f"{url}/invocations").status_code == 405
+        assert httpx.post(f"{url}/models/double/invoke", json=request([1, 1, 1, 1])).status_code == 400
+        assert httpx.post(f"{url}/invocations", headers={"X-Vertex-Ai-Triton-Redirect": "metrics"}).status_code == 400
+
+
+def test_sagemakers_variables_name_its_model_and_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SAGEMAKER_TRITON_DEFAULT_MODEL_NAME", "triple")
+    monkeypatch.setenv("SAGEMAKER_BIND_TO_PORT", "8123")
+    assert SageMaker.from_env() == SageMaker(8123, "triple")
+    monkeypatch.setenv("SAGEMAKER_TRITON_INFERENCE_TYPE", "generate")
+    with pytest.raises(ValueError, match="only 'infer'"):
+        SageMaker.from_env()
+    monkeypatch.delenv("SAGEMAKER_TRITON_INFERENCE_TYPE")
+    triton = Triton(config=TritonConfig(http_port=0, grpc_port=0, allow_sagemaker=True, sagemaker_port=0))
+    x, y = Tensor(name="x", dtype=np.float32, shape=(4,)), Tensor(name="y", dtype=np.float32, shape=(4,))
+
+    @batch
+    def triple(x: np.ndarray) -> dict[str, np.ndarray]:
+        return {"y": x * 3}
+
+    @batch
+    def double(x: np.ndarray) -> dict[str, np.ndarray]:
+        return {"y": x * 2}
+
+    triton.bind("double", double, inputs=[x], outputs=[y])
+    triton.bind("triple", triple, inputs=[x], outputs=[y])
+    with triton:
+        triton.run()
+        answer = httpx.post(f"http://127.0.0.1:{triton.sagemaker_port}/invocations", json=request([1, 1, 1, 1]))
+        assert answer.json()["model_name"] == "triple" and answer.json()["outputs"][0]["data"] == [3.0] * 4
+    monkeypatch.delenv("SAGEMAKER_TRITON_DEFAULT_MODEL_NAME")
+    config = ServeConfig(http_port=0, grpc_port=None, sagemaker=SageMaker.from_env(0), log_level="warning", threads=1)
+    with pytest.raises(StartupError, match="SAGEMAKER_TRITON_DEFAULT_MODEL_NAME"):
+        with serve_in_thread([make("a", 1), make("b", 2)], config):
+            pass
