@@ -152,6 +152,34 @@ def test_add_on_serves_own_loop_is_awaited_and_add_blocking_there_is_refused() -
     asyncio.run(main())
 
 
+def test_a_model_still_warming_up_when_shutdown_begins_is_not_added_and_not_left_running() -> None:
+    warming = threading.Event()
+    release = threading.Event()
+
+    def slow(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        warming.set()
+        release.wait(10)
+        return {"y": inputs["x"]}
+
+    async def main() -> None:
+        got: asyncio.Future[Listening] = asyncio.get_running_loop().create_future()
+        stop = asyncio.Event()
+        config = ServeConfig(http_port=0, grpc_port=None, log_level="warning", threads=1)
+        task = asyncio.create_task(serve([make("first", 2.0)], config, on_ready=got.set_result, stop=stop))
+        listening = await got
+        late = fb.Server(slow, inputs=SPEC, outputs=OUT, max_batch_size=8, name="late", warmup=True)
+        adding = asyncio.create_task(listening.add(late))
+        await asyncio.to_thread(warming.wait, 10)
+        stop.set()  # shutdown begins during its warm-up
+        release.set()
+        with pytest.raises(fb.ServerClosedError, match="shutting down"):
+            await adding
+        await task
+        assert not late.running and listening.models == ["first"]
+
+    asyncio.run(main())
+
+
 def test_a_model_added_while_serving_is_shared_as_share_dot_name() -> None:
     share = f"fbtest-add-{os.getpid()}"
     config = ServeConfig(http_port=0, grpc_port=None, share=share, log_level="warning", threads=1)

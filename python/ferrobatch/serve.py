@@ -692,7 +692,8 @@ async def serve(
                     shared_as = f"{config.share}.{server.name}" if config.share is not None else None
                     if shared_as is not None:
                         _check_share_name("share name", shared_as)
-                    if not await _start_servers([server], started, stop, http_task) or repository.closing:
+                    started_in_time = await _start_servers([server], started, stop, http_task)
+                    if not started_in_time or stop.is_set() or repository.closing:
                         # Stopping began during its warm-up: the shutdown may have passed it by.
                         await server.stop(timeout=config.graceful_timeout)
                         raise ServerClosedError(f"model '{server.name}' not added: the server is shutting down")
