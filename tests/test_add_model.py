@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -254,3 +255,53 @@ def test_pytritons_bind_while_serve_blocks_in_another_thread() -> None:
         assert triton.stop() is True
         serving.join(30)
     assert not serving.is_alive()
+
+
+def test_pytritons_bind_while_run_is_starting_waits_for_the_listeners(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ferrobatch.triton.triton as triton_module
+
+    gate = threading.Event()
+    real_serve = triton_module.serve
+
+    async def held_serve(*args: Any, **kwargs: Any) -> None:
+        await asyncio.to_thread(gate.wait, 30)  # run() has started; its listeners are not open yet
+        await real_serve(*args, **kwargs)
+
+    monkeypatch.setattr(triton_module, "serve", held_serve)
+
+    def infer(requests: list[Request]) -> list[dict[str, np.ndarray]]:
+        return [{"y": r["x"] * 5} for r in requests]
+
+    triton = Triton(config=TritonConfig(http_port=0, allow_grpc=False))
+    triton.bind("first", infer, inputs=[X], outputs=[Y])
+    failures: list[BaseException] = []
+
+    def guarded(work: Any) -> Any:
+        def run() -> None:
+            try:
+                work()
+            except BaseException as exc:  # noqa: BLE001 - reported by the test
+                failures.append(exc)
+
+        return run
+
+    runner = threading.Thread(target=guarded(triton.run))
+    runner.start()
+    try:
+        deadline = time.monotonic() + 30
+        while triton._phase != "running" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        binder = threading.Thread(target=guarded(lambda: triton.bind("late", infer, inputs=[X], outputs=[Y])))
+        binder.start()
+        binder.join(0.3)
+        assert binder.is_alive() and not failures  # waiting for the listeners, not refused
+        gate.set()
+        runner.join(30)
+        binder.join(30)
+        assert not failures, failures
+        assert triton.http_port is not None
+        np.testing.assert_array_equal(http_infer(triton.http_port, "late"), np.full((2, WIDTH), 5, np.float32))
+    finally:
+        gate.set()
+        triton.stop()
+        runner.join(30)

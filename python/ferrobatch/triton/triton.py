@@ -27,6 +27,7 @@ import queue
 import re
 import socket
 import threading
+import time
 import typing
 import weakref
 from collections.abc import Callable, Sequence
@@ -417,9 +418,7 @@ class Triton:
             running = self._phase == "running"
             listening = self._listening if running else None  # a stopped run's is closed
         if running and listening is None:
-            raise PyTritonInvalidOperationError(
-                f"model '{model_name}': the server is still starting; bind it before run(), or once run() has returned"
-            )
+            listening = self._listening_once_started(model_name)
         if not model_name or not re.fullmatch(r"[a-zA-Z0-9._-]+", model_name):
             raise PyTritonValidationError(
                 f"model name {model_name!r}: only letters, digits, dots, underscores and dashes"
@@ -505,6 +504,23 @@ class Triton:
         self._servers.append(server)
         if config.model_warmup and listening is None:
             self._warmups[model_name] = (models, list(config.model_warmup), config.batching)
+
+    def _listening_once_started(self, model_name: str) -> Listening:
+        """This run's listeners, once open and serving (a model bound while
+        :meth:`run` starts is added once it has)."""
+        if threading.current_thread() is self._serving_thread:
+            raise PyTritonInvalidOperationError(
+                f"model '{model_name}': bind from another thread than the server's event loop (it would wait for"
+                " itself)"
+            )
+        ended = self._ended
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while (listening := self._listening) is None:
+            if ended.wait(0.01):
+                raise PyTritonInvalidOperationError(f"model '{model_name}' not bound: the server stopped meanwhile")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"model '{model_name}': the server did not start within {STARTUP_TIMEOUT_S} s")
+        return listening
 
     def _serve_while_running(
         self, listening: Listening, server: Server, models: list[BoundModel], config: ModelConfig
