@@ -44,24 +44,24 @@ def make(name: str, k: float, **kwargs: Any) -> fb.Server:
     return fb.Server(times(k), inputs=SPEC, outputs=OUT, max_batch_size=8, name=name, **kwargs)
 
 
-def http_infer(port: int, model: str, rows: int = 2) -> np.ndarray:
-    client = httpclient.InferenceServerClient(f"127.0.0.1:{port}", network_timeout=30)
+def infer_over(client: Any, port: int, model: str, rows: int) -> np.ndarray:
+    """``rows`` rows of ones to ``model`` with tritonclient's ``client``
+    module (``tritonclient.http`` or ``tritonclient.grpc``); its ``y``."""
+    connection = client.InferenceServerClient(f"127.0.0.1:{port}")
     try:
-        tensor = httpclient.InferInput("x", [rows, WIDTH], "FP32")
+        tensor = client.InferInput("x", [rows, WIDTH], "FP32")
         tensor.set_data_from_numpy(np.ones((rows, WIDTH), np.float32))
-        return client.infer(model, [tensor]).as_numpy("y")  # type: ignore[no-any-return]
+        return connection.infer(model, [tensor]).as_numpy("y")  # type: ignore[no-any-return]
     finally:
-        client.close()
+        connection.close()
+
+
+def http_infer(port: int, model: str, rows: int = 2) -> np.ndarray:
+    return infer_over(httpclient, port, model, rows)
 
 
 def grpc_infer(port: int, model: str, rows: int = 1) -> np.ndarray:
-    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
-    try:
-        tensor = grpcclient.InferInput("x", [rows, WIDTH], "FP32")
-        tensor.set_data_from_numpy(np.ones((rows, WIDTH), np.float32))
-        return client.infer(model, [tensor]).as_numpy("y")  # type: ignore[no-any-return]
-    finally:
-        client.close()
+    return infer_over(grpcclient, port, model, rows)
 
 
 @pytest.fixture(params=["native", "python"])
