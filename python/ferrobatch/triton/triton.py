@@ -505,14 +505,17 @@ class Triton:
         if config.model_warmup and listening is None:
             self._warmups[model_name] = (models, list(config.model_warmup), config.batching)
 
-    def _listening_once_started(self, model_name: str) -> Listening:
-        """This run's listeners, once open and serving (a model bound while
-        :meth:`run` starts is added once it has)."""
+    def _refuse_on_serving_thread(self, model_name: str) -> None:
         if threading.current_thread() is self._serving_thread:
             raise PyTritonInvalidOperationError(
                 f"model '{model_name}': bind from another thread than the server's event loop (it would wait for"
                 " itself)"
             )
+
+    def _listening_once_started(self, model_name: str) -> Listening:
+        """This run's listeners, once open and serving (a model bound while
+        :meth:`run` starts is added once it has)."""
+        self._refuse_on_serving_thread(model_name)
         ended = self._ended
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while (listening := self._listening) is None:
@@ -528,11 +531,7 @@ class Triton:
         """A model bound while serving (as PyTriton loads it into the running
         Triton): warmed up, started and served before :meth:`bind` returns;
         until then its requests are answered as an unknown model's."""
-        if threading.current_thread() is self._serving_thread:
-            raise PyTritonInvalidOperationError(
-                f"model '{server.name}': bind from another thread than the server's event loop (it would wait for"
-                " itself)"
-            )
+        self._refuse_on_serving_thread(server.name)
         if config.model_warmup:
             _warm_up(server.name, models, list(config.model_warmup), config.batching)
         try:
