@@ -6,10 +6,11 @@ with the others; refused cleanly when it cannot be served."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
@@ -128,24 +129,31 @@ def test_adding_a_served_name_or_a_model_that_fails_to_start_harms_nothing(
     assert httpx.get(f"http://127.0.0.1:{http}/v2/health/ready").status_code == 200
 
 
+@contextlib.asynccontextmanager
+async def serving_here(server: fb.Server) -> AsyncIterator[tuple[Listening, asyncio.Event]]:
+    """``serve([server])`` on this loop (HTTP only); yields its Listening and
+    its stop event; sets it and waits for the shutdown on the way out."""
+    got: asyncio.Future[Listening] = asyncio.get_running_loop().create_future()
+    stop = asyncio.Event()
+    config = ServeConfig(http_port=0, grpc_port=None, log_level="warning", threads=1)
+    task = asyncio.create_task(serve([server], config, on_ready=got.set_result, stop=stop))
+    try:
+        yield await got, stop
+    finally:
+        stop.set()
+        await task
+
+
 def test_add_on_serves_own_loop_is_awaited_and_add_blocking_there_is_refused() -> None:
     async def main() -> None:
-        got: asyncio.Future[Listening] = asyncio.get_running_loop().create_future()
-        stop = asyncio.Event()
-        config = ServeConfig(http_port=0, grpc_port=None, log_level="warning", threads=1)
-        task = asyncio.create_task(serve([make("first", 2.0)], config, on_ready=got.set_result, stop=stop))
-        listening = await got
         late = make("late", 3.0)
-        try:
+        async with serving_here(make("first", 2.0)) as (listening, _):
             with pytest.raises(RuntimeError, match="await add"):
                 listening.add_blocking(late)
             await listening.add(late)
             assert listening.http_port is not None
             out = await asyncio.to_thread(http_infer, listening.http_port, "late")
             np.testing.assert_array_equal(out, np.full((2, WIDTH), 3, np.float32))
-        finally:
-            stop.set()
-            await task
         assert not late.running  # stopped with the others
         with pytest.raises(fb.ServerClosedError):
             await listening.add(make("later", 4.0))
@@ -163,19 +171,14 @@ def test_a_model_still_warming_up_when_shutdown_begins_is_not_added_and_not_left
         return {"y": inputs["x"]}
 
     async def main() -> None:
-        got: asyncio.Future[Listening] = asyncio.get_running_loop().create_future()
-        stop = asyncio.Event()
-        config = ServeConfig(http_port=0, grpc_port=None, log_level="warning", threads=1)
-        task = asyncio.create_task(serve([make("first", 2.0)], config, on_ready=got.set_result, stop=stop))
-        listening = await got
         late = fb.Server(slow, inputs=SPEC, outputs=OUT, max_batch_size=8, name="late", warmup=True)
-        adding = asyncio.create_task(listening.add(late))
-        await asyncio.to_thread(warming.wait, 10)
-        stop.set()  # shutdown begins during its warm-up
-        release.set()
-        with pytest.raises(fb.ServerClosedError, match="shutting down"):
-            await adding
-        await task
+        async with serving_here(make("first", 2.0)) as (listening, stop):
+            adding = asyncio.create_task(listening.add(late))
+            await asyncio.to_thread(warming.wait, 10)
+            stop.set()  # shutdown begins during its warm-up
+            release.set()
+            with pytest.raises(fb.ServerClosedError, match="shutting down"):
+                await adding
         assert not late.running and listening.models == ["first"]
 
     asyncio.run(main())
