@@ -534,26 +534,30 @@ class Listening:
         one. ``ValueError`` if a model of its name is served;
         :class:`~ferrobatch.ServerClosedError` once :func:`serve` is stopping;
         what its start raised if it failed (nothing else is affected)."""
-        if self._adder is None or self._loop is None:
-            raise ServerClosedError("this Listening was not made by serve(): it cannot add a model")
-        if asyncio.get_running_loop() is self._loop:
-            await self._adder(server)
+        adder, loop = self._adding()
+        if asyncio.get_running_loop() is loop:
+            await adder(server)
         else:
-            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._adder(server), self._loop))
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(adder(server), loop))
 
     def add_blocking(self, server: Server, timeout: float | None = None) -> None:
         """:meth:`add` from a thread that runs no event loop of its own (or
         another one's): waits for it, at most ``timeout`` seconds
         (``TimeoutError``; the model is still added once started)."""
-        if self._adder is None or self._loop is None:
-            raise ServerClosedError("this Listening was not made by serve(): it cannot add a model")
-        if _running_loop() is self._loop:
+        adder, loop = self._adding()
+        if _running_loop() is loop:
             raise RuntimeError("add_blocking() on serve()'s own event loop would wait for itself: await add()")
-        future = asyncio.run_coroutine_threadsafe(self._adder(server), self._loop)
+        future = asyncio.run_coroutine_threadsafe(adder(server), loop)
         try:
             future.result(timeout)
         except concurrent.futures.TimeoutError:
             raise TimeoutError(f"model '{server.name}' was not served within {timeout} s") from None
+
+    def _adding(self) -> tuple[Callable[[Server], Coroutine[Any, Any, None]], asyncio.AbstractEventLoop]:
+        """serve()'s adder and its loop."""
+        if self._adder is None or self._loop is None:
+            raise ServerClosedError("this Listening was not made by serve(): it cannot add a model")
+        return self._adder, self._loop
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -540,7 +540,10 @@ class Triton:
             raise PyTritonInvalidOperationError(
                 f"model '{server.name}' not bound: the server stopped meanwhile"
             ) from None
-        except ValueError as exc:  # bound twice at once, from two threads
+        except ValueError as exc:
+            if server.name not in listening.models:
+                raise  # not the name: what the start raised
+            # Bound twice at once, from two threads.
             raise PyTritonInvalidOperationError(f"a model named {server.name!r} is already bound") from exc
 
     # -- lifecycle -------------------------------------------------------------------------
