@@ -28,19 +28,30 @@ class Unprintable(RuntimeError):
         raise ValueError("cannot format")
 
 
+POISON = -1.0  # a request whose rows hold it makes any call it is in raise
+
+
 def chaotic_model(seed: int) -> object:
+    """Fails by call count, not by chance alone: a slow machine makes few
+    calls, and failure isolation retries an ``Exception`` in halves (its
+    batch-mates then succeed), so only a poisoned request, which fails
+    every call it is in, or a ``BaseException`` (never retried) surely
+    reaches its callers as a ``ModelError``."""
     rng = random.Random(seed)
+    calls = 0
 
     def model(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        roll = rng.random()
-        if roll < 0.01:
-            raise RuntimeError("model failed")
-        if roll < 0.013:
+        nonlocal calls
+        calls += 1
+        if calls % 50 == 10:
             raise KeyboardInterrupt
-        if roll < 0.016:
+        if calls % 50 == 35:
             raise SystemExit(1)
-        if roll < 0.02:
+        if bool((d["x"][:, 0] == POISON).any()):
             raise Unprintable
+        roll = rng.random()
+        if roll < 0.02:
+            raise RuntimeError("model failed")  # its batch-mates are retried
         if roll < 0.03:
             time.sleep(0.003)  # a slow batch: queues fill, deadlines pass
         return {"y": d["x"] * 2}
@@ -62,6 +73,10 @@ async def caller_loop(client: fb.Client, seed: int, tally: Counter[str], stop_su
             try:
                 if kind < 0.01:  # bad input: the wrong shape
                     await client.infer({"x": torch.zeros(WIDTH + 1)})
+                    tally["unexpected_success"] += 1
+                    continue
+                if kind < 0.02:  # poisoned: its own calls fail, its batch-mates' do not
+                    await client.infer({"x": torch.full((WIDTH,), POISON)})
                     tally["unexpected_success"] += 1
                     continue
                 if kind < 0.06:  # an outer timeout cancels the awaiting task
