@@ -41,10 +41,25 @@ SEEN = {
 }
 
 
-class Forwarding:
+def forward(batch: dict[str, torch.Tensor], requests: list[fb.RequestInfo]) -> dict[str, torch.Tensor]:
     """y = 2x for each request; a request whose first value is a key of
     REFUSALS fails with that error, through ``RequestsFailed`` (the rest of
-    the call is answered). Counts its calls."""
+    the call is answered). A top-level function: a process instance's."""
+    x = batch["x"]
+    errors: dict[int, BaseException] = {}
+    row = 0
+    for i, request in enumerate(requests):
+        error = REFUSALS.get(int(x[row, 0]))
+        if error is not None:
+            errors[i] = error
+        row += request.rows
+    if errors:
+        raise RequestsFailed({"y": x * 2}, errors)
+    return {"y": x * 2}
+
+
+class Forwarding:
+    """:func:`forward`, counting its calls."""
 
     def __init__(self) -> None:
         self.calls = 0
@@ -53,17 +68,7 @@ class Forwarding:
     def __call__(self, batch: dict[str, torch.Tensor], requests: list[fb.RequestInfo]) -> dict[str, torch.Tensor]:
         with self.lock:
             self.calls += 1
-        x = batch["x"]
-        errors: dict[int, BaseException] = {}
-        row = 0
-        for i, request in enumerate(requests):
-            error = REFUSALS.get(int(x[row, 0]))
-            if error is not None:
-                errors[i] = error
-            row += request.rows
-        if errors:
-            raise RequestsFailed({"y": x * 2}, errors)
-        return {"y": x * 2}
+        return forward(batch, requests)
 
 
 def value(i: int) -> float:
@@ -103,6 +108,21 @@ async def test_each_request_gets_its_own_error_in_one_call(isolate_failures: boo
     check(results, stats)
     assert model.calls == 1  # the batch, nothing retried
     assert stats["retry_calls"] == 0
+
+
+async def test_a_process_instance_fails_each_request_alone_as_a_thread_does() -> None:
+    server = fb.Server(
+        forward, inputs=[X], outputs=[Y], name="m", with_requests=True, max_batch_size=20, min_batch_size=20,
+        instance_kind="process",
+    )  # fmt: skip
+    async with server:
+        client = server.client()
+        results = await asyncio.gather(
+            *(client.infer({"x": torch.full((4,), value(i))}) for i in range(20)), return_exceptions=True
+        )
+        stats = server.stats()
+    check(results, stats)
+    assert (stats["batches"], stats["retry_calls"]) == (1, 0)  # one call, nothing retried
 
 
 async def test_threads_get_their_own_errors_too() -> None:

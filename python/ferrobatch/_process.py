@@ -8,7 +8,10 @@ children once at start: a batch crosses the process boundary as a slot
 index and a row range on a pipe (``("run", slot, start, rows, requests)``),
 its outputs come back in the instance's output buffers, copied out by the
 worker thread before the next batch can overwrite them. A child that
-raises answers ``("error", exception)``.
+raises answers ``("error", exception)``; one whose model failed some of
+its requests (:class:`RequestsFailed`) answers ``("partly", errors)``, the
+call's outputs in the buffers, so that each of those requests gets its own
+error and the others their rows, as on a thread instance.
 
 A child that dies (``kill -9``) during a batch is replaced, and the batch
 runs once more on the new process (with ``isolate_failures``; a child that
@@ -44,7 +47,8 @@ import torch
 import torch.multiprocessing as torch_mp
 
 from . import _core
-from ._executor import InstanceDownError, yield_to_front_end
+from ._executor import InstanceDownError, RequestsFailed, yield_to_front_end
+from ._requests import RequestInfo
 from ._torch import CpuExecutor, adapt_model, model_mode, normalize_outputs
 from .errors import ModelError, ServerClosedError
 from .specs import TensorSpec
@@ -150,12 +154,15 @@ def _child(
             if message[0] == "stop":
                 return
             _, index, start, rows, requests = message
+            answer: tuple[Any, ...] = ("ok",)
             try:
                 views = {s.name: slots[index][s.name][start : start + rows] for s in inputs}
-                raw = call(views) if requests is None else call(views, requests)
+                try:
+                    raw = call(views) if requests is None else call(views, requests)
+                except RequestsFailed as failed:  # its outputs are checked as any
+                    raw, answer = failed.outputs, ("partly", {i: _picklable(e) for i, e in failed.errors.items()})
                 for name, t in normalize_outputs(raw, outputs, rows).items():
                     out[name][:rows].copy_(t)
-                answer: tuple[Any, ...] = ("ok",)
             except BaseException as exc:  # noqa: BLE001 - even SystemExit: the instance survives
                 answer = ("error", _picklable(exc))
             try:
@@ -498,10 +505,11 @@ class ProcessExecutor(CpuExecutor):
         can be started (a batch it took before it saw its process gone), the
         batch runs on another instance's process, if one runs (the staging
         slots are every process's)."""
-        message = ("run", self._slot_index[id(slot)], start, rows, self.requests_of(start, rows))
+        requests = self.requests_of(start, rows)
+        message = ("run", self._slot_index[id(slot)], start, rows, requests)
         try:
             with self._pipe:
-                return self._outputs(self._exchange_or_rerun(message, start, rows), rows)
+                return self._outputs(self._exchange_or_rerun(message, start, rows), start, rows, requests)
         except InstanceDownError:
             peer = next((p for p in self.peers if p is not self and p.up), None)
             if peer is None:
@@ -509,7 +517,7 @@ class ProcessExecutor(CpuExecutor):
             log.warning("ferrobatch: model '%s': instance %d has no process: its batch runs on instance %d's",
                         self.server_name, self.index, peer.index)  # fmt: skip
             with peer._pipe:  # not under this instance's own: no two are ever held
-                return peer._outputs(peer._exchange(message), rows)
+                return peer._outputs(peer._exchange(message), start, rows, requests)
 
     def _exchange_or_rerun(self, message: tuple[Any, ...], start: int, rows: int) -> tuple[Any, ...]:
         try:
@@ -522,12 +530,19 @@ class ProcessExecutor(CpuExecutor):
                         self.server_name, self.index)  # fmt: skip
             return self._exchange(message, rerun=True)
 
-    def _outputs(self, answer: tuple[Any, ...], rows: int) -> dict[str, torch.Tensor]:
-        """The outputs an answer left in this instance's buffers (under ``_pipe``)."""
+    def _outputs(
+        self, answer: tuple[Any, ...], start: int, rows: int, requests: Sequence[RequestInfo] | None
+    ) -> dict[str, torch.Tensor]:
+        """The outputs an answer left in this instance's buffers (under
+        ``_pipe``); for a call that failed some of its ``requests``, raised
+        as a thread instance raises them."""
         if answer[0] == "error":
             raise answer[1]
         # Copied out: the next batch on this process rewrites the buffers.
-        return {name: t[:rows].clone() for name, t in self._out.items()}
+        outputs = {name: t[:rows].clone() for name, t in self._out.items()}
+        if answer[0] == "partly":
+            raise RequestsFailed(outputs, answer[1]).answered(outputs, start, requests)
+        return outputs
 
     def _exchange(self, message: tuple[Any, ...], rerun: bool = False) -> tuple[Any, ...]:
         """Sends ``message`` to the child and returns its answer;
