@@ -18,7 +18,6 @@ import pytest
 import torch
 
 import ferrobatch as fb
-from ferrobatch._executor import RequestsFailed
 from ferrobatch.serve import ServeConfig, serve_in_thread
 
 X = fb.TensorSpec("x", "float32", (4,))
@@ -54,7 +53,7 @@ def forward(batch: dict[str, torch.Tensor], requests: list[fb.RequestInfo]) -> d
             errors[i] = error
         row += request.rows
     if errors:
-        raise RequestsFailed({"y": x * 2}, errors)
+        raise fb.RequestsFailed({"y": x * 2}, errors)
     return {"y": x * 2}
 
 
@@ -150,7 +149,7 @@ def lengths(batch: dict[str, Any], requests: list[fb.RequestInfo]) -> dict[str, 
     errors = {i: fb.QueueFullError("downstream queue full") for i in range(len(requests)) if int(tokens[i, 0]) < 0}
     outputs = {"count": counts.clone()}
     if errors:
-        raise RequestsFailed(outputs, errors)
+        raise fb.RequestsFailed(outputs, errors)
     return outputs
 
 
@@ -234,7 +233,7 @@ async def test_a_decoupled_model_fails_some_streams_and_ends_the_others() -> Non
     def steps(batch: dict[str, torch.Tensor], requests: list[fb.RequestInfo]) -> Any:
         for i in range(2):
             yield {"y": batch["x"] + i}
-        raise RequestsFailed(None, {1: fb.QueueFullError("downstream queue full")})
+        raise fb.RequestsFailed(None, {1: fb.QueueFullError("downstream queue full")})
 
     server = fb.Server(
         steps, inputs=[X], outputs=[Y], name="m", decoupled=True, with_requests=True, max_batch_size=2, min_batch_size=2
@@ -260,7 +259,7 @@ async def test_a_decoupled_model_fails_some_streams_and_ends_the_others() -> Non
 
 async def test_a_model_naming_requests_it_was_not_given_fails_its_call() -> None:
     def confused(batch: dict[str, torch.Tensor], requests: list[fb.RequestInfo]) -> dict[str, torch.Tensor]:
-        raise RequestsFailed({"y": batch["x"]}, {len(requests): fb.QueueFullError("no such request")})
+        raise fb.RequestsFailed({"y": batch["x"]}, {len(requests): fb.QueueFullError("no such request")})
 
     server = fb.Server(confused, inputs=[X], outputs=[Y], name="m", with_requests=True, isolate_failures=False)
     async with server:

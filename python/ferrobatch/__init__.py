@@ -8,6 +8,7 @@ async with server:
 
 from ._cache import ResponseCache
 from ._core import __version__
+from ._executor import RequestsFailed
 from ._requests import RequestInfo
 from .client import Client
 from .errors import (
@@ -31,6 +32,7 @@ __all__ = [
     "ModelError",
     "QueueFullError",
     "RequestInfo",
+    "RequestsFailed",
     "ResponseCache",
     "Server",
     "ServerClosedError",
