@@ -51,6 +51,7 @@ use crate::http::FallbackCall;
 use crate::metadata::ModelMetadata;
 use crate::model::{RequestMeta, ServedModel, Source, Submitted, Tensor};
 use crate::replies::{part_bytes, Answer, Backlog, Failure, InputOwners, RawOutput, ResponsePlan};
+use crate::restrict;
 use crate::server::Shared;
 use request::{InferRequest, Parameters};
 
@@ -186,19 +187,6 @@ fn is_grpc(content_type: Option<&HeaderValue>) -> bool {
     })
 }
 
-/// The answer to one HTTP/2 request of a gRPC connection (`pooled`: false
-/// for a connection in the headroom beyond `max_connections`, which answers
-/// health checks only). Refused before tonic reads it: a content-type that
-/// is not gRPC's (HTTP 415, as the gRPC protocol asks), a second message
-/// (every RPC here is unary: INTERNAL, as gRPC's libraries answer it), a
-/// message that does not arrive within the body timeout. A compressed message is
-/// inflated here, off the runtime's threads ([`Shared::offload`]).
-///
-/// hyper moves each stream's future several times as it spawns it, so a
-/// `ModelInfer` call's future holds only what its read and its reply need
-/// ([`ModelInferCall`], under 1 KiB; at 2.9 KiB, with the request's head
-/// and tonic's call beside it, `memmove` was 7 % of a call's samples); the
-/// other RPCs go to tonic, boxed.
 /// The most metadata (headers, as HPACK counts them) a call may carry, as
 /// gRPC's own servers (Triton's among them) allow by default; past it the
 /// call alone gets RESOURCE_EXHAUSTED. HTTP/2 itself lets a header block
@@ -217,6 +205,20 @@ fn metadata_size(headers: &hyper::HeaderMap) -> usize {
     })
 }
 
+/// The answer to one HTTP/2 request of a gRPC connection (`pooled`: false
+/// for a connection in the headroom beyond `max_connections`, which answers
+/// health checks only). Refused before tonic reads it: a content-type that
+/// is not gRPC's (HTTP 415, as the gRPC protocol asks), a call of a
+/// restricted protocol without its header ([`restricted`]), a second message
+/// (every RPC here is unary: INTERNAL, as gRPC's libraries answer it), a
+/// message that does not arrive within the body timeout. A compressed message is
+/// inflated here, off the runtime's threads ([`Shared::offload`]).
+///
+/// hyper moves each stream's future several times as it spawns it, so a
+/// `ModelInfer` call's future holds only what its read and its reply need
+/// ([`ModelInferCall`], under 1 KiB; at 2.9 KiB, with the request's head
+/// and tonic's call beside it, `memmove` was 7 % of a call's samples); the
+/// other RPCs go to tonic, boxed.
 pub(crate) fn handle(
     server: &Server,
     shared: &Arc<Shared>,
@@ -270,6 +272,9 @@ fn route(
         ));
         return Call::Answered(refused.into_http());
     }
+    if let Some(refused) = restricted(shared, &request) {
+        return Call::Answered(refused);
+    }
     if !pooled && !PROBES.contains(&request.uri().path()) {
         return Call::Answered(
             Status::unavailable(
@@ -290,6 +295,26 @@ fn route(
         shared.clone(),
         request,
     )))
+}
+
+/// UNAVAILABLE to a call of a restricted protocol without its header and
+/// value (Triton's `--grpc-restricted-protocol`; see [`crate::restrict`]):
+/// every RPC, tonic's and the stream included, and on a connection beyond
+/// `max_connections` too. With no restriction, one branch.
+#[inline]
+fn restricted(
+    shared: &Shared,
+    request: &hyper::Request<Incoming>,
+) -> Option<hyper::Response<tonic::body::Body>> {
+    let restrictions = &shared.config.grpc_restricted_protocol;
+    if restrictions.is_empty() {
+        return None;
+    }
+    let headers = request.headers();
+    let refusal = restrictions.refusal(restrict::grpc_api(request.uri().path()), |name| {
+        headers.get(name).map(HeaderValue::as_bytes)
+    })?;
+    Some(Status::unavailable(refusal).into_http())
 }
 
 /// An RPC answered by tonic: a unary call's body refused past one message,

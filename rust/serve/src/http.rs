@@ -11,6 +11,11 @@
 //! handlers: one implementation of the rarely-called surface for both
 //! front-ends. A blocking thread only starts that call ([`ask`]); its answer
 //! is awaited without one, and a client that goes away withdraws it.
+//!
+//! A request to a restricted API (`--http-restricted-api`,
+//! [`crate::restrict`]) without its header is answered 403 before anything
+//! else is done with it, on every route and on a connection beyond
+//! `max_connections` alike.
 
 use std::convert::Infallible;
 use std::future::{poll_fn, Future};
@@ -33,6 +38,7 @@ use ferrobatch_core::v2::{write_json_string, Clipped};
 use crate::encoding::{self, Coding};
 use crate::model::ServedModel;
 use crate::replies::{Answer, Failure, Reply};
+use crate::restrict;
 use crate::server::Shared;
 
 pub const HEADER_LENGTH: &str = "inference-header-content-length";
@@ -271,13 +277,14 @@ fn reply(reply: Reply) -> Response<Body> {
     }
 }
 
-/// What a path names: `/v2/models/{m}[/versions/{v}]/{what}`.
 /// Whether `version` names the one version models are served as (or none).
 fn version_known(version: &str) -> bool {
     version.is_empty() || version == ferrobatch_core::v2::MODEL_VERSION
 }
 
-fn model_route(path: &str) -> Option<(&str, &str, &str)> {
+/// What a path names: `/v2/models/{m}[/versions/{v}]/{what}`, `what`
+/// without a slash.
+pub(crate) fn model_route(path: &str) -> Option<(&str, &str, &str)> {
     let rest = path.strip_prefix("/v2/models/")?;
     let (name, rest) = rest.split_once('/')?;
     match rest.split_once('/') {
@@ -351,13 +358,15 @@ fn health(shared: &Shared, method: &Method, path: &str) -> Option<Response<Body>
 /// [`HEADROOM`](crate::server::HEADROOM)): health checks only, 503 for the
 /// rest; the connection closes after it.
 fn probe(shared: &Shared, request: &Request<Incoming>) -> Response<Body> {
-    let mut answer = health(shared, request.method(), request.uri().path()).unwrap_or_else(|| {
-        error(&Failure::new(
-            503,
-            "the server is at its connection limit (max_connections); \
-             only /v2/health/live and /v2/health/ready are answered on this connection",
-        ))
-    });
+    let mut answer = restricted(shared, request)
+        .or_else(|| health(shared, request.method(), request.uri().path()))
+        .unwrap_or_else(|| {
+            error(&Failure::new(
+                503,
+                "the server is at its connection limit (max_connections); \
+                 only /v2/health/live and /v2/health/ready are answered on this connection",
+            ))
+        });
     answer
         .headers_mut()
         .insert(CONNECTION, HeaderValue::from_static("close"));
@@ -366,14 +375,34 @@ fn probe(shared: &Shared, request: &Request<Incoming>) -> Response<Body> {
 
 /// Where a request goes.
 enum Routed {
-    /// Answered at once (health and readiness, a model not served), boxed:
+    /// Answered at once (health and readiness, a model not served, a
+    /// restricted API without its header), boxed:
     /// a response (144 bytes) would make every inference's future larger.
     Answered(Box<Response<Body>>),
     Infer(Inference),
     Fallback(Pin<Box<dyn Future<Output = Response<Body>> + Send>>),
 }
 
+/// 403 to a request to a restricted API without its header and value
+/// (Triton's `--http-restricted-api`; see [`crate::restrict`]). With no
+/// restriction, one branch.
+#[inline]
+fn restricted(shared: &Shared, request: &Request<Incoming>) -> Option<Response<Body>> {
+    let restrictions = &shared.config.http_restricted_api;
+    if restrictions.is_empty() {
+        return None;
+    }
+    let headers = request.headers();
+    let refusal = restrictions.refusal(restrict::http_api(request.uri().path()), |name| {
+        headers.get(name).map(HeaderValue::as_bytes)
+    })?;
+    Some(error(&Failure::new(403, refusal)))
+}
+
 fn route(shared: &Arc<Shared>, request: Request<Incoming>) -> Routed {
+    if let Some(refused) = restricted(shared, &request) {
+        return Routed::Answered(Box::new(refused));
+    }
     let path = request.uri().path();
     let method = request.method();
     if let Some(answer) = health(shared, method, path) {

@@ -26,6 +26,7 @@ pub mod metadata;
 pub mod model;
 mod outbox;
 pub mod replies;
+pub mod restrict;
 pub mod server;
 
 pub use http::{
@@ -34,4 +35,5 @@ pub use http::{
 pub use metadata::{Catalog, ModelMetadata, ServerMetadata, TensorMetadata};
 pub use model::ServedModel;
 pub use replies::{Column, Failure, Replies, VaryingRows};
+pub use restrict::{Api, Restrictions};
 pub use server::{header_pattern, Config, Frontend, Listen, MAX_CONNECTIONS, MAX_THREADS};

@@ -29,6 +29,7 @@ use crate::http::{handle, Fallback};
 use crate::metadata::{Catalog, ModelMetadata, ServerMetadata};
 use crate::model::ServedModel;
 use crate::outbox::{Outbox, Sending};
+use crate::restrict::Restrictions;
 
 /// Where a front-end listens: HTTP, gRPC, or both (one runtime).
 #[derive(Debug, Clone, Default)]
@@ -87,6 +88,11 @@ pub struct Config {
     pub http_header_forward_pattern: Option<regex::Regex>,
     /// The same for gRPC metadata (`--grpc-header-forward-pattern`).
     pub grpc_header_forward_pattern: Option<regex::Regex>,
+    /// HTTP APIs answered only to requests with a header and value
+    /// (Triton's `--http-restricted-api`); 403 to the others. Default: none.
+    pub http_restricted_api: Restrictions,
+    /// The same for gRPC (`--grpc-restricted-protocol`): UNAVAILABLE.
+    pub grpc_restricted_protocol: Restrictions,
     /// The most bytes of a decoupled model's responses one
     /// `ModelStreamInfer` stream holds unread by its client; a response past
     /// them fails its request (RESOURCE_EXHAUSTED) instead of being held.
@@ -147,6 +153,8 @@ impl Default for Config {
             keepalive_interval: Some(Duration::from_secs(60)),
             http_header_forward_pattern: None,
             grpc_header_forward_pattern: None,
+            http_restricted_api: Restrictions::default(),
+            grpc_restricted_protocol: Restrictions::default(),
             max_stream_backlog: 64 << 20,
         }
     }
