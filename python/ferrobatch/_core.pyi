@@ -7,6 +7,7 @@ from typing import Any, Protocol, final
 import torch
 
 __all__ = [
+    "ApiRestrictions",
     "Batch",
     "Batcher",
     "CodecError",
@@ -361,6 +362,8 @@ class NativeFrontend:
         http_header_forward_pattern: str | None = None,
         grpc_header_forward_pattern: str | None = None,
         max_stream_backlog: int = ...,
+        http_restricted_api: Sequence[str] = ...,
+        grpc_restricted_protocol: Sequence[str] = ...,
     ) -> NativeFrontend: ...
     @property
     def port(self) -> int | None: ...
@@ -375,6 +378,26 @@ class NativeFrontend:
     def drain(self) -> None: ...
     def close(self, grace: float) -> None: ...
     def stop(self, grace: float = 5.0) -> None: ...
+
+@final
+class ApiRestrictions:
+    """Triton's access-restricted APIs for the Python front-ends: the groups
+    of ``--http-restricted-api`` and ``--grpc-restricted-protocol``, each
+    ``<apis>:<key>=<value>`` (a bad one raises ``ValueError``). A request to
+    an API of a restricted category must carry the header ``<key>`` (gRPC:
+    ``triton-grpc-protocol-<key>``) with exactly ``<value>``; the native
+    front-end's categories and words."""
+
+    def __new__(
+        cls, http_restricted_api: Sequence[str] = ..., grpc_restricted_protocol: Sequence[str] = ...
+    ) -> ApiRestrictions: ...
+    def http_refusal(self, path: str, headers: Mapping[str, str]) -> str | None:
+        """The refusal's message when ``path``'s API is restricted and
+        ``headers`` (names in any case) lack its header or value; else None."""
+    def grpc_refusal(self, method: str, metadata: Sequence[tuple[str, str | bytes]]) -> str | None:
+        """The same for a gRPC method's path and its invocation metadata."""
+    def __bool__(self) -> bool:
+        """Whether any API is restricted."""
 
 _SpecTuple = tuple[str, str, list[int], torch.dtype | None]
 

@@ -12,8 +12,9 @@
 //!    loops), `threads` (blocked threads), `native_sink` (the native
 //!    front-end's connections), `shm_sink` (shared-memory clients);
 //! 3. `loops`: a model's registry of them, which routes each batch's rows;
-//! 4. `batcher`, `submit`, `native`, `shm`: the Python classes (`native`
-//!    starts the native front-end, `ferrobatch-serve`).
+//! 4. `batcher`, `submit`, `native`, `shm`, `restrict`: the Python classes
+//!    (`native` starts the native front-end, `ferrobatch-serve`; `restrict`
+//!    gives the Python front-ends its access-restricted APIs).
 //!
 //! The GIL is released in one place, [`without_gil`].
 
@@ -27,6 +28,7 @@ mod loops;
 mod mailbox;
 mod native;
 mod native_sink;
+mod restrict;
 mod results;
 mod shm;
 mod shm_sink;
@@ -85,5 +87,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(grpc_codec::grpc_stream_error, m)?)?;
     native::register(m)?;
     shm::register(m)?;
+    restrict::register(m)?;
     Ok(())
 }

@@ -8,6 +8,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use ferrobatch_serve::restrict::Protocol;
 use ferrobatch_serve::{
     Catalog, Config, Fallback, FallbackCall, FallbackReply, FallbackRequest, FallbackResponse,
     Frontend, Listen, ModelMetadata, Replies, ServedModel, ServerMetadata, TensorMetadata,
@@ -22,6 +23,7 @@ use crate::batcher::Batcher;
 use crate::codec::V2Codec;
 use crate::loops::LoopRegistry;
 use crate::native_sink::NativeSink;
+use crate::restrict;
 use crate::without_gil;
 
 /// gRPC's status code INTERNAL.
@@ -269,14 +271,18 @@ impl NativeFrontend {
     /// `grpc_fallback(method, request, answer) -> cancel`: the RPC's name and
     /// request message as protobuf bytes; `answer((code, message,
     /// response))`, code 0 and the response message's bytes, or a gRPC
-    /// status code and its message (None: UNIMPLEMENTED). Raises `OSError` when an
-    /// address cannot be bound.
+    /// status code and its message (None: UNIMPLEMENTED).
+    /// `http_restricted_api` and `grpc_restricted_protocol`: Triton's groups
+    /// (`<apis>:<key>=<value>`), a request to a restricted API refused 403
+    /// (gRPC: UNAVAILABLE) without its header; a bad group raises
+    /// `ValueError`. Raises `OSError` when an address cannot be bound.
     #[new]
     #[pyo3(signature = (
         host, port, fallback, *, grpc_port=None, server_metadata=None, model_metadata=Vec::new(), grpc_fallback=None,
         threads=1, max_body_size=64 << 20, max_decompressed_size=64 << 20, max_connections=10_000, max_streams=1024,
         header_timeout=30.0, body_timeout=60.0, idle_timeout=300.0, keepalive_interval=60.0,
         http_header_forward_pattern=None, grpc_header_forward_pattern=None, max_stream_backlog=64 << 20,
+        http_restricted_api=Vec::new(), grpc_restricted_protocol=Vec::new(),
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -300,6 +306,8 @@ impl NativeFrontend {
         http_header_forward_pattern: Option<&str>,
         grpc_header_forward_pattern: Option<&str>,
         max_stream_backlog: usize,
+        http_restricted_api: Vec<String>,
+        grpc_restricted_protocol: Vec<String>,
     ) -> PyResult<NativeFrontend> {
         let pattern = |p: Option<&str>| {
             p.map(ferrobatch_serve::header_pattern)
@@ -331,6 +339,8 @@ impl NativeFrontend {
             http_header_forward_pattern: pattern(http_header_forward_pattern)?,
             grpc_header_forward_pattern: pattern(grpc_header_forward_pattern)?,
             max_stream_backlog,
+            http_restricted_api: restrict::parse(&http_restricted_api, Protocol::Http)?,
+            grpc_restricted_protocol: restrict::parse(&grpc_restricted_protocol, Protocol::Grpc)?,
         };
         config.check().map_err(PyValueError::new_err)?;
         let listen = Listen {
