@@ -1173,14 +1173,11 @@ def test_a_model_without_batching_gets_one_sample_per_call_as_declared(scheme: s
     assert shapes == [(4,)]  # the callable sees the sample as sent
 
 
-def test_lifecycle_policy_is_accepted_and_a_security_restriction_refused_by_name() -> None:
-    from ferrobatch.triton.triton import TritonLifecyclePolicy, TritonSecurityConfig
+def test_lifecycle_policy_is_accepted() -> None:
+    from ferrobatch.triton.triton import TritonLifecyclePolicy
 
     config = TritonConfig(http_port=0, grpc_port=0)
     Triton(config=config, triton_lifecycle_policy=TritonLifecyclePolicy(launch_triton_on_startup=False))
-    Triton(config=config, security_config=TritonSecurityConfig(restricted_endpoints=[]))  # restricts nothing
-    with pytest.raises(PyTritonValidationError, match=r"access-restricted endpoints .* not supported"):
-        Triton(config=config, security_config=TritonSecurityConfig(access_token="t"))
 
 
 def test_model_warmup_runs_on_each_instance_before_the_model_serves(tmp_path: Any) -> None:

@@ -100,6 +100,7 @@ FUNCTIONAL = (
     # waits for ever for a server it never signalled.
     "L0_response_cache",
     "L0_run_in_thread",
+    "L0_token_based_access_restriction",
     "L0_triton_close_on_parent_death",
     "L0_tritons_cohabitation",
     "L0_warmup_functionality",

@@ -330,6 +330,16 @@ class ServeConfig:
     http_header_forward_pattern: str | None = None
     #: The same for gRPC metadata (``--grpc-header-forward-pattern``).
     grpc_header_forward_pattern: str | None = None
+    #: Triton's ``--http-restricted-api``, either front-end: each
+    #: ``"<apis>:<header>=<value>"`` (``apis``: comma-separated among
+    #: health, metadata, inference, shared-memory, model-config,
+    #: model-repository, statistics, trace, logging; each in one group at
+    #: most) answers those API groups' HTTP requests only when they carry
+    #: ``header`` with ``value``; others get 403.
+    http_restricted_api: tuple[str, ...] = ()
+    #: Triton's ``--grpc-restricted-protocol``: the same for gRPC, whose
+    #: calls must carry ``triton-grpc-protocol-<header>``; others end UNAVAILABLE.
+    grpc_restricted_protocol: tuple[str, ...] = ()
     #: The most bytes of a decoupled model's responses one gRPC
     #: ``ModelStreamInfer`` stream holds before its client reads them (either
     #: front-end): a response past them fails its request (an
@@ -410,6 +420,11 @@ def check_config(config: ServeConfig) -> None:
         pattern = getattr(config, name)
         if pattern is not None and not isinstance(pattern, str):
             raise ValueError(f"{name} must be a regular expression (a str) or None, got {pattern!r}")
+    for name in ("http_restricted_api", "grpc_restricted_protocol"):
+        groups = getattr(config, name)
+        if isinstance(groups, str) or not all(isinstance(g, str) for g in groups):
+            raise ValueError(f"{name} must be a sequence of '<apis>:<header>=<value>' strings, got {groups!r}")
+    _core.ApiRestrictions(list(config.http_restricted_api), list(config.grpc_restricted_protocol))  # ValueError
     forwarding = config.http_header_forward_pattern is not None or config.grpc_header_forward_pattern is not None
     if forwarding and config.frontend != "native":
         raise ValueError("header forwarding (http/grpc_header_forward_pattern) needs frontend='native'")
@@ -626,6 +641,8 @@ async def serve(
                         http_header_forward_pattern=config.http_header_forward_pattern,
                         grpc_header_forward_pattern=config.grpc_header_forward_pattern,
                         max_stream_backlog=config.max_stream_backlog,
+                        http_restricted_api=config.http_restricted_api,
+                        grpc_restricted_protocol=config.grpc_restricted_protocol,
                     )
                 except OSError as exc:
                     raise StartupError(str(exc)) from None
@@ -645,6 +662,7 @@ async def serve(
                     None,
                     max_message_size=config.max_body_size,
                     max_stream_backlog=config.max_stream_backlog,
+                    grpc_restricted_protocol=config.grpc_restricted_protocol,
                 )
                 address = f"{_bracket(config.host)}:{config.grpc_port}"
                 try:
@@ -662,6 +680,7 @@ async def serve(
                     manage_servers=False,
                     max_body_size=config.max_body_size,
                     max_decompressed_size=config.max_decompressed_size,
+                    http_restricted_api=config.http_restricted_api,
                 )
                 http = _uvicorn_server(
                     uvicorn.Config(
@@ -1238,6 +1257,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="native front-end: the same for gRPC metadata",
     )
     parser.add_argument(
+        "--http-restricted-api",
+        action="append",
+        default=[],
+        metavar="APIS:HEADER=VALUE",
+        help="answer the HTTP API groups APIS (comma-separated: health, metadata, inference, shared-memory,"
+        " model-config, model-repository, statistics, trace, logging) only to requests whose HEADER is"
+        " VALUE, 403 otherwise; repeatable, one group per API",
+    )
+    parser.add_argument(
+        "--grpc-restricted-protocol",
+        action="append",
+        default=[],
+        metavar="PROTOCOLS:KEY=VALUE",
+        help="the same for gRPC: the calls need triton-grpc-protocol-KEY: VALUE in their metadata,"
+        " UNAVAILABLE otherwise",
+    )
+    parser.add_argument(
         "--max-body-size",
         type=_size,
         default=MAX_BODY_SIZE,
@@ -1414,6 +1450,8 @@ def main(args: argparse.Namespace) -> int:
         keepalive_interval=args.keepalive_interval,
         http_header_forward_pattern=args.http_header_forward_pattern,
         grpc_header_forward_pattern=args.grpc_header_forward_pattern,
+        http_restricted_api=tuple(args.http_restricted_api),
+        grpc_restricted_protocol=tuple(args.grpc_restricted_protocol),
         max_stream_backlog=args.max_stream_backlog,
         share=args.share,
         metrics_port=args.metrics_port,

@@ -46,6 +46,7 @@ def grpc_server(
     max_message_size: int = MAX_MESSAGE_SIZE,
     options: Sequence[tuple[str, int | str]] = (),
     max_stream_backlog: int = MAX_STREAM_BACKLOG,
+    grpc_restricted_protocol: Sequence[str] = (),
 ) -> grpc.aio.Server:
     """A ``grpc.aio.Server`` with the v2 service for ``servers``, bound to
     ``address`` (``None``: bind nothing; call ``add_insecure_port`` yourself).
@@ -53,6 +54,10 @@ def grpc_server(
     Call it on the event loop that will run it. ``max_stream_backlog``: the
     bytes of a decoupled model's responses one ``ModelStreamInfer`` stream
     holds unread by its client (``ServeConfig.max_stream_backlog``).
+    ``grpc_restricted_protocol``: Triton's ``--grpc-restricted-protocol``
+    groups (``"<protocols>:<key>=<value>"`` each, see ``ServeConfig``): a
+    call of a restricted group without ``triton-grpc-protocol-<key>:
+    <value>`` in its metadata ends UNAVAILABLE.
     """
     import grpc.aio
 
@@ -67,7 +72,8 @@ def grpc_server(
             *options,
         ]
     )
-    add_to_server(InferenceServicer(servers, max_stream_backlog=max_stream_backlog), server)
+    servicer = InferenceServicer(servers, max_stream_backlog=max_stream_backlog)
+    add_to_server(servicer, server, grpc_restricted_protocol)
     if address is not None:
         server.add_insecure_port(address)
     return server

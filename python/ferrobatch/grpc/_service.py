@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -389,10 +389,16 @@ def stop_streams(server: grpc.aio.Server) -> None:
         servicer.stop_streams()
 
 
-def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
+def add_to_server(
+    servicer: InferenceServicer, server: grpc.aio.Server, grpc_restricted_protocol: Sequence[str] = ()
+) -> None:
     """Registers ``servicer`` as ``inference.GRPCInferenceService`` on
     ``server``: ModelInfer and ModelStreamInfer take and give the messages'
-    bytes (read and written in Rust), the other RPCs protobuf messages."""
+    bytes (read and written in Rust), the other RPCs protobuf messages.
+    ``grpc_restricted_protocol``: Triton's ``--grpc-restricted-protocol``
+    groups; a call of a restricted group without its metadata ends
+    UNAVAILABLE before it is read (``ValueError`` for a malformed group)."""
+    restrictions = _core.ApiRestrictions([], list(grpc_restricted_protocol))
     _SERVICERS[server] = servicer
     made = _Handlers()
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, made)  # type: ignore[no-untyped-call]
@@ -403,8 +409,40 @@ def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
     }
     handlers["ModelInfer"] = grpc.unary_unary_rpc_method_handler(servicer.ModelInfer)
     handlers["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(servicer.ModelStreamInfer)
+    if restrictions:
+        handlers = {name: _restricted(f"/{SERVICE}/{name}", h, restrictions) for name, h in handlers.items()}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     server.add_registered_method_handlers(SERVICE, handlers)
+
+
+def _restricted(
+    method: str, handler: grpc.RpcMethodHandler[Any, Any], restrictions: _core.ApiRestrictions
+) -> grpc.RpcMethodHandler[Any, Any]:
+    """``handler`` (unary, or ModelStreamInfer's stream) behind the check of
+    ``method``'s restriction: a call without the metadata it asks for ends
+    UNAVAILABLE, as Triton's restricted protocols."""
+
+    async def check(context: Context) -> None:
+        refused = restrictions.grpc_refusal(method, list(context.invocation_metadata() or ()))
+        if refused is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, refused)
+
+    unary, streaming = handler.unary_unary, handler.stream_stream
+    if unary is not None:
+
+        async def call(request: Any, context: Context) -> Any:
+            await check(context)
+            return await unary(request, context)  # type: ignore[arg-type]  # grpc.aio's context
+
+        return grpc.unary_unary_rpc_method_handler(call, handler.request_deserializer, handler.response_serializer)
+    assert streaming is not None, "the service's RPCs are unary but ModelStreamInfer"
+
+    async def stream(requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
+        await check(context)
+        async for response in streaming(requests, context):  # type: ignore[arg-type,attr-defined]
+            yield response
+
+    return grpc.stream_stream_rpc_method_handler(stream, handler.request_deserializer, handler.response_serializer)
 
 
 def _reading_bytes(handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:

@@ -47,7 +47,7 @@ The framework modules are imported only when their factory is called.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .protocol import MAX_BODY_SIZE, MAX_DECOMPRESSED_SIZE
@@ -77,6 +77,7 @@ def starlette_app(
     expose_errors: bool | None = None,
     max_body_size: int = MAX_BODY_SIZE,
     max_decompressed_size: int = MAX_DECOMPRESSED_SIZE,
+    http_restricted_api: Sequence[str] = (),
 ) -> Starlette:
     """A Starlette (ASGI) app serving ``servers`` (unique names) over v2 REST.
 
@@ -84,8 +85,11 @@ def starlette_app(
     model exceptions' text to clients (``None``: the repository's setting,
     off unless a :class:`~ferrobatch.http.protocol.ModelRepository` says
     otherwise). ``max_body_size`` and ``max_decompressed_size`` bound a
-    request body in bytes (413 beyond). The app's repository is
-    ``app.state.ferrobatch.repository``.
+    request body in bytes (413 beyond). ``http_restricted_api``: Triton's
+    ``--http-restricted-api`` groups, ``"<apis>:<header>=<value>"`` each
+    (see :class:`ferrobatch.serve.ServeConfig`): a request to a route of a
+    restricted API group without that header gets 403. The app's repository
+    is ``app.state.ferrobatch.repository``.
     """
     from ._starlette import starlette_app as make
 
@@ -96,6 +100,7 @@ def starlette_app(
         expose_errors=expose_errors,
         max_body_size=max_body_size,
         max_decompressed_size=max_decompressed_size,
+        http_restricted_api=http_restricted_api,
     )
 
 
@@ -107,6 +112,7 @@ def aiohttp_app(
     expose_errors: bool | None = None,
     max_body_size: int = MAX_BODY_SIZE,
     max_decompressed_size: int = MAX_DECOMPRESSED_SIZE,
+    http_restricted_api: Sequence[str] = (),
 ) -> web.Application:
     """An aiohttp app serving ``servers`` over v2 REST; also works as a
     sub-app (``parent.add_subapp("/prefix", app)``; its ``cleanup_ctx`` then
@@ -121,4 +127,5 @@ def aiohttp_app(
         expose_errors=expose_errors,
         max_body_size=max_body_size,
         max_decompressed_size=max_decompressed_size,
+        http_restricted_api=http_restricted_api,
     )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
@@ -15,6 +15,7 @@ from . import AIOHTTP_HANDLER_ARGS
 from ._endpoint import (
     HEADER_LENGTH,
     INFER,
+    INFER_PATH,
     NOT_FOUND,
     REPEATED_CONTENT_ENCODING,
     REPEATED_HEADER_LENGTH,
@@ -41,9 +42,14 @@ def aiohttp_app(
     expose_errors: bool | None = None,
     max_body_size: int = MAX_BODY_SIZE,
     max_decompressed_size: int = MAX_DECOMPRESSED_SIZE,
+    http_restricted_api: Sequence[str] = (),
 ) -> web.Application:
     endpoint = Endpoint(
-        servers, expose_errors=expose_errors, max_decompressed_size=max_decompressed_size, metrics=metrics
+        servers,
+        expose_errors=expose_errors,
+        max_decompressed_size=max_decompressed_size,
+        metrics=metrics,
+        http_restricted_api=http_restricted_api,
     )
     repository = endpoint.repository
 
@@ -71,6 +77,9 @@ def aiohttp_app(
         return handle
 
     async def infer(request: web.Request) -> web.Response:
+        refused = endpoint.refusal(INFER_PATH, request.headers)
+        if refused is not None:
+            return _response(refused)
         m = request.match_info
         body = await read_body(request, max_body_size)
         if isinstance(body, Reply):

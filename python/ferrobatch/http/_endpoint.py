@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
@@ -182,8 +182,10 @@ async def infer_route(e: Endpoint, c: Call) -> Reply:
 
 
 #: The handler of ``POST .../infer`` (front-ends that read its body in
-#: bounded steps themselves recognise it by this).
+#: bounded steps themselves recognise it by this, and check its restriction
+#: by ``INFER_PATH``).
 INFER = infer_route
+INFER_PATH = "/v2/models/{name}/infer"
 
 
 def _model_routes(prefix: str) -> list[Route]:
@@ -217,7 +219,10 @@ class Endpoint:
     ``expose_errors``: see :class:`ModelRepository` (``None``: the
     repository's setting). ``max_decompressed_size``: the most bytes a
     gzip or deflate body may expand to (413 beyond). ``metrics=False``
-    leaves ``GET /metrics`` out of :attr:`routes`.
+    leaves ``GET /metrics`` out of :attr:`routes`. ``http_restricted_api``:
+    Triton's ``--http-restricted-api`` groups (``"<apis>:<header>=<value>"``,
+    see ``ServeConfig``), checked by :meth:`refusal` (``ValueError`` for a
+    malformed one).
     """
 
     def __init__(
@@ -227,7 +232,9 @@ class Endpoint:
         expose_errors: bool | None = None,
         max_decompressed_size: int = MAX_DECOMPRESSED_SIZE,
         metrics: bool = True,
+        http_restricted_api: Sequence[str] = (),
     ) -> None:
+        self.restrictions = _core.ApiRestrictions(list(http_restricted_api), [])
         if isinstance(servers, ModelRepository):
             self.repository = servers
         else:
@@ -267,8 +274,21 @@ class Endpoint:
             allow=allow,
         )
 
+    def refusal(self, path: str, headers: Mapping[str, str]) -> Reply | None:
+        """403 for a request to a route (``path``, its template: one API
+        group per route) of a restricted API group that lacks the header and
+        value the group asks for; None when it may go on."""
+        if not self.restrictions:
+            return None
+        message = self.restrictions.http_refusal(path, headers)
+        return None if message is None else _json(403, {"error": message})
+
     async def answer(self, route: Route, call: Call) -> Reply:
-        """``route``'s reply to ``call``; never raises."""
+        """``route``'s reply to ``call`` (403 when the route's API group is
+        restricted and ``call`` lacks its header); never raises."""
+        refused = self.refusal(route.path, call.headers)
+        if refused is not None:
+            return refused
         try:
             return await route.handler(self, call)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a reply

@@ -71,6 +71,8 @@ class NativeListeners:
         http_header_forward_pattern: str | None = None,
         grpc_header_forward_pattern: str | None = None,
         max_stream_backlog: int = MAX_STREAM_BACKLOG,
+        http_restricted_api: Sequence[str] = (),
+        grpc_restricted_protocol: Sequence[str] = (),
     ) -> None:
         self.repository = repository
         self.endpoint = Endpoint(repository, max_decompressed_size=max_decompressed_size)
@@ -98,6 +100,8 @@ class NativeListeners:
             http_header_forward_pattern=http_header_forward_pattern,
             grpc_header_forward_pattern=grpc_header_forward_pattern,
             max_stream_backlog=max_stream_backlog,
+            http_restricted_api=list(http_restricted_api),
+            grpc_restricted_protocol=list(grpc_restricted_protocol),
         )
         hold_front_end_cores(self.threads)
         self._holding = True

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from starlette.applications import Starlette
@@ -19,6 +19,7 @@ from starlette.types import Message, Receive, Scope, Send
 from ..server import Server
 from ._endpoint import (
     HEADER_LENGTH,
+    INFER_PATH,
     NOT_FOUND,
     REPEATED_CONTENT_ENCODING,
     REPEATED_HEADER_LENGTH,
@@ -105,6 +106,11 @@ class _V2Router(Router):
                 log.exception("ferrobatch: model '%s' failed to start", server.name)
 
     async def _infer(self, match: re.Match[str], scope: Scope, receive: Receive, send: Send) -> None:
+        if self.endpoint.restrictions:
+            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+            refused = self.endpoint.refusal(INFER_PATH, headers)
+            if refused is not None:
+                return await self._send(refused, send)
         header_length = encoding = content_length = accept = None
         repeated: Reply | None = None
         for key, value in scope["headers"]:
@@ -160,6 +166,9 @@ class _V2Router(Router):
                 return
             finally:
                 watch.cancel()
+        await self._send(reply, send)
+
+    async def _send(self, reply: Reply, send: Send) -> None:
         headers = [
             (b"content-type", reply.content_type.encode()),
             (b"content-length", str(len(reply.body)).encode()),
@@ -182,9 +191,14 @@ def starlette_app(
     expose_errors: bool | None = None,
     max_body_size: int = MAX_BODY_SIZE,
     max_decompressed_size: int = MAX_DECOMPRESSED_SIZE,
+    http_restricted_api: Sequence[str] = (),
 ) -> Starlette:
     endpoint = Endpoint(
-        servers, expose_errors=expose_errors, max_decompressed_size=max_decompressed_size, metrics=metrics
+        servers,
+        expose_errors=expose_errors,
+        max_decompressed_size=max_decompressed_size,
+        metrics=metrics,
+        http_restricted_api=http_restricted_api,
     )
     repository = endpoint.repository
 

@@ -25,6 +25,7 @@ import logging
 import os
 import queue
 import re
+import secrets
 import socket
 import threading
 import time
@@ -61,7 +62,16 @@ from .exceptions import (
 from .model_config import ModelConfig, QueuePolicy, Tensor, TimeoutAction
 from .model_config.common import ModelWarmup, generate_warmup_data
 
-__all__ = ["RemoteTriton", "Triton", "TritonConfig", "TritonLifecyclePolicy", "TritonSecurityConfig"]
+__all__ = [
+    "DEFAULT_PROTECTED_ENDPOINTS",
+    "TRITON_ACCESS_HEADER",
+    "VALID_TRITON_ENDPOINTS",
+    "RemoteTriton",
+    "Triton",
+    "TritonConfig",
+    "TritonLifecyclePolicy",
+    "TritonSecurityConfig",
+]
 
 log = logging.getLogger("ferrobatch.triton")
 
@@ -81,14 +91,59 @@ class TritonLifecyclePolicy:
     local_model_store: bool = False
 
 
+#: Triton's API groups an access token may restrict (``--http-restricted-api``).
+VALID_TRITON_ENDPOINTS = frozenset(
+    {
+        "health",
+        "metadata",
+        "inference",
+        "shared-memory",
+        "model-config",
+        "model-repository",
+        "statistics",
+        "trace",
+        "logging",
+    }
+)
+#: What PyTriton restricts when told nothing (since PyTriton 0.7).
+DEFAULT_PROTECTED_ENDPOINTS = ["shared-memory", "model-repository", "statistics", "trace", "logging"]
+#: The header that carries the access token (over gRPC as ``triton-grpc-protocol-`` + it).
+TRITON_ACCESS_HEADER = "triton-access-token"
+
+
 @dataclasses.dataclass
 class TritonSecurityConfig:
-    """PyTriton's access-restricted endpoints (``restricted_endpoints``;
-    None: Triton's defaults, ``[]``: none). :class:`Triton` refuses any
-    restriction: ferrobatch checks no access token."""
+    """PyTriton's token-based access restriction: the API groups in
+    ``restricted_endpoints`` (None: :data:`DEFAULT_PROTECTED_ENDPOINTS`,
+    ``[]``: none) answer only requests whose ``triton-access-token`` header
+    (gRPC: ``triton-grpc-protocol-triton-access-token``) is
+    ``access_token`` (None: a random one, :meth:`Triton.get_access_token`);
+    others get 403 (gRPC UNAVAILABLE), as Triton's restricted APIs."""
 
     access_token: str | None = None
     restricted_endpoints: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.restricted_endpoints is None:
+            self.restricted_endpoints = list(DEFAULT_PROTECTED_ENDPOINTS)
+        self._validate_endpoint_names(self.restricted_endpoints)
+        if self.access_token is None and self.restricted_endpoints:
+            self.access_token = secrets.token_urlsafe(32)
+
+    @staticmethod
+    def _validate_endpoint_names(endpoints: Sequence[str]) -> None:
+        invalid = set(endpoints) - VALID_TRITON_ENDPOINTS
+        if invalid:
+            raise PyTritonValidationError(
+                f"Invalid endpoint names: {', '.join(sorted(invalid))}."
+                f" Valid endpoints are: {', '.join(sorted(VALID_TRITON_ENDPOINTS))}"
+            )
+
+    def restriction(self) -> str | None:
+        """Triton's ``<apis>:<header>=<token>`` for what this restricts (None: nothing)."""
+        if not self.access_token or not self.restricted_endpoints:
+            return None
+        return f"{','.join(self.restricted_endpoints)}:{TRITON_ACCESS_HEADER}={self.access_token}"
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -238,14 +293,20 @@ _USED = {
     "vertex_ai_default_model",
     "allow_sagemaker",
     "sagemaker_port",
+    "http_restricted_api",
+    "grpc_restricted_protocol",
 }
 
 #: Triton's metrics port when ``metrics_port`` is not given.
 DEFAULT_METRICS_PORT = 8002
 
 
-def serve_config(config: TritonConfig, *, expose_errors: bool, frontend: str) -> ServeConfig:
-    """The :class:`ServeConfig` a :class:`TritonConfig` asks for."""
+def serve_config(
+    config: TritonConfig, *, expose_errors: bool, frontend: str, security: TritonSecurityConfig | None = None
+) -> ServeConfig:
+    """The :class:`ServeConfig` a :class:`TritonConfig` asks for; a
+    ``security`` config that restricts something replaces its
+    ``http_restricted_api`` and ``grpc_restricted_protocol``, as PyTriton's."""
     ignored = sorted(f.name for f in dataclasses.fields(config) if f.name not in _USED and getattr(config, f.name))
     if ignored:
         log.warning("TritonConfig: %s not supported by ferrobatch; ignored", ", ".join(ignored))
@@ -257,6 +318,9 @@ def serve_config(config: TritonConfig, *, expose_errors: bool, frontend: str) ->
             f" and metrics_address={config.metrics_address!r}"
         )
     metrics = config.allow_metrics is not False
+    restriction = security.restriction() if security is not None else None
+    http_restricted = [restriction] if restriction else [config.http_restricted_api or ""]
+    grpc_restricted = [restriction] if restriction else [config.grpc_restricted_protocol or ""]
     return ServeConfig(
         host=addresses.pop() if addresses else "127.0.0.1",
         http_port=None if config.allow_http is False else (8000 if config.http_port is None else config.http_port),
@@ -267,6 +331,8 @@ def serve_config(config: TritonConfig, *, expose_errors: bool, frontend: str) ->
         expose_errors=expose_errors,
         http_header_forward_pattern=config.http_header_forward_pattern,
         grpc_header_forward_pattern=config.grpc_header_forward_pattern,
+        http_restricted_api=tuple(r for r in http_restricted if r),
+        grpc_restricted_protocol=tuple(r for r in grpc_restricted if r),
         threads=config.http_thread_count,
         metrics_port=config.metrics_port if metrics else None,  # None: see claim_metrics_port
         cpu_metrics=metrics and config.allow_cpu_metrics is not False,
@@ -341,9 +407,9 @@ class Triton:
     ``triton_lifecycle_policy`` (PyTriton's: when to launch the Triton
     process, where its model store lives) is accepted and has nothing to
     do: there is no separate process and nothing is written to disk.
-    ``security_config`` (Triton's access-restricted endpoints) is refused
-    when it restricts anything: ferrobatch checks no access token, and a
-    silently open endpoint would be worse than an error.
+    ``security_config`` (:class:`TritonSecurityConfig`; None: its
+    defaults, PyTriton's) restricts API groups to requests carrying its
+    access token (:meth:`get_access_token`), on HTTP and gRPC.
     """
 
     def __init__(
@@ -357,20 +423,16 @@ class Triton:
         security_config: Any = None,
     ) -> None:
         del triton_lifecycle_policy  # no Triton process to launch, no model store to write
-        restricted = getattr(security_config, "restricted_endpoints", None) if security_config is not None else None
-        if security_config is not None and (restricted is None or restricted):
-            raise PyTritonValidationError(
-                "security_config: access-restricted endpoints (Triton's --http/grpc-restricted-api with an"
-                " access token) are not supported by ferrobatch; serve behind an authenticating proxy, or"
-                " bind to 127.0.0.1 (the default)"
-            )
+        self._security_config = security_config if security_config is not None else TritonSecurityConfig()
 
         def given(c: TritonConfig) -> dict[str, Any]:
             return {k: v for k, v in c.to_dict().items() if v is not None}
 
         merged = {**given(TritonConfig.from_env()), **(given(config) if config is not None else {})}
         self._config = TritonConfig(**merged)
-        self._serve_config = serve_config(self._config, expose_errors=expose_errors, frontend=frontend)
+        self._serve_config = serve_config(
+            self._config, expose_errors=expose_errors, frontend=frontend, security=self._security_config
+        )
         self._response_cache = _response_cache_of(self._config.cache_config)
         self._context = TritonContext()
         self._servers: list[Server] = []
@@ -602,6 +664,11 @@ class Triton:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
         return True
+
+    def get_access_token(self) -> str:
+        """The token the restricted API groups ask for (the one given, or
+        the one made; see :class:`TritonSecurityConfig`)."""
+        return self._security_config.access_token or ""
 
     def is_alive(self) -> bool:
         """True while serving (from :meth:`run` or :meth:`serve` until it ends)."""
