@@ -91,28 +91,13 @@ def check(results: list[Any], stats: dict[str, Any]) -> None:
     )
 
 
-@pytest.mark.parametrize("isolate_failures", [True, False])
-async def test_each_request_gets_its_own_error_in_one_call(isolate_failures: bool) -> None:
-    model = Forwarding()
-    server = fb.Server(
-        model, inputs=[X], outputs=[Y], name="m", with_requests=True, max_batch_size=20, min_batch_size=20,
-        isolate_failures=isolate_failures,
-    )  # fmt: skip
-    async with server:
-        client = server.client()
-        results = await asyncio.gather(
-            *(client.infer({"x": torch.full((4,), value(i))}) for i in range(20)), return_exceptions=True
-        )
-        stats = server.stats()
-    check(results, stats)
-    assert model.calls == 1  # the batch, nothing retried
-    assert stats["retry_calls"] == 0
-
-
-async def test_a_process_instance_fails_each_request_alone_as_a_thread_does() -> None:
+@pytest.mark.parametrize(
+    ("instance_kind", "isolate_failures"), [("thread", True), ("thread", False), ("process", True)]
+)
+async def test_each_request_gets_its_own_error_in_one_call(instance_kind: str, isolate_failures: bool) -> None:
     server = fb.Server(
         forward, inputs=[X], outputs=[Y], name="m", with_requests=True, max_batch_size=20, min_batch_size=20,
-        instance_kind="process",
+        isolate_failures=isolate_failures, instance_kind=instance_kind,  # type: ignore[arg-type]
     )  # fmt: skip
     async with server:
         client = server.client()
