@@ -253,3 +253,38 @@ def test_triton_security_config_as_pytritons() -> None:
         triton.run()
         url = f"http://127.0.0.1:{triton.http_port}/v2/models/identity"
         assert httpx.get(url).status_code == 403 and httpx.get(url, headers={"k": "v"}).status_code == 200
+
+
+def test_the_cloud_ports_keep_the_http_restrictions() -> None:
+    """Vertex AI's and SageMaker's routes answer through the v2 handlers,
+    and Triton's keep its ``--http-restricted-api`` there too."""
+    from ferrobatch.serve import SageMaker, VertexAI
+
+    server = fb.Server(
+        double, inputs=[fb.TensorSpec("x", "float32", (WIDTH,))], outputs=[fb.TensorSpec("y", "float32", (WIDTH,))],
+        name="m",
+    )  # fmt: skip
+    config = ServeConfig(
+        http_port=0,
+        grpc_port=None,
+        log_level="warning",
+        vertex_ai=VertexAI(predict_route="/predict", health_route="/health", port=0),
+        sagemaker=SageMaker(port=0),
+        http_restricted_api=("inference,health:x-token=s3cret", "statistics:x-token=s3cret"),
+    )
+    with serve_in_thread([server], config) as listening:
+        vertex = f"http://127.0.0.1:{listening.vertex_ai_port}"
+        sagemaker = f"http://127.0.0.1:{listening.sagemaker_port}"
+        redirect = {"x-vertex-ai-triton-redirect": "v2/models/stats"}
+        for method, url, headers in (
+            ("POST", f"{vertex}/predict", {}),
+            ("GET", f"{vertex}/health", {}),
+            ("POST", f"{vertex}/predict", redirect),
+            ("POST", f"{sagemaker}/invocations", {}),
+            ("GET", f"{sagemaker}/ping", {}),
+        ):
+            body = infer_body() if method == "POST" else None
+            refused = httpx.request(method, url, json=body, headers=headers)
+            assert refused.status_code == 403 and refused.json() == {"error": HTTP_REFUSAL}, (url, refused.text)
+            allowed = httpx.request(method, url, json=body, headers={**headers, **TOKEN})
+            assert allowed.status_code == 200, (url, allowed.text)

@@ -794,7 +794,10 @@ async def _prediction_listener(
     from .http._cloud import PredictionListener
     from .http._endpoint import Endpoint
 
-    endpoint = Endpoint(repository, max_decompressed_size=config.max_decompressed_size)
+    # Triton's Vertex AI and SageMaker endpoints keep its HTTP restrictions: the same handlers answer.
+    endpoint = Endpoint(
+        repository, max_decompressed_size=config.max_decompressed_size, http_restricted_api=config.http_restricted_api
+    )
     try:
         listener = PredictionListener(endpoint, platform, max_body_size=config.max_body_size)
     except ValueError as exc:

@@ -95,7 +95,7 @@ class PredictionListener:
     async def _answer(self, request: web.BaseRequest) -> Reply:
         path = request.path
         if self._health.fullmatch(path):
-            return await self.endpoint.dispatch(request.method, "/v2/health/ready", {}, b"")
+            return await self.endpoint.dispatch(request.method, "/v2/health/ready", dict(request.headers), b"")
         if not self._predict.fullmatch(path):
             return _json(400, {"error": f"{self.platform}: {path!r} is neither the predict nor the health route"})
         if request.method != "POST":
