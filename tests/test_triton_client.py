@@ -489,3 +489,21 @@ def test_unicode_inputs_raise_what_pytriton_raises(served: Served, scheme: str) 
         for caught in (RuntimeError, PyTritonClientValueError):
             with pytest.raises(caught, match="Unicode inputs are not supported"):
                 client.infer_batch(np.array([["a", "b"]]))
+
+
+def test_the_access_token_headers_are_pytritons() -> None:
+    from ferrobatch.triton.client.auth import create_auth_headers, extract_access_token_from_headers
+
+    assert create_auth_headers("t", "HTTP") == {"triton-access-token": "t"}
+    assert create_auth_headers("t", "grpc") == {"triton-grpc-protocol-triton-access-token": "t"}
+    for token, protocol, error in ((None, "http", "cannot be None or empty"), ("t", "ws", "Invalid protocol 'ws'")):
+        with pytest.raises(ValueError, match=error):
+            create_auth_headers(token, protocol)
+    assert extract_access_token_from_headers({"triton-grpc-protocol-triton-access-token": "g"}) == "g"
+    assert extract_access_token_from_headers({"other": "x"}) is None
+    with pytest.raises(ValueError, match="Conflicting"):
+        extract_access_token_from_headers({"triton-access-token": "a", "triton-grpc-protocol-triton-access-token": "b"})
+    with pytest.raises(ValueError, match="cannot be None or empty"):
+        ModelClient("http://127.0.0.1:1", "m", access_token="", lazy_init=True)
+    client = ModelClient("grpc://127.0.0.1:1", "m", access_token="t", lazy_init=True)
+    assert ModelClient.from_existing_client(client)._requests.headers == client._requests.headers

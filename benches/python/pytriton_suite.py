@@ -60,13 +60,15 @@ import time
 from pathlib import Path
 
 #: The suites run, by their place in PyTriton's checkout, and the name each
-#: is run under: its decorator tests (what a model author's code touches) and
-#: its decoupled-mode functional test (a streaming model served, and
+#: is run under: its decorator tests (what a model author's code touches),
+#: its client's access-token headers (``pytriton.client.auth``) and its
+#: decoupled-mode functional test (a streaming model served, and
 #: ``DecoupledModelClient`` against it); then the helpers they import from
 #: their own package.
 TEST_FILES = {
     "tests/unit/test_decorators.py": "test_decorators.py",
     "tests/unit/test_decorators_batch.py": "test_decorators_batch.py",
+    "tests/unit/test_client_auth.py": "test_client_auth.py",
     "tests/functional/L0_decoupled_mode/test_pytest.py": "test_decoupled_mode.py",
 }
 HELPERS = ("__init__.py", "utils.py")

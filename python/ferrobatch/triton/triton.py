@@ -53,6 +53,7 @@ from ._binding import (
     numpy_dtype,
     tensor_spec,
 )
+from .constants import TRITON_ACCESS_HEADER
 from .exceptions import (
     PyTritonInvalidOperationError,
     PyTritonModelConfigError,
@@ -107,8 +108,6 @@ VALID_TRITON_ENDPOINTS = frozenset(
 )
 #: What PyTriton restricts when told nothing (since PyTriton 0.7).
 DEFAULT_PROTECTED_ENDPOINTS = ["shared-memory", "model-repository", "statistics", "trace", "logging"]
-#: The header that carries the access token (over gRPC as ``triton-grpc-protocol-`` + it).
-TRITON_ACCESS_HEADER = "triton-access-token"
 
 
 @dataclasses.dataclass

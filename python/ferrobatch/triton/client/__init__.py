@@ -47,6 +47,7 @@ import numpy as np
 
 from ..model_config import DynamicBatcher
 from ..model_config.triton_model_config import TensorSpec, TritonModelConfig
+from .auth import create_auth_headers, extract_access_token_from_headers
 from .exceptions import (
     PyTritonClientClosedError,
     PyTritonClientError,
@@ -81,8 +82,6 @@ Parameters = Mapping[str, str | int | float | bool]
 
 
 _DEFAULT_PORTS = {"http": 8000, "grpc": 8001}
-#: Triton's header for its access-restricted endpoints (gRPC: as metadata with its prefix).
-_ACCESS_HEADER = "triton-access-token"
 #: The longest one readiness or config request may take (PyTriton's network timeout).
 _MAX_PROBE_S = 60.0
 #: The shortest: a request given no time at all could not even be sent.
@@ -216,12 +215,11 @@ class _Requests:
         self.inference_timeout_s = 60.0 if inference_timeout_s is None else inference_timeout_s
         self.headers: dict[str, str] = {}
         if access_token is not None:
-            prefix = "triton-grpc-protocol-" if self.scheme == "grpc" else ""
-            self.headers[prefix + _ACCESS_HEADER] = access_token
+            self.headers.update(create_auth_headers(access_token, self.scheme))
 
     def same_as(self, config: TritonModelConfig | None) -> dict[str, Any]:
         """The arguments of a client like this one (``from_existing_client``)."""
-        token = next((v for k, v in self.headers.items() if k.endswith(_ACCESS_HEADER)), None)
+        token = extract_access_token_from_headers(self.headers)
         known: dict[str, Any] = {"model_config": config, "ensure_model_is_ready": False} if config else {}
         return {
             "url": f"{self.scheme}://{self.url}",
