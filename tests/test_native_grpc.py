@@ -216,7 +216,7 @@ def test_health_and_metadata_come_from_the_repositorys_documents(served: tuple[f
         assert meta == {
             "name": "ferrobatch",
             "version": fb.__version__,
-            "extensions": ["binary_tensor_data", "statistics", "model_configuration", "parameters"],
+            "extensions": ["binary_tensor_data", "statistics", "model_configuration", "parameters", "logging"],
         }
         model = triton.get_model_metadata("m", as_json=True)
         assert model == {

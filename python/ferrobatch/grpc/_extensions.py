@@ -1,7 +1,8 @@
-"""Triton's ``ModelReady``, ``ModelConfig``, ``ModelStatistics`` and
-``RepositoryIndex`` RPCs, answered from the documents the HTTP routes serve
-(:meth:`ModelRepository.model_config`, ``model_statistics``,
-``repository_index``), so both protocols say the same.
+"""Triton's ``ModelReady``, ``ModelConfig``, ``ModelStatistics``,
+``RepositoryIndex`` and ``LogSettings`` RPCs, answered from the documents
+the HTTP routes serve (:meth:`ModelRepository.model_config`,
+``model_statistics``, ``repository_index``; the log settings of
+:mod:`ferrobatch.http._log_settings`), so both protocols say the same.
 
 One implementation for both gRPC front-ends: the grpcio servicer calls
 :func:`model_config` and the others; the native front-end hands the request
@@ -17,6 +18,7 @@ from typing import Any
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError, Message
 
+from ..http import _log_settings
 from ..http.protocol import ModelRepository, ProtocolError, UnknownModelError
 from . import grpc_predict_v2_pb2 as pb
 
@@ -52,11 +54,32 @@ def repository_index(repository: ModelRepository, request: pb.RepositoryIndexReq
     return pb.RepositoryIndexResponse(models=[pb.RepositoryIndexResponse.ModelIndex(**m) for m in index])
 
 
+def log_settings(repository: ModelRepository, request: pb.LogSettingsRequest) -> pb.LogSettingsResponse:
+    """The log settings, first updated with those ``request`` names;
+    :class:`ProtocolError` for a bad one."""
+    changes = {
+        name: getattr(value, value.WhichOneof("parameter_choice") or "", None)
+        for name, value in request.settings.items()
+    }
+    settings = _log_settings.update(changes) if changes else _log_settings.current()
+    response = pb.LogSettingsResponse()
+    for name, setting in settings.items():
+        value = response.settings[name]
+        if isinstance(setting, bool):
+            value.bool_param = setting
+        elif isinstance(setting, int):
+            value.uint32_param = setting
+        else:
+            value.string_param = setting
+    return response
+
+
 _RPCS: dict[str, tuple[type[Message], Callable[[ModelRepository, Any], Message]]] = {
     "ModelReady": (pb.ModelReadyRequest, model_ready),
     "ModelConfig": (pb.ModelConfigRequest, model_config),
     "ModelStatistics": (pb.ModelStatisticsRequest, model_statistics),
     "RepositoryIndex": (pb.RepositoryIndexRequest, repository_index),
+    "LogSettings": (pb.LogSettingsRequest, log_settings),
 }
 
 

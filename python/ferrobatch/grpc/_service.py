@@ -167,6 +167,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Context) -> pb.RepositoryIndexResponse:
         return _extensions.repository_index(self.repository, request)
 
+    async def LogSettings(self, request: pb.LogSettingsRequest, context: Context) -> pb.LogSettingsResponse:
+        try:
+            return _extensions.log_settings(self.repository, request)
+        except ProtocolError as exc:
+            _fail(context, exc)
+            return pb.LogSettingsResponse()
+
     async def ModelInfer(self, request: bytes | pb.ModelInferRequest, context: Context) -> Any:
         """``request``: the message's bytes (as :func:`add_to_server`
         registers it), or the message (as the generated registration does);

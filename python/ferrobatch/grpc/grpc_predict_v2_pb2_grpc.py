@@ -85,6 +85,11 @@ class GRPCInferenceServiceStub(object):
                 request_serializer=ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.RepositoryIndexRequest.SerializeToString,
                 response_deserializer=ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.RepositoryIndexResponse.FromString,
                 _registered_method=True)
+        self.LogSettings = channel.unary_unary(
+                '/inference.GRPCInferenceService/LogSettings',
+                request_serializer=ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.LogSettingsRequest.SerializeToString,
+                response_deserializer=ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.LogSettingsResponse.FromString,
+                _registered_method=True)
 
 
 class GRPCInferenceServiceServicer(object):
@@ -162,6 +167,13 @@ class GRPCInferenceServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LogSettings(self, request, context):
+        """Triton: the server's log settings, updated with those the request names.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GRPCInferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -214,6 +226,11 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.RepositoryIndex,
                     request_deserializer=ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.RepositoryIndexRequest.FromString,
                     response_serializer=ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.RepositoryIndexResponse.SerializeToString,
+            ),
+            'LogSettings': grpc.unary_unary_rpc_method_handler(
+                    servicer.LogSettings,
+                    request_deserializer=ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.LogSettingsRequest.FromString,
+                    response_serializer=ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.LogSettingsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -486,6 +503,33 @@ class GRPCInferenceService(object):
             '/inference.GRPCInferenceService/RepositoryIndex',
             ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.RepositoryIndexRequest.SerializeToString,
             ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.RepositoryIndexResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LogSettings(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/LogSettings',
+            ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.LogSettingsRequest.SerializeToString,
+            ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.LogSettingsResponse.FromString,
             options,
             channel_credentials,
             insecure,

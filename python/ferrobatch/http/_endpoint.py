@@ -28,6 +28,7 @@ from .. import _core
 from .._core import clipped
 from ..metrics import exposition, registry
 from ..server import Server
+from . import _log_settings
 from .protocol import (
     MAX_DECOMPRESSED_SIZE,
     ModelRepository,
@@ -149,6 +150,14 @@ async def _repository_index(e: Endpoint, c: Call) -> Reply:
     return e.repository_index(body)
 
 
+async def _read_log_settings(e: Endpoint, c: Call) -> Reply:
+    return e.log_settings()
+
+
+async def _update_log_settings(e: Endpoint, c: Call) -> Reply:
+    return e.log_settings(c.body)
+
+
 async def _metrics(e: Endpoint, c: Call) -> Reply:
     return e.metrics()
 
@@ -207,6 +216,8 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/v2", _server_metadata),
     Route("GET", "/v2/models/stats", _all_statistics),
     Route("POST", "/v2/repository/index", _repository_index),
+    Route("GET", "/v2/logging", _read_log_settings),
+    Route("POST", "/v2/logging", _update_log_settings),
     *_model_routes("/v2/models/{name}"),
     *_model_routes("/v2/models/{name}/versions/{version}"),
     Route("GET", "/metrics", _metrics, metrics=True),
@@ -348,6 +359,19 @@ class Endpoint:
                 return error_reply(ProtocolError(400, 'a repository index request is a JSON object; "ready" a bool'))
             ready_only = ready
         return _json(200, self.repository.repository_index(ready_only))
+
+    def log_settings(self, body: bytes = b"") -> Reply:
+        """Triton's log settings (see :mod:`._log_settings`), first updated
+        with those a JSON object ``body`` names."""
+        try:
+            if not body.strip():
+                return _json(200, _log_settings.current())
+            request = load_json(body)
+            if not isinstance(request, dict):
+                raise ProtocolError(400, "a log settings request is a JSON object of settings")
+            return _json(200, _log_settings.update(request))
+        except ProtocolError as exc:
+            return error_reply(exc)
 
     # -- inference --------------------------------------------------------------------
 

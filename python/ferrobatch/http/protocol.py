@@ -74,8 +74,8 @@ MAX_ELEMENTS = 64 * 1024 * 1024
 MODEL_VERSION = "1"
 #: Protocol extensions announced in the server metadata (both protocols,
 #: both front-ends): binary tensors, Triton's statistics and model
-#: configuration, request parameters.
-EXTENSIONS = ("binary_tensor_data", "statistics", "model_configuration", "parameters")
+#: configuration, request parameters, log settings.
+EXTENSIONS = ("binary_tensor_data", "statistics", "model_configuration", "parameters", "logging")
 
 #: v2 datatype -> ferrobatch dtype name. BF16 travels as raw 2-byte words.
 DATATYPES: dict[str, str] = {v2: name for name, v2, _ in _core.dtypes()}

@@ -128,12 +128,12 @@ use pb::infer_parameter::ParameterChoice;
 use pb::model_infer_response::InferOutputTensor;
 use pb::model_metadata_response::TensorMetadata;
 use pb::{
-    InferParameter, InferTensorContents, ModelConfigRequest, ModelConfigResponse,
-    ModelInferRequest, ModelInferResponse, ModelMetadataRequest, ModelMetadataResponse,
-    ModelReadyRequest, ModelReadyResponse, ModelStatisticsRequest, ModelStatisticsResponse,
-    ModelStreamInferResponse, RepositoryIndexRequest, RepositoryIndexResponse, ServerLiveRequest,
-    ServerLiveResponse, ServerMetadataRequest, ServerMetadataResponse, ServerReadyRequest,
-    ServerReadyResponse,
+    InferParameter, InferTensorContents, LogSettingsRequest, LogSettingsResponse,
+    ModelConfigRequest, ModelConfigResponse, ModelInferRequest, ModelInferResponse,
+    ModelMetadataRequest, ModelMetadataResponse, ModelReadyRequest, ModelReadyResponse,
+    ModelStatisticsRequest, ModelStatisticsResponse, ModelStreamInferResponse,
+    RepositoryIndexRequest, RepositoryIndexResponse, ServerLiveRequest, ServerLiveResponse,
+    ServerMetadataRequest, ServerMetadataResponse, ServerReadyRequest, ServerReadyResponse,
 };
 
 /// The tonic service of one front-end, as every connection serves it.
@@ -1093,6 +1093,13 @@ impl GrpcInferenceService for Inference {
         request: Request<RepositoryIndexRequest>,
     ) -> Result<Response<RepositoryIndexResponse>, Status> {
         self.fallback("RepositoryIndex", request).await
+    }
+
+    async fn log_settings(
+        &self,
+        request: Request<LogSettingsRequest>,
+    ) -> Result<Response<LogSettingsResponse>, Status> {
+        self.fallback("LogSettings", request).await
     }
 }
 
