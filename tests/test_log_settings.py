@@ -137,3 +137,12 @@ def test_the_modules_debug_lines_follow_the_setting(caplog: pytest.LogCaptureFix
     _log_settings.update({"log_verbose_level": 0})
     logging.getLogger("ferrobatch.http").debug("another debug line")
     assert "another debug line" not in caplog.text
+
+
+def test_an_update_that_changes_nothing_leaves_the_loggers_level_alone() -> None:
+    LOGGER.setLevel(logging.NOTSET)  # as most programs leave it: the root's level counts
+    assert (
+        _log_settings.update({"log_info": LOGGER.isEnabledFor(logging.INFO), "log_file": None})
+        == _log_settings.current()
+    )
+    assert LOGGER.level == logging.NOTSET

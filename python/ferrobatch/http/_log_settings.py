@@ -52,6 +52,8 @@ def update(changes: Mapping[str, object]) -> dict[str, Setting]:
         for name, value in changes.items():
             if value is not None:
                 wanted[name] = _checked(name, value)
+        if wanted == _read():
+            return wanted  # nothing to change: the logger's own level (or none) stays
         _check_nesting(wanted)
         verbose = int(wanted["log_verbose_level"])
         if verbose > 0:
