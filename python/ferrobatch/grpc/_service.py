@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from .. import _core
 from ..client import MAX_STREAM_BACKLOG, StreamBacklog
@@ -40,6 +40,8 @@ _STATUS = {
 _CONTENTS = {v2: field for _, v2, field in _core.dtypes() if field is not None}
 
 Context = grpc.aio.ServicerContext[Any, Any]
+Request = TypeVar("Request", bound=Message)
+Response = TypeVar("Response", bound=Message)
 
 
 def status_code(exc: BaseException) -> grpc.StatusCode:
@@ -126,11 +128,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerReadyResponse(ready=self.repository.ready)
 
     async def ModelReady(self, request: pb.ModelReadyRequest, context: Context) -> pb.ModelReadyResponse:
-        try:
-            return _extensions.model_ready(self.repository, request)
-        except ProtocolError as exc:
-            _fail(context, exc)
-            return pb.ModelReadyResponse()
+        return self._extension(_extensions.model_ready, request, context, pb.ModelReadyResponse)
 
     async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Context) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(**self.repository.server_metadata())
@@ -151,28 +149,31 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         )
 
     async def ModelConfig(self, request: pb.ModelConfigRequest, context: Context) -> pb.ModelConfigResponse:
-        try:
-            return _extensions.model_config(self.repository, request)
-        except ProtocolError as exc:
-            _fail(context, exc)
-            return pb.ModelConfigResponse()
+        return self._extension(_extensions.model_config, request, context, pb.ModelConfigResponse)
 
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Context) -> pb.ModelStatisticsResponse:
-        try:
-            return _extensions.model_statistics(self.repository, request)
-        except ProtocolError as exc:
-            _fail(context, exc)
-            return pb.ModelStatisticsResponse()
+        return self._extension(_extensions.model_statistics, request, context, pb.ModelStatisticsResponse)
 
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Context) -> pb.RepositoryIndexResponse:
         return _extensions.repository_index(self.repository, request)
 
     async def LogSettings(self, request: pb.LogSettingsRequest, context: Context) -> pb.LogSettingsResponse:
+        return self._extension(_extensions.log_settings, request, context, pb.LogSettingsResponse)
+
+    def _extension(
+        self,
+        answer: Callable[[ModelRepository, Request], Response],
+        request: Request,
+        context: Context,
+        empty: Callable[[], Response],
+    ) -> Response:
+        """``answer``'s response (see :mod:`._extensions`); a refused request's
+        status and details set on ``context``, with an empty response."""
         try:
-            return _extensions.log_settings(self.repository, request)
+            return answer(self.repository, request)
         except ProtocolError as exc:
             _fail(context, exc)
-            return pb.LogSettingsResponse()
+            return empty()
 
     async def ModelInfer(self, request: bytes | pb.ModelInferRequest, context: Context) -> Any:
         """``request``: the message's bytes (as :func:`add_to_server`

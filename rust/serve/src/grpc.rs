@@ -300,20 +300,15 @@ fn route(
 /// UNAVAILABLE to a call of a restricted protocol without its header and
 /// value (Triton's `--grpc-restricted-protocol`; see [`crate::restrict`]):
 /// every RPC, tonic's and the stream included, and on a connection beyond
-/// `max_connections` too. With no restriction, one branch.
+/// `max_connections` too.
 #[inline]
 fn restricted(
     shared: &Shared,
     request: &hyper::Request<Incoming>,
 ) -> Option<hyper::Response<tonic::body::Body>> {
-    let restrictions = &shared.config.grpc_restricted_protocol;
-    if restrictions.is_empty() {
-        return None;
-    }
-    let headers = request.headers();
-    let refusal = restrictions.refusal(restrict::grpc_api(request.uri().path()), |name| {
-        headers.get(name).map(HeaderValue::as_bytes)
-    })?;
+    let path = request.uri().path();
+    let refusal = (shared.config.grpc_restricted_protocol)
+        .refused(|| restrict::grpc_api(path), request.headers())?;
     Some(Status::unavailable(refusal).into_http())
 }
 

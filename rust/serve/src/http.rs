@@ -384,18 +384,12 @@ enum Routed {
 }
 
 /// 403 to a request to a restricted API without its header and value
-/// (Triton's `--http-restricted-api`; see [`crate::restrict`]). With no
-/// restriction, one branch.
+/// (Triton's `--http-restricted-api`; see [`crate::restrict`]).
 #[inline]
 fn restricted(shared: &Shared, request: &Request<Incoming>) -> Option<Response<Body>> {
-    let restrictions = &shared.config.http_restricted_api;
-    if restrictions.is_empty() {
-        return None;
-    }
-    let headers = request.headers();
-    let refusal = restrictions.refusal(restrict::http_api(request.uri().path()), |name| {
-        headers.get(name).map(HeaderValue::as_bytes)
-    })?;
+    let path = request.uri().path();
+    let refusal = (shared.config.http_restricted_api)
+        .refused(|| restrict::http_api(path), request.headers())?;
     Some(error(&Failure::new(403, refusal)))
 }
 

@@ -245,6 +245,23 @@ impl Restrictions {
             Some(restriction.refusal())
         }
     }
+
+    /// [`Restrictions::refusal`] of a native front-end's request with
+    /// `headers`, of the category `api` says (asked only when something is
+    /// restricted: with nothing restricted, one branch).
+    #[inline]
+    pub fn refused(
+        &self,
+        api: impl FnOnce() -> Option<Api>,
+        headers: &hyper::HeaderMap,
+    ) -> Option<&str> {
+        if self.is_empty() {
+            return None;
+        }
+        self.refusal(api(), |name| {
+            headers.get(name).map(hyper::header::HeaderValue::as_bytes)
+        })
+    }
 }
 
 /// The category of an HTTP request to `path` (whatever its method; a query
@@ -635,10 +652,7 @@ mod tests {
         let mut headers = hyper::HeaderMap::new();
         let refusal = "This API is restricted, expecting header 'Triton-Access-Token'";
         let check = |headers: &hyper::HeaderMap, path: &str| {
-            http.refusal(http_api(path), |name| {
-                headers.get(name).map(hyper::header::HeaderValue::as_bytes)
-            })
-            .map(str::to_owned)
+            http.refused(|| http_api(path), headers).map(str::to_owned)
         };
         assert_eq!(
             check(&headers, "/v2/models/stats").as_deref(),
