@@ -249,9 +249,9 @@ def test_model_failure_is_internal(triton: grpcclient.InferenceServerClient) -> 
 
 
 def test_unimplemented_rpcs_say_so(triton: grpcclient.InferenceServerClient) -> None:
-    # Triton's RPCs beyond ModelConfig, ModelStatistics and RepositoryIndex
-    # (tests/test_grpc_extensions.py) are not served.
-    assert code_of(lambda: triton.get_system_shared_memory_status()) == "StatusCode.UNIMPLEMENTED"
+    # Triton's RPCs beyond those of tests/test_grpc_extensions.py,
+    # test_log_settings.py and test_system_shared_memory.py are not served.
+    assert code_of(lambda: triton.get_cuda_shared_memory_status()) == "StatusCode.UNIMPLEMENTED"
     assert code_of(lambda: triton.load_model("double")) == "StatusCode.UNIMPLEMENTED"
 
 

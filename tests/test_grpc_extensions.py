@@ -26,7 +26,14 @@ from ferrobatch.serve import ServeConfig, serve_in_thread
 X = fb.TensorSpec("x", "float32", (4,))
 Y = fb.TensorSpec("y", "float32", (4,))
 N = fb.TensorSpec("n", "int64", ())
-EXTENSIONS = ["binary_tensor_data", "statistics", "model_configuration", "parameters", "logging"]
+EXTENSIONS = [
+    "binary_tensor_data",
+    "statistics",
+    "model_configuration",
+    "parameters",
+    "logging",
+    "system_shared_memory",
+]
 
 
 def double(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

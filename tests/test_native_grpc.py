@@ -33,6 +33,7 @@ from tritonclient.utils import InferenceServerException
 import ferrobatch as fb
 from ferrobatch.grpc import grpc_predict_v2_pb2 as pb
 from ferrobatch.grpc import grpc_predict_v2_pb2_grpc as pb_grpc
+from ferrobatch.http.protocol import EXTENSIONS
 from ferrobatch.serve import Listening, ServeConfig, StartupError, serve, serve_in_thread
 
 X = fb.TensorSpec("x", "float32", (4,))
@@ -216,7 +217,7 @@ def test_health_and_metadata_come_from_the_repositorys_documents(served: tuple[f
         assert meta == {
             "name": "ferrobatch",
             "version": fb.__version__,
-            "extensions": ["binary_tensor_data", "statistics", "model_configuration", "parameters", "logging"],
+            "extensions": list(EXTENSIONS),
         }
         model = triton.get_model_metadata("m", as_json=True)
         assert model == {
@@ -1116,8 +1117,8 @@ def test_the_python_front_end_counts_a_streams_deadline_as_the_native_one() -> N
 
 @pytest.mark.parametrize("frontend", ["native", "python"])
 def test_a_tensor_naming_a_shared_memory_region_is_refused_not_answered_in_the_response(frontend: str) -> None:
-    """The server has no shared-memory extension: a client of it would read
-    its output region, not the response, so answering is wrong."""
+    """Clients' shared memory is off (the default, as in Triton): a client of
+    it would read its output region, not the response, so answering is wrong."""
     import tritonclient.http as httpclient
 
     server = fb.Server(double, inputs=[X], outputs=[Y, N], name="m")

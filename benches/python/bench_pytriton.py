@@ -62,7 +62,15 @@ ROOT = HERE.parents[2]
 sys.path.insert(0, str(HERE.parent))
 
 import serve_loadgen as loadgen  # noqa: E402
-from bench_serve import PYTRITON_VENV, cpu_seconds, free_ports, pinned, pytriton_python, stop  # noqa: E402
+from bench_serve import (  # noqa: E402
+    PYTRITON_VENV,
+    cpu_seconds,
+    free_ports,
+    pinned,
+    pytriton_env,
+    pytriton_python,
+    stop,
+)
 
 MODEL = "tokens"  # the decoupled one
 MODELS = ("add_sub", "identity", MODEL)
@@ -212,13 +220,7 @@ def server_process(server: str, python: str, responses: int, delay_us: int, cpu:
         "--queue-delay-us", str(delay_us),
         "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
     ]  # fmt: skip
-    env = dict(os.environ)
-    if server == "pytriton":  # Triton's Python-backend stub links this interpreter's libpython
-        libdir = subprocess.run(
-            [python, "-c", "import sysconfig; print(sysconfig.get_config_var('LIBDIR') or '')"],
-            capture_output=True, text=True, check=True,
-        ).stdout.strip()  # fmt: skip
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [libdir, env.get("LD_LIBRARY_PATH")]))
+    env = pytriton_env(python) if server == "pytriton" else dict(os.environ)
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
         try:

@@ -504,15 +504,7 @@ def pytriton_server(python: str, log: Path, cpu: str | None = None) -> Iterator[
         *pinned(cpu), python, str(HERE), "--pytriton-server",
         "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
     ]  # fmt: skip
-    env = dict(os.environ)
-    # Triton's Python-backend stub links libpython; point it at this
-    # interpreter's own (a system copy of another patch release breaks it).
-    libdir = subprocess.run(
-        [python, "-c", "import sysconfig; print(sysconfig.get_config_var('LIBDIR') or '')"],
-        capture_output=True, text=True, check=True,
-    ).stdout.strip()  # fmt: skip
-    if libdir:
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [libdir, env.get("LD_LIBRARY_PATH")]))
+    env = pytriton_env(python)
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
         try:
@@ -522,6 +514,21 @@ def pytriton_server(python: str, log: Path, cpu: str | None = None) -> Iterator[
             )
         finally:
             stop(proc, seconds=90)
+
+
+def pytriton_env(python: str) -> dict[str, str]:
+    """This process's environment for a PyTriton server run by ``python``:
+    Triton's Python-backend stub links libpython, so ``LD_LIBRARY_PATH``
+    starts with that interpreter's own (a system copy of another patch
+    release breaks it)."""
+    env = dict(os.environ)
+    libdir = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_config_var('LIBDIR') or '')"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    if libdir:
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [libdir, env.get("LD_LIBRARY_PATH")]))
+    return env
 
 
 def pytriton_python(arg: str | None) -> str | None:

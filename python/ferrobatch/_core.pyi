@@ -20,6 +20,7 @@ __all__ = [
     "SharedDrain",
     "SharedServer",
     "ResponseCache",
+    "SharedMemoryRegions",
     "Submitter",
     "V2Codec",
     "V2Request",
@@ -138,11 +139,14 @@ class Submitter:
         parameters: Mapping[str, Any] | str | None = None,
         stream: Any = None,
         requested_outputs: int = 0,
+        uncached: bool = False,
     ) -> tuple[asyncio.Future[dict[str, torch.Tensor]], int]:
         """Queues a request from the running event loop: ``(future, request id)``;
         a decoupled model's with a ``stream`` (``put_nowait`` gets each response).
         ``requested_outputs``: the outputs a v2 request asked for, as bits of
-        their indices (0: not said), told to a model built with its requests."""
+        their indices (0: not said), told to a model built with its requests.
+        ``uncached``: never looked up in nor kept in the response cache (a v2
+        request naming a shared-memory region)."""
     def infer_blocking(
         self,
         inputs: Any,
@@ -264,6 +268,23 @@ class CodecError(ValueError):
     status: int
 
 @final
+class SharedMemoryRegions:
+    """A server's registry of Triton system shared-memory regions, which the
+    codecs given it read inputs from and write outputs into. Errors are
+    ``CodecError``s with the HTTP status to answer (400; 404 for a region
+    not registered)."""
+
+    def __new__(cls) -> SharedMemoryRegions: ...
+    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        """Maps ``byte_size`` bytes of the shared-memory object ``key``
+        (``/name``) from ``offset`` as region ``name``."""
+    def unregister(self, name: str) -> None:
+        """Unregisters region ``name`` (empty: every region); an unknown name is no error."""
+    def status(self, name: str) -> list[tuple[str, str, int, int]]:
+        """``(name, key, offset, byte_size)`` of region ``name``, or of every region for an empty name."""
+    def __len__(self) -> int: ...
+
+@final
 class V2Tensor:
     """A decoded input: its bytes through the buffer protocol, read-only and
     C-contiguous, with its datatype's format (BF16: raw 16-bit words) and shape."""
@@ -295,6 +316,10 @@ class V2Request:
     @property
     def has_bf16(self) -> bool: ...
     @property
+    def shared_memory(self) -> bool:
+        """Whether a tensor of the request names a shared-memory region (its
+        answer is not its body's alone: submit it ``uncached``)."""
+    @property
     def requested_outputs(self) -> int:
         """The outputs to send, as bits of their indices: what a model built
         with its requests is told (every output when the request named none)."""
@@ -313,7 +338,14 @@ class V2Codec:
         max_elements: int,
         batching: bool = True,
         decoupled: bool = False,
-    ) -> V2Codec: ...
+        regions: SharedMemoryRegions | None = None,
+        output_row_bytes: list[int | None] | None = None,
+    ) -> V2Codec:
+        """``regions``: the server's shared-memory regions, which requests
+        may then name (None: refused). ``output_row_bytes``: the bytes of
+        one row of each output (of the whole output without batching), None
+        where only the model's answer says: an output region too small for
+        a known size is refused before the model runs."""
     def decode(self, body: bytes, header_length: str | None = None) -> V2Request: ...
     def remembered_headers(self) -> int: ...
     def encode(self, request: V2Request, results: dict[str, torch.Tensor]) -> tuple[bytes, int | None]: ...
@@ -522,6 +554,11 @@ class GrpcInferRequest:
     @property
     def empty_final(self) -> bool:
         """Whether a streamed request asks for an empty final response."""
+    @property
+    def shared_memory(self) -> bool:
+        """Whether the request's last ``read`` found a tensor naming a
+        shared-memory region: submit it ``uncached`` and answer it with
+        ``grpc_response(..., request=self)``."""
     def read(
         self, codec: V2Codec, call_timeout: float | None, keeps_parameters: bool
     ) -> tuple[dict[str, V2Tensor], list[str], int | None, str | None, float | None, int]:
@@ -534,11 +571,20 @@ class GrpcInferRequest:
         ``CodecError`` with its HTTP status for a request the rules refuse."""
 
 def grpc_response(
-    codec: V2Codec, model_name: str, id: str, outputs: list[str], results: Mapping[str, Any], last: bool | None = None
+    codec: V2Codec,
+    model_name: str,
+    id: str,
+    outputs: list[str],
+    results: Mapping[str, Any],
+    last: bool | None = None,
+    request: GrpcInferRequest | None = None,
 ) -> bytes:
     """The encoded answer: a ``ModelInferResponse`` of the ``outputs`` named,
     read from ``results``; with ``last``, a stream's
-    ``ModelStreamInferResponse`` flagged ``triton_final_response``."""
+    ``ModelStreamInferResponse`` flagged ``triton_final_response``. With
+    ``request`` (the one read), its outputs in shared memory are written to
+    their regions and answered with empty raw contents (``CodecError`` 400
+    when one does not fit its region)."""
 
 def grpc_stream_error(model_name: str, id: str, message: str) -> bytes:
     """The encoded ``ModelStreamInferResponse`` that ends a streamed request with ``message``."""

@@ -263,16 +263,20 @@ class Client:
         priority: int | None,
         parameters: Mapping[str, Parameter] | str | None,
         requested_outputs: int = 0,
+        *,
+        uncached: bool = False,
     ) -> Any:
         """``infer`` / ``infer_batch`` with a priority or parameters (a JSON
         object's text: the v2 front-ends pass on what a request carried, and
-        the outputs it asked for as bits of their indices, 0: not said)."""
+        the outputs it asked for as bits of their indices, 0: not said;
+        ``uncached``: past the response cache, a request whose answer is not
+        its inputs' alone)."""
         tensordict = _is_tensordict(inputs)
         rows = _rows_of(inputs) if tensordict and batched else None
         if type(inputs) is not dict and isinstance(inputs, Mapping):
             inputs = flatten_inputs(inputs, self._input_names if tensordict else None)
         future, rid = self._submitter.submit(
-            inputs, timeout, batched, priority, parameters, requested_outputs=requested_outputs
+            inputs, timeout, batched, priority, parameters, requested_outputs=requested_outputs, uncached=uncached
         )
         try:
             outputs = await future
@@ -375,18 +379,19 @@ class Client:
         parameters: Mapping[str, Parameter] | str | None,
         backlog: StreamBacklog | None = None,
         requested_outputs: int = 0,
+        uncached: bool = False,
     ) -> AsyncIterator[Any]:
         """``stream`` / ``stream_batch`` (``parameters``: a JSON object's
         text: the v2 front-ends pass on what a request carried, as they do
-        ``requested_outputs``, see :meth:`_infer_with`; ``backlog``: the gRPC
-        stream's the request answers on, else its own)."""
+        ``requested_outputs`` and ``uncached``, see :meth:`_infer_with`;
+        ``backlog``: the gRPC stream's the request answers on, else its own)."""
         tensordict = _is_tensordict(inputs)
         rows = _rows_of(inputs) if tensordict and batched else None
         if type(inputs) is not dict and isinstance(inputs, Mapping):
             inputs = flatten_inputs(inputs, self._input_names if tensordict else None)
         responses = _Responses(StreamBacklog(self._server.max_stream_backlog) if backlog is None else backlog)
         future, rid = self._submitter.submit(
-            inputs, timeout, batched, priority, parameters, responses, requested_outputs
+            inputs, timeout, batched, priority, parameters, responses, requested_outputs, uncached
         )
         del inputs
         future.add_done_callback(responses.wake)

@@ -340,6 +340,14 @@ class ServeConfig:
     #: Triton's ``--grpc-restricted-protocol``: the same for gRPC, whose
     #: calls must carry ``triton-grpc-protocol-<header>``; others end UNAVAILABLE.
     grpc_restricted_protocol: tuple[str, ...] = ()
+    #: Triton's ``--allow-client-shm``: clients may register regions of
+    #: POSIX shared memory (``/dev/shm`` objects) over HTTP or gRPC and name
+    #: them in infer requests, for inputs and outputs (the system
+    #: shared-memory extension). Off by default, as in Triton: a client that
+    #: may register regions may read or overwrite any ``/dev/shm`` object
+    #: this process may open (restrict the ``shared-memory`` API group, or
+    #: keep the ports to trusted clients).
+    allow_client_shm: bool = False
     #: The most bytes of a decoupled model's responses one gRPC
     #: ``ModelStreamInfer`` stream holds before its client reads them (either
     #: front-end): a response past them fails its request (an
@@ -600,7 +608,11 @@ async def serve(
     config = config or ServeConfig()
     check_config(config)
     repository = _Repository(
-        servers, expose_errors=config.expose_errors, cpu_metrics=config.cpu_metrics, gpu_metrics=config.gpu_metrics
+        servers,
+        expose_errors=config.expose_errors,
+        cpu_metrics=config.cpu_metrics,
+        gpu_metrics=config.gpu_metrics,
+        allow_client_shm=config.allow_client_shm,
     )
     if config.share is not None:  # refused now, not after the warm-ups
         for server in repository.servers:
@@ -1292,6 +1304,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f" {MAX_DECOMPRESSED_SIZE}). Responses are gzip or deflate coded when Accept-Encoding asks",
     )
     parser.add_argument(
+        "--allow-client-shm",
+        nargs="?",
+        const=True,
+        default=False,
+        type=_flag,
+        metavar="true|false",
+        help="let clients register POSIX shared-memory regions and name them in requests for inputs and"
+        " outputs (Triton's system shared-memory extension; off by default: a client that may register"
+        " regions may read or overwrite any /dev/shm object this process may open)",
+    )
+    parser.add_argument(
         "--expose-errors",
         action="store_true",
         help="send the text of a model's exceptions to clients (default: their type and a"
@@ -1371,6 +1394,14 @@ def _positive(what: str, most: int | None = None) -> Callable[[str], int]:
 
 _size = _positive("a number of bytes")
 _count = _positive("a whole number")
+
+
+def _flag(text: str) -> bool:
+    """An argparse type: a boolean as Triton's options take one."""
+    value = {"true": True, "1": True, "on": True, "false": False, "0": False, "off": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return value
 
 
 def _seconds(text: str) -> float:
@@ -1455,6 +1486,7 @@ def main(args: argparse.Namespace) -> int:
         grpc_header_forward_pattern=args.grpc_header_forward_pattern,
         http_restricted_api=tuple(args.http_restricted_api),
         grpc_restricted_protocol=tuple(args.grpc_restricted_protocol),
+        allow_client_shm=args.allow_client_shm,
         max_stream_backlog=args.max_stream_backlog,
         share=args.share,
         metrics_port=args.metrics_port,

@@ -47,6 +47,7 @@ def grpc_server(
     options: Sequence[tuple[str, int | str]] = (),
     max_stream_backlog: int = MAX_STREAM_BACKLOG,
     grpc_restricted_protocol: Sequence[str] = (),
+    allow_client_shm: bool = False,
 ) -> grpc.aio.Server:
     """A ``grpc.aio.Server`` with the v2 service for ``servers``, bound to
     ``address`` (``None``: bind nothing; call ``add_insecure_port`` yourself).
@@ -57,7 +58,10 @@ def grpc_server(
     ``grpc_restricted_protocol``: Triton's ``--grpc-restricted-protocol``
     groups (``"<protocols>:<key>=<value>"`` each, see ``ServeConfig``): a
     call of a restricted group without ``triton-grpc-protocol-<key>:
-    <value>`` in its metadata ends UNAVAILABLE.
+    <value>`` in its metadata ends UNAVAILABLE. ``allow_client_shm``:
+    clients may register shared-memory regions and name them in requests
+    (Triton's system shared-memory extension; for ``servers`` given as
+    servers, see :class:`~ferrobatch.http.protocol.ModelRepository`).
     """
     import grpc.aio
 
@@ -72,7 +76,7 @@ def grpc_server(
             *options,
         ]
     )
-    servicer = InferenceServicer(servers, max_stream_backlog=max_stream_backlog)
+    servicer = InferenceServicer(servers, max_stream_backlog=max_stream_backlog, allow_client_shm=allow_client_shm)
     add_to_server(servicer, server, grpc_restricted_protocol)
     if address is not None:
         server.add_insecure_port(address)

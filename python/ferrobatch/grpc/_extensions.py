@@ -1,8 +1,9 @@
 """Triton's ``ModelReady``, ``ModelConfig``, ``ModelStatistics``,
-``RepositoryIndex`` and ``LogSettings`` RPCs, answered from the documents
-the HTTP routes serve (:meth:`ModelRepository.model_config`,
-``model_statistics``, ``repository_index``; the log settings of
-:mod:`ferrobatch.http._log_settings`), so both protocols say the same.
+``RepositoryIndex``, ``LogSettings`` and ``SystemSharedMemory*`` RPCs,
+answered from what the HTTP routes serve (:meth:`ModelRepository.model_config`,
+``model_statistics``, ``repository_index``, the shared-memory regions; the
+log settings of :mod:`ferrobatch.http._log_settings`), so both protocols
+say the same.
 
 One implementation for both gRPC front-ends: the grpcio servicer calls
 :func:`model_config` and the others; the native front-end hands the request
@@ -19,7 +20,7 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError, Message
 
 from ..http import _log_settings
-from ..http.protocol import ModelRepository, ProtocolError, UnknownModelError
+from ..http.protocol import CLIENT_SHM_DISABLED, ModelRepository, ProtocolError, UnknownModelError
 from . import grpc_predict_v2_pb2 as pb
 
 # gRPC status codes (grpc.StatusCode's numbers, without importing grpcio).
@@ -74,19 +75,53 @@ def log_settings(repository: ModelRepository, request: pb.LogSettingsRequest) ->
     return response
 
 
+def shared_memory_status(
+    repository: ModelRepository, request: pb.SystemSharedMemoryStatusRequest
+) -> pb.SystemSharedMemoryStatusResponse:
+    """The registered region (every one for an empty name), by name."""
+    response = pb.SystemSharedMemoryStatusResponse()
+    for region in repository.shared_memory_status(request.name):
+        response.regions[region["name"]].CopyFrom(pb.SystemSharedMemoryStatusResponse.RegionStatus(**region))
+    return response
+
+
+def register_shared_memory(
+    repository: ModelRepository, request: pb.SystemSharedMemoryRegisterRequest
+) -> pb.SystemSharedMemoryRegisterResponse:
+    if not repository.allows_client_shm:
+        raise ProtocolError(501, CLIENT_SHM_DISABLED)
+    if not request.name:
+        raise ProtocolError(400, "'region name' is necessary to register system shared memory region")
+    repository.register_shared_memory(request.name, request.key, request.offset, request.byte_size)
+    return pb.SystemSharedMemoryRegisterResponse()
+
+
+def unregister_shared_memory(
+    repository: ModelRepository, request: pb.SystemSharedMemoryUnregisterRequest
+) -> pb.SystemSharedMemoryUnregisterResponse:
+    repository.unregister_shared_memory(request.name)
+    return pb.SystemSharedMemoryUnregisterResponse()
+
+
 _RPCS: dict[str, tuple[type[Message], Callable[[ModelRepository, Any], Message]]] = {
     "ModelReady": (pb.ModelReadyRequest, model_ready),
     "ModelConfig": (pb.ModelConfigRequest, model_config),
     "ModelStatistics": (pb.ModelStatisticsRequest, model_statistics),
     "RepositoryIndex": (pb.RepositoryIndexRequest, repository_index),
     "LogSettings": (pb.LogSettingsRequest, log_settings),
+    "SystemSharedMemoryStatus": (pb.SystemSharedMemoryStatusRequest, shared_memory_status),
+    "SystemSharedMemoryRegister": (pb.SystemSharedMemoryRegisterRequest, register_shared_memory),
+    "SystemSharedMemoryUnregister": (pb.SystemSharedMemoryUnregisterRequest, unregister_shared_memory),
 }
 
 
 def error_code(exc: ProtocolError) -> int:
     """The gRPC status code of a refused request: NOT_FOUND for an unknown
-    model or version, INVALID_ARGUMENT otherwise."""
-    return NOT_FOUND if isinstance(exc, UnknownModelError) else INVALID_ARGUMENT
+    model, version or region, UNIMPLEMENTED for what the server does not do
+    (501), INVALID_ARGUMENT otherwise."""
+    if isinstance(exc, UnknownModelError) or exc.status == 404:
+        return NOT_FOUND
+    return UNIMPLEMENTED if exc.status == 501 else INVALID_ARGUMENT
 
 
 def answer(repository: ModelRepository, method: str, request: bytes) -> tuple[int, str, bytes]:

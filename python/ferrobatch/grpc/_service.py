@@ -32,6 +32,8 @@ log = logging.getLogger("ferrobatch.grpc")
 
 _STATUS = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
+    404: grpc.StatusCode.NOT_FOUND,
+    501: grpc.StatusCode.UNIMPLEMENTED,
     503: grpc.StatusCode.UNAVAILABLE,
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
     500: grpc.StatusCode.INTERNAL,
@@ -98,13 +100,16 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         *,
         expose_errors: bool | None = None,
         max_stream_backlog: int = MAX_STREAM_BACKLOG,
+        allow_client_shm: bool = False,
     ) -> None:
         #: Bytes of decoupled responses one ModelStreamInfer stream holds unread, at most.
         self.max_stream_backlog = max_stream_backlog
         if isinstance(servers, ModelRepository):
             self.repository = servers
         else:
-            self.repository = ModelRepository(servers, expose_errors=bool(expose_errors))
+            self.repository = ModelRepository(
+                servers, expose_errors=bool(expose_errors), allow_client_shm=allow_client_shm
+            )
         self.expose_errors = self.repository.expose_errors if expose_errors is None else expose_errors
         self._stopping = False
         # The ModelStreamInfer streams' readers, stopped by stop_streams().
@@ -159,6 +164,25 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def LogSettings(self, request: pb.LogSettingsRequest, context: Context) -> pb.LogSettingsResponse:
         return self._extension(_extensions.log_settings, request, context, pb.LogSettingsResponse)
+
+    async def SystemSharedMemoryStatus(
+        self, request: pb.SystemSharedMemoryStatusRequest, context: Context
+    ) -> pb.SystemSharedMemoryStatusResponse:
+        return self._extension(_extensions.shared_memory_status, request, context, pb.SystemSharedMemoryStatusResponse)
+
+    async def SystemSharedMemoryRegister(
+        self, request: pb.SystemSharedMemoryRegisterRequest, context: Context
+    ) -> pb.SystemSharedMemoryRegisterResponse:
+        return self._extension(
+            _extensions.register_shared_memory, request, context, pb.SystemSharedMemoryRegisterResponse
+        )
+
+    async def SystemSharedMemoryUnregister(
+        self, request: pb.SystemSharedMemoryUnregisterRequest, context: Context
+    ) -> pb.SystemSharedMemoryUnregisterResponse:
+        return self._extension(
+            _extensions.unregister_shared_memory, request, context, pb.SystemSharedMemoryUnregisterResponse
+        )
 
     def _extension(
         self,
@@ -314,8 +338,11 @@ async def infer(repository: ModelRepository, call: _core.GrpcInferRequest, call_
     read = call.read(model.codec, call_timeout, model.server.with_requests)
     inputs, outputs, priority, parameters, timeout, requested = read
     tensors = model_inputs(inputs, _has_bf16(inputs))
-    results = await repository.infer(model, tensors, timeout, priority, parameters, requested)
-    return _core.grpc_response(model.codec, call.model_name, call.id, outputs, results)
+    shared = call.shared_memory  # answered into the regions it names
+    results = await repository.infer(model, tensors, timeout, priority, parameters, requested, uncached=shared)
+    return _core.grpc_response(
+        model.codec, call.model_name, call.id, outputs, results, request=call if shared else None
+    )
 
 
 async def stream_responses(
@@ -341,12 +368,15 @@ async def stream_responses(
             model.codec, call_timeout, model.server.with_requests
         )
         tensors = model_inputs(inputs, _has_bf16(inputs))
+        shared = call.shared_memory  # answered into the regions it names
+        regions = call if shared else None
         if not model.server.decoupled:
-            results = await repository.infer(model, tensors, timeout, priority, parameters, requested)
-            yield _core.grpc_response(model.codec, name, rid, outputs, results, last=True)
+            results = await repository.infer(model, tensors, timeout, priority, parameters, requested, uncached=shared)
+            yield _core.grpc_response(model.codec, name, rid, outputs, results, last=True, request=regions)
             return
-        async for results in repository.stream(model, tensors, timeout, priority, parameters, backlog, requested):
-            yield _core.grpc_response(model.codec, name, rid, outputs, results, last=False)
+        responses = repository.stream(model, tensors, timeout, priority, parameters, backlog, requested, shared)
+        async for results in responses:
+            yield _core.grpc_response(model.codec, name, rid, outputs, results, last=False, request=regions)
     except Exception as exc:  # noqa: BLE001 - every failure becomes an error on the stream
         yield _core.grpc_stream_error(name, rid, error_message(exc, name, expose=expose_errors))
         return

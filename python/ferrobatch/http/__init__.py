@@ -78,6 +78,7 @@ def starlette_app(
     max_body_size: int = MAX_BODY_SIZE,
     max_decompressed_size: int = MAX_DECOMPRESSED_SIZE,
     http_restricted_api: Sequence[str] = (),
+    allow_client_shm: bool = False,
 ) -> Starlette:
     """A Starlette (ASGI) app serving ``servers`` (unique names) over v2 REST.
 
@@ -88,7 +89,10 @@ def starlette_app(
     request body in bytes (413 beyond). ``http_restricted_api``: Triton's
     ``--http-restricted-api`` groups, ``"<apis>:<header>=<value>"`` each
     (see :class:`ferrobatch.serve.ServeConfig`): a request to a route of a
-    restricted API group without that header gets 403. The app's repository
+    restricted API group without that header gets 403.
+    ``allow_client_shm``: clients may register shared-memory regions and
+    name them in requests (Triton's system shared-memory extension; see
+    :class:`~ferrobatch.http.protocol.ModelRepository`). The app's repository
     is ``app.state.ferrobatch.repository``.
     """
     from ._starlette import starlette_app as make
@@ -101,6 +105,7 @@ def starlette_app(
         max_body_size=max_body_size,
         max_decompressed_size=max_decompressed_size,
         http_restricted_api=http_restricted_api,
+        allow_client_shm=allow_client_shm,
     )
 
 
@@ -113,6 +118,7 @@ def aiohttp_app(
     max_body_size: int = MAX_BODY_SIZE,
     max_decompressed_size: int = MAX_DECOMPRESSED_SIZE,
     http_restricted_api: Sequence[str] = (),
+    allow_client_shm: bool = False,
 ) -> web.Application:
     """An aiohttp app serving ``servers`` over v2 REST; also works as a
     sub-app (``parent.add_subapp("/prefix", app)``; its ``cleanup_ctx`` then
@@ -128,4 +134,5 @@ def aiohttp_app(
         max_body_size=max_body_size,
         max_decompressed_size=max_decompressed_size,
         http_restricted_api=http_restricted_api,
+        allow_client_shm=allow_client_shm,
     )

@@ -43,6 +43,7 @@ def aiohttp_app(
     max_body_size: int = MAX_BODY_SIZE,
     max_decompressed_size: int = MAX_DECOMPRESSED_SIZE,
     http_restricted_api: Sequence[str] = (),
+    allow_client_shm: bool = False,
 ) -> web.Application:
     endpoint = Endpoint(
         servers,
@@ -50,6 +51,7 @@ def aiohttp_app(
         max_decompressed_size=max_decompressed_size,
         metrics=metrics,
         http_restricted_api=http_restricted_api,
+        allow_client_shm=allow_client_shm,
     )
     repository = endpoint.repository
 

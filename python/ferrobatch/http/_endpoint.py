@@ -30,6 +30,7 @@ from ..metrics import exposition, registry
 from ..server import Server
 from . import _log_settings
 from .protocol import (
+    CLIENT_SHM_DISABLED,
     MAX_DECOMPRESSED_SIZE,
     ModelRepository,
     ProtocolError,
@@ -158,6 +159,18 @@ async def _update_log_settings(e: Endpoint, c: Call) -> Reply:
     return e.log_settings(c.body)
 
 
+async def _shared_memory_status(e: Endpoint, c: Call) -> Reply:
+    return e.shared_memory("status", c.params.get("region", ""))
+
+
+async def _shared_memory_register(e: Endpoint, c: Call) -> Reply:
+    return e.shared_memory("register", c.params.get("region", ""), c.body)
+
+
+async def _shared_memory_unregister(e: Endpoint, c: Call) -> Reply:
+    return e.shared_memory("unregister", c.params.get("region", ""))
+
+
 async def _metrics(e: Endpoint, c: Call) -> Reply:
     return e.metrics()
 
@@ -218,6 +231,12 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v2/repository/index", _repository_index),
     Route("GET", "/v2/logging", _read_log_settings),
     Route("POST", "/v2/logging", _update_log_settings),
+    Route("GET", "/v2/systemsharedmemory/status", _shared_memory_status),
+    Route("GET", "/v2/systemsharedmemory/region/{region}/status", _shared_memory_status),
+    Route("POST", "/v2/systemsharedmemory/register", _shared_memory_register),
+    Route("POST", "/v2/systemsharedmemory/region/{region}/register", _shared_memory_register),
+    Route("POST", "/v2/systemsharedmemory/unregister", _shared_memory_unregister),
+    Route("POST", "/v2/systemsharedmemory/region/{region}/unregister", _shared_memory_unregister),
     *_model_routes("/v2/models/{name}"),
     *_model_routes("/v2/models/{name}/versions/{version}"),
     Route("GET", "/metrics", _metrics, metrics=True),
@@ -233,7 +252,8 @@ class Endpoint:
     leaves ``GET /metrics`` out of :attr:`routes`. ``http_restricted_api``:
     Triton's ``--http-restricted-api`` groups (``"<apis>:<header>=<value>"``,
     see ``ServeConfig``), checked by :meth:`refusal` (``ValueError`` for a
-    malformed one).
+    malformed one). ``allow_client_shm``: see :class:`ModelRepository`
+    (for ``servers`` given as servers).
     """
 
     def __init__(
@@ -244,12 +264,15 @@ class Endpoint:
         max_decompressed_size: int = MAX_DECOMPRESSED_SIZE,
         metrics: bool = True,
         http_restricted_api: Sequence[str] = (),
+        allow_client_shm: bool = False,
     ) -> None:
         self.restrictions = _core.ApiRestrictions(list(http_restricted_api), [])
         if isinstance(servers, ModelRepository):
             self.repository = servers
         else:
-            self.repository = ModelRepository(servers, expose_errors=bool(expose_errors))
+            self.repository = ModelRepository(
+                servers, expose_errors=bool(expose_errors), allow_client_shm=allow_client_shm
+            )
         self.expose_errors = self.repository.expose_errors if expose_errors is None else expose_errors
         self.max_decompressed_size = max_decompressed_size
         repository = self.repository
@@ -373,6 +396,27 @@ class Endpoint:
         except ProtocolError as exc:
             return error_reply(exc)
 
+    def shared_memory(self, action: str, region: str, body: bytes = b"") -> Reply:
+        """Triton's system shared-memory calls: ``status`` of ``region`` (""
+        every one), ``register`` it (``body``: ``{"key": "/name", "offset":
+        0, "byte_size": n}``), ``unregister`` it ("": every one)."""
+        repository = self.repository
+        try:
+            if action == "status":
+                return _json(200, repository.shared_memory_status(region))
+            if action == "unregister":
+                repository.unregister_shared_memory(region)
+                return _EMPTY_OK
+            if not repository.allows_client_shm:
+                raise ProtocolError(501, CLIENT_SHM_DISABLED)
+            if not region:
+                raise ProtocolError(400, "'region name' is necessary to register system shared memory region")
+            key, offset, byte_size = _register_request(load_json(body) if body.strip() else {})
+            repository.register_shared_memory(region, key, offset, byte_size)
+            return _EMPTY_OK
+        except ProtocolError as exc:
+            return error_reply(exc)
+
     # -- inference --------------------------------------------------------------------
 
     async def infer(
@@ -410,6 +454,7 @@ class Endpoint:
                 request.priority,
                 request.parameters,
                 request.requested_outputs,
+                uncached=request.shared_memory,
             )
             payload, length = model.codec.encode(request, results)
             coding = _core.response_coding(accept_encoding)
@@ -428,6 +473,24 @@ class Endpoint:
             return Reply(200, payload, _BINARY, length, content_encoding=coding)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a reply
             return error_reply(exc, name, expose=self.expose_errors)
+
+
+def _register_request(request: Any) -> tuple[str, int, int]:
+    """``(key, offset, byte_size)`` of a register request's JSON, or the
+    400 saying what is wrong with it (Triton's words)."""
+    if not isinstance(request, dict):
+        raise ProtocolError(400, "a shared memory register request is a JSON object")
+    if "key" not in request:
+        raise ProtocolError(400, "Shared memory register request has no 'key' field")
+    if "byte_size" not in request:
+        raise ProtocolError(400, "Shared memory register request has no 'byte_size' field")
+    key, offset, byte_size = request["key"], request.get("offset", 0), request["byte_size"]
+    if not isinstance(key, str):
+        raise ProtocolError(400, "Shared memory register request's 'key' must be a string")
+    for field_name, value in (("offset", offset), ("byte_size", byte_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**64:
+            raise ProtocolError(400, f"Shared memory register request's '{field_name}' must be an unsigned integer")
+    return key, offset, byte_size
 
 
 #: A coded request body at most this long is inflated on the event loop.

@@ -74,8 +74,22 @@ MAX_ELEMENTS = 64 * 1024 * 1024
 MODEL_VERSION = "1"
 #: Protocol extensions announced in the server metadata (both protocols,
 #: both front-ends): binary tensors, Triton's statistics and model
-#: configuration, request parameters, log settings.
-EXTENSIONS = ("binary_tensor_data", "statistics", "model_configuration", "parameters", "logging")
+#: configuration, request parameters, log settings, system shared memory
+#: (served when the repository allows clients' shared memory).
+EXTENSIONS = (
+    "binary_tensor_data",
+    "statistics",
+    "model_configuration",
+    "parameters",
+    "logging",
+    "system_shared_memory",
+)
+#: Why a shared-memory region cannot be registered (HTTP 501, gRPC
+#: UNIMPLEMENTED, as Triton answers without ``--allow-client-shm``).
+CLIENT_SHM_DISABLED = (
+    "Client shared memory is disabled. Start the server with '--allow-client-shm' "
+    "(ServeConfig(allow_client_shm=True), or allow_client_shm=True where the app is made) to enable."
+)
 
 #: v2 datatype -> ferrobatch dtype name. BF16 travels as raw 2-byte words.
 DATATYPES: dict[str, str] = {v2: name for name, v2, _ in _core.dtypes()}
@@ -175,7 +189,9 @@ class ServedModel:
     codec: V2Codec
 
     @classmethod
-    def of(cls, server: Server, *, max_elements: int = MAX_ELEMENTS) -> ServedModel:
+    def of(
+        cls, server: Server, *, max_elements: int = MAX_ELEMENTS, regions: _core.SharedMemoryRegions | None = None
+    ) -> ServedModel:
         outputs = [(s.name, s.dtype, None if s.is_bytes else s.torch_dtype) for s in server.outputs]
         # Bodies are limited by the transports (max_body_size,
         # max_decompressed_size, gRPC's message size) before they get here.
@@ -186,6 +202,10 @@ class ServedModel:
             max_elements=max_elements,
             batching=server.batching,
             decoupled=server.decoupled,
+            regions=regions,
+            # Outputs of a known size: a shared-memory region too small for
+            # one is refused before the model runs, not after.
+            output_row_bytes=[None if s.is_bytes or s.is_ragged else s.row_nbytes for s in server.outputs],
         )
         return cls(server, server.client(), {s.name: datatype_of(s) for s in server.outputs}, codec)
 
@@ -202,7 +222,10 @@ class ModelRepository:
     the most elements the inputs of one request may declare together (400
     beyond, before anything is allocated). ``cpu_metrics`` and
     ``gpu_metrics``: the machine's metrics ``/metrics`` adds (see
-    :func:`ferrobatch.metrics.registry`).
+    :func:`ferrobatch.metrics.registry`). ``allow_client_shm``: clients
+    may register shared-memory regions and name them in requests (Triton's
+    system shared-memory extension, off by default as in Triton: a client
+    that may register any ``/dev/shm`` object may read or overwrite it).
     """
 
     def __init__(
@@ -213,12 +236,15 @@ class ModelRepository:
         max_elements: int = MAX_ELEMENTS,
         cpu_metrics: bool = True,
         gpu_metrics: bool = True,
+        allow_client_shm: bool = False,
     ) -> None:
         listed = [servers] if isinstance(servers, Server) else list(servers)
         if not listed:
             raise ValueError("serve at least one Server")
         self._models: dict[str, ServedModel] = {}
         self._max_elements = max_elements
+        #: Every model's codec reads and writes these (one registry per server).
+        self._regions = _core.SharedMemoryRegions() if allow_client_shm else None
         for server in listed:
             self.add(server)
         self.expose_errors = expose_errors
@@ -236,7 +262,8 @@ class ModelRepository:
             raise TypeError(f"expected ferrobatch.Server objects, got {type(server).__name__}")
         if server.name in self._models:
             raise ValueError(f"two servers are named {server.name!r}; model names must be unique")
-        model = self._models[server.name] = ServedModel.of(server, max_elements=self._max_elements)
+        model = ServedModel.of(server, max_elements=self._max_elements, regions=self._regions)
+        self._models[server.name] = model
         return model
 
     @property
@@ -346,6 +373,46 @@ class ModelRepository:
             **({"model_transaction_policy": {"decoupled": True}} if server.decoupled else {}),
         }
 
+    # -- Triton's system shared memory ------------------------------------------------
+
+    @property
+    def allows_client_shm(self) -> bool:
+        return self._regions is not None
+
+    def shared_memory_status(self, name: str = "") -> list[dict[str, Any]]:
+        """The registered region ``name`` (empty: every one) as Triton lists
+        it; 404 for a name not registered."""
+        regions = []
+        if self._regions is not None:
+            try:
+                regions = self._regions.status(name)
+            except CodecError as exc:
+                raise ProtocolError(exc.status, str(exc)) from None
+        elif name:
+            raise ProtocolError(404, f"Unable to find system shared memory region: '{clipped(name)}'")
+        return [{"name": n, "key": k, "offset": o, "byte_size": b} for n, k, o, b in regions]
+
+    def register_shared_memory(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        """Maps ``byte_size`` bytes of the shared-memory object ``key``
+        (``/name``) from ``offset`` as region ``name``, which requests may
+        then name; 400 if it cannot, 501 when clients' shared memory is off."""
+        if self._regions is None:
+            raise ProtocolError(501, CLIENT_SHM_DISABLED)
+        if offset < 0 or byte_size < 0:
+            raise ProtocolError(400, "a shared memory region's offset and byte_size are integers >= 0")
+        try:
+            self._regions.register(name, key, offset, byte_size)
+        except CodecError as exc:
+            raise ProtocolError(exc.status, str(exc)) from None
+        log.info("shared memory region %r registered: %r, offset %d, %d bytes", name, key, offset, byte_size)
+
+    def unregister_shared_memory(self, name: str = "") -> None:
+        """Unmaps region ``name`` (empty: every region) once the requests
+        naming it are done with it; a name not registered is no error."""
+        if self._regions is None:
+            raise ProtocolError(501, CLIENT_SHM_DISABLED)
+        self._regions.unregister(name)
+
     def repository_index(self, ready_only: bool = False) -> list[dict[str, Any]]:
         """Triton's repository index: every model (``ready_only``: the ready
         ones), ``{"name", "version", "state": "READY" | "UNAVAILABLE", "reason"}``."""
@@ -385,18 +452,26 @@ class ModelRepository:
         priority: int | None = None,
         parameters: str | None = None,
         requested_outputs: int = 0,
+        uncached: bool = False,
     ) -> dict[str, torch.Tensor]:
         """Runs ``n`` rows through ``model``; every output has leading dimension ``n``.
         ``priority``, ``parameters`` (a JSON object's text) and ``requested_outputs``
         (the outputs asked for, as bits of their indices) as the request gave them;
-        the last two reach only a model built ``with_requests``."""
+        the last two reach only a model built ``with_requests``. ``uncached``:
+        past the response cache (a request naming shared-memory regions)."""
         with self._accepted(model):
             batched = model.server.batching  # without batching: one sample, no batch dimension
             told = model.server.with_requests
-            if batched and priority is None and not told:
+            if batched and priority is None and not told and not uncached:
                 return await model.client.infer_batch(inputs, timeout=timeout)
             outputs: dict[str, torch.Tensor] = await model.client._infer_with(
-                inputs, timeout, batched, priority, parameters if told else None, requested_outputs if told else 0
+                inputs,
+                timeout,
+                batched,
+                priority,
+                parameters if told else None,
+                requested_outputs if told else 0,
+                uncached=uncached,
             )
             return outputs
 
@@ -409,6 +484,7 @@ class ModelRepository:
         parameters: str | None = None,
         backlog: StreamBacklog | None = None,
         requested_outputs: int = 0,
+        uncached: bool = False,
     ) -> AsyncIterator[dict[str, torch.Tensor]]:
         """A decoupled model's responses to ``n`` rows, as :meth:`infer`
         takes them (``backlog``: the gRPC stream's, see
@@ -417,7 +493,7 @@ class ModelRepository:
             told = model.server.with_requests
             keep, asked = (parameters, requested_outputs) if told else (None, 0)
             batching = model.server.batching
-            async for out in model.client._stream(inputs, timeout, batching, priority, keep, backlog, asked):
+            async for out in model.client._stream(inputs, timeout, batching, priority, keep, backlog, asked, uncached):
                 yield out
 
     @contextlib.contextmanager

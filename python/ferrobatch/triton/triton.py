@@ -159,7 +159,8 @@ class TritonConfig:
     ``metrics_port`` (8002, when free: see :func:`claim_metrics_port`),
     ``metrics_address`` (the one address), ``allow_metrics`` (False: no
     metrics port), ``allow_cpu_metrics`` / ``allow_gpu_metrics`` (the
-    machine's ``nv_cpu_*`` / ``nv_gpu_*``). The other fields are Triton
+    machine's ``nv_cpu_*`` / ``nv_gpu_*``), ``allow_client_shm`` (Triton's
+    system shared-memory extension; off by default). The other fields are Triton
     server options with no meaning here: setting one logs a warning.
     ``/metrics`` is served on the HTTP port too.
     """
@@ -214,6 +215,8 @@ class TritonConfig:
     cache_config: list[str] | None = None
     cache_directory: str | None = None
     buffer_manager_thread_count: int | None = None
+    #: Triton's ``--allow-client-shm`` (newer than PyTriton's options).
+    allow_client_shm: bool | None = None
 
     def __post_init__(self) -> None:
         if self.allow_http is False and self.allow_grpc is False:
@@ -294,6 +297,7 @@ _USED = {
     "sagemaker_port",
     "http_restricted_api",
     "grpc_restricted_protocol",
+    "allow_client_shm",
 }
 
 #: Triton's metrics port when ``metrics_port`` is not given.
@@ -336,6 +340,7 @@ def serve_config(
         metrics_port=config.metrics_port if metrics else None,  # None: see claim_metrics_port
         cpu_metrics=metrics and config.allow_cpu_metrics is not False,
         gpu_metrics=metrics and config.allow_gpu_metrics is not False,
+        allow_client_shm=bool(config.allow_client_shm),
     )
 
 

@@ -72,6 +72,9 @@ pub struct Submission {
     /// this key (a thread's); `None`: a caller that does not block. See
     /// [`crate::callers`].
     pub blocking_caller: Option<u64>,
+    /// Never looked up in nor kept in the response cache (its result is not
+    /// its inputs' alone: a v2 request naming a shared-memory region).
+    pub uncached: bool,
 }
 
 /// Counters, updated with relaxed atomics (a snapshot may be torn across fields).
@@ -183,8 +186,9 @@ pub struct Batch {
     /// What each input became in the slot (its length, offsets, bytes).
     pub collated: Vec<Collated>,
     /// With a response cache, each request's key, in row order, for its
-    /// result to be kept once the batch succeeded; empty without one.
-    pub cache_keys: Vec<CacheKey>,
+    /// result to be kept once the batch succeeded (`None`: an uncached
+    /// request's, never kept); empty without one.
+    pub cache_keys: Vec<Option<CacheKey>>,
 }
 
 /// The response cache a batcher looks its requests up in, and its own
@@ -784,7 +788,8 @@ impl Batcher {
             .with_parameters(submission.parameters.filter(|_| self.keep_parameters))
             .with_absent(submission.absent)
             .with_requested_outputs(submission.requested_outputs)
-            .blocking(submission.blocking_caller.is_some());
+            .blocking(submission.blocking_caller.is_some())
+            .uncached(submission.uncached);
         Ok((Arc::new(request), submission.blocking_caller))
     }
 
@@ -814,7 +819,7 @@ impl Batcher {
     /// [`CacheLink::busy`]) and the request is found there.
     fn look_up(&self, request: &Arc<Request>) -> Option<Arc<CachedValue>> {
         let link = self.cache.as_ref()?;
-        if !link.busy.all_busy_for_a_while() {
+        if request.uncached || !link.busy.all_busy_for_a_while() {
             return None;
         }
         let namespace = link.namespace.load(Ordering::Acquire);
@@ -1002,17 +1007,23 @@ impl Batcher {
 
     /// Looks each of `gathered` (taken, not yet collated) up in the cache:
     /// hits leave it for the worker's owner to answer; returns the rows
-    /// left and the misses' keys, in order.
+    /// left and the misses' keys, in order (`None` for an uncached one).
     fn answer_from_cache(
         &self,
         link: &CacheLink,
         gathered: &mut Vec<Arc<Request>>,
         worker: &mut Worker,
-    ) -> (usize, Vec<CacheKey>) {
+    ) -> (usize, Vec<Option<CacheKey>>) {
         let mut keys = Vec::with_capacity(gathered.len());
         let hits_before = worker.cached.len();
         let namespace = link.namespace.load(Ordering::Acquire);
+        let mut uncached = 0u64;
         gathered.retain(|r| {
+            if r.uncached {
+                keys.push(None);
+                uncached += 1;
+                return true;
+            }
             // SAFETY: `take_gathered` won `take()` for every request left in
             // `gathered`, and none is resolved before its batch is returned
             // (or, for a hit, before the worker's owner answers it).
@@ -1023,16 +1034,15 @@ impl Batcher {
                     false
                 }
                 None => {
-                    keys.push(key);
+                    keys.push(Some(key));
                     true
                 }
             }
         });
         let hits = (worker.cached.len() - hits_before) as u64;
         self.stats.cache_hits.fetch_add(hits, Ordering::Relaxed);
-        self.stats
-            .cache_misses
-            .fetch_add(keys.len() as u64, Ordering::Relaxed);
+        let misses = (keys.len() as u64).saturating_sub(uncached);
+        self.stats.cache_misses.fetch_add(misses, Ordering::Relaxed);
         (gathered.iter().map(|r| r.rows as usize).sum(), keys)
     }
 
@@ -1878,8 +1888,8 @@ mod tests {
         assert_eq!(b.cache_keys.len(), 2);
         assert!(worker.take_cached().is_empty());
         let value: Arc<CachedValue> = Arc::new("a's result");
-        assert!(cache.insert(b.cache_keys[0], value, 10).kept);
-        let c_key = b.cache_keys[1];
+        assert!(cache.insert(b.cache_keys[0].unwrap(), value, 10).kept);
+        let c_key = b.cache_keys[1].unwrap();
         drop(b);
         // Just released: A's inputs again are looked up as their batch is
         // (a worker is soon free to answer it).
@@ -1954,7 +1964,11 @@ mod tests {
         let mut worker = Worker::new();
         submit(&f.batcher, &ROW_A, None);
         let b = f.batcher.next_batch(&mut worker).unwrap();
-        assert!(cache.insert(b.cache_keys[0], Arc::new(1u8), 10).kept);
+        assert!(
+            cache
+                .insert(b.cache_keys[0].unwrap(), Arc::new(1u8), 10)
+                .kept
+        );
         // `b` is still held (its worker busy for a while now); a thread
         // waiting for hits gets the next request for A at once.
         std::thread::sleep(HIT_WAIT_FOR_BUSY + Duration::from_millis(1));

@@ -211,6 +211,9 @@ pub struct Request {
     pub requested_outputs: u64,
     /// Its caller blocks until it is answered (see [`crate::callers`]).
     pub blocking: bool,
+    /// Never looked up in nor kept in the response cache: its result is not
+    /// its inputs' alone (a v2 request naming a shared-memory region).
+    pub uncached: bool,
     inputs: Inputs,
     state: AtomicU8,
 }
@@ -241,6 +244,7 @@ impl Request {
             absent: 0,
             requested_outputs: 0,
             blocking: false,
+            uncached: false,
             inputs: inputs.into(),
             state: AtomicU8::new(RequestState::Queued as u8),
         }
@@ -267,6 +271,12 @@ impl Request {
     /// This request, from a caller that blocks until it is answered.
     pub fn blocking(mut self, blocking: bool) -> Request {
         self.blocking = blocking;
+        self
+    }
+
+    /// This request, never looked up in nor kept in the response cache.
+    pub fn uncached(mut self, uncached: bool) -> Request {
+        self.uncached = uncached;
         self
     }
 

@@ -779,15 +779,21 @@ impl Worker {
         let Some(cache) = &self.cache else {
             return;
         };
-        let keys = std::mem::take(&mut *batch.cache_keys.lock().unwrap_or_else(|e| e.into_inner()));
+        let all_keys =
+            std::mem::take(&mut *batch.cache_keys.lock().unwrap_or_else(|e| e.into_inner()));
+        // Each cached request's key and rows; an uncached one's are skipped.
+        let mut keys = Vec::with_capacity(all_keys.len());
+        let mut spans = Vec::with_capacity(all_keys.len());
+        let mut start = 0u32;
+        for (request, key) in batch.requests.iter().zip(all_keys) {
+            if let Some(key) = key {
+                keys.push(key);
+                spans.push((start, request.rows));
+            }
+            start = start.saturating_add(request.rows);
+        }
         if keys.is_empty() {
             return;
-        }
-        let mut spans = Vec::with_capacity(batch.requests.len());
-        let mut start = 0u32;
-        for request in &batch.requests {
-            spans.push((start, request.rows));
-            start = start.saturating_add(request.rows);
         }
         match cache::FixedColumns::read(outputs, &cache.fixed, batch.rows) {
             Ok(Some(columns)) => {
@@ -876,9 +882,9 @@ pub struct Batch {
     groups: Vec<(Sink, Arc<Vec<Route>>)>,
     /// What each input became in the slot.
     collated: Mutex<Vec<Collated>>,
-    /// With a response cache, each request's key (row order), taken when
-    /// the batch's results are kept.
-    cache_keys: Mutex<Vec<core::CacheKey>>,
+    /// With a response cache, each request's key (row order; `None`: an
+    /// uncached request's), taken when the batch's results are kept.
+    cache_keys: Mutex<Vec<Option<core::CacheKey>>>,
 }
 
 impl Batch {

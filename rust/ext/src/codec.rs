@@ -7,6 +7,11 @@
 //! A JSON input owns the buffer it was parsed into; a binary one is a view of
 //! the request body (a `bytes` object, immutable, kept alive by the tensor).
 //!
+//! A codec given `regions` reads inputs from, and writes outputs into, the
+//! shared-memory regions requests name (`ferrobatch_core::v2::regions`):
+//! `V2Request.shared_memory` says a request names one (submit it
+//! `uncached`), and `V2Codec.encode` writes its outputs there.
+//!
 //! Errors of the client's request raise `CodecError` (a `ValueError`) whose
 //! `status` is the HTTP status (400, or 413 for a body over the limit); an
 //! output that cannot be encoded raises `CodecError` with status 500.
@@ -15,6 +20,7 @@ use std::ffi::{c_char, c_int, c_void};
 use std::sync::Mutex;
 
 use ferrobatch_core::bytes::{self, BytesLimits};
+use ferrobatch_core::v2::regions::RegionRange;
 use ferrobatch_core::v2::{
     self, Codec, Data, HeaderMemo, InferRequest, Limits, Output, OutputSpec, V2Error,
 };
@@ -340,6 +346,11 @@ pub(crate) struct V2Request {
     bf16: bool,
     /// `(output index, as binary)`, in response order.
     selected: ferrobatch_core::PerTensor<(usize, bool)>,
+    /// The shared-memory range of each of `selected` that names one
+    /// (aligned; empty: none).
+    regions: Vec<Option<RegionRange>>,
+    /// A tensor names a shared-memory region.
+    shared_memory: bool,
 }
 
 #[pymethods]
@@ -385,6 +396,14 @@ impl V2Request {
     #[getter]
     fn requested_outputs(&self) -> u64 {
         ferrobatch_core::v2::output_bits(self.selected.iter().map(|&(i, _)| i))
+    }
+
+    /// Whether a tensor names a shared-memory region: submit it
+    /// `uncached` (its result is not its body's alone). Its outputs in
+    /// regions are written there by `V2Codec.encode`.
+    #[getter]
+    fn shared_memory(&self) -> bool {
+        self.shared_memory
     }
 
     /// The names of the outputs to send, in order (of `codec`'s outputs).
@@ -755,9 +774,18 @@ pub(crate) fn element_bytes<'py>(value: &Bound<'py, PyAny>) -> PyResult<Bound<'p
 impl V2Codec {
     /// `outputs`: `(name, dtype name, torch dtype)` per model output, in
     /// order. `decoupled`: the model streams its responses (gRPC
-    /// `ModelStreamInfer` only).
+    /// `ModelStreamInfer` only). `regions`: the server's shared-memory
+    /// regions, which requests may then name (None: refused).
+    /// `output_row_bytes`: per output, in order, the bytes of one row (of
+    /// the whole output when not `batching`), or None where the model
+    /// decides its size (BYTES, variable shapes); an output a request puts
+    /// in a shared-memory range too small for it is then refused (400) as
+    /// the request is decoded, before the model runs. None: not checked
+    /// until the response is written. `ValueError` when its length is not
+    /// the outputs'.
     #[new]
-    #[pyo3(signature = (model, outputs, *, max_body_size, max_elements, batching=true, decoupled=false))]
+    #[pyo3(signature = (model, outputs, *, max_body_size, max_elements, batching=true, decoupled=false, regions=None, output_row_bytes=None))]
+    #[allow(clippy::too_many_arguments)] // Python's keywords
     fn new(
         py: Python<'_>,
         model: &str,
@@ -766,6 +794,8 @@ impl V2Codec {
         max_elements: usize,
         batching: bool,
         decoupled: bool,
+        regions: Option<PyRef<'_, crate::regions::SharedMemoryRegions>>,
+        output_row_bytes: Option<Vec<Option<usize>>>,
     ) -> PyResult<V2Codec> {
         let mut specs = Vec::with_capacity(outputs.len());
         let mut output_keys = Vec::with_capacity(outputs.len());
@@ -788,6 +818,20 @@ impl V2Codec {
         }
         if decoupled {
             core = core.decoupled_responses();
+        }
+        if let Some(regions) = regions {
+            core = core.with_regions(regions.core.clone());
+        }
+        if let Some(row_bytes) = output_row_bytes {
+            if row_bytes.len() != core.outputs().len() {
+                return Err(PyValueError::new_err(format!(
+                    "output_row_bytes has {} entries but the model has {} outputs; give one \
+                     per output, in order",
+                    row_bytes.len(),
+                    core.outputs().len()
+                )));
+            }
+            core = core.with_output_row_bytes(row_bytes);
         }
         Ok(V2Codec {
             core,
@@ -847,23 +891,31 @@ impl V2Codec {
             })?;
             read.push(self.read_output(py, index, value)?);
         }
+        let in_region = |i: usize| matches!(request.regions.get(i), Some(Some(_)));
         let outputs: Vec<Output<'_>> = request
             .selected
             .iter()
             .zip(&read)
-            .map(|(&(index, binary), r)| Output {
+            .enumerate()
+            .map(|(i, (&(index, binary), r))| Output {
                 index,
                 shape: &r.shape,
                 data: r.data(),
-                binary,
+                // Written into its region, never among the binary bytes.
+                binary: binary && !in_region(i),
             })
             .collect();
         let total: usize = outputs.iter().map(|o| o.data.len()).sum();
         let id = request.id.as_deref();
+        let regions = &request.regions;
         let header = if total >= RELEASE_GIL_BYTES {
-            without_gil(py, || self.core.encode_header(id, &outputs, 0))
+            without_gil(py, || {
+                self.core
+                    .encode_header_with_regions(id, &outputs, regions, 0)
+            })
         } else {
-            self.core.encode_header(id, &outputs, 0)
+            self.core
+                .encode_header_with_regions(id, &outputs, regions, 0)
         };
         let (header, binary_bytes) = header.map_err(|e| codec_error(py, e))?;
         if !outputs.iter().any(|o| o.binary) {
@@ -895,6 +947,8 @@ impl V2Codec {
         body: &Bound<'_, PyBytes>,
     ) -> PyResult<V2Request> {
         let selected = request.selected_outputs(&self.core);
+        let regions = request.output_regions();
+        let shared_memory = request.shared_memory;
         let inputs = PyDict::new(py);
         let mut bf16 = false;
         for input in request.inputs {
@@ -921,6 +975,8 @@ impl V2Codec {
             inputs: inputs.unbind(),
             bf16,
             selected,
+            regions,
+            shared_memory,
         })
     }
 }

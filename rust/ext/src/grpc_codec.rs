@@ -2,10 +2,18 @@
 //! protobuf bytes: each request is read by the native front-end's gRPC
 //! infer rules ([`ferrobatch_serve::grpc::read_infer_call`], the one copy of
 //! them) and each answer encoded by its encoder; Python only submits.
+//!
+//! Shared memory (Triton's system shared-memory extension): `read` reads
+//! the inputs that name a region from it and keeps the ranges of the
+//! outputs that name one on the request; `grpc_response(..., request=)`
+//! writes those outputs there, answering them with empty raw contents.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use bytes::Bytes;
+use ferrobatch_core::v2::regions::RegionRange;
 use ferrobatch_serve::grpc::response::{InferResponse, OutputRows};
 use ferrobatch_serve::grpc::{self, InferCall};
 use ferrobatch_serve::model::Source;
@@ -31,6 +39,11 @@ pub(crate) struct GrpcInferRequest {
     model_version: String,
     id: String,
     empty_final: bool,
+    /// The outputs its last `read` found in shared memory: `(index in the
+    /// codec's outputs, range)`.
+    regions: Mutex<Vec<(usize, RegionRange)>>,
+    /// Its last `read` found a tensor naming a region.
+    shared_memory: AtomicBool,
 }
 
 #[pymethods]
@@ -53,7 +66,17 @@ impl GrpcInferRequest {
             model_version,
             id,
             empty_final,
+            regions: Mutex::new(Vec::new()),
+            shared_memory: AtomicBool::new(false),
         })
+    }
+
+    /// Whether the last `read` found a tensor naming a shared-memory
+    /// region: submit it `uncached`, and answer it with
+    /// `grpc_response(..., request=self)`.
+    #[getter]
+    fn shared_memory(&self) -> bool {
+        self.shared_memory.load(Ordering::Relaxed)
     }
 
     #[getter]
@@ -110,6 +133,7 @@ impl GrpcInferRequest {
             tensors,
             mut owners,
             outputs,
+            regions,
             meta,
         } = grpc::read_infer_call(
             &mut request,
@@ -141,6 +165,16 @@ impl GrpcInferRequest {
             };
             inputs.set_item(input.name, V2Tensor::from_bytes(py, dtype, &shape, data)?)?;
         }
+        let in_regions: Vec<(usize, RegionRange)> = outputs
+            .iter()
+            .zip(regions)
+            .filter_map(|(&index, range)| Some((index, range?)))
+            .collect();
+        // Locked only for a request that names a region (or one read after it).
+        let named_before = self.shared_memory.swap(meta.uncached, Ordering::Relaxed);
+        if named_before || !in_regions.is_empty() {
+            *self.regions.lock().unwrap_or_else(|e| e.into_inner()) = in_regions;
+        }
         let names = codec.core().outputs();
         let requested = ferrobatch_core::v2::output_bits(outputs.iter().copied());
         let outputs = outputs
@@ -161,9 +195,13 @@ impl GrpcInferRequest {
 /// The encoded answer to request `id` of `model_name`: the outputs named in
 /// `outputs`, read from `results` (`{name: tensor}`) by `codec`; a
 /// `ModelInferResponse`, or, with `last`, a stream's
-/// `ModelStreamInferResponse` flagged `triton_final_response`.
+/// `ModelStreamInferResponse` flagged `triton_final_response`. With
+/// `request` (the `GrpcInferRequest` read), its outputs in shared memory
+/// are written to their regions and answered with empty raw contents (a
+/// `CodecError` with status 400 when one does not fit its region).
 #[pyfunction]
-#[pyo3(signature = (codec, model_name, id, outputs, results, last=None))]
+#[pyo3(signature = (codec, model_name, id, outputs, results, last=None, request=None))]
+#[allow(clippy::too_many_arguments)] // Python's keywords
 pub(crate) fn grpc_response<'py>(
     py: Python<'py>,
     codec: &V2Codec,
@@ -172,6 +210,7 @@ pub(crate) fn grpc_response<'py>(
     outputs: Vec<String>,
     results: &Bound<'py, PyDict>,
     last: Option<bool>,
+    request: Option<PyRef<'py, GrpcInferRequest>>,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let mut read = Vec::with_capacity(outputs.len());
     for name in &outputs {
@@ -185,15 +224,46 @@ pub(crate) fn grpc_response<'py>(
         };
         read.push((index, codec.read_output(py, index, value)?));
     }
+    // Each output in a region: written there, its raw contents empty.
+    let regions: Vec<Option<RegionRange>> = match &request {
+        Some(request) if request.shared_memory.load(Ordering::Relaxed) => {
+            let held = request.regions.lock().unwrap_or_else(|e| e.into_inner());
+            if held.is_empty() {
+                Vec::new()
+            } else {
+                read.iter()
+                    .map(|(index, _)| {
+                        held.iter()
+                            .find(|(i, _)| i == index)
+                            .map(|(_, range)| range.clone())
+                    })
+                    .collect()
+            }
+        }
+        _ => Vec::new(),
+    };
+    if !regions.is_empty() {
+        let writes: Vec<(usize, &[u8], &RegionRange)> = read
+            .iter()
+            .zip(&regions)
+            .filter_map(|((index, readable), range)| {
+                Some((*index, readable.data(), range.as_ref()?))
+            })
+            .collect();
+        ferrobatch_serve::replies::write_regions(codec.core(), &writes)
+            .map_err(|f| failure_error(py, f))?;
+    }
+    let in_region = |i: usize| matches!(regions.get(i), Some(Some(_)));
     let Some(last) = last else {
         // A `ModelInfer` answer: written from the results straight into the
         // bytes object Python gets.
         let rows: Vec<OutputRows<'_>> = read
             .iter()
-            .map(|(index, readable)| OutputRows {
+            .enumerate()
+            .map(|(i, (index, readable))| OutputRows {
                 index: *index,
                 shape: &readable.shape,
-                data: readable.data(),
+                data: if in_region(i) { &[] } else { readable.data() },
             })
             .collect();
         let answer = InferResponse::new(codec.core(), model_name, id, &rows);
@@ -204,10 +274,15 @@ pub(crate) fn grpc_response<'py>(
     };
     let raw = read
         .iter()
-        .map(|(index, readable)| RawOutput {
+        .enumerate()
+        .map(|(i, (index, readable))| RawOutput {
             index: *index,
             shape: readable.shape.as_slice().into(),
-            data: Bytes::copy_from_slice(readable.data()),
+            data: if in_region(i) {
+                Bytes::new()
+            } else {
+                Bytes::copy_from_slice(readable.data())
+            },
         })
         .collect();
     let answer = grpc::stream_answer(codec.core(), model_name, id, raw, last);

@@ -152,8 +152,11 @@ impl Submitter {
     /// response goes (`put_nowait`); the future resolves at the stream's end.
     /// `requested_outputs`: the outputs a v2 request asked for, as bits of
     /// their indices (0: not said), told to a model built with its requests.
+    /// `uncached`: never looked up in nor kept in the response cache (a v2
+    /// request naming a shared-memory region: `V2Request.shared_memory`).
     #[pyo3(signature = (
-        inputs, timeout=None, batched=false, priority=None, parameters=None, stream=None, requested_outputs=0
+        inputs, timeout=None, batched=false, priority=None, parameters=None, stream=None, requested_outputs=0,
+        uncached=false
     ))]
     #[allow(clippy::too_many_arguments)] // one per keyword of Client.infer / stream, and the v2 front-ends'
     fn submit<'py>(
@@ -166,6 +169,7 @@ impl Submitter {
         parameters: Option<Bound<'py, PyAny>>,
         stream: Option<Py<PyAny>>,
         requested_outputs: u64,
+        uncached: bool,
     ) -> PyResult<Bound<'py, PyTuple>> {
         let Some(batcher) = self.batcher(py) else {
             let refusal = self.refusal(py)?;
@@ -186,6 +190,7 @@ impl Submitter {
         let submitted = called(py, core, &timeout, &priority, &parameters, &mut timeout_s)
             .map(|submission| ferrobatch_core::Submission {
                 requested_outputs,
+                uncached,
                 ..submission
             })
             .and_then(|submission| {
@@ -367,6 +372,7 @@ pub(crate) fn submission(
         absent: 0,
         requested_outputs: 0, // every output (a v2 front-end says which: `Submitter.submit`)
         blocking_caller: None,
+        uncached: false, // a v2 front-end says so: `Submitter.submit`
     })
 }
 

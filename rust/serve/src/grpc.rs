@@ -22,6 +22,21 @@
 //! Every model's `ModelInfer` is answered here, BYTES and variable-length
 //! tensors included.
 //!
+//! Triton's system shared-memory extension, with a codec that has regions
+//! ([`v2::Codec::regions`]): a tensor's parameters may name a
+//! `shared_memory_region` (a `string_param`; `shared_memory_offset` and
+//! `shared_memory_byte_size` `int64_param`s, the size required), read by
+//! Triton's rules and messages. Such an input sends no contents and
+//! `raw_input_contents` holds one entry per other input, in order; its
+//! bytes are read from the region. Such an output's range is resolved as
+//! the request is read (and, where the codec knows the output's size,
+//! [`v2::Codec::with_output_row_bytes`], checked to hold it: a 400 before
+//! the model runs); its bytes are written there by the worker, and the
+//! answer lists it (name, datatype, shape) with an empty
+//! `raw_output_contents` entry (every output has one, as tritonclient
+//! expects). `ModelStreamInfer` answers the same way. Without regions, a
+//! tensor naming one is refused.
+//!
 //! Statuses are those of the Python servicer: NOT_FOUND for an unknown model
 //! or version, INVALID_ARGUMENT (HTTP 400), UNAVAILABLE (503: queue full,
 //! not running), DEADLINE_EXCEEDED (504: the `timeout` parameter in
@@ -36,6 +51,7 @@ use std::time::Duration;
 use std::future::Future;
 
 use bytes::Bytes;
+use ferrobatch_core::v2::regions::{RegionRange, SharedRegions};
 use ferrobatch_core::v2::{self, quote, Clipped, Limits, Shape, V2Error, MODEL_VERSION};
 use ferrobatch_core::{DType, PerTensor};
 use hyper::body::Incoming;
@@ -50,7 +66,9 @@ use crate::encoding::Coding;
 use crate::http::FallbackCall;
 use crate::metadata::ModelMetadata;
 use crate::model::{RequestMeta, ServedModel, Source, Submitted, Tensor};
-use crate::replies::{part_bytes, Answer, Backlog, Failure, InputOwners, RawOutput, ResponsePlan};
+use crate::replies::{
+    part_bytes, Answer, Backlog, Failure, InputOwners, OutputRegions, RawOutput, ResponsePlan,
+};
 use crate::restrict;
 use crate::server::Shared;
 use request::{InferRequest, Parameters};
@@ -134,6 +152,9 @@ use pb::{
     ModelStatisticsRequest, ModelStatisticsResponse, ModelStreamInferResponse,
     RepositoryIndexRequest, RepositoryIndexResponse, ServerLiveRequest, ServerLiveResponse,
     ServerMetadataRequest, ServerMetadataResponse, ServerReadyRequest, ServerReadyResponse,
+    SystemSharedMemoryRegisterRequest, SystemSharedMemoryRegisterResponse,
+    SystemSharedMemoryStatusRequest, SystemSharedMemoryStatusResponse,
+    SystemSharedMemoryUnregisterRequest, SystemSharedMemoryUnregisterResponse,
 };
 
 /// The tonic service of one front-end, as every connection serves it.
@@ -751,13 +772,18 @@ impl Inference {
         // The answer echoes them: the model's name is the one asked for.
         let model_name = model.name.clone();
         let id = request.id.to_owned();
-        let submitted = submit(&model, &mut request, call_timeout, forwarded, |outputs| {
-            ResponsePlan::Message {
+        let submitted = submit(
+            &model,
+            &mut request,
+            call_timeout,
+            forwarded,
+            |outputs, regions| ResponsePlan::Message {
                 model_name,
                 id,
                 outputs,
-            }
-        })
+                regions,
+            },
+        )
         .map_err(status)?;
         Ok((model, submitted))
     }
@@ -826,9 +852,13 @@ impl Inference {
             out.send(Ok(message), counted);
         };
         if !model.replies().codec().decoupled() {
-            let submitted = submit(&model, request, call_timeout, forwarded, |outputs| {
-                ResponsePlan::Raw { outputs }
-            })
+            let submitted = submit(
+                &model,
+                request,
+                call_timeout,
+                forwarded,
+                |outputs, regions| ResponsePlan::Raw { outputs, regions },
+            )
             .map_err(status)?;
             match model.reply(submitted).await.map_err(status)? {
                 Answer::Raw(outputs) => {
@@ -847,13 +877,18 @@ impl Inference {
             return Ok(());
         }
         let (partial, mut parts) = mpsc::unbounded_channel();
-        let submitted = submit(&model, request, call_timeout, forwarded, |outputs| {
-            ResponsePlan::Stream {
+        let submitted = submit(
+            &model,
+            request,
+            call_timeout,
+            forwarded,
+            |outputs, regions| ResponsePlan::Stream {
                 outputs: Arc::from(outputs.as_slice()),
+                regions: (!regions.is_empty()).then(|| Arc::from(regions)),
                 partial,
                 backlog: out.backlog.clone(),
-            }
-        })
+            },
+        )
         .map_err(status)?;
         let reply = model.reply(submitted);
         tokio::pin!(reply);
@@ -1096,6 +1131,27 @@ impl GrpcInferenceService for Inference {
     ) -> Result<Response<LogSettingsResponse>, Status> {
         self.fallback("LogSettings", request).await
     }
+
+    async fn system_shared_memory_status(
+        &self,
+        request: Request<SystemSharedMemoryStatusRequest>,
+    ) -> Result<Response<SystemSharedMemoryStatusResponse>, Status> {
+        self.fallback("SystemSharedMemoryStatus", request).await
+    }
+
+    async fn system_shared_memory_register(
+        &self,
+        request: Request<SystemSharedMemoryRegisterRequest>,
+    ) -> Result<Response<SystemSharedMemoryRegisterResponse>, Status> {
+        self.fallback("SystemSharedMemoryRegister", request).await
+    }
+
+    async fn system_shared_memory_unregister(
+        &self,
+        request: Request<SystemSharedMemoryUnregisterRequest>,
+    ) -> Result<Response<SystemSharedMemoryUnregisterResponse>, Status> {
+        self.fallback("SystemSharedMemoryUnregister", request).await
+    }
 }
 
 fn model_metadata(model: &ModelMetadata) -> ModelMetadataResponse {
@@ -1143,7 +1199,7 @@ fn submit(
     request: &mut InferRequest<'_>,
     call_timeout: Option<Duration>,
     forwarded: &[(String, String)],
-    plan: impl FnOnce(PerTensor<usize>) -> ResponsePlan,
+    plan: impl FnOnce(PerTensor<usize>, OutputRegions) -> ResponsePlan,
 ) -> Result<Submitted, Failure> {
     let mut refused_input = false;
     let mut check = |name: &str, dtype: DType, shape: &[u64]| {
@@ -1176,25 +1232,35 @@ fn submit(
             bytes: bytes.clone(),
         })
         .collect();
-    model.enqueue(&tensors, call.owners, call.meta, plan(call.outputs))
+    model.enqueue(
+        &tensors,
+        call.owners,
+        call.meta,
+        plan(call.outputs, call.regions),
+    )
 }
 
 /// A `ModelInfer` request read by the gRPC infer rules, the one copy of
 /// them (the native front-end and the Python servicer both read requests
 /// here): its inputs decoded and checked (`tensors[i]` is input `i` of
-/// the request: its dtype, shape and where its bytes are in `owners`), the
-/// outputs it asks for (indices in the codec's outputs) and what it says
-/// besides.
+/// the request: its dtype, shape and where its bytes are in `owners`; one
+/// in shared memory read into `owners.decoded`), the outputs it asks for
+/// (indices in the codec's outputs), the shared-memory range of each of
+/// them that names one (`regions`, aligned with `outputs`; empty: none)
+/// and what it says besides (`meta.uncached` when a tensor names a region).
 pub struct InferCall {
     pub tensors: PerTensor<(DType, Shape, Source)>,
     pub owners: InputOwners,
     pub outputs: PerTensor<usize>,
+    pub regions: OutputRegions,
     pub meta: RequestMeta,
 }
 
 /// Reads `request` (its raw contents moved out of it) for a model whose
 /// codec is `codec`: inputs (see [`decode_inputs`]; `check`: the model's
-/// rule for each input's header), requested outputs, priority, parameters
+/// rule for each input's header), requested outputs (one in a
+/// shared-memory range too small for its known size refused, see
+/// [`v2::Codec::check_output_regions`]), priority, parameters
 /// (only for a model that `keeps_parameters`, with the `forwarded`
 /// headers) and the deadline, its `timeout` parameter or `call_timeout`,
 /// the smaller.
@@ -1206,24 +1272,45 @@ pub fn read_infer_call(
     keeps_parameters: bool,
     check: InputCheck<'_>,
 ) -> Result<InferCall, Failure> {
-    let inputs = request
-        .inputs
-        .iter()
-        .map(|t| ("input", t.name, &t.parameters));
-    let outputs = request
-        .outputs
-        .iter()
-        .map(|t| ("output", t.name, &t.parameters));
-    let mut tensors = inputs.chain(outputs);
-    if let Some((kind, name, _)) =
-        tensors.find(|(_, _, parameters)| parameters.contains_key(v2::SHARED_MEMORY_REGION))
-    {
-        let tensor = format!("{kind} '{}'", Clipped(name));
-        return Err(invalid(v2::shared_memory_refused(&tensor)));
+    if codec.regions().is_none() {
+        let inputs = request
+            .inputs
+            .iter()
+            .map(|t| ("input", t.name, &t.parameters));
+        let outputs = request
+            .outputs
+            .iter()
+            .map(|t| ("output", t.name, &t.parameters));
+        let mut tensors = inputs.chain(outputs);
+        if let Some((kind, name, _)) =
+            tensors.find(|(_, _, parameters)| parameters.contains_key(v2::SHARED_MEMORY_REGION))
+        {
+            let tensor = format!("{kind} '{}'", Clipped(name));
+            return Err(invalid(v2::shared_memory_refused(&tensor)));
+        }
     }
     let raw = std::mem::take(&mut request.raw_input_contents);
-    let decoded = decode_inputs(&request.inputs, raw, codec.limits(), check)?;
-    let outputs = requested_outputs(request, codec)?;
+    let decoded = decode_inputs(
+        &request.inputs,
+        raw,
+        codec.limits(),
+        codec.regions(),
+        request.model_name,
+        check,
+    )?;
+    let (outputs, regions) = requested_outputs(request, codec)?;
+    // An output of known size larger than its range: refused now, before
+    // the model runs, not when its response is written.
+    if !regions.is_empty() {
+        let in_regions = outputs
+            .iter()
+            .zip(&regions)
+            .filter_map(|(&index, range)| Some((index, range.as_ref()?)));
+        let first_shape = decoded.tensors.first().map(|(_, shape, _)| &shape[..]);
+        codec
+            .check_output_regions(first_shape, in_regions)
+            .map_err(|e| Failure::new(e.status(), e.to_string()))?;
+    }
     let meta = RequestMeta {
         timeout: timeout(&request.parameters, call_timeout)?,
         priority: priority(&request.parameters)?,
@@ -1233,13 +1320,88 @@ pub fn read_infer_call(
         } else {
             None
         },
+        uncached: decoded.shared_memory || !regions.is_empty(),
     };
     Ok(InferCall {
         tensors: decoded.tensors,
         owners: decoded.owners,
         outputs,
+        regions,
         meta,
     })
+}
+
+/// A tensor's shared-memory parameters, as Triton reads them
+/// (`ParseSharedMemoryParams`, its messages): `(region, offset, byte
+/// size)`, `None` when it names no region; refused when a value is of
+/// another kind or negative, or an offset or size comes without a region.
+fn shared_memory_params<'p>(
+    name: &str,
+    parameters: &'p Parameters,
+) -> Result<Option<(&'p str, u64, u64)>, Failure> {
+    if parameters.is_empty() {
+        return Ok(None);
+    }
+    let shown = Clipped(name);
+    let region = match parameters
+        .get(v2::SHARED_MEMORY_REGION)
+        .map(|p| p.parameter_choice.as_ref())
+    {
+        None => None,
+        Some(Some(ParameterChoice::StringParam(region))) => Some(region.as_str()),
+        Some(_) => {
+            return Err(invalid(format!(
+                "invalid value type for 'shared_memory_region' parameter for tensor '{shown}', \
+                 expected string_param."
+            )))
+        }
+    };
+    let int = |field: &str| -> Result<Option<u64>, Failure> {
+        let Some(parameter) = parameters.get(field) else {
+            return Ok(None);
+        };
+        if region.is_none() {
+            return Err(invalid(format!(
+                "'{field}' can not be specified without 'shared_memory_region' parameter \
+                 for tensor '{shown}'"
+            )));
+        }
+        match parameter.parameter_choice {
+            Some(ParameterChoice::Int64Param(v)) => u64::try_from(v).map(Some).map_err(|_| {
+                invalid(format!(
+                    "invalid value for '{field}' parameter for tensor '{shown}', expected >= 0, \
+                     got {v}"
+                ))
+            }),
+            _ => Err(invalid(format!(
+                "invalid value type for '{field}' parameter for tensor '{shown}', expected \
+                 int64_param."
+            ))),
+        }
+    };
+    let offset = int(v2::SHARED_MEMORY_OFFSET)?;
+    let byte_size = int(v2::SHARED_MEMORY_BYTE_SIZE)?;
+    let Some(region) = region else {
+        return Ok(None);
+    };
+    let Some(byte_size) = byte_size else {
+        return Err(invalid(format!(
+            "'shared_memory_byte_size' must be specified along with 'shared_memory_region' \
+             parameter for tensor '{shown}'"
+        )));
+    };
+    Ok(Some((region, offset.unwrap_or(0), byte_size)))
+}
+
+/// The range `(region, offset, byte size)` of `regions` names (a 400 when
+/// the region is unknown or the range past it).
+fn region_range(
+    regions: &SharedRegions,
+    (region, offset, byte_size): (&str, u64, u64),
+) -> Result<RegionRange, Failure> {
+    regions
+        .range(region, offset, byte_size)
+        .map_err(|e| invalid(e.to_string()))
 }
 
 /// Decodes a `ModelInferRequest` message (a 400 for bytes that are not one).
@@ -1365,12 +1527,16 @@ fn forwarded_metadata(
 struct Decoded {
     tensors: PerTensor<(DType, Shape, Source)>,
     owners: InputOwners,
+    /// An input was read from a shared-memory region.
+    shared_memory: bool,
 }
 
 /// Where one input's data comes from, as the request sends it.
 enum Contents<'a> {
     /// `raw_input_contents[i]`.
     Raw(usize),
+    /// A range of a shared-memory region.
+    Region(RegionRange),
     /// Its typed contents (none sent: empty).
     Typed(Option<&'a InferTensorContents>),
     /// A datatype that has no contents field: the header check names it.
@@ -1386,30 +1552,72 @@ pub type InputCheck<'a> = &'a mut dyn FnMut(&str, DType, &[u64]) -> Result<(), F
 /// and shape checked (the elements of all inputs together at most
 /// `limits.max_elements`; then `check`, the model's rule), raw bytes
 /// checked against its shape, typed contents converted element by element.
+///
+/// With `regions`, an input may name a shared-memory region instead
+/// (Triton's rules): then it sends no contents, `raw_input_contents` holds
+/// one entry per other input, in order, and its bytes are read from the
+/// region once its header is checked.
 fn decode_inputs(
     inputs: &[request::Input<'_>],
     raw: smallvec::SmallVec<[Bytes; 1]>,
     limits: Limits,
+    regions: Option<&SharedRegions>,
+    model_name: &str,
     check: InputCheck<'_>,
 ) -> Result<Decoded, Failure> {
-    if !raw.is_empty() && raw.len() != inputs.len() {
-        return Err(invalid(format!(
-            "raw_input_contents has {} entries but the request has {} inputs; give one per input, in order",
-            raw.len(),
-            inputs.len()
-        )));
+    // Counted only where regions may be named: no lookup otherwise.
+    let in_regions = match regions {
+        Some(_) => inputs
+            .iter()
+            .filter(|i| i.parameters.contains_key(v2::SHARED_MEMORY_REGION))
+            .count(),
+        None => 0,
+    };
+    let sent = inputs.len() - in_regions;
+    if !raw.is_empty() && raw.len() != sent {
+        return Err(invalid(if in_regions == 0 {
+            format!(
+                "raw_input_contents has {} entries but the request has {} inputs; give one per input, in order",
+                raw.len(),
+                inputs.len()
+            )
+        } else {
+            format!(
+                "raw_input_contents has {} entries but the request has {sent} inputs not in \
+                 shared memory; give one per such input, in order",
+                raw.len()
+            )
+        }));
     }
     let mut contents: PerTensor<Contents<'_>> = PerTensor::with_capacity(inputs.len());
-    for (i, input) in inputs.iter().enumerate() {
+    let mut next_raw = 0;
+    for input in inputs {
         let name = &input.name;
-        contents.push(if !raw.is_empty() {
+        let region = match regions {
+            Some(regions) => {
+                shared_memory_params(name, &input.parameters)?.map(|params| (regions, params))
+            }
+            None => None,
+        };
+        contents.push(if let Some((regions, params)) = region {
+            if input.contents.is_some() {
+                return Err(invalid(format!(
+                    "unexpected 'content' provided when using shared memory for input tensor \
+                     '{}' for model '{}'",
+                    Clipped(name),
+                    Clipped(model_name)
+                )));
+            }
+            Contents::Region(region_range(regions, params)?)
+        } else if !raw.is_empty() {
             if input.contents.is_some() {
                 return Err(invalid(format!(
                     "input '{shown}' has both contents and raw_input_contents",
                     shown = Clipped(name)
                 )));
             }
-            Contents::Raw(i)
+            next_raw += 1;
+            Contents::Raw(next_raw - 1)
         } else if let Some(dtype) = DType::from_v2(input.datatype) {
             if matches!(dtype, DType::Float16 | DType::BFloat16) {
                 return Err(invalid(format!(
@@ -1430,6 +1638,7 @@ fn decode_inputs(
     let mut elements_left = limits.max_elements;
     let mut tensors: PerTensor<(DType, Shape, Source)> = PerTensor::with_capacity(inputs.len());
     let mut decoded = Vec::new();
+    let shared_memory = in_regions > 0;
     for (i, (input, contents)) in inputs.iter().zip(contents).enumerate() {
         let name = &input.name;
         let (dtype, shape) =
@@ -1471,6 +1680,11 @@ fn decode_inputs(
                 decoded.push(bytes);
                 Source::Decoded(decoded.len() - 1)
             }
+            Contents::Region(range) => {
+                let bytes = v2::region_input(name, dtype, &shape, &range).map_err(codec_error)?;
+                decoded.push(bytes);
+                Source::Decoded(decoded.len() - 1)
+            }
             // The header check above refuses what has no contents field.
             Contents::Unknown => {
                 return Err(invalid(format!(
@@ -1488,6 +1702,7 @@ fn decode_inputs(
             shared: raw,
             decoded,
         },
+        shared_memory,
     })
 }
 
@@ -1568,15 +1783,18 @@ fn typed_bytes(
 }
 
 /// The outputs `request` asks for (indices in the codec's outputs; none
-/// named: all, in their order).
+/// named: all, in their order), and the shared-memory range of each that
+/// names one (resolved now, before the model runs; aligned with the
+/// outputs, empty when none does).
 fn requested_outputs(
     request: &InferRequest<'_>,
     codec: &v2::Codec,
-) -> Result<PerTensor<usize>, Failure> {
+) -> Result<(PerTensor<usize>, OutputRegions), Failure> {
     if request.outputs.is_empty() {
-        return Ok((0..codec.outputs().len()).collect());
+        return Ok(((0..codec.outputs().len()).collect(), Vec::new()));
     }
     let mut asked = PerTensor::with_capacity(request.outputs.len());
+    let mut regions = OutputRegions::new();
     for output in &request.outputs {
         let index = codec
             .output_index(output.name)
@@ -1588,15 +1806,35 @@ fn requested_outputs(
                 shown = Clipped(output.name)
             )));
         }
+        let params = match codec.regions() {
+            Some(shared) => shared_memory_params(output.name, &output.parameters)?
+                .map(|params| (shared, params)),
+            None => None,
+        };
         if output.parameters.contains_key("classification") {
+            if params.is_some() {
+                return Err(invalid(
+                    "output can't set both 'shared_memory_region' and 'classification'",
+                ));
+            }
             return Err(invalid(format!(
                 "output '{}': the classification extension is not supported",
                 output.name
             )));
         }
+        let range = match params {
+            Some((shared, params)) => Some(region_range(shared, params)?),
+            None => None,
+        };
+        if range.is_some() && regions.is_empty() {
+            regions.resize(asked.len(), None);
+        }
+        if range.is_some() || !regions.is_empty() {
+            regions.push(range);
+        }
         asked.push(index);
     }
-    Ok(asked)
+    Ok((asked, regions))
 }
 
 /// The request's timeout in seconds: its `timeout` parameter (an int64 of
@@ -1760,5 +1998,7 @@ fn described_outputs(
 pub mod request;
 pub mod response;
 
+#[cfg(test)]
+mod region_tests;
 #[cfg(test)]
 mod tests;

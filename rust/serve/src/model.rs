@@ -100,6 +100,9 @@ pub struct RequestMeta {
     pub priority: Option<u32>,
     /// Its parameters, a JSON object's text, handed to models that ask.
     pub parameters: Option<String>,
+    /// Never looked up in nor kept in the response cache: it names a
+    /// shared-memory region (its result is not its request's bytes alone).
+    pub uncached: bool,
 }
 
 /// `parameters` (a JSON object's text) with the `forwarded` headers added as
@@ -200,6 +203,7 @@ impl ServedModel {
         let plan = ResponsePlan::Encoded {
             id: request.id.clone(),
             outputs: request.selected_outputs(codec),
+            regions: request.output_regions(),
         };
         if request
             .inputs
@@ -264,6 +268,7 @@ impl ServedModel {
             timeout: request.timeout,
             priority: request.priority,
             parameters,
+            uncached: request.shared_memory,
         };
         self.enqueue(&tensors, owners, meta, plan)
     }
@@ -329,6 +334,7 @@ impl ServedModel {
             timeout,
             priority,
             parameters,
+            uncached,
         } = meta;
         let batcher = self.replies.batcher();
         let timeout = timeout.or(batcher.default_timeout().map(|d| d.as_secs_f64()));
@@ -400,6 +406,7 @@ impl ServedModel {
             absent: matched.absent,
             requested_outputs: plan.requested_outputs(),
             blocking_caller: None,
+            uncached,
         };
         let submitted = batcher.submit_request(SINK, matched.rows, views, submission, |request| {
             registered = Some(request.id);

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
+use ferrobatch_core::v2::regions::RegionRange;
 use ferrobatch_core::v2::{Codec, Encoded, Output, Shape};
 use ferrobatch_core::{Batcher, Outcome, Pending, PerTensor, Request, RequestState, Route, Tally};
 use tokio::sync::{mpsc, oneshot};
@@ -79,6 +80,12 @@ pub struct InputOwners {
     pub decoded: Vec<Vec<u8>>,
 }
 
+/// Where each output of a plan goes, in the plan's order: a shared-memory
+/// range (Triton's system shared-memory extension), written with the
+/// output's bytes, which the answer then leaves out; `None`: the answer.
+/// Empty (no allocation) when no output is in a region.
+pub type OutputRegions = Vec<Option<RegionRange>>;
+
 /// How to answer one request once its rows are ready.
 pub enum ResponsePlan {
     /// An HTTP v2 response: the request's `id`, echoed, and `(output index,
@@ -86,16 +93,23 @@ pub enum ResponsePlan {
     Encoded {
         id: Option<String>,
         outputs: PerTensor<(usize, bool)>,
+        regions: OutputRegions,
     },
-    /// The raw rows of these outputs (indices), in this order.
-    Raw { outputs: PerTensor<usize> },
+    /// The raw rows of these outputs (indices), in this order (one in a
+    /// region: written there, its rows empty).
+    Raw {
+        outputs: PerTensor<usize>,
+        regions: OutputRegions,
+    },
     /// A `ModelInfer` call: its answer to request `id` of `model_name`, the
     /// rows of these outputs (indices) in this order, written as one gRPC
-    /// message ([`InferResponse`]).
+    /// message ([`InferResponse`]; one in a region: written there, its
+    /// `raw_output_contents` entry empty, as Triton answers it).
     Message {
         model_name: Arc<str>,
         id: String,
         outputs: PerTensor<usize>,
+        regions: OutputRegions,
     },
     /// A decoupled model's request: each partial answer of its batch (the
     /// raw rows of these outputs, as `Raw`) goes to `partial` as it comes;
@@ -104,6 +118,10 @@ pub enum ResponsePlan {
     Stream {
         /// Shared: each response reads it under the table's lock (no allocation there).
         outputs: Arc<[usize]>,
+        /// As [`OutputRegions`], shared as `outputs` is; `None`: none in a
+        /// region (each part overwrites the region: a client reads it
+        /// before the next response).
+        regions: Option<Arc<[Option<RegionRange>]>>,
         partial: mpsc::UnboundedSender<Vec<RawOutput>>,
         /// The unread bytes of the stream it answers on.
         backlog: Arc<Backlog>,
@@ -116,7 +134,7 @@ impl ResponsePlan {
     pub fn requested_outputs(&self) -> u64 {
         let indices: Box<dyn Iterator<Item = usize> + '_> = match self {
             ResponsePlan::Encoded { outputs, .. } => Box::new(outputs.iter().map(|&(i, _)| i)),
-            ResponsePlan::Raw { outputs } | ResponsePlan::Message { outputs, .. } => {
+            ResponsePlan::Raw { outputs, .. } | ResponsePlan::Message { outputs, .. } => {
                 Box::new(outputs.iter().copied())
             }
             ResponsePlan::Stream { outputs, .. } => Box::new(outputs.iter().copied()),
@@ -211,6 +229,38 @@ impl Backlog {
 pub fn part_bytes(part: &[RawOutput]) -> usize {
     part.iter()
         .fold(0usize, |n, o| n.saturating_add(o.data.len()))
+}
+
+/// The outcome a request is counted as when answering it failed: the
+/// client's own mistake (400: an output too large for its region) or the
+/// model's.
+fn failed_outcome(failure: &Failure) -> Outcome {
+    match failure.status {
+        400 => Outcome::InvalidInput,
+        _ => Outcome::ModelError,
+    }
+}
+
+/// Writes each output's bytes into its shared-memory range (`(index in the
+/// codec's outputs, bytes, range)`), every size checked before any is
+/// written: one that does not fit fails the request (400: the client's
+/// range), its regions untouched.
+pub fn write_regions(
+    codec: &Codec,
+    writes: &[(usize, &[u8], &RegionRange)],
+) -> Result<(), Failure> {
+    let name = |index: usize| codec.outputs().get(index).map_or("", |o| o.name.as_str());
+    let refused = |e: ferrobatch_core::v2::regions::RegionError| Failure::new(400, e.to_string());
+    for &(index, data, range) in writes {
+        if data.len() > range.len() {
+            // `write` refuses it before copying anything: Triton's message.
+            range.write(name(index), data).map_err(refused)?;
+        }
+    }
+    for &(index, data, range) in writes {
+        range.write(name(index), data).map_err(refused)?;
+    }
+    Ok(())
 }
 
 /// What a native request holds until its batch is done.
@@ -373,14 +423,21 @@ impl Replies {
         let listening = self.pending.peek(routes, |_, held| match &held.plan {
             ResponsePlan::Stream {
                 outputs,
+                regions,
                 partial,
                 backlog,
-            } => Some((outputs.clone(), partial.clone(), backlog.clone())),
+            } => Some((
+                outputs.clone(),
+                regions.clone(),
+                partial.clone(),
+                backlog.clone(),
+            )),
             _ => None,
         });
         let mut sent = 0;
-        for (route, (outputs, partial, backlog)) in listening {
-            match self.raw_rows(&route, &outputs, columns) {
+        for (route, (outputs, regions, partial, backlog)) in listening {
+            let regions = regions.as_deref().unwrap_or_default();
+            match self.raw_rows(&route, &outputs, regions, columns) {
                 Ok(part) => {
                     let bytes = part_bytes(&part);
                     if !backlog.take(bytes) {
@@ -393,9 +450,10 @@ impl Replies {
                         Err(_) => backlog.release(bytes),
                     }
                 }
-                // Rows the model did not give: the request fails now, counted
-                // once; its batch goes on for the others.
-                Err(failure) => self.fail_one(route.id, Outcome::ModelError, failure),
+                // Rows the model did not give (or an output too large for its
+                // region): the request fails now, counted once; its batch
+                // goes on for the others.
+                Err(failure) => self.fail_one(route.id, failed_outcome(&failure), failure),
             }
         }
         sent
@@ -438,7 +496,10 @@ impl Replies {
                 Ok(i) => (Err(failed[i].1.clone()), failed[i].2),
                 Err(_) => match self.encode(&route, &taken.held.plan, columns) {
                     Ok(answer) => (Ok(answer), Outcome::Succeeded),
-                    Err(failure) => (Err(failure), Outcome::ModelError),
+                    Err(failure) => {
+                        let outcome = failed_outcome(&failure);
+                        (Err(failure), outcome)
+                    }
                 },
             };
             // Counted before the caller can see it: stats() never lags a reply.
@@ -450,7 +511,11 @@ impl Replies {
     /// The response to one request: its rows of each output it asked for.
     fn encode(&self, route: &Route, plan: &ResponsePlan, columns: &[Column<'_>]) -> Reply {
         match plan {
-            ResponsePlan::Encoded { id, outputs } => {
+            ResponsePlan::Encoded {
+                id,
+                outputs,
+                regions,
+            } => {
                 let mut shapes: PerTensor<Shape> = PerTensor::with_capacity(outputs.len());
                 let mut slices: PerTensor<Cow<'_, [u8]>> = PerTensor::with_capacity(outputs.len());
                 for &(index, _) in outputs {
@@ -469,18 +534,19 @@ impl Replies {
                     })
                     .collect();
                 self.codec
-                    .encode(id.as_deref(), &outputs)
+                    .encode_with_regions(id.as_deref(), &outputs, regions)
                     .map(Answer::Encoded)
                     .map_err(|e| Failure::new(e.status(), e.to_string()))
             }
             ResponsePlan::Stream { .. } => Ok(Answer::Raw(Vec::new())),
-            ResponsePlan::Raw { outputs } => {
-                self.raw_rows(route, outputs, columns).map(Answer::Raw)
-            }
+            ResponsePlan::Raw { outputs, regions } => self
+                .raw_rows(route, outputs, regions, columns)
+                .map(Answer::Raw),
             ResponsePlan::Message {
                 model_name,
                 id,
                 outputs,
+                regions,
             } => {
                 let mut rows: PerTensor<(usize, Shape, Cow<'_, [u8]>)> =
                     PerTensor::with_capacity(outputs.len());
@@ -488,12 +554,27 @@ impl Replies {
                     let (shape, data) = self.rows(route, index, columns)?;
                     rows.push((index, shape, data));
                 }
+                if !regions.is_empty() {
+                    let writes: Vec<(usize, &[u8], &RegionRange)> = rows
+                        .iter()
+                        .zip(regions)
+                        .filter_map(|((index, _, data), r)| {
+                            Some((*index, data.as_ref(), r.as_ref()?))
+                        })
+                        .collect();
+                    write_regions(&self.codec, &writes)?;
+                }
                 let outputs: PerTensor<OutputRows<'_>> = rows
                     .iter()
-                    .map(|(index, shape, data)| OutputRows {
+                    .enumerate()
+                    .map(|(i, (index, shape, data))| OutputRows {
                         index: *index,
                         shape,
-                        data,
+                        // In its region: an empty entry, as Triton answers it.
+                        data: match regions.get(i) {
+                            Some(Some(_)) => &[],
+                            _ => data,
+                        },
                     })
                     .collect();
                 let framed = InferResponse::new(&self.codec, model_name, id, &outputs).framed()?;
@@ -503,13 +584,46 @@ impl Replies {
         }
     }
 
-    /// The rows of `route` in each of `outputs` (indices), as raw bytes.
+    /// The rows of `route` in each of `outputs` (indices), as raw bytes;
+    /// those with a range in `regions` (aligned, or empty) written there,
+    /// their bytes empty.
     fn raw_rows(
         &self,
         route: &Route,
         outputs: &[usize],
+        regions: &[Option<RegionRange>],
         columns: &[Column<'_>],
     ) -> Result<Vec<RawOutput>, Failure> {
+        if !regions.is_empty() {
+            let mut rows = Vec::with_capacity(outputs.len());
+            for &index in outputs {
+                rows.push((index, self.rows(route, index, columns)?));
+            }
+            let writes: Vec<(usize, &[u8], &RegionRange)> = rows
+                .iter()
+                .zip(regions)
+                .filter_map(|((index, (_, data)), r)| Some((*index, data.as_ref(), r.as_ref()?)))
+                .collect();
+            write_regions(&self.codec, &writes)?;
+            return Ok(rows
+                .into_iter()
+                .zip(
+                    regions
+                        .iter()
+                        .map(Option::is_some)
+                        .chain(std::iter::repeat(false)),
+                )
+                .map(|((index, (shape, data)), in_region)| RawOutput {
+                    index,
+                    shape,
+                    data: match (in_region, data) {
+                        (true, _) => Bytes::new(),
+                        (false, Cow::Borrowed(data)) => Bytes::copy_from_slice(data),
+                        (false, Cow::Owned(data)) => Bytes::from(data),
+                    },
+                })
+                .collect());
+        }
         outputs
             .iter()
             .map(|&index| {

@@ -519,6 +519,7 @@ impl SharedServer {
             absent,
             requested_outputs: 0, // every output: a cell holds them all
             blocking_caller: None,
+            uncached: false,
         };
         let cell = Cell {
             client: d.client,

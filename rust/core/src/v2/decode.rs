@@ -7,7 +7,9 @@ use std::ops::Range;
 use super::elements::Elements;
 use super::error::{quote, short, V2Error};
 use super::json::{Kind, Parser, SyntaxError};
+use super::regions::{RegionRange, SharedRegions};
 use super::{check_raw, checked_size, input_dtype, Codec};
+use super::{SHARED_MEMORY_BYTE_SIZE, SHARED_MEMORY_OFFSET, SHARED_MEMORY_REGION};
 use crate::DType;
 
 /// A decoded infer request.
@@ -32,6 +34,10 @@ pub struct InferRequest {
     /// The outputs the request names (`None`: all, binary as
     /// `binary_data_output` says).
     pub outputs: Option<crate::PerTensor<RequestedOutput>>,
+    /// Whether a tensor names a shared-memory region: its bytes change
+    /// between requests with the same body, so such a request is never
+    /// remembered ([`super::HeaderMemo`]) nor answered from a cache.
+    pub shared_memory: bool,
 }
 
 impl InferRequest {
@@ -42,6 +48,18 @@ impl InferRequest {
             None => (0..codec.outputs().len())
                 .map(|i| (i, self.binary_data_output))
                 .collect(),
+        }
+    }
+
+    /// Where each of [`InferRequest::selected_outputs`] goes: its
+    /// shared-memory range, or `None` (in the response). Empty, allocating
+    /// nothing, when no output names a region.
+    pub fn output_regions(&self) -> Vec<Option<RegionRange>> {
+        match &self.outputs {
+            Some(outputs) if outputs.iter().any(|o| o.shared.is_some()) => {
+                outputs.iter().map(|o| o.shared.clone()).collect()
+            }
+            _ => Vec::new(),
         }
     }
 }
@@ -68,11 +86,15 @@ pub enum Data {
 }
 
 /// An output the request asks for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RequestedOutput {
     /// Its index in [`Codec::outputs`].
     pub index: usize,
+    /// Sent as binary data (never for one in shared memory).
     pub binary: bool,
+    /// The shared-memory range its bytes go to (Triton's system
+    /// shared-memory extension), resolved as the request is decoded.
+    pub shared: Option<RegionRange>,
 }
 
 fn invalid(message: impl Into<String>) -> V2Error {
@@ -128,6 +150,8 @@ struct Decoder<'a, 'c> {
     /// Elements declared by the inputs so far.
     elements: usize,
     check: HeaderCheck<'c>,
+    /// A tensor named a shared-memory region.
+    shared_memory: bool,
 }
 
 impl Codec {
@@ -201,6 +225,7 @@ impl Codec {
             p: Parser::new(header),
             elements: 0,
             check,
+            shared_memory: false,
         };
         match decoder
             .request(header_end, body.len())
@@ -355,14 +380,29 @@ impl<'a> Decoder<'a, '_> {
                 body_end - header_end
             )));
         }
-        let outputs = outputs.map(|list| {
+        let outputs: Option<crate::PerTensor<RequestedOutput>> = outputs.map(|list| {
             list.into_iter()
-                .map(|(index, binary)| RequestedOutput {
-                    index,
-                    binary: binary.unwrap_or(binary_data_output),
+                .map(|o| RequestedOutput {
+                    index: o.index,
+                    // Its bytes go to its region: none follow the header.
+                    binary: o.shared.is_none() && o.binary.unwrap_or(binary_data_output),
+                    shared: o.shared,
                 })
                 .collect()
         });
+        // An output of known size larger than its range: refused now,
+        // before the model runs, not when its response is written.
+        if let Some(list) = &outputs {
+            let in_regions = list
+                .iter()
+                .filter_map(|o| o.shared.as_ref().map(|range| (o.index, range)));
+            let first_shape = decoded.first().map(|i| &i.shape[..]);
+            self.codec.check_output_regions(first_shape, in_regions)?;
+        }
+        let shared_memory = self.shared_memory
+            || outputs
+                .as_ref()
+                .is_some_and(|list| list.iter().any(|o| o.shared.is_some()));
         Ok(InferRequest {
             id,
             timeout,
@@ -371,6 +411,7 @@ impl<'a> Decoder<'a, '_> {
             binary_data_output,
             inputs: decoded,
             outputs,
+            shared_memory,
         })
     }
 
@@ -548,7 +589,7 @@ impl<'a> Decoder<'a, '_> {
         let mut name = Field::Missing;
         let mut datatype = Field::Missing;
         let mut shape = Field::Missing;
-        let mut binary_size: Option<u64> = None;
+        let mut params = InputParams::default();
         let mut data = DataField::Missing;
         let mut first = true;
         while let Some(key) = self.next_key(&mut first)? {
@@ -564,7 +605,7 @@ impl<'a> Decoder<'a, '_> {
                     };
                     let error = || invalid(format!("'parameters' of {} must be an object", what()));
                     if self.object_or_null(error)? {
-                        binary_size = self.input_parameters(what)?.or(binary_size);
+                        params = self.input_parameters(what)?.or(params);
                     }
                 }
                 "data" => {
@@ -588,6 +629,32 @@ impl<'a> Decoder<'a, '_> {
         let (name, dtype, shape, count) = self.header(&name, &datatype, &shape)?;
         if !matches!(data, DataField::Decoded(_)) {
             (self.check)(&name, dtype, &shape)?; // checked already if decoded
+        }
+        let binary_size = params.binary_size;
+        if let Some(regions) = self.codec.regions() {
+            exactly_one_source(
+                !matches!(data, DataField::Missing),
+                binary_size.is_some(),
+                params.region.is_some(),
+            )?;
+            if let Some(region) = &params.region {
+                let range = regions
+                    .range(
+                        region,
+                        params.offset.unwrap_or(0),
+                        params.byte_size.unwrap_or(0),
+                    )
+                    .map_err(|e| invalid(e.to_string()))?;
+                let bytes = super::region_input(&name, dtype, &shape, &range)?;
+                self.elements += count;
+                self.shared_memory = true;
+                return Ok(Pending {
+                    data: PendingData::Owned(bytes),
+                    name,
+                    dtype,
+                    shape,
+                });
+            }
         }
         let data = match (binary_size, data) {
             (Some(_), DataField::Missing) => None,
@@ -630,23 +697,46 @@ impl<'a> Decoder<'a, '_> {
         })
     }
 
-    /// `binary_data_size` from an input's parameters (others are ignored).
-    fn input_parameters(&mut self, what: impl Fn() -> String) -> Result<Option<u64>, V2Error> {
-        let mut size = None;
+    /// `binary_data_size` and, with regions, the shared-memory parameters
+    /// from an input's parameters (others are ignored).
+    fn input_parameters(&mut self, what: impl Fn() -> String) -> Result<InputParams<'a>, V2Error> {
+        let mut params = InputParams::default();
+        let regions = self.codec.regions().is_some();
         let mut first = true;
         while let Some(key) = self.next_key(&mut first)? {
-            if &*key == super::SHARED_MEMORY_REGION {
-                self.skip()?;
-                return Err(invalid(super::shared_memory_refused(&what())));
-            }
-            if &*key != "binary_data_size" {
-                self.skip()?;
-                continue;
+            match &*key {
+                SHARED_MEMORY_REGION if !regions => {
+                    self.skip()?;
+                    return Err(invalid(super::shared_memory_refused(&what())));
+                }
+                SHARED_MEMORY_REGION => {
+                    match self.region_name()? {
+                        Field::Got(region) => params.region = Some(region),
+                        bad => return Err(unparsed(&key, &what(), STRING, &bad.shown())),
+                    }
+                    continue;
+                }
+                SHARED_MEMORY_OFFSET | SHARED_MEMORY_BYTE_SIZE if regions => {
+                    let value = match self.region_uint()? {
+                        Field::Got(v) => v,
+                        bad => return Err(unparsed(&key, &what(), UINT, &bad.shown())),
+                    };
+                    match &*key {
+                        SHARED_MEMORY_OFFSET => params.offset = Some(value),
+                        _ => params.byte_size = Some(value),
+                    }
+                    continue;
+                }
+                "binary_data_size" => {}
+                _ => {
+                    self.skip()?;
+                    continue;
+                }
             }
             let kind = self.p.peek_kind().map_err(json_error)?;
             if kind == Kind::Null {
                 self.p.null();
-                size = None;
+                params.binary_size = None;
                 continue;
             }
             let value = match kind {
@@ -660,7 +750,7 @@ impl<'a> Decoder<'a, '_> {
                 }
             };
             match value.and_then(|v| u64::try_from(v).ok()) {
-                Some(v) => size = Some(v),
+                Some(v) => params.binary_size = Some(v),
                 None => {
                     return Err(invalid(format!(
                         "{}: binary_data_size must be an int >= 0",
@@ -669,7 +759,35 @@ impl<'a> Decoder<'a, '_> {
                 }
             }
         }
-        Ok(size)
+        Ok(params)
+    }
+
+    /// A tensor's `shared_memory_region`: a string.
+    fn region_name(&mut self) -> Result<Field<'a, Cow<'a, str>>, V2Error> {
+        if self.p.peek_kind().map_err(json_error)? == Kind::String {
+            return Ok(Field::Got(self.p.string().map_err(json_error)?));
+        }
+        Ok(Field::Bad(self.skip()?))
+    }
+
+    /// A tensor's `shared_memory_offset` or `shared_memory_byte_size`: an
+    /// integer >= 0.
+    fn region_uint(&mut self) -> Result<Field<'a, u64>, V2Error> {
+        let start = self.p.offset();
+        let value = match self.p.peek_kind().map_err(json_error)? {
+            Kind::Number => {
+                let n = self.p.number().map_err(json_error)?;
+                n.integer.then(|| n.to_i128()).flatten()
+            }
+            _ => {
+                self.skip()?;
+                None
+            }
+        };
+        Ok(match value.and_then(|v| u64::try_from(v).ok()) {
+            Some(v) => Field::Got(v),
+            None => Field::Bad(self.text(start..self.p.offset()).trim()),
+        })
     }
 
     /// A `shape`: a list of non-negative integers, or the text sent.
@@ -792,7 +910,7 @@ impl<'a> Decoder<'a, '_> {
             }
         }
         self.p.begin_array().map_err(json_error)?;
-        let mut outputs = crate::PerTensor::new();
+        let mut outputs = crate::PerTensor::<Selected>::new();
         let mut first = true;
         let entry_error =
             || invalid("every entry of 'outputs' must be an object with a string 'name'");
@@ -806,6 +924,9 @@ impl<'a> Decoder<'a, '_> {
             let mut binary: Option<Option<bool>> = None; // Some(None): binary_data bad
             let mut classification = false;
             let mut shared_memory = false;
+            // With regions: its shared-memory parameters as read, or the
+            // first one that did not parse.
+            let mut region = OutputRegion::default();
             let mut params_bad = false;
             let mut entry_first = true;
             while let Some(key) = self.next_key(&mut entry_first)? {
@@ -833,9 +954,18 @@ impl<'a> Decoder<'a, '_> {
                                         classification = true;
                                         self.skip()?;
                                     }
-                                    super::SHARED_MEMORY_REGION => {
+                                    SHARED_MEMORY_REGION => {
                                         shared_memory = true;
-                                        self.skip()?;
+                                        if self.codec.regions().is_none() {
+                                            self.skip()?;
+                                        } else {
+                                            self.output_region(&k, &mut region)?;
+                                        }
+                                    }
+                                    SHARED_MEMORY_OFFSET | SHARED_MEMORY_BYTE_SIZE
+                                        if self.codec.regions().is_some() =>
+                                    {
+                                        self.output_region(&k, &mut region)?;
                                     }
                                     _ => {
                                         self.skip()?;
@@ -862,7 +992,7 @@ impl<'a> Decoder<'a, '_> {
             let index = self.codec.output_index(&name)?;
             // Each entry would be sent in full: a name repeated thousands
             // of times in a small request would make a reply of gigabytes.
-            if outputs.iter().any(|(earlier, _)| *earlier == index) {
+            if outputs.iter().any(|earlier| earlier.index == index) {
                 return Err(invalid(format!(
                     "output '{shown}' is asked for twice",
                     shown = Clipped(name.as_ref())
@@ -874,35 +1004,193 @@ impl<'a> Decoder<'a, '_> {
                     shown = Clipped(name.as_ref())
                 )));
             }
+            let shared = match self.codec.regions() {
+                Some(regions) if shared_memory => {
+                    Some(self.resolve_output(regions, &name, region, classification, binary)?)
+                }
+                _ => None,
+            };
             if classification {
                 return Err(invalid(format!(
                     "output '{shown}': the classification extension is not supported",
                     shown = Clipped(name.as_ref())
                 )));
             }
-            if shared_memory {
+            if shared_memory && shared.is_none() {
                 let tensor = format!("output '{}'", Clipped(name.as_ref()));
                 return Err(invalid(super::shared_memory_refused(&tensor)));
             }
             let binary = match binary {
                 None => None,
                 Some(Some(b)) => Some(b),
-                Some(None) => {
-                    return Err(invalid(format!(
-                        "output '{shown}': binary_data must be true or false",
-                        shown = Clipped(name.as_ref())
-                    )))
-                }
+                Some(None) => return Err(binary_not_bool(&name)),
             };
-            outputs.push((index, binary));
+            outputs.push(Selected {
+                index,
+                binary,
+                shared,
+            });
         }
         // None named, as none given: every output (as Triton and gRPC read it).
         Ok((!outputs.is_empty()).then_some(outputs))
     }
+
+    /// Reads one shared-memory parameter (`key`) of an output into
+    /// `region`; a value that does not parse is kept in `region.bad`,
+    /// reported once the output's name is known.
+    fn output_region(&mut self, key: &str, region: &mut OutputRegion<'a>) -> Result<(), V2Error> {
+        let bad = match key {
+            SHARED_MEMORY_REGION => match self.region_name()? {
+                Field::Got(name) => {
+                    region.name = Some(name);
+                    None
+                }
+                bad => Some((SHARED_MEMORY_REGION, STRING, bad.shown())),
+            },
+            _ => match self.region_uint()? {
+                Field::Got(v) if key == SHARED_MEMORY_OFFSET => {
+                    region.offset = v;
+                    None
+                }
+                Field::Got(v) => {
+                    region.byte_size = v;
+                    None
+                }
+                bad => Some((
+                    if key == SHARED_MEMORY_OFFSET {
+                        SHARED_MEMORY_OFFSET
+                    } else {
+                        SHARED_MEMORY_BYTE_SIZE
+                    },
+                    UINT,
+                    bad.shown(),
+                )),
+            },
+        };
+        if region.bad.is_none() {
+            region.bad = bad;
+        }
+        Ok(())
+    }
+
+    /// The range an output's bytes go to, resolved now (before the model
+    /// runs), with Triton's checks.
+    fn resolve_output(
+        &self,
+        regions: &SharedRegions,
+        name: &str,
+        region: OutputRegion<'a>,
+        classification: bool,
+        binary: Option<Option<bool>>,
+    ) -> Result<RegionRange, V2Error> {
+        if classification {
+            return Err(invalid(
+                "Output can't set both 'shared_memory_region' and 'classification'",
+            ));
+        }
+        match binary {
+            Some(Some(true)) => {
+                return Err(invalid(
+                    "Output can't set both 'shared_memory_region' and 'binary_data'",
+                ))
+            }
+            Some(None) => return Err(binary_not_bool(name)),
+            _ => {}
+        }
+        if let Some((field, expected, got)) = region.bad {
+            let what = format!("output '{}'", Clipped(name));
+            return Err(unparsed(field, &what, expected, &got));
+        }
+        let region_name = region.name.as_deref().unwrap_or_default();
+        regions
+            .range(region_name, region.offset, region.byte_size)
+            .map_err(|e| invalid(e.to_string()))
+    }
 }
 
-/// An output named by the request: its index, and `binary_data` if given.
-type Selected = (usize, Option<bool>);
+/// An output named by the request: its index, `binary_data` if given, and
+/// the range its bytes go to if in shared memory.
+struct Selected {
+    index: usize,
+    binary: Option<bool>,
+    shared: Option<RegionRange>,
+}
+
+/// An output's shared-memory parameters as read.
+#[derive(Default)]
+struct OutputRegion<'a> {
+    name: Option<Cow<'a, str>>,
+    offset: u64,
+    byte_size: u64,
+    /// The first that did not parse: its field, what it must be, what it was.
+    bad: Option<(&'static str, &'static str, String)>,
+}
+
+/// An input's parameters that say where its bytes are.
+#[derive(Default)]
+struct InputParams<'a> {
+    binary_size: Option<u64>,
+    region: Option<Cow<'a, str>>,
+    offset: Option<u64>,
+    byte_size: Option<u64>,
+}
+
+impl<'a> InputParams<'a> {
+    /// These, with what `earlier` (another `parameters` of the same input) set and these do not.
+    fn or(self, earlier: InputParams<'a>) -> InputParams<'a> {
+        InputParams {
+            binary_size: self.binary_size.or(earlier.binary_size),
+            region: self.region.or(earlier.region),
+            offset: self.offset.or(earlier.offset),
+            byte_size: self.byte_size.or(earlier.byte_size),
+        }
+    }
+}
+
+fn binary_not_bool(name: &str) -> V2Error {
+    invalid(format!(
+        "output '{shown}': binary_data must be true or false",
+        shown = Clipped(name)
+    ))
+}
+
+const STRING: &str = "a string";
+const UINT: &str = "an integer >= 0";
+
+/// A shared-memory parameter of the wrong kind (Triton's words first);
+/// `got`: as [`Field::shown`] shows it.
+fn unparsed(field: &str, what: &str, expected: &str, got: &str) -> V2Error {
+    invalid(format!(
+        "Unable to parse '{field}' of {what}: expected {expected}, got {got}"
+    ))
+}
+
+/// Triton's rule for an input's data: exactly one of `data`,
+/// `binary_data_size` and `shared_memory_region` (its words).
+fn exactly_one_source(data: bool, binary: bool, region: bool) -> Result<(), V2Error> {
+    if usize::from(data) + usize::from(binary) + usize::from(region) == 1 {
+        return Ok(());
+    }
+    let mut message = String::from(
+        "Input must set only one of the following fields: 'data', 'binary_data_size' in \
+         'parameters', 'shared_memory_region' in 'parameters'. But",
+    );
+    if !(data || binary || region) {
+        message.push_str(" no field is set");
+    } else {
+        message.push_str(" set");
+        for (set, field) in [
+            (data, " 'data'"),
+            (binary, " 'binary_data_size'"),
+            (region, " 'shared_memory_region'"),
+        ] {
+            if set {
+                message.push_str(field);
+            }
+        }
+    }
+    Err(invalid(message))
+}
 
 struct Pending {
     name: String,

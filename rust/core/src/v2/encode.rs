@@ -2,6 +2,7 @@
 
 use half::{bf16, f16};
 
+use super::regions::RegionRange;
 use super::{checked_size, Codec, V2Error};
 use crate::DType;
 
@@ -124,16 +125,38 @@ fn write_values(out: &mut Vec<u8>, dtype: DType, data: &[u8]) {
     }
 }
 
+/// The region output `i` goes to, if any (`regions` aligned with the
+/// outputs; shorter or empty: the rest go in the response).
+fn region_of(regions: &[Option<RegionRange>], i: usize) -> Option<&RegionRange> {
+    regions.get(i).and_then(Option::as_ref)
+}
+
 impl Codec {
     /// A response carrying `outputs`, echoing the request's `id`.
     ///
     /// Fails (a 500: the caller's bug, not the client's) when an output's
     /// index is unknown or its byte length is not its shape's.
     pub fn encode(&self, id: Option<&str>, outputs: &[Output<'_>]) -> Result<Encoded, V2Error> {
+        self.encode_with_regions(id, outputs, &[])
+    }
+
+    /// [`Codec::encode`], output `i` written into `regions[i]` when that is
+    /// a range (Triton's system shared-memory extension: the request's
+    /// [`super::InferRequest::output_regions`]) and answered with its name,
+    /// datatype and shape only. An output too large for its range fails
+    /// with a 400 ([`V2Error::Invalid`]: the client's range), before any
+    /// output is written.
+    pub fn encode_with_regions(
+        &self,
+        id: Option<&str>,
+        outputs: &[Output<'_>],
+        regions: &[Option<RegionRange>],
+    ) -> Result<Encoded, V2Error> {
         // Room for the binary outputs from the start: reserving it after the
         // header would move the header (a reallocation per response).
-        let (mut body, binary_bytes) = self.header(id, outputs, true, 0)?;
-        if !outputs.iter().any(|o| o.binary) {
+        let (mut body, binary_bytes) = self.header(id, outputs, regions, true, 0)?;
+        let binary = |(i, o): &(usize, &Output<'_>)| o.binary && region_of(regions, *i).is_none();
+        if !outputs.iter().enumerate().any(|o| binary(&o)) {
             return Ok(Encoded {
                 body,
                 header_length: None,
@@ -141,7 +164,7 @@ impl Codec {
         }
         let header_length = body.len();
         body.reserve_exact(binary_bytes);
-        for o in outputs.iter().filter(|o| o.binary) {
+        for (_, o) in outputs.iter().enumerate().filter(binary) {
             body.extend_from_slice(o.data);
         }
         Ok(Encoded {
@@ -161,15 +184,29 @@ impl Codec {
         outputs: &[Output<'_>],
         extra: usize,
     ) -> Result<(Vec<u8>, usize), V2Error> {
-        self.header(id, outputs, false, extra)
+        self.header(id, outputs, &[], false, extra)
     }
 
-    /// [`Codec::encode_header`], its buffer also holding room for the
-    /// binary outputs when `with_binary`.
+    /// [`Codec::encode_header`] with outputs in shared memory, as
+    /// [`Codec::encode_with_regions`] writes them (an output in a region
+    /// is never among the binary bytes that follow).
+    pub fn encode_header_with_regions(
+        &self,
+        id: Option<&str>,
+        outputs: &[Output<'_>],
+        regions: &[Option<RegionRange>],
+        extra: usize,
+    ) -> Result<(Vec<u8>, usize), V2Error> {
+        self.header(id, outputs, regions, false, extra)
+    }
+
+    /// [`Codec::encode_header_with_regions`], its buffer also holding room
+    /// for the binary outputs when `with_binary`.
     fn header(
         &self,
         id: Option<&str>,
         outputs: &[Output<'_>],
+        regions: &[Option<RegionRange>],
         with_binary: bool,
         extra: usize,
     ) -> Result<(Vec<u8>, usize), V2Error> {
@@ -189,7 +226,7 @@ impl Codec {
                 .saturating_add(2),
         );
         let mut binary_bytes: usize = 0;
-        for o in outputs {
+        for (i, o) in outputs.iter().enumerate() {
             let spec = self.outputs().get(o.index).ok_or_else(|| {
                 V2Error::Output(format!(
                     "output index {} is not one of the model's",
@@ -216,7 +253,16 @@ impl Codec {
             }
             let prefix = self.output_prefixes[o.index].len() + 24 * o.shape.len() + 48;
             header_estimate = header_estimate.saturating_add(prefix);
-            if o.binary {
+            if let Some(range) = region_of(regions, i) {
+                // Refused before any output is written (`write` checks the
+                // size before it copies anything).
+                if o.data.len() > range.len() {
+                    range
+                        .write(&spec.name, o.data)
+                        .map_err(|e| V2Error::Invalid(e.to_string()))?;
+                }
+                exact = None;
+            } else if o.binary {
                 binary_bytes = binary_bytes.saturating_add(o.data.len());
                 let dims: usize = o.shape.iter().map(|&d| uint_len(d)).sum();
                 exact = exact.map(|n| {
@@ -232,6 +278,14 @@ impl Codec {
                     .saturating_add(count.saturating_mul(12))
                     .saturating_add(o.data.len());
                 exact = None;
+            }
+        }
+        for (o, range) in outputs.iter().zip(regions) {
+            if let Some(range) = range {
+                let name = self.outputs().get(o.index).map_or("", |s| s.name.as_str());
+                range
+                    .write(name, o.data)
+                    .map_err(|e| V2Error::Invalid(e.to_string()))?;
             }
         }
         let room = if with_binary { binary_bytes } else { 0 };
@@ -254,7 +308,10 @@ impl Codec {
                 }
                 write_uint(&mut out, d);
             }
-            if o.binary {
+            if region_of(regions, i).is_some() {
+                // As Triton answers it: the output's bytes are in its region.
+                out.extend_from_slice(b"]}");
+            } else if o.binary {
                 out.extend_from_slice(BINARY.as_bytes());
                 write_uint(&mut out, o.data.len() as u64);
                 out.extend_from_slice(b"}}");

@@ -11,6 +11,9 @@
 //!   again, and is answered from the memo without being read;
 //! - only headers that decoded without error are remembered (a refusal is
 //!   found again, and counted, by the caller);
+//! - a header that names a shared-memory region is never remembered: the
+//!   region's bytes (and whether it is registered) change between requests
+//!   of the same header, so it is read on every request;
 //! - the binary bytes after the header are checked on every request (lengths
 //!   against shapes, BOOL bytes), as a fresh decode checks them.
 //!
@@ -114,7 +117,9 @@ impl Codec {
             };
         }
         let request = self.decode_header(body, header_end, check)?;
-        memo.remember(header, body.len(), &request);
+        if !request.shared_memory {
+            memo.remember(header, body.len(), &request);
+        }
         Ok(Cow::Owned(request))
     }
 }

@@ -15,6 +15,22 @@
 //! [`HeaderMemo`] holds (the same bytes, the same body length) without
 //! reading it again: clients send one header per shape.
 //!
+//! A codec [`Codec::with_regions`] serves Triton's system shared-memory
+//! extension ([`regions`]): an input whose parameters name a
+//! `shared_memory_region` (with `shared_memory_offset`, default 0, and
+//! `shared_memory_byte_size`) is read from that range of the region into a
+//! buffer of its own ([`Data::Owned`]; checked as binary data is, its size
+//! against its shape's before anything is allocated). An input sets exactly
+//! one of `data`, `binary_data_size` and `shared_memory_region` (Triton's
+//! rule and words). An output that names a region has its range resolved
+//! as the request is decoded ([`RequestedOutput::shared`]: an unknown
+//! region or a range past it is refused before the model runs, and so is a
+//! range too small for an output whose size the codec knows from the
+//! request, [`Codec::with_output_row_bytes`]). A request
+//! naming a region is flagged ([`InferRequest::shared_memory`]): never
+//! remembered by a memo nor answered from a response cache. Without
+//! regions, a tensor naming one is refused ([`shared_memory_refused`]).
+//!
 //! # Limits
 //!
 //! [`Limits`] bounds the body (`max_body_size`) and the elements all inputs
@@ -32,6 +48,12 @@
 //! their own precision, integers exactly) or, per output, the binary
 //! extension (`binary_data_size`, the raw bytes after the JSON header, and
 //! the header's length to send as `Inference-Header-Content-Length`).
+//! [`Codec::encode_with_regions`] writes each output the request put in a
+//! region ([`InferRequest::output_regions`]) there, in its wire form (BYTES:
+//! each element's 4-byte little-endian length and bytes), and answers it
+//! with its `name`, `datatype` and `shape` only, as Triton does; an output
+//! larger than its range is the client's mistake (a 400), refused before
+//! any output is written.
 //!
 //! The messages of [`V2Error`] are those of the Python front-ends this codec
 //! replaced, naming the input, the field and what was expected.
@@ -42,17 +64,23 @@ mod encode;
 mod error;
 pub mod json;
 mod memo;
+pub mod regions;
 
 pub use decode::{Data, HeaderCheck, InferRequest, Input, RequestedOutput, Shape};
 pub use elements::Elements;
 pub use encode::{write_json_string, Encoded, Output};
 pub use error::{quote, shape_text, short, Clipped, V2Error};
 
-/// The tensor parameter of Triton's shared-memory extension, which this
-/// server does not have: a tensor that names a region is refused, never
-/// answered from (or into) the request's own bytes, which a client of
-/// that extension would not read.
+/// The tensor parameter of Triton's system shared-memory extension: the
+/// region holding an input's bytes, or to receive an output's. A codec
+/// without [`Codec::regions`] refuses a tensor that names one
+/// ([`shared_memory_refused`]), never answering from (or into) the
+/// request's own bytes, which a client of that extension would not read.
 pub const SHARED_MEMORY_REGION: &str = "shared_memory_region";
+/// Where the tensor starts within its region (default 0).
+pub const SHARED_MEMORY_OFFSET: &str = "shared_memory_offset";
+/// The tensor's bytes in its region.
+pub const SHARED_MEMORY_BYTE_SIZE: &str = "shared_memory_byte_size";
 
 /// The outputs a request asked for, as bits of their indices
 /// ([`crate::Request::requested_outputs`], what a model built with its
@@ -68,12 +96,14 @@ pub fn output_bits(indices: impl IntoIterator<Item = usize>) -> u64 {
     bits
 }
 
-/// Why a tensor naming a shared-memory region is refused (`tensor`: how the
-/// message names it, "input 'x'").
+/// Why a tensor naming a shared-memory region is refused by a codec without
+/// regions (clients' shared memory is off: `tensor`, how the message names
+/// it, "input 'x'").
 pub fn shared_memory_refused(tensor: &str) -> String {
     format!(
-        "{tensor}: shared memory (shared_memory_region) is not supported by this server; \
-         send the tensor's data in the request and read outputs from the response"
+        "{tensor}: shared memory (shared_memory_region) is disabled on this server \
+         (start it with --allow-client-shm to enable); send the tensor's data in the request \
+         and read outputs from the response"
     )
 }
 pub use memo::{HeaderMemo, MAX_REMEMBERED_HEADER, REMEMBERED_HEADERS};
@@ -128,6 +158,14 @@ pub struct Codec {
     /// decoupled: true }`): any number of responses per request, streamed
     /// over gRPC `ModelStreamInfer` only.
     decoupled: bool,
+    /// The server's shared-memory regions (Triton's system shared-memory
+    /// extension): tensors may name them. None: a tensor naming one is
+    /// refused.
+    regions: Option<regions::SharedRegions>,
+    /// The bytes of one row of each output (of the whole output without
+    /// batching), index-aligned with `outputs`, where known before the
+    /// model runs; empty: none known (see [`Codec::with_output_row_bytes`]).
+    output_row_bytes: Vec<Option<usize>>,
 }
 
 impl Codec {
@@ -158,7 +196,81 @@ impl Codec {
             output_prefixes,
             batching: true,
             decoupled: false,
+            regions: None,
+            output_row_bytes: Vec::new(),
         }
+    }
+
+    /// This codec, reading and writing tensors in `regions` when requests
+    /// name them (see [`regions`]).
+    pub fn with_regions(mut self, regions: regions::SharedRegions) -> Codec {
+        self.regions = Some(regions);
+        self
+    }
+
+    /// The regions requests may name, if any.
+    pub fn regions(&self) -> Option<&regions::SharedRegions> {
+        self.regions.as_ref()
+    }
+
+    /// This codec, knowing the size of outputs before the model runs:
+    /// `row_bytes[i]` is the bytes of one row of output `i` (of
+    /// [`Codec::outputs`]; for a codec [`Codec::without_batching`], of the
+    /// whole output, which has no batch dimension), `None` where the model
+    /// decides it (BYTES, variable-shape outputs). An output that a request
+    /// puts in a shared-memory range smaller than it will be is then
+    /// refused as the request is decoded, before the model runs
+    /// ([`Codec::check_output_regions`]), rather than when its response is
+    /// written. Empty (the default): nothing is checked before. Entries
+    /// past the outputs are ignored; outputs past the entries are `None`.
+    pub fn with_output_row_bytes(mut self, row_bytes: Vec<Option<usize>>) -> Codec {
+        self.output_row_bytes = row_bytes;
+        self
+    }
+
+    /// The bytes of one row of each output where known (see
+    /// [`Codec::with_output_row_bytes`]); empty when none was given.
+    pub fn output_row_bytes(&self) -> &[Option<usize>] {
+        &self.output_row_bytes
+    }
+
+    /// Refuses (a 400, [`regions::output_too_small`]'s words) a request
+    /// whose `outputs` (`(index in the outputs, its shared-memory range)`)
+    /// include one of known size ([`Codec::with_output_row_bytes`]) larger
+    /// than its range. `first_shape`: the shape of the request's first
+    /// input, whose first dimension is the request's rows with batching
+    /// (none, or an empty shape: one row). A size past `usize` is not
+    /// checked here (the request is refused elsewhere or its output found
+    /// too large when written).
+    pub fn check_output_regions<'r>(
+        &self,
+        first_shape: Option<&[u64]>,
+        outputs: impl IntoIterator<Item = (usize, &'r regions::RegionRange)>,
+    ) -> Result<(), V2Error> {
+        if self.output_row_bytes.iter().all(Option::is_none) {
+            return Ok(());
+        }
+        let rows = match self.batching {
+            true => first_shape.and_then(|s| s.first().copied()).unwrap_or(1),
+            false => 1,
+        };
+        for (index, range) in outputs {
+            let Some(&Some(row_bytes)) = self.output_row_bytes.get(index) else {
+                continue;
+            };
+            let needed = usize::try_from(rows)
+                .ok()
+                .and_then(|rows| rows.checked_mul(row_bytes));
+            if let Some(needed) = needed.filter(|&needed| range.len() < needed) {
+                let name = self.outputs.get(index).map_or("", |o| o.name.as_str());
+                return Err(V2Error::Invalid(regions::output_too_small(
+                    name,
+                    range.len(),
+                    needed,
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// This codec, for a model served without batching (see [`Codec::batching`]).
@@ -287,13 +399,7 @@ pub fn check_raw(name: &str, dtype: DType, shape: &[u64], data: &[u8]) -> Result
             .map_err(|e| V2Error::Invalid(format!("input '{shown}': {e}", shown = Clipped(name))));
     }
     if data.len() != expected {
-        return Err(V2Error::Invalid(format!(
-            "input '{shown}': {} shape {shape} needs {expected} bytes, got {}",
-            dtype.v2_name(),
-            data.len(),
-            shown = Clipped(name),
-            shape = shape_text(shape)
-        )));
+        return Err(size_mismatch(name, dtype, shape, expected, data.len()));
     }
     if dtype == DType::Bool && data.iter().any(|&b| b > 1) {
         return Err(V2Error::Invalid(format!(
@@ -304,5 +410,47 @@ pub fn check_raw(name: &str, dtype: DType, shape: &[u64], data: &[u8]) -> Result
     Ok(())
 }
 
+fn size_mismatch(name: &str, dtype: DType, shape: &[u64], expected: usize, got: usize) -> V2Error {
+    V2Error::Invalid(format!(
+        "input '{shown}': {} shape {shape} needs {expected} bytes, got {got}",
+        dtype.v2_name(),
+        shown = Clipped(name),
+        shape = shape_text(shape)
+    ))
+}
+
+/// Input `name`'s bytes, read from `range` of a shared-memory region and
+/// checked as raw bytes are ([`check_raw`]). The range's size is checked
+/// against the shape's (BYTES: against the per-request bound) before
+/// anything is allocated.
+pub fn region_input(
+    name: &str,
+    dtype: DType,
+    shape: &[u64],
+    range: &regions::RegionRange,
+) -> Result<Vec<u8>, V2Error> {
+    let (_, expected) = checked_size(name, dtype, shape, usize::MAX)?;
+    if dtype == DType::Bytes {
+        let limit = crate::bytes::BytesLimits::default().max_request;
+        if range.len() > limit {
+            let e = crate::bytes::BytesError::TooLarge {
+                len: range.len(),
+                limit,
+            };
+            return Err(V2Error::Invalid(format!(
+                "input '{shown}': {e}",
+                shown = Clipped(name)
+            )));
+        }
+    } else if range.len() != expected {
+        return Err(size_mismatch(name, dtype, shape, expected, range.len()));
+    }
+    let bytes = range.read().map_err(|e| V2Error::Invalid(e.to_string()))?;
+    check_raw(name, dtype, shape, &bytes)?;
+    Ok(bytes)
+}
+
+#[cfg(test)]
+mod region_tests;
 #[cfg(test)]
 mod tests;

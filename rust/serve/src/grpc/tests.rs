@@ -19,7 +19,14 @@ fn decode_inputs(
         ..Default::default()
     };
     let read = InferRequest::of(&mut request);
-    super::decode_inputs(&read.inputs, read.raw_input_contents, limits, check)
+    super::decode_inputs(
+        &read.inputs,
+        read.raw_input_contents,
+        limits,
+        None,
+        "m",
+        check,
+    )
 }
 
 /// [`super::requested_outputs`] of a prost request.
@@ -30,7 +37,7 @@ fn requested_outputs(
     let mut request = request.clone();
     let read = InferRequest::of(&mut request);
 
-    super::requested_outputs(&read, codec)
+    super::requested_outputs(&read, codec).map(|(outputs, _)| outputs)
 }
 
 fn input(name: &str, datatype: &str, shape: &[i64]) -> InferInputTensor {
