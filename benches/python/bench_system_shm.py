@@ -1,16 +1,16 @@
 """Triton's system shared-memory extension against binary HTTP, for large
 tensors, on ferrobatch and on PyTriton 0.7.0 (its Triton), in one run.
 
-Each server binds one model with its PyTriton API (the same function, only
-the import switched): ``echo``, a float32 ``(-1,)`` input ``x`` returned as
-``y``, ``@batch``, ``max_batch_size`` 16, greedy. ferrobatch runs with
+Each server binds, with its PyTriton API (the same function, only the import
+switched), one model per request size ``n`` (``--sizes``, elements):
+``echo<n>``, a float32 ``(n,)`` input ``x`` returned as ``y``, ``@batch``,
+``max_batch_size`` 4, greedy. ferrobatch runs with
 ``TritonConfig(allow_client_shm=True)`` (off by default, as in Triton since
 ``--allow-client-shm``); PyTriton's Triton allows client shared memory by
 default. Both keep PyTriton's default security config, so the regions are
 registered with the server's access token.
 
-For each request size (``--sizes``, elements of ``x``) two requests are
-checked once (the right values back) and then repeated by wrk (C
+For each size two requests are checked once (the right values back) and then repeated by wrk (C
 connections, ``--connections``; no Python on the request path):
 
 - ``binary``: ``x`` in the body (the binary tensor extension), ``y`` in
@@ -65,14 +65,17 @@ from bench_serve import (  # noqa: E402
     stop,
 )
 
-MODEL = "echo"
 RESULTS = ROOT / "benches" / "results" / "system_shm.jsonl"
 ACCESS_HEADER = "triton-access-token"
 
 
-def serve(server: str, http_port: int, grpc_port: int, token_file: str) -> None:
-    """Binds ``echo`` with ``server``'s PyTriton API, writes the access token
-    to ``token_file`` and serves until SIGINT."""
+def model(n: int) -> str:
+    return f"echo{n}"
+
+
+def serve(server: str, http_port: int, grpc_port: int, token_file: str, sizes: list[int]) -> None:
+    """Binds ``echo<n>`` for each size with ``server``'s PyTriton API, writes
+    the access token to ``token_file`` and serves until SIGINT."""
     if server == "ferrobatch":
         sys.path.insert(0, str(ROOT / "python"))
         from ferrobatch.triton import Triton, TritonConfig
@@ -92,14 +95,15 @@ def serve(server: str, http_port: int, grpc_port: int, token_file: str) -> None:
         return {"y": x}
 
     with Triton(config=config) as triton:
-        triton.bind(
-            model_name=MODEL,
-            infer_func=echo,
-            inputs=[Tensor(name="x", dtype=np.float32, shape=(-1,))],
-            outputs=[Tensor(name="y", dtype=np.float32, shape=(-1,))],
-            config=ModelConfig(max_batch_size=16),
-            strict=True,
-        )
+        for n in sizes:
+            triton.bind(
+                model_name=model(n),
+                infer_func=echo,
+                inputs=[Tensor(name="x", dtype=np.float32, shape=(n,))],
+                outputs=[Tensor(name="y", dtype=np.float32, shape=(n,))],
+                config=ModelConfig(max_batch_size=4),
+                strict=True,
+            )
         Path(token_file).write_text(triton.get_access_token())
         triton.serve()
 
@@ -110,13 +114,13 @@ class Endpoint:
 
 
 @contextmanager
-def server_process(server: str, python: str, cpu: str, tmp: Path, run: int) -> Iterator[Endpoint]:
-    """The server running on ``cpu``, its model ready."""
+def server_process(server: str, python: str, cpu: str, tmp: Path, run: int, sizes: list[int]) -> Iterator[Endpoint]:
+    """The server running on ``cpu``, its models ready."""
     http, grpc = free_ports(2)
     token_file, log = tmp / f"{server}-{run}.token", tmp / f"{server}-{run}.log"
     cmd = [
         *pinned(cpu), python, str(HERE), "--serve", server, "--http-port", str(http), "--grpc-port", str(grpc),
-        "--token-file", str(token_file),
+        "--token-file", str(token_file), "--sizes", ",".join(map(str, sizes)),
     ]  # fmt: skip
     env = pytriton_env(python) if server == "pytriton" else dict(os.environ)
     with log.open("wb") as out:
@@ -130,7 +134,7 @@ def server_process(server: str, python: str, cpu: str, tmp: Path, run: int) -> I
                 if proc.poll() is not None:
                     raise RuntimeError(f"{server} exited with status {proc.returncode}; see {log}")
                 try:
-                    if client.is_model_ready(MODEL) and token_file.exists():
+                    if all(client.is_model_ready(model(n)) for n in sizes) and token_file.exists():
                         break
                 except Exception:  # noqa: BLE001 - not listening yet
                     pass
@@ -153,11 +157,13 @@ class Regions:
         self.x = {n: np.random.default_rng(n).standard_normal((1, n)).astype(np.float32) for n in sizes}
         self.handles: dict[str, Any] = {}
         self.keys: dict[str, str] = {}
+        self.sizes: dict[str, int] = {}
         tag = f"{os.getpid()}-{uuid.uuid4().hex[:6]}"
         for n in sizes:
             for side in ("in", "out"):
                 name = f"{side}{n}"
                 self.keys[name] = f"/fb-bench-{tag}-{name}"
+                self.sizes[name] = n * 4
                 self.handles[name] = shm.create_shared_memory_region(name, self.keys[name], n * 4)
             shm.set_shared_memory_region(self.handles[f"in{n}"], [self.x[n]])
 
@@ -167,7 +173,7 @@ class Regions:
         client = httpclient.InferenceServerClient(endpoint.http)
         headers = {ACCESS_HEADER: endpoint.token}
         for name, key in self.keys.items():
-            client.register_system_shared_memory(name, key, int(self.handles[name].byte_size), headers=headers)
+            client.register_system_shared_memory(name, key, self.sizes[name], headers=headers)
         client.close()
 
     def output(self, n: int) -> np.ndarray:
@@ -195,8 +201,8 @@ def shm_request(n: int) -> loadgen.Request:
         "outputs": [{"name": "y", "parameters": {"shared_memory_region": f"out{n}", "shared_memory_byte_size": size}}],
     }
     body = json.dumps(doc, separators=(",", ":")).encode()
-    path = f"/v2/models/{MODEL}/infer"
-    return loadgen.Request("json", MODEL, {}, ("y",), path, body, {"Content-Type": "application/json"})
+    path = f"/v2/models/{model(n)}/infer"
+    return loadgen.Request("json", model(n), {}, ("y",), path, body, {"Content-Type": "application/json"})
 
 
 def check_shm(endpoint: Endpoint, request: loadgen.Request, regions: Regions, n: int) -> None:
@@ -245,7 +251,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="1 run of 2 s")
     args = parser.parse_args()
     if args.serve:
-        serve(args.serve, args.http_port, args.grpc_port, args.token_file)
+        serve(args.serve, args.http_port, args.grpc_port, args.token_file, [int(n) for n in args.sizes.split(",")])
         return 0
     if args.quick:
         args.runs, args.seconds, args.warmup = 1, 2.0, 1.0
@@ -266,14 +272,14 @@ def main() -> int:
     regions = Regions(sizes)
     requests: dict[tuple[int, str], loadgen.Request] = {}
     for n in sizes:
-        requests[n, "binary"] = loadgen.make_request("binary", MODEL, {"x": regions.x[n]}, ("y",))
+        requests[n, "binary"] = loadgen.make_request("binary", model(n), {"x": regions.x[n]}, ("y",))
         requests[n, "shm"] = shm_request(n)
     rows: list[dict[str, Any]] = []
     try:
         with tempfile.TemporaryDirectory(prefix="bench_system_shm-") as tmp:
             for run in range(args.runs):
                 for server in servers:  # the servers take turns, run by run
-                    with server_process(server, pythons[server], args.server_cpu, Path(tmp), run) as endpoint:
+                    with server_process(server, pythons[server], args.server_cpu, Path(tmp), run, sizes) as endpoint:
                         regions.register(endpoint)
                         for (n, mode), request in requests.items():
                             if mode == "binary":
