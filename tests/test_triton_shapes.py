@@ -115,3 +115,22 @@ def test_remote_triton_is_refused_with_what_to_do_instead() -> None:
 
     with pytest.raises(PyTritonValidationError, match="instance_kind='process'"):
         RemoteTriton("grpc://localhost:8001")
+
+
+def test_a_long_variable_length_request_is_served_as_pytriton_serves_it() -> None:
+    """A ``(-1,)`` input takes as many elements as PyTriton's users send in
+    one request (16 s of 16 kHz audio here), past ``max_batch_size * 1024``;
+    the batch's budget stays bounded (4 MiB of float32 at least)."""
+
+    @batch
+    def double(a: np.ndarray) -> dict[str, np.ndarray]:
+        return {"y": a * 2}
+
+    audio = np.linspace(-1, 1, 16 * 16_000, dtype=np.float32)
+    with Triton(config=TritonConfig(http_port=0, grpc_port=0)) as triton:
+        triton.bind("double", double, [A], [Y], config=ModelConfig(max_batch_size=16))
+        triton.run()
+        for url in (f"127.0.0.1:{triton.http_port}", f"grpc://127.0.0.1:{triton.grpc_port}"):
+            with ModelClient(url, "double") as client:
+                np.testing.assert_array_equal(client.infer_sample(audio)["y"], audio * 2)
+        assert triton.servers[0].max_batch_elements == 1 << 20

@@ -39,7 +39,7 @@ import numpy as np
 
 from .._cache import ResponseCache
 from .._requests import RequestInfo
-from .._variable import LENGTHS
+from .._variable import DEFAULT_ELEMENTS_PER_ROW, LENGTHS
 from ..errors import ServerClosedError
 from ..serve import Listening, SageMaker, ServeConfig, VertexAI, serve
 from ..server import Server
@@ -300,6 +300,11 @@ _USED = {
     "allow_client_shm",
 }
 
+#: Elements of a ``(-1,)`` input one request may carry at least (the
+#: batch's budget, ``Server(max_batch_elements=)``, is no smaller): 4 MiB
+#: of float32, each staging slot holding as much.
+REQUEST_ELEMENTS_AT_LEAST = 1 << 20
+
 #: Triton's metrics port when ``metrics_port`` is not given.
 DEFAULT_METRICS_PORT = 8002
 
@@ -542,6 +547,13 @@ class Triton:
         ]
         in_specs = [tensor_spec(t, str(t.name)) for t in described.inputs or []]
         out_specs = [tensor_spec(t, str(t.name)) for t in described.outputs or []]
+        if any(s.is_ragged for s in in_specs):
+            # Triton takes a (-1,) tensor as long as a request can carry:
+            # a budget of max_batch_size * 1024 elements would refuse one
+            # long request (16 s of 16 kHz audio) that PyTriton serves.
+            kwargs["max_batch_elements"] = max(
+                config.max_batch_size * DEFAULT_ELEMENTS_PER_ROW, REQUEST_ELEMENTS_AT_LEAST
+            )
         try:
             server = Server(
                 models,  # type: ignore[arg-type]  # with_requests: called as model(inputs, requests)
