@@ -10,7 +10,9 @@
 //! A codec given `regions` reads inputs from, and writes outputs into, the
 //! shared-memory regions requests name (`ferrobatch_core::v2::regions`):
 //! `V2Request.shared_memory` says a request names one (submit it
-//! `uncached`), and `V2Codec.encode` writes its outputs there.
+//! `uncached`), and `V2Codec.encode` writes its outputs there. The
+//! registry itself, `SharedMemoryRegions`, is here too: the codec is what
+//! reads it.
 //!
 //! Errors of the client's request raise `CodecError` (a `ValueError`) whose
 //! `status` is the HTTP status (400, or 413 for a body over the limit); an
@@ -20,7 +22,7 @@ use std::ffi::{c_char, c_int, c_void};
 use std::sync::Mutex;
 
 use ferrobatch_core::bytes::{self, BytesLimits};
-use ferrobatch_core::v2::regions::RegionRange;
+use ferrobatch_core::v2::regions::{RegionError, RegionRange, SharedRegions};
 use ferrobatch_core::v2::{
     self, Codec, Data, HeaderMemo, InferRequest, Limits, Output, OutputSpec, V2Error,
 };
@@ -794,7 +796,7 @@ impl V2Codec {
         max_elements: usize,
         batching: bool,
         decoupled: bool,
-        regions: Option<PyRef<'_, crate::regions::SharedMemoryRegions>>,
+        regions: Option<PyRef<'_, SharedMemoryRegions>>,
         output_row_bytes: Option<Vec<Option<usize>>>,
     ) -> PyResult<V2Codec> {
         let mut specs = Vec::with_capacity(outputs.len());
@@ -981,6 +983,68 @@ impl V2Codec {
     }
 }
 
+// -- Triton's system shared-memory regions, which the codecs read and write --
+
+/// The registry; its errors are `CodecError`s with the HTTP status to answer
+/// (400; 404 for a region not registered).
+#[pyclass(module = "ferrobatch._core", frozen)]
+pub(crate) struct SharedMemoryRegions {
+    pub(crate) core: SharedRegions,
+}
+
+fn region_error(py: Python<'_>, err: RegionError) -> PyErr {
+    let status = match err {
+        RegionError::NotFound(_) => 404,
+        RegionError::Invalid(_) => 400,
+    };
+    status_error(py, status, err.to_string())
+}
+
+#[pymethods]
+impl SharedMemoryRegions {
+    #[new]
+    fn new() -> SharedMemoryRegions {
+        SharedMemoryRegions {
+            core: SharedRegions::new(),
+        }
+    }
+
+    /// Registers `byte_size` bytes of the shared-memory object `key`
+    /// (`/name`), from `offset`, as region `name` (maps it).
+    fn register(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        key: &str,
+        offset: u64,
+        byte_size: u64,
+    ) -> PyResult<()> {
+        self.core
+            .register(name, key, offset, byte_size)
+            .map_err(|e| region_error(py, e))
+    }
+
+    /// Unregisters region `name` (empty: every region); an unknown name is
+    /// no error.
+    fn unregister(&self, name: &str) {
+        self.core.unregister(name);
+    }
+
+    /// `(name, key, offset, byte_size)` of region `name`, or of every region
+    /// for an empty name, by name.
+    fn status(&self, py: Python<'_>, name: &str) -> PyResult<Vec<(String, String, u64, u64)>> {
+        let regions = self.core.status(name).map_err(|e| region_error(py, e))?;
+        Ok(regions
+            .into_iter()
+            .map(|r| (r.name, r.key, r.offset, r.byte_size))
+            .collect())
+    }
+
+    fn __len__(&self) -> usize {
+        self.core.status("").map_or(0, |all| all.len())
+    }
+}
+
 /// Adds the codec's classes and `CodecError` to the module.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -990,6 +1054,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<V2Codec>()?;
     m.add_class::<V2Request>()?;
     m.add_class::<V2Tensor>()?;
+    m.add_class::<SharedMemoryRegions>()?;
     Ok(())
 }
 

@@ -12,7 +12,7 @@
 //!    loops), `threads` (blocked threads), `native_sink` (the native
 //!    front-end's connections), `shm_sink` (shared-memory clients);
 //! 3. `loops`: a model's registry of them, which routes each batch's rows;
-//! 4. `batcher`, `submit`, `native`, `shm`, `restrict`, `regions`: the Python classes
+//! 4. `batcher`, `submit`, `native`, `shm`, `restrict`: the Python classes
 //!    (`native` starts the native front-end, `ferrobatch-serve`; `restrict`
 //!    gives the Python front-ends its access-restricted APIs).
 //!
@@ -28,7 +28,6 @@ mod loops;
 mod mailbox;
 mod native;
 mod native_sink;
-mod regions;
 mod restrict;
 mod results;
 mod shm;
@@ -72,7 +71,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<batcher::Worker>()?;
     m.add_class::<batcher::Batch>()?;
     m.add_class::<cache::ResponseCache>()?;
-    m.add_class::<regions::SharedMemoryRegions>()?;
     m.add_class::<loops::LoopRegistry>()?;
     m.add_class::<mailbox::LoopMailbox>()?;
     m.add_class::<submit::Submitter>()?;
