@@ -20,7 +20,7 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError, Message
 
 from ..http import _log_settings
-from ..http.protocol import CLIENT_SHM_DISABLED, ModelRepository, ProtocolError, UnknownModelError
+from ..http.protocol import ModelRepository, ProtocolError, UnknownModelError
 from . import grpc_predict_v2_pb2 as pb
 
 # gRPC status codes (grpc.StatusCode's numbers, without importing grpcio).
@@ -88,10 +88,6 @@ def shared_memory_status(
 def register_shared_memory(
     repository: ModelRepository, request: pb.SystemSharedMemoryRegisterRequest
 ) -> pb.SystemSharedMemoryRegisterResponse:
-    if not repository.allows_client_shm:
-        raise ProtocolError(501, CLIENT_SHM_DISABLED)
-    if not request.name:
-        raise ProtocolError(400, "'region name' is necessary to register system shared memory region")
     repository.register_shared_memory(request.name, request.key, request.offset, request.byte_size)
     return pb.SystemSharedMemoryRegisterResponse()
 

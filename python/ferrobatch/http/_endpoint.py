@@ -407,12 +407,9 @@ class Endpoint:
             if action == "unregister":
                 repository.unregister_shared_memory(region)
                 return _EMPTY_OK
-            if not repository.allows_client_shm:
+            if not repository.allows_client_shm:  # before the body, as Triton answers
                 raise ProtocolError(501, CLIENT_SHM_DISABLED)
-            if not region:
-                raise ProtocolError(400, "'region name' is necessary to register system shared memory region")
-            key, offset, byte_size = _register_request(load_json(body) if body.strip() else {})
-            repository.register_shared_memory(region, key, offset, byte_size)
+            repository.register_shared_memory(region, *_register_request(load_json(body) if body.strip() else {}))
             return _EMPTY_OK
         except ProtocolError as exc:
             return error_reply(exc)

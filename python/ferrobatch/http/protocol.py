@@ -398,6 +398,8 @@ class ModelRepository:
         then name; 400 if it cannot, 501 when clients' shared memory is off."""
         if self._regions is None:
             raise ProtocolError(501, CLIENT_SHM_DISABLED)
+        if not name:
+            raise ProtocolError(400, "'region name' is necessary to register system shared memory region")
         if offset < 0 or byte_size < 0:
             raise ProtocolError(400, "a shared memory region's offset and byte_size are integers >= 0")
         try:
