@@ -21,19 +21,13 @@ from tritonclient.utils import InferenceServerException
 
 import ferrobatch as fb
 from ferrobatch.grpc import grpc_predict_v2_pb2 as pb
+from ferrobatch.http import protocol
 from ferrobatch.serve import ServeConfig, serve_in_thread
 
 X = fb.TensorSpec("x", "float32", (4,))
 Y = fb.TensorSpec("y", "float32", (4,))
 N = fb.TensorSpec("n", "int64", ())
-EXTENSIONS = [
-    "binary_tensor_data",
-    "statistics",
-    "model_configuration",
-    "parameters",
-    "logging",
-    "system_shared_memory",
-]
+EXTENSIONS = list(protocol.EXTENSIONS)
 
 
 def double(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -717,7 +717,7 @@ impl<'a> Decoder<'a, '_> {
                     continue;
                 }
                 SHARED_MEMORY_OFFSET | SHARED_MEMORY_BYTE_SIZE if regions => {
-                    let value = match self.region_uint()? {
+                    let value = match self.uint_field()? {
                         Field::Got(v) => v,
                         bad => return Err(unparsed(&key, &what(), UINT, &bad.shown())),
                     };
@@ -739,19 +739,9 @@ impl<'a> Decoder<'a, '_> {
                 params.binary_size = None;
                 continue;
             }
-            let value = match kind {
-                Kind::Number => {
-                    let n = self.p.number().map_err(json_error)?;
-                    n.integer.then(|| n.to_i128()).flatten()
-                }
+            match self.uint_field()? {
+                Field::Got(v) => params.binary_size = Some(v),
                 _ => {
-                    self.skip()?;
-                    None
-                }
-            };
-            match value.and_then(|v| u64::try_from(v).ok()) {
-                Some(v) => params.binary_size = Some(v),
-                None => {
                     return Err(invalid(format!(
                         "{}: binary_data_size must be an int >= 0",
                         what()
@@ -770,9 +760,9 @@ impl<'a> Decoder<'a, '_> {
         Ok(Field::Bad(self.skip()?))
     }
 
-    /// A tensor's `shared_memory_offset` or `shared_memory_byte_size`: an
-    /// integer >= 0.
-    fn region_uint(&mut self) -> Result<Field<'a, u64>, V2Error> {
+    /// An integer >= 0 (`binary_data_size`, `shared_memory_offset`,
+    /// `shared_memory_byte_size`), or the text sent.
+    fn uint_field(&mut self) -> Result<Field<'a, u64>, V2Error> {
         let start = self.p.offset();
         let value = match self.p.peek_kind().map_err(json_error)? {
             Kind::Number => {
@@ -1047,7 +1037,7 @@ impl<'a> Decoder<'a, '_> {
                 }
                 bad => Some((SHARED_MEMORY_REGION, STRING, bad.shown())),
             },
-            _ => match self.region_uint()? {
+            _ => match self.uint_field()? {
                 Field::Got(v) if key == SHARED_MEMORY_OFFSET => {
                     region.offset = v;
                     None
