@@ -853,7 +853,9 @@ impl V2Codec {
         header_length: Option<&str>,
     ) -> PyResult<V2Request> {
         let bytes = body.as_bytes();
-        let decoded = if bytes.len() >= RELEASE_GIL_BYTES {
+        // A small body may name regions of megabytes: copied without the GIL too.
+        let regions = self.core.regions().is_some_and(|r| !r.is_empty());
+        let decoded = if regions || bytes.len() >= RELEASE_GIL_BYTES {
             without_gil(py, || self.decode_remembered(bytes, header_length))
         } else {
             self.decode_remembered(bytes, header_length)
