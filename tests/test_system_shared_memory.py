@@ -250,6 +250,7 @@ def test_mistakes_are_refused_and_harm_nothing_else(served: Listening, regions: 
                 ("register_system_shared_memory", ("s", key, 257), "past the 256 bytes"),
                 ("register_system_shared_memory", ("s", "/no-such-object", 8), "unable to open"),
                 ("register_system_shared_memory", ("s", "/../etc/passwd", 8), "not a shared-memory object"),
+                ("register_system_shared_memory", ("s", "/ferrobatch.m", 8), "ferrobatch's own segments"),
                 ("get_system_shared_memory_status", ("s",), "Unable to find system shared memory region"),
             ]
             for method, args, message in refusals:

@@ -78,6 +78,7 @@ pub use arena::Arena;
 pub use client::{ClientCore, Completed, ServerGone};
 pub use liveness::{start_time, Peer};
 pub use ring::{Corrupt, PushError, Ring};
+pub(crate) use segment::SEGMENT_PREFIX;
 pub use segment::{current_uid, remove_stale_segments, Entry, Layout, Segment, SegmentConfig};
 pub use server::{CellLayout, Delivery, OnFault, SharedServer, VaryingColumn};
 

@@ -195,7 +195,7 @@ impl Layout {
 
 /// Where segments live, and what their file names start with.
 const SEGMENT_DIR: &str = "/dev/shm";
-const SEGMENT_PREFIX: &str = "ferrobatch.";
+pub(crate) const SEGMENT_PREFIX: &str = "ferrobatch.";
 
 /// The file behind a shared name.
 pub fn segment_path(name: &str) -> Result<PathBuf, ShmError> {

@@ -223,6 +223,18 @@ impl Region {
                 Clipped(key)
             ))
         })?;
+        // Reserved, as Triton reserves its backends': a client writing into
+        // a segment of `server.share` would corrupt other callers' requests.
+        if key
+            .trim_start_matches('/')
+            .starts_with(crate::shm::SEGMENT_PREFIX)
+        {
+            return Err(cannot(&format!(
+                "the key '{}' names one of ferrobatch's own segments ('/{}*' is reserved)",
+                Clipped(key),
+                crate::shm::SEGMENT_PREFIX
+            )));
+        }
         let file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -559,6 +571,10 @@ mod tests {
                 "{key}: {e}"
             );
         }
+        let e = regions
+            .register("r", "/ferrobatch.model", 0, 1)
+            .unwrap_err();
+        assert!(e.to_string().contains("is reserved"), "{e}");
         let e = regions.register("r", &object.key, 60, 5).unwrap_err();
         assert!(e.to_string().contains("past the 64 bytes"), "{e}");
         let e = regions.register("r", &object.key, u64::MAX, 5).unwrap_err();
