@@ -24,6 +24,7 @@ use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::{PyBytes, PyDict};
 
 use crate::codec::{status_error, V2Codec, V2Tensor};
+use crate::without_gil;
 
 fn failure_error(py: Python<'_>, failure: Failure) -> PyErr {
     status_error(py, failure.status, failure.message)
@@ -128,22 +129,30 @@ impl GrpcInferRequest {
         let mut request =
             grpc::decode_infer_request(&self.message).map_err(|f| failure_error(py, f))?;
         // Every header is checked by the model's submit, as in process.
-        let mut accept = |_: &str, _, _: &[u64]| Ok(());
+        let read = |request: &mut grpc::request::InferRequest<'_>| {
+            let mut accept = |_: &str, _, _: &[u64]| Ok(());
+            grpc::read_infer_call(
+                request,
+                codec.core(),
+                call_timeout,
+                &[],
+                keeps_parameters,
+                &mut accept,
+            )
+        };
+        // Regions may hold megabytes to copy: read without the GIL then.
+        let read = if codec.core().regions().is_some_and(|r| !r.is_empty()) {
+            without_gil(py, || read(&mut request))
+        } else {
+            read(&mut request)
+        };
         let InferCall {
             tensors,
             mut owners,
             outputs,
             regions,
             meta,
-        } = grpc::read_infer_call(
-            &mut request,
-            codec.core(),
-            call_timeout,
-            &[],
-            keeps_parameters,
-            &mut accept,
-        )
-        .map_err(|f| failure_error(py, f))?;
+        } = read.map_err(|f| failure_error(py, f))?;
         let inputs = PyDict::new(py);
         for (input, (dtype, shape, source)) in request.inputs.iter().zip(tensors) {
             // `read_infer_call` checked each source against its shape; a
