@@ -268,7 +268,10 @@ def test_a_model_warming_up_is_known_but_not_ready_and_unavailable() -> None:
                 assert triton.get_model_metadata("w", as_json=True)["name"] == "w"
                 stub = pb_grpc.GRPCInferenceServiceStub(channel)
                 code, details = failure(lambda: stub.ModelInfer(raw_request(np.ones((1, 4)), "w")))
-                assert (code, details) == (grpc.StatusCode.UNAVAILABLE, "server 'w' is not running")
+                assert (code, details) == (
+                    grpc.StatusCode.UNAVAILABLE,
+                    "Request for unknown model: 'w' has no available versions",
+                )
                 unknown = pb.ModelReadyRequest(name="x")
                 assert failure(lambda: stub.ModelReady(unknown))[0] == grpc.StatusCode.NOT_FOUND
         finally:

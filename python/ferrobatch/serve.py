@@ -70,7 +70,13 @@ from typing import TYPE_CHECKING, Any
 from . import _core
 from .client import MAX_STREAM_BACKLOG
 from .errors import ModelError, ServerClosedError
-from .http.protocol import MAX_BODY_SIZE, MAX_DECOMPRESSED_SIZE, ModelRepository
+from .http.protocol import (
+    MAX_BODY_SIZE,
+    MAX_DECOMPRESSED_SIZE,
+    MODEL_CONTROL_MODES,
+    ModelRepository,
+    ServedModel,
+)
 from .server import Server, usable_cores, whole_in
 
 if TYPE_CHECKING:
@@ -348,6 +354,15 @@ class ServeConfig:
     #: this process may open (restrict the ``shared-memory`` API group, or
     #: keep the ports to trusted clients).
     allow_client_shm: bool = False
+    #: Triton's ``--model-control-mode``: ``"explicit"`` lets clients unload
+    #: a model and load it again (``POST /v2/repository/models/{name}/load``
+    #: and ``/unload``, gRPC ``RepositoryModelLoad`` / ``Unload``, tritonclient's
+    #: ``load_model`` / ``unload_model``); ``"none"`` (as in Triton) refuses both.
+    model_control_mode: str = "none"
+    #: Triton's ``--load-model`` (with ``model_control_mode="explicit"``): the
+    #: models started with the server; the others wait, unloaded, for a load.
+    #: None (or ``["*"]``): every model.
+    load_models: Sequence[str] | None = None
     #: The most bytes of a decoupled model's responses one gRPC
     #: ``ModelStreamInfer`` stream holds before its client reads them (either
     #: front-end): a response past them fails its request (an
@@ -424,6 +439,15 @@ def check_config(config: ServeConfig) -> None:
     _check_host(config.host, native=config.frontend == "native")
     if config.share is not None:
         _check_share_name("share", config.share)
+    if config.model_control_mode not in MODEL_CONTROL_MODES:
+        raise ValueError(f"model_control_mode must be one of {MODEL_CONTROL_MODES}, got {config.model_control_mode!r}")
+    if config.load_models is not None:
+        if isinstance(config.load_models, str) or not all(isinstance(n, str) for n in config.load_models):
+            raise ValueError(f"load_models must be a sequence of model names or None, got {config.load_models!r}")
+        if config.model_control_mode != "explicit":  # Triton's rule
+            raise ValueError("load_models (--load-model) requires model_control_mode='explicit' as well")
+        if "*" in config.load_models and len(config.load_models) > 1:
+            raise ValueError("load_models: '*' (every model) must be the only name")
     for name in ("http_header_forward_pattern", "grpc_header_forward_pattern"):
         pattern = getattr(config, name)
         if pattern is not None and not isinstance(pattern, str):
@@ -613,7 +637,13 @@ async def serve(
         cpu_metrics=config.cpu_metrics,
         gpu_metrics=config.gpu_metrics,
         allow_client_shm=config.allow_client_shm,
+        model_control_mode=config.model_control_mode,
     )
+    if config.load_models is not None and list(config.load_models) != ["*"]:
+        unknown = sorted(set(config.load_models) - {s.name for s in repository.servers})
+        if unknown:
+            raise StartupError(f"--load-model: no model named {', '.join(map(repr, unknown))}")
+        repository.leave_unloaded(s.name for s in repository.servers if s.name not in config.load_models)
     if config.share is not None:  # refused now, not after the warm-ups
         for server in repository.servers:
             _check_share_name("share name", _shared_name(repository.servers, server, config.share))
@@ -754,13 +784,21 @@ async def serve(
                 f"; metrics on {config.host}:{metrics_port}" if metrics_port is not None else "",
             )
             log.info("listening (%s, %s%s); not ready until the models have started", *where)
-            if not await _start_servers(repository.servers, started, stop, http_task):
+            if not await _start_servers([m.server for m in repository.loaded_models], started, stop, http_task):
                 return
             if native is not None:
                 native.attach()
                 repository.awaiting_native = False
             if config.share is not None:
-                _share(repository.servers, config.share)
+                _share(repository.servers, config.share, loaded=[m.server for m in repository.loaded_models])
+                everyone = repository.servers
+
+                def share_again(model: ServedModel, loaded: bool) -> None:
+                    # A run's shares end with it: a model loaded again is shared again.
+                    if loaded:
+                        _share_as(model.server, _shared_name(everyone, model.server, config.share or ""))
+
+                repository.on_model_control(share_again)
             if config.vertex_ai is not None:
                 platforms.append(await _prediction_listener(repository, config, config.vertex_ai))
                 listening = dataclasses.replace(listening, vertex_ai_port=platforms[-1].port)
@@ -872,9 +910,9 @@ def _watch(task: asyncio.Task[None] | None) -> list[Awaitable[Any]]:
     return [] if task is None else [asyncio.shield(task)]
 
 
-def _share(servers: Sequence[Server], name: str) -> None:
-    """Shares every server through shared memory (``--share``)."""
-    for server in servers:
+def _share(servers: Sequence[Server], name: str, loaded: Sequence[Server]) -> None:
+    """Shares the ``loaded`` servers of ``servers`` through shared memory (``--share``)."""
+    for server in loaded:
         _share_as(server, _shared_name(servers, server, name))
 
 
@@ -967,6 +1005,8 @@ async def _shutdown(
         # As native.close() does: open streams read no more requests and end
         # once theirs are answered, or an idle one would hold rpc.stop() its whole grace.
         stop_streams(rpc)
+    # Those a client's load started, and those an unload is stopping, first: no server stops twice at once.
+    await repository.stop_loaded(timeout=0.0 if forced.is_set() else max(0.0, deadline - loop.time()))
     for server in reversed(started):
         left = 0.0 if forced.is_set() else max(0.0, deadline - loop.time())
         await server.stop(timeout=left)
@@ -1315,6 +1355,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " regions may read or overwrite any /dev/shm object this process may open)",
     )
     parser.add_argument(
+        "--model-control-mode",
+        choices=MODEL_CONTROL_MODES,
+        default="none",
+        help="Triton's model control: 'explicit' lets clients unload a model and load it again"
+        " (tritonclient's load_model / unload_model); 'none' (default) refuses both",
+    )
+    parser.add_argument(
+        "--load-model",
+        action="append",
+        dest="load_models",
+        metavar="NAME",
+        help="with --model-control-mode=explicit: a model to start with the server (repeat it for"
+        " several; '*' alone: every model, the default); the others wait, unloaded, for a load",
+    )
+    parser.add_argument(
         "--expose-errors",
         action="store_true",
         help="send the text of a model's exceptions to clients (default: their type and a"
@@ -1487,6 +1542,8 @@ def main(args: argparse.Namespace) -> int:
         http_restricted_api=tuple(args.http_restricted_api),
         grpc_restricted_protocol=tuple(args.grpc_restricted_protocol),
         allow_client_shm=args.allow_client_shm,
+        model_control_mode=args.model_control_mode,
+        load_models=args.load_models,
         max_stream_backlog=args.max_stream_backlog,
         share=args.share,
         metrics_port=args.metrics_port,

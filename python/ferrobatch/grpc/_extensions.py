@@ -1,7 +1,8 @@
 """Triton's ``ModelReady``, ``ModelConfig``, ``ModelStatistics``,
-``RepositoryIndex``, ``LogSettings`` and ``SystemSharedMemory*`` RPCs,
-answered from what the HTTP routes serve (:meth:`ModelRepository.model_config`,
-``model_statistics``, ``repository_index``, the shared-memory regions; the
+``RepositoryIndex``, ``RepositoryModelLoad``, ``RepositoryModelUnload``,
+``LogSettings`` and ``SystemSharedMemory*`` RPCs, answered from what the HTTP
+routes serve (:meth:`ModelRepository.model_config`, ``model_statistics``,
+``repository_index``, ``load_model``, the shared-memory regions; the
 log settings of :mod:`ferrobatch.http._log_settings`), so both protocols
 say the same.
 
@@ -13,7 +14,8 @@ only protobuf, not grpcio.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from google.protobuf import json_format
@@ -29,6 +31,7 @@ INVALID_ARGUMENT = 3
 NOT_FOUND = 5
 INTERNAL = 13
 UNIMPLEMENTED = 12
+UNAVAILABLE = 14
 
 
 def model_ready(repository: ModelRepository, request: pb.ModelReadyRequest) -> pb.ModelReadyResponse:
@@ -53,6 +56,29 @@ def repository_index(repository: ModelRepository, request: pb.RepositoryIndexReq
     """Every model (``ready``: the ready ones) with its state."""
     index = repository.repository_index(request.ready)
     return pb.RepositoryIndexResponse(models=[pb.RepositoryIndexResponse.ModelIndex(**m) for m in index])
+
+
+def _parameters(request: pb.RepositoryModelLoadRequest | pb.RepositoryModelUnloadRequest) -> dict[str, Any]:
+    return {
+        name: getattr(value, value.WhichOneof("parameter_choice") or "", None)
+        for name, value in request.parameters.items()
+    }
+
+
+async def load_model(
+    repository: ModelRepository, request: pb.RepositoryModelLoadRequest
+) -> pb.RepositoryModelLoadResponse:
+    """Loads the model (see :meth:`ModelRepository.load_model`)."""
+    await repository.load_model(request.model_name, _parameters(request))
+    return pb.RepositoryModelLoadResponse()
+
+
+async def unload_model(
+    repository: ModelRepository, request: pb.RepositoryModelUnloadRequest
+) -> pb.RepositoryModelUnloadResponse:
+    """Unloads the model (see :meth:`ModelRepository.unload_model`)."""
+    await repository.unload_model(request.model_name, _parameters(request))
+    return pb.RepositoryModelUnloadResponse()
 
 
 def log_settings(repository: ModelRepository, request: pb.LogSettingsRequest) -> pb.LogSettingsResponse:
@@ -99,11 +125,13 @@ def unregister_shared_memory(
     return pb.SystemSharedMemoryUnregisterResponse()
 
 
-_RPCS: dict[str, tuple[type[Message], Callable[[ModelRepository, Any], Message]]] = {
+_RPCS: dict[str, tuple[type[Message], Callable[[ModelRepository, Any], Message | Awaitable[Message]]]] = {
     "ModelReady": (pb.ModelReadyRequest, model_ready),
     "ModelConfig": (pb.ModelConfigRequest, model_config),
     "ModelStatistics": (pb.ModelStatisticsRequest, model_statistics),
     "RepositoryIndex": (pb.RepositoryIndexRequest, repository_index),
+    "RepositoryModelLoad": (pb.RepositoryModelLoadRequest, load_model),
+    "RepositoryModelUnload": (pb.RepositoryModelUnloadRequest, unload_model),
     "LogSettings": (pb.LogSettingsRequest, log_settings),
     "SystemSharedMemoryStatus": (pb.SystemSharedMemoryStatusRequest, shared_memory_status),
     "SystemSharedMemoryRegister": (pb.SystemSharedMemoryRegisterRequest, register_shared_memory),
@@ -114,13 +142,14 @@ _RPCS: dict[str, tuple[type[Message], Callable[[ModelRepository, Any], Message]]
 def error_code(exc: ProtocolError) -> int:
     """The gRPC status code of a refused request: NOT_FOUND for an unknown
     model, version or region, UNIMPLEMENTED for what the server does not do
-    (501), INVALID_ARGUMENT otherwise."""
+    (501), UNAVAILABLE for what it does not do now (503), INVALID_ARGUMENT
+    otherwise."""
     if isinstance(exc, UnknownModelError) or exc.status == 404:
         return NOT_FOUND
-    return UNIMPLEMENTED if exc.status == 501 else INVALID_ARGUMENT
+    return {501: UNIMPLEMENTED, 503: UNAVAILABLE}.get(exc.status, INVALID_ARGUMENT)
 
 
-def answer(repository: ModelRepository, method: str, request: bytes) -> tuple[int, str, bytes]:
+async def answer(repository: ModelRepository, method: str, request: bytes) -> tuple[int, str, bytes]:
     """Answers RPC ``method`` given its request message's bytes:
     ``(0, "", response bytes)``, or ``(gRPC status code, message, b"")``."""
     rpc = _RPCS.get(method)
@@ -133,6 +162,8 @@ def answer(repository: ModelRepository, method: str, request: bytes) -> tuple[in
         return INVALID_ARGUMENT, f"malformed {method} request: {exc}", b""
     try:
         response = handler(repository, message)
+        if inspect.isawaitable(response):
+            response = await response
     except ProtocolError as exc:
         return error_code(exc), exc.message, b""
     return OK, "", response.SerializeToString()

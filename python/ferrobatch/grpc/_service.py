@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -133,7 +134,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerReadyResponse(ready=self.repository.ready)
 
     async def ModelReady(self, request: pb.ModelReadyRequest, context: Context) -> pb.ModelReadyResponse:
-        return self._extension(_extensions.model_ready, request, context, pb.ModelReadyResponse)
+        return await self._extension(_extensions.model_ready, request, context, pb.ModelReadyResponse)
 
     async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Context) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(**self.repository.server_metadata())
@@ -154,39 +155,51 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         )
 
     async def ModelConfig(self, request: pb.ModelConfigRequest, context: Context) -> pb.ModelConfigResponse:
-        return self._extension(_extensions.model_config, request, context, pb.ModelConfigResponse)
+        return await self._extension(_extensions.model_config, request, context, pb.ModelConfigResponse)
 
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Context) -> pb.ModelStatisticsResponse:
-        return self._extension(_extensions.model_statistics, request, context, pb.ModelStatisticsResponse)
+        return await self._extension(_extensions.model_statistics, request, context, pb.ModelStatisticsResponse)
 
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Context) -> pb.RepositoryIndexResponse:
         return _extensions.repository_index(self.repository, request)
 
+    async def RepositoryModelLoad(
+        self, request: pb.RepositoryModelLoadRequest, context: Context
+    ) -> pb.RepositoryModelLoadResponse:
+        return await self._extension(_extensions.load_model, request, context, pb.RepositoryModelLoadResponse)
+
+    async def RepositoryModelUnload(
+        self, request: pb.RepositoryModelUnloadRequest, context: Context
+    ) -> pb.RepositoryModelUnloadResponse:
+        return await self._extension(_extensions.unload_model, request, context, pb.RepositoryModelUnloadResponse)
+
     async def LogSettings(self, request: pb.LogSettingsRequest, context: Context) -> pb.LogSettingsResponse:
-        return self._extension(_extensions.log_settings, request, context, pb.LogSettingsResponse)
+        return await self._extension(_extensions.log_settings, request, context, pb.LogSettingsResponse)
 
     async def SystemSharedMemoryStatus(
         self, request: pb.SystemSharedMemoryStatusRequest, context: Context
     ) -> pb.SystemSharedMemoryStatusResponse:
-        return self._extension(_extensions.shared_memory_status, request, context, pb.SystemSharedMemoryStatusResponse)
+        return await self._extension(
+            _extensions.shared_memory_status, request, context, pb.SystemSharedMemoryStatusResponse
+        )
 
     async def SystemSharedMemoryRegister(
         self, request: pb.SystemSharedMemoryRegisterRequest, context: Context
     ) -> pb.SystemSharedMemoryRegisterResponse:
-        return self._extension(
+        return await self._extension(
             _extensions.register_shared_memory, request, context, pb.SystemSharedMemoryRegisterResponse
         )
 
     async def SystemSharedMemoryUnregister(
         self, request: pb.SystemSharedMemoryUnregisterRequest, context: Context
     ) -> pb.SystemSharedMemoryUnregisterResponse:
-        return self._extension(
+        return await self._extension(
             _extensions.unregister_shared_memory, request, context, pb.SystemSharedMemoryUnregisterResponse
         )
 
-    def _extension(
+    async def _extension(
         self,
-        answer: Callable[[ModelRepository, Request], Response],
+        answer: Callable[[ModelRepository, Request], Response | Awaitable[Response]],
         request: Request,
         context: Context,
         empty: Callable[[], Response],
@@ -194,7 +207,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         """``answer``'s response (see :mod:`._extensions`); a refused request's
         status and details set on ``context``, with an empty response."""
         try:
-            return answer(self.repository, request)
+            response = answer(self.repository, request)
+            return await response if inspect.isawaitable(response) else response
         except ProtocolError as exc:
             _fail(context, exc)
             return empty()

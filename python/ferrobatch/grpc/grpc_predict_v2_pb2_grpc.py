@@ -85,6 +85,16 @@ class GRPCInferenceServiceStub(object):
                 request_serializer=ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.RepositoryIndexRequest.SerializeToString,
                 response_deserializer=ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.RepositoryIndexResponse.FromString,
                 _registered_method=True)
+        self.RepositoryModelLoad = channel.unary_unary(
+                '/inference.GRPCInferenceService/RepositoryModelLoad',
+                request_serializer=ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.RepositoryModelLoadRequest.SerializeToString,
+                response_deserializer=ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.RepositoryModelLoadResponse.FromString,
+                _registered_method=True)
+        self.RepositoryModelUnload = channel.unary_unary(
+                '/inference.GRPCInferenceService/RepositoryModelUnload',
+                request_serializer=ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.RepositoryModelUnloadRequest.SerializeToString,
+                response_deserializer=ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.RepositoryModelUnloadResponse.FromString,
+                _registered_method=True)
         self.LogSettings = channel.unary_unary(
                 '/inference.GRPCInferenceService/LogSettings',
                 request_serializer=ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.LogSettingsRequest.SerializeToString,
@@ -182,6 +192,20 @@ class GRPCInferenceServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RepositoryModelLoad(self, request, context):
+        """Triton's model control (explicit mode): load a model (or reload it),
+        unload it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RepositoryModelUnload(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def LogSettings(self, request, context):
         """Triton: the server's log settings, updated with those the request names.
         """
@@ -261,6 +285,16 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.RepositoryIndex,
                     request_deserializer=ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.RepositoryIndexRequest.FromString,
                     response_serializer=ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.RepositoryIndexResponse.SerializeToString,
+            ),
+            'RepositoryModelLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.RepositoryModelLoad,
+                    request_deserializer=ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.RepositoryModelLoadRequest.FromString,
+                    response_serializer=ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.RepositoryModelLoadResponse.SerializeToString,
+            ),
+            'RepositoryModelUnload': grpc.unary_unary_rpc_method_handler(
+                    servicer.RepositoryModelUnload,
+                    request_deserializer=ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.RepositoryModelUnloadRequest.FromString,
+                    response_serializer=ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.RepositoryModelUnloadResponse.SerializeToString,
             ),
             'LogSettings': grpc.unary_unary_rpc_method_handler(
                     servicer.LogSettings,
@@ -553,6 +587,60 @@ class GRPCInferenceService(object):
             '/inference.GRPCInferenceService/RepositoryIndex',
             ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.RepositoryIndexRequest.SerializeToString,
             ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.RepositoryIndexResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RepositoryModelLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/RepositoryModelLoad',
+            ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.RepositoryModelLoadRequest.SerializeToString,
+            ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.RepositoryModelLoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RepositoryModelUnload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/RepositoryModelUnload',
+            ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.RepositoryModelUnloadRequest.SerializeToString,
+            ferrobatch_dot_grpc_dot_grpc__predict__v2__pb2.RepositoryModelUnloadResponse.FromString,
             options,
             channel_credentials,
             insecure,

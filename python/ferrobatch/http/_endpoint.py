@@ -151,6 +151,14 @@ async def _repository_index(e: Endpoint, c: Call) -> Reply:
     return e.repository_index(body)
 
 
+async def _load_model(e: Endpoint, c: Call) -> Reply:
+    return await e.model_control("load", c.params["name"], c.body)
+
+
+async def _unload_model(e: Endpoint, c: Call) -> Reply:
+    return await e.model_control("unload", c.params["name"], c.body)
+
+
 async def _read_log_settings(e: Endpoint, c: Call) -> Reply:
     return e.log_settings()
 
@@ -229,6 +237,8 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/v2", _server_metadata),
     Route("GET", "/v2/models/stats", _all_statistics),
     Route("POST", "/v2/repository/index", _repository_index),
+    Route("POST", "/v2/repository/models/{name}/load", _load_model),
+    Route("POST", "/v2/repository/models/{name}/unload", _unload_model),
     Route("GET", "/v2/logging", _read_log_settings),
     Route("POST", "/v2/logging", _update_log_settings),
     Route("GET", "/v2/systemsharedmemory/status", _shared_memory_status),
@@ -393,6 +403,23 @@ class Endpoint:
             if not isinstance(request, dict):
                 raise ProtocolError(400, "a log settings request is a JSON object of settings")
             return _json(200, _log_settings.update(request))
+        except ProtocolError as exc:
+            return error_reply(exc)
+
+    async def model_control(self, action: str, name: str, body: bytes = b"") -> Reply:
+        """Triton's model control: ``load`` or ``unload`` model ``name``
+        (``body``: an optional JSON object, ``{"parameters": {...}}``); see
+        :meth:`ModelRepository.load_model`."""
+        try:
+            request = load_json(body) if body.strip() else {}
+            parameters = request.get("parameters", {}) if isinstance(request, dict) else None
+            if not isinstance(parameters, dict):
+                raise ProtocolError(400, f'a model {action} request is a JSON object; "parameters" an object')
+            if action == "load":
+                await self.repository.load_model(name, parameters)
+            else:
+                await self.repository.unload_model(name, parameters)
+            return _EMPTY_OK
         except ProtocolError as exc:
             return error_reply(exc)
 

@@ -47,6 +47,7 @@ async def serving(repository: ModelRepository, manage_servers: bool) -> AsyncIte
         yield
     finally:
         repository.close()
+        await repository.stop_loaded()  # those a client's load started, or an unload is stopping
         for server in reversed(started):
             await server.stop()
 
@@ -61,5 +62,6 @@ async def stop_at_loop_shutdown(repository: ModelRepository, started: list[Serve
         yield
     finally:
         repository.close()
+        await repository.stop_loaded()  # those a client's load started, or an unload is stopping
         for server in reversed(started):
             await server.stop()

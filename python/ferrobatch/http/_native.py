@@ -121,8 +121,11 @@ class NativeListeners:
         return self._frontend.grpc_port
 
     def attach(self) -> None:
-        """Serves the started models natively and turns readiness on."""
-        self._serve(self.repository.models)
+        """Serves the started models natively (the loaded ones) and turns
+        readiness on; from now on a model unloaded is no longer served, one
+        loaded is served (Triton's model control)."""
+        self._serve(self.repository.loaded_models)
+        self.repository.on_model_control(self._model_control)
         self._frontend.set_ready(True)
 
     def add(self, model: ServedModel) -> None:
@@ -136,7 +139,10 @@ class NativeListeners:
             batcher, registry = model.server._native_parts()
             self._served[model.server.name] = (batcher, registry, model.codec, self._describer(model.server.name))
         self._frontend.serve(list(self._served.values()))
+        followed = {server for server, _ in self._following}
         for model in models:
+            if model.server in followed:
+                continue  # loaded again: its run hook served it
             # Readiness follows the model's instances (all down: 503, until one is back).
             watcher = functools.partial(self._frontend.set_model_ready, model.server.name)
             model.server._watch_readiness(watcher)
@@ -145,6 +151,17 @@ class NativeListeners:
             hook = functools.partial(self._serve_again, model)
             model.server._on_each_run(hook)
             self._following.append((model.server, hook))
+
+    def _model_control(self, model: ServedModel, loaded: bool) -> None:
+        """A client loaded ``model`` (served now, if its run hook has not
+        already), or unloaded it (no longer served: its requests are
+        answered as to a model without versions, its accepted ones finish)."""
+        name = model.server.name
+        if loaded:
+            if name not in self._served:
+                self._serve([model])
+        elif self._served.pop(name, None) is not None:
+            self._frontend.serve(list(self._served.values()))
 
     def _serve_again(self, model: Any) -> None:
         """``model``'s server runs again: served through that run's batcher
@@ -173,6 +190,7 @@ class NativeListeners:
     async def stop(self, grace: float) -> None:
         """Waits up to ``grace`` seconds for the answers still being written, then stops."""
         await asyncio.to_thread(self._frontend.stop, grace)
+        self.repository.on_model_control(self._model_control, add=False)
         for server, watcher in self._watching:  # a stopped front-end is told nothing more
             server._unwatch_readiness(watcher)
         self._watching.clear()
@@ -230,10 +248,7 @@ class NativeListeners:
     def _grpc_fallback(self, method: str, request: bytes, done: FallbackAnswer) -> Callable[[], bool]:
         from ..grpc import _extensions  # protobuf is needed only with gRPC
 
-        async def answer() -> tuple[int, str, bytes]:
-            return _extensions.answer(self.repository, method, request)
-
-        return self._start(answer(), done, lambda reply: reply)
+        return self._start(_extensions.answer(self.repository, method, request), done, lambda reply: reply)
 
 
 def _model_metadata(meta: dict[str, Any]) -> tuple[str, str, list[TensorMeta], list[TensorMeta]]:

@@ -19,7 +19,7 @@ import json
 import logging
 import secrets
 import sys
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +46,7 @@ __all__ = [
     "MAX_BODY_SIZE",
     "MAX_DECOMPRESSED_SIZE",
     "MAX_ELEMENTS",
+    "MODEL_CONTROL_MODES",
     "MODEL_VERSION",
     "ModelRepository",
     "ProtocolError",
@@ -90,6 +91,23 @@ CLIENT_SHM_DISABLED = (
     "Client shared memory is disabled. Start the server with '--allow-client-shm' "
     "(ServeConfig(allow_client_shm=True), or allow_client_shm=True where the app is made) to enable."
 )
+
+#: Triton's model control modes (``--model-control-mode``): ``"none"`` serves
+#: every model for good; ``"explicit"`` lets clients unload and load them.
+MODEL_CONTROL_MODES = ("none", "explicit")
+#: Why a model cannot be loaded or unloaded in mode "none" (Triton's words,
+#: then how to allow it: HTTP 503, gRPC UNAVAILABLE).
+MODEL_CONTROL_DISABLED = (
+    "explicit model load / unload is not allowed if polling is enabled "
+    "(start the server with '--model-control-mode=explicit', or ModelRepository(model_control_mode='explicit'))"
+)
+
+
+def no_available_versions(name: str) -> str:
+    """Triton's words for a request to a model known but not loaded now
+    (unloaded, warming up): HTTP 503, gRPC UNAVAILABLE (the native front-end's too)."""
+    return f"Request for unknown model: '{clipped(name)}' has no available versions"
+
 
 #: v2 datatype -> ferrobatch dtype name. BF16 travels as raw 2-byte words.
 DATATYPES: dict[str, str] = {v2: name for name, v2, _ in _core.dtypes()}
@@ -226,6 +244,9 @@ class ModelRepository:
     may register shared-memory regions and name them in requests (Triton's
     system shared-memory extension, off by default as in Triton: a client
     that may register any ``/dev/shm`` object may read or overwrite it).
+    ``model_control_mode``: ``"explicit"`` lets clients unload a model and
+    load it again (Triton's model repository extension; :meth:`load_model`);
+    ``"none"``, the default as in Triton, refuses both.
     """
 
     def __init__(
@@ -237,10 +258,24 @@ class ModelRepository:
         cpu_metrics: bool = True,
         gpu_metrics: bool = True,
         allow_client_shm: bool = False,
+        model_control_mode: str = "none",
     ) -> None:
         listed = [servers] if isinstance(servers, Server) else list(servers)
         if not listed:
             raise ValueError("serve at least one Server")
+        if model_control_mode not in MODEL_CONTROL_MODES:
+            raise ValueError(f"model_control_mode must be one of {MODEL_CONTROL_MODES}, got {model_control_mode!r}")
+        self.model_control_mode = model_control_mode
+        #: The models not loaded now (unloaded, or not loaded at start): known, not served.
+        self._unloaded: set[str] = set()
+        #: One load or unload of a model at a time.
+        self._control_locks: dict[str, asyncio.Lock] = {}
+        #: The stop of each model unloaded, while it runs (an unload returns before it ends, as Triton's).
+        self._unloading: dict[str, asyncio.Task[None]] = {}
+        #: The servers a load started: :meth:`stop_loaded` stops them.
+        self._loaded_here: list[Server] = []
+        #: Told ``(model, loaded)`` after each load and unload (a native front-end serves accordingly).
+        self._control_hooks: list[Callable[[ServedModel, bool], object]] = []
         self._models: dict[str, ServedModel] = {}
         self._max_elements = max_elements
         #: Every model's codec reads and writes these (one registry per server).
@@ -299,7 +334,9 @@ class ModelRepository:
 
     @property
     def ready(self) -> bool:
-        return not self._closing and all(m.server.ready for m in self._models.values())
+        """Not closing, and every loaded model ready (an unloaded one does
+        not count, as in Triton)."""
+        return not self._closing and all(m.server.ready for m in self.loaded_models)
 
     def model(self, name: str, version: str = "") -> ServedModel:
         """Model ``name`` (``version``: "" or "1"); :class:`UnknownModelError` if unknown."""
@@ -317,7 +354,138 @@ class ModelRepository:
         return self.model(name, version).server
 
     def model_ready(self, name: str, version: str = "") -> bool:
-        return not self._closing and self.get(name, version).ready
+        server = self.get(name, version)
+        return not self._closing and name not in self._unloaded and server.ready
+
+    # -- Triton's model control (model repository extension) ---------------------------
+
+    @property
+    def loaded_models(self) -> list[ServedModel]:
+        """The models served now: all but those unloaded (or not loaded at start)."""
+        return [m for m in self._models.values() if m.server.name not in self._unloaded]
+
+    def is_loaded(self, name: str) -> bool:
+        return name in self._models and name not in self._unloaded
+
+    def leave_unloaded(self, names: Iterable[str]) -> None:
+        """Models ``names`` are not loaded at start (``--load-model`` names the
+        others): known, refused as unloaded until :meth:`load_model`."""
+        left = set(names)
+        unknown = sorted(left - self._models.keys())
+        if unknown:
+            raise ValueError(f"no model named {', '.join(map(repr, unknown))} to leave unloaded")
+        self._unloaded |= left
+
+    def on_model_control(self, hook: Callable[[ServedModel, bool], object], *, add: bool = True) -> None:
+        """Calls ``hook(model, loaded)`` after each load (``True``) and unload
+        (``False``); ``add=False`` stops that."""
+        if add:
+            self._control_hooks.append(hook)
+        else:
+            with contextlib.suppress(ValueError):
+                self._control_hooks.remove(hook)
+
+    def _check_control(self, what: str, name: str, parameters: Mapping[str, Any] | None) -> ServedModel | None:
+        if self.model_control_mode != "explicit":
+            raise ProtocolError(503, MODEL_CONTROL_DISABLED)
+        if self._closing:
+            raise ProtocolError(503, f"failed to {what} '{clipped(name)}': the server is shutting down")
+        # Triton's override of a model's configuration or files: ferrobatch's
+        # models are the Server objects bound to it, not files it could reload.
+        replaced = sorted(k for k in parameters or {} if k == "config" or k.startswith("file:"))
+        if replaced:
+            raise ProtocolError(
+                400,
+                f"failed to {what} '{clipped(name)}': ferrobatch serves the models bound to it; a {what} "
+                f"cannot replace their configuration or files ({', '.join(map(clipped, replaced))})",
+            )
+        return self._models.get(name)
+
+    async def load_model(self, name: str, parameters: Mapping[str, Any] | None = None) -> None:
+        """Loads model ``name`` again after :meth:`unload_model` (starts its
+        server: the warm-up, a new run whose statistics carry on), and
+        returns once it serves; a model loaded already is left as it is
+        (Triton reloads only what changed). 503 in mode ``"none"``; 400 for
+        an unknown model, a ``config`` or ``file:`` parameter, or a failed
+        warm-up (Triton's words)."""
+        model = self._check_control("load", name, parameters)
+        if model is None:
+            raise ProtocolError(400, f"failed to load '{clipped(name)}', failed to poll from model repository")
+        async with self._control_locks.setdefault(name, asyncio.Lock()):
+            unloading = self._unloading.pop(name, None)
+            if unloading is not None:
+                await unloading  # its stop ends first: a server starts from stopped
+            server = model.server
+            if name not in self._unloaded and server.running:
+                return
+            if not server.running:
+                log.info("model '%s': loading (warm-up)", name)
+                try:
+                    await server.start()
+                except (FerrobatchError, RuntimeError) as exc:  # a failed warm-up (Triton: 400)
+                    why = error_message(exc, name, expose=self.expose_errors)  # the model's words only if exposed
+                    raise ProtocolError(
+                        400, f"load failed for model '{clipped(name)}': version 1 is at UNAVAILABLE state: {why}"
+                    ) from None
+                if self._closing:  # shutting down began during the warm-up: its owner may have passed it by
+                    await server.stop(timeout=0)
+                    raise ProtocolError(503, f"failed to load '{clipped(name)}': the server is shutting down")
+                if server not in self._loaded_here:
+                    self._loaded_here.append(server)
+            self._unloaded.discard(name)
+            for hook in list(self._control_hooks):
+                hook(model, True)
+            log.info("model '%s': loaded, serving", name)
+
+    async def unload_model(self, name: str, parameters: Mapping[str, Any] | None = None) -> None:
+        """Unloads model ``name``: from now on its requests are refused
+        (503: "has no available versions"), it is not ready, and its server
+        stops once the requests it accepted are answered. Returns at once,
+        as Triton's unload does (:meth:`load_model` waits for the stop).
+        Unloading an unknown or unloaded model does nothing, as in Triton;
+        503 in mode ``"none"``."""
+        model = self._check_control("unload", name, parameters)
+        if model is None:
+            return
+        async with self._control_locks.setdefault(name, asyncio.Lock()):
+            if name in self._unloaded:
+                return
+            self._unloaded.add(name)
+            for hook in list(self._control_hooks):
+                hook(model, False)
+            self._unloading[name] = asyncio.ensure_future(self._stop_unloaded(model.server))
+
+    @staticmethod
+    async def _stop_unloaded(server: Server) -> None:
+        try:
+            await server.stop()
+        except Exception:  # a failed stop must not go unseen; the next load() tries again
+            log.exception("model '%s': stopping it after its unload failed", server.name)
+        else:
+            log.info("model '%s': unloaded", server.name)
+
+    async def stop_loaded(self, timeout: float | None = None) -> None:
+        """Model control's part of shutting down, for whoever serves the
+        repository to await once it is closed, before stopping the servers it
+        started (so that no server is stopped twice at once): waits up to
+        ``timeout`` seconds for the unloads still stopping their servers
+        (then stops those at once: their waiting requests fail with
+        :class:`ServerClosedError`), and stops the servers a load started."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        unloading = dict(self._unloading)
+        self._unloading.clear()
+        if unloading:
+            _, late = await asyncio.wait(unloading.values(), timeout=timeout)
+            for task in late:
+                task.cancel()  # a cancelled stop() leaves the rest to the next one
+            await asyncio.gather(*late, return_exceptions=True)
+            for name, task in unloading.items():
+                if task in late:
+                    await self._models[name].server.stop(timeout=0)
+        while self._loaded_here:
+            left = None if deadline is None else max(0.0, deadline - loop.time())
+            await self._loaded_here.pop().stop(timeout=left)
 
     def server_metadata(self) -> dict[str, Any]:
         return {"name": "ferrobatch", "version": __version__, "extensions": list(EXTENSIONS)}
@@ -420,9 +588,18 @@ class ModelRepository:
         ones), ``{"name", "version", "state": "READY" | "UNAVAILABLE", "reason"}``."""
         index = []
         for name, model in self._models.items():
-            ready = not self._closing and model.server.ready
+            unloaded = name in self._unloaded
+            ready = not self._closing and not unloaded and model.server.ready
             if ready or not ready_only:
-                reason = "" if ready else "the server is shutting down" if self._closing else "not running"
+                reason = (
+                    ""
+                    if ready
+                    else "the server is shutting down"
+                    if self._closing
+                    else "unloaded"
+                    if unloaded
+                    else "not running"
+                )
                 state = "READY" if ready else "UNAVAILABLE"
                 index.append({"name": name, "version": MODEL_VERSION, "state": state, "reason": reason})
         return index
@@ -505,6 +682,8 @@ class ModelRepository:
         if self._closing:
             refusal = ServerClosedError(f"server is shutting down; model '{model.server.name}' takes no new requests")
             raise model.server._refused(refusal)
+        if model.server.name in self._unloaded:  # not counted: it never reached the model, as natively
+            raise ProtocolError(503, no_available_versions(model.server.name))
         self._in_flight += 1
         try:
             yield

@@ -346,6 +346,9 @@ def serve_config(
         cpu_metrics=metrics and config.allow_cpu_metrics is not False,
         gpu_metrics=metrics and config.allow_gpu_metrics is not False,
         allow_client_shm=bool(config.allow_client_shm),
+        # PyTriton runs Triton in explicit mode: ModelClient.unload_model() and
+        # load_model() unload a bound model and load it again.
+        model_control_mode="explicit",
     )
 
 

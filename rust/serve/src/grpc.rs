@@ -15,7 +15,8 @@
 //! and answers them; their messages are read where they lie,
 //! [`request::InferRequest`]); the other RPCs go through tonic.
 //!
-//! Triton's `ModelConfig`, `ModelStatistics` and `RepositoryIndex` are rare
+//! Triton's `ModelConfig`, `ModelStatistics`, `RepositoryIndex`, model control
+//! (`RepositoryModelLoad`, `RepositoryModelUnload`) and log settings are rare
 //! and their answers change while serving (statistics, readiness): they go to
 //! the [`Fallback`](crate::Fallback), as protobuf bytes both ways (the Python
 //! servicer's own answers), decoded here; a cancelled call withdraws it.
@@ -150,11 +151,13 @@ use pb::{
     ModelConfigRequest, ModelConfigResponse, ModelInferRequest, ModelInferResponse,
     ModelMetadataRequest, ModelMetadataResponse, ModelReadyRequest, ModelReadyResponse,
     ModelStatisticsRequest, ModelStatisticsResponse, ModelStreamInferResponse,
-    RepositoryIndexRequest, RepositoryIndexResponse, ServerLiveRequest, ServerLiveResponse,
-    ServerMetadataRequest, ServerMetadataResponse, ServerReadyRequest, ServerReadyResponse,
-    SystemSharedMemoryRegisterRequest, SystemSharedMemoryRegisterResponse,
-    SystemSharedMemoryStatusRequest, SystemSharedMemoryStatusResponse,
-    SystemSharedMemoryUnregisterRequest, SystemSharedMemoryUnregisterResponse,
+    RepositoryIndexRequest, RepositoryIndexResponse, RepositoryModelLoadRequest,
+    RepositoryModelLoadResponse, RepositoryModelUnloadRequest, RepositoryModelUnloadResponse,
+    ServerLiveRequest, ServerLiveResponse, ServerMetadataRequest, ServerMetadataResponse,
+    ServerReadyRequest, ServerReadyResponse, SystemSharedMemoryRegisterRequest,
+    SystemSharedMemoryRegisterResponse, SystemSharedMemoryStatusRequest,
+    SystemSharedMemoryStatusResponse, SystemSharedMemoryUnregisterRequest,
+    SystemSharedMemoryUnregisterResponse,
 };
 
 /// The tonic service of one front-end, as every connection serves it.
@@ -742,9 +745,8 @@ impl Inference {
     fn served(&self, name: &str, version: &str) -> Result<Arc<ServedModel>, Status> {
         match self.known(name, version)? {
             Lookup::Served(model) => Ok(model),
-            Lookup::NotRunning => Err(Status::unavailable(format!(
-                "server '{}' is not running",
-                Clipped(name)
+            Lookup::NotRunning => Err(Status::unavailable(crate::http::no_available_versions(
+                name,
             ))),
         }
     }
@@ -1123,6 +1125,20 @@ impl GrpcInferenceService for Inference {
         request: Request<RepositoryIndexRequest>,
     ) -> Result<Response<RepositoryIndexResponse>, Status> {
         self.fallback("RepositoryIndex", request).await
+    }
+
+    async fn repository_model_load(
+        &self,
+        request: Request<RepositoryModelLoadRequest>,
+    ) -> Result<Response<RepositoryModelLoadResponse>, Status> {
+        self.fallback("RepositoryModelLoad", request).await
+    }
+
+    async fn repository_model_unload(
+        &self,
+        request: Request<RepositoryModelUnloadRequest>,
+    ) -> Result<Response<RepositoryModelUnloadResponse>, Status> {
+        self.fallback("RepositoryModelUnload", request).await
     }
 
     async fn log_settings(

@@ -428,10 +428,10 @@ fn route(shared: &Arc<Shared>, request: Request<Incoming>) -> Routed {
                     }
                     return Routed::Infer(Inference::new(shared, model, coding, request));
                 }
-                // Known, not served (warming up, or stopped): nothing else
-                // answers inference.
+                // Known, not served (warming up, unloaded, or stopped):
+                // nothing else answers inference.
                 (None, _) if version_known(version) && shared.is_catalogued(name) => {
-                    let message = format!("server '{}' is not running", Clipped(name));
+                    let message = no_available_versions(name);
                     return Routed::Answered(Box::new(error(&Failure::new(503, message))));
                 }
                 _ => {}
@@ -439,6 +439,15 @@ fn route(shared: &Arc<Shared>, request: Request<Incoming>) -> Routed {
         }
     }
     Routed::Fallback(Box::pin(fallback(shared.clone(), request)))
+}
+
+/// Triton's words for a request to a model it knows but serves no version
+/// of now (warming up, unloaded, or stopped): 503, gRPC UNAVAILABLE.
+pub(crate) fn no_available_versions(name: &str) -> String {
+    format!(
+        "Request for unknown model: '{}' has no available versions",
+        Clipped(name)
+    )
 }
 
 /// A body's declared length (`Content-Length`, as hyper read it).

@@ -1,0 +1,381 @@
+"""Triton's model control (``--model-control-mode=explicit``): tritonclient
+unloads a model and loads it again over HTTP and gRPC, on the native and
+the Python front-ends. An unloaded model is known but refused ("has no
+available versions", 503 / UNAVAILABLE), not ready, and leaves the server
+ready; the requests it accepted before are answered; a load waits for its
+warm-up; ``--load-model`` starts some models only. Off by default, as in
+Triton."""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from conftest import wait_until
+from tritonclient.utils import InferenceServerException
+
+import ferrobatch as fb
+from ferrobatch.serve import Listening, ServeConfig, add_arguments, check_config, serve_in_thread
+
+pytestmark = pytest.mark.timeout(90)
+
+X = fb.TensorSpec("x", "float32", (4,))
+Y = fb.TensorSpec("y", "float32", (4,))
+NO_VERSIONS = "Request for unknown model: '{}' has no available versions"
+NOT_ALLOWED = "explicit model load / unload is not allowed if polling is enabled"
+
+
+def double(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {"y": inputs["x"] * 2}
+
+
+def triple(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {"y": inputs["x"] * 3}
+
+
+def models(**first: Any) -> list[fb.Server]:
+    return [
+        fb.Server(first.pop("fn", double), inputs=[X], outputs=[Y], name="a", **{"max_batch_size": 8, **first}),
+        fb.Server(triple, inputs=[X], outputs=[Y], name="b", max_batch_size=8),
+    ]
+
+
+def serving(frontend: str, servers: list[fb.Server] | None = None, **options: Any) -> Any:
+    options.setdefault("model_control_mode", "explicit")
+    config = ServeConfig(http_port=0, grpc_port=0, frontend=frontend, log_level="warning", threads=1, **options)
+    return serve_in_thread(servers or models(), config)
+
+
+@pytest.fixture(params=["native", "python"])
+def frontend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def clients(listening: Listening) -> list[Any]:
+    return [
+        httpclient.InferenceServerClient(f"127.0.0.1:{listening.http_port}"),
+        grpcclient.InferenceServerClient(f"127.0.0.1:{listening.grpc_port}"),
+    ]
+
+
+def infer(client: Any, model: str, value: float = 1.0) -> np.ndarray:
+    module = httpclient if isinstance(client, httpclient.InferenceServerClient) else grpcclient
+    x = module.InferInput("x", [1, 4], "FP32")
+    x.set_data_from_numpy(np.full((1, 4), value, dtype=np.float32))
+    out: np.ndarray = client.infer(model, [x]).as_numpy("y")
+    return out
+
+
+def refusal(call: Any) -> InferenceServerException:
+    with pytest.raises(InferenceServerException) as caught:
+        call()
+    return caught.value
+
+
+def index(client: Any) -> dict[str, tuple[str, str]]:
+    """``{name: (state, reason)}`` from the repository index."""
+    if isinstance(client, httpclient.InferenceServerClient):
+        listed = client.get_model_repository_index()
+    else:
+        listed = client.get_model_repository_index(as_json=True).get("models", [])
+    return {m["name"]: (m.get("state", ""), m.get("reason", "")) for m in listed}
+
+
+def succeeded(server: fb.Server) -> int:
+    return int(server.stats()["requests_succeeded"])
+
+
+def test_a_model_unloaded_is_refused_and_loaded_again_serves(frontend: str) -> None:
+    servers = models()
+    with serving(frontend, servers) as listening:
+        for client in clients(listening):
+            assert infer(client, "a")[0, 0] == 2.0
+            client.unload_model("a")
+            assert not client.is_model_ready("a")
+            assert client.is_model_ready("b")
+            assert client.is_server_ready()  # an unloaded model does not count, as in Triton
+            error = refusal(lambda c=client: infer(c, "a"))
+            assert NO_VERSIONS.format("a") in str(error)
+            assert error.status() in ("503", "StatusCode.UNAVAILABLE")
+            assert infer(client, "b")[0, 0] == 3.0  # the others serve on
+            assert index(client)["a"] == ("UNAVAILABLE", "unloaded")
+            client.unload_model("a")  # again: nothing happens, as in Triton
+            client.load_model("a")  # waits for the unload's stop, then the warm-up
+            assert client.is_model_ready("a")
+            assert index(client)["a"] == ("READY", "")
+            assert infer(client, "a", 5.0)[0, 0] == 10.0
+            client.load_model("a")  # loaded already: left as it is
+            assert infer(client, "a")[0, 0] == 2.0
+        # Statistics carry on across runs and count what the callers saw: 3
+        # answers per protocol, the refusals never reached the model.
+        a, b = servers
+        assert succeeded(a) == 6 and succeeded(b) == 2
+    assert not a.running and not b.running  # the server a load started is stopped on the way out
+
+
+def test_an_unload_lets_the_requests_it_accepted_finish(frontend: str) -> None:
+    entered, release = threading.Event(), threading.Event()
+
+    def slow(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        entered.set()
+        assert release.wait(30)
+        return {"y": inputs["x"] * 2}
+
+    servers = models(fn=slow, max_delay=0.0)
+    with serving(frontend, servers) as listening:
+        # A client per thread: tritonclient's HTTP client holds one connection.
+        first = httpclient.InferenceServerClient(f"127.0.0.1:{listening.http_port}", network_timeout=60)
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{listening.http_port}")
+        answers: list[Any] = []
+        caller = threading.Thread(target=lambda: answers.append(infer(first, "a", 4.0)))
+        caller.start()
+        assert entered.wait(30)
+        started = time.monotonic()
+        client.unload_model("a")  # returns at once, as Triton's: the stop waits for the batch
+        assert time.monotonic() - started < 5
+        assert not client.is_model_ready("a")
+        assert NO_VERSIONS.format("a") in str(refusal(lambda: infer(client, "a")))
+        release.set()
+        caller.join(30)
+        assert answers and answers[0][0, 0] == 8.0
+        assert wait_until(lambda: not servers[0].running, timeout_s=30)
+        assert succeeded(servers[0]) == 1
+
+
+def test_a_shutdown_does_not_wait_past_its_grace_for_an_unload(frontend: str) -> None:
+    entered, release = threading.Event(), threading.Event()
+
+    def stuck(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        entered.set()
+        release.wait(60)
+        return {"y": inputs["x"] * 2}
+
+    servers = models(fn=stuck, max_delay=0.0, max_batch_size=1)
+    answers: list[Any] = []
+
+    def call(listening: Listening) -> None:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{listening.http_port}", network_timeout=60)
+        try:
+            answers.append(infer(client, "a"))
+        except InferenceServerException as exc:
+            answers.append(exc)
+
+    try:
+        with serving(frontend, servers, graceful_timeout=1.0) as listening:
+            callers = [threading.Thread(target=call, args=(listening,)) for _ in range(2)]
+            for caller in callers:
+                caller.start()
+            assert entered.wait(30)
+            assert wait_until(lambda: servers[0].stats()["queue_depth"] >= 1)
+            httpclient.InferenceServerClient(f"127.0.0.1:{listening.http_port}").unload_model("a")
+            leaving = time.monotonic()
+        # The unload's stop waited for the stuck batch; the shutdown's grace cut it short.
+        assert time.monotonic() - leaving < 15
+        for caller in callers:
+            caller.join(30)
+        refused = [a for a in answers if isinstance(a, InferenceServerException)]
+        assert len(answers) == 2 and len(refused) >= 1
+        assert all("stopped before the request was answered" in str(e) for e in refused)
+    finally:
+        release.set()
+
+
+def test_model_control_is_off_by_default(frontend: str) -> None:
+    with serving(frontend, model_control_mode="none") as listening:
+        for client in clients(listening):
+            for call in (client.load_model, client.unload_model):
+                error = refusal(lambda call=call: call("a"))
+                assert NOT_ALLOWED in str(error)
+                assert error.status() in ("503", "StatusCode.UNAVAILABLE")
+            assert infer(client, "a")[0, 0] == 2.0
+        url = f"http://127.0.0.1:{listening.http_port}/v2/repository/models/a/unload"
+        assert httpx.post(url).status_code == 503
+
+
+def test_what_cannot_be_loaded_is_refused_in_tritons_words(frontend: str) -> None:
+    with serving(frontend) as listening:
+        for client in clients(listening):
+            error = refusal(lambda c=client: c.load_model("nope"))
+            assert "failed to load 'nope', failed to poll from model repository" in str(error)
+            assert error.status() in ("400", "StatusCode.INVALID_ARGUMENT")
+            client.unload_model("nope")  # unknown: nothing happens, as in Triton
+            error = refusal(lambda c=client: c.load_model("a", config='{"max_batch_size": 4}'))
+            assert "cannot replace their configuration or files (config)" in str(error)
+            assert error.status() in ("400", "StatusCode.INVALID_ARGUMENT")
+            assert infer(client, "a")[0, 0] == 2.0  # refused loads harm nothing
+        base = f"http://127.0.0.1:{listening.http_port}/v2/repository/models/a"
+        for body in (b"[]", b'{"parameters": 3}', b"{"):
+            assert httpx.post(f"{base}/load", content=body).status_code == 400
+        assert httpx.post(f"{base}/unload", json={"parameters": {"unload_dependents": True}}).status_code == 200
+        assert httpx.post(f"{base}/load", json={}).status_code == 200
+
+
+def test_a_failed_warm_up_fails_the_load_and_leaves_the_model_unloaded(frontend: str) -> None:
+    broken = [False]
+
+    def fragile(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if broken[0]:
+            raise RuntimeError("weights missing")
+        return {"y": inputs["x"] * 2}
+
+    with serving(frontend, models(fn=fragile, warmup=True)) as listening:
+        for client in clients(listening):
+            client.unload_model("a")
+            broken[0] = True
+            error = refusal(lambda c=client: c.load_model("a"))
+            assert "load failed for model 'a': version 1 is at UNAVAILABLE state" in str(error)
+            assert "weights missing" not in str(error)  # the model's words stay in the log (expose_errors)
+            assert not client.is_model_ready("a")
+            assert NO_VERSIONS.format("a") in str(refusal(lambda c=client: infer(c, "a")))
+            broken[0] = False
+            client.load_model("a")
+            assert infer(client, "a")[0, 0] == 2.0
+
+
+def test_load_model_starts_only_the_models_it_names(frontend: str) -> None:
+    servers = models()
+    with serving(frontend, servers, load_models=["a"]) as listening:
+        assert not servers[1].running
+        for client in clients(listening):
+            assert client.is_server_ready()
+            assert not client.is_model_ready("b")
+            assert index(client)["b"] == ("UNAVAILABLE", "unloaded")
+            meta = client.get_model_metadata("b")
+            assert (meta["name"] if isinstance(meta, dict) else meta.name) == "b"  # known
+            assert NO_VERSIONS.format("b") in str(refusal(lambda c=client: infer(c, "b")))
+        http, grpc_client = clients(listening)
+        http.load_model("b")  # never served before: served from now on
+        assert infer(http, "b")[0, 0] == 3.0
+        assert infer(grpc_client, "b")[0, 0] == 3.0
+        assert succeeded(servers[1]) == 2
+    assert not servers[1].running  # a load started it: the shutdown stops it
+
+
+def test_the_config_and_cli_follow_tritons_rules() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--demo", "--model-control-mode", "explicit", "--load-model", "a", "--load-model=b"])
+    assert (args.model_control_mode, args.load_models) == ("explicit", ["a", "b"])
+    assert parser.parse_args(["--demo"]).model_control_mode == "none"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--demo", "--model-control-mode", "poll"])
+    for config, message in [
+        (ServeConfig(load_models=["a"]), "requires model_control_mode='explicit'"),
+        (ServeConfig(model_control_mode="explicit", load_models=["*", "a"]), "must be the only name"),
+        (ServeConfig(model_control_mode="explicit", load_models="a"), "a sequence of model names"),
+        (ServeConfig(model_control_mode="poll"), "model_control_mode must be one of"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            check_config(config)
+    check_config(ServeConfig(model_control_mode="explicit", load_models=["*"]))
+
+
+def test_an_unknown_model_to_load_at_start_is_a_start_up_error() -> None:
+    config = ServeConfig(http_port=0, grpc_port=None, model_control_mode="explicit", load_models=["zzz"])
+    with pytest.raises(Exception, match="--load-model: no model named 'zzz'"):
+        with serve_in_thread(models(), config):
+            pass
+
+
+def test_the_repository_refuses_a_mode_it_does_not_know() -> None:
+    from ferrobatch.http.protocol import ModelRepository
+
+    with pytest.raises(ValueError, match="model_control_mode"):
+        ModelRepository(models(), model_control_mode="poll")
+
+
+def test_pytritons_model_client_unloads_and_loads_a_bound_model() -> None:
+    """PyTriton runs Triton in explicit mode: ``ModelClient.unload_model()``
+    and ``load_model()`` work against ``ferrobatch.triton`` as there (behind
+    the access token that guards the model-repository API by default)."""
+    from ferrobatch.triton import Triton, TritonConfig
+    from ferrobatch.triton.client import ModelClient
+    from ferrobatch.triton.decorators import batch
+    from ferrobatch.triton.model_config import ModelConfig, Tensor
+
+    @batch
+    def double_np(x: np.ndarray) -> dict[str, np.ndarray]:
+        return {"y": x * 2}
+
+    tensors = [Tensor(name="x", dtype=np.float32, shape=(4,))], [Tensor(name="y", dtype=np.float32, shape=(4,))]
+    with Triton(config=TritonConfig(http_port=0, grpc_port=0)) as triton:
+        triton.bind("double", double_np, *tensors, config=ModelConfig(max_batch_size=8))
+        triton.run()
+        checker = httpclient.InferenceServerClient(f"127.0.0.1:{triton.http_port}")
+        for url in (f"http://127.0.0.1:{triton.http_port}", f"grpc://127.0.0.1:{triton.grpc_port}"):
+            with ModelClient(url, "double", access_token=triton.get_access_token()) as client:
+                assert client.infer_sample(np.ones(4, dtype=np.float32))["y"].tolist() == [2.0] * 4
+                client.unload_model()
+                assert NO_VERSIONS.format("double") in str(refusal(lambda: infer(checker, "double")))
+                assert not checker.is_model_ready("double")
+                client.load_model()
+                assert checker.is_model_ready("double")
+                assert client.infer_sample(np.ones(4, dtype=np.float32))["y"].tolist() == [2.0] * 4
+
+
+#: An app's requests in turn and what each must answer: ``(method, path, body, status, text in it)``.
+APP_STEPS: list[tuple[str, str, Any, int, str]] = [
+    ("POST", "/v2/repository/models/a/unload", None, 200, ""),
+    (
+        "POST",
+        "/v2/models/a/infer",
+        {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1] * 4}]},
+        503,
+        NO_VERSIONS.format("a"),
+    ),
+    ("GET", "/v2/health/ready", None, 200, ""),
+    ("POST", "/v2/repository/models/a/load", None, 200, ""),
+    (
+        "POST",
+        "/v2/models/a/infer",
+        {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1] * 4}]},
+        200,
+        '"data":[2.0,2.0,2.0,2.0]',
+    ),
+]
+
+
+def said(text: str, body: str) -> bool:
+    """Whether ``body`` says ``text`` (JSON's spacing aside)."""
+    return text in body or text in body.replace(" ", "")
+
+
+@pytest.mark.filterwarnings("ignore:Using `httpx` with `starlette.testclient`")  # a newer starlette's advice
+def test_a_starlette_app_given_an_explicit_repository_unloads_and_loads() -> None:
+    """An app made with ``ModelRepository(model_control_mode="explicit")``:
+    its lifespan starts the servers, a client unloads and loads one, and the
+    lifespan's end stops every server, the one a load started included."""
+    from starlette.testclient import TestClient
+
+    from ferrobatch.http import starlette_app
+    from ferrobatch.http.protocol import ModelRepository
+
+    servers = models()
+    with TestClient(starlette_app(ModelRepository(servers, model_control_mode="explicit"))) as http:
+        for method, path, body, status, text in APP_STEPS:
+            answer = http.request(method, path, json=body)
+            assert (answer.status_code, said(text, answer.text)) == (status, True), answer.text
+    assert not any(s.running for s in servers)
+
+
+async def test_an_aiohttp_app_given_an_explicit_repository_unloads_and_loads() -> None:
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from ferrobatch.http import aiohttp_app
+    from ferrobatch.http.protocol import ModelRepository
+
+    servers = models()
+    async with TestClient(TestServer(aiohttp_app(ModelRepository(servers, model_control_mode="explicit")))) as http:
+        for method, path, body, status, text in APP_STEPS:
+            async with http.request(method, path, json=body) as answer:
+                got = await answer.text()
+                assert (answer.status, said(text, got)) == (status, True), got
+    assert not any(s.running for s in servers)
