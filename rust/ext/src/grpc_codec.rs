@@ -252,15 +252,16 @@ pub(crate) fn grpc_response<'py>(
         _ => Vec::new(),
     };
     if !regions.is_empty() {
-        let writes: Vec<(usize, &[u8], &RegionRange)> = read
+        let outputs = codec.core().outputs();
+        let writes: Vec<(&str, &[u8], &RegionRange)> = read
             .iter()
             .zip(&regions)
             .filter_map(|((index, readable), range)| {
-                Some((*index, readable.data(), range.as_ref()?))
+                let name = outputs.get(*index).map_or("", |o| o.name.as_str());
+                Some((name, readable.data(), range.as_ref()?))
             })
             .collect();
-        ferrobatch_serve::replies::write_regions(codec.core(), &writes)
-            .map_err(|f| failure_error(py, f))?;
+        ferrobatch_serve::replies::write_regions(&writes).map_err(|f| failure_error(py, f))?;
     }
     let in_region = |i: usize| matches!(regions.get(i), Some(Some(_)));
     let Some(last) = last else {

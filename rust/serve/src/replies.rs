@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use ferrobatch_core::v2::regions::RegionRange;
+use ferrobatch_core::v2::regions::{self, RegionRange};
 use ferrobatch_core::v2::{Codec, Encoded, Output, Shape};
 use ferrobatch_core::{Batcher, Outcome, Pending, PerTensor, Request, RequestState, Route, Tally};
 use tokio::sync::{mpsc, oneshot};
@@ -241,26 +241,11 @@ fn failed_outcome(failure: &Failure) -> Outcome {
     }
 }
 
-/// Writes each output's bytes into its shared-memory range (`(index in the
-/// codec's outputs, bytes, range)`), every size checked before any is
-/// written: one that does not fit fails the request (400: the client's
-/// range), its regions untouched.
-pub fn write_regions(
-    codec: &Codec,
-    writes: &[(usize, &[u8], &RegionRange)],
-) -> Result<(), Failure> {
-    let name = |index: usize| codec.outputs().get(index).map_or("", |o| o.name.as_str());
-    let refused = |e: ferrobatch_core::v2::regions::RegionError| Failure::new(400, e.to_string());
-    for &(index, data, range) in writes {
-        if data.len() > range.len() {
-            // `write` refuses it before copying anything: Triton's message.
-            range.write(name(index), data).map_err(refused)?;
-        }
-    }
-    for &(index, data, range) in writes {
-        range.write(name(index), data).map_err(refused)?;
-    }
-    Ok(())
+/// Writes each output's bytes into its shared-memory range (`(output name,
+/// bytes, range)`; see [`regions::write_all`]): one that does not fit fails
+/// the request (400: the client's range), its regions untouched.
+pub fn write_regions(writes: &[(&str, &[u8], &RegionRange)]) -> Result<(), Failure> {
+    regions::write_all(writes).map_err(|e| Failure::new(400, e.to_string()))
 }
 
 /// What a native request holds until its batch is done.
@@ -555,14 +540,14 @@ impl Replies {
                     rows.push((index, shape, data));
                 }
                 if !regions.is_empty() {
-                    let writes: Vec<(usize, &[u8], &RegionRange)> = rows
+                    let writes: Vec<(&str, &[u8], &RegionRange)> = rows
                         .iter()
                         .zip(regions)
                         .filter_map(|((index, _, data), r)| {
-                            Some((*index, data.as_ref(), r.as_ref()?))
+                            Some((self.output_name(*index), data.as_ref(), r.as_ref()?))
                         })
                         .collect();
-                    write_regions(&self.codec, &writes)?;
+                    write_regions(&writes)?;
                 }
                 let outputs: PerTensor<OutputRows<'_>> = rows
                     .iter()
@@ -584,6 +569,14 @@ impl Replies {
         }
     }
 
+    /// The name of the codec's output `index` ("" if none: a caller's bug).
+    fn output_name(&self, index: usize) -> &str {
+        self.codec
+            .outputs()
+            .get(index)
+            .map_or("", |o| o.name.as_str())
+    }
+
     /// The rows of `route` in each of `outputs` (indices), as raw bytes;
     /// those with a range in `regions` (aligned, or empty) written there,
     /// their bytes empty.
@@ -599,12 +592,14 @@ impl Replies {
             for &index in outputs {
                 rows.push((index, self.rows(route, index, columns)?));
             }
-            let writes: Vec<(usize, &[u8], &RegionRange)> = rows
+            let writes: Vec<(&str, &[u8], &RegionRange)> = rows
                 .iter()
                 .zip(regions)
-                .filter_map(|((index, (_, data)), r)| Some((*index, data.as_ref(), r.as_ref()?)))
+                .filter_map(|((index, (_, data)), r)| {
+                    Some((self.output_name(*index), data.as_ref(), r.as_ref()?))
+                })
                 .collect();
-            write_regions(&self.codec, &writes)?;
+            write_regions(&writes)?;
             return Ok(rows
                 .into_iter()
                 .zip(

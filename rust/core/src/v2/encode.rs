@@ -2,7 +2,7 @@
 
 use half::{bf16, f16};
 
-use super::regions::RegionRange;
+use super::regions::{self, RegionRange};
 use super::{checked_size, Codec, V2Error};
 use crate::DType;
 
@@ -253,14 +253,7 @@ impl Codec {
             }
             let prefix = self.output_prefixes[o.index].len() + 24 * o.shape.len() + 48;
             header_estimate = header_estimate.saturating_add(prefix);
-            if let Some(range) = region_of(regions, i) {
-                // Refused before any output is written (`write` checks the
-                // size before it copies anything).
-                if o.data.len() > range.len() {
-                    range
-                        .write(&spec.name, o.data)
-                        .map_err(|e| V2Error::Invalid(e.to_string()))?;
-                }
+            if region_of(regions, i).is_some() {
                 exact = None;
             } else if o.binary {
                 binary_bytes = binary_bytes.saturating_add(o.data.len());
@@ -280,13 +273,16 @@ impl Codec {
                 exact = None;
             }
         }
-        for (o, range) in outputs.iter().zip(regions) {
-            if let Some(range) = range {
-                let name = self.outputs().get(o.index).map_or("", |s| s.name.as_str());
-                range
-                    .write(name, o.data)
-                    .map_err(|e| V2Error::Invalid(e.to_string()))?;
-            }
+        if !regions.is_empty() {
+            let writes: Vec<(&str, &[u8], &RegionRange)> = outputs
+                .iter()
+                .zip(regions)
+                .filter_map(|(o, range)| {
+                    let name = self.outputs().get(o.index).map_or("", |s| s.name.as_str());
+                    Some((name, o.data, range.as_ref()?))
+                })
+                .collect();
+            regions::write_all(&writes).map_err(|e| V2Error::Invalid(e.to_string()))?;
         }
         let room = if with_binary { binary_bytes } else { 0 };
         let header = exact.unwrap_or(header_estimate);

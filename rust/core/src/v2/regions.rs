@@ -439,6 +439,18 @@ impl RegionRange {
     }
 }
 
+/// Writes each output's bytes into its range (`(output name, bytes, range)`),
+/// every size checked before any is written: one that does not fit fails
+/// the whole answer with Triton's message, every region untouched.
+pub fn write_all(writes: &[(&str, &[u8], &RegionRange)]) -> Result<(), RegionError> {
+    if let Some(&(name, bytes, range)) = writes.iter().find(|(_, b, r)| b.len() > r.len()) {
+        return range.write(name, bytes); // refused before copying anything
+    }
+    writes
+        .iter()
+        .try_for_each(|&(name, bytes, range)| range.write(name, bytes))
+}
+
 /// Why output `output` does not fit its shared-memory range: `have`
 /// bytes, `need` to hold the results (Triton's words). Said when the
 /// output is written ([`RegionRange::write`]), or as the request is
@@ -500,6 +512,28 @@ mod tests {
         fn drop(&mut self) {
             let _ = std::fs::remove_file(&self.path);
         }
+    }
+
+    #[test]
+    fn write_all_writes_nothing_when_one_output_does_not_fit() {
+        let object = Object::new("all", 100);
+        let regions = SharedRegions::new();
+        regions.register("r", &object.key, 0, 100).unwrap();
+        let (first, second) = (
+            regions.range("r", 0, 4).unwrap(),
+            regions.range("r", 10, 2).unwrap(),
+        );
+        let err = write_all(&[("y", &[9; 4], &first), ("z", &[9; 3], &second)]).unwrap_err();
+        assert_eq!(err.to_string(), output_too_small("z", 2, 3));
+        let before: Vec<u8> = (0..100).map(|i| (i % 251) as u8).collect();
+        assert_eq!(
+            std::fs::read(&object.path).unwrap(),
+            before,
+            "nothing written"
+        );
+        write_all(&[("y", &[9; 4], &first), ("z", &[8; 2], &second)]).unwrap();
+        let file = std::fs::read(&object.path).unwrap();
+        assert_eq!((&file[..4], &file[10..12]), (&[9u8; 4][..], &[8u8; 2][..]));
     }
 
     #[test]
