@@ -4,7 +4,8 @@ the Python front-ends. An unloaded model is known but refused ("has no
 available versions", 503 / UNAVAILABLE), not ready, and leaves the server
 ready; the requests it accepted before are answered; a load waits for its
 warm-up; ``--load-model`` starts some models only. Off by default, as in
-Triton."""
+Triton. With them, Triton's ``--exit-on-error=false`` (a model that fails
+to start is left unloaded, the others serve) and ``--strict-readiness``."""
 
 from __future__ import annotations
 
@@ -379,3 +380,79 @@ async def test_an_aiohttp_app_given_an_explicit_repository_unloads_and_loads() -
                 got = await answer.text()
                 assert (answer.status, said(text, got)) == (status, True), got
     assert not any(s.running for s in servers)
+
+
+def failing_at_start() -> tuple[list[fb.Server], list[bool]]:
+    """Models ``a`` (its warm-up fails while ``broken[0]``) and ``b``."""
+    broken = [True]
+
+    def fragile(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if broken[0]:
+            raise RuntimeError("weights missing")
+        return {"y": inputs["x"] * 2}
+
+    return models(fn=fragile, warmup=True), broken
+
+
+def test_with_exit_on_error_off_a_model_that_fails_to_start_is_left_unloaded(frontend: str) -> None:
+    servers, broken = failing_at_start()
+    with serving(frontend, servers, exit_on_error=False) as listening:
+        assert not servers[0].running and servers[1].running
+        for client in clients(listening):
+            assert not client.is_server_ready()  # strict readiness: a model failed, as in Triton
+            assert not client.is_model_ready("a")
+            state, reason = index(client)["a"]
+            assert state == "UNAVAILABLE" and reason.startswith("failed to start: model 'a' failed: RuntimeError")
+            assert "weights missing" not in reason  # the model's words stay in the log (expose_errors)
+            assert NO_VERSIONS.format("a") in str(refusal(lambda c=client: infer(c, "a")))
+            assert infer(client, "b")[0, 0] == 3.0
+        http, grpc_client = clients(listening)
+        broken[0] = False
+        http.load_model("a")  # explicit mode: tried again
+        for client in (http, grpc_client):
+            assert client.is_server_ready() and client.is_model_ready("a")
+            assert infer(client, "a")[0, 0] == 2.0
+    assert not servers[0].running
+
+
+def test_unloading_a_model_that_failed_to_start_makes_the_server_ready(frontend: str) -> None:
+    servers, _ = failing_at_start()
+    with serving(frontend, servers, exit_on_error=False) as listening:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{listening.http_port}")
+        assert not client.is_server_ready()
+        client.unload_model("a")  # as Triton's: the failure is forgotten, the model stays unloaded
+        assert client.is_server_ready()
+        assert index(client)["a"] == ("UNAVAILABLE", "unloaded")
+
+
+def test_without_strict_readiness_the_server_is_ready_whatever_its_models(frontend: str) -> None:
+    servers, _ = failing_at_start()
+    with serving(frontend, servers, exit_on_error=False, strict_readiness=False) as listening:
+        for client in clients(listening):
+            assert client.is_server_ready()
+            assert not client.is_model_ready("a")
+            assert infer(client, "b")[0, 0] == 3.0
+
+
+def test_with_exit_on_error_on_a_model_that_fails_to_start_stops_the_start() -> None:
+    servers, _ = failing_at_start()
+    config = ServeConfig(http_port=0, grpc_port=None, log_level="warning")
+    with pytest.raises(fb.ModelError), serve_in_thread(servers, config):
+        pass
+    assert not any(s.running for s in servers)
+
+
+def test_the_readiness_flags_take_tritons_spellings() -> None:
+    from ferrobatch.triton import TritonConfig
+    from ferrobatch.triton.triton import serve_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    defaults = parser.parse_args(["--demo"])
+    assert (defaults.exit_on_error, defaults.strict_readiness) == (True, True)
+    given = parser.parse_args(["--demo", "--exit-on-error=false", "--strict-readiness", "false"])
+    assert (given.exit_on_error, given.strict_readiness) == (False, False)
+    assert parser.parse_args(["--demo", "--strict-readiness"]).strict_readiness is True
+    made = serve_config(TritonConfig(strict_readiness=False), expose_errors=False, frontend="native")
+    assert (made.strict_readiness, made.model_control_mode) == (False, "explicit")
+    assert serve_config(TritonConfig(), expose_errors=False, frontend="native").strict_readiness is True

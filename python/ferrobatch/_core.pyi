@@ -370,7 +370,9 @@ class NativeFrontend:
     protobuf bytes, ``answer((code, message, response))`` (code 0: OK; None:
     UNIMPLEMENTED); HTTP's fallback is ``fallback(method, path, headers,
     body, answer) -> cancel``, ``answer((status, headers, body))``. Both
-    return at once; ``cancel()`` is called if the client goes away first."""
+    return at once; ``cancel()`` is called if the client goes away first.
+    ``strict_readiness`` (Triton's): the server is ready only while every
+    model it serves is; False: while it is itself."""
 
     def __new__(
         cls,
@@ -396,6 +398,7 @@ class NativeFrontend:
         max_stream_backlog: int = ...,
         http_restricted_api: Sequence[str] = ...,
         grpc_restricted_protocol: Sequence[str] = ...,
+        strict_readiness: bool = True,
     ) -> NativeFrontend: ...
     @property
     def port(self) -> int | None: ...

@@ -69,13 +69,14 @@ from typing import TYPE_CHECKING, Any
 
 from . import _core
 from .client import MAX_STREAM_BACKLOG
-from .errors import ModelError, ServerClosedError
+from .errors import FerrobatchError, ModelError, ServerClosedError
 from .http.protocol import (
     MAX_BODY_SIZE,
     MAX_DECOMPRESSED_SIZE,
     MODEL_CONTROL_MODES,
     ModelRepository,
     ServedModel,
+    error_message,
 )
 from .server import Server, usable_cores, whole_in
 
@@ -363,6 +364,16 @@ class ServeConfig:
     #: models started with the server; the others wait, unloaded, for a load.
     #: None (or ``["*"]``): every model.
     load_models: Sequence[str] | None = None
+    #: Triton's ``--exit-on-error``: a model whose start (warm-up) fails stops
+    #: the server from starting (True, the default). False: the others serve;
+    #: it is left unloaded (UNAVAILABLE in the repository index, with why; a
+    #: load tries it again with ``model_control_mode="explicit"``) and, with
+    #: ``strict_readiness``, the server is not ready meanwhile, as in Triton.
+    exit_on_error: bool = True
+    #: Triton's ``--strict-readiness``: ``/v2/health/ready`` (gRPC
+    #: ``ServerReady``) says ready only while every model is (True, the
+    #: default); False: while the server serves, whatever its models' state.
+    strict_readiness: bool = True
     #: The most bytes of a decoupled model's responses one gRPC
     #: ``ModelStreamInfer`` stream holds before its client reads them (either
     #: front-end): a response past them fails its request (an
@@ -638,6 +649,7 @@ async def serve(
         gpu_metrics=config.gpu_metrics,
         allow_client_shm=config.allow_client_shm,
         model_control_mode=config.model_control_mode,
+        strict_readiness=config.strict_readiness,
     )
     if config.load_models is not None and list(config.load_models) != ["*"]:
         unknown = sorted(set(config.load_models) - {s.name for s in repository.servers})
@@ -685,6 +697,7 @@ async def serve(
                         max_stream_backlog=config.max_stream_backlog,
                         http_restricted_api=config.http_restricted_api,
                         grpc_restricted_protocol=config.grpc_restricted_protocol,
+                        strict_readiness=config.strict_readiness,
                     )
                 except OSError as exc:
                     raise StartupError(str(exc)) from None
@@ -784,7 +797,15 @@ async def serve(
                 f"; metrics on {config.host}:{metrics_port}" if metrics_port is not None else "",
             )
             log.info("listening (%s, %s%s); not ready until the models have started", *where)
-            if not await _start_servers([m.server for m in repository.loaded_models], started, stop, http_task):
+
+            def failed(server: Server, exc: BaseException) -> None:
+                why = error_message(exc, server.name, expose=config.expose_errors)
+                log.error("model '%s': failed to start; serving the others (exit_on_error off): %s", server.name, why)
+                repository.leave_unloaded([server.name], failed=f"failed to start: {why}")
+
+            loading = [m.server for m in repository.loaded_models]
+            on_failure = None if config.exit_on_error else failed
+            if not await _start_servers(loading, started, stop, http_task, on_failure):
                 return
             if native is not None:
                 native.attach()
@@ -934,10 +955,11 @@ async def _start_servers(
     started: list[Server],
     stop: asyncio.Event,
     http_task: asyncio.Task[None] | None,
+    on_failure: Callable[[Server, BaseException], None] | None = None,
 ) -> bool:
     """Starts the servers that are not running, one by one, logging each
     warm-up; False if ``stop`` was set (or HTTP ended) first. Raises what a
-    failed start raised."""
+    failed start raised, or with ``on_failure`` tells it and goes on."""
 
     async def start_all() -> None:
         for server in servers:
@@ -945,7 +967,13 @@ async def _start_servers(
                 continue
             log.info("model '%s': starting (warm-up)", server.name)
             began = time.perf_counter()
-            await server.start()
+            try:
+                await server.start()
+            except (FerrobatchError, RuntimeError) as exc:
+                if on_failure is None or isinstance(exc, ServerClosedError):  # stopping: not the model's failure
+                    raise
+                on_failure(server, exc)
+                continue
             started.append(server)
             log.info("model '%s': ready (%.2f s)", server.name, time.perf_counter() - began)
 
@@ -1355,6 +1383,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " regions may read or overwrite any /dev/shm object this process may open)",
     )
     parser.add_argument(
+        "--exit-on-error",
+        nargs="?",
+        const=True,
+        default=True,
+        type=_flag,
+        metavar="true|false",
+        help="a model that fails to start stops the server from starting (default true); false: the"
+        " others serve, it is left unloaded (and the server not ready, with --strict-readiness)",
+    )
+    parser.add_argument(
+        "--strict-readiness",
+        nargs="?",
+        const=True,
+        default=True,
+        type=_flag,
+        metavar="true|false",
+        help="/v2/health/ready says ready only while every model is (default true); false: while the"
+        " server serves, whatever its models' state",
+    )
+    parser.add_argument(
         "--model-control-mode",
         choices=MODEL_CONTROL_MODES,
         default="none",
@@ -1544,6 +1592,8 @@ def main(args: argparse.Namespace) -> int:
         allow_client_shm=args.allow_client_shm,
         model_control_mode=args.model_control_mode,
         load_models=args.load_models,
+        exit_on_error=args.exit_on_error,
+        strict_readiness=args.strict_readiness,
         max_stream_backlog=args.max_stream_backlog,
         share=args.share,
         metrics_port=args.metrics_port,

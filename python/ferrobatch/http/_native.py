@@ -73,6 +73,7 @@ class NativeListeners:
         max_stream_backlog: int = MAX_STREAM_BACKLOG,
         http_restricted_api: Sequence[str] = (),
         grpc_restricted_protocol: Sequence[str] = (),
+        strict_readiness: bool = True,
     ) -> None:
         self.repository = repository
         self.endpoint = Endpoint(repository, max_decompressed_size=max_decompressed_size)
@@ -102,7 +103,10 @@ class NativeListeners:
             max_stream_backlog=max_stream_backlog,
             http_restricted_api=list(http_restricted_api),
             grpc_restricted_protocol=list(grpc_restricted_protocol),
+            strict_readiness=strict_readiness,
         )
+        #: Readiness as :meth:`set_ready` last said (a drain turns it off).
+        self._ready = False
         hold_front_end_cores(self.threads)
         self._holding = True
         #: The servers whose readiness this front-end follows, and its watcher of each.
@@ -126,7 +130,7 @@ class NativeListeners:
         loaded is served (Triton's model control)."""
         self._serve(self.repository.loaded_models)
         self.repository.on_model_control(self._model_control)
-        self._frontend.set_ready(True)
+        self.set_ready(True)
 
     def add(self, model: ServedModel) -> None:
         """Serves ``model`` (its server started) natively too, from now on:
@@ -162,6 +166,7 @@ class NativeListeners:
                 self._serve([model])
         elif self._served.pop(name, None) is not None:
             self._frontend.serve(list(self._served.values()))
+        self.set_ready(self._ready)  # a model that failed to start may be loaded, or unloaded, now
 
     def _serve_again(self, model: Any) -> None:
         """``model``'s server runs again: served through that run's batcher
@@ -173,8 +178,12 @@ class NativeListeners:
             watcher(server._native.instances_up())
 
     def set_ready(self, ready: bool) -> None:
-        """Readiness (HTTP and gRPC) says ``ready``; requests are served either way."""
-        self._frontend.set_ready(ready)
+        """Readiness (HTTP and gRPC) says ``ready`` (with strict readiness, also
+        the served models' and that no model failed to start); requests are
+        served either way."""
+        self._ready = ready
+        repository = self.repository
+        self._frontend.set_ready(ready and not (repository.strict_readiness and repository.failed_models))
 
     def drain(self) -> None:
         """Readiness 503 (gRPC: not ready) and ``Connection: close`` on HTTP

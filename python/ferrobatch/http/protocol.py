@@ -246,7 +246,9 @@ class ModelRepository:
     that may register any ``/dev/shm`` object may read or overwrite it).
     ``model_control_mode``: ``"explicit"`` lets clients unload a model and
     load it again (Triton's model repository extension; :meth:`load_model`);
-    ``"none"``, the default as in Triton, refuses both.
+    ``"none"``, the default as in Triton, refuses both. ``strict_readiness``
+    (Triton's): ready only while every model is (an unloaded one aside, one
+    that failed to start not); False: ready while not closing.
     """
 
     def __init__(
@@ -259,6 +261,7 @@ class ModelRepository:
         gpu_metrics: bool = True,
         allow_client_shm: bool = False,
         model_control_mode: str = "none",
+        strict_readiness: bool = True,
     ) -> None:
         listed = [servers] if isinstance(servers, Server) else list(servers)
         if not listed:
@@ -266,8 +269,13 @@ class ModelRepository:
         if model_control_mode not in MODEL_CONTROL_MODES:
             raise ValueError(f"model_control_mode must be one of {MODEL_CONTROL_MODES}, got {model_control_mode!r}")
         self.model_control_mode = model_control_mode
-        #: The models not loaded now (unloaded, or not loaded at start): known, not served.
-        self._unloaded: set[str] = set()
+        self.strict_readiness = strict_readiness
+        #: The models not loaded now (unloaded, not loaded at start, or failed
+        #: to start), each with why: known, not served.
+        self._unloaded: dict[str, str] = {}
+        #: Those of them that failed to start (``exit_on_error=False``): the
+        #: server is not ready while one is (strict readiness), as in Triton.
+        self._failed: set[str] = set()
         #: One load or unload of a model at a time.
         self._control_locks: dict[str, asyncio.Lock] = {}
         #: The stop of each model unloaded, while it runs (an unload returns before it ends, as Triton's).
@@ -334,9 +342,11 @@ class ModelRepository:
 
     @property
     def ready(self) -> bool:
-        """Not closing, and every loaded model ready (an unloaded one does
-        not count, as in Triton)."""
-        return not self._closing and all(m.server.ready for m in self.loaded_models)
+        """Not closing, and with strict readiness every loaded model ready
+        and none failed to start (an unloaded one does not count, as in Triton)."""
+        if self._closing:
+            return False
+        return not self.strict_readiness or (not self._failed and all(m.server.ready for m in self.loaded_models))
 
     def model(self, name: str, version: str = "") -> ServedModel:
         """Model ``name`` (``version``: "" or "1"); :class:`UnknownModelError` if unknown."""
@@ -367,14 +377,22 @@ class ModelRepository:
     def is_loaded(self, name: str) -> bool:
         return name in self._models and name not in self._unloaded
 
-    def leave_unloaded(self, names: Iterable[str]) -> None:
+    def leave_unloaded(self, names: Iterable[str], *, failed: str | None = None) -> None:
         """Models ``names`` are not loaded at start (``--load-model`` names the
-        others): known, refused as unloaded until :meth:`load_model`."""
+        others; or their start ``failed``, saying why, with ``exit_on_error``
+        off): known, refused as unloaded until :meth:`load_model`."""
         left = set(names)
         unknown = sorted(left - self._models.keys())
         if unknown:
             raise ValueError(f"no model named {', '.join(map(repr, unknown))} to leave unloaded")
-        self._unloaded |= left
+        self._unloaded.update(dict.fromkeys(left, failed or "unloaded"))
+        if failed is not None:
+            self._failed |= left
+
+    @property
+    def failed_models(self) -> list[str]:
+        """The models whose start failed, not loaded since."""
+        return sorted(self._failed)
 
     def on_model_control(self, hook: Callable[[ServedModel, bool], object], *, add: bool = True) -> None:
         """Calls ``hook(model, loaded)`` after each load (``True``) and unload
@@ -432,7 +450,8 @@ class ModelRepository:
                     raise ProtocolError(503, f"failed to load '{clipped(name)}': the server is shutting down")
                 if server not in self._loaded_here:
                     self._loaded_here.append(server)
-            self._unloaded.discard(name)
+            self._unloaded.pop(name, None)
+            self._failed.discard(name)
             for hook in list(self._control_hooks):
                 hook(model, True)
             log.info("model '%s': loaded, serving", name)
@@ -448,9 +467,15 @@ class ModelRepository:
         if model is None:
             return
         async with self._control_locks.setdefault(name, asyncio.Lock()):
+            if name in self._failed:  # it never started: only its failure is forgotten, as Triton's unload does
+                self._failed.discard(name)
+                self._unloaded[name] = "unloaded"
+                for hook in list(self._control_hooks):
+                    hook(model, False)
+                return
             if name in self._unloaded:
                 return
-            self._unloaded.add(name)
+            self._unloaded[name] = "unloaded"
             for hook in list(self._control_hooks):
                 hook(model, False)
             self._unloading[name] = asyncio.ensure_future(self._stop_unloaded(model.server))
@@ -588,18 +613,10 @@ class ModelRepository:
         ones), ``{"name", "version", "state": "READY" | "UNAVAILABLE", "reason"}``."""
         index = []
         for name, model in self._models.items():
-            unloaded = name in self._unloaded
-            ready = not self._closing and not unloaded and model.server.ready
+            unloaded = self._unloaded.get(name)
+            ready = not self._closing and unloaded is None and model.server.ready
             if ready or not ready_only:
-                reason = (
-                    ""
-                    if ready
-                    else "the server is shutting down"
-                    if self._closing
-                    else "unloaded"
-                    if unloaded
-                    else "not running"
-                )
+                reason = "" if ready else "the server is shutting down" if self._closing else unloaded or "not running"
                 state = "READY" if ready else "UNAVAILABLE"
                 index.append({"name": name, "version": MODEL_VERSION, "state": state, "reason": reason})
         return index

@@ -160,7 +160,9 @@ class TritonConfig:
     ``metrics_address`` (the one address), ``allow_metrics`` (False: no
     metrics port), ``allow_cpu_metrics`` / ``allow_gpu_metrics`` (the
     machine's ``nv_cpu_*`` / ``nv_gpu_*``), ``allow_client_shm`` (Triton's
-    system shared-memory extension; off by default). The other fields are Triton
+    system shared-memory extension; off by default), ``strict_readiness``
+    (False: ready whatever the models' state), ``exit_on_error`` (as in
+    PyTriton, no effect: a model that fails to load raises in ``run()``). The other fields are Triton
     server options with no meaning here: setting one logs a warning.
     ``/metrics`` is served on the HTTP port too.
     """
@@ -298,6 +300,10 @@ _USED = {
     "http_restricted_api",
     "grpc_restricted_protocol",
     "allow_client_shm",
+    "strict_readiness",
+    # Triton's own start loads no model in PyTriton (it binds them after, in
+    # explicit mode): a model that fails raises in run() whatever it says, here too.
+    "exit_on_error",
 }
 
 #: Elements of a ``(-1,)`` input one request may carry at least (the
@@ -349,6 +355,7 @@ def serve_config(
         # PyTriton runs Triton in explicit mode: ModelClient.unload_model() and
         # load_model() unload a bound model and load it again.
         model_control_mode="explicit",
+        strict_readiness=config.strict_readiness is not False,
     )
 
 

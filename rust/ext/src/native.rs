@@ -276,13 +276,15 @@ impl NativeFrontend {
     /// (`<apis>:<key>=<value>`), a request to a restricted API refused 403
     /// (gRPC: UNAVAILABLE) without its header; a bad group raises
     /// `ValueError`. Raises `OSError` when an address cannot be bound.
+    /// `strict_readiness` (Triton's): the server is ready only while every
+    /// model it serves is; false: while it is itself.
     #[new]
     #[pyo3(signature = (
         host, port, fallback, *, grpc_port=None, server_metadata=None, model_metadata=Vec::new(), grpc_fallback=None,
         threads=1, max_body_size=64 << 20, max_decompressed_size=64 << 20, max_connections=10_000, max_streams=1024,
         header_timeout=30.0, body_timeout=60.0, idle_timeout=300.0, keepalive_interval=60.0,
         http_header_forward_pattern=None, grpc_header_forward_pattern=None, max_stream_backlog=64 << 20,
-        http_restricted_api=Vec::new(), grpc_restricted_protocol=Vec::new(),
+        http_restricted_api=Vec::new(), grpc_restricted_protocol=Vec::new(), strict_readiness=true,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -308,6 +310,7 @@ impl NativeFrontend {
         max_stream_backlog: usize,
         http_restricted_api: Vec<String>,
         grpc_restricted_protocol: Vec<String>,
+        strict_readiness: bool,
     ) -> PyResult<NativeFrontend> {
         let pattern = |p: Option<&str>| {
             p.map(ferrobatch_serve::header_pattern)
@@ -341,6 +344,7 @@ impl NativeFrontend {
             max_stream_backlog,
             http_restricted_api: restrict::parse(&http_restricted_api, Protocol::Http)?,
             grpc_restricted_protocol: restrict::parse(&grpc_restricted_protocol, Protocol::Grpc)?,
+            strict_readiness,
         };
         config.check().map_err(PyValueError::new_err)?;
         let listen = Listen {

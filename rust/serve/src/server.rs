@@ -97,6 +97,10 @@ pub struct Config {
     /// `ModelStreamInfer` stream holds unread by its client; a response past
     /// them fails its request (RESOURCE_EXHAUSTED) instead of being held.
     pub max_stream_backlog: usize,
+    /// Triton's `--strict-readiness`: the server is ready only while every
+    /// model it serves is (true, the default); false: ready while it is
+    /// itself, whatever its models' readiness.
+    pub strict_readiness: bool,
 }
 
 /// The most runtime threads a front-end may have.
@@ -156,6 +160,7 @@ impl Default for Config {
             http_restricted_api: Restrictions::default(),
             grpc_restricted_protocol: Restrictions::default(),
             max_stream_backlog: 64 << 20,
+            strict_readiness: true,
         }
     }
 }
@@ -186,8 +191,12 @@ impl Shared {
         self.ready.load(Ordering::Relaxed) && !self.draining.load(Ordering::Relaxed)
     }
 
-    /// The server's readiness: its own, and every model's (Triton's strict readiness).
+    /// The server's readiness: its own, and every model's with Triton's
+    /// strict readiness ([`Config::strict_readiness`]).
     pub fn server_ready(&self) -> bool {
+        if !self.config.strict_readiness {
+            return self.is_ready();
+        }
         let models = self.models.read().unwrap_or_else(|e| e.into_inner());
         self.is_ready() && models.iter().all(|m| m.is_ready())
     }
