@@ -456,3 +456,21 @@ def test_the_readiness_flags_take_tritons_spellings() -> None:
     made = serve_config(TritonConfig(strict_readiness=False), expose_errors=False, frontend="native")
     assert (made.strict_readiness, made.model_control_mode) == (False, "explicit")
     assert serve_config(TritonConfig(), expose_errors=False, frontend="native").strict_readiness is True
+
+
+def test_a_model_loaded_again_is_shared_again() -> None:
+    """``--share``: a run's shares end with it; a model unloaded and loaded
+    again is shared again under its name, and one left unloaded at start is
+    shared once loaded."""
+    import os
+
+    share = f"fbtest-control-{os.getpid()}"
+    with serving("native", models(), share=share, load_models=["a"]) as listening:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{listening.http_port}")
+        client.unload_model("a")
+        client.load_model("a")
+        client.load_model("b")
+        for name, k in (("a", 2.0), ("b", 3.0)):
+            with fb.connect(f"{share}.{name}") as shared:
+                out = shared.infer_sync({"x": torch.ones(4)})
+            torch.testing.assert_close(out["y"], torch.full((4,), k))
