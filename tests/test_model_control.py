@@ -474,3 +474,50 @@ def test_a_model_loaded_again_is_shared_again() -> None:
             with fb.connect(f"{share}.{name}") as shared:
                 out = shared.infer_sync({"x": torch.ones(4)})
             torch.testing.assert_close(out["y"], torch.full((4,), k))
+
+
+def test_requests_during_unloads_and_loads_each_resolve_once_and_are_counted(frontend: str) -> None:
+    """Callers keep inferring while the model is unloaded and loaded again
+    and again: every request gets its row or a 503 / UNAVAILABLE refusal
+    (never a 500, never lost), and the successes are what ``stats()`` counts."""
+    servers = models(max_delay=0.001)
+    outcomes: list[str] = []
+    lock = threading.Lock()
+    done = threading.Event()
+    with serving(frontend, servers) as listening:
+
+        def call(make: Any) -> None:
+            client = make()
+            for i in range(20_000):  # bounded; until the cycles below are over
+                if done.is_set():
+                    break
+                try:
+                    got = infer(client, "a", float(i))[0, 0]
+                    outcome = "ok" if got == 2.0 * i else f"wrong {got}"
+                except InferenceServerException as exc:
+                    status = str(exc.status())
+                    outcome = "refused" if status in ("503", "StatusCode.UNAVAILABLE") else f"{status}: {exc}"
+                with lock:
+                    outcomes.append(outcome)
+
+        makers = [
+            lambda: httpclient.InferenceServerClient(f"127.0.0.1:{listening.http_port}"),
+            lambda: grpcclient.InferenceServerClient(f"127.0.0.1:{listening.grpc_port}"),
+        ]
+        callers = [threading.Thread(target=call, args=(m,)) for m in makers * 2]
+        for caller in callers:
+            caller.start()
+        control = httpclient.InferenceServerClient(f"127.0.0.1:{listening.http_port}")
+        for _ in range(5):
+            time.sleep(0.05)
+            control.unload_model("a")
+            time.sleep(0.05)
+            control.load_model("a")
+        done.set()
+        for caller in callers:
+            caller.join(60)
+        assert not any(c.is_alive() for c in callers)
+        unexpected = sorted({o for o in outcomes if o not in ("ok", "refused")})
+        assert not unexpected, unexpected
+        assert "ok" in outcomes and "refused" in outcomes, (outcomes.count("ok"), outcomes.count("refused"))
+        assert wait_until(lambda: succeeded(servers[0]) == outcomes.count("ok"))
