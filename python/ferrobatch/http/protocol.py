@@ -374,9 +374,6 @@ class ModelRepository:
         """The models served now: all but those unloaded (or not loaded at start)."""
         return [m for m in self._models.values() if m.server.name not in self._unloaded]
 
-    def is_loaded(self, name: str) -> bool:
-        return name in self._models and name not in self._unloaded
-
     def leave_unloaded(self, names: Iterable[str], *, failed: str | None = None) -> None:
         """Models ``names`` are not loaded at start (``--load-model`` names the
         others; or their start ``failed``, saying why, with ``exit_on_error``
