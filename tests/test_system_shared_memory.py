@@ -237,6 +237,32 @@ def test_bytes_tensors_travel_through_regions(served: Listening, regions: Region
             client.close()
 
 
+def test_a_bytes_output_too_large_for_its_region_fails_and_is_counted_as_the_clients(
+    served: Listening, regions: Regions
+) -> None:
+    """Only the model's answer says a BYTES output's size: the 400 comes
+    after the model ran, and every front-end counts the request as the
+    caller saw it (an invalid input, not a success)."""
+    texts = np.array([[b"a long enough text"]], dtype=object)
+    out_key, _ = regions.make(64)
+    server_stats = f"http://127.0.0.1:{served.http_port}/v2/models/shout/stats"
+    for client in clients(served):
+        module = module_of(client)
+        try:
+            client.register_system_shared_memory("upper", out_key, 64)
+            text = module.InferInput("text", [1, 1], "BYTES")
+            text.set_data_from_numpy(texts)
+            upper = module.InferRequestedOutput("upper")
+            upper.set_shared_memory("upper", 8)
+            with pytest.raises(InferenceServerException, match="should be at least 22 bytes to hold the results"):
+                client.infer("shout", [text], outputs=[upper])
+            client.unregister_system_shared_memory()
+        finally:
+            client.close()
+    stats = httpx.get(server_stats).json()["model_stats"][0]["inference_stats"]
+    assert (stats["success"]["count"], stats["fail"]["count"]) == (0, 2)
+
+
 def test_mistakes_are_refused_and_harm_nothing_else(served: Listening, regions: Regions) -> None:
     key, handle = regions.make(256)
     data = np.ones((1, 4), dtype=np.float32)

@@ -235,6 +235,9 @@ class LoopRegistry:
     def count_refusal(self, error: BaseException) -> None:
         """Counts a request refused before it reached the batcher, under
         the outcome ``error`` means."""
+    def recount_success(self, error: BaseException) -> None:
+        """Counts a request counted as succeeded under the outcome ``error``
+        means after all (a front-end could not write its answer)."""
     def mailboxes(self) -> list[LoopMailbox]: ...
     def stats(self) -> dict[str, int]: ...
     def request_buckets(self) -> list[int]: ...

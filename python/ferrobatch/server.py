@@ -1085,6 +1085,11 @@ class Server:
         self._loops.count_refusal(error)
         return error
 
+    def _answer_failed(self, error: FerrobatchError) -> None:
+        """A request answered (counted as succeeded) whose answer a front-end
+        could not write: counted in ``stats()`` as its caller sees it, ``error``."""
+        self._loops.recount_success(error)
+
     def _not_running(self) -> ServerClosedError:
         return ServerClosedError(f"server '{self.name}' is not running ({self._phase})")
 

@@ -354,8 +354,9 @@ async def infer(repository: ModelRepository, call: _core.GrpcInferRequest, call_
     tensors = model_inputs(inputs, _has_bf16(inputs))
     shared = call.shared_memory  # answered into the regions it names
     results = await repository.infer(model, tensors, timeout, priority, parameters, requested, uncached=shared)
-    return _core.grpc_response(
-        model.codec, call.model_name, call.id, outputs, results, request=call if shared else None
+    regions = call if shared else None
+    return repository.answer(
+        model, lambda: _core.grpc_response(model.codec, call.model_name, call.id, outputs, results, request=regions)
     )
 
 
@@ -386,7 +387,9 @@ async def stream_responses(
         regions = call if shared else None
         if not model.server.decoupled:
             results = await repository.infer(model, tensors, timeout, priority, parameters, requested, uncached=shared)
-            yield _core.grpc_response(model.codec, name, rid, outputs, results, last=True, request=regions)
+            yield repository.answer(
+                model, lambda: _core.grpc_response(model.codec, name, rid, outputs, results, last=True, request=regions)
+            )
             return
         responses = repository.stream(model, tensors, timeout, priority, parameters, backlog, requested, shared)
         async for results in responses:

@@ -480,7 +480,7 @@ class Endpoint:
                 request.requested_outputs,
                 uncached=request.shared_memory,
             )
-            payload, length = model.codec.encode(request, results)
+            payload, length = self.repository.answer(model, lambda: model.codec.encode(request, results))
             coding = _core.response_coding(accept_encoding)
             if coding is not None:
                 coded = (

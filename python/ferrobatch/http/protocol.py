@@ -21,7 +21,7 @@ import secrets
 import sys
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -61,6 +61,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("ferrobatch.serve")
+T = TypeVar("T")
 
 #: Default limit on a request body as sent (HTTP) or a received message
 #: (gRPC's ``max_receive_message_length``), in bytes.
@@ -688,6 +689,20 @@ class ModelRepository:
             batching = model.server.batching
             async for out in model.client._stream(inputs, timeout, batching, priority, keep, backlog, asked, uncached):
                 yield out
+
+    @staticmethod
+    def answer(model: ServedModel, encode: Callable[[], T]) -> T:
+        """``encode()``: the answer to a request ``model`` ran, written. If it
+        cannot be (an output larger than its shared-memory region: the
+        client's mistake, a 400; or the model's answer is not its outputs'),
+        the request, counted as succeeded, is counted as its caller sees it,
+        as the native front-end counts it; the error propagates."""
+        try:
+            return encode()
+        except CodecError as exc:
+            seen = InvalidInputError(str(exc)) if exc.status == 400 else ModelError(str(exc))
+            model.server._answer_failed(seen)
+            raise
 
     @contextlib.contextmanager
     def _accepted(self, model: ServedModel) -> Iterator[None]:

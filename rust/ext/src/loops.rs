@@ -110,6 +110,15 @@ impl LoopRegistry {
         self.retired.count(outcome_of_error(py, error));
     }
 
+    /// Counts a request counted as succeeded under the outcome its caller
+    /// saw after all: `error`'s (a front-end could not write its answer).
+    /// Its time stays among the successes'. The tallies are summed with
+    /// wrapping additions, so taking it from `retired` is exact.
+    fn recount_success(&self, py: Python<'_>, error: &Bound<'_, PyAny>) {
+        self.retired
+            .recount(Outcome::Succeeded, outcome_of_error(py, error));
+    }
+
     /// The mailboxes of the loops not dropped yet.
     fn mailboxes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         PyList::new(py, self.all(py))
