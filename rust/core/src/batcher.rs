@@ -804,14 +804,19 @@ impl Batcher {
         register(&request);
         // A refused request was never seen by anyone: it is dropped here.
         self.queue.push(request.clone()).map_err(CoreError::from)?;
-        if caller.is_some()
-            && self
-                .callers
-                .all_in(self.queue.blocking(), request.enqueued_at)
-        {
-            self.queue.nudge(); // the gathering worker need not wait for more
+        if caller.is_some() {
+            self.sent_blocking(request.enqueued_at);
         }
         Ok(request)
+    }
+
+    /// Blocking callers' requests were just sent: once every such caller
+    /// has one in the batcher, the gatherer need not wait for more (see
+    /// [`crate::callers`]; it waits for admitted requests until this nudge).
+    fn sent_blocking(&self, now: Instant) {
+        if self.callers.all_in(self.queue.blocking(), now) {
+            self.queue.nudge();
+        }
     }
 
     /// What the response cache kept for `request` (just made, not queued),
@@ -898,7 +903,11 @@ impl Batcher {
 
     /// Sends what a holder kept to the workers, ringing once.
     pub(crate) fn send_held(&self, held: Vec<Admitted>) {
-        self.queue.send(held)
+        let blocking = held.iter().any(Admitted::is_blocking);
+        self.queue.send(held);
+        if blocking {
+            self.sent_blocking(Instant::now());
+        }
     }
 
     /// Remembers a holder, to flush it as this batcher closes.
@@ -956,7 +965,6 @@ impl Batcher {
                 free_since = Instant::now();
             };
             drop(parked);
-            self.callers.set_gathered(0); // released: its callers wait on it, not in the batcher
             let more = carry.is_some();
             drop(carry);
             role.release(more);
@@ -1145,14 +1153,16 @@ impl Batcher {
                             (Some(u), Some(q)) => Some(u.min(q)),
                             (u, q) => u.or(q),
                         };
-                        let blocking = gathered.iter().filter(|r| r.blocking).count();
-                        self.callers.set_gathered(blocking);
+                        let blocking = gathered
+                            .iter()
+                            .filter(|r| r.blocking && r.state() == RequestState::Queued)
+                            .count();
                         if blocking == 0 {
                             until
                         } else {
-                            // The queue still counts the gathered ones.
-                            let queued = self.queue.blocking().saturating_sub(blocking);
-                            match self.callers.all_in_now(queued, now) {
+                            // The queue counts the gathered ones too, until taken.
+                            let live = self.queue.blocking();
+                            match self.callers.all_in_now(blocking, live, now) {
                                 (true, _) => return Some((rows, DispatchReason::CallersWaiting)),
                                 (false, Some(quiet)) => Some(until.map_or(quiet, |u| u.min(quiet))),
                                 (false, None) => until,
@@ -2323,17 +2333,19 @@ mod tests {
     }
 
     fn held_submit(b: &Batcher, holder: &Unflushed) -> Arc<Request> {
+        held_submit_by(b, holder, None)
+    }
+
+    /// [`held_submit`] by the blocking caller `caller`, if any.
+    fn held_submit_by(b: &Batcher, holder: &Unflushed, caller: Option<u64>) -> Arc<Request> {
         // SAFETY: static bytes outlive everything.
         let input = unsafe { InputBytes::new(ROW_A.as_ptr(), ROW) };
-        b.submit_held(
-            holder,
-            Sink::EventLoop(0),
-            1,
-            [input],
-            Submission::default(),
-            |_| {},
-        )
-        .unwrap()
+        let submission = Submission {
+            blocking_caller: caller,
+            ..Submission::default()
+        };
+        b.submit_held(holder, Sink::EventLoop(0), 1, [input], submission, |_| {})
+            .unwrap()
     }
 
     fn next_batch_on_a_thread(
@@ -2348,6 +2360,44 @@ mod tests {
             }
         });
         rx
+    }
+
+    /// A blocking caller's request admitted and not yet sent (held for a
+    /// flush here; a push between its admission and its send, when the
+    /// worker decides in between) is not in the batch being gathered: the
+    /// batch waits for it rather than going without it, which would leave
+    /// it to wait out the window alone. Its send nudges the worker.
+    #[test]
+    #[cfg_attr(miri, ignore = "timed: Miri's clock advances with interpretation")]
+    fn a_batch_waits_for_a_blocking_request_admitted_and_not_yet_sent() {
+        let knobs = Knobs {
+            readiness: Readiness::OnFlush,
+            ..Knobs::default()
+        };
+        // A window (and so a horizon) far longer than the waits below.
+        let f = build(8, Duration::from_secs(20), 1, 100, 1, knobs);
+        let first = submit_blocking(&f.batcher, 1);
+        let second = submit_blocking(&f.batcher, 2);
+        let holder = Unflushed::default();
+        assert!(holder.open(&f.batcher));
+        let third = held_submit_by(&f.batcher, &holder, Some(3));
+        let batch = next_batch_on_a_thread(&f.batcher);
+        assert!(
+            batch.recv_timeout(Duration::from_millis(300)).is_err(),
+            "it went without caller 3's request"
+        );
+        holder.flush();
+        let (ids, reason) = batch
+            .recv_timeout(Duration::from_secs(5))
+            .expect("the send did not wake the worker");
+        assert_eq!(
+            (ids, reason),
+            (
+                vec![first.id, second.id, third.id],
+                DispatchReason::CallersWaiting
+            )
+        );
+        f.batcher.close();
     }
 
     /// An event loop's held request is a caller that does not block, as a

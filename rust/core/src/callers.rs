@@ -3,16 +3,26 @@
 //! thread clients).
 //!
 //! While every such caller seen lately has its request in the batch being
-//! gathered (or queued behind it), and no caller that does not block (an
-//! event loop, a connection, a shared-memory client) submitted lately, no row
-//! can join that batch until one of them is answered: waiting out `max_delay`
-//! would only delay it. The gathering worker then releases it at once
-//! ([`crate::DispatchReason::CallersWaiting`]). A caller counts as seen for
-//! a horizon after its last request (the longer of [`HORIZON`] and twice
-//! `max_delay`, so a caller whose request waits in the batch is never
-//! forgotten meanwhile), so one that stops calling holds the batch back for
-//! that long at most (then it goes, as all the others are in); a thread that
-//! ends is forgotten at once. One never seen before can only miss a batch.
+//! gathered, and no caller that does not block (an event loop, a connection,
+//! a shared-memory client) submitted lately, no row can join that batch until
+//! one of them is answered: waiting out `max_delay` would only delay it. The
+//! gathering worker then releases it at once
+//! ([`crate::DispatchReason::CallersWaiting`]).
+//!
+//! A blocking request admitted to the queue but not yet sent (pushed a
+//! moment ago, or held for a flush) is not in that batch yet: the worker
+//! waits for it, and its submitter, once it sent it, checks
+//! [`BlockingCallers::all_in`] and nudges the worker. The submitter that
+//! sends last sees every other's admission (each admits before it sends, and
+//! the sends meet on the doorbell's read-modify-write row counter), so that
+//! nudge is never lost.
+//!
+//! A caller counts as seen for a horizon after its last request (the longer
+//! of [`HORIZON`] and twice `max_delay`, so a caller whose request waits in
+//! the batch is never forgotten meanwhile), so one that stops calling holds
+//! the batch back for that long at most (then it goes, as all the others are
+//! in); a thread that ends is forgotten at once. One never seen before can
+//! only miss a batch.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -31,9 +41,6 @@ pub struct BlockingCallers {
     seen: Mutex<Vec<(u64, Instant)>>,
     /// `seen`'s length, read without the lock.
     active: AtomicUsize,
-    /// Blocking callers' requests in the batch being gathered (published by
-    /// the one gathering worker before it sleeps).
-    gathered: AtomicUsize,
     /// When a caller that does not block last submitted: nanoseconds since
     /// `epoch`, plus one (0: never).
     open_at: AtomicU64,
@@ -47,7 +54,6 @@ impl BlockingCallers {
         BlockingCallers {
             seen: Mutex::new(Vec::new()),
             active: AtomicUsize::new(0),
-            gathered: AtomicUsize::new(0),
             open_at: AtomicU64::new(0),
             epoch: Instant::now(),
             horizon: HORIZON.max(max_delay.saturating_mul(2)),
@@ -89,16 +95,21 @@ impl BlockingCallers {
         self.active.load(Ordering::Relaxed) > 0
     }
 
-    /// The gathering worker holds `requests` of blocking callers.
-    pub fn set_gathered(&self, requests: usize) {
-        self.gathered.store(requests, Ordering::Relaxed);
-    }
-
-    /// [`BlockingCallers::all_in`] for the gathering worker, which first
-    /// forgets the callers that went quiet; also when the next one would
-    /// (when to decide again: a caller that stopped calling holds the batch
-    /// back until then at most).
-    pub fn all_in_now(&self, queued: usize, now: Instant) -> (bool, Option<Instant>) {
+    /// [`BlockingCallers::all_in`] for the gathering worker, whose batch
+    /// holds `gathered` of the `live` blocking requests in the batcher; it
+    /// first forgets the callers that went quiet. Also when the next one
+    /// would (when to decide again: a caller that stopped calling holds the
+    /// batch back until then at most).
+    ///
+    /// Live requests it has not gathered were admitted and not yet sent
+    /// (the worker gathers all it can pop before it decides): they are not
+    /// in this batch, so it waits for them, and their submitters nudge it.
+    pub fn all_in_now(
+        &self,
+        gathered: usize,
+        live: usize,
+        now: Instant,
+    ) -> (bool, Option<Instant>) {
         let next_quiet = {
             let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
             seen.retain(|&(_, at)| now.saturating_duration_since(at) < self.horizon);
@@ -107,19 +118,19 @@ impl BlockingCallers {
                 .filter_map(|&(_, at)| at.checked_add(self.horizon))
                 .min()
         };
-        (self.all_in(queued, now), next_quiet)
+        let on_the_way = live.saturating_sub(gathered);
+        (on_the_way == 0 && self.all_in(gathered, now), next_quiet)
     }
 
-    /// Whether every blocking caller seen lately has its request in the
-    /// gathering batch or in the queue (`queued` of them), with no caller
-    /// that does not block seen lately: no other row can come.
-    pub fn all_in(&self, queued: usize, now: Instant) -> bool {
+    /// Whether every blocking caller seen lately has a request in the
+    /// batcher (`live` of them, gathered or queued), with no caller that
+    /// does not block seen lately: no other row can come.
+    pub fn all_in(&self, live: usize, now: Instant) -> bool {
         let active = self.active.load(Ordering::Relaxed);
-        let in_batcher = queued.saturating_add(self.gathered.load(Ordering::Relaxed));
         // With no caller seen lately, rows still in the batcher are those of
         // callers that have waited past the horizon (a batch below
         // `min_batch_size` waits without a limit): they are blocked all the same.
-        if in_batcher == 0 || in_batcher < active {
+        if live == 0 || live < active {
             return false;
         }
         let open_at = self.open_at.load(Ordering::Relaxed);
@@ -145,10 +156,9 @@ mod tests {
         callers.arrive(Some(1), now);
         callers.arrive(Some(2), now);
         assert!(!callers.all_in(1, now), "caller 2 may still send");
-        callers.set_gathered(1);
-        assert!(callers.all_in(1, now));
+        assert!(callers.all_in(2, now));
         callers.arrive(Some(1), now); // seen again: still two callers
-        assert!(callers.all_in(1, now));
+        assert!(callers.all_in(2, now));
     }
 
     #[test]
@@ -179,11 +189,9 @@ mod tests {
         let now = Instant::now();
         callers.arrive(Some(1), now); // answered, then idle
         callers.arrive(Some(2), now); // its request waits in the batch
-        callers.set_gathered(1);
-        assert_eq!(callers.all_in_now(0, now), (false, Some(now + HORIZON)));
+        assert_eq!(callers.all_in_now(1, 1, now), (false, Some(now + HORIZON)));
         // Both went quiet at once: the one in the batch can only be waiting.
-        assert_eq!(callers.all_in_now(0, now + HORIZON), (true, None));
-        callers.set_gathered(0);
+        assert_eq!(callers.all_in_now(1, 1, now + HORIZON), (true, None));
         assert!(
             !callers.all_in(0, now + HORIZON),
             "nobody in the batcher: nothing to release"
@@ -206,11 +214,11 @@ mod tests {
         let now = Instant::now();
         callers.arrive(Some(1), now);
         callers.arrive(Some(2), now + HORIZON / 2);
-        assert_eq!(callers.all_in_now(1, now), (false, Some(now + HORIZON)));
+        assert_eq!(callers.all_in_now(1, 1, now), (false, Some(now + HORIZON)));
         // Caller 1 went quiet; caller 2's request is the only one in.
         let later = now + HORIZON;
         assert_eq!(
-            callers.all_in_now(1, later),
+            callers.all_in_now(1, 1, later),
             (true, Some(now + HORIZON / 2 + HORIZON))
         );
     }
@@ -221,9 +229,22 @@ mod tests {
         let callers = BlockingCallers::new(max_delay);
         let now = Instant::now();
         callers.arrive(Some(1), now);
-        callers.set_gathered(1);
         callers.arrive(Some(2), now + max_delay / 2); // answered: thinking
         let later = now + max_delay; // caller 1's request waited the whole window
-        assert!(!callers.all_in_now(0, later).0, "caller 2 is not in");
+        assert!(!callers.all_in_now(1, 1, later).0, "caller 2 is not in");
+    }
+
+    #[test]
+    fn a_request_admitted_and_not_yet_sent_is_not_in_the_batch() {
+        let callers = BlockingCallers::new(Duration::from_millis(1));
+        let now = Instant::now();
+        callers.arrive(Some(1), now);
+        callers.arrive(Some(2), now);
+        // Caller 2's request is admitted, on its way: the batch of caller 1's
+        // one waits for it (going now would leave it to wait alone).
+        assert!(!callers.all_in_now(1, 2, now).0);
+        // Once sent, its submitter sees both in and nudges the worker.
+        assert!(callers.all_in(2, now));
+        assert!(callers.all_in_now(2, 2, now).0);
     }
 }

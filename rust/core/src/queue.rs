@@ -83,6 +83,13 @@ impl std::error::Error for PushError {}
 #[must_use = "an admitted request holds its place in the queue until it is sent"]
 pub(crate) struct Admitted(Arc<Request>);
 
+impl Admitted {
+    /// Whether its caller blocks on it (see [`crate::callers`]).
+    pub(crate) fn is_blocking(&self) -> bool {
+        self.0.blocking
+    }
+}
+
 /// Priority levels: one lane per level, popped most urgent first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Priorities {
