@@ -52,8 +52,11 @@ cargo-test:
 stubtest: build
 	$(PY) -m mypy.stubtest ferrobatch._core
 
+# The Ray tests in a process of their own, which their one Ray cluster's
+# threads leave with it (see tests/conftest.py's ray_session).
 pytest: build
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not ray"
+	$(PY) -m pytest -q -m ray
 
 test: build cargo-test stubtest pytest
 

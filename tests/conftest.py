@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -56,6 +57,30 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
 
 def sample(i: float) -> torch.Tensor:
     return torch.full((WIDTH,), float(i))
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[Any]:
+    """One local Ray cluster on 127.0.0.1 for the whole run, shut down at its
+    end: Ray does not survive being shut down and started again in one
+    process (ray-project/ray#31145: threads left from the first session call
+    into its freed core worker, a segmentation fault tests later)."""
+    ray = pytest.importorskip("ray")
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        address="local",
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+        configure_logging=False,
+    )
+    try:
+        yield ray
+    finally:
+        # Ray's handles and references left in cycles are freed now, while its
+        # core worker runs, not by a later collection after it stopped.
+        gc.collect()
+        ray.shutdown()
 
 
 @pytest.fixture

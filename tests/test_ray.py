@@ -5,7 +5,6 @@ the module; skipped where ray is not installed."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import itertools
 import json
 import os
@@ -196,24 +195,14 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[int]:
-    """A local Ray cluster and Serve on 127.0.0.1; yields the HTTP proxy's port."""
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        address="local",
-        _node_ip_address="127.0.0.1",
-        log_to_driver=False,
-        configure_logging=False,
-    )
+def cluster(ray_session: Any) -> Iterator[int]:
+    """Serve on the run's Ray cluster, on 127.0.0.1; yields the HTTP proxy's port."""
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         yield port
     finally:
         serve.shutdown()
-        gc.collect()  # Ray's handles freed while its core worker runs (see test_torchrl's ray_cluster)
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -5,14 +5,12 @@ collate_fn, the model's own exceptions, threads and spawned processes)."""
 
 from __future__ import annotations
 
-import gc
 import inspect
 import multiprocessing
 import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -602,23 +600,10 @@ def test_the_distributed_transport_feeds_a_process_server_its_pairs_and_tells_th
 
 
 @pytest.fixture
-def ray_cluster() -> Iterator[Any]:
-    """Ray, started here unless it runs (and then left running); this
-    module's policy factory travels to actors by value."""
-    ray = pytest.importorskip("ray")
+def ray_cluster(ray_session: Any) -> Any:
+    """The run's Ray cluster; this module's policy factory travels to actors by value."""
     pytest.importorskip("ray.cloudpickle").register_pickle_by_value(sys.modules[__name__])
-    started_here = not ray.is_initialized()
-    if started_here:
-        ray.init(num_cpus=2, include_dashboard=False, address="local", log_to_driver=False, configure_logging=False)
-    try:
-        yield ray
-    finally:
-        if started_here:
-            # Ray's handles and references left in cycles are freed now, while
-            # its core worker runs: freed after ray.shutdown(), a later test's
-            # collection would call into the stopped worker.
-            gc.collect()
-            ray.shutdown()
+    return ray_session
 
 
 @pytest.mark.ray
