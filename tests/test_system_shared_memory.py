@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -20,6 +21,7 @@ import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
+from conftest import wait_until
 from tritonclient.utils import InferenceServerException, serialize_byte_tensor
 
 import ferrobatch as fb
@@ -44,10 +46,16 @@ def shout(batch: dict[str, Any]) -> dict[str, Any]:
     return {"upper": np.array([[t.upper()] for t in batch["text"][:, 0]], dtype=object)}
 
 
+def shouting(batch: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """A decoupled ``shout``: one response per request."""
+    yield shout(batch)
+
+
 def servers() -> list[fb.Server]:
     return [
         fb.Server(scale, inputs=[X, K], outputs=[Y, Z], name="scale", max_batch_size=8, max_delay=0.002),
         fb.Server(shout, inputs=[TEXT], outputs=[UPPER], name="shout", max_batch_size=8),
+        fb.Server(shouting, inputs=[TEXT], outputs=[UPPER], name="shouts", max_batch_size=8, decoupled=True),
     ]
 
 
@@ -261,6 +269,39 @@ def test_a_bytes_output_too_large_for_its_region_fails_and_is_counted_as_the_cli
             client.close()
     stats = httpx.get(server_stats).json()["model_stats"][0]["inference_stats"]
     assert (stats["success"]["count"], stats["fail"]["count"]) == (0, 2)
+
+
+def test_a_streamed_bytes_output_too_large_for_its_region_fails_and_is_counted_as_the_clients(
+    served: Listening, regions: Regions
+) -> None:
+    """As above, for a decoupled model's response on a gRPC stream: the
+    stream carries the error, and the request counts as an invalid input."""
+    texts = np.array([[b"a long enough text"]], dtype=object)
+    out_key, _ = regions.make(64)
+    messages: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{served.grpc_port}")
+    try:
+        client.register_system_shared_memory("upper", out_key, 64)
+        client.start_stream(callback=lambda result, error: messages.put((result, error)))
+        text = grpcclient.InferInput("text", [1, 1], "BYTES")
+        text.set_data_from_numpy(texts)
+        upper = grpcclient.InferRequestedOutput("upper")
+        upper.set_shared_memory("upper", 8)
+        client.async_stream_infer("shouts", [text], outputs=[upper], request_id="a")
+        result, error = messages.get(timeout=30)
+        assert result is None
+        assert "should be at least 22 bytes to hold the results" in str(error)
+        client.stop_stream()
+        client.unregister_system_shared_memory()
+    finally:
+        client.close()
+    server_stats = f"http://127.0.0.1:{served.http_port}/v2/models/shouts/stats"
+
+    def counted() -> tuple[int, int]:
+        stats = httpx.get(server_stats).json()["model_stats"][0]["inference_stats"]
+        return stats["success"]["count"], stats["fail"]["count"]
+
+    assert wait_until(lambda: counted() == (0, 1), timeout_s=10), counted()
 
 
 def test_mistakes_are_refused_and_harm_nothing_else(served: Listening, regions: Regions) -> None:

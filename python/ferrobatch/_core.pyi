@@ -156,8 +156,9 @@ class Submitter:
         parameters: Mapping[str, Any] | str | None = None,
     ) -> dict[str, torch.Tensor]:
         """Runs a request from a plain thread, blocking (GIL released) until its batch answers."""
-    def cancel(self, id: int, future: asyncio.Future[Any]) -> None:
-        """The task awaiting request ``id``'s ``future`` was cancelled."""
+    def cancel(self, id: int, future: asyncio.Future[Any], error: BaseException | None = None) -> None:
+        """The task awaiting request ``id``'s ``future`` was cancelled: counted
+        as cancelled, or given ``error``, as that error (what its caller saw)."""
 
 def clipped(text: str) -> str:
     """``text``, a client's string, as error messages echo it: cut to 80

@@ -9,7 +9,7 @@ import queue
 import sys
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import anyio.from_thread
@@ -18,7 +18,7 @@ import torch
 
 from . import _core
 from ._requests import Parameter
-from .errors import InvalidInputError, ServerClosedError, StreamBacklogError
+from .errors import FerrobatchError, InvalidInputError, ServerClosedError, StreamBacklogError
 from .specs import flatten_into, nested_key
 
 if TYPE_CHECKING:
@@ -380,7 +380,7 @@ class Client:
         backlog: StreamBacklog | None = None,
         requested_outputs: int = 0,
         uncached: bool = False,
-    ) -> AsyncIterator[Any]:
+    ) -> AsyncGenerator[Any, None]:
         """``stream`` / ``stream_batch`` (``parameters``: a JSON object's
         text: the v2 front-ends pass on what a request carried, as they do
         ``requested_outputs`` and ``uncached``, see :meth:`_infer_with`;
@@ -395,23 +395,33 @@ class Client:
         )
         del inputs
         future.add_done_callback(responses.wake)
+        # A front-end that cannot write a response throws in what its caller
+        # saw instead (see `ModelRepository.answer_streamed`): counted so.
+        undelivered: FerrobatchError | None = None
         try:
             while True:
                 while responses.items:
                     out = responses.popleft()
-                    yield _to_tensordict(out, rows) if tensordict else out
+                    try:
+                        yield _to_tensordict(out, rows) if tensordict else out
+                    except FerrobatchError as exc:
+                        undelivered = exc
+                        raise
                 if future.done():
                     future.result()  # the end of the stream, or the error that ended it
                     return
                 await responses.wait()
         finally:
-            if not future.done():  # left early, or cancelled: the request goes
-                self._withdraw(rid, future)
+            if not future.done():  # left early, cancelled or undelivered: the request goes
+                self._withdraw(rid, future, undelivered)
+            elif undelivered is not None and not future.cancelled() and future.exception() is None:
+                self._server._answer_failed(undelivered)  # it ended, counted as succeeded
             del future
 
-    def _withdraw(self, rid: int, future: asyncio.Future[Outputs]) -> None:
-        """The awaiting task was cancelled (on the loop that submitted ``rid``)."""
-        self._submitter.cancel(rid, future)
+    def _withdraw(self, rid: int, future: asyncio.Future[Outputs], error: FerrobatchError | None = None) -> None:
+        """The awaiting task was cancelled (on the loop that submitted
+        ``rid``); or, given ``error``, its caller saw that instead."""
+        self._submitter.cancel(rid, future, error)
 
     def infer_sync(
         self,

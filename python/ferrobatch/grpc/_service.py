@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import weakref
@@ -393,7 +394,12 @@ async def stream_responses(
             return
         responses = repository.stream(model, tensors, timeout, priority, parameters, backlog, requested, shared)
         async for results in responses:
-            yield _core.grpc_response(model.codec, name, rid, outputs, results, last=False, request=regions)
+            yield await repository.answer_streamed(
+                responses,
+                functools.partial(
+                    _core.grpc_response, model.codec, name, rid, outputs, results, last=False, request=regions
+                ),
+            )
     except Exception as exc:  # noqa: BLE001 - every failure becomes an error on the stream
         yield _core.grpc_stream_error(name, rid, error_message(exc, name, expose=expose_errors))
         return

@@ -19,7 +19,7 @@ import json
 import logging
 import secrets
 import sys
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -679,7 +679,7 @@ class ModelRepository:
         backlog: StreamBacklog | None = None,
         requested_outputs: int = 0,
         uncached: bool = False,
-    ) -> AsyncIterator[dict[str, torch.Tensor]]:
+    ) -> AsyncGenerator[dict[str, torch.Tensor], None]:
         """A decoupled model's responses to ``n`` rows, as :meth:`infer`
         takes them (``backlog``: the gRPC stream's, see
         :class:`~ferrobatch.client.StreamBacklog`)."""
@@ -687,8 +687,15 @@ class ModelRepository:
             told = model.server.with_requests
             keep, asked = (parameters, requested_outputs) if told else (None, 0)
             batching = model.server.batching
-            async for out in model.client._stream(inputs, timeout, batching, priority, keep, backlog, asked, uncached):
-                yield out
+            responses = model.client._stream(inputs, timeout, batching, priority, keep, backlog, asked, uncached)
+            try:
+                async for out in responses:
+                    try:
+                        yield out
+                    except FerrobatchError as exc:  # see answer_streamed
+                        await responses.athrow(exc)
+            finally:
+                await responses.aclose()
 
     @staticmethod
     def answer(model: ServedModel, encode: Callable[[], T]) -> T:
@@ -700,8 +707,19 @@ class ModelRepository:
         try:
             return encode()
         except CodecError as exc:
-            seen = InvalidInputError(str(exc)) if exc.status == 400 else ModelError(str(exc))
-            model.server._answer_failed(seen)
+            model.server._answer_failed(_seen(exc))
+            raise
+
+    @staticmethod
+    async def answer_streamed(responses: AsyncGenerator[Any, None], encode: Callable[[], T]) -> T:
+        """:meth:`answer` for one response of a :meth:`stream` (``responses``):
+        if it cannot be written, the stream's request ends, counted as its
+        caller sees it; the error propagates."""
+        try:
+            return encode()
+        except CodecError as exc:
+            with contextlib.suppress(FerrobatchError):
+                await responses.athrow(_seen(exc))
             raise
 
     @contextlib.contextmanager
@@ -721,6 +739,11 @@ class ModelRepository:
             if not self._in_flight and self._idle is not None:
                 self._idle.set()
                 self._idle = None
+
+
+def _seen(exc: CodecError) -> FerrobatchError:
+    """What the caller of a request whose answer could not be written sees."""
+    return InvalidInputError(str(exc)) if exc.status == 400 else ModelError(str(exc))
 
 
 def _duration(count: int, ns: int) -> dict[str, int]:

@@ -507,17 +507,19 @@ impl LoopMailbox {
 
     /// The task awaiting request `id`'s `future` was cancelled (loop
     /// thread): withdraws the request if no batch took it, and counts it as
-    /// cancelled, whatever else may have resolved the future meanwhile (in
-    /// the same loop iteration): the caller saw the cancellation.
+    /// `outcome` (cancelled, or the error its caller saw instead of its
+    /// answer), whatever else may have resolved the future meanwhile (in
+    /// the same loop iteration): the caller saw that.
     pub(crate) fn cancel(
         &self,
         py: Python<'_>,
         id: u64,
         future: &Bound<'_, PyAny>,
+        outcome: Outcome,
     ) -> PyResult<()> {
-        let gave_up =
-            self.pending
-                .abandon(&ItsQueue, id, RequestState::Cancelled, Outcome::Cancelled);
+        let gave_up = self
+            .pending
+            .abandon(&ItsQueue, id, RequestState::Cancelled, outcome);
         if let Some(answer) = gave_up {
             hand_over(py, answer, Ok(None)); // counted: a late result is dropped
             if !is_done(future) {
@@ -527,7 +529,7 @@ impl LoopMailbox {
         }
         if !is_done(future) {
             future.call_method0(intern!(py, "cancel"))?;
-            self.pending.tally().count(Outcome::Cancelled);
+            self.pending.tally().count(outcome);
         } else if !future.call_method0(intern!(py, "cancelled"))?.is_truthy()? {
             // Answered in this iteration, before its task saw it.
             let error = future.call_method0(intern!(py, "exception"))?;
@@ -536,7 +538,7 @@ impl LoopMailbox {
             } else {
                 outcome_of_error(py, &error)
             };
-            self.pending.tally().recount(counted, Outcome::Cancelled);
+            self.pending.tally().recount(counted, outcome);
         }
         // Otherwise whoever took its answer counted it cancelled.
         Ok(())

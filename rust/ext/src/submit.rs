@@ -25,10 +25,10 @@ use crate::batcher::Batcher;
 use ferrobatch_core::Outcome;
 
 use crate::errors::{invalid_input, is_ferrobatch_error};
+use crate::results::outcome_of_error;
 
 use crate::loops::LoopRegistry;
 use crate::mailbox::LoopMailbox;
-use crate::results::outcome_of_error;
 
 /// Bumped in a forked child, so that no loop cached in the parent is used.
 static FORK_GENERATION: AtomicU64 = AtomicU64::new(0);
@@ -277,9 +277,19 @@ impl Submitter {
 
     /// The task awaiting request `id`'s `future` was cancelled (on the loop
     /// that submitted it): withdraws the request if no batch has taken it,
-    /// and counts it as cancelled.
-    fn cancel(&self, py: Python<'_>, id: u64, future: &Bound<'_, PyAny>) -> PyResult<()> {
-        self.mailbox(py)?.get().cancel(py, id, future)
+    /// and counts it as cancelled; or, given `error`, as that error (what
+    /// its caller saw instead: a front-end that could not write an answer
+    /// of a stream).
+    #[pyo3(signature = (id, future, error=None))]
+    fn cancel(
+        &self,
+        py: Python<'_>,
+        id: u64,
+        future: &Bound<'_, PyAny>,
+        error: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let outcome = error.map_or(Outcome::Cancelled, |e| outcome_of_error(py, e));
+        self.mailbox(py)?.get().cancel(py, id, future, outcome)
     }
 }
 
