@@ -471,6 +471,25 @@ def test_an_in_process_stream_left_early_is_cancelled_and_stops_the_model() -> N
     assert failures(server) == {"cancelled": 1} and server.stats()["requests_succeeded"] == 0
 
 
+def test_a_stream_left_before_its_end_is_cancelled_even_if_the_model_finished() -> None:
+    """Its caller did not see the stream end: counted cancelled, whether or
+    not the model's generator was done meanwhile (here it was: all three
+    responses were waiting when the caller left after the first)."""
+    server = fb.Server(counting(3), inputs=[X], outputs=[Y], decoupled=True, name="short")
+
+    async def main() -> None:
+        async with server:
+            stream = server.client().stream({"x": torch.ones(3)})
+            await anext(stream)
+            deadline = time.monotonic() + 10
+            while server.stats()["requests_succeeded"] == 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)  # the model's stream ends meanwhile
+            await stream.aclose()
+
+    asyncio.run(main())
+    assert failures(server) == {"cancelled": 1} and server.stats()["requests_succeeded"] == 0
+
+
 def test_an_in_process_stream_ends_with_the_models_error_after_its_responses() -> None:
     server = fb.Server(counting(5, fail_at=2), inputs=[X], outputs=[Y], decoupled=True, name="flaky")
 

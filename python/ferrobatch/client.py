@@ -398,6 +398,7 @@ class Client:
         # A front-end that cannot write a response throws in what its caller
         # saw instead (see `ModelRepository.answer_streamed`): counted so.
         undelivered: FerrobatchError | None = None
+        seen_to_the_end = False
         try:
             while True:
                 while responses.items:
@@ -408,14 +409,16 @@ class Client:
                         undelivered = exc
                         raise
                 if future.done():
+                    seen_to_the_end = True
                     future.result()  # the end of the stream, or the error that ended it
                     return
                 await responses.wait()
         finally:
-            if not future.done():  # left early, cancelled or undelivered: the request goes
+            if not seen_to_the_end:
+                # Left early, cancelled or undelivered: the request goes, and
+                # counts as cancelled (or as `undelivered`), even if it ended
+                # meanwhile: its caller did not see it end.
                 self._withdraw(rid, future, undelivered)
-            elif undelivered is not None and not future.cancelled() and future.exception() is None:
-                self._server._answer_failed(undelivered)  # it ended, counted as succeeded
             del future
 
     def _withdraw(self, rid: int, future: asyncio.Future[Outputs], error: FerrobatchError | None = None) -> None:
