@@ -509,7 +509,8 @@ impl LoopMailbox {
     /// thread): withdraws the request if no batch took it, and counts it as
     /// `outcome` (cancelled, or the error its caller saw instead of its
     /// answer), whatever else may have resolved the future meanwhile (in
-    /// the same loop iteration): the caller saw that.
+    /// the same loop iteration; or a stream that ended before its caller,
+    /// who left, read its end): the caller saw that.
     pub(crate) fn cancel(
         &self,
         py: Python<'_>,
@@ -531,7 +532,7 @@ impl LoopMailbox {
             future.call_method0(intern!(py, "cancel"))?;
             self.pending.tally().count(outcome);
         } else if !future.call_method0(intern!(py, "cancelled"))?.is_truthy()? {
-            // Answered in this iteration, before its task saw it.
+            // Answered before its task saw it.
             let error = future.call_method0(intern!(py, "exception"))?;
             let counted = if error.is_none() {
                 Outcome::Succeeded

@@ -25,10 +25,10 @@ use crate::batcher::Batcher;
 use ferrobatch_core::Outcome;
 
 use crate::errors::{invalid_input, is_ferrobatch_error};
-use crate::results::outcome_of_error;
 
 use crate::loops::LoopRegistry;
 use crate::mailbox::LoopMailbox;
+use crate::results::outcome_of_error;
 
 /// Bumped in a forked child, so that no loop cached in the parent is used.
 static FORK_GENERATION: AtomicU64 = AtomicU64::new(0);
