@@ -7,6 +7,8 @@ import contextlib
 import http.client
 import logging
 import socket
+import struct
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -94,6 +96,28 @@ def test_connections_past_the_cap_are_closed_and_the_port_still_serves(monkeypat
                 pass
         else:
             pytest.fail("the metrics port never served again")
+    finally:
+        listener.close()
+
+
+def test_a_connection_reset_mid_request_is_logged_not_printed_and_the_port_serves_on(
+    capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client that resets its connection before its request line ends
+    (a scraper going away, a port scanner) leaves no traceback on stderr."""
+    listener = MetricsListener(registry([], cpu=False, gpu=False), "127.0.0.1", 0)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="ferrobatch.metrics"):
+            reset = socket.create_connection(("127.0.0.1", listener.port))
+            reset.sendall(b"GET /met")
+            reset.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            reset.close()  # an RST, not a FIN
+            deadline = time.monotonic() + 10
+            while "connection from" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert "ended: [Errno 104] Connection reset by peer" in caplog.text
+        assert "Traceback" not in capfd.readouterr().err
+        assert httpx.get(f"http://127.0.0.1:{listener.port}/metrics").status_code == 200
     finally:
         listener.close()
 

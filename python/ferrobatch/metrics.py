@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -371,6 +372,15 @@ class _MetricsHTTPServer(ThreadingHTTPServer):
             super().process_request_thread(request, client_address)
         finally:
             self.slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A connection's failure goes to the log, not to stderr (the
+        standard library prints its traceback there): a scraper or a port
+        scanner resetting its connection is no error of the server's."""
+        if isinstance(sys.exception(), ConnectionError):
+            log.debug("metrics: connection from %s ended: %s", client_address, sys.exception())
+        else:
+            log.exception("metrics: a connection from %s failed", client_address)
 
 
 class _MetricsHTTPServer6(_MetricsHTTPServer):
