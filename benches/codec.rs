@@ -120,6 +120,7 @@ fn bench_codec(c: &mut Criterion) {
             shape: &shape,
             data: &out,
             binary,
+            classified: false,
         }];
         let size = codec.encode(Some("bench"), &outputs).unwrap().body.len();
         group.throughput(Throughput::Bytes(size as u64));

@@ -562,6 +562,11 @@ class GrpcInferRequest:
     def empty_final(self) -> bool:
         """Whether a streamed request asks for an empty final response."""
     @property
+    def classified(self) -> bool:
+        """Whether the request's last ``read`` found an output asked for as
+        its top classes (Triton's classification extension): answer it with
+        ``grpc_response(..., request=self)``."""
+    @property
     def shared_memory(self) -> bool:
         """Whether the request's last ``read`` found a tensor naming a
         shared-memory region: submit it ``uncached`` and answer it with
@@ -591,7 +596,8 @@ def grpc_response(
     ``ModelStreamInferResponse`` flagged ``triton_final_response``. With
     ``request`` (the one read), its outputs in shared memory are written to
     their regions and answered with empty raw contents (``CodecError`` 400
-    when one does not fit its region)."""
+    when one does not fit its region), and those asked for as classes are
+    answered as their top classes."""
 
 def grpc_stream_error(model_name: str, id: str, message: str) -> bytes:
     """The encoded ``ModelStreamInferResponse`` that ends a streamed request with ``message``."""

@@ -355,9 +355,10 @@ async def infer(repository: ModelRepository, call: _core.GrpcInferRequest, call_
     tensors = model_inputs(inputs, _has_bf16(inputs))
     shared = call.shared_memory  # answered into the regions it names
     results = await repository.infer(model, tensors, timeout, priority, parameters, requested, uncached=shared)
-    regions = call if shared else None
+    answered_as_read = call if shared or call.classified else None  # regions, classes
     return repository.answer(
-        model, lambda: _core.grpc_response(model.codec, call.model_name, call.id, outputs, results, request=regions)
+        model,
+        lambda: _core.grpc_response(model.codec, call.model_name, call.id, outputs, results, request=answered_as_read),
     )
 
 
@@ -385,11 +386,14 @@ async def stream_responses(
         )
         tensors = model_inputs(inputs, _has_bf16(inputs))
         shared = call.shared_memory  # answered into the regions it names
-        regions = call if shared else None
+        answered_as_read = call if shared or call.classified else None  # regions, classes
         if not model.server.decoupled:
             results = await repository.infer(model, tensors, timeout, priority, parameters, requested, uncached=shared)
             yield repository.answer(
-                model, lambda: _core.grpc_response(model.codec, name, rid, outputs, results, last=True, request=regions)
+                model,
+                lambda: _core.grpc_response(
+                    model.codec, name, rid, outputs, results, last=True, request=answered_as_read
+                ),
             )
             return
         responses = repository.stream(model, tensors, timeout, priority, parameters, backlog, requested, shared)
@@ -397,7 +401,7 @@ async def stream_responses(
             yield await repository.answer_streamed(
                 responses,
                 functools.partial(
-                    _core.grpc_response, model.codec, name, rid, outputs, results, last=False, request=regions
+                    _core.grpc_response, model.codec, name, rid, outputs, results, last=False, request=answered_as_read
                 ),
             )
     except Exception as exc:  # noqa: BLE001 - every failure becomes an error on the stream

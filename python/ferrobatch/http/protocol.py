@@ -77,9 +77,11 @@ MODEL_VERSION = "1"
 #: Protocol extensions announced in the server metadata (both protocols,
 #: both front-ends): binary tensors, Triton's statistics and model
 #: configuration, request parameters, log settings, system shared memory
-#: (served when the repository allows clients' shared memory).
+#: (served when the repository allows clients' shared memory), outputs
+#: answered as their top classes.
 EXTENSIONS = (
     "binary_tensor_data",
+    "classification",
     "statistics",
     "model_configuration",
     "parameters",

@@ -24,7 +24,7 @@ use std::sync::Mutex;
 use ferrobatch_core::bytes::{self, BytesLimits};
 use ferrobatch_core::v2::regions::{RegionError, RegionRange, SharedRegions};
 use ferrobatch_core::v2::{
-    self, Codec, Data, HeaderMemo, InferRequest, Limits, Output, OutputSpec, V2Error,
+    self, Codec, Data, HeaderMemo, InferRequest, Limits, Output, OutputSpec, Shape, V2Error,
 };
 use ferrobatch_core::DType;
 use ferrobatch_serve::{encoding, VaryingRows};
@@ -351,6 +351,9 @@ pub(crate) struct V2Request {
     /// The shared-memory range of each of `selected` that names one
     /// (aligned; empty: none).
     regions: Vec<Option<RegionRange>>,
+    /// How many classes each of `selected` is answered with (Triton's
+    /// classification extension; empty: none asks for classes).
+    classes: Vec<Option<u32>>,
     /// A tensor names a shared-memory region.
     shared_memory: bool,
 }
@@ -895,18 +898,31 @@ impl V2Codec {
             })?;
             read.push(self.read_output(py, index, value)?);
         }
+        // Each output asked for as classes: its top classes (BYTES).
+        let mut classified: Vec<Option<(Shape, Vec<u8>)>> = Vec::new();
+        for (i, (&(index, _), r)) in request.selected.iter().zip(&read).enumerate() {
+            if let Some(&Some(count)) = request.classes.get(i) {
+                classified.resize(i, None);
+                let classes = self.core.classify(index, count, &r.shape, r.data());
+                classified.push(Some(classes.map_err(|e| codec_error(py, e))?));
+            }
+        }
         let in_region = |i: usize| matches!(request.regions.get(i), Some(Some(_)));
         let outputs: Vec<Output<'_>> = request
             .selected
             .iter()
             .zip(&read)
             .enumerate()
-            .map(|(i, (&(index, binary), r))| Output {
-                index,
-                shape: &r.shape,
-                data: r.data(),
-                // Written into its region, never among the binary bytes.
-                binary: binary && !in_region(i),
+            .map(|(i, (&(index, binary), r))| {
+                let classes = classified.get(i).and_then(Option::as_ref);
+                Output {
+                    index,
+                    shape: classes.map_or(&r.shape[..], |(shape, _)| &shape[..]),
+                    data: classes.map_or(r.data(), |(_, data)| &data[..]),
+                    // Written into its region, never among the binary bytes.
+                    binary: binary && !in_region(i),
+                    classified: classes.is_some(),
+                }
             })
             .collect();
         let total: usize = outputs.iter().map(|o| o.data.len()).sum();
@@ -952,6 +968,7 @@ impl V2Codec {
     ) -> PyResult<V2Request> {
         let selected = request.selected_outputs(&self.core);
         let regions = request.output_regions();
+        let classes = request.output_classes();
         let shared_memory = request.shared_memory;
         let inputs = PyDict::new(py);
         let mut bf16 = false;
@@ -980,6 +997,7 @@ impl V2Codec {
             bf16,
             selected,
             regions,
+            classes,
             shared_memory,
         })
     }

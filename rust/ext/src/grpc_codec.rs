@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use ferrobatch_core::v2::regions::RegionRange;
+use ferrobatch_core::v2::Shape;
 use ferrobatch_serve::grpc::response::{InferResponse, OutputRows};
 use ferrobatch_serve::grpc::{self, InferCall};
 use ferrobatch_serve::model::Source;
@@ -45,6 +46,11 @@ pub(crate) struct GrpcInferRequest {
     regions: Mutex<Vec<(usize, RegionRange)>>,
     /// Its last `read` found a tensor naming a region.
     shared_memory: AtomicBool,
+    /// The outputs its last `read` found asked for as classes: `(index in
+    /// the codec's outputs, how many)`.
+    classes: Mutex<Vec<(usize, u32)>>,
+    /// Its last `read` found an output asked for as classes.
+    classified: AtomicBool,
 }
 
 #[pymethods]
@@ -69,6 +75,8 @@ impl GrpcInferRequest {
             empty_final,
             regions: Mutex::new(Vec::new()),
             shared_memory: AtomicBool::new(false),
+            classes: Mutex::new(Vec::new()),
+            classified: AtomicBool::new(false),
         })
     }
 
@@ -78,6 +86,14 @@ impl GrpcInferRequest {
     #[getter]
     fn shared_memory(&self) -> bool {
         self.shared_memory.load(Ordering::Relaxed)
+    }
+
+    /// Whether the last `read` found an output asked for as classes
+    /// (Triton's classification extension): answer it with
+    /// `grpc_response(..., request=self)`.
+    #[getter]
+    fn classified(&self) -> bool {
+        self.classified.load(Ordering::Relaxed)
     }
 
     #[getter]
@@ -151,6 +167,7 @@ impl GrpcInferRequest {
             mut owners,
             outputs,
             regions,
+            classes,
             meta,
         } = read.map_err(|f| failure_error(py, f))?;
         let inputs = PyDict::new(py);
@@ -184,6 +201,17 @@ impl GrpcInferRequest {
         if named_before || !in_regions.is_empty() {
             *self.regions.lock().unwrap_or_else(|e| e.into_inner()) = in_regions;
         }
+        let in_classes: Vec<(usize, u32)> = outputs
+            .iter()
+            .zip(classes)
+            .filter_map(|(&index, count)| Some((index, count?)))
+            .collect();
+        let classified_before = self
+            .classified
+            .swap(!in_classes.is_empty(), Ordering::Relaxed);
+        if classified_before || !in_classes.is_empty() {
+            *self.classes.lock().unwrap_or_else(|e| e.into_inner()) = in_classes;
+        }
         let names = codec.core().outputs();
         let requested = ferrobatch_core::v2::output_bits(outputs.iter().copied());
         let outputs = outputs
@@ -207,7 +235,8 @@ impl GrpcInferRequest {
 /// `ModelStreamInferResponse` flagged `triton_final_response`. With
 /// `request` (the `GrpcInferRequest` read), its outputs in shared memory
 /// are written to their regions and answered with empty raw contents (a
-/// `CodecError` with status 400 when one does not fit its region).
+/// `CodecError` with status 400 when one does not fit its region), and
+/// those asked for as classes are answered as their top classes.
 #[pyfunction]
 #[pyo3(signature = (codec, model_name, id, outputs, results, last=None, request=None))]
 #[allow(clippy::too_many_arguments)] // Python's keywords
@@ -263,6 +292,32 @@ pub(crate) fn grpc_response<'py>(
             .collect();
         ferrobatch_serve::replies::write_regions(&writes).map_err(|f| failure_error(py, f))?;
     }
+    // Each output asked for as classes: its top classes (BYTES).
+    let mut classified: Vec<Option<(Shape, Vec<u8>)>> = Vec::new();
+    if let Some(request) = request
+        .as_ref()
+        .filter(|r| r.classified.load(Ordering::Relaxed))
+    {
+        let held = request.classes.lock().unwrap_or_else(|e| e.into_inner());
+        for (i, (index, readable)) in read.iter().enumerate() {
+            if let Some(&(_, count)) = held.iter().find(|(asked, _)| asked == index) {
+                let classes = codec
+                    .core()
+                    .classify(*index, count, &readable.shape, readable.data())
+                    .map_err(|e| status_error(py, e.status(), e.to_string()))?;
+                classified.resize(i, None);
+                classified.push(Some(classes));
+            }
+        }
+    }
+    let classes_of = |i: usize| classified.get(i).and_then(Option::as_ref);
+    let shapes: Vec<&[u64]> = read
+        .iter()
+        .enumerate()
+        .map(|(i, (_, readable))| {
+            classes_of(i).map_or(&readable.shape[..], |(shape, _)| &shape[..])
+        })
+        .collect();
     let in_region = |i: usize| matches!(regions.get(i), Some(Some(_)));
     let Some(last) = last else {
         // A `ModelInfer` answer: written from the results straight into the
@@ -272,8 +327,13 @@ pub(crate) fn grpc_response<'py>(
             .enumerate()
             .map(|(i, (index, readable))| OutputRows {
                 index: *index,
-                shape: &readable.shape,
-                data: if in_region(i) { &[] } else { readable.data() },
+                shape: shapes[i],
+                data: match (in_region(i), classes_of(i)) {
+                    (true, _) => &[],
+                    (false, Some((_, classes))) => classes,
+                    (false, None) => readable.data(),
+                },
+                classified: classes_of(i).is_some(),
             })
             .collect();
         let answer = InferResponse::new(codec.core(), model_name, id, &rows);
@@ -287,12 +347,13 @@ pub(crate) fn grpc_response<'py>(
         .enumerate()
         .map(|(i, (index, readable))| RawOutput {
             index: *index,
-            shape: readable.shape.as_slice().into(),
-            data: if in_region(i) {
-                Bytes::new()
-            } else {
-                Bytes::copy_from_slice(readable.data())
+            shape: shapes[i].into(),
+            data: match (in_region(i), classes_of(i)) {
+                (true, _) => Bytes::new(),
+                (false, Some((_, classes))) => Bytes::copy_from_slice(classes),
+                (false, None) => Bytes::copy_from_slice(readable.data()),
             },
+            classified: classes_of(i).is_some(),
         })
         .collect();
     let answer = grpc::stream_answer(codec.core(), model_name, id, raw, last);

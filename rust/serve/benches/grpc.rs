@@ -134,6 +134,7 @@ fn bench_grpc(c: &mut Criterion) {
             index: 0,
             shape: &shape,
             data: rows,
+            classified: false,
         }];
         InferResponse::new(&codec, "identity", "", &outputs)
             .framed()

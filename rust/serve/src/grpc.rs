@@ -68,7 +68,8 @@ use crate::http::FallbackCall;
 use crate::metadata::ModelMetadata;
 use crate::model::{RequestMeta, ServedModel, Source, Submitted, Tensor};
 use crate::replies::{
-    part_bytes, Answer, Backlog, Failure, InputOwners, OutputRegions, RawOutput, ResponsePlan,
+    part_bytes, Answer, Backlog, Failure, InputOwners, OutputClasses, OutputRegions, RawOutput,
+    ResponsePlan,
 };
 use crate::restrict;
 use crate::server::Shared;
@@ -779,11 +780,12 @@ impl Inference {
             &mut request,
             call_timeout,
             forwarded,
-            |outputs, regions| ResponsePlan::Message {
+            |outputs, regions, classes| ResponsePlan::Message {
                 model_name,
                 id,
                 outputs,
                 regions,
+                classes,
             },
         )
         .map_err(status)?;
@@ -859,7 +861,11 @@ impl Inference {
                 request,
                 call_timeout,
                 forwarded,
-                |outputs, regions| ResponsePlan::Raw { outputs, regions },
+                |outputs, regions, classes| ResponsePlan::Raw {
+                    outputs,
+                    regions,
+                    classes,
+                },
             )
             .map_err(status)?;
             match model.reply(submitted).await.map_err(status)? {
@@ -884,9 +890,10 @@ impl Inference {
             request,
             call_timeout,
             forwarded,
-            |outputs, regions| ResponsePlan::Stream {
+            |outputs, regions, classes| ResponsePlan::Stream {
                 outputs: Arc::from(outputs.as_slice()),
                 regions: (!regions.is_empty()).then(|| Arc::from(regions)),
+                classes: (!classes.is_empty()).then(|| Arc::from(classes)),
                 partial,
                 backlog: out.backlog.clone(),
             },
@@ -1215,7 +1222,7 @@ fn submit(
     request: &mut InferRequest<'_>,
     call_timeout: Option<Duration>,
     forwarded: &[(String, String)],
-    plan: impl FnOnce(PerTensor<usize>, OutputRegions) -> ResponsePlan,
+    plan: impl FnOnce(PerTensor<usize>, OutputRegions, OutputClasses) -> ResponsePlan,
 ) -> Result<Submitted, Failure> {
     let mut refused_input = false;
     let mut check = |name: &str, dtype: DType, shape: &[u64]| {
@@ -1252,7 +1259,7 @@ fn submit(
         &tensors,
         call.owners,
         call.meta,
-        plan(call.outputs, call.regions),
+        plan(call.outputs, call.regions, call.classes),
     )
 }
 
@@ -1269,6 +1276,9 @@ pub struct InferCall {
     pub owners: InputOwners,
     pub outputs: PerTensor<usize>,
     pub regions: OutputRegions,
+    /// How many classes each output is answered with (aligned with
+    /// `outputs`; empty: none asks for classes).
+    pub classes: OutputClasses,
     pub meta: RequestMeta,
 }
 
@@ -1314,7 +1324,7 @@ pub fn read_infer_call(
         request.model_name,
         check,
     )?;
-    let (outputs, regions) = requested_outputs(request, codec)?;
+    let (outputs, regions, classes) = requested_outputs(request, codec)?;
     // An output of known size larger than its range: refused now, before
     // the model runs, not when its response is written.
     if !regions.is_empty() {
@@ -1343,6 +1353,7 @@ pub fn read_infer_call(
         owners: decoded.owners,
         outputs,
         regions,
+        classes,
         meta,
     })
 }
@@ -1805,12 +1816,13 @@ fn typed_bytes(
 fn requested_outputs(
     request: &InferRequest<'_>,
     codec: &v2::Codec,
-) -> Result<(PerTensor<usize>, OutputRegions), Failure> {
+) -> Result<(PerTensor<usize>, OutputRegions, OutputClasses), Failure> {
     if request.outputs.is_empty() {
-        return Ok(((0..codec.outputs().len()).collect(), Vec::new()));
+        return Ok(((0..codec.outputs().len()).collect(), Vec::new(), Vec::new()));
     }
     let mut asked = PerTensor::with_capacity(request.outputs.len());
     let mut regions = OutputRegions::new();
+    let mut classes = OutputClasses::new();
     for output in &request.outputs {
         let index = codec
             .output_index(output.name)
@@ -1827,16 +1839,38 @@ fn requested_outputs(
                 .map(|params| (shared, params)),
             None => None,
         };
-        if output.parameters.contains_key("classification") {
-            if params.is_some() {
-                return Err(invalid(
-                    "output can't set both 'shared_memory_region' and 'classification'",
-                ));
-            }
-            return Err(invalid(format!(
-                "output '{}': the classification extension is not supported",
-                output.name
-            )));
+        let class_count =
+            match output.parameters.get("classification") {
+                None => None,
+                Some(_) if params.is_some() => {
+                    return Err(invalid(
+                        "output can't set both 'shared_memory_region' and 'classification'",
+                    ))
+                }
+                // Triton's rule and words (its HTTP side also reads 0 as none).
+                Some(parameter) => match parameter.parameter_choice {
+                    Some(ParameterChoice::Int64Param(count)) if count > 0 => {
+                        if let Some(spec) = codec.outputs().get(index) {
+                            v2::classify::check_classifiable(&spec.name, spec.dtype)
+                                .map_err(|e| invalid(e.to_string()))?;
+                        }
+                        Some(u32::try_from(count).unwrap_or(u32::MAX))
+                    }
+                    Some(ParameterChoice::Int64Param(_)) => {
+                        return Err(invalid(
+                            "invalid value for 'classification' parameter, expected >= 0",
+                        ))
+                    }
+                    _ => return Err(invalid(
+                        "invalid value type for 'classification' parameter, expected int64_param",
+                    )),
+                },
+            };
+        if class_count.is_some() && classes.is_empty() {
+            classes.resize(asked.len(), None);
+        }
+        if class_count.is_some() || !classes.is_empty() {
+            classes.push(class_count);
         }
         let range = match params {
             Some((shared, params)) => Some(region_range(shared, params)?),
@@ -1850,7 +1884,7 @@ fn requested_outputs(
         }
         asked.push(index);
     }
-    Ok((asked, regions))
+    Ok((asked, regions, classes))
 }
 
 /// The request's timeout in seconds: its `timeout` parameter (an int64 of
@@ -1995,9 +2029,13 @@ fn described_outputs(
         .iter()
         .map(|o| {
             let spec = specs.get(o.index);
+            let dtype = match o.classified {
+                true => DType::Bytes.v2_name(),
+                false => spec.map_or("", |s| s.dtype.v2_name()),
+            };
             InferOutputTensor {
                 name: spec.map_or_else(String::new, |s| s.name.clone()),
-                datatype: spec.map_or("", |s| s.dtype.v2_name()).to_owned(),
+                datatype: dtype.to_owned(),
                 shape: o
                     .shape
                     .iter()

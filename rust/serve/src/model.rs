@@ -204,6 +204,7 @@ impl ServedModel {
             id: request.id.clone(),
             outputs: request.selected_outputs(codec),
             regions: request.output_regions(),
+            classes: request.output_classes(),
         };
         if request
             .inputs

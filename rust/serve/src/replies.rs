@@ -69,6 +69,9 @@ pub struct RawOutput {
     /// Its shape: the request's rows first.
     pub shape: Shape,
     pub data: Bytes,
+    /// Its top classes (see [`ferrobatch_core::v2::classify`]): BYTES,
+    /// whatever the output's datatype.
+    pub classified: bool,
 }
 
 /// What keeps a request's input bytes alive until it resolves: buffers the
@@ -86,6 +89,11 @@ pub struct InputOwners {
 /// Empty (no allocation) when no output is in a region.
 pub type OutputRegions = Vec<Option<RegionRange>>;
 
+/// How many classes each output a request asks for is answered with
+/// (Triton's classification extension; `None`: its values), aligned with
+/// the outputs; empty when none asks for classes (no allocation).
+pub type OutputClasses = Vec<Option<u32>>;
+
 /// How to answer one request once its rows are ready.
 pub enum ResponsePlan {
     /// An HTTP v2 response: the request's `id`, echoed, and `(output index,
@@ -94,12 +102,14 @@ pub enum ResponsePlan {
         id: Option<String>,
         outputs: PerTensor<(usize, bool)>,
         regions: OutputRegions,
+        classes: OutputClasses,
     },
     /// The raw rows of these outputs (indices), in this order (one in a
     /// region: written there, its rows empty).
     Raw {
         outputs: PerTensor<usize>,
         regions: OutputRegions,
+        classes: OutputClasses,
     },
     /// A `ModelInfer` call: its answer to request `id` of `model_name`, the
     /// rows of these outputs (indices) in this order, written as one gRPC
@@ -110,6 +120,7 @@ pub enum ResponsePlan {
         id: String,
         outputs: PerTensor<usize>,
         regions: OutputRegions,
+        classes: OutputClasses,
     },
     /// A decoupled model's request: each partial answer of its batch (the
     /// raw rows of these outputs, as `Raw`) goes to `partial` as it comes;
@@ -122,6 +133,8 @@ pub enum ResponsePlan {
         /// region (each part overwrites the region: a client reads it
         /// before the next response).
         regions: Option<Arc<[Option<RegionRange>]>>,
+        /// As [`OutputClasses`], shared as `outputs` is; `None`: none asks for classes.
+        classes: Option<Arc<[Option<u32>]>>,
         partial: mpsc::UnboundedSender<Vec<RawOutput>>,
         /// The unread bytes of the stream it answers on.
         backlog: Arc<Backlog>,
@@ -234,6 +247,11 @@ pub fn part_bytes(part: &[RawOutput]) -> usize {
 /// The outcome a request is counted as when answering it failed: the
 /// client's own mistake (400: an output too large for its region) or the
 /// model's.
+/// The count of classes output `i` of a request is answered with, if any.
+fn class_of(classes: &[Option<u32>], i: usize) -> Option<u32> {
+    classes.get(i).copied().flatten()
+}
+
 fn failed_outcome(failure: &Failure) -> Outcome {
     match failure.status {
         400 => Outcome::InvalidInput,
@@ -409,20 +427,22 @@ impl Replies {
             ResponsePlan::Stream {
                 outputs,
                 regions,
+                classes,
                 partial,
                 backlog,
             } => Some((
                 outputs.clone(),
-                regions.clone(),
+                (regions.clone(), classes.clone()),
                 partial.clone(),
                 backlog.clone(),
             )),
             _ => None,
         });
         let mut sent = 0;
-        for (route, (outputs, regions, partial, backlog)) in listening {
+        for (route, (outputs, (regions, classes), partial, backlog)) in listening {
             let regions = regions.as_deref().unwrap_or_default();
-            match self.raw_rows(&route, &outputs, regions, columns) {
+            let classes = classes.as_deref().unwrap_or_default();
+            match self.raw_rows(&route, &outputs, regions, classes, columns) {
                 Ok(part) => {
                     let bytes = part_bytes(&part);
                     if !backlog.take(bytes) {
@@ -500,22 +520,26 @@ impl Replies {
                 id,
                 outputs,
                 regions,
+                classes,
             } => {
                 let mut shapes: PerTensor<Shape> = PerTensor::with_capacity(outputs.len());
                 let mut slices: PerTensor<Cow<'_, [u8]>> = PerTensor::with_capacity(outputs.len());
-                for &(index, _) in outputs {
-                    let (shape, data) = self.rows(route, index, columns)?;
+                for (i, &(index, _)) in outputs.iter().enumerate() {
+                    let (shape, data) =
+                        self.answered_rows(route, index, class_of(classes, i), columns)?;
                     shapes.push(shape);
                     slices.push(data);
                 }
                 let outputs: PerTensor<Output<'_>> = outputs
                     .iter()
                     .zip(shapes.iter().zip(&slices))
-                    .map(|(&(index, binary), (shape, data))| Output {
+                    .enumerate()
+                    .map(|(i, (&(index, binary), (shape, data)))| Output {
                         index,
                         shape,
                         data: data.as_ref(),
                         binary,
+                        classified: class_of(classes, i).is_some(),
                     })
                     .collect();
                 self.codec
@@ -524,19 +548,25 @@ impl Replies {
                     .map_err(|e| Failure::new(e.status(), e.to_string()))
             }
             ResponsePlan::Stream { .. } => Ok(Answer::Raw(Vec::new())),
-            ResponsePlan::Raw { outputs, regions } => self
-                .raw_rows(route, outputs, regions, columns)
+            ResponsePlan::Raw {
+                outputs,
+                regions,
+                classes,
+            } => self
+                .raw_rows(route, outputs, regions, classes, columns)
                 .map(Answer::Raw),
             ResponsePlan::Message {
                 model_name,
                 id,
                 outputs,
                 regions,
+                classes,
             } => {
                 let mut rows: PerTensor<(usize, Shape, Cow<'_, [u8]>)> =
                     PerTensor::with_capacity(outputs.len());
-                for &index in outputs {
-                    let (shape, data) = self.rows(route, index, columns)?;
+                for (i, &index) in outputs.iter().enumerate() {
+                    let (shape, data) =
+                        self.answered_rows(route, index, class_of(classes, i), columns)?;
                     rows.push((index, shape, data));
                 }
                 if !regions.is_empty() {
@@ -555,6 +585,7 @@ impl Replies {
                     .map(|(i, (index, shape, data))| OutputRows {
                         index: *index,
                         shape,
+                        classified: class_of(classes, i).is_some(),
                         // In its region: an empty entry, as Triton answers it.
                         data: match regions.get(i) {
                             Some(Some(_)) => &[],
@@ -579,14 +610,17 @@ impl Replies {
 
     /// The rows of `route` in each of `outputs` (indices), as raw bytes;
     /// those with a range in `regions` (aligned, or empty) written there,
-    /// their bytes empty.
+    /// their bytes empty; those with a count in `classes` (aligned, or
+    /// empty) as their top classes.
     fn raw_rows(
         &self,
         route: &Route,
         outputs: &[usize],
         regions: &[Option<RegionRange>],
+        classes: &[Option<u32>],
         columns: &[Column<'_>],
     ) -> Result<Vec<RawOutput>, Failure> {
+        // A request never puts a classified output in a region.
         if !regions.is_empty() {
             let mut rows = Vec::with_capacity(outputs.len());
             for &index in outputs {
@@ -616,20 +650,48 @@ impl Replies {
                         (false, Cow::Borrowed(data)) => Bytes::copy_from_slice(data),
                         (false, Cow::Owned(data)) => Bytes::from(data),
                     },
+                    classified: false,
                 })
                 .collect());
         }
         outputs
             .iter()
-            .map(|&index| {
-                let (shape, data) = self.rows(route, index, columns)?;
+            .enumerate()
+            .map(|(i, &index)| {
+                let class_count = class_of(classes, i);
+                let (shape, data) = self.answered_rows(route, index, class_count, columns)?;
                 let data = match data {
                     Cow::Borrowed(data) => Bytes::copy_from_slice(data),
                     Cow::Owned(data) => Bytes::from(data),
                 };
-                Ok(RawOutput { index, shape, data })
+                Ok(RawOutput {
+                    index,
+                    shape,
+                    data,
+                    classified: class_count.is_some(),
+                })
             })
             .collect()
+    }
+
+    /// [`Replies::rows`], as the request asks for them: with a count,
+    /// its top classes (BYTES, see [`ferrobatch_core::v2::Codec::classify`]).
+    fn answered_rows<'a>(
+        &self,
+        route: &Route,
+        index: usize,
+        class_count: Option<u32>,
+        columns: &[Column<'a>],
+    ) -> Result<(Shape, Cow<'a, [u8]>), Failure> {
+        let (shape, data) = self.rows(route, index, columns)?;
+        let Some(count) = class_count else {
+            return Ok((shape, data));
+        };
+        let (shape, classes) = self
+            .codec
+            .classify(index, count, &shape, &data)
+            .map_err(|e| Failure::new(e.status(), e.to_string()))?;
+        Ok((shape, Cow::Owned(classes)))
     }
 
     /// The rows of `route` in output `index`: their shape and bytes, or the

@@ -51,6 +51,18 @@ impl InferRequest {
         }
     }
 
+    /// How many classes each of [`InferRequest::selected_outputs`] is
+    /// answered with (`None`: its values). Empty, allocating nothing, when
+    /// no output asks for classes.
+    pub fn output_classes(&self) -> Vec<Option<u32>> {
+        match &self.outputs {
+            Some(outputs) if outputs.iter().any(|o| o.classes.is_some()) => {
+                outputs.iter().map(|o| o.classes).collect()
+            }
+            _ => Vec::new(),
+        }
+    }
+
     /// Where each of [`InferRequest::selected_outputs`] goes: its
     /// shared-memory range, or `None` (in the response). Empty, allocating
     /// nothing, when no output names a region.
@@ -95,6 +107,9 @@ pub struct RequestedOutput {
     /// The shared-memory range its bytes go to (Triton's system
     /// shared-memory extension), resolved as the request is decoded.
     pub shared: Option<RegionRange>,
+    /// Answered as its top classes, this many (Triton's classification
+    /// extension, see [`super::classify`]); never with `shared`.
+    pub classes: Option<u32>,
 }
 
 fn invalid(message: impl Into<String>) -> V2Error {
@@ -387,6 +402,7 @@ impl<'a> Decoder<'a, '_> {
                     // Its bytes go to its region: none follow the header.
                     binary: o.shared.is_none() && o.binary.unwrap_or(binary_data_output),
                     shared: o.shared,
+                    classes: o.classes,
                 })
                 .collect()
         });
@@ -912,7 +928,8 @@ impl<'a> Decoder<'a, '_> {
             self.p.begin_object().map_err(json_error)?;
             let mut name: Field<'a, Cow<'a, str>> = Field::Missing;
             let mut binary: Option<Option<bool>> = None; // Some(None): binary_data bad
-            let mut classification = false;
+                                                         // Some(None): a value that is not a count.
+            let mut classification: Option<Option<u64>> = None;
             let mut shared_memory = false;
             // With regions: its shared-memory parameters as read, or the
             // first one that did not parse.
@@ -941,8 +958,10 @@ impl<'a> Decoder<'a, '_> {
                                             })
                                     }
                                     "classification" => {
-                                        classification = true;
-                                        self.skip()?;
+                                        classification = Some(match self.uint_field()? {
+                                            Field::Got(count) => Some(count),
+                                            _ => None,
+                                        });
                                     }
                                     SHARED_MEMORY_REGION => {
                                         shared_memory = true;
@@ -995,17 +1014,33 @@ impl<'a> Decoder<'a, '_> {
                 )));
             }
             let shared = match self.codec.regions() {
-                Some(regions) if shared_memory => {
-                    Some(self.resolve_output(regions, &name, region, classification, binary)?)
-                }
+                Some(regions) if shared_memory => Some(self.resolve_output(
+                    regions,
+                    &name,
+                    region,
+                    classification.is_some(),
+                    binary,
+                )?),
                 _ => None,
             };
-            if classification {
-                return Err(invalid(format!(
-                    "output '{shown}': the classification extension is not supported",
-                    shown = Clipped(name.as_ref())
-                )));
-            }
+            let classes = match classification {
+                None => None,
+                Some(None) => {
+                    return Err(invalid(format!(
+                        "output '{shown}': 'classification' must be an integer >= 0",
+                        shown = Clipped(name.as_ref())
+                    )))
+                }
+                // 0 asks for none, as Triton reads it: the output's values.
+                Some(Some(0)) => None,
+                Some(Some(count)) => {
+                    if let Some(spec) = self.codec.outputs().get(index) {
+                        super::classify::check_classifiable(&spec.name, spec.dtype)?;
+                    }
+                    // No entry has more classes than u32 counts.
+                    Some(u32::try_from(count).unwrap_or(u32::MAX))
+                }
+            };
             if shared_memory && shared.is_none() {
                 let tensor = format!("output '{}'", Clipped(name.as_ref()));
                 return Err(invalid(super::shared_memory_refused(&tensor)));
@@ -1019,6 +1054,7 @@ impl<'a> Decoder<'a, '_> {
                 index,
                 binary,
                 shared,
+                classes,
             });
         }
         // None named, as none given: every output (as Triton and gRPC read it).
@@ -1104,6 +1140,7 @@ struct Selected {
     index: usize,
     binary: Option<bool>,
     shared: Option<RegionRange>,
+    classes: Option<u32>,
 }
 
 /// An output's shared-memory parameters as read.

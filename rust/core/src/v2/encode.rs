@@ -14,6 +14,21 @@ pub struct Output<'a> {
     pub shape: &'a [u64],
     pub data: &'a [u8],
     pub binary: bool,
+    /// Its top classes ([`Codec::classify`]'s shape and bytes): sent as
+    /// BYTES whatever the output's datatype.
+    pub classified: bool,
+}
+
+impl Output<'_> {
+    /// The datatype it is sent as.
+    fn dtype(&self, codec: &Codec) -> Option<DType> {
+        let spec = codec.outputs().get(self.index)?;
+        Some(if self.classified {
+            DType::Bytes
+        } else {
+            spec.dtype
+        })
+    }
 }
 
 /// An encoded response body. With binary outputs, `header_length` is the
@@ -132,6 +147,20 @@ fn region_of(regions: &[Option<RegionRange>], i: usize) -> Option<&RegionRange> 
 }
 
 impl Codec {
+    /// `{"name":...,"datatype":...,"shape":[`: the opening of output `o`'s
+    /// entry (made for a classified one, kept for the others).
+    fn output_prefix(&self, o: &Output<'_>) -> std::borrow::Cow<'_, [u8]> {
+        match (o.classified, self.outputs().get(o.index)) {
+            (true, Some(spec)) => {
+                let mut prefix = b"{\"name\":".to_vec();
+                write_json_string(&mut prefix, &spec.name);
+                prefix.extend_from_slice(b",\"datatype\":\"BYTES\",\"shape\":[");
+                prefix.into()
+            }
+            _ => self.output_prefixes[o.index].as_slice().into(),
+        }
+    }
+
     /// A response carrying `outputs`, echoing the request's `id`.
     ///
     /// Fails (a 500: the caller's bug, not the client's) when an output's
@@ -233,9 +262,10 @@ impl Codec {
                     o.index
                 ))
             })?;
-            let (count, nbytes) = checked_size(&spec.name, spec.dtype, o.shape, usize::MAX)
+            let dtype = o.dtype(self).unwrap_or(spec.dtype);
+            let (count, nbytes) = checked_size(&spec.name, dtype, o.shape, usize::MAX)
                 .map_err(|e| V2Error::Output(e.to_string()))?;
-            if spec.dtype == DType::Bytes {
+            if dtype == DType::Bytes {
                 let limits = crate::bytes::BytesLimits {
                     max_element: usize::MAX,
                     max_request: usize::MAX,
@@ -247,11 +277,11 @@ impl Codec {
                     "output '{}': shape {:?} needs {nbytes} bytes of {}, got {}",
                     spec.name,
                     o.shape,
-                    spec.dtype.v2_name(),
+                    dtype.v2_name(),
                     o.data.len()
                 )));
             }
-            let prefix = self.output_prefixes[o.index].len() + 24 * o.shape.len() + 48;
+            let prefix = self.output_prefix(o).len() + 24 * o.shape.len() + 48;
             header_estimate = header_estimate.saturating_add(prefix);
             if region_of(regions, i).is_some() {
                 exact = None;
@@ -259,7 +289,7 @@ impl Codec {
                 binary_bytes = binary_bytes.saturating_add(o.data.len());
                 let dims: usize = o.shape.iter().map(|&d| uint_len(d)).sum();
                 exact = exact.map(|n| {
-                    n.saturating_add(self.output_prefixes[o.index].len())
+                    n.saturating_add(self.output_prefix(o).len())
                         .saturating_add(dims)
                         .saturating_add(o.shape.len().saturating_sub(1))
                         .saturating_add(BINARY.len())
@@ -297,7 +327,7 @@ impl Codec {
             if i > 0 {
                 out.push(b',');
             }
-            out.extend_from_slice(&self.output_prefixes[o.index]);
+            out.extend_from_slice(&self.output_prefix(o));
             for (j, &d) in o.shape.iter().enumerate() {
                 if j > 0 {
                     out.push(b',');
@@ -313,7 +343,8 @@ impl Codec {
                 out.extend_from_slice(b"}}");
             } else {
                 out.extend_from_slice(b"],\"data\":[");
-                write_values(&mut out, self.outputs()[o.index].dtype, o.data);
+                let dtype = o.dtype(self).unwrap_or(DType::Bytes);
+                write_values(&mut out, dtype, o.data);
                 out.extend_from_slice(b"]}");
             }
         }

@@ -58,6 +58,7 @@
 //! The messages of [`V2Error`] are those of the Python front-ends this codec
 //! replaced, naming the input, the field and what was expected.
 
+pub mod classify;
 mod decode;
 mod elements;
 mod encode;

@@ -278,12 +278,14 @@ fn an_output_in_a_region_is_written_there_and_answered_without_data() {
             shape: &[1],
             data: &z,
             binary: false,
+            classified: false,
         },
         Output {
             index: 0,
             shape: &[1, 3],
             data: &y,
             binary: false,
+            classified: false,
         },
     ];
     let encoded = c.encode_with_regions(None, &outputs, &regions).unwrap();
@@ -329,6 +331,7 @@ fn a_bytes_output_is_written_in_its_wire_form() {
         shape: &[2],
         data: &serialized,
         binary: false,
+        classified: false,
     }];
     let encoded = c
         .encode_with_regions(None, &outputs, &request.output_regions())
@@ -355,12 +358,14 @@ fn an_output_too_large_for_its_region_is_the_clients_400() {
             shape: &[1],
             data: &z,
             binary: false,
+            classified: false,
         },
         Output {
             index: 0,
             shape: &[2],
             data: &y,
             binary: false,
+            classified: false,
         },
     ];
     let e = c
@@ -409,12 +414,11 @@ fn an_output_region_is_checked_as_the_request_is_decoded() {
         let body = asking(&format!(r#"[{{"name":"y","parameters":{parameters}}}]"#));
         assert_eq!(error(&c, &body), expected, "{parameters}");
     }
-    // Classification alone is refused as it was.
+    // Classification alone is asked for, not a region.
     let body = asking(r#"[{"name":"y","parameters":{"classification":2}}]"#);
-    assert_eq!(
-        error(&c, &body),
-        "output 'y': the classification extension is not supported"
-    );
+    let request = c.decode(body.as_bytes(), None).unwrap();
+    assert_eq!(request.output_classes(), [Some(2)]);
+    assert!(request.output_regions().is_empty() && !request.shared_memory);
     // binary_data false (as tritonclient sends it) and the request's default are fine.
     let body = r#"{"inputs":[{"name":"x","datatype":"FP32","shape":[1],"data":[1]}],"outputs":[{"name":"y","parameters":{"shared_memory_region":"r","shared_memory_byte_size":4,"binary_data":false}}],"parameters":{"binary_data_output":true}}"#;
     let request = c.decode(body.as_bytes(), None).unwrap();
@@ -548,6 +552,7 @@ fn an_output_of_unknown_size_is_checked_when_written() {
         shape: &[1],
         data: &serialized,
         binary: false,
+        classified: false,
     }];
     let e = c
         .encode_with_regions(None, &outputs, &request.output_regions())

@@ -340,9 +340,9 @@ fn malformed_requests_have_clear_messages() {
         ),
         (
             format!(
-                r#"{{"inputs":[{x}],"outputs":[{{"name":"y","parameters":{{"classification":3}}}}]}}"#
+                r#"{{"inputs":[{x}],"outputs":[{{"name":"y","parameters":{{"classification":-3}}}}]}}"#
             ),
-            "output 'y': the classification extension is not supported",
+            "output 'y': 'classification' must be an integer >= 0",
         ),
         (r#"{"inputs":[1]} x"#.into(), "extra data"),
         ("{\"inputs\":[\"\u{1}\"]}".into(), "control character"),
@@ -482,12 +482,14 @@ fn encodes_json_with_shortest_floats_and_binary_with_header_length() {
                     shape: &[2, 2],
                     data: &y,
                     binary: false,
+                    classified: false,
                 },
                 Output {
                     index: 1,
                     shape: &[2],
                     data: &z,
                     binary: false,
+                    classified: false,
                 },
             ],
         )
@@ -505,6 +507,7 @@ fn encodes_json_with_shortest_floats_and_binary_with_header_length() {
                 shape: &[2],
                 data: &z,
                 binary: true,
+                classified: false,
             }],
         )
         .unwrap();
@@ -522,6 +525,7 @@ fn encodes_json_with_shortest_floats_and_binary_with_header_length() {
                 shape: &[3],
                 data: &y,
                 binary: true,
+                classified: false,
             }],
         )
         .unwrap_err();
@@ -713,7 +717,7 @@ proptest! {
     fn encode_then_decode_round_trips(t in tensor(), binary in any::<bool>(), id in proptest::option::of(".{0,8}")) {
         let (dtype, shape, data) = t;
         let c = Codec::new("m", vec![OutputSpec { name: "t".into(), dtype }], Limits::default());
-        let encoded = c.encode(id.as_deref(), &[Output { index: 0, shape: &shape, data: &data, binary }]).unwrap();
+        let encoded = c.encode(id.as_deref(), &[Output { index: 0, shape: &shape, data: &data, binary, classified: false }]).unwrap();
         prop_assert_eq!(encoded.header_length.is_some(), binary);
         let (request, length) = as_request(&encoded.body, encoded.header_length);
         let decoded = c.decode(&request, length.as_deref()).unwrap();
@@ -748,7 +752,7 @@ proptest! {
             .iter()
             .zip(&data)
             .enumerate()
-            .map(|(index, (shape, data))| Output { index, shape, data, binary: binary[index] })
+            .map(|(index, (shape, data))| Output { index, shape, data, binary: binary[index] , classified: false})
             .collect();
         let encoded = c.encode(id.as_deref(), &outputs).unwrap();
         if outputs.iter().all(|o| o.binary) {
@@ -1050,4 +1054,75 @@ fn output_bits_are_the_indices_and_nothing_past_bit_63() {
     assert_eq!(output_bits([63]), 1 << 63);
     assert_eq!(output_bits(std::iter::empty()), 0);
     assert_eq!(output_bits([1, 64]), 0); // not said: every output
+}
+
+#[test]
+fn an_output_asked_for_as_classes_is_decoded_and_answered_as_bytes() {
+    let c = codec();
+    let x = r#"{"name":"x","datatype":"FP32","shape":[1],"data":[1]}"#;
+    let asking = |outputs: &str| format!(r#"{{"inputs":[{x}],"outputs":{outputs}}}"#);
+    let request = decode(&asking(
+        r#"[{"name":"z"},{"name":"y","parameters":{"classification":2,"binary_data":true}}]"#,
+    ))
+    .unwrap();
+    assert_eq!(request.output_classes(), [None, Some(2)]);
+    // 0 asks for none (Triton's reading); none asked: nothing allocated.
+    let request = decode(&asking(
+        r#"[{"name":"y","parameters":{"classification":0}}]"#,
+    ))
+    .unwrap();
+    assert!(request.output_classes().is_empty());
+    assert!(decode(&format!(r#"{{"inputs":[{x}]}}"#))
+        .unwrap()
+        .output_classes()
+        .is_empty());
+    // A datatype that cannot be ranked is refused before the model runs.
+    let bools = Codec::new(
+        "b",
+        vec![OutputSpec {
+            name: "flags".into(),
+            dtype: DType::Bool,
+        }],
+        Limits::default(),
+    );
+    let e = bools
+        .decode(
+            asking(r#"[{"name":"flags","parameters":{"classification":1}}]"#).as_bytes(),
+            None,
+        )
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "output 'flags': class result not available for output due to unsupported type 'BOOL'"
+    );
+    // Answered: BYTES of shape [rows, k], in JSON or as binary data.
+    let y: Vec<u8> = [1.1f32, 3.3, 0.5, 2.4]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    let (shape, classes) = c.classify(0, 2, &[1, 4], &y).unwrap();
+    for binary in [false, true] {
+        let output = Output {
+            index: 0,
+            shape: &shape,
+            data: &classes,
+            binary,
+            classified: true,
+        };
+        let encoded = c.encode(None, &[output]).unwrap();
+        let header = &encoded.body[..encoded.header_length.unwrap_or(encoded.body.len())];
+        let expected = if binary {
+            format!(
+                r#"{{"model_name":"double","model_version":"1","outputs":[{{"name":"y","datatype":"BYTES","shape":[1,2],"parameters":{{"binary_data_size":{}}}}}]}}"#,
+                classes.len()
+            )
+        } else {
+            r#"{"model_name":"double","model_version":"1","outputs":[{"name":"y","datatype":"BYTES","shape":[1,2],"data":["3.300000:1","2.400000:3"]}]}"#.to_owned()
+        };
+        assert_eq!(std::str::from_utf8(header).unwrap(), expected);
+        assert_eq!(
+            &encoded.body[header.len()..],
+            if binary { &classes[..] } else { &[] }
+        );
+    }
 }

@@ -426,14 +426,19 @@ impl Served {
         let wire = Bytes::from(prost::Message::encode_to_vec(message));
         let mut request = InferRequest::decode(&wire).unwrap();
         let model_name = self.model.name.clone();
-        submit(&self.model, &mut request, None, &[], |outputs, regions| {
-            ResponsePlan::Message {
+        submit(
+            &self.model,
+            &mut request,
+            None,
+            &[],
+            |outputs, regions, classes| ResponsePlan::Message {
                 model_name,
                 id: "1".into(),
                 outputs,
                 regions,
-            }
-        })
+                classes,
+            },
+        )
         .unwrap()
     }
 }
@@ -507,7 +512,11 @@ fn a_streamed_request_writes_its_outputs_and_sends_them_empty() {
         &mut request,
         None,
         &[],
-        |outputs, regions| ResponsePlan::Raw { outputs, regions },
+        |outputs, regions, classes| ResponsePlan::Raw {
+            outputs,
+            regions,
+            classes,
+        },
     )
     .unwrap();
     let (reply, _) = served.run(submitted);
@@ -531,9 +540,10 @@ fn a_streamed_request_writes_its_outputs_and_sends_them_empty() {
         &mut request,
         None,
         &[],
-        |outputs, regions| ResponsePlan::Stream {
+        |outputs, regions, classes| ResponsePlan::Stream {
             outputs: Arc::from(outputs.as_slice()),
             regions: (!regions.is_empty()).then(|| Arc::from(regions)),
+            classes: (!classes.is_empty()).then(|| Arc::from(classes)),
             partial,
             backlog: Backlog::new(1 << 20),
         },

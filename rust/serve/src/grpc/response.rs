@@ -24,6 +24,8 @@ pub struct OutputRows<'a> {
     pub index: usize,
     pub shape: &'a [u64],
     pub data: &'a [u8],
+    /// Its top classes: BYTES, whatever the output's datatype.
+    pub classified: bool,
 }
 
 /// A dimension as protobuf's `int64` carries it (a larger one is clamped,
@@ -108,7 +110,14 @@ impl<'a> InferResponse<'a> {
         self.codec
             .outputs()
             .get(output.index)
-            .map_or(("", ""), |spec| (spec.name.as_str(), spec.dtype.v2_name()))
+            .map_or(("", ""), |spec| {
+                let dtype = if output.classified {
+                    ferrobatch_core::DType::Bytes
+                } else {
+                    spec.dtype
+                };
+                (spec.name.as_str(), dtype.v2_name())
+            })
     }
 
     fn shape_len(output: &OutputRows<'_>) -> usize {
@@ -214,6 +223,7 @@ mod tests {
                 index: o.index,
                 shape: o.shape.iter().copied().collect(),
                 data: Bytes::copy_from_slice(o.data),
+                classified: false,
             })
             .collect();
         let (described, raw) = described_outputs(codec, rows);
@@ -261,6 +271,7 @@ mod tests {
                     index: 0,
                     shape: &[1, 256],
                     data: &floats,
+                    classified: false,
                 }],
             ),
             (
@@ -271,16 +282,19 @@ mod tests {
                         index: 1,
                         shape: &[2, 1],
                         data: b"\x01\x00\x00\x00a\x00\x00\x00\x00",
+                        classified: false,
                     },
                     OutputRows {
                         index: 0,
                         shape: &[2, 128],
                         data: &floats,
+                        classified: false,
                     },
                     OutputRows {
                         index: 2,
                         shape: &[],
                         data: &[],
+                        classified: false,
                     },
                 ],
             ),
@@ -294,11 +308,13 @@ mod tests {
                         index: 0,
                         shape: &[u64::MAX, 0],
                         data: &[],
+                        classified: false,
                     },
                     OutputRows {
                         index: 9,
                         shape: &[3],
                         data: b"abc",
+                        classified: false,
                     },
                 ],
             ),
@@ -321,6 +337,7 @@ mod tests {
             index: 0,
             shape: &[1, 3],
             data: &data,
+            classified: false,
         }];
         let response = InferResponse::new(&codec, "m", "id", &outputs);
         let framed = response.framed().expect("a small answer frames");
@@ -355,7 +372,7 @@ mod tests {
             let codec = codec(&[("a", DType::Float32), ("bb", DType::Bytes), ("ccc", DType::UInt8)]);
             let rows: Vec<OutputRows<'_>> = outputs
                 .iter()
-                .map(|(index, shape, data)| OutputRows { index: *index, shape, data })
+                .map(|(index, shape, data)| OutputRows { index: *index, shape, data, classified: false })
                 .collect();
             prop_assert_eq!(
                 written(&codec, &model_name, &id, &rows),

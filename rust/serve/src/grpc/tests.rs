@@ -37,7 +37,7 @@ fn requested_outputs(
     let mut request = request.clone();
     let read = InferRequest::of(&mut request);
 
-    super::requested_outputs(&read, codec).map(|(outputs, _)| outputs)
+    super::requested_outputs(&read, codec).map(|(outputs, _, _)| outputs)
 }
 
 fn input(name: &str, datatype: &str, shape: &[i64]) -> InferInputTensor {
@@ -356,7 +356,33 @@ fn requested_outputs_are_named_outputs_of_the_model() {
     let refused = requested_outputs(&request, &codec).unwrap_err();
     assert_eq!(
         refused.message,
-        "output 'y': the classification extension is not supported"
+        "invalid value type for 'classification' parameter, expected int64_param"
+    );
+    let count = |n: i64| InferParameter {
+        parameter_choice: Some(ParameterChoice::Int64Param(n)),
+    };
+    request.outputs[0]
+        .parameters
+        .insert("classification".into(), count(0));
+    let refused = requested_outputs(&request, &codec).unwrap_err();
+    assert_eq!(
+        (refused.status, refused.message.as_str()),
+        (
+            400,
+            "invalid value for 'classification' parameter, expected >= 0"
+        )
+    );
+    // A count: answered as that many classes; the others as they are.
+    request.outputs[0]
+        .parameters
+        .insert("classification".into(), count(3));
+    request.outputs.insert(0, wanted("n"));
+    let mut read_from = request.clone();
+    let read = InferRequest::of(&mut read_from);
+    let (outputs, _, classes) = super::requested_outputs(&read, &codec).unwrap();
+    assert_eq!(
+        (&outputs[..], &classes[..]),
+        (&[1, 0][..], &[None, Some(3)][..])
     );
 }
 

@@ -1,0 +1,221 @@
+"""Triton's classification extension on both front-ends, over HTTP (JSON and
+binary outputs), gRPC and gRPC streams, driven by tritonclient's
+``InferRequestedOutput(..., class_count=k)``: an output answered as the
+BYTES tensor of its top ``k`` classes per batch entry, ``"<value>:<index>"``."""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+import ferrobatch as fb
+from ferrobatch.serve import ServeConfig, serve_in_thread
+
+X = fb.TensorSpec("x", "float32", (4,))
+#: One element past the most a batch entry may have to be ranked (Triton's bound).
+WIDE = 1_000_001
+
+
+def scores(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    x = inputs["x"]
+    return {"p": x, "ids": (x * 10).to(torch.int64), "flags": x > 0}
+
+
+def twice(inputs: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
+    """A decoupled model: its scores, then their negation."""
+    yield scores(inputs)
+    yield scores({"x": -inputs["x"]})
+
+
+OUTPUTS = [
+    fb.TensorSpec("p", "float32", (4,)),
+    fb.TensorSpec("ids", "int64", (4,)),
+    fb.TensorSpec("flags", "bool", (4,)),
+]
+
+
+class Served:
+    def __init__(self, listening: Any) -> None:
+        self.http_url = f"127.0.0.1:{listening.http_port}"
+        self.grpc_url = f"127.0.0.1:{listening.grpc_port}"
+        self.servers: dict[str, fb.Server] = {}
+
+
+@pytest.fixture(scope="module", params=["native", "python"])
+def served(request: pytest.FixtureRequest) -> Iterator[Served]:
+    batched = fb.Server(scores, inputs=[X], outputs=OUTPUTS, max_batch_size=8, max_delay=0.001, name="scores")
+    single = fb.Server(scores, inputs=[X], outputs=OUTPUTS, batching=False, name="single")
+    streaming = fb.Server(twice, inputs=[X], outputs=OUTPUTS, decoupled=True, name="twice")
+    wide = fb.Server(
+        lambda b: {"w": torch.zeros(b["x"].shape[0], WIDE)},
+        inputs=[X],
+        outputs=[fb.TensorSpec("w", "float32", (WIDE,))],
+        name="wide",
+    )
+    config = ServeConfig(http_port=0, grpc_port=0, frontend=request.param, log_level="warning")
+    with serve_in_thread([batched, single, streaming, wide], config) as listening:
+        served = Served(listening)
+        served.servers = {"scores": batched, "single": single, "wide": wide}
+        yield served
+
+
+ROWS = np.array([[1.1, 3.3, 0.5, 2.4], [9.0, -1.0, 4.0, 4.0]], dtype=np.float32)
+#: Triton's documented example (row 0), and a tie broken by index (row 1).
+TOP2 = [["3.300000:1", "2.400000:3"], ["9.000000:0", "4.000000:2"]]
+
+
+def _classes(result: Any, name: str) -> Any:
+    """The classes answered, as text (JSON gives str, binary data bytes)."""
+    return np.vectorize(lambda v: v.decode() if isinstance(v, bytes) else v, otypes=[object])(
+        result.as_numpy(name)
+    ).tolist()
+
+
+def _http(served: Served, model: str, x: np.ndarray, outputs: list[Any]) -> httpclient.InferResult:
+    client = httpclient.InferenceServerClient(served.http_url)
+    try:
+        inp = httpclient.InferInput("x", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x)
+        return client.infer(model, [inp], outputs=outputs)
+    finally:
+        client.close()
+
+
+def _grpc(served: Served, model: str, x: np.ndarray, outputs: list[Any]) -> grpcclient.InferResult:
+    client = grpcclient.InferenceServerClient(served.grpc_url)
+    try:
+        inp = grpcclient.InferInput("x", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x)
+        return client.infer(model, [inp], outputs=outputs)
+    finally:
+        client.close()
+
+
+def _output(result: Any, name: str) -> dict[str, Any]:
+    output = result.get_output(name)
+    if isinstance(output, dict):
+        return output
+    return {"datatype": output.datatype, "shape": list(output.shape)}
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
+def test_http_answers_each_row_with_its_top_classes(served: Served, binary: bool) -> None:
+    outputs = [
+        httpclient.InferRequestedOutput("p", binary_data=binary, class_count=2),
+        httpclient.InferRequestedOutput("ids", binary_data=binary),
+    ]
+    before = served.servers["scores"].stats()["requests_succeeded"]
+    result = _http(served, "scores", ROWS, outputs)
+    assert served.servers["scores"].stats()["requests_succeeded"] == before + 1
+    assert _output(result, "p")["datatype"] == "BYTES"
+    assert _classes(result, "p") == TOP2
+    # The other output is answered as the model gave it.
+    assert result.as_numpy("ids").tolist() == (ROWS * 10).astype(np.int64).tolist()
+
+
+def test_grpc_answers_each_row_with_its_top_classes(served: Served) -> None:
+    outputs = [grpcclient.InferRequestedOutput("p", class_count=2), grpcclient.InferRequestedOutput("ids")]
+    result = _grpc(served, "scores", ROWS, outputs)
+    assert _output(result, "p") == {"datatype": "BYTES", "shape": [2, 2]}
+    assert _classes(result, "p") == TOP2
+    assert result.as_numpy("ids").tolist() == (ROWS * 10).astype(np.int64).tolist()
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_integers_rank_as_integers_and_a_count_past_the_row_keeps_it_all(served: Served, protocol: str) -> None:
+    x = ROWS[:1]
+    if protocol == "http":
+        result = _http(served, "scores", x, [httpclient.InferRequestedOutput("ids", class_count=10)])
+    else:
+        result = _grpc(served, "scores", x, [grpcclient.InferRequestedOutput("ids", class_count=10)])
+    assert _classes(result, "ids") == [["33:1", "24:3", "11:0", "5:2"]]
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_without_batching_the_whole_output_is_ranked(served: Served, protocol: str) -> None:
+    x = ROWS[0]
+    if protocol == "http":
+        result = _http(served, "single", x, [httpclient.InferRequestedOutput("p", class_count=1)])
+    else:
+        result = _grpc(served, "single", x, [grpcclient.InferRequestedOutput("p", class_count=1)])
+    assert _classes(result, "p") == ["3.300000:1"]
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_an_output_that_cannot_be_ranked_is_refused_before_the_model_runs(served: Served, protocol: str) -> None:
+    server = served.servers["scores"]
+    before = server.stats()
+    with pytest.raises(InferenceServerException) as refused:
+        if protocol == "http":
+            _http(served, "scores", ROWS, [httpclient.InferRequestedOutput("flags", class_count=1)])
+        else:
+            _grpc(served, "scores", ROWS, [grpcclient.InferRequestedOutput("flags", class_count=1)])
+    assert "class result not available for output due to unsupported type 'BOOL'" in str(refused.value)
+    assert refused.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
+    after = server.stats()
+    # The model never ran; the refusal is no success.
+    assert (after["batches"], after["requests_succeeded"]) == (before["batches"], before["requests_succeeded"])
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_an_output_too_large_to_rank_fails_after_the_model_ran_counted_as_the_clients(
+    served: Served, protocol: str
+) -> None:
+    server = served.servers["wide"]
+    before = server.stats()
+    with pytest.raises(InferenceServerException) as refused:
+        if protocol == "http":
+            _http(served, "wide", ROWS[:1], [httpclient.InferRequestedOutput("w", class_count=5)])
+        else:
+            _grpc(served, "wide", ROWS[:1], [grpcclient.InferRequestedOutput("w", class_count=5)])
+    assert "classification output tensor too large" in str(refused.value)
+    assert refused.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
+    after = server.stats()
+    assert after["batches"] == before["batches"] + 1
+    assert after["requests_succeeded"] == before["requests_succeeded"]
+    assert after["requests_failed"]["invalid_input"] == before["requests_failed"]["invalid_input"] + 1
+
+
+def _streamed(served: Served, model: str, responses: int) -> list[Any]:
+    answers: queue.Queue[Any] = queue.Queue()
+    client = grpcclient.InferenceServerClient(served.grpc_url)
+    try:
+        client.start_stream(callback=lambda result, error: answers.put(error or result))
+        inp = grpcclient.InferInput("x", list(ROWS.shape), "FP32")
+        inp.set_data_from_numpy(ROWS)
+        outputs = [grpcclient.InferRequestedOutput("p", class_count=2)]
+        client.async_stream_infer(model, [inp], outputs=outputs)
+        got = [answers.get(timeout=10) for _ in range(responses)]
+        client.stop_stream()
+    finally:
+        client.close()
+    for answer in got:
+        assert not isinstance(answer, InferenceServerException), answer
+    return got
+
+
+def test_a_grpc_stream_answers_with_classes_too(served: Served) -> None:
+    (answer,) = _streamed(served, "scores", 1)
+    assert _classes(answer, "p") == TOP2
+
+
+def test_each_response_of_a_decoupled_model_is_answered_with_classes(served: Served) -> None:
+    first, second = _streamed(served, "twice", 2)
+    assert _classes(first, "p") == TOP2
+    assert _classes(second, "p") == [["-0.500000:2", "-1.100000:0"], ["1.000000:1", "-4.000000:2"]]
+
+
+def test_server_metadata_announces_classification(served: Served) -> None:
+    client = httpclient.InferenceServerClient(served.http_url)
+    try:
+        assert "classification" in client.get_server_metadata()["extensions"]
+    finally:
+        client.close()
