@@ -35,8 +35,10 @@ def twice(inputs: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
     yield scores({"x": -inputs["x"]})
 
 
+#: Labels for classes 0..2 of "p": class 3 has none (Triton then answers "<value>:<index>").
+LABELS = ("zero", "one", "two")
 OUTPUTS = [
-    fb.TensorSpec("p", "float32", (4,)),
+    fb.TensorSpec("p", "float32", (4,), labels=LABELS),
     fb.TensorSpec("ids", "int64", (4,)),
     fb.TensorSpec("flags", "bool", (4,)),
 ]
@@ -68,8 +70,9 @@ def served(request: pytest.FixtureRequest) -> Iterator[Served]:
 
 
 ROWS = np.array([[1.1, 3.3, 0.5, 2.4], [9.0, -1.0, 4.0, 4.0]], dtype=np.float32)
-#: Triton's documented example (row 0), and a tie broken by index (row 1).
-TOP2 = [["3.300000:1", "2.400000:3"], ["9.000000:0", "4.000000:2"]]
+#: Triton's documented example (row 0), and a tie broken by index (row 1),
+#: with their labels.
+TOP2 = [["3.300000:1:one", "2.400000:3"], ["9.000000:0:zero", "4.000000:2:two"]]
 
 
 def _classes(result: Any, name: str) -> Any:
@@ -146,7 +149,7 @@ def test_without_batching_the_whole_output_is_ranked(served: Served, protocol: s
         result = _http(served, "single", x, [httpclient.InferRequestedOutput("p", class_count=1)])
     else:
         result = _grpc(served, "single", x, [grpcclient.InferRequestedOutput("p", class_count=1)])
-    assert _classes(result, "p") == ["3.300000:1"]
+    assert _classes(result, "p") == ["3.300000:1:one"]
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
@@ -210,7 +213,7 @@ def test_a_grpc_stream_answers_with_classes_too(served: Served) -> None:
 def test_each_response_of_a_decoupled_model_is_answered_with_classes(served: Served) -> None:
     first, second = _streamed(served, "twice", 2)
     assert _classes(first, "p") == TOP2
-    assert _classes(second, "p") == [["-0.500000:2", "-1.100000:0"], ["1.000000:1", "-4.000000:2"]]
+    assert _classes(second, "p") == [["-0.500000:2:two", "-1.100000:0:zero"], ["1.000000:1:one", "-4.000000:2:two"]]
 
 
 def test_server_metadata_announces_classification(served: Served) -> None:
@@ -219,3 +222,13 @@ def test_server_metadata_announces_classification(served: Served) -> None:
         assert "classification" in client.get_server_metadata()["extensions"]
     finally:
         client.close()
+
+
+def test_labels_belong_to_outputs_and_are_bounded() -> None:
+    with pytest.raises(ValueError, match="inputs have no class labels"):
+        fb.Server(scores, inputs=[fb.TensorSpec("x", "float32", (4,), labels=("a",))], outputs=OUTPUTS)
+    with pytest.raises(ValueError, match="one line"):
+        fb.TensorSpec("p", "float32", (4,), labels=("a\nb",))
+    with pytest.raises(ValueError, match="strings"):
+        fb.TensorSpec("p", "float32", (4,), labels=(1, 2))  # type: ignore[arg-type]
+    assert fb.TensorSpec("p", "float32", (4,), labels=["a", "b"]).labels == ("a", "b")  # type: ignore[arg-type]

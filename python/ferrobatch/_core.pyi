@@ -344,12 +344,15 @@ class V2Codec:
         decoupled: bool = False,
         regions: SharedMemoryRegions | None = None,
         output_row_bytes: list[int | None] | None = None,
+        output_labels: list[list[str] | None] | None = None,
     ) -> V2Codec:
         """``regions``: the server's shared-memory regions, which requests
         may then name (None: refused). ``output_row_bytes``: the bytes of
         one row of each output (of the whole output without batching), None
         where only the model's answer says: an output region too small for
-        a known size is refused before the model runs."""
+        a known size is refused before the model runs. ``output_labels``:
+        each output's class labels (or None), which a classified output's
+        classes are answered with."""
     def decode(self, body: bytes, header_length: str | None = None) -> V2Request: ...
     def remembered_headers(self) -> int: ...
     def encode(self, request: V2Request, results: dict[str, torch.Tensor]) -> tuple[bytes, int | None]: ...

@@ -312,6 +312,9 @@ class Server:
         optional_outputs = [s.name for s in self.outputs if s.optional]
         if optional_outputs:
             raise ValueError(f"outputs cannot be optional (only inputs): {', '.join(optional_outputs)}")
+        labelled_inputs = [s.name for s in self.inputs if s.labels is not None]
+        if labelled_inputs:
+            raise ValueError(f"inputs have no class labels (only outputs): {', '.join(labelled_inputs)}")
         late = [s.name for s in self.inputs[64:] if s.optional]
         if late:
             raise ValueError(f"optional inputs must be among the first 64 inputs: {', '.join(late)}")

@@ -49,6 +49,11 @@ def dtype_name(dtype: Any) -> str:
 _RAGGED_MODES = ("pad", "jagged")
 #: The most elements one row of a tensor may hold (2**40: 4 TiB of float32).
 MAX_ROW_ELEMENTS = 1 << 40
+#: Labels of one output, at most: one per class of the most elements a
+#: classified batch entry may have (Triton's bound).
+MAX_LABELS = 1_000_000
+#: Characters of one label, at most.
+MAX_LABEL_LENGTH = 4096
 _MAX_VARIABLE_DIMS = 4  # as the core's MAX_VARIABLE_DIMS
 
 
@@ -83,6 +88,12 @@ class TensorSpec:
     variable-length input, empty strings for BYTES), and a model built
     ``with_requests`` finds the inputs each request left out in
     :attr:`RequestInfo.absent <ferrobatch.RequestInfo.absent>`.
+
+    ``labels`` (an output): the name of each class, by index, as Triton's
+    ``label_filename`` lists them (one label per line there). A request
+    asking for the output as its top classes (Triton's classification
+    extension, ``InferRequestedOutput(name, class_count=k)``) gets
+    ``"<value>:<index>:<label>"`` for a class with a label.
     """
 
     name: str
@@ -91,6 +102,7 @@ class TensorSpec:
     ragged: str | None = None
     pad_value: float = 0
     optional: bool = False
+    labels: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -134,6 +146,15 @@ class TensorSpec:
             )
         if self.ragged is not None and not variable:
             raise ValueError(f"TensorSpec {self.name!r}: ragged={self.ragged!r} needs a -1 in its shape")
+        if self.labels is not None:
+            labels = tuple(self.labels)
+            if len(labels) > MAX_LABELS or not all(isinstance(label, str) for label in labels):
+                raise ValueError(f"TensorSpec {self.name!r}: labels must be at most {MAX_LABELS} strings")
+            if any(len(label) > MAX_LABEL_LENGTH or "\n" in label for label in labels):
+                raise ValueError(
+                    f"TensorSpec {self.name!r}: a label is one line of at most {MAX_LABEL_LENGTH} characters"
+                )
+            object.__setattr__(self, "labels", labels)
         if not isinstance(self.pad_value, (int, float)):
             raise ValueError(f"TensorSpec {self.name!r}: pad_value must be a number, got {self.pad_value!r}")
         self._check_pad_value()

@@ -227,6 +227,7 @@ class ServedModel:
             # Outputs of a known size: a shared-memory region too small for
             # one is refused before the model runs, not after.
             output_row_bytes=[None if s.is_bytes or s.is_ragged else s.row_nbytes for s in server.outputs],
+            output_labels=[None if s.labels is None else list(s.labels) for s in server.outputs],
         )
         return cls(server, server.client(), {s.name: datatype_of(s) for s in server.outputs}, codec)
 

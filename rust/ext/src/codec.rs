@@ -787,9 +787,11 @@ impl V2Codec {
     /// in a shared-memory range too small for it is then refused (400) as
     /// the request is decoded, before the model runs. None: not checked
     /// until the response is written. `ValueError` when its length is not
-    /// the outputs'.
+    /// the outputs'. `output_labels`: per output, in order, its class
+    /// labels (Triton's classification extension answers a class with its
+    /// label), or None.
     #[new]
-    #[pyo3(signature = (model, outputs, *, max_body_size, max_elements, batching=true, decoupled=false, regions=None, output_row_bytes=None))]
+    #[pyo3(signature = (model, outputs, *, max_body_size, max_elements, batching=true, decoupled=false, regions=None, output_row_bytes=None, output_labels=None))]
     #[allow(clippy::too_many_arguments)] // Python's keywords
     fn new(
         py: Python<'_>,
@@ -801,6 +803,7 @@ impl V2Codec {
         decoupled: bool,
         regions: Option<PyRef<'_, SharedMemoryRegions>>,
         output_row_bytes: Option<Vec<Option<usize>>>,
+        output_labels: Option<Vec<Option<Vec<String>>>>,
     ) -> PyResult<V2Codec> {
         let mut specs = Vec::with_capacity(outputs.len());
         let mut output_keys = Vec::with_capacity(outputs.len());
@@ -826,6 +829,9 @@ impl V2Codec {
         }
         if let Some(regions) = regions {
             core = core.with_regions(regions.core.clone());
+        }
+        if let Some(labels) = output_labels {
+            core = core.with_output_labels(labels);
         }
         if let Some(row_bytes) = output_row_bytes {
             if row_bytes.len() != core.outputs().len() {

@@ -8,7 +8,8 @@
 //! min(k, n)]` (`[min(k, n)]` without batching), `n` the entry's element
 //! count, whose elements read `"<value>:<index>"`: the value as C++'s
 //! `std::to_string` prints it (integers exactly, floats with six decimals)
-//! and the element's index in its entry. Equal values rank by index, lower
+//! and the element's index in its entry, then `":<label>"` where the output
+//! has a label for that index ([`Codec::with_output_labels`]). Equal values rank by index, lower
 //! first; NaN ranks last. Only integer, FP32 and FP64 outputs can be
 //! classified (Triton's rule), and an entry of at most
 //! [`MAX_CLASSIFIED_ELEMENTS`] elements.
@@ -92,10 +93,12 @@ impl Codec {
             )));
         }
         let kept = entry.min(count as usize);
+        let labels = self.output_labels(index).unwrap_or_default();
         let mut out = Vec::new();
         if entry > 0 {
             for row in data.chunks_exact(entry * itemsize) {
-                top_classes(spec.dtype, row, kept, &mut out);
+                top_classes(spec.dtype, row, kept, labels, &mut out)
+                    .map_err(|e| V2Error::Output(format!("output '{}': {e}", spec.name)))?;
             }
         }
         let mut classified = Shape::new();
@@ -108,8 +111,15 @@ impl Codec {
 }
 
 /// Appends the `kept` highest elements of `row` (little-endian `dtype`
-/// values), highest first, as BYTES elements `"<value>:<index>"`.
-fn top_classes(dtype: DType, row: &[u8], kept: usize, out: &mut Vec<u8>) {
+/// values), highest first, as BYTES elements `"<value>:<index>"`, with
+/// `":<label>"` where `labels` has one for the index.
+fn top_classes(
+    dtype: DType,
+    row: &[u8],
+    kept: usize,
+    labels: &[String],
+    out: &mut Vec<u8>,
+) -> Result<(), crate::bytes::BytesError> {
     macro_rules! ranked {
         ($t:ty, $n:literal, $write:expr) => {{
             let values: Vec<$t> = row
@@ -117,10 +127,12 @@ fn top_classes(dtype: DType, row: &[u8], kept: usize, out: &mut Vec<u8>) {
                 .map(|b| <$t>::from_le_bytes(b.try_into().unwrap_or([0; $n])))
                 .collect();
             for i in top_indices(&values, kept) {
-                let text = format!("{}:{i}", $write(values[i]));
-                // A few dozen bytes: its length fits the 4-byte prefix.
-                out.extend_from_slice(&(text.len() as u32).to_le_bytes());
-                out.extend_from_slice(text.as_bytes());
+                let mut text = format!("{}:{i}", $write(values[i]));
+                if let Some(label) = labels.get(i) {
+                    text.push(':');
+                    text.push_str(label);
+                }
+                crate::bytes::push(out, text.as_bytes())?;
             }
         }};
     }
@@ -139,6 +151,7 @@ fn top_classes(dtype: DType, row: &[u8], kept: usize, out: &mut Vec<u8>) {
         // Refused by `check_classifiable` before this is reached.
         DType::Bool | DType::Bytes | DType::Float16 | DType::BFloat16 => {}
     }
+    Ok(())
 }
 
 /// The indices of the `kept` highest of `values`, highest first: equal
@@ -232,6 +245,21 @@ mod tests {
             .unwrap();
         assert_eq!(&shape[..], &[1]);
         assert_eq!(strings(&out), ["0.500000:1"]);
+    }
+
+    #[test]
+    fn a_class_with_a_label_is_answered_with_it() {
+        let labels = vec![Some(vec!["cat".to_owned(), "dog".to_owned()])];
+        let data = f32s(&[0.25, 0.5, 0.125]);
+        let (_, out) = codec(DType::Float32)
+            .with_output_labels(labels)
+            .classify(0, 3, &[1, 3], &data)
+            .unwrap();
+        // Class 2 has no label: Triton's "<value>:<index>".
+        assert_eq!(
+            strings(&out),
+            ["0.500000:1:dog", "0.250000:0:cat", "0.125000:2"]
+        );
     }
 
     #[test]

@@ -109,6 +109,8 @@ pub fn shared_memory_refused(tensor: &str) -> String {
 }
 pub use memo::{HeaderMemo, MAX_REMEMBERED_HEADER, REMEMBERED_HEADERS};
 
+use std::sync::Arc;
+
 use crate::DType;
 
 /// The one version every model is served as.
@@ -167,6 +169,11 @@ pub struct Codec {
     /// batching), index-aligned with `outputs`, where known before the
     /// model runs; empty: none known (see [`Codec::with_output_row_bytes`]).
     output_row_bytes: Vec<Option<usize>>,
+    /// The class labels of each output, index-aligned with `outputs`
+    /// (Triton's `label_filename`): a classified output's class `k` is
+    /// answered with label `k` where there is one; empty: none has labels
+    /// (see [`Codec::with_output_labels`]).
+    output_labels: Vec<Option<Arc<[String]>>>,
 }
 
 impl Codec {
@@ -198,6 +205,7 @@ impl Codec {
             batching: true,
             decoupled: false,
             regions: None,
+            output_labels: Vec::new(),
             output_row_bytes: Vec::new(),
         }
     }
@@ -227,6 +235,21 @@ impl Codec {
     pub fn with_output_row_bytes(mut self, row_bytes: Vec<Option<usize>>) -> Codec {
         self.output_row_bytes = row_bytes;
         self
+    }
+
+    /// This codec, with class labels for its outputs: `labels[i]` those of
+    /// output `i` (of [`Codec::outputs`]), label `k` for its class `k`
+    /// (Triton's classification extension answers `"<value>:<k>:<label>"`;
+    /// a class past the labels has none). Entries past the outputs are
+    /// ignored.
+    pub fn with_output_labels(mut self, labels: Vec<Option<Vec<String>>>) -> Codec {
+        self.output_labels = labels.into_iter().map(|l| l.map(Arc::from)).collect();
+        self
+    }
+
+    /// The class labels of output `index`, if it has any.
+    pub fn output_labels(&self, index: usize) -> Option<&[String]> {
+        self.output_labels.get(index)?.as_deref()
     }
 
     /// The bytes of one row of each output where known (see
