@@ -14,6 +14,7 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import InferenceServerException
 
 import ferrobatch as fb
@@ -63,7 +64,13 @@ def served(request: pytest.FixtureRequest) -> Iterator[Served]:
         name="wide",
     )
     config = ServeConfig(http_port=0, grpc_port=0, frontend=request.param, log_level="warning")
-    with serve_in_thread([batched, single, streaming, wide], config) as listening:
+    image = fb.Server(
+        lambda b: {"probs": b["image"].mean(dim=(2, 3))},
+        inputs=[fb.TensorSpec("image", "float32", (3, 8, 8), format="NCHW")],
+        outputs=[fb.TensorSpec("probs", "float32", (3,), labels=("red", "green", "blue"))],
+        name="image",
+    )
+    with serve_in_thread([batched, single, streaming, wide, image], config) as listening:
         served = Served(listening)
         served.servers = {"scores": batched, "single": single, "wide": wide}
         yield served
@@ -232,3 +239,25 @@ def test_labels_belong_to_outputs_and_are_bounded() -> None:
     with pytest.raises(ValueError, match="strings"):
         fb.TensorSpec("p", "float32", (4,), labels=(1, 2))  # type: ignore[arg-type]
     assert fb.TensorSpec("p", "float32", (4,), labels=["a", "b"]).labels == ("a", "b")  # type: ignore[arg-type]
+
+
+def test_an_image_inputs_format_is_in_the_model_config_as_image_clients_read_it(served: Served) -> None:
+    http = httpclient.InferenceServerClient(served.http_url)
+    grpc = grpcclient.InferenceServerClient(served.grpc_url)
+    try:
+        assert http.get_model_config("image")["input"][0]["format"] == "FORMAT_NCHW"
+        assert "format" not in http.get_model_config("scores")["input"][0]
+        config = grpc.get_model_config("image").config
+        assert config.input[0].format == model_config_pb2.ModelInput.FORMAT_NCHW
+    finally:
+        http.close()
+        grpc.close()
+
+
+def test_formats_belong_to_image_inputs() -> None:
+    with pytest.raises(ValueError, match="three dimensions"):
+        fb.TensorSpec("image", "float32", (8, 8), format="NHWC")
+    with pytest.raises(ValueError, match="'NCHW' or 'NHWC'"):
+        fb.TensorSpec("image", "float32", (3, 8, 8), format="CHW")
+    with pytest.raises(ValueError, match="outputs have no image format"):
+        fb.Server(scores, inputs=[X], outputs=[fb.TensorSpec("p", "float32", (3, 2, 2), format="NCHW")])

@@ -315,6 +315,9 @@ class Server:
         labelled_inputs = [s.name for s in self.inputs if s.labels is not None]
         if labelled_inputs:
             raise ValueError(f"inputs have no class labels (only outputs): {', '.join(labelled_inputs)}")
+        formatted_outputs = [s.name for s in self.outputs if s.format is not None]
+        if formatted_outputs:
+            raise ValueError(f"outputs have no image format (only inputs): {', '.join(formatted_outputs)}")
         late = [s.name for s in self.inputs[64:] if s.optional]
         if late:
             raise ValueError(f"optional inputs must be among the first 64 inputs: {', '.join(late)}")

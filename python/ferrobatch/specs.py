@@ -49,6 +49,8 @@ def dtype_name(dtype: Any) -> str:
 _RAGGED_MODES = ("pad", "jagged")
 #: The most elements one row of a tensor may hold (2**40: 4 TiB of float32).
 MAX_ROW_ELEMENTS = 1 << 40
+#: The image layouts an input may declare (Triton's ``FORMAT_NHWC``, ``FORMAT_NCHW``).
+_IMAGE_FORMATS = ("NHWC", "NCHW")
 #: Labels of one output, at most: one per class of the most elements a
 #: classified batch entry may have (Triton's bound).
 MAX_LABELS = 1_000_000
@@ -94,6 +96,10 @@ class TensorSpec:
     asking for the output as its top classes (Triton's classification
     extension, ``InferRequestedOutput(name, class_count=k)``) gets
     ``"<value>:<index>:<label>"`` for a class with a label.
+
+    ``format="NCHW"`` or ``"NHWC"`` (an input of three dimensions): how an
+    image is laid out, as Triton's model configuration says it
+    (``FORMAT_NCHW``); its image clients read it to shape what they send.
     """
 
     name: str
@@ -103,6 +109,7 @@ class TensorSpec:
     pad_value: float = 0
     optional: bool = False
     labels: tuple[str, ...] | None = None
+    format: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -146,6 +153,14 @@ class TensorSpec:
             )
         if self.ragged is not None and not variable:
             raise ValueError(f"TensorSpec {self.name!r}: ragged={self.ragged!r} needs a -1 in its shape")
+        if self.format is not None:
+            if self.format not in _IMAGE_FORMATS:
+                raise ValueError(f"TensorSpec {self.name!r}: format must be 'NCHW' or 'NHWC', got {self.format!r}")
+            if len(shape) != 3:
+                raise ValueError(
+                    f"TensorSpec {self.name!r}: format {self.format} needs three dimensions (without the batch), "
+                    f"got {shape}"
+                )
         if self.labels is not None:
             labels = tuple(self.labels)
             if len(labels) > MAX_LABELS or not all(isinstance(label, str) for label in labels):

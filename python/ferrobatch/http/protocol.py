@@ -540,6 +540,7 @@ class ModelRepository:
                 {
                     "name": s.name,
                     "data_type": "TYPE_STRING" if s.is_bytes else "TYPE_" + datatype_of(s),
+                    **({"format": "FORMAT_" + s.format} if s.format else {}),
                     "dims": list(s.shape),
                     **({"optional": True} if s.optional else {}),
                 }
