@@ -251,8 +251,7 @@ def test_model_failure_is_internal(triton: grpcclient.InferenceServerClient) -> 
 def test_unimplemented_rpcs_say_so(triton: grpcclient.InferenceServerClient) -> None:
     # Triton's RPCs beyond those of tests/test_grpc_extensions.py,
     # test_log_settings.py, test_system_shared_memory.py and
-    # test_model_control.py are not served.
-    assert code_of(lambda: triton.get_cuda_shared_memory_status()) == "StatusCode.UNIMPLEMENTED"
+    # test_model_control.py (CUDA shared memory's too) are not served.
     assert code_of(lambda: triton.get_trace_settings()) == "StatusCode.UNIMPLEMENTED"
     # Model control is served, off by default as in Triton.
     assert code_of(lambda: triton.load_model("double")) == "StatusCode.UNAVAILABLE"

@@ -395,6 +395,40 @@ def test_off_by_default_as_in_triton(frontend: str, regions: Regions) -> None:
                 client.close()
 
 
+def test_cuda_shared_memory_is_answered_as_triton_without_gpus_answers_it(served: Listening) -> None:
+    # Clients unregister CUDA regions before they start (Triton's examples do): nothing to do;
+    # none is ever listed, and registering one is the client's 400.
+    for client in clients(served):
+        try:
+            client.unregister_cuda_shared_memory()
+            client.unregister_cuda_shared_memory("r")
+            status = client.get_cuda_shared_memory_status()
+            assert (status if isinstance(status, list) else list(status.regions)) == []
+            with pytest.raises(InferenceServerException, match="Unable to find cuda shared memory region: 'r'") as e:
+                client.get_cuda_shared_memory_status("r")
+            assert e.value.status() in ("404", "StatusCode.NOT_FOUND")
+            with pytest.raises(InferenceServerException, match="CUDA shared memory is not supported") as e:
+                client.register_cuda_shared_memory("r", b"\0" * 64, 0, 64)
+            assert e.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
+        finally:
+            client.close()
+
+
+@pytest.mark.parametrize("frontend", ["native", "python"])
+def test_cuda_shared_memory_is_off_by_default_too(frontend: str) -> None:
+    with serving(frontend) as listening:
+        for client in clients(listening):
+            try:
+                with pytest.raises(InferenceServerException, match="Client shared memory is disabled") as e:
+                    client.unregister_cuda_shared_memory()
+                assert e.value.status() in ("501", "StatusCode.UNIMPLEMENTED")
+                with pytest.raises(InferenceServerException, match="Client shared memory is disabled") as e:
+                    client.register_cuda_shared_memory("r", b"", 0, 8)
+                assert e.value.status() in ("501", "StatusCode.UNIMPLEMENTED")
+            finally:
+                client.close()
+
+
 def test_the_shared_memory_api_group_can_be_restricted(regions: Regions) -> None:
     key, _ = regions.make(64)
     with serving("native", allow_client_shm=True, http_restricted_api=("shared-memory:token=s3cret",)) as listening:

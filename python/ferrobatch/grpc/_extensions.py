@@ -125,6 +125,28 @@ def unregister_shared_memory(
     return pb.SystemSharedMemoryUnregisterResponse()
 
 
+def cuda_shared_memory_status(
+    repository: ModelRepository, request: pb.CudaSharedMemoryStatusRequest
+) -> pb.CudaSharedMemoryStatusResponse:
+    """No CUDA region is ever registered (NOT_FOUND for a name)."""
+    repository.cuda_shared_memory_status(request.name)
+    return pb.CudaSharedMemoryStatusResponse()
+
+
+def register_cuda_shared_memory(
+    repository: ModelRepository, request: pb.CudaSharedMemoryRegisterRequest
+) -> pb.CudaSharedMemoryRegisterResponse:
+    repository.register_cuda_shared_memory(request.name)
+    return pb.CudaSharedMemoryRegisterResponse()
+
+
+def unregister_cuda_shared_memory(
+    repository: ModelRepository, request: pb.CudaSharedMemoryUnregisterRequest
+) -> pb.CudaSharedMemoryUnregisterResponse:
+    repository.unregister_cuda_shared_memory(request.name)
+    return pb.CudaSharedMemoryUnregisterResponse()
+
+
 _RPCS: dict[str, tuple[type[Message], Callable[[ModelRepository, Any], Message | Awaitable[Message]]]] = {
     "ModelReady": (pb.ModelReadyRequest, model_ready),
     "ModelConfig": (pb.ModelConfigRequest, model_config),
@@ -136,6 +158,9 @@ _RPCS: dict[str, tuple[type[Message], Callable[[ModelRepository, Any], Message |
     "SystemSharedMemoryStatus": (pb.SystemSharedMemoryStatusRequest, shared_memory_status),
     "SystemSharedMemoryRegister": (pb.SystemSharedMemoryRegisterRequest, register_shared_memory),
     "SystemSharedMemoryUnregister": (pb.SystemSharedMemoryUnregisterRequest, unregister_shared_memory),
+    "CudaSharedMemoryStatus": (pb.CudaSharedMemoryStatusRequest, cuda_shared_memory_status),
+    "CudaSharedMemoryRegister": (pb.CudaSharedMemoryRegisterRequest, register_cuda_shared_memory),
+    "CudaSharedMemoryUnregister": (pb.CudaSharedMemoryUnregisterRequest, unregister_cuda_shared_memory),
 }
 
 

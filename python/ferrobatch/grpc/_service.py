@@ -198,6 +198,27 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             _extensions.unregister_shared_memory, request, context, pb.SystemSharedMemoryUnregisterResponse
         )
 
+    async def CudaSharedMemoryStatus(
+        self, request: pb.CudaSharedMemoryStatusRequest, context: Context
+    ) -> pb.CudaSharedMemoryStatusResponse:
+        return await self._extension(
+            _extensions.cuda_shared_memory_status, request, context, pb.CudaSharedMemoryStatusResponse
+        )
+
+    async def CudaSharedMemoryRegister(
+        self, request: pb.CudaSharedMemoryRegisterRequest, context: Context
+    ) -> pb.CudaSharedMemoryRegisterResponse:
+        return await self._extension(
+            _extensions.register_cuda_shared_memory, request, context, pb.CudaSharedMemoryRegisterResponse
+        )
+
+    async def CudaSharedMemoryUnregister(
+        self, request: pb.CudaSharedMemoryUnregisterRequest, context: Context
+    ) -> pb.CudaSharedMemoryUnregisterResponse:
+        return await self._extension(
+            _extensions.unregister_cuda_shared_memory, request, context, pb.CudaSharedMemoryUnregisterResponse
+        )
+
     async def _extension(
         self,
         answer: Callable[[ModelRepository, Request], Response | Awaitable[Response]],

@@ -179,6 +179,18 @@ async def _shared_memory_unregister(e: Endpoint, c: Call) -> Reply:
     return e.shared_memory("unregister", c.params.get("region", ""))
 
 
+async def _cuda_shared_memory_status(e: Endpoint, c: Call) -> Reply:
+    return e.cuda_shared_memory("status", c.params.get("region", ""))
+
+
+async def _cuda_shared_memory_register(e: Endpoint, c: Call) -> Reply:
+    return e.cuda_shared_memory("register", c.params.get("region", ""))
+
+
+async def _cuda_shared_memory_unregister(e: Endpoint, c: Call) -> Reply:
+    return e.cuda_shared_memory("unregister", c.params.get("region", ""))
+
+
 async def _metrics(e: Endpoint, c: Call) -> Reply:
     return e.metrics()
 
@@ -247,6 +259,12 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v2/systemsharedmemory/region/{region}/register", _shared_memory_register),
     Route("POST", "/v2/systemsharedmemory/unregister", _shared_memory_unregister),
     Route("POST", "/v2/systemsharedmemory/region/{region}/unregister", _shared_memory_unregister),
+    Route("GET", "/v2/cudasharedmemory/status", _cuda_shared_memory_status),
+    Route("GET", "/v2/cudasharedmemory/region/{region}/status", _cuda_shared_memory_status),
+    Route("POST", "/v2/cudasharedmemory/register", _cuda_shared_memory_register),
+    Route("POST", "/v2/cudasharedmemory/region/{region}/register", _cuda_shared_memory_register),
+    Route("POST", "/v2/cudasharedmemory/unregister", _cuda_shared_memory_unregister),
+    Route("POST", "/v2/cudasharedmemory/region/{region}/unregister", _cuda_shared_memory_unregister),
     *_model_routes("/v2/models/{name}"),
     *_model_routes("/v2/models/{name}/versions/{version}"),
     Route("GET", "/metrics", _metrics, metrics=True),
@@ -437,6 +455,21 @@ class Endpoint:
             if not repository.allows_client_shm:  # before the body, as Triton answers
                 raise ProtocolError(501, CLIENT_SHM_DISABLED)
             repository.register_shared_memory(region, *_register_request(load_json(body) if body.strip() else {}))
+            return _EMPTY_OK
+        except ProtocolError as exc:
+            return error_reply(exc)
+
+    def cuda_shared_memory(self, action: str, region: str) -> Reply:
+        """Triton's CUDA shared-memory calls, answered as Triton built
+        without GPUs answers them (no region is ever registered)."""
+        repository = self.repository
+        try:
+            if action == "status":
+                return _json(200, repository.cuda_shared_memory_status(region))
+            if action == "unregister":
+                repository.unregister_cuda_shared_memory(region)
+            else:
+                repository.register_cuda_shared_memory(region)
             return _EMPTY_OK
         except ProtocolError as exc:
             return error_reply(exc)

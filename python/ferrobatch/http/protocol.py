@@ -610,6 +610,30 @@ class ModelRepository:
             raise ProtocolError(501, CLIENT_SHM_DISABLED)
         self._regions.unregister(name)
 
+    # -- Triton's CUDA shared memory, as Triton built without GPUs answers it ----------
+
+    def cuda_shared_memory_status(self, name: str = "") -> list[dict[str, Any]]:
+        """No CUDA region is ever registered: none listed; 404 for a name."""
+        if name:
+            raise ProtocolError(404, f"Unable to find cuda shared memory region: '{clipped(name)}'")
+        return []
+
+    def register_cuda_shared_memory(self, name: str) -> None:
+        """Refused: 400 (501 when clients' shared memory is off)."""
+        if self._regions is None:
+            raise ProtocolError(501, CLIENT_SHM_DISABLED)
+        if not name:
+            raise ProtocolError(400, "'region name' is necessary to register cuda shared memory region")
+        raise ProtocolError(
+            400,
+            f"failed to register CUDA shared memory region: '{clipped(name)}', CUDA shared memory is not supported",
+        )
+
+    def unregister_cuda_shared_memory(self, name: str = "") -> None:
+        """Nothing to unregister (501 when clients' shared memory is off)."""
+        if self._regions is None:
+            raise ProtocolError(501, CLIENT_SHM_DISABLED)
+
     def repository_index(self, ready_only: bool = False) -> list[dict[str, Any]]:
         """Triton's repository index: every model (``ready_only``: the ready
         ones), ``{"name", "version", "state": "READY" | "UNAVAILABLE", "reason"}``."""

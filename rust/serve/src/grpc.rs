@@ -148,17 +148,19 @@ use pb::infer_parameter::ParameterChoice;
 use pb::model_infer_response::InferOutputTensor;
 use pb::model_metadata_response::TensorMetadata;
 use pb::{
-    InferParameter, InferTensorContents, LogSettingsRequest, LogSettingsResponse,
-    ModelConfigRequest, ModelConfigResponse, ModelInferRequest, ModelInferResponse,
-    ModelMetadataRequest, ModelMetadataResponse, ModelReadyRequest, ModelReadyResponse,
-    ModelStatisticsRequest, ModelStatisticsResponse, ModelStreamInferResponse,
-    RepositoryIndexRequest, RepositoryIndexResponse, RepositoryModelLoadRequest,
-    RepositoryModelLoadResponse, RepositoryModelUnloadRequest, RepositoryModelUnloadResponse,
-    ServerLiveRequest, ServerLiveResponse, ServerMetadataRequest, ServerMetadataResponse,
-    ServerReadyRequest, ServerReadyResponse, SystemSharedMemoryRegisterRequest,
-    SystemSharedMemoryRegisterResponse, SystemSharedMemoryStatusRequest,
-    SystemSharedMemoryStatusResponse, SystemSharedMemoryUnregisterRequest,
-    SystemSharedMemoryUnregisterResponse,
+    CudaSharedMemoryRegisterRequest, CudaSharedMemoryRegisterResponse,
+    CudaSharedMemoryStatusRequest, CudaSharedMemoryStatusResponse,
+    CudaSharedMemoryUnregisterRequest, CudaSharedMemoryUnregisterResponse, InferParameter,
+    InferTensorContents, LogSettingsRequest, LogSettingsResponse, ModelConfigRequest,
+    ModelConfigResponse, ModelInferRequest, ModelInferResponse, ModelMetadataRequest,
+    ModelMetadataResponse, ModelReadyRequest, ModelReadyResponse, ModelStatisticsRequest,
+    ModelStatisticsResponse, ModelStreamInferResponse, RepositoryIndexRequest,
+    RepositoryIndexResponse, RepositoryModelLoadRequest, RepositoryModelLoadResponse,
+    RepositoryModelUnloadRequest, RepositoryModelUnloadResponse, ServerLiveRequest,
+    ServerLiveResponse, ServerMetadataRequest, ServerMetadataResponse, ServerReadyRequest,
+    ServerReadyResponse, SystemSharedMemoryRegisterRequest, SystemSharedMemoryRegisterResponse,
+    SystemSharedMemoryStatusRequest, SystemSharedMemoryStatusResponse,
+    SystemSharedMemoryUnregisterRequest, SystemSharedMemoryUnregisterResponse,
 };
 
 /// The tonic service of one front-end, as every connection serves it.
@@ -1174,6 +1176,27 @@ impl GrpcInferenceService for Inference {
         request: Request<SystemSharedMemoryUnregisterRequest>,
     ) -> Result<Response<SystemSharedMemoryUnregisterResponse>, Status> {
         self.fallback("SystemSharedMemoryUnregister", request).await
+    }
+
+    async fn cuda_shared_memory_status(
+        &self,
+        request: Request<CudaSharedMemoryStatusRequest>,
+    ) -> Result<Response<CudaSharedMemoryStatusResponse>, Status> {
+        self.fallback("CudaSharedMemoryStatus", request).await
+    }
+
+    async fn cuda_shared_memory_register(
+        &self,
+        request: Request<CudaSharedMemoryRegisterRequest>,
+    ) -> Result<Response<CudaSharedMemoryRegisterResponse>, Status> {
+        self.fallback("CudaSharedMemoryRegister", request).await
+    }
+
+    async fn cuda_shared_memory_unregister(
+        &self,
+        request: Request<CudaSharedMemoryUnregisterRequest>,
+    ) -> Result<Response<CudaSharedMemoryUnregisterResponse>, Status> {
+        self.fallback("CudaSharedMemoryUnregister", request).await
     }
 }
 
