@@ -89,24 +89,22 @@ def _classes(result: Any, name: str) -> Any:
     ).tolist()
 
 
-def _http(served: Served, model: str, x: np.ndarray, outputs: list[Any]) -> httpclient.InferResult:
-    client = httpclient.InferenceServerClient(served.http_url)
+def _infer(module: Any, url: str, model: str, x: np.ndarray, outputs: list[Any]) -> Any:
+    client = module.InferenceServerClient(url)
     try:
-        inp = httpclient.InferInput("x", list(x.shape), "FP32")
+        inp = module.InferInput("x", list(x.shape), "FP32")
         inp.set_data_from_numpy(x)
         return client.infer(model, [inp], outputs=outputs)
     finally:
         client.close()
+
+
+def _http(served: Served, model: str, x: np.ndarray, outputs: list[Any]) -> httpclient.InferResult:
+    return _infer(httpclient, served.http_url, model, x, outputs)
 
 
 def _grpc(served: Served, model: str, x: np.ndarray, outputs: list[Any]) -> grpcclient.InferResult:
-    client = grpcclient.InferenceServerClient(served.grpc_url)
-    try:
-        inp = grpcclient.InferInput("x", list(x.shape), "FP32")
-        inp.set_data_from_numpy(x)
-        return client.infer(model, [inp], outputs=outputs)
-    finally:
-        client.close()
+    return _infer(grpcclient, served.grpc_url, model, x, outputs)
 
 
 def _output(result: Any, name: str) -> dict[str, Any]:
