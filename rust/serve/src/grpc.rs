@@ -1833,9 +1833,11 @@ fn typed_bytes(
 }
 
 /// The outputs `request` asks for (indices in the codec's outputs; none
-/// named: all, in their order), and the shared-memory range of each that
+/// named: all, in their order), the shared-memory range of each that
 /// names one (resolved now, before the model runs; aligned with the
-/// outputs, empty when none does).
+/// outputs, empty when none does) and the count of classes of each asked
+/// for as classes (Triton's `classification` parameter, an int64 > 0;
+/// aligned likewise, empty when none is).
 fn requested_outputs(
     request: &InferRequest<'_>,
     codec: &v2::Codec,

@@ -105,7 +105,9 @@ pub enum ResponsePlan {
         classes: OutputClasses,
     },
     /// The raw rows of these outputs (indices), in this order (one in a
-    /// region: written there, its rows empty).
+    /// region: written there, its rows empty; one with a count in
+    /// `classes`: its top classes). `regions` and `classes` are aligned
+    /// with `outputs` (or empty) in every plan.
     Raw {
         outputs: PerTensor<usize>,
         regions: OutputRegions,
@@ -244,14 +246,14 @@ pub fn part_bytes(part: &[RawOutput]) -> usize {
         .fold(0usize, |n, o| n.saturating_add(o.data.len()))
 }
 
-/// The outcome a request is counted as when answering it failed: the
-/// client's own mistake (400: an output too large for its region) or the
-/// model's.
 /// The count of classes output `i` of a request is answered with, if any.
 fn class_of(classes: &[Option<u32>], i: usize) -> Option<u32> {
     classes.get(i).copied().flatten()
 }
 
+/// The outcome a request is counted as when answering it failed: the
+/// client's own mistake (400: an output too large for its region, or to
+/// rank as classes) or the model's.
 fn failed_outcome(failure: &Failure) -> Outcome {
     match failure.status {
         400 => Outcome::InvalidInput,
