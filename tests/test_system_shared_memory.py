@@ -221,6 +221,42 @@ def test_the_grpc_stream_reads_and_writes_regions_too(served: Listening, regions
         client.close()
 
 
+def test_one_output_in_a_region_and_another_as_classes(served: Listening, regions: Regions) -> None:
+    """An output is never both; two outputs of one request may be one each
+    (every way a request is answered: HTTP, gRPC, a gRPC stream)."""
+    import queue
+
+    data = np.array([[1, 5, 3, 2], [4, 0, 9, 7]], dtype=np.float32)
+    in_key, in_handle = regions.make(64)
+    out_key, out_handle = regions.make(1024)
+    shm.set_shared_memory_region(in_handle, [data])
+
+    def check(answer: Any) -> None:
+        assert not isinstance(answer, InferenceServerException), answer
+        classes = [[c.decode() if isinstance(c, bytes) else c for c in row] for row in answer.as_numpy("z")]
+        assert classes == [["10:1", "6:2"], ["18:2", "14:3"]]
+        np.testing.assert_array_equal(shm.get_contents_as_numpy(out_handle, np.float32, [2, 4]), data * 2)
+        shm.set_shared_memory_region(out_handle, [np.zeros((2, 4), np.float32)])
+
+    for client in clients(served):
+        module = module_of(client)
+        try:
+            client.register_system_shared_memory("input", in_key, 64)
+            client.register_system_shared_memory("output", out_key, 1024)
+            inputs, (y, _) = scale_request(module, 2, "input", "output")
+            z = module.InferRequestedOutput("z", class_count=2)
+            check(client.infer("scale", inputs, outputs=[y, z]))
+            if module is grpcclient:
+                streamed: queue.Queue[Any] = queue.Queue()
+                client.start_stream(callback=lambda result, error, answers=streamed: answers.put(error or result))
+                client.async_stream_infer("scale", inputs, outputs=[y, z])
+                check(streamed.get(timeout=30))
+                client.stop_stream()
+        finally:
+            client.unregister_system_shared_memory()
+            client.close()
+
+
 def test_bytes_tensors_travel_through_regions(served: Listening, regions: Regions) -> None:
     texts = np.array([[b"hello"], [b"shared memory"]], dtype=object)
     serialized = serialize_byte_tensor(texts)

@@ -909,7 +909,7 @@ impl V2Codec {
         for (i, (&(index, _), r)) in request.selected.iter().zip(&read).enumerate() {
             if let Some(&Some(count)) = request.classes.get(i) {
                 classified.resize(i, None);
-                let classes = self.core.classify(index, count, &r.shape, r.data());
+                let classes = classify(py, &self.core, index, count, &r.shape, r.data());
                 classified.push(Some(classes.map_err(|e| codec_error(py, e))?));
             }
         }
@@ -962,6 +962,23 @@ impl V2Codec {
             Ok(())
         })?;
         Ok((body, Some(header.len())))
+    }
+}
+
+/// [`Codec::classify`], without the GIL for an output large enough that
+/// ranking it would hold other threads up.
+pub(crate) fn classify(
+    py: Python<'_>,
+    codec: &Codec,
+    index: usize,
+    count: u32,
+    shape: &[u64],
+    data: &[u8],
+) -> Result<(Shape, Vec<u8>), V2Error> {
+    if data.len() >= RELEASE_GIL_BYTES {
+        without_gil(py, || codec.classify(index, count, shape, data))
+    } else {
+        codec.classify(index, count, shape, data)
     }
 }
 

@@ -301,9 +301,8 @@ pub(crate) fn grpc_response<'py>(
         let held = request.classes.lock().unwrap_or_else(|e| e.into_inner());
         for (i, (index, readable)) in read.iter().enumerate() {
             if let Some(&(_, count)) = held.iter().find(|(asked, _)| asked == index) {
-                let classes = codec
-                    .core()
-                    .classify(*index, count, &readable.shape, readable.data())
+                let (shape, data) = (&readable.shape, readable.data());
+                let classes = crate::codec::classify(py, codec.core(), *index, count, shape, data)
                     .map_err(|e| status_error(py, e.status(), e.to_string()))?;
                 classified.resize(i, None);
                 classified.push(Some(classes));

@@ -622,58 +622,38 @@ impl Replies {
         classes: &[Option<u32>],
         columns: &[Column<'_>],
     ) -> Result<Vec<RawOutput>, Failure> {
-        // A request never puts a classified output in a region.
+        let mut rows = Vec::with_capacity(outputs.len());
+        for (i, &index) in outputs.iter().enumerate() {
+            let class_count = class_of(classes, i);
+            let (shape, data) = self.answered_rows(route, index, class_count, columns)?;
+            rows.push((index, shape, data, class_count.is_some()));
+        }
+        // An output is never both classified and in a region (the request
+        // is refused); others of the same request may be either.
         if !regions.is_empty() {
-            let mut rows = Vec::with_capacity(outputs.len());
-            for &index in outputs {
-                rows.push((index, self.rows(route, index, columns)?));
-            }
             let writes: Vec<(&str, &[u8], &RegionRange)> = rows
                 .iter()
                 .zip(regions)
-                .filter_map(|((index, (_, data)), r)| {
+                .filter_map(|((index, _, data, _), r)| {
                     Some((self.output_name(*index), data.as_ref(), r.as_ref()?))
                 })
                 .collect();
             write_regions(&writes)?;
-            return Ok(rows
-                .into_iter()
-                .zip(
-                    regions
-                        .iter()
-                        .map(Option::is_some)
-                        .chain(std::iter::repeat(false)),
-                )
-                .map(|((index, (shape, data)), in_region)| RawOutput {
-                    index,
-                    shape,
-                    data: match (in_region, data) {
-                        (true, _) => Bytes::new(),
-                        (false, Cow::Borrowed(data)) => Bytes::copy_from_slice(data),
-                        (false, Cow::Owned(data)) => Bytes::from(data),
-                    },
-                    classified: false,
-                })
-                .collect());
         }
-        outputs
-            .iter()
+        Ok(rows
+            .into_iter()
             .enumerate()
-            .map(|(i, &index)| {
-                let class_count = class_of(classes, i);
-                let (shape, data) = self.answered_rows(route, index, class_count, columns)?;
-                let data = match data {
-                    Cow::Borrowed(data) => Bytes::copy_from_slice(data),
-                    Cow::Owned(data) => Bytes::from(data),
-                };
-                Ok(RawOutput {
-                    index,
-                    shape,
-                    data,
-                    classified: class_count.is_some(),
-                })
+            .map(|(i, (index, shape, data, classified))| RawOutput {
+                index,
+                shape,
+                data: match (matches!(regions.get(i), Some(Some(_))), data) {
+                    (true, _) => Bytes::new(),
+                    (false, Cow::Borrowed(data)) => Bytes::copy_from_slice(data),
+                    (false, Cow::Owned(data)) => Bytes::from(data),
+                },
+                classified,
             })
-            .collect()
+            .collect())
     }
 
     /// [`Replies::rows`], as the request asks for them: with a count,

@@ -928,8 +928,7 @@ impl<'a> Decoder<'a, '_> {
             self.p.begin_object().map_err(json_error)?;
             let mut name: Field<'a, Cow<'a, str>> = Field::Missing;
             let mut binary: Option<Option<bool>> = None; // Some(None): binary_data bad
-                                                         // Some(None): a value that is not a count.
-            let mut classification: Option<Option<u64>> = None;
+            let mut classification: Option<Option<u64>> = None; // Some(None): not a count
             let mut shared_memory = false;
             // With regions: its shared-memory parameters as read, or the
             // first one that did not parse.

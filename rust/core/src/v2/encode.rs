@@ -20,14 +20,13 @@ pub struct Output<'a> {
 }
 
 impl Output<'_> {
-    /// The datatype it is sent as.
-    fn dtype(&self, codec: &Codec) -> Option<DType> {
-        let spec = codec.outputs().get(self.index)?;
-        Some(if self.classified {
+    /// The datatype it is sent as (`spec`: its output's).
+    fn dtype(&self, spec: &super::OutputSpec) -> DType {
+        if self.classified {
             DType::Bytes
         } else {
             spec.dtype
-        })
+        }
     }
 }
 
@@ -262,7 +261,7 @@ impl Codec {
                     o.index
                 ))
             })?;
-            let dtype = o.dtype(self).unwrap_or(spec.dtype);
+            let dtype = o.dtype(spec);
             let (count, nbytes) = checked_size(&spec.name, dtype, o.shape, usize::MAX)
                 .map_err(|e| V2Error::Output(e.to_string()))?;
             if dtype == DType::Bytes {
@@ -343,8 +342,7 @@ impl Codec {
                 out.extend_from_slice(b"}}");
             } else {
                 out.extend_from_slice(b"],\"data\":[");
-                let dtype = o.dtype(self).unwrap_or(DType::Bytes);
-                write_values(&mut out, dtype, o.data);
+                write_values(&mut out, o.dtype(&self.outputs()[o.index]), o.data);
                 out.extend_from_slice(b"]}");
             }
         }
