@@ -226,8 +226,10 @@ def test_sagemakers_variables_name_its_model_and_port(monkeypatch: pytest.Monkey
     monkeypatch.setenv("SAGEMAKER_TRITON_DEFAULT_MODEL_NAME", "triple")
     monkeypatch.setenv("SAGEMAKER_BIND_TO_PORT", "8123")
     assert SageMaker.from_env() == SageMaker(8123, "triple")
-    monkeypatch.setenv("SAGEMAKER_TRITON_INFERENCE_TYPE", "generate")
-    with pytest.raises(ValueError, match="only 'infer'"):
+    monkeypatch.setenv("SAGEMAKER_TRITON_INFERENCE_TYPE", "generate_stream")
+    assert SageMaker.from_env() == SageMaker(8123, "triple", "generate_stream")
+    monkeypatch.setenv("SAGEMAKER_TRITON_INFERENCE_TYPE", "predict")
+    with pytest.raises(ValueError, match="one of infer, generate, generate_stream, got 'predict'"):
         SageMaker.from_env()
     monkeypatch.delenv("SAGEMAKER_TRITON_INFERENCE_TYPE")
     triton = Triton(config=TritonConfig(http_port=0, grpc_port=0, allow_sagemaker=True, sagemaker_port=0))
@@ -252,3 +254,49 @@ def test_sagemakers_variables_name_its_model_and_port(monkeypatch: pytest.Monkey
     with pytest.raises(StartupError, match="SAGEMAKER_TRITON_DEFAULT_MODEL_NAME"):
         with serve_in_thread([make("a", 1), make("b", 2)], config):
             pass
+
+
+def words(inputs: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    for word in inputs["text_input"][0][0].split():
+        yield {"text_output": np.array([[word]], dtype=object)}
+
+
+@pytest.mark.parametrize("frontend", ["native", "python"])
+@pytest.mark.parametrize("kind", ["generate", "generate_stream"])
+def test_sagemaker_invocations_answer_as_triton_generate_routes(frontend: str, kind: str) -> None:
+    """``SAGEMAKER_TRITON_INFERENCE_TYPE=generate`` / ``generate_stream``: a
+    generate request in, its JSON answer or its events out."""
+    server = fb.Server(
+        words,
+        inputs=[fb.TensorSpec("text_input", "bytes", (1,))],
+        outputs=[fb.TensorSpec("text_output", "bytes", (1,))],
+        name="words",
+        decoupled=True,
+    )
+    config = ServeConfig(
+        http_port=0,
+        grpc_port=None,
+        frontend=frontend,
+        sagemaker=SageMaker(port=0, inference_type=kind),
+        log_level="warning",
+        threads=1,
+    )
+    with serve_in_thread([server], config) as listening:
+        url = f"http://127.0.0.1:{listening.sagemaker_port}/invocations"
+        if kind == "generate":
+            answer = httpx.post(url, json={"text_input": "one"})
+            assert answer.status_code == 200, answer.text
+            assert answer.json() == {"model_name": "words", "model_version": "1", "text_output": "one"}
+            refused = httpx.post(url, json={"text": "one"})
+            assert refused.status_code == 400 and "names none of the model's inputs" in refused.json()["error"]
+        else:
+            with httpx.stream("POST", url, json={"text_input": "a b c"}) as answer:
+                assert answer.headers["content-type"] == "text/event-stream; charset=utf-8"
+                sent = [json.loads(line.removeprefix("data: ")) for line in answer.iter_lines() if line]
+            assert [e["text_output"] for e in sent] == ["a", "b", "c"]
+    assert server.stats()["requests_succeeded"] == 1
+
+
+def test_sagemakers_inference_type_is_checked() -> None:
+    with pytest.raises(ValueError, match="inference type"):
+        SageMaker(inference_type="infer_stream")

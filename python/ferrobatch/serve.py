@@ -234,29 +234,41 @@ class VertexAI:
         return _default_model("Vertex AI", self.default_model, models, "vertex_ai_default_model")
 
 
+#: What SageMaker's ``POST /invocations`` may ask (``SAGEMAKER_TRITON_INFERENCE_TYPE``).
+SAGEMAKER_INFERENCE_TYPES = ("infer", "generate", "generate_stream")
+
+
 @dataclass(frozen=True)
 class SageMaker:
     """SageMaker's inference endpoint (Triton's ``--allow-sagemaker``): its
     port; ``GET /ping`` answers as ``/v2/health/ready`` and ``POST
-    /invocations`` infers the default model (without ``default_model``, the
-    server must serve exactly one; see :mod:`ferrobatch.http._cloud`)."""
+    /invocations`` asks the default model (without ``default_model``, the
+    server must serve exactly one; see :mod:`ferrobatch.http._cloud`) what
+    ``inference_type`` says: ``infer`` (a v2 inference request), or Triton's
+    ``generate`` or ``generate_stream`` (its generate extension)."""
 
     port: int = 8080
     default_model: str | None = None
+    inference_type: str = "infer"
+
+    def __post_init__(self) -> None:
+        if self.inference_type not in SAGEMAKER_INFERENCE_TYPES:
+            raise ValueError(
+                f"SageMaker's inference type must be one of {', '.join(SAGEMAKER_INFERENCE_TYPES)}, "
+                f"got {self.inference_type!r}"
+            )
 
     @classmethod
     def from_env(cls, port: int | None = None) -> SageMaker:
         """SageMaker's container variables: ``SAGEMAKER_TRITON_DEFAULT_MODEL_NAME``,
-        and ``SAGEMAKER_BIND_TO_PORT`` when ``port`` is None (else 8080).
-        ``SAGEMAKER_TRITON_INFERENCE_TYPE`` other than ``infer`` (Triton's
-        ``generate`` endpoints) is a ``ValueError``."""
-        kind = os.environ.get("SAGEMAKER_TRITON_INFERENCE_TYPE", "infer") or "infer"
-        if kind != "infer":
-            raise ValueError(f"SAGEMAKER_TRITON_INFERENCE_TYPE={kind!r}: only 'infer' is served")
+        ``SAGEMAKER_TRITON_INFERENCE_TYPE`` (``infer``, ``generate`` or
+        ``generate_stream``; another is a ``ValueError``), and
+        ``SAGEMAKER_BIND_TO_PORT`` when ``port`` is None (else 8080)."""
+        kind = os.environ.get("SAGEMAKER_TRITON_INFERENCE_TYPE", "") or "infer"
         if port is None:
             given = os.environ.get("SAGEMAKER_BIND_TO_PORT", "")
             port = int(given) if given.isdigit() else 8080
-        return cls(port, os.environ.get("SAGEMAKER_TRITON_DEFAULT_MODEL_NAME") or None)
+        return cls(port, os.environ.get("SAGEMAKER_TRITON_DEFAULT_MODEL_NAME") or None, kind)
 
     def check(self, models: list[str]) -> str:
         """The model ``/invocations`` infers; ``ValueError`` if there is no such model."""

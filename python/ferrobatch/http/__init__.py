@@ -10,7 +10,8 @@ metadata), ``/v2/models/{name}[/versions/{v}]`` (model metadata), ``.../ready``,
 ``/v2/models/stats`` (Triton's statistics of one model or all, from
 ``Server.stats()``), ``POST /v2/repository/index`` (Triton's index: each
 model READY or UNAVAILABLE; ``{"ready": true}`` lists the ready ones),
-``POST .../infer``, and ``GET /metrics`` (Prometheus, Triton's metric names,
+``POST .../infer``, ``POST .../generate`` and ``.../generate_stream`` (Triton's
+generate extension: see :mod:`ferrobatch.http._generate`), and ``GET /metrics`` (Prometheus, Triton's metric names,
 typed; see :mod:`ferrobatch.metrics`). Other paths are 404 ``{"error": "Not
 Found"}``; a known path with another method is 405, with ``Allow``. Every
 front-end routes from one table (``ferrobatch.http._endpoint.ROUTES``;

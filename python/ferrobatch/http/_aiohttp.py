@@ -68,13 +68,16 @@ def aiohttp_app(
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         return None
 
-    def answering(route: Route) -> Callable[[web.Request], Awaitable[web.Response]]:
-        async def handle(request: web.Request) -> web.Response:
+    def answering(route: Route) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def handle(request: web.Request) -> web.StreamResponse:
             body = await read_body(request, max_body_size) if route.method == "POST" else b""
             if isinstance(body, Reply):
                 return _response(body)
             call = Call(dict(request.match_info), request.headers, body)
-            return _response(await endpoint.answer(route, call))
+            reply = await endpoint.answer(route, call)
+            if reply.stream is not None:
+                return await streamed(request, reply, closing=repository.closing)
+            return _response(reply)
 
         return handle
 
@@ -149,6 +152,27 @@ def to_response(reply: Reply, *, closing: bool) -> web.Response:
     response = web.Response(body=reply.body, status=reply.status, headers=reply.headers)
     if reply.close or closing:
         response.force_close()
+    return response
+
+
+async def streamed(request: web.BaseRequest, reply: Reply, *, closing: bool) -> web.StreamResponse:
+    """Sends ``reply`` whose body goes on in ``reply.stream``, chunk by chunk
+    as it comes; a client that leaves ends the stream (and its request)."""
+    assert reply.stream is not None
+    response = web.StreamResponse(status=reply.status, headers=reply.headers)
+    if reply.close or closing:
+        response.force_close()
+    try:
+        await response.prepare(request)
+        if reply.body:
+            await response.write(reply.body)
+        async for chunk in reply.stream:
+            await response.write(chunk)
+        await response.write_eof()
+    except ConnectionResetError:
+        pass  # the client left: nothing more to send it
+    finally:
+        await reply.stream.aclose()
     return response
 
 

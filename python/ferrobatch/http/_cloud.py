@@ -16,9 +16,11 @@ whole).
 SageMaker (Triton's ``--allow-sagemaker``, one model): ``GET /ping``
 answers as ``/v2/health/ready``; ``POST /invocations`` infers the default
 model, a binary body's (and a binary answer's) JSON length in the content
-type ``application/vnd.sagemaker-triton.binary+json;json-header-size=N``.
-Multi-model endpoints (``/models``: loading archives from a URL) are not
-served.
+type ``application/vnd.sagemaker-triton.binary+json;json-header-size=N``;
+or, with ``SAGEMAKER_TRITON_INFERENCE_TYPE`` ``generate`` or
+``generate_stream``, answers as that route of Triton's generate extension
+(a stream's events sent as they come). Multi-model endpoints (``/models``:
+loading archives from a URL) are not served.
 
 Any other path is a 400. Every answer comes from the same :class:`Endpoint`
 handlers as the Python front-end's, on the server's event loop (aiohttp's
@@ -34,7 +36,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from . import AIOHTTP_HANDLER_ARGS
-from ._aiohttp import read_body, to_response
+from ._aiohttp import read_body, streamed, to_response
 from ._endpoint import HEADER_LENGTH, Endpoint, Reply, _json
 from .protocol import ProtocolError
 
@@ -64,10 +66,12 @@ class PredictionListener:
             self.platform = "Vertex AI"
             self._predict, self._health = re.compile(platform.predict_route), re.compile(platform.health_route)
             self._binary = VERTEX_BINARY
+            self._asks = "infer"
         else:
             self.platform = "SageMaker"
             self._predict, self._health = re.compile("/invocations"), re.compile("/ping")
             self._binary = SAGEMAKER_BINARY
+            self._asks = platform.inference_type
         #: What its routes are, for the log.
         self.routes = f"predict {self._predict.pattern!r}: model '{self.model}'; health {self._health.pattern!r}"
         self._max_body_size = max_body_size
@@ -90,7 +94,11 @@ class PredictionListener:
         await self._runner.cleanup()
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
-        return to_response(await self._answer(request), closing=self.endpoint.repository.closing)
+        reply = await self._answer(request)
+        closing = self.endpoint.repository.closing
+        if reply.stream is not None:
+            return await streamed(request, reply, closing=closing)
+        return to_response(reply, closing=closing)
 
     async def _answer(self, request: web.BaseRequest) -> Reply:
         path = request.path
@@ -110,7 +118,7 @@ class PredictionListener:
             return _json(exc.status, {"error": str(exc)})
         redirect = request.headers.get(REDIRECT_HEADER) if self.vertex else None
         if redirect is None:
-            reply = await self.endpoint.dispatch("POST", f"/v2/models/{self.model}/infer", headers, body)
+            reply = await self.endpoint.dispatch("POST", f"/v2/models/{self.model}/{self._asks}", headers, body)
             if not self.vertex and reply.header_length is not None:
                 # SageMaker says a binary answer's JSON length in its content type.
                 reply = dataclasses.replace(

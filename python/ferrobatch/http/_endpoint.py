@@ -1,6 +1,7 @@
 """The v2 REST endpoints, independent of the web framework.
 
-Each handler returns a :class:`Reply` (status, body bytes, headers); the
+Each handler returns a :class:`Reply` (status, body bytes, headers, and
+for a streamed answer the async generator of the rest of its body); the
 Starlette and aiohttp adapters only move bytes in and out. :data:`ROUTES` is
 the one routing table: :meth:`Endpoint.dispatch` answers any request from it
 without a framework (the native front-end forwards what Rust does not answer
@@ -14,9 +15,11 @@ syntax, and the same nesting limit (deeper is a 400, never a 500).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import re
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
@@ -25,15 +28,17 @@ import anyio.to_thread
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from .. import _core
-from .._core import clipped
+from .._core import V2Request, clipped
+from ..errors import InvalidInputError
 from ..metrics import exposition, registry
 from ..server import Server
-from . import _log_settings
+from . import _generate, _log_settings
 from .protocol import (
     CLIENT_SHM_DISABLED,
     MAX_DECOMPRESSED_SIZE,
     ModelRepository,
     ProtocolError,
+    ServedModel,
     error_message,
     error_status,
     load_json,
@@ -54,6 +59,9 @@ class Reply:
     close: bool = False  # Connection: close (shutting down, or a body left unread)
     allow: str | None = None  # Allow: the methods a 405's path takes
     content_encoding: str | None = None  # gzip or deflate: the body is coded so
+    #: The rest of the body, sent as it comes (``generate_stream``'s events)
+    #: after ``body``; closing it early (the client left) ends the request.
+    stream: AsyncGenerator[bytes, None] | None = None
 
     @property
     def headers(self) -> dict[str, str]:
@@ -143,12 +151,16 @@ async def _all_statistics(e: Endpoint, c: Call) -> Reply:
     return e.model_statistics()
 
 
-async def _repository_index(e: Endpoint, c: Call) -> Reply:
-    body = c.body
+def _inflated(e: Endpoint, c: Call) -> bytes:
+    """``c``'s body, inflated as an infer body is (within the limit, or 400 / 413)."""
     coding = c.headers.get("content-encoding")
-    if coding and coding != "identity":  # as an infer body: inflated within the limit, or 400 / 413
-        body = _core.inflate(body, coding, e.max_decompressed_size)
-    return e.repository_index(body)
+    if coding and coding != "identity":
+        return _core.inflate(c.body, coding, e.max_decompressed_size)
+    return c.body
+
+
+async def _repository_index(e: Endpoint, c: Call) -> Reply:
+    return e.repository_index(_inflated(e, c))
 
 
 async def _load_model(e: Endpoint, c: Call) -> Reply:
@@ -211,6 +223,14 @@ async def _model_statistics(e: Endpoint, c: Call) -> Reply:
     return e.model_statistics(c.params["name"], c.params.get("version", ""))
 
 
+async def _generate_route(e: Endpoint, c: Call) -> Reply:
+    return await e.generate(c.params["name"], c.params.get("version", ""), _inflated(e, c))
+
+
+async def _generate_stream_route(e: Endpoint, c: Call) -> Reply:
+    return await e.generate(c.params["name"], c.params.get("version", ""), _inflated(e, c), stream=True)
+
+
 async def infer_route(e: Endpoint, c: Call) -> Reply:
     headers = c.headers
     return await e.infer(
@@ -237,6 +257,8 @@ def _model_routes(prefix: str) -> list[Route]:
         Route("GET", prefix + "/config", _model_config),
         Route("GET", prefix + "/stats", _model_statistics),
         Route("POST", prefix + "/infer", INFER),
+        Route("POST", prefix + "/generate", _generate_route),
+        Route("POST", prefix + "/generate_stream", _generate_stream_route),
     ]
 
 
@@ -530,6 +552,95 @@ class Endpoint:
             return Reply(200, payload, _BINARY, length, content_encoding=coding)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a reply
             return error_reply(exc, name, expose=self.expose_errors)
+
+    async def generate(self, name: str, version: str, body: bytes, *, stream: bool = False) -> Reply:
+        """Triton's generate extension (see :mod:`._generate`): ``POST
+        .../generate``, or ``.../generate_stream`` with ``stream``; never
+        raises. A failure before the first response is a JSON error with its
+        status, as for ``infer``; a stream that fails later ends with an
+        ``{"error": ...}`` event."""
+        try:
+            model = self.repository.model(name, version)
+            document = load_json(body) if body.strip() else {}
+            inputs = self.repository.model_metadata(model.server.name)["inputs"]
+            v2_body, rid = _generate.infer_body(document, inputs)
+            request = model.codec.decode(v2_body)
+            tensors = request_inputs(request)
+            if not model.server.decoupled:
+                results = await self.repository.infer(
+                    model, tensors, request.timeout, request.priority, request.parameters, request.requested_outputs
+                )
+                answer = self.repository.answer(model, functools.partial(_answered, model, request, rid, results))
+                if stream:
+                    return Reply(200, _generate.event(answer), _generate.EVENT_STREAM)
+                return _json(200, answer)
+            responses = self.repository.stream(
+                model,
+                tensors,
+                request.timeout,
+                request.priority,
+                request.parameters,
+                requested_outputs=request.requested_outputs,
+            )
+            try:
+                first = await self._next_answer(model, request, rid, responses)
+                if stream:
+                    events = self._events(model, request, rid, responses, first)
+                    return Reply(200, b"", _generate.EVENT_STREAM, stream=events)
+                if first is None:
+                    # Answered in full, with nothing: counted as its caller sees it.
+                    model.server._answer_failed(InvalidInputError(_generate.ONE_RESPONSE))
+                    raise InvalidInputError(_generate.ONE_RESPONSE)
+                if await anext(responses, None) is not None:
+                    await responses.athrow(InvalidInputError(_generate.ONE_RESPONSE))
+                return _json(200, first)
+            except BaseException:
+                await responses.aclose()
+                raise
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a reply
+            return error_reply(exc, name, expose=self.expose_errors)
+
+    async def _next_answer(
+        self,
+        model: ServedModel,
+        request: V2Request,
+        rid: str | None,
+        responses: AsyncGenerator[dict[str, Any], None],
+    ) -> dict[str, Any] | None:
+        """The generate answer of the next of ``responses``; None at their end."""
+        results = await anext(responses, None)
+        if results is None:
+            return None
+        encode = functools.partial(_answered, model, request, rid, results)
+        return await self.repository.answer_streamed(responses, encode)
+
+    async def _events(
+        self,
+        model: ServedModel,
+        request: V2Request,
+        rid: str | None,
+        responses: AsyncGenerator[dict[str, Any], None],
+        first: dict[str, Any] | None,
+    ) -> AsyncGenerator[bytes, None]:
+        """``generate_stream``'s events: ``first``, then one per response as
+        it comes; an error ends the stream with an error event. Closed early
+        (its client left), the request ends, counted as cancelled."""
+        try:
+            answer = first
+            while answer is not None:
+                yield _generate.event(answer)
+                answer = await self._next_answer(model, request, rid, responses)
+        except Exception as exc:  # noqa: BLE001 - the status is sent: the error is an event
+            yield _generate.event({"error": error_message(exc, model.server.name, expose=self.expose_errors)})
+        finally:
+            with contextlib.suppress(Exception):
+                await responses.aclose()
+
+
+def _answered(model: ServedModel, request: V2Request, rid: str | None, results: dict[str, Any]) -> dict[str, Any]:
+    """The generate answer for ``results`` of ``request`` to ``model``."""
+    payload, _ = model.codec.encode(request, results)
+    return _generate.answer(model.server.name, rid, payload)
 
 
 def _register_request(request: Any) -> tuple[str, int, int]:

@@ -12,7 +12,7 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route, Router
 from starlette.types import Message, Receive, Scope, Send
 
@@ -40,7 +40,34 @@ def _response(reply: Reply, closing: bool) -> Response:
     headers = reply.headers
     if closing:  # draining: the client should reconnect elsewhere
         headers["connection"] = "close"
+    if reply.stream is not None:
+        return _Streamed(reply, headers)
     return Response(reply.body, reply.status, headers)
+
+
+class _Streamed(StreamingResponse):
+    """A reply whose body goes on in ``reply.stream``, sent as it comes;
+    closed however the response ends (a client that leaves ends the stream
+    and its request)."""
+
+    def __init__(self, reply: Reply, headers: dict[str, str]) -> None:
+        assert reply.stream is not None
+        self._stream = reply.stream
+        chunks = self._chunks(reply.body, reply.stream) if reply.body else reply.stream
+        super().__init__(chunks, reply.status, headers)
+
+    @staticmethod
+    async def _chunks(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        if first:
+            yield first
+        async for chunk in rest:
+            yield chunk
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._stream.aclose()
 
 
 _INFER = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")

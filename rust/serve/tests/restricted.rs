@@ -39,6 +39,7 @@ impl Fallback for Answers {
             status: 200,
             headers: Vec::new(),
             body: b"fallback".to_vec(),
+            rest: None,
         });
         None
     }
