@@ -7,6 +7,7 @@ counted as its caller saw it."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import socket
@@ -265,3 +266,48 @@ def test_a_client_that_leaves_a_stream_stops_the_model_and_is_counted_cancelled(
     while served.failed("endless").get("cancelled", 0) == cancelled and time.monotonic() < deadline:
         time.sleep(0.01)
     assert served.failed("endless")["cancelled"] == cancelled + 1
+
+
+@pytest.mark.parametrize("frontend", ["native", "python"])
+def test_the_inference_api_group_restricts_generate(frontend: str) -> None:
+    server = fb.Server(words, inputs=[TEXT_IN], outputs=[TEXT_OUT], name="words", decoupled=True)
+    config = ServeConfig(
+        http_port=0, grpc_port=None, frontend=frontend, log_level="warning", http_restricted_api=("inference:x-key=k",)
+    )
+    with serve_in_thread([server], config) as listening:
+        base = f"http://127.0.0.1:{listening.http_port}/v2/models/words"
+        for what in ("generate", "generate_stream"):
+            refused = httpx.post(f"{base}/{what}", json={"text_input": "a"})
+            assert refused.status_code == 403 and "x-key" in refused.json()["error"]
+            answered = httpx.post(f"{base}/{what}", json={"text_input": "a"}, headers={"x-key": "k"})
+            assert answered.status_code == 200, answered.text
+    assert server.stats()["requests_succeeded"] == 2
+
+
+@pytest.mark.parametrize("frontend", ["native", "python"])
+def test_stopping_the_server_ends_an_open_stream(frontend: str) -> None:
+    endless = Endless()
+    server = fb.Server(endless, inputs=[TEXT_IN], outputs=[TEXT_OUT], name="endless", decoupled=True)
+    config = ServeConfig(http_port=0, grpc_port=None, frontend=frontend, log_level="warning", graceful_timeout=1)
+    read: list[bytes] = []
+    with serve_in_thread([server], config) as listening:
+        url = f"http://127.0.0.1:{listening.http_port}/v2/models/endless/generate_stream"
+
+        def reader() -> None:
+            with contextlib.suppress(httpx.HTTPError):
+                with httpx.stream("POST", url, json={"text_input": "go"}, timeout=30) as answer:
+                    for chunk in answer.iter_bytes():
+                        read.append(chunk)
+
+        thread = threading.Thread(target=reader, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while not read and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert read, "nothing was streamed"
+        stopping = time.monotonic()
+    assert time.monotonic() - stopping < 15
+    thread.join(15)
+    assert not thread.is_alive(), "the stream did not end"
+    assert endless.closed.wait(10), "the model was not closed"
+    assert server.stats()["requests_succeeded"] == 0

@@ -2,7 +2,9 @@
 
 Two drivers. ``--driver wrk`` (the default) drives the servers with native
 load generators, so that no Python client sets the pace: ``wrk`` for HTTP
-(``json``: a v2 JSON body; ``binary``: the binary tensor extension) and
+(``json``: a v2 JSON body; ``binary``: the binary tensor extension;
+``generate``, when asked for: Triton's generate extension, each input by
+name as a flat array) and
 ``h2load`` for gRPC (a length-prefixed ``ModelInferRequest``), each posting
 one fixed request (``serve_loadgen.py``) over C connections (64, 256), one
 request in flight on each. The server runs pinned to one core (``taskset -c
@@ -1056,7 +1058,9 @@ def main() -> int:
         help=f"comma-separated, of {','.join(MODELS)} (default identity,mlp; add_sub and bytes_echo: wrk only)",
     )
     parser.add_argument(
-        "--protocols", help="comma-separated: json,binary,grpc (wrk, the default) or http,grpc (aio, the default)"
+        "--protocols",
+        help="comma-separated: json,binary,grpc (wrk, the default; generate too when named)"
+        " or http,grpc (aio, the default)",
     )
     parser.add_argument("--server-cpu", default="0", help="the core the server is pinned to (wrk; default 0)")
     parser.add_argument("--loadgen-cpu", default="1", help="the core wrk / h2load are pinned to (wrk; default 1)")
@@ -1152,7 +1156,7 @@ def main() -> int:
     if not wrk and (fixed_only := [m for m in models if m not in ("identity", "mlp")]):
         parser.error(f"--driver aio drives identity and mlp only, not {', '.join(fixed_only)}")
     protocols = args.protocols.split(",")
-    known = loadgen.PROTOCOLS if wrk else ("http", "grpc")
+    known = (*loadgen.PROTOCOLS, *loadgen.OPT_IN_PROTOCOLS) if wrk else ("http", "grpc")
     if unknown := [p for p in protocols if p not in known]:
         parser.error(f"unknown protocol(s) for --driver {args.driver}: {', '.join(unknown)}")
     servers = args.servers.split(",")

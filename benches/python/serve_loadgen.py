@@ -43,6 +43,9 @@ import numpy as np
 
 #: Protocols of the wrk driver, in table order.
 PROTOCOLS = ("json", "binary", "grpc")
+#: Driven when asked for (``--protocols``), not by default: Triton's generate
+#: extension (``POST .../generate``, each input by name as a flat array).
+OPT_IN_PROTOCOLS = ("generate",)
 GRPC_METHOD = "/inference.GRPCInferenceService/ModelInfer"
 
 
@@ -110,6 +113,10 @@ def make_request(protocol: str, model: str, inputs: dict[str, np.ndarray], outpu
         }
         body = json.dumps(doc, separators=(",", ":")).encode()
         return Request(protocol, model, inputs, outputs, path, body, {"Content-Type": "application/json"})
+    if protocol == "generate":  # Triton's generate extension: each input by name, a flat array
+        body = json.dumps({name: _json_data(a) for name, a in inputs.items()}, separators=(",", ":")).encode()
+        generate = f"/v2/models/{model}/generate"
+        return Request(protocol, model, inputs, outputs, generate, body, {"Content-Type": "application/json"})
     if protocol == "binary":
         raws = [_raw(a) for a in inputs.values()]
         header = {
@@ -162,6 +169,16 @@ def _answered(request: Request, http: str, grpc: str) -> tuple[dict[str, np.ndar
         body = answer.read()
         header_length = answer.headers.get("Inference-Header-Content-Length")
     got: dict[str, np.ndarray] = {}
+    if request.protocol == "generate":  # each output by name: its one element, or a flat array
+        answer = json.loads(body)
+        for name in request.outputs:
+            value = answer[name] if isinstance(answer[name], list) else [answer[name]]
+            got[name] = (
+                np.asarray([e.encode() for e in value], dtype=object)
+                if isinstance(value[0], str)
+                else (np.asarray(value, np.float32))
+            )
+        return got, len(body)
     if header_length is None:
         for o in json.loads(body)["outputs"]:
             data = o["data"]

@@ -37,6 +37,8 @@ __all__ = [
     "clipped",
     "after_fork_in_child",
     "check_json",
+    "generate_answer",
+    "generate_request",
     "compress",
     "dtypes",
     "inflate",
@@ -554,6 +556,16 @@ def response_coding(accept: str | None = None) -> str | None:
 def check_json(body: bytes) -> None:
     """``ValueError`` unless ``body`` is one JSON document by the v2 codec's
     rules (its syntax and its nesting limit)."""
+
+def generate_request(body: bytes, inputs: list[tuple[str, str, list[int]]]) -> bytes:
+    """The v2 JSON inference request a generate request ``body`` (Triton's
+    generate extension) stands for, for a model whose inputs are ``inputs``
+    (``(name, datatype, shape)`` as its metadata gives them); ``CodecError``
+    400 with Triton's words otherwise."""
+
+def generate_answer(answer: bytes, *, as_event: bool = False) -> bytes:
+    """The generate answer for a v2 JSON inference answer (``as_event``: as
+    one Server-Sent Event)."""
 
 @final
 class GrpcInferRequest:

@@ -561,19 +561,16 @@ class Endpoint:
         ``{"error": ...}`` event."""
         try:
             model = self.repository.model(name, version)
-            document = load_json(body) if body.strip() else {}
             inputs = self.repository.model_metadata(model.server.name)["inputs"]
-            v2_body, rid = _generate.infer_body(document, inputs)
-            request = model.codec.decode(v2_body)
+            request = model.codec.decode(_generate.infer_body(body, inputs))
             tensors = request_inputs(request)
             if not model.server.decoupled:
                 results = await self.repository.infer(
                     model, tensors, request.timeout, request.priority, request.parameters, request.requested_outputs
                 )
-                answer = self.repository.answer(model, functools.partial(_answered, model, request, rid, results))
-                if stream:
-                    return Reply(200, _generate.event(answer), _generate.EVENT_STREAM)
-                return _json(200, answer)
+                encode = functools.partial(_answered, model, request, results, stream)
+                payload = self.repository.answer(model, encode)
+                return Reply(200, payload, _generate.EVENT_STREAM if stream else _JSON)
             responses = self.repository.stream(
                 model,
                 tensors,
@@ -583,9 +580,9 @@ class Endpoint:
                 requested_outputs=request.requested_outputs,
             )
             try:
-                first = await self._next_answer(model, request, rid, responses)
+                first = await self._next_answer(model, request, responses, stream)
                 if stream:
-                    events = self._events(model, request, rid, responses, first)
+                    events = self._events(model, request, responses, first)
                     return Reply(200, b"", _generate.EVENT_STREAM, stream=events)
                 if first is None:
                     # Answered in full, with nothing: counted as its caller sees it.
@@ -593,7 +590,7 @@ class Endpoint:
                     raise InvalidInputError(_generate.ONE_RESPONSE)
                 if await anext(responses, None) is not None:
                     await responses.athrow(InvalidInputError(_generate.ONE_RESPONSE))
-                return _json(200, first)
+                return Reply(200, first)
             except BaseException:
                 await responses.aclose()
                 raise
@@ -604,43 +601,42 @@ class Endpoint:
         self,
         model: ServedModel,
         request: V2Request,
-        rid: str | None,
         responses: AsyncGenerator[dict[str, Any], None],
-    ) -> dict[str, Any] | None:
+        as_event: bool,
+    ) -> bytes | None:
         """The generate answer of the next of ``responses``; None at their end."""
         results = await anext(responses, None)
         if results is None:
             return None
-        encode = functools.partial(_answered, model, request, rid, results)
+        encode = functools.partial(_answered, model, request, results, as_event)
         return await self.repository.answer_streamed(responses, encode)
 
     async def _events(
         self,
         model: ServedModel,
         request: V2Request,
-        rid: str | None,
         responses: AsyncGenerator[dict[str, Any], None],
-        first: dict[str, Any] | None,
+        first: bytes | None,
     ) -> AsyncGenerator[bytes, None]:
         """``generate_stream``'s events: ``first``, then one per response as
         it comes; an error ends the stream with an error event. Closed early
         (its client left), the request ends, counted as cancelled."""
         try:
-            answer = first
-            while answer is not None:
-                yield _generate.event(answer)
-                answer = await self._next_answer(model, request, rid, responses)
+            event = first
+            while event is not None:
+                yield event
+                event = await self._next_answer(model, request, responses, True)
         except Exception as exc:  # noqa: BLE001 - the status is sent: the error is an event
-            yield _generate.event({"error": error_message(exc, model.server.name, expose=self.expose_errors)})
+            yield _generate.error_event(error_message(exc, model.server.name, expose=self.expose_errors))
         finally:
             with contextlib.suppress(Exception):
                 await responses.aclose()
 
 
-def _answered(model: ServedModel, request: V2Request, rid: str | None, results: dict[str, Any]) -> dict[str, Any]:
+def _answered(model: ServedModel, request: V2Request, results: dict[str, Any], as_event: bool) -> bytes:
     """The generate answer for ``results`` of ``request`` to ``model``."""
     payload, _ = model.codec.encode(request, results)
-    return _generate.answer(model.server.name, rid, payload)
+    return _generate.answer(payload, as_event=as_event)
 
 
 def _register_request(request: Any) -> tuple[str, int, int]:

@@ -2,14 +2,16 @@
 listens and answers inference; Python runs the model once per batch.
 
 HTTP: ``POST .../infer`` (identity, gzip or deflate bodies; responses
-gzip or deflate coded when ``Accept-Encoding`` asks), ``/v2/health/*`` and
-``.../ready`` are answered in Rust: a request never becomes a Python object.
-The rest of the v2 surface (metadata, config, ``/metrics``, Triton's
-generate extension, unknown models and routes, other content codings) is
-rare and goes to the same :class:`Endpoint` handlers as the Python front-end
-(``Endpoint.dispatch``, one routing table), run on the server's event loop. A
-reply that streams (``generate_stream``'s events) is pulled from there a
-chunk at a time, as the connection takes them (:class:`_Chunks`).
+gzip or deflate coded when ``Accept-Encoding`` asks), Triton's ``.../generate``
+and ``.../generate_stream`` for a model that is not decoupled,
+``/v2/health/*`` and ``.../ready`` are answered in Rust: a request never
+becomes a Python object. The rest of the v2 surface (metadata, config,
+``/metrics``, a decoupled model's generate, unknown models and routes, other
+content codings) is rare and goes to the same :class:`Endpoint` handlers as
+the Python front-end (``Endpoint.dispatch``, one routing table), run on the
+server's event loop. A reply that streams (``generate_stream``'s events) is
+pulled from there a chunk at a time, as the connection takes them
+(:class:`_Chunks`).
 
 gRPC: KServe's six RPCs of ``inference.GRPCInferenceService`` are
 answered in Rust, the metadata from the documents the repository gives at

@@ -22,6 +22,7 @@ use std::ffi::{c_char, c_int, c_void};
 use std::sync::Mutex;
 
 use ferrobatch_core::bytes::{self, BytesLimits};
+use ferrobatch_core::v2::generate::{self, GenerateInput};
 use ferrobatch_core::v2::regions::{RegionError, RegionRange, SharedRegions};
 use ferrobatch_core::v2::{
     self, Codec, Data, HeaderMemo, InferRequest, Limits, Output, OutputSpec, Shape, V2Error,
@@ -1135,6 +1136,46 @@ pub fn check_json(body: &[u8]) -> PyResult<()> {
             e.message, e.offset
         ))
     })
+}
+
+/// The v2 JSON inference request a generate request `body` stands for (see
+/// `ferrobatch_core::v2::generate`), for a model whose inputs are `inputs`,
+/// `(name, datatype, shape)` as its metadata gives them; `CodecError` 400
+/// with Triton's words otherwise.
+#[pyfunction]
+pub fn generate_request<'py>(
+    py: Python<'py>,
+    body: &[u8],
+    inputs: Vec<(String, String, Vec<i64>)>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let inputs: Vec<GenerateInput<'_>> = inputs
+        .iter()
+        .map(|(name, datatype, shape)| GenerateInput {
+            name,
+            datatype,
+            shape,
+        })
+        .collect();
+    let request = generate::infer_request(body, &inputs).map_err(|e| codec_error(py, e))?;
+    Ok(PyBytes::new(py, &request))
+}
+
+/// The generate answer for a v2 JSON inference answer (see
+/// `ferrobatch_core::v2::generate`); `as_event`: as one Server-Sent Event.
+#[pyfunction]
+#[pyo3(signature = (answer, *, as_event=false))]
+pub fn generate_answer<'py>(
+    py: Python<'py>,
+    answer: &[u8],
+    as_event: bool,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let answer = generate::answer(answer).map_err(|e| codec_error(py, e))?;
+    let answer = if as_event {
+        generate::event(&answer)
+    } else {
+        answer
+    };
+    Ok(PyBytes::new(py, &answer))
 }
 
 /// A request's `parameters` as a caller gives them to `submit`: a JSON

@@ -76,6 +76,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<submit::Submitter>()?;
     m.add_function(wrap_pyfunction!(submit::after_fork_in_child, m)?)?;
     m.add_function(wrap_pyfunction!(codec::check_json, m)?)?;
+    m.add_function(wrap_pyfunction!(codec::generate_request, m)?)?;
+    m.add_function(wrap_pyfunction!(codec::generate_answer, m)?)?;
     m.add_function(wrap_pyfunction!(codec::dtypes, m)?)?;
     m.add_function(wrap_pyfunction!(codec::inflate, m)?)?;
     m.add_function(wrap_pyfunction!(codec::compress, m)?)?;

@@ -1,7 +1,9 @@
 //! The HTTP side: routing, bounded body reads, responses.
 //!
 //! Native routes, answered without Python: `GET /v2/health/live`,
-//! `GET /v2/health/ready`, `GET /v2/models/{m}[/versions/{v}]/ready` and
+//! `GET /v2/health/ready`, `GET /v2/models/{m}[/versions/{v}]/ready`,
+//! Triton's `.../generate` and `.../generate_stream` for a model that is not
+//! decoupled (`ferrobatch_core::v2::generate`), and
 //! `POST /v2/models/{m}[/versions/{v}]/infer` (the hot path; a gzip or
 //! deflate body is inflated here within `max_decompressed_size`, and the
 //! response coded when `Accept-Encoding` asks for it: see
@@ -35,7 +37,8 @@ use hyper::header::{
 use hyper::{Method, Request, Response, StatusCode};
 use tokio::sync::oneshot;
 
-use ferrobatch_core::v2::{write_json_string, Clipped};
+use ferrobatch_core::v2::generate::{self, GenerateInput};
+use ferrobatch_core::v2::{write_json_string, Clipped, V2Error};
 
 use crate::encoding::{self, Coding};
 use crate::model::ServedModel;
@@ -516,9 +519,17 @@ fn route(shared: &Arc<Shared>, request: Request<Incoming>) -> Routed {
         }
     }
     if method == Method::POST {
-        if let Some((name, version, "infer")) = model_route(path) {
+        let asks = match model_route(path) {
+            Some((name, version, "infer")) => Some((name, version, Asks::Infer)),
+            Some((name, version, "generate")) => Some((name, version, Asks::Generate)),
+            Some((name, version, "generate_stream")) => Some((name, version, Asks::GenerateStream)),
+            _ => None,
+        };
+        if let Some((name, version, asks)) = asks {
             let coding = encoding::content_coding(request.headers().get(CONTENT_ENCODING));
             match (shared.model(name, version), coding) {
+                // A decoupled model's generate streams from Python (the fallback).
+                (Some(model), Ok(_)) if asks != Asks::Infer && model.decoupled() => {}
                 (Some(model), Ok(coding)) => {
                     // Two lengths, or two codings: which one the client meant is a guess.
                     let lengths = request.headers().get_all(&HEADER_LENGTH_NAME);
@@ -531,7 +542,7 @@ fn route(shared: &Arc<Shared>, request: Request<Incoming>) -> Routed {
                         let message = "Content-Encoding is given more than once";
                         return Routed::Answered(Box::new(error(&Failure::new(400, message))));
                     }
-                    return Routed::Infer(Inference::new(shared, model, coding, request));
+                    return Routed::Infer(Inference::new(shared, model, coding, asks, request));
                 }
                 // Known, not served (warming up, unloaded, or stopped):
                 // nothing else answers inference.
@@ -647,10 +658,22 @@ where
 /// inflated off it: a small body may inflate to a large one.
 const INLINE_CODING: usize = 16 << 10;
 
+/// What an inference request asks for: `.../infer`, or Triton's generate
+/// extension (`.../generate`, `.../generate_stream`: see
+/// `ferrobatch_core::v2::generate`), answered natively for a model that is
+/// not decoupled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Asks {
+    Infer,
+    Generate,
+    GenerateStream,
+}
+
 /// An inference request with its headers read: what its answer needs of
 /// it across awaits (the head's other parts are dropped at once).
 struct Inference {
     model: Arc<ServedModel>,
+    asks: Asks,
     /// The body's coding (`Content-Encoding`).
     coding: Option<Coding>,
     /// The coding to answer in (`Accept-Encoding`).
@@ -666,14 +689,21 @@ impl Inference {
         shared: &Shared,
         model: Arc<ServedModel>,
         coding: Option<Coding>,
+        asks: Asks,
         request: Request<Incoming>,
     ) -> Inference {
         let (parts, body) = request.into_parts();
         let headers = &parts.headers;
+        // A generate answer is never coded (nor is Triton's).
+        let respond_coded = match asks {
+            Asks::Infer => encoding::accepted(headers.get(ACCEPT_ENCODING)),
+            Asks::Generate | Asks::GenerateStream => None,
+        };
         Inference {
             model,
+            asks,
             coding,
-            respond_coded: encoding::accepted(headers.get(ACCEPT_ENCODING)),
+            respond_coded,
             declared: declared_length(&body),
             forwarded: forwarded_headers(
                 headers,
@@ -687,6 +717,7 @@ impl Inference {
     async fn answer(self, shared: &Shared) -> Response<Body> {
         let Inference {
             model,
+            asks,
             coding,
             respond_coded,
             declared,
@@ -709,6 +740,9 @@ impl Inference {
                 None => return error(&Failure::new(500, "internal error inflating the request")),
             };
         }
+        if asks != Asks::Infer {
+            return Box::pin(generate(shared, &model, asks, &body, &forwarded)).await;
+        }
         // A value that is not text is refused as a bad length, not taken for none.
         let header_length = header_length
             .as_ref()
@@ -723,6 +757,52 @@ impl Inference {
             }
             _ => answer,
         }
+    }
+}
+
+/// Answers a generate request (`body`, read and inflated) to `model`, which
+/// is not decoupled: as the v2 inference it stands for, its answer
+/// flattened (one Server-Sent Event for `generate_stream`).
+async fn generate(
+    shared: &Shared,
+    model: &ServedModel,
+    asks: Asks,
+    body: &[u8],
+    forwarded: &[(String, String)],
+) -> Response<Body> {
+    let failed = |e: V2Error| error(&Failure::new(e.status(), e.to_string()));
+    let Some(metadata) = shared.catalogued(&model.name) else {
+        return error(&Failure::new(500, "the model's metadata is not known"));
+    };
+    let inputs: Vec<GenerateInput<'_>> = metadata
+        .inputs
+        .iter()
+        .map(|t| GenerateInput {
+            name: &t.name,
+            datatype: &t.datatype,
+            shape: &t.shape,
+        })
+        .collect();
+    let request = match generate::infer_request(body, &inputs) {
+        Ok(request) => Bytes::from(request),
+        Err(e) => return failed(e),
+    };
+    let answered = match model.submit(request, None, forwarded) {
+        Ok(submitted) => model.reply(submitted).await,
+        Err(failure) => return error(&failure),
+    };
+    match answered {
+        Ok(Answer::Encoded(encoded)) if encoded.header_length.is_none() => {
+            match generate::answer(&encoded.body) {
+                Ok(answer) if asks == Asks::GenerateStream => {
+                    response(200, generate::EVENT_STREAM, generate::event(&answer))
+                }
+                Ok(answer) => response(200, JSON, answer),
+                Err(e) => failed(e),
+            }
+        }
+        Ok(_) => error(&Failure::new(500, "a generate request answered in binary")),
+        Err(failure) => error(&failure),
     }
 }
 

@@ -297,6 +297,11 @@ impl ServedModel {
         }
     }
 
+    /// Whether the model streams its responses (decoupled).
+    pub fn decoupled(&self) -> bool {
+        self.replies.codec().decoupled()
+    }
+
     /// Refuses a request that comes by `way` (a protocol that answers once)
     /// to a decoupled model, whose responses stream over gRPC
     /// `ModelStreamInfer` only (counted `invalid_input`).

@@ -63,6 +63,7 @@ mod decode;
 mod elements;
 mod encode;
 mod error;
+pub mod generate;
 pub mod json;
 mod memo;
 pub mod regions;

@@ -1,0 +1,559 @@
+//! Triton's generate extension (`POST .../generate` and `.../generate_stream`):
+//! a flat JSON object in and out, for text models (LLMs).
+//!
+//! A generate request is turned into a v2 JSON inference request
+//! ([`infer_request`]), which then takes the path every inference takes (the
+//! model's codec, its queue, its counting); the v2 JSON answer is flattened
+//! back ([`answer`]). The rules are Triton's (its `extension_generate.md`
+//! and HTTP server):
+//!
+//! - each key of the request, and of its `"parameters"` object, that names a
+//!   model input is that input: a scalar or a flat array, spread over the
+//!   input's shape (the fixed dimensions take their share first, the
+//!   innermost variable one the rest, any other variable one is 1);
+//! - any other key is a request parameter: a string, a number or a bool,
+//!   passed on as sent;
+//! - `"id"` (a string) is the request's id, which the answer echoes;
+//! - the answer carries `id` (when the request had one), `model_name`,
+//!   `model_version` and each output: its one element, or its elements as a
+//!   flat array, as the v2 answer spells them.
+//!
+//! Values are copied as their JSON text, never converted here: the codec
+//! reads them as it reads any request's `data` (and refuses them as it does).
+
+use std::ops::Range;
+
+use super::error::{Clipped, V2Error};
+use super::json::{Kind, Parser, SyntaxError};
+use super::write_json_string;
+
+/// The content type of a `generate_stream` answer: Server-Sent Events.
+pub const EVENT_STREAM: &str = "text/event-stream; charset=utf-8";
+
+/// The key of a generate request whose object's keys map the same way.
+const PARAMETERS: &str = "parameters";
+
+/// Request parameters a generate request does not pass on: its answer is
+/// always JSON.
+const NOT_PASSED: &[&str] = &["binary_data_output"];
+
+/// A model input as a generate request fills it: the model metadata's name,
+/// v2 datatype and shape (`-1` for a variable dimension, the batch one
+/// included).
+#[derive(Debug, Clone, Copy)]
+pub struct GenerateInput<'a> {
+    pub name: &'a str,
+    pub datatype: &'a str,
+    pub shape: &'a [i64],
+}
+
+fn syntax(e: SyntaxError) -> V2Error {
+    V2Error::Json {
+        message: e.message,
+        offset: e.offset,
+    }
+}
+
+fn invalid(message: String) -> V2Error {
+    V2Error::Invalid(message)
+}
+
+/// The v2 JSON inference request that the generate request `body` stands
+/// for, for a model whose inputs are `inputs`. An empty body is an empty
+/// object (which names no input: refused).
+pub fn infer_request(body: &[u8], inputs: &[GenerateInput<'_>]) -> Result<Vec<u8>, V2Error> {
+    let empty = body.iter().all(u8::is_ascii_whitespace);
+    let document: &[u8] = if empty { b"{}" } else { body };
+    let mut p = Parser::new(document);
+    if p.peek_kind().map_err(syntax)? != Kind::Object {
+        return Err(invalid("a generate request is a JSON object".into()));
+    }
+    p.begin_object().map_err(syntax)?;
+    let mut read = Read {
+        inputs,
+        tensors: vec![None; inputs.len()],
+        parameters: Vec::new(),
+    };
+    let mut id = None;
+    let mut first = true;
+    while let Some(key) = p.next_key(&mut first).map_err(syntax)? {
+        match key.as_ref() {
+            "id" => {
+                if p.peek_kind().map_err(syntax)? != Kind::String {
+                    return Err(invalid("Unable to parse 'id': it must be a string".into()));
+                }
+                id = Some(p.string().map_err(syntax)?);
+            }
+            PARAMETERS => {
+                if inputs.iter().any(|i| i.name == PARAMETERS) {
+                    return Err(invalid(
+                        "Keyword 'parameters' for nested schema also given as input tensor name"
+                            .into(),
+                    ));
+                }
+                if p.peek_kind().map_err(syntax)? != Kind::Object {
+                    return Err(invalid(
+                        "Expected JSON object for keyword: 'parameters'".into(),
+                    ));
+                }
+                p.begin_object().map_err(syntax)?;
+                let mut first = true;
+                while let Some(key) = p.next_key(&mut first).map_err(syntax)? {
+                    read.take(key.as_ref(), &mut p)?;
+                }
+            }
+            key => read.take(key, &mut p)?,
+        }
+    }
+    p.end().map_err(syntax)?;
+    read.request(document, id.as_deref())
+}
+
+/// What a generate request gave, as ranges of its document.
+struct Read<'i, 'a> {
+    inputs: &'i [GenerateInput<'a>],
+    /// Each input's value, index-aligned with `inputs`.
+    tensors: Vec<Option<TensorValue>>,
+    /// Parameters in the order given; a key given again keeps its last value.
+    parameters: Vec<(String, Range<usize>)>,
+}
+
+impl Read<'_, '_> {
+    /// Reads `key`'s value (next in `p`): an input's, or a parameter's.
+    fn take(&mut self, key: &str, p: &mut Parser<'_>) -> Result<(), V2Error> {
+        let Some(index) = self.inputs.iter().position(|i| i.name == key) else {
+            let kind = p.peek_kind().map_err(syntax)?;
+            if !matches!(kind, Kind::String | Kind::Number | Kind::Bool) {
+                return Err(invalid(format!(
+                    "parameter '{}' has invalid type. It should be either 'int', 'bool', or 'string'.",
+                    Clipped(key)
+                )));
+            }
+            let value = p.skip_value().map_err(syntax)?;
+            if !NOT_PASSED.contains(&key) {
+                self.parameters.retain(|(k, _)| k != key);
+                self.parameters.push((key.to_owned(), value));
+            }
+            return Ok(());
+        };
+        if self.tensors[index].is_some() {
+            return Err(invalid(format!(
+                "input '{}' is given more than once",
+                Clipped(key)
+            )));
+        }
+        self.tensors[index] = Some(tensor_value(p, key)?);
+        Ok(())
+    }
+
+    /// The v2 request: `{"id", "inputs": [...], "parameters": {...}}`.
+    fn request(&self, document: &[u8], id: Option<&str>) -> Result<Vec<u8>, V2Error> {
+        if self.tensors.iter().all(Option::is_none) {
+            let names: Vec<String> = self
+                .inputs
+                .iter()
+                .map(|i| format!("'{}'", Clipped(i.name)))
+                .collect();
+            return Err(invalid(format!(
+                "a generate request names none of the model's inputs ({}): its keys are parameters",
+                names.join(", ")
+            )));
+        }
+        let mut out = Vec::with_capacity(document.len().saturating_add(128));
+        out.push(b'{');
+        if let Some(id) = id {
+            out.extend_from_slice(b"\"id\":");
+            write_json_string(&mut out, id);
+            out.push(b',');
+        }
+        out.extend_from_slice(b"\"inputs\":[");
+        let given = self.inputs.iter().zip(&self.tensors);
+        for (n, (input, value)) in given
+            .filter_map(|(i, v)| Some((i, v.as_ref()?)))
+            .enumerate()
+        {
+            if n > 0 {
+                out.push(b',');
+            }
+            let shape = spread(input, value.elements)?;
+            out.extend_from_slice(b"{\"name\":");
+            write_json_string(&mut out, input.name);
+            out.extend_from_slice(b",\"datatype\":");
+            write_json_string(&mut out, input.datatype);
+            out.extend_from_slice(b",\"shape\":[");
+            for (k, d) in shape.iter().enumerate() {
+                if k > 0 {
+                    out.push(b',');
+                }
+                out.extend_from_slice(itoa::Buffer::new().format(*d).as_bytes());
+            }
+            out.extend_from_slice(b"],\"data\":");
+            let text = &document[value.text.clone()];
+            if value.is_array {
+                out.extend_from_slice(text);
+            } else {
+                out.push(b'[');
+                out.extend_from_slice(text);
+                out.push(b']');
+            }
+            out.push(b'}');
+        }
+        out.push(b']');
+        if !self.parameters.is_empty() {
+            out.extend_from_slice(b",\"parameters\":{");
+            for (n, (key, value)) in self.parameters.iter().enumerate() {
+                if n > 0 {
+                    out.push(b',');
+                }
+                write_json_string(&mut out, key);
+                out.push(b':');
+                out.extend_from_slice(&document[value.clone()]);
+            }
+            out.push(b'}');
+        }
+        out.push(b'}');
+        Ok(out)
+    }
+}
+
+/// An input's value in a generate request.
+#[derive(Debug, Clone)]
+struct TensorValue {
+    /// Its text in the request.
+    text: Range<usize>,
+    /// Its elements (a scalar: 1).
+    elements: usize,
+    is_array: bool,
+}
+
+/// Reads input `name`'s value (next in `p`) in one pass: a scalar or a flat
+/// array; a nested array, an object or null is refused.
+fn tensor_value(p: &mut Parser<'_>, name: &str) -> Result<TensorValue, V2Error> {
+    let flat = || {
+        invalid(format!(
+            "input '{}' of a generate request is a scalar or a flat array",
+            Clipped(name)
+        ))
+    };
+    let scalar = |kind: Kind| matches!(kind, Kind::String | Kind::Number | Kind::Bool);
+    let kind = p.peek_kind().map_err(syntax)?;
+    if kind != Kind::Array {
+        if !scalar(kind) {
+            return Err(flat());
+        }
+        let text = p.skip_value().map_err(syntax)?;
+        return Ok(TensorValue {
+            text,
+            elements: 1,
+            is_array: false,
+        });
+    }
+    let start = p.offset();
+    p.begin_array().map_err(syntax)?;
+    let mut elements = 0usize;
+    let mut first = true;
+    while p.next_element(&mut first).map_err(syntax)? {
+        if !scalar(p.peek_kind().map_err(syntax)?) {
+            return Err(flat());
+        }
+        p.skip_value().map_err(syntax)?;
+        elements += 1; // at most the document's length: no overflow
+    }
+    Ok(TensorValue {
+        text: start..p.offset(),
+        elements,
+        is_array: true,
+    })
+}
+
+/// The shape `elements` take in `input`: its fixed dimensions first, the
+/// innermost variable one takes the rest, any other variable one is 1.
+fn spread(input: &GenerateInput<'_>, elements: usize) -> Result<Vec<u64>, V2Error> {
+    let cannot = || {
+        invalid(format!(
+            "The schema can not convert input '{}' to tensor with proper shape",
+            Clipped(input.name)
+        ))
+    };
+    let mut left = u64::try_from(elements).map_err(|_| cannot())?;
+    for &d in input.shape {
+        if d == -1 {
+            continue;
+        }
+        let d = u64::try_from(d).map_err(|_| cannot())?;
+        match left.checked_rem(d) {
+            Some(0) => left /= d,
+            None if left == 0 => {} // a zero dimension holds no elements
+            _ => return Err(cannot()),
+        }
+    }
+    let mut shape: Vec<u64> = input
+        .shape
+        .iter()
+        .map(|&d| u64::try_from(d).unwrap_or(1))
+        .collect();
+    match input.shape.iter().rposition(|&d| d == -1) {
+        Some(innermost) => shape[innermost] = left,
+        None if left != 1 && elements > 0 => return Err(cannot()),
+        None => {}
+    }
+    Ok(shape)
+}
+
+/// The generate answer for a v2 JSON inference answer `v2` (every output
+/// in JSON): its `id`, `model_name` and `model_version` as they are, then
+/// each output by name (an output named as one of those is left out, as
+/// Triton's reserved keys win).
+pub fn answer(v2: &[u8]) -> Result<Vec<u8>, V2Error> {
+    const RESERVED: [&str; 3] = ["id", "model_name", "model_version"];
+    let broken = |what: &str| V2Error::Output(format!("the inference answer {what}"));
+    let mut p = Parser::new(v2);
+    let mut out = Vec::with_capacity(v2.len());
+    out.push(b'{');
+    let mut written = 0usize;
+    let mut key_value = |out: &mut Vec<u8>, key: &str, value: &[u8]| {
+        if written > 0 {
+            out.push(b',');
+        }
+        written += 1;
+        write_json_string(out, key);
+        out.push(b':');
+        out.extend_from_slice(value);
+    };
+    p.begin_object().map_err(syntax)?;
+    let mut first = true;
+    while let Some(key) = p.next_key(&mut first).map_err(syntax)? {
+        if RESERVED.contains(&key.as_ref()) {
+            let value = p.skip_value().map_err(syntax)?;
+            key_value(&mut out, key.as_ref(), &v2[value]);
+            continue;
+        }
+        if key != "outputs" {
+            p.skip_value().map_err(syntax)?;
+            continue;
+        }
+        p.begin_array().map_err(syntax)?;
+        let mut first_output = true;
+        while p.next_element(&mut first_output).map_err(syntax)? {
+            let (name, data) = output(&mut p)?;
+            let Some(data) = data else {
+                return Err(broken(&format!(
+                    "has no data for output '{}'",
+                    Clipped(&name)
+                )));
+            };
+            if RESERVED.contains(&name.as_str()) {
+                continue;
+            }
+            let value = only_element(v2, data.clone())?.unwrap_or(data);
+            key_value(&mut out, &name, &v2[value]);
+        }
+    }
+    p.end().map_err(syntax)?;
+    out.push(b'}');
+    Ok(out)
+}
+
+/// One output of a v2 answer: its name and its `data` array's range.
+fn output(p: &mut Parser<'_>) -> Result<(String, Option<Range<usize>>), V2Error> {
+    p.begin_object().map_err(syntax)?;
+    let (mut name, mut data) = (String::new(), None);
+    let mut first = true;
+    while let Some(key) = p.next_key(&mut first).map_err(syntax)? {
+        match key.as_ref() {
+            "name" => name = p.string().map_err(syntax)?.into_owned(),
+            "data" => data = Some(p.skip_value().map_err(syntax)?),
+            _ => {
+                p.skip_value().map_err(syntax)?;
+            }
+        }
+    }
+    Ok((name, data))
+}
+
+/// The range of the one element of the array at `data`, if it has exactly one.
+fn only_element(v2: &[u8], data: Range<usize>) -> Result<Option<Range<usize>>, V2Error> {
+    let mut p = Parser::at(v2, data.start);
+    p.begin_array().map_err(syntax)?;
+    let mut first = true;
+    if !p.next_element(&mut first).map_err(syntax)? {
+        return Ok(None);
+    }
+    let element = p.skip_value().map_err(syntax)?;
+    let more = p.next_element(&mut first).map_err(syntax)?;
+    Ok((!more).then_some(element))
+}
+
+/// `document` as one Server-Sent Event (`data: ...` and a blank line).
+pub fn event(document: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(document.len().saturating_add(8));
+    out.extend_from_slice(b"data: ");
+    out.extend_from_slice(document);
+    out.extend_from_slice(b"\n\n");
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TEXT: GenerateInput<'static> = GenerateInput {
+        name: "text_input",
+        datatype: "BYTES",
+        shape: &[-1, 1],
+    };
+    const BUDGET: GenerateInput<'static> = GenerateInput {
+        name: "max_tokens",
+        datatype: "INT32",
+        shape: &[-1, 1],
+    };
+
+    fn request(body: &str, inputs: &[GenerateInput<'_>]) -> Result<String, V2Error> {
+        infer_request(body.as_bytes(), inputs).map(|r| String::from_utf8(r).unwrap())
+    }
+
+    #[test]
+    fn keys_naming_inputs_are_inputs_and_the_rest_parameters_passed_as_sent() {
+        let body = r#"{"id": "42", "text_input": "hi", "parameters": {"max_tokens": 5, "temperature": 0.10000000000000001, "stream": false}, "top_k": 3}"#;
+        let v2 = request(body, &[TEXT, BUDGET]).unwrap();
+        assert_eq!(
+            v2,
+            concat!(
+                r#"{"id":"42","inputs":["#,
+                r#"{"name":"text_input","datatype":"BYTES","shape":[1,1],"data":["hi"]},"#,
+                r#"{"name":"max_tokens","datatype":"INT32","shape":[1,1],"data":[5]}],"#,
+                r#""parameters":{"temperature":0.10000000000000001,"stream":false,"top_k":3}}"#
+            )
+        );
+        // The v2 request is valid JSON, the id echoed, escapes kept.
+        let v2 = request(r#"{"id": "a\"b", "text_input": "x\ny"}"#, &[TEXT]).unwrap();
+        let parsed: serde_json::Value = serde_json::from_str(&v2).unwrap();
+        assert_eq!(parsed["id"], "a\"b");
+        assert_eq!(parsed["inputs"][0]["data"][0], "x\ny");
+    }
+
+    #[test]
+    fn elements_spread_over_the_shape_as_triton_spreads_them() {
+        let tokens = GenerateInput {
+            name: "tokens",
+            datatype: "INT64",
+            shape: &[-1, -1],
+        };
+        let v2 = request(r#"{"tokens": [1, 2, 3]}"#, &[tokens]).unwrap();
+        assert!(v2.contains(r#""shape":[1,3],"data":[1, 2, 3]"#), "{v2}");
+        let pairs = GenerateInput {
+            name: "pairs",
+            datatype: "FP32",
+            shape: &[-1, 2],
+        };
+        assert!(request(r#"{"pairs": [1, 2, 3, 4]}"#, &[pairs])
+            .unwrap()
+            .contains(r#""shape":[2,2]"#));
+        let err = request(r#"{"pairs": [1, 2, 3]}"#, &[pairs]).unwrap_err();
+        assert!(
+            err.to_string().contains("can not convert input 'pairs'"),
+            "{err}"
+        );
+        let fixed = GenerateInput {
+            name: "f",
+            datatype: "FP32",
+            shape: &[3],
+        };
+        assert!(request(r#"{"f": [1, 2, 3]}"#, &[fixed])
+            .unwrap()
+            .contains(r#""shape":[3]"#));
+        assert!(request(r#"{"f": [1, 2]}"#, &[fixed]).is_err());
+        let empty = GenerateInput {
+            name: "e",
+            datatype: "FP32",
+            shape: &[-1, 0],
+        };
+        assert!(request(r#"{"e": []}"#, &[empty])
+            .unwrap()
+            .contains(r#""shape":[0,0]"#));
+    }
+
+    #[test]
+    fn what_triton_refuses_is_refused_with_its_words() {
+        let cases = [
+            ("[1]", "a JSON object"),
+            (r#"{"text_input": "a", "id": 7}"#, "Unable to parse 'id'"),
+            (
+                r#"{"text_input": "a", "x": [1]}"#,
+                "parameter 'x' has invalid type",
+            ),
+            (
+                r#"{"text_input": "a", "x": null}"#,
+                "parameter 'x' has invalid type",
+            ),
+            (
+                r#"{"text_input": "a", "x": {}}"#,
+                "parameter 'x' has invalid type",
+            ),
+            (
+                r#"{"text_input": "a", "parameters": []}"#,
+                "Expected JSON object",
+            ),
+            (
+                r#"{"text_input": "a", "parameters": {"text_input": "b"}}"#,
+                "more than once",
+            ),
+            (
+                r#"{"text_input": ["a", ["b"]]}"#,
+                "a scalar or a flat array",
+            ),
+            (r#"{"text_input": {"a": 1}}"#, "a scalar or a flat array"),
+            (r#"{"text_input": null}"#, "a scalar or a flat array"),
+            (
+                r#"{"text": "a"}"#,
+                "names none of the model's inputs ('text_input')",
+            ),
+            ("", "names none"),
+            (r#"{"text_input": "a""#, "malformed JSON"),
+        ];
+        for (body, words) in cases {
+            let err = request(body, &[TEXT]).unwrap_err();
+            assert_eq!(err.status(), 400, "{body}");
+            assert!(err.to_string().contains(words), "{body}: {err}");
+        }
+        let parameters = GenerateInput {
+            name: "parameters",
+            datatype: "BYTES",
+            shape: &[-1, 1],
+        };
+        let err = request(r#"{"parameters": {}}"#, &[parameters]).unwrap_err();
+        assert!(err.to_string().contains("nested schema"), "{err}");
+    }
+
+    #[test]
+    fn binary_data_output_is_not_passed_on_and_a_parameter_given_twice_keeps_its_last_value() {
+        let v2 = request(
+            r#"{"text_input": "a", "binary_data_output": true, "t": 1, "parameters": {"t": 2}}"#,
+            &[TEXT],
+        )
+        .unwrap();
+        assert!(v2.ends_with(r#""parameters":{"t":2}}"#), "{v2}");
+        assert!(!v2.contains("binary_data_output"), "{v2}");
+    }
+
+    #[test]
+    fn an_answer_flattens_each_output_and_keeps_the_reserved_keys() {
+        let v2 = concat!(
+            r#"{"model_name":"m","model_version":"1","id":"42","outputs":["#,
+            r#"{"name":"text_output","datatype":"BYTES","shape":[1,1],"data":["HI"]},"#,
+            r#"{"name":"ends","datatype":"INT64","shape":[1,2],"data":[3,9]},"#,
+            r#"{"name":"none","datatype":"INT64","shape":[1,0],"data":[]},"#,
+            r#"{"name":"model_name","datatype":"BYTES","shape":[1],"data":["x"]}],"#,
+            r#""parameters":{"k":1}}"#
+        );
+        let answer = String::from_utf8(answer(v2.as_bytes()).unwrap()).unwrap();
+        assert_eq!(
+            answer,
+            r#"{"model_name":"m","model_version":"1","id":"42","text_output":"HI","ends":[3,9],"none":[]}"#
+        );
+        assert_eq!(event(b"{}"), b"data: {}\n\n");
+        let no_data =
+            r#"{"model_name":"m","outputs":[{"name":"y","datatype":"FP32","shape":[1]}]}"#;
+        assert_eq!(super::answer(no_data.as_bytes()).unwrap_err().status(), 500);
+    }
+}
