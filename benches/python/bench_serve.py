@@ -937,14 +937,14 @@ def targets(results: list[Result]) -> list[str]:
 
 def print_table(results: list[Result]) -> None:
     header = (
-        f"{'server':<18}{'proto':<7}{'model':<11}{'C':>5}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}"
+        f"{'server':<18}{'proto':<9}{'model':<11}{'C':>5}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}"
         f"{'batch':>7}{'cpu us/req':>11}{'errors':>8}"
     )
     print(header)
     print("-" * len(header))
     for r in results:
         print(
-            f"{r.server:<18}{r.protocol:<7}{r.model:<11}{r.callers:>5}{r.rps:>10.0f}"
+            f"{r.server:<18}{r.protocol:<9}{r.model:<11}{r.callers:>5}{r.rps:>10.0f}"
             f"{r.p50_ms:>9.2f}{r.p99_ms:>9.2f}{r.mean_batch:>7.1f}{r.server_cpu_us:>11.0f}{r.errors:>8}"
         )
 
@@ -959,7 +959,7 @@ def print_ratios(results: list[Result]) -> None:
         if server != "ferrobatch" or other is None or not other.rps:
             continue
         line = (
-            f"  {protocol:<7}{model:<11}C={callers:<4} req/s x{r.rps / other.rps:.2f}"
+            f"  {protocol:<9}{model:<11}C={callers:<4} req/s x{r.rps / other.rps:.2f}"
             f"   p99 {r.p99_ms:.1f} ms vs {other.p99_ms:.1f} ms"
             f"   server CPU per request x{other.server_cpu_us / r.server_cpu_us:.2f} less"
         )
