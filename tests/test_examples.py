@@ -173,3 +173,43 @@ def test_pytriton_switch_example_serves_tritonclient() -> None:
         rpc.close()
         http.close()
     assert not triton.is_alive()
+
+
+def test_token_stream_example_streams_words_to_concurrent_prompts() -> None:
+    """examples/token_stream.py: each prompt gets WORDS events, the words the
+    model chooses for it alone, while several prompts share batches."""
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    from ferrobatch.serve import ServeConfig, serve_in_thread
+
+    example = load("token_stream")
+    prompts = [f"prompt {i}" for i in range(6)]
+
+    def expected(prompt: str) -> list[str]:
+        last = example.first_words(np.array([prompt.encode()], dtype=object))
+        words = []
+        with torch.inference_mode():
+            for _ in range(example.WORDS):
+                last = example.MODEL(last)
+                words.append(example.VOCAB[int(last[0])])
+        return words
+
+    servers = example.make_servers()
+    config = ServeConfig(http_port=0, grpc_port=None, log_level="warning")
+    with serve_in_thread(servers, config) as listening:
+        url = f"http://127.0.0.1:{listening.http_port}/v2/models/toy_lm/generate_stream"
+
+        def stream(prompt: str) -> list[str]:
+            with httpx.stream("POST", url, json={"text_input": prompt}, timeout=30) as answer:
+                assert answer.headers["content-type"].startswith("text/event-stream")
+                lines = [line for line in answer.iter_lines() if line]
+            return [json.loads(line.removeprefix("data: "))["text_output"] for line in lines]
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(stream, prompts))
+    assert got == [expected(p) for p in prompts]
+    stats = servers[0].stats()
+    assert stats["requests_succeeded"] == len(prompts)
