@@ -561,8 +561,7 @@ class Endpoint:
         ``{"error": ...}`` event."""
         try:
             model = self.repository.model(name, version)
-            inputs = self.repository.model_metadata(model.server.name)["inputs"]
-            request = model.codec.decode(_generate.infer_body(body, inputs))
+            request = model.codec.decode(_generate.infer_body(body, model.generate_inputs))
             tensors = request_inputs(request)
             if not model.server.decoupled:
                 results = await self.repository.infer(

@@ -18,8 +18,6 @@ after its first response.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
-from typing import Any
 
 from .. import _core
 
@@ -32,11 +30,11 @@ ONE_RESPONSE = (
 )
 
 
-def infer_body(body: bytes, inputs: list[Mapping[str, Any]]) -> bytes:
+def infer_body(body: bytes, inputs: list[tuple[str, str, list[int]]]) -> bytes:
     """The v2 JSON inference request the generate request ``body`` stands
-    for; ``inputs``: the model metadata's (``name``, ``datatype``, ``shape``).
+    for; ``inputs``: the model's (``ServedModel.generate_inputs``).
     ``CodecError`` 400 for what Triton refuses."""
-    return _core.generate_request(body, [(i["name"], i["datatype"], list(i["shape"])) for i in inputs])
+    return _core.generate_request(body, inputs)
 
 
 def answer(payload: bytes, *, as_event: bool = False) -> bytes:

@@ -201,13 +201,16 @@ def error_message(exc: BaseException, model: str, *, expose: bool = False) -> st
 @dataclass(frozen=True, slots=True)
 class ServedModel:
     """One served :class:`~ferrobatch.Server` and what every request to it
-    needs, computed once: its client, its outputs' v2 datatypes and its v2
-    codec (requests in, responses out; see ``ferrobatch._core.V2Codec``)."""
+    needs, computed once: its client, its outputs' v2 datatypes, its v2
+    codec (requests in, responses out; see ``ferrobatch._core.V2Codec``) and
+    its inputs as a generate request fills them."""
 
     server: Server
     client: Client
     output_types: dict[str, str]  # output name -> v2 datatype, in spec order
     codec: V2Codec
+    #: ``(name, datatype, shape)`` of each input, as its metadata says them.
+    generate_inputs: list[tuple[str, str, list[int]]]
 
     @classmethod
     def of(
@@ -229,7 +232,16 @@ class ServedModel:
             output_row_bytes=[None if s.is_bytes or s.is_ragged else s.row_nbytes for s in server.outputs],
             output_labels=[None if s.labels is None else list(s.labels) for s in server.outputs],
         )
-        return cls(server, server.client(), {s.name: datatype_of(s) for s in server.outputs}, codec)
+        inputs = [(t["name"], t["datatype"], t["shape"]) for t in tensor_metadata(server, server.inputs)]
+        return cls(server, server.client(), {s.name: datatype_of(s) for s in server.outputs}, codec, inputs)
+
+
+def tensor_metadata(server: Server, specs: Sequence[TensorSpec]) -> list[dict[str, Any]]:
+    """The model metadata's ``{"name", "datatype", "shape"}`` of ``specs``:
+    with a leading ``-1`` for the batch (a model without batching: one
+    sample, as declared)."""
+    batch = [-1] if server.batching else []
+    return [{"name": s.name, "datatype": datatype_of(s), "shape": [*batch, *s.shape]} for s in specs]
 
 
 class ModelRepository:
@@ -518,17 +530,12 @@ class ModelRepository:
 
     def model_metadata(self, name: str, version: str = "") -> dict[str, Any]:
         server = self.get(name, version)
-
-        def tensors(specs: Sequence[TensorSpec]) -> list[dict[str, Any]]:
-            batch = [-1] if server.batching else []  # a model without batching: one sample, as declared
-            return [{"name": s.name, "datatype": datatype_of(s), "shape": [*batch, *s.shape]} for s in specs]
-
         return {
             "name": server.name,
             "versions": [MODEL_VERSION],
             "platform": "pytorch",
-            "inputs": tensors(server.inputs),
-            "outputs": tensors(server.outputs),
+            "inputs": tensor_metadata(server, server.inputs),
+            "outputs": tensor_metadata(server, server.outputs),
         }
 
     def model_config(self, name: str, version: str = "") -> dict[str, Any]:

@@ -771,21 +771,22 @@ async fn generate(
     forwarded: &[(String, String)],
 ) -> Response<Body> {
     let failed = |e: V2Error| error(&Failure::new(e.status(), e.to_string()));
-    let Some(metadata) = shared.catalogued(&model.name) else {
-        return error(&Failure::new(500, "the model's metadata is not known"));
-    };
-    let inputs: Vec<GenerateInput<'_>> = metadata
-        .inputs
-        .iter()
-        .map(|t| GenerateInput {
-            name: &t.name,
-            datatype: &t.datatype,
-            shape: &t.shape,
-        })
-        .collect();
-    let request = match generate::infer_request(body, &inputs) {
-        Ok(request) => Bytes::from(request),
-        Err(e) => return failed(e),
+    let request = shared.with_catalogued(&model.name, |metadata| {
+        let inputs: Vec<GenerateInput<'_>> = metadata
+            .inputs
+            .iter()
+            .map(|t| GenerateInput {
+                name: &t.name,
+                datatype: &t.datatype,
+                shape: &t.shape,
+            })
+            .collect();
+        generate::infer_request(body, &inputs)
+    });
+    let request = match request {
+        Some(Ok(request)) => Bytes::from(request),
+        Some(Err(e)) => return failed(e),
+        None => return error(&Failure::new(500, "the model's metadata is not known")),
     };
     let answered = match model.submit(request, None, forwarded) {
         Ok(submitted) => model.reply(submitted).await,

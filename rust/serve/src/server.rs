@@ -221,6 +221,17 @@ impl Shared {
         catalog.model(name).cloned()
     }
 
+    /// `read` of model `name`'s metadata, if known, read in place (no copy;
+    /// the catalog is locked for reading meanwhile: keep `read` short).
+    pub fn with_catalogued<R>(
+        &self,
+        name: &str,
+        read: impl FnOnce(&ModelMetadata) -> R,
+    ) -> Option<R> {
+        let catalog = self.catalog.read().unwrap_or_else(|e| e.into_inner());
+        catalog.model(name).map(read)
+    }
+
     pub fn is_catalogued(&self, name: &str) -> bool {
         let catalog = self.catalog.read().unwrap_or_else(|e| e.into_inner());
         catalog.model(name).is_some()
