@@ -311,3 +311,40 @@ def test_stopping_the_server_ends_an_open_stream(frontend: str) -> None:
     assert not thread.is_alive(), "the stream did not end"
     assert endless.closed.wait(10), "the model was not closed"
     assert server.stats()["requests_succeeded"] == 0
+
+
+@pytest.mark.parametrize("frontend", ["native", "python"])
+def test_a_client_that_stops_reading_a_stream_costs_at_most_its_backlog(frontend: str) -> None:
+    made: list[int] = []
+    closed = threading.Event()
+
+    def flood(inputs: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        try:
+            for step in range(1000):
+                made.append(step)
+                time.sleep(0.002)  # a reader that reads keeps up
+                yield {"text_output": np.array([[b"x" * 65536]], dtype=object)}  # 64 KiB a response
+        finally:
+            closed.set()
+
+    server = fb.Server(flood, inputs=[TEXT_IN], outputs=[TEXT_OUT], name="flood", decoupled=True)
+    config = ServeConfig(
+        http_port=0, grpc_port=None, frontend=frontend, log_level="warning", max_stream_backlog=1 << 20
+    )
+    with serve_in_thread([server], config) as listening:
+        body = json.dumps({"text_input": "go"}).encode()
+        head = (
+            f"POST /v2/models/flood/generate_stream HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)  # before connecting: a small window
+            sock.connect(("127.0.0.1", listening.http_port))
+            sock.sendall(head + body)  # and never read
+            deadline = time.monotonic() + 30
+            while not server.stats()["requests_failed"]["queue_full"] and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert closed.wait(10), "the model was not closed"
+    assert len(made) < 1000, "the model stopped making what no one read"
+    assert {k: v for k, v in server.stats()["requests_failed"].items() if v} == {"queue_full": 1}
+    assert server.stats()["requests_succeeded"] == 0

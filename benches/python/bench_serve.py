@@ -24,6 +24,9 @@ Models: ``identity`` and ``mlp`` take ``x`` float32[256] (fixed shapes);
 ``(1,)``, one 32-byte string, echoed). ferrobatch serves ``(-1,)`` padded
 (``ragged="pad"``), as ``ferrobatch.triton`` binds it; PyTriton binds the same
 shapes. Issue 24's targets compare them with identity in the same run.
+``token_stream`` is a decoupled model for Triton's ``generate_stream`` (the
+opt-in protocol it is driven over): it answers each request with 8
+responses, each the request's 32-byte string, one Server-Sent Event each.
 
 ``--driver aio``: C concurrent callers (C = 1, 64, 512), each awaiting one request at a time
 through tritonclient's aio clients; a request is ``{"x": float32[1, 256]}``
@@ -110,8 +113,12 @@ WIDTH = 256
 #: (-1,) input, bytes_echo's one string of this many bytes.
 ADD_SUB_LENGTH = 16
 BYTES_LENGTH = 32
+#: token_stream's responses per request.
+TOKENS = 8
 #: Every model each server serves.
-MODELS = ("identity", "mlp", "add_sub", "bytes_echo")
+MODELS = ("identity", "mlp", "add_sub", "bytes_echo", "token_stream")
+#: Models that stream their responses (decoupled): driven over generate_stream only.
+DECOUPLED = ("token_stream",)
 MAX_BATCH = 64
 MAX_DELAY = 0.001
 
@@ -163,6 +170,10 @@ def make_servers() -> list[Any]:
     def bytes_echo(inputs: dict[str, Any]) -> dict[str, Any]:
         return {"y": inputs["x"]}
 
+    def token_stream(inputs: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        for _ in range(TOKENS):
+            yield {"y": inputs["x"]}
+
     batching = {"max_batch_size": MAX_BATCH, "max_delay": MAX_DELAY}
     # --scaling --instances cores: one worker per server core for the fixed-shape models,
     # threads or (--instance-kind process) processes.
@@ -196,6 +207,14 @@ def make_servers() -> list[Any]:
             outputs=[fb.TensorSpec("y", "bytes", (1,))],
             **batching,
         ),
+        fb.Server(
+            token_stream,
+            name="token_stream",
+            inputs=[fb.TensorSpec("x", "bytes", (1,))],
+            outputs=[fb.TensorSpec("y", "bytes", (1,))],
+            decoupled=True,
+            **batching,
+        ),
     ]
 
 
@@ -218,10 +237,11 @@ def payload(model: str) -> tuple[dict[str, Any], dict[str, Any]]:
     if model == "add_sub":
         a, b = (rng.standard_normal((1, ADD_SUB_LENGTH)).astype(np.float32) for _ in range(2))
         return {"a": a, "b": b}, {"add": a + b, "sub": a - b}
-    if model == "bytes_echo":
+    if model in ("bytes_echo", "token_stream"):
         text = np.empty((1, 1), dtype=object)
         text[0, 0] = bytes(rng.integers(ord("a"), ord("z") + 1, BYTES_LENGTH, dtype=np.uint8))
-        return {"x": text}, {"y": text}
+        # token_stream: its responses' elements, in order.
+        return {"x": text}, {"y": text if model == "bytes_echo" else np.repeat(text, TOKENS, axis=0)}
     raise ValueError(f"unknown model {model!r}")
 
 
@@ -250,6 +270,11 @@ def run_pytriton(http_port: int, grpc_port: int, metrics_port: int) -> None:
     @batch  # type: ignore[misc]
     def bytes_echo_fn(x: np.ndarray) -> dict[str, np.ndarray]:
         return {"y": x}
+
+    @batch  # type: ignore[misc]
+    def token_stream_fn(x: np.ndarray) -> Iterator[dict[str, np.ndarray]]:
+        for _ in range(TOKENS):
+            yield {"y": x}
 
     @batch  # type: ignore[misc]
     @_torch_threads
@@ -284,6 +309,13 @@ def run_pytriton(http_port: int, grpc_port: int, metrics_port: int) -> None:
             inputs=[Tensor(name="x", dtype=np.bytes_, shape=(1,))],
             outputs=[Tensor(name="y", dtype=np.bytes_, shape=(1,))],
             config=model_config,
+        )
+        triton.bind(
+            model_name="token_stream",
+            infer_func=token_stream_fn,
+            inputs=[Tensor(name="x", dtype=np.bytes_, shape=(1,))],
+            outputs=[Tensor(name="y", dtype=np.bytes_, shape=(1,))],
+            config=replace(model_config, decoupled=True),
         )
         triton.serve()
 
@@ -588,6 +620,12 @@ class Result:
 FIGURES = ("rps", "p50_ms", "p99_ms", "mean_batch", "server_cpu_us", "load1", "server_core_busy", "loadgen_core_busy")
 
 
+def answers(protocol: str, model: str) -> bool:
+    """Whether ``model`` is driven over ``protocol``: a decoupled one over
+    ``generate_stream`` only (its other ways answer once)."""
+    return model not in DECOUPLED or protocol == "generate_stream"
+
+
 def measure(endpoint: Endpoint, protocol: str, model: str, callers: int, args: argparse.Namespace) -> Result:
     import numpy as np
 
@@ -646,7 +684,10 @@ class Native:
         payloads = {model: payload(model) for model in models}
         self.expected = {model: expected for model, (_, expected) in payloads.items()}
         self.requests = {
-            (p, m): loadgen.make_request(p, m, payloads[m][0], tuple(payloads[m][1])) for p in protocols for m in models
+            (p, m): loadgen.make_request(p, m, payloads[m][0], tuple(payloads[m][1]))
+            for p in protocols
+            for m in models
+            if answers(p, m)
         }
         self.reply_length: dict[tuple[str, str, str], int] = {}
 
@@ -937,14 +978,14 @@ def targets(results: list[Result]) -> list[str]:
 
 def print_table(results: list[Result]) -> None:
     header = (
-        f"{'server':<18}{'proto':<9}{'model':<11}{'C':>5}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}"
+        f"{'server':<18}{'proto':<16}{'model':<13}{'C':>5}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}"
         f"{'batch':>7}{'cpu us/req':>11}{'errors':>8}"
     )
     print(header)
     print("-" * len(header))
     for r in results:
         print(
-            f"{r.server:<18}{r.protocol:<9}{r.model:<11}{r.callers:>5}{r.rps:>10.0f}"
+            f"{r.server:<18}{r.protocol:<16}{r.model:<13}{r.callers:>5}{r.rps:>10.0f}"
             f"{r.p50_ms:>9.2f}{r.p99_ms:>9.2f}{r.mean_batch:>7.1f}{r.server_cpu_us:>11.0f}{r.errors:>8}"
         )
 
@@ -959,7 +1000,7 @@ def print_ratios(results: list[Result]) -> None:
         if server != "ferrobatch" or other is None or not other.rps:
             continue
         line = (
-            f"  {protocol:<9}{model:<11}C={callers:<4} req/s x{r.rps / other.rps:.2f}"
+            f"  {protocol:<16}{model:<13}C={callers:<4} req/s x{r.rps / other.rps:.2f}"
             f"   p99 {r.p99_ms:.1f} ms vs {other.p99_ms:.1f} ms"
             f"   server CPU per request x{other.server_cpu_us / r.server_cpu_us:.2f} less"
         )
@@ -1055,11 +1096,12 @@ def main() -> int:
     parser.add_argument(
         "--models",
         default="identity,mlp",
-        help=f"comma-separated, of {','.join(MODELS)} (default identity,mlp; add_sub and bytes_echo: wrk only)",
+        help=f"comma-separated, of {','.join(MODELS)} (default identity,mlp; the others: wrk only;"
+        " token_stream, decoupled: generate_stream only)",
     )
     parser.add_argument(
         "--protocols",
-        help="comma-separated: json,binary,grpc (wrk, the default; generate too when named)"
+        help="comma-separated: json,binary,grpc (wrk, the default; generate and generate_stream too when named)"
         " or http,grpc (aio, the default)",
     )
     parser.add_argument("--server-cpu", default="0", help="the core the server is pinned to (wrk; default 0)")
@@ -1208,7 +1250,7 @@ def main() -> int:
         # Servers take turns case by case, so a noisy machine affects them alike.
         for run in range(args.runs):
             for protocol in protocols:
-                for model in models:
+                for model in (m for m in models if answers(protocol, m)):
                     for c in callers:
                         for endpoint in endpoints:
                             if native is not None:

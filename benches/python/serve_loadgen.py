@@ -44,8 +44,10 @@ import numpy as np
 #: Protocols of the wrk driver, in table order.
 PROTOCOLS = ("json", "binary", "grpc")
 #: Driven when asked for (``--protocols``), not by default: Triton's generate
-#: extension (``POST .../generate``, each input by name as a flat array).
-OPT_IN_PROTOCOLS = ("generate",)
+#: extension (``POST .../generate``, each input by name as a flat array), and
+#: its ``.../generate_stream`` (the same body, answered as Server-Sent Events,
+#: one per response; wrk counts a stream when its last event came).
+OPT_IN_PROTOCOLS = ("generate", "generate_stream")
 GRPC_METHOD = "/inference.GRPCInferenceService/ModelInfer"
 
 
@@ -113,9 +115,9 @@ def make_request(protocol: str, model: str, inputs: dict[str, np.ndarray], outpu
         }
         body = json.dumps(doc, separators=(",", ":")).encode()
         return Request(protocol, model, inputs, outputs, path, body, {"Content-Type": "application/json"})
-    if protocol == "generate":  # Triton's generate extension: each input by name, a flat array
+    if protocol in OPT_IN_PROTOCOLS:  # Triton's generate extension: each input by name, a flat array
         body = json.dumps({name: _json_data(a) for name, a in inputs.items()}, separators=(",", ":")).encode()
-        generate = f"/v2/models/{model}/generate"
+        generate = f"/v2/models/{model}/{protocol}"
         return Request(protocol, model, inputs, outputs, generate, body, {"Content-Type": "application/json"})
     if protocol == "binary":
         raws = [_raw(a) for a in inputs.values()]
@@ -169,10 +171,16 @@ def _answered(request: Request, http: str, grpc: str) -> tuple[dict[str, np.ndar
         body = answer.read()
         header_length = answer.headers.get("Inference-Header-Content-Length")
     got: dict[str, np.ndarray] = {}
-    if request.protocol == "generate":  # each output by name: its one element, or a flat array
-        answer = json.loads(body)
+    if request.protocol in OPT_IN_PROTOCOLS:  # each output by name: its one element, or a flat array
+        # generate_stream: a "data: {...}" event per response, their elements in order.
+        text = body.decode()
+        answers = (
+            [json.loads(e.removeprefix("data: ")) for e in text.split("\n\n") if e]
+            if request.protocol == "generate_stream"
+            else [json.loads(text)]
+        )
         for name in request.outputs:
-            value = answer[name] if isinstance(answer[name], list) else [answer[name]]
+            value = [v for a in answers for v in (a[name] if isinstance(a[name], list) else [a[name]])]
             got[name] = (
                 np.asarray([e.encode() for e in value], dtype=object)
                 if isinstance(value[0], str)

@@ -29,6 +29,7 @@ __all__ = [
     "__version__",
     "REQUEST_BOUNDS_US",
     "MAX_QUEUE_SIZE",
+    "GENERATE_ONE_RESPONSE",
     "MAX_FRONT_END_THREADS",
     "MAX_CONNECTIONS",
     "MAX_SHARED_CLIENTS",
@@ -38,6 +39,7 @@ __all__ = [
     "after_fork_in_child",
     "check_json",
     "generate_answer",
+    "generate_error_event",
     "generate_request",
     "compress",
     "dtypes",
@@ -52,6 +54,9 @@ __all__ = [
 __version__: str
 REQUEST_BOUNDS_US: tuple[int, ...]
 MAX_QUEUE_SIZE: int
+#: What ``generate`` answers (a 400) when a decoupled model does not send
+#: exactly one response (Triton's words).
+GENERATE_ONE_RESPONSE: str
 MAX_FRONT_END_THREADS: int
 MAX_CONNECTIONS: int
 MAX_SHARED_CLIENTS: int
@@ -566,6 +571,10 @@ def generate_request(body: bytes, inputs: list[tuple[str, str, list[int]]]) -> b
 def generate_answer(answer: bytes, *, as_event: bool = False) -> bytes:
     """The generate answer for a v2 JSON inference answer (``as_event``: as
     one Server-Sent Event)."""
+
+def generate_error_event(message: str) -> bytes:
+    """The Server-Sent Event that ends a ``generate_stream`` failed after its
+    first response: ``{"error": message}``."""
 
 @final
 class GrpcInferRequest:

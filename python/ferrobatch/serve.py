@@ -386,11 +386,12 @@ class ServeConfig:
     #: ``ServerReady``) says ready only while every model is (True, the
     #: default); False: while the server serves, whatever its models' state.
     strict_readiness: bool = True
-    #: The most bytes of a decoupled model's responses one gRPC
-    #: ``ModelStreamInfer`` stream holds before its client reads them (either
-    #: front-end): a response past them fails its request (an
-    #: ``error_message`` on the stream, counted ``queue_full``) instead of
-    #: being held, so a client that stops reading costs at most that much.
+    #: The most bytes of a decoupled model's responses one stream holds
+    #: before its client reads them (either front-end): a gRPC
+    #: ``ModelStreamInfer`` stream, or one HTTP ``generate_stream``. A
+    #: response past them fails its request (an ``error_message`` on the gRPC
+    #: stream, an error event ending the HTTP one; counted ``queue_full``)
+    #: instead of being held, so a client that stops reading costs at most that much.
     max_stream_backlog: int = MAX_STREAM_BACKLOG
     #: Also share the models with other processes of this user (see
     #: :meth:`Server.share`) under this name (one model), or
@@ -748,6 +749,7 @@ async def serve(
                     max_body_size=config.max_body_size,
                     max_decompressed_size=config.max_decompressed_size,
                     http_restricted_api=config.http_restricted_api,
+                    max_stream_backlog=config.max_stream_backlog,
                 )
                 http = _uvicorn_server(
                     uvicorn.Config(
@@ -879,7 +881,10 @@ async def _prediction_listener(
 
     # Triton's Vertex AI and SageMaker endpoints keep its HTTP restrictions: the same handlers answer.
     endpoint = Endpoint(
-        repository, max_decompressed_size=config.max_decompressed_size, http_restricted_api=config.http_restricted_api
+        repository,
+        max_decompressed_size=config.max_decompressed_size,
+        http_restricted_api=config.http_restricted_api,
+        max_stream_backlog=config.max_stream_backlog,
     )
     try:
         listener = PredictionListener(endpoint, platform, max_body_size=config.max_body_size)
@@ -1307,8 +1312,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_size,
         default=MAX_STREAM_BACKLOG,
         metavar="BYTES",
-        help="bytes of a decoupled model's responses one gRPC stream holds unread by its client;"
-        " a response past them fails its request (default 64 MiB)",
+        help="bytes of a decoupled model's responses one stream (gRPC ModelStreamInfer, HTTP generate_stream)"
+        " holds unread by its client; a response past them fails its request (default 64 MiB)",
     )
     parser.add_argument(
         "--header-timeout",

@@ -51,6 +51,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..client import MAX_STREAM_BACKLOG
 from .protocol import MAX_BODY_SIZE, MAX_DECOMPRESSED_SIZE
 
 if TYPE_CHECKING:
@@ -80,6 +81,7 @@ def starlette_app(
     max_decompressed_size: int = MAX_DECOMPRESSED_SIZE,
     http_restricted_api: Sequence[str] = (),
     allow_client_shm: bool = False,
+    max_stream_backlog: int = MAX_STREAM_BACKLOG,
 ) -> Starlette:
     """A Starlette (ASGI) app serving ``servers`` (unique names) over v2 REST.
 
@@ -93,8 +95,11 @@ def starlette_app(
     restricted API group without that header gets 403.
     ``allow_client_shm``: clients may register shared-memory regions and
     name them in requests (Triton's system shared-memory extension; see
-    :class:`~ferrobatch.http.protocol.ModelRepository`). The app's repository
-    is ``app.state.ferrobatch.repository``.
+    :class:`~ferrobatch.http.protocol.ModelRepository`).
+    ``max_stream_backlog``: the most bytes of a decoupled model's responses
+    one ``generate_stream`` holds before its client reads them (a response
+    past them ends the stream with an error event, counted ``queue_full``).
+    The app's repository is ``app.state.ferrobatch.repository``.
     """
     from ._starlette import starlette_app as make
 
@@ -107,6 +112,7 @@ def starlette_app(
         max_decompressed_size=max_decompressed_size,
         http_restricted_api=http_restricted_api,
         allow_client_shm=allow_client_shm,
+        max_stream_backlog=max_stream_backlog,
     )
 
 
@@ -120,6 +126,7 @@ def aiohttp_app(
     max_decompressed_size: int = MAX_DECOMPRESSED_SIZE,
     http_restricted_api: Sequence[str] = (),
     allow_client_shm: bool = False,
+    max_stream_backlog: int = MAX_STREAM_BACKLOG,
 ) -> web.Application:
     """An aiohttp app serving ``servers`` over v2 REST; also works as a
     sub-app (``parent.add_subapp("/prefix", app)``; its ``cleanup_ctx`` then
@@ -136,4 +143,5 @@ def aiohttp_app(
         max_decompressed_size=max_decompressed_size,
         http_restricted_api=http_restricted_api,
         allow_client_shm=allow_client_shm,
+        max_stream_backlog=max_stream_backlog,
     )

@@ -10,6 +10,7 @@ from aiohttp.typedefs import Handler
 from aiohttp.web_protocol import RequestPayloadError
 
 from .._core import clipped
+from ..client import MAX_STREAM_BACKLOG
 from ..server import Server
 from . import AIOHTTP_HANDLER_ARGS
 from ._endpoint import (
@@ -44,6 +45,7 @@ def aiohttp_app(
     max_decompressed_size: int = MAX_DECOMPRESSED_SIZE,
     http_restricted_api: Sequence[str] = (),
     allow_client_shm: bool = False,
+    max_stream_backlog: int = MAX_STREAM_BACKLOG,
 ) -> web.Application:
     endpoint = Endpoint(
         servers,
@@ -52,6 +54,7 @@ def aiohttp_app(
         metrics=metrics,
         http_restricted_api=http_restricted_api,
         allow_client_shm=allow_client_shm,
+        max_stream_backlog=max_stream_backlog,
     )
     repository = endpoint.repository
 

@@ -29,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from .. import _core
 from .._core import V2Request, clipped
+from ..client import MAX_STREAM_BACKLOG, StreamBacklog
 from ..errors import InvalidInputError
 from ..metrics import exposition, registry
 from ..server import Server
@@ -303,7 +304,9 @@ class Endpoint:
     Triton's ``--http-restricted-api`` groups (``"<apis>:<header>=<value>"``,
     see ``ServeConfig``), checked by :meth:`refusal` (``ValueError`` for a
     malformed one). ``allow_client_shm``: see :class:`ModelRepository`
-    (for ``servers`` given as servers).
+    (for ``servers`` given as servers). ``max_stream_backlog``: the most
+    bytes of a decoupled model's responses one ``generate_stream`` holds
+    before its client reads them (see :class:`~ferrobatch.client.StreamBacklog`).
     """
 
     def __init__(
@@ -315,6 +318,7 @@ class Endpoint:
         metrics: bool = True,
         http_restricted_api: Sequence[str] = (),
         allow_client_shm: bool = False,
+        max_stream_backlog: int = MAX_STREAM_BACKLOG,
     ) -> None:
         self.restrictions = _core.ApiRestrictions(list(http_restricted_api), [])
         if isinstance(servers, ModelRepository):
@@ -325,6 +329,7 @@ class Endpoint:
             )
         self.expose_errors = self.repository.expose_errors if expose_errors is None else expose_errors
         self.max_decompressed_size = max_decompressed_size
+        self.max_stream_backlog = max_stream_backlog
         repository = self.repository
         self.registry = registry(  # asked at each scrape: models added while serving are reported
             lambda: repository.servers, cpu=repository.cpu_metrics, gpu=repository.gpu_metrics
@@ -576,6 +581,7 @@ class Endpoint:
                 request.timeout,
                 request.priority,
                 request.parameters,
+                StreamBacklog(self.max_stream_backlog),
                 requested_outputs=request.requested_outputs,
             )
             try:

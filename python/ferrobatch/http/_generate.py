@@ -17,17 +17,12 @@ after its first response.
 
 from __future__ import annotations
 
-import json
-
 from .. import _core
 
 #: The content type of a ``generate_stream`` answer.
 EVENT_STREAM = "text/event-stream; charset=utf-8"
 #: What ``generate`` answers when a decoupled model does not send exactly one response.
-ONE_RESPONSE = (
-    "generate expects model to produce exactly 1 response, use generate stream for model that "
-    "generates various number of responses"
-)
+ONE_RESPONSE = _core.GENERATE_ONE_RESPONSE
 
 
 def infer_body(body: bytes, inputs: list[tuple[str, str, list[int]]]) -> bytes:
@@ -45,4 +40,4 @@ def answer(payload: bytes, *, as_event: bool = False) -> bytes:
 
 def error_event(message: str) -> bytes:
     """The event that ends a stream that failed."""
-    return b"data: " + json.dumps({"error": message}, separators=(",", ":")).encode() + b"\n\n"
+    return _core.generate_error_event(message)

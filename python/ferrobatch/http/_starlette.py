@@ -16,6 +16,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route, Router
 from starlette.types import Message, Receive, Scope, Send
 
+from ..client import MAX_STREAM_BACKLOG
 from ..server import Server
 from ._endpoint import (
     HEADER_LENGTH,
@@ -220,6 +221,7 @@ def starlette_app(
     max_decompressed_size: int = MAX_DECOMPRESSED_SIZE,
     http_restricted_api: Sequence[str] = (),
     allow_client_shm: bool = False,
+    max_stream_backlog: int = MAX_STREAM_BACKLOG,
 ) -> Starlette:
     endpoint = Endpoint(
         servers,
@@ -228,6 +230,7 @@ def starlette_app(
         metrics=metrics,
         http_restricted_api=http_restricted_api,
         allow_client_shm=allow_client_shm,
+        max_stream_backlog=max_stream_backlog,
     )
     repository = endpoint.repository
 

@@ -1178,6 +1178,13 @@ pub fn generate_answer<'py>(
     Ok(PyBytes::new(py, &answer))
 }
 
+/// The event that ends a `generate_stream` failed after its first response
+/// (see `ferrobatch_core::v2::generate::error_event`).
+#[pyfunction]
+pub fn generate_error_event<'py>(py: Python<'py>, message: &str) -> Bound<'py, PyBytes> {
+    PyBytes::new(py, &generate::error_event(message))
+}
+
 /// A request's `parameters` as a caller gives them to `submit`: a JSON
 /// object's text, checked ([`ferrobatch_core::request::check_parameters`]),
 /// or a mapping encoded by [`encode_parameters`]

@@ -78,6 +78,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(codec::check_json, m)?)?;
     m.add_function(wrap_pyfunction!(codec::generate_request, m)?)?;
     m.add_function(wrap_pyfunction!(codec::generate_answer, m)?)?;
+    m.add_function(wrap_pyfunction!(codec::generate_error_event, m)?)?;
+    m.add(
+        "GENERATE_ONE_RESPONSE",
+        ferrobatch_core::v2::generate::ONE_RESPONSE,
+    )?;
     m.add_function(wrap_pyfunction!(codec::dtypes, m)?)?;
     m.add_function(wrap_pyfunction!(codec::inflate, m)?)?;
     m.add_function(wrap_pyfunction!(codec::compress, m)?)?;

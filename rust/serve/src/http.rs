@@ -2,8 +2,7 @@
 //!
 //! Native routes, answered without Python: `GET /v2/health/live`,
 //! `GET /v2/health/ready`, `GET /v2/models/{m}[/versions/{v}]/ready`,
-//! Triton's `.../generate` and `.../generate_stream` for a model that is not
-//! decoupled (`ferrobatch_core::v2::generate`), and
+//! Triton's `.../generate` and `.../generate_stream` (see [`generate`]), and
 //! `POST /v2/models/{m}[/versions/{v}]/infer` (the hot path; a gzip or
 //! deflate body is inflated here within `max_decompressed_size`, and the
 //! response coded when `Accept-Encoding` asks for it: see
@@ -37,14 +36,15 @@ use hyper::header::{
 use hyper::{Method, Request, Response, StatusCode};
 use tokio::sync::oneshot;
 
-use ferrobatch_core::v2::generate::{self, GenerateInput};
-use ferrobatch_core::v2::{write_json_string, Clipped, V2Error};
+use ferrobatch_core::v2::{write_json_string, Clipped};
 
 use crate::encoding::{self, Coding};
 use crate::model::ServedModel;
 use crate::replies::{Answer, Failure, Reply};
 use crate::restrict;
 use crate::server::Shared;
+
+mod generate;
 
 pub const HEADER_LENGTH: &str = "inference-header-content-length";
 /// [`HEADER_LENGTH`] as a header name: a static one is looked up in a
@@ -260,6 +260,8 @@ pub(crate) async fn ask<T: Send + 'static>(
 pub(crate) enum Body {
     Whole(Full<Bytes>),
     Pulled(Pulled),
+    /// A decoupled model's `generate_stream`, answered natively.
+    Events(generate::Events),
 }
 
 impl Body {
@@ -279,6 +281,7 @@ impl hyper::body::Body for Body {
         match self.get_mut() {
             Body::Whole(whole) => Pin::new(whole).poll_frame(cx),
             Body::Pulled(pulled) => pulled.poll_chunk(cx).map(|c| c.map(|c| Ok(Frame::data(c)))),
+            Body::Events(events) => events.poll_event(cx).map(|c| c.map(|c| Ok(Frame::data(c)))),
         }
     }
 
@@ -286,13 +289,14 @@ impl hyper::body::Body for Body {
         match self {
             Body::Whole(whole) => whole.is_end_stream(),
             Body::Pulled(pulled) => pulled.done,
+            Body::Events(events) => events.is_end_stream(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match self {
             Body::Whole(whole) => whole.size_hint(),
-            Body::Pulled(_) => SizeHint::default(),
+            Body::Pulled(_) | Body::Events(_) => SizeHint::default(),
         }
     }
 }
@@ -528,8 +532,6 @@ fn route(shared: &Arc<Shared>, request: Request<Incoming>) -> Routed {
         if let Some((name, version, asks)) = asks {
             let coding = encoding::content_coding(request.headers().get(CONTENT_ENCODING));
             match (shared.model(name, version), coding) {
-                // A decoupled model's generate streams from Python (the fallback).
-                (Some(model), Ok(_)) if asks != Asks::Infer && model.decoupled() => {}
                 (Some(model), Ok(coding)) => {
                     // Two lengths, or two codings: which one the client meant is a guess.
                     let lengths = request.headers().get_all(&HEADER_LENGTH_NAME);
@@ -659,9 +661,7 @@ where
 const INLINE_CODING: usize = 16 << 10;
 
 /// What an inference request asks for: `.../infer`, or Triton's generate
-/// extension (`.../generate`, `.../generate_stream`: see
-/// `ferrobatch_core::v2::generate`), answered natively for a model that is
-/// not decoupled.
+/// extension (`.../generate`, `.../generate_stream`: see [`generate`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Asks {
     Infer,
@@ -741,7 +741,11 @@ impl Inference {
             };
         }
         if asks != Asks::Infer {
-            return Box::pin(generate(shared, &model, asks, &body, &forwarded)).await;
+            let stream = asks == Asks::GenerateStream;
+            return Box::pin(generate::generate(
+                shared, &model, stream, &body, &forwarded,
+            ))
+            .await;
         }
         // A value that is not text is refused as a bad length, not taken for none.
         let header_length = header_length
@@ -757,53 +761,6 @@ impl Inference {
             }
             _ => answer,
         }
-    }
-}
-
-/// Answers a generate request (`body`, read and inflated) to `model`, which
-/// is not decoupled: as the v2 inference it stands for, its answer
-/// flattened (one Server-Sent Event for `generate_stream`).
-async fn generate(
-    shared: &Shared,
-    model: &ServedModel,
-    asks: Asks,
-    body: &[u8],
-    forwarded: &[(String, String)],
-) -> Response<Body> {
-    let failed = |e: V2Error| error(&Failure::new(e.status(), e.to_string()));
-    let request = shared.with_catalogued(&model.name, |metadata| {
-        let inputs: Vec<GenerateInput<'_>> = metadata
-            .inputs
-            .iter()
-            .map(|t| GenerateInput {
-                name: &t.name,
-                datatype: &t.datatype,
-                shape: &t.shape,
-            })
-            .collect();
-        generate::infer_request(body, &inputs)
-    });
-    let request = match request {
-        Some(Ok(request)) => Bytes::from(request),
-        Some(Err(e)) => return failed(e),
-        None => return error(&Failure::new(500, "the model's metadata is not known")),
-    };
-    let answered = match model.submit(request, None, forwarded) {
-        Ok(submitted) => model.reply(submitted).await,
-        Err(failure) => return error(&failure),
-    };
-    match answered {
-        Ok(Answer::Encoded(encoded)) if encoded.header_length.is_none() => {
-            match generate::answer(&encoded.body) {
-                Ok(answer) if asks == Asks::GenerateStream => {
-                    response(200, generate::EVENT_STREAM, generate::event(&answer))
-                }
-                Ok(answer) => response(200, JSON, answer),
-                Err(e) => failed(e),
-            }
-        }
-        Ok(_) => error(&Failure::new(500, "a generate request answered in binary")),
-        Err(failure) => error(&failure),
     }
 }
 

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use ferrobatch_core::v2::{Data, HeaderMemo};
+use ferrobatch_core::v2::{Codec, Data, HeaderMemo, InferRequest};
 use ferrobatch_core::{
     timeout_from_secs, CoreError, DType, InputBytes, InputRules, InputSpec, Inputs, Layout,
     Outcome, PerTensor, RequestState, Sink, Submission,
@@ -174,8 +174,27 @@ impl ServedModel {
         header_length: Option<&str>,
         forwarded: &[(String, String)],
     ) -> Result<Submitted, Failure> {
-        let codec = self.replies.codec();
         self.refuse_decoupled("the HTTP endpoint")?;
+        self.submit_planned(body, header_length, forwarded, |request, codec| {
+            ResponsePlan::Encoded {
+                id: request.id.clone(),
+                outputs: request.selected_outputs(codec),
+                regions: request.output_regions(),
+                classes: request.output_classes(),
+            }
+        })
+    }
+
+    /// [`ServedModel::submit`] for any model, answered as `plan` says of
+    /// the decoded request (a decoupled model's generate request streams).
+    pub fn submit_planned(
+        &self,
+        body: Bytes,
+        header_length: Option<&str>,
+        forwarded: &[(String, String)],
+        plan: impl FnOnce(&InferRequest, &Codec) -> ResponsePlan,
+    ) -> Result<Submitted, Failure> {
+        let codec = self.replies.codec();
         let mut refused_input = false;
         let mut check = |name: &str, dtype: DType, shape: &[u64]| {
             self.check_header(name, dtype, shape).map_err(|e| {
@@ -200,12 +219,7 @@ impl ServedModel {
                 false => failure,
             }
         })?;
-        let plan = ResponsePlan::Encoded {
-            id: request.id.clone(),
-            outputs: request.selected_outputs(codec),
-            regions: request.output_regions(),
-            classes: request.output_classes(),
-        };
+        let plan = plan(&request, codec);
         if request
             .inputs
             .iter()

@@ -30,6 +30,12 @@ use super::write_json_string;
 /// The content type of a `generate_stream` answer: Server-Sent Events.
 pub const EVENT_STREAM: &str = "text/event-stream; charset=utf-8";
 
+/// What `generate` answers when a decoupled model does not send exactly one
+/// response (Triton's words; a 400).
+pub const ONE_RESPONSE: &str =
+    "generate expects model to produce exactly 1 response, use generate \
+                                stream for model that generates various number of responses";
+
 /// The key of a generate request whose object's keys map the same way.
 const PARAMETERS: &str = "parameters";
 
@@ -393,6 +399,15 @@ pub fn event(document: &[u8]) -> Vec<u8> {
     out
 }
 
+/// The event that ends a `generate_stream` that failed after its first
+/// response: `{"error": message}`.
+pub fn error_event(message: &str) -> Vec<u8> {
+    let mut document = b"{\"error\":".to_vec();
+    write_json_string(&mut document, message);
+    document.push(b'}');
+    event(&document)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -555,5 +570,13 @@ mod tests {
         let no_data =
             r#"{"model_name":"m","outputs":[{"name":"y","datatype":"FP32","shape":[1]}]}"#;
         assert_eq!(super::answer(no_data.as_bytes()).unwrap_err().status(), 500);
+    }
+
+    #[test]
+    fn a_failed_stream_ends_with_an_error_event_its_message_escaped() {
+        assert_eq!(
+            error_event("model 'm' failed: \"x\"\n"),
+            b"data: {\"error\":\"model 'm' failed: \\\"x\\\"\\n\"}\n\n".to_vec()
+        );
     }
 }

@@ -1,0 +1,336 @@
+//! Triton's generate extension on the native front-end: `POST
+//! .../generate` and `.../generate_stream`, for every model.
+//!
+//! A generate request is translated into the v2 JSON inference request it
+//! stands for ([`generate::infer_request`]) and submitted as any other, so
+//! every rule, limit and count of inference applies. A model of one
+//! response per request is answered with its encoded answer, flattened. A
+//! decoupled model's responses come as a gRPC stream's do (a
+//! [`ResponsePlan::Stream`]: raw rows per response, bounded by the stream's
+//! backlog) and each is flattened as it comes:
+//!
+//! - `generate_stream` sends one Server-Sent Event per response. Its head
+//!   waits for the first one (or the end), so a failure before it is a JSON
+//!   error with its status; a failure after it ends the stream with an
+//!   `{"error": ...}` event.
+//! - `generate` takes exactly one response; none, or a second, is Triton's
+//!   400 ([`generate::ONE_RESPONSE`]), counted `invalid_input` (the request
+//!   is withdrawn at its second response).
+//!
+//! A client that leaves drops the body, and with it the request's reply:
+//! the request is cancelled (counted so) and its batch stops sending it
+//! responses.
+
+use std::future::{poll_fn, Future};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use ferrobatch_core::v2::generate::{self, GenerateInput};
+use ferrobatch_core::v2::{Output, V2Error};
+use ferrobatch_core::{Outcome, PerTensor, RequestState};
+use hyper::Response;
+use tokio::sync::mpsc;
+
+use super::{error, response, Body, JSON};
+use crate::model::ServedModel;
+use crate::replies::{Answer, Backlog, Failure, RawOutput, Reply, ResponsePlan};
+use crate::server::Shared;
+
+/// Answers a generate request (`body`, read and inflated) to `model`
+/// (`stream`: `generate_stream`).
+pub(super) async fn generate(
+    shared: &Shared,
+    model: &Arc<ServedModel>,
+    stream: bool,
+    body: &[u8],
+    forwarded: &[(String, String)],
+) -> Response<Body> {
+    let request = shared.with_catalogued(&model.name, |metadata| {
+        let inputs: Vec<GenerateInput<'_>> = metadata
+            .inputs
+            .iter()
+            .map(|t| GenerateInput {
+                name: &t.name,
+                datatype: &t.datatype,
+                shape: &t.shape,
+            })
+            .collect();
+        generate::infer_request(body, &inputs)
+    });
+    let request = match request {
+        Some(Ok(request)) => Bytes::from(request),
+        Some(Err(e)) => return failed(&e),
+        None => return error(&Failure::new(500, "the model's metadata is not known")),
+    };
+    if model.decoupled() {
+        return streamed(shared, model, stream, request, forwarded).await;
+    }
+    let answered = match model.submit(request, None, forwarded) {
+        Ok(submitted) => model.reply(submitted).await,
+        Err(failure) => return error(&failure),
+    };
+    match answered {
+        Ok(Answer::Encoded(encoded)) if encoded.header_length.is_none() => {
+            match generate::answer(&encoded.body) {
+                Ok(answer) if stream => {
+                    response(200, generate::EVENT_STREAM, generate::event(&answer))
+                }
+                Ok(answer) => response(200, JSON, answer),
+                Err(e) => failed(&e),
+            }
+        }
+        Ok(_) => error(&Failure::new(500, "a generate request answered in binary")),
+        Err(failure) => error(&failure),
+    }
+}
+
+fn failed(e: &V2Error) -> Response<Body> {
+    error(&Failure::new(e.status(), e.to_string()))
+}
+
+/// A decoupled model's generate request (`request`: the v2 JSON it stands for).
+async fn streamed(
+    shared: &Shared,
+    model: &Arc<ServedModel>,
+    stream: bool,
+    request: Bytes,
+    forwarded: &[(String, String)],
+) -> Response<Body> {
+    let (partial, parts) = mpsc::unbounded_channel();
+    let backlog = Backlog::new(shared.config.max_stream_backlog);
+    let mut id = None;
+    let submitted = model.submit_planned(request, None, forwarded, |request, codec| {
+        id.clone_from(&request.id);
+        ResponsePlan::Stream {
+            outputs: request
+                .selected_outputs(codec)
+                .iter()
+                .map(|&(index, _)| index)
+                .collect(),
+            regions: None, // a generate request names no region, nor classes
+            classes: None,
+            partial,
+            backlog: backlog.clone(),
+        }
+    });
+    let submitted = match submitted {
+        Ok(submitted) => submitted,
+        Err(failure) => return error(&failure),
+    };
+    let mut responses = Responses {
+        request: submitted.id,
+        model: model.clone(),
+        id,
+        parts,
+        backlog,
+        end: End::Awaited(Box::pin({
+            let model = model.clone();
+            async move { model.reply(submitted).await }
+        })),
+    };
+    let first = match responses.next().await {
+        None if stream => return response(200, generate::EVENT_STREAM, Bytes::new()),
+        None => {
+            return responses
+                .refused(Failure::new(400, generate::ONE_RESPONSE))
+                .await
+        }
+        Some(Err(failure)) => return error(&failure),
+        Some(Ok(part)) => part,
+    };
+    let first = match responses.flattened(&first) {
+        Ok(answer) => answer,
+        Err(failure) => return responses.refused(failure).await,
+    };
+    if stream {
+        let events = Events {
+            first: Some(Bytes::from(generate::event(&first))),
+            next: None,
+            responses: Some(responses),
+        };
+        let mut answer = response(200, generate::EVENT_STREAM, Bytes::new());
+        *answer.body_mut() = Body::Events(events);
+        return answer;
+    }
+    match responses.next().await {
+        None => response(200, JSON, first),
+        Some(Ok(_)) => {
+            responses
+                .refused(Failure::new(400, generate::ONE_RESPONSE))
+                .await
+        }
+        Some(Err(failure)) => error(&failure),
+    }
+}
+
+/// The reply of a streamed request: its end (`Ok`), or why it failed.
+type Ending = Pin<Box<dyn Future<Output = Reply> + Send>>;
+
+/// One decoupled request's responses, in order, then how it ended.
+struct Responses {
+    /// The request's number in the reply table.
+    request: u64,
+    model: Arc<ServedModel>,
+    /// The generate request's `id`, echoed in each answer.
+    id: Option<String>,
+    parts: mpsc::UnboundedReceiver<Vec<RawOutput>>,
+    backlog: Arc<Backlog>,
+    end: End,
+}
+
+/// Where a streamed request's reply (the end of its stream) stands.
+enum End {
+    /// Awaited; dropping it cancels the request.
+    Awaited(Ending),
+    /// Come, told after the responses sent before it.
+    Came(Result<(), Failure>),
+    /// Told: `true` if it was a success.
+    Told(bool),
+}
+
+impl Responses {
+    /// The next response (its bytes leave the backlog), or the failure
+    /// that ended the stream; None at its end.
+    async fn next(&mut self) -> Option<Result<Vec<RawOutput>, Failure>> {
+        poll_fn(|cx| self.poll_next(cx)).await
+    }
+
+    fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Vec<RawOutput>, Failure>>> {
+        if let End::Awaited(reply) = &mut self.end {
+            // A response the worker sent before it ended the stream comes first.
+            if let Poll::Ready(Some(part)) = self.parts.poll_recv(cx) {
+                return Poll::Ready(Some(Ok(self.read(part))));
+            }
+            let came = std::task::ready!(reply.as_mut().poll(cx));
+            self.end = End::Came(came.map(|_| ()));
+        }
+        if let Ok(part) = self.parts.try_recv() {
+            return Poll::Ready(Some(Ok(self.read(part))));
+        }
+        Poll::Ready(match std::mem::replace(&mut self.end, End::Told(false)) {
+            End::Came(Err(failure)) => Some(Err(failure)),
+            End::Came(Ok(())) => {
+                self.end = End::Told(true);
+                None
+            }
+            told => {
+                self.end = told;
+                None
+            }
+        })
+    }
+
+    fn read(&self, part: Vec<RawOutput>) -> Vec<RawOutput> {
+        self.backlog.release(crate::replies::part_bytes(&part));
+        part
+    }
+
+    /// One response as the generate answer's flat JSON object.
+    fn flattened(&self, part: &[RawOutput]) -> Result<Vec<u8>, Failure> {
+        let outputs: PerTensor<Output<'_>> = part
+            .iter()
+            .map(|o| Output {
+                index: o.index,
+                shape: &o.shape,
+                data: &o.data,
+                binary: false,
+                classified: o.classified,
+            })
+            .collect();
+        let codec = self.model.replies().codec();
+        codec
+            .encode(self.id.as_deref(), &outputs)
+            .and_then(|encoded| generate::answer(&encoded.body))
+            .map_err(|e| Failure::new(e.status(), e.to_string()))
+    }
+
+    /// Ends the request with `failure`, counted once as its caller sees it
+    /// (a 400 as `invalid_input`, any other as `model_error`): withdrawn
+    /// from its batch if it is still running, recounted if it had ended
+    /// as a success.
+    async fn refuse(&mut self, failure: &Failure) {
+        let outcome = match failure.status {
+            400 => Outcome::InvalidInput,
+            _ => Outcome::ModelError,
+        };
+        let replies = self.model.replies();
+        let succeeded = match std::mem::replace(&mut self.end, End::Told(false)) {
+            End::Came(came) => came.is_ok(),
+            End::Told(succeeded) => succeeded,
+            // Answered here, unless its reply was sent meanwhile: then
+            // counted as it ended, and recounted.
+            End::Awaited(reply) => {
+                !replies.abandon(self.request, RequestState::Cancelled, outcome)
+                    && reply.await.is_ok()
+            }
+        };
+        if succeeded {
+            replies.tally().recount(Outcome::Succeeded, outcome);
+        }
+    }
+
+    /// [`Responses::refuse`], answered as the JSON error.
+    async fn refused(&mut self, failure: Failure) -> Response<Body> {
+        self.refuse(&failure).await;
+        error(&failure)
+    }
+}
+
+/// The next event of a stream, and the responses still to come (None: it
+/// ended). Owning them, it can be dropped at any await (its client left).
+type NextEvent = Pin<Box<dyn Future<Output = (Option<Bytes>, Option<Responses>)> + Send>>;
+
+/// A `generate_stream` body: each response of a decoupled model as an
+/// event, fetched when the connection asks for more.
+pub(crate) struct Events {
+    first: Option<Bytes>,
+    next: Option<NextEvent>,
+    responses: Option<Responses>,
+}
+
+impl Events {
+    pub(super) fn poll_event(&mut self, cx: &mut Context<'_>) -> Poll<Option<Bytes>> {
+        if let Some(first) = self.first.take() {
+            return Poll::Ready(Some(first));
+        }
+        if self.next.is_none() {
+            let Some(responses) = self.responses.take() else {
+                return Poll::Ready(None);
+            };
+            self.next = Some(Box::pin(next_event(responses)));
+        }
+        let Some(next) = &mut self.next else {
+            return Poll::Ready(None);
+        };
+        let (event, rest) = std::task::ready!(next.as_mut().poll(cx));
+        self.next = None;
+        self.responses = rest;
+        Poll::Ready(event)
+    }
+
+    pub(super) fn is_end_stream(&self) -> bool {
+        self.first.is_none() && self.next.is_none() && self.responses.is_none()
+    }
+}
+
+async fn next_event(mut responses: Responses) -> (Option<Bytes>, Option<Responses>) {
+    match responses.next().await {
+        None => (None, None),
+        Some(Ok(part)) => match responses.flattened(&part) {
+            Ok(answer) => (Some(Bytes::from(generate::event(&answer))), Some(responses)),
+            Err(failure) => {
+                responses.refuse(&failure).await;
+                (
+                    Some(Bytes::from(generate::error_event(&failure.message))),
+                    None,
+                )
+            }
+        },
+        Some(Err(failure)) => (
+            Some(Bytes::from(generate::error_event(&failure.message))),
+            None,
+        ),
+    }
+}
