@@ -367,17 +367,10 @@ class V2Codec:
 @final
 class FallbackAnswer:
     """Where the Python handlers send the answer to a request the native
-    front-end hands them: called once with ``(status, headers, body, rest)``
-    (``rest``: None, or what the rest of the body is pulled from: ``next(answer)
-    -> cancel`` answered with the next chunk's ``bytes`` or None at the end,
-    and ``close()``; gRPC: ``(code, message, response)``), or None when
-    answering failed."""
+    front-end hands them: called once with ``(status, headers, body)``
+    (gRPC: ``(code, message, response)``), or None when answering failed."""
 
-    def __call__(
-        self,
-        answer: tuple[int, list[tuple[str, str]], bytes, Any] | tuple[int, str, bytes] | bytes | None,
-        /,
-    ) -> None: ...
+    def __call__(self, answer: tuple[int, list[tuple[str, str]], bytes] | tuple[int, str, bytes] | None, /) -> None: ...
 
 @final
 class NativeFrontend:

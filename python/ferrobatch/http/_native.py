@@ -3,15 +3,13 @@ listens and answers inference; Python runs the model once per batch.
 
 HTTP: ``POST .../infer`` (identity, gzip or deflate bodies; responses
 gzip or deflate coded when ``Accept-Encoding`` asks), Triton's ``.../generate``
-and ``.../generate_stream`` for a model that is not decoupled,
-``/v2/health/*`` and ``.../ready`` are answered in Rust: a request never
-becomes a Python object. The rest of the v2 surface (metadata, config,
-``/metrics``, a decoupled model's generate, unknown models and routes, other
-content codings) is rare and goes to the same :class:`Endpoint` handlers as
-the Python front-end (``Endpoint.dispatch``, one routing table), run on the
-server's event loop. A reply that streams (``generate_stream``'s events) is
-pulled from there a chunk at a time, as the connection takes them
-(:class:`_Chunks`).
+and ``.../generate_stream`` (a decoupled model's responses streamed as
+events), ``/v2/health/*`` and ``.../ready`` are answered in Rust: a request
+never becomes a Python object. The rest of the v2 surface (metadata, config,
+``/metrics``, unknown models and routes, other content codings) is rare and
+goes to the same :class:`Endpoint` handlers as the Python front-end
+(``Endpoint.dispatch``, one routing table), run on the server's event loop;
+none of its replies streams.
 
 gRPC: KServe's six RPCs of ``inference.GRPCInferenceService`` are
 answered in Rust, the metadata from the documents the repository gives at
@@ -29,10 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import functools
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from .._core import FallbackAnswer, NativeFrontend
@@ -261,31 +258,15 @@ class NativeListeners:
         dispatched = self.endpoint.dispatch(method, path, dict(headers), body)
         return self._start(dispatched, done, self._answer)
 
-    def _answer(self, reply: Reply) -> tuple[int, list[tuple[str, str]], bytes, _Chunks | None]:
-        rest = None if reply.stream is None else _Chunks(self, reply.stream)
-        return reply.status, list(reply.headers.items()), reply.body, rest
+    @staticmethod
+    def _answer(reply: Reply) -> tuple[int, list[tuple[str, str]], bytes]:
+        # Rust answers every generate route: no reply that comes here streams.
+        return reply.status, list(reply.headers.items()), reply.body
 
     def _grpc_fallback(self, method: str, request: bytes, done: FallbackAnswer) -> Callable[[], bool]:
         from ..grpc import _extensions  # protobuf is needed only with gRPC
 
         return self._start(_extensions.answer(self.repository, method, request), done, lambda reply: reply)
-
-
-class _Chunks:
-    """A streamed reply's rest, pulled by the native front-end one chunk at
-    a time (from a blocking thread): :meth:`next` starts fetching the next
-    on the loop, :meth:`close` ends the stream (its end, or its client left)."""
-
-    def __init__(self, listeners: NativeListeners, stream: AsyncGenerator[bytes, None]) -> None:
-        self._listeners = listeners
-        self._stream = stream
-
-    def next(self, done: FallbackAnswer) -> Callable[[], bool]:
-        return self._listeners._start(anext(self._stream, None), done, lambda chunk: chunk)
-
-    def close(self) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing is left to close
-            asyncio.run_coroutine_threadsafe(self._stream.aclose(), self._listeners._loop)
 
 
 def _model_metadata(meta: dict[str, Any]) -> tuple[str, str, list[TensorMeta], list[TensorMeta]]:

@@ -10,9 +10,9 @@ use std::time::Duration;
 
 use ferrobatch_serve::restrict::Protocol;
 use ferrobatch_serve::{
-    Catalog, Chunks, Config, Fallback, FallbackCall, FallbackReply, FallbackRequest,
-    FallbackResponse, Frontend, Listen, ModelMetadata, Replies, ServedModel, ServerMetadata,
-    TensorMetadata, Withdraw,
+    Catalog, Config, Fallback, FallbackCall, FallbackReply, FallbackRequest, FallbackResponse,
+    Frontend, Listen, ModelMetadata, Replies, ServedModel, ServerMetadata, TensorMetadata,
+    Withdraw,
 };
 use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
@@ -36,8 +36,7 @@ const GRPC_UNIMPLEMENTED: i32 = 12;
 /// `grpc(method, request, answer) -> cancel` (None: gRPC's fallback calls
 /// are UNIMPLEMENTED). Each starts the answer on the event loop and returns
 /// at once; the handlers call `answer` (a [`FallbackAnswer`]) once with
-/// `(status, headers, body, rest)` (`rest`: None, or the rest of the body
-/// to pull, see [`PyChunks`]; gRPC: `(code, message, response)`), or None
+/// `(status, headers, body)` (gRPC: `(code, message, response)`), or None
 /// when answering failed (they log why); `cancel()` stops it (its client
 /// went away).
 struct PyFallback {
@@ -49,8 +48,6 @@ struct PyFallback {
 enum Waiting {
     Http(oneshot::Sender<FallbackResponse>),
     Grpc(&'static str, oneshot::Sender<FallbackReply>),
-    /// The next chunk of a streamed HTTP answer ([`PyChunks`]).
-    Chunk(oneshot::Sender<Option<Vec<u8>>>),
 }
 
 /// The callable the Python handlers answer a fallback call with: once, with
@@ -77,14 +74,12 @@ impl FallbackAnswer {
                     status: 500,
                     headers: vec![("content-type".into(), "application/json".into())],
                     body: br#"{"error":"internal error"}"#.to_vec(),
-                    rest: None,
                 };
                 let response = match answered {
-                    Ok(Some((status, headers, body, rest))) => FallbackResponse {
+                    Ok(Some((status, headers, body))) => FallbackResponse {
                         status,
                         headers,
                         body,
-                        rest: rest.map(|source| Arc::new(PyChunks { source }) as Arc<dyn Chunks>),
                     },
                     Ok(None) => internal(),
                     Err(err) => {
@@ -92,11 +87,7 @@ impl FallbackAnswer {
                         return Err(err);
                     }
                 };
-                if let Err(unsent) = tx.send(response) {
-                    if let Some(rest) = unsent.rest {
-                        rest.close(); // its client left first: nothing will pull it
-                    }
-                }
+                let _ = tx.send(response);
                 Ok(())
             }
             Some(Waiting::Grpc(method, tx)) => {
@@ -117,52 +108,12 @@ impl FallbackAnswer {
                 let _ = tx.send(reply);
                 Ok(())
             }
-            Some(Waiting::Chunk(tx)) => {
-                // None, or a failure to read it: the stream's end.
-                let (chunk, read) = match answer.map(|a| a.extract::<Vec<u8>>()).transpose() {
-                    Ok(chunk) => (chunk, Ok(())),
-                    Err(err) => (None, Err(err)),
-                };
-                let _ = tx.send(chunk);
-                read
-            }
         }
     }
 }
 
-/// An HTTP fallback answer: `(status, headers, body, rest)`, `rest` the
-/// object the rest of the body is pulled from (see [`PyChunks`]), or None.
-type HttpAnswer = (u16, Vec<(String, String)>, Vec<u8>, Option<Py<PyAny>>);
-
-/// A streamed answer's rest, pulled from Python: `source.next(answer) ->
-/// cancel` starts fetching the next chunk (answered `bytes`, or None at the
-/// end); `source.close()` ends the stream early.
-struct PyChunks {
-    source: Py<PyAny>,
-}
-
-impl Chunks for PyChunks {
-    fn next(&self, answer: oneshot::Sender<Option<Vec<u8>>>) -> Option<Withdraw> {
-        Python::attach(|py| {
-            let next = match self.source.bind(py).getattr("next") {
-                Ok(next) => next.unbind(),
-                Err(err) => {
-                    err.print(py);
-                    return None; // the sender is dropped: the end
-                }
-            };
-            PyFallback::start(py, &next, Vec::new(), Waiting::Chunk(answer))
-        })
-    }
-
-    fn close(&self) {
-        Python::attach(|py| {
-            if let Err(err) = self.source.bind(py).call_method0("close") {
-                err.print(py);
-            }
-        })
-    }
-}
+/// An HTTP fallback answer: `(status, headers, body)`.
+type HttpAnswer = (u16, Vec<(String, String)>, Vec<u8>);
 
 impl PyFallback {
     /// Calls `handler(*args, answer)`; the `cancel` it returns withdraws the

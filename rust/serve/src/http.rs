@@ -11,9 +11,7 @@
 //! models and routes) goes to the [`Fallback`], the Python front-end's
 //! handlers: one implementation of the rarely-called surface for both
 //! front-ends. A blocking thread only starts that call ([`ask`]); its answer
-//! is awaited without one, and a client that goes away withdraws it. An
-//! answer that streams (Triton's `generate_stream`) is pulled from the
-//! fallback a chunk at a time as the connection takes them ([`Chunks`]).
+//! is awaited without one, and a client that goes away withdraws it.
 //!
 //! A request to a restricted API (`--http-restricted-api`,
 //! [`crate::restrict`]) without its header is answered 403 before anything
@@ -121,28 +119,11 @@ pub struct FallbackRequest {
 }
 
 /// The Python handlers' answer.
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct FallbackResponse {
     pub status: u16,
     pub headers: Vec<(String, String)>,
     pub body: Vec<u8>,
-    /// The rest of the body, after `body`: pulled as the connection takes
-    /// it (`generate_stream`'s events); None: `body` is all of it.
-    pub rest: Option<Arc<dyn Chunks>>,
-}
-
-/// The rest of a fallback answer's body, pulled a chunk at a time as the
-/// connection takes them: nothing is buffered here, so a slow client slows
-/// its producer. The body's end, or its client leaving, closes it.
-pub trait Chunks: Send + Sync + 'static {
-    /// Starts fetching the next chunk (on a blocking thread, briefly):
-    /// `answer` gets it, or None at the end (dropped unsent: the end too).
-    /// The [`Withdraw`] stops the fetch when the client goes away first.
-    fn next(&self, answer: oneshot::Sender<Option<Vec<u8>>>) -> Option<Withdraw>;
-
-    /// Called once, on a blocking thread, when the body is dropped (at its
-    /// end, or its client left).
-    fn close(&self);
 }
 
 /// A gRPC call the native handlers leave to Python: the RPC's name
@@ -255,12 +236,10 @@ pub(crate) async fn ask<T: Send + 'static>(
     answer
 }
 
-/// A response's body: whole (every answer but a streamed one), or a
-/// fallback answer's first bytes and the [`Chunks`] pulled after them.
+/// A response's body: whole (every answer but one), or a decoupled
+/// model's `generate_stream`, one event per response as it comes.
 pub(crate) enum Body {
     Whole(Full<Bytes>),
-    Pulled(Pulled),
-    /// A decoupled model's `generate_stream`, answered natively.
     Events(generate::Events),
 }
 
@@ -280,7 +259,6 @@ impl hyper::body::Body for Body {
     ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
         match self.get_mut() {
             Body::Whole(whole) => Pin::new(whole).poll_frame(cx),
-            Body::Pulled(pulled) => pulled.poll_chunk(cx).map(|c| c.map(|c| Ok(Frame::data(c)))),
             Body::Events(events) => events.poll_event(cx).map(|c| c.map(|c| Ok(Frame::data(c)))),
         }
     }
@@ -288,7 +266,6 @@ impl hyper::body::Body for Body {
     fn is_end_stream(&self) -> bool {
         match self {
             Body::Whole(whole) => whole.is_end_stream(),
-            Body::Pulled(pulled) => pulled.done,
             Body::Events(events) => events.is_end_stream(),
         }
     }
@@ -296,53 +273,7 @@ impl hyper::body::Body for Body {
     fn size_hint(&self) -> SizeHint {
         match self {
             Body::Whole(whole) => whole.size_hint(),
-            Body::Pulled(_) | Body::Events(_) => SizeHint::default(),
-        }
-    }
-}
-
-/// A fetch of the next chunk in flight: `ask`'s answer.
-type Pull = Pin<Box<dyn Future<Output = Option<Option<Vec<u8>>>> + Send>>;
-
-/// A body pulled from [`Chunks`]: one fetch at a time, started when the
-/// connection asks for more.
-pub(crate) struct Pulled {
-    first: Bytes,
-    chunks: Arc<dyn Chunks>,
-    pulling: Option<Pull>,
-    done: bool,
-}
-
-impl Pulled {
-    fn poll_chunk(&mut self, cx: &mut std::task::Context<'_>) -> Poll<Option<Bytes>> {
-        if !self.first.is_empty() {
-            return Poll::Ready(Some(std::mem::take(&mut self.first)));
-        }
-        if self.done {
-            return Poll::Ready(None);
-        }
-        let chunks = Arc::clone(&self.chunks);
-        let pulling = self
-            .pulling
-            .get_or_insert_with(|| Box::pin(ask(move |answer| chunks.next(answer))));
-        let Poll::Ready(got) = pulling.as_mut().poll(cx) else {
-            return Poll::Pending;
-        };
-        self.pulling = None;
-        let chunk = got.flatten();
-        self.done = chunk.is_none();
-        Poll::Ready(chunk.map(Bytes::from))
-    }
-}
-
-impl Drop for Pulled {
-    fn drop(&mut self) {
-        self.pulling = None; // withdraws a fetch in flight
-        let chunks = Arc::clone(&self.chunks);
-        // Closing takes the interpreter's lock: not on the runtime's thread.
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => drop(runtime.spawn_blocking(move || chunks.close())),
-            Err(_) => chunks.close(),
+            Body::Events(_) => SizeHint::default(),
         }
     }
 }
@@ -839,16 +770,7 @@ async fn fallback(shared: Arc<Shared>, request: Request<Incoming>) -> Response<B
     let handler = shared.fallback.clone();
     match ask(move |answer| handler.call(forwarded, answer)).await {
         Some(answer) => {
-            let body = match answer.rest {
-                None => Body::whole(answer.body),
-                Some(chunks) => Body::Pulled(Pulled {
-                    first: Bytes::from(answer.body),
-                    chunks,
-                    pulling: None,
-                    done: false,
-                }),
-            };
-            let mut r = Response::new(body);
+            let mut r = Response::new(Body::whole(answer.body));
             *r.status_mut() =
                 StatusCode::from_u16(answer.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
             for (name, value) in answer.headers {

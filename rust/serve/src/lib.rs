@@ -30,7 +30,7 @@ pub mod restrict;
 pub mod server;
 
 pub use http::{
-    Chunks, Fallback, FallbackCall, FallbackReply, FallbackRequest, FallbackResponse, Withdraw,
+    Fallback, FallbackCall, FallbackReply, FallbackRequest, FallbackResponse, Withdraw,
 };
 pub use metadata::{Catalog, ModelMetadata, ServerMetadata, TensorMetadata};
 pub use model::ServedModel;

@@ -39,7 +39,6 @@ impl Fallback for Answers {
             status: 200,
             headers: Vec::new(),
             body: b"fallback".to_vec(),
-            rest: None,
         });
         None
     }
