@@ -10,9 +10,11 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
+import random
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -348,3 +350,83 @@ def test_a_client_that_stops_reading_a_stream_costs_at_most_its_backlog(frontend
     assert len(made) < 1000, "the model stopped making what no one read"
     assert {k: v for k, v in server.stats()["requests_failed"].items() if v} == {"queue_full": 1}
     assert server.stats()["requests_succeeded"] == 0
+
+
+def storm(inputs: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Five responses for each prompt of the batch, its own text; a batch with
+    a ``boom`` prompt fails after two."""
+    texts = [t[0] for t in inputs["text_input"]]
+    for step in range(5):
+        if step == 2 and b"boom" in texts:
+            raise RuntimeError("boom")
+        time.sleep(0.001)
+        yield {"text_output": np.array([[t] for t in texts], dtype=object)}
+
+
+@pytest.mark.parametrize("frontend", ["native", "python"])
+def test_concurrent_streams_that_fail_or_are_left_are_each_counted_once(frontend: str) -> None:
+    server = fb.Server(
+        storm, inputs=[TEXT_IN], outputs=[TEXT_OUT], name="storm", decoupled=True, max_batch_size=8, max_delay=0.002
+    )
+    seen: Counter[str] = Counter()
+    lock = threading.Lock()
+
+    def caller(port: int, seed: int) -> None:
+        rng = random.Random(seed)
+        for n in range(12):
+            text = "boom" if rng.random() < 0.1 else f"c{seed}-{n}"
+            leave = rng.choice(["never", "never", "at once", "after one"])
+            body = json.dumps({"text_input": text}).encode()
+            head = (
+                f"POST /v2/models/storm/generate_stream HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            ).encode()
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+                sock.sendall(head + body)
+                if leave == "at once":
+                    outcome = "left at once"
+                else:
+                    got = b""
+                    while leave == "never" or b"data: " not in got:
+                        chunk = sock.recv(65536)
+                        if not chunk:
+                            break
+                        got += chunk
+                    if leave == "after one":
+                        outcome = "left after one"
+                    elif b" 500 " in got.split(b"\r\n", 1)[0] or b'"error"' in got:
+                        outcome = "model_error"
+                    else:
+                        assert got.count(f'"text_output":"{text}"'.encode()) == 5, got
+                        outcome = "succeeded"
+            with lock:
+                seen[outcome] += 1
+
+    config = ServeConfig(http_port=0, grpc_port=None, frontend=frontend, log_level="warning")
+    with serve_in_thread([server], config) as listening:
+        threads = [threading.Thread(target=caller, args=(listening.http_port, s)) for s in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads)
+        total = sum(seen.values())
+        deadline = time.monotonic() + 20
+
+        def counted() -> Counter[str]:
+            stats = server.stats()
+            return Counter({"succeeded": stats["requests_succeeded"], **stats["requests_failed"]}) + Counter()
+
+        while sum(counted().values()) < total - seen["left at once"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)  # those that left at once and were read are counted by now
+    final = counted()
+    left = seen["left at once"] + seen["left after one"]
+    # Each request is counted once: all that were answered, and at most those that left at once
+    # (a connection closed before its request was read never reached the model).
+    assert total - seen["left at once"] <= sum(final.values()) <= total == 16 * 12, (final, seen)
+    assert set(final) <= {"succeeded", "model_error", "cancelled"}, final
+    # What a caller that stayed saw is what was counted; one that left is any of the three.
+    for outcome in ("succeeded", "model_error"):
+        assert seen[outcome] <= final[outcome] <= seen[outcome] + left, (final, seen)
+    assert final["cancelled"] <= left, (final, seen)
