@@ -15,6 +15,7 @@ import urllib.parse
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -1144,3 +1145,52 @@ def test_a_tensor_naming_a_shared_memory_region_is_refused_not_answered_in_the_r
                 assert refused.value.status() in ("400", "StatusCode.INVALID_ARGUMENT"), refused.value.status()
             triton.close()
     assert server.stats()["requests_succeeded"] == 0
+
+
+@pytest.mark.parametrize("frontend", ["native", "python"])
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_a_streams_requests_reach_the_model_in_the_order_it_sent_them(frontend: str, decoupled: bool) -> None:
+    """As a sequence's requests must: each stream's are queued in order, however fast they come."""
+    seen: dict[int, list[int]] = {}
+    lock = threading.Lock()
+
+    def record(inputs: dict[str, torch.Tensor], requests: list[fb.RequestInfo]) -> dict[str, torch.Tensor]:
+        with lock:
+            for r, step in zip(requests, inputs["step"][:, 0].tolist()):
+                seen.setdefault(int(r.parameters["sequence_id"]), []).append(step)
+        return {"echo": inputs["step"]}
+
+    def record_streamed(inputs: dict[str, torch.Tensor], requests: list[fb.RequestInfo]) -> Iterator[Any]:
+        yield record(inputs, requests)
+
+    step = fb.TensorSpec("step", "int32", (1,))
+    server = fb.Server(
+        record_streamed if decoupled else record,
+        inputs=[step],
+        outputs=[replace(step, name="echo")],
+        name="ordered",
+        with_requests=True,
+        decoupled=decoupled,
+        max_batch_size=8,
+        max_delay=0.001,
+    )
+    streams, steps = 4, 200
+    config = native(frontend=frontend, threads=2) if frontend == "native" else native(frontend="python")
+    with serve_in_thread([server], config) as listening:
+        clients = [grpcclient.InferenceServerClient(f"127.0.0.1:{listening.grpc_port}") for _ in range(streams)]
+        answers: queue.Queue[Any] = queue.Queue()
+        try:
+            for c in clients:
+                c.start_stream(callback=lambda result, error: answers.put(error or result))
+            for n in range(steps):  # the streams' requests interleaved, sent back to back
+                for sequence, c in enumerate(clients, start=1):
+                    value = grpcclient.InferInput("step", [1, 1], "INT32")
+                    value.set_data_from_numpy(np.array([[n]], np.int32))
+                    c.async_stream_infer("ordered", [value], sequence_id=sequence, sequence_start=n == 0)
+            got = [answers.get(timeout=30) for _ in range(streams * steps)]
+        finally:
+            for c in clients:
+                c.stop_stream()
+                c.close()
+    assert not [g for g in got if isinstance(g, InferenceServerException)]
+    assert seen == {sequence: list(range(steps)) for sequence in range(1, streams + 1)}

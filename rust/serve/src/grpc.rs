@@ -805,58 +805,61 @@ impl Inference {
         }
     }
 
-    /// Answers one request of a `ModelStreamInfer` stream on `out`.
-    async fn stream_one(
+    /// One request of a `ModelStreamInfer` stream: queued now, so that a
+    /// stream's requests reach the model's queue in the order it sent them
+    /// (the requests of a sequence must), and answered on `out` by the
+    /// future returned.
+    fn stream_one(
         &self,
         mut request: ModelInferRequest,
         call_timeout: Option<Duration>,
         forwarded: &[(String, String)],
         out: &StreamOut,
-    ) {
+    ) -> impl Future<Output = ()> + Send + 'static {
         let tag = ResponseTag {
             model_name: request.model_name.clone(),
             id: request.id.clone(),
             empty_final: asks_empty_final(&request.parameters),
         };
-        let mut request = InferRequest::of(&mut request);
-        let answered = tokio::select! {
-            answered = self.answer_streamed(&mut request, call_timeout, forwarded, &tag, out) => answered,
-            // The client went away: dropping the answer cancels the request.
-            () = out.closed() => return,
-        };
-        if let Err(status) = answered {
-            let response = tag.response(Vec::new(), Vec::new(), true);
-            out.send(
-                Ok(ModelStreamInferResponse {
-                    error_message: status.message().to_owned(),
-                    infer_response: Some(response),
-                }),
-                0,
-            );
+        let queued = self.queue_streamed(
+            &mut InferRequest::of(&mut request),
+            call_timeout,
+            forwarded,
+            &out.backlog,
+        );
+        let out = out.clone();
+        async move {
+            let answered = match queued {
+                Ok(queued) => tokio::select! {
+                    answered = queued.answer(&tag, &out) => answered,
+                    // The client went away: dropping the answer cancels the request.
+                    () = out.closed() => return,
+                },
+                Err(status) => Err(status),
+            };
+            if let Err(status) = answered {
+                let response = tag.response(Vec::new(), Vec::new(), true);
+                out.send(
+                    Ok(ModelStreamInferResponse {
+                        error_message: status.message().to_owned(),
+                        infer_response: Some(response),
+                    }),
+                    0,
+                );
+            }
         }
     }
 
-    /// The responses of one streamed request, sent on `out` as they come;
-    /// the status of its failure, if it fails.
-    async fn answer_streamed(
+    /// Queues one streamed request: answered once, or (a decoupled model)
+    /// with each response as it comes, counted against `backlog`.
+    fn queue_streamed(
         &self,
         request: &mut InferRequest<'_>,
         call_timeout: Option<Duration>,
         forwarded: &[(String, String)],
-        tag: &ResponseTag,
-        out: &StreamOut,
-    ) -> Result<(), Status> {
+        backlog: &Arc<Backlog>,
+    ) -> Result<QueuedStream, Status> {
         let model = self.served(request.model_name, request.model_version)?;
-        // `counted`: the bytes the response holds of the stream's backlog.
-        let send = |outputs: Vec<RawOutput>, last: bool, counted: usize| {
-            let (described, raw) = described_outputs(model.replies().codec(), outputs);
-            let response = tag.response(described, raw, last);
-            let message = ModelStreamInferResponse {
-                error_message: String::new(),
-                infer_response: Some(response),
-            };
-            out.send(Ok(message), counted);
-        };
         if !model.replies().codec().decoupled() {
             let submitted = submit(
                 &model,
@@ -870,23 +873,13 @@ impl Inference {
                 },
             )
             .map_err(status)?;
-            match model.reply(submitted).await.map_err(status)? {
-                Answer::Raw(outputs) => {
-                    // Made already: counted whatever its size (the reader
-                    // then waits for the client to read, see Backlog).
-                    let counted = part_bytes(&outputs);
-                    out.backlog.add(counted);
-                    send(outputs, true, counted);
-                }
-                _ => {
-                    return Err(Status::internal(
-                        "a streamed request answered as another kind",
-                    ))
-                }
-            }
-            return Ok(());
+            return Ok(QueuedStream {
+                model,
+                submitted,
+                parts: None,
+            });
         }
-        let (partial, mut parts) = mpsc::unbounded_channel();
+        let (partial, parts) = mpsc::unbounded_channel();
         let submitted = submit(
             &model,
             request,
@@ -897,31 +890,15 @@ impl Inference {
                 regions: (!regions.is_empty()).then(|| Arc::from(regions)),
                 classes: (!classes.is_empty()).then(|| Arc::from(classes)),
                 partial,
-                backlog: out.backlog.clone(),
+                backlog: backlog.clone(),
             },
         )
         .map_err(status)?;
-        let reply = model.reply(submitted);
-        tokio::pin!(reply);
-        let done = loop {
-            tokio::select! {
-                biased; // the parts a worker sent before it ended the stream come first
-                Some(part) = parts.recv() => {
-                    let counted = part_bytes(&part);
-                    send(part, false, counted);
-                }
-                done = &mut reply => break done,
-            }
-        };
-        while let Ok(part) = parts.try_recv() {
-            let counted = part_bytes(&part);
-            send(part, false, counted);
-        }
-        done.map_err(status)?;
-        if tag.empty_final {
-            send(Vec::new(), true, 0);
-        }
-        Ok(())
+        Ok(QueuedStream {
+            model,
+            submitted,
+            parts: Some(parts),
+        })
     }
 
     /// Answers RPC `method` with the fallback (Python; see
@@ -1061,7 +1038,6 @@ impl GrpcInferenceService for Inference {
         let mut stopped = self.shared.stopped.clone();
         let in_flight = Arc::new(Semaphore::new(STREAM_IN_FLIGHT));
         tokio::spawn(async move {
-            let inference = Arc::new(inference);
             loop {
                 if stopped.borrow_and_update().is_some() {
                     // The front-end stops: what is in flight is answered,
@@ -1094,12 +1070,11 @@ impl GrpcInferenceService for Inference {
                 };
                 match message {
                     Ok(Some(request)) => {
-                        let (inference, out) = (inference.clone(), out.clone());
-                        let forwarded = forwarded.clone();
+                        // Queued here, in the stream's order; answered apart.
+                        let answered =
+                            inference.stream_one(request, call_timeout, &forwarded, &out);
                         tokio::spawn(async move {
-                            inference
-                                .stream_one(request, call_timeout, &forwarded, &out)
-                                .await;
+                            answered.await;
                             drop(permit);
                         });
                     }
@@ -2010,6 +1985,72 @@ impl tokio_stream::Stream for StreamResponses {
             self.backlog.release(counted);
             message
         }))
+    }
+}
+
+/// A streamed request in its model's queue.
+struct QueuedStream {
+    model: Arc<ServedModel>,
+    submitted: Submitted,
+    /// A decoupled model's responses, as they come; None: one answer.
+    parts: Option<mpsc::UnboundedReceiver<Vec<RawOutput>>>,
+}
+
+impl QueuedStream {
+    /// Sends its responses on `out` as they come; the status of its
+    /// failure, if it fails.
+    async fn answer(self, tag: &ResponseTag, out: &StreamOut) -> Result<(), Status> {
+        let QueuedStream {
+            model,
+            submitted,
+            parts,
+        } = self;
+        // `counted`: the bytes the response holds of the stream's backlog.
+        let send = |outputs: Vec<RawOutput>, last: bool, counted: usize| {
+            let (described, raw) = described_outputs(model.replies().codec(), outputs);
+            let response = tag.response(described, raw, last);
+            let message = ModelStreamInferResponse {
+                error_message: String::new(),
+                infer_response: Some(response),
+            };
+            out.send(Ok(message), counted);
+        };
+        let Some(mut parts) = parts else {
+            return match model.reply(submitted).await.map_err(status)? {
+                Answer::Raw(outputs) => {
+                    // Made already: counted whatever its size (the reader
+                    // then waits for the client to read, see Backlog).
+                    let counted = part_bytes(&outputs);
+                    out.backlog.add(counted);
+                    send(outputs, true, counted);
+                    Ok(())
+                }
+                _ => Err(Status::internal(
+                    "a streamed request answered as another kind",
+                )),
+            };
+        };
+        let reply = model.reply(submitted);
+        tokio::pin!(reply);
+        let done = loop {
+            tokio::select! {
+                biased; // the parts a worker sent before it ended the stream come first
+                Some(part) = parts.recv() => {
+                    let counted = part_bytes(&part);
+                    send(part, false, counted);
+                }
+                done = &mut reply => break done,
+            }
+        };
+        while let Ok(part) = parts.try_recv() {
+            let counted = part_bytes(&part);
+            send(part, false, counted);
+        }
+        done.map_err(status)?;
+        if tag.empty_final {
+            send(Vec::new(), true, 0);
+        }
+        Ok(())
     }
 }
 
