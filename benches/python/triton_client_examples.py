@@ -7,13 +7,15 @@ Serves, with ferrobatch, the models the Python examples of Triton's client repos
 repository defines them: ``simple`` (INT32 ``[16]`` sum and difference), ``simple_int8``,
 ``simple_string`` (the same on numbers written as BYTES), ``simple_identity`` (BYTES),
 ``repeat_int32`` (decoupled, without batching: one response per element of ``IN``),
-``custom_identity_int32`` and ``densenet_onnx`` (DenseNet's tensors, ``data_0`` FP32
+``custom_identity_int32``, ``simple_sequence`` (the sequence examples' model, see
+:class:`Sequences`) and ``densenet_onnx`` (DenseNet's tensors, ``data_0`` FP32
 ``[3, 224, 224]`` NCHW to ``fc6_1`` FP32 ``[1000, 1, 1]`` with a label per class, computed by a
 small stand-in: the examples check the answers' form, not ImageNet's classes). Then runs each
 example as it is, in a process of its own pointed at the server (``-u``), and prints which passed.
 
 The examples that need what ferrobatch does not serve are listed, not run: CUDA shared memory,
-sequence batching, ensembles, model control with configuration overrides, and the memory soak.
+the dynamic sequence models (``-d``), ensembles, model control with configuration overrides, and
+the memory soak.
 The runs that fail for a known difference say so apart (the health examples check that the server
 calls itself "triton"). ``image_client.py``'s HTTP mode needs the ``attrdict`` package
 (``pip install attrdict``); without it that run is skipped. The checkout is read, never copied:
@@ -41,10 +43,6 @@ from ferrobatch.serve import ServeConfig, serve_in_thread
 NOT_SERVED = {
     "simple_grpc_cudashm_client.py": "CUDA shared memory",
     "simple_http_cudashm_client.py": "CUDA shared memory",
-    "simple_grpc_sequence_stream_infer_client.py": "sequence batching",
-    "simple_grpc_sequence_sync_infer_client.py": "sequence batching",
-    "simple_http_sequence_sync_infer_client.py": "sequence batching",
-    "simple_grpc_aio_sequence_stream_infer_client.py": "sequence batching",
     "ensemble_image_client.py": "ensembles",
     "simple_grpc_model_control.py": "model control loading a new configuration",
     "simple_http_model_control.py": "model control loading a new configuration",
@@ -95,6 +93,9 @@ def runs(image: Path, grpc_url: str, http_url: str) -> Iterator[tuple[str, list[
         "simple_grpc_health_metadata.py",
         "simple_grpc_infer_client.py",
         "simple_grpc_keepalive_client.py",
+        "simple_grpc_sequence_stream_infer_client.py",
+        "simple_grpc_sequence_sync_infer_client.py",
+        "simple_grpc_aio_sequence_stream_infer_client.py",
         "simple_grpc_shm_client.py",
         "simple_grpc_shm_string_client.py",
         "simple_grpc_string_infer_client.py",
@@ -105,6 +106,7 @@ def runs(image: Path, grpc_url: str, http_url: str) -> Iterator[tuple[str, list[
         "simple_http_async_infer_client.py",
         "simple_http_health_metadata.py",
         "simple_http_infer_client.py",
+        "simple_http_sequence_sync_infer_client.py",
         "simple_http_shm_client.py",
         "simple_http_shm_string_client.py",
         "simple_http_string_infer_client.py",
@@ -147,6 +149,32 @@ def repeat(inputs: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]
         time.sleep(int(delays[i]) / 1000 if i < delays.numel() else 0)
         # Without batching the model still sees (and answers) one leading row.
         yield {"OUT": values[i : i + 1].reshape(1, 1), "IDX": torch.tensor([[i]], dtype=torch.uint32)}
+
+
+class Sequences:
+    """``simple_sequence`` as the sequence examples check it: a sequence's first request
+    (``sequence_start``) answers its input plus one, each later one its input; a request of a
+    sequence not started (or ended by ``sequence_end``) fails. ferrobatch has no sequence
+    batcher: Triton's sequence parameters reach a ``with_requests`` model as parameters, each
+    stream's requests in the order it sent them, which is what this model keeps its state by."""
+
+    def __init__(self) -> None:
+        self.started: set[int | str] = set()
+
+    def __call__(self, inputs: dict[str, torch.Tensor], requests: list[fb.RequestInfo]) -> dict[str, torch.Tensor]:
+        out = inputs["INPUT"].clone()
+        row = 0
+        for request in requests:
+            sequence, rows = request.parameters.get("sequence_id"), slice(row, row + request.rows)
+            if request.parameters.get("sequence_start"):
+                self.started.add(sequence)
+                out[rows] += 1
+            elif sequence not in self.started:
+                raise ValueError(f"sequence {sequence!r} was not started")
+            if request.parameters.get("sequence_end"):
+                self.started.discard(sequence)
+            row += request.rows
+        return {"OUTPUT": out}
 
 
 class DenseNetStandIn(torch.nn.Module):
@@ -201,6 +229,14 @@ def servers() -> list[fb.Server]:
             outputs=[tensor("OUTPUT0", "int32", (-1,), ragged="pad")],
             max_batch_size=8,
             name="custom_identity_int32",
+        ),
+        fb.Server(
+            Sequences(),
+            inputs=[tensor("INPUT", "int32", (1,))],
+            outputs=[tensor("OUTPUT", "int32", (1,))],
+            max_batch_size=8,
+            with_requests=True,
+            name="simple_sequence",
         ),
         fb.Server(
             DenseNetStandIn(),
