@@ -1036,7 +1036,10 @@ class Server:
         if self._shared:
             raise ValueError(f"server '{self.name}' is already shared as '{self._shared[0].name}'")
         if self.decoupled:
-            raise ValueError(f"server '{self.name}' is decoupled: its responses stream over gRPC only")
+            raise ValueError(
+                f"server '{self.name}' is decoupled: its responses stream in process, over gRPC ModelStreamInfer"
+                " and HTTP generate_stream, not through shared memory"
+            )
         shared = share(
             self,
             name,

@@ -428,7 +428,8 @@ impl Submitter {
         } else {
             format!(
                 "model '{model}' is decoupled (it streams its responses): iterate \
-                 `async for out in client.stream(...)` on an event loop, or call it over gRPC ModelStreamInfer"
+                 `async for out in client.stream(...)` on an event loop, or call it over gRPC ModelStreamInfer \
+                 or HTTP generate_stream"
             )
         };
         invalid_input(py, message)

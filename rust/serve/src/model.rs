@@ -325,7 +325,7 @@ impl ServedModel {
         }
         let message = format!(
             "model '{}' is decoupled (it streams its responses): {way} does not serve it; \
-             use gRPC ModelStreamInfer",
+             use gRPC ModelStreamInfer or HTTP generate_stream",
             self.name
         );
         Err(self.refuse(Outcome::InvalidInput, Failure::new(400, message)))
