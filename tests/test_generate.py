@@ -315,7 +315,22 @@ def test_stopping_the_server_ends_an_open_stream(frontend: str) -> None:
     assert server.stats()["requests_succeeded"] == 0
 
 
-@pytest.mark.parametrize("frontend", ["native", "python"])
+@contextlib.contextmanager
+def listening_on(frontend: str, servers: list[fb.Server], **options: Any) -> Iterator[int]:
+    """The HTTP port of ``servers`` served by ``frontend``: ``ferrobatch serve``'s
+    native or Python front-end, or the aiohttp app (``options``: ``ServeConfig``'s,
+    or the app's)."""
+    if frontend == "aiohttp":
+        with app_in_thread("aiohttp", servers, **options) as base:
+            yield int(base.rsplit(":", 1)[1])
+        return
+    config = ServeConfig(http_port=0, grpc_port=None, frontend=frontend, log_level="warning", **options)
+    with serve_in_thread(servers, config) as listening:
+        assert listening.http_port is not None
+        yield listening.http_port
+
+
+@pytest.mark.parametrize("frontend", ["native", "python", "aiohttp"])
 def test_a_client_that_stops_reading_a_stream_costs_at_most_its_backlog(frontend: str) -> None:
     made: list[int] = []
     closed = threading.Event()
@@ -330,10 +345,7 @@ def test_a_client_that_stops_reading_a_stream_costs_at_most_its_backlog(frontend
             closed.set()
 
     server = fb.Server(flood, inputs=[TEXT_IN], outputs=[TEXT_OUT], name="flood", decoupled=True)
-    config = ServeConfig(
-        http_port=0, grpc_port=None, frontend=frontend, log_level="warning", max_stream_backlog=1 << 20
-    )
-    with serve_in_thread([server], config) as listening:
+    with listening_on(frontend, [server], max_stream_backlog=1 << 20) as port:
         body = json.dumps({"text_input": "go"}).encode()
         head = (
             f"POST /v2/models/flood/generate_stream HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -341,14 +353,17 @@ def test_a_client_that_stops_reading_a_stream_costs_at_most_its_backlog(frontend
         ).encode()
         with socket.socket() as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)  # before connecting: a small window
-            sock.connect(("127.0.0.1", listening.http_port))
+            sock.connect(("127.0.0.1", port))
             sock.sendall(head + body)  # and never read
             deadline = time.monotonic() + 30
             while not server.stats()["requests_failed"]["queue_full"] and time.monotonic() < deadline:
                 time.sleep(0.02)
             assert closed.wait(10), "the model was not closed"
     assert len(made) < 1000, "the model stopped making what no one read"
-    assert {k: v for k, v in server.stats()["requests_failed"].items() if v} == {"queue_full": 1}
+    failed = {k: v for k, v in server.stats()["requests_failed"].items() if v}
+    # Counted once. The Python front-ends count what the caller saw: the error had not reached
+    # a handler still blocked writing to this client when it left, which is then a cancellation.
+    assert failed == {"queue_full": 1} or (frontend != "native" and failed == {"cancelled": 1}), failed
     assert server.stats()["requests_succeeded"] == 0
 
 
