@@ -78,9 +78,7 @@ class NativeListeners:
         strict_readiness: bool = True,
     ) -> None:
         self.repository = repository
-        self.endpoint = Endpoint(
-            repository, max_decompressed_size=max_decompressed_size, max_stream_backlog=max_stream_backlog
-        )
+        self.endpoint = Endpoint(repository, max_decompressed_size=max_decompressed_size)
         self._loop = asyncio.get_running_loop()
         server = repository.server_metadata()
         #: The runtime's threads: connections spread across them.

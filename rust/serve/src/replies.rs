@@ -254,7 +254,7 @@ fn class_of(classes: &[Option<u32>], i: usize) -> Option<u32> {
 /// The outcome a request is counted as when answering it failed: the
 /// client's own mistake (400: an output too large for its region, or to
 /// rank as classes) or the model's.
-fn failed_outcome(failure: &Failure) -> Outcome {
+pub(crate) fn failed_outcome(failure: &Failure) -> Outcome {
     match failure.status {
         400 => Outcome::InvalidInput,
         _ => Outcome::ModelError,

@@ -35,7 +35,7 @@ use tokio::sync::mpsc;
 
 use super::{error, response, Body, JSON};
 use crate::model::ServedModel;
-use crate::replies::{Answer, Backlog, Failure, RawOutput, Reply, ResponsePlan};
+use crate::replies::{failed_outcome, Answer, Backlog, Failure, RawOutput, Reply, ResponsePlan};
 use crate::server::Shared;
 
 /// Answers a generate request (`body`, read and inflated) to `model`
@@ -247,14 +247,10 @@ impl Responses {
     }
 
     /// Ends the request with `failure`, counted once as its caller sees it
-    /// (a 400 as `invalid_input`, any other as `model_error`): withdrawn
-    /// from its batch if it is still running, recounted if it had ended
-    /// as a success.
+    /// ([`failed_outcome`]): withdrawn from its batch if it is still
+    /// running, recounted if it had ended as a success.
     async fn refuse(&mut self, failure: &Failure) {
-        let outcome = match failure.status {
-            400 => Outcome::InvalidInput,
-            _ => Outcome::ModelError,
-        };
+        let outcome = failed_outcome(failure);
         let replies = self.model.replies();
         let succeeded = match std::mem::replace(&mut self.end, End::Told(false)) {
             End::Came(came) => came.is_ok(),
