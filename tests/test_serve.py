@@ -443,6 +443,41 @@ def test_limits_and_drain_delay_are_on_the_command_line() -> None:
     assert done.returncode == 2 and "must be > 0 seconds" in done.stderr, done.stderr
 
 
+def test_id_names_the_server_and_log_file_takes_the_log(tmp_path: Path) -> None:
+    """``--id`` is what server metadata answers on both protocols;
+    ``--log-file`` takes the log off standard error into the file."""
+    log_file = tmp_path / "serve.log"
+    arguments = ["--demo", "--id", "triton", "--log-file", str(log_file), "--http-port", "0", "--grpc-port", "0"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ferrobatch", "serve", *arguments],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        found = None
+        deadline = time.monotonic() + 60
+        while found is None:
+            assert proc.poll() is None, "serve exited"
+            assert time.monotonic() < deadline, "serve did not log its ports"
+            time.sleep(0.1)
+            written = log_file.read_text() if log_file.exists() else ""
+            found = re.search(r"HTTP http://([\d.]+:\d+), gRPC ([\d.]+:\d+)", written)
+        http, grpc = found.groups()
+        assert httpx.get(f"http://{http}/v2", timeout=30).json()["name"] == "triton"
+        assert httpx.get(f"http://{http}/v2/logging", timeout=30).json()["log_file"] == str(log_file)
+        with grpcclient.InferenceServerClient(grpc) as client:
+            assert client.get_server_metadata(as_json=True)["name"] == "triton"
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, output
+        assert "serving" not in output, output  # the log went to the file only
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
 def test_serve_vertex_ai_and_sagemaker_read_their_platforms_variables(
     serve_process: Callable[..., Process], monkeypatch: pytest.MonkeyPatch
 ) -> None:

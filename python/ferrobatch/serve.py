@@ -70,10 +70,12 @@ from typing import TYPE_CHECKING, Any
 from . import _core
 from .client import MAX_STREAM_BACKLOG
 from .errors import FerrobatchError, ModelError, ServerClosedError
+from .http import _log_settings
 from .http.protocol import (
     MAX_BODY_SIZE,
     MAX_DECOMPRESSED_SIZE,
     MODEL_CONTROL_MODES,
+    SERVER_ID,
     ModelRepository,
     ServedModel,
     error_message,
@@ -300,6 +302,9 @@ class ServeConfig:
     grpc_port: int | None = 8001
     graceful_timeout: float = 30.0
     log_level: str = "info"
+    #: Triton's ``--log-file``: :func:`run` writes the log to this file
+    #: (appended) instead of standard error. None: standard error.
+    log_file: str | None = None
     access_log: bool = False
     #: ``sys.setswitchinterval`` for the process, set by :func:`run` only (None:
     #: leave it). A model's worker thread takes the GIL back after every torch
@@ -386,6 +391,9 @@ class ServeConfig:
     #: ``ServerReady``) says ready only while every model is (True, the
     #: default); False: while the server serves, whatever its models' state.
     strict_readiness: bool = True
+    #: Triton's ``--id``: the name server metadata answers (``GET /v2``, gRPC
+    #: ``ServerMetadata``). Triton's is ``"triton"``, which some of its clients check.
+    server_id: str = SERVER_ID
     #: The most bytes of a decoupled model's responses one stream holds
     #: before its client reads them (either front-end): a gRPC
     #: ``ModelStreamInfer`` stream, or one HTTP ``generate_stream``. A
@@ -458,11 +466,15 @@ def check_config(config: ServeConfig) -> None:
     for flag in ("access_log", "expose_errors", "cpu_metrics", "gpu_metrics"):
         if not isinstance(getattr(config, flag), bool):
             raise ValueError(f"{flag} must be True or False, got {getattr(config, flag)!r}")
+    if config.log_file is not None and (not isinstance(config.log_file, str) or not config.log_file):
+        raise ValueError(f"log_file must be a file's path or None, got {config.log_file!r}")
     if config.log_level not in LOG_LEVELS:
         raise ValueError(f"log_level must be one of {', '.join(map(repr, LOG_LEVELS))}, got {config.log_level!r}")
     _check_host(config.host, native=config.frontend == "native")
     if config.share is not None:
         _check_share_name("share", config.share)
+    if not isinstance(config.server_id, str) or not config.server_id:
+        raise ValueError(f"server_id must be a non-empty string, got {config.server_id!r}")
     if config.model_control_mode not in MODEL_CONTROL_MODES:
         raise ValueError(f"model_control_mode must be one of {MODEL_CONTROL_MODES}, got {config.model_control_mode!r}")
     if config.load_models is not None:
@@ -663,6 +675,7 @@ async def serve(
         allow_client_shm=config.allow_client_shm,
         model_control_mode=config.model_control_mode,
         strict_readiness=config.strict_readiness,
+        server_id=config.server_id,
     )
     if config.load_models is not None and list(config.load_models) != ["*"]:
         unknown = sorted(set(config.load_models) - {s.name for s in repository.servers})
@@ -1209,7 +1222,13 @@ def run(
     check_config(config)
     if config.switch_interval is not None:
         sys.setswitchinterval(config.switch_interval)
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format=_log_settings.FORMAT,
+        filename=config.log_file,  # None: standard error
+    )
+    if config.log_file is not None:
+        _log_settings.report_file(config.log_file)
     factory: Callable[[], asyncio.AbstractEventLoop] | None = None
     if loop == "uvloop" or (loop == "auto" and _has("uvloop")):
         import uvloop
@@ -1420,6 +1439,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " server serves, whatever its models' state",
     )
     parser.add_argument(
+        "--id",
+        default=SERVER_ID,
+        metavar="NAME",
+        help=f"the name server metadata answers, as Triton's --id (default {SERVER_ID!r}; Triton's is 'triton')",
+    )
+    parser.add_argument(
         "--model-control-mode",
         choices=MODEL_CONTROL_MODES,
         default="none",
@@ -1484,6 +1509,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-gpu-metrics", action="store_true", help="leave the GPUs' metrics (nv_gpu_*, from NVML) out of /metrics"
     )
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    parser.add_argument(
+        "--log-file", metavar="PATH", help="write the log to this file (appended) instead of standard error"
+    )
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
     parser.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"])
     parser.add_argument(
@@ -1589,6 +1617,7 @@ def main(args: argparse.Namespace) -> int:
         grpc_port=None if args.no_grpc else args.grpc_port,
         graceful_timeout=args.graceful_timeout,
         log_level=args.log_level,
+        log_file=args.log_file,
         access_log=args.access_log,
         switch_interval=args.switch_interval or None,
         expose_errors=args.expose_errors,
@@ -1611,6 +1640,7 @@ def main(args: argparse.Namespace) -> int:
         load_models=args.load_models,
         exit_on_error=args.exit_on_error,
         strict_readiness=args.strict_readiness,
+        server_id=args.id,
         max_stream_backlog=args.max_stream_backlog,
         share=args.share,
         metrics_port=args.metrics_port,

@@ -7,17 +7,19 @@ they nest: INFO is on only while WARNING is, WARNING only while ERROR is,
 and ``log_verbose_level`` > 0 (DEBUG; the number is kept and reported)
 only while INFO is. An update that would break the nesting is refused
 (400), as is any bad setting, before anything changes. ``log_file`` and
-``log_format`` are reported (``""``: the process's own handlers,
+``log_format`` are reported (``""``: the process's own handlers, else the
+file :func:`to_file` or ``ferrobatch serve --log-file`` writes;
 ``"default"``) and cannot be changed: Triton refuses a new ``log_file``
 over the network too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from .protocol import ProtocolError
 
@@ -33,6 +35,47 @@ _logger = logging.getLogger("ferrobatch")
 _lock = threading.Lock()
 #: The verbose level last set here (None: none set; read DEBUG as 1).
 _verbose: int | None = None
+#: The file the log is written to, as reported ("": the process's own handlers).
+_file = ""
+#: How each record is written to that file (as ``ferrobatch serve`` writes it).
+FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def report_file(path: str) -> None:
+    """Reports ``path`` as the log file from now on (``ferrobatch serve
+    --log-file``, whose root handler writes it)."""
+    global _file
+    with _lock:
+        _file = path
+
+
+@contextlib.contextmanager
+def to_file(path: str | None, level: int) -> Iterator[None]:
+    """While open, the ``ferrobatch`` logger writes its records of ``level``
+    and above to the file ``path`` (appended), and only there, as Triton's
+    ``--log-file`` takes its log off the console; reported as ``log_file``.
+    None: logging is left as it is."""
+    global _file
+    if path is None:
+        yield
+        return
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter(FORMAT))
+    with _lock:
+        saved = _logger.level, _logger.propagate, _file
+        _logger.addHandler(handler)
+        _logger.setLevel(level)
+        _logger.propagate = False
+        _file = path
+    try:
+        yield
+    finally:
+        with _lock:
+            _logger.removeHandler(handler)
+            _logger.setLevel(saved[0])
+            _logger.propagate = saved[1]
+            _file = saved[2]
+        handler.close()
 
 
 def current() -> dict[str, Setting]:
@@ -70,7 +113,7 @@ def _read() -> dict[str, Setting]:
     on = _logger.isEnabledFor
     verbose = (_verbose or 1) if on(logging.DEBUG) else 0
     return {
-        "log_file": "",
+        "log_file": _file,
         "log_info": on(logging.INFO),
         "log_warning": on(logging.WARNING),
         "log_error": on(logging.ERROR),

@@ -48,6 +48,7 @@ __all__ = [
     "MAX_ELEMENTS",
     "MODEL_CONTROL_MODES",
     "MODEL_VERSION",
+    "SERVER_ID",
     "ModelRepository",
     "ProtocolError",
     "ServedModel",
@@ -74,6 +75,8 @@ MAX_ELEMENTS = 64 * 1024 * 1024
 
 #: The one version every model is served as.
 MODEL_VERSION = "1"
+#: The name server metadata answers by default (Triton's ``--id``).
+SERVER_ID = "ferrobatch"
 #: Protocol extensions announced in the server metadata (both protocols,
 #: both front-ends): binary tensors, Triton's statistics and model
 #: configuration, request parameters, log settings, system shared memory
@@ -264,7 +267,9 @@ class ModelRepository:
     load it again (Triton's model repository extension; :meth:`load_model`);
     ``"none"``, the default as in Triton, refuses both. ``strict_readiness``
     (Triton's): ready only while every model is (an unloaded one aside, one
-    that failed to start not); False: ready while not closing.
+    that failed to start not); False: ready while not closing. ``server_id``
+    (Triton's ``--id``): the name server metadata answers (``GET /v2``, gRPC
+    ``ServerMetadata``); Triton's own is ``"triton"``, which some clients check.
     """
 
     def __init__(
@@ -278,12 +283,16 @@ class ModelRepository:
         allow_client_shm: bool = False,
         model_control_mode: str = "none",
         strict_readiness: bool = True,
+        server_id: str = SERVER_ID,
     ) -> None:
         listed = [servers] if isinstance(servers, Server) else list(servers)
         if not listed:
             raise ValueError("serve at least one Server")
         if model_control_mode not in MODEL_CONTROL_MODES:
             raise ValueError(f"model_control_mode must be one of {MODEL_CONTROL_MODES}, got {model_control_mode!r}")
+        if not isinstance(server_id, str) or not server_id:
+            raise ValueError(f"server_id must be a non-empty string, got {server_id!r}")
+        self.server_id = server_id
         self.model_control_mode = model_control_mode
         self.strict_readiness = strict_readiness
         #: The models not loaded now (unloaded, not loaded at start, or failed
@@ -526,7 +535,7 @@ class ModelRepository:
             await self._loaded_here.pop().stop(timeout=left)
 
     def server_metadata(self) -> dict[str, Any]:
-        return {"name": "ferrobatch", "version": __version__, "extensions": list(EXTENSIONS)}
+        return {"name": self.server_id, "version": __version__, "extensions": list(EXTENSIONS)}
 
     def model_metadata(self, name: str, version: str = "") -> dict[str, Any]:
         server = self.get(name, version)

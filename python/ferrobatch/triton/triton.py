@@ -41,6 +41,8 @@ from .._cache import ResponseCache
 from .._requests import RequestInfo
 from .._variable import DEFAULT_ELEMENTS_PER_ROW, LENGTHS
 from ..errors import ServerClosedError
+from ..http import _log_settings
+from ..http.protocol import SERVER_ID
 from ..serve import Listening, SageMaker, ServeConfig, VertexAI, serve
 from ..server import Server
 from ._binding import (
@@ -153,7 +155,10 @@ class TritonConfig:
     127.0.0.1 where Triton binds 0.0.0.0), ``http_port`` (8000),
     ``grpc_port`` (8001), ``allow_http`` / ``allow_grpc``,
     ``exit_timeout_secs`` (the graceful shutdown's limit, 30),
-    ``log_verbose`` (>= 1: debug logs), ``http_header_forward_pattern`` /
+    ``log_verbose`` (>= 1: debug logs), ``log_file`` (the ``ferrobatch``
+    logs of each run are appended there instead of going on to the root
+    logger), ``id`` (the name server metadata answers: Triton's is
+    ``"triton"``, ferrobatch's ``"ferrobatch"``), ``http_header_forward_pattern`` /
     ``grpc_header_forward_pattern`` (headers whose names match join each
     request's ``parameters``, by lowercase name; native front-end);
     ``metrics_port`` (8002, when free: see :func:`claim_metrics_port`),
@@ -275,6 +280,8 @@ def _cast(hint: Any, value: Any) -> Any:
 
 #: The TritonConfig fields ferrobatch uses.
 _USED = {
+    "id",
+    "log_file",
     "allow_http",
     "allow_grpc",
     "http_address",
@@ -356,6 +363,7 @@ def serve_config(
         # load_model() unload a bound model and load it again.
         model_control_mode="explicit",
         strict_readiness=config.strict_readiness is not False,
+        server_id=SERVER_ID if config.id is None else config.id,
     )
 
 
@@ -810,7 +818,10 @@ class Triton:
             await serve(self._servers, self._serve_config, on_ready=ready, stop=self._stop_event)
 
         try:
-            asyncio.run(main())
+            with _log_settings.to_file(
+                self._config.log_file, logging.DEBUG if self._config.log_verbose else logging.INFO
+            ):
+                asyncio.run(main())
         except BaseException as exc:
             if threading.current_thread() is not self._thread:
                 raise  # serve(): the caller's
