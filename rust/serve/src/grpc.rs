@@ -73,6 +73,7 @@ use crate::replies::{
 };
 use crate::restrict;
 use crate::server::Shared;
+use crate::streamed::Streamed;
 use request::{InferRequest, Parameters};
 
 /// The messages and the server trait generated from the vendored
@@ -2015,7 +2016,7 @@ impl QueuedStream {
             };
             out.send(Ok(message), counted);
         };
-        let Some(mut parts) = parts else {
+        let Some(parts) = parts else {
             return match model.reply(submitted).await.map_err(status)? {
                 Answer::Raw(outputs) => {
                     // Made already: counted whatever its size (the reader
@@ -2030,23 +2031,12 @@ impl QueuedStream {
                 )),
             };
         };
-        let reply = model.reply(submitted);
-        tokio::pin!(reply);
-        let done = loop {
-            tokio::select! {
-                biased; // the parts a worker sent before it ended the stream come first
-                Some(part) = parts.recv() => {
-                    let counted = part_bytes(&part);
-                    send(part, false, counted);
-                }
-                done = &mut reply => break done,
-            }
-        };
-        while let Ok(part) = parts.try_recv() {
+        let mut streamed = Streamed::new(model.clone(), submitted, parts);
+        while let Some(part) = streamed.next().await {
+            let part = part.map_err(status)?;
             let counted = part_bytes(&part);
             send(part, false, counted);
         }
-        done.map_err(status)?;
         if tag.empty_final {
             send(Vec::new(), true, 0);
         }

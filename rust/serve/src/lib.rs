@@ -28,6 +28,7 @@ mod outbox;
 pub mod replies;
 pub mod restrict;
 pub mod server;
+mod streamed;
 
 pub use http::{
     Fallback, FallbackCall, FallbackReply, FallbackRequest, FallbackResponse, Withdraw,

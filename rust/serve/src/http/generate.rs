@@ -21,7 +21,7 @@
 //! the request is cancelled (counted so) and its batch stops sending it
 //! responses.
 
-use std::future::{poll_fn, Future};
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -29,14 +29,15 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use ferrobatch_core::v2::generate::{self, GenerateInput};
 use ferrobatch_core::v2::{Output, V2Error};
-use ferrobatch_core::{Outcome, PerTensor, RequestState};
+use ferrobatch_core::PerTensor;
 use hyper::Response;
 use tokio::sync::mpsc;
 
 use super::{error, response, Body, JSON};
 use crate::model::ServedModel;
-use crate::replies::{failed_outcome, Answer, Backlog, Failure, RawOutput, Reply, ResponsePlan};
+use crate::replies::{Answer, Backlog, Failure, RawOutput, ResponsePlan};
 use crate::server::Shared;
+use crate::streamed::Streamed;
 
 /// Answers a generate request (`body`, read and inflated) to `model`
 /// (`stream`: `generate_stream`).
@@ -120,15 +121,9 @@ async fn streamed(
         Err(failure) => return error(&failure),
     };
     let mut responses = Responses {
-        request: submitted.id,
-        model: model.clone(),
+        streamed: Streamed::new(model.clone(), submitted, parts),
         id,
-        parts,
         backlog,
-        end: End::Awaited(Box::pin({
-            let model = model.clone();
-            async move { model.reply(submitted).await }
-        })),
     };
     let first = match responses.next().await {
         None if stream => return response(200, generate::EVENT_STREAM, Bytes::new()),
@@ -165,66 +160,23 @@ async fn streamed(
     }
 }
 
-/// The reply of a streamed request: its end (`Ok`), or why it failed.
-type Ending = Pin<Box<dyn Future<Output = Reply> + Send>>;
-
-/// One decoupled request's responses, in order, then how it ended.
+/// One decoupled request's responses, each leaving the stream's backlog
+/// as it is read, and the generate request's `id`, which each answer echoes.
 struct Responses {
-    /// The request's number in the reply table.
-    request: u64,
-    model: Arc<ServedModel>,
-    /// The generate request's `id`, echoed in each answer.
+    streamed: Streamed,
     id: Option<String>,
-    parts: mpsc::UnboundedReceiver<Vec<RawOutput>>,
     backlog: Arc<Backlog>,
-    end: End,
-}
-
-/// Where a streamed request's reply (the end of its stream) stands.
-enum End {
-    /// Awaited; dropping it cancels the request.
-    Awaited(Ending),
-    /// Come, told after the responses sent before it.
-    Came(Result<(), Failure>),
-    /// Told: `true` if it was a success.
-    Told(bool),
 }
 
 impl Responses {
     /// The next response (its bytes leave the backlog), or the failure
     /// that ended the stream; None at its end.
     async fn next(&mut self) -> Option<Result<Vec<RawOutput>, Failure>> {
-        poll_fn(|cx| self.poll_next(cx)).await
-    }
-
-    fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Vec<RawOutput>, Failure>>> {
-        if let End::Awaited(reply) = &mut self.end {
-            // A response the worker sent before it ended the stream comes first.
-            if let Poll::Ready(Some(part)) = self.parts.poll_recv(cx) {
-                return Poll::Ready(Some(Ok(self.read(part))));
-            }
-            let came = std::task::ready!(reply.as_mut().poll(cx));
-            self.end = End::Came(came.map(|_| ()));
+        let next = self.streamed.next().await;
+        if let Some(Ok(part)) = &next {
+            self.backlog.release(crate::replies::part_bytes(part));
         }
-        if let Ok(part) = self.parts.try_recv() {
-            return Poll::Ready(Some(Ok(self.read(part))));
-        }
-        Poll::Ready(match std::mem::replace(&mut self.end, End::Told(false)) {
-            End::Came(Err(failure)) => Some(Err(failure)),
-            End::Came(Ok(())) => {
-                self.end = End::Told(true);
-                None
-            }
-            told => {
-                self.end = told;
-                None
-            }
-        })
-    }
-
-    fn read(&self, part: Vec<RawOutput>) -> Vec<RawOutput> {
-        self.backlog.release(crate::replies::part_bytes(&part));
-        part
+        next
     }
 
     /// One response as the generate answer's flat JSON object.
@@ -239,37 +191,16 @@ impl Responses {
                 classified: o.classified,
             })
             .collect();
-        let codec = self.model.replies().codec();
+        let codec = self.streamed.model().replies().codec();
         codec
             .encode(self.id.as_deref(), &outputs)
             .and_then(|encoded| generate::answer(&encoded.body))
             .map_err(|e| Failure::new(e.status(), e.to_string()))
     }
 
-    /// Ends the request with `failure`, counted once as its caller sees it
-    /// ([`failed_outcome`]): withdrawn from its batch if it is still
-    /// running, recounted if it had ended as a success.
-    async fn refuse(&mut self, failure: &Failure) {
-        let outcome = failed_outcome(failure);
-        let replies = self.model.replies();
-        let succeeded = match std::mem::replace(&mut self.end, End::Told(false)) {
-            End::Came(came) => came.is_ok(),
-            End::Told(succeeded) => succeeded,
-            // Answered here, unless its reply was sent meanwhile: then
-            // counted as it ended, and recounted.
-            End::Awaited(reply) => {
-                !replies.abandon(self.request, RequestState::Cancelled, outcome)
-                    && reply.await.is_ok()
-            }
-        };
-        if succeeded {
-            replies.tally().recount(Outcome::Succeeded, outcome);
-        }
-    }
-
-    /// [`Responses::refuse`], answered as the JSON error.
+    /// [`Streamed::refuse`], answered as the JSON error.
     async fn refused(&mut self, failure: Failure) -> Response<Body> {
-        self.refuse(&failure).await;
+        self.streamed.refuse(&failure).await;
         error(&failure)
     }
 }
@@ -317,7 +248,7 @@ async fn next_event(mut responses: Responses) -> (Option<Bytes>, Option<Response
         Some(Ok(part)) => match responses.flattened(&part) {
             Ok(answer) => (Some(Bytes::from(generate::event(&answer))), Some(responses)),
             Err(failure) => {
-                responses.refuse(&failure).await;
+                responses.streamed.refuse(&failure).await;
                 (
                     Some(Bytes::from(generate::error_event(&failure.message))),
                     None,
