@@ -11,6 +11,7 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use ferrobatch_core::v2::generate::{self, GenerateInput};
 use ferrobatch_core::v2::{Codec, Limits, Output, OutputSpec};
 use ferrobatch_core::DType;
 
@@ -128,6 +129,64 @@ fn bench_codec(c: &mut Criterion) {
             b.iter(|| black_box(codec.encode(Some("bench"), black_box(&outputs)).unwrap()))
         });
     }
+    group.finish();
+
+    // Triton's generate extension on the same tensors: `{"x": [256 floats]}`
+    // (17 digits, as Python's json writes them) to the v2 request it stands
+    // for, and the v2 answer flattened back to `{..., "y": [...]}`; the whole
+    // request's path beside the v2 JSON one above (decode, encode).
+    let mut group = c.benchmark_group("codec/generate");
+    let floats: Vec<String> = values
+        .iter()
+        .map(|&v| format!("{}", f64::from(v)))
+        .collect();
+    let request = format!(r#"{{"x":[{}]}}"#, floats.join(",")).into_bytes();
+    let inputs = [GenerateInput {
+        name: "x",
+        datatype: "FP32",
+        shape: &[-1, WIDTH as i64],
+    }];
+    let outputs = [Output {
+        index: 0,
+        shape: &shape,
+        data: &out,
+        binary: false,
+        classified: false,
+    }];
+    let answer = codec.encode(None, &outputs).unwrap().body;
+    group.throughput(Throughput::Bytes(request.len() as u64));
+    group.bench_function("request 256 x FP32, 17 digits, to v2", |b| {
+        b.iter(|| black_box(generate::infer_request(black_box(&request), &inputs).unwrap()))
+    });
+    group.throughput(Throughput::Bytes(answer.len() as u64));
+    group.bench_function("v2 answer 256 x FP32 flattened", |b| {
+        b.iter(|| black_box(generate::answer(black_box(&answer)).unwrap()))
+    });
+    group.throughput(Throughput::Bytes(request.len() as u64));
+    group.bench_function("whole: request, decode, encode, answer", |b| {
+        b.iter(|| {
+            let v2 = generate::infer_request(black_box(&request), &inputs).unwrap();
+            black_box(codec.decode(&v2, None).unwrap());
+            let encoded = codec.encode(None, black_box(&outputs)).unwrap();
+            black_box(generate::answer(&encoded.body).unwrap())
+        })
+    });
+    group.bench_function("answer 256 x FP32 written in one pass", |b| {
+        b.iter(|| black_box(codec.encode_generate(None, black_box(&outputs)).unwrap()))
+    });
+    group.bench_function("whole, the answer in one pass", |b| {
+        b.iter(|| {
+            let v2 = generate::infer_request(black_box(&request), &inputs).unwrap();
+            black_box(codec.decode(&v2, None).unwrap());
+            black_box(codec.encode_generate(None, black_box(&outputs)).unwrap())
+        })
+    });
+    group.bench_function("reference: v2 JSON decode, encode", |b| {
+        b.iter(|| {
+            black_box(codec.decode(black_box(&json17), None).unwrap());
+            black_box(codec.encode(None, black_box(&outputs)).unwrap())
+        })
+    });
     group.finish();
 }
 

@@ -160,6 +160,84 @@ impl Codec {
         }
     }
 
+    /// Output `o` checked as every answer checks it: a known index, and
+    /// bytes its shape holds (well-formed elements for BYTES). Its spec, the
+    /// datatype it is sent as and its element count.
+    fn checked(&self, o: &Output<'_>) -> Result<(&super::OutputSpec, DType, usize), V2Error> {
+        let spec = self.outputs().get(o.index).ok_or_else(|| {
+            V2Error::Output(format!(
+                "output index {} is not one of the model's",
+                o.index
+            ))
+        })?;
+        let dtype = o.dtype(spec);
+        let (count, nbytes) = checked_size(&spec.name, dtype, o.shape, usize::MAX)
+            .map_err(|e| V2Error::Output(e.to_string()))?;
+        if dtype == DType::Bytes {
+            let limits = crate::bytes::BytesLimits {
+                max_element: usize::MAX,
+                max_request: usize::MAX,
+            };
+            crate::bytes::check(o.data, count, limits)
+                .map_err(|e| V2Error::Output(format!("output '{}': {e}", spec.name)))?;
+        } else if o.data.len() != nbytes {
+            return Err(V2Error::Output(format!(
+                "output '{}': shape {:?} needs {nbytes} bytes of {}, got {}",
+                spec.name,
+                o.shape,
+                dtype.v2_name(),
+                o.data.len()
+            )));
+        }
+        Ok((spec, dtype, count))
+    }
+
+    /// Triton's generate answer carrying `outputs` (each in JSON whatever
+    /// its `binary`), written straight from their bytes: what
+    /// [`super::generate::answer`] makes of [`Codec::encode`]'s answer, in
+    /// one pass. `model_name`, `model_version`, the request's `id`, then
+    /// each output by name: its one element, or its elements as a flat
+    /// array (an output named as one of the keys before it is left out).
+    /// Fails as [`Codec::encode`] does.
+    pub fn encode_generate(
+        &self,
+        id: Option<&str>,
+        outputs: &[Output<'_>],
+    ) -> Result<Vec<u8>, V2Error> {
+        // About what a number's text takes per byte of it; a guess only.
+        let estimate =
+            outputs
+                .iter()
+                .fold(self.response_prefix.len().saturating_add(64), |n, o| {
+                    n.saturating_add(o.data.len().saturating_mul(3))
+                        .saturating_add(32)
+                });
+        let mut out = Vec::with_capacity(estimate);
+        out.extend_from_slice(&self.response_prefix);
+        if let Some(id) = id {
+            out.extend_from_slice(b",\"id\":");
+            write_json_string(&mut out, id);
+        }
+        for o in outputs {
+            let (spec, dtype, count) = self.checked(o)?;
+            if super::generate::RESERVED.contains(&spec.name.as_str()) {
+                continue;
+            }
+            out.push(b',');
+            write_json_string(&mut out, &spec.name);
+            out.push(b':');
+            if count == 1 {
+                write_values(&mut out, dtype, o.data);
+            } else {
+                out.push(b'[');
+                write_values(&mut out, dtype, o.data);
+                out.push(b']');
+            }
+        }
+        out.push(b'}');
+        Ok(out)
+    }
+
     /// A response carrying `outputs`, echoing the request's `id`.
     ///
     /// Fails (a 500: the caller's bug, not the client's) when an output's
@@ -255,31 +333,7 @@ impl Codec {
         );
         let mut binary_bytes: usize = 0;
         for (i, o) in outputs.iter().enumerate() {
-            let spec = self.outputs().get(o.index).ok_or_else(|| {
-                V2Error::Output(format!(
-                    "output index {} is not one of the model's",
-                    o.index
-                ))
-            })?;
-            let dtype = o.dtype(spec);
-            let (count, nbytes) = checked_size(&spec.name, dtype, o.shape, usize::MAX)
-                .map_err(|e| V2Error::Output(e.to_string()))?;
-            if dtype == DType::Bytes {
-                let limits = crate::bytes::BytesLimits {
-                    max_element: usize::MAX,
-                    max_request: usize::MAX,
-                };
-                crate::bytes::check(o.data, count, limits)
-                    .map_err(|e| V2Error::Output(format!("output '{}': {e}", spec.name)))?;
-            } else if o.data.len() != nbytes {
-                return Err(V2Error::Output(format!(
-                    "output '{}': shape {:?} needs {nbytes} bytes of {}, got {}",
-                    spec.name,
-                    o.shape,
-                    dtype.v2_name(),
-                    o.data.len()
-                )));
-            }
+            let (_, _, count) = self.checked(o)?;
             let prefix = self.output_prefix(o).len() + 24 * o.shape.len() + 48;
             header_estimate = header_estimate.saturating_add(prefix);
             if region_of(regions, i).is_some() {

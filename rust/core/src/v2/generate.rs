@@ -259,10 +259,13 @@ fn tensor_value(p: &mut Parser<'_>, name: &str) -> Result<TensorValue, V2Error> 
     let mut elements = 0usize;
     let mut first = true;
     while p.next_element(&mut first).map_err(syntax)? {
-        if !scalar(p.peek_kind().map_err(syntax)?) {
-            return Err(flat());
+        match p.peek_kind().map_err(syntax)? {
+            // Its text is copied as it is and read strictly by the codec.
+            Kind::Number => p.skip_number_text().map(drop),
+            kind if scalar(kind) => p.skip_value().map(drop),
+            _ => return Err(flat()),
         }
-        p.skip_value().map_err(syntax)?;
+        .map_err(syntax)?;
         elements += 1; // at most the document's length: no overflow
     }
     Ok(TensorValue {
@@ -306,12 +309,15 @@ fn spread(input: &GenerateInput<'_>, elements: usize) -> Result<Vec<u64>, V2Erro
     Ok(shape)
 }
 
+/// The keys of a generate answer that are not outputs: an output of one of
+/// these names is left out, as Triton's reserved keys win.
+pub(crate) const RESERVED: [&str; 3] = ["id", "model_name", "model_version"];
+
 /// The generate answer for a v2 JSON inference answer `v2` (every output
 /// in JSON): its `id`, `model_name` and `model_version` as they are, then
-/// each output by name (an output named as one of those is left out, as
-/// Triton's reserved keys win).
+/// each output by name (but the [`RESERVED`] ones). The native front-end
+/// writes it from the outputs in one pass ([`super::Codec::encode_generate`]).
 pub fn answer(v2: &[u8]) -> Result<Vec<u8>, V2Error> {
-    const RESERVED: [&str; 3] = ["id", "model_name", "model_version"];
     let broken = |what: &str| V2Error::Output(format!("the inference answer {what}"));
     let mut p = Parser::new(v2);
     let mut out = Vec::with_capacity(v2.len());
@@ -570,6 +576,103 @@ mod tests {
         let no_data =
             r#"{"model_name":"m","outputs":[{"name":"y","datatype":"FP32","shape":[1]}]}"#;
         assert_eq!(super::answer(no_data.as_bytes()).unwrap_err().status(), 500);
+    }
+
+    #[test]
+    fn the_answer_written_in_one_pass_is_the_v2_answer_flattened() {
+        use crate::v2::{Codec, Limits, Output, OutputSpec};
+        use crate::DType;
+        let spec = |name: &str, dtype| OutputSpec {
+            name: name.into(),
+            dtype,
+        };
+        let codec = Codec::new(
+            "m\"odel",
+            vec![
+                spec("text_output", DType::Bytes),
+                spec("ends", DType::Int64),
+                spec("none", DType::Int64),
+                spec("model_name", DType::Bytes),
+                spec("probs", DType::Float32),
+                spec("flag", DType::Bool),
+                spec("half", DType::Float16),
+            ],
+            Limits::default(),
+        );
+        let text = [2u8, 0, 0, 0, b'H', b'I'];
+        let ends: Vec<u8> = [3i64, -9].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let probs: Vec<u8> = [0.1f32, f32::NAN, 2.5, -0.0, f32::INFINITY, 1e-8]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let half = half::f16::from_f32(0.3).to_le_bytes();
+        let output = |index, shape: &'static [u64], data| Output {
+            index,
+            shape,
+            data,
+            binary: index % 2 == 0, // asked as binary or not: JSON here whatever
+            classified: false,
+        };
+        let outputs = [
+            output(0, &[1, 1], &text),
+            output(1, &[1, 2], &ends),
+            output(2, &[1, 0], &[]),
+            output(3, &[1, 1], &text),
+            output(4, &[2, 3], &probs),
+            output(5, &[1], &[1]),
+            output(6, &[1, 1], &half),
+        ];
+        for id in [None, Some("4\"2")] {
+            let json: Vec<Output<'_>> = outputs
+                .iter()
+                .map(|o| Output {
+                    binary: false,
+                    ..*o
+                })
+                .collect();
+            let flattened = answer(&codec.encode(id, &json).unwrap().body).unwrap();
+            let direct = codec.encode_generate(id, &outputs).unwrap();
+            assert_eq!(
+                String::from_utf8(direct).unwrap(),
+                String::from_utf8(flattened).unwrap()
+            );
+        }
+        // An output its bytes do not fill fails as encode fails, a 500.
+        let short = [output(1, &[1, 3], &ends)];
+        assert_eq!(
+            codec.encode_generate(None, &short).unwrap_err().status(),
+            500
+        );
+    }
+
+    #[test]
+    fn numbers_are_counted_unread_and_read_strictly_once_by_the_codec() {
+        use crate::v2::{Codec, Limits};
+        let x = GenerateInput {
+            name: "x",
+            datatype: "FP32",
+            shape: &[-1, -1],
+        };
+        let codec = Codec::new("m", Vec::new(), Limits::default());
+        // Python's spellings, the literals included, pass as sent.
+        let v2 = request(r#"{"x": [1, -2.5e-3, NaN, -Infinity, 1E+2]}"#, &[x]).unwrap();
+        assert!(
+            v2.contains(r#""shape":[1,5],"data":[1, -2.5e-3, NaN, -Infinity, 1E+2]"#),
+            "{v2}"
+        );
+        assert!(codec.decode(v2.as_bytes(), None).is_ok());
+        // What is no number is counted as one here, then refused by the
+        // codec as any v2 request's would be: a 400.
+        for bad in ["[1.2.3]", "[1, -]", "[0x10]", "[Nope]", "[1e]"] {
+            let v2 = request(&format!(r#"{{"x": {bad}}}"#), &[x]).unwrap();
+            let refused = codec.decode(v2.as_bytes(), None).unwrap_err();
+            assert_eq!(refused.status(), 400, "{bad}: {refused}");
+        }
+        // What breaks the array is refused here.
+        for bad in ["[1 2]", "[1,]", "[1", "[,1]"] {
+            let refused = request(&format!(r#"{{"x": {bad}}}"#), &[x]).unwrap_err();
+            assert_eq!(refused.status(), 400, "{bad}: {refused}");
+        }
     }
 
     #[test]

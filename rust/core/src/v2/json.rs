@@ -756,6 +756,26 @@ impl<'a> Parser<'a> {
         self.pos - from
     }
 
+    /// Skips the text of the number next (at least one character a number
+    /// or its literals `NaN`, `Infinity`, `-Infinity` may hold), without
+    /// reading or validating it: for a caller that passes the text on to a
+    /// reader that reads it strictly ([`Parser::number`]), so that `1.2.3`
+    /// is refused there, once. Its range in the document.
+    pub fn skip_number_text(&mut self) -> Result<std::ops::Range<usize>> {
+        self.skip_ws();
+        let start = self.pos;
+        let rest = self.src.get(start..).unwrap_or_default();
+        let length = rest
+            .iter()
+            .position(|b| !(b.is_ascii_alphanumeric() || matches!(b, b'.' | b'+' | b'-')))
+            .unwrap_or(rest.len());
+        if length == 0 {
+            return self.error("expected a number");
+        }
+        self.pos = start + length; // within the document: no overflow
+        Ok(start..self.pos)
+    }
+
     /// Reads a JSON number's spelling (not a literal), validating it; its
     /// digits are read once, and while few enough gathered into a mantissa.
     fn scan_number(&mut self) -> Result<Scanned> {

@@ -3,11 +3,13 @@
 //!
 //! A generate request is translated into the v2 JSON inference request it
 //! stands for ([`generate::infer_request`]) and submitted as any other, so
-//! every rule, limit and count of inference applies. A model of one
-//! response per request is answered with its encoded answer, flattened. A
-//! decoupled model's responses come as a gRPC stream's do (a
-//! [`ResponsePlan::Stream`]: raw rows per response, bounded by the stream's
-//! backlog) and each is flattened as it comes:
+//! every rule, limit and count of inference applies. Its answer is written
+//! from the rows of its outputs, flat, in one pass
+//! ([`Codec::encode_generate`](ferrobatch_core::v2::Codec::encode_generate)):
+//! a model of one response per request answers with its rows (a
+//! [`ResponsePlan::Raw`]); a decoupled model's responses come as a gRPC
+//! stream's do (a [`ResponsePlan::Stream`]: raw rows per response, bounded
+//! by the stream's backlog), each written as it comes:
 //!
 //! - `generate_stream` sends one Server-Sent Event per response. Its head
 //!   waits for the first one (or the end), so a failure before it is a JSON
@@ -29,13 +31,13 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use ferrobatch_core::v2::generate::{self, GenerateInput};
 use ferrobatch_core::v2::{Output, V2Error};
-use ferrobatch_core::PerTensor;
+use ferrobatch_core::{Outcome, PerTensor};
 use hyper::Response;
 use tokio::sync::mpsc;
 
 use super::{error, response, Body, JSON};
 use crate::model::ServedModel;
-use crate::replies::{Answer, Backlog, Failure, RawOutput, ResponsePlan};
+use crate::replies::{failed_outcome, Answer, Backlog, Failure, RawOutput, ResponsePlan};
 use crate::server::Shared;
 use crate::streamed::Streamed;
 
@@ -68,23 +70,71 @@ pub(super) async fn generate(
     if model.decoupled() {
         return streamed(shared, model, stream, request, forwarded).await;
     }
-    let answered = match model.submit(request, None, forwarded) {
+    // Answered with the rows of the outputs it selects, written here as the
+    // flat answer in one pass.
+    let mut id = None;
+    let submitted = model.submit_planned(request, None, forwarded, |request, codec| {
+        id.clone_from(&request.id);
+        ResponsePlan::Raw {
+            outputs: request
+                .selected_outputs(codec)
+                .iter()
+                .map(|&(index, _)| index)
+                .collect(),
+            regions: Vec::new(), // a generate request names no region, nor classes
+            classes: Vec::new(),
+        }
+    });
+    let answered = match submitted {
         Ok(submitted) => model.reply(submitted).await,
         Err(failure) => return error(&failure),
     };
-    match answered {
-        Ok(Answer::Encoded(encoded)) if encoded.header_length.is_none() => {
-            match generate::answer(&encoded.body) {
-                Ok(answer) if stream => {
-                    response(200, generate::EVENT_STREAM, generate::event(&answer))
-                }
-                Ok(answer) => response(200, JSON, answer),
-                Err(e) => failed(&e),
-            }
+    let outputs = match answered {
+        Ok(Answer::Raw(outputs)) => outputs,
+        Ok(_) => {
+            return error(&Failure::new(
+                500,
+                "a generate request answered as another kind",
+            ))
         }
-        Ok(_) => error(&Failure::new(500, "a generate request answered in binary")),
-        Err(failure) => error(&failure),
+        Err(failure) => return error(&failure),
+    };
+    match flat_answer(model, id.as_deref(), &outputs) {
+        Ok(answer) if stream => response(200, generate::EVENT_STREAM, generate::event(&answer)),
+        Ok(answer) => response(200, JSON, answer),
+        Err(failure) => {
+            // Counted a success by its worker: recounted as its caller sees it.
+            model
+                .replies()
+                .tally()
+                .recount(Outcome::Succeeded, failed_outcome(&failure));
+            error(&failure)
+        }
     }
+}
+
+/// One response's `outputs` as the generate answer's flat JSON object,
+/// echoing the request's `id`.
+fn flat_answer(
+    model: &ServedModel,
+    id: Option<&str>,
+    outputs: &[RawOutput],
+) -> Result<Vec<u8>, Failure> {
+    let outputs: PerTensor<Output<'_>> = outputs
+        .iter()
+        .map(|o| Output {
+            index: o.index,
+            shape: &o.shape,
+            data: &o.data,
+            binary: false,
+            classified: o.classified,
+        })
+        .collect();
+    model
+        .replies()
+        .codec()
+        .encode_generate(id, &outputs)
+        .map_err(|e| Failure::new(e.status(), e.to_string()))
 }
 
 fn failed(e: &V2Error) -> Response<Body> {
@@ -181,21 +231,7 @@ impl Responses {
 
     /// One response as the generate answer's flat JSON object.
     fn flattened(&self, part: &[RawOutput]) -> Result<Vec<u8>, Failure> {
-        let outputs: PerTensor<Output<'_>> = part
-            .iter()
-            .map(|o| Output {
-                index: o.index,
-                shape: &o.shape,
-                data: &o.data,
-                binary: false,
-                classified: o.classified,
-            })
-            .collect();
-        let codec = self.streamed.model().replies().codec();
-        codec
-            .encode(self.id.as_deref(), &outputs)
-            .and_then(|encoded| generate::answer(&encoded.body))
-            .map_err(|e| Failure::new(e.status(), e.to_string()))
+        flat_answer(self.streamed.model(), self.id.as_deref(), part)
     }
 
     /// [`Streamed::refuse`], answered as the JSON error.
