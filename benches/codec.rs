@@ -2,8 +2,10 @@
 //! and its response (`y`: FP32[1, 256]): decoding JSON and binary bodies,
 //! encoding JSON and binary responses, beside the reference
 //! `serde_json::from_slice` of the same JSON body into a `Value` tree (what
-//! a generic JSON parser costs before any tensor is built). Reported per
-//! request (elements/s: requests/s) and in bytes/s of body.
+//! a generic JSON parser costs before any tensor is built), and Triton's
+//! generate extension on the same tensors (`codec/generate`: the request
+//! turned into the v2 one, the answer flattened or written flat). Reported
+//! in bytes/s of body.
 //!
 //! Run: `cargo bench --bench codec`.
 
