@@ -4,7 +4,7 @@
 //! `serde_json::from_slice` of the same JSON body into a `Value` tree (what
 //! a generic JSON parser costs before any tensor is built), and Triton's
 //! generate extension on the same tensors (`codec/generate`: the request
-//! turned into the v2 one, the answer flattened or written flat). Reported
+//! turned into the v2 one, the answer written flat). Reported
 //! in bytes/s of body.
 //!
 //! Run: `cargo bench --bench codec`.
@@ -135,7 +135,7 @@ fn bench_codec(c: &mut Criterion) {
 
     // Triton's generate extension on the same tensors: `{"x": [256 floats]}`
     // (17 digits, as Python's json writes them) to the v2 request it stands
-    // for, and the v2 answer flattened back to `{..., "y": [...]}`; the whole
+    // for, and the answer written flat, `{..., "y": [...]}`; the whole
     // request's path beside the v2 JSON one above (decode, encode).
     let mut group = c.benchmark_group("codec/generate");
     let floats: Vec<String> = values
@@ -155,28 +155,17 @@ fn bench_codec(c: &mut Criterion) {
         binary: false,
         classified: false,
     }];
-    let answer = codec.encode(None, &outputs).unwrap().body;
+    let answer = codec.encode_generate(None, &outputs).unwrap();
     group.throughput(Throughput::Bytes(request.len() as u64));
     group.bench_function("request 256 x FP32, 17 digits, to v2", |b| {
         b.iter(|| black_box(generate::infer_request(black_box(&request), &inputs).unwrap()))
     });
     group.throughput(Throughput::Bytes(answer.len() as u64));
-    group.bench_function("v2 answer 256 x FP32 flattened", |b| {
-        b.iter(|| black_box(generate::answer(black_box(&answer)).unwrap()))
-    });
-    group.throughput(Throughput::Bytes(request.len() as u64));
-    group.bench_function("whole: request, decode, encode, answer", |b| {
-        b.iter(|| {
-            let v2 = generate::infer_request(black_box(&request), &inputs).unwrap();
-            black_box(codec.decode(&v2, None).unwrap());
-            let encoded = codec.encode(None, black_box(&outputs)).unwrap();
-            black_box(generate::answer(&encoded.body).unwrap())
-        })
-    });
     group.bench_function("answer 256 x FP32 written in one pass", |b| {
         b.iter(|| black_box(codec.encode_generate(None, black_box(&outputs)).unwrap()))
     });
-    group.bench_function("whole, the answer in one pass", |b| {
+    group.throughput(Throughput::Bytes(request.len() as u64));
+    group.bench_function("whole: request, decode, answer", |b| {
         b.iter(|| {
             let v2 = generate::infer_request(black_box(&request), &inputs).unwrap();
             black_box(codec.decode(&v2, None).unwrap());

@@ -38,7 +38,6 @@ __all__ = [
     "clipped",
     "after_fork_in_child",
     "check_json",
-    "generate_answer",
     "generate_error_event",
     "generate_request",
     "compress",
@@ -363,6 +362,11 @@ class V2Codec:
     def decode(self, body: bytes, header_length: str | None = None) -> V2Request: ...
     def remembered_headers(self) -> int: ...
     def encode(self, request: V2Request, results: dict[str, torch.Tensor]) -> tuple[bytes, int | None]: ...
+    def encode_generate(self, request: V2Request, results: dict[str, torch.Tensor], *, as_event: bool = False) -> bytes:
+        """Triton's generate answer to ``request`` (the v2 request a generate
+        request stood for): ``results`` written flat, each output its one
+        element or its elements as a flat array (``as_event``: as one
+        Server-Sent Event)."""
 
 @final
 class FallbackAnswer:
@@ -560,10 +564,6 @@ def generate_request(body: bytes, inputs: list[tuple[str, str, list[int]]]) -> b
     generate extension) stands for, for a model whose inputs are ``inputs``
     (``(name, datatype, shape)`` as its metadata gives them); ``CodecError``
     400 with Triton's words otherwise."""
-
-def generate_answer(answer: bytes, *, as_event: bool = False) -> bytes:
-    """The generate answer for a v2 JSON inference answer (``as_event``: as
-    one Server-Sent Event)."""
 
 def generate_error_event(message: str) -> bytes:
     """The Server-Sent Event that ends a ``generate_stream`` failed after its

@@ -640,8 +640,7 @@ class Endpoint:
 
 def _answered(model: ServedModel, request: V2Request, results: dict[str, Any], as_event: bool) -> bytes:
     """The generate answer for ``results`` of ``request`` to ``model``."""
-    payload, _ = model.codec.encode(request, results)
-    return _generate.answer(payload, as_event=as_event)
+    return model.codec.encode_generate(request, results, as_event=as_event)
 
 
 def _register_request(request: Any) -> tuple[str, int, int]:

@@ -2,12 +2,12 @@
 a flat JSON object in and out, for text models (LLMs).
 
 A generate request becomes a v2 JSON inference request and takes the path
-every inference takes (the model's codec, its client, its counting); the v2
-JSON answer is flattened back. The rules (which keys are inputs, how an
-array spreads over an input's shape, what the answer carries) are Triton's
-and live in Rust, shared with the native front-end:
-``ferrobatch_core::v2::generate`` (``_core.generate_request``,
-``_core.generate_answer``).
+every inference takes (the model's codec, its client, its counting); the
+answer is written flat from the results. The rules (which keys are inputs,
+how an array spreads over an input's shape, what the answer carries) are
+Triton's and live in Rust, shared with the native front-end:
+``ferrobatch_core::v2::generate`` (``_core.generate_request``) and the
+codec's ``encode_generate``.
 
 ``generate`` answers one JSON object (a decoupled model must send exactly
 one response); ``generate_stream`` answers Server-Sent Events, a ``data:``
@@ -30,12 +30,6 @@ def infer_body(body: bytes, inputs: list[tuple[str, str, list[int]]]) -> bytes:
     for; ``inputs``: the model's (``ServedModel.generate_inputs``).
     ``CodecError`` 400 for what Triton refuses."""
     return _core.generate_request(body, inputs)
-
-
-def answer(payload: bytes, *, as_event: bool = False) -> bytes:
-    """The generate answer for a v2 JSON inference answer ``payload``
-    (``as_event``: as one Server-Sent Event)."""
-    return _core.generate_answer(payload, as_event=as_event)
 
 
 def error_event(message: str) -> bytes:

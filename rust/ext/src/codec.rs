@@ -889,6 +889,54 @@ impl V2Codec {
         request: &V2Request,
         results: &Bound<'py, PyDict>,
     ) -> PyResult<(Bound<'py, PyBytes>, Option<usize>)> {
+        self.with_outputs(py, request, results, |outputs| {
+            self.encoded(py, request, outputs)
+        })
+    }
+
+    /// Triton's generate answer to `request` (the v2 request a generate
+    /// request stood for): `results` written flat in one pass (see
+    /// `ferrobatch_core::v2::Codec::encode_generate`); `as_event`: as one
+    /// Server-Sent Event.
+    #[pyo3(signature = (request, results, *, as_event=false))]
+    fn encode_generate<'py>(
+        &self,
+        py: Python<'py>,
+        request: &V2Request,
+        results: &Bound<'py, PyDict>,
+        as_event: bool,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        self.with_outputs(py, request, results, |outputs| {
+            let id = request.id.as_deref();
+            let total: usize = outputs.iter().map(|o| o.data.len()).sum();
+            let answer = if total >= RELEASE_GIL_BYTES {
+                without_gil(py, || self.core.encode_generate(id, outputs))
+            } else {
+                self.core.encode_generate(id, outputs)
+            };
+            let answer = answer.map_err(|e| codec_error(py, e))?;
+            Ok(PyBytes::new(
+                py,
+                &if as_event {
+                    generate::event(&answer)
+                } else {
+                    answer
+                },
+            ))
+        })
+    }
+}
+
+impl V2Codec {
+    /// The outputs `request` selects, read from `results` (each asked for
+    /// as classes: its top classes, BYTES), handed to `write`.
+    fn with_outputs<'py, T>(
+        &self,
+        py: Python<'py>,
+        request: &V2Request,
+        results: &Bound<'py, PyDict>,
+        write: impl FnOnce(&[Output<'_>]) -> PyResult<T>,
+    ) -> PyResult<T> {
         let mut read = Vec::with_capacity(request.selected.len());
         for &(index, _) in &request.selected {
             let Some(key) = self.output_keys.get(index) else {
@@ -932,17 +980,27 @@ impl V2Codec {
                 }
             })
             .collect();
+        write(&outputs)
+    }
+
+    /// [`V2Codec::encode`]'s answer for `outputs`, read from its results.
+    fn encoded<'py>(
+        &self,
+        py: Python<'py>,
+        request: &V2Request,
+        outputs: &[Output<'_>],
+    ) -> PyResult<(Bound<'py, PyBytes>, Option<usize>)> {
         let total: usize = outputs.iter().map(|o| o.data.len()).sum();
         let id = request.id.as_deref();
         let regions = &request.regions;
         let header = if total >= RELEASE_GIL_BYTES {
             without_gil(py, || {
                 self.core
-                    .encode_header_with_regions(id, &outputs, regions, 0)
+                    .encode_header_with_regions(id, outputs, regions, 0)
             })
         } else {
             self.core
-                .encode_header_with_regions(id, &outputs, regions, 0)
+                .encode_header_with_regions(id, outputs, regions, 0)
         };
         let (header, binary_bytes) = header.map_err(|e| codec_error(py, e))?;
         if !outputs.iter().any(|o| o.binary) {
@@ -1158,24 +1216,6 @@ pub fn generate_request<'py>(
         .collect();
     let request = generate::infer_request(body, &inputs).map_err(|e| codec_error(py, e))?;
     Ok(PyBytes::new(py, &request))
-}
-
-/// The generate answer for a v2 JSON inference answer (see
-/// `ferrobatch_core::v2::generate`); `as_event`: as one Server-Sent Event.
-#[pyfunction]
-#[pyo3(signature = (answer, *, as_event=false))]
-pub fn generate_answer<'py>(
-    py: Python<'py>,
-    answer: &[u8],
-    as_event: bool,
-) -> PyResult<Bound<'py, PyBytes>> {
-    let answer = generate::answer(answer).map_err(|e| codec_error(py, e))?;
-    let answer = if as_event {
-        generate::event(&answer)
-    } else {
-        answer
-    };
-    Ok(PyBytes::new(py, &answer))
 }
 
 /// The event that ends a `generate_stream` failed after its first response

@@ -77,7 +77,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(submit::after_fork_in_child, m)?)?;
     m.add_function(wrap_pyfunction!(codec::check_json, m)?)?;
     m.add_function(wrap_pyfunction!(codec::generate_request, m)?)?;
-    m.add_function(wrap_pyfunction!(codec::generate_answer, m)?)?;
     m.add_function(wrap_pyfunction!(codec::generate_error_event, m)?)?;
     m.add(
         "GENERATE_ONE_RESPONSE",

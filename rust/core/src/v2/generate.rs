@@ -3,8 +3,9 @@
 //!
 //! A generate request is turned into a v2 JSON inference request
 //! ([`infer_request`]), which then takes the path every inference takes (the
-//! model's codec, its queue, its counting); the v2 JSON answer is flattened
-//! back ([`answer`]). The rules are Triton's (its `extension_generate.md`
+//! model's codec, its queue, its counting); the answer is written flat from
+//! the outputs' rows ([`Codec::encode_generate`](super::Codec::encode_generate),
+//! on every front-end). The rules are Triton's (its `extension_generate.md`
 //! and HTTP server):
 //!
 //! - each key of the request, and of its `"parameters"` object, that names a
@@ -14,9 +15,9 @@
 //! - any other key is a request parameter: a string, a number or a bool,
 //!   passed on as sent;
 //! - `"id"` (a string) is the request's id, which the answer echoes;
-//! - the answer carries `id` (when the request had one), `model_name`,
-//!   `model_version` and each output: its one element, or its elements as a
-//!   flat array, as the v2 answer spells them.
+//! - the answer carries `model_name`, `model_version`, `id` (when the
+//!   request had one) and each output (but the [`RESERVED`] names): its one
+//!   element, or its elements as a flat array, as the v2 answer spells them.
 //!
 //! Values are copied as their JSON text, never converted here: the codec
 //! reads them as it reads any request's `data` (and refuses them as it does).
@@ -313,89 +314,6 @@ fn spread(input: &GenerateInput<'_>, elements: usize) -> Result<Vec<u64>, V2Erro
 /// these names is left out, as Triton's reserved keys win.
 pub(crate) const RESERVED: [&str; 3] = ["id", "model_name", "model_version"];
 
-/// The generate answer for a v2 JSON inference answer `v2` (every output
-/// in JSON): its `id`, `model_name` and `model_version` as they are, then
-/// each output by name (but the [`RESERVED`] ones). The native front-end
-/// writes it from the outputs in one pass ([`super::Codec::encode_generate`]).
-pub fn answer(v2: &[u8]) -> Result<Vec<u8>, V2Error> {
-    let broken = |what: &str| V2Error::Output(format!("the inference answer {what}"));
-    let mut p = Parser::new(v2);
-    let mut out = Vec::with_capacity(v2.len());
-    out.push(b'{');
-    let mut written = 0usize;
-    let mut key_value = |out: &mut Vec<u8>, key: &str, value: &[u8]| {
-        if written > 0 {
-            out.push(b',');
-        }
-        written += 1;
-        write_json_string(out, key);
-        out.push(b':');
-        out.extend_from_slice(value);
-    };
-    p.begin_object().map_err(syntax)?;
-    let mut first = true;
-    while let Some(key) = p.next_key(&mut first).map_err(syntax)? {
-        if RESERVED.contains(&key.as_ref()) {
-            let value = p.skip_value().map_err(syntax)?;
-            key_value(&mut out, key.as_ref(), &v2[value]);
-            continue;
-        }
-        if key != "outputs" {
-            p.skip_value().map_err(syntax)?;
-            continue;
-        }
-        p.begin_array().map_err(syntax)?;
-        let mut first_output = true;
-        while p.next_element(&mut first_output).map_err(syntax)? {
-            let (name, data) = output(&mut p)?;
-            let Some(data) = data else {
-                return Err(broken(&format!(
-                    "has no data for output '{}'",
-                    Clipped(&name)
-                )));
-            };
-            if RESERVED.contains(&name.as_str()) {
-                continue;
-            }
-            let value = only_element(v2, data.clone())?.unwrap_or(data);
-            key_value(&mut out, &name, &v2[value]);
-        }
-    }
-    p.end().map_err(syntax)?;
-    out.push(b'}');
-    Ok(out)
-}
-
-/// One output of a v2 answer: its name and its `data` array's range.
-fn output(p: &mut Parser<'_>) -> Result<(String, Option<Range<usize>>), V2Error> {
-    p.begin_object().map_err(syntax)?;
-    let (mut name, mut data) = (String::new(), None);
-    let mut first = true;
-    while let Some(key) = p.next_key(&mut first).map_err(syntax)? {
-        match key.as_ref() {
-            "name" => name = p.string().map_err(syntax)?.into_owned(),
-            "data" => data = Some(p.skip_value().map_err(syntax)?),
-            _ => {
-                p.skip_value().map_err(syntax)?;
-            }
-        }
-    }
-    Ok((name, data))
-}
-
-/// The range of the one element of the array at `data`, if it has exactly one.
-fn only_element(v2: &[u8], data: Range<usize>) -> Result<Option<Range<usize>>, V2Error> {
-    let mut p = Parser::at(v2, data.start);
-    p.begin_array().map_err(syntax)?;
-    let mut first = true;
-    if !p.next_element(&mut first).map_err(syntax)? {
-        return Ok(None);
-    }
-    let element = p.skip_value().map_err(syntax)?;
-    let more = p.next_element(&mut first).map_err(syntax)?;
-    Ok((!more).then_some(element))
-}
-
 /// `document` as one Server-Sent Event (`data: ...` and a blank line).
 pub fn event(document: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(document.len().saturating_add(8));
@@ -558,28 +476,7 @@ mod tests {
     }
 
     #[test]
-    fn an_answer_flattens_each_output_and_keeps_the_reserved_keys() {
-        let v2 = concat!(
-            r#"{"model_name":"m","model_version":"1","id":"42","outputs":["#,
-            r#"{"name":"text_output","datatype":"BYTES","shape":[1,1],"data":["HI"]},"#,
-            r#"{"name":"ends","datatype":"INT64","shape":[1,2],"data":[3,9]},"#,
-            r#"{"name":"none","datatype":"INT64","shape":[1,0],"data":[]},"#,
-            r#"{"name":"model_name","datatype":"BYTES","shape":[1],"data":["x"]}],"#,
-            r#""parameters":{"k":1}}"#
-        );
-        let answer = String::from_utf8(answer(v2.as_bytes()).unwrap()).unwrap();
-        assert_eq!(
-            answer,
-            r#"{"model_name":"m","model_version":"1","id":"42","text_output":"HI","ends":[3,9],"none":[]}"#
-        );
-        assert_eq!(event(b"{}"), b"data: {}\n\n");
-        let no_data =
-            r#"{"model_name":"m","outputs":[{"name":"y","datatype":"FP32","shape":[1]}]}"#;
-        assert_eq!(super::answer(no_data.as_bytes()).unwrap_err().status(), 500);
-    }
-
-    #[test]
-    fn the_answer_written_in_one_pass_is_the_v2_answer_flattened() {
+    fn an_answer_is_each_output_flat_after_the_reserved_keys() {
         use crate::v2::{Codec, Limits, Output, OutputSpec};
         use crate::DType;
         let spec = |name: &str, dtype| OutputSpec {
@@ -617,26 +514,37 @@ mod tests {
             output(0, &[1, 1], &text),
             output(1, &[1, 2], &ends),
             output(2, &[1, 0], &[]),
-            output(3, &[1, 1], &text),
+            output(3, &[1, 1], &text), // a reserved key wins: left out
             output(4, &[2, 3], &probs),
             output(5, &[1], &[1]),
             output(6, &[1, 1], &half),
         ];
-        for id in [None, Some("4\"2")] {
-            let json: Vec<Output<'_>> = outputs
-                .iter()
-                .map(|o| Output {
-                    binary: false,
-                    ..*o
-                })
-                .collect();
-            let flattened = answer(&codec.encode(id, &json).unwrap().body).unwrap();
-            let direct = codec.encode_generate(id, &outputs).unwrap();
-            assert_eq!(
-                String::from_utf8(direct).unwrap(),
-                String::from_utf8(flattened).unwrap()
-            );
-        }
+        let written = |id| String::from_utf8(codec.encode_generate(id, &outputs).unwrap()).unwrap();
+        let flat = concat!(
+            r#""text_output":"HI","ends":[3,-9],"none":[],"#,
+            r#""probs":[0.1,NaN,2.5,-0.0,Infinity,1e-8],"flag":true,"half":0.30004883}"#
+        );
+        let head = r#"{"model_name":"m\"odel","model_version":"1","#;
+        assert_eq!(written(None), format!("{head}{flat}"));
+        assert_eq!(
+            written(Some("4\"2")),
+            format!(r#"{head}"id":"4\"2",{flat}"#)
+        );
+        // Each value spelt as the v2 answer spells it.
+        let json: Vec<Output<'_>> = outputs
+            .iter()
+            .map(|o| Output {
+                binary: false,
+                ..*o
+            })
+            .collect();
+        let v2 = String::from_utf8(codec.encode(None, &json).unwrap().body).unwrap();
+        assert!(
+            v2.contains(r#""data":[0.1,NaN,2.5,-0.0,Infinity,1e-8]"#),
+            "{v2}"
+        );
+        assert!(v2.contains(r#""data":[0.30004883]"#), "{v2}");
+        assert_eq!(event(b"{}"), b"data: {}\n\n");
         // An output its bytes do not fill fails as encode fails, a 500.
         let short = [output(1, &[1, 3], &ends)];
         assert_eq!(
