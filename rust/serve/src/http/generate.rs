@@ -30,7 +30,7 @@ use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use ferrobatch_core::v2::generate::{self, GenerateInput};
-use ferrobatch_core::v2::{Output, V2Error};
+use ferrobatch_core::v2::{Codec, InferRequest, Output, V2Error};
 use ferrobatch_core::{Outcome, PerTensor};
 use hyper::Response;
 use tokio::sync::mpsc;
@@ -76,11 +76,7 @@ pub(super) async fn generate(
     let submitted = model.submit_planned(request, None, forwarded, |request, codec| {
         id.clone_from(&request.id);
         ResponsePlan::Raw {
-            outputs: request
-                .selected_outputs(codec)
-                .iter()
-                .map(|&(index, _)| index)
-                .collect(),
+            outputs: answered_outputs(request, codec),
             regions: Vec::new(), // a generate request names no region, nor classes
             classes: Vec::new(),
         }
@@ -111,6 +107,16 @@ pub(super) async fn generate(
             error(&failure)
         }
     }
+}
+
+/// The indices of the outputs a generate request is answered with: every
+/// one (the v2 request it stands for names none).
+fn answered_outputs<T: FromIterator<usize>>(request: &InferRequest, codec: &Codec) -> T {
+    request
+        .selected_outputs(codec)
+        .iter()
+        .map(|&(index, _)| index)
+        .collect()
 }
 
 /// One response's `outputs` as the generate answer's flat JSON object,
@@ -155,11 +161,7 @@ async fn streamed(
     let submitted = model.submit_planned(request, None, forwarded, |request, codec| {
         id.clone_from(&request.id);
         ResponsePlan::Stream {
-            outputs: request
-                .selected_outputs(codec)
-                .iter()
-                .map(|&(index, _)| index)
-                .collect(),
+            outputs: answered_outputs(request, codec),
             regions: None, // a generate request names no region, nor classes
             classes: None,
             partial,
