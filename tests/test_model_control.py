@@ -10,8 +10,10 @@ to start is left unloaded, the others serve) and ``--strict-readiness``."""
 from __future__ import annotations
 
 import argparse
+import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -24,6 +26,7 @@ from conftest import wait_until
 from tritonclient.utils import InferenceServerException
 
 import ferrobatch as fb
+from ferrobatch._variable import DEFAULT_ELEMENTS_PER_ROW
 from ferrobatch.serve import Listening, ServeConfig, add_arguments, check_config, serve_in_thread
 
 pytestmark = pytest.mark.timeout(90)
@@ -208,8 +211,8 @@ def test_what_cannot_be_loaded_is_refused_in_tritons_words(frontend: str) -> Non
             assert "failed to load 'nope', failed to poll from model repository" in str(error)
             assert error.status() in ("400", "StatusCode.INVALID_ARGUMENT")
             client.unload_model("nope")  # unknown: nothing happens, as in Triton
-            error = refusal(lambda c=client: c.load_model("a", config='{"max_batch_size": 4}'))
-            assert "cannot replace their configuration or files (config)" in str(error)
+            error = refusal(lambda c=client: c.load_model("a", files={"file:1/model.pt": b"weights"}))
+            assert "cannot replace their files (file:1/model.pt)" in str(error)
             assert error.status() in ("400", "StatusCode.INVALID_ARGUMENT")
             assert infer(client, "a")[0, 0] == 2.0  # refused loads harm nothing
         base = f"http://127.0.0.1:{listening.http_port}/v2/repository/models/a"
@@ -217,6 +220,120 @@ def test_what_cannot_be_loaded_is_refused_in_tritons_words(frontend: str) -> Non
             assert httpx.post(f"{base}/load", content=body).status_code == 400
         assert httpx.post(f"{base}/unload", json={"parameters": {"unload_dependents": True}}).status_code == 200
         assert httpx.post(f"{base}/load", json={}).status_code == 200
+
+
+def config_of(client: Any, model: str) -> dict[str, Any]:
+    if isinstance(client, httpclient.InferenceServerClient):
+        config: dict[str, Any] = client.get_model_config(model)
+        return config
+    return dict(client.get_model_config(model, as_json=True)["config"])
+
+
+def infer_rows(client: Any, model: str, rows: int) -> np.ndarray:
+    module = httpclient if isinstance(client, httpclient.InferenceServerClient) else grpcclient
+    x = module.InferInput("x", [rows, 4], "FP32")
+    x.set_data_from_numpy(np.ones((rows, 4), dtype=np.float32))
+    out: np.ndarray = client.infer(model, [x]).as_numpy("y")
+    return out
+
+
+def test_a_load_with_a_new_configuration_restarts_the_model_with_its_batching(frontend: str) -> None:
+    """Triton's configuration override: ``max_batch_size`` and
+    ``dynamic_batching`` change what the model runs with, not only what its
+    configuration says; a bad override is refused and harms nothing."""
+    servers = models()
+    with serving(frontend, servers) as listening:
+        for client, size in zip(clients(listening), (16, 4), strict=True):
+            override = {
+                "max_batch_size": str(size),  # int64 as protobuf's JSON writes it
+                "dynamicBatching": {"maxQueueDelayMicroseconds": "2000", "preferred_batch_size": [2, size]},
+            }
+            client.load_model("a", config=json.dumps(override))
+            assert client.is_model_ready("a")
+            config = config_of(client, "a")
+            assert config["max_batch_size"] == size
+            assert [int(n) for n in config["dynamic_batching"]["preferred_batch_size"]] == [2, size]
+            assert int(config["dynamic_batching"]["max_queue_delay_microseconds"]) == 2000
+            a = servers[0]
+            assert (a.max_batch_size, a.max_delay, a.preferred_batch_sizes) == (size, 0.002, (2, size))
+            # The running batcher takes the new bound: more rows than it is a 400.
+            assert infer_rows(client, "a", size).shape == (size, 4)
+            error = refusal(lambda c=client, n=size + 1: infer_rows(c, "a", n))
+            assert error.status() in ("400", "StatusCode.INVALID_ARGUMENT"), error
+            assert config_of(client, "b")["max_batch_size"] == 8  # the other model as it was
+            refused = {
+                '"parameters": {"config": {{"max_batch_size": "16"}}}': "not valid JSON",
+                "[16]": "must be a JSON object",
+                '{"instance_group": [{"count": 2}]}': "ferrobatch cannot change instance_group on a load",
+                '{"name": "b"}': "cannot rename the model",
+                '{"max_batch_size": 0}': "batching cannot be turned on or off",
+                '{"max_batch_size": "x"}': "'max_batch_size' must be an integer",
+                '{"dynamic_batching": {"preferred_batch_size": [99]}}': "preferred_batch_sizes must be in 1..",
+            }
+            for text, words in refused.items():
+                error = refusal(lambda c=client, t=text: c.load_model("a", config=t))
+                assert "failed to load 'a'" in str(error) and words in str(error), error
+                assert error.status() in ("400", "StatusCode.INVALID_ARGUMENT")
+            assert config_of(client, "a")["max_batch_size"] == size  # refused loads changed nothing
+            assert infer(client, "a")[0, 0] == 2.0
+        # The same configuration again changes nothing: left as it is, as any load of a loaded model.
+        http = clients(listening)[0]
+        http.load_model("a", config='{"max_batch_size": 4}')
+        assert infer(http, "a")[0, 0] == 2.0
+        # Each request counted once across the restarts: 2 per protocol and the last; the
+        # refusals never reached the model.
+        assert succeeded(servers[0]) == 2 + 2 + 1
+
+
+def test_reconfigure_changes_a_stopped_servers_batching_and_refuses_a_running_one() -> None:
+    rows: list[int] = []
+
+    def recorded(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        rows.append(int(inputs["x"].shape[0]))
+        return double(inputs)
+
+    server = fb.Server(recorded, inputs=[X], outputs=[Y], name="a", max_batch_size=8, max_delay="auto")
+    server.reconfigure(max_batch_size=32, preferred_batch_sizes=[32, 4, 4])
+    assert (server.max_batch_size, server.preferred_batch_sizes, server.adaptive_delay) == (32, (4, 32), True)
+    assert server.buckets[-1] == 32 and 4 in server.buckets
+    server.reconfigure(max_delay=0.003)  # a fixed window: the adaptive one ends
+    assert (server.max_delay, server.adaptive_delay) == (0.003, False)
+    with pytest.raises(ValueError, match=r"preferred_batch_sizes must be in 1..16, got \[32\]"):
+        server.reconfigure(max_batch_size=16)
+    with pytest.raises(ValueError, match="max_delay must be >= 0"):
+        server.reconfigure(max_delay=-1.0)
+    assert (server.max_batch_size, server.max_delay) == (32, 0.003)  # a refusal changes nothing
+    with server.run_in_background():
+        with pytest.raises(RuntimeError, match="stop it before reconfiguring it"):
+            server.reconfigure(max_batch_size=4)
+        server.reconfigure(max_batch_size=4, preferred_batch_sizes=(), check_only=True)  # checks only
+        assert server.max_batch_size == 32
+    server.reconfigure(max_batch_size=4, max_delay=0.05, preferred_batch_sizes=())
+    with server.run_in_background():
+        rows.clear()  # the warm-up's
+        with ThreadPoolExecutor(32) as pool:
+            answers = list(pool.map(lambda _: server.client().infer_sync({"x": torch.ones(4)}), range(32)))
+        assert all(a["y"].tolist() == [2.0] * 4 for a in answers)
+        assert sum(rows) == 32 and max(rows) == 4  # batches of the new bound, full within the window
+    # A variable-length input's element budget follows max_batch_size, unless it was given.
+    ragged = fb.TensorSpec("x", "float32", (-1,), ragged="jagged")
+    follows = fb.Server(
+        double, inputs=[ragged], outputs=[fb.TensorSpec("y", "float32", (-1,), ragged="jagged")], max_batch_size=8
+    )
+    follows.reconfigure(max_batch_size=2)
+    assert follows.max_batch_elements == 2 * DEFAULT_ELEMENTS_PER_ROW
+    kept = fb.Server(
+        double,
+        inputs=[ragged],
+        outputs=[fb.TensorSpec("y", "float32", (-1,), ragged="jagged")],
+        max_batch_size=8,
+        max_batch_elements=99,
+    )
+    kept.reconfigure(max_batch_size=2)
+    assert kept.max_batch_elements == 99
+    alone = fb.Server(double, inputs=[X], outputs=[Y], batching=False)
+    with pytest.raises(ValueError, match="served without batching"):
+        alone.reconfigure(max_batch_size=4)
 
 
 def test_a_failed_warm_up_fails_the_load_and_leaves_the_model_unloaded(frontend: str) -> None:

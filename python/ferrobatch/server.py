@@ -384,27 +384,13 @@ class Server:
         self.batching = bool(batching)
         if not self.batching:  # one request per model call, at once
             max_batch_size, max_delay, min_batch_size, preferred_batch_sizes = 1, 0.0, 1, ()
-        if not whole_in(max_batch_size, 1, MAX_BATCH_SIZE):
-            raise ValueError(f"max_batch_size must be an int from 1 to {MAX_BATCH_SIZE}, got {max_batch_size!r}")
         if delay_from not in ("request", "free_worker"):
             raise ValueError(f"delay_from must be 'request' or 'free_worker', got {delay_from!r}")
         self.delay_from = delay_from
         self.adaptive_delay = max_delay == "auto"
         if self.adaptive_delay:
             max_delay = max_delay_cap
-        if not (
-            isinstance(max_delay, (int, float))
-            and not isinstance(max_delay, bool)
-            and math.isfinite(max_delay)
-            and max_delay >= 0
-        ):
-            what = "max_delay_cap" if self.adaptive_delay else "max_delay"
-            raise ValueError(f"{what} must be >= 0 seconds (or max_delay='auto'), got {max_delay!r}")
-        if not whole_in(min_batch_size, 1, max_batch_size):
-            raise ValueError(f"min_batch_size must be in 1..{max_batch_size}, got {min_batch_size!r}")
-        bad = [s for s in preferred_batch_sizes if not whole_in(s, 1, max_batch_size)]
-        if bad:
-            raise ValueError(f"preferred_batch_sizes must be in 1..{max_batch_size}, got {bad}")
+        _check_batching(max_batch_size, max_delay, min_batch_size, preferred_batch_sizes, self.adaptive_delay)
         if not whole_in(max_queue_size, 1, MAX_QUEUE_SIZE):
             raise ValueError(f"max_queue_size must be an int from 1 to {MAX_QUEUE_SIZE}, got {max_queue_size!r}")
         #: The timeout of a request that gives none (seconds; None: no limit).
@@ -423,6 +409,8 @@ class Server:
         #: The most elements of each variable-length input one batch holds
         #: (padded ones counted padded); None without such inputs.
         self.max_batch_elements: int | None = None
+        #: Whether max_batch_elements was given (else it follows max_batch_size).
+        self._batch_elements_given = max_batch_elements is not None
         if any(s.is_ragged for s in self.inputs):
             self.max_batch_elements = max_batch_elements or max_batch_size * DEFAULT_ELEMENTS_PER_ROW
         elif max_batch_elements is not None:
@@ -549,6 +537,41 @@ class Server:
         # A variable-length model's samples are rows of their own lengths, collated at warm-up.
         self._warmup_rows = sample_rows(self.inputs, samples) if self._variable and samples is not None else None
         self._warmup_batch = warmup_batches(self.inputs, None if self._variable else samples)
+        self.buckets = batch_buckets(self.max_batch_size, self.preferred_batch_sizes)
+
+    def reconfigure(
+        self,
+        *,
+        max_batch_size: int | None = None,
+        max_delay: float | None = None,
+        preferred_batch_sizes: Sequence[int] | None = None,
+        check_only: bool = False,
+    ) -> None:
+        """Changes how a server not running batches (None: as it is): its
+        next :meth:`start` runs with them (staging, warm-up and buckets made
+        for them); what it counted carries on. ``max_delay`` sets a fixed
+        window (an adaptive one, ``"auto"``, ends). Triton's model control
+        reloads a model with a new configuration this way.
+        ``RuntimeError`` while it runs; ``ValueError`` for settings
+        ``Server()`` would refuse, with nothing changed. ``check_only``:
+        only refuses what it would refuse (running or not), changes nothing."""
+        if self._phase not in ("created", "stopped") and not check_only:
+            raise RuntimeError(f"server '{self.name}' is {self._phase}: stop it before reconfiguring it")
+        if not self.batching and (max_batch_size, preferred_batch_sizes) != (None, None):
+            raise ValueError(f"model '{self.name}' is served without batching: its batch settings cannot change")
+        size = self.max_batch_size if max_batch_size is None else max_batch_size
+        delay = self.max_delay if max_delay is None else max_delay
+        adaptive = self.adaptive_delay and max_delay is None
+        preferred = self.preferred_batch_sizes if preferred_batch_sizes is None else tuple(preferred_batch_sizes)
+        _check_batching(size, delay, self.min_batch_size, preferred, adaptive)
+        if check_only:
+            return
+        self.max_batch_size = size
+        self.max_delay = float(delay)
+        self.adaptive_delay = adaptive
+        self.preferred_batch_sizes = tuple(sorted(set(preferred)))
+        if any(s.is_ragged for s in self.inputs) and not self._batch_elements_given:
+            self.max_batch_elements = size * DEFAULT_ELEMENTS_PER_ROW
         self.buckets = batch_buckets(self.max_batch_size, self.preferred_batch_sizes)
 
     def _check_process_instances(self, warmup: bool | Mapping[str, Any] | None) -> None:
@@ -1293,6 +1316,32 @@ class Server:
             f"Server(name={self.name!r}, instances={len(self._models)}, "
             f"max_batch_size={self.max_batch_size}, max_delay={self.max_delay}, {self._phase})"
         )
+
+
+def _check_batching(
+    max_batch_size: object,
+    max_delay: object,
+    min_batch_size: object,
+    preferred_batch_sizes: Sequence[object],
+    adaptive: bool,
+) -> None:
+    """Refuses batch settings no server runs with (``ValueError`` naming the
+    setting), for :class:`Server` and :meth:`Server.reconfigure`."""
+    if not (isinstance(max_batch_size, int) and whole_in(max_batch_size, 1, MAX_BATCH_SIZE)):
+        raise ValueError(f"max_batch_size must be an int from 1 to {MAX_BATCH_SIZE}, got {max_batch_size!r}")
+    if not (
+        isinstance(max_delay, (int, float))
+        and not isinstance(max_delay, bool)
+        and math.isfinite(max_delay)
+        and max_delay >= 0
+    ):
+        what = "max_delay_cap" if adaptive else "max_delay"
+        raise ValueError(f"{what} must be >= 0 seconds (or max_delay='auto'), got {max_delay!r}")
+    if not whole_in(min_batch_size, 1, max_batch_size):
+        raise ValueError(f"min_batch_size must be in 1..{max_batch_size}, got {min_batch_size!r}")
+    bad = [s for s in preferred_batch_sizes if not whole_in(s, 1, max_batch_size)]
+    if bad:
+        raise ValueError(f"preferred_batch_sizes must be in 1..{max_batch_size}, got {bad}")
 
 
 class _EarlierRuns:

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import secrets
 import sys
 from collections.abc import AsyncGenerator, Callable, Iterable, Iterator, Mapping, Sequence
@@ -247,6 +248,88 @@ def tensor_metadata(server: Server, specs: Sequence[TensorSpec]) -> list[dict[st
     return [{"name": s.name, "datatype": datatype_of(s), "shape": [*batch, *s.shape]} for s in specs]
 
 
+#: What a load's configuration override may change (Triton's model
+#: configuration fields, by their JSON names), besides naming the model.
+CONFIG_FIELDS = (
+    "max_batch_size",
+    "dynamic_batching.max_queue_delay_microseconds",
+    "dynamic_batching.preferred_batch_size",
+)
+
+
+def batch_overrides(server: Server, config: object) -> dict[str, Any]:
+    """The :meth:`~ferrobatch.Server.reconfigure` arguments of a load's
+    ``config`` parameter: Triton's model configuration as JSON text, whose
+    :data:`CONFIG_FIELDS` change the model's batching (``max_batch_size``,
+    ``dynamic_batching``'s ``max_queue_delay_microseconds`` and
+    ``preferred_batch_size``; integers as numbers or as the strings of
+    protobuf's JSON; camelCase names too) and whose ``name``, if given, is
+    the model's. :class:`ProtocolError` 400 ("failed to load ...") for text
+    that is not a JSON object, another field, a value of the wrong kind, or
+    settings the server refuses, before anything changes."""
+    name = clipped(server.name)
+
+    def refused(why: str) -> ProtocolError:
+        return ProtocolError(400, f"failed to load '{name}': {why}")
+
+    if not isinstance(config, str):
+        raise refused("its 'config' parameter must be a string of JSON")
+    try:
+        document = json.loads(config)
+    except ValueError as exc:
+        raise refused(f"its configuration override is not valid JSON ({exc})") from None
+    if not isinstance(document, dict):
+        raise refused("its configuration override must be a JSON object")
+
+    def whole(field: str, value: object) -> int:
+        # protobuf's JSON writes int64 as a string, int32 as a number: both are taken.
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            value = int(value)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise refused(f"'{field}' must be an integer, got {value!r}")
+        return value
+
+    fields = {_snake(k): v for k, v in document.items()}
+    batching = fields.pop("dynamic_batching", None)
+    if "name" in fields and fields.pop("name") != server.name:
+        raise refused("a configuration override cannot rename the model")
+    changes: dict[str, Any] = {}
+    if "max_batch_size" in fields:
+        size = whole("max_batch_size", fields.pop("max_batch_size"))
+        if size != (server.max_batch_size if server.batching else 0):
+            changes["max_batch_size"] = size
+    if batching is not None:
+        if not isinstance(batching, dict):
+            raise refused("'dynamic_batching' must be an object")
+        batching = {_snake(k): v for k, v in batching.items()}
+        if "max_queue_delay_microseconds" in batching:
+            delay = whole("max_queue_delay_microseconds", batching.pop("max_queue_delay_microseconds"))
+            changes["max_delay"] = delay / 1e6
+        if "preferred_batch_size" in batching:
+            sizes = batching.pop("preferred_batch_size")
+            if not isinstance(sizes, list):
+                raise refused("'preferred_batch_size' must be a list of integers")
+            changes["preferred_batch_sizes"] = [whole("preferred_batch_size", n) for n in sizes]
+        fields.update({f"dynamic_batching.{k}": v for k, v in batching.items()})
+    if fields:
+        raise refused(
+            f"ferrobatch cannot change {', '.join(map(clipped, sorted(fields)))} on a load; a configuration"
+            f" override may set {', '.join(CONFIG_FIELDS)} (and the model's name)"
+        )
+    if changes.get("max_batch_size") == 0 or (not server.batching and changes):
+        raise refused("batching cannot be turned on or off on a load (the tensors' shapes would change)")
+    try:
+        server.reconfigure(**changes, check_only=True)
+    except ValueError as exc:
+        raise refused(str(exc)) from None
+    return changes
+
+
+def _snake(key: str) -> str:
+    """A protobuf JSON name as its field's name (``maxBatchSize`` -> ``max_batch_size``)."""
+    return re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", key).lower()
+
+
 class ModelRepository:
     """The named :class:`~ferrobatch.Server` objects one endpoint serves.
 
@@ -430,14 +513,15 @@ class ModelRepository:
             raise ProtocolError(503, MODEL_CONTROL_DISABLED)
         if self._closing:
             raise ProtocolError(503, f"failed to {what} '{clipped(name)}': the server is shutting down")
-        # Triton's override of a model's configuration or files: ferrobatch's
-        # models are the Server objects bound to it, not files it could reload.
-        replaced = sorted(k for k in parameters or {} if k == "config" or k.startswith("file:"))
+        # Triton's override of a model's files: ferrobatch's models are the
+        # Server objects bound to it, not files it could reload. (A load's
+        # new configuration: see load_model.)
+        replaced = sorted(k for k in parameters or {} if (k == "config" and what != "load") or k.startswith("file:"))
         if replaced:
             raise ProtocolError(
                 400,
                 f"failed to {what} '{clipped(name)}': ferrobatch serves the models bound to it; a {what} "
-                f"cannot replace their configuration or files ({', '.join(map(clipped, replaced))})",
+                f"cannot replace their files ({', '.join(map(clipped, replaced))})",
             )
         return self._models.get(name)
 
@@ -445,17 +529,27 @@ class ModelRepository:
         """Loads model ``name`` again after :meth:`unload_model` (starts its
         server: the warm-up, a new run whose statistics carry on), and
         returns once it serves; a model loaded already is left as it is
-        (Triton reloads only what changed). 503 in mode ``"none"``; 400 for
-        an unknown model, a ``config`` or ``file:`` parameter, or a failed
-        warm-up (Triton's words)."""
+        (Triton reloads only what changed). With a ``config`` parameter
+        (Triton's configuration override, JSON: see :func:`batch_overrides`)
+        the model is loaded with that batching: stopped first if it runs
+        (its accepted requests answered; new ones, meanwhile, as during an
+        unload), reconfigured, started. 503 in mode ``"none"``; 400 for an
+        unknown model, a ``file:`` parameter, a configuration it cannot take,
+        or a failed warm-up (Triton's words)."""
         model = self._check_control("load", name, parameters)
         if model is None:
             raise ProtocolError(400, f"failed to load '{clipped(name)}', failed to poll from model repository")
+        config = (parameters or {}).get("config")
+        overrides = None if config is None else batch_overrides(model.server, config)
         async with self._control_locks.setdefault(name, asyncio.Lock()):
             unloading = self._unloading.pop(name, None)
             if unloading is not None:
                 await unloading  # its stop ends first: a server starts from stopped
             server = model.server
+            if overrides:
+                await self._stop_for_new_config(model)
+                server.reconfigure(**overrides)
+                log.info("model '%s': reloading with %s", name, overrides)
             if name not in self._unloaded and server.running:
                 return
             if not server.running:
@@ -477,6 +571,18 @@ class ModelRepository:
             for hook in list(self._control_hooks):
                 hook(model, True)
             log.info("model '%s': loaded, serving", name)
+
+    async def _stop_for_new_config(self, model: ServedModel) -> None:
+        """Before a load's new configuration: the model is taken out of
+        service (unless it is already) and its server stopped, its accepted
+        requests answered. Under the model's control lock."""
+        name = model.server.name
+        if name not in self._unloaded:
+            self._unloaded[name] = "loading a new configuration"
+            for hook in list(self._control_hooks):
+                hook(model, False)
+        if model.server.running:
+            await model.server.stop()
 
     async def unload_model(self, name: str, parameters: Mapping[str, Any] | None = None) -> None:
         """Unloads model ``name``: from now on its requests are refused
