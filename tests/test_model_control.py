@@ -594,9 +594,10 @@ def test_a_model_loaded_again_is_shared_again() -> None:
 
 
 def test_requests_during_unloads_and_loads_each_resolve_once_and_are_counted(frontend: str) -> None:
-    """Callers keep inferring while the model is unloaded and loaded again
-    and again: every request gets its row or a 503 / UNAVAILABLE refusal
-    (never a 500, never lost), and the successes are what ``stats()`` counts."""
+    """Callers keep inferring while the model is unloaded and loaded again,
+    and loaded with a new configuration, again and again: every request gets
+    its row or a 503 / UNAVAILABLE refusal (never a 500, never lost), and the
+    successes are what ``stats()`` counts."""
     servers = models(max_delay=0.001)
     outcomes: list[str] = []
     lock = threading.Lock()
@@ -625,11 +626,14 @@ def test_requests_during_unloads_and_loads_each_resolve_once_and_are_counted(fro
         for caller in callers:
             caller.start()
         control = httpclient.InferenceServerClient(f"127.0.0.1:{listening.http_port}")
-        for _ in range(5):
+        for cycle in range(5):
             time.sleep(0.05)
             control.unload_model("a")
             time.sleep(0.05)
             control.load_model("a")
+            time.sleep(0.05)
+            # A new configuration while it serves: taken out of service, restarted with it.
+            control.load_model("a", config=json.dumps({"max_batch_size": 4 + cycle % 2 * 12}))
         done.set()
         for caller in callers:
             caller.join(60)
