@@ -276,13 +276,23 @@ def test_a_load_with_a_new_configuration_restarts_the_model_with_its_batching(fr
                 assert error.status() in ("400", "StatusCode.INVALID_ARGUMENT")
             assert config_of(client, "a")["max_batch_size"] == size  # refused loads changed nothing
             assert infer(client, "a")[0, 0] == 2.0
+            # A configuration read back, changed and sent whole: what it does not change must match.
+            whole = config_of(client, "a")
+            whole["max_batch_size"] = 2 * size
+            whole["dynamic_batching"]["preferred_batch_size"] = []
+            client.load_model("a", config=json.dumps(whole))
+            assert config_of(client, "a")["max_batch_size"] == 2 * size
+            whole["input"][0]["dims"] = [5]
+            error = refusal(lambda c=client, w=whole: c.load_model("a", config=json.dumps(w)))
+            assert "ferrobatch cannot change input on a load" in str(error), error
+            assert infer(client, "a")[0, 0] == 2.0
         # The same configuration again changes nothing: left as it is, as any load of a loaded model.
         http = clients(listening)[0]
-        http.load_model("a", config='{"max_batch_size": 4}')
+        http.load_model("a", config='{"max_batch_size": 8}')
         assert infer(http, "a")[0, 0] == 2.0
-        # Each request counted once across the restarts: 2 per protocol and the last; the
+        # Each request counted once across the restarts: 3 per protocol and the last; the
         # refusals never reached the model.
-        assert succeeded(servers[0]) == 2 + 2 + 1
+        assert succeeded(servers[0]) == 3 + 3 + 1
 
 
 def test_reconfigure_changes_a_stopped_servers_batching_and_refuses_a_running_one() -> None:

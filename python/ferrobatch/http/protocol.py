@@ -257,15 +257,17 @@ CONFIG_FIELDS = (
 )
 
 
-def batch_overrides(server: Server, config: object) -> dict[str, Any]:
+def batch_overrides(server: Server, config: object, current: Mapping[str, Any]) -> dict[str, Any]:
     """The :meth:`~ferrobatch.Server.reconfigure` arguments of a load's
     ``config`` parameter: Triton's model configuration as JSON text, whose
     :data:`CONFIG_FIELDS` change the model's batching (``max_batch_size``,
     ``dynamic_batching``'s ``max_queue_delay_microseconds`` and
     ``preferred_batch_size``; integers as numbers or as the strings of
-    protobuf's JSON; camelCase names too) and whose ``name``, if given, is
-    the model's. :class:`ProtocolError` 400 ("failed to load ...") for text
-    that is not a JSON object, another field, a value of the wrong kind, or
+    protobuf's JSON; camelCase names too). Its other fields must say what
+    the model's configuration ``current`` says (a configuration read back,
+    changed and sent whole is taken); a field left out stays as it is.
+    :class:`ProtocolError` 400 ("failed to load ...") for text that is not
+    a JSON object, another field or value, a value of the wrong kind, or
     settings the server refuses, before anything changes."""
     name = clipped(server.name)
 
@@ -293,6 +295,8 @@ def batch_overrides(server: Server, config: object) -> dict[str, Any]:
     batching = fields.pop("dynamic_batching", None)
     if "name" in fields and fields.pop("name") != server.name:
         raise refused("a configuration override cannot rename the model")
+    current = {_snake(k): v for k, v in current.items()}
+    kept = {_snake(k): v for k, v in dict(current.get("dynamic_batching") or {}).items()}
     changes: dict[str, Any] = {}
     if "max_batch_size" in fields:
         size = whole("max_batch_size", fields.pop("max_batch_size"))
@@ -310,7 +314,8 @@ def batch_overrides(server: Server, config: object) -> dict[str, Any]:
             if not isinstance(sizes, list):
                 raise refused("'preferred_batch_size' must be a list of integers")
             changes["preferred_batch_sizes"] = [whole("preferred_batch_size", n) for n in sizes]
-        fields.update({f"dynamic_batching.{k}": v for k, v in batching.items()})
+        fields.update({f"dynamic_batching.{k}": v for k, v in batching.items() if not _same(v, kept.get(k))})
+    fields = {k: v for k, v in fields.items() if not _same(v, current.get(k))}
     if fields:
         raise refused(
             f"ferrobatch cannot change {', '.join(map(clipped, sorted(fields)))} on a load; a configuration"
@@ -323,6 +328,22 @@ def batch_overrides(server: Server, config: object) -> dict[str, Any]:
     except ValueError as exc:
         raise refused(str(exc)) from None
     return changes
+
+
+def _same(sent: object, kept: object) -> bool:
+    """Whether a configuration's value as sent says what ``kept`` says:
+    names compared as field names, protobuf JSON's int64 strings as ints."""
+
+    def plain(value: object) -> object:
+        if isinstance(value, dict):
+            return {_snake(str(k)): plain(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [plain(v) for v in value]
+        if isinstance(value, str) and value.lstrip("-").isdigit():
+            return int(value)
+        return value
+
+    return sent is not None and plain(sent) == plain(kept)
 
 
 def _snake(key: str) -> str:
@@ -540,7 +561,7 @@ class ModelRepository:
         if model is None:
             raise ProtocolError(400, f"failed to load '{clipped(name)}', failed to poll from model repository")
         config = (parameters or {}).get("config")
-        overrides = None if config is None else batch_overrides(model.server, config)
+        overrides = None if config is None else batch_overrides(model.server, config, self.model_config(name))
         async with self._control_locks.setdefault(name, asyncio.Lock()):
             unloading = self._unloading.pop(name, None)
             if unloading is not None:
