@@ -508,8 +508,10 @@ class ModelClient:
         self._wait(ready, timeout_s, lambda: self._requests.not_ready(timeout_s))
 
     def load_model(self, config: str | None = None, files: dict[str, bytes] | None = None) -> None:
-        """Asks the server to load the model (Triton's repository API; a
-        server that serves a fixed set of models, as ferrobatch's, refuses)."""
+        """Asks the server to load the model (Triton's repository API, in
+        explicit model control mode): ``config``, Triton's configuration as
+        JSON, reloads it with new batching on a ferrobatch server; ``files``
+        are refused there."""
         try:
             self._client.load_model(self.model_name, config=config, files=files, headers=self._requests.headers or None)
         except _call_errors() as exc:
