@@ -269,6 +269,10 @@ def test_a_load_with_a_new_configuration_restarts_the_model_with_its_batching(fr
                 '{"max_batch_size": 0}': "batching cannot be turned on or off",
                 '{"max_batch_size": "x"}': "'max_batch_size' must be an integer",
                 '{"dynamic_batching": {"preferred_batch_size": [99]}}': "preferred_batch_sizes must be in 1..",
+                '{"max_batch_size": "--5"}': "'max_batch_size' must be an integer",
+                '{"max_batch_size": "' + "9" * 5000 + '"}': "'max_batch_size' must be an integer",
+                '{"instance_group": ' + "[" * 100_000 + "]" * 100_000 + "}": "nested too deeply",
+                '{"instance_group": ' + "[" * 990 + "]" * 990 + "}": "nested too deeply",
             }
             for text, words in refused.items():
                 error = refusal(lambda c=client, t=text: c.load_model("a", config=t))

@@ -280,15 +280,16 @@ def batch_overrides(server: Server, config: object, current: Mapping[str, Any]) 
         document = json.loads(config)
     except ValueError as exc:
         raise refused(f"its configuration override is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise refused("its configuration override is nested too deeply") from None
     if not isinstance(document, dict):
         raise refused("its configuration override must be a JSON object")
 
     def whole(field: str, value: object) -> int:
         # protobuf's JSON writes int64 as a string, int32 as a number: both are taken.
-        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-            value = int(value)
+        value = _int_of_text(value)
         if not isinstance(value, int) or isinstance(value, bool):
-            raise refused(f"'{field}' must be an integer, got {value!r}")
+            raise refused(f"'{field}' must be an integer, got {clipped(repr(value))}")
         return value
 
     fields = {_snake(k): v for k, v in document.items()}
@@ -315,7 +316,10 @@ def batch_overrides(server: Server, config: object, current: Mapping[str, Any]) 
                 raise refused("'preferred_batch_size' must be a list of integers")
             changes["preferred_batch_sizes"] = [whole("preferred_batch_size", n) for n in sizes]
         fields.update({f"dynamic_batching.{k}": v for k, v in batching.items() if not _same(v, kept.get(k))})
-    fields = {k: v for k, v in fields.items() if not _same(v, current.get(k))}
+    try:
+        fields = {k: v for k, v in fields.items() if not _same(v, current.get(k))}
+    except RecursionError:
+        raise refused("its configuration override is nested too deeply") from None
     if fields:
         raise refused(
             f"ferrobatch cannot change {', '.join(map(clipped, sorted(fields)))} on a load; a configuration"
@@ -339,11 +343,17 @@ def _same(sent: object, kept: object) -> bool:
             return {_snake(str(k)): plain(v) for k, v in value.items()}
         if isinstance(value, list):
             return [plain(v) for v in value]
-        if isinstance(value, str) and value.lstrip("-").isdigit():
-            return int(value)
-        return value
+        return _int_of_text(value)
 
     return sent is not None and plain(sent) == plain(kept)
+
+
+def _int_of_text(value: object) -> object:
+    """An int64 as protobuf's JSON writes it (a string of at most 19
+    digits) as the int; any other value as it is."""
+    if isinstance(value, str) and re.fullmatch(r"-?[0-9]{1,19}", value):
+        return int(value)
+    return value
 
 
 def _snake(key: str) -> str:
