@@ -571,8 +571,9 @@ class ModelRepository:
         if model is None:
             raise ProtocolError(400, f"failed to load '{clipped(name)}', failed to poll from model repository")
         config = (parameters or {}).get("config")
-        overrides = None if config is None else batch_overrides(model.server, config, self.model_config(name))
         async with self._control_locks.setdefault(name, asyncio.Lock()):
+            # Read against the configuration of now: another load's may have changed it.
+            overrides = None if config is None else batch_overrides(model.server, config, self.model_config(name))
             unloading = self._unloading.pop(name, None)
             if unloading is not None:
                 await unloading  # its stop ends first: a server starts from stopped
