@@ -12,7 +12,7 @@
 //! only a worker stuck for long under many timeouts reaches) plus `wake_slots`
 //! places that only close messages use: closing never blocks.
 //!
-//! Waiting is a doorbell, not a blocking pop ([`crate::doorbell`]): the
+//! Waiting is a doorbell, not a blocking pop (`crate::doorbell`): the
 //! worker gathering a batch (the one holding the gatherer's role) sleeps
 //! until enough rows for its next decision have arrived, so a submitter
 //! makes a wake-up syscall once per batch at most, not once per request.
@@ -153,7 +153,7 @@ struct Heads {
 /// The bounded queue of requests between submitters and workers.
 ///
 /// Any number of threads push; one worker at a time waits and pops: the
-/// holder of the gatherer's role ([`RequestQueue::take_role`]). Shared by
+/// holder of the gatherer's role (`RequestQueue::take_role`). Shared by
 /// reference (`&self` throughout).
 ///
 /// With several priority levels each has a lane of its own. A pop takes the

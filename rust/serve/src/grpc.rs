@@ -11,7 +11,7 @@
 //! counts. Its reply is each requested output's rows as raw bytes
 //! (`raw_output_contents`), cut from the batch and written as the whole
 //! message by the model's worker ([`response`]).
-//! `ModelInfer` calls skip tonic's per-call machinery ([`infer_call`] reads
+//! `ModelInfer` calls skip tonic's per-call machinery (`ModelInferCall` reads
 //! and answers them; their messages are read where they lie,
 //! [`request::InferRequest`]); the other RPCs go through tonic.
 //!
@@ -184,7 +184,7 @@ const PROBES: [&str; 2] = [
     "/inference.GRPCInferenceService/ServerReady",
 ];
 
-/// The RPC answered without tonic ([`infer_call`]): the one every client
+/// The RPC answered without tonic (`ModelInferCall`): the one every client
 /// sends many of.
 const INFER: &str = "/inference.GRPCInferenceService/ModelInfer";
 
@@ -990,7 +990,7 @@ impl GrpcInferenceService for Inference {
         Ok(Response::new(model_metadata(&model)))
     }
 
-    /// Answered by [`infer_call`] on the native front-end; kept for a
+    /// Answered by `ModelInferCall` on the native front-end; kept for a
     /// server built from [`server`] alone.
     async fn model_infer(
         &self,
@@ -1282,7 +1282,7 @@ pub struct InferCall {
 }
 
 /// Reads `request` (its raw contents moved out of it) for a model whose
-/// codec is `codec`: inputs (see [`decode_inputs`]; `check`: the model's
+/// codec is `codec`: inputs (see `decode_inputs`; `check`: the model's
 /// rule for each input's header), requested outputs (one in a
 /// shared-memory range too small for its known size refused, see
 /// [`v2::Codec::check_output_regions`]), priority, parameters

@@ -2,7 +2,7 @@
 //!
 //! Native routes, answered without Python: `GET /v2/health/live`,
 //! `GET /v2/health/ready`, `GET /v2/models/{m}[/versions/{v}]/ready`,
-//! Triton's `.../generate` and `.../generate_stream` (see [`generate`]), and
+//! Triton's `.../generate` and `.../generate_stream` (see `generate`), and
 //! `POST /v2/models/{m}[/versions/{v}]/infer` (the hot path; a gzip or
 //! deflate body is inflated here within `max_decompressed_size`, and the
 //! response coded when `Accept-Encoding` asks for it: see
@@ -10,7 +10,7 @@
 //! them). Everything else (metadata, config, statistics, `/metrics`, unknown
 //! models and routes) goes to the [`Fallback`], the Python front-end's
 //! handlers: one implementation of the rarely-called surface for both
-//! front-ends. A blocking thread only starts that call ([`ask`]); its answer
+//! front-ends. A blocking thread only starts that call (`ask`); its answer
 //! is awaited without one, and a client that goes away withdraws it.
 //!
 //! A request to a restricted API (`--http-restricted-api`,

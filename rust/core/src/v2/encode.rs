@@ -193,12 +193,12 @@ impl Codec {
     }
 
     /// Triton's generate answer carrying `outputs` (each in JSON whatever
-    /// its `binary`), written straight from their bytes: what
-    /// [`super::generate::answer`] makes of [`Codec::encode`]'s answer, in
-    /// one pass. `model_name`, `model_version`, the request's `id`, then
-    /// each output by name: its one element, or its elements as a flat
-    /// array (an output named as one of the keys before it is left out).
-    /// Fails as [`Codec::encode`] does.
+    /// its `binary`), written straight from their bytes, in one pass (the
+    /// rules: [`super::generate`]): `model_name`, `model_version`, the
+    /// request's `id`, then each output by name, its one element or its
+    /// elements as a flat array, as [`Codec::encode`] spells them (an
+    /// output named as one of the keys before it is left out:
+    /// [`super::generate::RESERVED`]). Fails as [`Codec::encode`] does.
     pub fn encode_generate(
         &self,
         id: Option<&str>,

@@ -312,7 +312,7 @@ fn spread(input: &GenerateInput<'_>, elements: usize) -> Result<Vec<u64>, V2Erro
 
 /// The keys of a generate answer that are not outputs: an output of one of
 /// these names is left out, as Triton's reserved keys win.
-pub(crate) const RESERVED: [&str; 3] = ["id", "model_name", "model_version"];
+pub const RESERVED: [&str; 3] = ["id", "model_name", "model_version"];
 
 /// `document` as one Server-Sent Event (`data: ...` and a blank line).
 pub fn event(document: &[u8]) -> Vec<u8> {

@@ -664,7 +664,7 @@ impl<'a> Parser<'a> {
     }
 
     /// After an array element: the elements that follow it in the same
-    /// array while each is a plainly spelt number (see [`plain_f32`]),
+    /// array while each is a plainly spelt number (see `plain_f32`),
     /// each given to `push` as its `f32`; stops before the separator of the
     /// first that is not (or at the array's end), so that
     /// [`Parser::next_element`] goes on from there. The loop FP32 `data`
@@ -679,7 +679,7 @@ impl<'a> Parser<'a> {
     }
 
     /// The next value when it is a plainly spelt integer (see
-    /// [`plain_int`]); otherwise `None`, with nothing consumed.
+    /// `plain_int`); otherwise `None`, with nothing consumed.
     pub fn int_number(&mut self) -> Option<i64> {
         self.skip_ws();
         let (value, end) = plain_int(self.src, self.pos)?;
