@@ -302,8 +302,9 @@ class ServeConfig:
     grpc_port: int | None = 8001
     graceful_timeout: float = 30.0
     log_level: str = "info"
-    #: Triton's ``--log-file``: :func:`run` writes the log to this file
-    #: (appended) instead of standard error. None: standard error.
+    #: Triton's ``--log-file``: while :func:`serve` runs, the ``ferrobatch``
+    #: logger writes to this file (appended), and only there. None: as
+    #: logging is set up (:func:`run`: standard error).
     log_file: str | None = None
     access_log: bool = False
     #: ``sys.setswitchinterval`` for the process, set by :func:`run` only (None:
@@ -663,10 +664,23 @@ async def serve(
     The listeners open first; servers that are not running are then started
     here (warm-up: not ready meanwhile) and stopped on the way out.
     ``on_ready`` is called once every server is ready, with the
-    :class:`Listening` whose :meth:`~Listening.add` serves one more.
+    :class:`Listening` whose :meth:`~Listening.add` serves one more. With
+    ``config.log_file``, ferrobatch's log goes to that file meanwhile.
     """
     config = config or ServeConfig()
     check_config(config)
+    with _log_settings.to_file(config.log_file, getattr(logging, config.log_level.upper())):
+        await _serve(servers, config, on_ready=on_ready, stop=stop)
+
+
+async def _serve(
+    servers: Sequence[Server],
+    config: ServeConfig,
+    *,
+    on_ready: Callable[[Listening], None] | None,
+    stop: asyncio.Event | None,
+) -> None:
+    """:func:`serve` past its checks."""
     repository = _Repository(
         servers,
         expose_errors=config.expose_errors,
@@ -1222,13 +1236,7 @@ def run(
     check_config(config)
     if config.switch_interval is not None:
         sys.setswitchinterval(config.switch_interval)
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format=_log_settings.FORMAT,
-        filename=config.log_file,  # None: standard error
-    )
-    if config.log_file is not None:
-        _log_settings.report_file(config.log_file)
+    logging.basicConfig(level=config.log_level.upper(), format=_log_settings.FORMAT)
     factory: Callable[[], asyncio.AbstractEventLoop] | None = None
     if loop == "uvloop" or (loop == "auto" and _has("uvloop")):
         import uvloop

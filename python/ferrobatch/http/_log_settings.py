@@ -8,7 +8,7 @@ and ``log_verbose_level`` > 0 (DEBUG; the number is kept and reported)
 only while INFO is. An update that would break the nesting is refused
 (400), as is any bad setting, before anything changes. ``log_file`` and
 ``log_format`` are reported (``""``: the process's own handlers, else the
-file :func:`to_file` or ``ferrobatch serve --log-file`` writes;
+file :func:`to_file` writes, as ``ServeConfig(log_file=)`` asks;
 ``"default"``) and cannot be changed: Triton refuses a new ``log_file``
 over the network too.
 """
@@ -37,16 +37,8 @@ _lock = threading.Lock()
 _verbose: int | None = None
 #: The file the log is written to, as reported ("": the process's own handlers).
 _file = ""
-#: How each record is written to that file (as ``ferrobatch serve`` writes it).
+#: How each record is written, to that file and by ``ferrobatch serve``.
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
-
-def report_file(path: str) -> None:
-    """Reports ``path`` as the log file from now on (``ferrobatch serve
-    --log-file``, whose root handler writes it)."""
-    global _file
-    with _lock:
-        _file = path
 
 
 @contextlib.contextmanager

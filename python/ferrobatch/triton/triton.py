@@ -41,7 +41,6 @@ from .._cache import ResponseCache
 from .._requests import RequestInfo
 from .._variable import DEFAULT_ELEMENTS_PER_ROW, LENGTHS
 from ..errors import ServerClosedError
-from ..http import _log_settings
 from ..http.protocol import SERVER_ID
 from ..serve import Listening, SageMaker, ServeConfig, VertexAI, serve
 from ..server import Server
@@ -364,6 +363,7 @@ def serve_config(
         model_control_mode="explicit",
         strict_readiness=config.strict_readiness is not False,
         server_id=SERVER_ID if config.id is None else config.id,
+        log_file=config.log_file,
     )
 
 
@@ -818,10 +818,7 @@ class Triton:
             await serve(self._servers, self._serve_config, on_ready=ready, stop=self._stop_event)
 
         try:
-            with _log_settings.to_file(
-                self._config.log_file, logging.DEBUG if self._config.log_verbose else logging.INFO
-            ):
-                asyncio.run(main())
+            asyncio.run(main())
         except BaseException as exc:
             if threading.current_thread() is not self._thread:
                 raise  # serve(): the caller's

@@ -42,6 +42,21 @@ use crate::without_gil;
 /// GIL released; below, releasing it costs more than it frees.
 const RELEASE_GIL_BYTES: usize = 64 << 10;
 
+/// `work` on `bytes` of data: with the GIL released when they are at least
+/// [`RELEASE_GIL_BYTES`] (or `anyway`), else holding it.
+fn sized_work<T: Send>(
+    py: Python<'_>,
+    bytes: usize,
+    anyway: bool,
+    work: impl Send + FnOnce() -> T,
+) -> T {
+    if anyway || bytes >= RELEASE_GIL_BYTES {
+        without_gil(py, work)
+    } else {
+        work()
+    }
+}
+
 pyo3::create_exception!(
     ferrobatch._core,
     CodecError,
@@ -865,11 +880,9 @@ impl V2Codec {
         let bytes = body.as_bytes();
         // A small body may name regions of megabytes: copied without the GIL too.
         let regions = self.core.regions().is_some_and(|r| !r.is_empty());
-        let decoded = if regions || bytes.len() >= RELEASE_GIL_BYTES {
-            without_gil(py, || self.decode_remembered(bytes, header_length))
-        } else {
+        let decoded = sized_work(py, bytes.len(), regions, || {
             self.decode_remembered(bytes, header_length)
-        };
+        });
         let request = decoded.map_err(|e| codec_error(py, e))?;
         self.request(py, request, &body)
     }
@@ -909,11 +922,7 @@ impl V2Codec {
         self.with_outputs(py, request, results, |outputs| {
             let id = request.id.as_deref();
             let total: usize = outputs.iter().map(|o| o.data.len()).sum();
-            let answer = if total >= RELEASE_GIL_BYTES {
-                without_gil(py, || self.core.encode_generate(id, outputs))
-            } else {
-                self.core.encode_generate(id, outputs)
-            };
+            let answer = sized_work(py, total, false, || self.core.encode_generate(id, outputs));
             let answer = answer.map_err(|e| codec_error(py, e))?;
             Ok(PyBytes::new(
                 py,
@@ -993,15 +1002,10 @@ impl V2Codec {
         let total: usize = outputs.iter().map(|o| o.data.len()).sum();
         let id = request.id.as_deref();
         let regions = &request.regions;
-        let header = if total >= RELEASE_GIL_BYTES {
-            without_gil(py, || {
-                self.core
-                    .encode_header_with_regions(id, outputs, regions, 0)
-            })
-        } else {
+        let header = sized_work(py, total, false, || {
             self.core
                 .encode_header_with_regions(id, outputs, regions, 0)
-        };
+        });
         let (header, binary_bytes) = header.map_err(|e| codec_error(py, e))?;
         if !outputs.iter().any(|o| o.binary) {
             return Ok((PyBytes::new(py, &header), None));
@@ -1034,11 +1038,9 @@ pub(crate) fn classify(
     shape: &[u64],
     data: &[u8],
 ) -> Result<(Shape, Vec<u8>), V2Error> {
-    if data.len() >= RELEASE_GIL_BYTES {
-        without_gil(py, || codec.classify(index, count, shape, data))
-    } else {
+    sized_work(py, data.len(), false, || {
         codec.classify(index, count, shape, data)
-    }
+    })
 }
 
 impl V2Codec {
