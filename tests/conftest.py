@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import subprocess
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -57,6 +59,28 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
 
 def sample(i: float) -> torch.Tensor:
     return torch.full((WIDTH,), float(i))
+
+
+@contextlib.contextmanager
+def gevent_hub_freed() -> Iterator[None]:
+    """Around the work of a thread other than the main one that uses
+    tritonclient.http (or a ferrobatch.triton ModelClient over HTTP), also
+    as a decorator (``@gevent_hub_freed()``): the clients made inside are
+    closed inside, on this thread (a ``finally`` or ``with``), and at the
+    end the thread's gevent hub is destroyed, as ferrobatch.triton's own
+    workers do (``_gevent_hub_freed``). gevent's state is per thread: a hub
+    left alive in a thread that ends, or a client closed (gevent's
+    ``Pool.join()``) as a dying thread's locals are cleared or on another
+    thread, can crash the interpreter. On the main thread, whose hub lives
+    as long as the process, it frees nothing: a helper that both call can
+    use it."""
+    if threading.current_thread() is threading.main_thread():
+        yield
+        return
+    from ferrobatch.triton.client import _gevent_hub_freed
+
+    with _gevent_hub_freed("http"):
+        yield
 
 
 @pytest.fixture(scope="session")

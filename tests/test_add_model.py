@@ -19,6 +19,7 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from conftest import gevent_hub_freed
 from tritonclient.utils import InferenceServerException
 
 import ferrobatch as fb
@@ -57,6 +58,7 @@ def infer_over(client: Any, port: int, model: str, rows: int) -> np.ndarray:
         connection.close()
 
 
+@gevent_hub_freed()  # called from asyncio.to_thread too
 def http_infer(port: int, model: str, rows: int = 2) -> np.ndarray:
     return infer_over(httpclient, port, model, rows)
 

@@ -7,6 +7,7 @@ request resolves once, and ``stats()`` says what the callers saw."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 import time
@@ -59,11 +60,15 @@ def counting(steps: int, closed: list[int] | None = None, fail_at: int | None = 
 
 
 class Stream:
-    """One ModelStreamInfer call through tritonclient, its messages queued."""
+    """One ModelStreamInfer call through tritonclient, its messages queued;
+    as a context manager, closed on the way out if it was not (cancelling
+    what it waits for), so that a failing test leaves no stream thread."""
 
     def __init__(self, port: int, reading: threading.Event | None = None) -> None:
         """``reading``: the client reads the stream only once it is set."""
         self.client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+        self.closed = False
+        self._reading = reading
         self.messages: queue.SimpleQueue[tuple[Any, Any]] = queue.SimpleQueue()
 
         def received(result: Any, error: Any) -> None:
@@ -82,8 +87,21 @@ class Stream:
         return self.messages.get(timeout=timeout)
 
     def close(self, cancel: bool = False) -> None:
-        self.client.stop_stream(cancel_requests=cancel)
-        self.client.close()
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.client.stop_stream(cancel_requests=cancel)
+        finally:
+            self.client.close()
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        if not self.closed and self._reading is not None:
+            self._reading.set()  # else the stream's reader would wait for it
+        self.close(cancel=True)
 
 
 def is_final(result: Any) -> bool:
@@ -97,8 +115,10 @@ def failures(server: fb.Server) -> dict[str, int]:
 @pytest.mark.parametrize("frontend", ["native", "python"])
 def test_each_caller_gets_its_rows_of_every_item_then_the_final_flag(frontend: str) -> None:
     server = fb.Server(counting(4), inputs=[X], outputs=[Y], decoupled=True, max_delay=0.02, name="count")
-    with serve_in_thread([server], replace(CONFIG, frontend=frontend)) as listening:
-        stream = Stream(listening.grpc_port)
+    with (
+        serve_in_thread([server], replace(CONFIG, frontend=frontend)) as listening,
+        Stream(listening.grpc_port) as stream,
+    ):
         for k in range(3):  # in one batch (20 ms window): each its own rows
             stream.send("count", np.full((1, 3), k + 1, np.float32), request_id=f"r{k}")
         got: dict[str, list[Any]] = {f"r{k}": [] for k in range(3)}
@@ -125,8 +145,10 @@ def test_each_caller_gets_its_rows_of_every_item_then_the_final_flag(frontend: s
 def test_without_the_final_flag_only_the_responses_come_and_a_plain_model_answers_once(frontend: str) -> None:
     plain = fb.Server(lambda b: {"y": b["x"] + 1}, inputs=[X], outputs=[Y], name="plain")
     streaming = fb.Server(counting(2), inputs=[X], outputs=[Y], decoupled=True, name="count")
-    with serve_in_thread([plain, streaming], replace(CONFIG, frontend=frontend)) as listening:
-        stream = Stream(listening.grpc_port)
+    with (
+        serve_in_thread([plain, streaming], replace(CONFIG, frontend=frontend)) as listening,
+        Stream(listening.grpc_port) as stream,
+    ):
         stream.send("count", np.ones((1, 3), np.float32), "a", final=False)
         firsts = [stream.next()[0] for _ in range(2)]
         assert [is_final(r) for r in firsts] == [False, False]
@@ -149,8 +171,10 @@ def test_a_caller_that_goes_away_stops_the_model_and_is_counted_cancelled(fronte
             yield item
 
     server = fb.Server(slow, inputs=[X], outputs=[Y], decoupled=True, name="endless")
-    with serve_in_thread([server], replace(CONFIG, frontend=frontend)) as listening:
-        stream = Stream(listening.grpc_port)
+    with (
+        serve_in_thread([server], replace(CONFIG, frontend=frontend)) as listening,
+        Stream(listening.grpc_port) as stream,
+    ):
         stream.send("endless", np.ones((1, 3), np.float32), "a")
         for _ in range(3):
             assert stream.next()[1] is None
@@ -163,17 +187,19 @@ def test_a_caller_that_goes_away_stops_the_model_and_is_counted_cancelled(fronte
             time.sleep(0.01)
         assert failures(server) == {"cancelled": 1} and server.stats()["requests_succeeded"] == 0
         # The worker is free again: the next stream is answered.
-        again = Stream(listening.grpc_port)
-        again.send("endless", np.ones((1, 3), np.float32), "b")
-        assert again.next()[1] is None
-        again.close(cancel=True)
+        with Stream(listening.grpc_port) as again:
+            again.send("endless", np.ones((1, 3), np.float32), "b")
+            assert again.next()[1] is None
+            again.close(cancel=True)
 
 
 @pytest.mark.parametrize("frontend", ["native", "python"])
 def test_a_model_that_fails_mid_stream_fails_its_requests_after_what_was_sent(frontend: str) -> None:
     server = fb.Server(counting(5, fail_at=2), inputs=[X], outputs=[Y], decoupled=True, name="flaky")
-    with serve_in_thread([server], replace(CONFIG, frontend=frontend)) as listening:
-        stream = Stream(listening.grpc_port)
+    with (
+        serve_in_thread([server], replace(CONFIG, frontend=frontend)) as listening,
+        Stream(listening.grpc_port) as stream,
+    ):
         stream.send("flaky", np.ones((1, 3), np.float32), "a")
         messages = [stream.next() for _ in range(3)]
         assert [e is None for _, e in messages] == [True, True, False]
@@ -191,8 +217,7 @@ def test_a_response_of_the_wrong_shape_fails_that_request_once() -> None:
         yield {"y": inputs["x"][:, :2]}  # not the declared (3,)
 
     server = fb.Server(bad, inputs=[X], outputs=[Y], decoupled=True, name="bad")
-    with serve_in_thread([server], CONFIG) as listening:
-        stream = Stream(listening.grpc_port)
+    with serve_in_thread([server], CONFIG) as listening, Stream(listening.grpc_port) as stream:
         stream.send("bad", np.ones((1, 3), np.float32), "a")
         assert stream.next()[1] is None
         _, error = stream.next()
@@ -228,15 +253,16 @@ def test_the_ways_that_answer_once_refuse_a_decoupled_model_with_a_clear_error()
 
 def test_a_decoupled_model_must_return_an_iterable() -> None:
     server = fb.Server(lambda b: {"y": b["x"]}, inputs=[X], outputs=[Y], decoupled=True, name="dict")
-    with serve_in_thread([server], CONFIG) as listening:
-        stream = Stream(listening.grpc_port)
-        stream.send("dict", np.ones((1, 3), np.float32), "a")
-        _, error = stream.next()
-        assert error is not None and "model 'dict' failed" in error.message()
-        # Left open: stopping the front-end ends the stream, without waiting for the client.
-        started = time.monotonic()
-    assert time.monotonic() - started < 5
-    assert failures(server) == {"model_error": 1}
+    with contextlib.ExitStack() as cleanup:
+        with serve_in_thread([server], CONFIG) as listening:
+            stream = cleanup.enter_context(Stream(listening.grpc_port))  # closed at the test's end
+            stream.send("dict", np.ones((1, 3), np.float32), "a")
+            _, error = stream.next()
+            assert error is not None and "model 'dict' failed" in error.message()
+            # Left open: stopping the front-end ends the stream, without waiting for the client.
+            started = time.monotonic()
+        assert time.monotonic() - started < 5
+        assert failures(server) == {"model_error": 1}
 
 
 def test_what_a_decoupled_server_refuses_at_construction() -> None:
@@ -374,8 +400,10 @@ def test_a_stream_past_its_deadline_fails_once_and_stops_the_model() -> None:
             yield item
 
     server = fb.Server(slow, inputs=[X], outputs=[Y], decoupled=True, name="slow")
-    with serve_in_thread([server], CONFIG) as listening:
-        client = grpcclient.InferenceServerClient(f"127.0.0.1:{listening.grpc_port}")
+    with (
+        serve_in_thread([server], CONFIG) as listening,
+        grpcclient.InferenceServerClient(f"127.0.0.1:{listening.grpc_port}") as client,
+    ):
         messages: queue.SimpleQueue[tuple[Any, Any]] = queue.SimpleQueue()
         client.start_stream(callback=lambda result, error: messages.put((result, error)))
         given = grpcclient.InferInput("x", [1, 3], "FP32")
@@ -404,8 +432,7 @@ def test_a_full_queue_refuses_a_streamed_request_on_the_stream() -> None:
         yield {"y": inputs["x"]}
 
     server = fb.Server(held, inputs=[X], outputs=[Y], decoupled=True, max_queue_size=1, max_batch_size=1, name="held")
-    with serve_in_thread([server], CONFIG) as listening:
-        stream = Stream(listening.grpc_port)
+    with serve_in_thread([server], CONFIG) as listening, Stream(listening.grpc_port) as stream:
         stream.send("held", np.ones((1, 3), np.float32), "0")
         assert started.wait(10)
         for k in range(1, 4):  # one waits, the rest find the queue full
@@ -577,8 +604,10 @@ def test_one_stream_holds_at_most_1024_requests_unanswered(frontend: str) -> Non
         yield {"y": inputs["x"]}
 
     server = fb.Server(held, inputs=[X], outputs=[Y], decoupled=True, max_batch_size=1, name="held")
-    with serve_in_thread([server], replace(CONFIG, frontend=frontend)) as listening:
-        stream = Stream(listening.grpc_port)
+    with (
+        serve_in_thread([server], replace(CONFIG, frontend=frontend)) as listening,
+        Stream(listening.grpc_port) as stream,
+    ):
         for k in range(1100):
             stream.send("held", np.ones((1, 3), np.float32), str(k), final=False)
         deadline = time.monotonic() + 10
@@ -671,8 +700,7 @@ def test_a_grpc_client_that_stops_reading_costs_at_most_the_streams_backlog(fron
     short = fb.Server(counting(3), inputs=[X], outputs=[Y], decoupled=True, name="short")
     reading = threading.Event()
     config = replace(CONFIG, frontend=frontend, max_stream_backlog=1 << 20)
-    with serve_in_thread([server, short], config) as listening:
-        stream = Stream(listening.grpc_port, reading)
+    with serve_in_thread([server, short], config) as listening, Stream(listening.grpc_port, reading) as stream:
         stream.send("big", np.ones((1, 16384), np.float32), "a")
         deadline = time.monotonic() + 30
         while not server.stats()["requests_failed"]["queue_full"] and time.monotonic() < deadline:

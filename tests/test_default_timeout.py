@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from conftest import wait_until
+from conftest import gevent_hub_freed, wait_until
 
 import ferrobatch as fb
 from ferrobatch.serve import ServeConfig, serve_in_thread
@@ -128,6 +128,7 @@ def test_tritons_queue_policy_timeout_becomes_the_queue_timeout(caplog: pytest.L
         url = f"http://127.0.0.1:{triton.http_port}"
         answers: dict[float, object] = {}
 
+        @gevent_hub_freed()
         def call(value: float) -> None:
             with ModelClient(url, "m") as client:
                 try:

@@ -20,6 +20,7 @@ import pytest
 import torch
 import tritonclient.http as httpclient
 import tritonclient.http.aio as aiohttpclient
+from conftest import gevent_hub_freed
 from tritonclient.utils import InferenceServerException
 
 import ferrobatch as fb
@@ -484,6 +485,7 @@ def test_responses_are_coded_as_accept_encoding_asks(url: str, http: httpx.Clien
 def test_bad_requests_do_not_harm_good_ones(url: str) -> None:
     good_x = np.arange(WIDTH, dtype=np.float32)[None]
 
+    @gevent_hub_freed()
     def good(i: int) -> np.ndarray:
         client = httpclient.InferenceServerClient(url, network_timeout=30)
         try:

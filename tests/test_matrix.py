@@ -12,6 +12,7 @@ tests/test_shared_memory.py.)"""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 import time
@@ -24,7 +25,7 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from conftest import wait_until
+from conftest import gevent_hub_freed, wait_until
 
 import ferrobatch as fb
 from ferrobatch.serve import ServeConfig, serve_in_thread
@@ -229,8 +230,6 @@ _V2 = {np.dtype("float32"): "FP32", np.dtype("int64"): "INT64", np.dtype(object)
 
 def remote(address: str, protocol: str) -> Send:
     lib: Any = grpcclient if protocol == "grpc" else httpclient
-    # One client per calling thread: tritonclient's HTTP client is not thread-safe.
-    local = threading.local()
     binary = protocol == "binary"
 
     def send(model: str, inputs: dict[str, np.ndarray], **options: Any) -> Any:
@@ -243,15 +242,20 @@ def remote(address: str, protocol: str) -> Send:
                 tensor.set_data_from_numpy(value, binary_data=binary)
             tensors.append(tensor)
         timeout = options.get("timeout")
-        if not hasattr(local, "client"):
-            local.client = lib.InferenceServerClient(address)
-        result = local.client.infer(
-            model,
-            tensors,
-            priority=options.get("priority") or 0,
-            parameters=options.get("parameters"),
-            timeout=None if timeout is None else int(timeout * 1e6),  # Triton's request `timeout`, in µs
-        )
+        # A client per call, closed on the calling thread (a pool's, at times), whose
+        # gevent hub is then freed: tritonclient's HTTP client is not thread-safe, and runs gevent.
+        with contextlib.nullcontext() if protocol == "grpc" else gevent_hub_freed():
+            client = lib.InferenceServerClient(address)
+            try:
+                result = client.infer(
+                    model,
+                    tensors,
+                    priority=options.get("priority") or 0,
+                    parameters=options.get("parameters"),
+                    timeout=None if timeout is None else int(timeout * 1e6),  # Triton's request `timeout`, in µs
+                )
+            finally:
+                client.close()
         response = result.get_response()
         names = [o["name"] for o in response["outputs"]] if isinstance(response, dict) else [
             o.name for o in response.outputs

@@ -22,7 +22,7 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from conftest import wait_until
+from conftest import gevent_hub_freed, wait_until
 from tritonclient.utils import InferenceServerException
 
 import ferrobatch as fb
@@ -135,11 +135,19 @@ def test_an_unload_lets_the_requests_it_accepted_finish(frontend: str) -> None:
 
     servers = models(fn=slow, max_delay=0.0)
     with serving(frontend, servers) as listening:
-        # A client per thread: tritonclient's HTTP client holds one connection.
-        first = httpclient.InferenceServerClient(f"127.0.0.1:{listening.http_port}", network_timeout=60)
+        # A client per thread, made and closed on it: tritonclient's HTTP client holds one connection.
         client = httpclient.InferenceServerClient(f"127.0.0.1:{listening.http_port}")
         answers: list[Any] = []
-        caller = threading.Thread(target=lambda: answers.append(infer(first, "a", 4.0)))
+
+        @gevent_hub_freed()
+        def first() -> None:
+            own = httpclient.InferenceServerClient(f"127.0.0.1:{listening.http_port}", network_timeout=60)
+            try:
+                answers.append(infer(own, "a", 4.0))
+            finally:
+                own.close()
+
+        caller = threading.Thread(target=first)
         caller.start()
         assert entered.wait(30)
         started = time.monotonic()
@@ -165,12 +173,15 @@ def test_a_shutdown_does_not_wait_past_its_grace_for_an_unload(frontend: str) ->
     servers = models(fn=stuck, max_delay=0.0, max_batch_size=1)
     answers: list[Any] = []
 
+    @gevent_hub_freed()
     def call(listening: Listening) -> None:
         client = httpclient.InferenceServerClient(f"127.0.0.1:{listening.http_port}", network_timeout=60)
         try:
             answers.append(infer(client, "a"))
         except InferenceServerException as exc:
             answers.append(exc)
+        finally:
+            client.close()
 
     try:
         with serving(frontend, servers, graceful_timeout=1.0) as listening:
@@ -642,19 +653,23 @@ def test_requests_during_unloads_and_loads_each_resolve_once_and_are_counted(fro
     done = threading.Event()
     with serving(frontend, servers) as listening:
 
+        @gevent_hub_freed()
         def call(make: Any) -> None:
             client = make()
-            for i in range(20_000):  # bounded; until the cycles below are over
-                if done.is_set():
-                    break
-                try:
-                    got = infer(client, "a", float(i))[0, 0]
-                    outcome = "ok" if got == 2.0 * i else f"wrong {got}"
-                except InferenceServerException as exc:
-                    status = str(exc.status())
-                    outcome = "refused" if status in ("503", "StatusCode.UNAVAILABLE") else f"{status}: {exc}"
-                with lock:
-                    outcomes.append(outcome)
+            try:
+                for i in range(20_000):  # bounded; until the cycles below are over
+                    if done.is_set():
+                        break
+                    try:
+                        got = infer(client, "a", float(i))[0, 0]
+                        outcome = "ok" if got == 2.0 * i else f"wrong {got}"
+                    except InferenceServerException as exc:
+                        status = str(exc.status())
+                        outcome = "refused" if status in ("503", "StatusCode.UNAVAILABLE") else f"{status}: {exc}"
+                    with lock:
+                        outcomes.append(outcome)
+            finally:
+                client.close()
 
         makers = [
             lambda: httpclient.InferenceServerClient(f"127.0.0.1:{listening.http_port}"),

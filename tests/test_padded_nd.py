@@ -19,6 +19,7 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from conftest import gevent_hub_freed
 
 import ferrobatch as fb
 from ferrobatch.serve import ServeConfig, serve_in_thread
@@ -193,6 +194,7 @@ def test_tritonclient_http_and_grpc_with_several_shapes(addresses: tuple[str, st
         meta = client.get("/v2/models/grid").json()
         assert meta["inputs"][0]["shape"] == [-1, -1, -1]
 
+    @gevent_hub_freed()
     def call(i: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         x = grid((1 + i % 2, 1 + i % 4, 1 + (i * 3) % 5), i).numpy()
         kind: Any = grpcclient if i % 2 else httpclient

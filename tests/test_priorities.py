@@ -19,6 +19,7 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from conftest import gevent_hub_freed
 from tritonclient.utils import InferenceServerException
 
 import ferrobatch as fb
@@ -243,6 +244,7 @@ def test_the_priority_parameter_orders_requests_over_http_and_grpc(frontend: str
                 tensor.set_data_from_numpy(np.array([tag], dtype=np.int64))
                 return triton.infer("m", [tensor], priority=priority, client_timeout=20).as_numpy("out")
 
+        @gevent_hub_freed()
         def via_http(tag: int, priority: int) -> Any:
             triton = httpclient.InferenceServerClient(f"127.0.0.1:{http_port}", connection_timeout=20)
             try:

@@ -19,6 +19,7 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from conftest import gevent_hub_freed
 from tritonclient.utils import InferenceServerException
 
 import ferrobatch as fb
@@ -245,6 +246,7 @@ def test_tritonclient_http_json_binary_and_grpc(addresses: tuple[str, str], mode
     finally:
         hclient.close()
 
+    @gevent_hub_freed()
     def call(i: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         # 1 or 2 rows of 1 to 6 strings each (a request's rows share a length).
         n, rows = 1 + i % 6, 1 + i % 2

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import gevent_hub_freed
 
 import ferrobatch as fb
 
@@ -405,10 +406,13 @@ def test_a_hit_over_http_and_grpc_is_answered_while_the_instance_runs(frontend: 
         assert http.infer("m", request(httpclient, 1)).as_numpy("y").tolist() == [[2.0] * 4]  # kept
         answers: list[Any] = []
 
+        @gevent_hub_freed()
         def hold() -> None:  # a client of its own: tritonclient's HTTP client keeps to one thread
             holder = httpclient.InferenceServerClient(f"127.0.0.1:{served.http_port}", network_timeout=60)
-            answers.append(holder.infer("m", request(httpclient, 9)).as_numpy("y").tolist())
-            holder.close()
+            try:
+                answers.append(holder.infer("m", request(httpclient, 9)).as_numpy("y").tolist())
+            finally:
+                holder.close()
 
         held = threading.Thread(target=hold)
         held.start()

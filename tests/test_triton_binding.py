@@ -22,6 +22,7 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from conftest import gevent_hub_freed
 from tritonclient.utils import InferenceServerException
 
 from ferrobatch import RequestInfo
@@ -384,6 +385,7 @@ def ephemeral(**kwargs: Any) -> Triton:
     return Triton(config=TritonConfig(http_port=0, grpc_port=0, **kwargs))
 
 
+@gevent_hub_freed()  # called from pools' threads too
 def http_infer(address: str, model: str, x: np.ndarray, **kwargs: Any) -> dict[str, np.ndarray]:
     client = httpclient.InferenceServerClient(address, network_timeout=30)
     try:
@@ -693,15 +695,18 @@ def test_bytes_of_several_lengths_in_one_batch_over_http_and_grpc() -> None:
     server.extend(triton.servers)
     with running(triton) as (http, grpc):
 
+        @gevent_hub_freed()
         def call(i: int) -> tuple[list[bytes], dict[str, np.ndarray]]:
             words = [b"x" * (1 + (i * 7 + j) % 13) + str(i).encode() for j in range(1 + i % 3)]
             text = np.array([[w] for w in words], dtype=object)
             kind = httpclient if i % 2 else grpcclient
             client = kind.InferenceServerClient(http if i % 2 else grpc)
-            tensor = kind.InferInput("text", list(text.shape), "BYTES")
-            tensor.set_data_from_numpy(text)
-            result = client.infer("shout", [tensor])
-            client.close()
+            try:
+                tensor = kind.InferInput("text", list(text.shape), "BYTES")
+                tensor.set_data_from_numpy(text)
+                result = client.infer("shout", [tensor])
+            finally:
+                client.close()
             return words, {n: result.as_numpy(n) for n in ("upper", "size")}
 
         with ThreadPoolExecutor(8) as pool:
@@ -741,15 +746,18 @@ def test_variable_length_inputs_and_outputs_of_several_lengths_in_one_batch() ->
     server.extend(triton.servers)
     with running(triton) as (http, grpc):
 
+        @gevent_hub_freed()
         def call(i: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
             length = 1 + (i * 5) % 9
             tokens = np.arange(1, length + 1, dtype=np.int64)[None].repeat(1 + i % 2, axis=0) + 100 * i
             kind = httpclient if i % 2 else grpcclient
             client = kind.InferenceServerClient(http if i % 2 else grpc)
-            tensor = kind.InferInput("tokens", list(tokens.shape), "INT64")
-            tensor.set_data_from_numpy(tokens)
-            result = client.infer("tokens", [tensor])
-            client.close()
+            try:
+                tensor = kind.InferInput("tokens", list(tokens.shape), "INT64")
+                tensor.set_data_from_numpy(tokens)
+                result = client.infer("tokens", [tensor])
+            finally:
+                client.close()
             return tokens, {n: result.as_numpy(n) for n in ("doubled", "total")}
 
         with ThreadPoolExecutor(8) as pool:
@@ -931,6 +939,7 @@ def test_bytes_of_variable_length_several_rows_and_requests_in_one_call() -> Non
     server.extend(triton.servers)
     with running(triton) as (http, grpc):
 
+        @gevent_hub_freed()
         def call(i: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
             n, rows = 1 + (i * 5) % 7, 1 + i % 3
             text = np.array(
@@ -939,10 +948,12 @@ def test_bytes_of_variable_length_several_rows_and_requests_in_one_call() -> Non
             )
             kind: Any = httpclient if i % 2 else grpcclient
             client = kind.InferenceServerClient(http if i % 2 else grpc)
-            tensor = kind.InferInput("text", list(text.shape), "BYTES")
-            tensor.set_data_from_numpy(text)
-            result = client.infer("words", [tensor])
-            client.close()
+            try:
+                tensor = kind.InferInput("text", list(text.shape), "BYTES")
+                tensor.set_data_from_numpy(text)
+                result = client.infer("words", [tensor])
+            finally:
+                client.close()
             return text, {n: result.as_numpy(n) for n in ("shouted", "sizes")}
 
         with ThreadPoolExecutor(8) as pool:
@@ -985,15 +996,18 @@ def test_variable_dimensions_anywhere_reach_each_request_unpadded() -> None:
     server.extend(triton.servers)
     with running(triton) as (http, grpc):
 
+        @gevent_hub_freed()
         def call(i: int) -> tuple[np.ndarray, np.ndarray]:
             n, length = 1 + i % 2, 1 + (i * 3) % 7
             x = (np.arange(n * 2 * length, dtype=np.int32).reshape(n, 2, length) + 1 + i) % 50 + 1
             kind: Any = httpclient if i % 2 else grpcclient
             client = kind.InferenceServerClient(http if i % 2 else grpc)
-            tensor = kind.InferInput("x", list(x.shape), "INT32")
-            tensor.set_data_from_numpy(x)
-            result = client.infer("grid", [tensor])
-            client.close()
+            try:
+                tensor = kind.InferInput("x", list(x.shape), "INT32")
+                tensor.set_data_from_numpy(x)
+                result = client.infer("grid", [tensor])
+            finally:
+                client.close()
             return x, result.as_numpy("t")
 
         with ThreadPoolExecutor(8) as pool:

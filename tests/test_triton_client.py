@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import wait_until
+from conftest import gevent_hub_freed, wait_until
 
 from ferrobatch.triton import ModelConfig, Request, Tensor, Triton, TritonConfig, batch
 from ferrobatch.triton.client import (
@@ -193,6 +193,7 @@ def test_a_client_given_the_config_waits_for_the_model_before_its_first_inferenc
     http, grpc = f"http://127.0.0.1:{http_port}", f"grpc://127.0.0.1:{grpc_port}"
     given = {"model_config": double_config, "init_timeout_s": 20}  # ensure_model_is_ready: True, the default
 
+    @gevent_hub_freed()
     def sync(url: str) -> Any:
         with ModelClient(url, "double", **given) as client:  # type: ignore[arg-type]
             return client.infer_sample(ROW)["y"].tolist()

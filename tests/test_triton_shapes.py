@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from conftest import gevent_hub_freed
 
 from ferrobatch.triton import Triton, TritonConfig
 from ferrobatch.triton._binding import BoundModel, TritonContext, model_config_of
@@ -40,6 +41,7 @@ def test_requests_of_different_lengths_share_a_batch_and_each_call_gets_one_shap
         triton.run()
         got: dict[int, Any] = {}
 
+        @gevent_hub_freed()
         def call(n: int) -> None:
             with ModelClient(f"127.0.0.1:{triton.http_port}", "double") as client:
                 got[n] = client.infer_sample(np.arange(n, dtype=np.float32))["y"].tolist()
