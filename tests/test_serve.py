@@ -22,6 +22,8 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+import trustme
+from tritonclient.utils import InferenceServerException
 
 import ferrobatch as fb
 from ferrobatch.serve import load_servers
@@ -476,6 +478,30 @@ def test_id_names_the_server_and_log_file_takes_the_log(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+def test_grpc_use_ssl_serves_grpc_over_tls(serve_process: Callable[..., Process], tmp_path: Path) -> None:
+    """Triton's flags: ``--grpc-use-ssl`` with ``--grpc-server-cert`` and
+    ``--grpc-server-key``; TLS without its files, or files without TLS, are usage errors."""
+    ca = trustme.CA()
+    issued = ca.issue_cert("127.0.0.1")
+    root, cert, key = tmp_path / "ca.pem", tmp_path / "server.pem", tmp_path / "server.key"
+    ca.cert_pem.write_to_path(str(root))
+    issued.cert_chain_pems[0].write_to_path(str(cert))
+    issued.private_key_pem.write_to_path(str(key))
+    for args, refusal in (
+        (["--grpc-use-ssl"], "grpc_use_ssl needs grpc_server_cert and grpc_server_key"),
+        (["--grpc-server-cert", str(cert), "--grpc-server-key", str(key)], "given without grpc_use_ssl"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "ferrobatch", "serve", "--demo", *args], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 2 and refusal in done.stderr, done.stderr
+    served = serve_process("--demo", "--grpc-use-ssl", "--grpc-server-cert", str(cert), "--grpc-server-key", str(key))
+    with grpcclient.InferenceServerClient(served.grpc, ssl=True, root_certificates=str(root)) as client:
+        assert client.is_server_ready()
+    with grpcclient.InferenceServerClient(served.grpc) as plain, pytest.raises(InferenceServerException):
+        plain.is_server_live(client_timeout=5)
 
 
 def test_serve_vertex_ai_and_sagemaker_read_their_platforms_variables(

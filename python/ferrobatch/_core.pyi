@@ -1,6 +1,7 @@
 """Type stubs for the Rust extension ``ferrobatch._core`` (checked by mypy.stubtest)."""
 
 import asyncio
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, final
 
@@ -390,7 +391,10 @@ class NativeFrontend:
     body, answer) -> cancel``, ``answer((status, headers, body))``. Both
     return at once; ``cancel()`` is called if the client goes away first.
     ``strict_readiness`` (Triton's): the server is ready only while every
-    model it serves is; False: while it is itself."""
+    model it serves is; False: while it is itself. ``grpc_server_cert`` and
+    ``grpc_server_key`` (PEM files): gRPC over TLS; with
+    ``grpc_use_ssl_mutual`` clients must present a certificate that
+    ``grpc_root_cert`` signs (``ValueError`` names a file that cannot be used)."""
 
     def __new__(
         cls,
@@ -417,6 +421,10 @@ class NativeFrontend:
         http_restricted_api: Sequence[str] = ...,
         grpc_restricted_protocol: Sequence[str] = ...,
         strict_readiness: bool = True,
+        grpc_server_cert: str | os.PathLike[str] | None = None,
+        grpc_server_key: str | os.PathLike[str] | None = None,
+        grpc_root_cert: str | os.PathLike[str] | None = None,
+        grpc_use_ssl_mutual: bool = False,
     ) -> NativeFrontend: ...
     @property
     def port(self) -> int | None: ...

@@ -57,6 +57,7 @@ import os
 import queue
 import re
 import signal
+import ssl
 import sys
 import threading
 import time
@@ -392,6 +393,18 @@ class ServeConfig:
     #: ``ServerReady``) says ready only while every model is (True, the
     #: default); False: while the server serves, whatever its models' state.
     strict_readiness: bool = True
+    #: Triton's ``--grpc-use-ssl``: gRPC over TLS, with ``grpc_server_cert``
+    #: (the certificate chain, PEM) and ``grpc_server_key`` (its key, PEM),
+    #: on either front-end (HTTP stays plaintext, as Triton's; put a proxy
+    #: in front for HTTPS). The files are read and checked at start.
+    grpc_use_ssl: bool = False
+    #: Triton's ``--grpc-use-ssl-mutual`` (implies ``grpc_use_ssl``): clients
+    #: must also present a certificate that ``grpc_root_cert`` signs.
+    grpc_use_ssl_mutual: bool = False
+    grpc_server_cert: str | None = None
+    grpc_server_key: str | None = None
+    #: The certificates that sign clients' (PEM), for ``grpc_use_ssl_mutual``.
+    grpc_root_cert: str | None = None
     #: Triton's ``--id``: the name server metadata answers (``GET /v2``, gRPC
     #: ``ServerMetadata``). Triton's is ``"triton"``, which some of its clients check.
     server_id: str = SERVER_ID
@@ -467,6 +480,7 @@ def check_config(config: ServeConfig) -> None:
     for flag in ("access_log", "expose_errors", "cpu_metrics", "gpu_metrics"):
         if not isinstance(getattr(config, flag), bool):
             raise ValueError(f"{flag} must be True or False, got {getattr(config, flag)!r}")
+    _check_grpc_tls(config)
     if config.log_file is not None and (not isinstance(config.log_file, str) or not config.log_file):
         raise ValueError(f"log_file must be a file's path or None, got {config.log_file!r}")
     if config.log_level not in LOG_LEVELS:
@@ -523,6 +537,96 @@ def check_config(config: ServeConfig) -> None:
         and 0 < config.switch_interval <= 1
     ):
         raise ValueError(f"switch_interval must be > 0 and at most 1 second, or None, got {config.switch_interval!r}")
+
+
+def _check_grpc_tls(config: ServeConfig) -> None:
+    """Refuses TLS settings that do not make a TLS listener: a flag that is
+    not a bool, TLS without its certificate and key (or mutual TLS without
+    roots), or files given with TLS off, which would serve plaintext to
+    clients that expect TLS; then reads the files as a TLS server would
+    (:func:`grpc_tls`), so a bad file fails the start on either front-end."""
+    for flag in ("grpc_use_ssl", "grpc_use_ssl_mutual"):
+        if not isinstance(getattr(config, flag), bool):
+            raise ValueError(f"{flag} must be True or False, got {getattr(config, flag)!r}")
+    files = ("grpc_server_cert", "grpc_server_key", "grpc_root_cert")
+    for name in files:
+        path = getattr(config, name)
+        if path is not None and (not isinstance(path, str) or not path):
+            raise ValueError(f"{name} must be a file's path or None, got {path!r}")
+    if not (config.grpc_use_ssl or config.grpc_use_ssl_mutual):
+        given = [name for name in files if getattr(config, name) is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} given without grpc_use_ssl: gRPC would be served without TLS")
+        return
+    if config.grpc_server_cert is None or config.grpc_server_key is None:
+        raise ValueError("grpc_use_ssl needs grpc_server_cert and grpc_server_key (PEM files)")
+    if config.grpc_use_ssl_mutual and config.grpc_root_cert is None:
+        raise ValueError("grpc_use_ssl_mutual needs grpc_root_cert: the certificates that sign clients' certificates")
+    grpc_tls(config)
+
+
+@dataclass(frozen=True)
+class GrpcTls:
+    """The PEM bytes of a TLS gRPC listener (:func:`grpc_tls`)."""
+
+    cert: bytes
+    key: bytes
+    #: Clients must present a certificate these sign; None: no client certificates.
+    root: bytes | None
+
+
+#: The most bytes a certificate or key file may hold (as the native front-end's).
+MAX_PEM_FILE = 1 << 20
+
+
+def grpc_tls(config: ServeConfig) -> GrpcTls | None:
+    """The config's TLS files, read (each bounded before it is read) and
+    checked with :mod:`ssl` (the key is the certificate's; the roots are
+    certificates); ``ValueError`` names the file. None: plaintext gRPC."""
+    if not (config.grpc_use_ssl or config.grpc_use_ssl_mutual):
+        return None
+    assert config.grpc_server_cert is not None and config.grpc_server_key is not None  # _check_grpc_tls
+
+    def read(name: str, path: str) -> bytes:
+        try:
+            size = os.stat(path).st_size
+            if size > MAX_PEM_FILE:
+                raise ValueError(f"{name} {path}: {size} bytes, more than a PEM file holds ({MAX_PEM_FILE})")
+            with open(path, "rb") as file:
+                return file.read(MAX_PEM_FILE)
+        except OSError as exc:
+            raise ValueError(f"{name} {path}: {exc.strerror or exc}") from None
+
+    cert = read("grpc_server_cert", config.grpc_server_cert)
+    key = read("grpc_server_key", config.grpc_server_key)
+    root = (
+        read("grpc_root_cert", config.grpc_root_cert) if config.grpc_use_ssl_mutual and config.grpc_root_cert else None
+    )
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(config.grpc_server_cert, config.grpc_server_key)
+    except (ssl.SSLError, OSError) as exc:
+        raise ValueError(
+            f"grpc_server_cert {config.grpc_server_cert} and grpc_server_key {config.grpc_server_key}: {exc}"
+        ) from None
+    if root is not None:
+        try:
+            context.load_verify_locations(cadata=root.decode("ascii", "replace"))
+        except (ssl.SSLError, ValueError) as exc:
+            raise ValueError(f"grpc_root_cert {config.grpc_root_cert}: {exc}") from None
+    return GrpcTls(cert, key, root)
+
+
+def _native_tls(config: ServeConfig) -> dict[str, Any]:
+    """The native front-end's TLS arguments (it reads the files itself)."""
+    if not (config.grpc_use_ssl or config.grpc_use_ssl_mutual):
+        return {}
+    return {
+        "grpc_server_cert": config.grpc_server_cert,
+        "grpc_server_key": config.grpc_server_key,
+        "grpc_root_cert": config.grpc_root_cert if config.grpc_use_ssl_mutual else None,
+        "grpc_use_ssl_mutual": config.grpc_use_ssl_mutual,
+    }
 
 
 #: What ``log_level`` may be: the names both logging and uvicorn know.
@@ -738,6 +842,7 @@ async def _serve(
                         http_restricted_api=config.http_restricted_api,
                         grpc_restricted_protocol=config.grpc_restricted_protocol,
                         strict_readiness=config.strict_readiness,
+                        **_native_tls(config),
                     )
                 except OSError as exc:
                     raise StartupError(str(exc)) from None
@@ -750,6 +855,8 @@ async def _serve(
             elif config.grpc_port is not None:
                 # The Python front-end's packages (grpcio, uvicorn, Starlette) are
                 # imported only when it runs: the native one needs none of them.
+                import grpc
+
                 from .grpc import grpc_server
 
                 rpc = grpc_server(
@@ -760,8 +867,15 @@ async def _serve(
                     grpc_restricted_protocol=config.grpc_restricted_protocol,
                 )
                 address = f"{_bracket(config.host)}:{config.grpc_port}"
+                tls = grpc_tls(config)
                 try:
-                    grpc_port = rpc.add_insecure_port(address)
+                    if tls is None:
+                        grpc_port = rpc.add_insecure_port(address)
+                    else:
+                        credentials = grpc.ssl_server_credentials(
+                            [(tls.key, tls.cert)], root_certificates=tls.root, require_client_auth=tls.root is not None
+                        )
+                        grpc_port = rpc.add_secure_port(address, credentials)
                 except RuntimeError as exc:
                     raise StartupError(f"gRPC: cannot listen on {address}: {exc}") from None
                 await rpc.start()
@@ -1427,6 +1541,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " regions may read or overwrite any /dev/shm object this process may open)",
     )
     parser.add_argument(
+        "--grpc-use-ssl",
+        nargs="?",
+        const=True,
+        default=False,
+        type=_flag,
+        metavar="true|false",
+        help="serve gRPC over TLS, with --grpc-server-cert and --grpc-server-key (Triton's; HTTP stays plaintext)",
+    )
+    parser.add_argument(
+        "--grpc-use-ssl-mutual",
+        nargs="?",
+        const=True,
+        default=False,
+        type=_flag,
+        metavar="true|false",
+        help="gRPC over TLS where clients must present a certificate that --grpc-root-cert signs",
+    )
+    parser.add_argument("--grpc-server-cert", metavar="PEM", help="the gRPC server's certificate chain (PEM file)")
+    parser.add_argument("--grpc-server-key", metavar="PEM", help="the certificate's private key (PEM file)")
+    parser.add_argument(
+        "--grpc-root-cert", metavar="PEM", help="the certificates that sign clients' certificates (PEM file)"
+    )
+    parser.add_argument(
         "--exit-on-error",
         nargs="?",
         const=True,
@@ -1648,6 +1785,11 @@ def main(args: argparse.Namespace) -> int:
         load_models=args.load_models,
         exit_on_error=args.exit_on_error,
         strict_readiness=args.strict_readiness,
+        grpc_use_ssl=args.grpc_use_ssl,
+        grpc_use_ssl_mutual=args.grpc_use_ssl_mutual,
+        grpc_server_cert=args.grpc_server_cert,
+        grpc_server_key=args.grpc_server_key,
+        grpc_root_cert=args.grpc_root_cert,
         server_id=args.id,
         max_stream_backlog=args.max_stream_backlog,
         share=args.share,

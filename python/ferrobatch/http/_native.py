@@ -76,6 +76,10 @@ class NativeListeners:
         http_restricted_api: Sequence[str] = (),
         grpc_restricted_protocol: Sequence[str] = (),
         strict_readiness: bool = True,
+        grpc_server_cert: str | None = None,
+        grpc_server_key: str | None = None,
+        grpc_root_cert: str | None = None,
+        grpc_use_ssl_mutual: bool = False,
     ) -> None:
         self.repository = repository
         self.endpoint = Endpoint(repository, max_decompressed_size=max_decompressed_size)
@@ -106,6 +110,10 @@ class NativeListeners:
             http_restricted_api=list(http_restricted_api),
             grpc_restricted_protocol=list(grpc_restricted_protocol),
             strict_readiness=strict_readiness,
+            grpc_server_cert=grpc_server_cert,
+            grpc_server_key=grpc_server_key,
+            grpc_root_cert=grpc_root_cert,
+            grpc_use_ssl_mutual=grpc_use_ssl_mutual,
         )
         #: Readiness as :meth:`set_ready` last said (a drain turns it off).
         self._ready = False

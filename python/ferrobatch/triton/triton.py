@@ -165,7 +165,10 @@ class TritonConfig:
     metrics port), ``allow_cpu_metrics`` / ``allow_gpu_metrics`` (the
     machine's ``nv_cpu_*`` / ``nv_gpu_*``), ``allow_client_shm`` (Triton's
     system shared-memory extension; off by default), ``strict_readiness``
-    (False: ready whatever the models' state), ``exit_on_error`` (as in
+    (False: ready whatever the models' state), ``grpc_use_ssl`` /
+    ``grpc_use_ssl_mutual`` with ``grpc_server_cert``, ``grpc_server_key``
+    and ``grpc_root_cert`` (gRPC over TLS, mutual: clients' certificates
+    checked against the roots), ``exit_on_error`` (as in
     PyTriton, no effect: a model that fails to load raises in ``run()``). The other fields are Triton
     server options with no meaning here: setting one logs a warning.
     ``/metrics`` is served on the HTTP port too.
@@ -310,6 +313,11 @@ _USED = {
     # Triton's own start loads no model in PyTriton (it binds them after, in
     # explicit mode): a model that fails raises in run() whatever it says, here too.
     "exit_on_error",
+    "grpc_use_ssl",
+    "grpc_use_ssl_mutual",
+    "grpc_server_cert",
+    "grpc_server_key",
+    "grpc_root_cert",
 }
 
 #: Elements of a ``(-1,)`` input one request may carry at least (the
@@ -341,6 +349,7 @@ def serve_config(
     restriction = security.restriction() if security is not None else None
     http_restricted = [restriction] if restriction else [config.http_restricted_api or ""]
     grpc_restricted = [restriction] if restriction else [config.grpc_restricted_protocol or ""]
+    ssl = bool(config.grpc_use_ssl or config.grpc_use_ssl_mutual)
     return ServeConfig(
         host=addresses.pop() if addresses else "127.0.0.1",
         http_port=None if config.allow_http is False else (8000 if config.http_port is None else config.http_port),
@@ -364,6 +373,12 @@ def serve_config(
         strict_readiness=config.strict_readiness is not False,
         server_id=SERVER_ID if config.id is None else config.id,
         log_file=config.log_file,
+        # As Triton: the files are read with SSL on only; mutual implies SSL.
+        grpc_use_ssl=ssl,
+        grpc_use_ssl_mutual=bool(config.grpc_use_ssl_mutual),
+        grpc_server_cert=config.grpc_server_cert if ssl else None,
+        grpc_server_key=config.grpc_server_key if ssl else None,
+        grpc_root_cert=config.grpc_root_cert if config.grpc_use_ssl_mutual else None,
     )
 
 

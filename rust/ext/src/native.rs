@@ -5,14 +5,15 @@
 //! (see `native_sink.rs`), to which its batches' `Sink::Connection` rows go.
 
 use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ferrobatch_serve::restrict::Protocol;
 use ferrobatch_serve::{
     Catalog, Config, Fallback, FallbackCall, FallbackReply, FallbackRequest, FallbackResponse,
-    Frontend, Listen, ModelMetadata, Replies, ServedModel, ServerMetadata, TensorMetadata,
-    Withdraw,
+    Frontend, Listen, ModelMetadata, Replies, ServedModel, ServerMetadata, TensorMetadata, Tls,
+    TlsFiles, Withdraw,
 };
 use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
@@ -279,6 +280,10 @@ impl NativeFrontend {
     /// `ValueError`. Raises `OSError` when an address cannot be bound.
     /// `strict_readiness` (Triton's): the server is ready only while every
     /// model it serves is; false: while it is itself.
+    /// `grpc_server_cert` and `grpc_server_key` (PEM files): gRPC over TLS
+    /// (Triton's `--grpc-use-ssl`); with `grpc_use_ssl_mutual`, clients
+    /// must present a certificate that `grpc_root_cert` signs. A file that
+    /// cannot be read or used raises `ValueError` naming it.
     #[new]
     #[pyo3(signature = (
         host, port, fallback, *, grpc_port=None, server_metadata=None, model_metadata=Vec::new(), grpc_fallback=None,
@@ -286,6 +291,7 @@ impl NativeFrontend {
         header_timeout=30.0, body_timeout=60.0, idle_timeout=300.0, keepalive_interval=60.0,
         http_header_forward_pattern=None, grpc_header_forward_pattern=None, max_stream_backlog=64 << 20,
         http_restricted_api=Vec::new(), grpc_restricted_protocol=Vec::new(), strict_readiness=true,
+        grpc_server_cert=None, grpc_server_key=None, grpc_root_cert=None, grpc_use_ssl_mutual=false,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -312,6 +318,10 @@ impl NativeFrontend {
         http_restricted_api: Vec<String>,
         grpc_restricted_protocol: Vec<String>,
         strict_readiness: bool,
+        grpc_server_cert: Option<PathBuf>,
+        grpc_server_key: Option<PathBuf>,
+        grpc_root_cert: Option<PathBuf>,
+        grpc_use_ssl_mutual: bool,
     ) -> PyResult<NativeFrontend> {
         let pattern = |p: Option<&str>| {
             p.map(ferrobatch_serve::header_pattern)
@@ -327,6 +337,23 @@ impl NativeFrontend {
         let seconds = |what: &str, s: f64| {
             Duration::try_from_secs_f64(s)
                 .map_err(|_| PyValueError::new_err(format!("{what} must be >= 0 seconds, got {s}")))
+        };
+        let grpc_tls = match (grpc_server_cert, grpc_server_key) {
+            (None, None) if !grpc_use_ssl_mutual => None,
+            (Some(cert), Some(key)) => {
+                let files = TlsFiles {
+                    cert,
+                    key,
+                    root: grpc_root_cert,
+                    mutual: grpc_use_ssl_mutual,
+                };
+                Some(without_gil(py, || Tls::from_files(&files)).map_err(PyValueError::new_err)?)
+            }
+            _ => {
+                return Err(PyValueError::new_err(
+                    "gRPC over TLS needs both grpc_server_cert and grpc_server_key",
+                ))
+            }
         };
         let config = Config {
             threads,
@@ -346,6 +373,7 @@ impl NativeFrontend {
             http_restricted_api: restrict::parse(&http_restricted_api, Protocol::Http)?,
             grpc_restricted_protocol: restrict::parse(&grpc_restricted_protocol, Protocol::Grpc)?,
             strict_readiness,
+            grpc_tls,
         };
         config.check().map_err(PyValueError::new_err)?;
         let listen = Listen {

@@ -29,6 +29,7 @@ pub mod replies;
 pub mod restrict;
 pub mod server;
 mod streamed;
+pub mod tls;
 
 pub use http::{
     Fallback, FallbackCall, FallbackReply, FallbackRequest, FallbackResponse, Withdraw,
@@ -38,3 +39,4 @@ pub use model::ServedModel;
 pub use replies::{Column, Failure, Replies, VaryingRows};
 pub use restrict::{Api, Restrictions};
 pub use server::{header_pattern, Config, Frontend, Listen, MAX_CONNECTIONS, MAX_THREADS};
+pub use tls::{Tls, TlsFiles};

@@ -173,7 +173,8 @@ impl State {
 /// polled.
 pub(crate) struct Sending<'a, F> {
     pub(crate) connection: Pin<&'a mut F>,
-    pub(crate) outbox: &'a Outbox,
+    /// `None`: the connection's I/O writes to its socket itself (TLS).
+    pub(crate) outbox: Option<&'a Outbox>,
 }
 
 impl<F: Future> Future for Sending<'_, F> {
@@ -181,7 +182,9 @@ impl<F: Future> Future for Sending<'_, F> {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
         let polled = self.connection.as_mut().poll(cx);
-        self.outbox.send_held(cx);
+        if let Some(outbox) = self.outbox {
+            outbox.send_held(cx);
+        }
         polled
     }
 }
@@ -207,7 +210,7 @@ mod tests {
         let mut connection = std::pin::pin!(connection);
         Sending {
             connection: connection.as_mut(),
-            outbox,
+            outbox: Some(outbox),
         }
         .await
     }

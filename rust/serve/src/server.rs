@@ -30,6 +30,7 @@ use crate::metadata::{Catalog, ModelMetadata, ServerMetadata};
 use crate::model::ServedModel;
 use crate::outbox::{Outbox, Sending};
 use crate::restrict::Restrictions;
+use crate::tls::Tls;
 
 /// Where a front-end listens: HTTP, gRPC, or both (one runtime).
 #[derive(Debug, Clone, Default)]
@@ -101,6 +102,10 @@ pub struct Config {
     /// model it serves is (true, the default); false: ready while it is
     /// itself, whatever its models' readiness.
     pub strict_readiness: bool,
+    /// gRPC over TLS (Triton's `--grpc-use-ssl`); `None`: plaintext h2c.
+    /// Its handshake is a new connection's first bytes: bounded by
+    /// `header_timeout`.
+    pub grpc_tls: Option<Tls>,
 }
 
 /// The most runtime threads a front-end may have.
@@ -161,6 +166,7 @@ impl Default for Config {
             grpc_restricted_protocol: Restrictions::default(),
             max_stream_backlog: 64 << 20,
             strict_readiness: true,
+            grpc_tls: None,
         }
     }
 }
@@ -678,7 +684,7 @@ async fn watch_connection(
 /// answering what it has in flight until the runtime stops).
 async fn drive<C: GracefulConnection>(
     connection: C,
-    outbox: Arc<Outbox>,
+    outbox: Option<Arc<Outbox>>,
     idle: impl Future<Output = ()> + Send + 'static,
     stopped: watch::Receiver<Option<Duration>>,
 ) {
@@ -687,7 +693,7 @@ async fn drive<C: GracefulConnection>(
     let mut connection = std::pin::pin!(connection);
     let sending = Sending {
         connection: connection.as_mut(),
-        outbox: &outbox,
+        outbox: outbox.as_deref(),
     };
     let idled = tokio::select! {
         // In this order: no random pick on each of the connection's polls.
@@ -699,7 +705,7 @@ async fn drive<C: GracefulConnection>(
     connection.as_mut().graceful_shutdown();
     let sending = Sending {
         connection: connection.as_mut(),
-        outbox: &outbox,
+        outbox: outbox.as_deref(),
     };
     if idled {
         let _ = tokio::time::timeout(IDLE_CLOSE, sending).await;
@@ -749,6 +755,26 @@ async fn accept(
     }
     let header_timeout = config.header_timeout;
     let idle_timeout = config.idle_timeout;
+    // A gRPC connection's service: each call counted in flight on the
+    // connection's `Activity` while it runs.
+    let grpc_service = |pooled: bool, activity: Arc<Activity>| {
+        let (grpc, shared) = (grpc.clone(), shared.clone());
+        service_fn(move |request| {
+            let in_flight = InFlight::new(&activity);
+            // Boxed: hyper moves a stream's future several
+            // times as it spawns it (see `grpc::handle`).
+            let answer = Box::pin(grpc::handle(&grpc, &shared, pooled, request));
+            async move {
+                let answer = answer.await;
+                drop(in_flight);
+                Ok::<_, Infallible>(answer)
+            }
+        })
+    };
+    let tls: Option<Tls> = match protocol {
+        Protocol::Grpc => config.grpc_tls.clone(),
+        Protocol::Http => None,
+    };
     // Every connection task holds a clone; all dropped: all connections are done.
     let (open, mut finished) = tokio::sync::mpsc::channel::<()>(1);
     let mut logged = false;
@@ -772,14 +798,6 @@ async fn accept(
                 };
                 let _ = stream.set_nodelay(true);
                 let activity = Activity::new();
-                let (reader, writer) = stream.into_split();
-                let outbox = Outbox::new(writer);
-                let io = TokioIo::new(FirstBytes::new(
-                    reader,
-                    outbox.clone(),
-                    header_timeout,
-                    activity.clone(),
-                ));
                 // A headroom connection answers one probe, then closes.
                 let idle = until_idle(
                     activity.clone(),
@@ -788,6 +806,30 @@ async fn accept(
                 );
                 let stopped = stopped.clone();
                 let open = open.clone();
+                if let Some(tls) = &tls {
+                    let service = grpc_service(pooled, activity);
+                    let (tls, builder) = (tls.clone(), builder.clone());
+                    tokio::spawn(async move {
+                        // The handshake is the connection's first bytes:
+                        // bounded as a plaintext preface is.
+                        let handshake = tls.acceptor().accept(stream);
+                        if let Ok(Ok(stream)) = tokio::time::timeout(header_timeout, handshake).await {
+                            // TLS gathers h2's writes into its own records.
+                            let connection = builder.serve_connection(TokioIo::new(stream), service);
+                            drive(connection.into_owned(), None, idle, stopped).await;
+                        }
+                        drop((permit, open));
+                    });
+                    continue;
+                }
+                let (reader, writer) = stream.into_split();
+                let outbox = Outbox::new(writer);
+                let io = TokioIo::new(FirstBytes::new(
+                    reader,
+                    outbox.clone(),
+                    header_timeout,
+                    activity.clone(),
+                ));
                 match protocol {
                     Protocol::Http => {
                         let shared = shared.clone();
@@ -797,27 +839,15 @@ async fn accept(
                         });
                         let connection = builder.serve_connection(io, service).into_owned();
                         tokio::spawn(async move {
-                            drive(connection, outbox, idle, stopped).await;
+                            drive(connection, Some(outbox), idle, stopped).await;
                             drop((permit, open));
                         });
                     }
                     Protocol::Grpc => {
-                        let grpc = grpc.clone();
-                        let shared = shared.clone();
-                        let service = service_fn(move |request| {
-                            let in_flight = InFlight::new(&activity);
-                            // Boxed: hyper moves a stream's future several
-                            // times as it spawns it (see `grpc::handle`).
-                            let answer = Box::pin(grpc::handle(&grpc, &shared, pooled, request));
-                            async move {
-                                let answer = answer.await;
-                                drop(in_flight);
-                                Ok::<_, Infallible>(answer)
-                            }
-                        });
+                        let service = grpc_service(pooled, activity);
                         let connection = builder.serve_connection(io, service).into_owned();
                         tokio::spawn(async move {
-                            drive(connection, outbox, idle, stopped).await;
+                            drive(connection, Some(outbox), idle, stopped).await;
                             drop((permit, open));
                         });
                     }
