@@ -40,6 +40,8 @@ Servers, each in its own process:
 - ``ferrobatch``: ``python -m ferrobatch serve benches/python/bench_serve.py:make_servers``
   (the native front-end: Rust answers HTTP and gRPC, Python runs the model);
 - ``ferrobatch-python``: the same with ``--frontend python`` (uvicorn + Starlette, grpcio);
+- ``ferrobatch-tls``: the native front-end with gRPC over TLS (``--grpc-use-ssl``, a throwaway
+  CA's certificate; h2load over ``https``): what TLS costs beside ``ferrobatch``'s h2c;
 - ``hyper-echo``: a bare hyper server on the native front-end's stack that answers each
   request with its own body (``rust/serve/examples/echo.rs``): the ceiling, wrk driver only;
 - ``pytriton``: the same models bound to PyTriton (NVIDIA's Triton with a
@@ -411,6 +413,8 @@ class Endpoint:
     grpc: str
     metrics: str  # base URL of /metrics
     pid: int  # the server's process; its CPU time counts its descendants too
+    #: gRPC over TLS: the CA that signs the server's certificate (None: h2c).
+    grpc_root: Path | None = None
 
 
 def cpu_seconds(root: int) -> float:
@@ -482,9 +486,11 @@ def ferrobatch_server(
     threads: int | None = None,
     wrapper: Sequence[str] = (),
     ready_seconds: float = 180,
+    tls: bool = False,
 ) -> Iterator[Endpoint]:
     """``ferrobatch serve`` with this file's models, run by ``wrapper`` (a
-    profiler's command line) when given."""
+    profiler's command line) when given; ``tls``: gRPC over TLS, with a
+    throwaway CA's certificate (written beside ``log``)."""
     http, grpc = free_ports(2)
     cmd = [
         *pinned(cpu), *wrapper, sys.executable, "-m", "ferrobatch", "serve", f"{HERE}:make_servers",
@@ -492,13 +498,25 @@ def ferrobatch_server(
         *(["--threads", str(threads)] if threads else []),
     ]  # fmt: skip
     name = "ferrobatch" if frontend == "native" else f"ferrobatch-{frontend}"
+    root = None
+    if tls:
+        import trustme
+
+        ca, root = trustme.CA(), log.with_suffix(".ca.pem")
+        issued = ca.issue_cert("127.0.0.1")
+        ca.cert_pem.write_to_path(str(root))
+        issued.cert_chain_pems[0].write_to_path(str(log.with_suffix(".cert.pem")))
+        issued.private_key_pem.write_to_path(str(log.with_suffix(".key.pem")))
+        cmd += ["--grpc-use-ssl", "--grpc-server-cert", str(log.with_suffix(".cert.pem"))]
+        cmd += ["--grpc-server-key", str(log.with_suffix(".key.pem"))]
+        name += "-tls"
     # It imports this file, which imports serve_loadgen beside it.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))}
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
         try:
             wait_ready(f"127.0.0.1:{http}", proc, ready_seconds)
-            yield Endpoint(name, f"127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"http://127.0.0.1:{http}", proc.pid)
+            yield Endpoint(name, f"127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"http://127.0.0.1:{http}", proc.pid, root)
         finally:
             stop(proc)
 
@@ -697,9 +715,12 @@ class Native:
         if endpoint.name == "hyper-echo":  # no model: its replies are the requests
             self.reply_length[key] = 0
         elif key not in self.reply_length:  # the server answers these bytes right, once per server
-            self.reply_length[key] = loadgen.check(request, endpoint.http, endpoint.grpc, self.expected[model])
+            self.reply_length[key] = loadgen.check(
+                request, endpoint.http, endpoint.grpc, self.expected[model], endpoint.grpc_root
+            )
         if protocol == "grpc":
-            return loadgen.run_h2load(request, endpoint.grpc, c, seconds, cpu, self.reply_length[key])
+            tls = endpoint.grpc_root is not None
+            return loadgen.run_h2load(request, endpoint.grpc, c, seconds, cpu, self.reply_length[key], tls)
         return loadgen.run_wrk(request, endpoint.http, c, seconds, cpu)
 
     def measure(self, endpoint: Endpoint, protocol: str, model: str, c: int, args: argparse.Namespace) -> Result:
@@ -1011,6 +1032,19 @@ def print_ratios(results: list[Result]) -> None:
     if lines:
         print("\nferrobatch / PyTriton:")
         print("\n".join(lines))
+    tls = [
+        f"  {model:<13}conns={callers:<4} req/s x{r.rps / plain.rps:.2f}"
+        f"   server CPU per request {plain.server_cpu_us:.1f} -> {r.server_cpu_us:.1f} us"
+        f"   p99 {plain.p99_ms:.2f} -> {r.p99_ms:.2f} ms"
+        for (server, protocol, model, callers), r in sorted(by_key.items())
+        if server == "ferrobatch-tls"
+        and protocol == "grpc"
+        and (plain := by_key.get(("ferrobatch", protocol, model, callers))) is not None
+        and plain.rps
+    ]
+    if tls:
+        print("\ngRPC over TLS / h2c (ferrobatch native):")
+        print("\n".join(tls))
     checked = targets(results)
     if checked:
         print("\nferrobatch serve, mlp, 256 connections (issue 12):")
@@ -1046,6 +1080,7 @@ def markdown(path: Path) -> str:
     names = {
         "ferrobatch": "ferrobatch (native)",
         "ferrobatch-python": "ferrobatch (python)",
+        "ferrobatch-tls": "ferrobatch (native, gRPC over TLS)",
         "pytriton": "PyTriton",
         "hyper-echo": "hyper echo",
     }
@@ -1110,8 +1145,8 @@ def main() -> int:
         "--servers",
         default="ferrobatch,ferrobatch-python,pytriton,hyper-echo",
         help="comma-separated: ferrobatch (the native front-end), ferrobatch-python (uvicorn +"
-        " Starlette, grpcio), pytriton, hyper-echo (a bare hyper server echoing each request:"
-        " the ceiling; wrk driver only)",
+        " Starlette, grpcio), ferrobatch-tls (the native front-end, gRPC over TLS), pytriton,"
+        " hyper-echo (a bare hyper server echoing each request: the ceiling; wrk driver only)",
     )
     parser.add_argument("--seconds", type=float, default=5.0, help="measured seconds per case (default 5)")
     parser.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds first (default 2)")
@@ -1241,6 +1276,9 @@ def main() -> int:
             elif server == "ferrobatch-python":
                 log = logs / "ferrobatch-python.log"
                 endpoints.append(stack.enter_context(ferrobatch_server(log, server_cpu, "python")))
+            elif server == "ferrobatch-tls":
+                log = logs / "ferrobatch-tls.log"
+                endpoints.append(stack.enter_context(ferrobatch_server(log, server_cpu, tls=True)))
             elif server == "hyper-echo":
                 if not wrk:
                     parser.error("hyper-echo needs --driver wrk")

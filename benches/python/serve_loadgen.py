@@ -153,14 +153,21 @@ def make_request(protocol: str, model: str, inputs: dict[str, np.ndarray], outpu
     raise ValueError(f"unknown protocol {protocol!r}")
 
 
-def _answered(request: Request, http: str, grpc: str) -> tuple[dict[str, np.ndarray], int]:
+def _answered(
+    request: Request, http: str, grpc: str, grpc_root: Path | None = None
+) -> tuple[dict[str, np.ndarray], int]:
     """Sends ``request`` once: its outputs by name (flat), and the response's
-    length in bytes (the body for HTTP, the framed message for gRPC)."""
+    length in bytes (the body for HTTP, the framed message for gRPC; over
+    TLS when ``grpc_root``, the CA that signs the server's certificate)."""
     if request.protocol == "grpc":
         import grpc as grpclib
         from tritonclient.grpc import service_pb2 as pb
 
-        with grpclib.insecure_channel(grpc) as channel:
+        if grpc_root is None:
+            channel = grpclib.insecure_channel(grpc)
+        else:
+            channel = grpclib.secure_channel(grpc, grpclib.ssl_channel_credentials(grpc_root.read_bytes()))
+        with channel:
             call = channel.unary_unary(GRPC_METHOD)  # bytes in, bytes out
             reply = call(request.body[5:], timeout=30)
         response = pb.ModelInferResponse.FromString(reply)
@@ -203,12 +210,14 @@ def _answered(request: Request, http: str, grpc: str) -> tuple[dict[str, np.ndar
     return got, len(body)
 
 
-def check(request: Request, http: str, grpc: str, expected: dict[str, np.ndarray]) -> int:
+def check(
+    request: Request, http: str, grpc: str, expected: dict[str, np.ndarray], grpc_root: Path | None = None
+) -> int:
     """Sends ``request`` once; raises unless the server answers ``expected``
     for every output (floats within float32 rounding, bytes exactly).
     Returns the response's length in bytes (the body for HTTP, the framed
     message for gRPC)."""
-    got, length = _answered(request, http, grpc)
+    got, length = _answered(request, http, grpc, grpc_root)
     for name, want in expected.items():
         y = got.get(name)
         if y is None or y.size != want.size:
@@ -312,10 +321,10 @@ def _h2load_field(text: str, pattern: str) -> float:
 
 
 def run_h2load(
-    request: Request, grpc: str, connections: int, seconds: float, cpu: str, reply_length: int
+    request: Request, grpc: str, connections: int, seconds: float, cpu: str, reply_length: int, tls: bool = False
 ) -> LoadResult:
     """h2load on ``cpu`` (a thread per core of it), ``connections`` h2c connections with one
-    stream in flight each, for ``seconds``. ``reply_length``: the framed
+    stream in flight each (``tls``: HTTP/2 over TLS), for ``seconds``. ``reply_length``: the framed
     response of the checked request; shorter ones count as errors."""
     with tempfile.TemporaryDirectory(prefix="bench_serve-h2load-") as tmp:
         body, log = Path(tmp, "body"), Path(tmp, "log.tsv")
@@ -327,7 +336,7 @@ def run_h2load(
         ]  # fmt: skip
         for name, value in request.headers.items():
             cmd += ["-H", f"{name}: {value}"]
-        cmd.append(f"http://{grpc}{request.path}")
+        cmd.append(f"{'https' if tls else 'http'}://{grpc}{request.path}")
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60)
         text = done.stdout
         if done.returncode != 0 or "requests:" not in text:

@@ -173,8 +173,7 @@ impl State {
 /// polled.
 pub(crate) struct Sending<'a, F> {
     pub(crate) connection: Pin<&'a mut F>,
-    /// `None`: the connection's I/O writes to its socket itself (TLS).
-    pub(crate) outbox: Option<&'a Outbox>,
+    pub(crate) outbox: &'a Outbox,
 }
 
 impl<F: Future> Future for Sending<'_, F> {
@@ -182,9 +181,7 @@ impl<F: Future> Future for Sending<'_, F> {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
         let polled = self.connection.as_mut().poll(cx);
-        if let Some(outbox) = self.outbox {
-            outbox.send_held(cx);
-        }
+        self.outbox.send_held(cx);
         polled
     }
 }
@@ -210,7 +207,7 @@ mod tests {
         let mut connection = std::pin::pin!(connection);
         Sending {
             connection: connection.as_mut(),
-            outbox: Some(outbox),
+            outbox,
         }
         .await
     }

@@ -684,7 +684,7 @@ async fn watch_connection(
 /// answering what it has in flight until the runtime stops).
 async fn drive<C: GracefulConnection>(
     connection: C,
-    outbox: Option<Arc<Outbox>>,
+    outbox: Arc<Outbox>,
     idle: impl Future<Output = ()> + Send + 'static,
     stopped: watch::Receiver<Option<Duration>>,
 ) {
@@ -693,7 +693,7 @@ async fn drive<C: GracefulConnection>(
     let mut connection = std::pin::pin!(connection);
     let sending = Sending {
         connection: connection.as_mut(),
-        outbox: outbox.as_deref(),
+        outbox: &outbox,
     };
     let idled = tokio::select! {
         // In this order: no random pick on each of the connection's polls.
@@ -705,7 +705,7 @@ async fn drive<C: GracefulConnection>(
     connection.as_mut().graceful_shutdown();
     let sending = Sending {
         connection: connection.as_mut(),
-        outbox: outbox.as_deref(),
+        outbox: &outbox,
     };
     if idled {
         let _ = tokio::time::timeout(IDLE_CLOSE, sending).await;
@@ -806,30 +806,36 @@ async fn accept(
                 );
                 let stopped = stopped.clone();
                 let open = open.clone();
+                let (reader, writer) = stream.into_split();
+                let outbox = Outbox::new(writer);
+                let io = FirstBytes::new(
+                    reader,
+                    outbox.clone(),
+                    header_timeout,
+                    activity.clone(),
+                    tls.is_some(),
+                );
                 if let Some(tls) = &tls {
                     let service = grpc_service(pooled, activity);
                     let (tls, builder) = (tls.clone(), builder.clone());
                     tokio::spawn(async move {
                         // The handshake is the connection's first bytes:
-                        // bounded as a plaintext preface is.
-                        let handshake = tls.acceptor().accept(stream);
-                        if let Ok(Ok(stream)) = tokio::time::timeout(header_timeout, handshake).await {
-                            // TLS gathers h2's writes into its own records.
+                        // bounded as a plaintext preface is. Its records,
+                        // and h2's after it, are gathered per poll as h2c's.
+                        let handshake = std::pin::pin!(tls.acceptor().accept(io));
+                        let sending = Sending {
+                            connection: handshake,
+                            outbox: &outbox,
+                        };
+                        if let Ok(Ok(stream)) = tokio::time::timeout(header_timeout, sending).await {
                             let connection = builder.serve_connection(TokioIo::new(stream), service);
-                            drive(connection.into_owned(), None, idle, stopped).await;
+                            drive(connection.into_owned(), outbox, idle, stopped).await;
                         }
                         drop((permit, open));
                     });
                     continue;
                 }
-                let (reader, writer) = stream.into_split();
-                let outbox = Outbox::new(writer);
-                let io = TokioIo::new(FirstBytes::new(
-                    reader,
-                    outbox.clone(),
-                    header_timeout,
-                    activity.clone(),
-                ));
+                let io = TokioIo::new(io);
                 match protocol {
                     Protocol::Http => {
                         let shared = shared.clone();
@@ -839,7 +845,7 @@ async fn accept(
                         });
                         let connection = builder.serve_connection(io, service).into_owned();
                         tokio::spawn(async move {
-                            drive(connection, Some(outbox), idle, stopped).await;
+                            drive(connection, outbox, idle, stopped).await;
                             drop((permit, open));
                         });
                     }
@@ -847,7 +853,7 @@ async fn accept(
                         let service = grpc_service(pooled, activity);
                         let connection = builder.serve_connection(io, service).into_owned();
                         tokio::spawn(async move {
-                            drive(connection, Some(outbox), idle, stopped).await;
+                            drive(connection, outbox, idle, stopped).await;
                             drop((permit, open));
                         });
                     }
@@ -903,11 +909,14 @@ struct FirstBytes {
 }
 
 impl FirstBytes {
+    /// `http2`: known to be HTTP/2 whatever its first bytes (TLS records
+    /// carry its preface): only those first bytes are timed here.
     fn new(
         stream: OwnedReadHalf,
         outbox: Arc<Outbox>,
         timeout: Duration,
         activity: Arc<Activity>,
+        http2: bool,
     ) -> FirstBytes {
         let clock = Box::pin(tokio::time::sleep(timeout));
         FirstBytes {
@@ -916,7 +925,7 @@ impl FirstBytes {
             timeout,
             read: 0,
             start: [0; 3],
-            http2: false,
+            http2,
             deadline: clock.deadline(),
             clock,
             armed: true,
@@ -1262,7 +1271,13 @@ mod tests {
         let (reader, writer) = stream.into_split();
         let activity = Activity::new();
         let began = tokio::time::Instant::now();
-        let mut first = FirstBytes::new(reader, Outbox::new(writer), timeout, activity.clone());
+        let mut first = FirstBytes::new(
+            reader,
+            Outbox::new(writer),
+            timeout,
+            activity.clone(),
+            false,
+        );
         let mut buf = [0u8; 16];
         client.write_all(b"G").unwrap();
         assert_eq!(first.read(&mut buf).await.unwrap(), 1);
