@@ -248,3 +248,36 @@ def test_tritonconfig_serves_grpc_over_tls(pki: Pki) -> None:
             np.testing.assert_array_equal(_infer(client), [[3.0, -4.0]])
         with _secure(triton.grpc_port, pki) as client, pytest.raises(InferenceServerException):
             _infer(client)
+
+
+def test_an_embedded_grpc_server_serves_tls_with_credentials(pki: Pki) -> None:
+    """``ferrobatch.grpc.grpc_server(..., credentials=)`` binds ``address``
+    over TLS, for apps that run their own ``grpc.aio`` server."""
+    import asyncio
+
+    import grpc
+    import tritonclient.grpc.aio as aiogrpcclient
+
+    from ferrobatch.grpc import grpc_server
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    credentials = grpc.ssl_server_credentials([(pki.key.read_bytes(), pki.cert.read_bytes())])
+    model = _doubler()
+
+    async def scenario() -> None:
+        async with model:
+            server = grpc_server([model], f"127.0.0.1:{port}", credentials=credentials)
+            await server.start()
+            client = aiogrpcclient.InferenceServerClient(f"127.0.0.1:{port}", ssl=True, root_certificates=str(pki.ca))
+            try:
+                x = aiogrpcclient.InferInput("x", [1, 2], "FP32")
+                x.set_data_from_numpy(np.array([[1.5, -2.0]], dtype=np.float32))
+                result = await client.infer("m", [x])
+                np.testing.assert_array_equal(result.as_numpy("y"), [[3.0, -4.0]])
+            finally:
+                await client.close()
+                await server.stop(None)
+
+    asyncio.run(scenario())

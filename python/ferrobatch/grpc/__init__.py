@@ -48,9 +48,12 @@ def grpc_server(
     max_stream_backlog: int = MAX_STREAM_BACKLOG,
     grpc_restricted_protocol: Sequence[str] = (),
     allow_client_shm: bool = False,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> grpc.aio.Server:
     """A ``grpc.aio.Server`` with the v2 service for ``servers``, bound to
-    ``address`` (``None``: bind nothing; call ``add_insecure_port`` yourself).
+    ``address`` (``None``: bind nothing; call ``add_insecure_port`` or
+    ``add_secure_port`` yourself); over TLS with ``credentials``
+    (``grpc.ssl_server_credentials(...)``), as ``ServeConfig(grpc_use_ssl=)``.
     It is not started, and it does not start or stop the ferrobatch servers.
     Call it on the event loop that will run it. ``max_stream_backlog``: the
     bytes of a decoupled model's responses one ``ModelStreamInfer`` stream
@@ -78,7 +81,9 @@ def grpc_server(
     )
     servicer = InferenceServicer(servers, max_stream_backlog=max_stream_backlog, allow_client_shm=allow_client_shm)
     add_to_server(servicer, server, grpc_restricted_protocol)
-    if address is not None:
+    if address is not None and credentials is not None:
+        server.add_secure_port(address, credentials)
+    elif address is not None:
         server.add_insecure_port(address)
     return server
 
