@@ -415,6 +415,7 @@ class NativeFrontend:
         body_timeout: float = 60.0,
         idle_timeout: float = 300.0,
         keepalive_interval: float = 60.0,
+        keepalive_timeout: float | None = None,
         http_header_forward_pattern: str | None = None,
         grpc_header_forward_pattern: str | None = None,
         max_stream_backlog: int = ...,
@@ -425,6 +426,7 @@ class NativeFrontend:
         grpc_server_key: str | os.PathLike[str] | None = None,
         grpc_root_cert: str | os.PathLike[str] | None = None,
         grpc_use_ssl_mutual: bool = False,
+        grpc_response_compression: str = "none",
     ) -> NativeFrontend: ...
     @property
     def port(self) -> int | None: ...

@@ -346,9 +346,22 @@ class ServeConfig:
     #: Native front-end: seconds a connection may stay open with no request
     #: in flight (HTTP/2: GOAWAY, then closed).
     idle_timeout: float = 300.0
-    #: Native front-end: HTTP/2 connections are pinged this often (seconds)
-    #: and closed when a ping is not answered within as long; 0: no pings.
+    #: HTTP/2 connections are pinged this often (seconds) and
+    #: closed when a ping is not answered within ``keepalive_timeout``, so a
+    #: client that vanished without closing (a dead host, a dropped route)
+    #: has its calls cancelled; 0: no pings. The native front-end's h2c and
+    #: gRPC connections, the Python front-end's gRPC ones (grpcio's
+    #: keepalive: Triton's ``--grpc-keepalive-time``).
     keepalive_interval: float = 60.0
+    #: Seconds a ping may go unanswered (Triton's ``--grpc-keepalive-timeout``);
+    #: None: ``keepalive_interval``.
+    keepalive_timeout: float | None = None
+    #: Triton's ``--grpc-infer-response-compression-level``, either front-end:
+    #: "none" (the default) sends gRPC responses as they are; "low" compresses
+    #: them with gzip, "medium" and "high" with deflate (each the other when the
+    #: call accepts only that one; none when it accepts neither), as gRPC's
+    #: own servers rank them.
+    grpc_infer_response_compression_level: str = "none"
     #: Native front-end: a regular expression; HTTP request headers whose
     #: names it matches (anywhere, ignoring case) join the request's parameters,
     #: by lowercase name, for models built ``with_requests`` (Triton's
@@ -529,6 +542,12 @@ def check_config(config: ServeConfig) -> None:
     for name in ("header_timeout", "body_timeout", "idle_timeout"):
         seconds(name, zero=False)
     seconds("keepalive_interval")  # 0: no pings
+    seconds("keepalive_timeout", zero=False, optional=True)
+    if config.grpc_infer_response_compression_level not in COMPRESSION_LEVELS:
+        raise ValueError(
+            f"grpc_infer_response_compression_level must be one of {', '.join(map(repr, COMPRESSION_LEVELS))},"
+            f" got {config.grpc_infer_response_compression_level!r}"
+        )
     seconds("graceful_timeout")
     seconds("drain_delay")
     if config.switch_interval is not None and not (
@@ -617,6 +636,35 @@ def grpc_tls(config: ServeConfig) -> GrpcTls | None:
     return GrpcTls(cert, key, root)
 
 
+def _grpc_keepalive(config: ServeConfig) -> list[tuple[str, int]]:
+    """grpcio's options for the keepalive the native front-end's h2 does:
+    a ping every ``keepalive_interval``, with calls in flight or none, as
+    many as it takes, the connection closed after ``keepalive_timeout``
+    without an answer."""
+    if not config.keepalive_interval:
+        return []
+    timeout = config.keepalive_interval if config.keepalive_timeout is None else config.keepalive_timeout
+    interval_ms = max(1, round(config.keepalive_interval * 1000))
+    return [
+        ("grpc.keepalive_time_ms", interval_ms),
+        ("grpc.keepalive_timeout_ms", max(1, round(timeout * 1000))),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        # gRPC's core waits for a keepalive ping's answer this long (a minute by default).
+        ("grpc.http2.ping_timeout_ms", max(1, round(timeout * 1000))),
+        # Otherwise gRPC's core spaces pings without data by at least 5 minutes.
+        ("grpc.http2.min_time_between_pings_ms", interval_ms),
+    ]
+
+
+def _grpc_compression(config: ServeConfig) -> list[tuple[str, int]]:
+    """grpcio's default compression level, as Triton sets it on its gRPC
+    server: gRPC's core picks each response's coding for the level among
+    those its call accepts."""
+    level = COMPRESSION_LEVELS.index(config.grpc_infer_response_compression_level)
+    return [("grpc.default_compression_level", level)] if level else []
+
+
 def _native_tls(config: ServeConfig) -> dict[str, Any]:
     """The native front-end's TLS arguments (it reads the files itself)."""
     if not (config.grpc_use_ssl or config.grpc_use_ssl_mutual):
@@ -627,6 +675,10 @@ def _native_tls(config: ServeConfig) -> dict[str, Any]:
         "grpc_root_cert": config.grpc_root_cert if config.grpc_use_ssl_mutual else None,
         "grpc_use_ssl_mutual": config.grpc_use_ssl_mutual,
     }
+
+
+#: Triton's gRPC response compression levels.
+COMPRESSION_LEVELS = ("none", "low", "medium", "high")
 
 
 #: What ``log_level`` may be: the names both logging and uvicorn know.
@@ -836,6 +888,8 @@ async def _serve(
                         body_timeout=config.body_timeout,
                         idle_timeout=config.idle_timeout,
                         keepalive_interval=config.keepalive_interval,
+                        keepalive_timeout=config.keepalive_timeout,
+                        grpc_response_compression=config.grpc_infer_response_compression_level,
                         http_header_forward_pattern=config.http_header_forward_pattern,
                         grpc_header_forward_pattern=config.grpc_header_forward_pattern,
                         max_stream_backlog=config.max_stream_backlog,
@@ -865,6 +919,7 @@ async def _serve(
                     max_message_size=config.max_body_size,
                     max_stream_backlog=config.max_stream_backlog,
                     grpc_restricted_protocol=config.grpc_restricted_protocol,
+                    options=[*_grpc_keepalive(config), *_grpc_compression(config)],
                 )
                 address = f"{_bracket(config.host)}:{config.grpc_port}"
                 tls = grpc_tls(config)
@@ -1483,8 +1538,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_seconds,
         default=60.0,
         metavar="SECONDS",
-        help="native front-end: HTTP/2 connections are pinged this often and closed when a ping"
-        " goes unanswered as long; 0: no pings (default 60)",
+        help="HTTP/2 connections (native: h2c and gRPC; python: gRPC) are pinged this often and closed"
+        " when a ping goes unanswered for --keepalive-timeout; 0: no pings (default 60)",
+    )
+    parser.add_argument(
+        "--grpc-infer-response-compression-level",
+        choices=COMPRESSION_LEVELS,
+        default="none",
+        help="compress gRPC responses: low with gzip, medium and high with deflate (each the other when a"
+        " call accepts only that one), as Triton's flag; none (default) sends them as they are",
+    )
+    parser.add_argument(
+        "--keepalive-timeout",
+        type=_seconds,
+        metavar="SECONDS",
+        help="how long a keepalive ping may go unanswered (default: --keepalive-interval)",
     )
     parser.add_argument(
         "--http-header-forward-pattern",
@@ -1776,6 +1844,8 @@ def main(args: argparse.Namespace) -> int:
         body_timeout=args.body_timeout,
         idle_timeout=args.idle_timeout,
         keepalive_interval=args.keepalive_interval,
+        keepalive_timeout=args.keepalive_timeout,
+        grpc_infer_response_compression_level=args.grpc_infer_response_compression_level,
         http_header_forward_pattern=args.http_header_forward_pattern,
         grpc_header_forward_pattern=args.grpc_header_forward_pattern,
         http_restricted_api=tuple(args.http_restricted_api),

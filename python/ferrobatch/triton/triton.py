@@ -168,7 +168,10 @@ class TritonConfig:
     (False: ready whatever the models' state), ``grpc_use_ssl`` /
     ``grpc_use_ssl_mutual`` with ``grpc_server_cert``, ``grpc_server_key``
     and ``grpc_root_cert`` (gRPC over TLS, mutual: clients' certificates
-    checked against the roots), ``exit_on_error`` (as in
+    checked against the roots), ``grpc_keepalive_time`` /
+    ``grpc_keepalive_timeout`` (milliseconds: HTTP/2 pings and how long one
+    may go unanswered), ``grpc_infer_response_compression_level``
+    (``"low"``: gzip, ``"medium"`` / ``"high"``: deflate, as Triton), ``exit_on_error`` (as in
     PyTriton, no effect: a model that fails to load raises in ``run()``). The other fields are Triton
     server options with no meaning here: setting one logs a warning.
     ``/metrics`` is served on the HTTP port too.
@@ -318,6 +321,9 @@ _USED = {
     "grpc_server_cert",
     "grpc_server_key",
     "grpc_root_cert",
+    "grpc_keepalive_time",
+    "grpc_keepalive_timeout",
+    "grpc_infer_response_compression_level",
 }
 
 #: Elements of a ``(-1,)`` input one request may carry at least (the
@@ -373,6 +379,10 @@ def serve_config(
         strict_readiness=config.strict_readiness is not False,
         server_id=SERVER_ID if config.id is None else config.id,
         log_file=config.log_file,
+        # Triton's keepalive is in milliseconds; unset, ferrobatch's (a ping a minute) stands.
+        keepalive_interval=60.0 if config.grpc_keepalive_time is None else config.grpc_keepalive_time / 1000,
+        keepalive_timeout=None if config.grpc_keepalive_timeout is None else config.grpc_keepalive_timeout / 1000,
+        grpc_infer_response_compression_level=config.grpc_infer_response_compression_level or "none",
         # As Triton: the files are read with SSL on only; mutual implies SSL.
         grpc_use_ssl=ssl,
         grpc_use_ssl_mutual=bool(config.grpc_use_ssl_mutual),

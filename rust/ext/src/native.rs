@@ -12,8 +12,8 @@ use std::time::Duration;
 use ferrobatch_serve::restrict::Protocol;
 use ferrobatch_serve::{
     Catalog, Config, Fallback, FallbackCall, FallbackReply, FallbackRequest, FallbackResponse,
-    Frontend, Listen, ModelMetadata, Replies, ServedModel, ServerMetadata, TensorMetadata, Tls,
-    TlsFiles, Withdraw,
+    Frontend, Listen, ModelMetadata, Replies, ResponseCompression, ServedModel, ServerMetadata,
+    TensorMetadata, Tls, TlsFiles, Withdraw,
 };
 use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
@@ -284,14 +284,18 @@ impl NativeFrontend {
     /// (Triton's `--grpc-use-ssl`); with `grpc_use_ssl_mutual`, clients
     /// must present a certificate that `grpc_root_cert` signs. A file that
     /// cannot be read or used raises `ValueError` naming it.
+    /// `grpc_response_compression` (Triton's
+    /// `--grpc-infer-response-compression-level`): `none`, `low`, `medium`
+    /// or `high`.
     #[new]
     #[pyo3(signature = (
         host, port, fallback, *, grpc_port=None, server_metadata=None, model_metadata=Vec::new(), grpc_fallback=None,
         threads=1, max_body_size=64 << 20, max_decompressed_size=64 << 20, max_connections=10_000, max_streams=1024,
-        header_timeout=30.0, body_timeout=60.0, idle_timeout=300.0, keepalive_interval=60.0,
+        header_timeout=30.0, body_timeout=60.0, idle_timeout=300.0, keepalive_interval=60.0, keepalive_timeout=None,
         http_header_forward_pattern=None, grpc_header_forward_pattern=None, max_stream_backlog=64 << 20,
         http_restricted_api=Vec::new(), grpc_restricted_protocol=Vec::new(), strict_readiness=true,
         grpc_server_cert=None, grpc_server_key=None, grpc_root_cert=None, grpc_use_ssl_mutual=false,
+        grpc_response_compression="none",
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -312,6 +316,7 @@ impl NativeFrontend {
         body_timeout: f64,
         idle_timeout: f64,
         keepalive_interval: f64,
+        keepalive_timeout: Option<f64>,
         http_header_forward_pattern: Option<&str>,
         grpc_header_forward_pattern: Option<&str>,
         max_stream_backlog: usize,
@@ -322,6 +327,7 @@ impl NativeFrontend {
         grpc_server_key: Option<PathBuf>,
         grpc_root_cert: Option<PathBuf>,
         grpc_use_ssl_mutual: bool,
+        grpc_response_compression: &str,
     ) -> PyResult<NativeFrontend> {
         let pattern = |p: Option<&str>| {
             p.map(ferrobatch_serve::header_pattern)
@@ -367,6 +373,9 @@ impl NativeFrontend {
             // 0: no pings.
             keepalive_interval: Some(seconds("keepalive_interval", keepalive_interval)?)
                 .filter(|d| !d.is_zero()),
+            keepalive_timeout: keepalive_timeout
+                .map(|s| seconds("keepalive_timeout", s))
+                .transpose()?,
             http_header_forward_pattern: pattern(http_header_forward_pattern)?,
             grpc_header_forward_pattern: pattern(grpc_header_forward_pattern)?,
             max_stream_backlog,
@@ -374,6 +383,12 @@ impl NativeFrontend {
             grpc_restricted_protocol: restrict::parse(&grpc_restricted_protocol, Protocol::Grpc)?,
             strict_readiness,
             grpc_tls,
+            grpc_response_compression: ResponseCompression::named(grpc_response_compression)
+                .ok_or_else(|| {
+                    PyValueError::new_err(format!(
+                        "grpc_response_compression must be 'none', 'low', 'medium' or 'high', got {grpc_response_compression:?}"
+                    ))
+                })?,
         };
         config.check().map_err(PyValueError::new_err)?;
         let listen = Listen {

@@ -171,10 +171,98 @@ pub(crate) type Server = GrpcInferenceServiceServer<Inference>;
 /// `max_body_size` (as sent and once inflated), gzip and deflate accepted.
 pub(crate) fn server(shared: Arc<Shared>) -> Server {
     let limit = shared.config.max_body_size;
-    GrpcInferenceServiceServer::new(Inference { shared })
+    let compressed = shared.config.grpc_response_compression != ResponseCompression::None;
+    let server = GrpcInferenceServiceServer::new(Inference { shared })
         .max_decoding_message_size(limit)
         .accept_compressed(CompressionEncoding::Gzip)
-        .accept_compressed(CompressionEncoding::Deflate)
+        .accept_compressed(CompressionEncoding::Deflate);
+    if !compressed {
+        return server;
+    }
+    // The RPCs tonic answers (the stream's responses among them) are coded
+    // as the client's `grpc-accept-encoding` lists them first.
+    server
+        .send_compressed(CompressionEncoding::Gzip)
+        .send_compressed(CompressionEncoding::Deflate)
+}
+
+/// Triton's `--grpc-infer-response-compression-level`: whether responses
+/// are compressed, and which coding comes first among those a call accepts
+/// (`grpc-accept-encoding`), ranked as gRPC's own servers rank them (low:
+/// gzip, then deflate; medium and high: deflate, then gzip). zlib's level
+/// stays its fast one either way: the level picks the coding, as in gRPC.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ResponseCompression {
+    #[default]
+    None,
+    Low,
+    Medium,
+    High,
+}
+
+impl ResponseCompression {
+    /// The level Triton's flag names (`none`, `low`, `medium`, `high`).
+    pub fn named(name: &str) -> Option<ResponseCompression> {
+        match name {
+            "none" => Some(ResponseCompression::None),
+            "low" => Some(ResponseCompression::Low),
+            "medium" => Some(ResponseCompression::Medium),
+            "high" => Some(ResponseCompression::High),
+            _ => None,
+        }
+    }
+
+    /// The coding of a response to a call that accepts `accepted`
+    /// (`grpc-accept-encoding`: comma-separated names); None: sent as it is.
+    fn coding(self, accepted: Option<&HeaderValue>) -> Option<Coding> {
+        if self == ResponseCompression::None {
+            return None;
+        }
+        let (mut gzip, mut deflate) = (false, false);
+        for name in accepted?.as_bytes().split(|&b| b == b',') {
+            let name = name.trim_ascii();
+            gzip |= name.eq_ignore_ascii_case(b"gzip");
+            deflate |= name.eq_ignore_ascii_case(b"deflate");
+        }
+        let first = if self == ResponseCompression::Low {
+            [(gzip, Coding::Gzip), (deflate, Coding::Deflate)]
+        } else {
+            [(deflate, Coding::Deflate), (gzip, Coding::Gzip)]
+        };
+        first
+            .into_iter()
+            .find(|(accepted, _)| *accepted)
+            .map(|(_, coding)| coding)
+    }
+}
+
+/// A compressed reply at least this long is compressed off the runtime's threads.
+const COMPRESS_OFF_RUNTIME: usize = 64 << 10;
+
+/// `framed` (one prefixed message) with its message compressed as
+/// `coding`; as it was if the encoder fails (its flag says so).
+async fn compressed(shared: &Arc<Shared>, framed: Bytes, coding: Coding) -> Bytes {
+    // A clone of `Bytes` is a count: what is sent if the work is refused
+    // (flag 0, a message as it is, is valid whatever `grpc-encoding` says).
+    let plain = framed.clone();
+    let compress = move || {
+        let message = framed.get(PREFIX..).unwrap_or_default();
+        let Some(coded) = crate::encoding::compress(message, coding) else {
+            return framed;
+        };
+        let Ok(length) = u32::try_from(coded.len()) else {
+            return framed;
+        };
+        let mut out = Vec::with_capacity(PREFIX.saturating_add(coded.len()));
+        out.push(1);
+        out.extend_from_slice(&length.to_be_bytes());
+        out.extend_from_slice(&coded);
+        Bytes::from(out)
+    };
+    if plain.len() < COMPRESS_OFF_RUNTIME {
+        return compress();
+    }
+    shared.offload(compress).await.unwrap_or(plain)
 }
 
 /// The RPCs a connection beyond `max_connections` (the
@@ -522,6 +610,8 @@ struct ModelInferCall {
     inference: Inference,
     body: Incoming,
     coding: Option<Coding>,
+    /// How its reply is compressed ([`ResponseCompression`]); None: not.
+    reply_coding: Option<Coding>,
     /// `grpc-timeout`.
     call_timeout: Option<Duration>,
     forwarded: Vec<(String, String)>,
@@ -534,6 +624,10 @@ impl ModelInferCall {
     ) -> Result<ModelInferCall, Status> {
         let (parts, body) = request.into_parts();
         let coding = message_encoding(&parts.headers)?;
+        let reply_coding = shared
+            .config
+            .grpc_response_compression
+            .coding(parts.headers.get("grpc-accept-encoding"));
         let inference = Inference {
             shared: shared.clone(),
         };
@@ -543,14 +637,21 @@ impl ModelInferCall {
             inference,
             body,
             coding,
+            reply_coding,
             call_timeout,
             forwarded,
         })
     }
 
     async fn answer(self) -> hyper::Response<tonic::body::Body> {
+        let reply_coding = self.reply_coding;
+        let shared = reply_coding.map(|_| self.inference.shared.clone());
         match self.answered().await {
             Ok(framed) => {
+                let framed = match (reply_coding, &shared) {
+                    (Some(coding), Some(shared)) => compressed(shared, framed, coding).await,
+                    _ => framed,
+                };
                 let mut response = hyper::Response::new(tonic::body::Body::new(OneMessage {
                     framed: Some(framed),
                     ended: false,
@@ -559,6 +660,10 @@ impl ModelInferCall {
                     hyper::header::CONTENT_TYPE,
                     HeaderValue::from_static("application/grpc"),
                 );
+                if let Some(coding) = reply_coding {
+                    let name = HeaderValue::from_static(coding.name());
+                    response.headers_mut().insert(GRPC_ENCODING.clone(), name);
+                }
                 response
             }
             Err(status) => status.into_http(),
@@ -570,6 +675,7 @@ impl ModelInferCall {
             inference,
             body,
             coding,
+            reply_coding: _,
             call_timeout,
             forwarded,
         } = self;
@@ -588,6 +694,8 @@ impl ModelInferCall {
 /// `&str` name not among HTTP's standard headers is copied per response).
 static GRPC_STATUS: hyper::header::HeaderName =
     hyper::header::HeaderName::from_static("grpc-status");
+static GRPC_ENCODING: hyper::header::HeaderName =
+    hyper::header::HeaderName::from_static("grpc-encoding");
 
 /// A unary call's response body: its one message (prefixed), then the
 /// trailers of an OK status.

@@ -31,6 +31,7 @@ pub mod server;
 mod streamed;
 pub mod tls;
 
+pub use grpc::ResponseCompression;
 pub use http::{
     Fallback, FallbackCall, FallbackReply, FallbackRequest, FallbackResponse, Withdraw,
 };

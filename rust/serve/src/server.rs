@@ -24,7 +24,7 @@ use tokio::runtime::Runtime;
 use tokio::sync::{oneshot, watch, Semaphore};
 use tokio::time::Sleep;
 
-use crate::grpc;
+use crate::grpc::{self, ResponseCompression};
 use crate::http::{handle, Fallback};
 use crate::metadata::{Catalog, ModelMetadata, ServerMetadata};
 use crate::model::ServedModel;
@@ -81,8 +81,11 @@ pub struct Config {
     /// (HTTP/2: GOAWAY, then closed once its streams are done).
     pub idle_timeout: Duration,
     /// HTTP/2 connections are pinged this often while idle, and closed when a
-    /// ping is not answered within as long (`None`: no pings).
+    /// ping is not answered within `keepalive_timeout` (`None`: no pings).
     pub keepalive_interval: Option<Duration>,
+    /// How long a ping may go unanswered before its connection is closed
+    /// (`None`: as long as `keepalive_interval`).
+    pub keepalive_timeout: Option<Duration>,
     /// HTTP request headers whose (lowercase) names match join the request's
     /// parameters, for models that ask for them (Triton's
     /// `--http-header-forward-pattern`); `None`: none.
@@ -106,6 +109,9 @@ pub struct Config {
     /// Its handshake is a new connection's first bytes: bounded by
     /// `header_timeout`.
     pub grpc_tls: Option<Tls>,
+    /// gRPC responses compressed for calls that accept it (Triton's
+    /// `--grpc-infer-response-compression-level`); default: none.
+    pub grpc_response_compression: ResponseCompression,
 }
 
 /// The most runtime threads a front-end may have.
@@ -160,6 +166,7 @@ impl Default for Config {
             body_timeout: Duration::from_secs(60),
             idle_timeout: Duration::from_secs(300),
             keepalive_interval: Some(Duration::from_secs(60)),
+            keepalive_timeout: None,
             http_header_forward_pattern: None,
             grpc_header_forward_pattern: None,
             http_restricted_api: Restrictions::default(),
@@ -167,6 +174,7 @@ impl Default for Config {
             max_stream_backlog: 64 << 20,
             strict_readiness: true,
             grpc_tls: None,
+            grpc_response_compression: ResponseCompression::None,
         }
     }
 }
@@ -751,7 +759,7 @@ async fn accept(
     if let Some(interval) = config.keepalive_interval {
         http2
             .keep_alive_interval(interval)
-            .keep_alive_timeout(interval);
+            .keep_alive_timeout(config.keepalive_timeout.unwrap_or(interval));
     }
     let header_timeout = config.header_timeout;
     let idle_timeout = config.idle_timeout;

@@ -470,3 +470,29 @@ fn a_model_infer_call_future_stays_small() {
         "ModelInferCall::answer's future is {size} bytes"
     );
 }
+
+/// Each level's coding among those a call accepts, ranked as gRPC's own
+/// servers rank them (the Python front-end's grpcio, checked against the
+/// same table in tests/test_grpc_compression.py).
+#[test]
+fn a_response_is_coded_by_its_level_among_what_the_call_accepts() {
+    use ResponseCompression::{High, Low, Medium, None as Plain};
+    let accepts = |value: &'static str| HeaderValue::from_static(value);
+    let both = accepts("identity,deflate,gzip");
+    assert_eq!(Low.coding(Some(&both)), Some(Coding::Gzip));
+    assert_eq!(Medium.coding(Some(&both)), Some(Coding::Deflate));
+    assert_eq!(
+        High.coding(Some(&accepts("gzip, deflate"))),
+        Some(Coding::Deflate)
+    );
+    assert_eq!(
+        High.coding(Some(&accepts("identity,GZIP"))),
+        Some(Coding::Gzip)
+    );
+    assert_eq!(Low.coding(Some(&accepts("deflate"))), Some(Coding::Deflate));
+    assert_eq!(Low.coding(Some(&accepts("identity,br"))), None);
+    assert_eq!(Low.coding(None), None);
+    assert_eq!(Plain.coding(Some(&both)), None);
+    assert_eq!(ResponseCompression::named("medium"), Some(Medium));
+    assert_eq!(ResponseCompression::named("max"), None);
+}
