@@ -236,9 +236,9 @@ def test_tritonconfig_serves_grpc_over_tls(pki: Pki) -> None:
         grpc_port=0,
         allow_metrics=False,
         grpc_use_ssl_mutual=True,
-        grpc_server_cert=str(pki.cert),
-        grpc_server_key=str(pki.key),
-        grpc_root_cert=str(pki.ca),
+        grpc_server_cert=pki.cert,  # pathlib.Path, as PyTriton's fields are
+        grpc_server_key=pki.key,
+        grpc_root_cert=pki.ca,
     )
     with Triton(config=config) as triton:
         spec = [Tensor(name="x", dtype=np.float32, shape=(2,))]

@@ -70,7 +70,9 @@ def test_tritonconfig_id_names_the_server_and_log_file_takes_the_log(tmp_path: P
     def identity(x: np.ndarray) -> dict[str, np.ndarray]:
         return {"y": x}
 
-    config = TritonConfig(http_port=0, allow_grpc=False, allow_metrics=False, id="triton", log_file=str(log_file))
+    config = TritonConfig(
+        http_port=0, allow_grpc=False, allow_metrics=False, id="triton", log_file=log_file
+    )  # a Path, as PyTriton's field
     with Triton(config=config) as triton:
         spec = [Tensor(name="x", dtype=np.float32, shape=(-1,))]
         triton.bind("m", identity, inputs=spec, outputs=[Tensor(name="y", dtype=np.float32, shape=(-1,))])

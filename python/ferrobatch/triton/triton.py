@@ -180,7 +180,7 @@ class TritonConfig:
     model_repository: str | None = None
     id: str | None = None
     log_verbose: int | None = None
-    log_file: str | None = None
+    log_file: str | os.PathLike[str] | None = None
     exit_timeout_secs: int | None = None
     exit_on_error: bool | None = None
     strict_readiness: bool | None = None
@@ -197,9 +197,9 @@ class TritonConfig:
     grpc_infer_allocation_pool_size: int | None = None
     grpc_use_ssl: bool | None = None
     grpc_use_ssl_mutual: bool | None = None
-    grpc_server_cert: str | None = None
-    grpc_server_key: str | None = None
-    grpc_root_cert: str | None = None
+    grpc_server_cert: str | os.PathLike[str] | None = None
+    grpc_server_key: str | os.PathLike[str] | None = None
+    grpc_root_cert: str | os.PathLike[str] | None = None
     grpc_infer_response_compression_level: str | None = None
     grpc_keepalive_time: int | None = None
     grpc_keepalive_timeout: int | None = None
@@ -378,7 +378,7 @@ def serve_config(
         model_control_mode="explicit",
         strict_readiness=config.strict_readiness is not False,
         server_id=SERVER_ID if config.id is None else config.id,
-        log_file=config.log_file,
+        log_file=_path(config.log_file),
         # Triton's keepalive is in milliseconds; unset, ferrobatch's (a ping a minute) stands.
         keepalive_interval=60.0 if config.grpc_keepalive_time is None else config.grpc_keepalive_time / 1000,
         keepalive_timeout=None if config.grpc_keepalive_timeout is None else config.grpc_keepalive_timeout / 1000,
@@ -386,10 +386,15 @@ def serve_config(
         # As Triton: the files are read with SSL on only; mutual implies SSL.
         grpc_use_ssl=ssl,
         grpc_use_ssl_mutual=bool(config.grpc_use_ssl_mutual),
-        grpc_server_cert=config.grpc_server_cert if ssl else None,
-        grpc_server_key=config.grpc_server_key if ssl else None,
-        grpc_root_cert=config.grpc_root_cert if config.grpc_use_ssl_mutual else None,
+        grpc_server_cert=_path(config.grpc_server_cert) if ssl else None,
+        grpc_server_key=_path(config.grpc_server_key) if ssl else None,
+        grpc_root_cert=_path(config.grpc_root_cert) if config.grpc_use_ssl_mutual else None,
     )
+
+
+def _path(path: str | os.PathLike[str] | None) -> str | None:
+    """A file's path as ServeConfig takes it (PyTriton's fields are ``pathlib.Path``)."""
+    return None if path is None else os.fspath(path)
 
 
 def vertex_ai_of(config: TritonConfig) -> VertexAI | None:
