@@ -40,6 +40,8 @@ Servers, each in its own process:
 - ``ferrobatch``: ``python -m ferrobatch serve benches/python/bench_serve.py:make_servers``
   (the native front-end: Rust answers HTTP and gRPC, Python runs the model);
 - ``ferrobatch-python``: the same with ``--frontend python`` (uvicorn + Starlette, grpcio);
+- ``ferrobatch-gzip``: the native front-end with ``--grpc-infer-response-compression-level low``,
+  its gRPC load asking for gzip: what compressing each reply costs;
 - ``ferrobatch-tls``: the native front-end with gRPC over TLS (``--grpc-use-ssl``, a throwaway
   CA's certificate; h2load over ``https``): what TLS costs beside ``ferrobatch``'s h2c;
 - ``hyper-echo``: a bare hyper server on the native front-end's stack that answers each
@@ -415,6 +417,10 @@ class Endpoint:
     pid: int  # the server's process; its CPU time counts its descendants too
     #: gRPC over TLS: the CA that signs the server's certificate (None: h2c).
     grpc_root: Path | None = None
+    #: The load's ``grpc-accept-encoding`` (None: not sent): its replies come
+    #: compressed, so their length is not checked per reply (the one checked
+    #: request is, decompressed).
+    accept_encoding: str | None = None
 
 
 def cpu_seconds(root: int) -> float:
@@ -487,10 +493,12 @@ def ferrobatch_server(
     wrapper: Sequence[str] = (),
     ready_seconds: float = 180,
     tls: bool = False,
+    compression: str | None = None,
 ) -> Iterator[Endpoint]:
     """``ferrobatch serve`` with this file's models, run by ``wrapper`` (a
     profiler's command line) when given; ``tls``: gRPC over TLS, with a
-    throwaway CA's certificate (written beside ``log``)."""
+    throwaway CA's certificate (written beside ``log``); ``compression``:
+    gRPC responses compressed at that level (its load asks for gzip)."""
     http, grpc = free_ports(2)
     cmd = [
         *pinned(cpu), *wrapper, sys.executable, "-m", "ferrobatch", "serve", f"{HERE}:make_servers",
@@ -510,13 +518,19 @@ def ferrobatch_server(
         cmd += ["--grpc-use-ssl", "--grpc-server-cert", str(log.with_suffix(".cert.pem"))]
         cmd += ["--grpc-server-key", str(log.with_suffix(".key.pem"))]
         name += "-tls"
+    if compression is not None:
+        cmd += ["--grpc-infer-response-compression-level", compression]
+        name += "-gzip"
     # It imports this file, which imports serve_loadgen beside it.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))}
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
         try:
             wait_ready(f"127.0.0.1:{http}", proc, ready_seconds)
-            yield Endpoint(name, f"127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"http://127.0.0.1:{http}", proc.pid, root)
+            yield Endpoint(
+                name, f"127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"http://127.0.0.1:{http}", proc.pid, root,
+                accept_encoding="gzip" if compression else None,
+            )  # fmt: skip
         finally:
             stop(proc)
 
@@ -720,7 +734,13 @@ class Native:
             )
         if protocol == "grpc":
             tls = endpoint.grpc_root is not None
-            return loadgen.run_h2load(request, endpoint.grpc, c, seconds, cpu, self.reply_length[key], tls)
+            length = self.reply_length[key]
+            if endpoint.accept_encoding is not None:
+                request = replace(
+                    request, headers={**request.headers, "grpc-accept-encoding": endpoint.accept_encoding}
+                )
+                length = 0
+            return loadgen.run_h2load(request, endpoint.grpc, c, seconds, cpu, length, tls)
         return loadgen.run_wrk(request, endpoint.http, c, seconds, cpu)
 
     def measure(self, endpoint: Endpoint, protocol: str, model: str, c: int, args: argparse.Namespace) -> Result:
@@ -1033,17 +1053,17 @@ def print_ratios(results: list[Result]) -> None:
         print("\nferrobatch / PyTriton:")
         print("\n".join(lines))
     tls = [
-        f"  {model:<13}conns={callers:<4} req/s x{r.rps / plain.rps:.2f}"
+        f"  {server:<16}{model:<13}conns={callers:<4} req/s x{r.rps / plain.rps:.2f}"
         f"   server CPU per request {plain.server_cpu_us:.1f} -> {r.server_cpu_us:.1f} us"
         f"   p99 {plain.p99_ms:.2f} -> {r.p99_ms:.2f} ms"
         for (server, protocol, model, callers), r in sorted(by_key.items())
-        if server == "ferrobatch-tls"
+        if server in ("ferrobatch-tls", "ferrobatch-gzip")
         and protocol == "grpc"
         and (plain := by_key.get(("ferrobatch", protocol, model, callers))) is not None
         and plain.rps
     ]
     if tls:
-        print("\ngRPC over TLS / h2c (ferrobatch native):")
+        print("\ngRPC over TLS or with gzip replies / h2c (ferrobatch native):")
         print("\n".join(tls))
     checked = targets(results)
     if checked:
@@ -1081,6 +1101,7 @@ def markdown(path: Path) -> str:
         "ferrobatch": "ferrobatch (native)",
         "ferrobatch-python": "ferrobatch (python)",
         "ferrobatch-tls": "ferrobatch (native, gRPC over TLS)",
+        "ferrobatch-gzip": "ferrobatch (native, gzip gRPC replies)",
         "pytriton": "PyTriton",
         "hyper-echo": "hyper echo",
     }
@@ -1145,7 +1166,8 @@ def main() -> int:
         "--servers",
         default="ferrobatch,ferrobatch-python,pytriton,hyper-echo",
         help="comma-separated: ferrobatch (the native front-end), ferrobatch-python (uvicorn +"
-        " Starlette, grpcio), ferrobatch-tls (the native front-end, gRPC over TLS), pytriton,"
+        " Starlette, grpcio), ferrobatch-tls (the native front-end, gRPC over TLS), ferrobatch-gzip"
+        " (its gRPC replies gzip-compressed), pytriton,"
         " hyper-echo (a bare hyper server echoing each request: the ceiling; wrk driver only)",
     )
     parser.add_argument("--seconds", type=float, default=5.0, help="measured seconds per case (default 5)")
@@ -1276,6 +1298,9 @@ def main() -> int:
             elif server == "ferrobatch-python":
                 log = logs / "ferrobatch-python.log"
                 endpoints.append(stack.enter_context(ferrobatch_server(log, server_cpu, "python")))
+            elif server == "ferrobatch-gzip":
+                log = logs / "ferrobatch-gzip.log"
+                endpoints.append(stack.enter_context(ferrobatch_server(log, server_cpu, compression="low")))
             elif server == "ferrobatch-tls":
                 log = logs / "ferrobatch-tls.log"
                 endpoints.append(stack.enter_context(ferrobatch_server(log, server_cpu, tls=True)))
