@@ -8,19 +8,14 @@ tritonclient's results unchanged."""
 from __future__ import annotations
 
 import gzip
-import socket
-import time
 import zlib
 from collections.abc import Iterator
 
-import h2.config
-import h2.connection
-import h2.events
-import h2.settings
 import numpy as np
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
+from test_native_grpc import INFER, frame, h2_call
 
 import ferrobatch as fb
 from ferrobatch.grpc import grpc_predict_v2_pb2 as pb
@@ -33,7 +28,6 @@ pytestmark = pytest.mark.timeout(60)
 WIDTH = 1024
 X = fb.TensorSpec("x", "float32", (WIDTH,))
 Y = fb.TensorSpec("y", "float32", (WIDTH,))
-INFER = "/inference.GRPCInferenceService/ModelInfer"
 
 
 def _zeros_like(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -60,36 +54,11 @@ def _call(port: int, accept: str | None) -> tuple[dict[str, str], bytes]:
     request = pb.ModelInferRequest(model_name="m")
     request.inputs.add(name="x", datatype="FP32", shape=[1, WIDTH])
     request.raw_input_contents.append(np.ones((1, WIDTH), np.float32).tobytes())
-    message = request.SerializeToString()
-    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
-    conn.initiate_connection()
-    conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 1 << 24})
-    headers = [(":method", "POST"), (":path", INFER), (":scheme", "http"), (":authority", f"127.0.0.1:{port}")]
-    headers += [("content-type", "application/grpc"), ("te", "trailers")]
-    if accept is not None:
-        headers.append(("grpc-accept-encoding", accept))
-    conn.send_headers(1, headers)
-    conn.send_data(1, b"\0" + len(message).to_bytes(4, "big") + message, end_stream=True)
-    received: dict[str, str] = {}
-    body = b""
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(conn.data_to_send())
-        deadline, ended = time.monotonic() + 10, False
-        while not ended and time.monotonic() < deadline:
-            data = sock.recv(65536)
-            if not data:
-                break
-            for event in conn.receive_data(data):
-                if isinstance(event, (h2.events.ResponseReceived, h2.events.TrailersReceived)):
-                    received.update(dict(event.headers))
-                elif isinstance(event, h2.events.DataReceived):
-                    body += event.data
-                    conn.acknowledge_received_data(event.flow_controlled_length, 1)
-                elif isinstance(event, (h2.events.StreamEnded, h2.events.StreamReset)):
-                    ended = True
-            sock.sendall(conn.data_to_send())
-    assert received.get("grpc-status") == "0", received
-    return received, body
+    body = bytearray()
+    accepts = {} if accept is None else {"grpc_accept_encoding": accept}
+    headers = h2_call(f"127.0.0.1:{port}", INFER, frame(request.SerializeToString()), received_body=body, **accepts)
+    assert headers.get("grpc-status") == "0", headers
+    return headers, bytes(body)
 
 
 def _output(headers: dict[str, str], body: bytes) -> tuple[str | None, np.ndarray]:

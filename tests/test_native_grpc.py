@@ -618,10 +618,16 @@ def frame(message: bytes, compressed: bool = False) -> bytes:
 
 
 def h2_call(
-    address: str, path: str, body: bytes, content_type: str = "application/grpc", **headers: str
+    address: str,
+    path: str,
+    body: bytes,
+    content_type: str = "application/grpc",
+    received_body: bytearray | None = None,
+    **headers: str,
 ) -> dict[str, str]:
     """One HTTP/2 request to the gRPC port, as given: the response's headers
-    and trailers (``:status``, ``grpc-status``, ``grpc-message``)."""
+    and trailers (``:status``, ``grpc-status``, ``grpc-message``); its body,
+    as sent, into ``received_body`` when given."""
     import h2.config
     import h2.connection
     import h2.events
@@ -660,6 +666,8 @@ def h2_call(
                     received.update(dict(event.headers))
                 if isinstance(event, h2.events.DataReceived):
                     conn.acknowledge_received_data(event.flow_controlled_length, 1)
+                    if received_body is not None:
+                        received_body += event.data
                 if isinstance(event, (h2.events.StreamEnded, h2.events.StreamReset, h2.events.ConnectionTerminated)):
                     ended = True
             sock.sendall(conn.data_to_send())

@@ -397,6 +397,20 @@ def http_infer(address: str, model: str, x: np.ndarray, **kwargs: Any) -> dict[s
         client.close()
 
 
+@gevent_hub_freed()  # called from pools' threads
+def infer_over(i: int, http: str, grpc: str, model: str, name: str, value: np.ndarray, datatype: str) -> Any:
+    """One request of one input to ``model``: over HTTP for odd ``i``, gRPC
+    for even; the client's result (closed on this thread)."""
+    kind: Any = httpclient if i % 2 else grpcclient
+    client = kind.InferenceServerClient(http if i % 2 else grpc)
+    try:
+        tensor = kind.InferInput(name, list(value.shape), datatype)
+        tensor.set_data_from_numpy(value)
+        return client.infer(model, [tensor])
+    finally:
+        client.close()
+
+
 def grpc_infer(address: str, model: str, x: np.ndarray, **kwargs: Any) -> dict[str, np.ndarray]:
     client = grpcclient.InferenceServerClient(address)
     try:
@@ -695,18 +709,10 @@ def test_bytes_of_several_lengths_in_one_batch_over_http_and_grpc() -> None:
     server.extend(triton.servers)
     with running(triton) as (http, grpc):
 
-        @gevent_hub_freed()
         def call(i: int) -> tuple[list[bytes], dict[str, np.ndarray]]:
             words = [b"x" * (1 + (i * 7 + j) % 13) + str(i).encode() for j in range(1 + i % 3)]
             text = np.array([[w] for w in words], dtype=object)
-            kind = httpclient if i % 2 else grpcclient
-            client = kind.InferenceServerClient(http if i % 2 else grpc)
-            try:
-                tensor = kind.InferInput("text", list(text.shape), "BYTES")
-                tensor.set_data_from_numpy(text)
-                result = client.infer("shout", [tensor])
-            finally:
-                client.close()
+            result = infer_over(i, http, grpc, "shout", "text", text, "BYTES")
             return words, {n: result.as_numpy(n) for n in ("upper", "size")}
 
         with ThreadPoolExecutor(8) as pool:
@@ -746,18 +752,10 @@ def test_variable_length_inputs_and_outputs_of_several_lengths_in_one_batch() ->
     server.extend(triton.servers)
     with running(triton) as (http, grpc):
 
-        @gevent_hub_freed()
         def call(i: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
             length = 1 + (i * 5) % 9
             tokens = np.arange(1, length + 1, dtype=np.int64)[None].repeat(1 + i % 2, axis=0) + 100 * i
-            kind = httpclient if i % 2 else grpcclient
-            client = kind.InferenceServerClient(http if i % 2 else grpc)
-            try:
-                tensor = kind.InferInput("tokens", list(tokens.shape), "INT64")
-                tensor.set_data_from_numpy(tokens)
-                result = client.infer("tokens", [tensor])
-            finally:
-                client.close()
+            result = infer_over(i, http, grpc, "tokens", "tokens", tokens, "INT64")
             return tokens, {n: result.as_numpy(n) for n in ("doubled", "total")}
 
         with ThreadPoolExecutor(8) as pool:
@@ -939,21 +937,13 @@ def test_bytes_of_variable_length_several_rows_and_requests_in_one_call() -> Non
     server.extend(triton.servers)
     with running(triton) as (http, grpc):
 
-        @gevent_hub_freed()
         def call(i: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
             n, rows = 1 + (i * 5) % 7, 1 + i % 3
             text = np.array(
                 [[b"w" + b"x" * ((i + r * 3 + j * 2) % 9) + b"%d" % i for j in range(n)] for r in range(rows)],
                 dtype=object,
             )
-            kind: Any = httpclient if i % 2 else grpcclient
-            client = kind.InferenceServerClient(http if i % 2 else grpc)
-            try:
-                tensor = kind.InferInput("text", list(text.shape), "BYTES")
-                tensor.set_data_from_numpy(text)
-                result = client.infer("words", [tensor])
-            finally:
-                client.close()
+            result = infer_over(i, http, grpc, "words", "text", text, "BYTES")
             return text, {n: result.as_numpy(n) for n in ("shouted", "sizes")}
 
         with ThreadPoolExecutor(8) as pool:
@@ -996,18 +986,10 @@ def test_variable_dimensions_anywhere_reach_each_request_unpadded() -> None:
     server.extend(triton.servers)
     with running(triton) as (http, grpc):
 
-        @gevent_hub_freed()
         def call(i: int) -> tuple[np.ndarray, np.ndarray]:
             n, length = 1 + i % 2, 1 + (i * 3) % 7
             x = (np.arange(n * 2 * length, dtype=np.int32).reshape(n, 2, length) + 1 + i) % 50 + 1
-            kind: Any = httpclient if i % 2 else grpcclient
-            client = kind.InferenceServerClient(http if i % 2 else grpc)
-            try:
-                tensor = kind.InferInput("x", list(x.shape), "INT32")
-                tensor.set_data_from_numpy(x)
-                result = client.infer("grid", [tensor])
-            finally:
-                client.close()
+            result = infer_over(i, http, grpc, "grid", "x", x, "INT32")
             return x, result.as_numpy("t")
 
         with ThreadPoolExecutor(8) as pool:

@@ -1597,58 +1597,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="most bytes a gzip or deflate HTTP body may expand to; 413 beyond (default"
         f" {MAX_DECOMPRESSED_SIZE}). Responses are gzip or deflate coded when Accept-Encoding asks",
     )
-    parser.add_argument(
+    _add_flag(
+        parser,
         "--allow-client-shm",
-        nargs="?",
-        const=True,
-        default=False,
-        type=_flag,
-        metavar="true|false",
-        help="let clients register POSIX shared-memory regions and name them in requests for inputs and"
+        False,
+        "let clients register POSIX shared-memory regions and name them in requests for inputs and"
         " outputs (Triton's system shared-memory extension; off by default: a client that may register"
         " regions may read or overwrite any /dev/shm object this process may open)",
     )
-    parser.add_argument(
+    _add_flag(
+        parser,
         "--grpc-use-ssl",
-        nargs="?",
-        const=True,
-        default=False,
-        type=_flag,
-        metavar="true|false",
-        help="serve gRPC over TLS, with --grpc-server-cert and --grpc-server-key (Triton's; HTTP stays plaintext)",
+        False,
+        "serve gRPC over TLS, with --grpc-server-cert and --grpc-server-key (Triton's; HTTP stays plaintext)",
     )
-    parser.add_argument(
+    _add_flag(
+        parser,
         "--grpc-use-ssl-mutual",
-        nargs="?",
-        const=True,
-        default=False,
-        type=_flag,
-        metavar="true|false",
-        help="gRPC over TLS where clients must present a certificate that --grpc-root-cert signs",
+        False,
+        "gRPC over TLS where clients must present a certificate that --grpc-root-cert signs",
     )
     parser.add_argument("--grpc-server-cert", metavar="PEM", help="the gRPC server's certificate chain (PEM file)")
     parser.add_argument("--grpc-server-key", metavar="PEM", help="the certificate's private key (PEM file)")
     parser.add_argument(
         "--grpc-root-cert", metavar="PEM", help="the certificates that sign clients' certificates (PEM file)"
     )
-    parser.add_argument(
+    _add_flag(
+        parser,
         "--exit-on-error",
-        nargs="?",
-        const=True,
-        default=True,
-        type=_flag,
-        metavar="true|false",
-        help="a model that fails to start stops the server from starting (default true); false: the"
+        True,
+        "a model that fails to start stops the server from starting (default true); false: the"
         " others serve, it is left unloaded (and the server not ready, with --strict-readiness)",
     )
-    parser.add_argument(
+    _add_flag(
+        parser,
         "--strict-readiness",
-        nargs="?",
-        const=True,
-        default=True,
-        type=_flag,
-        metavar="true|false",
-        help="/v2/health/ready says ready only while every model is (default true); false: while the"
+        True,
+        "/v2/health/ready says ready only while every model is (default true); false: while the"
         " server serves, whatever its models' state",
     )
     parser.add_argument(
@@ -1755,6 +1740,11 @@ def _positive(what: str, most: int | None = None) -> Callable[[str], int]:
 
 _size = _positive("a number of bytes")
 _count = _positive("a whole number")
+
+
+def _add_flag(parser: argparse.ArgumentParser, name: str, default: bool, help: str) -> None:
+    """A boolean option as Triton's take one: ``--name``, ``--name true`` or ``--name=false``."""
+    parser.add_argument(name, nargs="?", const=True, default=default, type=_flag, metavar="true|false", help=help)
 
 
 def _flag(text: str) -> bool:
