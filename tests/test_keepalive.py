@@ -142,3 +142,43 @@ def test_tritons_keepalive_settings_are_milliseconds_of_the_same() -> None:
 def test_a_timeout_that_is_no_positive_number_is_refused(bad: object) -> None:
     with pytest.raises(ValueError, match="keepalive_timeout must be > 0"):
         check_config(ServeConfig(keepalive_timeout=bad))  # type: ignore[arg-type]
+
+
+def test_an_embedded_grpc_server_pings_as_serve_does() -> None:
+    """``ferrobatch.grpc.grpc_server`` owns the keepalive options: an app
+    that runs its own grpc.aio server gets the same pings and timeout."""
+    import asyncio
+    import threading
+
+    from ferrobatch.grpc import grpc_server
+
+    model = fb.Server(_double, inputs=[X], outputs=[Y], name="m")
+    started: list[tuple[asyncio.AbstractEventLoop, asyncio.Event, int]] = []
+    ready = threading.Event()
+
+    async def run() -> None:
+        server = grpc_server([model], None, keepalive_interval=0.2, keepalive_timeout=1.0)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        done = asyncio.Event()
+        started.append((asyncio.get_running_loop(), done, port))
+        ready.set()
+        await done.wait()
+        await server.stop(None)
+
+    thread = threading.Thread(target=asyncio.run, args=(run(),))
+    thread.start()
+    try:
+        assert ready.wait(30)
+        port = started[0][2]
+        peer = Peer(port)
+        try:
+            assert peer.run_until(10, ping=True), "no ping at a 0.2 s interval"
+            peer.answering = False
+            assert peer.run_until(10), "a client that answers no ping was kept"
+        finally:
+            peer.close()
+    finally:
+        if started:
+            started[0][0].call_soon_threadsafe(started[0][1].set)
+        thread.join(30)

@@ -71,6 +71,7 @@ from typing import TYPE_CHECKING, Any
 from . import _core
 from .client import MAX_STREAM_BACKLOG
 from .errors import FerrobatchError, ModelError, ServerClosedError
+from .grpc import COMPRESSION_LEVELS
 from .http import _log_settings
 from .http.protocol import (
     MAX_BODY_SIZE,
@@ -636,35 +637,6 @@ def grpc_tls(config: ServeConfig) -> GrpcTls | None:
     return GrpcTls(cert, key, root)
 
 
-def _grpc_keepalive(config: ServeConfig) -> list[tuple[str, int]]:
-    """grpcio's options for the keepalive the native front-end's h2 does:
-    a ping every ``keepalive_interval``, with calls in flight or none, as
-    many as it takes, the connection closed after ``keepalive_timeout``
-    without an answer."""
-    if not config.keepalive_interval:
-        return []
-    timeout = config.keepalive_interval if config.keepalive_timeout is None else config.keepalive_timeout
-    interval_ms = max(1, round(config.keepalive_interval * 1000))
-    return [
-        ("grpc.keepalive_time_ms", interval_ms),
-        ("grpc.keepalive_timeout_ms", max(1, round(timeout * 1000))),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
-        # gRPC's core waits for a keepalive ping's answer this long (a minute by default).
-        ("grpc.http2.ping_timeout_ms", max(1, round(timeout * 1000))),
-        # Otherwise gRPC's core spaces pings without data by at least 5 minutes.
-        ("grpc.http2.min_time_between_pings_ms", interval_ms),
-    ]
-
-
-def _grpc_compression(config: ServeConfig) -> list[tuple[str, int]]:
-    """grpcio's default compression level, as Triton sets it on its gRPC
-    server: gRPC's core picks each response's coding for the level among
-    those its call accepts."""
-    level = COMPRESSION_LEVELS.index(config.grpc_infer_response_compression_level)
-    return [("grpc.default_compression_level", level)] if level else []
-
-
 def _native_tls(config: ServeConfig) -> dict[str, Any]:
     """The native front-end's TLS arguments (it reads the files itself)."""
     if not (config.grpc_use_ssl or config.grpc_use_ssl_mutual):
@@ -675,10 +647,6 @@ def _native_tls(config: ServeConfig) -> dict[str, Any]:
         "grpc_root_cert": config.grpc_root_cert if config.grpc_use_ssl_mutual else None,
         "grpc_use_ssl_mutual": config.grpc_use_ssl_mutual,
     }
-
-
-#: Triton's gRPC response compression levels.
-COMPRESSION_LEVELS = ("none", "low", "medium", "high")
 
 
 #: What ``log_level`` may be: the names both logging and uvicorn know.
@@ -919,7 +887,9 @@ async def _serve(
                     max_message_size=config.max_body_size,
                     max_stream_backlog=config.max_stream_backlog,
                     grpc_restricted_protocol=config.grpc_restricted_protocol,
-                    options=[*_grpc_keepalive(config), *_grpc_compression(config)],
+                    keepalive_interval=config.keepalive_interval,
+                    keepalive_timeout=config.keepalive_timeout,
+                    response_compression=config.grpc_infer_response_compression_level,
                 )
                 address = f"{_bracket(config.host)}:{config.grpc_port}"
                 tls = grpc_tls(config)

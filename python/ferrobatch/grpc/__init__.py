@@ -49,11 +49,17 @@ def grpc_server(
     grpc_restricted_protocol: Sequence[str] = (),
     allow_client_shm: bool = False,
     credentials: grpc.ServerCredentials | None = None,
+    keepalive_interval: float = 60.0,
+    keepalive_timeout: float | None = None,
+    response_compression: str = "none",
 ) -> grpc.aio.Server:
     """A ``grpc.aio.Server`` with the v2 service for ``servers``, bound to
     ``address`` (``None``: bind nothing; call ``add_insecure_port`` or
     ``add_secure_port`` yourself); over TLS with ``credentials``
     (``grpc.ssl_server_credentials(...)``), as ``ServeConfig(grpc_use_ssl=)``.
+    ``keepalive_interval`` / ``keepalive_timeout`` (seconds; 0: no pings) and
+    ``response_compression`` (Triton's level: none, low, medium, high) as
+    ``ServeConfig``'s fields of those names (``grpc_infer_response_compression_level``).
     It is not started, and it does not start or stop the ferrobatch servers.
     Call it on the event loop that will run it. ``max_stream_backlog``: the
     bytes of a decoupled model's responses one ``ModelStreamInfer`` stream
@@ -76,6 +82,8 @@ def grpc_server(
             ("grpc.max_send_message_length", max_message_size),
             # A port in use is an error, not a port shared with another process.
             ("grpc.so_reuseport", 0),
+            *_keepalive(keepalive_interval, keepalive_timeout),
+            *_compression(response_compression),
             *options,
         ]
     )
@@ -86,6 +94,43 @@ def grpc_server(
     elif address is not None:
         server.add_insecure_port(address)
     return server
+
+
+#: Triton's gRPC response compression levels, in gRPC's order.
+COMPRESSION_LEVELS = ("none", "low", "medium", "high")
+
+
+def _keepalive(interval: float, timeout: float | None) -> list[tuple[str, int]]:
+    """grpcio's options for the keepalive the native front-end's h2 does: a
+    ping every ``interval``, with calls in flight or none, as many as it
+    takes, the connection closed after ``timeout`` (None: ``interval``)
+    without an answer."""
+    if not interval:
+        return []
+    interval_ms = max(1, round(interval * 1000))
+    timeout_ms = interval_ms if timeout is None else max(1, round(timeout * 1000))
+    return [
+        ("grpc.keepalive_time_ms", interval_ms),
+        ("grpc.keepalive_timeout_ms", timeout_ms),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        # gRPC's core waits for a keepalive ping's answer this long (a minute by default).
+        ("grpc.http2.ping_timeout_ms", timeout_ms),
+        # Otherwise gRPC's core spaces pings without data by at least 5 minutes.
+        ("grpc.http2.min_time_between_pings_ms", interval_ms),
+    ]
+
+
+def _compression(level: str) -> list[tuple[str, int]]:
+    """grpcio's default compression level, as Triton sets it on its gRPC
+    server: gRPC's core picks each response's coding for the level among
+    those its call accepts."""
+    if level not in COMPRESSION_LEVELS:
+        raise ValueError(
+            f"response_compression must be one of {', '.join(map(repr, COMPRESSION_LEVELS))}, got {level!r}"
+        )
+    index = COMPRESSION_LEVELS.index(level)
+    return [("grpc.default_compression_level", index)] if index else []
 
 
 def stop_streams(server: grpc.aio.Server) -> None:

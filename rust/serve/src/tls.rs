@@ -41,12 +41,11 @@ pub struct TlsFiles {
 #[derive(Clone)]
 pub struct Tls {
     acceptor: TlsAcceptor,
-    mutual: bool,
 }
 
 impl fmt::Debug for Tls {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Tls").field("mutual", &self.mutual).finish()
+        f.debug_struct("Tls").finish_non_exhaustive()
     }
 }
 
@@ -95,7 +94,6 @@ impl Tls {
         config.alpn_protocols = vec![b"h2".to_vec()];
         Ok(Tls {
             acceptor: TlsAcceptor::from(Arc::new(config)),
-            mutual: files.mutual,
         })
     }
 
